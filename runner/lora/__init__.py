@@ -1,0 +1,1 @@
+"""LoRA adapters: loading, the slot pool, and the SGMV add-on."""

@@ -1,0 +1,81 @@
+"""The adapter registry: which adapter names the scheduler serves, and where each one lives.
+
+One small interface fed by a directory (`lorafleet serve --adapters DIR`) or by the
+Kubernetes API (LoraAdapter objects in phase Ready, see `kube.py`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+
+@dataclass(frozen=True)
+class AdapterEntry:
+    """A servable adapter. `source` is what runners load: a local path or a URI."""
+
+    name: str
+    source: str
+    sha256: str | None = None
+    rank: int | None = None
+    base_model: str | None = None
+    created: float = field(default_factory=time.time)
+
+
+class AdapterRegistry:
+    """name -> AdapterEntry. Level-triggered feeds call `replace_all`; listeners hear changes."""
+
+    def __init__(self, entries: Iterable[AdapterEntry] = ()):
+        self._entries: dict[str, AdapterEntry] = {}
+        self._listeners: list[Callable[[str, AdapterEntry | None], None]] = []
+        self.replace_all(entries)
+
+    def get(self, name: str) -> AdapterEntry | None:
+        return self._entries.get(name)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._entries
+
+    def names(self) -> list[str]:
+        return sorted(self._entries)
+
+    def entries(self) -> list[AdapterEntry]:
+        return [self._entries[n] for n in self.names()]
+
+    def subscribe(self, fn: Callable[[str, AdapterEntry | None], None]) -> None:
+        """`fn(name, entry)` on every change; entry None means the adapter was removed."""
+        self._listeners.append(fn)
+
+    def put(self, entry: AdapterEntry) -> None:
+        if self._entries.get(entry.name) == entry:
+            return
+        self._entries[entry.name] = entry
+        for fn in self._listeners:
+            fn(entry.name, entry)
+
+    def remove(self, name: str) -> None:
+        if self._entries.pop(name, None) is not None:
+            for fn in self._listeners:
+                fn(name, None)
+
+    def replace_all(self, entries: Iterable[AdapterEntry]) -> None:
+        new = {e.name: e for e in entries}
+        for name in [n for n in self._entries if n not in new]:
+            self.remove(name)
+        for e in new.values():
+            self.put(e)
+
+    @classmethod
+    def from_directory(cls, path: str | Path) -> "AdapterRegistry":
+        """One adapter per subfolder holding an adapter_config.json, named by the folder."""
+        root = Path(path)
+        if not root.is_dir():
+            raise FileNotFoundError(f"adapter directory {root} does not exist")
+        entries = [
+            AdapterEntry(name=d.name, source=str(d.resolve()))
+            for d in sorted(root.iterdir())
+            if d.is_dir() and (d / "adapter_config.json").is_file()
+        ]
+        return cls(entries)

@@ -1,0 +1,65 @@
+"""The `lorafleet` command: one console script, one subcommand per job.
+
+Each subcommand lives in its own module exposing `add_arguments(parser)` and
+`run(args) -> int`; modules are imported only when their subcommand runs, so the
+scheduler and operator never import torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from lorafleet import __version__, env
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("lorafleet.serve", "run the scheduler and N runners on this machine (OpenAI-compatible API)"),
+    "generate": ("lorafleet.runner.generate", "offline batch inference of a JSONL file, mixed adapters in one batch"),
+    "prepare-demo": ("lorafleet.runner.demo", "write the SmolLM2 demo model (HF directory) and demo adapters"),
+    "runner": ("lorafleet.runner.server", "run one runner service (the engine behind HTTP)"),
+    "scheduler": ("lorafleet.scheduler.server", "run the scheduler service (OpenAI API, placement, migration)"),
+    "operator": ("lorafleet.operator.cli", "run the Kubernetes operator (kopf)"),
+    "simulate": ("lorafleet.scheduler.simulate", "simulate placement policies over a cluster trace"),
+    "bench": ("lorafleet.bench", "benchmarks: kernels, e2e, cpu"),
+    "build-kernels": ("lorafleet.runner.lora.build", "build the SGMV CUDA extension ahead of time"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lorafleet",
+        description="Serve hundreds of LoRA fine-tunes of one base model from a shared GPU pool.",
+    )
+    parser.add_argument("--version", action="version", version=f"lorafleet {__version__}")
+    parser.add_argument("--log-level", default=env.log_level(), help="DEBUG, INFO, WARNING or ERROR (env LORAFLEET_LOG_LEVEL)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+        # Arguments are added lazily in main() for the chosen command only.
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    # Find the subcommand first so only its module is imported.
+    known, _ = parser.parse_known_args(argv)
+    if known.command is None:
+        parser.print_help()
+        return 2
+    module = importlib.import_module(COMMANDS[known.command][0])
+    sub = parser._subparsers._group_actions[0].choices[known.command]  # type: ignore[union-attr]
+    module.add_arguments(sub)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(module.run(args) or 0)
+    except KeyboardInterrupt:
+        return 130

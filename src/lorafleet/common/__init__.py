@@ -1,0 +1,1 @@
+"""Torch-free pieces shared by the runner, the scheduler and the operator."""

@@ -1,0 +1,231 @@
+"""Validation of PEFT LoRA adapters against a base model, without torch.
+
+`inspect_adapter` reads `adapter_config.json` and the safetensors header and either
+returns an `AdapterSpec` (per-module rank and scaling) or raises `AdapterError` naming
+the adapter and the reason. Unsupported PEFT features are refused, never ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lorafleet.common.projections import HF_SHORT, PROJECTIONS, proj_shape
+from lorafleet.common.safetensors_header import HeaderError, read_header
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
+
+_KEY = re.compile(
+    r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\."
+    r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.(lora_A|lora_B)(?:\.[\w-]+)?\.weight$"
+)
+
+
+class AdapterError(ValueError):
+    """An adapter that cannot be served; the message names it and says why."""
+
+    def __init__(self, adapter: str, reason: str):
+        self.adapter = adapter
+        self.reason = reason
+        super().__init__(f"adapter {adapter!r}: {reason}")
+
+
+@dataclass(frozen=True)
+class BaseShape:
+    """The dimensions of a base model that an adapter must fit."""
+
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    q_dim: int
+    kv_dim: int
+    name: str = ""
+
+    def shape(self, proj: str) -> tuple[int, int]:
+        return proj_shape(proj, self.hidden_size, self.intermediate_size, self.q_dim, self.kv_dim)
+
+
+@dataclass(frozen=True)
+class ModuleLora:
+    """One adapted projection: weights `a_key` [rank, in] and `b_key` [out, rank]."""
+
+    layer: int
+    proj: str
+    rank: int
+    scaling: float
+    a_key: str
+    b_key: str
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    name: str
+    path: Path
+    base_model: str | None
+    modules: tuple[ModuleLora, ...]
+    size_bytes: int
+    dtype: str
+    use_rslora: bool = False
+    config: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def max_rank(self) -> int:
+        return max(m.rank for m in self.modules)
+
+    @property
+    def target_modules(self) -> tuple[str, ...]:
+        return tuple(p for p in PROJECTIONS if any(m.proj == p for m in self.modules))
+
+    @property
+    def num_layers(self) -> int:
+        return 1 + max(m.layer for m in self.modules)
+
+
+def _pattern_value(patterns: dict, module_name: str, default):
+    """PEFT's rank_pattern / alpha_pattern lookup: a key matches a suffix of the module name."""
+    for key, value in (patterns or {}).items():
+        if re.match(rf"(.*\.)?({key})$", module_name):
+            return value
+    return default
+
+
+def _refuse_unsupported(name: str, cfg: dict) -> None:
+    peft_type = str(cfg.get("peft_type", "LORA")).upper()
+    if peft_type != "LORA":
+        raise AdapterError(name, f"peft_type {peft_type} is not supported (only LORA)")
+    if cfg.get("use_dora"):
+        raise AdapterError(name, "DoRA adapters (use_dora=true) are not supported")
+    if cfg.get("modules_to_save"):
+        raise AdapterError(name, f"modules_to_save={cfg['modules_to_save']!r} is not supported (full copies of base modules)")
+    targets = cfg.get("target_modules") or []
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    for t in targets:
+        if any(word in str(t) for word in ("embed_tokens", "lm_head", "wte", "embed")):
+            raise AdapterError(name, f"LoRA on embeddings or lm_head ({t!r}) is not supported")
+    if cfg.get("bias", "none") not in ("none", None):
+        raise AdapterError(name, f"bias={cfg['bias']!r} is not supported (only 'none')")
+    if cfg.get("lora_bias"):
+        raise AdapterError(name, "lora_bias=true is not supported")
+    if cfg.get("fan_in_fan_out"):
+        raise AdapterError(name, "fan_in_fan_out=true is not supported (Llama projections are nn.Linear)")
+    for key in ("layer_replication", "trainable_token_indices", "target_parameters", "megatron_config"):
+        if cfg.get(key):
+            raise AdapterError(name, f"{key} is not supported")
+    r = cfg.get("r", 8)
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+        raise AdapterError(name, f"r must be a positive integer, got {r!r}")
+
+
+def read_config(name: str, path: Path) -> dict:
+    cfg_path = path / CONFIG_FILE
+    if not path.is_dir():
+        raise AdapterError(name, f"adapter directory {path} does not exist")
+    if not cfg_path.is_file():
+        raise AdapterError(name, f"{CONFIG_FILE} not found in {path}")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise AdapterError(name, f"{CONFIG_FILE} is not valid JSON: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise AdapterError(name, f"{CONFIG_FILE} must hold a JSON object")
+    _refuse_unsupported(name, cfg)
+    return cfg
+
+
+def inspect_adapter(
+    name: str, path: str | Path, base: BaseShape | None = None, max_rank: int | None = None
+) -> AdapterSpec:
+    """Validate a PEFT LoRA adapter directory and describe every adapted module.
+
+    Refuses (AdapterError): missing or corrupt files, pickle weights, DoRA, modules_to_save,
+    embedding/lm_head LoRA, LoRA biases, tensors that are not LoRA weights of q/k/v/o/gate/up/down,
+    ranks above `max_rank`, and shapes that do not fit `base`.
+    """
+    path = Path(path)
+    cfg = read_config(name, path)
+    weights = path / WEIGHTS_FILE
+    if not weights.is_file():
+        pickled = [p for p in PICKLE_FILES if (path / p).exists()]
+        if pickled:
+            raise AdapterError(
+                name, f"only {WEIGHTS_FILE} is loaded; {pickled[0]} is a pickle file and is never unpickled "
+                "(convert it with safetensors)"
+            )
+        raise AdapterError(name, f"{WEIGHTS_FILE} not found in {path}")
+    try:
+        header = read_header(weights)
+    except HeaderError as exc:
+        raise AdapterError(name, f"corrupt weights: {exc}") from None
+    except OSError as exc:
+        raise AdapterError(name, f"cannot read {WEIGHTS_FILE}: {exc}") from None
+
+    pairs: dict[tuple[int, str], dict[str, tuple[str, tuple[int, ...]]]] = {}
+    dtypes = set()
+    for key, (dtype, shape) in header.items():
+        if "lora_embedding" in key or "embed_tokens" in key:
+            raise AdapterError(name, f"embedding LoRA is not supported (tensor {key})")
+        if "lm_head" in key:
+            raise AdapterError(name, f"LoRA on lm_head is not supported (tensor {key})")
+        if "lora_magnitude_vector" in key:
+            raise AdapterError(name, f"DoRA adapters are not supported (tensor {key})")
+        m = _KEY.match(key)
+        if not m:
+            raise AdapterError(name, f"unexpected tensor {key!r}: only lora_A/lora_B weights of q,k,v,o,gate,up,down are supported")
+        layer, module, ab = int(m.group(1)), m.group(2), m.group(3)
+        slot = pairs.setdefault((layer, HF_SHORT[module]), {})
+        if ab in slot:
+            raise AdapterError(name, f"tensor {key!r} appears twice")
+        slot[ab] = (key, shape)
+        dtypes.add(dtype)
+    if not pairs:
+        raise AdapterError(name, f"{WEIGHTS_FILE} holds no LoRA weights")
+    if not dtypes <= {"F32", "F16", "BF16"}:
+        raise AdapterError(name, f"LoRA weights must be floating point, got {sorted(dtypes)}")
+
+    rslora = bool(cfg.get("use_rslora"))
+    default_alpha = cfg.get("lora_alpha", 8)
+    modules = []
+    for (layer, proj), ab in sorted(pairs.items(), key=lambda kv: (kv[0][0], PROJECTIONS.index(kv[0][1]))):
+        where = f"layer {layer} {proj}"
+        if "lora_A" not in ab or "lora_B" not in ab:
+            raise AdapterError(name, f"{where}: lora_A and lora_B must both be present")
+        (a_key, a_shape), (b_key, b_shape) = ab["lora_A"], ab["lora_B"]
+        if len(a_shape) != 2 or len(b_shape) != 2 or a_shape[0] != b_shape[1] or a_shape[0] < 1:
+            raise AdapterError(name, f"{where}: lora_A {list(a_shape)} and lora_B {list(b_shape)} do not form a LoRA pair")
+        rank = a_shape[0]
+        if max_rank is not None and rank > max_rank:
+            raise AdapterError(name, f"{where}: rank {rank} exceeds this server's maximum LoRA rank {max_rank}")
+        if base is not None:
+            if layer >= base.num_layers:
+                raise AdapterError(name, f"{where}: the base model {base.name or ''} has only {base.num_layers} layers".replace("  ", " "))
+            want_in, want_out = base.shape(proj)
+            if a_shape[1] != want_in or b_shape[0] != want_out:
+                raise AdapterError(
+                    name,
+                    f"{where}: shapes in={a_shape[1]} out={b_shape[0]} do not fit the base model "
+                    f"(expects in={want_in} out={want_out}); was it trained for another base model?",
+                )
+        module_name = f"model.layers.{layer}.{'self_attn' if proj in ('q', 'k', 'v', 'o') else 'mlp'}.{proj}_proj"
+        alpha = _pattern_value(cfg.get("alpha_pattern"), module_name, default_alpha)
+        try:
+            alpha = float(alpha)
+        except (TypeError, ValueError):
+            raise AdapterError(name, f"lora_alpha must be a number, got {alpha!r}") from None
+        scaling = alpha / math.sqrt(rank) if rslora else alpha / rank
+        modules.append(ModuleLora(layer, proj, rank, scaling, a_key, b_key))
+
+    return AdapterSpec(
+        name=name,
+        path=path,
+        base_model=cfg.get("base_model_name_or_path"),
+        modules=tuple(modules),
+        size_bytes=weights.stat().st_size,
+        dtype=sorted(dtypes)[0],
+        use_rslora=rslora,
+        config=cfg,
+    )

@@ -1,0 +1,62 @@
+"""Every LORAFLEET_* environment variable, typed, in one place."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def _str(name: str, default: str) -> str:
+    return os.environ.get(name, default)
+
+
+def _int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError as exc:
+        raise ValueError(f"environment variable {name} must be an integer, got {raw!r}") from exc
+
+
+def cache_dir() -> Path:
+    """LORAFLEET_CACHE: where the demo model, fetched adapters and built kernels live."""
+    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "lorafleet"
+    return Path(_str("LORAFLEET_CACHE", str(default)))
+
+
+def admin_token() -> str | None:
+    """LORAFLEET_ADMIN_TOKEN: bearer token for the scheduler's /admin endpoints (unset: refused)."""
+    tok = os.environ.get("LORAFLEET_ADMIN_TOKEN", "")
+    return tok or None
+
+
+def log_level() -> str:
+    """LORAFLEET_LOG_LEVEL: DEBUG, INFO (default), WARNING, ERROR."""
+    return _str("LORAFLEET_LOG_LEVEL", "INFO").upper()
+
+
+def kernel_build_dir() -> Path:
+    """LORAFLEET_KERNEL_DIR: where the SGMV extension is built (JIT) or found (ahead of time)."""
+    return Path(_str("LORAFLEET_KERNEL_DIR", str(cache_dir() / "kernels")))
+
+
+def sgmv_backend() -> str:
+    """LORAFLEET_SGMV: auto (CUDA kernel on CUDA, torch elsewhere), cuda or torch."""
+    return _str("LORAFLEET_SGMV", "auto").lower()
+
+
+def attention_backend() -> str:
+    """LORAFLEET_ATTENTION: auto (flashinfer on CUDA when installed, torch elsewhere), flashinfer or torch."""
+    return _str("LORAFLEET_ATTENTION", "auto").lower()
+
+
+def runner_id() -> str | None:
+    """LORAFLEET_RUNNER_ID: a stable runner id (defaults to the pod or host name plus port)."""
+    return os.environ.get("LORAFLEET_RUNNER_ID") or None
+
+
+def request_timeout_s() -> int:
+    """LORAFLEET_RUNNER_TIMEOUT: seconds without a byte from a runner before it counts as failed."""
+    return _int("LORAFLEET_RUNNER_TIMEOUT", 60)
