@@ -46,15 +46,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    # Find the subcommand first so only its module is imported.
-    known, _ = parser.parse_known_args(argv)
-    if known.command is None:
+    # Find the subcommand first so only its module is imported (and its --help is complete).
+    command = next((a for a in argv if a in COMMANDS), None)
+    if command is not None:
+        module = importlib.import_module(COMMANDS[command][0])
+        sub = parser._subparsers._group_actions[0].choices[command]  # type: ignore[union-attr]
+        module.add_arguments(sub)
+    args = parser.parse_args(argv)
+    if args.command is None:
         parser.print_help()
         return 2
-    module = importlib.import_module(COMMANDS[known.command][0])
-    sub = parser._subparsers._group_actions[0].choices[known.command]  # type: ignore[union-attr]
-    module.add_arguments(sub)
-    args = parser.parse_args(argv)
     logging.basicConfig(
         level=getattr(logging, str(args.log_level).upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

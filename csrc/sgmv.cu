@@ -1,0 +1,975 @@
+// SGMV shrink / expand kernels for fp16 and bf16 (see sgmv.h for the semantics and docs/kernels.md
+// for the design).
+//
+// Both kernels share one structure. Every block first copies the segment table into shared memory
+// and turns it into a list of work items (a block-wide prefix sum over segments, ~2 dependent global
+// round trips), then takes items blockIdx.x, blockIdx.x + gridDim.x, ... The grid therefore depends
+// only on host-known shapes (T, capacity, G, pool shapes, SM count), and any segment table, however
+// its rows are distributed, is covered by the same launch: capturable once, replayable with new
+// tables.
+//
+// Items of a segment with fewer than `mma_min_rows` rows use the CUDA-core path (memory bound:
+// decode, distinct adapters): 16-byte vector loads, fp32 accumulate.
+//   shrink item = (up to 4 rows) x (2 rank rows): full-K dot products, reduced through shared memory.
+//   expand item = (up to 4 rows) x (64 column vectors = 512 columns): per lane 4 rank groups, reduced
+//                 by a warp reduce-scatter so each lane ends up owning one row's 8 outputs.
+// Items of longer segments use tensor cores (WMMA 16x16x16, fp32 accumulate):
+//   shrink item = 64 rows x all r ranks of one projection, full K, cp.async double buffered.
+//   expand item = 64 rows x 64 output columns of one projection, K = r.
+#include "sgmv.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <mma.h>
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <tuple>
+
+namespace lorafleet {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr unsigned kFullMask = 0xffffffffu;
+
+// CUDA-core path.
+constexpr int kShrinkRows = 4;    // rows per shrink item
+constexpr int kShrinkRanks = 2;   // rank rows per shrink item
+constexpr int kExpandRows = 4;    // rows per expand item (done in pairs)
+constexpr int kExpandVecs = 64;   // 16-byte column vectors per expand item (8 per warp)
+constexpr int kExpandBatch = 4;   // rank rows per lane loaded together
+// Tensor-core path.
+constexpr int kTileM = 64;        // rows per item
+constexpr int kTileK = 64;        // shrink: K per pipeline stage
+constexpr int kTileN = 64;        // expand: output columns per item
+constexpr int kLds = kTileK + 8;  // smem row stride (elements) of 64-wide tiles: 144 B, no bank conflicts
+constexpr int kLdc = kTileN + 4;  // expand: fp32 staging row stride
+
+static_assert(kShrinkRanks == 2, "shrink_cc selects between two rank rows");
+static_assert(kShrinkRows * kShrinkRanks <= kWarps, "one warp per reduced value");
+static_assert(kMaxSegments % kThreads == 0, "table build splits the capacity evenly");
+
+// ---------------------------------------------------------------------------------------------------
+// Small device helpers.
+
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Waits until the preceding kernel in the stream has completed and its writes are visible. A no-op
+// when this grid was launched without programmatic stream serialization.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+template <typename To, typename From>
+__device__ __forceinline__ To bit_cast(const From& f) {
+  static_assert(sizeof(To) == sizeof(From), "size mismatch");
+  To t;
+  memcpy(&t, &f, sizeof(To));
+  return t;
+}
+
+template <typename T>
+struct Cvt;
+
+template <>
+struct Cvt<__half> {
+  __device__ __forceinline__ static float2 unpack(uint32_t u) { return __half22float2(bit_cast<__half2>(u)); }
+  __device__ __forceinline__ static uint32_t pack(float a, float b) { return bit_cast<uint32_t>(__floats2half2_rn(a, b)); }
+  __device__ __forceinline__ static __half from(float a) { return __float2half_rn(a); }
+};
+
+template <>
+struct Cvt<__nv_bfloat16> {
+  __device__ __forceinline__ static float2 unpack(uint32_t u) {
+    return __bfloat1622float2(bit_cast<__nv_bfloat162>(u));
+  }
+  __device__ __forceinline__ static uint32_t pack(float a, float b) {
+    return bit_cast<uint32_t>(__floats2bfloat162_rn(a, b));
+  }
+  __device__ __forceinline__ static __nv_bfloat16 from(float a) { return __float2bfloat16_rn(a); }
+};
+
+// 8 packed 16-bit values -> 8 floats.
+template <typename T>
+__device__ __forceinline__ void to_float8(const uint4& u, float (&f)[8]) {
+  float2 p;
+  p = Cvt<T>::unpack(u.x); f[0] = p.x; f[1] = p.y;
+  p = Cvt<T>::unpack(u.y); f[2] = p.x; f[3] = p.y;
+  p = Cvt<T>::unpack(u.z); f[4] = p.x; f[5] = p.y;
+  p = Cvt<T>::unpack(u.w); f[6] = p.x; f[7] = p.y;
+}
+
+template <typename T>
+__device__ __forceinline__ uint4 from_float8(const float (&f)[8]) {
+  uint4 u;
+  u.x = Cvt<T>::pack(f[0], f[1]);
+  u.y = Cvt<T>::pack(f[2], f[3]);
+  u.z = Cvt<T>::pack(f[4], f[5]);
+  u.w = Cvt<T>::pack(f[6], f[7]);
+  return u;
+}
+
+// Read-only 16-byte load (weights and x are never written by these kernels).
+template <typename T>
+__device__ __forceinline__ uint4 ldg16(const T* p) {
+  return __ldg(reinterpret_cast<const uint4*>(p));
+}
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const int bytes = valid ? 16 : 0;  // 0: fill the 16 bytes with zeros, read nothing
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFullMask, v, o);
+  return v;
+}
+
+__device__ __forceinline__ int rank_of(int packed, int g) { return (packed >> (8 * g)) & 0xff; }
+
+__host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+// ---------------------------------------------------------------------------------------------------
+// Kernel parameters (passed by value; a few hundred bytes).
+
+struct ShrinkParams {
+  SegmentArgs seg;
+  const void* x;
+  const void* a[kMaxGroup];
+  int a_rank_dim[kMaxGroup];
+  int rank_cap[kMaxGroup];  // min(a_rank_dim[g], kMaxRank): device ranks are clamped to it
+  int in_features;
+  float* v;
+  int v_row_stride;         // G * v_rank_dim
+  int v_rank_dim;
+  int mma_min_rows;
+  int rank_pad;             // max rank_cap rounded up to 16: rows of the A tile in shared memory
+  int work_offset;          // bytes from the start of dynamic shared memory to the work area
+};
+
+struct ExpandParams {
+  SegmentArgs seg;
+  const float* v;
+  int v_row_stride;
+  int v_rank_dim;
+  const void* b[kMaxGroup];
+  int b_rank_dim[kMaxGroup];
+  int rank_cap[kMaxGroup];
+  void* y[kMaxGroup];
+  int64_t y_row_stride[kMaxGroup];
+  int out_features[kMaxGroup];
+  int mma_min_rows;
+  int rank_pad;
+  int work_offset;
+};
+
+// ---------------------------------------------------------------------------------------------------
+// Segment table in shared memory, and the work-item prefix sum.
+
+struct Table {
+  int* lo;      // [cap] first row
+  int* n;       // [cap] rows (0: no work)
+  int* slot;    // [cap]
+  int* rk;      // [cap] ranks of the G projections, 8 bits each
+  int* prefix;  // [cap + 1] exclusive prefix of work items
+  int* warp_totals;  // [kWarps]
+  int cap;
+};
+
+__host__ __device__ constexpr int table_ints(int cap) { return ((5 * cap + 1 + kWarps) + 31) / 32 * 32; }
+
+__device__ __forceinline__ Table carve_table(int* smem, int cap) {
+  Table t;
+  t.cap = cap;
+  t.lo = smem;
+  t.n = smem + cap;
+  t.slot = smem + 2 * cap;
+  t.rk = smem + 3 * cap;
+  t.prefix = smem + 4 * cap;
+  t.warp_totals = smem + 5 * cap + 1;
+  return t;
+}
+
+// Fills the table and returns the total number of work items. `count(n, packed_ranks)` gives the
+// items of one non-empty segment. Thread t owns segments [t * per, t * per + per).
+template <class Count>
+__device__ int build_table(const SegmentArgs& s, const int (&rank_cap)[kMaxGroup], Table t, const Count& count) {
+  constexpr int kPer = kMaxSegments / kThreads;
+  const int tid = threadIdx.x;
+  const int per = ceil_div(t.cap, kThreads);
+  int lo[kPer], hi[kPer], slot[kPer];
+#pragma unroll
+  for (int e = 0; e < kPer; ++e) {
+    const int i = tid * per + e;
+    lo[e] = 0;
+    hi[e] = 0;
+    slot[e] = -1;
+    if (e < per && i < t.cap) {
+      lo[e] = __ldg(s.indptr + i);
+      hi[e] = __ldg(s.indptr + i + 1);
+      slot[e] = __ldg(s.slots + i);
+    }
+  }
+  int cnt[kPer];
+  int local = 0;
+#pragma unroll
+  for (int e = 0; e < kPer; ++e) {
+    const int i = tid * per + e;
+    const int l = max(lo[e], 0);
+    int n = min(hi[e], s.num_rows) - l;
+    const int sl = slot[e];
+    int packed = 0;
+    if (n > 0 && sl >= 0 && sl < s.num_slots) {
+#pragma unroll
+      for (int g = 0; g < kMaxGroup; ++g) {
+        if (g < s.num_groups) {
+          const int r = __ldg(s.ranks + static_cast<int64_t>(g) * s.num_slots + sl);
+          packed |= min(max(r, 0), rank_cap[g]) << (8 * g);
+        }
+      }
+    }
+    if (packed == 0 || n < 0) n = 0;
+    cnt[e] = n > 0 ? count(n, packed) : 0;
+    if (e < per && i < t.cap) {
+      t.lo[i] = l;
+      t.n[i] = n;
+      t.slot[i] = sl;
+      t.rk[i] = packed;
+    }
+    local += cnt[e];
+  }
+  // Block-wide exclusive scan of `local`.
+  const int lane = tid & 31, warp = tid >> 5;
+  int incl = local;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(kFullMask, incl, o);
+    if (lane >= o) incl += y;
+  }
+  if (lane == 31) t.warp_totals[warp] = incl;
+  __syncthreads();
+  int base = 0, total = 0;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) {
+    const int wt = t.warp_totals[w];
+    base += w < warp ? wt : 0;
+    total += wt;
+  }
+  int run = base + incl - local;
+#pragma unroll
+  for (int e = 0; e < kPer; ++e) {
+    const int i = tid * per + e;
+    if (e < per && i < t.cap) {
+      t.prefix[i] = run;
+      run += cnt[e];
+    }
+  }
+  if (tid == 0) t.prefix[t.cap] = total;
+  __syncthreads();
+  return total;
+}
+
+// The segment i with prefix[i] <= item < prefix[i + 1] (requires 0 <= item < prefix[cap]).
+__device__ __forceinline__ int find_segment(const int* prefix, int cap, int item) {
+  int lo = 0, hi = cap;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) >> 1;
+    if (prefix[mid] <= item) lo = mid; else hi = mid;
+  }
+  return lo;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Shrink.
+
+template <bool kMma>
+struct ShrinkCount {
+  int mma_min_rows;
+  __device__ int operator()(int n, int packed) const {
+    int rt = 0, active = 0;
+#pragma unroll
+    for (int g = 0; g < kMaxGroup; ++g) {
+      const int r = rank_of(packed, g);
+      rt += r;
+      active += r > 0;
+    }
+    if (kMma && n >= mma_min_rows) return ceil_div(n, kTileM) * active;
+    return ceil_div(n, kShrinkRows) * ceil_div(rt, kShrinkRanks);
+  }
+};
+
+// v[row0 + m, rank row f0 + j] = dot(x[row0 + m], A row) for m < NR, j < 2 (flattened over projections).
+template <typename T, int NR>
+__device__ __forceinline__ void shrink_cc(const ShrinkParams& p, int row0, int slot, int packed, int f0, float* red) {
+  constexpr int RB = kShrinkRanks;
+  constexpr int U = NR == 1 ? 4 : (NR == 2 ? 2 : 1);  // K steps in flight per thread
+  const int K = p.in_features;
+  const int KV = K >> 3;
+  const int rt = rank_of(packed, 0) + rank_of(packed, 1) + rank_of(packed, 2);
+  const T* ap[RB];
+  int vcol[RB];
+#pragma unroll
+  for (int j = 0; j < RB; ++j) {
+    int f = min(f0 + j, rt - 1);  // a missing second rank row re-reads the first; its result is dropped
+    int g = 0;
+    const int r0 = rank_of(packed, 0), r1 = rank_of(packed, 1);
+    if (f >= r0) {
+      f -= r0;
+      g = 1;
+      if (f >= r1) {
+        f -= r1;
+        g = 2;
+      }
+    }
+    ap[j] = static_cast<const T*>(p.a[g]) + (static_cast<int64_t>(slot) * p.a_rank_dim[g] + f) * K;
+    vcol[j] = g * p.v_rank_dim + f;
+  }
+  const T* x0 = static_cast<const T*>(p.x) + static_cast<int64_t>(row0) * K;
+  const int tid = threadIdx.x;
+
+  float acc[NR][RB];
+#pragma unroll
+  for (int m = 0; m < NR; ++m)
+#pragma unroll
+    for (int j = 0; j < RB; ++j) acc[m][j] = 0.f;
+
+  for (int kv0 = tid; kv0 < KV; kv0 += U * kThreads) {
+    uint4 av[U][RB], xv[U][NR];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int kv = kv0 + u * kThreads;
+      if (kv < KV) {
+#pragma unroll
+        for (int j = 0; j < RB; ++j) av[u][j] = ldg16(ap[j] + static_cast<int64_t>(kv) * 8);
+#pragma unroll
+        for (int m = 0; m < NR; ++m) xv[u][m] = ldg16(x0 + static_cast<int64_t>(m) * K + kv * 8);
+      } else {
+#pragma unroll
+        for (int j = 0; j < RB; ++j) av[u][j] = make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int m = 0; m < NR; ++m) xv[u][m] = make_uint4(0, 0, 0, 0);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float xf[NR][8];
+#pragma unroll
+      for (int m = 0; m < NR; ++m) to_float8<T>(xv[u][m], xf[m]);
+#pragma unroll
+      for (int j = 0; j < RB; ++j) {
+        float af[8];
+        to_float8<T>(av[u][j], af);
+#pragma unroll
+        for (int m = 0; m < NR; ++m)
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[m][j] = fmaf(xf[m][e], af[e], acc[m][j]);
+      }
+    }
+  }
+
+  // Block reduction: one warp per (row, rank row) value.
+  constexpr int NV = NR * RB;
+#pragma unroll
+  for (int m = 0; m < NR; ++m)
+#pragma unroll
+    for (int j = 0; j < RB; ++j) red[(m * RB + j) * kThreads + tid] = acc[m][j];
+  __syncthreads();
+  const int warp = tid >> 5, lane = tid & 31;
+  if (warp < NV) {
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < kWarps; ++i) s += red[warp * kThreads + lane + 32 * i];
+    s = warp_sum(s);
+    const int m = warp / RB, j = warp % RB;
+    if (lane == 0 && f0 + j < rt) {
+      const int col = j == 0 ? vcol[0] : vcol[1];
+      p.v[static_cast<int64_t>(row0 + m) * p.v_row_stride + col] = s;
+    }
+  }
+  __syncthreads();  // `red` is reused by the next item
+}
+
+// v[row0 : row0 + nr, g, :r] = x[row0 : row0 + nr] @ A_g[slot, :r]^T with tensor cores.
+template <typename T>
+__device__ void shrink_mma(const ShrinkParams& p, int row0, int nr, int slot, int g, int r, unsigned char* work) {
+  using namespace nvcuda;
+  const int K = p.in_features;
+  const int rp = (r + 15) & ~15;
+  const int stage_x = kTileM * kLds;
+  const int stage_a = p.rank_pad * kLds;
+  T* xs = reinterpret_cast<T*>(work);  // [2][kTileM][kLds]
+  T* as = xs + 2 * stage_x;            // [2][rank_pad][kLds]
+  const T* xg = static_cast<const T*>(p.x) + static_cast<int64_t>(row0) * K;
+  const T* ag = static_cast<const T*>(p.a[g]) + static_cast<int64_t>(slot) * p.a_rank_dim[g] * K;
+  const int nk = ceil_div(K, kTileK);
+  const int tid = threadIdx.x;
+
+  auto load_stage = [&](int kt, int buf) {
+    const int k0 = kt * kTileK;
+    for (int id = tid; id < kTileM * (kTileK / 8); id += kThreads) {
+      const int row = id >> 3, k = k0 + (id & 7) * 8;
+      const bool ok = row < nr && k < K;
+      cp_async16(xs + buf * stage_x + row * kLds + (id & 7) * 8, ok ? xg + static_cast<int64_t>(row) * K + k : xg, ok);
+    }
+    for (int id = tid; id < rp * (kTileK / 8); id += kThreads) {
+      const int rr = id >> 3, k = k0 + (id & 7) * 8;
+      const bool ok = rr < r && k < K;
+      cp_async16(as + buf * stage_a + rr * kLds + (id & 7) * 8, ok ? ag + static_cast<int64_t>(rr) * K + k : ag, ok);
+    }
+    cp_async_commit();
+  };
+
+  const int warp = tid >> 5;
+  const int mf = warp & 3;    // 16-row block of the 64-row tile
+  const int nf0 = warp >> 2;  // rank blocks nf0, nf0 + 2, nf0 + 4, nf0 + 6
+  const int nfr = rp / 16;
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) wmma::fill_fragment(acc[j], 0.f);
+
+  load_stage(0, 0);
+  for (int kt = 0; kt < nk; ++kt) {
+    if (kt + 1 < nk) {
+      load_stage(kt + 1, (kt + 1) & 1);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const T* xb = xs + (kt & 1) * stage_x;
+    const T* ab = as + (kt & 1) * stage_a;
+#pragma unroll
+    for (int kk = 0; kk < kTileK; kk += 16) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa;
+      wmma::load_matrix_sync(fa, xb + mf * 16 * kLds + kk, kLds);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int nf = nf0 + 2 * j;
+        if (nf < nfr) {
+          wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> fb;
+          wmma::load_matrix_sync(fb, ab + nf * 16 * kLds + kk, kLds);
+          wmma::mma_sync(acc[j], fa, fb, acc[j]);
+        }
+      }
+    }
+    __syncthreads();  // this buffer is refilled two stages later
+  }
+
+  float* cs = reinterpret_cast<float*>(work);  // [kTileM][rank_pad + 4], reuses the stages
+  const int ldc = p.rank_pad + 4;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int nf = nf0 + 2 * j;
+    if (nf < nfr) wmma::store_matrix_sync(cs + mf * 16 * ldc + nf * 16, acc[j], ldc, wmma::mem_row_major);
+  }
+  __syncthreads();
+  float* vg = p.v + static_cast<int64_t>(row0) * p.v_row_stride + g * p.v_rank_dim;
+  for (int id = tid; id < nr * r; id += kThreads) {
+    const int row = id / r, k = id - row * r;
+    vg[static_cast<int64_t>(row) * p.v_row_stride + k] = cs[row * ldc + k];
+  }
+  __syncthreads();
+}
+
+template <typename T, bool kMma>
+__global__ void __launch_bounds__(kThreads, kMma ? 2 : 4) sgmv_shrink_kernel(const __grid_constant__ ShrinkParams p) {
+  pdl_launch_dependents();
+  // x may be produced by the preceding kernel, and so (rarely) may the tables: wait before any read.
+  pdl_wait();
+  extern __shared__ __align__(128) unsigned char smem[];
+  const Table t = carve_table(reinterpret_cast<int*>(smem), p.seg.capacity);
+  const int total = build_table(p.seg, p.rank_cap, t, ShrinkCount<kMma>{p.mma_min_rows});
+  unsigned char* work = smem + p.work_offset;
+  float* red = reinterpret_cast<float*>(work);
+
+  for (int item = blockIdx.x; item < total; item += gridDim.x) {
+    const int i = find_segment(t.prefix, t.cap, item);
+    const int local = item - t.prefix[i];
+    const int lo = t.lo[i], n = t.n[i], slot = t.slot[i], packed = t.rk[i];
+    if (kMma && n >= p.mma_min_rows) {
+      int active = 0;
+#pragma unroll
+      for (int g = 0; g < kMaxGroup; ++g) active += rank_of(packed, g) > 0;
+      const int tile = local / active;
+      int j = local - tile * active, g = 0;
+      for (; g < kMaxGroup; ++g) {
+        if (rank_of(packed, g) > 0) {
+          if (j == 0) break;
+          --j;
+        }
+      }
+      shrink_mma<T>(p, lo + tile * kTileM, min(kTileM, n - tile * kTileM), slot, g, rank_of(packed, g), work);
+    } else {
+      const int rt = rank_of(packed, 0) + rank_of(packed, 1) + rank_of(packed, 2);
+      const int nq = ceil_div(rt, kShrinkRanks);
+      const int c = local / nq, q = local - c * nq;
+      const int row0 = lo + c * kShrinkRows;
+      const int f0 = q * kShrinkRanks;
+      switch (min(kShrinkRows, n - c * kShrinkRows)) {
+        case 1: shrink_cc<T, 1>(p, row0, slot, packed, f0, red); break;
+        case 2: shrink_cc<T, 2>(p, row0, slot, packed, f0, red); break;
+        case 3: shrink_cc<T, 3>(p, row0, slot, packed, f0, red); break;
+        default: shrink_cc<T, 4>(p, row0, slot, packed, f0, red); break;
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Expand.
+
+template <bool kMma>
+struct ExpandCount {
+  int mma_min_rows;
+  int out[kMaxGroup];
+  __device__ int operator()(int n, int packed) const {
+    int vecs = 0, tiles = 0;
+#pragma unroll
+    for (int g = 0; g < kMaxGroup; ++g) {
+      if (rank_of(packed, g) > 0) {
+        vecs += out[g] >> 3;
+        tiles += ceil_div(out[g], kTileN);
+      }
+    }
+    if (kMma && n >= mma_min_rows) return ceil_div(n, kTileM) * tiles;
+    return ceil_div(n, kExpandRows) * ceil_div(vecs, kExpandVecs);
+  }
+};
+
+// y[row0 + m, cols of item q] += v[row0 + m, g, :r] @ B_g[slot, :r, cols] for m < nr (<= 4).
+// Lane layout: rank group rg = lane & 3 (rank rows rg, rg + 4, ...), column vector warp * 8 + lane / 4.
+// Rows are done in pairs (16 accumulators per lane keep the kernel within 64 registers); the second
+// pair re-reads the B batch, which is then an L1 hit.
+template <typename T>
+__device__ __forceinline__ void expand_cc(const ExpandParams& p, int row0, int nr, int slot, int packed, int q,
+                                          bool& waited) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int rg = lane & 3;
+  int f = q * kExpandVecs + warp * 8 + (lane >> 2);  // column vector, flattened over adapted projections
+  int g = -1;
+#pragma unroll
+  for (int gg = 0; gg < kMaxGroup; ++gg) {
+    if (g < 0 && rank_of(packed, gg) > 0) {
+      const int nv = p.out_features[gg] >> 3;
+      if (f < nv) g = gg; else f -= nv;
+    }
+  }
+  const bool valid = g >= 0;
+  const int r = valid ? rank_of(packed, g) : 0;
+  const int out = valid ? p.out_features[g] : 0;
+  const T* bp = valid ? static_cast<const T*>(p.b[g]) + static_cast<int64_t>(slot) * p.b_rank_dim[g] * out + f * 8
+                      : nullptr;
+
+  uint4 bv[kExpandBatch];
+  auto load_batch = [&](int k0) {
+#pragma unroll
+    for (int j = 0; j < kExpandBatch; ++j) {
+      const int k = k0 + 4 * j;
+      bv[j] = k < r ? ldg16(bp + static_cast<int64_t>(k) * out) : make_uint4(0, 0, 0, 0);
+    }
+  };
+  load_batch(rg);  // the first B batch may load before the preceding kernel finishes
+  if (!waited) {
+    pdl_wait();
+    waited = true;
+  }
+  const bool hi2 = lane & 2, hi1 = lane & 1;
+  for (int m0 = 0; m0 < nr; m0 += 2) {
+    if (m0 > 0) load_batch(rg);
+    const float* vp = p.v + static_cast<int64_t>(row0 + m0) * p.v_row_stride + (valid ? g : 0) * p.v_rank_dim;
+    const bool two = m0 + 1 < nr;
+    float acc[2][8];
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[m][e] = 0.f;
+    for (int k0 = rg; k0 < r; k0 += 4 * kExpandBatch) {
+#pragma unroll
+      for (int j = 0; j < kExpandBatch; ++j) {
+        const int k = k0 + 4 * j;
+        if (k < r) {
+          float bf[8];
+          to_float8<T>(bv[j], bf);
+          const float v0 = __ldg(vp + k);
+          const float v1 = two ? __ldg(vp + p.v_row_stride + k) : 0.f;
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            acc[0][e] = fmaf(v0, bf[e], acc[0][e]);
+            acc[1][e] = fmaf(v1, bf[e], acc[1][e]);
+          }
+        }
+      }
+      if (k0 + 4 * kExpandBatch < r) load_batch(k0 + 4 * kExpandBatch);
+    }
+    // Reduce-scatter over the 4 rank groups (lanes 4c .. 4c + 3): afterwards the lane with bits
+    // (hi2, hi1) holds row m0 + hi2, columns 4 * hi1 .. 4 * hi1 + 3 of its vector.
+    float h[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const float send = hi2 ? acc[0][e] : acc[1][e];
+      const float keep = hi2 ? acc[1][e] : acc[0][e];
+      h[e] = keep + __shfl_xor_sync(kFullMask, send, 2);
+    }
+    float o[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float send = hi1 ? h[e] : h[4 + e];
+      const float keep = hi1 ? h[4 + e] : h[e];
+      o[e] = keep + __shfl_xor_sync(kFullMask, send, 1);
+    }
+    const int row = m0 + (hi2 ? 1 : 0);
+    if (valid && row < nr) {
+      T* yp = static_cast<T*>(p.y[g]) + static_cast<int64_t>(row0 + row) * p.y_row_stride[g] + f * 8 + (hi1 ? 4 : 0);
+      uint2 yv = *reinterpret_cast<const uint2*>(yp);
+      const float2 a = Cvt<T>::unpack(yv.x), b = Cvt<T>::unpack(yv.y);
+      yv.x = Cvt<T>::pack(a.x + o[0], a.y + o[1]);
+      yv.y = Cvt<T>::pack(b.x + o[2], b.y + o[3]);
+      *reinterpret_cast<uint2*>(yp) = yv;
+    }
+  }
+}
+
+// y_g[row0 : row0 + nr, col0 : col0 + 64] += v[rows, g, :r] @ B_g[slot, :r, col0 : col0 + 64] with tensor cores.
+template <typename T>
+__device__ void expand_mma(const ExpandParams& p, int row0, int nr, int slot, int g, int r, int col0,
+                           unsigned char* work, bool& waited) {
+  using namespace nvcuda;
+  const int tid = threadIdx.x;
+  const int rp = (r + 15) & ~15;
+  const int ldv = p.rank_pad + 8;
+  const int out = p.out_features[g];
+  T* vs = reinterpret_cast<T*>(work);  // [kTileM][ldv]
+  T* bs = vs + kTileM * ldv;           // [rank_pad][kLds]
+  const T* bg = static_cast<const T*>(p.b[g]) + static_cast<int64_t>(slot) * p.b_rank_dim[g] * out;
+  for (int id = tid; id < rp * (kTileN / 8); id += kThreads) {
+    const int rr = id >> 3, col = col0 + (id & 7) * 8;
+    const bool ok = rr < r && col < out;
+    cp_async16(bs + rr * kLds + (id & 7) * 8, ok ? bg + static_cast<int64_t>(rr) * out + col : bg, ok);
+  }
+  cp_async_commit();
+  if (!waited) {
+    pdl_wait();
+    waited = true;
+  }
+  const float* vg = p.v + static_cast<int64_t>(row0) * p.v_row_stride + g * p.v_rank_dim;
+  for (int id = tid; id < kTileM * rp; id += kThreads) {
+    const int row = id / rp, k = id - row * rp;
+    const float val = (row < nr && k < r) ? vg[static_cast<int64_t>(row) * p.v_row_stride + k] : 0.f;
+    vs[row * ldv + k] = Cvt<T>::from(val);
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+
+  const int warp = tid >> 5;
+  const int mf = warp & 3, nf0 = warp >> 2;  // column blocks nf0 and nf0 + 2
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2];
+  wmma::fill_fragment(acc[0], 0.f);
+  wmma::fill_fragment(acc[1], 0.f);
+  for (int kk = 0; kk < rp; kk += 16) {
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa;
+    wmma::load_matrix_sync(fa, vs + mf * 16 * ldv + kk, ldv);
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> fb;
+      wmma::load_matrix_sync(fb, bs + kk * kLds + (nf0 + 2 * j) * 16, kLds);
+      wmma::mma_sync(acc[j], fa, fb, acc[j]);
+    }
+  }
+  __syncthreads();  // vs / bs are overwritten by the staging below
+  float* cs = reinterpret_cast<float*>(work);  // [kTileM][kLdc]
+#pragma unroll
+  for (int j = 0; j < 2; ++j)
+    wmma::store_matrix_sync(cs + mf * 16 * kLdc + (nf0 + 2 * j) * 16, acc[j], kLdc, wmma::mem_row_major);
+  __syncthreads();
+  for (int id = tid; id < kTileM * (kTileN / 8); id += kThreads) {
+    const int row = id >> 3, c = id & 7, col = col0 + c * 8;
+    if (row < nr && col < out) {
+      T* yp = static_cast<T*>(p.y[g]) + static_cast<int64_t>(row0 + row) * p.y_row_stride[g] + col;
+      float yf[8];
+      to_float8<T>(*reinterpret_cast<const uint4*>(yp), yf);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) yf[e] += cs[row * kLdc + c * 8 + e];
+      *reinterpret_cast<uint4*>(yp) = from_float8<T>(yf);
+    }
+  }
+  __syncthreads();
+}
+
+template <typename T, bool kMma>
+__global__ void __launch_bounds__(kThreads, kMma ? 2 : 4) sgmv_expand_kernel(const __grid_constant__ ExpandParams p) {
+  pdl_launch_dependents();
+  extern __shared__ __align__(128) unsigned char smem[];
+  // The tables, ranks and B are not written by the kernel this one overlaps (the shrink), so they
+  // are read before pdl_wait(); v and y only after it.
+  const Table t = carve_table(reinterpret_cast<int*>(smem), p.seg.capacity);
+  ExpandCount<kMma> count{p.mma_min_rows, {p.out_features[0], p.out_features[1], p.out_features[2]}};
+  const int total = build_table(p.seg, p.rank_cap, t, count);
+  unsigned char* work = smem + p.work_offset;
+  bool waited = false;
+
+  for (int item = blockIdx.x; item < total; item += gridDim.x) {
+    const int i = find_segment(t.prefix, t.cap, item);
+    const int local = item - t.prefix[i];
+    const int lo = t.lo[i], n = t.n[i], slot = t.slot[i], packed = t.rk[i];
+    if (kMma && n >= p.mma_min_rows) {
+      int tiles = 0;  // column tiles over the adapted projections
+#pragma unroll
+      for (int g = 0; g < kMaxGroup; ++g) tiles += rank_of(packed, g) > 0 ? ceil_div(p.out_features[g], kTileN) : 0;
+      const int tile = local / tiles;
+      int c = local - tile * tiles, g = 0;
+      for (; g < kMaxGroup; ++g) {
+        if (rank_of(packed, g) > 0) {
+          const int nt = ceil_div(p.out_features[g], kTileN);
+          if (c < nt) break;
+          c -= nt;
+        }
+      }
+      expand_mma<T>(p, lo + tile * kTileM, min(kTileM, n - tile * kTileM), slot, g, rank_of(packed, g), c * kTileN,
+                    work, waited);
+    } else {
+      int vecs = 0;
+#pragma unroll
+      for (int g = 0; g < kMaxGroup; ++g) vecs += rank_of(packed, g) > 0 ? p.out_features[g] >> 3 : 0;
+      const int nq = ceil_div(vecs, kExpandVecs);
+      const int c = local / nq, q = local - c * nq;
+      expand_cc<T>(p, lo + c * kExpandRows, min(kExpandRows, n - c * kExpandRows), slot, packed, q, waited);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Host side.
+
+struct DeviceInfo {
+  int sms = 0;
+  int major = 0;
+};
+
+const char* device_info(int device, DeviceInfo* info) {
+  static std::mutex mu;
+  static std::map<int, DeviceInfo> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(device);
+  if (it == cache.end()) {
+    DeviceInfo d;
+    cudaError_t e = cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, device);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&d.major, cudaDevAttrComputeCapabilityMajor, device);
+    if (e != cudaSuccess) return cudaGetErrorString(e);
+    it = cache.emplace(device, d).first;
+  }
+  *info = it->second;
+  return nullptr;
+}
+
+// Resident blocks per SM for `kernel` with `smem` bytes of dynamic shared memory (raises the kernel's
+// dynamic shared-memory limit first when needed). Cached: host-only calls, safe during capture.
+template <typename Kernel>
+const char* blocks_per_sm(Kernel kernel, int device, int smem, int* out) {
+  static std::mutex mu;
+  static std::map<std::tuple<const void*, int, int>, int> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), device, smem);
+  auto it = cache.find(key);
+  if (it == cache.end()) {
+    if (smem > 48 * 1024) {
+      cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      if (e != cudaSuccess) return cudaGetErrorString(e);
+    }
+    int n = 0;
+    cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, smem);
+    if (e != cudaSuccess) return cudaGetErrorString(e);
+    it = cache.emplace(key, n > 0 ? n : 1).first;
+  }
+  *out = it->second;
+  return nullptr;
+}
+
+template <typename Kernel, typename Params>
+const char* launch(Kernel kernel, const Params& params, int max_items, int smem, bool pdl, int device,
+                   cudaStream_t stream) {
+  DeviceInfo info;
+  if (const char* err = device_info(device, &info)) return err;
+  int per_sm = 1;
+  if (const char* err = blocks_per_sm(kernel, device, smem, &per_sm)) return err;
+  const int blocks = std::max(1, std::min(max_items, info.sms * per_sm));
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(blocks);
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  cfg.attrs = attr;
+  cfg.numAttrs = 0;
+  if (pdl && info.major >= 9) {
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.numAttrs = 1;
+  }
+  const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, params);
+  return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
+}
+
+// Restores the calling thread's current device on scope exit.
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) {
+    if (cudaGetDevice(&prev_) == cudaSuccess && prev_ != device) {
+      ok_ = cudaSetDevice(device) == cudaSuccess;
+      switched_ = true;
+    }
+  }
+  ~DeviceScope() {
+    if (switched_) cudaSetDevice(prev_);
+  }
+  bool ok() const { return ok_; }
+
+ private:
+  int prev_ = -1;
+  bool switched_ = false;
+  bool ok_ = true;
+};
+
+const char* check_segments(const SegmentArgs& s) {
+  if (s.num_groups < 1 || s.num_groups > kMaxGroup) return "sgmv: number of projections must be 1, 2 or 3";
+  if (s.capacity < 1 || s.capacity > kMaxSegments) return "sgmv: segment capacity must be in [1, 1024]";
+  if (s.num_slots < 1) return "sgmv: the adapter pool has no slots";
+  if (s.num_rows < 0) return "sgmv: negative number of rows";
+  if (!s.indptr || !s.slots || !s.ranks) return "sgmv: null segment or rank table";
+  return nullptr;
+}
+
+int rank_pad_of(const int (&cap)[kMaxGroup], int groups) {
+  int m = 1;
+  for (int g = 0; g < groups; ++g) m = std::max(m, cap[g]);
+  return (m + 15) / 16 * 16;
+}
+
+// Upper bound on the rows chunks any table of this (T, capacity) can produce with `rows` per chunk.
+int row_chunks_bound(const SegmentArgs& s, int rows) {
+  return ceil_div(s.num_rows, rows) + std::min(s.capacity, s.num_rows);
+}
+
+template <typename T>
+const char* shrink_typed(const ShrinkArgs& args, const LaunchOptions& opt, int device, cudaStream_t stream) {
+  ShrinkParams p = {};
+  p.seg = args.seg;
+  p.x = args.x;
+  p.in_features = args.in_features;
+  p.v = args.v;
+  p.v_rank_dim = args.v_rank_dim;
+  p.v_row_stride = args.seg.num_groups * args.v_rank_dim;
+  p.mma_min_rows = std::max(1, opt.mma_min_rows);
+  int rank_sum = 0;
+  for (int g = 0; g < kMaxGroup; ++g) {
+    const bool used = g < args.seg.num_groups;
+    p.a[g] = used ? args.a[g] : args.a[0];
+    p.a_rank_dim[g] = used ? args.a_rank_dim[g] : 0;
+    p.rank_cap[g] = used ? std::min(args.a_rank_dim[g], kMaxRank) : 0;
+    if (used && (args.a[g] == nullptr || args.a_rank_dim[g] < 1 || args.a_rank_dim[g] > args.v_rank_dim))
+      return "sgmv_shrink: every A pool needs a rank dimension in [1, v.size(2)]";
+    rank_sum += p.rank_cap[g];
+  }
+  p.rank_pad = rank_pad_of(p.rank_cap, args.seg.num_groups);
+  const bool mma = args.seg.num_rows >= p.mma_min_rows;
+  p.work_offset = table_ints(args.seg.capacity) * 4;
+  int work = kShrinkRows * kShrinkRanks * kThreads * 4;
+  if (mma) {
+    work = std::max(work, 2 * (kTileM + p.rank_pad) * kLds * 2);
+    work = std::max(work, kTileM * (p.rank_pad + 4) * 4);
+  }
+  const int smem = p.work_offset + work;
+  int64_t items = static_cast<int64_t>(row_chunks_bound(args.seg, kShrinkRows)) * ceil_div(rank_sum, kShrinkRanks);
+  if (mma) items += static_cast<int64_t>(row_chunks_bound(args.seg, kTileM)) * args.seg.num_groups;
+  const int max_items = static_cast<int>(std::min<int64_t>(items, 1 << 30));
+  return mma ? launch(sgmv_shrink_kernel<T, true>, p, max_items, smem, opt.pdl, device, stream)
+             : launch(sgmv_shrink_kernel<T, false>, p, max_items, smem, opt.pdl, device, stream);
+}
+
+template <typename T>
+const char* expand_typed(const ExpandArgs& args, const LaunchOptions& opt, int device, cudaStream_t stream) {
+  ExpandParams p = {};
+  p.seg = args.seg;
+  p.v = args.v;
+  p.v_rank_dim = args.v_rank_dim;
+  p.v_row_stride = args.seg.num_groups * args.v_rank_dim;
+  p.mma_min_rows = std::max(1, opt.mma_min_rows);
+  int vecs = 0, tiles = 0;
+  for (int g = 0; g < kMaxGroup; ++g) {
+    const bool used = g < args.seg.num_groups;
+    p.b[g] = used ? args.b[g] : args.b[0];
+    p.b_rank_dim[g] = used ? args.b_rank_dim[g] : 0;
+    p.rank_cap[g] = used ? std::min(args.b_rank_dim[g], kMaxRank) : 0;
+    p.y[g] = used ? args.y[g] : args.y[0];
+    p.y_row_stride[g] = used ? args.y_row_stride[g] : 0;
+    p.out_features[g] = used ? args.out_features[g] : 0;
+    if (used) {
+      if (args.b[g] == nullptr || args.y[g] == nullptr || args.b_rank_dim[g] < 1 ||
+          args.b_rank_dim[g] > args.v_rank_dim)
+        return "sgmv_expand: every B pool needs a rank dimension in [1, v.size(2)]";
+      if (args.out_features[g] < 8 || args.out_features[g] % 8 != 0 || args.y_row_stride[g] % 8 != 0)
+        return "sgmv_expand: output widths and row strides must be multiples of 8";
+      vecs += args.out_features[g] / 8;
+      tiles += ceil_div(args.out_features[g], kTileN);
+    }
+  }
+  p.rank_pad = rank_pad_of(p.rank_cap, args.seg.num_groups);
+  const bool mma = args.seg.num_rows >= p.mma_min_rows;
+  p.work_offset = table_ints(args.seg.capacity) * 4;
+  int work = 128;
+  if (mma) {
+    work = std::max(work, kTileM * (p.rank_pad + 8) * 2 + p.rank_pad * kLds * 2);
+    work = std::max(work, kTileM * kLdc * 4);
+  }
+  const int smem = p.work_offset + work;
+  int64_t items = static_cast<int64_t>(row_chunks_bound(args.seg, kExpandRows)) * ceil_div(vecs, kExpandVecs);
+  if (mma) items += static_cast<int64_t>(row_chunks_bound(args.seg, kTileM)) * tiles;
+  const int max_items = static_cast<int>(std::min<int64_t>(items, 1 << 30));
+  return mma ? launch(sgmv_expand_kernel<T, true>, p, max_items, smem, opt.pdl, device, stream)
+             : launch(sgmv_expand_kernel<T, false>, p, max_items, smem, opt.pdl, device, stream);
+}
+
+}  // namespace
+
+const char* sgmv_shrink(DType dtype, const ShrinkArgs& args, const LaunchOptions& options, int device, void* stream) {
+  if (const char* err = check_segments(args.seg)) return err;
+  if (args.in_features < 8 || args.in_features % 8 != 0) return "sgmv_shrink: in_features must be a multiple of 8";
+  if (args.x == nullptr || args.v == nullptr) return "sgmv_shrink: null x or v";
+  if (args.seg.num_rows == 0) return nullptr;
+  DeviceScope scope(device);
+  if (!scope.ok()) return "sgmv_shrink: cannot select the tensors' CUDA device";
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  return dtype == DType::kBFloat16 ? shrink_typed<__nv_bfloat16>(args, options, device, s)
+                                   : shrink_typed<__half>(args, options, device, s);
+}
+
+const char* sgmv_expand(DType dtype, const ExpandArgs& args, const LaunchOptions& options, int device, void* stream) {
+  if (const char* err = check_segments(args.seg)) return err;
+  if (args.v == nullptr) return "sgmv_expand: null v";
+  if (args.seg.num_rows == 0) return nullptr;
+  DeviceScope scope(device);
+  if (!scope.ok()) return "sgmv_expand: cannot select the tensors' CUDA device";
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  return dtype == DType::kBFloat16 ? expand_typed<__nv_bfloat16>(args, options, device, s)
+                                   : expand_typed<__half>(args, options, device, s);
+}
+
+}  // namespace lorafleet

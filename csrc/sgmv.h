@@ -1,0 +1,76 @@
+// SGMV launchers: the per-segment LoRA add-on y += (x @ A[slot]^T) @ B[slot], as shrink then expand.
+//
+// Torch-free on purpose: the kernels (sgmv.cu) take raw pointers, sizes and a stream; the torch
+// binding (sgmv_binding.cpp) validates tensors and fills these structs. Semantics, for every segment i
+// with slot s = slots[i] in [0, num_slots) and every projection g < num_groups:
+//
+//   rows = indptr[i] : indptr[i+1]
+//   r    = ranks[g * num_slots + s]                       (0: projection g not adapted by slot s)
+//   shrink: v[rows, g, :r] = x[rows] @ a[g][s, :r, :]^T    fp32 accumulate, fp32 store
+//   expand: y[g][rows]    += v[rows, g, :r] @ b[g][s, :r, :]
+//
+// Rows of segments with slot -1 (or out of range) and entries v[:, g, r:] are never read or written.
+#pragma once
+
+#include <cstdint>
+
+namespace lorafleet {
+
+constexpr int kMaxGroup = 3;         // projections sharing one input per launch (q,k,v; gate,up)
+constexpr int kMaxRank = 128;        // largest supported LoRA rank (and pool rank dimension)
+constexpr int kMaxSegments = 1024;   // largest segment-table capacity of one launch
+
+enum class DType : int { kFloat16 = 0, kBFloat16 = 1 };
+
+// The per-step segment table and the per-(projection, slot) rank table, all int32 on the device.
+struct SegmentArgs {
+  const int32_t* indptr = nullptr;  // [capacity + 1], non-decreasing row offsets
+  const int32_t* slots = nullptr;   // [capacity], -1 = no adapter
+  const int32_t* ranks = nullptr;   // [num_groups, num_slots]
+  int capacity = 0;                 // segments in the table (trailing ones empty)
+  int num_slots = 0;                // S
+  int num_rows = 0;                 // T
+  int num_groups = 0;               // G, 1..kMaxGroup
+};
+
+struct ShrinkArgs {
+  SegmentArgs seg;
+  const void* x = nullptr;               // [T, in_features] contiguous, fp16/bf16
+  const void* a[kMaxGroup] = {};         // [S, a_rank_dim[g], in_features] contiguous
+  int a_rank_dim[kMaxGroup] = {};        // pool rank dimension R_g of a[g] (ranks are clamped to it)
+  int in_features = 0;                   // multiple of 8
+  float* v = nullptr;                    // [T, G, v_rank_dim] contiguous fp32
+  int v_rank_dim = 0;                    // >= every a_rank_dim[g]
+};
+
+struct ExpandArgs {
+  SegmentArgs seg;
+  const float* v = nullptr;              // [T, G, v_rank_dim] contiguous fp32
+  int v_rank_dim = 0;
+  const void* b[kMaxGroup] = {};         // [S, b_rank_dim[g], out_features[g]] contiguous
+  int b_rank_dim[kMaxGroup] = {};
+  void* y[kMaxGroup] = {};               // [T, out_features[g]], unit column stride
+  int64_t y_row_stride[kMaxGroup] = {};  // elements, multiple of 8
+  int out_features[kMaxGroup] = {};      // multiple of 8
+};
+
+struct LaunchOptions {
+  // Segments with at least this many rows take the tensor-core path; shorter ones the CUDA-core
+  // path. Both are exact for any segment; the threshold only moves speed. >= 1.
+  int mma_min_rows = 128;
+  // Programmatic dependent launch (sm_90+). Shrink: lets its blocks be scheduled while the previous
+  // kernel drains (it waits for that kernel before reading anything). Expand: reads the segment
+  // table, the rank table and its first B tile while the previous kernel (normally the shrink)
+  // still runs, and waits for it before reading v or touching y.
+  bool pdl = true;
+};
+
+// Enqueue one launch on `stream` (a cudaStream_t) of device `device`. No host synchronisation, no
+// allocation: capturable in a CUDA graph. The grid depends only on T, capacity, G, the pool shapes and
+// the device, never on the table contents. Returns nullptr on success, else a static error message.
+const char* sgmv_shrink(DType dtype, const ShrinkArgs& args, const LaunchOptions& options, int device,
+                        void* stream);
+const char* sgmv_expand(DType dtype, const ExpandArgs& args, const LaunchOptions& options, int device,
+                        void* stream);
+
+}  // namespace lorafleet

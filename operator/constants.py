@@ -1,0 +1,82 @@
+"""Names, labels, ports and API coordinates shared by the operator and the scheduler's feeds."""
+
+from __future__ import annotations
+
+GROUP = "lorafleet.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+POOLS = "servingpools"
+ADAPTERS = "loraadapters"
+POOL_KIND = "ServingPool"
+ADAPTER_KIND = "LoraAdapter"
+
+FIELD_MANAGER = "lorafleet-operator"
+FINALIZER = f"{GROUP}/cleanup"
+
+# Ports of the two services (docs/api.md).
+SCHEDULER_PORT = 8000
+RUNNER_PORT = 8001
+
+# Where runner pods mount the PVCs named in a pool (pvc://claim/path -> PVC_ROOT/claim/path).
+PVC_ROOT = "/mnt/lorafleet/pvc"
+CACHE_DIR = "/var/cache/lorafleet"
+
+# Labels. Selector labels are the first two; the others describe the object.
+LABEL_POOL = f"{GROUP}/pool"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_PART_OF = "app.kubernetes.io/part-of"
+APP_NAME = "lorafleet"
+MANAGED_BY = "lorafleet-operator"
+COMPONENT_SCHEDULER = "scheduler"
+COMPONENT_RUNNER = "runner"
+
+# Annotations.
+ANNOTATION_APPLIED = f"{GROUP}/applied-hash"
+ANNOTATION_DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
+DRAINED_DELETION_COST = "-1000000"
+
+# The admin token Secret's key.
+ADMIN_TOKEN_KEY = "token"
+
+# Extended resource of one GPU, and the usual taint of GPU nodes.
+GPU_RESOURCE = "nvidia.com/gpu"
+
+
+def scheduler_name(pool: str) -> str:
+    """Deployment, Service, ServiceAccount, Role and RoleBinding of a pool's scheduler."""
+    return f"{pool}-scheduler"
+
+
+def runner_name(pool: str) -> str:
+    """Deployment, headless Service and ServiceAccount of a pool's runners."""
+    return f"{pool}-runner"
+
+
+def admin_secret_name(pool: str) -> str:
+    return f"{pool}-admin"
+
+
+def ingress_name(pool: str) -> str:
+    return pool
+
+
+def selector_labels(pool: str, component: str) -> dict[str, str]:
+    return {LABEL_POOL: pool, LABEL_COMPONENT: component}
+
+
+def labels(pool: str, component: str) -> dict[str, str]:
+    return {
+        LABEL_NAME: APP_NAME,
+        LABEL_INSTANCE: pool,
+        LABEL_MANAGED_BY: MANAGED_BY,
+        LABEL_PART_OF: APP_NAME,
+        **selector_labels(pool, component),
+    }
+
+
+def label_selector(pool: str, component: str) -> str:
+    """The `labelSelector` query string of a pool's pods of one component."""
+    return ",".join(f"{k}={v}" for k, v in selector_labels(pool, component).items())

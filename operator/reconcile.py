@@ -1,0 +1,308 @@
+"""The operator's side effects: apply a pool's children, look at a pool, act on decisions.
+
+Everything here is idempotent: it reads the current state from the API and the scheduler and
+writes only what differs, so running it again (or after a restart) changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import json
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import aiohttp
+
+from lorafleet.common import sources
+from lorafleet.common.kubeclient import ApiError, KubeClient
+from lorafleet.operator import builders
+from lorafleet.operator import constants as c
+from lorafleet.operator.admin import AdminClient, SchedulerUnavailable
+from lorafleet.operator.autoscale import Decision, History, Observation, Policy, decide
+from lorafleet.operator.config import OperatorConfig
+from lorafleet.operator.spec import PoolSpec, SpecError, base_shape_from_config, base_shape_status
+from lorafleet.operator.status import is_subset
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Context:
+    """What handlers share: settings, the API client, an HTTP session, cached admin tokens."""
+
+    config: OperatorConfig
+    kube: KubeClient
+    http: aiohttp.ClientSession
+    tokens: dict[tuple[str, str], str] = field(default_factory=dict)
+    last_apply: dict[tuple[str, str], float] = field(default_factory=dict)
+    locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
+
+    def lock(self, namespace: str, name: str) -> asyncio.Lock:
+        """One writer per pool at a time (its change handlers and its daemon)."""
+        return self.locks.setdefault((namespace, name), asyncio.Lock())
+
+    async def close(self) -> None:
+        await self.http.close()
+        await self.kube.close()
+
+
+# --- applying children -------------------------------------------------------------------------
+
+
+def applied_hash(obj: Mapping[str, Any]) -> str:
+    """Hash of what we apply, without the replica count (the autoscaler owns it)."""
+    body = json.loads(json.dumps(obj))
+    if body.get("kind") == "Deployment":
+        body.get("spec", {}).pop("replicas", None)
+    body.get("metadata", {}).get("annotations", {}).pop(c.ANNOTATION_APPLIED, None)
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
+
+
+async def apply_object(kube: KubeClient, obj: dict[str, Any]) -> bool:
+    """Server-side apply `obj` unless the live object already matches; True when written."""
+    digest = applied_hash(obj)
+    meta = obj["metadata"]
+    plural = await kube.plural_of(obj["apiVersion"], obj["kind"])
+    live = await kube.get(obj["apiVersion"], plural, meta["name"], meta.get("namespace"))
+    if live is not None:
+        live_hash = (live.get("metadata", {}).get("annotations") or {}).get(c.ANNOTATION_APPLIED)
+        if live_hash == digest and is_subset(obj, live):
+            return False
+    meta.setdefault("annotations", {})[c.ANNOTATION_APPLIED] = digest
+    await kube.apply(obj, c.FIELD_MANAGER)
+    return True
+
+
+async def ensure_admin_secret(ctx: Context, pool: PoolSpec, owner: Mapping[str, Any]) -> str:
+    """The pool's admin token: created once with a random value, then only read."""
+    key = (pool.namespace, pool.name)
+    live = await ctx.kube.get("v1", "secrets", c.admin_secret_name(pool.name), pool.namespace)
+    if live is None:
+        secret = builders.admin_secret(pool, secrets.token_urlsafe(32), owner)
+        try:
+            live = await ctx.kube.create(secret)
+        except ApiError as exc:
+            if exc.status != 409:
+                raise
+            live = await ctx.kube.get("v1", "secrets", c.admin_secret_name(pool.name), pool.namespace)
+    token = base64.b64decode(((live or {}).get("data") or {}).get(c.ADMIN_TOKEN_KEY, "")).decode()
+    ctx.tokens[key] = token
+    return token
+
+
+def wanted_replicas(pool: PoolSpec, live: Mapping[str, Any] | None) -> int:
+    """The runner replica count to apply: the live one (the autoscaler's), within the bounds."""
+    if not pool.autoscaling.enabled:
+        return pool.min_runners
+    current = (live or {}).get("spec", {}).get("replicas")
+    if current is None:
+        return pool.min_runners
+    # Above maxRunners the autoscaler drains the surplus first, so only raise to the minimum here.
+    return max(pool.min_runners, int(current))
+
+
+async def apply_pool(ctx: Context, pool: PoolSpec, owner: Mapping[str, Any]) -> list[str]:
+    """Create or update every child of a pool; return the kinds/names that were written."""
+    async with ctx.lock(pool.namespace, pool.name):
+        return await _apply_pool(ctx, pool, owner)
+
+
+async def _apply_pool(ctx: Context, pool: PoolSpec, owner: Mapping[str, Any]) -> list[str]:
+    await ensure_admin_secret(ctx, pool, owner)
+    live_runner = await ctx.kube.get("apps/v1", "deployments", c.runner_name(pool.name), pool.namespace)
+    written = []
+    for obj in builders.children(pool, ctx.config, wanted_replicas(pool, live_runner), owner):
+        if await apply_object(ctx.kube, obj):
+            written.append(f"{obj['kind']}/{obj['metadata']['name']}")
+    if not pool.ingress.enabled:
+        if await ctx.kube.delete("networking.k8s.io/v1", "ingresses", c.ingress_name(pool.name), pool.namespace):
+            written.append(f"Ingress/{c.ingress_name(pool.name)} (deleted)")
+    ctx.last_apply[(pool.namespace, pool.name)] = time.monotonic()
+    return written
+
+
+CHILDREN = (
+    ("networking.k8s.io/v1", "ingresses", c.ingress_name),
+    ("apps/v1", "deployments", c.runner_name),
+    ("v1", "services", c.runner_name),
+    ("apps/v1", "deployments", c.scheduler_name),
+    ("v1", "services", c.scheduler_name),
+    ("rbac.authorization.k8s.io/v1", "rolebindings", c.scheduler_name),
+    ("rbac.authorization.k8s.io/v1", "roles", c.scheduler_name),
+    ("v1", "serviceaccounts", c.scheduler_name),
+    ("v1", "serviceaccounts", c.runner_name),
+    ("v1", "secrets", c.admin_secret_name),
+)
+
+
+async def delete_pool_children(ctx: Context, name: str, namespace: str) -> list[str]:
+    """Delete what a pool owns (owner references would too; this does not wait for the GC)."""
+    deleted = []
+    for api_version, plural, naming in CHILDREN:
+        if await ctx.kube.delete(api_version, plural, naming(name), namespace):
+            deleted.append(f"{plural}/{naming(name)}")
+    ctx.tokens.pop((namespace, name), None)
+    ctx.last_apply.pop((namespace, name), None)
+    ctx.locks.pop((namespace, name), None)
+    return deleted
+
+
+# --- the scheduler -----------------------------------------------------------------------------
+
+
+async def admin_client(ctx: Context, namespace: str, pool: str) -> AdminClient | None:
+    """A client of the pool scheduler's admin API, or None before its Secret exists."""
+    token = ctx.tokens.get((namespace, pool))
+    if token is None:
+        live = await ctx.kube.get("v1", "secrets", c.admin_secret_name(pool), namespace)
+        if live is None:
+            return None
+        token = base64.b64decode((live.get("data") or {}).get(c.ADMIN_TOKEN_KEY, "")).decode()
+        ctx.tokens[(namespace, pool)] = token
+    url = ctx.config.scheduler_url.format(name=pool, namespace=namespace)
+    return AdminClient(ctx.http, url, token, ctx.config.http_timeout_s)
+
+
+async def learn_base_shape(ctx: Context, pool: PoolSpec, status: Mapping[str, Any] | None) -> dict | None:
+    """Read config.json of a remote base model once per source: the status' `baseModel`."""
+    known = (status or {}).get("baseModel") or {}
+    if known.get("source") == pool.model_source:
+        return None
+    src = sources.parse_source(pool.model_source)
+    if not src.remote:
+        return None  # a PVC or image path: runners check adapters against it instead
+    try:
+        cfg = await asyncio.to_thread(sources.read_model_config, pool.model_source, timeout=ctx.config.fetch_timeout_s)
+        shape = base_shape_from_config(cfg)
+    except (sources.SourceError, SpecError) as exc:
+        log.warning("pool %s/%s: base model shape unknown: %s", pool.namespace, pool.name, exc)
+        return None
+    return base_shape_status(shape, pool.model_source)
+
+
+# --- looking at a pool and acting --------------------------------------------------------------
+
+
+def _pod_ready(pod: Mapping[str, Any]) -> bool:
+    conds = (pod.get("status") or {}).get("conditions") or ()
+    return any(x.get("type") == "Ready" and x.get("status") == "True" for x in conds)
+
+
+async def runner_pods(ctx: Context, pool: PoolSpec) -> list[dict]:
+    listing = await ctx.kube.list("v1", "pods", pool.namespace, label_selector=c.label_selector(pool.name, c.COMPONENT_RUNNER))
+    want = c.selector_labels(pool.name, c.COMPONENT_RUNNER)
+    return [p for p in listing.get("items") or ()
+            if all((p.get("metadata", {}).get("labels") or {}).get(k) == v for k, v in want.items())]
+
+
+async def node_group_replicas(ctx: Context, pool: PoolSpec) -> int | None:
+    ng = pool.node_group
+    if ng is None:
+        return None
+    plural = await ctx.kube.plural_of(ng.api_version, ng.kind)
+    scale = await ctx.kube.get(ng.api_version, plural, ng.name, ng.namespace or pool.namespace, subresource="scale")
+    if scale is None:
+        raise ApiError(404, "NotFound", f"node group {ng.kind}/{ng.name} not found")
+    return int((scale.get("spec") or {}).get("replicas") or 0)
+
+
+@dataclass(frozen=True)
+class Look:
+    """One look at a pool: what the autoscaler and the status need."""
+
+    replicas: int
+    observation: Observation | None
+    scheduler_available: bool
+    scheduler_error: str | None
+    node_group_replicas: int | None
+    runner_deployment_exists: bool
+
+
+async def look(ctx: Context, pool: PoolSpec, admin: AdminClient | None) -> Look:
+    runner = await ctx.kube.get("apps/v1", "deployments", c.runner_name(pool.name), pool.namespace)
+    sched = await ctx.kube.get("apps/v1", "deployments", c.scheduler_name(pool.name), pool.namespace)
+    replicas = int(((runner or {}).get("spec") or {}).get("replicas") or 0)
+    available = int(((sched or {}).get("status") or {}).get("availableReplicas") or 0) > 0
+    pods = await runner_pods(ctx, pool)
+    alive = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+    names = tuple(sorted(p["metadata"]["name"] for p in alive))
+    ready = sum(1 for p in alive if _pod_ready(p))
+    nodes = None
+    try:
+        nodes = await node_group_replicas(ctx, pool)
+    except ApiError as exc:
+        log.warning("pool %s/%s: %s", pool.namespace, pool.name, exc)
+    state, error = None, None
+    if admin is None:
+        error = "the admin token Secret does not exist yet"
+    else:
+        try:
+            state = await admin.state()
+        except SchedulerUnavailable as exc:
+            error = str(exc)
+    obs = None
+    if state is not None:
+        obs = Observation.from_state(state, replicas=replicas, pods=names, ready_pods=ready,
+                                     terminating=len(pods) - len(alive), node_group_replicas=nodes)
+    return Look(replicas, obs, available, error, nodes, runner is not None)
+
+
+async def scale_runners(ctx: Context, pool: PoolSpec, replicas: int) -> None:
+    await ctx.kube.patch("apps/v1", "deployments", c.runner_name(pool.name), {"spec": {"replicas": replicas}},
+                         pool.namespace, subresource="scale")
+
+
+async def act(ctx: Context, pool: PoolSpec, admin: AdminClient, decision: Decision, current: Look) -> list[str]:
+    """Carry out a decision in a safe order; return one line per action taken."""
+    done = []
+    for rid in decision.undrain:
+        await admin.undrain(rid)
+        done.append(f"undrained runner {rid}")
+    for rid in decision.drain:
+        await admin.drain(rid)
+        done.append(f"draining idle runner {rid}")
+    removed = []
+    for rid in decision.remove:
+        # Exactly this pod must go: lowest deletion cost first, then one replica fewer.
+        patched = await ctx.kube.patch("v1", "pods", rid,
+                                       {"metadata": {"annotations": {c.ANNOTATION_DELETION_COST: c.DRAINED_DELETION_COST}}},
+                                       pool.namespace)
+        if patched is not None:
+            removed.append(rid)
+    replicas = decision.replicas + (len(decision.remove) - len(removed))
+    if replicas != current.replicas:
+        await scale_runners(ctx, pool, replicas)
+        what = f" (removing {', '.join(removed)})" if removed else ""
+        done.append(f"runners {current.replicas} -> {replicas}{what}")
+    ng = pool.node_group
+    if ng is not None and decision.node_group_replicas is not None:
+        plural = await ctx.kube.plural_of(ng.api_version, ng.kind)
+        await ctx.kube.patch(ng.api_version, plural, ng.name, {"spec": {"replicas": decision.node_group_replicas}},
+                             ng.namespace or pool.namespace, subresource="scale")
+        done.append(f"node group {ng.kind}/{ng.name}: {current.node_group_replicas} -> {decision.node_group_replicas}")
+    return done
+
+
+async def autoscale(ctx: Context, pool: PoolSpec, admin: AdminClient | None, current: Look,
+                    history: History, now: float) -> tuple[History, list[str], Decision | None]:
+    """One autoscaler round: decide from the look, act, return the new history and actions."""
+    exists = current.runner_deployment_exists
+    if not pool.autoscaling.enabled:
+        if exists and current.replicas != pool.min_runners:  # a fixed pool runs exactly minRunners
+            await scale_runners(ctx, pool, pool.min_runners)
+            return history, [f"runners {current.replicas} -> {pool.min_runners} (autoscaling off)"], None
+        return history, [], None
+    if current.observation is None or admin is None or not exists:
+        # Without the scheduler's view only the lower bound is kept (removing needs a drain first).
+        if exists and current.replicas < pool.min_runners:
+            await scale_runners(ctx, pool, pool.min_runners)
+            return history, [f"runners {current.replicas} -> {pool.min_runners} (minRunners)"], None
+        return history, [], None
+    decision = decide(current.observation, Policy.from_pool(pool), history, now)
+    actions = await act(ctx, pool, admin, decision, current)
+    return decision.history, actions, decision

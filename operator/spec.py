@@ -1,0 +1,233 @@
+"""Typed views of the ServingPool and LoraAdapter specs, with the CRD defaults applied.
+
+The API server applies the defaults of `crds/*.yaml`; parsing applies them again so that
+the operator behaves the same on an object that skipped defaulting. Keep both in step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from lorafleet.common.peft_config import BaseShape
+
+
+@dataclass(frozen=True)
+class RunnerSpec:
+    image: str | None = None
+    image_pull_policy: str | None = None
+    gpus: int = 1
+    max_batch_size: int = 32
+    kv_fraction: float = 0.9
+    max_lora_rank: int = 64
+    resources: Mapping[str, Any] = field(default_factory=dict)
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    tolerations: tuple[Mapping[str, Any], ...] = ()
+    affinity: Mapping[str, Any] | None = None
+    priority_class: str | None = None
+    grace_seconds: int = 120
+    env: tuple[Mapping[str, Any], ...] = ()
+    extra_args: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class SchedulerSpec:
+    image: str | None = None
+    image_pull_policy: str | None = None
+    resources: Mapping[str, Any] = field(default_factory=dict)
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    tolerations: tuple[Mapping[str, Any], ...] = ()
+    env: tuple[Mapping[str, Any], ...] = ()
+    extra_args: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class AutoscalingSpec:
+    enabled: bool = True
+    scale_up_delay_s: int = 10
+    scale_up_cooldown_s: int = 60
+    max_step: int = 2
+
+
+@dataclass(frozen=True)
+class IngressSpec:
+    enabled: bool = False
+    class_name: str | None = None
+    host: str | None = None
+    path: str = "/"
+    tls_secret: str | None = None
+    annotations: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class NodeGroupSpec:
+    api_version: str
+    kind: str
+    name: str
+    gpus_per_node: int
+    namespace: str | None = None
+    min_replicas: int = 0
+    max_replicas: int | None = None
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    name: str
+    namespace: str
+    model_source: str
+    runner: RunnerSpec = RunnerSpec()
+    scheduler: SchedulerSpec = SchedulerSpec()
+    image_pull_secrets: tuple[str, ...] = ()
+    credentials_secret: str | None = None
+    adapter_volumes: tuple[str, ...] = ()
+    min_runners: int = 1
+    max_runners: int = 4
+    idle_seconds: int = 600
+    autoscaling: AutoscalingSpec = AutoscalingSpec()
+    ingress: IngressSpec = IngressSpec()
+    node_group: NodeGroupSpec | None = None
+
+    def clamp_runners(self, n: int) -> int:
+        return max(self.min_runners, min(self.max_runners, n))
+
+
+class SpecError(ValueError):
+    """A spec the operator cannot act on (the CRD's validation would have refused it)."""
+
+
+def _tuple(value: Any) -> tuple:
+    return tuple(value or ())
+
+
+def parse_pool(name: str, namespace: str, spec: Mapping[str, Any]) -> PoolSpec:
+    """Turn a ServingPool's `spec` into a PoolSpec; raise SpecError when it is unusable."""
+    model = spec.get("model") or {}
+    source = model.get("source") if isinstance(model, Mapping) else None
+    if not source:
+        raise SpecError("spec.model.source is required")
+    r = spec.get("runner") or {}
+    s = spec.get("scheduler") or {}
+    a = spec.get("autoscaling") or {}
+    i = spec.get("ingress") or {}
+    runner = RunnerSpec(
+        image=r.get("image"),
+        image_pull_policy=r.get("imagePullPolicy"),
+        gpus=int(r.get("gpusPerRunner", 1)),
+        max_batch_size=int(r.get("maxBatchSize", 32)),
+        kv_fraction=float(r.get("kvFraction", 0.9)),
+        max_lora_rank=int(r.get("maxLoraRank", 64)),
+        resources=dict(r.get("resources") or {}),
+        node_selector=dict(r.get("nodeSelector") or {}),
+        tolerations=_tuple(r.get("tolerations")),
+        affinity=r.get("affinity") or None,
+        priority_class=r.get("priorityClassName") or None,
+        grace_seconds=int(r.get("terminationGracePeriodSeconds", 120)),
+        env=_tuple(r.get("env")),
+        extra_args=tuple(str(x) for x in r.get("extraArgs") or ()),
+    )
+    scheduler = SchedulerSpec(
+        image=s.get("image"),
+        image_pull_policy=s.get("imagePullPolicy"),
+        resources=dict(s.get("resources") or {}),
+        node_selector=dict(s.get("nodeSelector") or {}),
+        tolerations=_tuple(s.get("tolerations")),
+        env=_tuple(s.get("env")),
+        extra_args=tuple(str(x) for x in s.get("extraArgs") or ()),
+    )
+    autoscaling = AutoscalingSpec(
+        enabled=bool(a.get("enabled", True)),
+        scale_up_delay_s=int(a.get("scaleUpDelaySeconds", 10)),
+        scale_up_cooldown_s=int(a.get("scaleUpCooldownSeconds", 60)),
+        max_step=int(a.get("maxScaleUpStep", 2)),
+    )
+    ingress = IngressSpec(
+        enabled=bool(i.get("enabled", False)),
+        class_name=i.get("className") or None,
+        host=i.get("host") or None,
+        path=i.get("path") or "/",
+        tls_secret=i.get("tlsSecretName") or None,
+        annotations=dict(i.get("annotations") or {}),
+    )
+    node_group = None
+    ng = spec.get("nodeGroup")
+    if ng:
+        missing = [k for k in ("apiVersion", "kind", "name", "gpusPerNode") if not ng.get(k)]
+        if missing:
+            raise SpecError(f"spec.nodeGroup needs {', '.join(missing)}")
+        node_group = NodeGroupSpec(
+            api_version=ng["apiVersion"],
+            kind=ng["kind"],
+            name=ng["name"],
+            gpus_per_node=int(ng["gpusPerNode"]),
+            namespace=ng.get("namespace") or None,
+            min_replicas=int(ng.get("minReplicas", 0)),
+            max_replicas=int(ng["maxReplicas"]) if ng.get("maxReplicas") is not None else None,
+        )
+        if node_group.gpus_per_node < runner.gpus:
+            raise SpecError("nodeGroup.gpusPerNode must be at least runner.gpusPerRunner")
+    pool = PoolSpec(
+        name=name,
+        namespace=namespace,
+        model_source=str(source),
+        runner=runner,
+        scheduler=scheduler,
+        image_pull_secrets=tuple(str(x) for x in spec.get("imagePullSecrets") or ()),
+        credentials_secret=spec.get("credentialsSecret") or None,
+        adapter_volumes=tuple(str(x) for x in spec.get("adapterVolumes") or ()),
+        min_runners=int(spec.get("minRunners", 1)),
+        max_runners=int(spec.get("maxRunners", 4)),
+        idle_seconds=int(spec.get("idleSecondsBeforeDrain", 600)),
+        autoscaling=autoscaling,
+        ingress=ingress,
+        node_group=node_group,
+    )
+    if pool.min_runners > pool.max_runners:
+        raise SpecError(f"minRunners ({pool.min_runners}) must not exceed maxRunners ({pool.max_runners})")
+    return pool
+
+
+def base_shape_from_status(status: Mapping[str, Any] | None) -> BaseShape | None:
+    """The base model shape a pool's status carries (see `base_shape_from_config`), if any."""
+    b = (status or {}).get("baseModel") or {}
+    try:
+        return BaseShape(
+            num_layers=int(b["numLayers"]),
+            hidden_size=int(b["hiddenSize"]),
+            intermediate_size=int(b["intermediateSize"]),
+            q_dim=int(b["qDim"]),
+            kv_dim=int(b["kvDim"]),
+            name=str(b.get("name") or ""),
+        )
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def base_shape_from_config(config: Mapping[str, Any], name: str = "") -> BaseShape:
+    """A Llama-style HF config.json -> the dimensions LoRA weights must fit."""
+    try:
+        hidden = int(config["hidden_size"])
+        heads = int(config["num_attention_heads"])
+        kv_heads = int(config.get("num_key_value_heads") or heads)
+        head_dim = int(config.get("head_dim") or hidden // heads)
+        return BaseShape(
+            num_layers=int(config["num_hidden_layers"]),
+            hidden_size=hidden,
+            intermediate_size=int(config["intermediate_size"]),
+            q_dim=heads * head_dim,
+            kv_dim=kv_heads * head_dim,
+            name=name or str(config.get("_name_or_path") or ""),
+        )
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
+        raise SpecError(f"config.json lacks a Llama-style shape ({exc!r})") from None
+
+
+def base_shape_status(shape: BaseShape, source: str) -> dict[str, Any]:
+    return {
+        "source": source,
+        "name": shape.name,
+        "numLayers": shape.num_layers,
+        "hiddenSize": shape.hidden_size,
+        "intermediateSize": shape.intermediate_size,
+        "qDim": shape.q_dim,
+        "kvDim": shape.kv_dim,
+    }

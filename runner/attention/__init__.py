@@ -1,0 +1,1 @@
+"""Paged attention backends: plain torch (CPU, reference) and flashinfer (CUDA)."""

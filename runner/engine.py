@@ -1,0 +1,253 @@
+"""The engine: requests in, token ids out, one `step()` at a time.
+
+    plan = batcher.schedule()            # who runs, pages, evictions
+    seqs, tokens = runner.run(plan)      # one flat multi-LoRA batch
+    return self._postprocess(...)        # append tokens, finish, report
+
+`submit` and `cancel` may be called from any thread; `step` from one thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from lorafleet.runner.batcher import Batcher, StepPlan
+from lorafleet.runner.block_manager import BlockManager
+from lorafleet.runner.config import EngineConfig, ModelConfig
+from lorafleet.runner.kv_cache import KVCache, bytes_per_token
+from lorafleet.runner.lora.manager import AdapterManager
+from lorafleet.runner.lora.pool import LoraPool
+from lorafleet.runner.model.llama import LlamaModel
+from lorafleet.runner.model_runner import ModelRunner
+from lorafleet.runner.sequence import Sequence, Status
+from lorafleet.runner.weights import load_weights
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+@dataclass
+class StepOutput:
+    """What one step did to one request: new token ids, and the end if it ended."""
+
+    seq_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # stop | length | cancelled | evicted | error
+    error: str | None = None
+    output_ids: list[int] | None = None  # all generated ids, set when finished
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda was asked for but CUDA is not available on this machine")
+    return dev
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; use one of float32, bfloat16, float16")
+    return DTYPES[name]
+
+
+class Engine:
+    def __init__(self, model_path: str, config: EngineConfig = EngineConfig(), resolve_adapter=None):
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        t0 = time.perf_counter()
+        model_cfg, tensors = load_weights(model_path)
+        self.model_config: ModelConfig = model_cfg
+        self.model = LlamaModel(model_cfg, tensors, self.dtype, self.device)
+        del tensors
+        log.info("loaded %s (%d layers) on %s as %s in %.1fs", model_path, model_cfg.num_layers, self.device,
+                 self.dtype, time.perf_counter() - t0)
+        self.max_model_len = config.max_model_len or model_cfg.max_position_embeddings
+        base = model_cfg.base_shape()
+
+        self.lora_pool = self.adapters = None
+        if config.enable_lora:
+            slots = config.lora_slots or (64 if self.device.type == "cuda" else 8)
+            self.lora_pool = LoraPool(base, slots, config.max_lora_rank, self.dtype, self.device)
+            stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+            self.adapters = AdapterManager(self.lora_pool, base, config.host_lora_cache, resolve_adapter, stream)
+
+        num_pages = config.num_pages or self._default_pages()
+        self.kv = KVCache(model_cfg, num_pages, config.page_size, self.dtype, self.device)
+        self.blocks = BlockManager(num_pages, config.page_size)
+        self.batcher = Batcher(self.blocks, self.adapters, config.max_batch_size, config.max_prefill_tokens,
+                               self.max_model_len)
+        self.attention = self._make_attention()
+        self.sgmv = self._make_sgmv()
+        self.runner = ModelRunner(self.model, self.attention, self.lora_pool, self.sgmv, config.page_size)
+        log.info("KV cache: %d pages x %d tokens (%d tokens); attention=%s sgmv=%s", num_pages, config.page_size,
+                 self.blocks.total_tokens, self.attention.name, getattr(self.sgmv, "name", "?"))
+
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._seqs: dict[str, Sequence] = {}
+        self.last_busy = time.time()
+        self.steps = 0
+
+    # -- construction helpers -------------------------------------------------------------------
+    def _default_pages(self) -> int:
+        per_token = bytes_per_token(self.model_config, self.dtype)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = free * self.config.kv_fraction
+        else:
+            budget = self.config.kv_cache_gb * (1 << 30)
+        return max(1, int(budget // (per_token * self.config.page_size)))
+
+    def _make_attention(self):
+        from lorafleet.runner.attention.select import attention_backend
+
+        return attention_backend(self.kv, self.model_config, self.device, self.config)
+
+    def _make_sgmv(self):
+        from lorafleet.runner.lora.sgmv import TorchSGMV
+
+        try:
+            from lorafleet.runner.lora.sgmv_select import sgmv_backend
+        except ImportError:
+            return TorchSGMV()
+        return sgmv_backend(self.device)
+
+    # -- public API -----------------------------------------------------------------------------
+    def submit(self, seq: Sequence) -> None:
+        """Queue a request (thread-safe). Its outputs appear in later `step()` results."""
+        self._inbox.put(("add", seq))
+
+    def cancel(self, seq_id: str) -> None:
+        """Cancel a request at any time (thread-safe); its pages are freed on the next step."""
+        self._inbox.put(("cancel", seq_id))
+
+    def has_work(self) -> bool:
+        return bool(self._seqs) or not self._inbox.empty()
+
+    def step(self) -> list[StepOutput]:
+        outputs = self._drain_inbox()
+        plan = self.batcher.schedule()
+        outputs += [self._finish(s) for s in plan.evicted + plan.failed]
+        if plan.seqs:
+            seqs, tokens = self.runner.run(plan.prefill, plan.decode)
+            outputs += self._postprocess(seqs, tokens)
+            self.last_busy = time.time()
+            self.steps += 1
+        return outputs
+
+    def state(self) -> dict:
+        """Numbers the runner service reports (batch, KV, adapters)."""
+        running: dict[str, int] = {}
+        for s in self.batcher.running:
+            if s.adapter_name:
+                running[s.adapter_name] = running.get(s.adapter_name, 0) + 1
+        waiting: dict[str, int] = {}
+        for s in self.batcher.waiting:
+            if s.adapter_name:
+                waiting[s.adapter_name] = waiting.get(s.adapter_name, 0) + 1
+        busy = self.batcher.num_unfinished > 0
+        return {
+            "batch_size": len(self.batcher.running),
+            "max_batch_size": self.config.max_batch_size,
+            "waiting": len(self.batcher.waiting),
+            "free_kv_tokens": self.blocks.free_tokens,
+            "total_kv_tokens": self.blocks.total_tokens,
+            "idle_seconds": 0.0 if busy else round(time.time() - self.last_busy, 3),
+            "running_adapters": running,
+            "waiting_adapters": waiting,
+            "resident_adapters": self.adapters.resident() if self.adapters else [],
+            "adapter_pool": self.adapters.state() if self.adapters else {},
+        }
+
+    # -- internals --------------------------------------------------------------------------------
+    def _drain_inbox(self) -> list[StepOutput]:
+        outputs = []
+        while True:
+            try:
+                op, arg = self._inbox.get_nowait()
+            except queue.Empty:
+                return outputs
+            if op == "add":
+                if arg.id in self._seqs:
+                    arg.finish_reason, arg.error = "error", f"request id {arg.id!r} is already running"
+                    outputs.append(StepOutput(arg.id, [], "error", arg.error, list(arg.output_ids)))
+                    continue
+                self._seqs[arg.id] = arg
+                self.batcher.add(arg)
+            elif op == "cancel":
+                seq = self._seqs.get(arg)
+                if seq is not None:
+                    self.batcher.remove(seq)
+                    seq.finish_reason = "cancelled"
+                    outputs.append(self._finish(seq))
+
+    def _finish(self, seq: Sequence) -> StepOutput:
+        self._seqs.pop(seq.id, None)
+        if seq.finish_reason == "evicted" and self.config.requeue_evicted:
+            # Offline use: resume here later by prefill on prompt + generated ids.
+            seq.finish_reason = None
+            self._seqs[seq.id] = seq
+            self.batcher.add(seq)
+            return StepOutput(seq.id)
+        return StepOutput(seq.id, [], seq.finish_reason, seq.error, list(seq.output_ids))
+
+    def _postprocess(self, seqs: list[Sequence], tokens: list[int]) -> list[StepOutput]:
+        eos = set(self.model_config.eos_token_ids)
+        outputs = []
+        for seq, tok in zip(seqs, tokens):
+            seq.output_ids.append(tok)
+            seq.num_cached = seq.num_tokens - 1
+            p = seq.params
+            reason = None
+            if tok in p.stop_token_ids or (not p.ignore_eos and tok in eos):
+                reason = "stop"
+            elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+                reason = "length"
+            out = StepOutput(seq.id, [tok])
+            if reason is not None:
+                self.batcher.remove(seq)
+                seq.finish_reason = reason
+                self._seqs.pop(seq.id, None)
+                out.finish_reason, out.output_ids = reason, list(seq.output_ids)
+            outputs.append(out)
+        return outputs
+
+    def abort_all(self, message: str) -> list[StepOutput]:
+        """Fail every admitted request (after an engine error) so no caller waits forever."""
+        outs = []
+        for seq in list(self.batcher.running) + list(self.batcher.waiting):
+            self.batcher.remove(seq)
+            self._seqs.pop(seq.id, None)
+            seq.finish_reason, seq.error = "error", message
+            outs.append(StepOutput(seq.id, [], "error", message, list(seq.output_ids)))
+        return outs
+
+    def run_to_completion(self, seqs: list[Sequence], progress=None) -> dict[str, StepOutput]:
+        """Offline helper: submit all, step until all finish; final output per id."""
+        for s in seqs:
+            self.submit(s)
+        done: dict[str, StepOutput] = {}
+        while self.has_work():
+            for out in self.step():
+                if out.finished:
+                    done[out.seq_id] = out
+                    if progress is not None:
+                        progress(out)
+        return done
+
+

@@ -1,0 +1,198 @@
+"""`lorafleet generate`: offline batch inference of a JSONL file, mixed adapters in one batch.
+
+Every input line is one request:
+  {"id", "adapter": name or null, "prompt": text | "prompt_token_ids": [...],
+   "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos"}
+Every output line (same order): {"id", "adapter", "prompt_token_ids", "token_ids", "text",
+"finish_reason"} plus "error" when a request failed. A bad line or a bad adapter fails
+that request only; all the others run as one continuous batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from lorafleet.runner.config import EngineConfig
+from lorafleet.runner.sequence import AdapterRef, SamplingError, SamplingParams, Sequence
+
+log = logging.getLogger(__name__)
+
+FIELDS = {"id", "adapter", "prompt", "prompt_token_ids", "max_tokens", "temperature", "top_p", "top_k", "seed",
+          "stop_token_ids", "ignore_eos"}
+
+
+class RequestError(ValueError):
+    pass
+
+
+def tokenizer_dir(model: Path) -> Path | None:
+    """Where the model's tokenizer.json lives (converted once for a .gguf file)."""
+    if model.is_dir():
+        return model if (model / "tokenizer.json").is_file() else None
+    from lorafleet import env
+    from lorafleet.runner.demo import write_tokenizer
+
+    out = env.cache_dir() / "tokenizers" / model.stem
+    if not (out / "tokenizer.json").is_file():
+        write_tokenizer(model, out)
+    return out
+
+
+def parse_request(line: str, lineno: int, tokenizer, adapters_dir: Path | None) -> tuple[str, dict]:
+    """-> (id, request dict with prompt_token_ids, params, adapter ref); RequestError on bad input."""
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise RequestError(f"line {lineno}: not valid JSON ({exc.msg})") from None
+    if not isinstance(obj, dict):
+        raise RequestError(f"line {lineno}: a request must be a JSON object")
+    rid = str(obj.get("id", f"line-{lineno}"))
+    unknown = set(obj) - FIELDS
+    if unknown:
+        raise RequestError(f"request {rid}: unknown field(s) {sorted(unknown)}")
+    if "prompt_token_ids" in obj:
+        ids = obj["prompt_token_ids"]
+        if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise RequestError(f"request {rid}: prompt_token_ids must be a non-empty list of integers")
+    elif isinstance(obj.get("prompt"), str) and obj["prompt"]:
+        if tokenizer is None:
+            raise RequestError(f"request {rid}: the model has no tokenizer; give prompt_token_ids")
+        ids = tokenizer.encode(obj["prompt"])
+    else:
+        raise RequestError(f"request {rid}: give a non-empty 'prompt' or 'prompt_token_ids'")
+    try:
+        params = SamplingParams(
+            max_tokens=obj.get("max_tokens", 64),
+            temperature=float(obj.get("temperature", 0.0)),
+            top_p=float(obj.get("top_p", 1.0)),
+            top_k=obj.get("top_k", 0),
+            seed=obj.get("seed"),
+            stop_token_ids=tuple(obj.get("stop_token_ids") or ()),
+            ignore_eos=bool(obj.get("ignore_eos", False)),
+        )
+    except (SamplingError, TypeError, ValueError) as exc:
+        raise RequestError(f"request {rid}: {exc}") from None
+    adapter = obj.get("adapter")
+    ref = None
+    if adapter is not None:
+        if not isinstance(adapter, str) or not adapter:
+            raise RequestError(f"request {rid}: adapter must be a name or null")
+        if adapters_dir is None:
+            raise RequestError(f"request {rid}: adapter {adapter!r} asked for but no --adapters directory given")
+        ref = AdapterRef(adapter, str(adapters_dir / adapter))
+    return rid, {"ids": ids, "params": params, "adapter": ref}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", type=Path, default=None,
+                   help="HF model directory or .gguf file (default: the demo model, prepared on first use)")
+    p.add_argument("--adapters", type=Path, default=None, help="directory with one PEFT adapter per subfolder")
+    p.add_argument("--input", type=Path, required=True, help="requests, one JSON object per line")
+    p.add_argument("--output", type=Path, required=True, help="where to write results (JSONL, input order)")
+    p.add_argument("--max-batch-size", type=int, default=32)
+    p.add_argument("--kv-pages", type=int, default=None, help="KV cache pages (default: from memory)")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    p.add_argument("--max-lora-rank", type=int, default=64)
+    p.add_argument("--lora-slots", type=int, default=None, help="adapters resident at once (default 8 CPU / 64 GPU)")
+    p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from lorafleet.runner.engine import Engine
+    from lorafleet.scheduler.tokenizer import Tokenizer
+
+    model = args.model
+    adapters_dir = args.adapters
+    if model is None:
+        from lorafleet.runner.demo import prepare
+
+        demo = prepare()
+        model, adapters_dir = demo / "model", adapters_dir or demo / "adapters"
+    if not args.input.is_file():
+        print(f"error: input file {args.input} does not exist", file=sys.stderr)
+        return 2
+    if adapters_dir is not None and not adapters_dir.is_dir():
+        print(f"error: adapters directory {adapters_dir} does not exist", file=sys.stderr)
+        return 2
+    tok_dir = tokenizer_dir(model)
+    tokenizer = Tokenizer(tok_dir) if tok_dir else None
+
+    order: list[str] = []
+    results: dict[str, dict] = {}
+    seqs: list[Sequence] = []
+    for lineno, line in enumerate(args.input.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rid, req = parse_request(line, lineno, tokenizer, adapters_dir)
+        except RequestError as exc:
+            rid = f"line-{lineno}"
+            try:
+                rid = str(json.loads(line).get("id", rid))
+            except Exception:
+                pass
+            order.append(rid)
+            results[rid] = {"id": rid, "adapter": None, "prompt_token_ids": [], "token_ids": [], "text": "",
+                            "finish_reason": "error", "error": str(exc)}
+            continue
+        if rid in results or any(s.id == rid for s in seqs):
+            order.append(f"{rid}#dup{lineno}")
+            results[f"{rid}#dup{lineno}"] = {"id": rid, "adapter": None, "prompt_token_ids": [], "token_ids": [],
+                                              "text": "", "finish_reason": "error", "error": f"duplicate id {rid!r}"}
+            continue
+        order.append(rid)
+        seqs.append(Sequence(rid, req["ids"], req["params"], req["adapter"], arrival=float(lineno)))
+
+    cfg = EngineConfig(
+        max_batch_size=args.max_batch_size, page_size=args.page_size, num_pages=args.kv_pages,
+        max_lora_rank=args.max_lora_rank, lora_slots=args.lora_slots, dtype=args.dtype, device=args.device,
+        requeue_evicted=True,
+    )
+    engine = Engine(str(model), cfg)
+    by_id = {s.id: s for s in seqs}
+    t0 = time.perf_counter()
+    n_tokens = 0
+    bar = tqdm(total=len(seqs), unit="req", disable=args.no_progress, file=sys.stderr)
+
+    def done(out):
+        nonlocal n_tokens
+        n_tokens += len(out.output_ids or [])
+        bar.update(1)
+        bar.set_postfix(tok_s=f"{n_tokens / max(time.perf_counter() - t0, 1e-9):.1f}")
+
+    finals = engine.run_to_completion(seqs, progress=done)
+    bar.close()
+    elapsed = time.perf_counter() - t0
+    for rid, out in finals.items():
+        s = by_id[rid]
+        ids = out.output_ids or []
+        results[rid] = {
+            "id": rid,
+            "adapter": s.adapter_name,
+            "prompt_token_ids": s.prompt_ids,
+            "token_ids": ids,
+            "text": tokenizer.decode(ids) if tokenizer else "",
+            "finish_reason": out.finish_reason,
+        }
+        if out.error:
+            results[rid]["error"] = out.error
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    with args.output.open("w") as f:
+        for rid in order:
+            f.write(json.dumps(results[rid], ensure_ascii=False) + "\n")
+    errors = sum(1 for r in results.values() if r["finish_reason"] == "error")
+    print(f"{len(order)} requests ({errors} failed), {n_tokens} tokens in {elapsed:.1f}s "
+          f"= {n_tokens / max(elapsed, 1e-9):.1f} tok/s -> {args.output}", file=sys.stderr)
+    for rid in order:
+        if results[rid]["finish_reason"] == "error":
+            print(f"  {rid}: {results[rid]['error']}", file=sys.stderr)
+    return 0

@@ -1,0 +1,166 @@
+"""Which adapters sit in which pool slot: LRU over unpinned slots, a host tier behind it.
+
+`acquire(ref)` answers READY (with a slot, pinned for the caller), LOADING (come back next
+step) or raises AdapterError. Loads on CPU are synchronous; on CUDA they run on a side
+stream from pinned host memory and never stall the running batch (see `loader.py`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from lorafleet.common.peft_config import AdapterError, BaseShape
+from lorafleet.runner.lora.adapter import LoadedAdapter, load_adapter
+from lorafleet.runner.lora.pool import LoraPool
+from lorafleet.runner.sequence import AdapterRef
+
+log = logging.getLogger(__name__)
+
+READY, LOADING = "ready", "loading"
+
+
+@dataclass
+class SlotState:
+    ref: AdapterRef
+    pins: int = 0
+    ready: bool = False
+    event: object = None  # torch.cuda.Event of the copy into the slot, until it completes
+
+
+class AdapterManager:
+    def __init__(
+        self,
+        pool: LoraPool,
+        base: BaseShape,
+        host_capacity: int = 256,
+        resolve: Callable[[AdapterRef], str] | None = None,
+        copy_stream: "torch.cuda.Stream | None" = None,
+    ):
+        self.pool, self.base = pool, base
+        self.host_capacity = host_capacity
+        self.resolve = resolve or (lambda ref: ref.source)
+        self.copy_stream = copy_stream
+        self.slots: dict[int, SlotState] = {}
+        self.by_name: dict[str, int] = {}
+        self.lru: OrderedDict[int, None] = OrderedDict()  # unpinned ready slots, oldest first
+        self.free_slots = list(range(pool.num_slots - 1, -1, -1))
+        self.host: OrderedDict[tuple[str, str], LoadedAdapter] = OrderedDict()
+        self.stats = {"loads": 0, "host_hits": 0, "evictions": 0, "failures": 0, "load_seconds": 0.0}
+
+    # -- queries ------------------------------------------------------------------------
+    def resident(self) -> list[str]:
+        return sorted(s.ref.name for s in self.slots.values() if s.ready)
+
+    def loading(self) -> list[str]:
+        return sorted(s.ref.name for s in self.slots.values() if not s.ready)
+
+    def state(self) -> dict:
+        return {
+            "gpu_slots": self.pool.num_slots,
+            "gpu_used": len(self.slots),
+            "gpu_bytes": self.pool.nbytes,
+            "host_cached": len(self.host),
+            "host_bytes": sum(a.nbytes for a in self.host.values()),
+            **self.stats,
+        }
+
+    # -- acquire / release ------------------------------------------------------------------
+    def acquire(self, ref: AdapterRef) -> tuple[str, int]:
+        """READY with a pinned slot, or LOADING; raises AdapterError for a bad adapter."""
+        slot = self.by_name.get(ref.name)
+        if slot is not None and self.slots[slot].ref != ref:
+            # Same name, new source: reload once nobody uses the old weights.
+            if self.slots[slot].pins == 0 and self.slots[slot].ready:
+                self._drop(slot)
+                slot = None
+            else:
+                return LOADING, -1
+        if slot is None:
+            slot = self._start_load(ref)
+            if slot is None:
+                return LOADING, -1  # every slot pinned: wait for a request to finish
+        st = self.slots[slot]
+        if not st.ready:
+            if st.event is not None and not st.event.query():
+                return LOADING, -1
+            st.ready, st.event = True, None
+        st.pins += 1
+        self.lru.pop(slot, None)
+        return READY, slot
+
+    def release(self, slot: int) -> None:
+        st = self.slots.get(slot)
+        if st is None:
+            return
+        st.pins -= 1
+        if st.pins == 0 and st.ready:
+            self.lru[slot] = None
+
+    # -- internals --------------------------------------------------------------------------
+    def _host_copy(self, ref: AdapterRef) -> LoadedAdapter:
+        key = (ref.name, ref.source)
+        if key in self.host:
+            self.host.move_to_end(key)
+            self.stats["host_hits"] += 1
+            return self.host[key]
+        t0 = time.perf_counter()
+        try:
+            path = self.resolve(ref)
+            adapter = load_adapter(
+                ref.name, path, self.base, self.pool.max_rank, self.pool.dtype, pin=self.copy_stream is not None
+            )
+        except AdapterError:
+            self.stats["failures"] += 1
+            raise
+        except Exception as exc:  # fetch errors, I/O errors
+            self.stats["failures"] += 1
+            raise AdapterError(ref.name, str(exc)) from None
+        self.stats["load_seconds"] += time.perf_counter() - t0
+        self.host[key] = adapter
+        while len(self.host) > self.host_capacity:
+            self.host.popitem(last=False)
+        return adapter
+
+    def _start_load(self, ref: AdapterRef) -> int | None:
+        adapter = self._host_copy(ref)  # raises AdapterError before any slot is taken
+        if self.free_slots:
+            slot = self.free_slots.pop()
+        elif self.lru:
+            slot, _ = self.lru.popitem(last=False)
+            log.info("evicting adapter %s from slot %d", self.slots[slot].ref.name, slot)
+            self.stats["evictions"] += 1
+            self._forget(slot)
+        else:
+            return None
+        st = SlotState(ref)
+        if self.copy_stream is not None:
+            # Wait for steps already queued (they may still read this slot's old weights).
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.pool.device))
+            with torch.cuda.stream(self.copy_stream):
+                self.pool.write(slot, adapter, stream=self.copy_stream)
+                st.event = torch.cuda.Event()
+                st.event.record(self.copy_stream)
+        else:
+            self.pool.write(slot, adapter)
+            st.ready = True
+        self.stats["loads"] += 1
+        self.slots[slot] = st
+        self.by_name[ref.name] = slot
+        return slot
+
+    def _forget(self, slot: int) -> None:
+        st = self.slots.pop(slot)
+        if self.by_name.get(st.ref.name) == slot:
+            del self.by_name[st.ref.name]
+        self.pool.clear(slot)
+
+    def _drop(self, slot: int) -> None:
+        self.lru.pop(slot, None)
+        self._forget(slot)
+        self.free_slots.append(slot)

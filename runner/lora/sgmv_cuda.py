@@ -1,0 +1,74 @@
+"""SGMV on CUDA: the shrink / expand kernels of `csrc/` behind the `SGMV` interface."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from lorafleet.runner.lora.segments import SegmentTable
+
+
+class CudaSGMV:
+    """The LoRA add-on over the segments of a flat batch, one kernel launch per call.
+
+    For every segment i with slot s = seg.slots[i] >= 0 and every projection g of the group
+    (q,k,v or gate,up share x; o and down stand alone):
+
+        rows = seg.indptr[i] : seg.indptr[i+1]
+        r    = ranks[g, s]                                 # 0: projection g not adapted by slot s
+        shrink:  v[rows, g, :r]  = x[rows] @ a[g][s, :r, :].T       # fp32 accumulate, fp32 store
+        expand:  ys[g][rows]    += v[rows, g, :r] @ b[g][s, :r, :]  # fp32 accumulate, one rounding
+
+    Shapes and dtypes (all tensors on one CUDA device):
+        x      [T, in]          float16 or bfloat16, contiguous, in % 8 == 0
+        a[g]   [S, R_g, in]     dtype of x, contiguous; rows beyond a slot's rank are never read
+        b[g]   [S, R_g, out_g]  dtype of x, contiguous; out_g % 8 == 0
+        ranks  int32 [G, S]     on the device (read by the kernels; clamped to [0, R_g])
+        v      fp32 [T, G, R]   contiguous workspace, R >= every R_g
+        ys[g]  [T, out_g]       dtype of x, stride(1) == 1, any row stride that is a multiple of 8
+                                and a 16-byte aligned start (column views of a fused qkv / gate_up)
+        seg    SegmentTable     int32 indptr [cap + 1] and slots [cap] on the device, cap <= 1024
+    G is 1, 2 or 3; R_g <= 128. Rows of segments with slot -1, entries v[:, g, r:] and ys columns
+    outside the views are never read or written. `host_ranks` is ignored: the kernels read `ranks`.
+
+    Every call is capturable in a CUDA graph: no host synchronisation or allocation, and the grid
+    depends only on (T, capacity, G, pool shapes), so a graph captured once replays correctly with
+    new contents of `seg.indptr`, `seg.slots` and `ranks`.
+
+    Segments with at least `shrink_mma_min_rows` / `expand_mma_min_rows` rows run on tensor cores,
+    shorter ones on the memory-bound CUDA-core path; both are exact for any table. `pdl` enables
+    programmatic dependent launch on sm_90+: the expand starts while the shrink drains and reads
+    the segment table, `ranks` and its first B tile early, so nothing may write those three in the
+    kernel launched right before the expand.
+    """
+
+    name = "cuda"
+
+    def __init__(self, *, shrink_mma_min_rows: int = 512, expand_mma_min_rows: int = 128, pdl: bool = True):
+        if shrink_mma_min_rows < 1 or expand_mma_min_rows < 1:
+            raise ValueError("mma_min_rows must be >= 1")
+        self.shrink_mma_min_rows = int(shrink_mma_min_rows)
+        self.expand_mma_min_rows = int(expand_mma_min_rows)
+        self.pdl = bool(pdl)
+
+    @staticmethod
+    def _ext():
+        from lorafleet.runner.lora.build import load
+
+        return load()
+
+    def shrink(self, v: torch.Tensor, x: torch.Tensor, a: Sequence[torch.Tensor], ranks: torch.Tensor,
+               host_ranks: Sequence[Sequence[int]], seg: SegmentTable) -> None:
+        if not x.is_cuda:
+            raise ValueError(f"CudaSGMV needs CUDA tensors, got x on {x.device} (use TorchSGMV on the CPU)")
+        stream = torch.cuda.current_stream(x.device).cuda_stream
+        self._ext().shrink(v, x, list(a), ranks, seg.indptr, seg.slots, self.shrink_mma_min_rows, self.pdl, stream)
+
+    def expand(self, ys: Sequence[torch.Tensor], v: torch.Tensor, b: Sequence[torch.Tensor], ranks: torch.Tensor,
+               host_ranks: Sequence[Sequence[int]], seg: SegmentTable) -> None:
+        ys = list(ys)
+        if not ys or not ys[0].is_cuda:
+            raise ValueError("CudaSGMV needs CUDA tensors (use TorchSGMV on the CPU)")
+        stream = torch.cuda.current_stream(ys[0].device).cuda_stream
+        self._ext().expand(ys, v, list(b), ranks, seg.indptr, seg.slots, self.expand_mma_min_rows, self.pdl, stream)

@@ -1,0 +1,1 @@
+"""The Llama-architecture model, written for one flat token batch per step."""

@@ -1,0 +1,151 @@
+"""Llama decoder (RMSNorm, RoPE, GQA, SwiGLU, tied or untied embeddings) over a flat batch.
+
+The forward pass sees one flat batch `[num_tokens, hidden]` per step: prefill tokens of
+several requests followed by decode tokens. Attention and the LoRA add-on get their
+per-step metadata (page tables, segment table) from objects built once per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from lorafleet.runner.config import ModelConfig
+from lorafleet.runner.model.rope import Rope, apply_rope
+from lorafleet.runner.weights import WeightsError
+
+# Group indices for LoraStep.add: projections that share an input run as one SGMV launch.
+QKV, O, GATE_UP, DOWN = 0, 1, 2, 3
+
+
+class AttentionStep(Protocol):
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] -> out [T, Hq * D]; writes k/v to the paged cache."""
+
+
+class LoraStep(Protocol):
+    def add(self, layer: int, group: int, x: torch.Tensor, ys: tuple[torch.Tensor, ...]) -> None:
+        """ys[g] += LoRA add-on of x for projection g of the group, per segment."""
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: torch.Tensor  # [H]
+    qkv: torch.Tensor  # [q_dim + 2 * kv_dim, H]
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor  # [H, q_dim]
+    o_bias: torch.Tensor | None
+    mlp_norm: torch.Tensor  # [H]
+    gate_up: torch.Tensor  # [2 * I, H]
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor  # [H, I]
+    down_bias: torch.Tensor | None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face's LlamaRMSNorm, op for op: normalise in fp32, cast back, then scale."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class LlamaModel:
+    def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device):
+        self.cfg, self.dtype, self.device = cfg, dtype, device
+        self.rope = Rope(cfg, device)
+
+        def take(name: str, required: bool = True) -> torch.Tensor | None:
+            t = tensors.pop(name, None)
+            if t is None:
+                if required:
+                    raise WeightsError(f"weights are missing tensor {name}")
+                return None
+            return t.to(device=device, dtype=dtype)
+
+        def cat(names: list[str], required: bool = True) -> torch.Tensor | None:
+            parts = [take(n, required) for n in names]
+            return None if any(p is None for p in parts) else torch.cat(parts, 0).contiguous()
+
+        self.embed = take("model.embed_tokens.weight")  # [V, H]
+        self.layers: list[LayerWeights] = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            qkv_names = [p + f"self_attn.{n}_proj.weight" for n in "qkv"]
+            self.layers.append(
+                LayerWeights(
+                    attn_norm=take(p + "input_layernorm.weight"),
+                    qkv=cat(qkv_names),
+                    qkv_bias=cat([n.replace(".weight", ".bias") for n in qkv_names], cfg.attention_bias),
+                    o=take(p + "self_attn.o_proj.weight"),
+                    o_bias=take(p + "self_attn.o_proj.bias", cfg.attention_bias),
+                    mlp_norm=take(p + "post_attention_layernorm.weight"),
+                    gate_up=cat([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                    gate_up_bias=cat([p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"], cfg.mlp_bias),
+                    down=take(p + "mlp.down_proj.weight"),
+                    down_bias=take(p + "mlp.down_proj.bias", cfg.mlp_bias),
+                )
+            )
+        self.norm = take("model.norm.weight")
+        lm_head = take("lm_head.weight", required=not cfg.tie_word_embeddings)
+        self.lm_head = self.embed if lm_head is None else lm_head  # [V, H]
+        self._check_shapes()
+        leftover = [n for n in tensors if "rotary_emb" not in n]
+        if leftover:
+            raise WeightsError(f"unexpected tensors in the weights, e.g. {leftover[:3]}")
+
+    def _check_shapes(self) -> None:
+        c = self.cfg
+        want = {
+            "embed": (self.embed, (c.vocab_size, c.hidden_size)),
+            "lm_head": (self.lm_head, (c.vocab_size, c.hidden_size)),
+        }
+        l0 = self.layers[0]
+        want["qkv"] = (l0.qkv, (c.q_dim + 2 * c.kv_dim, c.hidden_size))
+        want["o"] = (l0.o, (c.hidden_size, c.q_dim))
+        want["gate_up"] = (l0.gate_up, (2 * c.intermediate_size, c.hidden_size))
+        want["down"] = (l0.down, (c.hidden_size, c.intermediate_size))
+        for name, (t, shape) in want.items():
+            if tuple(t.shape) != shape:
+                raise WeightsError(f"{name} has shape {tuple(t.shape)}, config.json implies {shape}")
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # int64 [T]
+        positions: torch.Tensor,  # int64 [T]
+        attn: AttentionStep,
+        lora: LoraStep | None,
+        logit_rows: torch.Tensor,  # int64 [B] rows whose next-token logits are wanted
+    ) -> torch.Tensor:  # fp32 [B, V]
+        c = self.cfg
+        T = input_ids.shape[0]
+        h = F.embedding(input_ids, self.embed)  # [T, H]
+        cos, sin = self.rope.cos_sin(positions, self.dtype)  # [T, D]
+        for i, lw in enumerate(self.layers):
+            x = rms_norm(h, lw.attn_norm, c.rms_norm_eps)
+            qkv = F.linear(x, lw.qkv, lw.qkv_bias)  # [T, q_dim + 2 kv_dim]
+            q, k, v = qkv.split([c.q_dim, c.kv_dim, c.kv_dim], dim=-1)  # strided views
+            if lora is not None:
+                lora.add(i, QKV, x, (q, k, v))
+            q = apply_rope(q.view(T, c.num_heads, c.head_dim), cos, sin)
+            k = apply_rope(k.view(T, c.num_kv_heads, c.head_dim), cos, sin)
+            o = attn(i, q, k, v.view(T, c.num_kv_heads, c.head_dim))  # [T, q_dim]
+            out = F.linear(o, lw.o, lw.o_bias)  # [T, H]
+            if lora is not None:
+                lora.add(i, O, o, (out,))
+            h = h + out
+            x = rms_norm(h, lw.mlp_norm, c.rms_norm_eps)
+            gu = F.linear(x, lw.gate_up, lw.gate_up_bias)  # [T, 2 I]
+            gate, up = gu.split([c.intermediate_size, c.intermediate_size], dim=-1)
+            if lora is not None:
+                lora.add(i, GATE_UP, x, (gate, up))
+            a = F.silu(gate) * up  # [T, I]
+            d = F.linear(a, lw.down, lw.down_bias)  # [T, H]
+            if lora is not None:
+                lora.add(i, DOWN, a, (d,))
+            h = h + d
+        h = rms_norm(h.index_select(0, logit_rows), self.norm, c.rms_norm_eps)  # [B, H]
+        return F.linear(h, self.lm_head).float()  # [B, V]

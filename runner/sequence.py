@@ -1,0 +1,105 @@
+"""One request as it flows through the engine."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import os
+import time
+from dataclasses import dataclass, field
+
+_counter = itertools.count()
+
+
+class SamplingError(ValueError):
+    """Invalid sampling parameters."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 means greedy; top_k 0 and top_p 1 disable those filters."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise SamplingError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not (0.0 <= float(self.temperature) <= 100.0):
+            raise SamplingError(f"temperature must be in [0, 100], got {self.temperature!r}")
+        if not (0.0 < float(self.top_p) <= 1.0):
+            raise SamplingError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise SamplingError(f"top_k must be a non-negative integer, got {self.top_k!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise SamplingError(f"seed must be an integer, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass(frozen=True)
+class AdapterRef:
+    """Which adapter a request uses and where the runner can load it from."""
+
+    name: str
+    source: str
+    sha256: str | None = None
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A request: prompt ids, ids generated so far, its adapter, sampling and KV pages.
+
+    `arrival` orders requests: FCFS admission takes the oldest first; eviction takes the
+    newest. A resumed (migrated) request keeps its original arrival.
+    """
+
+    id: str
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    adapter: AdapterRef | None = None
+    arrival: float = field(default_factory=time.time)
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    pages: list[int] = field(default_factory=list)
+    num_cached: int = 0  # tokens whose K/V sit in this request's pages
+    slot: int = -1  # adapter pool slot while admitted (-1: none)
+    finish_reason: str | None = None
+    error: str | None = None
+    order: int = field(default_factory=lambda: next(_counter))  # tie-break for equal arrivals
+    sample_seed: int = 0
+
+    def __post_init__(self):
+        if not self.prompt_ids:
+            raise SamplingError("prompt_token_ids must not be empty")
+        # Sampling draws depend only on (seed, position), so a resumed request samples the same.
+        self.sample_seed = self.params.seed if self.params.seed is not None else int.from_bytes(os.urandom(6), "little")
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def adapter_name(self) -> str | None:
+        return self.adapter.name if self.adapter else None
+
+    @property
+    def age_key(self) -> tuple[float, int]:
+        return (self.arrival, self.order)

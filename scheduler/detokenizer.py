@@ -1,0 +1,71 @@
+"""Incremental detokenization with stop strings, correct across multi-byte UTF-8 and tokens.
+
+Text for new ids is the difference between decoding a small window with and without them
+(the window keeps a few earlier tokens as context, so SentencePiece leading spaces and
+byte-level pieces decode right). Text ending in an incomplete UTF-8 sequence (U+FFFD) is
+held back until the next token completes it. Stop strings may span tokens: the last
+`max(len(stop)) - 1` characters are held back until they can no longer start a stop string.
+"""
+
+from __future__ import annotations
+
+from lorafleet.scheduler.tokenizer import Tokenizer
+
+REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: tuple[str, ...] = (), context: int = 5):
+        self.tok = tokenizer
+        self.ids = list(prompt_ids[-context:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.stop = tuple(s for s in stop if s)
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.pending = ""  # decoded, not yet emitted (may be the start of a stop string)
+        self.text = ""  # everything emitted
+        self.stopped = False
+
+    def _decode_new(self) -> str:
+        prefix = self.tok.decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self.tok.decode(self.ids[self.prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith(REPLACEMENT):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            return full[len(prefix) :]
+        return ""
+
+    def push(self, new_ids: list[int]) -> str:
+        """Add generated ids; return text that can be shown now ("" if none)."""
+        if self.stopped:
+            return ""
+        self.ids.extend(new_ids)
+        self.pending += self._decode_new()
+        return self._emit(final=False)
+
+    def flush(self) -> str:
+        """At the end: decode what is left, even an incomplete character."""
+        if self.stopped:
+            return ""
+        full = self.tok.decode(self.ids[self.prefix_offset :])
+        prefix = self.tok.decode(self.ids[self.prefix_offset : self.read_offset])
+        if len(full) > len(prefix):
+            self.pending += full[len(prefix) :]
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> str:
+        if self.stop:
+            hits = [(self.pending.find(s), s) for s in self.stop]
+            hits = [(i, s) for i, s in hits if i >= 0]
+            if hits:
+                i = min(hits)[0]
+                out, self.pending, self.stopped = self.pending[:i], "", True
+                self.text += out
+                return out
+        if final or self.hold == 0:
+            out, self.pending = self.pending, ""
+        else:
+            cut = max(0, len(self.pending) - self.hold)
+            out, self.pending = self.pending[:cut], self.pending[cut:]
+        self.text += out
+        return out

@@ -1,0 +1,71 @@
+"""The scheduler's Prometheus metrics (one registry per app, so tests can run several)."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class SchedulerMetrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("lorafleet_requests", "Requests by final status", ["status"], registry=r)
+        self.ttft = Histogram("lorafleet_time_to_first_token_seconds", "Time to first token", registry=r,
+                              buckets=LATENCY_BUCKETS)
+        self.tpot = Histogram("lorafleet_time_per_output_token_seconds", "Time per output token after the first",
+                              registry=r, buckets=LATENCY_BUCKETS)
+        self.e2e = Histogram("lorafleet_e2e_request_latency_seconds", "End-to-end request latency", registry=r,
+                             buckets=LATENCY_BUCKETS)
+        self.queue_wait = Histogram("lorafleet_queue_wait_seconds", "Time from queueing to placement", registry=r,
+                                    buckets=LATENCY_BUCKETS)
+        self.prompt_tokens = Counter("lorafleet_prompt_tokens", "Prompt tokens", registry=r)
+        self.generation_tokens = Counter("lorafleet_generation_tokens", "Generated tokens", registry=r)
+        self.migrations = Counter("lorafleet_migrations", "Requests evicted by a runner and re-placed", registry=r)
+        self.replacements = Counter("lorafleet_replacements", "Requests re-placed after a runner failure",
+                                    registry=r)
+
+    def attach_cluster(self, cluster) -> None:
+        self.registry.register(_ClusterCollector(cluster))
+
+    def observe_finished(self, req, status: str) -> None:
+        now = time.time()
+        self.requests.labels(status=status).inc()
+        self.e2e.observe(now - req.arrival)
+        if req.first_token_time is not None:
+            self.ttft.observe(req.first_token_time - req.arrival)
+            if len(req.generated) > 1:
+                self.tpot.observe((now - req.first_token_time) / (len(req.generated) - 1))
+        self.generation_tokens.inc(len(req.generated))
+
+
+class _ClusterCollector:
+    def __init__(self, cluster):
+        self.cluster = cluster
+
+    def collect(self):
+        c = self.cluster
+        yield GaugeMetricFamily("lorafleet_queue_length", "Requests waiting for a runner", value=len(c.queue))
+        batch = GaugeMetricFamily("lorafleet_runner_batch_size", "Requests placed on each runner", labels=["runner"])
+        healthy = GaugeMetricFamily("lorafleet_runner_healthy", "1 if the runner is healthy", labels=["runner"])
+        loads = CounterMetricFamily("lorafleet_adapter_loads", "Adapter loads reported by each runner", labels=["runner"])
+        info = GaugeMetricFamily(
+            "lorafleet_lora_requests_info", "Running and waiting adapters per runner (vllm:lora_requests_info shape)",
+            labels=["runner", "max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+        now = time.time()
+        for rid in sorted(c.runners):
+            r = c.runners[rid]
+            st = r.public_state()
+            batch.add_metric([rid], st["batch_size"])
+            healthy.add_metric([rid], 1.0 if r.healthy else 0.0)
+            loads.add_metric([rid], float(st["adapter_pool"].get("loads", 0)))
+            info.add_metric([rid, str(st["adapter_pool"].get("gpu_slots", 0)), ",".join(sorted(st["running_adapters"])),
+                             ",".join(sorted(st["waiting_adapters"]))], now)
+        yield batch
+        yield healthy
+        yield loads
+        yield info

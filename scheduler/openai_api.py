@@ -1,0 +1,241 @@
+"""OpenAI request validation and response shapes (completions and chat completions).
+
+Every rejection is an `ApiError` carrying the HTTP status and the OpenAI error body:
+`{"error": {"message", "type", "param", "code"}}`, with `param` naming the bad field.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+MAX_N = 16
+MAX_STOP = 4
+INT64 = 2**63
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, type_: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.type = type_ or ("invalid_request_error" if status < 500 else "server_error")
+        self.code, self.headers = code, headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(param: str, message: str) -> ApiError:
+    return ApiError(400, message, param=param, code="invalid_value")
+
+
+@dataclass
+class GenParams:
+    model: str
+    n: int
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
+    stream: bool
+    include_usage: bool
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _number(body: dict, key: str, default, lo: float, hi: float, *, lo_open=False) -> float:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not _is_num(v) or v != v:
+        raise bad(key, f"{key} must be a number")
+    if v > hi or v < lo or (lo_open and v == lo):
+        raise bad(key, f"{key} must be {'>' if lo_open else '>='} {lo} and <= {hi}, got {v}")
+    return float(v)
+
+
+def _integer(body: dict, key: str, default, lo: int, hi: int) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if not _is_int(v):
+        raise bad(key, f"{key} must be an integer")
+    if not (lo <= v <= hi):
+        raise bad(key, f"{key} must be between {lo} and {hi}, got {v}")
+    return v
+
+
+def _refuse_unsupported(body: dict, chat: bool) -> None:
+    for key in ("presence_penalty", "frequency_penalty"):
+        v = body.get(key)
+        if v is not None and (not _is_num(v) or v != 0):
+            raise bad(key, f"{key} is not supported (only 0)")
+    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs"):
+        raise bad("logprobs", "logprobs are not supported")
+    if body.get("echo"):
+        raise bad("echo", "echo is not supported")
+    if body.get("best_of") not in (None, 1):
+        raise bad("best_of", "best_of is not supported")
+    if body.get("logit_bias"):
+        raise bad("logit_bias", "logit_bias is not supported")
+    if body.get("suffix"):
+        raise bad("suffix", "suffix is not supported")
+    for key in ("tools", "functions", "tool_choice", "function_call"):
+        if body.get(key) not in (None, "none"):
+            raise bad(key, f"{key} is not supported")
+    rf = body.get("response_format")
+    if rf not in (None,) and not (isinstance(rf, dict) and rf.get("type") == "text"):
+        raise bad("response_format", "only response_format {\"type\": \"text\"} is supported")
+
+
+def parse_common(body: dict, chat: bool, max_model_len: int) -> GenParams:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad("model", "model must be a non-empty string naming the base model or an adapter")
+    _refuse_unsupported(body, chat)
+    key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _integer(body, key, None if chat else 16, 1, max_model_len)
+    stop = body.get("stop")
+    if stop is None:
+        stop = ()
+    elif isinstance(stop, str):
+        stop = (stop,) if stop else ()
+    elif isinstance(stop, list) and all(isinstance(s, str) and s for s in stop) and len(stop) <= MAX_STOP:
+        stop = tuple(stop)
+    else:
+        raise bad("stop", f"stop must be a non-empty string or a list of up to {MAX_STOP} non-empty strings")
+    stop_ids = body.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list) or not all(_is_int(t) and t >= 0 for t in stop_ids):
+        raise bad("stop_token_ids", "stop_token_ids must be a list of token ids")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad("stream", "stream must be a boolean")
+    opts = body.get("stream_options")
+    if opts is not None and (not isinstance(opts, dict) or not isinstance(opts.get("include_usage", False), bool)):
+        raise bad("stream_options", "stream_options must be an object like {\"include_usage\": true}")
+    if opts is not None and not stream:
+        raise bad("stream_options", "stream_options is only allowed when stream is true")
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise bad("ignore_eos", "ignore_eos must be a boolean")
+    top_k = _integer(body, "top_k", -1, -1, 1 << 30)
+    return GenParams(
+        model=model,
+        n=_integer(body, "n", 1, 1, MAX_N),
+        max_tokens=max_tokens,
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        top_k=0 if top_k in (-1, 0) else top_k,
+        seed=_integer(body, "seed", None, -INT64, INT64 - 1),
+        stop=stop,
+        stop_token_ids=tuple(stop_ids),
+        ignore_eos=ignore_eos,
+        stream=stream,
+        include_usage=bool(opts and opts.get("include_usage")),
+    )
+
+
+def parse_prompts(body: dict, vocab_size: int) -> list[str | list[int]]:
+    """A completions `prompt`: a string, a list of strings, a list of ids, or a list of id lists."""
+    p = body.get("prompt")
+    if isinstance(p, str):
+        prompts = [p]
+    elif isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+        prompts = list(p)
+    elif isinstance(p, list) and p and all(_is_int(x) for x in p):
+        prompts = [p]
+    elif isinstance(p, list) and p and all(isinstance(x, list) and x and all(_is_int(t) for t in x) for x in p):
+        prompts = list(p)
+    else:
+        raise bad("prompt", "prompt must be a non-empty string, list of strings, list of token ids, or list of those")
+    for x in prompts:
+        if isinstance(x, str) and not x:
+            raise bad("prompt", "prompt must not be empty")
+        if isinstance(x, list) and any(t < 0 or t >= vocab_size for t in x):
+            raise bad("prompt", f"token ids must be in [0, {vocab_size})")
+    if len(prompts) > MAX_N * 4:
+        raise bad("prompt", f"at most {MAX_N * 4} prompts per request")
+    return prompts
+
+
+ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+def parse_messages(body: dict) -> list[dict]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad("messages", "messages must be a non-empty list")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise bad(f"messages[{i}]", "each message must be an object")
+        role = m.get("role")
+        if role not in ROLES:
+            raise bad(f"messages[{i}].role", f"role must be one of {', '.join(ROLES)}")
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise bad(f"messages[{i}].content[{j}]", "only text content parts are supported")
+                parts.append(part["text"])
+            content = "".join(parts)
+        if content is None and role == "assistant":
+            content = ""
+        if not isinstance(content, str):
+            raise bad(f"messages[{i}].content", "content must be a string or a list of text parts")
+        out.append({"role": role, "content": content})
+    return out
+
+
+# -- responses --------------------------------------------------------------------------------------
+
+
+def new_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_body(rid: str, model: str, chat: bool, choices: list[dict], use: dict) -> dict:
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": model, "choices": choices, "usage": use}
+
+
+def choice(index: int, text: str, finish_reason: str | None, chat: bool) -> dict:
+    if chat:
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                "finish_reason": finish_reason}
+    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+
+def chunk(rid: str, model: str, chat: bool, index: int, text: str | None, finish_reason: str | None,
+          role: bool = False) -> dict:
+    if chat:
+        delta: dict = {}
+        if role:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        ch = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    else:
+        ch = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
+            "model": model, "choices": [ch]}

@@ -1,0 +1,443 @@
+"""`lorafleet scheduler`: the OpenAI-compatible front end over a set of runners (no torch).
+
+Tokenizes, places every request on a runner (cluster.py), streams text back with
+incremental detokenization and stop strings, and serves the admin API the operator reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import json
+import logging
+import time
+from pathlib import Path
+
+from aiohttp import web
+from prometheus_client import generate_latest
+
+from lorafleet import env
+from lorafleet.scheduler import openai_api as oa
+from lorafleet.scheduler.cluster import Cluster
+from lorafleet.scheduler.detokenizer import IncrementalDetokenizer
+from lorafleet.scheduler.discovery import RunnerDirectory, RunnerEndpoint
+from lorafleet.scheduler.metrics import SchedulerMetrics
+from lorafleet.scheduler.openai_api import ApiError
+from lorafleet.scheduler.registry import AdapterRegistry
+from lorafleet.scheduler.request import Request
+from lorafleet.scheduler.tokenizer import ChatTemplateError, Tokenizer
+
+log = logging.getLogger(__name__)
+
+MAX_BODY = 8 * 1024 * 1024
+
+
+def error_response(err: ApiError) -> web.Response:
+    return web.json_response(err.body(), status=err.status, headers=err.headers)
+
+
+class SchedulerService:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        model_name: str,
+        registry: AdapterRegistry,
+        directory: RunnerDirectory,
+        *,
+        max_model_len: int = 4096,
+        max_queue: int = 1024,
+        queue_timeout: float = 120.0,
+        admin_token: str | None = None,
+        poll_interval: float = 0.5,
+        grace_seconds: float = 30.0,
+    ):
+        self.tok, self.model_name = tokenizer, model_name
+        self.registry, self.directory = registry, directory
+        self.max_model_len, self.max_queue, self.queue_timeout = max_model_len, max_queue, queue_timeout
+        self.admin_token = admin_token
+        self.grace_seconds = grace_seconds
+        self.metrics = SchedulerMetrics()
+        self.cluster = Cluster(directory, poll_interval=poll_interval, metrics=self.metrics)
+        self.metrics.attach_cluster(self.cluster)
+        self.accepting = True
+        self.in_flight: set[Request] = set()
+        self.created = int(time.time())
+        self.background: list[asyncio.Task] = []
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+    async def start(self, app: web.Application) -> None:
+        await self.cluster.start()
+        self.background.append(asyncio.create_task(self._expire_queue()))
+
+    async def stop(self, app: web.Application) -> None:
+        self.accepting = False
+        deadline = time.monotonic() + self.grace_seconds
+        while self.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        for req in list(self.in_flight):
+            self.cluster.cancel(req)
+        for t in self.background:
+            t.cancel()
+        await self.cluster.stop()
+
+    async def _expire_queue(self) -> None:
+        """Requests queued while no runner at all is healthy fail after queue_timeout (503)."""
+        while True:
+            await asyncio.sleep(1.0)
+            if self.cluster.any_healthy():
+                continue
+            now = time.monotonic()
+            for req in list(self.cluster.queue):
+                if req.queued_at is not None and now - req.queued_at > self.queue_timeout:
+                    self.cluster.queue.remove(req)
+                    req.finish("error", "no runner became available in time")
+
+    # -- helpers ----------------------------------------------------------------------------------------
+    def _check_capacity(self, count: int) -> None:
+        if not self.accepting:
+            raise ApiError(503, "the server is shutting down", type_="server_error", code="shutting_down",
+                           headers={"Retry-After": "5"})
+        if not self.cluster.any_healthy():
+            raise ApiError(503, "no runner is available to serve requests", type_="server_error",
+                           code="no_runner", headers={"Retry-After": "5"})
+        if len(self.cluster.queue) + count > self.max_queue:
+            raise ApiError(429, f"the request queue is full ({self.max_queue} waiting)", type_="rate_limit_error",
+                           code="queue_full", headers={"Retry-After": "2"})
+
+    def _resolve_model(self, name: str):
+        if name == self.model_name:
+            return None
+        entry = self.registry.get(name)
+        if entry is None:
+            raise ApiError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+        return entry
+
+    async def _read_json(self, request: web.Request) -> dict:
+        try:
+            body = await request.json(loads=json.loads)
+        except web.HTTPRequestEntityTooLarge:
+            raise ApiError(413, f"request body exceeds {MAX_BODY} bytes", code="body_too_large") from None
+        except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+            raise ApiError(400, "request body is not valid JSON", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "request body must be a JSON object", code="invalid_json")
+        return body
+
+    def _make_requests(self, params: oa.GenParams, adapter, prompts: list[list[int]], chat: bool) -> list[Request]:
+        reqs = []
+        max_kv = self.cluster.max_total_kv()
+        for p_ids in prompts:
+            if len(p_ids) >= self.max_model_len:
+                raise ApiError(413, f"prompt has {len(p_ids)} tokens; the model's context is {self.max_model_len}",
+                               param="messages" if chat else "prompt", code="prompt_too_long")
+            if max_kv and len(p_ids) + 1 > max_kv:
+                raise ApiError(413, f"prompt has {len(p_ids)} tokens; no runner has that much KV cache ({max_kv})",
+                               param="messages" if chat else "prompt", code="prompt_too_long")
+            max_tokens = params.max_tokens or (self.max_model_len - len(p_ids))
+            if len(p_ids) + max_tokens > self.max_model_len:
+                raise oa.bad("max_tokens", f"prompt ({len(p_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
+                                           f"model's context of {self.max_model_len} tokens")
+            for k in range(params.n):
+                seed = params.seed + k if params.seed is not None else None
+                if seed is None and params.temperature > 0:
+                    import secrets
+
+                    seed = secrets.randbits(48)
+                reqs.append(Request(
+                    id=oa.new_id(chat)[-12:] + f"-{len(reqs)}", model=params.model, adapter=adapter,
+                    prompt_ids=list(p_ids), max_tokens=max_tokens,
+                    sampling={"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+                              "seed": seed, "stop_token_ids": list(params.stop_token_ids),
+                              "ignore_eos": params.ignore_eos},
+                ))
+        return reqs
+
+    # -- OpenAI endpoints --------------------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        try:
+            body = await self._read_json(request)
+            params = oa.parse_common(body, chat, self.max_model_len)
+            adapter = self._resolve_model(params.model)
+            if chat:
+                messages = oa.parse_messages(body)
+                try:
+                    prompts = [self.tok.encode_chat(messages)]
+                except ChatTemplateError as exc:
+                    raise oa.bad("messages", str(exc)) from None
+            else:
+                raw = oa.parse_prompts(body, self.tok.vocab_size)
+                prompts = [self.tok.encode(p) if isinstance(p, str) else p for p in raw]
+                if any(not p for p in prompts):
+                    raise oa.bad("prompt", "prompt must not be empty")
+            reqs = self._make_requests(params, adapter, prompts, chat)
+            self._check_capacity(len(reqs))
+        except ApiError as err:
+            self.metrics.requests.labels(status=str(err.status)).inc()
+            return error_response(err)
+        for r in reqs:
+            self.metrics.prompt_tokens.inc(len(r.prompt_ids))
+            self.in_flight.add(r)
+            self.cluster.submit(r)
+        rid = oa.new_id(chat)
+        try:
+            if params.stream:
+                return await self._stream(request, rid, params, reqs, chat)
+            return await self._collect(rid, params, reqs, chat)
+        finally:
+            for r in reqs:
+                if not r.done:
+                    r.finish("cancelled")
+                    self.cluster.cancel(r)
+                self.in_flight.discard(r)
+                self.metrics.observe_finished(r, r.finish_reason or "cancelled")
+
+    def _detok(self, req: Request, params: oa.GenParams) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.tok, req.prompt_ids, params.stop)
+
+    async def _events(self, req: Request, detok: IncrementalDetokenizer):
+        """Yield ("text", str) pieces, then ("done", finish_reason, error)."""
+        while True:
+            ev = await req.events.get()
+            if ev[0] == "tokens":
+                text = detok.push(ev[1])
+                if detok.stopped:
+                    req.finish("stop")
+                    self.cluster.cancel(req)
+                    if text:
+                        yield ("text", text)
+                    continue  # the "done" event follows
+                if text:
+                    yield ("text", text)
+            else:
+                _, reason, error = ev
+                if reason in ("stop", "length"):
+                    tail = detok.flush()
+                    if tail:
+                        yield ("text", tail)
+                yield ("done", reason, error)
+                return
+
+    async def _collect(self, rid: str, params: oa.GenParams, reqs: list[Request], chat: bool) -> web.Response:
+        async def one(req: Request):
+            detok = self._detok(req, params)
+            parts, end = [], None
+            async for ev in self._events(req, detok):
+                if ev[0] == "text":
+                    parts.append(ev[1])
+                else:
+                    end = ev
+            return "".join(parts), end
+
+        results = await asyncio.gather(*(one(r) for r in reqs))
+        for (text, (_, reason, error)), r in zip(results, reqs):
+            if reason not in ("stop", "length"):
+                raise_err = ApiError(500, f"generation failed: {error or reason}", code="generation_failed")
+                if error and "adapter" in error:
+                    raise_err = ApiError(500, error, param="model", code="adapter_failed")
+                return error_response(raise_err)
+        choices = [oa.choice(i, text, reason, chat) for i, ((text, (_, reason, _e))) in enumerate(results)]
+        use = oa.usage(sum(len(r.prompt_ids) for r in reqs[:: params.n]), sum(len(r.generated) for r in reqs))
+        return web.json_response(oa.completion_body(rid, params.model, chat, choices, use))
+
+    async def _stream(self, request: web.Request, rid: str, params: oa.GenParams, reqs: list[Request], chat: bool):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+
+        async def send(obj) -> None:
+            await resp.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
+
+        out: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, req: Request):
+            async for ev in self._events(req, self._detok(req, params)):
+                await out.put((index, ev))
+
+        tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(reqs)]
+        try:
+            if chat:
+                for i in range(len(reqs)):
+                    await send(oa.chunk(rid, params.model, True, i, "", None, role=True))
+            remaining = len(reqs)
+            while remaining:
+                index, ev = await out.get()
+                if ev[0] == "text":
+                    await send(oa.chunk(rid, params.model, chat, index, ev[1], None))
+                    continue
+                remaining -= 1
+                _, reason, error = ev
+                if reason in ("stop", "length"):
+                    await send(oa.chunk(rid, params.model, chat, index, None if chat else "", reason))
+                else:
+                    await send({"error": {"message": f"generation failed: {error or reason}", "type": "server_error",
+                                          "param": None, "code": "generation_failed"}})
+            if params.include_usage:
+                use = oa.usage(sum(len(r.prompt_ids) for r in reqs[:: params.n]), sum(len(r.generated) for r in reqs))
+                await send({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                            "created": int(time.time()), "model": params.model, "choices": [], "usage": use})
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        finally:
+            for t in tasks:
+                t.cancel()
+        return resp
+
+    async def models(self, request: web.Request) -> web.Response:
+        data = [{"id": self.model_name, "object": "model", "created": self.created, "owned_by": "lorafleet",
+                 "root": self.model_name, "parent": None}]
+        for e in self.registry.entries():
+            data.append({"id": e.name, "object": "model", "created": int(e.created), "owned_by": "lorafleet",
+                         "root": e.name, "parent": self.model_name})
+        return web.json_response({"object": "list", "data": data})
+
+    # -- health and admin ---------------------------------------------------------------------------------
+    async def healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    async def readyz(self, request: web.Request) -> web.Response:
+        ready = self.accepting and self.cluster.any_healthy()
+        return web.json_response({"ready": ready}, status=200 if ready else 503)
+
+    async def metrics_handler(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.metrics.registry), content_type="text/plain")
+
+    def _authorize(self, request: web.Request) -> None:
+        if not self.admin_token:
+            raise ApiError(403, "admin API disabled: set LORAFLEET_ADMIN_TOKEN on the scheduler",
+                           type_="permission_error", code="admin_disabled")
+        got = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(got.encode(), f"Bearer {self.admin_token}".encode()):
+            raise ApiError(401, "missing or wrong bearer token", type_="authentication_error", code="unauthorized")
+
+    async def admin_state(self, request: web.Request) -> web.Response:
+        try:
+            self._authorize(request)
+        except ApiError as err:
+            return error_response(err)
+        return web.json_response(self.cluster.admin_state())
+
+    async def admin_drain(self, request: web.Request) -> web.Response:
+        try:
+            self._authorize(request)
+        except ApiError as err:
+            return error_response(err)
+        rid = request.match_info["runner_id"]
+        r = self.cluster.runners.get(rid)
+        if r is None:
+            return error_response(ApiError(404, f"no runner {rid!r}", code="runner_not_found"))
+        r.draining = request.path.endswith("/drain")
+        log.info("runner %s %s", rid, "draining" if r.draining else "back in service")
+        self.cluster._kick()
+        return web.json_response({"id": rid, "draining": r.draining, "batch_size": len(r.assigned),
+                                  "empty": not r.assigned})
+
+    async def admin_validate(self, request: web.Request) -> web.Response:
+        try:
+            self._authorize(request)
+            body = await self._read_json(request)
+        except ApiError as err:
+            return error_response(err)
+        runners = [r for r in self.cluster.runners.values() if r.healthy]
+        if not runners:
+            return web.json_response({"ok": False, "error": "no healthy runner to validate on", "retry": True},
+                                     status=503)
+        r = max(runners, key=lambda x: x.id)
+        try:
+            async with self.cluster.session.post(f"{r.url}/v1/adapters/validate", json=body) as resp:
+                return web.json_response(await resp.json(), status=resp.status)
+        except Exception as exc:
+            return web.json_response({"ok": False, "error": f"runner {r.id}: {exc}", "retry": True}, status=503)
+
+
+SERVICE_KEY = web.AppKey("service", SchedulerService)
+
+
+def create_app(service: SchedulerService) -> web.Application:
+    app = web.Application(client_max_size=MAX_BODY)
+    app.router.add_post("/v1/completions", service.completions)
+    app.router.add_post("/v1/chat/completions", service.chat_completions)
+    app.router.add_get("/v1/models", service.models)
+    app.router.add_get("/healthz", service.healthz)
+    app.router.add_get("/readyz", service.readyz)
+    app.router.add_get("/metrics", service.metrics_handler)
+    app.router.add_get("/admin/state", service.admin_state)
+    app.router.add_post("/admin/runners/{runner_id}/drain", service.admin_drain)
+    app.router.add_post("/admin/runners/{runner_id}/undrain", service.admin_drain)
+    app.router.add_post("/admin/adapters/validate", service.admin_validate)
+    app.on_startup.append(service.start)
+    app.on_shutdown.append(service.stop)
+    app[SERVICE_KEY] = service
+    return app
+
+
+def model_limits(model_dir: Path) -> int:
+    cfg = model_dir / "config.json"
+    if cfg.is_file():
+        try:
+            return int(json.loads(cfg.read_text()).get("max_position_embeddings", 4096))
+        except (json.JSONDecodeError, ValueError):
+            pass
+    return 4096
+
+
+def parse_runner(spec: str, i: int) -> RunnerEndpoint:
+    """`id=url` or `url` (id runner-i)."""
+    if "=" in spec:
+        rid, url = spec.split("=", 1)
+        return RunnerEndpoint(rid, url)
+    return RunnerEndpoint(f"runner-{i}", spec)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="base model directory (tokenizer + config) or source URI")
+    p.add_argument("--model-name", default=None, help="name of the base model in the API (default: folder name)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--adapters", type=Path, default=None, help="directory with one adapter per subfolder")
+    p.add_argument("--runner", action="append", default=[], help="runner endpoint, `id=url` or `url` (repeat)")
+    p.add_argument("--max-queue", type=int, default=1024, help="queued requests before 429")
+    p.add_argument("--queue-timeout", type=float, default=120.0, help="seconds a request may wait with no runner")
+    p.add_argument("--kube", action="store_true", help="learn adapters and runners from the Kubernetes API")
+    p.add_argument("--namespace", default=None, help="with --kube: the pool's namespace")
+    p.add_argument("--pool", default=None, help="with --kube: the ServingPool name")
+
+
+def build_service(args: argparse.Namespace) -> SchedulerService:
+    model = args.model
+    if "://" in model:
+        from lorafleet.common.sources import fetch_model
+
+        model = str(fetch_model(model, cache_dir=env.cache_dir() / "models", tokenizer_only=True))
+    model_dir = Path(model)
+    registry = AdapterRegistry.from_directory(args.adapters) if args.adapters else AdapterRegistry()
+    directory = RunnerDirectory([parse_runner(s, i) for i, s in enumerate(args.runner)])
+    return SchedulerService(
+        Tokenizer(model_dir), args.model_name or model_dir.name, registry, directory,
+        max_model_len=model_limits(model_dir), max_queue=args.max_queue, queue_timeout=args.queue_timeout,
+        admin_token=env.admin_token(),
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    service = build_service(args)
+    app = create_app(service)
+    if args.kube:
+        if not (args.namespace and args.pool):
+            raise SystemExit("--kube needs --namespace and --pool")
+
+        async def feeds(app):
+            from lorafleet.scheduler.kube import run_kube_feeds
+
+            app["kube"] = asyncio.create_task(run_kube_feeds(service.registry, service.directory,
+                                                             namespace=args.namespace, pool=args.pool))
+
+        app.on_startup.append(feeds)
+    log.info("scheduler for %s on http://%s:%d", service.model_name, args.host, args.port)
+    web.run_app(app, host=args.host, port=args.port, print=None, shutdown_timeout=service.grace_seconds + 5)
+    return 0

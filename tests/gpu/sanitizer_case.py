@@ -1,0 +1,64 @@
+"""A tiny shrink + expand run of every kernel path, meant for compute-sanitizer:
+
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck python tests/gpu/sanitizer_case.py
+
+(without the caching allocator every tensor is its own allocation, so memcheck sees reads and
+writes just past a tensor's end). Also usable with --tool racecheck / synccheck / initcheck.
+Exits non-zero on a wrong result.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from lorafleet.runner.lora.segments import build_segments
+from lorafleet.runner.lora.sgmv_cuda import CudaSGMV
+
+
+def main() -> int:
+    dev = "cuda"
+    torch.manual_seed(0)
+    in_dim, out_dims, S, R = 136, [72, 24, 40], 5, 24
+    host_ranks = [[3, 16, 0, 24, 9], [8, 1, 5, 0, 24], [17, 16, 2, 7, 0]]
+    # a 70-row prefill segment, decode rows, base-model rows, and unused trailing segments
+    row_slots = [1] * 70 + [0, 3, -1, 4, 4, 2, -1]
+    T, G = len(row_slots), len(out_dims)
+    worst = 0.0
+    for dtype in (torch.bfloat16, torch.float16):
+        a = [(torch.randn(S, R, in_dim, device=dev) / in_dim**0.5).to(dtype) for _ in out_dims]
+        b = [(torch.randn(S, R, od, device=dev) / 4).to(dtype) for od in out_dims]
+        ranks = torch.tensor(host_ranks, dtype=torch.int32, device=dev)
+        x = torch.randn(T, in_dim, device=dev).to(dtype)
+        seg = build_segments(row_slots, device=dev, capacity=12)
+        for opts in ({}, {"shrink_mma_min_rows": 1, "expand_mma_min_rows": 1},
+                     {"shrink_mma_min_rows": 10**9, "expand_mma_min_rows": 10**9}):
+            sg = CudaSGMV(**opts)
+            fused = torch.randn(T, sum(out_dims) + 16, device=dev).to(dtype)
+            y0 = fused.clone()
+            ys = list(fused[:, 8 : 8 + sum(out_dims)].split(out_dims, dim=1))
+            v = torch.full((T, G, R), float("nan"), device=dev)
+            sg.shrink(v, x, a, ranks, host_ranks, seg)
+            sg.expand(ys, v, b, ranks, host_ranks, seg)
+            torch.cuda.synchronize()
+            off = 8
+            for g, od in enumerate(out_dims):
+                want = torch.zeros(T, od, dtype=torch.float64, device=dev)
+                for i, s in enumerate(row_slots):
+                    r = host_ranks[g][s] if s >= 0 else 0
+                    if r:
+                        want[i] = (x[i].double() @ a[g][s, :r].double().T) @ b[g][s, :r].double()
+                got = ys[g].double() - y0[:, off : off + od].double()
+                off += od
+                err = ((got - want).norm() / want.norm()).item()
+                worst = max(worst, err)
+                if not err < 2e-2:
+                    print(f"FAIL dtype={dtype} opts={opts} projection {g}: relative error {err:.3e}")
+                    return 1
+    print(f"sanitizer case ok (worst relative error {worst:.2e})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""Bad adapters fail their own requests with a clear error; everything else still runs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import write_random_adapter, write_random_llama
+from lorafleet.common.peft_config import AdapterError, inspect_adapter
+from lorafleet.runner.config import EngineConfig
+from lorafleet.runner.engine import Engine
+from lorafleet.runner.sequence import AdapterRef, SamplingParams, Sequence
+
+
+@pytest.fixture(scope="module")
+def good(tiny_llama, tmp_path_factory):
+    return write_random_adapter(tiny_llama, tmp_path_factory.mktemp("good") / "good", r=8,
+                                targets=("q_proj", "v_proj", "gate_proj"), seed=1)
+
+
+def variant(good, tmp_path, name, *, config=None, tensors=None, drop=(), raw_weights=None):
+    d = tmp_path / name
+    shutil.copytree(good, d)
+    if config is not None:
+        cfg = json.loads((d / "adapter_config.json").read_text())
+        cfg.update(config)
+        (d / "adapter_config.json").write_text(json.dumps(cfg))
+    if tensors is not None:
+        w = load_file(str(d / "adapter_model.safetensors"))
+        w = tensors(w)
+        save_file(w, str(d / "adapter_model.safetensors"))
+    if raw_weights is not None:
+        (d / "adapter_model.safetensors").write_bytes(raw_weights)
+    for f in drop:
+        (d / f).unlink()
+    return d
+
+
+def make_bad(good, tiny_llama, tmp_path):
+    first_a = lambda w: next(k for k in w if "lora_A" in k)  # noqa: E731
+    other = write_random_llama(tmp_path / "other-base", hidden=96, heads=4, kv_heads=4, inter=256)
+    bads = {
+        "dora": (variant(good, tmp_path, "dora", config={"use_dora": True}), "DoRA"),
+        "saves": (variant(good, tmp_path, "saves", config={"modules_to_save": ["lm_head"]}), "modules_to_save"),
+        "embed": (variant(good, tmp_path, "embed", tensors=lambda w: {
+            **w, "base_model.model.model.embed_tokens.lora_embedding_A": torch.zeros(8, 512)}), "embedding"),
+        "head": (variant(good, tmp_path, "head", tensors=lambda w: {
+            **w, "base_model.model.lm_head.lora_A.weight": torch.zeros(8, 128),
+            "base_model.model.lm_head.lora_B.weight": torch.zeros(512, 8)}), "lm_head"),
+        "othermodel": (write_random_adapter(other, tmp_path / "othermodel", r=4, targets=("q_proj",)), "do not fit"),
+        "noconfig": (variant(good, tmp_path, "noconfig", drop=["adapter_config.json"]), "adapter_config.json not found"),
+        "badjson": (variant(good, tmp_path, "badjson"), "not valid JSON"),
+        "noweights": (variant(good, tmp_path, "noweights", drop=["adapter_model.safetensors"]), "not found"),
+        "truncated": (variant(good, tmp_path, "truncated",
+                              raw_weights=(good / "adapter_model.safetensors").read_bytes()[:200]), "corrupt"),
+        "pickle": (variant(good, tmp_path, "pickle", drop=["adapter_model.safetensors"]), "never unpickled"),
+        "rank": (write_random_adapter(tiny_llama, tmp_path / "rank", r=64, targets=("q_proj",)), "exceeds"),
+        "nan": (variant(good, tmp_path, "nan", tensors=lambda w: {
+            k: (v * float("nan") if k == first_a(w) else v) for k, v in w.items()}), "NaN"),
+        "missing": (tmp_path / "does-not-exist", "does not exist"),
+        "notlora": (variant(good, tmp_path, "notlora", config={"peft_type": "IA3"}), "IA3"),
+        "bias": (variant(good, tmp_path, "bias", config={"bias": "all"}), "bias"),
+    }
+    (bads["badjson"][0] / "adapter_config.json").write_text("{not json")
+    (bads["pickle"][0] / "adapter_model.bin").write_bytes(b"\x80\x04pickle-payload-never-loaded")
+    return bads
+
+
+def test_every_refusal_is_clear_and_isolated(tiny_llama, good, tmp_path):
+    bads = make_bad(good, tiny_llama, tmp_path)
+    eng = Engine(str(tiny_llama), EngineConfig(page_size=4, num_pages=400, max_batch_size=32, max_lora_rank=32))
+    seqs = []
+    for i, (name, (path, _)) in enumerate(bads.items()):
+        seqs.append(Sequence(f"bad-{name}", [5, 6, 7, 8], SamplingParams(max_tokens=4), AdapterRef(name, str(path))))
+        seqs.append(Sequence(f"ok-{i}", [9, 10, 11 + i], SamplingParams(max_tokens=6, ignore_eos=True),
+                             AdapterRef("good", str(good)) if i % 2 else None))
+    out = eng.run_to_completion(seqs)
+    for name, (_, phrase) in bads.items():
+        o = out[f"bad-{name}"]
+        assert o.finish_reason == "error", (name, o)
+        assert f"adapter {name!r}" in o.error and phrase in o.error, (name, o.error)
+    for s in seqs:
+        if s.id.startswith("ok-"):
+            assert out[s.id].finish_reason == "length" and len(out[s.id].output_ids) == 6
+    assert eng.blocks.free_pages == eng.blocks.num_pages
+
+
+def test_inspect_reports_ranks_targets_and_scaling(good):
+    spec = inspect_adapter("good", good)
+    assert spec.max_rank == 8 and spec.target_modules == ("q", "v", "gate")
+    assert {m.scaling for m in spec.modules} == {2.0}
+    with pytest.raises(AdapterError, match="exceeds"):
+        inspect_adapter("good", good, max_rank=4)

@@ -1,0 +1,200 @@
+"""OpenAI API of the scheduler against scripted runners: shapes, every error case, admin auth."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from fake_runner import FakeRunner
+from lorafleet.scheduler.discovery import RunnerDirectory, RunnerEndpoint
+from lorafleet.scheduler.registry import AdapterEntry, AdapterRegistry
+from lorafleet.scheduler.server import SchedulerService, create_app
+from lorafleet.scheduler.tokenizer import Tokenizer
+
+TOKEN = "s3cret"
+
+
+@pytest.fixture(scope="module")
+def tok(demo_model):
+    return Tokenizer(demo_model)
+
+
+async def start(tok, runners, **kw):
+    servers = []
+    eps = []
+    for fr in runners:
+        ts = TestServer(fr.app())
+        await ts.start_server()
+        servers.append(ts)
+        eps.append(RunnerEndpoint(fr.rid, str(ts.make_url("")).rstrip("/")))
+    registry = AdapterRegistry([AdapterEntry("pirate", "/nowhere/pirate"), AdapterEntry("shouty", "/nowhere/shouty")])
+    service = SchedulerService(tok, "base", registry, RunnerDirectory(eps), max_model_len=kw.pop("max_model_len", 256),
+                               admin_token=kw.pop("admin_token", TOKEN), poll_interval=0.05, **kw)
+    client = TestClient(TestServer(create_app(service)))
+    await client.start_server()
+    for _ in range(100):
+        if not runners or service.cluster.any_healthy():
+            break
+        await asyncio.sleep(0.02)
+    return client, service, servers
+
+
+async def stop(client, servers):
+    await client.close()
+    for s in servers:
+        await s.close()
+
+
+@pytest.fixture
+async def api(tok):
+    fr = FakeRunner()
+    client, service, servers = await start(tok, [fr])
+    yield client, service, fr
+    await stop(client, servers)
+
+
+async def test_completion_and_chat_shapes(api):
+    client, _, fr = api
+    r = await client.post("/v1/completions", json={"model": "pirate", "prompt": "Hello", "max_tokens": 4})
+    body = await r.json()
+    assert r.status == 200 and body["object"] == "text_completion" and body["model"] == "pirate"
+    assert body["choices"][0]["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 4
+    assert fr.seen[-1]["adapter"]["name"] == "pirate"
+    r = await client.post("/v1/chat/completions", json={"model": "base", "messages": [{"role": "user", "content": "Hi"}],
+                                                         "max_tokens": 3, "n": 2, "seed": 1})
+    body = await r.json()
+    assert body["object"] == "chat.completion" and len(body["choices"]) == 2
+    assert body["choices"][1]["message"]["role"] == "assistant" and fr.seen[-1]["adapter"] is None
+    m = await (await client.get("/v1/models")).json()
+    assert m["object"] == "list"
+    assert [(d["id"], d["parent"]) for d in m["data"]] == [("base", None), ("pirate", "base"), ("shouty", "base")]
+
+
+async def test_streaming_sse(api):
+    client, _, _ = api
+    r = await client.post("/v1/chat/completions", json={"model": "shouty", "messages": [{"role": "user", "content": "x"}],
+                                                         "max_tokens": 5, "stream": True,
+                                                         "stream_options": {"include_usage": True}})
+    assert r.headers["Content-Type"].startswith("text/event-stream")
+    events = [ln[6:] for ln in (await r.text()).split("\n\n") if ln.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
+
+
+BAD = [
+    ({"prompt": "x"}, 400, "model"),
+    ({"model": "nope", "prompt": "x"}, 404, "model"),
+    ({"model": "base", "prompt": ""}, 400, "prompt"),
+    ({"model": "base", "prompt": []}, 400, "prompt"),
+    ({"model": "base", "prompt": [1, 99999999]}, 400, "prompt"),
+    ({"model": "base", "prompt": 5}, 400, "prompt"),
+    ({"model": "base", "prompt": "x", "max_tokens": "10"}, 400, "max_tokens"),
+    ({"model": "base", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": "base", "prompt": "x", "max_tokens": 10**30}, 400, "max_tokens"),
+    ({"model": "base", "prompt": "x", "max_tokens": True}, 400, "max_tokens"),
+    ({"model": "base", "prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ({"model": "base", "prompt": "x", "temperature": 1e308 * 10}, 400, "temperature"),
+    ({"model": "base", "prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"model": "base", "prompt": "x", "n": 1000}, 400, "n"),
+    ({"model": "base", "prompt": "x", "seed": 2**70}, 400, "seed"),
+    ({"model": "base", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ({"model": "base", "prompt": "x", "stream": "yes"}, 400, "stream"),
+    ({"model": "base", "prompt": "x", "logprobs": 3}, 400, "logprobs"),
+    ({"model": "base", "prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"model": "base", "prompt": "x", "max_tokens": 200, "n": 1, "stop": "q", "echo": True}, 400, "echo"),
+    ({"model": "base", "prompt": "x", "max_tokens": 256}, 400, "max_tokens"),
+]
+
+
+@pytest.mark.parametrize("body,status,param", BAD)
+async def test_completion_errors(api, body, status, param):
+    client, _, _ = api
+    r = await client.post("/v1/completions", json=body)
+    err = (await r.json())["error"]
+    assert r.status == status and err["param"] == param and err["message"], err
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"model": "base", "messages": []}, "messages"),
+    ({"model": "base", "messages": "hi"}, "messages"),
+    ({"model": "base", "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ({"model": "base", "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ({"model": "base", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
+    ({"model": "base", "messages": [{"role": "user", "content": "x"}], "tools": [{}]}, "tools"),
+])
+async def test_chat_errors(api, body, param):
+    client, _, _ = api
+    r = await client.post("/v1/chat/completions", json=body)
+    assert r.status == 400 and (await r.json())["error"]["param"] == param
+
+
+async def test_malformed_and_oversized_bodies(api):
+    client, _, _ = api
+    for data in (b"{not json", b"[1, 2]", b"\xff\xfe"):
+        r = await client.post("/v1/completions", data=data, headers={"Content-Type": "application/json"})
+        assert r.status == 400 and (await r.json())["error"]["type"] == "invalid_request_error"
+    r = await client.post("/v1/completions", data=b'{"model": "base", "prompt": "' + b"a" * (9 << 20) + b'"}',
+                          headers={"Content-Type": "application/json"})
+    assert r.status == 413
+    r = await client.post("/v1/completions", json={"model": "base", "prompt": "word " * 400})
+    assert r.status == 413 and (await r.json())["error"]["code"] == "prompt_too_long"
+
+
+async def test_queue_full_429_and_no_runner_503(tok):
+    fr = FakeRunner(max_batch_size=1, delay=0.05)
+    client, service, servers = await start(tok, [fr], max_queue=1)
+    try:
+        body = {"model": "base", "prompt": "x", "max_tokens": 20}
+        first = asyncio.create_task(client.post("/v1/completions", json=body))
+        await asyncio.sleep(0.1)
+        second = asyncio.create_task(client.post("/v1/completions", json=body))  # queued
+        await asyncio.sleep(0.1)
+        r = await client.post("/v1/completions", json=body)
+        assert r.status == 429 and "Retry-After" in r.headers
+        assert (await r.json())["error"]["code"] == "queue_full"
+        assert (await first).status == 200 and (await second).status == 200
+    finally:
+        await stop(client, servers)
+    client, service, servers = await start(tok, [])
+    try:
+        r = await client.post("/v1/completions", json={"model": "base", "prompt": "x"})
+        assert r.status == 503 and "Retry-After" in r.headers
+        assert (await client.get("/readyz")).status == 503
+    finally:
+        await stop(client, servers)
+
+
+async def test_stop_string_cancels_runner_request(api, tok):
+    client, _, fr = api
+    ids = FakeRunner().tokens({"sampling": {"max_tokens": 30}, "prompt_token_ids": tok.encode("Hello")})
+    full = tok.decode(ids)
+    stop = full[10:14]
+    r = await client.post("/v1/completions", json={"model": "base", "prompt": "Hello", "max_tokens": 30, "stop": stop})
+    body = await r.json()
+    assert body["choices"][0]["text"] == full[: full.index(stop)]
+    assert body["choices"][0]["finish_reason"] == "stop"
+
+
+async def test_admin_requires_token(tok):
+    fr = FakeRunner()
+    client, _, servers = await start(tok, [fr], admin_token=None)
+    try:
+        assert (await client.get("/admin/state")).status == 403
+    finally:
+        await stop(client, servers)
+    client, _, servers = await start(tok, [fr])
+    try:
+        assert (await client.get("/admin/state")).status == 401
+        assert (await client.get("/admin/state", headers={"Authorization": "Bearer wrong"})).status == 401
+        st = await (await client.get("/admin/state", headers={"Authorization": f"Bearer {TOKEN}"})).json()
+        assert st["queue_length"] == 0 and st["runners"][0]["id"] == "fake-0"
+        assert set(st["runners"][0]) >= {"id", "url", "healthy", "draining", "batch_size", "max_batch_size",
+                                         "free_kv_tokens", "total_kv_tokens", "idle_seconds", "adapters"}
+    finally:
+        await stop(client, servers)
