@@ -92,7 +92,8 @@ def write_model(gguf: Path, out: Path) -> None:
 def write_requests(path: Path) -> None:
     with path.open("w") as f:
         for rid, adapter, prompt in DEMO_PROMPTS:
-            f.write(json.dumps({"id": rid, "adapter": adapter, "prompt": prompt, "max_tokens": 48}) + "\n")
+            msgs = [{"role": "user", "content": prompt}]
+            f.write(json.dumps({"id": rid, "adapter": adapter, "messages": msgs, "max_tokens": 48}) + "\n")
 
 
 def prepare(out: Path | None = None, force: bool = False) -> Path:

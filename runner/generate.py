@@ -1,7 +1,7 @@
 """`lorafleet generate`: offline batch inference of a JSONL file, mixed adapters in one batch.
 
 Every input line is one request:
-  {"id", "adapter": name or null, "prompt": text | "prompt_token_ids": [...],
+  {"id", "adapter": name or null, "prompt": text | "prompt_token_ids": [...] | "messages": [chat],
    "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos"}
 Every output line (same order): {"id", "adapter", "prompt_token_ids", "token_ids", "text",
 "finish_reason"} plus "error" when a request failed. A bad line or a bad adapter fails
@@ -22,7 +22,7 @@ from lorafleet.runner.sequence import AdapterRef, SamplingError, SamplingParams,
 
 log = logging.getLogger(__name__)
 
-FIELDS = {"id", "adapter", "prompt", "prompt_token_ids", "max_tokens", "temperature", "top_p", "top_k", "seed",
+FIELDS = {"id", "adapter", "prompt", "prompt_token_ids", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed",
           "stop_token_ids", "ignore_eos"}
 
 
@@ -59,12 +59,24 @@ def parse_request(line: str, lineno: int, tokenizer, adapters_dir: Path | None) 
         ids = obj["prompt_token_ids"]
         if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
             raise RequestError(f"request {rid}: prompt_token_ids must be a non-empty list of integers")
+    elif "messages" in obj:
+        msgs = obj["messages"]
+        if not isinstance(msgs, list) or not msgs or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs
+        ):
+            raise RequestError(f"request {rid}: messages must be a non-empty list of {{role, content}} strings")
+        if tokenizer is None:
+            raise RequestError(f"request {rid}: the model has no tokenizer; give prompt_token_ids")
+        try:
+            ids = tokenizer.encode_chat(msgs)
+        except ValueError as exc:
+            raise RequestError(f"request {rid}: {exc}") from None
     elif isinstance(obj.get("prompt"), str) and obj["prompt"]:
         if tokenizer is None:
             raise RequestError(f"request {rid}: the model has no tokenizer; give prompt_token_ids")
         ids = tokenizer.encode(obj["prompt"])
     else:
-        raise RequestError(f"request {rid}: give a non-empty 'prompt' or 'prompt_token_ids'")
+        raise RequestError(f"request {rid}: give a non-empty 'prompt', 'messages' or 'prompt_token_ids'")
     try:
         params = SamplingParams(
             max_tokens=obj.get("max_tokens", 64),
