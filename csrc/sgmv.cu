@@ -10,12 +10,16 @@
 //
 // Items of a segment with fewer than `mma_min_rows` rows use the CUDA-core path (memory bound:
 // decode, distinct adapters): 16-byte vector loads, fp32 accumulate.
-//   shrink item = (up to 4 rows) x (2 rank rows): full-K dot products, reduced through shared memory.
-//   expand item = (up to 4 rows) x (64 column vectors = 512 columns): per lane 4 rank groups, reduced
-//                 by a warp reduce-scatter so each lane ends up owning one row's 8 outputs.
+//   shrink item = 1 row x 4 rank rows (one-row segments), 2 rows x 2 rank rows (up to 95 rows) or
+//                 2 x 4 (longer): full-K dot products, reduced through shared memory.
+//   expand item = (up to 2 rows) x (64 column vectors = 512 columns): 4 lanes per column vector split
+//                 the rank, then a warp reduce-scatter leaves each lane 4 finished outputs of one row.
 // Items of longer segments use tensor cores (WMMA 16x16x16, fp32 accumulate):
 //   shrink item = 64 rows x all r ranks of one projection, full K, cp.async double buffered.
 //   expand item = 64 rows x 64 output columns of one projection, K = r.
+// On sm_90 both kernels use programmatic dependent launch: they start while the previous kernel
+// drains, read the tables and their first weight tile, then griddepcontrol.wait before touching
+// x, v or y. Every output element is written by one thread: no atomics, bitwise reproducible.
 #include "sgmv.h"
 
 #include <cuda_bf16.h>
@@ -37,11 +41,22 @@ constexpr int kWarps = kThreads / 32;
 constexpr unsigned kFullMask = 0xffffffffu;
 
 // CUDA-core path.
-constexpr int kShrinkRows = 4;    // rows per shrink item
-constexpr int kShrinkRanks = 2;   // rank rows per shrink item
-constexpr int kExpandRows = 4;    // rows per expand item (done in pairs)
+constexpr int kShrinkRows = 2;    // rows per shrink item
+constexpr int kShrinkLong = 96;   // segments of at least this many rows use kShrinkRanksLong
+constexpr int kShrinkRanks1 = 4;  // rank rows per shrink item in one-row segments (decode)
+constexpr int kShrinkRanksN = 2;  // ... in short segments: 2 rows x 2 rank rows, two K steps in flight
+constexpr int kShrinkRanksLong = 4;  // ... in long segments: 2 rows x 4 rank rows (x re-read half as often)
+constexpr int kExpandRows = 2;    // rows per expand item
 constexpr int kExpandVecs = 64;   // 16-byte column vectors per expand item (8 per warp)
 constexpr int kExpandBatch = 4;   // rank rows per lane loaded together
+constexpr int kShrinkBlocksPerSm = 2;  // shrink grid cap: half an SM's registers, the rest for the expand
+// Register budget of the CUDA-core kernels (min resident blocks of 256 threads): 64 registers. The
+// sm_80 code of the shrink needs a few more to avoid spilling.
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ < 900)
+constexpr int kShrinkMinBlocks = 3;
+#else
+constexpr int kShrinkMinBlocks = 4;
+#endif
 // Tensor-core path.
 constexpr int kTileM = 64;        // rows per item
 constexpr int kTileK = 64;        // shrink: K per pipeline stage
@@ -49,8 +64,6 @@ constexpr int kTileN = 64;        // expand: output columns per item
 constexpr int kLds = kTileK + 8;  // smem row stride (elements) of 64-wide tiles: 144 B, no bank conflicts
 constexpr int kLdc = kTileN + 4;  // expand: fp32 staging row stride
 
-static_assert(kShrinkRanks == 2, "shrink_cc selects between two rank rows");
-static_assert(kShrinkRows * kShrinkRanks <= kWarps, "one warp per reduced value");
 static_assert(kMaxSegments % kThreads == 0, "table build splits the capacity evenly");
 
 // ---------------------------------------------------------------------------------------------------
@@ -313,35 +326,36 @@ struct ShrinkCount {
       active += r > 0;
     }
     if (kMma && n >= mma_min_rows) return ceil_div(n, kTileM) * active;
-    return ceil_div(n, kShrinkRows) * ceil_div(rt, kShrinkRanks);
+    const int rb = n == 1 ? kShrinkRanks1 : (n >= kShrinkLong ? kShrinkRanksLong : kShrinkRanksN);
+    return ceil_div(n, kShrinkRows) * ceil_div(rt, rb);
   }
 };
 
-// v[row0 + m, rank row f0 + j] = dot(x[row0 + m], A row) for m < NR, j < 2 (flattened over projections).
-template <typename T, int NR>
-__device__ __forceinline__ void shrink_cc(const ShrinkParams& p, int row0, int slot, int packed, int f0, float* red) {
-  constexpr int RB = kShrinkRanks;
-  constexpr int U = NR == 1 ? 4 : (NR == 2 ? 2 : 1);  // K steps in flight per thread
+// Rank row f of the flattened (projection, rank) list of a slot -> (projection, row within it).
+__device__ __forceinline__ int2 split_rank_row(int packed, int f) {
+  const int r0 = rank_of(packed, 0), r1 = rank_of(packed, 1);
+  if (f < r0) return make_int2(0, f);
+  f -= r0;
+  if (f < r1) return make_int2(1, f);
+  return make_int2(2, f - r1);
+}
+
+// v[row0 + m, rank row f0 + j] = dot(x[row0 + m], A row) for m < NR, j < RB (rank rows
+// flattened over the projections). Each thread accumulates a strided part of K; one block reduction.
+// The first A loads are issued before waiting for the preceding kernel (A is never written by it).
+template <typename T, int NR, int RB>
+__device__ __forceinline__ void shrink_cc(const ShrinkParams& p, int row0, int slot, int packed, int f0, float* red,
+                                          bool& waited) {
+  constexpr int U = NR * RB <= 4 ? 2 : 1;  // K steps in flight per thread (register budget)
   const int K = p.in_features;
   const int KV = K >> 3;
   const int rt = rank_of(packed, 0) + rank_of(packed, 1) + rank_of(packed, 2);
   const T* ap[RB];
-  int vcol[RB];
 #pragma unroll
   for (int j = 0; j < RB; ++j) {
-    int f = min(f0 + j, rt - 1);  // a missing second rank row re-reads the first; its result is dropped
-    int g = 0;
-    const int r0 = rank_of(packed, 0), r1 = rank_of(packed, 1);
-    if (f >= r0) {
-      f -= r0;
-      g = 1;
-      if (f >= r1) {
-        f -= r1;
-        g = 2;
-      }
-    }
-    ap[j] = static_cast<const T*>(p.a[g]) + (static_cast<int64_t>(slot) * p.a_rank_dim[g] + f) * K;
-    vcol[j] = g * p.v_rank_dim + f;
+    // a missing rank row (f0 + j >= rt) re-reads the last one; its result is dropped
+    const int2 gf = split_rank_row(packed, min(f0 + j, rt - 1));
+    ap[j] = static_cast<const T*>(p.a[gf.x]) + (static_cast<int64_t>(slot) * p.a_rank_dim[gf.x] + gf.y) * K;
   }
   const T* x0 = static_cast<const T*>(p.x) + static_cast<int64_t>(row0) * K;
   const int tid = threadIdx.x;
@@ -352,41 +366,49 @@ __device__ __forceinline__ void shrink_cc(const ShrinkParams& p, int row0, int s
 #pragma unroll
     for (int j = 0; j < RB; ++j) acc[m][j] = 0.f;
 
-  for (int kv0 = tid; kv0 < KV; kv0 += U * kThreads) {
-    uint4 av[U][RB], xv[U][NR];
+  uint4 av[U][RB];
+  auto load_a = [&](int kv0) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int kv = kv0 + u * kThreads;
-      if (kv < KV) {
 #pragma unroll
-        for (int j = 0; j < RB; ++j) av[u][j] = ldg16(ap[j] + static_cast<int64_t>(kv) * 8);
+      for (int j = 0; j < RB; ++j)
+        av[u][j] = kv < KV ? ldg16(ap[j] + static_cast<int64_t>(kv) * 8) : make_uint4(0, 0, 0, 0);
+    }
+  };
+  load_a(tid);
+  if (!waited) {  // block-uniform
+    pdl_wait();
+    waited = true;
+  }
+  for (int kv0 = tid; kv0 < KV; kv0 += U * kThreads) {
+    uint4 xv[U][NR];
 #pragma unroll
-        for (int m = 0; m < NR; ++m) xv[u][m] = ldg16(x0 + static_cast<int64_t>(m) * K + kv * 8);
-      } else {
+    for (int u = 0; u < U; ++u) {
+      const int kv = kv0 + u * kThreads;
 #pragma unroll
-        for (int j = 0; j < RB; ++j) av[u][j] = make_uint4(0, 0, 0, 0);
-#pragma unroll
-        for (int m = 0; m < NR; ++m) xv[u][m] = make_uint4(0, 0, 0, 0);
-      }
+      for (int m = 0; m < NR; ++m)
+        xv[u][m] = kv < KV ? ldg16(x0 + static_cast<int64_t>(m) * K + kv * 8) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      float xf[NR][8];
-#pragma unroll
-      for (int m = 0; m < NR; ++m) to_float8<T>(xv[u][m], xf[m]);
 #pragma unroll
       for (int j = 0; j < RB; ++j) {
         float af[8];
         to_float8<T>(av[u][j], af);
 #pragma unroll
-        for (int m = 0; m < NR; ++m)
+        for (int m = 0; m < NR; ++m) {
+          float xf[8];
+          to_float8<T>(xv[u][m], xf);
 #pragma unroll
-          for (int e = 0; e < 8; ++e) acc[m][j] = fmaf(xf[m][e], af[e], acc[m][j]);
+          for (int e = 0; e < 8; ++e) acc[m][j] = fmaf(xf[e], af[e], acc[m][j]);
+        }
       }
     }
+    if (kv0 + U * kThreads < KV) load_a(kv0 + U * kThreads);
   }
 
-  // Block reduction: one warp per (row, rank row) value.
+  // Block reduction: warp w sums values w, w + 8, ... (value = (row m, rank row j)).
   constexpr int NV = NR * RB;
 #pragma unroll
   for (int m = 0; m < NR; ++m)
@@ -394,15 +416,15 @@ __device__ __forceinline__ void shrink_cc(const ShrinkParams& p, int row0, int s
     for (int j = 0; j < RB; ++j) red[(m * RB + j) * kThreads + tid] = acc[m][j];
   __syncthreads();
   const int warp = tid >> 5, lane = tid & 31;
-  if (warp < NV) {
+  for (int vi = warp; vi < NV; vi += kWarps) {
     float s = 0.f;
 #pragma unroll
-    for (int i = 0; i < kWarps; ++i) s += red[warp * kThreads + lane + 32 * i];
+    for (int i = 0; i < kWarps; ++i) s += red[vi * kThreads + lane + 32 * i];
     s = warp_sum(s);
-    const int m = warp / RB, j = warp % RB;
-    if (lane == 0 && f0 + j < rt) {
-      const int col = j == 0 ? vcol[0] : vcol[1];
-      p.v[static_cast<int64_t>(row0 + m) * p.v_row_stride + col] = s;
+    const int m = vi / RB, f = f0 + vi % RB;
+    if (lane == 0 && f < rt) {
+      const int2 gf = split_rank_row(packed, f);
+      p.v[static_cast<int64_t>(row0 + m) * p.v_row_stride + gf.x * p.v_rank_dim + gf.y] = s;
     }
   }
   __syncthreads();  // `red` is reused by the next item
@@ -410,8 +432,13 @@ __device__ __forceinline__ void shrink_cc(const ShrinkParams& p, int row0, int s
 
 // v[row0 : row0 + nr, g, :r] = x[row0 : row0 + nr] @ A_g[slot, :r]^T with tensor cores.
 template <typename T>
-__device__ void shrink_mma(const ShrinkParams& p, int row0, int nr, int slot, int g, int r, unsigned char* work) {
+__device__ void shrink_mma(const ShrinkParams& p, int row0, int nr, int slot, int g, int r, unsigned char* work,
+                           bool& waited) {
   using namespace nvcuda;
+  if (!waited) {  // block-uniform; x comes from the preceding kernel
+    pdl_wait();
+    waited = true;
+  }
   const int K = p.in_features;
   const int rp = (r + 15) & ~15;
   const int stage_x = kTileM * kLds;
@@ -457,7 +484,7 @@ __device__ void shrink_mma(const ShrinkParams& p, int row0, int nr, int slot, in
     __syncthreads();
     const T* xb = xs + (kt & 1) * stage_x;
     const T* ab = as + (kt & 1) * stage_a;
-#pragma unroll
+#pragma unroll 2
     for (int kk = 0; kk < kTileK; kk += 16) {
       wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa;
       wmma::load_matrix_sync(fa, xb + mf * 16 * kLds + kk, kLds);
@@ -491,15 +518,17 @@ __device__ void shrink_mma(const ShrinkParams& p, int row0, int nr, int slot, in
 }
 
 template <typename T, bool kMma>
-__global__ void __launch_bounds__(kThreads, kMma ? 2 : 4) sgmv_shrink_kernel(const __grid_constant__ ShrinkParams p) {
+__global__ void __launch_bounds__(kThreads, kMma ? 2 : kShrinkMinBlocks) sgmv_shrink_kernel(const __grid_constant__ ShrinkParams p) {
   pdl_launch_dependents();
-  // x may be produced by the preceding kernel, and so (rarely) may the tables: wait before any read.
-  pdl_wait();
   extern __shared__ __align__(128) unsigned char smem[];
+  // The segment table, the ranks and the first A tile are read while the preceding kernel may
+  // still run (they are written before a step starts, never by the kernel right before a shrink);
+  // x is read and v written only after the wait.
   const Table t = carve_table(reinterpret_cast<int*>(smem), p.seg.capacity);
   const int total = build_table(p.seg, p.rank_cap, t, ShrinkCount<kMma>{p.mma_min_rows});
   unsigned char* work = smem + p.work_offset;
   float* red = reinterpret_cast<float*>(work);
+  bool waited = false;  // every global write (v) comes after pdl_wait(): the previous expand may read v
 
   for (int item = blockIdx.x; item < total; item += gridDim.x) {
     const int i = find_segment(t.prefix, t.cap, item);
@@ -517,21 +546,34 @@ __global__ void __launch_bounds__(kThreads, kMma ? 2 : 4) sgmv_shrink_kernel(con
           --j;
         }
       }
-      shrink_mma<T>(p, lo + tile * kTileM, min(kTileM, n - tile * kTileM), slot, g, rank_of(packed, g), work);
+      shrink_mma<T>(p, lo + tile * kTileM, min(kTileM, n - tile * kTileM), slot, g, rank_of(packed, g), work,
+                    waited);
     } else {
       const int rt = rank_of(packed, 0) + rank_of(packed, 1) + rank_of(packed, 2);
-      const int nq = ceil_div(rt, kShrinkRanks);
+      const bool long_seg = n >= kShrinkLong;
+      const int rb = n == 1 ? kShrinkRanks1 : (long_seg ? kShrinkRanksLong : kShrinkRanksN);
+      const int nq = ceil_div(rt, rb);
       const int c = local / nq, q = local - c * nq;
       const int row0 = lo + c * kShrinkRows;
-      const int f0 = q * kShrinkRanks;
-      switch (min(kShrinkRows, n - c * kShrinkRows)) {
-        case 1: shrink_cc<T, 1>(p, row0, slot, packed, f0, red); break;
-        case 2: shrink_cc<T, 2>(p, row0, slot, packed, f0, red); break;
-        case 3: shrink_cc<T, 3>(p, row0, slot, packed, f0, red); break;
-        default: shrink_cc<T, 4>(p, row0, slot, packed, f0, red); break;
+      const int f0 = q * rb;
+      const int nr = min(kShrinkRows, n - c * kShrinkRows);
+      static_assert(kShrinkRows == 2, "one shrink_cc instantiation per row count");
+      if (long_seg) {
+        if (nr == 1) {
+          shrink_cc<T, 1, kShrinkRanksLong>(p, row0, slot, packed, f0, red, waited);
+        } else {
+          shrink_cc<T, 2, kShrinkRanksLong>(p, row0, slot, packed, f0, red, waited);
+        }
+      } else if (n == 1) {
+        shrink_cc<T, 1, kShrinkRanks1>(p, row0, slot, packed, f0, red, waited);
+      } else if (nr == 1) {  // the odd last row of a short segment
+        shrink_cc<T, 1, kShrinkRanksN>(p, row0, slot, packed, f0, red, waited);
+      } else {
+        shrink_cc<T, 2, kShrinkRanksN>(p, row0, slot, packed, f0, red, waited);
       }
     }
   }
+  if (!waited) pdl_wait();  // finish only after the preceding kernel (see the expand kernel)
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -555,10 +597,8 @@ struct ExpandCount {
   }
 };
 
-// y[row0 + m, cols of item q] += v[row0 + m, g, :r] @ B_g[slot, :r, cols] for m < nr (<= 4).
+// y[row0 + m, cols of item q] += v[row0 + m, g, :r] @ B_g[slot, :r, cols] for m < nr (<= 2).
 // Lane layout: rank group rg = lane & 3 (rank rows rg, rg + 4, ...), column vector warp * 8 + lane / 4.
-// Rows are done in pairs (16 accumulators per lane keep the kernel within 64 registers); the second
-// pair re-reads the B batch, which is then an L1 hit.
 template <typename T>
 __device__ __forceinline__ void expand_cc(const ExpandParams& p, int row0, int nr, int slot, int packed, int q,
                                           bool& waited) {
@@ -592,59 +632,62 @@ __device__ __forceinline__ void expand_cc(const ExpandParams& p, int row0, int n
     pdl_wait();
     waited = true;
   }
+  // This lane's output after the reduce-scatter below: row hi2, columns 4 * hi1 .. + 3 of its
+  // vector. Load y now; it is used at the end.
   const bool hi2 = lane & 2, hi1 = lane & 1;
-  for (int m0 = 0; m0 < nr; m0 += 2) {
-    if (m0 > 0) load_batch(rg);
-    const float* vp = p.v + static_cast<int64_t>(row0 + m0) * p.v_row_stride + (valid ? g : 0) * p.v_rank_dim;
-    const bool two = m0 + 1 < nr;
-    float acc[2][8];
+  const int row = hi2 ? 1 : 0;
+  const bool writes = valid && row < nr;
+  T* yp = writes ? static_cast<T*>(p.y[g]) + static_cast<int64_t>(row0 + row) * p.y_row_stride[g] + f * 8 +
+                       (hi1 ? 4 : 0)
+                 : nullptr;
+  uint2 yv = writes ? *reinterpret_cast<const uint2*>(yp) : make_uint2(0, 0);
+
+  const float* vp = p.v + static_cast<int64_t>(row0) * p.v_row_stride + (valid ? g : 0) * p.v_rank_dim;
+  const bool two = nr > 1;
+  float acc[2][8];
 #pragma unroll
-    for (int m = 0; m < 2; ++m)
+  for (int m = 0; m < 2; ++m)
 #pragma unroll
-      for (int e = 0; e < 8; ++e) acc[m][e] = 0.f;
-    for (int k0 = rg; k0 < r; k0 += 4 * kExpandBatch) {
+    for (int e = 0; e < 8; ++e) acc[m][e] = 0.f;
+  for (int k0 = rg; k0 < r; k0 += 4 * kExpandBatch) {
 #pragma unroll
-      for (int j = 0; j < kExpandBatch; ++j) {
-        const int k = k0 + 4 * j;
-        if (k < r) {
-          float bf[8];
-          to_float8<T>(bv[j], bf);
-          const float v0 = __ldg(vp + k);
-          const float v1 = two ? __ldg(vp + p.v_row_stride + k) : 0.f;
+    for (int j = 0; j < kExpandBatch; ++j) {
+      const int k = k0 + 4 * j;
+      if (k < r) {
+        float bf[8];
+        to_float8<T>(bv[j], bf);
+        const float v0 = __ldg(vp + k);
+        const float v1 = two ? __ldg(vp + p.v_row_stride + k) : 0.f;
 #pragma unroll
-          for (int e = 0; e < 8; ++e) {
-            acc[0][e] = fmaf(v0, bf[e], acc[0][e]);
-            acc[1][e] = fmaf(v1, bf[e], acc[1][e]);
-          }
+        for (int e = 0; e < 8; ++e) {
+          acc[0][e] = fmaf(v0, bf[e], acc[0][e]);
+          acc[1][e] = fmaf(v1, bf[e], acc[1][e]);
         }
       }
-      if (k0 + 4 * kExpandBatch < r) load_batch(k0 + 4 * kExpandBatch);
     }
-    // Reduce-scatter over the 4 rank groups (lanes 4c .. 4c + 3): afterwards the lane with bits
-    // (hi2, hi1) holds row m0 + hi2, columns 4 * hi1 .. 4 * hi1 + 3 of its vector.
-    float h[8];
+    if (k0 + 4 * kExpandBatch < r) load_batch(k0 + 4 * kExpandBatch);
+  }
+  // Reduce-scatter over the 4 rank groups (lanes 4c .. 4c + 3): lane (hi2, hi1) ends with row hi2,
+  // columns 4 * hi1 .. + 3.
+  float h[8];
 #pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      const float send = hi2 ? acc[0][e] : acc[1][e];
-      const float keep = hi2 ? acc[1][e] : acc[0][e];
-      h[e] = keep + __shfl_xor_sync(kFullMask, send, 2);
-    }
-    float o[4];
+  for (int e = 0; e < 8; ++e) {
+    const float send = hi2 ? acc[0][e] : acc[1][e];
+    const float keep = hi2 ? acc[1][e] : acc[0][e];
+    h[e] = keep + __shfl_xor_sync(kFullMask, send, 2);
+  }
+  float o[4];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float send = hi1 ? h[e] : h[4 + e];
-      const float keep = hi1 ? h[4 + e] : h[e];
-      o[e] = keep + __shfl_xor_sync(kFullMask, send, 1);
-    }
-    const int row = m0 + (hi2 ? 1 : 0);
-    if (valid && row < nr) {
-      T* yp = static_cast<T*>(p.y[g]) + static_cast<int64_t>(row0 + row) * p.y_row_stride[g] + f * 8 + (hi1 ? 4 : 0);
-      uint2 yv = *reinterpret_cast<const uint2*>(yp);
-      const float2 a = Cvt<T>::unpack(yv.x), b = Cvt<T>::unpack(yv.y);
-      yv.x = Cvt<T>::pack(a.x + o[0], a.y + o[1]);
-      yv.y = Cvt<T>::pack(b.x + o[2], b.y + o[3]);
-      *reinterpret_cast<uint2*>(yp) = yv;
-    }
+  for (int e = 0; e < 4; ++e) {
+    const float send = hi1 ? h[e] : h[4 + e];
+    const float keep = hi1 ? h[4 + e] : h[e];
+    o[e] = keep + __shfl_xor_sync(kFullMask, send, 1);
+  }
+  if (writes) {
+    const float2 a = Cvt<T>::unpack(yv.x), b = Cvt<T>::unpack(yv.y);
+    yv.x = Cvt<T>::pack(a.x + o[0], a.y + o[1]);
+    yv.y = Cvt<T>::pack(b.x + o[2], b.y + o[3]);
+    *reinterpret_cast<uint2*>(yp) = yv;
   }
 }
 
@@ -754,6 +797,9 @@ __global__ void __launch_bounds__(kThreads, kMma ? 2 : 4) sgmv_expand_kernel(con
       expand_cc<T>(p, lo + c * kExpandRows, min(kExpandRows, n - c * kExpandRows), slot, packed, q, waited);
     }
   }
+  // Never finish before the preceding kernel: whatever follows this one in the stream may rely on
+  // both being complete.
+  if (!waited) pdl_wait();
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -803,14 +849,16 @@ const char* blocks_per_sm(Kernel kernel, int device, int smem, int* out) {
   return nullptr;
 }
 
+// Grid: one block per possible work item, at most `max_per_sm` resident blocks per SM (the shrink
+// leaves room so that the expand, launched early, can prefetch alongside it).
 template <typename Kernel, typename Params>
-const char* launch(Kernel kernel, const Params& params, int max_items, int smem, bool pdl, int device,
-                   cudaStream_t stream) {
+const char* launch(Kernel kernel, const Params& params, int max_items, int max_per_sm, int smem, bool pdl,
+                   int device, cudaStream_t stream) {
   DeviceInfo info;
   if (const char* err = device_info(device, &info)) return err;
   int per_sm = 1;
   if (const char* err = blocks_per_sm(kernel, device, smem, &per_sm)) return err;
-  const int blocks = std::max(1, std::min(max_items, info.sms * per_sm));
+  const int blocks = std::max(1, std::min(max_items, info.sms * std::min(per_sm, max_per_sm)));
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(blocks);
   cfg.blockDim = dim3(kThreads);
@@ -891,17 +939,17 @@ const char* shrink_typed(const ShrinkArgs& args, const LaunchOptions& opt, int d
   p.rank_pad = rank_pad_of(p.rank_cap, args.seg.num_groups);
   const bool mma = args.seg.num_rows >= p.mma_min_rows;
   p.work_offset = table_ints(args.seg.capacity) * 4;
-  int work = kShrinkRows * kShrinkRanks * kThreads * 4;
+  int work = kShrinkRows * kShrinkRanksLong * kThreads * 4;
   if (mma) {
     work = std::max(work, 2 * (kTileM + p.rank_pad) * kLds * 2);
     work = std::max(work, kTileM * (p.rank_pad + 4) * 4);
   }
   const int smem = p.work_offset + work;
-  int64_t items = static_cast<int64_t>(row_chunks_bound(args.seg, kShrinkRows)) * ceil_div(rank_sum, kShrinkRanks);
+  int64_t items = static_cast<int64_t>(row_chunks_bound(args.seg, kShrinkRows)) * ceil_div(rank_sum, kShrinkRanksN);
   if (mma) items += static_cast<int64_t>(row_chunks_bound(args.seg, kTileM)) * args.seg.num_groups;
   const int max_items = static_cast<int>(std::min<int64_t>(items, 1 << 30));
-  return mma ? launch(sgmv_shrink_kernel<T, true>, p, max_items, smem, opt.pdl, device, stream)
-             : launch(sgmv_shrink_kernel<T, false>, p, max_items, smem, opt.pdl, device, stream);
+  return mma ? launch(sgmv_shrink_kernel<T, true>, p, max_items, kShrinkBlocksPerSm, smem, opt.pdl, device, stream)
+             : launch(sgmv_shrink_kernel<T, false>, p, max_items, kShrinkBlocksPerSm, smem, opt.pdl, device, stream);
 }
 
 template <typename T>
@@ -943,8 +991,8 @@ const char* expand_typed(const ExpandArgs& args, const LaunchOptions& opt, int d
   int64_t items = static_cast<int64_t>(row_chunks_bound(args.seg, kExpandRows)) * ceil_div(vecs, kExpandVecs);
   if (mma) items += static_cast<int64_t>(row_chunks_bound(args.seg, kTileM)) * tiles;
   const int max_items = static_cast<int>(std::min<int64_t>(items, 1 << 30));
-  return mma ? launch(sgmv_expand_kernel<T, true>, p, max_items, smem, opt.pdl, device, stream)
-             : launch(sgmv_expand_kernel<T, false>, p, max_items, smem, opt.pdl, device, stream);
+  return mma ? launch(sgmv_expand_kernel<T, true>, p, max_items, kThreads, smem, opt.pdl, device, stream)
+             : launch(sgmv_expand_kernel<T, false>, p, max_items, kThreads, smem, opt.pdl, device, stream);
 }
 
 }  // namespace

@@ -58,10 +58,10 @@ struct LaunchOptions {
   // Segments with at least this many rows take the tensor-core path; shorter ones the CUDA-core
   // path. Both are exact for any segment; the threshold only moves speed. >= 1.
   int mma_min_rows = 128;
-  // Programmatic dependent launch (sm_90+). Shrink: lets its blocks be scheduled while the previous
-  // kernel drains (it waits for that kernel before reading anything). Expand: reads the segment
-  // table, the rank table and its first B tile while the previous kernel (normally the shrink)
-  // still runs, and waits for it before reading v or touching y.
+  // Programmatic dependent launch (sm_90+): the kernel is scheduled while the previous kernel in the
+  // stream still runs and reads the segment table, the rank table and its first A (shrink) or B
+  // (expand) tile meanwhile; it waits for that kernel before reading x, v or y and before any write.
+  // So nothing may write the tables or the pools in the kernel launched right before either one.
   bool pdl = true;
 };
 

@@ -12,8 +12,9 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cstdarg>
 #include <cstdint>
-#include <string>
+#include <cstdio>
 #include <vector>
 
 #include "sgmv.h"
@@ -24,66 +25,95 @@ using torch::Tensor;
 
 constexpr int64_t kInt32Max = 2147483647;
 
+// Error messages are formatted with snprintf and handed to torch as one C string: streaming
+// integers through std::ostream from this translation unit has been seen to crash when the
+// extension's compiler is newer than the C++ runtime the process loads.
+[[noreturn]] void fail(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+void fail(const char* fmt, ...) {
+  char msg[512];
+  va_list ap;
+  va_start(ap, fmt);
+  std::vsnprintf(msg, sizeof(msg), fmt, ap);
+  va_end(ap);
+  TORCH_CHECK(false, static_cast<const char*>(msg));
+}
+
+#define SGMV_CHECK(cond, ...) \
+  do {                        \
+    if (!(cond)) fail(__VA_ARGS__); \
+  } while (0)
+
+long long ll(int64_t v) { return static_cast<long long>(v); }
+const char* dtype_name(const Tensor& t) { return c10::toString(t.scalar_type()); }
+
 bool aligned16(const Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
-lorafleet::DType kernel_dtype(const Tensor& x) {
-  TORCH_CHECK(x.scalar_type() == torch::kHalf || x.scalar_type() == torch::kBFloat16,
-              "sgmv: x must be float16 or bfloat16, got ", x.scalar_type(),
-              " (use TorchSGMV for other dtypes)");
+// A tensor name for messages: "x", or "a[1]".
+struct Name {
+  char text[32];
+  Name(const char* base, int64_t index = -1) {
+    if (index < 0) std::snprintf(text, sizeof(text), "%s", base);
+    else std::snprintf(text, sizeof(text), "%s[%lld]", base, ll(index));
+  }
+};
+
+lorafleet::DType kernel_dtype(const Tensor& x, const char* name) {
+  SGMV_CHECK(x.scalar_type() == torch::kHalf || x.scalar_type() == torch::kBFloat16,
+             "sgmv: %s must be float16 or bfloat16, got %s (use TorchSGMV for other dtypes)", name, dtype_name(x));
   return x.scalar_type() == torch::kHalf ? lorafleet::DType::kFloat16 : lorafleet::DType::kBFloat16;
 }
 
 // Every tensor must sit on the device of the reference tensor (x for shrink, ys[0] for expand).
-void check_device(const Tensor& t, const std::string& name, const Tensor& ref) {
-  TORCH_CHECK(t.is_cuda(), "sgmv: ", name, " must be a CUDA tensor, got device ", t.device());
-  TORCH_CHECK(t.device() == ref.device(), "sgmv: ", name, " is on ", t.device(), " but the inputs are on ",
-              ref.device());
+void check_device(const Tensor& t, const Name& name, const Tensor& ref) {
+  SGMV_CHECK(t.is_cuda(), "sgmv: %s must be a CUDA tensor, got device %s", name.text, t.device().str().c_str());
+  SGMV_CHECK(t.device() == ref.device(), "sgmv: %s is on %s but the inputs are on %s", name.text,
+             t.device().str().c_str(), ref.device().str().c_str());
 }
 
-void check_weight_pool(const Tensor& w, const std::string& name, const Tensor& x, int64_t slots, int64_t width,
+void check_weight_pool(const Tensor& w, const Name& name, const Tensor& x, int64_t slots, int64_t width,
                        int64_t v_rank) {
   check_device(w, name, x);
-  TORCH_CHECK(w.scalar_type() == x.scalar_type(), "sgmv: ", name, " has dtype ", w.scalar_type(),
-              " but x has ", x.scalar_type());
-  TORCH_CHECK(w.dim() == 3, "sgmv: ", name, " must be [S, R, features], got shape ", w.sizes());
-  TORCH_CHECK(w.is_contiguous(), "sgmv: ", name, " must be contiguous");
-  TORCH_CHECK(w.size(0) == slots, "sgmv: ", name, " has ", w.size(0), " slots but ranks has ", slots);
-  TORCH_CHECK(w.size(1) >= 1 && w.size(1) <= lorafleet::kMaxRank, "sgmv: ", name, " rank dimension ", w.size(1),
-              " must be in [1, ", lorafleet::kMaxRank, "]");
-  TORCH_CHECK(w.size(1) <= v_rank, "sgmv: ", name, " rank dimension ", w.size(1), " exceeds v.size(2) = ", v_rank);
-  TORCH_CHECK(w.size(2) == width, "sgmv: ", name, " has ", w.size(2), " features, expected ", width);
-  TORCH_CHECK(aligned16(w), "sgmv: ", name, " must be 16-byte aligned");
+  SGMV_CHECK(w.scalar_type() == x.scalar_type(), "sgmv: %s has dtype %s but the inputs have %s", name.text,
+             dtype_name(w), dtype_name(x));
+  SGMV_CHECK(w.dim() == 3, "sgmv: %s must be [S, R, features], got %lld dimensions", name.text, ll(w.dim()));
+  SGMV_CHECK(w.is_contiguous(), "sgmv: %s must be contiguous", name.text);
+  SGMV_CHECK(w.size(0) == slots, "sgmv: %s has %lld slots but ranks has %lld", name.text, ll(w.size(0)), ll(slots));
+  SGMV_CHECK(w.size(1) >= 1 && w.size(1) <= lorafleet::kMaxRank, "sgmv: %s rank dimension %lld must be in [1, %d]",
+             name.text, ll(w.size(1)), lorafleet::kMaxRank);
+  SGMV_CHECK(w.size(1) <= v_rank, "sgmv: %s rank dimension %lld exceeds v.size(2) = %lld", name.text,
+             ll(w.size(1)), ll(v_rank));
+  SGMV_CHECK(w.size(2) == width, "sgmv: %s has %lld features, expected %lld", name.text, ll(w.size(2)), ll(width));
+  SGMV_CHECK(aligned16(w), "sgmv: %s must be 16-byte aligned", name.text);
 }
 
 // Checks v, ranks and the segment table; `x` gives the device and T (ys[0] for expand).
 lorafleet::SegmentArgs check_tables(const Tensor& v, const Tensor& x, int64_t groups, const Tensor& ranks,
                                     const Tensor& indptr, const Tensor& slots) {
-  TORCH_CHECK(groups >= 1 && groups <= lorafleet::kMaxGroup, "sgmv: 1 to ", lorafleet::kMaxGroup,
-              " projections per launch, got ", groups);
-  check_device(v, "v", x);
-  TORCH_CHECK(v.scalar_type() == torch::kFloat, "sgmv: v must be float32, got ", v.scalar_type());
-  TORCH_CHECK(v.dim() == 3 && v.size(0) == x.size(0) && v.size(1) == groups,
-              "sgmv: v must be [T, G, R] = [", x.size(0), ", ", groups, ", R], got shape ", v.sizes());
-  TORCH_CHECK(v.size(2) >= 1, "sgmv: v has an empty rank dimension");
-  TORCH_CHECK(v.is_contiguous(), "sgmv: v must be contiguous");
-  TORCH_CHECK(v.numel() <= kInt32Max, "sgmv: v is too large");
+  SGMV_CHECK(groups >= 1 && groups <= lorafleet::kMaxGroup, "sgmv: 1 to %d projections per launch, got %lld",
+             lorafleet::kMaxGroup, ll(groups));
+  check_device(v, Name("v"), x);
+  SGMV_CHECK(v.scalar_type() == torch::kFloat, "sgmv: v must be float32, got %s", dtype_name(v));
+  SGMV_CHECK(v.dim() == 3 && v.size(0) == x.size(0) && v.size(1) == groups,
+             "sgmv: v must be [T, G, R] with T = %lld and G = %lld", ll(x.size(0)), ll(groups));
+  SGMV_CHECK(v.size(2) >= 1, "sgmv: v has an empty rank dimension");
+  SGMV_CHECK(v.is_contiguous(), "sgmv: v must be contiguous");
+  SGMV_CHECK(v.numel() <= kInt32Max, "sgmv: v is too large");
 
-  check_device(ranks, "ranks", x);
-  TORCH_CHECK(ranks.scalar_type() == torch::kInt, "sgmv: ranks must be int32, got ", ranks.scalar_type());
-  TORCH_CHECK(ranks.dim() == 2 && ranks.size(0) == groups, "sgmv: ranks must be [G, S] with G = ", groups,
-              ", got shape ", ranks.sizes());
-  TORCH_CHECK(ranks.size(1) >= 1 && ranks.size(1) <= kInt32Max, "sgmv: ranks must have at least one slot");
-  TORCH_CHECK(ranks.is_contiguous(), "sgmv: ranks must be contiguous");
+  check_device(ranks, Name("ranks"), x);
+  SGMV_CHECK(ranks.scalar_type() == torch::kInt, "sgmv: ranks must be int32, got %s", dtype_name(ranks));
+  SGMV_CHECK(ranks.dim() == 2 && ranks.size(0) == groups, "sgmv: ranks must be [G, S] with G = %lld", ll(groups));
+  SGMV_CHECK(ranks.size(1) >= 1 && ranks.size(1) <= kInt32Max, "sgmv: ranks must have at least one slot");
+  SGMV_CHECK(ranks.is_contiguous(), "sgmv: ranks must be contiguous");
 
-  check_device(indptr, "indptr", x);
-  check_device(slots, "slots", x);
-  TORCH_CHECK(indptr.scalar_type() == torch::kInt && slots.scalar_type() == torch::kInt,
-              "sgmv: indptr and slots must be int32, got ", indptr.scalar_type(), " and ", slots.scalar_type());
-  TORCH_CHECK(indptr.dim() == 1 && slots.dim() == 1 && indptr.numel() == slots.numel() + 1,
-              "sgmv: indptr must be [capacity + 1] and slots [capacity], got ", indptr.sizes(), " and ", slots.sizes());
-  TORCH_CHECK(slots.numel() >= 1 && slots.numel() <= lorafleet::kMaxSegments, "sgmv: segment capacity ",
-              slots.numel(), " must be in [1, ", lorafleet::kMaxSegments, "]");
-  TORCH_CHECK(indptr.is_contiguous() && slots.is_contiguous(), "sgmv: indptr and slots must be contiguous");
+  check_device(indptr, Name("indptr"), x);
+  check_device(slots, Name("slots"), x);
+  SGMV_CHECK(indptr.scalar_type() == torch::kInt && slots.scalar_type() == torch::kInt,
+             "sgmv: indptr and slots must be int32, got %s and %s", dtype_name(indptr), dtype_name(slots));
+  SGMV_CHECK(indptr.dim() == 1 && slots.dim() == 1 && indptr.numel() == slots.numel() + 1,
+             "sgmv: indptr must be [capacity + 1] and slots [capacity]");
+  SGMV_CHECK(slots.numel() >= 1 && slots.numel() <= lorafleet::kMaxSegments,
+             "sgmv: segment capacity %lld must be in [1, %d]", ll(slots.numel()), lorafleet::kMaxSegments);
+  SGMV_CHECK(indptr.is_contiguous() && slots.is_contiguous(), "sgmv: indptr and slots must be contiguous");
 
   lorafleet::SegmentArgs s;
   s.indptr = indptr.data_ptr<int32_t>();
@@ -97,18 +127,19 @@ lorafleet::SegmentArgs check_tables(const Tensor& v, const Tensor& x, int64_t gr
 }
 
 void check_x(const Tensor& x) {
-  TORCH_CHECK(x.is_cuda(), "sgmv: x must be a CUDA tensor, got device ", x.device());
-  TORCH_CHECK(x.dim() == 2, "sgmv: x must be [T, in_features], got shape ", x.sizes());
-  TORCH_CHECK(x.is_contiguous(), "sgmv: x must be contiguous");
-  TORCH_CHECK(x.size(1) >= 8 && x.size(1) % 8 == 0, "sgmv: in_features must be a multiple of 8, got ", x.size(1));
-  TORCH_CHECK(x.numel() <= kInt32Max, "sgmv: x is too large");
-  TORCH_CHECK(aligned16(x), "sgmv: x must be 16-byte aligned");
+  SGMV_CHECK(x.is_cuda(), "sgmv: x must be a CUDA tensor, got device %s", x.device().str().c_str());
+  SGMV_CHECK(x.dim() == 2, "sgmv: x must be [T, in_features], got %lld dimensions", ll(x.dim()));
+  SGMV_CHECK(x.is_contiguous(), "sgmv: x must be contiguous");
+  SGMV_CHECK(x.size(1) >= 8 && x.size(1) % 8 == 0, "sgmv: in_features must be a multiple of 8, got %lld",
+             ll(x.size(1)));
+  SGMV_CHECK(x.numel() <= kInt32Max, "sgmv: x is too large");
+  SGMV_CHECK(aligned16(x), "sgmv: x must be 16-byte aligned");
 }
 
 void shrink(Tensor v, Tensor x, std::vector<Tensor> a, Tensor ranks, Tensor indptr, Tensor slots,
             int64_t mma_min_rows, bool pdl, int64_t stream) {
   check_x(x);
-  const auto dtype = kernel_dtype(x);
+  const auto dtype = kernel_dtype(x, "x");
   const int64_t groups = static_cast<int64_t>(a.size());
   lorafleet::ShrinkArgs args;
   args.seg = check_tables(v, x, groups, ranks, indptr, slots);
@@ -117,49 +148,50 @@ void shrink(Tensor v, Tensor x, std::vector<Tensor> a, Tensor ranks, Tensor indp
   args.v = v.data_ptr<float>();
   args.v_rank_dim = static_cast<int>(v.size(2));
   for (int64_t g = 0; g < groups; ++g) {
-    check_weight_pool(a[g], "a[" + std::to_string(g) + "]", x, ranks.size(1), x.size(1), v.size(2));
+    check_weight_pool(a[g], Name("a", g), x, ranks.size(1), x.size(1), v.size(2));
     args.a[g] = a[g].data_ptr();
     args.a_rank_dim[g] = static_cast<int>(a[g].size(1));
   }
   if (x.size(0) == 0) return;
-  TORCH_CHECK(mma_min_rows >= 1, "sgmv: mma_min_rows must be >= 1");
+  SGMV_CHECK(mma_min_rows >= 1, "sgmv: mma_min_rows must be >= 1");
   lorafleet::LaunchOptions opt;
   opt.mma_min_rows = static_cast<int>(std::min<int64_t>(mma_min_rows, kInt32Max));
   opt.pdl = pdl;
   const char* err = lorafleet::sgmv_shrink(dtype, args, opt, x.get_device(),
                                            reinterpret_cast<void*>(static_cast<intptr_t>(stream)));
-  TORCH_CHECK(err == nullptr, "sgmv shrink launch failed: ", err ? err : "");
+  SGMV_CHECK(err == nullptr, "sgmv shrink launch failed: %s", err ? err : "");
 }
 
 void expand(std::vector<Tensor> ys, Tensor v, std::vector<Tensor> b, Tensor ranks, Tensor indptr, Tensor slots,
             int64_t mma_min_rows, bool pdl, int64_t stream) {
-  TORCH_CHECK(!ys.empty() && ys.size() == b.size(), "sgmv: expand needs one output per B pool, got ", ys.size(),
-              " outputs and ", b.size(), " pools");
+  SGMV_CHECK(!ys.empty() && ys.size() == b.size(), "sgmv: expand needs one output per B pool, got %lld and %lld",
+             ll(static_cast<int64_t>(ys.size())), ll(static_cast<int64_t>(b.size())));
   const Tensor& y0 = ys[0];
-  TORCH_CHECK(y0.is_cuda(), "sgmv: ys[0] must be a CUDA tensor, got device ", y0.device());
-  const auto dtype = kernel_dtype(y0);
+  SGMV_CHECK(y0.is_cuda(), "sgmv: ys[0] must be a CUDA tensor, got device %s", y0.device().str().c_str());
+  const auto dtype = kernel_dtype(y0, "ys[0]");
   const int64_t groups = static_cast<int64_t>(b.size());
-  TORCH_CHECK(y0.dim() == 2, "sgmv: ys[0] must be [T, out_features], got shape ", y0.sizes());
+  SGMV_CHECK(y0.dim() == 2, "sgmv: ys[0] must be [T, out_features], got %lld dimensions", ll(y0.dim()));
   lorafleet::ExpandArgs args;
   args.seg = check_tables(v, y0, groups, ranks, indptr, slots);
   args.v = v.data_ptr<float>();
   args.v_rank_dim = static_cast<int>(v.size(2));
   for (int64_t g = 0; g < groups; ++g) {
     const Tensor& y = ys[g];
-    const std::string name = "ys[" + std::to_string(g) + "]";
+    const Name name("ys", g);
     check_device(y, name, y0);
-    TORCH_CHECK(y.scalar_type() == y0.scalar_type(), "sgmv: ", name, " has dtype ", y.scalar_type(), " but ys[0] has ",
-                y0.scalar_type());
-    TORCH_CHECK(y.dim() == 2 && y.size(0) == y0.size(0), "sgmv: ", name, " must be [T, out] with T = ", y0.size(0),
-                ", got shape ", y.sizes());
-    TORCH_CHECK(y.size(1) >= 8 && y.size(1) % 8 == 0, "sgmv: ", name, " width must be a multiple of 8, got ",
-                y.size(1));
-    TORCH_CHECK(y.stride(1) == 1, "sgmv: ", name, " must have unit column stride, got strides ", y.strides());
-    TORCH_CHECK(y.size(0) <= 1 || (y.stride(0) >= y.size(1) && y.stride(0) % 8 == 0), "sgmv: ", name,
-                " row stride must be a multiple of 8 and at least its width, got strides ", y.strides());
-    TORCH_CHECK(aligned16(y), "sgmv: ", name, " must start 16-byte aligned (column offset a multiple of 8)");
-    TORCH_CHECK(y.size(1) <= kInt32Max, "sgmv: ", name, " is too wide");
-    check_weight_pool(b[g], "b[" + std::to_string(g) + "]", y0, ranks.size(1), y.size(1), v.size(2));
+    SGMV_CHECK(y.scalar_type() == y0.scalar_type(), "sgmv: %s has dtype %s but ys[0] has %s", name.text,
+               dtype_name(y), dtype_name(y0));
+    SGMV_CHECK(y.dim() == 2 && y.size(0) == y0.size(0), "sgmv: %s must be [T, out] with T = %lld", name.text,
+               ll(y0.size(0)));
+    SGMV_CHECK(y.size(1) >= 8 && y.size(1) % 8 == 0, "sgmv: %s width must be a multiple of 8, got %lld", name.text,
+               ll(y.size(1)));
+    SGMV_CHECK(y.stride(1) == 1, "sgmv: %s must have unit column stride, got %lld", name.text, ll(y.stride(1)));
+    SGMV_CHECK(y.size(0) <= 1 || (y.stride(0) >= y.size(1) && y.stride(0) % 8 == 0),
+               "sgmv: %s row stride must be a multiple of 8 and at least its width, got %lld", name.text,
+               ll(y.stride(0)));
+    SGMV_CHECK(aligned16(y), "sgmv: %s must start 16-byte aligned (column offset a multiple of 8)", name.text);
+    SGMV_CHECK(y.size(1) <= kInt32Max, "sgmv: %s is too wide", name.text);
+    check_weight_pool(b[g], Name("b", g), y0, ranks.size(1), y.size(1), v.size(2));
     args.b[g] = b[g].data_ptr();
     args.b_rank_dim[g] = static_cast<int>(b[g].size(1));
     args.y[g] = y.data_ptr();
@@ -167,13 +199,13 @@ void expand(std::vector<Tensor> ys, Tensor v, std::vector<Tensor> b, Tensor rank
     args.out_features[g] = static_cast<int>(y.size(1));
   }
   if (y0.size(0) == 0) return;
-  TORCH_CHECK(mma_min_rows >= 1, "sgmv: mma_min_rows must be >= 1");
+  SGMV_CHECK(mma_min_rows >= 1, "sgmv: mma_min_rows must be >= 1");
   lorafleet::LaunchOptions opt;
   opt.mma_min_rows = static_cast<int>(std::min<int64_t>(mma_min_rows, kInt32Max));
   opt.pdl = pdl;
   const char* err = lorafleet::sgmv_expand(dtype, args, opt, y0.get_device(),
                                            reinterpret_cast<void*>(static_cast<intptr_t>(stream)));
-  TORCH_CHECK(err == nullptr, "sgmv expand launch failed: ", err ? err : "");
+  SGMV_CHECK(err == nullptr, "sgmv expand launch failed: %s", err ? err : "");
 }
 
 }  // namespace

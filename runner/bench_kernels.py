@@ -4,18 +4,22 @@ For each shape (default: 4096->4096 r=16, 4096->4096 r=64, 11008->4096 r=16; bf1
 {1..256} and adapter workload (distinct, uniform, skewed, identical; Punica's four), it times
 
     cuda        CudaSGMV (csrc/ kernels)
-    loop        one matmul pair per segment (TorchSGMV)
+    loop        one matmul pair per segment (a Python loop over adapters)
     gather_bmm  gather each row's A and B, then two batched matmuls
     grouped_mm  gather each segment's A and B, then torch._grouped_mm (when this torch has it)
 
-each eager (wall clock per call, back-to-back) and replayed in a CUDA graph (device time per
-replay, measured with CUDA events around the replay, with L2 flushed before every replay so that
-weights, x and y come from device memory as they do inside a model). The adapter pool is far bigger
-than L2 and replays rotate among several disjoint adapter sets. Every case is first checked against
-an fp64 reference (ours must match; a peer that does not is reported as wrong).
+three ways:
 
-The memory floor of a case counts each distinct adapter's A and B once, x once and y read + written,
-at 4.2 TB/s (the H200's measured copy bandwidth).
+    graph       per call, steady state inside a CUDA graph: one graph holds N calls, each on its own
+                adapter set, x and y, with N chosen so that the N calls touch > 150 MB (2.5x L2): every
+                call reads its weights, x and y from device memory, as a LoRA call inside a model does.
+                No graph-launch overhead; the gaps between kernels are included. The headline number.
+    graph_cold  one call replayed alone right after an L2 flush (graph launch latency included).
+    eager       wall clock per call, calls back to back (CPU launch cost included).
+
+Every case is first checked against an fp64 reference (ours must match; a peer that does not is
+marked wrong). The memory floor counts each distinct adapter's A and B once, x once and y read and
+written, at 4.2 TB/s (the H200's measured copy bandwidth).
 
     lorafleet bench kernels [--out bench_kernels.json] [--plot bench_kernels.png] [--quick]
 """
@@ -30,7 +34,7 @@ import math
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -85,17 +89,16 @@ class Case:
     row_idx: object  # int64 [T] slot of every row
     seg_slots: object  # int64 [nseg]
     seg_ends: object  # int32 [nseg] cumulative row ends
+    y_init: object = None  # y before any call (checks restart from it)
     y0: object = None
-    extra: dict = field(default_factory=dict)
 
 
 def _make_impls(pool_a, pool_b, ranks, host_ranks) -> dict[str, Callable[[Case], Callable[[], None]]]:
     import torch
 
-    from lorafleet.runner.lora.sgmv import TorchSGMV
     from lorafleet.runner.lora.sgmv_cuda import CudaSGMV
 
-    ours, loop = CudaSGMV(), TorchSGMV()
+    ours = CudaSGMV()
 
     def cuda(c: Case):
         def fn():
@@ -104,9 +107,11 @@ def _make_impls(pool_a, pool_b, ranks, host_ranks) -> dict[str, Callable[[Case],
         return fn
 
     def loop_fn(c: Case):
-        def fn():
-            loop.shrink(c.v, c.x, [pool_a], ranks, host_ranks, c.seg)
-            loop.expand([c.y], c.v, [pool_b], ranks, host_ranks, c.seg)
+        segs = [(s, lo, hi) for s, lo, hi in zip(c.seg.host_slots, c.seg.host_indptr, c.seg.host_indptr[1:]) if s >= 0]
+
+        def fn():  # one matmul pair per segment (per adapter), as a plain PyTorch server would do
+            for s, lo, hi in segs:
+                c.y[lo:hi] += (c.x[lo:hi] @ pool_a[s].T) @ pool_b[s]
         return fn
 
     def gather_bmm(c: Case):
@@ -125,7 +130,22 @@ def _make_impls(pool_a, pool_b, ranks, host_ranks) -> dict[str, Callable[[Case],
             c.y.add_(torch._grouped_mm(v, b, offs=c.seg_ends))
         return fn
 
-    impls = {"cuda": cuda, "loop": loop_fn, "gather_bmm": gather_bmm}
+    nopdl = CudaSGMV(pdl=False)
+
+    def cuda_nopdl(c: Case):  # diagnostics: without programmatic dependent launch
+        def fn():
+            nopdl.shrink(c.v, c.x, [pool_a], ranks, host_ranks, c.seg)
+            nopdl.expand([c.y], c.v, [pool_b], ranks, host_ranks, c.seg)
+        return fn
+
+    def cuda_shrink(c: Case):  # diagnostics: the shrink alone
+        return lambda: ours.shrink(c.v, c.x, [pool_a], ranks, host_ranks, c.seg)
+
+    def cuda_expand(c: Case):  # diagnostics: the expand alone
+        return lambda: ours.expand([c.y], c.v, [pool_b], ranks, host_ranks, c.seg)
+
+    impls = {"cuda": cuda, "loop": loop_fn, "gather_bmm": gather_bmm, "cuda_nopdl": cuda_nopdl,
+             "cuda_shrink": cuda_shrink, "cuda_expand": cuda_expand}
     if hasattr(torch, "_grouped_mm"):
         impls["grouped_mm"] = grouped_mm
     return impls
@@ -154,44 +174,67 @@ class Timer:
         self.torch = torch
         self.flush = torch.empty(flush_bytes, dtype=torch.uint8, device="cuda")
 
-    def graph_us(self, fns: list[Callable[[], None]], reps: int) -> float:
-        """Median device time of one graph replay, L2 flushed before each."""
+    def _warm(self, fns):
         torch = self.torch
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm up (cuBLAS handles, extension load) off the capture
-            for fn in fns:
+            for fn in fns[:4]:
                 fn()
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
-        graphs = []
-        for fn in fns:
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
+
+    def _capture(self, fns) -> object:
+        g = self.torch.cuda.CUDAGraph()
+        with self.torch.cuda.graph(g):
+            for fn in fns:
                 fn()
-            graphs.append(g)
+        return g
+
+    def graph_us(self, fns: list[Callable[[], None]], replays: int = 12) -> float:
+        """Per call: median replay time of one graph holding every call in `fns`, divided by their number."""
+        torch = self.torch
+        self._warm(fns)
+        g = self._capture(fns)
+        for _ in range(3):
+            g.replay()
         torch.cuda.synchronize()
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        for i in range(reps):
+        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
+        for s, e in ev:
+            s.record()
+            g.replay()
+            e.record()
+        torch.cuda.synchronize()
+        del g
+        return statistics.median(s.elapsed_time(e) * 1e3 for s, e in ev) / len(fns)
+
+    def graph_cold_us(self, fns: list[Callable[[], None]], reps: int) -> float:
+        """One call replayed alone (its own graph) right after an L2 flush: median device time."""
+        torch = self.torch
+        fns = fns[:4]
+        self._warm(fns)
+        graphs = [self._capture([fn]) for fn in fns]
+        torch.cuda.synchronize()
+        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+        for i, (s, e) in enumerate(ev):
             self.flush.zero_()
-            starts[i].record()
+            s.record()
             graphs[i % len(graphs)].replay()
-            ends[i].record()
+            e.record()
         torch.cuda.synchronize()
-        times = [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
         del graphs
+        times = [s.elapsed_time(e) * 1e3 for s, e in ev]
         return statistics.median(times[2:] if len(times) > 4 else times)
 
-    def eager_us(self, fns: list[Callable[[], None]], budget_s: float = 0.05, max_calls: int = 200) -> float:
+    def eager_us(self, fns: list[Callable[[], None]], budget_s: float = 0.05, max_calls: int = 400) -> float:
         """Wall-clock per call, calls back to back (CPU launch cost included, as in eager serving)."""
         torch = self.torch
-        for fn in fns:
+        for fn in fns[:4]:
             fn()
         torch.cuda.synchronize()
-        samples, t_end = [], time.perf_counter() + budget_s
-        calls = 0
-        while calls < max_calls and (calls < 3 * len(fns) or time.perf_counter() < t_end):
+        samples, t_end, calls = [], time.perf_counter() + budget_s, 0
+        fns = fns[:16]
+        while calls < max_calls and (calls < 2 * len(fns) or time.perf_counter() < t_end):
             t0 = time.perf_counter()
             for fn in fns:
                 fn()
@@ -201,13 +244,16 @@ class Timer:
         return statistics.median(samples)
 
 
-def floor_us(n_distinct: int, batch: int, shape: Shape, elem: int = 2) -> float:
-    weights = n_distinct * shape.rank * (shape.in_dim + shape.out_dim) * elem
-    activations = batch * shape.in_dim * elem + 2 * batch * shape.out_dim * elem
-    return (weights + activations) / BANDWIDTH * 1e6
+def footprint(n_distinct: int, batch: int, shape: Shape, elem: int = 2) -> int:
+    """Bytes one call must move: distinct A and B once, x once, y read and written."""
+    return (n_distinct * shape.rank * (shape.in_dim + shape.out_dim) + batch * (shape.in_dim + 2 * shape.out_dim)) * elem
 
 
-def run_shape(shape: Shape, batches, workloads, impls_wanted, rotations: int, reps: int, timer: Timer,
+def floor_us(n_distinct: int, batch: int, shape: Shape) -> float:
+    return footprint(n_distinct, batch, shape) / BANDWIDTH * 1e6
+
+
+def run_shape(shape: Shape, batches, workloads, impls_wanted, slots: int, cold_reps: int, timer: Timer,
               log) -> list[dict]:
     import numpy as np
     import torch
@@ -215,43 +261,49 @@ def run_shape(shape: Shape, batches, workloads, impls_wanted, rotations: int, re
     from lorafleet.runner.lora.segments import build_segments
 
     dev, dtype = "cuda", torch.bfloat16
-    per_rot = max(batches)
-    S = rotations * per_rot  # disjoint adapter sets, far bigger than L2 together
+    S = slots  # far bigger than L2: rotations of adapter sets come back to a set only after >= S adapters
     gen = torch.Generator(device=dev).manual_seed(0)
     pool_a = (torch.randn(S, shape.rank, shape.in_dim, generator=gen, device=dev) / math.sqrt(shape.in_dim)).to(dtype)
     pool_b = (torch.randn(S, shape.rank, shape.out_dim, generator=gen, device=dev) / math.sqrt(shape.rank)).to(dtype)
     host_ranks = [[shape.rank] * S]
     ranks = torch.tensor(host_ranks, dtype=torch.int32, device=dev)
     impls = _make_impls(pool_a, pool_b, ranks, host_ranks)
+    v = torch.empty(max(batches), 1, shape.rank, device=dev)
     results = []
     for workload in workloads:
         for batch in batches:
             rng = np.random.default_rng(batch * 7 + len(workload))
+            adapters = sorted(assign(workload, batch, max(batches), rng))
+            distinct = sorted(set(adapters))
+            n_distinct = len(distinct)
+            # N calls touching > 150 MB in total (N <= 512), each on the next n_distinct slots
+            rotations = max(2, min(512, math.ceil(150e6 / footprint(n_distinct, batch, shape))))
+            rotations = min(rotations, max(2, S // n_distinct))
             cases = []
             for rot in range(rotations):
-                adapters = sorted(assign(workload, batch, per_rot, rng))
-                row_slots = [rot * per_rot + a for a in adapters]
+                base = rot * n_distinct
+                row_slots = [(base + distinct.index(a)) % S for a in adapters]
                 seg = build_segments(row_slots, device=dev, capacity=batch)
-                ends = torch.tensor(seg.host_indptr[1:], dtype=torch.int32, device=dev)
+                y = torch.randn(batch, shape.out_dim, device=dev).to(dtype)
                 cases.append(Case(
                     x=torch.randn(batch, shape.in_dim, device=dev).to(dtype),
-                    y=torch.randn(batch, shape.out_dim, device=dev).to(dtype),
-                    v=torch.empty(batch, 1, shape.rank, device=dev),
-                    row_slots=row_slots, seg=seg,
+                    y=y, v=v[:batch], row_slots=row_slots, seg=seg,
                     row_idx=torch.tensor(row_slots, dtype=torch.int64, device=dev),
                     seg_slots=torch.tensor(seg.host_slots, dtype=torch.int64, device=dev),
-                    seg_ends=ends,
+                    seg_ends=torch.tensor(seg.host_indptr[1:], dtype=torch.int32, device=dev),
+                    y_init=y.clone(),
                 ))
-            n_distinct = len(set(cases[0].row_slots))
             rec = {"shape": shape.name, "in": shape.in_dim, "out": shape.out_dim, "rank": shape.rank,
                    "dtype": "bf16", "workload": workload, "batch": batch, "distinct_adapters": n_distinct,
-                   "floor_us": floor_us(n_distinct, batch, shape), "us": {}, "rel_err": {}}
-            want = _reference(cases[0], pool_a, pool_b, shape.rank)
+                   "calls_per_graph": rotations, "floor_us": floor_us(n_distinct, batch, shape), "us": {},
+                   "rel_err": {}}
+            c0 = cases[0]
+            want = _reference(c0, pool_a, pool_b, shape.rank)
             for name in impls_wanted:
                 if name not in impls:
                     continue
-                c0 = cases[0]
-                c0.y0 = c0.y.clone()
+                c0.y.copy_(c0.y_init)
+                c0.y0 = c0.y_init
                 try:
                     impls[name](c0)()
                     torch.cuda.synchronize()
@@ -266,17 +318,23 @@ def run_shape(shape: Shape, batches, workloads, impls_wanted, rotations: int, re
                     raise SystemExit(f"WRONG RESULT: cuda kernels on {shape.name} {workload} batch={batch}: "
                                      f"relative error {err:.3e}")
                 fns = [impls[name](c) for c in cases]
-                entry = {"graph": timer.graph_us(fns, reps), "eager": timer.eager_us(fns)}
+                try:
+                    entry = {"graph": timer.graph_us(fns), "graph_cold": timer.graph_cold_us(fns, cold_reps),
+                             "eager": timer.eager_us(fns)}
+                except Exception as exc:  # e.g. a peer that cannot be captured in a graph
+                    if name == "cuda":
+                        raise
+                    torch.cuda.synchronize()
+                    rec["us"][name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
+                    continue
                 if not err < 2e-2:
                     entry["wrong"] = True
                 rec["us"][name] = entry
                 del fns
             results.append(rec)
-            ours = rec["us"].get("cuda", {})
-            log(f"{shape.name:>14} {workload:>9} {batch:>4}: floor {rec['floor_us']:6.2f} us  "
-                + "  ".join(f"{k} {v.get('graph', float('nan')):7.2f}/{v.get('eager', float('nan')):7.1f}"
-                            for k, v in rec["us"].items() if "error" not in v)
-                + ("" if ours else "  (cuda missing)"))
+            log(f"{shape.name:>14} {workload:>9} {batch:>4} (N={rotations:>3}): floor {rec['floor_us']:6.2f} us  "
+                + "  ".join(f"{k} {e['graph']:7.2f}/{e['graph_cold']:7.2f}/{e['eager']:7.1f}"
+                            for k, e in rec["us"].items() if "error" not in e))
             del cases
             gc.collect()
             torch.cuda.empty_cache()
@@ -296,20 +354,20 @@ def table(results: list[dict], shape_name: str) -> str:
     rows = [r for r in results if r["shape"] == shape_name]
     if not rows:
         return ""
-    names = [n for n in IMPLS if any(n in r["us"] for r in rows)]
-    head = f"{shape_name}: graph-replay us (eager us) per call; floor = bytes / 4.2 TB/s"
-    cols = "workload   batch  floor " + "".join(f"{n:>20}" for n in names)
+    extra = sorted({n for r in rows for n in r["us"]} - set(IMPLS))
+    names = [n for n in IMPLS if any(n in r["us"] for r in rows)] + extra
+    head = (f"{shape_name}: us per call. graph = steady state in a CUDA graph (cold weights); cold = one replay "
+            "after an L2 flush; floor = bytes / 4.2 TB/s; ! = wrong result")
+    cols = "workload  batch  floor   cuda graph  cold eager" + "".join(f"{n + ' graph':>17}" for n in names[1:])
     lines = [head, cols]
     for r in rows:
-        cells = []
-        for n in names:
+        ours = r["us"].get("cuda", {})
+        cells = f"{ours.get('graph', float('nan')):11.2f} {ours.get('graph_cold', float('nan')):5.1f} "
+        cells += f"{ours.get('eager', float('nan')):5.0f}"
+        for n in names[1:]:
             e = r["us"].get(n)
-            if not e or "error" in e:
-                cells.append(f"{'-':>20}")
-            else:
-                mark = "!" if e.get("wrong") else ""
-                cells.append(f"{e['graph']:9.2f} ({e['eager']:7.1f}){mark}".rjust(20))
-        lines.append(f"{r['workload']:<10} {r['batch']:>5} {r['floor_us']:6.2f} " + "".join(cells))
+            cells += f"{'-':>17}" if not e or "error" in e else f"{e['graph']:16.1f}{'!' if e.get('wrong') else ' '}"
+        lines.append(f"{r['workload']:<9} {r['batch']:>5} {r['floor_us']:6.2f} " + cells)
     return "\n".join(lines)
 
 
@@ -358,9 +416,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", default="bench_kernels.png", help="latency-vs-batch PNG, needs matplotlib ('' = none)")
     p.add_argument("--quick", action="store_true", help="headline shape only, fewer batch sizes")
     p.add_argument("--shapes", default="", help=f"comma-separated subset of {','.join(s.name for s in SHAPES)}")
-    p.add_argument("--impls", default=",".join(IMPLS), help="comma-separated implementations to run")
-    p.add_argument("--reps", type=int, default=60, help="graph replays timed per case (default %(default)s)")
-    p.add_argument("--rotations", type=int, default=4, help="disjoint adapter sets replays rotate over")
+    p.add_argument("--impls", default=",".join(IMPLS),
+                   help="comma-separated implementations (also: cuda_nopdl, cuda_shrink, cuda_expand)")
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated workloads")
+    p.add_argument("--batches", default="", help="comma-separated batch sizes (default 1..256)")
+    p.add_argument("--reps", type=int, default=40, help="cold single-call replays timed per case (default %(default)s)")
+    p.add_argument("--slots", type=int, default=1024, help="adapters in the pool (default %(default)s)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -371,6 +432,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     shapes = [s for s in SHAPES if not args.shapes or s.name in args.shapes.split(",")]
     batches = (1, 8, 32, 64, 256) if args.quick else BATCHES
+    if args.batches:
+        batches = tuple(int(b) for b in args.batches.split(","))
+    workloads = tuple(w for w in args.workloads.split(",") if w)
     if args.quick:
         shapes = [s for s in shapes if s.name == HEADLINE] or shapes[:1]
     impls = [n for n in args.impls.split(",") if n]
@@ -380,7 +444,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.time()
     results = []
     for shape in shapes:
-        results += run_shape(shape, batches, WORKLOADS, impls, args.rotations, args.reps, timer,
+        results += run_shape(shape, batches, workloads, impls, args.slots, args.reps, timer,
                              log=lambda s: print(s, flush=True))
     doc = {"card": card, "date": date, "torch": torch.__version__, "cuda": torch.version.cuda,
            "bandwidth_Bps": BANDWIDTH, "seconds": round(time.time() - t0, 1),

@@ -38,9 +38,10 @@ class CudaSGMV:
 
     Segments with at least `shrink_mma_min_rows` / `expand_mma_min_rows` rows run on tensor cores,
     shorter ones on the memory-bound CUDA-core path; both are exact for any table. `pdl` enables
-    programmatic dependent launch on sm_90+: the expand starts while the shrink drains and reads
-    the segment table, `ranks` and its first B tile early, so nothing may write those three in the
-    kernel launched right before the expand.
+    programmatic dependent launch on sm_90+: each kernel starts while the previous kernel in the
+    stream drains and reads the segment table, `ranks` and its first A or B tile early (x, v and y
+    only after that kernel completes), so nothing may write the tables or the pools in the kernel
+    launched right before a shrink or an expand. Results are bitwise identical with and without it.
     """
 
     name = "cuda"

@@ -218,7 +218,6 @@ def test_mixed_ranks_one_launch(dtype, opts):
 def test_against_per_row_loop(dtype):
     """One small case against the independent per-row fp32 loop of runner/lora/sgmv.py."""
     in_dim, out_dims = SHAPES["smollm_qkv"]
-    S = 6
     host_ranks = [[4, 8, 0, 16, 3, 12], [8, 0, 2, 16, 7, 9], [1, 8, 5, 0, 16, 6]]
     pool = make_pool(in_dim, out_dims, host_ranks, dtype, seed=2, rank_dim=16)
     row_slots = [0, 0, 1, 1, 1, -1, 2, 3, 3, -1, 4, 5, 5, 5, 0]
