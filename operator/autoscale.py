@@ -15,7 +15,8 @@ Rules, in order:
 - A draining runner whose scheduler view shows it draining and empty is removed (unless
   requests are queuing again, when it may soon be taken back): its pod gets
   the lowest deletion cost and the replica count drops by one, so exactly that pod goes. This
-  waits until no runner pod is starting (the ReplicaSet would remove an unready pod first).
+  waits until no runner pod is starting (the ReplicaSet would remove an unready pod first) and
+  until the pod removed last is gone (so one drained runner is never removed twice).
 - A node group, when configured, grows as soon as the runners need more GPUs and shrinks only
   when no runner is draining, starting or terminating.
 
@@ -217,6 +218,9 @@ def decide(obs: Observation, policy: Policy, history: History, now: float) -> De
                 break
             if starting:
                 reasons.append(f"{rid} is drained; waiting for starting runners before removing it")
+                break
+            if len(pods) > replicas:  # an earlier removal is still under way
+                reasons.append(f"{rid} is drained; waiting for the last removed pod to go")
                 break
             if len(remove) >= floor_room:
                 break

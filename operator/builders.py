@@ -108,15 +108,17 @@ def service_accounts(pool: PoolSpec, owner: Mapping[str, Any] | None = None) -> 
 
 def scheduler_role(pool: PoolSpec, owner: Mapping[str, Any] | None = None) -> Obj:
     """Least privilege for the scheduler's feeds: read pods, EndpointSlices and LoraAdapters."""
-    read = ["get", "list", "watch"]
+    def read() -> list[str]:
+        return ["get", "list", "watch"]
+
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "Role",
         "metadata": _meta(pool, c.scheduler_name(pool.name), c.COMPONENT_SCHEDULER, owner),
         "rules": [
-            {"apiGroups": [""], "resources": ["pods"], "verbs": read},
-            {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": read},
-            {"apiGroups": [c.GROUP], "resources": [c.ADAPTERS], "verbs": read},
+            {"apiGroups": [""], "resources": ["pods"], "verbs": read()},
+            {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": read()},
+            {"apiGroups": [c.GROUP], "resources": [c.ADAPTERS], "verbs": read()},
         ],
     }
 
@@ -248,7 +250,9 @@ def runner_args(pool: PoolSpec) -> list[str]:
     r = pool.runner
     args = ["runner", "--host", "0.0.0.0", "--port", str(c.RUNNER_PORT), "--model", pool.model_source,
             "--device", "cuda", "--max-batch-size", str(r.max_batch_size), "--kv-fraction", f"{r.kv_fraction:g}",
-            "--max-lora-rank", str(r.max_lora_rank)]
+            "--max-lora-rank", str(r.max_lora_rank),
+            # On SIGTERM, finish in-flight requests within the pod's grace period (minus a margin).
+            "--grace-seconds", str(max(5, r.grace_seconds - 10))]
     if r.gpus > 1:
         args += ["--tensor-parallel", str(r.gpus)]
     return args + list(r.extra_args)
@@ -259,8 +263,8 @@ def runner_resources(pool: PoolSpec) -> Obj:
     res = pool.runner.resources
     requests = dict(res.get("requests") or {})
     limits = dict(res.get("limits") or {})
-    limits[c.GPU_RESOURCE] = pool.runner.gpus
-    requests[c.GPU_RESOURCE] = pool.runner.gpus
+    limits[c.GPU_RESOURCE] = str(pool.runner.gpus)
+    requests[c.GPU_RESOURCE] = str(pool.runner.gpus)
     return {"requests": requests, "limits": limits}
 
 

@@ -11,6 +11,7 @@ POOL_KIND = "ServingPool"
 ADAPTER_KIND = "LoraAdapter"
 
 FIELD_MANAGER = "lorafleet-operator"
+KOPF_PREFIX = f"kopf.{GROUP}"  # kopf's progress and diff-base annotations
 FINALIZER = f"{GROUP}/cleanup"
 
 # Ports of the two services (docs/api.md).

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import hashlib
 import json
 import logging
 import secrets
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import aiohttp
 
@@ -30,6 +32,8 @@ from lorafleet.operator.status import is_subset
 
 log = logging.getLogger(__name__)
 
+SHAPE_RETRY_S = 600.0  # how long to wait before reading an unreachable base model's config.json again
+
 
 @dataclass
 class Context:
@@ -41,12 +45,23 @@ class Context:
     tokens: dict[tuple[str, str], str] = field(default_factory=dict)
     last_apply: dict[tuple[str, str], float] = field(default_factory=dict)
     locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
+    shape_failures: dict[str, float] = field(default_factory=dict)  # model source -> when reading it failed
+    closed: bool = False
+    # Blocking source reads run here, not on the loop's default executor (aiohttp needs that one
+    # for name resolution), and at most this many at a time.
+    fetch_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=4, thread_name_prefix="lorafleet-fetch"))
+
+    async def blocking(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.fetch_pool, functools.partial(fn, *args, **kwargs))
 
     def lock(self, namespace: str, name: str) -> asyncio.Lock:
         """One writer per pool at a time (its change handlers and its daemon)."""
         return self.locks.setdefault((namespace, name), asyncio.Lock())
 
     async def close(self) -> None:
+        self.closed = True  # daemons that outlive the cleanup stop at their next round
+        self.fetch_pool.shutdown(wait=False, cancel_futures=True)
         await self.http.close()
         await self.kube.close()
 
@@ -120,10 +135,30 @@ async def _apply_pool(ctx: Context, pool: PoolSpec, owner: Mapping[str, Any]) ->
         if await apply_object(ctx.kube, obj):
             written.append(f"{obj['kind']}/{obj['metadata']['name']}")
     if not pool.ingress.enabled:
-        if await ctx.kube.delete("networking.k8s.io/v1", "ingresses", c.ingress_name(pool.name), pool.namespace):
+        if await delete_owned(ctx.kube, "networking.k8s.io/v1", "ingresses", c.ingress_name(pool.name), pool):
             written.append(f"Ingress/{c.ingress_name(pool.name)} (deleted)")
     ctx.last_apply[(pool.namespace, pool.name)] = time.monotonic()
     return written
+
+
+def owned_by(obj: Mapping[str, Any], pool: str) -> bool:
+    """Whether an object carries this operator's labels for `pool` (never touch anyone else's)."""
+    labels = (obj.get("metadata") or {}).get("labels") or {}
+    return labels.get(c.LABEL_MANAGED_BY) == c.MANAGED_BY and labels.get(c.LABEL_POOL) == pool
+
+
+async def delete_owned(kube: KubeClient, api_version: str, plural: str, name: str, pool: PoolSpec | str,
+                       namespace: str | None = None) -> bool:
+    """Delete an object of the pool's if it exists; True when a deletion was requested."""
+    pool_name = pool if isinstance(pool, str) else pool.name
+    ns = namespace if namespace is not None else (pool.namespace if not isinstance(pool, str) else None)
+    live = await kube.get(api_version, plural, name, ns)
+    if live is None or live.get("metadata", {}).get("deletionTimestamp"):
+        return False
+    if not owned_by(live, pool_name):
+        log.warning("not deleting %s %s/%s: it is not managed by this operator for pool %s", plural, ns, name, pool_name)
+        return False
+    return await kube.delete(api_version, plural, name, ns)
 
 
 CHILDREN = (
@@ -144,7 +179,7 @@ async def delete_pool_children(ctx: Context, name: str, namespace: str) -> list[
     """Delete what a pool owns (owner references would too; this does not wait for the GC)."""
     deleted = []
     for api_version, plural, naming in CHILDREN:
-        if await ctx.kube.delete(api_version, plural, naming(name), namespace):
+        if await delete_owned(ctx.kube, api_version, plural, naming(name), name, namespace):
             deleted.append(f"{plural}/{naming(name)}")
     ctx.tokens.pop((namespace, name), None)
     ctx.last_apply.pop((namespace, name), None)
@@ -176,11 +211,16 @@ async def learn_base_shape(ctx: Context, pool: PoolSpec, status: Mapping[str, An
     src = sources.parse_source(pool.model_source)
     if not src.remote:
         return None  # a PVC or image path: runners check adapters against it instead
+    failed_at = ctx.shape_failures.get(pool.model_source)
+    if failed_at is not None and time.monotonic() - failed_at < SHAPE_RETRY_S:
+        return None
     try:
-        cfg = await asyncio.to_thread(sources.read_model_config, pool.model_source, timeout=ctx.config.fetch_timeout_s)
+        cfg = await ctx.blocking(sources.read_model_config, pool.model_source, timeout=ctx.config.fetch_timeout_s)
         shape = base_shape_from_config(cfg)
     except (sources.SourceError, SpecError) as exc:
-        log.warning("pool %s/%s: base model shape unknown: %s", pool.namespace, pool.name, exc)
+        log.warning("pool %s/%s: base model shape unknown (runners will check adapters): %s",
+                    pool.namespace, pool.name, exc)
+        ctx.shape_failures[pool.model_source] = time.monotonic()
         return None
     return base_shape_status(shape, pool.model_source)
 

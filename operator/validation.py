@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import re
 import tempfile
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -117,6 +118,9 @@ async def _ask_scheduler(admin: AdminClient | None, name: str, spec: Mapping[str
     except SchedulerUnavailable as exc:
         return Verdict(PENDING, "WaitingForRunner", f"waiting for a ready runner to {waiting_for} ({exc})", True)
     if not answer.get("ok"):
+        if answer.get("retry"):  # e.g. the runner it picked went away meanwhile
+            return Verdict(PENDING, "WaitingForRunner", f"waiting for a ready runner to {waiting_for} "
+                           f"({answer.get('error') or 'retry later'})", True)
         return failed("InvalidAdapter", str(answer.get("error") or "refused by the runner"))
     targets = answer.get("target_modules") or ()
     return Verdict(READY, "Validated", "checked on a runner against the loaded base model",
@@ -150,8 +154,9 @@ def _inspect_remote(name: str, uri: str, sha256: str | None, base: BaseShape | N
 
 
 async def validate_adapter(name: str, namespace: str, spec: Mapping[str, Any], pool_body: Mapping[str, Any] | None,
-                           *, admin: AdminClient | None, fetch_timeout: float = 60.0) -> Verdict:
-    """The full check of one adapter (I/O: source fetches, the scheduler's admin API)."""
+                           *, admin: AdminClient | None, fetch_timeout: float = 60.0,
+                           executor: Executor | None = None) -> Verdict:
+    """The full check of one adapter (I/O: source fetches in `executor`, the scheduler's admin API)."""
     checked = precheck(name, spec, pool_body, namespace)
     if isinstance(checked, Verdict):
         return checked
@@ -159,8 +164,8 @@ async def validate_adapter(name: str, namespace: str, spec: Mapping[str, Any], p
     if not src.remote:
         return await _ask_scheduler(admin, name, spec, "read it from its volume")
     base = base_shape_from_status((pool_body or {}).get("status"))
-    verdict = await asyncio.to_thread(_inspect_remote, name, src.uri, spec.get("sha256"), base,
-                                      pool.runner.max_lora_rank, fetch_timeout)
+    verdict = await asyncio.get_running_loop().run_in_executor(
+        executor, _inspect_remote, name, src.uri, spec.get("sha256"), base, pool.runner.max_lora_rank, fetch_timeout)
     if verdict.phase != READY or base is not None:
         return verdict
     # Files are fine but the base shape is unknown here (e.g. the model is on a PVC): ask a runner.

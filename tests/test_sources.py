@@ -7,7 +7,6 @@ import functools
 import hashlib
 import http.server
 import json
-import os
 import socket
 import struct
 import threading
@@ -281,6 +280,13 @@ def test_model_sources(tmp_path):
         assert (m / "model.safetensors").is_file() and (m / "config.json").is_file()
         only_cfg = sources.fetch_model(f"{base}/m", cache_dir=tmp_path / "c2", config_only=True)
         assert [p.name for p in only_cfg.iterdir() if not p.name.startswith(".")] == ["config.json"]
+        tok = sources.fetch_model(f"{base}/m", cache_dir=tmp_path / "c2", tokenizer_only=True)
+        assert sorted(p.name for p in tok.iterdir() if not p.name.startswith(".")) == ["config.json", "tokenizer.json"]
+        full = sources.fetch_model(f"{base}/m", cache_dir=tmp_path / "c2")
+        assert (full / "model-00001-of-00001.safetensors").is_file()
+        hits = len(httpd.hits)
+        sources.fetch_model(f"{base}/m", cache_dir=tmp_path / "c2", tokenizer_only=True)  # the full copy serves
+        assert len(httpd.hits) == hits
         gguf = sources.fetch_model(f"{base}/q.gguf", cache_dir=tmp_path / "c")
         assert gguf.name == "q.gguf" and gguf.read_bytes().startswith(b"GGUF")
         with pytest.raises(sources.SourceError, match="GGUF"):

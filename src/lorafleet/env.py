@@ -60,3 +60,13 @@ def runner_id() -> str | None:
 def request_timeout_s() -> int:
     """LORAFLEET_RUNNER_TIMEOUT: seconds without a byte from a runner before it counts as failed."""
     return _int("LORAFLEET_RUNNER_TIMEOUT", 60)
+
+
+def pvc_root() -> Path:
+    """LORAFLEET_PVC_ROOT: where runner pods mount the PVCs that `pvc://claim/path` sources name."""
+    return Path(_str("LORAFLEET_PVC_ROOT", "/mnt/lorafleet/pvc"))
+
+
+def fused_ops() -> bool:
+    """LORAFLEET_FUSED_OPS: use flashinfer's fused norm / activation / RoPE kernels on CUDA (default 1)."""
+    return _str("LORAFLEET_FUSED_OPS", "1").lower() not in ("0", "false", "no")

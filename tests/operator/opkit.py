@@ -1,5 +1,6 @@
-"""Fixtures of the operator tests: a Kubernetes API mock (kmock), a fake pool scheduler, adapter
-files served over HTTP, and the real kopf operator running against them in the test's loop."""
+"""Helpers of the operator tests: a Kubernetes API mock (kmock), a fake pool scheduler, adapter
+files served over HTTP, and the real kopf operator running against them in the test's loop.
+(The fixtures are re-exported by conftest.py.)"""
 
 from __future__ import annotations
 
@@ -81,13 +82,13 @@ class KubeMock(kmock.KubernetesEmulator):
 
     # Test helpers -----------------------------------------------------------------------------
 
-    def get(self, plural: str, namespace: str | None, name: str) -> dict | None:
+    def obj(self, plural: str, namespace: str | None, name: str) -> dict | None:
         for (res, ns, n), obj in self.objects.items():
             if res.plural == plural and ns == namespace and n == name and not obj.deleted:
                 return obj.raw
         return None
 
-    def all(self, plural: str, namespace: str | None = None) -> list[dict]:
+    def objs(self, plural: str, namespace: str | None = None) -> list[dict]:
         return [obj.raw for (res, ns, _), obj in self.objects.items()
                 if res.plural == plural and (namespace is None or ns == namespace) and not obj.deleted]
 
@@ -109,6 +110,10 @@ RESOURCES = {
     "rbac.authorization.k8s.io/v1/rolebindings": dict(kind="RoleBinding", singular="rolebinding", namespaced=True),
     "networking.k8s.io/v1/ingresses": dict(kind="Ingress", singular="ingress", namespaced=True),
     "discovery.k8s.io/v1/endpointslices": dict(kind="EndpointSlice", singular="endpointslice", namespaced=True),
+    # kopf waits for these two to be discoverable, even when it does not watch them.
+    "apiextensions.k8s.io/v1/customresourcedefinitions": dict(kind="CustomResourceDefinition",
+                                                              singular="customresourcedefinition", namespaced=False),
+    "v1/namespaces": dict(kind="Namespace", singular="namespace", namespaced=False),
     "cluster.x-k8s.io/v1beta1/machinedeployments": dict(kind="MachineDeployment", singular="machinedeployment",
                                                          namespaced=True, subresources={"scale"}),
 }
@@ -145,7 +150,7 @@ async def api(k8s: KubeMock, method: str, path: str, body: Any = None, ctype: st
             return json.loads(text) if text else {}
 
 
-async def wait_for(predicate: Callable[[], Any], timeout: float = 15.0, what: str = "condition") -> Any:
+async def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
     """Poll `predicate` (sync or async) until it returns something truthy."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
@@ -298,7 +303,7 @@ async def running_operator(config: OperatorConfig) -> AsyncIterator[asyncio.Task
 
 def pool_body(name: str = "llama", namespace: str = "ml", **spec: Any) -> dict:
     body = {"apiVersion": c.API_VERSION, "kind": c.POOL_KIND, "metadata": {"name": name, "namespace": namespace},
-            "spec": {"model": {"source": "hf://meta-llama/Llama-2-7b-hf"}, **spec}}
+            "spec": {"model": {"source": "pvc://models/llama-2-7b"}, **spec}}
     return body
 
 

@@ -102,6 +102,9 @@ def test_removes_exactly_the_drained_empty_runner():
     # Not while another runner is starting: the ReplicaSet would delete the unready pod instead.
     d = decide(obs(empty, replicas=4, ready=3), POLICY, h, now=110)
     assert d.remove == () and d.replicas == 4
+    # Right after a removal the pod may linger (still listed, still draining): never removed twice.
+    after = decide(obs(empty, replicas=2, ready=3), POLICY, d.history, now=120)
+    assert after.remove == () and after.replicas == 2
 
 
 def test_pressure_takes_draining_runners_back_first():

@@ -1,12 +1,23 @@
 """The real kopf operator against a Kubernetes API mock: ServingPool lifecycle."""
+# ruff: noqa: F811  (the k8s and scheduler fixtures come from opkit and are requested by name)
 
 from __future__ import annotations
 
 import base64
 
 import pytest
-from conftest import (api, pool_body, pools_path, runner_pod, runner_state, running_operator, test_config,
-                      wait_for)
+from opkit import (  # noqa: F401  (fixtures)
+    api,
+    k8s,
+    pool_body,
+    pools_path,
+    runner_pod,
+    runner_state,
+    running_operator,
+    scheduler,
+    test_config,
+    wait_for,
+)
 
 from lorafleet.operator import constants as c
 
@@ -14,7 +25,7 @@ pytestmark = pytest.mark.timeout(90)
 
 
 def deployment(k8s, name):
-    return k8s.get("deployments", "ml", name)
+    return k8s.obj("deployments", "ml", name)
 
 
 async def test_pool_lifecycle(k8s, scheduler):
@@ -30,7 +41,7 @@ async def test_pool_lifecycle(k8s, scheduler):
 
         runner = await wait_for(lambda: deployment(k8s, "llama-runner"), what="runner Deployment")
         sched = await wait_for(lambda: deployment(k8s, "llama-scheduler"), what="scheduler Deployment")
-        await wait_for(lambda: k8s.get("ingresses", "ml", "llama"), what="Ingress")
+        await wait_for(lambda: k8s.obj("ingresses", "ml", "llama"), what="Ingress")
 
         # Runner workload: GPUs, node pool, probes, graceful termination, identity, volumes.
         assert runner["spec"]["replicas"] == 1
@@ -41,7 +52,7 @@ async def test_pool_lifecycle(k8s, scheduler):
         assert ctr["args"][:2] == ["runner", "--host"] and "--max-batch-size" in ctr["args"]
         assert ctr["args"][ctr["args"].index("--max-batch-size") + 1] == "16"
         assert ctr["args"][ctr["args"].index("--max-lora-rank") + 1] == "32"
-        assert ctr["resources"]["limits"]["nvidia.com/gpu"] == 1 and ctr["resources"]["requests"]["cpu"] == "8"
+        assert ctr["resources"]["limits"]["nvidia.com/gpu"] == "1" and ctr["resources"]["requests"]["cpu"] == "8"
         assert pod["nodeSelector"] == {"gpu": "h100"}
         assert pod["terminationGracePeriodSeconds"] == 120 and pod["automountServiceAccountToken"] is False
         assert ctr["readinessProbe"]["httpGet"]["path"] == "/readyz"
@@ -56,25 +67,25 @@ async def test_pool_lifecycle(k8s, scheduler):
         sctr = sched["spec"]["template"]["spec"]["containers"][0]
         assert sctr["image"] == "sched:1"
         assert sctr["args"] == ["scheduler", "--host", "0.0.0.0", "--port", "8000", "--model",
-                                "hf://meta-llama/Llama-2-7b-hf", "--kube", "--namespace", "ml", "--pool", "llama"]
+                                "pvc://models/llama-2-7b", "--kube", "--namespace", "ml", "--pool", "llama"]
         token_ref = {e["name"]: e for e in sctr["env"]}["LORAFLEET_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"]
         assert token_ref == {"name": "llama-admin", "key": "token"}
-        secret = k8s.get("secrets", "ml", "llama-admin")
+        secret = k8s.obj("secrets", "ml", "llama-admin")
         token = base64.b64decode(secret["data"]["token"]).decode()
         assert len(token) >= 32
         assert sched["spec"]["template"]["spec"]["serviceAccountName"] == "llama-scheduler"
-        role = k8s.get("roles", "ml", "llama-scheduler")
+        role = k8s.obj("roles", "ml", "llama-scheduler")
         granted = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
                    for v in rule["verbs"]}
         assert {v for _, _, v in granted} == {"get", "list", "watch"}  # read-only
         assert {r for _, r, _ in granted} == {"pods", "endpointslices", "loraadapters"}
-        binding = k8s.get("rolebindings", "ml", "llama-scheduler")
+        binding = k8s.obj("rolebindings", "ml", "llama-scheduler")
         assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "llama-scheduler", "namespace": "ml"}]
-        assert k8s.get("serviceaccounts", "ml", "llama-runner")["automountServiceAccountToken"] is False
-        svc = k8s.get("services", "ml", "llama-scheduler")
+        assert k8s.obj("serviceaccounts", "ml", "llama-runner")["automountServiceAccountToken"] is False
+        svc = k8s.obj("services", "ml", "llama-scheduler")
         assert svc["spec"]["selector"] == c.selector_labels("llama", "scheduler")
-        assert k8s.get("services", "ml", "llama-runner")["spec"]["clusterIP"] == "None"
-        ing = k8s.get("ingresses", "ml", "llama")
+        assert k8s.obj("services", "ml", "llama-runner")["spec"]["clusterIP"] == "None"
+        ing = k8s.obj("ingresses", "ml", "llama")
         assert ing["spec"]["rules"][0]["host"] == "llm.example.org"
         assert ing["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]["name"] == "llama-scheduler"
 
@@ -85,7 +96,7 @@ async def test_pool_lifecycle(k8s, scheduler):
         scheduler.state = {"runners": [runner_state("llama-runner-abc", batch=3)], "queue_length": 2}
 
         def ready():
-            status = (k8s.get(c.POOLS, "ml", "llama") or {}).get("status") or {}
+            status = (k8s.obj(c.POOLS, "ml", "llama") or {}).get("status") or {}
             conds = {x["type"]: x for x in status.get("conditions") or ()}
             return status if conds.get("Ready", {}).get("status") == "True" else None
 
@@ -97,8 +108,8 @@ async def test_pool_lifecycle(k8s, scheduler):
         conds = {x["type"]: x["status"] for x in status["conditions"]}
         assert conds == {"Ready": "True", "Progressing": "False", "Degraded": "False"}
         assert f"Bearer {token}" in scheduler.tokens
-        reasons = {e.get("reason") for e in k8s.all("events", "ml")}
-        assert {"Applied", "Serving"} <= reasons
+        await wait_for(lambda: {"Applied", "Serving"} <= {e.get("reason") for e in k8s.objs("events", "ml")},
+                       what="events Applied and Serving")
 
         # A spec change rolls through; turning the ingress off removes it.
         await api(k8s, "PATCH", pools_path(name="llama"),
@@ -107,20 +118,20 @@ async def test_pool_lifecycle(k8s, scheduler):
         def batch_arg():
             d = deployment(k8s, "llama-runner")
             args = d["spec"]["template"]["spec"]["containers"][0]["args"]
-            return args[args.index("--max-batch-size") + 1] == "8" and k8s.get("ingresses", "ml", "llama") is None
+            return args[args.index("--max-batch-size") + 1] == "8" and k8s.obj("ingresses", "ml", "llama") is None
 
         await wait_for(batch_arg, what="spec change applied")
         assert deployment(k8s, "llama-runner")["spec"]["replicas"] == 1
-        assert base64.b64decode(k8s.get("secrets", "ml", "llama-admin")["data"]["token"]).decode() == token
+        assert base64.b64decode(k8s.obj("secrets", "ml", "llama-admin")["data"]["token"]).decode() == token
 
         # Deletion: the finalizer removes every child, then the pool goes.
         await api(k8s, "DELETE", pools_path(name="llama"))
-        await wait_for(lambda: k8s.get(c.POOLS, "ml", "llama") is None, what="pool deleted")
+        await wait_for(lambda: k8s.obj(c.POOLS, "ml", "llama") is None, what="pool deleted")
         for plural, name in [("deployments", "llama-runner"), ("deployments", "llama-scheduler"),
                              ("services", "llama-runner"), ("services", "llama-scheduler"), ("roles", "llama-scheduler"),
                              ("rolebindings", "llama-scheduler"), ("serviceaccounts", "llama-scheduler"),
                              ("serviceaccounts", "llama-runner"), ("secrets", "llama-admin")]:
-            assert k8s.get(plural, "ml", name) is None, (plural, name)
+            assert k8s.obj(plural, "ml", name) is None, (plural, name)
 
 
 async def test_invalid_pool_spec_is_reported(k8s, scheduler):
@@ -128,7 +139,7 @@ async def test_invalid_pool_spec_is_reported(k8s, scheduler):
         await api(k8s, "POST", pools_path(), pool_body(minRunners=5, maxRunners=2))
 
         def degraded():
-            status = (k8s.get(c.POOLS, "ml", "llama") or {}).get("status") or {}
+            status = (k8s.obj(c.POOLS, "ml", "llama") or {}).get("status") or {}
             conds = {x["type"]: x for x in status.get("conditions") or ()}
             return conds.get("Degraded", {}).get("reason") == "InvalidSpec" and status
 

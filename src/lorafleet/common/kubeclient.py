@@ -79,6 +79,7 @@ class KubeClient:
         reload: Callable[[], "KubeClient"] | None = None,
     ):
         self.server = server.rstrip("/")
+        self.ca_file, self.cert_file, self.key_file, self.verify = ca_file, cert_file, key_file, verify
         self._token = token
         self._token_file = Path(token_file) if token_file else None
         self._timeout = timeout
@@ -113,7 +114,9 @@ class KubeClient:
         from kubernetes import client, config
 
         cfg = client.Configuration()
-        config.load_kube_config(client_configuration=cfg, context=context)
+        # $KUBECONFIG is read now: the kubernetes package captures it once, at import.
+        config.load_kube_config(config_file=os.environ.get("KUBECONFIG") or None, client_configuration=cfg,
+                                context=context)
         token = cfg.api_key.get("BearerToken") or cfg.api_key.get("authorization")
         if token and not token.lower().startswith("bearer "):
             token = f"Bearer {token}"
@@ -128,6 +131,10 @@ class KubeClient:
             reload=lambda: cls._from_kubeconfig(context, timeout),
         )
 
+    def current_token(self) -> str | None:
+        """The bearer token in use now (re-read from the service account file when there is one)."""
+        return self._headers().get("Authorization", "")[len("Bearer "):] or None
+
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
@@ -140,6 +147,12 @@ class KubeClient:
         await self.close()
 
     # --- plumbing ------------------------------------------------------------------------------
+
+    async def reload(self) -> None:
+        """Load the credentials again (after a 401: e.g. an expired token from a kubeconfig plugin)."""
+        if self._reload is not None:
+            fresh = await asyncio.to_thread(self._reload)
+            self._token, self._ssl = fresh._token, fresh._ssl
 
     def _headers(self) -> dict[str, str]:
         token = self._token
@@ -170,8 +183,7 @@ class KubeClient:
             ) as resp:
                 text = await resp.text()
                 if resp.status == 401 and attempt == 0 and self._reload is not None:
-                    fresh = await asyncio.to_thread(self._reload)
-                    self._token, self._ssl = fresh._token, fresh._ssl
+                    await self.reload()
                     continue
                 if resp.status >= 400:
                     raise _error(resp.status, text)

@@ -91,7 +91,9 @@ class ChecksumMismatch(SourceError):
 
 def pvc_root() -> Path:
     """LORAFLEET_PVC_ROOT: where pods mount the claims of pvc:// sources."""
-    return Path(os.environ.get("LORAFLEET_PVC_ROOT") or DEFAULT_PVC_ROOT)
+    from lorafleet import env
+
+    return env.pvc_root()
 
 
 def default_cache_dir() -> Path:
@@ -457,12 +459,13 @@ def _model_files(src: Source, folder: Path, timeout: float) -> Iterable[str]:
 
 
 def fetch_model(uri: str, *, cache_dir: Path | str | None = None, timeout: float = 60.0,
-                config_only: bool = False) -> Path:
+                config_only: bool = False, tokenizer_only: bool = False) -> Path:
     """A local HF model folder (config.json, tokenizer files, safetensors shards) or GGUF file.
 
     Local and pvc:// sources are returned in place. Remote folders are downloaded once into
     `cache_dir`; optional files (tokenizer, generation config) are skipped when absent.
-    `config_only` fetches just config.json (enough to learn the model's shape).
+    `tokenizer_only` skips the weights (what the scheduler needs); `config_only` fetches just
+    config.json (enough to learn the model's shape). A GGUF file is always fetched whole.
     """
     src = parse_source(uri)
     if not src.remote:
@@ -478,20 +481,22 @@ def fetch_model(uri: str, *, cache_dir: Path | str | None = None, timeout: float
             _download(folder_src.child(name), folder / name, timeout)
         return folder / name
     folder = _cache_folder(cache_dir, "models", src)
-    done = folder / (".config-complete" if config_only else ".complete")
-    if done.is_file() or (config_only and (folder / ".complete").is_file()):
+    levels = [".config-complete", ".tokenizer-complete", ".complete"]  # each includes the ones before
+    level = 0 if config_only else 1 if tokenizer_only else 2
+    if any((folder / mark).is_file() for mark in levels[level:]):
         return folder
     _download(src.child(MODEL_CONFIG), folder / MODEL_CONFIG, timeout)
-    if not config_only:
+    if level >= 1:
         for name in MODEL_OPTIONAL:
             try:
                 _download(src.child(name), folder / name, timeout)
             except SourceNotFound:
                 pass
+    if level >= 2:
         for name in _model_files(src, folder, timeout):
             if not (folder / name).is_file():
                 _download(src.child(name), folder / name, timeout)
-    done.write_text("ok\n")
+    (folder / levels[level]).write_text("ok\n")
     return folder
 
 

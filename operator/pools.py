@@ -1,0 +1,107 @@
+"""What the operator does for one ServingPool: apply its objects, and look at it periodically."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Mapping
+
+import kopf
+
+from lorafleet.common.kubeclient import ApiError
+from lorafleet.operator import builders, reconcile
+from lorafleet.operator import constants as c
+from lorafleet.operator.admin import SchedulerUnavailable
+from lorafleet.operator.autoscale import History
+from lorafleet.operator.spec import SpecError, parse_pool
+from lorafleet.operator.status import PoolFacts, merge_patch, now_iso, pool_status
+
+
+async def patch_status(ctx: reconcile.Context, plural: str, name: str, namespace: str,
+                       old: Mapping[str, Any], new: Mapping[str, Any]) -> None:
+    """Write only what changed in a status."""
+    diff = merge_patch(old, new)
+    if diff:
+        await ctx.kube.patch(c.API_VERSION, plural, name, {"status": diff}, namespace, subresource="status")
+
+
+async def publish_base_shape(ctx: reconcile.Context, pool: Any, status: Mapping[str, Any]) -> None:
+    """Learn the base model's shape (once per source) and put it in the pool's status."""
+    shape = await reconcile.learn_base_shape(ctx, pool, status)
+    if shape:
+        await ctx.kube.patch(c.API_VERSION, c.POOLS, pool.name, {"status": {"baseModel": shape}}, pool.namespace,
+                             subresource="status")
+
+
+async def apply(ctx: reconcile.Context, body: Any, patch: kopf.Patch) -> None:
+    """A pool was created, changed or found at start-up: make its objects match its spec."""
+    meta, status = body["metadata"], dict(body.get("status") or {})
+    try:
+        pool = parse_pool(meta["name"], meta["namespace"], body.get("spec") or {})
+    except SpecError as exc:
+        kopf.warn(body, reason="InvalidSpec", message=str(exc))
+        return  # the pool's loop reports it in the status
+    try:
+        await publish_base_shape(ctx, pool, status)  # first: this pool's adapters wait for it
+        written = await reconcile.apply_pool(ctx, pool, body)
+    except ApiError as exc:
+        raise kopf.TemporaryError(f"applying the pool's objects failed: {exc}", delay=10) from None
+    if written:
+        kopf.info(body, reason="Applied", message=", ".join(written))
+    patch.status["endpoint"] = builders.endpoint_url(pool)
+
+
+async def delete(ctx: reconcile.Context, name: str, namespace: str, logger: Any) -> None:
+    try:
+        deleted = await reconcile.delete_pool_children(ctx, name, namespace)
+    except ApiError as exc:
+        raise kopf.TemporaryError(f"deleting the pool's objects failed: {exc}", delay=10) from None
+    logger.info("deleted %s", ", ".join(deleted) or "nothing (already gone)")
+
+
+async def tick(ctx: reconcile.Context, body: Any, logger: Any) -> None:
+    """One look at a pool: re-apply (every resync interval), autoscale, and write its status."""
+    meta, spec, status = body.get("metadata", {}), body.get("spec", {}), dict(body.get("status") or {})
+    name, namespace = meta["name"], meta["namespace"]
+    try:
+        pool = parse_pool(name, namespace, spec)
+    except SpecError as exc:
+        facts = PoolFacts(meta.get("generation"), 0, None, False, None, "", None, History(), spec_error=str(exc))
+        await patch_status(ctx, c.POOLS, name, namespace, status, pool_status(facts, status, now_iso()))
+        return
+    last = ctx.last_apply.get((namespace, name))
+    if last is None or time.monotonic() - last >= ctx.config.resync_interval_s:
+        written = await reconcile.apply_pool(ctx, pool, body)  # level-triggered: heals drift
+        if written:
+            kopf.info(body, reason="Applied", message=", ".join(written))
+        await publish_base_shape(ctx, pool, status)
+    admin = await reconcile.admin_client(ctx, namespace, name)
+    current = await reconcile.look(ctx, pool, admin)
+    history = History.from_status(status.get("autoscaler"))
+    try:
+        history, actions, decision = await reconcile.autoscale(ctx, pool, admin, current, history, time.time())
+    except SchedulerUnavailable as exc:
+        actions, decision = [], None
+        logger.warning("autoscaler: %s", exc)
+    for action in actions:
+        kopf.info(body, reason="Autoscaled", message=action)
+    nodes = current.node_group_replicas
+    if decision is not None and decision.node_group_replicas is not None:
+        nodes = decision.node_group_replicas
+    facts = PoolFacts(
+        generation=meta.get("generation"),
+        replicas=decision.replicas if decision else current.replicas,
+        observation=current.observation,
+        scheduler_available=current.scheduler_available,
+        scheduler_error=current.scheduler_error,
+        endpoint=builders.endpoint_url(pool),
+        ingress_url=builders.ingress_url(pool),
+        history=history,
+        node_group_replicas=nodes,
+    )
+    new = pool_status(facts, status, now_iso())
+    before = {x.get("type"): x.get("status") for x in status.get("conditions") or ()}
+    await patch_status(ctx, c.POOLS, name, namespace, status, new)
+    ready = next(x for x in new["conditions"] if x["type"] == "Ready")
+    if before.get("Ready") != ready["status"]:
+        emit = kopf.info if ready["status"] == "True" else kopf.warn
+        emit(body, reason=ready["reason"], message=ready["message"] or ready["reason"])

@@ -1,0 +1,133 @@
+"""Builders: golden objects for a few pool specs, plus the properties every pool must have.
+
+Regenerate the golden files after an intended change with LORAFLEET_UPDATE_GOLDEN=1 and review
+the diff.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lorafleet.operator import builders
+from lorafleet.operator import constants as c
+from lorafleet.operator.config import OperatorConfig
+from lorafleet.operator.spec import SpecError, parse_pool
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+class NoAliases(yaml.SafeDumper):
+    def ignore_aliases(self, data):
+        return True
+
+
+CONFIG = OperatorConfig(scheduler_image="lorafleet/operator:test", runner_image="lorafleet/runner:test")
+OWNER = {"apiVersion": "lorafleet.dev/v1alpha1", "kind": "ServingPool", "metadata": {"name": "x", "uid": "uid-1"}}
+
+SPECS = {
+    "minimal": ("llama", {"model": {"source": "hf://meta-llama/Llama-2-7b-hf"}}, 1),
+    "full": ("big", {
+        "model": {"source": "pvc://models/llama-2-70b"},
+        "runner": {"image": "my/runner:1", "imagePullPolicy": "Always", "gpusPerRunner": 4, "maxBatchSize": 64,
+                   "kvFraction": 0.85, "maxLoraRank": 128, "resources": {"requests": {"cpu": "32", "memory": "200Gi"},
+                                                                          "limits": {"memory": "240Gi"}},
+                   "nodeSelector": {"node.kubernetes.io/instance-type": "p5.48xlarge"},
+                   "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "llm", "effect": "NoSchedule"}],
+                   "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []}},
+                   "priorityClassName": "llm-serving", "terminationGracePeriodSeconds": 300,
+                   "env": [{"name": "NCCL_DEBUG", "value": "WARN"}], "extraArgs": ["--prefill-chunk", "2048"]},
+        "scheduler": {"image": "my/sched:1", "resources": {"requests": {"cpu": "2", "memory": "4Gi"}},
+                      "nodeSelector": {"pool": "cpu"}, "extraArgs": ["--max-queue", "1000"]},
+        "imagePullSecrets": ["regcred"], "credentialsSecret": "s3-creds", "adapterVolumes": ["adapters", "team-b"],
+        "minRunners": 2, "maxRunners": 16,
+        "ingress": {"enabled": True, "className": "nginx", "host": "big.example.com", "path": "/big",
+                    "tlsSecretName": "big-tls", "annotations": {"nginx.ingress.kubernetes.io/proxy-buffering": "off"}},
+        "nodeGroup": {"apiVersion": "cluster.x-k8s.io/v1beta1", "kind": "MachineDeployment", "name": "p5",
+                      "gpusPerNode": 8},
+    }, 3),
+}
+
+
+def render(name: str) -> list[dict]:
+    pool_name, spec, replicas = SPECS[name]
+    pool = parse_pool(pool_name, "ml", spec)
+    owner = {**OWNER, "metadata": {"name": pool_name, "uid": "uid-1"}}
+    return builders.children(pool, CONFIG, replicas, owner) + [builders.admin_secret(pool, "not-a-real-token", owner)]
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_golden(name):
+    objs = render(name)
+    path = GOLDEN / f"{name}.yaml"
+    if os.environ.get("LORAFLEET_UPDATE_GOLDEN"):
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(yaml.dump_all(objs, Dumper=NoAliases, sort_keys=False))
+    assert objs == list(yaml.safe_load_all(path.read_text())), f"{path} differs (LORAFLEET_UPDATE_GOLDEN=1 rewrites it)"
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_every_object_is_labelled_and_owned(name):
+    pool_name = SPECS[name][0]
+    for obj in render(name):
+        meta = obj["metadata"]
+        assert meta["namespace"] == "ml"
+        assert meta["labels"][c.LABEL_POOL] == pool_name and meta["labels"][c.LABEL_MANAGED_BY] == c.MANAGED_BY
+        assert meta["ownerReferences"] == [{"apiVersion": "lorafleet.dev/v1alpha1", "kind": "ServingPool",
+                                            "name": pool_name, "uid": "uid-1", "controller": True,
+                                            "blockOwnerDeletion": True}]
+        if obj["kind"] == "Deployment":
+            selector = obj["spec"]["selector"]["matchLabels"]
+            assert selector.items() <= obj["spec"]["template"]["metadata"]["labels"].items()
+            for ctr in obj["spec"]["template"]["spec"]["containers"]:
+                sc = ctr["securityContext"]
+                assert sc["runAsNonRoot"] and not sc["allowPrivilegeEscalation"] and sc["capabilities"] == {"drop": ["ALL"]}
+
+
+def test_runner_specifics():
+    objs = {(o["kind"], o["metadata"]["name"]): o for o in render("full")}
+    runner = objs[("Deployment", "big-runner")]
+    pod = runner["spec"]["template"]["spec"]
+    ctr = pod["containers"][0]
+    assert ctr["resources"]["limits"]["nvidia.com/gpu"] == "4" and ctr["resources"]["requests"]["nvidia.com/gpu"] == "4"
+    assert ctr["args"][ctr["args"].index("--tensor-parallel") + 1] == "4"
+    assert ctr["args"][-2:] == ["--prefill-chunk", "2048"]
+    assert pod["tolerations"][0] == builders.GPU_TOLERATION and len(pod["tolerations"]) == 2
+    mounts = {m["mountPath"] for m in ctr["volumeMounts"]}
+    assert {"/mnt/lorafleet/pvc/models", "/mnt/lorafleet/pvc/adapters", "/mnt/lorafleet/pvc/team-b", "/dev/shm"} <= mounts
+    assert runner["spec"]["replicas"] == 3
+    sched = objs[("Deployment", "big-scheduler")]["spec"]["template"]["spec"]
+    assert {"name": "pvc-models", "mountPath": "/mnt/lorafleet/pvc/models", "readOnly": True} in \
+        sched["containers"][0]["volumeMounts"]
+    assert not any(v["name"].startswith("pvc-adapters") for v in sched["volumes"])  # only runners read adapters
+    ing = objs[("Ingress", "big")]
+    assert ing["spec"]["tls"] == [{"hosts": ["big.example.com"], "secretName": "big-tls"}]
+    assert builders.ingress_url(parse_pool("big", "ml", SPECS["full"][1])) == "https://big.example.com/big"
+
+
+def test_minimal_has_no_ingress_and_default_images():
+    objs = render("minimal")
+    kinds = sorted(o["kind"] for o in objs)
+    assert kinds == ["Deployment", "Deployment", "Role", "RoleBinding", "Secret", "Service", "Service",
+                     "ServiceAccount", "ServiceAccount"]
+    images = {o["metadata"]["name"]: o["spec"]["template"]["spec"]["containers"][0]["image"]
+              for o in objs if o["kind"] == "Deployment"}
+    assert images == {"llama-scheduler": "lorafleet/operator:test", "llama-runner": "lorafleet/runner:test"}
+    runner = next(o for o in objs if o["kind"] == "Deployment" and o["metadata"]["name"] == "llama-runner")
+    assert "nodeSelector" not in runner["spec"]["template"]["spec"]
+    assert "--tensor-parallel" not in runner["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+@pytest.mark.parametrize("spec, words", [
+    ({}, "spec.model.source is required"),
+    ({"model": {"source": "x"}, "minRunners": 3, "maxRunners": 2}, "must not exceed"),
+    ({"model": {"source": "x"}, "nodeGroup": {"kind": "MachineDeployment"}}, "spec.nodeGroup needs"),
+    ({"model": {"source": "x"}, "runner": {"gpusPerRunner": 4},
+      "nodeGroup": {"apiVersion": "v", "kind": "K", "name": "n", "gpusPerNode": 2}}, "at least runner.gpusPerRunner"),
+])
+def test_bad_pool_specs(spec, words):
+    with pytest.raises(SpecError, match=words):
+        parse_pool("p", "ns", spec)
