@@ -66,17 +66,25 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class Engine:
-    def __init__(self, model_path: str, config: EngineConfig = EngineConfig(), resolve_adapter=None):
+    """`model` is a model path (HF directory or .gguf) or an already built LlamaModel (shared
+    weights, e.g. for benchmarks). `adapter_loader(ref) -> LoadedAdapter` replaces reading
+    adapters from disk (the default)."""
+
+    def __init__(self, model: "str | LlamaModel", config: EngineConfig = EngineConfig(), adapter_loader=None):
         self.config = config
-        self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
-        t0 = time.perf_counter()
-        model_cfg, tensors = load_weights(model_path)
+        if isinstance(model, LlamaModel):
+            self.model, self.device, self.dtype = model, model.device, model.dtype
+            model_cfg = model.cfg
+        else:
+            self.device = resolve_device(config.device)
+            self.dtype = resolve_dtype(config.dtype, self.device)
+            t0 = time.perf_counter()
+            model_cfg, tensors = load_weights(model)
+            self.model = LlamaModel(model_cfg, tensors, self.dtype, self.device)
+            del tensors
+            log.info("loaded %s (%d layers) on %s as %s in %.1fs", model, model_cfg.num_layers, self.device,
+                     self.dtype, time.perf_counter() - t0)
         self.model_config: ModelConfig = model_cfg
-        self.model = LlamaModel(model_cfg, tensors, self.dtype, self.device)
-        del tensors
-        log.info("loaded %s (%d layers) on %s as %s in %.1fs", model_path, model_cfg.num_layers, self.device,
-                 self.dtype, time.perf_counter() - t0)
         self.max_model_len = config.max_model_len or model_cfg.max_position_embeddings
         base = model_cfg.base_shape()
 
@@ -85,16 +93,18 @@ class Engine:
             slots = config.lora_slots or (64 if self.device.type == "cuda" else 8)
             self.lora_pool = LoraPool(base, slots, config.max_lora_rank, self.dtype, self.device)
             stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-            self.adapters = AdapterManager(self.lora_pool, base, config.host_lora_cache, resolve_adapter, stream)
+            self.adapters = AdapterManager(self.lora_pool, base, config.host_lora_cache, adapter_loader, stream)
 
         num_pages = config.num_pages or self._default_pages()
-        self.kv = KVCache(model_cfg, num_pages, config.page_size, self.dtype, self.device)
+        # one extra page: the scratch page padded rows of captured CUDA graphs write to
+        self.kv = KVCache(model_cfg, num_pages + 1, config.page_size, self.dtype, self.device)
         self.blocks = BlockManager(num_pages, config.page_size)
         self.batcher = Batcher(self.blocks, self.adapters, config.max_batch_size, config.max_prefill_tokens,
                                self.max_model_len)
         self.attention = self._make_attention()
         self.sgmv = self._make_sgmv()
-        self.runner = ModelRunner(self.model, self.attention, self.lora_pool, self.sgmv, config.page_size)
+        self.runner = ModelRunner(self.model, self.attention, self.lora_pool, self.sgmv, config.page_size,
+                                  self._make_graphs(num_pages))
         log.info("KV cache: %d pages x %d tokens (%d tokens); attention=%s sgmv=%s", num_pages, config.page_size,
                  self.blocks.total_tokens, self.attention.name, getattr(self.sgmv, "name", "?"))
 
@@ -102,6 +112,7 @@ class Engine:
         self._seqs: dict[str, Sequence] = {}
         self.last_busy = time.time()
         self.steps = 0
+        self.last_step = (0, 0)  # (prefill tokens, decode requests) of the last step
 
     # -- construction helpers -------------------------------------------------------------------
     def _default_pages(self) -> int:
@@ -118,6 +129,22 @@ class Engine:
 
         return attention_backend(self.kv, self.model_config, self.device, self.config)
 
+    def _make_graphs(self, scratch_page: int):
+        """CUDA graphs for decode steps when every op on that path is capturable."""
+        if self.device.type != "cuda" or not self.config.cuda_graphs:
+            return None
+        if self.attention.name != "flashinfer" or (self.lora_pool is not None and self.sgmv.name == "torch"):
+            log.warning("decode CUDA graphs need flashinfer attention and the CUDA SGMV kernels; running eagerly")
+            return None
+        from lorafleet.runner.cuda_graph import GraphRunner
+
+        t0 = time.perf_counter()
+        g = GraphRunner(self.model, self.attention, self.lora_pool, self.sgmv, self.config.page_size,
+                        self.config.max_batch_size, scratch_page)
+        g.capture_all()
+        log.info("CUDA graph capture took %.1fs", time.perf_counter() - t0)
+        return g
+
     def _make_sgmv(self):
         from lorafleet.runner.lora.sgmv import TorchSGMV
 
@@ -125,7 +152,7 @@ class Engine:
             from lorafleet.runner.lora.sgmv_select import sgmv_backend
         except ImportError:
             return TorchSGMV()
-        return sgmv_backend(self.device)
+        return sgmv_backend(self.device, dtype=self.dtype)
 
     # -- public API -----------------------------------------------------------------------------
     def submit(self, seq: Sequence) -> None:
@@ -143,6 +170,7 @@ class Engine:
         outputs = self._drain_inbox()
         plan = self.batcher.schedule()
         outputs += [self._finish(s) for s in plan.evicted + plan.failed]
+        self.last_step = (sum(s.num_tokens for s in plan.prefill), len(plan.decode))
         if plan.seqs:
             seqs, tokens = self.runner.run(plan.prefill, plan.decode)
             outputs += self._postprocess(seqs, tokens)

@@ -102,14 +102,19 @@ def build_batch(
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, attention, lora_pool, sgmv, page_size: int):
+    def __init__(self, model: LlamaModel, attention, lora_pool, sgmv, page_size: int, graphs=None):
         self.model, self.attention = model, attention
         self.lora_pool, self.sgmv = lora_pool, sgmv
         self.page_size = page_size
+        self.graphs = graphs  # GraphRunner for decode-only steps on CUDA, or None
         self._workspace: torch.Tensor | None = None
 
     def run(self, prefill: list[Sequence], decode: list[Sequence]) -> tuple[list[Sequence], list[int]]:
         """One forward over the flat batch; returns (seqs in batch order, next token per seq)."""
+        if not prefill and self.graphs is not None and self.graphs.bucket(len(decode)) is not None:
+            _, decode = order_for_segments([], decode)
+            logits = self.graphs.run(decode, self.page_size)
+            return decode, sample(logits, decode)
         batch = build_batch(prefill, decode, self.page_size, self.model.device)
         logits = self.forward(batch)
         return batch.seqs, sample(logits, batch.seqs)

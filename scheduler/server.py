@@ -386,6 +386,19 @@ def model_limits(model_dir: Path) -> int:
     return 4096
 
 
+def model_display_name(model_dir: Path) -> str:
+    """The base model's API name: config.json's `_name_or_path` (last part) or the folder name."""
+    cfg = model_dir / "config.json"
+    if cfg.is_file():
+        try:
+            name = json.loads(cfg.read_text()).get("_name_or_path")
+            if isinstance(name, str) and name.strip("/"):
+                return name.rstrip("/").rsplit("/", 1)[-1]
+        except json.JSONDecodeError:
+            pass
+    return model_dir.stem if model_dir.is_file() else model_dir.name
+
+
 def parse_runner(spec: str, i: int) -> RunnerEndpoint:
     """`id=url` or `url` (id runner-i)."""
     if "=" in spec:
@@ -418,7 +431,7 @@ def build_service(args: argparse.Namespace) -> SchedulerService:
     registry = AdapterRegistry.from_directory(args.adapters) if args.adapters else AdapterRegistry()
     directory = RunnerDirectory([parse_runner(s, i) for i, s in enumerate(args.runner)])
     return SchedulerService(
-        Tokenizer(model_dir), args.model_name or model_dir.name, registry, directory,
+        Tokenizer(model_dir), args.model_name or model_display_name(model_dir), registry, directory,
         max_model_len=model_limits(model_dir), max_queue=args.max_queue, queue_timeout=args.queue_timeout,
         admin_token=env.admin_token(),
     )

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import write_random_adapter, write_random_llama
+from model_helpers import write_random_adapter, write_random_llama
 from lorafleet.common.peft_config import AdapterError, inspect_adapter
 from lorafleet.runner.config import EngineConfig
 from lorafleet.runner.engine import Engine

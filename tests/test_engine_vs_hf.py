@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import write_random_adapter
+from model_helpers import write_random_adapter
 from lorafleet.runner.config import EngineConfig
 from lorafleet.runner.engine import Engine
 from lorafleet.runner.sequence import AdapterRef, SamplingParams, Sequence

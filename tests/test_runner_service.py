@@ -8,7 +8,7 @@ import json
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from conftest import write_random_adapter
+from model_helpers import write_random_adapter
 from lorafleet.runner.config import EngineConfig
 from lorafleet.runner.engine import Engine
 from lorafleet.runner.server import RunnerService, create_app

@@ -7,7 +7,7 @@ import torch
 
 from lorafleet.runner.lora.segments import build_segments
 from lorafleet.runner.lora.sgmv import TorchSGMV, fp32_loop_reference
-from workloads import WORKLOADS, assign
+from lorafleet.common.workloads import WORKLOADS, assign
 
 S, R = 24, 16
 

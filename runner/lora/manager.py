@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -30,7 +32,7 @@ class SlotState:
     ref: AdapterRef
     pins: int = 0
     ready: bool = False
-    event: object = None  # torch.cuda.Event of the copy into the slot, until it completes
+    event: object = None  # CUDA: Future of the worker's copy into the slot (-> torch.cuda.Event)
 
 
 class AdapterManager:
@@ -39,18 +41,21 @@ class AdapterManager:
         pool: LoraPool,
         base: BaseShape,
         host_capacity: int = 256,
-        resolve: Callable[[AdapterRef], str] | None = None,
+        loader: Callable[[AdapterRef], LoadedAdapter] | None = None,
         copy_stream: "torch.cuda.Stream | None" = None,
     ):
         self.pool, self.base = pool, base
         self.host_capacity = host_capacity
-        self.resolve = resolve or (lambda ref: ref.source)
+        self.loader_fn = loader or self._load_from_disk
         self.copy_stream = copy_stream
         self.slots: dict[int, SlotState] = {}
         self.by_name: dict[str, int] = {}
         self.lru: OrderedDict[int, None] = OrderedDict()  # unpinned ready slots, oldest first
         self.free_slots = list(range(pool.num_slots - 1, -1, -1))
         self.host: OrderedDict[tuple[str, str], LoadedAdapter] = OrderedDict()
+        # On CUDA, disk reads and the copies into slots run on worker threads: the engine thread only polls.
+        self.workers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="adapter-load") if copy_stream else None
+        self.host_lock = threading.Lock()
         self.stats = {"loads": 0, "host_hits": 0, "evictions": 0, "failures": 0, "load_seconds": 0.0}
 
     # -- queries ------------------------------------------------------------------------
@@ -87,7 +92,15 @@ class AdapterManager:
                 return LOADING, -1  # every slot pinned: wait for a request to finish
         st = self.slots[slot]
         if not st.ready:
-            if st.event is not None and not st.event.query():
+            fut = st.event
+            if not fut.done():
+                return LOADING, -1
+            try:
+                event = fut.result()
+            except AdapterError:
+                self._drop(slot)  # the slot goes back; the request fails
+                raise
+            if not event.query():
                 return LOADING, -1
             st.ready, st.event = True, None
         st.pins += 1
@@ -104,17 +117,24 @@ class AdapterManager:
 
     # -- internals --------------------------------------------------------------------------
     def _host_copy(self, ref: AdapterRef) -> LoadedAdapter:
+        """The adapter in host memory (read from disk on a miss). Runs on a worker thread on CUDA."""
         key = (ref.name, ref.source)
-        if key in self.host:
-            self.host.move_to_end(key)
-            self.stats["host_hits"] += 1
-            return self.host[key]
+        with self.host_lock:
+            if key in self.host:
+                self.host.move_to_end(key)
+                self.stats["host_hits"] += 1
+                return self.host[key]
+        adapter = self._read(ref)
+        with self.host_lock:
+            self.host[key] = adapter
+            while len(self.host) > self.host_capacity:
+                self.host.popitem(last=False)
+        return adapter
+
+    def _read(self, ref: AdapterRef) -> LoadedAdapter:
         t0 = time.perf_counter()
         try:
-            path = self.resolve(ref)
-            adapter = load_adapter(
-                ref.name, path, self.base, self.pool.max_rank, self.pool.dtype, pin=self.copy_stream is not None
-            )
+            adapter = self.loader_fn(ref)
         except AdapterError:
             self.stats["failures"] += 1
             raise
@@ -122,33 +142,54 @@ class AdapterManager:
             self.stats["failures"] += 1
             raise AdapterError(ref.name, str(exc)) from None
         self.stats["load_seconds"] += time.perf_counter() - t0
-        self.host[key] = adapter
-        while len(self.host) > self.host_capacity:
-            self.host.popitem(last=False)
         return adapter
 
-    def _start_load(self, ref: AdapterRef) -> int | None:
-        adapter = self._host_copy(ref)  # raises AdapterError before any slot is taken
+    def _load_from_disk(self, ref: AdapterRef) -> LoadedAdapter:
+        return load_adapter(ref.name, ref.source, self.base, self.pool.max_rank, self.pool.dtype,
+                            pin=self.copy_stream is not None)
+
+    def _copy_in(self, ref: AdapterRef, slot: int, main_stream) -> "torch.cuda.Event":
+        """Worker thread: host tier (or disk) -> pinned -> slot on the side stream; returns its event."""
+        adapter = self._host_copy(ref)
+        # Steps already queued may still read this slot's previous weights: copy after them.
+        with torch.cuda.device(self.pool.device):
+            return self._copy_on_side_stream(adapter, slot, main_stream)
+
+    def _copy_on_side_stream(self, adapter: LoadedAdapter, slot: int, main_stream) -> "torch.cuda.Event":
+        self.copy_stream.wait_stream(main_stream)
+        with torch.cuda.stream(self.copy_stream):
+            self.pool.write(slot, adapter, stream=self.copy_stream)
+            event = torch.cuda.Event()
+            event.record(self.copy_stream)
+        return event
+
+    def _take_slot(self) -> int | None:
         if self.free_slots:
-            slot = self.free_slots.pop()
-        elif self.lru:
+            return self.free_slots.pop()
+        if self.lru:
             slot, _ = self.lru.popitem(last=False)
             log.info("evicting adapter %s from slot %d", self.slots[slot].ref.name, slot)
             self.stats["evictions"] += 1
             self._forget(slot)
-        else:
-            return None
-        st = SlotState(ref)
-        if self.copy_stream is not None:
-            # Wait for steps already queued (they may still read this slot's old weights).
-            self.copy_stream.wait_stream(torch.cuda.current_stream(self.pool.device))
-            with torch.cuda.stream(self.copy_stream):
-                self.pool.write(slot, adapter, stream=self.copy_stream)
-                st.event = torch.cuda.Event()
-                st.event.record(self.copy_stream)
-        else:
+            return slot
+        return None
+
+    def _start_load(self, ref: AdapterRef) -> int | None:
+        """Reserve a slot and start filling it; None when every slot is pinned."""
+        if self.copy_stream is None:  # CPU: synchronous, errors before any slot is taken
+            adapter = self._host_copy(ref)
+            slot = self._take_slot()
+            if slot is None:
+                return None
             self.pool.write(slot, adapter)
-            st.ready = True
+            st = SlotState(ref, ready=True)
+        else:
+            slot = self._take_slot()
+            if slot is None:
+                return None
+            st = SlotState(ref)
+            main = torch.cuda.current_stream(self.pool.device)
+            st.event = self.workers.submit(self._copy_in, ref, slot, main)  # a Future of the copy's event
         self.stats["loads"] += 1
         self.slots[slot] = st
         self.by_name[ref.name] = slot

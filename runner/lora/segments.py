@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,6 +23,7 @@ class SegmentTable:
     host_indptr: tuple[int, ...]  # [n + 1]
     host_slots: tuple[int, ...]  # [n]
     num_rows: int
+    cache: dict = field(default_factory=dict, compare=False, repr=False)  # per-step derived index tensors
 
     @property
     def num_segments(self) -> int:

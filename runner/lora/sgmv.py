@@ -38,30 +38,75 @@ class SGMV(Protocol):
                host_ranks: Sequence[Sequence[int]], seg: SegmentTable) -> None: ...
 
 
+SHORT_SEGMENT = 16  # segments with fewer rows run batched (gather + einsum), longer ones one matmul each
+
+
+def _split(seg: SegmentTable, device) -> tuple[list[tuple[int, int, int]], torch.Tensor | None, torch.Tensor | None, list[int]]:
+    """(long segments [(lo, hi, slot)], rows of short segments, their slots, their distinct slots), once per step."""
+    hit = seg.cache.get("torch_split")
+    if hit is None:
+        long_, rows, slots = [], [], []
+        for i, s in enumerate(seg.host_slots):
+            if s < 0:
+                continue
+            lo, hi = seg.host_indptr[i], seg.host_indptr[i + 1]
+            if hi - lo >= SHORT_SEGMENT:
+                long_.append((lo, hi, s))
+            else:
+                rows.extend(range(lo, hi))
+                slots.extend([s] * (hi - lo))
+        t_rows = torch.tensor(rows, dtype=torch.int64, device=device) if rows else None
+        t_slots = torch.tensor(slots, dtype=torch.int64, device=device) if rows else None
+        hit = seg.cache["torch_split"] = (long_, t_rows, t_slots, sorted(set(slots)))
+    return hit
+
+
 class TorchSGMV:
-    """Plain-torch SGMV over the host copy of the segment table: one matmul per segment."""
+    """Plain-torch SGMV over the host copy of the segment table.
+
+    Long segments (prefill, shared adapters) run one matmul each; rows of short segments
+    (decode with distinct adapters) run together as gather + einsum up to the largest rank
+    among them, with entries beyond each slot's rank masked to zero.
+    """
 
     name = "torch"
 
     def shrink(self, v, x, a, ranks, host_ranks, seg):
-        for i, s in enumerate(seg.host_slots):
-            if s < 0:
-                continue
-            lo, hi = seg.host_indptr[i], seg.host_indptr[i + 1]
+        long_, rows, slots, distinct = _split(seg, x.device)
+        for lo, hi, s in long_:
             for g, a_g in enumerate(a):
                 r = host_ranks[g][s]
                 if r:
                     v[lo:hi, g, :r] = torch.matmul(x[lo:hi], a_g[s, :r].transpose(0, 1)).float()
+        if rows is None:
+            return
+        for g, a_g in enumerate(a):
+            r_max = max(host_ranks[g][s] for s in distinct)
+            if r_max == 0:
+                continue
+            w = a_g.index_select(0, slots)[:, :r_max]  # [n, r, in]
+            out = torch.einsum("ti,tri->tr", x.index_select(0, rows), w).float()
+            keep = torch.arange(r_max, device=x.device)[None, :] < ranks[g].to(x.device).long()[slots][:, None]
+            v[rows, g, :r_max] = out * keep
 
     def expand(self, ys, v, b, ranks, host_ranks, seg):
-        for i, s in enumerate(seg.host_slots):
-            if s < 0:
-                continue
-            lo, hi = seg.host_indptr[i], seg.host_indptr[i + 1]
+        long_, rows, slots, distinct = _split(seg, v.device)
+        for lo, hi, s in long_:
             for g, (y, b_g) in enumerate(zip(ys, b)):
                 r = host_ranks[g][s]
                 if r:
                     y[lo:hi] += torch.matmul(v[lo:hi, g, :r].to(y.dtype), b_g[s, :r])
+        if rows is None:
+            return
+        for g, (y, b_g) in enumerate(zip(ys, b)):
+            r_max = max(host_ranks[g][s] for s in distinct)
+            if r_max == 0:
+                continue
+            w = b_g.index_select(0, slots)[:, :r_max]  # [n, r, out]
+            vg = v[rows, g, :r_max]
+            keep = torch.arange(r_max, device=v.device)[None, :] < ranks[g].to(v.device).long()[slots][:, None]
+            vg = torch.where(keep, vg, torch.zeros((), dtype=vg.dtype, device=vg.device)).to(y.dtype)
+            y.index_add_(0, rows, torch.einsum("tr,tro->to", vg, w))
 
 
 def fp32_loop_reference(x, a, b, ranks, row_slots):

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from lorafleet.runner.config import ModelConfig
-from lorafleet.runner.model.rope import Rope, apply_rope
+from lorafleet.runner.model.ops import make_ops
+from lorafleet.runner.model.rope import Rope
 from lorafleet.runner.weights import WeightsError
 
 # Group indices for LoraStep.add: projections that share an input run as one SGMV launch.
@@ -45,17 +46,12 @@ class LayerWeights:
     down_bias: torch.Tensor | None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Hugging Face's LlamaRMSNorm, op for op: normalise in fp32, cast back, then scale."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
 class LlamaModel:
-    def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device):
+    def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
+                 ops: str = "auto"):
         self.cfg, self.dtype, self.device = cfg, dtype, device
         self.rope = Rope(cfg, device)
+        self.ops = make_ops(self.rope, device, cfg.max_position_embeddings, ops)
 
         def take(name: str, required: bool = True) -> torch.Tensor | None:
             t = tensors.pop(name, None)
@@ -120,32 +116,34 @@ class LlamaModel:
         lora: LoraStep | None,
         logit_rows: torch.Tensor,  # int64 [B] rows whose next-token logits are wanted
     ) -> torch.Tensor:  # fp32 [B, V]
-        c = self.cfg
+        c, ops = self.cfg, self.ops
         T = input_ids.shape[0]
         h = F.embedding(input_ids, self.embed)  # [T, H]
-        cos, sin = self.rope.cos_sin(positions, self.dtype)  # [T, D]
+        cos_sin = ops.rope_cos_sin(positions, self.dtype)
+        residual = None
         for i, lw in enumerate(self.layers):
-            x = rms_norm(h, lw.attn_norm, c.rms_norm_eps)
+            if residual is None:
+                residual, x = h, ops.rms_norm(h, lw.attn_norm, c.rms_norm_eps)
+            else:
+                x, residual = ops.add_rms_norm(h, residual, lw.attn_norm, c.rms_norm_eps)
             qkv = F.linear(x, lw.qkv, lw.qkv_bias)  # [T, q_dim + 2 kv_dim]
             q, k, v = qkv.split([c.q_dim, c.kv_dim, c.kv_dim], dim=-1)  # strided views
             if lora is not None:
                 lora.add(i, QKV, x, (q, k, v))
-            q = apply_rope(q.view(T, c.num_heads, c.head_dim), cos, sin)
-            k = apply_rope(k.view(T, c.num_kv_heads, c.head_dim), cos, sin)
+            q, k = ops.apply_rope(q, k, positions, cos_sin, c.num_heads, c.num_kv_heads, c.head_dim)
             o = attn(i, q, k, v.view(T, c.num_kv_heads, c.head_dim))  # [T, q_dim]
             out = F.linear(o, lw.o, lw.o_bias)  # [T, H]
             if lora is not None:
                 lora.add(i, O, o, (out,))
-            h = h + out
-            x = rms_norm(h, lw.mlp_norm, c.rms_norm_eps)
+            x, residual = ops.add_rms_norm(out, residual, lw.mlp_norm, c.rms_norm_eps)
             gu = F.linear(x, lw.gate_up, lw.gate_up_bias)  # [T, 2 I]
-            gate, up = gu.split([c.intermediate_size, c.intermediate_size], dim=-1)
             if lora is not None:
+                gate, up = gu.split([c.intermediate_size, c.intermediate_size], dim=-1)
                 lora.add(i, GATE_UP, x, (gate, up))
-            a = F.silu(gate) * up  # [T, I]
-            d = F.linear(a, lw.down, lw.down_bias)  # [T, H]
+            a = ops.silu_mul(gu, c.intermediate_size)  # [T, I]
+            h = F.linear(a, lw.down, lw.down_bias)  # [T, H]
             if lora is not None:
-                lora.add(i, DOWN, a, (d,))
-            h = h + d
-        h = rms_norm(h.index_select(0, logit_rows), self.norm, c.rms_norm_eps)  # [B, H]
-        return F.linear(h, self.lm_head).float()  # [B, V]
+                lora.add(i, DOWN, a, (h,))
+        rows = logit_rows
+        x, _ = ops.add_rms_norm(h.index_select(0, rows), residual.index_select(0, rows), self.norm, c.rms_norm_eps)
+        return F.linear(x, self.lm_head).float()  # [B, V]

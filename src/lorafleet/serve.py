@@ -130,6 +130,7 @@ Press Ctrl-C to stop.
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF model directory or .gguf (default: the SmolLM2 demo model)")
     p.add_argument("--adapters", type=Path, default=None, help="adapter directory (default: the demo adapters)")
+    p.add_argument("--model-name", default=None, help="the base model's name in the API (default: from config.json)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--runners", type=int, default=1, help="runner processes to start")
@@ -150,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
     from lorafleet import env
     from lorafleet.scheduler.discovery import RunnerDirectory, RunnerEndpoint
     from lorafleet.scheduler.registry import AdapterRegistry
-    from lorafleet.scheduler.server import SchedulerService, create_app, model_limits
+    from lorafleet.scheduler.server import SchedulerService, create_app, model_display_name, model_limits
     from lorafleet.scheduler.tokenizer import Tokenizer
 
     model, adapters_dir = args.model, args.adapters
@@ -181,7 +182,8 @@ def run(args: argparse.Namespace) -> int:
         wait_ready(procs, args.ready_timeout)
         directory = RunnerDirectory([RunnerEndpoint(rid, url) for rid, _, url in procs])
         service = SchedulerService(
-            Tokenizer(tok_dir), model_path.stem if model_path.is_file() else model_path.name, registry, directory,
+            Tokenizer(tok_dir), args.model_name or model_display_name(tok_dir if model_path.is_dir() else model_path),
+            registry, directory,
             max_model_len=model_limits(tok_dir), admin_token=env.admin_token(), grace_seconds=args.grace_seconds,
         )
         app = create_app(service)

@@ -16,7 +16,7 @@ import torch
 from lorafleet.runner.lora.segments import SegmentTable, build_segments
 from lorafleet.runner.lora.sgmv import fp32_loop_reference
 from lorafleet.runner.lora.sgmv_cuda import CudaSGMV
-from workloads import WORKLOADS, assign
+from lorafleet.common.workloads import WORKLOADS, assign
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

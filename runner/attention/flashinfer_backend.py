@@ -1,0 +1,110 @@
+"""Paged attention through flashinfer's batch prefill and decode kernels (CUDA).
+
+Per step: prefill requests (the first `num_prefill` of the batch) go through
+`BatchPrefillWithPagedKVCacheWrapper` (causal), decode requests through
+`BatchDecodeWithPagedKVCacheWrapper`; both are planned once per step and run per layer.
+K/V of the step's tokens are written into the page pool before attention.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import flashinfer  # noqa: F401  (ImportError here makes select.py fall back to torch)
+from flashinfer import BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper
+
+from lorafleet.runner.attention.meta import AttnMeta
+from lorafleet.runner.kv_cache import KVCache
+
+WORKSPACE_BYTES = 256 << 20
+
+
+def page_table_arrays(page_tables: list[list[int]], kv_lens: list[int], page_size: int):
+    """CSR page table (indptr, indices, last_page_len) as int32 CPU tensors."""
+    indptr, indices, last = [0], [], []
+    for pages, n in zip(page_tables, kv_lens):
+        used = -(-n // page_size)
+        indices.extend(pages[:used])
+        indptr.append(indptr[-1] + used)
+        last.append(n - (used - 1) * page_size)
+    i32 = torch.int32
+    return torch.tensor(indptr, dtype=i32), torch.tensor(indices, dtype=i32), torch.tensor(last, dtype=i32)
+
+
+def write_kv(cache: KVCache, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    k_flat, v_flat = cache.flat(layer)
+    k_flat.index_copy_(0, slot_mapping, k)
+    v_flat.index_copy_(0, slot_mapping, v)
+
+
+class FlashInferAttention:
+    name = "flashinfer"
+
+    def __init__(self, kv: KVCache, cfg, device: torch.device, engine_cfg=None):
+        self.kv, self.cfg, self.device = kv, cfg, device
+        self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        ws_p = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        ws_d = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.prefill = BatchPrefillWithPagedKVCacheWrapper(ws_p, "NHD")
+        self.decode = BatchDecodeWithPagedKVCacheWrapper(ws_d, "NHD", use_tensor_cores=self.h // self.hkv >= 4)
+
+    def begin(self, meta: AttnMeta) -> "FlashInferStep":
+        return FlashInferStep(self, meta)
+
+    def make_graph_decoder(self, batch_size: int, max_pages: int) -> BatchDecodeWithPagedKVCacheWrapper:
+        """A decode wrapper with fixed buffers, for CUDA-graph capture at one batch size."""
+        ws = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        return BatchDecodeWithPagedKVCacheWrapper(
+            ws, "NHD", use_cuda_graph=True, use_tensor_cores=self.h // self.hkv >= 4,
+            paged_kv_indptr_buffer=torch.zeros(batch_size + 1, dtype=torch.int32, device=self.device),
+            paged_kv_indices_buffer=torch.zeros(max_pages, dtype=torch.int32, device=self.device),
+            paged_kv_last_page_len_buffer=torch.zeros(batch_size, dtype=torch.int32, device=self.device),
+        )
+
+    def plan_decode(self, wrapper, page_tables, kv_lens) -> None:
+        indptr, indices, last = page_table_arrays(page_tables, kv_lens, self.kv.page_size)
+        wrapper.plan(indptr, indices, last, self.h, self.hkv, self.d, self.kv.page_size,
+                     q_data_type=self.kv.k.dtype, kv_data_type=self.kv.k.dtype)
+
+
+class FlashInferStep:
+    def __init__(self, b: FlashInferAttention, meta: AttnMeta):
+        self.b, self.meta = b, meta
+        P = meta.num_prefill
+        self.num_prefill_tokens = meta.qo_indptr[P]
+        ps = b.kv.page_size
+        dt = b.kv.k.dtype
+        if P:
+            indptr, indices, last = page_table_arrays(meta.page_tables[:P], meta.kv_lens[:P], ps)
+            qo = torch.tensor(meta.qo_indptr[: P + 1], dtype=torch.int32)
+            b.prefill.plan(qo, indptr, indices, last, b.h, b.hkv, b.d, ps, causal=True,
+                           q_data_type=dt, kv_data_type=dt)
+        self.num_decode = meta.batch_size - P
+        if self.num_decode:
+            b.plan_decode(b.decode, meta.page_tables[P:], meta.kv_lens[P:])
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        b = self.b
+        write_kv(b.kv, layer, self.meta.slot_mapping, k, v)
+        cache = b.kv.layer(layer)
+        T = q.shape[0]
+        n = self.num_prefill_tokens
+        if not self.num_decode:
+            return b.prefill.run(q, cache).view(T, b.h * b.d)
+        if n == 0:
+            return b.decode.run(q, cache).view(T, b.h * b.d)
+        out = torch.empty(T, b.h, b.d, dtype=q.dtype, device=q.device)
+        b.prefill.run(q[:n], cache, out=out[:n])
+        b.decode.run(q[n:], cache, out=out[n:])
+        return out.view(T, b.h * b.d)
+
+
+class GraphDecodeStep:
+    """Decode-only attention bound to static buffers, for capture and replay in a CUDA graph."""
+
+    def __init__(self, b: FlashInferAttention, wrapper, slot_mapping: torch.Tensor):
+        self.b, self.wrapper, self.slot_mapping = b, wrapper, slot_mapping
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        write_kv(self.b.kv, layer, self.slot_mapping, k, v)
+        return self.wrapper.run(q, self.b.kv.layer(layer)).view(q.shape[0], self.b.h * self.b.d)

@@ -1,0 +1,371 @@
+"""`lorafleet bench e2e`: Llama-2-7B-shape serving throughput across adapter mixes, with peers.
+
+One run on one GPU builds a 7B-shape Llama with random bf16 weights (no download) and
+rank-16 adapters on all 7 projections (a population of distinct weight sets; request i of
+the distinct mix uses its own adapter name, names beyond the population reuse weights but
+load as their own adapters). Requests have ShareGPT-like lengths (lognormal, fixed seed;
+means about 250 prompt and 235 output tokens), EOS is ignored, and all are submitted at
+t=0 (FCFS, max batch 32). Peers in the same run: the same engine with LoRA off, and HF
+transformers + PEFT mixed-adapter `generate` on a sample of requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from lorafleet.common.workloads import assign
+
+LLAMA2_7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
+                 rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1,
+                 eos_token_id=2, model_type="llama")
+TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+def sharegpt_requests(n: int, seed: int, vocab: int) -> list[tuple[list[int], int]]:
+    """(prompt ids, output length) pairs; lognormal fits of filtered ShareGPT lengths."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        p = int(np.clip(rng.lognormal(5.2, 0.85), 8, 1536))
+        o = int(np.clip(rng.lognormal(5.22, 0.75), 8, 1024))
+        out.append((rng.integers(3, vocab, size=p).tolist(), o))
+    return out
+
+
+def random_model(device, dtype, seed: int):
+    from lorafleet.runner.config import ModelConfig
+    from lorafleet.runner.model.llama import LlamaModel
+
+    cfg = ModelConfig.from_hf(LLAMA2_7B, name="llama-2-7b-shape")
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def rnd(*shape, std=0.02):
+        return (torch.randn(*shape, generator=g, device=device) * std).to(dtype)
+
+    H, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    t = {"model.embed_tokens.weight": rnd(V, H), "model.norm.weight": torch.ones(H, dtype=dtype, device=device),
+         "lm_head.weight": rnd(V, H)}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        for n in ("q", "k", "v", "o"):
+            t[p + f"self_attn.{n}_proj.weight"] = rnd(H, H)
+        t[p + "mlp.gate_proj.weight"] = rnd(I, H)
+        t[p + "mlp.up_proj.weight"] = rnd(I, H)
+        t[p + "mlp.down_proj.weight"] = rnd(H, I)
+        t[p + "input_layernorm.weight"] = torch.ones(H, dtype=dtype, device=device)
+        t[p + "post_attention_layernorm.weight"] = torch.ones(H, dtype=dtype, device=device)
+    return LlamaModel(cfg, t, dtype, device)
+
+
+def random_adapters(base, population: int, rank: int, dtype, device, seed: int):
+    """`population` distinct rank-r adapters on all 7 projections, in pinned host memory."""
+    from lorafleet.common.peft_config import AdapterSpec, ModuleLora
+    from lorafleet.runner.lora.adapter import LoadedAdapter
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    mods = [(layer, p) for layer in range(base.num_layers) for p in TARGETS]
+    sizes = [(rank * base.shape(p)[0], rank * base.shape(p)[1]) for _, p in mods]
+    total = sum(a + b for a, b in sizes)
+    spec_mods = tuple(ModuleLora(layer, p, rank, 1.0, "", "") for layer, p in mods)
+    out = []
+    for k in range(population):
+        host = torch.empty(total, dtype=dtype, pin_memory=True)
+        host.copy_((torch.randn(total, generator=g, device=device) * 0.01).to(dtype))
+        weights, off = {}, 0
+        for (layer, p), (na, nb) in zip(mods, sizes):
+            i, o = base.shape(p)
+            weights[(layer, p)] = (host[off : off + na].view(rank, i), host[off + na : off + na + nb].view(rank, o))
+            off += na + nb
+        spec = AdapterSpec(f"w{k}", Path("."), None, spec_mods, total * 2, "BF16")
+        out.append(LoadedAdapter(spec, weights))
+    return out
+
+
+def pct(xs, q):
+    return float(np.percentile(xs, q)) if len(xs) else float("nan")
+
+
+def run_mix(engine, reqs, names, weights_of, label: str, log) -> dict:
+    """Submit everything at t0, step to completion; throughput, TTFT and TPOT."""
+    from lorafleet.runner.sequence import AdapterRef, SamplingParams, Sequence
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    first, end, n_out = {}, {}, {}
+    for i, ((ids, o), name) in enumerate(zip(reqs, names)):
+        ref = AdapterRef(name, str(weights_of(i))) if name is not None else None
+        engine.submit(Sequence(f"r{i}", ids, SamplingParams(max_tokens=o, ignore_eos=True), ref, arrival=float(i)))
+        n_out[f"r{i}"] = o
+    steps = []
+    while engine.has_work():
+        s0 = time.perf_counter()
+        outs = engine.step()
+        now = time.perf_counter()
+        steps.append((engine.last_step[0], engine.last_step[1], now - s0))
+        for out in outs:
+            if out.new_token_ids and out.seq_id not in first:
+                first[out.seq_id] = now
+            if out.finished:
+                if out.finish_reason not in ("length", "stop"):
+                    raise RuntimeError(f"{label}: request {out.seq_id} ended with {out.finish_reason}: {out.error}")
+                end[out.seq_id] = now
+    wall = time.perf_counter() - t0
+    total = sum(n_out.values())
+    ttft = [first[k] - t0 for k in first]
+    tpot = [(end[k] - first[k]) / (n_out[k] - 1) for k in end if n_out[k] > 1]
+    decode_steps = [dt for pf, nd, dt in steps if pf == 0 and nd > 0]
+    res = {"label": label, "requests": len(reqs), "output_tokens": total, "seconds": round(wall, 2),
+           "output_tok_s": round(total / wall, 1), "ttft_p50_s": round(pct(ttft, 50), 3),
+           "ttft_p99_s": round(pct(ttft, 99), 3), "tpot_p50_ms": round(1000 * pct(tpot, 50), 2),
+           "tpot_p99_ms": round(1000 * pct(tpot, 99), 2), "steps": len(steps),
+           "decode_step_ms_p50": round(1000 * pct(decode_steps, 50), 2)}
+    log(f"{label:>28}: {res['output_tok_s']:8.1f} tok/s  TTFT p50 {res['ttft_p50_s']:.2f}s p99 {res['ttft_p99_s']:.2f}s"
+        f"  TPOT p50 {res['tpot_p50_ms']:.1f}ms p99 {res['tpot_p99_ms']:.1f}ms  ({wall:.1f}s)")
+    res["_steps"] = steps
+    return res
+
+
+def fit_step_model(steps) -> dict:
+    """Least squares: step_ms = a + b * decode_batch + c * prefill_tokens."""
+    X = np.array([[1.0, nd, pf] for pf, nd, dt in steps if nd or pf])
+    y = np.array([1000 * dt for pf, nd, dt in steps if nd or pf])
+    coef, *_ = np.linalg.lstsq(X, y, rcond=None)
+    return {"decode_base_ms": round(float(coef[0]), 4), "decode_per_req_ms": round(float(coef[1]), 5),
+            "prefill_per_token_ms": round(float(coef[2]), 6)}
+
+
+def profile_breakdown(engine, reqs, log) -> dict:
+    """GPU time per category over decode steps at full batch, vs wall time (the rest is host)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from lorafleet.runner.sequence import AdapterRef, SamplingParams, Sequence
+
+    for i, (ids, _) in enumerate(reqs[: engine.config.max_batch_size]):  # distinct adapters
+        engine.submit(Sequence(f"p{i}", ids[:128], SamplingParams(max_tokens=64, ignore_eos=True),
+                               AdapterRef(f"prof-{i}", str(i))))
+    for _ in range(8):
+        engine.step()  # prefill and settle into decode
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(10):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / 10
+    while engine.has_work():
+        engine.step()
+    from torch.autograd import DeviceType
+
+    cats = {"dense_gemm": 0.0, "attention": 0.0, "lora_sgmv": 0.0, "sampling": 0.0, "other_gpu": 0.0}
+    for ev in prof.key_averages():
+        if getattr(ev, "device_type", None) != DeviceType.CUDA:
+            continue  # CPU-side ops; their kernels are counted as CUDA events
+        dt = getattr(ev, "self_device_time_total", 0) or 0
+        if not dt:
+            continue
+        k = ev.key.lower()
+        if "sgmv" in k:
+            cats["lora_sgmv"] += dt
+        elif "batchdecode" in k or "batchprefill" in k or "flashinfer" in k or "attention" in k:
+            cats["attention"] += dt
+        elif "gemm" in k or "cutlass" in k or "nvjet" in k or "xmma" in k or "gemv" in k:
+            cats["dense_gemm"] += dt
+        elif "argmax" in k or "softmax" in k or "sort" in k or "topk" in k:
+            cats["sampling"] += dt
+        else:
+            cats["other_gpu"] += dt
+    out = {k: round(v / 10 / 1000, 3) for k, v in cats.items()}  # ms per step
+    out["wall_ms"] = round(1000 * wall, 3)
+    out["host_and_gaps_ms"] = round(out["wall_ms"] - sum(v for k, v in out.items() if k != "wall_ms"), 3)
+    log("per decode step (ms): " + ", ".join(f"{k} {v}" for k, v in out.items()))
+    return out
+
+
+def hf_peft_peer(reqs, n: int, new_tokens: int, distinct: bool, device, log) -> float:
+    """HF transformers + PEFT mixed-adapter generate on n requests (one batch): output tok/s."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**{k: v for k, v in LLAMA2_7B.items() if k != "model_type"})
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    lcfg = LoraConfig(r=16, lora_alpha=16, target_modules=[f"{p}_proj" for p in TARGETS], init_lora_weights=False)
+    k = n if distinct else 1
+    model = get_peft_model(model, lcfg, adapter_name="a0")
+    for i in range(1, k):
+        model.add_adapter(f"a{i}", lcfg)
+    model = model.to(device=device, dtype=torch.bfloat16).eval()
+    sample = reqs[:n]
+    width = max(len(ids) for ids, _ in sample)
+    ids = torch.tensor([[0] * (width - len(x)) + x for x, _ in sample], device=device)
+    mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x, _ in sample], device=device)
+    names = [f"a{i % k}" for i in range(n)]
+    with torch.no_grad():
+        model.generate(input_ids=ids[:, -8:], attention_mask=mask[:, -8:], adapter_names=names, max_new_tokens=2,
+                       min_new_tokens=2, do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(input_ids=ids, attention_mask=mask, adapter_names=names, max_new_tokens=new_tokens,
+                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+    rate = n * new_tokens / (time.perf_counter() - t0)
+    log(f"{'HF+PEFT ' + ('distinct' if distinct else 'identical'):>28}: {rate:8.1f} tok/s  ({n} requests x {new_tokens} tokens)")
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return round(rate, 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="lorafleet bench e2e", description=__doc__)
+    p.add_argument("--requests", type=int, default=1000)
+    p.add_argument("--max-batch", type=int, default=32)
+    p.add_argument("--mixes", nargs="+", default=["distinct", "uniform", "skewed", "identical"])
+    p.add_argument("--population", type=int, default=256, help="distinct adapter weight sets")
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--sweep", type=int, nargs="*", default=[64, 128, 256], help="extra max batch sizes (distinct)")
+    p.add_argument("--no-lora-off", action="store_true")
+    p.add_argument("--hf-requests", type=int, default=32, help="HF+PEFT sample size (0: skip)")
+    p.add_argument("--hf-tokens", type=int, default=16)
+    p.add_argument("--cold", action="store_true", help="also run the uniform mix with an empty adapter cache")
+    p.add_argument("--profile", action="store_true", help="per-step GPU time breakdown at full batch")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("bench_e2e.json"))
+    p.add_argument("--plot", type=Path, default=None)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench e2e needs a CUDA GPU", file=sys.stderr)
+        return 2
+
+    from lorafleet.runner.config import EngineConfig
+    from lorafleet.runner.engine import Engine
+
+    def log(msg):
+        print(msg, flush=True)
+
+    dev = torch.device("cuda")
+    t_start = time.perf_counter()
+    model = random_model(dev, torch.bfloat16, args.seed)
+    base = model.cfg.base_shape()
+    reqs = sharegpt_requests(args.requests, args.seed, model.cfg.vocab_size)
+    log(f"model ready ({time.perf_counter() - t_start:.0f}s); {args.requests} requests, mean prompt "
+        f"{np.mean([len(a) for a, _ in reqs]):.0f}, mean output {np.mean([b for _, b in reqs]):.0f} tokens")
+    store = random_adapters(base, args.population, args.rank, torch.bfloat16, dev, args.seed + 1)
+    log(f"{len(store)} adapters in pinned memory ({time.perf_counter() - t_start:.0f}s)")
+
+    def make_engine(max_batch: int, lora: bool):
+        from lorafleet.runner.sequence import AdapterRef, SamplingParams, Sequence
+
+        cfg = EngineConfig(max_batch_size=max_batch, max_lora_rank=args.rank, lora_slots=max(64, 2 * max_batch),
+                           enable_lora=lora, host_lora_cache=4096, kv_fraction=0.8)
+        eng = Engine(model, cfg, adapter_loader=lambda ref: store[int(ref.source) % len(store)])
+        # warm-up outside the timed runs: kernel JIT compilation, cuBLAS handles, first adapter load
+        warm = [Sequence(f"warm{i}", reqs[i][0][:64], SamplingParams(max_tokens=4, ignore_eos=True),
+                         AdapterRef(f"warm{i}", str(i)) if lora and i else None) for i in range(3)]
+        eng.run_to_completion(warm)
+        torch.cuda.synchronize()
+        return eng
+
+    results: dict = {"card": torch.cuda.get_device_name(0), "date": str(date.today()), "torch": torch.__version__,
+                     "requests": args.requests, "max_batch": args.max_batch, "runs": []}
+    eng = make_engine(args.max_batch, True)
+    n = len(reqs)
+    mix_names = {}
+    for mix in args.mixes:
+        if mix == "distinct":
+            idx = list(range(n))  # every request its own adapter name
+        else:
+            idx = assign(mix, n, max(args.population, 1), seed=args.seed)
+        mix_names[mix] = idx
+        res = run_mix(eng, reqs, [f"{mix}-{i}" for i in idx], lambda i, idx=idx: idx[i], mix, log)
+        results["runs"].append(res)
+    if args.profile:
+        results["breakdown_lora_distinct"] = profile_breakdown(eng, reqs, log)
+    if args.cold and "uniform" in mix_names:
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
+        eng = make_engine(args.max_batch, True)  # empty device pool and host tier
+        idx = mix_names["uniform"]
+        res = run_mix(eng, reqs, [f"cold-{i}" for i in idx], lambda i: idx[i], "uniform (cold start)", log)
+        results["runs"].append(res)
+    del eng
+    gc.collect()
+    torch.cuda.empty_cache()
+    if not args.no_lora_off:
+        eng = make_engine(args.max_batch, False)
+        results["runs"].append(run_mix(eng, reqs, [None] * n, lambda i: 0, "lora off", log))
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
+    for mb in args.sweep:
+        eng = make_engine(mb, True)
+        res = run_mix(eng, reqs, [f"sweep{mb}-{i}" for i in range(n)], lambda i: i, f"distinct max_batch={mb}", log)
+        res["max_batch"] = mb
+        results["runs"].append(res)
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
+    if args.hf_requests:
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+        results["hf_peft_output_tok_s"] = {
+            "distinct": hf_peft_peer(reqs, args.hf_requests, args.hf_tokens, True, dev, log),
+            "identical": hf_peft_peer(reqs, args.hf_requests, args.hf_tokens, False, dev, log),
+            "sample": f"{args.hf_requests} requests x {args.hf_tokens} new tokens, one mixed batch"}
+    all_steps = [s for r in results["runs"] for s in r.pop("_steps")]
+    results["step_model"] = fit_step_model(all_steps)
+    results["seconds"] = round(time.perf_counter() - t_start, 1)
+    by = {r["label"]: r for r in results["runs"]}
+    headline = {"card": results["card"], "date": results["date"], "max_batch": args.max_batch,
+                "output_tok_s": {m: by[m]["output_tok_s"] for m in args.mixes if m in by}}
+    if "lora off" in by:
+        headline["lora_off_output_tok_s"] = by["lora off"]["output_tok_s"]
+    if "hf_peft_output_tok_s" in results:
+        headline["hf_peft_output_tok_s"] = {k: v for k, v in results["hf_peft_output_tok_s"].items() if k != "sample"}
+    if "uniform (cold start)" in by and "uniform" in by:
+        headline["tpot_p99_ms"] = {"warm": by["uniform"]["tpot_p99_ms"], "cold": by["uniform (cold start)"]["tpot_p99_ms"]}
+    results["e2e"] = headline
+    args.out.write_text(json.dumps(results, indent=1))
+    print("| run | output tok/s | TTFT p50 (s) | TTFT p99 (s) | TPOT p50 (ms) | TPOT p99 (ms) |")
+    print("|---|---|---|---|---|---|")
+    for r in results["runs"]:
+        print(f"| {r['label']} | {r['output_tok_s']} | {r['ttft_p50_s']} | {r['ttft_p99_s']} | {r['tpot_p50_ms']} | "
+              f"{r['tpot_p99_ms']} |")
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        mixes = [m for m in args.mixes if m in by]
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.bar(mixes, [by[m]["output_tok_s"] for m in mixes], label="lorafleet")
+        if "lora off" in by:
+            ax.axhline(by["lora off"]["output_tok_s"], color="gray", ls="--", label="same engine, LoRA off")
+        if "hf_peft_output_tok_s" in results:
+            hf = results["hf_peft_output_tok_s"]
+            ax.bar([m for m in mixes if m in ("distinct", "identical")],
+                   [hf[m] for m in mixes if m in ("distinct", "identical")], color="tab:red", label="HF+PEFT")
+        ax.set_ylabel("output tokens/s")
+        ax.set_title(f"7B-shape, max batch {args.max_batch}, {results['card']}")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=110)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

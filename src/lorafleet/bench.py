@@ -1,0 +1,23 @@
+"""`lorafleet bench {kernels,e2e,cpu} [options]`: the benchmarks (each prints a table and writes JSON)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+BENCHES = {
+    "kernels": "lorafleet.runner.bench_kernels",
+    "e2e": "lorafleet.runner.bench_e2e",
+    "cpu": "lorafleet.runner.bench_cpu",
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("which", choices=sorted(BENCHES), help="kernels: SGMV vs peers (CUDA); e2e: 7B-shape serving "
+                   "throughput vs peers (CUDA); cpu: generate vs HF+PEFT on the SmolLM2 demo")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="options of that benchmark (see `lorafleet bench X --help`)")
+
+
+def run(args: argparse.Namespace) -> int:
+    module = importlib.import_module(BENCHES[args.which])
+    return int(module.main(args.args) or 0)

@@ -1,0 +1,52 @@
+"""Small random Llama models and PEFT adapters for tests (import from here, not conftest)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def write_random_llama(path: Path, *, hidden=128, layers=2, heads=4, kv_heads=4, inter=352, vocab=512,
+                       tied=False, seed=0, std=0.08, rope_scaling=None, rope_theta=10000.0) -> Path:
+    """A small random Llama saved as an HF directory (weights with a useful spread of logits)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
+        tie_word_embeddings=tied, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, initializer_range=std,
+        rope_scaling=rope_scaling, rope_theta=rope_theta,
+    )
+    model = LlamaForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.uniform_(0.8, 1.2)
+    model.save_pretrained(str(path), safe_serialization=True)
+    return path
+
+
+def write_random_adapter(model_dir: Path, out: Path, *, r=8, alpha=16, targets=("q_proj", "v_proj"), seed=0,
+                         scale=0.05, **extra) -> Path:
+    """A PEFT LoRA adapter with random non-zero A and B, saved by PEFT itself."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0, init_lora_weights=False,
+                     task_type="CAUSAL_LM", **extra)
+    model = get_peft_model(base, cfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+    model.save_pretrained(str(out))
+    return out
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
