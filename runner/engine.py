@@ -176,6 +176,8 @@ class Engine:
             outputs += self._postprocess(seqs, tokens)
             self.last_busy = time.time()
             self.steps += 1
+        elif self.batcher.waiting and not outputs:
+            time.sleep(0.0005)  # only adapter loads are pending: let their worker threads run
         return outputs
 
     def state(self) -> dict:

@@ -218,8 +218,8 @@ class RunnerService:
                     await resp.write(json.dumps(final).encode() + b"\n")
                     finished = True
                     break
-        except (ConnectionResetError, asyncio.CancelledError):
-            raise
+        except ConnectionResetError:
+            log.debug("client of %s went away", rid)
         finally:
             if not finished:
                 self.loop_.cancel(rid)  # client went away: free the request's pages now

@@ -283,6 +283,8 @@ class SchedulerService:
                             "created": int(time.time()), "model": params.model, "choices": [], "usage": use})
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
+        except ConnectionResetError:
+            log.debug("client of %s went away; cancelling its requests", rid)
         finally:
             for t in tasks:
                 t.cancel()

@@ -37,9 +37,8 @@ class LoraPool:
             self.a[layer][p][slot, :r].copy_(a, non_blocking=stream is not None)
             self.b[layer][p][slot, :r].copy_(bt, non_blocking=stream is not None)
             ranks[layer, p] = r
-        if stream is not None and ranks.device.type == "cpu" and self.device.type == "cuda":
-            ranks = ranks.pin_memory()
-        self.ranks[:, :, slot].copy_(ranks, non_blocking=stream is not None)
+        # a small blocking copy: on CUDA this runs on the loader's worker thread and side stream
+        self.ranks[:, :, slot].copy_(ranks)
         for layer in range(self.base.num_layers):
             for p in range(len(PROJECTIONS)):
                 self.host_ranks[layer][p][slot] = int(ranks[layer, p])

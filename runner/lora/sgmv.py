@@ -38,75 +38,99 @@ class SGMV(Protocol):
                host_ranks: Sequence[Sequence[int]], seg: SegmentTable) -> None: ...
 
 
-SHORT_SEGMENT = 16  # segments with fewer rows run batched (gather + einsum), longer ones one matmul each
+SHORT_SEGMENT = 16  # shorter segments run together as one padded bmm over their distinct slots
 
 
-def _split(seg: SegmentTable, device) -> tuple[list[tuple[int, int, int]], torch.Tensor | None, torch.Tensor | None, list[int]]:
-    """(long segments [(lo, hi, slot)], rows of short segments, their slots, their distinct slots), once per step."""
-    hit = seg.cache.get("torch_split")
-    if hit is None:
-        long_, rows, slots = [], [], []
+class _Split:
+    """Per-step index tensors of TorchSGMV, derived once from the segment table."""
+
+    def __init__(self, seg: SegmentTable, device):
+        self.long: list[tuple[int, int, int]] = []  # (lo, hi, slot) of long segments
+        groups: dict[int, list[int]] = {}  # slot -> rows of its short segments
         for i, s in enumerate(seg.host_slots):
             if s < 0:
                 continue
             lo, hi = seg.host_indptr[i], seg.host_indptr[i + 1]
             if hi - lo >= SHORT_SEGMENT:
-                long_.append((lo, hi, s))
+                self.long.append((lo, hi, s))
             else:
-                rows.extend(range(lo, hi))
-                slots.extend([s] * (hi - lo))
-        t_rows = torch.tensor(rows, dtype=torch.int64, device=device) if rows else None
-        t_slots = torch.tensor(slots, dtype=torch.int64, device=device) if rows else None
-        hit = seg.cache["torch_split"] = (long_, t_rows, t_slots, sorted(set(slots)))
+                groups.setdefault(s, []).extend(range(lo, hi))
+        self.slots = sorted(groups)  # distinct slots of short segments
+        self.k = len(self.slots)
+        if not self.k:
+            return
+        self.m = max(len(r) for r in groups.values())
+        pad, valid, dest = [], [], []
+        for j, s in enumerate(self.slots):
+            rows = groups[s]
+            pad.extend(rows + [rows[0]] * (self.m - len(rows)))  # padding repeats a real row; dropped below
+            valid.extend(range(j * self.m, j * self.m + len(rows)))
+            dest.extend(rows)
+        i64 = torch.int64
+        self.pad = torch.tensor(pad, dtype=i64, device=device)  # [k * m]
+        self.valid = torch.tensor(valid, dtype=i64, device=device)  # positions of real rows in [k * m]
+        self.dest = torch.tensor(dest, dtype=i64, device=device)  # their rows in the batch
+        self.slot_t = torch.tensor(self.slots, dtype=i64, device=device)  # [k]
+
+    def keep(self, ranks_g: torch.Tensor, r_max: int) -> torch.Tensor:
+        """[k, r_max] True where rank row j < the slot's rank."""
+        r = ranks_g.to(self.slot_t.device).long().index_select(0, self.slot_t)
+        return torch.arange(r_max, device=self.slot_t.device)[None, :] < r[:, None]
+
+
+def _split(seg: SegmentTable, device) -> _Split:
+    hit = seg.cache.get("torch_split")
+    if hit is None:
+        hit = seg.cache["torch_split"] = _Split(seg, device)
     return hit
 
 
 class TorchSGMV:
     """Plain-torch SGMV over the host copy of the segment table.
 
-    Long segments (prefill, shared adapters) run one matmul each; rows of short segments
-    (decode with distinct adapters) run together as gather + einsum up to the largest rank
-    among them, with entries beyond each slot's rank masked to zero.
+    Long segments (prefill, shared adapters) run one matmul each; short segments (decode)
+    run together: their rows are grouped by distinct slot into a padded [k, m, in] batch and
+    multiplied by the k gathered weights with one bmm, entries beyond each slot's rank masked.
     """
 
     name = "torch"
 
     def shrink(self, v, x, a, ranks, host_ranks, seg):
-        long_, rows, slots, distinct = _split(seg, x.device)
-        for lo, hi, s in long_:
+        sp = _split(seg, x.device)
+        for lo, hi, s in sp.long:
             for g, a_g in enumerate(a):
                 r = host_ranks[g][s]
                 if r:
                     v[lo:hi, g, :r] = torch.matmul(x[lo:hi], a_g[s, :r].transpose(0, 1)).float()
-        if rows is None:
+        if not sp.k:
             return
+        xs = x.index_select(0, sp.pad).view(sp.k, sp.m, x.shape[1])  # [k, m, in]
         for g, a_g in enumerate(a):
-            r_max = max(host_ranks[g][s] for s in distinct)
+            r_max = max(host_ranks[g][s] for s in sp.slots)
             if r_max == 0:
                 continue
-            w = a_g.index_select(0, slots)[:, :r_max]  # [n, r, in]
-            out = torch.einsum("ti,tri->tr", x.index_select(0, rows), w).float()
-            keep = torch.arange(r_max, device=x.device)[None, :] < ranks[g].to(x.device).long()[slots][:, None]
-            v[rows, g, :r_max] = out * keep
+            w = a_g[:, :r_max].index_select(0, sp.slot_t)  # [k, r, in]
+            out = torch.bmm(xs, w.transpose(1, 2)).float() * sp.keep(ranks[g], r_max)[:, None, :]  # [k, m, r]
+            v[sp.dest, g, :r_max] = out.view(sp.k * sp.m, r_max).index_select(0, sp.valid)
 
     def expand(self, ys, v, b, ranks, host_ranks, seg):
-        long_, rows, slots, distinct = _split(seg, v.device)
-        for lo, hi, s in long_:
+        sp = _split(seg, v.device)
+        for lo, hi, s in sp.long:
             for g, (y, b_g) in enumerate(zip(ys, b)):
                 r = host_ranks[g][s]
                 if r:
                     y[lo:hi] += torch.matmul(v[lo:hi, g, :r].to(y.dtype), b_g[s, :r])
-        if rows is None:
+        if not sp.k:
             return
         for g, (y, b_g) in enumerate(zip(ys, b)):
-            r_max = max(host_ranks[g][s] for s in distinct)
+            r_max = max(host_ranks[g][s] for s in sp.slots)
             if r_max == 0:
                 continue
-            w = b_g.index_select(0, slots)[:, :r_max]  # [n, r, out]
-            vg = v[rows, g, :r_max]
-            keep = torch.arange(r_max, device=v.device)[None, :] < ranks[g].to(v.device).long()[slots][:, None]
-            vg = torch.where(keep, vg, torch.zeros((), dtype=vg.dtype, device=vg.device)).to(y.dtype)
-            y.index_add_(0, rows, torch.einsum("tr,tro->to", vg, w))
+            vg = v[sp.pad, g, :r_max].view(sp.k, sp.m, r_max)
+            vg = torch.where(sp.keep(ranks[g], r_max)[:, None, :], vg, torch.zeros((), dtype=vg.dtype)).to(y.dtype)
+            w = b_g[:, :r_max].index_select(0, sp.slot_t)  # [k, r, out]
+            out = torch.bmm(vg, w).view(sp.k * sp.m, -1).index_select(0, sp.valid)  # [n, out]
+            y.index_add_(0, sp.dest, out)
 
 
 def fp32_loop_reference(x, a, b, ranks, row_slots):
