@@ -13,7 +13,7 @@ import logging
 import torch
 
 from lorafleet.runner.attention.flashinfer_backend import GraphDecodeStep
-from lorafleet.runner.lora.segments import SegmentTable
+from lorafleet.runner.lora.segments import SegmentTable, merge_runs
 from lorafleet.runner.lora.step import LoraStepImpl
 
 log = logging.getLogger(__name__)
@@ -117,13 +117,7 @@ class GraphRunner:
         st.slot_mapping.copy_(dev[2 * B : 3 * B])
         if self.lora_pool is not None:
             # segments over the padded rows; trailing entries repeat the end, slot -1
-            indptr, slots = [0], []
-            for i, s in enumerate(row_slots):
-                if slots and slots[-1] == s:
-                    indptr[-1] = i + 1
-                else:
-                    slots.append(s)
-                    indptr.append(i + 1)
+            indptr, slots = merge_runs(row_slots)
             hs = st.host_seg
             k = len(slots)
             hs[: k + 1] = torch.tensor(indptr, dtype=torch.int32)

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from lorafleet.runner.config import EngineConfig
-from lorafleet.runner.sequence import AdapterRef, SamplingError, SamplingParams, Sequence
+from lorafleet.runner.sequence import AdapterRef, SamplingError, Sequence, parse_token_ids, sampling_from_dict
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +56,10 @@ def parse_request(line: str, lineno: int, tokenizer, adapters_dir: Path | None) 
     if unknown:
         raise RequestError(f"request {rid}: unknown field(s) {sorted(unknown)}")
     if "prompt_token_ids" in obj:
-        ids = obj["prompt_token_ids"]
-        if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-            raise RequestError(f"request {rid}: prompt_token_ids must be a non-empty list of integers")
+        try:
+            ids = parse_token_ids(obj["prompt_token_ids"])
+        except SamplingError as exc:
+            raise RequestError(f"request {rid}: {exc}") from None
     elif "messages" in obj:
         msgs = obj["messages"]
         if not isinstance(msgs, list) or not msgs or not all(
@@ -78,16 +79,8 @@ def parse_request(line: str, lineno: int, tokenizer, adapters_dir: Path | None) 
     else:
         raise RequestError(f"request {rid}: give a non-empty 'prompt', 'messages' or 'prompt_token_ids'")
     try:
-        params = SamplingParams(
-            max_tokens=obj.get("max_tokens", 64),
-            temperature=float(obj.get("temperature", 0.0)),
-            top_p=float(obj.get("top_p", 1.0)),
-            top_k=obj.get("top_k", 0),
-            seed=obj.get("seed"),
-            stop_token_ids=tuple(obj.get("stop_token_ids") or ()),
-            ignore_eos=bool(obj.get("ignore_eos", False)),
-        )
-    except (SamplingError, TypeError, ValueError) as exc:
+        params = sampling_from_dict({"max_tokens": 64, **obj})
+    except SamplingError as exc:
         raise RequestError(f"request {rid}: {exc}") from None
     adapter = obj.get("adapter")
     ref = None

@@ -44,6 +44,34 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
 
+def parse_token_ids(value, what: str = "prompt_token_ids") -> list[int]:
+    """A non-empty list of non-negative ints, or SamplingError naming `what`."""
+    if not isinstance(value, list) or not value or not all(
+        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value
+    ):
+        raise SamplingError(f"{what} must be a non-empty list of non-negative integers")
+    return value
+
+
+def sampling_from_dict(d: dict) -> SamplingParams:
+    """SamplingParams from a JSON object (the runner API and `generate` input); SamplingError if invalid."""
+    try:
+        return SamplingParams(
+            max_tokens=d.get("max_tokens", 16),
+            temperature=float(d.get("temperature", 0.0)),
+            top_p=float(d.get("top_p", 1.0)),
+            top_k=d.get("top_k", 0),
+            seed=d.get("seed"),
+            stop_token_ids=tuple(parse_token_ids(list(d["stop_token_ids"]), "stop_token_ids"))
+            if d.get("stop_token_ids") else (),
+            ignore_eos=bool(d.get("ignore_eos", False)),
+        )
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, SamplingError):
+            raise
+        raise SamplingError(str(exc)) from None
+
+
 @dataclass(frozen=True)
 class AdapterRef:
     """Which adapter a request uses and where the runner can load it from."""

@@ -21,7 +21,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from lorafleet import env
 from lorafleet.common.peft_config import AdapterError
-from lorafleet.runner.sequence import AdapterRef, SamplingError, SamplingParams, Sequence
+from lorafleet.runner.sequence import (
+    AdapterRef,
+    SamplingError,
+    SamplingParams,
+    Sequence,
+    parse_token_ids,
+    sampling_from_dict,
+)
 
 log = logging.getLogger(__name__)
 
@@ -38,23 +45,16 @@ def parse_generate(body: dict) -> tuple[str, list[int], SamplingParams, dict | N
     rid = body.get("request_id")
     if not isinstance(rid, str) or not rid:
         raise BadRequest("request_id must be a non-empty string")
-    ids = body.get("prompt_token_ids")
-    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-        raise BadRequest("prompt_token_ids must be a non-empty list of integers")
+    try:
+        ids = parse_token_ids(body.get("prompt_token_ids"))
+    except SamplingError as exc:
+        raise BadRequest(str(exc)) from None
     s = body.get("sampling") or {}
     if not isinstance(s, dict):
         raise BadRequest("sampling must be an object")
     try:
-        params = SamplingParams(
-            max_tokens=s.get("max_tokens", 16),
-            temperature=float(s.get("temperature", 0.0)),
-            top_p=float(s.get("top_p", 1.0)),
-            top_k=s.get("top_k", 0),
-            seed=s.get("seed"),
-            stop_token_ids=tuple(int(t) for t in (s.get("stop_token_ids") or ())),
-            ignore_eos=bool(s.get("ignore_eos", False)),
-        )
-    except (SamplingError, TypeError, ValueError) as exc:
+        params = sampling_from_dict(s)
+    except SamplingError as exc:
         raise BadRequest(f"sampling: {exc}") from None
     adapter = body.get("adapter")
     if adapter is not None:

@@ -247,14 +247,7 @@ class Cluster:
         self._unassign(runner, req)
         reason = final.get("finish_reason")
         if reason == "evicted":
-            req.migrations += 1
-            if self.metrics is not None:
-                self.metrics.migrations.inc()
-            if req.migrations > MAX_MIGRATIONS:
-                req.finish("error", f"evicted {req.migrations} times; giving up")
-                return
-            log.info("request %s evicted by %s after %d tokens; re-placing", req.id, runner.id, len(req.generated))
-            self._enqueue(req)
+            self._requeue(runner, req, "evicted (runner out of KV cache)", migration=True)
         elif reason in ("stop", "length"):
             req.finish(reason)
         elif reason == "cancelled":
@@ -272,14 +265,24 @@ class Cluster:
         req.events.put_nowait(("tokens", ids))
 
     def _requeue_after_failure(self, runner: RunnerHandle, req: Request, why: str) -> None:
-        req.failures += 1
+        self._requeue(runner, req, why, migration=False)
+
+    def _requeue(self, runner: RunnerHandle, req: Request, why: str, migration: bool) -> None:
+        """Put a request back in line (it keeps its arrival) with prompt + generated ids, bounded."""
+        if migration:
+            req.migrations += 1
+            count, limit, metric = req.migrations, MAX_MIGRATIONS, "migrations"
+        else:
+            req.failures += 1
+            count, limit, metric = req.failures, MAX_FAILURES, "replacements"
         if self.metrics is not None:
-            self.metrics.replacements.inc()
-        if req.failures > MAX_FAILURES:
-            req.finish("error", f"runner failures: {why}")
+            getattr(self.metrics, metric).inc()
+        if count > limit:
+            req.finish("error", f"{why}, {count} times; giving up")
             return
-        log.warning("request %s lost its runner %s (%s); re-placing with %d generated tokens",
-                    req.id, runner.id, why, len(req.generated))
+        log.log(logging.INFO if migration else logging.WARNING,
+                "request %s left runner %s (%s); re-placing with %d generated tokens",
+                req.id, runner.id, why, len(req.generated))
         self._enqueue(req)
 
     async def _send_cancel(self, runner: RunnerHandle, runner_request_id: str) -> None:

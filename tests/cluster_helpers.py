@@ -23,6 +23,23 @@ from lorafleet.scheduler.tokenizer import Tokenizer
 TOKEN = "admin-token"
 
 
+def wait_http_ready(url: str, proc: subprocess.Popen, what: str, timeout: float) -> None:
+    """Poll `url`/readyz until 200; fail early with the process's output if it exits."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            out = proc.stderr.read() if proc.stderr else (proc.stdout.read() if proc.stdout else "")
+            raise RuntimeError(f"{what} exited: {out[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"{url}/readyz", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{what} not ready after {timeout:.0f}s")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -44,18 +61,7 @@ class Runner:
             return json.loads(r.read())
 
     def wait_ready(self, timeout=120.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"runner {self.id} exited: {self.proc.stderr.read()[-2000:]}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/readyz", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"runner {self.id} not ready")
+        wait_http_ready(self.url, self.proc, f"runner {self.id}", timeout)
 
     def kill9(self) -> None:
         self.proc.send_signal(signal.SIGKILL)

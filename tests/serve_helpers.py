@@ -11,7 +11,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from cluster_helpers import free_port
+from cluster_helpers import free_port, wait_http_ready
 
 TOKEN = "serve-admin"
 
@@ -27,18 +27,7 @@ class Served:
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     def wait_ready(self, timeout=240.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"serve exited: {self.proc.stdout.read()[-3000:]}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/readyz", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.3)
-        raise TimeoutError("serve not ready")
+        wait_http_ready(self.url, self.proc, "serve", timeout)
 
     def admin_state(self) -> dict:
         req = urllib.request.Request(f"{self.url}/admin/state", headers={"Authorization": f"Bearer {TOKEN}"})

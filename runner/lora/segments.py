@@ -34,8 +34,8 @@ class SegmentTable:
         return any(s >= 0 for s in self.host_slots)
 
 
-def build_segments(row_slots: list[int], device: torch.device | str = "cpu", capacity: int | None = None) -> SegmentTable:
-    """Merge runs of equal slots in `row_slots` (one entry per row) into segments."""
+def merge_runs(row_slots: list[int]) -> tuple[list[int], list[int]]:
+    """Runs of equal slots in `row_slots` (one entry per row) -> (indptr [n+1], slots [n])."""
     indptr, slots = [0], []
     for i, s in enumerate(row_slots):
         if slots and slots[-1] == s:
@@ -43,6 +43,12 @@ def build_segments(row_slots: list[int], device: torch.device | str = "cpu", cap
         else:
             slots.append(s)
             indptr.append(i + 1)
+    return indptr, slots
+
+
+def build_segments(row_slots: list[int], device: torch.device | str = "cpu", capacity: int | None = None) -> SegmentTable:
+    """Merge runs of equal slots in `row_slots` into segments."""
+    indptr, slots = merge_runs(row_slots)
     n = len(slots)
     cap = max(n, capacity or n, 1)
     dev_indptr = indptr + [indptr[-1]] * (cap - n)

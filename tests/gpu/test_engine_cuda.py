@@ -3,9 +3,11 @@ against the CPU fp32 reference path, on a SmolLM2-shaped model with mixed adapte
 
 The shape is SmolLM2-135M's (576 hidden, 9 query / 3 KV heads, tied embeddings, rope_theta
 1e5, 30 layers) with random weights. bf16 on the GPU legitimately flips near-ties of the fp32
-reference, so each generated position is checked teacher-forced: the GPU's next token must
-equal the reference's, unless the reference's own margin between the two is below TOL of
-that position's logit range.
+reference, so each generated position is checked teacher-forced, and the tolerance is not a
+guess: Hugging Face transformers + PEFT run in bf16 on the same GPU over the same positions is
+the control. lorafleet's bf16 tokens may disagree with the fp32 reference only where the fp32
+margin between the two tokens is within what bf16 HF itself shows (or below TOL of the logit
+range), and not at more positions than about twice HF's count.
 """
 
 from __future__ import annotations
@@ -68,15 +70,27 @@ def cpu_reference(smol_shaped):
     return reqs, toks
 
 
-def reference_logits(model, ads, ids, name):
-    """fp32 logits at every position through HF transformers + PEFT on the CPU."""
-    import sys
-    from pathlib import Path
+def hf_logits(model, ads, ids, name, dtype=torch.float32, device="cpu"):
+    """Logits at every position through HF transformers + PEFT."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from reference import HFReference
+    m = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
+    if name:
+        m = PeftModel.from_pretrained(m, str(ads[name]))
+    m = m.to(device=device, dtype=dtype).eval()
+    with torch.no_grad():
+        return m(input_ids=torch.tensor([ids], device=device)).logits[0].float().cpu()
 
-    return HFReference(model, {name: ads[name]} if name else {}).logits(ids, name)
+
+def flips_against(ref_logits, toks, n_prompt, chosen):
+    """[(position, fp32 margin / logit range)] where `chosen` differs from the reference tokens."""
+    out = []
+    for j, got in enumerate(chosen):
+        if got != toks[j]:
+            row = ref_logits[n_prompt + j - 1]
+            out.append((j, float(row[toks[j]] - row[got]) / float(row.max() - row.min())))
+    return out
 
 
 def test_gpu_bf16_matches_cpu_fp32_teacher_forced(smol_shaped, cpu_reference):
@@ -92,23 +106,23 @@ def test_gpu_bf16_matches_cpu_fp32_teacher_forced(smol_shaped, cpu_reference):
             for k, (ids, n, p) in enumerate(forced)]
     gpu = eng.run_to_completion(seqs)
     assert eng.sgmv.name == "cuda" and eng.attention.name == "flashinfer"
-    flips, checked = [], 0
-    k = 0
+    ours, hf, checked, k = [], [], 0, 0
     for (ids, name, _), toks in zip(reqs, cpu):
-        logits = reference_logits(model, ads, ids + toks, name)  # [len, V]
-        for j in range(NEW):
-            got = gpu[f"f{k}"].output_ids[0]
-            k += 1
-            checked += 1
-            if got == toks[j]:
-                continue
-            row = logits[len(ids) + j - 1]
-            margin = float(row[toks[j]] - row[got])
-            span = float(row.max() - row.min())
-            flips.append((name, j, margin / span))
-    bad = [f for f in flips if f[2] > TOL]
-    assert not bad, f"{len(bad)} of {checked} positions differ beyond the bf16 tolerance: {bad[:5]}"
-    assert len(flips) <= checked // 10, f"too many near-tie flips: {len(flips)} of {checked}"
+        ref = hf_logits(model, ads, ids + toks, name)  # fp32, CPU: [len, V]
+        hf_bf16 = hf_logits(model, ads, ids + toks, name, torch.bfloat16, "cuda")
+        n = len(ids)
+        chosen = [gpu[f"f{k + j}"].output_ids[0] for j in range(NEW)]
+        k += NEW
+        checked += NEW
+        ours += [(name,) + f for f in flips_against(ref, toks, n, chosen)]
+        hf += [(name,) + f for f in flips_against(ref, toks, n, [int(hf_bf16[n + j - 1].argmax()) for j in range(NEW)])]
+    hf_worst = max((f[2] for f in hf), default=0.0)
+    bound = max(TOL, 1.5 * hf_worst)
+    bad = [f for f in ours if f[2] > bound]
+    print(f"lorafleet bf16 flips {len(ours)}/{checked} (worst {max((f[2] for f in ours), default=0):.4f}); "
+          f"HF bf16 flips {len(hf)}/{checked} (worst {hf_worst:.4f})")
+    assert not bad, f"{len(bad)} of {checked} positions differ beyond bf16 noise (bound {bound:.4f}): {bad[:5]}"
+    assert len(ours) <= max(2 * len(hf), checked // 20), (len(ours), len(hf))
 
 
 def test_graph_replay_equals_eager(smol_shaped):
