@@ -253,8 +253,6 @@ def runner_args(pool: PoolSpec) -> list[str]:
             "--max-lora-rank", str(r.max_lora_rank),
             # On SIGTERM, finish in-flight requests within the pod's grace period (minus a margin).
             "--grace-seconds", str(max(5, r.grace_seconds - 10))]
-    if r.gpus > 1:
-        args += ["--tensor-parallel", str(r.gpus)]
     return args + list(r.extra_args)
 
 

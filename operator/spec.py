@@ -125,6 +125,9 @@ def parse_pool(name: str, namespace: str, spec: Mapping[str, Any]) -> PoolSpec:
         env=_tuple(r.get("env")),
         extra_args=tuple(str(x) for x in r.get("extraArgs") or ()),
     )
+    if runner.gpus != 1:
+        raise SpecError(f"runner.gpusPerRunner is {runner.gpus}: tensor parallelism across GPUs is not "
+                        "implemented yet, so each runner uses exactly 1 GPU")
     scheduler = SchedulerSpec(
         image=s.get("image"),
         image_pull_policy=s.get("imagePullPolicy"),

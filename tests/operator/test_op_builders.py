@@ -32,7 +32,7 @@ SPECS = {
     "minimal": ("llama", {"model": {"source": "hf://meta-llama/Llama-2-7b-hf"}}, 1),
     "full": ("big", {
         "model": {"source": "pvc://models/llama-2-70b"},
-        "runner": {"image": "my/runner:1", "imagePullPolicy": "Always", "gpusPerRunner": 4, "maxBatchSize": 64,
+        "runner": {"image": "my/runner:1", "imagePullPolicy": "Always", "gpusPerRunner": 1, "maxBatchSize": 64,
                    "kvFraction": 0.85, "maxLoraRank": 128, "resources": {"requests": {"cpu": "32", "memory": "200Gi"},
                                                                           "limits": {"memory": "240Gi"}},
                    "nodeSelector": {"node.kubernetes.io/instance-type": "p5.48xlarge"},
@@ -92,8 +92,7 @@ def test_runner_specifics():
     runner = objs[("Deployment", "big-runner")]
     pod = runner["spec"]["template"]["spec"]
     ctr = pod["containers"][0]
-    assert ctr["resources"]["limits"]["nvidia.com/gpu"] == "4" and ctr["resources"]["requests"]["nvidia.com/gpu"] == "4"
-    assert ctr["args"][ctr["args"].index("--tensor-parallel") + 1] == "4"
+    assert ctr["resources"]["limits"]["nvidia.com/gpu"] == "1" and ctr["resources"]["requests"]["nvidia.com/gpu"] == "1"
     assert ctr["args"][-2:] == ["--prefill-chunk", "2048"]
     assert pod["tolerations"][0] == builders.GPU_TOLERATION and len(pod["tolerations"]) == 2
     mounts = {m["mountPath"] for m in ctr["volumeMounts"]}
@@ -118,15 +117,15 @@ def test_minimal_has_no_ingress_and_default_images():
     assert images == {"llama-scheduler": "lorafleet/operator:test", "llama-runner": "lorafleet/runner:test"}
     runner = next(o for o in objs if o["kind"] == "Deployment" and o["metadata"]["name"] == "llama-runner")
     assert "nodeSelector" not in runner["spec"]["template"]["spec"]
-    assert "--tensor-parallel" not in runner["spec"]["template"]["spec"]["containers"][0]["args"]
 
 
 @pytest.mark.parametrize("spec, words", [
     ({}, "spec.model.source is required"),
     ({"model": {"source": "x"}, "minRunners": 3, "maxRunners": 2}, "must not exceed"),
     ({"model": {"source": "x"}, "nodeGroup": {"kind": "MachineDeployment"}}, "spec.nodeGroup needs"),
-    ({"model": {"source": "x"}, "runner": {"gpusPerRunner": 4},
-      "nodeGroup": {"apiVersion": "v", "kind": "K", "name": "n", "gpusPerNode": 2}}, "at least runner.gpusPerRunner"),
+    ({"model": {"source": "x"}, "runner": {"gpusPerRunner": 4}}, "tensor parallelism"),
+    ({"model": {"source": "x"},
+      "nodeGroup": {"apiVersion": "v", "kind": "K", "name": "n", "gpusPerNode": -1}}, "at least runner.gpusPerRunner"),
 ])
 def test_bad_pool_specs(spec, words):
     with pytest.raises(SpecError, match=words):
