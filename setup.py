@@ -5,9 +5,13 @@ shadow Python's standard module when running from the repository root), so the
 package list is computed here instead of by setuptools' regular finder.
 """
 
+import warnings
 from pathlib import Path
 
 from setuptools import setup
+
+# The demo adapters are data files of lorafleet.runner (package_data), not packages.
+warnings.filterwarnings("ignore", message=r"Package 'lorafleet\.runner\.demo_adapters")
 
 HERE = Path(__file__).parent
 ROOTS = {
