@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# GPU work in one call on a lent H200 (repository root; wheels in .whl/, optional caches in .cache_fi/).
+#   bash bench/device_run.sh tests    # kernel + engine GPU tests, sanitizer case
+#   bash bench/device_run.sh e2e      # bench e2e: the four mixes, LoRA off, HF+PEFT, breakdown
+#   bash bench/device_run.sh extra    # bench e2e: cold start from disk and the 64/128/256 sweep
+# Knobs: REQS (default 1000), BENCH_S (timeout of the bench, s). Results and caches go to $OUT.
+set -u -o pipefail
+STAGE=${1:-tests}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 LORAFLEET_KERNEL_DIR=/tmp/lfkernels FLASHINFER_WORKSPACE_BASE=/tmp/fiws
+t0=$(date +%s); stamp() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  > "$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
+export PYTHONPATH=$PWD/src:/tmp/site
+[ -f .cache_fi/ficache.tgz ] && tar xzf .cache_fi/ficache.tgz -C /tmp
+[ -f .cache_fi/lfkernels.tgz ] && tar xzf .cache_fi/lfkernels.tgz -C /tmp
+nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader
+timeout 240 python3 -m lorafleet build-kernels > "$OUT/build.log" 2>&1; stamp "kernels: $(tail -1 "$OUT/build.log")"
+case "$STAGE" in
+  tests)
+    timeout ${TEST_S:-400} python3 -m pytest -q -p no:cacheprovider tests/gpu -rA --durations=8 -s 2>&1 \
+      | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|FAILED|flips|Error" | tail -30
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 120 compute-sanitizer --tool memcheck python3 tests/gpu/sanitizer_case.py \
+      > "$OUT/sanitizer.log" 2>&1; tail -2 "$OUT/sanitizer.log" ;;
+  e2e)
+    timeout ${BENCH_S:-500} python3 -m lorafleet --log-level WARNING bench e2e --requests ${REQS:-1000} --sweep \
+      --profile --out "$OUT/e2e.json" --plot "$OUT/e2e.png" 2>&1 | tee "$OUT/e2e.log" | tail -14 ;;
+  extra)
+    timeout ${BENCH_S:-500} python3 -m lorafleet --log-level WARNING bench e2e --requests ${REQS:-1000} \
+      --mixes uniform --cold --no-lora-off --hf-requests 0 --sweep 64 128 256 --out "$OUT/e2e_extra.json" 2>&1 \
+      | tee "$OUT/e2e_extra.log" | tail -10 ;;
+esac
+stamp "done"
+( cd /tmp && find fiws -name '*.so' | tar czf "$OUT/ficache.tgz" -T - ) 2>/dev/null
+( cd /tmp && tar czf "$OUT/lfkernels.tgz" lfkernels ) 2>/dev/null
+ls -la "$OUT" | tail -n +2
