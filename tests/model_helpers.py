@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 
 
@@ -50,3 +51,31 @@ def write_random_adapter(model_dir: Path, out: Path, *, r=8, alpha=16, targets=(
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def write_safetensors(path: Path, tensors: dict[str, tuple[int, ...]]) -> None:
+    """A valid F32 safetensors file of zeros with the given tensor shapes."""
+    header, offset = {}, 0
+    for name, shape in tensors.items():
+        n = 4
+        for s in shape:
+            n *= s
+        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(offset))
+
+
+def write_adapter(folder: Path, rank: int = 4, hidden: int = 16) -> Path:
+    """A PEFT adapter of zeros on layer 0 q_proj/v_proj, written without torch."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": rank, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"],
+         "base_model_name_or_path": "tiny-llama"}))
+    tensors = {}
+    for proj in ("q_proj", "v_proj"):
+        tensors[f"base_model.model.model.layers.0.self_attn.{proj}.lora_A.weight"] = (rank, hidden)
+        tensors[f"base_model.model.model.layers.0.self_attn.{proj}.lora_B.weight"] = (hidden, rank)
+    write_safetensors(folder / "adapter_model.safetensors", tensors)
+    return folder

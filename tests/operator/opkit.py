@@ -168,30 +168,7 @@ async def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, what: st
 # --- adapter files and a fake scheduler -------------------------------------------------------
 
 
-def write_safetensors(path: Path, tensors: dict[str, tuple[int, ...]]) -> None:
-    header, offset = {}, 0
-    for name, shape in tensors.items():
-        n = 4
-        for s in shape:
-            n *= s
-        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)
-    path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(offset))
-
-
-def write_adapter(folder: Path, rank: int = 4, hidden: int = 16) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "adapter_config.json").write_text(json.dumps(
-        {"peft_type": "LORA", "r": rank, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"],
-         "base_model_name_or_path": "tiny-llama"}))
-    tensors = {}
-    for proj in ("q_proj", "v_proj"):
-        tensors[f"base_model.model.model.layers.0.self_attn.{proj}.lora_A.weight"] = (rank, hidden)
-        tensors[f"base_model.model.model.layers.0.self_attn.{proj}.lora_B.weight"] = (hidden, rank)
-    write_safetensors(folder / "adapter_model.safetensors", tensors)
-    return folder
+from model_helpers import write_adapter, write_safetensors  # noqa: E402,F401  (shared with test_sources)
 
 
 TINY_CONFIG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 16, "intermediate_size": 32,
