@@ -8,7 +8,6 @@ import hashlib
 import http.server
 import json
 import socket
-import struct
 import threading
 from pathlib import Path
 

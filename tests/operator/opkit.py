@@ -9,7 +9,6 @@ import contextlib
 import datetime
 import json
 import socket
-import struct
 import uuid
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
