@@ -4,6 +4,11 @@
 #   bash bench/device_run.sh e2e      # bench e2e: the four mixes, LoRA off, HF+PEFT, breakdown
 #   bash bench/device_run.sh extra    # bench e2e: cold start from disk and the 64/128/256 sweep
 # Knobs: REQS (default 1000), BENCH_S (timeout of the bench, s). Results and caches go to $OUT.
+# The wheels (the GPU machine has no network): in the repository root, with .whl/ ignored by git,
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
+#     -d .whl flashinfer-python==0.5.3 apache-tvm-ffi==0.1.3
+# ficache.tgz / lfkernels.tgz from a previous call's $OUT can be put in .cache_fi/ to skip compiling.
 set -u -o pipefail
 STAGE=${1:-tests}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
