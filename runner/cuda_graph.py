@@ -97,20 +97,17 @@ class GraphRunner:
         B = st.B
         scratch = self.scratch_page * page_size
         h = st.host
-        page_tables, kv_lens, row_slots = [], [], []
+        ids, pos, slot_map = [0] * B, [0] * B, [scratch] * B
+        page_tables, kv_lens, row_slots = [[self.scratch_page]] * B, [1] * B, [-1] * B  # padding rows
         for i, s in enumerate(seqs):
             p = s.num_tokens - 1
-            h[i] = s.output_ids[-1] if s.output_ids else s.prompt_ids[-1]
-            h[B + i] = p
-            h[2 * B + i] = s.pages[p // page_size] * page_size + p % page_size
-            page_tables.append(s.pages)
-            kv_lens.append(p + 1)
-            row_slots.append(s.slot)
-        for i in range(n, B):
-            h[i], h[B + i], h[2 * B + i] = 0, 0, scratch
-            page_tables.append([self.scratch_page])
-            kv_lens.append(1)
-            row_slots.append(-1)
+            ids[i] = s.output_ids[-1] if s.output_ids else s.prompt_ids[-1]
+            pos[i] = p
+            slot_map[i] = s.pages[p // page_size] * page_size + p % page_size
+            page_tables[i] = s.pages
+            kv_lens[i] = p + 1
+            row_slots[i] = s.slot
+        h[: 3 * B] = torch.tensor(ids + pos + slot_map, dtype=torch.int64)
         dev = h[: 3 * B].to(self.device, non_blocking=True)
         st.input_ids.copy_(dev[:B])
         st.positions.copy_(dev[B : 2 * B])

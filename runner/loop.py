@@ -16,6 +16,8 @@ from lorafleet.runner.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
+SNAPSHOT_EVERY_S = 0.1  # how stale GET /state and the metrics may be while the engine is busy
+
 
 class EngineLoop:
     def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop):
@@ -24,6 +26,7 @@ class EngineLoop:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self.snapshot: dict = engine.state()
+        self._snap_at = 0.0
         self.step_errors = 0
         self.last_step_seconds = 0.0
         self.thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -84,6 +87,8 @@ class EngineLoop:
                 self.step_errors += 1
                 outputs = eng.abort_all(f"engine error: {type(exc).__name__}: {exc}")
             self.last_step_seconds = time.perf_counter() - t0
-            self.snapshot = eng.state()
+            if time.perf_counter() - self._snap_at > SNAPSHOT_EVERY_S:  # not on every decode step
+                self.snapshot = eng.state()
+                self._snap_at = time.perf_counter()
             if outputs:
                 self.loop.call_soon_threadsafe(self._deliver, outputs)

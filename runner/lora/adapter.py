@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +22,7 @@ class LoadedAdapter:
     def name(self) -> str:
         return self.spec.name
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values())
 
