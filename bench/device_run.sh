@@ -3,6 +3,8 @@
 #   bash bench/device_run.sh tests    # kernel + engine GPU tests, sanitizer case
 #   bash bench/device_run.sh e2e      # bench e2e: the four mixes, LoRA off, HF+PEFT, breakdown
 #   bash bench/device_run.sh extra    # bench e2e: cold start from disk and the 64/128/256 sweep
+#   bash bench/device_run.sh quick    # engine GPU tests, then a short e2e (REQS=256: distinct, identical,
+#                                     # LoRA off, per-step profile) to see where a step's time goes
 # Knobs: REQS (default 1000), BENCH_S (timeout of the bench, s). Results and caches go to $OUT.
 # The wheels (the GPU machine has no network): in the repository root, with .whl/ ignored by git,
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -30,6 +32,12 @@ case "$STAGE" in
   e2e)
     timeout ${BENCH_S:-500} python3 -m lorafleet --log-level WARNING bench e2e --requests ${REQS:-1000} --sweep \
       --profile --out "$OUT/e2e.json" --plot "$OUT/e2e.png" 2>&1 | tee "$OUT/e2e.log" | tail -14 ;;
+  quick)
+    timeout ${TEST_S:-300} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_engine_cuda.py -rA -s 2>&1 \
+      | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|FAILED|flips|Error|margin" | tail -20
+    timeout ${BENCH_S:-400} python3 -m lorafleet --log-level WARNING bench e2e --requests ${REQS:-256} \
+      --mixes distinct identical --sweep --hf-requests 0 --profile --out "$OUT/e2e_quick.json" 2>&1 \
+      | tee "$OUT/e2e_quick.log" | tail -16 ;;
   extra)
     timeout ${BENCH_S:-500} python3 -m lorafleet --log-level WARNING bench e2e --requests ${REQS:-1000} \
       --mixes uniform --cold --no-lora-off --hf-requests 0 --sweep 64 128 256 --out "$OUT/e2e_extra.json" 2>&1 \

@@ -5,6 +5,11 @@ entry; when pages run out the *newest* running request is evicted, Punica §5.3)
 waiting requests are admitted oldest first while the batch has room, their adapter is
 resident and their whole prompt fits in free pages (prefill). Admission is FCFS: a request
 that does not fit blocks later ones, except requests merely waiting for an adapter load.
+
+Admission batching (`admit_batch` > 1): while requests run, new ones are admitted only once
+`min(admit_batch, waiting)` batch places are free, or after `admit_wait_steps` held steps, so
+prompts share mixed prefill+decode steps (which cost more than decode steps) instead of each
+taking its own. Adapter loads of the requests next in line start while admission is held.
 """
 
 from __future__ import annotations
@@ -38,8 +43,14 @@ class Batcher:
         max_batch_size: int,
         max_prefill_tokens: int,
         max_model_len: int,
+        admit_batch: int = 1,
+        admit_wait_steps: int = 8,
     ):
+        if admit_batch < 1 or admit_wait_steps < 0:
+            raise ValueError("admit_batch must be >= 1 and admit_wait_steps >= 0")
         self.blocks, self.adapters = blocks, adapters
+        self.admit_batch, self.admit_wait_steps = admit_batch, admit_wait_steps
+        self._held = 0  # consecutive steps admission was held
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
         self.max_model_len = max_model_len
@@ -89,8 +100,21 @@ class Batcher:
                 plan.decode.append(seq)
         # 2. Prefill: admit the oldest waiting requests that fit.
         budget = self.max_prefill_tokens
+        want = min(self.admit_batch, len(self.waiting))
+        free = self.max_batch_size - len(self.running)
+        hold = (self.admit_batch > 1 and bool(self.running) and free < want
+                and (free == 0 or self._held < self.admit_wait_steps))
+        if not hold:
+            self._held = 0
+        elif free > 0:
+            self._held += 1  # a full batch admits nobody anyway: only count steps with free places
+        looked = 0
         for seq in list(self.waiting):
-            if len(self.running) >= self.max_batch_size:
+            if hold:
+                if looked >= want:
+                    break
+                looked += 1  # held: only start the adapter loads of the next requests in line
+            elif len(self.running) >= self.max_batch_size:
                 break
             n = seq.num_tokens
             if n >= self.max_model_len:
@@ -113,6 +137,8 @@ class Batcher:
                 if status != READY:
                     continue  # loading: later requests may go ahead, this one waits outside the batch
                 seq.slot = slot
+            if hold:
+                continue
             if self.blocks.pages_for(n + 1) > self.blocks.free_pages:
                 break  # FCFS: nothing overtakes a request that waits for pages
             self.blocks.grow(seq.pages, n)

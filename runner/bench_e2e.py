@@ -71,24 +71,29 @@ def random_model(device, dtype, seed: int):
 def random_adapters(base, population: int, rank: int, dtype, device, seed: int):
     """`population` distinct rank-r adapters on all 7 projections, in pinned host memory."""
     from lorafleet.common.peft_config import AdapterSpec, ModuleLora
-    from lorafleet.runner.lora.adapter import LoadedAdapter
+    from lorafleet.common.projections import PROJ_INDEX, PROJECTIONS
+    from lorafleet.runner.lora.adapter import LoadedAdapter, Packed
 
     g = torch.Generator(device=device).manual_seed(seed)
-    mods = [(layer, p) for layer in range(base.num_layers) for p in TARGETS]
-    sizes = [(rank * base.shape(p)[0], rank * base.shape(p)[1]) for _, p in mods]
-    total = sum(a + b for a, b in sizes)
-    spec_mods = tuple(ModuleLora(layer, p, rank, 1.0, "", "") for layer, p in mods)
+    L = base.num_layers
+    pin = torch.device(device).type == "cuda"
+    spec_mods = tuple(ModuleLora(layer, p, rank, 1.0, "", "") for layer in range(L) for p in TARGETS)
+    ranks = torch.zeros(L, len(PROJECTIONS), dtype=torch.int32, pin_memory=pin)
+    for p in TARGETS:
+        ranks[:, PROJ_INDEX[p]] = rank
     out = []
     for k in range(population):
-        host = torch.empty(total, dtype=dtype, pin_memory=torch.device(device).type == "cuda")
-        host.copy_((torch.randn(total, generator=g, device=device) * 0.01).to(dtype))
-        weights, off = {}, 0
-        for (layer, p), (na, nb) in zip(mods, sizes):
+        pa, pb, nbytes = {}, {}, 0
+        for p in TARGETS:
             i, o = base.shape(p)
-            weights[(layer, p)] = (host[off : off + na].view(rank, i), host[off + na : off + na + nb].view(rank, o))
-            off += na + nb
-        spec = AdapterSpec(f"w{k}", Path("."), None, spec_mods, total * 2, "BF16")
-        out.append(LoadedAdapter(spec, weights))
+            for dim, dst in ((i, pa), (o, pb)):
+                t = torch.empty(L, rank, dim, dtype=dtype, pin_memory=pin)
+                t.copy_((torch.randn(L, rank, dim, generator=g, device=device) * 0.01).to(dtype))
+                dst[PROJ_INDEX[p]] = t
+                nbytes += t.numel() * t.element_size()
+        weights = {(layer, p): (pa[PROJ_INDEX[p]][layer], pb[PROJ_INDEX[p]][layer]) for layer in range(L) for p in TARGETS}
+        spec = AdapterSpec(f"w{k}", Path("."), None, spec_mods, nbytes, "BF16")
+        out.append(LoadedAdapter(spec, weights, Packed(pa, pb, ranks, ranks.tolist())))
     return out
 
 
@@ -121,6 +126,7 @@ def run_mix(engine, reqs, names, weights_of, label: str, log) -> dict:
     from lorafleet.runner.sequence import AdapterRef, SamplingParams, Sequence
 
     torch.cuda.synchronize()
+    engine.runner.phases = {}
     t0 = time.perf_counter()
     first, end, n_out = {}, {}, {}
     for i, ((ids, o), name) in enumerate(zip(reqs, names)):
@@ -150,8 +156,24 @@ def run_mix(engine, reqs, names, weights_of, label: str, log) -> dict:
            "ttft_p99_s": round(pct(ttft, 99), 3), "tpot_p50_ms": round(1000 * pct(tpot, 50), 2),
            "tpot_p99_ms": round(1000 * pct(tpot, 99), 2), "steps": len(steps),
            "decode_step_ms_p50": round(1000 * pct(decode_steps, 50), 2)}
+    # Where the wall time went: decode-only steps, steps with prefill, steps that ran nothing.
+    split = {"decode": [0, 0.0], "mixed": [0, 0.0], "idle": [0, 0.0]}
+    for pf, nd, dt in steps:
+        k = "mixed" if pf else ("decode" if nd else "idle")
+        split[k][0] += 1
+        split[k][1] += dt
+    res["time_split"] = {k: {"steps": n, "seconds": round(t, 3), "ms_per_step": round(1000 * t / max(n, 1), 3)}
+                         for k, (n, t) in split.items()}
+    res["prefill_tokens"] = sum(pf for pf, _, _ in steps)
+    res["runner_phases_ms"] = {k: {"prepare": round(1000 * a / n, 3), "launch": round(1000 * b / n, 3),
+                                   "wait_and_sample": round(1000 * c / n, 3), "steps": n}
+                               for k, (a, b, c, n) in engine.runner.phases.items()}
+    engine.runner.phases = None
     log(f"{label:>28}: {res['output_tok_s']:8.1f} tok/s  TTFT p50 {res['ttft_p50_s']:.2f}s p99 {res['ttft_p99_s']:.2f}s"
         f"  TPOT p50 {res['tpot_p50_ms']:.1f}ms p99 {res['tpot_p99_ms']:.1f}ms  ({wall:.1f}s)")
+    log(" " * 30 + "  ".join(f"{k} {v['steps']} x {v['ms_per_step']:.2f}ms" for k, v in res["time_split"].items())
+        + "  | " + "  ".join(f"{k}: prep {v['prepare']:.2f} launch {v['launch']:.2f} wait {v['wait_and_sample']:.2f}"
+                             for k, v in res["runner_phases_ms"].items()))
     res["_steps"] = steps
     return res
 

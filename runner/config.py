@@ -104,6 +104,11 @@ class EngineConfig:
     lora_slots: int | None = None  # adapters resident in the device pool; None: 8 on CPU, 64 on GPU
     host_lora_cache: int = 256  # adapters kept in (pinned) host memory behind the device pool
     max_prefill_tokens: int = 8192  # prompt tokens per step (one longer prompt still runs alone)
+    # Admission batching: while requests run, wait until this many batch places are free (or as many
+    # as requests wait) before admitting, for at most admit_wait_steps steps, so that prompts are
+    # prefilled together in fewer mixed steps. None: max_batch_size // 8 on CUDA, 1 (off) on CPU.
+    admit_batch: int | None = None
+    admit_wait_steps: int = 8
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     device: str = "auto"

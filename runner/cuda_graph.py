@@ -9,6 +9,7 @@ it, and carry no adapter. Prefill and mixed steps run eagerly.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -90,8 +91,9 @@ class GraphRunner:
         st.graph = g
         self.static[B] = st
 
-    def run(self, seqs, page_size: int) -> torch.Tensor:
-        """Replay for decode requests `seqs` (already grouped by adapter); logits [len(seqs), V]."""
+    def run(self, seqs, page_size: int) -> tuple[float, torch.Tensor]:
+        """Replay for decode requests `seqs` (already grouped by adapter) -> (time the replay
+        was launched, logits [len(seqs), V])."""
         n = len(seqs)
         st = self.static[self.bucket(n)]
         B = st.B
@@ -125,5 +127,6 @@ class GraphRunner:
             st.seg_indptr.copy_(d[: B + 1])
             st.seg_slots.copy_(d[B + 1 :])
         self.attention.plan_decode(st.wrapper, page_tables, kv_lens)
+        t = time.perf_counter()
         st.graph.replay()
-        return st.logits[:n]
+        return t, st.logits[:n]

@@ -99,8 +99,11 @@ class Engine:
         # one extra page: the scratch page padded rows of captured CUDA graphs write to
         self.kv = KVCache(model_cfg, num_pages + 1, config.page_size, self.dtype, self.device)
         self.blocks = BlockManager(num_pages, config.page_size)
+        admit = config.admit_batch
+        if admit is None:
+            admit = max(1, config.max_batch_size // 8) if self.device.type == "cuda" else 1
         self.batcher = Batcher(self.blocks, self.adapters, config.max_batch_size, config.max_prefill_tokens,
-                               self.max_model_len)
+                               self.max_model_len, admit_batch=admit, admit_wait_steps=config.admit_wait_steps)
         self.attention = self._make_attention()
         self.sgmv = self._make_sgmv()
         self.runner = ModelRunner(self.model, self.attention, self.lora_pool, self.sgmv, config.page_size,

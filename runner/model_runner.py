@@ -8,6 +8,7 @@ The segment table and attention metadata are built once here and reused by every
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -108,16 +109,32 @@ class ModelRunner:
         self.page_size = page_size
         self.graphs = graphs  # GraphRunner for decode-only steps on CUDA, or None
         self._workspace: torch.Tensor | None = None
+        # Optional wall-clock split of steps for profiling: {"graph"|"eager": [prepare_s, launch_s, wait_s, n]}.
+        self.phases: dict[str, list[float]] | None = None
 
     def run(self, prefill: list[Sequence], decode: list[Sequence]) -> tuple[list[Sequence], list[int]]:
         """One forward over the flat batch; returns (seqs in batch order, next token per seq)."""
+        t0 = time.perf_counter() if self.phases is not None else 0.0
         if not prefill and self.graphs is not None and self.graphs.bucket(len(decode)) is not None:
-            _, decode = order_for_segments([], decode)
-            logits = self.graphs.run(decode, self.page_size)
-            return decode, sample(logits, decode)
-        batch = build_batch(prefill, decode, self.page_size, self.model.device)
-        logits = self.forward(batch)
-        return batch.seqs, sample(logits, batch.seqs)
+            kind = "graph"
+            _, seqs = order_for_segments([], decode)
+            t1, logits = self.graphs.run(seqs, self.page_size)
+        else:
+            kind = "eager"
+            batch = build_batch(prefill, decode, self.page_size, self.model.device)
+            seqs = batch.seqs
+            t1 = time.perf_counter() if self.phases is not None else 0.0
+            logits = self.forward(batch)
+        t2 = time.perf_counter() if self.phases is not None else 0.0
+        tokens = sample(logits, seqs)
+        if self.phases is not None:
+            acc = self.phases.setdefault(kind, [0.0, 0.0, 0.0, 0])
+            t3 = time.perf_counter()
+            acc[0] += t1 - t0  # host: batch building, page tables, attention plan
+            acc[1] += t2 - t1  # host: kernel launches (graph replay or eager ops)
+            acc[2] += t3 - t2  # waiting for the GPU, sampling, device -> host copy
+            acc[3] += 1
+        return seqs, tokens
 
     def forward(self, batch: StepBatch) -> torch.Tensor:
         attn_step = self.attention.begin(batch.attn)

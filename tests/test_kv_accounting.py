@@ -93,3 +93,40 @@ def test_evict_and_resume_equals_uninterrupted(tiny_llama, tmp_path):
     tight, ev1 = run(30)
     assert ev0 == 0 and ev1 > 0
     assert tight == full
+
+
+def test_admission_batching_groups_prefills_and_keeps_tokens(tiny_llama):
+    """admit_batch=4: while requests run, new ones enter four at a time (or after the wait),
+    not one by one; greedy tokens equal those of immediate admission."""
+    ps = prompts(24, seed=5)
+    lens = [3 + (7 * i) % 11 for i in range(24)]  # staggered ends: places free one at a time
+
+    def run(**cfg):
+        eng = Engine(str(tiny_llama), EngineConfig(page_size=4, num_pages=400, max_batch_size=8, **cfg))
+        seqs = [Sequence(f"s{i}", p, SamplingParams(max_tokens=n, ignore_eos=True), arrival=float(i))
+                for i, (p, n) in enumerate(zip(ps, lens))]
+        for s in seqs:
+            eng.submit(s)
+        out, groups, held_max = {}, [], 0
+        eng.step()  # the first fill
+        while eng.has_work():
+            waiting = len(eng.batcher.waiting)
+            for o in eng.step():
+                if o.finished:
+                    out[o.seq_id] = o.output_ids
+            held_max = max(held_max, eng.batcher._held)
+            if waiting - len(eng.batcher.waiting):
+                groups.append((waiting, waiting - len(eng.batcher.waiting)))
+        return out, eng, groups, held_max
+
+    plain, _, plain_groups, _ = run(admit_batch=1)
+    assert any(n == 1 for w, n in plain_groups if w >= 4)  # the case being fixed: one prefill per step
+    grouped, eng, groups, _ = run(admit_batch=4, admit_wait_steps=100)
+    assert set(grouped) == {f"s{i}" for i in range(24)}
+    assert all(grouped[f"s{i}"] == plain[f"s{i}"] for i in range(24))  # greedy tokens do not depend on it
+    assert eng.blocks.free_pages == eng.blocks.num_pages
+    assert all(n >= min(4, w) for w, n in groups), groups
+    assert len(groups) < len(plain_groups)
+    # a short wait bounds the delay: admission after at most 2 held steps, even for one place
+    _, _, groups2, held_max = run(admit_batch=4, admit_wait_steps=2)
+    assert held_max <= 2 and any(n < min(4, w) for w, n in groups2)

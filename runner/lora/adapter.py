@@ -9,14 +9,57 @@ from pathlib import Path
 import torch
 
 from lorafleet.common.peft_config import AdapterError, AdapterSpec, BaseShape, inspect_adapter
+from lorafleet.common.projections import PROJ_INDEX, PROJECTIONS
+
+
+@dataclass
+class Packed:
+    """An adapter stacked over layers, one tensor pair per projection, for few large copies.
+
+    `a[p]` [L, r_p, in_p] and `bt[p]` [L, r_p, out_p] for every projection p the adapter touches
+    (r_p: its largest rank over layers; rows beyond a layer's rank are zero), `ranks` int32 [L, 7].
+    """
+
+    a: dict[int, torch.Tensor]
+    bt: dict[int, torch.Tensor]
+    ranks: torch.Tensor
+    host_ranks: list[list[int]]  # [L][7]
+
+
+def pack(weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], num_layers: int,
+         pin: bool = False) -> Packed:
+    """Stack per-(layer, proj) tensors into per-projection [L, r_p, dim] tensors."""
+    per_proj: dict[int, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
+    for (layer, proj), (a, bt) in weights.items():
+        if not 0 <= layer < num_layers:
+            raise ValueError(f"adapter weights name layer {layer}; the base model has {num_layers}")
+        per_proj.setdefault(PROJ_INDEX[proj], []).append((layer, a, bt))
+    ranks = torch.zeros(num_layers, len(PROJECTIONS), dtype=torch.int32, pin_memory=pin)
+    pa, pb = {}, {}
+    for p, items in per_proj.items():
+        r = max(a.shape[0] for _, a, _ in items)
+        a0, b0 = items[0][1], items[0][2]
+        A = torch.zeros(num_layers, r, a0.shape[1], dtype=a0.dtype, pin_memory=pin)
+        B = torch.zeros(num_layers, r, b0.shape[1], dtype=b0.dtype, pin_memory=pin)
+        for layer, a, bt in items:
+            A[layer, : a.shape[0]] = a
+            B[layer, : bt.shape[0]] = bt
+            ranks[layer, p] = a.shape[0]
+        pa[p], pb[p] = A, B
+    return Packed(pa, pb, ranks, ranks.tolist())
 
 
 @dataclass
 class LoadedAdapter:
-    """Host-side weights: for each (layer, proj), A [r, in] and B^T * scaling [r, out]."""
+    """Host-side weights: for each (layer, proj), A [r, in] and B^T * scaling [r, out].
+
+    `packed` holds the same numbers stacked per projection (see `pack`); when it is set,
+    `weights` are views into it. The pool copies an adapter in from `packed`.
+    """
 
     spec: AdapterSpec
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    packed: Packed | None = None
 
     @property
     def name(self) -> str:
@@ -24,7 +67,22 @@ class LoadedAdapter:
 
     @functools.cached_property
     def nbytes(self) -> int:
+        if self.packed is not None:
+            return sum(t.numel() * t.element_size() for t in (*self.packed.a.values(), *self.packed.bt.values()))
         return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values())
+
+    def packed_for(self, num_layers: int) -> Packed:
+        if self.packed is None or self.packed.ranks.shape[0] != num_layers:
+            self.packed = pack(self.weights, num_layers)
+        return self.packed
+
+    @classmethod
+    def stacked(cls, spec: AdapterSpec, weights, num_layers: int, pin: bool = False) -> "LoadedAdapter":
+        """Pack `weights` (pinned when asked) and keep only views into the packed tensors."""
+        pk = pack(weights, num_layers, pin)
+        views = {(layer, proj): (pk.a[PROJ_INDEX[proj]][layer, : a.shape[0]], pk.bt[PROJ_INDEX[proj]][layer, : a.shape[0]])
+                 for (layer, proj), (a, _) in weights.items()}
+        return cls(spec, views, pk)
 
 
 def load_adapter(
@@ -43,12 +101,9 @@ def load_adapter(
                 if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
                     raise AdapterError(name, f"layer {m.layer} {m.proj}: weights contain NaN or Inf")
                 bt = (b.t() * m.scaling).to(dtype).contiguous()  # [r, out]
-                a = a.to(dtype).contiguous()
-                if pin:
-                    a, bt = a.pin_memory(), bt.pin_memory()
-                weights[(m.layer, m.proj)] = (a, bt)
+                weights[(m.layer, m.proj)] = (a.to(dtype).contiguous(), bt)
     except AdapterError:
         raise
     except Exception as exc:
         raise AdapterError(name, f"cannot read adapter_model.safetensors: {exc}") from None
-    return LoadedAdapter(spec, weights)
+    return LoadedAdapter.stacked(spec, weights, base.num_layers, pin=pin)

@@ -4,6 +4,10 @@ For every layer and projection p: `a[layer][p]` [S, R, in_p] and `b[layer][p]` [
 (rank-major: each rank row is contiguous), and `ranks` int32 [L, 7, S] with 0 where a slot
 does not adapt that module. Slot s of an adapter of rank r uses rows 0..r-1; the tensors
 never move, so captured CUDA graphs stay valid while slots are rewritten.
+
+Storage is one tensor per projection, `A[p]` [L, S, R, in_p] (and `B[p]`), so `a[layer][p]`
+is the contiguous view `A[p][layer]` and writing a slot is one strided copy per projection
+(14 copies per adapter, not 2 per layer and projection).
 """
 
 from __future__ import annotations
@@ -14,34 +18,44 @@ from lorafleet.common.peft_config import BaseShape
 from lorafleet.common.projections import PROJECTIONS, PROJ_INDEX
 from lorafleet.runner.lora.adapter import LoadedAdapter
 
+# (first projection index, count) of each SGMV group, in PROJECTIONS order: qkv, o, gate_up, down.
+GROUP_SPANS = ((0, 3), (3, 1), (4, 2), (6, 1))
+
 
 class LoraPool:
     def __init__(self, base: BaseShape, num_slots: int, max_rank: int, dtype: torch.dtype, device: torch.device):
         self.base, self.num_slots, self.max_rank = base, num_slots, max_rank
         self.dtype, self.device = dtype, device
         L, S, R = base.num_layers, num_slots, max_rank
-        self.a = [[torch.zeros(S, R, base.shape(p)[0], dtype=dtype, device=device) for p in PROJECTIONS] for _ in range(L)]
-        self.b = [[torch.zeros(S, R, base.shape(p)[1], dtype=dtype, device=device) for p in PROJECTIONS] for _ in range(L)]
+        self.A = [torch.zeros(L, S, R, base.shape(p)[0], dtype=dtype, device=device) for p in PROJECTIONS]
+        self.B = [torch.zeros(L, S, R, base.shape(p)[1], dtype=dtype, device=device) for p in PROJECTIONS]
+        self.a = [[self.A[p][layer] for p in range(len(PROJECTIONS))] for layer in range(L)]
+        self.b = [[self.B[p][layer] for p in range(len(PROJECTIONS))] for layer in range(L)]
         self.ranks = torch.zeros(L, len(PROJECTIONS), S, dtype=torch.int32, device=device)
         self.host_ranks = [[[0] * S for _ in PROJECTIONS] for _ in range(L)]
+        # (a list, b list, ranks [G, S], host ranks) of each (layer, group), built once for the step loop
+        self.group_args = [[(self.a[layer][p0 : p0 + g], self.b[layer][p0 : p0 + g], self.ranks[layer, p0 : p0 + g],
+                             self.host_ranks[layer][p0 : p0 + g]) for p0, g in GROUP_SPANS] for layer in range(L)]
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for row in self.a + self.b for t in row)
+        return sum(t.numel() * t.element_size() for t in self.A + self.B)
 
     def write(self, slot: int, adapter: LoadedAdapter, stream: torch.cuda.Stream | None = None) -> None:
-        """Copy an adapter into a slot (asynchronously on `stream` when given)."""
-        ranks = torch.zeros(self.base.num_layers, len(PROJECTIONS), dtype=torch.int32)
-        for (layer, proj), (a, bt) in adapter.weights.items():
-            p, r = PROJ_INDEX[proj], a.shape[0]
-            self.a[layer][p][slot, :r].copy_(a, non_blocking=stream is not None)
-            self.b[layer][p][slot, :r].copy_(bt, non_blocking=stream is not None)
-            ranks[layer, p] = r
-        # a small blocking copy: on CUDA this runs on the loader's worker thread and side stream
-        self.ranks[:, :, slot].copy_(ranks)
-        for layer in range(self.base.num_layers):
-            for p in range(len(PROJECTIONS)):
-                self.host_ranks[layer][p][slot] = int(ranks[layer, p])
+        """Copy an adapter into a slot (asynchronously on `stream` when given: pinned sources)."""
+        pk = adapter.packed_for(self.base.num_layers)
+        nb = stream is not None
+        self.ranks[:, :, slot] = 0  # no step reads half-written weights of a previous tenant
+        for p in range(len(PROJECTIONS)):
+            if p in pk.a:
+                r = pk.a[p].shape[1]
+                self.A[p][:, slot, :r].copy_(pk.a[p], non_blocking=nb)
+                self.B[p][:, slot, :r].copy_(pk.bt[p], non_blocking=nb)
+        self.ranks[:, :, slot].copy_(pk.ranks, non_blocking=nb)
+        for layer, row in enumerate(pk.host_ranks):
+            hr = self.host_ranks[layer]
+            for p, r in enumerate(row):
+                hr[p][slot] = r
 
     def clear(self, slot: int) -> None:
         """Mark a slot empty: rank 0 everywhere (weights are left, never read)."""

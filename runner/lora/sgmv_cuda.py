@@ -52,12 +52,14 @@ class CudaSGMV:
         self.shrink_mma_min_rows = int(shrink_mma_min_rows)
         self.expand_mma_min_rows = int(expand_mma_min_rows)
         self.pdl = bool(pdl)
+        self._mod = None
 
-    @staticmethod
-    def _ext():
-        from lorafleet.runner.lora.build import load
+    def _ext(self):
+        if self._mod is None:
+            from lorafleet.runner.lora.build import load
 
-        return load()
+            self._mod = load()
+        return self._mod
 
     def shrink(self, v: torch.Tensor, x: torch.Tensor, a: Sequence[torch.Tensor], ranks: torch.Tensor,
                host_ranks: Sequence[Sequence[int]], seg: SegmentTable) -> None:

@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from lorafleet.runner.lora.pool import LoraPool
+from lorafleet.runner.lora.pool import GROUP_SPANS, LoraPool
 from lorafleet.runner.lora.segments import SegmentTable
 from lorafleet.runner.lora.sgmv import SGMV
-
-# (first projection index, count) of each group, in PROJECTIONS order: qkv, o, gate_up, down.
-GROUP_SPANS = ((0, 3), (3, 1), (4, 2), (6, 1))
 
 
 class LoraStepImpl:
@@ -20,16 +17,13 @@ class LoraStepImpl:
             workspace = torch.empty(need, dtype=torch.float32, device=pool.device)
         self.ws = workspace
         self.active = seg.any_adapter
+        n, R = seg.num_rows, pool.max_rank
+        self.views = {g: workspace[: n * g * R].view(n, g, R) for g in {g for _, g in GROUP_SPANS}}
 
     def add(self, layer: int, group: int, x: torch.Tensor, ys: tuple[torch.Tensor, ...]) -> None:
         if not self.active:
             return
-        p0, g = GROUP_SPANS[group]
-        pool = self.pool
-        v = self.ws[: self.seg.num_rows * g * pool.max_rank].view(self.seg.num_rows, g, pool.max_rank)
-        a = pool.a[layer][p0 : p0 + g]
-        b = pool.b[layer][p0 : p0 + g]
-        ranks = pool.ranks[layer, p0 : p0 + g]  # [G, S]
-        host = pool.host_ranks[layer][p0 : p0 + g]
+        v = self.views[GROUP_SPANS[group][1]]
+        a, b, ranks, host = self.pool.group_args[layer][group]  # ranks [G, S]
         self.sgmv.shrink(v, x, a, ranks, host, self.seg)
         self.sgmv.expand(ys, v, b, ranks, host, self.seg)

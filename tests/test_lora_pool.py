@@ -1,0 +1,64 @@
+"""The adapter pool: slot writes from packed adapters land where the kernels read them."""
+
+from __future__ import annotations
+
+import torch
+
+from lorafleet.common.peft_config import AdapterSpec, BaseShape
+from lorafleet.common.projections import PROJ_INDEX, PROJECTIONS
+from lorafleet.runner.lora.adapter import LoadedAdapter
+from lorafleet.runner.lora.pool import LoraPool
+
+BASE = BaseShape(num_layers=3, hidden_size=32, intermediate_size=48, q_dim=32, kv_dim=16)
+
+
+def adapter(name: str, modules: dict[tuple[int, str], int], seed: int, stacked: bool) -> LoadedAdapter:
+    g = torch.Generator().manual_seed(seed)
+    weights = {}
+    for (layer, proj), r in modules.items():
+        i, o = BASE.shape(proj)
+        weights[(layer, proj)] = (torch.randn(r, i, generator=g), torch.randn(r, o, generator=g))
+    spec = AdapterSpec(name, None, None, (), 0, "F32")
+    if stacked:
+        return LoadedAdapter.stacked(spec, weights, BASE.num_layers)
+    return LoadedAdapter(spec, weights)
+
+
+def check_slot(pool: LoraPool, slot: int, ad: LoadedAdapter) -> None:
+    for layer in range(BASE.num_layers):
+        for p, proj in enumerate(PROJECTIONS):
+            want = ad.weights.get((layer, proj))
+            r = 0 if want is None else want[0].shape[0]
+            assert int(pool.ranks[layer, p, slot]) == r == pool.host_ranks[layer][p][slot], (layer, proj)
+            if r:
+                assert torch.equal(pool.a[layer][p][slot, :r], want[0])
+                assert torch.equal(pool.b[layer][p][slot, :r], want[1])
+
+
+def test_mixed_ranks_and_partial_modules_land_in_their_slot():
+    pool = LoraPool(BASE, num_slots=3, max_rank=8, dtype=torch.float32, device=torch.device("cpu"))
+    # ranks differ per layer (rank_pattern) and per projection; layer 1 lacks q; no k at all
+    mods = {(0, "q"): 8, (2, "q"): 2, (0, "v"): 4, (1, "v"): 4, (1, "down"): 3, (0, "gate"): 5, (2, "up"): 1}
+    for stacked in (True, False):
+        a1 = adapter("a1", mods, seed=1, stacked=stacked)
+        a2 = adapter("a2", {(layer, "o"): 6 for layer in range(3)}, seed=2, stacked=stacked)
+        pool.write(1, a1)
+        pool.write(2, a2)
+        check_slot(pool, 1, a1)
+        check_slot(pool, 2, a2)
+        assert int(pool.ranks[:, :, 0].abs().sum()) == 0  # untouched slot
+        # reuse slot 1 for a2: nothing of a1 stays visible
+        pool.write(1, a2)
+        check_slot(pool, 1, a2)
+        pool.clear(1)
+        pool.clear(2)
+        assert int(pool.ranks.abs().sum()) == 0 and all(r == 0 for lay in pool.host_ranks for p in lay for r in p)
+
+
+def test_packed_views_share_memory_with_the_packed_tensors():
+    a = adapter("a", {(0, "q"): 4, (2, "q"): 2}, seed=3, stacked=True)
+    pk = a.packed
+    assert pk.a[PROJ_INDEX["q"]].shape == (3, 4, 32)
+    assert pk.a[PROJ_INDEX["q"]][1].abs().sum() == 0  # layer 1 not adapted: zero rows
+    assert a.weights[(2, "q")][0].data_ptr() == pk.a[PROJ_INDEX["q"]][2].data_ptr()
+    assert a.nbytes == sum(t.numel() * 4 for t in (*pk.a.values(), *pk.bt.values()))
