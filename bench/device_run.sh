@@ -33,8 +33,9 @@ case "$STAGE" in
     timeout ${BENCH_S:-500} python3 -m lorafleet --log-level WARNING bench e2e --requests ${REQS:-1000} --sweep \
       --profile --out "$OUT/e2e.json" --plot "$OUT/e2e.png" 2>&1 | tee "$OUT/e2e.log" | tail -14 ;;
   quick)
-    timeout ${TEST_S:-300} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_engine_cuda.py -rA -s 2>&1 \
-      | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|FAILED|flips|Error|margin" | tail -20
+    timeout ${TEST_S:-300} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_engine_cuda.py -rA -s \
+      --durations=6 -o faulthandler_timeout=${HANG_S:-100} 2>&1 | tee "$OUT/gpu_tests.log" \
+      | grep -E "passed|failed|FAILED|flips|Error|piecewise|call |Timeout|File " | tail -30
     timeout ${BENCH_S:-400} python3 -m lorafleet --log-level WARNING bench e2e --requests ${REQS:-256} \
       --mixes distinct identical --sweep --hf-requests 0 --profile --out "$OUT/e2e_quick.json" 2>&1 \
       | tee "$OUT/e2e_quick.log" | tail -16 ;;

@@ -194,10 +194,14 @@ def profile_breakdown(engine, reqs, log) -> dict:
     from lorafleet.runner.sequence import AdapterRef, SamplingParams, Sequence
 
     for i, (ids, _) in enumerate(reqs[: engine.config.max_batch_size]):  # distinct adapters
-        engine.submit(Sequence(f"p{i}", ids[:128], SamplingParams(max_tokens=64, ignore_eos=True),
+        engine.submit(Sequence(f"p{i}", ids[:128], SamplingParams(max_tokens=200, ignore_eos=True),
                                AdapterRef(f"prof-{i}", str(i))))
-    for _ in range(8):
-        engine.step()  # prefill and settle into decode
+    for _ in range(2000):  # until every request is admitted (adapter loads) and decoding
+        engine.step()
+        if not engine.batcher.waiting and len(engine.batcher.running) == engine.config.max_batch_size:
+            break
+    for _ in range(3):
+        engine.step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()

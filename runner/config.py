@@ -114,5 +114,6 @@ class EngineConfig:
     device: str = "auto"
     enable_lora: bool = True
     cuda_graphs: bool = True
+    piecewise_graphs: bool = True  # CUDA: steps with prefill replay graphs around eager attention
     requeue_evicted: bool = False  # offline: resume evicted requests here; service: report them
     extra: dict = field(default_factory=dict, compare=False)

@@ -106,8 +106,9 @@ class Engine:
                                self.max_model_len, admit_batch=admit, admit_wait_steps=config.admit_wait_steps)
         self.attention = self._make_attention()
         self.sgmv = self._make_sgmv()
+        graphs = self._make_graphs(num_pages)
         self.runner = ModelRunner(self.model, self.attention, self.lora_pool, self.sgmv, config.page_size,
-                                  self._make_graphs(num_pages))
+                                  graphs, self._make_piecewise() if graphs is not None else None)
         log.info("KV cache: %d pages x %d tokens (%d tokens); attention=%s sgmv=%s", num_pages, config.page_size,
                  self.blocks.total_tokens, self.attention.name, getattr(self.sgmv, "name", "?"))
 
@@ -147,6 +148,19 @@ class Engine:
         g.capture_all()
         log.info("CUDA graph capture took %.1fs", time.perf_counter() - t0)
         return g
+
+    def _make_piecewise(self):
+        """Piecewise CUDA graphs for steps with prefill (everything but attention replayed)."""
+        if not self.config.piecewise_graphs:
+            return None
+        from lorafleet.runner.piecewise import PiecewiseGraphs, default_buckets
+
+        t0 = time.perf_counter()
+        limit = self.config.max_prefill_tokens + self.config.max_batch_size
+        pw = PiecewiseGraphs(self.model, self.attention, self.lora_pool, self.sgmv, self.config.max_batch_size,
+                             default_buckets(limit))
+        log.info("piecewise graph capture took %.1fs", time.perf_counter() - t0)
+        return pw
 
     def _make_sgmv(self):
         from lorafleet.runner.lora.sgmv import TorchSGMV

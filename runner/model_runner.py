@@ -103,11 +103,12 @@ def build_batch(
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, attention, lora_pool, sgmv, page_size: int, graphs=None):
+    def __init__(self, model: LlamaModel, attention, lora_pool, sgmv, page_size: int, graphs=None, mixed=None):
         self.model, self.attention = model, attention
         self.lora_pool, self.sgmv = lora_pool, sgmv
         self.page_size = page_size
         self.graphs = graphs  # GraphRunner for decode-only steps on CUDA, or None
+        self.mixed = mixed  # PiecewiseGraphs for steps with prefill, or None
         self._workspace: torch.Tensor | None = None
         # Optional wall-clock split of steps for profiling: {"graph"|"eager": [prepare_s, launch_s, wait_s, n]}.
         self.phases: dict[str, list[float]] | None = None
@@ -120,11 +121,14 @@ class ModelRunner:
             _, seqs = order_for_segments([], decode)
             t1, logits = self.graphs.run(seqs, self.page_size)
         else:
-            kind = "eager"
             batch = build_batch(prefill, decode, self.page_size, self.model.device)
             seqs = batch.seqs
             t1 = time.perf_counter() if self.phases is not None else 0.0
-            logits = self.forward(batch)
+            logits = self.mixed.run(batch) if self.mixed is not None else None
+            kind = "piecewise"
+            if logits is None:
+                kind = "eager"
+                logits = self.forward(batch)
         t2 = time.perf_counter() if self.phases is not None else 0.0
         tokens = sample(logits, seqs)
         if self.phases is not None:

@@ -304,7 +304,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    p.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on CUDA")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="run every step eagerly on CUDA (no decode or piecewise CUDA graphs)")
 
 
 def engine_config(args: argparse.Namespace):

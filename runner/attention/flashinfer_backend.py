@@ -83,19 +83,18 @@ class FlashInferStep:
         if self.num_decode:
             b.plan_decode(b.decode, meta.page_tables[P:], meta.kv_lens[P:])
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
         b = self.b
         write_kv(b.kv, layer, self.meta.slot_mapping, k, v)
         cache = b.kv.layer(layer)
         T = q.shape[0]
         n = self.num_prefill_tokens
-        if not self.num_decode:
-            return b.prefill.run(q, cache).view(T, b.h * b.d)
-        if n == 0:
-            return b.decode.run(q, cache).view(T, b.h * b.d)
-        out = torch.empty(T, b.h, b.d, dtype=q.dtype, device=q.device)
-        b.prefill.run(q[:n], cache, out=out[:n])
-        b.decode.run(q[n:], cache, out=out[n:])
+        out = torch.empty(T, b.h, b.d, dtype=q.dtype, device=q.device) if out is None else out.view(T, b.h, b.d)
+        if n:
+            b.prefill.run(q[:n], cache, out=out[:n])
+        if self.num_decode:
+            b.decode.run(q[n:], cache, out=out[n:])
         return out.view(T, b.h * b.d)
 
 

@@ -54,14 +54,15 @@ class TorchAttentionStep:
             self.dec_idx, self.dec_mask = idx.to(dev), mask.to(dev)  # [Bd, L], True = padding
             self.dec_row0 = meta.qo_indptr[meta.num_prefill]
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
         b, meta = self.b, self.meta
         k_flat, v_flat = b.cache.flat(layer)
         k_flat.index_copy_(0, meta.slot_mapping, k)
         v_flat.index_copy_(0, meta.slot_mapping, v)
         T = q.shape[0]
         g = b.h // b.hkv
-        out = torch.empty(T, b.h, b.d, dtype=q.dtype, device=q.device)
+        out = torch.empty(T, b.h, b.d, dtype=q.dtype, device=q.device) if out is None else out.view(T, b.h, b.d)
         for i, s in enumerate(self.prefill_slots):
             lo, hi = meta.qo_indptr[i], meta.qo_indptr[i + 1]
             n, kv_len = hi - lo, len(s)

@@ -23,8 +23,10 @@ QKV, O, GATE_UP, DOWN = 0, 1, 2, 3
 
 
 class AttentionStep(Protocol):
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] -> out [T, Hq * D]; writes k/v to the paged cache."""
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] -> out [T, Hq * D] (written into `out` when given);
+        writes k/v to the paged cache."""
 
 
 class LoraStep(Protocol):
@@ -107,6 +109,59 @@ class LlamaModel:
             if tuple(t.shape) != shape:
                 raise WeightsError(f"{name} has shape {tuple(t.shape)}, config.json implies {shape}")
 
+    # -- the forward pass in parts (whole steps and piecewise CUDA graphs share them) -------------
+    def embed_tokens(self, input_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is None:
+            return F.embedding(input_ids, self.embed)  # [T, H]
+        return torch.index_select(self.embed, 0, input_ids, out=out)
+
+    def pre_attention(self, i: int, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                      cos_sin, lora: LoraStep | None, qkv_out: tuple[torch.Tensor, ...] | None = None):
+        """Layer i up to attention: (norm, qkv, LoRA, RoPE) -> q [T, Hq, D], k, v [T, Hkv, D], residual.
+        With `qkv_out`, q, k and v are written to those [T, dim] buffers."""
+        c, ops, lw = self.cfg, self.ops, self.layers[i]
+        T = h.shape[0]
+        if residual is None:
+            residual, x = h, ops.rms_norm(h, lw.attn_norm, c.rms_norm_eps)
+        else:
+            x, residual = ops.add_rms_norm(h, residual, lw.attn_norm, c.rms_norm_eps)
+        qkv = F.linear(x, lw.qkv, lw.qkv_bias)  # [T, q_dim + 2 kv_dim]
+        q, k, v = qkv.split([c.q_dim, c.kv_dim, c.kv_dim], dim=-1)  # strided views
+        if lora is not None:
+            lora.add(i, QKV, x, (q, k, v))
+        if qkv_out is not None:
+            for src, dst in zip((q, k, v), qkv_out):
+                dst.copy_(src)
+            q, k, v = qkv_out
+        q, k = ops.apply_rope(q, k, positions, cos_sin, c.num_heads, c.num_kv_heads, c.head_dim)
+        if qkv_out is not None and q.data_ptr() != qkv_out[0].data_ptr():  # ops that do not rotate in place
+            qkv_out[0].view_as(q).copy_(q)
+            qkv_out[1].view_as(k).copy_(k)
+            q, k = qkv_out[0].view_as(q), qkv_out[1].view_as(k)
+        return q, k, v.view(T, c.num_kv_heads, c.head_dim), residual
+
+    def post_attention(self, i: int, o: torch.Tensor, residual: torch.Tensor, lora: LoraStep | None):
+        """Layer i after attention: o-proj, LoRA, norm, MLP, LoRA -> (h, residual)."""
+        c, ops, lw = self.cfg, self.ops, self.layers[i]
+        out = F.linear(o, lw.o, lw.o_bias)  # [T, H]
+        if lora is not None:
+            lora.add(i, O, o, (out,))
+        x, residual = ops.add_rms_norm(out, residual, lw.mlp_norm, c.rms_norm_eps)
+        gu = F.linear(x, lw.gate_up, lw.gate_up_bias)  # [T, 2 I]
+        if lora is not None:
+            gate, up = gu.split([c.intermediate_size, c.intermediate_size], dim=-1)
+            lora.add(i, GATE_UP, x, (gate, up))
+        a = ops.silu_mul(gu, c.intermediate_size)  # [T, I]
+        h = F.linear(a, lw.down, lw.down_bias)  # [T, H]
+        if lora is not None:
+            lora.add(i, DOWN, a, (h,))
+        return h, residual
+
+    def logits(self, h: torch.Tensor, residual: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        x, _ = self.ops.add_rms_norm(h.index_select(0, rows), residual.index_select(0, rows), self.norm,
+                                     self.cfg.rms_norm_eps)
+        return F.linear(x, self.lm_head).float()  # [B, V]
+
     @torch.inference_mode()
     def forward(
         self,
@@ -116,34 +171,11 @@ class LlamaModel:
         lora: LoraStep | None,
         logit_rows: torch.Tensor,  # int64 [B] rows whose next-token logits are wanted
     ) -> torch.Tensor:  # fp32 [B, V]
-        c, ops = self.cfg, self.ops
-        T = input_ids.shape[0]
-        h = F.embedding(input_ids, self.embed)  # [T, H]
-        cos_sin = ops.rope_cos_sin(positions, self.dtype)
+        h = self.embed_tokens(input_ids)
+        cos_sin = self.ops.rope_cos_sin(positions, self.dtype)
         residual = None
-        for i, lw in enumerate(self.layers):
-            if residual is None:
-                residual, x = h, ops.rms_norm(h, lw.attn_norm, c.rms_norm_eps)
-            else:
-                x, residual = ops.add_rms_norm(h, residual, lw.attn_norm, c.rms_norm_eps)
-            qkv = F.linear(x, lw.qkv, lw.qkv_bias)  # [T, q_dim + 2 kv_dim]
-            q, k, v = qkv.split([c.q_dim, c.kv_dim, c.kv_dim], dim=-1)  # strided views
-            if lora is not None:
-                lora.add(i, QKV, x, (q, k, v))
-            q, k = ops.apply_rope(q, k, positions, cos_sin, c.num_heads, c.num_kv_heads, c.head_dim)
-            o = attn(i, q, k, v.view(T, c.num_kv_heads, c.head_dim))  # [T, q_dim]
-            out = F.linear(o, lw.o, lw.o_bias)  # [T, H]
-            if lora is not None:
-                lora.add(i, O, o, (out,))
-            x, residual = ops.add_rms_norm(out, residual, lw.mlp_norm, c.rms_norm_eps)
-            gu = F.linear(x, lw.gate_up, lw.gate_up_bias)  # [T, 2 I]
-            if lora is not None:
-                gate, up = gu.split([c.intermediate_size, c.intermediate_size], dim=-1)
-                lora.add(i, GATE_UP, x, (gate, up))
-            a = ops.silu_mul(gu, c.intermediate_size)  # [T, I]
-            h = F.linear(a, lw.down, lw.down_bias)  # [T, H]
-            if lora is not None:
-                lora.add(i, DOWN, a, (h,))
-        rows = logit_rows
-        x, _ = ops.add_rms_norm(h.index_select(0, rows), residual.index_select(0, rows), self.norm, c.rms_norm_eps)
-        return F.linear(x, self.lm_head).float()  # [B, V]
+        for i in range(len(self.layers)):
+            q, k, v, residual = self.pre_attention(i, h, residual, positions, cos_sin, lora)
+            o = attn(i, q, k, v)  # [T, q_dim]
+            h, residual = self.post_attention(i, o, residual, lora)
+        return self.logits(h, residual, logit_rows)
