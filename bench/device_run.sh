@@ -2,7 +2,7 @@
 # GPU work in one call on a lent H200 (repository root; wheels in .whl/, optional caches in .cache_fi/).
 #   bash bench/device_run.sh tests    # kernel + engine GPU tests, sanitizer case
 #   bash bench/device_run.sh e2e      # bench e2e: the four mixes, LoRA off, HF+PEFT, breakdown
-#   bash bench/device_run.sh extra    # bench e2e: cold start from disk and the 64/128/256 sweep
+#   bash bench/device_run.sh extra    # bench e2e: cold start from disk (COLD_REQS=400) and the 64/128/256 sweep
 #   bash bench/device_run.sh quick    # engine GPU tests, then a short e2e (REQS=256: distinct, identical,
 #                                     # LoRA off, per-step profile) to see where a step's time goes
 # Knobs: REQS (default 1000), BENCH_S (timeout of the bench, s). Results and caches go to $OUT.
@@ -41,7 +41,8 @@ case "$STAGE" in
       | tee "$OUT/e2e_quick.log" | tail -16 ;;
   extra)
     timeout ${BENCH_S:-500} python3 -m lorafleet --log-level WARNING bench e2e --requests ${REQS:-1000} \
-      --mixes uniform --cold --no-lora-off --hf-requests 0 --sweep 64 128 256 --out "$OUT/e2e_extra.json" 2>&1 \
+      --mixes --cold --cold-requests ${COLD_REQS:-400} --no-lora-off --hf-requests 0 --sweep 64 128 256 \
+      --out "$OUT/e2e_extra.json" 2>&1 \
       | tee "$OUT/e2e_extra.log" | tail -10 ;;
 esac
 stamp "done"

@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="lorafleet bench e2e", description=__doc__)
     p.add_argument("--requests", type=int, default=1000)
     p.add_argument("--max-batch", type=int, default=32)
-    p.add_argument("--mixes", nargs="+", default=["distinct", "uniform", "skewed", "identical"])
+    p.add_argument("--mixes", nargs="*", default=["distinct", "uniform", "skewed", "identical"])
     p.add_argument("--population", type=int, default=256, help="distinct adapter weight sets")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--sweep", type=int, nargs="*", default=[64, 128, 256], help="extra max batch sizes (distinct)")
@@ -286,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hf-tokens", type=int, default=16)
     p.add_argument("--cold", action="store_true",
                    help="also run the uniform mix from adapters on disk with empty GPU and host tiers, then warm")
+    p.add_argument("--cold-requests", type=int, default=None, help="requests of the cold and warm runs "
+                   "(default: --requests)")
     p.add_argument("--profile", action="store_true", help="per-step GPU time breakdown at full batch")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("bench_e2e.json"))
@@ -327,20 +329,18 @@ def main(argv: list[str] | None = None) -> int:
 
     results: dict = {"card": torch.cuda.get_device_name(0), "date": str(date.today()), "torch": torch.__version__,
                      "requests": args.requests, "max_batch": args.max_batch, "runs": []}
-    eng = make_engine(args.max_batch, True)
+    eng = make_engine(args.max_batch, True) if args.mixes or args.profile else None
     n = len(reqs)
-    mix_names = {}
     for mix in args.mixes:
         if mix == "distinct":
             idx = list(range(n))  # every request its own adapter name
         else:
             idx = assign(mix, n, max(args.population, 1), seed=args.seed)
-        mix_names[mix] = idx
         res = run_mix(eng, reqs, [f"{mix}-{i}" for i in idx], lambda i, idx=idx: idx[i], mix, log)
         results["runs"].append(res)
     if args.profile:
         results["breakdown_lora_distinct"] = profile_breakdown(eng, reqs, log)
-    if args.cold and "uniform" in mix_names:
+    if args.cold:
         # Cold start: the uniform mix's adapters as PEFT files on disk, a fresh engine with an
         # empty device pool and host tier, read through the normal loader (disk -> pinned -> GPU).
         import tempfile
@@ -348,16 +348,17 @@ def main(argv: list[str] | None = None) -> int:
         del eng
         gc.collect()
         torch.cuda.empty_cache()
-        idx = mix_names["uniform"]
+        nc = min(args.cold_requests or n, n)
+        idx = assign("uniform", nc, max(args.population, 1), seed=args.seed)
         disk = Path(tempfile.mkdtemp(prefix="lorafleet-cold-"))
         for k in sorted(set(idx)):
             write_peft_adapter(disk / f"a{k}", store[k % len(store)], args.rank)
         log(f"wrote {len(set(idx))} adapters to disk for the cold start ({time.perf_counter() - t_start:.0f}s)")
         eng = make_engine(args.max_batch, True, from_disk=True)
         names = [f"cold-{i}" for i in idx]
-        res = run_mix(eng, reqs, names, lambda i: disk / f"a{idx[i]}", "uniform (cold start)", log)
+        res = run_mix(eng, reqs[:nc], names, lambda i: disk / f"a{idx[i]}", "uniform (cold start)", log)
         results["runs"].append(res)
-        res = run_mix(eng, reqs, names, lambda i: disk / f"a{idx[i]}", "uniform (warm, same engine)", log)
+        res = run_mix(eng, reqs[:nc], names, lambda i: disk / f"a{idx[i]}", "uniform (warm, same engine)", log)
         results["runs"].append(res)
     del eng
     gc.collect()

@@ -25,36 +25,50 @@ from lorafleet.runner.lora.step import LoraStepImpl
 log = logging.getLogger(__name__)
 
 
-def default_buckets(max_tokens: int, smallest: int = 64) -> list[int]:
-    """Powers of two from `smallest` below `max_tokens`, then `max_tokens` itself."""
-    out, b = [], smallest
+def default_buckets(max_tokens: int) -> list[int]:
+    """Padded step sizes up to `max_tokens`: multiples of 64 up to 512, of 128 up to 2048, of 256
+    up to 4096, then of 512 (past 256 tokens padding wastes at most a fifth of a step's compute),
+    and `max_tokens` itself."""
+    out, b = [], 64
     while b < max_tokens:
         out.append(b)
-        b *= 2
+        b += 64 if b < 512 else 128 if b < 2048 else 256 if b < 4096 else 512
     return out + [max_tokens]
 
 
-class _Bucket:
-    """Static inputs, cross-piece buffers and the captured graphs for one padded token count."""
+class _Static:
+    """Inputs and cross-piece buffers at the largest bucket; every bucket uses their first rows."""
 
-    def __init__(self, Tp: int, model, max_rows: int, seg_cap: int, lora_pool, sgmv):
+    def __init__(self, T: int, model, max_rows: int, lora_pool):
         c, dev, dt = model.cfg, model.device, model.dtype
-        self.Tp = Tp
-        self.input_ids = torch.zeros(Tp, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(Tp, dtype=torch.int64, device=dev)
+        self.input_ids = torch.zeros(T, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(T, dtype=torch.int64, device=dev)
         self.logit_rows = torch.zeros(max_rows, dtype=torch.int64, device=dev)
-        self.residual = torch.zeros(Tp, c.hidden_size, dtype=dt, device=dev)
-        self.q = torch.zeros(Tp, c.q_dim, dtype=dt, device=dev)
-        self.k = torch.zeros(Tp, c.kv_dim, dtype=dt, device=dev)
-        self.v = torch.zeros(Tp, c.kv_dim, dtype=dt, device=dev)
-        self.o = torch.zeros(Tp, c.q_dim, dtype=dt, device=dev)
-        self.seg_cap = seg_cap
-        self.seg_indptr = torch.zeros(seg_cap + 1, dtype=torch.int32, device=dev)
-        self.seg_slots = torch.full((seg_cap,), -1, dtype=torch.int32, device=dev)
+        self.residual = torch.zeros(T, c.hidden_size, dtype=dt, device=dev)
+        self.q = torch.zeros(T, c.q_dim, dtype=dt, device=dev)
+        self.k = torch.zeros(T, c.kv_dim, dtype=dt, device=dev)
+        self.v = torch.zeros(T, c.kv_dim, dtype=dt, device=dev)
+        self.o = torch.zeros(T, c.q_dim, dtype=dt, device=dev)
+        self.seg_indptr = torch.zeros(max_rows + 1, dtype=torch.int32, device=dev)
+        self.seg_slots = torch.full((max_rows,), -1, dtype=torch.int32, device=dev)
+        self.ws = None
+        if lora_pool is not None:
+            self.ws = torch.zeros(T * 3 * lora_pool.max_rank, dtype=torch.float32, device=dev)
+
+
+class _Bucket:
+    """One padded token count: views of the static buffers and the captured graphs."""
+
+    def __init__(self, Tp: int, st: _Static, lora_pool, sgmv):
+        self.Tp = Tp
+        self.input_ids, self.positions, self.logit_rows = st.input_ids[:Tp], st.positions[:Tp], st.logit_rows
+        self.residual, self.q, self.k, self.v, self.o = (t[:Tp] for t in (st.residual, st.q, st.k, st.v, st.o))
+        self.seg_indptr, self.seg_slots = st.seg_indptr, st.seg_slots
+        self.seg_cap = st.seg_slots.shape[0]
         self.lora = None
         if lora_pool is not None:
             seg = SegmentTable(self.seg_indptr, self.seg_slots, (0,), (), Tp)
-            self.lora = LoraStepImpl(lora_pool, sgmv, seg)
+            self.lora = LoraStepImpl(lora_pool, sgmv, seg, st.ws)
             self.lora.active = True  # the kernels skip rows of slot -1; a graph always launches them
         self.cos_sin = None
         self.logits: torch.Tensor | None = None
@@ -70,12 +84,14 @@ class PiecewiseGraphs:
         self.sizes = sorted(set(buckets))
         self.pool = None
         self.buckets: dict[int, _Bucket] = {}
+        self.static = _Static(self.sizes[-1], model, max_rows, lora_pool)
         for Tp in sorted(self.sizes, reverse=True):  # the largest first: later captures reuse its memory
-            b = _Bucket(Tp, model, max_rows, max_rows, lora_pool, sgmv)
+            b = _Bucket(Tp, self.static, lora_pool, sgmv)
             self._capture(b)
             self.buckets[Tp] = b
         if use_graphs:
-            log.info("captured piecewise CUDA graphs for steps of up to %s tokens", self.sizes)
+            log.info("captured piecewise CUDA graphs for %d step sizes up to %d tokens", len(self.sizes),
+                     self.sizes[-1])
 
     def bucket(self, num_tokens: int, num_rows: int, num_segments: int) -> _Bucket | None:
         if num_rows > self.max_rows or num_segments > self.max_rows:
