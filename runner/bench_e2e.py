@@ -273,6 +273,44 @@ def hf_peft_peer(reqs, n: int, new_tokens: int, distinct: bool, device, log) -> 
     return round(rate, 1)
 
 
+MIXES = ("distinct", "uniform", "skewed", "identical")
+
+
+def plot_mixes(results: list[dict], path: Path) -> None:
+    """Output tok/s per adapter mix (Punica Fig. 11 style): one bar series per result file, its
+    same-run LoRA-off figure as a dashed line, HF transformers + PEFT bars where measured."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    width = 0.8 / (len(results) + 1)
+    colors = ["tab:blue", "tab:cyan", "tab:green"]
+    for k, res in enumerate(results):
+        by = {r["label"]: r for r in res["runs"]}
+        xs = [i + k * width for i, m in enumerate(MIXES) if m in by]
+        label = f"lorafleet, {res['requests']} requests"
+        bars = ax.bar(xs, [by[m]["output_tok_s"] for m in MIXES if m in by], width, label=label, color=colors[k % 3])
+        ax.bar_label(bars, fmt="%.0f", fontsize=6)
+        if "lora off" in by:
+            ax.axhline(by["lora off"]["output_tok_s"], color=colors[k % 3], ls="--", lw=1,
+                       label=f"same engine, LoRA off ({res['requests']} requests)")
+        hf = res.get("hf_peft_output_tok_s")
+        if hf:
+            hx = [i + len(results) * width for i, m in enumerate(MIXES) if m in hf]
+            bars = ax.bar(hx, [hf[m] for m in MIXES if m in hf], width, color="tab:red", label="HF transformers + PEFT")
+            ax.bar_label(bars, fmt="%.0f", fontsize=6)
+    ax.set_xticks([i + width * (len(results) - 1) / 2 for i in range(len(MIXES))], MIXES)
+    ax.set_ylabel("output tokens/s")
+    r0 = results[0]
+    ax.set_title(f"Llama-2-7B shape, bf16, r=16 on 7 projections, max batch {r0['max_batch']}, {r0['card']}",
+                 fontsize=8)
+    ax.legend(fontsize=6, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="lorafleet bench e2e", description=__doc__)
     p.add_argument("--requests", type=int, default=1000)
@@ -292,7 +330,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("bench_e2e.json"))
     p.add_argument("--plot", type=Path, default=None)
+    p.add_argument("--plot-from", type=Path, nargs="+", default=None, metavar="JSON",
+                   help="only draw --plot from result files of earlier runs (no GPU needed)")
     args = p.parse_args(argv)
+    if args.plot_from:
+        if not args.plot:
+            p.error("--plot-from needs --plot PNG")
+        plot_mixes([json.loads(f.read_text()) for f in args.plot_from], args.plot)
+        print(f"wrote {args.plot}")
+        return 0
     if not torch.cuda.is_available():
         print("bench e2e needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -316,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     def make_engine(max_batch: int, lora: bool, from_disk: bool = False):
         from lorafleet.runner.sequence import AdapterRef, SamplingParams, Sequence
 
+        t0 = time.perf_counter()
         cfg = EngineConfig(max_batch_size=max_batch, max_lora_rank=args.rank, lora_slots=max(64, 2 * max_batch),
                            enable_lora=lora, host_lora_cache=4096, kv_fraction=0.8)
         loader = None if from_disk else (lambda ref: store[int(ref.source) % len(store)])
@@ -325,10 +372,19 @@ def main(argv: list[str] | None = None) -> int:
                          AdapterRef(f"warm{i}", str(i)) if lora and i and not from_disk else None) for i in range(3)]
         eng.run_to_completion(warm)
         torch.cuda.synchronize()
+        log(f"engine ready: max batch {max_batch}, LoRA {'on' if lora else 'off'} "
+            f"(graph capture and warm-up {time.perf_counter() - t0:.0f}s)")
         return eng
 
     results: dict = {"card": torch.cuda.get_device_name(0), "date": str(date.today()), "torch": torch.__version__,
                      "requests": args.requests, "max_batch": args.max_batch, "runs": []}
+
+    def save_partial() -> None:
+        """Results so far (a run cut short by a time limit still leaves its finished parts)."""
+        part = dict(results, runs=[{k: v for k, v in r.items() if k != "_steps"} for r in results["runs"]],
+                    partial=True)
+        args.out.write_text(json.dumps(part, indent=1))
+
     eng = make_engine(args.max_batch, True) if args.mixes or args.profile else None
     n = len(reqs)
     for mix in args.mixes:
@@ -338,6 +394,7 @@ def main(argv: list[str] | None = None) -> int:
             idx = assign(mix, n, max(args.population, 1), seed=args.seed)
         res = run_mix(eng, reqs, [f"{mix}-{i}" for i in idx], lambda i, idx=idx: idx[i], mix, log)
         results["runs"].append(res)
+        save_partial()
     if args.profile:
         results["breakdown_lora_distinct"] = profile_breakdown(eng, reqs, log)
     if args.cold:
@@ -358,6 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         names = [f"cold-{i}" for i in idx]
         res = run_mix(eng, reqs[:nc], names, lambda i: disk / f"a{idx[i]}", "uniform (cold start)", log)
         results["runs"].append(res)
+        save_partial()
         res = run_mix(eng, reqs[:nc], names, lambda i: disk / f"a{idx[i]}", "uniform (warm, same engine)", log)
         results["runs"].append(res)
     del eng
@@ -366,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_lora_off:
         eng = make_engine(args.max_batch, False)
         results["runs"].append(run_mix(eng, reqs, [None] * n, lambda i: 0, "lora off", log))
+        save_partial()
         del eng
         gc.collect()
         torch.cuda.empty_cache()
@@ -374,6 +433,7 @@ def main(argv: list[str] | None = None) -> int:
         res = run_mix(eng, reqs, [f"sweep{mb}-{i}" for i in range(n)], lambda i: i, f"distinct max_batch={mb}", log)
         res["max_batch"] = mb
         results["runs"].append(res)
+        save_partial()
         del eng
         gc.collect()
         torch.cuda.empty_cache()
@@ -406,25 +466,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r['label']} | {r['output_tok_s']} | {r['ttft_p50_s']} | {r['ttft_p99_s']} | {r['tpot_p50_ms']} | "
               f"{r['tpot_p99_ms']} |")
     if args.plot:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        mixes = [m for m in args.mixes if m in by]
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.bar(mixes, [by[m]["output_tok_s"] for m in mixes], label="lorafleet")
-        if "lora off" in by:
-            ax.axhline(by["lora off"]["output_tok_s"], color="gray", ls="--", label="same engine, LoRA off")
-        if "hf_peft_output_tok_s" in results:
-            hf = results["hf_peft_output_tok_s"]
-            ax.bar([m for m in mixes if m in ("distinct", "identical")],
-                   [hf[m] for m in mixes if m in ("distinct", "identical")], color="tab:red", label="HF+PEFT")
-        ax.set_ylabel("output tokens/s")
-        ax.set_title(f"7B-shape, max batch {args.max_batch}, {results['card']}")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=110)
+        plot_mixes([results], args.plot)
     return 0
 
 

@@ -14,6 +14,7 @@ import time
 import torch
 
 from lorafleet.runner.attention.flashinfer_backend import GraphDecodeStep
+from lorafleet.runner.graph_capture import capture
 from lorafleet.runner.lora.segments import SegmentTable, merge_runs
 from lorafleet.runner.lora.step import LoraStepImpl
 
@@ -58,6 +59,8 @@ class GraphRunner:
         return None
 
     def capture_all(self) -> None:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
         for B in sorted(self.buckets, reverse=True):
             self._capture(B)
         log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
@@ -85,8 +88,8 @@ class GraphRunner:
                 self.model.forward(st.input_ids, st.positions, attn, lora, st.logit_rows)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool):
-            st.logits = self.model.forward(st.input_ids, st.positions, attn, lora, st.logit_rows)
+        st.logits = capture(g, lambda: self.model.forward(st.input_ids, st.positions, attn, lora, st.logit_rows),
+                            self.pool, stream)
         self.pool = g.pool()
         st.graph = g
         self.static[B] = st

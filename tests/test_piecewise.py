@@ -49,9 +49,9 @@ def engine(tiny_llama, piecewise: bool):
 
 def test_default_buckets():
     b = default_buckets(8224)
-    assert b[:8] == [64 * k for k in range(1, 9)] and b[-3:] == [7680, 8192, 8224]
-    assert all(y > x for x, y in zip(b, b[1:])) and 512 + 128 in b and 2048 + 256 in b and 4096 + 512 in b
-    assert all((y - x) / y <= 1 / 5 for x, y in zip(b, b[1:]) if x >= 256)  # padding wastes <= 1/5 past 256
+    assert b[0] == 64 and b[-2:] == [8192, 8224] and len(b) <= 20
+    assert all(y > x for x, y in zip(b, b[1:]))
+    assert all((y - x) / y <= 1 / 3 for x, y in zip(b, b[1:]) if x >= 256)  # padding wastes <= 1/3 past 256
     assert default_buckets(100) == [64, 100]
     assert default_buckets(64) == [64]
 
