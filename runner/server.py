@@ -304,7 +304,13 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    p.add_argument("--no-cuda-graphs", action="store_true", help="run every step eagerly on CUDA (no decode or piecewise CUDA graphs)")
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="run every step eagerly on CUDA (no decode or piecewise CUDA graphs)")
+    p.add_argument("--admit-batch", type=int, default=None,
+                   help="while requests run, admit new ones once this many batch places are free (or after "
+                        "--admit-wait-steps steps) so prompts share prefill steps (default: max batch / 8 on "
+                        "CUDA, 1 on CPU)")
+    p.add_argument("--admit-wait-steps", type=int, default=8, help="longest wait of admission batching, in steps")
 
 
 def engine_config(args: argparse.Namespace):
@@ -314,7 +320,7 @@ def engine_config(args: argparse.Namespace):
         max_batch_size=args.max_batch_size, page_size=args.page_size, num_pages=args.kv_pages,
         kv_fraction=args.kv_fraction, kv_cache_gb=args.kv_cache_gb, max_lora_rank=args.max_lora_rank,
         lora_slots=args.lora_slots, max_model_len=args.max_model_len, dtype=args.dtype, device=args.device,
-        cuda_graphs=not args.no_cuda_graphs,
+        cuda_graphs=not args.no_cuda_graphs, admit_batch=args.admit_batch, admit_wait_steps=args.admit_wait_steps,
     )
 
 
