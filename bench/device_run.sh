@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU work in one call on a lent H200 (repository root; wheels in .whl/, optional caches in .cache_fi/).
 #   bash bench/device_run.sh tests    # kernel + engine GPU tests, sanitizer case
-#   bash bench/device_run.sh e2e      # bench e2e: the four mixes, LoRA off, HF+PEFT, breakdown
+#   bash bench/device_run.sh e2e      # bench e2e: distinct + identical, LoRA off, HF+PEFT, breakdown
+#   bash bench/device_run.sh e2e2     # bench e2e: uniform + skewed, LoRA off (one call each: ~8 min)
 #   bash bench/device_run.sh extra    # bench e2e: cold start from disk (COLD_REQS=400) and the 64/128/256 sweep
 #   bash bench/device_run.sh quick    # engine GPU tests, then a short e2e (REQS=256: distinct, identical,
 #                                     # LoRA off, per-step profile) to see where a step's time goes
@@ -11,6 +12,8 @@
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
 #     -d .whl flashinfer-python==0.5.3 apache-tvm-ffi==0.1.3
 # ficache.tgz / lfkernels.tgz from a previous call's $OUT can be put in .cache_fi/ to skip compiling.
+# Afterwards, on any machine: lorafleet bench e2e --merge e2e_a.json e2e_b.json e2e_extra.json --out docs/e2e.json
+# and lorafleet bench e2e --plot-from docs/e2e.json --plot docs/e2e_mixes.png
 set -u -o pipefail
 STAGE=${1:-tests}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -30,8 +33,11 @@ case "$STAGE" in
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 120 compute-sanitizer --tool memcheck python3 tests/gpu/sanitizer_case.py \
       > "$OUT/sanitizer.log" 2>&1; tail -2 "$OUT/sanitizer.log" ;;
   e2e)
-    timeout ${BENCH_S:-500} python3 -m lorafleet --log-level WARNING bench e2e --requests ${REQS:-1000} --sweep \
-      --profile --out "$OUT/e2e.json" --plot "$OUT/e2e.png" 2>&1 | tee "$OUT/e2e.log" | tail -14 ;;
+    timeout ${BENCH_S:-540} python3 -m lorafleet --log-level WARNING bench e2e --requests ${REQS:-1000} \
+      --mixes distinct identical --sweep --profile --out "$OUT/e2e_a.json" 2>&1 | tee "$OUT/e2e_a.log" | tail -14 ;;
+  e2e2)
+    timeout ${BENCH_S:-540} python3 -m lorafleet --log-level WARNING bench e2e --requests ${REQS:-1000} \
+      --mixes uniform skewed --sweep --hf-requests 0 --out "$OUT/e2e_b.json" 2>&1 | tee "$OUT/e2e_b.log" | tail -14 ;;
   quick)
     timeout ${TEST_S:-300} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_engine_cuda.py -rA -s \
       --durations=6 -o faulthandler_timeout=${HANG_S:-100} 2>&1 | tee "$OUT/gpu_tests.log" \

@@ -273,6 +273,32 @@ def hf_peft_peer(reqs, n: int, new_tokens: int, distinct: bool, device, log) -> 
     return round(rate, 1)
 
 
+def headline(results: list[dict]) -> dict:
+    """The `e2e` summary of one run, or of several runs of one card (first figure of each kind wins;
+    every run's LoRA-off figure is listed next to the mixes of that run)."""
+    r0 = results[0]
+    out: dict = {"card": r0["card"], "date": max(r["date"] for r in results), "max_batch": r0["max_batch"],
+                 "output_tok_s": {}}
+    lora_off = []
+    for res in results:
+        by = {r["label"]: r for r in res["runs"]}
+        for m in MIXES:
+            if m in by and m not in out["output_tok_s"]:
+                out["output_tok_s"][m] = by[m]["output_tok_s"]
+        if "lora off" in by:
+            lora_off.append({"lora_off": by["lora off"]["output_tok_s"], "with": [m for m in MIXES if m in by]})
+        if "hf_peft_output_tok_s" in res and "hf_peft_output_tok_s" not in out:
+            out["hf_peft_output_tok_s"] = {k: v for k, v in res["hf_peft_output_tok_s"].items() if k != "sample"}
+        if "uniform (cold start)" in by and "tpot_p99_ms" not in out:
+            out["tpot_p99_ms"] = {"warm": by["uniform (warm, same engine)"]["tpot_p99_ms"],
+                                  "cold": by["uniform (cold start)"]["tpot_p99_ms"]}
+    if lora_off:
+        out["lora_off_output_tok_s"] = lora_off[0]["lora_off"]
+        if len(lora_off) > 1:
+            out["lora_off_by_run"] = lora_off
+    return out
+
+
 MIXES = ("distinct", "uniform", "skewed", "identical")
 
 
@@ -332,7 +358,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", type=Path, default=None)
     p.add_argument("--plot-from", type=Path, nargs="+", default=None, metavar="JSON",
                    help="only draw --plot from result files of earlier runs (no GPU needed)")
+    p.add_argument("--merge", type=Path, nargs="+", default=None, metavar="JSON",
+                   help="only merge result files of runs on one card into --out, with their e2e summary")
     args = p.parse_args(argv)
+    if args.merge:
+        parts = [json.loads(f.read_text()) for f in args.merge]
+        for key in ("card", "requests", "max_batch"):
+            seen = {r[key] for r in parts}
+            if len(seen) != 1:
+                p.error(f"--merge needs runs with one {key}, got {sorted(seen)}")
+        merged = {"card": parts[0]["card"], "date": max(r["date"] for r in parts), "max_batch": parts[0]["max_batch"],
+                  "requests": parts[0]["requests"], "merged_from": [str(f) for f in args.merge],
+                  "runs": [dict(r, run_file=str(f)) for f, res in zip(args.merge, parts) for r in res["runs"]],
+                  "e2e": headline(parts)}
+        args.out.write_text(json.dumps(merged, indent=1))
+        print(json.dumps(merged["e2e"], indent=1))
+        return 0
     if args.plot_from:
         if not args.plot:
             p.error("--plot-from needs --plot PNG")
@@ -448,17 +489,7 @@ def main(argv: list[str] | None = None) -> int:
     all_steps = [s for r in results["runs"] for s in r.pop("_steps")]
     results["step_model"] = fit_step_model(all_steps)
     results["seconds"] = round(time.perf_counter() - t_start, 1)
-    by = {r["label"]: r for r in results["runs"]}
-    headline = {"card": results["card"], "date": results["date"], "max_batch": args.max_batch,
-                "output_tok_s": {m: by[m]["output_tok_s"] for m in args.mixes if m in by}}
-    if "lora off" in by:
-        headline["lora_off_output_tok_s"] = by["lora off"]["output_tok_s"]
-    if "hf_peft_output_tok_s" in results:
-        headline["hf_peft_output_tok_s"] = {k: v for k, v in results["hf_peft_output_tok_s"].items() if k != "sample"}
-    if "uniform (cold start)" in by:
-        headline["tpot_p99_ms"] = {"warm": by["uniform (warm, same engine)"]["tpot_p99_ms"],
-                                   "cold": by["uniform (cold start)"]["tpot_p99_ms"]}
-    results["e2e"] = headline
+    results["e2e"] = headline([results])
     args.out.write_text(json.dumps(results, indent=1))
     print("| run | output tok/s | TTFT p50 (s) | TTFT p99 (s) | TPOT p50 (ms) | TPOT p99 (ms) |")
     print("|---|---|---|---|---|---|")

@@ -25,3 +25,40 @@ def test_cold_start_files_load_back_to_the_same_weights(tmp_path):
     assert set(back.weights) == set(adapter.weights)
     for key, (a, bt) in adapter.weights.items():
         assert torch.equal(back.weights[key][0], a) and torch.equal(back.weights[key][1], bt)
+
+
+def _result(runs, requests=1000, card="GPU X", **extra):
+    return {"card": card, "date": "2026-11-30", "max_batch": 32, "requests": requests,
+            "runs": [{"label": k, "output_tok_s": v, "tpot_p99_ms": v / 100} for k, v in runs.items()], **extra}
+
+
+def test_merged_summary_keeps_each_runs_lora_off_and_refuses_mismatches(tmp_path, capsys):
+    import json
+
+    import pytest
+
+    from lorafleet.runner.bench_e2e import main
+
+    a = _result({"distinct": 100.0, "identical": 120.0, "lora off": 130.0},
+                hf_peft_output_tok_s={"distinct": 3.0, "identical": 40.0, "sample": "x"})
+    b = _result({"uniform": 110.0, "skewed": 115.0, "lora off": 128.0, "distinct": 99.0})
+    c = _result({"uniform (cold start)": 90.0, "uniform (warm, same engine)": 100.0})
+    files = []
+    for name, res in (("a", a), ("b", b), ("c", c)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(res))
+        files.append(str(tmp_path / f"{name}.json"))
+    out = tmp_path / "m.json"
+    assert main(["--merge", *files, "--out", str(out)]) == 0
+    e2e = json.loads(out.read_text())["e2e"]
+    assert e2e["output_tok_s"] == {"distinct": 100.0, "uniform": 110.0, "skewed": 115.0, "identical": 120.0}
+    assert e2e["lora_off_output_tok_s"] == 130.0
+    assert [r["lora_off"] for r in e2e["lora_off_by_run"]] == [130.0, 128.0]
+    assert e2e["hf_peft_output_tok_s"] == {"distinct": 3.0, "identical": 40.0}
+    assert e2e["tpot_p99_ms"] == {"warm": 1.0, "cold": 0.9}
+    (tmp_path / "d.json").write_text(json.dumps(_result({"distinct": 1.0}, requests=256)))
+    with pytest.raises(SystemExit):
+        main(["--merge", files[0], str(tmp_path / "d.json"), "--out", str(out)])
+    assert "one requests" in capsys.readouterr().err
+    png = tmp_path / "p.png"
+    assert main(["--plot-from", files[0], files[1], "--plot", str(png)]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
