@@ -180,6 +180,8 @@ def run_mix(engine, reqs, names, weights_of, label: str, log) -> dict:
 
 def fit_step_model(steps) -> dict:
     """Least squares: step_ms = a + b * decode_batch + c * prefill_tokens."""
+    if not any(nd or pf for pf, nd, _ in steps):
+        return {}
     X = np.array([[1.0, nd, pf] for pf, nd, dt in steps if nd or pf])
     y = np.array([1000 * dt for pf, nd, dt in steps if nd or pf])
     coef, *_ = np.linalg.lstsq(X, y, rcond=None)
@@ -198,7 +200,8 @@ def profile_breakdown(engine, reqs, log) -> dict:
                                AdapterRef(f"prof-{i}", str(i))))
     for _ in range(2000):  # until every request is admitted (adapter loads) and decoding
         engine.step()
-        if not engine.batcher.waiting and len(engine.batcher.running) == engine.config.max_batch_size:
+        full = min(engine.config.max_batch_size, len(reqs))
+        if not engine.batcher.waiting and len(engine.batcher.running) == full:
             break
     for _ in range(3):
         engine.step()
@@ -290,7 +293,8 @@ def headline(results: list[dict]) -> dict:
         if "hf_peft_output_tok_s" in res and "hf_peft_output_tok_s" not in out:
             out["hf_peft_output_tok_s"] = {k: v for k, v in res["hf_peft_output_tok_s"].items() if k != "sample"}
         if "uniform (cold start)" in by and "tpot_p99_ms" not in out:
-            out["tpot_p99_ms"] = {"warm": by["uniform (warm, same engine)"]["tpot_p99_ms"],
+            warm = by.get("uniform (warm, same engine)")
+            out["tpot_p99_ms"] = {"warm": warm["tpot_p99_ms"] if warm else None,
                                   "cold": by["uniform (cold start)"]["tpot_p99_ms"]}
     if lora_off:
         out["lora_off_output_tok_s"] = lora_off[0]["lora_off"]
@@ -314,7 +318,9 @@ def plot_mixes(results: list[dict], path: Path) -> None:
     width = 0.8 / (len(results) + 1)
     colors = ["tab:blue", "tab:cyan", "tab:green"]
     for k, res in enumerate(results):
-        by = {r["label"]: r for r in res["runs"]}
+        by: dict = {}
+        for r in res["runs"]:
+            by.setdefault(r["label"], r)  # merged files: the first run of a kind, as in their summary
         xs = [i + k * width for i, m in enumerate(MIXES) if m in by]
         label = f"lorafleet, {res['requests']} requests"
         bars = ax.bar(xs, [by[m]["output_tok_s"] for m in MIXES if m in by], width, label=label, color=colors[k % 3])
@@ -322,10 +328,11 @@ def plot_mixes(results: list[dict], path: Path) -> None:
         if "lora off" in by:
             ax.axhline(by["lora off"]["output_tok_s"], color=colors[k % 3], ls="--", lw=1,
                        label=f"same engine, LoRA off ({res['requests']} requests)")
-        hf = res.get("hf_peft_output_tok_s")
+        hf = res.get("hf_peft_output_tok_s") or res.get("e2e", {}).get("hf_peft_output_tok_s")
         if hf:
-            hx = [i + len(results) * width for i, m in enumerate(MIXES) if m in hf]
-            bars = ax.bar(hx, [hf[m] for m in MIXES if m in hf], width, color="tab:red", label="HF transformers + PEFT")
+            got = [m for m in MIXES if hf.get(m) is not None]
+            hx = [i + len(results) * width for i, m in enumerate(MIXES) if m in got]
+            bars = ax.bar(hx, [hf[m] for m in got], width, color="tab:red", label="HF transformers + PEFT")
             ax.bar_label(bars, fmt="%.0f", fontsize=6)
     ax.set_xticks([i + width * (len(results) - 1) / 2 for i in range(len(MIXES))], MIXES)
     ax.set_ylabel("output tokens/s")
@@ -438,6 +445,7 @@ def main(argv: list[str] | None = None) -> int:
         save_partial()
     if args.profile:
         results["breakdown_lora_distinct"] = profile_breakdown(eng, reqs, log)
+        save_partial()
     if args.cold:
         # Cold start: the uniform mix's adapters as PEFT files on disk, a fresh engine with an
         # empty device pool and host tier, read through the normal loader (disk -> pinned -> GPU).
@@ -459,6 +467,7 @@ def main(argv: list[str] | None = None) -> int:
         save_partial()
         res = run_mix(eng, reqs[:nc], names, lambda i: disk / f"a{idx[i]}", "uniform (warm, same engine)", log)
         results["runs"].append(res)
+        save_partial()
     del eng
     gc.collect()
     torch.cuda.empty_cache()

@@ -61,8 +61,11 @@ class GraphRunner:
     def capture_all(self) -> None:
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
+        stream = torch.cuda.Stream(self.device)  # one for all: the pool reuses blocks only on their stream
         for B in sorted(self.buckets, reverse=True):
-            self._capture(B)
+            self._capture(B, stream)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
         log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
 
     def _lora_step(self, st: _Static):
@@ -73,7 +76,7 @@ class GraphRunner:
         step.active = True  # kernels skip slot -1 rows on device; the graph always launches them
         return step
 
-    def _capture(self, B: int) -> None:
+    def _capture(self, B: int, stream: "torch.cuda.Stream") -> None:
         st = _Static(B, self.device, self.lora_pool.max_rank if self.lora_pool else 1)
         st.wrapper = self.attention.make_graph_decoder(B, self.max_pages)
         self.attention.plan_decode(st.wrapper, [[self.scratch_page]] * B, [1] * B)
@@ -81,7 +84,6 @@ class GraphRunner:
         st.slot_mapping.fill_(scratch)
         attn = GraphDecodeStep(self.attention, st.wrapper, st.slot_mapping)
         lora = self._lora_step(st)
-        stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm-up outside capture (lazy init, autotuning)

@@ -18,7 +18,12 @@ def capture(graph: "torch.cuda.CUDAGraph", fn, pool=None, stream: "torch.cuda.St
         graph.capture_begin(*(() if pool is None else (pool,)))
         try:
             out = fn()
-        finally:
-            graph.capture_end()
+        except BaseException as exc:
+            try:
+                graph.capture_end()
+            except Exception as end_exc:  # a failed capture usually fails to end too: keep the cause
+                raise exc from end_exc
+            raise
+        graph.capture_end()
     torch.cuda.current_stream(dev).wait_stream(stream)
     return out

@@ -51,6 +51,7 @@ class _Static:
         self.k = torch.zeros(T, c.kv_dim, dtype=dt, device=dev)
         self.v = torch.zeros(T, c.kv_dim, dtype=dt, device=dev)
         self.o = torch.zeros(T, c.q_dim, dtype=dt, device=dev)
+        self.logits = torch.zeros(max_rows, c.vocab_size, dtype=torch.float32, device=dev)
         self.seg_indptr = torch.zeros(max_rows + 1, dtype=torch.int32, device=dev)
         self.seg_slots = torch.full((max_rows,), -1, dtype=torch.int32, device=dev)
         self.ws = None
@@ -73,7 +74,7 @@ class _Bucket:
             self.lora = LoraStepImpl(lora_pool, sgmv, seg, st.ws)
             self.lora.active = True  # the kernels skip rows of slot -1; a graph always launches them
         self.cos_sin = None
-        self.logits: torch.Tensor | None = None
+        self.logits = st.logits  # one fp32 [max_rows, V] output for every bucket
         self.graphs: list = []
 
 
@@ -87,6 +88,8 @@ class PiecewiseGraphs:
         self.pool = None
         self.buckets: dict[int, _Bucket] = {}
         self.static = _Static(self.sizes[-1], model, max_rows, lora_pool)
+        # one capture stream for every bucket: the graph pool reuses freed blocks only on their stream
+        self.stream = torch.cuda.Stream(model.device) if use_graphs else None
         if use_graphs:
             gc.collect()
             torch.cuda.synchronize(model.device)
@@ -102,6 +105,9 @@ class PiecewiseGraphs:
         finally:
             if frozen:
                 gc.enable()
+        if use_graphs:
+            torch.cuda.synchronize(model.device)
+            torch.cuda.empty_cache()  # the warm-ups' blocks, cached on the capture stream
         if use_graphs:
             log.info("captured piecewise CUDA graphs for %d step sizes up to %d tokens", len(self.sizes),
                      self.sizes[-1])
@@ -125,7 +131,7 @@ class PiecewiseGraphs:
         else:
             h, res = m.post_attention(j - 1, b.o, b.residual, b.lora)
             if j == L:
-                b.logits = m.logits(h, res, b.logit_rows)
+                b.logits.copy_(m.logits(h, res, b.logit_rows))
                 return
             _, _, _, res = m.pre_attention(j, h, res, b.positions, b.cos_sin, b.lora, (b.q, b.k, b.v))
         if res.data_ptr() != b.residual.data_ptr():  # ops that do not update the residual in place
@@ -135,8 +141,7 @@ class PiecewiseGraphs:
         L = len(self.model.layers)
         if not self.use_graphs:
             return
-        dev = self.model.device
-        stream = torch.cuda.Stream(dev)
+        dev, stream = self.model.device, self.stream
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.inference_mode(), torch.cuda.stream(stream):
             for j in range(L + 1):  # warm-up outside capture: lazy init, GEMM heuristics for this shape
@@ -164,6 +169,8 @@ class PiecewiseGraphs:
         b.input_ids[:T].copy_(batch.input_ids, non_blocking=True)
         b.positions[:T].copy_(batch.positions, non_blocking=True)
         b.logit_rows[:B].copy_(batch.logit_rows, non_blocking=True)
+        if B < b.logit_rows.shape[0]:
+            b.logit_rows[B:].zero_()  # rows left from a larger step may lie beyond this bucket's Tp
         if b.lora is not None:
             n, cap = seg.num_segments, b.seg_cap
             table = list(seg.host_indptr) + [T] * (cap - n) + list(seg.host_slots) + [-1] * (cap - n)

@@ -90,3 +90,16 @@ def test_generation_with_piecewise_steps_equals_whole_steps(tiny_llama, adapters
             assert eng.runner.phases["piecewise"][3] > 0  # steps really went through the pieces
         assert eng.blocks.free_pages == eng.blocks.num_pages
     assert outs[0] == outs[1]
+
+
+def test_a_smaller_step_after_a_larger_one_reads_no_stale_rows(tiny_llama):
+    """Six 15-token prompts (90 rows, bucket 128), four finish at once, then two decode rows in
+    bucket 16: logit rows left over from the large step must not be read."""
+    eng = engine(tiny_llama, piecewise=True)
+    g = torch.Generator().manual_seed(8)
+    seqs = [Sequence(f"s{i}", torch.randint(3, 512, (15,), generator=g).tolist(),
+                     SamplingParams(max_tokens=1 if i < 4 else 3, ignore_eos=True), arrival=float(i)) for i in range(6)]
+    done = eng.run_to_completion(seqs)
+    ref = engine(tiny_llama, piecewise=False).run_to_completion(
+        [Sequence(s.id, s.prompt_ids, s.params, arrival=s.arrival) for s in seqs])
+    assert {k: v.output_ids for k, v in done.items()} == {k: v.output_ids for k, v in ref.items()}
