@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lorafleet.runner.batcher import Batcher, StepPlan
+from lorafleet.runner.batcher import Batcher
 from lorafleet.runner.block_manager import BlockManager
 from lorafleet.runner.config import EngineConfig, ModelConfig
 from lorafleet.runner.kv_cache import KVCache, bytes_per_token
@@ -24,7 +24,7 @@ from lorafleet.runner.lora.manager import AdapterManager
 from lorafleet.runner.lora.pool import LoraPool
 from lorafleet.runner.model.llama import LlamaModel
 from lorafleet.runner.model_runner import ModelRunner
-from lorafleet.runner.sequence import Sequence, Status
+from lorafleet.runner.sequence import Sequence
 from lorafleet.runner.weights import load_weights
 
 log = logging.getLogger(__name__)

@@ -87,7 +87,9 @@ class EngineLoop:
                 self.step_errors += 1
                 outputs = eng.abort_all(f"engine error: {type(exc).__name__}: {exc}")
             self.last_step_seconds = time.perf_counter() - t0
-            if time.perf_counter() - self._snap_at > SNAPSHOT_EVERY_S:  # not on every decode step
+            # not on every decode step; but before a finished request is reported, so that a client
+            # that asks right after its request ended sees the pages it freed
+            if any(o.finished for o in outputs) or time.perf_counter() - self._snap_at > SNAPSHOT_EVERY_S:
                 self.snapshot = eng.state()
                 self._snap_at = time.perf_counter()
             if outputs:

@@ -11,7 +11,6 @@ import asyncio
 import json
 import logging
 import os
-import signal
 import socket
 import time
 

@@ -11,7 +11,6 @@ import argparse
 import ctypes
 import json
 import logging
-import os
 import signal
 import socket
 import subprocess
