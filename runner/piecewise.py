@@ -108,7 +108,6 @@ class PiecewiseGraphs:
         if use_graphs:
             torch.cuda.synchronize(model.device)
             torch.cuda.empty_cache()  # the warm-ups' blocks, cached on the capture stream
-        if use_graphs:
             log.info("captured piecewise CUDA graphs for %d step sizes up to %d tokens", len(self.sizes),
                      self.sizes[-1])
 
