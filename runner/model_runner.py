@@ -121,7 +121,8 @@ class ModelRunner:
             _, seqs = order_for_segments([], decode)
             t1, logits = self.graphs.run(seqs, self.page_size)
         else:
-            batch = build_batch(prefill, decode, self.page_size, self.model.device)
+            cap = self.mixed.max_rows if self.mixed is not None else None  # the static table's capacity
+            batch = build_batch(prefill, decode, self.page_size, self.model.device, cap)
             seqs = batch.seqs
             t1 = time.perf_counter() if self.phases is not None else 0.0
             logits = self.mixed.run(batch) if self.mixed is not None else None

@@ -158,12 +158,13 @@ class PiecewiseGraphs:
     # -- one step -----------------------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, batch) -> torch.Tensor | None:
-        """Logits [B, V] of a StepBatch, or None when it fits no bucket (run it eagerly)."""
+        """Logits [B, V] of a StepBatch, or None when it fits no bucket (run it eagerly). The
+        batch's segment table must have capacity `max_rows` (`build_batch(..., seg_capacity=)`)."""
         T = batch.input_ids.shape[0]
         B = batch.logit_rows.shape[0]
         seg = batch.segments
         b = self.bucket(T, B, seg.num_segments)
-        if b is None:
+        if b is None or seg.slots.shape[0] != self.max_rows:
             return None
         b.input_ids[:T].copy_(batch.input_ids, non_blocking=True)
         b.positions[:T].copy_(batch.positions, non_blocking=True)
@@ -171,12 +172,9 @@ class PiecewiseGraphs:
         if B < b.logit_rows.shape[0]:
             b.logit_rows[B:].zero_()  # rows left from a larger step may lie beyond this bucket's Tp
         if b.lora is not None:
-            n, cap = seg.num_segments, b.seg_cap
-            table = list(seg.host_indptr) + [T] * (cap - n) + list(seg.host_slots) + [-1] * (cap - n)
-            host = torch.tensor(table, dtype=torch.int32, pin_memory=self.use_graphs)
-            dev = host.to(b.seg_indptr.device, non_blocking=True)
-            b.seg_indptr.copy_(dev[: cap + 1])
-            b.seg_slots.copy_(dev[cap + 1 :])
+            # the batch's table is padded to max_rows segments (ModelRunner builds it so): one copy each
+            b.seg_indptr.copy_(seg.indptr, non_blocking=True)
+            b.seg_slots.copy_(seg.slots, non_blocking=True)
             # the kernels read the static tensors; CPU code paths read the host lists of this step
             b.lora.seg = SegmentTable(b.seg_indptr, b.seg_slots, seg.host_indptr, seg.host_slots, b.Tp)
         c = self.model.cfg

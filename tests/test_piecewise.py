@@ -68,7 +68,7 @@ def test_mixed_step_logits_equal_the_whole_step(tiny_llama, adapters):
     eng._drain_inbox()
     plan = eng.batcher.schedule()
     assert plan.prefill and plan.decode
-    batch = build_batch(plan.prefill, plan.decode, eng.config.page_size, eng.device)
+    batch = build_batch(plan.prefill, plan.decode, eng.config.page_size, eng.device, seg_capacity=8)
     T = batch.input_ids.shape[0]
     assert T not in (16, 48, 128)  # really padded
     ref = eng.runner.forward(batch)

@@ -45,7 +45,6 @@ class LoraPool:
         """Copy an adapter into a slot (asynchronously on `stream` when given: pinned sources)."""
         pk = adapter.packed_for(self.base.num_layers)
         nb = stream is not None
-        self.ranks[:, :, slot] = 0  # no step reads half-written weights of a previous tenant
         for p in range(len(PROJECTIONS)):
             if p in pk.a:
                 r = pk.a[p].shape[1]

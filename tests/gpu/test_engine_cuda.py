@@ -173,7 +173,7 @@ def test_piecewise_mixed_step_matches_eager(smol_shaped):
             break
         eng.runner.run(plan.prefill, plan.decode)  # keep decoding while the new adapters load
     assert plan.prefill and plan.decode
-    batch = build_batch(plan.prefill, plan.decode, eng.config.page_size, eng.device)
+    batch = build_batch(plan.prefill, plan.decode, eng.config.page_size, eng.device, seg_capacity=32)
     got = eng.runner.mixed.run(batch).clone()
     ref = eng.runner.forward(batch)
     span = (ref.max(-1).values - ref.min(-1).values)[:, None]
