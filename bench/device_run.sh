@@ -1,57 +1,101 @@
 #!/usr/bin/env bash
-# GPU work in one call on a lent H200 (repository root; wheels in .whl/, optional caches in .cache_fi/).
-#   bash bench/device_run.sh tests    # kernel + engine GPU tests, sanitizer case
-#   bash bench/device_run.sh e2e      # bench e2e: distinct + identical, LoRA off, HF+PEFT, breakdown
-#   bash bench/device_run.sh e2e2     # bench e2e: uniform + skewed, LoRA off (one call each: ~8 min)
-#   bash bench/device_run.sh extra    # bench e2e: cold start from disk (COLD_REQS=400) and the 64/128/256 sweep
-#   bash bench/device_run.sh quick    # engine GPU tests, then a short e2e (REQS=256: distinct, identical,
-#                                     # LoRA off, per-step profile) to see where a step's time goes
-# Knobs: REQS (default 1000), BENCH_S (timeout of the bench, s). Results and caches go to $OUT.
+# GPU work in one call on a lent H200 machine (repository root; wheels in .whl/, optional caches in .cache_fi/).
+#   bash bench/device_run.sh STAGE...                 # stages one after another on GPU 0
+#   bash bench/device_run.sh --par "STAGE..." "STAGE..."   # one stage list per GPU, the lists in parallel
+# Stages:
+#   tests    kernel + engine GPU tests, sanitizer case
+#   ktests   kernel GPU tests only, sanitizer case
+#   hf       bench e2e: HF transformers + PEFT mixed-batch generate on a sample              -> e2e_hf.json
+#   prefill  bench kernels --prefill: LoRA of steps with prefill, per tensor-core shrink threshold
+#   e2e      bench e2e: distinct + identical, LoRA off, HF+PEFT, per-step profile       -> e2e_a.json
+#   e2e2     bench e2e: uniform + skewed, LoRA off                                         -> e2e_b.json
+#   cold     bench e2e: cold start from disk (COLD_REQS=400) and the warm rerun            -> e2e_cold.json
+#   sweep    bench e2e: distinct with max batch 64 / 128 / 256                             -> e2e_sweep.json
+#   quick    engine GPU tests, then a short e2e (REQS=256: distinct, identical, LoRA off, profile)
+# Knobs: REQS (default 1000), BENCH_S (timeout of one bench stage, s; COLD_S, SWEEP_S, HF_S, TEST_S per stage). Results, caches and logs.tgz go to
+# $OUT, each GPU's log to $OUT/gpuN.log.
 # The wheels (the GPU machine has no network): in the repository root, with .whl/ ignored by git,
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
 #     -d .whl flashinfer-python==0.5.3 apache-tvm-ffi==0.1.3
 # ficache.tgz / lfkernels.tgz from a previous call's $OUT can be put in .cache_fi/ to skip compiling.
-# Afterwards, on any machine: lorafleet bench e2e --merge e2e_a.json e2e_b.json e2e_extra.json --out docs/e2e.json
-# and lorafleet bench e2e --plot-from docs/e2e.json --plot docs/e2e_mixes.png
+# Afterwards, on any machine: lorafleet bench e2e --merge e2e_a.json e2e_b.json e2e_cold.json e2e_sweep.json
+#   --out docs/e2e.json, and lorafleet bench e2e --plot-from docs/e2e.json --plot docs/e2e_mixes.png
 set -u -o pipefail
-STAGE=${1:-tests}
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+OUT=${OUT:-/tmp/out}; LOGS=/tmp/logs; mkdir -p "$OUT" "$LOGS"
 export PYTHONUNBUFFERED=1 LORAFLEET_KERNEL_DIR=/tmp/lfkernels FLASHINFER_WORKSPACE_BASE=/tmp/fiws
 t0=$(date +%s); stamp() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  > "$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
+  > "$LOGS/pip.log" 2>&1 || { cat "$LOGS/pip.log"; exit 1; }
 export PYTHONPATH=$PWD/src:/tmp/site
-[ -f .cache_fi/ficache.tgz ] && tar xzf .cache_fi/ficache.tgz -C /tmp
+if [ -f .cache_fi/ficache.tgz ]; then  # flashinfer's compiled ops, installed as its ahead-of-time modules
+  tar xzf .cache_fi/ficache.tgz -C /tmp
+  for so in /tmp/fiws/.cache/flashinfer/*/*/cached_ops/*/*.so; do
+    [ -f "$so" ] || continue; n=$(basename "$(dirname "$so")")
+    mkdir -p "/tmp/site/flashinfer/data/aot/$n" && cp "$so" "/tmp/site/flashinfer/data/aot/$n/"
+  done
+fi
 [ -f .cache_fi/lfkernels.tgz ] && tar xzf .cache_fi/lfkernels.tgz -C /tmp
-nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader
-timeout 240 python3 -m lorafleet build-kernels > "$OUT/build.log" 2>&1; stamp "kernels: $(tail -1 "$OUT/build.log")"
-case "$STAGE" in
-  tests)
-    timeout ${TEST_S:-400} python3 -m pytest -q -p no:cacheprovider tests/gpu -rA --durations=8 -s 2>&1 \
-      | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|FAILED|flips|Error" | tail -30
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 120 compute-sanitizer --tool memcheck python3 tests/gpu/sanitizer_case.py \
-      > "$OUT/sanitizer.log" 2>&1; tail -2 "$OUT/sanitizer.log" ;;
-  e2e)
-    timeout ${BENCH_S:-540} python3 -m lorafleet --log-level WARNING bench e2e --requests ${REQS:-1000} \
-      --mixes distinct identical --sweep --profile --out "$OUT/e2e_a.json" 2>&1 | tee "$OUT/e2e_a.log" | tail -14 ;;
-  e2e2)
-    timeout ${BENCH_S:-540} python3 -m lorafleet --log-level WARNING bench e2e --requests ${REQS:-1000} \
-      --mixes uniform skewed --sweep --hf-requests 0 --out "$OUT/e2e_b.json" 2>&1 | tee "$OUT/e2e_b.log" | tail -14 ;;
-  quick)
-    timeout ${TEST_S:-300} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_engine_cuda.py -rA -s \
-      --durations=6 -o faulthandler_timeout=${HANG_S:-100} 2>&1 | tee "$OUT/gpu_tests.log" \
-      | grep -E "passed|failed|FAILED|flips|Error|piecewise|call |Timeout|File " | tail -30
-    timeout ${BENCH_S:-400} python3 -m lorafleet --log-level WARNING bench e2e --requests ${REQS:-256} \
-      --mixes distinct identical --sweep --hf-requests 0 --profile --out "$OUT/e2e_quick.json" 2>&1 \
-      | tee "$OUT/e2e_quick.log" | tail -16 ;;
-  extra)
-    timeout ${BENCH_S:-500} python3 -m lorafleet --log-level WARNING bench e2e --requests ${REQS:-1000} \
-      --mixes --cold --cold-requests ${COLD_REQS:-400} --no-lora-off --hf-requests 0 --sweep 64 128 256 \
-      --out "$OUT/e2e_extra.json" 2>&1 \
-      | tee "$OUT/e2e_extra.log" | tail -10 ;;
-esac
-stamp "done"
+nvidia-smi --query-gpu=index,name,memory.used,clocks.sm --format=csv,noheader
+timeout 300 python3 -m lorafleet build-kernels > "$LOGS/build.log" 2>&1; stamp "kernels: $(tail -1 "$LOGS/build.log")"
+
+E2E="python3 -m lorafleet --log-level WARNING bench e2e --requests ${REQS:-1000}"
+stage() {
+  case "$1" in
+    tests)
+      timeout ${TEST_S:-400} python3 -m pytest -q -p no:cacheprovider tests/gpu -rA --durations=8 -s 2>&1 \
+        | tee "$LOGS/gpu_tests.log" | grep -E "passed|failed|FAILED|flips|Error" | tail -30
+      PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 120 compute-sanitizer --tool memcheck python3 tests/gpu/sanitizer_case.py \
+        > "$LOGS/sanitizer.log" 2>&1; tail -2 "$LOGS/sanitizer.log" ;;
+    ktests)
+      timeout ${TEST_S:-200} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_sgmv_cuda.py -rA 2>&1 \
+        | tee "$LOGS/gpu_ktests.log" | grep -E "passed|failed|FAILED|Error" | tail -12
+      PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 120 compute-sanitizer --tool memcheck python3 tests/gpu/sanitizer_case.py \
+        > "$LOGS/sanitizer.log" 2>&1; tail -2 "$LOGS/sanitizer.log" ;;
+    hf)
+      timeout ${HF_S:-240} $E2E --mixes --no-lora-off --sweep --out "$OUT/e2e_hf.json" 2>&1 \
+        | tee "$LOGS/e2e_hf.log" | tail -6 ;;
+    prefill)
+      timeout ${PREFILL_S:-240} python3 -m lorafleet bench kernels --prefill --out "$OUT/kernels_prefill.json" 2>&1 \
+        | tee "$LOGS/kernels_prefill.log" | tail -14 ;;
+    e2e)
+      timeout ${BENCH_S:-540} $E2E --mixes distinct identical --sweep --profile --out "$OUT/e2e_a.json" 2>&1 \
+        | tee "$LOGS/e2e_a.log" | tail -14 ;;
+    e2e2)
+      timeout ${BENCH_S:-540} $E2E --mixes uniform skewed --sweep --hf-requests 0 \
+        --out "$OUT/e2e_b.json" 2>&1 | tee "$LOGS/e2e_b.log" | tail -14 ;;
+    cold)
+      timeout ${COLD_S:-${BENCH_S:-540}} $E2E --mixes --cold --cold-requests ${COLD_REQS:-400} --no-lora-off --hf-requests 0 \
+        --sweep --out "$OUT/e2e_cold.json" 2>&1 | tee "$LOGS/e2e_cold.log" | tail -10 ;;
+    sweep)
+      timeout ${SWEEP_S:-${BENCH_S:-540}} $E2E --mixes --no-lora-off --hf-requests 0 --sweep 64 128 256 \
+        --out "$OUT/e2e_sweep.json" 2>&1 | tee "$LOGS/e2e_sweep.log" | tail -10 ;;
+    quick)
+      timeout ${TEST_S:-300} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_engine_cuda.py -rA -s \
+        --durations=6 -o faulthandler_timeout=${HANG_S:-100} 2>&1 | tee "$LOGS/gpu_tests.log" \
+        | grep -E "passed|failed|FAILED|flips|Error|piecewise|call |Timeout|File " | tail -30
+      timeout ${BENCH_S:-400} python3 -m lorafleet --log-level WARNING bench e2e --requests ${REQS:-256} \
+        --mixes distinct identical --sweep --hf-requests 0 --profile --out "$OUT/e2e_quick.json" 2>&1 \
+        | tee "$LOGS/e2e_quick.log" | tail -16 ;;
+    *) echo "unknown stage: $1"; return 2 ;;
+  esac
+}
+run_list() {  # GPU index, stages
+  local gpu=$1; shift
+  for s in $@; do stamp "GPU $gpu: $s"; CUDA_VISIBLE_DEVICES=$gpu stage "$s"; done
+  stamp "GPU $gpu: done"
+}
+
+if [ "${1:-}" = "--par" ]; then
+  shift
+  i=0
+  for list in "$@"; do run_list $i $list > "$OUT/gpu$i.log" 2>&1 & i=$((i + 1)); done
+  wait
+  for j in $(seq 0 $((i - 1))); do echo "=== GPU $j"; cat "$OUT/gpu$j.log"; done
+else
+  run_list 0 "${@:-tests}"
+fi
 ( cd /tmp && find fiws -name '*.so' | tar czf "$OUT/ficache.tgz" -T - ) 2>/dev/null
+( cd /tmp && tar czf "$OUT/logs.tgz" logs ) 2>/dev/null
 ( cd /tmp && tar czf "$OUT/lfkernels.tgz" lfkernels ) 2>/dev/null
 ls -la "$OUT" | tail -n +2

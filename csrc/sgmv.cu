@@ -32,6 +32,7 @@
 #include <map>
 #include <mutex>
 #include <tuple>
+#include <utility>
 
 namespace lorafleet {
 namespace {
@@ -63,6 +64,9 @@ constexpr int kTileK = 64;        // shrink: K per pipeline stage
 constexpr int kTileN = 64;        // expand: output columns per item
 constexpr int kLds = kTileK + 8;  // smem row stride (elements) of 64-wide tiles: 144 B, no bank conflicts
 constexpr int kLdc = kTileN + 4;  // expand: fp32 staging row stride
+constexpr int kShrinkTileM = 16;  // tensor-core shrink: rows per item
+constexpr int kShrinkK = 32;      // ... K per stage of one warp
+constexpr int kLdsS = kShrinkK + 8;  // ... its smem row stride (elements): 80 B
 
 static_assert(kMaxSegments % kThreads == 0, "table build splits the capacity evenly");
 
@@ -325,7 +329,7 @@ struct ShrinkCount {
       rt += r;
       active += r > 0;
     }
-    if (kMma && n >= mma_min_rows) return ceil_div(n, kTileM) * active;
+    if (kMma && n >= mma_min_rows) return ceil_div(n, kShrinkTileM) * active;
     const int rb = n == 1 ? kShrinkRanks1 : (n >= kShrinkLong ? kShrinkRanksLong : kShrinkRanksN);
     return ceil_div(n, kShrinkRows) * ceil_div(rt, rb);
   }
@@ -430,91 +434,99 @@ __device__ __forceinline__ void shrink_cc(const ShrinkParams& p, int row0, int s
   __syncthreads();  // `red` is reused by the next item
 }
 
-// v[row0 : row0 + nr, g, :r] = x[row0 : row0 + nr] @ A_g[slot, :r]^T with tensor cores.
+// v[row0 : row0 + nr, g, :r] = x[row0 : row0 + nr] @ A_g[slot, :r]^T with tensor cores, nr <= 16.
+// The 8 warps split K: warp w takes the 32-wide K chunks w, w + 8, ..., each through its own
+// double-buffered cp.async stage (16 x rows and rank_pad A rows), so one block keeps 8 chunks in
+// flight and a 16-row tile of a 4096-wide x streams at an SM's share of the bandwidth. The 8 partial
+// [16 x r] products are then summed in warp order (deterministic) and written once.
 template <typename T>
 __device__ void shrink_mma(const ShrinkParams& p, int row0, int nr, int slot, int g, int r, unsigned char* work,
                            bool& waited) {
   using namespace nvcuda;
-  if (!waited) {  // block-uniform; x comes from the preceding kernel
-    pdl_wait();
-    waited = true;
-  }
   const int K = p.in_features;
   const int rp = (r + 15) & ~15;
-  const int stage_x = kTileM * kLds;
-  const int stage_a = p.rank_pad * kLds;
-  T* xs = reinterpret_cast<T*>(work);  // [2][kTileM][kLds]
-  T* as = xs + 2 * stage_x;            // [2][rank_pad][kLds]
+  const int nfr = rp / 16;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int stage = (kShrinkTileM + p.rank_pad) * kLdsS;  // elements of one stage of one warp
+  T* ws = reinterpret_cast<T*>(work) + warp * 2 * stage;   // this warp's [2][16 + rank_pad][kLdsS]
   const T* xg = static_cast<const T*>(p.x) + static_cast<int64_t>(row0) * K;
   const T* ag = static_cast<const T*>(p.a[g]) + static_cast<int64_t>(slot) * p.a_rank_dim[g] * K;
-  const int nk = ceil_div(K, kTileK);
-  const int tid = threadIdx.x;
+  const int nk = ceil_div(K, kShrinkK);
+  const int mine = nk > warp ? ceil_div(nk - warp, kWarps) : 0;  // chunks warp, warp + 8, ...
 
-  auto load_stage = [&](int kt, int buf) {
-    const int k0 = kt * kTileK;
-    for (int id = tid; id < kTileM * (kTileK / 8); id += kThreads) {
-      const int row = id >> 3, k = k0 + (id & 7) * 8;
-      const bool ok = row < nr && k < K;
-      cp_async16(xs + buf * stage_x + row * kLds + (id & 7) * 8, ok ? xg + static_cast<int64_t>(row) * K + k : xg, ok);
-    }
-    for (int id = tid; id < rp * (kTileK / 8); id += kThreads) {
-      const int rr = id >> 3, k = k0 + (id & 7) * 8;
-      const bool ok = rr < r && k < K;
-      cp_async16(as + buf * stage_a + rr * kLds + (id & 7) * 8, ok ? ag + static_cast<int64_t>(rr) * K + k : ag, ok);
+  // Stage rows 0..15: x rows (zero beyond nr); rows 16..16+rp-1: A rank rows (zero beyond r).
+  auto load = [&](int i, int buf) {
+    const int k0 = (warp + i * kWarps) * kShrinkK;
+    T* dst = ws + buf * stage;
+    for (int id = lane; id < (kShrinkTileM + rp) * (kShrinkK / 8); id += 32) {
+      const int row = id >> 2, k = k0 + (id & 3) * 8;
+      const T* src;
+      bool ok;
+      if (row < kShrinkTileM) {
+        ok = row < nr && k < K;
+        src = xg + static_cast<int64_t>(row) * K + k;
+      } else {
+        ok = row - kShrinkTileM < r && k < K;
+        src = ag + static_cast<int64_t>(row - kShrinkTileM) * K + k;
+      }
+      cp_async16(dst + row * kLdsS + (id & 3) * 8, ok ? src : xg, ok);
     }
     cp_async_commit();
   };
 
-  const int warp = tid >> 5;
-  const int mf = warp & 3;    // 16-row block of the 64-row tile
-  const int nf0 = warp >> 2;  // rank blocks nf0, nf0 + 2, nf0 + 4, nf0 + 6
-  const int nfr = rp / 16;
-  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[4];
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[kMaxRank / 16];
 #pragma unroll
-  for (int j = 0; j < 4; ++j) wmma::fill_fragment(acc[j], 0.f);
+  for (int j = 0; j < kMaxRank / 16; ++j) wmma::fill_fragment(acc[j], 0.f);
 
-  load_stage(0, 0);
-  for (int kt = 0; kt < nk; ++kt) {
-    if (kt + 1 < nk) {
-      load_stage(kt + 1, (kt + 1) & 1);
+  if (!waited) {  // block-uniform; x comes from the preceding kernel
+    pdl_wait();
+    waited = true;
+  }
+  if (mine > 0) load(0, 0);
+  for (int i = 0; i < mine; ++i) {
+    if (i + 1 < mine) {
+      load(i + 1, (i + 1) & 1);
       cp_async_wait<1>();
     } else {
       cp_async_wait<0>();
     }
-    __syncthreads();
-    const T* xb = xs + (kt & 1) * stage_x;
-    const T* ab = as + (kt & 1) * stage_a;
-#pragma unroll 2
-    for (int kk = 0; kk < kTileK; kk += 16) {
-      wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa;
-      wmma::load_matrix_sync(fa, xb + mf * 16 * kLds + kk, kLds);
+    __syncwarp();
+    const T* xb = ws + (i & 1) * stage;
+    const T* ab = xb + kShrinkTileM * kLdsS;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int nf = nf0 + 2 * j;
-        if (nf < nfr) {
+    for (int kk = 0; kk < kShrinkK; kk += 16) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa;
+      wmma::load_matrix_sync(fa, xb + kk, kLdsS);
+#pragma unroll
+      for (int j = 0; j < kMaxRank / 16; ++j) {
+        if (j < nfr) {
           wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> fb;
-          wmma::load_matrix_sync(fb, ab + nf * 16 * kLds + kk, kLds);
+          wmma::load_matrix_sync(fb, ab + j * 16 * kLdsS + kk, kLdsS);
           wmma::mma_sync(acc[j], fa, fb, acc[j]);
         }
       }
     }
-    __syncthreads();  // this buffer is refilled two stages later
+    __syncwarp();  // this buffer is refilled by the load two chunks later
   }
 
-  float* cs = reinterpret_cast<float*>(work);  // [kTileM][rank_pad + 4], reuses the stages
+  // Partials: warp w's [16][rp + 4] fp32 block inside its own (now idle) stage area.
   const int ldc = p.rank_pad + 4;
+  float* part = reinterpret_cast<float*>(ws);
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int nf = nf0 + 2 * j;
-    if (nf < nfr) wmma::store_matrix_sync(cs + mf * 16 * ldc + nf * 16, acc[j], ldc, wmma::mem_row_major);
-  }
+  for (int j = 0; j < kMaxRank / 16; ++j)
+    if (j < nfr) wmma::store_matrix_sync(part + j * 16, acc[j], ldc, wmma::mem_row_major);
   __syncthreads();
   float* vg = p.v + static_cast<int64_t>(row0) * p.v_row_stride + g * p.v_rank_dim;
+  const float* base = reinterpret_cast<const float*>(work);
+  const int warp_floats = 2 * stage * static_cast<int>(sizeof(T)) / 4;
   for (int id = tid; id < nr * r; id += kThreads) {
     const int row = id / r, k = id - row * r;
-    vg[static_cast<int64_t>(row) * p.v_row_stride + k] = cs[row * ldc + k];
+    float s = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) s += base[w * warp_floats + row * ldc + k];
+    vg[static_cast<int64_t>(row) * p.v_row_stride + k] = s;
   }
-  __syncthreads();
+  __syncthreads();  // the stages are reused by the next item
 }
 
 template <typename T, bool kMma>
@@ -546,8 +558,8 @@ __global__ void __launch_bounds__(kThreads, kMma ? 2 : kShrinkMinBlocks) sgmv_sh
           --j;
         }
       }
-      shrink_mma<T>(p, lo + tile * kTileM, min(kTileM, n - tile * kTileM), slot, g, rank_of(packed, g), work,
-                    waited);
+      shrink_mma<T>(p, lo + tile * kShrinkTileM, min(kShrinkTileM, n - tile * kShrinkTileM), slot, g,
+                    rank_of(packed, g), work, waited);
     } else {
       const int rt = rank_of(packed, 0) + rank_of(packed, 1) + rank_of(packed, 2);
       const bool long_seg = n >= kShrinkLong;
@@ -808,6 +820,7 @@ __global__ void __launch_bounds__(kThreads, kMma ? 2 : 4) sgmv_expand_kernel(con
 struct DeviceInfo {
   int sms = 0;
   int major = 0;
+  int smem_optin = 0;  // largest dynamic shared memory one block may opt in to (bytes)
 };
 
 const char* device_info(int device, DeviceInfo* info) {
@@ -819,6 +832,7 @@ const char* device_info(int device, DeviceInfo* info) {
     DeviceInfo d;
     cudaError_t e = cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, device);
     if (e == cudaSuccess) e = cudaDeviceGetAttribute(&d.major, cudaDevAttrComputeCapabilityMajor, device);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&d.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
     if (e != cudaSuccess) return cudaGetErrorString(e);
     it = cache.emplace(device, d).first;
   }
@@ -827,18 +841,22 @@ const char* device_info(int device, DeviceInfo* info) {
 }
 
 // Resident blocks per SM for `kernel` with `smem` bytes of dynamic shared memory (raises the kernel's
-// dynamic shared-memory limit first when needed). Cached: host-only calls, safe during capture.
+// dynamic shared-memory limit first when needed; never lowers it, since launches with a larger size
+// seen earlier must keep working). Cached: host-only calls, safe during capture.
 template <typename Kernel>
 const char* blocks_per_sm(Kernel kernel, int device, int smem, int* out) {
   static std::mutex mu;
   static std::map<std::tuple<const void*, int, int>, int> cache;
+  static std::map<std::pair<const void*, int>, int> limit;  // dynamic smem limit set per (kernel, device)
   std::lock_guard<std::mutex> lock(mu);
   const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), device, smem);
   auto it = cache.find(key);
   if (it == cache.end()) {
-    if (smem > 48 * 1024) {
+    int& lim = limit[std::make_pair(reinterpret_cast<const void*>(kernel), device)];
+    if (smem > 48 * 1024 && smem > lim) {
       cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
       if (e != cudaSuccess) return cudaGetErrorString(e);
+      lim = smem;
     }
     int n = 0;
     cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, smem);
@@ -937,16 +955,19 @@ const char* shrink_typed(const ShrinkArgs& args, const LaunchOptions& opt, int d
     rank_sum += p.rank_cap[g];
   }
   p.rank_pad = rank_pad_of(p.rank_cap, args.seg.num_groups);
-  const bool mma = args.seg.num_rows >= p.mma_min_rows;
   p.work_offset = table_ints(args.seg.capacity) * 4;
-  int work = kShrinkRows * kShrinkRanksLong * kThreads * 4;
-  if (mma) {
-    work = std::max(work, 2 * (kTileM + p.rank_pad) * kLds * 2);
-    work = std::max(work, kTileM * (p.rank_pad + 4) * 4);
-  }
-  const int smem = p.work_offset + work;
+  const int cc_work = kShrinkRows * kShrinkRanksLong * kThreads * 4;
+  // Tensor-core items: per warp two stages of 16 x rows + rank_pad A rows (the fp32 partials reuse them).
+  const int mma_work = std::max(cc_work, kWarps * 2 * (kShrinkTileM + p.rank_pad) * kLdsS * 2);
+  DeviceInfo info;
+  if (const char* err = device_info(device, &info)) return err;
+  // A device whose blocks cannot hold the stages (large ranks before sm_90) runs every segment on the
+  // CUDA-core path, which is exact too.
+  const bool mma = args.seg.num_rows >= p.mma_min_rows && p.work_offset + mma_work <= info.smem_optin;
+  if (!mma) p.mma_min_rows = 1 << 30;
+  const int smem = p.work_offset + (mma ? mma_work : cc_work);
   int64_t items = static_cast<int64_t>(row_chunks_bound(args.seg, kShrinkRows)) * ceil_div(rank_sum, kShrinkRanksN);
-  if (mma) items += static_cast<int64_t>(row_chunks_bound(args.seg, kTileM)) * args.seg.num_groups;
+  if (mma) items += static_cast<int64_t>(row_chunks_bound(args.seg, kShrinkTileM)) * args.seg.num_groups;
   const int max_items = static_cast<int>(std::min<int64_t>(items, 1 << 30));
   return mma ? launch(sgmv_shrink_kernel<T, true>, p, max_items, kShrinkBlocksPerSm, smem, opt.pdl, device, stream)
              : launch(sgmv_shrink_kernel<T, false>, p, max_items, kShrinkBlocksPerSm, smem, opt.pdl, device, stream);

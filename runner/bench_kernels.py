@@ -341,6 +341,104 @@ def run_shape(shape: Shape, batches, workloads, impls_wanted, slots: int, cold_r
     return results
 
 
+# Steps with prefill: segment lengths of one step (each segment its own adapter unless noted).
+PREFILL_LAYOUTS = {
+    "2x250+30x1": [250, 250] + [1] * 30,
+    "4x120+28x1": [120] * 4 + [1] * 28,
+    "8x64": [64] * 8,
+    "1x600 (one adapter)": [600],
+    "1x32 (decode, one adapter)": [32],
+}
+# (name, in, out of each projection): the engine's grouped calls of a Llama-2-7B layer.
+PREFILL_SHAPES = (("qkv", 4096, (4096, 4096, 4096)), ("down", 11008, (4096,)))
+PREFILL_VARIANTS = {"cuda_cores": 10**9, "mma>=16": 16, "mma>=32": 32, "mma>=64": 64, "mma>=128": 128,
+                    "mma>=256": 256}
+
+
+def run_prefill(timer: Timer, log, rank: int = 16, rotations: int = 8) -> list[dict]:
+    """Shrink + expand of one grouped projection for prefill-like segment tables, per shrink threshold
+    (the expand keeps its default), against one matmul pair per segment in PyTorch."""
+    import torch
+
+    from lorafleet.runner.lora.segments import build_segments
+    from lorafleet.runner.lora.sgmv_cuda import CudaSGMV
+
+    dev, dtype = "cuda", torch.bfloat16
+    gen = torch.Generator(device=dev).manual_seed(1)
+    results = []
+    for shape_name, in_dim, outs in PREFILL_SHAPES:
+        G = len(outs)
+        slots = 64
+        a = [(torch.randn(slots, rank, in_dim, generator=gen, device=dev) / math.sqrt(in_dim)).to(dtype) for _ in outs]
+        b = [(torch.randn(slots, rank, o, generator=gen, device=dev) / math.sqrt(rank)).to(dtype) for o in outs]
+        host_ranks = [[rank] * slots for _ in outs]
+        ranks = torch.tensor(host_ranks, dtype=torch.int32, device=dev)
+        for layout, lengths in PREFILL_LAYOUTS.items():
+            T = sum(lengths)
+            cases = []
+            for rot in range(rotations):
+                row_slots = []
+                for i, n in enumerate(lengths):
+                    row_slots += [(rot * len(lengths) + i) % slots] * n
+                seg = build_segments(row_slots, device=dev, capacity=len(lengths))
+                x = torch.randn(T, in_dim, device=dev).to(dtype)
+                ys = [torch.randn(T, o, device=dev).to(dtype) for o in outs]
+                v = torch.empty(T, G, rank, device=dev)
+                cases.append((x, ys, v, seg, row_slots, [y.clone() for y in ys]))
+            # fp64 reference of the add-on, first rotation
+            x, ys, v, seg, row_slots, y0 = cases[0]
+            want = [torch.zeros(T, o, dtype=torch.float64, device=dev) for o in outs]
+            lo = 0
+            for n, s in zip(lengths, [row_slots[sum(lengths[:i])] for i in range(len(lengths))]):
+                for g in range(G):
+                    want[g][lo:lo + n] = (x[lo:lo + n].double() @ a[g][s].double().T) @ b[g][s].double()
+                lo += n
+            rec = {"shape": shape_name, "layout": layout, "rows": T, "segments": len(lengths), "rank": rank,
+                   "us": {}, "rel_err": {}}
+            for variant, thr in PREFILL_VARIANTS.items():
+                impl = CudaSGMV(shrink_mma_min_rows=thr)
+
+                def make(c, impl=impl, a=a, b=b, ranks=ranks, host_ranks=host_ranks):
+                    def fn():
+                        impl.shrink(c[2], c[0], a, ranks, host_ranks, c[3])
+                        impl.expand(c[1], c[2], b, ranks, host_ranks, c[3])
+                    return fn
+                for g in range(G):
+                    ys[g].copy_(y0[g])
+                make(cases[0])()
+                torch.cuda.synchronize()
+                err = max(((ys[g].double() - y0[g].double() - want[g]).norm() / want[g].norm()).item() for g in range(G))
+                rec["rel_err"][variant] = err
+                if not err < 2e-2:
+                    raise SystemExit(f"WRONG RESULT: cuda kernels ({variant}) on {shape_name} {layout}: {err:.3e}")
+                rec["us"][variant] = timer.graph_us([make(c) for c in cases])
+
+            def loop(c, a=a, b=b, G=G):
+                segs = [(s, lo, hi) for s, lo, hi in zip(c[3].host_slots, c[3].host_indptr, c[3].host_indptr[1:])]
+
+                def fn():
+                    for s, lo, hi in segs:
+                        for g in range(G):
+                            c[1][g][lo:hi] += (c[0][lo:hi] @ a[g][s].T) @ b[g][s]
+                return fn
+            rec["us"]["loop"] = timer.graph_us([loop(c) for c in cases])
+            results.append(rec)
+            log(f"{shape_name:>5} {layout:>28} T={T:>4}: " + "  ".join(f"{k} {u:7.1f}" for k, u in rec["us"].items()))
+            del cases
+            gc.collect()
+    return results
+
+
+def prefill_table(results: list[dict]) -> str:
+    names = list(PREFILL_VARIANTS) + ["loop"]
+    lines = ["| projection | segments | rows | " + " | ".join(names) + " |",
+             "|---|---|---:|" + "---:|" * len(names)]
+    for r in results:
+        lines.append(f"| {r['shape']} | {r['layout']} | {r['rows']} | "
+                     + " | ".join(f"{r['us'][n]:.1f}" for n in names) + " |")
+    return "\n".join(lines)
+
+
 def headline(results: list[dict], card: str, date: str) -> dict:
     graph_us: dict[str, dict[str, float]] = {}
     for r in results:
@@ -422,6 +520,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batches", default="", help="comma-separated batch sizes (default 1..256)")
     p.add_argument("--reps", type=int, default=40, help="cold single-call replays timed per case (default %(default)s)")
     p.add_argument("--slots", type=int, default=1024, help="adapters in the pool (default %(default)s)")
+    p.add_argument("--prefill", action="store_true",
+                   help="instead: steps with prefill (long segments), qkv and down of Llama-2-7B at rank 16, "
+                        "per tensor-core shrink threshold, µs per call inside a CUDA graph")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -442,6 +543,13 @@ def run(args: argparse.Namespace) -> int:
     date = datetime.date.today().isoformat()
     timer = Timer()
     t0 = time.time()
+    if args.prefill:
+        pre = run_prefill(timer, log=lambda s: print(s, flush=True))
+        doc = {"card": card, "date": date, "torch": torch.__version__, "seconds": round(time.time() - t0, 1),
+               "prefill": pre}
+        Path(args.out).write_text(json.dumps(doc, indent=1))
+        print("\n" + prefill_table(pre) + f"\n\nwrote {args.out} ({doc['seconds']} s, {card})")
+        return 0
     results = []
     for shape in shapes:
         results += run_shape(shape, batches, workloads, impls, args.slots, args.reps, timer,

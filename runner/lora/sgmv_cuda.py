@@ -46,7 +46,7 @@ class CudaSGMV:
 
     name = "cuda"
 
-    def __init__(self, *, shrink_mma_min_rows: int = 512, expand_mma_min_rows: int = 128, pdl: bool = True):
+    def __init__(self, *, shrink_mma_min_rows: int = 64, expand_mma_min_rows: int = 128, pdl: bool = True):
         if shrink_mma_min_rows < 1 or expand_mma_min_rows < 1:
             raise ValueError("mma_min_rows must be >= 1")
         self.shrink_mma_min_rows = int(shrink_mma_min_rows)
