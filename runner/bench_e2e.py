@@ -240,39 +240,48 @@ def profile_breakdown(engine, reqs, log) -> dict:
     return out
 
 
-def hf_peft_peer(reqs, n: int, new_tokens: int, distinct: bool, device, log) -> float:
-    """HF transformers + PEFT mixed-adapter generate on n requests (one batch): output tok/s."""
+def hf_peft_peers(reqs, n: int, new_tokens: int, device, log) -> dict[str, float]:
+    """HF transformers + PEFT mixed-adapter generate on n requests (one batch), output tok/s with n distinct
+    adapters and with one adapter for every request. One bf16 model serves both."""
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    t0 = time.perf_counter()
     cfg = LlamaConfig(**{k: v for k, v in LLAMA2_7B.items() if k != "model_type"})
-    with torch.device(device):
-        model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
-    lcfg = LoraConfig(r=16, lora_alpha=16, target_modules=[f"{p}_proj" for p in TARGETS], init_lora_weights=False)
-    k = n if distinct else 1
-    model = get_peft_model(model, lcfg, adapter_name="a0")
-    for i in range(1, k):
-        model.add_adapter(f"a{i}", lcfg)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16 on the device: no fp32 copy of 7B weights
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg).eval()
+            lcfg = LoraConfig(r=16, lora_alpha=16, target_modules=[f"{p}_proj" for p in TARGETS],
+                              init_lora_weights=False)
+            model = get_peft_model(model, lcfg, adapter_name="a0")
+            for i in range(1, n):
+                model.add_adapter(f"a{i}", lcfg)
+    finally:
+        torch.set_default_dtype(prev)
     model = model.to(device=device, dtype=torch.bfloat16).eval()
+    log(f"HF+PEFT model with {n} adapters ready ({time.perf_counter() - t0:.0f}s)")
     sample = reqs[:n]
     width = max(len(ids) for ids, _ in sample)
     ids = torch.tensor([[0] * (width - len(x)) + x for x, _ in sample], device=device)
     mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x, _ in sample], device=device)
-    names = [f"a{i % k}" for i in range(n)]
-    with torch.no_grad():
-        model.generate(input_ids=ids[:, -8:], attention_mask=mask[:, -8:], adapter_names=names, max_new_tokens=2,
-                       min_new_tokens=2, do_sample=False, pad_token_id=0)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        model.generate(input_ids=ids, attention_mask=mask, adapter_names=names, max_new_tokens=new_tokens,
-                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-        torch.cuda.synchronize()
-    rate = n * new_tokens / (time.perf_counter() - t0)
-    log(f"{'HF+PEFT ' + ('distinct' if distinct else 'identical'):>28}: {rate:8.1f} tok/s  ({n} requests x {new_tokens} tokens)")
+    out = {}
+    for label, names in (("identical", ["a0"] * n), ("distinct", [f"a{i}" for i in range(n)])):
+        with torch.no_grad():
+            model.generate(input_ids=ids[:, -8:], attention_mask=mask[:, -8:], adapter_names=names,
+                           max_new_tokens=2, min_new_tokens=2, do_sample=False, pad_token_id=0)
+            torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            model.generate(input_ids=ids, attention_mask=mask, adapter_names=names, max_new_tokens=new_tokens,
+                           min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+            torch.cuda.synchronize()
+        out[label] = round(n * new_tokens / (time.perf_counter() - t1), 1)
+        log(f"{'HF+PEFT ' + label:>28}: {out[label]:8.1f} tok/s  ({n} requests x {new_tokens} tokens)")
     del model
     gc.collect()
     torch.cuda.empty_cache()
-    return round(rate, 1)
+    return out
 
 
 def headline(results: list[dict]) -> dict:
@@ -491,8 +500,7 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
         torch.cuda.empty_cache()
         results["hf_peft_output_tok_s"] = {
-            "distinct": hf_peft_peer(reqs, args.hf_requests, args.hf_tokens, True, dev, log),
-            "identical": hf_peft_peer(reqs, args.hf_requests, args.hf_tokens, False, dev, log),
+            **hf_peft_peers(reqs, args.hf_requests, args.hf_tokens, dev, log),
             "sample": f"{args.hf_requests} requests x {args.hf_tokens} new tokens, one mixed batch"}
     all_steps = [s for r in results["runs"] for s in r.pop("_steps")]
     results["step_model"] = fit_step_model(all_steps)
