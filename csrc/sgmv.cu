@@ -15,7 +15,8 @@
 //   expand item = (up to 2 rows) x (64 column vectors = 512 columns): 4 lanes per column vector split
 //                 the rank, then a warp reduce-scatter leaves each lane 4 finished outputs of one row.
 // Items of longer segments use tensor cores (WMMA 16x16x16, fp32 accumulate):
-//   shrink item = 64 rows x all r ranks of one projection, full K, cp.async double buffered.
+//   shrink item = 16 rows x all r ranks of one projection, full K split over the 8 warps (each warp
+//                 its own cp.async double buffer), partials summed in warp order.
 //   expand item = 64 rows x 64 output columns of one projection, K = r.
 // On sm_90 both kernels use programmatic dependent launch: they start while the previous kernel
 // drains, read the tables and their first weight tile, then griddepcontrol.wait before touching
@@ -59,10 +60,9 @@ constexpr int kShrinkMinBlocks = 3;
 constexpr int kShrinkMinBlocks = 4;
 #endif
 // Tensor-core path.
-constexpr int kTileM = 64;        // rows per item
-constexpr int kTileK = 64;        // shrink: K per pipeline stage
+constexpr int kTileM = 64;        // expand: rows per item
 constexpr int kTileN = 64;        // expand: output columns per item
-constexpr int kLds = kTileK + 8;  // smem row stride (elements) of 64-wide tiles: 144 B, no bank conflicts
+constexpr int kLds = kTileN + 8;  // expand: smem row stride (elements) of 64-wide B tiles: 144 B, no bank conflicts
 constexpr int kLdc = kTileN + 4;  // expand: fp32 staging row stride
 constexpr int kShrinkTileM = 16;  // tensor-core shrink: rows per item
 constexpr int kShrinkK = 32;      // ... K per stage of one warp
