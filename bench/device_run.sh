@@ -5,6 +5,7 @@
 # Stages:
 #   tests    kernel + engine GPU tests, sanitizer case
 #   ktests   kernel GPU tests only, sanitizer case
+#   etests   engine GPU tests only
 #   hf       bench e2e: HF transformers + PEFT mixed-batch generate on a sample              -> e2e_hf.json
 #   prefill  bench kernels --prefill: LoRA of steps with prefill, per tensor-core shrink threshold
 #   e2e      bench e2e: distinct + identical, LoRA off, HF+PEFT, per-step profile       -> e2e_a.json
@@ -52,6 +53,9 @@ stage() {
         | tee "$LOGS/gpu_ktests.log" | grep -E "passed|failed|FAILED|Error" | tail -12
       PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 120 compute-sanitizer --tool memcheck python3 tests/gpu/sanitizer_case.py \
         > "$LOGS/sanitizer.log" 2>&1; tail -2 "$LOGS/sanitizer.log" ;;
+    etests)
+      timeout ${TEST_S:-300} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_engine_cuda.py -rA -s 2>&1 \
+        | tee "$LOGS/gpu_etests.log" | grep -E "passed|failed|FAILED|flips|Error|piecewise" | tail -20 ;;
     hf)
       timeout ${HF_S:-240} $E2E --mixes --no-lora-off --sweep --out "$OUT/e2e_hf.json" 2>&1 \
         | tee "$LOGS/e2e_hf.log" | tail -6 ;;

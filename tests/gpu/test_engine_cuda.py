@@ -2,12 +2,12 @@
 against the CPU fp32 reference path, on a SmolLM2-shaped model with mixed adapters.
 
 The shape is SmolLM2-135M's (576 hidden, 9 query / 3 KV heads, tied embeddings, rope_theta
-1e5, 30 layers) with random weights. bf16 on the GPU legitimately flips near-ties of the fp32
-reference, so each generated position is checked teacher-forced, and the tolerance is not a
-guess: Hugging Face transformers + PEFT run in bf16 on the same GPU over the same positions is
-the control. lorafleet's bf16 tokens may disagree with the fp32 reference only where the fp32
-margin between the two tokens is within what bf16 HF itself shows (or below TOL of the logit
-range), and not at more positions than about twice HF's count.
+1e5, 30 layers) with random weights. bf16 / fp16 on the GPU legitimately flip near-ties of the
+fp32 reference, so each generated position is checked teacher-forced, and the tolerance is not a
+guess: Hugging Face transformers + PEFT run in the same dtype on the same GPU over the same
+positions is the control. lorafleet's tokens may disagree with the fp32 reference only where the
+fp32 margin between the two tokens is within what HF itself shows in that dtype (or below TOL of
+the logit range), and not at more positions than about twice HF's count.
 """
 
 from __future__ import annotations
@@ -93,7 +93,8 @@ def flips_against(ref_logits, toks, n_prompt, chosen):
     return out
 
 
-def test_gpu_bf16_matches_cpu_fp32_teacher_forced(smol_shaped, cpu_reference):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_gpu_matches_cpu_fp32_teacher_forced(smol_shaped, cpu_reference, dtype):
     model, ads = smol_shaped
     reqs, cpu = cpu_reference
     # teacher forcing: the GPU predicts the next token after every prefix of the CPU's output
@@ -101,27 +102,27 @@ def test_gpu_bf16_matches_cpu_fp32_teacher_forced(smol_shaped, cpu_reference):
     for (ids, name, path), toks in zip(reqs, cpu):
         for j in range(NEW):
             forced.append((ids + toks[:j], name, path))
-    eng = Engine(str(model), EngineConfig(max_lora_rank=16, max_batch_size=64, num_pages=4096))
+    eng = Engine(str(model), EngineConfig(max_lora_rank=16, max_batch_size=64, num_pages=4096, dtype=dtype))
     seqs = [Sequence(f"f{k}", ids, SamplingParams(max_tokens=1), AdapterRef(n, str(p)) if n else None)
             for k, (ids, n, p) in enumerate(forced)]
     gpu = eng.run_to_completion(seqs)
-    assert eng.sgmv.name == "cuda" and eng.attention.name == "flashinfer"
+    assert eng.sgmv.name == "cuda" and eng.attention.name == "flashinfer" and eng.dtype == getattr(torch, dtype)
     ours, hf, checked, k = [], [], 0, 0
     for (ids, name, _), toks in zip(reqs, cpu):
         ref = hf_logits(model, ads, ids + toks, name)  # fp32, CPU: [len, V]
-        hf_bf16 = hf_logits(model, ads, ids + toks, name, torch.bfloat16, "cuda")
+        hf_low = hf_logits(model, ads, ids + toks, name, getattr(torch, dtype), "cuda")
         n = len(ids)
         chosen = [gpu[f"f{k + j}"].output_ids[0] for j in range(NEW)]
         k += NEW
         checked += NEW
         ours += [(name,) + f for f in flips_against(ref, toks, n, chosen)]
-        hf += [(name,) + f for f in flips_against(ref, toks, n, [int(hf_bf16[n + j - 1].argmax()) for j in range(NEW)])]
+        hf += [(name,) + f for f in flips_against(ref, toks, n, [int(hf_low[n + j - 1].argmax()) for j in range(NEW)])]
     hf_worst = max((f[2] for f in hf), default=0.0)
     bound = max(TOL, 1.5 * hf_worst)
     bad = [f for f in ours if f[2] > bound]
-    print(f"lorafleet bf16 flips {len(ours)}/{checked} (worst {max((f[2] for f in ours), default=0):.4f}); "
-          f"HF bf16 flips {len(hf)}/{checked} (worst {hf_worst:.4f})")
-    assert not bad, f"{len(bad)} of {checked} positions differ beyond bf16 noise (bound {bound:.4f}): {bad[:5]}"
+    print(f"lorafleet {dtype} flips {len(ours)}/{checked} (worst {max((f[2] for f in ours), default=0):.4f}); "
+          f"HF {dtype} flips {len(hf)}/{checked} (worst {hf_worst:.4f})")
+    assert not bad, f"{len(bad)} of {checked} positions differ beyond {dtype} noise (bound {bound:.4f}): {bad[:5]}"
     assert len(ours) <= max(2 * len(hf), checked // 20), (len(ours), len(hf))
 
 
