@@ -3,7 +3,7 @@
 #   bash bench/device_run.sh STAGE...                 # stages one after another on GPU 0
 #   bash bench/device_run.sh --par "STAGE..." "STAGE..."   # one stage list per GPU, the lists in parallel
 # Stages:
-#   tests    kernel + engine GPU tests, sanitizer case
+#   tests    ktests, then etests
 #   ktests   kernel GPU tests only, sanitizer case
 #   etests   engine GPU tests only
 #   hf       bench e2e: HF transformers + PEFT mixed-batch generate on a sample              -> e2e_hf.json
@@ -43,19 +43,16 @@ timeout 300 python3 -m lorafleet build-kernels > "$LOGS/build.log" 2>&1; stamp "
 E2E="python3 -m lorafleet --log-level WARNING bench e2e --requests ${REQS:-1000}"
 stage() {
   case "$1" in
-    tests)
-      timeout ${TEST_S:-400} python3 -m pytest -q -p no:cacheprovider tests/gpu -rA --durations=8 -s 2>&1 \
-        | tee "$LOGS/gpu_tests.log" | grep -E "passed|failed|FAILED|flips|Error" | tail -30
-      PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 120 compute-sanitizer --tool memcheck python3 tests/gpu/sanitizer_case.py \
-        > "$LOGS/sanitizer.log" 2>&1; tail -2 "$LOGS/sanitizer.log" ;;
+    tests) stage ktests; stage etests ;;
     ktests)
       timeout ${TEST_S:-200} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_sgmv_cuda.py -rA 2>&1 \
         | tee "$LOGS/gpu_ktests.log" | grep -E "passed|failed|FAILED|Error" | tail -12
       PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 120 compute-sanitizer --tool memcheck python3 tests/gpu/sanitizer_case.py \
         > "$LOGS/sanitizer.log" 2>&1; tail -2 "$LOGS/sanitizer.log" ;;
     etests)
-      timeout ${TEST_S:-300} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_engine_cuda.py -rA -s 2>&1 \
-        | tee "$LOGS/gpu_etests.log" | grep -E "passed|failed|FAILED|flips|Error|piecewise" | tail -20 ;;
+      timeout ${TEST_S:-300} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_engine_cuda.py -rA -s \
+        --durations=6 -o faulthandler_timeout=${HANG_S:-100} 2>&1 | tee "$LOGS/gpu_etests.log" \
+        | grep -E "passed|failed|FAILED|flips|Error|piecewise|Timeout|File " | tail -20 ;;
     hf)
       timeout ${HF_S:-240} $E2E --mixes --no-lora-off --sweep --out "$OUT/e2e_hf.json" 2>&1 \
         | tee "$LOGS/e2e_hf.log" | tail -6 ;;
@@ -75,9 +72,7 @@ stage() {
       timeout ${SWEEP_S:-${BENCH_S:-540}} $E2E --mixes --no-lora-off --hf-requests 0 --sweep 64 128 256 \
         --out "$OUT/e2e_sweep.json" 2>&1 | tee "$LOGS/e2e_sweep.log" | tail -10 ;;
     quick)
-      timeout ${TEST_S:-300} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_engine_cuda.py -rA -s \
-        --durations=6 -o faulthandler_timeout=${HANG_S:-100} 2>&1 | tee "$LOGS/gpu_tests.log" \
-        | grep -E "passed|failed|FAILED|flips|Error|piecewise|call |Timeout|File " | tail -30
+      stage etests
       timeout ${BENCH_S:-400} python3 -m lorafleet --log-level WARNING bench e2e --requests ${REQS:-256} \
         --mixes distinct identical --sweep --hf-requests 0 --profile --out "$OUT/e2e_quick.json" 2>&1 \
         | tee "$LOGS/e2e_quick.log" | tail -16 ;;

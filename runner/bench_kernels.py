@@ -36,6 +36,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable
 
 WORKLOADS = ("distinct", "uniform", "skewed", "identical")
@@ -387,12 +388,8 @@ def run_prefill(timer: Timer, log, rank: int = 16, rotations: int = 8) -> list[d
                 cases.append((x, ys, v, seg, row_slots, [y.clone() for y in ys]))
             # fp64 reference of the add-on, first rotation
             x, ys, v, seg, row_slots, y0 = cases[0]
-            want = [torch.zeros(T, o, dtype=torch.float64, device=dev) for o in outs]
-            lo = 0
-            for n, s in zip(lengths, [row_slots[sum(lengths[:i])] for i in range(len(lengths))]):
-                for g in range(G):
-                    want[g][lo:lo + n] = (x[lo:lo + n].double() @ a[g][s].double().T) @ b[g][s].double()
-                lo += n
+            rows = SimpleNamespace(x=x, row_slots=row_slots)
+            want = [_reference(rows, a[g], b[g], rank) for g in range(G)]
             rec = {"shape": shape_name, "layout": layout, "rows": T, "segments": len(lengths), "rank": rank,
                    "us": {}, "rel_err": {}}
             for variant, thr in PREFILL_VARIANTS.items():
