@@ -1,15 +1,25 @@
-"""Continuous batching: which requests run this step, page allocation and eviction.
+"""Continuous batching: which requests compute which tokens this step, pages and eviction.
 
-Each step: every running request decodes one token (it needs room for one more KV
-entry; when pages run out the *newest* running request is evicted, Punica §5.3), then
-waiting requests are admitted oldest first while the batch has room, their adapter is
-resident and their whole prompt fits in free pages (prefill). Admission is FCFS: a request
-that does not fit blocks later ones, except requests merely waiting for an adapter load.
+Every step, in this order:
+1. Decode: every running request whose tokens all have their K/V feeds its last token (one row);
+   it needs room for one more KV entry, and when pages run out the *newest* running request is
+   evicted (Punica §5.3). A request whose final token is already sampled (max_tokens or the
+   context reached, the token still on its way back from the device) is not scheduled.
+2. Prefill chunks of running requests part-way through their prompt, oldest first.
+3. Admission: waiting requests oldest first while the batch has room, their adapter is resident
+   and their whole prompt fits in free pages (the pages are taken at admission).
+Admission is FCFS: a request that does not fit blocks later ones, except requests merely waiting
+for an adapter load.
+
+Chunked prefill (`max_step_tokens` set): one step computes at most that many token rows, decode
+rows included, so a long prompt is split over several steps and rides along with the decodes
+instead of stalling them. Without it (None), a step admits prompts up to `max_prefill_tokens`
+(one longer prompt still runs alone), as before.
 
 Admission batching (`admit_batch` > 1): while requests run, new ones are admitted only once
 `min(admit_batch, waiting)` batch places are free, or after `admit_wait_steps` held steps, so
-prompts share mixed prefill+decode steps (which cost more than decode steps) instead of each
-taking its own. Adapter loads of the requests next in line start while admission is held.
+prompts share prefill steps (which cost more than decode steps) instead of each taking its own.
+Adapter loads of the requests next in line start while admission is held.
 """
 
 from __future__ import annotations
@@ -21,18 +31,22 @@ from lorafleet.common.peft_config import AdapterError
 from lorafleet.runner.block_manager import BlockManager
 from lorafleet.runner.lora.manager import READY, AdapterManager
 from lorafleet.runner.sequence import Sequence, Status
+from lorafleet.runner.step_batch import RowWork
 
 
 @dataclass
 class StepPlan:
-    prefill: list[Sequence] = field(default_factory=list)
-    decode: list[Sequence] = field(default_factory=list)
+    work: list[RowWork] = field(default_factory=list)  # in scheduling order
     evicted: list[Sequence] = field(default_factory=list)
     failed: list[Sequence] = field(default_factory=list)  # finish_reason "error", error set
 
     @property
-    def seqs(self) -> list[Sequence]:
-        return self.prefill + self.decode
+    def prefill_tokens(self) -> int:
+        return sum(w.num_rows for w in self.work if not w.decode)
+
+    @property
+    def num_decode(self) -> int:
+        return sum(1 for w in self.work if w.decode)
 
 
 class Batcher:
@@ -45,9 +59,14 @@ class Batcher:
         max_model_len: int,
         admit_batch: int = 1,
         admit_wait_steps: int = 8,
+        max_step_tokens: int | None = None,
     ):
         if admit_batch < 1 or admit_wait_steps < 0:
             raise ValueError("admit_batch must be >= 1 and admit_wait_steps >= 0")
+        if max_step_tokens is not None and max_step_tokens < max_batch_size + 1:
+            raise ValueError(f"max_step_tokens ({max_step_tokens}) must exceed the max batch size ({max_batch_size}): "
+                             "every decode row and at least one prefill row must fit a step")
+        self.max_step_tokens = max_step_tokens
         self.blocks, self.adapters = blocks, adapters
         self.admit_batch, self.admit_wait_steps = admit_batch, admit_wait_steps
         self._held = 0  # consecutive steps admission was held
@@ -75,6 +94,8 @@ class Batcher:
             self.waiting.remove(seq)
         self.blocks.release(seq.pages)
         seq.num_cached = 0
+        seq.num_pending = 0  # a token still in flight for it is dropped (the epoch below tells)
+        seq.epoch += 1
         if seq.slot >= 0 and self.adapters is not None:
             self.adapters.release(seq.slot)
         seq.slot = -1
@@ -87,19 +108,34 @@ class Batcher:
     # -- one step -------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
         plan = StepPlan()
-        # 1. Decode: each running request needs room for the token it feeds this step.
-        for seq in sorted(self.running, key=lambda s: s.age_key):
-            if seq.status != Status.RUNNING:
-                continue  # evicted below while making room for an older request
+        chunked = self.max_step_tokens is not None
+        budget = self.max_step_tokens if chunked else self.max_prefill_tokens
+        running = sorted(self.running, key=lambda s: s.age_key)
+        # 1. Decode: each request with all K/V computed feeds its last token; it needs room for it.
+        for seq in running:
+            if seq.status != Status.RUNNING or seq.prefilling or seq.done_generating:
+                continue  # evicted below, mid-prompt (2.), or its last token is still in flight
             while not self.blocks.grow(seq.pages, seq.num_tokens):
                 victim = max((s for s in self.running), key=lambda s: s.age_key)
                 self._evict(victim, plan)
                 if victim is seq:
                     break
             if seq.status == Status.RUNNING:
-                plan.decode.append(seq)
-        # 2. Prefill: admit the oldest waiting requests that fit.
-        budget = self.max_prefill_tokens
+                plan.work.append(RowWork(seq, seq.num_tokens - 1, seq.num_tokens, True))
+                if chunked:
+                    budget -= 1
+        # 2. Prefill chunks of requests part-way through their prompt (their pages are taken).
+        for seq in running:
+            if seq.status != Status.RUNNING or not seq.prefilling:
+                continue
+            n = seq.num_tokens - seq.num_cached
+            if chunked:
+                n = min(n, budget)
+                if n <= 0:
+                    break
+                budget -= n
+            plan.work.append(RowWork(seq, seq.num_cached, seq.num_cached + n, seq.num_cached + n == seq.num_tokens))
+        # 3. Admission: the oldest waiting requests that fit.
         want = min(self.admit_batch, len(self.waiting))
         free = self.max_batch_size - len(self.running)
         hold = (self.admit_batch > 1 and bool(self.running) and free < want
@@ -109,6 +145,7 @@ class Batcher:
         elif free > 0:
             self._held += 1  # a full batch admits nobody anyway: only count steps with free places
         looked = 0
+        admitted_any = False
         for seq in list(self.waiting):
             if hold:
                 if looked >= want:
@@ -123,7 +160,10 @@ class Batcher:
             if self.blocks.pages_for(n + 1) > self.blocks.num_pages:
                 self._fail(seq, plan, f"request needs {n + 1} KV tokens; this runner holds {self.blocks.total_tokens}")
                 continue
-            if plan.prefill and n > budget:
+            if chunked:
+                if budget <= 0:
+                    break
+            elif admitted_any and n > budget:
                 break
             if seq.adapter is not None and seq.slot < 0:
                 if self.adapters is None:
@@ -145,15 +185,19 @@ class Batcher:
             self.waiting.remove(seq)
             seq.status = Status.RUNNING
             self.running.append(seq)
-            plan.prefill.append(seq)
-            budget -= n
+            first = min(n, budget) if chunked else n
+            plan.work.append(RowWork(seq, 0, first, first == n))
+            budget -= first
+            admitted_any = True
+        # Host bookkeeping: these rows' K/V are written by this step (before any later step reads them).
+        for w in plan.work:
+            w.seq.num_cached = w.end
         return plan
 
     def _evict(self, seq: Sequence, plan: StepPlan) -> None:
         self.remove(seq)
         seq.finish_reason = "evicted"
-        if seq in plan.decode:
-            plan.decode.remove(seq)
+        plan.work = [w for w in plan.work if w.seq is not seq]
         plan.evicted.append(seq)
 
     def _fail(self, seq: Sequence, plan: StepPlan, message: str) -> None:

@@ -103,7 +103,13 @@ class EngineConfig:
     max_lora_rank: int = 64
     lora_slots: int | None = None  # adapters resident in the device pool; None: 8 on CPU, 64 on GPU
     host_lora_cache: int = 256  # adapters kept in (pinned) host memory behind the device pool
-    max_prefill_tokens: int = 8192  # prompt tokens per step (one longer prompt still runs alone)
+    max_prefill_tokens: int = 8192  # unchunked: prompt tokens per step (one longer prompt still runs alone)
+    # Chunked prefill: at most this many token rows per step, decodes included; long prompts are split
+    # across steps. None: 2048 when chunked_prefill is on (the default on CUDA), else unchunked.
+    max_step_tokens: int | None = None
+    chunked_prefill: bool | None = None  # None: on for CUDA, off for CPU
+    # Overlapped scheduling: build and queue step N+1 while the device runs step N. None: on for CUDA.
+    overlap: bool | None = None
     # Admission batching: while requests run, wait until this many batch places are free (or as many
     # as requests wait) before admitting, for at most admit_wait_steps steps, so that prompts are
     # prefilled together in fewer mixed steps. None: max_batch_size // 8 on CUDA, 1 (off) on CPU.

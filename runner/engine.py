@@ -1,8 +1,13 @@
 """The engine: requests in, token ids out, one `step()` at a time.
 
-    plan = batcher.schedule()            # who runs, pages, evictions
-    seqs, tokens = runner.run(plan)      # one flat multi-LoRA batch
-    return self._postprocess(...)        # append tokens, finish, report
+    plan = batcher.schedule()                          # who computes which rows, pages, evictions
+    inflight = runner.launch(build_step_batch(plan))   # one flat multi-LoRA batch, queued on the device
+    return self._postprocess(previous step)            # append tokens, finish, report
+
+With overlap (CUDA by default), step N+1 is scheduled, built and queued while the device still runs
+step N; step N's sampled ids feed N+1's decode rows on the device, and the host reads them back
+after queueing N+1. A request that ends by EOS or a stop token at step N has one more row in
+step N+1, whose result is dropped (its epoch changed). Without overlap, every step waits for itself.
 
 `submit` and `cancel` may be called from any thread; `step` from one thread.
 """
@@ -25,9 +30,12 @@ from lorafleet.runner.lora.pool import LoraPool
 from lorafleet.runner.model.llama import LlamaModel
 from lorafleet.runner.model_runner import ModelRunner
 from lorafleet.runner.sequence import Sequence
+from lorafleet.runner.step_batch import StepBatch, build_step_batch
 from lorafleet.runner.weights import load_weights
 
 log = logging.getLogger(__name__)
+
+DEFAULT_STEP_TOKENS = 2048  # chunked prefill: token rows per step when EngineConfig leaves it open
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
@@ -102,8 +110,16 @@ class Engine:
         admit = config.admit_batch
         if admit is None:
             admit = max(1, config.max_batch_size // 8) if self.device.type == "cuda" else 1
+        self.max_step_tokens = config.max_step_tokens
+        if self.max_step_tokens is None and config.chunked_prefill is not False and (
+                config.chunked_prefill or self.device.type == "cuda"):
+            self.max_step_tokens = DEFAULT_STEP_TOKENS
+        if self.max_step_tokens is not None:
+            self.max_step_tokens = max(self.max_step_tokens, config.max_batch_size + 1)
         self.batcher = Batcher(self.blocks, self.adapters, config.max_batch_size, config.max_prefill_tokens,
-                               self.max_model_len, admit_batch=admit, admit_wait_steps=config.admit_wait_steps)
+                               self.max_model_len, admit_batch=admit, admit_wait_steps=config.admit_wait_steps,
+                               max_step_tokens=self.max_step_tokens)
+        self.overlap = config.overlap if config.overlap is not None else self.device.type == "cuda"
         self.attention = self._make_attention()
         self.sgmv = self._make_sgmv()
         graphs = self._make_graphs(num_pages)
@@ -114,9 +130,10 @@ class Engine:
 
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._seqs: dict[str, Sequence] = {}
+        self._inflight = None  # the launched step whose results are not read yet (overlap)
         self.last_busy = time.time()
         self.steps = 0
-        self.last_step = (0, 0)  # (prefill tokens, decode requests) of the last step
+        self.last_step = (0, 0)  # (prefill tokens, decode requests) of the last launched step
 
     # -- construction helpers -------------------------------------------------------------------
     def _default_pages(self) -> int:
@@ -156,7 +173,7 @@ class Engine:
         from lorafleet.runner.piecewise import PiecewiseGraphs, default_buckets
 
         t0 = time.perf_counter()
-        limit = self.config.max_prefill_tokens + self.config.max_batch_size
+        limit = self.max_step_tokens or (self.config.max_prefill_tokens + self.config.max_batch_size)
         pw = PiecewiseGraphs(self.model, self.attention, self.lora_pool, self.sgmv, self.config.max_batch_size,
                              default_buckets(limit))
         log.info("piecewise graph capture took %.1fs", time.perf_counter() - t0)
@@ -181,19 +198,31 @@ class Engine:
         self._inbox.put(("cancel", seq_id))
 
     def has_work(self) -> bool:
-        return bool(self._seqs) or not self._inbox.empty()
+        return bool(self._seqs) or not self._inbox.empty() or self._inflight is not None
 
     def step(self) -> list[StepOutput]:
+        """Schedule and queue one step; return what finished steps produced (with overlap, the
+        results of the step queued by the previous call)."""
         outputs = self._drain_inbox()
         plan = self.batcher.schedule()
         outputs += [self._finish(s) for s in plan.evicted + plan.failed]
-        self.last_step = (sum(s.num_tokens for s in plan.prefill), len(plan.decode))
-        if plan.seqs:
-            seqs, tokens = self.runner.run(plan.prefill, plan.decode)
-            outputs += self._postprocess(seqs, tokens)
+        prev, launched = self._inflight, None
+        if plan.work:
+            batch = build_step_batch(plan.work, self.config.page_size, self.config.max_batch_size,
+                                     prev.batch if prev is not None else None, pin=self.device.type == "cuda")
+            launched = self.runner.launch(batch, prev)
+            for w in plan.work:
+                if w.sample:
+                    w.seq.num_pending += 1
+            self.last_step = (plan.prefill_tokens, plan.num_decode)
             self.last_busy = time.time()
             self.steps += 1
-        elif self.batcher.waiting and not outputs:
+        self._inflight = launched
+        if not self.overlap and launched is not None:
+            prev, self._inflight = launched, None
+        if prev is not None:
+            outputs += self._postprocess(prev.batch, prev.tokens())
+        elif not plan.work and self.batcher.waiting and not outputs:
             time.sleep(0.0005)  # only adapter loads are pending: let their worker threads run
         return outputs
 
@@ -234,6 +263,7 @@ class Engine:
                     arg.finish_reason, arg.error = "error", f"request id {arg.id!r} is already running"
                     outputs.append(StepOutput(arg.id, [], "error", arg.error, list(arg.output_ids)))
                     continue
+                arg.max_len = self.max_model_len
                 self._seqs[arg.id] = arg
                 self.batcher.add(arg)
             elif op == "cancel":
@@ -253,17 +283,22 @@ class Engine:
             return StepOutput(seq.id)
         return StepOutput(seq.id, [], seq.finish_reason, seq.error, list(seq.output_ids))
 
-    def _postprocess(self, seqs: list[Sequence], tokens: list[int]) -> list[StepOutput]:
+    def _postprocess(self, batch: StepBatch, tokens: list[int]) -> list[StepOutput]:
+        """Append each sampled id to its request (unless the request left the batch since the step
+        was scheduled), and finish requests at EOS, a stop token, max_tokens or the context end."""
         eos = set(self.model_config.eos_token_ids)
         outputs = []
-        for seq, tok in zip(seqs, tokens):
+        for j, b in enumerate(batch.sample_idx):
+            seq, tok = batch.seqs[b], tokens[j]
+            if seq.epoch != batch.epochs[b]:
+                continue  # finished, cancelled or evicted after this step was queued: stale
+            seq.num_pending -= 1
             seq.output_ids.append(tok)
-            seq.num_cached = seq.num_tokens - 1
             p = seq.params
             reason = None
             if tok in p.stop_token_ids or (not p.ignore_eos and tok in eos):
                 reason = "stop"
-            elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            elif len(seq.output_ids) >= p.max_tokens or len(seq.prompt_ids) + len(seq.output_ids) >= self.max_model_len:
                 reason = "length"
             out = StepOutput(seq.id, [tok])
             if reason is not None:
@@ -276,6 +311,7 @@ class Engine:
 
     def abort_all(self, message: str) -> list[StepOutput]:
         """Fail every admitted request (after an engine error) so no caller waits forever."""
+        self._inflight = None
         outs = []
         for seq in list(self.batcher.running) + list(self.batcher.waiting):
             self.batcher.remove(seq)

@@ -1,9 +1,16 @@
-"""Turns a step plan into one flat batch, runs the model and samples.
+"""Runs one step batch on the model and samples, without waiting for the device.
 
-Batch layout (Punica §5): prefill tokens first, then decode tokens; within each part rows
-are grouped by adapter slot so each adapter is one contiguous segment, and the last
-prefill adapter is the first decode adapter when possible (one segment across the seam).
-The segment table and attention metadata are built once here and reused by every layer.
+    handle = runner.launch(batch, prev)   # one host->device copy, forward, sampling, async readback
+    ids = handle.tokens()                 # waits for this step only: ids in batch.sample_idx order
+
+Every executor reads the same `StepBatch` (step_batch.py) and its device copy (`DeviceStep`):
+decode-only steps replay a CUDA graph per batch bucket (cuda_graph.py), steps with prefill replay
+piecewise graphs around eager attention (piecewise.py), and anything else runs the forward pass
+eagerly (the CPU path, and the fallback). None of them rebuilds or reorders the batch.
+
+Overlap: `launch` returns as soon as the work is queued on the device. The sampled ids stay on the
+device (`InFlight.tokens_dev`), where the next step's input rows read them, and are copied to
+pinned host memory behind the step; only `tokens()` waits.
 """
 
 from __future__ import annotations
@@ -14,92 +21,67 @@ from dataclasses import dataclass
 import torch
 
 from lorafleet.runner.attention.meta import AttnMeta
-from lorafleet.runner.lora.segments import SegmentTable, build_segments
+from lorafleet.runner.lora.segments import SegmentTable
 from lorafleet.runner.lora.step import LoraStepImpl
 from lorafleet.runner.model.llama import LlamaModel
-from lorafleet.runner.sampler import sample
-from lorafleet.runner.sequence import Sequence
+from lorafleet.runner.sampler import sample_tokens
+from lorafleet.runner.step_batch import StepBatch, split64
 
 
 @dataclass
-class StepBatch:
-    seqs: list[Sequence]  # batch order: prefill then decode
-    num_prefill: int
+class DeviceStep:
+    """The device copy of a step batch's numbers (T rows, B requests)."""
+
     input_ids: torch.Tensor  # int64 [T]
     positions: torch.Tensor  # int64 [T]
+    slot_mapping: torch.Tensor  # int64 [T]
     logit_rows: torch.Tensor  # int64 [B]
-    attn: AttnMeta
-    segments: SegmentTable
+    inputs3: torch.Tensor  # int64 [3, T]: input_ids, positions, slot_mapping as one view
+    seg: SegmentTable  # device indptr / slots at the batch's capacity, host tuples of the real segments
+
+    def attn_meta(self, batch: StepBatch) -> AttnMeta:
+        return AttnMeta(num_prefill=batch.num_prefill, qo_indptr=batch.qo_indptr, kv_lens=batch.kv_lens,
+                        page_tables=batch.page_tables, page_size=batch.page_size, slot_mapping=self.slot_mapping)
 
 
-def order_for_segments(prefill: list[Sequence], decode: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
-    """Group each part by adapter slot; put a slot shared by both parts at the seam."""
-    pre_slots = {s.slot for s in prefill}
-    dec_slots = {s.slot for s in decode}
-    shared = sorted(pre_slots & dec_slots)
-    seam = shared[0] if shared else None
+def to_device(batch: StepBatch, device: torch.device, prev_tokens: torch.Tensor | None) -> DeviceStep:
+    """Two host->device copies (int64 and int32 packs); pending input rows take the previous
+    step's sampled ids on the device."""
+    T, B, P = batch.num_tokens, batch.batch_size, batch.num_pending
+    d64 = batch.packed64.to(device, non_blocking=True)
+    d32 = batch.packed32.to(device, non_blocking=True)
+    v = split64(d64, T, B, P)
+    if P:
+        if prev_tokens is None:
+            raise RuntimeError("the step batch reads pending tokens but no step is in flight")
+        v["input_ids"].index_copy_(0, v["pending_rows"], prev_tokens.index_select(0, v["pending_src"]))
+    cap = batch.seg_capacity
+    seg = SegmentTable(d32[: cap + 1], d32[cap + 1:], batch.seg_indptr, batch.seg_slots, T)
+    return DeviceStep(v["input_ids"], v["positions"], v["slot_mapping"], v["logit_rows"], d64[: 3 * T].view(3, T), seg)
 
-    def pre_key(s: Sequence):
-        return (s.slot == seam, s.slot, s.age_key)
 
-    def dec_key(s: Sequence):
-        return (s.slot != seam, s.slot, s.age_key)
+class InFlight:
+    """A launched step: its batch, sampled ids on the device, and their pinned host copy."""
 
-    return sorted(prefill, key=pre_key), sorted(decode, key=dec_key)
+    def __init__(self, batch: StepBatch, tokens_dev: torch.Tensor, kind: str):
+        self.batch, self.tokens_dev, self.kind = batch, tokens_dev, kind
+        self.event = None
+        if tokens_dev.is_cuda:
+            self.host = torch.empty(tokens_dev.shape, dtype=tokens_dev.dtype, pin_memory=True)
+            self.host.copy_(tokens_dev, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = tokens_dev
 
+    def done(self) -> bool:
+        return self.event is None or self.event.query()
 
-def build_batch(
-    prefill: list[Sequence], decode: list[Sequence], page_size: int, device: torch.device, seg_capacity: int | None = None
-) -> StepBatch:
-    prefill, decode = order_for_segments(prefill, decode)
-    ids: list[int] = []
-    pos: list[int] = []
-    slots: list[int] = []
-    row_slots: list[int] = []
-    qo_indptr = [0]
-    kv_lens: list[int] = []
-    logit_rows: list[int] = []
-    for s in prefill:
-        toks = s.all_ids
-        n = len(toks)
-        ids.extend(toks)
-        pos.extend(range(n))
-        slots.extend(s.pages[p // page_size] * page_size + p % page_size for p in range(n))
-        row_slots.extend([s.slot] * n)
-        qo_indptr.append(qo_indptr[-1] + n)
-        kv_lens.append(n)
-        logit_rows.append(qo_indptr[-1] - 1)
-    for s in decode:
-        p = s.num_tokens - 1
-        ids.append(s.all_ids[-1])
-        pos.append(p)
-        slots.append(s.pages[p // page_size] * page_size + p % page_size)
-        row_slots.append(s.slot)
-        qo_indptr.append(qo_indptr[-1] + 1)
-        kv_lens.append(p + 1)
-        logit_rows.append(qo_indptr[-1] - 1)
-    seqs = prefill + decode
-
-    def dev(x: list[int]) -> torch.Tensor:
-        return torch.tensor(x, dtype=torch.int64).to(device, non_blocking=True)
-
-    meta = AttnMeta(
-        num_prefill=len(prefill),
-        qo_indptr=qo_indptr,
-        kv_lens=kv_lens,
-        page_tables=[s.pages for s in seqs],
-        page_size=page_size,
-        slot_mapping=dev(slots),
-    )
-    return StepBatch(
-        seqs=seqs,
-        num_prefill=len(prefill),
-        input_ids=dev(ids),
-        positions=dev(pos),
-        logit_rows=dev(logit_rows),
-        attn=meta,
-        segments=build_segments(row_slots, device, seg_capacity),
-    )
+    def tokens(self) -> list[int]:
+        """The sampled ids, in `batch.sample_idx` order (waits for this step's device work)."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
 
 
 class ModelRunner:
@@ -110,41 +92,43 @@ class ModelRunner:
         self.graphs = graphs  # GraphRunner for decode-only steps on CUDA, or None
         self.mixed = mixed  # PiecewiseGraphs for steps with prefill, or None
         self._workspace: torch.Tensor | None = None
-        # Optional wall-clock split of steps for profiling: {"graph"|"eager": [prepare_s, launch_s, wait_s, n]}.
+        # Optional wall-clock split of launches for profiling: {kind: [copy_s, launch_s, sample_s, n]}.
         self.phases: dict[str, list[float]] | None = None
 
-    def run(self, prefill: list[Sequence], decode: list[Sequence]) -> tuple[list[Sequence], list[int]]:
-        """One forward over the flat batch; returns (seqs in batch order, next token per seq)."""
+    @torch.inference_mode()
+    def launch(self, batch: StepBatch, prev: InFlight | None = None) -> InFlight:
+        """Queue one step on the device; `prev` is the step launched before it (for pending ids)."""
         t0 = time.perf_counter() if self.phases is not None else 0.0
-        if not prefill and self.graphs is not None and self.graphs.bucket(len(decode)) is not None:
-            kind = "graph"
-            _, seqs = order_for_segments([], decode)
-            t1, logits = self.graphs.run(seqs, self.page_size)
-        else:
-            cap = self.mixed.max_rows if self.mixed is not None else None  # the static table's capacity
-            batch = build_batch(prefill, decode, self.page_size, self.model.device, cap)
-            seqs = batch.seqs
-            t1 = time.perf_counter() if self.phases is not None else 0.0
-            logits = self.mixed.run(batch) if self.mixed is not None else None
+        d = to_device(batch, self.model.device, prev.tokens_dev if prev is not None else None)
+        t1 = time.perf_counter() if self.phases is not None else 0.0
+        logits = None
+        kind = "eager"
+        if batch.decode_only and self.graphs is not None and self.graphs.bucket(batch.batch_size) is not None:
+            kind, logits = "graph", self.graphs.run(batch, d)
+        elif self.mixed is not None:
+            logits = self.mixed.run(batch, d)
             kind = "piecewise"
-            if logits is None:
-                kind = "eager"
-                logits = self.forward(batch)
+        if logits is None:
+            kind, logits = "eager", self.forward(batch, d)
         t2 = time.perf_counter() if self.phases is not None else 0.0
-        tokens = sample(logits, seqs)
+        if len(batch.sample_idx) < batch.batch_size:
+            logits = logits.index_select(0, torch.tensor(batch.sample_idx, dtype=torch.int64, device=logits.device))
+        tokens = sample_tokens(logits, batch.temperature, batch.top_p, batch.top_k, batch.uniform)
+        out = InFlight(batch, tokens, kind)
         if self.phases is not None:
             acc = self.phases.setdefault(kind, [0.0, 0.0, 0.0, 0])
             t3 = time.perf_counter()
-            acc[0] += t1 - t0  # host: batch building, page tables, attention plan
-            acc[1] += t2 - t1  # host: kernel launches (graph replay or eager ops)
-            acc[2] += t3 - t2  # waiting for the GPU, sampling, device -> host copy
+            acc[0] += t1 - t0  # host: the batch's copy to the device
+            acc[1] += t2 - t1  # host: attention plans and kernel launches (or graph replay)
+            acc[2] += t3 - t2  # host: sampling launches and the readback request
             acc[3] += 1
-        return seqs, tokens
+        return out
 
-    def forward(self, batch: StepBatch) -> torch.Tensor:
-        attn_step = self.attention.begin(batch.attn)
+    def forward(self, batch: StepBatch, d: DeviceStep) -> torch.Tensor:
+        """The whole step eagerly: logits fp32 [B, V] (one row per request, its last row)."""
+        attn_step = self.attention.begin(d.attn_meta(batch))
         lora = None
-        if self.lora_pool is not None and batch.segments.any_adapter:
-            lora = LoraStepImpl(self.lora_pool, self.sgmv, batch.segments, self._workspace)
+        if self.lora_pool is not None and d.seg.any_adapter:
+            lora = LoraStepImpl(self.lora_pool, self.sgmv, d.seg, self._workspace)
             self._workspace = lora.ws
-        return self.model.forward(batch.input_ids, batch.positions, attn_step, lora, batch.logit_rows)
+        return self.model.forward(d.input_ids, d.positions, attn_step, lora, d.logit_rows)

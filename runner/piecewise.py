@@ -157,28 +157,26 @@ class PiecewiseGraphs:
 
     # -- one step -----------------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, batch) -> torch.Tensor | None:
-        """Logits [B, V] of a StepBatch, or None when it fits no bucket (run it eagerly). The
-        batch's segment table must have capacity `max_rows` (`build_batch(..., seg_capacity=)`)."""
-        T = batch.input_ids.shape[0]
-        B = batch.logit_rows.shape[0]
-        seg = batch.segments
+    def run(self, batch, d) -> torch.Tensor | None:
+        """Logits [B, V] of a step batch (and its device copy `d`), or None when it fits no bucket
+        (run it eagerly). The batch's segment table must have capacity `max_rows`."""
+        T, B = batch.num_tokens, batch.batch_size
+        seg = d.seg
         b = self.bucket(T, B, seg.num_segments)
         if b is None or seg.slots.shape[0] != self.max_rows:
             return None
-        b.input_ids[:T].copy_(batch.input_ids, non_blocking=True)
-        b.positions[:T].copy_(batch.positions, non_blocking=True)
-        b.logit_rows[:B].copy_(batch.logit_rows, non_blocking=True)
+        b.input_ids[:T].copy_(d.input_ids, non_blocking=True)
+        b.positions[:T].copy_(d.positions, non_blocking=True)
+        b.logit_rows[:B].copy_(d.logit_rows, non_blocking=True)
         if B < b.logit_rows.shape[0]:
             b.logit_rows[B:].zero_()  # rows left from a larger step may lie beyond this bucket's Tp
         if b.lora is not None:
-            # the batch's table is padded to max_rows segments (ModelRunner builds it so): one copy each
             b.seg_indptr.copy_(seg.indptr, non_blocking=True)
             b.seg_slots.copy_(seg.slots, non_blocking=True)
             # the kernels read the static tensors; CPU code paths read the host lists of this step
             b.lora.seg = SegmentTable(b.seg_indptr, b.seg_slots, seg.host_indptr, seg.host_slots, b.Tp)
         c = self.model.cfg
-        attn = self.attention.begin(batch.attn)
+        attn = self.attention.begin(d.attn_meta(batch))
         self._replay(b, 0)
         for i in range(len(self.model.layers)):
             attn(i, b.q[:T].view(T, c.num_heads, c.head_dim), b.k[:T].view(T, c.num_kv_heads, c.head_dim),

@@ -103,12 +103,19 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     pages: list[int] = field(default_factory=list)
-    num_cached: int = 0  # tokens whose K/V sit in this request's pages
+    num_cached: int = 0  # tokens whose K/V sit in (or are being written to) this request's pages
+    # Tokens sampled on the device but not yet read back (overlapped scheduling): the last
+    # `num_pending` tokens of the sequence exist only as device values of the step in flight.
+    num_pending: int = 0
+    # Bumped whenever the request leaves the running batch (finish, cancel, eviction), so a step in
+    # flight that still carries it can tell that its result for this request is stale.
+    epoch: int = 0
     slot: int = -1  # adapter pool slot while admitted (-1: none)
     finish_reason: str | None = None
     error: str | None = None
     order: int = field(default_factory=lambda: next(_counter))  # tie-break for equal arrivals
     sample_seed: int = 0
+    max_len: int = 1 << 30  # the engine's context length, set when the engine accepts the request
 
     def __post_init__(self):
         if not self.prompt_ids:
@@ -118,11 +125,27 @@ class Sequence:
 
     @property
     def all_ids(self) -> list[int]:
+        """Prompt and generated ids known on the host (pending device tokens not included)."""
         return self.prompt_ids + self.output_ids
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        """Tokens of the sequence, including the ones still pending on the device."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_pending
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.output_ids) + self.num_pending
+
+    @property
+    def done_generating(self) -> bool:
+        """Its last token is already sampled (max_tokens or the context is reached): nothing to schedule."""
+        return self.num_generated >= self.params.max_tokens or self.num_tokens >= self.max_len
+
+    @property
+    def prefilling(self) -> bool:
+        """Some prompt (or resumed) tokens still lack their K/V: the next rows are a prefill chunk."""
+        return self.num_cached < self.num_tokens - 1
 
     @property
     def adapter_name(self) -> str | None:

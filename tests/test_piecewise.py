@@ -9,7 +9,8 @@ import torch
 
 from lorafleet.runner.config import EngineConfig
 from lorafleet.runner.engine import Engine
-from lorafleet.runner.model_runner import build_batch
+from lorafleet.runner.model_runner import to_device
+from lorafleet.runner.step_batch import build_step_batch
 from lorafleet.runner.piecewise import PiecewiseGraphs, default_buckets
 from lorafleet.runner.sequence import AdapterRef, SamplingParams, Sequence
 from model_helpers import write_random_adapter
@@ -67,12 +68,12 @@ def test_mixed_step_logits_equal_the_whole_step(tiny_llama, adapters):
         eng.submit(s)
     eng._drain_inbox()
     plan = eng.batcher.schedule()
-    assert plan.prefill and plan.decode
-    batch = build_batch(plan.prefill, plan.decode, eng.config.page_size, eng.device, seg_capacity=8)
-    T = batch.input_ids.shape[0]
+    assert plan.prefill_tokens and plan.num_decode
+    batch = build_step_batch(plan.work, eng.config.page_size, 8)
+    T = batch.num_tokens
     assert T not in (16, 48, 128)  # really padded
-    ref = eng.runner.forward(batch)
-    got = eng.runner.mixed.run(batch)
+    ref = eng.runner.forward(batch, to_device(batch, eng.device, None))
+    got = eng.runner.mixed.run(batch, to_device(batch, eng.device, None))
     assert got.shape == ref.shape
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
     # a step larger than every bucket is refused (and then runs whole)

@@ -1,0 +1,219 @@
+"""The step batch: everything one engine step computes, as plain host data, built in one place.
+
+    plan  = batcher.schedule()                   # which rows of which requests (RowWork)
+    batch = build_step_batch(plan.work, ...)     # this module: the only producer
+    runner.launch(batch, prev)                   # eager, decode graph or piecewise graph: all read it
+
+Row layout (Punica §5): one flat token batch; prefill (and prefill-chunk) rows first, then decode
+rows, each part grouped by adapter slot so every adapter is one contiguous segment; a slot shared
+by both parts sits at the seam (one segment across it). The segment table is built here once and
+reused by every layer.
+
+Everything an executor needs is in the batch as numbers: no executor reads a `Sequence`, so a
+tensor-parallel rank can replay the same batch from its serialised form (`to_wire` / `from_wire`).
+Decode rows whose input token was sampled by the previous step and is still on the device
+(overlapped scheduling) name it in `pending_rows` / `pending_src`: the runner copies
+`prev_tokens[pending_src]` into those rows on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from lorafleet.runner.lora.segments import merge_runs
+from lorafleet.runner.sampler import uniform_for
+from lorafleet.runner.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class RowWork:
+    """Rows of one request in one step: the K/V of positions `start:end` are computed; with
+    `sample` the step also samples the token at position `end` (the request's next token)."""
+
+    seq: Sequence
+    start: int
+    end: int
+    sample: bool
+
+    @property
+    def num_rows(self) -> int:
+        return self.end - self.start
+
+    @property
+    def decode(self) -> bool:
+        return self.end - self.start == 1 and self.sample and self.start > 0
+
+
+@dataclass
+class StepBatch:
+    """One step in batch order. B requests (`num_prefill` prefill-like first), T token rows,
+    S sampled requests. Host data only; `packed64` / `packed32` are what crosses to the device."""
+
+    seqs: list[Sequence]  # [B] (host bookkeeping only; executors never read them)
+    epochs: list[int]  # [B] each request's epoch when scheduled
+    num_prefill: int
+    num_tokens: int  # T
+    qo_indptr: list[int]  # [B + 1]
+    kv_lens: list[int]  # [B] KV length after this step
+    page_tables: list[list[int]]  # [B]
+    page_size: int
+    seg_indptr: tuple[int, ...]  # [n + 1] real segments
+    seg_slots: tuple[int, ...]  # [n]
+    seg_capacity: int  # padded capacity of the device table
+    sample_idx: list[int]  # [S] request indices (into seqs) whose next token is sampled
+    temperature: list[float]  # [S]
+    top_p: list[float]  # [S]
+    top_k: list[int]  # [S]
+    uniform: list[float]  # [S] the sampling draw of each (seed, position)
+    # int64 [3T + B + 2P]: input_ids | positions | slot_mapping | logit_rows | pending_rows | pending_src
+    packed64: torch.Tensor
+    packed32: torch.Tensor  # int32 [2 * capacity + 1]: seg indptr (padded) | seg slots (padded with -1)
+    num_pending: int  # P
+    sample_pos: dict[int, int] = field(default_factory=dict)  # id(seq) -> index of its sampled token
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.kv_lens)
+
+    @property
+    def num_decode(self) -> int:
+        return self.batch_size - self.num_prefill
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.qo_indptr[self.num_prefill]
+
+    @property
+    def decode_only(self) -> bool:
+        return self.num_prefill == 0
+
+    @property
+    def all_greedy(self) -> bool:
+        return all(t == 0.0 or k == 1 for t, k in zip(self.temperature, self.top_k))
+
+    def views64(self) -> dict[str, torch.Tensor]:
+        """Named views of a copy of `packed64` (on any device)."""
+        return split64(self.packed64, self.num_tokens, self.batch_size, self.num_pending)
+
+    # -- serialised form for tensor-parallel ranks ----------------------------------------------
+    def to_wire(self) -> dict:
+        """Plain data (lists and bytes) that `from_wire` turns back into an equivalent batch."""
+        return {
+            "num_prefill": self.num_prefill, "num_tokens": self.num_tokens, "qo_indptr": self.qo_indptr,
+            "kv_lens": self.kv_lens, "page_tables": self.page_tables, "page_size": self.page_size,
+            "seg_indptr": list(self.seg_indptr), "seg_slots": list(self.seg_slots), "seg_capacity": self.seg_capacity,
+            "sample_idx": self.sample_idx, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+            "uniform": self.uniform, "num_pending": self.num_pending,
+            "packed64": self.packed64.numpy().tobytes(), "packed32": self.packed32.numpy().tobytes(),
+        }
+
+    @classmethod
+    def from_wire(cls, w: dict, pin: bool = False) -> "StepBatch":
+        p64 = torch.from_numpy(np.frombuffer(w["packed64"], dtype=np.int64).copy())
+        p32 = torch.from_numpy(np.frombuffer(w["packed32"], dtype=np.int32).copy())
+        if pin:
+            p64, p32 = p64.pin_memory(), p32.pin_memory()
+        return cls(seqs=[], epochs=[], num_prefill=w["num_prefill"], num_tokens=w["num_tokens"],
+                   qo_indptr=list(w["qo_indptr"]), kv_lens=list(w["kv_lens"]),
+                   page_tables=[list(p) for p in w["page_tables"]], page_size=w["page_size"],
+                   seg_indptr=tuple(w["seg_indptr"]), seg_slots=tuple(w["seg_slots"]), seg_capacity=w["seg_capacity"],
+                   sample_idx=list(w["sample_idx"]), temperature=list(w["temperature"]), top_p=list(w["top_p"]),
+                   top_k=list(w["top_k"]), uniform=list(w["uniform"]), packed64=p64, packed32=p32,
+                   num_pending=w["num_pending"])
+
+
+def split64(p: torch.Tensor, T: int, B: int, P: int) -> dict[str, torch.Tensor]:
+    o = 0
+    out = {}
+    for name, n in (("input_ids", T), ("positions", T), ("slot_mapping", T), ("logit_rows", B),
+                    ("pending_rows", P), ("pending_src", P)):
+        out[name] = p[o: o + n]
+        o += n
+    return out
+
+
+def order_for_segments(prefill: list[RowWork], decode: list[RowWork]) -> tuple[list[RowWork], list[RowWork]]:
+    """Group each part by adapter slot; put a slot shared by both parts at the seam."""
+    shared = sorted({w.seq.slot for w in prefill} & {w.seq.slot for w in decode})
+    seam = shared[0] if shared else None
+    pre = sorted(prefill, key=lambda w: (w.seq.slot == seam, w.seq.slot, w.seq.age_key))
+    dec = sorted(decode, key=lambda w: (w.seq.slot != seam, w.seq.slot, w.seq.age_key))
+    return pre, dec
+
+
+def build_step_batch(work: list[RowWork], page_size: int, seg_capacity: int, prev: StepBatch | None = None,
+                     pin: bool = False) -> StepBatch:
+    """The step batch of the scheduled `work`. `prev` is the step launched before this one: a
+    request whose last token is still pending on the device reads it from that step's samples."""
+    prefill, decode = order_for_segments([w for w in work if not w.decode], [w for w in work if w.decode])
+    order = prefill + decode
+    ids: list[int] = []
+    pos: list[int] = []
+    slot_map: list[int] = []
+    row_slots: list[int] = []
+    qo_indptr = [0]
+    kv_lens: list[int] = []
+    logit_rows: list[int] = []
+    pending_rows: list[int] = []
+    pending_src: list[int] = []
+    sample_idx: list[int] = []
+    temperature, top_p, top_k, uniform = [], [], [], []
+    sample_pos: dict[int, int] = {}
+    for b, w in enumerate(order):
+        s = w.seq
+        known = s.all_ids
+        row0 = qo_indptr[-1]
+        n = w.end - w.start
+        if n == 1:
+            p = w.start
+            if p < len(known):
+                ids.append(known[p])
+            else:  # the token sampled by the previous step, still on the device
+                if prev is None or id(s) not in prev.sample_pos:
+                    raise RuntimeError(f"request {s.id}: token {p} is pending but no step in flight sampled it")
+                ids.append(0)
+                pending_rows.append(row0)
+                pending_src.append(prev.sample_pos[id(s)])
+            pos.append(p)
+            slot_map.append(s.pages[p // page_size] * page_size + p % page_size)
+        else:  # a prefill chunk: every token is known (a pending token always starts a decode row)
+            if w.end > len(known):
+                raise RuntimeError(f"request {s.id}: a prefill chunk reaches a pending token")
+            ids.extend(known[w.start: w.end])
+            pos.extend(range(w.start, w.end))
+            first, last = w.start // page_size, (w.end - 1) // page_size
+            pages = np.asarray(s.pages[first: last + 1], dtype=np.int64)
+            flat = (pages[:, None] * page_size + np.arange(page_size)).ravel()
+            off = w.start - first * page_size
+            slot_map.extend(flat[off: off + n].tolist())
+        row_slots.extend([s.slot] * n)
+        qo_indptr.append(row0 + n)
+        kv_lens.append(w.end)
+        logit_rows.append(row0 + n - 1)
+        if w.sample:
+            sample_pos[id(s)] = len(sample_idx)
+            sample_idx.append(b)
+            sp = s.params
+            temperature.append(float(sp.temperature))
+            top_p.append(float(sp.top_p))
+            top_k.append(int(sp.top_k))
+            uniform.append(0.0 if sp.greedy else uniform_for(s.sample_seed, w.end))
+    indptr, slots = merge_runs(row_slots)
+    cap = max(seg_capacity, len(slots), 1)
+    T, B = len(ids), len(order)
+    packed64 = torch.tensor(ids + pos + slot_map + logit_rows + pending_rows + pending_src,
+                            dtype=torch.int64)
+    packed32 = torch.tensor(indptr + [indptr[-1]] * (cap - len(slots)) + slots + [-1] * (cap - len(slots)),
+                            dtype=torch.int32)
+    if pin:
+        packed64, packed32 = packed64.pin_memory(), packed32.pin_memory()
+    return StepBatch(
+        seqs=[w.seq for w in order], epochs=[w.seq.epoch for w in order], num_prefill=len(prefill), num_tokens=T,
+        qo_indptr=qo_indptr, kv_lens=kv_lens, page_size=page_size,
+        page_tables=[w.seq.pages[: -(-w.end // page_size)] for w in order],
+        seg_indptr=tuple(indptr), seg_slots=tuple(slots), seg_capacity=cap, sample_idx=sample_idx,
+        temperature=temperature, top_p=top_p, top_k=top_k, uniform=uniform, packed64=packed64, packed32=packed32,
+        num_pending=len(pending_rows), sample_pos=sample_pos)
