@@ -609,9 +609,16 @@ struct ExpandCount {
   }
 };
 
+// v is read through the read-only cache when another kernel wrote it, and from L2 (coherent) when
+// other blocks of the same fused launch wrote it moments ago.
+template <bool kCoherent>
+__device__ __forceinline__ float load_v(const float* p) {
+  return kCoherent ? __ldcg(p) : __ldg(p);
+}
+
 // y[row0 + m, cols of item q] += v[row0 + m, g, :r] @ B_g[slot, :r, cols] for m < nr (<= 2).
 // Lane layout: rank group rg = lane & 3 (rank rows rg, rg + 4, ...), column vector warp * 8 + lane / 4.
-template <typename T>
+template <typename T, bool kCoherentV = false>
 __device__ __forceinline__ void expand_cc(const ExpandParams& p, int row0, int nr, int slot, int packed, int q,
                                           bool& waited) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -668,8 +675,8 @@ __device__ __forceinline__ void expand_cc(const ExpandParams& p, int row0, int n
       if (k < r) {
         float bf[8];
         to_float8<T>(bv[j], bf);
-        const float v0 = __ldg(vp + k);
-        const float v1 = two ? __ldg(vp + p.v_row_stride + k) : 0.f;
+        const float v0 = load_v<kCoherentV>(vp + k);
+        const float v1 = two ? load_v<kCoherentV>(vp + p.v_row_stride + k) : 0.f;
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
           acc[0][e] = fmaf(v0, bf[e], acc[0][e]);
@@ -811,6 +818,159 @@ __global__ void __launch_bounds__(kThreads, kMma ? 2 : 4) sgmv_expand_kernel(con
   }
   // Never finish before the preceding kernel: whatever follows this one in the stream may rely on
   // both being complete.
+  if (!waited) pdl_wait();
+}
+
+
+// ---------------------------------------------------------------------------------------------------
+// Fused shrink + expand (CUDA-core items only): one launch per projection group.
+//
+// The item list is [every shrink item][every expand item] of the same segment table, taken
+// blockIdx.x, blockIdx.x + gridDim.x, ... as in the two kernels above, so each block finishes all of
+// its shrink items before its first expand item. An expand item of segment i waits until the
+// segment's shrink items are done: the block that finishes a shrink item publishes it (barrier,
+// one gpu-scope fence, one atomic increment of done_shrink[i]); the expand item's first thread
+// spins on that count, then fences, and the block reads v from L2. The grid never exceeds the
+// blocks that can be resident at once, and every block starts (and calls launch_dependents) before
+// any dependent kernel may occupy an SM, so every waited-for shrink item is running or done: no
+// deadlock. The last expand item of a segment (done_expand[i] reaching its count) sets both
+// counters back to zero, so they are zero between launches without a memset. Every output element
+// is still written by exactly one thread with a fixed reduction order: bitwise reproducible, and
+// bitwise equal to the two-launch CUDA-core path.
+
+struct FusedParams {
+  ShrinkParams s;
+  ExpandParams e;
+  int* done_shrink;  // [capacity], zero between launches
+  int* done_expand;  // [capacity], zero between launches
+  int eprefix_offset;  // ints from the start of shared memory to the expand-item prefix [cap + 1]
+};
+
+// Exclusive prefix of `count(n, packed)` over the segments already in `t` (thread t owns the same
+// segments as in build_table) into `prefix`; returns the total.
+template <class Count>
+__device__ int scan_items(Table t, int* prefix, const Count& count) {
+  constexpr int kPer = kMaxSegments / kThreads;
+  const int tid = threadIdx.x;
+  const int per = ceil_div(t.cap, kThreads);
+  int cnt[kPer];
+  int local = 0;
+#pragma unroll
+  for (int e = 0; e < kPer; ++e) {
+    const int i = tid * per + e;
+    cnt[e] = (e < per && i < t.cap && t.n[i] > 0) ? count(t.n[i], t.rk[i]) : 0;
+    local += cnt[e];
+  }
+  const int lane = tid & 31, warp = tid >> 5;
+  int incl = local;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(kFullMask, incl, o);
+    if (lane >= o) incl += y;
+  }
+  if (lane == 31) t.warp_totals[warp] = incl;
+  __syncthreads();
+  int base = 0, total = 0;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) {
+    const int wt = t.warp_totals[w];
+    base += w < warp ? wt : 0;
+    total += wt;
+  }
+  int run = base + incl - local;
+#pragma unroll
+  for (int e = 0; e < kPer; ++e) {
+    const int i = tid * per + e;
+    if (e < per && i < t.cap) {
+      prefix[i] = run;
+      run += cnt[e];
+    }
+  }
+  if (tid == 0) prefix[t.cap] = total;
+  __syncthreads();
+  return total;
+}
+
+__device__ __forceinline__ int load_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, kShrinkMinBlocks) sgmv_fused_kernel(const __grid_constant__ FusedParams p) {
+  pdl_launch_dependents();
+  extern __shared__ __align__(128) unsigned char smem[];
+  const Table t = carve_table(reinterpret_cast<int*>(smem), p.s.seg.capacity);
+  int* eprefix = reinterpret_cast<int*>(smem) + p.eprefix_offset;
+  const int ns = build_table(p.s.seg, p.s.rank_cap, t, ShrinkCount<false>{p.s.mma_min_rows});
+  const ExpandCount<false> ecount{p.e.mma_min_rows, {p.e.out_features[0], p.e.out_features[1], p.e.out_features[2]}};
+  const int ne = scan_items(t, eprefix, ecount);
+  float* red = reinterpret_cast<float*>(smem + p.s.work_offset);
+  bool waited = false;
+
+  for (int item = blockIdx.x; item < ns + ne; item += gridDim.x) {
+    if (item < ns) {
+      const int i = find_segment(t.prefix, t.cap, item);
+      const int local = item - t.prefix[i];
+      const int lo = t.lo[i], n = t.n[i], slot = t.slot[i], packed = t.rk[i];
+      const int rt = rank_of(packed, 0) + rank_of(packed, 1) + rank_of(packed, 2);
+      const bool long_seg = n >= kShrinkLong;
+      const int rb = n == 1 ? kShrinkRanks1 : (long_seg ? kShrinkRanksLong : kShrinkRanksN);
+      const int nq = ceil_div(rt, rb);
+      const int c = local / nq, q = local - c * nq;
+      const int row0 = lo + c * kShrinkRows;
+      const int f0 = q * rb;
+      const int nr = min(kShrinkRows, n - c * kShrinkRows);
+      if (long_seg) {
+        if (nr == 1) {
+          shrink_cc<T, 1, kShrinkRanksLong>(p.s, row0, slot, packed, f0, red, waited);
+        } else {
+          shrink_cc<T, 2, kShrinkRanksLong>(p.s, row0, slot, packed, f0, red, waited);
+        }
+      } else if (n == 1) {
+        shrink_cc<T, 1, kShrinkRanks1>(p.s, row0, slot, packed, f0, red, waited);
+      } else if (nr == 1) {
+        shrink_cc<T, 1, kShrinkRanksN>(p.s, row0, slot, packed, f0, red, waited);
+      } else {
+        shrink_cc<T, 2, kShrinkRanksN>(p.s, row0, slot, packed, f0, red, waited);
+      }
+      // shrink_cc ends with a block barrier after every v store of the item: publish it.
+      if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(p.done_shrink + i, 1);
+      }
+    } else {
+      const int e = item - ns;
+      const int i = find_segment(eprefix, t.cap, e);
+      const int local = e - eprefix[i];
+      const int lo = t.lo[i], n = t.n[i], slot = t.slot[i], packed = t.rk[i];
+      if (!waited) {  // block-uniform (a block may have had no shrink item)
+        pdl_wait();
+        waited = true;
+      }
+      if (threadIdx.x == 0) {
+        const int need = t.prefix[i + 1] - t.prefix[i];
+        while (load_acquire(p.done_shrink + i) < need) __nanosleep(32);
+        __threadfence();
+      }
+      __syncthreads();
+      int vecs = 0;
+#pragma unroll
+      for (int g = 0; g < kMaxGroup; ++g) vecs += rank_of(packed, g) > 0 ? p.e.out_features[g] >> 3 : 0;
+      const int nq = ceil_div(vecs, kExpandVecs);
+      const int c = local / nq, q = local - c * nq;
+      expand_cc<T, true>(p.e, lo + c * kExpandRows, min(kExpandRows, n - c * kExpandRows), slot, packed, q, waited);
+      __syncthreads();  // every thread of the block is past its v reads
+      if (threadIdx.x == 0) {
+        const int items = eprefix[i + 1] - eprefix[i];
+        if (atomicAdd(p.done_expand + i, 1) == items - 1) {  // the segment's last expand item
+          p.done_shrink[i] = 0;
+          p.done_expand[i] = 0;
+        }
+      }
+    }
+  }
   if (!waited) pdl_wait();
 }
 
@@ -1016,6 +1176,59 @@ const char* expand_typed(const ExpandArgs& args, const LaunchOptions& opt, int d
              : launch(sgmv_expand_kernel<T, false>, p, max_items, kThreads, smem, opt.pdl, device, stream);
 }
 
+
+template <typename T>
+const char* fused_typed(const ShrinkArgs& sa, const ExpandArgs& ea, int* counters, const LaunchOptions& opt,
+                        int device, cudaStream_t stream) {
+  FusedParams p = {};
+  ShrinkParams& s = p.s;
+  ExpandParams& e = p.e;
+  s.seg = sa.seg;
+  e.seg = ea.seg;
+  s.x = sa.x;
+  s.in_features = sa.in_features;
+  s.v = sa.v;
+  e.v = sa.v;
+  s.v_rank_dim = e.v_rank_dim = sa.v_rank_dim;
+  s.v_row_stride = e.v_row_stride = sa.seg.num_groups * sa.v_rank_dim;
+  s.mma_min_rows = e.mma_min_rows = 1 << 30;  // CUDA-core items only
+  int rank_sum = 0, vecs = 0;
+  for (int g = 0; g < kMaxGroup; ++g) {
+    const bool used = g < sa.seg.num_groups;
+    if (used && (sa.a[g] == nullptr || ea.b[g] == nullptr || ea.y[g] == nullptr || sa.a_rank_dim[g] < 1 ||
+                 sa.a_rank_dim[g] > sa.v_rank_dim || ea.b_rank_dim[g] < 1 || ea.b_rank_dim[g] > sa.v_rank_dim))
+      return "sgmv_fused: every A and B pool needs a rank dimension in [1, v.size(2)]";
+    if (used && (ea.out_features[g] < 8 || ea.out_features[g] % 8 != 0 || ea.y_row_stride[g] % 8 != 0))
+      return "sgmv_fused: output widths and row strides must be multiples of 8";
+    // one rank cap for both halves: shrink and expand see the same items of every segment
+    const int cap = used ? std::min(std::min(sa.a_rank_dim[g], ea.b_rank_dim[g]), kMaxRank) : 0;
+    s.a[g] = used ? sa.a[g] : sa.a[0];
+    s.a_rank_dim[g] = used ? sa.a_rank_dim[g] : 0;
+    s.rank_cap[g] = e.rank_cap[g] = cap;
+    e.b[g] = used ? ea.b[g] : ea.b[0];
+    e.b_rank_dim[g] = used ? ea.b_rank_dim[g] : 0;
+    e.y[g] = used ? ea.y[g] : ea.y[0];
+    e.y_row_stride[g] = used ? ea.y_row_stride[g] : 0;
+    e.out_features[g] = used ? ea.out_features[g] : 0;
+    rank_sum += cap;
+    vecs += used ? ea.out_features[g] / 8 : 0;
+  }
+  s.rank_pad = e.rank_pad = rank_pad_of(s.rank_cap, sa.seg.num_groups);
+  const int cap = sa.seg.capacity;
+  p.eprefix_offset = table_ints(cap);
+  const int eprefix_ints = (cap + 1 + 31) / 32 * 32;
+  s.work_offset = e.work_offset = (table_ints(cap) + eprefix_ints) * 4;
+  p.done_shrink = counters;
+  p.done_expand = counters + cap;
+  const int smem = s.work_offset + kShrinkRows * kShrinkRanksLong * kThreads * 4;
+  const int64_t items =
+      static_cast<int64_t>(row_chunks_bound(sa.seg, kShrinkRows)) * ceil_div(rank_sum, kShrinkRanksN) +
+      static_cast<int64_t>(row_chunks_bound(sa.seg, kExpandRows)) * ceil_div(vecs, kExpandVecs);
+  const int max_items = static_cast<int>(std::min<int64_t>(items, 1 << 30));
+  // No per-SM cap below the occupancy: the grid is at most what is resident at once (see the kernel).
+  return launch(sgmv_fused_kernel<T>, p, max_items, kThreads, smem, opt.pdl, device, stream);
+}
+
 }  // namespace
 
 const char* sgmv_shrink(DType dtype, const ShrinkArgs& args, const LaunchOptions& options, int device, void* stream) {
@@ -1039,6 +1252,23 @@ const char* sgmv_expand(DType dtype, const ExpandArgs& args, const LaunchOptions
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   return dtype == DType::kBFloat16 ? expand_typed<__nv_bfloat16>(args, options, device, s)
                                    : expand_typed<__half>(args, options, device, s);
+}
+
+const char* sgmv_fused(DType dtype, const ShrinkArgs& sargs, const ExpandArgs& eargs, int* counters,
+                       const LaunchOptions& options, int device, void* stream) {
+  if (const char* err = check_segments(sargs.seg)) return err;
+  if (sargs.seg.capacity != eargs.seg.capacity || sargs.seg.num_rows != eargs.seg.num_rows ||
+      sargs.seg.num_groups != eargs.seg.num_groups || sargs.v != eargs.v || sargs.v_rank_dim != eargs.v_rank_dim)
+    return "sgmv_fused: shrink and expand must share the segment table, T, G and v";
+  if (sargs.in_features < 8 || sargs.in_features % 8 != 0) return "sgmv_fused: in_features must be a multiple of 8";
+  if (sargs.x == nullptr || sargs.v == nullptr) return "sgmv_fused: null x or v";
+  if (sargs.seg.num_rows == 0) return nullptr;
+  if (counters == nullptr) return "sgmv_fused: null counters";
+  DeviceScope scope(device);
+  if (!scope.ok()) return "sgmv_fused: cannot select the tensors' CUDA device";
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  return dtype == DType::kBFloat16 ? fused_typed<__nv_bfloat16>(sargs, eargs, counters, options, device, s)
+                                   : fused_typed<__half>(sargs, eargs, counters, options, device, s);
 }
 
 }  // namespace lorafleet

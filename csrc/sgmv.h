@@ -73,4 +73,13 @@ const char* sgmv_shrink(DType dtype, const ShrinkArgs& args, const LaunchOptions
 const char* sgmv_expand(DType dtype, const ExpandArgs& args, const LaunchOptions& options, int device,
                         void* stream);
 
+// Shrink then expand of one projection group in ONE launch, every segment on the CUDA-core path
+// (the decode case; `options.mma_min_rows` is ignored). `sargs` and `eargs` must share the segment
+// table, T, G and v. `counters` is 2 * capacity int32 on the device, all zero before the first
+// call; each launch leaves them zero again. Launches that share `counters` must not run
+// concurrently (one stream). Same results, bit for bit, as sgmv_shrink + sgmv_expand with every
+// segment below the tensor-core thresholds.
+const char* sgmv_fused(DType dtype, const ShrinkArgs& sargs, const ExpandArgs& eargs, int* counters,
+                       const LaunchOptions& options, int device, void* stream);
+
 }  // namespace lorafleet

@@ -5,6 +5,9 @@
 //       v[rows, g, :r] = x[rows] @ a[g][s, :r, :].T        for every segment (rows, s >= 0) and g
 //   expand(ys, v, b, ranks, indptr, slots, mma_min_rows, pdl, stream):
 //       ys[g][rows] += v[rows, g, :r] @ b[g][s, :r, :]
+//   add(ys, v, x, a, b, ranks, indptr, slots, counters, shrink_mma_min_rows, expand_mma_min_rows, pdl, stream):
+//       shrink then expand; one fused launch when T is below both thresholds (every segment on the
+//       CUDA-core path), else the two launches above. counters: int32 [>= 2 * capacity], zero.
 //
 // with r = ranks[g, s]. The values inside ranks / indptr / slots live on the device and are not
 // inspected here (that would need a synchronisation): the kernels clamp ranks to [0, R_g], skip
@@ -136,10 +139,9 @@ void check_x(const Tensor& x) {
   SGMV_CHECK(aligned16(x), "sgmv: x must be 16-byte aligned");
 }
 
-void shrink(Tensor v, Tensor x, std::vector<Tensor> a, Tensor ranks, Tensor indptr, Tensor slots,
-            int64_t mma_min_rows, bool pdl, int64_t stream) {
+lorafleet::ShrinkArgs shrink_args(const Tensor& v, const Tensor& x, const std::vector<Tensor>& a, const Tensor& ranks,
+                                  const Tensor& indptr, const Tensor& slots) {
   check_x(x);
-  const auto dtype = kernel_dtype(x, "x");
   const int64_t groups = static_cast<int64_t>(a.size());
   lorafleet::ShrinkArgs args;
   args.seg = check_tables(v, x, groups, ranks, indptr, slots);
@@ -152,23 +154,35 @@ void shrink(Tensor v, Tensor x, std::vector<Tensor> a, Tensor ranks, Tensor indp
     args.a[g] = a[g].data_ptr();
     args.a_rank_dim[g] = static_cast<int>(a[g].size(1));
   }
-  if (x.size(0) == 0) return;
+  return args;
+}
+
+lorafleet::LaunchOptions launch_options(int64_t mma_min_rows, bool pdl) {
   SGMV_CHECK(mma_min_rows >= 1, "sgmv: mma_min_rows must be >= 1");
   lorafleet::LaunchOptions opt;
   opt.mma_min_rows = static_cast<int>(std::min<int64_t>(mma_min_rows, kInt32Max));
   opt.pdl = pdl;
-  const char* err = lorafleet::sgmv_shrink(dtype, args, opt, x.get_device(),
-                                           reinterpret_cast<void*>(static_cast<intptr_t>(stream)));
+  return opt;
+}
+
+void* as_stream(int64_t stream) { return reinterpret_cast<void*>(static_cast<intptr_t>(stream)); }
+
+void shrink(Tensor v, Tensor x, std::vector<Tensor> a, Tensor ranks, Tensor indptr, Tensor slots,
+            int64_t mma_min_rows, bool pdl, int64_t stream) {
+  const auto dtype = kernel_dtype(x, "x");
+  const lorafleet::ShrinkArgs args = shrink_args(v, x, a, ranks, indptr, slots);
+  if (x.size(0) == 0) return;
+  const char* err = lorafleet::sgmv_shrink(dtype, args, launch_options(mma_min_rows, pdl), x.get_device(),
+                                           as_stream(stream));
   SGMV_CHECK(err == nullptr, "sgmv shrink launch failed: %s", err ? err : "");
 }
 
-void expand(std::vector<Tensor> ys, Tensor v, std::vector<Tensor> b, Tensor ranks, Tensor indptr, Tensor slots,
-            int64_t mma_min_rows, bool pdl, int64_t stream) {
+lorafleet::ExpandArgs expand_args(const std::vector<Tensor>& ys, const Tensor& v, const std::vector<Tensor>& b,
+                                  const Tensor& ranks, const Tensor& indptr, const Tensor& slots) {
   SGMV_CHECK(!ys.empty() && ys.size() == b.size(), "sgmv: expand needs one output per B pool, got %lld and %lld",
              ll(static_cast<int64_t>(ys.size())), ll(static_cast<int64_t>(b.size())));
   const Tensor& y0 = ys[0];
   SGMV_CHECK(y0.is_cuda(), "sgmv: ys[0] must be a CUDA tensor, got device %s", y0.device().str().c_str());
-  const auto dtype = kernel_dtype(y0, "ys[0]");
   const int64_t groups = static_cast<int64_t>(b.size());
   SGMV_CHECK(y0.dim() == 2, "sgmv: ys[0] must be [T, out_features], got %lld dimensions", ll(y0.dim()));
   lorafleet::ExpandArgs args;
@@ -198,14 +212,50 @@ void expand(std::vector<Tensor> ys, Tensor v, std::vector<Tensor> b, Tensor rank
     args.y_row_stride[g] = y.size(0) <= 1 ? y.size(1) : y.stride(0);
     args.out_features[g] = static_cast<int>(y.size(1));
   }
-  if (y0.size(0) == 0) return;
-  SGMV_CHECK(mma_min_rows >= 1, "sgmv: mma_min_rows must be >= 1");
-  lorafleet::LaunchOptions opt;
-  opt.mma_min_rows = static_cast<int>(std::min<int64_t>(mma_min_rows, kInt32Max));
-  opt.pdl = pdl;
-  const char* err = lorafleet::sgmv_expand(dtype, args, opt, y0.get_device(),
-                                           reinterpret_cast<void*>(static_cast<intptr_t>(stream)));
+  return args;
+}
+
+void expand(std::vector<Tensor> ys, Tensor v, std::vector<Tensor> b, Tensor ranks, Tensor indptr, Tensor slots,
+            int64_t mma_min_rows, bool pdl, int64_t stream) {
+  SGMV_CHECK(!ys.empty(), "sgmv: expand needs at least one output");
+  const auto dtype = kernel_dtype(ys[0], "ys[0]");
+  const lorafleet::ExpandArgs args = expand_args(ys, v, b, ranks, indptr, slots);
+  if (ys[0].size(0) == 0) return;
+  const char* err = lorafleet::sgmv_expand(dtype, args, launch_options(mma_min_rows, pdl), ys[0].get_device(),
+                                           as_stream(stream));
   SGMV_CHECK(err == nullptr, "sgmv expand launch failed: %s", err ? err : "");
+}
+
+void add(std::vector<Tensor> ys, Tensor v, Tensor x, std::vector<Tensor> a, std::vector<Tensor> b, Tensor ranks,
+         Tensor indptr, Tensor slots, Tensor counters, int64_t shrink_mma_min_rows, int64_t expand_mma_min_rows,
+         bool pdl, int64_t stream) {
+  SGMV_CHECK(a.size() == b.size(), "sgmv: add needs as many A pools as B pools, got %lld and %lld",
+             ll(static_cast<int64_t>(a.size())), ll(static_cast<int64_t>(b.size())));
+  const auto dtype = kernel_dtype(x, "x");
+  const lorafleet::ShrinkArgs sargs = shrink_args(v, x, a, ranks, indptr, slots);
+  SGMV_CHECK(!ys.empty() && ys[0].size(0) == x.size(0), "sgmv: ys must have the rows of x");
+  SGMV_CHECK(ys[0].scalar_type() == x.scalar_type(), "sgmv: ys[0] has dtype %s but x has %s", dtype_name(ys[0]),
+             dtype_name(x));
+  check_device(ys[0], Name("ys", 0), x);
+  const lorafleet::ExpandArgs eargs = expand_args(ys, v, b, ranks, indptr, slots);
+  if (x.size(0) == 0) return;
+  const int device = x.get_device();
+  const int64_t T = x.size(0);
+  const char* err = nullptr;
+  if (T >= shrink_mma_min_rows || T >= expand_mma_min_rows) {  // a segment may take the tensor-core path
+    err = lorafleet::sgmv_shrink(dtype, sargs, launch_options(shrink_mma_min_rows, pdl), device, as_stream(stream));
+    if (err == nullptr)
+      err = lorafleet::sgmv_expand(dtype, eargs, launch_options(expand_mma_min_rows, pdl), device, as_stream(stream));
+  } else {
+    check_device(counters, Name("counters"), x);
+    SGMV_CHECK(counters.scalar_type() == torch::kInt && counters.is_contiguous() && counters.dim() == 1 &&
+                   counters.numel() >= 2 * slots.numel(),
+               "sgmv: counters must be contiguous int32 with at least 2 * capacity = %lld entries",
+               ll(2 * slots.numel()));
+    err = lorafleet::sgmv_fused(dtype, sargs, eargs, counters.data_ptr<int32_t>(), launch_options(1, pdl), device,
+                                as_stream(stream));
+  }
+  SGMV_CHECK(err == nullptr, "sgmv add launch failed: %s", err ? err : "");
 }
 
 }  // namespace
@@ -218,6 +268,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("expand", &expand, "ys[g][rows] += v[rows, g, :r] @ b[g][slot, :r] for every segment",
         py::arg("ys"), py::arg("v"), py::arg("b"), py::arg("ranks"), py::arg("indptr"), py::arg("slots"),
         py::arg("mma_min_rows"), py::arg("pdl"), py::arg("stream"));
+  m.def("add", &add, "ys[g][rows] += (x[rows] @ a[g][slot, :r].T) @ b[g][slot, :r] for every segment (fused)",
+        py::arg("ys"), py::arg("v"), py::arg("x"), py::arg("a"), py::arg("b"), py::arg("ranks"), py::arg("indptr"),
+        py::arg("slots"), py::arg("counters"), py::arg("shrink_mma_min_rows"), py::arg("expand_mma_min_rows"),
+        py::arg("pdl"), py::arg("stream"));
   m.attr("MAX_RANK") = lorafleet::kMaxRank;
   m.attr("MAX_GROUP") = lorafleet::kMaxGroup;
   m.attr("MAX_SEGMENTS") = lorafleet::kMaxSegments;

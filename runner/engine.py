@@ -204,8 +204,11 @@ class Engine:
         """Schedule and queue one step; return what finished steps produced (with overlap, the
         results of the step queued by the previous call)."""
         outputs = self._drain_inbox()
-        plan = self.batcher.schedule()
-        outputs += [self._finish(s) for s in plan.evicted + plan.failed]
+        return outputs + self.run_plan(self.batcher.schedule(), idle_wait=not outputs)
+
+    def run_plan(self, plan, idle_wait: bool = False) -> list[StepOutput]:
+        """Queue a scheduled plan's step and read back the previous step's ids (see `step`)."""
+        outputs = [self._finish(s) for s in plan.evicted + plan.failed]
         prev, launched = self._inflight, None
         if plan.work:
             batch = build_step_batch(plan.work, self.config.page_size, self.config.max_batch_size,
@@ -222,7 +225,7 @@ class Engine:
             prev, self._inflight = launched, None
         if prev is not None:
             outputs += self._postprocess(prev.batch, prev.tokens())
-        elif not plan.work and self.batcher.waiting and not outputs:
+        elif idle_wait and not plan.work and self.batcher.waiting and not outputs:
             time.sleep(0.0005)  # only adapter loads are pending: let their worker threads run
         return outputs
 

@@ -60,3 +60,20 @@ def test_compiles(source: Path, arch: str, tmp_path: Path):
     assert not warnings, f"{source.name} (sm_{arch}) compiles with warnings:\n" + "\n".join(warnings)
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", log)]
     assert not any(spills), f"{source.name} (sm_{arch}) spills registers:\n{log}"
+
+
+GXX = shutil.which("g++") or shutil.which("c++")
+
+
+@pytest.mark.skipif(GXX is None, reason="no C++ compiler")
+def test_binding_compiles_against_the_installed_torch_headers():
+    """The torch binding is only built on a CUDA machine; a syntax check against the CPU wheel's
+    headers catches its errors here (it includes no CUDA header)."""
+    import sysconfig
+
+    torch_ext = pytest.importorskip("torch.utils.cpp_extension")
+    includes = [f"-I{p}" for p in torch_ext.include_paths()] + [f"-I{sysconfig.get_paths()['include']}", f"-I{CSRC}"]
+    cmd = [GXX, "-std=c++20", "-fsyntax-only", "-DTORCH_EXTENSION_NAME=lorafleet_sgmv", *includes, str(BINDING)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    errors = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert proc.returncode == 0 and not errors, "\n".join(errors[:20]) or proc.stderr[-2000:]

@@ -4,9 +4,16 @@ Per step: prefill requests (the first `num_prefill` of the batch) go through
 `BatchPrefillWithPagedKVCacheWrapper` (causal), decode requests through
 `BatchDecodeWithPagedKVCacheWrapper`; both are planned once per step and run per layer.
 K/V of the step's tokens are written into the page pool before attention.
+
+Plans are made on the host while the device may still run the previous step (overlapped
+scheduling). flashinfer stages each plan in a pinned host buffer and copies it to the device
+asynchronously, so a plan waits until the device has consumed the previous plan's copy (an event
+recorded right after it: in practice already done) before it overwrites such a buffer.
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 
@@ -47,6 +54,16 @@ class FlashInferAttention:
         ws_d = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.prefill = BatchPrefillWithPagedKVCacheWrapper(ws_p, "NHD")
         self.decode = BatchDecodeWithPagedKVCacheWrapper(ws_d, "NHD", use_tensor_cores=self.h // self.hkv >= 4)
+        self._planned: torch.cuda.Event | None = None  # recorded after the last plan's copies
+
+    @contextmanager
+    def planning(self):
+        """Around plan calls: wait for the previous plan's staged copies, then mark this one's."""
+        if self._planned is not None:
+            self._planned.synchronize()
+        yield
+        self._planned = torch.cuda.Event()
+        self._planned.record()
 
     def begin(self, meta: AttnMeta) -> "FlashInferStep":
         return FlashInferStep(self, meta)
@@ -63,8 +80,9 @@ class FlashInferAttention:
 
     def plan_decode(self, wrapper, page_tables, kv_lens) -> None:
         indptr, indices, last = page_table_arrays(page_tables, kv_lens, self.kv.page_size)
-        wrapper.plan(indptr, indices, last, self.h, self.hkv, self.d, self.kv.page_size,
-                     q_data_type=self.kv.k.dtype, kv_data_type=self.kv.k.dtype)
+        with self.planning():
+            wrapper.plan(indptr, indices, last, self.h, self.hkv, self.d, self.kv.page_size,
+                         q_data_type=self.kv.k.dtype, kv_data_type=self.kv.k.dtype)
 
 
 class FlashInferStep:
@@ -77,8 +95,9 @@ class FlashInferStep:
         if P:
             indptr, indices, last = page_table_arrays(meta.page_tables[:P], meta.kv_lens[:P], ps)
             qo = torch.tensor(meta.qo_indptr[: P + 1], dtype=torch.int32)
-            b.prefill.plan(qo, indptr, indices, last, b.h, b.hkv, b.d, ps, causal=True,
-                           q_data_type=dt, kv_data_type=dt)
+            with b.planning():
+                b.prefill.plan(qo, indptr, indices, last, b.h, b.hkv, b.d, ps, causal=True,
+                               q_data_type=dt, kv_data_type=dt)
         self.num_decode = meta.batch_size - P
         if self.num_decode:
             b.plan_decode(b.decode, meta.page_tables[P:], meta.kv_lens[P:])

@@ -37,6 +37,11 @@ class SGMV(Protocol):
     def expand(self, ys: Sequence[torch.Tensor], v: torch.Tensor, b: Sequence[torch.Tensor], ranks: torch.Tensor,
                host_ranks: Sequence[Sequence[int]], seg: SegmentTable) -> None: ...
 
+    def add(self, ys: Sequence[torch.Tensor], v: torch.Tensor, x: torch.Tensor, a: Sequence[torch.Tensor],
+            b: Sequence[torch.Tensor], ranks: torch.Tensor, host_ranks: Sequence[Sequence[int]], seg: SegmentTable,
+            mma: bool = True) -> None:
+        """shrink(v, x, a, ...) then expand(ys, v, b, ...); `mma=False` asks for the CUDA-core path."""
+
 
 SHORT_SEGMENT = 16  # shorter segments run together as one padded bmm over their distinct slots
 
@@ -112,6 +117,10 @@ class TorchSGMV:
             w = a_g[:, :r_max].index_select(0, sp.slot_t)  # [k, r, in]
             out = torch.bmm(xs, w.transpose(1, 2)).float() * sp.keep(ranks[g], r_max)[:, None, :]  # [k, m, r]
             v[sp.dest, g, :r_max] = out.view(sp.k * sp.m, r_max).index_select(0, sp.valid)
+
+    def add(self, ys, v, x, a, b, ranks, host_ranks, seg, mma=True):
+        self.shrink(v, x, a, ranks, host_ranks, seg)
+        self.expand(ys, v, b, ranks, host_ranks, seg)
 
     def expand(self, ys, v, b, ranks, host_ranks, seg):
         sp = _split(seg, v.device)

@@ -36,6 +36,12 @@ class CudaSGMV:
     depends only on (T, capacity, G, pool shapes), so a graph captured once replays correctly with
     new contents of `seg.indptr`, `seg.slots` and `ranks`.
 
+    `add` does both halves of one group: in ONE fused launch when T is below both tensor-core
+    thresholds (or `mma=False`: decode steps, where one shared adapter over many rows is still
+    fastest on the CUDA-core path), else as the two launches. Fused results equal the two-launch
+    CUDA-core path bit for bit; the fused kernel keeps 2 * capacity int32 counters per device,
+    zero between launches (launches on one device must not run concurrently on two streams).
+
     Segments with at least `shrink_mma_min_rows` / `expand_mma_min_rows` rows run on tensor cores,
     shorter ones on the memory-bound CUDA-core path; both are exact for any table. `pdl` enables
     programmatic dependent launch on sm_90+: each kernel starts while the previous kernel in the
@@ -53,6 +59,7 @@ class CudaSGMV:
         self.expand_mma_min_rows = int(expand_mma_min_rows)
         self.pdl = bool(pdl)
         self._mod = None
+        self._counters: dict[torch.device, torch.Tensor] = {}
 
     def _ext(self):
         if self._mod is None:
@@ -75,3 +82,25 @@ class CudaSGMV:
             raise ValueError("CudaSGMV needs CUDA tensors (use TorchSGMV on the CPU)")
         stream = torch.cuda.current_stream(ys[0].device).cuda_stream
         self._ext().expand(ys, v, list(b), ranks, seg.indptr, seg.slots, self.expand_mma_min_rows, self.pdl, stream)
+
+    def add(self, ys: Sequence[torch.Tensor], v: torch.Tensor, x: torch.Tensor, a: Sequence[torch.Tensor],
+            b: Sequence[torch.Tensor], ranks: torch.Tensor, host_ranks: Sequence[Sequence[int]], seg: SegmentTable,
+            mma: bool = True) -> None:
+        """shrink then expand of one group (see the class docstring), fused into one launch when no
+        segment can take the tensor-core path."""
+        if not x.is_cuda:
+            raise ValueError(f"CudaSGMV needs CUDA tensors, got x on {x.device} (use TorchSGMV on the CPU)")
+        stream = torch.cuda.current_stream(x.device).cuda_stream
+        big = 1 << 30
+        self._ext().add(list(ys), v, x, list(a), list(b), ranks, seg.indptr, seg.slots, self._counters_for(x.device),
+                        self.shrink_mma_min_rows if mma else big, self.expand_mma_min_rows if mma else big,
+                        self.pdl, stream)
+
+    def _counters_for(self, device: torch.device) -> torch.Tensor:
+        c = self._counters.get(device)
+        if c is None:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("CudaSGMV.add: call it once outside CUDA-graph capture first (counter allocation)")
+            c = torch.zeros(2 * self._ext().MAX_SEGMENTS, dtype=torch.int32, device=device)
+            self._counters[device] = c
+        return c

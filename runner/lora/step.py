@@ -10,8 +10,11 @@ from lorafleet.runner.lora.sgmv import SGMV
 
 
 class LoraStepImpl:
-    def __init__(self, pool: LoraPool, sgmv: SGMV, seg: SegmentTable, workspace: torch.Tensor | None = None):
-        self.pool, self.sgmv, self.seg = pool, sgmv, seg
+    """`mma=False` (decode steps): every segment on the CUDA-core path, shrink and expand fused."""
+
+    def __init__(self, pool: LoraPool, sgmv: SGMV, seg: SegmentTable, workspace: torch.Tensor | None = None,
+                 mma: bool = True):
+        self.pool, self.sgmv, self.seg, self.mma = pool, sgmv, seg, mma
         need = seg.num_rows * 3 * pool.max_rank
         if workspace is None or workspace.numel() < need:
             workspace = torch.empty(need, dtype=torch.float32, device=pool.device)
@@ -25,5 +28,4 @@ class LoraStepImpl:
             return
         v = self.views[GROUP_SPANS[group][1]]
         a, b, ranks, host = self.pool.group_args[layer][group]  # ranks [G, S]
-        self.sgmv.shrink(v, x, a, ranks, host, self.seg)
-        self.sgmv.expand(ys, v, b, ranks, host, self.seg)
+        self.sgmv.add(ys, v, x, a, b, ranks, host, self.seg, self.mma)

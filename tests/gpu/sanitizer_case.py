@@ -1,4 +1,5 @@
-"""A tiny shrink + expand run of every kernel path, meant for compute-sanitizer:
+"""A tiny shrink + expand run of every kernel path (and the fused one-launch path), meant for
+compute-sanitizer:
 
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck python tests/gpu/sanitizer_case.py
 
@@ -33,14 +34,21 @@ def main() -> int:
         x = torch.randn(T, in_dim, device=dev).to(dtype)
         seg = build_segments(row_slots, device=dev, capacity=12)
         for opts in ({}, {"shrink_mma_min_rows": 1, "expand_mma_min_rows": 1},
-                     {"shrink_mma_min_rows": 10**9, "expand_mma_min_rows": 10**9}):
+                     {"shrink_mma_min_rows": 10**9, "expand_mma_min_rows": 10**9}, {"fused": True}):
+            fused_call = opts.pop("fused", False)
             sg = CudaSGMV(**opts)
             fused = torch.randn(T, sum(out_dims) + 16, device=dev).to(dtype)
             y0 = fused.clone()
             ys = list(fused[:, 8 : 8 + sum(out_dims)].split(out_dims, dim=1))
             v = torch.full((T, G, R), float("nan"), device=dev)
-            sg.shrink(v, x, a, ranks, host_ranks, seg)
-            sg.expand(ys, v, b, ranks, host_ranks, seg)
+            if fused_call:
+                for _ in range(3):  # the counters must be back at zero after every launch
+                    ys_copy = [y.clone() for y in ys]
+                    sg.add(ys_copy, v, x, a, b, ranks, host_ranks, seg, mma=False)
+                sg.add(ys, v, x, a, b, ranks, host_ranks, seg, mma=False)
+            else:
+                sg.shrink(v, x, a, ranks, host_ranks, seg)
+                sg.expand(ys, v, b, ranks, host_ranks, seg)
             torch.cuda.synchronize()
             off = 8
             for g, od in enumerate(out_dims):

@@ -150,10 +150,11 @@ def test_async_adapter_loads_with_few_slots(smol_shaped):
 def test_piecewise_mixed_step_matches_eager(smol_shaped):
     """A step with prefill and decode rows through the piecewise CUDA graphs (padded to a bucket)
     against the same step run eagerly: same logits up to bf16 GEMM-shape noise, same argmax."""
-    from lorafleet.runner.model_runner import build_batch
+    from lorafleet.runner.model_runner import to_device
+    from lorafleet.runner.step_batch import build_step_batch
 
     model, ads = smol_shaped
-    eng = Engine(str(model), EngineConfig(max_lora_rank=16, max_batch_size=32, num_pages=4096))
+    eng = Engine(str(model), EngineConfig(max_lora_rank=16, max_batch_size=32, num_pages=4096, overlap=False))
     assert eng.runner.mixed is not None and eng.runner.mixed.use_graphs
     reqs = requests(ads, n=12, seed=9)
     for i, (ids, n, p) in enumerate(reqs[:8]):
@@ -170,13 +171,13 @@ def test_piecewise_mixed_step_matches_eager(smol_shaped):
     for _ in range(200):
         eng._drain_inbox()
         plan = eng.batcher.schedule()
-        if plan.prefill:
+        if plan.prefill_tokens:
             break
-        eng.runner.run(plan.prefill, plan.decode)  # keep decoding while the new adapters load
-    assert plan.prefill and plan.decode
-    batch = build_batch(plan.prefill, plan.decode, eng.config.page_size, eng.device, seg_capacity=32)
-    got = eng.runner.mixed.run(batch).clone()
-    ref = eng.runner.forward(batch)
+        eng.run_plan(plan)  # keep decoding while the new adapters load
+    assert plan.prefill_tokens and plan.num_decode
+    batch = build_step_batch(plan.work, eng.config.page_size, 32, pin=True)
+    got = eng.runner.mixed.run(batch, to_device(batch, eng.device, None)).clone()
+    ref = eng.runner.forward(batch, to_device(batch, eng.device, None))
     span = (ref.max(-1).values - ref.min(-1).values)[:, None]
     rel = ((got - ref).abs() / span).max().item()
     same = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()

@@ -119,14 +119,19 @@ def check_result(x, pool, row_slots, buf, before, ys, v, dtype, out_dims, label=
             assert err_v < 1e-4, f"{label}: v[:, {g}] relative error {err_v:.2e}"
 
 
-def run(sg: CudaSGMV, x, pool, row_slots, out_dims, dtype, capacity=None, seed=0, label=""):
+def run(sg: CudaSGMV, x, pool, row_slots, out_dims, dtype, capacity=None, seed=0, label="", fused=False):
+    """One call: shrink then expand, or (`fused`) `add` with every segment on the CUDA-core path,
+    i.e. the one-launch kernel of decode steps."""
     T = x.shape[0]
     seg = build_segments(row_slots, device=DEV, capacity=capacity)
     buf, ys = fused_outputs(T, out_dims, dtype, seed)
     before = buf.clone()
     v = torch.full((T, len(out_dims), pool.rank_dim), float("nan"), device=DEV)
-    sg.shrink(v, x, pool.a, pool.ranks, pool.host_ranks, seg)
-    sg.expand(ys, v, pool.b, pool.ranks, pool.host_ranks, seg)
+    if fused:
+        sg.add(ys, v, x, pool.a, pool.b, pool.ranks, pool.host_ranks, seg, mma=False)
+    else:
+        sg.shrink(v, x, pool.a, pool.ranks, pool.host_ranks, seg)
+        sg.expand(ys, v, pool.b, pool.ranks, pool.host_ranks, seg)
     check_result(x, pool, row_slots, buf, before, ys, v, dtype, out_dims, label)
     return buf, v
 
@@ -169,8 +174,9 @@ def _workload_cases():
     return cases
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["2launch", "fused"])
 @pytest.mark.parametrize("dtype,workload,n,shape,rank", _workload_cases())
-def test_workloads(dtype, workload, n, shape, rank):
+def test_workloads(dtype, workload, n, shape, rank, fused):
     """Decode-like batches (one row per request) of the four workloads; every 5th request has no adapter."""
     in_dim, out_dims = SHAPES[shape]
     S = max(n, 8)
@@ -178,16 +184,17 @@ def test_workloads(dtype, workload, n, shape, rank):
     pool = make_pool(in_dim, out_dims, host_ranks, dtype, seed=n + rank)
     row_slots = batch_rows(workload, n, S, seed=n, no_adapter_every=5)
     x = torch.randn(len(row_slots), in_dim, device=DEV).to(dtype)
-    run(CudaSGMV(), x, pool, row_slots, out_dims, dtype, capacity=len(row_slots), label=f"{workload} n={n}")
+    run(CudaSGMV(), x, pool, row_slots, out_dims, dtype, capacity=len(row_slots), label=f"{workload} n={n}",
+        fused=fused)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("path", ["default", "cuda_cores", "tensor_cores"])
+@pytest.mark.parametrize("path", ["default", "cuda_cores", "tensor_cores", "fused"])
 @pytest.mark.parametrize("shape", ["llama_qkv_gqa", "smollm_qkv", "llama_down"])
 def test_prefill_mix(dtype, path, shape):
     """Prefill-like segments of 100+ rows mixed with decode rows and base-model rows, mixed ranks,
-    on each path: both must be exact for any segment length."""
-    opts = {"default": {}, "cuda_cores": ALL_CC, "tensor_cores": ALL_MMA}[path]
+    on each path: all must be exact for any segment length."""
+    opts = {"default": {}, "cuda_cores": ALL_CC, "tensor_cores": ALL_MMA, "fused": {}}[path]
     in_dim, out_dims = SHAPES[shape]
     S = 12
     rank_list = [16, 8, 64, 128, 1, 33, 16, 5, 100, 16, 48, 24]
@@ -196,11 +203,13 @@ def test_prefill_mix(dtype, path, shape):
     lengths = [150, 1, 1, 64, 200, 5, 1, 130, 1, 600, 2, 1]
     row_slots = batch_rows("uniform", len(lengths), S, seed=3, lengths=lengths, no_adapter_every=4)
     x = torch.randn(len(row_slots), in_dim, device=DEV).to(dtype)
-    run(CudaSGMV(**opts), x, pool, row_slots, out_dims, dtype, capacity=32, label=f"{path} {shape}")
+    run(CudaSGMV(**opts), x, pool, row_slots, out_dims, dtype, capacity=32, label=f"{path} {shape}",
+        fused=path == "fused")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("opts", [{}, ALL_CC, ALL_MMA], ids=["default", "cuda_cores", "tensor_cores"])
+@pytest.mark.parametrize("opts", [{}, ALL_CC, ALL_MMA, {"fused": True}],
+                         ids=["default", "cuda_cores", "tensor_cores", "fused"])
 def test_mixed_ranks_one_launch(dtype, opts):
     """Ranks 1..128 (and unadapted projections) of many slots in one G=3 launch, pool R = 128."""
     in_dim, out_dims = SHAPES["llama_qkv_gqa"]
@@ -211,7 +220,9 @@ def test_mixed_ranks_one_launch(dtype, opts):
     lengths = [1] * 20 + [3, 7, 40, 2]
     row_slots = batch_rows("skewed", len(lengths), S, seed=5, lengths=lengths, no_adapter_every=6)
     x = torch.randn(len(row_slots), in_dim, device=DEV).to(dtype)
-    run(CudaSGMV(**opts), x, pool, row_slots, out_dims, dtype, capacity=64, label="mixed ranks")
+    opts = dict(opts)
+    fused = opts.pop("fused", False)
+    run(CudaSGMV(**opts), x, pool, row_slots, out_dims, dtype, capacity=64, label="mixed ranks", fused=fused)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -239,8 +250,9 @@ def test_against_per_row_loop(dtype):
         assert err < TOL[dtype], f"projection {g}: {err:.2e}"
 
 
-def _static_graph_case(T: int, capacity: int, dtype, sg: CudaSGMV):
-    """Static buffers and a captured shrink+expand graph for (T, capacity)."""
+def _static_graph_case(T: int, capacity: int, dtype, sg: CudaSGMV, fused: bool = False):
+    """Static buffers and a captured shrink+expand graph for (T, capacity); `fused`: the one-launch
+    decode call, captured twice in a row (its counters must be zero again after each launch)."""
     in_dim, out_dims = SHAPES["llama_qkv_gqa"]
     S = max(T, 16)
     rank_list = [16, 8, 32, 64, 4, 128, 16, 24]
@@ -253,9 +265,15 @@ def _static_graph_case(T: int, capacity: int, dtype, sg: CudaSGMV):
     base = buf.clone()
     v = torch.full((T, 3, 128), float("nan"), device=DEV)
 
+    scratch = [torch.empty_like(y) for y in ys]
+
     def step():
-        sg.shrink(v, x, pool.a, pool.ranks, pool.host_ranks, static)
-        sg.expand(ys, v, pool.b, pool.ranks, pool.host_ranks, static)
+        if fused:
+            sg.add(scratch, v, x, pool.a, pool.b, pool.ranks, pool.host_ranks, static, mma=False)
+            sg.add(ys, v, x, pool.a, pool.b, pool.ranks, pool.host_ranks, static, mma=False)
+        else:
+            sg.shrink(v, x, pool.a, pool.ranks, pool.host_ranks, static)
+            sg.expand(ys, v, pool.b, pool.ranks, pool.host_ranks, static)
 
     step()  # load the extension and its launch caches outside the capture
     torch.cuda.synchronize()
@@ -277,12 +295,13 @@ def _static_graph_case(T: int, capacity: int, dtype, sg: CudaSGMV):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("pdl", [True, False])
-def test_cuda_graph_replay_with_new_tables(dtype, pdl):
+@pytest.mark.parametrize("fused", [False, True], ids=["2launch", "fused"])
+def test_cuda_graph_replay_with_new_tables(dtype, pdl, fused):
     """Capture once per (T, capacity) bucket, replay with other segment tables, slots and ranks."""
     sg = CudaSGMV(pdl=pdl)
     # T = 48: the CUDA-core-only kernels; T = 192: kernels that also carry the tensor-core path.
     for T, capacity in ((48, 48), (192, 192)):
-        pool, replay = _static_graph_case(T, capacity, dtype, sg)
+        pool, replay = _static_graph_case(T, capacity, dtype, sg, fused)
         S = pool.ranks.shape[1]
         replay([(s * 7) % S for s in range(T)])                      # distinct adapters
         replay([3] * T)                                               # one shared adapter
@@ -317,6 +336,27 @@ def test_deterministic_and_pdl_invariant():
     for buf, v in outs[1:]:
         assert torch.equal(buf, outs[0][0])
         assert torch.equal(v.nan_to_num(nan=-7.0), outs[0][1].nan_to_num(nan=-7.0))
+
+
+@pytest.mark.parametrize("pdl", [True, False])
+def test_fused_is_bitwise_the_two_launch_cuda_core_path(pdl):
+    """One launch or two, the same bits (every output element has one owner and one reduction order),
+    over distinct, shared and long segments, base rows and unadapted projections; repeated calls
+    leave the same bits (the counters restart from zero)."""
+    dtype = torch.bfloat16
+    in_dim, out_dims = SHAPES["llama_qkv_gqa"]
+    S = 40
+    host_ranks = [[16] * S, [0 if s % 5 == 0 else 8 for s in range(S)], [32] * S]
+    pool = make_pool(in_dim, out_dims, host_ranks, dtype, seed=6, rank_dim=32)
+    row_slots = batch_rows("skewed", 120, S, seed=2, lengths=[1] * 110 + [3, 7, 2, 1, 1, 150, 1, 1, 97, 1],
+                           no_adapter_every=9)
+    x = torch.randn(len(row_slots), in_dim, device=DEV).to(dtype)
+    two, _ = run(CudaSGMV(pdl=pdl, **ALL_CC), x, pool, row_slots, out_dims, dtype, capacity=128, seed=3)
+    sg = CudaSGMV(pdl=pdl)
+    for _ in range(3):
+        one, _ = run(sg, x, pool, row_slots, out_dims, dtype, capacity=128, seed=3, fused=True)
+        assert torch.equal(one, two)
+    assert int(sg._counters_for(x.device).abs().sum()) == 0
 
 
 def test_no_adapter_rows_and_empty_batch():
