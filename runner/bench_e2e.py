@@ -24,11 +24,38 @@ import torch
 
 from lorafleet.common.workloads import assign
 
+# Llama-2-7B's shape; the context is 16k (not 4k) so that the long-prompt interference run fits
+# 8k-token prompts (RoPE is unscaled: the weights are random anyway).
 LLAMA2_7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                 num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
+                 num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=16384,
                  rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1,
                  eos_token_id=2, model_type="llama")
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+BANDWIDTH = 4.2e12  # bytes/s: the H200's measured device-to-device copy rate
+MATMUL = 7.7e14  # FLOP/s: its measured bf16 matmul rate
+
+
+def floor_model(cfg, rank: int, dtype_bytes: int = 2) -> dict:
+    """Bytes and FLOPs that any engine must spend per step, from the model's shapes:
+    every layer weight and lm_head read once per step, each attended KV token read once, each
+    distinct adapter's A and B read once; 2 FLOPs per weight per token row."""
+    H, I, V, L = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_layers
+    layer = H * (cfg.q_dim + 2 * cfg.kv_dim) + cfg.q_dim * H + 3 * H * I
+    adapter = rank * L * (H + cfg.q_dim + 2 * (H + cfg.kv_dim) + (cfg.q_dim + H) + 2 * (H + I) + (I + H))
+    return {"weight_bytes": (L * layer + V * H) * dtype_bytes, "kv_bytes_per_token": 2 * L * cfg.kv_dim * dtype_bytes,
+            "adapter_bytes": adapter * dtype_bytes, "flops_per_row": 2 * L * layer, "lm_head_flops": 2 * V * H}
+
+
+def floor_seconds(fm: dict, steps) -> float:
+    """Sum over the run's steps of max(bytes / bandwidth, FLOPs / matmul rate)."""
+    t = 0.0
+    for pf, nd, _dt, kv, ads in steps:
+        if not (pf or nd):
+            continue
+        nbytes = fm["weight_bytes"] + kv * fm["kv_bytes_per_token"] + ads * fm["adapter_bytes"]
+        flops = (pf + nd) * fm["flops_per_row"] + nd * fm["lm_head_flops"]
+        t += max(nbytes / BANDWIDTH, flops / MATMUL)
+    return t
 
 
 def sharegpt_requests(n: int, seed: int, vocab: int) -> list[tuple[list[int], int]]:
@@ -120,7 +147,7 @@ def pct(xs, q):
     return float(np.percentile(xs, q)) if len(xs) else float("nan")
 
 
-def run_mix(engine, reqs, names, weights_of, label: str, log) -> dict:
+def run_mix(engine, reqs, names, weights_of, label: str, log, fm: dict | None = None) -> dict:
     """Submit everything at t0, step to completion; throughput, TTFT and TPOT."""
     from lorafleet.runner.sequence import AdapterRef, SamplingParams, Sequence
 
@@ -137,7 +164,7 @@ def run_mix(engine, reqs, names, weights_of, label: str, log) -> dict:
         s0 = time.perf_counter()
         outs = engine.step()
         now = time.perf_counter()
-        steps.append((engine.last_step[0], engine.last_step[1], now - s0))
+        steps.append((engine.last_step[0], engine.last_step[1], now - s0, *engine.last_step_kv))
         for out in outs:
             if out.new_token_ids and out.seq_id not in first:
                 first[out.seq_id] = now
@@ -149,7 +176,7 @@ def run_mix(engine, reqs, names, weights_of, label: str, log) -> dict:
     total = sum(n_out.values())
     ttft = [first[k] - t0 for k in first]
     tpot = [(end[k] - first[k]) / (n_out[k] - 1) for k in end if n_out[k] > 1]
-    decode_steps = [dt for pf, nd, dt in steps if pf == 0 and nd > 0]
+    decode_steps = [dt for pf, nd, dt, *_ in steps if pf == 0 and nd > 0]
     res = {"label": label, "requests": len(reqs), "output_tokens": total, "seconds": round(wall, 2),
            "output_tok_s": round(total / wall, 1), "ttft_p50_s": round(pct(ttft, 50), 3),
            "ttft_p99_s": round(pct(ttft, 99), 3), "tpot_p50_ms": round(1000 * pct(tpot, 50), 2),
@@ -157,18 +184,23 @@ def run_mix(engine, reqs, names, weights_of, label: str, log) -> dict:
            "decode_step_ms_p50": round(1000 * pct(decode_steps, 50), 2)}
     # Where the wall time went: decode-only steps, steps with prefill, steps that ran nothing.
     split = {"decode": [0, 0.0], "mixed": [0, 0.0], "idle": [0, 0.0]}
-    for pf, nd, dt in steps:
+    for pf, nd, dt, *_ in steps:
         k = "mixed" if pf else ("decode" if nd else "idle")
         split[k][0] += 1
         split[k][1] += dt
     res["time_split"] = {k: {"steps": n, "seconds": round(t, 3), "ms_per_step": round(1000 * t / max(n, 1), 3)}
                          for k, (n, t) in split.items()}
-    res["prefill_tokens"] = sum(pf for pf, _, _ in steps)
+    res["prefill_tokens"] = sum(st[0] for st in steps)
+    if fm is not None:
+        fl = floor_seconds(fm, steps)
+        res["floor_tok_s"] = round(total / fl, 1) if fl else None
+        res["floor_fraction"] = round(fl / wall, 3)
     res["runner_phases_ms"] = {k: {"prepare": round(1000 * a / n, 3), "launch": round(1000 * b / n, 3),
                                    "wait_and_sample": round(1000 * c / n, 3), "steps": n}
                                for k, (a, b, c, n) in engine.runner.phases.items()}
     engine.runner.phases = None
-    log(f"{label:>28}: {res['output_tok_s']:8.1f} tok/s  TTFT p50 {res['ttft_p50_s']:.2f}s p99 {res['ttft_p99_s']:.2f}s"
+    floor = f" ({res['floor_fraction']:.0%} of the floor {res['floor_tok_s']:.0f})" if res.get("floor_tok_s") else ""
+    log(f"{label:>28}: {res['output_tok_s']:8.1f} tok/s{floor}  TTFT p50 {res['ttft_p50_s']:.2f}s p99 {res['ttft_p99_s']:.2f}s"
         f"  TPOT p50 {res['tpot_p50_ms']:.1f}ms p99 {res['tpot_p99_ms']:.1f}ms  ({wall:.1f}s)")
     log(" " * 30 + "  ".join(f"{k} {v['steps']} x {v['ms_per_step']:.2f}ms" for k, v in res["time_split"].items())
         + "  | " + "  ".join(f"{k}: prep {v['prepare']:.2f} launch {v['launch']:.2f} wait {v['wait_and_sample']:.2f}"
@@ -179,10 +211,10 @@ def run_mix(engine, reqs, names, weights_of, label: str, log) -> dict:
 
 def fit_step_model(steps) -> dict:
     """Least squares: step_ms = a + b * decode_batch + c * prefill_tokens."""
-    if not any(nd or pf for pf, nd, _ in steps):
+    if not any(st[0] or st[1] for st in steps):
         return {}
-    X = np.array([[1.0, nd, pf] for pf, nd, dt in steps if nd or pf])
-    y = np.array([1000 * dt for pf, nd, dt in steps if nd or pf])
+    X = np.array([[1.0, st[1], st[0]] for st in steps if st[0] or st[1]])
+    y = np.array([1000 * st[2] for st in steps if st[0] or st[1]])
     coef, *_ = np.linalg.lstsq(X, y, rcond=None)
     return {"decode_base_ms": round(float(coef[0]), 4), "decode_per_req_ms": round(float(coef[1]), 5),
             "prefill_per_token_ms": round(float(coef[2]), 6)}
@@ -238,6 +270,59 @@ def profile_breakdown(engine, reqs, log) -> dict:
     out["host_and_gaps_ms"] = round(out["wall_ms"] - sum(v for k, v in out.items() if k != "wall_ms"), 3)
     log("per decode step (ms): " + ", ".join(f"{k} {v}" for k, v in out.items()))
     return out
+
+
+def run_interference(engine, vocab: int, log, long_len: int = 8000, n_long: int = 4, every: int = 40,
+                     label: str = "") -> dict:
+    """Long prompts arriving into a full decode batch: the gap between consecutive tokens of the
+    decoding requests (inter-token latency), p50 and p99, while `n_long` prompts of `long_len`
+    tokens are prefilled (one every `every` steps)."""
+    from lorafleet.runner.sequence import SamplingParams, Sequence
+
+    rng = np.random.default_rng(7)
+    B = engine.config.max_batch_size
+    dec = [Sequence(f"i-dec{i}", rng.integers(3, vocab, 200).tolist(), SamplingParams(max_tokens=4000, ignore_eos=True),
+                    arrival=float(i)) for i in range(B - 1)]
+    for sq in dec:
+        engine.submit(sq)
+    for _ in range(5000):  # until every decoder runs with its prompt done
+        engine.step()
+        if not engine.batcher.waiting and all(not sq.prefilling for sq in engine.batcher.running) and \
+                len(engine.batcher.running) == len(dec):
+            break
+    times: dict[str, list[float]] = {sq.id: [] for sq in dec}
+    longs = [Sequence(f"i-long{k}", rng.integers(3, vocab, long_len).tolist(), SamplingParams(max_tokens=8,
+             ignore_eos=True), arrival=1e6 + k) for k in range(n_long)]
+    done, step, t0 = set(), 0, time.perf_counter()
+    while len(done) < n_long and step < 20000:
+        if step % every == 0 and step // every < n_long:
+            engine.submit(longs[step // every])
+        outs = engine.step()
+        now = time.perf_counter()
+        for o in outs:
+            if o.seq_id in times and o.new_token_ids:
+                times[o.seq_id].append(now)
+            if o.finished and o.seq_id.startswith("i-long"):
+                done.add(o.seq_id)
+        step += 1
+    for _ in range(every):  # a quiet stretch after the last prompt, for the p50
+        for o in engine.step():
+            if o.seq_id in times and o.new_token_ids:
+                times[o.seq_id].append(time.perf_counter())
+    for sq in dec:
+        engine.cancel(sq.id)
+    while engine.has_work():
+        engine.step()
+    gaps = [b - a for ts in times.values() for a, b in zip(ts, ts[1:])]
+    res = {"label": f"interference{label}", "long_prompts": n_long, "long_tokens": long_len, "decoders": len(dec),
+           "seconds": round(time.perf_counter() - t0, 2), "itl_p50_ms": round(1000 * pct(gaps, 50), 2),
+           "itl_p99_ms": round(1000 * pct(gaps, 99), 2), "itl_max_ms": round(1000 * max(gaps, default=0), 2),
+           "max_step_tokens": engine.max_step_tokens}
+    res["itl_p99_over_p50"] = round(res["itl_p99_ms"] / res["itl_p50_ms"], 3) if res["itl_p50_ms"] else None
+    log(f"{res['label']:>28}: decode ITL p50 {res['itl_p50_ms']:.1f} ms p99 {res['itl_p99_ms']:.1f} ms "
+        f"(x{res['itl_p99_over_p50']}) max {res['itl_max_ms']:.0f} ms, {n_long} x {long_len}-token prompts, "
+        f"step budget {engine.max_step_tokens}")
+    return res
 
 
 def hf_peft_peers(reqs, n: int, new_tokens: int, device, log) -> dict[str, float]:
@@ -296,6 +381,20 @@ def headline(results: list[dict]) -> dict:
         for m in MIXES:
             if m in by and m not in out["output_tok_s"]:
                 out["output_tok_s"][m] = by[m]["output_tok_s"]
+                if by[m].get("floor_fraction") is not None:
+                    out.setdefault("floor_fraction", {})[m] = by[m]["floor_fraction"]
+                    out.setdefault("floor_tok_s", {})[m] = by[m]["floor_tok_s"]
+        if "lora off" in by and by["lora off"].get("floor_fraction") is not None and "lora off" not in out.get(
+                "floor_fraction", {}):
+            out.setdefault("floor_fraction", {})["lora off"] = by["lora off"]["floor_fraction"]
+            out.setdefault("floor_tok_s", {})["lora off"] = by["lora off"]["floor_tok_s"]
+        starts = [e["ready_s"] for e in res.get("engine_start", []) if e["lora"] and e["chunked"]
+                  and e["max_batch"] == r0["max_batch"]]
+        if starts and "engine_start_s" not in out:
+            out["engine_start_s"] = starts[0]
+        for it in res.get("interference", []):
+            key = "interference_tpot_p99_ratio" if "(chunked)" in it["label"] else "interference_unchunked_p99_ratio"
+            out.setdefault(key, it["itl_p99_over_p50"])
         if "lora off" in by:
             lora_off.append({"lora_off": by["lora off"]["output_tok_s"], "with": [m for m in MIXES if m in by]})
         if "hf_peft_output_tok_s" in res and "hf_peft_output_tok_s" not in out:
@@ -368,6 +467,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cold-requests", type=int, default=None, help="requests of the cold and warm runs "
                    "(default: --requests)")
     p.add_argument("--profile", action="store_true", help="per-step GPU time breakdown at full batch")
+    p.add_argument("--interference", action="store_true",
+                   help="8k-token prompts into a full decode batch, chunked (the default step budget) and unchunked")
+    p.add_argument("--step-tokens", type=int, default=None, help="chunked prefill: token rows per step "
+                   "(default: the engine's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("bench_e2e.json"))
     p.add_argument("--plot", type=Path, default=None)
@@ -413,27 +516,34 @@ def main(argv: list[str] | None = None) -> int:
     log(f"model ready ({time.perf_counter() - t_start:.0f}s); {args.requests} requests, mean prompt "
         f"{np.mean([len(a) for a, _ in reqs]):.0f}, mean output {np.mean([b for _, b in reqs]):.0f} tokens")
     store = random_adapters(base, args.population, args.rank, torch.bfloat16, dev, args.seed + 1)
+    fm = floor_model(model.cfg, args.rank)
     log(f"{len(store)} adapters in pinned memory ({time.perf_counter() - t_start:.0f}s)")
 
-    def make_engine(max_batch: int, lora: bool, from_disk: bool = False):
+    results: dict = {"card": torch.cuda.get_device_name(0), "date": str(date.today()), "torch": torch.__version__,
+                     "requests": args.requests, "max_batch": args.max_batch, "runs": []}
+
+    def make_engine(max_batch: int, lora: bool, from_disk: bool = False, chunked: bool = True):
         from lorafleet.runner.sequence import AdapterRef, SamplingParams, Sequence
 
         t0 = time.perf_counter()
         cfg = EngineConfig(max_batch_size=max_batch, max_lora_rank=args.rank, lora_slots=max(64, 2 * max_batch),
-                           enable_lora=lora, host_lora_cache=4096, kv_fraction=0.8)
+                           enable_lora=lora, host_lora_cache=4096, kv_fraction=0.8, chunked_prefill=chunked,
+                           max_step_tokens=args.step_tokens if chunked else None)
         loader = None if from_disk else (lambda ref: store[int(ref.source) % len(store)])
         eng = Engine(model, cfg, adapter_loader=loader)
+        built = time.perf_counter() - t0
         # warm-up outside the timed runs: kernel JIT compilation, cuBLAS handles, first adapter load
         warm = [Sequence(f"warm{i}", reqs[i][0][:64], SamplingParams(max_tokens=4, ignore_eos=True),
                          AdapterRef(f"warm{i}", str(i)) if lora and i and not from_disk else None) for i in range(3)]
         eng.run_to_completion(warm)
         torch.cuda.synchronize()
-        log(f"engine ready: max batch {max_batch}, LoRA {'on' if lora else 'off'} "
-            f"(graph capture and warm-up {time.perf_counter() - t0:.0f}s)")
+        start = round(time.perf_counter() - t0, 2)
+        results.setdefault("engine_start", []).append({"max_batch": max_batch, "lora": lora, "chunked": chunked,
+                                                        "construct_s": round(built, 2), "ready_s": start})
+        log(f"engine ready: max batch {max_batch}, LoRA {'on' if lora else 'off'}, step budget {eng.max_step_tokens} "
+            f"(KV pool, graph capture and warm-up {start:.1f}s, of which construction {built:.1f}s)")
         return eng
 
-    results: dict = {"card": torch.cuda.get_device_name(0), "date": str(date.today()), "torch": torch.__version__,
-                     "requests": args.requests, "max_batch": args.max_batch, "runs": []}
 
     def save_partial() -> None:
         """Results so far (a run cut short by a time limit still leaves its finished parts)."""
@@ -448,11 +558,21 @@ def main(argv: list[str] | None = None) -> int:
             idx = list(range(n))  # every request its own adapter name
         else:
             idx = assign(mix, n, max(args.population, 1), seed=args.seed)
-        res = run_mix(eng, reqs, [f"{mix}-{i}" for i in idx], lambda i, idx=idx: idx[i], mix, log)
+        res = run_mix(eng, reqs, [f"{mix}-{i}" for i in idx], lambda i, idx=idx: idx[i], mix, log, fm)
         results["runs"].append(res)
         save_partial()
     if args.profile:
         results["breakdown_lora_distinct"] = profile_breakdown(eng, reqs, log)
+        save_partial()
+    if args.interference:
+        eng = eng or make_engine(args.max_batch, True)
+        results["interference"] = [run_interference(eng, model.cfg.vocab_size, log, label=" (chunked)")]
+        save_partial()
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
+        eng = make_engine(args.max_batch, True, chunked=False)
+        results["interference"].append(run_interference(eng, model.cfg.vocab_size, log, label=" (unchunked)"))
         save_partial()
     if args.cold:
         # Cold start: the uniform mix's adapters as PEFT files on disk, a fresh engine with an
@@ -481,14 +601,15 @@ def main(argv: list[str] | None = None) -> int:
     torch.cuda.empty_cache()
     if not args.no_lora_off:
         eng = make_engine(args.max_batch, False)
-        results["runs"].append(run_mix(eng, reqs, [None] * n, lambda i: 0, "lora off", log))
+        results["runs"].append(run_mix(eng, reqs, [None] * n, lambda i: 0, "lora off", log, fm))
         save_partial()
         del eng
         gc.collect()
         torch.cuda.empty_cache()
     for mb in args.sweep:
         eng = make_engine(mb, True)
-        res = run_mix(eng, reqs, [f"sweep{mb}-{i}" for i in range(n)], lambda i: i, f"distinct max_batch={mb}", log)
+        res = run_mix(eng, reqs, [f"sweep{mb}-{i}" for i in range(n)], lambda i: i, f"distinct max_batch={mb}", log,
+                      fm)
         res["max_batch"] = mb
         results["runs"].append(res)
         save_partial()

@@ -134,6 +134,7 @@ class Engine:
         self.last_busy = time.time()
         self.steps = 0
         self.last_step = (0, 0)  # (prefill tokens, decode requests) of the last launched step
+        self.last_step_kv = (0, 0)  # (KV tokens attended, distinct adapters) of the last launched step
 
     # -- construction helpers -------------------------------------------------------------------
     def _default_pages(self) -> int:
@@ -218,6 +219,7 @@ class Engine:
                 if w.sample:
                     w.seq.num_pending += 1
             self.last_step = (plan.prefill_tokens, plan.num_decode)
+            self.last_step_kv = (sum(batch.kv_lens), len({s for s in batch.seg_slots if s >= 0}))
             self.last_busy = time.time()
             self.steps += 1
         self._inflight = launched

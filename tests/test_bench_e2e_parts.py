@@ -62,3 +62,41 @@ def test_merged_summary_keeps_each_runs_lora_off_and_refuses_mismatches(tmp_path
     png = tmp_path / "p.png"
     assert main(["--plot-from", files[0], files[1], "--plot", str(png)]) == 0
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_floor_model_counts_the_weights_transformers_counts(tiny_llama):
+    """Weight bytes of the floor = lm_head + every layer's projections (norms and the embedding
+    table are not read whole per step), checked against HF's own parameter count."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from lorafleet.runner.bench_e2e import floor_model, floor_seconds
+    from lorafleet.runner.config import ModelConfig
+
+    cfg = ModelConfig.from_hf(json.loads((tiny_llama / "config.json").read_text()))
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama))
+    proj = sum(p.numel() for n, p in hf.named_parameters() if "proj" in n)
+    fm = floor_model(cfg, rank=8)
+    assert fm["weight_bytes"] == 2 * (proj + hf.lm_head.weight.numel())
+    assert fm["kv_bytes_per_token"] == 2 * 2 * cfg.num_layers * cfg.kv_dim
+    lora = 8 * cfg.num_layers * sum(a + b for a, b in [(128, 128)] * 4 + [(128, 352)] * 2 + [(352, 128)])
+    assert fm["adapter_bytes"] == 2 * lora
+    # one decode step of 4 rows over 100 KV tokens and 2 adapters; an idle step costs nothing
+    t = floor_seconds(fm, [(0, 4, 0.01, 100, 2), (0, 0, 0.01, 0, 0)])
+    want = max((fm["weight_bytes"] + 100 * fm["kv_bytes_per_token"] + 2 * fm["adapter_bytes"]) / 4.2e12,
+               (4 * fm["flops_per_row"] + 4 * fm["lm_head_flops"]) / 7.7e14)
+    assert abs(t - want) < 1e-15
+
+
+def test_interference_run_measures_decoders_and_cleans_up(tiny_llama):
+    from lorafleet.runner.bench_e2e import run_interference
+    from lorafleet.runner.config import EngineConfig
+    from lorafleet.runner.engine import Engine
+
+    eng = Engine(str(tiny_llama), EngineConfig(device="cpu", max_batch_size=4, page_size=4, num_pages=600,
+                                                chunked_prefill=True, max_step_tokens=24))
+    res = run_interference(eng, 512, lambda m: None, long_len=90, n_long=2, every=3)
+    assert res["decoders"] == 3 and res["long_prompts"] == 2 and res["max_step_tokens"] == 24
+    assert 0 < res["itl_p50_ms"] <= res["itl_p99_ms"] <= res["itl_max_ms"]
+    assert not eng.has_work() and eng.blocks.free_pages == eng.blocks.num_pages
