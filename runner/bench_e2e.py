@@ -30,20 +30,29 @@ LLAMA2_7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, nu
                  num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=16384,
                  rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1,
                  eos_token_id=2, model_type="llama")
+LLAMA2_70B = dict(LLAMA2_7B, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                  num_key_value_heads=8)
+# a small GQA shape for the CPU tests of the benchmark's own plumbing
+TINY = dict(LLAMA2_7B, vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+            num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048)
+SHAPES = {"llama2-7b": LLAMA2_7B, "llama2-70b": LLAMA2_70B, "tiny": TINY}
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 BANDWIDTH = 4.2e12  # bytes/s: the H200's measured device-to-device copy rate
 MATMUL = 7.7e14  # FLOP/s: its measured bf16 matmul rate
 
 
-def floor_model(cfg, rank: int, dtype_bytes: int = 2) -> dict:
+def floor_model(cfg, rank: int, dtype_bytes: int = 2, tp: int = 1) -> dict:
     """Bytes and FLOPs that any engine must spend per step, from the model's shapes:
     every layer weight and lm_head read once per step, each attended KV token read once, each
-    distinct adapter's A and B read once; 2 FLOPs per weight per token row."""
+    distinct adapter's A and B read once; 2 FLOPs per weight per token row. With tensor
+    parallelism, per GPU: its 1/tp of the layers, KV and adapters, and the whole lm_head."""
     H, I, V, L = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_layers
     layer = H * (cfg.q_dim + 2 * cfg.kv_dim) + cfg.q_dim * H + 3 * H * I
     adapter = rank * L * (H + cfg.q_dim + 2 * (H + cfg.kv_dim) + (cfg.q_dim + H) + 2 * (H + I) + (I + H))
-    return {"weight_bytes": (L * layer + V * H) * dtype_bytes, "kv_bytes_per_token": 2 * L * cfg.kv_dim * dtype_bytes,
-            "adapter_bytes": adapter * dtype_bytes, "flops_per_row": 2 * L * layer, "lm_head_flops": 2 * V * H}
+    return {"weight_bytes": (L * layer // tp + V * H) * dtype_bytes,
+            "kv_bytes_per_token": 2 * L * cfg.kv_dim * dtype_bytes // tp,
+            "adapter_bytes": adapter * dtype_bytes // tp, "flops_per_row": 2 * L * layer // tp,
+            "lm_head_flops": 2 * V * H}
 
 
 def floor_seconds(fm: dict, steps) -> float:
@@ -151,7 +160,8 @@ def run_mix(engine, reqs, names, weights_of, label: str, log, fm: dict | None = 
     """Submit everything at t0, step to completion; throughput, TTFT and TPOT."""
     from lorafleet.runner.sequence import AdapterRef, SamplingParams, Sequence
 
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     engine.runner.phases = {}
     t0 = time.perf_counter()
     first, end, n_out = {}, {}, {}
@@ -220,7 +230,7 @@ def fit_step_model(steps) -> dict:
             "prefill_per_token_ms": round(float(coef[2]), 6)}
 
 
-def profile_breakdown(engine, reqs, log) -> dict:
+def profile_breakdown(engine, reqs, log, source_of=str) -> dict:
     """GPU time per category over decode steps at full batch, vs wall time (the rest is host)."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -228,7 +238,7 @@ def profile_breakdown(engine, reqs, log) -> dict:
 
     for i, (ids, _) in enumerate(reqs[: engine.config.max_batch_size]):  # distinct adapters
         engine.submit(Sequence(f"p{i}", ids[:128], SamplingParams(max_tokens=200, ignore_eos=True),
-                               AdapterRef(f"prof-{i}", str(i))))
+                               AdapterRef(f"prof-{i}", source_of(i))))
     for _ in range(2000):  # until every request is admitted (adapter loads) and decoding
         engine.step()
         full = min(engine.config.max_batch_size, len(reqs))
@@ -247,7 +257,8 @@ def profile_breakdown(engine, reqs, log) -> dict:
         engine.step()
     from torch.autograd import DeviceType
 
-    cats = {"dense_gemm": 0.0, "attention": 0.0, "lora_sgmv": 0.0, "sampling": 0.0, "other_gpu": 0.0}
+    cats = {"dense_gemm": 0.0, "attention": 0.0, "lora_sgmv": 0.0, "allreduce": 0.0, "sampling": 0.0,
+            "other_gpu": 0.0}
     for ev in prof.key_averages():
         if getattr(ev, "device_type", None) != DeviceType.CUDA:
             continue  # CPU-side ops; their kernels are counted as CUDA events
@@ -257,6 +268,8 @@ def profile_breakdown(engine, reqs, log) -> dict:
         k = ev.key.lower()
         if "sgmv" in k:
             cats["lora_sgmv"] += dt
+        elif "nccl" in k or "allreduce" in k:
+            cats["allreduce"] += dt
         elif "batchdecode" in k or "batchprefill" in k or "flashinfer" in k or "attention" in k:
             cats["attention"] += dt
         elif "gemm" in k or "cutlass" in k or "nvjet" in k or "xmma" in k or "gemv" in k:
@@ -471,6 +484,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="8k-token prompts into a full decode batch, chunked (the default step budget) and unchunked")
     p.add_argument("--step-tokens", type=int, default=None, help="chunked prefill: token rows per step "
                    "(default: the engine's)")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="llama2-7b")
+    p.add_argument("--tp", type=int, nargs="+", default=[1], metavar="G",
+                   help="tensor-parallel group sizes to run one after another (any other value than 1, or a shape "
+                        "other than llama2-7b, runs the synthetic-model path: every rank draws its own weights)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("bench_e2e.json"))
     p.add_argument("--plot", type=Path, default=None)
@@ -501,6 +518,8 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench e2e needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.tp != [1] or args.shape != "llama2-7b":
+        return run_tp(args)
 
     from lorafleet.runner.config import EngineConfig
     from lorafleet.runner.engine import Engine
@@ -635,6 +654,102 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['tpot_p99_ms']} |")
     if args.plot:
         plot_mixes([results], args.plot)
+    return 0
+
+
+def run_tp(args) -> int:
+    """The mixes and LoRA off for each tensor-parallel size in `args.tp`, on a synthetic model of
+    `args.shape` (each rank draws its slices on its GPU) with synthetic://SEED adapters (a
+    population of `--population` weight sets, one adapter name per request as usual)."""
+    import tempfile
+
+    from lorafleet.runner.config import EngineConfig, ModelConfig
+    from lorafleet.runner.engine import Engine
+    from lorafleet.runner.sequence import AdapterRef, SamplingParams, Sequence
+    from lorafleet.runner.synthetic import write_synthetic_model
+
+    def log(msg):
+        print(msg, flush=True)
+
+    t_start = time.perf_counter()
+    hf = SHAPES[args.shape]
+    mcfg = ModelConfig.from_hf(hf, name=args.shape)
+    path = write_synthetic_model(Path(tempfile.mkdtemp(prefix="lorafleet-synthetic-")), hf, args.seed)
+    reqs = sharegpt_requests(args.requests, args.seed, mcfg.vocab_size)
+    population = min(args.population, 16)
+    cuda = torch.cuda.is_available()
+    results: dict = {"card": torch.cuda.get_device_name(0) if cuda else "cpu", "gpus": torch.cuda.device_count(),
+                     "date": str(date.today()), "torch": torch.__version__, "requests": args.requests,
+                     "max_batch": args.max_batch, "shape": args.shape, "population": population, "runs": [], "tp": {}}
+    key = args.shape.replace("-", "_")
+
+    def source(i: int) -> str:
+        return f"synthetic://{i % population}?rank={args.rank}"
+
+    def save() -> None:
+        args.out.write_text(json.dumps(dict(results, runs=[{k: v for k, v in r.items() if k != "_steps"}
+                                                           for r in results["runs"]]), indent=1))
+
+    n = len(reqs)
+    for tp in args.tp:
+        fm = floor_model(mcfg, args.rank, tp=tp)
+        summary = results["tp"].setdefault(f"{key}_tp{tp}", {"output_tok_s": {}, "floor_tok_s": {}})
+        for lora in ([True] if args.mixes or args.profile else []) + ([] if args.no_lora_off else [False]):
+            t0 = time.perf_counter()
+            cfg = EngineConfig(tp=tp, max_batch_size=args.max_batch, max_lora_rank=args.rank,
+                               lora_slots=max(64, 2 * args.max_batch), enable_lora=lora, host_lora_cache=4096,
+                               kv_fraction=0.8, allow_synthetic=True, max_step_tokens=args.step_tokens,
+                               **({} if cuda else {"device": "cpu", "num_pages": 2000, "page_size": 16}))
+            eng = Engine(str(path), cfg)
+            try:
+                warm = [Sequence(f"warm{i}", reqs[i % n][0][:64], SamplingParams(max_tokens=4, ignore_eos=True),
+                                 AdapterRef(f"warm{i}", source(i)) if lora and i else None) for i in range(3)]
+                eng.run_to_completion(warm)
+                if cuda:
+                    torch.cuda.synchronize()
+                ready = round(time.perf_counter() - t0, 1)
+                summary.setdefault("engine_start_s", ready)
+                log(f"{args.shape} tp={tp} LoRA {'on' if lora else 'off'}: engine ready in {ready}s "
+                    f"({eng.blocks.total_tokens} KV tokens per rank, step budget {eng.max_step_tokens})")
+                for mix in (args.mixes if lora else [None]):
+                    if mix is None:
+                        names, label = [None] * n, f"lora off tp={tp}"
+                    else:
+                        idx = list(range(n)) if mix == "distinct" else assign(mix, n, population, seed=args.seed)
+                        names, label = [f"{mix}-{i}" for i in idx], f"{mix} tp={tp}"
+                        idx_of = idx
+                    res = run_mix(eng, reqs, names, (lambda i: source(idx_of[i])) if mix else (lambda i: ""),
+                                  label, log, fm)
+                    res.update(tp=tp, shape=args.shape)
+                    results["runs"].append(res)
+                    if mix is None:
+                        summary["lora_off_output_tok_s"] = res["output_tok_s"]
+                        summary["floor_tok_s"]["lora off"] = res.get("floor_tok_s")
+                    else:
+                        summary["output_tok_s"][mix] = res["output_tok_s"]
+                        summary["floor_tok_s"][mix] = res.get("floor_tok_s")
+                    save()
+                if lora and args.profile:
+                    summary["breakdown_lora_distinct"] = profile_breakdown(eng, reqs, log, source)
+                    summary["allreduce_ms_per_step"] = summary["breakdown_lora_distinct"]["allreduce"]
+                    save()
+            finally:
+                eng.close()
+                del eng
+                gc.collect()
+                torch.cuda.empty_cache()
+        off = summary.get("lora_off_output_tok_s")
+        if off:
+            summary["over_lora_off"] = {m: round(v / off, 3) for m, v in summary["output_tok_s"].items()}
+    for r in results["runs"]:
+        r.pop("_steps", None)
+    results["seconds"] = round(time.perf_counter() - t_start, 1)
+    save()
+    print("| run | output tok/s | floor tok/s | TPOT p50 (ms) | TPOT p99 (ms) |")
+    print("|---|---|---|---|---|")
+    for r in results["runs"]:
+        print(f"| {r['label']} | {r['output_tok_s']} | {r.get('floor_tok_s')} | {r['tpot_p50_ms']} | "
+              f"{r['tpot_p99_ms']} |")
     return 0
 
 

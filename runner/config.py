@@ -122,4 +122,6 @@ class EngineConfig:
     cuda_graphs: bool = True
     piecewise_graphs: bool = True  # CUDA: steps with prefill replay graphs around eager attention
     requeue_evicted: bool = False  # offline: resume evicted requests here; service: report them
+    tp: int = 1  # tensor parallelism: GPUs of this node driven as one engine (ranks 1..tp-1 in child processes)
+    allow_synthetic: bool = False  # benchmarks: accept synthetic://SEED adapter sources (never from the network)
     extra: dict = field(default_factory=dict, compare=False)

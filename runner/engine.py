@@ -24,18 +24,13 @@ import torch
 from lorafleet.runner.batcher import Batcher
 from lorafleet.runner.block_manager import BlockManager
 from lorafleet.runner.config import EngineConfig, ModelConfig
-from lorafleet.runner.kv_cache import KVCache, bytes_per_token
+from lorafleet.runner.executor import build_executor
 from lorafleet.runner.lora.manager import AdapterManager
-from lorafleet.runner.lora.pool import LoraPool
 from lorafleet.runner.model.llama import LlamaModel
-from lorafleet.runner.model_runner import ModelRunner
 from lorafleet.runner.sequence import Sequence
 from lorafleet.runner.step_batch import StepBatch, build_step_batch
-from lorafleet.runner.weights import load_weights
 
 log = logging.getLogger(__name__)
-
-DEFAULT_STEP_TOKENS = 2048  # chunked prefill: token rows per step when EngineConfig leaves it open
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
@@ -80,53 +75,56 @@ class Engine:
 
     def __init__(self, model: "str | LlamaModel", config: EngineConfig = EngineConfig(), adapter_loader=None):
         self.config = config
-        if isinstance(model, LlamaModel):
-            self.model, self.device, self.dtype = model, model.device, model.dtype
-            model_cfg = model.cfg
-        else:
-            self.device = resolve_device(config.device)
-            self.dtype = resolve_dtype(config.dtype, self.device)
-            t0 = time.perf_counter()
-            model_cfg, tensors = load_weights(model)
-            self.model = LlamaModel(model_cfg, tensors, self.dtype, self.device)
-            del tensors
-            log.info("loaded %s (%d layers) on %s as %s in %.1fs", model, model_cfg.num_layers, self.device,
-                     self.dtype, time.perf_counter() - t0)
-        self.model_config: ModelConfig = model_cfg
-        self.max_model_len = config.max_model_len or model_cfg.max_position_embeddings
-        base = model_cfg.base_shape()
+        self.tp = None  # TPWorkers of ranks 1..G-1 with tensor parallelism
+        self._group = None
+        shard = group = None
+        device = None
+        if config.tp > 1:
+            if isinstance(model, LlamaModel):
+                raise ValueError("tensor parallelism needs a model path (every rank loads its own slices)")
+            from lorafleet.runner.parallel.group import TPGroup, free_port
+            from lorafleet.runner.parallel.shard import Shard
+            from lorafleet.runner.parallel.worker import TPWorkers, rank_device
 
-        self.lora_pool = self.adapters = None
-        if config.enable_lora:
-            slots = config.lora_slots or (64 if self.device.type == "cuda" else 8)
-            self.lora_pool = LoraPool(base, slots, config.max_lora_rank, self.dtype, self.device)
+            device = rank_device(config, 0)
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            port = free_port()
+            self.tp = TPWorkers(config.tp, str(model), config, port)
+            shard, group = Shard(0, config.tp), TPGroup(0, config.tp, port, device)
+        self._group = group
+        try:
+            ex = build_executor(model, config, shard, group, device)
+            if self.tp is not None:
+                self.tp.wait_ready()
+        except BaseException:
+            self.close()
+            raise
+        self.executor = ex
+        self.model, self.device, self.dtype = ex.model, ex.device, ex.dtype
+        self.model_config: ModelConfig = ex.model.full_cfg
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.lora_pool, self.kv, self.attention, self.sgmv = ex.lora_pool, ex.kv, ex.attention, ex.sgmv
+        self.runner = ex.runner
+        self.adapters = None
+        if self.lora_pool is not None:
             stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-            self.adapters = AdapterManager(self.lora_pool, base, config.host_lora_cache, adapter_loader, stream)
-
-        num_pages = config.num_pages or self._default_pages()
-        # one extra page: the scratch page padded rows of captured CUDA graphs write to
-        self.kv = KVCache(model_cfg, num_pages + 1, config.page_size, self.dtype, self.device)
-        self.blocks = BlockManager(num_pages, config.page_size)
+            self.adapters = AdapterManager(self.lora_pool, self.model_config.base_shape(), config.host_lora_cache,
+                                           adapter_loader, stream, allow_synthetic=config.allow_synthetic)
+            if self.tp is not None:
+                self.adapters.on_slot = lambda ev: self.tp.send(("slot", ev))
+        self.blocks = BlockManager(ex.num_pages, config.page_size)
         admit = config.admit_batch
         if admit is None:
             admit = max(1, config.max_batch_size // 8) if self.device.type == "cuda" else 1
-        self.max_step_tokens = config.max_step_tokens
-        if self.max_step_tokens is None and config.chunked_prefill is not False and (
-                config.chunked_prefill or self.device.type == "cuda"):
-            self.max_step_tokens = DEFAULT_STEP_TOKENS
-        if self.max_step_tokens is not None:
-            self.max_step_tokens = max(self.max_step_tokens, config.max_batch_size + 1)
+        self.max_step_tokens = ex.max_step_tokens
         self.batcher = Batcher(self.blocks, self.adapters, config.max_batch_size, config.max_prefill_tokens,
                                self.max_model_len, admit_batch=admit, admit_wait_steps=config.admit_wait_steps,
                                max_step_tokens=self.max_step_tokens)
         self.overlap = config.overlap if config.overlap is not None else self.device.type == "cuda"
-        self.attention = self._make_attention()
-        self.sgmv = self._make_sgmv()
-        graphs = self._make_graphs(num_pages)
-        self.runner = ModelRunner(self.model, self.attention, self.lora_pool, self.sgmv, config.page_size,
-                                  graphs, self._make_piecewise() if graphs is not None else None)
-        log.info("KV cache: %d pages x %d tokens (%d tokens); attention=%s sgmv=%s", num_pages, config.page_size,
-                 self.blocks.total_tokens, self.attention.name, getattr(self.sgmv, "name", "?"))
+        log.info("KV cache: %d pages x %d tokens (%d tokens); attention=%s sgmv=%s%s", ex.num_pages, config.page_size,
+                 self.blocks.total_tokens, self.attention.name, getattr(self.sgmv, "name", "?"),
+                 f"; tensor parallel over {config.tp} ranks" if self.tp else "")
 
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._seqs: dict[str, Sequence] = {}
@@ -136,58 +134,14 @@ class Engine:
         self.last_step = (0, 0)  # (prefill tokens, decode requests) of the last launched step
         self.last_step_kv = (0, 0)  # (KV tokens attended, distinct adapters) of the last launched step
 
-    # -- construction helpers -------------------------------------------------------------------
-    def _default_pages(self) -> int:
-        per_token = bytes_per_token(self.model_config, self.dtype)
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = free * self.config.kv_fraction
-        else:
-            budget = self.config.kv_cache_gb * (1 << 30)
-        return max(1, int(budget // (per_token * self.config.page_size)))
-
-    def _make_attention(self):
-        from lorafleet.runner.attention.select import attention_backend
-
-        return attention_backend(self.kv, self.model_config, self.device, self.config)
-
-    def _make_graphs(self, scratch_page: int):
-        """CUDA graphs for decode steps when every op on that path is capturable."""
-        if self.device.type != "cuda" or not self.config.cuda_graphs:
-            return None
-        if self.attention.name != "flashinfer" or (self.lora_pool is not None and self.sgmv.name == "torch"):
-            log.warning("decode CUDA graphs need flashinfer attention and the CUDA SGMV kernels; running eagerly")
-            return None
-        from lorafleet.runner.cuda_graph import GraphRunner
-
-        t0 = time.perf_counter()
-        g = GraphRunner(self.model, self.attention, self.lora_pool, self.sgmv, self.config.page_size,
-                        self.config.max_batch_size, scratch_page)
-        g.capture_all()
-        log.info("CUDA graph capture took %.1fs", time.perf_counter() - t0)
-        return g
-
-    def _make_piecewise(self):
-        """Piecewise CUDA graphs for steps with prefill (everything but attention replayed)."""
-        if not self.config.piecewise_graphs:
-            return None
-        from lorafleet.runner.piecewise import PiecewiseGraphs, default_buckets
-
-        t0 = time.perf_counter()
-        limit = self.max_step_tokens or (self.config.max_prefill_tokens + self.config.max_batch_size)
-        pw = PiecewiseGraphs(self.model, self.attention, self.lora_pool, self.sgmv, self.config.max_batch_size,
-                             default_buckets(limit))
-        log.info("piecewise graph capture took %.1fs", time.perf_counter() - t0)
-        return pw
-
-    def _make_sgmv(self):
-        from lorafleet.runner.lora.sgmv import TorchSGMV
-
-        try:
-            from lorafleet.runner.lora.sgmv_select import sgmv_backend
-        except ImportError:
-            return TorchSGMV()
-        return sgmv_backend(self.device, dtype=self.dtype)
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks and leave the group (nothing to do for one GPU).
+        Idempotent. One tensor-parallel engine per process at a time."""
+        if self.tp is not None:
+            self.tp.close()
+        if self._group is not None:
+            self._group.close()
+            self._group = None
 
     # -- public API -----------------------------------------------------------------------------
     def submit(self, seq: Sequence) -> None:
@@ -214,6 +168,9 @@ class Engine:
         if plan.work:
             batch = build_step_batch(plan.work, self.config.page_size, self.config.max_batch_size,
                                      prev.batch if prev is not None else None, pin=self.device.type == "cuda")
+            if self.tp is not None:
+                self.tp.check()
+                self.tp.send(("step", batch.to_wire()))
             launched = self.runner.launch(batch, prev)
             for w in plan.work:
                 if w.sample:
@@ -226,7 +183,7 @@ class Engine:
         if not self.overlap and launched is not None:
             prev, self._inflight = launched, None
         if prev is not None:
-            outputs += self._postprocess(prev.batch, prev.tokens())
+            outputs += self._postprocess(prev.batch, prev.tokens(self.tp.check if self.tp is not None else None))
         elif idle_wait and not plan.work and self.batcher.waiting and not outputs:
             time.sleep(0.0005)  # only adapter loads are pending: let their worker threads run
         return outputs

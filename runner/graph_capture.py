@@ -10,12 +10,15 @@ def capture(graph: "torch.cuda.CUDAGraph", fn, pool=None, stream: "torch.cuda.St
 
     Unlike `torch.cuda.graph`, this does not synchronise the device, release the allocator
     caches and (on some torch versions) collect garbage before every capture, which adds up to
-    minutes over the hundreds of piecewise graphs; callers do that once before a series."""
+    minutes over the hundreds of piecewise graphs; callers do that once before a series.
+
+    Capture errors are thread-local: other threads (adapter loaders, NCCL's own threads under
+    tensor parallelism) may keep using CUDA while a graph is captured."""
     dev = stream.device if stream is not None else torch.device("cuda", torch.cuda.current_device())
     stream = stream or torch.cuda.Stream(dev)
     stream.wait_stream(torch.cuda.current_stream(dev))
     with torch.cuda.stream(stream):
-        graph.capture_begin(*(() if pool is None else (pool,)))
+        graph.capture_begin(pool, capture_error_mode="thread_local")
         try:
             out = fn()
         except BaseException as exc:

@@ -61,26 +61,38 @@ def to_device(batch: StepBatch, device: torch.device, prev_tokens: torch.Tensor 
 
 
 class InFlight:
-    """A launched step: its batch, sampled ids on the device, and their pinned host copy."""
+    """A launched step: its batch, sampled ids on the device, and (with `readback`) their pinned
+    host copy."""
 
-    def __init__(self, batch: StepBatch, tokens_dev: torch.Tensor, kind: str):
+    def __init__(self, batch: StepBatch, tokens_dev: torch.Tensor, kind: str, readback: bool = True):
         self.batch, self.tokens_dev, self.kind = batch, tokens_dev, kind
         self.event = None
+        self.host = tokens_dev
         if tokens_dev.is_cuda:
-            self.host = torch.empty(tokens_dev.shape, dtype=tokens_dev.dtype, pin_memory=True)
-            self.host.copy_(tokens_dev, non_blocking=True)
+            if readback:
+                self.host = torch.empty(tokens_dev.shape, dtype=tokens_dev.dtype, pin_memory=True)
+                self.host.copy_(tokens_dev, non_blocking=True)
             self.event = torch.cuda.Event()
             self.event.record()
-        else:
-            self.host = tokens_dev
 
     def done(self) -> bool:
         return self.event is None or self.event.query()
 
-    def tokens(self) -> list[int]:
-        """The sampled ids, in `batch.sample_idx` order (waits for this step's device work)."""
-        if self.event is not None:
+    def wait(self, poll=None) -> None:
+        """Until this step's device work is done. `poll()` (tensor parallelism: are the other ranks
+        alive?) runs while waiting and may raise, so a lost rank never leaves this waiting forever."""
+        if self.event is None:
+            return
+        if poll is None:
             self.event.synchronize()
+            return
+        while not self.event.query():
+            poll()
+            time.sleep(20e-6)
+
+    def tokens(self, poll=None) -> list[int]:
+        """The sampled ids, in `batch.sample_idx` order (waits for this step's device work)."""
+        self.wait(poll)
         return self.host.tolist()
 
 
@@ -96,8 +108,9 @@ class ModelRunner:
         self.phases: dict[str, list[float]] | None = None
 
     @torch.inference_mode()
-    def launch(self, batch: StepBatch, prev: InFlight | None = None) -> InFlight:
-        """Queue one step on the device; `prev` is the step launched before it (for pending ids)."""
+    def launch(self, batch: StepBatch, prev: InFlight | None = None, readback: bool = True) -> InFlight:
+        """Queue one step on the device; `prev` is the step launched before it (for pending ids).
+        `readback=False`: no host copy of the sampled ids (tensor-parallel ranks other than 0)."""
         t0 = time.perf_counter() if self.phases is not None else 0.0
         d = to_device(batch, self.model.device, prev.tokens_dev if prev is not None else None)
         t1 = time.perf_counter() if self.phases is not None else 0.0
@@ -114,7 +127,7 @@ class ModelRunner:
         if len(batch.sample_idx) < batch.batch_size:
             logits = logits.index_select(0, torch.tensor(batch.sample_idx, dtype=torch.int64, device=logits.device))
         tokens = sample_tokens(logits, batch.temperature, batch.top_p, batch.top_k, batch.uniform)
-        out = InFlight(batch, tokens, kind)
+        out = InFlight(batch, tokens, kind, readback)
         if self.phases is not None:
             acc = self.phases.setdefault(kind, [0.0, 0.0, 0.0, 0])
             t3 = time.perf_counter()

@@ -66,17 +66,29 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def load_hf_dir(model_dir: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_hf_dir(model_dir: str | Path, shard=None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """With a tensor-parallel `shard`, only this rank's slice of each weight is read from the files."""
     from safetensors import safe_open
 
     model_dir = Path(model_dir)
     config = load_hf_config(model_dir)
+    if shard is not None:
+        shard.check(config)
     tensors: dict[str, torch.Tensor] = {}
     for f in _safetensors_files(model_dir):
         try:
             with safe_open(str(f), framework="pt") as sf:
                 for name in sf.keys():
-                    tensors[name] = sf.get_tensor(name)
+                    if shard is None:
+                        tensors[name] = sf.get_tensor(name)
+                        continue
+                    part = sf.get_slice(name)
+                    where = shard.weight_slice(name, tuple(part.get_shape()))
+                    if where is None:
+                        tensors[name] = sf.get_tensor(name)
+                    elif where[0] >= 0:
+                        dim, lo, hi = where
+                        tensors[name] = part[lo:hi] if dim == 0 else part[:, lo:hi]
         except Exception as exc:  # safetensors raises its own error types
             raise WeightsError(f"cannot read {f.name}: {exc}") from None
     return config, tensors
@@ -187,13 +199,26 @@ def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     return config, tensors
 
 
-def load_weights(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Config and HF-named tensors from an HF directory or a .gguf file."""
+def load_weights(path: str | Path, shard=None, device="cpu", dtype=torch.float32):
+    """Config (of the whole model) and HF-named tensors (this tensor-parallel rank's slices when
+    `shard` is given) from an HF directory, a .gguf file or a synthetic model directory (seeded
+    random weights drawn on `device` in `dtype`, see runner/synthetic.py)."""
+    from lorafleet.runner import synthetic
+
     p = Path(path)
     if not p.exists():
         raise WeightsError(f"model path {p} does not exist")
     if is_gguf(p):
-        return load_gguf(p)
+        config, tensors = load_gguf(p)
+        if shard is not None:
+            shard.check(config)
+            tensors = {n: t for n, t in ((n, shard.apply(n, t)) for n, t in tensors.items()) if t is not None}
+        return config, tensors
+    if synthetic.is_synthetic(p):
+        config = load_hf_config(p)
+        if shard is not None:
+            shard.check(config)
+        return config, synthetic.SyntheticWeights(config, synthetic.synthetic_seed(p), device, dtype, shard)
     if p.is_dir():
-        return load_hf_dir(p)
+        return load_hf_dir(p, shard)
     raise WeightsError(f"{p} is neither a model directory nor a .gguf file")

@@ -100,3 +100,23 @@ def test_interference_run_measures_decoders_and_cleans_up(tiny_llama):
     assert res["decoders"] == 3 and res["long_prompts"] == 2 and res["max_step_tokens"] == 24
     assert 0 < res["itl_p50_ms"] <= res["itl_p99_ms"] <= res["itl_max_ms"]
     assert not eng.has_work() and eng.blocks.free_pages == eng.blocks.num_pages
+
+
+def test_tensor_parallel_benchmark_path_on_the_cpu(tmp_path):
+    """The synthetic-model path of `bench e2e` (what runs Llama-2-70B over two GPUs) end to end on a
+    tiny shape with two gloo ranks: synthetic weights on every rank, synthetic adapters through
+    the slot mirror, every mix finished, summaries against LoRA off and the floor."""
+    import json
+
+    from lorafleet.runner.bench_e2e import run_tp
+
+    out = tmp_path / "tp.json"
+    args = __import__("argparse").Namespace(
+        shape="tiny", tp=[2], requests=2, max_batch=4, mixes=["distinct", "identical"], population=3, rank=4,
+        no_lora_off=False, profile=False, step_tokens=None, seed=0, out=out)
+    assert run_tp(args) == 0
+    res = json.loads(out.read_text())
+    s = res["tp"]["tiny_tp2"]
+    assert set(s["output_tok_s"]) == {"distinct", "identical"} and s["lora_off_output_tok_s"] > 0
+    assert all(r["output_tokens"] > 0 and r["tp"] == 2 for r in res["runs"])
+    assert all(v > 0 for v in s["floor_tok_s"].values()) and set(s["over_lora_off"]) == {"distinct", "identical"}

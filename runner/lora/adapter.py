@@ -76,6 +76,17 @@ class LoadedAdapter:
             self.packed = pack(self.weights, num_layers)
         return self.packed
 
+    def shard_for(self, shard, full: BaseShape) -> Packed:
+        """This tensor-parallel rank's part of the packed weights (cached on the packed tensors, so
+        adapters that share weights share their slices too)."""
+        pk = self.packed_for(full.num_layers)
+        cache = pk.__dict__.setdefault("_shards", {})
+        hit = cache.get(shard)
+        if hit is None:
+            hit = cache[shard] = shard_packed(pk, shard, full)
+        return hit
+
+
     @classmethod
     def stacked(cls, spec: AdapterSpec, weights, num_layers: int, pin: bool = False) -> "LoadedAdapter":
         """Pack `weights` (pinned when asked) and keep only views into the packed tensors."""
@@ -85,11 +96,41 @@ class LoadedAdapter:
         return cls(spec, views, pk)
 
 
+def shard_packed(pk: Packed, shard, full: BaseShape) -> Packed:
+    """Slice a packed adapter for a rank (see runner/parallel/shard.py): B by output for
+    column-parallel projections, A by input for row-parallel ones; contiguous (and pinned when the
+    source is) so that a slot write stays a few large copies."""
+    from lorafleet.runner.parallel.shard import lora_slice
+
+    def part(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        out = torch.empty(*t.shape[:-1], hi - lo, dtype=t.dtype, pin_memory=t.is_pinned())
+        out.copy_(t[..., lo:hi])
+        return out
+
+    a, bt = {}, {}
+    for p, A in pk.a.items():
+        proj = PROJECTIONS[p]
+        sl = lora_slice(proj, *full.shape(proj), shard)
+        B = pk.bt[p]
+        a[p] = part(A, sl[1], sl[2]) if sl and sl[0] == "a" else A
+        bt[p] = part(B, sl[1], sl[2]) if sl and sl[0] == "b" else B
+    return Packed(a, bt, pk.ranks, pk.host_ranks)
+
+
 def load_adapter(
-    name: str, path: str | Path, base: BaseShape, max_rank: int, dtype: torch.dtype, pin: bool = False
+    name: str, path: str | Path, base: BaseShape, max_rank: int, dtype: torch.dtype, pin: bool = False,
+    allow_synthetic: bool = False,
 ) -> LoadedAdapter:
-    """Validate (see `inspect_adapter`) and load; raises AdapterError naming the adapter."""
+    """Validate (see `inspect_adapter`) and load; raises AdapterError naming the adapter.
+    `synthetic://SEED` sources (benchmarks only) are drawn by runner/synthetic.py when allowed."""
     from safetensors import safe_open
+
+    if str(path).startswith("synthetic://"):
+        if not allow_synthetic:
+            raise AdapterError(name, "synthetic adapter sources are only for benchmarks")
+        from lorafleet.runner.synthetic import synthetic_adapter
+
+        return synthetic_adapter(name, str(path), base, dtype, pin)
 
     spec = inspect_adapter(name, path, base=base, max_rank=max_rank)
     weights = {}

@@ -43,8 +43,13 @@ class AdapterManager:
         host_capacity: int = 256,
         loader: Callable[[AdapterRef], LoadedAdapter] | None = None,
         copy_stream: "torch.cuda.Stream | None" = None,
+        allow_synthetic: bool = False,
     ):
-        self.pool, self.base = pool, base
+        self.pool, self.base = pool, base  # base: the full model's shape (adapters are validated against it)
+        self.allow_synthetic = allow_synthetic
+        # Called with ("load", slot, ref) when a slot starts filling and ("clear", slot) when one is
+        # emptied: tensor-parallel ranks mirror the slots of rank 0's pool.
+        self.on_slot: Callable[[tuple], None] | None = None
         self.host_capacity = host_capacity
         self.loader_fn = loader or self._load_from_disk
         self.copy_stream = copy_stream
@@ -146,7 +151,7 @@ class AdapterManager:
 
     def _load_from_disk(self, ref: AdapterRef) -> LoadedAdapter:
         return load_adapter(ref.name, ref.source, self.base, self.pool.max_rank, self.pool.dtype,
-                            pin=self.copy_stream is not None)
+                            pin=self.copy_stream is not None, allow_synthetic=self.allow_synthetic)
 
     def _copy_in(self, ref: AdapterRef, slot: int, main_stream) -> "torch.cuda.Event":
         """Worker thread: host tier (or disk) -> pinned -> slot on the side stream; returns its event."""
@@ -193,6 +198,8 @@ class AdapterManager:
         self.stats["loads"] += 1
         self.slots[slot] = st
         self.by_name[ref.name] = slot
+        if self.on_slot is not None:
+            self.on_slot(("load", slot, ref))
         return slot
 
     def _forget(self, slot: int) -> None:
@@ -200,6 +207,8 @@ class AdapterManager:
         if self.by_name.get(st.ref.name) == slot:
             del self.by_name[st.ref.name]
         self.pool.clear(slot)
+        if self.on_slot is not None:
+            self.on_slot(("clear", slot))
 
     def _drop(self, slot: int) -> None:
         self.lru.pop(slot, None)

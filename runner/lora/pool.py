@@ -23,8 +23,14 @@ GROUP_SPANS = ((0, 3), (3, 1), (4, 2), (6, 1))
 
 
 class LoraPool:
-    def __init__(self, base: BaseShape, num_slots: int, max_rank: int, dtype: torch.dtype, device: torch.device):
+    """`base` is the shape this pool holds (a tensor-parallel rank's part); with `shard`, adapters
+    written into it are full-size (`full` shape) and sliced on the way in."""
+
+    def __init__(self, base: BaseShape, num_slots: int, max_rank: int, dtype: torch.dtype, device: torch.device,
+                 shard=None, full: BaseShape | None = None):
         self.base, self.num_slots, self.max_rank = base, num_slots, max_rank
+        self.shard = shard if shard is not None and shard.size > 1 else None
+        self.full = full or base
         self.dtype, self.device = dtype, device
         L, S, R = base.num_layers, num_slots, max_rank
         self.A = [torch.zeros(L, S, R, base.shape(p)[0], dtype=dtype, device=device) for p in PROJECTIONS]
@@ -43,7 +49,7 @@ class LoraPool:
 
     def write(self, slot: int, adapter: LoadedAdapter, stream: torch.cuda.Stream | None = None) -> None:
         """Copy an adapter into a slot (asynchronously on `stream` when given: pinned sources)."""
-        pk = adapter.packed_for(self.base.num_layers)
+        pk = adapter.shard_for(self.shard, self.full) if self.shard else adapter.packed_for(self.base.num_layers)
         nb = stream is not None
         for p in range(len(PROJECTIONS)):
             if p in pk.a:

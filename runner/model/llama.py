@@ -49,9 +49,15 @@ class LayerWeights:
 
 
 class LlamaModel:
+    """With tensor parallelism, `cfg` is this rank's part (its heads, KV heads and MLP width; see
+    runner/parallel/shard.py), `tensors` hold this rank's slices, `full_cfg` is the whole model and
+    `all_reduce(t)` sums a tensor over the group in place (after the o and down projections)."""
+
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
-                 ops: str = "auto"):
+                 ops: str = "auto", full_cfg: ModelConfig | None = None, tp_rank: int = 0, all_reduce=None):
         self.cfg, self.dtype, self.device = cfg, dtype, device
+        self.full_cfg = full_cfg or cfg
+        self.all_reduce = all_reduce
         self.rope = Rope(cfg, device)
         self.ops = make_ops(self.rope, device, cfg.max_position_embeddings, ops)
 
@@ -78,12 +84,12 @@ class LlamaModel:
                     qkv=cat(qkv_names),
                     qkv_bias=cat([n.replace(".weight", ".bias") for n in qkv_names], cfg.attention_bias),
                     o=take(p + "self_attn.o_proj.weight"),
-                    o_bias=take(p + "self_attn.o_proj.bias", cfg.attention_bias),
+                    o_bias=take(p + "self_attn.o_proj.bias", cfg.attention_bias and tp_rank == 0),
                     mlp_norm=take(p + "post_attention_layernorm.weight"),
                     gate_up=cat([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
                     gate_up_bias=cat([p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"], cfg.mlp_bias),
                     down=take(p + "mlp.down_proj.weight"),
-                    down_bias=take(p + "mlp.down_proj.bias", cfg.mlp_bias),
+                    down_bias=take(p + "mlp.down_proj.bias", cfg.mlp_bias and tp_rank == 0),
                 )
             )
         self.norm = take("model.norm.weight")
@@ -143,18 +149,22 @@ class LlamaModel:
     def post_attention(self, i: int, o: torch.Tensor, residual: torch.Tensor, lora: LoraStep | None):
         """Layer i after attention: o-proj, LoRA, norm, MLP, LoRA -> (h, residual)."""
         c, ops, lw = self.cfg, self.ops, self.layers[i]
-        out = F.linear(o, lw.o, lw.o_bias)  # [T, H]
+        out = F.linear(o, lw.o, lw.o_bias)  # [T, H] (a partial sum with tensor parallelism)
         if lora is not None:
             lora.add(i, O, o, (out,))
+        if self.all_reduce is not None:
+            self.all_reduce(out)
         x, residual = ops.add_rms_norm(out, residual, lw.mlp_norm, c.rms_norm_eps)
         gu = F.linear(x, lw.gate_up, lw.gate_up_bias)  # [T, 2 I]
         if lora is not None:
             gate, up = gu.split([c.intermediate_size, c.intermediate_size], dim=-1)
             lora.add(i, GATE_UP, x, (gate, up))
         a = ops.silu_mul(gu, c.intermediate_size)  # [T, I]
-        h = F.linear(a, lw.down, lw.down_bias)  # [T, H]
+        h = F.linear(a, lw.down, lw.down_bias)  # [T, H] (a partial sum with tensor parallelism)
         if lora is not None:
             lora.add(i, DOWN, a, (h,))
+        if self.all_reduce is not None:
+            self.all_reduce(h)
         return h, residual
 
     def logits(self, h: torch.Tensor, residual: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

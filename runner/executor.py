@@ -1,0 +1,137 @@
+"""What every tensor-parallel rank builds the same way: its part of the model, the KV cache, the
+LoRA pool, attention and SGMV kernels, CUDA graphs, and the ModelRunner that executes step batches.
+
+Rank 0's Engine adds scheduling on top (batcher, pages, adapter manager); ranks 1..G-1 build only
+this (runner/parallel/worker.py). Every collective (the KV-size agreement, the all-reduces of graph
+warm-ups and captures) happens in the same order on every rank because they all run this code.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from lorafleet.runner.config import EngineConfig, ModelConfig
+from lorafleet.runner.kv_cache import KVCache, bytes_per_token
+from lorafleet.runner.lora.pool import LoraPool
+from lorafleet.runner.model.llama import LlamaModel
+from lorafleet.runner.model_runner import ModelRunner
+from lorafleet.runner.weights import load_weights
+
+log = logging.getLogger(__name__)
+DEFAULT_STEP_TOKENS = 2048  # chunked prefill: token rows per step when EngineConfig leaves it open
+
+
+@dataclass
+class Executor:
+    model: LlamaModel
+    device: torch.device
+    dtype: torch.dtype
+    kv: KVCache
+    num_pages: int  # usable pages (the KV pool holds one more: the scratch page of padded rows)
+    lora_pool: LoraPool | None
+    attention: object
+    sgmv: object
+    runner: ModelRunner
+    max_step_tokens: int | None  # chunked prefill budget (None: unchunked)
+
+
+def step_budget(config: EngineConfig, device: torch.device) -> int | None:
+    budget = config.max_step_tokens
+    if budget is None and config.chunked_prefill is not False and (config.chunked_prefill or device.type == "cuda"):
+        budget = DEFAULT_STEP_TOKENS
+    return None if budget is None else max(budget, config.max_batch_size + 1)
+
+
+def build_executor(model: "str | LlamaModel", config: EngineConfig, shard=None, group=None,
+                   device: torch.device | None = None) -> Executor:
+    """`model`: a path (HF directory, .gguf, synthetic directory) or a built LlamaModel (TP = 1)."""
+    from lorafleet.runner.engine import resolve_device, resolve_dtype
+
+    if isinstance(model, LlamaModel):
+        net = model
+        device, dtype = model.device, model.dtype
+    else:
+        device = device or resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device)
+        t0 = time.perf_counter()
+        full, tensors = load_weights(model, shard, device, dtype)
+        cfg = shard.config(full) if shard is not None else full
+        net = LlamaModel(cfg, tensors, dtype, device, full_cfg=full, tp_rank=shard.rank if shard else 0,
+                         all_reduce=group.all_reduce if group is not None else None)
+        del tensors
+        part = f" (tensor-parallel rank {shard.rank} of {shard.size})" if shard is not None and shard.size > 1 else ""
+        log.info("loaded %s%s: %d layers on %s as %s in %.1fs", model, part, full.num_layers, device, dtype,
+                 time.perf_counter() - t0)
+    rank_cfg: ModelConfig = net.cfg
+    lora_pool = None
+    if config.enable_lora:
+        slots = config.lora_slots or (64 if device.type == "cuda" else 8)
+        lora_pool = LoraPool(rank_cfg.base_shape(), slots, config.max_lora_rank, dtype, device, shard,
+                             net.full_cfg.base_shape())
+    num_pages = config.num_pages or default_pages(rank_cfg, dtype, device, config)
+    if group is not None:
+        num_pages = group.min_int(num_pages)  # every rank must hold the same pages
+    # one extra page: the scratch page padded rows of captured CUDA graphs write to
+    kv = KVCache(rank_cfg, num_pages + 1, config.page_size, dtype, device)
+    from lorafleet.runner.attention.select import attention_backend
+
+    attention = attention_backend(kv, rank_cfg, device, config)
+    sgmv = make_sgmv(device, dtype)
+    budget = step_budget(config, device)
+    graphs = make_graphs(net, attention, lora_pool, sgmv, config, num_pages)
+    mixed = make_piecewise(net, attention, lora_pool, sgmv, config, budget) if graphs is not None else None
+    runner = ModelRunner(net, attention, lora_pool, sgmv, config.page_size, graphs, mixed)
+    return Executor(net, device, dtype, kv, num_pages, lora_pool, attention, sgmv, runner, budget)
+
+
+def default_pages(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, config: EngineConfig) -> int:
+    per_token = bytes_per_token(cfg, dtype)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = free * config.kv_fraction
+    else:
+        budget = config.kv_cache_gb * (1 << 30)
+    return max(1, int(budget // (per_token * config.page_size)))
+
+
+def make_sgmv(device: torch.device, dtype: torch.dtype):
+    from lorafleet.runner.lora.sgmv import TorchSGMV
+
+    try:
+        from lorafleet.runner.lora.sgmv_select import sgmv_backend
+    except ImportError:
+        return TorchSGMV()
+    return sgmv_backend(device, dtype=dtype)
+
+
+def make_graphs(model, attention, lora_pool, sgmv, config: EngineConfig, scratch_page: int):
+    """CUDA graphs for decode steps when every op on that path is capturable."""
+    if model.device.type != "cuda" or not config.cuda_graphs:
+        return None
+    if attention.name != "flashinfer" or (lora_pool is not None and sgmv.name == "torch"):
+        log.warning("decode CUDA graphs need flashinfer attention and the CUDA SGMV kernels; running eagerly")
+        return None
+    from lorafleet.runner.cuda_graph import GraphRunner
+
+    t0 = time.perf_counter()
+    g = GraphRunner(model, attention, lora_pool, sgmv, config.page_size, config.max_batch_size, scratch_page)
+    g.capture_all()
+    log.info("CUDA graph capture took %.1fs", time.perf_counter() - t0)
+    return g
+
+
+def make_piecewise(model, attention, lora_pool, sgmv, config: EngineConfig, budget: int | None):
+    """Piecewise CUDA graphs for steps with prefill (everything but attention replayed)."""
+    if not config.piecewise_graphs:
+        return None
+    from lorafleet.runner.piecewise import PiecewiseGraphs, default_buckets
+
+    t0 = time.perf_counter()
+    limit = budget or (config.max_prefill_tokens + config.max_batch_size)
+    pw = PiecewiseGraphs(model, attention, lora_pool, sgmv, config.max_batch_size, default_buckets(limit))
+    log.info("piecewise graph capture took %.1fs", time.perf_counter() - t0)
+    return pw

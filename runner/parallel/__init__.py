@@ -1,0 +1,1 @@
+"""Tensor parallelism: one runner drives a group of GPUs of one node as one engine."""

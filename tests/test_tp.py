@@ -1,0 +1,99 @@
+"""Tensor parallelism on the CPU with gloo: a small GQA Llama split over 2 (and 4 and 8) ranks, with
+mixed adapters swapping through two slots (every rank mirrors rank 0's slots), chunked prefill and
+overlapped steps, gives exactly the greedy tokens of one rank (fp32). A rank that dies fails the
+engine with its reason instead of hanging it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from lorafleet.runner.config import EngineConfig, ModelConfigError
+from lorafleet.runner.engine import Engine
+from lorafleet.runner.parallel.worker import TPFailure
+from lorafleet.runner.sequence import AdapterRef, SamplingParams, Sequence
+from model_helpers import write_random_adapter, write_random_llama
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def gqa(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tp")
+    model = write_random_llama(d / "model", hidden=128, layers=2, heads=16, kv_heads=8, inter=256, vocab=512, seed=3)
+    ads = {
+        "all8": write_random_adapter(model, d / "all8", r=8, alpha=16, seed=5,
+                                     targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                              "down_proj")),
+        "vd4": write_random_adapter(model, d / "vd4", r=4, alpha=8, targets=("v_proj", "down_proj"), seed=6),
+        "qou16": write_random_adapter(model, d / "qou16", r=16, alpha=16, targets=("q_proj", "o_proj", "up_proj"),
+                                      seed=7, use_rslora=True),
+    }
+    return model, ads
+
+
+def requests(ads, n=12, new=10):
+    g = torch.Generator().manual_seed(11)
+    names = [None, "all8", "vd4", "qou16"]
+    return [Sequence(f"r{i}", torch.randint(3, 512, (int(torch.randint(4, 30, (1,), generator=g)),),
+                                             generator=g).tolist(),
+                     SamplingParams(max_tokens=new, ignore_eos=True),
+                     AdapterRef(names[i % 4], str(ads[names[i % 4]])) if names[i % 4] else None, arrival=float(i))
+            for i in range(n)]
+
+
+def generate(model, ads, tp, n=12, new=10, **cfg):
+    eng = Engine(str(model), EngineConfig(device="cpu", tp=tp, max_batch_size=6, page_size=4, num_pages=300,
+                                          max_lora_rank=16, lora_slots=2, **cfg))
+    try:
+        done = eng.run_to_completion(requests(ads, n, new))
+        assert eng.blocks.free_pages == eng.blocks.num_pages
+        procs = list(eng.tp.procs) if eng.tp else []
+    finally:
+        eng.close()
+    assert all(not p.is_alive() for p in procs)  # no rank left behind
+    return {k: (v.finish_reason, v.output_ids) for k, v in done.items()}
+
+
+@pytest.fixture(scope="module")
+def tp1(gqa):
+    return generate(*gqa, tp=1)
+
+
+def test_tp2_gives_the_tokens_of_one_rank(gqa, tp1):
+    assert all(r == "length" for r, _ in tp1.values())
+    assert generate(*gqa, tp=2, overlap=True, chunked_prefill=True, max_step_tokens=16) == tp1
+
+
+@pytest.mark.parametrize("tp", [4, 8])
+def test_bigger_groups_give_the_tokens_of_one_rank(gqa, tp):
+    """The code path of 4 and 8 ranks (fewer, shorter requests: 8 processes share the CI's cores)."""
+    assert generate(*gqa, tp=tp, n=5, new=4) == generate(*gqa, tp=1, n=5, new=4)
+
+
+def test_a_model_that_does_not_split_is_refused(gqa, tmp_path):
+    model = write_random_llama(tmp_path / "m", hidden=96, layers=1, heads=6, kv_heads=3, inter=128, vocab=64)
+    with pytest.raises(ModelConfigError, match="KV heads"):
+        Engine(str(model), EngineConfig(device="cpu", tp=2, num_pages=50))
+
+
+def test_a_dead_rank_fails_the_engine_with_its_reason(gqa):
+    model, ads = gqa
+    eng = Engine(str(model), EngineConfig(device="cpu", tp=2, max_batch_size=4, page_size=4, num_pages=200))
+    try:
+        for s in requests(ads, 4):
+            eng.submit(Sequence(s.id, s.prompt_ids, SamplingParams(max_tokens=200, ignore_eos=True)))
+        eng.step()
+        os.kill(eng.tp.procs[0].pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises((TPFailure, RuntimeError)) as err:
+            while eng.has_work():
+                eng.step()
+        assert time.monotonic() - t0 < 60
+        assert "rank 1" in str(err.value) or "Connection" in str(err.value) or "closed" in str(err.value), err.value
+    finally:
+        eng.close()
