@@ -4,8 +4,13 @@
 #   bash bench/device_run.sh --par "STAGE..." "STAGE..."   # one stage list per GPU, the lists in parallel
 # Stages:
 #   tests    ktests, then etests
-#   ktests   kernel GPU tests only, sanitizer case
+#   ktests   kernel GPU tests only (incl. the fused one-launch path), sanitizer case
 #   etests   engine GPU tests only
+#   tptests  tensor-parallel GPU test (needs two GPUs: run it alone, not in a --par list)
+#   kbench   bench kernels --quick: the fused decode call, the two-launch call and the peers  -> kernels.json
+#   interf   bench e2e: long-prompt interference only (chunked and unchunked)                  -> e2e_interf.json
+#   tp70     bench e2e --tp 2: Llama-2-70B shape, distinct / identical / LoRA off, profile   -> e2e_tp70.json
+#   tp7      bench e2e --tp 1 2: the 7B shape on one GPU and on two                          -> e2e_tp7.json
 #   hf       bench e2e: HF transformers + PEFT mixed-batch generate on a sample              -> e2e_hf.json
 #   prefill  bench kernels --prefill: LoRA of steps with prefill, per tensor-core shrink threshold
 #   e2e      bench e2e: distinct + identical, LoRA off, HF+PEFT, per-step profile       -> e2e_a.json
@@ -45,7 +50,7 @@ stage() {
   case "$1" in
     tests) stage ktests; stage etests ;;
     ktests)
-      timeout ${TEST_S:-200} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_sgmv_cuda.py -rA 2>&1 \
+      timeout ${TEST_S:-240} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_sgmv_cuda.py -rA -x 2>&1 \
         | tee "$LOGS/gpu_ktests.log" | grep -E "passed|failed|FAILED|Error" | tail -12
       PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 120 compute-sanitizer --tool memcheck python3 tests/gpu/sanitizer_case.py \
         > "$LOGS/sanitizer.log" 2>&1; tail -2 "$LOGS/sanitizer.log" ;;
@@ -53,6 +58,24 @@ stage() {
       timeout ${TEST_S:-300} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_engine_cuda.py -rA -s \
         --durations=6 -o faulthandler_timeout=${HANG_S:-100} 2>&1 | tee "$LOGS/gpu_etests.log" \
         | grep -E "passed|failed|FAILED|flips|Error|piecewise|Timeout|File " | tail -20 ;;
+    tptests)
+      timeout ${TEST_S:-400} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tp_cuda.py -rA -s \
+        -o faulthandler_timeout=${HANG_S:-300} 2>&1 | tee "$LOGS/gpu_tptests.log" \
+        | grep -E "passed|failed|FAILED|flips|Error|Timeout|File " | tail -20 ;;
+    kbench)
+      timeout ${KB_S:-240} python3 -m lorafleet bench kernels --quick --out "$OUT/kernels.json" --plot "" 2>&1 \
+        | tee "$LOGS/kbench.log" | tail -24 ;;
+    interf)
+      timeout ${INTERF_S:-300} $E2E --mixes --no-lora-off --hf-requests 0 --sweep --interference \
+        --out "$OUT/e2e_interf.json" 2>&1 | tee "$LOGS/e2e_interf.log" | tail -6 ;;
+    tp70)
+      timeout ${TP_S:-560} python3 -m lorafleet --log-level WARNING bench e2e --tp 2 --shape llama2-70b \
+        --requests ${TP_REQS:-400} --mixes distinct identical --profile --out "$OUT/e2e_tp70.json" 2>&1 \
+        | tee "$LOGS/e2e_tp70.log" | tail -12 ;;
+    tp7)
+      timeout ${TP_S:-400} python3 -m lorafleet --log-level WARNING bench e2e --tp 1 2 --shape llama2-7b \
+        --requests ${TP_REQS:-400} --mixes distinct --out "$OUT/e2e_tp7.json" 2>&1 \
+        | tee "$LOGS/e2e_tp7.log" | tail -10 ;;
     hf)
       timeout ${HF_S:-240} $E2E --mixes --no-lora-off --sweep --out "$OUT/e2e_hf.json" 2>&1 \
         | tee "$LOGS/e2e_hf.log" | tail -6 ;;
@@ -60,7 +83,8 @@ stage() {
       timeout ${PREFILL_S:-240} python3 -m lorafleet bench kernels --prefill --out "$OUT/kernels_prefill.json" 2>&1 \
         | tee "$LOGS/kernels_prefill.log" | tail -14 ;;
     e2e)
-      timeout ${BENCH_S:-540} $E2E --mixes distinct identical --sweep --profile --out "$OUT/e2e_a.json" 2>&1 \
+      timeout ${BENCH_S:-540} $E2E --mixes distinct identical --sweep --profile --hf-requests 0 \
+        --out "$OUT/e2e_a.json" 2>&1 \
         | tee "$LOGS/e2e_a.log" | tail -14 ;;
     e2e2)
       timeout ${BENCH_S:-540} $E2E --mixes uniform skewed --sweep --hf-requests 0 \
@@ -81,7 +105,11 @@ stage() {
 }
 run_list() {  # GPU index, stages
   local gpu=$1; shift
-  for s in $@; do stamp "GPU $gpu: $s"; CUDA_VISIBLE_DEVICES=$gpu stage "$s"; done
+  for s in $@; do
+    stamp "GPU $gpu: $s"
+    case "$s" in tp*) stage "$s" ;;  # tensor-parallel stages use every GPU of the machine
+      *) CUDA_VISIBLE_DEVICES=$gpu stage "$s" ;; esac
+  done
   stamp "GPU $gpu: done"
 }
 

@@ -96,9 +96,10 @@ def test_interference_run_measures_decoders_and_cleans_up(tiny_llama):
 
     eng = Engine(str(tiny_llama), EngineConfig(device="cpu", max_batch_size=4, page_size=4, num_pages=600,
                                                 chunked_prefill=True, max_step_tokens=24))
-    res = run_interference(eng, 512, lambda m: None, long_len=90, n_long=2, every=3)
+    res = run_interference(eng, 512, lambda m: None, long_len=90, n_long=2, every=3, quiet_steps=6)
     assert res["decoders"] == 3 and res["long_prompts"] == 2 and res["max_step_tokens"] == 24
-    assert 0 < res["itl_p50_ms"] <= res["itl_p99_ms"] <= res["itl_max_ms"]
+    assert 0 < res["itl_p50_quiet_ms"] and 0 < res["itl_p50_ms"] <= res["itl_p99_ms"] <= res["itl_max_ms"]
+    assert res["itl_p99_over_p50"] == round(res["itl_p99_ms"] / res["itl_p50_quiet_ms"], 3)
     assert not eng.has_work() and eng.blocks.free_pages == eng.blocks.num_pages
 
 
