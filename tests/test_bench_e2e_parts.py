@@ -104,20 +104,23 @@ def test_interference_run_measures_decoders_and_cleans_up(tiny_llama):
 
 
 def test_tensor_parallel_benchmark_path_on_the_cpu(tmp_path):
-    """The synthetic-model path of `bench e2e` (what runs Llama-2-70B over two GPUs) end to end on a
-    tiny shape with two gloo ranks: synthetic weights on every rank, synthetic adapters through
-    the slot mirror, every mix finished, summaries against LoRA off and the floor."""
+    """`lorafleet bench e2e --tp 2` (what runs Llama-2-70B over two GPUs) end to end on a tiny shape
+    with two gloo ranks, through the CLI (the ranks are spawned from `python -m lorafleet`):
+    synthetic weights on every rank, synthetic adapters through the slot mirror, every mix finished,
+    summaries against LoRA off and the floor."""
     import json
-
-    from lorafleet.runner.bench_e2e import run_tp
+    import subprocess
+    import sys
 
     out = tmp_path / "tp.json"
-    args = __import__("argparse").Namespace(
-        shape="tiny", tp=[2], requests=2, max_batch=4, mixes=["distinct", "identical"], population=3, rank=4,
-        no_lora_off=False, profile=False, step_tokens=None, seed=0, out=out)
-    assert run_tp(args) == 0
+    cmd = [sys.executable, "-m", "lorafleet", "--log-level", "WARNING", "bench", "e2e", "--shape", "tiny", "--tp", "2",
+           "--requests", "2", "--max-batch", "4", "--mixes", "distinct", "identical", "--population", "3",
+           "--rank", "4", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())
     s = res["tp"]["tiny_tp2"]
     assert set(s["output_tok_s"]) == {"distinct", "identical"} and s["lora_off_output_tok_s"] > 0
     assert all(r["output_tokens"] > 0 and r["tp"] == 2 for r in res["runs"])
     assert all(v > 0 for v in s["floor_tok_s"].values()) and set(s["over_lora_off"]) == {"distinct", "identical"}
+    assert "| distinct tp=2 |" in proc.stdout
