@@ -42,5 +42,8 @@ class TPGroup:
         return int(t.item())
 
     def close(self) -> None:
-        if dist.is_initialized():
+        """Leave the group. With NCCL the group is left to the process's exit instead:
+        destroy_process_group can hang once NCCL work was captured in CUDA graphs (PyTorch issue
+        115388), so one NCCL tensor-parallel engine lives per process."""
+        if dist.is_initialized() and self.device.type != "cuda":
             dist.destroy_process_group()

@@ -48,7 +48,16 @@ def logits_of(pm, ids, name):
         return pm(input_ids=x).logits[0].float()
 
 
+def say(t0, msg):
+    import time
+
+    print(f"[{time.perf_counter() - t0:6.1f}s] {msg}", flush=True)
+
+
 def test_tp2_7b_shape_matches_hf_fp32_teacher_forced(tmp_path):
+    import time
+
+    t0 = time.perf_counter()
     from lorafleet.runner.bench_e2e import LLAMA2_7B, write_peft_adapter
     from lorafleet.runner.config import ModelConfig
     from lorafleet.runner.synthetic import synthetic_adapter, write_synthetic_model
@@ -64,6 +73,7 @@ def test_tp2_7b_shape_matches_hf_fp32_teacher_forced(tmp_path):
     prompts = [torch.randint(3, 32000, (int(torch.randint(10, 50, (1,), generator=g)),), generator=g).tolist()
                for _ in names]
     ref_model = hf_model(path, cfg, ads, torch.float32)
+    say(t0, "HF + PEFT fp32 reference built")
     toks, refs = [], []
     for ids, name in zip(prompts, names):  # greedy continuation by the fp32 reference, then its logits
         seq = list(ids)
@@ -72,6 +82,7 @@ def test_tp2_7b_shape_matches_hf_fp32_teacher_forced(tmp_path):
         toks.append(seq[len(ids):])
         refs.append(logits_of(ref_model, seq, name).cpu())
     del ref_model
+    say(t0, "reference tokens and logits done")
     low = hf_model(path, cfg, ads, torch.bfloat16)
     hf_flips = []
     for ids, name, t, ref in zip(prompts, names, toks, refs):
@@ -80,13 +91,16 @@ def test_tp2_7b_shape_matches_hf_fp32_teacher_forced(tmp_path):
     del low
     torch.cuda.empty_cache()
 
+    say(t0, "HF bf16 control done")
     eng = Engine(str(path), EngineConfig(tp=2, max_batch_size=64, num_pages=2048, max_lora_rank=16))
+    say(t0, "TP=2 engine ready")
     try:
         assert eng.tp is not None and eng.runner.graphs is not None and eng.sgmv.name == "cuda"
         seqs = [Sequence(f"f{i}-{j}", ids + t[:j], SamplingParams(max_tokens=1),
                          AdapterRef(n, str(ads[n])) if n else None)
                 for i, (ids, n, t) in enumerate(zip(prompts, names, toks)) for j in range(NEW)]
         out = eng.run_to_completion(seqs)
+        say(t0, f"TP=2 engine ran {len(seqs)} teacher-forced requests")
     finally:
         eng.close()
     ours = []
