@@ -70,11 +70,11 @@ stage() {
         --out "$OUT/e2e_interf.json" 2>&1 | tee "$LOGS/e2e_interf.log" | tail -6 ;;
     tp70)
       timeout ${TP_S:-560} python3 -m lorafleet --log-level WARNING bench e2e --tp 2 --shape llama2-70b \
-        --requests ${TP_REQS:-400} --mixes distinct identical --profile --out "$OUT/e2e_tp70.json" 2>&1 \
+        --requests ${TP_REQS:-400} --mixes distinct identical --population 4 --profile --out "$OUT/e2e_tp70.json" 2>&1 \
         | tee "$LOGS/e2e_tp70.log" | tail -12 ;;
     tp7)
       timeout ${TP_S:-400} python3 -m lorafleet --log-level WARNING bench e2e --tp 1 2 --shape llama2-7b \
-        --requests ${TP_REQS:-400} --mixes distinct --out "$OUT/e2e_tp7.json" 2>&1 \
+        --requests ${TP_REQS:-400} --mixes distinct --population 4 --no-lora-off --out "$OUT/e2e_tp7.json" 2>&1 \
         | tee "$LOGS/e2e_tp7.log" | tail -10 ;;
     hf)
       timeout ${HF_S:-240} $E2E --mixes --no-lora-off --sweep --out "$OUT/e2e_hf.json" 2>&1 \
