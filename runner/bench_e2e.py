@@ -672,25 +672,77 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run_tp(args) -> int:
-    """The mixes and LoRA off for each tensor-parallel size in `args.tp`, on a synthetic model of
-    `args.shape` (each rank draws its slices on its GPU) with synthetic://SEED adapters (a
-    population of `--population` weight sets, one adapter name per request as usual)."""
-    import tempfile
-
+def _tp_session(job: dict, conn) -> None:
+    """One engine (one tensor-parallel size, LoRA on or off) in its own process: a process holds
+    one NCCL group at a time (see runner/parallel/group.py). Sends back its runs."""
     from lorafleet.runner.config import EngineConfig, ModelConfig
     from lorafleet.runner.engine import Engine
     from lorafleet.runner.sequence import AdapterRef, SamplingParams, Sequence
-    from lorafleet.runner.synthetic import write_synthetic_model
 
     def log(msg):
         print(msg, flush=True)
 
+    try:
+        cuda = torch.cuda.is_available()
+        tp, lora, rank, population = job["tp"], job["lora"], job["rank"], job["population"]
+        mcfg = ModelConfig.from_hf(SHAPES[job["shape"]], name=job["shape"])
+        reqs = sharegpt_requests(job["requests"], job["seed"], mcfg.vocab_size)
+        n = len(reqs)
+        fm = floor_model(mcfg, rank, tp=tp)
+
+        def source(i: int) -> str:
+            return f"synthetic://{i % population}?rank={rank}"
+
+        t0 = time.perf_counter()
+        cfg = EngineConfig(tp=tp, max_batch_size=job["max_batch"], max_lora_rank=rank,
+                           lora_slots=max(64, 2 * job["max_batch"]), enable_lora=lora, host_lora_cache=4096,
+                           kv_fraction=0.8, allow_synthetic=True, max_step_tokens=job["step_tokens"],
+                           **({} if cuda else {"device": "cpu", "num_pages": 2000, "page_size": 16}))
+        eng = Engine(job["path"], cfg)
+        out: dict = {"runs": []}
+        try:
+            warm = [Sequence(f"warm{i}", reqs[i % n][0][:64], SamplingParams(max_tokens=4, ignore_eos=True),
+                             AdapterRef(f"warm{i}", source(i)) if lora and i else None) for i in range(3)]
+            eng.run_to_completion(warm)
+            if cuda:
+                torch.cuda.synchronize()
+            out["engine_start_s"] = round(time.perf_counter() - t0, 1)
+            log(f"{job['shape']} tp={tp} LoRA {'on' if lora else 'off'}: engine ready in {out['engine_start_s']}s "
+                f"({eng.blocks.total_tokens} KV tokens per rank, step budget {eng.max_step_tokens})")
+            for mix in (job["mixes"] if lora else [None]):
+                if mix is None:
+                    names, label, src = [None] * n, f"lora off tp={tp}", (lambda i: "")
+                else:
+                    idx = list(range(n)) if mix == "distinct" else assign(mix, n, population, seed=job["seed"])
+                    names, label = [f"{mix}-{i}" for i in idx], f"{mix} tp={tp}"
+                    src = (lambda i, idx=idx: source(idx[i]))
+                res = run_mix(eng, reqs, names, src, label, log, fm)
+                res.pop("_steps", None)
+                res.update(tp=tp, shape=job["shape"], mix=mix)
+                out["runs"].append(res)
+            if lora and job["profile"]:
+                out["breakdown"] = profile_breakdown(eng, reqs, log, source)
+        finally:
+            eng.close()
+        conn.send(("ok", out))
+    except BaseException as exc:
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        raise
+
+
+def run_tp(args) -> int:
+    """The mixes and LoRA off for each tensor-parallel size in `args.tp`, on a synthetic model of
+    `args.shape` (each rank draws its slices on its GPU) with synthetic://SEED adapters (a
+    population of `--population` weight sets, one adapter name per request as usual). Every engine
+    runs in a child process of its own."""
+    import multiprocessing as mp
+    import tempfile
+
+    from lorafleet.runner.synthetic import write_synthetic_model
+
     t_start = time.perf_counter()
     hf = SHAPES[args.shape]
-    mcfg = ModelConfig.from_hf(hf, name=args.shape)
     path = write_synthetic_model(Path(tempfile.mkdtemp(prefix="lorafleet-synthetic-")), hf, args.seed)
-    reqs = sharegpt_requests(args.requests, args.seed, mcfg.vocab_size)
     population = min(args.population, 16)
     cuda = torch.cuda.is_available()
     results: dict = {"card": torch.cuda.get_device_name(0) if cuda else "cpu", "gpus": torch.cuda.device_count(),
@@ -698,66 +750,49 @@ def run_tp(args) -> int:
                      "max_batch": args.max_batch, "shape": args.shape, "population": population, "runs": [], "tp": {}}
     key = args.shape.replace("-", "_")
 
-    def source(i: int) -> str:
-        return f"synthetic://{i % population}?rank={args.rank}"
-
     def save() -> None:
-        args.out.write_text(json.dumps(dict(results, runs=[{k: v for k, v in r.items() if k != "_steps"}
-                                                           for r in results["runs"]]), indent=1))
+        args.out.write_text(json.dumps(results, indent=1))
 
-    n = len(reqs)
+    ctx = mp.get_context("spawn")
+    failed = False
     for tp in args.tp:
-        fm = floor_model(mcfg, args.rank, tp=tp)
         summary = results["tp"].setdefault(f"{key}_tp{tp}", {"output_tok_s": {}, "floor_tok_s": {}})
         for lora in ([True] if args.mixes or args.profile else []) + ([] if args.no_lora_off else [False]):
-            t0 = time.perf_counter()
-            cfg = EngineConfig(tp=tp, max_batch_size=args.max_batch, max_lora_rank=args.rank,
-                               lora_slots=max(64, 2 * args.max_batch), enable_lora=lora, host_lora_cache=4096,
-                               kv_fraction=0.8, allow_synthetic=True, max_step_tokens=args.step_tokens,
-                               **({} if cuda else {"device": "cpu", "num_pages": 2000, "page_size": 16}))
-            eng = Engine(str(path), cfg)
+            job = {"tp": tp, "lora": lora, "rank": args.rank, "population": population, "shape": args.shape,
+                   "requests": args.requests, "seed": args.seed, "max_batch": args.max_batch,
+                   "step_tokens": args.step_tokens, "path": str(path), "mixes": list(args.mixes),
+                   "profile": args.profile}
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_tp_session, args=(job, child), daemon=False)
+            proc.start()
+            child.close()
             try:
-                warm = [Sequence(f"warm{i}", reqs[i % n][0][:64], SamplingParams(max_tokens=4, ignore_eos=True),
-                                 AdapterRef(f"warm{i}", source(i)) if lora and i else None) for i in range(3)]
-                eng.run_to_completion(warm)
-                if cuda:
-                    torch.cuda.synchronize()
-                ready = round(time.perf_counter() - t0, 1)
-                summary.setdefault("engine_start_s", ready)
-                log(f"{args.shape} tp={tp} LoRA {'on' if lora else 'off'}: engine ready in {ready}s "
-                    f"({eng.blocks.total_tokens} KV tokens per rank, step budget {eng.max_step_tokens})")
-                for mix in (args.mixes if lora else [None]):
-                    if mix is None:
-                        names, label = [None] * n, f"lora off tp={tp}"
-                    else:
-                        idx = list(range(n)) if mix == "distinct" else assign(mix, n, population, seed=args.seed)
-                        names, label = [f"{mix}-{i}" for i in idx], f"{mix} tp={tp}"
-                        idx_of = idx
-                    res = run_mix(eng, reqs, names, (lambda i: source(idx_of[i])) if mix else (lambda i: ""),
-                                  label, log, fm)
-                    res.update(tp=tp, shape=args.shape)
-                    results["runs"].append(res)
-                    if mix is None:
-                        summary["lora_off_output_tok_s"] = res["output_tok_s"]
-                        summary["floor_tok_s"]["lora off"] = res.get("floor_tok_s")
-                    else:
-                        summary["output_tok_s"][mix] = res["output_tok_s"]
-                        summary["floor_tok_s"][mix] = res.get("floor_tok_s")
-                    save()
-                if lora and args.profile:
-                    summary["breakdown_lora_distinct"] = profile_breakdown(eng, reqs, log, source)
-                    summary["allreduce_ms_per_step"] = summary["breakdown_lora_distinct"]["allreduce"]
-                    save()
-            finally:
-                eng.close()
-                del eng
-                gc.collect()
-                torch.cuda.empty_cache()
+                status, out = parent.recv()
+            except EOFError:
+                status, out = "error", f"the benchmark process exited with code {proc.exitcode}"
+            proc.join()
+            if status != "ok":
+                print(f"tp={tp} LoRA {'on' if lora else 'off'} failed: {out}", flush=True)
+                summary.setdefault("errors", []).append(out)
+                failed = True
+                save()
+                continue
+            summary.setdefault("engine_start_s", out["engine_start_s"])
+            for res in out["runs"]:
+                results["runs"].append(res)
+                if res["mix"] is None:
+                    summary["lora_off_output_tok_s"] = res["output_tok_s"]
+                    summary["floor_tok_s"]["lora off"] = res.get("floor_tok_s")
+                else:
+                    summary["output_tok_s"][res["mix"]] = res["output_tok_s"]
+                    summary["floor_tok_s"][res["mix"]] = res.get("floor_tok_s")
+            if "breakdown" in out:
+                summary["breakdown_lora_distinct"] = out["breakdown"]
+                summary["allreduce_ms_per_step"] = out["breakdown"]["allreduce"]
+            save()
         off = summary.get("lora_off_output_tok_s")
         if off:
             summary["over_lora_off"] = {m: round(v / off, 3) for m, v in summary["output_tok_s"].items()}
-    for r in results["runs"]:
-        r.pop("_steps", None)
     results["seconds"] = round(time.perf_counter() - t_start, 1)
     save()
     print("| run | output tok/s | floor tok/s | TPOT p50 (ms) | TPOT p99 (ms) |")
@@ -765,7 +800,7 @@ def run_tp(args) -> int:
     for r in results["runs"]:
         print(f"| {r['label']} | {r['output_tok_s']} | {r.get('floor_tok_s')} | {r['tpot_p50_ms']} | "
               f"{r['tpot_p99_ms']} |")
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":  # pragma: no cover

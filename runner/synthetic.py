@@ -123,12 +123,14 @@ def synthetic_adapter(name: str, source: str, base, dtype, pin: bool = False, ma
             ranks[:, p] = rank
         mods = tuple(ModuleLora(layer, proj, rank, 1.0, "", "") for layer in range(L) for proj in PROJECTIONS)
         nbytes = sum(t.numel() * t.element_size() for t in (*pa.values(), *pb.values()))
-        hit = (pa, pb, ranks, mods, nbytes)
+        # one Packed per weight set: every adapter drawn from it shares it, and with it the
+        # tensor-parallel slices cached on it (a fresh Packed per name re-sliced ~GBs per rank)
+        hit = (Packed(pa, pb, ranks, ranks.tolist()), mods, nbytes)
         if len(_ADAPTERS) >= max_cached:
             _ADAPTERS.pop(next(iter(_ADAPTERS)))
         _ADAPTERS[key] = hit
-    pa, pb, ranks, mods, nbytes = hit
-    weights = {(layer, proj): (pa[PROJ_INDEX[proj]][layer], pb[PROJ_INDEX[proj]][layer])
+    packed, mods, nbytes = hit
+    weights = {(layer, proj): (packed.a[PROJ_INDEX[proj]][layer], packed.bt[PROJ_INDEX[proj]][layer])
                for layer in range(L) for proj in PROJECTIONS}
     spec = AdapterSpec(name, Path("."), None, mods, nbytes, "BF16")
-    return LoadedAdapter(spec, weights, Packed(pa, pb, ranks, ranks.tolist()))
+    return LoadedAdapter(spec, weights, packed)

@@ -97,3 +97,23 @@ def test_a_dead_rank_fails_the_engine_with_its_reason(gqa):
         assert "rank 1" in str(err.value) or "Connection" in str(err.value) or "closed" in str(err.value), err.value
     finally:
         eng.close()
+
+
+def test_adapters_sharing_weights_share_their_rank_slices():
+    """Synthetic adapters of one seed (a benchmark's population) are sliced for a rank once, not
+    once per adapter name: the slices are cached on the shared packed weights."""
+    from lorafleet.common.peft_config import BaseShape
+    from lorafleet.runner.parallel.shard import Shard
+    from lorafleet.runner.synthetic import synthetic_adapter
+
+    base = BaseShape(num_layers=2, hidden_size=64, intermediate_size=96, q_dim=64, kv_dim=32)
+    a = synthetic_adapter("x", "synthetic://3?rank=4", base, torch.float32)
+    b = synthetic_adapter("y", "synthetic://3?rank=4", base, torch.float32)
+    c = synthetic_adapter("z", "synthetic://4?rank=4", base, torch.float32)
+    sa, sb = a.shard_for(Shard(1, 2), base), b.shard_for(Shard(1, 2), base)
+    assert sa is sb and c.shard_for(Shard(1, 2), base) is not sa
+    # rank 1 of 2: column-parallel B keeps the upper half of the output, row-parallel A the upper
+    # half of the input; the other factor whole
+    q, down = 0, 6
+    assert torch.equal(sa.bt[q], a.packed.bt[q][..., 32:]) and torch.equal(sa.a[q], a.packed.a[q])
+    assert torch.equal(sa.a[down], a.packed.a[down][..., 48:]) and torch.equal(sa.bt[down], a.packed.bt[down])
