@@ -143,7 +143,8 @@ async def test_malformed_and_oversized_bodies(api):
                           headers={"Content-Type": "application/json"})
     assert r.status == 413
     r = await client.post("/v1/completions", json={"model": "base", "prompt": "word " * 400})
-    assert r.status == 413 and (await r.json())["error"]["code"] == "prompt_too_long"
+    err = (await r.json())["error"]
+    assert r.status == 400 and err["code"] == "context_length_exceeded" and err["param"] == "prompt"
 
 
 async def test_queue_full_429_and_no_runner_503(tok):
