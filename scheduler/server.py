@@ -160,6 +160,7 @@ class SchedulerService:
         if reason == "error" and req.adapter is not None:
             why = refusal_reason(error, req.adapter.name)
             if why is not None:
+                why = scrub_paths(why)  # runners should send none; clients never see one
                 self.availability.refuse(req.adapter.name, why)
                 return self._adapter_refused(req.adapter.name, why)
         if reason == "cancelled":
@@ -183,6 +184,10 @@ class SchedulerService:
     def _make_requests(self, params: oa.GenParams, adapter, prompts: list[list[int]], chat: bool) -> list[Request]:
         lim, ctx = self.limits, self.max_model_len
         where = "messages" if chat else "prompt"
+        for p_ids in prompts:
+            if len(p_ids) >= ctx:
+                raise oa.context_exceeded(where, f"This model's maximum context length is {ctx} tokens, "
+                                                 f"however the prompt has {len(p_ids)} tokens.")
         total = sum(len(p) for p in prompts) * params.n
         if total > lim.max_prompt_tokens:
             raise ApiError(400, f"this request holds {total} prompt tokens (prompts x n); at most "
@@ -192,9 +197,6 @@ class SchedulerService:
         max_kv = self.cluster.max_total_kv()
         for p_ids in prompts:
             n = len(p_ids)
-            if n >= ctx:
-                raise oa.context_exceeded(where, f"This model's maximum context length is {ctx} tokens, "
-                                                 f"however the prompt has {n} tokens.")
             if max_kv and n + 1 > max_kv:
                 raise oa.context_exceeded(where, f"the prompt has {n} tokens; no runner has that much KV cache "
                                                  f"({max_kv} tokens)")
