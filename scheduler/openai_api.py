@@ -125,7 +125,7 @@ def parse_common(body: dict, chat: bool, max_tokens_cap: int) -> GenParams:
         stop = tuple(stop)
     else:
         raise bad("stop", f"stop must be a non-empty string or a list of up to {MAX_STOP} non-empty strings")
-    stop_ids = body.get("stop_token_ids") or []
+    stop_ids = _integral_ids(body.get("stop_token_ids") or [])
     if not isinstance(stop_ids, list) or not all(_is_int(t) and t >= 0 for t in stop_ids):
         raise bad("stop_token_ids", "stop_token_ids must be a list of token ids")
     stream = False if body.get("stream") is None else body["stream"]
@@ -156,9 +156,21 @@ def parse_common(body: dict, chat: bool, max_tokens_cap: int) -> GenParams:
     )
 
 
+def _integral_ids(p):
+    """Token ids written as integral floats (`5.0`, which JSON Schema counts as integers) become ints."""
+    def fix(xs):
+        return [int(t) if isinstance(t, float) and t.is_integer() and abs(t) < 2**63 else t for t in xs]
+
+    if isinstance(p, list) and p and all(isinstance(x, list) for x in p):
+        return [fix(x) for x in p]
+    if isinstance(p, list) and not any(isinstance(x, str) for x in p):
+        return fix(p)
+    return p
+
+
 def parse_prompts(body: dict, vocab_size: int, max_model_len: int) -> list[str | list[int]]:
     """A completions `prompt`: a string, a list of strings, a list of ids, or a list of id lists."""
-    p = body.get("prompt")
+    p = _integral_ids(body.get("prompt"))
     if isinstance(p, str):
         prompts = [p]
     elif isinstance(p, list) and p and all(isinstance(x, str) for x in p):

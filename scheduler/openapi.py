@@ -35,9 +35,10 @@ def _errors(*codes: int) -> dict:
 NULLABLE_STR = {"type": ["string", "null"]}
 
 
-def _schemas(limits: RequestLimits, names: list[str]) -> dict:
+def _schemas(limits: RequestLimits, names: list[str], vocab_size: int) -> dict:
     cap = limits.completion_cap
-    token_ids = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+    token_ids = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": vocab_size - 1},
+                 "minItems": 1, "maxItems": limits.max_model_len - 1}
     model = {"anyOf": [{"enum": names}, {"type": "string", "minLength": 1}], "examples": names,
              "description": "the base model or an adapter (GET /v1/models lists them)"}
     sampling = {
@@ -46,7 +47,7 @@ def _schemas(limits: RequestLimits, names: list[str]) -> dict:
         "temperature": {"type": ["number", "null"], "minimum": 0, "maximum": 2},
         "top_p": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1},
         "top_k": {"type": ["integer", "null"], "minimum": -1, "maximum": 1 << 30},
-        "n": {"type": ["integer", "null"], "minimum": 1, "maximum": MAX_N,
+        "n": {"type": ["integer", "null"], "minimum": 1, "maximum": min(MAX_N, limits.max_sequences),
               "description": f"prompts x n may not exceed {limits.max_sequences} per request"},
         "seed": {"type": ["integer", "null"], "minimum": -(2**63), "maximum": 2**63 - 1},
         "stop": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string", "minLength": 1},
@@ -60,6 +61,9 @@ def _schemas(limits: RequestLimits, names: list[str]) -> dict:
         "frequency_penalty": {"type": ["number", "null"], "enum": [0, None], "description": "only 0 is supported"},
         "user": {"type": "string"},
     }
+    stream_rule = {  # stream_options only together with stream: true
+        "if": {"required": ["stream_options"], "properties": {"stream_options": {"type": "object"}}},
+        "then": {"required": ["stream"], "properties": {"stream": {"const": True}}}}
     usage = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
              "properties": {k: {"type": "integer", "minimum": 0}
                             for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
@@ -70,19 +74,19 @@ def _schemas(limits: RequestLimits, names: list[str]) -> dict:
             "properties": {"message": {"type": "string"}, "type": {"type": "string"}, "param": NULLABLE_STR,
                            "code": NULLABLE_STR}}}},
         "CompletionRequest": {
-            "type": "object", "required": ["model", "prompt"],
+            "type": "object", "required": ["model", "prompt"], **stream_rule,
             "properties": {**sampling, "prompt": {"anyOf": [
                 {"type": "string", "minLength": 1},
                 {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": MAX_PROMPTS},
                 token_ids,
                 {"type": "array", "items": token_ids, "minItems": 1, "maxItems": MAX_PROMPTS}]}}},
         "ChatCompletionRequest": {
-            "type": "object", "required": ["model", "messages"],
+            "type": "object", "required": ["model", "messages"], **stream_rule,
             "properties": {**sampling, "max_completion_tokens": sampling["max_tokens"], "messages": {
                 "type": "array", "minItems": 1, "items": {
-                    "type": "object", "required": ["role"],
+                    "type": "object", "required": ["role", "content"],
                     "properties": {"role": {"enum": list(ROLES)}, "content": {"anyOf": [
-                        {"type": "string"}, {"type": "null"},
+                        {"type": "string"},
                         {"type": "array", "items": {"type": "object", "required": ["type", "text"], "properties": {
                             "type": {"const": "text"}, "text": {"type": "string"}}}}]}}}}}},
         "Completion": {
@@ -103,6 +107,34 @@ def _schemas(limits: RequestLimits, names: list[str]) -> dict:
                                    "index": {"type": "integer"}, "logprobs": {"type": "null"}, "finish_reason": finish,
                                    "message": {"type": "object", "required": ["role", "content"], "properties": {
                                        "role": {"const": "assistant"}, "content": {"type": "string"}}}}}}}},
+        "CompletionChunk": {
+            "type": "object", "required": ["id", "object", "created", "model", "choices"],
+            "properties": {"id": {"type": "string"}, "object": {"const": "text_completion"},
+                           "created": {"type": "integer"}, "model": {"type": "string"}, "usage": usage,
+                           "choices": {"type": "array", "items": {
+                               "type": "object", "required": ["index", "text", "finish_reason"],
+                               "properties": {"index": {"type": "integer"}, "text": {"type": "string"},
+                                              "logprobs": {"type": "null"},
+                                              "finish_reason": {"enum": ["stop", "length", None]}}}}}},
+        "ChatCompletionChunk": {
+            "type": "object", "required": ["id", "object", "created", "model", "choices"],
+            "properties": {"id": {"type": "string"}, "object": {"const": "chat.completion.chunk"},
+                           "created": {"type": "integer"}, "model": {"type": "string"}, "usage": usage,
+                           "choices": {"type": "array", "items": {
+                               "type": "object", "required": ["index", "delta", "finish_reason"],
+                               "properties": {
+                                   "index": {"type": "integer"}, "logprobs": {"type": "null"},
+                                   "finish_reason": {"enum": ["stop", "length", None]},
+                                   "delta": {"type": "object", "properties": {
+                                       "role": {"const": "assistant"}, "content": {"type": "string"}}}}}}}},
+        "StreamEvent": {
+            "description": "one server-sent event: `data:` holds a chunk, an error (a sequence failed after the "
+                           "stream began) or the final `[DONE]`",
+            "type": "object", "required": ["data"],
+            "properties": {"data": {"anyOf": [
+                {"const": "[DONE]"},
+                {"type": "string", "contentMediaType": JSON, "contentSchema": {
+                    "anyOf": [_ref("CompletionChunk"), _ref("ChatCompletionChunk"), _ref("Error")]}}]}}},
         "Model": {
             "type": "object", "required": ["id", "object", "created", "owned_by", "status"],
             "properties": {"id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
@@ -123,12 +155,13 @@ def _generate_op(summary: str, request: str, response: str) -> dict:
         "requestBody": {"required": True, "content": {JSON: {"schema": _ref(request)}}},
         "responses": {"200": {"description": "the completion (JSON), or server-sent events with stream: true",
                               "content": {JSON: {"schema": _ref(response)},
-                                          "text/event-stream": {"schema": {"type": "string"}}}},
+                                          "text/event-stream": {"schema": _ref("StreamEvent")}}},
                       **_errors(400, 401, 404, 413, 429, 500, 503)},
     }
 
 
-def document(model_name: str, limits: RequestLimits, adapters: list[str] = (), auth: bool = False) -> dict:
+def document(model_name: str, limits: RequestLimits, adapters: list[str] = (), auth: bool = False,
+             vocab_size: int = 2**31) -> dict:
     """The OpenAPI document; `auth`: the /v1 endpoints require an API key."""
     names = [model_name, *adapters]
     v1_security = [{"apiKey": []}] if auth else []
@@ -166,7 +199,7 @@ def document(model_name: str, limits: RequestLimits, adapters: list[str] = (), a
                                 "{\"error\": {\"message\", \"type\", \"param\", \"code\"}}."},
         "paths": {**ops, **plain},
         "components": {
-            "schemas": _schemas(limits, names),
+            "schemas": _schemas(limits, names, vocab_size),
             "securitySchemes": {"apiKey": {"type": "http", "scheme": "bearer", "description": "--api-keys"},
                                 "adminToken": {"type": "http", "scheme": "bearer",
                                                "description": "LORAFLEET_ADMIN_TOKEN"}},

@@ -385,7 +385,8 @@ class SchedulerService:
         from lorafleet.scheduler.openapi import document
 
         auth = self.api_keys is not None  # with keys, adapter names are not shown to anyone
-        return web.json_response(document(self.model_name, self.limits, [] if auth else self.registry.names(), auth))
+        return web.json_response(document(self.model_name, self.limits, [] if auth else self.registry.names(), auth,
+                                          vocab_size=self.tok.vocab_size))
 
     # -- health and admin ---------------------------------------------------------------------------------
     async def healthz(self, request: web.Request) -> web.Response:
