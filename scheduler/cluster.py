@@ -107,7 +107,10 @@ class Cluster:
 
     # -- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
-        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, connect=5, sock_connect=5))
+        # No connection cap: one stream per placed request, and aiohttp's default of 100 would
+        # queue requests beyond it inside the client while their runner has room.
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                             timeout=aiohttp.ClientTimeout(total=None, connect=5, sock_connect=5))
         self.directory.subscribe(self._join, self._leave)
         self._dispatcher = asyncio.create_task(self._dispatch_loop())
 
