@@ -33,7 +33,7 @@ from lorafleet.scheduler.cluster import Cluster
 from lorafleet.scheduler.detokenizer import IncrementalDetokenizer
 from lorafleet.scheduler.disconnect import DisconnectWatch
 from lorafleet.scheduler.discovery import RunnerDirectory, RunnerEndpoint
-from lorafleet.scheduler.http_errors import ClientGone, error_response, errors_middleware
+from lorafleet.scheduler.http_errors import ClientGone, errors_middleware
 from lorafleet.scheduler.limits import RequestLimits
 from lorafleet.scheduler.metrics import SchedulerMetrics
 from lorafleet.scheduler.openai_api import ApiError
