@@ -136,6 +136,8 @@ def _inspect_remote(name: str, uri: str, sha256: str | None, base: BaseShape | N
             folder = sources.probe_adapter(uri, tmp, sha256=sha256, timeout=timeout)
         except sources.ChecksumMismatch as exc:
             return failed("ChecksumMismatch", str(exc))
+        except sources.SourceRefused as exc:
+            return failed("SourceRefused", str(exc))
         except sources.SourceUnreachable as exc:
             return failed("SourceUnreachable", f"{exc} (will retry)", True)
         except sources.SourceNotFound as exc:

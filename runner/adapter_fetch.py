@@ -1,31 +1,29 @@
-"""Turn an adapter's source (local path or URI) into a local directory the engine can read."""
+"""Turn an adapter's source (a URI, or an absolute path under the source roots) into a local
+directory the engine can read, under the source policy (`common/source_policy.py`)."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from lorafleet import env
-from lorafleet.common.peft_config import AdapterError
+from lorafleet.common.peft_config import AdapterError, scrub_paths
+
+log = logging.getLogger(__name__)
 
 
 def local_adapter_dir(name: str, source: str, sha256: str | None = None) -> Path:
-    """Blocking: fetch when remote (cached), verify sha256 when given; AdapterError on failure."""
-    if source.startswith("file://"):
-        source = source[len("file://"):]
-    if "://" not in source:
-        path = Path(source)
-        if sha256:
-            from lorafleet.common.sources import verify_sha256
+    """Blocking: fetch when remote (cached), confine when local, verify sha256 when given.
 
-            verify_sha256(name, path, sha256)
-        return path
+    Raises AdapterError naming the adapter; its reason never shows a server path.
+    """
+    from lorafleet.common.sources import SourceError, fetch_adapter
+
     try:
-        from lorafleet.common.sources import fetch_adapter
-    except ImportError:  # pragma: no cover - sources ships with lorafleet
-        raise AdapterError(name, f"cannot fetch {source}: remote sources are not available") from None
-    try:
-        return Path(fetch_adapter(source, cache_dir=env.cache_dir() / "adapters", sha256=sha256, name=name))
-    except AdapterError:
-        raise
-    except Exception as exc:
-        raise AdapterError(name, f"cannot fetch {source}: {exc}") from None
+        return Path(fetch_adapter(source, cache_dir=env.cache_dir() / "adapters", sha256=sha256, label="source"))
+    except SourceError as exc:
+        log.warning("adapter %r (%s): %s", name, source, exc)
+        raise AdapterError(name, scrub_paths(str(exc))) from None
+    except OSError as exc:
+        log.warning("adapter %r (%s): %s", name, source, exc)
+        raise AdapterError(name, f"source: cannot be read ({exc.strerror or type(exc).__name__})") from None

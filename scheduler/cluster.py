@@ -62,7 +62,12 @@ class RunnerHandle:
             max_batch_size=int(self.state.get("max_batch_size") or 0),
             free_kv_tokens=total - self.used_tokens(),
             total_kv_tokens=total,
+            prefill_backlog=self.prefill_backlog(),
         )
+
+    def prefill_backlog(self) -> int:
+        """Prompt tokens of requests placed here that have not produced a token here yet."""
+        return sum(r.num_tokens for r in self.assigned.values() if r.awaiting_first_token)
 
     def public_state(self) -> dict:
         v = self.view()
@@ -70,6 +75,7 @@ class RunnerHandle:
             "id": self.id, "url": self.url, "healthy": self.healthy, "draining": v.draining,
             "batch_size": v.batch_size, "max_batch_size": v.max_batch_size,
             "free_kv_tokens": v.free_kv_tokens, "total_kv_tokens": v.total_kv_tokens,
+            "prefill_backlog": v.prefill_backlog,
             "idle_seconds": float(self.state.get("idle_seconds") or 0.0) if not self.assigned else 0.0,
             "adapters": list(self.state.get("resident_adapters") or []),
             "running_adapters": dict(self.state.get("running_adapters") or {}),
@@ -101,7 +107,10 @@ class Cluster:
 
     # -- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
-        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, connect=5, sock_connect=5))
+        # No connection cap: one stream per placed request, and aiohttp's default of 100 would
+        # queue requests beyond it inside the client while their runner has room.
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                             timeout=aiohttp.ClientTimeout(total=None, connect=5, sock_connect=5))
         self.directory.subscribe(self._join, self._leave)
         self._dispatcher = asyncio.create_task(self._dispatch_loop())
 
@@ -191,12 +200,13 @@ class Cluster:
             if req.done:
                 self.queue.pop(0)
                 continue
-            rid = self.placement(self.views(), kv_need(req.num_tokens, req.remaining))
+            rid = self.placement(self.views(), kv_need(req.num_tokens, req.remaining), req.num_tokens)
             if rid is None:
                 return
             self.queue.pop(0)
             runner = self.runners[rid]
             req.runner_id = rid
+            req.placed_at_generated = len(req.generated)
             runner.assigned[req.id] = req
             if self.metrics is not None and req.queued_at is not None:
                 self.metrics.queue_wait.observe(time.monotonic() - req.queued_at)

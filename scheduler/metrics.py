@@ -14,7 +14,13 @@ class SchedulerMetrics:
     def __init__(self):
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("lorafleet_requests", "Requests by final status", ["status"], registry=r)
+        # HTTP answers by route and status code; sequences by finish reason (two separate questions).
+        self.http_requests = Counter("lorafleet_http_requests", "HTTP responses by route and status code "
+                                     "(499: the client went away)", ["route", "code"], registry=r)
+        self.sequences = Counter("lorafleet_sequences_finished", "Generated sequences by finish reason",
+                                 ["finish_reason"], registry=r)
+        self.unhandled_errors = Counter("lorafleet_unhandled_errors", "Exceptions that escaped a handler "
+                                        "(answered 500)", registry=r)
         self.ttft = Histogram("lorafleet_time_to_first_token_seconds", "Time to first token", registry=r,
                               buckets=LATENCY_BUCKETS)
         self.tpot = Histogram("lorafleet_time_per_output_token_seconds", "Time per output token after the first",
@@ -32,9 +38,9 @@ class SchedulerMetrics:
     def attach_cluster(self, cluster) -> None:
         self.registry.register(_ClusterCollector(cluster))
 
-    def observe_finished(self, req, status: str) -> None:
+    def observe_finished(self, req, finish_reason: str) -> None:
         now = time.time()
-        self.requests.labels(status=status).inc()
+        self.sequences.labels(finish_reason=finish_reason).inc()
         self.e2e.observe(now - req.arrival)
         if req.first_token_time is not None:
             self.ttft.observe(req.first_token_time - req.arrival)

@@ -10,7 +10,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
-MAX_N = 16
+MAX_N = 128  # OpenAI's bound; the scheduler's sequence budget (limits.py) is usually lower
+MAX_PROMPTS = 2048
 MAX_STOP = 4
 INT64 = 2**63
 
@@ -29,6 +30,11 @@ class ApiError(Exception):
 
 def bad(param: str, message: str) -> ApiError:
     return ApiError(400, message, param=param, code="invalid_value")
+
+
+def context_exceeded(param: str, message: str) -> ApiError:
+    """OpenAI's answer to a prompt (plus completion) longer than the model's context."""
+    return ApiError(400, message, param=param, code="context_length_exceeded")
 
 
 @dataclass
@@ -102,13 +108,14 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
         raise bad("response_format", "only response_format {\"type\": \"text\"} is supported")
 
 
-def parse_common(body: dict, chat: bool, max_model_len: int) -> GenParams:
+def parse_common(body: dict, chat: bool, max_tokens_cap: int) -> GenParams:
+    """The sampling and output fields shared by both endpoints; `max_tokens_cap` bounds max_tokens."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad("model", "model must be a non-empty string naming the base model or an adapter")
     _refuse_unsupported(body, chat)
     key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _integer(body, key, None if chat else 16, 1, max_model_len)
+    max_tokens = _integer(body, key, None if chat else min(16, max_tokens_cap), 1, max_tokens_cap)
     stop = body.get("stop")
     if stop is None:
         stop = ()
@@ -118,10 +125,10 @@ def parse_common(body: dict, chat: bool, max_model_len: int) -> GenParams:
         stop = tuple(stop)
     else:
         raise bad("stop", f"stop must be a non-empty string or a list of up to {MAX_STOP} non-empty strings")
-    stop_ids = body.get("stop_token_ids") or []
+    stop_ids = _integral_ids(body.get("stop_token_ids") or [])
     if not isinstance(stop_ids, list) or not all(_is_int(t) and t >= 0 for t in stop_ids):
         raise bad("stop_token_ids", "stop_token_ids must be a list of token ids")
-    stream = body.get("stream", False)
+    stream = False if body.get("stream") is None else body["stream"]
     if not isinstance(stream, bool):
         raise bad("stream", "stream must be a boolean")
     opts = body.get("stream_options")
@@ -129,7 +136,7 @@ def parse_common(body: dict, chat: bool, max_model_len: int) -> GenParams:
         raise bad("stream_options", "stream_options must be an object like {\"include_usage\": true}")
     if opts is not None and not stream:
         raise bad("stream_options", "stream_options is only allowed when stream is true")
-    ignore_eos = body.get("ignore_eos", False)
+    ignore_eos = False if body.get("ignore_eos") is None else body["ignore_eos"]
     if not isinstance(ignore_eos, bool):
         raise bad("ignore_eos", "ignore_eos must be a boolean")
     top_k = _integer(body, "top_k", -1, -1, 1 << 30)
@@ -149,9 +156,21 @@ def parse_common(body: dict, chat: bool, max_model_len: int) -> GenParams:
     )
 
 
-def parse_prompts(body: dict, vocab_size: int) -> list[str | list[int]]:
+def _integral_ids(p):
+    """Token ids written as integral floats (`5.0`, which JSON Schema counts as integers) become ints."""
+    def fix(xs):
+        return [int(t) if isinstance(t, float) and t.is_integer() and abs(t) < 2**63 else t for t in xs]
+
+    if isinstance(p, list) and p and all(isinstance(x, list) for x in p):
+        return [fix(x) for x in p]
+    if isinstance(p, list) and not any(isinstance(x, str) for x in p):
+        return fix(p)
+    return p
+
+
+def parse_prompts(body: dict, vocab_size: int, max_model_len: int) -> list[str | list[int]]:
     """A completions `prompt`: a string, a list of strings, a list of ids, or a list of id lists."""
-    p = body.get("prompt")
+    p = _integral_ids(body.get("prompt"))
     if isinstance(p, str):
         prompts = [p]
     elif isinstance(p, list) and p and all(isinstance(x, str) for x in p):
@@ -162,13 +181,17 @@ def parse_prompts(body: dict, vocab_size: int) -> list[str | list[int]]:
         prompts = list(p)
     else:
         raise bad("prompt", "prompt must be a non-empty string, list of strings, list of token ids, or list of those")
+    if len(prompts) > MAX_PROMPTS:
+        raise bad("prompt", f"at most {MAX_PROMPTS} prompts per request")
     for x in prompts:
         if isinstance(x, str) and not x:
             raise bad("prompt", "prompt must not be empty")
-        if isinstance(x, list) and any(t < 0 or t >= vocab_size for t in x):
-            raise bad("prompt", f"token ids must be in [0, {vocab_size})")
-    if len(prompts) > MAX_N * 4:
-        raise bad("prompt", f"at most {MAX_N * 4} prompts per request")
+        if isinstance(x, list):
+            if len(x) >= max_model_len:
+                raise context_exceeded("prompt", f"prompt has {len(x)} tokens; this model's maximum context "
+                                                 f"length is {max_model_len} tokens")
+            if any(t < 0 or t >= vocab_size for t in x):
+                raise bad("prompt", f"token ids must be in [0, {vocab_size})")
     return prompts
 
 

@@ -9,6 +9,14 @@ batch size, and its free KV tokens cover the request's need:
 Among fitting runners the one with the largest batch wins; ties go to the highest runner
 id. None fits: the request waits in the FCFS queue. `least_loaded` and `round_robin` are
 the comparison policies of `lorafleet simulate`.
+
+Prefill backlog: a runner's `prefill_backlog` is the prompt tokens of requests placed there
+that have not produced their first token yet (work queued ahead of a new request's first
+token). Busiest-that-fits stays the policy, except that a runner is passed over while its
+backlog plus the new request's prefill would exceed `max_backlog` tokens, so long prompts do
+not pile onto one runner while another idles. A runner with no backlog always qualifies; when
+every fitting runner has too long a backlog, the one with the shortest backlog gets the
+request (ties: busiest, then highest id).
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 KV_RESERVE = 64
+PREFILL_BACKLOG = 2048  # tokens of queued prefill beyond which a runner is passed over
 
 
 @dataclass(frozen=True)
@@ -28,6 +37,7 @@ class RunnerView:
     max_batch_size: int
     free_kv_tokens: int
     total_kv_tokens: int = 0
+    prefill_backlog: int = 0  # prompt tokens placed here still waiting for their first token
 
 
 def kv_need(num_tokens: int, remaining_max_tokens: int) -> int:
@@ -38,16 +48,25 @@ def fits(r: RunnerView, need: int) -> bool:
     return r.healthy and not r.draining and r.batch_size < r.max_batch_size and r.free_kv_tokens >= need
 
 
-def busiest_fit(runners: Sequence[RunnerView], need: int) -> str | None:
-    """The id of the fitting runner with the largest batch (ties: highest id), or None."""
-    best = None
-    for r in runners:
-        if fits(r, need) and (best is None or (r.batch_size, r.id) > (best.batch_size, best.id)):
-            best = r
-    return best.id if best else None
+def calm(r: RunnerView, prefill: int, max_backlog: int) -> bool:
+    """The runner's queued prefill leaves room for `prefill` more tokens (or it has none)."""
+    return r.prefill_backlog == 0 or r.prefill_backlog + prefill <= max_backlog
 
 
-def least_loaded(runners: Sequence[RunnerView], need: int) -> str | None:
+def busiest_fit(runners: Sequence[RunnerView], need: int, prefill: int = 0,
+                max_backlog: int = PREFILL_BACKLOG) -> str | None:
+    """The id of the fitting runner with the largest batch (ties: highest id) among those whose
+    prefill backlog is calm; else the fitting runner with the shortest backlog; else None."""
+    fitting = [r for r in runners if fits(r, need)]
+    if not fitting:
+        return None
+    preferred = [r for r in fitting if calm(r, prefill, max_backlog)]
+    if preferred:
+        return max(preferred, key=lambda r: (r.batch_size, r.id)).id
+    return max(fitting, key=lambda r: (-r.prefill_backlog, r.batch_size, r.id)).id
+
+
+def least_loaded(runners: Sequence[RunnerView], need: int, prefill: int = 0) -> str | None:
     best = None
     for r in runners:
         if fits(r, need) and (best is None or (r.batch_size, r.id) < (best.batch_size, best.id)):
@@ -59,7 +78,7 @@ class RoundRobin:
     def __init__(self):
         self.next = 0
 
-    def __call__(self, runners: Sequence[RunnerView], need: int) -> str | None:
+    def __call__(self, runners: Sequence[RunnerView], need: int, prefill: int = 0) -> str | None:
         order = sorted(runners, key=lambda r: r.id)
         for k in range(len(order)):
             r = order[(self.next + k) % len(order)]

@@ -6,10 +6,13 @@ Kubernetes API (LoraAdapter objects in phase Ready, see `kube.py`).
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -69,13 +72,23 @@ class AdapterRegistry:
 
     @classmethod
     def from_directory(cls, path: str | Path) -> "AdapterRegistry":
-        """One adapter per subfolder holding an adapter_config.json, named by the folder."""
+        """One adapter per subfolder holding an adapter_config.json, named by the folder.
+
+        A subfolder (or its config file) that is a symlink resolving outside the directory is
+        skipped with a warning: the directory is the boundary of what it publishes.
+        """
         root = Path(path)
         if not root.is_dir():
             raise FileNotFoundError(f"adapter directory {root} does not exist")
-        entries = [
-            AdapterEntry(name=d.name, source=str(d.resolve()))
-            for d in sorted(root.iterdir())
-            if d.is_dir() and (d / "adapter_config.json").is_file()
-        ]
+        real_root = root.resolve()
+        entries = []
+        for d in sorted(root.iterdir()):
+            if not (d.is_dir() and (d / "adapter_config.json").is_file()):
+                continue
+            real = d.resolve()
+            inside = real.parent == real_root or real_root in real.parents
+            if not inside or real_root not in (d / "adapter_config.json").resolve().parents:
+                log.warning("adapter %r skipped: it is a symlink to a place outside %s", d.name, root)
+                continue
+            entries.append(AdapterEntry(name=d.name, source=str(real)))
         return cls(entries)

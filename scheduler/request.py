@@ -37,6 +37,7 @@ class Request:
     error: str | None = None
     first_token_time: float | None = None
     queued_at: float | None = None
+    placed_at_generated: int = -1  # len(generated) when last placed on a runner
     order: int = field(default_factory=lambda: next(_order))
 
     @property
@@ -46,6 +47,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.generated)
+
+    @property
+    def awaiting_first_token(self) -> bool:
+        """Placed on a runner that has not sent a token for it yet (its prefill is queued there)."""
+        return self.runner_id is not None and len(self.generated) == self.placed_at_generated
 
     @property
     def remaining(self) -> int:

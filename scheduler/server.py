@@ -1,16 +1,21 @@
 """`lorafleet scheduler`: the OpenAI-compatible front end over a set of runners (no torch).
 
-Tokenizes, places every request on a runner (cluster.py), streams text back with
-incremental detokenization and stop strings, and serves the admin API the operator reads.
+Authenticates (optional API keys), parses and tokenizes off the event loop, applies the
+per-request budgets, places every request on a runner (cluster.py), streams text back with
+incremental detokenization and stop strings, cancels the work of clients that went away,
+and serves the admin API the operator reads. Every error is an OpenAI-shaped JSON answer
+(http_errors.py); the API is described by `/openapi.json` (openapi.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import hmac
 import json
 import logging
+import secrets
 import time
 from pathlib import Path
 
@@ -18,23 +23,30 @@ from aiohttp import web
 from prometheus_client import generate_latest
 
 from lorafleet import env
+from lorafleet.common.peft_config import refusal_reason, scrub_paths
+from lorafleet.scheduler import limits as limits_mod
 from lorafleet.scheduler import openai_api as oa
+from lorafleet.scheduler.api_keys import ANYONE, ApiKeys, Grant
+from lorafleet.scheduler.availability import AdapterAvailability
+from lorafleet.scheduler.bodies import parse_body
 from lorafleet.scheduler.cluster import Cluster
 from lorafleet.scheduler.detokenizer import IncrementalDetokenizer
+from lorafleet.scheduler.disconnect import DisconnectWatch
 from lorafleet.scheduler.discovery import RunnerDirectory, RunnerEndpoint
+from lorafleet.scheduler.http_errors import ClientGone, errors_middleware
+from lorafleet.scheduler.limits import RequestLimits
 from lorafleet.scheduler.metrics import SchedulerMetrics
 from lorafleet.scheduler.openai_api import ApiError
+from lorafleet.scheduler.placement import busiest_fit
+from lorafleet.scheduler.prompts import PromptEncoder
 from lorafleet.scheduler.registry import AdapterRegistry
 from lorafleet.scheduler.request import Request
-from lorafleet.scheduler.tokenizer import ChatTemplateError, Tokenizer
+from lorafleet.scheduler.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 MAX_BODY = 8 * 1024 * 1024
-
-
-def error_response(err: ApiError) -> web.Response:
-    return web.json_response(err.body(), status=err.status, headers=err.headers)
+GONE = (None, ("gone",))  # put in a handler's event queue when its client disconnects
 
 
 class SchedulerService:
@@ -46,20 +58,31 @@ class SchedulerService:
         directory: RunnerDirectory,
         *,
         max_model_len: int = 4096,
+        limits: RequestLimits | None = None,
+        api_keys: ApiKeys | None = None,
         max_queue: int = 1024,
         queue_timeout: float = 120.0,
         admin_token: str | None = None,
         poll_interval: float = 0.5,
         grace_seconds: float = 30.0,
+        disconnect_poll: float = 0.25,
     ):
         self.tok, self.model_name = tokenizer, model_name
         self.registry, self.directory = registry, directory
-        self.max_model_len, self.max_queue, self.queue_timeout = max_model_len, max_queue, queue_timeout
+        self.limits = limits or RequestLimits(max_model_len=max_model_len)
+        self.max_model_len = self.limits.max_model_len
+        self.api_keys = api_keys
+        self.max_queue, self.queue_timeout = max_queue, queue_timeout
         self.admin_token = admin_token
         self.grace_seconds = grace_seconds
         self.metrics = SchedulerMetrics()
-        self.cluster = Cluster(directory, poll_interval=poll_interval, metrics=self.metrics)
+        placement = functools.partial(busiest_fit, max_backlog=self.limits.max_prefill_backlog)
+        self.cluster = Cluster(directory, poll_interval=poll_interval, metrics=self.metrics, placement=placement)
         self.metrics.attach_cluster(self.cluster)
+        self.prompts = PromptEncoder(tokenizer, self.max_model_len)
+        self.availability = AdapterAvailability()
+        registry.subscribe(self.availability.clear)
+        self.disconnects = DisconnectWatch(disconnect_poll)
         self.accepting = True
         self.in_flight: set[Request] = set()
         self.created = int(time.time())
@@ -79,6 +102,8 @@ class SchedulerService:
             self.cluster.cancel(req)
         for t in self.background:
             t.cancel()
+        self.disconnects.stop()
+        self.prompts.close()
         await self.cluster.stop()
 
     async def _expire_queue(self) -> None:
@@ -94,6 +119,9 @@ class SchedulerService:
                     req.finish("error", "no runner became available in time")
 
     # -- helpers ----------------------------------------------------------------------------------------
+    def _authenticate(self, request: web.Request) -> Grant:
+        return self.api_keys.authenticate(request) if self.api_keys is not None else ANYONE
+
     def _check_capacity(self, count: int) -> None:
         if not self.accepting:
             raise ApiError(503, "the server is shutting down", type_="server_error", code="shutting_down",
@@ -105,44 +133,81 @@ class SchedulerService:
             raise ApiError(429, f"the request queue is full ({self.max_queue} waiting)", type_="rate_limit_error",
                            code="queue_full", headers={"Retry-After": "2"})
 
-    def _resolve_model(self, name: str):
+    def _not_found(self, name: str) -> ApiError:
+        return ApiError(404, f"The model `{name}` does not exist or you do not have access to it.",
+                        param="model", code="model_not_found")
+
+    def _resolve_model(self, name: str, grant: Grant):
+        """The adapter entry for `name` (None: the base model); 404 unknown or not granted, 400 refused."""
+        if not grant.allows(name):
+            raise self._not_found(name)
         if name == self.model_name:
             return None
         entry = self.registry.get(name)
         if entry is None:
-            raise ApiError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+            raise self._not_found(name)
+        why = self.availability.reason(name)
+        if why is not None:
+            raise self._adapter_refused(name, why)
         return entry
 
-    async def _read_json(self, request: web.Request) -> dict:
-        try:
-            body = await request.json(loads=json.loads)
-        except web.HTTPRequestEntityTooLarge:
-            raise ApiError(413, f"request body exceeds {MAX_BODY} bytes", code="body_too_large") from None
-        except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
-            raise ApiError(400, "request body is not valid JSON", code="invalid_json") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "request body must be a JSON object", code="invalid_json")
-        return body
+    @staticmethod
+    def _adapter_refused(name: str, why: str) -> ApiError:
+        return ApiError(400, f"adapter {name!r} cannot be served: {why}", param="model", code="adapter_unavailable")
+
+    def _failure(self, req: Request, reason: str, error: str | None) -> ApiError:
+        """The answer for a sequence that ended without stop/length (before any text was sent)."""
+        if reason == "error" and req.adapter is not None:
+            why = refusal_reason(error, req.adapter.name)
+            if why is not None:
+                why = scrub_paths(why)  # runners should send none; clients never see one
+                self.availability.refuse(req.adapter.name, why)
+                return self._adapter_refused(req.adapter.name, why)
+        if reason == "cancelled":
+            return ApiError(503, "the request was cancelled by the server", code="cancelled",
+                            headers={"Retry-After": "5"})
+        return ApiError(500, f"generation failed: {scrub_paths(error or reason)}", code="generation_failed")
+
+    def _parse(self, raw: bytes, chat: bool) -> tuple[oa.GenParams, list]:
+        """Blocking (runs in the tokenizer pool): body -> (params, messages or raw prompts)."""
+        body = parse_body(raw)
+        params = oa.parse_common(body, chat, self.limits.completion_cap)
+        items = [oa.parse_messages(body)] if chat else oa.parse_prompts(body, self.tok.vocab_size,
+                                                                       self.max_model_len)
+        seqs = len(items) * params.n
+        if seqs > self.limits.max_sequences:
+            raise ApiError(400, f"this request asks for {seqs} sequences ({len(items)} prompt(s) x n={params.n}); "
+                                f"at most {self.limits.max_sequences} are allowed per request",
+                           param="n" if params.n > 1 else "prompt", code="too_many_sequences")
+        return params, items
 
     def _make_requests(self, params: oa.GenParams, adapter, prompts: list[list[int]], chat: bool) -> list[Request]:
+        lim, ctx = self.limits, self.max_model_len
+        where = "messages" if chat else "prompt"
+        for p_ids in prompts:
+            if len(p_ids) >= ctx:
+                raise oa.context_exceeded(where, f"This model's maximum context length is {ctx} tokens, "
+                                                 f"however the prompt has {len(p_ids)} tokens.")
+        total = sum(len(p) for p in prompts) * params.n
+        if total > lim.max_prompt_tokens:
+            raise ApiError(400, f"this request holds {total} prompt tokens (prompts x n); at most "
+                                f"{lim.max_prompt_tokens} are allowed per request", param=where,
+                           code="too_many_prompt_tokens")
         reqs = []
         max_kv = self.cluster.max_total_kv()
         for p_ids in prompts:
-            if len(p_ids) >= self.max_model_len:
-                raise ApiError(413, f"prompt has {len(p_ids)} tokens; the model's context is {self.max_model_len}",
-                               param="messages" if chat else "prompt", code="prompt_too_long")
-            if max_kv and len(p_ids) + 1 > max_kv:
-                raise ApiError(413, f"prompt has {len(p_ids)} tokens; no runner has that much KV cache ({max_kv})",
-                               param="messages" if chat else "prompt", code="prompt_too_long")
-            max_tokens = params.max_tokens or (self.max_model_len - len(p_ids))
-            if len(p_ids) + max_tokens > self.max_model_len:
-                raise oa.bad("max_tokens", f"prompt ({len(p_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
-                                           f"model's context of {self.max_model_len} tokens")
+            n = len(p_ids)
+            if max_kv and n + 1 > max_kv:
+                raise oa.context_exceeded(where, f"the prompt has {n} tokens; no runner has that much KV cache "
+                                                 f"({max_kv} tokens)")
+            max_tokens = params.max_tokens or min(lim.completion_cap, ctx - n)
+            if n + max_tokens > ctx:
+                raise oa.context_exceeded("max_tokens", f"This model's maximum context length is {ctx} tokens, "
+                                          f"however you requested {n + max_tokens} tokens ({n} in the prompt, "
+                                          f"{max_tokens} for the completion).")
             for k in range(params.n):
                 seed = params.seed + k if params.seed is not None else None
                 if seed is None and params.temperature > 0:
-                    import secrets
-
                     seed = secrets.randbits(48)
                 reqs.append(Request(
                     id=oa.new_id(chat)[-12:] + f"-{len(reqs)}", model=params.model, adapter=adapter,
@@ -161,45 +226,38 @@ class SchedulerService:
         return await self._generate(request, chat=True)
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
-        try:
-            body = await self._read_json(request)
-            params = oa.parse_common(body, chat, self.max_model_len)
-            adapter = self._resolve_model(params.model)
-            if chat:
-                messages = oa.parse_messages(body)
-                try:
-                    prompts = [self.tok.encode_chat(messages)]
-                except ChatTemplateError as exc:
-                    raise oa.bad("messages", str(exc)) from None
-            else:
-                raw = oa.parse_prompts(body, self.tok.vocab_size)
-                prompts = [self.tok.encode(p) if isinstance(p, str) else p for p in raw]
-                if any(not p for p in prompts):
-                    raise oa.bad("prompt", "prompt must not be empty")
-            reqs = self._make_requests(params, adapter, prompts, chat)
-            self._check_capacity(len(reqs))
-        except ApiError as err:
-            self.metrics.requests.labels(status=str(err.status)).inc()
-            return error_response(err)
+        grant = self._authenticate(request)
+        raw = await request.read()
+        loop = asyncio.get_running_loop()
+        params, items = await loop.run_in_executor(self.prompts.pool, self._parse, raw, chat)
+        adapter = self._resolve_model(params.model, grant)
+        prompts = [await self.prompts.chat(items[0])] if chat else await self.prompts.prompts(items)
+        reqs = self._make_requests(params, adapter, prompts, chat)
+        self._check_capacity(len(reqs))
+        out: asyncio.Queue = asyncio.Queue()
         for r in reqs:
             self.metrics.prompt_tokens.inc(len(r.prompt_ids))
             self.in_flight.add(r)
             self.cluster.submit(r)
+        pumps = [asyncio.create_task(self._pump(i, r, params, out)) for i, r in enumerate(reqs)]
+        watch = self.disconnects.watch(request, lambda: out.put_nowait(GONE))
         rid = oa.new_id(chat)
         try:
             if params.stream:
-                return await self._stream(request, rid, params, reqs, chat)
-            return await self._collect(rid, params, reqs, chat)
+                return await self._stream(request, rid, params, reqs, chat, out)
+            return await self._collect(rid, params, reqs, chat, out)
         finally:
+            self.disconnects.forget(watch)
+            for t in pumps:
+                t.cancel()
             for r in reqs:
                 if not r.done:
                     r.finish("cancelled")
                     self.cluster.cancel(r)
                 self.in_flight.discard(r)
                 self.metrics.observe_finished(r, r.finish_reason or "cancelled")
-
-    def _detok(self, req: Request, params: oa.GenParams) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self.tok, req.prompt_ids, params.stop)
+            if adapter is not None and all(r.finish_reason in ("stop", "length") for r in reqs):
+                self.availability.clear(adapter.name)
 
     async def _events(self, req: Request, detok: IncrementalDetokenizer):
         """Yield ("text", str) pieces, then ("done", finish_reason, error)."""
@@ -224,49 +282,57 @@ class SchedulerService:
                 yield ("done", reason, error)
                 return
 
-    async def _collect(self, rid: str, params: oa.GenParams, reqs: list[Request], chat: bool) -> web.Response:
-        async def one(req: Request):
-            detok = self._detok(req, params)
-            parts, end = [], None
-            async for ev in self._events(req, detok):
-                if ev[0] == "text":
-                    parts.append(ev[1])
-                else:
-                    end = ev
-            return "".join(parts), end
+    async def _pump(self, index: int, req: Request, params: oa.GenParams, out: asyncio.Queue) -> None:
+        async for ev in self._events(req, IncrementalDetokenizer(self.tok, req.prompt_ids, params.stop)):
+            out.put_nowait((index, ev))
 
-        results = await asyncio.gather(*(one(r) for r in reqs))
-        for (text, (_, reason, error)), r in zip(results, reqs):
+    @staticmethod
+    async def _next(out: asyncio.Queue) -> tuple[int, tuple]:
+        index, ev = await out.get()
+        if index is None:
+            raise ClientGone()
+        return index, ev
+
+    def _usage(self, params: oa.GenParams, reqs: list[Request]) -> dict:
+        return oa.usage(sum(len(r.prompt_ids) for r in reqs[:: params.n]), sum(len(r.generated) for r in reqs))
+
+    async def _collect(self, rid: str, params: oa.GenParams, reqs: list[Request], chat: bool,
+                       out: asyncio.Queue) -> web.Response:
+        texts: list[list[str]] = [[] for _ in reqs]
+        reasons: list[str | None] = [None] * len(reqs)
+        remaining = len(reqs)
+        while remaining:
+            index, ev = await self._next(out)
+            if ev[0] == "text":
+                texts[index].append(ev[1])
+                continue
+            remaining -= 1
+            _, reason, error = ev
             if reason not in ("stop", "length"):
-                raise_err = ApiError(500, f"generation failed: {error or reason}", code="generation_failed")
-                if error and "adapter" in error:
-                    raise_err = ApiError(500, error, param="model", code="adapter_failed")
-                return error_response(raise_err)
-        choices = [oa.choice(i, text, reason, chat) for i, ((text, (_, reason, _e))) in enumerate(results)]
-        use = oa.usage(sum(len(r.prompt_ids) for r in reqs[:: params.n]), sum(len(r.generated) for r in reqs))
-        return web.json_response(oa.completion_body(rid, params.model, chat, choices, use))
+                raise self._failure(reqs[index], reason, error)
+            reasons[index] = reason
+        choices = [oa.choice(i, "".join(t), reasons[i], chat) for i, t in enumerate(texts)]
+        return web.json_response(oa.completion_body(rid, params.model, chat, choices, self._usage(params, reqs)))
 
-    async def _stream(self, request: web.Request, rid: str, params: oa.GenParams, reqs: list[Request], chat: bool):
+    async def _stream(self, request: web.Request, rid: str, params: oa.GenParams, reqs: list[Request], chat: bool,
+                      out: asyncio.Queue) -> web.StreamResponse:
+        # Nothing is sent before the first event, so a refused adapter is still a JSON 4xx.
+        first = await self._next(out)
+        if first[1][0] == "done" and first[1][1] not in ("stop", "length"):
+            raise self._failure(reqs[first[0]], first[1][1], first[1][2])
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
 
         async def send(obj) -> None:
             await resp.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
 
-        out: asyncio.Queue = asyncio.Queue()
-
-        async def pump(index: int, req: Request):
-            async for ev in self._events(req, self._detok(req, params)):
-                await out.put((index, ev))
-
-        tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(reqs)]
         try:
             if chat:
                 for i in range(len(reqs)):
                     await send(oa.chunk(rid, params.model, True, i, "", None, role=True))
-            remaining = len(reqs)
+            remaining, pending = len(reqs), [first]
             while remaining:
-                index, ev = await out.get()
+                index, ev = pending.pop() if pending else await self._next(out)
                 if ev[0] == "text":
                     await send(oa.chunk(rid, params.model, chat, index, ev[1], None))
                     continue
@@ -275,28 +341,52 @@ class SchedulerService:
                 if reason in ("stop", "length"):
                     await send(oa.chunk(rid, params.model, chat, index, None if chat else "", reason))
                 else:
-                    await send({"error": {"message": f"generation failed: {error or reason}", "type": "server_error",
-                                          "param": None, "code": "generation_failed"}})
+                    await send({"error": self._failure(reqs[index], reason, error).body()["error"]})
             if params.include_usage:
-                use = oa.usage(sum(len(r.prompt_ids) for r in reqs[:: params.n]), sum(len(r.generated) for r in reqs))
                 await send({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                            "created": int(time.time()), "model": params.model, "choices": [], "usage": use})
+                            "created": int(time.time()), "model": params.model, "choices": [],
+                            "usage": self._usage(params, reqs)})
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
-        except ConnectionResetError:
+        except (ConnectionResetError, ClientGone):
             log.debug("client of %s went away; cancelling its requests", rid)
-        finally:
-            for t in tasks:
-                t.cancel()
+            raise ClientGone(resp) from None
         return resp
 
+    def _model_card(self, name: str) -> dict | None:
+        if name == self.model_name:
+            return {"id": name, "object": "model", "created": self.created, "owned_by": "lorafleet",
+                    "root": name, "parent": None, "status": "available"}
+        e = self.registry.get(name)
+        if e is None:
+            return None
+        card = {"id": e.name, "object": "model", "created": int(e.created), "owned_by": "lorafleet",
+                "root": e.name, "parent": self.model_name, "status": "available"}
+        why = self.availability.listed_reason(e.name)
+        if why is not None:
+            card.update(status="unavailable", reason=f"adapter {e.name!r} cannot be served: {why}")
+        return card
+
     async def models(self, request: web.Request) -> web.Response:
-        data = [{"id": self.model_name, "object": "model", "created": self.created, "owned_by": "lorafleet",
-                 "root": self.model_name, "parent": None}]
-        for e in self.registry.entries():
-            data.append({"id": e.name, "object": "model", "created": int(e.created), "owned_by": "lorafleet",
-                         "root": e.name, "parent": self.model_name})
-        return web.json_response({"object": "list", "data": data})
+        grant = self._authenticate(request)
+        names = [self.model_name] + [n for n in self.registry.names() if n != self.model_name]
+        data = [self._model_card(n) for n in names if grant.allows(n)]
+        return web.json_response({"object": "list", "data": [d for d in data if d is not None]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        grant = self._authenticate(request)
+        name = request.match_info["model_id"]
+        card = self._model_card(name) if grant.allows(name) else None
+        if card is None:
+            raise self._not_found(name)
+        return web.json_response(card)
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        from lorafleet.scheduler.openapi import document
+
+        auth = self.api_keys is not None  # with keys, adapter names are not shown to anyone
+        return web.json_response(document(self.model_name, self.limits, [] if auth else self.registry.names(), auth,
+                                          vocab_size=self.tok.vocab_size))
 
     # -- health and admin ---------------------------------------------------------------------------------
     async def healthz(self, request: web.Request) -> web.Response:
@@ -314,25 +404,20 @@ class SchedulerService:
             raise ApiError(403, "admin API disabled: set LORAFLEET_ADMIN_TOKEN on the scheduler",
                            type_="permission_error", code="admin_disabled")
         got = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(got.encode(), f"Bearer {self.admin_token}".encode()):
+        if not hmac.compare_digest(got.encode("utf-8", "surrogateescape"),
+                                   f"Bearer {self.admin_token}".encode("utf-8", "surrogateescape")):
             raise ApiError(401, "missing or wrong bearer token", type_="authentication_error", code="unauthorized")
 
     async def admin_state(self, request: web.Request) -> web.Response:
-        try:
-            self._authorize(request)
-        except ApiError as err:
-            return error_response(err)
+        self._authorize(request)
         return web.json_response(self.cluster.admin_state())
 
     async def admin_drain(self, request: web.Request) -> web.Response:
-        try:
-            self._authorize(request)
-        except ApiError as err:
-            return error_response(err)
+        self._authorize(request)
         rid = request.match_info["runner_id"]
         r = self.cluster.runners.get(rid)
         if r is None:
-            return error_response(ApiError(404, f"no runner {rid!r}", code="runner_not_found"))
+            raise ApiError(404, f"no runner {rid!r}", code="runner_not_found")
         r.draining = request.path.endswith("/drain")
         log.info("runner %s %s", rid, "draining" if r.draining else "back in service")
         self.cluster._kick()
@@ -340,11 +425,8 @@ class SchedulerService:
                                   "empty": not r.assigned})
 
     async def admin_validate(self, request: web.Request) -> web.Response:
-        try:
-            self._authorize(request)
-            body = await self._read_json(request)
-        except ApiError as err:
-            return error_response(err)
+        self._authorize(request)
+        body = await asyncio.get_running_loop().run_in_executor(self.prompts.pool, parse_body, await request.read())
         runners = [r for r in self.cluster.runners.values() if r.healthy]
         if not runners:
             return web.json_response({"ok": False, "error": "no healthy runner to validate on", "retry": True},
@@ -361,10 +443,12 @@ SERVICE_KEY = web.AppKey("service", SchedulerService)
 
 
 def create_app(service: SchedulerService) -> web.Application:
-    app = web.Application(client_max_size=MAX_BODY)
+    app = web.Application(client_max_size=MAX_BODY, middlewares=[errors_middleware(service.metrics, MAX_BODY)])
     app.router.add_post("/v1/completions", service.completions)
     app.router.add_post("/v1/chat/completions", service.chat_completions)
     app.router.add_get("/v1/models", service.models)
+    app.router.add_get("/v1/models/{model_id:.+}", service.model)
+    app.router.add_get("/openapi.json", service.openapi)
     app.router.add_get("/healthz", service.healthz)
     app.router.add_get("/readyz", service.readyz)
     app.router.add_get("/metrics", service.metrics_handler)
@@ -421,9 +505,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kube", action="store_true", help="learn adapters and runners from the Kubernetes API")
     p.add_argument("--namespace", default=None, help="with --kube: the pool's namespace")
     p.add_argument("--pool", default=None, help="with --kube: the ServingPool name")
+    add_api_key_argument(p)
+    limits_mod.add_arguments(p)
+
+
+def add_api_key_argument(p: argparse.ArgumentParser) -> None:
+    default = env.api_keys_file()
+    p.add_argument("--api-keys", type=Path, default=default, metavar="FILE",
+                   help="require API keys on /v1: one key per line, optionally followed by the models it may use "
+                        "(comma-separated); env LORAFLEET_API_KEYS_FILE" + (f" (now {default})" if default else ""))
+
+
+def load_api_keys(args: argparse.Namespace) -> ApiKeys | None:
+    return ApiKeys(args.api_keys) if args.api_keys else None
 
 
 def build_service(args: argparse.Namespace) -> SchedulerService:
+    api_keys = load_api_keys(args)
     model = args.model
     if "://" in model:
         from lorafleet.common.sources import fetch_model
@@ -434,13 +532,21 @@ def build_service(args: argparse.Namespace) -> SchedulerService:
     directory = RunnerDirectory([parse_runner(s, i) for i, s in enumerate(args.runner)])
     return SchedulerService(
         Tokenizer(model_dir), args.model_name or model_display_name(model_dir), registry, directory,
-        max_model_len=model_limits(model_dir), max_queue=args.max_queue, queue_timeout=args.queue_timeout,
-        admin_token=env.admin_token(),
+        limits=limits_mod.from_args(args, model_limits(model_dir)), api_keys=api_keys, max_queue=args.max_queue,
+        queue_timeout=args.queue_timeout, admin_token=env.admin_token(),
     )
 
 
 def run(args: argparse.Namespace) -> int:
-    service = build_service(args)
+    from lorafleet.scheduler.api_keys import ApiKeyFileError
+    from lorafleet.scheduler.listen import ListenError, bind
+
+    try:
+        sock = bind(args.host, args.port)
+        service = build_service(args)
+    except (ListenError, ApiKeyFileError) as exc:
+        log.error("%s", exc)
+        return 2
     app = create_app(service)
     if args.kube:
         if not (args.namespace and args.pool):
@@ -454,5 +560,5 @@ def run(args: argparse.Namespace) -> int:
 
         app.on_startup.append(feeds)
     log.info("scheduler for %s on http://%s:%d", service.model_name, args.host, args.port)
-    web.run_app(app, host=args.host, port=args.port, print=None, shutdown_timeout=service.grace_seconds + 5)
+    web.run_app(app, sock=sock, print=None, shutdown_timeout=service.grace_seconds + 5)
     return 0

@@ -53,6 +53,7 @@ class Tokenizer:
             i for i, t in self._tok.get_added_tokens_decoder().items() if getattr(t, "special", False)
         }
         self._template = None
+        self._max_token_chars: int | None = None
         if template:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = _raise
@@ -65,6 +66,16 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """Like `encode` for several texts; releases the GIL while it works (safe in a thread)."""
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=add_special_tokens)]
+
+    def max_token_chars(self) -> int:
+        """The longest vocabulary entry in characters (an upper bound of what one token covers)."""
+        if self._max_token_chars is None:
+            self._max_token_chars = max((len(t) for t in self._tok.get_vocab(with_added_tokens=True)), default=1)
+        return self._max_token_chars
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -84,6 +95,8 @@ class Tokenizer:
             )
         except TemplateError as exc:
             raise ChatTemplateError(f"chat template error: {exc}") from None
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError, RecursionError) as exc:
+            raise ChatTemplateError(f"chat template error: {type(exc).__name__}") from None
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)

@@ -51,6 +51,24 @@ def tiny_llama(tmp_path_factory) -> Path:
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Tests serve sources on loopback and keep adapters in temporary folders: they need the source
+# policy's switch for private addresses and a source root over pytest's temporary folders.
+# Tests of the policy itself set these explicitly (monkeypatch).
+os.environ.setdefault("LORAFLEET_ALLOW_PRIVATE_SOURCES", "1")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _source_roots(tmp_path_factory):
+    """Local sources may live under pytest's temporary folders, the cache and the PVC root."""
+    from lorafleet.common.source_policy import default_roots
+
+    if "LORAFLEET_SOURCE_ROOTS" not in os.environ:
+        roots = [str(tmp_path_factory.getbasetemp()), *map(str, default_roots())]
+        os.environ["LORAFLEET_SOURCE_ROOTS"] = os.pathsep.join(roots)
+        yield
+        os.environ.pop("LORAFLEET_SOURCE_ROOTS", None)
+    else:
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -9,8 +9,9 @@ from aiohttp import web
 
 
 class FakeRunner:
-    def __init__(self, rid="fake-0", max_batch_size=8, total_kv=4096, delay=0.0, first=1000):
+    def __init__(self, rid="fake-0", max_batch_size=8, total_kv=4096, delay=0.0, first=1000, refuse=None):
         self.rid, self.max_batch_size, self.total_kv, self.delay, self.first = rid, max_batch_size, total_kv, delay, first
+        self.refuse = dict(refuse or {})  # adapter name -> reason: answered like a runner that refuses it
         self.active: dict[str, list[int]] = {}
         self.seen: list[dict] = []
         self.cancelled: list[str] = []
@@ -26,6 +27,11 @@ class FakeRunner:
         rid = body["request_id"]
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await resp.prepare(request)
+        adapter = (body.get("adapter") or {}).get("name")
+        if adapter in self.refuse:
+            final = {"finish_reason": "error", "output_token_ids": [], "error": f"adapter {adapter!r}: {self.refuse[adapter]}"}
+            await resp.write(json.dumps(final).encode() + b"\n")
+            return resp
         out = []
         self.active[rid] = out
         try:

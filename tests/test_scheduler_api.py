@@ -6,46 +6,15 @@ import asyncio
 import json
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
-
+from api_helpers import TOKEN, start, stop
 from fake_runner import FakeRunner
-from lorafleet.scheduler.discovery import RunnerDirectory, RunnerEndpoint
-from lorafleet.scheduler.registry import AdapterEntry, AdapterRegistry
-from lorafleet.scheduler.server import SchedulerService, create_app
 from lorafleet.scheduler.tokenizer import Tokenizer
 
-TOKEN = "s3cret"
 
 
 @pytest.fixture(scope="module")
 def tok(demo_model):
     return Tokenizer(demo_model)
-
-
-async def start(tok, runners, **kw):
-    servers = []
-    eps = []
-    for fr in runners:
-        ts = TestServer(fr.app())
-        await ts.start_server()
-        servers.append(ts)
-        eps.append(RunnerEndpoint(fr.rid, str(ts.make_url("")).rstrip("/")))
-    registry = AdapterRegistry([AdapterEntry("pirate", "/nowhere/pirate"), AdapterEntry("shouty", "/nowhere/shouty")])
-    service = SchedulerService(tok, "base", registry, RunnerDirectory(eps), max_model_len=kw.pop("max_model_len", 256),
-                               admin_token=kw.pop("admin_token", TOKEN), poll_interval=0.05, **kw)
-    client = TestClient(TestServer(create_app(service)))
-    await client.start_server()
-    for _ in range(100):
-        if not runners or service.cluster.any_healthy():
-            break
-        await asyncio.sleep(0.02)
-    return client, service, servers
-
-
-async def stop(client, servers):
-    await client.close()
-    for s in servers:
-        await s.close()
 
 
 @pytest.fixture
@@ -143,7 +112,8 @@ async def test_malformed_and_oversized_bodies(api):
                           headers={"Content-Type": "application/json"})
     assert r.status == 413
     r = await client.post("/v1/completions", json={"model": "base", "prompt": "word " * 400})
-    assert r.status == 413 and (await r.json())["error"]["code"] == "prompt_too_long"
+    err = (await r.json())["error"]
+    assert r.status == 400 and err["code"] == "context_length_exceeded" and err["param"] == "prompt"
 
 
 async def test_queue_full_429_and_no_runner_503(tok):

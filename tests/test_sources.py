@@ -148,7 +148,7 @@ def test_local_and_pvc_sources_resolve_in_place(tmp_path, monkeypatch):
     with pytest.raises(sources.ChecksumMismatch, match="expected 0000"):
         sources.fetch_adapter(str(folder), sha256="0" * 64)
     with pytest.raises(sources.SourceNotFound, match="does not exist"):
-        sources.fetch_adapter("pvc://adapters/missing", name="missing")
+        sources.fetch_adapter("pvc://adapters/missing", label="adapter missing")
     with pytest.raises(AdapterError, match="expected 0000"):
         sources.verify_sha256("sql", folder, "0" * 64)
     sources.verify_sha256("sql", folder, sha(folder / "adapter_model.safetensors"))

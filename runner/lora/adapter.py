@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from lorafleet.common.peft_config import AdapterError, AdapterSpec, BaseShape, inspect_adapter
+from lorafleet.common.peft_config import AdapterError, AdapterSpec, BaseShape, inspect_adapter, scrub_paths
 from lorafleet.common.projections import PROJ_INDEX, PROJECTIONS
 
 
@@ -146,5 +146,5 @@ def load_adapter(
     except AdapterError:
         raise
     except Exception as exc:
-        raise AdapterError(name, f"cannot read adapter_model.safetensors: {exc}") from None
+        raise AdapterError(name, f"cannot read adapter_model.safetensors: {scrub_paths(str(exc))}") from None
     return LoadedAdapter.stacked(spec, weights, base.num_layers, pin=pin)

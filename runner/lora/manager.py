@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from lorafleet.common.peft_config import AdapterError, BaseShape
+from lorafleet.common.peft_config import AdapterError, BaseShape, scrub_paths
 from lorafleet.runner.lora.adapter import LoadedAdapter, load_adapter
 from lorafleet.runner.lora.pool import LoraPool
 from lorafleet.runner.sequence import AdapterRef
@@ -145,7 +145,7 @@ class AdapterManager:
             raise
         except Exception as exc:  # fetch errors, I/O errors
             self.stats["failures"] += 1
-            raise AdapterError(ref.name, str(exc)) from None
+            raise AdapterError(ref.name, scrub_paths(str(exc))) from None
         self.stats["load_seconds"] += time.perf_counter() - t0
         return adapter
 

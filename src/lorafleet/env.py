@@ -70,3 +70,29 @@ def pvc_root() -> Path:
 def fused_ops() -> bool:
     """LORAFLEET_FUSED_OPS: use flashinfer's fused norm / activation / RoPE kernels on CUDA (default 1)."""
     return _str("LORAFLEET_FUSED_OPS", "1").lower() not in ("0", "false", "no")
+
+
+def _flag(name: str, default: bool = False) -> bool:
+    raw = os.environ.get(name, "").strip().lower()
+    if raw == "":
+        return default
+    return raw in ("1", "true", "yes", "on")
+
+
+def allow_private_sources() -> bool:
+    """LORAFLEET_ALLOW_PRIVATE_SOURCES=1: sources may be on loopback, private or link-local
+    addresses (default: refused; cloud metadata addresses are refused always)."""
+    return _flag("LORAFLEET_ALLOW_PRIVATE_SOURCES")
+
+
+def source_roots() -> tuple[Path, ...]:
+    """LORAFLEET_SOURCE_ROOTS: os.pathsep-separated directories under which local sources
+    (paths, file://, pvc://) must resolve; empty: the cache dir and the PVC root."""
+    raw = os.environ.get("LORAFLEET_SOURCE_ROOTS", "")
+    return tuple(Path(p) for p in raw.split(os.pathsep) if p.strip())
+
+
+def api_keys_file() -> Path | None:
+    """LORAFLEET_API_KEYS_FILE: the scheduler's API key file (same as `--api-keys`); unset: no keys."""
+    raw = os.environ.get("LORAFLEET_API_KEYS_FILE", "")
+    return Path(raw) if raw else None

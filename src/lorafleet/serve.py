@@ -1,32 +1,29 @@
 """`lorafleet serve`: the scheduler plus N runner processes on this machine.
 
-Runners are child processes in their own session (so Ctrl-C reaches only this process,
-which then shuts down in order: stop accepting, finish or cancel in-flight requests,
-stop runners). Each child also gets SIGTERM if this process dies (no orphans).
+The port is bound first, so a busy port is reported before anything is loaded. Runners are
+child processes in their own session (so Ctrl-C reaches only this process, which then shuts
+down in order: stop accepting, finish or cancel in-flight requests, stop runners); each also
+gets SIGTERM if this process dies (no orphans), and one that dies while serving is restarted
+with backoff (`runner_procs.py`).
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
+import functools
 import json
 import logging
-import signal
+import os
+import shlex
 import socket
-import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
 
+from lorafleet.runner_procs import RunnerProcess, Supervisor, stop_children
+
 log = logging.getLogger("lorafleet.serve")
-
-
-def _die_with_parent() -> None:  # runs in the child before exec
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def free_port(host: str) -> int:
@@ -69,12 +66,13 @@ def runner_devices(device: str, n: int) -> list[str]:
     return [device] * n
 
 
-def wait_ready(procs: list[tuple[str, subprocess.Popen, str]], timeout: float) -> None:
-    pending = {rid for rid, _, _ in procs}
+def wait_ready(runners: list[RunnerProcess], timeout: float) -> None:
+    pending = {r.rid for r in runners}
     deadline = time.monotonic() + timeout
     last_note = 0.0
     while pending:
-        for rid, proc, url in procs:
+        for r in runners:
+            rid, proc, url = r.rid, r.proc, r.url
             if rid not in pending:
                 continue
             if proc.poll() is not None:
@@ -94,33 +92,29 @@ def wait_ready(procs: list[tuple[str, subprocess.Popen, str]], timeout: float) -
         time.sleep(0.3)
 
 
-def stop_children(procs: list[tuple[str, subprocess.Popen, str]], grace: float) -> None:
-    for _, proc, _ in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    for rid, proc, _ in procs:
-        try:
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            log.warning("runner %s did not stop in %.0fs; killing it", rid, grace)
-            proc.kill()
-            proc.wait()
+def _shown(name: str) -> str:
+    """A name as it may appear in plain text on a terminal (control characters escaped)."""
+    return name if name.isprintable() else repr(name)
 
 
-def banner(url: str, model_name: str, adapters: list[str]) -> str:
+def banner(url: str, model_name: str, adapters: list[str], api_keys: bool = False) -> str:
+    """The startup message; its shell examples quote every name, so any adapter name pastes safely."""
     example = adapters[0] if adapters else model_name
     body = json.dumps({"model": example, "messages": [{"role": "user", "content": "What is the capital of France?"}],
                        "max_tokens": 48, "temperature": 0})
-    names = ", ".join([model_name] + adapters)
+    names = ", ".join(_shown(n) for n in [model_name] + adapters)
+    auth = " -H 'Authorization: Bearer YOUR_KEY'" if api_keys else ""
+    lit = functools.partial(json.dumps, ensure_ascii=False)  # a JSON string is also a Python string literal
+    code = (f"from openai import OpenAI; c = OpenAI(base_url={lit(url + '/v1')}, "
+            f"api_key={lit('YOUR_KEY' if api_keys else 'none')}); print(c.chat.completions.create(model={lit(example)}, "
+            'messages=[{"role": "user", "content": "Hi!"}]).choices[0].message.content)')
     return f"""
 lorafleet is serving at {url}/v1   (models: {names})
 
-  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\
-    -d '{body}'
+  curl {shlex.quote(url + '/v1/chat/completions')} -H 'Content-Type: application/json'{auth} \\
+    -d {shlex.quote(body)}
 
-  python -c "from openai import OpenAI; c = OpenAI(base_url='{url}/v1', api_key='none'); \\
-print(c.chat.completions.create(model='{example}', messages=[{{'role': 'user', 'content': 'Hi!'}}]).choices[0].message.content)"
+  python -c {shlex.quote(code)}
 
 Press Ctrl-C to stop.
 """
@@ -142,17 +136,48 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--grace-seconds", type=float, default=20.0, help="time to finish in-flight requests on stop")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for runners to load")
+    from lorafleet.scheduler import limits
+    from lorafleet.scheduler.server import add_api_key_argument
+
+    add_api_key_argument(p)
+    limits.add_arguments(p)
+
+
+def runner_env(adapters_dir: Path | None) -> dict:
+    """The runners' environment: the adapter directory joins the source roots (it is what they load)."""
+    from lorafleet import env
+    from lorafleet.common.source_policy import default_roots
+
+    roots = [str(r) for r in (env.source_roots() or default_roots())]
+    if adapters_dir is not None:
+        roots.append(str(Path(adapters_dir).resolve()))
+    return {**os.environ, "LORAFLEET_SOURCE_ROOTS": os.pathsep.join(roots)}
 
 
 def run(args: argparse.Namespace) -> int:
     from aiohttp import web
 
     from lorafleet import env
+    from lorafleet.scheduler import limits
+    from lorafleet.scheduler.api_keys import ApiKeyFileError
     from lorafleet.scheduler.discovery import RunnerDirectory, RunnerEndpoint
+    from lorafleet.scheduler.listen import ListenError, bind
     from lorafleet.scheduler.registry import AdapterRegistry
-    from lorafleet.scheduler.server import SchedulerService, create_app, model_display_name, model_limits
+    from lorafleet.scheduler.server import (
+        SchedulerService,
+        create_app,
+        load_api_keys,
+        model_display_name,
+        model_limits,
+    )
     from lorafleet.scheduler.tokenizer import Tokenizer
 
+    try:  # before anything slow: a busy port or a bad key file is reported at once
+        sock = bind(args.host, args.port)
+        api_keys = load_api_keys(args)
+    except (ListenError, ApiKeyFileError) as exc:
+        log.error("%s", exc)
+        return 2
     model, adapters_dir = args.model, args.adapters
     if model is None:
         from lorafleet.runner.demo import prepare
@@ -168,37 +193,45 @@ def run(args: argparse.Namespace) -> int:
         tok_dir = tokenizer_dir(model_path)
     registry = AdapterRegistry.from_directory(adapters_dir) if adapters_dir else AdapterRegistry()
 
-    procs = []
+    runners: list[RunnerProcess] = []
+    supervisor = None
     devices = runner_devices(args.device, args.runners)
+    child_env = runner_env(adapters_dir)
     try:
         for i, dev in enumerate(devices):
             port = free_port("127.0.0.1")
             rid = f"runner-{i}"
-            proc = subprocess.Popen(runner_command(args, str(model_path), port, rid, dev), start_new_session=True,
-                                    preexec_fn=_die_with_parent)
-            procs.append((rid, proc, f"http://127.0.0.1:{port}"))
-        log.info("started %d runner(s) on %s; loading %s", len(procs), ", ".join(devices), model_path.name)
-        wait_ready(procs, args.ready_timeout)
-        directory = RunnerDirectory([RunnerEndpoint(rid, url) for rid, _, url in procs])
+            r = RunnerProcess(rid, f"http://127.0.0.1:{port}", runner_command(args, str(model_path), port, rid, dev),
+                              env=child_env)
+            r.start()
+            runners.append(r)
+        log.info("started %d runner(s) on %s; loading %s", len(runners), ", ".join(devices), model_path.name)
+        wait_ready(runners, args.ready_timeout)
+        supervisor = Supervisor(runners)
+        supervisor.start()
+        directory = RunnerDirectory([RunnerEndpoint(r.rid, r.url) for r in runners])
+        max_model_len = model_limits(tok_dir)
         service = SchedulerService(
             Tokenizer(tok_dir), args.model_name or model_display_name(tok_dir if model_path.is_dir() else model_path),
-            registry, directory,
-            max_model_len=model_limits(tok_dir), admin_token=env.admin_token(), grace_seconds=args.grace_seconds,
+            registry, directory, limits=limits.from_args(args, max_model_len), api_keys=api_keys,
+            admin_token=env.admin_token(), grace_seconds=args.grace_seconds,
         )
         app = create_app(service)
         url = f"http://{args.host}:{args.port}"
 
         async def announce(app):
-            print(banner(url, service.model_name, registry.names()), flush=True)
+            print(banner(url, service.model_name, registry.names(), api_keys is not None), flush=True)
 
         app.on_startup.append(announce)
-        web.run_app(app, host=args.host, port=args.port, print=None, handle_signals=True,
-                    shutdown_timeout=args.grace_seconds + 5)
+        web.run_app(app, sock=sock, print=None, handle_signals=True, shutdown_timeout=args.grace_seconds + 5)
     except RuntimeError as exc:
         log.error("%s", exc)
         return 1
     finally:
-        log.info("stopping %d runner(s)", len(procs))
-        stop_children(procs, args.grace_seconds + 10)
+        if supervisor is not None:
+            supervisor.stop()
+        log.info("stopping %d runner(s)", len(runners))
+        stop_children(runners, args.grace_seconds + 10)
+        sock.close()
     log.info("stopped")
     return 0

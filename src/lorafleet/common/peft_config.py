@@ -27,12 +27,32 @@ _KEY = re.compile(
 
 
 class AdapterError(ValueError):
-    """An adapter that cannot be served; the message names it and says why."""
+    """An adapter that cannot be served; the message names it and says why.
+
+    Messages never hold a server path: they reach clients (the scheduler's 4xx) and
+    Kubernetes statuses. `str(err)` is `adapter 'NAME': REASON` (see `refusal_reason`).
+    """
 
     def __init__(self, adapter: str, reason: str):
         self.adapter = adapter
         self.reason = reason
         super().__init__(f"adapter {adapter!r}: {reason}")
+
+
+_ABS_PATH = re.compile(r"(?<![\w.:/])/[^\s'\"(),;]+")
+
+
+def scrub_paths(text: str) -> str:
+    """`text` with absolute filesystem paths replaced by `<path>` (for messages clients see)."""
+    return _ABS_PATH.sub("<path>", text)
+
+
+def refusal_reason(error: str | None, name: str) -> str | None:
+    """The REASON of an AdapterError text `adapter 'NAME': REASON` for adapter `name`, else None."""
+    prefix = f"adapter {name!r}: "
+    if error and error.startswith(prefix):
+        return error[len(prefix):]
+    return None
 
 
 @dataclass(frozen=True)
@@ -124,13 +144,15 @@ def _refuse_unsupported(name: str, cfg: dict) -> None:
 def read_config(name: str, path: Path) -> dict:
     cfg_path = path / CONFIG_FILE
     if not path.is_dir():
-        raise AdapterError(name, f"adapter directory {path} does not exist")
+        raise AdapterError(name, "adapter directory does not exist")
     if not cfg_path.is_file():
-        raise AdapterError(name, f"{CONFIG_FILE} not found in {path}")
+        raise AdapterError(name, f"{CONFIG_FILE} not found")
     try:
         cfg = json.loads(cfg_path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise AdapterError(name, f"{CONFIG_FILE} is not valid JSON: {exc}") from None
+    except OSError as exc:
+        raise AdapterError(name, f"cannot read {CONFIG_FILE} ({exc.strerror or type(exc).__name__})") from None
     if not isinstance(cfg, dict):
         raise AdapterError(name, f"{CONFIG_FILE} must hold a JSON object")
     _refuse_unsupported(name, cfg)
@@ -156,13 +178,13 @@ def inspect_adapter(
                 name, f"only {WEIGHTS_FILE} is loaded; {pickled[0]} is a pickle file and is never unpickled "
                 "(convert it with safetensors)"
             )
-        raise AdapterError(name, f"{WEIGHTS_FILE} not found in {path}")
+        raise AdapterError(name, f"{WEIGHTS_FILE} not found")
     try:
         header = read_header(weights)
     except HeaderError as exc:
         raise AdapterError(name, f"corrupt weights: {exc}") from None
     except OSError as exc:
-        raise AdapterError(name, f"cannot read {WEIGHTS_FILE}: {exc}") from None
+        raise AdapterError(name, f"cannot read {WEIGHTS_FILE} ({exc.strerror or type(exc).__name__})") from None
 
     pairs: dict[tuple[int, str], dict[str, tuple[str, tuple[int, ...]]]] = {}
     dtypes = set()

@@ -13,7 +13,10 @@ Sources (torch-free; the operator, the scheduler and the runners share this modu
   with ``HF_TOKEN`` as a bearer token when set.
 - ``file:///path`` and plain paths: local folders.
 
-Anything else is refused with `SourceError`. Downloads go to a cache folder (atomic renames,
+Anything else is refused with `SourceError`. Every fetch passes the source policy
+(`source_policy.py`): network destinations are checked after DNS resolution and on every
+redirect, local paths must resolve under the source roots; refusals are `SourceRefused`.
+Downloads go to a cache folder (atomic renames,
 so concurrent fetches are safe) and remote sources are treated as immutable: pin a revision
 or a sha256 when the content may change. `probe_adapter` fetches only what validation needs
 (the config and the safetensors header, plus a streamed sha256 check when one is given).
@@ -27,17 +30,24 @@ import json
 import os
 import re
 import shutil
-import socket
 import struct
+import logging
 import tempfile
-import urllib.error
 import urllib.parse
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Iterable
 
+from lorafleet.common import safe_http
 from lorafleet.common.peft_config import CONFIG_FILE, WEIGHTS_FILE
+from lorafleet.common.source_errors import (  # noqa: F401 - re-exported
+    ChecksumMismatch,
+    SourceError,
+    SourceNotFound,
+    SourceRefused,
+    SourceUnreachable,
+)
+from lorafleet.common.source_policy import SourcePolicy
 
 SCHEMES = ("pvc", "https", "http", "s3", "hf", "file")
 REMOTE_SCHEMES = ("https", "http", "s3", "hf")
@@ -60,7 +70,7 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
 
 # Errors of a transfer that broke off midway (the source may answer again later).
-_TRANSFER_ERRORS: tuple[type[BaseException], ...] = (socket.timeout, TimeoutError, ConnectionError,
+_TRANSFER_ERRORS: tuple[type[BaseException], ...] = (TimeoutError, ConnectionError,
                                                     http.client.HTTPException)
 try:  # pragma: no cover - depends on boto3 being installed
     from botocore.exceptions import BotoCoreError as _BotoCoreError
@@ -69,24 +79,10 @@ try:  # pragma: no cover - depends on boto3 being installed
 except ImportError:  # pragma: no cover
     pass
 
+log = logging.getLogger(__name__)
+
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _HF_PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-
-
-class SourceError(ValueError):
-    """A source that cannot be used; the message says which and why."""
-
-
-class SourceNotFound(SourceError):
-    """The source answered, but the file is not there."""
-
-
-class SourceUnreachable(SourceError):
-    """The source did not answer (network error, timeout, 5xx): worth retrying later."""
-
-
-class ChecksumMismatch(SourceError):
-    """The weights' sha256 differs from the one asked for."""
 
 
 def pvc_root() -> Path:
@@ -197,6 +193,11 @@ def parse_source(uri: str) -> Source:
 # --- opening one remote file -------------------------------------------------------------------
 
 
+def local_source_path(src: Source, what: str) -> Path:
+    """The local path of a pvc:// or file source, symlinks resolved, confined to the source roots."""
+    return SourcePolicy.from_env().confine(src.local_path(), what)
+
+
 def _hf_url(src: Source) -> str:
     endpoint = (os.environ.get("HF_ENDPOINT") or HF_DEFAULT_ENDPOINT).rstrip("/")
     rev = urllib.parse.quote(src.revision, safe="")
@@ -204,25 +205,20 @@ def _hf_url(src: Source) -> str:
 
 
 def _open_http(url: str, uri: str, timeout: float, token: str | None = None) -> tuple[IO[bytes], int | None]:
-    headers = {"User-Agent": "lorafleet"}
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
+    """GET one file under the source policy; errors say what happened, not where it failed inside."""
     try:
-        resp = urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout)
-    except urllib.error.HTTPError as exc:
-        exc.close()
-        if exc.code == 404:
-            raise SourceNotFound(f"{url} not found (HTTP 404)") from None
-        if exc.code in (401, 403):
+        resp = safe_http.open_url(url, timeout=timeout, token=token)
+    except safe_http.HTTPStatusError as exc:
+        where = exc.url
+        if exc.status == 404:
+            raise SourceNotFound(f"{where} not found (HTTP 404)") from None
+        if exc.status in (401, 403):
             hint = " (set HF_TOKEN for gated or private repositories)" if uri.startswith("hf://") else ""
-            raise SourceError(f"{url}: access denied (HTTP {exc.code}){hint}") from None
-        if exc.code >= 500 or exc.code in (408, 429):
-            raise SourceUnreachable(f"{url}: HTTP {exc.code} {exc.reason}") from None
-        raise SourceError(f"{url}: HTTP {exc.code} {exc.reason}") from None
-    except (urllib.error.URLError, socket.timeout, TimeoutError, ConnectionError, OSError) as exc:
-        reason = getattr(exc, "reason", exc)
-        raise SourceUnreachable(f"{url}: unreachable ({reason})") from None
-    length = resp.headers.get("Content-Length")
+            raise SourceError(f"{where}: access denied (HTTP {exc.status}){hint}") from None
+        if exc.status >= 500 or exc.status in (408, 429):
+            raise SourceUnreachable(f"{where}: HTTP {exc.status} {exc.reason}") from None
+        raise SourceError(f"{where}: HTTP {exc.status} {exc.reason}") from None
+    length = resp.getheader("Content-Length")
     return resp, int(length) if length and length.isdigit() else None
 
 
@@ -233,6 +229,9 @@ def _s3_client(timeout: float):
     except ImportError:  # pragma: no cover - boto3 is in the images
         raise SourceError("s3:// sources need boto3 (pip install boto3)") from None
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+    if endpoint:
+        origin = safe_http.Origin.of(endpoint)
+        SourcePolicy.from_env().resolve(origin.host, origin.port, "the S3 endpoint")
     cfg = Config(connect_timeout=timeout, read_timeout=timeout, retries={"max_attempts": 2})
     return boto3.client("s3", endpoint_url=endpoint, config=cfg)
 
@@ -257,7 +256,8 @@ def _open_s3(src: Source, timeout: float) -> tuple[IO[bytes], int | None]:
         raise SourceError(f"{where}: no AWS credentials (set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY)") from None
     except (bex.EndpointConnectionError, bex.ConnectTimeoutError, bex.ReadTimeoutError,
             bex.ConnectionClosedError) as exc:
-        raise SourceUnreachable(f"{where}: unreachable ({exc})") from None
+        log.info("%s: %s", where, exc)
+        raise SourceUnreachable(f"{where}: unreachable") from None
     return obj["Body"], obj.get("ContentLength")
 
 
@@ -270,9 +270,9 @@ def _open(src: Source, timeout: float) -> tuple[IO[bytes], int | None]:
         return _open_http(_hf_url(src), src.uri, timeout, token)
     if src.scheme == "s3":
         return _open_s3(src, timeout)
-    path = src.local_path()
+    path = local_source_path(src, src.uri)
     if not path.is_file():
-        raise SourceNotFound(f"{path} not found")
+        raise SourceNotFound(f"{src.uri}: file not found")
     return path.open("rb"), path.stat().st_size
 
 
@@ -370,30 +370,36 @@ def verify_sha256(name: str, folder: Path | str, sha256: str) -> None:
 
     weights = Path(folder) / WEIGHTS_FILE
     if not weights.is_file():
-        raise AdapterError(name, f"{WEIGHTS_FILE} not found in {folder}")
+        raise AdapterError(name, f"{WEIGHTS_FILE} not found")
     digest = _sha256_file(weights)
     if digest != sha256.lower():
         raise AdapterError(name, f"{WEIGHTS_FILE} has sha256 {digest}, expected {sha256.lower()}")
 
 
 def fetch_adapter(uri: str, *, cache_dir: Path | str | None = None, sha256: str | None = None,
-                  timeout: float = 60.0, name: str | None = None) -> Path:
+                  timeout: float = 60.0, label: str | None = None) -> Path:
     """A local folder holding the adapter's adapter_config.json and adapter_model.safetensors.
 
     Local and pvc:// sources are used in place (their sha256 is checked when given); remote
     ones are downloaded once into `cache_dir` (default ``$LORAFLEET_CACHE/sources``).
-    Raises SourceError (or a subclass); `name` only makes messages clearer.
+    Local folders (and the files in them) must resolve under the source roots. Raises
+    SourceError (or a subclass); messages name the source as `label` (default: the URI) and
+    never show the local path it resolved to.
     """
     src = parse_source(uri)
-    label = f"adapter {name!r} ({uri})" if name else uri
+    label = label or uri
     if not src.remote:
-        path = src.local_path()
+        path = local_source_path(src, label)
         if not path.is_dir():
-            raise SourceNotFound(f"{label}: folder {path} does not exist")
+            raise SourceNotFound(f"{label}: folder does not exist")
+        policy = SourcePolicy.from_env()
+        for f in (CONFIG_FILE, WEIGHTS_FILE):
+            if (path / f).is_symlink():
+                policy.confine(path / f, f"{label}: {f}")
         if sha256:
             weights = path / WEIGHTS_FILE
             if not weights.is_file():
-                raise SourceNotFound(f"{label}: {weights} not found")
+                raise SourceNotFound(f"{label}: {WEIGHTS_FILE} not found")
             _check(f"{label} {WEIGHTS_FILE}", _sha256_file(weights), sha256)
         return path
     folder = _cache_folder(cache_dir, "adapters", src)
@@ -469,9 +475,9 @@ def fetch_model(uri: str, *, cache_dir: Path | str | None = None, timeout: float
     """
     src = parse_source(uri)
     if not src.remote:
-        path = src.local_path()
+        path = local_source_path(src, uri)
         if not path.exists():
-            raise SourceNotFound(f"model {path} does not exist")
+            raise SourceNotFound(f"model {uri} does not exist")
         return path
     single = _split_file(src)
     if single is not None:
@@ -506,9 +512,9 @@ def read_model_config(uri: str, *, timeout: float = 30.0) -> dict:
     if _split_file(src) is not None:
         raise SourceError(f"{uri}: a GGUF file carries no config.json")
     if not src.remote:
-        path = src.local_path() / MODEL_CONFIG
+        path = local_source_path(src, uri) / MODEL_CONFIG
         if not path.is_file():
-            raise SourceNotFound(f"{path} not found")
+            raise SourceNotFound(f"{uri}: {MODEL_CONFIG} not found")
         text = path.read_text()
     else:
         with tempfile.TemporaryDirectory(prefix="lorafleet-config-") as tmp:

@@ -1,0 +1,133 @@
+"""Optional API keys for the OpenAI endpoints (`--api-keys FILE`, env LORAFLEET_API_KEYS_FILE).
+
+File format, one key per line:
+
+    KEY                      # may use every model
+    KEY  pirate,shouty       # may use only these (the base model's name may be listed too)
+
+Blank lines and `#` comments are ignored (so a key cannot hold `#` or whitespace). Clients send `Authorization: Bearer KEY`. A
+missing or wrong key is a 401; a model the key may not use answers 404 exactly like a model
+that does not exist (its existence is not revealed), and `/v1/models` lists only what the
+key may use. The file is re-read when it changes (checked at most every `reload_s`); a file
+that became unreadable or malformed keeps the keys loaded before and logs the error. Keys are
+held only as sha256 digests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiohttp import web
+
+from lorafleet.scheduler.openai_api import ApiError
+
+log = logging.getLogger(__name__)
+
+
+class ApiKeyFileError(ValueError):
+    """The key file cannot be used; the message says which line and why (never the key)."""
+
+
+@dataclass(frozen=True)
+class Grant:
+    """What one key may use: `models` None means every model."""
+
+    models: frozenset[str] | None = None
+
+    def allows(self, model: str) -> bool:
+        return self.models is None or model in self.models
+
+
+ANYONE = Grant()  # no key file: no authentication
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+
+
+def parse_keys(text: str) -> dict[bytes, Grant]:
+    """sha256(key) -> Grant; ApiKeyFileError for a malformed line or a repeated key."""
+    keys: dict[bytes, Grant] = {}
+    for n, line in enumerate(text.splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        fields = line.split()
+        if len(fields) > 2:
+            raise ApiKeyFileError(f"line {n}: expected `KEY` or `KEY model,model,...` (no spaces in the list)")
+        digest = _digest(fields[0])
+        if digest in keys:
+            raise ApiKeyFileError(f"line {n}: this key appears twice")
+        models = None
+        if len(fields) == 2:
+            models = frozenset(m for m in fields[1].split(",") if m)
+            if not models:
+                raise ApiKeyFileError(f"line {n}: empty model list")
+        keys[digest] = Grant(models)
+    return keys
+
+
+class ApiKeys:
+    """The key file, loaded at start (errors are fatal) and reloaded when it changes."""
+
+    def __init__(self, path: Path | str, reload_s: float = 2.0):
+        self.path = Path(path)
+        self.reload_s = reload_s
+        self._stamp: tuple | None = None
+        self._checked = 0.0
+        self.keys: dict[bytes, Grant] = {}
+        self._load(fatal=True)
+
+    def _file_stamp(self) -> tuple:
+        st = os.stat(self.path)
+        return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+    def _load(self, fatal: bool) -> None:
+        try:
+            stamp = self._file_stamp()
+            keys = parse_keys(self.path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ApiKeyFileError) as exc:
+            msg = f"API key file {self.path}: {exc}"
+            if fatal:
+                raise ApiKeyFileError(msg) from None
+            log.error("%s; keeping the %d key(s) loaded before", msg, len(self.keys))
+            self._stamp = None
+            return
+        if not keys:
+            log.warning("API key file %s holds no key: every request to /v1 is refused", self.path)
+        log.info("API key file %s %s: %d key(s)", self.path, "loaded" if fatal else "reloaded", len(keys))
+        self.keys, self._stamp = keys, stamp
+
+    def maybe_reload(self) -> None:
+        now = time.monotonic()
+        if now - self._checked < self.reload_s:
+            return
+        self._checked = now
+        try:
+            stamp = self._file_stamp()
+        except OSError as exc:
+            log.error("API key file %s: %s; keeping the %d key(s) loaded before", self.path, exc, len(self.keys))
+            return
+        if stamp != self._stamp:
+            self._load(fatal=False)
+
+    def authenticate(self, request: web.Request) -> Grant:
+        """The caller's Grant; ApiError 401 for a missing or wrong key."""
+        self.maybe_reload()
+        header = request.headers.get("Authorization", "")
+        scheme, _, token = header.partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
+            raise ApiError(401, "You didn't provide an API key. Send it as `Authorization: Bearer KEY`.",
+                           type_="invalid_request_error", code="missing_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+        grant = self.keys.get(_digest(token))
+        if grant is None:
+            raise ApiError(401, "Incorrect API key provided.", type_="invalid_request_error",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        return grant

@@ -1,0 +1,78 @@
+"""Every answer of the scheduler is JSON with OpenAI's error shape, and every answer is counted.
+
+The middleware turns aiohttp's own errors (unknown route 404, wrong method 405 with `Allow`,
+body too large 413) into `{"error": {"message", "type", "param", "code"}}`, answers an
+exception that escaped a handler with a JSON 500 (logged with its traceback, counted in
+`lorafleet_unhandled_errors_total`), and counts each response in
+`lorafleet_http_requests_total{route, code}` (route: the matched route's pattern, so unknown
+paths cannot blow up the label set). A handler whose client went away raises `ClientGone`:
+counted with nginx's 499, nothing is sent.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from aiohttp import web
+
+from lorafleet.scheduler.openai_api import ApiError
+
+log = logging.getLogger(__name__)
+
+CLIENT_CLOSED = 499
+
+
+class ClientGone(Exception):
+    """The client disconnected; `response` is the stream already started, if any."""
+
+    def __init__(self, response: web.StreamResponse | None = None):
+        super().__init__("client went away")
+        self.response = response
+
+
+def error_response(err: ApiError) -> web.Response:
+    return web.json_response(err.body(), status=err.status, headers=err.headers)
+
+
+def _from_http_exception(exc: web.HTTPException, request: web.Request, max_body: int) -> web.Response:
+    status = exc.status
+    if status == 404:
+        err = ApiError(404, f"no route {request.method} {request.path}", code="not_found")
+    elif status == 405:
+        allow = exc.headers.get("Allow", "")
+        err = ApiError(405, f"{request.method} is not allowed on {request.path} (allowed: {allow})",
+                       code="method_not_allowed", headers={"Allow": allow})
+    elif status == 413:
+        err = ApiError(413, f"request body exceeds {max_body} bytes", code="body_too_large")
+    else:
+        err = ApiError(status, exc.reason or "request refused", code=None)
+    return error_response(err)
+
+
+def route_label(request: web.Request) -> str:
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else "unmatched"
+
+
+def errors_middleware(metrics, max_body: int):
+    @web.middleware
+    async def middleware(request: web.Request, handler) -> web.StreamResponse:
+        try:
+            resp = await handler(request)
+        except ApiError as err:
+            resp = error_response(err)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            resp = _from_http_exception(exc, request, max_body)
+        except ClientGone as gone:
+            metrics.http_requests.labels(route=route_label(request), code=str(CLIENT_CLOSED)).inc()
+            return gone.response if gone.response is not None else web.Response(status=CLIENT_CLOSED)
+        except Exception:
+            log.exception("unhandled error in %s %s", request.method, request.path)
+            metrics.unhandled_errors.inc()
+            resp = error_response(ApiError(500, "internal error (logged on the server)", code="internal_error"))
+        metrics.http_requests.labels(route=route_label(request), code=str(resp.status)).inc()
+        return resp
+
+    return middleware

@@ -1,0 +1,207 @@
+"""The OpenAPI 3.1 document of the scheduler's HTTP API, served at `/openapi.json`.
+
+Built from the same constants the request parser uses (openai_api.py, limits.py), so the
+bounds it states are the ones enforced; tests validate real answers against it and a
+schema-driven fuzzer (schemathesis) checks that no input makes the scheduler answer 5xx.
+`model` is any string; the names this scheduler serves are listed as an `enum` branch and as
+examples (an unknown name is a 404).
+"""
+
+from __future__ import annotations
+
+from lorafleet import __version__
+from lorafleet.scheduler.limits import RequestLimits
+from lorafleet.scheduler.openai_api import MAX_N, MAX_PROMPTS, MAX_STOP, ROLES
+
+JSON = "application/json"
+
+
+def _ref(name: str) -> dict:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _json(schema: dict, description: str) -> dict:
+    return {"description": description, "content": {JSON: {"schema": schema}}}
+
+
+def _errors(*codes: int) -> dict:
+    words = {400: "invalid request (the message names the field)", 401: "missing or wrong API key",
+             403: "admin API disabled", 404: "unknown model or route", 413: "request body too large",
+             429: "queue full (see Retry-After)", 500: "generation failed on a runner",
+             503: "no runner available or shutting down (see Retry-After)"}
+    return {str(c): _json(_ref("Error"), words[c]) for c in codes}
+
+
+NULLABLE_STR = {"type": ["string", "null"]}
+
+
+def _schemas(limits: RequestLimits, names: list[str], vocab_size: int) -> dict:
+    cap = limits.completion_cap
+    token_ids = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": vocab_size - 1},
+                 "minItems": 1, "maxItems": limits.max_model_len - 1}
+    model = {"anyOf": [{"enum": names}, {"type": "string", "minLength": 1}], "examples": names,
+             "description": "the base model or an adapter (GET /v1/models lists them)"}
+    sampling = {
+        "model": model,
+        "max_tokens": {"type": ["integer", "null"], "minimum": 1, "maximum": cap},
+        "temperature": {"type": ["number", "null"], "minimum": 0, "maximum": 2},
+        "top_p": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1},
+        "top_k": {"type": ["integer", "null"], "minimum": -1, "maximum": 1 << 30},
+        "n": {"type": ["integer", "null"], "minimum": 1, "maximum": min(MAX_N, limits.max_sequences),
+              "description": f"prompts x n may not exceed {limits.max_sequences} per request"},
+        "seed": {"type": ["integer", "null"], "minimum": -(2**63), "maximum": 2**63 - 1},
+        "stop": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string", "minLength": 1},
+                                                 "maxItems": MAX_STOP}, {"type": "null"}]},
+        "stop_token_ids": {"type": ["array", "null"], "items": {"type": "integer", "minimum": 0}},
+        "ignore_eos": {"type": ["boolean", "null"]},
+        "stream": {"type": ["boolean", "null"]},
+        "stream_options": {"type": ["object", "null"], "properties": {"include_usage": {"type": "boolean"}},
+                           "description": "only with stream: true"},
+        "presence_penalty": {"type": ["number", "null"], "enum": [0, None], "description": "only 0 is supported"},
+        "frequency_penalty": {"type": ["number", "null"], "enum": [0, None], "description": "only 0 is supported"},
+        "user": {"type": "string"},
+    }
+    stream_rule = {  # stream_options only together with stream: true
+        "if": {"required": ["stream_options"], "properties": {"stream_options": {"type": "object"}}},
+        "then": {"required": ["stream"], "properties": {"stream": {"const": True}}}}
+    usage = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+             "properties": {k: {"type": "integer", "minimum": 0}
+                            for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
+    finish = {"enum": ["stop", "length"]}
+    return {
+        "Error": {"type": "object", "required": ["error"], "properties": {"error": {
+            "type": "object", "required": ["message", "type", "param", "code"],
+            "properties": {"message": {"type": "string"}, "type": {"type": "string"}, "param": NULLABLE_STR,
+                           "code": NULLABLE_STR}}}},
+        "CompletionRequest": {
+            "type": "object", "required": ["model", "prompt"], **stream_rule,
+            "properties": {**sampling, "prompt": {"anyOf": [
+                {"type": "string", "minLength": 1},
+                {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": MAX_PROMPTS},
+                token_ids,
+                {"type": "array", "items": token_ids, "minItems": 1, "maxItems": MAX_PROMPTS}]}}},
+        "ChatCompletionRequest": {
+            "type": "object", "required": ["model", "messages"], **stream_rule,
+            "properties": {**sampling, "max_completion_tokens": sampling["max_tokens"], "messages": {
+                "type": "array", "minItems": 1, "items": {
+                    "type": "object", "required": ["role", "content"],
+                    "properties": {"role": {"enum": list(ROLES)}, "content": {"anyOf": [
+                        {"type": "string"},
+                        {"type": "array", "items": {"type": "object", "required": ["type", "text"], "properties": {
+                            "type": {"const": "text"}, "text": {"type": "string"}}}}]}}}}}},
+        "Completion": {
+            "type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
+            "properties": {"id": {"type": "string"}, "object": {"const": "text_completion"},
+                           "created": {"type": "integer"}, "model": {"type": "string"}, "usage": usage,
+                           "choices": {"type": "array", "items": {
+                               "type": "object", "required": ["index", "text", "logprobs", "finish_reason"],
+                               "properties": {"index": {"type": "integer"}, "text": {"type": "string"},
+                                              "logprobs": {"type": "null"}, "finish_reason": finish}}}}},
+        "ChatCompletion": {
+            "type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
+            "properties": {"id": {"type": "string"}, "object": {"const": "chat.completion"},
+                           "created": {"type": "integer"}, "model": {"type": "string"}, "usage": usage,
+                           "choices": {"type": "array", "items": {
+                               "type": "object", "required": ["index", "message", "logprobs", "finish_reason"],
+                               "properties": {
+                                   "index": {"type": "integer"}, "logprobs": {"type": "null"}, "finish_reason": finish,
+                                   "message": {"type": "object", "required": ["role", "content"], "properties": {
+                                       "role": {"const": "assistant"}, "content": {"type": "string"}}}}}}}},
+        "CompletionChunk": {
+            "type": "object", "required": ["id", "object", "created", "model", "choices"],
+            "properties": {"id": {"type": "string"}, "object": {"const": "text_completion"},
+                           "created": {"type": "integer"}, "model": {"type": "string"}, "usage": usage,
+                           "choices": {"type": "array", "items": {
+                               "type": "object", "required": ["index", "text", "finish_reason"],
+                               "properties": {"index": {"type": "integer"}, "text": {"type": "string"},
+                                              "logprobs": {"type": "null"},
+                                              "finish_reason": {"enum": ["stop", "length", None]}}}}}},
+        "ChatCompletionChunk": {
+            "type": "object", "required": ["id", "object", "created", "model", "choices"],
+            "properties": {"id": {"type": "string"}, "object": {"const": "chat.completion.chunk"},
+                           "created": {"type": "integer"}, "model": {"type": "string"}, "usage": usage,
+                           "choices": {"type": "array", "items": {
+                               "type": "object", "required": ["index", "delta", "finish_reason"],
+                               "properties": {
+                                   "index": {"type": "integer"}, "logprobs": {"type": "null"},
+                                   "finish_reason": {"enum": ["stop", "length", None]},
+                                   "delta": {"type": "object", "properties": {
+                                       "role": {"const": "assistant"}, "content": {"type": "string"}}}}}}}},
+        "StreamEvent": {
+            "description": "one server-sent event: `data:` holds a chunk, an error (a sequence failed after the "
+                           "stream began) or the final `[DONE]`",
+            "type": "object", "required": ["data"],
+            "properties": {"data": {"anyOf": [
+                {"const": "[DONE]"},
+                {"type": "string", "contentMediaType": JSON, "contentSchema": {
+                    "anyOf": [_ref("CompletionChunk"), _ref("ChatCompletionChunk"), _ref("Error")]}}]}}},
+        "Model": {
+            "type": "object", "required": ["id", "object", "created", "owned_by", "status"],
+            "properties": {"id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
+                           "owned_by": {"type": "string"}, "root": {"type": "string"}, "parent": NULLABLE_STR,
+                           "status": {"enum": ["available", "unavailable"]},
+                           "reason": {"type": "string", "description": "why an adapter is unavailable"}}},
+        "ModelList": {"type": "object", "required": ["object", "data"],
+                      "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": _ref("Model")}}},
+        "AdminState": {"type": "object", "required": ["runners", "queue_length"],
+                       "properties": {"queue_length": {"type": "integer"},
+                                      "runners": {"type": "array", "items": {"type": "object"}}}},
+    }
+
+
+def _generate_op(summary: str, request: str, response: str) -> dict:
+    return {
+        "summary": summary,
+        "requestBody": {"required": True, "content": {JSON: {"schema": _ref(request)}}},
+        "responses": {"200": {"description": "the completion (JSON), or server-sent events with stream: true",
+                              "content": {JSON: {"schema": _ref(response)},
+                                          "text/event-stream": {"schema": _ref("StreamEvent")}}},
+                      **_errors(400, 401, 404, 413, 429, 500, 503)},
+    }
+
+
+def document(model_name: str, limits: RequestLimits, adapters: list[str] = (), auth: bool = False,
+             vocab_size: int = 2**31) -> dict:
+    """The OpenAPI document; `auth`: the /v1 endpoints require an API key."""
+    names = [model_name, *adapters]
+    v1_security = [{"apiKey": []}] if auth else []
+    admin = [{"adminToken": []}]
+    ops = {
+        "/v1/completions": {"post": _generate_op("text completion", "CompletionRequest", "Completion")},
+        "/v1/chat/completions": {"post": _generate_op("chat completion", "ChatCompletionRequest", "ChatCompletion")},
+        "/v1/models": {"get": {"summary": "the base model and the adapters this key may use",
+                               "responses": {"200": _json(_ref("ModelList"), "models"), **_errors(401)}}},
+        "/v1/models/{model_id}": {"get": {
+            "summary": "one model", "parameters": [{"name": "model_id", "in": "path", "required": True,
+                                                    "schema": {"type": "string", "minLength": 1}}],
+            "responses": {"200": _json(_ref("Model"), "the model"), **_errors(401, 404)}}},
+    }
+    for path_ops in ops.values():
+        for op in path_ops.values():
+            op["security"] = v1_security
+    plain = {
+        "/openapi.json": {"get": {"summary": "this document", "security": [],
+                                  "responses": {"200": _json({"type": "object"}, "OpenAPI 3.1")}}},
+        "/healthz": {"get": {"summary": "liveness", "security": [], "responses": {
+            "200": _json({"type": "object", "required": ["ok"], "properties": {"ok": {"const": True}}}, "alive")}}},
+        "/readyz": {"get": {"summary": "readiness: at least one healthy runner", "security": [], "responses": {
+            code: _json({"type": "object", "required": ["ready"], "properties": {"ready": {"type": "boolean"}}},
+                        what) for code, what in (("200", "ready"), ("503", "not ready"))}}},
+        "/metrics": {"get": {"summary": "Prometheus metrics", "security": [], "responses": {
+            "200": {"description": "text exposition format", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+        "/admin/state": {"get": {"summary": "cluster view for the operator", "security": admin, "responses": {
+            "200": _json(_ref("AdminState"), "runners and queue"), **_errors(401, 403)}}},
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "lorafleet scheduler", "version": __version__,
+                 "description": "OpenAI-compatible API over a pool of LoRA runners. Errors have OpenAI's shape "
+                                "{\"error\": {\"message\", \"type\", \"param\", \"code\"}}."},
+        "paths": {**ops, **plain},
+        "components": {
+            "schemas": _schemas(limits, names, vocab_size),
+            "securitySchemes": {"apiKey": {"type": "http", "scheme": "bearer", "description": "--api-keys"},
+                                "adminToken": {"type": "http", "scheme": "bearer",
+                                               "description": "LORAFLEET_ADMIN_TOKEN"}},
+        },
+    }

@@ -1,0 +1,146 @@
+"""API keys on the OpenAI endpoints (limited keys, reload) and refused adapters (4xx, logged once,
+unavailable in /v1/models)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+
+from api_helpers import start, stop
+from fake_runner import FakeRunner
+from lorafleet.scheduler.api_keys import ApiKeyFileError, ApiKeys, parse_keys
+from lorafleet.scheduler.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def tok(demo_model):
+    return Tokenizer(demo_model)
+
+
+def bearer(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def test_key_file_format():
+    keys = parse_keys("# team keys\n\nall-key\nsome-key  pirate,base  # limited\n")
+    assert len(keys) == 2
+    grants = sorted((g.models is None, sorted(g.models or [])) for g in keys.values())
+    assert grants == [(False, ["base", "pirate"]), (True, [])]
+    for text, words in [("k a b", "line 1"), ("k\nk", "line 2: this key appears twice"), ("k ,", "empty model list")]:
+        with pytest.raises(ApiKeyFileError, match=words):
+            parse_keys(text)
+    with pytest.raises(ApiKeyFileError) as err:
+        parse_keys("secret-key-123 a b")
+    assert "secret-key-123" not in str(err.value)
+
+
+async def test_keys_guard_v1_and_limit_models(tok, tmp_path):
+    path = tmp_path / "keys"
+    path.write_text("all-key\npirate-key pirate\n")
+    keys = ApiKeys(path, reload_s=0.0)
+    fr = FakeRunner()
+    client, _, servers = await start(tok, [fr], api_keys=keys)
+    try:
+        body = {"model": "pirate", "prompt": "hi", "max_tokens": 2}
+        r = await client.post("/v1/completions", json=body)
+        err = (await r.json())["error"]
+        assert r.status == 401 and err["code"] == "missing_api_key" and r.headers["WWW-Authenticate"] == "Bearer"
+        r = await client.post("/v1/completions", json=body, headers=bearer("wrong"))
+        assert r.status == 401 and (await r.json())["error"]["code"] == "invalid_api_key"
+        assert (await client.get("/v1/models")).status == 401
+        assert (await client.post("/v1/completions", json=body, headers=bearer("pirate-key"))).status == 200
+        # a model the key may not use looks exactly like one that does not exist
+        for model in ("shouty", "base", "nope"):
+            r = await client.post("/v1/completions", json={**body, "model": model}, headers=bearer("pirate-key"))
+            got = await r.json()
+            assert r.status == 404 and got["error"]["code"] == "model_not_found", got
+            assert "does not exist or you do not have access" in got["error"]["message"]
+        r = await client.get("/v1/models/shouty", headers=bearer("pirate-key"))
+        assert r.status == 404
+        ids = [m["id"] for m in (await (await client.get("/v1/models", headers=bearer("pirate-key"))).json())["data"]]
+        assert ids == ["pirate"]
+        ids = [m["id"] for m in (await (await client.get("/v1/models", headers=bearer("all-key"))).json())["data"]]
+        assert ids == ["base", "pirate", "shouty"]
+        # health, metrics and the API description need no key; the description does not list adapters
+        for route in ("/healthz", "/readyz", "/metrics", "/openapi.json"):
+            assert (await client.get(route)).status == 200, route
+        doc = await (await client.get("/openapi.json")).json()
+        assert "pirate" not in str(doc)
+
+        # The file changes: new keys apply, removed ones stop working.
+        path.write_text("new-key base\n")
+        os.utime(path, ns=(1, 1))  # a different mtime even within one clock tick
+        assert (await client.get("/v1/models", headers=bearer("all-key"))).status == 401
+        ids = [m["id"] for m in (await (await client.get("/v1/models", headers=bearer("new-key"))).json())["data"]]
+        assert ids == ["base"]
+        # A broken file keeps the keys loaded before.
+        path.write_text("a b c\n")
+        os.utime(path, ns=(2, 2))
+        assert (await client.get("/v1/models", headers=bearer("new-key"))).status == 200
+        path.unlink()
+        assert (await client.get("/v1/models", headers=bearer("new-key"))).status == 200
+    finally:
+        await stop(client, servers)
+
+
+def test_bad_key_file_stops_the_scheduler_with_a_clear_message(tmp_path, demo_model):
+    import subprocess
+    import sys
+
+    (tmp_path / "keys").write_text("k1 a b\n")
+    r = subprocess.run([sys.executable, "-m", "lorafleet", "scheduler", "--model", str(demo_model), "--port", "0",
+                        "--api-keys", str(tmp_path / "keys")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "line 1" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    r = subprocess.run([sys.executable, "-m", "lorafleet", "scheduler", "--model", str(demo_model), "--port", "0"],
+                       capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "LORAFLEET_API_KEYS_FILE": str(tmp_path / "missing")})
+    assert r.returncode == 2 and "missing" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+REASON = "DoRA adapters (use_dora=true) are not supported"
+
+
+async def test_refused_adapter_is_a_400_logged_once_and_listed_unavailable(tok, caplog):
+    fr = FakeRunner(refuse={"pirate": REASON})
+    client, service, servers = await start(tok, [fr])
+    caplog.set_level(logging.WARNING, logger="lorafleet.scheduler.availability")
+    try:
+        for stream in (False, True):
+            r = await client.post("/v1/completions", json={"model": "pirate", "prompt": "hi", "stream": stream})
+            got = await r.json()  # JSON even when streaming was asked for: nothing was sent before the refusal
+            assert r.status == 400 and got["error"]["code"] == "adapter_unavailable" and got["error"]["param"] == "model"
+            assert got["error"]["message"] == f"adapter 'pirate' cannot be served: {REASON}"
+        seen = len(fr.seen)
+        assert seen == 1  # the second request was refused without asking a runner again
+        models = {m["id"]: m for m in (await (await client.get("/v1/models")).json())["data"]}
+        assert models["pirate"]["status"] == "unavailable" and REASON in models["pirate"]["reason"]
+        assert models["shouty"]["status"] == "available" and models["base"]["status"] == "available"
+        assert (await (await client.get("/v1/models/pirate")).json())["status"] == "unavailable"
+        refusals = [rec for rec in caplog.records if "pirate" in rec.getMessage()]
+        assert len(refusals) == 1, [rec.getMessage() for rec in refusals]
+        # other models are not disturbed
+        assert (await client.post("/v1/completions", json={"model": "shouty", "prompt": "hi"})).status == 200
+        # after the retry window a request goes to a runner again; once it succeeds the mark is gone
+        service.availability.retry_s = 0.0
+        fr.refuse.clear()
+        r = await client.post("/v1/completions", json={"model": "pirate", "prompt": "hi", "max_tokens": 2})
+        assert r.status == 200 and len(fr.seen) == seen + 2
+        models = {m["id"]: m for m in (await (await client.get("/v1/models")).json())["data"]}
+        assert models["pirate"]["status"] == "available" and "reason" not in models["pirate"]
+    finally:
+        await stop(client, servers)
+
+
+async def test_runner_errors_reach_clients_without_server_paths(tok):
+    fr = FakeRunner(refuse={"shouty": "cannot read adapter_model.safetensors: /srv/secret/adapters/x/file: bad"})
+    client, _, servers = await start(tok, [fr])
+    try:
+        r = await client.post("/v1/completions", json={"model": "shouty", "prompt": "hi"})
+        msg = (await r.json())["error"]["message"]
+        assert r.status == 400 and "/srv/secret" not in msg and "<path>" in msg, msg
+    finally:
+        await stop(client, servers)

@@ -1,0 +1,61 @@
+"""Real answers of the scheduler match the schemas /openapi.json names (the schemathesis module
+fuzzes the same document; this checks the main shapes directly, errors of unrouted paths too)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from jsonschema import Draft202012Validator
+from referencing import Registry, Resource
+
+from api_helpers import start, stop
+from fake_runner import FakeRunner
+from lorafleet.scheduler.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(scope="module")
+def tok(demo_model):
+    return Tokenizer(demo_model)
+
+
+def validator(doc: dict, name: str) -> Draft202012Validator:
+    registry = Registry().with_resource("root", Resource.opaque(doc))
+    return Draft202012Validator({"$ref": f"root#/components/schemas/{name}"}, registry=registry)
+
+
+async def test_real_answers_match_the_document(tok):
+    fr = FakeRunner()
+    client, service, servers = await start(tok, [fr])
+    try:
+        doc = await (await client.get("/openapi.json")).json()
+        assert doc["openapi"].startswith("3.1") and set(doc["paths"]) >= {
+            "/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model_id}", "/openapi.json"}
+        props = doc["components"]["schemas"]["CompletionRequest"]["properties"]
+        assert props["max_tokens"]["maximum"] == service.limits.completion_cap
+        assert props["model"]["examples"] == ["base", "pirate", "shouty"]
+
+        def check(name, body):
+            errors = sorted(validator(doc, name).iter_errors(body), key=str)
+            assert not errors, (name, [e.message for e in errors], body)
+
+        check("Completion", await (await client.post("/v1/completions", json={
+            "model": "pirate", "prompt": ["a", "b"], "max_tokens": 3})).json())
+        check("ChatCompletion", await (await client.post("/v1/chat/completions", json={
+            "model": "base", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "n": 2})).json())
+        check("ModelList", await (await client.get("/v1/models")).json())
+        check("Model", await (await client.get("/v1/models/shouty")).json())
+        for resp in (await client.get("/v1/models/nope"), await client.post("/v1/completions", json={"model": 1}),
+                     await client.get("/v1/nowhere"), await client.put("/v1/models")):
+            check("Error", await resp.json())
+        text = await (await client.post("/v1/chat/completions", json={
+            "model": "base", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True,
+            "stream_options": {"include_usage": True}})).text()
+        events = [e[6:] for e in text.split("\n\n") if e.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        for e in events[:-1]:
+            check("ChatCompletionChunk", json.loads(e))
+    finally:
+        await stop(client, servers)

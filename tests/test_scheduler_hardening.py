@@ -1,0 +1,192 @@
+"""Hostile and unlucky input to the scheduler: always a JSON 4xx naming the problem, never a
+5xx or a stalled event loop; budgets; OpenAI routes and conventions; metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+
+from api_helpers import start, stop
+from fake_runner import FakeRunner
+from lorafleet.scheduler.limits import RequestLimits
+from lorafleet.scheduler.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def tok(demo_model):
+    return Tokenizer(demo_model)
+
+
+@pytest.fixture
+async def api(tok):
+    fr = FakeRunner()
+    client, service, servers = await start(tok, [fr])
+    yield client, service, fr
+    await stop(client, servers)
+
+
+def raw(obj) -> bytes:
+    return json.dumps(obj).encode()  # keeps lone surrogates as \ud800 escapes, as a hostile client sends them
+
+
+async def post(client, path, data: bytes):
+    r = await client.post(path, data=data, headers={"Content-Type": "application/json"})
+    return r.status, await r.json()
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"model": "base", "prompt": "a\ud800b"}, "prompt"),
+    ("/v1/completions", {"model": "base", "prompt": ["ok", "\udfff"]}, "prompt[1]"),
+    ("/v1/completions", {"model": "base", "prompt": "x", "stop": ["\ud83d"]}, "stop[0]"),
+    ("/v1/completions", {"model": "ba\udc00se", "prompt": "x"}, "model"),
+    ("/v1/chat/completions", {"model": "base", "messages": [{"role": "user", "content": "hi \ud800"}]},
+     "messages[0].content"),
+    ("/v1/chat/completions", {"model": "base", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "\ud800"}]}]}, "messages[0].content[0].text"),
+])
+async def test_lone_surrogates_are_a_400_naming_the_field(api, path, body, param):
+    client, _, fr = api
+    status, got = await post(client, path, raw(body))
+    assert status == 400 and got["error"]["param"] == param and got["error"]["code"] == "invalid_unicode", got
+    assert not fr.seen
+
+
+async def test_deeply_nested_and_odd_json_are_400(api):
+    client, service, _ = api
+    deep = b'{"model": "base", "prompt": "x", "extra": ' + b"[" * 1000 + b"]" * 1000 + b"}"
+    deeper = b"[" * 100_000 + b"]" * 100_000
+    for data in (deep, deeper, b'{"a": ' * 5000 + b"1" + b"}" * 5000):
+        status, got = await post(client, "/v1/completions", data)
+        assert status == 400 and "nested deeper" in got["error"]["message"], got
+    odd = [
+        {"model": "base", "prompt": "x", "n": 1.5}, {"model": "base", "prompt": "x", "stop": [1]},
+        {"model": "base", "prompt": [[1, 2], "x"]}, {"model": "base", "prompt": [True]},
+        {"model": "base", "prompt": "x", "stream_options": {"include_usage": 1}, "stream": True},
+        {"model": "base", "prompt": "x", "top_k": "3"}, {"model": "base", "prompt": "x", "seed": 1.5},
+        {"model": ["base"], "prompt": "x"}, {"model": "base", "prompt": {"text": "x"}},
+        {"model": "base", "messages": [{"role": "user", "content": None}]},
+        {"model": "base", "prompt": "x", "max_tokens": 1e400},
+    ]
+    for body in odd:
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        status, got = await post(client, path, json.dumps(body).encode() if body.get("max_tokens") != 1e400 else
+                                 b'{"model": "base", "prompt": "x", "max_tokens": 1e400}')
+        assert status == 400 and got["error"]["type"] == "invalid_request_error", (body, got)
+    big_int = b'{"model": "base", "prompt": "x", "seed": 1' + b"0" * 5000 + b"}"
+    status, _ = await post(client, "/v1/completions", big_int)
+    assert status == 400
+    assert service.metrics.unhandled_errors._value.get() == 0
+
+
+async def test_huge_prompt_is_refused_at_once_and_heavy_tokenizing_does_not_block(tok):
+    fr = FakeRunner()
+    client, service, servers = await start(tok, [fr], max_model_len=8192)
+    try:
+        t0 = time.monotonic()
+        status, got = await post(client, "/v1/completions", raw({"model": "base", "prompt": "y" * 7_800_000}))
+        assert status == 400 and got["error"]["code"] == "context_length_exceeded", got
+        assert time.monotonic() - t0 < 2.0
+        # Under the character bound: really tokenized (in the pool), then refused as too long.
+        heavy = "hello world, this is a test. " * 40_000  # 1.16M characters, ~280k tokens
+        assert len(heavy) < service.prompts.max_chars
+        worst = 0.0
+
+        async def probe():
+            nonlocal worst
+            while True:
+                t = time.monotonic()
+                assert (await client.get("/healthz")).status == 200
+                worst = max(worst, time.monotonic() - t)
+                await asyncio.sleep(0.01)
+
+        prober = asyncio.create_task(probe())
+        await asyncio.sleep(0.05)
+        t0 = time.monotonic()
+        status, got = await post(client, "/v1/completions", raw({"model": "base", "prompt": heavy}))
+        took = time.monotonic() - t0
+        prober.cancel()
+        assert status == 400 and "the prompt has" in got["error"]["message"], got  # counted tokens, so tokenized
+        assert took > 0.3 and worst < max(0.25, took / 3), (took, worst)
+    finally:
+        await stop(client, servers)
+
+
+async def test_budgets(tok):
+    fr = FakeRunner(max_batch_size=64)
+    limits = RequestLimits(max_model_len=256, max_sequences=8, max_prompt_tokens=300, max_completion_tokens=20)
+    client, service, servers = await start(tok, [fr], limits=limits)
+    try:
+        status, got = await post(client, "/v1/completions", raw({"model": "base", "prompt": ["a", "b", "c"], "n": 3}))
+        assert status == 400 and got["error"]["code"] == "too_many_sequences" and got["error"]["param"] == "n"
+        assert "9 sequences" in got["error"]["message"] and "at most 8" in got["error"]["message"]
+        status, got = await post(client, "/v1/completions", raw({"model": "base", "prompt": ["x"] * 9}))
+        assert status == 400 and got["error"]["param"] == "prompt"
+        ids = list(range(100, 200))  # 100 tokens x 4 sequences > 300
+        status, got = await post(client, "/v1/completions", raw({"model": "base", "prompt": ids, "n": 4}))
+        assert status == 400 and got["error"]["code"] == "too_many_prompt_tokens", got
+        status, got = await post(client, "/v1/completions", raw({"model": "base", "prompt": "x", "max_tokens": 21}))
+        assert status == 400 and got["error"]["param"] == "max_tokens" and "20" in got["error"]["message"]
+        r = await client.post("/v1/chat/completions", json={"model": "base", "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status == 200 and fr.seen[-1]["sampling"]["max_tokens"] == 20  # default capped
+        assert not [s for s in fr.seen if len(s["prompt_token_ids"]) == 100]
+    finally:
+        await stop(client, servers)
+
+
+async def test_context_length_exceeded_is_openai_400(api):
+    client, _, fr = api
+    status, got = await post(client, "/v1/completions", raw({"model": "base", "prompt": list(range(5, 300))}))
+    assert status == 400 and got["error"]["code"] == "context_length_exceeded" and got["error"]["param"] == "prompt"
+    status, got = await post(client, "/v1/completions", raw({"model": "base", "prompt": list(range(5, 205)),
+                                                             "max_tokens": 100}))
+    assert status == 400 and got["error"]["code"] == "context_length_exceeded"
+    assert got["error"]["param"] == "max_tokens" and "300 tokens (200 in the prompt" in got["error"]["message"]
+    assert not fr.seen
+
+
+async def test_models_by_id_unknown_routes_and_methods(api):
+    client, _, _ = api
+    r = await client.get("/v1/models/pirate")
+    card = await r.json()
+    assert r.status == 200 and card["id"] == "pirate" and card["object"] == "model" and card["parent"] == "base"
+    assert (await (await client.get("/v1/models/base")).json())["parent"] is None
+    r = await client.get("/v1/models/nope")
+    assert r.status == 404 and (await r.json())["error"]["code"] == "model_not_found"
+    r = await client.get("/v1/nothing/here")
+    assert r.status == 404 and r.content_type == "application/json" and (await r.json())["error"]["message"]
+    r = await client.get("/v1/completions")
+    assert r.status == 405 and "POST" in r.headers["Allow"] and (await r.json())["error"]["code"] == "method_not_allowed"
+    r = await client.delete("/v1/models")
+    assert r.status == 405 and r.content_type == "application/json"
+    r = await client.post("/v1/completions", data=b"x" * (9 << 20), headers={"Content-Type": "application/json"})
+    assert r.status == 413 and (await r.json())["error"]["code"] == "body_too_large"
+
+
+async def test_metrics_split_http_codes_from_finish_reasons_and_count_crashes(api):
+    client, service, _ = api
+    assert (await client.post("/v1/completions", json={"model": "base", "prompt": "hi", "max_tokens": 2})).status == 200
+    assert (await client.post("/v1/completions", json={"model": "nope", "prompt": "hi"})).status == 404
+    await client.get("/no/such/route")
+
+    async def boom(request):
+        raise RuntimeError("bug")
+
+    for route in client.app.router.routes():  # a handler with a bug
+        if route.resource is not None and route.resource.canonical == "/readyz":
+            route._handler = boom
+    r = await client.get("/readyz")
+    body = await r.json()
+    assert r.status == 500 and body["error"]["code"] == "internal_error" and "bug" not in body["error"]["message"]
+    text = await (await client.get("/metrics")).text()
+    assert 'lorafleet_http_requests_total{code="200",route="/v1/completions"} 1.0' in text
+    assert 'lorafleet_http_requests_total{code="404",route="/v1/completions"} 1.0' in text
+    assert 'lorafleet_http_requests_total{code="404",route="unmatched"} 1.0' in text
+    assert 'lorafleet_http_requests_total{code="500",route="/readyz"} 1.0' in text
+    assert 'lorafleet_sequences_finished_total{finish_reason="length"} 1.0' in text
+    assert "lorafleet_unhandled_errors_total 1.0" in text
+    assert "lorafleet_requests_total" not in text

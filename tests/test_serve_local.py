@@ -1,0 +1,121 @@
+"""`lorafleet serve` on this machine: a dead runner is restarted with backoff, a busy port is refused
+before anything loads, and the banner's shell examples are safe to paste whatever the adapter names."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from lorafleet.runner_procs import BACKOFF_S, RunnerProcess, Supervisor
+from lorafleet.serve import banner
+from serve_helpers import Served
+
+pytestmark = pytest.mark.timeout(300)
+
+NASTY = ["x'; touch pwned1; echo '", "$(touch pwned2)", "`touch pwned3`", 'a"b\\c', "new\nline"]
+
+
+@pytest.mark.parametrize("name", NASTY)
+def test_banner_examples_paste_safely(name, tmp_path):
+    text = banner("http://127.0.0.1:8000", "base", [name])
+    lines = text.splitlines()
+    curl = " ".join(ln.strip().rstrip("\\") for ln in lines if ln.strip().startswith(("curl", "-d")))
+    python = next(ln.strip() for ln in lines if ln.strip().startswith("python -c"))
+    # What a shell would pass: run both lines with the program replaced by printf in an empty folder.
+    for line, program in ((curl, "curl"), (python, "python -c")):
+        out = subprocess.run(["bash", "-c", "printf '%s\\n' " + line[len(program):]], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=10)
+        assert out.returncode == 0, out.stderr
+        assert not list(tmp_path.iterdir()), "the example ran a command"
+        args = shlex.split(line)
+        if program == "curl":
+            assert json.loads(args[args.index("-d") + 1])["model"] == name
+        else:
+            import ast
+
+            call = [n for n in ast.walk(ast.parse(args[2])) if isinstance(n, ast.keyword) and n.arg == "model"]
+            assert ast.literal_eval(call[0].value) == name
+    assert "\n" not in text.splitlines()[1].split("(models: ")[1]  # names are printed on one line
+
+
+def test_supervisor_restarts_with_growing_backoff(tmp_path):
+    r = RunnerProcess("runner-0", "http://127.0.0.1:1", [sys.executable, "-c", "import sys; sys.exit(3)"])
+    r.start()
+    r.proc.wait()
+    sup = Supervisor([r])
+    t = time.monotonic()
+    sup.check(now=t)  # exit noticed: restart scheduled after the first backoff
+    assert r.next_start == pytest.approx(t + BACKOFF_S) and r.restarts == 0
+    sup.check(now=t + BACKOFF_S / 2)
+    assert r.restarts == 0
+    sup.check(now=t + BACKOFF_S + 0.01)  # due: started again
+    assert r.restarts == 1 and r.next_start is None
+    r.proc.wait()
+    sup.check(now=t + 2)
+    assert r.next_start == pytest.approx(t + 2 + 2 * BACKOFF_S)  # it died again: twice the wait
+    sup.stop()
+    sup.check(now=t + 100)  # after stop() nothing is restarted
+    assert r.restarts == 1
+
+
+def children(pid: int) -> list[int]:
+    kids = []
+    for stat in os.listdir("/proc"):
+        if stat.isdigit():
+            try:
+                fields = open(f"/proc/{stat}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and "zombie" not in open(f"/proc/{stat}/status").read().lower():
+                kids.append(int(stat))
+    return kids
+
+
+def test_dead_runner_is_restarted(tiny_chat_llama, tmp_path):
+    (tmp_path / "adapters").mkdir()
+    s = Served(tiny_chat_llama, tmp_path / "adapters", "--page-size", "4", "--kv-pages", "64")
+    try:
+        s.wait_ready(timeout=120)
+        first = children(s.proc.pid)
+        assert len(first) == 1
+        os.kill(first[0], signal.SIGKILL)
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            now = children(s.proc.pid)
+            if now and now != first and s.admin_state()["runners"][0]["healthy"]:
+                break
+            time.sleep(0.2)
+        assert now and now != first, "no new runner process"
+        name = json.loads(urllib.request.urlopen(f"{s.url}/v1/models", timeout=10).read())["data"][0]["id"]
+        body = json.dumps({"model": name, "prompt": [5, 6, 7], "max_tokens": 3}).encode()
+        req = urllib.request.Request(f"{s.url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+        assert json.loads(urllib.request.urlopen(req, timeout=60).read())["usage"]["completion_tokens"] == 3
+    finally:
+        code = s.stop()
+    out = s.proc.stdout.read()
+    assert code == 0, out[-3000:]
+    assert "runner runner-0 exited (code -9); restarting it in 1s" in out and "restarting runner runner-0" in out
+
+
+def test_busy_port_is_refused_before_loading(tiny_chat_llama, tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        t0 = time.monotonic()
+        r = subprocess.run([sys.executable, "-m", "lorafleet", "serve", "--model", str(tiny_chat_llama),
+                            "--adapters", str(tmp_path), "--port", str(port), "--device", "cpu"],
+                           capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert f"port {port} on 127.0.0.1 is already in use" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert "started" not in r.stderr and "runner" not in r.stderr  # nothing was loaded or started
+    assert time.monotonic() - t0 < 30
