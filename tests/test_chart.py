@@ -7,6 +7,7 @@ Lambda layer zip with helm/helm inside). Without any of these the helm tests are
 
 from __future__ import annotations
 
+import base64
 import filecmp
 import io
 import os
@@ -91,8 +92,8 @@ def render(helm: str, *sets: str, crds: bool = False) -> list[dict]:
     args = ["template", "lf", str(CHART), "--namespace", "lorafleet-system"]
     if crds:
         args.append("--include-crds")
-    for s in sets:
-        args += ["--set", s]
+    for s in sets:  # "str:KEY=VALUE" keeps VALUE a string (helm --set-string)
+        args += ["--set-string", s[4:]] if s.startswith("str:") else ["--set", s]
     return [d for d in yaml.safe_load_all(run_helm(helm, *args).stdout) if d]
 
 
@@ -137,7 +138,7 @@ def test_default_render(helm):
     docs = render(helm, crds=True)
     kinds = by_kind(docs)
     assert sorted(kinds) == ["ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition", "Deployment",
-                             "ServiceAccount"]
+                             "Secret", "ServiceAccount"]
     crds = {d["metadata"]["name"]: d for d in kinds["CustomResourceDefinition"]}
     assert crds == {d["metadata"]["name"]: d for p in (REPO / "crds").glob("*.yaml") for d in yaml.safe_load_all(p.read_text())}
 
@@ -159,6 +160,15 @@ def test_default_render(helm):
     assert ctr["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
     assert ctr["securityContext"]["readOnlyRootFilesystem"] is True and pod["securityContext"]["runAsNonRoot"] is True
     assert pod["serviceAccountName"] == "lf-lorafleet"
+    # The credentials key: a kept Secret of the release's namespace, mounted as a file.
+    (key,) = kinds["Secret"]
+    assert key["metadata"]["name"] == "lf-lorafleet-key" and key["metadata"]["namespace"] == "lorafleet-system"
+    assert key["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert len(base64.b64decode(key["data"]["key"])) == 48
+    assert "--credentials-key-file=/etc/lorafleet/operator-key/key" in ctr["args"]
+    vol = next(v for v in pod["volumes"] if v["name"] == "credentials-key")
+    assert vol["secret"]["secretName"] == "lf-lorafleet-key"
+    assert {"name": "credentials-key", "mountPath": "/etc/lorafleet/operator-key", "readOnly": True} in ctr["volumeMounts"]
 
     (role,) = kinds["ClusterRole"]
     granted = {(g, r): set(rule["verbs"]) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]}
@@ -166,6 +176,9 @@ def test_default_render(helm):
     assert granted[("apps", "deployments/scale")] >= {"patch"}
     assert granted[("lorafleet.dev", "loraadapters/status")] >= {"patch"}
     assert granted[("", "pods")] == {"get", "list", "watch", "patch"}  # no pod deletion: the ReplicaSet removes them
+    # Secrets are written (derived values), never read: no get, list or watch anywhere.
+    assert granted[("", "secrets")] == {"create", "patch"}
+    assert {"create", "patch", "delete"} <= granted[("networking.k8s.io", "networkpolicies")]
     assert granted[("cluster.x-k8s.io", "machinedeployments/scale")] >= {"patch"}
     # The operator grants the schedulers read access to these, so it must hold it itself.
     for res in [("", "pods"), ("discovery.k8s.io", "endpointslices"), ("lorafleet.dev", "loraadapters")]:
@@ -176,7 +189,8 @@ def test_default_render(helm):
 
 def test_namespaced_render(helm):
     docs = render(helm, "operator.watchNamespaces={ml,team-b}", "metrics.serviceMonitor.enabled=true",
-                  "image.tag=1.2.3", "scheduler.image=my/sched:9", "operator.logLevel=DEBUG")
+                  "image.tag=1.2.3", "scheduler.image=my/sched:9", "operator.logLevel=DEBUG",
+                  "operator.extraEnv[0].name=LORAFLEET_ALLOW_PRIVATE_SOURCES", "str:operator.extraEnv[0].value=1")
     kinds = by_kind(docs)
     assert "ClusterRole" not in kinds
     assert sorted(r["metadata"]["namespace"] for r in kinds["Role"]) == ["ml", "team-b"]
@@ -186,6 +200,7 @@ def test_namespaced_render(helm):
     assert ctr["image"] == "lorafleet/operator:1.2.3"
     assert {"--namespace=ml", "--namespace=team-b", "--no-scanning", "--scheduler-image=my/sched:9"} <= set(ctr["args"])
     assert {"name": "LORAFLEET_LOG_LEVEL", "value": "DEBUG"} in ctr["env"]
+    assert {"name": "LORAFLEET_ALLOW_PRIVATE_SOURCES", "value": "1"} in ctr["env"]
     (sm,) = kinds["ServiceMonitor"]
     assert sm["spec"]["namespaceSelector"] == {"matchNames": ["ml", "team-b"]}
     assert sm["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/part-of": "lorafleet",
@@ -194,8 +209,11 @@ def test_namespaced_render(helm):
 
 
 def test_render_without_rbac_and_service_account(helm):
-    kinds = by_kind(render(helm, "rbac.create=false", "serviceAccount.create=false", "serviceAccount.name=ops"))
-    assert sorted(kinds) == ["Deployment"]
+    kinds = by_kind(render(helm, "rbac.create=false", "serviceAccount.create=false", "serviceAccount.name=ops",
+                           "operator.credentialsKeySecret=my-key"))
+    assert sorted(kinds) == ["Deployment"]  # with a key Secret of one's own, the chart creates none
+    vol = next(v for v in kinds["Deployment"][0]["spec"]["template"]["spec"]["volumes"] if v["name"] == "credentials-key")
+    assert vol["secret"]["secretName"] == "my-key"
     assert kinds["Deployment"][0]["spec"]["template"]["spec"]["serviceAccountName"] == "ops"
 
 

@@ -70,3 +70,18 @@ def pvc_root() -> Path:
 def fused_ops() -> bool:
     """LORAFLEET_FUSED_OPS: use flashinfer's fused norm / activation / RoPE kernels on CUDA (default 1)."""
     return _str("LORAFLEET_FUSED_OPS", "1").lower() not in ("0", "false", "no")
+
+
+def service_account_dir() -> Path:
+    """LORAFLEET_SERVICEACCOUNT_DIR: where a pod's ServiceAccount token and ca.crt are
+    (default /var/run/secrets/kubernetes.io/serviceaccount). Used with KUBERNETES_SERVICE_HOST;
+    for running the in-cluster path outside a pod (the tests' process kubelet sets it)."""
+    return Path(_str("LORAFLEET_SERVICEACCOUNT_DIR", "/var/run/secrets/kubernetes.io/serviceaccount"))
+
+
+def hosts_file() -> Path | None:
+    """LORAFLEET_HOSTS_FILE: an /etc/hosts-style file of extra name -> address entries that the
+    operator's HTTP client consults before DNS (how the tests' kube-proxy publishes Service names;
+    also usable where cluster DNS is not visible to the operator). Unset: DNS only."""
+    raw = os.environ.get("LORAFLEET_HOSTS_FILE", "")
+    return Path(raw) if raw else None
