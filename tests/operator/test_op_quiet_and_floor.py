@@ -85,11 +85,18 @@ async def test_adapter_messages_carry_no_exception_text(k8s, scheduler):
 
 async def test_deletion_and_shutdown_cancel_no_daemon_and_warn_once(k8s, scheduler, caplog):
     caplog.set_level(logging.INFO)
-    # A base model whose config.json cannot be read: the operator says so once.
-    dead = f"http://127.0.0.1:{free_port()}/models/llama"
+    # A base model whose server stalls 1 s and hangs up: the pool's first handlers read it at the same
+    # time, and the operator says it once.
+
+    async def stall(reader, writer):
+        await asyncio.sleep(1.0)
+        writer.close()
+
+    server = await asyncio.start_server(stall, "127.0.0.1", 0)
+    dead = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/models/llama"
     write = scheduler.files / "loras" / "a"
     write.mkdir(parents=True)
-    async with running_operator(test_config(scheduler)):
+    async with server, running_operator(test_config(scheduler)):
         await api(k8s, "POST", pools_path(), pool_body(model={"source": dead}))
         await api(k8s, "POST", adapters_path(), adapter_body("a", f"{scheduler.url}/files/loras/a"))
         await wait_for(lambda: k8s.obj("deployments", "ml", "llama-runner"), what="runner Deployment")
