@@ -157,7 +157,8 @@ def test_render_without_rbac_and_service_account(helm):
 
 
 @pytest.mark.parametrize("bad", ["operator.logLevel=LOUD", "image.pullPolicy=Sometimes", "replicaCount=2",
-                                 "operator.watchNamespaces={Bad_NS}"])
+                                 "operator.watchNamespaces={Bad_NS}", "operator.extraEnv[0].value=1",
+                                 "operator.credentialsKeySecret=Not_A_Name"])
 def test_schema_refuses_bad_values(helm, bad):
     out = run_helm(helm, "template", "lf", str(CHART), "--set", bad, ok=False)
     assert out.returncode != 0 and "values don't meet the specifications of the schema" in out.stderr

@@ -1,10 +1,31 @@
-"""Session fixtures of the tests on a real control plane (skipped with the reason when it cannot run)."""
+"""Session fixtures of the tests on a real control plane (skipped with the reason when it cannot run).
+
+One control plane serves all the modules of this folder; it is stopped as soon as the last of
+their tests is done (not at the end of the whole session), so the rest of the suite runs
+without it.
+"""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 from controlplane import ControlPlane, Unavailable
 from envkit import Cluster
+
+HERE = Path(__file__).parent
+_running: list = []  # what to stop, last started first
+
+
+def _stop_all() -> None:
+    while _running:
+        _running.pop().stop()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    if nextitem is None or HERE not in Path(str(nextitem.path)).parents:
+        _stop_all()
 
 
 @pytest.fixture(scope="session")
@@ -13,8 +34,9 @@ def control_plane(tmp_path_factory):
         plane = ControlPlane.start(tmp_path_factory.mktemp("kube"))
     except Unavailable as exc:
         pytest.skip(f"no Kubernetes control plane for the envtest suite: {exc}")
+    _running.append(plane)
     yield plane
-    plane.stop()
+    _stop_all()
 
 
 @pytest.fixture(scope="session")
@@ -23,8 +45,9 @@ def cluster(control_plane, tmp_path_factory):
     c = Cluster(control_plane, tmp_path_factory.mktemp("node"), set(),
                 extra_env={"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
     c.start()
+    _running.append(c)
     yield c
-    c.stop()
+    _stop_all()
 
 
 OPERATOR_NS = "lorafleet-system"

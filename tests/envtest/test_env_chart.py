@@ -132,3 +132,12 @@ def _stall(server: socket.socket) -> None:
         except OSError:
             return
         threading.Timer(3.0, conn.close).start()
+
+
+def test_example_manifests_pass_the_servers_validation(cluster, release):
+    """`kubectl apply -f manifests/` as the README says (server-side dry run: nothing starts)."""
+    from controlplane import REPO
+
+    out = cluster.kubectl("apply", "--dry-run=server", "-n", "default", "-f", str(REPO / "manifests"))
+    assert "servingpool.lorafleet.dev/llama-2-7b created (server dry run)" in out
+    assert "loraadapter.lorafleet.dev/sql-lora created (server dry run)" in out
