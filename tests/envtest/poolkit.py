@@ -259,6 +259,23 @@ class Transcript:
             with open(self.path, "a") as f:
                 f.write(f"\n# [{time.monotonic() - self.started:6.1f}s] {text}\n")
 
+    def http(self, url: str, body: dict | None = None, api_key: str | None = None, show: str = "") -> dict:
+        """A request as `curl` would send it, and its answer (shown with `show` as the URL's host)."""
+        import urllib.request
+
+        headers = {"Content-Type": "application/json"}
+        if api_key:
+            headers["Authorization"] = f"Bearer {api_key}"
+        data = json.dumps(body).encode() if body is not None else None
+        with urllib.request.urlopen(urllib.request.Request(url, data=data, headers=headers), timeout=120) as r:
+            text = r.read().decode()
+        if self.path:
+            shown = url.replace(url.split("/")[2], show) if show else url
+            cmd = f"$ curl -s {shown}" + (f" -H 'Content-Type: application/json' -d '{json.dumps(body)}'" if body else "")
+            with open(self.path, "a") as f:
+                f.write(f"{cmd}\n{text}\n")
+        return json.loads(text)
+
     def kubectl(self, *args: str) -> str:
         out = self.cluster.kubectl(*args, check=False)
         if self.path:

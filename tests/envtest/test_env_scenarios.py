@@ -161,6 +161,7 @@ def test_pool_and_adapters_become_ready(scenario, demo_dir):
     s.t.kubectl("get", "servingpools", "-n", NS)
     s.t.kubectl("get", "loraadapters", "-n", NS, "-o", "wide")
     s.t.kubectl("get", "deploy,svc,networkpolicy,secrets,pods", "-n", NS, "-l", f"lorafleet.dev/pool={POOL}")
+    s.t.kubectl("describe", "servingpool", POOL, "-n", NS)
 
     # What the operator made: the runner credential reaches both ends; runners bind to their pod IP.
     (runner,) = s.pool.runner_pods()
@@ -209,7 +210,13 @@ def test_openai_client_through_the_service_equals_generate(scenario):
             {"role": "user", "content": CAPITAL}]).choices[0].message.content == s.expected("basic-pirate")
         with pytest.raises((openai.PermissionDeniedError, openai.NotFoundError)):
             limited.chat.completions.create(model="shouty", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
-    s.t.note("curl through the scheduler Service: /v1/models")
+    s.t.note("requests through the scheduler Service (here a loopback address standing for the Service)")
+    shown = f"{POOL}-scheduler.{NS}.svc:8000"
+    s.t.http(s.pool.url + "/v1/models", api_key=s.pool.api_key, show=shown)
+    answer = s.t.http(s.pool.url + "/v1/chat/completions", {
+        "model": "pirate", "messages": [{"role": "user", "content": CAPITAL}], "max_tokens": 16, "temperature": 0},
+        api_key=s.pool.api_key, show=shown)
+    assert answer["choices"][0]["message"]["content"] == s.expected("basic-pirate")
     s.t.kubectl("get", "servingpool", POOL, "-n", NS, "-o", "wide")
 
 
@@ -285,6 +292,7 @@ def test_runner_pod_deleted_mid_stream_requests_finish_elsewhere(scenario):
              "the deleted runner pod gone")
     assert cluster.kubelet.find(victim["id"]).proc.poll() is not None
     s.t.note(f"runner {victim['id']} deleted mid-stream; both streams finished elsewhere, tokens identical")
+    s.t.kubectl("get", "pods", "-n", NS, "-l", "app.kubernetes.io/component=runner")
 
 
 # --- 5. load stops: idle runners drained, exactly those pods removed, node group follows ----------
