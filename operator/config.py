@@ -26,3 +26,5 @@ class OperatorConfig:
     fetch_timeout_s: float = 60.0
     # Watch the CRD and namespace lists (needs list/watch on them); off for fixed setups.
     scanning: bool = True
+    # The key every pool's tokens are derived from (credentials.py); None: a random key per process.
+    credentials_key_file: str | None = None

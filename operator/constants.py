@@ -36,11 +36,27 @@ COMPONENT_RUNNER = "runner"
 
 # Annotations.
 ANNOTATION_APPLIED = f"{GROUP}/applied-hash"
+# On pod templates: a fingerprint of the operator's credentials key, so that a new key rolls the pods
+# (their tokens come from Secrets through environment variables, read once at container start).
+ANNOTATION_CREDENTIALS = f"{GROUP}/credentials"
 ANNOTATION_DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 DRAINED_DELETION_COST = "-1000000"
 
-# The admin token Secret's key.
+# The key of the token in the per-pool credential Secrets (admin token, runner token).
 ADMIN_TOKEN_KEY = "token"
+RUNNER_TOKEN_KEY = "token"
+# Environment variables that carry the credentials into pods (CONTRACT: runner credential).
+ENV_ADMIN_TOKEN = "LORAFLEET_ADMIN_TOKEN"
+ENV_RUNNER_TOKEN = "LORAFLEET_RUNNER_TOKEN"
+ENV_POD_IP = "POD_IP"
+
+# API keys of a pool's OpenAI endpoints: the Secret named in spec.apiKeys, key `keys`, mounted here.
+API_KEYS_KEY = "keys"
+API_KEYS_DIR = "/etc/lorafleet/api-keys"
+API_KEYS_FILE = f"{API_KEYS_DIR}/{API_KEYS_KEY}"
+
+# The only path the optional Ingress publishes (never /, /metrics or /admin).
+INGRESS_PATH = "/v1"
 
 # Extended resource of one GPU, and the usual taint of GPU nodes.
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -58,6 +74,16 @@ def runner_name(pool: str) -> str:
 
 def admin_secret_name(pool: str) -> str:
     return f"{pool}-admin"
+
+
+def runner_token_secret_name(pool: str) -> str:
+    """The Secret holding the credential the pool's scheduler presents to its runners."""
+    return f"{pool}-runner-token"
+
+
+def network_policy_name(pool: str) -> str:
+    """The NetworkPolicy that admits only the pool's scheduler to its runners."""
+    return f"{pool}-runner"
 
 
 def ingress_name(pool: str) -> str:

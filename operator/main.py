@@ -13,14 +13,16 @@ import asyncio
 import copy
 from typing import Any, Mapping
 
-import aiohttp
 import kopf
 
+from lorafleet import env
+from lorafleet.common.hosts import client_session
 from lorafleet.common.kubeclient import ApiError, KubeClient
 from lorafleet.operator import adapters, reconcile
 from lorafleet.operator import constants as c
 from lorafleet.operator import pools as pool_ops
 from lorafleet.operator.config import OperatorConfig
+from lorafleet.operator.credentials import Credentials
 
 
 def _ctx(memo: kopf.Memo) -> reconcile.Context:
@@ -40,7 +42,10 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     settings.scanning.disabled = not config.scanning
     settings.execution.max_workers = 8
     kube = await KubeClient.from_environment()
-    memo["ctx"] = reconcile.Context(config=config, kube=kube, http=aiohttp.ClientSession())
+    creds = Credentials.from_file(config.credentials_key_file) if config.credentials_key_file \
+        else Credentials.ephemeral()
+    memo["ctx"] = reconcile.Context(config=config, kube=kube, http=client_session(env.hosts_file()),
+                                    credentials=creds)
 
 
 @kopf.on.login()
@@ -95,16 +100,23 @@ async def pool_deleted(name: str, namespace: str, memo: kopf.Memo, logger: Any, 
 
 @kopf.daemon(c.GROUP, c.VERSION, c.POOLS, cancellation_timeout=10.0)
 async def pool_loop(stopped: kopf.DaemonStopped, body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> None:
-    """Every sync interval: status from the scheduler's view, autoscaling, periodic re-apply."""
+    """Every sync interval: status from the scheduler's view, autoscaling, periodic re-apply.
+
+    kopf cancels the loop when the pool goes or the operator stops; that is its normal way out,
+    so the cancellation ends it quietly (escaping, kopf would log "Will escalate" each time).
+    """
     ctx = _ctx(memo)
-    while not stopped and not ctx.closed:
-        try:
-            await pool_ops.tick(ctx, body, logger)
-        except ApiError as exc:
-            logger.warning("pool look failed: %s", exc)
-        except Exception:  # keep the loop alive; the next round starts from the API again
-            logger.exception("pool look failed")
-        await asyncio.sleep(ctx.config.sync_interval_s)  # kopf cancels the sleep when the pool goes
+    try:
+        while not stopped and not ctx.closed:
+            try:
+                await pool_ops.tick(ctx, body, logger)
+            except ApiError as exc:
+                logger.warning("pool look failed: %s", exc)
+            except Exception:  # keep the loop alive; the next round starts from the API again
+                logger.exception("pool look failed")
+            await asyncio.sleep(ctx.config.sync_interval_s)
+    except asyncio.CancelledError:
+        return
 
 
 # --- LoraAdapter -------------------------------------------------------------------------------
@@ -128,16 +140,20 @@ async def adapter_resumed(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, p
 @kopf.daemon(c.GROUP, c.VERSION, c.ADAPTERS, cancellation_timeout=5.0)
 async def adapter_loop(stopped: kopf.DaemonStopped, body: kopf.Body, memo: kopf.Memo, pools: kopf.Index,
                        logger: Any, **_: Any) -> None:
-    """Retry Pending and retryably Failed adapters; re-check Ready ones against their pool."""
+    """Retry Pending and retryably Failed adapters; re-check Ready ones against their pool.
+    Ends quietly when kopf cancels it (the adapter went, or the operator stops)."""
     ctx = _ctx(memo)
-    while not stopped and not ctx.closed:
-        await asyncio.sleep(ctx.config.adapter_retry_s)  # kopf cancels the sleep when the adapter goes
-        try:
-            await adapters.retry(ctx, body, pools)
-        except ApiError as exc:
-            logger.warning("adapter re-check failed: %s", exc)
-        except Exception:
-            logger.exception("adapter re-check failed")
+    try:
+        while not stopped and not ctx.closed:
+            await asyncio.sleep(ctx.config.adapter_retry_s)
+            try:
+                await adapters.retry(ctx, body, pools)
+            except ApiError as exc:
+                logger.warning("adapter re-check failed: %s", exc)
+            except Exception:
+                logger.exception("adapter re-check failed")
+    except asyncio.CancelledError:
+        return
 
 
 @kopf.on.delete(c.GROUP, c.VERSION, c.ADAPTERS)

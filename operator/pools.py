@@ -74,7 +74,7 @@ async def tick(ctx: reconcile.Context, body: Any, logger: Any) -> None:
         if written:
             kopf.info(body, reason="Applied", message=", ".join(written))
         await publish_base_shape(ctx, pool, status)
-    admin = await reconcile.admin_client(ctx, namespace, name)
+    admin = reconcile.admin_client(ctx, namespace, name)
     current = await reconcile.look(ctx, pool, admin)
     history = History.from_status(status.get("autoscaler"))
     try:
@@ -97,6 +97,7 @@ async def tick(ctx: reconcile.Context, body: Any, logger: Any) -> None:
         ingress_url=builders.ingress_url(pool),
         history=history,
         node_group_replicas=nodes,
+        gpus_per_runner=pool.runner.gpus,
     )
     new = pool_status(facts, status, now_iso())
     before = {x.get("type"): x.get("status") for x in status.get("conditions") or ()}

@@ -7,12 +7,10 @@ writes only what differs, so running it again (or after a restart) changes nothi
 from __future__ import annotations
 
 import asyncio
-import base64
 import functools
 import hashlib
 import json
 import logging
-import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -25,8 +23,9 @@ from lorafleet.common.kubeclient import ApiError, KubeClient
 from lorafleet.operator import builders
 from lorafleet.operator import constants as c
 from lorafleet.operator.admin import AdminClient, SchedulerUnavailable
-from lorafleet.operator.autoscale import Decision, History, Observation, Policy, decide
+from lorafleet.operator.autoscale import Decision, History, Observation, Policy, decide, node_floor
 from lorafleet.operator.config import OperatorConfig
+from lorafleet.operator.credentials import Credentials
 from lorafleet.operator.spec import PoolSpec, SpecError, base_shape_from_config, base_shape_status
 from lorafleet.operator.status import is_subset
 
@@ -37,15 +36,16 @@ SHAPE_RETRY_S = 600.0  # how long to wait before reading an unreachable base mod
 
 @dataclass
 class Context:
-    """What handlers share: settings, the API client, an HTTP session, cached admin tokens."""
+    """What handlers share: settings, the API client, an HTTP session, the credentials key."""
 
     config: OperatorConfig
     kube: KubeClient
     http: aiohttp.ClientSession
-    tokens: dict[tuple[str, str], str] = field(default_factory=dict)
+    credentials: Credentials
     last_apply: dict[tuple[str, str], float] = field(default_factory=dict)
     locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
     shape_failures: dict[str, float] = field(default_factory=dict)  # model source -> when reading it failed
+    shape_reads: dict[str, asyncio.Task] = field(default_factory=dict)  # model source -> the read under way
     closed: bool = False
     # Blocking source reads run here, not on the loop's default executor (aiohttp needs that one
     # for name resolution), and at most this many at a time.
@@ -93,21 +93,16 @@ async def apply_object(kube: KubeClient, obj: dict[str, Any]) -> bool:
     return True
 
 
-async def ensure_admin_secret(ctx: Context, pool: PoolSpec, owner: Mapping[str, Any]) -> str:
-    """The pool's admin token: created once with a random value, then only read."""
-    key = (pool.namespace, pool.name)
-    live = await ctx.kube.get("v1", "secrets", c.admin_secret_name(pool.name), pool.namespace)
-    if live is None:
-        secret = builders.admin_secret(pool, secrets.token_urlsafe(32), owner)
-        try:
-            live = await ctx.kube.create(secret)
-        except ApiError as exc:
-            if exc.status != 409:
-                raise
-            live = await ctx.kube.get("v1", "secrets", c.admin_secret_name(pool.name), pool.namespace)
-    token = base64.b64decode(((live or {}).get("data") or {}).get(c.ADMIN_TOKEN_KEY, "")).decode()
-    ctx.tokens[key] = token
-    return token
+async def apply_credentials(ctx: Context, pool: PoolSpec, owner: Mapping[str, Any]) -> None:
+    """Write the pool's credential Secrets (server-side apply, a no-op when unchanged).
+
+    Their values are derived from the operator's key (credentials.py), so they are written
+    without reading them first: the operator needs create/patch on Secrets, never get/list/watch.
+    """
+    creds = ctx.credentials
+    for secret in builders.credential_secrets(pool, creds.admin_token(pool.namespace, pool.name),
+                                              creds.runner_token(pool.namespace, pool.name), owner):
+        await ctx.kube.apply(secret, c.FIELD_MANAGER)
 
 
 def wanted_replicas(pool: PoolSpec, live: Mapping[str, Any] | None) -> int:
@@ -128,15 +123,20 @@ async def apply_pool(ctx: Context, pool: PoolSpec, owner: Mapping[str, Any]) -> 
 
 
 async def _apply_pool(ctx: Context, pool: PoolSpec, owner: Mapping[str, Any]) -> list[str]:
-    await ensure_admin_secret(ctx, pool, owner)
+    await apply_credentials(ctx, pool, owner)
     live_runner = await ctx.kube.get("apps/v1", "deployments", c.runner_name(pool.name), pool.namespace)
     written = []
-    for obj in builders.children(pool, ctx.config, wanted_replicas(pool, live_runner), owner):
+    for obj in builders.children(pool, ctx.config, wanted_replicas(pool, live_runner), owner,
+                                 ctx.credentials.fingerprint):
         if await apply_object(ctx.kube, obj):
             written.append(f"{obj['kind']}/{obj['metadata']['name']}")
     if not pool.ingress.enabled:
         if await delete_owned(ctx.kube, "networking.k8s.io/v1", "ingresses", c.ingress_name(pool.name), pool):
             written.append(f"Ingress/{c.ingress_name(pool.name)} (deleted)")
+    if not pool.network_policy.enabled:
+        name = c.network_policy_name(pool.name)
+        if await delete_owned(ctx.kube, "networking.k8s.io/v1", "networkpolicies", name, pool):
+            written.append(f"NetworkPolicy/{name} (deleted)")
     ctx.last_apply[(pool.namespace, pool.name)] = time.monotonic()
     return written
 
@@ -161,8 +161,11 @@ async def delete_owned(kube: KubeClient, api_version: str, plural: str, name: st
     return await kube.delete(api_version, plural, name, ns)
 
 
+# The credential Secrets are not listed: the operator cannot read Secrets (to check they are its
+# own), so the garbage collector removes them through their owner reference to the pool.
 CHILDREN = (
     ("networking.k8s.io/v1", "ingresses", c.ingress_name),
+    ("networking.k8s.io/v1", "networkpolicies", c.network_policy_name),
     ("apps/v1", "deployments", c.runner_name),
     ("v1", "services", c.runner_name),
     ("apps/v1", "deployments", c.scheduler_name),
@@ -171,7 +174,6 @@ CHILDREN = (
     ("rbac.authorization.k8s.io/v1", "roles", c.scheduler_name),
     ("v1", "serviceaccounts", c.scheduler_name),
     ("v1", "serviceaccounts", c.runner_name),
-    ("v1", "secrets", c.admin_secret_name),
 )
 
 
@@ -181,7 +183,6 @@ async def delete_pool_children(ctx: Context, name: str, namespace: str) -> list[
     for api_version, plural, naming in CHILDREN:
         if await delete_owned(ctx.kube, api_version, plural, naming(name), name, namespace):
             deleted.append(f"{plural}/{naming(name)}")
-    ctx.tokens.pop((namespace, name), None)
     ctx.last_apply.pop((namespace, name), None)
     ctx.locks.pop((namespace, name), None)
     return deleted
@@ -190,21 +191,18 @@ async def delete_pool_children(ctx: Context, name: str, namespace: str) -> list[
 # --- the scheduler -----------------------------------------------------------------------------
 
 
-async def admin_client(ctx: Context, namespace: str, pool: str) -> AdminClient | None:
-    """A client of the pool scheduler's admin API, or None before its Secret exists."""
-    token = ctx.tokens.get((namespace, pool))
-    if token is None:
-        live = await ctx.kube.get("v1", "secrets", c.admin_secret_name(pool), namespace)
-        if live is None:
-            return None
-        token = base64.b64decode((live.get("data") or {}).get(c.ADMIN_TOKEN_KEY, "")).decode()
-        ctx.tokens[(namespace, pool)] = token
+def admin_client(ctx: Context, namespace: str, pool: str) -> AdminClient:
+    """A client of the pool scheduler's admin API (its token is derived, nothing is read)."""
     url = ctx.config.scheduler_url.format(name=pool, namespace=namespace)
-    return AdminClient(ctx.http, url, token, ctx.config.http_timeout_s)
+    return AdminClient(ctx.http, url, ctx.credentials.admin_token(namespace, pool), ctx.config.http_timeout_s)
 
 
 async def learn_base_shape(ctx: Context, pool: PoolSpec, status: Mapping[str, Any] | None) -> dict | None:
-    """Read config.json of a remote base model once per source: the status' `baseModel`."""
+    """Read config.json of a remote base model once per source: the status' `baseModel`.
+
+    Callers at the same time (a pool's resume handler and its first look) share one read, so a
+    failure is reported once; after a failure the source is not read again for SHAPE_RETRY_S.
+    """
     known = (status or {}).get("baseModel") or {}
     if known.get("source") == pool.model_source:
         return None
@@ -214,6 +212,15 @@ async def learn_base_shape(ctx: Context, pool: PoolSpec, status: Mapping[str, An
     failed_at = ctx.shape_failures.get(pool.model_source)
     if failed_at is not None and time.monotonic() - failed_at < SHAPE_RETRY_S:
         return None
+    task = ctx.shape_reads.get(pool.model_source)
+    if task is None:
+        task = asyncio.ensure_future(_read_base_shape(ctx, pool))
+        ctx.shape_reads[pool.model_source] = task
+        task.add_done_callback(lambda _t, key=pool.model_source: ctx.shape_reads.pop(key, None))
+    return await asyncio.shield(task)
+
+
+async def _read_base_shape(ctx: Context, pool: PoolSpec) -> dict | None:
     try:
         cfg = await ctx.blocking(sources.read_model_config, pool.model_source, timeout=ctx.config.fetch_timeout_s)
         shape = base_shape_from_config(cfg)
@@ -278,9 +285,7 @@ async def look(ctx: Context, pool: PoolSpec, admin: AdminClient | None) -> Look:
     except ApiError as exc:
         log.warning("pool %s/%s: %s", pool.namespace, pool.name, exc)
     state, error = None, None
-    if admin is None:
-        error = "the admin token Secret does not exist yet"
-    else:
+    if admin is not None:
         try:
             state = await admin.state()
         except SchedulerUnavailable as exc:
@@ -321,11 +326,29 @@ async def act(ctx: Context, pool: PoolSpec, admin: AdminClient, decision: Decisi
         done.append(f"runners {current.replicas} -> {replicas}{what}")
     ng = pool.node_group
     if ng is not None and decision.node_group_replicas is not None:
-        plural = await ctx.kube.plural_of(ng.api_version, ng.kind)
-        await ctx.kube.patch(ng.api_version, plural, ng.name, {"spec": {"replicas": decision.node_group_replicas}},
-                             ng.namespace or pool.namespace, subresource="scale")
+        await scale_node_group(ctx, pool, decision.node_group_replicas)
         done.append(f"node group {ng.kind}/{ng.name}: {current.node_group_replicas} -> {decision.node_group_replicas}")
     return done
+
+
+async def scale_node_group(ctx: Context, pool: PoolSpec, replicas: int) -> None:
+    ng = pool.node_group
+    assert ng is not None
+    plural = await ctx.kube.plural_of(ng.api_version, ng.kind)
+    await ctx.kube.patch(ng.api_version, plural, ng.name, {"spec": {"replicas": replicas}},
+                         ng.namespace or pool.namespace, subresource="scale")
+
+
+async def keep_node_floor(ctx: Context, pool: PoolSpec, runners: int, current: Look) -> list[str]:
+    """Raise the node group to what the spec alone asks for (see autoscale.node_floor); never lowers it."""
+    floor = node_floor(Policy.from_pool(pool), runners)
+    have = current.node_group_replicas
+    if floor is None or have is None or have >= floor:
+        return []
+    ng = pool.node_group
+    assert ng is not None
+    await scale_node_group(ctx, pool, floor)
+    return [f"node group {ng.kind}/{ng.name}: {have} -> {floor} (its minimum for {runners} runner(s))"]
 
 
 async def autoscale(ctx: Context, pool: PoolSpec, admin: AdminClient | None, current: Look,
@@ -333,16 +356,20 @@ async def autoscale(ctx: Context, pool: PoolSpec, admin: AdminClient | None, cur
     """One autoscaler round: decide from the look, act, return the new history and actions."""
     exists = current.runner_deployment_exists
     if not pool.autoscaling.enabled:
+        actions = []
         if exists and current.replicas != pool.min_runners:  # a fixed pool runs exactly minRunners
             await scale_runners(ctx, pool, pool.min_runners)
-            return history, [f"runners {current.replicas} -> {pool.min_runners} (autoscaling off)"], None
-        return history, [], None
+            actions.append(f"runners {current.replicas} -> {pool.min_runners} (autoscaling off)")
+        actions += await keep_node_floor(ctx, pool, pool.min_runners, current)
+        return history, actions, None
     if current.observation is None or admin is None or not exists:
-        # Without the scheduler's view only the lower bound is kept (removing needs a drain first).
+        # Without the scheduler's view only the lower bounds are kept (removing needs a drain first).
+        actions = []
         if exists and current.replicas < pool.min_runners:
             await scale_runners(ctx, pool, pool.min_runners)
-            return history, [f"runners {current.replicas} -> {pool.min_runners} (minRunners)"], None
-        return history, [], None
+            actions.append(f"runners {current.replicas} -> {pool.min_runners} (minRunners)")
+        actions += await keep_node_floor(ctx, pool, max(current.replicas, pool.min_runners), current)
+        return history, actions, None
     decision = decide(current.observation, Policy.from_pool(pool), history, now)
     actions = await act(ctx, pool, admin, decision, current)
     return decision.history, actions, decision

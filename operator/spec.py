@@ -11,6 +11,8 @@ from typing import Any, Mapping
 
 from lorafleet.common.peft_config import BaseShape
 
+MAX_GPUS_PER_RUNNER = 8  # one tensor-parallel group lives on one node
+
 
 @dataclass(frozen=True)
 class RunnerSpec:
@@ -54,9 +56,17 @@ class IngressSpec:
     enabled: bool = False
     class_name: str | None = None
     host: str | None = None
-    path: str = "/"
+    path: str = "/v1"  # always /v1: the Ingress never publishes /, /metrics or /admin
     tls_secret: str | None = None
     annotations: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class NetworkPolicySpec:
+    """The runners' NetworkPolicy: only the pool's scheduler pods (plus `additional_peers`) get in."""
+
+    enabled: bool = True
+    additional_peers: tuple[Mapping[str, Any], ...] = ()  # NetworkPolicyPeer objects, e.g. a Prometheus
 
 
 @dataclass(frozen=True)
@@ -86,6 +96,12 @@ class PoolSpec:
     autoscaling: AutoscalingSpec = AutoscalingSpec()
     ingress: IngressSpec = IngressSpec()
     node_group: NodeGroupSpec | None = None
+    api_keys_secret: str | None = None  # spec.apiKeys.secretName: keys of the OpenAI endpoints
+    network_policy: NetworkPolicySpec = NetworkPolicySpec()
+
+    @property
+    def gpus_per_runner(self) -> int:
+        return self.runner.gpus
 
     def clamp_runners(self, n: int) -> int:
         return max(self.min_runners, min(self.max_runners, n))
@@ -125,9 +141,9 @@ def parse_pool(name: str, namespace: str, spec: Mapping[str, Any]) -> PoolSpec:
         env=_tuple(r.get("env")),
         extra_args=tuple(str(x) for x in r.get("extraArgs") or ()),
     )
-    if runner.gpus != 1:
-        raise SpecError(f"runner.gpusPerRunner is {runner.gpus}: tensor parallelism across GPUs is not "
-                        "implemented yet, so each runner uses exactly 1 GPU")
+    if not 1 <= runner.gpus <= MAX_GPUS_PER_RUNNER:
+        raise SpecError(f"runner.gpusPerRunner is {runner.gpus}: it must be 1 to {MAX_GPUS_PER_RUNNER} "
+                        "(the GPUs of one tensor-parallel runner on one node)")
     scheduler = SchedulerSpec(
         image=s.get("image"),
         image_pull_policy=s.get("imagePullPolicy"),
@@ -147,10 +163,18 @@ def parse_pool(name: str, namespace: str, spec: Mapping[str, Any]) -> PoolSpec:
         enabled=bool(i.get("enabled", False)),
         class_name=i.get("className") or None,
         host=i.get("host") or None,
-        path=i.get("path") or "/",
+        path=i.get("path") or "/v1",
         tls_secret=i.get("tlsSecretName") or None,
         annotations=dict(i.get("annotations") or {}),
     )
+    if ingress.path != "/v1":
+        raise SpecError(f"ingress.path is {ingress.path!r}: the Ingress publishes only the OpenAI API under /v1 "
+                        "(never /, /metrics or /admin), so the path must be /v1")
+    keys = spec.get("apiKeys") or {}
+    api_keys_secret = keys.get("secretName") if isinstance(keys, Mapping) else None
+    np = spec.get("networkPolicy") or {}
+    network_policy = NetworkPolicySpec(enabled=bool(np.get("enabled", True)),
+                                       additional_peers=_tuple(np.get("additionalPeers")))
     node_group = None
     ng = spec.get("nodeGroup")
     if ng:
@@ -183,6 +207,8 @@ def parse_pool(name: str, namespace: str, spec: Mapping[str, Any]) -> PoolSpec:
         autoscaling=autoscaling,
         ingress=ingress,
         node_group=node_group,
+        api_keys_secret=str(api_keys_secret) if api_keys_secret else None,
+        network_policy=network_policy,
     )
     if pool.min_runners > pool.max_runners:
         raise SpecError(f"minRunners ({pool.min_runners}) must not exceed maxRunners ({pool.max_runners})")

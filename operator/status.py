@@ -62,6 +62,7 @@ class PoolFacts:
     history: History
     node_group_replicas: int | None = None
     spec_error: str | None = None
+    gpus_per_runner: int = 1
 
 
 def pool_status(facts: PoolFacts, previous: Mapping[str, Any] | None, now: str) -> dict[str, Any]:
@@ -77,6 +78,7 @@ def pool_status(facts: PoolFacts, previous: Mapping[str, Any] | None, now: str) 
     status: dict[str, Any] = {
         "observedGeneration": facts.generation,
         "runners": facts.replicas,
+        "gpus": facts.replicas * facts.gpus_per_runner,
         "readyRunners": len(healthy),
         "busyRunners": len(busy),
         "idleRunners": len(idle),

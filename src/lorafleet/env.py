@@ -96,3 +96,18 @@ def api_keys_file() -> Path | None:
     """LORAFLEET_API_KEYS_FILE: the scheduler's API key file (same as `--api-keys`); unset: no keys."""
     raw = os.environ.get("LORAFLEET_API_KEYS_FILE", "")
     return Path(raw) if raw else None
+
+
+def service_account_dir() -> Path:
+    """LORAFLEET_SERVICEACCOUNT_DIR: where a pod's ServiceAccount token and ca.crt are
+    (default /var/run/secrets/kubernetes.io/serviceaccount). Used with KUBERNETES_SERVICE_HOST;
+    for running the in-cluster path outside a pod (the tests' process kubelet sets it)."""
+    return Path(_str("LORAFLEET_SERVICEACCOUNT_DIR", "/var/run/secrets/kubernetes.io/serviceaccount"))
+
+
+def hosts_file() -> Path | None:
+    """LORAFLEET_HOSTS_FILE: an /etc/hosts-style file of extra name -> address entries that the
+    operator's HTTP client consults before DNS (how the tests' kube-proxy publishes Service names;
+    also usable where cluster DNS is not visible to the operator). Unset: DNS only."""
+    raw = os.environ.get("LORAFLEET_HOSTS_FILE", "")
+    return Path(raw) if raw else None

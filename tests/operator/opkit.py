@@ -108,6 +108,7 @@ RESOURCES = {
     "rbac.authorization.k8s.io/v1/roles": dict(kind="Role", singular="role", namespaced=True),
     "rbac.authorization.k8s.io/v1/rolebindings": dict(kind="RoleBinding", singular="rolebinding", namespaced=True),
     "networking.k8s.io/v1/ingresses": dict(kind="Ingress", singular="ingress", namespaced=True),
+    "networking.k8s.io/v1/networkpolicies": dict(kind="NetworkPolicy", singular="networkpolicy", namespaced=True),
     "discovery.k8s.io/v1/endpointslices": dict(kind="EndpointSlice", singular="endpointslice", namespaced=True),
     # kopf waits for these two to be discoverable, even when it does not watch them.
     "apiextensions.k8s.io/v1/customresourcedefinitions": dict(kind="CustomResourceDefinition",
@@ -186,6 +187,7 @@ class FakeScheduler:
         self.calls: list[tuple[str, str]] = []
         self.tokens: set[str] = set()
         self.url = ""
+        self.key_file: Path | None = None  # the operator's credentials key (see test_config)
 
     def _auth(self, request: aiohttp.web.Request) -> None:
         self.tokens.add(request.headers.get("Authorization", ""))
@@ -231,6 +233,8 @@ async def scheduler(tmp_path) -> AsyncIterator[FakeScheduler]:
     (files / "models" / "tiny").mkdir(parents=True)
     (files / "models" / "tiny" / "config.json").write_text(json.dumps(TINY_CONFIG))
     fake = FakeScheduler(files)
+    fake.key_file = tmp_path / "operator-key"
+    fake.key_file.write_text("a-test-key-of-the-operator-0123456789")
     runner = aiohttp.web.AppRunner(fake.app())
     await runner.setup()
     site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
@@ -251,7 +255,8 @@ def free_port() -> int:
 
 def test_config(scheduler: FakeScheduler, **kw: Any) -> OperatorConfig:
     base = dict(scheduler_url=scheduler.url, sync_interval_s=0.2, resync_interval_s=1.0, adapter_retry_s=0.3,
-                adapter_release_timeout_s=5.0, http_timeout_s=2.0, fetch_timeout_s=5.0, scanning=False)
+                adapter_release_timeout_s=5.0, http_timeout_s=2.0, fetch_timeout_s=5.0, scanning=False,
+                credentials_key_file=str(scheduler.key_file))
     base.update(kw)
     return OperatorConfig(**base)
 

@@ -7,7 +7,17 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from lorafleet.operator.autoscale import Decision, History, Observation, Policy, RunnerState, decide
+from lorafleet.operator.autoscale import (
+    Decision,
+    History,
+    Observation,
+    Policy,
+    RunnerState,
+    decide,
+    gpus_for,
+    node_floor,
+    nodes_for,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -136,6 +146,39 @@ def test_gone_pods_leave_the_history():
     h = History(draining={"gone": 10})
     d = decide(obs([runner("r0", batch=1)]), POLICY, h, now=20)
     assert d.history.draining == {}
+
+
+@pytest.mark.parametrize("gpus_per_runner, gpus_per_node, runners, nodes", [
+    (1, 8, 9, 2),   # 9 GPUs on 8-GPU nodes
+    (2, 8, 6, 2),   # 12 GPUs: 4 runners per node
+    (3, 8, 3, 2),   # a node holds 2 runners of 3 GPUs (6 of its 8); never a runner across two nodes
+    (3, 4, 4, 4),   # by GPU count 12/4 = 3 nodes, but one 3-GPU runner per 4-GPU node: 4
+    (8, 8, 5, 5),   # one 8-GPU (TP=8) runner per node
+    (4, 8, 0, 0),
+])
+def test_nodes_count_whole_runners_per_node(gpus_per_runner, gpus_per_node, runners, nodes):
+    p = Policy(min_runners=0, max_runners=64, idle_seconds=60, gpus_per_runner=gpus_per_runner,
+               gpus_per_node=gpus_per_node)
+    assert nodes_for(runners, p) == nodes
+    assert gpus_for(runners, p) == runners * gpus_per_runner
+
+
+def test_node_floor_follows_from_the_spec_alone():
+    p = Policy(min_runners=3, max_runners=8, idle_seconds=60, gpus_per_runner=2, gpus_per_node=4, node_min=1,
+               node_max=5)
+    assert node_floor(p) == 2  # minRunners 3 x 2 GPUs on 4-GPU nodes: 2 runners per node
+    assert node_floor(p, replicas=7) == 4  # more runners than the minimum: what they need
+    assert node_floor(p, replicas=20) == 5  # capped by the group's maximum
+    assert node_floor(Policy(min_runners=0, max_runners=2, idle_seconds=60, gpus_per_node=8, node_min=2)) == 2
+    assert node_floor(Policy(min_runners=1, max_runners=2, idle_seconds=60)) is None  # no node group
+
+
+def test_tensor_parallel_runners_scale_nodes_by_gpus():
+    p = Policy(min_runners=1, max_runners=8, idle_seconds=600, scale_up_delay_s=0, max_step=2, gpus_per_runner=4,
+               gpus_per_node=8, node_min=1)
+    d = decide(obs([runner("r0", batch=32)], queue=64, node_group_replicas=1), p, History(), now=0)
+    assert d.replicas == 3 and d.node_group_replicas == 2  # 3 runners x 4 GPUs: 2 per node
+    assert any("12 GPUs" in r for r in d.reasons)
 
 
 def test_node_group_grows_first_and_shrinks_only_when_settled():

@@ -34,6 +34,11 @@ app.kubernetes.io/part-of: lorafleet
 {{- end -}}
 {{- end -}}
 
+{{/* The Secret holding the key pools' tokens are derived from. */}}
+{{- define "lorafleet.keySecretName" -}}
+{{- default (printf "%s-key" (include "lorafleet.fullname" .)) .Values.operator.credentialsKeySecret -}}
+{{- end -}}
+
 {{- define "lorafleet.image" -}}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
@@ -56,8 +61,13 @@ app.kubernetes.io/part-of: lorafleet
   resources: [deployments/scale]
   verbs: [get, patch, update]
 - apiGroups: [""]
-  resources: [services, serviceaccounts, secrets]
+  resources: [services, serviceaccounts]
   verbs: [get, list, watch, create, update, patch, delete]
+# Each pool's credential Secrets: written (server-side apply) from values derived from the
+# operator's key, never read; the garbage collector deletes them with their pool.
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [create, patch]
 # Runner pods: read them, and set the deletion cost of a drained one.
 - apiGroups: [""]
   resources: [pods]
@@ -69,7 +79,7 @@ app.kubernetes.io/part-of: lorafleet
   resources: [roles, rolebindings]
   verbs: [get, list, watch, create, update, patch, delete]
 - apiGroups: [networking.k8s.io]
-  resources: [ingresses]
+  resources: [ingresses, networkpolicies]
   verbs: [get, list, watch, create, update, patch, delete]
 - apiGroups: ["", events.k8s.io]
   resources: [events]

@@ -17,9 +17,9 @@ from typing import Any, AsyncIterator, Callable, Mapping
 
 import aiohttp
 
-log = logging.getLogger(__name__)
+from lorafleet import env
 
-SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+log = logging.getLogger(__name__)
 
 # (apiVersion, kind) -> plural, for the kinds this project writes; others use discovery.
 KNOWN_PLURALS = {
@@ -32,6 +32,7 @@ KNOWN_PLURALS = {
     ("rbac.authorization.k8s.io/v1", "Role"): "roles",
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
     ("networking.k8s.io/v1", "Ingress"): "ingresses",
+    ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
     ("lorafleet.dev/v1alpha1", "ServingPool"): "servingpools",
     ("lorafleet.dev/v1alpha1", "LoraAdapter"): "loraadapters",
 }
@@ -100,12 +101,17 @@ class KubeClient:
 
     @classmethod
     async def from_environment(cls, *, context: str | None = None, timeout: float = 30.0) -> "KubeClient":
-        """In a pod: its service account. Elsewhere: the kubeconfig ($KUBECONFIG or ~/.kube/config)."""
+        """In a pod: its service account. Elsewhere: the kubeconfig ($KUBECONFIG or ~/.kube/config).
+
+        The service account's files are looked for in `env.service_account_dir()` (the usual
+        /var/run/secrets/kubernetes.io/serviceaccount unless LORAFLEET_SERVICEACCOUNT_DIR says otherwise).
+        """
         host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT", "443")
-        if host and (SA_DIR / "token").is_file():
+        sa_dir = env.service_account_dir()
+        if host and (sa_dir / "token").is_file():
             if ":" in host:
                 host = f"[{host}]"
-            return cls(f"https://{host}:{port}", token_file=SA_DIR / "token", ca_file=str(SA_DIR / "ca.crt"),
+            return cls(f"https://{host}:{port}", token_file=sa_dir / "token", ca_file=str(sa_dir / "ca.crt"),
                        timeout=timeout)
         return await asyncio.to_thread(cls._from_kubeconfig, context, timeout)
 
