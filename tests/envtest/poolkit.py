@@ -151,8 +151,8 @@ class Pool:
     def client(self, **kw: Any):
         import openai
 
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=self.api_key or "none", **{
-            "max_retries": 3, "timeout": 180, **kw})
+        return openai.OpenAI(**{"base_url": self.url + "/v1", "api_key": self.api_key or "none", "max_retries": 3,
+                                "timeout": 180, **kw})
 
     def chat(self, model: str, question: str, max_tokens: int) -> tuple[str, str]:
         out = self.client().chat.completions.create(model=model, messages=[{"role": "user", "content": question}],
