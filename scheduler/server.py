@@ -12,6 +12,7 @@ import hmac
 import json
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from aiohttp import web
@@ -23,14 +24,16 @@ from lorafleet.scheduler.cluster import Cluster
 from lorafleet.scheduler.detokenizer import IncrementalDetokenizer
 from lorafleet.scheduler.discovery import RunnerDirectory, RunnerEndpoint
 from lorafleet.scheduler.metrics import SchedulerMetrics
+from lorafleet.scheduler.placement import POLICIES
 from lorafleet.scheduler.openai_api import ApiError
 from lorafleet.scheduler.registry import AdapterRegistry
-from lorafleet.scheduler.request import Request
+from lorafleet.scheduler.request import Request, Sink
 from lorafleet.scheduler.tokenizer import ChatTemplateError, Tokenizer
 
 log = logging.getLogger(__name__)
 
 MAX_BODY = 8 * 1024 * 1024
+INLINE_TOKENIZE_CHARS = 4096  # prompts up to this size are tokenized on the event loop
 
 
 def error_response(err: ApiError) -> web.Response:
@@ -51,6 +54,8 @@ class SchedulerService:
         admin_token: str | None = None,
         poll_interval: float = 0.5,
         grace_seconds: float = 30.0,
+        placement: str = "busiest",
+        runner_token: str | None = None,
     ):
         self.tok, self.model_name = tokenizer, model_name
         self.registry, self.directory = registry, directory
@@ -58,7 +63,10 @@ class SchedulerService:
         self.admin_token = admin_token
         self.grace_seconds = grace_seconds
         self.metrics = SchedulerMetrics()
-        self.cluster = Cluster(directory, poll_interval=poll_interval, metrics=self.metrics)
+        self.placement = placement
+        self.cluster = Cluster(directory, poll_interval=poll_interval, metrics=self.metrics,
+                               placement=POLICIES[placement](), runner_token=runner_token)
+        self.tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
         self.metrics.attach_cluster(self.cluster)
         self.accepting = True
         self.in_flight: set[Request] = set()
@@ -80,6 +88,7 @@ class SchedulerService:
         for t in self.background:
             t.cancel()
         await self.cluster.stop()
+        self.tokenize_pool.shutdown(wait=False)
 
     async def _expire_queue(self) -> None:
         """Requests queued while no runner at all is healthy fail after queue_timeout (503)."""
@@ -126,6 +135,7 @@ class SchedulerService:
 
     def _make_requests(self, params: oa.GenParams, adapter, prompts: list[list[int]], chat: bool) -> list[Request]:
         reqs = []
+        sink = Sink()  # one handler reads the events of all n choices
         max_kv = self.cluster.max_total_kv()
         for p_ids in prompts:
             if len(p_ids) >= self.max_model_len:
@@ -146,6 +156,7 @@ class SchedulerService:
                     seed = secrets.randbits(48)
                 reqs.append(Request(
                     id=oa.new_id(chat)[-12:] + f"-{len(reqs)}", model=params.model, adapter=adapter,
+                    sink=sink, index=len(reqs),
                     prompt_ids=list(p_ids), max_tokens=max_tokens,
                     sampling={"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
                               "seed": seed, "stop_token_ids": list(params.stop_token_ids),
@@ -160,6 +171,13 @@ class SchedulerService:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=True)
 
+    async def _tokenize(self, fn, size: int):
+        """Small inputs inline (a thread hop costs more than they do); large ones on a worker thread,
+        so one long prompt never holds up the tokens of every other stream."""
+        if size <= INLINE_TOKENIZE_CHARS:
+            return fn()
+        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn)
+
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         try:
             body = await self._read_json(request)
@@ -167,13 +185,16 @@ class SchedulerService:
             adapter = self._resolve_model(params.model)
             if chat:
                 messages = oa.parse_messages(body)
+                size = sum(len(str(m.get("content") or "")) for m in messages)
                 try:
-                    prompts = [self.tok.encode_chat(messages)]
+                    prompts = [await self._tokenize(lambda: self.tok.encode_chat(messages), size)]
                 except ChatTemplateError as exc:
                     raise oa.bad("messages", str(exc)) from None
             else:
                 raw = oa.parse_prompts(body, self.tok.vocab_size)
-                prompts = [self.tok.encode(p) if isinstance(p, str) else p for p in raw]
+                size = sum(len(p) for p in raw if isinstance(p, str))
+                prompts = await self._tokenize(
+                    lambda: [self.tok.encode(p) if isinstance(p, str) else p for p in raw], size)
                 if any(not p for p in prompts):
                     raise oa.bad("prompt", "prompt must not be empty")
             reqs = self._make_requests(params, adapter, prompts, chat)
@@ -193,101 +214,107 @@ class SchedulerService:
         finally:
             for r in reqs:
                 if not r.done:
-                    r.finish("cancelled")
                     self.cluster.cancel(r)
+                    r.finish("cancelled")
                 self.in_flight.discard(r)
                 self.metrics.observe_finished(r, r.finish_reason or "cancelled")
 
-    def _detok(self, req: Request, params: oa.GenParams) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self.tok, req.prompt_ids, params.stop)
+    def _outputs(self, reqs: list[Request], params: oa.GenParams):
+        """Turns the sink's events into ("text", index, str) and ("done", index, reason, error) items.
 
-    async def _events(self, req: Request, detok: IncrementalDetokenizer):
-        """Yield ("text", str) pieces, then ("done", finish_reason, error)."""
-        while True:
-            ev = await req.events.get()
-            if ev[0] == "tokens":
-                text = detok.push(ev[1])
-                if detok.stopped:
-                    req.finish("stop")
-                    self.cluster.cancel(req)
+        Tokens that arrived together for one choice become one text piece (one SSE chunk)."""
+        detoks = [IncrementalDetokenizer(self.tok, r.prompt_ids, params.stop) for r in reqs]
+        cluster = self.cluster
+
+        def convert(evs: list[tuple]) -> list[tuple]:
+            out: list[tuple] = []
+            texts: dict[int, list[str]] = {}
+            for ev in evs:
+                i = ev[0]
+                d = detoks[i]
+                if ev[1] is not None:
+                    text = d.push(ev[1])
+                    if d.stopped:
+                        req = reqs[i]
+                        req.finish("stop")  # its "done" event follows in the next batch
+                        cluster.cancel(req)
                     if text:
-                        yield ("text", text)
-                    continue  # the "done" event follows
-                if text:
-                    yield ("text", text)
-            else:
-                _, reason, error = ev
-                if reason in ("stop", "length"):
-                    tail = detok.flush()
+                        texts.setdefault(i, []).append(text)
+                    continue
+                pending = texts.pop(i, None)
+                if pending:
+                    out.append(("text", i, "".join(pending)))
+                if ev[2] in ("stop", "length"):
+                    tail = d.flush()
                     if tail:
-                        yield ("text", tail)
-                yield ("done", reason, error)
-                return
+                        out.append(("text", i, tail))
+                out.append(("done", i, ev[2], ev[3]))
+            for i, parts in texts.items():
+                out.append(("text", i, "".join(parts)))
+            return out
+
+        return convert
 
     async def _collect(self, rid: str, params: oa.GenParams, reqs: list[Request], chat: bool) -> web.Response:
-        async def one(req: Request):
-            detok = self._detok(req, params)
-            parts, end = [], None
-            async for ev in self._events(req, detok):
-                if ev[0] == "text":
-                    parts.append(ev[1])
+        convert = self._outputs(reqs, params)
+        sink = reqs[0].sink
+        texts: list[list[str]] = [[] for _ in reqs]
+        ends: list[tuple | None] = [None] * len(reqs)
+        remaining = len(reqs)
+        while remaining:
+            for item in convert(await sink.wait()):
+                if item[0] == "text":
+                    texts[item[1]].append(item[2])
                 else:
-                    end = ev
-            return "".join(parts), end
-
-        results = await asyncio.gather(*(one(r) for r in reqs))
-        for (text, (_, reason, error)), r in zip(results, reqs):
+                    ends[item[1]] = item
+                    remaining -= 1
+        for end in ends:
+            _, _, reason, error = end
             if reason not in ("stop", "length"):
-                raise_err = ApiError(500, f"generation failed: {error or reason}", code="generation_failed")
+                err = ApiError(500, f"generation failed: {error or reason}", code="generation_failed")
                 if error and "adapter" in error:
-                    raise_err = ApiError(500, error, param="model", code="adapter_failed")
-                return error_response(raise_err)
-        choices = [oa.choice(i, text, reason, chat) for i, ((text, (_, reason, _e))) in enumerate(results)]
+                    err = ApiError(500, error, param="model", code="adapter_failed")
+                return error_response(err)
+        choices = [oa.choice(i, "".join(texts[i]), ends[i][2], chat) for i in range(len(reqs))]
         use = oa.usage(sum(len(r.prompt_ids) for r in reqs[:: params.n]), sum(len(r.generated) for r in reqs))
         return web.json_response(oa.completion_body(rid, params.model, chat, choices, use))
 
     async def _stream(self, request: web.Request, rid: str, params: oa.GenParams, reqs: list[Request], chat: bool):
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
-
-        async def send(obj) -> None:
-            await resp.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
-
-        out: asyncio.Queue = asyncio.Queue()
-
-        async def pump(index: int, req: Request):
-            async for ev in self._events(req, self._detok(req, params)):
-                await out.put((index, ev))
-
-        tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(reqs)]
+        enc = oa.ChunkEncoder(rid, params.model, chat)
+        convert = self._outputs(reqs, params)
+        sink = reqs[0].sink
         try:
             if chat:
-                for i in range(len(reqs)):
-                    await send(oa.chunk(rid, params.model, True, i, "", None, role=True))
+                await resp.write(b"".join(enc.chunk(i, "", None, role=True) for i in range(len(reqs))))
             remaining = len(reqs)
             while remaining:
-                index, ev = await out.get()
-                if ev[0] == "text":
-                    await send(oa.chunk(rid, params.model, chat, index, ev[1], None))
-                    continue
-                remaining -= 1
-                _, reason, error = ev
-                if reason in ("stop", "length"):
-                    await send(oa.chunk(rid, params.model, chat, index, None if chat else "", reason))
-                else:
-                    await send({"error": {"message": f"generation failed: {error or reason}", "type": "server_error",
-                                          "param": None, "code": "generation_failed"}})
+                parts = []
+                for item in convert(await sink.wait()):
+                    if item[0] == "text":
+                        parts.append(enc.text(item[1], item[2]))
+                        continue
+                    remaining -= 1
+                    _, index, reason, error = item
+                    if reason in ("stop", "length"):
+                        parts.append(enc.chunk(index, None if chat else "", reason))
+                    else:
+                        parts.append(enc.event({"error": {"message": f"generation failed: {error or reason}",
+                                                          "type": "server_error", "param": None,
+                                                          "code": "generation_failed"}}))
+                if parts:
+                    await resp.write(parts[0] if len(parts) == 1 else b"".join(parts))
+            tail = []
             if params.include_usage:
                 use = oa.usage(sum(len(r.prompt_ids) for r in reqs[:: params.n]), sum(len(r.generated) for r in reqs))
-                await send({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                            "created": int(time.time()), "model": params.model, "choices": [], "usage": use})
-            await resp.write(b"data: [DONE]\n\n")
+                tail.append(enc.event({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                                       "created": enc.created, "model": params.model, "choices": [], "usage": use}))
+            tail.append(b"data: [DONE]\n\n")
+            await resp.write(b"".join(tail))
             await resp.write_eof()
         except ConnectionResetError:
             log.debug("client of %s went away; cancelling its requests", rid)
-        finally:
-            for t in tasks:
-                t.cancel()
         return resp
 
     async def models(self, request: web.Request) -> web.Response:
@@ -330,12 +357,10 @@ class SchedulerService:
         except ApiError as err:
             return error_response(err)
         rid = request.match_info["runner_id"]
-        r = self.cluster.runners.get(rid)
+        r = self.cluster.set_draining(rid, request.path.endswith("/drain"))
         if r is None:
             return error_response(ApiError(404, f"no runner {rid!r}", code="runner_not_found"))
-        r.draining = request.path.endswith("/drain")
         log.info("runner %s %s", rid, "draining" if r.draining else "back in service")
-        self.cluster._kick()
         return web.json_response({"id": rid, "draining": r.draining, "batch_size": len(r.assigned),
                                   "empty": not r.assigned})
 
@@ -421,6 +446,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kube", action="store_true", help="learn adapters and runners from the Kubernetes API")
     p.add_argument("--namespace", default=None, help="with --kube: the pool's namespace")
     p.add_argument("--pool", default=None, help="with --kube: the ServingPool name")
+    add_placement_argument(p)
+
+
+def add_placement_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--placement", choices=sorted(POLICIES), default="busiest",
+                   help="busiest: the fitting runner with the largest batch (Punica; default); least-loaded: the "
+                        "smallest batch; round-robin")
 
 
 def build_service(args: argparse.Namespace) -> SchedulerService:
@@ -435,7 +467,7 @@ def build_service(args: argparse.Namespace) -> SchedulerService:
     return SchedulerService(
         Tokenizer(model_dir), args.model_name or model_display_name(model_dir), registry, directory,
         max_model_len=model_limits(model_dir), max_queue=args.max_queue, queue_timeout=args.queue_timeout,
-        admin_token=env.admin_token(),
+        admin_token=env.admin_token(), placement=args.placement, runner_token=env.runner_token(),
     )
 
 

@@ -70,3 +70,17 @@ def pvc_root() -> Path:
 def fused_ops() -> bool:
     """LORAFLEET_FUSED_OPS: use flashinfer's fused norm / activation / RoPE kernels on CUDA (default 1)."""
     return _str("LORAFLEET_FUSED_OPS", "1").lower() not in ("0", "false", "no")
+
+
+def runner_token() -> str | None:
+    """LORAFLEET_RUNNER_TOKEN: the scheduler↔runner credential. Set on a runner, every route but
+    GET /healthz, /readyz and /metrics needs `Authorization: Bearer <token>`; set on a scheduler, it
+    sends that header to its runners. Unset or empty: no check (a laptop, or tests)."""
+    tok = os.environ.get("LORAFLEET_RUNNER_TOKEN", "")
+    return tok or None
+
+
+def engine_fault() -> str | None:
+    """LORAFLEET_ENGINE_FAULT: `step:N` makes the engine core raise in its N-th step. Only for testing
+    how a runner handles an engine crash; never set it in production."""
+    return os.environ.get("LORAFLEET_ENGINE_FAULT") or None

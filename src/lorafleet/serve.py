@@ -1,8 +1,11 @@
-"""`lorafleet serve`: the scheduler plus N runner processes on this machine.
+"""`lorafleet serve`: the scheduler plus N runners on this machine.
 
-Runners are child processes in their own session (so Ctrl-C reaches only this process,
-which then shuts down in order: stop accepting, finish or cancel in-flight requests,
-stop runners). Each child also gets SIGTERM if this process dies (no orphans).
+Each runner is a front process with its engine core as a child; runners run in their own
+session (so Ctrl-C reaches only this process, which then shuts down in order: stop
+accepting, finish or cancel in-flight requests, stop runners, each of which stops its
+engine core). A runner gets SIGTERM if this process dies, an engine core SIGKILL if its
+front dies (no orphans). Scheduler and runners share a random runner credential
+(LORAFLEET_RUNNER_TOKEN) made here unless one is set.
 """
 
 from __future__ import annotations
@@ -11,11 +14,14 @@ import argparse
 import ctypes
 import json
 import logging
+import os
+import secrets
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -46,6 +52,12 @@ def runner_command(args: argparse.Namespace, model: str, port: int, rid: str, de
         cmd += ["--page-size", str(args.page_size)]
     if args.kv_cache_gb:
         cmd += ["--kv-cache-gb", str(args.kv_cache_gb)]
+    if getattr(args, "kv_fraction", None):
+        cmd += ["--kv-fraction", str(args.kv_fraction)]
+    if getattr(args, "lora_slots", None):
+        cmd += ["--lora-slots", str(args.lora_slots)]
+    if getattr(args, "no_cuda_graphs", False):
+        cmd.append("--no-cuda-graphs")
     return cmd
 
 
@@ -84,6 +96,13 @@ def wait_ready(procs: list[tuple[str, subprocess.Popen, str]], timeout: float) -
                     if r.status == 200:
                         pending.discard(rid)
                         log.info("runner %s ready at %s", rid, url)
+            except urllib.error.HTTPError as exc:
+                try:
+                    error = json.loads(exc.read()).get("error")
+                except ValueError:
+                    error = None
+                if error:  # its engine core failed to load the model: no point in waiting
+                    raise RuntimeError(f"runner {rid}: {error}") from None
             except OSError:
                 pass
         if time.monotonic() > deadline:
@@ -142,6 +161,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--grace-seconds", type=float, default=20.0, help="time to finish in-flight requests on stop")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for runners to load")
+    p.add_argument("--kv-fraction", type=float, default=None, help="GPU: share of free memory for each runner's KV cache")
+    p.add_argument("--lora-slots", type=int, default=None,
+                   help="adapters resident on each runner's device at once")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="runners step eagerly on CUDA")
+    from lorafleet.scheduler.server import add_placement_argument
+
+    add_placement_argument(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -170,12 +196,15 @@ def run(args: argparse.Namespace) -> int:
 
     procs = []
     devices = runner_devices(args.device, args.runners)
+    # One credential for this machine's scheduler and runners (CONTRACT: LORAFLEET_RUNNER_TOKEN).
+    token = env.runner_token() or secrets.token_urlsafe(32)
+    child_env = {**os.environ, "LORAFLEET_RUNNER_TOKEN": token}
     try:
         for i, dev in enumerate(devices):
             port = free_port("127.0.0.1")
             rid = f"runner-{i}"
             proc = subprocess.Popen(runner_command(args, str(model_path), port, rid, dev), start_new_session=True,
-                                    preexec_fn=_die_with_parent)
+                                    preexec_fn=_die_with_parent, env=child_env)
             procs.append((rid, proc, f"http://127.0.0.1:{port}"))
         log.info("started %d runner(s) on %s; loading %s", len(procs), ", ".join(devices), model_path.name)
         wait_ready(procs, args.ready_timeout)
@@ -184,6 +213,7 @@ def run(args: argparse.Namespace) -> int:
             Tokenizer(tok_dir), args.model_name or model_display_name(tok_dir if model_path.is_dir() else model_path),
             registry, directory,
             max_model_len=model_limits(tok_dir), admin_token=env.admin_token(), grace_seconds=args.grace_seconds,
+            placement=args.placement, runner_token=token,
         )
         app = create_app(service)
         url = f"http://{args.host}:{args.port}"
