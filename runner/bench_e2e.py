@@ -25,6 +25,7 @@ import torch
 from lorafleet.common.workloads import assign, sharegpt_requests  # noqa: F401 (re-exported)
 from lorafleet.runner import synthetic
 from lorafleet.runner.synthetic import LLAMA2_7B
+from lorafleet.scheduler.simulate import fit_step_model
 
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
@@ -142,17 +143,6 @@ def run_mix(engine, reqs, names, weights_of, label: str, log) -> dict:
                              for k, v in res["runner_phases_ms"].items()))
     res["_steps"] = steps
     return res
-
-
-def fit_step_model(steps) -> dict:
-    """Least squares: step_ms = a + b * decode_batch + c * prefill_tokens."""
-    if not any(nd or pf for pf, nd, _ in steps):
-        return {}
-    X = np.array([[1.0, nd, pf] for pf, nd, dt in steps if nd or pf])
-    y = np.array([1000 * dt for pf, nd, dt in steps if nd or pf])
-    coef, *_ = np.linalg.lstsq(X, y, rcond=None)
-    return {"decode_base_ms": round(float(coef[0]), 4), "decode_per_req_ms": round(float(coef[1]), 5),
-            "prefill_per_token_ms": round(float(coef[2]), 6)}
 
 
 def profile_breakdown(engine, reqs, log) -> dict:

@@ -6,7 +6,8 @@ file `synthetic.json` ({"seed": int, "std": float}) instead of safetensors. A ru
 with `random_model`, so two processes with the same directory and device get identical
 weights. `lorafleet bench e2e` builds the same weights in-process.
 
-    write_synthetic_model(dir, LLAMA2_7B, seed=0, tokenizer_from=demo_model_dir)
+    write_synthetic_model(dir, LLAMA2_7B, seed=0, tokenizer_from=demo_model_dir)   # no torch needed
+    write_synthetic_adapter(dir, base_shape_dims, rank, seed)                       # PEFT, fp16, numpy
     is_synthetic(dir) -> bool
     random_model(device, dtype, seed, hf_config) -> LlamaModel          # [vocab, hidden] etc.
 """
@@ -16,8 +17,6 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-
-import torch
 
 MARKER = "synthetic.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
@@ -48,6 +47,8 @@ def write_synthetic_model(path: Path, hf_config: dict, *, seed: int = 0, std: fl
 
 def random_model(device, dtype, seed: int, hf_config: dict = LLAMA2_7B, std: float = 0.02, name: str = "llama-2-7b-shape"):
     """A LlamaModel with N(0, std) weights and unit norms, drawn on `device` from `seed`."""
+    import torch
+
     from lorafleet.runner.config import ModelConfig
     from lorafleet.runner.model.llama import LlamaModel
 
@@ -86,3 +87,32 @@ def load_synthetic(path: str | Path, device, dtype):
     hf = json.loads((path / "config.json").read_text())
     name = str(hf.pop("_name_or_path", path.name)).rstrip("/").rsplit("/", 1)[-1]
     return random_model(device, dtype, int(marker.get("seed", 0)), hf, float(marker.get("std", 0.02)), name)
+
+
+def write_synthetic_adapter(path: Path, hf_config: dict, rank: int, seed: int, targets=("q", "k", "v", "o", "gate", "up", "down"),
+                            std: float = 0.01) -> Path:
+    """A PEFT LoRA adapter (fp16, scaling 1) with N(0, std) A and B on `targets` of every layer; numpy only."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from lorafleet.common.projections import HF_MODULE, proj_shape
+
+    H, I = hf_config["hidden_size"], hf_config["intermediate_size"]
+    heads = hf_config["num_attention_heads"]
+    hd = hf_config.get("head_dim") or H // heads
+    q, kv = heads * hd, (hf_config.get("num_key_value_heads") or heads) * hd
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for layer in range(hf_config["num_hidden_layers"]):
+        for p in targets:
+            i, o = proj_shape(p, H, I, q, kv)
+            key = f"base_model.model.model.layers.{layer}.{HF_MODULE[p]}"
+            tensors[key + ".lora_A.weight"] = (rng.standard_normal((rank, i), dtype=np.float32) * std).astype(np.float16)
+            tensors[key + ".lora_B.weight"] = (rng.standard_normal((o, rank), dtype=np.float32) * std).astype(np.float16)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "bias": "none", "task_type": "CAUSAL_LM",
+         "target_modules": sorted({HF_MODULE[p].split(".")[-1] for p in targets}),
+         "base_model_name_or_path": hf_config.get("_name_or_path", "synthetic")}))
+    return path

@@ -2,52 +2,21 @@
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import time
 from dataclasses import dataclass, field
 
 from lorafleet.scheduler.registry import AdapterEntry
+from lorafleet.scheduler.sinks import Discard
 
 _order = itertools.count()
-
-
-class Sink:
-    """Where the requests of one API call report to their HTTP handler (shared by the `n` choices).
-
-    Events are `(index, [ids])` for new tokens and `(index, None, finish_reason, error)` at the end.
-    `push` never blocks and wakes the handler at most once however many events pile up, so a
-    handler that falls behind takes the tokens of several steps in one go.
-    """
-
-    __slots__ = ("events", "_waiter")
-
-    def __init__(self):
-        self.events: list[tuple] = []
-        self._waiter: asyncio.Future | None = None
-
-    def push(self, ev: tuple) -> None:
-        self.events.append(ev)
-        w = self._waiter
-        if w is not None:
-            self._waiter = None
-            if not w.done():
-                w.set_result(None)
-
-    async def wait(self) -> list[tuple]:
-        """Every event since the last call (waits for at least one)."""
-        if not self.events:
-            self._waiter = asyncio.get_running_loop().create_future()
-            await self._waiter
-        evs, self.events = self.events, []
-        return evs
 
 
 @dataclass(eq=False)
 class Request:
     """Prompt ids, ids generated so far (across runners) and where it runs now.
 
-    Its events go to `sink` (its HTTP handler). `arrival` never changes, so a migrated request
+    Its tokens and its end go to `sink` (`sinks.py`: straight to its client). `arrival` never changes, so a migrated request
     keeps its FCFS place. `rid` names it on its current runner (it changes on every re-placement,
     so a late event from a runner it left is never taken for the new one).
     """
@@ -60,7 +29,7 @@ class Request:
     sampling: dict  # temperature, top_p, top_k, seed, stop_token_ids, ignore_eos
     arrival: float = field(default_factory=time.time)
     generated: list[int] = field(default_factory=list)
-    sink: Sink = field(default_factory=Sink)
+    sink: object = field(default_factory=Discard)
     index: int = 0  # choice index within its API call
     runner_id: str | None = None
     rid: str | None = None
@@ -110,10 +79,10 @@ class Request:
         if self.first_token_time is None:
             self.first_token_time = time.time()
         self.generated += ids
-        self.sink.push((self.index, ids))
+        self.sink.tokens(self, ids)
 
     def finish(self, reason: str, error: str | None = None) -> None:
         if self.done:
             return
         self.done, self.finish_reason, self.error = True, reason, error
-        self.sink.push((self.index, None, reason, error))
+        self.sink.done(self, reason, error)

@@ -27,7 +27,8 @@ from lorafleet.scheduler.metrics import SchedulerMetrics
 from lorafleet.scheduler.placement import POLICIES
 from lorafleet.scheduler.openai_api import ApiError
 from lorafleet.scheduler.registry import AdapterRegistry
-from lorafleet.scheduler.request import Request, Sink
+from lorafleet.scheduler.request import Request
+from lorafleet.scheduler.sinks import CollectSink, StreamSink
 from lorafleet.scheduler.tokenizer import ChatTemplateError, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -135,7 +136,6 @@ class SchedulerService:
 
     def _make_requests(self, params: oa.GenParams, adapter, prompts: list[list[int]], chat: bool) -> list[Request]:
         reqs = []
-        sink = Sink()  # one handler reads the events of all n choices
         max_kv = self.cluster.max_total_kv()
         for p_ids in prompts:
             if len(p_ids) >= self.max_model_len:
@@ -156,7 +156,7 @@ class SchedulerService:
                     seed = secrets.randbits(48)
                 reqs.append(Request(
                     id=oa.new_id(chat)[-12:] + f"-{len(reqs)}", model=params.model, adapter=adapter,
-                    sink=sink, index=len(reqs),
+                    index=len(reqs),
                     prompt_ids=list(p_ids), max_tokens=max_tokens,
                     sampling={"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
                               "seed": seed, "stop_token_ids": list(params.stop_token_ids),
@@ -202,15 +202,22 @@ class SchedulerService:
         except ApiError as err:
             self.metrics.requests.labels(status=str(err.status)).inc()
             return error_response(err)
+        detoks = [IncrementalDetokenizer(self.tok, r.prompt_ids, params.stop) for r in reqs]
+        rid = oa.new_id(chat)
+        if params.stream:
+            enc = oa.ChunkEncoder(rid, params.model, chat)
+            sink = StreamSink(detoks, enc, chat, self._stop_string, lambda: self._client_gone(reqs))
+        else:
+            sink = CollectSink(detoks, self._stop_string)
         for r in reqs:
+            r.sink = sink
             self.metrics.prompt_tokens.inc(len(r.prompt_ids))
             self.in_flight.add(r)
             self.cluster.submit(r)
-        rid = oa.new_id(chat)
         try:
             if params.stream:
-                return await self._stream(request, rid, params, reqs, chat)
-            return await self._collect(rid, params, reqs, chat)
+                return await self._stream(request, rid, params, reqs, chat, sink, enc)
+            return await self._collect(rid, params, reqs, chat, sink)
         finally:
             for r in reqs:
                 if not r.done:
@@ -219,92 +226,52 @@ class SchedulerService:
                 self.in_flight.discard(r)
                 self.metrics.observe_finished(r, r.finish_reason or "cancelled")
 
-    def _outputs(self, reqs: list[Request], params: oa.GenParams):
-        """Turns the sink's events into ("text", index, str) and ("done", index, reason, error) items.
+    def _stop_string(self, req: Request) -> None:
+        """A stop string was hit: the request ends here and is cancelled on its runner."""
+        req.finish("stop")
+        self.cluster.cancel(req)
 
-        Tokens that arrived together for one choice become one text piece (one SSE chunk)."""
-        detoks = [IncrementalDetokenizer(self.tok, r.prompt_ids, params.stop) for r in reqs]
-        cluster = self.cluster
+    def _client_gone(self, reqs: list[Request]) -> None:
+        log.debug("client went away; cancelling %d request(s)", len(reqs))
+        for r in reqs:
+            if not r.done:
+                self.cluster.cancel(r)
+                r.finish("cancelled")
 
-        def convert(evs: list[tuple]) -> list[tuple]:
-            out: list[tuple] = []
-            texts: dict[int, list[str]] = {}
-            for ev in evs:
-                i = ev[0]
-                d = detoks[i]
-                if ev[1] is not None:
-                    text = d.push(ev[1])
-                    if d.stopped:
-                        req = reqs[i]
-                        req.finish("stop")  # its "done" event follows in the next batch
-                        cluster.cancel(req)
-                    if text:
-                        texts.setdefault(i, []).append(text)
-                    continue
-                pending = texts.pop(i, None)
-                if pending:
-                    out.append(("text", i, "".join(pending)))
-                if ev[2] in ("stop", "length"):
-                    tail = d.flush()
-                    if tail:
-                        out.append(("text", i, tail))
-                out.append(("done", i, ev[2], ev[3]))
-            for i, parts in texts.items():
-                out.append(("text", i, "".join(parts)))
-            return out
-
-        return convert
-
-    async def _collect(self, rid: str, params: oa.GenParams, reqs: list[Request], chat: bool) -> web.Response:
-        convert = self._outputs(reqs, params)
-        sink = reqs[0].sink
-        texts: list[list[str]] = [[] for _ in reqs]
-        ends: list[tuple | None] = [None] * len(reqs)
-        remaining = len(reqs)
-        while remaining:
-            for item in convert(await sink.wait()):
-                if item[0] == "text":
-                    texts[item[1]].append(item[2])
-                else:
-                    ends[item[1]] = item
-                    remaining -= 1
-        for end in ends:
-            _, _, reason, error = end
+    async def _collect(self, rid: str, params: oa.GenParams, reqs: list[Request], chat: bool,
+                       sink: CollectSink) -> web.Response:
+        await sink.finished
+        for reason, error in sink.ends:
             if reason not in ("stop", "length"):
                 err = ApiError(500, f"generation failed: {error or reason}", code="generation_failed")
                 if error and "adapter" in error:
                     err = ApiError(500, error, param="model", code="adapter_failed")
                 return error_response(err)
-        choices = [oa.choice(i, "".join(texts[i]), ends[i][2], chat) for i in range(len(reqs))]
+        choices = [oa.choice(i, "".join(sink.parts[i]), sink.ends[i][0], chat) for i in range(len(reqs))]
         use = oa.usage(sum(len(r.prompt_ids) for r in reqs[:: params.n]), sum(len(r.generated) for r in reqs))
         return web.json_response(oa.completion_body(rid, params.model, chat, choices, use))
 
-    async def _stream(self, request: web.Request, rid: str, params: oa.GenParams, reqs: list[Request], chat: bool):
+    async def _stream(self, request: web.Request, rid: str, params: oa.GenParams, reqs: list[Request], chat: bool,
+                      sink: StreamSink, enc: oa.ChunkEncoder) -> web.StreamResponse:
+        """SSE: the first write goes through aiohttp (headers); then the sink writes each chunk itself
+        as tokens arrive (`sinks.py`); this coroutine only steps in for a slow reader and the end."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        enc = oa.ChunkEncoder(rid, params.model, chat)
-        convert = self._outputs(reqs, params)
-        sink = reqs[0].sink
+        chunked = resp.headers.get("Transfer-Encoding") == "chunked"  # aiohttp frames HTTP/1.1 bodies
         try:
             if chat:
                 await resp.write(b"".join(enc.chunk(i, "", None, role=True) for i in range(len(reqs))))
-            remaining = len(reqs)
-            while remaining:
-                parts = []
-                for item in convert(await sink.wait()):
-                    if item[0] == "text":
-                        parts.append(enc.text(item[1], item[2]))
-                        continue
-                    remaining -= 1
-                    _, index, reason, error = item
-                    if reason in ("stop", "length"):
-                        parts.append(enc.chunk(index, None if chat else "", reason))
-                    else:
-                        parts.append(enc.event({"error": {"message": f"generation failed: {error or reason}",
-                                                          "type": "server_error", "param": None,
-                                                          "code": "generation_failed"}}))
-                if parts:
-                    await resp.write(parts[0] if len(parts) == 1 else b"".join(parts))
+                sink.attach(request.transport, chunked)
+            while not sink.finished or sink.buf:
+                await sink.wait()
+                data = sink.take()
+                if data:
+                    await resp.write(data)
+                if not sink.finished:
+                    sink.attach(request.transport, chunked)
+            if sink.gone:
+                return resp
+            sink.transport = None
             tail = []
             if params.include_usage:
                 use = oa.usage(sum(len(r.prompt_ids) for r in reqs[:: params.n]), sum(len(r.generated) for r in reqs))
