@@ -16,11 +16,11 @@ pytestmark = pytest.mark.timeout(300)
 def test_bench_relay_counts_every_token(demo_model, tmp_path):
     out = tmp_path / "relay.json"
     r = subprocess.run([sys.executable, "-m", "lorafleet", "bench", "relay", "--model", str(demo_model), "--streams", "32",
-                        "--requests", "64", "--tokens", "20", "--runners", "2", "--step-ms", "5", "0", "--out", str(out)],
+                        "--requests", "64", "--tokens", "20", "--runners", "2", "--step-ms", "0", "5", "--out", str(out)],
                        capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     res = json.loads(out.read_text())
-    assert [x["step_ms"] for x in res["runs"]] == [5.0, 0.0]
+    assert [x["step_ms"] for x in res["runs"]] == [0.0, 5.0]
     for x in res["runs"]:
         assert x["relayed_tokens"] == 64 * 20 and x["failed"] == 0
         assert x["scheduler_cpu_s"] > 0 and x["relay_tokens_per_cpu_s"] == round(x["relayed_tokens"] / x["scheduler_cpu_s"])
