@@ -185,9 +185,10 @@ async def test_least_loaded_placement_spreads_and_busy_time_is_counted(tiny_chat
 
 
 async def test_scheduler_without_the_runner_credential_sees_no_healthy_runner(tiny_chat_llama, wide):
-    async with Scheduler(tiny_chat_llama, wide[:1], runner_token="wrong") as s:
-        await asyncio.sleep(0.5)
-        assert not s.service.cluster.any_healthy()
+    async with Scheduler(tiny_chat_llama, wide[:1], runner_token="wrong", wait_healthy=False) as s:
+        runner = s.service.cluster.runners["runner-0"]
+        await wait_for(lambda: asyncio.sleep(0, result=runner.failures >= 2))  # its polls were refused
+        assert not s.service.cluster.any_healthy() and not runner.connected
         r = await s.client.post("/v1/completions", json={"model": "tiny", "prompt": [5, 6], "max_tokens": 2})
         assert r.status == 503
 
