@@ -41,6 +41,13 @@ def test_bench_serve_sweep_with_offline_peer(tiny_chat_llama, tmp_path):
     assert (tmp_path / "work" / "adapters" / "distinct-3").resolve() == (tmp_path / "work" / "adapters" / "w1").resolve()
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| busiest | distinct | inf |" in r.stdout and "| offline engine | base |" in r.stdout
+    # runs made in parts (one per placement or mix group on a GPU machine) merge into one file
+    merged = tmp_path / "merged.json"
+    m = subprocess.run([sys.executable, "-m", "lorafleet", "bench", "serve", "--merge", str(out), str(out),
+                        "--out", str(merged)], capture_output=True, text=True, timeout=60)
+    assert m.returncode == 0, m.stderr
+    mres = json.loads(merged.read_text())
+    assert len(mres["runs"]) == 2 * len(res["runs"]) and mres["serve"] == res["serve"]
     # the simulator's step model refitted from this run's measured steps
     model = refit([out])
     assert isinstance(model, StepModel) and model.decode_base_ms != StepModel().decode_base_ms

@@ -250,6 +250,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--work-dir", type=Path, default=None, help="model, adapters and logs (default: a temp dir)")
     o.add_argument("--out", type=Path, default=Path("bench_serve.json"))
     o.add_argument("--plot", type=Path, default=None, help="latency-versus-rate PNG")
+    o.add_argument("--merge", type=Path, nargs="+", default=None, metavar="JSON",
+                   help="only merge result files of earlier runs (e.g. one per mix group or placement) into --out, "
+                        "with their table, `serve` summary and --plot")
+
+
+def merge(paths: list[Path]) -> dict:
+    parts = [json.loads(Path(f).read_text()) for f in paths]
+    runs = [r for part in parts for r in part["runs"]]
+    offline = {m: o for part in parts for m, o in (part.get("offline") or {}).items()}
+    steps = [s for part in parts for s in part.get("offline_steps") or []]
+    out = {k: parts[0].get(k) for k in ("model", "max_batch_size", "device")}
+    out.update(date=max(part["date"] for part in parts), merged_from=[str(f) for f in paths], runs=runs,
+               offline=offline, serve=headline(runs, offline),
+               runners=sorted({part.get("runners") for part in parts}),
+               requests=sorted({part.get("requests") for part in parts}))
+    if steps:
+        from lorafleet.scheduler.simulate import fit_step_model
+
+        out["offline_steps"], out["step_model"] = steps, fit_step_model(steps)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -257,6 +277,13 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     args = p.parse_args(argv)
+    if args.merge:
+        merged = merge(args.merge)
+        args.out.write_text(json.dumps(merged, indent=1))
+        print_table(merged["runs"], merged["offline"])
+        if args.plot:
+            plot(merged["runs"], args.plot)
+        return 0
     rates = [parse_rate(r) for r in args.rates]
     offline_on = args.offline if args.offline is not None else args.url is None
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="lorafleet-bench-serve-"))
