@@ -22,14 +22,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lorafleet.common.workloads import assign
+from lorafleet.common.workloads import assign, sharegpt_requests  # noqa: F401 (re-exported)
+from lorafleet.runner import synthetic
+from lorafleet.runner.synthetic import LLAMA2_7B
+from lorafleet.scheduler.simulate import fit_step_model
 
 # Llama-2-7B's shape; the context is 16k (not 4k) so that the long-prompt interference run fits
 # 8k-token prompts (RoPE is unscaled: the weights are random anyway).
-LLAMA2_7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                 num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=16384,
-                 rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1,
-                 eos_token_id=2, model_type="llama")
+LLAMA2_7B = dict(LLAMA2_7B, max_position_embeddings=16384)
 LLAMA2_70B = dict(LLAMA2_7B, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
                   num_key_value_heads=8)
 # a small GQA shape for the CPU tests of the benchmark's own plumbing
@@ -67,40 +67,9 @@ def floor_seconds(fm: dict, steps) -> float:
     return t
 
 
-def sharegpt_requests(n: int, seed: int, vocab: int) -> list[tuple[list[int], int]]:
-    """(prompt ids, output length) pairs; lognormal fits of filtered ShareGPT lengths."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        p = int(np.clip(rng.lognormal(5.2, 0.85), 8, 1536))
-        o = int(np.clip(rng.lognormal(5.22, 0.75), 8, 1024))
-        out.append((rng.integers(3, vocab, size=p).tolist(), o))
-    return out
-
-
 def random_model(device, dtype, seed: int):
-    from lorafleet.runner.config import ModelConfig
-    from lorafleet.runner.model.llama import LlamaModel
-
-    cfg = ModelConfig.from_hf(LLAMA2_7B, name="llama-2-7b-shape")
-    g = torch.Generator(device=device).manual_seed(seed)
-
-    def rnd(*shape, std=0.02):
-        return (torch.randn(*shape, generator=g, device=device) * std).to(dtype)
-
-    H, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    t = {"model.embed_tokens.weight": rnd(V, H), "model.norm.weight": torch.ones(H, dtype=dtype, device=device),
-         "lm_head.weight": rnd(V, H)}
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        for n in ("q", "k", "v", "o"):
-            t[p + f"self_attn.{n}_proj.weight"] = rnd(H, H)
-        t[p + "mlp.gate_proj.weight"] = rnd(I, H)
-        t[p + "mlp.up_proj.weight"] = rnd(I, H)
-        t[p + "mlp.down_proj.weight"] = rnd(H, I)
-        t[p + "input_layernorm.weight"] = torch.ones(H, dtype=dtype, device=device)
-        t[p + "post_attention_layernorm.weight"] = torch.ones(H, dtype=dtype, device=device)
-    return LlamaModel(cfg, t, dtype, device)
+    """The 7B-shape model with seeded random weights (the same weights a synthetic model directory gives)."""
+    return synthetic.random_model(device, dtype, seed, LLAMA2_7B)
 
 
 def random_adapters(base, population: int, rank: int, dtype, device, seed: int):
@@ -217,17 +186,6 @@ def run_mix(engine, reqs, names, weights_of, label: str, log, fm: dict | None = 
                              for k, v in res["runner_phases_ms"].items()))
     res["_steps"] = steps
     return res
-
-
-def fit_step_model(steps) -> dict:
-    """Least squares: step_ms = a + b * decode_batch + c * prefill_tokens."""
-    if not any(st[0] or st[1] for st in steps):
-        return {}
-    X = np.array([[1.0, st[1], st[0]] for st in steps if st[0] or st[1]])
-    y = np.array([1000 * st[2] for st in steps if st[0] or st[1]])
-    coef, *_ = np.linalg.lstsq(X, y, rcond=None)
-    return {"decode_base_ms": round(float(coef[0]), 4), "decode_per_req_ms": round(float(coef[1]), 5),
-            "prefill_per_token_ms": round(float(coef[2]), 6)}
 
 
 def profile_breakdown(engine, reqs, log, source_of=str) -> dict:

@@ -1,16 +1,31 @@
-"""`lorafleet runner`: the engine behind HTTP (see docs/api.md for the protocol).
+"""`lorafleet runner`: the HTTP front of one runner (see docs/api.md for the protocol).
 
-POST /v1/generate streams NDJSON token events of one request; closing the stream cancels
-it. The engine runs on its own thread (`EngineLoop`), so the event loop stays responsive.
+The front is asyncio only; the engine runs in its own process, the engine core
+(`engine_core.py`), which owns the device. The two talk over one socketpair (`channel.py`).
+The front never imports torch.
+
+    GET  /v1/stream?id=S        one long-lived NDJSON stream per scheduler: every engine step's new
+                                tokens of all that scheduler's requests in one line (`stream.py`)
+    POST /v1/generate           submit one request on stream S (202; its tokens arrive on S)
+    POST /v1/cancel/{id}        cancel (also done for every request of a stream that closes)
+    GET  /state, POST /v1/adapters/validate, GET /healthz, /readyz, /metrics
+
+With LORAFLEET_RUNNER_TOKEN set, every route except GET /healthz, /readyz and /metrics needs
+`Authorization: Bearer <token>`. An engine core that dies (a failed step, SIGKILL, any exit)
+makes /healthz answer 500 with the reason and ends every in-flight request with
+finish_reason "aborted", which the scheduler re-places on another runner.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import hmac
 import json
 import logging
 import os
+import secrets
 import socket
 import time
 
@@ -19,19 +34,18 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from lorafleet import env
-from lorafleet.common.peft_config import AdapterError
-from lorafleet.runner.sequence import (
-    AdapterRef,
-    SamplingError,
-    SamplingParams,
-    Sequence,
-    parse_token_ids,
-    sampling_from_dict,
-)
+from lorafleet.common.peft_config import AdapterError, BaseShape
+from lorafleet.runner.engine_client import EngineClient
+from lorafleet.runner.sequence import SamplingError, SamplingParams, parse_token_ids, sampling_from_dict
+from lorafleet.runner.stream import RunnerStream, hello_line
 
 log = logging.getLogger(__name__)
 
 MAX_BODY = 16 * 1024 * 1024
+OPEN_ROUTES = frozenset({"/healthz", "/readyz", "/metrics"})  # GET without the runner credential
+EMPTY_STATE = {"batch_size": 0, "max_batch_size": 0, "waiting": 0, "free_kv_tokens": 0, "total_kv_tokens": 0,
+               "idle_seconds": 0.0, "running_adapters": {}, "waiting_adapters": {}, "resident_adapters": [],
+               "adapter_pool": {}}
 
 
 class BadRequest(ValueError):
@@ -67,6 +81,22 @@ def parse_generate(body: dict) -> tuple[str, list[int], SamplingParams, dict | N
     return rid, ids, params, adapter, arrival
 
 
+def bearer_middleware(token: str):
+    """401 unless `Authorization: Bearer <token>` (constant-time compare); probes stay open."""
+    want = f"Bearer {token}".encode()
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        if request.method == "GET" and request.path in OPEN_ROUTES:
+            return await handler(request)
+        got = request.headers.get("Authorization", "").encode()
+        if not hmac.compare_digest(got, want):
+            return web.json_response({"error": "missing or wrong runner credential"}, status=401)
+        return await handler(request)
+
+    return check
+
+
 class StateCollector:
     """Prometheus metrics read from the engine's last snapshot at scrape time."""
 
@@ -80,6 +110,7 @@ class StateCollector:
         yield g("lorafleet_runner_waiting_requests", "Requests waiting to join the batch", value=st["waiting"])
         yield g("lorafleet_runner_kv_free_tokens", "Free KV cache tokens", value=st["free_kv_tokens"])
         yield g("lorafleet_runner_kv_total_tokens", "KV cache tokens", value=st["total_kv_tokens"])
+        yield g("lorafleet_runner_engine_up", "1 while the engine core process is alive", value=1.0 if self.r.engine.alive else 0.0)
         pool = st.get("adapter_pool") or {}
         yield g("lorafleet_runner_adapter_slots", "Adapter slots in the device pool", value=pool.get("gpu_slots", 0))
         yield g("lorafleet_runner_adapter_slots_used", "Adapter slots in use", value=pool.get("gpu_used", 0))
@@ -105,144 +136,189 @@ class StateCollector:
 
 
 class RunnerService:
-    def __init__(self, engine_factory, runner_id: str, grace_seconds: float = 30.0):
-        self.engine_factory = engine_factory
+    """The front: streams, submits and cancels to the engine core; health from the core's fate."""
+
+    def __init__(self, engine: EngineClient, runner_id: str, grace_seconds: float = 30.0):
+        self.engine = engine
         self.id = runner_id
         self.grace_seconds = grace_seconds
-        self.engine = None
-        self.loop_ = None
-        self.load_error: str | None = None
         self.draining = False
         self.tokens_out = 0
         self.finished: dict[str, int] = {}
+        self.streams: dict[str, RunnerStream] = {}
+        self.pending: dict[str, RunnerStream] = {}  # waiting for their adapter to be fetched
+        self.cancelled_pending: set[str] = set()
+        self.adapter_dirs: dict[tuple, str] = {}  # (name, source, sha256) -> local folder
         self.registry = CollectorRegistry()
         self.registry.register(StateCollector(self))
+        self.engine.on_step.append(self._count)
+        self._start_task: asyncio.Task | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self, app: web.Application) -> None:
-        from lorafleet.runner.loop import EngineLoop
+        # The model loads in the background: /healthz answers at once, /readyz once it is loaded.
+        self._start_task = asyncio.create_task(self._start_engine())
 
-        loop = asyncio.get_running_loop()
+    async def _start_engine(self) -> None:
         try:
-            self.engine = await loop.run_in_executor(None, self.engine_factory)
+            await self.engine.start()
         except Exception as exc:
-            log.exception("model load failed")
-            self.load_error = f"{type(exc).__name__}: {exc}"
+            log.exception("engine core did not start")
+            self.engine.error = f"engine core did not start: {type(exc).__name__}: {exc}"
             return
-        self.loop_ = EngineLoop(self.engine, loop)
-        self.loop_.on_outputs.append(self._count)
-        self.loop_.start()
-        log.info("runner %s ready", self.id)
+        if self.engine.ready:
+            log.info("runner %s ready (engine core pid %s)", self.id, self.engine.pid)
 
     async def stop(self, app: web.Application) -> None:
+        """SIGTERM / Ctrl-C: stop taking work, let in-flight requests finish (up to the grace time),
+        cancel the rest, close the streams, stop the engine core (it is always reaped)."""
         self.draining = True
-        if self.loop_ is None:
-            return
         deadline = time.monotonic() + self.grace_seconds
-        while self.loop_.in_flight and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
-        for seq_id in list(self.loop_._queues):
-            self.loop_.cancel(seq_id)
-        await asyncio.sleep(0.2)
-        await asyncio.get_running_loop().run_in_executor(None, self.loop_.stop)
+        while (self.engine.owners or self.pending) and self.engine.alive and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for rid in list(self.engine.owners):
+            self.engine.cancel(rid)
+        for rid in list(self.pending):
+            self.cancelled_pending.add(rid)
+        t0 = time.monotonic()
+        while self.engine.owners and self.engine.alive and time.monotonic() - t0 < 2.0:
+            await asyncio.sleep(0.02)
+        await self.engine.stop(timeout=10.0)
+        for st in list(self.streams.values()):
+            st.close()
+        if self._start_task is not None and not self._start_task.done():
+            self._start_task.cancel()
 
-    def _count(self, outputs) -> None:
-        for o in outputs:
-            self.tokens_out += len(o.new_token_ids)
-            if o.finished:
-                self.finished[o.finish_reason] = self.finished.get(o.finish_reason, 0) + 1
+    def _count(self, entries: list[list]) -> None:
+        n = 0
+        for e in entries:
+            n += len(e[1])
+            if e[2] is not None:
+                self.finished[e[2]] = self.finished.get(e[2], 0) + 1
+        self.tokens_out += n
 
     @property
     def ready(self) -> bool:
-        return self.loop_ is not None and self.loop_.alive and not self.draining
+        return self.engine.ready and not self.draining
 
     def state(self) -> dict:
-        snap = dict(self.loop_.snapshot) if self.loop_ else {
-            "batch_size": 0, "max_batch_size": 0, "waiting": 0, "free_kv_tokens": 0, "total_kv_tokens": 0,
-            "idle_seconds": 0.0, "running_adapters": {}, "waiting_adapters": {}, "resident_adapters": [],
-            "adapter_pool": {},
-        }
-        snap.update(id=self.id, ready=self.ready, draining=self.draining)
-        if self.engine is not None:
-            snap["page_size"] = self.engine.config.page_size
-            snap["max_model_len"] = self.engine.max_model_len
-            snap["model"] = self.engine.model_config.name
-        if self.load_error:
-            snap["error"] = self.load_error
+        snap = dict(self.engine.snapshot or EMPTY_STATE)
+        info = self.engine.info
+        snap.update(id=self.id, ready=self.ready, draining=self.draining,
+                    engine={"pid": self.engine.pid, "alive": self.engine.alive})
+        if info:
+            snap.update(page_size=info["page_size"], max_model_len=info["max_model_len"], model=info["model"])
+        if self.engine.error:
+            snap["error"] = self.engine.error
         return snap
 
-    # -- handlers -----------------------------------------------------------------------------------
-    async def generate(self, request: web.Request) -> web.StreamResponse:
+    # -- streams and requests -------------------------------------------------------------------
+    async def stream(self, request: web.Request) -> web.StreamResponse:
         if not self.ready:
-            return web.json_response({"error": self.load_error or "runner is not ready"}, status=503)
+            return web.json_response({"error": self.engine.error or "runner is not ready"}, status=503)
+        sid = request.query.get("id") or secrets.token_hex(8)
+        if sid in self.streams:
+            return web.json_response({"error": f"stream {sid} is already open"}, status=409)
+        st = RunnerStream(sid)
+        self.streams[sid] = st
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson", "Cache-Control": "no-cache"})
+        try:
+            await resp.prepare(request)
+            await resp.write(hello_line(self.id, sid, {"page_size": self.engine.info.get("page_size")}))
+            while True:
+                data = await st.next_chunk()
+                if data is None:
+                    break
+                await resp.write(data)
+        except (ConnectionResetError, ConnectionError):
+            log.info("stream %s went away", sid)
+        finally:
+            del self.streams[sid]
+            st.closed = True
+            mine = self.engine.in_flight(st) + [rid for rid, s in self.pending.items() if s is st]
+            for rid in mine:  # its scheduler is gone: free the pages of its requests now
+                self.cancelled_pending.add(rid) if rid in self.pending else self.engine.cancel(rid)
+            if mine:
+                log.info("stream %s closed; cancelled %d request(s)", sid, len(mine))
+        return resp
+
+    async def generate(self, request: web.Request) -> web.Response:
+        if not self.ready:
+            return web.json_response({"error": self.engine.error or "runner is not ready"}, status=503)
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
             return web.json_response({"error": "body is not valid JSON"}, status=400)
         try:
             rid, ids, params, adapter, arrival = parse_generate(body)
+            vocab = self.engine.info.get("vocab_size")
+            if vocab and max(ids) >= vocab:
+                raise BadRequest(f"prompt_token_ids must be below the vocabulary size {vocab}")
+            if any(t >= vocab for t in params.stop_token_ids) if vocab else False:
+                raise BadRequest(f"stop_token_ids must be below the vocabulary size {vocab}")
         except BadRequest as exc:
             return web.json_response({"error": str(exc)}, status=400)
-        if rid in self.loop_._queues:
+        st = self.streams.get(body.get("stream") or "")
+        if st is None:
+            return web.json_response({"error": "unknown stream: open GET /v1/stream?id=... first and name it in "
+                                               "the request's `stream` field"}, status=404)
+        if rid in self.engine.owners or rid in self.pending:
             return web.json_response({"error": f"request {rid} is already running"}, status=409)
-        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
-        await resp.prepare(request)
-        ref = None
+        wire = {"id": rid, "prompt_ids": ids, "sampling": dataclasses.asdict(params), "adapter": None,
+                "arrival": float(arrival) if arrival is not None else time.time()}
         if adapter is not None:
-            from lorafleet.runner.adapter_fetch import local_adapter_dir
+            key = (adapter["name"], adapter["source"], adapter.get("sha256"))
+            local = self.adapter_dirs.get(key)
+            if local is None:  # fetch (or check) it off the event loop; the request waits, not the POST
+                self.pending[rid] = st
+                asyncio.create_task(self._fetch_then_submit(key, wire, st))
+                return web.json_response({"request_id": rid, "accepted": True}, status=202)
+            wire["adapter"] = {"name": key[0], "source": local, "sha256": key[2]}
+        self.engine.submit(wire, st)
+        return web.json_response({"request_id": rid, "accepted": True}, status=202)
 
-            try:
-                local = await asyncio.get_running_loop().run_in_executor(
-                    None, local_adapter_dir, adapter["name"], adapter["source"], adapter.get("sha256"))
-            except AdapterError as exc:
-                await resp.write(json.dumps({"finish_reason": "error", "error": str(exc), "output_token_ids": []}).encode() + b"\n")
-                return resp
-            ref = AdapterRef(adapter["name"], str(local), adapter.get("sha256"))
+    async def _fetch_then_submit(self, key: tuple, wire: dict, st: RunnerStream) -> None:
+        from lorafleet.runner.adapter_fetch import local_adapter_dir
+
+        rid = wire["id"]
         try:
-            seq = Sequence(rid, ids, params, ref, arrival=float(arrival) if arrival is not None else time.time())
-        except SamplingError as exc:
-            await resp.write(json.dumps({"finish_reason": "error", "error": str(exc), "output_token_ids": []}).encode() + b"\n")
-            return resp
-        q = self.loop_.submit(seq)
-        finished = False
-        try:
-            while True:
-                out = await q.get()
-                if out.new_token_ids:
-                    await resp.write(json.dumps({"token_ids": out.new_token_ids}).encode() + b"\n")
-                if out.finished:
-                    final = {"finish_reason": out.finish_reason, "output_token_ids": out.output_ids or []}
-                    if out.error:
-                        final["error"] = out.error
-                    await resp.write(json.dumps(final).encode() + b"\n")
-                    finished = True
-                    break
-        except ConnectionResetError:
-            log.debug("client of %s went away", rid)
-        finally:
-            if not finished:
-                self.loop_.cancel(rid)  # client went away: free the request's pages now
-        return resp
+            local = await asyncio.get_running_loop().run_in_executor(None, local_adapter_dir, *key)
+        except AdapterError as exc:
+            self.pending.pop(rid, None)
+            self.cancelled_pending.discard(rid)
+            st.deliver([[rid, [], "error", str(exc)]])
+            return
+        self.adapter_dirs[key] = str(local)
+        self.pending.pop(rid, None)
+        if rid in self.cancelled_pending or st.closed or not self.engine.alive:
+            self.cancelled_pending.discard(rid)
+            st.deliver([[rid, [], "cancelled" if self.engine.alive else "aborted", self.engine.error]])
+            return
+        wire["adapter"] = {"name": key[0], "source": str(local), "sha256": key[2]}
+        self.engine.submit(wire, st)
 
     async def cancel(self, request: web.Request) -> web.Response:
         rid = request.match_info["request_id"]
-        known = self.loop_ is not None and rid in self.loop_._queues
-        if known:
-            self.loop_.cancel(rid)
+        known = rid in self.engine.owners or rid in self.pending
+        if rid in self.pending:
+            self.cancelled_pending.add(rid)
+        elif known:
+            self.engine.cancel(rid)
         return web.json_response({"request_id": rid, "cancelled": known})
 
     async def get_state(self, request: web.Request) -> web.Response:
         return web.json_response(self.state())
 
     async def healthz(self, request: web.Request) -> web.Response:
-        if self.load_error:
-            return web.json_response({"ok": False, "error": self.load_error}, status=500)
-        if self.loop_ is not None and not self.loop_.alive:
-            return web.json_response({"ok": False, "error": "engine thread stopped"}, status=500)
+        if self.engine.error and not (self.draining and not self.engine.alive):
+            return web.json_response({"ok": False, "error": self.engine.error}, status=500)
         return web.json_response({"ok": True})
 
     async def readyz(self, request: web.Request) -> web.Response:
-        return web.json_response({"ready": self.ready}, status=200 if self.ready else 503)
+        body = {"ready": self.ready}
+        if self.engine.error:
+            body["error"] = self.engine.error
+        return web.json_response(body, status=200 if self.ready else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.registry), content_type="text/plain")
@@ -251,7 +327,8 @@ class RunnerService:
         from lorafleet.common.peft_config import inspect_adapter
         from lorafleet.runner.adapter_fetch import local_adapter_dir
 
-        if self.engine is None:
+        info = self.engine.info
+        if not info:
             return web.json_response({"ok": False, "error": "runner is not ready"}, status=503)
         try:
             body = await request.json()
@@ -263,8 +340,7 @@ class RunnerService:
 
         def check():
             local = local_adapter_dir(name, source, body.get("sha256"))
-            return inspect_adapter(name, local, base=self.engine.model_config.base_shape(),
-                                   max_rank=self.engine.config.max_lora_rank)
+            return inspect_adapter(name, local, base=BaseShape(**info["base_shape"]), max_rank=info["max_lora_rank"])
 
         try:
             spec = await asyncio.get_running_loop().run_in_executor(None, check)
@@ -277,8 +353,9 @@ class RunnerService:
 SERVICE_KEY = web.AppKey("service", RunnerService)
 
 
-def create_app(service: RunnerService) -> web.Application:
-    app = web.Application(client_max_size=MAX_BODY)
+def create_app(service: RunnerService, token: str | None = None) -> web.Application:
+    app = web.Application(client_max_size=MAX_BODY, middlewares=[bearer_middleware(token)] if token else [])
+    app.router.add_get("/v1/stream", service.stream)
     app.router.add_post("/v1/generate", service.generate)
     app.router.add_post("/v1/cancel/{request_id}", service.cancel)
     app.router.add_post("/v1/adapters/validate", service.validate)
@@ -310,6 +387,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "--admit-wait-steps steps) so prompts share prefill steps (default: max batch / 8 on "
                         "CUDA, 1 on CPU)")
     p.add_argument("--admit-wait-steps", type=int, default=8, help="longest wait of admission batching, in steps")
+    p.add_argument("--max-step-tokens", type=int, default=None,
+                   help="chunked prefill: token rows per step, decodes included (default 2048 on CUDA)")
+    p.add_argument("--no-chunked-prefill", action="store_true",
+                   help="prefill whole prompts in one step (the old behaviour; long prompts stall decodes)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor parallelism: drive this many GPUs of the node as one engine (from --device on)")
 
 
 def engine_config(args: argparse.Namespace):
@@ -320,6 +403,7 @@ def engine_config(args: argparse.Namespace):
         kv_fraction=args.kv_fraction, kv_cache_gb=args.kv_cache_gb, max_lora_rank=args.max_lora_rank,
         lora_slots=args.lora_slots, max_model_len=args.max_model_len, dtype=args.dtype, device=args.device,
         cuda_graphs=not args.no_cuda_graphs, admit_batch=args.admit_batch, admit_wait_steps=args.admit_wait_steps,
+        max_step_tokens=args.max_step_tokens, chunked_prefill=False if args.no_chunked_prefill else None, tp=args.tp,
     )
 
 
@@ -332,21 +416,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p)
 
 
-def run(args: argparse.Namespace) -> int:
-    from lorafleet.runner.engine import Engine
+def engine_config_dict(args: argparse.Namespace) -> dict:
+    """The EngineConfig fields as plain JSON for the engine core's init message."""
+    d = dataclasses.asdict(engine_config(args))
+    d.pop("extra", None)
+    return d
 
+
+def service_from_args(args: argparse.Namespace, model: str) -> RunnerService:
     runner_id = args.id or env.runner_id() or f"{socket.gethostname()}:{args.port}"
+    client = EngineClient(model, engine_config_dict(args), log_level=str(args.log_level))
+    return RunnerService(client, runner_id, args.grace_seconds)
+
+
+def run(args: argparse.Namespace) -> int:
     model = args.model
     if "://" in model:
         from lorafleet.common.sources import fetch_model
 
         model = str(fetch_model(model, cache_dir=env.cache_dir() / "models"))
-    cfg = engine_config(args)
-    service = RunnerService(lambda: Engine(model, cfg), runner_id, args.grace_seconds)
-    app = create_app(service)
-    log.info("runner %s listening on %s:%d (pid %d)", runner_id, args.host, args.port, os.getpid())
+    service = service_from_args(args, model)
+    app = create_app(service, env.runner_token())
+    log.info("runner %s listening on %s:%d (pid %d)", service.id, args.host, args.port, os.getpid())
     web.run_app(app, host=args.host, port=args.port, print=None, handle_signals=True, access_log=None,
                 shutdown_timeout=args.grace_seconds + 5)
     return 0
-
-

@@ -218,7 +218,8 @@ def load_weights(path: str | Path, shard=None, device="cpu", dtype=torch.float32
         config = load_hf_config(p)
         if shard is not None:
             shard.check(config)
-        return config, synthetic.SyntheticWeights(config, synthetic.synthetic_seed(p), device, dtype, shard)
+        seed, std = synthetic.synthetic_marker(p)
+        return config, synthetic.SyntheticWeights(config, seed, device, dtype, shard, std)
     if p.is_dir():
         return load_hf_dir(p, shard)
     raise WeightsError(f"{p} is neither a model directory nor a .gguf file")

@@ -1,33 +1,33 @@
 """The scheduler's view of its runners, the FCFS queue, placement, migration and failover.
 
-Every request is placed by `placement.busiest_fit` or waits in arrival order. A runner's
-`evicted` event re-queues the request with prompt + generated ids (it keeps its arrival,
-so it goes back to the head of the line); a runner that dies, errors a stream or fails
-health checks is marked unhealthy and its requests are re-queued the same way.
+Every request is placed by the placement policy (default `placement.busiest_fit`) or waits in
+arrival order. Each runner has one multiplexed stream (`runner_link.py`); a request is
+submitted on it and its tokens come back in the runner's per-step lines. A runner's `evicted`
+finish re-queues the request with prompt + generated ids (it keeps its arrival, so it goes back
+to the head of the line); `aborted` (the runner's engine died), a stream that breaks, a refused
+connection or failed health checks mark the runner unhealthy and re-queue its requests the
+same way.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from typing import Callable
 
 import aiohttp
 
+from lorafleet import env
 from lorafleet.scheduler.discovery import RunnerDirectory, RunnerEndpoint
 from lorafleet.scheduler.placement import RunnerView, busiest_fit, kv_need
 from lorafleet.scheduler.request import Request
+from lorafleet.scheduler.runner_link import RunnerLink
 
 log = logging.getLogger(__name__)
 
 MAX_FAILURES = 5  # runner failures one request survives
 MAX_MIGRATIONS = 64  # evictions one request survives
-
-
-class RunnerFailure(Exception):
-    pass
 
 
 class RunnerHandle:
@@ -37,15 +37,29 @@ class RunnerHandle:
         self.draining = False  # set by the admin API
         self.remote_draining = False  # the runner itself is shutting down
         self.state: dict = {}
-        self.assigned: dict[str, Request] = {}
-        self.tasks: dict[str, asyncio.Task] = {}
+        self.assigned: dict[str, Request] = {}  # scheduler request id -> request
+        self.by_rid: dict[str, Request] = {}  # runner request id -> request
+        self.submits: set[asyncio.Task] = set()
         self.failures = 0
         self.poller: asyncio.Task | None = None
+        self.link: RunnerLink | None = None
+        self.link_task: asyncio.Task | None = None
         self.gone = False
+        self.busy_since: float | None = None  # monotonic time the batch became non-empty
+        self.busy_total = 0.0
 
     @property
     def page_size(self) -> int:
         return int(self.state.get("page_size") or 16)
+
+    @property
+    def connected(self) -> bool:
+        return self.link is not None and self.link.stream_id is not None
+
+    def busy_seconds(self) -> float:
+        """Time this runner had at least one request placed on it (what "GPUs busy" integrates)."""
+        extra = time.monotonic() - self.busy_since if self.busy_since is not None else 0.0
+        return self.busy_total + extra
 
     def used_tokens(self) -> int:
         """Conservative KV use of the requests placed here (whole pages, with their reserve)."""
@@ -56,7 +70,7 @@ class RunnerHandle:
         total = int(self.state.get("total_kv_tokens") or 0)
         return RunnerView(
             id=self.id,
-            healthy=self.healthy,
+            healthy=self.healthy and self.connected,
             draining=self.draining or self.remote_draining,
             batch_size=len(self.assigned),
             max_batch_size=int(self.state.get("max_batch_size") or 0),
@@ -77,6 +91,7 @@ class RunnerHandle:
             "free_kv_tokens": v.free_kv_tokens, "total_kv_tokens": v.total_kv_tokens,
             "prefill_backlog": v.prefill_backlog,
             "idle_seconds": float(self.state.get("idle_seconds") or 0.0) if not self.assigned else 0.0,
+            "busy_seconds": round(self.busy_seconds(), 3),
             "adapters": list(self.state.get("resident_adapters") or []),
             "running_adapters": dict(self.state.get("running_adapters") or {}),
             "waiting_adapters": dict(self.state.get("waiting_adapters") or {}),
@@ -93,11 +108,13 @@ class Cluster:
         fail_after: int = 2,
         placement: Callable = busiest_fit,
         metrics=None,
+        runner_token: str | None = None,
     ):
         self.directory = directory
         self.poll_interval, self.fail_after = poll_interval, fail_after
         self.placement = placement
         self.metrics = metrics
+        self.runner_token = runner_token
         self.runners: dict[str, RunnerHandle] = {}
         self.queue: list[Request] = []
         self.session: aiohttp.ClientSession | None = None
@@ -107,10 +124,10 @@ class Cluster:
 
     # -- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
-        # No connection cap: one stream per placed request, and aiohttp's default of 100 would
-        # queue requests beyond it inside the client while their runner has room.
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                             timeout=aiohttp.ClientTimeout(total=None, connect=5, sock_connect=5))
+        headers = {"Authorization": f"Bearer {self.runner_token}"} if self.runner_token else None
+        self.session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None, connect=5, sock_connect=5), headers=headers,
+            connector=aiohttp.TCPConnector(limit=0))
         self.directory.subscribe(self._join, self._leave)
         self._dispatcher = asyncio.create_task(self._dispatch_loop())
 
@@ -126,7 +143,9 @@ class Cluster:
     def _join(self, ep: RunnerEndpoint) -> None:
         r = RunnerHandle(ep)
         self.runners[r.id] = r
-        r.poller = asyncio.get_event_loop().create_task(self._poll(r))
+        loop = asyncio.get_event_loop()
+        r.poller = loop.create_task(self._poll(r))
+        r.link_task = loop.create_task(self._link_loop(r))
         log.info("runner %s joined at %s", r.id, r.url)
 
     def _leave(self, ep: RunnerEndpoint) -> None:
@@ -136,13 +155,12 @@ class Cluster:
         r.gone = True
         log.info("runner %s left; re-placing %d request(s)", r.id, len(r.assigned))
         self._stop_runner_tasks(r)
-        self._kick()
+        self._requeue_all(r, "runner left")
 
     def _stop_runner_tasks(self, r: RunnerHandle) -> None:
-        if r.poller:
-            r.poller.cancel()
-        for t in list(r.tasks.values()):
-            t.cancel()
+        for t in (r.poller, r.link_task, *r.submits):
+            if t is not None:
+                t.cancel()
 
     # -- views ---------------------------------------------------------------------------------------
     def views(self) -> list[RunnerView]:
@@ -160,6 +178,13 @@ class Cluster:
             "queue_length": len(self.queue),
         }
 
+    def set_draining(self, runner_id: str, draining: bool) -> RunnerHandle | None:
+        r = self.runners.get(runner_id)
+        if r is not None:
+            r.draining = draining
+            self._kick()
+        return r
+
     # -- requests ------------------------------------------------------------------------------------
     def submit(self, req: Request) -> None:
         req.queued_at = time.monotonic()
@@ -171,8 +196,13 @@ class Cluster:
             self.queue.remove(req)
             self._kick()
         r = self.runners.get(req.runner_id or "")
-        if r is not None and req.id in r.tasks:
-            r.tasks[req.id].cancel()
+        if r is not None and r.assigned.get(req.id) is req:
+            rid = req.rid
+            self._unassign(r, req)
+            if not req.done:
+                req.finish("cancelled")
+            if r.link is not None and rid:
+                r.link.cancel(rid)
 
     def _enqueue(self, req: Request) -> None:
         # FCFS by arrival: a migrated request keeps its place ahead of later arrivals.
@@ -207,78 +237,76 @@ class Cluster:
             runner = self.runners[rid]
             req.runner_id = rid
             req.placed_at_generated = len(req.generated)
+            if not runner.assigned:
+                runner.busy_since = time.monotonic()
             runner.assigned[req.id] = req
             if self.metrics is not None and req.queued_at is not None:
                 self.metrics.queue_wait.observe(time.monotonic() - req.queued_at)
-            runner.tasks[req.id] = asyncio.get_event_loop().create_task(self._run_on(runner, req))
+            t = asyncio.get_event_loop().create_task(self._run_on(runner, req))
+            runner.submits.add(t)
+            t.add_done_callback(runner.submits.discard)
 
     def _unassign(self, runner: RunnerHandle, req: Request) -> None:
-        runner.assigned.pop(req.id, None)
-        runner.tasks.pop(req.id, None)
+        if runner.assigned.pop(req.id, None) is not None and not runner.assigned and runner.busy_since is not None:
+            runner.busy_total += time.monotonic() - runner.busy_since
+            runner.busy_since = None
+        if req.rid is not None and runner.by_rid.get(req.rid) is req:
+            del runner.by_rid[req.rid]
         req.runner_id = None
         self._kick()
 
     async def _run_on(self, runner: RunnerHandle, req: Request) -> None:
-        body = req.runner_body()
-        final = None
+        """Submit a placed request on the runner's stream; its tokens arrive in `_on_entries`."""
+        body = req.runner_body(runner.link.stream_id if runner.connected else "")
+        runner.by_rid[req.rid] = req
         try:
-            async with self.session.post(f"{runner.url}/v1/generate", json=body) as resp:
-                if resp.status != 200:
-                    text = await resp.text()
-                    if resp.status >= 500:
-                        raise RunnerFailure(f"HTTP {resp.status}: {text[:200]}")
-                    final = {"finish_reason": "error", "error": f"runner refused the request: {text[:300]}"}
-                else:
-                    async for line in resp.content:
-                        if not line.strip():
-                            continue
-                        ev = json.loads(line)
-                        if "token_ids" in ev:
-                            self._tokens(req, ev["token_ids"])
-                        else:
-                            final = ev
-                            break
-            if final is None:
-                raise RunnerFailure("stream ended without a final event")
+            status, text = await runner.link.submit(body)
         except asyncio.CancelledError:
-            # cancelled by the client, a stop string, or because the runner failed
-            self._unassign(runner, req)
-            if not req.done and (runner.gone or not runner.healthy):
-                self._requeue_after_failure(runner, req, "runner became unhealthy")
-            elif not req.done:
-                req.finish("cancelled")
-            asyncio.create_task(self._send_cancel(runner, body["request_id"]))
+            raise
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            self._runner_failed(runner, f"submit failed: {type(exc).__name__}: {exc}")
             return
-        except (aiohttp.ClientError, RunnerFailure, json.JSONDecodeError, asyncio.TimeoutError, OSError) as exc:
-            self._unassign(runner, req)
-            self._mark_unhealthy(runner, f"{type(exc).__name__}: {exc}")
-            self._requeue_after_failure(runner, req, str(exc))
+        if runner.assigned.get(req.id) is not req:
+            if status == 202:  # cancelled while the submit was on its way: cancel it there too
+                runner.link.cancel(body["request_id"])
+            return
+        if status == 202:
             return
         self._unassign(runner, req)
-        reason = final.get("finish_reason")
+        if status >= 500 or status == 404:  # not ready, or our stream is gone there: try elsewhere
+            self._runner_failed(runner, f"runner refused a submit: HTTP {status}: {text[:200]}")
+            self._requeue(runner, req, f"HTTP {status}", migration=False)
+        else:
+            req.finish("error", f"runner refused the request: {text[:300]}")
+
+    def _on_entries(self, runner: RunnerHandle, entries: list) -> None:
+        """One line of a runner's stream: new tokens and ends of any of our requests there."""
+        by_rid = runner.by_rid
+        for e in entries:
+            req = by_rid.get(e[0])
+            if req is None:
+                continue  # cancelled here already, or a request that left this runner
+            if e[1]:
+                req.add_tokens(e[1])
+            if e[2] is not None:
+                self._finished(runner, req, e[2], e[3])
+
+    def _finished(self, runner: RunnerHandle, req: Request, reason: str, error: str | None) -> None:
+        self._unassign(runner, req)
         if reason == "evicted":
             self._requeue(runner, req, "evicted (runner out of KV cache)", migration=True)
-        elif reason in ("stop", "length"):
+        elif reason in ("stop", "length", "cancelled"):
             req.finish(reason)
-        elif reason == "cancelled":
-            req.finish("cancelled")
+        elif reason == "aborted":  # the runner's engine died: it is unhealthy; this request goes elsewhere
+            self._requeue(runner, req, error or "runner engine failed", migration=False)
+            self._runner_failed(runner, error or "engine aborted")
         else:
-            req.finish("error", final.get("error") or f"runner finished with {reason!r}")
-
-    def _tokens(self, req: Request, ids: list[int]) -> None:
-        if req.done or not ids:
-            return
-        ids = ids[: max(req.remaining, 0)]
-        if req.first_token_time is None:
-            req.first_token_time = time.time()
-        req.generated.extend(ids)
-        req.events.put_nowait(("tokens", ids))
-
-    def _requeue_after_failure(self, runner: RunnerHandle, req: Request, why: str) -> None:
-        self._requeue(runner, req, why, migration=False)
+            req.finish("error", error or f"runner finished with {reason!r}")
 
     def _requeue(self, runner: RunnerHandle, req: Request, why: str, migration: bool) -> None:
         """Put a request back in line (it keeps its arrival) with prompt + generated ids, bounded."""
+        if req.done:
+            return
         if migration:
             req.migrations += 1
             count, limit, metric = req.migrations, MAX_MIGRATIONS, "migrations"
@@ -295,22 +323,33 @@ class Cluster:
                 req.id, runner.id, why, len(req.generated))
         self._enqueue(req)
 
-    async def _send_cancel(self, runner: RunnerHandle, runner_request_id: str) -> None:
-        try:
-            async with self.session.post(f"{runner.url}/v1/cancel/{runner_request_id}",
-                                         timeout=aiohttp.ClientTimeout(total=2)):
-                pass
-        except Exception:
-            pass
+    def _requeue_all(self, runner: RunnerHandle, why: str) -> None:
+        for req in list(runner.assigned.values()):
+            self._unassign(runner, req)
+            self._requeue(runner, req, why, migration=False)
+        runner.by_rid.clear()
 
     # -- health ----------------------------------------------------------------------------------------
-    def _mark_unhealthy(self, runner: RunnerHandle, why: str) -> None:
+    def _runner_failed(self, runner: RunnerHandle, why: str) -> None:
+        """Unhealthy until its health checks pass again; its requests go elsewhere; its stream is dropped."""
         if runner.healthy:
             log.warning("runner %s is unhealthy: %s", runner.id, why)
         runner.healthy = False
-        for t in list(runner.tasks.values()):
-            t.cancel()
+        self._requeue_all(runner, why)
         self._kick()
+
+    async def _link_loop(self, runner: RunnerHandle) -> None:
+        """Keep one stream open to a healthy runner; a stream that ends fails its requests over."""
+        runner.link = RunnerLink(self.session, runner.url, lambda es: self._on_entries(runner, es),
+                                 read_timeout=float(env.request_timeout_s()))
+        runner.link.on_open = self._kick
+        while True:
+            while not runner.healthy:
+                await asyncio.sleep(self.poll_interval / 4)
+            why = await runner.link.run()
+            if runner.assigned or runner.healthy:
+                self._runner_failed(runner, why)
+            await asyncio.sleep(self.poll_interval)
 
     async def _poll(self, runner: RunnerHandle) -> None:
         timeout = aiohttp.ClientTimeout(total=max(2.0, self.poll_interval * 4))
@@ -319,8 +358,11 @@ class Cluster:
                 async with self.session.get(f"{runner.url}/state", timeout=timeout) as resp:
                     state = await resp.json()
                 ok = resp.status == 200
-            except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError, OSError) as exc:
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, OSError) as exc:
                 ok, state = False, {"error": str(exc)}
+            if ok and state.get("engine", {}).get("alive") is False:
+                ok = False
+                runner.failures = self.fail_after  # its engine is gone: no point in waiting
             if ok:
                 was = runner.healthy
                 runner.state = state
@@ -333,5 +375,6 @@ class Cluster:
             else:
                 runner.failures += 1
                 if runner.failures >= self.fail_after:
-                    self._mark_unhealthy(runner, state.get("error", "health check failed"))
+                    if runner.healthy or runner.assigned:
+                        self._runner_failed(runner, state.get("error", "health check failed"))
             await asyncio.sleep(self.poll_interval)

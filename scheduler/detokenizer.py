@@ -5,9 +5,15 @@ Text for new ids is the difference between decoding a small window with and with
 byte-level pieces decode right). Text ending in an incomplete UTF-8 sequence (U+FFFD) is
 held back until the next token completes it. Stop strings may span tokens: the last
 `max(len(stop)) - 1` characters are held back until they can no longer start a stop string.
+
+Byte-level BPE tokenizers (GPT-2 style, e.g. SmolLM2) take a faster path with the same result:
+each id's bytes come from a table (`Tokenizer.byte_pieces`) and an incremental UTF-8 decoder
+holds back an incomplete character, about 1 µs per token instead of two decodes of the window.
 """
 
 from __future__ import annotations
+
+import codecs
 
 from lorafleet.scheduler.tokenizer import Tokenizer
 
@@ -17,13 +23,14 @@ REPLACEMENT = "\ufffd"
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: tuple[str, ...] = (), context: int = 5):
         self.tok = tokenizer
+        self.pieces = tokenizer.byte_pieces()
+        self.utf8 = codecs.getincrementaldecoder("utf-8")("replace") if self.pieces is not None else None
         self.ids = list(prompt_ids[-context:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.stop = tuple(s for s in stop if s)
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.pending = ""  # decoded, not yet emitted (may be the start of a stop string)
-        self.text = ""  # everything emitted
         self.stopped = False
 
     def _decode_new(self) -> str:
@@ -38,6 +45,13 @@ class IncrementalDetokenizer:
         """Add generated ids; return text that can be shown now ("" if none)."""
         if self.stopped:
             return ""
+        if self.pieces is not None:
+            p = self.pieces
+            text = self.utf8.decode(p[new_ids[0]] if len(new_ids) == 1 else b"".join([p[i] for i in new_ids]))
+            if not self.stop:  # nothing to hold back
+                return text
+            self.pending += text
+            return self._emit(final=False)
         self.ids.extend(new_ids)
         self.pending += self._decode_new()
         return self._emit(final=False)
@@ -46,6 +60,9 @@ class IncrementalDetokenizer:
         """At the end: decode what is left, even an incomplete character."""
         if self.stopped:
             return ""
+        if self.pieces is not None:
+            self.pending += self.utf8.decode(b"", final=True)
+            return self._emit(final=True)
         full = self.tok.decode(self.ids[self.prefix_offset :])
         prefix = self.tok.decode(self.ids[self.prefix_offset : self.read_offset])
         if len(full) > len(prefix):
@@ -60,12 +77,10 @@ class IncrementalDetokenizer:
             if hits:
                 i = min(hits)[0]
                 out, self.pending, self.stopped = self.pending[:i], "", True
-                self.text += out
                 return out
         if final or self.hold == 0:
             out, self.pending = self.pending, ""
         else:
             cut = max(0, len(self.pending) - self.hold)
             out, self.pending = self.pending[:cut], self.pending[cut:]
-        self.text += out
         return out

@@ -6,6 +6,7 @@ Every rejection is an `ApiError` carrying the HTTP status and the OpenAI error b
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -262,3 +263,34 @@ def chunk(rid: str, model: str, chat: bool, index: int, text: str | None, finish
         ch = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
     return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
             "model": model, "choices": [ch]}
+
+
+_json_text = json.JSONEncoder(ensure_ascii=False).encode
+
+
+class ChunkEncoder:
+    """SSE `data:` lines of one streamed API call, as bytes, without building a dict per token.
+
+    The fixed parts of a text chunk (id, object, created, model, index) are encoded once; each
+    token's text is one JSON string encode. Same JSON as `chunk()` (separators aside)."""
+
+    def __init__(self, rid: str, model: str, chat: bool, created: int | None = None):
+        self.rid, self.model, self.chat = rid, model, chat
+        self.created = int(time.time()) if created is None else created
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        self._head = (f'data: {{"id":{_json_text(rid)},"object":"{obj}","created":{self.created},'
+                      f'"model":{_json_text(model)},"choices":[{{"index":').encode()
+        self._mid = b',"delta":{"content":' if chat else b',"text":'
+        self._tail = (b'},"logprobs":null,"finish_reason":null}]}\n\n' if chat
+                      else b',"logprobs":null,"finish_reason":null}]}\n\n')
+
+    def text(self, index: int, text: str) -> bytes:
+        return b"".join((self._head, str(index).encode(), self._mid, _json_text(text).encode(), self._tail))
+
+    def event(self, obj: dict) -> bytes:
+        return b"data: " + _json_text(obj).encode() + b"\n\n"
+
+    def chunk(self, index: int, text: str | None, finish_reason: str | None, role: bool = False) -> bytes:
+        c = chunk(self.rid, self.model, self.chat, index, text, finish_reason, role)
+        c["created"] = self.created
+        return self.event(c)

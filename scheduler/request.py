@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import time
 from dataclasses import dataclass, field
 
 from lorafleet.scheduler.registry import AdapterEntry
+from lorafleet.scheduler.sinks import Discard
 
 _order = itertools.count()
 
@@ -16,8 +16,9 @@ _order = itertools.count()
 class Request:
     """Prompt ids, ids generated so far (across runners) and where it runs now.
 
-    `events` carries ("tokens", [ids]) and finally ("done", finish_reason, error) to the
-    HTTP handler. `arrival` never changes, so a migrated request keeps its FCFS place.
+    Its tokens and its end go to `sink` (`sinks.py`: straight to its client). `arrival` never changes, so a migrated request
+    keeps its FCFS place. `rid` names it on its current runner (it changes on every re-placement,
+    so a late event from a runner it left is never taken for the new one).
     """
 
     id: str
@@ -28,8 +29,10 @@ class Request:
     sampling: dict  # temperature, top_p, top_k, seed, stop_token_ids, ignore_eos
     arrival: float = field(default_factory=time.time)
     generated: list[int] = field(default_factory=list)
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    sink: object = field(default_factory=Discard)
+    index: int = 0  # choice index within its API call
     runner_id: str | None = None
+    rid: str | None = None
     migrations: int = 0
     failures: int = 0
     done: bool = False
@@ -57,10 +60,12 @@ class Request:
     def remaining(self) -> int:
         return self.max_tokens - len(self.generated)
 
-    def runner_body(self) -> dict:
+    def runner_body(self, stream_id: str) -> dict:
         """What a runner receives: prompt + ids generated so far (recompute by prefill)."""
+        self.rid = f"{self.id}.{self.migrations}.{self.failures}"
         return {
-            "request_id": f"{self.id}.{self.migrations}.{self.failures}",
+            "request_id": self.rid,
+            "stream": stream_id,
             "prompt_token_ids": self.prompt_ids + self.generated,
             "adapter": None if self.adapter is None else {
                 "name": self.adapter.name, "source": self.adapter.source, "sha256": self.adapter.sha256},
@@ -68,8 +73,22 @@ class Request:
             "arrival": self.arrival,
         }
 
+    def add_tokens(self, ids: list[int]) -> None:
+        """New ids from the runner (never more than max_tokens in all)."""
+        if self.done or not ids:
+            return
+        room = self.max_tokens - len(self.generated)
+        if len(ids) > room:
+            ids = ids[: max(room, 0)]
+            if not ids:
+                return
+        if self.first_token_time is None:
+            self.first_token_time = time.time()
+        self.generated += ids
+        self.sink.tokens(self, ids)
+
     def finish(self, reason: str, error: str | None = None) -> None:
         if self.done:
             return
         self.done, self.finish_reason, self.error = True, reason, error
-        self.events.put_nowait(("done", reason, error))
+        self.sink.done(self, reason, error)

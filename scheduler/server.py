@@ -2,8 +2,9 @@
 
 Authenticates (optional API keys), parses and tokenizes off the event loop, applies the
 per-request budgets, places every request on a runner (cluster.py), streams text back with
-incremental detokenization and stop strings, cancels the work of clients that went away,
-and serves the admin API the operator reads. Every error is an OpenAI-shaped JSON answer
+incremental detokenization and stop strings (sinks.py: written to the client's socket as the
+runner's step line is read), cancels the work of clients that went away, and serves the admin
+API the operator reads. Every error is an OpenAI-shaped JSON answer
 (http_errors.py); the API is described by `/openapi.json` (openapi.py).
 """
 
@@ -37,16 +38,16 @@ from lorafleet.scheduler.http_errors import ClientGone, errors_middleware
 from lorafleet.scheduler.limits import RequestLimits
 from lorafleet.scheduler.metrics import SchedulerMetrics
 from lorafleet.scheduler.openai_api import ApiError
-from lorafleet.scheduler.placement import busiest_fit
+from lorafleet.scheduler.placement import POLICIES, busiest_fit
 from lorafleet.scheduler.prompts import PromptEncoder
 from lorafleet.scheduler.registry import AdapterRegistry
 from lorafleet.scheduler.request import Request
+from lorafleet.scheduler.sinks import CollectSink, StreamSink
 from lorafleet.scheduler.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 MAX_BODY = 8 * 1024 * 1024
-GONE = (None, ("gone",))  # put in a handler's event queue when its client disconnects
 
 
 class SchedulerService:
@@ -66,6 +67,8 @@ class SchedulerService:
         poll_interval: float = 0.5,
         grace_seconds: float = 30.0,
         disconnect_poll: float = 0.25,
+        placement: str = "busiest",
+        runner_token: str | None = None,
     ):
         self.tok, self.model_name = tokenizer, model_name
         self.registry, self.directory = registry, directory
@@ -76,8 +79,11 @@ class SchedulerService:
         self.admin_token = admin_token
         self.grace_seconds = grace_seconds
         self.metrics = SchedulerMetrics()
-        placement = functools.partial(busiest_fit, max_backlog=self.limits.max_prefill_backlog)
-        self.cluster = Cluster(directory, poll_interval=poll_interval, metrics=self.metrics, placement=placement)
+        self.placement = placement
+        policy = (functools.partial(busiest_fit, max_backlog=self.limits.max_prefill_backlog)
+                  if placement == "busiest" else POLICIES[placement]())
+        self.cluster = Cluster(directory, poll_interval=poll_interval, metrics=self.metrics, placement=policy,
+                               runner_token=runner_token)
         self.metrics.attach_cluster(self.cluster)
         self.prompts = PromptEncoder(tokenizer, self.max_model_len)
         self.availability = AdapterAvailability()
@@ -234,121 +240,104 @@ class SchedulerService:
         prompts = [await self.prompts.chat(items[0])] if chat else await self.prompts.prompts(items)
         reqs = self._make_requests(params, adapter, prompts, chat)
         self._check_capacity(len(reqs))
-        out: asyncio.Queue = asyncio.Queue()
-        for r in reqs:
+        detoks = [IncrementalDetokenizer(self.tok, r.prompt_ids, params.stop) for r in reqs]
+        rid = oa.new_id(chat)
+        gone: list[bool] = []
+
+        def client_gone() -> None:
+            if not gone:
+                gone.append(True)
+                self._client_gone(reqs)
+
+        if params.stream:
+            enc = oa.ChunkEncoder(rid, params.model, chat)
+            sink = StreamSink(detoks, enc, chat, self._stop_string, client_gone,
+                              lambda req, reason, error: self._failure(req, reason, error).body()["error"])
+        else:
+            sink = CollectSink(detoks, self._stop_string)
+        for i, r in enumerate(reqs):
+            r.index, r.sink = i, sink
             self.metrics.prompt_tokens.inc(len(r.prompt_ids))
             self.in_flight.add(r)
             self.cluster.submit(r)
-        pumps = [asyncio.create_task(self._pump(i, r, params, out)) for i, r in enumerate(reqs)]
-        watch = self.disconnects.watch(request, lambda: out.put_nowait(GONE))
-        rid = oa.new_id(chat)
+        watch = self.disconnects.watch(request, client_gone)
         try:
             if params.stream:
-                return await self._stream(request, rid, params, reqs, chat, out)
-            return await self._collect(rid, params, reqs, chat, out)
+                return await self._stream(request, rid, params, reqs, chat, sink, enc, gone)
+            return await self._collect(rid, params, reqs, chat, sink, gone)
         finally:
             self.disconnects.forget(watch)
-            for t in pumps:
-                t.cancel()
             for r in reqs:
                 if not r.done:
-                    r.finish("cancelled")
                     self.cluster.cancel(r)
+                    r.finish("cancelled")
                 self.in_flight.discard(r)
                 self.metrics.observe_finished(r, r.finish_reason or "cancelled")
             if adapter is not None and all(r.finish_reason in ("stop", "length") for r in reqs):
                 self.availability.clear(adapter.name)
 
-    async def _events(self, req: Request, detok: IncrementalDetokenizer):
-        """Yield ("text", str) pieces, then ("done", finish_reason, error)."""
-        while True:
-            ev = await req.events.get()
-            if ev[0] == "tokens":
-                text = detok.push(ev[1])
-                if detok.stopped:
-                    req.finish("stop")
-                    self.cluster.cancel(req)
-                    if text:
-                        yield ("text", text)
-                    continue  # the "done" event follows
-                if text:
-                    yield ("text", text)
-            else:
-                _, reason, error = ev
-                if reason in ("stop", "length"):
-                    tail = detok.flush()
-                    if tail:
-                        yield ("text", tail)
-                yield ("done", reason, error)
-                return
+    def _stop_string(self, req: Request) -> None:
+        """A stop string was hit: the request ends here and is cancelled on its runner."""
+        req.finish("stop")
+        self.cluster.cancel(req)
 
-    async def _pump(self, index: int, req: Request, params: oa.GenParams, out: asyncio.Queue) -> None:
-        async for ev in self._events(req, IncrementalDetokenizer(self.tok, req.prompt_ids, params.stop)):
-            out.put_nowait((index, ev))
-
-    @staticmethod
-    async def _next(out: asyncio.Queue) -> tuple[int, tuple]:
-        index, ev = await out.get()
-        if index is None:
-            raise ClientGone()
-        return index, ev
+    def _client_gone(self, reqs: list[Request]) -> None:
+        log.debug("client went away; cancelling %d request(s)", len(reqs))
+        for r in reqs:
+            if not r.done:
+                self.cluster.cancel(r)
+                r.finish("cancelled")
 
     def _usage(self, params: oa.GenParams, reqs: list[Request]) -> dict:
         return oa.usage(sum(len(r.prompt_ids) for r in reqs[:: params.n]), sum(len(r.generated) for r in reqs))
 
-    async def _collect(self, rid: str, params: oa.GenParams, reqs: list[Request], chat: bool,
-                       out: asyncio.Queue) -> web.Response:
-        texts: list[list[str]] = [[] for _ in reqs]
-        reasons: list[str | None] = [None] * len(reqs)
-        remaining = len(reqs)
-        while remaining:
-            index, ev = await self._next(out)
-            if ev[0] == "text":
-                texts[index].append(ev[1])
-                continue
-            remaining -= 1
-            _, reason, error = ev
+    async def _collect(self, rid: str, params: oa.GenParams, reqs: list[Request], chat: bool, sink: CollectSink,
+                       gone: list[bool]) -> web.Response:
+        await sink.finished
+        if gone:
+            raise ClientGone()
+        for req, (reason, error) in zip(reqs, sink.ends):
             if reason not in ("stop", "length"):
-                raise self._failure(reqs[index], reason, error)
-            reasons[index] = reason
-        choices = [oa.choice(i, "".join(t), reasons[i], chat) for i, t in enumerate(texts)]
+                raise self._failure(req, reason, error)
+        choices = [oa.choice(i, "".join(sink.parts[i]), sink.ends[i][0], chat) for i in range(len(reqs))]
         return web.json_response(oa.completion_body(rid, params.model, chat, choices, self._usage(params, reqs)))
 
     async def _stream(self, request: web.Request, rid: str, params: oa.GenParams, reqs: list[Request], chat: bool,
-                      out: asyncio.Queue) -> web.StreamResponse:
-        # Nothing is sent before the first event, so a refused adapter is still a JSON 4xx.
-        first = await self._next(out)
-        if first[1][0] == "done" and first[1][1] not in ("stop", "length"):
-            raise self._failure(reqs[first[0]], first[1][1], first[1][2])
+                      sink: StreamSink, enc: oa.ChunkEncoder, gone: list[bool]) -> web.StreamResponse:
+        """SSE. Nothing is sent before the first event, so a refused adapter is still a JSON 4xx.
+        After the first awaited write (aiohttp sends the headers) the sink writes each chunk to the
+        socket itself as tokens arrive (`sinks.py`); this coroutine only steps in for a slow reader
+        and the end."""
+        await sink.wait()
+        if gone:
+            raise ClientGone()
+        if sink.first_failure is not None:
+            raise self._failure(*sink.first_failure)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
-
-        async def send(obj) -> None:
-            await resp.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
-
+        chunked = resp.headers.get("Transfer-Encoding") == "chunked"  # aiohttp frames HTTP/1.1 bodies
         try:
-            if chat:
-                for i in range(len(reqs)):
-                    await send(oa.chunk(rid, params.model, True, i, "", None, role=True))
-            remaining, pending = len(reqs), [first]
-            while remaining:
-                index, ev = pending.pop() if pending else await self._next(out)
-                if ev[0] == "text":
-                    await send(oa.chunk(rid, params.model, chat, index, ev[1], None))
-                    continue
-                remaining -= 1
-                _, reason, error = ev
-                if reason in ("stop", "length"):
-                    await send(oa.chunk(rid, params.model, chat, index, None if chat else "", reason))
-                else:
-                    await send({"error": self._failure(reqs[index], reason, error).body()["error"]})
+            head = b"".join(enc.chunk(i, "", None, role=True) for i in range(len(reqs))) if chat else b""
+            await resp.write(head + sink.take())
+            while not sink.finished or sink.buf:
+                if not sink.finished:
+                    sink.attach(request.transport, chunked)
+                await sink.wait()
+                data = sink.take()
+                if data:
+                    await resp.write(data)
+            if sink.gone:
+                raise ClientGone(resp)
+            sink.transport = None
+            tail = []
             if params.include_usage:
-                await send({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                            "created": int(time.time()), "model": params.model, "choices": [],
-                            "usage": self._usage(params, reqs)})
-            await resp.write(b"data: [DONE]\n\n")
+                tail.append(enc.event({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                                       "created": enc.created, "model": params.model, "choices": [],
+                                       "usage": self._usage(params, reqs)}))
+            tail.append(b"data: [DONE]\n\n")
+            await resp.write(b"".join(tail))
             await resp.write_eof()
-        except (ConnectionResetError, ClientGone):
+        except ConnectionResetError:
             log.debug("client of %s went away; cancelling its requests", rid)
             raise ClientGone(resp) from None
         return resp
@@ -415,12 +404,10 @@ class SchedulerService:
     async def admin_drain(self, request: web.Request) -> web.Response:
         self._authorize(request)
         rid = request.match_info["runner_id"]
-        r = self.cluster.runners.get(rid)
+        r = self.cluster.set_draining(rid, request.path.endswith("/drain"))
         if r is None:
             raise ApiError(404, f"no runner {rid!r}", code="runner_not_found")
-        r.draining = request.path.endswith("/drain")
         log.info("runner %s %s", rid, "draining" if r.draining else "back in service")
-        self.cluster._kick()
         return web.json_response({"id": rid, "draining": r.draining, "batch_size": len(r.assigned),
                                   "empty": not r.assigned})
 
@@ -506,7 +493,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--namespace", default=None, help="with --kube: the pool's namespace")
     p.add_argument("--pool", default=None, help="with --kube: the ServingPool name")
     add_api_key_argument(p)
+    add_placement_argument(p)
     limits_mod.add_arguments(p)
+
+
+def add_placement_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--placement", choices=sorted(POLICIES), default="busiest",
+                   help="busiest: the fitting runner with the largest batch (Punica; default); least-loaded: the "
+                        "smallest batch; round-robin")
 
 
 def add_api_key_argument(p: argparse.ArgumentParser) -> None:
@@ -533,7 +527,8 @@ def build_service(args: argparse.Namespace) -> SchedulerService:
     return SchedulerService(
         Tokenizer(model_dir), args.model_name or model_display_name(model_dir), registry, directory,
         limits=limits_mod.from_args(args, model_limits(model_dir)), api_keys=api_keys, max_queue=args.max_queue,
-        queue_timeout=args.queue_timeout, admin_token=env.admin_token(),
+        queue_timeout=args.queue_timeout, admin_token=env.admin_token(), placement=args.placement,
+        runner_token=env.runner_token(),
     )
 
 

@@ -40,6 +40,38 @@ class StepModel:
         return cls(**{k: float(v) for k, v in data.items() if k in cls.__dataclass_fields__})
 
 
+def fit_step_model(steps) -> dict:
+    """Least squares over measured engine steps `(prefill tokens, decode requests, seconds, ...)`
+    (further fields, e.g. KV tokens and adapters, are ignored):
+    step_ms = decode_base_ms + decode_per_req_ms * decode_requests + prefill_per_token_ms * prefill_tokens."""
+    rows = [(st[0], st[1], st[2]) for st in steps if st[1] or st[0]]
+    if len(rows) < 3:
+        return {}
+    X = np.array([[1.0, nd, pf] for pf, nd, _ in rows])
+    y = np.array([1000.0 * dt for _, _, dt in rows])
+    coef, *_ = np.linalg.lstsq(X, y, rcond=None)
+    return {"decode_base_ms": round(float(coef[0]), 4), "decode_per_req_ms": round(float(coef[1]), 5),
+            "prefill_per_token_ms": round(float(coef[2]), 6), "fitted_steps": len(rows)}
+
+
+def refit(paths: list[Path]) -> StepModel:
+    """The step model from benchmark JSON files: their raw steps when present (`bench serve`'s
+    `offline_steps`), else their fitted `step_model` (`bench e2e`); several files are pooled."""
+    steps, fitted = [], []
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        if data.get("offline_steps"):
+            steps += [tuple(s) for s in data["offline_steps"]]
+        elif data.get("step_model"):
+            fitted.append(data["step_model"])
+    if steps:
+        return StepModel(**{k: v for k, v in fit_step_model(steps).items() if k in StepModel.__dataclass_fields__})
+    if fitted:
+        keys = StepModel.__dataclass_fields__
+        return StepModel(**{k: float(np.mean([f[k] for f in fitted])) for k in keys if all(k in f for f in fitted)})
+    raise SystemExit(f"no steps or step_model in {', '.join(map(str, paths))}")
+
+
 @dataclass
 class Req:
     id: int
@@ -243,6 +275,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--idle-window", type=float, default=60.0, help="seconds idle before a GPU is released")
     p.add_argument("--step-model", type=Path, default=None,
                    help="JSON with decode_base_ms, decode_per_req_ms, prefill_per_token_ms (from bench e2e)")
+    p.add_argument("--fit-from", type=Path, nargs="+", default=None, metavar="JSON",
+                   help="refit the step model from `bench serve` / `bench e2e` result files (overrides --step-model)")
     p.add_argument("--policies", nargs="+", default=["busiest", "least-loaded", "round-robin"], choices=list(POLICIES))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="write full results as JSON")
@@ -250,7 +284,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    model = StepModel.from_json(args.step_model) if args.step_model else StepModel()
+    if args.fit_from:
+        model = refit(args.fit_from)
+        print(f"step model refitted from {len(args.fit_from)} file(s): {vars(model)}", file=sys.stderr)
+    else:
+        model = StepModel.from_json(args.step_model) if args.step_model else StepModel()
     trace = diurnal_trace(args.duration, args.peak_rps, args.seed, args.adapters)
     results = []
     for pol in args.policies:

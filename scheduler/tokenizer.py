@@ -29,6 +29,19 @@ def _token_text(value) -> str | None:
     return value
 
 
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from bytes to printable characters (what ByteLevel tokens are spelled in)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) + list(range(ord("\xae"), 256))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
 class Tokenizer:
     def __init__(self, model_dir: str | Path):
         from tokenizers import Tokenizer as HFTokenizer
@@ -54,11 +67,39 @@ class Tokenizer:
         }
         self._template = None
         self._max_token_chars: int | None = None
+        self._pieces: list[bytes] | None = None
         if template:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = _raise
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
             self._template = env.from_string(template)
+
+    def byte_pieces(self) -> list[bytes] | None:
+        """For byte-level BPE tokenizers (GPT-2 style `ByteLevel` decoder): the bytes each id decodes
+        to (b"" for special ids, as `decode(skip_special_tokens=True)` drops them), so incremental
+        detokenization is a table lookup plus an incremental UTF-8 decoder. None for other decoders."""
+        if self._pieces is not None:
+            return self._pieces or None
+        self._pieces = []
+        decoder = json.loads(self._tok.to_str()).get("decoder") or {}
+        if decoder.get("type") != "ByteLevel":
+            return None
+        to_byte = {c: b for b, c in _bytes_to_unicode().items()}
+        added = {i: t.content for i, t in self._tok.get_added_tokens_decoder().items()}
+        pieces = []
+        for i in range(self.vocab_size):
+            if i in self.special_ids:
+                pieces.append(b"")
+            elif i in added:
+                pieces.append(added[i].encode())
+            else:
+                tok = self._tok.id_to_token(i) or ""
+                try:
+                    pieces.append(bytes(to_byte[c] for c in tok))
+                except KeyError:
+                    pieces.append(tok.encode())
+        self._pieces = pieces
+        return pieces
 
     @property
     def vocab_size(self) -> int:

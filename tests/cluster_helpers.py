@@ -21,6 +21,7 @@ from lorafleet.scheduler.server import SchedulerService, create_app
 from lorafleet.scheduler.tokenizer import Tokenizer
 
 TOKEN = "admin-token"
+RUNNER_TOKEN = "runner-credential"  # every test runner needs it; the scheduler sends it
 
 
 def wait_http_ready(url: str, proc: subprocess.Popen, what: str, timeout: float) -> None:
@@ -47,17 +48,18 @@ def free_port() -> int:
 
 
 class Runner:
-    def __init__(self, model: Path, rid: str, *args: str):
+    def __init__(self, model: Path, rid: str, *args: str, env: dict | None = None):
         self.id, self.port = rid, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "LORAFLEET_RUNNER_TOKEN": RUNNER_TOKEN, **(env or {})}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "lorafleet", "--log-level", "WARNING", "runner", "--model", str(model),
              "--port", str(self.port), "--id", rid, "--device", "cpu", *args],
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
     def state(self) -> dict:
-        with urllib.request.urlopen(f"{self.url}/state", timeout=5) as r:
+        req = urllib.request.Request(f"{self.url}/state", headers={"Authorization": f"Bearer {RUNNER_TOKEN}"})
+        with urllib.request.urlopen(req, timeout=5) as r:
             return json.loads(r.read())
 
     def wait_ready(self, timeout=120.0) -> None:
@@ -77,8 +79,8 @@ class Runner:
                 self.proc.wait()
 
 
-def start_runners(model: Path, n: int, *args: str) -> list[Runner]:
-    runners = [Runner(model, f"runner-{i}", *args) for i in range(n)]
+def start_runners(model: Path, n: int, *args: str, env: dict | None = None) -> list[Runner]:
+    runners = [Runner(model, f"runner-{i}", *args, env=env) for i in range(n)]
     for r in runners:
         r.wait_ready()
     return runners
@@ -87,18 +89,21 @@ def start_runners(model: Path, n: int, *args: str) -> list[Runner]:
 class Scheduler:
     """An in-process scheduler (real aiohttp server on loopback) over real runner processes."""
 
-    def __init__(self, model: Path, runners: list[Runner], registry: AdapterRegistry | None = None, **kw):
+    def __init__(self, model: Path, runners: list[Runner], registry: AdapterRegistry | None = None,
+                 wait_healthy: bool = True, **kw):
+        self.wait_healthy = wait_healthy
         self.service = SchedulerService(
             Tokenizer(model), "tiny", registry or AdapterRegistry(),
             RunnerDirectory([RunnerEndpoint(r.id, r.url) for r in runners]),
-            max_model_len=kw.pop("max_model_len", 512), admin_token=TOKEN, poll_interval=0.1, **kw)
+            max_model_len=kw.pop("max_model_len", 512), admin_token=TOKEN, poll_interval=0.1,
+            runner_token=kw.pop("runner_token", RUNNER_TOKEN), **kw)
         self.client = TestClient(TestServer(create_app(self.service)))
         self.auth = {"Authorization": f"Bearer {TOKEN}"}
 
     async def __aenter__(self):
         await self.client.start_server()
-        for _ in range(200):
-            if len([r for r in self.service.cluster.runners.values() if r.healthy]) == len(self.service.cluster.runners):
+        for _ in range(200 if self.wait_healthy else 0):
+            if all(r.healthy and r.connected for r in self.service.cluster.runners.values()):
                 break
             await asyncio.sleep(0.05)
         return self

@@ -11,7 +11,7 @@ import asyncio
 import pytest
 import torch
 
-from cluster_helpers import Scheduler, start_runners
+from cluster_helpers import Runner, Scheduler, start_runners
 from lorafleet.runner.config import EngineConfig
 from lorafleet.runner.engine import Engine
 from lorafleet.runner.sequence import SamplingParams, Sequence
@@ -165,3 +165,51 @@ async def test_kill9_runner_requests_complete_elsewhere(tiny_chat_llama, tight):
         got = await asyncio.gather(*tasks)
         assert s.service.metrics.replacements._value.get() > 0
     assert got == want
+
+
+async def test_least_loaded_placement_spreads_and_busy_time_is_counted(tiny_chat_llama, wide):
+    async with Scheduler(tiny_chat_llama, wide, placement="least-loaded") as s:
+        tasks = [asyncio.create_task(s.stream_tokens(p, 400)) for p in prompts(3, 60)]
+
+        async def placed():
+            b = await s.batches()
+            return b if sum(b.values()) == 3 else None
+
+        assert await wait_for(placed) == {"runner-0": 1, "runner-1": 1, "runner-2": 1}  # one each, unlike busiest
+        await asyncio.sleep(0.2)
+        busy = {r["id"]: r["busy_seconds"] for r in (await s.state())["runners"]}
+        assert all(v > 0 for v in busy.values()), busy
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_scheduler_without_the_runner_credential_sees_no_healthy_runner(tiny_chat_llama, wide):
+    async with Scheduler(tiny_chat_llama, wide[:1], runner_token="wrong", wait_healthy=False) as s:
+        runner = s.service.cluster.runners["runner-0"]
+        await wait_for(lambda: asyncio.sleep(0, result=runner.failures >= 2))  # its polls were refused
+        assert not s.service.cluster.any_healthy() and not runner.connected
+        r = await s.client.post("/v1/completions", json={"model": "tiny", "prompt": [5, 6], "max_tokens": 2})
+        assert r.status == 503
+
+
+async def test_engine_crash_replaces_requests_on_another_runner(tiny_chat_llama):
+    """Runner 1's engine core raises in its 6th step: it turns unhealthy with the reason, and its
+    in-flight requests finish on runner 0 with exactly the tokens of an uninterrupted run."""
+    ps = prompts(3, 70)
+    want = reference(tiny_chat_llama, ps, 40)
+    good = start_runners(tiny_chat_llama, 1, "--max-batch-size", "8", "--page-size", "4", "--kv-pages", "400")
+    bad = [Runner(tiny_chat_llama, "runner-1", "--max-batch-size", "8", "--page-size", "4", "--kv-pages", "400",
+                  env={"LORAFLEET_ENGINE_FAULT": "step:6"})]
+    bad[0].wait_ready()
+    try:
+        async with Scheduler(tiny_chat_llama, good + bad) as s:  # busiest-that-fits: ties go to runner-1
+            got = await asyncio.gather(*(s.stream_tokens(p, 40) for p in ps))
+            assert s.service.metrics.replacements._value.get() >= len(ps)
+            st = bad[0].state()
+            assert st["engine"]["alive"] is False and "injected engine fault" in st["error"]
+            assert not {r["id"]: r for r in (await s.state())["runners"]}["runner-1"]["healthy"]
+        assert got == want
+    finally:
+        for r in good + bad:
+            r.stop()

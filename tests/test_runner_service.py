@@ -1,17 +1,23 @@
-"""The runner's HTTP service in-process: streaming, cancel, disconnect, state, validation."""
+"""The runner's HTTP front with its engine core process: the batched stream protocol, cancel,
+disconnect, state, validation, the runner credential, and engine crashes."""
 
 from __future__ import annotations
 
 import asyncio
-import json
+import os
+import signal
+import time
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
+import pytest_asyncio
 
 from model_helpers import write_random_adapter
+from runner_helpers import Stream, pid_alive, runner_front
 from lorafleet.runner.config import EngineConfig
 from lorafleet.runner.engine import Engine
-from lorafleet.runner.server import RunnerService, create_app
+from lorafleet.runner.sequence import AdapterRef, SamplingParams, Sequence
+
+pytestmark = pytest.mark.timeout(180)
 
 
 @pytest.fixture(scope="module")
@@ -19,77 +25,98 @@ def adapter(tiny_llama, tmp_path_factory):
     return write_random_adapter(tiny_llama, tmp_path_factory.mktemp("ad") / "ad", r=8, seed=3)
 
 
-@pytest.fixture
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def client(tiny_llama):
-    service = RunnerService(lambda: Engine(str(tiny_llama), EngineConfig(page_size=4, num_pages=256, max_batch_size=8,
-                                                                        max_lora_rank=16)), "runner-test")
-    async with TestClient(TestServer(create_app(service))) as c:
-        for _ in range(100):
-            if (await c.get("/readyz")).status == 200:
-                break
-            await asyncio.sleep(0.05)
+    """One runner (front + engine core) shared by the tests that leave it as they found it."""
+    async with runner_front(tiny_llama) as c:
         yield c
 
 
-async def generate(client, body):
-    resp = await client.post("/v1/generate", json=body)
-    assert resp.status == 200, await resp.text()
-    lines = [json.loads(x) for x in (await resp.text()).splitlines() if x.strip()]
-    return lines
+shared = pytest.mark.asyncio(loop_scope="module")
 
 
-async def test_stream_tokens_then_final(client, adapter):
-    body = {"request_id": "a", "prompt_token_ids": [5, 6, 7], "sampling": {"max_tokens": 5, "ignore_eos": True},
-            "adapter": {"name": "ad", "source": str(adapter)}}
-    lines = await generate(client, body)
-    streamed = [t for ln in lines[:-1] for t in ln["token_ids"]]
-    assert lines[-1]["finish_reason"] == "length" and lines[-1]["output_token_ids"] == streamed and len(streamed) == 5
-    state = await (await client.get("/state")).json()
+async def wait_state(client, cond, timeout=5.0):
+    t0 = time.monotonic()
+    while True:
+        st = await (await client.get("/state")).json()
+        if cond(st) or time.monotonic() - t0 > timeout:
+            return st
+        await asyncio.sleep(0.02)
+
+
+@shared
+async def test_batched_stream_tokens_equal_the_in_process_engine(client, tiny_llama, adapter):
+    prompts = {f"r{i}": [5 + i, 6, 7, 8 + 2 * i][: 2 + i % 3] for i in range(6)}
+    s = await Stream(client, "batch").open()
+    for i, (rid, ids) in enumerate(prompts.items()):
+        ad = {"name": "ad", "source": str(adapter)} if i % 2 else None
+        await s.submit({"request_id": rid, "prompt_token_ids": ids, "adapter": ad,
+                        "sampling": {"max_tokens": 6 + i, "ignore_eos": True}})
+    got = await s.until_finished(set(prompts))
+    eng = Engine(str(tiny_llama), EngineConfig(page_size=4, num_pages=256, max_batch_size=8, max_lora_rank=16))
+    want = eng.run_to_completion([
+        Sequence(rid, ids, SamplingParams(max_tokens=6 + i, ignore_eos=True),
+                 AdapterRef("ad", str(adapter)) if i % 2 else None) for i, (rid, ids) in enumerate(prompts.items())])
+    for rid in prompts:
+        assert got[rid]["finish"] == "length" and got[rid]["tokens"] == want[rid].output_ids, rid
+    # one line per engine step for the whole batch: some line carries several requests
+    assert max(len(m["o"]) for m in s.lines) > 1
+    state = await wait_state(client, lambda st: st["free_kv_tokens"] == st["total_kv_tokens"])
     assert state["id"] == "runner-test" and state["free_kv_tokens"] == state["total_kv_tokens"]
-    assert "ad" in state["resident_adapters"]
+    assert "ad" in state["resident_adapters"] and state["engine"]["alive"]
 
 
-async def test_bad_requests_are_400(client):
+@shared
+async def test_bad_requests_are_400_or_404(client):
+    s = await Stream(client, "bad").open()
     for body, word in [({}, "request_id"), ({"request_id": "x", "prompt_token_ids": []}, "prompt_token_ids"),
                        ({"request_id": "x", "prompt_token_ids": [1], "sampling": {"max_tokens": 0}}, "max_tokens"),
                        ({"request_id": "x", "prompt_token_ids": [1], "sampling": {"top_p": 5}}, "top_p"),
-                       ({"request_id": "x", "prompt_token_ids": [1], "adapter": "oops"}, "adapter")]:
-        resp = await client.post("/v1/generate", json=body)
+                       ({"request_id": "x", "prompt_token_ids": [1], "adapter": "oops"}, "adapter"),
+                       ({"request_id": "x", "prompt_token_ids": [1, 10**6]}, "vocabulary")]:
+        resp = await client.post("/v1/generate", json={**body, "stream": s.sid})
         assert resp.status == 400 and word in (await resp.json())["error"]
     resp = await client.post("/v1/generate", data=b"{nope", headers={"Content-Type": "application/json"})
     assert resp.status == 400
+    resp = await client.post("/v1/generate", json={"request_id": "y", "prompt_token_ids": [1], "stream": "nope"})
+    assert resp.status == 404 and "stream" in (await resp.json())["error"]
+    assert (await client.get("/v1/stream", params={"id": s.sid})).status == 409  # one reader per stream
 
 
+@shared
 async def test_bad_adapter_is_an_error_event(client, tmp_path):
-    lines = await generate(client, {"request_id": "b", "prompt_token_ids": [1, 2],
-                                    "adapter": {"name": "ghost", "source": str(tmp_path / "ghost")}})
-    assert lines[-1]["finish_reason"] == "error" and "ghost" in lines[-1]["error"]
+    s = await Stream(client, "adapter").open()
+    await s.submit({"request_id": "b", "prompt_token_ids": [1, 2],
+                    "adapter": {"name": "ghost", "source": str(tmp_path / "ghost")}})
+    got = await s.until_finished({"b"})
+    assert got["b"]["finish"] == "error" and "ghost" in got["b"]["error"]
 
 
-async def test_disconnect_cancels_and_frees_pages(client):
-    body = {"request_id": "long", "prompt_token_ids": list(range(3, 40)),
-            "sampling": {"max_tokens": 400, "ignore_eos": True}}
-    resp = await client.post("/v1/generate", json=body)
-    await resp.content.readline()  # first tokens arrived: it is running
-    resp.close()  # client goes away
-    for _ in range(50):
-        st = await (await client.get("/state")).json()
-        if st["free_kv_tokens"] == st["total_kv_tokens"] and st["batch_size"] == 0:
-            break
-        await asyncio.sleep(0.02)
+@shared
+async def test_stream_disconnect_cancels_and_frees_pages(client):
+    s = await Stream(client, "disc").open()
+    await s.submit({"request_id": "long", "prompt_token_ids": list(range(3, 40)),
+                    "sampling": {"max_tokens": 400, "ignore_eos": True}})
+    await s.first_tokens("long")
+    st = await (await client.get("/state")).json()
+    assert st["batch_size"] == 1 and st["free_kv_tokens"] < st["total_kv_tokens"]
+    s.close()  # the scheduler goes away
+    st = await wait_state(client, lambda st: st["batch_size"] == 0 and st["free_kv_tokens"] == st["total_kv_tokens"])
     assert st["free_kv_tokens"] == st["total_kv_tokens"] and st["batch_size"] == 0
 
 
+@shared
 async def test_explicit_cancel(client):
-    body = {"request_id": "c1", "prompt_token_ids": [3, 4], "sampling": {"max_tokens": 400, "ignore_eos": True}}
-    resp = await client.post("/v1/generate", json=body)
-    await resp.content.readline()
+    s = await Stream(client, "cancel").open()
+    await s.submit({"request_id": "c1", "prompt_token_ids": [3, 4], "sampling": {"max_tokens": 400, "ignore_eos": True}})
+    await s.first_tokens("c1")
     r = await client.post("/v1/cancel/c1")
     assert (await r.json())["cancelled"] is True
-    lines = [json.loads(x) for x in (await resp.text()).splitlines() if x.strip()]
-    assert lines[-1]["finish_reason"] == "cancelled"
+    got = await s.until_finished({"c1"})
+    assert got["c1"]["finish"] == "cancelled" and len(got["c1"]["tokens"]) < 400
 
 
+@shared
 async def test_validate_endpoint(client, adapter, tmp_path):
     ok = await (await client.post("/v1/adapters/validate", json={"name": "ad", "source": str(adapter)})).json()
     assert ok["ok"] and ok["rank"] == 8 and set(ok["target_modules"]) == {"q", "v"}
@@ -97,9 +124,88 @@ async def test_validate_endpoint(client, adapter, tmp_path):
     assert not bad["ok"] and "adapter_config.json" in bad["error"]
 
 
+@shared
 async def test_metrics_expose_gateway_shape(client, adapter):
-    await generate(client, {"request_id": "m", "prompt_token_ids": [5, 6], "sampling": {"max_tokens": 2},
-                            "adapter": {"name": "ad", "source": str(adapter)}})
+    s = await Stream(client, "metrics").open()
+    await s.submit({"request_id": "m", "prompt_token_ids": [5, 6], "sampling": {"max_tokens": 2},
+                    "adapter": {"name": "ad", "source": str(adapter)}})
+    await s.until_finished({"m"})
     text = await (await client.get("/metrics")).text()
     assert "vllm:lora_requests_info{" in text and 'max_lora="' in text
     assert "lorafleet_runner_generated_tokens_total" in text
+
+
+async def test_runner_credential(tiny_llama):
+    async with runner_front(tiny_llama, token="t0ken") as c:
+        assert (await c.get("/state")).status == 200  # the client sends the token
+        bare = {"Authorization": ""}
+        for method, path in [("GET", "/state"), ("GET", "/v1/stream"), ("POST", "/v1/generate"),
+                             ("POST", "/v1/cancel/x"), ("POST", "/v1/adapters/validate")]:
+            r = await c.request(method, path, headers=bare)
+            assert r.status == 401, (method, path)
+            r = await c.request(method, path, headers={"Authorization": "Bearer wrong"})
+            assert r.status == 401, (method, path)
+        for path in ("/healthz", "/readyz", "/metrics"):
+            assert (await c.get(path, headers=bare)).status == 200, path
+
+
+async def test_engine_exception_makes_runner_unhealthy_and_aborts_requests(tiny_llama, monkeypatch):
+    monkeypatch.setenv("LORAFLEET_ENGINE_FAULT", "step:4")
+    async with runner_front(tiny_llama) as c:
+        pid = c.service.engine.pid
+        s = await Stream(c).open()
+        await s.submit({"request_id": "f", "prompt_token_ids": [3, 4], "sampling": {"max_tokens": 50, "ignore_eos": True}})
+        got = await s.until_finished({"f"})
+        assert got["f"]["finish"] == "aborted" and "injected engine fault" in got["f"]["error"]
+        h = await c.get("/healthz")
+        body = await h.json()
+        assert h.status == 500 and "injected engine fault" in body["error"] and "status 3" in body["error"]
+        assert (await c.get("/readyz")).status == 503
+        assert (await c.post("/v1/generate", json={"request_id": "g", "prompt_token_ids": [1]})).status == 503
+        assert not pid_alive(pid)  # exited and reaped: no zombie
+
+
+async def test_engine_sigkill_makes_runner_unhealthy_and_aborts_requests(tiny_llama):
+    async with runner_front(tiny_llama) as c:
+        pid = c.service.engine.pid
+        s = await Stream(c).open()
+        await s.submit({"request_id": "k", "prompt_token_ids": [3, 4], "sampling": {"max_tokens": 400, "ignore_eos": True}})
+        await s.first_tokens("k")
+        os.kill(pid, signal.SIGKILL)
+        got = await s.until_finished({"k"})
+        assert got["k"]["finish"] == "aborted" and "SIGKILL" in got["k"]["error"]
+        h = await c.get("/healthz")
+        assert h.status == 500 and "SIGKILL" in (await h.json())["error"]
+        st = await (await c.get("/state")).json()
+        assert st["engine"]["alive"] is False and "SIGKILL" in st["error"]
+        assert not pid_alive(pid)
+
+
+async def test_stopping_the_front_stops_its_engine_core(tiny_llama):
+    async with runner_front(tiny_llama) as c:
+        pid = c.service.engine.pid
+        assert pid_alive(pid)
+    for _ in range(100):  # shut down in order: the core exits and is reaped
+        if not pid_alive(pid):
+            break
+        await asyncio.sleep(0.05)
+    assert not pid_alive(pid)
+
+
+async def test_synthetic_model_directory_gives_the_same_weights_in_every_process(tmp_path, demo_model):
+    from lorafleet.runner.engine_core import build_engine
+    from lorafleet.runner.synthetic import write_synthetic_model
+
+    shape = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                 bos_token_id=1, eos_token_id=2, model_type="llama")
+    model = write_synthetic_model(tmp_path / "syn", shape, seed=5, std=0.2, tokenizer_from=demo_model, name="syn-tiny")
+    assert not any(model.glob("*.safetensors")) and (model / "tokenizer.json").is_file()
+    async with runner_front(model) as c:
+        assert (await (await c.get("/state")).json())["model"] == "syn-tiny"
+        s = await Stream(c).open()
+        await s.submit({"request_id": "s", "prompt_token_ids": [5, 9, 11], "sampling": {"max_tokens": 8, "ignore_eos": True}})
+        got = await s.until_finished({"s"})
+    eng = build_engine(str(model), {"page_size": 4, "num_pages": 64, "device": "cpu"})
+    want = eng.run_to_completion([Sequence("s", [5, 9, 11], SamplingParams(max_tokens=8, ignore_eos=True))])
+    assert got["s"]["tokens"] == want["s"].output_ids and len(set(want["s"].output_ids)) > 1

@@ -168,3 +168,16 @@ async def test_admin_requires_token(tok):
                                          "free_kv_tokens", "total_kv_tokens", "idle_seconds", "adapters"}
     finally:
         await stop(client, servers)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_chunk_encoder_bytes_are_the_chunk_json(chat):
+    from lorafleet.scheduler import openai_api as oa
+
+    enc = oa.ChunkEncoder("cmpl-1", 'mo"del', chat, created=7)
+    for text in ["hi", ' "quoted"\n', "日本語 \u2028"]:
+        line = enc.text(3, text)
+        assert line.startswith(b"data: ") and line.endswith(b"\n\n")
+        want = oa.chunk("cmpl-1", 'mo"del', chat, 3, text, None)
+        want["created"] = 7
+        assert json.loads(line[6:]) == want

@@ -138,15 +138,26 @@ def test_client_disconnect_frees_pages_within_a_second(served, base_name):
             for line in resp.iter_lines():
                 if line.startswith("data: "):
                     break
-            st = json.loads(urllib.request.urlopen(f"{runner}/state").read())
+            st = served.runner_state(runner)
             assert st["batch_size"] == 1 and st["free_kv_tokens"] < st["total_kv_tokens"]
     t0 = time.monotonic()
     while time.monotonic() - t0 < 1.0:
-        st = json.loads(urllib.request.urlopen(f"{runner}/state").read())
+        st = served.runner_state(runner)
         if st["batch_size"] == 0 and st["free_kv_tokens"] == st["total_kv_tokens"]:
             break
         time.sleep(0.05)
     assert st["batch_size"] == 0 and st["free_kv_tokens"] == st["total_kv_tokens"], st
+
+
+def test_runners_need_the_credential_serve_made(served):
+    import urllib.error
+
+    runner = served.admin_state()["runners"][0]["url"]
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(f"{runner}/state", timeout=5)
+    assert e.value.code == 401
+    assert urllib.request.urlopen(f"{runner}/healthz", timeout=5).status == 200
+    assert served.runner_state(runner)["ready"] is True
 
 
 def test_errors_through_the_real_server(served, base_name):
@@ -165,6 +176,9 @@ def test_graceful_shutdown_finishes_in_flight_and_leaves_no_process(demo_model, 
     s.wait_ready()
     kids = s.children()
     assert kids, "serve should have runner children"
+    cores = [c for k in kids for c in s.children(k)]
+    assert len(cores) == len(kids), "every runner front has its engine core process"
+    kids += cores
     import httpx
 
     result = {}
@@ -187,6 +201,6 @@ def test_graceful_shutdown_finishes_in_flight_and_leaves_no_process(demo_model, 
     assert code == 0, s.proc.stdout.read()[-2000:]
     assert result["lines"][-1] == "data: [DONE]"
     finals = [json.loads(ln[6:]) for ln in result["lines"][:-1]]
-    assert finals[-1]["choices"][0]["finish_reason"] == "length"
+    assert finals[-1].get("choices", [{}])[0].get("finish_reason") == "length", (finals[-1], s.proc.stdout.read()[-6000:])
     for pid in kids:
         assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()

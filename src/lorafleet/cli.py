@@ -23,7 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "scheduler": ("lorafleet.scheduler.server", "run the scheduler service (OpenAI API, placement, migration)"),
     "operator": ("lorafleet.operator.cli", "run the Kubernetes operator (kopf)"),
     "simulate": ("lorafleet.scheduler.simulate", "simulate placement policies over a cluster trace"),
-    "bench": ("lorafleet.bench", "benchmarks: kernels, e2e, cpu"),
+    "bench": ("lorafleet.bench", "benchmarks: kernels, e2e, cpu, serve, relay"),
     "build-kernels": ("lorafleet.runner.lora.build", "build the SGMV CUDA extension ahead of time"),
 }
 

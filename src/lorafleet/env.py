@@ -111,3 +111,17 @@ def hosts_file() -> Path | None:
     also usable where cluster DNS is not visible to the operator). Unset: DNS only."""
     raw = os.environ.get("LORAFLEET_HOSTS_FILE", "")
     return Path(raw) if raw else None
+
+
+def runner_token() -> str | None:
+    """LORAFLEET_RUNNER_TOKEN: the scheduler↔runner credential. Set on a runner, every route but
+    GET /healthz, /readyz and /metrics needs `Authorization: Bearer <token>`; set on a scheduler, it
+    sends that header to its runners. Unset or empty: no check (a laptop, or tests)."""
+    tok = os.environ.get("LORAFLEET_RUNNER_TOKEN", "")
+    return tok or None
+
+
+def engine_fault() -> str | None:
+    """LORAFLEET_ENGINE_FAULT: `step:N` makes the engine core raise in its N-th step. Only for testing
+    how a runner handles an engine crash; never set it in production."""
+    return os.environ.get("LORAFLEET_ENGINE_FAULT") or None

@@ -1,10 +1,13 @@
 """`lorafleet serve`: the scheduler plus N runner processes on this machine.
 
-The port is bound first, so a busy port is reported before anything is loaded. Runners are
-child processes in their own session (so Ctrl-C reaches only this process, which then shuts
-down in order: stop accepting, finish or cancel in-flight requests, stop runners); each also
-gets SIGTERM if this process dies (no orphans), and one that dies while serving is restarted
-with backoff (`runner_procs.py`).
+The port is bound first, so a busy port is reported before anything is loaded. Each runner is
+a front process with its engine core as a child (and, with `--tp N`, N - 1 more ranks); runners
+run in their own session (so Ctrl-C reaches only this process, which then shuts down in order:
+stop accepting, finish or cancel in-flight requests, stop runners, each of which stops its engine
+core). A runner gets SIGTERM if this process dies, an engine core SIGKILL if its front dies (no
+orphans), and a runner that dies while serving is restarted with backoff (`runner_procs.py`).
+Scheduler and runners share a random runner credential (LORAFLEET_RUNNER_TOKEN) made here
+unless one is set.
 """
 
 from __future__ import annotations
@@ -14,10 +17,12 @@ import functools
 import json
 import logging
 import os
+import secrets
 import shlex
 import socket
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -43,23 +48,34 @@ def runner_command(args: argparse.Namespace, model: str, port: int, rid: str, de
         cmd += ["--page-size", str(args.page_size)]
     if args.kv_cache_gb:
         cmd += ["--kv-cache-gb", str(args.kv_cache_gb)]
+    if getattr(args, "kv_fraction", None):
+        cmd += ["--kv-fraction", str(args.kv_fraction)]
+    if getattr(args, "lora_slots", None):
+        cmd += ["--lora-slots", str(args.lora_slots)]
+    if getattr(args, "no_cuda_graphs", False):
+        cmd.append("--no-cuda-graphs")
+    if getattr(args, "tp", 1) > 1:
+        cmd += ["--tp", str(args.tp)]
     return cmd
 
 
-def runner_devices(device: str, n: int) -> list[str]:
+def runner_devices(device: str, n: int, tp: int = 1) -> list[str]:
+    """The first device of each runner: with `tp` GPUs per runner, runner i starts at cuda:i*tp."""
     if device.startswith("cuda") and ":" not in device:
         import torch
 
         count = torch.cuda.device_count()
         if count == 0:
             raise SystemExit("--device cuda: no CUDA device is visible")
-        return [f"cuda:{i % count}" for i in range(n)]
+        if n * tp > count and tp > 1:
+            raise SystemExit(f"--runners {n} --tp {tp} needs {n * tp} GPUs; {count} are visible")
+        return [f"cuda:{(i * tp) % count}" for i in range(n)]
     if device == "auto":
         try:
             import torch
 
             if torch.cuda.is_available():
-                return runner_devices("cuda", n)
+                return runner_devices("cuda", n, tp)
         except ImportError:
             pass
         return ["cpu"] * n
@@ -82,6 +98,13 @@ def wait_ready(runners: list[RunnerProcess], timeout: float) -> None:
                     if r.status == 200:
                         pending.discard(rid)
                         log.info("runner %s ready at %s", rid, url)
+            except urllib.error.HTTPError as exc:
+                try:
+                    error = json.loads(exc.read()).get("error")
+                except ValueError:
+                    error = None
+                if error:  # its engine core failed to load the model: no point in waiting
+                    raise RuntimeError(f"runner {rid}: {error}") from None
             except OSError:
                 pass
         if time.monotonic() > deadline:
@@ -136,10 +159,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--grace-seconds", type=float, default=20.0, help="time to finish in-flight requests on stop")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for runners to load")
+    p.add_argument("--kv-fraction", type=float, default=None, help="GPU: share of free memory for each runner's KV cache")
+    p.add_argument("--lora-slots", type=int, default=None,
+                   help="adapters resident on each runner's device at once")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="runners step eagerly on CUDA")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallelism: GPUs per runner (runner i uses "
+                   "cuda:i*tp .. cuda:i*tp+tp-1)")
     from lorafleet.scheduler import limits
-    from lorafleet.scheduler.server import add_api_key_argument
+    from lorafleet.scheduler.server import add_api_key_argument, add_placement_argument
 
     add_api_key_argument(p)
+    add_placement_argument(p)
     limits.add_arguments(p)
 
 
@@ -195,8 +225,10 @@ def run(args: argparse.Namespace) -> int:
 
     runners: list[RunnerProcess] = []
     supervisor = None
-    devices = runner_devices(args.device, args.runners)
-    child_env = runner_env(adapters_dir)
+    devices = runner_devices(args.device, args.runners, args.tp)
+    # One credential for this machine's scheduler and runners (CONTRACT: LORAFLEET_RUNNER_TOKEN).
+    token = env.runner_token() or secrets.token_urlsafe(32)
+    child_env = {**runner_env(adapters_dir), "LORAFLEET_RUNNER_TOKEN": token}
     try:
         for i, dev in enumerate(devices):
             port = free_port("127.0.0.1")
@@ -214,7 +246,8 @@ def run(args: argparse.Namespace) -> int:
         service = SchedulerService(
             Tokenizer(tok_dir), args.model_name or model_display_name(tok_dir if model_path.is_dir() else model_path),
             registry, directory, limits=limits.from_args(args, max_model_len), api_keys=api_keys,
-            admin_token=env.admin_token(), grace_seconds=args.grace_seconds,
+            admin_token=env.admin_token(), grace_seconds=args.grace_seconds, placement=args.placement,
+            runner_token=token,
         )
         app = create_app(service)
         url = f"http://{args.host}:{args.port}"

@@ -1,4 +1,4 @@
-"""The four adapter-popularity workloads of the Punica paper, as row -> adapter assignments."""
+"""The four adapter-popularity workloads of the Punica paper (row -> adapter), and ShareGPT-like lengths."""
 
 from __future__ import annotations
 
@@ -31,3 +31,15 @@ def assign(workload: str, n: int, num_adapters: int, seed: int = 0) -> list[int]
     if workload == "identical":
         return [0] * n
     raise ValueError(workload)
+
+
+def sharegpt_requests(n: int, seed: int, vocab: int) -> list[tuple[list[int], int]]:
+    """(prompt ids, output length) pairs; lognormal fits of filtered ShareGPT lengths (means about
+    250 prompt and 235 output tokens). Ids are drawn from [3, vocab)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        p = int(np.clip(rng.lognormal(5.2, 0.85), 8, 1536))
+        o = int(np.clip(rng.lognormal(5.22, 0.75), 8, 1024))
+        out.append((rng.integers(3, vocab, size=p).tolist(), o))
+    return out

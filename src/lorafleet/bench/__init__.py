@@ -1,4 +1,4 @@
-"""`lorafleet bench {kernels,e2e,cpu} [options]`: the benchmarks (each prints a table and writes JSON)."""
+"""`lorafleet bench {kernels,e2e,cpu,serve,relay} [options]`: the benchmarks (each prints a table and writes JSON)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,15 @@ BENCHES = {
     "kernels": "lorafleet.runner.bench_kernels",
     "e2e": "lorafleet.runner.bench_e2e",
     "cpu": "lorafleet.runner.bench_cpu",
+    "serve": "lorafleet.bench.serve",
+    "relay": "lorafleet.bench.relay",
 }
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("which", choices=sorted(BENCHES), help="kernels: SGMV vs peers (CUDA); e2e: 7B-shape serving "
-                   "throughput vs peers (CUDA); cpu: generate vs HF+PEFT on the SmolLM2 demo")
+                   "throughput vs peers (CUDA); cpu: generate vs HF+PEFT on the SmolLM2 demo; serve: OpenAI-API load "
+                   "against `lorafleet serve` vs the offline engine, rate sweeps; relay: scheduler tokens per CPU-second")
     p.add_argument("args", nargs=argparse.REMAINDER, help="options of that benchmark (see `lorafleet bench X --help`)")
 
 

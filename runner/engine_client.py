@@ -1,0 +1,206 @@
+"""The front's handle on its engine core process: start it, talk to it, notice when it dies.
+
+    client = EngineClient(model, engine_config_dict)
+    await client.start()                     # spawns the core, waits for ["ready", info]
+    client.submit(wire_request, owner)       # owner.deliver(entries) gets this request's outputs
+    client.cancel(request_id)
+    client.snapshot                          # the core's last state (batch, KV, adapters)
+    client.alive, client.error               # error: why the core is gone (exit status, fatal message)
+    await client.stop(timeout)               # ["shutdown"], wait, SIGKILL if it hangs; always reaped
+
+Outputs arrive once per engine step for the whole batch: `[request id, [new ids], finish_reason,
+error]` entries, grouped by owner (one owner per scheduler stream) and handed over in one
+`owner.deliver(entries)` call per owner per step. When the core dies — a fatal step error, a
+failed load, SIGKILL, any exit — every in-flight request gets a final entry with
+finish_reason "aborted" and the reason, so its scheduler re-places it elsewhere, and the front
+reports the runner unhealthy with that reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+import sys
+from typing import Callable, Protocol
+
+from lorafleet.runner.channel import AsyncChannel, ChannelClosed
+
+log = logging.getLogger(__name__)
+
+
+class Owner(Protocol):
+    def deliver(self, entries: list[list]) -> None: ...
+
+
+def _core_preexec() -> None:  # in the child, before exec: die with the front
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "engine core is gone"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = str(-code)
+        return f"engine core was killed by {name}"
+    return f"engine core exited with status {code}"
+
+
+class EngineClient:
+    def __init__(self, model: str, config: dict, log_level: str = "INFO"):
+        self.model, self.config, self.log_level = model, config, log_level
+        self.proc: asyncio.subprocess.Process | None = None
+        self.chan: AsyncChannel | None = None
+        self.info: dict = {}
+        self.snapshot: dict = {}
+        self.error: str | None = None
+        self.owners: dict[str, Owner] = {}  # in-flight request id -> who gets its outputs
+        self.on_step: list[Callable[[list[list]], None]] = []  # metrics: every step's entries
+        self._reader: asyncio.Task | None = None
+        self._ready = asyncio.Event()
+        self._exited = asyncio.Event()
+        self._stopping = False
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Spawn the core and wait until it has loaded the model (or failed: then `error` is set)."""
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "lorafleet.runner.engine_core", "--fd", str(theirs.fileno()),
+                "--log-level", self.log_level, pass_fds=(theirs.fileno(),), preexec_fn=_core_preexec,
+                stdin=asyncio.subprocess.DEVNULL)
+        finally:
+            theirs.close()
+        self.chan = await AsyncChannel.open(mine)
+        self.chan.send(["init", {"model": self.model, "config": self.config}])
+        self._reader = asyncio.create_task(self._read_loop())
+        asyncio.create_task(self._watch())
+        await asyncio.wait([asyncio.create_task(self._ready.wait()), asyncio.create_task(self._exited.wait())],
+                           return_when=asyncio.FIRST_COMPLETED)
+        if not self._ready.is_set():
+            await self._exited.wait()
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        """Ask the core to exit; kill it if it does not within `timeout`. Always reaps it."""
+        self._stopping = True
+        if self.proc is None:
+            return
+        if self.proc.returncode is None:
+            try:
+                self.chan.send(["shutdown"])
+            except (ConnectionError, RuntimeError, AttributeError):
+                pass
+            try:
+                await asyncio.wait_for(self.proc.wait(), timeout)
+            except asyncio.TimeoutError:
+                log.warning("engine core did not exit in %.0fs; killing it", timeout)
+                self.proc.kill()
+                await self.proc.wait()
+        await self._exited.wait()
+        if self.chan:
+            self.chan.close()
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set() and self.alive
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None and self.error is None
+
+    # -- requests ------------------------------------------------------------------------------
+    def submit(self, request: dict, owner: Owner) -> None:
+        """Send one request (`channel.py` shape) to the core; its outputs go to `owner`."""
+        self.owners[request["id"]] = owner
+        self.chan.send(["submit", request])
+
+    def cancel(self, request_id: str) -> None:
+        if request_id in self.owners and self.alive:
+            self.chan.send(["cancel", request_id])
+
+    def in_flight(self, owner: Owner | None = None) -> list[str]:
+        return [rid for rid, o in self.owners.items() if owner is None or o is owner]
+
+    # -- the core's messages ---------------------------------------------------------------------
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                msg = await self.chan.recv()
+                kind = msg[0]
+                if kind == "step":
+                    if msg[2] is not None:
+                        self.snapshot = msg[2]
+                    if msg[1]:
+                        self._route(msg[1])
+                elif kind == "state":
+                    self.snapshot = msg[1]
+                elif kind == "ready":
+                    self.info = msg[1]
+                    self.snapshot = msg[1].get("state") or {}
+                    self._ready.set()
+                    log.info("engine core (pid %s) ready", self.pid)
+                elif kind == "fatal":
+                    self.error = str(msg[1])
+                    log.error("engine core: %s", self.error)
+        except ChannelClosed:
+            pass
+        except Exception as exc:  # a malformed message: treat the core as broken
+            log.exception("bad message from the engine core")
+            self.error = self.error or f"bad message from the engine core: {exc}"
+            if self.proc and self.proc.returncode is None:
+                self.proc.kill()
+
+    def _route(self, entries: list[list]) -> None:
+        groups: dict[int, tuple[Owner, list]] = {}
+        owners = self.owners
+        for e in entries:
+            rid = e[0]
+            owner = owners.get(rid)
+            if owner is None:
+                continue
+            if e[2] is not None:
+                del owners[rid]
+            g = groups.get(id(owner))
+            if g is None:
+                groups[id(owner)] = (owner, [e])
+            else:
+                g[1].append(e)
+        for fn in self.on_step:
+            fn(entries)
+        for owner, es in groups.values():
+            owner.deliver(es)
+
+    async def _watch(self) -> None:
+        code = await self.proc.wait()
+        if self._reader is not None:
+            try:  # let the reader take in what the core sent before it exited (its fatal reason)
+                await asyncio.wait_for(asyncio.shield(self._reader), 1.0)
+            except (asyncio.TimeoutError, Exception):
+                self._reader.cancel()
+        if not (self._stopping and code == 0):
+            reason = describe_exit(code)
+            self.error = f"{self.error} ({reason})" if self.error else reason
+            log.error("%s; the runner is unhealthy", self.error)
+        else:
+            self.error = self.error or "engine core stopped"
+        self.abort_all(self.error)
+        self._exited.set()
+
+    def abort_all(self, reason: str) -> None:
+        """End every in-flight request with finish_reason "aborted" (its scheduler re-places it)."""
+        if self.owners:
+            self._route([[rid, [], "aborted", reason] for rid in list(self.owners)])

@@ -1,0 +1,192 @@
+"""The engine core: a process that owns the device and runs `Engine.step()` in a busy loop.
+
+Started by the runner's front (`engine_client.py`) as `python -m lorafleet.runner.engine_core
+--fd N`, where N is its end of a socketpair (`channel.py` lists the messages). No HTTP, no
+asyncio, no threads of its own: between two steps it reads whatever the front sent (submit,
+cancel, state, shutdown) without waiting, and after each step it sends one message with the
+outputs of the whole batch (plus a state snapshot at most every 0.1 s, and whenever a
+request joined or left the batch, so the front's view of batch and free KV pages is current
+when a request's first token or its end is reported).
+Idle, it blocks on the channel.
+
+Failure: an exception in a step sends ["fatal", reason] and exits with status 3; a failed
+model load sends ["fatal", ...] and exits with status 2. The front then reports the runner
+unhealthy with that reason and ends every in-flight request. The core exits when the channel
+closes (the front died) and, on Linux, is killed by the kernel if the front process dies
+(PR_SET_PDEATHSIG); Ctrl-C in a terminal is left to the front, which shuts the core down in
+order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+
+from lorafleet import env
+from lorafleet.runner.channel import BlockingChannel, ChannelClosed
+
+log = logging.getLogger("lorafleet.runner.engine_core")
+
+SNAPSHOT_EVERY_S = 0.1  # how stale the front's state may be while the engine is busy
+IDLE_WAIT_S = 0.5  # idle: wake this often to refresh idle_seconds in the snapshot
+
+
+def engine_config_from_dict(d: dict):
+    from lorafleet.runner.config import EngineConfig
+
+    fields = EngineConfig.__dataclass_fields__
+    return EngineConfig(**{k: v for k, v in d.items() if k in fields})
+
+
+def build_engine(model: str, config: dict):
+    """An Engine for a model path: HF directory, .gguf, or a synthetic model directory (weights
+    drawn on the device); with `tp` > 1 it starts the other tensor-parallel ranks."""
+    from lorafleet.runner.engine import Engine
+
+    return Engine(model, engine_config_from_dict(config))
+
+
+def sequence_from_wire(d: dict):
+    from lorafleet.runner.sequence import AdapterRef, Sequence, sampling_from_dict
+
+    a = d.get("adapter")
+    ref = AdapterRef(a["name"], a["source"], a.get("sha256")) if a else None
+    return Sequence(d["id"], list(d["prompt_ids"]), sampling_from_dict(d.get("sampling") or {}), ref,
+                    arrival=float(d.get("arrival") or time.time()))
+
+
+def ready_info(engine) -> dict:
+    mc = engine.model_config
+    bs = mc.base_shape()
+    return {"page_size": engine.config.page_size, "max_model_len": engine.max_model_len, "model": mc.name,
+            "vocab_size": mc.vocab_size, "max_lora_rank": engine.config.max_lora_rank,
+            "base_shape": {"num_layers": bs.num_layers, "hidden_size": bs.hidden_size,
+                           "intermediate_size": bs.intermediate_size, "q_dim": bs.q_dim, "kv_dim": bs.kv_dim,
+                           "name": bs.name},
+            "pid": os.getpid(), "state": engine.state()}
+
+
+class Fault:
+    """LORAFLEET_ENGINE_FAULT=step:N raises in the N-th step (to test crash handling; unset in production)."""
+
+    def __init__(self, spec: str | None):
+        self.at = int(spec.split(":", 1)[1]) if spec and spec.startswith("step:") else None
+        self.steps = 0
+
+    def check(self) -> None:
+        self.steps += 1
+        if self.at is not None and self.steps >= self.at:
+            raise RuntimeError(f"injected engine fault at step {self.steps} (LORAFLEET_ENGINE_FAULT)")
+
+
+def serve(ch: BlockingChannel, engine) -> int:
+    """The busy loop; returns the exit status."""
+    fault = Fault(env.engine_fault())
+    last_snap = 0.0
+    idle_reported = False
+    started: set[str] = set()  # requests that have produced output
+    while True:
+        busy = engine.has_work()
+        want_state = False
+        try:
+            msgs = ch.recv_all(0.0 if busy else IDLE_WAIT_S)
+        except ChannelClosed:
+            return 0
+        for msg in msgs:
+            op = msg[0]
+            if op == "submit":
+                try:
+                    engine.submit(sequence_from_wire(msg[1]))
+                except (KeyError, TypeError, ValueError) as exc:
+                    rid = msg[1].get("id") if isinstance(msg[1], dict) else None
+                    ch.send(["step", [[rid, [], "error", f"bad request: {exc}"]], None])
+            elif op == "cancel":
+                engine.cancel(msg[1])
+            elif op == "state":
+                want_state = True
+            elif op == "shutdown":
+                return 0
+        if not engine.has_work():
+            if want_state or not idle_reported or not msgs:
+                ch.send(["state", engine.state()])  # idle: keep idle_seconds fresh
+                idle_reported = True
+            continue
+        idle_reported = False
+        try:
+            fault.check()
+            outputs = engine.step()
+        except Exception as exc:  # a bug or a device error: this engine can no longer be trusted
+            log.exception("engine step failed")
+            ch.send(["fatal", f"engine step failed: {type(exc).__name__}: {exc}"])
+            return 3
+        now = time.perf_counter()
+        changed = False  # a request joined or left the batch: the front's state must show it
+        wire = []
+        for o in outputs:
+            if o.finish_reason is not None:
+                changed = True
+                started.discard(o.seq_id)
+            elif o.seq_id not in started:
+                started.add(o.seq_id)
+                changed = True
+            if o.new_token_ids or o.finish_reason is not None:
+                wire.append([o.seq_id, o.new_token_ids, o.finish_reason, o.error])
+        state = None
+        if changed or want_state or now - last_snap > SNAPSHOT_EVERY_S:
+            state, last_snap = engine.state(), now
+        if wire or state is not None:
+            ch.send(["step", wire, state])
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m lorafleet.runner.engine_core")
+    p.add_argument("--fd", type=int, required=True, help="this process's end of the socketpair")
+    p.add_argument("--log-level", default=env.log_level())
+    args = p.parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the front decides
+    _die_with_parent()
+    if os.getppid() == 1:
+        return 1  # the front is already gone
+    ch = BlockingChannel(socket.socket(fileno=args.fd))
+    try:
+        first = ch.recv_all(None)
+    except ChannelClosed:
+        return 0
+    init = first[0]
+    if init[0] != "init":
+        ch.send(["fatal", f"expected init, got {init[0]!r}"])
+        return 2
+    try:
+        engine = build_engine(init[1]["model"], init[1].get("config") or {})
+    except Exception as exc:
+        log.exception("model load failed")
+        ch.send(["fatal", f"model load failed: {type(exc).__name__}: {exc}"])
+        return 2
+    ch.send(["ready", ready_info(engine)])
+    for later in first[1:]:  # anything the front sent before ready (it should not)
+        log.warning("dropped channel message %r sent before ready", later[0])
+    try:
+        return serve(ch, engine)
+    except (BrokenPipeError, ConnectionResetError):
+        return 0
+    finally:
+        engine.close()  # the other tensor-parallel ranks, if any
+
+
+if __name__ == "__main__":
+    sys.exit(main())

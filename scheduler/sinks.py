@@ -1,0 +1,163 @@
+"""Where a request's tokens go: straight to its client, on the call stack that read them.
+
+The runner stream reader (`cluster.py`) calls `sink.tokens(req, ids)` and `sink.done(req,
+reason, error)` synchronously for every request in a runner's step line. One sink serves the
+`n` choices of one API call.
+
+- `StreamSink` (SSE): detokenizes and writes the chunk to the client's socket at once — no
+  queue, no task switch, no coroutine per token. The HTTP handler does the first write (so
+  aiohttp has sent the headers) and then `attach`es the socket; from then on chunks are framed
+  (HTTP/1.1 chunked) and written with `transport.write`. A client that stops reading (more than
+  `HIGH_WATER` bytes queued) is detached: chunks buffer and the handler writes them with awaits.
+- `CollectSink` (non-streaming): text per choice, resolved when every choice has ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Callable
+
+from lorafleet.scheduler.detokenizer import IncrementalDetokenizer
+
+HIGH_WATER = 1 << 20
+
+
+class Discard:
+    """The sink of a request nobody listens to."""
+
+    def tokens(self, req, ids) -> None:
+        pass
+
+    def done(self, req, reason, error) -> None:
+        pass
+
+
+class CollectSink:
+    def __init__(self, detoks: list[IncrementalDetokenizer], on_stop: Callable):
+        self.detoks, self.on_stop = detoks, on_stop
+        self.parts: list[list[str]] = [[] for _ in detoks]
+        self.ends: list[tuple | None] = [None] * len(detoks)
+        self.left = len(detoks)
+        self.finished = asyncio.get_running_loop().create_future()
+
+    def tokens(self, req, ids) -> None:
+        d = self.detoks[req.index]
+        text = d.push(ids)
+        if text:
+            self.parts[req.index].append(text)
+        if d.stopped:
+            self.on_stop(req)
+
+    def done(self, req, reason, error) -> None:
+        i = req.index
+        if self.ends[i] is not None:
+            return
+        if reason in ("stop", "length"):
+            tail = self.detoks[i].flush()
+            if tail:
+                self.parts[i].append(tail)
+        self.ends[i] = (reason, error)
+        self.left -= 1
+        if not self.left and not self.finished.done():
+            self.finished.set_result(None)
+
+
+class StreamSink:
+    """`failure_body(req, reason, error)` gives the OpenAI error object of a choice that ended
+    without stop/length; `first_failure` is (req, reason, error) when such an end came before any
+    chunk (the handler then answers with a JSON error instead of starting the stream)."""
+
+    def __init__(self, detoks: list[IncrementalDetokenizer], enc, chat: bool, on_stop: Callable, on_gone: Callable,
+                 failure_body: Callable | None = None):
+        self.detoks, self.enc, self.chat = detoks, enc, chat
+        self.on_stop, self.on_gone = on_stop, on_gone
+        self.failure_body = failure_body
+        self.first_failure: tuple | None = None
+        self.produced = False
+        self.left = len(detoks)
+        self.ended = [False] * len(detoks)
+        self.buf: list[bytes] = []
+        self.transport = None
+        self.chunked = True
+        self.gone = False
+        self._wake: asyncio.Future | None = None
+
+    # -- the handler's side ---------------------------------------------------------------------
+    def attach(self, transport, chunked: bool) -> None:
+        """Write future chunks straight to `transport` (after the handler's first awaited write)."""
+        if not self.buf and transport is not None and not transport.is_closing():
+            self.transport, self.chunked = transport, chunked
+
+    def take(self) -> bytes:
+        data = b"".join(self.buf)
+        self.buf.clear()
+        return data
+
+    @property
+    def finished(self) -> bool:
+        return self.left == 0 or self.gone
+
+    async def wait(self) -> None:
+        """Until there is something for the handler to write, or the call has ended."""
+        if not self.buf and not self.finished:
+            self._wake = asyncio.get_running_loop().create_future()
+            await self._wake
+
+    def _notify(self) -> None:
+        w = self._wake
+        if w is not None:
+            self._wake = None
+            if not w.done():
+                w.set_result(None)
+
+    # -- the stream reader's side ---------------------------------------------------------------
+    def _send(self, data: bytes) -> None:
+        self.produced = True
+        t = self.transport
+        if t is None:
+            self.buf.append(data)
+            self._notify()
+            return
+        if t.is_closing():
+            self._lost()
+            return
+        t.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
+        if t.get_write_buffer_size() > HIGH_WATER:
+            self.transport = None  # a slow reader: the handler takes over, with awaits
+            self._notify()
+
+    def _lost(self) -> None:
+        if not self.gone:
+            self.gone = True
+            self.transport = None
+            self.on_gone()
+            self._notify()
+
+    def tokens(self, req, ids) -> None:
+        d = self.detoks[req.index]
+        text = d.push(ids)
+        if text and not self.gone:
+            self._send(self.enc.text(req.index, text))
+        if d.stopped:
+            self.on_stop(req)
+
+    def done(self, req, reason, error) -> None:
+        i = req.index
+        if self.ended[i]:
+            return
+        self.ended[i] = True
+        if not self.gone:
+            if reason in ("stop", "length"):
+                tail = self.detoks[i].flush()
+                final = self.enc.chunk(i, None if self.chat else "", reason)
+                self._send(self.enc.text(i, tail) + final if tail else final)
+            else:
+                if not self.produced and self.first_failure is None:
+                    self.first_failure = (req, reason, error)
+                body = self.failure_body(req, reason, error) if self.failure_body else {
+                    "message": f"generation failed: {error or reason}", "type": "server_error", "param": None,
+                    "code": "generation_failed"}
+                self._send(self.enc.event({"error": body}))
+        self.left -= 1
+        if not self.left:
+            self._notify()

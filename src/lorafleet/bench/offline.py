@@ -1,0 +1,68 @@
+"""The offline peer of `bench serve`: the same requests through `Engine` in this process (torch).
+
+All requests are submitted at t=0 and stepped to completion, as `bench e2e` does; adapters are
+read from the same directory the server used. Returns throughput, TTFT and TPOT, and the
+(prefill tokens, decode requests, seconds) of every step for refitting the simulator's step
+model (`lorafleet simulate --fit-from`).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+
+def engine_for(model: str, config: dict):
+    from lorafleet.runner.engine_core import build_engine
+
+    return build_engine(model, config)
+
+
+def run(engine, reqs: list[tuple[list[int], int]], adapters: list[str | None], adapter_dir, label: str) -> dict:
+    """reqs: (prompt ids, output tokens); adapters: the adapter name of each (None: base)."""
+    import torch
+
+    from lorafleet.runner.sequence import AdapterRef, SamplingParams, Sequence
+
+    def sync():
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    # warm-up outside the timed run (kernels, first adapter load)
+    warm = [Sequence(f"warm{i}", reqs[i][0][:16], SamplingParams(max_tokens=2, ignore_eos=True),
+                     AdapterRef(a, str((adapter_dir / a).resolve())) if a else None)
+            for i, a in enumerate(adapters[:2])]
+    engine.run_to_completion(warm)
+    sync()
+    t0 = time.perf_counter()
+    first, end, n_out = {}, {}, {}
+    for i, ((ids, o), a) in enumerate(zip(reqs, adapters)):
+        ref = AdapterRef(a, str((adapter_dir / a).resolve())) if a else None
+        engine.submit(Sequence(f"r{i}", ids, SamplingParams(max_tokens=o, ignore_eos=True), ref, arrival=float(i)))
+        n_out[f"r{i}"] = o
+    steps = []
+    while engine.has_work():
+        s0 = time.perf_counter()
+        outs = engine.step()
+        now = time.perf_counter()
+        steps.append((engine.last_step[0], engine.last_step[1], round(now - s0, 6)))
+        for out in outs:
+            if out.new_token_ids and out.seq_id not in first:
+                first[out.seq_id] = now
+            if out.finished:
+                if out.finish_reason not in ("length", "stop"):
+                    raise RuntimeError(f"{label}: request {out.seq_id} ended with {out.finish_reason}: {out.error}")
+                end[out.seq_id] = now
+    sync()
+    wall = time.perf_counter() - t0
+    total = sum(n_out.values())
+    ttft = [first[k] - t0 for k in first]
+    tpot = [(end[k] - first[k]) / (n_out[k] - 1) for k in end if n_out[k] > 1]
+
+    def p(xs, q, k=1.0):
+        return round(float(np.percentile(xs, q)) * k, 3) if xs else None
+
+    return {"label": label, "requests": len(reqs), "output_tokens": total, "seconds": round(wall, 3),
+            "output_tok_s": round(total / wall, 1), "ttft_p50_s": p(ttft, 50), "ttft_p99_s": p(ttft, 99),
+            "tpot_p50_ms": p(tpot, 50, 1000), "tpot_p99_ms": p(tpot, 99, 1000), "steps": steps}

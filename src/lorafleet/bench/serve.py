@@ -1,0 +1,382 @@
+"""`lorafleet bench serve`: OpenAI-API load against `lorafleet serve`, beside the offline engine.
+
+Requests have ShareGPT-like lengths (`common/workloads.sharegpt_requests`, capped by
+--max-prompt/--max-output), token-id prompts and `ignore_eos`, so every length is exact. Each
+adapter mix (Punica's distinct, uniform, skewed, identical over --population adapter names,
+plus `base`) is sent at each --rates value (`inf`: all at t=0; a number: Poisson arrivals per
+second), streaming. It reports output tok/s, TTFT, TPOT, inter-token latency p50/p99, goodput
+under --slo-ttft/--slo-tpot, and "GPUs busy": the time-weighted number of runners with a
+non-empty batch, from the scheduler's admin state.
+
+It starts `lorafleet serve` itself (once per --placement policy, with the same flags) or targets
+--url. Adapter names map onto --weight-sets distinct weight sets by relative symlinks inside its
+own adapters directory (copies of --adapters, or synthetic rank --rank adapters on all seven
+projections). --synthetic-model 7b makes a Llama-2-7B-shape model directory whose weights the
+runner draws on its device. With --offline (default when it starts the server) the same
+requests then run through `Engine` in this process (torch is imported only then), and the
+ratio online/offline is printed per mix. JSON to --out (key `serve`: online_output_tok_s and
+online_over_offline per mix), a table, and with --plot a latency-versus-rate PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import secrets
+import shutil
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from lorafleet.bench import procs
+from lorafleet.bench.load import LoadRequest, run_load, summary
+from lorafleet.common.workloads import assign, sharegpt_requests
+
+MIXES = ("distinct", "uniform", "skewed", "identical", "base")
+
+
+def parse_rate(s: str) -> float | None:
+    return None if s in ("inf", "0", "all") else float(s)
+
+
+def rate_label(r: float | None) -> str:
+    return "inf" if r is None else f"{r:g}"
+
+
+# -- workload -------------------------------------------------------------------------------------
+def make_requests(n: int, seed: int, vocab: int, max_prompt: int, max_output: int, max_len: int):
+    out = []
+    for ids, o in sharegpt_requests(n, seed, vocab):
+        ids = ids[:max_prompt]
+        o = max(1, min(o, max_output, max_len - len(ids) - 1))
+        out.append((ids, o))
+    return out
+
+
+def prepare_adapters(args, root: Path, hf_config: dict) -> list[str]:
+    """Weight sets in `root` (copied or synthetic); their folder names."""
+    root.mkdir(parents=True, exist_ok=True)
+    names = []
+    if args.adapters:
+        for d in sorted(p for p in Path(args.adapters).iterdir() if (p / "adapter_config.json").is_file()):
+            if not (root / d.name).exists():
+                shutil.copytree(d.resolve(), root / d.name)
+            names.append(d.name)
+        names = names[: args.weight_sets] if args.weight_sets else names
+    else:
+        from lorafleet.runner.synthetic import write_synthetic_adapter
+
+        for k in range(args.weight_sets or 32):
+            if not (root / f"w{k}" / "adapter_model.safetensors").is_file():
+                write_synthetic_adapter(root / f"w{k}", hf_config, args.rank, args.seed + 1 + k)
+            names.append(f"w{k}")
+    if not names:
+        raise SystemExit("no adapters: give --adapters DIR or leave it out for synthetic ones")
+    return names
+
+
+def mix_adapters(mix: str, n: int, population: int, weights: list[str], root: Path, seed: int) -> list[str | None]:
+    """Adapter name of each request; names are relative symlinks to a weight set inside `root`."""
+    if mix == "base":
+        return [None] * n
+    idx = list(range(n)) if mix == "distinct" else assign(mix, n, population, seed=seed)
+    names = []
+    for i in idx:
+        name = f"{mix}-{i}"
+        link = root / name
+        if not link.exists():
+            os.symlink(weights[i % len(weights)], link)  # relative: stays inside the adapters root
+        names.append(name)
+    return names
+
+
+# -- the server ---------------------------------------------------------------------------------------
+class Server:
+    """`lorafleet serve` as a child process, with an admin token so its busy time can be read."""
+
+    def __init__(self, args, model: Path, adapters: Path, placement: str, work: Path):
+        self.token = secrets.token_urlsafe(16)
+        self.port = procs.free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = ["lorafleet", "--log-level", "WARNING", "serve", "--model", str(model), "--adapters", str(adapters),
+               "--port", str(self.port), "--runners", str(args.runners), "--device", args.device,
+               "--max-batch-size", str(args.max_batch_size), "--placement", placement,
+               "--max-lora-rank", str(max(args.rank, 16))]
+        for flag in ("kv_fraction", "kv_cache_gb", "kv_pages", "page_size", "lora_slots", "dtype"):
+            v = getattr(args, flag)
+            if v is not None:
+                cmd += ["--" + flag.replace("_", "-"), str(v)]
+        cmd += args.serve_arg
+        self.proc = procs.start(cmd, log=work / f"serve-{placement}.log", env={"LORAFLEET_ADMIN_TOKEN": self.token})
+
+    def wait(self, timeout: float) -> None:
+        procs.wait_ready(self.url, self.proc, timeout, "lorafleet serve")
+
+    def stop(self) -> None:
+        procs.stop(self.proc, 120)
+
+
+def admin_state(url: str, token: str | None) -> dict | None:
+    if not token:
+        return None
+    req = urllib.request.Request(f"{url}/admin/state", headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return json.loads(r.read())
+    except OSError:
+        return None
+
+
+def base_model_name(url: str) -> str:
+    with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as r:
+        return next(m["id"] for m in json.loads(r.read())["data"] if not m.get("parent"))
+
+
+def online_run(url: str, token: str | None, base: str, reqs, names, rate, args) -> dict:
+    load = [LoadRequest(name or base, ids, o) for (ids, o), name in zip(reqs, names)]
+    before = admin_state(url, token)
+    results, wall = asyncio.run(run_load(url, load, rate=rate, seed=args.seed))
+    after = admin_state(url, token)
+    s = summary(results, wall, args.slo_ttft, args.slo_tpot)
+    if before and after:
+        b0 = {r["id"]: r.get("busy_seconds", 0.0) for r in before["runners"]}
+        busy = {r["id"]: r.get("busy_seconds", 0.0) - b0.get(r["id"], 0.0) for r in after["runners"]}
+        s["gpus_busy"] = round(sum(busy.values()) / wall, 3)
+        s["busy_seconds"] = {k: round(v, 2) for k, v in busy.items()}
+    return s
+
+
+# -- reporting -------------------------------------------------------------------------------------------
+def plot(runs: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(9, 6))
+    keys = [("ttft_p99_s", "TTFT p99 (s)"), ("tpot_p50_ms", "TPOT p50 (ms)"),
+            ("output_tok_s", "output tok/s"), ("gpus_busy", "GPUs busy (time-weighted)")]
+    groups: dict[tuple, list] = {}
+    for r in runs:
+        if r["rate"] != "inf":
+            groups.setdefault((r["placement"], r["mix"]), []).append(r)
+    for ax, (key, label) in zip(axes.flat, keys):
+        for (placement, mix), rs in sorted(groups.items()):
+            rs = sorted(rs, key=lambda r: float(r["rate"]))
+            ys = [r.get(key) for r in rs]
+            if any(y is not None for y in ys):
+                ax.plot([float(r["rate"]) for r in rs], ys, marker="o", label=f"{placement}, {mix}")
+        ax.set_xlabel("request rate (req/s, Poisson)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=7)
+    fig.suptitle("lorafleet serve: latency and GPUs busy versus request rate", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def headline(runs: list[dict], offline: dict) -> dict:
+    """The `serve` key of docs/benchmarks.json: all-at-once online figures per mix and their ratio."""
+    out: dict = {"online_output_tok_s": {}, "online_over_offline": {}, "online_tpot_p50_ms": {}}
+    for r in runs:
+        if r["rate"] == "inf" and r["mix"] not in out["online_output_tok_s"]:
+            out["online_output_tok_s"][r["mix"]] = r["output_tok_s"]
+            out["online_tpot_p50_ms"][r["mix"]] = r["tpot_p50_ms"]
+            off = offline.get(r["mix"])
+            if off and off.get("output_tok_s") and r.get("output_tok_s"):
+                out["online_over_offline"][r["mix"]] = round(r["output_tok_s"] / off["output_tok_s"], 3)
+    if offline:
+        out["offline_output_tok_s"] = {m: o["output_tok_s"] for m, o in offline.items()}
+        out["offline_tpot_p50_ms"] = {m: o["tpot_p50_ms"] for m, o in offline.items()}
+    return out
+
+
+def print_table(runs: list[dict], offline: dict) -> None:
+    print("| placement | mix | rate | done | output tok/s | TTFT p50/p99 (s) | TPOT p50/p99 (ms) | ITL p50/p99 (ms) "
+          "| goodput tok/s | GPUs busy | online/offline |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in runs:
+        off = offline.get(r["mix"]) if r["rate"] == "inf" else None
+        ratio = f"{r['output_tok_s'] / off['output_tok_s']:.3f}" if off and r["output_tok_s"] else ""
+        print(f"| {r['placement']} | {r['mix']} | {r['rate']} | {r['completed']}/{r['requests']} | {r['output_tok_s']} | "
+              f"{r['ttft_p50_s']}/{r['ttft_p99_s']} | {r['tpot_p50_ms']}/{r['tpot_p99_ms']} | "
+              f"{r['itl_p50_ms']}/{r['itl_p99_ms']} | {r.get('goodput_tok_s', '')} | {r.get('gpus_busy', '')} | {ratio} |")
+    for mix, o in offline.items():
+        print(f"| offline engine | {mix} | inf | {o['requests']}/{o['requests']} | {o['output_tok_s']} | "
+              f"{o['ttft_p50_s']}/{o['ttft_p99_s']} | {o['tpot_p50_ms']}/{o['tpot_p99_ms']} | | | | |")
+
+
+# -- main -------------------------------------------------------------------------------------------------
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    w = p.add_argument_group("workload")
+    w.add_argument("--requests", type=int, default=1000)
+    w.add_argument("--mixes", nargs="+", default=["distinct", "uniform", "skewed", "identical", "base"], choices=MIXES)
+    w.add_argument("--rates", nargs="+", default=["inf"], help="request rates per second; inf: all at t=0")
+    w.add_argument("--population", type=int, default=256, help="adapter names the mixes draw from")
+    w.add_argument("--weight-sets", type=int, default=None, help="distinct adapter weight sets (default 32 synthetic, "
+                   "or every adapter in --adapters)")
+    w.add_argument("--rank", type=int, default=16, help="rank of synthetic adapters (all seven projections)")
+    w.add_argument("--max-prompt", type=int, default=1536, help="cap on prompt tokens")
+    w.add_argument("--max-output", type=int, default=1024, help="cap on output tokens")
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--slo-ttft", type=float, default=None, help="goodput SLO: TTFT in seconds")
+    w.add_argument("--slo-tpot", type=float, default=None, help="goodput SLO: TPOT in milliseconds")
+    s = p.add_argument_group("server")
+    s.add_argument("--url", default=None, help="target a running scheduler instead of starting `lorafleet serve` "
+                   "(env LORAFLEET_ADMIN_TOKEN, if set, is used to read GPUs busy)")
+    s.add_argument("--model", type=Path, default=None, help="model directory (default: the demo model)")
+    s.add_argument("--synthetic-model", choices=["7b"], default=None,
+                   help="use a Llama-2-7B-shape model with random weights made on the runner's device")
+    s.add_argument("--adapters", type=Path, default=None, help="adapters to copy as weight sets (default: synthetic)")
+    s.add_argument("--placement", nargs="+", default=["busiest"], choices=["busiest", "least-loaded", "round-robin"])
+    s.add_argument("--runners", type=int, default=1)
+    s.add_argument("--device", default="auto")
+    s.add_argument("--max-batch-size", type=int, default=32)
+    s.add_argument("--kv-fraction", type=float, default=None)
+    s.add_argument("--kv-cache-gb", type=float, default=None)
+    s.add_argument("--kv-pages", type=int, default=None)
+    s.add_argument("--page-size", type=int, default=None)
+    s.add_argument("--lora-slots", type=int, default=None)
+    s.add_argument("--dtype", default=None)
+    s.add_argument("--serve-arg", action="append", default=[], help="extra argument for `lorafleet serve` (repeat)")
+    s.add_argument("--ready-timeout", type=float, default=900.0)
+    o = p.add_argument_group("output")
+    o.add_argument("--offline", action=argparse.BooleanOptionalAction, default=None,
+                   help="also run the offline engine on the same requests (default: on unless --url)")
+    o.add_argument("--work-dir", type=Path, default=None, help="model, adapters and logs (default: a temp dir)")
+    o.add_argument("--out", type=Path, default=Path("bench_serve.json"))
+    o.add_argument("--plot", type=Path, default=None, help="latency-versus-rate PNG")
+    o.add_argument("--merge", type=Path, nargs="+", default=None, metavar="JSON",
+                   help="only merge result files of earlier runs (e.g. one per mix group or placement) into --out, "
+                        "with their table, `serve` summary and --plot")
+
+
+def merge(paths: list[Path]) -> dict:
+    parts = [json.loads(Path(f).read_text()) for f in paths]
+    runs = [r for part in parts for r in part["runs"]]
+    offline = {m: o for part in parts for m, o in (part.get("offline") or {}).items()}
+    steps = [s for part in parts for s in part.get("offline_steps") or []]
+    out = {k: parts[0].get(k) for k in ("model", "max_batch_size", "device")}
+    out.update(date=max(part["date"] for part in parts), merged_from=[str(f) for f in paths], runs=runs,
+               offline=offline, serve=headline(runs, offline),
+               runners=sorted({part.get("runners") for part in parts}),
+               requests=sorted({part.get("requests") for part in parts}))
+    if steps:
+        from lorafleet.scheduler.simulate import fit_step_model
+
+        out["offline_steps"], out["step_model"] = steps, fit_step_model(steps)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="lorafleet bench serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    args = p.parse_args(argv)
+    if args.merge:
+        merged = merge(args.merge)
+        args.out.write_text(json.dumps(merged, indent=1))
+        print_table(merged["runs"], merged["offline"])
+        if args.plot:
+            plot(merged["runs"], args.plot)
+        return 0
+    rates = [parse_rate(r) for r in args.rates]
+    offline_on = args.offline if args.offline is not None else args.url is None
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="lorafleet-bench-serve-"))
+    work.mkdir(parents=True, exist_ok=True)
+
+    def log(msg):
+        print(msg, flush=True)
+
+    model = args.model
+    if args.synthetic_model or model is None:
+        from lorafleet.runner.demo import prepare
+
+        demo = prepare() / "model"
+        if args.synthetic_model:
+            from lorafleet.runner.synthetic import LLAMA2_7B, write_synthetic_model
+
+            model = write_synthetic_model(work / "model-7b", LLAMA2_7B, seed=args.seed, tokenizer_from=demo)
+        else:
+            model = demo
+    hf = json.loads((Path(model) / "config.json").read_text())
+    max_len = int(hf.get("max_position_embeddings", 4096))
+    reqs = make_requests(args.requests, args.seed, int(hf["vocab_size"]), args.max_prompt, args.max_output, max_len)
+    adapters_root = work / "adapters"
+    needs_adapters = any(m != "base" for m in args.mixes)
+    weights = prepare_adapters(args, adapters_root, hf) if needs_adapters else []
+    names = {m: mix_adapters(m, len(reqs), args.population, weights, adapters_root, args.seed) if m != "base"
+             else [None] * len(reqs) for m in args.mixes}
+    log(f"{len(reqs)} requests: mean prompt {sum(len(a) for a, _ in reqs) / len(reqs):.0f}, mean output "
+        f"{sum(o for _, o in reqs) / len(reqs):.0f} tokens; mixes {', '.join(args.mixes)}; rates "
+        f"{', '.join(rate_label(r) for r in rates)}; {len(weights)} weight sets; work dir {work}")
+
+    runs: list[dict] = []
+    result = {"date": time.strftime("%Y-%m-%d"), "model": str(model), "requests": len(reqs),
+              "max_batch_size": args.max_batch_size, "runners": args.runners, "device": args.device,
+              "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "runs": runs}
+    placements = ["(external)"] if args.url else args.placement
+    for placement in placements:
+        server = None
+        if args.url:
+            url, token = args.url.rstrip("/"), os.environ.get("LORAFLEET_ADMIN_TOKEN")
+        else:
+            server = Server(args, Path(model), adapters_root, placement, work)
+            url, token = server.url, server.token
+        try:
+            if server:
+                t0 = time.perf_counter()
+                server.wait(args.ready_timeout)
+                log(f"lorafleet serve ready ({placement}) in {time.perf_counter() - t0:.0f}s")
+            base = base_model_name(url)
+            for mix in args.mixes:
+                for rate in rates:
+                    s = online_run(url, token, base, reqs, names[mix], rate, args)
+                    s.update(placement=placement, mix=mix, rate=rate_label(rate))
+                    runs.append(s)
+                    log(f"{placement:>12} {mix:>9} rate {rate_label(rate):>5}: {s['output_tok_s']} tok/s, TTFT p99 "
+                        f"{s['ttft_p99_s']}s, TPOT p50 {s['tpot_p50_ms']}ms, GPUs busy {s.get('gpus_busy')}, "
+                        f"{s['failed']} failed")
+                    args.out.write_text(json.dumps(dict(result, partial=True), indent=1))
+        finally:
+            if server:
+                server.stop()
+    offline: dict = {}
+    if offline_on:
+        from lorafleet.bench import offline as off
+
+        cfg = {"max_batch_size": args.max_batch_size, "max_lora_rank": max(args.rank, 16), "device": args.device}
+        for flag, key in (("kv_fraction", "kv_fraction"), ("kv_cache_gb", "kv_cache_gb"), ("kv_pages", "num_pages"),
+                          ("page_size", "page_size"), ("lora_slots", "lora_slots"), ("dtype", "dtype")):
+            if getattr(args, flag) is not None:
+                cfg[key] = getattr(args, flag)
+        engine = off.engine_for(str(model), cfg)
+        steps = []
+        for mix in args.mixes:
+            r = off.run(engine, reqs, names[mix], adapters_root, mix)
+            steps += r.pop("steps")
+            offline[mix] = r
+            log(f"{'offline':>12} {mix:>9}: {r['output_tok_s']} tok/s, TTFT p99 {r['ttft_p99_s']}s, "
+                f"TPOT p50 {r['tpot_p50_ms']}ms")
+        from lorafleet.scheduler.simulate import fit_step_model
+
+        result["step_model"] = fit_step_model(steps)
+        result["offline_steps"] = steps
+        del engine
+    result["offline"] = offline
+    result["serve"] = headline(runs, offline)
+    args.out.write_text(json.dumps(result, indent=1))
+    print_table(runs, offline)
+    if args.plot:
+        plot(runs, args.plot)
+        log(f"wrote {args.plot}")
+    failed = sum(r["failed"] for r in runs)
+    return 1 if failed or any(math.isnan(r["output_tok_s"] or 0.0) for r in runs) else 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -1,0 +1,57 @@
+"""`lorafleet bench serve` end to end on CPU at tiny scale: two placement policies, two rates,
+the offline engine on the same requests, exact token counts, the plot, the simulator refit."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from lorafleet.bench.serve import make_requests
+from lorafleet.scheduler.simulate import StepModel, refit
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def test_bench_serve_sweep_with_offline_peer(tiny_chat_llama, tmp_path):
+    out, png = tmp_path / "serve.json", tmp_path / "serve.png"
+    cmd = [sys.executable, "-m", "lorafleet", "--log-level", "WARNING", "bench", "serve", "--model", str(tiny_chat_llama),
+           "--requests", "6", "--max-prompt", "20", "--max-output", "10", "--mixes", "distinct", "base",
+           "--rates", "inf", "5", "--weight-sets", "2", "--rank", "4", "--runners", "2", "--device", "cpu",
+           "--placement", "busiest", "least-loaded", "--kv-pages", "300", "--page-size", "4", "--max-batch-size", "4",
+           "--slo-ttft", "30", "--out", str(out), "--plot", str(png), "--work-dir", str(tmp_path / "work")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=500)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    want_tokens = sum(o for _, o in make_requests(6, 0, 49152, 20, 10, 512))
+    runs = {(x["placement"], x["mix"], x["rate"]): x for x in res["runs"]}
+    assert set(runs) == {(p, m, rt) for p in ("busiest", "least-loaded") for m in ("distinct", "base") for rt in ("inf", "5")}
+    for x in runs.values():
+        assert x["completed"] == 6 and x["failed"] == 0
+        assert x["output_tokens"] == want_tokens  # ignore_eos: exact lengths through the API
+        assert x["ttft_p50_s"] > 0 and x["tpot_p50_ms"] > 0 and x["itl_p99_ms"] >= x["itl_p50_ms"]
+        assert 0 < x["gpus_busy"] <= 2.0 and x["goodput_tok_s"] <= x["output_tok_s"]
+    for mix in ("distinct", "base"):
+        assert res["offline"][mix]["output_tokens"] == want_tokens
+        assert res["serve"]["online_over_offline"][mix] > 0
+    adapters = sorted(p.name for p in (tmp_path / "work" / "adapters").iterdir())
+    assert adapters[:2] == [f"distinct-{i}" for i in range(2)] and "w0" in adapters and "w1" in adapters
+    assert (tmp_path / "work" / "adapters" / "distinct-3").resolve() == (tmp_path / "work" / "adapters" / "w1").resolve()
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| busiest | distinct | inf |" in r.stdout and "| offline engine | base |" in r.stdout
+    # runs made in parts (one per placement or mix group on a GPU machine) merge into one file
+    merged = tmp_path / "merged.json"
+    m = subprocess.run([sys.executable, "-m", "lorafleet", "bench", "serve", "--merge", str(out), str(out),
+                        "--out", str(merged)], capture_output=True, text=True, timeout=60)
+    assert m.returncode == 0, m.stderr
+    mres = json.loads(merged.read_text())
+    assert len(mres["runs"]) == 2 * len(res["runs"]) and mres["serve"] == res["serve"]
+    # the simulator's step model refitted from this run's measured steps
+    model = refit([out])
+    assert isinstance(model, StepModel) and model.decode_base_ms != StepModel().decode_base_ms
+    sim = subprocess.run([sys.executable, "-m", "lorafleet", "simulate", "--fit-from", str(out), "--gpus", "2",
+                          "--duration", "60", "--peak-rps", "1", "--policies", "busiest"],
+                         capture_output=True, text=True, timeout=120)
+    assert sim.returncode == 0 and "refitted" in sim.stderr, sim.stderr
