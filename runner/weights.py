@@ -6,6 +6,7 @@ one code path builds the model. Pickle checkpoints are refused, never unpickled.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -216,6 +217,9 @@ def load_weights(path: str | Path, shard=None, device="cpu", dtype=torch.float32
         return config, tensors
     if synthetic.is_synthetic(p):
         config = load_hf_config(p)
+        declared = json.loads((p / "config.json").read_text()).get("_name_or_path")
+        if isinstance(declared, str) and declared.strip("/"):  # a synthetic model keeps the name it was given
+            config = dataclasses.replace(config, name=declared.rstrip("/").rsplit("/", 1)[-1])
         if shard is not None:
             shard.check(config)
         seed, std = synthetic.synthetic_marker(p)

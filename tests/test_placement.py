@@ -63,10 +63,13 @@ async def test_cluster_places_past_a_backed_up_runner():
     from lorafleet.scheduler.cluster import Cluster
     from lorafleet.scheduler.discovery import RunnerDirectory
 
+    from types import SimpleNamespace
+
     cluster = Cluster(RunnerDirectory())
     for rid in ("r0", "r1"):
         h = RunnerHandle(RunnerEndpoint(rid, "http://127.0.0.1:1"))
         h.healthy = True
+        h.link = SimpleNamespace(stream_id=f"stream-{rid}")  # its token stream is open
         h.state = {"total_kv_tokens": 100_000, "max_batch_size": 8, "page_size": 16}
         cluster.runners[rid] = h
     placed = []
@@ -84,5 +87,5 @@ async def test_cluster_places_past_a_backed_up_runner():
     await asyncio.sleep(0)
     assert placed == [("long", "r1"), ("short", "r0")]
     for h in cluster.runners.values():
-        for t in h.tasks.values():
+        for t in list(h.submits):
             t.cancel()
