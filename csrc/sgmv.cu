@@ -226,6 +226,43 @@ __device__ __forceinline__ Table carve_table(int* smem, int cap) {
   return t;
 }
 
+// Block-wide exclusive prefix of the per-segment item counts `cnt` (thread t owns segments
+// [t * per, t * per + per), `local` is their sum) into `prefix` [cap + 1]; returns the total.
+// Uses t.warp_totals; ends with a block barrier.
+template <int kPer>
+__device__ __forceinline__ int write_prefix(Table t, int* prefix, const int (&cnt)[kPer], int local) {
+  const int tid = threadIdx.x;
+  const int per = ceil_div(t.cap, kThreads);
+  const int lane = tid & 31, warp = tid >> 5;
+  int incl = local;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(kFullMask, incl, o);
+    if (lane >= o) incl += y;
+  }
+  if (lane == 31) t.warp_totals[warp] = incl;
+  __syncthreads();
+  int base = 0, total = 0;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) {
+    const int wt = t.warp_totals[w];
+    base += w < warp ? wt : 0;
+    total += wt;
+  }
+  int run = base + incl - local;
+#pragma unroll
+  for (int e = 0; e < kPer; ++e) {
+    const int i = tid * per + e;
+    if (e < per && i < t.cap) {
+      prefix[i] = run;
+      run += cnt[e];
+    }
+  }
+  if (tid == 0) prefix[t.cap] = total;
+  __syncthreads();
+  return total;
+}
+
 // Fills the table and returns the total number of work items. `count(n, packed_ranks)` gives the
 // items of one non-empty segment. Thread t owns segments [t * per, t * per + per).
 template <class Count>
@@ -274,35 +311,7 @@ __device__ int build_table(const SegmentArgs& s, const int (&rank_cap)[kMaxGroup
     }
     local += cnt[e];
   }
-  // Block-wide exclusive scan of `local`.
-  const int lane = tid & 31, warp = tid >> 5;
-  int incl = local;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int y = __shfl_up_sync(kFullMask, incl, o);
-    if (lane >= o) incl += y;
-  }
-  if (lane == 31) t.warp_totals[warp] = incl;
-  __syncthreads();
-  int base = 0, total = 0;
-#pragma unroll
-  for (int w = 0; w < kWarps; ++w) {
-    const int wt = t.warp_totals[w];
-    base += w < warp ? wt : 0;
-    total += wt;
-  }
-  int run = base + incl - local;
-#pragma unroll
-  for (int e = 0; e < kPer; ++e) {
-    const int i = tid * per + e;
-    if (e < per && i < t.cap) {
-      t.prefix[i] = run;
-      run += cnt[e];
-    }
-  }
-  if (tid == 0) t.prefix[t.cap] = total;
-  __syncthreads();
-  return total;
+  return write_prefix(t, t.prefix, cnt, local);
 }
 
 // The segment i with prefix[i] <= item < prefix[i + 1] (requires 0 <= item < prefix[cap]).
@@ -529,6 +538,35 @@ __device__ void shrink_mma(const ShrinkParams& p, int row0, int nr, int slot, in
   __syncthreads();  // the stages are reused by the next item
 }
 
+// One CUDA-core shrink item: item `local` of the segment (lo, n, slot, packed ranks) -> its rows
+// and rank rows, and the shrink_cc instantiation for its shape.
+template <typename T>
+__device__ __forceinline__ void shrink_cc_item(const ShrinkParams& p, int lo, int n, int slot, int packed, int local,
+                                               float* red, bool& waited) {
+  const int rt = rank_of(packed, 0) + rank_of(packed, 1) + rank_of(packed, 2);
+  const bool long_seg = n >= kShrinkLong;
+  const int rb = n == 1 ? kShrinkRanks1 : (long_seg ? kShrinkRanksLong : kShrinkRanksN);
+  const int nq = ceil_div(rt, rb);
+  const int c = local / nq, q = local - c * nq;
+  const int row0 = lo + c * kShrinkRows;
+  const int f0 = q * rb;
+  const int nr = min(kShrinkRows, n - c * kShrinkRows);
+  static_assert(kShrinkRows == 2, "one shrink_cc instantiation per row count");
+  if (long_seg) {
+    if (nr == 1) {
+      shrink_cc<T, 1, kShrinkRanksLong>(p, row0, slot, packed, f0, red, waited);
+    } else {
+      shrink_cc<T, 2, kShrinkRanksLong>(p, row0, slot, packed, f0, red, waited);
+    }
+  } else if (n == 1) {
+    shrink_cc<T, 1, kShrinkRanks1>(p, row0, slot, packed, f0, red, waited);
+  } else if (nr == 1) {  // the odd last row of a short segment
+    shrink_cc<T, 1, kShrinkRanksN>(p, row0, slot, packed, f0, red, waited);
+  } else {
+    shrink_cc<T, 2, kShrinkRanksN>(p, row0, slot, packed, f0, red, waited);
+  }
+}
+
 template <typename T, bool kMma>
 __global__ void __launch_bounds__(kThreads, kMma ? 2 : kShrinkMinBlocks) sgmv_shrink_kernel(const __grid_constant__ ShrinkParams p) {
   pdl_launch_dependents();
@@ -561,28 +599,7 @@ __global__ void __launch_bounds__(kThreads, kMma ? 2 : kShrinkMinBlocks) sgmv_sh
       shrink_mma<T>(p, lo + tile * kShrinkTileM, min(kShrinkTileM, n - tile * kShrinkTileM), slot, g,
                     rank_of(packed, g), work, waited);
     } else {
-      const int rt = rank_of(packed, 0) + rank_of(packed, 1) + rank_of(packed, 2);
-      const bool long_seg = n >= kShrinkLong;
-      const int rb = n == 1 ? kShrinkRanks1 : (long_seg ? kShrinkRanksLong : kShrinkRanksN);
-      const int nq = ceil_div(rt, rb);
-      const int c = local / nq, q = local - c * nq;
-      const int row0 = lo + c * kShrinkRows;
-      const int f0 = q * rb;
-      const int nr = min(kShrinkRows, n - c * kShrinkRows);
-      static_assert(kShrinkRows == 2, "one shrink_cc instantiation per row count");
-      if (long_seg) {
-        if (nr == 1) {
-          shrink_cc<T, 1, kShrinkRanksLong>(p, row0, slot, packed, f0, red, waited);
-        } else {
-          shrink_cc<T, 2, kShrinkRanksLong>(p, row0, slot, packed, f0, red, waited);
-        }
-      } else if (n == 1) {
-        shrink_cc<T, 1, kShrinkRanks1>(p, row0, slot, packed, f0, red, waited);
-      } else if (nr == 1) {  // the odd last row of a short segment
-        shrink_cc<T, 1, kShrinkRanksN>(p, row0, slot, packed, f0, red, waited);
-      } else {
-        shrink_cc<T, 2, kShrinkRanksN>(p, row0, slot, packed, f0, red, waited);
-      }
+      shrink_cc_item<T>(p, lo, n, slot, packed, local, red, waited);
     }
   }
   if (!waited) pdl_wait();  // finish only after the preceding kernel (see the expand kernel)
@@ -861,34 +878,7 @@ __device__ int scan_items(Table t, int* prefix, const Count& count) {
     cnt[e] = (e < per && i < t.cap && t.n[i] > 0) ? count(t.n[i], t.rk[i]) : 0;
     local += cnt[e];
   }
-  const int lane = tid & 31, warp = tid >> 5;
-  int incl = local;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int y = __shfl_up_sync(kFullMask, incl, o);
-    if (lane >= o) incl += y;
-  }
-  if (lane == 31) t.warp_totals[warp] = incl;
-  __syncthreads();
-  int base = 0, total = 0;
-#pragma unroll
-  for (int w = 0; w < kWarps; ++w) {
-    const int wt = t.warp_totals[w];
-    base += w < warp ? wt : 0;
-    total += wt;
-  }
-  int run = base + incl - local;
-#pragma unroll
-  for (int e = 0; e < kPer; ++e) {
-    const int i = tid * per + e;
-    if (e < per && i < t.cap) {
-      prefix[i] = run;
-      run += cnt[e];
-    }
-  }
-  if (tid == 0) prefix[t.cap] = total;
-  __syncthreads();
-  return total;
+  return write_prefix(t, prefix, cnt, local);
 }
 
 __device__ __forceinline__ int load_acquire(const int* p) {
@@ -914,27 +904,7 @@ __global__ void __launch_bounds__(kThreads, kShrinkMinBlocks) sgmv_fused_kernel(
       const int i = find_segment(t.prefix, t.cap, item);
       const int local = item - t.prefix[i];
       const int lo = t.lo[i], n = t.n[i], slot = t.slot[i], packed = t.rk[i];
-      const int rt = rank_of(packed, 0) + rank_of(packed, 1) + rank_of(packed, 2);
-      const bool long_seg = n >= kShrinkLong;
-      const int rb = n == 1 ? kShrinkRanks1 : (long_seg ? kShrinkRanksLong : kShrinkRanksN);
-      const int nq = ceil_div(rt, rb);
-      const int c = local / nq, q = local - c * nq;
-      const int row0 = lo + c * kShrinkRows;
-      const int f0 = q * rb;
-      const int nr = min(kShrinkRows, n - c * kShrinkRows);
-      if (long_seg) {
-        if (nr == 1) {
-          shrink_cc<T, 1, kShrinkRanksLong>(p.s, row0, slot, packed, f0, red, waited);
-        } else {
-          shrink_cc<T, 2, kShrinkRanksLong>(p.s, row0, slot, packed, f0, red, waited);
-        }
-      } else if (n == 1) {
-        shrink_cc<T, 1, kShrinkRanks1>(p.s, row0, slot, packed, f0, red, waited);
-      } else if (nr == 1) {
-        shrink_cc<T, 1, kShrinkRanksN>(p.s, row0, slot, packed, f0, red, waited);
-      } else {
-        shrink_cc<T, 2, kShrinkRanksN>(p.s, row0, slot, packed, f0, red, waited);
-      }
+      shrink_cc_item<T>(p.s, lo, n, slot, packed, local, red, waited);
       // shrink_cc ends with a block barrier after every v store of the item: publish it.
       if (threadIdx.x == 0) {
         __threadfence();

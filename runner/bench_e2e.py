@@ -125,19 +125,10 @@ def pct(xs, q):
     return float(np.percentile(xs, q)) if len(xs) else float("nan")
 
 
-def run_mix(engine, reqs, names, weights_of, label: str, log, fm: dict | None = None) -> dict:
-    """Submit everything at t0, step to completion; throughput, TTFT and TPOT."""
-    from lorafleet.runner.sequence import AdapterRef, SamplingParams, Sequence
-
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    engine.runner.phases = {}
-    t0 = time.perf_counter()
-    first, end, n_out = {}, {}, {}
-    for i, ((ids, o), name) in enumerate(zip(reqs, names)):
-        ref = AdapterRef(name, str(weights_of(i))) if name is not None else None
-        engine.submit(Sequence(f"r{i}", ids, SamplingParams(max_tokens=o, ignore_eos=True), ref, arrival=float(i)))
-        n_out[f"r{i}"] = o
+def drive(engine, label: str, first: dict, end: dict) -> list[tuple]:
+    """Step `engine` until every submitted request finished, noting each request's first-token and
+    end times in `first` / `end`; returns per step (prefill tokens, decode requests, seconds, KV
+    tokens attended, distinct adapters). A request that ends other than by stop/length is an error."""
     steps = []
     while engine.has_work():
         s0 = time.perf_counter()
@@ -151,6 +142,23 @@ def run_mix(engine, reqs, names, weights_of, label: str, log, fm: dict | None = 
                 if out.finish_reason not in ("length", "stop"):
                     raise RuntimeError(f"{label}: request {out.seq_id} ended with {out.finish_reason}: {out.error}")
                 end[out.seq_id] = now
+    return steps
+
+
+def run_mix(engine, reqs, names, weights_of, label: str, log, fm: dict | None = None) -> dict:
+    """Submit everything at t0, step to completion; throughput, TTFT and TPOT."""
+    from lorafleet.runner.sequence import AdapterRef, SamplingParams, Sequence
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    engine.runner.phases = {}
+    t0 = time.perf_counter()
+    first, end, n_out = {}, {}, {}
+    for i, ((ids, o), name) in enumerate(zip(reqs, names)):
+        ref = AdapterRef(name, str(weights_of(i))) if name is not None else None
+        engine.submit(Sequence(f"r{i}", ids, SamplingParams(max_tokens=o, ignore_eos=True), ref, arrival=float(i)))
+        n_out[f"r{i}"] = o
+    steps = drive(engine, label, first, end)
     wall = time.perf_counter() - t0
     total = sum(n_out.values())
     ttft = [first[k] - t0 for k in first]

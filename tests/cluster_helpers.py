@@ -15,6 +15,7 @@ from pathlib import Path
 
 from aiohttp.test_utils import TestClient, TestServer
 
+from lorafleet.bench.procs import wait_ready
 from lorafleet.scheduler.discovery import RunnerDirectory, RunnerEndpoint
 from lorafleet.scheduler.registry import AdapterRegistry
 from lorafleet.scheduler.server import SchedulerService, create_app
@@ -26,19 +27,7 @@ RUNNER_TOKEN = "runner-credential"  # every test runner needs it; the scheduler 
 
 def wait_http_ready(url: str, proc: subprocess.Popen, what: str, timeout: float) -> None:
     """Poll `url`/readyz until 200; fail early with the process's output if it exits."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            out = proc.stderr.read() if proc.stderr else (proc.stdout.read() if proc.stdout else "")
-            raise RuntimeError(f"{what} exited: {out[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"{url}/readyz", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{what} not ready after {timeout:.0f}s")
+    wait_ready(url, proc, timeout, what)
 
 
 def free_port() -> int:

@@ -161,12 +161,7 @@ class AdapterManager:
             return self._copy_on_side_stream(adapter, slot, main_stream)
 
     def _copy_on_side_stream(self, adapter: LoadedAdapter, slot: int, main_stream) -> "torch.cuda.Event":
-        self.copy_stream.wait_stream(main_stream)
-        with torch.cuda.stream(self.copy_stream):
-            self.pool.write(slot, adapter, stream=self.copy_stream)
-            event = torch.cuda.Event()
-            event.record(self.copy_stream)
-        return event
+        return fill_slot(self.pool, slot, adapter, self.copy_stream, main_stream)
 
     def _take_slot(self) -> int | None:
         if self.free_slots:
@@ -214,3 +209,14 @@ class AdapterManager:
         self.lru.pop(slot, None)
         self._forget(slot)
         self.free_slots.append(slot)
+
+
+def fill_slot(pool: LoraPool, slot: int, adapter: LoadedAdapter, copy_stream, main_stream) -> "torch.cuda.Event":
+    """Copy an adapter into a pool slot on `copy_stream`, after the work already queued on
+    `main_stream` (steps that may still read the slot's previous weights); returns the copy's event."""
+    copy_stream.wait_stream(main_stream)
+    with torch.cuda.stream(copy_stream):
+        pool.write(slot, adapter, stream=copy_stream)
+        event = torch.cuda.Event()
+        event.record(copy_stream)
+    return event

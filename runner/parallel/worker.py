@@ -76,13 +76,10 @@ class SlotMirror:
         if not self.cuda:
             self.pool.write(slot, adapter)
             return None
+        from lorafleet.runner.lora.manager import fill_slot
+
         with torch.cuda.device(self.pool.device):
-            self.stream.wait_stream(main)
-            with torch.cuda.stream(self.stream):
-                self.pool.write(slot, adapter, stream=self.stream)
-                ev = torch.cuda.Event()
-                ev.record(self.stream)
-        return ev
+            return fill_slot(self.pool, slot, adapter, self.stream, main)
 
     def apply(self, event: tuple) -> None:
         kind, slot = event[0], event[1]

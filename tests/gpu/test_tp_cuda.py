@@ -10,6 +10,7 @@ import torch
 from lorafleet.runner.config import EngineConfig
 from lorafleet.runner.engine import Engine
 from lorafleet.runner.sequence import AdapterRef, SamplingParams, Sequence
+from test_engine_cuda import flips_against as flips
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")]
 NEW = 8
@@ -113,13 +114,3 @@ def test_tp2_7b_shape_matches_hf_fp32_teacher_forced(tmp_path):
           f"HF bf16 flips {len(hf_flips)}/{checked} (worst {hf_worst:.4f})")
     assert not [f for f in ours if f[1] > bound], (ours, bound)
     assert len(ours) <= max(2 * len(hf_flips), checked // 20), (len(ours), len(hf_flips))
-
-
-def flips(ref_logits, toks, n_prompt, chosen):
-    """[(position, fp32 margin / logit range)] where `chosen` differs from the reference tokens."""
-    out = []
-    for j, got in enumerate(chosen):
-        if got != toks[j]:
-            row = ref_logits[n_prompt + j - 1]
-            out.append((j, float(row[toks[j]] - row[got]) / float(row.max() - row.min())))
-    return out

@@ -23,6 +23,7 @@ def run(engine, reqs: list[tuple[list[int], int]], adapters: list[str | None], a
     """reqs: (prompt ids, output tokens); adapters: the adapter name of each (None: base)."""
     import torch
 
+    from lorafleet.runner.bench_e2e import drive
     from lorafleet.runner.sequence import AdapterRef, SamplingParams, Sequence
 
     def sync():
@@ -41,19 +42,7 @@ def run(engine, reqs: list[tuple[list[int], int]], adapters: list[str | None], a
         ref = AdapterRef(a, str((adapter_dir / a).resolve())) if a else None
         engine.submit(Sequence(f"r{i}", ids, SamplingParams(max_tokens=o, ignore_eos=True), ref, arrival=float(i)))
         n_out[f"r{i}"] = o
-    steps = []
-    while engine.has_work():
-        s0 = time.perf_counter()
-        outs = engine.step()
-        now = time.perf_counter()
-        steps.append((engine.last_step[0], engine.last_step[1], round(now - s0, 6)))
-        for out in outs:
-            if out.new_token_ids and out.seq_id not in first:
-                first[out.seq_id] = now
-            if out.finished:
-                if out.finish_reason not in ("length", "stop"):
-                    raise RuntimeError(f"{label}: request {out.seq_id} ended with {out.finish_reason}: {out.error}")
-                end[out.seq_id] = now
+    steps = [(pf, nd, round(dt, 6), kv, ads) for pf, nd, dt, kv, ads in drive(engine, label, first, end)]
     sync()
     wall = time.perf_counter() - t0
     total = sum(n_out.values())

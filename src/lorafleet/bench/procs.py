@@ -32,10 +32,14 @@ def start(args: list[str], log: Path | None = None, env: dict | None = None) -> 
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float, what: str) -> None:
+    """Poll `url`/readyz until 200; fail early (with the tail of its output when piped) if the
+    process exits, and after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with status {proc.returncode}")
+            pipe = proc.stderr or proc.stdout
+            out = pipe.read() if pipe is not None else ""
+            raise RuntimeError(f"{what} exited with status {proc.returncode}" + (f": {out[-3000:]}" if out else ""))
         try:
             with urllib.request.urlopen(f"{url}/readyz", timeout=2) as r:
                 if r.status == 200:
