@@ -119,3 +119,32 @@ def test_busy_port_is_refused_before_loading(tiny_chat_llama, tmp_path):
     assert f"port {port} on 127.0.0.1 is already in use" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert "started" not in r.stderr and "runner" not in r.stderr  # nothing was loaded or started
     assert time.monotonic() - t0 < 30
+
+
+def test_runner_whose_engine_core_died_is_restarted(tiny_chat_llama, tmp_path):
+    """The engine core (the runner's child that owns the model) is killed: the runner's front stays
+    up and reports it, `serve` stops that runner and starts a new one, and requests work again."""
+    (tmp_path / "adapters").mkdir()
+    s = Served(tiny_chat_llama, tmp_path / "adapters", "--page-size", "4", "--kv-pages", "64")
+    try:
+        s.wait_ready(timeout=120)
+        (front,) = children(s.proc.pid)
+        (core,) = children(front)
+        os.kill(core, signal.SIGKILL)
+        deadline = time.monotonic() + 90
+        now = [front]
+        while time.monotonic() < deadline:
+            now = children(s.proc.pid)
+            if now and now != [front] and s.admin_state()["runners"][0]["healthy"]:
+                break
+            time.sleep(0.2)
+        assert now and now != [front], "the runner with a dead engine core was not replaced"
+        name = json.loads(urllib.request.urlopen(f"{s.url}/v1/models", timeout=10).read())["data"][0]["id"]
+        body = json.dumps({"model": name, "prompt": [5, 6, 7], "max_tokens": 3}).encode()
+        req = urllib.request.Request(f"{s.url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+        assert json.loads(urllib.request.urlopen(req, timeout=60).read())["usage"]["completion_tokens"] == 3
+    finally:
+        code = s.stop()
+    out = s.proc.stdout.read()
+    assert code == 0, out[-3000:]
+    assert "is up but unhealthy" in out and "restarting runner runner-0" in out

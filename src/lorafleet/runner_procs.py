@@ -4,7 +4,10 @@ Each runner is a child in its own session (so Ctrl-C reaches only `serve`, which
 order) that also gets SIGTERM if `serve` dies. A runner that exits while serving is restarted
 on the same port (the scheduler keeps its endpoint, sees it unhealthy meanwhile and re-places
 its requests) after a backoff that doubles from `BACKOFF_S` up to `MAX_BACKOFF_S`, and starts
-over once a runner has stayed up for `STABLE_S`. Every exit and restart is logged.
+over once a runner has stayed up for `STABLE_S`. A runner whose process is up but whose
+`/healthz` reports an error (its engine core died: the front stays up to say why) for
+`SICK_CHECKS` checks in a row is stopped, and so restarted the same way. Every exit and restart
+is logged.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ log = logging.getLogger("lorafleet.serve")
 BACKOFF_S = 1.0
 MAX_BACKOFF_S = 30.0
 STABLE_S = 60.0
+SICK_CHECKS = 2
 
 
 def _die_with_parent() -> None:  # runs in the child before exec
@@ -44,6 +48,7 @@ class RunnerProcess:
     restarts: int = 0
     backoff: float = BACKOFF_S
     next_start: float | None = None  # when a dead runner is due to be started again
+    sick: int = 0  # consecutive health checks that reported an error
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def start(self) -> None:
@@ -52,6 +57,25 @@ class RunnerProcess:
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    def health_error(self) -> str | None:
+        """The error its /healthz reports (500), or None (healthy, or not answering yet)."""
+        import json
+        import urllib.error
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(f"{self.url}/healthz", timeout=2):
+                return None
+        except urllib.error.HTTPError as exc:
+            if exc.code != 500:
+                return None
+            try:
+                return str(json.loads(exc.read()).get("error") or "unhealthy")
+            except ValueError:
+                return "unhealthy"
+        except OSError:
+            return None
 
 
 class Supervisor:
@@ -81,6 +105,12 @@ class Supervisor:
                 if r.alive():
                     if now - r.started > STABLE_S:
                         r.backoff = BACKOFF_S
+                    why = r.health_error()
+                    r.sick = r.sick + 1 if why else 0
+                    if r.sick >= SICK_CHECKS:
+                        log.warning("runner %s is up but unhealthy (%s); stopping it to restart it", r.rid, why)
+                        r.sick = 0
+                        r.proc.terminate()
                     continue
                 if r.next_start is None:
                     code = r.proc.returncode if r.proc is not None else None
