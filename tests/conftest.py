@@ -45,6 +45,14 @@ def demo_adapters(demo_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tok(demo_model):
+    """The demo model's tokenizer (what the scheduler tests tokenize with)."""
+    from lorafleet.scheduler.tokenizer import Tokenizer
+
+    return Tokenizer(demo_model)
+
+
+@pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     """A random Llama-2-shaped model: MHA, untied embeddings."""
     return write_random_llama(tmp_path_factory.mktemp("tiny-llama"))

@@ -11,14 +11,8 @@ import pytest
 from api_helpers import start, stop
 from fake_runner import FakeRunner
 from lorafleet.scheduler.api_keys import ApiKeyFileError, ApiKeys, parse_keys
-from lorafleet.scheduler.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(scope="module")
-def tok(demo_model):
-    return Tokenizer(demo_model)
 
 
 def bearer(key: str) -> dict:

@@ -5,18 +5,12 @@ from __future__ import annotations
 import pytest
 
 from lorafleet.scheduler.detokenizer import IncrementalDetokenizer
-from lorafleet.scheduler.tokenizer import Tokenizer
 
 TEXTS = [
     "Hello world, héllo 日本語のテキスト 🙂🚀 done.",
     "naïve café — “quotes” and emoji 👩‍👩‍👧 family",
     "def f(x):\n    return x ** 2  # ünïcödé",
 ]
-
-
-@pytest.fixture(scope="module")
-def tok(demo_model):
-    return Tokenizer(demo_model)
 
 
 def stream(tok, ids, prompt=(), stop=(), chunk=1):

@@ -10,14 +10,8 @@ import pytest
 
 from api_helpers import Live
 from fake_runner import FakeRunner
-from lorafleet.scheduler.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(scope="module")
-def tok(demo_model):
-    return Tokenizer(demo_model)
 
 
 async def until(cond, timeout=5.0):

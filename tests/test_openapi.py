@@ -11,14 +11,8 @@ from referencing import Registry, Resource
 
 from api_helpers import start, stop
 from fake_runner import FakeRunner
-from lorafleet.scheduler.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture(scope="module")
-def tok(demo_model):
-    return Tokenizer(demo_model)
 
 
 def validator(doc: dict, name: str) -> Draft202012Validator:

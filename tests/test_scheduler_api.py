@@ -8,13 +8,7 @@ import json
 import pytest
 from api_helpers import TOKEN, start, stop
 from fake_runner import FakeRunner
-from lorafleet.scheduler.tokenizer import Tokenizer
 
-
-
-@pytest.fixture(scope="module")
-def tok(demo_model):
-    return Tokenizer(demo_model)
 
 
 @pytest.fixture

@@ -12,14 +12,8 @@ import pytest
 from api_helpers import start, stop
 from fake_runner import FakeRunner
 from lorafleet.scheduler.limits import RequestLimits
-from lorafleet.scheduler.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(scope="module")
-def tok(demo_model):
-    return Tokenizer(demo_model)
 
 
 @pytest.fixture

@@ -80,6 +80,14 @@ def children(pid: int) -> list[int]:
     return kids
 
 
+def completes(s) -> bool:
+    """A three-token completion of the base model through `serve` comes back whole."""
+    name = json.loads(urllib.request.urlopen(f"{s.url}/v1/models", timeout=10).read())["data"][0]["id"]
+    body = json.dumps({"model": name, "prompt": [5, 6, 7], "max_tokens": 3}).encode()
+    req = urllib.request.Request(f"{s.url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    return json.loads(urllib.request.urlopen(req, timeout=60).read())["usage"]["completion_tokens"] == 3
+
+
 def test_dead_runner_is_restarted(tiny_chat_llama, tmp_path):
     (tmp_path / "adapters").mkdir()
     s = Served(tiny_chat_llama, tmp_path / "adapters", "--page-size", "4", "--kv-pages", "64")
@@ -95,10 +103,7 @@ def test_dead_runner_is_restarted(tiny_chat_llama, tmp_path):
                 break
             time.sleep(0.2)
         assert now and now != first, "no new runner process"
-        name = json.loads(urllib.request.urlopen(f"{s.url}/v1/models", timeout=10).read())["data"][0]["id"]
-        body = json.dumps({"model": name, "prompt": [5, 6, 7], "max_tokens": 3}).encode()
-        req = urllib.request.Request(f"{s.url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
-        assert json.loads(urllib.request.urlopen(req, timeout=60).read())["usage"]["completion_tokens"] == 3
+        assert completes(s)
     finally:
         code = s.stop()
     out = s.proc.stdout.read()
@@ -139,10 +144,7 @@ def test_runner_whose_engine_core_died_is_restarted(tiny_chat_llama, tmp_path):
                 break
             time.sleep(0.2)
         assert now and now != [front], "the runner with a dead engine core was not replaced"
-        name = json.loads(urllib.request.urlopen(f"{s.url}/v1/models", timeout=10).read())["data"][0]["id"]
-        body = json.dumps({"model": name, "prompt": [5, 6, 7], "max_tokens": 3}).encode()
-        req = urllib.request.Request(f"{s.url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
-        assert json.loads(urllib.request.urlopen(req, timeout=60).read())["usage"]["completion_tokens"] == 3
+        assert completes(s)
     finally:
         code = s.stop()
     out = s.proc.stdout.read()
