@@ -17,6 +17,9 @@
 #   e2e2     bench e2e: uniform + skewed, LoRA off                                         -> e2e_b.json
 #   cold     bench e2e: cold start from disk (COLD_REQS=400) and the warm rerun            -> e2e_cold.json
 #   sweep    bench e2e: distinct with max batch 64 / 128 / 256                             -> e2e_sweep.json
+#   serve1   bench serve: online (OpenAI API, all at once) vs offline engine, distinct/uniform/base -> serve1.json
+#   serve2   bench serve: the same for skewed/identical                                      -> serve2.json
+#   place    bench serve --runners 2: busiest vs least-loaded under Poisson rates (every GPU) -> place.json/png
 #   quick    engine GPU tests, then a short e2e (REQS=256: distinct, identical, LoRA off, profile)
 # Knobs: REQS (default 1000), BENCH_S (timeout of one bench stage, s; COLD_S, SWEEP_S, HF_S, TEST_S per stage). Results, caches and logs.tgz go to
 # $OUT, each GPU's log to $OUT/gpuN.log.
@@ -46,6 +49,8 @@ nvidia-smi --query-gpu=index,name,memory.used,clocks.sm --format=csv,noheader
 timeout 300 python3 -m lorafleet build-kernels > "$LOGS/build.log" 2>&1; stamp "kernels: $(tail -1 "$LOGS/build.log")"
 
 E2E="python3 -m lorafleet --log-level WARNING bench e2e --requests ${REQS:-1000}"
+SERVE="python3 -m lorafleet --log-level WARNING bench serve --synthetic-model 7b --tokenizer-from .cache_fi/tok
+  --device cuda --max-batch-size 32 --rates inf --weight-sets 32 --rank 16 --population 256 --kv-fraction 0.8"
 stage() {
   case "$1" in
     tests) stage ktests; stage etests ;;
@@ -95,6 +100,14 @@ stage() {
     sweep)
       timeout ${SWEEP_S:-${BENCH_S:-540}} $E2E --mixes --no-lora-off --hf-requests 0 --sweep 64 128 256 \
         --out "$OUT/e2e_sweep.json" 2>&1 | tee "$LOGS/e2e_sweep.log" | tail -10 ;;
+    serve1|serve2)
+      local mixes="distinct uniform base"; [ "$1" = serve2 ] && mixes="skewed identical"
+      timeout ${SERVE_S:-500} $SERVE --runners 1 --requests ${SERVE_REQS:-600} --mixes $mixes \
+        --work-dir /tmp/bs_$1 --out "$OUT/$1.json" 2>&1 | tee "$LOGS/$1.log" | grep -v " INFO " | tail -12 ;;
+    place)
+      timeout ${PLACE_S:-420} $SERVE --runners 2 --requests ${PLACE_REQS:-200} --mixes skewed \
+        --rates ${PLACE_RATES:-4 8 16 24} --placement busiest least-loaded --no-offline --work-dir /tmp/bs_place \
+        --out "$OUT/place.json" --plot "$OUT/place.png" 2>&1 | tee "$LOGS/place.log" | grep -v " INFO " | tail -14 ;;
     quick)
       stage etests
       timeout ${BENCH_S:-400} python3 -m lorafleet --log-level WARNING bench e2e --requests ${REQS:-256} \
@@ -107,7 +120,7 @@ run_list() {  # GPU index, stages
   local gpu=$1; shift
   for s in $@; do
     stamp "GPU $gpu: $s"
-    case "$s" in tp*) stage "$s" ;;  # tensor-parallel stages use every GPU of the machine
+    case "$s" in tp*|place) stage "$s" ;;  # tensor-parallel stages use every GPU of the machine
       *) CUDA_VISIBLE_DEVICES=$gpu stage "$s" ;; esac
   done
   stamp "GPU $gpu: done"
@@ -122,6 +135,7 @@ if [ "${1:-}" = "--par" ]; then
 else
   run_list 0 "${@:-tests}"
 fi
+for d in /tmp/bs_*; do [ -d "$d" ] && for f in "$d"/*.log; do [ -f "$f" ] && cp "$f" "$LOGS/$(basename "$d")_$(basename "$f")"; done; done
 ( cd /tmp && find fiws -name '*.so' | tar czf "$OUT/ficache.tgz" -T - ) 2>/dev/null
 ( cd /tmp && tar czf "$OUT/logs.tgz" logs ) 2>/dev/null
 ( cd /tmp && tar czf "$OUT/lfkernels.tgz" lfkernels ) 2>/dev/null

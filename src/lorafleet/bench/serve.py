@@ -229,6 +229,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--url", default=None, help="target a running scheduler instead of starting `lorafleet serve` "
                    "(env LORAFLEET_ADMIN_TOKEN, if set, is used to read GPUs busy)")
     s.add_argument("--model", type=Path, default=None, help="model directory (default: the demo model)")
+    s.add_argument("--tokenizer-from", type=Path, default=None, metavar="DIR",
+                   help="with --synthetic-model: copy the tokenizer files from DIR (default: the demo model's)")
     s.add_argument("--synthetic-model", choices=["7b"], default=None,
                    help="use a Llama-2-7B-shape model with random weights made on the runner's device")
     s.add_argument("--adapters", type=Path, default=None, help="adapters to copy as weight sets (default: synthetic)")
@@ -296,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.synthetic_model or model is None:
         from lorafleet.runner.demo import prepare
 
-        demo = prepare() / "model"
+        demo = args.tokenizer_from if args.synthetic_model and args.tokenizer_from else prepare() / "model"
         if args.synthetic_model:
             from lorafleet.runner.synthetic import LLAMA2_7B, write_synthetic_model
 
