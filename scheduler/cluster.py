@@ -12,6 +12,7 @@ same way.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from typing import Callable
@@ -20,7 +21,7 @@ import aiohttp
 
 from lorafleet import env
 from lorafleet.scheduler.discovery import RunnerDirectory, RunnerEndpoint
-from lorafleet.scheduler.placement import RunnerView, busiest_fit, kv_need
+from lorafleet.scheduler.placement import RunnerView, busiest_fit, default_queue, kv_need
 from lorafleet.scheduler.request import Request
 from lorafleet.scheduler.runner_link import RunnerLink
 
@@ -109,12 +110,14 @@ class Cluster:
         placement: Callable = busiest_fit,
         metrics=None,
         runner_token: str | None = None,
+        runner_queue: int | None = None,
     ):
         self.directory = directory
         self.poll_interval, self.fail_after = poll_interval, fail_after
         self.placement = placement
         self.metrics = metrics
         self.runner_token = runner_token
+        self.runner_queue = runner_queue  # None: placement.default_queue(max batch) per runner
         self.runners: dict[str, RunnerHandle] = {}
         self.queue: list[Request] = []
         self.session: aiohttp.ClientSession | None = None
@@ -164,7 +167,9 @@ class Cluster:
 
     # -- views ---------------------------------------------------------------------------------------
     def views(self) -> list[RunnerView]:
-        return [r.view() for r in self.runners.values()]
+        views = [r.view() for r in self.runners.values()]
+        return [dataclasses.replace(v, queue=default_queue(v.max_batch_size) if self.runner_queue is None
+                                    else self.runner_queue) for v in views]
 
     def any_healthy(self) -> bool:
         return any(r.healthy for r in self.runners.values())

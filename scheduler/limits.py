@@ -25,6 +25,7 @@ class RequestLimits:
     max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS  # prompt tokens of all its sequences together
     max_completion_tokens: int | None = None  # cap on max_tokens per sequence (None: the context)
     max_prefill_backlog: int = PREFILL_BACKLOG  # placement: queued prefill tokens per runner
+    runner_queue: int | None = None  # placement: requests a runner may hold beyond its max batch (None: a quarter)
 
     @property
     def completion_cap(self) -> int:
@@ -44,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prefill-backlog", type=int, default=PREFILL_BACKLOG, metavar="TOKENS",
                    help="placement passes over a runner whose queued prompt tokens would exceed this "
                         f"(default {PREFILL_BACKLOG})")
+    p.add_argument("--runner-queue", type=int, default=None, metavar="N",
+                   help="requests placed on a runner beyond its max batch size, so it loads their adapters "
+                        "while its batch is full (default: a quarter of its max batch; 0: none)")
 
 
 def from_args(args: argparse.Namespace, max_model_len: int) -> RequestLimits:
@@ -52,10 +56,13 @@ def from_args(args: argparse.Namespace, max_model_len: int) -> RequestLimits:
             raise SystemExit(f"--{flag.replace('_', '-')} must be at least 1")
     if args.max_completion_tokens is not None and args.max_completion_tokens < 1:
         raise SystemExit("--max-completion-tokens must be at least 1")
+    if getattr(args, "runner_queue", None) is not None and args.runner_queue < 0:
+        raise SystemExit("--runner-queue must be 0 or more")
     return RequestLimits(
         max_model_len=max_model_len,
         max_sequences=args.max_sequences_per_request,
         max_prompt_tokens=max(args.max_prompt_tokens_per_request, max_model_len),
         max_completion_tokens=args.max_completion_tokens,
         max_prefill_backlog=args.max_prefill_backlog,
+        runner_queue=getattr(args, "runner_queue", None),
     )

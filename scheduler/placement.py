@@ -1,7 +1,7 @@
 """Where a new request goes (Punica §5.1): the busiest runner that still has room.
 
-A runner fits a request when it is healthy, not draining, its batch is below its max
-batch size, and its free KV tokens cover the request's need:
+A runner fits a request when it is healthy, not draining, the requests placed on it are
+below its max batch size plus its queue allowance, and its free KV tokens cover the request's need:
 
     need = prompt tokens (+ tokens generated so far, for a migrated request)
            + min(remaining max_tokens, KV_RESERVE)      # room to decode without evicting at once
@@ -9,6 +9,12 @@ batch size, and its free KV tokens cover the request's need:
 Among fitting runners the one with the largest batch wins; ties go to the highest runner
 id. None fits: the request waits in the FCFS queue. `least_loaded` and `round_robin` are
 the comparison policies of `lorafleet simulate`.
+
+Queue allowance: a runner may hold a few requests beyond its max batch (`RunnerView.queue`;
+the scheduler's default is a quarter of the max batch, `--runner-queue`), so it can load their
+adapters and prefill while its batch is full. Without it every request with a cold adapter
+joins a full runner only when a slot frees, and waits there for its adapter's load with the
+batch one short (measured on an H200: 600 requests over 600 adapter names, online 501 tok/s).
 
 Prefill backlog: a runner's `prefill_backlog` is the prompt tokens of requests placed there
 that have not produced their first token yet (work queued ahead of a new request's first
@@ -38,6 +44,7 @@ class RunnerView:
     free_kv_tokens: int
     total_kv_tokens: int = 0
     prefill_backlog: int = 0  # prompt tokens placed here still waiting for their first token
+    queue: int = 0  # requests it may hold beyond max_batch_size (see "Queue allowance")
 
 
 def kv_need(num_tokens: int, remaining_max_tokens: int) -> int:
@@ -45,7 +52,13 @@ def kv_need(num_tokens: int, remaining_max_tokens: int) -> int:
 
 
 def fits(r: RunnerView, need: int) -> bool:
-    return r.healthy and not r.draining and r.batch_size < r.max_batch_size and r.free_kv_tokens >= need
+    return (r.healthy and not r.draining and r.batch_size < r.max_batch_size + r.queue
+            and r.free_kv_tokens >= need)
+
+
+def default_queue(max_batch_size: int) -> int:
+    """The scheduler's default queue allowance: a quarter of the max batch."""
+    return max_batch_size // 4
 
 
 def calm(r: RunnerView, prefill: int, max_backlog: int) -> bool:

@@ -83,7 +83,7 @@ class SchedulerService:
         policy = (functools.partial(busiest_fit, max_backlog=self.limits.max_prefill_backlog)
                   if placement == "busiest" else POLICIES[placement]())
         self.cluster = Cluster(directory, poll_interval=poll_interval, metrics=self.metrics, placement=policy,
-                               runner_token=runner_token)
+                               runner_token=runner_token, runner_queue=self.limits.runner_queue)
         self.metrics.attach_cluster(self.cluster)
         self.prompts = PromptEncoder(tokenizer, self.max_model_len)
         self.availability = AdapterAvailability()

@@ -16,6 +16,7 @@ from lorafleet.runner.config import EngineConfig
 from lorafleet.runner.engine import Engine
 from lorafleet.runner.sequence import SamplingParams, Sequence
 from lorafleet.scheduler.tokenizer import Tokenizer
+from lorafleet.scheduler.placement import default_queue
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -64,7 +65,9 @@ async def wait_for(cond, timeout=10.0):
 async def test_consolidation_fills_busiest_runner_first(tiny_chat_llama, wide):
     async with Scheduler(tiny_chat_llama, wide) as s:
         tasks = []
-        expected = [{"runner-2": k} for k in range(1, 5)] + [{"runner-2": 4, "runner-1": 1}, {"runner-2": 4, "runner-1": 2}]
+        cap = 4 + default_queue(4)  # max batch 4 plus the default queue allowance (1)
+        expected = [{"runner-2": k} for k in range(1, cap + 1)] + [{"runner-2": cap, "runner-1": 1},
+                                                                    {"runner-2": cap, "runner-1": 2}]
         for i, want in enumerate(expected):
             tasks.append(asyncio.create_task(s.stream_tokens(prompts(1, i)[0], 400)))
 

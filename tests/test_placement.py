@@ -89,3 +89,16 @@ async def test_cluster_places_past_a_backed_up_runner():
     for h in cluster.runners.values():
         for t in list(h.submits):
             t.cancel()
+
+
+def test_queue_allowance_lets_a_full_runner_hold_more_and_counts_in_fits():
+    from lorafleet.scheduler.placement import RunnerView, busiest_fit, default_queue, fits
+
+    full = RunnerView("a", True, False, batch_size=32, max_batch_size=32, free_kv_tokens=10_000)
+    assert not fits(full, 100)  # no allowance: a full batch takes nothing more
+    queued = RunnerView("a", True, False, batch_size=32, max_batch_size=32, free_kv_tokens=10_000, queue=8)
+    assert fits(queued, 100) and busiest_fit([queued], 100) == "a"
+    at_cap = RunnerView("a", True, False, batch_size=40, max_batch_size=32, free_kv_tokens=10_000, queue=8)
+    assert not fits(at_cap, 100) and busiest_fit([at_cap], 100) is None
+    assert not fits(RunnerView("a", True, False, 33, 32, free_kv_tokens=50, queue=8), 100)  # KV still binds
+    assert default_queue(32) == 8 and default_queue(4) == 1 and default_queue(1) == 0
