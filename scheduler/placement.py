@@ -12,9 +12,9 @@ the comparison policies of `lorafleet simulate`.
 
 Queue allowance: a runner may hold a few requests beyond its max batch (`RunnerView.queue`;
 the scheduler's default is a quarter of the max batch, `--runner-queue`), so it can load their
-adapters and prefill while its batch is full. Without it every request with a cold adapter
-joins a full runner only when a slot frees, and waits there for its adapter's load with the
-batch one short (measured on an H200: 600 requests over 600 adapter names, online 501 tok/s).
+adapters and prefill while its batch is full instead of only when a slot frees. (On an H200,
+600 requests over 600 adapter names: 501 tok/s online without it, 547 with 8, 541 with 32; the
+online distinct-adapter gap lies elsewhere, see docs/benchmarks.md.)
 
 Prefill backlog: a runner's `prefill_backlog` is the prompt tokens of requests placed there
 that have not produced their first token yet (work queued ahead of a new request's first

@@ -4,6 +4,7 @@ the offline engine on the same requests, exact token counts, the plot, the simul
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -55,3 +56,45 @@ def test_bench_serve_sweep_with_offline_peer(tiny_chat_llama, tmp_path):
                           "--duration", "60", "--peak-rps", "1", "--policies", "busiest"],
                          capture_output=True, text=True, timeout=120)
     assert sim.returncode == 0 and "refitted" in sim.stderr, sim.stderr
+
+
+def _pids_with(text: str) -> list[int]:
+    from pathlib import Path
+
+    pids = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                if text in (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                    pids.append(int(p.name))
+            except OSError:
+                pass
+    return pids
+
+
+def test_sigterm_stops_the_server_it_started(tiny_chat_llama, tmp_path):
+    import signal
+    import time
+
+    work = tmp_path / "work"
+    cmd = [sys.executable, "-m", "lorafleet", "bench", "serve", "--model", str(tiny_chat_llama), "--requests", "400",
+           "--max-output", "200", "--mixes", "base", "--device", "cpu", "--kv-pages", "300", "--page-size", "4",
+           "--out", str(tmp_path / "o.json"), "--work-dir", str(work)]
+    bench = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in bench.stdout:  # the server is up and the load is running
+            if "ready" in line:
+                break
+        marker = str(work / "adapters")
+        assert _pids_with(marker), "the server it started is not running"
+        bench.send_signal(signal.SIGTERM)
+        bench.wait(timeout=150)
+        deadline = time.monotonic() + 30
+        while _pids_with(marker) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _pids_with(marker), "lorafleet serve outlived the benchmark that started it"
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+        for pid in _pids_with(str(work / "adapters")):
+            os.kill(pid, signal.SIGKILL)

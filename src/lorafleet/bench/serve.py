@@ -26,6 +26,7 @@ import json
 import math
 import os
 import secrets
+import signal
 import shutil
 import tempfile
 import time
@@ -111,10 +112,15 @@ class Server:
             if v is not None:
                 cmd += ["--" + flag.replace("_", "-"), str(v)]
         cmd += args.serve_arg
-        self.proc = procs.start(cmd, log=work / f"serve-{placement}.log", env={"LORAFLEET_ADMIN_TOKEN": self.token})
+        self.log = work / f"serve-{placement}.log"
+        self.proc = procs.start(cmd, log=self.log, env={"LORAFLEET_ADMIN_TOKEN": self.token})
 
     def wait(self, timeout: float) -> None:
-        procs.wait_ready(self.url, self.proc, timeout, "lorafleet serve")
+        try:
+            procs.wait_ready(self.url, self.proc, timeout, "lorafleet serve")
+        except RuntimeError as exc:
+            tail = self.log.read_text(errors="replace")[-2000:] if self.log.is_file() else ""
+            raise RuntimeError(f"{exc}; the end of {self.log}:\n{tail}") from None
 
     def stop(self) -> None:
         procs.stop(self.proc, 120)
@@ -274,11 +280,17 @@ def merge(paths: list[Path]) -> dict:
     return out
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="lorafleet bench serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     args = p.parse_args(argv)
+    # SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C, so the `lorafleet serve` it started is stopped too
+    signal.signal(signal.SIGTERM, _interrupt)
     if args.merge:
         merged = merge(args.merge)
         args.out.write_text(json.dumps(merged, indent=1))
@@ -309,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     max_len = int(hf.get("max_position_embeddings", 4096))
     reqs = make_requests(args.requests, args.seed, int(hf["vocab_size"]), args.max_prompt, args.max_output, max_len)
     adapters_root = work / "adapters"
+    adapters_root.mkdir(parents=True, exist_ok=True)  # `lorafleet serve --adapters` needs it, also for `base` alone
     needs_adapters = any(m != "base" for m in args.mixes)
     weights = prepare_adapters(args, adapters_root, hf) if needs_adapters else []
     names = {m: mix_adapters(m, len(reqs), args.population, weights, adapters_root, args.seed) if m != "base"
