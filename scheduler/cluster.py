@@ -12,7 +12,6 @@ same way.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from typing import Callable
@@ -67,17 +66,20 @@ class RunnerHandle:
         ps = self.page_size
         return sum(-(-kv_need(r.num_tokens, r.remaining) // ps) * ps for r in self.assigned.values())
 
-    def view(self) -> RunnerView:
+    def view(self, queue: int | None = 0) -> RunnerView:
+        """queue: its queue allowance (None: placement.default_queue of its max batch)."""
         total = int(self.state.get("total_kv_tokens") or 0)
+        max_batch = int(self.state.get("max_batch_size") or 0)
         return RunnerView(
             id=self.id,
             healthy=self.healthy and self.connected,
             draining=self.draining or self.remote_draining,
             batch_size=len(self.assigned),
-            max_batch_size=int(self.state.get("max_batch_size") or 0),
+            max_batch_size=max_batch,
             free_kv_tokens=total - self.used_tokens(),
             total_kv_tokens=total,
             prefill_backlog=self.prefill_backlog(),
+            queue=default_queue(max_batch) if queue is None else queue,
         )
 
     def prefill_backlog(self) -> int:
@@ -167,9 +169,7 @@ class Cluster:
 
     # -- views ---------------------------------------------------------------------------------------
     def views(self) -> list[RunnerView]:
-        views = [r.view() for r in self.runners.values()]
-        return [dataclasses.replace(v, queue=default_queue(v.max_batch_size) if self.runner_queue is None
-                                    else self.runner_queue) for v in views]
+        return [r.view(self.runner_queue) for r in self.runners.values()]
 
     def any_healthy(self) -> bool:
         return any(r.healthy for r in self.runners.values())

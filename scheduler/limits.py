@@ -56,7 +56,7 @@ def from_args(args: argparse.Namespace, max_model_len: int) -> RequestLimits:
             raise SystemExit(f"--{flag.replace('_', '-')} must be at least 1")
     if args.max_completion_tokens is not None and args.max_completion_tokens < 1:
         raise SystemExit("--max-completion-tokens must be at least 1")
-    if getattr(args, "runner_queue", None) is not None and args.runner_queue < 0:
+    if args.runner_queue is not None and args.runner_queue < 0:
         raise SystemExit("--runner-queue must be 0 or more")
     return RequestLimits(
         max_model_len=max_model_len,
@@ -64,5 +64,5 @@ def from_args(args: argparse.Namespace, max_model_len: int) -> RequestLimits:
         max_prompt_tokens=max(args.max_prompt_tokens_per_request, max_model_len),
         max_completion_tokens=args.max_completion_tokens,
         max_prefill_backlog=args.max_prefill_backlog,
-        runner_queue=getattr(args, "runner_queue", None),
+        runner_queue=args.runner_queue,
     )
