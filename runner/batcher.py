@@ -19,7 +19,9 @@ instead of stalling them. Without it (None), a step admits prompts up to `max_pr
 Admission batching (`admit_batch` > 1): while requests run, new ones are admitted only once
 `min(admit_batch, waiting)` batch places are free, or after `admit_wait_steps` held steps, so
 prompts share prefill steps (which cost more than decode steps) instead of each taking its own.
-Adapter loads of the requests next in line start while admission is held.
+Adapter loads of the requests next in line start while admission is held, and, up to
+`adapter_lookahead` requests, while the batch is full (CUDA engines, where loads are asynchronous:
+the slots beyond the batch fill with the adapters of the requests that come next).
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class Batcher:
         admit_batch: int = 1,
         admit_wait_steps: int = 8,
         max_step_tokens: int | None = None,
+        adapter_lookahead: int = 0,
     ):
         if admit_batch < 1 or admit_wait_steps < 0:
             raise ValueError("admit_batch must be >= 1 and admit_wait_steps >= 0")
@@ -67,6 +70,7 @@ class Batcher:
             raise ValueError(f"max_step_tokens ({max_step_tokens}) must exceed the max batch size ({max_batch_size}): "
                              "every decode row and at least one prefill row must fit a step")
         self.max_step_tokens = max_step_tokens
+        self.adapter_lookahead = adapter_lookahead
         self.blocks, self.adapters = blocks, adapters
         self.admit_batch, self.admit_wait_steps = admit_batch, admit_wait_steps
         self._held = 0  # consecutive steps admission was held
@@ -144,15 +148,24 @@ class Batcher:
             self._held = 0
         elif free > 0:
             self._held += 1  # a full batch admits nobody anyway: only count steps with free places
+        # Requests past the admission point (the batch is full, admission is held, the step's budget
+        # is spent or the next request waits for pages) are still looked at, up to `adapter_lookahead`
+        # of them, to start their adapter loads: a load then overlaps the running batch instead of
+        # starting only when a place frees up (with one adapter per request, that made the load
+        # latency, not the device, set the rate).
+        lookahead = max(want, self.adapter_lookahead) if hold else self.adapter_lookahead
+        load_only = hold
         looked = 0
         admitted_any = False
         for seq in list(self.waiting):
-            if hold:
-                if looked >= want:
+            if not load_only and len(self.running) >= self.max_batch_size:
+                load_only = True
+            if not load_only and ((chunked and budget <= 0) or (not chunked and admitted_any and seq.num_tokens > budget)):
+                load_only = True
+            if load_only:
+                if looked >= lookahead:
                     break
-                looked += 1  # held: only start the adapter loads of the next requests in line
-            elif len(self.running) >= self.max_batch_size:
-                break
+                looked += 1
             n = seq.num_tokens
             if n >= self.max_model_len:
                 self._fail(seq, plan, f"prompt of {n} tokens does not fit the model's {self.max_model_len}-token context")
@@ -160,11 +173,6 @@ class Batcher:
             if self.blocks.pages_for(n + 1) > self.blocks.num_pages:
                 self._fail(seq, plan, f"request needs {n + 1} KV tokens; this runner holds {self.blocks.total_tokens}")
                 continue
-            if chunked:
-                if budget <= 0:
-                    break
-            elif admitted_any and n > budget:
-                break
             if seq.adapter is not None and seq.slot < 0:
                 if self.adapters is None:
                     self._fail(seq, plan, f"adapter {seq.adapter.name!r}: LoRA is disabled on this runner")
@@ -177,10 +185,11 @@ class Batcher:
                 if status != READY:
                     continue  # loading: later requests may go ahead, this one waits outside the batch
                 seq.slot = slot
-            if hold:
+            if load_only:
                 continue
             if self.blocks.pages_for(n + 1) > self.blocks.free_pages:
-                break  # FCFS: nothing overtakes a request that waits for pages
+                load_only = True  # FCFS: nothing overtakes a request that waits for pages
+                continue
             self.blocks.grow(seq.pages, n)
             self.waiting.remove(seq)
             seq.status = Status.RUNNING

@@ -103,6 +103,7 @@ class EngineConfig:
     max_lora_rank: int = 64
     lora_slots: int | None = None  # adapters resident in the device pool; None: 8 on CPU, 64 on GPU
     host_lora_cache: int = 256  # adapters kept in (pinned) host memory behind the device pool
+    adapter_readers: int | None = None  # CUDA: processes reading adapters from disk; None: half the CPUs, 2..8
     max_prefill_tokens: int = 8192  # unchunked: prompt tokens per step (one longer prompt still runs alone)
     # Chunked prefill: at most this many token rows per step, decodes included; long prompts are split
     # across steps. None: 2048 when chunked_prefill is on (the default on CUDA), else unchunked.
@@ -125,3 +126,12 @@ class EngineConfig:
     tp: int = 1  # tensor parallelism: GPUs of this node driven as one engine (ranks 1..tp-1 in child processes)
     allow_synthetic: bool = False  # benchmarks: accept synthetic://SEED adapter sources (never from the network)
     extra: dict = field(default_factory=dict, compare=False)
+
+    def adapter_reader_count(self) -> int:
+        """Processes that read adapters from disk (CUDA engines): `adapter_readers`, or half the CPUs
+        between 2 and 8 (each read keeps one CPU busy for a fraction of a second)."""
+        if self.adapter_readers is not None:
+            return max(1, self.adapter_readers)
+        import os
+
+        return min(8, max(2, (os.cpu_count() or 4) // 2))

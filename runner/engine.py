@@ -110,7 +110,8 @@ class Engine:
         if self.lora_pool is not None:
             stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
             self.adapters = AdapterManager(self.lora_pool, self.model_config.base_shape(), config.host_lora_cache,
-                                           adapter_loader, stream, allow_synthetic=config.allow_synthetic)
+                                           adapter_loader, stream, allow_synthetic=config.allow_synthetic,
+                                           readers=config.adapter_reader_count())
             if self.tp is not None:
                 self.adapters.on_slot = lambda ev: self.tp.send(("slot", ev))
         self.blocks = BlockManager(ex.num_pages, config.page_size)
@@ -118,9 +119,14 @@ class Engine:
         if admit is None:
             admit = max(1, config.max_batch_size // 8) if self.device.type == "cuda" else 1
         self.max_step_tokens = ex.max_step_tokens
+        # CUDA: loads are asynchronous, so start those of the requests after the batch, as many as the
+        # slots beyond a full batch hold. CPU: loads are synchronous; only the requests being admitted.
+        lookahead = 0
+        if self.adapters is not None and self.device.type == "cuda":
+            lookahead = max(0, self.lora_pool.num_slots - config.max_batch_size)
         self.batcher = Batcher(self.blocks, self.adapters, config.max_batch_size, config.max_prefill_tokens,
                                self.max_model_len, admit_batch=admit, admit_wait_steps=config.admit_wait_steps,
-                               max_step_tokens=self.max_step_tokens)
+                               max_step_tokens=self.max_step_tokens, adapter_lookahead=lookahead)
         self.overlap = config.overlap if config.overlap is not None else self.device.type == "cuda"
         log.info("KV cache: %d pages x %d tokens (%d tokens); attention=%s sgmv=%s%s", ex.num_pages, config.page_size,
                  self.blocks.total_tokens, self.attention.name, getattr(self.sgmv, "name", "?"),
@@ -137,6 +143,8 @@ class Engine:
     def close(self) -> None:
         """Stop the other tensor-parallel ranks and leave the group (nothing to do for one GPU).
         Idempotent. One tensor-parallel engine per process at a time."""
+        if getattr(self, "adapters", None) is not None:
+            self.adapters.close()
         if self.tp is not None:
             self.tp.close()
         if self._group is not None:

@@ -25,6 +25,7 @@ import socket
 import sys
 from typing import Callable, Protocol
 
+from lorafleet.common.procs import die_with_parent
 from lorafleet.runner.channel import AsyncChannel, ChannelClosed
 
 log = logging.getLogger(__name__)
@@ -35,12 +36,7 @@ class Owner(Protocol):
 
 
 def _core_preexec() -> None:  # in the child, before exec: die with the front
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    die_with_parent(signal.SIGKILL)
 
 
 def describe_exit(code: int | None) -> str:

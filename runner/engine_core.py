@@ -20,7 +20,6 @@ order.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import os
 import signal
@@ -29,6 +28,7 @@ import sys
 import time
 
 from lorafleet import env
+from lorafleet.common.procs import die_with_parent
 from lorafleet.runner.channel import BlockingChannel, ChannelClosed
 
 log = logging.getLogger("lorafleet.runner.engine_core")
@@ -144,13 +144,6 @@ def serve(ch: BlockingChannel, engine) -> int:
             ch.send(["step", wire, state])
 
 
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m lorafleet.runner.engine_core")
     p.add_argument("--fd", type=int, required=True, help="this process's end of the socketpair")
@@ -158,8 +151,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Adapter-load threads take the GIL for a few dozen short tensor operations per adapter (the disk
+    # read itself runs in reader processes); with the step loop busy, each take waits up to this
+    # interval (5 ms by default), which made a load take a quarter of a second.
+    sys.setswitchinterval(0.0005)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the front decides
-    _die_with_parent()
+    die_with_parent()
     if os.getppid() == 1:
         return 1  # the front is already gone
     ch = BlockingChannel(socket.socket(fileno=args.fd))

@@ -1,24 +1,24 @@
 """Which adapters sit in which pool slot: LRU over unpinned slots, a host tier behind it.
 
 `acquire(ref)` answers READY (with a slot, pinned for the caller), LOADING (come back next
-step) or raises AdapterError. Loads on CPU are synchronous; on CUDA they run on a side
-stream from pinned host memory and never stall the running batch (see `loader.py`).
+step) or raises AdapterError. Loads on CPU are synchronous; on CUDA the disk read runs in a
+reader process (`reader.py`) and the copy into the slot on a side stream from pinned host memory,
+so neither stalls the running batch nor the engine's thread.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections import OrderedDict
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from lorafleet.common.peft_config import AdapterError, BaseShape, scrub_paths
-from lorafleet.runner.lora.adapter import LoadedAdapter, load_adapter
+from lorafleet.common.peft_config import AdapterError, BaseShape
+from lorafleet.runner.lora.adapter import LoadedAdapter
+from lorafleet.runner.lora.host_tier import HostTier
 from lorafleet.runner.lora.pool import LoraPool
 from lorafleet.runner.sequence import AdapterRef
 
@@ -44,24 +44,25 @@ class AdapterManager:
         loader: Callable[[AdapterRef], LoadedAdapter] | None = None,
         copy_stream: "torch.cuda.Stream | None" = None,
         allow_synthetic: bool = False,
+        readers: int = 4,
     ):
         self.pool, self.base = pool, base  # base: the full model's shape (adapters are validated against it)
         self.allow_synthetic = allow_synthetic
         # Called with ("load", slot, ref) when a slot starts filling and ("clear", slot) when one is
         # emptied: tensor-parallel ranks mirror the slots of rank 0's pool.
         self.on_slot: Callable[[tuple], None] | None = None
-        self.host_capacity = host_capacity
-        self.loader_fn = loader or self._load_from_disk
         self.copy_stream = copy_stream
         self.slots: dict[int, SlotState] = {}
         self.by_name: dict[str, int] = {}
         self.lru: OrderedDict[int, None] = OrderedDict()  # unpinned ready slots, oldest first
         self.free_slots = list(range(pool.num_slots - 1, -1, -1))
-        self.host: OrderedDict[tuple[str, str], LoadedAdapter] = OrderedDict()
-        # On CUDA, disk reads and the copies into slots run on worker threads: the engine thread only polls.
-        self.workers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="adapter-load") if copy_stream else None
-        self.host_lock = threading.Lock()
-        self.stats = {"loads": 0, "host_hits": 0, "evictions": 0, "failures": 0, "load_seconds": 0.0}
+        # On CUDA, disk reads run in reader processes and the copies into slots on worker threads:
+        # the engine thread only polls.
+        cuda = copy_stream is not None
+        self.host = HostTier(base, pool.max_rank, pool.dtype, host_capacity, pin=cuda, allow_synthetic=allow_synthetic,
+                             readers=readers if cuda else 0, loader=loader)
+        self.workers = ThreadPoolExecutor(max_workers=max(2, readers), thread_name_prefix="adapter-load") if cuda else None
+        self.stats = {"loads": 0, "evictions": 0}
 
     # -- queries ------------------------------------------------------------------------
     def resident(self) -> list[str]:
@@ -76,9 +77,16 @@ class AdapterManager:
             "gpu_used": len(self.slots),
             "gpu_bytes": self.pool.nbytes,
             "host_cached": len(self.host),
-            "host_bytes": sum(a.nbytes for a in self.host.values()),
+            "host_bytes": self.host.nbytes,
             **self.stats,
+            **self.host.stats,
         }
+
+    def close(self) -> None:
+        """Stop the loader threads and the reader processes (idempotent)."""
+        self.host.close()  # first: a copy still waiting for a read fails at once instead of waiting
+        if self.workers is not None:
+            self.workers.shutdown(wait=True, cancel_futures=True)
 
     # -- acquire / release ------------------------------------------------------------------
     def acquire(self, ref: AdapterRef) -> tuple[str, int]:
@@ -123,35 +131,7 @@ class AdapterManager:
     # -- internals --------------------------------------------------------------------------
     def _host_copy(self, ref: AdapterRef) -> LoadedAdapter:
         """The adapter in host memory (read from disk on a miss). Runs on a worker thread on CUDA."""
-        key = (ref.name, ref.source)
-        with self.host_lock:
-            if key in self.host:
-                self.host.move_to_end(key)
-                self.stats["host_hits"] += 1
-                return self.host[key]
-        adapter = self._read(ref)
-        with self.host_lock:
-            self.host[key] = adapter
-            while len(self.host) > self.host_capacity:
-                self.host.popitem(last=False)
-        return adapter
-
-    def _read(self, ref: AdapterRef) -> LoadedAdapter:
-        t0 = time.perf_counter()
-        try:
-            adapter = self.loader_fn(ref)
-        except AdapterError:
-            self.stats["failures"] += 1
-            raise
-        except Exception as exc:  # fetch errors, I/O errors
-            self.stats["failures"] += 1
-            raise AdapterError(ref.name, scrub_paths(str(exc))) from None
-        self.stats["load_seconds"] += time.perf_counter() - t0
-        return adapter
-
-    def _load_from_disk(self, ref: AdapterRef) -> LoadedAdapter:
-        return load_adapter(ref.name, ref.source, self.base, self.pool.max_rank, self.pool.dtype,
-                            pin=self.copy_stream is not None, allow_synthetic=self.allow_synthetic)
+        return self.host.get(ref)
 
     def _copy_in(self, ref: AdapterRef, slot: int, main_stream) -> "torch.cuda.Event":
         """Worker thread: host tier (or disk) -> pinned -> slot on the side stream; returns its event."""

@@ -20,7 +20,6 @@ import logging
 import multiprocessing as mp
 import os
 import time
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -53,23 +52,15 @@ class SlotMirror:
         self.pool, self.full, self.config = pool, full_base, config
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
-        self.loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tp-adapter") if self.cuda else None
+        self.loader = ThreadPoolExecutor(max_workers=config.adapter_reader_count(), thread_name_prefix="tp-adapter") if self.cuda else None
         self.pending: dict[int, object] = {}  # slot -> Future of the copy's CUDA event
-        self.host: OrderedDict = OrderedDict()
+        from lorafleet.runner.lora.host_tier import HostTier
+
+        self.host = HostTier(full_base, pool.max_rank, pool.dtype, config.host_lora_cache, pin=self.cuda,
+                             allow_synthetic=config.allow_synthetic, readers=config.adapter_reader_count() if self.cuda else 0)
 
     def _adapter(self, ref):
-        from lorafleet.runner.lora.adapter import load_adapter
-
-        key = (ref.name, ref.source)
-        if key in self.host:
-            self.host.move_to_end(key)
-            return self.host[key]
-        a = load_adapter(ref.name, ref.source, self.full, self.pool.max_rank, self.pool.dtype, pin=self.cuda,
-                         allow_synthetic=self.config.allow_synthetic)
-        self.host[key] = a
-        while len(self.host) > self.config.host_lora_cache:
-            self.host.popitem(last=False)
-        return a
+        return self.host.get(ref)
 
     def _fill(self, ref, slot: int, main):
         adapter = self._adapter(ref)

@@ -12,13 +12,14 @@ is logged.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import signal
 import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
+
+from lorafleet.common.procs import die_with_parent
 
 log = logging.getLogger("lorafleet.serve")
 
@@ -29,10 +30,7 @@ SICK_CHECKS = 2
 
 
 def _die_with_parent() -> None:  # runs in the child before exec
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+    die_with_parent(signal.SIGTERM)
 
 
 @dataclass

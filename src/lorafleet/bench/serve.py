@@ -153,7 +153,22 @@ def online_run(url: str, token: str | None, base: str, reqs, names, rate, args) 
         busy = {r["id"]: r.get("busy_seconds", 0.0) - b0.get(r["id"], 0.0) for r in after["runners"]}
         s["gpus_busy"] = round(sum(busy.values()) / wall, 3)
         s["busy_seconds"] = {k: round(v, 2) for k, v in busy.items()}
+        s["adapter_loads"] = adapter_load_delta(before, after)
     return s
+
+
+def adapter_load_delta(before: dict, after: dict) -> dict:
+    """Adapter reads from disk during the run, over all runners: count and mean seconds per read
+    (from the runners' adapter pool counters)."""
+    def totals(state):
+        pools = [r.get("adapter_pool") or {} for r in state.get("runners", [])]
+        return (sum(p.get("disk_reads", 0) for p in pools), sum(p.get("load_seconds", 0.0) for p in pools),
+                sum(p.get("worker_seconds", 0.0) for p in pools))
+
+    (n0, t0, w0), (n1, t1, w1) = totals(before), totals(after)
+    n = n1 - n0
+    return {"disk_reads": n, "mean_read_s": round((t1 - t0) / n, 4) if n else None,
+            "mean_worker_s": round((w1 - w0) / n, 4) if n else None}
 
 
 # -- reporting -------------------------------------------------------------------------------------------
@@ -381,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
 
         result["step_model"] = fit_step_model(steps)
         result["offline_steps"] = steps
+        engine.close()  # its adapter reader processes
         del engine
     result["offline"] = offline
     result["serve"] = headline(runs, offline)

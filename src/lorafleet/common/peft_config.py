@@ -38,6 +38,9 @@ class AdapterError(ValueError):
         self.reason = reason
         super().__init__(f"adapter {adapter!r}: {reason}")
 
+    def __reduce__(self):  # crosses process boundaries (the adapter reader's workers)
+        return type(self), (self.adapter, self.reason)
+
 
 _ABS_PATH = re.compile(r"(?<![\w.:/])/[^\s'\"(),;]+")
 

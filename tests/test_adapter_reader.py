@@ -1,0 +1,189 @@
+"""Adapter reads: the packed tensors against an fp32 reference built from the file itself, and the
+reader processes (same result as in-process, errors named, a killed worker replaced, nothing left)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from model_helpers import write_random_adapter
+from lorafleet.common.peft_config import AdapterError, inspect_adapter
+from lorafleet.common.projections import PROJ_INDEX
+from lorafleet.runner.config import ModelConfig
+from lorafleet.runner.lora.adapter import load_adapter
+from lorafleet.runner.lora.host_tier import HostTier
+from lorafleet.runner.lora.reader import PREFIX, SHM_DIR, AdapterReader
+from lorafleet.runner.sequence import AdapterRef
+
+
+@pytest.fixture(scope="module")
+def base(tiny_llama):
+    import json
+
+    return ModelConfig.from_hf(json.loads((tiny_llama / "config.json").read_text())).base_shape()
+
+
+@pytest.fixture(scope="module")
+def mixed(tiny_llama, tmp_path_factory):
+    """Several projections, a per-module rank and alpha, rslora: every branch of the packing."""
+    return write_random_adapter(tiny_llama, tmp_path_factory.mktemp("mixed") / "mixed", r=8, alpha=16,
+                                targets=("q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"), seed=3,
+                                rank_pattern={"v_proj": 4}, alpha_pattern={"down_proj": 32}, use_rslora=True)
+
+
+@pytest.fixture
+def reader(base):
+    r = AdapterReader(base, max_rank=16, dtype=torch.bfloat16, workers=2, pin=False, threads_per_worker=1).start()
+    yield r
+    r.close()
+
+
+def reference(path, base, dtype):
+    """(layer, proj) -> (A [r, in], B^T * scaling [r, out]) in `dtype`, from the file, in an fp32 loop."""
+    spec = inspect_adapter("ref", path, base=base, max_rank=64)
+    raw = load_file(str(path / "adapter_model.safetensors"))
+    out = {}
+    for m in spec.modules:
+        a, b = raw[m.a_key].double(), raw[m.b_key].double()
+        out[(m.layer, m.proj)] = (a.to(dtype), (b.t() * m.scaling).to(dtype))
+    return out
+
+
+def check_against_reference(ad, want, num_layers):
+    assert set(ad.weights) == set(want)
+    pk = ad.packed
+    for (layer, proj), (a, bt) in want.items():
+        got_a, got_bt = ad.weights[(layer, proj)]
+        assert torch.equal(got_a, a), (layer, proj)  # a copy: exact
+        # B^T * scaling: the reference rounds once from fp64, the loader scales in fp32: one ulp apart at most
+        torch.testing.assert_close(got_bt, bt, rtol=torch.finfo(bt.dtype).eps, atol=0)
+        assert pk.host_ranks[layer][PROJ_INDEX[proj]] == a.shape[0] == int(pk.ranks[layer, PROJ_INDEX[proj]])
+    for p, t in pk.a.items():  # rows beyond a layer's rank, and layers not adapted, are zero
+        for layer in range(num_layers):
+            r = pk.host_ranks[layer][p]
+            assert t[layer, r:].abs().sum() == 0 and pk.bt[p][layer, r:].abs().sum() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_in_process_load_matches_the_fp32_reference(mixed, base, dtype):
+    ad = load_adapter("mixed", mixed, base, max_rank=16, dtype=dtype)
+    check_against_reference(ad, reference(mixed, base, dtype), base.num_layers)
+    assert {k[1] for k in ad.weights} == {"q", "v", "o", "gate", "down"}
+    assert {ad.weights[(0, "v")][0].shape[0], ad.weights[(0, "q")][0].shape[0]} == {4, 8}
+
+
+def test_reader_process_gives_the_same_tensors(reader, mixed, base):
+    ad = reader.read("mixed", str(mixed))
+    check_against_reference(ad, reference(mixed, base, torch.bfloat16), base.num_layers)
+    assert ad.spec.name == "mixed" and ad.nbytes > 0
+    pids = {str(p) for p in reader.pids}
+    assert not [n for n in os.listdir(SHM_DIR) if n.startswith(PREFIX) and n[len(PREFIX):].split("-")[0] in pids]
+
+
+def test_reader_errors_name_the_adapter_and_cross_the_process_boundary(reader, mixed, tmp_path):
+    bad = tmp_path / "nan"
+    shutil.copytree(mixed, bad)
+    w = load_file(str(bad / "adapter_model.safetensors"))
+    key = next(k for k in sorted(w) if "layers.1." in k and "v_proj.lora_B" in k)
+    w[key][0, 0] = float("nan")
+    save_file(w, str(bad / "adapter_model.safetensors"))
+    with pytest.raises(AdapterError) as e:
+        reader.read("nanny", str(bad))
+    assert e.value.adapter == "nanny" and "layer 1 v: weights contain NaN or Inf" in str(e.value)
+    with pytest.raises(AdapterError, match="nowhere"):
+        reader.read("nowhere", str(tmp_path / "missing"))
+    err = pickle.loads(pickle.dumps(AdapterError("x", "why")))
+    assert (err.adapter, err.reason, str(err)) == ("x", "why", "adapter 'x': why")
+    assert reader.read("mixed", str(mixed)).spec.name == "mixed"  # the workers are fine afterwards
+
+
+def test_overflow_to_inf_in_the_serving_dtype_is_refused(mixed, base, tmp_path):
+    big = tmp_path / "big"
+    shutil.copytree(mixed, big)
+    w = load_file(str(big / "adapter_model.safetensors"))
+    key = next(k for k in sorted(w) if "layers.0." in k and "q_proj.lora_A" in k)
+    w[key][0, 1] = 3.4e38  # finite in fp32; above bfloat16's largest value plus half an ulp: Inf
+    save_file(w, str(big / "adapter_model.safetensors"))
+    load_adapter("big", big, base, max_rank=16, dtype=torch.float32)  # fine in fp32
+    with pytest.raises(AdapterError, match="layer 0 q: weights contain NaN or Inf"):
+        load_adapter("big", big, base, max_rank=16, dtype=torch.bfloat16)
+
+
+def test_a_killed_reader_process_is_replaced(reader, mixed):
+    import psutil
+
+    reader.read("mixed", str(mixed))
+    old = reader.pids
+    assert len(old) == 2 and all(psutil.Process(p).ppid() == os.getpid() for p in old)
+    for p in old:
+        os.kill(p, 9)
+    ad = reader.read("mixed", str(mixed))  # the first attempt meets a dead worker, the retry a new one
+    assert ad.spec.name == "mixed" and reader.restarts == 1
+    assert len(set(reader.pids) - set(old)) == 1
+
+
+def test_closing_leaves_no_process_and_fails_later_reads(base, mixed):
+    import psutil
+
+    r = AdapterReader(base, max_rank=16, dtype=torch.bfloat16, workers=2, pin=False).start()
+    r.read("mixed", str(mixed))
+    procs = [psutil.Process(p) for p in r.pids]
+    r.close()
+    gone, alive = psutil.wait_procs(procs, timeout=10)
+    assert not alive and r.pids == []
+    with pytest.raises(RuntimeError, match="closed"):
+        r.read("mixed", str(mixed))
+
+
+def test_reader_workers_exit_when_the_engine_process_dies(tmp_path, base, mixed):
+    """A process holding readers is killed with SIGKILL: its reader processes go too (no orphans)."""
+    import json
+    import subprocess
+    import sys
+
+    import psutil
+
+    script = tmp_path / "holder.py"
+    script.write_text(
+        "import json, sys, time, torch\n"
+        "from lorafleet.common.peft_config import BaseShape\n"
+        "from lorafleet.runner.lora.reader import AdapterReader\n"
+        f"r = AdapterReader(BaseShape(**{json.dumps(dict(base.__dict__))}), 16, torch.bfloat16, workers=2, pin=False)\n"
+        "r.start()\n"  # no main guard on purpose: the workers must not re-run this script
+        "print(' '.join(map(str, r.pids)), flush=True)\n"
+        "time.sleep(600)\n")
+    holder = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in holder.stdout.readline().split()]
+        assert len(pids) == 2
+        holder.kill()
+        holder.wait()
+        gone, alive = psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], timeout=10)
+        assert not alive
+    finally:
+        holder.kill()
+
+
+def test_host_tier_caches_counts_and_wraps_errors(base, mixed, tmp_path):
+    calls = []
+
+    def loader(ref):
+        calls.append(ref.name)
+        if ref.name == "broken":
+            raise OSError("disk on fire at /secret/place")
+        return load_adapter(ref.name, ref.source, base, 16, torch.float32)
+
+    tier = HostTier(base, 16, torch.float32, capacity=1, pin=False, loader=loader)
+    a = tier.get(AdapterRef("m", str(mixed)))
+    assert tier.get(AdapterRef("m", str(mixed))) is a and calls == ["m"]
+    tier.get(AdapterRef("n", str(mixed)))  # capacity 1: m leaves
+    tier.get(AdapterRef("m", str(mixed)))
+    assert calls == ["m", "n", "m"] and tier.stats["host_hits"] == 1 and tier.stats["disk_reads"] == 3
+    with pytest.raises(AdapterError) as e:
+        tier.get(AdapterRef("broken", "x"))
+    assert "/secret" not in str(e.value) and "<path>" in str(e.value) and tier.stats["failures"] == 1
