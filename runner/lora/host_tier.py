@@ -1,4 +1,5 @@
-"""The host tier: adapters in host memory (pinned on CUDA) behind the device pool.
+"""The host tier: adapters in host memory behind the device pool (pinned on CUDA; for reads from
+disk, see env.pin_host_adapters).
 
 `get(ref)` answers from memory or reads the adapter from disk: in reader processes when the tier
 has `readers` (CUDA engines, see reader.py), else in the calling thread. Thread-safe: the engine's
@@ -31,7 +32,10 @@ class HostTier:
         if readers and loader is None:
             from lorafleet.runner.lora.reader import AdapterReader
 
-            self.reader = AdapterReader(base, max_rank, dtype, workers=readers, pin=pin).start()
+            from lorafleet import env
+
+            # env.pin_host_adapters: pinned by default; pageable avoids a page-locking driver call per read
+            self.reader = AdapterReader(base, max_rank, dtype, workers=readers, pin=pin and env.pin_host_adapters()).start()
         self.cache: OrderedDict[tuple[str, str], LoadedAdapter] = OrderedDict()
         self.lock = threading.Lock()
         self.stats = {"host_hits": 0, "disk_reads": 0, "failures": 0, "load_seconds": 0.0}

@@ -125,3 +125,10 @@ def engine_fault() -> str | None:
     """LORAFLEET_ENGINE_FAULT: `step:N` makes the engine core raise in its N-th step. Only for testing
     how a runner handles an engine crash; never set it in production."""
     return os.environ.get("LORAFLEET_ENGINE_FAULT") or None
+
+
+def pin_host_adapters() -> bool:
+    """LORAFLEET_PIN_HOST_ADAPTERS: keep adapters read from disk in pinned host memory (default 1).
+    0: pageable memory, the driver staging each slot copy, so that no page-locking allocation (a
+    driver call per adapter) runs while the engine launches steps. Pinned is what was measured."""
+    return _flag("LORAFLEET_PIN_HOST_ADAPTERS", True)
