@@ -20,6 +20,7 @@
 #   serve1   bench serve: online (OpenAI API, all at once) vs offline engine, distinct/uniform/base -> serve1.json
 #   serve2   bench serve: the same for skewed/identical                                      -> serve2.json
 #   serve3   bench serve: distinct/skewed, online and offline; serveq: online only, --runner-queue 32 -> serve3/serveq.json
+#   serve3p  serve3 with LORAFLEET_PIN_HOST_ADAPTERS=0 (pageable host copies of adapters read from disk)
 #   place    bench serve --runners 2: busiest vs least-loaded under Poisson rates (every GPU) -> place.json/png
 #   quick    engine GPU tests, then a short e2e (REQS=256: distinct, identical, LoRA off, profile)
 # Knobs: REQS (default 1000), BENCH_S (timeout of one bench stage, s; COLD_S, SWEEP_S, HF_S, TEST_S per stage). Results, caches and logs.tgz go to
@@ -105,9 +106,10 @@ stage() {
       local mixes="distinct uniform base"; [ "$1" = serve2 ] && mixes="skewed identical"
       timeout ${SERVE_S:-500} $SERVE --runners 1 --requests ${SERVE_REQS:-600} --mixes $mixes \
         --work-dir /tmp/bs_$1 --out "$OUT/$1.json" 2>&1 | tee "$LOGS/$1.log" | grep -v " INFO " | tail -12 ;;
-    serve3|serveq)  # distinct + skewed; serveq: online only, with the runner queue allowance at the max batch
-      local extra=""; [ "$1" = serveq ] && extra="--no-offline --serve-arg=--runner-queue --serve-arg=32"
-      timeout ${SERVE_S:-500} $SERVE --runners 1 --requests ${SERVE_REQS:-600} --mixes distinct skewed $extra \
+    serve3|serveq|serve3p)  # distinct + skewed; serveq: online only, with the runner queue allowance at the max batch
+      local extra="" pin=1; [ "$1" = serveq ] && extra="--no-offline --serve-arg=--runner-queue --serve-arg=32"
+      [ "$1" = serve3p ] && pin=0  # pageable host copies of adapters read from disk
+      LORAFLEET_PIN_HOST_ADAPTERS=$pin timeout ${SERVE_S:-500} $SERVE --runners 1 --requests ${SERVE_REQS:-600} --mixes distinct skewed $extra \
         --work-dir /tmp/bs_$1 --out "$OUT/$1.json" 2>&1 | tee "$LOGS/$1.log" | grep -v " INFO " | tail -12 ;;
     place)
       timeout ${PLACE_S:-420} $SERVE --runners 2 --requests ${PLACE_REQS:-200} --mixes skewed \

@@ -187,3 +187,49 @@ def test_host_tier_caches_counts_and_wraps_errors(base, mixed, tmp_path):
     with pytest.raises(AdapterError) as e:
         tier.get(AdapterRef("broken", "x"))
     assert "/secret" not in str(e.value) and "<path>" in str(e.value) and tier.stats["failures"] == 1
+
+
+@pytest.mark.parametrize("file_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_half_precision_files_are_scaled_in_float32(mixed, base, tmp_path, file_dtype, dtype):
+    half = tmp_path / "half"
+    shutil.copytree(mixed, half)
+    w = {k: v.to(file_dtype) for k, v in load_file(str(half / "adapter_model.safetensors")).items()}
+    if file_dtype == torch.float16:  # 40000 x scaling overflows float16 but not float32 or bfloat16
+        w[next(k for k in sorted(w) if "layers.0." in k and "q_proj.lora_B" in k)][0, 0] = 40000.0
+    save_file(w, str(half / "adapter_model.safetensors"))
+    want = reference(half, base, dtype)
+    if file_dtype == torch.float16 and dtype == torch.float16:
+        with pytest.raises(AdapterError, match="layer 0 q: weights contain NaN or Inf"):
+            load_adapter("half", half, base, max_rank=16, dtype=dtype)
+        return
+    check_against_reference(load_adapter("half", half, base, max_rank=16, dtype=dtype), want, base.num_layers)
+
+
+def test_a_finished_load_whose_request_left_is_settled_not_leaked(base):
+    """Only acquire() settles a load; a request cancelled while its adapter loaded never calls it again."""
+    from concurrent.futures import Future
+
+    from lorafleet.runner.lora.manager import AdapterManager, SlotState
+    from lorafleet.runner.lora.pool import LoraPool
+
+    class Done:
+        def query(self):
+            return True
+
+    def fut(result=None, exc=None):
+        f = Future()
+        f.set_exception(exc) if exc else f.set_result(result)
+        return f
+
+    pool = LoraPool(base, num_slots=3, max_rank=16, dtype=torch.float32, device=torch.device("cpu"))
+    m = AdapterManager(pool, base)
+    refs = [AdapterRef(f"a{i}", f"/x/a{i}") for i in range(3)]
+    m.free_slots = []
+    m.slots = {0: SlotState(refs[0], event=fut(Done())),  # loaded; its request left
+               1: SlotState(refs[1], event=fut(exc=AdapterError("a1", "bad"))),  # failed; its request left
+               2: SlotState(refs[2], event=Future())}  # still loading
+    m.by_name = {r.name: i for i, r in enumerate(refs)}
+    assert m._take_slot() == 1  # the failed load's slot is freed first
+    assert m._take_slot() == 0  # the finished one joined the LRU and is evicted
+    assert m._take_slot() is None and 2 in m.slots and not m.slots[2].ready  # a load in flight is left alone

@@ -166,7 +166,11 @@ def pack_peft(name: str, raw: dict[tuple[int, str], tuple[torch.Tensor, torch.Te
         for layer, a, b, s in items:
             k = a.shape[0]
             A[layer, :k].copy_(a)
-            # computed in float32 (the scalar too) and rounded once into `dtype`, as b.float().t() * s would be
+            # As b.float().t() * s rounded into `dtype`: a product in b's own half dtype would be rounded
+            # (or overflow) before the cast, so widen b unless it is float32 or already `dtype` (whose
+            # product is computed in float32 and rounded once).
+            if b.dtype not in (torch.float32, dtype):
+                b = b.float()
             torch.mul(b.t(), s, out=Bt[layer, :k])
             host_ranks[layer][p] = k
         for t in (A, Bt):  # after the conversion: an overflow to Inf counts too

@@ -61,10 +61,10 @@ class HostTier:
         try:
             adapter = self._read(ref)
         except AdapterError:
-            self.stats["failures"] += 1
+            self._count_failure()
             raise
         except Exception as exc:  # fetch errors, I/O errors
-            self.stats["failures"] += 1
+            self._count_failure()
             raise AdapterError(ref.name, scrub_paths(str(exc))) from None
         with self.lock:
             self.stats["disk_reads"] += 1
@@ -75,6 +75,10 @@ class HostTier:
             while len(self.cache) > self.capacity:
                 self.cache.popitem(last=False)
         return adapter
+
+    def _count_failure(self) -> None:
+        with self.lock:
+            self.stats["failures"] += 1
 
     def _read(self, ref: AdapterRef) -> LoadedAdapter:
         if self.loader is not None:

@@ -146,6 +146,10 @@ class AdapterManager:
     def _take_slot(self) -> int | None:
         if self.free_slots:
             return self.free_slots.pop()
+        if not self.lru:
+            self._settle_orphans()
+        if self.free_slots:
+            return self.free_slots.pop()
         if self.lru:
             slot, _ = self.lru.popitem(last=False)
             log.info("evicting adapter %s from slot %d", self.slots[slot].ref.name, slot)
@@ -153,6 +157,23 @@ class AdapterManager:
             self._forget(slot)
             return slot
         return None
+
+    def _settle_orphans(self) -> None:
+        """Slots whose load has finished but that nobody acquired since: their request left while the
+        adapter loaded (cancelled, failed). Only `acquire` settles a load, so without this such a slot
+        would stay neither pinned nor evictable: a finished load joins the LRU, a failed one is freed."""
+        for slot, st in list(self.slots.items()):
+            if st.ready or st.pins or st.event is None or not st.event.done():
+                continue
+            try:
+                event = st.event.result()
+            except Exception:
+                self._drop(slot)
+                continue
+            if event is not None and not event.query():
+                continue
+            st.ready, st.event = True, None
+            self.lru[slot] = None
 
     def _start_load(self, ref: AdapterRef) -> int | None:
         """Reserve a slot and start filling it; None when every slot is pinned."""

@@ -30,6 +30,7 @@ engine process (PR_SET_PDEATHSIG) and exit when their channel closes.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import queue
@@ -54,6 +55,7 @@ from lorafleet.runner.lora.adapter import LoadedAdapter, Packed, load_adapter
 log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+HANDOFF_DIRS = tuple(dict.fromkeys((SHM_DIR, tempfile.gettempdir())))  # the second when /dev/shm is full
 PREFIX = "lorafleet-adapter-"
 START_TIMEOUT_S = 120.0
 
@@ -66,18 +68,24 @@ def read_to_shm(name: str, source: str, base: BaseShape, max_rank: int, dtype: s
     pk = ad.packed
     parts = [("a", p, t) for p, t in pk.a.items()] + [("b", p, t) for p, t in pk.bt.items()]
     parts.append(("ranks", -1, pk.ranks))
-    path = os.path.join(SHM_DIR, f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex}")
-    layout, off = [], 0
-    try:
-        with open(path, "wb") as f:
-            for kind, p, t in parts:
-                raw = t.contiguous().view(torch.uint8).reshape(-1).numpy()
-                f.write(memoryview(raw))
-                layout.append([kind, p, off, list(t.shape), str(t.dtype).removeprefix("torch.")])
-                off += raw.nbytes
-    except BaseException:
-        _unlink(path)
-        raise
+    for i, folder in enumerate(HANDOFF_DIRS):
+        path = os.path.join(folder, f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex}")
+        layout, off = [], 0
+        try:
+            with open(path, "wb") as f:
+                for kind, p, t in parts:
+                    raw = t.contiguous().view(torch.uint8).reshape(-1).numpy()
+                    f.write(memoryview(raw))
+                    layout.append([kind, p, off, list(t.shape), str(t.dtype).removeprefix("torch.")])
+                    off += raw.nbytes
+            break
+        except OSError as exc:
+            _unlink(path)
+            if exc.errno != errno.ENOSPC or i == len(HANDOFF_DIRS) - 1:
+                raise  # a small /dev/shm (containers get 64 MiB by default): try the temporary folder
+        except BaseException:
+            _unlink(path)
+            raise
     spec = asdict(ad.spec)
     spec["path"] = str(spec["path"])
     return {"spec": spec, "file": path, "layout": layout, "host_ranks": pk.host_ranks,
@@ -104,7 +112,12 @@ def serve(ch: BlockingChannel) -> int:
                 reply = ["adapter_error", exc.reason]
             except Exception as exc:
                 reply = ["error", f"{type(exc).__name__}: {exc}"]
-            ch.send(reply)
+            try:
+                ch.send(reply)
+            except OSError:  # the engine side is gone: nobody will read (and remove) the file
+                if reply[0] == "ok":
+                    _unlink(reply[1]["file"])
+                raise
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,20 +145,21 @@ def _unlink(path: str) -> None:
 
 
 def _remove_stale() -> None:
-    """Shared-memory files of readers whose process is gone (a crash between write and read)."""
-    try:
-        names = os.listdir(SHM_DIR)
-    except OSError:
-        return
-    for n in names:
-        if not n.startswith(PREFIX):
-            continue
+    """Hand-off files of readers whose process is gone (killed between writing and replying)."""
+    for folder in HANDOFF_DIRS:
         try:
-            os.kill(int(n[len(PREFIX):].split("-", 1)[0]), 0)
-        except ProcessLookupError:
-            _unlink(os.path.join(SHM_DIR, n))
-        except (ValueError, OSError):
-            pass
+            names = os.listdir(folder)
+        except OSError:
+            continue
+        for n in names:
+            if not n.startswith(PREFIX):
+                continue
+            try:
+                os.kill(int(n[len(PREFIX):].split("-", 1)[0]), 0)
+            except ProcessLookupError:
+                _unlink(os.path.join(folder, n))
+            except (ValueError, OSError):
+                pass
 
 
 def spec_from_wire(d: dict) -> AdapterSpec:
@@ -163,7 +177,7 @@ class _Worker:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "lorafleet.runner.lora.reader", "--fd", str(theirs.fileno()),
                  "--threads", str(threads)],
-                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
+                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)  # it sets PR_SET_PDEATHSIG itself
         finally:
             theirs.close()
         self.ch = BlockingChannel(mine)
@@ -221,10 +235,14 @@ class AdapterReader:
     def start(self) -> "AdapterReader":
         """Start the worker processes (each imports torch: seconds) and wait until they are ready."""
         _remove_stale()
-        fresh = [self._spawn() for _ in range(self.num_workers)]
-        for w in fresh:
-            w.wait_ready(START_TIMEOUT_S)
-            self._idle.put(w)
+        try:
+            fresh = [self._spawn() for _ in range(self.num_workers)]
+            for w in fresh:
+                w.wait_ready(START_TIMEOUT_S)
+                self._idle.put(w)
+        except BaseException:
+            self.close()
+            raise
         return self
 
     def _spawn(self) -> _Worker:
@@ -242,6 +260,7 @@ class AdapterReader:
                 self._all.remove(dead)
             self.restarts += 1
         log.warning("adapter reader process %d died; starting a new one", dead.pid)
+        _remove_stale()  # a file it wrote but never handed over
         w = self._spawn()
         w.wait_ready(START_TIMEOUT_S)
         return w
@@ -283,7 +302,8 @@ class AdapterReader:
             packed = self._take(payload["file"], payload["layout"], payload["host_ranks"])
         finally:
             _unlink(payload["file"])
-        self.stats["worker_seconds"] += payload["seconds"]
+        with self._lock:
+            self.stats["worker_seconds"] += payload["seconds"]
         return LoadedAdapter(spec_from_wire(payload["spec"]), packed=packed)
 
     def _take(self, path: str, layout, host_ranks) -> Packed:
@@ -329,6 +349,7 @@ class AdapterReader:
             except subprocess.TimeoutExpired:
                 pass
             w.kill()
+        _remove_stale()
 
 
 if __name__ == "__main__":
