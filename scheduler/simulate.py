@@ -298,7 +298,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"{pol:>13}: {res['completed']}/{res['requests']} done, {res['gpu_hours']:.2f} GPU-h, "
               f"at max batch {100 * res['frac_time_at_max_batch']:.1f}%, idle {100 * res['frac_time_idle']:.1f}%, "
               f"migrations {res['migrations']}, TTFT p99 {res['ttft_p99_s']} s", file=sys.stderr)
-    summary = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+    def plain(v):
+        return str(v) if isinstance(v, Path) else [plain(x) for x in v] if isinstance(v, list) else v
+
+    summary = {"config": {k: plain(v) for k, v in vars(args).items()
                           if not k.startswith("_") and k not in ("log_level", "command")},
                "step_model": vars(model), "results": results}
     if args.out:

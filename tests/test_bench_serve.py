@@ -52,10 +52,13 @@ def test_bench_serve_sweep_with_offline_peer(tiny_chat_llama, tmp_path):
     # the simulator's step model refitted from this run's measured steps
     model = refit([out])
     assert isinstance(model, StepModel) and model.decode_base_ms != StepModel().decode_base_ms
+    sim_out = tmp_path / "sim.json"
     sim = subprocess.run([sys.executable, "-m", "lorafleet", "simulate", "--fit-from", str(out), "--gpus", "2",
-                          "--duration", "60", "--peak-rps", "1", "--policies", "busiest"],
+                          "--duration", "60", "--peak-rps", "1", "--policies", "busiest", "--out", str(sim_out)],
                          capture_output=True, text=True, timeout=120)
     assert sim.returncode == 0 and "refitted" in sim.stderr, sim.stderr
+    sim_res = json.loads(sim_out.read_text())
+    assert sim_res["step_model"] == vars(model) and sim_res["config"]["fit_from"] == [str(out)]
 
 
 def _pids_with(text: str) -> list[int]:
