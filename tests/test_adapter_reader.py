@@ -233,3 +233,59 @@ def test_a_finished_load_whose_request_left_is_settled_not_leaked(base):
     assert m._take_slot() == 1  # the failed load's slot is freed first
     assert m._take_slot() == 0  # the finished one joined the LRU and is evicted
     assert m._take_slot() is None and 2 in m.slots and not m.slots[2].ready  # a load in flight is left alone
+
+
+def test_a_full_shared_memory_folder_falls_back_to_the_temporary_folder(mixed, base, tmp_path, monkeypatch):
+    """Containers get a 64 MiB /dev/shm by default: a hand-off that does not fit goes to disk instead."""
+    import builtins
+    import errno
+
+    from lorafleet.runner.lora import reader as rd
+
+    full, spare = tmp_path / "shm", tmp_path / "tmp"
+    full.mkdir()
+    spare.mkdir()
+    monkeypatch.setattr(rd, "HANDOFF_DIRS", (str(full), str(spare)))
+
+    def fake_open(path, *a, **k):
+        if str(path).startswith(str(full)):
+            f = builtins.open(path, *a, **k)
+            f.close()  # the file exists, as after a partial write, and must not stay behind
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return builtins.open(path, *a, **k)
+
+    monkeypatch.setattr(rd, "open", fake_open, raising=False)
+    out = rd.read_to_shm("mixed", str(mixed), base, 16, "bfloat16")
+    assert out["file"].startswith(str(spare)) and os.path.getsize(out["file"]) > 0
+    assert os.listdir(full) == []
+
+
+def test_a_hand_off_nobody_will_take_is_removed(mixed, base, tmp_path, monkeypatch):
+    """The engine side went away while the worker read: its reply cannot be sent, the file goes."""
+    import socket
+    import threading
+    from dataclasses import asdict
+
+    from lorafleet.runner.channel import BlockingChannel
+    from lorafleet.runner.lora import reader as rd
+
+    monkeypatch.setattr(rd, "HANDOFF_DIRS", (str(tmp_path),))
+    worker_end, engine_end = socket.socketpair()
+    engine = BlockingChannel(engine_end)
+    engine.send(["read", {"name": "mixed", "source": str(mixed), "base": asdict(base), "max_rank": 16,
+                          "dtype": "bfloat16"}])
+    failure = []
+
+    def run():
+        try:
+            rd.serve(BlockingChannel(worker_end))
+        except OSError as exc:
+            failure.append(exc)
+
+    t = threading.Thread(target=run)
+    t.start()
+    assert engine.recv_all(30)[0][0] == "ready"
+    engine_end.close()  # before the reply
+    t.join(60)
+    assert not t.is_alive() and failure  # the send failed
+    assert [n for n in os.listdir(tmp_path) if n.startswith(PREFIX)] == []
