@@ -102,6 +102,8 @@ class Batcher:
         seq.epoch += 1
         if seq.slot >= 0 and self.adapters is not None:
             self.adapters.release(seq.slot)
+        elif seq.adapter is not None and self.adapters is not None and seq.status == Status.WAITING:
+            self.adapters.abandon(seq.adapter)  # it may have been waiting for this adapter's load
         seq.slot = -1
         seq.status = Status.FINISHED
 

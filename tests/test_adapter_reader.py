@@ -230,6 +230,8 @@ def test_a_finished_load_whose_request_left_is_settled_not_leaked(base):
                1: SlotState(refs[1], event=fut(exc=AdapterError("a1", "bad"))),  # failed; its request left
                2: SlotState(refs[2], event=Future())}  # still loading
     m.by_name = {r.name: i for i, r in enumerate(refs)}
+    for r in refs:  # their requests were cancelled while waiting (Batcher.remove)
+        m.abandon(r)
     assert m._take_slot() == 1  # the failed load's slot is freed first
     assert m._take_slot() == 0  # the finished one joined the LRU and is evicted
     assert m._take_slot() is None and 2 in m.slots and not m.slots[2].ready  # a load in flight is left alone

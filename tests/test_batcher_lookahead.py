@@ -13,7 +13,7 @@ class AsyncAdapters:
     """Loads start on the first acquire and finish when the test says so (as on CUDA)."""
 
     def __init__(self, loaded=()):
-        self.loaded, self.started, self.pins = set(loaded), [], {}
+        self.loaded, self.started, self.pins, self.abandoned = set(loaded), [], {}, []
 
     def acquire(self, ref):
         if ref.name in self.loaded:
@@ -26,6 +26,9 @@ class AsyncAdapters:
 
     def release(self, slot):
         self.pins[slot] -= 1
+
+    def abandon(self, ref):
+        self.abandoned.append(ref.name)
 
     def finish(self):
         self.loaded |= set(self.started)

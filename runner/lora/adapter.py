@@ -28,25 +28,9 @@ class Packed:
 
 def pack(weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], num_layers: int,
          pin: bool = False) -> Packed:
-    """Stack per-(layer, proj) tensors into per-projection [L, r_p, dim] tensors."""
-    per_proj: dict[int, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
-    for (layer, proj), (a, bt) in weights.items():
-        if not 0 <= layer < num_layers:
-            raise ValueError(f"adapter weights name layer {layer}; the base model has {num_layers}")
-        per_proj.setdefault(PROJ_INDEX[proj], []).append((layer, a, bt))
-    ranks = torch.zeros(num_layers, len(PROJECTIONS), dtype=torch.int32, pin_memory=pin)
-    pa, pb = {}, {}
-    for p, items in per_proj.items():
-        r = max(a.shape[0] for _, a, _ in items)
-        a0, b0 = items[0][1], items[0][2]
-        A = torch.zeros(num_layers, r, a0.shape[1], dtype=a0.dtype, pin_memory=pin)
-        B = torch.zeros(num_layers, r, b0.shape[1], dtype=b0.dtype, pin_memory=pin)
-        for layer, a, bt in items:
-            A[layer, : a.shape[0]] = a
-            B[layer, : bt.shape[0]] = bt
-            ranks[layer, p] = a.shape[0]
-        pa[p], pb[p] = A, B
-    return Packed(pa, pb, ranks, ranks.tolist())
+    """Stack per-(layer, proj) (A [r, in], B^T [r, out]) into per-projection [L, r_p, dim] tensors."""
+    dtype = next(iter(weights.values()))[0].dtype
+    return pack_peft("adapter", {k: (a, bt.t(), 1.0) for k, (a, bt) in weights.items()}, num_layers, dtype, pin)
 
 
 class LoadedAdapter:

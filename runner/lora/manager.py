@@ -47,7 +47,6 @@ class AdapterManager:
         readers: int = 4,
     ):
         self.pool, self.base = pool, base  # base: the full model's shape (adapters are validated against it)
-        self.allow_synthetic = allow_synthetic
         # Called with ("load", slot, ref) when a slot starts filling and ("clear", slot) when one is
         # emptied: tensor-parallel ranks mirror the slots of rank 0's pool.
         self.on_slot: Callable[[tuple], None] | None = None
@@ -56,6 +55,7 @@ class AdapterManager:
         self.by_name: dict[str, int] = {}
         self.lru: OrderedDict[int, None] = OrderedDict()  # unpinned ready slots, oldest first
         self.free_slots = list(range(pool.num_slots - 1, -1, -1))
+        self.abandoned: set[int] = set()  # loading slots whose requests left (see `abandon`)
         # On CUDA, disk reads run in reader processes and the copies into slots on worker threads:
         # the engine thread only polls.
         cuda = copy_stream is not None
@@ -143,11 +143,17 @@ class AdapterManager:
     def _copy_on_side_stream(self, adapter: LoadedAdapter, slot: int, main_stream) -> "torch.cuda.Event":
         return fill_slot(self.pool, slot, adapter, self.copy_stream, main_stream)
 
+    def abandon(self, ref: AdapterRef) -> None:
+        """A request waiting for `ref`'s load left (cancelled). Only `acquire` settles a load, so if
+        nobody acquires it again the slot would stay neither pinned nor evictable: remember it, and
+        settle it when a slot is needed (`_settle_abandoned`)."""
+        slot = self.by_name.get(ref.name)
+        if slot is not None and not self.slots[slot].ready:
+            self.abandoned.add(slot)
+
     def _take_slot(self) -> int | None:
-        if self.free_slots:
-            return self.free_slots.pop()
-        if not self.lru:
-            self._settle_orphans()
+        if not self.free_slots and not self.lru and self.abandoned:
+            self._settle_abandoned()
         if self.free_slots:
             return self.free_slots.pop()
         if self.lru:
@@ -158,19 +164,24 @@ class AdapterManager:
             return slot
         return None
 
-    def _settle_orphans(self) -> None:
-        """Slots whose load has finished but that nobody acquired since: their request left while the
-        adapter loaded (cancelled, failed). Only `acquire` settles a load, so without this such a slot
-        would stay neither pinned nor evictable: a finished load joins the LRU, a failed one is freed."""
-        for slot, st in list(self.slots.items()):
-            if st.ready or st.pins or st.event is None or not st.event.done():
+    def _settle_abandoned(self) -> None:
+        """Abandoned loads that have finished and that nobody acquired since: a finished one joins the
+        LRU, a failed one is freed; those still loading wait for the next call."""
+        for slot in list(self.abandoned):
+            st = self.slots.get(slot)
+            if st is None or st.ready or st.pins:
+                self.abandoned.discard(slot)  # gone, or acquired again meanwhile
                 continue
+            if st.event is None or not st.event.done():
+                continue
+            self.abandoned.discard(slot)
             try:
                 event = st.event.result()
             except Exception:
                 self._drop(slot)
                 continue
             if event is not None and not event.query():
+                self.abandoned.add(slot)
                 continue
             st.ready, st.event = True, None
             self.lru[slot] = None
@@ -199,6 +210,7 @@ class AdapterManager:
         return slot
 
     def _forget(self, slot: int) -> None:
+        self.abandoned.discard(slot)
         st = self.slots.pop(slot)
         if self.by_name.get(st.ref.name) == slot:
             del self.by_name[st.ref.name]
