@@ -23,7 +23,7 @@
 #   serve3p  serve3 with LORAFLEET_PIN_HOST_ADAPTERS=0 (pageable host copies of adapters read from disk)
 #   place    bench serve --runners 2: busiest vs least-loaded under Poisson rates (every GPU) -> place.json/png
 #   quick    engine GPU tests, then a short e2e (REQS=256: distinct, identical, LoRA off, profile)
-# Knobs: REQS (default 1000), BENCH_S (timeout of one bench stage, s; COLD_S, SWEEP_S, HF_S, TEST_S per stage). Results, caches and logs.tgz go to
+# Knobs: ETESTS_K (pytest -k filter of etests), DPT (interf: decode_prefill_tokens values), REQS (default 1000), BENCH_S (timeout of one bench stage, s; COLD_S, SWEEP_S, HF_S, TEST_S per stage). Results, caches and logs.tgz go to
 # $OUT, each GPU's log to $OUT/gpuN.log.
 # The wheels (the GPU machine has no network): in the repository root, with .whl/ ignored by git,
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -57,12 +57,12 @@ stage() {
   case "$1" in
     tests) stage ktests; stage etests ;;
     ktests)
-      timeout ${TEST_S:-240} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_sgmv_cuda.py -rA -x 2>&1 \
+      timeout ${TEST_S:-240} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_sgmv_cuda.py tests/gpu/test_rope_kv_cuda.py -rA -x 2>&1 \
         | tee "$LOGS/gpu_ktests.log" | grep -E "passed|failed|FAILED|Error" | tail -12
       PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 120 compute-sanitizer --tool memcheck python3 tests/gpu/sanitizer_case.py \
         > "$LOGS/sanitizer.log" 2>&1; tail -2 "$LOGS/sanitizer.log" ;;
     etests)
-      timeout ${TEST_S:-300} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_engine_cuda.py -rA -s \
+      timeout ${TEST_S:-300} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_engine_cuda.py -rA -s -k "${ETESTS_K:-}" \
         --durations=6 -o faulthandler_timeout=${HANG_S:-100} 2>&1 | tee "$LOGS/gpu_etests.log" \
         | grep -E "passed|failed|FAILED|flips|Error|piecewise|Timeout|File " | tail -20 ;;
     tptests)
@@ -74,6 +74,7 @@ stage() {
         | tee "$LOGS/kbench.log" | tail -24 ;;
     interf)
       timeout ${INTERF_S:-300} $E2E --mixes --no-lora-off --hf-requests 0 --sweep --interference \
+        --decode-prefill-tokens ${DPT:-512 256 128 64} \
         --out "$OUT/e2e_interf.json" 2>&1 | tee "$LOGS/e2e_interf.log" | tail -6 ;;
     tp70)
       timeout ${TP_S:-560} python3 -m lorafleet --log-level WARNING bench e2e --tp 2 --shape llama2-70b \

@@ -635,9 +635,22 @@ __device__ __forceinline__ float load_v(const float* p) {
 
 // y[row0 + m, cols of item q] += v[row0 + m, g, :r] @ B_g[slot, :r, cols] for m < nr (<= 2).
 // Lane layout: rank group rg = lane & 3 (rank rows rg, rg + 4, ...), column vector warp * 8 + lane / 4.
-template <typename T, bool kCoherentV = false>
+// `ready()` runs (block-uniformly) after the first B batch is requested and before v or y is read:
+// the two-launch path waits there for the preceding kernel, the fused path also for the segment's
+// shrink items, so B streams in while they finish.
+struct PdlReady {
+  bool& waited;
+  __device__ __forceinline__ void operator()() const {
+    if (!waited) {
+      pdl_wait();
+      waited = true;
+    }
+  }
+};
+
+template <typename T, bool kCoherentV = false, class Ready = PdlReady>
 __device__ __forceinline__ void expand_cc(const ExpandParams& p, int row0, int nr, int slot, int packed, int q,
-                                          bool& waited) {
+                                          const Ready& ready) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int rg = lane & 3;
   int f = q * kExpandVecs + warp * 8 + (lane >> 2);  // column vector, flattened over adapted projections
@@ -664,10 +677,7 @@ __device__ __forceinline__ void expand_cc(const ExpandParams& p, int row0, int n
     }
   };
   load_batch(rg);  // the first B batch may load before the preceding kernel finishes
-  if (!waited) {
-    pdl_wait();
-    waited = true;
-  }
+  ready();
   // This lane's output after the reduce-scatter below: row hi2, columns 4 * hi1 .. + 3 of its
   // vector. Load y now; it is used at the end.
   const bool hi2 = lane & 2, hi1 = lane & 1;
@@ -830,7 +840,7 @@ __global__ void __launch_bounds__(kThreads, kMma ? 2 : 4) sgmv_expand_kernel(con
       for (int g = 0; g < kMaxGroup; ++g) vecs += rank_of(packed, g) > 0 ? p.out_features[g] >> 3 : 0;
       const int nq = ceil_div(vecs, kExpandVecs);
       const int c = local / nq, q = local - c * nq;
-      expand_cc<T>(p, lo + c * kExpandRows, min(kExpandRows, n - c * kExpandRows), slot, packed, q, waited);
+      expand_cc<T>(p, lo + c * kExpandRows, min(kExpandRows, n - c * kExpandRows), slot, packed, q, PdlReady{waited});
     }
   }
   // Never finish before the preceding kernel: whatever follows this one in the stream may rely on
@@ -915,22 +925,23 @@ __global__ void __launch_bounds__(kThreads, kShrinkMinBlocks) sgmv_fused_kernel(
       const int i = find_segment(eprefix, t.cap, e);
       const int local = e - eprefix[i];
       const int lo = t.lo[i], n = t.n[i], slot = t.slot[i], packed = t.rk[i];
-      if (!waited) {  // block-uniform (a block may have had no shrink item)
-        pdl_wait();
-        waited = true;
-      }
-      if (threadIdx.x == 0) {
-        const int need = t.prefix[i + 1] - t.prefix[i];
-        while (load_acquire(p.done_shrink + i) < need) __nanosleep(32);
-        __threadfence();
-      }
-      __syncthreads();
       int vecs = 0;
 #pragma unroll
       for (int g = 0; g < kMaxGroup; ++g) vecs += rank_of(packed, g) > 0 ? p.e.out_features[g] >> 3 : 0;
       const int nq = ceil_div(vecs, kExpandVecs);
       const int c = local / nq, q = local - c * nq;
-      expand_cc<T, true>(p.e, lo + c * kExpandRows, min(kExpandRows, n - c * kExpandRows), slot, packed, q, waited);
+      const int need = t.prefix[i + 1] - t.prefix[i];
+      // B (never written by any kernel of the step) is requested first; then this waits for the
+      // preceding kernel (y) and for the segment's shrink items (v).
+      const auto ready = [&]() {
+        PdlReady{waited}();  // block-uniform (a block may have had no shrink item)
+        if (threadIdx.x == 0) {
+          while (load_acquire(p.done_shrink + i) < need) __nanosleep(32);
+          __threadfence();
+        }
+        __syncthreads();
+      };
+      expand_cc<T, true>(p.e, lo + c * kExpandRows, min(kExpandRows, n - c * kExpandRows), slot, packed, q, ready);
       __syncthreads();  // every thread of the block is past its v reads
       if (threadIdx.x == 0) {
         const int items = eprefix[i + 1] - eprefix[i];

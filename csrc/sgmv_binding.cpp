@@ -8,6 +8,9 @@
 //   add(ys, v, x, a, b, ranks, indptr, slots, counters, shrink_mma_min_rows, expand_mma_min_rows, pdl, stream):
 //       shrink then expand; one fused launch when T is below both thresholds (every segment on the
 //       CUDA-core path), else the two launches above. counters: int32 [>= 2 * capacity], zero.
+//   rope_kv(q_out, k_cache, v_cache, qkv, positions, slots, cos_sin, num_heads, num_kv_heads, stream):
+//       rotary embedding of q into q_out and of k into k_cache[slots], v copied to v_cache[slots], one
+//       launch (rope_kv.h).
 //
 // with r = ranks[g, s]. The values inside ranks / indptr / slots live on the device and are not
 // inspected here (that would need a synchronisation): the kernels clamp ranks to [0, R_g], skip
@@ -20,6 +23,7 @@
 #include <cstdio>
 #include <vector>
 
+#include "rope_kv.h"
 #include "sgmv.h"
 
 namespace {
@@ -258,10 +262,64 @@ void add(std::vector<Tensor> ys, Tensor v, Tensor x, std::vector<Tensor> a, std:
   SGMV_CHECK(err == nullptr, "sgmv add launch failed: %s", err ? err : "");
 }
 
+void rope_kv(Tensor q_out, Tensor k_cache, Tensor v_cache, Tensor qkv, Tensor positions, Tensor slots, Tensor cos_sin,
+             int64_t num_heads, int64_t num_kv_heads, int64_t stream) {
+  const auto dtype = kernel_dtype(qkv, "qkv");
+  SGMV_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "rope_kv: qkv must be 2-D with unit column stride");
+  const int64_t T = qkv.size(0);
+  SGMV_CHECK(num_heads > 0 && num_kv_heads > 0, "rope_kv: head counts must be positive");
+  SGMV_CHECK(q_out.dim() == 3 && q_out.is_contiguous() && q_out.size(0) == T && q_out.size(1) == num_heads,
+             "rope_kv: q_out must be contiguous [T=%lld, %lld, D]", ll(T), ll(num_heads));
+  const int64_t D = q_out.size(2);
+  SGMV_CHECK(D % 4 == 0 && D <= 512, "rope_kv: head_dim must be a multiple of 4, at most 512, got %lld", ll(D));
+  SGMV_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * D, "rope_kv: qkv has %lld columns, expected %lld",
+             ll(qkv.size(1)), ll((num_heads + 2 * num_kv_heads) * D));
+  SGMV_CHECK(T <= 1 || qkv.stride(0) % 2 == 0, "rope_kv: qkv row stride must be even");
+  SGMV_CHECK(reinterpret_cast<uintptr_t>(qkv.data_ptr()) % 4 == 0, "rope_kv: qkv must be 4-byte aligned");
+  for (const Tensor* c : {&k_cache, &v_cache}) {
+    SGMV_CHECK(c->dim() == 3 && c->is_contiguous() && c->size(1) == num_kv_heads && c->size(2) == D,
+               "rope_kv: the K/V caches must be contiguous [slots, %lld, %lld]", ll(num_kv_heads), ll(D));
+    SGMV_CHECK(c->scalar_type() == qkv.scalar_type(), "rope_kv: cache dtype %s differs from qkv's %s",
+               dtype_name(*c), dtype_name(qkv));
+    check_device(*c, Name("cache"), qkv);
+  }
+  SGMV_CHECK(k_cache.size(0) == v_cache.size(0), "rope_kv: K and V caches differ in size");
+  SGMV_CHECK(q_out.scalar_type() == qkv.scalar_type(), "rope_kv: q_out dtype %s differs from qkv's %s",
+             dtype_name(q_out), dtype_name(qkv));
+  for (const Tensor* ix : {&positions, &slots}) {
+    SGMV_CHECK(ix->scalar_type() == torch::kLong && ix->dim() == 1 && ix->is_contiguous() && ix->size(0) >= T,
+               "rope_kv: positions and slots must be contiguous int64 with at least T=%lld entries", ll(T));
+    check_device(*ix, Name("positions/slots"), qkv);
+  }
+  SGMV_CHECK(cos_sin.scalar_type() == torch::kFloat && cos_sin.dim() == 2 && cos_sin.is_contiguous() &&
+                 cos_sin.size(1) == D && cos_sin.size(0) > 0,
+             "rope_kv: cos_sin must be contiguous float32 [P, D=%lld]", ll(D));
+  check_device(q_out, Name("q_out"), qkv);
+  check_device(cos_sin, Name("cos_sin"), qkv);
+  SGMV_CHECK(T <= kInt32Max, "rope_kv: too many tokens");
+  lorafleet::RopeKvArgs a;
+  a.qkv = qkv.data_ptr();
+  a.qkv_row_stride = T <= 1 ? qkv.size(1) : qkv.stride(0);
+  a.positions = positions.data_ptr<int64_t>();
+  a.slots = slots.data_ptr<int64_t>();
+  a.cos_sin = cos_sin.data_ptr<float>();
+  a.num_positions = cos_sin.size(0);
+  a.q_out = q_out.data_ptr();
+  a.k_cache = k_cache.data_ptr();
+  a.v_cache = v_cache.data_ptr();
+  a.num_cache_slots = k_cache.size(0);
+  a.num_tokens = static_cast<int>(T);
+  a.num_heads = static_cast<int>(num_heads);
+  a.num_kv_heads = static_cast<int>(num_kv_heads);
+  a.head_dim = static_cast<int>(D);
+  const char* err = lorafleet::rope_kv(dtype, a, qkv.get_device(), as_stream(stream));
+  SGMV_CHECK(err == nullptr, "rope_kv launch failed: %s", err ? err : "");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "lorafleet SGMV kernels (LoRA shrink / expand over segments of a flat batch)";
+  m.doc() = "lorafleet CUDA kernels: SGMV (LoRA shrink / expand over segments of a flat batch) and rope_kv";
   m.def("shrink", &shrink, "v[rows, g, :r] = x[rows] @ a[g][slot, :r].T for every segment",
         py::arg("v"), py::arg("x"), py::arg("a"), py::arg("ranks"), py::arg("indptr"), py::arg("slots"),
         py::arg("mma_min_rows"), py::arg("pdl"), py::arg("stream"));
@@ -272,6 +330,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("ys"), py::arg("v"), py::arg("x"), py::arg("a"), py::arg("b"), py::arg("ranks"), py::arg("indptr"),
         py::arg("slots"), py::arg("counters"), py::arg("shrink_mma_min_rows"), py::arg("expand_mma_min_rows"),
         py::arg("pdl"), py::arg("stream"));
+  m.def("rope_kv", &rope_kv, "rotary embedding of q (into q_out) and k, and the K/V cache write, in one launch",
+        py::arg("q_out"), py::arg("k_cache"), py::arg("v_cache"), py::arg("qkv"), py::arg("positions"),
+        py::arg("slots"), py::arg("cos_sin"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("stream"));
   m.attr("MAX_RANK") = lorafleet::kMaxRank;
   m.attr("MAX_GROUP") = lorafleet::kMaxGroup;
   m.attr("MAX_SEGMENTS") = lorafleet::kMaxSegments;

@@ -13,7 +13,8 @@ for an adapter load.
 
 Chunked prefill (`max_step_tokens` set): one step computes at most that many token rows, decode
 rows included, so a long prompt is split over several steps and rides along with the decodes
-instead of stalling them. Without it (None), a step admits prompts up to `max_prefill_tokens`
+instead of stalling them; with `decode_prefill_tokens`, a step that carries decodes takes at most
+that many prompt rows. Without it (None), a step admits prompts up to `max_prefill_tokens`
 (one longer prompt still runs alone), as before.
 
 Admission batching (`admit_batch` > 1): while requests run, new ones are admitted only once
@@ -63,13 +64,17 @@ class Batcher:
         admit_wait_steps: int = 8,
         max_step_tokens: int | None = None,
         adapter_lookahead: int = 0,
+        decode_prefill_tokens: int | None = None,
     ):
         if admit_batch < 1 or admit_wait_steps < 0:
             raise ValueError("admit_batch must be >= 1 and admit_wait_steps >= 0")
         if max_step_tokens is not None and max_step_tokens < max_batch_size + 1:
             raise ValueError(f"max_step_tokens ({max_step_tokens}) must exceed the max batch size ({max_batch_size}): "
                              "every decode row and at least one prefill row must fit a step")
+        if decode_prefill_tokens is not None and decode_prefill_tokens < 1:
+            raise ValueError(f"decode_prefill_tokens must be >= 1, got {decode_prefill_tokens}")
         self.max_step_tokens = max_step_tokens
+        self.decode_prefill_tokens = decode_prefill_tokens
         self.adapter_lookahead = adapter_lookahead
         self.blocks, self.adapters = blocks, adapters
         self.admit_batch, self.admit_wait_steps = admit_batch, admit_wait_steps
@@ -130,6 +135,8 @@ class Batcher:
                 plan.work.append(RowWork(seq, seq.num_tokens - 1, seq.num_tokens, True))
                 if chunked:
                     budget -= 1
+        if chunked and plan.work and self.decode_prefill_tokens is not None:
+            budget = min(budget, self.decode_prefill_tokens)  # prompt rows that ride along with decodes
         # 2. Prefill chunks of requests part-way through their prompt (their pages are taken).
         for seq in running:
             if seq.status != Status.RUNNING or not seq.prefilling:

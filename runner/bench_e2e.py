@@ -287,12 +287,17 @@ def run_interference(engine, vocab: int, log, long_len: int = 8000, n_long: int 
                     if o.seq_id in last:
                         gaps.append(now - last[o.seq_id])
                     last[o.seq_id] = now
-                if o.finished and o.seq_id.startswith("i-long"):
-                    done.add(o.seq_id)
+                if o.seq_id.startswith("i-long"):
+                    if o.new_token_ids and o.seq_id not in ttft:
+                        ttft[o.seq_id] = now - submitted[o.seq_id]
+                    if o.finished:
+                        done.add(o.seq_id)
             k += 1
         return gaps
 
     done: set[str] = set()
+    submitted: dict[str, float] = {}
+    ttft: dict[str, float] = {}  # long prompts: submission to first token
     quiet = gaps_of(quiet_steps)
     longs = [Sequence(f"i-long{k}", rng.integers(3, vocab, long_len).tolist(),
                       SamplingParams(max_tokens=8, ignore_eos=True), arrival=1e6 + k) for k in range(n_long)]
@@ -300,6 +305,7 @@ def run_interference(engine, vocab: int, log, long_len: int = 8000, n_long: int 
 
     def submit(k: int) -> None:
         if k % every == 0 and k // every < n_long:
+            submitted[longs[k // every].id] = time.perf_counter()
             engine.submit(longs[k // every])
 
     loaded = gaps_of(0, submit, until=lambda: len(done) >= n_long)
@@ -311,11 +317,14 @@ def run_interference(engine, vocab: int, log, long_len: int = 8000, n_long: int 
     res = {"label": f"interference{label}", "long_prompts": n_long, "long_tokens": long_len, "decoders": len(dec),
            "seconds": round(time.perf_counter() - t0, 2), "itl_p50_quiet_ms": round(1000 * p50, 2),
            "itl_p50_ms": round(1000 * pct(loaded, 50), 2), "itl_p99_ms": round(1000 * pct(loaded, 99), 2),
-           "itl_max_ms": round(1000 * max(loaded, default=0), 2), "max_step_tokens": engine.max_step_tokens}
+           "itl_max_ms": round(1000 * max(loaded, default=0), 2), "max_step_tokens": engine.max_step_tokens,
+           "decode_prefill_tokens": engine.batcher.decode_prefill_tokens,
+           "long_ttft_s": round(sum(ttft.values()) / max(1, len(ttft)), 3)}
     res["itl_p99_over_p50"] = round(res["itl_p99_ms"] / res["itl_p50_quiet_ms"], 3) if p50 else None
     log(f"{res['label']:>28}: decode ITL p50 {res['itl_p50_quiet_ms']:.1f} ms without long prompts; with them "
         f"p50 {res['itl_p50_ms']:.1f} p99 {res['itl_p99_ms']:.1f} ms (x{res['itl_p99_over_p50']} the quiet p50) "
-        f"max {res['itl_max_ms']:.0f} ms; {n_long} x {long_len}-token prompts, step budget {engine.max_step_tokens}")
+        f"max {res['itl_max_ms']:.0f} ms; {n_long} x {long_len}-token prompts (TTFT {res['long_ttft_s']:.2f} s), "
+        f"step budget {engine.max_step_tokens}")
     return res
 
 
@@ -387,8 +396,13 @@ def headline(results: list[dict]) -> dict:
         if starts and "engine_start_s" not in out:
             out["engine_start_s"] = starts[0]
         for it in res.get("interference", []):
-            key = "interference_tpot_p99_ratio" if "(chunked)" in it["label"] else "interference_unchunked_p99_ratio"
-            out.setdefault(key, it["itl_p99_over_p50"])
+            if it["label"].endswith("(chunked)"):
+                out.setdefault("interference_tpot_p99_ratio", it["itl_p99_over_p50"])
+            elif it["label"].endswith("(unchunked)"):
+                out.setdefault("interference_unchunked_p99_ratio", it["itl_p99_over_p50"])
+            elif it.get("decode_prefill_tokens"):
+                out.setdefault("interference_p99_ratio_by_decode_prefill_tokens", {}).setdefault(
+                    str(it["decode_prefill_tokens"]), it["itl_p99_over_p50"])
         if "lora off" in by:
             lora_off.append({"lora_off": by["lora off"]["output_tok_s"], "with": [m for m in MIXES if m in by]})
         if "hf_peft_output_tok_s" in res and "hf_peft_output_tok_s" not in out:
@@ -463,6 +477,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", action="store_true", help="per-step GPU time breakdown at full batch")
     p.add_argument("--interference", action="store_true",
                    help="8k-token prompts into a full decode batch, chunked (the default step budget) and unchunked")
+    p.add_argument("--decode-prefill-tokens", type=int, nargs="*", default=[], metavar="N",
+                   help="with --interference: also run it with at most N prompt rows per step that carries decodes "
+                        "(EngineConfig.decode_prefill_tokens), once per N")
     p.add_argument("--step-tokens", type=int, default=None, help="chunked prefill: token rows per step "
                    "(default: the engine's)")
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama2-7b")
@@ -568,6 +585,12 @@ def main(argv: list[str] | None = None) -> int:
         eng = eng or make_engine(args.max_batch, True)
         results["interference"] = [run_interference(eng, model.cfg.vocab_size, log, label=" (chunked)")]
         save_partial()
+        for cap in args.decode_prefill_tokens:
+            eng.batcher.decode_prefill_tokens = cap
+            results["interference"].append(run_interference(eng, model.cfg.vocab_size, log,
+                                                             label=f" (chunked, {cap} prompt rows with decodes)"))
+            save_partial()
+        eng.batcher.decode_prefill_tokens = None
         del eng
         gc.collect()
         torch.cuda.empty_cache()

@@ -108,6 +108,10 @@ class EngineConfig:
     # Chunked prefill: at most this many token rows per step, decodes included; long prompts are split
     # across steps. None: 2048 when chunked_prefill is on (the default on CUDA), else unchunked.
     max_step_tokens: int | None = None
+    # Chunked prefill, steps that carry decodes: at most this many prompt rows ride along (a smaller
+    # chunk keeps such a step close to a decode-only one, so a long prompt barely delays the decoding
+    # requests; its own first token comes later). None: the step budget alone limits them.
+    decode_prefill_tokens: int | None = None
     chunked_prefill: bool | None = None  # None: on for CUDA, off for CPU
     # Overlapped scheduling: build and queue step N+1 while the device runs step N. None: on for CUDA.
     overlap: bool | None = None

@@ -55,6 +55,9 @@ class GraphRunner:
         self.max_pages = scratch_page + 1  # the KV pool's pages, the scratch page last
         self.static: dict[int, _Static] = {}
         self.pool = None
+        from lorafleet.runner.model.rope_kv import fused_rope_kv
+
+        self.rope_kv = fused_rope_kv(model) if use_graphs else None
 
     def bucket(self, n: int) -> int | None:
         for b in self.buckets:
@@ -93,7 +96,7 @@ class GraphRunner:
 
         st.wrapper = self.attention.make_graph_decoder(B, self.max_pages)
         self.attention.plan_decode(st.wrapper, [[self.scratch_page]] * B, [1] * B)
-        st.attn = GraphDecodeStep(self.attention, st.wrapper, st.slot_mapping)
+        st.attn = GraphDecodeStep(self.attention, st.wrapper, st.slot_mapping, self.rope_kv)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm-up outside capture (lazy init, autotuning)

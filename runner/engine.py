@@ -126,7 +126,8 @@ class Engine:
             lookahead = max(0, self.lora_pool.num_slots - config.max_batch_size)
         self.batcher = Batcher(self.blocks, self.adapters, config.max_batch_size, config.max_prefill_tokens,
                                self.max_model_len, admit_batch=admit, admit_wait_steps=config.admit_wait_steps,
-                               max_step_tokens=self.max_step_tokens, adapter_lookahead=lookahead)
+                               max_step_tokens=self.max_step_tokens, adapter_lookahead=lookahead,
+                               decode_prefill_tokens=self.config.decode_prefill_tokens)
         self.overlap = config.overlap if config.overlap is not None else self.device.type == "cuda"
         log.info("KV cache: %d pages x %d tokens (%d tokens); attention=%s sgmv=%s%s", ex.num_pages, config.page_size,
                  self.blocks.total_tokens, self.attention.name, getattr(self.sgmv, "name", "?"),

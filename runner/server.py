@@ -389,6 +389,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--admit-wait-steps", type=int, default=8, help="longest wait of admission batching, in steps")
     p.add_argument("--max-step-tokens", type=int, default=None,
                    help="chunked prefill: token rows per step, decodes included (default 2048 on CUDA)")
+    p.add_argument("--decode-prefill-tokens", type=int, default=None,
+                   help="chunked prefill: prompt rows a step that carries decodes may add (smaller: decoding "
+                        "requests are delayed less by long prompts, whose first token comes later; default: "
+                        "the step budget alone)")
     p.add_argument("--no-chunked-prefill", action="store_true",
                    help="prefill whole prompts in one step (the old behaviour; long prompts stall decodes)")
     p.add_argument("--tp", type=int, default=1,
@@ -404,6 +408,7 @@ def engine_config(args: argparse.Namespace):
         lora_slots=args.lora_slots, max_model_len=args.max_model_len, dtype=args.dtype, device=args.device,
         cuda_graphs=not args.no_cuda_graphs, admit_batch=args.admit_batch, admit_wait_steps=args.admit_wait_steps,
         max_step_tokens=args.max_step_tokens, chunked_prefill=False if args.no_chunked_prefill else None, tp=args.tp,
+        decode_prefill_tokens=args.decode_prefill_tokens,
     )
 
 

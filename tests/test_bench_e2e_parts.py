@@ -100,6 +100,7 @@ def test_interference_run_measures_decoders_and_cleans_up(tiny_llama):
     assert res["decoders"] == 3 and res["long_prompts"] == 2 and res["max_step_tokens"] == 24
     assert 0 < res["itl_p50_quiet_ms"] and 0 < res["itl_p50_ms"] <= res["itl_p99_ms"] <= res["itl_max_ms"]
     assert res["itl_p99_over_p50"] == round(res["itl_p99_ms"] / res["itl_p50_quiet_ms"], 3)
+    assert res["long_ttft_s"] > 0 and res["decode_prefill_tokens"] is None
     assert not eng.has_work() and eng.blocks.free_pages == eng.blocks.num_pages
 
 

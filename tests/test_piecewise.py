@@ -104,3 +104,44 @@ def test_a_smaller_step_after_a_larger_one_reads_no_stale_rows(tiny_llama):
     ref = engine(tiny_llama, piecewise=False).run_to_completion(
         [Sequence(s.id, s.prompt_ids, s.params, arrival=s.arrival) for s in seqs])
     assert {k: v.output_ids for k, v in done.items()} == {k: v.output_ids for k, v in ref.items()}
+
+
+class _QkvAttention:
+    """Attention that takes the raw qkv rows (the `attend_qkv` seam of the decode graphs' rope_kv
+    kernel), here done with the torch ops: rotation, then the ordinary attention step."""
+
+    def __init__(self, step, model):
+        self.step, self.model, self.calls = step, model, 0
+
+    def __call__(self, *args):
+        raise AssertionError("the model must hand attention its qkv rows, not q/k/v")
+
+    def attend_qkv(self, layer, qkv, positions):
+        c, ops = self.model.cfg, self.model.ops
+        self.calls += 1
+        q, k, v = qkv.split([c.q_dim, c.kv_dim, c.kv_dim], dim=-1)
+        q, k = ops.apply_rope(q, k, positions, ops.rope_cos_sin(positions, qkv.dtype), c.num_heads,
+                              c.num_kv_heads, c.head_dim)
+        return self.step(layer, q, k, v.reshape(qkv.shape[0], c.num_kv_heads, c.head_dim))
+
+
+def test_attention_taking_qkv_rows_gives_the_same_logits(tiny_llama, adapters):
+    """LlamaModel.forward with an attention that offers `attend_qkv` (norm, qkv projection and LoRA in
+    `qkv_proj`, the rest in attention) equals the ordinary forward pass, LoRA included."""
+    from lorafleet.runner.lora.step import LoraStepImpl
+
+    eng = engine(tiny_llama, piecewise=False)
+    for s in make_requests(adapters, 6, seed=4, prefix="q"):
+        eng.submit(s)
+    eng.step()
+    eng._drain_inbox()
+    plan = eng.batcher.schedule()
+    batch = build_step_batch(plan.work, eng.config.page_size, 8)
+    d = to_device(batch, eng.device, None)
+    assert d.seg.any_adapter
+    ref = eng.runner.forward(batch, d)
+    attn = _QkvAttention(eng.attention.begin(d.attn_meta(batch)), eng.model)
+    lora = LoraStepImpl(eng.lora_pool, eng.sgmv, d.seg, None)
+    got = eng.model.forward(d.input_ids, d.positions, attn, lora, d.logit_rows)
+    assert attn.calls == eng.model.cfg.num_layers
+    assert torch.equal(got, ref)

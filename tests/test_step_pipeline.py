@@ -56,6 +56,7 @@ MODES = {
     "overlap": dict(overlap=True),
     "chunked": dict(chunked_prefill=True, max_step_tokens=11),
     "overlap+chunked": dict(overlap=True, chunked_prefill=True, max_step_tokens=9),
+    "chunked+decode cap": dict(overlap=True, chunked_prefill=True, max_step_tokens=40, decode_prefill_tokens=3),
 }
 
 
@@ -94,6 +95,31 @@ def test_chunked_prefill_splits_long_prompts_and_keeps_decodes_running(tiny_llam
                                                          SamplingParams(max_tokens=3, ignore_eos=True))])
     done = eng.run_to_completion([])
     assert done["long"].output_ids == ref["long"].output_ids
+
+
+def test_decode_prefill_cap_limits_prompt_rows_only_in_steps_with_decodes(tiny_llama):
+    """decode_prefill_tokens: a step carrying decodes takes at most that many prompt rows; a step
+    without decodes still takes the whole budget; the long prompt's tokens equal the unchunked run."""
+    eng = engine(tiny_llama, chunked_prefill=True, max_step_tokens=40, decode_prefill_tokens=5)
+    first = Sequence("first", list(range(3, 63)), SamplingParams(max_tokens=40, ignore_eos=True), arrival=0.0)
+    eng.submit(first)
+    eng.step()
+    assert eng.last_step == (40, 0)  # nothing decodes yet: the whole step budget
+    long_ = Sequence("long", list(range(7, 77)), SamplingParams(max_tokens=3, ignore_eos=True), arrival=1.0)
+    eng.submit(long_)
+    sizes = []
+    while long_.num_cached < 70:
+        eng.step()
+        sizes.append(eng.last_step)
+    with_decodes = [pf for pf, nd in sizes if nd]
+    assert with_decodes and max(with_decodes) <= 5 and sum(pf for pf, _ in sizes) == 20 + 70
+    assert len(with_decodes) == (90 - 40) // 5  # the rest came 5 rows at a time
+    done = eng.run_to_completion([])
+    ref = engine(tiny_llama).run_to_completion([Sequence("long", list(range(7, 77)),
+                                                         SamplingParams(max_tokens=3, ignore_eos=True))])
+    assert done["long"].output_ids == ref["long"].output_ids
+    with pytest.raises(ValueError, match="decode_prefill_tokens"):
+        engine(tiny_llama, chunked_prefill=True, max_step_tokens=40, decode_prefill_tokens=0)
 
 
 def test_eviction_and_resume_under_overlap_and_chunks(tiny_llama, adapters):

@@ -118,10 +118,21 @@ class FlashInferStep:
 
 
 class GraphDecodeStep:
-    """Decode-only attention bound to static buffers, for capture and replay in a CUDA graph."""
+    """Decode-only attention bound to static buffers, for capture and replay in a CUDA graph.
+    With `rope_kv` (runner/model/rope_kv.py) it also offers `attend_qkv`: the model hands over the raw
+    qkv rows, and RoPE plus the cache write are one launch into a static q buffer."""
 
-    def __init__(self, b: FlashInferAttention, wrapper, slot_mapping: torch.Tensor):
+    def __init__(self, b: FlashInferAttention, wrapper, slot_mapping: torch.Tensor, rope_kv=None):
         self.b, self.wrapper, self.slot_mapping = b, wrapper, slot_mapping
+        if rope_kv is not None:
+            self.rope_kv = rope_kv
+            self.q = torch.empty(slot_mapping.shape[0], b.h, b.d, dtype=b.kv.k.dtype, device=b.device)
+            self.attend_qkv = self._attend_qkv
+
+    def _attend_qkv(self, layer: int, qkv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        k_flat, v_flat = self.b.kv.flat(layer)
+        q = self.rope_kv(self.q[: qkv.shape[0]], k_flat, v_flat, qkv, positions, self.slot_mapping)
+        return self.wrapper.run(q, self.b.kv.layer(layer)).view(qkv.shape[0], self.b.h * self.b.d)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         write_kv(self.b.kv, layer, self.slot_mapping, k, v)

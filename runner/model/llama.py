@@ -121,20 +121,26 @@ class LlamaModel:
             return F.embedding(input_ids, self.embed)  # [T, H]
         return torch.index_select(self.embed, 0, input_ids, out=out)
 
-    def pre_attention(self, i: int, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                      cos_sin, lora: LoraStep | None, qkv_out: tuple[torch.Tensor, ...] | None = None):
-        """Layer i up to attention: (norm, qkv, LoRA, RoPE) -> q [T, Hq, D], k, v [T, Hkv, D], residual.
-        With `qkv_out`, q, k and v are written to those [T, dim] buffers."""
+    def qkv_proj(self, i: int, h: torch.Tensor, residual: torch.Tensor | None, lora: LoraStep | None):
+        """Layer i's norm, fused qkv projection and its LoRA: (qkv [T, q_dim + 2 kv_dim], residual)."""
         c, ops, lw = self.cfg, self.ops, self.layers[i]
-        T = h.shape[0]
         if residual is None:
             residual, x = h, ops.rms_norm(h, lw.attn_norm, c.rms_norm_eps)
         else:
             x, residual = ops.add_rms_norm(h, residual, lw.attn_norm, c.rms_norm_eps)
-        qkv = F.linear(x, lw.qkv, lw.qkv_bias)  # [T, q_dim + 2 kv_dim]
-        q, k, v = qkv.split([c.q_dim, c.kv_dim, c.kv_dim], dim=-1)  # strided views
+        qkv = F.linear(x, lw.qkv, lw.qkv_bias)
         if lora is not None:
-            lora.add(i, QKV, x, (q, k, v))
+            lora.add(i, QKV, x, qkv.split([c.q_dim, c.kv_dim, c.kv_dim], dim=-1))
+        return qkv, residual
+
+    def pre_attention(self, i: int, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                      cos_sin, lora: LoraStep | None, qkv_out: tuple[torch.Tensor, ...] | None = None):
+        """Layer i up to attention: (norm, qkv, LoRA, RoPE) -> q [T, Hq, D], k, v [T, Hkv, D], residual.
+        With `qkv_out`, q, k and v are written to those [T, dim] buffers."""
+        c, ops = self.cfg, self.ops
+        T = h.shape[0]
+        qkv, residual = self.qkv_proj(i, h, residual, lora)
+        q, k, v = qkv.split([c.q_dim, c.kv_dim, c.kv_dim], dim=-1)  # strided views
         if qkv_out is not None:
             for src, dst in zip((q, k, v), qkv_out):
                 dst.copy_(src)
@@ -184,8 +190,15 @@ class LlamaModel:
         h = self.embed_tokens(input_ids)
         cos_sin = self.ops.rope_cos_sin(positions, self.dtype)
         residual = None
+        # Attention that takes the raw qkv rows (decode graphs with the rope_kv kernel) rotates q/k
+        # and writes the cache itself, in one launch.
+        attend_qkv = getattr(attn, "attend_qkv", None)
         for i in range(len(self.layers)):
-            q, k, v, residual = self.pre_attention(i, h, residual, positions, cos_sin, lora)
-            o = attn(i, q, k, v)  # [T, q_dim]
+            if attend_qkv is not None:
+                qkv, residual = self.qkv_proj(i, h, residual, lora)
+                o = attend_qkv(i, qkv, positions)
+            else:
+                q, k, v, residual = self.pre_attention(i, h, residual, positions, cos_sin, lora)
+                o = attn(i, q, k, v)  # [T, q_dim]
             h, residual = self.post_attention(i, o, residual, lora)
         return self.logits(h, residual, logit_rows)

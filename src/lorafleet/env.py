@@ -72,6 +72,12 @@ def fused_ops() -> bool:
     return _str("LORAFLEET_FUSED_OPS", "1").lower() not in ("0", "false", "no")
 
 
+def rope_kv_kernel() -> bool:
+    """LORAFLEET_ROPE_KV: decode CUDA graphs rotate q/k and write the K/V cache in one launch of the
+    project's kernel (csrc/rope_kv.cu) instead of five (default 1; needs the fused ops)."""
+    return _flag("LORAFLEET_ROPE_KV", True)
+
+
 def _flag(name: str, default: bool = False) -> bool:
     raw = os.environ.get(name, "").strip().lower()
     if raw == "":

@@ -1,0 +1,95 @@
+// rope_kv (see rope_kv.h): one warp per (token, head); each lane rotates element pairs
+// (i, i + D/2) two at a time with 4-byte loads, so a 128-wide head is one pass of 32 lanes.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "rope_kv.h"
+
+namespace lorafleet {
+namespace {
+
+constexpr int kWarps = 4;
+
+template <typename T>
+struct Pair;
+template <>
+struct Pair<__nv_bfloat16> {
+  using V = __nv_bfloat162;
+  static __device__ __forceinline__ float2 get(V v) { return __bfloat1622float2(v); }
+  static __device__ __forceinline__ V put(float2 f) { return __float22bfloat162_rn(f); }
+};
+template <>
+struct Pair<__half> {
+  using V = __half2;
+  static __device__ __forceinline__ float2 get(V v) { return __half22float2(v); }
+  static __device__ __forceinline__ V put(float2 f) { return __float22half2_rn(f); }
+};
+
+template <typename T>
+__global__ void __launch_bounds__(kWarps * 32) rope_kv_kernel(const RopeKvArgs p) {
+  using V = typename Pair<T>::V;
+  const int lane = threadIdx.x & 31;
+  const int heads = p.num_heads + 2 * p.num_kv_heads;
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+  if (item >= static_cast<int64_t>(p.num_tokens) * heads) return;
+  const int t = static_cast<int>(item / heads), h = static_cast<int>(item - static_cast<int64_t>(t) * heads);
+  const int D = p.head_dim, half = D >> 1;
+  const T* src = static_cast<const T*>(p.qkv) + t * p.qkv_row_stride + static_cast<int64_t>(h) * D;
+  T* dst;
+  bool rotate = true;
+  if (h < p.num_heads) {
+    dst = static_cast<T*>(p.q_out) + (static_cast<int64_t>(t) * p.num_heads + h) * D;
+  } else {
+    const int64_t slot = p.slots[t];
+    if (slot < 0 || slot >= p.num_cache_slots) return;
+    const bool is_k = h < p.num_heads + p.num_kv_heads;
+    const int kh = is_k ? h - p.num_heads : h - p.num_heads - p.num_kv_heads;
+    dst = static_cast<T*>(is_k ? p.k_cache : p.v_cache) + (slot * p.num_kv_heads + kh) * D;
+    rotate = is_k;
+  }
+  if (!rotate) {
+    for (int i = lane * 2; i < D; i += 64)
+      *reinterpret_cast<V*>(dst + i) = *reinterpret_cast<const V*>(src + i);
+    return;
+  }
+  int64_t pos = p.positions[t];
+  pos = pos < 0 ? 0 : (pos >= p.num_positions ? p.num_positions - 1 : pos);
+  const float* cs = p.cos_sin + pos * D;
+  for (int i = lane * 2; i < half; i += 64) {
+    const float2 x1 = Pair<T>::get(*reinterpret_cast<const V*>(src + i));
+    const float2 x2 = Pair<T>::get(*reinterpret_cast<const V*>(src + half + i));
+    const float2 c = *reinterpret_cast<const float2*>(cs + i);
+    const float2 s = *reinterpret_cast<const float2*>(cs + half + i);
+    // x * cos + partner * sin with the product of the partner rounded first (as flashinfer's RoPE
+    // compiles it), so both paths give the same bits.
+    float2 lo, hi;
+    lo.x = __fmaf_rn(x1.x, c.x, __fmul_rn(-x2.x, s.x));
+    lo.y = __fmaf_rn(x1.y, c.y, __fmul_rn(-x2.y, s.y));
+    hi.x = __fmaf_rn(x2.x, c.x, __fmul_rn(x1.x, s.x));
+    hi.y = __fmaf_rn(x2.y, c.y, __fmul_rn(x1.y, s.y));
+    *reinterpret_cast<V*>(dst + i) = Pair<T>::put(lo);
+    *reinterpret_cast<V*>(dst + half + i) = Pair<T>::put(hi);
+  }
+}
+
+}  // namespace
+
+const char* rope_kv(DType dtype, const RopeKvArgs& args, int device, void* stream) {
+  if (args.num_tokens <= 0) return nullptr;
+  if (args.head_dim % 4 != 0 || args.head_dim > 512) return "rope_kv: head_dim must be a multiple of 4, at most 512";
+  int prev = -1;
+  cudaError_t e = cudaGetDevice(&prev);
+  if (e == cudaSuccess && prev != device) e = cudaSetDevice(device);
+  if (e != cudaSuccess) return cudaGetErrorString(e);
+  const int64_t items = static_cast<int64_t>(args.num_tokens) * (args.num_heads + 2 * args.num_kv_heads);
+  const dim3 grid(static_cast<unsigned>((items + kWarps - 1) / kWarps));
+  auto s = static_cast<cudaStream_t>(stream);
+  if (dtype == DType::kBFloat16) rope_kv_kernel<__nv_bfloat16><<<grid, kWarps * 32, 0, s>>>(args);
+  else rope_kv_kernel<__half><<<grid, kWarps * 32, 0, s>>>(args);
+  e = cudaGetLastError();
+  if (prev != device) cudaSetDevice(prev);
+  return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
+}
+
+}  // namespace lorafleet

@@ -1,0 +1,42 @@
+// Rotary embedding of q and k, and the K/V cache write, of one decoder layer in ONE launch.
+//
+// Torch-free like sgmv.h (the binding is in sgmv_binding.cpp). For every token t < T and position
+// p = positions[t] (rotate-half / "neox" pairing of element i with i + D/2, angles from an fp32
+// cos/sin cache [P, D]: cos in the first D/2 columns, sin in the last D/2):
+//
+//   q_out[t, h, :]          = rope(qkv[t, h * D : (h + 1) * D], p)                  h < Hq
+//   k_cache[slots[t], h, :] = rope(qkv[t, (Hq + h) * D : ...], p)                   h < Hkv
+//   v_cache[slots[t], h, :] = qkv[t, (Hq + Hkv + h) * D : ...]                      h < Hkv
+//
+// rope(x)[i] = x[i] * cos[i] - x[i + D/2] * sin[i], rope(x)[i + D/2] = x[i + D/2] * cos[i] + x[i] * sin[i]
+// for i < D/2, in fp32, rounded once to the storage type. Positions outside [0, P) are clamped;
+// slots < 0 skip the cache write of that token (q_out is still written).
+#pragma once
+
+#include <cstdint>
+
+#include "sgmv.h"  // DType
+
+namespace lorafleet {
+
+struct RopeKvArgs {
+  const void* qkv = nullptr;        // [T, (Hq + 2 Hkv) * D] rows, unit column stride
+  int64_t qkv_row_stride = 0;       // elements
+  const int64_t* positions = nullptr;  // [T]
+  const int64_t* slots = nullptr;      // [T] token slots of the cache (page * page_size + offset)
+  const float* cos_sin = nullptr;      // [P, D]
+  int64_t num_positions = 0;           // P
+  void* q_out = nullptr;               // [T, Hq, D] contiguous
+  void* k_cache = nullptr;             // [num_slots, Hkv, D] contiguous
+  void* v_cache = nullptr;             // [num_slots, Hkv, D] contiguous
+  int64_t num_cache_slots = 0;         // slots >= this are skipped too
+  int num_tokens = 0;                  // T
+  int num_heads = 0;                   // Hq
+  int num_kv_heads = 0;                // Hkv
+  int head_dim = 0;                    // D, a multiple of 4, at most 512
+};
+
+// Enqueue on `stream`; no synchronisation or allocation (capturable). nullptr on success.
+const char* rope_kv(DType dtype, const RopeKvArgs& args, int device, void* stream);
+
+}  // namespace lorafleet
