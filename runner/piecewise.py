@@ -5,8 +5,10 @@ for Tp: [embedding + layer 0 up to attention], [layer i-1 after attention + laye
 attention] for i = 1..L-1, and [layer L-1 after attention + final norm + lm_head]. Between
 them attention runs eagerly over the T real rows (page tables and lengths change every step
 and flashinfer plans them on the host), reading q/k/v from static buffers and writing o into
-one. Padded rows compute values nothing reads: they lie outside every LoRA segment, attention
-and the KV cache never see them, and no logit row points at them.
+one. With the rope_kv kernel (CUDA), the pieces also rotate q/k and write the step's K/V into the
+cache, so between pieces only the attention kernels run (fewer host calls per layer). Padded rows
+compute values nothing reads: they lie outside every LoRA segment, attention and the KV cache never
+see them (their KV slot is -1), and no logit row points at them.
 
 Why: an eager 7B step launches ~600 kernels (plus 256 SGMV launches with LoRA) from Python and
 is bound by the host; replayed, a step costs its GPU time plus 32 eager attention calls.
@@ -52,6 +54,7 @@ class _Static:
         self.v = torch.zeros(T, c.kv_dim, dtype=dt, device=dev)
         self.o = torch.zeros(T, c.q_dim, dtype=dt, device=dev)
         self.logits = torch.zeros(max_rows, c.vocab_size, dtype=torch.float32, device=dev)
+        self.slot_mapping = torch.full((T,), -1, dtype=torch.int64, device=dev)  # rope_kv: padded rows -1
         self.seg_indptr = torch.zeros(max_rows + 1, dtype=torch.int32, device=dev)
         self.seg_slots = torch.full((max_rows,), -1, dtype=torch.int32, device=dev)
         self.ws = None
@@ -65,6 +68,7 @@ class _Bucket:
     def __init__(self, Tp: int, st: _Static, lora_pool, sgmv):
         self.Tp = Tp
         self.input_ids, self.positions, self.logit_rows = st.input_ids[:Tp], st.positions[:Tp], st.logit_rows
+        self.slot_mapping = st.slot_mapping[:Tp]
         self.residual, self.q, self.k, self.v, self.o = (t[:Tp] for t in (st.residual, st.q, st.k, st.v, st.o))
         self.seg_indptr, self.seg_slots = st.seg_indptr, st.seg_slots
         self.seg_cap = st.seg_slots.shape[0]
@@ -88,6 +92,11 @@ class PiecewiseGraphs:
         self.pool = None
         self.buckets: dict[int, _Bucket] = {}
         self.static = _Static(self.sizes[-1], model, max_rows, lora_pool)
+        # With the rope_kv kernel, the graph pieces also rotate q/k and write the K/V cache (padded
+        # rows carry slot -1, which the kernel skips): between pieces only attention itself runs.
+        from lorafleet.runner.model.rope_kv import fused_rope_kv
+
+        self.rope_kv = fused_rope_kv(model) if use_graphs else None
         # one capture stream for every bucket: the graph pool reuses freed blocks only on their stream
         self.stream = torch.cuda.Stream(model.device) if use_graphs else None
         if use_graphs:
@@ -124,14 +133,19 @@ class PiecewiseGraphs:
         m = self.model
         L = len(m.layers)
         if j == 0:
-            h = m.embed_tokens(b.input_ids, out=b.residual)
+            h, res = m.embed_tokens(b.input_ids, out=b.residual), None
             b.cos_sin = m.ops.rope_cos_sin(b.positions, m.dtype)
-            _, _, _, res = m.pre_attention(0, h, None, b.positions, b.cos_sin, b.lora, (b.q, b.k, b.v))
         else:
             h, res = m.post_attention(j - 1, b.o, b.residual, b.lora)
             if j == L:
                 b.logits.copy_(m.logits(h, res, b.logit_rows))
                 return
+        if self.rope_kv is not None:
+            qkv, res = m.qkv_proj(j, h, res, b.lora)
+            k_flat, v_flat = self.attention.kv.flat(j)
+            self.rope_kv(b.q.view(b.Tp, m.cfg.num_heads, m.cfg.head_dim), k_flat, v_flat, qkv, b.positions,
+                         b.slot_mapping)
+        else:
             _, _, _, res = m.pre_attention(j, h, res, b.positions, b.cos_sin, b.lora, (b.q, b.k, b.v))
         if res.data_ptr() != b.residual.data_ptr():  # ops that do not update the residual in place
             b.residual.copy_(res)
@@ -175,12 +189,20 @@ class PiecewiseGraphs:
             b.seg_slots.copy_(seg.slots, non_blocking=True)
             # the kernels read the static tensors; CPU code paths read the host lists of this step
             b.lora.seg = SegmentTable(b.seg_indptr, b.seg_slots, seg.host_indptr, seg.host_slots, b.Tp)
+        if self.rope_kv is not None:
+            b.slot_mapping[:T].copy_(d.slot_mapping, non_blocking=True)
+            if T < b.Tp:
+                b.slot_mapping[T:].fill_(-1)  # padded rows write no K/V
         c = self.model.cfg
         attn = self.attention.begin(d.attn_meta(batch))
         self._replay(b, 0)
         for i in range(len(self.model.layers)):
-            attn(i, b.q[:T].view(T, c.num_heads, c.head_dim), b.k[:T].view(T, c.num_kv_heads, c.head_dim),
-                 b.v[:T].view(T, c.num_kv_heads, c.head_dim), out=b.o[:T])
+            q = b.q[:T].view(T, c.num_heads, c.head_dim)
+            if self.rope_kv is not None:
+                attn.attend(i, q, out=b.o[:T])  # K/V already in the cache
+            else:
+                attn(i, q, b.k[:T].view(T, c.num_kv_heads, c.head_dim), b.v[:T].view(T, c.num_kv_heads, c.head_dim),
+                     out=b.o[:T])
             self._replay(b, i + 1)
         return b.logits[:B]
 

@@ -104,8 +104,12 @@ class FlashInferStep:
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  out: torch.Tensor | None = None) -> torch.Tensor:
+        write_kv(self.b.kv, layer, self.meta.slot_mapping, k, v)
+        return self.attend(layer, q, out)
+
+    def attend(self, layer: int, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of q [T, Hq, D] over the cache, whose K/V for this step's tokens are written."""
         b = self.b
-        write_kv(b.kv, layer, self.meta.slot_mapping, k, v)
         cache = b.kv.layer(layer)
         T = q.shape[0]
         n = self.num_prefill_tokens
