@@ -23,7 +23,7 @@
 #   serve3p  serve3 with LORAFLEET_PIN_HOST_ADAPTERS=0 (pageable host copies of adapters read from disk)
 #   place    bench serve --runners 2: busiest vs least-loaded under Poisson rates (every GPU) -> place.json/png
 #   quick    engine GPU tests, then a short e2e (REQS=256: distinct, identical, LoRA off, profile)
-# Knobs: ETESTS_K (pytest -k filter of etests), DPT (interf: decode_prefill_tokens values), REQS (default 1000), BENCH_S (timeout of one bench stage, s; COLD_S, SWEEP_S, HF_S, TEST_S per stage). Results, caches and logs.tgz go to
+# Knobs: SWEEP_B (sweep: max batch sizes), ETESTS_K (pytest -k filter of etests), DPT (interf: decode_prefill_tokens values), REQS (default 1000), BENCH_S (timeout of one bench stage, s; COLD_S, SWEEP_S, HF_S, TEST_S per stage). Results, caches and logs.tgz go to
 # $OUT, each GPU's log to $OUT/gpuN.log.
 # The wheels (the GPU machine has no network): in the repository root, with .whl/ ignored by git,
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -101,7 +101,7 @@ stage() {
       timeout ${COLD_S:-${BENCH_S:-540}} $E2E --mixes --cold --cold-requests ${COLD_REQS:-400} --no-lora-off --hf-requests 0 \
         --sweep --out "$OUT/e2e_cold.json" 2>&1 | tee "$LOGS/e2e_cold.log" | tail -10 ;;
     sweep)
-      timeout ${SWEEP_S:-${BENCH_S:-540}} $E2E --mixes --no-lora-off --hf-requests 0 --sweep 64 128 256 \
+      timeout ${SWEEP_S:-${BENCH_S:-540}} $E2E --mixes --no-lora-off --hf-requests 0 --sweep ${SWEEP_B:-64 128 256} \
         --out "$OUT/e2e_sweep.json" 2>&1 | tee "$LOGS/e2e_sweep.log" | tail -10 ;;
     serve1|serve2)
       local mixes="distinct uniform base"; [ "$1" = serve2 ] && mixes="skewed identical"
