@@ -26,16 +26,17 @@ from lorafleet.runner.kv_cache import KVCache
 WORKSPACE_BYTES = 256 << 20
 
 
-def page_table_arrays(page_tables: list[list[int]], kv_lens: list[int], page_size: int):
-    """CSR page table (indptr, indices, last_page_len) as int32 CPU tensors."""
+def page_table_arrays(page_tables: list[list[int]], kv_lens: list[int], page_size: int, pin: bool = False):
+    """CSR page table (indptr, indices, last_page_len) as int32 CPU tensors (page-locked with `pin`, so
+    their copies to the device are asynchronous)."""
     indptr, indices, last = [0], [], []
     for pages, n in zip(page_tables, kv_lens):
         used = -(-n // page_size)
         indices.extend(pages[:used])
         indptr.append(indptr[-1] + used)
         last.append(n - (used - 1) * page_size)
-    i32 = torch.int32
-    return torch.tensor(indptr, dtype=i32), torch.tensor(indices, dtype=i32), torch.tensor(last, dtype=i32)
+    out = [torch.tensor(a, dtype=torch.int32) for a in (indptr, indices, last)]
+    return tuple(t.pin_memory() for t in out) if pin else tuple(out)
 
 
 def write_kv(cache: KVCache, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -79,7 +80,11 @@ class FlashInferAttention:
         )
 
     def plan_decode(self, wrapper, page_tables, kv_lens) -> None:
-        indptr, indices, last = page_table_arrays(page_tables, kv_lens, self.kv.page_size)
+        indptr, indices, last = page_table_arrays(page_tables, kv_lens, self.kv.page_size, pin=True)
+        if wrapper is not self.decode:
+            # A CUDA-graph wrapper copies host page indices into its buffer synchronously (the host
+            # would wait for the step in flight); indices already on the device are copied on the stream.
+            indices = indices.to(self.device, non_blocking=True)
         with self.planning():
             wrapper.plan(indptr, indices, last, self.h, self.hkv, self.d, self.kv.page_size,
                          q_data_type=self.kv.k.dtype, kv_data_type=self.kv.k.dtype)
@@ -92,15 +97,20 @@ class FlashInferStep:
         self.num_prefill_tokens = meta.qo_indptr[P]
         ps = b.kv.page_size
         dt = b.kv.k.dtype
+        # A step with prompt rows runs every request, decodes included (causal with one query row
+        # attends to the whole cache), through one prefill call per layer: half the host calls of a
+        # prefill call plus a decode call. Decode-only steps use the decode kernel.
+        self.num_decode = 0 if P else meta.batch_size
         if P:
-            indptr, indices, last = page_table_arrays(meta.page_tables[:P], meta.kv_lens[:P], ps)
-            qo = torch.tensor(meta.qo_indptr[: P + 1], dtype=torch.int32)
+            B = meta.batch_size
+            indptr, indices, last = page_table_arrays(meta.page_tables, meta.kv_lens, ps, pin=True)
+            qo = torch.tensor(meta.qo_indptr[: B + 1], dtype=torch.int32).pin_memory()
             with b.planning():
                 b.prefill.plan(qo, indptr, indices, last, b.h, b.hkv, b.d, ps, causal=True,
                                q_data_type=dt, kv_data_type=dt)
-        self.num_decode = meta.batch_size - P
-        if self.num_decode:
-            b.plan_decode(b.decode, meta.page_tables[P:], meta.kv_lens[P:])
+            self.num_prefill_tokens = meta.qo_indptr[B]
+        elif self.num_decode:
+            b.plan_decode(b.decode, meta.page_tables, meta.kv_lens)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  out: torch.Tensor | None = None) -> torch.Tensor:
