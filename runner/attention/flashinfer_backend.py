@@ -97,20 +97,18 @@ class FlashInferStep:
         self.num_prefill_tokens = meta.qo_indptr[P]
         ps = b.kv.page_size
         dt = b.kv.k.dtype
-        # A step with prompt rows runs every request, decodes included (causal with one query row
-        # attends to the whole cache), through one prefill call per layer: half the host calls of a
-        # prefill call plus a decode call. Decode-only steps use the decode kernel.
-        self.num_decode = 0 if P else meta.batch_size
+        # Decode rows always take the decode kernel, also in steps with prompt rows, so a request's
+        # tokens do not depend on what else shares its step (running every row through the prefill
+        # kernel saved a host call per layer but made decode rows batch-dependent).
         if P:
-            B = meta.batch_size
-            indptr, indices, last = page_table_arrays(meta.page_tables, meta.kv_lens, ps, pin=True)
-            qo = torch.tensor(meta.qo_indptr[: B + 1], dtype=torch.int32).pin_memory()
+            indptr, indices, last = page_table_arrays(meta.page_tables[:P], meta.kv_lens[:P], ps, pin=True)
+            qo = torch.tensor(meta.qo_indptr[: P + 1], dtype=torch.int32).pin_memory()
             with b.planning():
                 b.prefill.plan(qo, indptr, indices, last, b.h, b.hkv, b.d, ps, causal=True,
                                q_data_type=dt, kv_data_type=dt)
-            self.num_prefill_tokens = meta.qo_indptr[B]
-        elif self.num_decode:
-            b.plan_decode(b.decode, meta.page_tables, meta.kv_lens)
+        self.num_decode = meta.batch_size - P
+        if self.num_decode:
+            b.plan_decode(b.decode, meta.page_tables[P:], meta.kv_lens[P:])
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  out: torch.Tensor | None = None) -> torch.Tensor:
