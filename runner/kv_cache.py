@@ -22,9 +22,10 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_pages, self.page_size = num_pages, page_size
+        self._layers = [(self.k[i], self.v[i]) for i in range(cfg.num_layers)]  # the same views every step
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[i], self.v[i]
+        return self._layers[i]
 
     def flat(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i as [num_pages * page_size, kv_heads, head_dim] views (token slots)."""

@@ -6,9 +6,11 @@ Per step: prefill requests (the first `num_prefill` of the batch) go through
 K/V of the step's tokens are written into the page pool before attention.
 
 Plans are made on the host while the device may still run the previous step (overlapped
-scheduling). flashinfer stages each plan in a pinned host buffer and copies it to the device
-asynchronously, so a plan waits until the device has consumed the previous plan's copy (an event
-recorded right after it: in practice already done) before it overwrites such a buffer.
+scheduling). flashinfer stages each plan in a pinned host buffer of its wrapper and copies it to the
+device asynchronously, so a plan waits until the device has consumed the copy of the same wrapper's
+previous plan (an event recorded right after it) before it overwrites that buffer. The events are per
+wrapper: with one event for all, a step's second plan (prompt rows, then decode rows) waited for the
+first one's copy, queued behind the whole step in flight, and the host idled for a step.
 """
 
 from __future__ import annotations
@@ -55,16 +57,18 @@ class FlashInferAttention:
         ws_d = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.prefill = BatchPrefillWithPagedKVCacheWrapper(ws_p, "NHD")
         self.decode = BatchDecodeWithPagedKVCacheWrapper(ws_d, "NHD", use_tensor_cores=self.h // self.hkv >= 4)
-        self._planned: torch.cuda.Event | None = None  # recorded after the last plan's copies
+        self._planned: dict[int, torch.cuda.Event] = {}  # id(wrapper) -> recorded after its last plan's copies
 
     @contextmanager
-    def planning(self):
-        """Around plan calls: wait for the previous plan's staged copies, then mark this one's."""
-        if self._planned is not None:
-            self._planned.synchronize()
+    def planning(self, wrapper):
+        """Around a wrapper's plan call: wait for its previous plan's staged copies, then mark this one's."""
+        ev = self._planned.get(id(wrapper))
+        if ev is not None:
+            ev.synchronize()
         yield
-        self._planned = torch.cuda.Event()
-        self._planned.record()
+        ev = torch.cuda.Event()
+        ev.record()
+        self._planned[id(wrapper)] = ev
 
     def begin(self, meta: AttnMeta) -> "FlashInferStep":
         return FlashInferStep(self, meta)
@@ -85,7 +89,7 @@ class FlashInferAttention:
             # A CUDA-graph wrapper copies host page indices into its buffer synchronously (the host
             # would wait for the step in flight); indices already on the device are copied on the stream.
             indices = indices.to(self.device, non_blocking=True)
-        with self.planning():
+        with self.planning(wrapper):
             wrapper.plan(indptr, indices, last, self.h, self.hkv, self.d, self.kv.page_size,
                          q_data_type=self.kv.k.dtype, kv_data_type=self.kv.k.dtype)
 
@@ -103,7 +107,7 @@ class FlashInferStep:
         if P:
             indptr, indices, last = page_table_arrays(meta.page_tables[:P], meta.kv_lens[:P], ps, pin=True)
             qo = torch.tensor(meta.qo_indptr[: P + 1], dtype=torch.int32).pin_memory()
-            with b.planning():
+            with b.planning(b.prefill):
                 b.prefill.plan(qo, indptr, indices, last, b.h, b.hkv, b.d, ps, causal=True,
                                q_data_type=dt, kv_data_type=dt)
         self.num_decode = meta.batch_size - P
