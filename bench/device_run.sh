@@ -57,7 +57,8 @@ stage() {
   case "$1" in
     tests) stage ktests; stage etests ;;
     ktests)
-      timeout ${TEST_S:-240} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_sgmv_cuda.py tests/gpu/test_rope_kv_cuda.py -rA -x 2>&1 \
+      timeout ${TEST_S:-240} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_sgmv_cuda.py tests/gpu/test_rope_kv_cuda.py \
+        tests/gpu/test_flashinfer_plans.py -rA -x 2>&1 \
         | tee "$LOGS/gpu_ktests.log" | grep -E "passed|failed|FAILED|Error" | tail -12
       PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 120 compute-sanitizer --tool memcheck python3 tests/gpu/sanitizer_case.py \
         > "$LOGS/sanitizer.log" 2>&1; tail -2 "$LOGS/sanitizer.log" ;;
