@@ -22,12 +22,13 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_pages, self.page_size = num_pages, page_size
-        self._layers = [(self.k[i], self.v[i]) for i in range(cfg.num_layers)]  # the same views every step
+        # the same views every step: per layer, and per layer as [num_pages * page_size, kv_heads, head_dim]
+        self._layers = [(self.k[i], self.v[i]) for i in range(cfg.num_layers)]
+        self._flat = [tuple(t.view(-1, *t.shape[-2:]) for t in kv) for kv in self._layers]
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._layers[i]
 
     def flat(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i as [num_pages * page_size, kv_heads, head_dim] views (token slots)."""
-        k, v = self.k[i], self.v[i]
-        return k.view(-1, k.shape[-2], k.shape[-1]), v.view(-1, v.shape[-2], v.shape[-1])
+        return self._flat[i]

@@ -37,8 +37,7 @@ def page_table_arrays(page_tables: list[list[int]], kv_lens: list[int], page_siz
         indices.extend(pages[:used])
         indptr.append(indptr[-1] + used)
         last.append(n - (used - 1) * page_size)
-    out = [torch.tensor(a, dtype=torch.int32) for a in (indptr, indices, last)]
-    return tuple(t.pin_memory() for t in out) if pin else tuple(out)
+    return tuple(torch.tensor(a, dtype=torch.int32, pin_memory=pin) for a in (indptr, indices, last))
 
 
 def write_kv(cache: KVCache, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -106,7 +105,7 @@ class FlashInferStep:
         # kernel saved a host call per layer but made decode rows batch-dependent).
         if P:
             indptr, indices, last = page_table_arrays(meta.page_tables[:P], meta.kv_lens[:P], ps, pin=True)
-            qo = torch.tensor(meta.qo_indptr[: P + 1], dtype=torch.int32).pin_memory()
+            qo = torch.tensor(meta.qo_indptr[: P + 1], dtype=torch.int32, pin_memory=True)
             with b.planning(b.prefill):
                 b.prefill.plan(qo, indptr, indices, last, b.h, b.hkv, b.d, ps, causal=True,
                                q_data_type=dt, kv_data_type=dt)

@@ -30,11 +30,8 @@ def test_a_mixed_step_plans_without_waiting_for_queued_work():
                     page_size=16, slot_mapping=torch.zeros(22, dtype=torch.int64, device=dev))
     attn.begin(meta)  # first plans of both wrappers (compiles or loads their modules)
     torch.cuda.synchronize()
-    # ~1 s of queued GPU work: the step in flight
-    clock_hz = torch.cuda.get_device_properties(dev).clock_rate * 1e3 if hasattr(
-        torch.cuda.get_device_properties(dev), "clock_rate") else 2e9
     t0 = time.perf_counter()
-    torch.cuda._sleep(int(clock_hz))
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of queued GPU work at ~2 GHz: the step in flight
     attn.begin(meta)  # both plans again: each waits only for its own previous copy (long done)
     planned = time.perf_counter() - t0
     torch.cuda.synchronize()
