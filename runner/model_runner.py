@@ -1,6 +1,6 @@
 """Runs one step batch on the model and samples, without waiting for the device.
 
-    handle = runner.launch(batch, prev)   # one host->device copy, forward, sampling, async readback
+    handle = runner.launch(batch, prev)   # the batch's copies to the device, forward, sampling, readback
     ids = handle.tokens()                 # waits for this step only: ids in batch.sample_idx order
 
 Every executor reads the same `StepBatch` (step_batch.py) and its device copy (`DeviceStep`):
@@ -38,6 +38,8 @@ class DeviceStep:
     logit_rows: torch.Tensor  # int64 [B]
     inputs3: torch.Tensor  # int64 [3, T]: input_ids, positions, slot_mapping as one view
     seg: SegmentTable  # device indptr / slots at the batch's capacity, host tuples of the real segments
+    sample_idx: torch.Tensor  # int64 [S]: the requests whose next token is sampled
+    sampling: torch.Tensor | None  # float32 [4, S] (sampler.pack_sampling), None if every row is greedy
 
     def attn_meta(self, batch: StepBatch) -> AttnMeta:
         return AttnMeta(num_prefill=batch.num_prefill, qo_indptr=batch.qo_indptr, kv_lens=batch.kv_lens,
@@ -45,19 +47,21 @@ class DeviceStep:
 
 
 def to_device(batch: StepBatch, device: torch.device, prev_tokens: torch.Tensor | None) -> DeviceStep:
-    """Two host->device copies (int64 and int32 packs); pending input rows take the previous
-    step's sampled ids on the device."""
-    T, B, P = batch.num_tokens, batch.batch_size, batch.num_pending
+    """Two host->device copies (int64 and int32 packs; a third with sampling parameters); pending
+    input rows take the previous step's sampled ids on the device. Nothing here waits for the device."""
+    T, B, P, S = batch.num_tokens, batch.batch_size, batch.num_pending, len(batch.sample_idx)
     d64 = batch.packed64.to(device, non_blocking=True)
     d32 = batch.packed32.to(device, non_blocking=True)
-    v = split64(d64, T, B, P)
+    df = batch.packedf.to(device, non_blocking=True) if batch.packedf is not None else None
+    v = split64(d64, T, B, P, S)
     if P:
         if prev_tokens is None:
             raise RuntimeError("the step batch reads pending tokens but no step is in flight")
         v["input_ids"].index_copy_(0, v["pending_rows"], prev_tokens.index_select(0, v["pending_src"]))
     cap = batch.seg_capacity
     seg = SegmentTable(d32[: cap + 1], d32[cap + 1:], batch.seg_indptr, batch.seg_slots, T)
-    return DeviceStep(v["input_ids"], v["positions"], v["slot_mapping"], v["logit_rows"], d64[: 3 * T].view(3, T), seg)
+    return DeviceStep(v["input_ids"], v["positions"], v["slot_mapping"], v["logit_rows"], d64[: 3 * T].view(3, T), seg,
+                      v["sample_idx"], df)
 
 
 class InFlight:
@@ -125,8 +129,8 @@ class ModelRunner:
             kind, logits = "eager", self.forward(batch, d)
         t2 = time.perf_counter() if self.phases is not None else 0.0
         if len(batch.sample_idx) < batch.batch_size:
-            logits = logits.index_select(0, torch.tensor(batch.sample_idx, dtype=torch.int64, device=logits.device))
-        tokens = sample_tokens(logits, batch.temperature, batch.top_p, batch.top_k, batch.uniform)
+            logits = logits.index_select(0, d.sample_idx)
+        tokens = sample_tokens(logits, d.sampling)
         out = InFlight(batch, tokens, kind, readback)
         if self.phases is not None:
             acc = self.phases.setdefault(kind, [0.0, 0.0, 0.0, 0])

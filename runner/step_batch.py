@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from lorafleet.runner.lora.segments import merge_runs
-from lorafleet.runner.sampler import uniform_for
+from lorafleet.runner.sampler import pack_sampling, uniform_for
 from lorafleet.runner.sequence import Sequence
 
 
@@ -68,10 +68,13 @@ class StepBatch:
     top_p: list[float]  # [S]
     top_k: list[int]  # [S]
     uniform: list[float]  # [S] the sampling draw of each (seed, position)
-    # int64 [3T + B + 2P]: input_ids | positions | slot_mapping | logit_rows | pending_rows | pending_src
+    # int64 [3T + B + 2P + S]: input_ids | positions | slot_mapping | logit_rows | pending_rows | pending_src
+    # | sample_idx
     packed64: torch.Tensor
     packed32: torch.Tensor  # int32 [2 * capacity + 1]: seg indptr (padded) | seg slots (padded with -1)
     num_pending: int  # P
+    # float32 [4, S]: temperature | top_p | top_k | uniform (sampler.pack_sampling); None if all greedy
+    packedf: torch.Tensor | None = None
     sample_pos: dict[int, int] = field(default_factory=dict)  # id(seq) -> index of its sampled token
 
     @property
@@ -96,7 +99,7 @@ class StepBatch:
 
     def views64(self) -> dict[str, torch.Tensor]:
         """Named views of a copy of `packed64` (on any device)."""
-        return split64(self.packed64, self.num_tokens, self.batch_size, self.num_pending)
+        return split64(self.packed64, self.num_tokens, self.batch_size, self.num_pending, len(self.sample_idx))
 
     # -- serialised form for tensor-parallel ranks ----------------------------------------------
     def to_wire(self) -> dict:
@@ -114,22 +117,24 @@ class StepBatch:
     def from_wire(cls, w: dict, pin: bool = False) -> "StepBatch":
         p64 = torch.from_numpy(np.frombuffer(w["packed64"], dtype=np.int64).copy())
         p32 = torch.from_numpy(np.frombuffer(w["packed32"], dtype=np.int32).copy())
+        pf = pack_sampling(w["temperature"], w["top_p"], w["top_k"], w["uniform"])
         if pin:
             p64, p32 = p64.pin_memory(), p32.pin_memory()
+            pf = pf.pin_memory() if pf is not None else None
         return cls(seqs=[], epochs=[], num_prefill=w["num_prefill"], num_tokens=w["num_tokens"],
                    qo_indptr=list(w["qo_indptr"]), kv_lens=list(w["kv_lens"]),
                    page_tables=[list(p) for p in w["page_tables"]], page_size=w["page_size"],
                    seg_indptr=tuple(w["seg_indptr"]), seg_slots=tuple(w["seg_slots"]), seg_capacity=w["seg_capacity"],
                    sample_idx=list(w["sample_idx"]), temperature=list(w["temperature"]), top_p=list(w["top_p"]),
                    top_k=list(w["top_k"]), uniform=list(w["uniform"]), packed64=p64, packed32=p32,
-                   num_pending=w["num_pending"])
+                   num_pending=w["num_pending"], packedf=pf)
 
 
-def split64(p: torch.Tensor, T: int, B: int, P: int) -> dict[str, torch.Tensor]:
+def split64(p: torch.Tensor, T: int, B: int, P: int, S: int) -> dict[str, torch.Tensor]:
     o = 0
     out = {}
     for name, n in (("input_ids", T), ("positions", T), ("slot_mapping", T), ("logit_rows", B),
-                    ("pending_rows", P), ("pending_src", P)):
+                    ("pending_rows", P), ("pending_src", P), ("sample_idx", S)):
         out[name] = p[o: o + n]
         o += n
     return out
@@ -204,16 +209,18 @@ def build_step_batch(work: list[RowWork], page_size: int, seg_capacity: int, pre
     indptr, slots = merge_runs(row_slots)
     cap = max(seg_capacity, len(slots), 1)
     T, B = len(ids), len(order)
-    packed64 = torch.tensor(ids + pos + slot_map + logit_rows + pending_rows + pending_src,
+    packed64 = torch.tensor(ids + pos + slot_map + logit_rows + pending_rows + pending_src + sample_idx,
                             dtype=torch.int64)
     packed32 = torch.tensor(indptr + [indptr[-1]] * (cap - len(slots)) + slots + [-1] * (cap - len(slots)),
                             dtype=torch.int32)
+    packedf = pack_sampling(temperature, top_p, top_k, uniform)
     if pin:
         packed64, packed32 = packed64.pin_memory(), packed32.pin_memory()
+        packedf = packedf.pin_memory() if packedf is not None else None
     return StepBatch(
         seqs=[w.seq for w in order], epochs=[w.seq.epoch for w in order], num_prefill=len(prefill), num_tokens=T,
         qo_indptr=qo_indptr, kv_lens=kv_lens, page_size=page_size,
         page_tables=[w.seq.pages[: -(-w.end // page_size)] for w in order],
         seg_indptr=tuple(indptr), seg_slots=tuple(slots), seg_capacity=cap, sample_idx=sample_idx,
         temperature=temperature, top_p=top_p, top_k=top_k, uniform=uniform, packed64=packed64, packed32=packed32,
-        num_pending=len(pending_rows), sample_pos=sample_pos)
+        num_pending=len(pending_rows), sample_pos=sample_pos, packedf=packedf)

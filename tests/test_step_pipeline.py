@@ -205,11 +205,23 @@ def test_step_batch_layout_and_wire_round_trip(tiny_llama):
     assert v["pending_rows"].tolist() == [9] and v["pending_src"].tolist() == [5]
     assert v["logit_rows"].tolist() == [0, 4, 8, 9]
     assert b.sample_idx == [0, 2, 3]  # s2's chunk does not reach its last token
+    assert v["sample_idx"].tolist() == [0, 2, 3]  # ... and travels with the one int64 copy to the device
+    assert b.packedf is None  # every row greedy: no sampling parameters to copy
     pages = seqs[0].pages
     assert v["slot_mapping"].tolist()[5:9] == [pages[p // 4] * 4 + p % 4 for p in range(2, 6)]
     w = StepBatch.from_wire(b.to_wire())
     assert torch.equal(w.packed64, b.packed64) and torch.equal(w.packed32, b.packed32)
     assert (w.qo_indptr, w.kv_lens, w.page_tables, w.seg_indptr, w.sample_idx, w.uniform) == (
         b.qo_indptr, b.kv_lens, b.page_tables, b.seg_indptr, b.sample_idx, b.uniform)
+    assert w.packedf is None
+    # non-greedy rows: their parameters go as one float32 [4, S] pack, rebuilt on the wire's other side
+    seqs[1].params = SamplingParams(max_tokens=5, temperature=0.7, top_p=0.9, top_k=40, seed=3)
+    b2 = build_step_batch(work, 4, 8, prev)
+    assert b2.packedf is not None and b2.packedf.shape == (4, 3)
+    k = b2.sample_idx.index(b2.seqs.index(seqs[1]))
+    assert [b2.packedf[0, j].item() for j in range(3) if j != k] == [0.0, 0.0]  # the greedy rows
+    t, tp, tk, u = b2.packedf[:, k].tolist()
+    assert (round(t, 6), round(tp, 6), tk) == (0.7, 0.9, 40.0) and 0 <= u < 1 and u == pytest.approx(b2.uniform[k])
+    assert torch.equal(StepBatch.from_wire(b2.to_wire()).packedf, b2.packedf)
     with pytest.raises(RuntimeError, match="pending"):
         build_step_batch(work, 4, 8, None)

@@ -183,3 +183,43 @@ def test_piecewise_mixed_step_matches_eager(smol_shaped):
     same = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
     print(f"piecewise vs eager: max |diff| {rel:.4f} of the logit range, argmax agreement {same:.3f}")
     assert rel < TOL and same >= 0.9
+
+
+def test_a_step_queues_without_waiting_for_the_device(smol_shaped):
+    """With overlap, queueing a step never waits for the device: not when a prompt chunk in the step
+    samples nothing (its rows are left out of sampling on the device) and not with temperature sampling
+    (its parameters travel with the step's other numbers). A long kernel stands in for the step in flight."""
+    import time
+
+    model, ads = smol_shaped
+    eng = Engine(str(model), EngineConfig(max_lora_rank=16, max_batch_size=8, num_pages=4096, max_step_tokens=24))
+    g = torch.Generator().manual_seed(3)
+    for i in range(4):
+        eng.submit(Sequence(f"t{i}", torch.randint(3, 4096, (12,), generator=g).tolist(),
+                            SamplingParams(max_tokens=200, temperature=0.8, top_p=0.9, top_k=50, seed=i,
+                                           ignore_eos=True)))
+    for _ in range(20):
+        eng.step()
+    long = Sequence("long", torch.randint(3, 4096, (300,), generator=g).tolist(),  # the context is 512
+                    SamplingParams(max_tokens=2, ignore_eos=True))
+    eng.submit(long)
+    for _ in range(100):  # until its prompt is being prefilled in chunks
+        eng.step()
+        if long in eng.batcher.running and 0 < long.num_cached < 100:
+            break
+    assert long in eng.batcher.running and long.prefilling
+    for _ in range(6):  # steps carrying a chunk of the long prompt, which samples nothing
+        eng.step()
+        torch.cuda.synchronize()
+        busy = time.perf_counter()
+        torch.cuda._sleep(1_000_000_000)  # ~0.5 s of queued GPU work
+        eng.step()
+        queued = time.perf_counter() - busy
+        batch = eng._inflight.batch  # the step just queued
+        torch.cuda.synchronize()
+        total = time.perf_counter() - busy
+        assert total > 0.15, f"the stand-in kernel ran only {total:.2f} s; the test needs a longer one"
+        assert queued < total / 3, f"queueing a step took {queued:.2f} s of {total:.2f} s: it waited"
+        assert len(batch.sample_idx) < batch.batch_size and batch.packedf is not None  # the case under test
+    while eng.has_work():
+        eng.step()
