@@ -354,11 +354,18 @@ PREFILL_LAYOUTS = {
     "8x64": [64] * 8,
     "1x600 (one adapter)": [600],
     "1x32 (decode, one adapter)": [32],
+    "1x64+31x1 (64-row chunk)": [64] + [1] * 31,
+    "1x256+31x1 (256-row chunk)": [256] + [1] * 31,
+    "4x512+200x1 (max batch 256)": [512] * 4 + [1] * 200,
 }
 # (name, in, out of each projection): the engine's grouped calls of a Llama-2-7B layer.
-PREFILL_SHAPES = (("qkv", 4096, (4096, 4096, 4096)), ("down", 11008, (4096,)))
-PREFILL_VARIANTS = {"cuda_cores": 10**9, "mma>=16": 16, "mma>=32": 32, "mma>=64": 64, "mma>=128": 128,
-                    "mma>=256": 256}
+GROUP_INDEX = {"qkv": 0, "o": 1, "gate_up": 2, "down": 3}  # pool.GROUP_SPANS order
+PREFILL_SHAPES = (("qkv", 4096, (4096, 4096, 4096)), ("o", 4096, (4096,)), ("gate_up", 4096, (11008, 11008)),
+                  ("down", 11008, (4096,)))
+# shrink threshold of each variant (two launches); "fused" is the one-launch CUDA-core call of decode
+# steps, "engine" the call of steps with prompt rows (`add` with the group's GROUP_MMA_ROWS)
+PREFILL_VARIANTS = {"engine": 0, "fused": None, "cuda_cores": 10**9, "mma>=32": 32, "mma>=64": 64,
+                    "mma>=128": 128, "mma>=256": 256, "mma>=512": 512}
 
 
 def run_prefill(timer: Timer, log, rank: int = 16, rotations: int = 8) -> list[dict]:
@@ -368,6 +375,7 @@ def run_prefill(timer: Timer, log, rank: int = 16, rotations: int = 8) -> list[d
 
     from lorafleet.runner.lora.segments import build_segments
     from lorafleet.runner.lora.sgmv_cuda import CudaSGMV
+    from lorafleet.runner.lora.step import GROUP_MMA_ROWS
 
     dev, dtype = "cuda", torch.bfloat16
     gen = torch.Generator(device=dev).manual_seed(1)
@@ -398,10 +406,17 @@ def run_prefill(timer: Timer, log, rank: int = 16, rotations: int = 8) -> list[d
             rec = {"shape": shape_name, "layout": layout, "rows": T, "segments": len(lengths), "rank": rank,
                    "us": {}, "rel_err": {}}
             for variant, thr in PREFILL_VARIANTS.items():
-                impl = CudaSGMV(shrink_mma_min_rows=thr)
+                impl = CudaSGMV(shrink_mma_min_rows=thr or 64)
+                group_rows = GROUP_MMA_ROWS[GROUP_INDEX[shape_name]]
 
-                def make(c, impl=impl, a=a, b=b, ranks=ranks, host_ranks=host_ranks):
+                def make(c, impl=impl, a=a, b=b, ranks=ranks, host_ranks=host_ranks, thr=thr, rows=group_rows):
                     def fn():
+                        if thr is None:
+                            impl.add(c[1], c[2], c[0], a, b, ranks, host_ranks, c[3], mma=False)
+                            return
+                        if thr == 0:
+                            impl.add(c[1], c[2], c[0], a, b, ranks, host_ranks, c[3], mma_rows=rows)
+                            return
                         impl.shrink(c[2], c[0], a, ranks, host_ranks, c[3])
                         impl.expand(c[1], c[2], b, ranks, host_ranks, c[3])
                     return fn

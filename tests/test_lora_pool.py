@@ -62,3 +62,37 @@ def test_packed_views_share_memory_with_the_packed_tensors():
     assert pk.a[PROJ_INDEX["q"]][1].abs().sum() == 0  # layer 1 not adapted: zero rows
     assert a.weights[(2, "q")][0].data_ptr() == pk.a[PROJ_INDEX["q"]][2].data_ptr()
     assert a.nbytes == sum(t.numel() * 4 for t in (*pk.a.values(), *pk.bt.values()))
+
+
+def test_step_passes_each_groups_tensor_core_thresholds():
+    """Steps with prompt rows give every group its own tensor-core thresholds (GROUP_MMA_ROWS); decode
+    steps (mma=False) keep every segment on CUDA cores. The add-on is the same on every path: here
+    TorchSGMV computes it, checked against the independent fp32 loop."""
+    from lorafleet.runner.lora.segments import build_segments
+    from lorafleet.runner.lora.sgmv import TorchSGMV, fp32_loop_reference
+    from lorafleet.runner.lora.step import GROUP_MMA_ROWS, LoraStepImpl
+
+    class Recording(TorchSGMV):
+        def __init__(self):
+            self.calls = []
+
+        def add(self, ys, v, x, a, b, ranks, host_ranks, seg, mma=True, mma_rows=None):
+            self.calls.append((mma, mma_rows))
+            super().add(ys, v, x, a, b, ranks, host_ranks, seg, mma, mma_rows)
+
+    pool = LoraPool(BASE, num_slots=3, max_rank=8, dtype=torch.float32, device=torch.device("cpu"))
+    pool.write(1, adapter("a", {(0, p): 4 for p in PROJECTIONS}, seed=5, stacked=True))
+    g = torch.Generator().manual_seed(9)
+    row_slots = [1] * 70 + [-1] * 5 + [1] * 3
+    for mma in (True, False):
+        sg = Recording()
+        step = LoraStepImpl(pool, sg, build_segments(row_slots), mma=mma)
+        x = torch.randn(len(row_slots), BASE.hidden_size, generator=g)
+        for group, (p0, n) in enumerate(((0, 3), (3, 1))):  # qkv and o of layer 0: inputs of width hidden
+            ys = tuple(torch.zeros(len(row_slots), BASE.shape(PROJECTIONS[p])[1]) for p in range(p0, p0 + n))
+            step.add(0, group, x, ys)
+            ref = fp32_loop_reference(x, pool.a[0][p0:p0 + n], pool.b[0][p0:p0 + n],
+                                      pool.host_ranks[0][p0:p0 + n], row_slots)
+            for y, r in zip(ys, ref):
+                assert torch.allclose(y, r, rtol=1e-4, atol=1e-4)
+        assert sg.calls == [(mma, GROUP_MMA_ROWS[0]), (mma, GROUP_MMA_ROWS[1])]

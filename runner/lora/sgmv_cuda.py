@@ -85,16 +85,17 @@ class CudaSGMV:
 
     def add(self, ys: Sequence[torch.Tensor], v: torch.Tensor, x: torch.Tensor, a: Sequence[torch.Tensor],
             b: Sequence[torch.Tensor], ranks: torch.Tensor, host_ranks: Sequence[Sequence[int]], seg: SegmentTable,
-            mma: bool = True) -> None:
+            mma: bool = True, mma_rows: tuple[int, int] | None = None) -> None:
         """shrink then expand of one group (see the class docstring), fused into one launch when no
-        segment can take the tensor-core path."""
+        segment can take the tensor-core path. `mma_rows` = (shrink, expand) thresholds of this call
+        instead of the instance's."""
         if not x.is_cuda:
             raise ValueError(f"CudaSGMV needs CUDA tensors, got x on {x.device} (use TorchSGMV on the CPU)")
         stream = torch.cuda.current_stream(x.device).cuda_stream
         big = 1 << 30
+        s_rows, e_rows = mma_rows or (self.shrink_mma_min_rows, self.expand_mma_min_rows)  # the binding checks >= 1
         self._ext().add(list(ys), v, x, list(a), list(b), ranks, seg.indptr, seg.slots, self._counters_for(x.device),
-                        self.shrink_mma_min_rows if mma else big, self.expand_mma_min_rows if mma else big,
-                        self.pdl, stream)
+                        s_rows if mma else big, e_rows if mma else big, self.pdl, stream)
 
     def _counters_for(self, device: torch.device) -> torch.Tensor:
         c = self._counters.get(device)

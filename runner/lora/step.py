@@ -9,8 +9,24 @@ from lorafleet.runner.lora.segments import SegmentTable
 from lorafleet.runner.lora.sgmv import SGMV
 
 
+# Per projection group (qkv, o, gate_up, down: pool.GROUP_SPANS), the (shrink, expand) row counts from
+# which a segment takes tensor cores, from `lorafleet bench kernels --prefill` on the H200
+# (docs/benchmarks.md §1d, Llama-2-7B shapes, rank 16). The tensor-core kernels pay off for segments of
+# a few hundred rows in the wide groups (qkv, gate_up), but only from ~512 rows for o and down (one
+# projection, K = 11008 for down: too few 16-row tiles to fill the card). Below both thresholds a call
+# is one fused CUDA-core launch, which is what a step with a short prompt chunk beside the decodes
+# needs: with a 64-row chunk and 31 decode rows, down takes 40.6 us on tensor cores against 11.9 us
+# fused, qkv 29.6 against 22.6. The kernel flavour (tensor-core capable or not) is chosen per call from
+# the step's padded row count, so the wide groups start at 129 rows: steps padded to 128 rows fuse.
+# The path of a given segment depends only on that segment's length (one launch or two gives the
+# same bits); a segment's length itself can depend on other requests (a prompt chunk and the decode
+# rows of the same adapter form one segment), as with any per-segment threshold.
+GROUP_MMA_ROWS = ((129, 129), (512, 512), (129, 129), (512, 512))
+
+
 class LoraStepImpl:
-    """`mma=False` (decode steps): every segment on the CUDA-core path, shrink and expand fused."""
+    """The LoRA half of a step: `mma=False` (decode steps) puts every segment on the fused CUDA-core
+    path; otherwise each group's segments take tensor cores from GROUP_MMA_ROWS rows on."""
 
     def __init__(self, pool: LoraPool, sgmv: SGMV, seg: SegmentTable, workspace: torch.Tensor | None = None,
                  mma: bool = True):
@@ -28,4 +44,4 @@ class LoraStepImpl:
             return
         v = self.views[GROUP_SPANS[group][1]]
         a, b, ranks, host = self.pool.group_args[layer][group]  # ranks [G, S]
-        self.sgmv.add(ys, v, x, a, b, ranks, host, self.seg, self.mma)
+        self.sgmv.add(ys, v, x, a, b, ranks, host, self.seg, self.mma, GROUP_MMA_ROWS[group])

@@ -119,9 +119,10 @@ def check_result(x, pool, row_slots, buf, before, ys, v, dtype, out_dims, label=
             assert err_v < 1e-4, f"{label}: v[:, {g}] relative error {err_v:.2e}"
 
 
-def run(sg: CudaSGMV, x, pool, row_slots, out_dims, dtype, capacity=None, seed=0, label="", fused=False):
+def run(sg: CudaSGMV, x, pool, row_slots, out_dims, dtype, capacity=None, seed=0, label="", fused=False,
+        mma_rows=None):
     """One call: shrink then expand, or (`fused`) `add` with every segment on the CUDA-core path,
-    i.e. the one-launch kernel of decode steps."""
+    i.e. the one-launch kernel of decode steps, or (`mma_rows`) `add` with these thresholds."""
     T = x.shape[0]
     seg = build_segments(row_slots, device=DEV, capacity=capacity)
     buf, ys = fused_outputs(T, out_dims, dtype, seed)
@@ -129,6 +130,8 @@ def run(sg: CudaSGMV, x, pool, row_slots, out_dims, dtype, capacity=None, seed=0
     v = torch.full((T, len(out_dims), pool.rank_dim), float("nan"), device=DEV)
     if fused:
         sg.add(ys, v, x, pool.a, pool.b, pool.ranks, pool.host_ranks, seg, mma=False)
+    elif mma_rows is not None:
+        sg.add(ys, v, x, pool.a, pool.b, pool.ranks, pool.host_ranks, seg, mma_rows=mma_rows)
     else:
         sg.shrink(v, x, pool.a, pool.ranks, pool.host_ranks, seg)
         sg.expand(ys, v, pool.b, pool.ranks, pool.host_ranks, seg)
@@ -357,6 +360,26 @@ def test_fused_is_bitwise_the_two_launch_cuda_core_path(pdl):
         one, _ = run(sg, x, pool, row_slots, out_dims, dtype, capacity=128, seed=3, fused=True)
         assert torch.equal(one, two)
     assert int(sg._counters_for(x.device).abs().sum()) == 0
+
+
+@pytest.mark.parametrize("rows", [(64, 128), (512, 512), (16, 16)])
+def test_add_with_per_call_thresholds(rows):
+    """`add(mma_rows=...)` (each group of a step with prompt rows has its own): exact, and the same bits as
+    shrink + expand of an instance built with those thresholds, over segments on both sides of them (a
+    64-row prompt chunk, a 200-row one, decode rows); one launch or two does not change the bits."""
+    dtype = torch.bfloat16
+    in_dim, out_dims = SHAPES["llama_qkv_gqa"]
+    S = 24
+    host_ranks = [[16] * S, [0 if s % 5 == 0 else 8 for s in range(S)], [32] * S]
+    pool = make_pool(in_dim, out_dims, host_ranks, dtype, seed=8, rank_dim=32)
+    for lengths in ([1] * 31 + [64, 1, 200, 1, 1, 90, 1, 1, 1], [1] * 20 + [30]):
+        row_slots = batch_rows("uniform", len(lengths), S, seed=4, lengths=lengths, no_adapter_every=7)
+        x = torch.randn(len(row_slots), in_dim, device=DEV).to(dtype)
+        want, _ = run(CudaSGMV(shrink_mma_min_rows=rows[0], expand_mma_min_rows=rows[1]), x, pool, row_slots,
+                      out_dims, dtype, capacity=64, seed=5)
+        got, _ = run(CudaSGMV(), x, pool, row_slots, out_dims, dtype, capacity=64, seed=5,
+                     label=f"add with {rows}", mma_rows=rows)
+        assert torch.equal(got, want)
 
 
 def test_no_adapter_rows_and_empty_batch():
