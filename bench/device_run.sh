@@ -7,8 +7,10 @@
 #   ktests   kernel GPU tests only (incl. the fused one-launch path), sanitizer case
 #   etests   engine GPU tests only
 #   tptests  tensor-parallel GPU test (needs two GPUs: run it alone, not in a --par list)
+#   probe    bench/probe_decode.py: decode attention variants, LoRA beside the GEMM (SM carve-out) -> probe.json
+#   plantest the flashinfer plan GPU test alone
 #   kbench   bench kernels --quick: the fused decode call, the two-launch call and the peers  -> kernels.json
-#   interf   bench e2e: long-prompt interference only (chunked and unchunked)                  -> e2e_interf.json
+#   interf   bench e2e: long-prompt interference (chunked, unchunked), step profiles               -> e2e_interf.json
 #   tp70     bench e2e --tp 2: Llama-2-70B shape, distinct / identical / LoRA off, profile   -> e2e_tp70.json
 #   tp7      bench e2e --tp 1 2: the 7B shape on one GPU and on two                          -> e2e_tp7.json
 #   hf       bench e2e: HF transformers + PEFT mixed-batch generate on a sample              -> e2e_hf.json
@@ -20,10 +22,11 @@
 #   serve1   bench serve: online (OpenAI API, all at once) vs offline engine, distinct/uniform/base -> serve1.json
 #   serve2   bench serve: the same for skewed/identical                                      -> serve2.json
 #   serve3   bench serve: distinct/skewed, online and offline; serveq: online only, --runner-queue 32 -> serve3/serveq.json
-#   serve3p  serve3 with LORAFLEET_PIN_HOST_ADAPTERS=0 (pageable host copies of adapters read from disk)
+#   serve3p  serve3 with LORAFLEET_PIN_HOST_ADAPTERS=0 (pageable host copies of adapters read from disk, the
+#            default since 2026-12-01; serve3 sets 1: pinned)
 #   place    bench serve --runners 2: busiest vs least-loaded under Poisson rates (every GPU) -> place.json/png
 #   quick    engine GPU tests, then a short e2e (REQS=256: distinct, identical, LoRA off, profile)
-# Knobs: SWEEP_B (sweep: max batch sizes), ETESTS_K (pytest -k filter of etests), DPT (interf: decode_prefill_tokens values), REQS (default 1000), BENCH_S (timeout of one bench stage, s; COLD_S, SWEEP_S, HF_S, TEST_S per stage). Results, caches and logs.tgz go to
+# Knobs: SWEEP_B (sweep: max batch sizes), ETESTS_K / KTESTS_K (pytest -k filters of etests / ktests), DPT (interf: decode_prefill_tokens values), SERVE_MIXES (serve3*: mixes), REQS (default 1000), BENCH_S (timeout of one bench stage, s; COLD_S, SWEEP_S, HF_S, TEST_S per stage). Results, caches and logs.tgz go to
 # $OUT, each GPU's log to $OUT/gpuN.log.
 # The wheels (the GPU machine has no network): in the repository root, with .whl/ ignored by git,
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -58,8 +61,9 @@ stage() {
     tests) stage ktests; stage etests ;;
     ktests)
       timeout ${TEST_S:-240} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_sgmv_cuda.py tests/gpu/test_rope_kv_cuda.py \
-        tests/gpu/test_flashinfer_plans.py -rA -x 2>&1 \
+        tests/gpu/test_flashinfer_plans.py -rA -x -k "${KTESTS_K:-}" 2>&1 \
         | tee "$LOGS/gpu_ktests.log" | grep -E "passed|failed|FAILED|Error" | tail -12
+      [ -n "${KTESTS_K:-}" ] && return 0  # a filtered run: no sanitizer case
       PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 120 compute-sanitizer --tool memcheck python3 tests/gpu/sanitizer_case.py \
         > "$LOGS/sanitizer.log" 2>&1; tail -2 "$LOGS/sanitizer.log" ;;
     etests)
@@ -70,11 +74,16 @@ stage() {
       timeout ${TEST_S:-400} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tp_cuda.py -rA -s \
         -o faulthandler_timeout=${HANG_S:-300} 2>&1 | tee "$LOGS/gpu_tptests.log" \
         | grep -E "passed|failed|FAILED|flips|Error|Timeout|File " | tail -20 ;;
+    probe)
+      timeout ${PROBE_S:-300} python3 bench/probe_decode.py --out "$OUT/probe.json" 2>&1 | tee "$LOGS/probe.log" | tail -40 ;;
+    plantest)
+      timeout ${TEST_S:-200} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_flashinfer_plans.py -rA 2>&1 \
+        | tee "$LOGS/gpu_plantest.log" | grep -E "passed|failed|FAILED|Error" | tail -6 ;;
     kbench)
       timeout ${KB_S:-240} python3 -m lorafleet bench kernels --quick --out "$OUT/kernels.json" --plot "" 2>&1 \
         | tee "$LOGS/kbench.log" | tail -24 ;;
     interf)
-      timeout ${INTERF_S:-300} $E2E --mixes --no-lora-off --hf-requests 0 --sweep --interference \
+      timeout ${INTERF_S:-300} $E2E --mixes --no-lora-off --hf-requests 0 --sweep --interference --profile \
         --decode-prefill-tokens ${DPT:-512 256 128 64} \
         --out "$OUT/e2e_interf.json" 2>&1 | tee "$LOGS/e2e_interf.log" | tail -6 ;;
     tp70)
@@ -110,8 +119,8 @@ stage() {
         --work-dir /tmp/bs_$1 --out "$OUT/$1.json" 2>&1 | tee "$LOGS/$1.log" | grep -v " INFO " | tail -12 ;;
     serve3|serveq|serve3p)  # distinct + skewed; serveq: online only, with the runner queue allowance at the max batch
       local extra="" pin=1; [ "$1" = serveq ] && extra="--no-offline --serve-arg=--runner-queue --serve-arg=32"
-      [ "$1" = serve3p ] && pin=0  # pageable host copies of adapters read from disk
-      LORAFLEET_PIN_HOST_ADAPTERS=$pin timeout ${SERVE_S:-500} $SERVE --runners 1 --requests ${SERVE_REQS:-600} --mixes distinct skewed $extra \
+      [ "$1" = serve3p ] && pin=0  # pageable host copies of adapters read from disk (the default); serve3: pinned
+      LORAFLEET_PIN_HOST_ADAPTERS=$pin timeout ${SERVE_S:-500} $SERVE --runners 1 --requests ${SERVE_REQS:-600} --mixes ${SERVE_MIXES:-distinct skewed} $extra \
         --work-dir /tmp/bs_$1 --out "$OUT/$1.json" 2>&1 | tee "$LOGS/$1.log" | grep -v " INFO " | tail -12 ;;
     place)
       timeout ${PLACE_S:-420} $SERVE --runners 2 --requests ${PLACE_REQS:-200} --mixes skewed \

@@ -198,8 +198,6 @@ def run_mix(engine, reqs, names, weights_of, label: str, log, fm: dict | None = 
 
 def profile_breakdown(engine, reqs, log, source_of=str) -> dict:
     """GPU time per category over decode steps at full batch, vs wall time (the rest is host)."""
-    from torch.profiler import ProfilerActivity, profile
-
     from lorafleet.runner.sequence import AdapterRef, SamplingParams, Sequence
 
     for i, (ids, _) in enumerate(reqs[: engine.config.max_batch_size]):  # distinct adapters
@@ -212,25 +210,38 @@ def profile_breakdown(engine, reqs, log, source_of=str) -> dict:
             break
     for _ in range(3):
         engine.step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        for _ in range(10):
-            engine.step()
-        torch.cuda.synchronize()
-        wall = (time.perf_counter() - t0) / 10
+    out = profile_steps(engine, 10)
     while engine.has_work():
         engine.step()
-    from torch.autograd import DeviceType
+    log("per decode step (ms): " + ", ".join(f"{k} {v}" for k, v in out.items() if k != "top_kernels"))
+    return out
 
+
+def profile_steps(engine, n: int, top: int = 12) -> dict:
+    """Device time per category (ms per step) over the engine's next `n` steps, their wall time, the
+    rest as host and gaps, and the `top` kernels by device time (ms per step)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            engine.step()
+        sync()
+        wall = (time.perf_counter() - t0) / n
     cats = {"dense_gemm": 0.0, "attention": 0.0, "lora_sgmv": 0.0, "allreduce": 0.0, "sampling": 0.0,
             "other_gpu": 0.0}
+    kernels = []
     for ev in prof.key_averages():
         if getattr(ev, "device_type", None) != DeviceType.CUDA:
             continue  # CPU-side ops; their kernels are counted as CUDA events
         dt = getattr(ev, "self_device_time_total", 0) or 0
         if not dt:
             continue
+        kernels.append((dt, ev.key, ev.count))
         k = ev.key.lower()
         if "sgmv" in k:
             cats["lora_sgmv"] += dt
@@ -244,44 +255,77 @@ def profile_breakdown(engine, reqs, log, source_of=str) -> dict:
             cats["sampling"] += dt
         else:
             cats["other_gpu"] += dt
-    out = {k: round(v / 10 / 1000, 3) for k, v in cats.items()}  # ms per step
+    out = {k: round(v / n / 1000, 3) for k, v in cats.items()}  # ms per step
+    gpu = sum(out.values())
     out["wall_ms"] = round(1000 * wall, 3)
-    out["host_and_gaps_ms"] = round(out["wall_ms"] - sum(v for k, v in out.items() if k != "wall_ms"), 3)
-    log("per decode step (ms): " + ", ".join(f"{k} {v}" for k, v in out.items()))
+    out["host_and_gaps_ms"] = round(out["wall_ms"] - gpu, 3)
+    out["top_kernels"] = [{"kernel": key[:160], "ms_per_step": round(dt / n / 1000, 3), "calls_per_step": c / n}
+                          for dt, key, c in sorted(kernels, reverse=True)[:top]]
     return out
 
 
 def run_interference(engine, vocab: int, log, long_len: int = 8000, n_long: int = 4, every: int = 40,
-                     label: str = "", quiet_steps: int = 40) -> dict:
-    """Long prompts arriving into a full decode batch. Inter-token latency (the gap between
-    consecutive tokens of a decoding request): p50 over `quiet_steps` decode-only steps first,
-    then p99 while `n_long` prompts of `long_len` tokens are prefilled (one every `every` steps);
-    the ratio p99 (with long prompts) / p50 (without) is the interference."""
-    from lorafleet.runner.sequence import SamplingParams, Sequence
+                     label: str = "", quiet_steps: int = 40, profile: bool = False, adapter_source=None) -> dict:
+    """Long prompts arriving into a full decode batch. Inter-token latency (ITL: the gap between
+    consecutive tokens of a decoding request) while `n_long` prompts of `long_len` tokens are
+    prefilled (one every `every` steps), against two baselines without them:
+      - quiet: the first `quiet_steps` steps before the long prompts arrive;
+      - control: the same decoders (same prompts, fresh requests) run again without long prompts for as
+        many steps, so every token is compared with a token at the same context length (the decoders'
+        contexts grow by one token per step, and attention with them, over the whole loaded phase).
+    The interference is p99 (with long prompts) / p50 of the control. With `adapter_source(i) -> source`,
+    request i has its own adapter (name i, that source). With `profile`, one more long
+    prompt afterwards: device time per kernel and host profile of steps that carry its rows."""
+    from lorafleet.runner.sequence import AdapterRef, SamplingParams, Sequence
+
+    def ref(name: str, i: int):
+        return AdapterRef(f"i-{name}", adapter_source(i)) if adapter_source is not None else None
 
     rng = np.random.default_rng(7)
     B = engine.config.max_batch_size
-    dec = [Sequence(f"i-dec{i}", rng.integers(3, vocab, 200).tolist(), SamplingParams(max_tokens=100000,
-                                                                                       ignore_eos=True),
-                    arrival=float(i)) for i in range(B - 1)]
-    dec_ids = {sq.id for sq in dec}
-    for sq in dec:
-        engine.submit(sq)
-    for _ in range(5000):  # until every decoder runs with its prompt done
-        engine.step()
-        if not engine.batcher.waiting and all(not sq.prefilling for sq in engine.batcher.running) and \
-                len(engine.batcher.running) == len(dec):
-            break
+    prompts = [rng.integers(3, vocab, 200).tolist() for _ in range(B - 1)]
+    dec_ids: set[str] = set()
+
+    def start_decoders(tag: str) -> list:
+        dec = [Sequence(f"i-dec{tag}{i}", ids, SamplingParams(max_tokens=100000, ignore_eos=True), ref(f"d{i}", i),
+                        arrival=float(i)) for i, ids in enumerate(prompts)]
+        dec_ids.clear()
+        dec_ids.update(sq.id for sq in dec)
+        for sq in dec:
+            engine.submit(sq)
+        for _ in range(5000):  # until every decoder runs with its prompt done
+            engine.step()
+            if not engine.batcher.waiting and all(not sq.prefilling for sq in engine.batcher.running) and \
+                    len(engine.batcher.running) == len(dec):
+                break
+        return dec
+
+    def stop(dec) -> None:
+        for sq in dec:
+            engine.cancel(sq.id)
+        while engine.has_work():
+            engine.step()
+
+    steps_run = [0]
+    # (prompt rows, seconds) of each step of the last gaps_of. With overlap, the interval between two
+    # step() returns is mostly the wait for the step queued by the call before, so it is labelled with
+    # that step's prompt rows; without overlap, with the step just run.
+    step_times: list[tuple[int, float]] = []
 
     def gaps_of(steps: int, on_step=None, until=None) -> list[float]:
         last: dict[str, float] = {}
         gaps: list[float] = []
+        step_times.clear()
         k = 0
+        prev = time.perf_counter()
         while (k < steps if until is None else not until()) and k < 20000:
             if on_step is not None:
                 on_step(k)
+            queued = engine.last_step[0]  # prompt rows of the step now in flight
             outs = engine.step()
             now = time.perf_counter()
+            step_times.append((queued if engine.overlap else engine.last_step[0], now - prev))
+            prev = now
             for o in outs:
                 if o.seq_id in dec_ids and o.new_token_ids:
                     if o.seq_id in last:
@@ -293,14 +337,17 @@ def run_interference(engine, vocab: int, log, long_len: int = 8000, n_long: int 
                     if o.finished:
                         done.add(o.seq_id)
             k += 1
+        steps_run[0] = k
         return gaps
 
     done: set[str] = set()
     submitted: dict[str, float] = {}
     ttft: dict[str, float] = {}  # long prompts: submission to first token
+    dec = start_decoders("")
     quiet = gaps_of(quiet_steps)
     longs = [Sequence(f"i-long{k}", rng.integers(3, vocab, long_len).tolist(),
-                      SamplingParams(max_tokens=8, ignore_eos=True), arrival=1e6 + k) for k in range(n_long)]
+                      SamplingParams(max_tokens=8, ignore_eos=True), ref(f"l{k}", B + k), arrival=1e6 + k)
+             for k in range(n_long)]
     t0 = time.perf_counter()
 
     def submit(k: int) -> None:
@@ -309,23 +356,104 @@ def run_interference(engine, vocab: int, log, long_len: int = 8000, n_long: int 
             engine.submit(longs[k // every])
 
     loaded = gaps_of(0, submit, until=lambda: len(done) >= n_long)
-    for sq in dec:
-        engine.cancel(sq.id)
-    while engine.has_work():
-        engine.step()
-    p50 = pct(quiet, 50)
-    res = {"label": f"interference{label}", "long_prompts": n_long, "long_tokens": long_len, "decoders": len(dec),
-           "seconds": round(time.perf_counter() - t0, 2), "itl_p50_quiet_ms": round(1000 * p50, 2),
+    loaded_steps = steps_run[0]
+    loaded_split = split_steps(step_times)
+    seconds = time.perf_counter() - t0
+    profiles = profile_mixed(engine, vocab, long_len, rng, log, ref("p", B + n_long)) if profile else {}
+    stop(dec)
+    dec = start_decoders("c")  # the control: same decoders, same number of steps, no long prompts
+    gaps_of(quiet_steps)
+    control = gaps_of(loaded_steps)
+    control_split = split_steps(step_times)
+    stop(dec)
+    p50, c50 = pct(quiet, 50), pct(control, 50)
+    res = {"label": f"interference{label}", "adapters": adapter_source is not None, "long_prompts": n_long,
+           "long_tokens": long_len, "decoders": len(dec),
+           "seconds": round(seconds, 2), "loaded_steps": loaded_steps, "itl_p50_quiet_ms": round(1000 * p50, 2),
+           "itl_p50_control_ms": round(1000 * c50, 2), "itl_p99_control_ms": round(1000 * pct(control, 99), 2),
            "itl_p50_ms": round(1000 * pct(loaded, 50), 2), "itl_p99_ms": round(1000 * pct(loaded, 99), 2),
            "itl_max_ms": round(1000 * max(loaded, default=0), 2), "max_step_tokens": engine.max_step_tokens,
            "decode_prefill_tokens": engine.batcher.decode_prefill_tokens,
            "long_ttft_s": round(sum(ttft.values()) / max(1, len(ttft)), 3)}
     res["itl_p99_over_p50"] = round(res["itl_p99_ms"] / res["itl_p50_quiet_ms"], 3) if p50 else None
-    log(f"{res['label']:>28}: decode ITL p50 {res['itl_p50_quiet_ms']:.1f} ms without long prompts; with them "
-        f"p50 {res['itl_p50_ms']:.1f} p99 {res['itl_p99_ms']:.1f} ms (x{res['itl_p99_over_p50']} the quiet p50) "
-        f"max {res['itl_max_ms']:.0f} ms; {n_long} x {long_len}-token prompts (TTFT {res['long_ttft_s']:.2f} s), "
+    res["itl_p99_over_control_p50"] = round(res["itl_p99_ms"] / res["itl_p50_control_ms"], 3) if c50 else None
+    res["loaded_step_ms"], res["control_step_ms"] = loaded_split, control_split
+    res.update(profiles)
+    log(f"{res['label']:>28}: decode ITL with long prompts p50 {res['itl_p50_ms']:.1f} p99 {res['itl_p99_ms']:.1f} "
+        f"max {res['itl_max_ms']:.0f} ms over {loaded_steps} steps; without them p50 "
+        f"{res['itl_p50_control_ms']:.1f} ms "
+        f"(control, same steps: p99 x{res['itl_p99_over_control_p50']}), {res['itl_p50_quiet_ms']:.1f} ms before "
+        f"(x{res['itl_p99_over_p50']}); {n_long} x {long_len}-token prompts (TTFT {res['long_ttft_s']:.2f} s), "
         f"step budget {engine.max_step_tokens}")
+    lw, ld, cd = loaded_split["with_prompt_rows"], loaded_split["decode_only"], control_split["decode_only"]
+    log(" " * 30 + f"steps with prompt rows {lw['steps']} x {lw['mean']} ms (p50 {lw['p50']}), decode-only "
+        f"{ld['steps']} x {ld['mean']} ms; control {cd['steps']} x {cd['mean']} ms (p50 {cd['p50']})")
     return res
+
+
+def split_steps(step_times: list[tuple[int, float]]) -> dict:
+    """Wall time per step (ms: count, mean, p50, p99) of steps with and without prompt rows (the
+    interval between consecutive `step()` returns, i.e. what a decoding request waits per token)."""
+    out = {}
+    for kind, keep in (("with_prompt_rows", lambda pf: pf > 0), ("decode_only", lambda pf: pf == 0)):
+        ts = [dt for pf, dt in step_times if keep(pf)]
+        out[kind] = {"steps": len(ts), "mean": round(1000 * float(np.mean(ts)), 3) if ts else None,
+                     "p50": round(1000 * pct(ts, 50), 3) if ts else None,
+                     "p99": round(1000 * pct(ts, 99), 3) if ts else None}
+    return out
+
+
+def profile_mixed(engine, vocab: int, long_len: int, rng, log, adapter=None, n: int = 8) -> dict:
+    """Profiles `n` steps that carry rows of one long prompt beside the running decodes, then `n` quiet
+    decode steps after it finished."""
+    from lorafleet.runner.sequence import SamplingParams, Sequence
+
+    sq = Sequence("i-prof", rng.integers(3, vocab, long_len).tolist(), SamplingParams(max_tokens=2, ignore_eos=True),
+                  adapter, arrival=2e6)
+    engine.submit(sq)
+
+    def prefilling() -> bool:
+        return any(r is sq for r in engine.batcher.running) and sq.prefilling
+
+    for _ in range(200):  # admitted, first chunk done
+        if prefilling() and sq.num_cached > 0:
+            break
+        engine.step()
+    out = {"mixed_step_profile": profile_steps(engine, n)}
+    out["mixed_step_host"] = host_profile(engine, n)
+    for _ in range(20000):  # until it finished
+        if sq.finish_reason is not None:
+            break
+        engine.step()
+    out["quiet_step_profile"] = profile_steps(engine, n)
+    log(f"steps with prompt rows, unprofiled: {out['mixed_step_host']['wall_ms_unprofiled']:.2f} ms each; "
+        "host functions by own time:\n" + out["mixed_step_host"]["cprofile_tottime"][-6000:])
+    for k in ("mixed_step_profile", "quiet_step_profile"):
+        log(f"{k}: " + ", ".join(f"{c} {v}" for c, v in out[k].items() if c != "top_kernels"))
+        for t in out[k]["top_kernels"][:10]:
+            log(f"    {t['ms_per_step']:7.3f} ms  x{t['calls_per_step']:5.1f}  {t['kernel'][:110]}")
+    return out
+
+
+def host_profile(engine, n: int, top: int = 25) -> dict:
+    """Wall time of the engine's next `n` steps without any profiler, then the host functions (cProfile)
+    with the most own time over `n` more."""
+    import cProfile
+    import io
+    import pstats
+
+    t0 = time.perf_counter()
+    for _ in range(n):
+        engine.step()
+    wall = (time.perf_counter() - t0) / n
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(n):
+        engine.step()
+    pr.disable()
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).strip_dirs().sort_stats("tottime").print_stats(top)
+    return {"wall_ms_unprofiled": round(1000 * wall, 3), "cprofile_tottime": buf.getvalue()}
 
 
 def hf_peft_peers(reqs, n: int, new_tokens: int, device, log) -> dict[str, float]:
@@ -396,12 +524,18 @@ def headline(results: list[dict]) -> dict:
         if starts and "engine_start_s" not in out:
             out["engine_start_s"] = starts[0]
         for it in res.get("interference", []):
+            # p99 with long prompts over the p50 of the control run (same decoders, same steps, no long
+            # prompts); runs from before the control existed only have the quiet-start baseline
+            ratio = it.get("itl_p99_over_control_p50", it["itl_p99_over_p50"])
             if it["label"].endswith("(chunked)"):
-                out.setdefault("interference_tpot_p99_ratio", it["itl_p99_over_p50"])
+                out.setdefault("interference_tpot_p99_ratio", ratio)
+                out.setdefault("interference_baseline", "control" if "itl_p99_over_control_p50" in it else "quiet")
             elif it["label"].endswith("(unchunked)"):
-                out.setdefault("interference_unchunked_p99_ratio", it["itl_p99_over_p50"])
+                out.setdefault("interference_unchunked_p99_ratio", ratio)
             elif it.get("decode_prefill_tokens"):
                 out.setdefault("interference_p99_ratio_by_decode_prefill_tokens", {}).setdefault(
+                    str(it["decode_prefill_tokens"]), ratio)
+                out.setdefault("interference_p99_over_quiet_p50_by_decode_prefill_tokens", {}).setdefault(
                     str(it["decode_prefill_tokens"]), it["itl_p99_over_p50"])
         if "lora off" in by:
             lora_off.append({"lora_off": by["lora off"]["output_tok_s"], "with": [m for m in MIXES if m in by]})
@@ -477,6 +611,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", action="store_true", help="per-step GPU time breakdown at full batch")
     p.add_argument("--interference", action="store_true",
                    help="8k-token prompts into a full decode batch, chunked (the default step budget) and unchunked")
+    p.add_argument("--interference-adapters", choices=["distinct", "none"], default="distinct",
+                   help="with --interference: every request with its own adapter (default), or the base model only")
     p.add_argument("--decode-prefill-tokens", type=int, nargs="*", default=[], metavar="N",
                    help="with --interference: also run it with at most N prompt rows per step that carries decodes "
                         "(EngineConfig.decode_prefill_tokens), once per N")
@@ -583,19 +719,23 @@ def main(argv: list[str] | None = None) -> int:
         save_partial()
     if args.interference:
         eng = eng or make_engine(args.max_batch, True)
-        results["interference"] = [run_interference(eng, model.cfg.vocab_size, log, label=" (chunked)")]
+        ilora = str if args.interference_adapters == "distinct" else None  # the loader maps source i to a set
+        results["interference"] = [run_interference(eng, model.cfg.vocab_size, log, label=" (chunked)",
+                                                    adapter_source=ilora)]
         save_partial()
         for cap in args.decode_prefill_tokens:
             eng.batcher.decode_prefill_tokens = cap
             results["interference"].append(run_interference(eng, model.cfg.vocab_size, log,
-                                                             label=f" (chunked, {cap} prompt rows with decodes)"))
+                                                             label=f" (chunked, {cap} prompt rows with decodes)",
+                                                             profile=args.profile, adapter_source=ilora))
             save_partial()
         eng.batcher.decode_prefill_tokens = None
         del eng
         gc.collect()
         torch.cuda.empty_cache()
         eng = make_engine(args.max_batch, True, chunked=False)
-        results["interference"].append(run_interference(eng, model.cfg.vocab_size, log, label=" (unchunked)"))
+        results["interference"].append(run_interference(eng, model.cfg.vocab_size, log, label=" (unchunked)",
+                                                        adapter_source=ilora))
         save_partial()
     if args.cold:
         # Cold start: the uniform mix's adapters as PEFT files on disk, a fresh engine with an

@@ -89,7 +89,7 @@ def test_floor_model_counts_the_weights_transformers_counts(tiny_llama):
     assert abs(t - want) < 1e-15
 
 
-def test_interference_run_measures_decoders_and_cleans_up(tiny_llama):
+def test_interference_run_measures_decoders_and_cleans_up(tiny_llama, tmp_path):
     from lorafleet.runner.bench_e2e import run_interference
     from lorafleet.runner.config import EngineConfig
     from lorafleet.runner.engine import Engine
@@ -100,7 +100,35 @@ def test_interference_run_measures_decoders_and_cleans_up(tiny_llama):
     assert res["decoders"] == 3 and res["long_prompts"] == 2 and res["max_step_tokens"] == 24
     assert 0 < res["itl_p50_quiet_ms"] and 0 < res["itl_p50_ms"] <= res["itl_p99_ms"] <= res["itl_max_ms"]
     assert res["itl_p99_over_p50"] == round(res["itl_p99_ms"] / res["itl_p50_quiet_ms"], 3)
+    # the control ran the same decoders for as many steps as the loaded phase, without long prompts
+    assert res["loaded_steps"] >= 2 * 90 // 24 and 0 < res["itl_p50_control_ms"] <= res["itl_p99_control_ms"]
+    assert res["itl_p99_over_control_p50"] == round(res["itl_p99_ms"] / res["itl_p50_control_ms"], 3)
+    # per-step wall times: the loaded phase has steps with prompt rows, the control none
+    ld, ct = res["loaded_step_ms"], res["control_step_ms"]
+    assert ld["with_prompt_rows"]["steps"] >= 90 // 24 and ct["with_prompt_rows"]["steps"] == 0
+    assert ld["with_prompt_rows"]["steps"] + ld["decode_only"]["steps"] == res["loaded_steps"]
+    assert ct["decode_only"]["steps"] == res["loaded_steps"]
+    assert 0 < ct["decode_only"]["p50"] <= ct["decode_only"]["p99"]
     assert res["long_ttft_s"] > 0 and res["decode_prefill_tokens"] is None
+    assert not eng.has_work() and eng.blocks.free_pages == eng.blocks.num_pages
+    assert "mixed_step_profile" not in res
+
+    # with adapters (every request its own name over two weight sets) and a profile: one more long prompt
+    # whose chunks ride with the decodes, then quiet steps
+    from model_helpers import write_random_adapter
+
+    sets = [write_random_adapter(tiny_llama, tmp_path / f"w{k}", r=4, seed=k) for k in range(2)]
+    eng.batcher.decode_prefill_tokens = 8
+    res = run_interference(eng, 512, lambda m: None, long_len=90, n_long=1, every=3, quiet_steps=4, profile=True,
+                           adapter_source=lambda i: str(sets[i % 2]))
+    assert res["adapters"] and res["itl_p99_over_control_p50"] > 0
+    assert eng.adapters.stats["loads"] >= 2  # the decoders' adapters were loaded
+    mixed, quiet = res["mixed_step_profile"], res["quiet_step_profile"]
+    host = res["mixed_step_host"]
+    assert host["wall_ms_unprofiled"] > 0 and "function calls" in host["cprofile_tottime"]
+    assert mixed["wall_ms"] > 0 and quiet["wall_ms"] > 0
+    assert mixed["host_and_gaps_ms"] == round(mixed["wall_ms"] - sum(
+        v for k, v in mixed.items() if k not in ("wall_ms", "host_and_gaps_ms", "top_kernels")), 3)
     assert not eng.has_work() and eng.blocks.free_pages == eng.blocks.num_pages
 
 
