@@ -34,7 +34,7 @@ class HostTier:
 
             from lorafleet import env
 
-            # env.pin_host_adapters: pinned by default; pageable avoids a page-locking driver call per read
+            # env.pin_host_adapters: pageable by default, which avoids a page-locking driver call per read
             self.reader = AdapterReader(base, max_rank, dtype, workers=readers, pin=pin and env.pin_host_adapters()).start()
         self.cache: OrderedDict[tuple[str, str], LoadedAdapter] = OrderedDict()
         self.lock = threading.Lock()

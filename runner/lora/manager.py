@@ -2,8 +2,8 @@
 
 `acquire(ref)` answers READY (with a slot, pinned for the caller), LOADING (come back next
 step) or raises AdapterError. Loads on CPU are synchronous; on CUDA the disk read runs in a
-reader process (`reader.py`) and the copy into the slot on a side stream from pinned host memory,
-so neither stalls the running batch nor the engine's thread.
+reader process (`reader.py`) and the copy into the slot on a side stream from host memory (pageable
+by default, see `env.pin_host_adapters`), so neither stalls the running batch nor the engine's thread.
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ class AdapterManager:
         return self.host.get(ref)
 
     def _copy_in(self, ref: AdapterRef, slot: int, main_stream) -> "torch.cuda.Event":
-        """Worker thread: host tier (or disk) -> pinned -> slot on the side stream; returns its event."""
+        """Worker thread: host tier (or disk) -> host memory -> slot on the side stream; returns its event."""
         adapter = self._host_copy(ref)
         # Steps already queued may still read this slot's previous weights: copy after them.
         with torch.cuda.device(self.pool.device):

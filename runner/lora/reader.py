@@ -19,7 +19,8 @@ They speak the runner's channel (channel.py: length-prefixed JSON over a socketp
     -> ["shutdown"]
 
 The worker runs `load_adapter` (the in-process code) and writes the packed tensors to one file
-in shared memory (/dev/shm); the engine side reads that file straight into one pinned buffer and
+in shared memory (/dev/shm); the engine side reads that file straight into one host buffer (pinned
+only with `env.pin_host_adapters`) and
 cuts the packed views out of it: a few dozen tensor operations per adapter, not thousands.
 
 A worker that dies (killed, out of memory, crashed by a malformed file) fails only its read: it is
