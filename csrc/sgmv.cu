@@ -1011,13 +1011,15 @@ const char* blocks_per_sm(Kernel kernel, int device, int smem, int* out) {
 // Grid: one block per possible work item, at most `max_per_sm` resident blocks per SM (the shrink
 // leaves room so that the expand, launched early, can prefetch alongside it).
 template <typename Kernel, typename Params>
-const char* launch(Kernel kernel, const Params& params, int max_items, int max_per_sm, int smem, bool pdl,
-                   int device, cudaStream_t stream) {
+const char* launch(Kernel kernel, const Params& params, int max_items, int max_per_sm, int smem,
+                   const LaunchOptions& opt, int device, cudaStream_t stream) {
   DeviceInfo info;
   if (const char* err = device_info(device, &info)) return err;
   int per_sm = 1;
   if (const char* err = blocks_per_sm(kernel, device, smem, &per_sm)) return err;
-  const int blocks = std::max(1, std::min(max_items, info.sms * std::min(per_sm, max_per_sm)));
+  int blocks = std::min(max_items, info.sms * std::min(per_sm, max_per_sm));
+  if (opt.max_blocks > 0) blocks = std::min(blocks, opt.max_blocks);
+  blocks = std::max(1, blocks);
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(blocks);
   cfg.blockDim = dim3(kThreads);
@@ -1026,7 +1028,7 @@ const char* launch(Kernel kernel, const Params& params, int max_items, int max_p
   cudaLaunchAttribute attr[1];
   cfg.attrs = attr;
   cfg.numAttrs = 0;
-  if (pdl && info.major >= 9) {
+  if (opt.pdl && info.major >= 9) {
     attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[0].val.programmaticStreamSerializationAllowed = 1;
     cfg.numAttrs = 1;
@@ -1110,8 +1112,8 @@ const char* shrink_typed(const ShrinkArgs& args, const LaunchOptions& opt, int d
   int64_t items = static_cast<int64_t>(row_chunks_bound(args.seg, kShrinkRows)) * ceil_div(rank_sum, kShrinkRanksN);
   if (mma) items += static_cast<int64_t>(row_chunks_bound(args.seg, kShrinkTileM)) * args.seg.num_groups;
   const int max_items = static_cast<int>(std::min<int64_t>(items, 1 << 30));
-  return mma ? launch(sgmv_shrink_kernel<T, true>, p, max_items, kShrinkBlocksPerSm, smem, opt.pdl, device, stream)
-             : launch(sgmv_shrink_kernel<T, false>, p, max_items, kShrinkBlocksPerSm, smem, opt.pdl, device, stream);
+  return mma ? launch(sgmv_shrink_kernel<T, true>, p, max_items, kShrinkBlocksPerSm, smem, opt, device, stream)
+             : launch(sgmv_shrink_kernel<T, false>, p, max_items, kShrinkBlocksPerSm, smem, opt, device, stream);
 }
 
 template <typename T>
@@ -1153,8 +1155,8 @@ const char* expand_typed(const ExpandArgs& args, const LaunchOptions& opt, int d
   int64_t items = static_cast<int64_t>(row_chunks_bound(args.seg, kExpandRows)) * ceil_div(vecs, kExpandVecs);
   if (mma) items += static_cast<int64_t>(row_chunks_bound(args.seg, kTileM)) * tiles;
   const int max_items = static_cast<int>(std::min<int64_t>(items, 1 << 30));
-  return mma ? launch(sgmv_expand_kernel<T, true>, p, max_items, kThreads, smem, opt.pdl, device, stream)
-             : launch(sgmv_expand_kernel<T, false>, p, max_items, kThreads, smem, opt.pdl, device, stream);
+  return mma ? launch(sgmv_expand_kernel<T, true>, p, max_items, kThreads, smem, opt, device, stream)
+             : launch(sgmv_expand_kernel<T, false>, p, max_items, kThreads, smem, opt, device, stream);
 }
 
 
@@ -1207,7 +1209,7 @@ const char* fused_typed(const ShrinkArgs& sa, const ExpandArgs& ea, int* counter
       static_cast<int64_t>(row_chunks_bound(sa.seg, kExpandRows)) * ceil_div(vecs, kExpandVecs);
   const int max_items = static_cast<int>(std::min<int64_t>(items, 1 << 30));
   // No per-SM cap below the occupancy: the grid is at most what is resident at once (see the kernel).
-  return launch(sgmv_fused_kernel<T>, p, max_items, kThreads, smem, opt.pdl, device, stream);
+  return launch(sgmv_fused_kernel<T>, p, max_items, kThreads, smem, opt, device, stream);
 }
 
 }  // namespace

@@ -63,6 +63,10 @@ struct LaunchOptions {
   // (expand) tile meanwhile; it waits for that kernel before reading x, v or y and before any write.
   // So nothing may write the tables or the pools in the kernel launched right before either one.
   bool pdl = true;
+  // At most this many blocks (0: the launcher's own bound). Every block takes items blockIdx.x,
+  // blockIdx.x + gridDim.x, ..., so results never depend on it; a small grid leaves SMs to a kernel that
+  // runs at the same time on another stream (a shrink beside the GEMM that shares its input).
+  int max_blocks = 0;
 };
 
 // Enqueue one launch on `stream` (a cudaStream_t) of device `device`. No host synchronisation, no

@@ -1,8 +1,9 @@
 // Torch binding of the SGMV launchers (sgmv.h). It validates every input and then enqueues the
 // kernels on the CUDA stream that Python passes in as an integer (no c10/cuda headers needed).
 //
-//   shrink(v, x, a, ranks, indptr, slots, mma_min_rows, pdl, stream):
-//       v[rows, g, :r] = x[rows] @ a[g][s, :r, :].T        for every segment (rows, s >= 0) and g
+//   shrink(v, x, a, ranks, indptr, slots, mma_min_rows, pdl, stream, max_blocks=0):
+//       v[rows, g, :r] = x[rows] @ a[g][s, :r, :].T        for every segment (rows, s >= 0) and g;
+//       max_blocks > 0 caps the grid (to leave SMs to a kernel on another stream)
 //   expand(ys, v, b, ranks, indptr, slots, mma_min_rows, pdl, stream):
 //       ys[g][rows] += v[rows, g, :r] @ b[g][s, :r, :]
 //   add(ys, v, x, a, b, ranks, indptr, slots, counters, shrink_mma_min_rows, expand_mma_min_rows, pdl, stream):
@@ -161,22 +162,24 @@ lorafleet::ShrinkArgs shrink_args(const Tensor& v, const Tensor& x, const std::v
   return args;
 }
 
-lorafleet::LaunchOptions launch_options(int64_t mma_min_rows, bool pdl) {
+lorafleet::LaunchOptions launch_options(int64_t mma_min_rows, bool pdl, int64_t max_blocks = 0) {
   SGMV_CHECK(mma_min_rows >= 1, "sgmv: mma_min_rows must be >= 1");
+  SGMV_CHECK(max_blocks >= 0, "sgmv: max_blocks must be >= 0 (0: no cap)");
   lorafleet::LaunchOptions opt;
   opt.mma_min_rows = static_cast<int>(std::min<int64_t>(mma_min_rows, kInt32Max));
   opt.pdl = pdl;
+  opt.max_blocks = static_cast<int>(std::min<int64_t>(max_blocks, kInt32Max));
   return opt;
 }
 
 void* as_stream(int64_t stream) { return reinterpret_cast<void*>(static_cast<intptr_t>(stream)); }
 
 void shrink(Tensor v, Tensor x, std::vector<Tensor> a, Tensor ranks, Tensor indptr, Tensor slots,
-            int64_t mma_min_rows, bool pdl, int64_t stream) {
+            int64_t mma_min_rows, bool pdl, int64_t stream, int64_t max_blocks) {
   const auto dtype = kernel_dtype(x, "x");
   const lorafleet::ShrinkArgs args = shrink_args(v, x, a, ranks, indptr, slots);
   if (x.size(0) == 0) return;
-  const char* err = lorafleet::sgmv_shrink(dtype, args, launch_options(mma_min_rows, pdl), x.get_device(),
+  const char* err = lorafleet::sgmv_shrink(dtype, args, launch_options(mma_min_rows, pdl, max_blocks), x.get_device(),
                                            as_stream(stream));
   SGMV_CHECK(err == nullptr, "sgmv shrink launch failed: %s", err ? err : "");
 }
@@ -322,7 +325,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "lorafleet CUDA kernels: SGMV (LoRA shrink / expand over segments of a flat batch) and rope_kv";
   m.def("shrink", &shrink, "v[rows, g, :r] = x[rows] @ a[g][slot, :r].T for every segment",
         py::arg("v"), py::arg("x"), py::arg("a"), py::arg("ranks"), py::arg("indptr"), py::arg("slots"),
-        py::arg("mma_min_rows"), py::arg("pdl"), py::arg("stream"));
+        py::arg("mma_min_rows"), py::arg("pdl"), py::arg("stream"), py::arg("max_blocks") = 0);
   m.def("expand", &expand, "ys[g][rows] += v[rows, g, :r] @ b[g][slot, :r] for every segment",
         py::arg("ys"), py::arg("v"), py::arg("b"), py::arg("ranks"), py::arg("indptr"), py::arg("slots"),
         py::arg("mma_min_rows"), py::arg("pdl"), py::arg("stream"));

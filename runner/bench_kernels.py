@@ -3,8 +3,9 @@
 For each shape (default: 4096->4096 r=16, 4096->4096 r=64, 11008->4096 r=16; bf16), batch size
 {1..256} and adapter workload (distinct, uniform, skewed, identical; Punica's four), it times
 
-    cuda        CudaSGMV.add as a decode step calls it: shrink + expand fused into one launch
-    cuda_2launch  the same as two launches (shrink, then expand; tensor cores for long segments)
+    cuda        CudaSGMV.add as a decode step calls it: shrink, then expand, every segment on CUDA cores
+    cuda_fused  the same in one fused launch (same bits; what decode steps launched until 2026-12-01)
+    cuda_2launch  two launches with the default thresholds (tensor cores for long segments)
     loop        one matmul pair per segment (a Python loop over adapters)
     gather_bmm  gather each row's A and B, then two batched matmuls
     grouped_mm  gather each segment's A and B, then torch._grouped_mm (when this torch has it)
@@ -44,7 +45,7 @@ WORKLOADS = ("distinct", "uniform", "skewed", "identical")
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 BANDWIDTH = 4.2e12  # bytes/s
 HEADLINE = "h4096_r16"
-IMPLS = ("cuda", "cuda_2launch", "loop", "gather_bmm", "grouped_mm")
+IMPLS = ("cuda", "cuda_fused", "cuda_2launch", "loop", "gather_bmm", "grouped_mm")
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,10 @@ def _make_impls(pool_a, pool_b, ranks, host_ranks) -> dict[str, Callable[[Case],
 
     ours = CudaSGMV()
 
-    def cuda(c: Case):  # what a decode step launches: one fused kernel, CUDA-core path
+    def cuda(c: Case):  # what a decode step launches: shrink and expand, CUDA-core path
+        return lambda: ours.add([c.y], c.v, c.x, [pool_a], [pool_b], ranks, host_ranks, c.seg, mma=False, fused=False)
+
+    def cuda_fused(c: Case):  # the same as one fused launch
         return lambda: ours.add([c.y], c.v, c.x, [pool_a], [pool_b], ranks, host_ranks, c.seg, mma=False)
 
     def cuda_2launch(c: Case):
@@ -149,8 +153,8 @@ def _make_impls(pool_a, pool_b, ranks, host_ranks) -> dict[str, Callable[[Case],
     def cuda_expand(c: Case):  # diagnostics: the expand alone
         return lambda: ours.expand([c.y], c.v, [pool_b], ranks, host_ranks, c.seg)
 
-    impls = {"cuda": cuda, "cuda_2launch": cuda_2launch, "loop": loop_fn, "gather_bmm": gather_bmm,
-             "cuda_nopdl": cuda_nopdl,
+    impls = {"cuda": cuda, "cuda_fused": cuda_fused, "cuda_2launch": cuda_2launch, "loop": loop_fn,
+             "gather_bmm": gather_bmm, "cuda_nopdl": cuda_nopdl,
              "cuda_shrink": cuda_shrink, "cuda_expand": cuda_expand}
     if hasattr(torch, "_grouped_mm"):
         impls["grouped_mm"] = grouped_mm
@@ -362,8 +366,8 @@ PREFILL_LAYOUTS = {
 GROUP_INDEX = {"qkv": 0, "o": 1, "gate_up": 2, "down": 3}  # pool.GROUP_SPANS order
 PREFILL_SHAPES = (("qkv", 4096, (4096, 4096, 4096)), ("o", 4096, (4096,)), ("gate_up", 4096, (11008, 11008)),
                   ("down", 11008, (4096,)))
-# shrink threshold of each variant (two launches); "fused" is the one-launch CUDA-core call of decode
-# steps, "engine" the call of steps with prompt rows (`add` with the group's GROUP_MMA_ROWS)
+# shrink threshold of each variant (two launches); "fused" is the one-launch CUDA-core call (what a step
+# below both thresholds launches), "engine" the call of steps with prompt rows (`add` with the group's GROUP_MMA_ROWS)
 PREFILL_VARIANTS = {"engine": 0, "fused": None, "cuda_cores": 10**9, "mma>=32": 32, "mma>=64": 64,
                     "mma>=128": 128, "mma>=256": 256, "mma>=512": 512}
 

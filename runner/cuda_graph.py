@@ -81,7 +81,7 @@ class GraphRunner:
         if self.lora_pool is None:
             return None
         seg = SegmentTable(st.seg_indptr, st.seg_slots, (0, st.B), (-1,), st.B)
-        step = LoraStepImpl(self.lora_pool, self.sgmv, seg, st.ws, mma=False)  # decode: fused CUDA-core path
+        step = LoraStepImpl(self.lora_pool, self.sgmv, seg, st.ws, mma=False)  # decode: CUDA-core path
         step.active = True  # kernels skip slot -1 rows on device; the graph always launches them
         return step
 

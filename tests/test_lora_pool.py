@@ -66,7 +66,7 @@ def test_packed_views_share_memory_with_the_packed_tensors():
 
 def test_step_passes_each_groups_tensor_core_thresholds():
     """Steps with prompt rows give every group its own tensor-core thresholds (GROUP_MMA_ROWS); decode
-    steps (mma=False) keep every segment on CUDA cores. The add-on is the same on every path: here
+    steps (mma=False) keep every segment on CUDA cores, in two launches. The add-on is the same on every path: here
     TorchSGMV computes it, checked against the independent fp32 loop."""
     from lorafleet.runner.lora.segments import build_segments
     from lorafleet.runner.lora.sgmv import TorchSGMV, fp32_loop_reference
@@ -76,9 +76,9 @@ def test_step_passes_each_groups_tensor_core_thresholds():
         def __init__(self):
             self.calls = []
 
-        def add(self, ys, v, x, a, b, ranks, host_ranks, seg, mma=True, mma_rows=None):
-            self.calls.append((mma, mma_rows))
-            super().add(ys, v, x, a, b, ranks, host_ranks, seg, mma, mma_rows)
+        def add(self, ys, v, x, a, b, ranks, host_ranks, seg, mma=True, mma_rows=None, fused=True):
+            self.calls.append((mma, mma_rows, fused))
+            super().add(ys, v, x, a, b, ranks, host_ranks, seg, mma, mma_rows, fused)
 
     pool = LoraPool(BASE, num_slots=3, max_rank=8, dtype=torch.float32, device=torch.device("cpu"))
     pool.write(1, adapter("a", {(0, p): 4 for p in PROJECTIONS}, seed=5, stacked=True))
@@ -95,4 +95,5 @@ def test_step_passes_each_groups_tensor_core_thresholds():
                                       pool.host_ranks[0][p0:p0 + n], row_slots)
             for y, r in zip(ys, ref):
                 assert torch.allclose(y, r, rtol=1e-4, atol=1e-4)
-        assert sg.calls == [(mma, GROUP_MMA_ROWS[0]), (mma, GROUP_MMA_ROWS[1])]
+        fused = mma  # decode steps: two launches per group (DECODE_FUSED is False)
+        assert sg.calls == [(mma, GROUP_MMA_ROWS[0], fused), (mma, GROUP_MMA_ROWS[1], fused)]

@@ -39,11 +39,12 @@ class SGMV(Protocol):
 
     def add(self, ys: Sequence[torch.Tensor], v: torch.Tensor, x: torch.Tensor, a: Sequence[torch.Tensor],
             b: Sequence[torch.Tensor], ranks: torch.Tensor, host_ranks: Sequence[Sequence[int]], seg: SegmentTable,
-            mma: bool = True, mma_rows: tuple[int, int] | None = None) -> None:
+            mma: bool = True, mma_rows: tuple[int, int] | None = None, fused: bool = True) -> None:
         """shrink(v, x, a, ...) then expand(ys, v, b, ...); `mma=False` asks for the CUDA-core path;
         `mma_rows` = (shrink, expand): segments of at least that many rows may take tensor cores (None:
-        the implementation's defaults). Only the speed depends on the path, and the rounding on a
-        segment's own path (never on other segments or the step's length)."""
+        the implementation's defaults); `fused=False` asks for separate launches where one fused launch
+        would be allowed. Only the speed depends on the path, and the rounding on a segment's own path
+        (never on other segments, the step's length or `fused`)."""
 
 
 SHORT_SEGMENT = 16  # shorter segments run together as one padded bmm over their distinct slots
@@ -121,7 +122,7 @@ class TorchSGMV:
             out = torch.bmm(xs, w.transpose(1, 2)).float() * sp.keep(ranks[g], r_max)[:, None, :]  # [k, m, r]
             v[sp.dest, g, :r_max] = out.view(sp.k * sp.m, r_max).index_select(0, sp.valid)
 
-    def add(self, ys, v, x, a, b, ranks, host_ranks, seg, mma=True, mma_rows=None):
+    def add(self, ys, v, x, a, b, ranks, host_ranks, seg, mma=True, mma_rows=None, fused=True):
         self.shrink(v, x, a, ranks, host_ranks, seg)
         self.expand(ys, v, b, ranks, host_ranks, seg)
 

@@ -37,8 +37,9 @@ class CudaSGMV:
     new contents of `seg.indptr`, `seg.slots` and `ranks`.
 
     `add` does both halves of one group: in ONE fused launch when T is below both tensor-core
-    thresholds (or `mma=False`: decode steps, where one shared adapter over many rows is still
-    fastest on the CUDA-core path), else as the two launches. Fused results equal the two-launch
+    thresholds (or `mma=False`: every segment on the CUDA-core path, where one shared adapter over
+    many rows is still fastest), else as the two launches; `mma=False, fused=False` gives two
+    CUDA-core launches (what decode steps use: runner/lora/step.py). Fused results equal the two-launch
     CUDA-core path bit for bit; the fused kernel keeps 2 * capacity int32 counters per device,
     zero between launches (launches on one device must not run concurrently on two streams).
 
@@ -69,30 +70,40 @@ class CudaSGMV:
         return self._mod
 
     def shrink(self, v: torch.Tensor, x: torch.Tensor, a: Sequence[torch.Tensor], ranks: torch.Tensor,
-               host_ranks: Sequence[Sequence[int]], seg: SegmentTable) -> None:
+               host_ranks: Sequence[Sequence[int]], seg: SegmentTable, max_blocks: int = 0,
+               mma_min_rows: int | None = None) -> None:
+        """`max_blocks` > 0 caps the grid (the results never depend on it), leaving SMs to a kernel that
+        runs beside this one on another stream; `mma_min_rows` overrides the instance's threshold."""
         if not x.is_cuda:
             raise ValueError(f"CudaSGMV needs CUDA tensors, got x on {x.device} (use TorchSGMV on the CPU)")
         stream = torch.cuda.current_stream(x.device).cuda_stream
-        self._ext().shrink(v, x, list(a), ranks, seg.indptr, seg.slots, self.shrink_mma_min_rows, self.pdl, stream)
+        rows = self.shrink_mma_min_rows if mma_min_rows is None else mma_min_rows
+        self._ext().shrink(v, x, list(a), ranks, seg.indptr, seg.slots, rows, self.pdl, stream, max_blocks)
 
     def expand(self, ys: Sequence[torch.Tensor], v: torch.Tensor, b: Sequence[torch.Tensor], ranks: torch.Tensor,
-               host_ranks: Sequence[Sequence[int]], seg: SegmentTable) -> None:
+               host_ranks: Sequence[Sequence[int]], seg: SegmentTable, mma_min_rows: int | None = None) -> None:
         ys = list(ys)
         if not ys or not ys[0].is_cuda:
             raise ValueError("CudaSGMV needs CUDA tensors (use TorchSGMV on the CPU)")
         stream = torch.cuda.current_stream(ys[0].device).cuda_stream
-        self._ext().expand(ys, v, list(b), ranks, seg.indptr, seg.slots, self.expand_mma_min_rows, self.pdl, stream)
+        rows = self.expand_mma_min_rows if mma_min_rows is None else mma_min_rows
+        self._ext().expand(ys, v, list(b), ranks, seg.indptr, seg.slots, rows, self.pdl, stream)
 
     def add(self, ys: Sequence[torch.Tensor], v: torch.Tensor, x: torch.Tensor, a: Sequence[torch.Tensor],
             b: Sequence[torch.Tensor], ranks: torch.Tensor, host_ranks: Sequence[Sequence[int]], seg: SegmentTable,
-            mma: bool = True, mma_rows: tuple[int, int] | None = None) -> None:
+            mma: bool = True, mma_rows: tuple[int, int] | None = None, fused: bool = True) -> None:
         """shrink then expand of one group (see the class docstring), fused into one launch when no
         segment can take the tensor-core path. `mma_rows` = (shrink, expand) thresholds of this call
-        instead of the instance's."""
+        instead of the instance's. `mma=False, fused=False`: every segment on the CUDA-core path as two
+        launches (the same bits as the fused launch)."""
         if not x.is_cuda:
             raise ValueError(f"CudaSGMV needs CUDA tensors, got x on {x.device} (use TorchSGMV on the CPU)")
-        stream = torch.cuda.current_stream(x.device).cuda_stream
         big = 1 << 30
+        if not mma and not fused:
+            self.shrink(v, x, a, ranks, host_ranks, seg, mma_min_rows=big)
+            self.expand(ys, v, b, ranks, host_ranks, seg, mma_min_rows=big)
+            return
+        stream = torch.cuda.current_stream(x.device).cuda_stream
         s_rows, e_rows = mma_rows or (self.shrink_mma_min_rows, self.expand_mma_min_rows)  # the binding checks >= 1
         self._ext().add(list(ys), v, x, list(a), list(b), ranks, seg.indptr, seg.slots, self._counters_for(x.device),
                         s_rows if mma else big, e_rows if mma else big, self.pdl, stream)

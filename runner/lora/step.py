@@ -23,10 +23,20 @@ from lorafleet.runner.lora.sgmv import SGMV
 # rows of the same adapter form one segment), as with any per-segment threshold.
 GROUP_MMA_ROWS = ((129, 129), (512, 512), (129, 129), (512, 512))
 
+# Decode steps (every segment on the CUDA-core path) launch the shrink and the expand separately rather
+# than the one-launch fused kernel: inside a model the call follows a cuBLAS GEMM (no early launch) and
+# the fused kernel's wait of each expand item for its segment's shrink items (an atomic count in L2)
+# costs more than the second launch, which starts early and loads B while the shrink runs. Measured
+# with `python bench/probe_decode.py` (32 layers of GEMMs, norms and LoRA at batch 32 on the H200,
+# docs/benchmarks.md §3.1): LoRA per decode step 1.70 ms as two launches against 1.93 fused (32 distinct
+# adapters), 1.19 against 1.38 (one adapter). Both give the same bits.
+DECODE_FUSED = False
+
 
 class LoraStepImpl:
-    """The LoRA half of a step: `mma=False` (decode steps) puts every segment on the fused CUDA-core
-    path; otherwise each group's segments take tensor cores from GROUP_MMA_ROWS rows on."""
+    """The LoRA half of a step: `mma=False` (decode steps) puts every segment on the CUDA-core path
+    (two launches per group, DECODE_FUSED); otherwise each group's segments take tensor cores from
+    GROUP_MMA_ROWS rows on, and a group below both thresholds is one fused launch."""
 
     def __init__(self, pool: LoraPool, sgmv: SGMV, seg: SegmentTable, workspace: torch.Tensor | None = None,
                  mma: bool = True):
@@ -44,4 +54,5 @@ class LoraStepImpl:
             return
         v = self.views[GROUP_SPANS[group][1]]
         a, b, ranks, host = self.pool.group_args[layer][group]  # ranks [G, S]
-        self.sgmv.add(ys, v, x, a, b, ranks, host, self.seg, self.mma, GROUP_MMA_ROWS[group])
+        self.sgmv.add(ys, v, x, a, b, ranks, host, self.seg, self.mma, GROUP_MMA_ROWS[group],
+                      fused=self.mma or DECODE_FUSED)

@@ -120,9 +120,10 @@ def check_result(x, pool, row_slots, buf, before, ys, v, dtype, out_dims, label=
 
 
 def run(sg: CudaSGMV, x, pool, row_slots, out_dims, dtype, capacity=None, seed=0, label="", fused=False,
-        mma_rows=None):
-    """One call: shrink then expand, or (`fused`) `add` with every segment on the CUDA-core path,
-    i.e. the one-launch kernel of decode steps, or (`mma_rows`) `add` with these thresholds."""
+        mma_rows=None, decode=False):
+    """One call: shrink then expand, or (`fused`) `add` with every segment on the CUDA-core path in the
+    one-launch kernel, or (`decode`) as decode steps call it (CUDA-core path, two launches), or
+    (`mma_rows`) `add` with these thresholds."""
     T = x.shape[0]
     seg = build_segments(row_slots, device=DEV, capacity=capacity)
     buf, ys = fused_outputs(T, out_dims, dtype, seed)
@@ -130,6 +131,8 @@ def run(sg: CudaSGMV, x, pool, row_slots, out_dims, dtype, capacity=None, seed=0
     v = torch.full((T, len(out_dims), pool.rank_dim), float("nan"), device=DEV)
     if fused:
         sg.add(ys, v, x, pool.a, pool.b, pool.ranks, pool.host_ranks, seg, mma=False)
+    elif decode:
+        sg.add(ys, v, x, pool.a, pool.b, pool.ranks, pool.host_ranks, seg, mma=False, fused=False)
     elif mma_rows is not None:
         sg.add(ys, v, x, pool.a, pool.b, pool.ranks, pool.host_ranks, seg, mma_rows=mma_rows)
     else:
@@ -343,7 +346,8 @@ def test_deterministic_and_pdl_invariant():
 
 @pytest.mark.parametrize("pdl", [True, False])
 def test_fused_is_bitwise_the_two_launch_cuda_core_path(pdl):
-    """One launch or two, the same bits (every output element has one owner and one reduction order),
+    """One launch or two (also `add(mma=False, fused=False)`, the decode steps' call), the same bits (every
+    output element has one owner and one reduction order),
     over distinct, shared and long segments, base rows and unadapted projections; repeated calls
     leave the same bits (the counters restart from zero)."""
     dtype = torch.bfloat16
@@ -355,11 +359,38 @@ def test_fused_is_bitwise_the_two_launch_cuda_core_path(pdl):
                            no_adapter_every=9)
     x = torch.randn(len(row_slots), in_dim, device=DEV).to(dtype)
     two, _ = run(CudaSGMV(pdl=pdl, **ALL_CC), x, pool, row_slots, out_dims, dtype, capacity=128, seed=3)
+    # decode steps' call: two launches, every segment (also the 150- and 97-row ones) on CUDA cores
+    split, _ = run(CudaSGMV(pdl=pdl), x, pool, row_slots, out_dims, dtype, capacity=128, seed=3, decode=True)
+    assert torch.equal(split, two)
     sg = CudaSGMV(pdl=pdl)
     for _ in range(3):
         one, _ = run(sg, x, pool, row_slots, out_dims, dtype, capacity=128, seed=3, fused=True)
         assert torch.equal(one, two)
     assert int(sg._counters_for(x.device).abs().sum()) == 0
+
+
+@pytest.mark.parametrize("cap", [1, 3, 40])
+def test_shrink_grid_cap_keeps_the_bits(cap):
+    """`shrink(max_blocks=N)` (a grid of at most N blocks, e.g. beside another kernel) gives the same v,
+    bit for bit, on both paths (a 96-row segment takes tensor cores at the default threshold)."""
+    dtype = torch.bfloat16
+    in_dim, out_dims = SHAPES["llama_qkv_gqa"]
+    S = 16
+    pool = make_pool(in_dim, out_dims, [[16] * S, [8] * S, [0 if s % 3 == 0 else 16 for s in range(S)]], dtype,
+                     seed=11, rank_dim=16)
+    row_slots = batch_rows("skewed", 30, S, seed=5, lengths=[1] * 29 + [96])
+    x = torch.randn(len(row_slots), in_dim, device=DEV).to(dtype)
+    seg = build_segments(row_slots, device=DEV, capacity=32)
+    vs = []
+    for max_blocks in (0, cap):
+        v = torch.zeros(len(row_slots), 3, 16, device=DEV)
+        CudaSGMV().shrink(v, x, pool.a, pool.ranks, pool.host_ranks, seg, max_blocks=max_blocks)
+        vs.append(v)
+    torch.cuda.synchronize()
+    assert vs[0].abs().sum() > 0
+    assert torch.equal(vs[0], vs[1])
+    with pytest.raises(RuntimeError, match="max_blocks"):
+        CudaSGMV().shrink(vs[0], x, pool.a, pool.ranks, pool.host_ranks, seg, max_blocks=-1)
 
 
 @pytest.mark.parametrize("rows", [(64, 128), (512, 512), (16, 16)])
