@@ -26,7 +26,7 @@
 #            default since 2026-12-01; serve3 sets 1: pinned)
 #   place    bench serve --runners 2: busiest vs least-loaded under Poisson rates (every GPU) -> place.json/png
 #   quick    engine GPU tests, then a short e2e (REQS=256: distinct, identical, LoRA off, profile)
-# Knobs: SWEEP_B (sweep: max batch sizes), ETESTS_K / KTESTS_K (pytest -k filters of etests / ktests), DPT (interf: decode_prefill_tokens values), SERVE_MIXES (serve3*: mixes), REQS (default 1000), BENCH_S (timeout of one bench stage, s; COLD_S, SWEEP_S, HF_S, TEST_S per stage). Results, caches and logs.tgz go to
+# Knobs: E2E2_ARGS (e2e2: extra arguments, e.g. --no-lora-off), PROBE_ARGS (probe: e.g. "--skip attention lora"), SWEEP_B (sweep: max batch sizes), ETESTS_K / KTESTS_K (pytest -k filters of etests / ktests), DPT (interf: decode_prefill_tokens values), SERVE_MIXES (serve3*: mixes), REQS (default 1000), BENCH_S (timeout of one bench stage, s; COLD_S, SWEEP_S, HF_S, TEST_S per stage). Results, caches and logs.tgz go to
 # $OUT, each GPU's log to $OUT/gpuN.log.
 # The wheels (the GPU machine has no network): in the repository root, with .whl/ ignored by git,
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -75,7 +75,7 @@ stage() {
         -o faulthandler_timeout=${HANG_S:-300} 2>&1 | tee "$LOGS/gpu_tptests.log" \
         | grep -E "passed|failed|FAILED|flips|Error|Timeout|File " | tail -20 ;;
     probe)
-      timeout ${PROBE_S:-300} python3 bench/probe_decode.py --out "$OUT/probe.json" 2>&1 | tee "$LOGS/probe.log" | tail -40 ;;
+      timeout ${PROBE_S:-300} python3 bench/probe_decode.py ${PROBE_ARGS:-} --out "$OUT/probe.json" 2>&1 | tee "$LOGS/probe.log" | tail -40 ;;
     plantest)
       timeout ${TEST_S:-200} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_flashinfer_plans.py -rA 2>&1 \
         | tee "$LOGS/gpu_plantest.log" | grep -E "passed|failed|FAILED|Error" | tail -6 ;;
@@ -105,7 +105,7 @@ stage() {
         --out "$OUT/e2e_a.json" 2>&1 \
         | tee "$LOGS/e2e_a.log" | tail -14 ;;
     e2e2)
-      timeout ${BENCH_S:-540} $E2E --mixes uniform skewed --sweep --hf-requests 0 \
+      timeout ${BENCH_S:-540} $E2E --mixes uniform skewed --sweep --hf-requests 0 ${E2E2_ARGS:-} \
         --out "$OUT/e2e_b.json" 2>&1 | tee "$LOGS/e2e_b.log" | tail -14 ;;
     cold)
       timeout ${COLD_S:-${BENCH_S:-540}} $E2E --mixes --cold --cold-requests ${COLD_REQS:-400} --no-lora-off --hf-requests 0 \

@@ -5,6 +5,8 @@
    and the KV bytes it moved per second.
 2. LoRA beside the GEMM: the qkv GEMM of 32 rows with cuBLAS told to leave SMs free
    (torch's SM carve-out) and the fused SGMV call (32 distinct adapters) on a second stream.
+3. LoRA in its neighbourhood: 32 layers of GEMMs, flashinfer norms and the LoRA calls, per LoRA variant
+   (none, a bare extra launch, zero ranks, one adapter, 32 adapters, with and without PDL).
 
     python bench/probe_decode.py --out probe.json
 """
@@ -137,12 +139,170 @@ def lora_beside_gemm(log) -> list[dict]:
     return rows
 
 
+def lora_in_layers(log, batch: int = 32) -> list[dict]:
+    """The LoRA calls of 32 decode layers in their real neighbourhood: after each cuBLAS GEMM, before
+    flashinfer's PDL-launched add+RMSNorm / SiLU*up, every layer its own weights and adapter pool (so
+    nothing stays in L2). µs per layer for each way of doing the LoRA part; the difference to `off` is
+    what LoRA costs a decode step, which isolates the fixed per-call cost (`zero_ranks`: launch and
+    table only; `identical`: one adapter, ~no bytes) from the bytes (`distinct`)."""
+    import flashinfer
+
+    from lorafleet.runner.lora.pool import GROUP_SPANS
+    from lorafleet.runner.lora.segments import build_segments
+    from lorafleet.runner.lora.sgmv_cuda import CudaSGMV
+
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    Hd, I, S, R, T = 4096, 11008, 64, 16, batch
+    shapes = [(Hd, [Hd, Hd, Hd]), (Hd, [Hd]), (Hd, [I, I]), (I, [Hd])]  # per group: in, outs
+    W = [[torch.randn(sum(outs), k, dtype=bf, device=dev) / 64 for k, outs in shapes] for _ in range(L)]
+    A = [[[torch.randn(S, R, k, dtype=bf, device=dev) / 64 for _ in outs] for k, outs in shapes] for _ in range(L)]
+    B = [[[torch.randn(S, R, o, dtype=bf, device=dev) / 64 for o in outs] for _k, outs in shapes] for _ in range(L)]
+    ranks = [torch.full((len(outs), S), R, dtype=torch.int32, device=dev) for _k, outs in shapes]
+    zero = [torch.zeros_like(r) for r in ranks]
+    norm_w = torch.ones(Hd, dtype=bf, device=dev)
+    h = torch.randn(T, Hd, dtype=bf, device=dev)
+    res = torch.randn(T, Hd, dtype=bf, device=dev)
+    outs_buf = [torch.empty(T, sum(outs), dtype=bf, device=dev) for _k, outs in shapes]
+    act = torch.empty(T, I, dtype=bf, device=dev)
+    v = torch.empty(T, 3, R, dtype=torch.float32, device=dev)
+    vs = {g: v.view(-1)[: T * g * R].view(T, g, R) for g in (1, 2, 3)}
+    segs = {"distinct": build_segments(list(range(T)), dev, capacity=T),
+            "identical": build_segments([0] * T, dev, capacity=T)}
+    assert [g for _p, g in GROUP_SPANS] == [len(o) for _k, o in shapes]
+    rows = []
+
+    side = torch.cuda.Stream()
+
+    def layers(lora, before=None):
+        x = h
+        for i in range(L):
+            flashinfer.fused_add_rmsnorm(x, res, norm_w, 1e-5)
+            for g, (k, outs) in enumerate(shapes):
+                y = outs_buf[g]
+                if before is not None:
+                    before(i, g, x, outs)
+                torch.matmul(x, W[i][g].t(), out=y)
+                lora(i, g, x, y, outs)
+                if g == 0:
+                    x = h  # stands in for the attention output
+                elif g == 1:
+                    flashinfer.fused_add_rmsnorm(y, res, norm_w, 1e-5)
+                    x = y
+                elif g == 2:
+                    flashinfer.silu_and_mul(y, out=act)
+                    x = act
+                else:
+                    x = y
+
+    def sgmv_call(sg, seg, rk, mma=False):
+        def call(i, g, x, y, outs):
+            ys = list(y.split(outs, dim=1))
+            sg.add(ys, vs[len(outs)], x, A[i][g], B[i][g], rk[g], None, seg, mma, (1 << 30, 1 << 30))
+        return call
+
+    def side_shrink(sg, seg, rk, cap=0, groups=(0, 1, 2, 3)):
+        """The shrink on a second stream beside the GEMM (it needs only x), at most `cap` blocks, the
+        expand after both; groups not in `groups` run shrink and expand after the GEMM."""
+        def before(i, g, x, outs):
+            if g in groups:
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    sg.shrink(vs[len(outs)], x, A[i][g], rk[g], None, seg, max_blocks=cap)
+
+        def after(i, g, x, y, outs):
+            if g in groups:
+                torch.cuda.current_stream().wait_stream(side)
+            else:
+                sg.shrink(vs[len(outs)], x, A[i][g], rk[g], None, seg)
+            sg.expand(list(y.split(outs, dim=1)), vs[len(outs)], B[i][g], rk[g], None, seg)
+        return before, after
+
+    def extra_launch(i, g, x, y, outs):
+        v.view(-1)[:1].zero_()
+
+    fused, nopdl = CudaSGMV(), CudaSGMV(pdl=False)
+    variants = [("off", lambda *a: None), ("extra_launch", extra_launch),
+                ("zero_ranks", sgmv_call(fused, segs["distinct"], zero)),
+                ("identical", sgmv_call(fused, segs["identical"], ranks)),
+                ("distinct", sgmv_call(fused, segs["distinct"], ranks)),
+                ("identical_nopdl", sgmv_call(nopdl, segs["identical"], ranks)),
+                ("distinct_nopdl", sgmv_call(nopdl, segs["distinct"], ranks))]
+    big = 1 << 30
+    two = CudaSGMV(shrink_mma_min_rows=big, expand_mma_min_rows=big)
+    for mix in ("identical", "distinct"):
+        seg = segs[mix]
+        variants.append((f"{mix}_side", side_shrink(two, seg, ranks)))
+        for cap in (8, 16, 32):
+            variants.append((f"{mix}_side_wide_cap{cap}", side_shrink(two, seg, ranks, cap, (0, 2))))
+        variants.append((f"{mix}_side_all_cap16", side_shrink(two, seg, ranks, 16)))
+        variants.append((f"{mix}_two_launch", lambda i, g, x, y, outs, seg=seg: (
+            two.shrink(vs[len(outs)], x, A[i][g], ranks[g], None, seg),
+            two.expand(list(y.split(outs, dim=1)), vs[len(outs)], B[i][g], ranks[g], None, seg))))
+        variants.append((f"{mix}_shrink_only", lambda i, g, x, y, outs, seg=seg: two.shrink(
+            vs[len(outs)], x, A[i][g], ranks[g], None, seg)))
+        variants.append((f"{mix}_expand_only", lambda i, g, x, y, outs, seg=seg: two.expand(
+            list(y.split(outs, dim=1)), vs[len(outs)], B[i][g], ranks[g], None, seg)))
+    for seg in segs.values():  # counters, extension load
+        fused.add([outs_buf[1]], vs[1], h, A[0][1], B[0][1], ranks[1], None, seg, False)
+        nopdl.add([outs_buf[1]], vs[1], h, A[0][1], B[0][1], ranks[1], None, seg, False)
+    base = None
+    for name, fn in variants:
+        before, fn = fn if isinstance(fn, tuple) else (None, fn)
+        t = graph_time(lambda fn=fn, before=before: layers(fn, before)) / L
+        base = t if base is None else base
+        r = {"variant": name, "us_per_layer": round(t * 1e6, 2), "over_off_us_per_layer": round((t - base) * 1e6, 2),
+             "over_off_ms_per_step": round((t - base) * L * 1e3, 3)}
+        log(r)
+        rows.append(r)
+    for name, fn in variants:
+        if name in ("off", "identical", "distinct_two_launch", "identical_side_wide_cap16",
+                    "distinct_side_wide_cap16"):
+            before, fn = fn if isinstance(fn, tuple) else (None, fn)
+            tl = timeline(lambda fn=fn, before=before: layers(fn, before), first=40, count=22)
+            log(f"timeline {name}: " + "; ".join(f"{k['kernel'][:24]} +{k['gap_us']}/{k['us']}" for k in tl))
+            rows.append({"variant": name, "timeline": tl})
+    del W, A, B
+    torch.cuda.empty_cache()
+    return rows
+
+
+def timeline(fn, first: int, count: int) -> list[dict]:
+    """Kernels `first` .. `first + count` of one replay of a CUDA graph holding fn(), from the profiler:
+    name, gap after the previous kernel's end and duration (µs)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        g.replay()
+        torch.cuda.synchronize()
+    ev = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                key=lambda e: e.time_range.start)
+    out, prev_end = [], None
+    for e in ev[first: first + count]:
+        st, en = e.time_range.start, e.time_range.end
+        short = e.name.removeprefix("void ").split("<")[0].split("::")[-1].split("(")[0]
+        out.append({"kernel": short[:40], "gap_us": round(st - prev_end, 2) if prev_end is not None else None,
+                    "us": round(en - st, 2)})
+        prev_end = en if prev_end is None else max(prev_end, en)
+    del g
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ctx", type=int, nargs="+", default=[150, 370, 1000])
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--out", default="probe.json")
-    p.add_argument("--skip", nargs="*", default=[], choices=["attention", "lora"])
+    p.add_argument("--skip", nargs="*", default=[], choices=["attention", "lora", "layers"])
     args = p.parse_args()
     t0 = time.time()
 
@@ -150,6 +310,11 @@ def main() -> int:
         print(f"[{time.time() - t0:6.1f}s] {m}", flush=True)
 
     res = {"card": torch.cuda.get_device_name(), "torch": torch.__version__}
+    if "layers" not in args.skip:
+        try:
+            res["lora_in_layers"] = lora_in_layers(log, args.batch)
+        except Exception as e:  # report and go on to the next probe
+            log(f"layer probe failed: {e!r}")
     if "lora" not in args.skip:
         try:
             res["lora_beside_gemm"] = lora_beside_gemm(log)

@@ -404,7 +404,8 @@ def split_steps(step_times: list[tuple[int, float]]) -> dict:
 
 
 def profile_mixed(engine, vocab: int, long_len: int, rng, log, adapter=None, n: int = 8) -> dict:
-    """Profiles `n` steps that carry rows of one long prompt beside the running decodes, then `n` quiet
+    """Profiles `n` steps that carry rows of one long prompt beside the running decodes (early in the
+    prompt, and again in its last eighth, where each chunk attends to a long prefix), then `n` quiet
     decode steps after it finished."""
     from lorafleet.runner.sequence import SamplingParams, Sequence
 
@@ -421,6 +422,12 @@ def profile_mixed(engine, vocab: int, long_len: int, rng, log, adapter=None, n: 
         engine.step()
     out = {"mixed_step_profile": profile_steps(engine, n)}
     out["mixed_step_host"] = host_profile(engine, n)
+    for _ in range(20000):  # on to the prompt's last eighth: its chunks attend to a long prefix
+        if not prefilling() or sq.num_cached >= long_len * 7 // 8:
+            break
+        engine.step()
+    if prefilling():
+        out["mixed_step_profile_late"] = dict(profile_steps(engine, n), prefix_tokens=sq.num_cached)
     for _ in range(20000):  # until it finished
         if sq.finish_reason is not None:
             break
@@ -428,7 +435,9 @@ def profile_mixed(engine, vocab: int, long_len: int, rng, log, adapter=None, n: 
     out["quiet_step_profile"] = profile_steps(engine, n)
     log(f"steps with prompt rows, unprofiled: {out['mixed_step_host']['wall_ms_unprofiled']:.2f} ms each; "
         "host functions by own time:\n" + out["mixed_step_host"]["cprofile_tottime"][-6000:])
-    for k in ("mixed_step_profile", "quiet_step_profile"):
+    for k in ("mixed_step_profile", "mixed_step_profile_late", "quiet_step_profile"):
+        if k not in out:
+            continue
         log(f"{k}: " + ", ".join(f"{c} {v}" for c, v in out[k].items() if c != "top_kernels"))
         for t in out[k]["top_kernels"][:10]:
             log(f"    {t['ms_per_step']:7.3f} ms  x{t['calls_per_step']:5.1f}  {t['kernel'][:110]}")
