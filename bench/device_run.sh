@@ -7,9 +7,11 @@
 #   ktests   kernel GPU tests only (incl. the fused one-launch path), sanitizer case
 #   etests   engine GPU tests only
 #   tptests  tensor-parallel GPU test (needs two GPUs: run it alone, not in a --par list)
-#   probe    bench/probe_decode.py: decode attention variants, LoRA beside the GEMM (SM carve-out) -> probe.json
+#   probe    bench/probe_decode.py: LoRA calls inside 32 decode layers per launch variant, LoRA beside the GEMM
+#            (SM carve-out), decode attention variants -> probe.json (PROBE_ARGS="--skip ..." picks sections)
 #   plantest the flashinfer plan GPU test alone
-#   kbench   bench kernels --quick: the fused decode call, the two-launch call and the peers  -> kernels.json
+#   kbench   bench kernels --quick: the decode call (two CUDA-core launches), the fused call, the two-launch
+#            call with tensor-core thresholds, and the peers -> kernels.json
 #   interf   bench e2e: long-prompt interference (chunked, unchunked), step profiles               -> e2e_interf.json
 #   tp70     bench e2e --tp 2: Llama-2-70B shape, distinct / identical / LoRA off, profile   -> e2e_tp70.json
 #   tp7      bench e2e --tp 1 2: the 7B shape on one GPU and on two                          -> e2e_tp7.json

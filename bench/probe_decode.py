@@ -310,20 +310,23 @@ def main() -> int:
         print(f"[{time.time() - t0:6.1f}s] {m}", flush=True)
 
     res = {"card": torch.cuda.get_device_name(), "torch": torch.__version__}
-    if "layers" not in args.skip:
+
+    def save() -> None:  # after every section: a run cut short keeps what finished
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+    sections = (("layers", "lora_in_layers", lambda: lora_in_layers(log, args.batch)),
+                ("lora", "lora_beside_gemm", lambda: lora_beside_gemm(log)),
+                ("attention", "attention", lambda: attention(args.ctx, args.batch, log)))
+    for name, key, run in sections:
+        if name in args.skip:
+            continue
         try:
-            res["lora_in_layers"] = lora_in_layers(log, args.batch)
+            res[key] = run()
         except Exception as e:  # report and go on to the next probe
-            log(f"layer probe failed: {e!r}")
-    if "lora" not in args.skip:
-        try:
-            res["lora_beside_gemm"] = lora_beside_gemm(log)
-        except Exception as e:  # report and go on to the next probe
-            log(f"lora probe failed: {e!r}")
-    if "attention" not in args.skip:
-        res["attention"] = attention(args.ctx, args.batch, log)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
+            log(f"{name} probe failed: {e!r}")
+        save()
+    save()
     return 0
 
 

@@ -427,7 +427,9 @@ def profile_mixed(engine, vocab: int, long_len: int, rng, log, adapter=None, n: 
             break
         engine.step()
     if prefilling():
-        out["mixed_step_profile_late"] = dict(profile_steps(engine, n), prefix_tokens=sq.num_cached)
+        first = sq.num_cached
+        late = profile_steps(engine, n)
+        out["mixed_step_profile_late"] = dict(late, prefix_tokens=[first, sq.num_cached])  # at start and end
     for _ in range(20000):  # until it finished
         if sq.finish_reason is not None:
             break

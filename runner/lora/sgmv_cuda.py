@@ -10,7 +10,8 @@ from lorafleet.runner.lora.segments import SegmentTable
 
 
 class CudaSGMV:
-    """The LoRA add-on over the segments of a flat batch, one kernel launch per call.
+    """The LoRA add-on over the segments of a flat batch: `shrink` and `expand` one launch each, `add`
+    one or two.
 
     For every segment i with slot s = seg.slots[i] >= 0 and every projection g of the group
     (q,k,v or gate,up share x; o and down stand alone):
@@ -92,19 +93,19 @@ class CudaSGMV:
     def add(self, ys: Sequence[torch.Tensor], v: torch.Tensor, x: torch.Tensor, a: Sequence[torch.Tensor],
             b: Sequence[torch.Tensor], ranks: torch.Tensor, host_ranks: Sequence[Sequence[int]], seg: SegmentTable,
             mma: bool = True, mma_rows: tuple[int, int] | None = None, fused: bool = True) -> None:
-        """shrink then expand of one group (see the class docstring), fused into one launch when no
-        segment can take the tensor-core path. `mma_rows` = (shrink, expand) thresholds of this call
-        instead of the instance's. `mma=False, fused=False`: every segment on the CUDA-core path as two
-        launches (the same bits as the fused launch)."""
+        """shrink then expand of one group (see the class docstring), fused into one launch when T is
+        below both thresholds (`mma=False`: always). `mma_rows` = (shrink, expand) thresholds of this
+        call instead of the instance's. `fused=False`: always the two launches (the same bits as the
+        fused launch); `mma=False, fused=False` is what decode steps call."""
         if not x.is_cuda:
             raise ValueError(f"CudaSGMV needs CUDA tensors, got x on {x.device} (use TorchSGMV on the CPU)")
         big = 1 << 30
-        if not mma and not fused:
-            self.shrink(v, x, a, ranks, host_ranks, seg, mma_min_rows=big)
-            self.expand(ys, v, b, ranks, host_ranks, seg, mma_min_rows=big)
+        s_rows, e_rows = mma_rows or (self.shrink_mma_min_rows, self.expand_mma_min_rows)  # the binding checks >= 1
+        if not fused:
+            self.shrink(v, x, a, ranks, host_ranks, seg, mma_min_rows=s_rows if mma else big)
+            self.expand(ys, v, b, ranks, host_ranks, seg, mma_min_rows=e_rows if mma else big)
             return
         stream = torch.cuda.current_stream(x.device).cuda_stream
-        s_rows, e_rows = mma_rows or (self.shrink_mma_min_rows, self.expand_mma_min_rows)  # the binding checks >= 1
         self._ext().add(list(ys), v, x, list(a), list(b), ranks, seg.indptr, seg.slots, self._counters_for(x.device),
                         s_rows if mma else big, e_rows if mma else big, self.pdl, stream)
 

@@ -34,9 +34,10 @@ DECODE_FUSED = False
 
 
 class LoraStepImpl:
-    """The LoRA half of a step: `mma=False` (decode steps) puts every segment on the CUDA-core path
-    (two launches per group, DECODE_FUSED); otherwise each group's segments take tensor cores from
-    GROUP_MMA_ROWS rows on, and a group below both thresholds is one fused launch."""
+    """The LoRA half of a step: `mma=False` (the decode CUDA graphs) puts every segment on the CUDA-core
+    path (two launches per group, DECODE_FUSED); otherwise (eager and piecewise steps, also decode-only
+    ones) each group's segments take tensor cores from GROUP_MMA_ROWS rows on, and a group below both
+    thresholds is one fused launch. The bits are the same either way."""
 
     def __init__(self, pool: LoraPool, sgmv: SGMV, seg: SegmentTable, workspace: torch.Tensor | None = None,
                  mma: bool = True):

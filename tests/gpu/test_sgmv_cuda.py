@@ -258,7 +258,7 @@ def test_against_per_row_loop(dtype):
 
 def _static_graph_case(T: int, capacity: int, dtype, sg: CudaSGMV, fused: bool = False):
     """Static buffers and a captured shrink+expand graph for (T, capacity); `fused`: the one-launch
-    decode call, captured twice in a row (its counters must be zero again after each launch)."""
+    fused call, captured twice in a row (its counters must be zero again after each launch)."""
     in_dim, out_dims = SHAPES["llama_qkv_gqa"]
     S = max(T, 16)
     rank_list = [16, 8, 32, 64, 4, 128, 16, 24]
