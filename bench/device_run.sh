@@ -28,7 +28,7 @@
 #            default since 2026-12-01; serve3 sets 1: pinned)
 #   place    bench serve --runners 2: busiest vs least-loaded under Poisson rates (every GPU) -> place.json/png
 #   quick    engine GPU tests, then a short e2e (REQS=256: distinct, identical, LoRA off, profile)
-# Knobs: E2E2_ARGS (e2e2: extra arguments, e.g. --no-lora-off), PROBE_ARGS (probe: e.g. "--skip attention lora"), SWEEP_B (sweep: max batch sizes), ETESTS_K / KTESTS_K (pytest -k filters of etests / ktests), DPT (interf: decode_prefill_tokens values), SERVE_MIXES (serve3*: mixes), REQS (default 1000), BENCH_S (timeout of one bench stage, s; COLD_S, SWEEP_S, HF_S, TEST_S per stage). Results, caches and logs.tgz go to
+# Knobs: LORAFLEET_PREFILL_BACKEND (any stage: auto / fa2 / fa3, flashinfer's kernel for prompt rows), E2E2_ARGS (e2e2: extra arguments, e.g. --no-lora-off), PROBE_ARGS (probe: e.g. "--skip attention lora"), SWEEP_B (sweep: max batch sizes), ETESTS_K / KTESTS_K (pytest -k filters of etests / ktests), DPT (interf: decode_prefill_tokens values), SERVE_MIXES (serve3*: mixes), REQS (default 1000), BENCH_S (timeout of one bench stage, s; COLD_S, SWEEP_S, HF_S, TEST_S per stage). Results, caches and logs.tgz go to
 # $OUT, each GPU's log to $OUT/gpuN.log.
 # The wheels (the GPU machine has no network): in the repository root, with .whl/ ignored by git,
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

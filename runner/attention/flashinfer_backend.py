@@ -22,6 +22,7 @@ import torch
 import flashinfer  # noqa: F401  (ImportError here makes select.py fall back to torch)
 from flashinfer import BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper
 
+from lorafleet import env
 from lorafleet.runner.attention.meta import AttnMeta
 from lorafleet.runner.kv_cache import KVCache
 
@@ -54,7 +55,7 @@ class FlashInferAttention:
         self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         ws_p = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         ws_d = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self.prefill = BatchPrefillWithPagedKVCacheWrapper(ws_p, "NHD")
+        self.prefill = BatchPrefillWithPagedKVCacheWrapper(ws_p, "NHD", backend=env.prefill_backend())
         self.decode = BatchDecodeWithPagedKVCacheWrapper(ws_d, "NHD", use_tensor_cores=self.h // self.hkv >= 4)
         self._planned: dict[int, torch.cuda.Event] = {}  # id(wrapper) -> recorded after its last plan's copies
 

@@ -52,6 +52,19 @@ def attention_backend() -> str:
     return _str("LORAFLEET_ATTENTION", "auto").lower()
 
 
+PREFILL_BACKENDS = ("auto", "fa2", "fa3")
+
+
+def prefill_backend() -> str:
+    """LORAFLEET_PREFILL_BACKEND: flashinfer's kernel for prompt rows on CUDA: auto (flashinfer's choice,
+    FA3 on sm90), fa2 or fa3. FA3's plan runs one CTA per (128-row query tile, head) and never splits
+    the K/V, so a short prompt chunk over a long prefix uses few SMs; FA2's plan splits the K/V."""
+    choice = _str("LORAFLEET_PREFILL_BACKEND", "auto").strip().lower() or "auto"
+    if choice not in PREFILL_BACKENDS:
+        raise ValueError(f"LORAFLEET_PREFILL_BACKEND must be one of {', '.join(PREFILL_BACKENDS)}, got {choice!r}")
+    return choice
+
+
 def runner_id() -> str | None:
     """LORAFLEET_RUNNER_ID: a stable runner id (defaults to the pod or host name plus port)."""
     return os.environ.get("LORAFLEET_RUNNER_ID") or None
