@@ -95,6 +95,20 @@ def flips_against(ref_logits, toks, n_prompt, chosen):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_gpu_matches_cpu_fp32_teacher_forced(smol_shaped, cpu_reference, dtype):
+    teacher_forced_check(smol_shaped, cpu_reference, dtype)
+
+
+def test_fa2_prefill_matches_cpu_fp32_teacher_forced(smol_shaped, cpu_reference, monkeypatch):
+    """LORAFLEET_PREFILL_BACKEND=fa2 (flashinfer's FA2 kernel for prompt rows, which splits the K/V):
+    the same check as above, in bf16."""
+    monkeypatch.setenv("LORAFLEET_PREFILL_BACKEND", "fa2")
+    eng = teacher_forced_check(smol_shaped, cpu_reference, "bfloat16")
+    assert eng.attention.prefill._backend == "fa2"
+
+
+def teacher_forced_check(smol_shaped, cpu_reference, dtype):
+    """The GPU engine's next token after every prefix of the CPU fp32 engine's output, against HF + PEFT
+    in fp32; HF's own `dtype` run sets the tolerance. Returns the engine."""
     model, ads = smol_shaped
     reqs, cpu = cpu_reference
     # teacher forcing: the GPU predicts the next token after every prefix of the CPU's output
@@ -124,6 +138,7 @@ def test_gpu_matches_cpu_fp32_teacher_forced(smol_shaped, cpu_reference, dtype):
           f"HF {dtype} flips {len(hf)}/{checked} (worst {hf_worst:.4f})")
     assert not bad, f"{len(bad)} of {checked} positions differ beyond {dtype} noise (bound {bound:.4f}): {bad[:5]}"
     assert len(ours) <= max(2 * len(hf), checked // 20), (len(ours), len(hf))
+    return eng
 
 
 def test_graph_replay_equals_eager(smol_shaped):
