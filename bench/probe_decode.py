@@ -26,13 +26,18 @@ L, H, D = 32, 32, 128
 _TIMER = []
 
 
-def graph_time(fn) -> float:
-    """Seconds per replay of a CUDA graph holding fn() (the kernel benchmark's timer)."""
+def timer():
+    """The kernel benchmark's graph timer (one per process)."""
     from lorafleet.runner.bench_kernels import Timer
 
     if not _TIMER:
         _TIMER.append(Timer(flush_bytes=1 << 20))
-    return _TIMER[0].graph_us([fn]) * 1e-6
+    return _TIMER[0]
+
+
+def graph_time(fn) -> float:
+    """Seconds per replay of a CUDA graph holding fn()."""
+    return timer().graph_us([fn]) * 1e-6
 
 
 def attention(ctxs, batch: int, log) -> list[dict]:
@@ -271,14 +276,9 @@ def timeline(fn, first: int, count: int) -> list[dict]:
     name, gap after the previous kernel's end and duration (µs)."""
     from torch.profiler import ProfilerActivity, profile
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
+    t = timer()
+    t._warm([fn])
+    g = t._capture([fn])
     g.replay()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

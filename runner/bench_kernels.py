@@ -110,10 +110,7 @@ def _make_impls(pool_a, pool_b, ranks, host_ranks) -> dict[str, Callable[[Case],
         return lambda: ours.add([c.y], c.v, c.x, [pool_a], [pool_b], ranks, host_ranks, c.seg, mma=False)
 
     def cuda_2launch(c: Case):
-        def fn():
-            ours.shrink(c.v, c.x, [pool_a], ranks, host_ranks, c.seg)
-            ours.expand([c.y], c.v, [pool_b], ranks, host_ranks, c.seg)
-        return fn
+        return lambda: ours.add([c.y], c.v, c.x, [pool_a], [pool_b], ranks, host_ranks, c.seg, fused=False)
 
     def loop_fn(c: Case):
         segs = [(s, lo, hi) for s, lo, hi in zip(c.seg.host_slots, c.seg.host_indptr, c.seg.host_indptr[1:]) if s >= 0]
@@ -142,10 +139,7 @@ def _make_impls(pool_a, pool_b, ranks, host_ranks) -> dict[str, Callable[[Case],
     nopdl = CudaSGMV(pdl=False)
 
     def cuda_nopdl(c: Case):  # diagnostics: without programmatic dependent launch
-        def fn():
-            nopdl.shrink(c.v, c.x, [pool_a], ranks, host_ranks, c.seg)
-            nopdl.expand([c.y], c.v, [pool_b], ranks, host_ranks, c.seg)
-        return fn
+        return lambda: nopdl.add([c.y], c.v, c.x, [pool_a], [pool_b], ranks, host_ranks, c.seg, fused=False)
 
     def cuda_shrink(c: Case):  # diagnostics: the shrink alone
         return lambda: ours.shrink(c.v, c.x, [pool_a], ranks, host_ranks, c.seg)
@@ -367,7 +361,8 @@ GROUP_INDEX = {"qkv": 0, "o": 1, "gate_up": 2, "down": 3}  # pool.GROUP_SPANS or
 PREFILL_SHAPES = (("qkv", 4096, (4096, 4096, 4096)), ("o", 4096, (4096,)), ("gate_up", 4096, (11008, 11008)),
                   ("down", 11008, (4096,)))
 # shrink threshold of each variant (two launches); "fused" is the one-launch CUDA-core call (what a step
-# below both thresholds launches), "engine" the call of steps with prompt rows (`add` with the group's GROUP_MMA_ROWS)
+# below both thresholds launches), "engine" the call of steps with prompt rows (`add` with the group's
+# GROUP_MMA_ROWS)
 PREFILL_VARIANTS = {"engine": 0, "fused": None, "cuda_cores": 10**9, "mma>=32": 32, "mma>=64": 64,
                     "mma>=128": 128, "mma>=256": 256, "mma>=512": 512}
 

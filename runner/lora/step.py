@@ -42,6 +42,7 @@ class LoraStepImpl:
     def __init__(self, pool: LoraPool, sgmv: SGMV, seg: SegmentTable, workspace: torch.Tensor | None = None,
                  mma: bool = True):
         self.pool, self.sgmv, self.seg, self.mma = pool, sgmv, seg, mma
+        self.fused = mma or DECODE_FUSED
         need = seg.num_rows * 3 * pool.max_rank
         if workspace is None or workspace.numel() < need:
             workspace = torch.empty(need, dtype=torch.float32, device=pool.device)
@@ -56,4 +57,4 @@ class LoraStepImpl:
         v = self.views[GROUP_SPANS[group][1]]
         a, b, ranks, host = self.pool.group_args[layer][group]  # ranks [G, S]
         self.sgmv.add(ys, v, x, a, b, ranks, host, self.seg, self.mma, GROUP_MMA_ROWS[group],
-                      fused=self.mma or DECODE_FUSED)
+                      fused=self.fused)
