@@ -6,9 +6,13 @@
 2. LoRA beside the GEMM: the qkv GEMM of 32 rows with cuBLAS told to leave SMs free
    (torch's SM carve-out) and the fused SGMV call (32 distinct adapters) on a second stream.
 3. LoRA in its neighbourhood: 32 layers of GEMMs, flashinfer norms and the LoRA calls, per LoRA variant
-   (none, a bare extra launch, zero ranks, one adapter, 32 adapters, with and without PDL).
+   (none, a bare extra launch, zero ranks, one adapter, 32 adapters, with and without PDL), and the
+   launch-shape knobs of the two-launch path (shrink blocks per SM x decode rank rows, expand blocks
+   per SM), which never change a result bit.
 
     python bench/probe_decode.py --out probe.json
+    python bench/probe_decode.py --out knobs.json --only distinct_two_launch_s distinct_shrink_only_s
+        (only section 3, only `off` and the variants whose names start with these prefixes)
 """
 
 from __future__ import annotations
@@ -144,12 +148,17 @@ def lora_beside_gemm(log) -> list[dict]:
     return rows
 
 
-def lora_in_layers(log, batch: int = 32) -> list[dict]:
+def lora_in_layers(log, batch: int = 32, only: list[str] | None = None) -> list[dict]:
     """The LoRA calls of 32 decode layers in their real neighbourhood: after each cuBLAS GEMM, before
     flashinfer's PDL-launched add+RMSNorm / SiLU*up, every layer its own weights and adapter pool (so
     nothing stays in L2). µs per layer for each way of doing the LoRA part; the difference to `off` is
     what LoRA costs a decode step, which isolates the fixed per-call cost (`zero_ranks`: launch and
-    table only; `identical`: one adapter, ~no bytes) from the bytes (`distinct`)."""
+    table only; `identical`: one adapter, ~no bytes) from the bytes (`distinct`).
+
+    `{mix}_two_launch_s{bps}_r{rb}` / `{mix}_shrink_only_s{bps}_r{rb}`: the shrink with at most `bps`
+    blocks per SM and `rb` rank rows per item of one-row segments (`identical` is one 32-row segment,
+    which `rb` does not touch); `{mix}_two_launch_e{bps}`: the expand with at most `bps` blocks per SM.
+    `only`: time `off` and just the variants whose names start with one of these prefixes."""
     import flashinfer
 
     from lorafleet.runner.lora.pool import GROUP_SPANS
@@ -247,6 +256,24 @@ def lora_in_layers(log, batch: int = 32) -> list[dict]:
             vs[len(outs)], x, A[i][g], ranks[g], None, seg)))
         variants.append((f"{mix}_expand_only", lambda i, g, x, y, outs, seg=seg: two.expand(
             list(y.split(outs, dim=1)), vs[len(outs)], B[i][g], ranks[g], None, seg)))
+        # launch-shape knobs (the same bits as the default calls): shrink blocks per SM x decode rank rows
+        for bps in (2, 3, 4):
+            for rb in (1, 2, 4):
+                variants.append((f"{mix}_two_launch_s{bps}_r{rb}", lambda i, g, x, y, outs, seg=seg, bps=bps, rb=rb: (
+                    two.shrink(vs[len(outs)], x, A[i][g], ranks[g], None, seg, blocks_per_sm=bps, decode_ranks=rb),
+                    two.expand(list(y.split(outs, dim=1)), vs[len(outs)], B[i][g], ranks[g], None, seg))))
+        for bps in (2, 3, 4):
+            for rb in (1, 2, 4):
+                variants.append((f"{mix}_shrink_only_s{bps}_r{rb}", lambda i, g, x, y, outs, seg=seg, bps=bps, rb=rb:
+                                 two.shrink(vs[len(outs)], x, A[i][g], ranks[g], None, seg, blocks_per_sm=bps,
+                                            decode_ranks=rb)))
+        for ebps in (2, 3):  # expand blocks per SM, default shrink
+            variants.append((f"{mix}_two_launch_e{ebps}", lambda i, g, x, y, outs, seg=seg, ebps=ebps: (
+                two.shrink(vs[len(outs)], x, A[i][g], ranks[g], None, seg),
+                two.expand(list(y.split(outs, dim=1)), vs[len(outs)], B[i][g], ranks[g], None, seg,
+                           blocks_per_sm=ebps))))
+    if only:  # `off` first: the baseline of every other row
+        variants = [(n, f) for n, f in variants if n == "off" or any(n.startswith(p) for p in only)]
     for seg in segs.values():  # counters, extension load
         fused.add([outs_buf[1]], vs[1], h, A[0][1], B[0][1], ranks[1], None, seg, False)
         nopdl.add([outs_buf[1]], vs[1], h, A[0][1], B[0][1], ranks[1], None, seg, False)
@@ -303,6 +330,9 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--out", default="probe.json")
     p.add_argument("--skip", nargs="*", default=[], choices=["attention", "lora", "layers"])
+    p.add_argument("--only", nargs="+", default=None, metavar="PREFIX",
+                   help="run only the `layers` probe, and in it only `off` and the variants whose names start "
+                        "with one of these prefixes (e.g. distinct_two_launch_s distinct_shrink_only_s)")
     args = p.parse_args()
     t0 = time.time()
 
@@ -315,11 +345,11 @@ def main() -> int:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
 
-    sections = (("layers", "lora_in_layers", lambda: lora_in_layers(log, args.batch)),
+    sections = (("layers", "lora_in_layers", lambda: lora_in_layers(log, args.batch, args.only)),
                 ("lora", "lora_beside_gemm", lambda: lora_beside_gemm(log)),
                 ("attention", "attention", lambda: attention(args.ctx, args.batch, log)))
     for name, key, run in sections:
-        if name in args.skip:
+        if name in args.skip or (args.only and name != "layers"):
             continue
         try:
             res[key] = run()

@@ -10,8 +10,9 @@
 //
 // Items of a segment with fewer than `mma_min_rows` rows use the CUDA-core path (memory bound:
 // decode, distinct adapters): 16-byte vector loads, fp32 accumulate.
-//   shrink item = 1 row x 4 rank rows (one-row segments), 2 rows x 2 rank rows (up to 95 rows) or
-//                 2 x 4 (longer): full-K dot products, reduced through shared memory.
+//   shrink item = 1 row x 2 rank rows (one-row segments; 1 or 4 with LaunchOptions::decode_ranks),
+//                 2 rows x 2 rank rows (up to 95 rows) or 2 x 4 (longer): full-K dot products,
+//                 reduced through shared memory.
 //   expand item = (up to 2 rows) x (64 column vectors = 512 columns): 4 lanes per column vector split
 //                 the rank, then a warp reduce-scatter leaves each lane 4 finished outputs of one row.
 // Items of longer segments use tensor cores (WMMA 16x16x16, fp32 accumulate):
@@ -45,13 +46,18 @@ constexpr unsigned kFullMask = 0xffffffffu;
 // CUDA-core path.
 constexpr int kShrinkRows = 2;    // rows per shrink item
 constexpr int kShrinkLong = 96;   // segments of at least this many rows use kShrinkRanksLong
-constexpr int kShrinkRanks1 = 4;  // rank rows per shrink item in one-row segments (decode)
+constexpr int kShrinkRanks1 = 2;  // rank rows per shrink item in one-row segments (decode), by default
 constexpr int kShrinkRanksN = 2;  // ... in short segments: 2 rows x 2 rank rows, two K steps in flight
 constexpr int kShrinkRanksLong = 4;  // ... in long segments: 2 rows x 4 rank rows (x re-read half as often)
 constexpr int kExpandRows = 2;    // rows per expand item
 constexpr int kExpandVecs = 64;   // 16-byte column vectors per expand item (8 per warp)
 constexpr int kExpandBatch = 4;   // rank rows per lane loaded together
-constexpr int kShrinkBlocksPerSm = 2;  // shrink grid cap: half an SM's registers, the rest for the expand
+// Shrink grid cap per SM (the kernel's register budget allows 4). With decode items of 2 rank rows and
+// 4 blocks per SM, every decode item of a Llama-2-7B group is in flight at once; measured in 32 decode
+// layers with 32 distinct adapters (bench/probe_decode.py, docs/benchmarks.md §3.2): LoRA 48.3 us per
+// layer over none against 53.5 with the earlier 2 blocks x 4 rank rows; one adapter (one 32-row
+// segment) within 1.3 us either way.
+constexpr int kShrinkBlocksPerSm = 4;
 // Register budget of the CUDA-core kernels (min resident blocks of 256 threads): 64 registers. The
 // sm_80 code of the shrink needs a few more to avoid spilling.
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ < 900)
@@ -69,6 +75,8 @@ constexpr int kShrinkK = 32;      // ... K per stage of one warp
 constexpr int kLdsS = kShrinkK + 8;  // ... its smem row stride (elements): 80 B
 
 static_assert(kMaxSegments % kThreads == 0, "table build splits the capacity evenly");
+static_assert(kShrinkRanks1 == 1 || kShrinkRanks1 == 2 || kShrinkRanks1 == 4, "decode items: 1, 2 or 4 rank rows");
+static_assert(4 <= kShrinkRows * kShrinkRanksLong, "the CUDA-core reduction area holds decode items of 4 rank rows");
 
 // ---------------------------------------------------------------------------------------------------
 // Small device helpers.
@@ -179,6 +187,7 @@ struct ShrinkParams {
   int v_row_stride;         // G * v_rank_dim
   int v_rank_dim;
   int mma_min_rows;
+  int decode_ranks;         // rank rows per CUDA-core item of one-row segments: 1, 2 or 4
   int rank_pad;             // max rank_cap rounded up to 16: rows of the A tile in shared memory
   int work_offset;          // bytes from the start of dynamic shared memory to the work area
 };
@@ -330,6 +339,7 @@ __device__ __forceinline__ int find_segment(const int* prefix, int cap, int item
 template <bool kMma>
 struct ShrinkCount {
   int mma_min_rows;
+  int decode_ranks;  // ShrinkParams::decode_ranks
   __device__ int operator()(int n, int packed) const {
     int rt = 0, active = 0;
 #pragma unroll
@@ -339,7 +349,7 @@ struct ShrinkCount {
       active += r > 0;
     }
     if (kMma && n >= mma_min_rows) return ceil_div(n, kShrinkTileM) * active;
-    const int rb = n == 1 ? kShrinkRanks1 : (n >= kShrinkLong ? kShrinkRanksLong : kShrinkRanksN);
+    const int rb = n == 1 ? decode_ranks : (n >= kShrinkLong ? kShrinkRanksLong : kShrinkRanksN);
     return ceil_div(n, kShrinkRows) * ceil_div(rt, rb);
   }
 };
@@ -539,13 +549,16 @@ __device__ void shrink_mma(const ShrinkParams& p, int row0, int nr, int slot, in
 }
 
 // One CUDA-core shrink item: item `local` of the segment (lo, n, slot, packed ranks) -> its rows
-// and rank rows, and the shrink_cc instantiation for its shape.
+// and rank rows, and the shrink_cc instantiation for its shape. Must agree with ShrinkCount. The item
+// shape never changes a bit of v: every thread of shrink_cc accumulates its K vectors tid, tid + 256,
+// ... in increasing order with explicit fmaf (trailing zero vectors past K only add +0), and the block
+// reduction sums the 256 partials of one (row, rank row) in a fixed order, whatever NR, RB or block.
 template <typename T>
 __device__ __forceinline__ void shrink_cc_item(const ShrinkParams& p, int lo, int n, int slot, int packed, int local,
                                                float* red, bool& waited) {
   const int rt = rank_of(packed, 0) + rank_of(packed, 1) + rank_of(packed, 2);
   const bool long_seg = n >= kShrinkLong;
-  const int rb = n == 1 ? kShrinkRanks1 : (long_seg ? kShrinkRanksLong : kShrinkRanksN);
+  const int rb = n == 1 ? p.decode_ranks : (long_seg ? kShrinkRanksLong : kShrinkRanksN);
   const int nq = ceil_div(rt, rb);
   const int c = local / nq, q = local - c * nq;
   const int row0 = lo + c * kShrinkRows;
@@ -558,8 +571,14 @@ __device__ __forceinline__ void shrink_cc_item(const ShrinkParams& p, int lo, in
     } else {
       shrink_cc<T, 2, kShrinkRanksLong>(p, row0, slot, packed, f0, red, waited);
     }
-  } else if (n == 1) {
-    shrink_cc<T, 1, kShrinkRanks1>(p, row0, slot, packed, f0, red, waited);
+  } else if (n == 1) {  // decode: p.decode_ranks is 1, 2 or 4 (checked by the launchers)
+    if (rb == 4) {
+      shrink_cc<T, 1, 4>(p, row0, slot, packed, f0, red, waited);
+    } else if (rb == 2) {
+      shrink_cc<T, 1, 2>(p, row0, slot, packed, f0, red, waited);
+    } else {
+      shrink_cc<T, 1, 1>(p, row0, slot, packed, f0, red, waited);
+    }
   } else if (nr == 1) {  // the odd last row of a short segment
     shrink_cc<T, 1, kShrinkRanksN>(p, row0, slot, packed, f0, red, waited);
   } else {
@@ -575,7 +594,7 @@ __global__ void __launch_bounds__(kThreads, kMma ? 2 : kShrinkMinBlocks) sgmv_sh
   // still run (they are written before a step starts, never by the kernel right before a shrink);
   // x is read and v written only after the wait.
   const Table t = carve_table(reinterpret_cast<int*>(smem), p.seg.capacity);
-  const int total = build_table(p.seg, p.rank_cap, t, ShrinkCount<kMma>{p.mma_min_rows});
+  const int total = build_table(p.seg, p.rank_cap, t, ShrinkCount<kMma>{p.mma_min_rows, p.decode_ranks});
   unsigned char* work = smem + p.work_offset;
   float* red = reinterpret_cast<float*>(work);
   bool waited = false;  // every global write (v) comes after pdl_wait(): the previous expand may read v
@@ -858,12 +877,13 @@ __global__ void __launch_bounds__(kThreads, kMma ? 2 : 4) sgmv_expand_kernel(con
 // segment's shrink items are done: the block that finishes a shrink item publishes it (barrier,
 // one gpu-scope fence, one atomic increment of done_shrink[i]); the expand item's first thread
 // spins on that count, then fences, and the block reads v from L2. The grid never exceeds the
-// blocks that can be resident at once, and every block starts (and calls launch_dependents) before
-// any dependent kernel may occupy an SM, so every waited-for shrink item is running or done: no
-// deadlock. The last expand item of a segment (done_expand[i] reaching its count) sets both
-// counters back to zero, so they are zero between launches without a memset. Every output element
-// is still written by exactly one thread with a fixed reduction order: bitwise reproducible, and
-// bitwise equal to the two-launch CUDA-core path.
+// blocks that can be resident at once (LaunchOptions::blocks_per_sm and max_blocks only lower it, and
+// any grid of at least one block covers every item), and every block starts (and calls
+// launch_dependents) before any dependent kernel may occupy an SM, so every waited-for shrink item is
+// running or done: no deadlock. The last expand item of a segment (done_expand[i] reaching its
+// count) sets both counters back to zero, so they are zero between launches without a memset. Every
+// output element is still written by exactly one thread with a fixed reduction order: bitwise
+// reproducible, and bitwise equal to the two-launch CUDA-core path.
 
 struct FusedParams {
   ShrinkParams s;
@@ -903,7 +923,7 @@ __global__ void __launch_bounds__(kThreads, kShrinkMinBlocks) sgmv_fused_kernel(
   extern __shared__ __align__(128) unsigned char smem[];
   const Table t = carve_table(reinterpret_cast<int*>(smem), p.s.seg.capacity);
   int* eprefix = reinterpret_cast<int*>(smem) + p.eprefix_offset;
-  const int ns = build_table(p.s.seg, p.s.rank_cap, t, ShrinkCount<false>{p.s.mma_min_rows});
+  const int ns = build_table(p.s.seg, p.s.rank_cap, t, ShrinkCount<false>{p.s.mma_min_rows, p.s.decode_ranks});
   const ExpandCount<false> ecount{p.e.mma_min_rows, {p.e.out_features[0], p.e.out_features[1], p.e.out_features[2]}};
   const int ne = scan_items(t, eprefix, ecount);
   float* red = reinterpret_cast<float*>(smem + p.s.work_offset);
@@ -1066,6 +1086,23 @@ const char* check_segments(const SegmentArgs& s) {
   return nullptr;
 }
 
+// Rank rows per CUDA-core shrink item of one-row segments for these options; 0 if invalid.
+int decode_ranks_of(const LaunchOptions& opt) {
+  switch (opt.decode_ranks) {
+    case 0:
+      return kShrinkRanks1;
+    case 1:
+    case 2:
+    case 4:
+      return opt.decode_ranks;
+    default:
+      return 0;
+  }
+}
+
+// The launcher's per-SM grid bound, or options.blocks_per_sm when set.
+int per_sm_cap(const LaunchOptions& opt, int fallback) { return opt.blocks_per_sm > 0 ? opt.blocks_per_sm : fallback; }
+
 int rank_pad_of(const int (&cap)[kMaxGroup], int groups) {
   int m = 1;
   for (int g = 0; g < groups; ++g) m = std::max(m, cap[g]);
@@ -1087,6 +1124,7 @@ const char* shrink_typed(const ShrinkArgs& args, const LaunchOptions& opt, int d
   p.v_rank_dim = args.v_rank_dim;
   p.v_row_stride = args.seg.num_groups * args.v_rank_dim;
   p.mma_min_rows = std::max(1, opt.mma_min_rows);
+  p.decode_ranks = decode_ranks_of(opt);  // checked by sgmv_shrink
   int rank_sum = 0;
   for (int g = 0; g < kMaxGroup; ++g) {
     const bool used = g < args.seg.num_groups;
@@ -1109,11 +1147,14 @@ const char* shrink_typed(const ShrinkArgs& args, const LaunchOptions& opt, int d
   const bool mma = args.seg.num_rows >= p.mma_min_rows && p.work_offset + mma_work <= info.smem_optin;
   if (!mma) p.mma_min_rows = 1 << 30;
   const int smem = p.work_offset + (mma ? mma_work : cc_work);
-  int64_t items = static_cast<int64_t>(row_chunks_bound(args.seg, kShrinkRows)) * ceil_div(rank_sum, kShrinkRanksN);
+  // fewest rank rows per CUDA-core item: kShrinkRanksN (two-row chunks), or decode_ranks (one-row segments)
+  int64_t items = static_cast<int64_t>(row_chunks_bound(args.seg, kShrinkRows)) *
+                  ceil_div(rank_sum, std::min(kShrinkRanksN, p.decode_ranks));
   if (mma) items += static_cast<int64_t>(row_chunks_bound(args.seg, kShrinkTileM)) * args.seg.num_groups;
   const int max_items = static_cast<int>(std::min<int64_t>(items, 1 << 30));
-  return mma ? launch(sgmv_shrink_kernel<T, true>, p, max_items, kShrinkBlocksPerSm, smem, opt, device, stream)
-             : launch(sgmv_shrink_kernel<T, false>, p, max_items, kShrinkBlocksPerSm, smem, opt, device, stream);
+  const int per_sm = per_sm_cap(opt, kShrinkBlocksPerSm);
+  return mma ? launch(sgmv_shrink_kernel<T, true>, p, max_items, per_sm, smem, opt, device, stream)
+             : launch(sgmv_shrink_kernel<T, false>, p, max_items, per_sm, smem, opt, device, stream);
 }
 
 template <typename T>
@@ -1155,8 +1196,9 @@ const char* expand_typed(const ExpandArgs& args, const LaunchOptions& opt, int d
   int64_t items = static_cast<int64_t>(row_chunks_bound(args.seg, kExpandRows)) * ceil_div(vecs, kExpandVecs);
   if (mma) items += static_cast<int64_t>(row_chunks_bound(args.seg, kTileM)) * tiles;
   const int max_items = static_cast<int>(std::min<int64_t>(items, 1 << 30));
-  return mma ? launch(sgmv_expand_kernel<T, true>, p, max_items, kThreads, smem, opt, device, stream)
-             : launch(sgmv_expand_kernel<T, false>, p, max_items, kThreads, smem, opt, device, stream);
+  const int per_sm = per_sm_cap(opt, kThreads);  // default: the occupancy only
+  return mma ? launch(sgmv_expand_kernel<T, true>, p, max_items, per_sm, smem, opt, device, stream)
+             : launch(sgmv_expand_kernel<T, false>, p, max_items, per_sm, smem, opt, device, stream);
 }
 
 
@@ -1175,6 +1217,7 @@ const char* fused_typed(const ShrinkArgs& sa, const ExpandArgs& ea, int* counter
   s.v_rank_dim = e.v_rank_dim = sa.v_rank_dim;
   s.v_row_stride = e.v_row_stride = sa.seg.num_groups * sa.v_rank_dim;
   s.mma_min_rows = e.mma_min_rows = 1 << 30;  // CUDA-core items only
+  s.decode_ranks = decode_ranks_of(opt);        // checked by sgmv_fused
   int rank_sum = 0, vecs = 0;
   for (int g = 0; g < kMaxGroup; ++g) {
     const bool used = g < sa.seg.num_groups;
@@ -1205,11 +1248,13 @@ const char* fused_typed(const ShrinkArgs& sa, const ExpandArgs& ea, int* counter
   p.done_expand = counters + cap;
   const int smem = s.work_offset + kShrinkRows * kShrinkRanksLong * kThreads * 4;
   const int64_t items =
-      static_cast<int64_t>(row_chunks_bound(sa.seg, kShrinkRows)) * ceil_div(rank_sum, kShrinkRanksN) +
+      static_cast<int64_t>(row_chunks_bound(sa.seg, kShrinkRows)) *
+          ceil_div(rank_sum, std::min(kShrinkRanksN, s.decode_ranks)) +
       static_cast<int64_t>(row_chunks_bound(sa.seg, kExpandRows)) * ceil_div(vecs, kExpandVecs);
   const int max_items = static_cast<int>(std::min<int64_t>(items, 1 << 30));
-  // No per-SM cap below the occupancy: the grid is at most what is resident at once (see the kernel).
-  return launch(sgmv_fused_kernel<T>, p, max_items, kThreads, smem, opt, device, stream);
+  // No per-SM cap below the occupancy unless blocks_per_sm asks for one: launch() takes
+  // min(occupancy, cap) per SM, so the grid is at most what is resident at once (see the kernel).
+  return launch(sgmv_fused_kernel<T>, p, max_items, per_sm_cap(opt, kThreads), smem, opt, device, stream);
 }
 
 }  // namespace
@@ -1218,6 +1263,7 @@ const char* sgmv_shrink(DType dtype, const ShrinkArgs& args, const LaunchOptions
   if (const char* err = check_segments(args.seg)) return err;
   if (args.in_features < 8 || args.in_features % 8 != 0) return "sgmv_shrink: in_features must be a multiple of 8";
   if (args.x == nullptr || args.v == nullptr) return "sgmv_shrink: null x or v";
+  if (decode_ranks_of(options) == 0) return "sgmv: decode_ranks must be 0, 1, 2 or 4";
   if (args.seg.num_rows == 0) return nullptr;
   DeviceScope scope(device);
   if (!scope.ok()) return "sgmv_shrink: cannot select the tensors' CUDA device";
@@ -1245,6 +1291,7 @@ const char* sgmv_fused(DType dtype, const ShrinkArgs& sargs, const ExpandArgs& e
     return "sgmv_fused: shrink and expand must share the segment table, T, G and v";
   if (sargs.in_features < 8 || sargs.in_features % 8 != 0) return "sgmv_fused: in_features must be a multiple of 8";
   if (sargs.x == nullptr || sargs.v == nullptr) return "sgmv_fused: null x or v";
+  if (decode_ranks_of(options) == 0) return "sgmv: decode_ranks must be 0, 1, 2 or 4";
   if (sargs.seg.num_rows == 0) return nullptr;
   if (counters == nullptr) return "sgmv_fused: null counters";
   DeviceScope scope(device);

@@ -67,6 +67,15 @@ struct LaunchOptions {
   // blockIdx.x + gridDim.x, ..., so results never depend on it; a small grid leaves SMs to a kernel that
   // runs at the same time on another stream (a shrink beside the GEMM that shares its input).
   int max_blocks = 0;
+  // At most this many resident blocks per SM in the grid (0: the launcher's own bound: 4 for the shrink,
+  // the occupancy for the expand and the fused launch). Like max_blocks it moves only speed, never a
+  // bit of the results (applied before max_blocks; the grid stays at most what can be resident).
+  int blocks_per_sm = 0;
+  // Rank rows per CUDA-core shrink item of one-row segments (decode): 1, 2 or 4 (0: the default, 2).
+  // Shrink and fused launches; anything else is an error. Each (row, rank row) dot product is reduced
+  // in the same order whatever the item shape, so results never depend on it: fewer rank rows per item
+  // give more, shorter items (more blocks busy on few rows), more give fewer x re-reads.
+  int decode_ranks = 0;
 };
 
 // Enqueue one launch on `stream` (a cudaStream_t) of device `device`. No host synchronisation, no

@@ -1,11 +1,15 @@
 // Torch binding of the SGMV launchers (sgmv.h). It validates every input and then enqueues the
 // kernels on the CUDA stream that Python passes in as an integer (no c10/cuda headers needed).
 //
-//   shrink(v, x, a, ranks, indptr, slots, mma_min_rows, pdl, stream, max_blocks=0):
+//   shrink(v, x, a, ranks, indptr, slots, mma_min_rows, pdl, stream, max_blocks=0, blocks_per_sm=0,
+//          decode_ranks=0):
 //       v[rows, g, :r] = x[rows] @ a[g][s, :r, :].T        for every segment (rows, s >= 0) and g;
-//       max_blocks > 0 caps the grid (to leave SMs to a kernel on another stream)
-//   expand(ys, v, b, ranks, indptr, slots, mma_min_rows, pdl, stream):
+//       max_blocks > 0 caps the grid (to leave SMs to a kernel on another stream), blocks_per_sm > 0
+//       the resident blocks per SM (0: 2), decode_ranks (1, 2 or 4; 0: 4) sets the rank rows per
+//       CUDA-core item of one-row segments. None of the three changes a bit of v.
+//   expand(ys, v, b, ranks, indptr, slots, mma_min_rows, pdl, stream, blocks_per_sm=0):
 //       ys[g][rows] += v[rows, g, :r] @ b[g][s, :r, :]
+//       blocks_per_sm > 0 caps the resident blocks per SM (0: occupancy only); never changes a bit.
 //   add(ys, v, x, a, b, ranks, indptr, slots, counters, shrink_mma_min_rows, expand_mma_min_rows, pdl, stream):
 //       shrink then expand; one fused launch when T is below both thresholds (every segment on the
 //       CUDA-core path), else the two launches above. counters: int32 [>= 2 * capacity], zero.
@@ -162,25 +166,33 @@ lorafleet::ShrinkArgs shrink_args(const Tensor& v, const Tensor& x, const std::v
   return args;
 }
 
-lorafleet::LaunchOptions launch_options(int64_t mma_min_rows, bool pdl, int64_t max_blocks = 0) {
+lorafleet::LaunchOptions launch_options(int64_t mma_min_rows, bool pdl, int64_t max_blocks = 0,
+                                        int64_t blocks_per_sm = 0, int64_t decode_ranks = 0) {
   SGMV_CHECK(mma_min_rows >= 1, "sgmv: mma_min_rows must be >= 1");
   SGMV_CHECK(max_blocks >= 0, "sgmv: max_blocks must be >= 0 (0: no cap)");
+  SGMV_CHECK(blocks_per_sm >= 0, "sgmv: blocks_per_sm must be >= 0 (0: the kernel's default), got %lld",
+             ll(blocks_per_sm));
+  SGMV_CHECK(decode_ranks == 0 || decode_ranks == 1 || decode_ranks == 2 || decode_ranks == 4,
+             "sgmv: decode_ranks must be 0, 1, 2 or 4 (0: the default, 2), got %lld", ll(decode_ranks));
   lorafleet::LaunchOptions opt;
   opt.mma_min_rows = static_cast<int>(std::min<int64_t>(mma_min_rows, kInt32Max));
   opt.pdl = pdl;
   opt.max_blocks = static_cast<int>(std::min<int64_t>(max_blocks, kInt32Max));
+  opt.blocks_per_sm = static_cast<int>(std::min<int64_t>(blocks_per_sm, kInt32Max));
+  opt.decode_ranks = static_cast<int>(decode_ranks);
   return opt;
 }
 
 void* as_stream(int64_t stream) { return reinterpret_cast<void*>(static_cast<intptr_t>(stream)); }
 
 void shrink(Tensor v, Tensor x, std::vector<Tensor> a, Tensor ranks, Tensor indptr, Tensor slots,
-            int64_t mma_min_rows, bool pdl, int64_t stream, int64_t max_blocks) {
+            int64_t mma_min_rows, bool pdl, int64_t stream, int64_t max_blocks, int64_t blocks_per_sm,
+            int64_t decode_ranks) {
   const auto dtype = kernel_dtype(x, "x");
   const lorafleet::ShrinkArgs args = shrink_args(v, x, a, ranks, indptr, slots);
+  const lorafleet::LaunchOptions opt = launch_options(mma_min_rows, pdl, max_blocks, blocks_per_sm, decode_ranks);
   if (x.size(0) == 0) return;
-  const char* err = lorafleet::sgmv_shrink(dtype, args, launch_options(mma_min_rows, pdl, max_blocks), x.get_device(),
-                                           as_stream(stream));
+  const char* err = lorafleet::sgmv_shrink(dtype, args, opt, x.get_device(), as_stream(stream));
   SGMV_CHECK(err == nullptr, "sgmv shrink launch failed: %s", err ? err : "");
 }
 
@@ -223,13 +235,13 @@ lorafleet::ExpandArgs expand_args(const std::vector<Tensor>& ys, const Tensor& v
 }
 
 void expand(std::vector<Tensor> ys, Tensor v, std::vector<Tensor> b, Tensor ranks, Tensor indptr, Tensor slots,
-            int64_t mma_min_rows, bool pdl, int64_t stream) {
+            int64_t mma_min_rows, bool pdl, int64_t stream, int64_t blocks_per_sm) {
   SGMV_CHECK(!ys.empty(), "sgmv: expand needs at least one output");
   const auto dtype = kernel_dtype(ys[0], "ys[0]");
   const lorafleet::ExpandArgs args = expand_args(ys, v, b, ranks, indptr, slots);
+  const lorafleet::LaunchOptions opt = launch_options(mma_min_rows, pdl, 0, blocks_per_sm);
   if (ys[0].size(0) == 0) return;
-  const char* err = lorafleet::sgmv_expand(dtype, args, launch_options(mma_min_rows, pdl), ys[0].get_device(),
-                                           as_stream(stream));
+  const char* err = lorafleet::sgmv_expand(dtype, args, opt, ys[0].get_device(), as_stream(stream));
   SGMV_CHECK(err == nullptr, "sgmv expand launch failed: %s", err ? err : "");
 }
 
@@ -325,10 +337,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "lorafleet CUDA kernels: SGMV (LoRA shrink / expand over segments of a flat batch) and rope_kv";
   m.def("shrink", &shrink, "v[rows, g, :r] = x[rows] @ a[g][slot, :r].T for every segment",
         py::arg("v"), py::arg("x"), py::arg("a"), py::arg("ranks"), py::arg("indptr"), py::arg("slots"),
-        py::arg("mma_min_rows"), py::arg("pdl"), py::arg("stream"), py::arg("max_blocks") = 0);
+        py::arg("mma_min_rows"), py::arg("pdl"), py::arg("stream"), py::arg("max_blocks") = 0,
+        py::arg("blocks_per_sm") = 0, py::arg("decode_ranks") = 0);
   m.def("expand", &expand, "ys[g][rows] += v[rows, g, :r] @ b[g][slot, :r] for every segment",
         py::arg("ys"), py::arg("v"), py::arg("b"), py::arg("ranks"), py::arg("indptr"), py::arg("slots"),
-        py::arg("mma_min_rows"), py::arg("pdl"), py::arg("stream"));
+        py::arg("mma_min_rows"), py::arg("pdl"), py::arg("stream"), py::arg("blocks_per_sm") = 0);
   m.def("add", &add, "ys[g][rows] += (x[rows] @ a[g][slot, :r].T) @ b[g][slot, :r] for every segment (fused)",
         py::arg("ys"), py::arg("v"), py::arg("x"), py::arg("a"), py::arg("b"), py::arg("ranks"), py::arg("indptr"),
         py::arg("slots"), py::arg("counters"), py::arg("shrink_mma_min_rows"), py::arg("expand_mma_min_rows"),

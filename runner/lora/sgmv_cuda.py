@@ -72,23 +72,30 @@ class CudaSGMV:
 
     def shrink(self, v: torch.Tensor, x: torch.Tensor, a: Sequence[torch.Tensor], ranks: torch.Tensor,
                host_ranks: Sequence[Sequence[int]], seg: SegmentTable, max_blocks: int = 0,
-               mma_min_rows: int | None = None) -> None:
-        """`max_blocks` > 0 caps the grid (the results never depend on it), leaving SMs to a kernel that
-        runs beside this one on another stream; `mma_min_rows` overrides the instance's threshold."""
+               mma_min_rows: int | None = None, blocks_per_sm: int = 0, decode_ranks: int = 0) -> None:
+        """`mma_min_rows` overrides the instance's threshold. Launch-shape knobs, none of which ever
+        changes a bit of v (only the speed): `max_blocks` > 0 caps the grid, leaving SMs to a kernel
+        that runs beside this one on another stream; `blocks_per_sm` > 0 caps the resident blocks per
+        SM (0: the kernel's default, 4); `decode_ranks` (1, 2 or 4; 0: the default, 2) is the number of
+        rank rows per CUDA-core work item of one-row segments (decode)."""
         if not x.is_cuda:
             raise ValueError(f"CudaSGMV needs CUDA tensors, got x on {x.device} (use TorchSGMV on the CPU)")
         stream = torch.cuda.current_stream(x.device).cuda_stream
         rows = self.shrink_mma_min_rows if mma_min_rows is None else mma_min_rows
-        self._ext().shrink(v, x, list(a), ranks, seg.indptr, seg.slots, rows, self.pdl, stream, max_blocks)
+        self._ext().shrink(v, x, list(a), ranks, seg.indptr, seg.slots, rows, self.pdl, stream, max_blocks,
+                           blocks_per_sm, decode_ranks)
 
     def expand(self, ys: Sequence[torch.Tensor], v: torch.Tensor, b: Sequence[torch.Tensor], ranks: torch.Tensor,
-               host_ranks: Sequence[Sequence[int]], seg: SegmentTable, mma_min_rows: int | None = None) -> None:
+               host_ranks: Sequence[Sequence[int]], seg: SegmentTable, mma_min_rows: int | None = None,
+               blocks_per_sm: int = 0) -> None:
+        """`mma_min_rows` overrides the instance's threshold; `blocks_per_sm` > 0 caps the resident blocks
+        per SM (0: occupancy only), a launch-shape knob that never changes a bit of ys."""
         ys = list(ys)
         if not ys or not ys[0].is_cuda:
             raise ValueError("CudaSGMV needs CUDA tensors (use TorchSGMV on the CPU)")
         stream = torch.cuda.current_stream(ys[0].device).cuda_stream
         rows = self.expand_mma_min_rows if mma_min_rows is None else mma_min_rows
-        self._ext().expand(ys, v, list(b), ranks, seg.indptr, seg.slots, rows, self.pdl, stream)
+        self._ext().expand(ys, v, list(b), ranks, seg.indptr, seg.slots, rows, self.pdl, stream, blocks_per_sm)
 
     def add(self, ys: Sequence[torch.Tensor], v: torch.Tensor, x: torch.Tensor, a: Sequence[torch.Tensor],
             b: Sequence[torch.Tensor], ranks: torch.Tensor, host_ranks: Sequence[Sequence[int]], seg: SegmentTable,

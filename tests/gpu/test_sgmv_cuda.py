@@ -393,6 +393,101 @@ def test_shrink_grid_cap_keeps_the_bits(cap):
         CudaSGMV().shrink(vs[0], x, pool.a, pool.ranks, pool.host_ranks, seg, max_blocks=-1)
 
 
+def one_row_segments(row_slots: list[int], capacity: int) -> SegmentTable:
+    """Every row its own segment, also where neighbours share a slot (build_segments would merge them)."""
+    T = len(row_slots)
+    indptr = list(range(T + 1)) + [T] * (capacity - T)
+    slots = list(row_slots) + [-1] * (capacity - T)
+    return SegmentTable(torch.tensor(indptr, dtype=torch.int32, device=DEV),
+                        torch.tensor(slots, dtype=torch.int32, device=DEV),
+                        tuple(range(T + 1)), tuple(row_slots), T)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaN payloads and the sign of zero included)."""
+    ints = {4: torch.int32, 2: torch.int16}
+    return a.dtype == b.dtype and torch.equal(a.view(ints[a.element_size()]), b.view(ints[b.element_size()]))
+
+
+DECODE_T = 32
+DECODE_TABLES = {
+    # name: (row -> slot, one_row): one_row builds one segment per row even where slots repeat
+    "distinct": (list(range(DECODE_T)), False),
+    "same_slot_rows": ([0] * DECODE_T, True),
+    "same_slot_merged": ([0] * DECODE_T, False),  # one 32-row segment: decode_ranks has nothing to do
+    "distinct_base_rows": ([-1 if i % 5 == 4 else (7 * i) % DECODE_T for i in range(DECODE_T)], False),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", ["llama_qkv_gqa", "llama_down"])
+@pytest.mark.parametrize("table", list(DECODE_TABLES))
+def test_launch_shape_knobs_keep_the_bits(dtype, shape, table):
+    """Decode-shaped tables (T = 32): `shrink(blocks_per_sm=1..4, decode_ranks=1|2|4)` gives v bit for bit
+    as the default call, and `expand(blocks_per_sm=1|2|4)` ys bit for bit as the default expand; the
+    default call matches the fp64 reference. Ranks 0..16 per (projection, slot), many neither even nor
+    multiples of 4 (partial last items), pool rows beyond a rank NaN; K = 4096 (G = 3) and 11008 (G = 1)."""
+    in_dim, out_dims = SHAPES[shape]
+    G, S, R = len(out_dims), DECODE_T, 16
+    rank_list = [3, 5, 16, 1, 7, 2, 13, 16, 6, 9, 11, 4, 15]
+    host_ranks = [[0 if (s + 2 * g) % 9 == 8 else rank_list[(s + 5 * g) % len(rank_list)] for s in range(S)]
+                  for g in range(G)]
+    host_ranks[0][0] = 3  # the shared slot of the same-slot tables: odd ranks
+    if G > 1:
+        host_ranks[1][0], host_ranks[2][0] = 5, 16
+    pool = make_pool(in_dim, out_dims, host_ranks, dtype, seed=21 + G, rank_dim=R)
+    row_slots, one_row = DECODE_TABLES[table]
+    capacity = DECODE_T + 8  # trailing empty segments too
+    seg = one_row_segments(row_slots, capacity) if one_row else build_segments(row_slots, device=DEV, capacity=capacity)
+    x = torch.randn(DECODE_T, in_dim, device=DEV).to(dtype)
+    sg = CudaSGMV()
+
+    def shrink(**kw):
+        v = torch.full((DECODE_T, G, R), float("nan"), device=DEV)
+        sg.shrink(v, x, pool.a, pool.ranks, pool.host_ranks, seg, **kw)
+        return v
+
+    buf, ys = fused_outputs(DECODE_T, out_dims, dtype, seed=G)
+    before = buf.clone()
+    v0 = shrink()
+    sg.expand(ys, v0, pool.b, pool.ranks, pool.host_ranks, seg)
+    check_result(x, pool, row_slots, buf, before, ys, v0, dtype, out_dims, label=f"default {table}")
+    assert not torch.isnan(v0).all()
+
+    for bps in (1, 2, 3, 4):
+        for rb in (1, 2, 4):
+            v = shrink(blocks_per_sm=bps, decode_ranks=rb)
+            torch.cuda.synchronize()
+            assert same_bits(v, v0), f"{table}: shrink(blocks_per_sm={bps}, decode_ranks={rb}) changed v"
+    for bps in (1, 2, 4):
+        buf2 = before.clone()
+        ys2 = list(buf2[:, PAD : PAD + sum(out_dims)].split(out_dims, dim=1))
+        sg.expand(ys2, v0, pool.b, pool.ranks, pool.host_ranks, seg, blocks_per_sm=bps)
+        torch.cuda.synchronize()
+        assert same_bits(buf2, buf), f"{table}: expand(blocks_per_sm={bps}) changed ys"
+
+
+def test_launch_shape_knobs_are_checked():
+    dtype = torch.bfloat16
+    in_dim, out_dims = 64, [32]
+    pool = make_pool(in_dim, out_dims, [[4] * 3], dtype, seed=0)
+    seg = build_segments([0, 1], device=DEV, capacity=2)
+    x = torch.randn(2, in_dim, device=DEV).to(dtype)
+    v = torch.zeros(2, 1, 4, device=DEV)
+    y = torch.zeros(2, 32, device=DEV, dtype=dtype)
+    sg = CudaSGMV()
+    for rb in (3, -1, 8):
+        with pytest.raises(RuntimeError, match="decode_ranks"):
+            sg.shrink(v, x, pool.a, pool.ranks, pool.host_ranks, seg, decode_ranks=rb)
+    with pytest.raises(RuntimeError, match="blocks_per_sm"):
+        sg.shrink(v, x, pool.a, pool.ranks, pool.host_ranks, seg, blocks_per_sm=-1)
+    with pytest.raises(RuntimeError, match="blocks_per_sm"):
+        sg.expand([y], v, pool.b, pool.ranks, pool.host_ranks, seg, blocks_per_sm=-1)
+    sg.shrink(v, x, pool.a, pool.ranks, pool.host_ranks, seg, blocks_per_sm=1000, decode_ranks=1)  # valid
+    sg.expand([y], v, pool.b, pool.ranks, pool.host_ranks, seg, blocks_per_sm=1000)
+    torch.cuda.synchronize()
+
+
 @pytest.mark.parametrize("rows", [(64, 128), (512, 512), (16, 16)])
 def test_add_with_per_call_thresholds(rows):
     """`add(mma_rows=...)` (each group of a step with prompt rows has its own): exact, and the same bits as
