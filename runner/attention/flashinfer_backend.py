@@ -2,7 +2,10 @@
 
 Per step: prefill requests (the first `num_prefill` of the batch) go through
 `BatchPrefillWithPagedKVCacheWrapper` (causal), decode requests through
-`BatchDecodeWithPagedKVCacheWrapper`; both are planned once per step and run per layer.
+`BatchDecodeWithPagedKVCacheWrapper`; both are planned once per step and run per layer. On sm90 there
+are two prefill wrappers, FA2 and FA3, and each step's prompt rows take the one `meta.prefill_kernel`
+picks (FA2 for chunks too short to fill the card under FA3's plan); LORAFLEET_PREFILL_BACKEND=fa2 or
+fa3 forces one.
 K/V of the step's tokens are written into the page pool before attention.
 
 Plans are made on the host while the device may still run the previous step (overlapped
@@ -23,7 +26,7 @@ import flashinfer  # noqa: F401  (ImportError here makes select.py fall back to 
 from flashinfer import BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper
 
 from lorafleet import env
-from lorafleet.runner.attention.meta import AttnMeta
+from lorafleet.runner.attention.meta import AttnMeta, prefill_kernel
 from lorafleet.runner.kv_cache import KVCache
 
 WORKSPACE_BYTES = 256 << 20
@@ -55,9 +58,18 @@ class FlashInferAttention:
         self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         ws_p = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         ws_d = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self.prefill = BatchPrefillWithPagedKVCacheWrapper(ws_p, "NHD", backend=env.prefill_backend())
+        choice = env.prefill_backend()
+        sm90 = torch.cuda.get_device_capability(device)[0] == 9
+        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        if choice == "auto" and sm90:  # both kernels; per step the one meta.prefill_kernel picks
+            ws_p2 = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+            self.prefill_wrappers = {"fa2": BatchPrefillWithPagedKVCacheWrapper(ws_p, "NHD", backend="fa2"),
+                                     "fa3": BatchPrefillWithPagedKVCacheWrapper(ws_p2, "NHD", backend="fa3")}
+        else:  # forced, or not sm90 (flashinfer's auto is then FA2 and FA3 cannot run)
+            self.prefill_wrappers = {choice: BatchPrefillWithPagedKVCacheWrapper(ws_p, "NHD", backend=choice)}
         self.decode = BatchDecodeWithPagedKVCacheWrapper(ws_d, "NHD", use_tensor_cores=self.h // self.hkv >= 4)
         self._planned: dict[int, torch.cuda.Event] = {}  # id(wrapper) -> recorded after its last plan's copies
+        self.warm_up()
 
     @contextmanager
     def planning(self, wrapper):
@@ -69,6 +81,47 @@ class FlashInferAttention:
         ev = torch.cuda.Event()
         ev.record()
         self._planned[id(wrapper)] = ev
+
+    def plan_prefill(self, wrapper, qo_indptr: list[int], page_tables, kv_lens) -> None:
+        """Plan a prefill wrapper for requests with these query row offsets, pages and KV lengths."""
+        indptr, indices, last = page_table_arrays(page_tables, kv_lens, self.kv.page_size, pin=True)
+        qo = torch.tensor(qo_indptr, dtype=torch.int32, pin_memory=True)
+        dt = self.kv.k.dtype
+        with self.planning(wrapper):
+            wrapper.plan(qo, indptr, indices, last, self.h, self.hkv, self.d, self.kv.page_size, causal=True,
+                         q_data_type=dt, kv_data_type=dt)
+
+    def warm_up(self) -> None:
+        """Run every kernel variant the eager wrappers can pick once, at start: FA2's CTA tiles of 16, 64
+        and 128 packed query rows, each with a short and a long K/V (a long one splits the K/V and adds
+        the merge kernel), the same shapes through FA3, and the decode kernel with and without a split.
+        CUDA loads kernels lazily, and the first launch of one waits for the work in flight: measured on
+        the H200, a step with a prompt chunk queued behind a 0.5 s kernel waited for all of it when its
+        FA2 plan picked a variant not run before (with CUDA_MODULE_LOADING=EAGER it did not)."""
+        ps, cap = self.kv.page_size, self.kv.num_pages * self.kv.page_size
+        group = max(1, self.h // self.hkv)
+        long_kv = min(2048, cap)
+        cache = self.kv.layer(0)
+        for packed in (8, 32, 100):  # FA2's tile choice: <= 16, <= 64, > 64 packed rows
+            rows = -(-packed // group)
+            for kv in sorted({rows, long_kv}):
+                if kv < rows or kv > cap:
+                    continue
+                q = torch.zeros(rows, self.h, self.d, dtype=self.kv.k.dtype, device=self.device)
+                for wrapper in self.prefill_wrappers.values():
+                    self.plan_prefill(wrapper, [0, rows], [list(range(-(-kv // ps)))], [kv])
+                    wrapper.run(q, cache)
+        for kv in sorted({1, long_kv}):
+            self.plan_decode(self.decode, [list(range(-(-kv // ps)))], [kv])
+            self.decode.run(torch.zeros(1, self.h, self.d, dtype=self.kv.k.dtype, device=self.device), cache)
+        torch.cuda.synchronize(self.device)
+
+    def prefill_for(self, qo_lens: list[int]):
+        """(kernel name, wrapper) for a step's prompt rows of these lengths."""
+        if len(self.prefill_wrappers) == 1:
+            return next(iter(self.prefill_wrappers.items()))
+        name = prefill_kernel(qo_lens, self.h, self.hkv, self.num_sms)
+        return name, self.prefill_wrappers[name]
 
     def begin(self, meta: AttnMeta) -> "FlashInferStep":
         return FlashInferStep(self, meta)
@@ -99,17 +152,14 @@ class FlashInferStep:
         self.b, self.meta = b, meta
         P = meta.num_prefill
         self.num_prefill_tokens = meta.qo_indptr[P]
-        ps = b.kv.page_size
-        dt = b.kv.k.dtype
         # Decode rows always take the decode kernel, also in steps with prompt rows, so a request's
         # tokens do not depend on what else shares its step (running every row through the prefill
         # kernel saved a host call per layer but made decode rows batch-dependent).
+        self.prefill_kernel, self.prefill = None, None
         if P:
-            indptr, indices, last = page_table_arrays(meta.page_tables[:P], meta.kv_lens[:P], ps, pin=True)
-            qo = torch.tensor(meta.qo_indptr[: P + 1], dtype=torch.int32, pin_memory=True)
-            with b.planning(b.prefill):
-                b.prefill.plan(qo, indptr, indices, last, b.h, b.hkv, b.d, ps, causal=True,
-                               q_data_type=dt, kv_data_type=dt)
+            lens = [meta.qo_indptr[i + 1] - meta.qo_indptr[i] for i in range(P)]
+            self.prefill_kernel, self.prefill = b.prefill_for(lens)
+            b.plan_prefill(self.prefill, meta.qo_indptr[: P + 1], meta.page_tables[:P], meta.kv_lens[:P])
         self.num_decode = meta.batch_size - P
         if self.num_decode:
             b.plan_decode(b.decode, meta.page_tables[P:], meta.kv_lens[P:])
@@ -127,7 +177,7 @@ class FlashInferStep:
         n = self.num_prefill_tokens
         out = torch.empty(T, b.h, b.d, dtype=q.dtype, device=q.device) if out is None else out.view(T, b.h, b.d)
         if n:
-            b.prefill.run(q[:n], cache, out=out[:n])
+            self.prefill.run(q[:n], cache, out=out[:n])
         if self.num_decode:
             b.decode.run(q[n:], cache, out=out[n:])
         return out.view(T, b.h * b.d)

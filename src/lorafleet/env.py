@@ -56,12 +56,28 @@ PREFILL_BACKENDS = ("auto", "fa2", "fa3")
 
 
 def prefill_backend() -> str:
-    """LORAFLEET_PREFILL_BACKEND: flashinfer's kernel for prompt rows on CUDA: auto (flashinfer's choice,
-    FA3 on sm90), fa2 or fa3. FA3's plan runs one CTA per (128-row query tile, head) and never splits
-    the K/V, so a short prompt chunk over a long prefix uses few SMs; FA2's plan splits the K/V."""
+    """LORAFLEET_PREFILL_BACKEND: flashinfer's kernel for prompt rows on CUDA. auto: on sm90 FA2 or FA3
+    per step (runner/attention/meta.py `prefill_kernel`: FA3's plan runs one CTA per (128-row query tile,
+    head) and never splits the K/V, so a short prompt chunk over a long prefix uses few SMs, while FA2's
+    plan splits the K/V; FA3 is faster once its CTAs fill the card), elsewhere flashinfer's own choice;
+    fa2 or fa3 forces one kernel."""
     choice = _str("LORAFLEET_PREFILL_BACKEND", "auto").strip().lower() or "auto"
     if choice not in PREFILL_BACKENDS:
         raise ValueError(f"LORAFLEET_PREFILL_BACKEND must be one of {', '.join(PREFILL_BACKENDS)}, got {choice!r}")
+    return choice
+
+
+SGMV_FUSED_CHOICES = ("auto", "1", "0")
+
+
+def sgmv_fused() -> str:
+    """LORAFLEET_SGMV_FUSED: how eager and piecewise steps (those with prompt rows) launch a LoRA group
+    whose segments all stay below the tensor-core thresholds: auto (the measured default,
+    runner/lora/step.py MIXED_FUSED), 1 (shrink and expand in one fused launch) or 0 (two launches).
+    Decode CUDA graphs always take two launches. Results are bitwise the same either way."""
+    choice = _str("LORAFLEET_SGMV_FUSED", "auto").strip().lower() or "auto"
+    if choice not in SGMV_FUSED_CHOICES:
+        raise ValueError(f"LORAFLEET_SGMV_FUSED must be one of {', '.join(SGMV_FUSED_CHOICES)}, got {choice!r}")
     return choice
 
 

@@ -103,7 +103,8 @@ def test_fa2_prefill_matches_cpu_fp32_teacher_forced(smol_shaped, cpu_reference,
     the same check as above, in bf16."""
     monkeypatch.setenv("LORAFLEET_PREFILL_BACKEND", "fa2")
     eng = teacher_forced_check(smol_shaped, cpu_reference, "bfloat16")
-    assert eng.attention.prefill._backend == "fa2"
+    assert list(eng.attention.prefill_wrappers) == ["fa2"]
+    assert eng.attention.prefill_wrappers["fa2"]._backend == "fa2"
 
 
 def teacher_forced_check(smol_shaped, cpu_reference, dtype):

@@ -38,3 +38,67 @@ def test_a_mixed_step_plans_without_waiting_for_queued_work():
     total = time.perf_counter() - t0
     assert total > 0.3, f"the stand-in kernel ran only {total:.2f} s; the test needs a longer one"
     assert planned < total / 3, f"planning took {planned:.2f} s of {total:.2f} s: it waited for the queued work"
+
+
+def _paged_reference(kv_k, kv_v, meta, q, ps):
+    """fp32 attention of q [T, H, D] over each request's pages (causal for prompt rows)."""
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    h, hkv, d = q.shape[1], kv_k.shape[-2], q.shape[2]
+    for i in range(meta.batch_size):
+        lo, hi, n = meta.qo_indptr[i], meta.qo_indptr[i + 1], meta.kv_lens[i]
+        pages = torch.tensor(meta.page_tables[i], device=q.device)
+        pos = torch.arange(n, device=q.device)
+        k = kv_k[pages[pos // ps], pos % ps].float().repeat_interleave(h // hkv, dim=1)  # [n, H, D]
+        v = kv_v[pages[pos // ps], pos % ps].float().repeat_interleave(h // hkv, dim=1)
+        s = torch.einsum("qhd,khd->hqk", q[lo:hi].float(), k) / d ** 0.5
+        qpos = torch.arange(n - (hi - lo), n, device=q.device)
+        s = s.masked_fill(pos[None, None, :] > qpos[None, :, None], float("-inf"))
+        out[lo:hi] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+    return out
+
+
+@pytest.mark.parametrize("case", ["short_chunk_long_prefix", "long_prompt"])
+def test_prefill_kernels_match_fp32_attention(case):
+    """Both of flashinfer's prefill kernels (FA2, FA3) against an fp32 reference on the same step, and
+    the kernel `auto` picks for it on sm90: a 64-row chunk over a 3,000-token prefix (beside two decode
+    rows) takes FA2, a 1,024-row prompt FA3 (runner/attention/meta.py prefill_kernel)."""
+    from lorafleet.runner.attention.flashinfer_backend import FlashInferAttention
+    from lorafleet.runner.attention.meta import AttnMeta
+    from lorafleet.runner.kv_cache import KVCache
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("FA3 needs sm90")
+    dev, ps = torch.device("cuda"), 16
+    cfg = SimpleNamespace(num_layers=1, num_heads=32, num_kv_heads=32, head_dim=128, kv_dim=32 * 128)
+    kv = KVCache(cfg, num_pages=512, page_size=ps, dtype=torch.bfloat16, device=dev)
+    g = torch.Generator(device=dev).manual_seed(1)
+    kv.k.normal_(generator=g)
+    kv.v.normal_(generator=g)
+    perm = torch.randperm(512, device=dev, generator=g).tolist()  # scattered pages
+    if case == "short_chunk_long_prefix":
+        lens, qo, want = [3064, 100, 37], [0, 64, 65, 66], "fa2"
+    else:
+        lens, qo, want = [1024], [0, 1024], "fa3"
+    tables, k = [], 0
+    for n in lens:
+        used = -(-n // ps)
+        tables.append(perm[k:k + used])
+        k += used
+    meta = AttnMeta(num_prefill=1, qo_indptr=qo, kv_lens=lens, page_tables=tables, page_size=ps,
+                    slot_mapping=torch.zeros(qo[-1], dtype=torch.int64, device=dev))
+    # scores of std 4: peaked softmax rows, so a key wrongly in or out of a row's window shows
+    q = (4 * torch.randn(qo[-1], 32, 128, device=dev, generator=g)).to(torch.bfloat16)
+    ref = _paged_reference(kv.k[0], kv.v[0], meta, q, ps)
+    attn = FlashInferAttention(kv, cfg, dev)
+    assert sorted(attn.prefill_wrappers) == ["fa2", "fa3"]
+    assert attn.begin(meta).prefill_kernel == want
+    chosen = attn.prefill_for
+    for name, wrapper in attn.prefill_wrappers.items():
+        attn.prefill_for = lambda lens, name=name, wrapper=wrapper: (name, wrapper)
+        step = attn.begin(meta)
+        assert step.prefill_kernel == name
+        out = step.attend(0, q).view(q.shape).float()
+        err = (out - ref).abs()
+        assert err.max().item() < 5e-2 and err.mean().item() < 2e-3, \
+            f"{name}: error max {err.max().item():.4f} mean {err.mean().item():.5f} against fp32 on {case}"
+    attn.prefill_for = chosen
