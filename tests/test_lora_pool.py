@@ -64,9 +64,10 @@ def test_packed_views_share_memory_with_the_packed_tensors():
     assert a.nbytes == sum(t.numel() * 4 for t in (*pk.a.values(), *pk.bt.values()))
 
 
-def test_step_passes_each_groups_tensor_core_thresholds():
+def test_step_passes_each_groups_tensor_core_thresholds(monkeypatch):
     """Steps with prompt rows give every group its own tensor-core thresholds (GROUP_MMA_ROWS); decode
-    steps (mma=False) keep every segment on CUDA cores, in two launches. The add-on is the same on every path: here
+    steps (mma=False) keep every segment on CUDA cores, in two launches; LORAFLEET_SGMV_FUSED sets the
+    launch count of the others. The add-on is the same on every path: here
     TorchSGMV computes it, checked against the independent fp32 loop."""
     from lorafleet.runner.lora.segments import build_segments
     from lorafleet.runner.lora.sgmv import TorchSGMV, fp32_loop_reference
@@ -84,7 +85,14 @@ def test_step_passes_each_groups_tensor_core_thresholds():
     pool.write(1, adapter("a", {(0, p): 4 for p in PROJECTIONS}, seed=5, stacked=True))
     g = torch.Generator().manual_seed(9)
     row_slots = [1] * 70 + [-1] * 5 + [1] * 3
-    for mma in (True, False):
+    # (mma, LORAFLEET_SGMV_FUSED) -> fused: decode graphs (mma=False) always two launches; eager and
+    # piecewise steps fused by default (MIXED_FUSED), or as the variable says
+    cases = [(True, None, True), (False, None, False), (True, "0", False), (True, "1", True), (False, "1", False)]
+    for mma, knob, fused in cases:
+        if knob is None:
+            monkeypatch.delenv("LORAFLEET_SGMV_FUSED", raising=False)
+        else:
+            monkeypatch.setenv("LORAFLEET_SGMV_FUSED", knob)
         sg = Recording()
         step = LoraStepImpl(pool, sg, build_segments(row_slots), mma=mma)
         x = torch.randn(len(row_slots), BASE.hidden_size, generator=g)
@@ -95,5 +103,4 @@ def test_step_passes_each_groups_tensor_core_thresholds():
                                       pool.host_ranks[0][p0:p0 + n], row_slots)
             for y, r in zip(ys, ref):
                 assert torch.allclose(y, r, rtol=1e-4, atol=1e-4)
-        fused = mma  # decode steps: two launches per group (DECODE_FUSED is False)
         assert sg.calls == [(mma, GROUP_MMA_ROWS[0], fused), (mma, GROUP_MMA_ROWS[1], fused)]

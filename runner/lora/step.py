@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from lorafleet import env
 from lorafleet.runner.lora.pool import GROUP_SPANS, LoraPool
 from lorafleet.runner.lora.segments import SegmentTable
 from lorafleet.runner.lora.sgmv import SGMV
@@ -31,18 +32,26 @@ GROUP_MMA_ROWS = ((129, 129), (512, 512), (129, 129), (512, 512))
 # docs/benchmarks.md §3.1): LoRA per decode step 1.70 ms as two launches against 1.93 fused (32 distinct
 # adapters), 1.19 against 1.38 (one adapter). Both give the same bits.
 DECODE_FUSED = False
+# Eager and piecewise steps (prompt rows, with or without decodes): one fused launch for a group below
+# both tensor-core thresholds. LORAFLEET_SGMV_FUSED=0/1 overrides it (env.sgmv_fused) for A/B runs.
+MIXED_FUSED = True
+
+
+def mixed_fused() -> bool:
+    choice = env.sgmv_fused()
+    return MIXED_FUSED if choice == "auto" else choice == "1"
 
 
 class LoraStepImpl:
     """The LoRA half of a step: `mma=False` (the decode CUDA graphs) puts every segment on the CUDA-core
     path (two launches per group, DECODE_FUSED); otherwise (eager and piecewise steps, also decode-only
     ones) each group's segments take tensor cores from GROUP_MMA_ROWS rows on, and a group below both
-    thresholds is one fused launch. The bits are the same either way."""
+    thresholds is one fused launch (MIXED_FUSED, LORAFLEET_SGMV_FUSED). The bits are the same either way."""
 
     def __init__(self, pool: LoraPool, sgmv: SGMV, seg: SegmentTable, workspace: torch.Tensor | None = None,
                  mma: bool = True):
         self.pool, self.sgmv, self.seg, self.mma = pool, sgmv, seg, mma
-        self.fused = mma or DECODE_FUSED
+        self.fused = mixed_fused() if mma else DECODE_FUSED
         need = seg.num_rows * 3 * pool.max_rank
         if workspace is None or workspace.numel() < need:
             workspace = torch.empty(need, dtype=torch.float32, device=pool.device)
