@@ -28,7 +28,9 @@
 #            default since 2026-12-01; serve3 sets 1: pinned)
 #   place    bench serve --runners 2: busiest vs least-loaded under Poisson rates (every GPU) -> place.json/png
 #   quick    engine GPU tests, then a short e2e (REQS=256: distinct, identical, LoRA off, profile)
-# Knobs: LORAFLEET_PREFILL_BACKEND (any stage: auto / fa2 / fa3, flashinfer's kernel for prompt rows), E2E2_ARGS (e2e2: extra arguments, e.g. --no-lora-off), PROBE_ARGS (probe: e.g. "--skip attention lora"), SWEEP_B (sweep: max batch sizes), ETESTS_K / KTESTS_K (pytest -k filters of etests / ktests), DPT (interf: decode_prefill_tokens values), SERVE_MIXES (serve3*: mixes), REQS (default 1000), BENCH_S (timeout of one bench stage, s; COLD_S, SWEEP_S, HF_S, TEST_S per stage). Results, caches and logs.tgz go to
+# Knobs: LORAFLEET_PREFILL_BACKEND (any stage: auto / fa2 / fa3, flashinfer's kernel for prompt rows),
+# LORAFLEET_SGMV_FUSED (any stage: auto / 1 / 0, one or two LoRA launches in steps with prompt rows),
+# INTERF_ARGS (interf: extra arguments, e.g. --interference-caps-only), TAG (interf: output name suffix), E2E2_ARGS (e2e2: extra arguments, e.g. --no-lora-off), PROBE_ARGS (probe: e.g. "--skip attention lora"), SWEEP_B (sweep: max batch sizes), ETESTS_K / KTESTS_K (pytest -k filters of etests / ktests), DPT (interf: decode_prefill_tokens values), SERVE_MIXES (serve3*: mixes), REQS (default 1000), BENCH_S (timeout of one bench stage, s; COLD_S, SWEEP_S, HF_S, TEST_S per stage). Results, caches and logs.tgz go to
 # $OUT, each GPU's log to $OUT/gpuN.log.
 # The wheels (the GPU machine has no network): in the repository root, with .whl/ ignored by git,
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -51,7 +53,8 @@ if [ -f .cache_fi/ficache.tgz ]; then  # flashinfer's compiled ops, installed as
     mkdir -p "/tmp/site/flashinfer/data/aot/$n" && cp "$so" "/tmp/site/flashinfer/data/aot/$n/"
   done
 fi
-[ -f .cache_fi/lfkernels.tgz ] && tar xzf .cache_fi/lfkernels.tgz -C /tmp
+# (not over a build of an earlier call on this machine, which may be newer)
+[ -f .cache_fi/lfkernels.tgz ] && [ ! -d /tmp/lfkernels ] && tar xzf .cache_fi/lfkernels.tgz -C /tmp
 nvidia-smi --query-gpu=index,name,memory.used,clocks.sm --format=csv,noheader
 timeout 300 python3 -m lorafleet build-kernels > "$LOGS/build.log" 2>&1; stamp "kernels: $(tail -1 "$LOGS/build.log")"
 
@@ -86,8 +89,9 @@ stage() {
         | tee "$LOGS/kbench.log" | tail -24 ;;
     interf)
       timeout ${INTERF_S:-300} $E2E --mixes --no-lora-off --hf-requests 0 --sweep --interference --profile \
-        --decode-prefill-tokens ${DPT:-512 256 128 64} \
-        --out "$OUT/e2e_interf.json" 2>&1 | tee "$LOGS/e2e_interf.log" | tail -6 ;;
+        --decode-prefill-tokens ${DPT:-512 256 128 64} ${INTERF_ARGS:-} \
+        --out "$OUT/e2e_interf${TAG:+_$TAG}.json" 2>&1 | tee "$LOGS/e2e_interf${TAG:+_$TAG}.log" \
+        | grep -E "interference|steps with prompt rows" | tail -8 ;;
     tp70)
       timeout ${TP_S:-560} python3 -m lorafleet --log-level WARNING bench e2e --tp 2 --shape llama2-70b \
         --requests ${TP_REQS:-400} --mixes distinct identical --population 4 --profile --out "$OUT/e2e_tp70.json" 2>&1 \

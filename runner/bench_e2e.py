@@ -627,6 +627,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-prefill-tokens", type=int, nargs="*", default=[], metavar="N",
                    help="with --interference: also run it with at most N prompt rows per step that carries decodes "
                         "(EngineConfig.decode_prefill_tokens), once per N")
+    p.add_argument("--interference-caps-only", action="store_true",
+                   help="with --interference: only the --decode-prefill-tokens runs (no default-budget and "
+                        "unchunked runs; for A/B runs of one setting)")
     p.add_argument("--step-tokens", type=int, default=None, help="chunked prefill: token rows per step "
                    "(default: the engine's)")
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama2-7b")
@@ -731,9 +734,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.interference:
         eng = eng or make_engine(args.max_batch, True)
         ilora = str if args.interference_adapters == "distinct" else None  # the loader maps source i to a set
-        results["interference"] = [run_interference(eng, model.cfg.vocab_size, log, label=" (chunked)",
-                                                    adapter_source=ilora)]
-        save_partial()
+        results["interference"] = []
+        if not args.interference_caps_only:
+            results["interference"].append(run_interference(eng, model.cfg.vocab_size, log, label=" (chunked)",
+                                                            adapter_source=ilora))
+            save_partial()
         for cap in args.decode_prefill_tokens:
             eng.batcher.decode_prefill_tokens = cap
             results["interference"].append(run_interference(eng, model.cfg.vocab_size, log,
@@ -741,13 +746,14 @@ def main(argv: list[str] | None = None) -> int:
                                                              profile=args.profile, adapter_source=ilora))
             save_partial()
         eng.batcher.decode_prefill_tokens = None
-        del eng
-        gc.collect()
-        torch.cuda.empty_cache()
-        eng = make_engine(args.max_batch, True, chunked=False)
-        results["interference"].append(run_interference(eng, model.cfg.vocab_size, log, label=" (unchunked)",
-                                                        adapter_source=ilora))
-        save_partial()
+        if not args.interference_caps_only:
+            del eng
+            gc.collect()
+            torch.cuda.empty_cache()
+            eng = make_engine(args.max_batch, True, chunked=False)
+            results["interference"].append(run_interference(eng, model.cfg.vocab_size, log, label=" (unchunked)",
+                                                            adapter_source=ilora))
+            save_partial()
     if args.cold:
         # Cold start: the uniform mix's adapters as PEFT files on disk, a fresh engine with an
         # empty device pool and host tier, read through the normal loader (disk -> pinned -> GPU).
