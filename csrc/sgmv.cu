@@ -47,6 +47,9 @@ constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kShrinkRows = 2;    // rows per shrink item
 constexpr int kShrinkLong = 96;   // segments of at least this many rows use kShrinkRanksLong
 constexpr int kShrinkRanks1 = 2;  // rank rows per shrink item in one-row segments (decode), by default
+// ... in the tensor-core capable shrink and in the fused launch, whose grids were not re-tuned (a lone
+// fused call with 256 distinct rows took 33.8 us with 1 x 2 items against 31.3 with 1 x 4)
+constexpr int kShrinkRanksMma1 = 4;
 constexpr int kShrinkRanksN = 2;  // ... in short segments: 2 rows x 2 rank rows, two K steps in flight
 constexpr int kShrinkRanksLong = 4;  // ... in long segments: 2 rows x 4 rank rows (x re-read half as often)
 constexpr int kExpandRows = 2;    // rows per expand item
@@ -76,6 +79,7 @@ constexpr int kLdsS = kShrinkK + 8;  // ... its smem row stride (elements): 80 B
 
 static_assert(kMaxSegments % kThreads == 0, "table build splits the capacity evenly");
 static_assert(kShrinkRanks1 == 1 || kShrinkRanks1 == 2 || kShrinkRanks1 == 4, "decode items: 1, 2 or 4 rank rows");
+static_assert(kShrinkRanksMma1 == 1 || kShrinkRanksMma1 == 2 || kShrinkRanksMma1 == 4, "decode items: 1, 2 or 4");
 static_assert(4 <= kShrinkRows * kShrinkRanksLong, "the CUDA-core reduction area holds decode items of 4 rank rows");
 
 // ---------------------------------------------------------------------------------------------------
@@ -1028,8 +1032,7 @@ const char* blocks_per_sm(Kernel kernel, int device, int smem, int* out) {
   return nullptr;
 }
 
-// Grid: one block per possible work item, at most `max_per_sm` resident blocks per SM (the shrink
-// leaves room so that the expand, launched early, can prefetch alongside it).
+// Grid: one block per possible work item, at most `max_per_sm` resident blocks per SM.
 template <typename Kernel, typename Params>
 const char* launch(Kernel kernel, const Params& params, int max_items, int max_per_sm, int smem,
                    const LaunchOptions& opt, int device, cudaStream_t stream) {
@@ -1086,11 +1089,12 @@ const char* check_segments(const SegmentArgs& s) {
   return nullptr;
 }
 
-// Rank rows per CUDA-core shrink item of one-row segments for these options; 0 if invalid.
-int decode_ranks_of(const LaunchOptions& opt) {
+// Rank rows per CUDA-core shrink item of one-row segments for these options (`fallback` when unset);
+// 0 if invalid.
+int decode_ranks_of(const LaunchOptions& opt, int fallback = kShrinkRanks1) {
   switch (opt.decode_ranks) {
     case 0:
-      return kShrinkRanks1;
+      return fallback;
     case 1:
     case 2:
     case 4:
@@ -1146,6 +1150,9 @@ const char* shrink_typed(const ShrinkArgs& args, const LaunchOptions& opt, int d
   // CUDA-core path, which is exact too.
   const bool mma = args.seg.num_rows >= p.mma_min_rows && p.work_offset + mma_work <= info.smem_optin;
   if (!mma) p.mma_min_rows = 1 << 30;
+  // The tensor-core capable variant holds 2 blocks per SM: there its decode rows keep the 1 x 4 items
+  // (with 1 x 2 items a lone call with 64 or 256 distinct rows took 10.3 / 38.2 us against 9.0 / 32.3).
+  if (mma) p.decode_ranks = decode_ranks_of(opt, kShrinkRanksMma1);
   const int smem = p.work_offset + (mma ? mma_work : cc_work);
   // fewest rank rows per CUDA-core item: kShrinkRanksN (two-row chunks), or decode_ranks (one-row segments)
   int64_t items = static_cast<int64_t>(row_chunks_bound(args.seg, kShrinkRows)) *
@@ -1217,7 +1224,7 @@ const char* fused_typed(const ShrinkArgs& sa, const ExpandArgs& ea, int* counter
   s.v_rank_dim = e.v_rank_dim = sa.v_rank_dim;
   s.v_row_stride = e.v_row_stride = sa.seg.num_groups * sa.v_rank_dim;
   s.mma_min_rows = e.mma_min_rows = 1 << 30;  // CUDA-core items only
-  s.decode_ranks = decode_ranks_of(opt);        // checked by sgmv_fused
+  s.decode_ranks = decode_ranks_of(opt, kShrinkRanksMma1);  // checked by sgmv_fused; 1 x 4 as before (see below)
   int rank_sum = 0, vecs = 0;
   for (int g = 0; g < kMaxGroup; ++g) {
     const bool used = g < sa.seg.num_groups;

@@ -71,7 +71,8 @@ struct LaunchOptions {
   // the occupancy for the expand and the fused launch). Like max_blocks it moves only speed, never a
   // bit of the results (applied before max_blocks; the grid stays at most what can be resident).
   int blocks_per_sm = 0;
-  // Rank rows per CUDA-core shrink item of one-row segments (decode): 1, 2 or 4 (0: the default, 2).
+  // Rank rows per CUDA-core shrink item of one-row segments (decode): 1, 2 or 4 (0: the default, 2 in
+  // the CUDA-core-only shrink of decode steps, 4 in the tensor-core capable shrink and the fused launch).
   // Shrink and fused launches; anything else is an error. Each (row, rank row) dot product is reduced
   // in the same order whatever the item shape, so results never depend on it: fewer rank rows per item
   // give more, shorter items (more blocks busy on few rows), more give fewer x re-reads.

@@ -5,8 +5,9 @@
 //          decode_ranks=0):
 //       v[rows, g, :r] = x[rows] @ a[g][s, :r, :].T        for every segment (rows, s >= 0) and g;
 //       max_blocks > 0 caps the grid (to leave SMs to a kernel on another stream), blocks_per_sm > 0
-//       the resident blocks per SM (0: 2), decode_ranks (1, 2 or 4; 0: 4) sets the rank rows per
-//       CUDA-core item of one-row segments. None of the three changes a bit of v.
+//       the resident blocks per SM (0: 4), decode_ranks (1, 2 or 4; 0: 2, or 4 when the launch can take
+//       tensor cores) sets the rank rows per CUDA-core item of one-row segments. None of the three
+//       changes a bit of v.
 //   expand(ys, v, b, ranks, indptr, slots, mma_min_rows, pdl, stream, blocks_per_sm=0):
 //       ys[g][rows] += v[rows, g, :r] @ b[g][s, :r, :]
 //       blocks_per_sm > 0 caps the resident blocks per SM (0: occupancy only); never changes a bit.
@@ -173,7 +174,7 @@ lorafleet::LaunchOptions launch_options(int64_t mma_min_rows, bool pdl, int64_t 
   SGMV_CHECK(blocks_per_sm >= 0, "sgmv: blocks_per_sm must be >= 0 (0: the kernel's default), got %lld",
              ll(blocks_per_sm));
   SGMV_CHECK(decode_ranks == 0 || decode_ranks == 1 || decode_ranks == 2 || decode_ranks == 4,
-             "sgmv: decode_ranks must be 0, 1, 2 or 4 (0: the default, 2), got %lld", ll(decode_ranks));
+             "sgmv: decode_ranks must be 0, 1, 2 or 4 (0: the kernel default), got %lld", ll(decode_ranks));
   lorafleet::LaunchOptions opt;
   opt.mma_min_rows = static_cast<int>(std::min<int64_t>(mma_min_rows, kInt32Max));
   opt.pdl = pdl;

@@ -76,8 +76,8 @@ class CudaSGMV:
         """`mma_min_rows` overrides the instance's threshold. Launch-shape knobs, none of which ever
         changes a bit of v (only the speed): `max_blocks` > 0 caps the grid, leaving SMs to a kernel
         that runs beside this one on another stream; `blocks_per_sm` > 0 caps the resident blocks per
-        SM (0: the kernel's default, 4); `decode_ranks` (1, 2 or 4; 0: the default, 2) is the number of
-        rank rows per CUDA-core work item of one-row segments (decode)."""
+        SM (0: the kernel's default, 4); `decode_ranks` (1, 2 or 4; 0: the default, 2, or 4 when the call
+        can take tensor cores) is the number of rank rows per CUDA-core work item of one-row segments."""
         if not x.is_cuda:
             raise ValueError(f"CudaSGMV needs CUDA tensors, got x on {x.device} (use TorchSGMV on the CPU)")
         stream = torch.cuda.current_stream(x.device).cuda_stream
