@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lorafleet import env
 from lorafleet.runner.batcher import Batcher
 from lorafleet.runner.block_manager import BlockManager
 from lorafleet.runner.config import EngineConfig, ModelConfig
@@ -77,6 +78,10 @@ class Engine:
         self.config = config
         self.tp = None  # TPWorkers of ranks 1..G-1 with tensor parallelism
         self._group = None
+        # Kernel choices read later, per step: a bad value is refused now, not at the first step that reads it.
+        env.sgmv_fused()
+        env.prefill_backend()
+        env.attention_backend()
         shard = group = None
         device = None
         if config.tp > 1:

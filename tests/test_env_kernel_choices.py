@@ -25,7 +25,7 @@ def test_bad_value_is_refused(monkeypatch):
 
 # --- which kernel a step's prompt rows take under `auto` on sm90 (runner/attention/meta.py) ---
 
-from lorafleet.runner.attention.meta import prefill_kernel  # noqa: E402
+from lorafleet.runner.attention.meta import fa3_tile_rows, prefill_kernel  # noqa: E402
 
 H200_SMS = 132
 
@@ -41,19 +41,43 @@ H200_SMS = 132
     ([1], "fa2"),
 ])
 def test_llama2_7b_choice(lens, want):
-    assert prefill_kernel(lens, 32, 32, H200_SMS) == want
+    assert prefill_kernel(lens, 32, 128, H200_SMS) == want
 
 
-def test_gqa_counts_query_heads_per_kv_head_as_rows():
-    # 8 KV heads, 64 query heads (70B shape): a 16-row chunk is 16 * 8 = 128 rows = 1 tile per KV head
-    assert prefill_kernel([16], 64, 8, H200_SMS) == "fa2"  # 8 CTAs
-    assert prefill_kernel([64], 64, 8, H200_SMS) == "fa2"  # 4 tiles x 8 = 32
-    assert prefill_kernel([80], 64, 8, H200_SMS) == "fa3"  # 5 tiles x 8 = 40
-    # the 135M shape (9 query heads, 3 KV heads)
-    assert prefill_kernel([100], 9, 3, H200_SMS) == "fa2"  # 3 tiles x 3
-    assert prefill_kernel([500], 9, 3, H200_SMS) == "fa3"  # 12 x 3 = 36
+def test_fa3_counts_query_heads_and_its_tile_size():
+    # FA3 does not pack the query heads of a KV head into rows: 64 query heads (70B shape, 8 KV heads)
+    assert prefill_kernel([16], 64, 128, H200_SMS) == "fa3"  # 1 tile x 64 heads = 64 CTAs
+    assert prefill_kernel([16], 16, 128, H200_SMS) == "fa2"  # 16 CTAs
+    # head_dim 64 (the 135M shape, 9 query heads): 192-row tiles
+    assert fa3_tile_rows(64) == 192 and fa3_tile_rows(128) == 128
+    assert prefill_kernel([500], 9, 64, H200_SMS) == "fa2"  # 3 tiles x 9 = 27 <= 33
+    assert prefill_kernel([600], 9, 64, H200_SMS) == "fa3"  # 4 x 9 = 36
 
 
 def test_fewer_sms_flip_sooner():
-    assert prefill_kernel([64], 32, 32, 132) == "fa2"
-    assert prefill_kernel([64], 32, 32, 64) == "fa3"
+    assert prefill_kernel([64], 32, 128, 132) == "fa2"
+    assert prefill_kernel([64], 32, 128, 64) == "fa3"
+
+
+@pytest.mark.parametrize("value, want", [(None, "auto"), ("0", "0"), ("1", "1"), (" AUTO", "auto")])
+def test_sgmv_fused_values(monkeypatch, value, want):
+    if value is None:
+        monkeypatch.delenv("LORAFLEET_SGMV_FUSED", raising=False)
+    else:
+        monkeypatch.setenv("LORAFLEET_SGMV_FUSED", value)
+    assert env.sgmv_fused() == want
+
+
+def test_sgmv_fused_bad_value_is_refused(monkeypatch):
+    monkeypatch.setenv("LORAFLEET_SGMV_FUSED", "yes")
+    with pytest.raises(ValueError, match="LORAFLEET_SGMV_FUSED must be one of auto, 1, 0"):
+        env.sgmv_fused()
+
+
+def test_attention_backend_bad_value_is_refused(monkeypatch):
+    # a typo must not silently fall back to the torch attention path
+    monkeypatch.setenv("LORAFLEET_ATTENTION", "flashinfr")
+    with pytest.raises(ValueError, match="LORAFLEET_ATTENTION must be one of auto, flashinfer, torch"):
+        env.attention_backend()
+    monkeypatch.setenv("LORAFLEET_ATTENTION", " Torch ")
+    assert env.attention_backend() == "torch"

@@ -30,6 +30,7 @@ from lorafleet.runner.attention.meta import AttnMeta, prefill_kernel
 from lorafleet.runner.kv_cache import KVCache
 
 WORKSPACE_BYTES = 256 << 20
+FA3_HEAD_DIMS = (64, 128, 256)  # head sizes flashinfer's FA3 prefill is built for
 
 
 def page_table_arrays(page_tables: list[list[int]], kv_lens: list[int], page_size: int, pin: bool = False):
@@ -61,11 +62,11 @@ class FlashInferAttention:
         choice = env.prefill_backend()
         sm90 = torch.cuda.get_device_capability(device)[0] == 9
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-        if choice == "auto" and sm90:  # both kernels; per step the one meta.prefill_kernel picks
+        if choice == "auto" and sm90 and self.d in FA3_HEAD_DIMS:  # per step the one meta.prefill_kernel picks
             ws_p2 = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
             self.prefill_wrappers = {"fa2": BatchPrefillWithPagedKVCacheWrapper(ws_p, "NHD", backend="fa2"),
                                      "fa3": BatchPrefillWithPagedKVCacheWrapper(ws_p2, "NHD", backend="fa3")}
-        else:  # forced, or not sm90 (flashinfer's auto is then FA2 and FA3 cannot run)
+        else:  # forced, or FA3 cannot run (not sm90, or a head size it lacks): flashinfer's auto is FA2 then
             self.prefill_wrappers = {choice: BatchPrefillWithPagedKVCacheWrapper(ws_p, "NHD", backend=choice)}
         self.decode = BatchDecodeWithPagedKVCacheWrapper(ws_d, "NHD", use_tensor_cores=self.h // self.hkv >= 4)
         self._planned: dict[int, torch.cuda.Event] = {}  # id(wrapper) -> recorded after its last plan's copies
@@ -120,7 +121,7 @@ class FlashInferAttention:
         """(kernel name, wrapper) for a step's prompt rows of these lengths."""
         if len(self.prefill_wrappers) == 1:
             return next(iter(self.prefill_wrappers.items()))
-        name = prefill_kernel(qo_lens, self.h, self.hkv, self.num_sms)
+        name = prefill_kernel(qo_lens, self.h, self.d, self.num_sms)
         return name, self.prefill_wrappers[name]
 
     def begin(self, meta: AttnMeta) -> "FlashInferStep":

@@ -47,9 +47,15 @@ def sgmv_backend() -> str:
     return _str("LORAFLEET_SGMV", "auto").lower()
 
 
+ATTENTION_BACKENDS = ("auto", "flashinfer", "torch")
+
+
 def attention_backend() -> str:
     """LORAFLEET_ATTENTION: auto (flashinfer on CUDA when installed, torch elsewhere), flashinfer or torch."""
-    return _str("LORAFLEET_ATTENTION", "auto").lower()
+    choice = _str("LORAFLEET_ATTENTION", "auto").strip().lower() or "auto"
+    if choice not in ATTENTION_BACKENDS:
+        raise ValueError(f"LORAFLEET_ATTENTION must be one of {', '.join(ATTENTION_BACKENDS)}, got {choice!r}")
+    return choice
 
 
 PREFILL_BACKENDS = ("auto", "fa2", "fa3")
@@ -71,8 +77,9 @@ SGMV_FUSED_CHOICES = ("auto", "1", "0")
 
 
 def sgmv_fused() -> str:
-    """LORAFLEET_SGMV_FUSED: how eager and piecewise steps (those with prompt rows) launch a LoRA group
-    whose segments all stay below the tensor-core thresholds: auto (the measured default,
+    """LORAFLEET_SGMV_FUSED: how eager and piecewise steps (those with prompt rows, and decode steps
+    outside the CUDA graphs) launch a LoRA group whose segments all stay below the tensor-core
+    thresholds: auto (the measured default,
     runner/lora/step.py MIXED_FUSED), 1 (shrink and expand in one fused launch) or 0 (two launches).
     Decode CUDA graphs always take two launches. Results are bitwise the same either way."""
     choice = _str("LORAFLEET_SGMV_FUSED", "auto").strip().lower() or "auto"

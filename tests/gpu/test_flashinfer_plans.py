@@ -58,7 +58,7 @@ def _paged_reference(kv_k, kv_v, meta, q, ps):
 
 
 @pytest.mark.parametrize("case", ["short_chunk_long_prefix", "long_prompt"])
-def test_prefill_kernels_match_fp32_attention(case):
+def test_prefill_kernels_match_fp32_attention(case, monkeypatch):
     """Both of flashinfer's prefill kernels (FA2, FA3) against an fp32 reference on the same step, and
     the kernel `auto` picks for it on sm90: a 64-row chunk over a 3,000-token prefix (beside two decode
     rows) takes FA2, a 1,024-row prompt FA3 (runner/attention/meta.py prefill_kernel)."""
@@ -68,6 +68,7 @@ def test_prefill_kernels_match_fp32_attention(case):
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("FA3 needs sm90")
+    monkeypatch.delenv("LORAFLEET_PREFILL_BACKEND", raising=False)  # auto: both kernels
     dev, ps = torch.device("cuda"), 16
     cfg = SimpleNamespace(num_layers=1, num_heads=32, num_kv_heads=32, head_dim=128, kv_dim=32 * 128)
     kv = KVCache(cfg, num_pages=512, page_size=ps, dtype=torch.bfloat16, device=dev)
