@@ -91,7 +91,7 @@ stage() {
       timeout ${INTERF_S:-300} $E2E --mixes --no-lora-off --hf-requests 0 --sweep --interference --profile \
         --decode-prefill-tokens ${DPT:-512 256 128 64} ${INTERF_ARGS:-} \
         --out "$OUT/e2e_interf${TAG:+_$TAG}.json" 2>&1 | tee "$LOGS/e2e_interf${TAG:+_$TAG}.log" \
-        | grep -E "interference|steps with prompt rows" | tail -8 ;;
+        | grep -E "interference|steps with prompt rows|Error|Traceback|Killed" | tail -8 ;;
     tp70)
       timeout ${TP_S:-560} python3 -m lorafleet --log-level WARNING bench e2e --tp 2 --shape llama2-70b \
         --requests ${TP_REQS:-400} --mixes distinct identical --population 4 --profile --out "$OUT/e2e_tp70.json" 2>&1 \

@@ -644,6 +644,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--merge", type=Path, nargs="+", default=None, metavar="JSON",
                    help="only merge result files of runs on one card into --out, with their e2e summary")
     args = p.parse_args(argv)
+    if args.interference_caps_only and not (args.interference and args.decode_prefill_tokens):
+        p.error("--interference-caps-only needs --interference and --decode-prefill-tokens N...")
     if args.merge:
         parts = [json.loads(f.read_text()) for f in args.merge]
         for key in ("card", "requests", "max_batch"):
