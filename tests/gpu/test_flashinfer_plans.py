@@ -17,7 +17,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 pytest.importorskip("flashinfer")
 
 
-def test_a_mixed_step_plans_without_waiting_for_queued_work():
+@pytest.mark.parametrize("kernel", ["fa2", "fa3"])
+def test_a_mixed_step_plans_without_waiting_for_queued_work(kernel, monkeypatch):
     from lorafleet.runner.attention.flashinfer_backend import FlashInferAttention
     from lorafleet.runner.attention.meta import AttnMeta
     from lorafleet.runner.kv_cache import KVCache
@@ -25,7 +26,11 @@ def test_a_mixed_step_plans_without_waiting_for_queued_work():
     dev = torch.device("cuda")
     cfg = SimpleNamespace(num_layers=2, num_heads=8, num_kv_heads=8, head_dim=128, kv_dim=8 * 128)
     kv = KVCache(cfg, num_pages=16, page_size=16, dtype=torch.bfloat16, device=dev)
+    if kernel == "fa3" and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("FA3 needs sm90")
+    monkeypatch.setenv("LORAFLEET_PREFILL_BACKEND", kernel)  # the prompt rows' plan on this kernel
     attn = FlashInferAttention(kv, cfg, dev)
+    assert list(attn.prefill_wrappers) == [kernel]
     meta = AttnMeta(num_prefill=1, qo_indptr=[0, 20, 21, 22], kv_lens=[20, 40, 7], page_tables=[[0, 1], [2, 3, 4], [5]],
                     page_size=16, slot_mapping=torch.zeros(22, dtype=torch.int64, device=dev))
     attn.begin(meta)  # first plans of both wrappers (compiles or loads their modules)

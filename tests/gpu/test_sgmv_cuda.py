@@ -7,6 +7,8 @@ not change, and pool rows beyond each slot's rank are NaN (they must never be re
 
 from __future__ import annotations
 
+import itertools
+
 import math
 from dataclasses import dataclass
 
@@ -459,6 +461,14 @@ def test_launch_shape_knobs_keep_the_bits(dtype, shape, table):
             v = shrink(blocks_per_sm=bps, decode_ranks=rb)
             torch.cuda.synchronize()
             assert same_bits(v, v0), f"{table}: shrink(blocks_per_sm={bps}, decode_ranks={rb}) changed v"
+    # The tensor-core capable kernel (mma_min_rows=2) keeps one-row segments on CUDA-core items, with
+    # its own default rank rows per item: the same bits when every adapted segment has one row.
+    runs = [len(list(grp)) for slot, grp in itertools.groupby(row_slots) if slot >= 0]
+    if one_row or max(runs, default=1) == 1:
+        for rb in (0, 1, 2, 4):
+            v = shrink(mma_min_rows=2, decode_ranks=rb)
+            torch.cuda.synchronize()
+            assert same_bits(v, v0), f"{table}: tensor-core capable shrink (decode_ranks={rb}) changed v"
     for bps in (1, 2, 4):
         buf2 = before.clone()
         ys2 = list(buf2[:, PAD : PAD + sum(out_dims)].split(out_dims, dim=1))
