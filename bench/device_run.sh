@@ -30,6 +30,7 @@
 #   quick    engine GPU tests, then a short e2e (REQS=256: distinct, identical, LoRA off, profile)
 # Knobs: LORAFLEET_PREFILL_BACKEND (any stage: auto / fa2 / fa3, flashinfer's kernel for prompt rows),
 # LORAFLEET_SGMV_FUSED (any stage: auto / 1 / 0, one or two LoRA launches in steps with prompt rows),
+# LORAFLEET_ROPE_KV_LORA (any stage: 1 = the qkv LoRA expand inside the rope_kv kernel in decode graphs),
 # INTERF_ARGS (interf: extra arguments, e.g. --interference-caps-only), TAG (interf: output name suffix), E2E2_ARGS (e2e2: extra arguments, e.g. --no-lora-off), PROBE_ARGS (probe: e.g. "--skip attention lora"), SWEEP_B (sweep: max batch sizes), ETESTS_K / KTESTS_K (pytest -k filters of etests / ktests), DPT (interf: decode_prefill_tokens values), SERVE_MIXES (serve3*: mixes), REQS (default 1000), BENCH_S (timeout of one bench stage, s; COLD_S, SWEEP_S, HF_S, TEST_S per stage). Results, caches and logs.tgz go to
 # $OUT, each GPU's log to $OUT/gpuN.log.
 # The wheels (the GPU machine has no network): in the repository root, with .whl/ ignored by git,

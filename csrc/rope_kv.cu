@@ -1,5 +1,6 @@
 // rope_kv (see rope_kv.h): one warp per (token, head); each lane rotates element pairs
-// (i, i + D/2) two at a time with 4-byte loads, so a 128-wide head is one pass of 32 lanes.
+// (i, i + D/2) two at a time with 4-byte loads, so a 128-wide head is one pass of 32 lanes. With the
+// optional LoRA add-on each lane first adds v @ B to its elements (r 4-byte loads of B per pair).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -26,6 +27,40 @@ struct Pair<__half> {
   static __device__ __forceinline__ V put(float2 f) { return __float22half2_rn(f); }
 };
 
+constexpr int kMaxLoraRank = 128;  // sgmv.h kMaxRank
+
+// LoRA add-on of columns c, c + 1 of one row: sum over k < r of v[k] * b[k * out + c (+1)], in the
+// SGMV CUDA-core expand's order (see rope_kv.h).
+template <typename T>
+__device__ __forceinline__ float2 lora_pair(const float* v, const T* b, int r, int64_t out, int c) {
+  using V = typename Pair<T>::V;
+  float a0[4] = {0.f, 0.f, 0.f, 0.f}, a1[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int k0 = 0; k0 < r; k0 += 4) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int k = k0 + j;
+      if (k < r) {
+        const float vk = v[k];
+        const float2 bk = Pair<T>::get(*reinterpret_cast<const V*>(b + k * out + c));
+        a0[j] = fmaf(vk, bk.x, a0[j]);
+        a1[j] = fmaf(vk, bk.y, a1[j]);
+      }
+    }
+  }
+  return make_float2((a0[0] + a0[2]) + (a0[1] + a0[3]), (a1[0] + a1[2]) + (a1[1] + a1[3]));
+}
+
+// A pair of qkv values with the row's LoRA add-on (r == 0: unchanged), rounded once to the storage type
+// as the SGMV expand stores it.
+template <typename T>
+__device__ __forceinline__ float2 load_pair(const T* src, int i, const float* lv, const T* lb, int r, int64_t out) {
+  using V = typename Pair<T>::V;
+  const V raw = *reinterpret_cast<const V*>(src + i);
+  if (r == 0) return Pair<T>::get(raw);
+  const float2 x = Pair<T>::get(raw), o = lora_pair<T>(lv, lb, r, out, i);
+  return Pair<T>::get(Pair<T>::put(make_float2(x.x + o.x, x.y + o.y)));
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kWarps * 32) rope_kv_kernel(const RopeKvArgs p) {
   using V = typename Pair<T>::V;
@@ -48,17 +83,40 @@ __global__ void __launch_bounds__(kWarps * 32) rope_kv_kernel(const RopeKvArgs p
     dst = static_cast<T*>(is_k ? p.k_cache : p.v_cache) + (slot * p.num_kv_heads + kh) * D;
     rotate = is_k;
   }
+  // This head's LoRA add-on, if the row has an adapter (projection g, its column offset within it).
+  int r = 0;
+  const float* lv = nullptr;
+  const T* lb = nullptr;
+  int64_t out = 0;
+  if (p.lora.v != nullptr) {
+    const int slot = p.lora.row_slot[t];
+    if (slot >= 0 && slot < p.lora.num_slots) {
+      const int g = h < p.num_heads ? 0 : (h < p.num_heads + p.num_kv_heads ? 1 : 2);
+      const int first = g == 0 ? 0 : (g == 1 ? p.num_heads : p.num_heads + p.num_kv_heads);
+      out = static_cast<int64_t>(g == 0 ? p.num_heads : p.num_kv_heads) * D;
+      const int cap = min(p.lora.b_rank_dim[g], kMaxLoraRank);
+      r = min(max(p.lora.ranks[static_cast<int64_t>(g) * p.lora.num_slots + slot], 0), cap);
+      lv = p.lora.v + t * p.lora.v_row_stride + static_cast<int64_t>(g) * p.lora.v_rank_dim;
+      lb = static_cast<const T*>(p.lora.b[g]) + static_cast<int64_t>(slot) * p.lora.b_rank_dim[g] * out +
+           static_cast<int64_t>(h - first) * D;
+    }
+  }
   if (!rotate) {
-    for (int i = lane * 2; i < D; i += 64)
-      *reinterpret_cast<V*>(dst + i) = *reinterpret_cast<const V*>(src + i);
+    for (int i = lane * 2; i < D; i += 64) {
+      if (r == 0) {
+        *reinterpret_cast<V*>(dst + i) = *reinterpret_cast<const V*>(src + i);
+      } else {
+        *reinterpret_cast<V*>(dst + i) = Pair<T>::put(load_pair<T>(src, i, lv, lb, r, out));
+      }
+    }
     return;
   }
   int64_t pos = p.positions[t];
   pos = pos < 0 ? 0 : (pos >= p.num_positions ? p.num_positions - 1 : pos);
   const float* cs = p.cos_sin + pos * D;
   for (int i = lane * 2; i < half; i += 64) {
-    const float2 x1 = Pair<T>::get(*reinterpret_cast<const V*>(src + i));
-    const float2 x2 = Pair<T>::get(*reinterpret_cast<const V*>(src + half + i));
+    const float2 x1 = load_pair<T>(src, i, lv, lb, r, out);
+    const float2 x2 = load_pair<T>(src, half + i, lv, lb, r, out);
     const float2 c = *reinterpret_cast<const float2*>(cs + i);
     const float2 s = *reinterpret_cast<const float2*>(cs + half + i);
     // x * cos + partner * sin with the product of the partner rounded first (as flashinfer's RoPE
@@ -78,6 +136,10 @@ __global__ void __launch_bounds__(kWarps * 32) rope_kv_kernel(const RopeKvArgs p
 const char* rope_kv(DType dtype, const RopeKvArgs& args, int device, void* stream) {
   if (args.num_tokens <= 0) return nullptr;
   if (args.head_dim % 4 != 0 || args.head_dim > 512) return "rope_kv: head_dim must be a multiple of 4, at most 512";
+  if (args.lora.v != nullptr && (args.lora.ranks == nullptr || args.lora.row_slot == nullptr ||
+                                 args.lora.num_slots < 1 || args.lora.b[0] == nullptr || args.lora.b[1] == nullptr ||
+                                 args.lora.b[2] == nullptr))
+    return "rope_kv: incomplete LoRA arguments";
   int prev = -1;
   cudaError_t e = cudaGetDevice(&prev);
   if (e == cudaSuccess && prev != device) e = cudaSetDevice(device);

@@ -19,6 +19,24 @@
 
 namespace lorafleet {
 
+// Optional: the LoRA expand of the qkv rows (decode CUDA graphs), added to each row before it is
+// rotated or written, so that the expand needs no launch of its own:
+//   qkv[t, cols of projection g] += v[t, g, :r] @ b[g][s, :r, cols]     s = row_slot[t], r = ranks[g, s]
+// (g = 0, 1, 2: q, k, v), with r clamped to [0, min(b_rank_dim[g], 128)] and rows whose slot is < 0 or
+// >= num_slots left alone. Each element is summed in the order of the SGMV CUDA-core expand (rank rows
+// k = j, j + 4, ... into four fp32 chains j = 0..3 with fmaf, then (c0 + c2) + (c1 + c3)) and added to
+// the bf16/fp16 value in fp32, rounded once: the same bits as sgmv_expand followed by rope_kv.
+struct RopeKvLora {
+  const float* v = nullptr;            // [T, 3, v_rank_dim] fp32 (the shrink's output); nullptr: no LoRA
+  int64_t v_row_stride = 0;            // elements
+  int v_rank_dim = 0;
+  const void* b[3] = {};               // [S, b_rank_dim[g], out_g]; out = Hq * D, Hkv * D, Hkv * D
+  int b_rank_dim[3] = {};
+  const int32_t* ranks = nullptr;      // [3, S]
+  const int32_t* row_slot = nullptr;   // [T]
+  int num_slots = 0;                   // S
+};
+
 struct RopeKvArgs {
   const void* qkv = nullptr;        // [T, (Hq + 2 Hkv) * D] rows, unit column stride
   int64_t qkv_row_stride = 0;       // elements
@@ -34,6 +52,7 @@ struct RopeKvArgs {
   int num_heads = 0;                   // Hq
   int num_kv_heads = 0;                // Hkv
   int head_dim = 0;                    // D, a multiple of 4, at most 512
+  RopeKvLora lora;                     // optional (lora.v == nullptr: none)
 };
 
 // Enqueue on `stream`; no synchronisation or allocation (capturable). nullptr on success.

@@ -14,6 +14,8 @@
 //   add(ys, v, x, a, b, ranks, indptr, slots, counters, shrink_mma_min_rows, expand_mma_min_rows, pdl, stream):
 //       shrink then expand; one fused launch when T is below both thresholds (every segment on the
 //       CUDA-core path), else the two launches above. counters: int32 [>= 2 * capacity], zero.
+//   rope_kv_lora(..., stream, v, b, ranks, row_slot): the same with the qkv rows' LoRA expand added first
+//       (rope_kv.h RopeKvLora), so a decode step needs no separate expand launch for q, k and v.
 //   rope_kv(q_out, k_cache, v_cache, qkv, positions, slots, cos_sin, num_heads, num_kv_heads, stream):
 //       rotary embedding of q into q_out and of k into k_cache[slots], v copied to v_cache[slots], one
 //       launch (rope_kv.h).
@@ -278,9 +280,9 @@ void add(std::vector<Tensor> ys, Tensor v, Tensor x, std::vector<Tensor> a, std:
   SGMV_CHECK(err == nullptr, "sgmv add launch failed: %s", err ? err : "");
 }
 
-void rope_kv(Tensor q_out, Tensor k_cache, Tensor v_cache, Tensor qkv, Tensor positions, Tensor slots, Tensor cos_sin,
-             int64_t num_heads, int64_t num_kv_heads, int64_t stream) {
-  const auto dtype = kernel_dtype(qkv, "qkv");
+lorafleet::RopeKvArgs rope_kv_args(Tensor q_out, Tensor k_cache, Tensor v_cache, Tensor qkv, Tensor positions,
+                                   Tensor slots, Tensor cos_sin, int64_t num_heads, int64_t num_kv_heads) {
+  kernel_dtype(qkv, "qkv");  // fp16 / bf16, or an error
   SGMV_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "rope_kv: qkv must be 2-D with unit column stride");
   const int64_t T = qkv.size(0);
   SGMV_CHECK(num_heads > 0 && num_kv_heads > 0, "rope_kv: head counts must be positive");
@@ -328,8 +330,58 @@ void rope_kv(Tensor q_out, Tensor k_cache, Tensor v_cache, Tensor qkv, Tensor po
   a.num_heads = static_cast<int>(num_heads);
   a.num_kv_heads = static_cast<int>(num_kv_heads);
   a.head_dim = static_cast<int>(D);
-  const char* err = lorafleet::rope_kv(dtype, a, qkv.get_device(), as_stream(stream));
+  return a;
+}
+
+void launch_rope_kv(const lorafleet::RopeKvArgs& a, const Tensor& qkv, int64_t stream) {
+  const char* err = lorafleet::rope_kv(kernel_dtype(qkv, "qkv"), a, qkv.get_device(), as_stream(stream));
   SGMV_CHECK(err == nullptr, "rope_kv launch failed: %s", err ? err : "");
+}
+
+void rope_kv(Tensor q_out, Tensor k_cache, Tensor v_cache, Tensor qkv, Tensor positions, Tensor slots, Tensor cos_sin,
+             int64_t num_heads, int64_t num_kv_heads, int64_t stream) {
+  launch_rope_kv(rope_kv_args(q_out, k_cache, v_cache, qkv, positions, slots, cos_sin, num_heads, num_kv_heads), qkv,
+                 stream);
+}
+
+void rope_kv_lora(Tensor q_out, Tensor k_cache, Tensor v_cache, Tensor qkv, Tensor positions, Tensor slots,
+                  Tensor cos_sin, int64_t num_heads, int64_t num_kv_heads, int64_t stream, Tensor v,
+                  std::vector<Tensor> b, Tensor ranks, Tensor row_slot) {
+  lorafleet::RopeKvArgs a =
+      rope_kv_args(q_out, k_cache, v_cache, qkv, positions, slots, cos_sin, num_heads, num_kv_heads);
+  const int64_t T = qkv.size(0), D = a.head_dim;
+  SGMV_CHECK(v.scalar_type() == torch::kFloat && v.dim() == 3 && v.is_contiguous() && v.size(0) >= T && v.size(1) == 3,
+             "rope_kv_lora: v must be contiguous float32 [>= T=%lld, 3, R]", ll(T));
+  check_device(v, Name("v"), qkv);
+  SGMV_CHECK(b.size() == 3, "rope_kv_lora: b must hold the q, k and v pools, got %lld", ll(b.size()));
+  const int64_t outs[3] = {num_heads * D, num_kv_heads * D, num_kv_heads * D};
+  const int64_t S = b[0].dim() == 3 ? b[0].size(0) : 0;
+  for (int g = 0; g < 3; ++g) {
+    SGMV_CHECK(b[g].dim() == 3 && b[g].is_contiguous() && b[g].size(0) == S && b[g].size(1) >= 1 &&
+                   b[g].size(1) <= v.size(2) && b[g].size(2) == outs[g],
+               "rope_kv_lora: b[%d] must be contiguous [S=%lld, 1..R, %lld]", g, ll(S), ll(outs[g]));
+    SGMV_CHECK(b[g].scalar_type() == qkv.scalar_type(), "rope_kv_lora: b[%d] dtype %s differs from qkv's %s", g,
+               dtype_name(b[g]), dtype_name(qkv));
+    SGMV_CHECK(reinterpret_cast<uintptr_t>(b[g].data_ptr()) % 4 == 0, "rope_kv_lora: b[%d] must be 4-byte aligned", g);
+    check_device(b[g], Name("b"), qkv);
+    a.lora.b[g] = b[g].data_ptr();
+    a.lora.b_rank_dim[g] = static_cast<int>(b[g].size(1));
+  }
+  SGMV_CHECK(S >= 1 && S <= kInt32Max, "rope_kv_lora: the adapter pool has no slots");
+  SGMV_CHECK(ranks.scalar_type() == torch::kInt && ranks.is_contiguous() && ranks.numel() == 3 * S,
+             "rope_kv_lora: ranks must be contiguous int32 [3, S=%lld]", ll(S));
+  SGMV_CHECK(row_slot.scalar_type() == torch::kInt && row_slot.dim() == 1 && row_slot.is_contiguous() &&
+                 row_slot.size(0) >= T,
+             "rope_kv_lora: row_slot must be contiguous int32 with at least T=%lld entries", ll(T));
+  check_device(ranks, Name("ranks"), qkv);
+  check_device(row_slot, Name("row_slot"), qkv);
+  a.lora.v = v.data_ptr<float>();
+  a.lora.v_row_stride = v.stride(0);
+  a.lora.v_rank_dim = static_cast<int>(v.size(2));
+  a.lora.ranks = ranks.data_ptr<int32_t>();
+  a.lora.row_slot = row_slot.data_ptr<int32_t>();
+  a.lora.num_slots = static_cast<int>(S);
+  launch_rope_kv(a, qkv, stream);
 }
 
 }  // namespace
@@ -350,6 +402,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_kv", &rope_kv, "rotary embedding of q (into q_out) and k, and the K/V cache write, in one launch",
         py::arg("q_out"), py::arg("k_cache"), py::arg("v_cache"), py::arg("qkv"), py::arg("positions"),
         py::arg("slots"), py::arg("cos_sin"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("stream"));
+  m.def("rope_kv_lora", &rope_kv_lora,
+        "rope_kv with the qkv rows' LoRA expand (v @ b[g][row_slot]) added first, in the SGMV expand's order",
+        py::arg("q_out"), py::arg("k_cache"), py::arg("v_cache"), py::arg("qkv"), py::arg("positions"),
+        py::arg("slots"), py::arg("cos_sin"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("stream"),
+        py::arg("v"), py::arg("b"), py::arg("ranks"), py::arg("row_slot"));
   m.attr("MAX_RANK") = lorafleet::kMaxRank;
   m.attr("MAX_GROUP") = lorafleet::kMaxGroup;
   m.attr("MAX_SEGMENTS") = lorafleet::kMaxSegments;

@@ -16,6 +16,8 @@ import logging
 
 import torch
 
+from lorafleet import env
+
 from lorafleet.runner.attention.meta import AttnMeta
 from lorafleet.runner.graph_capture import capture
 from lorafleet.runner.lora.segments import SegmentTable
@@ -81,7 +83,9 @@ class GraphRunner:
         if self.lora_pool is None:
             return None
         seg = SegmentTable(st.seg_indptr, st.seg_slots, (0, st.B), (-1,), st.B)
-        step = LoraStepImpl(self.lora_pool, self.sgmv, seg, st.ws, mma=False)  # decode: CUDA-core path
+        # decode: CUDA-core path; the qkv expand inside rope_kv with LORAFLEET_ROPE_KV_LORA=1
+        in_rope = self.rope_kv is not None and env.rope_kv_lora() and getattr(self.sgmv, "name", "") == "cuda"
+        step = LoraStepImpl(self.lora_pool, self.sgmv, seg, st.ws, mma=False, qkv_expand_in_rope=in_rope)
         step.active = True  # kernels skip slot -1 rows on device; the graph always launches them
         return step
 

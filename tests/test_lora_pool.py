@@ -104,3 +104,46 @@ def test_step_passes_each_groups_tensor_core_thresholds(monkeypatch):
             for y, r in zip(ys, ref):
                 assert torch.allclose(y, r, rtol=1e-4, atol=1e-4)
         assert sg.calls == [(mma, GROUP_MMA_ROWS[0], fused), (mma, GROUP_MMA_ROWS[1], fused)]
+
+
+def test_qkv_expand_left_to_rope_kv_keeps_the_add_on():
+    """Decode graphs with the rope_kv kernel (qkv_expand_in_rope): `add_qkv` runs only the shrink and
+    hands over (v, B pools, ranks, slot of each row); the rows stay untouched, and v @ B over those
+    operands is the add-on of the independent fp32 loop. Rows past the segment table get slot -1.
+    Without the flag `add_qkv` adds the whole add-on itself and hands over nothing."""
+    from lorafleet.runner.lora.segments import SegmentTable, build_segments
+    from lorafleet.runner.lora.sgmv import TorchSGMV, fp32_loop_reference
+    from lorafleet.runner.lora.step import LoraStepImpl
+
+    pool = LoraPool(BASE, num_slots=4, max_rank=8, dtype=torch.float32, device=torch.device("cpu"))
+    pool.write(1, adapter("a", {(0, p): 4 for p in PROJECTIONS}, seed=5, stacked=True))
+    pool.write(2, adapter("b", {(0, "q"): 8, (0, "v"): 2}, seed=6, stacked=True))
+    g = torch.Generator().manual_seed(11)
+    row_slots = [1, 2, 2, -1, 1, 2]
+    T = len(row_slots) + 2  # a padded batch: two rows past the table
+    table = build_segments(row_slots, capacity=T)
+    seg = SegmentTable(table.indptr, table.slots, table.host_indptr, table.host_slots, T)  # as a decode graph's
+    x = torch.randn(T, BASE.hidden_size, generator=g)
+    widths = [BASE.q_dim, BASE.kv_dim, BASE.kv_dim]
+    want = fp32_loop_reference(x[: len(row_slots)], pool.a[0][0:3], pool.b[0][0:3], pool.host_ranks[0][0:3],
+                               row_slots)
+
+    step = LoraStepImpl(pool, TorchSGMV(), seg, mma=False, qkv_expand_in_rope=True)
+    ys = tuple(torch.zeros(T, w) for w in widths)
+    handed = step.add_qkv(0, x, ys)
+    assert all(not y.any() for y in ys)  # the expand is left to the kernel
+    v, b, ranks, row_slot = handed
+    assert row_slot.tolist() == row_slots + [-1, -1]
+    for gi, (y_want, w) in enumerate(zip(want, widths)):
+        got = torch.zeros(len(row_slots), w)
+        for t, s in enumerate(row_slots):
+            if s >= 0:
+                r = int(ranks[gi, s])
+                got[t] = v[t, gi, :r] @ b[gi][s, :r].float()
+        assert torch.allclose(got, y_want, rtol=1e-5, atol=1e-5)
+
+    plain = LoraStepImpl(pool, TorchSGMV(), seg, mma=False)
+    ys2 = tuple(torch.zeros(T, w) for w in widths)
+    assert plain.add_qkv(0, x, ys2) is None
+    for y, y_want in zip(ys2, want):
+        assert torch.allclose(y[: len(row_slots)], y_want, rtol=1e-5, atol=1e-5)

@@ -116,8 +116,9 @@ class _QkvAttention:
     def __call__(self, *args):
         raise AssertionError("the model must hand attention its qkv rows, not q/k/v")
 
-    def attend_qkv(self, layer, qkv, positions):
+    def attend_qkv(self, layer, qkv, positions, lora_expand=None):
         c, ops = self.model.cfg, self.model.ops
+        assert lora_expand is None  # the LoRA step added the qkv expand itself (no rope_kv kernel here)
         self.calls += 1
         q, k, v = qkv.split([c.q_dim, c.kv_dim, c.kv_dim], dim=-1)
         q, k = ops.apply_rope(q, k, positions, ops.rope_cos_sin(positions, qkv.dtype), c.num_heads,

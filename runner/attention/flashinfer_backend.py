@@ -196,9 +196,10 @@ class GraphDecodeStep:
             self.q = torch.empty(slot_mapping.shape[0], b.h, b.d, dtype=b.kv.k.dtype, device=b.device)
             self.attend_qkv = self._attend_qkv
 
-    def _attend_qkv(self, layer: int, qkv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _attend_qkv(self, layer: int, qkv: torch.Tensor, positions: torch.Tensor, lora_expand=None) -> torch.Tensor:
+        """`lora_expand`: the qkv rows' LoRA expand left to the rope_kv kernel (LoraStepImpl.add_qkv)."""
         k_flat, v_flat = self.b.kv.flat(layer)
-        q = self.rope_kv(self.q[: qkv.shape[0]], k_flat, v_flat, qkv, positions, self.slot_mapping)
+        q = self.rope_kv(self.q[: qkv.shape[0]], k_flat, v_flat, qkv, positions, self.slot_mapping, lora_expand)
         return self.wrapper.run(q, self.b.kv.layer(layer)).view(qkv.shape[0], self.b.h * self.b.d)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

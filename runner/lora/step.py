@@ -49,8 +49,16 @@ class LoraStepImpl:
     thresholds is one fused launch (MIXED_FUSED, LORAFLEET_SGMV_FUSED). The bits are the same either way."""
 
     def __init__(self, pool: LoraPool, sgmv: SGMV, seg: SegmentTable, workspace: torch.Tensor | None = None,
-                 mma: bool = True):
+                 mma: bool = True, qkv_expand_in_rope: bool = False):
         self.pool, self.sgmv, self.seg, self.mma = pool, sgmv, seg, mma
+        # Decode graphs with the rope_kv kernel (env.rope_kv_lora): the qkv group's expand is left to that
+        # kernel (add_qkv), which adds it in the same order as the CUDA-core expand.
+        self.qkv_expand_in_rope = qkv_expand_in_rope and not mma
+        if self.qkv_expand_in_rope:
+            n = seg.num_rows
+            self._rows = torch.arange(n, dtype=torch.int32, device=pool.device)
+            self._seg_of_row = torch.empty(n, dtype=torch.int64, device=pool.device)
+            self.row_slot = torch.empty(n, dtype=torch.int32, device=pool.device)
         self.fused = mixed_fused() if mma else DECODE_FUSED
         need = seg.num_rows * 3 * pool.max_rank
         if workspace is None or workspace.numel() < need:
@@ -59,6 +67,27 @@ class LoraStepImpl:
         self.active = seg.any_adapter
         n, R = seg.num_rows, pool.max_rank
         self.views = {g: workspace[: n * g * R].view(n, g, R) for g in {g for _, g in GROUP_SPANS}}
+
+    def add_qkv(self, layer: int, x: torch.Tensor, ys: tuple[torch.Tensor, ...]):
+        """The qkv group of a layer. With `qkv_expand_in_rope`: only the shrink, and the expand's operands
+        (v, B pools, ranks, slot of each row) for the rope_kv kernel; otherwise the whole add-on, and None.
+        The row slots are recomputed from the step's segment table at layer 0 (inside a captured graph,
+        on every replay)."""
+        if not (self.qkv_expand_in_rope and self.active):
+            self.add(layer, 0, x, ys)
+            return None
+        v = self.views[GROUP_SPANS[0][1]]
+        a, b, ranks, host = self.pool.group_args[layer][0]
+        if layer == 0:  # row t lies in the segment i with indptr[i] <= t < indptr[i + 1]; rows past the table: -1
+            torch.searchsorted(self.seg.indptr[1:], self._rows, right=True, out=self._seg_of_row)
+            self._seg_of_row.clamp_(max=self.seg.slots.shape[0] - 1)
+            torch.index_select(self.seg.slots, 0, self._seg_of_row, out=self.row_slot)
+            self.row_slot.masked_fill_(self._rows >= self.seg.indptr[-1], -1)
+        if getattr(self.sgmv, "name", "") == "cuda":  # CUDA-core items, as the decode call's shrink
+            self.sgmv.shrink(v, x, a, ranks, host, self.seg, mma_min_rows=1 << 30)
+        else:
+            self.sgmv.shrink(v, x, a, ranks, host, self.seg)
+        return v, b, ranks, self.row_slot
 
     def add(self, layer: int, group: int, x: torch.Tensor, ys: tuple[torch.Tensor, ...]) -> None:
         if not self.active:

@@ -121,17 +121,27 @@ class LlamaModel:
             return F.embedding(input_ids, self.embed)  # [T, H]
         return torch.index_select(self.embed, 0, input_ids, out=out)
 
-    def qkv_proj(self, i: int, h: torch.Tensor, residual: torch.Tensor | None, lora: LoraStep | None):
-        """Layer i's norm, fused qkv projection and its LoRA: (qkv [T, q_dim + 2 kv_dim], residual)."""
+    def qkv_proj(self, i: int, h: torch.Tensor, residual: torch.Tensor | None, lora: LoraStep | None,
+                 defer_expand: bool = False):
+        """Layer i's norm, fused qkv projection and its LoRA: (qkv [T, q_dim + 2 kv_dim], residual).
+        `defer_expand` (the caller hands the result to a rope_kv kernel that can add it): returns
+        (qkv, residual, expand), where expand is the LoRA expand the LoRA step left to that kernel
+        (`add_qkv`), or None when it added it itself."""
         c, ops, lw = self.cfg, self.ops, self.layers[i]
         if residual is None:
             residual, x = h, ops.rms_norm(h, lw.attn_norm, c.rms_norm_eps)
         else:
             x, residual = ops.add_rms_norm(h, residual, lw.attn_norm, c.rms_norm_eps)
         qkv = F.linear(x, lw.qkv, lw.qkv_bias)
+        expand = None
         if lora is not None:
-            lora.add(i, QKV, x, qkv.split([c.q_dim, c.kv_dim, c.kv_dim], dim=-1))
-        return qkv, residual
+            ys = qkv.split([c.q_dim, c.kv_dim, c.kv_dim], dim=-1)
+            add_qkv = getattr(lora, "add_qkv", None) if defer_expand else None
+            if add_qkv is not None:
+                expand = add_qkv(i, x, ys)
+            else:
+                lora.add(i, QKV, x, ys)
+        return (qkv, residual, expand) if defer_expand else (qkv, residual)
 
     def pre_attention(self, i: int, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                       cos_sin, lora: LoraStep | None, qkv_out: tuple[torch.Tensor, ...] | None = None):
@@ -195,8 +205,8 @@ class LlamaModel:
         attend_qkv = getattr(attn, "attend_qkv", None)
         for i in range(len(self.layers)):
             if attend_qkv is not None:
-                qkv, residual = self.qkv_proj(i, h, residual, lora)
-                o = attend_qkv(i, qkv, positions)
+                qkv, residual, expand = self.qkv_proj(i, h, residual, lora, defer_expand=True)
+                o = attend_qkv(i, qkv, positions, expand)
             else:
                 q, k, v, residual = self.pre_attention(i, h, residual, positions, cos_sin, lora)
                 o = attn(i, q, k, v)  # [T, q_dim]

@@ -25,10 +25,18 @@ class RopeKv:
         self.ext, self.cos_sin = ext, cos_sin
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
 
-    def __call__(self, q_out, k_flat, v_flat, qkv, positions, slots) -> torch.Tensor:
+    def __call__(self, q_out, k_flat, v_flat, qkv, positions, slots, lora=None) -> torch.Tensor:
+        """`lora` = (v [T, 3, R] fp32, [b_q, b_k, b_v] pools, ranks [3, S] int32, row_slot [T] int32): the
+        qkv rows' LoRA expand, added in the kernel before the rotation (the same bits as the SGMV expand
+        run first)."""
         stream = torch.cuda.current_stream(qkv.device).cuda_stream
-        self.ext.rope_kv(q_out, k_flat, v_flat, qkv, positions, slots, self.cos_sin, self.num_heads,
-                         self.num_kv_heads, stream)
+        if lora is None:
+            self.ext.rope_kv(q_out, k_flat, v_flat, qkv, positions, slots, self.cos_sin, self.num_heads,
+                             self.num_kv_heads, stream)
+        else:
+            v, b, ranks, row_slot = lora
+            self.ext.rope_kv_lora(q_out, k_flat, v_flat, qkv, positions, slots, self.cos_sin, self.num_heads,
+                                  self.num_kv_heads, stream, v, list(b), ranks, row_slot)
         return q_out
 
 

@@ -114,6 +114,13 @@ def rope_kv_kernel() -> bool:
     return _flag("LORAFLEET_ROPE_KV", True)
 
 
+def rope_kv_lora() -> bool:
+    """LORAFLEET_ROPE_KV_LORA: decode CUDA graphs add the qkv rows' LoRA expand inside the rope_kv
+    kernel instead of a separate expand launch per layer (same bits; default 0: not yet measured on a
+    GPU, see docs/perf_notes.md)."""
+    return _flag("LORAFLEET_ROPE_KV_LORA", False)
+
+
 def _flag(name: str, default: bool = False) -> bool:
     raw = os.environ.get(name, "").strip().lower()
     if raw == "":

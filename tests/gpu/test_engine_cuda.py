@@ -142,11 +142,16 @@ def teacher_forced_check(smol_shaped, cpu_reference, dtype):
     return eng
 
 
-def test_graph_replay_equals_eager(smol_shaped):
+@pytest.mark.parametrize("qkv_expand_in_rope", [False, True])
+def test_graph_replay_equals_eager(smol_shaped, qkv_expand_in_rope, monkeypatch):
+    """Decode graphs give the tokens of eager steps, also with the qkv LoRA expand inside the rope_kv
+    kernel (LORAFLEET_ROPE_KV_LORA=1), which must add it in the expand's own order."""
     model, ads = smol_shaped
     reqs = requests(ads, n=20, seed=4)
+    monkeypatch.setenv("LORAFLEET_ROPE_KV_LORA", "1" if qkv_expand_in_rope else "0")
     graphed, eng = run(model, reqs, max_batch_size=32)
     assert eng.runner.graphs is not None
+    assert all(st.lora.qkv_expand_in_rope == qkv_expand_in_rope for st in eng.runner.graphs.static.values())
     eager, eng2 = run(model, reqs, max_batch_size=32, cuda_graphs=False)
     assert eng2.runner.graphs is None
     same = sum(a == b for a, b in zip(graphed, eager))

@@ -129,3 +129,102 @@ def test_bad_shapes_are_refused():
     with pytest.raises(RuntimeError, match="cos_sin"):
         ext().rope_kv(torch.zeros(4, 8, 64, dtype=dtype, device=DEV), cache, cache.clone(), qkv, pos, pos, cs.double(),
                       8, 2, stream)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("H,Hkv,D", [(32, 32, 128), (9, 3, 64), (8, 2, 128)])
+def test_lora_in_rope_kv_is_bitwise_the_expand_then_rope_kv(H, Hkv, D, dtype):
+    """rope_kv_lora (the qkv rows' LoRA expand added inside the kernel) gives q_out and the K/V cache bit
+    for bit as the SGMV CUDA-core expand into the qkv rows followed by rope_kv: decode rows with distinct,
+    repeated and shared slots, base rows (-1), a slot outside the pool, ranks 0..16 (odd ones, and one
+    above the pool's rank dimension, clamped); v past each rank is NaN (never read)."""
+    from lorafleet.runner.lora.segments import build_segments
+    from lorafleet.runner.lora.sgmv_cuda import CudaSGMV
+
+    g = torch.Generator(device=DEV).manual_seed(H + D)
+    T, S, R = 24, 10, 16
+    outs = [H * D, Hkv * D, Hkv * D]
+    width = sum(outs)
+    row_slots = [3, 3, 7, -1, 0, 9, 9, 9, 2, 13, 5, 1, 4, 6, 8, -1, 3, 0, 0, 7, 2, 2, 5, 1]  # 13: outside
+    rank_list = [16, 3, 5, 0, 7, 16, 1, 20, 9, 2]  # 20 > R: clamped to the pool's 16
+    ranks = torch.tensor([[rank_list[(s + 3 * gi) % S] for s in range(S)] for gi in range(3)], dtype=torch.int32,
+                         device=DEV)
+    b = [(torch.randn(S, R, o, generator=g, device=DEV) / 8).to(dtype) for o in outs]
+    v = torch.randn(T, 3, R, generator=g, device=DEV)
+    for t, s in enumerate(row_slots):  # entries past the row's rank are never read
+        for gi in range(3):
+            r = min(rank_list[(s + 3 * gi) % S], R) if 0 <= s < S else 0
+            v[t, gi, r:] = float("nan")
+    buf = torch.randn(T, width + 32, generator=g, device=DEV).to(dtype)
+    qkv = buf[:, 16: 16 + width]
+    P = 4096
+    cs = cos_sin_cache(P, D)
+    pos = torch.randint(0, P, (T,), generator=g, device=DEV)
+    nslots = 3 * T
+    slots = torch.randperm(nslots, generator=g, device=DEV)[:T]
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def fresh():
+        return (torch.full((T, H, D), float("nan"), dtype=dtype, device=DEV),
+                torch.full((nslots, Hkv, D), float("nan"), dtype=dtype, device=DEV),
+                torch.full((nslots, Hkv, D), float("nan"), dtype=dtype, device=DEV))
+
+    # the reference: the engine's separate expand into the qkv rows, then rope_kv
+    ref_qkv = qkv.clone()
+    seg = build_segments(row_slots, device=DEV, capacity=T)
+    CudaSGMV().expand(list(ref_qkv.split(outs, dim=1)), v, b, ranks, None, seg, mma_min_rows=1 << 30)
+    q1, k1, v1 = fresh()
+    ext().rope_kv(q1, k1, v1, ref_qkv, pos, slots, cs, H, Hkv, stream)
+    # the fused kernel on the untouched rows
+    q2, k2, v2 = fresh()
+    before = buf.clone()
+    row_slot = torch.tensor(row_slots, dtype=torch.int32, device=DEV)
+    ext().rope_kv_lora(q2, k2, v2, qkv, pos, slots, cs, H, Hkv, stream, v, b, ranks, row_slot)
+    torch.cuda.synchronize()
+    assert same_bits(q2, q1) and same_bits(k2, k1) and same_bits(v2, v1)
+    assert same_bits(buf, before)  # the qkv rows themselves are not written
+    assert not same_bits(q2, fresh()[0]) and not torch.isnan(q2).any()
+    # and the add-on is there: without it the rows with an adapter differ
+    q3, k3, v3 = fresh()
+    ext().rope_kv(q3, k3, v3, qkv, pos, slots, cs, H, Hkv, stream)
+    torch.cuda.synchronize()
+    adapted = [t for t, s in enumerate(row_slots) if 0 <= s < S and rank_list[s % S] > 0]
+    assert not torch.equal(q3[adapted], q2[adapted])
+    untouched = [t for t, s in enumerate(row_slots) if not 0 <= s < S]
+    assert same_bits(q3[untouched], q2[untouched])
+
+
+def test_rope_kv_lora_refuses_bad_operands():
+    dtype, T, H, Hkv, D, S, R = torch.bfloat16, 4, 8, 2, 64, 3, 8
+    qkv = torch.zeros(T, (H + 2 * Hkv) * D, dtype=dtype, device=DEV)
+    pos = torch.zeros(T, dtype=torch.int64, device=DEV)
+    cs = cos_sin_cache(16, D)
+    cache = torch.zeros(8, Hkv, D, dtype=dtype, device=DEV)
+    q_out = torch.zeros(T, H, D, dtype=dtype, device=DEV)
+    stream = torch.cuda.current_stream().cuda_stream
+    v = torch.zeros(T, 3, R, device=DEV)
+    b = [torch.zeros(S, R, o, dtype=dtype, device=DEV) for o in (H * D, Hkv * D, Hkv * D)]
+    ranks = torch.zeros(3, S, dtype=torch.int32, device=DEV)
+    rs = torch.zeros(T, dtype=torch.int32, device=DEV)
+
+    def call(**kw):
+        args = dict(v=v, b=b, ranks=ranks, row_slot=rs)
+        args.update(kw)
+        ext().rope_kv_lora(q_out, cache, cache.clone(), qkv, pos, pos, cs, H, Hkv, stream, args["v"], args["b"],
+                           args["ranks"], args["row_slot"])
+
+    call()  # well-formed
+    with pytest.raises(RuntimeError, match="v must be"):
+        call(v=v.double())
+    with pytest.raises(RuntimeError, match="b must hold"):
+        call(b=b[:2])
+    with pytest.raises(RuntimeError, match=r"b\[1\]"):
+        call(b=[b[0], b[0], b[2]])
+    with pytest.raises(RuntimeError, match="ranks"):
+        call(ranks=ranks[:2])
+    with pytest.raises(RuntimeError, match="row_slot"):
+        call(row_slot=rs.long())
