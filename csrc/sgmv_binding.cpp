@@ -14,11 +14,11 @@
 //   add(ys, v, x, a, b, ranks, indptr, slots, counters, shrink_mma_min_rows, expand_mma_min_rows, pdl, stream):
 //       shrink then expand; one fused launch when T is below both thresholds (every segment on the
 //       CUDA-core path), else the two launches above. counters: int32 [>= 2 * capacity], zero.
-//   rope_kv_lora(..., stream, v, b, ranks, row_slot): the same with the qkv rows' LoRA expand added first
-//       (rope_kv.h RopeKvLora), so a decode step needs no separate expand launch for q, k and v.
 //   rope_kv(q_out, k_cache, v_cache, qkv, positions, slots, cos_sin, num_heads, num_kv_heads, stream):
 //       rotary embedding of q into q_out and of k into k_cache[slots], v copied to v_cache[slots], one
 //       launch (rope_kv.h).
+//   rope_kv_lora(..., stream, v, b, ranks, row_slot): the same with the qkv rows' LoRA expand added first
+//       (rope_kv.h RopeKvLora), so a decode step needs no separate expand launch for q, k and v.
 //
 // with r = ranks[g, s]. The values inside ranks / indptr / slots live on the device and are not
 // inspected here (that would need a synchronisation): the kernels clamp ranks to [0, R_g], skip
@@ -358,8 +358,9 @@ void rope_kv_lora(Tensor q_out, Tensor k_cache, Tensor v_cache, Tensor qkv, Tens
   const int64_t S = b[0].dim() == 3 ? b[0].size(0) : 0;
   for (int g = 0; g < 3; ++g) {
     SGMV_CHECK(b[g].dim() == 3 && b[g].is_contiguous() && b[g].size(0) == S && b[g].size(1) >= 1 &&
-                   b[g].size(1) <= v.size(2) && b[g].size(2) == outs[g],
-               "rope_kv_lora: b[%d] must be contiguous [S=%lld, 1..R, %lld]", g, ll(S), ll(outs[g]));
+                   b[g].size(1) <= v.size(2) && b[g].size(1) <= lorafleet::kMaxRank && b[g].size(2) == outs[g],
+               "rope_kv_lora: b[%d] must be contiguous [S=%lld, 1..min(R, %d), %lld]", g, ll(S), lorafleet::kMaxRank,
+               ll(outs[g]));
     SGMV_CHECK(b[g].scalar_type() == qkv.scalar_type(), "rope_kv_lora: b[%d] dtype %s differs from qkv's %s", g,
                dtype_name(b[g]), dtype_name(qkv));
     SGMV_CHECK(reinterpret_cast<uintptr_t>(b[g].data_ptr()) % 4 == 0, "rope_kv_lora: b[%d] must be 4-byte aligned", g);
@@ -368,7 +369,8 @@ void rope_kv_lora(Tensor q_out, Tensor k_cache, Tensor v_cache, Tensor qkv, Tens
     a.lora.b_rank_dim[g] = static_cast<int>(b[g].size(1));
   }
   SGMV_CHECK(S >= 1 && S <= kInt32Max, "rope_kv_lora: the adapter pool has no slots");
-  SGMV_CHECK(ranks.scalar_type() == torch::kInt && ranks.is_contiguous() && ranks.numel() == 3 * S,
+  SGMV_CHECK(ranks.scalar_type() == torch::kInt && ranks.is_contiguous() && ranks.dim() == 2 && ranks.size(0) == 3 &&
+                 ranks.size(1) == S,
              "rope_kv_lora: ranks must be contiguous int32 [3, S=%lld]", ll(S));
   SGMV_CHECK(row_slot.scalar_type() == torch::kInt && row_slot.dim() == 1 && row_slot.is_contiguous() &&
                  row_slot.size(0) >= T,

@@ -142,6 +142,12 @@ def test_qkv_expand_left_to_rope_kv_keeps_the_add_on():
                 got[t] = v[t, gi, :r] @ b[gi][s, :r].float()
         assert torch.allclose(got, y_want, rtol=1e-5, atol=1e-5)
 
+    # a table without empty trailing segments: the rows past it still get -1
+    tight = build_segments(row_slots)
+    seg2 = SegmentTable(tight.indptr, tight.slots, tight.host_indptr, tight.host_slots, T)
+    step2 = LoraStepImpl(pool, TorchSGMV(), seg2, mma=False, qkv_expand_in_rope=True)
+    assert step2.add_qkv(0, x, tuple(torch.zeros(T, w) for w in widths))[3].tolist() == row_slots + [-1, -1]
+
     plain = LoraStepImpl(pool, TorchSGMV(), seg, mma=False)
     ys2 = tuple(torch.zeros(T, w) for w in widths)
     assert plain.add_qkv(0, x, ys2) is None

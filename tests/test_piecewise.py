@@ -110,15 +110,20 @@ class _QkvAttention:
     """Attention that takes the raw qkv rows (the `attend_qkv` seam of the decode graphs' rope_kv
     kernel), here done with the torch ops: rotation, then the ordinary attention step."""
 
-    def __init__(self, step, model):
+    def __init__(self, step, model, expand=None):
         self.step, self.model, self.calls = step, model, 0
+        self.expand = expand  # (layer, qkv, handed-over operands) -> adds the qkv LoRA expand, as rope_kv_lora
 
     def __call__(self, *args):
         raise AssertionError("the model must hand attention its qkv rows, not q/k/v")
 
     def attend_qkv(self, layer, qkv, positions, lora_expand=None):
         c, ops = self.model.cfg, self.model.ops
-        assert lora_expand is None  # the LoRA step added the qkv expand itself (no rope_kv kernel here)
+        if self.expand is None:
+            assert lora_expand is None  # the LoRA step added the qkv expand itself
+        else:
+            assert lora_expand is not None  # left to this attention: add it before the rotation
+            self.expand(layer, qkv, lora_expand)
         self.calls += 1
         q, k, v = qkv.split([c.q_dim, c.kv_dim, c.kv_dim], dim=-1)
         q, k = ops.apply_rope(q, k, positions, ops.rope_cos_sin(positions, qkv.dtype), c.num_heads,
@@ -145,4 +150,46 @@ def test_attention_taking_qkv_rows_gives_the_same_logits(tiny_llama, adapters):
     lora = LoraStepImpl(eng.lora_pool, eng.sgmv, d.seg, None)
     got = eng.model.forward(d.input_ids, d.positions, attn, lora, d.logit_rows)
     assert attn.calls == eng.model.cfg.num_layers
+    assert torch.equal(got, ref)
+
+
+def test_qkv_expand_left_to_attention_gives_the_same_logits(tiny_llama, adapters):
+    """The LoRA step of a decode graph with the rope_kv kernel (`qkv_expand_in_rope`) hands the qkv
+    expand's operands to attention instead of adding it; attention adding it before the rotation (here
+    with the torch expand, over the handed-over v, B, ranks and per-row slots) gives the logits of the
+    ordinary forward pass bit for bit."""
+    from lorafleet.runner.lora.segments import SegmentTable
+    from lorafleet.runner.lora.step import LoraStepImpl
+
+    eng = engine(tiny_llama, piecewise=False)
+    for s in make_requests(adapters, 6, seed=5, prefix="e"):
+        eng.submit(s)
+    eng.step()
+    eng._drain_inbox()
+    plan = eng.batcher.schedule()
+    batch = build_step_batch(plan.work, eng.config.page_size, 8)
+    d = to_device(batch, eng.device, None)
+    assert d.seg.any_adapter
+    ref = eng.runner.forward(batch, d)
+    c = eng.model.cfg
+    handed = []
+
+    def expand(layer, qkv, ops_):
+        v, b, ranks, row_slot = ops_
+        handed.append(row_slot.tolist())
+        host = eng.lora_pool.group_args[layer][0][3]
+        # the rows' own one-row segments, from the handed-over slots: the add-on must not depend on them
+        rows = row_slot.tolist()
+        indptr = torch.arange(len(rows) + 1, dtype=torch.int32)
+        seg = SegmentTable(indptr, torch.tensor(rows, dtype=torch.int32), tuple(range(len(rows) + 1)), tuple(rows),
+                           len(rows))
+        eng.sgmv.expand(list(qkv.split([c.q_dim, c.kv_dim, c.kv_dim], dim=-1)), v, b, ranks, host, seg)
+
+    attn = _QkvAttention(eng.attention.begin(d.attn_meta(batch)), eng.model, expand)
+    lora = LoraStepImpl(eng.lora_pool, eng.sgmv, d.seg, None, mma=False, qkv_expand_in_rope=True)
+    got = eng.model.forward(d.input_ids, d.positions, attn, lora, d.logit_rows)
+    assert attn.calls == c.num_layers == len(handed)
+    want_slots = [s for s, n in zip(batch.seg_slots, (b - a for a, b in zip(batch.seg_indptr, batch.seg_indptr[1:])))
+                  for _ in range(n)]
+    assert handed[0] == want_slots
     assert torch.equal(got, ref)

@@ -136,21 +136,22 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("H,Hkv,D", [(32, 32, 128), (9, 3, 64), (8, 2, 128)])
-def test_lora_in_rope_kv_is_bitwise_the_expand_then_rope_kv(H, Hkv, D, dtype):
+@pytest.mark.parametrize("H,Hkv,D,R", [(32, 32, 128, 16), (9, 3, 64, 16), (8, 2, 128, 16), (8, 2, 128, 64)])
+def test_lora_in_rope_kv_is_bitwise_the_expand_then_rope_kv(H, Hkv, D, R, dtype):
     """rope_kv_lora (the qkv rows' LoRA expand added inside the kernel) gives q_out and the K/V cache bit
     for bit as the SGMV CUDA-core expand into the qkv rows followed by rope_kv: decode rows with distinct,
-    repeated and shared slots, base rows (-1), a slot outside the pool, ranks 0..16 (odd ones, and one
-    above the pool's rank dimension, clamped); v past each rank is NaN (never read)."""
+    repeated and shared slots, base rows (-1), a slot outside the pool, ranks 0..R (odd ones, and one
+    above the pool's rank dimension, clamped; with R = 64 ranks past 16, the expand's second batch of
+    rank rows); v past each rank is NaN (never read)."""
     from lorafleet.runner.lora.segments import build_segments
     from lorafleet.runner.lora.sgmv_cuda import CudaSGMV
 
     g = torch.Generator(device=DEV).manual_seed(H + D)
-    T, S, R = 24, 10, 16
+    T, S = 24, 10
     outs = [H * D, Hkv * D, Hkv * D]
     width = sum(outs)
     row_slots = [3, 3, 7, -1, 0, 9, 9, 9, 2, 13, 5, 1, 4, 6, 8, -1, 3, 0, 0, 7, 2, 2, 5, 1]  # 13: outside
-    rank_list = [16, 3, 5, 0, 7, 16, 1, 20, 9, 2]  # 20 > R: clamped to the pool's 16
+    rank_list = [16, 3, 5, 0, 7, 16, 1, 20, 9, 2] if R == 16 else [64, 17, 33, 0, 5, 48, 1, 70, 63, 2]  # > R: clamped
     ranks = torch.tensor([[rank_list[(s + 3 * gi) % S] for s in range(S)] for gi in range(3)], dtype=torch.int32,
                          device=DEV)
     b = [(torch.randn(S, R, o, generator=g, device=DEV) / 8).to(dtype) for o in outs]
