@@ -31,7 +31,8 @@
 # Knobs: LORAFLEET_PREFILL_BACKEND (any stage: auto / fa2 / fa3, flashinfer's kernel for prompt rows),
 # LORAFLEET_SGMV_FUSED (any stage: auto / 1 / 0, one or two LoRA launches in steps with prompt rows),
 # LORAFLEET_ROPE_KV_LORA (any stage: 1 = the qkv LoRA expand inside the rope_kv kernel in decode graphs),
-# INTERF_ARGS (interf: extra arguments, e.g. --interference-caps-only), TAG (interf: output name suffix), E2E2_ARGS (e2e2: extra arguments, e.g. --no-lora-off), PROBE_ARGS (probe: e.g. "--skip attention lora"), SWEEP_B (sweep: max batch sizes), ETESTS_K / KTESTS_K (pytest -k filters of etests / ktests), DPT (interf: decode_prefill_tokens values), SERVE_MIXES (serve3*: mixes), REQS (default 1000), BENCH_S (timeout of one bench stage, s; COLD_S, SWEEP_S, HF_S, TEST_S per stage). Results, caches and logs.tgz go to
+# INTERF_ARGS (interf: extra arguments, e.g. --interference-caps-only), TAG (interf, e2e: output name suffix),
+# E2E_MIXES / E2E_ARGS (e2e: mixes, default "distinct identical"; extra arguments, e.g. --no-lora-off), E2E2_ARGS (e2e2: extra arguments, e.g. --no-lora-off), PROBE_ARGS (probe: e.g. "--skip attention lora"), SWEEP_B (sweep: max batch sizes), ETESTS_K / KTESTS_K (pytest -k filters of etests / ktests), DPT (interf: decode_prefill_tokens values), SERVE_MIXES (serve3*: mixes), REQS (default 1000), BENCH_S (timeout of one bench stage, s; COLD_S, SWEEP_S, HF_S, TEST_S per stage). Results, caches and logs.tgz go to
 # $OUT, each GPU's log to $OUT/gpuN.log.
 # The wheels (the GPU machine has no network): in the repository root, with .whl/ ignored by git,
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -108,9 +109,9 @@ stage() {
       timeout ${PREFILL_S:-240} python3 -m lorafleet bench kernels --prefill --out "$OUT/kernels_prefill.json" 2>&1 \
         | tee "$LOGS/kernels_prefill.log" | tail -14 ;;
     e2e)
-      timeout ${BENCH_S:-540} $E2E --mixes distinct identical --sweep --profile --hf-requests 0 \
-        --out "$OUT/e2e_a.json" 2>&1 \
-        | tee "$LOGS/e2e_a.log" | tail -14 ;;
+      timeout ${BENCH_S:-540} $E2E --mixes ${E2E_MIXES:-distinct identical} --sweep --profile --hf-requests 0 \
+        ${E2E_ARGS:-} --out "$OUT/e2e_a${TAG:+_$TAG}.json" 2>&1 \
+        | tee "$LOGS/e2e_a${TAG:+_$TAG}.log" | tail -14 ;;
     e2e2)
       timeout ${BENCH_S:-540} $E2E --mixes uniform skewed --sweep --hf-requests 0 ${E2E2_ARGS:-} \
         --out "$OUT/e2e_b.json" 2>&1 | tee "$LOGS/e2e_b.log" | tail -14 ;;
