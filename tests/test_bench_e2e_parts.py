@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from lorafleet.common.peft_config import BaseShape
@@ -153,3 +154,15 @@ def test_tensor_parallel_benchmark_path_on_the_cpu(tmp_path):
     assert all(r["output_tokens"] > 0 and r["tp"] == 2 for r in res["runs"])
     assert all(v > 0 for v in s["floor_tok_s"].values()) and set(s["over_lora_off"]) == {"distinct", "identical"}
     assert "| distinct tp=2 |" in proc.stdout
+
+
+def test_interference_caps_only_needs_caps(capsys):
+    """`--interference-caps-only` without `--interference` and `--decode-prefill-tokens` would run nothing:
+    refused before any model is built, with a message that names what is missing."""
+    from lorafleet.runner.bench_e2e import main
+
+    for argv in (["--interference-caps-only"], ["--interference", "--interference-caps-only"]):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2
+        assert "--interference-caps-only needs --interference and --decode-prefill-tokens" in capsys.readouterr().err
