@@ -49,7 +49,10 @@ def prefill_kernel(qo_lens: list[int], num_heads: int, head_dim: int, num_sms: i
     with 64-row chunks (32 items) a step with prompt rows takes 11.1 ms with FA2 against 12.2 with FA3
     (the late chunks' attention 1.33 against 3.58 ms); with 256-row chunks (64 items) 16.6 ms with FA3
     against 17.0 with FA2, and with 1,024-row chunks 40.4 against 42.7: once the chunk is long enough
-    FA3's faster tensor-core loop wins with a partly idle card."""
+    FA3's faster tensor-core loop wins with a partly idle card.
+    The choice counts all prompt rows of the step, so a prompt's attention output (and, in the last bits,
+    its logits) can depend on which other prompts share its step, as its chunk boundaries already do.
+    Decode rows never take this kernel."""
     tile = fa3_tile_rows(head_dim)
     items = sum(-(-n // tile) for n in qo_lens) * num_heads
     return "fa3" if 4 * items > num_sms else "fa2"
