@@ -8,13 +8,23 @@ import pytest
 from lorafleet import env
 
 
-@pytest.mark.parametrize("value, want", [(None, "auto"), ("fa2", "fa2"), ("FA3", "fa3"), (" auto ", "auto"), ("", "auto")])
-def test_values(monkeypatch, value, want):
+@pytest.mark.parametrize("var, read, value, want", [
+    ("LORAFLEET_PREFILL_BACKEND", env.prefill_backend, None, "auto"),
+    ("LORAFLEET_PREFILL_BACKEND", env.prefill_backend, "fa2", "fa2"),
+    ("LORAFLEET_PREFILL_BACKEND", env.prefill_backend, "FA3", "fa3"),
+    ("LORAFLEET_PREFILL_BACKEND", env.prefill_backend, " auto ", "auto"),
+    ("LORAFLEET_PREFILL_BACKEND", env.prefill_backend, "", "auto"),
+    ("LORAFLEET_SGMV_FUSED", env.sgmv_fused, None, "auto"),
+    ("LORAFLEET_SGMV_FUSED", env.sgmv_fused, "0", "0"),
+    ("LORAFLEET_SGMV_FUSED", env.sgmv_fused, "1", "1"),
+    ("LORAFLEET_SGMV_FUSED", env.sgmv_fused, " AUTO", "auto"),
+])
+def test_values(monkeypatch, var, read, value, want):
     if value is None:
-        monkeypatch.delenv("LORAFLEET_PREFILL_BACKEND", raising=False)
+        monkeypatch.delenv(var, raising=False)
     else:
-        monkeypatch.setenv("LORAFLEET_PREFILL_BACKEND", value)
-    assert env.prefill_backend() == want
+        monkeypatch.setenv(var, value)
+    assert read() == want
 
 
 def test_bad_value_is_refused(monkeypatch):
@@ -57,15 +67,6 @@ def test_fa3_counts_query_heads_and_its_tile_size():
 def test_fewer_sms_flip_sooner():
     assert prefill_kernel([64], 32, 128, 132) == "fa2"
     assert prefill_kernel([64], 32, 128, 64) == "fa3"
-
-
-@pytest.mark.parametrize("value, want", [(None, "auto"), ("0", "0"), ("1", "1"), (" AUTO", "auto")])
-def test_sgmv_fused_values(monkeypatch, value, want):
-    if value is None:
-        monkeypatch.delenv("LORAFLEET_SGMV_FUSED", raising=False)
-    else:
-        monkeypatch.setenv("LORAFLEET_SGMV_FUSED", value)
-    assert env.sgmv_fused() == want
 
 
 def test_sgmv_fused_bad_value_is_refused(monkeypatch):

@@ -106,6 +106,21 @@ def test_a_smaller_step_after_a_larger_one_reads_no_stale_rows(tiny_llama):
     assert {k: v.output_ids for k, v in done.items()} == {k: v.output_ids for k, v in ref.items()}
 
 
+def _step_with_adapters(tiny_llama, adapters, seed: int, prefix: str):
+    """An engine after one step of six requests with adapters, its next step batch, the batch's device
+    copy and the ordinary forward pass's logits of it."""
+    eng = engine(tiny_llama, piecewise=False)
+    for s in make_requests(adapters, 6, seed=seed, prefix=prefix):
+        eng.submit(s)
+    eng.step()
+    eng._drain_inbox()
+    plan = eng.batcher.schedule()
+    batch = build_step_batch(plan.work, eng.config.page_size, 8)
+    d = to_device(batch, eng.device, None)
+    assert d.seg.any_adapter
+    return eng, batch, d, eng.runner.forward(batch, d)
+
+
 class _QkvAttention:
     """Attention that takes the raw qkv rows (the `attend_qkv` seam of the decode graphs' rope_kv
     kernel), here done with the torch ops: rotation, then the ordinary attention step."""
@@ -136,16 +151,7 @@ def test_attention_taking_qkv_rows_gives_the_same_logits(tiny_llama, adapters):
     `qkv_proj`, the rest in attention) equals the ordinary forward pass, LoRA included."""
     from lorafleet.runner.lora.step import LoraStepImpl
 
-    eng = engine(tiny_llama, piecewise=False)
-    for s in make_requests(adapters, 6, seed=4, prefix="q"):
-        eng.submit(s)
-    eng.step()
-    eng._drain_inbox()
-    plan = eng.batcher.schedule()
-    batch = build_step_batch(plan.work, eng.config.page_size, 8)
-    d = to_device(batch, eng.device, None)
-    assert d.seg.any_adapter
-    ref = eng.runner.forward(batch, d)
+    eng, batch, d, ref = _step_with_adapters(tiny_llama, adapters, seed=4, prefix="q")
     attn = _QkvAttention(eng.attention.begin(d.attn_meta(batch)), eng.model)
     lora = LoraStepImpl(eng.lora_pool, eng.sgmv, d.seg, None)
     got = eng.model.forward(d.input_ids, d.positions, attn, lora, d.logit_rows)
@@ -161,16 +167,7 @@ def test_qkv_expand_left_to_attention_gives_the_same_logits(tiny_llama, adapters
     from lorafleet.runner.lora.segments import SegmentTable
     from lorafleet.runner.lora.step import LoraStepImpl
 
-    eng = engine(tiny_llama, piecewise=False)
-    for s in make_requests(adapters, 6, seed=5, prefix="e"):
-        eng.submit(s)
-    eng.step()
-    eng._drain_inbox()
-    plan = eng.batcher.schedule()
-    batch = build_step_batch(plan.work, eng.config.page_size, 8)
-    d = to_device(batch, eng.device, None)
-    assert d.seg.any_adapter
-    ref = eng.runner.forward(batch, d)
+    eng, batch, d, ref = _step_with_adapters(tiny_llama, adapters, seed=5, prefix="e")
     c = eng.model.cfg
     handed = []
 

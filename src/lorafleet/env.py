@@ -10,6 +10,14 @@ def _str(name: str, default: str) -> str:
     return os.environ.get(name, default)
 
 
+def _choice(name: str, choices: tuple[str, ...]) -> str:
+    """One of `choices` (case and surrounding blanks ignored; unset or empty: the first), else ValueError."""
+    choice = _str(name, choices[0]).strip().lower() or choices[0]
+    if choice not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {choice!r}")
+    return choice
+
+
 def _int(name: str, default: int) -> int:
     raw = os.environ.get(name)
     if raw is None or raw == "":
@@ -52,10 +60,7 @@ ATTENTION_BACKENDS = ("auto", "flashinfer", "torch")
 
 def attention_backend() -> str:
     """LORAFLEET_ATTENTION: auto (flashinfer on CUDA when installed, torch elsewhere), flashinfer or torch."""
-    choice = _str("LORAFLEET_ATTENTION", "auto").strip().lower() or "auto"
-    if choice not in ATTENTION_BACKENDS:
-        raise ValueError(f"LORAFLEET_ATTENTION must be one of {', '.join(ATTENTION_BACKENDS)}, got {choice!r}")
-    return choice
+    return _choice("LORAFLEET_ATTENTION", ATTENTION_BACKENDS)
 
 
 PREFILL_BACKENDS = ("auto", "fa2", "fa3")
@@ -67,10 +72,7 @@ def prefill_backend() -> str:
     head) and never splits the K/V, so a short prompt chunk over a long prefix uses few SMs, while FA2's
     plan splits the K/V; FA3 is faster once its CTAs fill the card), elsewhere flashinfer's own choice;
     fa2 or fa3 forces one kernel."""
-    choice = _str("LORAFLEET_PREFILL_BACKEND", "auto").strip().lower() or "auto"
-    if choice not in PREFILL_BACKENDS:
-        raise ValueError(f"LORAFLEET_PREFILL_BACKEND must be one of {', '.join(PREFILL_BACKENDS)}, got {choice!r}")
-    return choice
+    return _choice("LORAFLEET_PREFILL_BACKEND", PREFILL_BACKENDS)
 
 
 SGMV_FUSED_CHOICES = ("auto", "1", "0")
@@ -79,13 +81,10 @@ SGMV_FUSED_CHOICES = ("auto", "1", "0")
 def sgmv_fused() -> str:
     """LORAFLEET_SGMV_FUSED: how eager and piecewise steps (those with prompt rows, and decode steps
     outside the CUDA graphs) launch a LoRA group whose segments all stay below the tensor-core
-    thresholds: auto (the measured default,
-    runner/lora/step.py MIXED_FUSED), 1 (shrink and expand in one fused launch) or 0 (two launches).
+    thresholds: auto (the measured default, runner/lora/step.py MIXED_FUSED), 1 (shrink and expand in one
+    fused launch) or 0 (two launches).
     Decode CUDA graphs always take two launches. Results are bitwise the same either way."""
-    choice = _str("LORAFLEET_SGMV_FUSED", "auto").strip().lower() or "auto"
-    if choice not in SGMV_FUSED_CHOICES:
-        raise ValueError(f"LORAFLEET_SGMV_FUSED must be one of {', '.join(SGMV_FUSED_CHOICES)}, got {choice!r}")
-    return choice
+    return _choice("LORAFLEET_SGMV_FUSED", SGMV_FUSED_CHOICES)
 
 
 def runner_id() -> str | None:

@@ -477,15 +477,19 @@ def test_launch_shape_knobs_keep_the_bits(dtype, shape, table):
         assert same_bits(buf2, buf), f"{table}: expand(blocks_per_sm={bps}) changed ys"
 
 
-def test_launch_shape_knobs_are_checked():
+def _two_row_case():
+    """A tiny well-formed call (2 rows, 64 -> 32, rank 4, bf16) to break one operand of at a time."""
     dtype = torch.bfloat16
-    in_dim, out_dims = 64, [32]
-    pool = make_pool(in_dim, out_dims, [[4] * 3], dtype, seed=0)
+    pool = make_pool(64, [32], [[4] * 3], dtype, seed=0)
     seg = build_segments([0, 1], device=DEV, capacity=2)
-    x = torch.randn(2, in_dim, device=DEV).to(dtype)
+    x = torch.randn(2, 64, device=DEV).to(dtype)
     v = torch.zeros(2, 1, 4, device=DEV)
     y = torch.zeros(2, 32, device=DEV, dtype=dtype)
-    sg = CudaSGMV()
+    return dtype, pool, seg, x, v, y, CudaSGMV()
+
+
+def test_launch_shape_knobs_are_checked():
+    dtype, pool, seg, x, v, y, sg = _two_row_case()
     for rb in (3, -1, 8):
         with pytest.raises(RuntimeError, match="decode_ranks"):
             sg.shrink(v, x, pool.a, pool.ranks, pool.host_ranks, seg, decode_ranks=rb)
@@ -535,14 +539,7 @@ def test_no_adapter_rows_and_empty_batch():
 
 
 def test_rejects_bad_inputs():
-    dtype = torch.bfloat16
-    in_dim, out_dims = 64, [32]
-    pool = make_pool(in_dim, out_dims, [[4] * 3], dtype, seed=0)
-    seg = build_segments([0, 1], device=DEV, capacity=2)
-    x = torch.randn(2, in_dim, device=DEV).to(dtype)
-    v = torch.zeros(2, 1, 4, device=DEV)
-    y = torch.zeros(2, 32, device=DEV, dtype=dtype)
-    sg = CudaSGMV()
+    dtype, pool, seg, x, v, y, sg = _two_row_case()
     with pytest.raises(RuntimeError, match="float16 or bfloat16"):
         sg.shrink(v, x.float(), [a.float() for a in pool.a], pool.ranks, pool.host_ranks, seg)
     with pytest.raises(RuntimeError, match="int32"):
