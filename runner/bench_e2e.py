@@ -196,25 +196,57 @@ def run_mix(engine, reqs, names, weights_of, label: str, log, fm: dict | None = 
     return res
 
 
-def profile_breakdown(engine, reqs, log, source_of=str) -> dict:
-    """GPU time per category over decode steps at full batch, vs wall time (the rest is host)."""
+def profile_breakdown(engine, reqs, log, source_of=str, mixed_steps: int = 4) -> dict:
+    """GPU time per category over decode steps at full batch, vs wall time (the rest is host). With
+    `mixed_steps`, first up to that many steps that carry prompt rows beside running decodes, profiled
+    while the batch fills (from half full on) -> `mixed` (with each profiled step's rows)."""
     from lorafleet.runner.sequence import AdapterRef, SamplingParams, Sequence
 
-    for i, (ids, _) in enumerate(reqs[: engine.config.max_batch_size]):  # distinct adapters
+    full = min(engine.config.max_batch_size, len(reqs))
+    for i, (ids, _) in enumerate(reqs[:full]):  # distinct adapters
         engine.submit(Sequence(f"p{i}", ids[:128], SamplingParams(max_tokens=200, ignore_eos=True),
                                AdapterRef(f"prof-{i}", source_of(i))))
+    mixed = None
     for _ in range(2000):  # until every request is admitted (adapter loads) and decoding
         engine.step()
-        full = min(engine.config.max_batch_size, len(reqs))
         if not engine.batcher.waiting and len(engine.batcher.running) == full:
             break
+        decoding = sum(1 for s in engine.batcher.running if not s.prefilling)
+        if mixed is None and mixed_steps and engine.batcher.waiting and decoding >= full // 2:
+            mixed = profile_steps(engine, mixed_steps)
     for _ in range(3):
         engine.step()
     out = profile_steps(engine, 10)
+    if mixed is not None:
+        out["mixed"] = mixed
     while engine.has_work():
         engine.step()
-    log("per decode step (ms): " + ", ".join(f"{k} {v}" for k, v in out.items() if k != "top_kernels"))
+    for label, prof in (("decode step", out), ("step with prompt rows", mixed)):
+        if prof is not None:
+            log(f"per {label} (ms): " + ", ".join(f"{k} {v}" for k, v in prof.items()
+                                                  if k not in ("top_kernels", "mixed", "rows")))
+    if mixed is not None:
+        log("    profiled steps with prompt rows (prompt rows, decodes): "
+            + " ".join(f"({p},{d})" for p, d in mixed["rows"]))
     return out
+
+
+def kernel_category(name: str) -> str:
+    """The breakdown category of a GPU kernel by its name: attention means the decode and prefill
+    attention kernels only (flashinfer's norm and activation kernels are other GPU work); cuBLAS's
+    split-K reduce belongs to its GEMM."""
+    k = name.lower()
+    if "sgmv" in k:
+        return "lora_sgmv"
+    if "nccl" in k or "allreduce" in k:
+        return "allreduce"
+    if "batchdecode" in k or "batchprefill" in k or "prefillwithkvcache" in k or "attention" in k:
+        return "attention"
+    if any(t in k for t in ("gemm", "cutlass", "nvjet", "xmma", "gemv", "splitkreduce")):
+        return "dense_gemm"
+    if "argmax" in k or "softmax" in k or "sort" in k or "topk" in k:
+        return "sampling"
+    return "other_gpu"
 
 
 def profile_steps(engine, n: int, top: int = 12) -> dict:
@@ -226,10 +258,12 @@ def profile_steps(engine, n: int, top: int = 12) -> dict:
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     sync()
+    rows = []
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         t0 = time.perf_counter()
         for _ in range(n):
             engine.step()
+            rows.append(tuple(engine.last_step))
         sync()
         wall = (time.perf_counter() - t0) / n
     cats = {"dense_gemm": 0.0, "attention": 0.0, "lora_sgmv": 0.0, "allreduce": 0.0, "sampling": 0.0,
@@ -242,25 +276,14 @@ def profile_steps(engine, n: int, top: int = 12) -> dict:
         if not dt:
             continue
         kernels.append((dt, ev.key, ev.count))
-        k = ev.key.lower()
-        if "sgmv" in k:
-            cats["lora_sgmv"] += dt
-        elif "nccl" in k or "allreduce" in k:
-            cats["allreduce"] += dt
-        elif "batchdecode" in k or "batchprefill" in k or "flashinfer" in k or "attention" in k:
-            cats["attention"] += dt
-        elif "gemm" in k or "cutlass" in k or "nvjet" in k or "xmma" in k or "gemv" in k:
-            cats["dense_gemm"] += dt
-        elif "argmax" in k or "softmax" in k or "sort" in k or "topk" in k:
-            cats["sampling"] += dt
-        else:
-            cats["other_gpu"] += dt
+        cats[kernel_category(ev.key)] += dt
     out = {k: round(v / n / 1000, 3) for k, v in cats.items()}  # ms per step
     gpu = sum(out.values())
     out["wall_ms"] = round(1000 * wall, 3)
     out["host_and_gaps_ms"] = round(out["wall_ms"] - gpu, 3)
     out["top_kernels"] = [{"kernel": key[:160], "ms_per_step": round(dt / n / 1000, 3), "calls_per_step": c / n}
                           for dt, key, c in sorted(kernels, reverse=True)[:top]]
+    out["rows"] = rows  # (prompt rows, decodes) of each profiled step
     return out
 
 
@@ -440,7 +463,7 @@ def profile_mixed(engine, vocab: int, long_len: int, rng, log, adapter=None, n: 
     for k in ("mixed_step_profile", "mixed_step_profile_late", "quiet_step_profile"):
         if k not in out:
             continue
-        log(f"{k}: " + ", ".join(f"{c} {v}" for c, v in out[k].items() if c != "top_kernels"))
+        log(f"{k}: " + ", ".join(f"{c} {v}" for c, v in out[k].items() if c not in ("top_kernels", "rows")))
         for t in out[k]["top_kernels"][:10]:
             log(f"    {t['ms_per_step']:7.3f} ms  x{t['calls_per_step']:5.1f}  {t['kernel'][:110]}")
     return out
@@ -619,7 +642,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="also run the uniform mix from adapters on disk with empty GPU and host tiers, then warm")
     p.add_argument("--cold-requests", type=int, default=None, help="requests of the cold and warm runs "
                    "(default: --requests)")
-    p.add_argument("--profile", action="store_true", help="per-step GPU time breakdown at full batch")
+    p.add_argument("--profile", action="store_true", help="per-step GPU time breakdown: decode steps at full batch and steps with "
+                   "prompt rows while the batch fills (each max batch of --sweep too)")
     p.add_argument("--interference", action="store_true",
                    help="8k-token prompts into a full decode batch, chunked (the default step budget) and unchunked")
     p.add_argument("--interference-adapters", choices=["distinct", "none"], default="distinct",
@@ -793,6 +817,8 @@ def main(argv: list[str] | None = None) -> int:
         res = run_mix(eng, reqs, [f"sweep{mb}-{i}" for i in range(n)], lambda i: i, f"distinct max_batch={mb}", log,
                       fm)
         res["max_batch"] = mb
+        if args.profile:
+            res["breakdown"] = profile_breakdown(eng, reqs, log)
         results["runs"].append(res)
         save_partial()
         del eng

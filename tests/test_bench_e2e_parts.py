@@ -129,8 +129,50 @@ def test_interference_run_measures_decoders_and_cleans_up(tiny_llama, tmp_path):
     assert host["wall_ms_unprofiled"] > 0 and "function calls" in host["cprofile_tottime"]
     assert mixed["wall_ms"] > 0 and quiet["wall_ms"] > 0
     assert mixed["host_and_gaps_ms"] == round(mixed["wall_ms"] - sum(
-        v for k, v in mixed.items() if k not in ("wall_ms", "host_and_gaps_ms", "top_kernels")), 3)
+        v for k, v in mixed.items() if k not in ("wall_ms", "host_and_gaps_ms", "top_kernels", "rows")), 3)
+    assert any(p > 0 for p, _ in mixed["rows"]) and all(p == 0 for p, _ in quiet["rows"])
     assert not eng.has_work() and eng.blocks.free_pages == eng.blocks.num_pages
+
+
+def test_breakdown_profiles_steps_with_prompt_rows_while_the_batch_fills(tiny_llama, tmp_path):
+    from model_helpers import write_random_adapter
+
+    from lorafleet.runner.bench_e2e import profile_breakdown
+    from lorafleet.runner.config import EngineConfig
+    from lorafleet.runner.engine import Engine
+
+    sets = [write_random_adapter(tiny_llama, tmp_path / f"w{k}", r=4, seed=k) for k in range(2)]
+    eng = Engine(str(tiny_llama), EngineConfig(device="cpu", max_batch_size=6, page_size=4, num_pages=600,
+                                                chunked_prefill=True, max_step_tokens=24))
+    rng = np.random.default_rng(0)
+    reqs = [(rng.integers(3, 500, 20).tolist(), 8) for _ in range(6)]
+    lines = []
+    out = profile_breakdown(eng, reqs, lines.append, lambda i: str(sets[i % 2]), mixed_steps=2)
+    # the decode profile ran at full batch; the other one while half the batch decoded and prompts waited
+    assert out["rows"] == [(0, 6)] * 10
+    mixed = out["mixed"]
+    assert len(mixed["rows"]) == 2 and all(p > 0 and d >= 3 for p, d in mixed["rows"])
+    assert mixed["wall_ms"] > 0 and any("prompt rows" in ln for ln in lines)
+    assert not eng.has_work() and eng.blocks.free_pages == eng.blocks.num_pages
+
+
+def test_kernel_categories_of_the_profiled_kernels():
+    from lorafleet.runner.bench_e2e import kernel_category
+
+    names = {  # kernel names as the profiler reports them on the H200
+        "nvjet_sm90_tst_192x32_64x7_4x1_v_bz_TNT": "dense_gemm",
+        "void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>": "dense_gemm",
+        "void lorafleet::(anonymous namespace)::sgmv_expand_kernel<__nv_bfloat16, false>(ExpandParams)": "lora_sgmv",
+        "void flashinfer::BatchDecodeWithPagedKVCacheKernel<(flashinfer::PosEncodingMode)0, 2u, 4u>": "attention",
+        "void flashinfer::BatchPrefillWithPagedKVCacheKernel<KernelTraits>": "attention",
+        "void flashinfer::PrefillWithKVCacheKernel<SparseCollectiveMainloop>": "attention",
+        "void flashinfer::norm::FusedAddRMSNormKernel<8u, __nv_bfloat16>(__nv_bfloat16*)": "other_gpu",
+        "void flashinfer::activation::act_and_mul_kernel<__nv_bfloat16, &(silu(float const&))>": "other_gpu",
+        "void lorafleet::(anonymous namespace)::rope_kv_kernel<__nv_bfloat16>(lorafleet::RopeKvArgs)": "other_gpu",
+        "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::ArgMaxOps<float>>>": "sampling",
+        "ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)": "allreduce",
+    }
+    assert {n: kernel_category(n) for n in names} == names
 
 
 def test_tensor_parallel_benchmark_path_on_the_cpu(tmp_path):
