@@ -17,10 +17,13 @@
 #   tp7      bench e2e --tp 1 2: the 7B shape on one GPU and on two                          -> e2e_tp7.json
 #   hf       bench e2e: HF transformers + PEFT mixed-batch generate on a sample              -> e2e_hf.json
 #   prefill  bench kernels --prefill: LoRA of steps with prefill, per tensor-core shrink threshold
+#            (PREFILL_LAYOUTS / PREFILL_VARIANTS: comma-separated subsets)
 #   e2e      bench e2e: distinct + identical, LoRA off, HF+PEFT, per-step profile       -> e2e_a.json
 #   e2e2     bench e2e: uniform + skewed, LoRA off                                         -> e2e_b.json
 #   cold     bench e2e: cold start from disk (COLD_REQS=400) and the warm rerun            -> e2e_cold.json
 #   sweep    bench e2e: distinct with max batch 64 / 128 / 256                             -> e2e_sweep.json
+#   prof     bench e2e --profile: decode steps and steps with prompt rows at max batch 32 and SWEEP_B
+#            (default 256), with the distinct run at SWEEP_B                                -> e2e_prof.json
 #   serve1   bench serve: online (OpenAI API, all at once) vs offline engine, distinct/uniform/base -> serve1.json
 #   serve2   bench serve: the same for skewed/identical                                      -> serve2.json
 #   serve3   bench serve: distinct/skewed, online and offline; serveq: online only, --runner-queue 32 -> serve3/serveq.json
@@ -106,7 +109,8 @@ stage() {
       timeout ${HF_S:-240} $E2E --mixes --no-lora-off --sweep --out "$OUT/e2e_hf.json" 2>&1 \
         | tee "$LOGS/e2e_hf.log" | tail -6 ;;
     prefill)
-      timeout ${PREFILL_S:-240} python3 -m lorafleet bench kernels --prefill --out "$OUT/kernels_prefill.json" 2>&1 \
+      timeout ${PREFILL_S:-240} python3 -m lorafleet bench kernels --prefill --prefill-layouts "${PREFILL_LAYOUTS:-}" \
+        --prefill-variants "${PREFILL_VARIANTS:-}" --out "$OUT/kernels_prefill.json" 2>&1 \
         | tee "$LOGS/kernels_prefill.log" | tail -14 ;;
     e2e)
       timeout ${BENCH_S:-540} $E2E --mixes ${E2E_MIXES:-distinct identical} --sweep --profile --hf-requests 0 \
@@ -121,6 +125,9 @@ stage() {
     sweep)
       timeout ${SWEEP_S:-${BENCH_S:-540}} $E2E --mixes --no-lora-off --hf-requests 0 --sweep ${SWEEP_B:-64 128 256} \
         --out "$OUT/e2e_sweep.json" 2>&1 | tee "$LOGS/e2e_sweep.log" | tail -10 ;;
+    prof)
+      timeout ${PROF_S:-${BENCH_S:-540}} $E2E --mixes --no-lora-off --hf-requests 0 --profile --sweep ${SWEEP_B:-256} \
+        --out "$OUT/e2e_prof.json" 2>&1 | tee "$LOGS/e2e_prof.log" | grep -v "^ \{4\}[0-9]" | tail -14 ;;
     serve1|serve2)
       local mixes="distinct uniform base"; [ "$1" = serve2 ] && mixes="skewed identical"
       timeout ${SERVE_S:-500} $SERVE --runners 1 --requests ${SERVE_REQS:-600} --mixes $mixes \

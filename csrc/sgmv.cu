@@ -782,6 +782,18 @@ __device__ void expand_mma(const ExpandParams& p, int row0, int nr, int slot, in
     pdl_wait();
     waited = true;
   }
+  // This thread's two 8-column vectors of the y tile, requested now so that their latency overlaps
+  // the v loads and the MMA (they are added at the end, as before: the same bits).
+  static_assert(kTileM * (kTileN / 8) == 2 * kThreads, "two y vectors per thread");
+  uint4 yv[2];
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int id = tid + j * kThreads, row = id >> 3, col = col0 + (id & 7) * 8;
+    yv[j] = (row < nr && col < out)
+                ? *reinterpret_cast<const uint4*>(static_cast<const T*>(p.y[g]) +
+                                                  static_cast<int64_t>(row0 + row) * p.y_row_stride[g] + col)
+                : make_uint4(0, 0, 0, 0);
+  }
   const float* vg = p.v + static_cast<int64_t>(row0) * p.v_row_stride + g * p.v_rank_dim;
   for (int id = tid; id < kTileM * rp; id += kThreads) {
     const int row = id / rp, k = id - row * rp;
@@ -812,12 +824,13 @@ __device__ void expand_mma(const ExpandParams& p, int row0, int nr, int slot, in
   for (int j = 0; j < 2; ++j)
     wmma::store_matrix_sync(cs + mf * 16 * kLdc + (nf0 + 2 * j) * 16, acc[j], kLdc, wmma::mem_row_major);
   __syncthreads();
-  for (int id = tid; id < kTileM * (kTileN / 8); id += kThreads) {
-    const int row = id >> 3, c = id & 7, col = col0 + c * 8;
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int id = tid + j * kThreads, row = id >> 3, c = id & 7, col = col0 + c * 8;
     if (row < nr && col < out) {
       T* yp = static_cast<T*>(p.y[g]) + static_cast<int64_t>(row0 + row) * p.y_row_stride[g] + col;
       float yf[8];
-      to_float8<T>(*reinterpret_cast<const uint4*>(yp), yf);
+      to_float8<T>(yv[j], yf);
 #pragma unroll
       for (int e = 0; e < 8; ++e) yf[e] += cs[row * kLdc + c * 8 + e];
       *reinterpret_cast<uint4*>(yp) = from_float8<T>(yf);
@@ -827,7 +840,7 @@ __device__ void expand_mma(const ExpandParams& p, int row0, int nr, int slot, in
 }
 
 template <typename T, bool kMma>
-__global__ void __launch_bounds__(kThreads, kMma ? 2 : 4) sgmv_expand_kernel(const __grid_constant__ ExpandParams p) {
+__global__ void __launch_bounds__(kThreads, 4) sgmv_expand_kernel(const __grid_constant__ ExpandParams p) {
   pdl_launch_dependents();
   extern __shared__ __align__(128) unsigned char smem[];
   // The tables, ranks and B are not written by the kernel this one overlaps (the shrink), so they

@@ -355,6 +355,7 @@ PREFILL_LAYOUTS = {
     "1x64+31x1 (64-row chunk)": [64] + [1] * 31,
     "1x256+31x1 (256-row chunk)": [256] + [1] * 31,
     "4x512+200x1 (max batch 256)": [512] * 4 + [1] * 200,
+    "8x240+150x1 (max batch 256, mixed)": [240] * 8 + [1] * 150,  # like a profiled step of bench e2e --sweep 256
 }
 # (name, in, out of each projection): the engine's grouped calls of a Llama-2-7B layer.
 GROUP_INDEX = {"qkv": 0, "o": 1, "gate_up": 2, "down": 3}  # pool.GROUP_SPANS order
@@ -362,14 +363,17 @@ PREFILL_SHAPES = (("qkv", 4096, (4096, 4096, 4096)), ("o", 4096, (4096,)), ("gat
                   ("down", 11008, (4096,)))
 # shrink threshold of each variant (two launches); "fused" is the one-launch CUDA-core call (what a step
 # below both thresholds launches), "engine" the call of steps with prompt rows (`add` with the group's
-# GROUP_MMA_ROWS)
-PREFILL_VARIANTS = {"engine": 0, "fused": None, "cuda_cores": 10**9, "mma>=32": 32, "mma>=64": 64,
-                    "mma>=128": 128, "mma>=256": 256, "mma>=512": 512}
+# GROUP_MMA_ROWS); "engine_expand_2sm" the engine's two launches with the expand held to 2 blocks per SM
+# (the occupancy of the tensor-core capable expand before 2026-12-01, when it held 99 registers)
+PREFILL_VARIANTS = {"engine": 0, "engine_expand_2sm": -2, "fused": None, "cuda_cores": 10**9, "mma>=32": 32,
+                    "mma>=64": 64, "mma>=128": 128, "mma>=256": 256, "mma>=512": 512}
 
 
-def run_prefill(timer: Timer, log, rank: int = 16, rotations: int = 8) -> list[dict]:
+def run_prefill(timer: Timer, log, rank: int = 16, rotations: int = 8, layouts: str = "",
+                variants: str = "") -> list[dict]:
     """Shrink + expand of one grouped projection for prefill-like segment tables, per shrink threshold
-    (the expand keeps its default), against one matmul pair per segment in PyTorch."""
+    (the expand keeps its default), against one matmul pair per segment in PyTorch. `layouts` /
+    `variants`: comma-separated subsets of PREFILL_LAYOUTS (name prefixes) / PREFILL_VARIANTS."""
     import torch
 
     from lorafleet.runner.lora.segments import build_segments
@@ -387,6 +391,8 @@ def run_prefill(timer: Timer, log, rank: int = 16, rotations: int = 8) -> list[d
         host_ranks = [[rank] * slots for _ in outs]
         ranks = torch.tensor(host_ranks, dtype=torch.int32, device=dev)
         for layout, lengths in PREFILL_LAYOUTS.items():
+            if layouts and not any(layout.startswith(w) for w in layouts.split(",") if w):
+                continue
             T = sum(lengths)
             cases = []
             for rot in range(rotations):
@@ -405,7 +411,9 @@ def run_prefill(timer: Timer, log, rank: int = 16, rotations: int = 8) -> list[d
             rec = {"shape": shape_name, "layout": layout, "rows": T, "segments": len(lengths), "rank": rank,
                    "us": {}, "rel_err": {}}
             for variant, thr in PREFILL_VARIANTS.items():
-                impl = CudaSGMV(shrink_mma_min_rows=thr or 64)
+                if variants and variant not in variants.split(","):
+                    continue
+                impl = CudaSGMV(shrink_mma_min_rows=thr if thr and thr > 0 else 64)
                 group_rows = GROUP_MMA_ROWS[GROUP_INDEX[shape_name]]
 
                 def make(c, impl=impl, a=a, b=b, ranks=ranks, host_ranks=host_ranks, thr=thr, rows=group_rows):
@@ -415,6 +423,11 @@ def run_prefill(timer: Timer, log, rank: int = 16, rotations: int = 8) -> list[d
                             return
                         if thr == 0:
                             impl.add(c[1], c[2], c[0], a, b, ranks, host_ranks, c[3], mma_rows=rows)
+                            return
+                        if thr < 0:  # the engine's two launches, the expand held to -thr blocks per SM
+                            impl.shrink(c[2], c[0], a, ranks, host_ranks, c[3], mma_min_rows=rows[0])
+                            impl.expand(c[1], c[2], b, ranks, host_ranks, c[3], mma_min_rows=rows[1],
+                                        blocks_per_sm=-thr)
                             return
                         impl.shrink(c[2], c[0], a, ranks, host_ranks, c[3])
                         impl.expand(c[1], c[2], b, ranks, host_ranks, c[3])
@@ -446,12 +459,12 @@ def run_prefill(timer: Timer, log, rank: int = 16, rotations: int = 8) -> list[d
 
 
 def prefill_table(results: list[dict]) -> str:
-    names = list(PREFILL_VARIANTS) + ["loop"]
+    names = [n for n in list(PREFILL_VARIANTS) + ["loop"] if any(n in r["us"] for r in results)]
     lines = ["| projection | segments | rows | " + " | ".join(names) + " |",
              "|---|---|---:|" + "---:|" * len(names)]
     for r in results:
         lines.append(f"| {r['shape']} | {r['layout']} | {r['rows']} | "
-                     + " | ".join(f"{r['us'][n]:.1f}" for n in names) + " |")
+                     + " | ".join(f"{r['us'][n]:.1f}" if n in r["us"] else "–" for n in names) + " |")
     return "\n".join(lines)
 
 
@@ -539,6 +552,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", action="store_true",
                    help="instead: steps with prefill (long segments), qkv and down of Llama-2-7B at rank 16, "
                         "per tensor-core shrink threshold, µs per call inside a CUDA graph")
+    p.add_argument("--prefill-layouts", default="", metavar="NAMES",
+                   help=f"with --prefill: comma-separated layout name prefixes of {', '.join(PREFILL_LAYOUTS)}")
+    p.add_argument("--prefill-variants", default="", metavar="NAMES",
+                   help=f"with --prefill: comma-separated subset of {', '.join(PREFILL_VARIANTS)}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -560,7 +577,8 @@ def run(args: argparse.Namespace) -> int:
     timer = Timer()
     t0 = time.time()
     if args.prefill:
-        pre = run_prefill(timer, log=lambda s: print(s, flush=True))
+        pre = run_prefill(timer, log=lambda s: print(s, flush=True), layouts=args.prefill_layouts,
+                          variants=args.prefill_variants)
         doc = {"card": card, "date": date, "torch": torch.__version__, "seconds": round(time.time() - t0, 1),
                "prefill": pre}
         Path(args.out).write_text(json.dumps(doc, indent=1))
