@@ -198,8 +198,9 @@ def run_mix(engine, reqs, names, weights_of, label: str, log, fm: dict | None = 
 
 def profile_breakdown(engine, reqs, log, source_of=str, mixed_steps: int = 4) -> dict:
     """GPU time per category over decode steps at full batch, vs wall time (the rest is host). With
-    `mixed_steps`, first up to that many steps that carry prompt rows beside running decodes, profiled
-    while the batch fills (from half full on) -> `mixed` (with each profiled step's rows)."""
+    `mixed_steps`, first up to that many steps while the batch fills (from half of it decoding on, while
+    prompts wait, so that each carries prompt rows beside decodes) -> `mixed`, with each profiled step's
+    rows; a profiled step that carried no prompt rows is logged as such."""
     from lorafleet.runner.sequence import AdapterRef, SamplingParams, Sequence
 
     full = min(engine.config.max_batch_size, len(reqs))
@@ -212,8 +213,8 @@ def profile_breakdown(engine, reqs, log, source_of=str, mixed_steps: int = 4) ->
         if not engine.batcher.waiting and len(engine.batcher.running) == full:
             break
         decoding = sum(1 for s in engine.batcher.running if not s.prefilling)
-        if mixed is None and mixed_steps and engine.batcher.waiting and decoding >= full // 2:
-            mixed = profile_steps(engine, mixed_steps)
+        if mixed is None and mixed_steps and engine.batcher.waiting and decoding >= max(1, full // 2):
+            mixed = profile_steps(engine, mixed_steps, while_=lambda: bool(engine.batcher.waiting))
     for _ in range(3):
         engine.step()
     out = profile_steps(engine, 10)
@@ -228,19 +229,25 @@ def profile_breakdown(engine, reqs, log, source_of=str, mixed_steps: int = 4) ->
     if mixed is not None:
         log("    profiled steps with prompt rows (prompt rows, decodes): "
             + " ".join(f"({p},{d})" for p, d in mixed["rows"]))
+        if any(p == 0 for p, _ in mixed["rows"]):
+            log("    (some of them carried no prompt rows: the figures above average over them too)")
+    elif mixed_steps:
+        log("no step with prompt rows beside decodes was profiled (every prompt was admitted before half "
+            "the batch decoded)")
     return out
 
 
 def kernel_category(name: str) -> str:
-    """The breakdown category of a GPU kernel by its name: attention means the decode and prefill
-    attention kernels only (flashinfer's norm and activation kernels are other GPU work); cuBLAS's
-    split-K reduce belongs to its GEMM."""
+    """The breakdown category of a GPU kernel by its name: attention means flashinfer's decode and
+    prefill attention kernels with their split-merge and page-index helpers (its norm and activation
+    kernels are other GPU work); cuBLAS's split-K reduce belongs to its GEMM."""
     k = name.lower()
     if "sgmv" in k:
         return "lora_sgmv"
     if "nccl" in k or "allreduce" in k:
         return "allreduce"
-    if "batchdecode" in k or "batchprefill" in k or "prefillwithkvcache" in k or "attention" in k:
+    if any(t in k for t in ("batchdecode", "batchprefill", "prefillwithkvcache", "attention", "mergestate",
+                            "sparseindicestovectorsparseoffsets")):
         return "attention"
     if any(t in k for t in ("gemm", "cutlass", "nvjet", "xmma", "gemv", "splitkreduce")):
         return "dense_gemm"
@@ -249,9 +256,10 @@ def kernel_category(name: str) -> str:
     return "other_gpu"
 
 
-def profile_steps(engine, n: int, top: int = 12) -> dict:
-    """Device time per category (ms per step) over the engine's next `n` steps, their wall time, the
-    rest as host and gaps, and the `top` kernels by device time (ms per step)."""
+def profile_steps(engine, n: int, top: int = 12, while_=None) -> dict:
+    """Device time per category (ms per step) over the engine's next `n` steps (fewer if `while_()`
+    turns false before one), their wall time, the rest as host and gaps, the `top` kernels by device
+    time (ms per step), and each step's (prompt rows, decodes)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -262,9 +270,13 @@ def profile_steps(engine, n: int, top: int = 12) -> dict:
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         t0 = time.perf_counter()
         for _ in range(n):
+            if rows and while_ is not None and not while_():
+                break
+            engine.last_step = (0, 0)  # a step that launches nothing leaves it so
             engine.step()
             rows.append(tuple(engine.last_step))
         sync()
+        n = len(rows)
         wall = (time.perf_counter() - t0) / n
     cats = {"dense_gemm": 0.0, "attention": 0.0, "lora_sgmv": 0.0, "allreduce": 0.0, "sampling": 0.0,
             "other_gpu": 0.0}

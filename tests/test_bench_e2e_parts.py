@@ -153,7 +153,23 @@ def test_breakdown_profiles_steps_with_prompt_rows_while_the_batch_fills(tiny_ll
     mixed = out["mixed"]
     assert len(mixed["rows"]) == 2 and all(p > 0 and d >= 3 for p, d in mixed["rows"])
     assert mixed["wall_ms"] > 0 and any("prompt rows" in ln for ln in lines)
+    assert not any("carried no prompt rows" in ln for ln in lines)
     assert not eng.has_work() and eng.blocks.free_pages == eng.blocks.num_pages
+
+    # asked for more steps than prompts wait for: it stops when none waits, so no decode-only step is
+    # averaged in
+    reqs = [(rng.integers(3, 500, 20).tolist(), 8) for _ in range(6)]
+    out = profile_breakdown(eng, reqs, lines.append, lambda i: str(sets[i % 2]), mixed_steps=20)
+    rows = out["mixed"]["rows"]
+    assert 1 <= len(rows) <= 3 and all(p > 0 for p, _ in rows)
+    assert not eng.has_work() and eng.blocks.free_pages == eng.blocks.num_pages
+
+    # every prompt admitted in the first step: nothing to profile, and the log says so
+    big = Engine(str(tiny_llama), EngineConfig(device="cpu", max_batch_size=4, page_size=4, num_pages=600,
+                                               chunked_prefill=True, max_step_tokens=200))
+    lines.clear()
+    out = profile_breakdown(big, reqs[:4], lines.append, lambda i: str(sets[i % 2]), mixed_steps=2)
+    assert "mixed" not in out and any("no step with prompt rows" in ln for ln in lines)
 
 
 def test_kernel_categories_of_the_profiled_kernels():
@@ -166,6 +182,8 @@ def test_kernel_categories_of_the_profiled_kernels():
         "void flashinfer::BatchDecodeWithPagedKVCacheKernel<(flashinfer::PosEncodingMode)0, 2u, 4u>": "attention",
         "void flashinfer::BatchPrefillWithPagedKVCacheKernel<KernelTraits>": "attention",
         "void flashinfer::PrefillWithKVCacheKernel<SparseCollectiveMainloop>": "attention",
+        "void flashinfer::BlockSparseIndicesToVectorSparseOffsetsKernel<int>(int*, int*, int*)": "attention",
+        "void flashinfer::VariableLengthMergeStatesKernel<8u, 16u, 8u, 4u, __nv_bfloat16>": "attention",
         "void flashinfer::norm::FusedAddRMSNormKernel<8u, __nv_bfloat16>(__nv_bfloat16*)": "other_gpu",
         "void flashinfer::activation::act_and_mul_kernel<__nv_bfloat16, &(silu(float const&))>": "other_gpu",
         "void lorafleet::(anonymous namespace)::rope_kv_kernel<__nv_bfloat16>(lorafleet::RopeKvArgs)": "other_gpu",
