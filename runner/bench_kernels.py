@@ -364,7 +364,8 @@ PREFILL_SHAPES = (("qkv", 4096, (4096, 4096, 4096)), ("o", 4096, (4096,)), ("gat
 # shrink threshold of each variant (two launches); "fused" is the one-launch CUDA-core call (what a step
 # below both thresholds launches), "engine" the call of steps with prompt rows (`add` with the group's
 # GROUP_MMA_ROWS); "engine_expand_2sm" the engine's two launches with the expand held to 2 blocks per SM
-# (the occupancy of the tensor-core capable expand before 2026-12-01, when it held 99 registers)
+# (the occupancy of the tensor-core capable bf16 expand before commit 5a6fa77, when it held 99 registers),
+# only where the engine makes two launches
 PREFILL_VARIANTS = {"engine": 0, "engine_expand_2sm": -2, "fused": None, "cuda_cores": 10**9, "mma>=32": 32,
                     "mma>=64": 64, "mma>=128": 128, "mma>=256": 256, "mma>=512": 512}
 
@@ -380,6 +381,13 @@ def run_prefill(timer: Timer, log, rank: int = 16, rotations: int = 8, layouts: 
     from lorafleet.runner.lora.sgmv_cuda import CudaSGMV
     from lorafleet.runner.lora.step import GROUP_MMA_ROWS
 
+    pick_layouts = [w.strip() for w in layouts.split(",") if w.strip()]
+    pick_variants = [w.strip() for w in variants.split(",") if w.strip()]
+    bad = [w for w in pick_layouts if not any(name.startswith(w) for name in PREFILL_LAYOUTS)]
+    bad += [w for w in pick_variants if w not in PREFILL_VARIANTS]
+    if bad:
+        raise SystemExit(f"bench kernels --prefill: unknown layout or variant {', '.join(bad)} "
+                         f"(layouts: {', '.join(PREFILL_LAYOUTS)}; variants: {', '.join(PREFILL_VARIANTS)})")
     dev, dtype = "cuda", torch.bfloat16
     gen = torch.Generator(device=dev).manual_seed(1)
     results = []
@@ -391,7 +399,7 @@ def run_prefill(timer: Timer, log, rank: int = 16, rotations: int = 8, layouts: 
         host_ranks = [[rank] * slots for _ in outs]
         ranks = torch.tensor(host_ranks, dtype=torch.int32, device=dev)
         for layout, lengths in PREFILL_LAYOUTS.items():
-            if layouts and not any(layout.startswith(w) for w in layouts.split(",") if w):
+            if pick_layouts and not any(layout.startswith(w) for w in pick_layouts):
                 continue
             T = sum(lengths)
             cases = []
@@ -411,10 +419,12 @@ def run_prefill(timer: Timer, log, rank: int = 16, rotations: int = 8, layouts: 
             rec = {"shape": shape_name, "layout": layout, "rows": T, "segments": len(lengths), "rank": rank,
                    "us": {}, "rel_err": {}}
             for variant, thr in PREFILL_VARIANTS.items():
-                if variants and variant not in variants.split(","):
+                if pick_variants and variant not in pick_variants:
                     continue
                 impl = CudaSGMV(shrink_mma_min_rows=thr if thr and thr > 0 else 64)
                 group_rows = GROUP_MMA_ROWS[GROUP_INDEX[shape_name]]
+                if thr is not None and thr < 0 and T < min(group_rows):
+                    continue  # the engine's call is the one fused launch here: no expand launch to hold
 
                 def make(c, impl=impl, a=a, b=b, ranks=ranks, host_ranks=host_ranks, thr=thr, rows=group_rows):
                     def fn():
