@@ -272,6 +272,15 @@ def test_a_hand_off_nobody_will_take_is_removed(mixed, base, tmp_path, monkeypat
     from lorafleet.runner.lora import reader as rd
 
     monkeypatch.setattr(rd, "HANDOFF_DIRS", (str(tmp_path),))
+    closed = threading.Event()
+    real_read = rd.read_to_shm
+
+    def read_after_close(*a, **k):  # the read finishes only after the engine side has gone
+        out = real_read(*a, **k)
+        assert closed.wait(30)
+        return out
+
+    monkeypatch.setattr(rd, "read_to_shm", read_after_close)
     worker_end, engine_end = socket.socketpair()
     engine = BlockingChannel(engine_end)
     engine.send(["read", {"name": "mixed", "source": str(mixed), "base": asdict(base), "max_rank": 16,
@@ -288,6 +297,7 @@ def test_a_hand_off_nobody_will_take_is_removed(mixed, base, tmp_path, monkeypat
     t.start()
     assert engine.recv_all(30)[0][0] == "ready"
     engine_end.close()  # before the reply
+    closed.set()
     t.join(60)
     assert not t.is_alive() and failure  # the send failed
     assert [n for n in os.listdir(tmp_path) if n.startswith(PREFIX)] == []
