@@ -167,6 +167,9 @@ SHAPES = {
 }
 RANKS = (8, 16, 32, 64, 128)
 TOKENS = (1, 3, 16, 64, 256)
+# output widths that end in a partial 64-column tile of the tensor-core expand (and a partial 512-column
+# item of the CUDA-core one)
+ODD_SHAPES = {"odd_widths": (200, [200, 72, 4104])}
 
 
 def _workload_cases():
@@ -198,12 +201,12 @@ def test_workloads(dtype, workload, n, shape, rank, fused):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("path", ["default", "cuda_cores", "tensor_cores", "fused"])
-@pytest.mark.parametrize("shape", ["llama_qkv_gqa", "smollm_qkv", "llama_down"])
+@pytest.mark.parametrize("shape", ["llama_qkv_gqa", "smollm_qkv", "llama_down", "odd_widths"])
 def test_prefill_mix(dtype, path, shape):
     """Prefill-like segments of 100+ rows mixed with decode rows and base-model rows, mixed ranks,
-    on each path: all must be exact for any segment length."""
+    on each path: all must be exact for any segment length and output width."""
     opts = {"default": {}, "cuda_cores": ALL_CC, "tensor_cores": ALL_MMA, "fused": {}}[path]
-    in_dim, out_dims = SHAPES[shape]
+    in_dim, out_dims = {**SHAPES, **ODD_SHAPES}[shape]
     S = 12
     rank_list = [16, 8, 64, 128, 1, 33, 16, 5, 100, 16, 48, 24]
     host_ranks = [[rank_list[(s + 3 * g) % S] if (s + g) % 7 else 0 for s in range(S)] for g in range(len(out_dims))]
