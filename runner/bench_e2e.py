@@ -224,8 +224,7 @@ def profile_breakdown(engine, reqs, log, source_of=str, mixed_steps: int = 4) ->
         engine.step()
     for label, prof in (("decode step", out), ("step with prompt rows", mixed)):
         if prof is not None:
-            log(f"per {label} (ms): " + ", ".join(f"{k} {v}" for k, v in prof.items()
-                                                  if k not in ("top_kernels", "mixed", "rows")))
+            log(f"per {label} (ms): {figures_line(prof)}")
     if mixed is not None:
         log("    profiled steps with prompt rows (prompt rows, decodes): "
             + " ".join(f"({p},{d})" for p, d in mixed["rows"]))
@@ -235,6 +234,12 @@ def profile_breakdown(engine, reqs, log, source_of=str, mixed_steps: int = 4) ->
         log("no step with prompt rows beside decodes was profiled (every prompt was admitted before half "
             "the batch decoded)")
     return out
+
+
+def figures_line(prof: dict) -> str:
+    """A profile's figures (category ms, wall, host and gaps, ...) on one line, without its per-kernel
+    and per-step lists."""
+    return ", ".join(f"{k} {v}" for k, v in prof.items() if k not in ("top_kernels", "rows", "mixed"))
 
 
 def kernel_category(name: str) -> str:
@@ -272,9 +277,9 @@ def profile_steps(engine, n: int, top: int = 12, while_=None) -> dict:
         for _ in range(n):
             if rows and while_ is not None and not while_():
                 break
-            engine.last_step = (0, 0)  # a step that launches nothing leaves it so
+            before = engine.steps
             engine.step()
-            rows.append(tuple(engine.last_step))
+            rows.append(tuple(engine.last_step) if engine.steps > before else (0, 0))  # (0, 0): launched nothing
         sync()
         n = len(rows)
         wall = (time.perf_counter() - t0) / n
@@ -475,7 +480,7 @@ def profile_mixed(engine, vocab: int, long_len: int, rng, log, adapter=None, n: 
     for k in ("mixed_step_profile", "mixed_step_profile_late", "quiet_step_profile"):
         if k not in out:
             continue
-        log(f"{k}: " + ", ".join(f"{c} {v}" for c, v in out[k].items() if c not in ("top_kernels", "rows")))
+        log(f"{k}: {figures_line(out[k])}")
         for t in out[k]["top_kernels"][:10]:
             log(f"    {t['ms_per_step']:7.3f} ms  x{t['calls_per_step']:5.1f}  {t['kernel'][:110]}")
     return out
