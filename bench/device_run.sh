@@ -8,7 +8,8 @@
 #   etests   engine GPU tests only
 #   tptests  tensor-parallel GPU test (needs two GPUs: run it alone, not in a --par list)
 #   probe    bench/probe_decode.py: LoRA calls inside 32 decode layers per launch variant, LoRA beside the GEMM
-#            (SM carve-out), decode attention variants -> probe.json (PROBE_ARGS="--skip ..." picks sections)
+#            (SM carve-out), decode attention variants, a max-batch-256 step with prompt rows (mixed)
+#            -> probe[_TAG].json (PROBE_ARGS="--skip ..." picks sections)
 #   plantest the flashinfer plan GPU test alone
 #   kbench   bench kernels --quick: the decode call (two CUDA-core launches), the fused call, the two-launch
 #            call with tensor-core thresholds, and the peers -> kernels.json
@@ -34,7 +35,7 @@
 # Knobs: LORAFLEET_PREFILL_BACKEND (any stage: auto / fa2 / fa3, flashinfer's kernel for prompt rows),
 # LORAFLEET_SGMV_FUSED (any stage: auto / 1 / 0, one or two LoRA launches in steps with prompt rows),
 # LORAFLEET_ROPE_KV_LORA (any stage: 1 = the qkv LoRA expand inside the rope_kv kernel in decode graphs),
-# INTERF_ARGS (interf: extra arguments, e.g. --interference-caps-only), TAG (interf, e2e: output name suffix),
+# INTERF_ARGS (interf: extra arguments, e.g. --interference-caps-only), TAG (interf, e2e, probe: output name suffix),
 # E2E_MIXES / E2E_ARGS (e2e: mixes, default "distinct identical"; extra arguments, e.g. --no-lora-off), E2E2_ARGS (e2e2: extra arguments, e.g. --no-lora-off), PROBE_ARGS (probe: e.g. "--skip attention lora"), SWEEP_B (sweep: max batch sizes), ETESTS_K / KTESTS_K (pytest -k filters of etests / ktests), DPT (interf: decode_prefill_tokens values), SERVE_MIXES (serve3*: mixes), REQS (default 1000), BENCH_S (timeout of one bench stage, s; COLD_S, SWEEP_S, HF_S, TEST_S per stage). Results, caches and logs.tgz go to
 # $OUT, each GPU's log to $OUT/gpuN.log.
 # The wheels (the GPU machine has no network): in the repository root, with .whl/ ignored by git,
@@ -85,7 +86,8 @@ stage() {
         -o faulthandler_timeout=${HANG_S:-300} 2>&1 | tee "$LOGS/gpu_tptests.log" \
         | grep -E "passed|failed|FAILED|flips|Error|Timeout|File " | tail -20 ;;
     probe)
-      timeout ${PROBE_S:-300} python3 bench/probe_decode.py ${PROBE_ARGS:-} --out "$OUT/probe.json" 2>&1 | tee "$LOGS/probe.log" | tail -40 ;;
+      timeout ${PROBE_S:-300} python3 bench/probe_decode.py ${PROBE_ARGS:-} --out "$OUT/probe${TAG:+_$TAG}.json" 2>&1 \
+        | tee "$LOGS/probe${TAG:+_$TAG}.log" | grep -v "^\[.*timeline" | tail -40 ;;
     plantest)
       timeout ${TEST_S:-200} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_flashinfer_plans.py -rA 2>&1 \
         | tee "$LOGS/gpu_plantest.log" | grep -E "passed|failed|FAILED|Error" | tail -6 ;;

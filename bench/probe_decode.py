@@ -8,9 +8,13 @@
 3. LoRA in its neighbourhood: 32 layers of GEMMs, flashinfer norms and the LoRA calls, per LoRA variant
    (none, a bare extra launch, zero ranks, one adapter, 32 adapters, with and without PDL), and the
    launch-shape knobs of the two-launch path (shrink blocks per SM x decode rank rows, expand blocks
-   per SM), which never change a result bit.
+   per SM), which never change a result bit. `--batch 256`: the same at max batch 256.
+4. A step with prompt rows at max batch 256 in its neighbourhood (`mixed`): the LoRA calls of prompt
+   chunks beside one-row decode segments, per threshold and launch split.
+5. The decode GEMMs per batch (`gemm`): weights as [out, in] or [in, out], cuBLAS or cuBLASLt.
 
     python bench/probe_decode.py --out probe.json
+    python bench/probe_decode.py --out mixed.json --skip attention lora layers
     python bench/probe_decode.py --out knobs.json --only distinct_two_launch_s distinct_shrink_only_s
         (only section 3, only `off` and the variants whose names start with these prefixes)
 """
@@ -166,7 +170,8 @@ def lora_in_layers(log, batch: int = 32, only: list[str] | None = None) -> list[
     from lorafleet.runner.lora.sgmv_cuda import CudaSGMV
 
     dev, bf = torch.device("cuda"), torch.bfloat16
-    Hd, I, S, R, T = 4096, 11008, 64, 16, batch
+    Hd, I, R, T = 4096, 11008, 16, batch
+    S = max(64, T)  # a slot per row: `distinct` reads every adapter once per layer
     shapes = [(Hd, [Hd, Hd, Hd]), (Hd, [Hd]), (Hd, [I, I]), (I, [Hd])]  # per group: in, outs
     W = [[torch.randn(sum(outs), k, dtype=bf, device=dev) / 64 for k, outs in shapes] for _ in range(L)]
     A = [[[torch.randn(S, R, k, dtype=bf, device=dev) / 64 for _ in outs] for k, outs in shapes] for _ in range(L)]
@@ -298,6 +303,157 @@ def lora_in_layers(log, batch: int = 32, only: list[str] | None = None) -> list[
     return rows
 
 
+def lora_mixed_in_layers(log, layout: str = "8x240+150x1") -> list[dict]:
+    """A step with prompt rows at max batch 256 in its neighbourhood: 32 layers of GEMMs over all rows,
+    flashinfer norms and the LoRA calls, every segment its own adapter (prompt chunks of `layout`'s
+    long segments, one-row decode segments; the pool has a slot per segment and every layer its own
+    weights, so, as in the engine, no adapter stays in L2). µs per layer over `off`, per way of
+    launching the LoRA calls:
+
+    `engine`: one shrink and one expand per group with the engine's thresholds (step.GROUP_MMA_ROWS);
+    `mma129`: every group takes tensor cores from 129 rows (o and down too);
+    `split`, `split_mma129`: the same per-segment paths, but two tables: the long segments in the
+    tensor-core capable launches, the one-row segments in CUDA-core launches of their own (4 blocks
+    per SM, 1 x 2 decode items), four launches per group;
+    `*_shrink_only`, `*_expand_only`: attribution. Then one layer's kernel timeline per variant."""
+    import flashinfer
+
+    from lorafleet.runner.lora.segments import build_segments
+    from lorafleet.runner.lora.sgmv_cuda import CudaSGMV
+    from lorafleet.runner.lora.step import GROUP_MMA_ROWS
+
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    lengths = []
+    for part in layout.split("+"):
+        n, rows = part.split("x")
+        lengths += [int(rows)] * int(n)
+    Hd, I, R, T = 4096, 11008, 16, sum(lengths)
+    S = len(lengths)
+    shapes = [(Hd, [Hd, Hd, Hd]), (Hd, [Hd]), (Hd, [I, I]), (I, [Hd])]
+    W = [[torch.randn(sum(outs), k, dtype=bf, device=dev) / 64 for k, outs in shapes] for _ in range(L)]
+    A = [[[torch.randn(S, R, k, dtype=bf, device=dev) / 64 for _ in outs] for k, outs in shapes] for _ in range(L)]
+    B = [[[torch.randn(S, R, o, dtype=bf, device=dev) / 64 for o in outs] for _k, outs in shapes] for _ in range(L)]
+    ranks = [torch.full((len(outs), S), R, dtype=torch.int32, device=dev) for _k, outs in shapes]
+    norm_w = torch.ones(Hd, dtype=bf, device=dev)
+    h = torch.randn(T, Hd, dtype=bf, device=dev)
+    res = torch.randn(T, Hd, dtype=bf, device=dev)
+    outs_buf = [torch.empty(T, sum(outs), dtype=bf, device=dev) for _k, outs in shapes]
+    act = torch.empty(T, I, dtype=bf, device=dev)
+    v = torch.empty(T, 3, R, dtype=torch.float32, device=dev)
+    vs = {g: v.view(-1)[: T * g * R].view(T, g, R) for g in (1, 2, 3)}
+    row_slots = [s for s, n in enumerate(lengths) for _ in range(n)]
+    seg = build_segments(row_slots, dev, capacity=S)
+
+    def part(keep) -> object:  # the same rows, with the slots of the segments not kept set to -1
+        t = build_segments(row_slots, dev, capacity=S)
+        t.slots.copy_(torch.tensor([s if keep(n) else -1 for s, n in enumerate(lengths)], dtype=torch.int32))
+        return t
+
+    big = 1 << 30
+    sg = CudaSGMV()
+
+    def call(thr_of, split: bool, halves=("shrink", "expand")):
+        tables = {}
+        for g in range(4):
+            thr = thr_of(g)
+            if split and thr not in tables:
+                tables[thr] = (part(lambda n, thr=thr: n >= thr[0]), part(lambda n, thr=thr: n < thr[0]))
+
+        def fn(i, g, x, y, outs):
+            ys = list(y.split(outs, dim=1))
+            thr, vg = thr_of(g), vs[len(outs)]
+            launches = [(tables[thr][0], thr), (tables[thr][1], (big, big))] if split else [(seg, thr)]
+            for t, (st, et) in launches:
+                if "shrink" in halves:
+                    sg.shrink(vg, x, A[i][g], ranks[g], None, t, mma_min_rows=st)
+            for t, (st, et) in launches:
+                if "expand" in halves:
+                    sg.expand(ys, vg, B[i][g], ranks[g], None, t, mma_min_rows=et)
+        return fn
+
+    def layers(lora):
+        x = h
+        for i in range(L):
+            flashinfer.fused_add_rmsnorm(x, res, norm_w, 1e-5)
+            for g, (k, outs) in enumerate(shapes):
+                y = outs_buf[g]
+                torch.matmul(x, W[i][g].t(), out=y)
+                lora(i, g, x, y, outs)
+                if g == 0:
+                    x = h
+                elif g == 1:
+                    flashinfer.fused_add_rmsnorm(y, res, norm_w, 1e-5)
+                    x = y
+                elif g == 2:
+                    flashinfer.silu_and_mul(y, out=act)
+                    x = act
+                else:
+                    x = y
+
+    engine = lambda g: GROUP_MMA_ROWS[g]  # noqa: E731
+    mma129 = lambda g: (129, 129)  # noqa: E731
+    variants = [("off", lambda *a: None)]
+    for vname, thr, split in (("engine", engine, False), ("split", engine, True), ("mma129", mma129, False),
+                              ("split_mma129", mma129, True)):
+        variants.append((vname, call(thr, split)))
+        variants.append((vname + "_shrink_only", call(thr, split, ("shrink",))))
+        variants.append((vname + "_expand_only", call(thr, split, ("expand",))))
+    rows = []
+    base = None
+    for name, fn in variants:
+        t = graph_time(lambda fn=fn: layers(fn)) / L
+        base = t if base is None else base
+        r = {"layout": layout, "rows": T, "variant": name, "us_per_layer": round(t * 1e6, 2),
+             "over_off_us_per_layer": round((t - base) * 1e6, 2), "over_off_ms_per_step": round((t - base) * L * 1e3, 3)}
+        log(r)
+        rows.append(r)
+    for name, fn in variants:
+        if name in ("engine", "split", "mma129", "split_mma129"):
+            tl = timeline(lambda fn=fn: layers(fn), first=20, count=24)
+            log(f"timeline {name}: " + "; ".join(f"{k['kernel'][:24]} +{k['gap_us']}/{k['us']}" for k in tl))
+            rows.append({"variant": name, "timeline": tl})
+    del W, A, B
+    torch.cuda.empty_cache()
+    return rows
+
+
+def gemm_layouts(log, batches=(32, 64, 128, 256)) -> list[dict]:
+    """The decode GEMMs of the Llama-2-7B shapes, 32 layers (every layer its own weights, so nothing stays
+    in L2), per batch and way of calling cuBLAS: `linear` = x @ W.T on the [out, in] weights (what the
+    model calls), `mm_t` = x @ Wt on weights stored as [in, out]; each with torch's default BLAS backend
+    and with cuBLASLt preferred (`*_lt`). µs per call, and weight bytes per second."""
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    shapes = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008)}
+    rows = []
+    for name, (n, k) in shapes.items():
+        W = [torch.randn(n, k, dtype=bf, device=dev) / 64 for _ in range(L)]
+        WT = [w.t().contiguous() for w in W]
+        for b in batches:
+            x = torch.randn(b, k, dtype=bf, device=dev)
+            y = torch.empty(b, n, dtype=bf, device=dev)
+            ways = {"linear": [lambda w=w: torch.matmul(x, w.t(), out=y) for w in W],
+                    "mm_t": [lambda w=w: torch.mm(x, w, out=y) for w in WT]}
+            for lib in ("default", "cublaslt"):
+                torch.backends.cuda.preferred_blas_library("cublaslt" if lib == "cublaslt" else "cublas")
+                for way, fns in ways.items():
+                    t = timer().graph_us(fns) * 1e-6
+                    r = {"gemm": name, "batch": b, "way": way + ("_lt" if lib == "cublaslt" else ""),
+                         "us": round(t * 1e6, 2), "weight_tb_s": round(n * k * 2 / t / 1e12, 2)}
+                    log(r)
+                    rows.append(r)
+            torch.backends.cuda.preferred_blas_library("cublas")
+        del W, WT
+        torch.cuda.empty_cache()
+    for b in batches:  # per layer: the four GEMMs
+        per = {}
+        for r in rows:
+            if r["batch"] == b:
+                per[r["way"]] = per.get(r["way"], 0.0) + r["us"]
+        log(f"batch {b}: µs per layer " + ", ".join(f"{w} {u:.1f}" for w, u in per.items()))
+        rows.append({"batch": b, "us_per_layer": {w: round(u, 2) for w, u in per.items()}})
+    return rows
+
+
 def timeline(fn, first: int, count: int) -> list[dict]:
     """Kernels `first` .. `first + count` of one replay of a CUDA graph holding fn(), from the profiler:
     name, gap after the previous kernel's end and duration (µs)."""
@@ -329,7 +485,9 @@ def main() -> int:
     p.add_argument("--ctx", type=int, nargs="+", default=[150, 370, 1000])
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--out", default="probe.json")
-    p.add_argument("--skip", nargs="*", default=[], choices=["attention", "lora", "layers"])
+    p.add_argument("--skip", nargs="*", default=[], choices=["attention", "lora", "layers", "mixed", "gemm"])
+    p.add_argument("--mixed-layout", default="8x240+150x1",
+                   help="segments of the `mixed` probe's step: COUNTxROWS parts joined by + (default %(default)s)")
     p.add_argument("--only", nargs="+", default=None, metavar="PREFIX",
                    help="run only the `layers` probe, and in it only `off` and the variants whose names start "
                         "with one of these prefixes (e.g. distinct_two_launch_s distinct_shrink_only_s)")
@@ -346,6 +504,8 @@ def main() -> int:
             json.dump(res, f, indent=1)
 
     sections = (("layers", "lora_in_layers", lambda: lora_in_layers(log, args.batch, args.only)),
+                ("mixed", "lora_mixed_in_layers", lambda: lora_mixed_in_layers(log, args.mixed_layout)),
+                ("gemm", "gemm_layouts", lambda: gemm_layouts(log)),
                 ("lora", "lora_beside_gemm", lambda: lora_beside_gemm(log)),
                 ("attention", "attention", lambda: attention(args.ctx, args.batch, log)))
     for name, key, run in sections:

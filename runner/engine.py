@@ -82,6 +82,7 @@ class Engine:
         env.sgmv_fused()
         env.prefill_backend()
         env.attention_backend()
+        env.blas_lt_rows()
         shard = group = None
         device = None
         if config.tp > 1:

@@ -82,3 +82,40 @@ def test_attention_backend_bad_value_is_refused(monkeypatch):
         env.attention_backend()
     monkeypatch.setenv("LORAFLEET_ATTENTION", " Torch ")
     assert env.attention_backend() == "torch"
+
+
+def test_blas_lt_rows(monkeypatch):
+    monkeypatch.delenv("LORAFLEET_BLAS_LT_ROWS", raising=False)
+    assert env.blas_lt_rows() == 64
+    monkeypatch.setenv("LORAFLEET_BLAS_LT_ROWS", "0")
+    assert env.blas_lt_rows() == 0
+    monkeypatch.setenv("LORAFLEET_BLAS_LT_ROWS", "-1")
+    with pytest.raises(ValueError, match="LORAFLEET_BLAS_LT_ROWS must be >= 0"):
+        env.blas_lt_rows()
+    monkeypatch.setenv("LORAFLEET_BLAS_LT_ROWS", "many")
+    with pytest.raises(ValueError, match="LORAFLEET_BLAS_LT_ROWS must be an integer"):
+        env.blas_lt_rows()
+
+
+def test_engine_refuses_a_bad_blas_lt_rows_at_start(monkeypatch):
+    from lorafleet.runner.engine import Engine
+
+    monkeypatch.setenv("LORAFLEET_BLAS_LT_ROWS", "-5")
+    with pytest.raises(ValueError, match="LORAFLEET_BLAS_LT_ROWS"):
+        Engine("/nonexistent/model")  # refused before the model path is looked at
+
+
+def test_cpu_models_never_switch_the_blas_backend(monkeypatch, tmp_path):
+    """The cuBLASLt switch is for CUDA only (a CPU build of torch cannot even select it): a CPU model
+    keeps lt_rows at 0 whatever the variable says."""
+    import torch
+
+    from lorafleet.runner.model.llama import LlamaModel
+    from lorafleet.runner.weights import load_weights
+    from model_helpers import write_random_llama
+
+    write_random_llama(tmp_path)
+    monkeypatch.setenv("LORAFLEET_BLAS_LT_ROWS", "1000")
+    cpu = torch.device("cpu")
+    cfg, tensors = load_weights(str(tmp_path), None, cpu, torch.float32)
+    assert LlamaModel(cfg, tensors, torch.float32, cpu).lt_rows == 0

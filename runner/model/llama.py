@@ -13,8 +13,9 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from lorafleet import env
 from lorafleet.runner.config import ModelConfig
-from lorafleet.runner.model.ops import make_ops
+from lorafleet.runner.model.ops import make_ops, prefer_cublaslt
 from lorafleet.runner.model.rope import Rope
 from lorafleet.runner.weights import WeightsError
 
@@ -60,6 +61,9 @@ class LlamaModel:
         self.all_reduce = all_reduce
         self.rope = Rope(cfg, device)
         self.ops = make_ops(self.rope, device, cfg.max_position_embeddings, ops)
+        # Steps of at most this many rows run the o and down GEMMs on cuBLASLt (env.blas_lt_rows: measured
+        # on the H200 for the one-GPU Llama-2-7B shapes, so not with tensor parallelism).
+        self.lt_rows = env.blas_lt_rows() if device.type == "cuda" and all_reduce is None else 0
 
         def take(name: str, required: bool = True) -> torch.Tensor | None:
             t = tensors.pop(name, None)
@@ -165,7 +169,7 @@ class LlamaModel:
     def post_attention(self, i: int, o: torch.Tensor, residual: torch.Tensor, lora: LoraStep | None):
         """Layer i after attention: o-proj, LoRA, norm, MLP, LoRA -> (h, residual)."""
         c, ops, lw = self.cfg, self.ops, self.layers[i]
-        out = F.linear(o, lw.o, lw.o_bias)  # [T, H] (a partial sum with tensor parallelism)
+        out = self._linear_small(o, lw.o, lw.o_bias)  # [T, H] (a partial sum with tensor parallelism)
         if lora is not None:
             lora.add(i, O, o, (out,))
         if self.all_reduce is not None:
@@ -176,12 +180,19 @@ class LlamaModel:
             gate, up = gu.split([c.intermediate_size, c.intermediate_size], dim=-1)
             lora.add(i, GATE_UP, x, (gate, up))
         a = ops.silu_mul(gu, c.intermediate_size)  # [T, I]
-        h = F.linear(a, lw.down, lw.down_bias)  # [T, H] (a partial sum with tensor parallelism)
+        h = self._linear_small(a, lw.down, lw.down_bias)  # [T, H] (a partial sum with tensor parallelism)
         if lora is not None:
             lora.add(i, DOWN, a, (h,))
         if self.all_reduce is not None:
             self.all_reduce(h)
         return h, residual
+
+    def _linear_small(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        """x @ w.T + b; on cuBLASLt for steps of at most `lt_rows` rows (the o and down projections)."""
+        if 0 < x.shape[0] <= self.lt_rows:
+            with prefer_cublaslt():
+                return F.linear(x, w, b)
+        return F.linear(x, w, b)
 
     def logits(self, h: torch.Tensor, residual: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         x, _ = self.ops.add_rms_norm(h.index_select(0, rows), residual.index_select(0, rows), self.norm,

@@ -3,6 +3,8 @@ flashinfer's fused CUDA kernels (one launch each for add+RMSNorm, SiLU*up, RoPE)
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -14,6 +16,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+@contextlib.contextmanager
+def prefer_cublaslt():
+    """GEMMs called inside go to cuBLASLt (torch's preferred BLAS backend, process-wide, restored after).
+    CUDA builds only; inside a CUDA-graph capture the captured kernels are cuBLASLt's."""
+    prev = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(prev)
 
 
 class TorchOps:

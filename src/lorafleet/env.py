@@ -115,9 +115,19 @@ def rope_kv_kernel() -> bool:
 
 def rope_kv_lora() -> bool:
     """LORAFLEET_ROPE_KV_LORA: decode CUDA graphs add the qkv rows' LoRA expand inside the rope_kv
-    kernel instead of a separate expand launch per layer (same bits; default 0: not yet measured on a
-    GPU, see docs/perf_notes.md)."""
+    kernel instead of a separate expand launch per layer (same bits; default 0: no gain on the H200,
+    docs/perf_notes.md, wave 8)."""
     return _flag("LORAFLEET_ROPE_KV_LORA", False)
+
+
+def blas_lt_rows() -> int:
+    """LORAFLEET_BLAS_LT_ROWS: on CUDA without tensor parallelism, the o and down projections of steps
+    with at most this many rows call cuBLASLt instead of cuBLAS (default 64; 0: never). cuBLAS picks
+    slower kernels for these two shapes at decode batch sizes (docs/perf_notes.md, wave 9)."""
+    rows = _int("LORAFLEET_BLAS_LT_ROWS", 64)
+    if rows < 0:
+        raise ValueError(f"LORAFLEET_BLAS_LT_ROWS must be >= 0, got {rows}")
+    return rows
 
 
 def _flag(name: str, default: bool = False) -> bool:

@@ -244,3 +244,27 @@ def test_a_step_queues_without_waiting_for_the_device(smol_shaped):
         assert len(batch.sample_idx) < batch.batch_size and batch.packedf is not None  # the case under test
     while eng.has_work():
         eng.step()
+
+
+def test_prefer_cublaslt_runs_the_gemm_and_restores_the_backend():
+    """The o and down GEMMs of small steps run inside `prefer_cublaslt`: the product matches an fp32
+    reference to bf16 rounding, and torch's preferred BLAS backend is restored afterwards, also when the
+    body raises."""
+    import torch.nn.functional as F
+
+    from lorafleet.runner.model.ops import prefer_cublaslt
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(32, 4096, device="cuda", generator=gen).to(torch.bfloat16)
+    w = (torch.randn(11008, 4096, device="cuda", generator=gen) / 64).to(torch.bfloat16)  # [out, in]
+    before = torch.backends.cuda.preferred_blas_library()
+    with prefer_cublaslt():
+        assert torch.backends.cuda.preferred_blas_library().name.lower() == "cublaslt"
+        y = F.linear(x, w)
+    assert torch.backends.cuda.preferred_blas_library() == before
+    ref = x.float() @ w.float().T
+    assert ((y.float() - ref).norm() / ref.norm()).item() < 1e-2
+    with pytest.raises(RuntimeError, match="inside"):
+        with prefer_cublaslt():
+            raise RuntimeError("inside")
+    assert torch.backends.cuda.preferred_blas_library() == before
