@@ -119,3 +119,61 @@ def test_cpu_models_never_switch_the_blas_backend(monkeypatch, tmp_path):
     cpu = torch.device("cpu")
     cfg, tensors = load_weights(str(tmp_path), None, cpu, torch.float32)
     assert LlamaModel(cfg, tensors, torch.float32, cpu).lt_rows == 0
+
+
+def test_prefer_cublaslt_restores_the_backend_under_overlapping_holders(monkeypatch):
+    """torch's preferred BLAS backend is process-wide. Nested and concurrent holders of prefer_cublaslt
+    (two engines' threads) must leave it as it was, also when a body raises; while any holder is inside,
+    it stays cuBLASLt. (A CPU build of torch cannot select cuBLASLt: a stand-in records the setting.)"""
+    import threading
+
+    import torch
+
+    from lorafleet.runner.model import ops
+
+    state = {"backend": "cublas", "sets": 0}
+
+    def preferred(backend=None):
+        if backend is not None:
+            state["backend"] = backend
+            state["sets"] += 1
+        return state["backend"]
+
+    monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library", preferred)
+    with ops.prefer_cublaslt():
+        assert state["backend"] == "cublaslt"
+        with ops.prefer_cublaslt():
+            assert state["backend"] == "cublaslt"
+        assert state["backend"] == "cublaslt"  # the inner exit does not restore under the outer holder
+    assert state["backend"] == "cublas"
+    with pytest.raises(KeyError):
+        with ops.prefer_cublaslt():
+            raise KeyError("body")
+    assert state["backend"] == "cublas"
+
+    # The holder that entered first leaves first: the second still holds cuBLASLt, and its exit restores
+    # the backend of before the first entry.
+    step = threading.Barrier(2)
+    seen = []
+
+    def holder(first: bool):
+        if not first:
+            step.wait()  # (1) the first holds it
+        with ops.prefer_cublaslt():
+            if first:
+                step.wait()  # (1)
+                step.wait()  # (2) both hold it
+            else:
+                step.wait()  # (2)
+                step.wait()  # (3) the first has left
+                seen.append(state["backend"])
+        if first:
+            step.wait()  # (3)
+
+    threads = [threading.Thread(target=holder, args=(f,)) for f in (True, False)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert seen == ["cublaslt"]
+    assert state["backend"] == "cublas"

@@ -4,6 +4,7 @@ flashinfer's fused CUDA kernels (one launch each for add+RMSNorm, SiLU*up, RoPE)
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -18,16 +19,29 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+_LT_LOCK = threading.Lock()
+_lt_state = {"depth": 0, "prev": None}
+
+
 @contextlib.contextmanager
 def prefer_cublaslt():
-    """GEMMs called inside go to cuBLASLt (torch's preferred BLAS backend, process-wide, restored after).
-    CUDA builds only; inside a CUDA-graph capture the captured kernels are cuBLASLt's."""
-    prev = torch.backends.cuda.preferred_blas_library()
-    torch.backends.cuda.preferred_blas_library("cublaslt")
+    """GEMMs called inside go to cuBLASLt. torch's preferred BLAS backend is process-wide: the first of
+    any nested or concurrent holders (threads of engines in one process) saves it and sets cuBLASLt, the
+    last one out restores it, so overlapping holders never leave cuBLASLt set. A GEMM of another thread
+    that runs meanwhile also goes to cuBLASLt: the same product, another kernel. CUDA builds only; inside
+    a CUDA-graph capture the captured kernels are cuBLASLt's."""
+    with _LT_LOCK:
+        if _lt_state["depth"] == 0:
+            _lt_state["prev"] = torch.backends.cuda.preferred_blas_library()
+            torch.backends.cuda.preferred_blas_library("cublaslt")
+        _lt_state["depth"] += 1
     try:
         yield
     finally:
-        torch.backends.cuda.preferred_blas_library(prev)
+        with _LT_LOCK:
+            _lt_state["depth"] -= 1
+            if _lt_state["depth"] == 0:
+                torch.backends.cuda.preferred_blas_library(_lt_state["prev"])
 
 
 class TorchOps:
