@@ -5,8 +5,8 @@ Nsight Compute to read the hardware counters of the SGMV kernels:
         --section Occupancy python3 bench/ncu_sgmv.py [--cases b32_distinct b256_distinct ...]
 
 Cases: bN_distinct (N one-row segments, each its own adapter), bN_identical (one N-row segment). Each case
-runs the shrink then the expand of the CUDA-core path (what decode graphs launch), after a warm-up call
-(so `--launch-skip 2` skips the warm-up of the first case).
+runs the shrink then the expand of the CUDA-core path (what decode graphs launch) twice: a warm-up pair,
+then the pair to read (the 2nd, 4th, 6th, ... pair of kernels in ncu's report).
 """
 
 from __future__ import annotations

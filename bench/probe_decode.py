@@ -14,7 +14,7 @@
 5. The decode GEMMs per batch (`gemm`): weights as [out, in] or [in, out], cuBLAS or cuBLASLt.
 
     python bench/probe_decode.py --out probe.json
-    python bench/probe_decode.py --out mixed.json --skip attention lora layers
+    python bench/probe_decode.py --out mixed.json --skip attention lora layers gemm
     python bench/probe_decode.py --out knobs.json --only distinct_two_launch_s distinct_shrink_only_s
         (only section 3, only `off` and the variants whose names start with these prefixes)
 """
@@ -422,6 +422,8 @@ def gemm_layouts(log, batches=(32, 64, 128, 256)) -> list[dict]:
     in L2), per batch and way of calling cuBLAS: `linear` = x @ W.T on the [out, in] weights (what the
     model calls), `mm_t` = x @ Wt on weights stored as [in, out]; each with torch's default BLAS backend
     and with cuBLASLt preferred (`*_lt`). µs per call, and weight bytes per second."""
+    from lorafleet.runner.model.ops import prefer_cublaslt
+
     dev, bf = torch.device("cuda"), torch.bfloat16
     shapes = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008)}
     rows = []
@@ -434,14 +436,16 @@ def gemm_layouts(log, batches=(32, 64, 128, 256)) -> list[dict]:
             ways = {"linear": [lambda w=w: torch.matmul(x, w.t(), out=y) for w in W],
                     "mm_t": [lambda w=w: torch.mm(x, w, out=y) for w in WT]}
             for lib in ("default", "cublaslt"):
-                torch.backends.cuda.preferred_blas_library("cublaslt" if lib == "cublaslt" else "cublas")
                 for way, fns in ways.items():
-                    t = timer().graph_us(fns) * 1e-6
+                    if lib == "cublaslt":
+                        with prefer_cublaslt():
+                            t = timer().graph_us(fns) * 1e-6
+                    else:
+                        t = timer().graph_us(fns) * 1e-6
                     r = {"gemm": name, "batch": b, "way": way + ("_lt" if lib == "cublaslt" else ""),
                          "us": round(t * 1e6, 2), "weight_tb_s": round(n * k * 2 / t / 1e12, 2)}
                     log(r)
                     rows.append(r)
-            torch.backends.cuda.preferred_blas_library("cublas")
         del W, WT
         torch.cuda.empty_cache()
     for b in batches:  # per layer: the four GEMMs

@@ -123,7 +123,8 @@ def rope_kv_lora() -> bool:
 def blas_lt_rows() -> int:
     """LORAFLEET_BLAS_LT_ROWS: on CUDA without tensor parallelism, the o and down projections of steps
     with at most this many rows call cuBLASLt instead of cuBLAS (default 64; 0: never). cuBLAS picks
-    slower kernels for these two shapes at decode batch sizes (docs/perf_notes.md, wave 9)."""
+    slower kernels for these two shapes at decode batch sizes (docs/perf_notes.md, wave 9). Read when the
+    model is built: a model built earlier and shared keeps the value it saw."""
     rows = _int("LORAFLEET_BLAS_LT_ROWS", 64)
     if rows < 0:
         raise ValueError(f"LORAFLEET_BLAS_LT_ROWS must be >= 0, got {rows}")
