@@ -152,6 +152,80 @@ def lora_beside_gemm(log) -> list[dict]:
     return rows
 
 
+class Layers:
+    """32 Llama-2-7B layers over T rows in a decode step's neighbourhood: per projection group a cuBLAS
+    GEMM and the LoRA part under test, flashinfer's add+RMSNorm and SiLU*up between them, every layer its
+    own weights and an adapter pool of S slots (rank R), so nothing stays in L2."""
+
+    def __init__(self, T: int, S: int, R: int = 16):
+        dev, bf = torch.device("cuda"), torch.bfloat16
+        Hd, I = 4096, 11008
+        self.shapes = [(Hd, [Hd, Hd, Hd]), (Hd, [Hd]), (Hd, [I, I]), (I, [Hd])]  # per group: in, outs
+        shapes = self.shapes
+        self.W = [[torch.randn(sum(outs), k, dtype=bf, device=dev) / 64 for k, outs in shapes] for _ in range(L)]
+        self.A = [[[torch.randn(S, R, k, dtype=bf, device=dev) / 64 for _ in outs] for k, outs in shapes]
+                  for _ in range(L)]
+        self.B = [[[torch.randn(S, R, o, dtype=bf, device=dev) / 64 for o in outs] for _k, outs in shapes]
+                  for _ in range(L)]
+        self.ranks = [torch.full((len(outs), S), R, dtype=torch.int32, device=dev) for _k, outs in shapes]
+        self.norm_w = torch.ones(Hd, dtype=bf, device=dev)
+        self.h = torch.randn(T, Hd, dtype=bf, device=dev)
+        self.res = torch.randn(T, Hd, dtype=bf, device=dev)
+        self.outs_buf = [torch.empty(T, sum(outs), dtype=bf, device=dev) for _k, outs in shapes]
+        self.act = torch.empty(T, I, dtype=bf, device=dev)
+        self.v = torch.empty(T, 3, R, dtype=torch.float32, device=dev)
+        self.vs = {g: self.v.view(-1)[: T * g * R].view(T, g, R) for g in (1, 2, 3)}
+
+    def run(self, lora, before=None) -> None:
+        """One pass: lora(i, g, x, y, outs) after each GEMM; before(i, g, x, outs) ahead of it."""
+        import flashinfer
+
+        x = self.h
+        for i in range(L):
+            flashinfer.fused_add_rmsnorm(x, self.res, self.norm_w, 1e-5)
+            for g, (k, outs) in enumerate(self.shapes):
+                y = self.outs_buf[g]
+                if before is not None:
+                    before(i, g, x, outs)
+                torch.matmul(x, self.W[i][g].t(), out=y)
+                lora(i, g, x, y, outs)
+                if g == 0:
+                    x = self.h  # stands in for the attention output
+                elif g == 1:
+                    flashinfer.fused_add_rmsnorm(y, self.res, self.norm_w, 1e-5)
+                    x = y
+                elif g == 2:
+                    flashinfer.silu_and_mul(y, out=self.act)
+                    x = self.act
+                else:
+                    x = y
+
+    def time(self, variants, log, extra: dict | None = None) -> list[dict]:
+        """µs per layer of each (name, lora or (before, lora)) variant, and over the first one (`off`)."""
+        rows, base = [], None
+        for name, fn in variants:
+            before, fn = fn if isinstance(fn, tuple) else (None, fn)
+            t = graph_time(lambda fn=fn, before=before: self.run(fn, before)) / L
+            base = t if base is None else base
+            r = {**(extra or {}), "variant": name, "us_per_layer": round(t * 1e6, 2),
+                 "over_off_us_per_layer": round((t - base) * 1e6, 2),
+                 "over_off_ms_per_step": round((t - base) * L * 1e3, 3)}
+            log(r)
+            rows.append(r)
+        return rows
+
+    def timelines(self, variants, names, log, first: int, count: int) -> list[dict]:
+        """Kernels first .. first + count of one pass, for the variants named in `names`."""
+        rows = []
+        for name, fn in variants:
+            if name in names:
+                before, fn = fn if isinstance(fn, tuple) else (None, fn)
+                tl = timeline(lambda fn=fn, before=before: self.run(fn, before), first=first, count=count)
+                log(f"timeline {name}: " + "; ".join(f"{k['kernel'][:24]} +{k['gap_us']}/{k['us']}" for k in tl))
+                rows.append({"variant": name, "timeline": tl})
+        return rows
+
+
 def lora_in_layers(log, batch: int = 32, only: list[str] | None = None) -> list[dict]:
     """The LoRA calls of 32 decode layers in their real neighbourhood: after each cuBLAS GEMM, before
     flashinfer's PDL-launched add+RMSNorm / SiLU*up, every layer its own weights and adapter pool (so
@@ -163,55 +237,21 @@ def lora_in_layers(log, batch: int = 32, only: list[str] | None = None) -> list[
     blocks per SM and `rb` rank rows per item of one-row segments (`identical` is one 32-row segment,
     which `rb` does not touch); `{mix}_two_launch_e{bps}`: the expand with at most `bps` blocks per SM.
     `only`: time `off` and just the variants whose names start with one of these prefixes."""
-    import flashinfer
-
     from lorafleet.runner.lora.pool import GROUP_SPANS
     from lorafleet.runner.lora.segments import build_segments
     from lorafleet.runner.lora.sgmv_cuda import CudaSGMV
 
-    dev, bf = torch.device("cuda"), torch.bfloat16
-    Hd, I, R, T = 4096, 11008, 16, batch
-    S = max(64, T)  # a slot per row: `distinct` reads every adapter once per layer
-    shapes = [(Hd, [Hd, Hd, Hd]), (Hd, [Hd]), (Hd, [I, I]), (I, [Hd])]  # per group: in, outs
-    W = [[torch.randn(sum(outs), k, dtype=bf, device=dev) / 64 for k, outs in shapes] for _ in range(L)]
-    A = [[[torch.randn(S, R, k, dtype=bf, device=dev) / 64 for _ in outs] for k, outs in shapes] for _ in range(L)]
-    B = [[[torch.randn(S, R, o, dtype=bf, device=dev) / 64 for o in outs] for _k, outs in shapes] for _ in range(L)]
-    ranks = [torch.full((len(outs), S), R, dtype=torch.int32, device=dev) for _k, outs in shapes]
+    dev = torch.device("cuda")
+    T = batch
+    lay = Layers(T, S=max(64, T))  # a slot per row: `distinct` reads every adapter once per layer
+    A, B, ranks, vs, h, outs_buf = lay.A, lay.B, lay.ranks, lay.vs, lay.h, lay.outs_buf
+    v = lay.v
     zero = [torch.zeros_like(r) for r in ranks]
-    norm_w = torch.ones(Hd, dtype=bf, device=dev)
-    h = torch.randn(T, Hd, dtype=bf, device=dev)
-    res = torch.randn(T, Hd, dtype=bf, device=dev)
-    outs_buf = [torch.empty(T, sum(outs), dtype=bf, device=dev) for _k, outs in shapes]
-    act = torch.empty(T, I, dtype=bf, device=dev)
-    v = torch.empty(T, 3, R, dtype=torch.float32, device=dev)
-    vs = {g: v.view(-1)[: T * g * R].view(T, g, R) for g in (1, 2, 3)}
     segs = {"distinct": build_segments(list(range(T)), dev, capacity=T),
             "identical": build_segments([0] * T, dev, capacity=T)}
-    assert [g for _p, g in GROUP_SPANS] == [len(o) for _k, o in shapes]
-    rows = []
+    assert [g for _p, g in GROUP_SPANS] == [len(o) for _k, o in lay.shapes]
 
     side = torch.cuda.Stream()
-
-    def layers(lora, before=None):
-        x = h
-        for i in range(L):
-            flashinfer.fused_add_rmsnorm(x, res, norm_w, 1e-5)
-            for g, (k, outs) in enumerate(shapes):
-                y = outs_buf[g]
-                if before is not None:
-                    before(i, g, x, outs)
-                torch.matmul(x, W[i][g].t(), out=y)
-                lora(i, g, x, y, outs)
-                if g == 0:
-                    x = h  # stands in for the attention output
-                elif g == 1:
-                    flashinfer.fused_add_rmsnorm(y, res, norm_w, 1e-5)
-                    x = y
-                elif g == 2:
-                    flashinfer.silu_and_mul(y, out=act)
-                    x = act
-                else:
-                    x = y
 
     def sgmv_call(sg, seg, rk, mma=False):
         def call(i, g, x, y, outs):
@@ -282,25 +322,10 @@ def lora_in_layers(log, batch: int = 32, only: list[str] | None = None) -> list[
     for seg in segs.values():  # counters, extension load
         fused.add([outs_buf[1]], vs[1], h, A[0][1], B[0][1], ranks[1], None, seg, False)
         nopdl.add([outs_buf[1]], vs[1], h, A[0][1], B[0][1], ranks[1], None, seg, False)
-    base = None
-    for name, fn in variants:
-        before, fn = fn if isinstance(fn, tuple) else (None, fn)
-        t = graph_time(lambda fn=fn, before=before: layers(fn, before)) / L
-        base = t if base is None else base
-        r = {"variant": name, "us_per_layer": round(t * 1e6, 2), "over_off_us_per_layer": round((t - base) * 1e6, 2),
-             "over_off_ms_per_step": round((t - base) * L * 1e3, 3)}
-        log(r)
-        rows.append(r)
-    for name, fn in variants:
-        if name in ("off", "identical", "distinct_two_launch", "identical_side_wide_cap16",
-                    "distinct_side_wide_cap16"):
-            before, fn = fn if isinstance(fn, tuple) else (None, fn)
-            tl = timeline(lambda fn=fn, before=before: layers(fn, before), first=40, count=22)
-            log(f"timeline {name}: " + "; ".join(f"{k['kernel'][:24]} +{k['gap_us']}/{k['us']}" for k in tl))
-            rows.append({"variant": name, "timeline": tl})
-    del W, A, B
-    torch.cuda.empty_cache()
-    return rows
+    rows = lay.time(variants, log)
+    rows += lay.timelines(variants, ("off", "identical", "distinct_two_launch", "identical_side_wide_cap16",
+                                     "distinct_side_wide_cap16"), log, first=40, count=22)
+    return rows  # the tensors go with the frame; main() empties the cache after each section
 
 
 def lora_mixed_in_layers(log, layout: str = "8x240+150x1") -> list[dict]:
@@ -316,31 +341,18 @@ def lora_mixed_in_layers(log, layout: str = "8x240+150x1") -> list[dict]:
     tensor-core capable launches, the one-row segments in CUDA-core launches of their own (4 blocks
     per SM, 1 x 2 decode items), four launches per group;
     `*_shrink_only`, `*_expand_only`: attribution. Then one layer's kernel timeline per variant."""
-    import flashinfer
-
     from lorafleet.runner.lora.segments import build_segments
     from lorafleet.runner.lora.sgmv_cuda import CudaSGMV
     from lorafleet.runner.lora.step import GROUP_MMA_ROWS
 
-    dev, bf = torch.device("cuda"), torch.bfloat16
+    dev = torch.device("cuda")
     lengths = []
     for part in layout.split("+"):
         n, rows = part.split("x")
         lengths += [int(rows)] * int(n)
-    Hd, I, R, T = 4096, 11008, 16, sum(lengths)
-    S = len(lengths)
-    shapes = [(Hd, [Hd, Hd, Hd]), (Hd, [Hd]), (Hd, [I, I]), (I, [Hd])]
-    W = [[torch.randn(sum(outs), k, dtype=bf, device=dev) / 64 for k, outs in shapes] for _ in range(L)]
-    A = [[[torch.randn(S, R, k, dtype=bf, device=dev) / 64 for _ in outs] for k, outs in shapes] for _ in range(L)]
-    B = [[[torch.randn(S, R, o, dtype=bf, device=dev) / 64 for o in outs] for _k, outs in shapes] for _ in range(L)]
-    ranks = [torch.full((len(outs), S), R, dtype=torch.int32, device=dev) for _k, outs in shapes]
-    norm_w = torch.ones(Hd, dtype=bf, device=dev)
-    h = torch.randn(T, Hd, dtype=bf, device=dev)
-    res = torch.randn(T, Hd, dtype=bf, device=dev)
-    outs_buf = [torch.empty(T, sum(outs), dtype=bf, device=dev) for _k, outs in shapes]
-    act = torch.empty(T, I, dtype=bf, device=dev)
-    v = torch.empty(T, 3, R, dtype=torch.float32, device=dev)
-    vs = {g: v.view(-1)[: T * g * R].view(T, g, R) for g in (1, 2, 3)}
+    T, S = sum(lengths), len(lengths)
+    lay = Layers(T, S)
+    A, B, ranks, vs = lay.A, lay.B, lay.ranks, lay.vs
     row_slots = [s for s, n in enumerate(lengths) for _ in range(n)]
     seg = build_segments(row_slots, dev, capacity=S)
 
@@ -371,25 +383,6 @@ def lora_mixed_in_layers(log, layout: str = "8x240+150x1") -> list[dict]:
                     sg.expand(ys, vg, B[i][g], ranks[g], None, t, mma_min_rows=et)
         return fn
 
-    def layers(lora):
-        x = h
-        for i in range(L):
-            flashinfer.fused_add_rmsnorm(x, res, norm_w, 1e-5)
-            for g, (k, outs) in enumerate(shapes):
-                y = outs_buf[g]
-                torch.matmul(x, W[i][g].t(), out=y)
-                lora(i, g, x, y, outs)
-                if g == 0:
-                    x = h
-                elif g == 1:
-                    flashinfer.fused_add_rmsnorm(y, res, norm_w, 1e-5)
-                    x = y
-                elif g == 2:
-                    flashinfer.silu_and_mul(y, out=act)
-                    x = act
-                else:
-                    x = y
-
     engine = lambda g: GROUP_MMA_ROWS[g]  # noqa: E731
     mma129 = lambda g: (129, 129)  # noqa: E731
     variants = [("off", lambda *a: None)]
@@ -398,23 +391,9 @@ def lora_mixed_in_layers(log, layout: str = "8x240+150x1") -> list[dict]:
         variants.append((vname, call(thr, split)))
         variants.append((vname + "_shrink_only", call(thr, split, ("shrink",))))
         variants.append((vname + "_expand_only", call(thr, split, ("expand",))))
-    rows = []
-    base = None
-    for name, fn in variants:
-        t = graph_time(lambda fn=fn: layers(fn)) / L
-        base = t if base is None else base
-        r = {"layout": layout, "rows": T, "variant": name, "us_per_layer": round(t * 1e6, 2),
-             "over_off_us_per_layer": round((t - base) * 1e6, 2), "over_off_ms_per_step": round((t - base) * L * 1e3, 3)}
-        log(r)
-        rows.append(r)
-    for name, fn in variants:
-        if name in ("engine", "split", "mma129", "split_mma129"):
-            tl = timeline(lambda fn=fn: layers(fn), first=20, count=24)
-            log(f"timeline {name}: " + "; ".join(f"{k['kernel'][:24]} +{k['gap_us']}/{k['us']}" for k in tl))
-            rows.append({"variant": name, "timeline": tl})
-    del W, A, B
-    torch.cuda.empty_cache()
-    return rows
+    rows = lay.time(variants, log, {"layout": layout, "rows": T})
+    rows += lay.timelines(variants, ("engine", "split", "mma129", "split_mma129"), log, first=20, count=24)
+    return rows  # the tensors go with the frame; main() empties the cache after each section
 
 
 def gemm_layouts(log, batches=(32, 64, 128, 256)) -> list[dict]:
@@ -520,6 +499,7 @@ def main() -> int:
         except Exception as e:  # report and go on to the next probe
             log(f"{name} probe failed: {e!r}")
         save()
+        torch.cuda.empty_cache()
     save()
     return 0
 
