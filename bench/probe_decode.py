@@ -36,7 +36,7 @@ _TIMER = []
 
 def timer():
     """The kernel benchmark's graph timer (one per process)."""
-    from lorafleet.runner.bench_kernels import Timer
+    from lorafleet.bench.kernels import Timer
 
     if not _TIMER:
         _TIMER.append(Timer(flush_bytes=1 << 20))

@@ -71,7 +71,7 @@ def write_model(gguf: Path, out: Path) -> None:
     """Dequantize the GGUF into an HF directory (fp32 safetensors, config, tokenizer)."""
     from safetensors.torch import save_file
 
-    from lorafleet.runner.weights import gguf_config, load_gguf
+    from lorafleet.runner.model.weights import gguf_config, load_gguf
 
     import gguf as gguf_lib
 

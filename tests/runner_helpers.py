@@ -9,8 +9,8 @@ from contextlib import asynccontextmanager
 
 from aiohttp.test_utils import TestClient, TestServer
 
-from lorafleet.runner.engine_client import EngineClient
-from lorafleet.runner.server import RunnerService, create_app
+from lorafleet.runner.service.engine_client import EngineClient
+from lorafleet.runner.service.server import RunnerService, create_app
 
 
 def pid_alive(pid: int) -> bool:

@@ -18,7 +18,7 @@ from lorafleet.runner.config import ModelConfig
 from lorafleet.runner.lora.adapter import load_adapter
 from lorafleet.runner.lora.host_tier import HostTier
 from lorafleet.runner.lora.reader import PREFIX, SHM_DIR, AdapterReader
-from lorafleet.runner.sequence import AdapterRef
+from lorafleet.runner.engine.sequence import AdapterRef
 
 
 @pytest.fixture(scope="module")
@@ -268,7 +268,7 @@ def test_a_hand_off_nobody_will_take_is_removed(mixed, base, tmp_path, monkeypat
     import threading
     from dataclasses import asdict
 
-    from lorafleet.runner.channel import BlockingChannel
+    from lorafleet.common.channel import BlockingChannel
     from lorafleet.runner.lora import reader as rd
 
     monkeypatch.setattr(rd, "HANDOFF_DIRS", (str(tmp_path),))

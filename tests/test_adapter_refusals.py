@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 from model_helpers import write_random_adapter, write_random_llama
 from lorafleet.common.peft_config import AdapterError, inspect_adapter
 from lorafleet.runner.config import EngineConfig
-from lorafleet.runner.engine import Engine
-from lorafleet.runner.sequence import AdapterRef, SamplingParams, Sequence
+from lorafleet.runner.engine.engine import Engine
+from lorafleet.runner.engine.sequence import AdapterRef, SamplingParams, Sequence
 
 
 @pytest.fixture(scope="module")

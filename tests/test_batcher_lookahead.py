@@ -3,10 +3,10 @@ in line (as many as `adapter_lookahead`), pins those that are ready, and lets go
 
 from __future__ import annotations
 
-from lorafleet.runner.batcher import Batcher
-from lorafleet.runner.block_manager import BlockManager
+from lorafleet.runner.engine.batcher import Batcher
+from lorafleet.runner.engine.block_manager import BlockManager
 from lorafleet.runner.lora.manager import LOADING, READY
-from lorafleet.runner.sequence import AdapterRef, SamplingParams, Sequence, Status
+from lorafleet.runner.engine.sequence import AdapterRef, SamplingParams, Sequence, Status
 
 
 class AsyncAdapters:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lorafleet.common.peft_config import BaseShape
-from lorafleet.runner.bench_e2e import random_adapters, sharegpt_requests, write_peft_adapter
+from lorafleet.bench.e2e import random_adapters, sharegpt_requests, write_peft_adapter
 from lorafleet.runner.lora.adapter import load_adapter
 
 
@@ -38,7 +38,7 @@ def test_merged_summary_keeps_each_runs_lora_off_and_refuses_mismatches(tmp_path
 
     import pytest
 
-    from lorafleet.runner.bench_e2e import main
+    from lorafleet.bench.e2e import main
 
     a = _result({"distinct": 100.0, "identical": 120.0, "lora off": 130.0},
                 hf_peft_output_tok_s={"distinct": 3.0, "identical": 40.0, "sample": "x"})
@@ -72,7 +72,7 @@ def test_floor_model_counts_the_weights_transformers_counts(tiny_llama):
 
     from transformers import AutoModelForCausalLM
 
-    from lorafleet.runner.bench_e2e import floor_model, floor_seconds
+    from lorafleet.bench.e2e import floor_model, floor_seconds
     from lorafleet.runner.config import ModelConfig
 
     cfg = ModelConfig.from_hf(json.loads((tiny_llama / "config.json").read_text()))
@@ -91,9 +91,9 @@ def test_floor_model_counts_the_weights_transformers_counts(tiny_llama):
 
 
 def test_interference_run_measures_decoders_and_cleans_up(tiny_llama, tmp_path):
-    from lorafleet.runner.bench_e2e import run_interference
+    from lorafleet.bench.e2e import run_interference
     from lorafleet.runner.config import EngineConfig
-    from lorafleet.runner.engine import Engine
+    from lorafleet.runner.engine.engine import Engine
 
     eng = Engine(str(tiny_llama), EngineConfig(device="cpu", max_batch_size=4, page_size=4, num_pages=600,
                                                 chunked_prefill=True, max_step_tokens=24))
@@ -137,9 +137,9 @@ def test_interference_run_measures_decoders_and_cleans_up(tiny_llama, tmp_path):
 def test_breakdown_profiles_steps_with_prompt_rows_while_the_batch_fills(tiny_llama, tmp_path):
     from model_helpers import write_random_adapter
 
-    from lorafleet.runner.bench_e2e import profile_breakdown
+    from lorafleet.bench.e2e import profile_breakdown
     from lorafleet.runner.config import EngineConfig
-    from lorafleet.runner.engine import Engine
+    from lorafleet.runner.engine.engine import Engine
 
     sets = [write_random_adapter(tiny_llama, tmp_path / f"w{k}", r=4, seed=k) for k in range(2)]
     eng = Engine(str(tiny_llama), EngineConfig(device="cpu", max_batch_size=6, page_size=4, num_pages=600,
@@ -173,7 +173,7 @@ def test_breakdown_profiles_steps_with_prompt_rows_while_the_batch_fills(tiny_ll
 
 
 def test_kernel_categories_of_the_profiled_kernels():
-    from lorafleet.runner.bench_e2e import kernel_category
+    from lorafleet.bench.e2e import kernel_category
 
     names = {  # kernel names as the profiler reports them on the H200
         "nvjet_sm90_tst_192x32_64x7_4x1_v_bz_TNT": "dense_gemm",
@@ -219,7 +219,7 @@ def test_tensor_parallel_benchmark_path_on_the_cpu(tmp_path):
 def test_interference_caps_only_needs_caps(capsys):
     """`--interference-caps-only` without `--interference` and `--decode-prefill-tokens` would run nothing:
     refused before any model is built, with a message that names what is missing."""
-    from lorafleet.runner.bench_e2e import main
+    from lorafleet.bench.e2e import main
 
     for argv in (["--interference-caps-only"], ["--interference", "--interference-caps-only"]):
         with pytest.raises(SystemExit) as exc:

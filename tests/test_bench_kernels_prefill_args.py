@@ -6,7 +6,7 @@ import pytest
 
 
 def test_unknown_layout_or_variant_is_refused_with_the_known_names():
-    from lorafleet.runner.bench_kernels import run_prefill
+    from lorafleet.bench.kernels import run_prefill
 
     with pytest.raises(SystemExit, match="unknown layout or variant nope, mma>=7") as e:
         run_prefill(None, print, layouts="8x240, nope", variants="engine, mma>=7")
@@ -14,7 +14,7 @@ def test_unknown_layout_or_variant_is_refused_with_the_known_names():
 
 
 def test_prefill_table_shows_the_variants_that_ran():
-    from lorafleet.runner.bench_kernels import prefill_table
+    from lorafleet.bench.kernels import prefill_table
 
     rows = [{"shape": "qkv", "layout": "8x240+150x1", "rows": 2070, "us": {"engine": 132.5, "loop": 5264.8,
                                                                           "engine_expand_2sm": 216.7}},

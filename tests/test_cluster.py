@@ -13,8 +13,8 @@ import torch
 
 from cluster_helpers import Runner, Scheduler, start_runners
 from lorafleet.runner.config import EngineConfig
-from lorafleet.runner.engine import Engine
-from lorafleet.runner.sequence import SamplingParams, Sequence
+from lorafleet.runner.engine.engine import Engine
+from lorafleet.runner.engine.sequence import SamplingParams, Sequence
 from lorafleet.scheduler.tokenizer import Tokenizer
 from lorafleet.scheduler.placement import default_queue
 

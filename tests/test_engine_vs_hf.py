@@ -6,8 +6,8 @@ import pytest
 
 from model_helpers import write_random_adapter
 from lorafleet.runner.config import EngineConfig
-from lorafleet.runner.engine import Engine
-from lorafleet.runner.sequence import AdapterRef, SamplingParams, Sequence
+from lorafleet.runner.engine.engine import Engine
+from lorafleet.runner.engine.sequence import AdapterRef, SamplingParams, Sequence
 from reference import HFReference
 
 PROMPTS = [

@@ -35,7 +35,7 @@ def test_bad_value_is_refused(monkeypatch):
 
 # --- which kernel a step's prompt rows take under `auto` on sm90 (runner/attention/meta.py) ---
 
-from lorafleet.runner.attention.meta import fa3_tile_rows, prefill_kernel  # noqa: E402
+from lorafleet.runner.executor.attention.meta import fa3_tile_rows, prefill_kernel  # noqa: E402
 
 H200_SMS = 132
 
@@ -98,7 +98,7 @@ def test_blas_lt_rows(monkeypatch):
 
 
 def test_engine_refuses_a_bad_blas_lt_rows_at_start(monkeypatch):
-    from lorafleet.runner.engine import Engine
+    from lorafleet.runner.engine.engine import Engine
 
     monkeypatch.setenv("LORAFLEET_BLAS_LT_ROWS", "-5")
     with pytest.raises(ValueError, match="LORAFLEET_BLAS_LT_ROWS"):
@@ -111,7 +111,7 @@ def test_cpu_models_never_switch_the_blas_backend(monkeypatch, tmp_path):
     import torch
 
     from lorafleet.runner.model.llama import LlamaModel
-    from lorafleet.runner.weights import load_weights
+    from lorafleet.runner.model.weights import load_weights
     from model_helpers import write_random_llama
 
     write_random_llama(tmp_path)

@@ -6,8 +6,8 @@ import torch
 
 from model_helpers import write_random_adapter
 from lorafleet.runner.config import EngineConfig
-from lorafleet.runner.engine import Engine
-from lorafleet.runner.sequence import AdapterRef, SamplingParams, Sequence
+from lorafleet.runner.engine.engine import Engine
+from lorafleet.runner.engine.sequence import AdapterRef, SamplingParams, Sequence
 
 
 def prompts(n, seed=0, lo=5, hi=30):

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from lorafleet.runner.config import EngineConfig
-from lorafleet.runner.engine import Engine
-from lorafleet.runner.model_runner import to_device
-from lorafleet.runner.step_batch import build_step_batch
-from lorafleet.runner.piecewise import PiecewiseGraphs, default_buckets
-from lorafleet.runner.sequence import AdapterRef, SamplingParams, Sequence
+from lorafleet.runner.engine.engine import Engine
+from lorafleet.runner.executor.model_runner import to_device
+from lorafleet.runner.engine.step_batch import build_step_batch
+from lorafleet.runner.executor.piecewise import PiecewiseGraphs, default_buckets
+from lorafleet.runner.engine.sequence import AdapterRef, SamplingParams, Sequence
 from model_helpers import write_random_adapter
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

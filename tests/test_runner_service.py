@@ -14,8 +14,8 @@ import pytest_asyncio
 from model_helpers import write_random_adapter
 from runner_helpers import Stream, pid_alive, runner_front
 from lorafleet.runner.config import EngineConfig
-from lorafleet.runner.engine import Engine
-from lorafleet.runner.sequence import AdapterRef, SamplingParams, Sequence
+from lorafleet.runner.engine.engine import Engine
+from lorafleet.runner.engine.sequence import AdapterRef, SamplingParams, Sequence
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -193,8 +193,8 @@ async def test_stopping_the_front_stops_its_engine_core(tiny_llama):
 
 
 async def test_synthetic_model_directory_gives_the_same_weights_in_every_process(tmp_path, demo_model):
-    from lorafleet.runner.engine_core import build_engine
-    from lorafleet.runner.synthetic import write_synthetic_model
+    from lorafleet.runner.service.engine_core import build_engine
+    from lorafleet.runner.model.synthetic import write_synthetic_model
 
     shape = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from lorafleet.runner.sampler import sample
-from lorafleet.runner.sequence import SamplingParams, Sequence
+from lorafleet.runner.executor.sampler import sample
+from lorafleet.runner.engine.sequence import SamplingParams, Sequence
 
 
 def seq(i, **kw):

@@ -13,8 +13,8 @@ import urllib.request
 import pytest
 
 from lorafleet.runner.config import EngineConfig
-from lorafleet.runner.engine import Engine
-from lorafleet.runner.sequence import AdapterRef, SamplingParams, Sequence
+from lorafleet.runner.engine.engine import Engine
+from lorafleet.runner.engine.sequence import AdapterRef, SamplingParams, Sequence
 from lorafleet.scheduler.tokenizer import Tokenizer
 from serve_helpers import Served
 

@@ -15,7 +15,7 @@ import pytest
 from lorafleet.common import sources
 from lorafleet.common.peft_config import AdapterError
 from lorafleet.common.source_policy import SourcePolicy, address_refusal
-from lorafleet.runner.adapter_fetch import local_adapter_dir
+from lorafleet.runner.service.adapter_fetch import local_adapter_dir
 from lorafleet.scheduler.registry import AdapterRegistry
 from model_helpers import write_adapter
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from lorafleet.runner.config import EngineConfig
-from lorafleet.runner.cuda_graph import GraphRunner
-from lorafleet.runner.engine import Engine
-from lorafleet.runner.sequence import AdapterRef, SamplingParams, Sequence
-from lorafleet.runner.step_batch import RowWork, StepBatch, build_step_batch
+from lorafleet.runner.executor.cuda_graph import GraphRunner
+from lorafleet.runner.engine.engine import Engine
+from lorafleet.runner.engine.sequence import AdapterRef, SamplingParams, Sequence
+from lorafleet.runner.engine.step_batch import RowWork, StepBatch, build_step_batch
 from model_helpers import write_random_adapter
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from lorafleet.runner.config import EngineConfig, ModelConfigError
-from lorafleet.runner.engine import Engine
-from lorafleet.runner.parallel.worker import TPFailure
-from lorafleet.runner.sequence import AdapterRef, SamplingParams, Sequence
+from lorafleet.runner.engine.engine import Engine
+from lorafleet.runner.engine.tp_workers import TPFailure
+from lorafleet.runner.engine.sequence import AdapterRef, SamplingParams, Sequence
 from model_helpers import write_random_adapter, write_random_llama
 
 pytestmark = pytest.mark.timeout(300)
@@ -104,7 +104,7 @@ def test_adapters_sharing_weights_share_their_rank_slices():
     once per adapter name: the slices are cached on the shared packed weights."""
     from lorafleet.common.peft_config import BaseShape
     from lorafleet.runner.parallel.shard import Shard
-    from lorafleet.runner.synthetic import synthetic_adapter
+    from lorafleet.runner.model.synthetic import synthetic_adapter
 
     base = BaseShape(num_layers=2, hidden_size=64, intermediate_size=96, q_dim=64, kv_dim=32)
     a = synthetic_adapter("x", "synthetic://3?rank=4", base, torch.float32)

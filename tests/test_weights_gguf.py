@@ -7,9 +7,9 @@ import torch
 
 from lorafleet.runner.config import EngineConfig
 from lorafleet.runner.demo import find_gguf
-from lorafleet.runner.engine import Engine
-from lorafleet.runner.sequence import SamplingParams, Sequence
-from lorafleet.runner.weights import WeightsError, load_gguf, load_weights
+from lorafleet.runner.engine.engine import Engine
+from lorafleet.runner.engine.sequence import SamplingParams, Sequence
+from lorafleet.runner.model.weights import WeightsError, load_gguf, load_weights
 
 
 @pytest.fixture(scope="module")

@@ -117,7 +117,7 @@ def load_adapter(
     if str(path).startswith("synthetic://"):
         if not allow_synthetic:
             raise AdapterError(name, "synthetic adapter sources are only for benchmarks")
-        from lorafleet.runner.synthetic import synthetic_adapter
+        from lorafleet.runner.model.synthetic import synthetic_adapter
 
         return synthetic_adapter(name, str(path), base, dtype, pin)
 

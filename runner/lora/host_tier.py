@@ -18,7 +18,7 @@ import torch
 
 from lorafleet.common.peft_config import AdapterError, BaseShape, scrub_paths
 from lorafleet.runner.lora.adapter import LoadedAdapter, load_adapter
-from lorafleet.runner.sequence import AdapterRef
+from lorafleet.runner.engine.sequence import AdapterRef
 
 
 class HostTier:

@@ -20,7 +20,7 @@ from lorafleet.common.peft_config import AdapterError, BaseShape
 from lorafleet.runner.lora.adapter import LoadedAdapter
 from lorafleet.runner.lora.host_tier import HostTier
 from lorafleet.runner.lora.pool import LoraPool
-from lorafleet.runner.sequence import AdapterRef
+from lorafleet.runner.engine.sequence import AdapterRef
 
 log = logging.getLogger(__name__)
 

@@ -50,7 +50,7 @@ import torch
 
 from lorafleet.common.peft_config import AdapterError, AdapterSpec, BaseShape, ModuleLora
 from lorafleet.common.procs import die_with_parent
-from lorafleet.runner.channel import BlockingChannel, ChannelClosed
+from lorafleet.common.channel import BlockingChannel, ChannelClosed
 from lorafleet.runner.lora.adapter import LoadedAdapter, Packed, load_adapter
 
 log = logging.getLogger(__name__)

@@ -65,7 +65,7 @@ class CudaSGMV:
 
     def _ext(self):
         if self._mod is None:
-            from lorafleet.runner.lora.build import load
+            from lorafleet.runner.kernels import load
 
             self._mod = load()
         return self._mod

@@ -17,7 +17,7 @@ from lorafleet import env
 from lorafleet.runner.config import ModelConfig
 from lorafleet.runner.model.ops import make_ops, prefer_cublaslt
 from lorafleet.runner.model.rope import Rope
-from lorafleet.runner.weights import WeightsError
+from lorafleet.runner.model.weights import WeightsError
 
 # Group indices for LoraStep.add: projections that share an input run as one SGMV launch.
 QKV, O, GATE_UP, DOWN = 0, 1, 2, 3

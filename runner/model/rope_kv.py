@@ -49,7 +49,7 @@ def fused_rope_kv(model) -> RopeKv | None:
     if not env.rope_kv_kernel() or model.cfg.head_dim % 4:
         return None
     try:
-        from lorafleet.runner.lora.build import load
+        from lorafleet.runner.kernels import load
 
         ext = load()
     except Exception as exc:  # no compiler on this machine: the five-launch path stays

@@ -17,14 +17,14 @@ from lorafleet import __version__, env
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("lorafleet.serve", "run the scheduler and N runners on this machine (OpenAI-compatible API)"),
-    "generate": ("lorafleet.runner.generate", "offline batch inference of a JSONL file, mixed adapters in one batch"),
+    "generate": ("lorafleet.runner.service.generate", "offline batch inference of a JSONL file, mixed adapters in one batch"),
     "prepare-demo": ("lorafleet.runner.demo", "write the SmolLM2 demo model (HF directory) and demo adapters"),
-    "runner": ("lorafleet.runner.server", "run one runner service (the engine behind HTTP)"),
+    "runner": ("lorafleet.runner.service.server", "run one runner service (the engine behind HTTP)"),
     "scheduler": ("lorafleet.scheduler.server", "run the scheduler service (OpenAI API, placement, migration)"),
     "operator": ("lorafleet.operator.cli", "run the Kubernetes operator (kopf)"),
     "simulate": ("lorafleet.scheduler.simulate", "simulate placement policies over a cluster trace"),
     "bench": ("lorafleet.bench", "benchmarks: kernels, e2e, cpu, serve, relay"),
-    "build-kernels": ("lorafleet.runner.lora.build", "build the SGMV CUDA extension ahead of time"),
+    "build-kernels": ("lorafleet.runner.kernels", "build the SGMV CUDA extension ahead of time"),
 }
 
 

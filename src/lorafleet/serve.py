@@ -218,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
     model_path = Path(model)
     tok_dir = model_path
     if model_path.suffix == ".gguf":
-        from lorafleet.runner.generate import tokenizer_dir
+        from lorafleet.runner.service.generate import tokenizer_dir
 
         tok_dir = tokenizer_dir(model_path)
     registry = AdapterRegistry.from_directory(adapters_dir) if adapters_dir else AdapterRegistry()

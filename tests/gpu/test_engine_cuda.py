@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from lorafleet.runner.config import EngineConfig
-from lorafleet.runner.engine import Engine
-from lorafleet.runner.sequence import AdapterRef, SamplingParams, Sequence
+from lorafleet.runner.engine.engine import Engine
+from lorafleet.runner.engine.sequence import AdapterRef, SamplingParams, Sequence
 from model_helpers import write_random_adapter, write_random_llama
 
 pytestmark = pytest.mark.gpu
@@ -171,8 +171,8 @@ def test_async_adapter_loads_with_few_slots(smol_shaped):
 def test_piecewise_mixed_step_matches_eager(smol_shaped):
     """A step with prefill and decode rows through the piecewise CUDA graphs (padded to a bucket)
     against the same step run eagerly: same logits up to bf16 GEMM-shape noise, same argmax."""
-    from lorafleet.runner.model_runner import to_device
-    from lorafleet.runner.step_batch import build_step_batch
+    from lorafleet.runner.executor.model_runner import to_device
+    from lorafleet.runner.engine.step_batch import build_step_batch
 
     model, ads = smol_shaped
     eng = Engine(str(model), EngineConfig(max_lora_rank=16, max_batch_size=32, num_pages=4096, overlap=False))

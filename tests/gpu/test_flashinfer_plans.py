@@ -19,9 +19,9 @@ pytest.importorskip("flashinfer")
 
 @pytest.mark.parametrize("kernel", ["fa2", "fa3"])
 def test_a_mixed_step_plans_without_waiting_for_queued_work(kernel, monkeypatch):
-    from lorafleet.runner.attention.flashinfer_backend import FlashInferAttention
-    from lorafleet.runner.attention.meta import AttnMeta
-    from lorafleet.runner.kv_cache import KVCache
+    from lorafleet.runner.executor.attention.flashinfer_backend import FlashInferAttention
+    from lorafleet.runner.executor.attention.meta import AttnMeta
+    from lorafleet.runner.executor.kv_cache import KVCache
 
     dev = torch.device("cuda")
     cfg = SimpleNamespace(num_layers=2, num_heads=8, num_kv_heads=8, head_dim=128, kv_dim=8 * 128)
@@ -67,9 +67,9 @@ def test_prefill_kernels_match_fp32_attention(case, monkeypatch):
     """Both of flashinfer's prefill kernels (FA2, FA3) against an fp32 reference on the same step, and
     the kernel `auto` picks for it on sm90: a 64-row chunk over a 3,000-token prefix (beside two decode
     rows) takes FA2, a 1,024-row prompt FA3 (runner/attention/meta.py prefill_kernel)."""
-    from lorafleet.runner.attention.flashinfer_backend import FlashInferAttention
-    from lorafleet.runner.attention.meta import AttnMeta
-    from lorafleet.runner.kv_cache import KVCache
+    from lorafleet.runner.executor.attention.flashinfer_backend import FlashInferAttention
+    from lorafleet.runner.executor.attention.meta import AttnMeta
+    from lorafleet.runner.executor.kv_cache import KVCache
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("FA3 needs sm90")

@@ -31,7 +31,7 @@ def reference(x: torch.Tensor, cs: torch.Tensor, pos: torch.Tensor) -> torch.Ten
 
 
 def ext():
-    from lorafleet.runner.lora.build import load
+    from lorafleet.runner.kernels import load
 
     return load()
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from lorafleet.runner.config import EngineConfig
-from lorafleet.runner.engine import Engine
-from lorafleet.runner.sequence import AdapterRef, SamplingParams, Sequence
+from lorafleet.runner.engine.engine import Engine
+from lorafleet.runner.engine.sequence import AdapterRef, SamplingParams, Sequence
 from test_engine_cuda import flips_against as flips
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")]
@@ -21,7 +21,7 @@ def hf_model(path, cfg, adapters, dtype):
     from peft import PeftModel
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lorafleet.runner.synthetic import SyntheticWeights, synthetic_seed
+    from lorafleet.runner.model.synthetic import SyntheticWeights, synthetic_seed
 
     hf_cfg = LlamaConfig(**{k: v for k, v in __import__("json").loads((path / "config.json").read_text()).items()
                             if k != "model_type"})
@@ -59,9 +59,9 @@ def test_tp2_7b_shape_matches_hf_fp32_teacher_forced(tmp_path):
     import time
 
     t0 = time.perf_counter()
-    from lorafleet.runner.bench_e2e import LLAMA2_7B, write_peft_adapter
+    from lorafleet.bench.e2e import LLAMA2_7B, write_peft_adapter
     from lorafleet.runner.config import ModelConfig
-    from lorafleet.runner.synthetic import synthetic_adapter, write_synthetic_model
+    from lorafleet.runner.model.synthetic import synthetic_adapter, write_synthetic_model
 
     hf = dict(LLAMA2_7B, max_position_embeddings=4096)
     path = write_synthetic_model(tmp_path / "model", hf, seed=3)

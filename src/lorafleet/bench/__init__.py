@@ -6,9 +6,9 @@ import argparse
 import importlib
 
 BENCHES = {
-    "kernels": "lorafleet.runner.bench_kernels",
-    "e2e": "lorafleet.runner.bench_e2e",
-    "cpu": "lorafleet.runner.bench_cpu",
+    "kernels": "lorafleet.bench.kernels",
+    "e2e": "lorafleet.bench.e2e",
+    "cpu": "lorafleet.bench.cpu",
     "serve": "lorafleet.bench.serve",
     "relay": "lorafleet.bench.relay",
 }

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from lorafleet.runner.stream import RunnerStream, hello_line
+from lorafleet.runner.service.stream import RunnerStream, hello_line
 
 
 class FakeRunner:

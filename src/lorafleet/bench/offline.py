@@ -14,7 +14,7 @@ import numpy as np
 
 
 def engine_for(model: str, config: dict):
-    from lorafleet.runner.engine_core import build_engine
+    from lorafleet.runner.service.engine_core import build_engine
 
     return build_engine(model, config)
 
@@ -23,8 +23,8 @@ def run(engine, reqs: list[tuple[list[int], int]], adapters: list[str | None], a
     """reqs: (prompt ids, output tokens); adapters: the adapter name of each (None: base)."""
     import torch
 
-    from lorafleet.runner.bench_e2e import drive
-    from lorafleet.runner.sequence import AdapterRef, SamplingParams, Sequence
+    from lorafleet.bench.e2e import drive
+    from lorafleet.runner.engine.sequence import AdapterRef, SamplingParams, Sequence
 
     def sync():
         if engine.device.type == "cuda":

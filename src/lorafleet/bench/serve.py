@@ -69,7 +69,7 @@ def prepare_adapters(args, root: Path, hf_config: dict) -> list[str]:
             names.append(d.name)
         names = names[: args.weight_sets] if args.weight_sets else names
     else:
-        from lorafleet.runner.synthetic import write_synthetic_adapter
+        from lorafleet.runner.model.synthetic import write_synthetic_adapter
 
         for k in range(args.weight_sets or 32):
             if not (root / f"w{k}" / "adapter_model.safetensors").is_file():
@@ -327,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
 
         demo = args.tokenizer_from if args.synthetic_model and args.tokenizer_from else prepare() / "model"
         if args.synthetic_model:
-            from lorafleet.runner.synthetic import LLAMA2_7B, write_synthetic_model
+            from lorafleet.runner.model.synthetic import LLAMA2_7B, write_synthetic_model
 
             model = write_synthetic_model(work / "model-7b", LLAMA2_7B, seed=args.seed, tokenizer_from=demo)
         else:

@@ -26,7 +26,7 @@ import sys
 from typing import Callable, Protocol
 
 from lorafleet.common.procs import die_with_parent
-from lorafleet.runner.channel import AsyncChannel, ChannelClosed
+from lorafleet.common.channel import AsyncChannel, ChannelClosed
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class EngineClient:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "lorafleet.runner.engine_core", "--fd", str(theirs.fileno()),
+                sys.executable, "-m", "lorafleet.runner.service.engine_core", "--fd", str(theirs.fileno()),
                 "--log-level", self.log_level, pass_fds=(theirs.fileno(),), preexec_fn=_core_preexec,
                 stdin=asyncio.subprocess.DEVNULL)
         finally:

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from lorafleet.runner.lora.segments import merge_runs
-from lorafleet.runner.sampler import pack_sampling, uniform_for
-from lorafleet.runner.sequence import Sequence
+from lorafleet.runner.executor.sampler import pack_sampling, uniform_for
+from lorafleet.runner.engine.sequence import Sequence
 
 
 @dataclass(frozen=True)

@@ -204,7 +204,7 @@ def load_weights(path: str | Path, shard=None, device="cpu", dtype=torch.float32
     """Config (of the whole model) and HF-named tensors (this tensor-parallel rank's slices when
     `shard` is given) from an HF directory, a .gguf file or a synthetic model directory (seeded
     random weights drawn on `device` in `dtype`, see runner/synthetic.py)."""
-    from lorafleet.runner import synthetic
+    from lorafleet.runner.model import synthetic
 
     p = Path(path)
     if not p.exists():

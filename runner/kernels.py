@@ -22,8 +22,8 @@ from types import ModuleType
 from lorafleet import env
 
 NAME = "lorafleet_sgmv"
-# repo/runner/lora/build.py -> repo/csrc; wheel: lorafleet/runner/lora/build.py -> lorafleet/csrc
-CSRC = Path(__file__).resolve().parents[2] / "csrc"
+# repo/runner/kernels.py -> repo/csrc; wheel: lorafleet/runner/kernels.py -> lorafleet/csrc
+CSRC = Path(__file__).resolve().parents[1] / "csrc"
 BINDING = "sgmv_binding.cpp"
 # sm_90 (H100/H200) and sm_80 (A100) machine code; no --use_fast_math (keeps IEEE fp32 accumulation).
 CUDA_FLAGS = ["-O3", "-gencode=arch=compute_90,code=sm_90", "-gencode=arch=compute_80,code=sm_80"]

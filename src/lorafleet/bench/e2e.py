@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 from lorafleet.common.workloads import assign, sharegpt_requests  # noqa: F401 (re-exported)
-from lorafleet.runner import synthetic
-from lorafleet.runner.synthetic import LLAMA2_7B
+from lorafleet.runner.model import synthetic
+from lorafleet.runner.model.synthetic import LLAMA2_7B
 from lorafleet.scheduler.simulate import fit_step_model
 
 # Llama-2-7B's shape; the context is 16k (not 4k) so that the long-prompt interference run fits
@@ -147,7 +147,7 @@ def drive(engine, label: str, first: dict, end: dict) -> list[tuple]:
 
 def run_mix(engine, reqs, names, weights_of, label: str, log, fm: dict | None = None) -> dict:
     """Submit everything at t0, step to completion; throughput, TTFT and TPOT."""
-    from lorafleet.runner.sequence import AdapterRef, SamplingParams, Sequence
+    from lorafleet.runner.engine.sequence import AdapterRef, SamplingParams, Sequence
 
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -201,7 +201,7 @@ def profile_breakdown(engine, reqs, log, source_of=str, mixed_steps: int = 4) ->
     `mixed_steps`, first up to that many steps while the batch fills (from half of it decoding on, while
     prompts wait, so that each carries prompt rows beside decodes) -> `mixed`, with each profiled step's
     rows; a profiled step that carried no prompt rows is logged as such."""
-    from lorafleet.runner.sequence import AdapterRef, SamplingParams, Sequence
+    from lorafleet.runner.engine.sequence import AdapterRef, SamplingParams, Sequence
 
     full = min(engine.config.max_batch_size, len(reqs))
     for i, (ids, _) in enumerate(reqs[:full]):  # distinct adapters
@@ -316,7 +316,7 @@ def run_interference(engine, vocab: int, log, long_len: int = 8000, n_long: int 
     The interference is p99 (with long prompts) / p50 of the control. With `adapter_source(i) -> source`,
     request i has its own adapter (name i, that source). With `profile`, one more long
     prompt afterwards: device time per kernel and host profile of steps that carry its rows."""
-    from lorafleet.runner.sequence import AdapterRef, SamplingParams, Sequence
+    from lorafleet.runner.engine.sequence import AdapterRef, SamplingParams, Sequence
 
     def ref(name: str, i: int):
         return AdapterRef(f"i-{name}", adapter_source(i)) if adapter_source is not None else None
@@ -447,7 +447,7 @@ def profile_mixed(engine, vocab: int, long_len: int, rng, log, adapter=None, n: 
     """Profiles `n` steps that carry rows of one long prompt beside the running decodes (early in the
     prompt, and again in its last eighth, where each chunk attends to a long prefix), then `n` quiet
     decode steps after it finished."""
-    from lorafleet.runner.sequence import SamplingParams, Sequence
+    from lorafleet.runner.engine.sequence import SamplingParams, Sequence
 
     sq = Sequence("i-prof", rng.integers(3, vocab, long_len).tolist(), SamplingParams(max_tokens=2, ignore_eos=True),
                   adapter, arrival=2e6)
@@ -713,7 +713,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from lorafleet.runner.config import EngineConfig
-    from lorafleet.runner.engine import Engine
+    from lorafleet.runner.engine.engine import Engine
 
     def log(msg):
         print(msg, flush=True)
@@ -733,7 +733,7 @@ def main(argv: list[str] | None = None) -> int:
                      "requests": args.requests, "max_batch": args.max_batch, "runs": []}
 
     def make_engine(max_batch: int, lora: bool, from_disk: bool = False, chunked: bool = True):
-        from lorafleet.runner.sequence import AdapterRef, SamplingParams, Sequence
+        from lorafleet.runner.engine.sequence import AdapterRef, SamplingParams, Sequence
 
         t0 = time.perf_counter()
         cfg = EngineConfig(max_batch_size=max_batch, max_lora_rank=args.rank, lora_slots=max(64, 2 * max_batch),
@@ -867,8 +867,8 @@ def _tp_session(job: dict, conn) -> None:
     """One engine (one tensor-parallel size, LoRA on or off) in its own process: a process holds
     one NCCL group at a time (see runner/parallel/group.py). Sends back its runs."""
     from lorafleet.runner.config import EngineConfig, ModelConfig
-    from lorafleet.runner.engine import Engine
-    from lorafleet.runner.sequence import AdapterRef, SamplingParams, Sequence
+    from lorafleet.runner.engine.engine import Engine
+    from lorafleet.runner.engine.sequence import AdapterRef, SamplingParams, Sequence
 
     def log(msg):
         print(msg, flush=True)
@@ -929,7 +929,7 @@ def run_tp(args) -> int:
     import multiprocessing as mp
     import tempfile
 
-    from lorafleet.runner.synthetic import write_synthetic_model
+    from lorafleet.runner.model.synthetic import write_synthetic_model
 
     t_start = time.perf_counter()
     hf = SHAPES[args.shape]

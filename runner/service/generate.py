@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from lorafleet.runner.config import EngineConfig
-from lorafleet.runner.sequence import AdapterRef, SamplingError, Sequence, parse_token_ids, sampling_from_dict
+from lorafleet.runner.engine.sequence import AdapterRef, SamplingError, Sequence, parse_token_ids, sampling_from_dict
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from lorafleet.runner.engine import Engine
+    from lorafleet.runner.engine.engine import Engine
     from lorafleet.scheduler.tokenizer import Tokenizer
 
     model = args.model

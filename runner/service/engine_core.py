@@ -1,6 +1,6 @@
 """The engine core: a process that owns the device and runs `Engine.step()` in a busy loop.
 
-Started by the runner's front (`engine_client.py`) as `python -m lorafleet.runner.engine_core
+Started by the runner's front (`engine_client.py`) as `python -m lorafleet.runner.service.engine_core
 --fd N`, where N is its end of a socketpair (`channel.py` lists the messages). No HTTP, no
 asyncio, no threads of its own: between two steps it reads whatever the front sent (submit,
 cancel, state, shutdown) without waiting, and after each step it sends one message with the
@@ -29,9 +29,9 @@ import time
 
 from lorafleet import env
 from lorafleet.common.procs import die_with_parent
-from lorafleet.runner.channel import BlockingChannel, ChannelClosed
+from lorafleet.common.channel import BlockingChannel, ChannelClosed
 
-log = logging.getLogger("lorafleet.runner.engine_core")
+log = logging.getLogger("lorafleet.runner.service.engine_core")
 
 SNAPSHOT_EVERY_S = 0.1  # how stale the front's state may be while the engine is busy
 IDLE_WAIT_S = 0.5  # idle: wake this often to refresh idle_seconds in the snapshot
@@ -47,13 +47,13 @@ def engine_config_from_dict(d: dict):
 def build_engine(model: str, config: dict):
     """An Engine for a model path: HF directory, .gguf, or a synthetic model directory (weights
     drawn on the device); with `tp` > 1 it starts the other tensor-parallel ranks."""
-    from lorafleet.runner.engine import Engine
+    from lorafleet.runner.engine.engine import Engine
 
     return Engine(model, engine_config_from_dict(config))
 
 
 def sequence_from_wire(d: dict):
-    from lorafleet.runner.sequence import AdapterRef, Sequence, sampling_from_dict
+    from lorafleet.runner.engine.sequence import AdapterRef, Sequence, sampling_from_dict
 
     a = d.get("adapter")
     ref = AdapterRef(a["name"], a["source"], a.get("sha256")) if a else None
@@ -145,7 +145,7 @@ def serve(ch: BlockingChannel, engine) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m lorafleet.runner.engine_core")
+    p = argparse.ArgumentParser(prog="python -m lorafleet.runner.service.engine_core")
     p.add_argument("--fd", type=int, required=True, help="this process's end of the socketpair")
     p.add_argument("--log-level", default=env.log_level())
     args = p.parse_args(argv)

@@ -7,7 +7,7 @@ import logging
 import torch
 
 from lorafleet import env
-from lorafleet.runner.attention.torch_backend import TorchAttention
+from lorafleet.runner.executor.attention.torch_backend import TorchAttention
 
 log = logging.getLogger(__name__)
 
@@ -16,7 +16,7 @@ def attention_backend(kv, cfg, device: torch.device, engine_cfg):
     choice = env.attention_backend()
     if device.type == "cuda" and choice in ("auto", "flashinfer"):
         try:
-            from lorafleet.runner.attention.flashinfer_backend import FlashInferAttention
+            from lorafleet.runner.executor.attention.flashinfer_backend import FlashInferAttention
         except ImportError as exc:
             if choice == "flashinfer":
                 raise RuntimeError(f"LORAFLEET_ATTENTION=flashinfer but flashinfer is not importable: {exc}") from None

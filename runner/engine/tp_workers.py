@@ -33,7 +33,7 @@ class TPFailure(RuntimeError):
 
 def rank_device(config, rank: int) -> torch.device:
     """cuda -> cuda:rank; cuda:k -> cuda:(k + rank); cpu stays cpu."""
-    from lorafleet.runner.engine import resolve_device
+    from lorafleet.runner.engine.engine import resolve_device
 
     dev = resolve_device(config.device)
     if dev.type != "cuda":
@@ -93,10 +93,10 @@ class SlotMirror:
 
 def worker_main(rank: int, size: int, port: int, model: str, config, conn) -> None:
     """Entry point of ranks 1..G-1 (a spawned process)."""
-    from lorafleet.runner.executor import build_executor
+    from lorafleet.runner.executor.executor import build_executor
     from lorafleet.runner.parallel.group import TPGroup
     from lorafleet.runner.parallel.shard import Shard
-    from lorafleet.runner.step_batch import StepBatch
+    from lorafleet.runner.engine.step_batch import StepBatch
 
     logging.basicConfig(level=os.environ.get("LORAFLEET_LOG_LEVEL", "WARNING"),
                         format=f"%(asctime)s tp-rank{rank} %(levelname)s %(name)s: %(message)s")

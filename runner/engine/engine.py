@@ -22,14 +22,14 @@ from dataclasses import dataclass, field
 import torch
 
 from lorafleet import env
-from lorafleet.runner.batcher import Batcher
-from lorafleet.runner.block_manager import BlockManager
+from lorafleet.runner.engine.batcher import Batcher
+from lorafleet.runner.engine.block_manager import BlockManager
 from lorafleet.runner.config import EngineConfig, ModelConfig
-from lorafleet.runner.executor import build_executor
+from lorafleet.runner.executor.executor import build_executor
 from lorafleet.runner.lora.manager import AdapterManager
 from lorafleet.runner.model.llama import LlamaModel
-from lorafleet.runner.sequence import Sequence
-from lorafleet.runner.step_batch import StepBatch, build_step_batch
+from lorafleet.runner.engine.sequence import Sequence
+from lorafleet.runner.engine.step_batch import StepBatch, build_step_batch
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class Engine:
                 raise ValueError("tensor parallelism needs a model path (every rank loads its own slices)")
             from lorafleet.runner.parallel.group import TPGroup, free_port
             from lorafleet.runner.parallel.shard import Shard
-            from lorafleet.runner.parallel.worker import TPWorkers, rank_device
+            from lorafleet.runner.engine.tp_workers import TPWorkers, rank_device
 
             device = rank_device(config, 0)
             if device.type == "cuda":

@@ -18,8 +18,8 @@ import torch
 
 from lorafleet import env
 
-from lorafleet.runner.attention.meta import AttnMeta
-from lorafleet.runner.graph_capture import capture
+from lorafleet.runner.executor.attention.meta import AttnMeta
+from lorafleet.runner.executor.graph_capture import capture
 from lorafleet.runner.lora.segments import SegmentTable
 from lorafleet.runner.lora.step import LoraStepImpl
 
@@ -96,7 +96,7 @@ class GraphRunner:
         self.static[B] = st
         if not self.use_graphs:
             return
-        from lorafleet.runner.attention.flashinfer_backend import GraphDecodeStep
+        from lorafleet.runner.executor.attention.flashinfer_backend import GraphDecodeStep
 
         st.wrapper = self.attention.make_graph_decoder(B, self.max_pages)
         self.attention.plan_decode(st.wrapper, [[self.scratch_page]] * B, [1] * B)

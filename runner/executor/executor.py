@@ -15,11 +15,11 @@ from dataclasses import dataclass
 import torch
 
 from lorafleet.runner.config import EngineConfig, ModelConfig
-from lorafleet.runner.kv_cache import KVCache, bytes_per_token
+from lorafleet.runner.executor.kv_cache import KVCache, bytes_per_token
 from lorafleet.runner.lora.pool import LoraPool
 from lorafleet.runner.model.llama import LlamaModel
-from lorafleet.runner.model_runner import ModelRunner
-from lorafleet.runner.weights import load_weights
+from lorafleet.runner.executor.model_runner import ModelRunner
+from lorafleet.runner.model.weights import load_weights
 
 log = logging.getLogger(__name__)
 DEFAULT_STEP_TOKENS = 2048  # chunked prefill: token rows per step when EngineConfig leaves it open
@@ -49,7 +49,7 @@ def step_budget(config: EngineConfig, device: torch.device) -> int | None:
 def build_executor(model: "str | LlamaModel", config: EngineConfig, shard=None, group=None,
                    device: torch.device | None = None) -> Executor:
     """`model`: a path (HF directory, .gguf, synthetic directory) or a built LlamaModel (TP = 1)."""
-    from lorafleet.runner.engine import resolve_device, resolve_dtype
+    from lorafleet.runner.engine.engine import resolve_device, resolve_dtype
 
     if isinstance(model, LlamaModel):
         net = model
@@ -77,7 +77,7 @@ def build_executor(model: "str | LlamaModel", config: EngineConfig, shard=None, 
         num_pages = group.min_int(num_pages)  # every rank must hold the same pages
     # one extra page: the scratch page padded rows of captured CUDA graphs write to
     kv = KVCache(rank_cfg, num_pages + 1, config.page_size, dtype, device)
-    from lorafleet.runner.attention.select import attention_backend
+    from lorafleet.runner.executor.attention.select import attention_backend
 
     attention = attention_backend(kv, rank_cfg, device, config)
     sgmv = make_sgmv(device, dtype)
@@ -115,7 +115,7 @@ def make_graphs(model, attention, lora_pool, sgmv, config: EngineConfig, scratch
     if attention.name != "flashinfer" or (lora_pool is not None and sgmv.name == "torch"):
         log.warning("decode CUDA graphs need flashinfer attention and the CUDA SGMV kernels; running eagerly")
         return None
-    from lorafleet.runner.cuda_graph import GraphRunner
+    from lorafleet.runner.executor.cuda_graph import GraphRunner
 
     t0 = time.perf_counter()
     g = GraphRunner(model, attention, lora_pool, sgmv, config.page_size, config.max_batch_size, scratch_page)
@@ -128,7 +128,7 @@ def make_piecewise(model, attention, lora_pool, sgmv, config: EngineConfig, budg
     """Piecewise CUDA graphs for steps with prefill (everything but attention replayed)."""
     if not config.piecewise_graphs:
         return None
-    from lorafleet.runner.piecewise import PiecewiseGraphs, default_buckets
+    from lorafleet.runner.executor.piecewise import PiecewiseGraphs, default_buckets
 
     t0 = time.perf_counter()
     limit = budget or (config.max_prefill_tokens + config.max_batch_size)

@@ -20,12 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
-from lorafleet.runner.attention.meta import AttnMeta
+from lorafleet.runner.executor.attention.meta import AttnMeta
 from lorafleet.runner.lora.segments import SegmentTable
 from lorafleet.runner.lora.step import LoraStepImpl
 from lorafleet.runner.model.llama import LlamaModel
-from lorafleet.runner.sampler import sample_tokens
-from lorafleet.runner.step_batch import StepBatch, split64
+from lorafleet.runner.executor.sampler import sample_tokens
+from lorafleet.runner.engine.step_batch import StepBatch, split64
 
 
 @dataclass

@@ -31,10 +31,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from lorafleet.common.peft_config import AdapterError
-from lorafleet.runner.block_manager import BlockManager
+from lorafleet.runner.engine.block_manager import BlockManager
 from lorafleet.runner.lora.manager import READY, AdapterManager
-from lorafleet.runner.sequence import Sequence, Status
-from lorafleet.runner.step_batch import RowWork
+from lorafleet.runner.engine.sequence import Sequence, Status
+from lorafleet.runner.engine.step_batch import RowWork
 
 
 @dataclass

@@ -35,9 +35,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from lorafleet import env
 from lorafleet.common.peft_config import AdapterError, BaseShape
-from lorafleet.runner.engine_client import EngineClient
-from lorafleet.runner.sequence import SamplingError, SamplingParams, parse_token_ids, sampling_from_dict
-from lorafleet.runner.stream import RunnerStream, hello_line
+from lorafleet.runner.service.engine_client import EngineClient
+from lorafleet.runner.engine.sequence import SamplingError, SamplingParams, parse_token_ids, sampling_from_dict
+from lorafleet.runner.service.stream import RunnerStream, hello_line
 
 log = logging.getLogger(__name__)
 
@@ -278,7 +278,7 @@ class RunnerService:
         return web.json_response({"request_id": rid, "accepted": True}, status=202)
 
     async def _fetch_then_submit(self, key: tuple, wire: dict, st: RunnerStream) -> None:
-        from lorafleet.runner.adapter_fetch import local_adapter_dir
+        from lorafleet.runner.service.adapter_fetch import local_adapter_dir
 
         rid = wire["id"]
         try:
@@ -325,7 +325,7 @@ class RunnerService:
 
     async def validate(self, request: web.Request) -> web.Response:
         from lorafleet.common.peft_config import inspect_adapter
-        from lorafleet.runner.adapter_fetch import local_adapter_dir
+        from lorafleet.runner.service.adapter_fetch import local_adapter_dir
 
         info = self.engine.info
         if not info:

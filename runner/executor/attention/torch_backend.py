@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from lorafleet.runner.attention.meta import AttnMeta
-from lorafleet.runner.kv_cache import KVCache
+from lorafleet.runner.executor.attention.meta import AttnMeta
+from lorafleet.runner.executor.kv_cache import KVCache
 
 
 class TorchAttention:

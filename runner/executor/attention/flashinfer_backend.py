@@ -26,8 +26,8 @@ import flashinfer  # noqa: F401  (ImportError here makes select.py fall back to 
 from flashinfer import BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper
 
 from lorafleet import env
-from lorafleet.runner.attention.meta import AttnMeta, prefill_kernel
-from lorafleet.runner.kv_cache import KVCache
+from lorafleet.runner.executor.attention.meta import AttnMeta, prefill_kernel
+from lorafleet.runner.executor.kv_cache import KVCache
 
 WORKSPACE_BYTES = 256 << 20
 FA3_HEAD_DIMS = (64, 128, 256)  # head sizes flashinfer's FA3 prefill is built for

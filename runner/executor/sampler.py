@@ -16,7 +16,7 @@ import random
 
 import torch
 
-from lorafleet.runner.sequence import Sequence
+from lorafleet.runner.engine.sequence import Sequence
 
 
 def uniform_for(seed: int, position: int) -> float:

@@ -37,8 +37,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from lorafleet.runner.config import EngineConfig
     from lorafleet.runner.demo import prepare
-    from lorafleet.runner.engine import Engine
-    from lorafleet.runner.sequence import AdapterRef, SamplingParams, Sequence
+    from lorafleet.runner.engine.engine import Engine
+    from lorafleet.runner.engine.sequence import AdapterRef, SamplingParams, Sequence
     from lorafleet.scheduler.tokenizer import Tokenizer
 
     demo = prepare()

@@ -22,7 +22,7 @@ import logging
 
 import torch
 
-from lorafleet.runner.graph_capture import capture
+from lorafleet.runner.executor.graph_capture import capture
 from lorafleet.runner.lora.segments import SegmentTable
 from lorafleet.runner.lora.step import LoraStepImpl
 

@@ -1,0 +1,1 @@
+"""Scheduling: requests, continuous batching, KV pages, the step batch; tensor-parallel ranks."""

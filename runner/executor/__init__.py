@@ -1,0 +1,1 @@
+"""Step execution: model runner, CUDA graphs, attention backends, KV cache, sampling."""

@@ -1,0 +1,1 @@
+"""The runner process: HTTP front, engine core process, offline generate."""
