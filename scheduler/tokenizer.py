@@ -1,18 +1,39 @@
 """The base model's tokenizer and chat template, without torch or transformers.
 
 Reads `tokenizer.json` (the `tokenizers` library) and `tokenizer_config.json` /
-`chat_template.jinja` from a model directory; renders chat templates with a sandboxed
-jinja2 environment the way Hugging Face does.
+`chat_template.jinja` from a model directory, and renders chat templates in a sandboxed jinja2
+environment set up as Hugging Face's `apply_chat_template` sets up its own, so a template
+renders to the same text here as there:
+
+- `tojson` is JSON as the templates expect it: no HTML escaping, keys in their given order,
+  non-ASCII kept, `indent` / `separators` / `sort_keys` / `ensure_ascii` accepted (jinja's own
+  filter escapes `<>&'`, sorts keys and writes non-ASCII as `\\uXXXX`);
+- `{% break %}` / `{% continue %}` and the `{% generation %}` block (marks assistant text for
+  training masks; here it renders its body) compile;
+- globals `raise_exception(message)` and `strftime_now(format)`; namespaces refuse
+  underscore-prefixed attributes;
+- variables: `messages` (keys whose value is None dropped), `add_generation_prompt`, `tools`
+  and `documents` (None unless given), every special token the tokenizer config names
+  (`bos_token`, `eos_token`, `unk_token`, ...) as its text, then the caller's extra variables
+  (`enable_thinking`, `date_string`, ...), which may not replace any of those.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from datetime import datetime
 from pathlib import Path
 
-from jinja2.exceptions import TemplateError
+import jinja2.ext
+import jinja2.nodes
+from jinja2.exceptions import SecurityError, TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.utils import Namespace
+
+log = logging.getLogger(__name__)
+
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 class ChatTemplateError(ValueError):
@@ -21,6 +42,63 @@ class ChatTemplateError(ValueError):
 
 def _raise(message: str):
     raise TemplateError(message)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class _Namespace(Namespace):
+    """`namespace(...)` whose attributes may not start with an underscore."""
+
+    def __init__(*args, **kwargs):  # jinja's own signature: `namespace(self=...)` stays possible
+        Namespace.__init__(*args, **kwargs)
+        for name in dict(*args[1:], **kwargs):
+            _Namespace._check(name)
+
+    def __setitem__(self, name, value):
+        _Namespace._check(name)
+        Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise SecurityError(f"a chat template may not set {name!r} on a namespace")
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}`: renders its body unchanged."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller):
+        return caller()
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["namespace"] = _Namespace
+    return env
+
+
+_ENV = _environment()
+
+#: Names a request's extra template variables may not take: what the renderer sets itself.
+RESERVED_TEMPLATE_VARS = frozenset({"messages", "add_generation_prompt", "tools", "documents",
+                                    *SPECIAL_TOKEN_NAMES, *_ENV.globals})
 
 
 def _token_text(value) -> str | None:
@@ -59,20 +137,24 @@ class Tokenizer:
         if (d / "chat_template.jinja").is_file():
             template = (d / "chat_template.jinja").read_text()
         self.chat_template: str | None = template
-        self.bos_token = _token_text(cfg.get("bos_token"))
-        self.eos_token = _token_text(cfg.get("eos_token"))
+        self.special_tokens = {name: text for name in SPECIAL_TOKEN_NAMES
+                               if isinstance(text := _token_text(cfg.get(name)), str)}
+        self.bos_token = self.special_tokens.get("bos_token")
+        self.eos_token = self.special_tokens.get("eos_token")
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         self.special_ids = {
             i for i, t in self._tok.get_added_tokens_decoder().items() if getattr(t, "special", False)
         }
         self._template = None
+        self._template_problem: str | None = None
         self._max_token_chars: int | None = None
         self._pieces: list[bytes] | None = None
         if template:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise
-            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-            self._template = env.from_string(template)
+            try:
+                self._template = _ENV.from_string(template)
+            except TemplateError as exc:  # chat requests are refused with this; completions still work
+                self._template_problem = f"this model's chat template does not compile: {exc}"
+                log.error("%s", self._template_problem)
 
     def byte_pieces(self) -> list[bytes] | None:
         """For byte-level BPE tokenizers (GPT-2 style `ByteLevel` decoder): the bytes each id decodes
@@ -124,20 +206,33 @@ class Tokenizer:
     def id_to_token(self, i: int) -> str | None:
         return self._tok.id_to_token(i)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    template_kwargs: dict | None = None, tools: list[dict] | None = None,
+                    documents: list[dict] | None = None) -> str:
+        """The prompt text of `messages`, as `apply_chat_template(messages, tools=tools,
+        documents=documents, add_generation_prompt=..., tokenize=False, **template_kwargs)`
+        renders it. ChatTemplateError when the template refuses the input (its
+        `raise_exception` message is kept) or fails on it."""
         if self._template is None:
-            raise ChatTemplateError("this model has no chat template; use /v1/completions")
+            raise ChatTemplateError(self._template_problem or "this model has no chat template; use /v1/completions")
+        extra = dict(template_kwargs or {})
+        if clash := sorted(RESERVED_TEMPLATE_VARS.intersection(extra)):
+            raise ChatTemplateError(f"template variables {', '.join(clash)} are set by the server")
         try:
             return self._template.render(
-                messages=messages,
+                messages=[{k: v for k, v in dict(m).items() if v is not None} for m in messages],
+                tools=tools,
+                documents=documents,
                 add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
+                **self.special_tokens,
+                **extra,
             )
         except TemplateError as exc:
             raise ChatTemplateError(f"chat template error: {exc}") from None
-        except (TypeError, ValueError, KeyError, AttributeError, IndexError, RecursionError) as exc:
+        except Exception as exc:  # the template failed on this input: still the client's input, so a 400
             raise ChatTemplateError(f"chat template error: {type(exc).__name__}") from None
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    template_kwargs: dict | None = None) -> list[int]:
+        return self.encode(self.render_chat(messages, add_generation_prompt, template_kwargs),
+                           add_special_tokens=False)
