@@ -7,9 +7,12 @@ Every rejection is an `ApiError` carrying the HTTP status and the OpenAI error b
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass
+
+from lorafleet.scheduler.tokenizer import RESERVED_TEMPLATE_VARS
 
 MAX_N = 128  # OpenAI's bound; the scheduler's sequence budget (limits.py) is usually lower
 MAX_PROMPTS = 2048
@@ -199,7 +202,50 @@ def parse_prompts(body: dict, vocab_size: int, max_model_len: int) -> list[str |
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
-def parse_messages(body: dict) -> list[dict]:
+class ChatMessages(list):
+    """A chat request's messages (dicts of role and text content), with the extra variables
+    its `chat_template_kwargs` gives the chat template."""
+
+    template_kwargs: dict
+
+    def __init__(self, messages: list[dict], template_kwargs: dict | None = None):
+        super().__init__(messages)
+        self.template_kwargs = dict(template_kwargs or {})
+
+
+def _finite_json(v) -> bool:
+    """True when `v` holds no NaN or infinity (what Python's json parser lets through)."""
+    stack = [v]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, float) and not math.isfinite(x):
+            return False
+        if isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
+    return True
+
+
+def parse_template_kwargs(body: dict) -> dict:
+    """`chat_template_kwargs`: an object of extra chat template variables (e.g. {"enable_thinking": false});
+    it may not set what the server sets itself (messages, add_generation_prompt, tools, documents, the
+    special tokens, the template's functions)."""
+    kw = body.get("chat_template_kwargs")
+    if kw is None:
+        return {}
+    if not isinstance(kw, dict):
+        raise bad("chat_template_kwargs", "chat_template_kwargs must be an object of template variables")
+    for key, value in kw.items():
+        if key in RESERVED_TEMPLATE_VARS:
+            raise bad("chat_template_kwargs", f"chat_template_kwargs may not set {key!r}: the server sets it")
+        if not _finite_json(value):
+            raise bad("chat_template_kwargs", f"chat_template_kwargs.{key} must be a JSON value (no NaN or Infinity)")
+    return kw
+
+
+def parse_messages(body: dict) -> ChatMessages:
+    """`messages` as role + text dicts (text parts joined), carrying the request's `chat_template_kwargs`."""
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("messages", "messages must be a non-empty list")
@@ -223,7 +269,7 @@ def parse_messages(body: dict) -> list[dict]:
         if not isinstance(content, str):
             raise bad(f"messages[{i}].content", "content must be a string or a list of text parts")
         out.append({"role": role, "content": content})
-    return out
+    return ChatMessages(out, parse_template_kwargs(body))
 
 
 # -- responses --------------------------------------------------------------------------------------

@@ -41,18 +41,23 @@ class PromptEncoder:
             log.warning("tokenizer refused a %s: %s", param, exc)
             raise bad(param, "the text could not be tokenized") from None
 
-    def _chat(self, messages: list[dict]) -> list[int]:
+    def _chat(self, messages: list[dict], template_kwargs: dict | None) -> list[int]:
         try:
-            text = self.tok.render_chat(messages)
+            text = self.tok.render_chat(messages, template_kwargs=template_kwargs)
         except ChatTemplateError as exc:
             raise bad("messages", str(exc)) from None
         self._check_chars(len(text), "messages")
         return self._encode([text], False, "messages")[0]
 
-    async def chat(self, messages: list[dict]) -> list[int]:
-        """Render the chat template and tokenize, in the pool; ApiError(400) on bad input."""
+    async def chat(self, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
+        """Render the chat template and tokenize, in the pool; ApiError(400) on bad input.
+
+        `template_kwargs` are extra template variables; by default those `messages` carries
+        (`ChatMessages.template_kwargs`, from the request's `chat_template_kwargs`)."""
+        if template_kwargs is None:
+            template_kwargs = getattr(messages, "template_kwargs", None)
         self._check_chars(sum(len(m["content"]) for m in messages), "messages")
-        return await asyncio.get_running_loop().run_in_executor(self.pool, self._chat, messages)
+        return await asyncio.get_running_loop().run_in_executor(self.pool, self._chat, messages, template_kwargs)
 
     async def prompts(self, items: list[str | list[int]]) -> list[list[int]]:
         """Completions prompts (texts or token id lists) to token ids; texts tokenized in the pool."""
