@@ -1,5 +1,5 @@
 # Two commands: `make run` (the demo stack on this machine) and `make test` (the CPU suite).
-# Both create .venv and install what they need on first use.
+# Both create .venv and install what they need on first use. Images: `make images` (docs/images.md).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -7,7 +7,19 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 PORT ?= 8000
 
-.PHONY: install run generate test test-gpu clean-venv
+# Images (scripts/images.sh): the builder (docker, podman or buildah; default: the first that works),
+# its extra flags, the base image (empty: the Dockerfiles' default; localhost/lorafleet-base:bookworm
+# after `make image-base`), and the runner variant (cuda, or cpu: torch for the CPU only).
+IMAGE_BUILDER ?=
+IMAGE_BUILD_FLAGS ?=
+IMAGE_BASE ?=
+IMAGE_PREFIX ?= lorafleet
+RUNNER_VARIANT ?= cuda
+IMAGES := IMAGE_BUILDER="$(IMAGE_BUILDER)" IMAGE_BUILD_FLAGS="$(IMAGE_BUILD_FLAGS)" IMAGE_BASE="$(IMAGE_BASE)" \
+	IMAGE_PREFIX="$(IMAGE_PREFIX)" RUNNER_VARIANT="$(RUNNER_VARIANT)" PYTHON="$(BIN)/python" scripts/images.sh
+
+.PHONY: install run generate test test-gpu test-images clean-venv \
+	images image-base image-operator image-runner image-smoke image-export
 
 $(BIN)/.installed: pyproject.toml setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,6 +47,31 @@ test: install
 
 test-gpu: install
 	$(BIN)/python -m pytest -q -m gpu tests/gpu
+
+# Builds and smoke-tests the operator image (minutes; outside `make test`).
+test-images: install
+	$(BIN)/python -m pytest -q -m image tests/test_image_build.py
+
+images: image-operator image-runner
+
+image-base:
+	$(IMAGES) base
+
+image-operator:
+	$(IMAGES) build operator
+
+image-runner:
+	$(IMAGES) build runner
+
+# The operator image against a test control plane; the runner image serving the CPU demo.
+image-smoke: install
+	$(IMAGES) smoke operator
+	$(IMAGES) smoke runner
+
+# OCI archives in build/images/ (kind load image-archive, skopeo copy, podman load).
+image-export:
+	$(IMAGES) export operator
+	$(IMAGES) export runner
 
 clean-venv:
 	rm -rf $(VENV)

@@ -24,6 +24,12 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+    # Image builds take minutes: only when asked for (-m image, e.g. `make test-images`).
+    if "image" not in (config.getoption("-m") or ""):
+        skip = pytest.mark.skip(reason="builds container images (minutes): run `make test-images`")
+        for item in items:
+            if "image" in item.keywords:
+                item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")
