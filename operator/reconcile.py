@@ -228,6 +228,8 @@ async def _read_base_shape(ctx: Context, pool: PoolSpec) -> dict | None:
         log.warning("pool %s/%s: base model shape unknown (runners will check adapters): %s",
                     pool.namespace, pool.name, exc)
         ctx.shape_failures[pool.model_source] = time.monotonic()
+        if isinstance(exc, SpecError) and str(exc).startswith("base model:"):
+            return {"source": pool.model_source, "error": str(exc)}  # a family the runners cannot serve
         return None
     return base_shape_status(shape, pool.model_source)
 

@@ -226,28 +226,25 @@ def base_shape_from_status(status: Mapping[str, Any] | None) -> BaseShape | None
             q_dim=int(b["qDim"]),
             kv_dim=int(b["kvDim"]),
             name=str(b.get("name") or ""),
+            family=str(b.get("family") or "llama"),
         )
     except (KeyError, TypeError, ValueError):
         return None
 
 
 def base_shape_from_config(config: Mapping[str, Any], name: str = "") -> BaseShape:
-    """A Llama-style HF config.json -> the dimensions LoRA weights must fit."""
+    """An HF config.json -> the dimensions LoRA weights must fit and the family that names their modules;
+    a family the runners do not support is refused here, naming the supported ones."""
+    from lorafleet.models import registry
+    from lorafleet.models.contract import ModelConfigError
+
     try:
-        hidden = int(config["hidden_size"])
-        heads = int(config["num_attention_heads"])
-        kv_heads = int(config.get("num_key_value_heads") or heads)
-        head_dim = int(config.get("head_dim") or hidden // heads)
-        return BaseShape(
-            num_layers=int(config["num_hidden_layers"]),
-            hidden_size=hidden,
-            intermediate_size=int(config["intermediate_size"]),
-            q_dim=heads * head_dim,
-            kv_dim=kv_heads * head_dim,
-            name=name or str(config.get("_name_or_path") or ""),
-        )
+        cfg = registry.config_from_hf(dict(config), name=name or str(config.get("_name_or_path") or ""))
+    except ModelConfigError as exc:
+        raise SpecError(f"base model: {exc}") from None
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
-        raise SpecError(f"config.json lacks a Llama-style shape ({exc!r})") from None
+        raise SpecError(f"config.json lacks a decoder shape ({exc!r})") from None
+    return cfg.base_shape()
 
 
 def base_shape_status(shape: BaseShape, source: str) -> dict[str, Any]:
@@ -259,4 +256,6 @@ def base_shape_status(shape: BaseShape, source: str) -> dict[str, Any]:
         "intermediateSize": shape.intermediate_size,
         "qDim": shape.q_dim,
         "kvDim": shape.kv_dim,
+        "family": shape.family,
+        "error": None,  # (a merge patch: clears an earlier refusal of this source)
     }

@@ -1,94 +1,68 @@
-"""Typed, frozen configuration of the model and the engine."""
+"""Typed, frozen configuration of the engine and its kernel choices (the model's is lorafleet.models.contract)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
-from lorafleet.common.peft_config import BaseShape
-
-SUPPORTED_ROPE = ("default", "linear", "llama3")
-
-
-class ModelConfigError(ValueError):
-    """The model's config.json describes something this engine cannot run."""
+from lorafleet.models.contract import ModelConfig, ModelConfigError  # noqa: F401 (re-exported)
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_scaling: tuple = ()  # sorted (key, value) pairs of the rope scaling dict; () = none
-    max_position_embeddings: int = 4096
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    mlp_bias: bool = False
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
-    name: str = ""
+class KernelChoices:
+    """Which kernels an engine uses, resolved once at engine start (`from_env`), validated, logged once, and
+    carried by its EngineConfig; nothing below the engine reads the environment.
 
-    @property
-    def q_dim(self) -> int:
-        return self.num_heads * self.head_dim
+    attention: auto (flashinfer on CUDA when installed, torch elsewhere), flashinfer or torch.
+    prefill: flashinfer's kernel for prompt rows on sm90: auto (FA2 or FA3 per step), fa2 or fa3.
+    sgmv: auto (the CUDA kernels on CUDA, torch elsewhere), cuda or torch.
+    sgmv_fused: steps with prompt rows launch a LoRA group below the tensor-core thresholds as one fused
+        launch (auto: the measured default; 1) or two (0); the bits are the same.
+    mma_rows: per projection group (qkv, o, gate_up, down) the (shrink, expand) segment rows from which
+        the LoRA kernels take tensor cores.
+    fused_ops: flashinfer's fused norm / activation / RoPE kernels on CUDA.
+    rope_kv: RoPE and the K/V cache write in one launch of the project's kernel (CUDA, full rotary).
+    rope_kv_lora: decode graphs add the qkv rows' LoRA expand inside that kernel.
+    blas_lt_rows: steps of at most this many rows run the o and down GEMMs on cuBLASLt (CUDA, one GPU).
+    pin_host_adapters: adapters read from disk are kept in pinned host memory.
+    """
 
-    @property
-    def kv_dim(self) -> int:
-        return self.num_kv_heads * self.head_dim
+    attention: str = "auto"
+    prefill: str = "auto"
+    sgmv: str = "auto"
+    sgmv_fused: str = "auto"
+    mma_rows: tuple[tuple[int, int], ...] = ((129, 129), (512, 512), (129, 129), (512, 512))
+    fused_ops: bool = True
+    rope_kv: bool = True
+    rope_kv_lora: bool = False
+    blas_lt_rows: int = 64
+    pin_host_adapters: bool = False
 
-    @property
-    def rope_scaling_dict(self) -> dict:
-        return dict(self.rope_scaling)
-
-    def base_shape(self) -> BaseShape:
-        return BaseShape(self.num_layers, self.hidden_size, self.intermediate_size, self.q_dim, self.kv_dim, self.name)
+    def __post_init__(self):
+        for name, ok in (("attention", ("auto", "flashinfer", "torch")), ("prefill", ("auto", "fa2", "fa3")),
+                         ("sgmv", ("auto", "cuda", "torch")), ("sgmv_fused", ("auto", "1", "0"))):
+            if getattr(self, name) not in ok:
+                raise ValueError(f"kernel choice {name} must be one of {', '.join(ok)}, got {getattr(self, name)!r}")
+        if self.blas_lt_rows < 0:
+            raise ValueError(f"blas_lt_rows must be >= 0, got {self.blas_lt_rows}")
+        if len(self.mma_rows) != 4 or any(len(r) != 2 or min(r) < 1 for r in self.mma_rows):
+            raise ValueError("mma_rows needs (shrink, expand) row counts >= 1 for each of the four projection groups")
 
     @classmethod
-    def from_hf(cls, cfg: dict, name: str = "") -> "ModelConfig":
-        """Build from a Hugging Face `config.json` (transformers 4.x or 5.x layout)."""
-        mt = cfg.get("model_type", "llama")
-        if mt not in ("llama", "mistral") and "LlamaForCausalLM" not in (cfg.get("architectures") or []):
-            raise ModelConfigError(f"model_type {mt!r} is not a Llama-architecture model")
-        act = cfg.get("hidden_act", "silu")
-        if act != "silu":
-            raise ModelConfigError(f"hidden_act {act!r} is not supported (Llama uses silu)")
-        if cfg.get("sliding_window"):
-            raise ModelConfigError("sliding-window attention is not supported")
-        heads = int(cfg["num_attention_heads"])
-        hidden = int(cfg["hidden_size"])
-        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-        theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
-        rope_type = rope.get("rope_type", rope.get("type", "default")) if rope else "default"
-        if rope_type not in SUPPORTED_ROPE:
-            raise ModelConfigError(f"rope scaling type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE)})")
-        rope = {k: v for k, v in rope.items() if k not in ("type",)}
-        rope["rope_type"] = rope_type
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        return cls(
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            rope_scaling=tuple(sorted((k, v) for k, v in rope.items() if not isinstance(v, (list, dict)))),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", False)),
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=tuple(int(e) for e in eos_ids),
-            name=name or cfg.get("_name_or_path", ""),
-        )
+    def from_env(cls) -> "KernelChoices":
+        """The LORAFLEET_* kernel variables (lorafleet.env), each validated."""
+        from lorafleet import env
+
+        return cls(attention=env.attention_backend(), prefill=env.prefill_backend(), sgmv=env.sgmv_backend(),
+                   sgmv_fused=env.sgmv_fused(), fused_ops=env.fused_ops(), rope_kv=env.rope_kv_kernel(),
+                   rope_kv_lora=env.rope_kv_lora(), blas_lt_rows=env.blas_lt_rows(),
+                   pin_host_adapters=env.pin_host_adapters())
+
+    def describe(self) -> str:
+        defaults = KernelChoices()
+        changed = [f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
+                   if getattr(self, f.name) != getattr(defaults, f.name)]
+        return "kernel choices: " + (", ".join(changed) if changed else "defaults")
 
 
 @dataclass(frozen=True)
@@ -129,6 +103,7 @@ class EngineConfig:
     requeue_evicted: bool = False  # offline: resume evicted requests here; service: report them
     tp: int = 1  # tensor parallelism: GPUs of this node driven as one engine (ranks 1..tp-1 in child processes)
     allow_synthetic: bool = False  # benchmarks: accept synthetic://SEED adapter sources (never from the network)
+    kernels: KernelChoices | None = None  # None: from the environment at engine start (KernelChoices.from_env)
     extra: dict = field(default_factory=dict, compare=False)
 
     def adapter_reader_count(self) -> int:

@@ -71,14 +71,11 @@ def write_model(gguf: Path, out: Path) -> None:
     """Dequantize the GGUF into an HF directory (fp32 safetensors, config, tokenizer)."""
     from safetensors.torch import save_file
 
-    from lorafleet.runner.model.weights import gguf_config, load_gguf
-
-    import gguf as gguf_lib
+    from lorafleet.runner.model.weights import load_gguf
 
     out.mkdir(parents=True, exist_ok=True)
-    config, tensors = load_gguf(gguf)
-    cfg = gguf_config(gguf_lib.GGUFReader(str(gguf)), "SmolLM2-135M-Instruct")
-    cfg.update(architectures=["LlamaForCausalLM"], torch_dtype="float32", pad_token_id=2)
+    _, cfg, tensors = load_gguf(gguf)
+    cfg.update(_name_or_path="SmolLM2-135M-Instruct", torch_dtype="float32", pad_token_id=2)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"], "pad_token_id": 2}, indent=2)

@@ -12,7 +12,8 @@ class HFReference:
         from peft import PeftModel
         from transformers import AutoModelForCausalLM
 
-        base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+        # eager attention: the soft-capped scores of Gemma-style configs are computed only there
+        base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="eager").eval()
         self.model = base
         self.peft = None
         for i, (name, path) in enumerate(adapters.items()):

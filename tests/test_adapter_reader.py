@@ -13,8 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from model_helpers import write_random_adapter
 from lorafleet.common.peft_config import AdapterError, inspect_adapter
-from lorafleet.common.projections import PROJ_INDEX
-from lorafleet.runner.config import ModelConfig
+from lorafleet.models.contract import PROJ_INDEX
+from lorafleet.models.registry import config_from_hf
 from lorafleet.runner.lora.adapter import load_adapter
 from lorafleet.runner.lora.host_tier import HostTier
 from lorafleet.runner.lora.reader import PREFIX, SHM_DIR, AdapterReader
@@ -25,7 +25,7 @@ from lorafleet.runner.engine.sequence import AdapterRef
 def base(tiny_llama):
     import json
 
-    return ModelConfig.from_hf(json.loads((tiny_llama / "config.json").read_text())).base_shape()
+    return config_from_hf(json.loads((tiny_llama / "config.json").read_text())).base_shape()
 
 
 @pytest.fixture(scope="module")

@@ -73,9 +73,9 @@ def test_floor_model_counts_the_weights_transformers_counts(tiny_llama):
     from transformers import AutoModelForCausalLM
 
     from lorafleet.bench.e2e import floor_model, floor_seconds
-    from lorafleet.runner.config import ModelConfig
+    from lorafleet.models.registry import config_from_hf
 
-    cfg = ModelConfig.from_hf(json.loads((tiny_llama / "config.json").read_text()))
+    cfg = config_from_hf(json.loads((tiny_llama / "config.json").read_text()))
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama))
     proj = sum(p.numel() for n, p in hf.named_parameters() if "proj" in n)
     fm = floor_model(cfg, rank=8)

@@ -97,6 +97,27 @@ def test_blas_lt_rows(monkeypatch):
         env.blas_lt_rows()
 
 
+def test_kernel_choices_are_read_once_validated_and_described(monkeypatch):
+    from lorafleet.runner.config import KernelChoices
+
+    monkeypatch.setenv("LORAFLEET_PREFILL_BACKEND", "fa2")
+    monkeypatch.setenv("LORAFLEET_BLAS_LT_ROWS", "0")
+    monkeypatch.setenv("LORAFLEET_ROPE_KV", "0")
+    k = KernelChoices.from_env()
+    assert (k.prefill, k.blas_lt_rows, k.rope_kv, k.attention) == ("fa2", 0, False, "auto")
+    assert k.describe() == "kernel choices: prefill=fa2, rope_kv=False, blas_lt_rows=0"
+    assert KernelChoices().describe() == "kernel choices: defaults"
+    monkeypatch.setenv("LORAFLEET_SGMV", "cuda ")
+    assert KernelChoices.from_env().sgmv == "cuda"
+    monkeypatch.setenv("LORAFLEET_SGMV", "gpu")
+    with pytest.raises(ValueError, match="LORAFLEET_SGMV must be one of auto, cuda, torch"):
+        KernelChoices.from_env()
+    with pytest.raises(ValueError, match="prefill must be one of"):
+        KernelChoices(prefill="fa4")
+    with pytest.raises(ValueError, match="mma_rows"):
+        KernelChoices(mma_rows=((1, 1),))
+
+
 def test_engine_refuses_a_bad_blas_lt_rows_at_start(monkeypatch):
     from lorafleet.runner.engine.engine import Engine
 
@@ -110,15 +131,16 @@ def test_cpu_models_never_switch_the_blas_backend(monkeypatch, tmp_path):
     keeps lt_rows at 0 whatever the variable says."""
     import torch
 
-    from lorafleet.runner.model.llama import LlamaModel
-    from lorafleet.runner.model.weights import load_weights
+    from lorafleet.runner.config import KernelChoices
+    from lorafleet.runner.model.decoder import Decoder
+    from lorafleet.runner.model.weights import load_model
     from model_helpers import write_random_llama
 
     write_random_llama(tmp_path)
-    monkeypatch.setenv("LORAFLEET_BLAS_LT_ROWS", "1000")
     cpu = torch.device("cpu")
-    cfg, tensors = load_weights(str(tmp_path), None, cpu, torch.float32)
-    assert LlamaModel(cfg, tensors, torch.float32, cpu).lt_rows == 0
+    loaded = load_model(str(tmp_path), None, cpu, torch.float32)
+    model = Decoder(loaded.config, loaded.params, torch.float32, cpu, KernelChoices(blas_lt_rows=1000))
+    assert model.lt_rows == 0
 
 
 def test_prefer_cublaslt_restores_the_backend_under_overlapping_holders(monkeypatch):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from lorafleet.common.peft_config import AdapterSpec, BaseShape
-from lorafleet.common.projections import PROJ_INDEX, PROJECTIONS
+from lorafleet.models.contract import PROJ_INDEX, PROJECTIONS
 from lorafleet.runner.lora.adapter import LoadedAdapter
 from lorafleet.runner.lora.pool import LoraPool
 
@@ -66,11 +66,12 @@ def test_packed_views_share_memory_with_the_packed_tensors():
 
 def test_step_passes_each_groups_tensor_core_thresholds(monkeypatch):
     """Steps with prompt rows give every group its own tensor-core thresholds (GROUP_MMA_ROWS); decode
-    steps (mma=False) keep every segment on CUDA cores, in two launches; LORAFLEET_SGMV_FUSED sets the
+    steps (mma=False) keep every segment on CUDA cores, in two launches; KernelChoices.sgmv_fused sets the
     launch count of the others. The add-on is the same on every path: here
     TorchSGMV computes it, checked against the independent fp32 loop."""
     from lorafleet.runner.lora.segments import build_segments
     from lorafleet.runner.lora.sgmv import TorchSGMV, fp32_loop_reference
+    from lorafleet.runner.config import KernelChoices
     from lorafleet.runner.lora.step import GROUP_MMA_ROWS, LoraStepImpl
 
     class Recording(TorchSGMV):
@@ -89,12 +90,9 @@ def test_step_passes_each_groups_tensor_core_thresholds(monkeypatch):
     # piecewise steps fused by default (MIXED_FUSED), or as the variable says
     cases = [(True, None, True), (False, None, False), (True, "0", False), (True, "1", True), (False, "1", False)]
     for mma, knob, fused in cases:
-        if knob is None:
-            monkeypatch.delenv("LORAFLEET_SGMV_FUSED", raising=False)
-        else:
-            monkeypatch.setenv("LORAFLEET_SGMV_FUSED", knob)
         sg = Recording()
-        step = LoraStepImpl(pool, sg, build_segments(row_slots), mma=mma)
+        step = LoraStepImpl(pool, sg, build_segments(row_slots), mma=mma,
+                            kernels=KernelChoices(sgmv_fused=knob or "auto"))
         x = torch.randn(len(row_slots), BASE.hidden_size, generator=g)
         for group, (p0, n) in enumerate(((0, 3), (3, 1))):  # qkv and o of layer 0: inputs of width hidden
             ys = tuple(torch.zeros(len(row_slots), BASE.shape(PROJECTIONS[p])[1]) for p in range(p0, p0 + n))

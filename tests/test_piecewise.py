@@ -9,7 +9,7 @@ import torch
 
 from lorafleet.runner.config import EngineConfig
 from lorafleet.runner.engine.engine import Engine
-from lorafleet.runner.executor.model_runner import to_device
+from lorafleet.runner.engine.step_batch import to_device
 from lorafleet.runner.engine.step_batch import build_step_batch
 from lorafleet.runner.executor.piecewise import PiecewiseGraphs, default_buckets
 from lorafleet.runner.engine.sequence import AdapterRef, SamplingParams, Sequence
@@ -43,8 +43,8 @@ def engine(tiny_llama, piecewise: bool):
     eng = Engine(str(tiny_llama), EngineConfig(device="cpu", max_batch_size=8, page_size=4, num_pages=300,
                                                 max_lora_rank=8))
     if piecewise:
-        eng.runner.mixed = PiecewiseGraphs(eng.model, eng.attention, eng.lora_pool, eng.sgmv, 8,
-                                           [16, 48, 128], use_graphs=False)
+        eng.runner.mixed = PiecewiseGraphs(eng.model, eng.attention, eng.lora_pool, eng.sgmv, 8, [16, 48, 128],
+                                           eng.executor.num_pages * eng.config.page_size, use_graphs=False)
     return eng
 
 
@@ -121,72 +121,52 @@ def _step_with_adapters(tiny_llama, adapters, seed: int, prefix: str):
     return eng, batch, d, eng.runner.forward(batch, d)
 
 
-class _QkvAttention:
-    """Attention that takes the raw qkv rows (the `attend_qkv` seam of the decode graphs' rope_kv
-    kernel), here done with the torch ops: rotation, then the ordinary attention step."""
+class _ExpandingWriter:
+    """A K/V writer that takes the qkv LoRA expand the LoRA step leaves to it (as the fused CUDA writer does
+    in decode graphs with rope_kv_lora), adds it with the torch expand over the handed-over v, B, ranks and
+    per-row slots, then rotates and writes like the torch writer."""
 
-    def __init__(self, step, model, expand=None):
-        self.step, self.model, self.calls = step, model, 0
-        self.expand = expand  # (layer, qkv, handed-over operands) -> adds the qkv LoRA expand, as rope_kv_lora
+    def __init__(self, eng):
+        from lorafleet.runner.model.rope_kv import TorchKvWriter
 
-    def __call__(self, *args):
-        raise AssertionError("the model must hand attention its qkv rows, not q/k/v")
+        self.eng, self.inner, self.handed = eng, TorchKvWriter(eng.model, eng.kv.flat), []
 
-    def attend_qkv(self, layer, qkv, positions, lora_expand=None):
-        c, ops = self.model.cfg, self.model.ops
-        if self.expand is None:
-            assert lora_expand is None  # the LoRA step added the qkv expand itself
-        else:
-            assert lora_expand is not None  # left to this attention: add it before the rotation
-            self.expand(layer, qkv, lora_expand)
-        self.calls += 1
-        q, k, v = qkv.split([c.q_dim, c.kv_dim, c.kv_dim], dim=-1)
-        q, k = ops.apply_rope(q, k, positions, ops.rope_cos_sin(positions, qkv.dtype), c.num_heads,
-                              c.num_kv_heads, c.head_dim)
-        return self.step(layer, q, k, v.reshape(qkv.shape[0], c.num_kv_heads, c.head_dim))
+    def __call__(self, layer, qkv, io, expand=None):
+        from lorafleet.runner.lora.segments import SegmentTable
 
-
-def test_attention_taking_qkv_rows_gives_the_same_logits(tiny_llama, adapters):
-    """LlamaModel.forward with an attention that offers `attend_qkv` (norm, qkv projection and LoRA in
-    `qkv_proj`, the rest in attention) equals the ordinary forward pass, LoRA included."""
-    from lorafleet.runner.lora.step import LoraStepImpl
-
-    eng, batch, d, ref = _step_with_adapters(tiny_llama, adapters, seed=4, prefix="q")
-    attn = _QkvAttention(eng.attention.begin(d.attn_meta(batch)), eng.model)
-    lora = LoraStepImpl(eng.lora_pool, eng.sgmv, d.seg, None)
-    got = eng.model.forward(d.input_ids, d.positions, attn, lora, d.logit_rows)
-    assert attn.calls == eng.model.cfg.num_layers
-    assert torch.equal(got, ref)
-
-
-def test_qkv_expand_left_to_attention_gives_the_same_logits(tiny_llama, adapters):
-    """The LoRA step of a decode graph with the rope_kv kernel (`qkv_expand_in_rope`) hands the qkv
-    expand's operands to attention instead of adding it; attention adding it before the rotation (here
-    with the torch expand, over the handed-over v, B, ranks and per-row slots) gives the logits of the
-    ordinary forward pass bit for bit."""
-    from lorafleet.runner.lora.segments import SegmentTable
-    from lorafleet.runner.lora.step import LoraStepImpl
-
-    eng, batch, d, ref = _step_with_adapters(tiny_llama, adapters, seed=5, prefix="e")
-    c = eng.model.cfg
-    handed = []
-
-    def expand(layer, qkv, ops_):
-        v, b, ranks, row_slot = ops_
-        handed.append(row_slot.tolist())
+        assert expand is not None  # left to the writer: added before the rotation
+        c, eng = self.eng.model.cfg, self.eng
+        v, b, ranks, row_slot = expand
+        rows = row_slot.tolist()
+        self.handed.append(rows)
         host = eng.lora_pool.group_args[layer][0][3]
         # the rows' own one-row segments, from the handed-over slots: the add-on must not depend on them
-        rows = row_slot.tolist()
         indptr = torch.arange(len(rows) + 1, dtype=torch.int32)
         seg = SegmentTable(indptr, torch.tensor(rows, dtype=torch.int32), tuple(range(len(rows) + 1)), tuple(rows),
                            len(rows))
         eng.sgmv.expand(list(qkv.split([c.q_dim, c.kv_dim, c.kv_dim], dim=-1)), v, b, ranks, host, seg)
+        return self.inner(layer, qkv, io, None)
 
-    attn = _QkvAttention(eng.attention.begin(d.attn_meta(batch)), eng.model, expand)
-    lora = LoraStepImpl(eng.lora_pool, eng.sgmv, d.seg, None, mma=False, qkv_expand_in_rope=True)
-    got = eng.model.forward(d.input_ids, d.positions, attn, lora, d.logit_rows)
-    assert attn.calls == c.num_layers == len(handed)
+
+def test_qkv_expand_left_to_the_kv_writer_gives_the_same_logits(tiny_llama, adapters):
+    """The LoRA step of a decode graph with the fused K/V writer (`qkv_expand_in_rope`) hands the qkv
+    expand's operands to the writer instead of adding it; the writer adding it before the rotation gives the
+    logits of the ordinary forward pass bit for bit."""
+    from lorafleet.runner.lora.step import LoraStepImpl
+    from lorafleet.runner.model.decoder import StepIO
+
+    eng, batch, d, ref = _step_with_adapters(tiny_llama, adapters, seed=5, prefix="e")
+    writer = _ExpandingWriter(eng)
+    plain = eng.model.kv_write
+    eng.model.attach_kv(writer)
+    try:
+        lora = LoraStepImpl(eng.lora_pool, eng.sgmv, d.seg, None, mma=False, qkv_expand_in_rope=True)
+        io = StepIO(d.input_ids, d.positions, d.slot_mapping, d.logit_rows)
+        got = eng.model.forward(io, eng.attention.begin(d.attn_meta(batch)), lora)
+    finally:
+        eng.model.attach_kv(plain)
+    assert len(writer.handed) == eng.model.cfg.num_layers
     want_slots = [s for s, n in zip(batch.seg_slots, (b - a for a, b in zip(batch.seg_indptr, batch.seg_indptr[1:])))
                   for _ in range(n)]
-    assert handed[0] == want_slots
+    assert writer.handed[0] == want_slots
     assert torch.equal(got, ref)

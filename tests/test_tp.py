@@ -104,7 +104,7 @@ def test_adapters_sharing_weights_share_their_rank_slices():
     once per adapter name: the slices are cached on the shared packed weights."""
     from lorafleet.common.peft_config import BaseShape
     from lorafleet.runner.parallel.shard import Shard
-    from lorafleet.runner.model.synthetic import synthetic_adapter
+    from lorafleet.runner.lora.synthetic import synthetic_adapter
 
     base = BaseShape(num_layers=2, hidden_size=64, intermediate_size=96, q_dim=64, kv_dim=32)
     a = synthetic_adapter("x", "synthetic://3?rank=4", base, torch.float32)

@@ -9,7 +9,7 @@ from lorafleet.runner.config import EngineConfig
 from lorafleet.runner.demo import find_gguf
 from lorafleet.runner.engine.engine import Engine
 from lorafleet.runner.engine.sequence import SamplingParams, Sequence
-from lorafleet.runner.model.weights import WeightsError, load_gguf, load_weights
+from lorafleet.runner.model.weights import WeightsError, load_gguf, load_model
 
 
 @pytest.fixture(scope="module")
@@ -20,8 +20,10 @@ def gguf_path():
 def test_gguf_weights_equal_transformers(gguf_path):
     from transformers import AutoModelForCausalLM
 
-    cfg, ours = load_gguf(gguf_path)
-    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rope_theta, cfg.tie_word_embeddings) == (9, 3, 64, 100000.0, True)
+    fam, hf, ours = load_gguf(gguf_path)
+    cfg = fam.config(hf, "smol")
+    assert fam.name == "llama"
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.ropes[0].theta, cfg.tie_word_embeddings) == (9, 3, 64, 100000.0, True)
     ref = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
     sd = ref.state_dict()
     for name, t in ours.items():
@@ -42,6 +44,6 @@ def test_pickle_checkpoints_are_refused(tmp_path, demo_model):
     (tmp_path / "config.json").write_text((demo_model / "config.json").read_text())
     (tmp_path / "pytorch_model.bin").write_bytes(b"not loaded")
     with pytest.raises(WeightsError, match="never unpickled"):
-        load_weights(tmp_path)
+        load_model(tmp_path)
     with pytest.raises(WeightsError, match="does not exist"):
-        load_weights(tmp_path / "nope")
+        load_model(tmp_path / "nope")

@@ -14,6 +14,7 @@ step N+1, whose result is dropped (its epoch changed). Without overlap, every st
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import time
@@ -21,21 +22,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lorafleet import env
 from lorafleet.runner.engine.batcher import Batcher
 from lorafleet.runner.engine.block_manager import BlockManager
-from lorafleet.runner.config import EngineConfig, ModelConfig
+from lorafleet.runner.config import EngineConfig, KernelChoices, ModelConfig
 from lorafleet.runner.executor.executor import build_executor
 from lorafleet.runner.lora.manager import AdapterManager
-from lorafleet.runner.model.llama import LlamaModel
+from lorafleet.runner.model.decoder import Decoder
 from lorafleet.runner.engine.sequence import Sequence
 from lorafleet.runner.engine.step_batch import StepBatch, build_step_batch
 
 log = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
-
 
 @dataclass
 class StepOutput:
@@ -52,41 +48,23 @@ class StepOutput:
         return self.finish_reason is not None
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("--device cuda was asked for but CUDA is not available on this machine")
-    return dev
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; use one of float32, bfloat16, float16")
-    return DTYPES[name]
-
-
 class Engine:
-    """`model` is a model path (HF directory or .gguf) or an already built LlamaModel (shared
-    weights, e.g. for benchmarks). `adapter_loader(ref) -> LoadedAdapter` replaces reading
-    adapters from disk (the default)."""
+    """`model` is a model path (HF directory, .gguf or synthetic directory) or an already built Decoder
+    (shared weights, e.g. for benchmarks). `adapter_loader(ref) -> LoadedAdapter` replaces reading
+    adapters from disk (the default). Kernel choices (`config.kernels`, else the environment's) are
+    resolved, validated and logged here, once."""
 
-    def __init__(self, model: "str | LlamaModel", config: EngineConfig = EngineConfig(), adapter_loader=None):
+    def __init__(self, model: "str | Decoder", config: EngineConfig = EngineConfig(), adapter_loader=None):
+        if config.kernels is None:
+            config = dataclasses.replace(config, kernels=KernelChoices.from_env())
+        log.info("%s", config.kernels.describe())
         self.config = config
         self.tp = None  # TPWorkers of ranks 1..G-1 with tensor parallelism
         self._group = None
-        # Kernel choices read later, per step: a bad value is refused now, not at the first step that reads it.
-        env.sgmv_fused()
-        env.prefill_backend()
-        env.attention_backend()
-        env.blas_lt_rows()
         shard = group = None
         device = None
         if config.tp > 1:
-            if isinstance(model, LlamaModel):
+            if isinstance(model, Decoder):
                 raise ValueError("tensor parallelism needs a model path (every rank loads its own slices)")
             from lorafleet.runner.parallel.group import TPGroup, free_port
             from lorafleet.runner.parallel.shard import Shard
@@ -117,7 +95,8 @@ class Engine:
             stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
             self.adapters = AdapterManager(self.lora_pool, self.model_config.base_shape(), config.host_lora_cache,
                                            adapter_loader, stream, allow_synthetic=config.allow_synthetic,
-                                           readers=config.adapter_reader_count())
+                                           readers=config.adapter_reader_count(),
+                                           pin_reads=config.kernels.pin_host_adapters)
             if self.tp is not None:
                 self.adapters.on_slot = lambda ev: self.tp.send(("slot", ev))
         self.blocks = BlockManager(ex.num_pages, config.page_size)

@@ -8,6 +8,8 @@ import os
 import time
 from dataclasses import dataclass, field
 
+from lorafleet.runner.lora.adapter import AdapterRef  # noqa: F401 (a request names its adapter by one)
+
 _counter = itertools.count()
 
 
@@ -70,15 +72,6 @@ def sampling_from_dict(d: dict) -> SamplingParams:
         if isinstance(exc, SamplingError):
             raise
         raise SamplingError(str(exc)) from None
-
-
-@dataclass(frozen=True)
-class AdapterRef:
-    """Which adapter a request uses and where the runner can load it from."""
-
-    name: str
-    source: str
-    sha256: str | None = None
 
 
 class Status(enum.Enum):

@@ -23,9 +23,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from lorafleet.runner.lora.segments import merge_runs
-from lorafleet.runner.executor.sampler import pack_sampling, uniform_for
 from lorafleet.runner.engine.sequence import Sequence
+from lorafleet.runner.executor.attention.meta import AttnMeta
+from lorafleet.runner.executor.sampler import pack_sampling, uniform_for
+from lorafleet.runner.lora.segments import SegmentTable, merge_runs
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,10 @@ class StepBatch:
         return split64(self.packed64, self.num_tokens, self.batch_size, self.num_pending, len(self.sample_idx))
 
     # -- serialised form for tensor-parallel ranks ----------------------------------------------
+    def to_device(self, device, prev_tokens=None) -> "DeviceStep":
+        """The batch's numbers on `device` (see `to_device`)."""
+        return to_device(self, device, prev_tokens)
+
     def to_wire(self) -> dict:
         """Plain data (lists and bytes) that `from_wire` turns back into an equivalent batch."""
         return {
@@ -224,3 +229,39 @@ def build_step_batch(work: list[RowWork], page_size: int, seg_capacity: int, pre
         seg_indptr=tuple(indptr), seg_slots=tuple(slots), seg_capacity=cap, sample_idx=sample_idx,
         temperature=temperature, top_p=top_p, top_k=top_k, uniform=uniform, packed64=packed64, packed32=packed32,
         num_pending=len(pending_rows), sample_pos=sample_pos, packedf=packedf)
+
+
+@dataclass
+class DeviceStep:
+    """The device copy of a step batch's numbers (T rows, B requests)."""
+
+    input_ids: torch.Tensor  # int64 [T]
+    positions: torch.Tensor  # int64 [T]
+    slot_mapping: torch.Tensor  # int64 [T]
+    logit_rows: torch.Tensor  # int64 [B]
+    inputs3: torch.Tensor  # int64 [3, T]: input_ids, positions, slot_mapping as one view
+    seg: SegmentTable  # device indptr / slots at the batch's capacity, host tuples of the real segments
+    sample_idx: torch.Tensor  # int64 [S]: the requests whose next token is sampled
+    sampling: torch.Tensor | None  # float32 [4, S] (sampler.pack_sampling), None if every row is greedy
+
+    def attn_meta(self, batch: StepBatch) -> AttnMeta:
+        return AttnMeta(num_prefill=batch.num_prefill, qo_indptr=batch.qo_indptr, kv_lens=batch.kv_lens,
+                        page_tables=batch.page_tables, page_size=batch.page_size, slot_mapping=self.slot_mapping)
+
+
+def to_device(batch: "StepBatch", device: torch.device, prev_tokens: torch.Tensor | None) -> DeviceStep:
+    """Two host->device copies (int64 and int32 packs; a third with sampling parameters); pending
+    input rows take the previous step's sampled ids on the device. Nothing here waits for the device."""
+    T, B, P, S = batch.num_tokens, batch.batch_size, batch.num_pending, len(batch.sample_idx)
+    d64 = batch.packed64.to(device, non_blocking=True)
+    d32 = batch.packed32.to(device, non_blocking=True)
+    df = batch.packedf.to(device, non_blocking=True) if batch.packedf is not None else None
+    v = split64(d64, T, B, P, S)
+    if P:
+        if prev_tokens is None:
+            raise RuntimeError("the step batch reads pending tokens but no step is in flight")
+        v["input_ids"].index_copy_(0, v["pending_rows"], prev_tokens.index_select(0, v["pending_src"]))
+    cap = batch.seg_capacity
+    seg = SegmentTable(d32[: cap + 1], d32[cap + 1:], batch.seg_indptr, batch.seg_slots, T)
+    return DeviceStep(v["input_ids"], v["positions"], v["slot_mapping"], v["logit_rows"], d64[: 3 * T].view(3, T), seg,
+                      v["sample_idx"], df)

@@ -33,7 +33,7 @@ class TPFailure(RuntimeError):
 
 def rank_device(config, rank: int) -> torch.device:
     """cuda -> cuda:rank; cuda:k -> cuda:(k + rank); cpu stays cpu."""
-    from lorafleet.runner.engine.engine import resolve_device
+    from lorafleet.runner.executor.executor import resolve_device
 
     dev = resolve_device(config.device)
     if dev.type != "cuda":
@@ -57,7 +57,8 @@ class SlotMirror:
         from lorafleet.runner.lora.host_tier import HostTier
 
         self.host = HostTier(full_base, pool.max_rank, pool.dtype, config.host_lora_cache, pin=self.cuda,
-                             allow_synthetic=config.allow_synthetic, readers=config.adapter_reader_count() if self.cuda else 0)
+                             allow_synthetic=config.allow_synthetic, readers=config.adapter_reader_count() if self.cuda else 0,
+                             pin_reads=config.kernels.pin_host_adapters)
 
     def _adapter(self, ref):
         return self.host.get(ref)

@@ -14,20 +14,40 @@ from dataclasses import dataclass
 
 import torch
 
-from lorafleet.runner.config import EngineConfig, ModelConfig
+from lorafleet.runner.config import EngineConfig, KernelChoices, ModelConfig
 from lorafleet.runner.executor.kv_cache import KVCache, bytes_per_token
-from lorafleet.runner.lora.pool import LoraPool
-from lorafleet.runner.model.llama import LlamaModel
 from lorafleet.runner.executor.model_runner import ModelRunner
-from lorafleet.runner.model.weights import load_weights
+from lorafleet.runner.lora.pool import LoraPool
+from lorafleet.runner.model.decoder import Decoder
+from lorafleet.runner.model.rope_kv import make_kv_writer
+from lorafleet.runner.model.weights import load_model
 
 log = logging.getLogger(__name__)
 DEFAULT_STEP_TOKENS = 2048  # chunked prefill: token rows per step when EngineConfig leaves it open
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda was asked for but CUDA is not available on this machine")
+    return dev
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; use one of float32, bfloat16, float16")
+    return DTYPES[name]
 
 
 @dataclass
 class Executor:
-    model: LlamaModel
+    model: Decoder
     device: torch.device
     dtype: torch.dtype
     kv: KVCache
@@ -46,26 +66,28 @@ def step_budget(config: EngineConfig, device: torch.device) -> int | None:
     return None if budget is None else max(budget, config.max_batch_size + 1)
 
 
-def build_executor(model: "str | LlamaModel", config: EngineConfig, shard=None, group=None,
+def build_executor(model: "str | Decoder", config: EngineConfig, shard=None, group=None,
                    device: torch.device | None = None) -> Executor:
-    """`model`: a path (HF directory, .gguf, synthetic directory) or a built LlamaModel (TP = 1)."""
-    from lorafleet.runner.engine.engine import resolve_device, resolve_dtype
-
-    if isinstance(model, LlamaModel):
+    """`model`: a path (HF directory, .gguf, synthetic directory) or a built Decoder (TP = 1).
+    `config.kernels` must be resolved (the engine does it)."""
+    kernels = config.kernels or KernelChoices()
+    if isinstance(model, Decoder):
         net = model
         device, dtype = model.device, model.dtype
     else:
         device = device or resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
         t0 = time.perf_counter()
-        full, tensors = load_weights(model, shard, device, dtype)
+        loaded = load_model(model, shard, device, dtype)
+        full = loaded.config
         cfg = shard.config(full) if shard is not None else full
-        net = LlamaModel(cfg, tensors, dtype, device, full_cfg=full, tp_rank=shard.rank if shard else 0,
-                         all_reduce=group.all_reduce if group is not None else None)
-        del tensors
+        net = Decoder(cfg, loaded.params, dtype, device, kernels, full_cfg=full,
+                      all_reduce=group.all_reduce if group is not None else None,
+                      max_positions=config.max_model_len)
+        del loaded
         part = f" (tensor-parallel rank {shard.rank} of {shard.size})" if shard is not None and shard.size > 1 else ""
-        log.info("loaded %s%s: %d layers on %s as %s in %.1fs", model, part, full.num_layers, device, dtype,
-                 time.perf_counter() - t0)
+        log.info("loaded %s%s on %s as %s in %.1fs: %s", model, part, device, dtype, time.perf_counter() - t0,
+                 full.describe())
     rank_cfg: ModelConfig = net.cfg
     lora_pool = None
     if config.enable_lora:
@@ -77,14 +99,15 @@ def build_executor(model: "str | LlamaModel", config: EngineConfig, shard=None, 
         num_pages = group.min_int(num_pages)  # every rank must hold the same pages
     # one extra page: the scratch page padded rows of captured CUDA graphs write to
     kv = KVCache(rank_cfg, num_pages + 1, config.page_size, dtype, device)
+    net.attach_kv(make_kv_writer(net, kv.flat, kernels.rope_kv))
     from lorafleet.runner.executor.attention.select import attention_backend
 
-    attention = attention_backend(kv, rank_cfg, device, config)
-    sgmv = make_sgmv(device, dtype)
+    attention = attention_backend(kv, rank_cfg, device, kernels)
+    sgmv = make_sgmv(device, dtype, kernels)
     budget = step_budget(config, device)
     graphs = make_graphs(net, attention, lora_pool, sgmv, config, num_pages)
-    mixed = make_piecewise(net, attention, lora_pool, sgmv, config, budget) if graphs is not None else None
-    runner = ModelRunner(net, attention, lora_pool, sgmv, config.page_size, graphs, mixed)
+    mixed = make_piecewise(net, attention, lora_pool, sgmv, config, budget, num_pages) if graphs is not None else None
+    runner = ModelRunner(net, attention, lora_pool, sgmv, config.page_size, graphs, mixed, kernels)
     return Executor(net, device, dtype, kv, num_pages, lora_pool, attention, sgmv, runner, budget)
 
 
@@ -98,14 +121,14 @@ def default_pages(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, co
     return max(1, int(budget // (per_token * config.page_size)))
 
 
-def make_sgmv(device: torch.device, dtype: torch.dtype):
+def make_sgmv(device: torch.device, dtype: torch.dtype, kernels: KernelChoices):
     from lorafleet.runner.lora.sgmv import TorchSGMV
 
     try:
         from lorafleet.runner.lora.sgmv_select import sgmv_backend
     except ImportError:
         return TorchSGMV()
-    return sgmv_backend(device, dtype=dtype)
+    return sgmv_backend(device, dtype=dtype, choice=kernels.sgmv)
 
 
 def make_graphs(model, attention, lora_pool, sgmv, config: EngineConfig, scratch_page: int):
@@ -118,13 +141,14 @@ def make_graphs(model, attention, lora_pool, sgmv, config: EngineConfig, scratch
     from lorafleet.runner.executor.cuda_graph import GraphRunner
 
     t0 = time.perf_counter()
-    g = GraphRunner(model, attention, lora_pool, sgmv, config.page_size, config.max_batch_size, scratch_page)
+    g = GraphRunner(model, attention, lora_pool, sgmv, config.page_size, config.max_batch_size, scratch_page,
+                    config.kernels or KernelChoices())
     g.capture_all()
     log.info("CUDA graph capture took %.1fs", time.perf_counter() - t0)
     return g
 
 
-def make_piecewise(model, attention, lora_pool, sgmv, config: EngineConfig, budget: int | None):
+def make_piecewise(model, attention, lora_pool, sgmv, config: EngineConfig, budget: int | None, scratch_page: int):
     """Piecewise CUDA graphs for steps with prefill (everything but attention replayed)."""
     if not config.piecewise_graphs:
         return None
@@ -132,6 +156,7 @@ def make_piecewise(model, attention, lora_pool, sgmv, config: EngineConfig, budg
 
     t0 = time.perf_counter()
     limit = budget or (config.max_prefill_tokens + config.max_batch_size)
-    pw = PiecewiseGraphs(model, attention, lora_pool, sgmv, config.max_batch_size, default_buckets(limit))
+    pw = PiecewiseGraphs(model, attention, lora_pool, sgmv, config.max_batch_size, default_buckets(limit),
+                         scratch_page * config.page_size, config.kernels or KernelChoices())
     log.info("piecewise graph capture took %.1fs", time.perf_counter() - t0)
     return pw

@@ -3,7 +3,8 @@
     handle = runner.launch(batch, prev)   # the batch's copies to the device, forward, sampling, readback
     ids = handle.tokens()                 # waits for this step only: ids in batch.sample_idx order
 
-Every executor reads the same `StepBatch` (step_batch.py) and its device copy (`DeviceStep`):
+Every executor reads the same `StepBatch` (runner/engine/step_batch.py) and its device copy
+(`batch.to_device(...)`, a `DeviceStep`):
 decode-only steps replay a CUDA graph per batch bucket (cuda_graph.py), steps with prefill replay
 piecewise graphs around eager attention (piecewise.py), and anything else runs the forward pass
 eagerly (the CPU path, and the fallback). None of them rebuilds or reorders the batch.
@@ -20,55 +21,17 @@ from dataclasses import dataclass
 
 import torch
 
-from lorafleet.runner.executor.attention.meta import AttnMeta
-from lorafleet.runner.lora.segments import SegmentTable
 from lorafleet.runner.lora.step import LoraStepImpl
-from lorafleet.runner.model.llama import LlamaModel
+from lorafleet.runner.config import KernelChoices
+from lorafleet.runner.model.decoder import Decoder, StepIO
 from lorafleet.runner.executor.sampler import sample_tokens
-from lorafleet.runner.engine.step_batch import StepBatch, split64
-
-
-@dataclass
-class DeviceStep:
-    """The device copy of a step batch's numbers (T rows, B requests)."""
-
-    input_ids: torch.Tensor  # int64 [T]
-    positions: torch.Tensor  # int64 [T]
-    slot_mapping: torch.Tensor  # int64 [T]
-    logit_rows: torch.Tensor  # int64 [B]
-    inputs3: torch.Tensor  # int64 [3, T]: input_ids, positions, slot_mapping as one view
-    seg: SegmentTable  # device indptr / slots at the batch's capacity, host tuples of the real segments
-    sample_idx: torch.Tensor  # int64 [S]: the requests whose next token is sampled
-    sampling: torch.Tensor | None  # float32 [4, S] (sampler.pack_sampling), None if every row is greedy
-
-    def attn_meta(self, batch: StepBatch) -> AttnMeta:
-        return AttnMeta(num_prefill=batch.num_prefill, qo_indptr=batch.qo_indptr, kv_lens=batch.kv_lens,
-                        page_tables=batch.page_tables, page_size=batch.page_size, slot_mapping=self.slot_mapping)
-
-
-def to_device(batch: StepBatch, device: torch.device, prev_tokens: torch.Tensor | None) -> DeviceStep:
-    """Two host->device copies (int64 and int32 packs; a third with sampling parameters); pending
-    input rows take the previous step's sampled ids on the device. Nothing here waits for the device."""
-    T, B, P, S = batch.num_tokens, batch.batch_size, batch.num_pending, len(batch.sample_idx)
-    d64 = batch.packed64.to(device, non_blocking=True)
-    d32 = batch.packed32.to(device, non_blocking=True)
-    df = batch.packedf.to(device, non_blocking=True) if batch.packedf is not None else None
-    v = split64(d64, T, B, P, S)
-    if P:
-        if prev_tokens is None:
-            raise RuntimeError("the step batch reads pending tokens but no step is in flight")
-        v["input_ids"].index_copy_(0, v["pending_rows"], prev_tokens.index_select(0, v["pending_src"]))
-    cap = batch.seg_capacity
-    seg = SegmentTable(d32[: cap + 1], d32[cap + 1:], batch.seg_indptr, batch.seg_slots, T)
-    return DeviceStep(v["input_ids"], v["positions"], v["slot_mapping"], v["logit_rows"], d64[: 3 * T].view(3, T), seg,
-                      v["sample_idx"], df)
 
 
 class InFlight:
     """A launched step: its batch, sampled ids on the device, and (with `readback`) their pinned
     host copy."""
 
-    def __init__(self, batch: StepBatch, tokens_dev: torch.Tensor, kind: str, readback: bool = True):
+    def __init__(self, batch: "StepBatch", tokens_dev: torch.Tensor, kind: str, readback: bool = True):
         self.batch, self.tokens_dev, self.kind = batch, tokens_dev, kind
         self.event = None
         self.host = tokens_dev
@@ -101,8 +64,9 @@ class InFlight:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, attention, lora_pool, sgmv, page_size: int, graphs=None, mixed=None):
-        self.model, self.attention = model, attention
+    def __init__(self, model: Decoder, attention, lora_pool, sgmv, page_size: int, graphs=None, mixed=None,
+                 kernels: KernelChoices = KernelChoices()):
+        self.model, self.attention, self.kernels = model, attention, kernels
         self.lora_pool, self.sgmv = lora_pool, sgmv
         self.page_size = page_size
         self.graphs = graphs  # GraphRunner for decode-only steps on CUDA, or None
@@ -112,11 +76,11 @@ class ModelRunner:
         self.phases: dict[str, list[float]] | None = None
 
     @torch.inference_mode()
-    def launch(self, batch: StepBatch, prev: InFlight | None = None, readback: bool = True) -> InFlight:
+    def launch(self, batch: "StepBatch", prev: InFlight | None = None, readback: bool = True) -> InFlight:
         """Queue one step on the device; `prev` is the step launched before it (for pending ids).
         `readback=False`: no host copy of the sampled ids (tensor-parallel ranks other than 0)."""
         t0 = time.perf_counter() if self.phases is not None else 0.0
-        d = to_device(batch, self.model.device, prev.tokens_dev if prev is not None else None)
+        d = batch.to_device(self.model.device, prev.tokens_dev if prev is not None else None)
         t1 = time.perf_counter() if self.phases is not None else 0.0
         logits = None
         kind = "eager"
@@ -141,11 +105,12 @@ class ModelRunner:
             acc[3] += 1
         return out
 
-    def forward(self, batch: StepBatch, d: DeviceStep) -> torch.Tensor:
+    def forward(self, batch: "StepBatch", d: "DeviceStep") -> torch.Tensor:
         """The whole step eagerly: logits fp32 [B, V] (one row per request, its last row)."""
         attn_step = self.attention.begin(d.attn_meta(batch))
         lora = None
         if self.lora_pool is not None and d.seg.any_adapter:
-            lora = LoraStepImpl(self.lora_pool, self.sgmv, d.seg, self._workspace)
+            lora = LoraStepImpl(self.lora_pool, self.sgmv, d.seg, self._workspace, kernels=self.kernels)
             self._workspace = lora.ws
-        return self.model.forward(d.input_ids, d.positions, attn_step, lora, d.logit_rows)
+        io = StepIO(d.input_ids, d.positions, d.slot_mapping, d.logit_rows)
+        return self.model.forward(io, attn_step, lora)

@@ -4,11 +4,11 @@ A step of T tokens pads to the smallest bucket Tp >= T and replays the L + 1 gra
 for Tp: [embedding + layer 0 up to attention], [layer i-1 after attention + layer i up to
 attention] for i = 1..L-1, and [layer L-1 after attention + final norm + lm_head]. Between
 them attention runs eagerly over the T real rows (page tables and lengths change every step
-and flashinfer plans them on the host), reading q/k/v from static buffers and writing o into
-one. With the rope_kv kernel (CUDA), the pieces also rotate q/k and write the step's K/V into the
-cache, so between pieces only the attention kernels run (fewer host calls per layer). Padded rows
-compute values nothing reads: they lie outside every LoRA segment, attention and the KV cache never
-see them (their KV slot is -1), and no logit row points at them.
+and flashinfer plans them on the host), reading q from a static buffer and writing o into one: the
+pieces are the decoder's (runner/model/decoder.py), its one layer loop replaying them. The pieces
+also rotate q/k and write the step's K/V into the cache, so between pieces only the attention kernels
+run. Padded rows compute values nothing reads: they lie outside every LoRA segment, write their K/V
+to the scratch page, attention never sees them, and no logit row points at them.
 
 Why: an eager 7B step launches ~600 kernels (plus 256 SGMV launches with LoRA) from Python and
 is bound by the host; replayed, a step costs its GPU time plus 32 eager attention calls.
@@ -22,9 +22,11 @@ import logging
 
 import torch
 
+from lorafleet.runner.config import KernelChoices
 from lorafleet.runner.executor.graph_capture import capture
 from lorafleet.runner.lora.segments import SegmentTable
 from lorafleet.runner.lora.step import LoraStepImpl
+from lorafleet.runner.model.decoder import StepIO
 
 log = logging.getLogger(__name__)
 
@@ -44,17 +46,8 @@ class _Static:
     """Inputs and cross-piece buffers at the largest bucket; every bucket uses their first rows."""
 
     def __init__(self, T: int, model, max_rows: int, lora_pool):
-        c, dev, dt = model.cfg, model.device, model.dtype
-        self.input_ids = torch.zeros(T, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(T, dtype=torch.int64, device=dev)
-        self.logit_rows = torch.zeros(max_rows, dtype=torch.int64, device=dev)
-        self.residual = torch.zeros(T, c.hidden_size, dtype=dt, device=dev)
-        self.q = torch.zeros(T, c.q_dim, dtype=dt, device=dev)
-        self.k = torch.zeros(T, c.kv_dim, dtype=dt, device=dev)
-        self.v = torch.zeros(T, c.kv_dim, dtype=dt, device=dev)
-        self.o = torch.zeros(T, c.q_dim, dtype=dt, device=dev)
-        self.logits = torch.zeros(max_rows, c.vocab_size, dtype=torch.float32, device=dev)
-        self.slot_mapping = torch.full((T,), -1, dtype=torch.int64, device=dev)  # rope_kv: padded rows -1
+        dev = model.device
+        self.io = StepIO.buffers(model.cfg, T, max_rows, model.dtype, dev)
         self.seg_indptr = torch.zeros(max_rows + 1, dtype=torch.int32, device=dev)
         self.seg_slots = torch.full((max_rows,), -1, dtype=torch.int32, device=dev)
         self.ws = None
@@ -65,38 +58,29 @@ class _Static:
 class _Bucket:
     """One padded token count: views of the static buffers and the captured graphs."""
 
-    def __init__(self, Tp: int, st: _Static, lora_pool, sgmv):
+    def __init__(self, Tp: int, st: _Static, lora_pool, sgmv, kernels: KernelChoices):
         self.Tp = Tp
-        self.input_ids, self.positions, self.logit_rows = st.input_ids[:Tp], st.positions[:Tp], st.logit_rows
-        self.slot_mapping = st.slot_mapping[:Tp]
-        self.residual, self.q, self.k, self.v, self.o = (t[:Tp] for t in (st.residual, st.q, st.k, st.v, st.o))
+        self.io = st.io.view(Tp)  # every logit row (one fp32 [max_rows, V] output for every bucket)
         self.seg_indptr, self.seg_slots = st.seg_indptr, st.seg_slots
-        self.seg_cap = st.seg_slots.shape[0]
         self.lora = None
         if lora_pool is not None:
             seg = SegmentTable(self.seg_indptr, self.seg_slots, (0,), (), Tp)
-            self.lora = LoraStepImpl(lora_pool, sgmv, seg, st.ws)
+            self.lora = LoraStepImpl(lora_pool, sgmv, seg, st.ws, kernels=kernels)
             self.lora.active = True  # the kernels skip rows of slot -1; a graph always launches them
-        self.cos_sin = None
-        self.logits = st.logits  # one fp32 [max_rows, V] output for every bucket
         self.graphs: list = []
 
 
 class PiecewiseGraphs:
-    def __init__(self, model, attention, lora_pool, sgmv, max_rows: int, buckets: list[int],
-                 use_graphs: bool = True):
+    def __init__(self, model, attention, lora_pool, sgmv, max_rows: int, buckets: list[int], scratch_slot: int,
+                 kernels: KernelChoices = KernelChoices(), use_graphs: bool = True):
         self.model, self.attention = model, attention
-        self.max_rows = max_rows
+        self.max_rows, self.scratch_slot = max_rows, scratch_slot
         self.use_graphs = use_graphs
         self.sizes = sorted(set(buckets))
         self.pool = None
         self.buckets: dict[int, _Bucket] = {}
         self.static = _Static(self.sizes[-1], model, max_rows, lora_pool)
-        # With the rope_kv kernel, the graph pieces also rotate q/k and write the K/V cache (padded
-        # rows carry slot -1, which the kernel skips): between pieces only attention itself runs.
-        from lorafleet.runner.model.rope_kv import fused_rope_kv
-
-        self.rope_kv = fused_rope_kv(model) if use_graphs else None
+        self.static.io.slots.fill_(scratch_slot)
         # one capture stream for every bucket: the graph pool reuses freed blocks only on their stream
         self.stream = torch.cuda.Stream(model.device) if use_graphs else None
         if use_graphs:
@@ -108,7 +92,7 @@ class PiecewiseGraphs:
             gc.disable()  # no collection (which may destroy a graph) while capturing
         try:
             for Tp in sorted(self.sizes, reverse=True):  # the largest first: later captures reuse its memory
-                b = _Bucket(Tp, self.static, lora_pool, sgmv)
+                b = _Bucket(Tp, self.static, lora_pool, sgmv, kernels)
                 self._capture(b)
                 self.buckets[Tp] = b
         finally:
@@ -128,43 +112,21 @@ class PiecewiseGraphs:
                 return self.buckets[Tp]
         return None
 
-    # -- the pieces ---------------------------------------------------------------------------------
-    def _piece(self, b: _Bucket, j: int) -> None:
-        m = self.model
-        L = len(m.layers)
-        if j == 0:
-            h, res = m.embed_tokens(b.input_ids, out=b.residual), None
-            b.cos_sin = m.ops.rope_cos_sin(b.positions, m.dtype)
-        else:
-            h, res = m.post_attention(j - 1, b.o, b.residual, b.lora)
-            if j == L:
-                b.logits.copy_(m.logits(h, res, b.logit_rows))
-                return
-        if self.rope_kv is not None:
-            qkv, res = m.qkv_proj(j, h, res, b.lora)
-            k_flat, v_flat = self.attention.kv.flat(j)
-            self.rope_kv(b.q.view(b.Tp, m.cfg.num_heads, m.cfg.head_dim), k_flat, v_flat, qkv, b.positions,
-                         b.slot_mapping)
-        else:
-            _, _, _, res = m.pre_attention(j, h, res, b.positions, b.cos_sin, b.lora, (b.q, b.k, b.v))
-        if res.data_ptr() != b.residual.data_ptr():  # ops that do not update the residual in place
-            b.residual.copy_(res)
-
     def _capture(self, b: _Bucket) -> None:
-        L = len(self.model.layers)
+        L = self.model.num_layers
         if not self.use_graphs:
             return
         dev, stream = self.model.device, self.stream
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.inference_mode(), torch.cuda.stream(stream):
             for j in range(L + 1):  # warm-up outside capture: lazy init, GEMM heuristics for this shape
-                self._piece(b, j)
+                self.model.piece(j, b.io, b.lora)
         torch.cuda.current_stream(dev).wait_stream(stream)
         torch.cuda.synchronize(dev)
         with torch.inference_mode():
             for j in range(L + 1):
                 g = torch.cuda.CUDAGraph()
-                capture(g, lambda: self._piece(b, j), self.pool, stream)
+                capture(g, lambda: self.model.piece(j, b.io, b.lora), self.pool, stream)
                 if self.pool is None:
                     self.pool = g.pool()
                 b.graphs.append(g)
@@ -179,35 +141,22 @@ class PiecewiseGraphs:
         b = self.bucket(T, B, seg.num_segments)
         if b is None or seg.slots.shape[0] != self.max_rows:
             return None
-        b.input_ids[:T].copy_(d.input_ids, non_blocking=True)
-        b.positions[:T].copy_(d.positions, non_blocking=True)
-        b.logit_rows[:B].copy_(d.logit_rows, non_blocking=True)
-        if B < b.logit_rows.shape[0]:
-            b.logit_rows[B:].zero_()  # rows left from a larger step may lie beyond this bucket's Tp
+        io = b.io
+        io.input_ids[:T].copy_(d.input_ids, non_blocking=True)
+        io.positions[:T].copy_(d.positions, non_blocking=True)
+        io.slots[:T].copy_(d.slot_mapping, non_blocking=True)
+        if T < b.Tp:
+            io.slots[T:].fill_(self.scratch_slot)  # padded rows write the scratch page
+        io.logit_rows[:B].copy_(d.logit_rows, non_blocking=True)
+        if B < io.logit_rows.shape[0]:
+            io.logit_rows[B:].zero_()  # rows left from a larger step may lie beyond this bucket's Tp
         if b.lora is not None:
             b.seg_indptr.copy_(seg.indptr, non_blocking=True)
             b.seg_slots.copy_(seg.slots, non_blocking=True)
             # the kernels read the static tensors; CPU code paths read the host lists of this step
             b.lora.seg = SegmentTable(b.seg_indptr, b.seg_slots, seg.host_indptr, seg.host_slots, b.Tp)
-        if self.rope_kv is not None:
-            b.slot_mapping[:T].copy_(d.slot_mapping, non_blocking=True)
-            if T < b.Tp:
-                b.slot_mapping[T:].fill_(-1)  # padded rows write no K/V
-        c = self.model.cfg
+        io.rows = T  # attention runs over the real rows
         attn = self.attention.begin(d.attn_meta(batch))
-        self._replay(b, 0)
-        for i in range(len(self.model.layers)):
-            q = b.q[:T].view(T, c.num_heads, c.head_dim)
-            if self.rope_kv is not None:
-                attn.attend(i, q, out=b.o[:T])  # K/V already in the cache
-            else:
-                attn(i, q, b.k[:T].view(T, c.num_kv_heads, c.head_dim), b.v[:T].view(T, c.num_kv_heads, c.head_dim),
-                     out=b.o[:T])
-            self._replay(b, i + 1)
-        return b.logits[:B]
-
-    def _replay(self, b: _Bucket, j: int) -> None:
-        if b.graphs:
-            b.graphs[j].replay()
-        else:
-            self._piece(b, j)
+        replay = (lambda j: b.graphs[j].replay()) if b.graphs else None
+        self.model.forward(io, attn, b.lora, replay=replay)
+        return io.logits[:B]

@@ -16,8 +16,6 @@ import random
 
 import torch
 
-from lorafleet.runner.engine.sequence import Sequence
-
 
 def uniform_for(seed: int, position: int) -> float:
     return random.Random(f"{seed}:{position}").random()
@@ -57,7 +55,7 @@ def sample_tokens(logits: torch.Tensor, params: torch.Tensor | None) -> torch.Te
     return torch.where(greedy, out, order.gather(1, pick).squeeze(1))
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+def sample(logits: torch.Tensor, seqs) -> list[int]:
     """logits fp32 [B, V] (row i belongs to seqs[i], each sampling its position num_tokens) -> ids."""
     ps = [s.params for s in seqs]
     u = [0.0 if p.greedy else uniform_for(s.sample_seed, s.num_tokens) for s, p in zip(seqs, ps)]

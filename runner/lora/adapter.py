@@ -9,7 +9,16 @@ from pathlib import Path
 import torch
 
 from lorafleet.common.peft_config import AdapterError, AdapterSpec, BaseShape, inspect_adapter, scrub_paths
-from lorafleet.common.projections import PROJ_INDEX, PROJECTIONS
+from lorafleet.models.contract import PROJ_INDEX, PROJECTIONS
+
+
+@dataclass(frozen=True)
+class AdapterRef:
+    """Which adapter a request uses and where the runner can load it from."""
+
+    name: str
+    source: str
+    sha256: str | None = None
 
 
 @dataclass
@@ -111,20 +120,28 @@ def load_adapter(
     allow_synthetic: bool = False,
 ) -> LoadedAdapter:
     """Validate (see `inspect_adapter`) and load; raises AdapterError naming the adapter.
-    `synthetic://SEED` sources (benchmarks only) are drawn by runner/synthetic.py when allowed."""
+    `synthetic://SEED` sources (benchmarks only) are drawn by runner/lora/synthetic.py when allowed."""
     from safetensors import safe_open
 
     if str(path).startswith("synthetic://"):
         if not allow_synthetic:
             raise AdapterError(name, "synthetic adapter sources are only for benchmarks")
-        from lorafleet.runner.model.synthetic import synthetic_adapter
+        from lorafleet.runner.lora.synthetic import synthetic_adapter
 
         return synthetic_adapter(name, str(path), base, dtype, pin)
 
     spec = inspect_adapter(name, path, base=base, max_rank=max_rank)
     try:
         with safe_open(str(Path(path) / "adapter_model.safetensors"), framework="pt") as f:
-            raw = {(m.layer, m.proj): (f.get_tensor(m.a_key), f.get_tensor(m.b_key), m.scaling) for m in spec.modules}
+            cache: dict[str, torch.Tensor] = {}  # a fused module's A and B serve several projections
+
+            def get(key: str) -> torch.Tensor:
+                if key not in cache:
+                    cache[key] = f.get_tensor(key)
+                return cache[key]
+
+            raw = {(m.layer, m.proj): (get(m.a_key), get(m.b_key)[m.b_rows[0]:m.b_rows[1]] if m.b_rows else get(m.b_key),
+                                       m.scaling) for m in spec.modules}
     except Exception as exc:
         raise AdapterError(name, f"cannot read adapter_model.safetensors: {scrub_paths(str(exc))}") from None
     return LoadedAdapter(spec, packed=pack_peft(name, raw, base.num_layers, dtype, pin))

@@ -1,5 +1,5 @@
 """The host tier: adapters in host memory behind the device pool (pinned on CUDA; for reads from
-disk, see env.pin_host_adapters).
+disk, see KernelChoices.pin_host_adapters).
 
 `get(ref)` answers from memory or reads the adapter from disk: in reader processes when the tier
 has `readers` (CUDA engines, see reader.py), else in the calling thread. Thread-safe: the engine's
@@ -18,13 +18,13 @@ import torch
 
 from lorafleet.common.peft_config import AdapterError, BaseShape, scrub_paths
 from lorafleet.runner.lora.adapter import LoadedAdapter, load_adapter
-from lorafleet.runner.engine.sequence import AdapterRef
+from lorafleet.runner.lora.adapter import AdapterRef
 
 
 class HostTier:
     def __init__(self, base: BaseShape, max_rank: int, dtype: torch.dtype, capacity: int, pin: bool,
                  allow_synthetic: bool = False, readers: int = 0,
-                 loader: Callable[[AdapterRef], LoadedAdapter] | None = None):
+                 loader: Callable[[AdapterRef], LoadedAdapter] | None = None, pin_reads: bool = False):
         self.base, self.max_rank, self.dtype, self.pin = base, max_rank, dtype, pin
         self.capacity, self.allow_synthetic = capacity, allow_synthetic
         self.loader = loader
@@ -32,10 +32,8 @@ class HostTier:
         if readers and loader is None:
             from lorafleet.runner.lora.reader import AdapterReader
 
-            from lorafleet import env
-
-            # env.pin_host_adapters: pageable by default, which avoids a page-locking driver call per read
-            self.reader = AdapterReader(base, max_rank, dtype, workers=readers, pin=pin and env.pin_host_adapters()).start()
+            # KernelChoices.pin_host_adapters: pageable by default, which avoids a page-locking driver call per read
+            self.reader = AdapterReader(base, max_rank, dtype, workers=readers, pin=pin and pin_reads).start()
         self.cache: OrderedDict[tuple[str, str], LoadedAdapter] = OrderedDict()
         self.lock = threading.Lock()
         self.stats = {"host_hits": 0, "disk_reads": 0, "failures": 0, "load_seconds": 0.0}

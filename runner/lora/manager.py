@@ -3,7 +3,7 @@
 `acquire(ref)` answers READY (with a slot, pinned for the caller), LOADING (come back next
 step) or raises AdapterError. Loads on CPU are synchronous; on CUDA the disk read runs in a
 reader process (`reader.py`) and the copy into the slot on a side stream from host memory (pageable
-by default, see `env.pin_host_adapters`), so neither stalls the running batch nor the engine's thread.
+by default, see `KernelChoices.pin_host_adapters`), so neither stalls the running batch nor the engine's thread.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from lorafleet.common.peft_config import AdapterError, BaseShape
 from lorafleet.runner.lora.adapter import LoadedAdapter
 from lorafleet.runner.lora.host_tier import HostTier
 from lorafleet.runner.lora.pool import LoraPool
-from lorafleet.runner.engine.sequence import AdapterRef
+from lorafleet.runner.lora.adapter import AdapterRef
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,7 @@ class AdapterManager:
         copy_stream: "torch.cuda.Stream | None" = None,
         allow_synthetic: bool = False,
         readers: int = 4,
+        pin_reads: bool = False,
     ):
         self.pool, self.base = pool, base  # base: the full model's shape (adapters are validated against it)
         # Called with ("load", slot, ref) when a slot starts filling and ("clear", slot) when one is
@@ -60,7 +61,7 @@ class AdapterManager:
         # the engine thread only polls.
         cuda = copy_stream is not None
         self.host = HostTier(base, pool.max_rank, pool.dtype, host_capacity, pin=cuda, allow_synthetic=allow_synthetic,
-                             readers=readers if cuda else 0, loader=loader)
+                             readers=readers if cuda else 0, loader=loader, pin_reads=pin_reads)
         self.workers = ThreadPoolExecutor(max_workers=max(2, readers), thread_name_prefix="adapter-load") if cuda else None
         self.stats = {"loads": 0, "evictions": 0}
 

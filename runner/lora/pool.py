@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from lorafleet.common.peft_config import BaseShape
-from lorafleet.common.projections import PROJECTIONS
+from lorafleet.models.contract import PROJECTIONS
 from lorafleet.runner.lora.adapter import LoadedAdapter
 
 # (first projection index, count) of each SGMV group, in PROJECTIONS order: qkv, o, gate_up, down.

@@ -164,7 +164,8 @@ def _remove_stale() -> None:
 
 
 def spec_from_wire(d: dict) -> AdapterSpec:
-    return AdapterSpec(**{**d, "path": Path(d["path"]), "modules": tuple(ModuleLora(**m) for m in d["modules"])})
+    return AdapterSpec(**{**d, "path": Path(d["path"]), "modules": tuple(
+        ModuleLora(**{**m, "b_rows": tuple(m["b_rows"]) if m.get("b_rows") else None}) for m in d["modules"])})
 
 
 class WorkerDied(Exception):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lorafleet import env
+from lorafleet.runner.config import KernelChoices
 from lorafleet.runner.lora.pool import GROUP_SPANS, LoraPool
 from lorafleet.runner.lora.segments import SegmentTable
 from lorafleet.runner.lora.sgmv import SGMV
@@ -22,7 +22,7 @@ from lorafleet.runner.lora.sgmv import SGMV
 # The path of a given segment depends only on that segment's length (one launch or two gives the
 # same bits); a segment's length itself can depend on other requests (a prompt chunk and the decode
 # rows of the same adapter form one segment), as with any per-segment threshold.
-GROUP_MMA_ROWS = ((129, 129), (512, 512), (129, 129), (512, 512))
+GROUP_MMA_ROWS = KernelChoices().mma_rows
 
 # Decode steps (every segment on the CUDA-core path) launch the shrink and the expand separately rather
 # than the one-launch fused kernel: inside a model the call follows a cuBLAS GEMM (no early launch) and
@@ -33,25 +33,25 @@ GROUP_MMA_ROWS = ((129, 129), (512, 512), (129, 129), (512, 512))
 # adapters), 1.19 against 1.38 (one adapter). Both give the same bits.
 DECODE_FUSED = False
 # Eager and piecewise steps (prompt rows, with or without decodes): one fused launch for a group below
-# both tensor-core thresholds. LORAFLEET_SGMV_FUSED=0/1 overrides it (env.sgmv_fused) for A/B runs.
+# both tensor-core thresholds. KernelChoices.sgmv_fused (LORAFLEET_SGMV_FUSED=0/1) overrides it for A/B runs.
 MIXED_FUSED = True
 
 
-def mixed_fused() -> bool:
-    choice = env.sgmv_fused()
-    return MIXED_FUSED if choice == "auto" else choice == "1"
+def mixed_fused(kernels: KernelChoices) -> bool:
+    return MIXED_FUSED if kernels.sgmv_fused == "auto" else kernels.sgmv_fused == "1"
 
 
 class LoraStepImpl:
     """The LoRA half of a step: `mma=False` (the decode CUDA graphs) puts every segment on the CUDA-core
     path (two launches per group, DECODE_FUSED); otherwise (eager and piecewise steps, also decode-only
     ones) each group's segments take tensor cores from GROUP_MMA_ROWS rows on, and a group below both
-    thresholds is one fused launch (MIXED_FUSED, LORAFLEET_SGMV_FUSED). The bits are the same either way."""
+    thresholds is one fused launch (MIXED_FUSED, KernelChoices.sgmv_fused). The bits are the same either way."""
 
     def __init__(self, pool: LoraPool, sgmv: SGMV, seg: SegmentTable, workspace: torch.Tensor | None = None,
-                 mma: bool = True, qkv_expand_in_rope: bool = False):
+                 mma: bool = True, qkv_expand_in_rope: bool = False, kernels: KernelChoices = KernelChoices()):
         self.pool, self.sgmv, self.seg, self.mma = pool, sgmv, seg, mma
-        # Decode graphs with the rope_kv kernel (env.rope_kv_lora): the qkv group's expand is left to that
+        self.mma_rows = kernels.mma_rows
+        # Decode graphs with the fused K/V writer (KernelChoices.rope_kv_lora): the qkv group's expand is left to that
         # kernel (add_qkv), which adds it in the same order as the CUDA-core expand.
         self.qkv_expand_in_rope = qkv_expand_in_rope and not mma
         if self.qkv_expand_in_rope:
@@ -59,7 +59,7 @@ class LoraStepImpl:
             self._rows = torch.arange(n, dtype=torch.int32, device=pool.device)
             self._seg_of_row = torch.empty(n, dtype=torch.int64, device=pool.device)
             self.row_slot = torch.empty(n, dtype=torch.int32, device=pool.device)
-        self.fused = mixed_fused() if mma else DECODE_FUSED
+        self.fused = mixed_fused(kernels) if mma else DECODE_FUSED
         need = seg.num_rows * 3 * pool.max_rank
         if workspace is None or workspace.numel() < need:
             workspace = torch.empty(need, dtype=torch.float32, device=pool.device)
@@ -94,5 +94,5 @@ class LoraStepImpl:
             return
         v = self.views[GROUP_SPANS[group][1]]
         a, b, ranks, host = self.pool.group_args[layer][group]  # ranks [G, S]
-        self.sgmv.add(ys, v, x, a, b, ranks, host, self.seg, self.mma, GROUP_MMA_ROWS[group],
+        self.sgmv.add(ys, v, x, a, b, ranks, host, self.seg, self.mma, self.mma_rows[group],
                       fused=self.fused)

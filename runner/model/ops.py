@@ -1,5 +1,9 @@
-"""The model's elementwise ops: plain torch (CPU, exact Hugging Face arithmetic) or
-flashinfer's fused CUDA kernels (one launch each for add+RMSNorm, SiLU*up, RoPE)."""
+"""The decoder's elementwise ops: plain torch (CPU, exact Hugging Face arithmetic) or flashinfer's fused
+CUDA kernels (one launch each for add + RMSNorm, the gated activation, RoPE).
+
+Both follow the model config: RMSNorm scaling by w (Llama: normalise in fp32, cast, then scale) or by
+(1 + w) in fp32 (Gemma: `norm_offset`), SiLU or GELU-tanh gates, one RoPE per layer kind.
+"""
 
 from __future__ import annotations
 
@@ -9,13 +13,17 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from lorafleet.models.contract import ModelConfig
 from lorafleet.runner.model.rope import Rope, apply_rope
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Hugging Face's LlamaRMSNorm, op for op: normalise in fp32, cast back, then scale."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+    """Hugging Face's RMSNorms, op for op: normalise in fp32; Llama casts back then scales by w, Gemma scales
+    by (offset + w) in fp32 and then casts."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:
+        return (xf * (offset + weight.float())).to(x.dtype)
     return weight * xf.to(x.dtype)
 
 
@@ -47,75 +55,87 @@ def prefer_cublaslt():
 class TorchOps:
     name = "torch"
 
-    def __init__(self, rope: Rope):
-        self.rope = rope
+    def __init__(self, cfg: ModelConfig, ropes: list[Rope]):
+        self.eps, self.offset, self.activation = cfg.rms_norm_eps, cfg.norm_offset, cfg.activation
+        self.ropes = ropes
 
-    def rms_norm(self, x, w, eps):
-        return rms_norm(x, w, eps)
+    def rms_norm(self, x, w):
+        return rms_norm(x, w, self.eps, self.offset)
 
-    def add_rms_norm(self, x, residual, w, eps):
+    def add_rms_norm(self, x, residual, w):
         """(norm(residual + x), residual + x)."""
         h = residual + x
-        return rms_norm(h, w, eps), h
+        return rms_norm(h, w, self.eps, self.offset), h
 
-    def silu_mul(self, gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+    def head_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Per-head RMSNorm of x [T, heads, D] (q/k norms) -> a new [T, heads, D] tensor."""
+        return rms_norm(x, w, self.eps, self.offset)
+
+    def act_mul(self, gate_up: torch.Tensor, inter: int) -> torch.Tensor:
         gate, up = gate_up.split([inter, inter], dim=-1)
+        if self.activation == "gelu_tanh":
+            return F.gelu(gate, approximate="tanh") * up
         return F.silu(gate) * up
 
     def rope_cos_sin(self, positions, dtype):
-        return self.rope.cos_sin(positions, dtype)
+        """Per RoPE of the model: (cos, sin) for these positions (None where a kernel computes its own)."""
+        return [r.cos_sin(positions, dtype) for r in self.ropes]
 
-    def apply_rope(self, q, k, positions, cos_sin, heads, kv_heads, head_dim):
-        """q [T, Hq*D], k [T, Hkv*D] views -> rotated q [T, Hq, D], k [T, Hkv, D]."""
-        cos, sin = cos_sin
-        T = q.shape[0]
-        return (apply_rope(q.view(T, heads, head_dim), cos, sin), apply_rope(k.view(T, kv_heads, head_dim), cos, sin))
+    def apply_rope(self, rope: int, q, k, positions, cos_sin):
+        """q [T, Hq, D], k [T, Hkv, D] -> rotated (new tensors, or the inputs rotated in place)."""
+        cos, sin = cos_sin[rope]
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
 class FlashInferOps(TorchOps):
     name = "flashinfer"
 
-    def __init__(self, rope: Rope, max_positions: int):
-        super().__init__(rope)
+    def __init__(self, cfg: ModelConfig, ropes: list[Rope], max_positions: int):
+        super().__init__(cfg, ropes)
         import flashinfer
 
         self.fi = flashinfer
-        pos = torch.arange(max_positions, device=rope.inv_freq.device, dtype=torch.float32)
-        freqs = pos[:, None] * rope.inv_freq[None, :]  # [P, D/2]
-        self.cos_sin_cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1).contiguous()  # fp32 [P, D]
+        self.caches = [r.cache(max_positions) for r in ropes]  # fp32 [P, R] per RoPE: cos | sin
 
-    def rms_norm(self, x, w, eps):
-        return self.fi.rmsnorm(x, w, eps)
+    def rms_norm(self, x, w):
+        if self.offset:
+            return self.fi.gemma_rmsnorm(x, w, self.eps)
+        return self.fi.rmsnorm(x, w, self.eps)
 
-    def add_rms_norm(self, x, residual, w, eps):
+    def add_rms_norm(self, x, residual, w):
         # in place: residual += x; x = rmsnorm(residual)
-        self.fi.fused_add_rmsnorm(x, residual, w, eps)
+        if self.offset:
+            self.fi.gemma_fused_add_rmsnorm(x, residual, w, self.eps)
+        else:
+            self.fi.fused_add_rmsnorm(x, residual, w, self.eps)
         return x, residual
 
-    def silu_mul(self, gate_up, inter):
+    def head_norm(self, x, w):
+        T, n, D = x.shape
+        return self.rms_norm(x.reshape(T * n, D), w).view(T, n, D)
+
+    def act_mul(self, gate_up, inter):
+        if self.activation == "gelu_tanh":
+            return self.fi.gelu_tanh_and_mul(gate_up)
         return self.fi.silu_and_mul(gate_up)
 
     def rope_cos_sin(self, positions, dtype):
         return None
 
-    def apply_rope(self, q, k, positions, cos_sin, heads, kv_heads, head_dim):
-        q = q.contiguous()
-        k = k.contiguous()
-        self.fi.apply_rope_with_cos_sin_cache_inplace(positions, q, k, head_dim, self.cos_sin_cache, is_neox=True)
-        T = q.shape[0]
-        return q.view(T, heads, head_dim), k.view(T, kv_heads, head_dim)
+    def apply_rope(self, rope, q, k, positions, cos_sin):
+        T, hq, D = q.shape
+        hk = k.shape[1]
+        q = q.reshape(T, hq * D).contiguous()
+        k = k.reshape(T, hk * D).contiguous()
+        self.fi.apply_rope_with_cos_sin_cache_inplace(positions, q, k, D, self.caches[rope], is_neox=True)
+        return q.view(T, hq, D), k.view(T, hk, D)
 
 
-def make_ops(rope: Rope, device: torch.device, max_positions: int, prefer: str = "auto"):
-    """flashinfer's fused ops on CUDA when importable (LORAFLEET_FUSED_OPS=0 keeps torch ops)."""
-    from lorafleet import env
-
-    if not env.fused_ops():
-        prefer = "torch"
-    if device.type == "cuda" and prefer in ("auto", "flashinfer"):
+def make_ops(cfg: ModelConfig, ropes: list[Rope], device: torch.device, max_positions: int, fused: bool = True):
+    """flashinfer's fused ops on CUDA when importable and `fused` (KernelChoices.fused_ops), else torch ops."""
+    if device.type == "cuda" and fused:
         try:
-            return FlashInferOps(rope, max_positions)
+            return FlashInferOps(cfg, ropes, max_positions)
         except ImportError:
-            if prefer == "flashinfer":
-                raise
-    return TorchOps(rope)
+            pass
+    return TorchOps(cfg, ropes)

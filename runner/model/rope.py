@@ -1,4 +1,4 @@
-"""Rotary position embeddings (rotate-half convention) with theta and scaling from the config."""
+"""Rotary position embeddings (rotate-half convention) from a RopeSpec: theta, scaling, partial rotary."""
 
 from __future__ import annotations
 
@@ -6,40 +6,52 @@ import math
 
 import torch
 
-from lorafleet.runner.config import ModelConfig
+from lorafleet.models.contract import RopeSpec
 
 
-def inv_frequencies(cfg: ModelConfig) -> torch.Tensor:
-    """fp32 [head_dim / 2] inverse frequencies, scaled as the config's rope type says."""
-    d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    sc = cfg.rope_scaling_dict
-    kind = sc.get("rope_type", "default")
-    if kind == "linear":
-        inv = inv / float(sc["factor"])
-    elif kind == "llama3":
-        factor = float(sc["factor"])
-        low, high = float(sc.get("low_freq_factor", 1.0)), float(sc.get("high_freq_factor", 4.0))
-        old_ctx = float(sc.get("original_max_position_embeddings", 8192))
+def inv_frequencies(spec: RopeSpec) -> torch.Tensor:
+    """fp32 [rotary_dim / 2] inverse frequencies, scaled as the spec's kind says (transformers' arithmetic)."""
+    d = spec.rotary_dim
+    inv = 1.0 / (spec.theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    if spec.kind == "linear":
+        inv = inv / spec.factor
+    elif spec.kind == "llama3":
+        low, high, old_ctx = spec.low_freq_factor, spec.high_freq_factor, float(spec.original_max_position_embeddings)
         low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
         wavelen = 2 * math.pi / inv
-        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        scaled = torch.where(wavelen > low_wavelen, inv / spec.factor, inv)
         smooth = (old_ctx / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        smoothed = (1 - smooth) * scaled / spec.factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv = torch.where(medium, smoothed, scaled)
+    elif spec.kind == "longrope":
+        ext = torch.tensor(spec.ext_factors, dtype=torch.float32)
+        inv = 1.0 / (ext * spec.theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     return inv
 
 
 class Rope:
-    def __init__(self, cfg: ModelConfig, device: torch.device):
-        self.inv_freq = inv_frequencies(cfg).to(device)  # fp32 [D/2]
+    """One rotary embedding on a device: cos/sin per position, `attention_factor` included."""
+
+    def __init__(self, spec: RopeSpec, device: torch.device):
+        self.spec = spec
+        self.rotary_dim = spec.rotary_dim
+        self.inv_freq = inv_frequencies(spec).to(device)  # fp32 [R/2]
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, D] for int positions [T], computed in fp32 then cast."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        """cos, sin [T, R] for int positions [T], computed in fp32 then cast."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, R/2]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.spec.attention_factor != 1.0:
+            cos, sin = cos * self.spec.attention_factor, sin * self.spec.attention_factor
+        return cos.to(dtype), sin.to(dtype)
+
+    def cache(self, max_positions: int) -> torch.Tensor:
+        """fp32 [P, R]: cos | sin halves per position (flashinfer's and the rope_kv kernel's layout)."""
+        pos = torch.arange(max_positions, device=self.inv_freq.device, dtype=torch.float32)
+        freqs = pos[:, None] * self.inv_freq[None, :]  # [P, R/2]
+        return (torch.cat([freqs.cos(), freqs.sin()], dim=-1) * self.spec.attention_factor).contiguous()
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -48,6 +60,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D]; cos/sin [T, D]."""
+    """x [T, heads, D]; cos/sin [T, R] with R <= D: the first R dimensions rotate, the rest pass."""
     c, s = cos[:, None, :], sin[:, None, :]
-    return x * c + _rotate_half(x) * s
+    R = cos.shape[-1]
+    if R == x.shape[-1]:
+        return x * c + _rotate_half(x) * s
+    rot, rest = x[..., :R], x[..., R:]
+    return torch.cat((rot * c + _rotate_half(rot) * s, rest), dim=-1)

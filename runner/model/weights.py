@@ -1,7 +1,12 @@
-"""Load base-model weights from an HF directory (safetensors) or a GGUF file.
+"""Base-model weights: an HF directory (config.json + *.safetensors), a GGUF file or a synthetic directory,
+read through the family's checkpoint plan into the engine's parameters.
 
-Both return `(ModelConfig, dict[name -> tensor])` with Hugging Face tensor names, so
-one code path builds the model. Pickle checkpoints are refused, never unpickled.
+    loaded = load_model(path, shard, device, dtype)   # family, whole-model config, lazy parameters
+    qkv = loaded.params.pop("layers.0.qkv")           # this rank's rows, stacked, on the device
+
+Readers name tensors as the family's checkpoint does (GGUF names are mapped to those first), so one plan
+(lorafleet.models.contract.checkpoint_plan) serves every format, and a tensor-parallel rank reads only its
+slices of each. Pickle checkpoints are refused, never unpickled.
 """
 
 from __future__ import annotations
@@ -9,12 +14,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from lorafleet.runner.config import ModelConfig, ModelConfigError
+from lorafleet.models import registry
+from lorafleet.models.contract import Family, ModelConfig, ModelConfigError, checkpoint_plan
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +35,8 @@ def is_gguf(path: str | Path) -> bool:
     return p.is_file() and p.suffix.lower() == ".gguf"
 
 
-def load_hf_config(model_dir: Path) -> ModelConfig:
+def read_hf_config(model_dir: Path) -> dict:
+    """config.json as a dict, with generation_config.json's eos ids when it has them."""
     cfg_path = model_dir / "config.json"
     if not cfg_path.is_file():
         raise WeightsError(f"{model_dir} has no config.json (expected a Hugging Face model directory or a .gguf file)")
@@ -36,21 +44,108 @@ def load_hf_config(model_dir: Path) -> ModelConfig:
         cfg = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as exc:
         raise WeightsError(f"{cfg_path} is not valid JSON: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise WeightsError(f"{cfg_path} must hold a JSON object")
     gen = model_dir / "generation_config.json"
     if gen.is_file():
         try:
             g = json.loads(gen.read_text())
-            if g.get("eos_token_id") is not None:
+            if isinstance(g, dict) and g.get("eos_token_id") is not None:
                 cfg = {**cfg, "eos_token_id": g["eos_token_id"]}
         except json.JSONDecodeError:
             log.warning("ignoring unreadable %s", gen)
-    return ModelConfig.from_hf(cfg, name=model_dir.name)
+    return cfg
+
+
+def load_hf_config(model_dir: Path) -> ModelConfig:
+    return registry.config_from_hf(read_hf_config(Path(model_dir)), name=Path(model_dir).name)
+
+
+# --- readers: checkpoint name -> (sliced) tensor ---------------------------------------------------------
+
+
+class SafetensorsReader:
+    """The safetensors files of an HF directory; slices are read from the files, not whole tensors."""
+
+    def __init__(self, model_dir: Path):
+        from safetensors import safe_open
+
+        self.where: dict[str, Path] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self._open: dict[Path, object] = {}
+        self._safe_open = safe_open
+        for f in _safetensors_files(model_dir):
+            for name in self._file(f).keys():
+                self.where[name] = f
+
+    def _file(self, f: Path):
+        h = self._open.get(f)
+        if h is None:
+            try:
+                h = self._open[f] = self._safe_open(str(f), framework="pt")
+            except Exception as exc:  # safetensors raises its own error types
+                raise WeightsError(f"cannot read {f.name}: {exc}") from None
+        return h
+
+    def names(self) -> set[str]:
+        return set(self.where)
+
+    def read(self, name: str, rows=None, cols=None) -> torch.Tensor | None:
+        f = self.where.get(name)
+        if f is None:
+            return None
+        try:
+            part = self._file(f).get_slice(name)
+            ndim = len(part.get_shape())
+            if rows is None and cols is None:
+                return part[:]
+            r = slice(*rows) if rows is not None else slice(None)
+            if ndim == 1:
+                return part[r]
+            return part[r, slice(*cols) if cols is not None else slice(None)]
+        except Exception as exc:
+            raise WeightsError(f"cannot read tensor {name} from {f.name}: {exc}") from None
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._file(self.where[name]).get_slice(name).get_shape())
+
+    def close(self) -> None:
+        self._open.clear()
+
+
+class TensorReader:
+    """Tensors already in memory (GGUF, dequantized), by checkpoint name."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def names(self) -> set[str]:
+        return set(self.tensors)
+
+    def read(self, name: str, rows=None, cols=None) -> torch.Tensor | None:
+        t = self.tensors.get(name)
+        if t is None:
+            return None
+        if rows is not None:
+            t = t[rows[0]:rows[1]]
+        if cols is not None:
+            t = t[:, cols[0]:cols[1]]
+        return t
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.tensors[name].shape)
+
+    def close(self) -> None:
+        self.tensors = {}
 
 
 def _safetensors_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+        except (json.JSONDecodeError, AttributeError):
+            raise WeightsError(f"{index.name} is not a valid safetensors index") from None
         files = sorted({model_dir / f for f in weight_map.values()})
         missing = [f.name for f in files if not f.is_file()]
         if missing:
@@ -67,84 +162,106 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def load_hf_dir(model_dir: str | Path, shard=None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """With a tensor-parallel `shard`, only this rank's slice of each weight is read from the files."""
-    from safetensors import safe_open
-
-    model_dir = Path(model_dir)
-    config = load_hf_config(model_dir)
-    if shard is not None:
-        shard.check(config)
-    tensors: dict[str, torch.Tensor] = {}
-    for f in _safetensors_files(model_dir):
-        try:
-            with safe_open(str(f), framework="pt") as sf:
-                for name in sf.keys():
-                    if shard is None:
-                        tensors[name] = sf.get_tensor(name)
-                        continue
-                    part = sf.get_slice(name)
-                    where = shard.weight_slice(name, tuple(part.get_shape()))
-                    if where is None:
-                        tensors[name] = sf.get_tensor(name)
-                    elif where[0] >= 0:
-                        dim, lo, hi = where
-                        tensors[name] = part[lo:hi] if dim == 0 else part[:, lo:hi]
-        except Exception as exc:  # safetensors raises its own error types
-            raise WeightsError(f"cannot read {f.name}: {exc}") from None
-    return config, tensors
+# --- the engine's parameters ------------------------------------------------------------------------------
 
 
-# --- GGUF ------------------------------------------------------------------------------
+class Params:
+    """The engine parameters of a model (this tensor-parallel rank's part), read on `pop` from a reader in
+    checkpoint names through the family's plan, on `device` in `dtype`."""
 
-_GGUF_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_GGUF_LAYER = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
+    def __init__(self, family: Family, cfg: ModelConfig, reader, shard=None, device="cpu", dtype=torch.float32):
+        self.family, self.cfg, self.reader, self.shard = family, cfg, reader, shard
+        self.device, self.dtype = torch.device(device), dtype
+        self.plan = {p.name: p for p in checkpoint_plan(family, cfg)}
+        self.read_names: set[str] = set()
+        if cfg.tie_word_embeddings:  # transformers ties lm_head to the embedding, whatever the file holds
+            self.read_names.add(family.checkpoint.lm_head)
+
+    def pop(self, name: str) -> torch.Tensor | None:
+        """Engine parameter `name` (e.g. `layers.3.qkv`), its parts stacked by rows; None for an optional
+        parameter the checkpoint lacks, and for row-parallel biases off rank 0. Missing required -> WeightsError."""
+        param = self.plan.pop(name, None)
+        if param is None:
+            raise KeyError(name)
+        if name == "lm_head" and self.cfg.tie_word_embeddings:
+            return None
+        pieces = []
+        for part in param.parts:
+            self.read_names.add(part.name)
+            if part.rank0_only and self.shard is not None and self.shard.rank != 0:
+                return None
+            t = self._read(part)
+            if t is None:
+                if param.required:
+                    raise WeightsError(f"the weights lack tensor {part.name} (is this a {self.family.name} checkpoint?)")
+                return None
+            pieces.append(t)
+        t = pieces[0] if len(pieces) == 1 else torch.cat([p.to(self.device) for p in pieces], 0)
+        return t.to(device=self.device, dtype=self.dtype).contiguous()
+
+    def _read(self, part) -> torch.Tensor | None:
+        rows, cols = part.rows, None
+        if self.shard is not None and self.shard.size > 1 and part.split is not None:
+            if part.name not in self.reader.names():
+                return None
+            full = self.reader.shape(part.name)
+            if part.split == 0:
+                lo, hi = rows if rows is not None else (0, full[0])
+                a, b = self.shard.span(hi - lo)
+                rows = (lo + a, lo + b)
+            else:
+                cols = self.shard.span(full[1])
+        return self.reader.read(part.name, rows, cols)
+
+    def unexpected(self) -> list[str]:
+        """Checkpoint tensors no parameter read (ignoring the family's `ignore` list)."""
+        ignore = self.family.checkpoint.ignore
+        return sorted(n for n in self.reader.names() - self.read_names if not any(s in n for s in ignore))
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+@dataclass
+class Loaded:
+    family: Family
+    config: ModelConfig  # the whole model (a tensor-parallel rank's part: shard.config(config))
+    params: Params
+    hf_config: dict
+
+
+# --- GGUF -------------------------------------------------------------------------------------------------
 
 
 def _field(reader, key, default=None):
     f = reader.fields.get(key)
-    if f is None:
-        return default
-    v = f.contents()
-    return v
+    return default if f is None else f.contents()
 
 
-def gguf_config(reader, name: str) -> dict:
-    """An HF-style config dict from GGUF metadata (llama architecture only)."""
+def gguf_hf_config(reader, name: str) -> tuple[Family, dict]:
+    """(family, an HF-style config dict) from GGUF metadata."""
     arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise ModelConfigError(f"GGUF architecture {arch!r} is not supported (only llama)")
-    heads = int(_field(reader, "llama.attention.head_count"))
-    hidden = int(_field(reader, "llama.embedding_length"))
+    fam = registry.family_for_gguf(str(arch))
+    a = arch
+    heads = int(_field(reader, f"{a}.attention.head_count"))
+    hidden = int(_field(reader, f"{a}.embedding_length"))
     tensor_names = {t.name for t in reader.tensors}
-    vocab = _field(reader, "llama.vocab_size")
+    vocab = _field(reader, f"{a}.vocab_size")
     if vocab is None:
         vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    head_dim = _field(reader, f"{a}.attention.key_length") or _field(reader, f"{a}.rope.dimension_count") or hidden // heads
     cfg = {
-        "model_type": "llama",
+        "architectures": [fam.architectures[0]],
+        "model_type": fam.model_types[0],
         "hidden_size": hidden,
-        "intermediate_size": int(_field(reader, "llama.feed_forward_length")),
-        "num_hidden_layers": int(_field(reader, "llama.block_count")),
+        "intermediate_size": int(_field(reader, f"{a}.feed_forward_length")),
+        "num_hidden_layers": int(_field(reader, f"{a}.block_count")),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(_field(reader, "llama.attention.head_count_kv", heads)),
-        "head_dim": int(_field(reader, "llama.rope.dimension_count", hidden // heads)),
-        "rms_norm_eps": float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(_field(reader, "llama.rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(_field(reader, "llama.context_length", 4096)),
+        "num_key_value_heads": int(_field(reader, f"{a}.attention.head_count_kv", heads)),
+        "head_dim": int(head_dim),
+        "rms_norm_eps": float(_field(reader, f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(_field(reader, f"{a}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(_field(reader, f"{a}.context_length", 4096)),
         "vocab_size": int(vocab),
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
@@ -152,10 +269,10 @@ def gguf_config(reader, name: str) -> dict:
         "hidden_act": "silu",
         "_name_or_path": name,
     }
-    scaling_type = _field(reader, "llama.rope.scaling.type")
+    scaling_type = _field(reader, f"{a}.rope.scaling.type")
     if scaling_type and scaling_type != "none":
-        cfg["rope_scaling"] = {"rope_type": scaling_type, "factor": float(_field(reader, "llama.rope.scaling.factor", 1.0))}
-    return cfg
+        cfg["rope_scaling"] = {"rope_type": scaling_type, "factor": float(_field(reader, f"{a}.rope.scaling.factor", 1.0))}
+    return fam, cfg
 
 
 def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -164,8 +281,8 @@ def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, out // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Dequantize a llama GGUF file to float32 tensors with HF names."""
+def load_gguf(path: str | Path) -> tuple[Family, dict, dict[str, torch.Tensor]]:
+    """(family, HF-style config, float32 tensors in the family's checkpoint names) of a GGUF file."""
     import gguf
     from gguf.quants import dequantize
 
@@ -174,56 +291,64 @@ def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         reader = gguf.GGUFReader(str(path))
     except Exception as exc:
         raise WeightsError(f"cannot read GGUF file {path.name}: {exc}") from None
-    cfg = gguf_config(reader, path.stem)
-    config = ModelConfig.from_hf(cfg, name=path.stem)
+    fam, cfg = gguf_hf_config(reader, path.stem)
+    config = fam.config(cfg, path.stem)
+    g, ck = fam.gguf, fam.checkpoint
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        if t.name in _GGUF_NAMES:
-            hf = _GGUF_NAMES[t.name]
+        if t.name in g.skip:
+            continue
+        if t.name in g.globals:
+            name = g.globals[t.name]
         elif t.name.startswith("blk."):
             _, idx, kind, suffix = t.name.split(".", 3)
-            if kind not in _GGUF_LAYER:
-                raise WeightsError(f"unexpected GGUF tensor {t.name}")
-            hf = f"model.layers.{idx}.{_GGUF_LAYER[kind]}.{suffix}"
-        elif t.name == "rope_freqs.weight":
-            continue  # llama3 frequency factors are recomputed from the rope config
+            if kind not in g.layer:
+                raise WeightsError(f"unexpected GGUF tensor {t.name} for architecture {g.arch}")
+            name = f"{ck.layer.format(i=idx)}{g.layer[kind]}.{suffix}"
         else:
-            raise WeightsError(f"unexpected GGUF tensor {t.name}")
+            raise WeightsError(f"unexpected GGUF tensor {t.name} for architecture {g.arch}")
         arr = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        arr = arr.reshape(shape)
-        if hf.endswith("q_proj.weight"):
+        arr = arr.reshape(tuple(int(d) for d in reversed(t.shape.tolist())))
+        if g.permute_qk and name.endswith(ck.modules["q"] + ".weight"):
             arr = _unpermute_rope(arr, config.num_heads)
-        elif hf.endswith("k_proj.weight"):
+        elif g.permute_qk and name.endswith(ck.modules["k"] + ".weight"):
             arr = _unpermute_rope(arr, config.num_kv_heads)
-        tensors[hf] = torch.from_numpy(np.array(arr, dtype=np.float32, order="C", copy=True))
-    return config, tensors
+        tensors[name] = torch.from_numpy(np.array(arr, dtype=np.float32, order="C", copy=True))
+    return fam, cfg, tensors
 
 
-def load_weights(path: str | Path, shard=None, device="cpu", dtype=torch.float32):
-    """Config (of the whole model) and HF-named tensors (this tensor-parallel rank's slices when
-    `shard` is given) from an HF directory, a .gguf file or a synthetic model directory (seeded
-    random weights drawn on `device` in `dtype`, see runner/synthetic.py)."""
+# --- any model path ---------------------------------------------------------------------------------------
+
+
+def load_model(path: str | Path, shard=None, device="cpu", dtype=torch.float32) -> Loaded:
+    """Family, whole-model config and (lazy) engine parameters of this tensor-parallel rank from an HF
+    directory, a .gguf file or a synthetic model directory (seeded random weights drawn on `device` in
+    `dtype`, see runner/model/synthetic.py)."""
     from lorafleet.runner.model import synthetic
 
     p = Path(path)
     if not p.exists():
         raise WeightsError(f"model path {p} does not exist")
-    if is_gguf(p):
-        config, tensors = load_gguf(p)
-        if shard is not None:
-            shard.check(config)
-            tensors = {n: t for n, t in ((n, shard.apply(n, t)) for n, t in tensors.items()) if t is not None}
-        return config, tensors
-    if synthetic.is_synthetic(p):
-        config = load_hf_config(p)
-        declared = json.loads((p / "config.json").read_text()).get("_name_or_path")
-        if isinstance(declared, str) and declared.strip("/"):  # a synthetic model keeps the name it was given
-            config = dataclasses.replace(config, name=declared.rstrip("/").rsplit("/", 1)[-1])
-        if shard is not None:
-            shard.check(config)
-        seed, std = synthetic.synthetic_marker(p)
-        return config, synthetic.SyntheticWeights(config, seed, device, dtype, shard, std)
-    if p.is_dir():
-        return load_hf_dir(p, shard)
-    raise WeightsError(f"{p} is neither a model directory nor a .gguf file")
+    try:
+        if is_gguf(p):
+            fam, hf, tensors = load_gguf(p)
+            config, reader = fam.config(hf, p.stem), TensorReader(tensors)
+        elif p.is_dir():
+            hf = read_hf_config(p)
+            fam = registry.family_for(hf)
+            config = fam.config(hf, p.name)
+            if synthetic.is_synthetic(p):
+                declared = hf.get("_name_or_path")
+                if isinstance(declared, str) and declared.strip("/"):  # a synthetic model keeps the name it was given
+                    config = dataclasses.replace(config, name=declared.rstrip("/").rsplit("/", 1)[-1])
+                seed, std = synthetic.synthetic_marker(p)
+                reader = synthetic.SyntheticReader(fam, config, seed, device, dtype, std)
+            else:
+                reader = SafetensorsReader(p)
+        else:
+            raise WeightsError(f"{p} is neither a model directory nor a .gguf file")
+    except ModelConfigError as exc:
+        raise WeightsError(f"{p.name}: {exc}") from None
+    if shard is not None:
+        shard.check(config)
+    return Loaded(fam, config, Params(fam, config, reader, shard, device, dtype), hf)

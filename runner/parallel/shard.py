@@ -7,6 +7,10 @@ Megatron-style split over G ranks (G divides the query and the KV heads and the 
     replicated: embeddings, lm_head, norms (the vocabulary stays whole: every rank computes the
     same logits from the same all-reduced hidden state, so no all-gather and no extra traffic).
 
+The checkpoint loader (runner/model/weights.py) reads each rank's rows or columns of every tensor
+through the family's plan (lorafleet.models.contract.checkpoint_plan), fused checkpoint tensors part
+by part.
+
 LoRA follows the layer it adds to, with no communication of its own: for column-parallel layers B
 is split by output and A kept whole; for row-parallel layers A is split by input and B kept whole,
 so the expand's partial sums join the layer's all-reduce. Biases of row-parallel layers live on
@@ -18,12 +22,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from lorafleet.runner.config import ModelConfig, ModelConfigError
+from lorafleet.models.contract import SPLIT_DIM, ModelConfig, ModelConfigError
 
-COLUMN = ("q", "k", "v", "gate", "up")  # projections split by output
-ROW = ("o", "down")  # projections split by input
-_HF = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate", "up_proj": "up",
-       "down_proj": "down"}
+COLUMN = tuple(p for p, d in SPLIT_DIM.items() if d == 0)  # projections split by output
+ROW = tuple(p for p, d in SPLIT_DIM.items() if d == 1)  # projections split by input
 
 
 @dataclass(frozen=True)
@@ -55,32 +57,6 @@ class Shard:
         """This rank's [lo, hi) of a dimension of n split evenly."""
         k = n // self.size
         return self.rank * k, (self.rank + 1) * k
-
-    def weight_slice(self, name: str, shape: tuple[int, ...]) -> tuple[int, int, int] | None:
-        """(dim, lo, hi) of an HF-named base weight this rank keeps, None if kept whole, or
-        (-1, 0, 0) if this rank keeps none of it (row-parallel biases off rank 0)."""
-        parts = name.split(".")
-        if len(parts) < 2 or parts[-2] not in _HF:
-            return None  # embeddings, norms, lm_head: replicated
-        proj, kind = _HF[parts[-2]], parts[-1]
-        if proj in COLUMN:
-            return (0, *self.span(shape[0]))  # output rows (weights [out, in] and biases [out])
-        if kind == "bias":
-            return None if self.rank == 0 else (-1, 0, 0)
-        return (1, *self.span(shape[1]))  # row-parallel weight [out, in]: input columns
-
-    def apply(self, name: str, t, full_shape: tuple[int, ...] | None = None):
-        """Slice a full tensor to this rank's part (a tensor already of the part's shape is kept)."""
-        full_shape = tuple(full_shape or t.shape)
-        sl = self.weight_slice(name, full_shape)
-        if sl is None:
-            return t
-        dim, lo, hi = sl
-        if dim < 0:
-            return None
-        if t.shape[dim] == hi - lo and full_shape[dim] != t.shape[dim]:
-            return t  # already this rank's slice
-        return t.narrow(dim, lo, hi - lo).contiguous()
 
 
 def lora_slice(proj: str, in_dim: int, out_dim: int, shard: Shard) -> tuple[str, int, int] | None:

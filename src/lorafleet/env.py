@@ -1,4 +1,7 @@
-"""Every LORAFLEET_* environment variable, typed, in one place."""
+"""Every LORAFLEET_* environment variable, typed, in one place.
+
+The kernel variables are read once, when an engine starts, into its `KernelChoices`
+(runner/config.py); no module below the engine reads the environment."""
 
 from __future__ import annotations
 
@@ -50,9 +53,12 @@ def kernel_build_dir() -> Path:
     return Path(_str("LORAFLEET_KERNEL_DIR", str(cache_dir() / "kernels")))
 
 
+SGMV_BACKENDS = ("auto", "cuda", "torch")
+
+
 def sgmv_backend() -> str:
     """LORAFLEET_SGMV: auto (CUDA kernel on CUDA, torch elsewhere), cuda or torch."""
-    return _str("LORAFLEET_SGMV", "auto").lower()
+    return _choice("LORAFLEET_SGMV", SGMV_BACKENDS)
 
 
 ATTENTION_BACKENDS = ("auto", "flashinfer", "torch")
@@ -85,6 +91,12 @@ def sgmv_fused() -> str:
     fused launch) or 0 (two launches).
     Decode CUDA graphs always take two launches. Results are bitwise the same either way."""
     return _choice("LORAFLEET_SGMV_FUSED", SGMV_FUSED_CHOICES)
+
+
+def port_hint() -> str:
+    """LORAFLEET_PORT_HINT: how the user of a busy port picks another, `<port>` standing for the number
+    (e.g. `make run PORT=<port>`, set by the Makefile); default `--port <port>`."""
+    return _str("LORAFLEET_PORT_HINT", "--port <port>")
 
 
 def runner_id() -> str | None:

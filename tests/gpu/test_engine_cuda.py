@@ -171,7 +171,7 @@ def test_async_adapter_loads_with_few_slots(smol_shaped):
 def test_piecewise_mixed_step_matches_eager(smol_shaped):
     """A step with prefill and decode rows through the piecewise CUDA graphs (padded to a bucket)
     against the same step run eagerly: same logits up to bf16 GEMM-shape noise, same argmax."""
-    from lorafleet.runner.executor.model_runner import to_device
+    from lorafleet.runner.engine.step_batch import to_device
     from lorafleet.runner.engine.step_batch import build_step_batch
 
     model, ads = smol_shaped

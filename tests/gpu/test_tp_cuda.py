@@ -60,12 +60,12 @@ def test_tp2_7b_shape_matches_hf_fp32_teacher_forced(tmp_path):
 
     t0 = time.perf_counter()
     from lorafleet.bench.e2e import LLAMA2_7B, write_peft_adapter
-    from lorafleet.runner.config import ModelConfig
+    from lorafleet.models.registry import config_from_hf
     from lorafleet.runner.model.synthetic import synthetic_adapter, write_synthetic_model
 
     hf = dict(LLAMA2_7B, max_position_embeddings=4096)
     path = write_synthetic_model(tmp_path / "model", hf, seed=3)
-    cfg = ModelConfig.from_hf(hf)
+    cfg = config_from_hf(hf)
     base = cfg.base_shape()
     ads = {f"s{k}": write_peft_adapter(tmp_path / f"s{k}", synthetic_adapter(f"s{k}", f"synthetic://{k}?rank=16", base,
                                                                               torch.float32), 16) for k in (1, 2)}

@@ -25,7 +25,6 @@ import torch
 import flashinfer  # noqa: F401  (ImportError here makes select.py fall back to torch)
 from flashinfer import BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper
 
-from lorafleet import env
 from lorafleet.runner.executor.attention.meta import AttnMeta, prefill_kernel
 from lorafleet.runner.executor.kv_cache import KVCache
 
@@ -45,31 +44,40 @@ def page_table_arrays(page_tables: list[list[int]], kv_lens: list[int], page_siz
     return tuple(torch.tensor(a, dtype=torch.int32, pin_memory=pin) for a in (indptr, indices, last))
 
 
-def write_kv(cache: KVCache, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    k_flat, v_flat = cache.flat(layer)
-    k_flat.index_copy_(0, slot_mapping, k)
-    v_flat.index_copy_(0, slot_mapping, v)
+class _Wrappers:
+    """The eager wrappers of one attention window (flashinfer plans a window into the kernel): prefill (FA2
+    and, on sm90 with auto, FA3) and decode. Windows share the workspaces (their runs never overlap)."""
+
+    def __init__(self, b: "FlashInferAttention", window_left: int, ws: dict):
+        self.window_left = window_left
+        self.prefill = {name: BatchPrefillWithPagedKVCacheWrapper(ws[name], "NHD", backend=name) for name in b.prefill_kinds}
+        self.decode = BatchDecodeWithPagedKVCacheWrapper(ws["decode"], "NHD", use_tensor_cores=b.decode_tc)
 
 
 class FlashInferAttention:
+    """flashinfer's paged attention for a model: per distinct attention window of its layers one set of
+    wrappers; the model's softmax scale and score soft-cap in every plan."""
+
     name = "flashinfer"
 
-    def __init__(self, kv: KVCache, cfg, device: torch.device, engine_cfg=None):
+    def __init__(self, kv: KVCache, cfg, device: torch.device, prefill_choice: str = "auto"):
         self.kv, self.cfg, self.device = kv, cfg, device
         self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        ws_p = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        ws_d = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        choice = env.prefill_backend()
+        self.sm_scale, self.soft_cap = cfg.softmax_scale, cfg.attn_softcap or 0.0
+        self.decode_tc = self.h // self.hkv >= 4
         sm90 = torch.cuda.get_device_capability(device)[0] == 9
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-        if choice == "auto" and sm90 and self.d in FA3_HEAD_DIMS:  # per step the one meta.prefill_kernel picks
-            ws_p2 = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-            self.prefill_wrappers = {"fa2": BatchPrefillWithPagedKVCacheWrapper(ws_p, "NHD", backend="fa2"),
-                                     "fa3": BatchPrefillWithPagedKVCacheWrapper(ws_p2, "NHD", backend="fa3")}
+        if prefill_choice == "auto" and sm90 and self.d in FA3_HEAD_DIMS:  # per step the one meta.prefill_kernel picks
+            self.prefill_kinds = ("fa2", "fa3")
         else:  # forced, or FA3 cannot run (not sm90, or a head size it lacks): flashinfer's auto is FA2 then
-            self.prefill_wrappers = {choice: BatchPrefillWithPagedKVCacheWrapper(ws_p, "NHD", backend=choice)}
-        self.decode = BatchDecodeWithPagedKVCacheWrapper(ws_d, "NHD", use_tensor_cores=self.h // self.hkv >= 4)
+            self.prefill_kinds = (prefill_choice,)
+        ws = {k: torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device) for k in (*self.prefill_kinds, "decode")}
+        # window W (a query sees its last W keys) -> flashinfer's window_left W - 1; -1: full attention
+        self.layer_window = [-1 if w is None else w - 1 for w in cfg.layer_window]
+        self.sets = {wl: _Wrappers(self, wl, ws) for wl in sorted(set(self.layer_window))}
+        self.layer_set = [self.sets[wl] for wl in self.layer_window]
         self._planned: dict[int, torch.cuda.Event] = {}  # id(wrapper) -> recorded after its last plan's copies
+        self.graph_ws: torch.Tensor | None = None
         self.warm_up()
 
     @contextmanager
@@ -83,69 +91,78 @@ class FlashInferAttention:
         ev.record()
         self._planned[id(wrapper)] = ev
 
-    def plan_prefill(self, wrapper, qo_indptr: list[int], page_tables, kv_lens) -> None:
+    def plan_prefill(self, wrapper, window_left: int, qo_indptr: list[int], page_tables, kv_lens) -> None:
         """Plan a prefill wrapper for requests with these query row offsets, pages and KV lengths."""
         indptr, indices, last = page_table_arrays(page_tables, kv_lens, self.kv.page_size, pin=True)
         qo = torch.tensor(qo_indptr, dtype=torch.int32, pin_memory=True)
         dt = self.kv.k.dtype
         with self.planning(wrapper):
             wrapper.plan(qo, indptr, indices, last, self.h, self.hkv, self.d, self.kv.page_size, causal=True,
-                         q_data_type=dt, kv_data_type=dt)
+                         q_data_type=dt, kv_data_type=dt, sm_scale=self.sm_scale, window_left=window_left,
+                         logits_soft_cap=self.soft_cap)
 
-    def warm_up(self) -> None:
-        """Run every kernel variant the eager wrappers can pick once, at start: FA2's CTA tiles of 16, 64
-        and 128 packed query rows, each with a short and a long K/V (a long one splits the K/V and adds
-        the merge kernel), the same shapes through FA3, and the decode kernel with and without a split.
-        CUDA loads kernels lazily, and the first launch of one waits for the work in flight: measured on
-        the H200, a step with a prompt chunk queued behind a 0.5 s kernel waited for all of it when its
-        FA2 plan picked a variant not run before (with CUDA_MODULE_LOADING=EAGER it did not)."""
-        ps, cap = self.kv.page_size, self.kv.num_pages * self.kv.page_size
-        group = max(1, self.h // self.hkv)
-        long_kv = min(2048, cap)
-        cache = self.kv.layer(0)
-        for packed in (8, 32, 100):  # FA2's tile choice: <= 16, <= 64, > 64 packed rows
-            rows = -(-packed // group)
-            for kv in sorted({rows, long_kv}):
-                if kv < rows or kv > cap:
-                    continue
-                q = torch.zeros(rows, self.h, self.d, dtype=self.kv.k.dtype, device=self.device)
-                for wrapper in self.prefill_wrappers.values():
-                    self.plan_prefill(wrapper, [0, rows], [list(range(-(-kv // ps)))], [kv])
-                    wrapper.run(q, cache)
-        for kv in sorted({1, long_kv}):
-            self.plan_decode(self.decode, [list(range(-(-kv // ps)))], [kv])
-            self.decode.run(torch.zeros(1, self.h, self.d, dtype=self.kv.k.dtype, device=self.device), cache)
-        torch.cuda.synchronize(self.device)
-
-    def prefill_for(self, qo_lens: list[int]):
-        """(kernel name, wrapper) for a step's prompt rows of these lengths."""
-        if len(self.prefill_wrappers) == 1:
-            return next(iter(self.prefill_wrappers.items()))
-        name = prefill_kernel(qo_lens, self.h, self.d, self.num_sms)
-        return name, self.prefill_wrappers[name]
-
-    def begin(self, meta: AttnMeta) -> "FlashInferStep":
-        return FlashInferStep(self, meta)
-
-    def make_graph_decoder(self, batch_size: int, max_pages: int) -> BatchDecodeWithPagedKVCacheWrapper:
-        """A decode wrapper with fixed buffers, for CUDA-graph capture at one batch size."""
-        ws = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
-        return BatchDecodeWithPagedKVCacheWrapper(
-            ws, "NHD", use_cuda_graph=True, use_tensor_cores=self.h // self.hkv >= 4,
-            paged_kv_indptr_buffer=torch.zeros(batch_size + 1, dtype=torch.int32, device=self.device),
-            paged_kv_indices_buffer=torch.zeros(max_pages, dtype=torch.int32, device=self.device),
-            paged_kv_last_page_len_buffer=torch.zeros(batch_size, dtype=torch.int32, device=self.device),
-        )
-
-    def plan_decode(self, wrapper, page_tables, kv_lens) -> None:
+    def plan_decode(self, wrapper, window_left: int, page_tables, kv_lens, indices_on_device: bool = False) -> None:
         indptr, indices, last = page_table_arrays(page_tables, kv_lens, self.kv.page_size, pin=True)
-        if wrapper is not self.decode:
+        if indices_on_device:
             # A CUDA-graph wrapper copies host page indices into its buffer synchronously (the host
             # would wait for the step in flight); indices already on the device are copied on the stream.
             indices = indices.to(self.device, non_blocking=True)
         with self.planning(wrapper):
             wrapper.plan(indptr, indices, last, self.h, self.hkv, self.d, self.kv.page_size,
-                         q_data_type=self.kv.k.dtype, kv_data_type=self.kv.k.dtype)
+                         q_data_type=self.kv.k.dtype, kv_data_type=self.kv.k.dtype, sm_scale=self.sm_scale,
+                         window_left=window_left, logits_soft_cap=self.soft_cap)
+
+    def warm_up(self) -> None:
+        """Run every kernel variant the eager wrappers can pick once, at start: FA2's CTA tiles of 16, 64
+        and 128 packed query rows, each with a short and a long K/V (a long one splits the K/V and adds
+        the merge kernel), the same shapes through FA3, and the decode kernel with and without a split,
+        for every window. CUDA loads kernels lazily, and the first launch of one waits for the work in
+        flight: measured on the H200, a step with a prompt chunk queued behind a 0.5 s kernel waited for all
+        of it when its FA2 plan picked a variant not run before (with CUDA_MODULE_LOADING=EAGER it did not)."""
+        ps, cap = self.kv.page_size, self.kv.num_pages * self.kv.page_size
+        group = max(1, self.h // self.hkv)
+        long_kv = min(2048, cap)
+        cache = self.kv.layer(0)
+        for ws in self.sets.values():
+            for packed in (8, 32, 100):  # FA2's tile choice: <= 16, <= 64, > 64 packed rows
+                rows = -(-packed // group)
+                for kv in sorted({rows, long_kv}):
+                    if kv < rows or kv > cap:
+                        continue
+                    q = torch.zeros(rows, self.h, self.d, dtype=self.kv.k.dtype, device=self.device)
+                    for wrapper in ws.prefill.values():
+                        self.plan_prefill(wrapper, ws.window_left, [0, rows], [list(range(-(-kv // ps)))], [kv])
+                        wrapper.run(q, cache)
+            for kv in sorted({1, long_kv}):
+                self.plan_decode(ws.decode, ws.window_left, [list(range(-(-kv // ps)))], [kv])
+                ws.decode.run(torch.zeros(1, self.h, self.d, dtype=self.kv.k.dtype, device=self.device), cache)
+        torch.cuda.synchronize(self.device)
+
+    def prefill_kind(self, qo_lens: list[int]) -> str:
+        """The prefill kernel for a step's prompt rows of these lengths."""
+        if len(self.prefill_kinds) == 1:
+            return self.prefill_kinds[0]
+        return prefill_kernel(qo_lens, self.h, self.d, self.num_sms)
+
+    def begin(self, meta: AttnMeta) -> "FlashInferStep":
+        return FlashInferStep(self, meta)
+
+    def make_graph_decoders(self, batch_size: int, max_pages: int) -> dict[int, BatchDecodeWithPagedKVCacheWrapper]:
+        """Per window, a decode wrapper with fixed buffers, for CUDA-graph capture at one batch size. Every
+        graph wrapper shares one float workspace: graphs replay one after another on one stream, so their
+        runs never overlap (each wrapper keeps its own plan buffers)."""
+        if self.graph_ws is None:
+            self.graph_ws = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        ws = self.graph_ws
+        out = {}
+        for wl in self.sets:
+            out[wl] = BatchDecodeWithPagedKVCacheWrapper(
+                ws, "NHD", use_cuda_graph=True, use_tensor_cores=self.decode_tc,
+                paged_kv_indptr_buffer=torch.zeros(batch_size + 1, dtype=torch.int32, device=self.device),
+                paged_kv_indices_buffer=torch.zeros(max_pages, dtype=torch.int32, device=self.device),
+                paged_kv_last_page_len_buffer=torch.zeros(batch_size, dtype=torch.int32, device=self.device),
+            )
+        return out
 
 
 class FlashInferStep:
@@ -156,52 +173,46 @@ class FlashInferStep:
         # Decode rows always take the decode kernel, also in steps with prompt rows, so a request's
         # tokens do not depend on what else shares its step (running every row through the prefill
         # kernel saved a host call per layer but made decode rows batch-dependent).
-        self.prefill_kernel, self.prefill = None, None
+        self.prefill_kernel = None
+        self.num_decode = meta.batch_size - P
         if P:
             lens = [meta.qo_indptr[i + 1] - meta.qo_indptr[i] for i in range(P)]
-            self.prefill_kernel, self.prefill = b.prefill_for(lens)
-            b.plan_prefill(self.prefill, meta.qo_indptr[: P + 1], meta.page_tables[:P], meta.kv_lens[:P])
-        self.num_decode = meta.batch_size - P
-        if self.num_decode:
-            b.plan_decode(b.decode, meta.page_tables[P:], meta.kv_lens[P:])
-
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
-        write_kv(self.b.kv, layer, self.meta.slot_mapping, k, v)
-        return self.attend(layer, q, out)
+            self.prefill_kernel = b.prefill_kind(lens)
+        for ws in b.sets.values():
+            if P:
+                b.plan_prefill(ws.prefill[self.prefill_kernel], ws.window_left, meta.qo_indptr[: P + 1],
+                               meta.page_tables[:P], meta.kv_lens[:P])
+            if self.num_decode:
+                b.plan_decode(ws.decode, ws.window_left, meta.page_tables[P:], meta.kv_lens[P:])
 
     def attend(self, layer: int, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of q [T, Hq, D] over the cache, whose K/V for this step's tokens are written."""
         b = self.b
+        ws = b.layer_set[layer]
         cache = b.kv.layer(layer)
         T = q.shape[0]
         n = self.num_prefill_tokens
         out = torch.empty(T, b.h, b.d, dtype=q.dtype, device=q.device) if out is None else out.view(T, b.h, b.d)
         if n:
-            self.prefill.run(q[:n], cache, out=out[:n])
+            ws.prefill[self.prefill_kernel].run(q[:n], cache, out=out[:n])
         if self.num_decode:
-            b.decode.run(q[n:], cache, out=out[n:])
+            ws.decode.run(q[n:], cache, out=out[n:])
         return out.view(T, b.h * b.d)
 
 
 class GraphDecodeStep:
-    """Decode-only attention bound to static buffers, for capture and replay in a CUDA graph.
-    With `rope_kv` (runner/model/rope_kv.py) it also offers `attend_qkv`: the model hands over the raw
-    qkv rows, and RoPE plus the cache write are one launch into a static q buffer."""
+    """Decode-only attention through the fixed-buffer wrappers of one batch size (captured in a CUDA graph;
+    `plan` runs before each replay)."""
 
-    def __init__(self, b: FlashInferAttention, wrapper, slot_mapping: torch.Tensor, rope_kv=None):
-        self.b, self.wrapper, self.slot_mapping = b, wrapper, slot_mapping
-        if rope_kv is not None:
-            self.rope_kv = rope_kv
-            self.q = torch.empty(slot_mapping.shape[0], b.h, b.d, dtype=b.kv.k.dtype, device=b.device)
-            self.attend_qkv = self._attend_qkv
+    def __init__(self, b: FlashInferAttention, wrappers: dict):
+        self.b, self.wrappers = b, wrappers
+        self.layer_wrapper = [wrappers[wl] for wl in b.layer_window]
 
-    def _attend_qkv(self, layer: int, qkv: torch.Tensor, positions: torch.Tensor, lora_expand=None) -> torch.Tensor:
-        """`lora_expand`: the qkv rows' LoRA expand left to the rope_kv kernel (LoraStepImpl.add_qkv)."""
-        k_flat, v_flat = self.b.kv.flat(layer)
-        q = self.rope_kv(self.q[: qkv.shape[0]], k_flat, v_flat, qkv, positions, self.slot_mapping, lora_expand)
-        return self.wrapper.run(q, self.b.kv.layer(layer)).view(qkv.shape[0], self.b.h * self.b.d)
+    def plan(self, page_tables, kv_lens) -> None:
+        for wl, w in self.wrappers.items():
+            self.b.plan_decode(w, wl, page_tables, kv_lens, indices_on_device=True)
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        write_kv(self.b.kv, layer, self.slot_mapping, k, v)
-        return self.wrapper.run(q, self.b.kv.layer(layer)).view(q.shape[0], self.b.h * self.b.d)
+    def attend(self, layer: int, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        T = q.shape[0]
+        res = self.layer_wrapper[layer].run(q, self.b.kv.layer(layer), out=None if out is None else out.view(T, self.b.h, self.b.d))
+        return res.view(T, self.b.h * self.b.d)

@@ -6,14 +6,15 @@ import logging
 
 import torch
 
-from lorafleet import env
+from lorafleet.runner.config import KernelChoices
 from lorafleet.runner.executor.attention.torch_backend import TorchAttention
 
 log = logging.getLogger(__name__)
 
 
-def attention_backend(kv, cfg, device: torch.device, engine_cfg):
-    choice = env.attention_backend()
+def attention_backend(kv, cfg, device: torch.device, kernels: KernelChoices):
+    """`cfg`: this rank's ModelConfig (heads, windows, scale); `kernels.attention`: auto, flashinfer or torch."""
+    choice = kernels.attention
     if device.type == "cuda" and choice in ("auto", "flashinfer"):
         try:
             from lorafleet.runner.executor.attention.flashinfer_backend import FlashInferAttention
@@ -22,7 +23,7 @@ def attention_backend(kv, cfg, device: torch.device, engine_cfg):
                 raise RuntimeError(f"LORAFLEET_ATTENTION=flashinfer but flashinfer is not importable: {exc}") from None
             log.warning("flashinfer not available (%s); using the torch attention path", exc)
         else:
-            return FlashInferAttention(kv, cfg, device, engine_cfg)
+            return FlashInferAttention(kv, cfg, device, kernels.prefill)
     elif choice == "flashinfer":
         raise RuntimeError("LORAFLEET_ATTENTION=flashinfer needs a CUDA device")
-    return TorchAttention(kv, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    return TorchAttention(kv, cfg)

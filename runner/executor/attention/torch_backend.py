@@ -2,27 +2,27 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 
+from lorafleet.models.contract import ModelConfig
 from lorafleet.runner.executor.attention.meta import AttnMeta
 from lorafleet.runner.executor.kv_cache import KVCache
 
 
 class TorchAttention:
-    """Writes each step's K/V into pages, then attends per request over its pages.
+    """Attends per request over its pages (the step's K/V are written before, by the layer's K/V writer).
 
-    Prefill requests attend causally over their whole KV (query i sees keys up to
-    kv_len - q_len + i); decode requests are batched with one padded gather.
+    Prefill requests attend causally over their whole KV (query i sees keys up to kv_len - q_len + i);
+    decode requests are batched with one padded gather. A layer with a window W sees only the last W keys
+    (key j for query i when i - W < j); the softmax scale and an optional score soft-cap come from the config.
     """
 
     name = "torch"
 
-    def __init__(self, cache: KVCache, num_heads: int, num_kv_heads: int, head_dim: int):
-        self.cache = cache
-        self.h, self.hkv, self.d = num_heads, num_kv_heads, head_dim
-        self.scale = 1.0 / math.sqrt(head_dim)
+    def __init__(self, cache: KVCache, cfg: ModelConfig):
+        self.cache, self.cfg = cache, cfg
+        self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.scale = cfg.softmax_scale
 
     def begin(self, meta: AttnMeta) -> "TorchAttentionStep":
         return TorchAttentionStep(self, meta)
@@ -52,14 +52,22 @@ class TorchAttentionStep:
                 idx[j, : len(s)] = s
                 mask[j, : len(s)] = False
             self.dec_idx, self.dec_mask = idx.to(dev), mask.to(dev)  # [Bd, L], True = padding
+            # key position of each gathered column, and the query's own position (kv_len - 1)
+            self.dec_pos = torch.arange(max_len, device=dev)[None, :]
+            self.dec_qpos = torch.tensor([meta.kv_lens[i] - 1 for i in dec], device=dev)[:, None]
             self.dec_row0 = meta.qo_indptr[meta.num_prefill]
+        self._window_masks: dict[int, torch.Tensor] = {}
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+    def _scores(self, scores: torch.Tensor) -> torch.Tensor:
+        cap = self.b.cfg.attn_softcap
+        scores = scores * self.b.scale
+        return torch.tanh(scores / cap) * cap if cap is not None else scores
+
+    def attend(self, layer: int, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, Hq, D] -> out [T, Hq * D] over the cache (this step's K/V already written)."""
         b, meta = self.b, self.meta
+        window = b.cfg.layer_window[layer]
         k_flat, v_flat = b.cache.flat(layer)
-        k_flat.index_copy_(0, meta.slot_mapping, k)
-        v_flat.index_copy_(0, meta.slot_mapping, v)
         T = q.shape[0]
         g = b.h // b.hkv
         out = torch.empty(T, b.h, b.d, dtype=q.dtype, device=q.device) if out is None else out.view(T, b.h, b.d)
@@ -68,19 +76,27 @@ class TorchAttentionStep:
             n, kv_len = hi - lo, len(s)
             qi = q[lo:hi].float().view(n, b.hkv, g, b.d)  # [n, Hkv, G, D]
             ki, vi = k_flat[s].float(), v_flat[s].float()  # [L, Hkv, D]
-            scores = torch.einsum("nhgd,lhd->hgnl", qi, ki) * b.scale  # [Hkv, G, n, L]
-            causal = torch.arange(kv_len, device=q.device)[None, :] > (
-                torch.arange(n, device=q.device)[:, None] + (kv_len - n)
-            )
-            scores.masked_fill_(causal, float("-inf"))
+            scores = self._scores(torch.einsum("nhgd,lhd->hgnl", qi, ki))  # [Hkv, G, n, L]
+            kpos = torch.arange(kv_len, device=q.device)[None, :]
+            qpos = torch.arange(n, device=q.device)[:, None] + (kv_len - n)
+            hidden = kpos > qpos
+            if window is not None:
+                hidden |= kpos <= qpos - window
+            scores.masked_fill_(hidden, float("-inf"))
             p = scores.softmax(-1)
             out[lo:hi] = torch.einsum("hgnl,lhd->nhgd", p, vi).reshape(n, b.h, b.d).to(q.dtype)
         if self.num_decode:
             r0 = self.dec_row0
             qd = q[r0:].float().view(self.num_decode, b.hkv, g, b.d)  # [Bd, Hkv, G, D]
             kd, vd = k_flat[self.dec_idx].float(), v_flat[self.dec_idx].float()  # [Bd, L, Hkv, D]
-            scores = torch.einsum("bhgd,blhd->bhgl", qd, kd) * b.scale
-            scores.masked_fill_(self.dec_mask[:, None, None, :], float("-inf"))
+            scores = self._scores(torch.einsum("bhgd,blhd->bhgl", qd, kd))
+            mask = self.dec_mask
+            if window is not None:
+                wm = self._window_masks.get(window)
+                if wm is None:
+                    wm = self._window_masks[window] = mask | (self.dec_pos <= self.dec_qpos - window)
+                mask = wm
+            scores.masked_fill_(mask[:, None, None, :], float("-inf"))
             p = scores.softmax(-1)
             out[r0:] = torch.einsum("bhgl,blhd->bhgd", p, vd).reshape(self.num_decode, b.h, b.d).to(q.dtype)
         return out.view(T, b.h * b.d)

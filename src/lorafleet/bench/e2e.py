@@ -23,19 +23,16 @@ import numpy as np
 import torch
 
 from lorafleet.common.workloads import assign, sharegpt_requests  # noqa: F401 (re-exported)
+from lorafleet.models import registry
 from lorafleet.runner.model import synthetic
-from lorafleet.runner.model.synthetic import LLAMA2_7B
 from lorafleet.scheduler.simulate import fit_step_model
 
-# Llama-2-7B's shape; the context is 16k (not 4k) so that the long-prompt interference run fits
-# 8k-token prompts (RoPE is unscaled: the weights are random anyway).
-LLAMA2_7B = dict(LLAMA2_7B, max_position_embeddings=16384)
-LLAMA2_70B = dict(LLAMA2_7B, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
-                  num_key_value_heads=8)
-# a small GQA shape for the CPU tests of the benchmark's own plumbing
-TINY = dict(LLAMA2_7B, vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-            num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048)
-SHAPES = {"llama2-7b": LLAMA2_7B, "llama2-70b": LLAMA2_70B, "tiny": TINY}
+# The families' benchmark shapes (lorafleet.models.*.SHAPES). Llama-2's context is 16k (not 4k) so that the
+# long-prompt interference run fits 8k-token prompts (RoPE is unscaled: the weights are random anyway).
+SHAPES = registry.shapes()
+for _name in ("llama2-7b", "llama2-70b"):
+    SHAPES[_name] = dict(SHAPES[_name], max_position_embeddings=16384)
+LLAMA2_7B = SHAPES["llama2-7b"]
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 BANDWIDTH = 4.2e12  # bytes/s: the H200's measured device-to-device copy rate
 MATMUL = 7.7e14  # FLOP/s: its measured bf16 matmul rate
@@ -75,7 +72,7 @@ def random_model(device, dtype, seed: int):
 def random_adapters(base, population: int, rank: int, dtype, device, seed: int):
     """`population` distinct rank-r adapters on all 7 projections, in pinned host memory."""
     from lorafleet.common.peft_config import AdapterSpec, ModuleLora
-    from lorafleet.common.projections import PROJ_INDEX, PROJECTIONS
+    from lorafleet.models.contract import PROJ_INDEX, PROJECTIONS
     from lorafleet.runner.lora.adapter import LoadedAdapter, Packed
 
     g = torch.Generator(device=device).manual_seed(seed)
@@ -105,16 +102,15 @@ def write_peft_adapter(path: Path, adapter, rank: int) -> Path:
     """Save a LoadedAdapter (scaling 1) as a PEFT directory: adapter_config.json + safetensors."""
     from safetensors.torch import save_file
 
-    from lorafleet.common.projections import HF_MODULE
-
+    ck = registry.family("llama").checkpoint
     path.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for (layer, p), (a, bt) in adapter.weights.items():
-        key = f"base_model.model.model.layers.{layer}.{HF_MODULE[p]}"
+        key = "base_model.model." + ck.module(layer, p)
         tensors[key + ".lora_A.weight"] = a.contiguous()  # [r, in]
         tensors[key + ".lora_B.weight"] = bt.t().contiguous()  # [out, r]
     save_file(tensors, str(path / "adapter_model.safetensors"))
-    targets = sorted({HF_MODULE[p].split(".")[-1] for _, p in adapter.weights})
+    targets = sorted({ck.modules[p].split(".")[-1] for _, p in adapter.weights})
     (path / "adapter_config.json").write_text(json.dumps(
         {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": targets, "bias": "none",
          "base_model_name_or_path": "llama-2-7b-shape", "task_type": "CAUSAL_LM"}))
@@ -514,7 +510,7 @@ def hf_peft_peers(reqs, n: int, new_tokens: int, device, log) -> dict[str, float
     from transformers import LlamaConfig, LlamaForCausalLM
 
     t0 = time.perf_counter()
-    cfg = LlamaConfig(**{k: v for k, v in LLAMA2_7B.items() if k != "model_type"})
+    cfg = LlamaConfig(**{k: v for k, v in LLAMA2_7B.items() if k not in ("model_type", "architectures")})
     prev = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # built in bf16 on the device: no fp32 copy of 7B weights
     try:
@@ -866,7 +862,7 @@ def main(argv: list[str] | None = None) -> int:
 def _tp_session(job: dict, conn) -> None:
     """One engine (one tensor-parallel size, LoRA on or off) in its own process: a process holds
     one NCCL group at a time (see runner/parallel/group.py). Sends back its runs."""
-    from lorafleet.runner.config import EngineConfig, ModelConfig
+    from lorafleet.runner.config import EngineConfig
     from lorafleet.runner.engine.engine import Engine
     from lorafleet.runner.engine.sequence import AdapterRef, SamplingParams, Sequence
 
@@ -876,7 +872,7 @@ def _tp_session(job: dict, conn) -> None:
     try:
         cuda = torch.cuda.is_available()
         tp, lora, rank, population = job["tp"], job["lora"], job["rank"], job["population"]
-        mcfg = ModelConfig.from_hf(SHAPES[job["shape"]], name=job["shape"])
+        mcfg = registry.config_from_hf(SHAPES[job["shape"]], name=job["shape"])
         reqs = sharegpt_requests(job["requests"], job["seed"], mcfg.vocab_size)
         n = len(reqs)
         fm = floor_model(mcfg, rank, tp=tp)

@@ -327,9 +327,10 @@ def main(argv: list[str] | None = None) -> int:
 
         demo = args.tokenizer_from if args.synthetic_model and args.tokenizer_from else prepare() / "model"
         if args.synthetic_model:
-            from lorafleet.runner.model.synthetic import LLAMA2_7B, write_synthetic_model
+            from lorafleet.models import registry
+            from lorafleet.runner.model.synthetic import write_synthetic_model
 
-            model = write_synthetic_model(work / "model-7b", LLAMA2_7B, seed=args.seed, tokenizer_from=demo)
+            model = write_synthetic_model(work / "model-7b", registry.shapes()["llama2-7b"], seed=args.seed, tokenizer_from=demo)
         else:
             model = demo
     hf = json.loads((Path(model) / "config.json").read_text())

@@ -13,17 +13,17 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lorafleet.common.projections import HF_SHORT, PROJECTIONS, proj_shape
 from lorafleet.common.safetensors_header import HeaderError, read_header
+from lorafleet.models import registry
+from lorafleet.models.contract import PROJECTIONS, BaseShape, Checkpoint
+
+__all__ = ["AdapterError", "AdapterSpec", "BaseShape", "ModuleLora", "inspect_adapter", "read_config", "scrub_paths",
+           "refusal_reason"]
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
 
-_KEY = re.compile(
-    r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\."
-    r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.(lora_A|lora_B)(?:\.[\w-]+)?\.weight$"
-)
 
 
 class AdapterError(ValueError):
@@ -59,23 +59,10 @@ def refusal_reason(error: str | None, name: str) -> str | None:
 
 
 @dataclass(frozen=True)
-class BaseShape:
-    """The dimensions of a base model that an adapter must fit."""
-
-    num_layers: int
-    hidden_size: int
-    intermediate_size: int
-    q_dim: int
-    kv_dim: int
-    name: str = ""
-
-    def shape(self, proj: str) -> tuple[int, int]:
-        return proj_shape(proj, self.hidden_size, self.intermediate_size, self.q_dim, self.kv_dim)
-
-
-@dataclass(frozen=True)
 class ModuleLora:
-    """One adapted projection: weights `a_key` [rank, in] and `b_key` [out, rank]."""
+    """One adapted projection: weights `a_key` [rank, in] and rows `b_rows` of `b_key` [out, rank] (None: all).
+    A LoRA on a module the checkpoint fuses (Phi-3's fused qkv) is one entry per projection, sharing A and
+    splitting B's rows."""
 
     layer: int
     proj: str
@@ -83,6 +70,7 @@ class ModuleLora:
     scaling: float
     a_key: str
     b_key: str
+    b_rows: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -109,6 +97,33 @@ class AdapterSpec:
         return 1 + max(m.layer for m in self.modules)
 
 
+def _head_modules() -> set[str]:
+    """The output-head module names of every family (LoRA on them is refused)."""
+    return {registry.family(n).checkpoint.lm_head.rsplit(".", 1)[0] for n in registry.FAMILIES}
+
+
+def _lora_modules(base: BaseShape | None) -> tuple[Checkpoint, dict[str, tuple[str, ...]]]:
+    """(checkpoint names, PEFT module -> projections) of the base's family; without a base, every family's
+    modules (an adapter is then checked against whichever it names)."""
+    if base is not None:
+        ck = registry.family(base.family).checkpoint
+        return ck, ck.peft_modules()
+    known: dict[str, tuple[str, ...]] = {}
+    for fam in registry.FAMILIES:
+        ck = registry.family(fam).checkpoint
+        for module, projs in ck.peft_modules().items():
+            known.setdefault(module, projs)
+    return registry.family("llama").checkpoint, known
+
+
+def _key_pattern(ck: Checkpoint, modules) -> re.Pattern:
+    """PEFT tensor keys: [base_model.model.][model.]layers.N.<module>.lora_A|lora_B[.adapter].weight."""
+    layer = ck.layer[len("model."):] if ck.layer.startswith("model.") else ck.layer
+    layer_re = r"(?:model\.)?" + re.escape(layer).replace(re.escape("{i}"), r"(\d+)")
+    alts = "|".join(re.escape(m) for m in sorted(modules, key=len, reverse=True))
+    return re.compile(rf"^(?:base_model\.model\.)?{layer_re}({alts})\.(lora_A|lora_B)(?:\.[\w-]+)?\.weight$")
+
+
 def _pattern_value(patterns: dict, module_name: str, default):
     """PEFT's rank_pattern / alpha_pattern lookup: a key matches a suffix of the module name."""
     for key, value in (patterns or {}).items():
@@ -128,7 +143,7 @@ def _refuse_unsupported(name: str, cfg: dict) -> None:
     targets = cfg.get("target_modules") or []
     targets = [targets] if isinstance(targets, str) else list(targets)
     for t in targets:
-        if any(word in str(t) for word in ("embed_tokens", "lm_head", "wte", "embed")):
+        if "embed" in str(t) or "wte" in str(t) or str(t) in _head_modules():
             raise AdapterError(name, f"LoRA on embeddings or lm_head ({t!r}) is not supported")
     if cfg.get("bias", "none") not in ("none", None):
         raise AdapterError(name, f"bias={cfg['bias']!r} is not supported (only 'none')")
@@ -189,20 +204,24 @@ def inspect_adapter(
     except OSError as exc:
         raise AdapterError(name, f"cannot read {WEIGHTS_FILE} ({exc.strerror or type(exc).__name__})") from None
 
+    ck, known = _lora_modules(base)
+    pattern = _key_pattern(ck, known)
     pairs: dict[tuple[int, str], dict[str, tuple[str, tuple[int, ...]]]] = {}
     dtypes = set()
     for key, (dtype, shape) in header.items():
-        if "lora_embedding" in key or "embed_tokens" in key:
+        if "lora_embedding" in key or ".embed" in key:
             raise AdapterError(name, f"embedding LoRA is not supported (tensor {key})")
-        if "lm_head" in key:
+        if any(f".{m}." in key for m in _head_modules()):
             raise AdapterError(name, f"LoRA on lm_head is not supported (tensor {key})")
         if "lora_magnitude_vector" in key:
             raise AdapterError(name, f"DoRA adapters are not supported (tensor {key})")
-        m = _KEY.match(key)
+        m = pattern.match(key)
         if not m:
-            raise AdapterError(name, f"unexpected tensor {key!r}: only lora_A/lora_B weights of q,k,v,o,gate,up,down are supported")
+            what = ", ".join(sorted(mod.rsplit(".", 1)[-1] for mod in known))
+            raise AdapterError(name, f"unexpected tensor {key!r}: only lora_A/lora_B weights of {what} are supported"
+                               + (f" on {base.family} models" if base is not None else ""))
         layer, module, ab = int(m.group(1)), m.group(2), m.group(3)
-        slot = pairs.setdefault((layer, HF_SHORT[module]), {})
+        slot = pairs.setdefault((layer, module), {})
         if ab in slot:
             raise AdapterError(name, f"tensor {key!r} appears twice")
         slot[ab] = (key, shape)
@@ -215,8 +234,10 @@ def inspect_adapter(
     rslora = bool(cfg.get("use_rslora"))
     default_alpha = cfg.get("lora_alpha", 8)
     modules = []
-    for (layer, proj), ab in sorted(pairs.items(), key=lambda kv: (kv[0][0], PROJECTIONS.index(kv[0][1]))):
-        where = f"layer {layer} {proj}"
+    order = list(known)
+    for (layer, module), ab in sorted(pairs.items(), key=lambda kv: (kv[0][0], order.index(kv[0][1]))):
+        projs = known[module]
+        where = f"layer {layer} {module.rsplit('.', 1)[-1]}"
         if "lora_A" not in ab or "lora_B" not in ab:
             raise AdapterError(name, f"{where}: lora_A and lora_B must both be present")
         (a_key, a_shape), (b_key, b_shape) = ab["lora_A"], ab["lora_B"]
@@ -225,24 +246,32 @@ def inspect_adapter(
         rank = a_shape[0]
         if max_rank is not None and rank > max_rank:
             raise AdapterError(name, f"{where}: rank {rank} exceeds this server's maximum LoRA rank {max_rank}")
+        rows: list[tuple[int, int] | None] = [None] * len(projs)
         if base is not None:
             if layer >= base.num_layers:
                 raise AdapterError(name, f"{where}: the base model {base.name or ''} has only {base.num_layers} layers".replace("  ", " "))
-            want_in, want_out = base.shape(proj)
-            if a_shape[1] != want_in or b_shape[0] != want_out:
+            want_in = base.shape(projs[0])[0]
+            outs = [base.shape(p)[1] for p in projs]
+            if a_shape[1] != want_in or b_shape[0] != sum(outs):
                 raise AdapterError(
                     name,
                     f"{where}: shapes in={a_shape[1]} out={b_shape[0]} do not fit the base model "
-                    f"(expects in={want_in} out={want_out}); was it trained for another base model?",
+                    f"(expects in={want_in} out={sum(outs)}); was it trained for another base model?",
                 )
-        module_name = f"model.layers.{layer}.{'self_attn' if proj in ('q', 'k', 'v', 'o') else 'mlp'}.{proj}_proj"
+            if len(projs) > 1:
+                lo = 0
+                for j, n in enumerate(outs):
+                    rows[j] = (lo, lo + n)
+                    lo += n
+        module_name = ck.layer.format(i=layer) + module
         alpha = _pattern_value(cfg.get("alpha_pattern"), module_name, default_alpha)
         try:
             alpha = float(alpha)
         except (TypeError, ValueError):
             raise AdapterError(name, f"lora_alpha must be a number, got {alpha!r}") from None
         scaling = alpha / math.sqrt(rank) if rslora else alpha / rank
-        modules.append(ModuleLora(layer, proj, rank, scaling, a_key, b_key))
+        for proj, r in zip(projs, rows):
+            modules.append(ModuleLora(layer, proj, rank, scaling, a_key, b_key, r))
 
     return AdapterSpec(
         name=name,

@@ -1,0 +1,279 @@
+"""The decoder of every supported family over one flat token batch, and the one layer loop that eager
+steps, decode CUDA graphs and piecewise graphs all drive.
+
+A step's tensors live in a `StepIO`: the flat batch `[T, hidden]` (prefill rows of several requests, then
+decode rows), its positions and KV slots, and the buffers that cross attention (residual, q, o). The loop
+
+    piece(0)                         embedding, layer 0 up to attention
+    for i in layers:
+        attention(i)                 q over the paged cache (K/V written by the piece before)
+        piece(i + 1)                 layer i after attention, layer i + 1 up to it (the last: the logits)
+
+is `Decoder.forward`; eager steps call the pieces, piecewise graphs replay one captured graph per piece,
+decode graphs capture the whole loop. A piece is generic over the family's `ModelConfig`: the norm kind
+and placement, activation, biases, q/k norms, embedding scale, RoPE and window per layer, soft-caps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from lorafleet.models.contract import ModelConfig
+from lorafleet.runner.config import KernelChoices
+from lorafleet.runner.model.ops import make_ops, prefer_cublaslt
+from lorafleet.runner.model.rope import Rope
+
+# Group indices for LoraStep.add: projections that share an input run as one SGMV launch.
+QKV, O, GATE_UP, DOWN = 0, 1, 2, 3
+
+
+class AttentionStep(Protocol):
+    def attend(self, layer: int, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, Hq, D] over the paged cache (this step's K/V already written) -> out [T, Hq * D]
+        (written into `out` when given)."""
+
+
+class LoraStep(Protocol):
+    def add(self, layer: int, group: int, x: torch.Tensor, ys: tuple[torch.Tensor, ...]) -> None:
+        """ys[g] += LoRA add-on of x for projection g of the group, per segment."""
+
+    def add_qkv(self, layer: int, x: torch.Tensor, ys: tuple[torch.Tensor, ...]):
+        """The qkv group: adds it (returns None), or leaves the expand to the K/V writer (returns its operands)."""
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: torch.Tensor  # [H]
+    qkv: torch.Tensor  # [q_dim + 2 * kv_dim, H]
+    o: torch.Tensor  # [H, q_dim]
+    mlp_norm: torch.Tensor  # [H]
+    gate_up: torch.Tensor  # [2 * I, H]
+    down: torch.Tensor  # [H, I]
+    qkv_bias: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None  # [D]
+    k_norm: torch.Tensor | None = None  # [D]
+    post_attn_norm: torch.Tensor | None = None  # [H] (sandwich norms)
+    post_mlp_norm: torch.Tensor | None = None  # [H]
+
+
+@dataclass
+class StepIO:
+    """One step's tensors as the pieces read and write them. `static`: fixed buffers (CUDA graphs; the
+    pieces write into them); otherwise the pieces replace `q`, `o`, `residual` and `logits`."""
+
+    input_ids: torch.Tensor  # int64 [Tp]
+    positions: torch.Tensor  # int64 [Tp]
+    slots: torch.Tensor  # int64 [Tp] KV slot per row (padded rows: the scratch page)
+    logit_rows: torch.Tensor  # int64 [B] rows whose next-token logits are wanted
+    residual: torch.Tensor | None = None  # [Tp, H]
+    q: torch.Tensor | None = None  # [Tp, q_dim]
+    o: torch.Tensor | None = None  # [Tp, q_dim]
+    logits: torch.Tensor | None = None  # fp32 [B, V]
+    rows: int = 0  # rows attention runs over (fewer than Tp when the pieces are padded)
+    static: bool = False
+    cos_sin: list | None = None  # per RoPE (torch ops), from the first piece
+
+    @classmethod
+    def buffers(cls, cfg: ModelConfig, T: int, B: int, dtype, device) -> "StepIO":
+        """Static buffers for T rows and B logit rows."""
+        i64 = dict(dtype=torch.int64, device=device)
+        return cls(torch.zeros(T, **i64), torch.zeros(T, **i64), torch.zeros(T, **i64), torch.zeros(B, **i64),
+                   residual=torch.zeros(T, cfg.hidden_size, dtype=dtype, device=device),
+                   q=torch.zeros(T, cfg.q_dim, dtype=dtype, device=device),
+                   o=torch.zeros(T, cfg.q_dim, dtype=dtype, device=device),
+                   logits=torch.zeros(B, cfg.vocab_size, dtype=torch.float32, device=device), rows=T, static=True)
+
+    def view(self, T: int, B: int | None = None) -> "StepIO":
+        """The first T rows (and B logit rows) of static buffers."""
+        B = self.logit_rows.shape[0] if B is None else B
+        return StepIO(self.input_ids[:T], self.positions[:T], self.slots[:T], self.logit_rows[:B],
+                      self.residual[:T], self.q[:T], self.o[:T], self.logits[:B], T, True)
+
+
+class Decoder:
+    """With tensor parallelism, `cfg` is this rank's part (its heads, KV heads and MLP width; see
+    runner/parallel/shard.py), `params` yield this rank's slices, `full_cfg` is the whole model and
+    `all_reduce(t)` sums a tensor over the group in place (after the o and down projections).
+    `params` is a weights.Params (engine parameter names, read on demand)."""
+
+    def __init__(self, cfg: ModelConfig, params, dtype: torch.dtype, device: torch.device,
+                 kernels: KernelChoices | None = None, full_cfg: ModelConfig | None = None, all_reduce=None,
+                 max_positions: int | None = None):
+        from lorafleet.runner.model.weights import WeightsError
+
+        kernels = kernels or KernelChoices()
+        self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+        self.full_cfg = full_cfg or cfg
+        self.all_reduce = all_reduce
+        self.max_positions = min(max_positions or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.ropes = [Rope(spec, self.device) for spec in cfg.ropes]
+        self.ops = make_ops(cfg, self.ropes, self.device, self.max_positions, kernels.fused_ops)
+        # Steps of at most this many rows run the o and down GEMMs on cuBLASLt (measured on the H200 for
+        # one-GPU shapes, so not with tensor parallelism).
+        self.lt_rows = kernels.blas_lt_rows if self.device.type == "cuda" and all_reduce is None else 0
+        self.embed_scale = (torch.tensor(cfg.embed_scale, dtype=torch.float32).to(dtype).item()
+                            if cfg.embed_scale is not None else None)
+        self.num_layers = cfg.num_layers
+
+        def take(name: str) -> torch.Tensor | None:
+            return params.pop(name) if name in params.plan else None
+
+        self.embed = take("embed")  # [V, H]
+        self.layers: list[LayerWeights] = []
+        for i in range(cfg.num_layers):
+            p = f"layers.{i}."
+            self.layers.append(LayerWeights(**{f: take(p + f) for f in (
+                "attn_norm", "qkv", "o", "mlp_norm", "gate_up", "down", "qkv_bias", "o_bias", "gate_up_bias",
+                "down_bias", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm")}))
+        self.final_norm = take("final_norm")
+        lm_head = take("lm_head")
+        self.lm_head = self.embed if lm_head is None else lm_head  # [V, H]
+        leftover = params.unexpected()
+        params.close()
+        if leftover:
+            raise WeightsError(f"unexpected tensors in the weights of a {cfg.family} model, e.g. {leftover[:3]}")
+        self._check_shapes(WeightsError)
+        self.kv_write = None  # set by attach_kv
+
+    def _check_shapes(self, error) -> None:
+        c = self.cfg
+        l0 = self.layers[0]
+        want = {
+            "embed": (self.embed, (c.vocab_size, c.hidden_size)),
+            "lm_head": (self.lm_head, (c.vocab_size, c.hidden_size)),
+            "qkv": (l0.qkv, (c.q_dim + 2 * c.kv_dim, c.hidden_size)),
+            "o": (l0.o, (c.hidden_size, c.q_dim)),
+            "gate_up": (l0.gate_up, (2 * c.intermediate_size, c.hidden_size)),
+            "down": (l0.down, (c.hidden_size, c.intermediate_size)),
+        }
+        if l0.q_norm is not None:
+            want["q_norm"] = (l0.q_norm, (c.head_dim,))
+        for name, (t, shape) in want.items():
+            if tuple(t.shape) != shape:
+                raise error(f"{name} has shape {tuple(t.shape)}, config.json implies {shape}")
+
+    def attach_kv(self, writer) -> None:
+        """The K/V writer (runner/model/rope_kv.py): `writer(layer, qkv, io, expand) -> q`, rotating q and k
+        and writing k, v into the layer's pages at `io.slots`."""
+        self.kv_write = writer
+
+    # -- the pieces ---------------------------------------------------------------------------------------
+    def embed_tokens(self, io: StepIO) -> torch.Tensor:
+        if io.static:
+            h = torch.index_select(self.embed, 0, io.input_ids, out=io.residual)
+            if self.embed_scale is not None:
+                h.mul_(self.embed_scale)
+            return h
+        h = F.embedding(io.input_ids, self.embed)  # [T, H]
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
+        io.residual = h
+        return h
+
+    def pre_attention(self, i: int, h: torch.Tensor, residual: torch.Tensor | None, io: StepIO,
+                      lora: LoraStep | None) -> torch.Tensor:
+        """Layer i up to attention: norm, qkv projection and its LoRA, q/k norms, then the K/V writer (RoPE,
+        k and v into the cache, rotated q into io.q). Returns the residual."""
+        c, ops, lw = self.cfg, self.ops, self.layers[i]
+        if residual is None:
+            residual, x = h, ops.rms_norm(h, lw.attn_norm)
+        else:
+            x, residual = ops.add_rms_norm(h, residual, lw.attn_norm)
+        qkv = F.linear(x, lw.qkv, lw.qkv_bias)  # [T, q_dim + 2 kv_dim]
+        expand = None
+        if lora is not None:
+            expand = lora.add_qkv(i, x, qkv.split([c.q_dim, c.kv_dim, c.kv_dim], dim=-1))
+        if lw.q_norm is not None:
+            T = qkv.shape[0]
+            q, k = qkv[:, : c.q_dim].view(T, c.num_heads, c.head_dim), qkv[:, c.q_dim: c.q_dim + c.kv_dim].view(
+                T, c.num_kv_heads, c.head_dim)
+            q.copy_(ops.head_norm(q, lw.q_norm))
+            k.copy_(ops.head_norm(k, lw.k_norm))
+        q = self.kv_write(i, qkv, io, expand)
+        if not io.static:
+            io.q = q
+        return residual
+
+    def post_attention(self, i: int, o: torch.Tensor, residual: torch.Tensor, lora: LoraStep | None):
+        """Layer i after attention: o-proj and its LoRA, [norm], add + norm, MLP and its LoRA, [norm]."""
+        c, ops, lw = self.cfg, self.ops, self.layers[i]
+        out = self._linear_small(o, lw.o, lw.o_bias)  # [T, H] (a partial sum with tensor parallelism)
+        if lora is not None:
+            lora.add(i, O, o, (out,))
+        if self.all_reduce is not None:
+            self.all_reduce(out)
+        if lw.post_attn_norm is not None:
+            out = ops.rms_norm(out, lw.post_attn_norm)
+        x, residual = ops.add_rms_norm(out, residual, lw.mlp_norm)
+        gu = F.linear(x, lw.gate_up, lw.gate_up_bias)  # [T, 2 I]
+        if lora is not None:
+            gate, up = gu.split([c.intermediate_size, c.intermediate_size], dim=-1)
+            lora.add(i, GATE_UP, x, (gate, up))
+        a = ops.act_mul(gu, c.intermediate_size)  # [T, I]
+        h = self._linear_small(a, lw.down, lw.down_bias)  # [T, H] (a partial sum with tensor parallelism)
+        if lora is not None:
+            lora.add(i, DOWN, a, (h,))
+        if self.all_reduce is not None:
+            self.all_reduce(h)
+        if lw.post_mlp_norm is not None:
+            h = ops.rms_norm(h, lw.post_mlp_norm)
+        return h, residual
+
+    def _linear_small(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        """x @ w.T + b; on cuBLASLt for steps of at most `lt_rows` rows (the o and down projections)."""
+        if 0 < x.shape[0] <= self.lt_rows:
+            with prefer_cublaslt():
+                return F.linear(x, w, b)
+        return F.linear(x, w, b)
+
+    def logits(self, h: torch.Tensor, residual: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        x, _ = self.ops.add_rms_norm(h.index_select(0, rows), residual.index_select(0, rows), self.final_norm)
+        z = F.linear(x, self.lm_head).float()  # [B, V]
+        if self.cfg.final_softcap is not None:
+            z = torch.tanh(z / self.cfg.final_softcap) * self.cfg.final_softcap
+        return z
+
+    def piece(self, j: int, io: StepIO, lora: LoraStep | None) -> None:
+        """Piece j of the loop: the embedding (j = 0) or layer j-1 after attention, then layer j up to
+        attention, or (j = L) the logits."""
+        if j == 0:
+            h, residual = self.embed_tokens(io), None
+            io.cos_sin = self.ops.rope_cos_sin(io.positions, self.dtype)
+        else:
+            h, residual = self.post_attention(j - 1, io.o, io.residual, lora)
+            if j == self.num_layers:
+                z = self.logits(h, residual, io.logit_rows)
+                if io.static:
+                    io.logits.copy_(z)
+                else:
+                    io.logits = z
+                return
+        residual = self.pre_attention(j, h, residual, io, lora)
+        if not io.static:
+            io.residual = residual
+        elif residual.data_ptr() != io.residual.data_ptr():  # ops that do not update the residual in place
+            io.residual.copy_(residual)
+
+    @torch.inference_mode()
+    def forward(self, io: StepIO, attn: AttentionStep, lora: LoraStep | None, replay=None) -> torch.Tensor:
+        """The layer loop -> logits fp32 [B, V]. `replay(j)` runs piece j (a captured graph); by default the
+        pieces run here."""
+        run = replay or (lambda j: self.piece(j, io, lora))
+        c = self.cfg
+        run(0)
+        T = io.rows or io.input_ids.shape[0]
+        for i in range(self.num_layers):
+            q = io.q[:T].view(T, c.num_heads, c.head_dim)
+            if io.static:
+                attn.attend(i, q, out=io.o[:T])
+            else:
+                io.o = attn.attend(i, q)
+            run(i + 1)
+        return io.logits

@@ -1,0 +1,48 @@
+"""Phi-3 and Phi-4-mini: fused `qkv_proj` and `gate_up_proj` in the checkpoint (and as LoRA targets),
+partial rotary embeddings (Phi-4-mini rotates 3/4 of each head), LongRoPE, a sliding window when the config
+sets one (Phi-3-mini-4k: 2047).
+
+LongRoPE runs with the checkpoint's short factors, which transformers uses while a sequence stays within
+`original_max_position_embeddings`; beyond that it switches every position of the sequence to the long
+factors, which a paged KV cache cannot follow, so the context is capped there (see `max_context`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from lorafleet.models import llama
+from lorafleet.models.contract import Family, ModelConfig, check_activation, common_fields
+
+MODULES = {**llama.MODULES, "q": "self_attn.qkv_proj", "k": "self_attn.qkv_proj", "v": "self_attn.qkv_proj",
+           "gate": "mlp.gate_up_proj", "up": "mlp.gate_up_proj"}
+
+
+def config_from_hf(cfg: dict, name: str = "") -> ModelConfig:
+    check_activation(cfg, ("silu",))
+    f = common_fields(cfg, "phi3", name)
+    rope = llama.single_rope(cfg, f["head_dim"])
+    if rope[0].kind == "longrope":
+        f["max_position_embeddings"] = min(f["max_position_embeddings"], rope[0].original_max_position_embeddings)
+    window = cfg.get("sliding_window")
+    bias = bool(cfg.get("attention_bias", False))
+    return ModelConfig(**f, ropes=rope, layer_rope=(0,) * f["num_layers"],
+                       layer_window=(int(window) if window else None,) * f["num_layers"], qkv_bias=bias, o_bias=bias)
+
+
+FAMILY = Family(
+    name="phi3",
+    architectures=("Phi3ForCausalLM",),
+    model_types=("phi3",),
+    config=config_from_hf,
+    checkpoint=dataclasses.replace(llama.CHECKPOINT, modules=MODULES),
+    notes="Phi-3, Phi-3.5, Phi-4-mini (fused qkv / gate_up; LongRoPE up to its original context)",
+)
+
+SHAPES = {
+    "phi-4-mini": dict(architectures=["Phi3ForCausalLM"], model_type="phi3", vocab_size=200064, hidden_size=3072,
+                       intermediate_size=8192, num_hidden_layers=32, num_attention_heads=24, num_key_value_heads=8,
+                       max_position_embeddings=131072, original_max_position_embeddings=4096, partial_rotary_factor=0.75,
+                       rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=199999,
+                       eos_token_id=199999, hidden_act="silu",
+                       rope_scaling={"type": "longrope", "short_factor": [1.0] * 48, "long_factor": [1.0] * 48}),
+}
