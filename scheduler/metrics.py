@@ -34,6 +34,8 @@ class SchedulerMetrics:
         self.migrations = Counter("lorafleet_migrations", "Requests evicted by a runner and re-placed", registry=r)
         self.replacements = Counter("lorafleet_replacements", "Requests re-placed after a runner failure",
                                     registry=r)
+        self.model_sequences = Counter("lorafleet_model_sequences", "Finished sequences per model (an adapter's name, "
+                                       "or the base model's)", ["model"], registry=r)
 
     def attach_cluster(self, cluster) -> None:
         self.registry.register(_ClusterCollector(cluster))
@@ -41,6 +43,7 @@ class SchedulerMetrics:
     def observe_finished(self, req, finish_reason: str) -> None:
         now = time.time()
         self.sequences.labels(finish_reason=finish_reason).inc()
+        self.model_sequences.labels(model=req.model).inc()
         self.e2e.observe(now - req.arrival)
         if req.first_token_time is not None:
             self.ttft.observe(req.first_token_time - req.arrival)
@@ -59,6 +62,8 @@ class _ClusterCollector:
         batch = GaugeMetricFamily("lorafleet_runner_batch_size", "Requests placed on each runner", labels=["runner"])
         healthy = GaugeMetricFamily("lorafleet_runner_healthy", "1 if the runner is healthy", labels=["runner"])
         loads = CounterMetricFamily("lorafleet_adapter_loads", "Adapter loads reported by each runner", labels=["runner"])
+        busy = CounterMetricFamily("lorafleet_runner_busy_seconds", "Time each runner had at least one request "
+                                   "placed on it (its rate summed over runners: GPUs busy)", labels=["runner"])
         info = GaugeMetricFamily(
             "lorafleet_lora_requests_info", "Running and waiting adapters per runner (vllm:lora_requests_info shape)",
             labels=["runner", "max_lora", "running_lora_adapters", "waiting_lora_adapters"])
@@ -69,9 +74,11 @@ class _ClusterCollector:
             batch.add_metric([rid], st["batch_size"])
             healthy.add_metric([rid], 1.0 if r.healthy else 0.0)
             loads.add_metric([rid], float(st["adapter_pool"].get("loads", 0)))
+            busy.add_metric([rid], r.busy_seconds())
             info.add_metric([rid, str(st["adapter_pool"].get("gpu_slots", 0)), ",".join(sorted(st["running_adapters"])),
                              ",".join(sorted(st["waiting_adapters"]))], now)
         yield batch
         yield healthy
         yield loads
+        yield busy
         yield info

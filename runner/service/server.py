@@ -116,6 +116,10 @@ class StateCollector:
         yield g("lorafleet_runner_adapter_slots_used", "Adapter slots in use", value=pool.get("gpu_used", 0))
         yield g("lorafleet_runner_adapter_pool_bytes", "Bytes of the device adapter pool", value=pool.get("gpu_bytes", 0))
         yield g("lorafleet_runner_adapter_host_cached", "Adapters in the host tier", value=pool.get("host_cached", 0))
+        resident = len(st.get("resident_adapters") or [])
+        yield g("lorafleet_runner_adapters_resident", "Adapters in the device pool, loaded", value=resident)
+        yield g("lorafleet_runner_adapters_loading", "Adapters being loaded into the device pool",
+                value=max(0, pool.get("gpu_used", 0) - resident))
         for key in ("loads", "evictions", "failures"):
             yield CounterMetricFamily(f"lorafleet_runner_adapter_{key}", f"Adapter {key}", value=pool.get(key, 0))
         yield CounterMetricFamily("lorafleet_runner_generated_tokens", "Generated tokens", value=self.r.tokens_out)
