@@ -202,3 +202,34 @@ def test_operator_environment_installs_from_the_base_list_without_backtracking(t
         r = subprocess.run([str(venv / "bin" / "lorafleet"), command, "--help"], capture_output=True, text=True,
                            timeout=120, cwd=tmp_path)
         assert r.returncode == 0 and "usage: lorafleet" in r.stdout, r.stderr
+
+
+def test_fresh_start_script_measures_what_the_image_carries():
+    """bench/fresh_start.sh (run on a GPU machine) builds the kernels as the image does: the Dockerfile's
+    default shapes are build-kernels' defaults, and the script passes none of its own."""
+    from lorafleet.runner import kernels
+
+    parser = argparse.ArgumentParser()
+    kernels.add_arguments(parser)
+    defaults = parser.parse_args([])
+    args = {rest.split("=", 1)[0]: rest.split("=", 1)[1].strip('"') for word, rest in instructions("Dockerfile.runner")
+            if word == "ARG" and "=" in rest}
+    assert [int(d) for d in args["KERNEL_HEAD_DIMS"].split()] == defaults.head_dims
+    assert args["KERNEL_DTYPES"].split() == defaults.dtypes and args["KERNEL_KV_DTYPES"].split() == defaults.dtypes
+    script = (REPO / "bench" / "fresh_start.sh").read_text()
+    build = [line for line in script.splitlines() if "build-kernels" in line and not line.lstrip().startswith("#")]
+    assert len(build) == 1 and "--flashinfer" in build[0] and "--head-dims" not in build[0], build
+    assert args["FLASHINFER_CUDA_ARCH_LIST"].strip('"') in script  # the same architectures
+    assert "fresh_machine_ready_s" in script and "jit_modules_compiled_at_start" in script
+    assert subprocess.run(["bash", "-n", str(REPO / "bench" / "fresh_start.sh")], timeout=30).returncode == 0
+
+
+def test_flashinfer_modules_named_for_the_served_shapes(monkeypatch):
+    if "flashinfer" not in sys.modules:  # it reads the architectures when imported (no GPU here)
+        monkeypatch.setenv("FLASHINFER_CUDA_ARCH_LIST", os.environ.get("FLASHINFER_CUDA_ARCH_LIST", "8.0 9.0a"))
+    pytest.importorskip("flashinfer")
+    from lorafleet.runner import kernels
+
+    names = [s.name for s in kernels.flashinfer_specs([128], ["bfloat16"], ["bfloat16"])]
+    assert any(n.startswith("batch_prefill_with_kv_cache_dtype_q_bf16") and "head_dim_qk_128" in n for n in names)
+    assert any(n.startswith("batch_decode_with_kv_cache") for n in names) and "norm" in names
