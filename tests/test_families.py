@@ -35,7 +35,7 @@ def family(request, tmp_path_factory):
     return name, model, ads
 
 
-def requests(ads, n=10):
+def requests(ads, n=10, new=NEW):
     """Prompts of 12 to 40 tokens (longer than the window) over the three adapters and the base model."""
     g = torch.Generator().manual_seed(13)
     names = [None, "all8", "attn4", "mlp16"]
@@ -43,16 +43,16 @@ def requests(ads, n=10):
     for i in range(n):
         ids = torch.randint(3, 256, (int(torch.randint(WINDOW + 4, 40, (1,), generator=g)),), generator=g).tolist()
         name = names[i % 4]
-        out.append(Sequence(f"r{i}", ids, SamplingParams(max_tokens=NEW, ignore_eos=True),
+        out.append(Sequence(f"r{i}", ids, SamplingParams(max_tokens=new, ignore_eos=True),
                             AdapterRef(name, str(ads[name])) if name else None, arrival=float(i)))
     return out
 
 
-def generate(model, ads, **cfg):
+def generate(model, ads, n=10, new=NEW, **cfg):
     eng = Engine(str(model), EngineConfig(device="cpu", max_batch_size=8, page_size=4, num_pages=400,
                                           max_lora_rank=16, **cfg))
     try:
-        done = eng.run_to_completion(requests(ads))
+        done = eng.run_to_completion(requests(ads, n, new))
         assert eng.blocks.free_pages == eng.blocks.num_pages
     finally:
         eng.close()
@@ -77,6 +77,6 @@ def test_family_equals_hf_peft_in_one_mixed_batch(family):
 
 def test_family_tp2_gives_the_tokens_of_one_rank(family):
     _, model, ads = family
-    one = generate(model, ads, lora_slots=2)
-    two = generate(model, ads, tp=2, lora_slots=2, overlap=True, chunked_prefill=True, max_step_tokens=16)
+    one = generate(model, ads, n=6, new=6, lora_slots=2)
+    two = generate(model, ads, n=6, new=6, tp=2, lora_slots=2, overlap=True, chunked_prefill=True, max_step_tokens=16)
     assert two == one
