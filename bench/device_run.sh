@@ -6,10 +6,14 @@
 #   tests    ktests, then etests
 #   ktests   kernel GPU tests only (incl. the fused one-launch path), sanitizer case
 #   etests   engine GPU tests only
+#   ftests   every model family against HF + PEFT and graphs against eager, and the flashinfer plan and window tests
 #   tptests  tensor-parallel GPU test (needs two GPUs: run it alone, not in a --par list)
-#   probe    bench/probe_decode.py: LoRA calls inside 32 decode layers per launch variant, LoRA beside the GEMM
-#            (SM carve-out), decode attention variants, a max-batch-256 step with prompt rows (mixed)
-#            -> probe[_TAG].json (PROBE_ARGS="--skip ..." picks sections)
+#   probe    bench/probe_decode.py: decode attention variants, LoRA beside the GEMM (SM carve-out), the decode
+#            GEMMs per BLAS backend -> probe[_TAG].json (PROBE_ARGS="--skip ..." picks sections)
+#   compare  bench e2e (7B shape; distinct, identical, LoRA off; REQS, default 500) of the old code in .old/ (a git
+#            worktree of the commit to compare with, carried with the call), then of this tree -> cmp_old/cmp_new.json
+#   shapes   bench e2e --shape S for S in SHAPES (default llama3-8b qwen2.5-7b gemma-3-12b): distinct, identical,
+#            LoRA off, SHAPE_REQS requests (default 300) -> shape_S.json
 #   plantest the flashinfer plan GPU test alone
 #   kbench   bench kernels --quick: the decode call (two CUDA-core launches), the fused call, the two-launch
 #            call with tensor-core thresholds, and the peers -> kernels.json
@@ -42,7 +46,8 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
 #     -d .whl flashinfer-python==0.5.3 apache-tvm-ffi==0.1.3
-# ficache.tgz / lfkernels.tgz from a previous call's $OUT can be put in .cache_fi/ to skip compiling.
+# ficache.tgz.part-* / lfkernels.tgz from a previous call's $OUT can be put in .cache_fi/ to skip compiling
+# (SKIP_CACHES=1: do not pack them).
 # Afterwards, on any machine: lorafleet bench e2e --merge e2e_a.json e2e_b.json e2e_cold.json e2e_sweep.json
 #   --out docs/e2e.json, and lorafleet bench e2e --plot-from docs/e2e.json --plot docs/e2e_mixes.png
 set -u -o pipefail
@@ -52,6 +57,7 @@ t0=$(date +%s); stamp() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   > "$LOGS/pip.log" 2>&1 || { cat "$LOGS/pip.log"; exit 1; }
 export PYTHONPATH=$PWD/src:/tmp/site
+ls .cache_fi/ficache.tgz.part-* >/dev/null 2>&1 && cat .cache_fi/ficache.tgz.part-* > .cache_fi/ficache.tgz
 if [ -f .cache_fi/ficache.tgz ]; then  # flashinfer's compiled ops, installed as its ahead-of-time modules
   tar xzf .cache_fi/ficache.tgz -C /tmp
   for so in /tmp/fiws/.cache/flashinfer/*/*/cached_ops/*/*.so; do
@@ -81,6 +87,25 @@ stage() {
       timeout ${TEST_S:-300} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_engine_cuda.py -rA -s -k "${ETESTS_K:-}" \
         --durations=6 -o faulthandler_timeout=${HANG_S:-100} 2>&1 | tee "$LOGS/gpu_etests.log" \
         | grep -E "passed|failed|FAILED|flips|Error|piecewise|Timeout|File " | tail -20 ;;
+    ftests)
+      timeout ${TEST_S:-500} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_families_cuda.py \
+        tests/gpu/test_flashinfer_plans.py -rA -s -k "${FTESTS_K:-}" -o faulthandler_timeout=${HANG_S:-200} 2>&1 \
+        | tee "$LOGS/gpu_ftests.log" | grep -E "passed|failed|FAILED|flips|Error|Timeout|File " | tail -24 ;;
+    compare)
+      local v dir
+      for v in old new; do
+        dir=$PWD; [ "$v" = old ] && dir=$PWD/.old
+        [ -d "$dir" ] || { echo "compare: no $dir"; return 2; }
+        ( cd "$dir" && PYTHONPATH=$dir/src:/tmp/site timeout ${CMP_S:-280} python3 -m lorafleet --log-level WARNING \
+            bench e2e --requests ${REQS:-500} --mixes distinct identical --hf-requests 0 --out "$OUT/cmp_$v.json" ) 2>&1 \
+          | tee "$LOGS/cmp_$v.log" | tail -5
+      done ;;
+    shapes)
+      local s
+      for s in ${SHAPES:-llama3-8b qwen2.5-7b gemma-3-12b}; do
+        timeout ${SHAPE_S:-200} python3 -m lorafleet --log-level WARNING bench e2e --shape "$s" --requests ${SHAPE_REQS:-300} \
+          --mixes distinct identical --population 16 --out "$OUT/shape_$s.json" 2>&1 | tee "$LOGS/shape_$s.log" | tail -5
+      done ;;
     tptests)
       timeout ${TEST_S:-400} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tp_cuda.py -rA -s \
         -o faulthandler_timeout=${HANG_S:-300} 2>&1 | tee "$LOGS/gpu_tptests.log" \
@@ -171,7 +196,9 @@ else
   run_list 0 "${@:-tests}"
 fi
 for d in /tmp/bs_*; do [ -d "$d" ] && for f in "$d"/*.log; do [ -f "$f" ] && cp "$f" "$LOGS/$(basename "$d")_$(basename "$f")"; done; done
-( cd /tmp && find fiws -name '*.so' | tar czf "$OUT/ficache.tgz" -T - ) 2>/dev/null
+if [ -z "${SKIP_CACHES:-}" ]; then  # flashinfer's compiled ops (over 16 MB: in 12 MB parts) and the SGMV build
+  ( cd /tmp && find fiws -name '*.so' | tar czf - -T - | split -b 12m - "$OUT/ficache.tgz.part-" ) 2>/dev/null
+  ( cd /tmp && tar czf "$OUT/lfkernels.tgz" lfkernels ) 2>/dev/null
+fi
 ( cd /tmp && tar czf "$OUT/logs.tgz" logs ) 2>/dev/null
-( cd /tmp && tar czf "$OUT/lfkernels.tgz" lfkernels ) 2>/dev/null
 ls -la "$OUT" | tail -n +2

@@ -18,10 +18,11 @@ import torch
 from lorafleet.runner.config import EngineConfig
 from lorafleet.runner.engine.engine import Engine
 from lorafleet.runner.engine.sequence import AdapterRef, SamplingParams, Sequence
+import teacher
 from model_helpers import write_random_adapter, write_random_llama
+from teacher import TOL
 
 pytestmark = pytest.mark.gpu
-TOL = 0.02  # of the logit range at that position
 NEW = 12
 
 
@@ -70,29 +71,6 @@ def cpu_reference(smol_shaped):
     return reqs, toks
 
 
-def hf_logits(model, ads, ids, name, dtype=torch.float32, device="cpu"):
-    """Logits at every position through HF transformers + PEFT."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    m = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
-    if name:
-        m = PeftModel.from_pretrained(m, str(ads[name]))
-    m = m.to(device=device, dtype=dtype).eval()
-    with torch.no_grad():
-        return m(input_ids=torch.tensor([ids], device=device)).logits[0].float().cpu()
-
-
-def flips_against(ref_logits, toks, n_prompt, chosen):
-    """[(position, fp32 margin / logit range)] where `chosen` differs from the reference tokens."""
-    out = []
-    for j, got in enumerate(chosen):
-        if got != toks[j]:
-            row = ref_logits[n_prompt + j - 1]
-            out.append((j, float(row[toks[j]] - row[got]) / float(row.max() - row.min())))
-    return out
-
-
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_gpu_matches_cpu_fp32_teacher_forced(smol_shaped, cpu_reference, dtype):
     teacher_forced_check(smol_shaped, cpu_reference, dtype)
@@ -103,42 +81,17 @@ def test_fa2_prefill_matches_cpu_fp32_teacher_forced(smol_shaped, cpu_reference,
     the same check as above, in bf16."""
     monkeypatch.setenv("LORAFLEET_PREFILL_BACKEND", "fa2")
     eng = teacher_forced_check(smol_shaped, cpu_reference, "bfloat16")
-    assert list(eng.attention.prefill_wrappers) == ["fa2"]
-    assert eng.attention.prefill_wrappers["fa2"]._backend == "fa2"
+    assert eng.attention.prefill_kinds == ("fa2",)
+    assert all(s.prefill["fa2"]._backend == "fa2" for s in eng.attention.sets.values())
 
 
 def teacher_forced_check(smol_shaped, cpu_reference, dtype):
     """The GPU engine's next token after every prefix of the CPU fp32 engine's output, against HF + PEFT
-    in fp32; HF's own `dtype` run sets the tolerance. Returns the engine."""
+    in fp32; HF's own `dtype` run sets the tolerance (teacher.py). Returns the engine."""
     model, ads = smol_shaped
     reqs, cpu = cpu_reference
-    # teacher forcing: the GPU predicts the next token after every prefix of the CPU's output
-    forced = []
-    for (ids, name, path), toks in zip(reqs, cpu):
-        for j in range(NEW):
-            forced.append((ids + toks[:j], name, path))
-    eng = Engine(str(model), EngineConfig(max_lora_rank=16, max_batch_size=64, num_pages=4096, dtype=dtype))
-    seqs = [Sequence(f"f{k}", ids, SamplingParams(max_tokens=1), AdapterRef(n, str(p)) if n else None)
-            for k, (ids, n, p) in enumerate(forced)]
-    gpu = eng.run_to_completion(seqs)
-    assert eng.sgmv.name == "cuda" and eng.attention.name == "flashinfer" and eng.dtype == getattr(torch, dtype)
-    ours, hf, checked, k = [], [], 0, 0
-    for (ids, name, _), toks in zip(reqs, cpu):
-        ref = hf_logits(model, ads, ids + toks, name)  # fp32, CPU: [len, V]
-        hf_low = hf_logits(model, ads, ids + toks, name, getattr(torch, dtype), "cuda")
-        n = len(ids)
-        chosen = [gpu[f"f{k + j}"].output_ids[0] for j in range(NEW)]
-        k += NEW
-        checked += NEW
-        ours += [(name,) + f for f in flips_against(ref, toks, n, chosen)]
-        hf += [(name,) + f for f in flips_against(ref, toks, n, [int(hf_low[n + j - 1].argmax()) for j in range(NEW)])]
-    hf_worst = max((f[2] for f in hf), default=0.0)
-    bound = max(TOL, 1.5 * hf_worst)
-    bad = [f for f in ours if f[2] > bound]
-    print(f"lorafleet {dtype} flips {len(ours)}/{checked} (worst {max((f[2] for f in ours), default=0):.4f}); "
-          f"HF {dtype} flips {len(hf)}/{checked} (worst {hf_worst:.4f})")
-    assert not bad, f"{len(bad)} of {checked} positions differ beyond {dtype} noise (bound {bound:.4f}): {bad[:5]}"
-    assert len(ours) <= max(2 * len(hf), checked // 20), (len(ours), len(hf))
+    eng = teacher.teacher_forced_check(model, ads, reqs, cpu, dtype, "smol-shaped")
+    assert eng.sgmv.name == "cuda"
     return eng
 
 

@@ -24,13 +24,12 @@ def test_a_mixed_step_plans_without_waiting_for_queued_work(kernel, monkeypatch)
     from lorafleet.runner.executor.kv_cache import KVCache
 
     dev = torch.device("cuda")
-    cfg = SimpleNamespace(num_layers=2, num_heads=8, num_kv_heads=8, head_dim=128, kv_dim=8 * 128)
+    cfg = _cfg(2, 8, 8)
     kv = KVCache(cfg, num_pages=16, page_size=16, dtype=torch.bfloat16, device=dev)
     if kernel == "fa3" and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("FA3 needs sm90")
-    monkeypatch.setenv("LORAFLEET_PREFILL_BACKEND", kernel)  # the prompt rows' plan on this kernel
-    attn = FlashInferAttention(kv, cfg, dev)
-    assert list(attn.prefill_wrappers) == [kernel]
+    attn = FlashInferAttention(kv, cfg, dev, kernel)  # the prompt rows' plan on this kernel
+    assert attn.prefill_kinds == (kernel,)
     meta = AttnMeta(num_prefill=1, qo_indptr=[0, 20, 21, 22], kv_lens=[20, 40, 7], page_tables=[[0, 1], [2, 3, 4], [5]],
                     page_size=16, slot_mapping=torch.zeros(22, dtype=torch.int64, device=dev))
     attn.begin(meta)  # first plans of both wrappers (compiles or loads their modules)
@@ -45,8 +44,16 @@ def test_a_mixed_step_plans_without_waiting_for_queued_work(kernel, monkeypatch)
     assert planned < total / 3, f"planning took {planned:.2f} s of {total:.2f} s: it waited for the queued work"
 
 
-def _paged_reference(kv_k, kv_v, meta, q, ps):
-    """fp32 attention of q [T, H, D] over each request's pages (causal for prompt rows)."""
+def _cfg(layers, heads, kv_heads, head_dim=128, window=None):
+    """The attention fields of a ModelConfig."""
+    return SimpleNamespace(num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                           kv_dim=kv_heads * head_dim, layer_window=(window,) * layers, softmax_scale=head_dim ** -0.5,
+                           attn_softcap=None)
+
+
+def _paged_reference(kv_k, kv_v, meta, q, ps, window=None):
+    """fp32 attention of q [T, H, D] over each request's pages (causal for prompt rows; with a window W a
+    query at position i sees the keys j with i - W < j <= i, as transformers' sliding-window mask)."""
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     h, hkv, d = q.shape[1], kv_k.shape[-2], q.shape[2]
     for i in range(meta.batch_size):
@@ -57,32 +64,36 @@ def _paged_reference(kv_k, kv_v, meta, q, ps):
         v = kv_v[pages[pos // ps], pos % ps].float().repeat_interleave(h // hkv, dim=1)
         s = torch.einsum("qhd,khd->hqk", q[lo:hi].float(), k) / d ** 0.5
         qpos = torch.arange(n - (hi - lo), n, device=q.device)
-        s = s.masked_fill(pos[None, None, :] > qpos[None, :, None], float("-inf"))
+        hidden = pos[None, None, :] > qpos[None, :, None]
+        if window is not None:
+            hidden = hidden | (pos[None, None, :] <= qpos[None, :, None] - window)
+        s = s.masked_fill(hidden, float("-inf"))
         out[lo:hi] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
     return out
 
 
+@pytest.mark.parametrize("window", [None, 500])
 @pytest.mark.parametrize("case", ["short_chunk_long_prefix", "long_prompt"])
-def test_prefill_kernels_match_fp32_attention(case, monkeypatch):
+def test_prefill_kernels_match_fp32_attention(case, window):
     """Both of flashinfer's prefill kernels (FA2, FA3) against an fp32 reference on the same step, and
     the kernel `auto` picks for it on sm90: a 64-row chunk over a 3,000-token prefix (beside two decode
-    rows) takes FA2, a 1,024-row prompt FA3 (runner/attention/meta.py prefill_kernel)."""
+    rows) takes FA2, a 1,024-row prompt FA3 (runner/executor/attention/meta.py prefill_kernel); with and
+    without a sliding window shorter than the prompts (the decode rows too)."""
     from lorafleet.runner.executor.attention.flashinfer_backend import FlashInferAttention
     from lorafleet.runner.executor.attention.meta import AttnMeta
     from lorafleet.runner.executor.kv_cache import KVCache
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("FA3 needs sm90")
-    monkeypatch.delenv("LORAFLEET_PREFILL_BACKEND", raising=False)  # auto: both kernels
     dev, ps = torch.device("cuda"), 16
-    cfg = SimpleNamespace(num_layers=1, num_heads=32, num_kv_heads=32, head_dim=128, kv_dim=32 * 128)
+    cfg = _cfg(1, 32, 32, window=window)
     kv = KVCache(cfg, num_pages=512, page_size=ps, dtype=torch.bfloat16, device=dev)
     g = torch.Generator(device=dev).manual_seed(1)
     kv.k.normal_(generator=g)
     kv.v.normal_(generator=g)
     perm = torch.randperm(512, device=dev, generator=g).tolist()  # scattered pages
     if case == "short_chunk_long_prefix":
-        lens, qo, want = [3064, 100, 37], [0, 64, 65, 66], "fa2"
+        lens, qo, want = [3064, 900, 37], [0, 64, 65, 66], "fa2"  # the decode row of 900 keys: past the window
     else:
         lens, qo, want = [1024], [0, 1024], "fa3"
     tables, k = [], 0
@@ -94,17 +105,17 @@ def test_prefill_kernels_match_fp32_attention(case, monkeypatch):
                     slot_mapping=torch.zeros(qo[-1], dtype=torch.int64, device=dev))
     # scores of std 4: peaked softmax rows, so a key wrongly in or out of a row's window shows
     q = (4 * torch.randn(qo[-1], 32, 128, device=dev, generator=g)).to(torch.bfloat16)
-    ref = _paged_reference(kv.k[0], kv.v[0], meta, q, ps)
-    attn = FlashInferAttention(kv, cfg, dev)
-    assert sorted(attn.prefill_wrappers) == ["fa2", "fa3"]
+    ref = _paged_reference(kv.k[0], kv.v[0], meta, q, ps, window)
+    attn = FlashInferAttention(kv, cfg, dev, "auto")
+    assert attn.prefill_kinds == ("fa2", "fa3")
     assert attn.begin(meta).prefill_kernel == want
-    chosen = attn.prefill_for
-    for name, wrapper in attn.prefill_wrappers.items():
-        attn.prefill_for = lambda lens, name=name, wrapper=wrapper: (name, wrapper)
+    chosen = attn.prefill_kind
+    for name in attn.prefill_kinds:
+        attn.prefill_kind = lambda lens, name=name: name
         step = attn.begin(meta)
         assert step.prefill_kernel == name
         out = step.attend(0, q).view(q.shape).float()
         err = (out - ref).abs()
         assert err.max().item() < 5e-2 and err.mean().item() < 2e-3, \
-            f"{name}: error max {err.max().item():.4f} mean {err.mean().item():.5f} against fp32 on {case}"
-    attn.prefill_for = chosen
+            f"{name}: error max {err.max().item():.4f} mean {err.mean().item():.5f} against fp32 on {case}, window {window}"
+    attn.prefill_kind = chosen

@@ -10,7 +10,7 @@ import torch
 from lorafleet.runner.config import EngineConfig
 from lorafleet.runner.engine.engine import Engine
 from lorafleet.runner.engine.sequence import AdapterRef, SamplingParams, Sequence
-from test_engine_cuda import flips_against as flips
+from teacher import flips_against as flips
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")]
 NEW = 8
@@ -21,14 +21,16 @@ def hf_model(path, cfg, adapters, dtype):
     from peft import PeftModel
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lorafleet.runner.model.synthetic import SyntheticWeights, synthetic_seed
+    from lorafleet.models import registry
+    from lorafleet.runner.model.synthetic import SyntheticReader, synthetic_marker
 
     hf_cfg = LlamaConfig(**{k: v for k, v in __import__("json").loads((path / "config.json").read_text()).items()
-                            if k != "model_type"})
+                            if k not in ("model_type", "architectures")})
     with torch.device("meta"):
         m = LlamaForCausalLM(hf_cfg)
-    w = SyntheticWeights(cfg, synthetic_seed(path), "cuda:0", torch.bfloat16)  # the engine's bf16 weights
-    state = {n: w.pop(n).to(dtype) for n in list(w)}
+    seed, std = synthetic_marker(path)
+    w = SyntheticReader(registry.family("llama"), cfg, seed, "cuda:0", torch.bfloat16, std)  # the engine's bf16 weights
+    state = {n: w.read(n).to(dtype) for n in sorted(w.names())}
     m.load_state_dict(state, assign=True, strict=False)
     m.model.rotary_emb = type(m.model.rotary_emb)(hf_cfg, device="cuda:0")
     m = m.to(device="cuda:0", dtype=dtype).eval()

@@ -65,8 +65,11 @@ def floor_seconds(fm: dict, steps) -> float:
 
 
 def random_model(device, dtype, seed: int):
-    """The 7B-shape model with seeded random weights (the same weights a synthetic model directory gives)."""
-    return synthetic.random_model(device, dtype, seed, LLAMA2_7B)
+    """The 7B-shape model with seeded random weights (the same weights a synthetic model directory gives),
+    built with the environment's kernel choices (the engines made on it use the same)."""
+    from lorafleet.runner.config import KernelChoices
+
+    return synthetic.random_model(device, dtype, seed, LLAMA2_7B, name="llama-2-7b-shape", kernels=KernelChoices.from_env())
 
 
 def random_adapters(base, population: int, rank: int, dtype, device, seed: int):
