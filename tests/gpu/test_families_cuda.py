@@ -65,14 +65,34 @@ def test_family_on_gpu_matches_hf_fp32_teacher_forced(family):
     assert eng.sgmv.name == "cuda" and eng.runner.mixed is not None  # prompt steps replayed piecewise
 
 
-def test_family_decode_graphs_give_the_tokens_of_eager_steps(family):
-    """Decode steps replayed from CUDA graphs (padded to a bucket, padded rows on the scratch page) give the
-    tokens of the same steps run eagerly. (Steps with prompt rows go through the piecewise graphs in the
-    teacher-forced test above, whose forced prompts are all prefills.)"""
+def test_family_decode_graph_replay_matches_the_eager_step(family):
+    """A decode step of 24 requests over the three adapters and the base model, replayed from its CUDA graph
+    (windows per layer in the graph's decode wrappers, padded rows on the scratch page), against the same
+    step run eagerly: the same logits up to bf16 kernel-choice noise and the same argmax. (Steps with prompt
+    rows go through the piecewise graphs in the teacher-forced test above, whose forced prompts are all
+    prefills. Token-for-token equality over whole runs is too strict for these random models: HF's own bf16
+    run flips up to 10 of 64 positions of their fp32 run.)"""
+    from lorafleet.runner.engine.step_batch import build_step_batch
+
     name, model, _, reqs = family
-    graphed, eng = generate(model, reqs * 3, 16, max_batch_size=32, num_pages=2048, piecewise_graphs=False)
+    eng = Engine(str(model), EngineConfig(max_lora_rank=16, max_batch_size=32, num_pages=2048, overlap=False))
     assert eng.runner.graphs is not None
-    eager, eng2 = generate(model, reqs * 3, 16, max_batch_size=32, num_pages=2048, cuda_graphs=False)
-    assert eng2.runner.graphs is None
-    same = sum(a == b for a, b in zip(graphed, eager))
-    assert same == len(graphed), f"{name}: {len(graphed) - same} of {len(graphed)} requests differ between graphs and eager"
+    for i, (ids, n, p) in enumerate(reqs * 3):
+        eng.submit(Sequence(f"r{i}", ids, SamplingParams(max_tokens=64, ignore_eos=True),
+                            AdapterRef(n, str(p)) if n else None, arrival=float(i)))
+    for _ in range(200):  # until all 24 decode (adapter loads are asynchronous)
+        eng.step()
+        if len(eng.batcher.running) == 24 and not any(s.prefilling for s in eng.batcher.running):
+            break
+    eng._drain_inbox()
+    plan = eng.batcher.schedule()
+    assert plan.num_decode == 24 and not plan.prefill_tokens
+    batch = build_step_batch(plan.work, eng.config.page_size, 32, pin=True)
+    assert eng.runner.graphs.bucket(batch.batch_size) is not None
+    got = eng.runner.graphs.run(batch, batch.to_device(eng.device)).clone()
+    ref = eng.runner.forward(batch, batch.to_device(eng.device))
+    span = (ref.max(-1).values - ref.min(-1).values)[:, None]
+    rel = ((got - ref).abs() / span).max().item()
+    same = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    print(f"{name} decode graph vs eager: max |diff| {rel:.4f} of the logit range, argmax agreement {same:.3f}")
+    assert rel < teacher.TOL and same >= 0.9

@@ -891,8 +891,12 @@ def _tp_session(job: dict, conn) -> None:
         eng = Engine(job["path"], cfg)
         out: dict = {"runs": []}
         try:
+            # Warm-up outside the timed runs. With LoRA, one request per weight set of the population: every
+            # rank draws each set once (on the CPU, seconds per set for the large shapes), which would
+            # otherwise fall into the timed runs and take the engine thread's CPU.
             warm = [Sequence(f"warm{i}", reqs[i % n][0][:64], SamplingParams(max_tokens=4, ignore_eos=True),
-                             AdapterRef(f"warm{i}", source(i)) if lora and i else None) for i in range(3)]
+                             AdapterRef(f"warm{i}", source(i - 1)) if lora and i else None)
+                    for i in range(1 + population if lora else 3)]
             eng.run_to_completion(warm)
             if cuda:
                 torch.cuda.synchronize()
