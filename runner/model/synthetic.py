@@ -64,11 +64,9 @@ class SyntheticReader:
             t = torch.full(shape, self.norm_value, dtype=self.dtype, device=self.device)
         else:
             t = draw(shape, self.seed, name, self.device, self.dtype, self.std)
-        if rows is not None:
-            t = t[rows[0]:rows[1]]
-        if cols is not None:
-            t = t[:, cols[0]:cols[1]]
-        return t.contiguous()
+        from lorafleet.runner.model.weights import take_slice
+
+        return take_slice(t, rows, cols).contiguous()
 
     def close(self) -> None:
         pass

@@ -113,6 +113,15 @@ class SafetensorsReader:
         self._open.clear()
 
 
+def take_slice(t: torch.Tensor, rows=None, cols=None) -> torch.Tensor:
+    """Rows [lo, hi) and columns [lo, hi) of a tensor (None: all)."""
+    if rows is not None:
+        t = t[rows[0]:rows[1]]
+    if cols is not None:
+        t = t[:, cols[0]:cols[1]]
+    return t
+
+
 class TensorReader:
     """Tensors already in memory (GGUF, dequantized), by checkpoint name."""
 
@@ -124,13 +133,7 @@ class TensorReader:
 
     def read(self, name: str, rows=None, cols=None) -> torch.Tensor | None:
         t = self.tensors.get(name)
-        if t is None:
-            return None
-        if rows is not None:
-            t = t[rows[0]:rows[1]]
-        if cols is not None:
-            t = t[:, cols[0]:cols[1]]
-        return t
+        return None if t is None else take_slice(t, rows, cols)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.tensors[name].shape)
