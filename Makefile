@@ -35,7 +35,7 @@ $(BIN)/.installed: pyproject.toml setup.py
 install: $(BIN)/.installed
 
 run: install
-	$(BIN)/lorafleet serve --port $(PORT)
+	LORAFLEET_PORT_HINT='make run PORT=<port>' $(BIN)/lorafleet serve --port $(PORT)
 
 generate: install
 	$(BIN)/lorafleet prepare-demo

@@ -29,8 +29,11 @@ def bind(host: str, port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         if exc.errno == errno.EADDRINUSE:
+            from lorafleet import env
+
+            another = env.port_hint().replace("<port>", str(port + 1 if port < 65535 else 8000))
             raise ListenError(f"port {port} on {host} is already in use (another server is listening there); "
-                              "stop it or choose another port with --port") from None
+                              f"stop it or choose another port, e.g. {another}") from None
         if exc.errno == errno.EACCES:
             raise ListenError(f"not allowed to listen on {host}:{port} (ports below 1024 need privileges)") from None
         raise ListenError(f"cannot listen on {host}:{port}: {exc.strerror}") from None

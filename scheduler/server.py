@@ -483,15 +483,18 @@ def parse_runner(spec: str, i: int) -> RunnerEndpoint:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="base model directory (tokenizer + config) or source URI")
     p.add_argument("--model-name", default=None, help="name of the base model in the API (default: folder name)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--adapters", type=Path, default=None, help="directory with one adapter per subfolder")
-    p.add_argument("--runner", action="append", default=[], help="runner endpoint, `id=url` or `url` (repeat)")
+    p.add_argument("--host", default="127.0.0.1", help="address the OpenAI API listens on")
+    p.add_argument("--port", type=int, default=8000, help="port the OpenAI API listens on")
+    p.add_argument("--adapters", type=Path, default=None,
+                   help="directory with one adapter per subfolder (default: none, or the LoraAdapters with --kube)")
+    p.add_argument("--runner", action="append", default=[],
+                   help="runner endpoint, `id=url` or `url` (repeat; default: none, or the pool's pods with --kube)")
     p.add_argument("--max-queue", type=int, default=1024, help="queued requests before 429")
     p.add_argument("--queue-timeout", type=float, default=120.0, help="seconds a request may wait with no runner")
     p.add_argument("--kube", action="store_true", help="learn adapters and runners from the Kubernetes API")
-    p.add_argument("--namespace", default=None, help="with --kube: the pool's namespace")
-    p.add_argument("--pool", default=None, help="with --kube: the ServingPool name")
+    p.add_argument("--namespace", default=None,
+                   help="the pool's namespace (needed with --kube; default: none)")
+    p.add_argument("--pool", default=None, help="the ServingPool's name (needed with --kube; default: none)")
     add_api_key_argument(p)
     add_placement_argument(p)
     limits_mod.add_arguments(p)
@@ -507,7 +510,8 @@ def add_api_key_argument(p: argparse.ArgumentParser) -> None:
     default = env.api_keys_file()
     p.add_argument("--api-keys", type=Path, default=default, metavar="FILE",
                    help="require API keys on /v1: one key per line, optionally followed by the models it may use "
-                        "(comma-separated); env LORAFLEET_API_KEYS_FILE" + (f" (now {default})" if default else ""))
+                        "(comma-separated); default: env LORAFLEET_API_KEYS_FILE" + (f" (now {default})" if default else
+                                                                            ", unset: no keys"))
 
 
 def load_api_keys(args: argparse.Namespace) -> ApiKeys | None:

@@ -69,6 +69,14 @@ class Background:
         self.thread.join(30)
 
 
+@pytest.fixture(autouse=True)
+def _store_in_tmp(tmp_path, monkeypatch):
+    """schemathesis keeps a cache under `.schemathesis/` of the working directory: a temporary one here."""
+    from schemathesis.core import storage
+
+    monkeypatch.setattr(storage, "DEFAULT_ROOT", tmp_path / ".schemathesis")
+
+
 @pytest.fixture(scope="module")
 def served(demo_model):
     with Background(Tokenizer(demo_model)) as bg:

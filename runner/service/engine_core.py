@@ -168,6 +168,11 @@ def main(argv: list[str] | None = None) -> int:
     if init[0] != "init":
         ch.send(["fatal", f"expected init, got {init[0]!r}"])
         return 2
+    threads = (init[1].get("config") or {}).get("threads")
+    if threads:  # the CPUs this runner was given (`--threads`; `serve --runners N` divides the machine)
+        import torch
+
+        torch.set_num_threads(int(threads))
     try:
         engine = build_engine(init[1]["model"], init[1].get("config") or {})
     except Exception as exc:

@@ -96,16 +96,18 @@ def parse_request(line: str, lineno: int, tokenizer, adapters_dir: Path | None) 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, default=None,
                    help="HF model directory or .gguf file (default: the demo model, prepared on first use)")
-    p.add_argument("--adapters", type=Path, default=None, help="directory with one PEFT adapter per subfolder")
+    p.add_argument("--adapters", type=Path, default=None,
+                   help="directory with one PEFT adapter per subfolder, named by each request's \"adapter\" "
+                        "(default: the demo adapters pirate, shouty and terse with the demo model; none with --model)")
     p.add_argument("--input", type=Path, required=True, help="requests, one JSON object per line")
     p.add_argument("--output", type=Path, required=True, help="where to write results (JSONL, input order)")
-    p.add_argument("--max-batch-size", type=int, default=32)
+    p.add_argument("--max-batch-size", type=int, default=32, help="requests batched together")
     p.add_argument("--kv-pages", type=int, default=None, help="KV cache pages (default: from memory)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    p.add_argument("--max-lora-rank", type=int, default=64)
+    p.add_argument("--max-lora-rank", type=int, default=64, help="largest adapter rank accepted")
     p.add_argument("--lora-slots", type=int, default=None, help="adapters resident at once (default 8 CPU / 64 GPU)")
     p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu or cuda[:N]")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

@@ -34,6 +34,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from lorafleet import env
+from lorafleet.common.cpus import available_cpus
 from lorafleet.common.peft_config import AdapterError, BaseShape
 from lorafleet.runner.service.engine_client import EngineClient
 from lorafleet.runner.engine.sequence import SamplingError, SamplingParams, parse_token_ids, sampling_from_dict
@@ -380,10 +381,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-fraction", type=float, default=0.85, help="GPU: share of free memory for the KV cache")
     p.add_argument("--kv-cache-gb", type=float, default=1.0, help="CPU: KV cache size in GiB")
     p.add_argument("--max-lora-rank", type=int, default=64, help="largest adapter rank accepted")
-    p.add_argument("--lora-slots", type=int, default=None, help="adapters resident on the device at once")
+    p.add_argument("--lora-slots", type=int, default=None,
+                   help="adapters resident on the device at once (default: 8 on the CPU, 64 on a GPU)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="auto",
+                   help="auto (float32 on the CPU, bfloat16 on CUDA), float32, bfloat16 or float16")
+    p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="run every step eagerly on CUDA (no decode or piecewise CUDA graphs)")
     p.add_argument("--admit-batch", type=int, default=None,
@@ -392,7 +395,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "CUDA, 1 on CPU)")
     p.add_argument("--admit-wait-steps", type=int, default=8, help="longest wait of admission batching, in steps")
     p.add_argument("--max-step-tokens", type=int, default=None,
-                   help="chunked prefill: token rows per step, decodes included (default 2048 on CUDA)")
+                   help="chunked prefill: token rows per step, decodes included (default: 2048 on CUDA, none on the "
+                        "CPU)")
     p.add_argument("--decode-prefill-tokens", type=int, default=None,
                    help="chunked prefill: prompt rows a step that carries decodes may add (smaller: decoding "
                         "requests are delayed less by long prompts, whose first token comes later; default: "
@@ -418,8 +422,11 @@ def engine_config(args: argparse.Namespace):
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="HF model directory, .gguf file or model source URI")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8001)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8001, help="port to listen on")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="torch threads of the engine (CPU work) (default: the CPUs this process may use, within its "
+                        "cgroup's CPU limit)")
     p.add_argument("--id", default=None, help="stable runner id (default: env LORAFLEET_RUNNER_ID or host:port)")
     p.add_argument("--grace-seconds", type=float, default=30.0, help="on SIGTERM, time to finish in-flight requests")
     add_engine_arguments(p)
@@ -429,6 +436,8 @@ def engine_config_dict(args: argparse.Namespace) -> dict:
     """The EngineConfig fields as plain JSON for the engine core's init message."""
     d = dataclasses.asdict(engine_config(args))
     d.pop("extra", None)
+    # not an EngineConfig field: the engine core sets torch's threads from it before loading
+    d["threads"] = args.threads if getattr(args, "threads", None) else available_cpus()
     return d
 
 

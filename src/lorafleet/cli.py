@@ -14,6 +14,35 @@ import sys
 
 from lorafleet import __version__, env
 
+# A module that a command needs and the base install lacks -> the extra that brings it.
+EXTRAS = {"torch": "runner", "safetensors": "runner", "gguf": "runner", "tqdm": "runner",
+          "flashinfer": "gpu", "transformers": "convert", "sentencepiece": "convert"}
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless the help already says it in words."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (not action.option_strings or action.required or action.default is argparse.SUPPRESS
+                or "default" in text.lower()):
+            return text
+        if isinstance(action, argparse._StoreTrueAction):
+            return f"{text} (default: off)"
+        if action.default in (None, []):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def missing_extra(exc: ModuleNotFoundError) -> str | None:
+    """One line naming the extra that provides a missing module, or None (not a module of an extra)."""
+    top = (exc.name or "").split(".")[0]
+    if top not in EXTRAS:
+        return None
+    extra = EXTRAS[top]
+    return f"this command needs {top}, which comes with the [{extra}] extra: pip install 'lorafleet[{extra}]'"
+
+
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("lorafleet.serve", "run the scheduler and N runners on this machine (OpenAI-compatible API)"),
@@ -37,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default=env.log_level(), help="DEBUG, INFO, WARNING or ERROR (env LORAFLEET_LOG_LEVEL)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter)
         p.set_defaults(_module=module)
         # Arguments are added lazily in main() for the chosen command only.
     return parser
@@ -49,7 +78,13 @@ def main(argv: list[str] | None = None) -> int:
     # Find the subcommand first so only its module is imported (and its --help is complete).
     command = next((a for a in argv if a in COMMANDS), None)
     if command is not None:
-        module = importlib.import_module(COMMANDS[command][0])
+        try:
+            module = importlib.import_module(COMMANDS[command][0])
+        except ModuleNotFoundError as exc:
+            if (line := missing_extra(exc)) is None:
+                raise
+            print(f"lorafleet {command}: {line}", file=sys.stderr)
+            return 2
         sub = parser._subparsers._group_actions[0].choices[command]  # type: ignore[union-attr]
         module.add_arguments(sub)
     args = parser.parse_args(argv)
@@ -62,5 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         return int(module.run(args) or 0)
+    except ModuleNotFoundError as exc:
+        if (line := missing_extra(exc)) is None:
+            raise
+        print(f"lorafleet {command}: {line}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130

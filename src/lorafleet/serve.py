@@ -56,7 +56,23 @@ def runner_command(args: argparse.Namespace, model: str, port: int, rid: str, de
         cmd.append("--no-cuda-graphs")
     if getattr(args, "tp", 1) > 1:
         cmd += ["--tp", str(args.tp)]
+    threads = runner_threads(args, device)
+    if threads:
+        cmd += ["--threads", str(threads)]
     return cmd
+
+
+def runner_threads(args: argparse.Namespace, device: str) -> int | None:
+    """torch threads of one runner: `--threads` when given; on the CPU, the cores this process may use
+    divided among the runners (two engines with a thread per core each on the same cores run many times
+    slower than one); on CUDA, the runner's own default."""
+    if getattr(args, "threads", None):
+        return args.threads
+    if device != "cpu":
+        return None
+    from lorafleet.common.cpus import available_cpus, split
+
+    return split(available_cpus(), args.runners)
 
 
 def runner_devices(device: str, n: int, tp: int = 1) -> list[str]:
@@ -145,23 +161,34 @@ Press Ctrl-C to stop.
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF model directory or .gguf (default: the SmolLM2 demo model)")
-    p.add_argument("--adapters", type=Path, default=None, help="adapter directory (default: the demo adapters)")
+    p.add_argument("--adapters", type=Path, default=None,
+                   help="directory with one PEFT adapter per subfolder (default: the demo adapters with the demo "
+                        "model, none with --model)")
     p.add_argument("--model-name", default=None, help="the base model's name in the API (default: from config.json)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--runners", type=int, default=1, help="runner processes to start")
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda (runner i uses cuda:i)")
-    p.add_argument("--max-batch-size", type=int, default=32)
-    p.add_argument("--max-lora-rank", type=int, default=64)
-    p.add_argument("--kv-pages", type=int, default=None)
-    p.add_argument("--kv-cache-gb", type=float, default=None)
-    p.add_argument("--page-size", type=int, default=None)
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--host", default="127.0.0.1", help="address the OpenAI API listens on")
+    p.add_argument("--port", type=int, default=8000, help="port the OpenAI API listens on")
+    p.add_argument("--runners", type=int, default=1,
+                   help="runner processes to start; on the CPU they share the cores (see --threads)")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="CPU runners: torch threads of each runner (default: the cores this process may use, "
+                        "divided among the runners, at least 1)")
+    p.add_argument("--device", default="auto", help="auto (CUDA when available, else CPU), cpu or cuda (runner i uses "
+                   "cuda:i)")
+    p.add_argument("--max-batch-size", type=int, default=32, help="requests batched together on each runner")
+    p.add_argument("--max-lora-rank", type=int, default=64, help="largest adapter rank the runners accept")
+    p.add_argument("--kv-pages", type=int, default=None,
+                   help="KV cache pages of each runner (default: from --kv-cache-gb on the CPU, --kv-fraction on GPUs)")
+    p.add_argument("--kv-cache-gb", type=float, default=None, help="CPU: KV cache of each runner in GiB (default: 1)")
+    p.add_argument("--page-size", type=int, default=None, help="tokens per KV page (default: 16)")
+    p.add_argument("--dtype", default="auto",
+                   help="weights and activations: auto (float32 on the CPU, bfloat16 on CUDA), float32, bfloat16 or "
+                        "float16")
     p.add_argument("--grace-seconds", type=float, default=20.0, help="time to finish in-flight requests on stop")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for runners to load")
-    p.add_argument("--kv-fraction", type=float, default=None, help="GPU: share of free memory for each runner's KV cache")
+    p.add_argument("--kv-fraction", type=float, default=None,
+                   help="GPU: share of free memory for each runner's KV cache (default: 0.85)")
     p.add_argument("--lora-slots", type=int, default=None,
-                   help="adapters resident on each runner's device at once")
+                   help="adapters resident on each runner's device at once (default: 8 on the CPU, 64 on GPUs)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="runners step eagerly on CUDA")
     p.add_argument("--tp", type=int, default=1, help="tensor parallelism: GPUs per runner (runner i uses "
                    "cuda:i*tp .. cuda:i*tp+tp-1)")

@@ -1,0 +1,109 @@
+"""The command line as a new user meets it: every flag of serve, generate, runner and scheduler says
+what it does and its default; a command whose extra is not installed names the extra in one line;
+a busy port's message says how to pick another the way the server was started; the test tools'
+stores stay out of git."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lorafleet import cli
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def subparser(command: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"lorafleet {command}", formatter_class=cli.HelpFormatter)
+    importlib.import_module(cli.COMMANDS[command][0]).add_arguments(p)
+    return p
+
+
+@pytest.mark.parametrize("command", ["serve", "generate", "runner", "scheduler"])
+def test_every_flag_says_what_it_does_and_its_default(command):
+    p = subparser(command)
+    formatter = p._get_formatter()
+    for action in p._actions:
+        if not action.option_strings or isinstance(action, argparse._HelpAction):
+            continue
+        flag = action.option_strings[-1]
+        assert action.help and len(action.help) > 8, f"lorafleet {command} {flag}: no help"
+        if action.required:
+            continue
+        shown = formatter._get_help_string(action) % {"default": action.default}
+        assert "default" in shown.lower(), f"lorafleet {command} {flag}: no default in {shown!r}"
+
+
+def test_generate_says_the_demo_adapters_are_the_default():
+    help_text = " ".join(subparser("generate").format_help().split())
+    assert "default: the demo adapters" in help_text and "pirate" in help_text
+
+
+def test_formatter_adds_defaults_only_where_the_help_lacks_them():
+    p = argparse.ArgumentParser(formatter_class=cli.HelpFormatter)
+    p.add_argument("--a", type=int, default=7, help="some number")
+    p.add_argument("--b", type=int, default=7, help="some number (default: seven)")
+    p.add_argument("--c", action="store_true", help="a switch")
+    text = " ".join(p.format_help().split())
+    assert "some number (default: 7)" in text and "(default: seven)" in text and "default: 7) (" not in text
+    assert "a switch (default: off)" in text
+
+
+def test_a_missing_extra_is_named_in_one_line_without_a_traceback(tmp_path):
+    # torch made unimportable, as after a plain `pip install lorafleet`
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "from lorafleet.cli import main\n"
+            f"sys.exit(main(['generate', '--input', {str(tmp_path / 'in.jsonl')!r}, '--output', "
+            f"{str(tmp_path / 'out.jsonl')!r}]))")
+    (tmp_path / "in.jsonl").write_text('{"prompt": "hi"}\n')
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "lorafleet[runner]" in lines[0] and "torch" in lines[0]
+
+
+def test_a_module_outside_the_extras_still_raises():
+    exc = ModuleNotFoundError("No module named 'nothere'", name="nothere")
+    assert cli.missing_extra(exc) is None
+    assert "lorafleet[gpu]" in cli.missing_extra(ModuleNotFoundError("x", name="flashinfer.jit"))
+
+
+@pytest.mark.parametrize("hint, expected", [(None, "--port {next}"), ("make run PORT=<port>", "make run PORT={next}")])
+def test_busy_port_message_says_how_to_choose_another(monkeypatch, hint, expected):
+    from lorafleet.scheduler.listen import ListenError, bind
+
+    if hint is None:
+        monkeypatch.delenv("LORAFLEET_PORT_HINT", raising=False)
+    else:
+        monkeypatch.setenv("LORAFLEET_PORT_HINT", hint)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        with pytest.raises(ListenError) as err:
+            bind("127.0.0.1", port)
+    message = str(err.value)
+    assert f"port {port} on 127.0.0.1 is already in use" in message
+    assert message.endswith(expected.format(next=port + 1)), message
+    if hint is not None:
+        assert "--port" not in message
+
+
+def test_make_run_tells_serve_it_was_started_by_make():
+    r = subprocess.run(["make", "-n", "run", "PORT=8123"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    line = next(x for x in r.stdout.splitlines() if " serve " in x)
+    assert "LORAFLEET_PORT_HINT='make run PORT=<port>'" in line and "--port 8123" in line
+
+
+def test_test_tool_stores_are_ignored_by_git():
+    for path in (".schemathesis/cache/manifest.json", ".hypothesis/examples/x"):
+        r = subprocess.run(["git", "check-ignore", "-q", path], cwd=REPO, timeout=30)
+        assert r.returncode == 0, f"{path} is not ignored"
