@@ -61,7 +61,7 @@ run_in() {
     "$b" run --rm --init --network host "${mounts[@]}" "$img" "$@" & child=$!
   fi
   trap 'kill -TERM $child 2>/dev/null' TERM INT
-  wait $child; rc=$?
+  rc=0; wait $child || rc=$?
   wait $child 2>/dev/null || true  # after a signal: until it has stopped
   trap - TERM INT
   [ -z "$ctr" ] || buildah rm "$ctr" >/dev/null
