@@ -171,8 +171,8 @@ async def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, what: st
 from model_helpers import write_adapter, write_safetensors  # noqa: E402,F401  (shared with test_sources)
 
 
-TINY_CONFIG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 16, "intermediate_size": 32,
-               "num_attention_heads": 4, "num_key_value_heads": 4, "num_hidden_layers": 2,
+TINY_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 16, "intermediate_size": 32,
+               "num_attention_heads": 4, "num_key_value_heads": 4, "num_hidden_layers": 2, "vocab_size": 64,
                "_name_or_path": "tiny-llama"}
 
 
