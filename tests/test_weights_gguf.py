@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -49,9 +51,11 @@ def test_pickle_checkpoints_are_refused(tmp_path, demo_model):
         load_model(tmp_path / "nope")
 
 
-def write_qwen2_gguf(model_dir, path):
-    """A Qwen2 GGUF (F32) as llama.cpp writes one: its metadata keys and tensor names, q/k not permuted
-    (llama.cpp rotates Qwen2 in the rotate-half layout), biases on q, k and v."""
+def write_gguf(model_dir, path, arch: str):
+    """A GGUF (F32) of an HF directory as llama.cpp writes one, named by the gguf library's own tensor-name
+    map (the reference, independent of lorafleet's tables): its metadata keys, q/k not permuted (these
+    architectures rotate in the rotate-half layout), Gemma's norms stored as 1 + w, Phi-3's rotary dimension
+    and LongRoPE factors as llama.cpp stores them."""
     import json
 
     import gguf
@@ -59,31 +63,45 @@ def write_qwen2_gguf(model_dir, path):
 
     cfg = json.loads((model_dir / "config.json").read_text())
     sd = load_file(str(model_dir / "model.safetensors"))
-    w = gguf.GGUFWriter(str(path), "qwen2")
-    w.add_block_count(cfg["num_hidden_layers"])
+    L, H, heads = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"]
+    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), L)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(L)
     w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
+    w.add_embedding_length(H)
     w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count(heads)
     w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_rope_freq_base(float(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]))
+    rope = cfg.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)
+    w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
     w.add_bos_token_id(cfg["bos_token_id"])
     w.add_eos_token_id(cfg["eos_token_id"])
-    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-    glob = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-            "lm_head.weight": "output.weight"}
+    w.add_pad_token_id(cfg.get("pad_token_id") or 0)
+    if cfg.get("sliding_window"):
+        w.add_sliding_window(cfg["sliding_window"])
+    if arch == "gemma3":
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+    if arch == "phi3":
+        head_dim = H // heads
+        w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))))
+        if rope.get("rope_type") == "longrope":
+            w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+            import numpy as np
+
+            w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+            w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
     for name, t in sd.items():
-        if name in glob:
-            g = glob[name]
-        else:
-            _, _, idx, rest = name.split(".", 3)
-            module, kind = rest.rsplit(".", 1)
-            g = f"blk.{idx}.{names[module]}.{kind}"
-        w.add_tensor(g, t.float().numpy())
+        module, kind = name.rsplit(".", 1)
+        g = names.get_name(module)
+        assert g is not None, name
+        arr = t.float().numpy()
+        if arch == "gemma3" and "norm" in module:
+            arr = arr + 1.0
+        w.add_tensor(f"{g}.{kind}", arr)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -91,28 +109,51 @@ def write_qwen2_gguf(model_dir, path):
     return path
 
 
-def test_qwen2_gguf_loads_like_transformers_and_runs_like_the_hf_directory(tmp_path):
-    from family_models import write_family_model
+# family, config overrides that the format can carry, whether transformers' own GGUF reader takes it
+GGUF_CASES = {
+    "qwen2": (dict(use_sliding_window=False), True),
+    "phi3": (dict(rope_scaling=None, partial_rotary_factor=1.0, sliding_window=None, max_position_embeddings=512), True),
+    "phi3-longrope": (dict(), False),  # partial rotary and LongRoPE factors: transformers' reader drops both
+    "gemma3": (dict(layers=6, sliding_window_pattern=6, query_pre_attn_scalar=24, final_logit_softcapping=None,
+                    attn_logit_softcapping=None,
+                    rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 100000.0},
+                                     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}), True),
+}
 
-    model = write_family_model("qwen2", tmp_path / "hf", seed=9, use_sliding_window=False)
-    path = write_qwen2_gguf(model, tmp_path / "q.gguf")
-    fam, hf, ours = load_gguf(path)
-    assert fam.name == "qwen2" and fam.config(hf, "q").qkv_bias
+
+@pytest.mark.parametrize("case", sorted(GGUF_CASES))
+def test_gguf_loads_like_transformers_and_runs_like_the_hf_directory(case, tmp_path):
+    """A GGUF of each architecture llama.cpp and transformers share with us (Llama: the demo tests above)
+    holds the HF directory's tensors under our names (Gemma's norms shifted back, Phi-3's fused projections
+    whole), transformers' own GGUF reader agrees where it takes the file, and the engine runs it token for
+    token like the HF directory."""
+    from family_models import write_family_model
     from safetensors.torch import load_file
 
+    family = case.split("-")[0]
+    overrides, hf_reads = GGUF_CASES[case]
+    overrides = dict(overrides)
+    layers = overrides.pop("layers", 3)
+    model = write_family_model(family, tmp_path / "hf", seed=9, layers=layers, **overrides)
+    path = write_gguf(model, tmp_path / "m.gguf", family)
+    fam, hf, ours = load_gguf(path)
+    assert fam.name == family
     sd = load_file(str(model / "model.safetensors"))
-    assert set(ours) == set(sd)
+    assert set(ours) == set(sd) - ({"lm_head.weight"} if fam.config(hf, "x").tie_word_embeddings else set())
     for name, t in ours.items():
-        assert torch.equal(sd[name].float(), t), name
-    # transformers' own GGUF reader agrees on the file's conventions (names, no q/k permutation for qwen2)
-    from transformers import AutoModelForCausalLM
+        torch.testing.assert_close(t, sd[name].float(), rtol=0, atol=1e-6, msg=name)  # Gemma's norms: (1 + w) - 1
+    if hf_reads:
+        from transformers import AutoModelForCausalLM
 
-    ref = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).state_dict()
-    assert set(ref) == set(ours) and all(torch.equal(ref[k].float(), v) for k, v in ours.items())
-    ids = [5, 17, 33, 2, 90, 41, 7, 7, 120, 3]
+        ref = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).state_dict()
+        assert set(ours) <= set(ref)
+        for k, v in ours.items():
+            assert torch.equal(ref[k].float(), v), k
+    ids = [5, 17, 33, 2, 90, 41, 7, 7, 120, 3, 55, 61, 8]
     outs = []
     for p in (path, model):
         eng = Engine(str(p), EngineConfig(device="cpu", kv_cache_gb=0.02, enable_lora=False))
+        assert eng.model_config.layer_window == fam.config(json.loads((model / "config.json").read_text()), "x").layer_window
         outs.append(eng.run_to_completion([Sequence("a", ids, SamplingParams(max_tokens=10, ignore_eos=True))])["a"].output_ids)
     assert outs[0] == outs[1]
 
@@ -120,11 +161,11 @@ def test_qwen2_gguf_loads_like_transformers_and_runs_like_the_hf_directory(tmp_p
 def test_gguf_of_an_unsupported_architecture_is_refused(tmp_path):
     import gguf
 
-    w = gguf.GGUFWriter(str(tmp_path / "g.gguf"), "gemma3")
+    w = gguf.GGUFWriter(str(tmp_path / "g.gguf"), "falcon")
     w.add_block_count(1)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(WeightsError, match=r"GGUF architecture 'gemma3' is not supported \(supported: llama, qwen2, qwen3\)"):
+    with pytest.raises(WeightsError, match=r"GGUF architecture 'falcon' is not supported \(supported: llama, qwen2, qwen3, gemma3, phi3\)"):
         load_model(tmp_path / "g.gguf")

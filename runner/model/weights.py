@@ -275,6 +275,18 @@ def gguf_hf_config(reader, name: str) -> tuple[Family, dict]:
     scaling_type = _field(reader, f"{a}.rope.scaling.type")
     if scaling_type and scaling_type != "none":
         cfg["rope_scaling"] = {"rope_type": scaling_type, "factor": float(_field(reader, f"{a}.rope.scaling.factor", 1.0))}
+    if fam.gguf.config is not None:
+        by_name = {t.name: t for t in reader.tensors}
+
+        def tensor(name: str):
+            t = by_name.get(name)
+            if t is None:
+                return None
+            from gguf.quants import dequantize
+
+            return dequantize(t.data, t.tensor_type).astype(np.float32).reshape(-1)
+
+        fam.gguf.config(lambda key, default=None: _field(reader, f"{a}.{key}", default), tensor, cfg)
     return fam, cfg
 
 
@@ -312,6 +324,8 @@ def load_gguf(path: str | Path) -> tuple[Family, dict, dict[str, torch.Tensor]]:
             raise WeightsError(f"unexpected GGUF tensor {t.name} for architecture {g.arch}")
         arr = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         arr = arr.reshape(tuple(int(d) for d in reversed(t.shape.tolist())))
+        if g.norm_shift and name.rsplit(".", 2)[-2].endswith("norm"):
+            arr = arr + np.float32(g.norm_shift)  # the file's norm weights are shifted (Gemma: 1 + w)
         if g.permute_qk and name.endswith(ck.modules["q"] + ".weight"):
             arr = _unpermute_rope(arr, config.num_heads)
         elif g.permute_qk and name.endswith(ck.modules["k"] + ".weight"):

@@ -220,13 +220,18 @@ class Checkpoint:
 class Gguf:
     """How a family's GGUF files name things: `arch` (general.architecture), layer tensor names
     (`blk.N.<name>` -> checkpoint name under the layer prefix, without `.weight`/`.bias`), global tensors,
-    and whether q/k rows carry llama.cpp's interleaved-rotary permutation."""
+    whether q/k rows carry llama.cpp's interleaved-rotary permutation, what the file adds to norm weights
+    (`norm_shift`: Gemma's files hold 1 + w), tensors that are not weights (`skip`), and `config(field,
+    tensor, cfg)`: the family's own metadata into the HF-style config (field(key, default) reads
+    `<arch>.<key>`, tensor(name) a tensor's values or None)."""
 
     arch: str
     layer: Mapping[str, str]
     globals: Mapping[str, str]
     permute_qk: bool = False
     skip: tuple[str, ...] = ("rope_freqs.weight",)
+    norm_shift: float = 0.0
+    config: Callable[[Callable, Callable, dict], None] | None = None
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from lorafleet.models import llama
-from lorafleet.models.contract import (Family, ModelConfig, ModelConfigError, check_activation,
+from lorafleet.models.contract import (Family, Gguf, ModelConfig, ModelConfigError, check_activation,
                                        common_fields, layer_types, rope_from_hf)
 
 NORMS = {**llama.NORMS, "mlp_norm": "pre_feedforward_layernorm.weight",
@@ -26,6 +26,27 @@ def ropes(cfg: dict, head_dim: int) -> tuple:
     full = dict(cfg.get("rope_scaling") or {})
     return (rope_from_hf(full, head_dim, maxpos, float(cfg.get("rope_theta", 1_000_000.0))),
             rope_from_hf({}, head_dim, maxpos, float(cfg.get("rope_local_base_freq", 10_000.0))))
+
+
+def gguf_config(field, tensor, cfg: dict) -> None:
+    """llama.cpp's Gemma-3 metadata: the window; GELU-tanh; tied embeddings unless the file has an output
+    tensor; the local layers' RoPE base and the sliding-window pattern where the file has them. What it does
+    not store, llama.cpp fixes for Gemma-3, and so does this: a local base of 10,000, every sixth layer
+    global, and the softmax scale of head_dim ** -0.5 except for the 62-layer (27B) model, which scales by
+    (hidden / heads) ** -0.5 (its query_pre_attn_scalar)."""
+    window = field("attention.sliding_window", None)
+    if window:
+        cfg["sliding_window"] = int(window)
+    cfg["hidden_activation"] = "gelu_pytorch_tanh"
+    cfg.pop("hidden_act", None)
+    cfg["rope_local_base_freq"] = float(field("rope.freq_base_swa", 10000.0))
+    pattern = field("attention.sliding_window_pattern", 6)
+    if isinstance(pattern, (list, tuple)):  # per layer: true where the layer is local
+        cfg["layer_types"] = ["sliding_attention" if s else "full_attention" for s in pattern]
+    else:
+        cfg["sliding_window_pattern"] = int(pattern)
+    cfg["query_pre_attn_scalar"] = (cfg["hidden_size"] // cfg["num_attention_heads"]
+                                    if cfg["num_hidden_layers"] == 62 else cfg["head_dim"])
 
 
 def config_from_hf(cfg: dict, name: str = "") -> ModelConfig:
@@ -57,6 +78,11 @@ FAMILY = Family(
     model_types=("gemma3_text",),
     config=config_from_hf,
     checkpoint=dataclasses.replace(llama.CHECKPOINT, norms=NORMS),
+    gguf=Gguf(arch="gemma3", layer={**llama.GGUF_LAYER, "ffn_norm": "pre_feedforward_layernorm",
+                                    "post_attention_norm": "post_attention_layernorm",
+                                    "post_ffw_norm": "post_feedforward_layernorm", "attn_q_norm": "self_attn.q_norm",
+                                    "attn_k_norm": "self_attn.k_norm"},
+              globals=llama.GGUF_GLOBALS, norm_shift=-1.0, config=gguf_config),
     notes="Gemma-3 text models (Gemma3ForCausalLM)",
 )
 

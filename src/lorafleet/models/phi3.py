@@ -11,10 +11,32 @@ from __future__ import annotations
 import dataclasses
 
 from lorafleet.models import llama
-from lorafleet.models.contract import Family, ModelConfig, check_activation, common_fields
+from lorafleet.models.contract import Family, Gguf, ModelConfig, check_activation, common_fields
 
 MODULES = {**llama.MODULES, "q": "self_attn.qkv_proj", "k": "self_attn.qkv_proj", "v": "self_attn.qkv_proj",
            "gate": "mlp.gate_up_proj", "up": "mlp.gate_up_proj"}
+
+
+def gguf_config(field, tensor, cfg: dict) -> None:
+    """llama.cpp's Phi-3 metadata: the rotary dimension (partial rotary), the sliding window, and LongRoPE's
+    factors, which it stores as tensors (the short ones are what the engine runs with)."""
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    cfg.pop("head_dim", None)
+    rot = field("rope.dimension_count", None)
+    if rot:
+        cfg["partial_rotary_factor"] = int(rot) / head_dim
+    window = field("attention.sliding_window", None)
+    if window:
+        cfg["sliding_window"] = int(window)
+    short, long = tensor("rope_factors_short.weight"), tensor("rope_factors_long.weight")
+    if short is not None:
+        omax = field("rope.scaling.original_context_length", None) or cfg["max_position_embeddings"]
+        cfg["rope_scaling"] = {"rope_type": "longrope", "short_factor": [float(x) for x in short],
+                               "long_factor": [float(x) for x in (long if long is not None else short)],
+                               "original_max_position_embeddings": int(omax)}
+        att = field("rope.scaling.attn_factor", None)
+        if att:
+            cfg["rope_scaling"]["attention_factor"] = float(att)
 
 
 def config_from_hf(cfg: dict, name: str = "") -> ModelConfig:
@@ -35,6 +57,11 @@ FAMILY = Family(
     model_types=("phi3",),
     config=config_from_hf,
     checkpoint=dataclasses.replace(llama.CHECKPOINT, modules=MODULES),
+    gguf=Gguf(arch="phi3", layer={"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+                                  "attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj",
+                                  "ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj"},
+              globals=llama.GGUF_GLOBALS, skip=("rope_factors_long.weight", "rope_factors_short.weight"),
+              config=gguf_config),
     notes="Phi-3, Phi-3.5, Phi-4-mini (fused qkv / gate_up; LongRoPE up to its original context)",
 )
 
