@@ -46,3 +46,19 @@ def test_generate_demo_with_bad_lines(demo_model, demo_adapters, tmp_path):
                       ("empty", "prompt")]:
         assert by[rid]["finish_reason"] == "error" and word in by[rid]["error"], by[rid]
     assert "5 failed" in r.stderr and "tok/s" in r.stderr
+
+
+def test_a_model_of_an_unsupported_architecture_is_refused_in_one_line(tmp_path):
+    """`generate --model` with an architecture no family module declares: exit 2 and one line naming the
+    supported architectures, no traceback."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps({"architectures": ["FalconForCausalLM"], "hidden_size": 64}))
+    (tmp_path / "in.jsonl").write_text(json.dumps({"id": "a", "prompt_token_ids": [1, 2], "max_tokens": 2}) + "\n")
+    r = subprocess.run([sys.executable, "-m", "lorafleet", "generate", "--model", str(tmp_path / "model"), "--input",
+                        str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    line = [ln for ln in r.stderr.splitlines() if "error:" in ln]
+    assert len(line) == 1 and "FalconForCausalLM'] is not supported" in line[0]
+    assert "Qwen2ForCausalLM (Qwen2, Qwen2.5)" in line[0] and "Gemma3ForCausalLM" in line[0]

@@ -21,12 +21,12 @@ import numpy as np
 import torch
 
 from lorafleet.models import registry
-from lorafleet.models.contract import Family, ModelConfig, ModelConfigError, checkpoint_plan
+from lorafleet.models.contract import Family, ModelConfig, ModelConfigError, ModelError, checkpoint_plan
 
 log = logging.getLogger(__name__)
 
 
-class WeightsError(ValueError):
+class WeightsError(ModelError):
     """Missing, corrupt or unsupported base-model weights."""
 
 

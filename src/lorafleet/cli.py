@@ -95,8 +95,14 @@ def main(argv: list[str] | None = None) -> int:
         level=getattr(logging, str(args.log_level).upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    from lorafleet.common.peft_config import AdapterError
+    from lorafleet.models.contract import ModelError
+
     try:
         return int(module.run(args) or 0)
+    except (ModelError, AdapterError) as exc:  # a model or adapter that cannot be served: say why, no traceback
+        print(f"lorafleet {command}: error: {exc}", file=sys.stderr)
+        return 2
     except ModuleNotFoundError as exc:
         if (line := missing_extra(exc)) is None:
             raise

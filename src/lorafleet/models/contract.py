@@ -53,7 +53,11 @@ def proj_shape(proj: str, hidden: int, intermediate: int, q_dim: int, kv_dim: in
     }[proj]
 
 
-class ModelConfigError(ValueError):
+class ModelError(ValueError):
+    """A base model that cannot be served: the message says why (commands print it, without a traceback)."""
+
+
+class ModelConfigError(ModelError):
     """The model's config.json describes something this engine cannot run."""
 
 

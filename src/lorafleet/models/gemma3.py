@@ -83,7 +83,7 @@ FAMILY = Family(
                                     "post_ffw_norm": "post_feedforward_layernorm", "attn_q_norm": "self_attn.q_norm",
                                     "attn_k_norm": "self_attn.k_norm"},
               globals=llama.GGUF_GLOBALS, norm_shift=-1.0, config=gguf_config),
-    notes="Gemma-3 text models (Gemma3ForCausalLM)",
+    notes="Gemma-3 text",
 )
 
 SHAPES = {

@@ -77,7 +77,7 @@ FAMILY = Family(
     config=config_from_hf,
     checkpoint=CHECKPOINT,
     gguf=Gguf(arch="llama", layer=GGUF_LAYER, globals=GGUF_GLOBALS, permute_qk=True),
-    notes="Llama 2, 3.x (llama3 RoPE scaling, tied embeddings)",
+    notes="Llama 2 and 3.x",
 )
 
 # Benchmark shapes (config.json of the published models; weights are drawn at random).

@@ -22,7 +22,7 @@ FAMILY = Family(
     model_types=("mistral",),
     config=config_from_hf,
     checkpoint=llama.CHECKPOINT,
-    notes="Mistral 7B v0.1 (sliding window), v0.2+, Mistral-Small",
+    notes="Mistral, with or without a sliding window",
 )
 
 SHAPES = {

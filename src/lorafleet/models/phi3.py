@@ -62,7 +62,7 @@ FAMILY = Family(
                                   "ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj"},
               globals=llama.GGUF_GLOBALS, skip=("rope_factors_long.weight", "rope_factors_short.weight"),
               config=gguf_config),
-    notes="Phi-3, Phi-3.5, Phi-4-mini (fused qkv / gate_up; LongRoPE up to its original context)",
+    notes="Phi-3, Phi-3.5, Phi-4-mini",
 )
 
 SHAPES = {

@@ -35,7 +35,7 @@ FAMILY = Family(
     config=config_from_hf,
     checkpoint=llama.CHECKPOINT,
     gguf=Gguf(arch="qwen2", layer=llama.GGUF_LAYER, globals=llama.GGUF_GLOBALS),
-    notes="Qwen2, Qwen2.5 (qkv bias; sliding window when use_sliding_window)",
+    notes="Qwen2, Qwen2.5",
 )
 
 SHAPES = {

@@ -23,7 +23,7 @@ FAMILY = Family(
     checkpoint=llama.CHECKPOINT,
     gguf=Gguf(arch="qwen3", layer={**llama.GGUF_LAYER, "attn_q_norm": "self_attn.q_norm",
                                    "attn_k_norm": "self_attn.k_norm"}, globals=llama.GGUF_GLOBALS),
-    notes="Qwen3 dense (q/k norm)",
+    notes="Qwen3 dense",
 )
 
 SHAPES = {
