@@ -82,7 +82,12 @@ def _schemas(limits: RequestLimits, names: list[str], vocab_size: int) -> dict:
                 {"type": "array", "items": token_ids, "minItems": 1, "maxItems": MAX_PROMPTS}]}}},
         "ChatCompletionRequest": {
             "type": "object", "required": ["model", "messages"], **stream_rule,
-            "properties": {**sampling, "max_completion_tokens": sampling["max_tokens"], "messages": {
+            "properties": {**sampling, "max_completion_tokens": sampling["max_tokens"],
+                           "chat_template_kwargs": {
+                               "type": ["object", "null"], "description": "extra variables of the model's chat "
+                               "template, e.g. {\"enable_thinking\": false}; may not set messages, "
+                               "add_generation_prompt, tools, documents or special tokens"},
+                           "messages": {
                 "type": "array", "minItems": 1, "items": {
                     "type": "object", "required": ["role", "content"],
                     "properties": {"role": {"enum": list(ROLES)}, "content": {"anyOf": [
