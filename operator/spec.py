@@ -103,9 +103,6 @@ class PoolSpec:
     def gpus_per_runner(self) -> int:
         return self.runner.gpus
 
-    def clamp_runners(self, n: int) -> int:
-        return max(self.min_runners, min(self.max_runners, n))
-
 
 class SpecError(ValueError):
     """A spec the operator cannot act on (the CRD's validation would have refused it)."""

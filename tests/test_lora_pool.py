@@ -6,7 +6,7 @@ import torch
 
 from lorafleet.common.peft_config import AdapterSpec, BaseShape
 from lorafleet.models.contract import PROJ_INDEX, PROJECTIONS
-from lorafleet.runner.lora.adapter import LoadedAdapter
+from lorafleet.runner.lora.adapter import LoadedAdapter, pack
 from lorafleet.runner.lora.pool import LoraPool
 
 BASE = BaseShape(num_layers=3, hidden_size=32, intermediate_size=48, q_dim=32, kv_dim=16)
@@ -20,7 +20,7 @@ def adapter(name: str, modules: dict[tuple[int, str], int], seed: int, stacked: 
         weights[(layer, proj)] = (torch.randn(r, i, generator=g), torch.randn(r, o, generator=g))
     spec = AdapterSpec(name, None, None, (), 0, "F32")
     if stacked:
-        return LoadedAdapter.stacked(spec, weights, BASE.num_layers)
+        return LoadedAdapter(spec, packed=pack(weights, BASE.num_layers))
     return LoadedAdapter(spec, weights)
 
 

@@ -4,8 +4,17 @@ from __future__ import annotations
 
 import torch
 
-from lorafleet.runner.executor.sampler import sample
 from lorafleet.runner.engine.sequence import SamplingParams, Sequence
+from lorafleet.runner.executor.sampler import pack_sampling, sample_tokens, uniform_for
+
+
+def sample(logits: torch.Tensor, seqs) -> list[int]:
+    """logits fp32 [B, V] (row i belongs to seqs[i], each sampling its position num_tokens) -> ids, as the
+    step batch packs each request's parameters and draw."""
+    ps = [s.params for s in seqs]
+    u = [0.0 if p.greedy else uniform_for(s.sample_seed, s.num_tokens) for s, p in zip(seqs, ps)]
+    params = pack_sampling([p.temperature for p in ps], [p.top_p for p in ps], [p.top_k for p in ps], u)
+    return sample_tokens(logits, None if params is None else params.to(logits.device)).tolist()
 
 
 def seq(i, **kw):

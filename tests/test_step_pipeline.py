@@ -12,7 +12,7 @@ from lorafleet.runner.config import EngineConfig
 from lorafleet.runner.executor.cuda_graph import GraphRunner
 from lorafleet.runner.engine.engine import Engine
 from lorafleet.runner.engine.sequence import AdapterRef, SamplingParams, Sequence
-from lorafleet.runner.engine.step_batch import RowWork, StepBatch, build_step_batch
+from lorafleet.runner.engine.step_batch import RowWork, StepBatch, build_step_batch, split64
 from model_helpers import write_random_adapter
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -199,7 +199,7 @@ def test_step_batch_layout_and_wire_round_trip(tiny_llama):
     assert [s.id for s in b.seqs] == ["s1", "s2", "s0", "s3"] and b.num_prefill == 3
     assert b.qo_indptr == [0, 1, 5, 9, 10] and b.kv_lens == [1, 4, 6, 4]
     assert b.seg_indptr == (0, 5, 10) and b.seg_slots == (1, 3)
-    v = b.views64()
+    v = split64(b.packed64, b.num_tokens, b.batch_size, b.num_pending, len(b.sample_idx))
     assert v["positions"].tolist() == [0, 0, 1, 2, 3, 2, 3, 4, 5, 3]
     assert v["input_ids"].tolist()[:9] == [3, 3, 4, 5, 6, 5, 6, 7, 8] and b.num_pending == 1
     assert v["pending_rows"].tolist() == [9] and v["pending_src"].tolist() == [5]

@@ -94,14 +94,6 @@ class StepBatch:
     def decode_only(self) -> bool:
         return self.num_prefill == 0
 
-    @property
-    def all_greedy(self) -> bool:
-        return all(t == 0.0 or k == 1 for t, k in zip(self.temperature, self.top_k))
-
-    def views64(self) -> dict[str, torch.Tensor]:
-        """Named views of a copy of `packed64` (on any device)."""
-        return split64(self.packed64, self.num_tokens, self.batch_size, self.num_pending, len(self.sample_idx))
-
     # -- serialised form for tensor-parallel ranks ----------------------------------------------
     def to_device(self, device, prev_tokens=None) -> "DeviceStep":
         """The batch's numbers on `device` (see `to_device`)."""

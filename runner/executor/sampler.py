@@ -7,7 +7,7 @@ tokens, and a request resumed elsewhere (migration) continues the same stream.
 `sample_tokens` works on the per-row parameters packed by `pack_sampling` (the step batch
 carries them and copies them to the device with its other numbers) and returns the token ids as
 a device tensor without synchronising, so the host can build the next step while the device still
-runs this one. `sample` is the same over a list of requests, returning ids.
+runs this one.
 """
 
 from __future__ import annotations
@@ -53,11 +53,3 @@ def sample_tokens(logits: torch.Tensor, params: torch.Tensor | None) -> torch.Te
     # never land on a filtered-out token (zero-width CDF step)
     pick = torch.minimum(pick, keep.sum(-1, keepdim=True) - 1)
     return torch.where(greedy, out, order.gather(1, pick).squeeze(1))
-
-
-def sample(logits: torch.Tensor, seqs) -> list[int]:
-    """logits fp32 [B, V] (row i belongs to seqs[i], each sampling its position num_tokens) -> ids."""
-    ps = [s.params for s in seqs]
-    u = [0.0 if p.greedy else uniform_for(s.sample_seed, s.num_tokens) for s, p in zip(seqs, ps)]
-    params = pack_sampling([p.temperature for p in ps], [p.top_p for p in ps], [p.top_k for p in ps], u)
-    return sample_tokens(logits, None if params is None else params.to(logits.device)).tolist()

@@ -88,11 +88,6 @@ class LoadedAdapter:
             hit = cache[shard] = shard_packed(pk, shard, full)
         return hit
 
-    @classmethod
-    def stacked(cls, spec: AdapterSpec, weights, num_layers: int, pin: bool = False) -> "LoadedAdapter":
-        """Pack `weights` (pinned when asked); `weights` then reads back as views into them."""
-        return cls(spec, packed=pack(weights, num_layers, pin))
-
 
 def shard_packed(pk: Packed, shard, full: BaseShape) -> Packed:
     """Slice a packed adapter for a rank (see runner/parallel/shard.py): B by output for

@@ -69,9 +69,6 @@ class AdapterManager:
     def resident(self) -> list[str]:
         return sorted(s.ref.name for s in self.slots.values() if s.ready)
 
-    def loading(self) -> list[str]:
-        return sorted(s.ref.name for s in self.slots.values() if not s.ready)
-
     def state(self) -> dict:
         return {
             "gpu_slots": self.pool.num_slots,

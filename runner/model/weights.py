@@ -57,10 +57,6 @@ def read_hf_config(model_dir: Path) -> dict:
     return cfg
 
 
-def load_hf_config(model_dir: Path) -> ModelConfig:
-    return registry.config_from_hf(read_hf_config(Path(model_dir)), name=Path(model_dir).name)
-
-
 # --- readers: checkpoint name -> (sliced) tensor ---------------------------------------------------------
 
 
