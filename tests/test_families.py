@@ -80,3 +80,69 @@ def test_family_tp2_gives_the_tokens_of_one_rank(family):
     one = generate(model, ads, n=6, new=6, lora_slots=2)
     two = generate(model, ads, n=6, new=6, tp=2, lora_slots=2, overlap=True, chunked_prefill=True, max_step_tokens=16)
     assert two == one
+
+
+# --- configs: what each family reads, and what it refuses -------------------------------------------------
+
+
+def _cfg(family, **kw):
+    import transformers
+
+    cfg_name, model_name, fam_kw = FAMILIES[family]
+    c = getattr(transformers, cfg_name)(**{**dict(vocab_size=64, hidden_size=64, intermediate_size=96,
+                                                   num_hidden_layers=6, num_attention_heads=4), **fam_kw, **kw})
+    return {**c.to_dict(), "architectures": [model_name]}
+
+
+def test_released_qwen2_configs_keep_full_attention():
+    """Qwen2.5's configs carry a sliding_window with use_sliding_window false: no layer is windowed."""
+    from lorafleet.models.registry import config_from_hf, shapes
+
+    assert config_from_hf(shapes()["qwen2.5-7b"]).layer_window == (None,) * 28
+    on = config_from_hf(_cfg("qwen2", max_window_layers=4))  # use_sliding_window in the test family
+    assert on.layer_window == (None,) * 4 + (WINDOW,) * 2
+
+
+def test_longrope_caps_the_context_whatever_the_family():
+    from lorafleet.models.registry import config_from_hf
+
+    rs = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+          "original_max_position_embeddings": 256}
+    cfg = {**_cfg("llama3"), "rope_scaling": rs, "rope_parameters": {**rs, "rope_theta": 10000.0},
+           "max_position_embeddings": 4096}
+    assert config_from_hf(cfg).max_position_embeddings == 256
+
+
+def test_gemma_local_layers_keep_their_rope_without_a_window():
+    """transformers picks a layer's RoPE by its type: local layers with a null window still take the local
+    base (and attend to everything)."""
+    from lorafleet.models.registry import config_from_hf
+
+    c = config_from_hf({**_cfg("gemma3"), "sliding_window": None})
+    assert c.layer_rope == (1, 0, 1, 0, 1, 0) and c.layer_window == (None,) * 6
+    assert c.ropes[1].theta == 10000.0 and c.ropes[0].theta == 100000.0
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(architectures=["LlamaForSequenceClassification"]), "LlamaForSequenceClassification'] is not supported"),
+    (dict(rope_scaling={"rope_type": "linear"}, rope_parameters={"rope_type": "linear", "rope_theta": 1e4}),
+     "RoPE scaling 'linear': bad or missing parameter"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 2.0}, rope_parameters={"rope_type": "yarn", "factor": 2.0}),
+     "RoPE scaling type 'yarn' is not supported"),
+    (dict(eos_token_id="2"), "eos_token_id must be an integer"),
+    (dict(hidden_act="relu"), "hidden_act 'relu' is not supported"),
+])
+def test_what_a_family_cannot_run_is_refused_by_name(change, words):
+    from lorafleet.models.contract import ModelConfigError
+    from lorafleet.models.registry import config_from_hf
+
+    with pytest.raises(ModelConfigError, match=words.replace("(", r"\(").replace("[", r"\[")):
+        config_from_hf({**_cfg("llama3"), **change})
+
+
+def test_a_context_past_the_models_is_refused(family):
+    from lorafleet.models.contract import ModelConfigError
+
+    _, model, _ = family
+    with pytest.raises(ModelConfigError, match="max_model_len 100000 exceeds the model's context of"):
+        Engine(str(model), EngineConfig(device="cpu", num_pages=50, max_model_len=100000))

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from lorafleet.models import registry
 from lorafleet.runner.config import EngineConfig
 from lorafleet.runner.demo import find_gguf
 from lorafleet.runner.engine.engine import Engine
@@ -94,6 +95,18 @@ def write_gguf(model_dir, path, arch: str):
 
             w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
             w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+    if arch == "llama" and rope.get("rope_type") == "llama3":
+        # llama.cpp's Llama-3.x conversion: no scaling metadata, one divisor per frequency in rope_freqs
+        import numpy as np
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        plain = {k: v for k, v in cfg.items() if k not in ("rope_scaling", "rope_parameters", "architectures")}
+        base = LlamaRotaryEmbedding(LlamaConfig(**plain, rope_theta=rope["rope_theta"])).inv_freq
+        scaled = LlamaRotaryEmbedding(LlamaConfig(**{k: v for k, v in cfg.items() if k != "architectures"})).inv_freq
+        w.add_tensor("rope_freqs.weight", (base / scaled).float().numpy().astype(np.float32))
+    if cfg.get("eot_token_id") is not None:
+        w.add_eot_token_id(cfg["eot_token_id"])
     for name, t in sd.items():
         module, kind = name.rsplit(".", 1)
         g = names.get_name(module)
@@ -101,6 +114,9 @@ def write_gguf(model_dir, path, arch: str):
         arr = t.float().numpy()
         if arch == "gemma3" and "norm" in module:
             arr = arr + 1.0
+        if arch == "llama" and module.endswith(("q_proj", "k_proj")):  # llama.cpp's interleaved rotary rows
+            n = heads if module.endswith("q_proj") else cfg["num_key_value_heads"]
+            arr = arr.reshape(n, 2, arr.shape[0] // n // 2, *arr.shape[1:]).swapaxes(1, 2).reshape(arr.shape)
         w.add_tensor(f"{g}.{kind}", arr)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -112,6 +128,7 @@ def write_gguf(model_dir, path, arch: str):
 # family, config overrides that the format can carry, whether transformers' own GGUF reader takes it
 GGUF_CASES = {
     "qwen2": (dict(use_sliding_window=False), True),
+    "llama3": (dict(tie_word_embeddings=False), False),  # llama3 RoPE as llama.cpp's rope_freqs: transformers drops it
     "phi3": (dict(rope_scaling=None, partial_rotary_factor=1.0, sliding_window=None, max_position_embeddings=512), True),
     "phi3-longrope": (dict(), False),  # partial rotary and LongRoPE factors: transformers' reader drops both
     "gemma3": (dict(layers=6, sliding_window_pattern=6, query_pre_attn_scalar=24, final_logit_softcapping=None,
@@ -131,15 +148,18 @@ def test_gguf_loads_like_transformers_and_runs_like_the_hf_directory(case, tmp_p
     from safetensors.torch import load_file
 
     family = case.split("-")[0]
+    arch = "llama" if family == "llama3" else family
     overrides, hf_reads = GGUF_CASES[case]
     overrides = dict(overrides)
     layers = overrides.pop("layers", 3)
     model = write_family_model(family, tmp_path / "hf", seed=9, layers=layers, **overrides)
-    path = write_gguf(model, tmp_path / "m.gguf", family)
+    path = write_gguf(model, tmp_path / "m.gguf", arch)
     fam, hf, ours = load_gguf(path)
-    assert fam.name == family
+    assert fam.name == arch
     sd = load_file(str(model / "model.safetensors"))
     assert set(ours) == set(sd) - ({"lm_head.weight"} if fam.config(hf, "x").tie_word_embeddings else set())
+    if arch == "llama":
+        assert fam.config(hf, "x").ropes[0].kind == "freq_factors"
     for name, t in ours.items():
         torch.testing.assert_close(t, sd[name].float(), rtol=0, atol=1e-6, msg=name)  # Gemma's norms: (1 + w) - 1
     if hf_reads:
@@ -153,7 +173,8 @@ def test_gguf_loads_like_transformers_and_runs_like_the_hf_directory(case, tmp_p
     outs = []
     for p in (path, model):
         eng = Engine(str(p), EngineConfig(device="cpu", kv_cache_gb=0.02, enable_lora=False))
-        assert eng.model_config.layer_window == fam.config(json.loads((model / "config.json").read_text()), "x").layer_window
+        want = registry.config_from_hf(json.loads((model / "config.json").read_text()))
+        assert eng.model_config.layer_window == want.layer_window
         outs.append(eng.run_to_completion([Sequence("a", ids, SamplingParams(max_tokens=10, ignore_eos=True))])["a"].output_ids)
     assert outs[0] == outs[1]
 
@@ -169,3 +190,15 @@ def test_gguf_of_an_unsupported_architecture_is_refused(tmp_path):
     w.close()
     with pytest.raises(WeightsError, match=r"GGUF architecture 'falcon' is not supported \(supported: llama, qwen2, qwen3, gemma3, phi3\)"):
         load_model(tmp_path / "g.gguf")
+
+
+def test_gguf_end_of_turn_tokens_stop_like_eos(tmp_path):
+    """A chat model's end-of-turn token (tokenizer.ggml.eot_token_id: Gemma's <end_of_turn>, Phi-3's <|end|>)
+    ends generation as the generation_config of its HF directory does."""
+    from family_models import write_family_model
+
+    model = write_family_model("qwen2", tmp_path / "hf", seed=2, use_sliding_window=False)
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**cfg, "eot_token_id": 7}))
+    fam, hf, _ = load_gguf(write_gguf(model, tmp_path / "m.gguf", "qwen2"))
+    assert fam.config(hf, "x").eos_token_ids == (cfg["eos_token_id"], 7)

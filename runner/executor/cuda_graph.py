@@ -56,7 +56,9 @@ class GraphRunner:
         self.seg_capacity = max_batch
         self.device = model.device
         self.use_graphs = use_graphs
-        self.max_pages = scratch_page + 1  # the KV pool's pages, the scratch page last
+        # page indices of one plan: every page of the KV pool (the scratch page last) once, plus the scratch
+        # page once for each padded row
+        self.max_pages = scratch_page + 1 + max_batch
         self.static: dict[int, _Static] = {}
         self.pool = None
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lorafleet.runner.config import EngineConfig, KernelChoices, ModelConfig
+from lorafleet.runner.config import EngineConfig, KernelChoices, ModelConfig, ModelConfigError
 from lorafleet.runner.executor.kv_cache import KVCache, bytes_per_token
 from lorafleet.runner.executor.model_runner import ModelRunner
 from lorafleet.runner.lora.pool import LoraPool
@@ -80,6 +80,7 @@ def build_executor(model: "str | Decoder", config: EngineConfig, shard=None, gro
         t0 = time.perf_counter()
         loaded = load_model(model, shard, device, dtype)
         full = loaded.config
+        check_context(config, full)
         cfg = shard.config(full) if shard is not None else full
         net = Decoder(cfg, loaded.params, dtype, device, kernels, full_cfg=full,
                       all_reduce=group.all_reduce if group is not None else None,
@@ -88,6 +89,7 @@ def build_executor(model: "str | Decoder", config: EngineConfig, shard=None, gro
         part = f" (tensor-parallel rank {shard.rank} of {shard.size})" if shard is not None and shard.size > 1 else ""
         log.info("loaded %s%s on %s as %s in %.1fs: %s", model, part, device, dtype, time.perf_counter() - t0,
                  full.describe())
+    check_context(config, net.full_cfg)
     rank_cfg: ModelConfig = net.cfg
     lora_pool = None
     if config.enable_lora:
@@ -109,6 +111,14 @@ def build_executor(model: "str | Decoder", config: EngineConfig, shard=None, gro
     mixed = make_piecewise(net, attention, lora_pool, sgmv, config, budget, num_pages) if graphs is not None else None
     runner = ModelRunner(net, attention, lora_pool, sgmv, config.page_size, graphs, mixed, kernels)
     return Executor(net, device, dtype, kv, num_pages, lora_pool, attention, sgmv, runner, budget)
+
+
+def check_context(config: EngineConfig, cfg: ModelConfig) -> None:
+    """A context longer than the model's is refused (RoPE angles past it would be read out of range, or
+    from the wrong factors)."""
+    if config.max_model_len is not None and config.max_model_len > cfg.max_position_embeddings:
+        raise ModelConfigError(f"max_model_len {config.max_model_len} exceeds the model's context of "
+                               f"{cfg.max_position_embeddings} tokens")
 
 
 def default_pages(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, config: EngineConfig) -> int:

@@ -96,6 +96,8 @@ class FlashInferOps(TorchOps):
 
         self.fi = flashinfer
         self.caches = [r.cache(max_positions) for r in ropes]  # fp32 [P, R] per RoPE: cos | sin
+        # flashinfer's RoPE kernel is built for these head sizes; others (Phi-3-mini's 96) rotate in torch
+        self.torch_rope = cfg.head_dim not in (64, 128, 256, 512)
 
     def rms_norm(self, x, w):
         if self.offset:
@@ -120,9 +122,11 @@ class FlashInferOps(TorchOps):
         return self.fi.silu_and_mul(gate_up)
 
     def rope_cos_sin(self, positions, dtype):
-        return None
+        return super().rope_cos_sin(positions, dtype) if self.torch_rope else None
 
     def apply_rope(self, rope, q, k, positions, cos_sin):
+        if self.torch_rope:
+            return super().apply_rope(rope, q, k, positions, cos_sin)
         T, hq, D = q.shape
         hk = k.shape[1]
         q = q.reshape(T, hq * D).contiguous()

@@ -24,7 +24,7 @@ def inv_frequencies(spec: RopeSpec) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / spec.factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv = torch.where(medium, smoothed, scaled)
-    elif spec.kind == "longrope":
+    elif spec.kind in ("longrope", "freq_factors"):  # each frequency divided by its factor
         ext = torch.tensor(spec.ext_factors, dtype=torch.float32)
         inv = 1.0 / (ext * spec.theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     return inv

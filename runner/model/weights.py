@@ -268,20 +268,27 @@ def gguf_hf_config(reader, name: str) -> tuple[Family, dict]:
         "hidden_act": "silu",
         "_name_or_path": name,
     }
+    # chat models end a turn with an end-of-turn token (Gemma's <end_of_turn>, Phi-3's <|end|>): a stop too
+    stops = [cfg["eos_token_id"]] + [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")]
+    stops = [int(s) for s in dict.fromkeys(stops) if s is not None]
+    cfg["eos_token_id"] = stops if len(stops) > 1 else (stops[0] if stops else None)
     scaling_type = _field(reader, f"{a}.rope.scaling.type")
     if scaling_type and scaling_type != "none":
         cfg["rope_scaling"] = {"rope_type": scaling_type, "factor": float(_field(reader, f"{a}.rope.scaling.factor", 1.0))}
+    by_name = {t.name: t for t in reader.tensors}
+
+    def tensor(name: str):
+        t = by_name.get(name)
+        if t is None:
+            return None
+        from gguf.quants import dequantize
+
+        return dequantize(t.data, t.tensor_type).astype(np.float32).reshape(-1)
+
+    freqs = tensor("rope_freqs.weight")
+    if freqs is not None:  # llama.cpp keeps Llama-3.x RoPE scaling as one divisor per frequency
+        cfg["rope_scaling"] = {"rope_type": "freq_factors", "ext_factors": [float(f) for f in freqs]}
     if fam.gguf.config is not None:
-        by_name = {t.name: t for t in reader.tensors}
-
-        def tensor(name: str):
-            t = by_name.get(name)
-            if t is None:
-                return None
-            from gguf.quants import dequantize
-
-            return dequantize(t.data, t.tensor_type).astype(np.float32).reshape(-1)
-
         fam.gguf.config(lambda key, default=None: _field(reader, f"{a}.{key}", default), tensor, cfg)
     return fam, cfg
 

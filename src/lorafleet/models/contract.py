@@ -69,7 +69,10 @@ class RopeSpec:
     """One rotary embedding: rotate-half convention over the first `rotary_dim` dimensions of each head.
 
     kind: default | linear (positions / factor) | llama3 (frequency bands) | longrope (per-dimension
-    `ext_factors`, the checkpoint's short factors; cos and sin times `attention_factor`)."""
+    `ext_factors`, the checkpoint's short factors; cos and sin times `attention_factor`; the context stops at
+    `original_max_position_embeddings`, past which transformers switches a whole sequence to the long
+    factors) | freq_factors (each frequency divided by its `ext_factors` entry: llama.cpp's stored form of
+    Llama-3.x scaling)."""
 
     theta: float
     rotary_dim: int
@@ -140,6 +143,10 @@ class ModelConfig:
             raise ModelConfigError("a layer names a RoPE that does not exist")
         if self.activation not in ("silu", "gelu_tanh"):
             raise ModelConfigError(f"activation {self.activation!r} is not supported (silu, gelu_tanh)")
+        # LongRoPE runs with its short factors, which hold up to the original context only
+        cap = min((r.original_max_position_embeddings for r in self.ropes if r.kind == "longrope"), default=None)
+        if cap is not None and self.max_position_embeddings > cap:
+            object.__setattr__(self, "max_position_embeddings", cap)
 
     @property
     def q_dim(self) -> int:
@@ -169,7 +176,7 @@ class ModelConfig:
     def describe(self) -> str:
         """One line for logs: family, size and the per-layer pieces that differ from plain Llama."""
         parts = [f"{self.family}: {self.num_layers} layers, hidden {self.hidden_size}, heads {self.num_heads}/"
-                 f"{self.num_kv_heads}x{self.head_dim}"]
+                 f"{self.num_kv_heads}x{self.head_dim}, context {self.max_position_embeddings}"]
         if any(w is not None for w in self.layer_window):
             n = sum(w is not None for w in self.layer_window)
             parts.append(f"sliding window {'/'.join(str(w) for w in self.windows if w)} on {n} of {self.num_layers} layers")
@@ -339,22 +346,25 @@ def _proj_of(ck: Checkpoint, tensor: str) -> str:
 
 
 def hf_int(cfg: dict, key: str, default=None) -> int:
-    v = cfg.get(key, default)
+    v = cfg.get(key)
+    v = default if v is None else v
     if v is None:
-        raise ModelConfigError(f"config.json lacks {key!r}")
+        raise ModelConfigError(f"the model's config lacks {key!r}")
     try:
         return int(v)
     except (TypeError, ValueError):
-        raise ModelConfigError(f"config.json {key!r} must be an integer, got {v!r}") from None
+        raise ModelConfigError(f"the model's config: {key!r} must be an integer, got {v!r}") from None
 
 
 def eos_ids(cfg: dict) -> tuple[int, ...]:
     eos = cfg.get("eos_token_id")
     ids = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
-    return tuple(int(e) for e in ids)
+    if not all(isinstance(e, int) and not isinstance(e, bool) for e in ids):
+        raise ModelConfigError(f"eos_token_id must be an integer or a list of integers, got {eos!r}")
+    return tuple(ids)
 
 
-SUPPORTED_ROPE = ("default", "linear", "llama3", "longrope")
+SUPPORTED_ROPE = ("default", "linear", "llama3", "longrope")  # and freq_factors, from GGUF files
 
 
 def rope_from_hf(params: dict, head_dim: int, max_position_embeddings: int, default_theta: float = 10000.0,
@@ -365,8 +375,18 @@ def rope_from_hf(params: dict, head_dim: int, max_position_embeddings: int, defa
     kind = params.get("rope_type", params.get("type", "default")) or "default"
     if kind == "su":
         kind = "longrope"
-    if kind not in SUPPORTED_ROPE:
+    if kind not in SUPPORTED_ROPE and kind != "freq_factors":
         raise ModelConfigError(f"RoPE scaling type {kind!r} is not supported (supported: {', '.join(SUPPORTED_ROPE)})")
+    try:
+        return _rope(params, kind, head_dim, max_position_embeddings, default_theta, partial_rotary_factor, original_max)
+    except (KeyError, TypeError, ValueError) as exc:
+        if isinstance(exc, ModelConfigError):
+            raise
+        raise ModelConfigError(f"RoPE scaling {kind!r}: bad or missing parameter ({exc!r})") from None
+
+
+def _rope(params: dict, kind: str, head_dim: int, max_position_embeddings: int, default_theta: float,
+          partial_rotary_factor: float, original_max) -> RopeSpec:
     theta = float(params.get("rope_theta", default_theta))
     prf = float(params.get("partial_rotary_factor", partial_rotary_factor))
     rotary_dim = int(head_dim * prf)
@@ -380,6 +400,11 @@ def rope_from_hf(params: dict, head_dim: int, max_position_embeddings: int, defa
             spec, factor=float(params["factor"]), low_freq_factor=float(params.get("low_freq_factor", 1.0)),
             high_freq_factor=float(params.get("high_freq_factor", 4.0)),
             original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)))
+    if kind == "freq_factors":
+        ext = tuple(float(f) for f in params["ext_factors"])
+        if len(ext) != rotary_dim // 2:
+            raise ModelConfigError(f"{len(ext)} RoPE frequency factors for a rotary dimension of {rotary_dim}")
+        return dataclasses.replace(spec, ext_factors=ext)
     if kind == "longrope":
         omax = params.get("original_max_position_embeddings") or original_max
         if omax is None:
@@ -414,11 +439,12 @@ def layer_types(cfg: dict, num_layers: int) -> list[str] | None:
     return lt
 
 
-def common_fields(cfg: dict, family: str, name: str) -> dict:
-    """The fields every HF decoder config spells alike."""
+def common_fields(cfg: dict, family: str, name: str, head_dim: int | None = None) -> dict:
+    """The fields every HF decoder config spells alike (`head_dim`: the family's default when the config has
+    none; else hidden / heads)."""
     hidden = hf_int(cfg, "hidden_size")
     heads = hf_int(cfg, "num_attention_heads")
-    head_dim = cfg.get("head_dim") or hidden // heads
+    head_dim = cfg.get("head_dim") or head_dim or hidden // heads
     return dict(
         family=family,
         vocab_size=hf_int(cfg, "vocab_size"),
@@ -426,7 +452,7 @@ def common_fields(cfg: dict, family: str, name: str) -> dict:
         intermediate_size=hf_int(cfg, "intermediate_size"),
         num_layers=hf_int(cfg, "num_hidden_layers"),
         num_heads=heads,
-        num_kv_heads=hf_int(cfg, "num_key_value_heads", heads) or heads,
+        num_kv_heads=hf_int(cfg, "num_key_value_heads", heads),
         head_dim=int(head_dim),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=hf_int(cfg, "max_position_embeddings", 4096),

@@ -55,10 +55,10 @@ def rope_params(cfg: dict) -> tuple[dict, float]:
     return dict(cfg.get("rope_scaling") or {}), float(cfg.get("rope_theta", 10000.0))
 
 
-def single_rope(cfg: dict, head_dim: int) -> tuple:
+def single_rope(cfg: dict, head_dim: int, partial_rotary_factor: float = 1.0) -> tuple:
     params, theta = rope_params(cfg)
     return (rope_from_hf(params, head_dim, int(cfg.get("max_position_embeddings", 4096)), theta,
-                         float(cfg.get("partial_rotary_factor", 1.0)), cfg.get("original_max_position_embeddings")),)
+                         partial_rotary_factor, cfg.get("original_max_position_embeddings")),)
 
 
 def config_from_hf(cfg: dict, name: str = "") -> ModelConfig:

@@ -11,7 +11,7 @@ from lorafleet.models.contract import Family, ModelConfig
 
 def config_from_hf(cfg: dict, name: str = "") -> ModelConfig:
     base = llama.config_from_hf(cfg, name)
-    window = cfg.get("sliding_window")
+    window = cfg.get("sliding_window", 4096)  # transformers' default when config.json has no such key
     w = int(window) if window else None
     return dataclasses.replace(base, family="mistral", layer_window=(w,) * base.num_layers)
 

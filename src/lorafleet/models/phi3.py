@@ -42,13 +42,11 @@ def gguf_config(field, tensor, cfg: dict) -> None:
 def config_from_hf(cfg: dict, name: str = "") -> ModelConfig:
     check_activation(cfg, ("silu",))
     f = common_fields(cfg, "phi3", name)
-    rope = llama.single_rope(cfg, f["head_dim"])
-    if rope[0].kind == "longrope":
-        f["max_position_embeddings"] = min(f["max_position_embeddings"], rope[0].original_max_position_embeddings)
+    rope = llama.single_rope(cfg, f["head_dim"], float(cfg.get("partial_rotary_factor", 1.0)))
     window = cfg.get("sliding_window")
-    bias = bool(cfg.get("attention_bias", False))
+    # (Phi-3's projections have no biases; LongRoPE's context cap is the contract's)
     return ModelConfig(**f, ropes=rope, layer_rope=(0,) * f["num_layers"],
-                       layer_window=(int(window) if window else None,) * f["num_layers"], qkv_bias=bias, o_bias=bias)
+                       layer_window=(int(window) if window else None,) * f["num_layers"])
 
 
 FAMILY = Family(

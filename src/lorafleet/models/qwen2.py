@@ -16,14 +16,14 @@ def windows(cfg: dict, num_layers: int) -> tuple[int | None, ...]:
         return (None,) * num_layers
     lt = layer_types(cfg, num_layers)
     if lt is None:
-        first = int(cfg.get("max_window_layers", num_layers))
+        first = int(cfg.get("max_window_layers", 28))  # transformers' default
         lt = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
     return tuple(int(w) if t == "sliding_attention" else None for t in lt)
 
 
-def config_from_hf(cfg: dict, name: str = "", family: str = "qwen2") -> ModelConfig:
+def config_from_hf(cfg: dict, name: str = "", family: str = "qwen2", head_dim: int | None = None) -> ModelConfig:
     check_activation(cfg, ("silu",))
-    f = common_fields(cfg, family, name)
+    f = common_fields(cfg, family, name, head_dim)
     return ModelConfig(**f, ropes=llama.single_rope(cfg, f["head_dim"]), layer_rope=(0,) * f["num_layers"],
                        layer_window=windows(cfg, f["num_layers"]), qkv_bias=True)
 

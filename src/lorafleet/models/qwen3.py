@@ -10,7 +10,7 @@ from lorafleet.models.contract import Family, Gguf, ModelConfig
 
 
 def config_from_hf(cfg: dict, name: str = "") -> ModelConfig:
-    base = qwen2.config_from_hf(cfg, name, family="qwen3")
+    base = qwen2.config_from_hf(cfg, name, family="qwen3", head_dim=128)  # transformers' default head_dim
     bias = bool(cfg.get("attention_bias", False))
     return dataclasses.replace(base, qk_norm=True, qkv_bias=bias, o_bias=bias)
 

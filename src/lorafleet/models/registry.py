@@ -42,7 +42,7 @@ def family_for(cfg: dict) -> Family:
     mt = cfg.get("model_type")
     for n in FAMILIES:
         fam = family(n)
-        if mt in fam.model_types:
+        if not archs and mt in fam.model_types:  # an architecture we lack (a classifier head, say) is refused
             return fam
     what = f"architectures {archs}" if archs else f"model_type {mt!r}"
     raise ModelConfigError(f"{what} is not supported; supported: {supported()}")
