@@ -103,6 +103,7 @@ class EngineConfig:
     requeue_evicted: bool = False  # offline: resume evicted requests here; service: report them
     tp: int = 1  # tensor parallelism: GPUs of this node driven as one engine (ranks 1..tp-1 in child processes)
     allow_synthetic: bool = False  # benchmarks: accept synthetic://SEED adapter sources (never from the network)
+    prefix_cache: bool = True  # keep full KV pages for later requests with the same prefix, adapter and salt
     kernels: KernelChoices | None = None  # None: from the environment at engine start (KernelChoices.from_env)
     extra: dict = field(default_factory=dict, compare=False)
 

@@ -31,14 +31,16 @@ def merge(steps: list[list]) -> list[list]:
     call, so its client gets them in one SSE chunk (the catch-up costs one write, not one per step)."""
     out: dict[str, list] = {}
     for entries in steps:
-        for rid, ids, fin, err in entries:
+        for rid, ids, fin, err, *cached in entries:
             e = out.get(rid)
             if e is None:
-                out[rid] = [rid, list(ids), fin, err]
+                out[rid] = [rid, list(ids), fin, err, *cached]
             else:
                 e[1] += ids
                 if fin is not None:
                     e[2], e[3] = fin, err
+                if cached and len(e) == 4:
+                    e.append(cached[0])
     return list(out.values())
 
 

@@ -77,7 +77,7 @@ async def receive(port: int, mode: str, requests: int, runners: int) -> tuple[in
             nonlocal tokens
             async with s.get(f"{url}/multiplexed", params={"n": str(n)}) as r:
                 async for line in r.content:
-                    for rid, ids, fin, err in json.loads(line)["o"]:
+                    for rid, ids, fin, err, *_ in json.loads(line)["o"]:
                         tokens += len(ids)
 
         c0 = cpu()

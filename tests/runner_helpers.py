@@ -58,8 +58,9 @@ class Stream:
         return r
 
     async def until_finished(self, rids: set[str], timeout=60.0) -> dict[str, dict]:
-        """{rid: {"tokens": [...], "finish": reason, "error": str|None}} once every rid finished."""
-        out = {rid: {"tokens": [], "finish": None, "error": None} for rid in rids}
+        """{rid: {"tokens": [...], "finish": reason, "error": str|None, "cached": prompt tokens found in the prefix
+        cache (with the first token) | None}} once every rid finished."""
+        out = {rid: {"tokens": [], "finish": None, "error": None, "cached": None} for rid in rids}
 
         async def read():
             while any(v["finish"] is None for v in out.values()):
@@ -69,9 +70,11 @@ class Stream:
                     continue
                 msg = json.loads(line)
                 self.lines.append(msg)
-                for rid, ids, fin, err in msg["o"]:
+                for rid, ids, fin, err, *cached in msg["o"]:
                     if rid in out:
                         out[rid]["tokens"] += ids
+                        if cached:
+                            out[rid]["cached"] = cached[0]
                         if fin:
                             out[rid]["finish"], out[rid]["error"] = fin, err
 

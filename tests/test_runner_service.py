@@ -135,6 +135,32 @@ async def test_metrics_expose_gateway_shape(client, adapter):
     assert "lorafleet_runner_generated_tokens_total" in text
 
 
+@shared
+async def test_shared_prefixes_report_their_cached_tokens_and_count_in_metrics(client):
+    """The first-token entry of a request carries the prompt tokens found in the prefix cache; a cache salt
+    keeps requests apart; the runner's metrics count the tokens looked up and found."""
+    prefix = list(range(10, 31))  # 21 tokens: 5 full pages of 4
+    s = await Stream(client, "prefix").open()
+
+    async def one(rid, tail, salt=None):
+        body = {"request_id": rid, "prompt_token_ids": prefix + tail, "sampling": {"max_tokens": 3, "ignore_eos": True}}
+        if salt is not None:
+            body["cache_salt"] = salt
+        await s.submit(body)
+        return (await s.until_finished({rid}))[rid]
+
+    first = await one("p1", [40, 41])
+    assert first["cached"] == 0 and first["finish"] == "length"
+    assert (await one("p2", [42]))["cached"] == 20
+    assert (await one("p3", [43], salt="tenant-b"))["cached"] == 0
+    assert (await one("p4", [44], salt="tenant-b"))["cached"] == 20
+    await s.submit({"request_id": "bad", "prompt_token_ids": [1], "cache_salt": 7}, status=400)
+    text = await (await client.get("/metrics")).text()
+    counts = {ln.split()[0]: float(ln.split()[1]) for ln in text.splitlines()
+              if ln.startswith("vllm:prefix_cache_")}
+    assert counts["vllm:prefix_cache_hits_total"] >= 40 and counts["vllm:prefix_cache_queries_total"] >= 91
+
+
 async def test_runner_credential(tiny_llama):
     async with runner_front(tiny_llama, token="t0ken") as c:
         assert (await c.get("/state")).status == 200  # the client sends the token

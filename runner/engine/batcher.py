@@ -23,6 +23,11 @@ prompts share prefill steps (which cost more than decode steps) instead of each 
 Adapter loads of the requests next in line start while admission is held, and, up to
 `adapter_lookahead` requests, while the batch is full (CUDA engines, where loads are asynchronous:
 the slots beyond the batch fill with the adapters of the requests that come next).
+
+Prefix cache (`BlockManager.caching`): an admitted request takes the cached pages of its longest cached
+run of full pages (keyed by its adapter's identity and its cache salt, block_manager.py) and computes
+only the rest, at least its last token; every full page whose tokens are known is registered as its K/V
+is computed, so later requests (and this one, if it is evicted and comes back) find it.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from lorafleet.common.peft_config import AdapterError
-from lorafleet.runner.engine.block_manager import BlockManager
+from lorafleet.runner.engine.block_manager import BlockManager, chain_keys, key_root
 from lorafleet.runner.lora.manager import READY, AdapterManager
 from lorafleet.runner.engine.sequence import Sequence, Status
 from lorafleet.runner.engine.step_batch import RowWork
@@ -65,6 +70,7 @@ class Batcher:
         max_step_tokens: int | None = None,
         adapter_lookahead: int = 0,
         decode_prefill_tokens: int | None = None,
+        identity=None,
     ):
         if admit_batch < 1 or admit_wait_steps < 0:
             raise ValueError("admit_batch must be >= 1 and admit_wait_steps >= 0")
@@ -84,6 +90,8 @@ class Batcher:
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # identity(seq) -> the content identity of the weights the request runs on ("" for the base model)
+        self.identity = identity or (lambda seq: "")
 
     # -- membership -------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -102,6 +110,7 @@ class Batcher:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.blocks.release(seq.pages)
+        seq.num_registered = 0
         seq.num_cached = 0
         seq.num_pending = 0  # a token still in flight for it is dropped (the epoch below tells)
         seq.epoch += 1
@@ -196,21 +205,59 @@ class Batcher:
                 seq.slot = slot
             if load_only:
                 continue
-            if self.blocks.pages_for(n + 1) > self.blocks.free_pages:
+            cached = self._match_prefix(seq, n)
+            if self.blocks.pages_for(n + 1) - len(seq.pages) > self.blocks.free_pages:
+                self.blocks.release(seq.pages)
                 load_only = True  # FCFS: nothing overtakes a request that waits for pages
                 continue
             self.blocks.grow(seq.pages, n)
+            if seq.cached_tokens is None:  # its first admission here: what the API reports as cached
+                seq.cached_tokens = min(cached, len(seq.prompt_ids))
+                self.blocks.stats["queries"] += len(seq.prompt_ids)
+                self.blocks.stats["hits"] += seq.cached_tokens
             self.waiting.remove(seq)
             seq.status = Status.RUNNING
             self.running.append(seq)
-            first = min(n, budget) if chunked else n
-            plan.work.append(RowWork(seq, 0, first, first == n))
+            first = min(n - cached, budget) if chunked else n - cached
+            plan.work.append(RowWork(seq, cached, cached + first, cached + first == n))
             budget -= first
             admitted_any = True
         # Host bookkeeping: these rows' K/V are written by this step (before any later step reads them).
         for w in plan.work:
             w.seq.num_cached = w.end
+            if self.blocks.caching:
+                self._register(w.seq)
         return plan
+
+    # -- the prefix cache -------------------------------------------------------------------------------
+    def _keys(self, seq: Sequence, num_tokens: int) -> list[bytes]:
+        """The keys of the full pages among the first `num_tokens` known tokens (extended as they come)."""
+        root = key_root(self.identity(seq), seq.cache_salt)
+        if seq.key_root != root:
+            seq.key_root, seq.page_keys = root, []
+        ps = self.blocks.page_size
+        have = len(seq.page_keys)
+        if (num_tokens // ps) > have:
+            seq.page_keys = chain_keys(root, seq.all_ids[: num_tokens // ps * ps], ps, have, seq.page_keys)
+        return seq.page_keys[: num_tokens // ps]
+
+    def _match_prefix(self, seq: Sequence, n: int) -> int:
+        """Admission: take the cached pages of the longest cached run of the request's full pages, leaving
+        at least its last token to compute; the tokens covered."""
+        if not self.blocks.caching:
+            return 0
+        pages = self.blocks.match(self._keys(seq, n - 1))
+        seq.pages[:] = pages
+        seq.num_registered = len(pages)
+        return len(pages) * self.blocks.page_size
+
+    def _register(self, seq: Sequence) -> None:
+        """Cache the request's full pages whose K/V this step computes and whose tokens are all known."""
+        known = min(seq.num_cached, len(seq.prompt_ids) + len(seq.output_ids))
+        full = known // self.blocks.page_size
+        if full > seq.num_registered:
+            self.blocks.register(seq.pages, self._keys(seq, full * self.blocks.page_size), seq.num_registered)
+            seq.num_registered = full
 
     def _evict(self, seq: Sequence, plan: StepPlan) -> None:
         self.remove(seq)

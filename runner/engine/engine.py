@@ -42,6 +42,7 @@ class StepOutput:
     finish_reason: str | None = None  # stop | length | cancelled | evicted | error
     error: str | None = None
     output_ids: list[int] | None = None  # all generated ids, set when finished
+    cached_tokens: int | None = None  # with the request's first token: prompt tokens found in the prefix cache
 
     @property
     def finished(self) -> bool:
@@ -99,7 +100,7 @@ class Engine:
                                            pin_reads=config.kernels.pin_host_adapters)
             if self.tp is not None:
                 self.adapters.on_slot = lambda ev: self.tp.send(("slot", ev))
-        self.blocks = BlockManager(ex.num_pages, config.page_size)
+        self.blocks = BlockManager(ex.num_pages, config.page_size, caching=config.prefix_cache)
         admit = config.admit_batch
         if admit is None:
             admit = max(1, config.max_batch_size // 8) if self.device.type == "cuda" else 1
@@ -112,7 +113,7 @@ class Engine:
         self.batcher = Batcher(self.blocks, self.adapters, config.max_batch_size, config.max_prefill_tokens,
                                self.max_model_len, admit_batch=admit, admit_wait_steps=config.admit_wait_steps,
                                max_step_tokens=self.max_step_tokens, adapter_lookahead=lookahead,
-                               decode_prefill_tokens=self.config.decode_prefill_tokens)
+                               decode_prefill_tokens=self.config.decode_prefill_tokens, identity=self._identity)
         self.overlap = config.overlap if config.overlap is not None else self.device.type == "cuda"
         log.info("KV cache: %d pages x %d tokens (%d tokens); attention=%s sgmv=%s%s", ex.num_pages, config.page_size,
                  self.blocks.total_tokens, self.attention.name, getattr(self.sgmv, "name", "?"),
@@ -204,9 +205,15 @@ class Engine:
             "waiting_adapters": waiting,
             "resident_adapters": self.adapters.resident() if self.adapters else [],
             "adapter_pool": self.adapters.state() if self.adapters else {},
+            "prefix_cache": {"enabled": self.blocks.caching, "cached_pages": self.blocks.cached_pages,
+                             **self.blocks.stats},
         }
 
     # -- internals --------------------------------------------------------------------------------
+    def _identity(self, seq: Sequence) -> str:
+        """What the prefix cache keys a request's pages by: the base model, or its adapter's weights."""
+        return "base" if seq.adapter is None else self.adapters.identity(seq.slot)
+
     def _drain_inbox(self) -> list[StepOutput]:
         outputs = []
         while True:
@@ -256,7 +263,7 @@ class Engine:
                 reason = "stop"
             elif len(seq.output_ids) >= p.max_tokens or len(seq.prompt_ids) + len(seq.output_ids) >= self.max_model_len:
                 reason = "length"
-            out = StepOutput(seq.id, [tok])
+            out = StepOutput(seq.id, [tok], cached_tokens=seq.cached_tokens if len(seq.output_ids) == 1 else None)
             if reason is not None:
                 self.batcher.remove(seq)
                 seq.finish_reason = reason

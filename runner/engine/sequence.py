@@ -109,6 +109,12 @@ class Sequence:
     order: int = field(default_factory=lambda: next(_counter))  # tie-break for equal arrivals
     sample_seed: int = 0
     max_len: int = 1 << 30  # the engine's context length, set when the engine accepts the request
+    cache_salt: str | None = None  # prefix cache: requests share cached pages only with the same salt
+    # prefix cache bookkeeping (block_manager.py): the key chain's root and the keys of the full pages so far
+    key_root: bytes | None = None
+    page_keys: list = field(default_factory=list)
+    num_registered: int = 0  # pages of `pages` registered in the cache
+    cached_tokens: int | None = None  # prompt tokens found in the cache at its first admission here
 
     def __post_init__(self):
         if not self.prompt_ids:

@@ -33,6 +33,13 @@ class SlotState:
     pins: int = 0
     ready: bool = False
     event: object = None  # CUDA: Future of the worker's copy into the slot (-> torch.cuda.Event)
+    identity: str = ""  # the loaded weights' identity (`identity_of`), set once they are read
+
+
+def identity_of(ref: AdapterRef, adapter: LoadedAdapter) -> str:
+    """What the prefix cache keys an adapter's pages by: its source, the sha256 it was checked against and
+    its files' fingerprint, so a changed or reloaded adapter never matches pages of the old weights."""
+    return f"lora\0{ref.source}\0{ref.sha256 or ''}\0{adapter.spec.fingerprint}"
 
 
 class AdapterManager:
@@ -131,9 +138,14 @@ class AdapterManager:
         """The adapter in host memory (read from disk on a miss). Runs on a worker thread on CUDA."""
         return self.host.get(ref)
 
-    def _copy_in(self, ref: AdapterRef, slot: int, main_stream) -> "torch.cuda.Event":
+    def identity(self, slot: int) -> str:
+        """The identity of the adapter in a ready slot (`identity_of`)."""
+        return self.slots[slot].identity
+
+    def _copy_in(self, st: SlotState, slot: int, main_stream) -> "torch.cuda.Event":
         """Worker thread: host tier (or disk) -> host memory -> slot on the side stream; returns its event."""
-        adapter = self._host_copy(ref)
+        adapter = self._host_copy(st.ref)
+        st.identity = identity_of(st.ref, adapter)
         # Steps already queued may still read this slot's previous weights: copy after them.
         with torch.cuda.device(self.pool.device):
             return self._copy_on_side_stream(adapter, slot, main_stream)
@@ -192,14 +204,14 @@ class AdapterManager:
             if slot is None:
                 return None
             self.pool.write(slot, adapter)
-            st = SlotState(ref, ready=True)
+            st = SlotState(ref, ready=True, identity=identity_of(ref, adapter))
         else:
             slot = self._take_slot()
             if slot is None:
                 return None
             st = SlotState(ref)
             main = torch.cuda.current_stream(self.pool.device)
-            st.event = self.workers.submit(self._copy_in, ref, slot, main)  # a Future of the copy's event
+            st.event = self.workers.submit(self._copy_in, st, slot, main)  # a Future of the copy's event
         self.stats["loads"] += 1
         self.slots[slot] = st
         self.by_name[ref.name] = slot

@@ -58,7 +58,7 @@ def sequence_from_wire(d: dict):
     a = d.get("adapter")
     ref = AdapterRef(a["name"], a["source"], a.get("sha256")) if a else None
     return Sequence(d["id"], list(d["prompt_ids"]), sampling_from_dict(d.get("sampling") or {}), ref,
-                    arrival=float(d.get("arrival") or time.time()))
+                    arrival=float(d.get("arrival") or time.time()), cache_salt=d.get("cache_salt"))
 
 
 def ready_info(engine) -> dict:
@@ -68,7 +68,7 @@ def ready_info(engine) -> dict:
             "vocab_size": mc.vocab_size, "max_lora_rank": engine.config.max_lora_rank,
             "base_shape": {"num_layers": bs.num_layers, "hidden_size": bs.hidden_size,
                            "intermediate_size": bs.intermediate_size, "q_dim": bs.q_dim, "kv_dim": bs.kv_dim,
-                           "name": bs.name},
+                           "name": bs.name, "family": bs.family},
             "pid": os.getpid(), "state": engine.state()}
 
 
@@ -136,7 +136,10 @@ def serve(ch: BlockingChannel, engine) -> int:
                 started.add(o.seq_id)
                 changed = True
             if o.new_token_ids or o.finish_reason is not None:
-                wire.append([o.seq_id, o.new_token_ids, o.finish_reason, o.error])
+                entry = [o.seq_id, o.new_token_ids, o.finish_reason, o.error]
+                if o.cached_tokens is not None:  # with a request's first token: its prompt tokens found cached
+                    entry.append(o.cached_tokens)
+                wire.append(entry)
         state = None
         if changed or want_state or now - last_snap > SNAPSHOT_EVERY_S:
             state, last_snap = engine.state(), now

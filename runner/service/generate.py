@@ -109,6 +109,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
     p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu or cuda[:N]")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-prefix-cache", action="store_true", help="do not reuse the KV pages of shared prompt "
+                   "prefixes between requests (reused by default)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -162,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = EngineConfig(
         max_batch_size=args.max_batch_size, page_size=args.page_size, num_pages=args.kv_pages,
         max_lora_rank=args.max_lora_rank, lora_slots=args.lora_slots, dtype=args.dtype, device=args.device,
-        requeue_evicted=True,
+        requeue_evicted=True, prefix_cache=not args.no_prefix_cache,
     )
     engine = Engine(str(model), cfg)
     by_id = {s.id: s for s in seqs}

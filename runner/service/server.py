@@ -53,6 +53,9 @@ class BadRequest(ValueError):
     pass
 
 
+MAX_SALT = 256
+
+
 def parse_generate(body: dict) -> tuple[str, list[int], SamplingParams, dict | None, float | None]:
     if not isinstance(body, dict):
         raise BadRequest("body must be a JSON object")
@@ -79,6 +82,9 @@ def parse_generate(body: dict) -> tuple[str, list[int], SamplingParams, dict | N
     arrival = body.get("arrival")
     if arrival is not None and not isinstance(arrival, (int, float)):
         raise BadRequest("arrival must be a number")
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or len(salt) > MAX_SALT):
+        raise BadRequest(f"cache_salt must be a string of at most {MAX_SALT} characters")
     return rid, ids, params, adapter, arrival
 
 
@@ -138,6 +144,12 @@ class StateCollector:
         info.add_metric([str(pool.get("gpu_slots", 0)), ",".join(sorted(st["running_adapters"])),
                          ",".join(sorted(st["waiting_adapters"]))], time.time())
         yield info
+        pc = st.get("prefix_cache") or {}
+        yield CounterMetricFamily("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                  value=pc.get("queries", 0))
+        yield CounterMetricFamily("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                                  value=pc.get("hits", 0))
+        yield g("lorafleet_runner_prefix_cache_pages", "KV pages held by the prefix cache", value=pc.get("cached_pages", 0))
 
 
 class RunnerService:
@@ -270,7 +282,7 @@ class RunnerService:
         if rid in self.engine.owners or rid in self.pending:
             return web.json_response({"error": f"request {rid} is already running"}, status=409)
         wire = {"id": rid, "prompt_ids": ids, "sampling": dataclasses.asdict(params), "adapter": None,
-                "arrival": float(arrival) if arrival is not None else time.time()}
+                "arrival": float(arrival) if arrival is not None else time.time(), "cache_salt": body.get("cache_salt")}
         if adapter is not None:
             key = (adapter["name"], adapter["source"], adapter.get("sha256"))
             local = self.adapter_dirs.get(key)
@@ -405,6 +417,15 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="prefill whole prompts in one step (the old behaviour; long prompts stall decodes)")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor parallelism: drive this many GPUs of the node as one engine (from --device on)")
+    add_prefix_cache_argument(p)
+
+
+PREFIX_CACHE_HELP = ("do not keep KV pages for later requests (the prefix cache is on by default: full pages of a "
+                     "prompt are reused by requests with the same prefix, adapter and cache salt)")
+
+
+def add_prefix_cache_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-prefix-cache", action="store_true", help=PREFIX_CACHE_HELP)
 
 
 def engine_config(args: argparse.Namespace):
@@ -416,7 +437,7 @@ def engine_config(args: argparse.Namespace):
         lora_slots=args.lora_slots, max_model_len=args.max_model_len, dtype=args.dtype, device=args.device,
         cuda_graphs=not args.no_cuda_graphs, admit_batch=args.admit_batch, admit_wait_steps=args.admit_wait_steps,
         max_step_tokens=args.max_step_tokens, chunked_prefill=False if args.no_chunked_prefill else None, tp=args.tp,
-        decode_prefill_tokens=args.decode_prefill_tokens,
+        decode_prefill_tokens=args.decode_prefill_tokens, prefix_cache=not args.no_prefix_cache,
     )
 
 

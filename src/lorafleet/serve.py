@@ -54,6 +54,8 @@ def runner_command(args: argparse.Namespace, model: str, port: int, rid: str, de
         cmd += ["--lora-slots", str(args.lora_slots)]
     if getattr(args, "no_cuda_graphs", False):
         cmd.append("--no-cuda-graphs")
+    if getattr(args, "no_prefix_cache", False):
+        cmd.append("--no-prefix-cache")
     if getattr(args, "tp", 1) > 1:
         cmd += ["--tp", str(args.tp)]
     threads = runner_threads(args, device)
@@ -190,6 +192,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-slots", type=int, default=None,
                    help="adapters resident on each runner's device at once (default: 8 on the CPU, 64 on GPUs)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="runners step eagerly on CUDA")
+    p.add_argument("--no-prefix-cache", action="store_true", help="runners keep no KV pages for later requests "
+                   "(on by default: requests with the same prefix, adapter and cache salt reuse full pages)")
     p.add_argument("--tp", type=int, default=1, help="tensor parallelism: GPUs per runner (runner i uses "
                    "cuda:i*tp .. cuda:i*tp+tp-1)")
     from lorafleet.scheduler import limits

@@ -7,6 +7,7 @@ the adapter and the reason. Unsupported PEFT features are refused, never ignored
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -83,6 +84,9 @@ class AdapterSpec:
     dtype: str
     use_rslora: bool = False
     config: dict = field(default_factory=dict, compare=False, repr=False)
+    # what its content is, as far as the files say without reading the weights: the config, the tensor
+    # table, and the weights file's size and modification time (a rewritten adapter gets a new one)
+    fingerprint: str = ""
 
     @property
     def max_rank(self) -> int:
@@ -282,4 +286,14 @@ def inspect_adapter(
         dtype=sorted(dtypes)[0],
         use_rslora=rslora,
         config=cfg,
+        fingerprint=_fingerprint(cfg, header, weights),
     )
+
+
+def _fingerprint(cfg: dict, header: dict, weights: Path) -> str:
+    st = weights.stat()
+    h = hashlib.blake2b(digest_size=16)
+    h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
+    h.update(json.dumps(sorted((k, v[0], list(v[1])) for k, v in header.items())).encode())
+    h.update(f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}".encode())
+    return h.hexdigest()
