@@ -12,6 +12,8 @@
 #            GEMMs per BLAS backend -> probe[_TAG].json (PROBE_ARGS="--skip ..." picks sections)
 #   compare  bench e2e (7B shape; distinct, identical, LoRA off; REQS, default 500) of the old code in .old/ (a git
 #            worktree of the commit to compare with, carried with the call), then of this tree -> cmp_old/cmp_new.json
+#   prefix   bench e2e --prefix-workloads: shared system prompts (32 adapters x 1,024 tokens), 4-turn chats and the
+#            usual no-sharing mix, each with the prefix cache off and on                    -> e2e_prefix.json
 #   shapes   bench e2e --shape S for S in SHAPES (default llama3-8b qwen2.5-7b gemma-3-12b): distinct, identical,
 #            LoRA off, SHAPE_REQS requests (default 300) -> shape_S.json
 #   plantest the flashinfer plan GPU test alone
@@ -100,6 +102,9 @@ stage() {
             bench e2e --requests ${REQS:-500} --mixes distinct identical --hf-requests 0 --out "$OUT/cmp_$v.json" ) 2>&1 \
           | tee "$LOGS/cmp_$v.log" | tail -5
       done ;;
+    prefix)
+      timeout ${PREFIX_S:-540} $E2E --mixes --no-lora-off --hf-requests 0 --prefix-workloads ${PREFIX_WL:-system-prompt multi-turn sharegpt} \
+        --out "$OUT/e2e_prefix.json" 2>&1 | tee "$LOGS/e2e_prefix.log" | tail -14 ;;
     shapes)
       local s
       for s in ${SHAPES:-llama3-8b qwen2.5-7b gemma-3-12b}; do

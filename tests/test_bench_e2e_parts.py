@@ -226,3 +226,39 @@ def test_interference_caps_only_needs_caps(capsys):
             main(argv)
         assert exc.value.code == 2
         assert "--interference-caps-only needs --interference and --decode-prefill-tokens" in capsys.readouterr().err
+
+
+def test_prefix_workloads_run_with_the_cache_off_and_on(tiny_llama):
+    """The prefix cache's benchmark workloads on a small engine: with the cache on, the shared system prompts
+    and the conversations' earlier turns are not computed again; with nothing shared, nothing is found."""
+    from lorafleet.bench.prefix import run_workloads
+    from lorafleet.runner.config import EngineConfig
+    from lorafleet.runner.engine.engine import Engine
+
+    eng = Engine(str(tiny_llama), EngineConfig(device="cpu", max_batch_size=8, page_size=8, num_pages=800,
+                                                enable_lora=False))
+    reqs = [(list(range(3 + i, 30 + i)), 4) for i in range(12)]
+    logs = []
+    out = run_workloads(_no_adapters(eng), ["system-prompt", "multi-turn", "sharegpt"], reqs, 512, logs.append,
+                        adapters=3, system_tokens=64, conversations=4, user_tokens=(10, 40), output_tokens=(8, 30))
+    sp, mt, sg = out["system-prompt"], out["multi-turn"], out["sharegpt"]
+    assert sp["off"]["prompt_tokens_cached"] == 0 and sp["off"]["prompt_tokens_computed"] == sp["off"]["prompt_tokens"]
+    # 12 requests over 3 system prompts of 64 tokens (8 pages): at least 9 of them find their system prompt
+    assert sp["on"]["prompt_tokens_cached"] >= 9 * 64
+    assert sp["on"]["prompt_tokens_computed"] == sp["on"]["prompt_tokens"] - sp["on"]["prompt_tokens_cached"]
+    assert mt["on"]["prompt_tokens_computed"] < 0.6 * mt["off"]["prompt_tokens_computed"]
+    assert mt["on"]["requests"] == 16 and "ttft_later_turns_p50_s" in mt["on"]
+    assert sg["on"]["prompt_tokens_cached"] == 0
+    assert set(sp["on_over_off"]) >= {"output_tok_s", "ttft_p50", "prompt_tokens_computed"} and len(logs) == 6
+
+
+def _no_adapters(eng):
+    """The workloads name adapters; on this base-only engine every request runs on the base model."""
+    real = eng.submit
+
+    def submit(seq):
+        seq.adapter = None
+        real(seq)
+
+    eng.submit = submit
+    return eng

@@ -182,3 +182,18 @@ def test_engine_state_reports_the_cache(tiny_llama):
     pc = eng.state()["prefix_cache"]
     assert pc["enabled"] and pc["queries"] == 23 + 22 and pc["hits"] == 20 and pc["cached_pages"] >= 5
     json.dumps(pc)  # travels in the runner's state
+
+
+def test_requests_admitted_in_one_step_share_the_pages_it_computes(tiny_llama, adapters, counted):
+    """Six requests with one system prompt, submitted together: the first computes the prompt, the five
+    admitted beside it in the same step read its pages (written, in every layer, before that layer's
+    attention) and compute only their own tokens; every token equals HF + PEFT's."""
+    system = ids(41, 11)
+    reqs = [seq(i, system + ids(3 + i, 400 + i), "a8", adapters) for i in range(6)]
+    eng = engine(tiny_llama)
+    got = run(eng, reqs)
+    assert prefill_rows(eng) == len(reqs[0].prompt_ids) + sum(len(s.prompt_ids) - 40 for s in reqs[1:])
+    assert [s.cached_tokens for s in reqs] == [0] + [40] * 5
+    ref = HFReference(tiny_llama, adapters)
+    for s in reqs:
+        assert got[s.id] == ref.greedy(s.prompt_ids, "a8", NEW, eos=None), s.id

@@ -157,6 +157,7 @@ class Batcher:
                     break
                 budget -= n
             plan.work.append(RowWork(seq, seq.num_cached, seq.num_cached + n, seq.num_cached + n == seq.num_tokens))
+        self._computed(plan.work)  # the pages these rows fill are found by requests admitted below
         # 3. Admission: the oldest waiting requests that fit.
         want = min(self.admit_batch, len(self.waiting))
         free = self.max_batch_size - len(self.running)
@@ -220,14 +221,19 @@ class Batcher:
             self.running.append(seq)
             first = min(n - cached, budget) if chunked else n - cached
             plan.work.append(RowWork(seq, cached, cached + first, cached + first == n))
+            self._computed(plan.work[-1:])
             budget -= first
             admitted_any = True
-        # Host bookkeeping: these rows' K/V are written by this step (before any later step reads them).
-        for w in plan.work:
+        return plan
+
+    def _computed(self, work: list[RowWork]) -> None:
+        """Host bookkeeping: these rows' K/V are written by this step (before any later step reads them, and
+        in each layer before this step's attention reads any: a request admitted later in the same step may
+        share the full pages they complete)."""
+        for w in work:
             w.seq.num_cached = w.end
             if self.blocks.caching:
                 self._register(w.seq)
-        return plan
 
     # -- the prefix cache -------------------------------------------------------------------------------
     def _keys(self, seq: Sequence, num_tokens: int) -> list[bytes]:

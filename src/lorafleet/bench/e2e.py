@@ -672,6 +672,14 @@ def main(argv: list[str] | None = None) -> int:
                         "unchunked runs; for A/B runs of one setting)")
     p.add_argument("--step-tokens", type=int, default=None, help="chunked prefill: token rows per step "
                    "(default: the engine's)")
+    from lorafleet.bench.prefix import WORKLOADS
+
+    p.add_argument("--prefix-workloads", nargs="*", default=[], choices=WORKLOADS, metavar="WL",
+                   help=f"the prefix cache's workloads ({', '.join(WORKLOADS)}), each with the cache off and on "
+                        "(bench/prefix.py); default: none")
+    p.add_argument("--prefix-adapters", type=int, default=32, help="adapters of the prefix workloads (default 32)")
+    p.add_argument("--system-tokens", type=int, default=1024, help="system prompt per adapter (default 1024)")
+    p.add_argument("--conversations", type=int, default=64, help="multi-turn: conversations of four turns (default 64)")
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama2-7b")
     p.add_argument("--tp", type=int, nargs="+", default=[1], metavar="G",
                    help="tensor-parallel group sizes to run one after another (any other value than 1, or a shape "
@@ -760,7 +768,15 @@ def main(argv: list[str] | None = None) -> int:
                     partial=True)
         args.out.write_text(json.dumps(part, indent=1))
 
-    eng = make_engine(args.max_batch, True) if args.mixes or args.profile else None
+    eng = make_engine(args.max_batch, True) if args.mixes or args.profile or args.prefix_workloads else None
+    if args.prefix_workloads:
+        from lorafleet.bench.prefix import run_workloads
+
+        results["prefix"] = run_workloads(eng, args.prefix_workloads, reqs, model.cfg.vocab_size, log,
+                                          args.prefix_adapters, args.system_tokens, args.conversations)
+        for wl, r in results["prefix"].items():
+            log(f"{wl}: cache on / off {r['on_over_off']}")
+        save_partial()
     n = len(reqs)
     for mix in args.mixes:
         if mix == "distinct":
@@ -857,6 +873,14 @@ def main(argv: list[str] | None = None) -> int:
     for r in results["runs"]:
         print(f"| {r['label']} | {r['output_tok_s']} | {r['ttft_p50_s']} | {r['ttft_p99_s']} | {r['tpot_p50_ms']} | "
               f"{r['tpot_p99_ms']} |")
+    if results.get("prefix"):
+        print("\n| workload | cache | output tok/s | TTFT p50 (s) | TTFT p99 (s) | prompt tokens computed | hit rate |")
+        print("|---|---|---|---|---|---|---|")
+        for wl, r in results["prefix"].items():
+            for k in ("off", "on"):
+                x = r[k]
+                print(f"| {wl} | {k} | {x['output_tok_s']} | {x['ttft_p50_s']} | {x['ttft_p99_s']} | "
+                      f"{x['prompt_tokens_computed']} | {x['hit_rate']} |")
     if args.plot:
         plot_mixes([results], args.plot)
     return 0

@@ -1,0 +1,167 @@
+"""The prefix cache's workloads for `lorafleet bench e2e --prefix-workloads`, each run with the cache off and
+on, one after the other, on the same engine:
+
+- `system-prompt`: every adapter of a population has its own system prompt (1,024 tokens by default) before
+  each request's ShareGPT-like user turn; all requests at t = 0.
+- `multi-turn`: conversations of four turns on one adapter each; a turn is sent, with the whole conversation
+  so far (earlier prompts and the answers the engine gave), when the previous turn ends.
+- `sharegpt`: the usual mix, one adapter per request, nothing shared: what the cache costs when nothing
+  repeats.
+
+Reported per run: output tok/s, TTFT p50/p99 (multi-turn: of turns 2-4 too), prompt tokens computed (the
+rows of prompt chunks), prompt tokens looked up and found in the cache.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+WORKLOADS = ("system-prompt", "multi-turn", "sharegpt")
+
+
+def tokens(n: int, seed: int, vocab: int) -> list[int]:
+    return np.random.default_rng(seed).integers(3, vocab, n).tolist()
+
+
+def pct(xs, q) -> float:
+    return float(np.percentile(xs, q)) if len(xs) else float("nan")
+
+
+def _submit(engine, rid: str, ids: list[int], out: int, name: str | None, source: str, arrival: float):
+    from lorafleet.runner.engine.sequence import AdapterRef, SamplingParams, Sequence
+
+    ref = AdapterRef(name, source) if name is not None else None
+    engine.submit(Sequence(rid, ids, SamplingParams(max_tokens=out, ignore_eos=True), ref, arrival=arrival))
+
+
+def _summary(label, engine, t0, first, sent, ends, n_out, prefill, stats0, extra=None) -> dict:
+    wall = time.perf_counter() - t0
+    ttft = [first[k] - sent[k] for k in first]
+    st = engine.blocks.stats
+    queries, hits = st["queries"] - stats0["queries"], st["hits"] - stats0["hits"]
+    total = sum(n_out.values())
+    res = {"label": label, "requests": len(n_out), "output_tokens": total, "seconds": round(wall, 2),
+           "output_tok_s": round(total / wall, 1), "ttft_p50_s": round(pct(ttft, 50), 3),
+           "ttft_p99_s": round(pct(ttft, 99), 3), "prompt_tokens": queries, "prompt_tokens_computed": prefill,
+           "prompt_tokens_cached": hits, "hit_rate": round(hits / queries, 3) if queries else 0.0}
+    res.update(extra or {})
+    return res
+
+
+def _steps(engine, label, first, ends, on_end=None) -> int:
+    """Step until the engine is idle; first-token and end times; on_end(seq_id, output_ids) per finished
+    request (it may submit more). The prompt rows computed."""
+    prefill = 0
+    while engine.has_work():
+        outs = engine.step()
+        prefill += engine.last_step[0]
+        now = time.perf_counter()
+        for o in outs:
+            if o.new_token_ids and o.seq_id not in first:
+                first[o.seq_id] = now
+            if o.finished:
+                if o.finish_reason not in ("length", "stop"):
+                    raise RuntimeError(f"{label}: request {o.seq_id} ended with {o.finish_reason}: {o.error}")
+                ends[o.seq_id] = now
+                if on_end is not None:
+                    on_end(o.seq_id, o.output_ids)
+    return prefill
+
+
+def run_system_prompt(engine, reqs, adapters: int, system_tokens: int, vocab: int, label: str, source=str) -> dict:
+    """`reqs` [(user prompt ids, output tokens)]; request i on adapter i % adapters, after that adapter's
+    system prompt."""
+    systems = [tokens(system_tokens, 1000 + k, vocab) for k in range(adapters)]
+    stats0 = dict(engine.blocks.stats)
+    t0 = time.perf_counter()
+    first, sent, ends, n_out = {}, {}, {}, {}
+    for i, (ids, o) in enumerate(reqs):
+        k = i % adapters
+        _submit(engine, f"s{i}", systems[k] + ids, o, f"sys{k}", source(k), float(i))
+        sent[f"s{i}"], n_out[f"s{i}"] = t0, o
+    prefill = _steps(engine, label, first, ends)
+    return _summary(label, engine, t0, first, sent, ends, n_out, prefill, stats0,
+                    {"adapters": adapters, "system_tokens": system_tokens})
+
+
+def run_multi_turn(engine, conversations: int, turns: int, adapters: int, vocab: int, label: str, seed: int = 0,
+                   source=str, user_tokens: tuple[int, int] = (40, 200), output_tokens: tuple[int, int] = (60, 160)) -> dict:
+    """`conversations` chats of `turns` turns, all starting at t = 0; turn t + 1 (its history and a new user
+    message) is sent when turn t ends."""
+    rng = np.random.default_rng(seed)
+    users = {(c, t): tokens(int(rng.integers(*user_tokens)), 10_000 + c * turns + t, vocab)
+             for c in range(conversations) for t in range(turns)}
+    outs = {(c, t): int(rng.integers(*output_tokens)) for c in range(conversations) for t in range(turns)}
+    history: dict[int, list[int]] = {c: [] for c in range(conversations)}
+    stats0 = dict(engine.blocks.stats)
+    t0 = time.perf_counter()
+    first, sent, ends, n_out = {}, {}, {}, {}
+
+    def send(c: int, t: int) -> None:
+        rid = f"c{c}t{t}"
+        history[c] = history[c] + users[(c, t)]
+        _submit(engine, rid, history[c], outs[(c, t)], f"chat{c % adapters}", source(c % adapters), float(c))
+        sent[rid], n_out[rid] = time.perf_counter(), outs[(c, t)]
+
+    def on_end(rid: str, output_ids) -> None:
+        c, t = (int(x) for x in rid[1:].split("t"))
+        history[c] = history[c] + list(output_ids or [])
+        if t + 1 < turns:
+            send(c, t + 1)
+
+    for c in range(conversations):
+        send(c, 0)
+    prefill = _steps(engine, label, first, ends, on_end)
+    later = [first[k] - sent[k] for k in first if not k.endswith("t0")]
+    return _summary(label, engine, t0, first, sent, ends, n_out, prefill, stats0,
+                    {"conversations": conversations, "turns": turns,
+                     "ttft_later_turns_p50_s": round(pct(later, 50), 3),
+                     "ttft_later_turns_p99_s": round(pct(later, 99), 3)})
+
+
+def run_sharegpt(engine, reqs, label: str, source=str) -> dict:
+    """The usual requests, one adapter each: nothing to share."""
+    stats0 = dict(engine.blocks.stats)
+    t0 = time.perf_counter()
+    first, sent, ends, n_out = {}, {}, {}, {}
+    for i, (ids, o) in enumerate(reqs):
+        _submit(engine, f"g{i}", ids, o, f"one{i}", source(i), float(i))
+        sent[f"g{i}"], n_out[f"g{i}"] = t0, o
+    prefill = _steps(engine, label, first, ends)
+    return _summary(label, engine, t0, first, sent, ends, n_out, prefill, stats0)
+
+
+def run_workloads(engine, workloads, reqs, vocab: int, log, adapters: int = 32, system_tokens: int = 1024,
+                  conversations: int = 64, source=str, user_tokens=(40, 200), output_tokens=(60, 160)) -> dict:
+    """Each workload with the prefix cache off, then on (the same engine; cached pages dropped in between);
+    the on / off ratios."""
+    out = {}
+    for wl in workloads:
+        runs = {}
+        for on in (False, True):
+            engine.blocks.clear_cache()
+            engine.blocks.caching = on
+            label = f"{wl} (cache {'on' if on else 'off'})"
+            if wl == "system-prompt":
+                r = run_system_prompt(engine, reqs, adapters, system_tokens, vocab, label, source)
+            elif wl == "multi-turn":
+                r = run_multi_turn(engine, conversations, 4, adapters, vocab, label, source=source,
+                                   user_tokens=user_tokens, output_tokens=output_tokens)
+            else:
+                r = run_sharegpt(engine, reqs, label, source)
+            runs["on" if on else "off"] = r
+            log(f"{label:>28}: {r['output_tok_s']:8.1f} tok/s  TTFT p50 {r['ttft_p50_s']:.2f}s p99 {r['ttft_p99_s']:.2f}s"
+                f"  prompt tokens computed {r['prompt_tokens_computed']} of {r['prompt_tokens']}"
+                f" (hit rate {r['hit_rate']:.0%})" + (f"  later turns TTFT p50 {r['ttft_later_turns_p50_s']:.2f}s"
+                                                       if "ttft_later_turns_p50_s" in r else ""))
+        on, off = runs["on"], runs["off"]
+        ratio = {"output_tok_s": round(on["output_tok_s"] / off["output_tok_s"], 3),
+                 "ttft_p50": round(on["ttft_p50_s"] / off["ttft_p50_s"], 3) if off["ttft_p50_s"] else None,
+                 "prompt_tokens_computed": round(on["prompt_tokens_computed"] / max(off["prompt_tokens_computed"], 1), 3)}
+        if "ttft_later_turns_p50_s" in on:
+            ratio["ttft_later_turns_p50"] = round(on["ttft_later_turns_p50_s"] / off["ttft_later_turns_p50_s"], 3)
+        out[wl] = {**runs, "on_over_off": ratio}
+    engine.blocks.caching = True
+    return out
