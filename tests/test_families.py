@@ -146,3 +146,28 @@ def test_a_context_past_the_models_is_refused(family):
     _, model, _ = family
     with pytest.raises(ModelConfigError, match="max_model_len 100000 exceeds the model's context of"):
         Engine(str(model), EngineConfig(device="cpu", num_pages=50, max_model_len=100000))
+
+
+def test_family_with_shared_prefixes_equals_hf_peft(family):
+    """Requests that share a prompt prefix longer than the window reuse its cached pages (two waves, the
+    second finding the first's pages) and still produce HF + PEFT's tokens, for every family."""
+    name, model, ads = family
+    g = torch.Generator().manual_seed(29)
+    system = torch.randint(3, 256, (22,), generator=g).tolist()
+    names = [None, "all8", "attn4", "mlp16"]
+    waves = [[Sequence(f"w{w}r{i}", system + torch.randint(3, 256, (3 + i,), generator=g).tolist(),
+                       SamplingParams(max_tokens=6, ignore_eos=True),
+                       AdapterRef(names[i], str(ads[names[i]])) if names[i] else None, arrival=float(4 * w + i))
+              for i in range(4)] for w in range(2)]
+    eng = Engine(str(model), EngineConfig(device="cpu", max_batch_size=8, page_size=4, num_pages=400,
+                                          max_lora_rank=16, overlap=True, chunked_prefill=True, max_step_tokens=19))
+    got = {}
+    try:
+        for wave in waves:
+            got |= {k: v.output_ids for k, v in eng.run_to_completion(wave).items()}
+    finally:
+        eng.close()
+    assert all(s.cached_tokens == 20 for s in waves[1])
+    ref = HFReference(model, ads)
+    for s in waves[0] + waves[1]:
+        assert got[s.id] == ref.greedy(s.prompt_ids, s.adapter.name if s.adapter else None, 6, eos=None), (name, s.id)
