@@ -104,6 +104,16 @@ class EngineConfig:
     tp: int = 1  # tensor parallelism: GPUs of this node driven as one engine (ranks 1..tp-1 in child processes)
     allow_synthetic: bool = False  # benchmarks: accept synthetic://SEED adapter sources (never from the network)
     prefix_cache: bool = True  # keep full KV pages for later requests with the same prefix, adapter and salt
+    # "fp8": the projection weights in FP8 (e4m3, a scale per output row; quantized at load from a bf16/fp16
+    # checkpoint); None: as the checkpoint stores them (a pre-quantized FP8 checkpoint runs in FP8)
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8: e4m3 K/V pages
+
+    def __post_init__(self):
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be fp8 or none, got {self.quantization!r}")
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
     kernels: KernelChoices | None = None  # None: from the environment at engine start (KernelChoices.from_env)
     extra: dict = field(default_factory=dict, compare=False)
 

@@ -19,6 +19,7 @@ from lorafleet.runner.executor.kv_cache import KVCache, bytes_per_token
 from lorafleet.runner.executor.model_runner import ModelRunner
 from lorafleet.runner.lora.pool import LoraPool
 from lorafleet.runner.model.decoder import Decoder
+from lorafleet.runner.model.fp8 import E4M3, fp8_tensor_cores
 from lorafleet.runner.model.rope_kv import make_kv_writer
 from lorafleet.runner.model.weights import load_model
 
@@ -78,9 +79,10 @@ def build_executor(model: "str | Decoder", config: EngineConfig, shard=None, gro
         device = device or resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
         t0 = time.perf_counter()
-        loaded = load_model(model, shard, device, dtype)
+        loaded = load_model(model, shard, device, dtype, fp8=config.quantization == "fp8")
         full = loaded.config
         check_context(config, full)
+        check_fp8(loaded.params.fp8, device)
         cfg = shard.config(full) if shard is not None else full
         net = Decoder(cfg, loaded.params, dtype, device, kernels, full_cfg=full,
                       all_reduce=group.all_reduce if group is not None else None,
@@ -96,21 +98,31 @@ def build_executor(model: "str | Decoder", config: EngineConfig, shard=None, gro
         slots = config.lora_slots or (64 if device.type == "cuda" else 8)
         lora_pool = LoraPool(rank_cfg.base_shape(), slots, config.max_lora_rank, dtype, device, shard,
                              net.full_cfg.base_shape())
-    num_pages = config.num_pages or default_pages(rank_cfg, dtype, device, config)
+    kv_dtype = E4M3 if config.kv_cache_dtype == "fp8" else dtype
+    num_pages = config.num_pages or default_pages(rank_cfg, kv_dtype, device, config)
     if group is not None:
         num_pages = group.min_int(num_pages)  # every rank must hold the same pages
     # one extra page: the scratch page padded rows of captured CUDA graphs write to
-    kv = KVCache(rank_cfg, num_pages + 1, config.page_size, dtype, device)
+    kv = KVCache(rank_cfg, num_pages + 1, config.page_size, kv_dtype, device)
     net.attach_kv(make_kv_writer(net, kv.flat, kernels.rope_kv))
     from lorafleet.runner.executor.attention.select import attention_backend
 
-    attention = attention_backend(kv, rank_cfg, device, kernels)
+    attention = attention_backend(kv, rank_cfg, device, kernels, dtype)
     sgmv = make_sgmv(device, dtype, kernels)
     budget = step_budget(config, device)
     graphs = make_graphs(net, attention, lora_pool, sgmv, config, num_pages)
     mixed = make_piecewise(net, attention, lora_pool, sgmv, config, budget, num_pages) if graphs is not None else None
     runner = ModelRunner(net, attention, lora_pool, sgmv, config.page_size, graphs, mixed, kernels)
     return Executor(net, device, dtype, kv, num_pages, lora_pool, attention, sgmv, runner, budget)
+
+
+def check_fp8(fp8: bool, device: torch.device) -> None:
+    """FP8 weights run on FP8 tensor cores or, on the CPU, weight-only; a GPU without FP8 tensor cores (an
+    A100) is refused rather than dequantizing every weight in every step."""
+    if fp8 and device.type == "cuda" and not fp8_tensor_cores(device):
+        cap = ".".join(map(str, torch.cuda.get_device_capability(device)))
+        raise ModelConfigError(f"FP8 weights need a GPU with FP8 tensor cores (compute capability 8.9 or later); "
+                               f"this one is {cap}: serve the bf16 checkpoint instead")
 
 
 def check_context(config: EngineConfig, cfg: ModelConfig) -> None:

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from lorafleet.models.contract import ModelConfig
 from lorafleet.runner.config import KernelChoices
+from lorafleet.runner.model.fp8 import Fp8Weight, fp8_linear, fp8_tensor_cores
 from lorafleet.runner.model.ops import make_ops, prefer_cublaslt
 from lorafleet.runner.model.rope import Rope
 
@@ -48,7 +49,7 @@ class LoraStep(Protocol):
 @dataclass
 class LayerWeights:
     attn_norm: torch.Tensor  # [H]
-    qkv: torch.Tensor  # [q_dim + 2 * kv_dim, H]
+    qkv: torch.Tensor  # [q_dim + 2 * kv_dim, H] (or an Fp8Weight, as o, gate_up and down)
     o: torch.Tensor  # [H, q_dim]
     mlp_norm: torch.Tensor  # [H]
     gate_up: torch.Tensor  # [2 * I, H]
@@ -118,6 +119,8 @@ class Decoder:
         # Steps of at most this many rows run the o and down GEMMs on cuBLASLt (measured on the H200 for
         # one-GPU shapes, so not with tensor parallelism).
         self.lt_rows = kernels.blas_lt_rows if self.device.type == "cuda" and all_reduce is None else 0
+        # FP8 projection weights (runner/model/fp8.py): products on FP8 tensor cores where the GPU has them
+        self.fp8_tensor_cores = fp8_tensor_cores(self.device)
         self.embed_scale = (torch.tensor(cfg.embed_scale, dtype=torch.float32).to(dtype).item()
                             if cfg.embed_scale is not None else None)
         self.num_layers = cfg.num_layers
@@ -186,7 +189,7 @@ class Decoder:
             residual, x = h, ops.rms_norm(h, lw.attn_norm)
         else:
             x, residual = ops.add_rms_norm(h, residual, lw.attn_norm)
-        qkv = F.linear(x, lw.qkv, lw.qkv_bias)  # [T, q_dim + 2 kv_dim]
+        qkv = self._linear(x, lw.qkv, lw.qkv_bias)  # [T, q_dim + 2 kv_dim]
         expand = None
         if lora is not None:
             expand = lora.add_qkv(i, x, qkv.split([c.q_dim, c.kv_dim, c.kv_dim], dim=-1))
@@ -212,7 +215,7 @@ class Decoder:
         if lw.post_attn_norm is not None:
             out = ops.rms_norm(out, lw.post_attn_norm)
         x, residual = ops.add_rms_norm(out, residual, lw.mlp_norm)
-        gu = F.linear(x, lw.gate_up, lw.gate_up_bias)  # [T, 2 I]
+        gu = self._linear(x, lw.gate_up, lw.gate_up_bias)  # [T, 2 I]
         if lora is not None:
             gate, up = gu.split([c.intermediate_size, c.intermediate_size], dim=-1)
             lora.add(i, GATE_UP, x, (gate, up))
@@ -226,8 +229,16 @@ class Decoder:
             h = ops.rms_norm(h, lw.post_mlp_norm)
         return h, residual
 
-    def _linear_small(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    def _linear(self, x: torch.Tensor, w, b: torch.Tensor | None) -> torch.Tensor:
+        """x @ w.T + b for a bf16/fp16/fp32 weight or an FP8 one."""
+        if isinstance(w, Fp8Weight):
+            return fp8_linear(x, w, b, self.fp8_tensor_cores)
+        return F.linear(x, w, b)
+
+    def _linear_small(self, x: torch.Tensor, w, b: torch.Tensor | None) -> torch.Tensor:
         """x @ w.T + b; on cuBLASLt for steps of at most `lt_rows` rows (the o and down projections)."""
+        if isinstance(w, Fp8Weight):
+            return fp8_linear(x, w, b, self.fp8_tensor_cores)
         if 0 < x.shape[0] <= self.lt_rows:
             with prefer_cublaslt():
                 return F.linear(x, w, b)

@@ -17,6 +17,8 @@ import logging
 
 import torch
 
+from lorafleet.runner.model.fp8 import to_e4m3
+
 log = logging.getLogger(__name__)
 
 
@@ -36,8 +38,12 @@ class TorchKvWriter:
         q, k = m.ops.apply_rope(c.layer_rope[layer], q.view(T, c.num_heads, c.head_dim),
                                 k.view(T, c.num_kv_heads, c.head_dim), io.positions, io.cos_sin)
         k_flat, v_flat = self.flat(layer)
+        v = v.view(T, c.num_kv_heads, c.head_dim)
+        if k_flat.dtype != k.dtype:  # FP8 pages: saturating e4m3 (scale 1), copied as bytes
+            k_flat, v_flat = k_flat.view(torch.uint8), v_flat.view(torch.uint8)
+            k, v = to_e4m3(k).view(torch.uint8), to_e4m3(v).view(torch.uint8)
         k_flat.index_copy_(0, io.slots, k)
-        v_flat.index_copy_(0, io.slots, v.view(T, c.num_kv_heads, c.head_dim))
+        v_flat.index_copy_(0, io.slots, v)
         if io.static:
             io.q.view(T, c.num_heads, c.head_dim).copy_(q)
             return io.q
@@ -77,12 +83,12 @@ class FusedKvWriter:
 
 def make_kv_writer(model, flat, fused: bool = True):
     """The fused writer where it can run (CUDA, flashinfer's ops whose cos/sin caches it shares, fp16/bf16,
-    full rotary embeddings, head_dim a multiple of 4, `fused` i.e. KernelChoices.rope_kv, the extension
-    builds), else the torch writer."""
+    full rotary embeddings, head_dim a multiple of 4, pages in the model's dtype (not FP8), `fused` i.e.
+    KernelChoices.rope_kv, the extension builds), else the torch writer."""
     c = model.cfg
     ok = (fused and model.device.type == "cuda" and hasattr(model.ops, "caches")
           and model.dtype in (torch.float16, torch.bfloat16) and c.head_dim % 4 == 0
-          and all(r.rotary_dim == c.head_dim for r in c.ropes))
+          and all(r.rotary_dim == c.head_dim for r in c.ropes) and flat(0)[0].dtype == model.dtype)
     if ok:
         try:
             from lorafleet.runner.kernels import load

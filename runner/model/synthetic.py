@@ -101,15 +101,17 @@ def synthetic_marker(path: str | Path) -> tuple[int, float]:
     return int(m.get("seed", 0)), float(m.get("std", STD))
 
 
-def random_model(device, dtype, seed: int, hf_config: dict, std: float = STD, name: str = "synthetic", kernels=None):
-    """A whole Decoder of `hf_config` with the weights a synthetic directory of this seed gives."""
+def random_model(device, dtype, seed: int, hf_config: dict, std: float = STD, name: str = "synthetic", kernels=None,
+                 fp8: bool = False):
+    """A whole Decoder of `hf_config` with the weights a synthetic directory of this seed gives (`fp8`: its
+    projection weights quantized to FP8 with per-row scales)."""
     from lorafleet.models import registry
     from lorafleet.runner.model.decoder import Decoder
     from lorafleet.runner.model.weights import Params
 
     fam = registry.family_for(hf_config)
     cfg = fam.config(hf_config, name)
-    params = Params(fam, cfg, SyntheticReader(fam, cfg, seed, device, dtype, std), None, device, dtype)
+    params = Params(fam, cfg, SyntheticReader(fam, cfg, seed, device, dtype, std), None, device, dtype, fp8)
     return Decoder(cfg, params, dtype, device, kernels=kernels)
 
 

@@ -164,13 +164,20 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
 # --- the engine's parameters ------------------------------------------------------------------------------
 
 
+PROJECTION_PARAMS = ("qkv", "o", "gate_up", "down")  # the engine parameters FP8 applies to
+
+
 class Params:
     """The engine parameters of a model (this tensor-parallel rank's part), read on `pop` from a reader in
     checkpoint names through the family's plan, on `device` in `dtype`."""
 
-    def __init__(self, family: Family, cfg: ModelConfig, reader, shard=None, device="cpu", dtype=torch.float32):
+    def __init__(self, family: Family, cfg: ModelConfig, reader, shard=None, device="cpu", dtype=torch.float32,
+                 fp8: bool = False, scheme=None):
+        """`fp8`: the projection weights as per-row-scaled FP8 (quantized here from a bf16/fp16 checkpoint, or
+        as a pre-quantized checkpoint's `scheme` (lorafleet.models.quant) stores them)."""
         self.family, self.cfg, self.reader, self.shard = family, cfg, reader, shard
         self.device, self.dtype = torch.device(device), dtype
+        self.fp8, self.scheme = fp8 or scheme is not None, scheme
         self.plan = {p.name: p for p in checkpoint_plan(family, cfg)}
         self.read_names: set[str] = set()
         if cfg.tie_word_embeddings:  # transformers ties lm_head to the embedding, whatever the file holds
@@ -184,6 +191,8 @@ class Params:
             raise KeyError(name)
         if name == "lm_head" and self.cfg.tie_word_embeddings:
             return None
+        if self.fp8 and name.startswith("layers.") and name.rsplit(".", 1)[1] in PROJECTION_PARAMS:
+            return self._pop_fp8(param)
         pieces = []
         for part in param.parts:
             self.read_names.add(part.name)
@@ -197,6 +206,49 @@ class Params:
             pieces.append(t)
         t = pieces[0] if len(pieces) == 1 else torch.cat([p.to(self.device) for p in pieces], 0)
         return t.to(device=self.device, dtype=self.dtype).contiguous()
+
+    def _pop_fp8(self, param):
+        """A projection weight as per-row-scaled FP8, this rank's rows (column-parallel) or columns
+        (row-parallel: scales of whole rows, so that every tensor-parallel size rounds alike)."""
+        from lorafleet.runner.model.fp8 import E4M3, Fp8Weight, from_checkpoint, quantize_rows
+
+        pieces = []
+        for part in param.parts:
+            self.read_names.add(part.name)
+            if part.name not in self.reader.names():
+                raise WeightsError(f"the weights lack tensor {part.name} (is this a {self.family.name} checkpoint?)")
+            # block scales cover whole 128 x 128 tiles: read the whole tensor, then take this part's rows
+            block = self.scheme is not None and self.scheme.strategy == "block"
+            rows = None if block else part.rows
+            tp = self.shard is not None and self.shard.size > 1
+            if tp and part.split == 0 and not block:
+                lo, hi = rows if rows is not None else (0, self.reader.shape(part.name)[0])
+                a, b = self.shard.span(hi - lo)
+                rows = (lo + a, lo + b)
+            t = self.reader.read(part.name, rows, None)
+            if t.dtype == E4M3:
+                if self.scheme is None:
+                    raise WeightsError(f"{part.name} is FP8 but the config has no quantization_config")
+                sname = part.name[: -len("weight")] + self.scheme.scale_name
+                self.read_names.add(sname)
+                if sname not in self.reader.names():
+                    raise WeightsError(f"the weights lack the FP8 scale {sname}")
+                srows = rows if self.scheme.strategy == "channel" else None
+                w = from_checkpoint(t, self.reader.read(sname, srows, None), self.scheme.strategy, self.scheme.block)
+            else:  # a bf16/fp16 checkpoint, or a module the checkpoint left unquantized
+                w = quantize_rows(t)
+            if block:
+                lo, hi = part.rows if part.rows is not None else (0, w.q.shape[0])
+                if tp and part.split == 0:
+                    a, b = self.shard.span(hi - lo)
+                    lo, hi = lo + a, lo + b
+                w = Fp8Weight(w.q[lo:hi].contiguous(), w.scale[lo:hi].contiguous())
+            if tp and part.split == 1:
+                w = w.narrow_cols(*self.shard.span(w.q.shape[1]))
+            pieces.append(w)
+        q = torch.cat([p.q for p in pieces], 0) if len(pieces) > 1 else pieces[0].q
+        s = torch.cat([p.scale for p in pieces], 0) if len(pieces) > 1 else pieces[0].scale
+        return Fp8Weight(q.contiguous(), s.contiguous()).to(self.device)
 
     def _read(self, part) -> torch.Tensor | None:
         rows, cols = part.rows, None
@@ -340,10 +392,11 @@ def load_gguf(path: str | Path) -> tuple[Family, dict, dict[str, torch.Tensor]]:
 # --- any model path ---------------------------------------------------------------------------------------
 
 
-def load_model(path: str | Path, shard=None, device="cpu", dtype=torch.float32) -> Loaded:
+def load_model(path: str | Path, shard=None, device="cpu", dtype=torch.float32, fp8: bool = False) -> Loaded:
     """Family, whole-model config and (lazy) engine parameters of this tensor-parallel rank from an HF
     directory, a .gguf file or a synthetic model directory (seeded random weights drawn on `device` in
-    `dtype`, see runner/model/synthetic.py)."""
+    `dtype`, see runner/model/synthetic.py). `fp8`: projection weights as FP8 (a pre-quantized checkpoint's
+    always are)."""
     from lorafleet.runner.model import synthetic
 
     p = Path(path)
@@ -371,4 +424,10 @@ def load_model(path: str | Path, shard=None, device="cpu", dtype=torch.float32) 
         raise WeightsError(f"{p.name}: {exc}") from None
     if shard is not None:
         shard.check(config)
-    return Loaded(fam, config, Params(fam, config, reader, shard, device, dtype), hf)
+    from lorafleet.models.quant import quant_scheme
+
+    try:
+        scheme = quant_scheme(hf)
+    except ModelConfigError as exc:
+        raise WeightsError(f"{p.name}: {exc}") from None
+    return Loaded(fam, config, Params(fam, config, reader, shard, device, dtype, fp8, scheme), hf)

@@ -111,6 +111,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-prefix-cache", action="store_true", help="do not reuse the KV pages of shared prompt "
                    "prefixes between requests (reused by default)")
+    from lorafleet.runner.service.server import add_precision_arguments
+
+    add_precision_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -164,7 +167,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = EngineConfig(
         max_batch_size=args.max_batch_size, page_size=args.page_size, num_pages=args.kv_pages,
         max_lora_rank=args.max_lora_rank, lora_slots=args.lora_slots, dtype=args.dtype, device=args.device,
-        requeue_evicted=True, prefix_cache=not args.no_prefix_cache,
+        requeue_evicted=True, prefix_cache=not args.no_prefix_cache, quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     engine = Engine(str(model), cfg)
     by_id = {s.id: s for s in seqs}

@@ -418,6 +418,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1,
                    help="tensor parallelism: drive this many GPUs of the node as one engine (from --device on)")
     add_prefix_cache_argument(p)
+    add_precision_arguments(p)
 
 
 PREFIX_CACHE_HELP = ("do not keep KV pages for later requests (the prefix cache is on by default: full pages of a "
@@ -426,6 +427,16 @@ PREFIX_CACHE_HELP = ("do not keep KV pages for later requests (the prefix cache 
 
 def add_prefix_cache_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-cache", action="store_true", help=PREFIX_CACHE_HELP)
+
+
+def add_precision_arguments(p: argparse.ArgumentParser) -> None:
+    """--quantization and --kv-cache-dtype (serve, runner, generate, bench)."""
+    p.add_argument("--quantization", choices=["fp8"], default=None,
+                   help="fp8: projection weights in FP8 (e4m3, a scale per output row, quantized at load; products on "
+                        "FP8 tensor cores with activations quantized per token, weight-only on the CPU). Default: as "
+                        "the checkpoint stores them (a pre-quantized FP8 checkpoint runs in FP8)")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                   help="K/V pages in the model's dtype (auto, the default) or FP8 e4m3 (half the bytes of bf16)")
 
 
 def engine_config(args: argparse.Namespace):
@@ -438,6 +449,7 @@ def engine_config(args: argparse.Namespace):
         cuda_graphs=not args.no_cuda_graphs, admit_batch=args.admit_batch, admit_wait_steps=args.admit_wait_steps,
         max_step_tokens=args.max_step_tokens, chunked_prefill=False if args.no_chunked_prefill else None, tp=args.tp,
         decode_prefill_tokens=args.decode_prefill_tokens, prefix_cache=not args.no_prefix_cache,
+        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
     )
 
 

@@ -56,6 +56,10 @@ def runner_command(args: argparse.Namespace, model: str, port: int, rid: str, de
         cmd.append("--no-cuda-graphs")
     if getattr(args, "no_prefix_cache", False):
         cmd.append("--no-prefix-cache")
+    if getattr(args, "quantization", None):
+        cmd += ["--quantization", args.quantization]
+    if getattr(args, "kv_cache_dtype", "auto") != "auto":
+        cmd += ["--kv-cache-dtype", args.kv_cache_dtype]
     if getattr(args, "tp", 1) > 1:
         cmd += ["--tp", str(args.tp)]
     threads = runner_threads(args, device)
@@ -194,6 +198,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cuda-graphs", action="store_true", help="runners step eagerly on CUDA")
     p.add_argument("--no-prefix-cache", action="store_true", help="runners keep no KV pages for later requests "
                    "(on by default: requests with the same prefix, adapter and cache salt reuse full pages)")
+    p.add_argument("--quantization", choices=["fp8"], default=None,
+                   help="runners hold the projection weights in FP8 (default: as the checkpoint stores them)")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                   help="runners' K/V pages: the model's dtype (auto, the default) or FP8")
     p.add_argument("--tp", type=int, default=1, help="tensor parallelism: GPUs per runner (runner i uses "
                    "cuda:i*tp .. cuda:i*tp+tp-1)")
     from lorafleet.scheduler import limits

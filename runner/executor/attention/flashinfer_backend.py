@@ -60,14 +60,20 @@ class FlashInferAttention:
 
     name = "flashinfer"
 
-    def __init__(self, kv: KVCache, cfg, device: torch.device, prefill_choice: str = "auto"):
+    def __init__(self, kv: KVCache, cfg, device: torch.device, prefill_choice: str = "auto",
+                 q_dtype: torch.dtype | None = None):
         self.kv, self.cfg, self.device = kv, cfg, device
+        self.q_dtype = q_dtype or kv.k.dtype  # FP8 pages: queries stay in the model's dtype
+        self.kv_dtype = kv.k.dtype
         self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.sm_scale, self.soft_cap = cfg.softmax_scale, cfg.attn_softcap or 0.0
         self.decode_tc = self.h // self.hkv >= 4
         sm90 = torch.cuda.get_device_capability(device)[0] == 9
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-        if prefill_choice == "auto" and sm90 and self.d in FA3_HEAD_DIMS:  # per step the one meta.prefill_kernel picks
+        fp8_pages = self.kv_dtype != self.q_dtype
+        if fp8_pages and prefill_choice == "fa3":
+            raise ValueError("flashinfer's FA3 prefill takes FP8 K/V pages only with FP8 queries: use fa2 or auto")
+        if prefill_choice == "auto" and sm90 and self.d in FA3_HEAD_DIMS and not fp8_pages:  # per step, meta.prefill_kernel
             self.prefill_kinds = ("fa2", "fa3")
         else:  # forced, or FA3 cannot run (not sm90, or a head size it lacks): flashinfer's auto is FA2 then
             self.prefill_kinds = (prefill_choice,)
@@ -95,11 +101,10 @@ class FlashInferAttention:
         """Plan a prefill wrapper for requests with these query row offsets, pages and KV lengths."""
         indptr, indices, last = page_table_arrays(page_tables, kv_lens, self.kv.page_size, pin=True)
         qo = torch.tensor(qo_indptr, dtype=torch.int32, pin_memory=True)
-        dt = self.kv.k.dtype
         with self.planning(wrapper):
             wrapper.plan(qo, indptr, indices, last, self.h, self.hkv, self.d, self.kv.page_size, causal=True,
-                         q_data_type=dt, kv_data_type=dt, sm_scale=self.sm_scale, window_left=window_left,
-                         logits_soft_cap=self.soft_cap)
+                         q_data_type=self.q_dtype, kv_data_type=self.kv_dtype, sm_scale=self.sm_scale,
+                         window_left=window_left, logits_soft_cap=self.soft_cap)
 
     def plan_decode(self, wrapper, window_left: int, page_tables, kv_lens, indices_on_device: bool = False) -> None:
         indptr, indices, last = page_table_arrays(page_tables, kv_lens, self.kv.page_size, pin=True)
@@ -109,7 +114,7 @@ class FlashInferAttention:
             indices = indices.to(self.device, non_blocking=True)
         with self.planning(wrapper):
             wrapper.plan(indptr, indices, last, self.h, self.hkv, self.d, self.kv.page_size,
-                         q_data_type=self.kv.k.dtype, kv_data_type=self.kv.k.dtype, sm_scale=self.sm_scale,
+                         q_data_type=self.q_dtype, kv_data_type=self.kv_dtype, sm_scale=self.sm_scale,
                          window_left=window_left, logits_soft_cap=self.soft_cap)
 
     def warm_up(self) -> None:
@@ -129,13 +134,13 @@ class FlashInferAttention:
                 for kv in sorted({rows, long_kv}):
                     if kv < rows or kv > cap:
                         continue
-                    q = torch.zeros(rows, self.h, self.d, dtype=self.kv.k.dtype, device=self.device)
+                    q = torch.zeros(rows, self.h, self.d, dtype=self.q_dtype, device=self.device)
                     for wrapper in ws.prefill.values():
                         self.plan_prefill(wrapper, ws.window_left, [0, rows], [list(range(-(-kv // ps)))], [kv])
                         wrapper.run(q, cache)
             for kv in sorted({1, long_kv}):
                 self.plan_decode(ws.decode, ws.window_left, [list(range(-(-kv // ps)))], [kv])
-                ws.decode.run(torch.zeros(1, self.h, self.d, dtype=self.kv.k.dtype, device=self.device), cache)
+                ws.decode.run(torch.zeros(1, self.h, self.d, dtype=self.q_dtype, device=self.device), cache)
         torch.cuda.synchronize(self.device)
 
     def prefill_kind(self, qo_lens: list[int]) -> str:

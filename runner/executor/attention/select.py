@@ -12,8 +12,9 @@ from lorafleet.runner.executor.attention.torch_backend import TorchAttention
 log = logging.getLogger(__name__)
 
 
-def attention_backend(kv, cfg, device: torch.device, kernels: KernelChoices):
-    """`cfg`: this rank's ModelConfig (heads, windows, scale); `kernels.attention`: auto, flashinfer or torch."""
+def attention_backend(kv, cfg, device: torch.device, kernels: KernelChoices, q_dtype: torch.dtype | None = None):
+    """`cfg`: this rank's ModelConfig (heads, windows, scale); `kernels.attention`: auto, flashinfer or torch;
+    `q_dtype`: the queries' dtype (the model's; the K/V pages may be FP8)."""
     choice = kernels.attention
     if device.type == "cuda" and choice in ("auto", "flashinfer"):
         try:
@@ -23,7 +24,7 @@ def attention_backend(kv, cfg, device: torch.device, kernels: KernelChoices):
                 raise RuntimeError(f"LORAFLEET_ATTENTION=flashinfer but flashinfer is not importable: {exc}") from None
             log.warning("flashinfer not available (%s); using the torch attention path", exc)
         else:
-            return FlashInferAttention(kv, cfg, device, kernels.prefill)
+            return FlashInferAttention(kv, cfg, device, kernels.prefill, q_dtype)
     elif choice == "flashinfer":
         raise RuntimeError("LORAFLEET_ATTENTION=flashinfer needs a CUDA device")
     return TorchAttention(kv, cfg)

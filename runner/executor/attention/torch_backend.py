@@ -9,6 +9,13 @@ from lorafleet.runner.executor.attention.meta import AttnMeta
 from lorafleet.runner.executor.kv_cache import KVCache
 
 
+def gather(pages: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Token slots `idx` of a layer's pages as fp32 (FP8 pages gathered as bytes: torch indexes no float8)."""
+    if pages.element_size() == 1 and pages.is_floating_point():
+        return pages.view(torch.uint8)[idx].view(pages.dtype).float()
+    return pages[idx].float()
+
+
 class TorchAttention:
     """Attends per request over its pages (the step's K/V are written before, by the layer's K/V writer).
 
@@ -75,7 +82,7 @@ class TorchAttentionStep:
             lo, hi = meta.qo_indptr[i], meta.qo_indptr[i + 1]
             n, kv_len = hi - lo, len(s)
             qi = q[lo:hi].float().view(n, b.hkv, g, b.d)  # [n, Hkv, G, D]
-            ki, vi = k_flat[s].float(), v_flat[s].float()  # [L, Hkv, D]
+            ki, vi = gather(k_flat, s), gather(v_flat, s)  # fp32 [L, Hkv, D]
             scores = self._scores(torch.einsum("nhgd,lhd->hgnl", qi, ki))  # [Hkv, G, n, L]
             kpos = torch.arange(kv_len, device=q.device)[None, :]
             qpos = torch.arange(n, device=q.device)[:, None] + (kv_len - n)
@@ -88,7 +95,7 @@ class TorchAttentionStep:
         if self.num_decode:
             r0 = self.dec_row0
             qd = q[r0:].float().view(self.num_decode, b.hkv, g, b.d)  # [Bd, Hkv, G, D]
-            kd, vd = k_flat[self.dec_idx].float(), v_flat[self.dec_idx].float()  # [Bd, L, Hkv, D]
+            kd, vd = gather(k_flat, self.dec_idx), gather(v_flat, self.dec_idx)  # fp32 [Bd, L, Hkv, D]
             scores = self._scores(torch.einsum("bhgd,blhd->bhgl", qd, kd))
             mask = self.dec_mask
             if window is not None:

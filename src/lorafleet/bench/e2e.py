@@ -38,17 +38,22 @@ BANDWIDTH = 4.2e12  # bytes/s: the H200's measured device-to-device copy rate
 MATMUL = 7.7e14  # FLOP/s: its measured bf16 matmul rate
 
 
-def floor_model(cfg, rank: int, dtype_bytes: int = 2, tp: int = 1) -> dict:
+def floor_model(cfg, rank: int, dtype_bytes: int = 2, tp: int = 1, proj_bytes: int | None = None,
+                kv_bytes: int | None = None) -> dict:
     """Bytes and FLOPs that any engine must spend per step, from the model's shapes:
     every layer weight and lm_head read once per step, each attended KV token read once, each
     distinct adapter's A and B read once; 2 FLOPs per weight per token row. With tensor
-    parallelism, per GPU: its 1/tp of the layers, KV and adapters, and the whole lm_head."""
+    parallelism, per GPU: its 1/tp of the layers, KV and adapters, and the whole lm_head. `proj_bytes`
+    / `kv_bytes`: bytes per projection weight / K-V element (1 with FP8; default `dtype_bytes`); FP8
+    projections also count at twice the matmul rate (the FP8 tensor cores' dense rate over bf16's)."""
     H, I, V, L = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_layers
+    proj_bytes, kv_bytes = proj_bytes or dtype_bytes, kv_bytes or dtype_bytes
     layer = H * (cfg.q_dim + 2 * cfg.kv_dim) + cfg.q_dim * H + 3 * H * I
     adapter = rank * L * (H + cfg.q_dim + 2 * (H + cfg.kv_dim) + (cfg.q_dim + H) + 2 * (H + I) + (I + H))
-    return {"weight_bytes": (L * layer // tp + V * H) * dtype_bytes,
-            "kv_bytes_per_token": 2 * L * cfg.kv_dim * dtype_bytes // tp,
-            "adapter_bytes": adapter * dtype_bytes // tp, "flops_per_row": 2 * L * layer // tp,
+    return {"weight_bytes": (L * layer // tp) * proj_bytes + V * H * dtype_bytes,
+            "kv_bytes_per_token": 2 * L * cfg.kv_dim * kv_bytes // tp,
+            "adapter_bytes": adapter * dtype_bytes // tp,
+            "flops_per_row": 2 * L * layer // tp // (2 if proj_bytes == 1 else 1),
             "lm_head_flops": 2 * V * H}
 
 
@@ -64,12 +69,13 @@ def floor_seconds(fm: dict, steps) -> float:
     return t
 
 
-def random_model(device, dtype, seed: int):
+def random_model(device, dtype, seed: int, fp8: bool = False):
     """The 7B-shape model with seeded random weights (the same weights a synthetic model directory gives),
-    built with the environment's kernel choices (the engines made on it use the same)."""
+    built with the environment's kernel choices (the engines made on it use the same); `fp8`: FP8 weights."""
     from lorafleet.runner.config import KernelChoices
 
-    return synthetic.random_model(device, dtype, seed, LLAMA2_7B, name="llama-2-7b-shape", kernels=KernelChoices.from_env())
+    return synthetic.random_model(device, dtype, seed, LLAMA2_7B, name="llama-2-7b-shape", kernels=KernelChoices.from_env(),
+                                  fp8=fp8)
 
 
 def random_adapters(base, population: int, rank: int, dtype, device, seed: int):
@@ -678,6 +684,8 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"the prefix cache's workloads ({', '.join(WORKLOADS)}), each with the cache off and on "
                         "(bench/prefix.py); default: none")
     p.add_argument("--prefix-adapters", type=int, default=32, help="adapters of the prefix workloads (default 32)")
+    p.add_argument("--quantization", choices=["fp8"], default=None, help="FP8 projection weights (default: bf16)")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="FP8 K/V pages (default: bf16)")
     p.add_argument("--system-tokens", type=int, default=1024, help="system prompt per adapter (default 1024)")
     p.add_argument("--conversations", type=int, default=64, help="multi-turn: conversations of four turns (default 64)")
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama2-7b")
@@ -727,13 +735,14 @@ def main(argv: list[str] | None = None) -> int:
 
     dev = torch.device("cuda")
     t_start = time.perf_counter()
-    model = random_model(dev, torch.bfloat16, args.seed)
+    model = random_model(dev, torch.bfloat16, args.seed, fp8=args.quantization == "fp8")
     base = model.cfg.base_shape()
     reqs = sharegpt_requests(args.requests, args.seed, model.cfg.vocab_size)
     log(f"model ready ({time.perf_counter() - t_start:.0f}s); {args.requests} requests, mean prompt "
         f"{np.mean([len(a) for a, _ in reqs]):.0f}, mean output {np.mean([b for _, b in reqs]):.0f} tokens")
     store = random_adapters(base, args.population, args.rank, torch.bfloat16, dev, args.seed + 1)
-    fm = floor_model(model.cfg, args.rank)
+    fm = floor_model(model.cfg, args.rank, proj_bytes=1 if args.quantization == "fp8" else None,
+                     kv_bytes=1 if args.kv_cache_dtype == "fp8" else None)
     log(f"{len(store)} adapters in pinned memory ({time.perf_counter() - t_start:.0f}s)")
 
     results: dict = {"card": torch.cuda.get_device_name(0), "date": str(date.today()), "torch": torch.__version__,
@@ -745,7 +754,8 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         cfg = EngineConfig(max_batch_size=max_batch, max_lora_rank=args.rank, lora_slots=max(64, 2 * max_batch),
                            enable_lora=lora, host_lora_cache=4096, kv_fraction=0.8, chunked_prefill=chunked,
-                           max_step_tokens=args.step_tokens if chunked else None)
+                           max_step_tokens=args.step_tokens if chunked else None, quantization=args.quantization,
+                           kv_cache_dtype=args.kv_cache_dtype)
         loader = None if from_disk else (lambda ref: store[int(ref.source) % len(store)])
         eng = Engine(model, cfg, adapter_loader=loader)
         built = time.perf_counter() - t0
@@ -902,7 +912,8 @@ def _tp_session(job: dict, conn) -> None:
         mcfg = registry.config_from_hf(SHAPES[job["shape"]], name=job["shape"])
         reqs = sharegpt_requests(job["requests"], job["seed"], mcfg.vocab_size)
         n = len(reqs)
-        fm = floor_model(mcfg, rank, tp=tp)
+        fm = floor_model(mcfg, rank, tp=tp, proj_bytes=1 if job.get("quantization") == "fp8" else None,
+                         kv_bytes=1 if job.get("kv_cache_dtype") == "fp8" else None)
 
         def source(i: int) -> str:
             return f"synthetic://{i % population}?rank={rank}"
@@ -911,6 +922,7 @@ def _tp_session(job: dict, conn) -> None:
         cfg = EngineConfig(tp=tp, max_batch_size=job["max_batch"], max_lora_rank=rank,
                            lora_slots=max(64, 2 * job["max_batch"]), enable_lora=lora, host_lora_cache=4096,
                            kv_fraction=0.8, allow_synthetic=True, max_step_tokens=job["step_tokens"],
+                           quantization=job.get("quantization"), kv_cache_dtype=job.get("kv_cache_dtype", "auto"),
                            **({} if cuda else {"device": "cpu", "num_pages": 2000, "page_size": 16}))
         eng = Engine(job["path"], cfg)
         out: dict = {"runs": []}
@@ -979,6 +991,7 @@ def run_tp(args) -> int:
             job = {"tp": tp, "lora": lora, "rank": args.rank, "population": population, "shape": args.shape,
                    "requests": args.requests, "seed": args.seed, "max_batch": args.max_batch,
                    "step_tokens": args.step_tokens, "path": str(path), "mixes": list(args.mixes),
+                   "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
                    "profile": args.profile}
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_tp_session, args=(job, child), daemon=False)

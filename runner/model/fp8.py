@@ -1,0 +1,91 @@
+"""FP8 (e4m3) projection weights with one fp32 scale per output row, and their product.
+
+    w ~= q.float() * scale[:, None]        q float8_e4m3fn [N, K], scale fp32 [N] = row absmax / 448
+
+On GPUs with FP8 tensor cores (compute capability 8.9 and up) the product quantizes the activations per
+token at run time (dynamic: each row of x by its own absmax / 448) and multiplies on the FP8 tensor cores
+(`torch._scaled_mm`, row-wise scales, output in the activations' dtype). Elsewhere (the CPU) it is
+weight-only: x times the dequantized weight, so the CPU runs the FP8 path's weight numerics exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+
+
+@dataclass
+class Fp8Weight:
+    q: torch.Tensor  # float8_e4m3fn [N, K]
+    scale: torch.Tensor  # fp32 [N]
+    scale_row: torch.Tensor | None = None  # fp32 [1, N] (the scaled-mm layout), made on first use
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def dequant(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (self.q.float() * self.scale[:, None]).to(dtype)
+
+    def to(self, device) -> "Fp8Weight":
+        return Fp8Weight(self.q.to(device), self.scale.to(device))
+
+    def narrow_cols(self, lo: int, hi: int) -> "Fp8Weight":
+        """Columns lo:hi (a row-parallel rank's input slice; the rows' scales stay those of whole rows)."""
+        return Fp8Weight(self.q[:, lo:hi].contiguous(), self.scale)
+
+
+def to_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """Saturating cast (values past the format's range clamp to +-448 instead of becoming NaN)."""
+    return x.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+
+
+def quantize_rows(w: torch.Tensor) -> Fp8Weight:
+    """Per-output-row scales: scale = the row's absmax / 448 (a zero row keeps a tiny scale), q = w / scale."""
+    wf = w.float()
+    scale = (wf.abs().amax(dim=1) / E4M3_MAX).clamp(min=1e-12)
+    return Fp8Weight(to_e4m3(wf / scale[:, None]), scale)
+
+
+def from_checkpoint(q: torch.Tensor, scale: torch.Tensor, strategy: str, block: tuple[int, int] | None) -> Fp8Weight:
+    """A pre-quantized weight [N, K] with its checkpoint scales: per channel ([N] or [N, 1]) and per tensor (one
+    value) as they are; 128 x 128 blocks ([ceil(N / 128), ceil(K / 128)] multipliers) dequantized and re-rounded
+    to per-row scales (exact where a row's blocks share one scale)."""
+    scale = scale.float()
+    n, k = q.shape
+    if strategy == "channel":
+        return Fp8Weight(q.to(E4M3), scale.reshape(-1).expand(n).contiguous())
+    if strategy == "tensor":
+        return Fp8Weight(q.to(E4M3), scale.reshape(-1)[:1].expand(n).contiguous())
+    if strategy == "block":
+        br, bc = block
+        full = scale.repeat_interleave(br, 0)[:n].repeat_interleave(bc, 1)[:, :k]
+        return quantize_rows(q.float() * full)
+    raise ValueError(f"unknown FP8 scale strategy {strategy!r}")
+
+
+def fp8_tensor_cores(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token quantization: (x_q float8 [M, K], scale fp32 [M, 1])."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1, keepdim=True) / E4M3_MAX).clamp(min=1e-12)
+    return to_e4m3(xf / scale), scale
+
+
+def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_cores: bool) -> torch.Tensor:
+    """x [M, K] (bf16/fp16 on the GPU, any float on the CPU) @ w.T + bias -> [M, N] in x's dtype."""
+    if not tensor_cores:
+        y = torch.nn.functional.linear(x, w.dequant(x.dtype))
+        return y if bias is None else y + bias
+    if w.scale_row is None:
+        w.scale_row = w.scale.reshape(1, -1).contiguous()
+    xq, sx = quantize_tokens(x)
+    y = torch._scaled_mm(xq, w.q.t(), scale_a=sx, scale_b=w.scale_row, out_dtype=x.dtype)
+    return y if bias is None else y + bias
