@@ -25,6 +25,7 @@ ROOTS = {
 DATA = {
     "lorafleet.csrc": ["*.cu", "*.cuh", "*.h", "*.cpp"],
     "lorafleet.runner": ["demo_adapters/*/*.json", "demo_adapters/*/*.safetensors"],
+    "lorafleet.bench": ["*.txt"],
 }
 
 
