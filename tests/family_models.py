@@ -33,6 +33,24 @@ FAMILIES = {
         max_position_embeddings=256, tie_word_embeddings=False,
         rope_scaling={"type": "longrope", "short_factor": [1.0, 1.3, 2.0, 3.1], "long_factor": [4.0] * 4})),
 }
+# GPU-sized overrides (hidden 512, 4 heads): heads of 128 everywhere (the size the released checkpoints use);
+# Gemma without the attention soft-cap (Gemma-3 has none; the CPU tests cover it); Phi-3's LongRoPE factors
+# for its 64 rotary dimensions.
+GPU_OVERRIDES = {
+    "mistral": dict(head_dim=128),
+    "qwen3": dict(head_dim=128),
+    "gemma3": dict(head_dim=128, query_pre_attn_scalar=96, attn_logit_softcapping=None),
+    "phi3": dict(rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.05 * i for i in range(32)],
+                               "long_factor": [4.0] * 32}),
+}
+
+
+def write_gpu_family_model(family: str, path: Path, **kw) -> Path:
+    """The family's model at the GPU tests' width (heads of 128, 4 layers, a vocabulary of 4,096)."""
+    return write_family_model(family, path, **{**dict(hidden=512, heads=4, inter=1024, vocab=4096, layers=4, seed=3,
+                                                      std=0.05), **GPU_OVERRIDES.get(family, {}), **kw})
+
+
 ALL_TARGETS = {  # every LoRA-able PEFT module of a family
     "phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
 }

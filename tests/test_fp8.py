@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from family_models import family_targets, write_family_model
+from fp8_reference import emulate_fp8, is_proj, rounded_copy
 from lorafleet.runner.config import EngineConfig
 from lorafleet.runner.engine.engine import Engine
 from lorafleet.runner.engine.sequence import AdapterRef, SamplingParams, Sequence
@@ -21,22 +22,6 @@ from model_helpers import write_random_adapter
 from reference import HFReference
 
 NEW = 10
-PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj")
-
-
-def is_proj(name: str) -> bool:
-    return name.endswith(".weight") and name.rsplit(".", 2)[-2] in PROJ
-
-
-def rounded_copy(model, out):
-    """The HF directory with every projection weight rounded through e4m3 with per-row scales (fp32): the
-    reference model of the FP8 path."""
-    out.mkdir()
-    sd = load_file(str(model / "model.safetensors"))
-    sd = {k: (quantize_rows(v).dequant(torch.float32) if is_proj(k) else v).contiguous() for k, v in sd.items()}
-    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text((model / "config.json").read_text())
-    return out
 
 
 def requests(ads, n=8):
@@ -91,15 +76,18 @@ def test_fp8_with_tensor_parallelism_rounds_as_one_rank(fam):
     assert one == two
 
 
-def test_fp8_kv_pages_hold_quarter_the_bytes_and_stay_close(fam):
-    """FP8 K/V pages on an fp32 CPU model: a quarter of the bytes per page; the tokens mostly agree with
-    fp32 pages (the rounding of K and V is small, not zero)."""
-    _, model, ads, _ = fam
+def test_fp8_kv_pages_equal_hf_with_k_and_v_rounded_through_e4m3(fam):
+    """FP8 K/V pages on an fp32 CPU model: a quarter of the bytes per page, and the tokens of HF + PEFT whose
+    attention sees K (after RoPE) and V rounded through e4m3 at scale 1 (fp8_reference.emulate_fp8)."""
+    name, model, ads, _ = fam
     fp32, e32 = generate(model, ads, kv_cache_gb=0.01, num_pages=None)
     fp8, e8 = generate(model, ads, kv_cache_gb=0.01, num_pages=None, kv_cache_dtype="fp8")
     assert e8.kv.k.dtype == E4M3 and e8.blocks.num_pages >= 4 * e32.blocks.num_pages - 4
-    same = sum(a == b for k in fp32 for a, b in zip(fp32[k], fp8[k]))
-    assert same >= 0.7 * sum(len(v) for v in fp32.values())
+    ref = HFReference(model, ads)
+    with emulate_fp8(ref.peft, activations=False, kv=True):
+        for s in requests(ads):
+            assert fp8[s.id] == ref.greedy(s.prompt_ids, s.adapter.name if s.adapter else None, NEW), (name, s.id)
+    assert fp8 != fp32  # the rounding is visible
 
 
 # --- pre-quantized checkpoints -----------------------------------------------------------------------------
@@ -163,7 +151,7 @@ def test_pre_quantized_checkpoints_load_as_their_scales_say(fam, fmt, tmp_path):
 
     lw = eng.model.layers[0]
     assert isinstance(lw.down, Fp8Weight)
-    down = exact[f"model.layers.0.mlp.down_proj.weight"]
+    down = exact["model.layers.0.mlp.down_proj.weight"]
     if fmt == "block":
         torch.testing.assert_close(lw.down.dequant(), down, rtol=0.07, atol=0)  # one more e4m3 rounding at most
     else:

@@ -14,8 +14,11 @@ import torch
 TOL = 0.02  # of the logit range at that position
 
 
-def hf_logits(model, ads, ids, name, dtype=torch.float32, device="cpu"):
-    """Logits at every position through HF transformers + PEFT (eager attention: soft-caps apply there)."""
+def hf_logits(model, ads, ids, name, dtype=torch.float32, device="cpu", emulate=None):
+    """Logits at every position through HF transformers + PEFT (eager attention: soft-caps apply there);
+    `emulate(model)`, a context manager, wraps the forward (e.g. fp8_reference.emulate_fp8)."""
+    import contextlib
+
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -23,7 +26,7 @@ def hf_logits(model, ads, ids, name, dtype=torch.float32, device="cpu"):
     if name:
         m = PeftModel.from_pretrained(m, str(ads[name]))
     m = m.to(device=device, dtype=dtype).eval()
-    with torch.no_grad():
+    with torch.no_grad(), (emulate(m) if emulate else contextlib.nullcontext()):
         return m(input_ids=torch.tensor([ids], device=device)).logits[0].float().cpu()
 
 
@@ -37,9 +40,12 @@ def flips_against(ref_logits, toks, n_prompt, chosen):
     return out
 
 
-def teacher_forced_check(model, ads, reqs, ref_toks, dtype: str, label: str = "", **engine_cfg):
+def teacher_forced_check(model, ads, reqs, ref_toks, dtype: str, label: str = "", ref_model=None, emulate=None,
+                         **engine_cfg):
     """`reqs` [(prompt ids, adapter name, path)], `ref_toks` the fp32 continuation of each; the GPU engine
-    (EngineConfig(**engine_cfg), `dtype`) predicts after every prefix. Returns the engine."""
+    (EngineConfig(**engine_cfg), `dtype`) predicts after every prefix. The reference (fp32 on the CPU, and
+    in `dtype` on the GPU for the tolerance) is HF on `ref_model` (default: `model`) under `emulate` (see
+    hf_logits). Returns the engine."""
     from lorafleet.runner.config import EngineConfig
     from lorafleet.runner.engine.engine import Engine
     from lorafleet.runner.engine.sequence import AdapterRef, SamplingParams, Sequence
@@ -54,8 +60,8 @@ def teacher_forced_check(model, ads, reqs, ref_toks, dtype: str, label: str = ""
     assert eng.attention.name == "flashinfer" and eng.dtype == getattr(torch, dtype)
     ours, hf, checked, k = [], [], 0, 0
     for (ids, name, _), toks in zip(reqs, ref_toks):
-        ref = hf_logits(model, ads, ids + toks, name)  # fp32, CPU: [len, V]
-        hf_low = hf_logits(model, ads, ids + toks, name, getattr(torch, dtype), "cuda")
+        ref = hf_logits(ref_model or model, ads, ids + toks, name, emulate=emulate)  # fp32, CPU: [len, V]
+        hf_low = hf_logits(ref_model or model, ads, ids + toks, name, getattr(torch, dtype), "cuda", emulate)
         n = len(ids)
         chosen = [gpu[f"f{k + j}"].output_ids[0] for j in range(new)]
         k += new
@@ -69,4 +75,37 @@ def teacher_forced_check(model, ads, reqs, ref_toks, dtype: str, label: str = ""
           f"HF {dtype} flips {len(hf)}/{checked} (worst {hf_worst:.4f})")
     assert not bad, f"{len(bad)} of {checked} positions differ beyond {dtype} noise (bound {bound:.4f}): {bad[:5]}"
     assert len(ours) <= max(2 * len(hf), checked // 20), (len(ours), len(hf))
+    return eng
+
+
+def decode_graph_vs_eager(model, reqs, label: str = "", **cfg):
+    """A decode step of 24 requests (`reqs` three times: [(prompt ids, adapter name, path)]) replayed from its
+    CUDA graph against the same step run eagerly (EngineConfig(**cfg)): the same logits up to bf16
+    kernel-choice noise (TOL of the logit range) and the same argmax at 90 % of rows or more."""
+    from lorafleet.runner.config import EngineConfig
+    from lorafleet.runner.engine.engine import Engine
+    from lorafleet.runner.engine.sequence import AdapterRef, SamplingParams, Sequence
+    from lorafleet.runner.engine.step_batch import build_step_batch
+
+    eng = Engine(str(model), EngineConfig(max_lora_rank=16, max_batch_size=32, num_pages=2048, overlap=False, **cfg))
+    assert eng.runner.graphs is not None
+    for i, (ids, n, p) in enumerate(reqs * 3):
+        eng.submit(Sequence(f"r{i}", ids, SamplingParams(max_tokens=64, ignore_eos=True),
+                            AdapterRef(n, str(p)) if n else None, arrival=float(i)))
+    for _ in range(200):  # until all 24 decode (adapter loads are asynchronous)
+        eng.step()
+        if len(eng.batcher.running) == 24 and not any(s.prefilling for s in eng.batcher.running):
+            break
+    eng._drain_inbox()
+    plan = eng.batcher.schedule()
+    assert plan.num_decode == 24 and not plan.prefill_tokens
+    batch = build_step_batch(plan.work, eng.config.page_size, 32, pin=True)
+    assert eng.runner.graphs.bucket(batch.batch_size) is not None
+    got = eng.runner.graphs.run(batch, batch.to_device(eng.device)).clone()
+    ref = eng.runner.forward(batch, batch.to_device(eng.device))
+    span = (ref.max(-1).values - ref.min(-1).values)[:, None]
+    rel = ((got - ref).abs() / span).max().item()
+    same = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    print(f"{label} decode graph vs eager: max |diff| {rel:.4f} of the logit range, argmax agreement {same:.3f}")
+    assert rel < TOL and same >= 0.9
     return eng

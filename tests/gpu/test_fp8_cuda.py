@@ -1,0 +1,99 @@
+"""FP8 on the GPU's FP8 tensor cores (`--quantization fp8`, and with `--kv-cache-dtype fp8`) against an
+independent reference: HF transformers + PEFT in fp32 on the checkpoint whose projection weights were rounded
+through e4m3 per output row, with the inputs of those projections rounded per token and (FP8 pages) K and V
+rounded through e4m3 (fp8_reference.py), teacher-forced, with the same HF model run in bf16 on the GPU as the
+tolerance (teacher.py); and decode graph replay against the eager step.
+
+Two layouts of projections: separate q/k/v and gate/up (llama3, GQA) and fused qkv / gate_up (phi3)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import teacher
+from family_models import family_targets, write_gpu_family_model
+from fp8_reference import emulate_fp8, rounded_copy
+from lorafleet.runner.config import EngineConfig
+from lorafleet.runner.engine.engine import Engine
+from lorafleet.runner.model.fp8 import E4M3, Fp8Weight, fp8_tensor_cores
+from model_helpers import write_random_adapter
+from reference import HFReference
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
+NEW = 8
+
+
+@pytest.fixture(scope="module", params=["llama3", "phi3"])
+def fam(request, tmp_path_factory):
+    if not fp8_tensor_cores(torch.device("cuda")):
+        pytest.skip("this GPU has no FP8 tensor cores (compute capability below 8.9)")
+    name = request.param
+    d = tmp_path_factory.mktemp(f"gpu-fp8-{name}")
+    model = write_gpu_family_model(name, d / "model")
+    ads = {"all16": write_random_adapter(model, d / "all16", r=16, alpha=32, targets=family_targets(name), seed=5),
+           "mlp4": write_random_adapter(model, d / "mlp4", r=4, alpha=8, targets=family_targets(name, "mlp"), seed=7)}
+    g = torch.Generator().manual_seed(17)
+    names = [None, "all16", "mlp4"]
+    reqs = [(torch.randint(3, 4096, (int(torch.randint(20, 60, (1,), generator=g)),), generator=g).tolist(),
+             names[i % 3], ads.get(names[i % 3])) for i in range(6)]
+    return name, model, rounded_copy(model, d / "rounded"), ads, reqs
+
+
+def reference_continuations(rounded, ads, reqs, kv: bool):
+    """The fp32 greedy continuation of each request under the FP8 semantics (HF + PEFT on the CPU)."""
+    ref = HFReference(rounded, ads)
+    with emulate_fp8(ref.peft, activations=True, kv=kv):
+        return [ref.greedy(ids, n, NEW) for ids, n, _ in reqs]
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_fp8_engine_matches_the_fp32_fp8_reference_teacher_forced(fam, kv):
+    name, model, rounded, ads, reqs = fam
+    fp8kv = kv == "fp8"
+    toks = reference_continuations(rounded, ads, reqs, fp8kv)
+    emulate = functools.partial(emulate_fp8, activations=True, kv=fp8kv)
+    eng = teacher.teacher_forced_check(model, ads, reqs, toks, "bfloat16", f"{name} fp8 kv={kv}", ref_model=rounded,
+                                       emulate=emulate, quantization="fp8", kv_cache_dtype=kv)
+    layer = eng.model.layers[0]
+    assert isinstance(layer.qkv, Fp8Weight) and layer.qkv.q.dtype == E4M3 and layer.qkv.q.is_cuda
+    assert (eng.kv.k.dtype == E4M3) == fp8kv
+    assert eng.sgmv.name == "cuda"
+
+
+def test_fp8_reference_is_not_the_bf16_model(fam):
+    """The check above could not pass with the FP8 path switched off: the unrounded bf16 engine misses the
+    FP8 reference at positions where its margin is large."""
+    name, model, rounded, ads, reqs = fam
+    toks = reference_continuations(rounded, ads, reqs, False)
+    plain = HFReference(model, ads)
+    base = [plain.greedy(ids, n, NEW) for ids, n, _ in reqs]
+    assert base != toks, name
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_fp8_decode_graph_replay_matches_the_eager_step(fam, kv):
+    name, model, _, _, reqs = fam
+    eng = teacher.decode_graph_vs_eager(model, reqs[:4] * 2, f"{name} fp8 kv={kv}", quantization="fp8",
+                                        kv_cache_dtype=kv)
+    assert isinstance(eng.model.layers[0].qkv, Fp8Weight)
+
+
+def test_fp8_weights_take_half_the_bytes(fam):
+    """The projections held as e4m3 (one byte per weight plus one fp32 scale per row), embeddings and lm_head in
+    bf16 as before."""
+    name, model, _, _, _ = fam
+    bf16 = Engine(str(model), EngineConfig(max_lora_rank=16, num_pages=64, cuda_graphs=False))
+    fp8 = Engine(str(model), EngineConfig(max_lora_rank=16, num_pages=64, cuda_graphs=False, quantization="fp8"))
+    try:
+        lb, lf = bf16.model.layers[0], fp8.model.layers[0]
+        for attr in ("qkv", "o", "gate_up", "down"):
+            wb, wf = getattr(lb, attr), getattr(lf, attr)
+            assert wf.q.numel() * wf.q.element_size() * 2 == wb.numel() * wb.element_size(), (name, attr)
+            torch.testing.assert_close(wf.dequant(torch.float32), wb.float(), rtol=0.07, atol=1e-6)
+        assert fp8.model.embed.dtype == torch.bfloat16 and fp8.model.lm_head.dtype == torch.bfloat16
+    finally:
+        bf16.close()
+        fp8.close()
