@@ -4,6 +4,8 @@ File format, one key per line:
 
     KEY                      # may use every model
     KEY  pirate,shouty       # may use only these (the base model's name may be listed too)
+    KEY  cache_group=team-a  # its requests share the prefix cache only with team-a's keys
+    KEY  pirate cache_group=team-a
 
 Blank lines and `#` comments are ignored (so a key cannot hold `#` or whitespace). Clients send `Authorization: Bearer KEY`. A
 missing or wrong key is a 401; a model the key may not use answers 404 exactly like a model
@@ -11,6 +13,13 @@ that does not exist (its existence is not revealed), and `/v1/models` lists only
 key may use. The file is re-read when it changes (checked at most every `reload_s`); a file
 that became unreadable or malformed keeps the keys loaded before and logs the error. Keys are
 held only as sha256 digests.
+
+Prefix cache salts (docs/security.md): a key with `cache_group=NAME`, and with `salt_per_key`
+(`--cache-salt-per-key`) every key without a group, salts all its requests, so the runners'
+prefix cache is shared only among the requests of one group (or one key) and a tenant cannot
+learn another's prompts from cache hits. The salt is a one-way hash of the key's digest (or of
+the group's name); it never reveals the key and is neither logged nor sent to clients.
+`cache_salt()` mixes it with a request's own `cache_salt`.
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ class Grant:
     """What one key may use: `models` None means every model."""
 
     models: frozenset[str] | None = None
+    cache_salt: str | None = None  # mixed into every request's prefix cache salt (`cache_salt()`)
 
     def allows(self, model: str) -> bool:
         return self.models is None or model in self.models
@@ -50,34 +60,72 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
 
 
-def parse_keys(text: str) -> dict[bytes, Grant]:
-    """sha256(key) -> Grant; ApiKeyFileError for a malformed line or a repeated key."""
+def _salt(domain: str, data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=16, person=b"lorafleet-salt", salt=domain.encode()).hexdigest()
+
+
+def key_salt(digest: bytes) -> str:
+    """The prefix cache salt of one key (from its sha256 digest; the key cannot be read back from it)."""
+    return _salt("key", digest)
+
+
+def group_salt(name: str) -> str:
+    """The prefix cache salt of a `cache_group`."""
+    return _salt("group", name.encode("utf-8", "surrogatepass"))
+
+
+def cache_salt(grant_salt: str | None, request_salt: str | None) -> str | None:
+    """The salt a runner keys a request's prefix cache pages with: None when neither is set, else a hash of
+    both, so a request's own salt can never name another key's or group's salt."""
+    if grant_salt is None and request_salt is None:
+        return None
+    data = f"{grant_salt or ''}\0{request_salt or ''}".encode("utf-8", "surrogatepass")
+    return _salt("request", data)
+
+
+def parse_keys(text: str, salt_per_key: bool = False) -> dict[bytes, Grant]:
+    """sha256(key) -> Grant; ApiKeyFileError for a malformed line or a repeated key. `salt_per_key`: a key
+    without a `cache_group` gets a cache salt of its own."""
     keys: dict[bytes, Grant] = {}
     for n, line in enumerate(text.splitlines(), 1):
         line = line.split("#", 1)[0].strip()
         if not line:
             continue
         fields = line.split()
-        if len(fields) > 2:
-            raise ApiKeyFileError(f"line {n}: expected `KEY` or `KEY model,model,...` (no spaces in the list)")
+        options = dict(f.split("=", 1) for f in fields[1:] if "=" in f)
+        rest = [f for f in fields[1:] if "=" not in f]
+        if len(rest) > 1 or len(options) != len(fields) - 1 - len(rest):
+            raise ApiKeyFileError(f"line {n}: expected `KEY [model,model,...] [cache_group=NAME]` "
+                                  "(no spaces in the list)")
+        unknown = sorted(set(options) - {"cache_group"})
+        if unknown:
+            raise ApiKeyFileError(f"line {n}: unknown option {unknown[0]!r} (known: cache_group)")
         digest = _digest(fields[0])
         if digest in keys:
             raise ApiKeyFileError(f"line {n}: this key appears twice")
         models = None
-        if len(fields) == 2:
-            models = frozenset(m for m in fields[1].split(",") if m)
+        if rest:
+            models = frozenset(m for m in rest[0].split(",") if m)
             if not models:
                 raise ApiKeyFileError(f"line {n}: empty model list")
-        keys[digest] = Grant(models)
+        salt = None
+        if "cache_group" in options:
+            if not options["cache_group"]:
+                raise ApiKeyFileError(f"line {n}: empty cache_group")
+            salt = group_salt(options["cache_group"])
+        elif salt_per_key:
+            salt = key_salt(digest)
+        keys[digest] = Grant(models, salt)
     return keys
 
 
 class ApiKeys:
     """The key file, loaded at start (errors are fatal) and reloaded when it changes."""
 
-    def __init__(self, path: Path | str, reload_s: float = 2.0):
+    def __init__(self, path: Path | str, reload_s: float = 2.0, salt_per_key: bool = False):
         self.path = Path(path)
         self.reload_s = reload_s
+        self.salt_per_key = salt_per_key
         self._stamp: tuple | None = None
         self._checked = 0.0
         self.keys: dict[bytes, Grant] = {}
@@ -90,7 +138,7 @@ class ApiKeys:
     def _load(self, fatal: bool) -> None:
         try:
             stamp = self._file_stamp()
-            keys = parse_keys(self.path.read_text(encoding="utf-8"))
+            keys = parse_keys(self.path.read_text(encoding="utf-8"), self.salt_per_key)
         except (OSError, UnicodeDecodeError, ApiKeyFileError) as exc:
             msg = f"API key file {self.path}: {exc}"
             if fatal:

@@ -7,6 +7,13 @@ finish re-queues the request with prompt + generated ids (it keeps its arrival, 
 to the head of the line); `aborted` (the runner's engine died), a stream that breaks, a refused
 connection or failed health checks mark the runner unhealthy and re-queue its requests the
 same way.
+
+Prefix cache: the placement policy sees, per runner, how much of the request's prefix the runner
+likely holds (`prefix_index.py`: recorded when a request is placed and when it ends there; a
+runner that fails, leaves or restarts is forgotten; runners whose cache is off get no credit).
+Each request keeps the cached-token count its first runner reported with its first token. The
+runners' prefix cache counters (`/state`) are summed into pool totals by their increments, so a
+runner that restarts (its counters begin again) never makes the totals go down.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import aiohttp
 from lorafleet import env
 from lorafleet.scheduler.discovery import RunnerDirectory, RunnerEndpoint
 from lorafleet.scheduler.placement import RunnerView, busiest_fit, default_queue, kv_need
+from lorafleet.scheduler.prefix_index import PrefixIndex, request_keys
 from lorafleet.scheduler.request import Request
 from lorafleet.scheduler.runner_link import RunnerLink
 
@@ -53,6 +61,17 @@ class RunnerHandle:
         return int(self.state.get("page_size") or 16)
 
     @property
+    def caches_prefixes(self) -> bool:
+        """Its prefix cache is on (a runner that does not say so has none)."""
+        pc = self.state.get("prefix_cache")
+        return isinstance(pc, dict) and bool(pc.get("enabled"))
+
+    @property
+    def cache_pages(self) -> int:
+        """KV pages it has: what its prefix cache can hold at most."""
+        return int(self.state.get("total_kv_tokens") or 0) // self.page_size
+
+    @property
     def connected(self) -> bool:
         return self.link is not None and self.link.stream_id is not None
 
@@ -66,8 +85,9 @@ class RunnerHandle:
         ps = self.page_size
         return sum(-(-kv_need(r.num_tokens, r.remaining) // ps) * ps for r in self.assigned.values())
 
-    def view(self, queue: int | None = 0) -> RunnerView:
-        """queue: its queue allowance (None: placement.default_queue of its max batch)."""
+    def view(self, queue: int | None = 0, prefix_tokens: int = 0) -> RunnerView:
+        """queue: its queue allowance (None: placement.default_queue of its max batch); prefix_tokens: of the
+        request being placed, the leading tokens it likely holds cached."""
         total = int(self.state.get("total_kv_tokens") or 0)
         max_batch = int(self.state.get("max_batch_size") or 0)
         return RunnerView(
@@ -80,6 +100,7 @@ class RunnerHandle:
             total_kv_tokens=total,
             prefill_backlog=self.prefill_backlog(),
             queue=default_queue(max_batch) if queue is None else queue,
+            prefix_tokens=prefix_tokens,
         )
 
     def prefill_backlog(self) -> int:
@@ -122,6 +143,9 @@ class Cluster:
         self.runner_queue = runner_queue  # None: placement.default_queue(max batch) per runner
         self.runners: dict[str, RunnerHandle] = {}
         self.queue: list[Request] = []
+        self.prefix_index = PrefixIndex()
+        self.prefix_totals = {"queries": 0, "hits": 0}  # pool totals of the runners' prefix cache counters
+        self._prefix_seen: dict[str, tuple] = {}  # runner id -> (engine pid, queries, hits) last read
         self.session: aiohttp.ClientSession | None = None
         self._changed = asyncio.Event()
         self._dispatcher: asyncio.Task | None = None
@@ -159,6 +183,7 @@ class Cluster:
             return
         r.gone = True
         log.info("runner %s left; re-placing %d request(s)", r.id, len(r.assigned))
+        self.prefix_index.forget(r.id)
         self._stop_runner_tasks(r)
         self._requeue_all(r, "runner left")
 
@@ -168,8 +193,18 @@ class Cluster:
                 t.cancel()
 
     # -- views ---------------------------------------------------------------------------------------
-    def views(self) -> list[RunnerView]:
-        return [r.view(self.runner_queue) for r in self.runners.values()]
+    def views(self, req: Request | None = None) -> list[RunnerView]:
+        """The runners as placement sees them; with `req`, how much of its prefix each likely holds."""
+        if req is None:
+            return [r.view(self.runner_queue) for r in self.runners.values()]
+        out = []
+        for r in self.runners.values():
+            cached = 0
+            if r.caches_prefixes:
+                ps = r.page_size
+                cached = min(self.prefix_index.match(r.id, request_keys(req, ps)) * ps, req.num_tokens - 1)
+            out.append(r.view(self.runner_queue, cached))
+        return out
 
     def any_healthy(self) -> bool:
         return any(r.healthy for r in self.runners.values())
@@ -203,6 +238,8 @@ class Cluster:
         r = self.runners.get(req.runner_id or "")
         if r is not None and r.assigned.get(req.id) is req:
             rid = req.rid
+            if len(req.generated) > req.placed_at_generated >= 0:  # its prompt was computed there
+                self._remember(r, req)
             self._unassign(r, req)
             if not req.done:
                 req.finish("cancelled")
@@ -235,7 +272,7 @@ class Cluster:
             if req.done:
                 self.queue.pop(0)
                 continue
-            rid = self.placement(self.views(), kv_need(req.num_tokens, req.remaining), req.num_tokens)
+            rid = self.placement(self.views(req), kv_need(req.num_tokens, req.remaining), req.num_tokens)
             if rid is None:
                 return
             self.queue.pop(0)
@@ -245,11 +282,17 @@ class Cluster:
             if not runner.assigned:
                 runner.busy_since = time.monotonic()
             runner.assigned[req.id] = req
+            self._remember(runner, req)
             if self.metrics is not None and req.queued_at is not None:
                 self.metrics.queue_wait.observe(time.monotonic() - req.queued_at)
             t = asyncio.get_event_loop().create_task(self._run_on(runner, req))
             runner.submits.add(t)
             t.add_done_callback(runner.submits.discard)
+
+    def _remember(self, runner: RunnerHandle, req: Request) -> None:
+        """The runner computes (or computed) the K/V of the request's tokens: note its leading pages."""
+        if runner.caches_prefixes:
+            self.prefix_index.record(runner.id, request_keys(req, runner.page_size), runner.cache_pages)
 
     def _unassign(self, runner: RunnerHandle, req: Request) -> None:
         if runner.assigned.pop(req.id, None) is not None and not runner.assigned and runner.busy_since is not None:
@@ -291,12 +334,16 @@ class Cluster:
             req = by_rid.get(e[0])
             if req is None:
                 continue  # cancelled here already, or a request that left this runner
+            if len(e) > 4 and req.cached_tokens is None and isinstance(e[4], int):
+                req.cached_tokens = max(0, min(e[4], len(req.prompt_ids)))  # its first runner's count stays
             if e[1]:
                 req.add_tokens(e[1])
             if e[2] is not None:
                 self._finished(runner, req, e[2], e[3])
 
     def _finished(self, runner: RunnerHandle, req: Request, reason: str, error: str | None) -> None:
+        if reason in ("stop", "length"):
+            self._remember(runner, req)  # with its generated tokens: the next turn of a chat resends them
         self._unassign(runner, req)
         if reason == "evicted":
             self._requeue(runner, req, "evicted (runner out of KV cache)", migration=True)
@@ -340,6 +387,7 @@ class Cluster:
         if runner.healthy:
             log.warning("runner %s is unhealthy: %s", runner.id, why)
         runner.healthy = False
+        self.prefix_index.forget(runner.id)  # it may come back with an empty cache
         self._requeue_all(runner, why)
         self._kick()
 
@@ -371,6 +419,7 @@ class Cluster:
             if ok:
                 was = runner.healthy
                 runner.state = state
+                self._count_prefix_cache(runner, state)
                 runner.failures = 0
                 runner.remote_draining = bool(state.get("draining"))
                 runner.healthy = bool(state.get("ready", True)) or runner.remote_draining
@@ -383,3 +432,23 @@ class Cluster:
                     if runner.healthy or runner.assigned:
                         self._runner_failed(runner, state.get("error", "health check failed"))
             await asyncio.sleep(self.poll_interval)
+
+    def _count_prefix_cache(self, runner: RunnerHandle, state: dict) -> None:
+        """Add the increments of the runner's prefix cache counters to the pool totals. Counters that went
+        down, or a new engine process, mean the runner restarted: they count again from 0 (and its cache,
+        empty now, is forgotten)."""
+        pc = state.get("prefix_cache")
+        if not isinstance(pc, dict):
+            return
+        try:
+            queries, hits = int(pc.get("queries") or 0), int(pc.get("hits") or 0)
+        except (TypeError, ValueError):
+            return
+        pid = (state.get("engine") or {}).get("pid")
+        seen_pid, seen_q, seen_h = self._prefix_seen.get(runner.id, (pid, 0, 0))
+        if pid != seen_pid or queries < seen_q or hits < seen_h:
+            seen_q = seen_h = 0
+            self.prefix_index.forget(runner.id)
+        self.prefix_totals["queries"] += queries - seen_q
+        self.prefix_totals["hits"] += hits - seen_h
+        self._prefix_seen[runner.id] = (pid, queries, hits)

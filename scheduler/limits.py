@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from lorafleet.scheduler.placement import PREFILL_BACKLOG
+from lorafleet.scheduler.placement import PREFILL_BACKLOG, PREFIX_TOKENS_PER_SLOT
 
 DEFAULT_MAX_SEQUENCES = 32
 DEFAULT_MAX_PROMPT_TOKENS = 65536
@@ -26,6 +26,7 @@ class RequestLimits:
     max_completion_tokens: int | None = None  # cap on max_tokens per sequence (None: the context)
     max_prefill_backlog: int = PREFILL_BACKLOG  # placement: queued prefill tokens per runner
     runner_queue: int | None = None  # placement: requests a runner may hold beyond its max batch (None: a quarter)
+    prefix_affinity_tokens: int = PREFIX_TOKENS_PER_SLOT  # placement: cached prefix tokens worth a batch place
 
     @property
     def completion_cap(self) -> int:
@@ -48,6 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runner-queue", type=int, default=None, metavar="N",
                    help="requests placed on a runner beyond its max batch size, so it loads their adapters "
                         "while its batch is full (default: a quarter of its max batch; 0: none)")
+    p.add_argument("--prefix-affinity-tokens", type=int, default=PREFIX_TOKENS_PER_SLOT, metavar="TOKENS",
+                   help="placement: a runner likely to hold this many tokens of a request's prefix in its cache counts "
+                        f"as one more request in its batch (default {PREFIX_TOKENS_PER_SLOT}; 0: ignore prefixes)")
 
 
 def from_args(args: argparse.Namespace, max_model_len: int) -> RequestLimits:
@@ -58,6 +62,8 @@ def from_args(args: argparse.Namespace, max_model_len: int) -> RequestLimits:
         raise SystemExit("--max-completion-tokens must be at least 1")
     if args.runner_queue is not None and args.runner_queue < 0:
         raise SystemExit("--runner-queue must be 0 or more")
+    if args.prefix_affinity_tokens < 0:
+        raise SystemExit("--prefix-affinity-tokens must be 0 or more")
     return RequestLimits(
         max_model_len=max_model_len,
         max_sequences=args.max_sequences_per_request,
@@ -65,4 +71,5 @@ def from_args(args: argparse.Namespace, max_model_len: int) -> RequestLimits:
         max_completion_tokens=args.max_completion_tokens,
         max_prefill_backlog=args.max_prefill_backlog,
         runner_queue=args.runner_queue,
+        prefix_affinity_tokens=args.prefix_affinity_tokens,
     )

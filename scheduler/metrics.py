@@ -77,6 +77,11 @@ class _ClusterCollector:
             busy.add_metric([rid], r.busy_seconds())
             info.add_metric([rid, str(st["adapter_pool"].get("gpu_slots", 0)), ",".join(sorted(st["running_adapters"])),
                              ",".join(sorted(st["waiting_adapters"]))], now)
+        yield CounterMetricFamily("lorafleet_prefix_cache_queries", "Prompt tokens the runners looked up in their "
+                                  "prefix cache (sum of their vllm:prefix_cache_queries; never goes down when one "
+                                  "restarts)", value=c.prefix_totals["queries"])
+        yield CounterMetricFamily("lorafleet_prefix_cache_hits", "Prompt tokens the runners found in their prefix "
+                                  "cache (sum of their vllm:prefix_cache_hits)", value=c.prefix_totals["hits"])
         yield batch
         yield healthy
         yield loads

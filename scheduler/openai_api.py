@@ -17,6 +17,7 @@ from lorafleet.scheduler.tokenizer import RESERVED_TEMPLATE_VARS
 MAX_N = 128  # OpenAI's bound; the scheduler's sequence budget (limits.py) is usually lower
 MAX_PROMPTS = 2048
 MAX_STOP = 4
+MAX_CACHE_SALT = 256  # characters; the runners take the same bound
 INT64 = 2**63
 
 
@@ -55,6 +56,7 @@ class GenParams:
     ignore_eos: bool
     stream: bool
     include_usage: bool
+    cache_salt: str | None = None  # the request's own salt (api_keys.cache_salt mixes in the key's)
 
 
 def _is_int(v) -> bool:
@@ -144,6 +146,9 @@ def parse_common(body: dict, chat: bool, max_tokens_cap: int) -> GenParams:
     if not isinstance(ignore_eos, bool):
         raise bad("ignore_eos", "ignore_eos must be a boolean")
     top_k = _integer(body, "top_k", -1, -1, 1 << 30)
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt or len(salt) > MAX_CACHE_SALT):
+        raise bad("cache_salt", f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT} characters")
     return GenParams(
         model=model,
         n=_integer(body, "n", 1, 1, MAX_N),
@@ -157,6 +162,7 @@ def parse_common(body: dict, chat: bool, max_tokens_cap: int) -> GenParams:
         ignore_eos=ignore_eos,
         stream=stream,
         include_usage=bool(opts and opts.get("include_usage")),
+        cache_salt=salt,
     )
 
 
@@ -279,9 +285,11 @@ def new_id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; `cached_tokens`: prompt tokens a runner's prefix cache held (not computed again)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def completion_body(rid: str, model: str, chat: bool, choices: list[dict], use: dict) -> dict:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from lorafleet import __version__
 from lorafleet.scheduler.limits import RequestLimits
-from lorafleet.scheduler.openai_api import MAX_N, MAX_PROMPTS, MAX_STOP, ROLES
+from lorafleet.scheduler.openai_api import MAX_CACHE_SALT, MAX_N, MAX_PROMPTS, MAX_STOP, ROLES
 
 JSON = "application/json"
 
@@ -60,13 +60,24 @@ def _schemas(limits: RequestLimits, names: list[str], vocab_size: int) -> dict:
         "presence_penalty": {"type": ["number", "null"], "enum": [0, None], "description": "only 0 is supported"},
         "frequency_penalty": {"type": ["number", "null"], "enum": [0, None], "description": "only 0 is supported"},
         "user": {"type": "string"},
+        "cache_salt": {"type": ["string", "null"], "minLength": 1, "maxLength": MAX_CACHE_SALT,
+                       "description": "prefix cache isolation: this request shares cached prompt pages only with "
+                                      "requests of the same salt (and the same API key's salt, where the server "
+                                      "salts per key)"},
     }
     stream_rule = {  # stream_options only together with stream: true
         "if": {"required": ["stream_options"], "properties": {"stream_options": {"type": "object"}}},
         "then": {"required": ["stream"], "properties": {"stream": {"const": True}}}}
-    usage = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
-             "properties": {k: {"type": "integer", "minimum": 0}
-                            for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
+    usage = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens",
+                                            "prompt_tokens_details"],
+             "properties": {**{k: {"type": "integer", "minimum": 0}
+                               for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
+                            "prompt_tokens_details": {
+                                "type": "object", "required": ["cached_tokens"],
+                                "properties": {"cached_tokens": {
+                                    "type": "integer", "minimum": 0,
+                                    "description": "prompt tokens found in a runner's prefix cache (not computed "
+                                                   "again); each prompt counts once, like prompt_tokens"}}}}}
     finish = {"enum": ["stop", "length"]}
     return {
         "Error": {"type": "object", "required": ["error"], "properties": {"error": {

@@ -18,7 +18,9 @@ class Request:
 
     Its tokens and its end go to `sink` (`sinks.py`: straight to its client). `arrival` never changes, so a migrated request
     keeps its FCFS place. `rid` names it on its current runner (it changes on every re-placement,
-    so a late event from a runner it left is never taken for the new one).
+    so a late event from a runner it left is never taken for the new one). `cached_tokens` is what
+    the first runner that computed its prompt found in its prefix cache (the API's usage reports it);
+    `cache_salt` keys its pages there (`api_keys.cache_salt`).
     """
 
     id: str
@@ -41,6 +43,10 @@ class Request:
     first_token_time: float | None = None
     queued_at: float | None = None
     placed_at_generated: int = -1  # len(generated) when last placed on a runner
+    cache_salt: str | None = None
+    cached_tokens: int | None = None  # prompt tokens its first runner found in its prefix cache
+    prefix_page_size: int = 0  # the page size `prefix_keys` were chained with (prefix_index.py)
+    prefix_keys: list[bytes] = field(default_factory=list)  # keys of its leading full pages
     order: int = field(default_factory=lambda: next(_order))
 
     @property
@@ -71,6 +77,7 @@ class Request:
                 "name": self.adapter.name, "source": self.adapter.source, "sha256": self.adapter.sha256},
             "sampling": {**self.sampling, "max_tokens": self.remaining},
             "arrival": self.arrival,
+            **({"cache_salt": self.cache_salt} if self.cache_salt is not None else {}),
         }
 
     def add_tokens(self, ids: list[int]) -> None:

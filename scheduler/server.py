@@ -27,7 +27,7 @@ from lorafleet import env
 from lorafleet.common.peft_config import refusal_reason, scrub_paths
 from lorafleet.scheduler import limits as limits_mod
 from lorafleet.scheduler import openai_api as oa
-from lorafleet.scheduler.api_keys import ANYONE, ApiKeys, Grant
+from lorafleet.scheduler.api_keys import ANYONE, ApiKeyFileError, ApiKeys, Grant, cache_salt
 from lorafleet.scheduler.availability import AdapterAvailability
 from lorafleet.scheduler.bodies import parse_body
 from lorafleet.scheduler.cluster import Cluster
@@ -80,8 +80,12 @@ class SchedulerService:
         self.grace_seconds = grace_seconds
         self.metrics = SchedulerMetrics()
         self.placement = placement
-        policy = (functools.partial(busiest_fit, max_backlog=self.limits.max_prefill_backlog)
-                  if placement == "busiest" else POLICIES[placement]())
+        if placement.startswith("busiest"):
+            per_slot = self.limits.prefix_affinity_tokens if placement == "busiest" else 0
+            policy = functools.partial(busiest_fit, max_backlog=self.limits.max_prefill_backlog,
+                                       prefix_tokens_per_slot=per_slot)
+        else:
+            policy = POLICIES[placement]()
         self.cluster = Cluster(directory, poll_interval=poll_interval, metrics=self.metrics, placement=policy,
                                runner_token=runner_token, runner_queue=self.limits.runner_queue)
         self.metrics.attach_cluster(self.cluster)
@@ -187,7 +191,8 @@ class SchedulerService:
                            param="n" if params.n > 1 else "prompt", code="too_many_sequences")
         return params, items
 
-    def _make_requests(self, params: oa.GenParams, adapter, prompts: list[list[int]], chat: bool) -> list[Request]:
+    def _make_requests(self, params: oa.GenParams, adapter, prompts: list[list[int]], chat: bool,
+                       grant: Grant = ANYONE) -> list[Request]:
         lim, ctx = self.limits, self.max_model_len
         where = "messages" if chat else "prompt"
         for p_ids in prompts:
@@ -200,6 +205,7 @@ class SchedulerService:
                                 f"{lim.max_prompt_tokens} are allowed per request", param=where,
                            code="too_many_prompt_tokens")
         reqs = []
+        salt = cache_salt(grant.cache_salt, params.cache_salt)
         max_kv = self.cluster.max_total_kv()
         for p_ids in prompts:
             n = len(p_ids)
@@ -221,6 +227,7 @@ class SchedulerService:
                     sampling={"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
                               "seed": seed, "stop_token_ids": list(params.stop_token_ids),
                               "ignore_eos": params.ignore_eos},
+                    cache_salt=salt,
                 ))
         return reqs
 
@@ -238,7 +245,7 @@ class SchedulerService:
         params, items = await loop.run_in_executor(self.prompts.pool, self._parse, raw, chat)
         adapter = self._resolve_model(params.model, grant)
         prompts = [await self.prompts.chat(items[0])] if chat else await self.prompts.prompts(items)
-        reqs = self._make_requests(params, adapter, prompts, chat)
+        reqs = self._make_requests(params, adapter, prompts, chat, grant)
         self._check_capacity(len(reqs))
         detoks = [IncrementalDetokenizer(self.tok, r.prompt_ids, params.stop) for r in reqs]
         rid = oa.new_id(chat)
@@ -289,7 +296,11 @@ class SchedulerService:
                 r.finish("cancelled")
 
     def _usage(self, params: oa.GenParams, reqs: list[Request]) -> dict:
-        return oa.usage(sum(len(r.prompt_ids) for r in reqs[:: params.n]), sum(len(r.generated) for r in reqs))
+        """Each prompt counts once (not once per choice): its tokens, and its cached tokens as the most any of
+        its `n` choices found in a runner's prefix cache (so cached_tokens <= prompt_tokens)."""
+        n = params.n
+        cached = sum(max(r.cached_tokens or 0 for r in reqs[i:i + n]) for i in range(0, len(reqs), n))
+        return oa.usage(sum(len(r.prompt_ids) for r in reqs[::n]), sum(len(r.generated) for r in reqs), cached)
 
     async def _collect(self, rid: str, params: oa.GenParams, reqs: list[Request], chat: bool, sink: CollectSink,
                        gone: list[bool]) -> web.Response:
@@ -502,20 +513,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_placement_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--placement", choices=sorted(POLICIES), default="busiest",
-                   help="busiest: the fitting runner with the largest batch (Punica; default); least-loaded: the "
-                        "smallest batch; round-robin")
+                   help="busiest: the fitting runner with the largest batch (Punica), a runner likely to hold the "
+                        "request's prefix counting as busier (--prefix-affinity-tokens; default); busiest-no-prefix: "
+                        "the same, ignoring prefixes; least-loaded: the smallest batch; round-robin")
 
 
 def add_api_key_argument(p: argparse.ArgumentParser) -> None:
     default = env.api_keys_file()
     p.add_argument("--api-keys", type=Path, default=default, metavar="FILE",
                    help="require API keys on /v1: one key per line, optionally followed by the models it may use "
-                        "(comma-separated); default: env LORAFLEET_API_KEYS_FILE" + (f" (now {default})" if default else
-                                                                            ", unset: no keys"))
+                        "(comma-separated) and cache_group=NAME; default: env LORAFLEET_API_KEYS_FILE"
+                        + (f" (now {default})" if default else ", unset: no keys"))
+    p.add_argument("--cache-salt-per-key", action="store_true",
+                   help="salt the prefix cache of every API key's requests with that key (keys with a cache_group "
+                        "share their group's), so tenants cannot learn each other's prompts from cache timing; "
+                        "needs --api-keys (default: off, the cache is shared unless a request sends cache_salt)")
 
 
 def load_api_keys(args: argparse.Namespace) -> ApiKeys | None:
-    return ApiKeys(args.api_keys) if args.api_keys else None
+    per_key = bool(getattr(args, "cache_salt_per_key", False))
+    if per_key and not args.api_keys:
+        raise ApiKeyFileError("--cache-salt-per-key needs API keys (--api-keys FILE or LORAFLEET_API_KEYS_FILE)")
+    return ApiKeys(args.api_keys, salt_per_key=per_key) if args.api_keys else None
 
 
 def build_service(args: argparse.Namespace) -> SchedulerService:
