@@ -191,6 +191,8 @@ def scheduler_deployment(pool: PoolSpec, config: OperatorConfig, owner: Mapping[
     mounts = [{"name": "tmp", "mountPath": "/tmp"}, {"name": "cache", "mountPath": c.CACHE_DIR}]
     if pool.api_keys_secret:  # keys of the OpenAI endpoints, read from a file the kubelet keeps current
         args += ["--api-keys", c.API_KEYS_FILE]
+        if pool.prefix_cache.salt_per_api_key:  # tenants do not share cached prompt pages
+            args.append("--cache-salt-per-key")
         volumes.append({"name": "api-keys", "secret": {"secretName": pool.api_keys_secret, "defaultMode": 0o440,
                                                        "items": [{"key": c.API_KEYS_KEY, "path": c.API_KEYS_KEY}]}})
         mounts.append({"name": "api-keys", "mountPath": c.API_KEYS_DIR, "readOnly": True})
@@ -280,13 +282,20 @@ def ingress(pool: PoolSpec, owner: Mapping[str, Any] | None = None) -> Obj | Non
 
 
 def runner_args(pool: PoolSpec) -> list[str]:
-    """`lorafleet runner` bound to the pod's own address only; `--tp N` for a multi-GPU runner."""
+    """`lorafleet runner` bound to the pod's own address only; `--tp N` for a multi-GPU runner; `--no-prefix-cache`
+    when the pool turns the prefix cache off; `--quantization` / `--kv-cache-dtype` when the pool asks for FP8."""
     r = pool.runner
     args = ["runner", "--host", f"$({c.ENV_POD_IP})", "--port", str(c.RUNNER_PORT), "--model", pool.model_source,
             "--device", "cuda", "--max-batch-size", str(r.max_batch_size), "--kv-fraction", f"{r.kv_fraction:g}",
             "--max-lora-rank", str(r.max_lora_rank),
             # On SIGTERM, finish in-flight requests within the pod's grace period (minus a margin).
             "--grace-seconds", str(max(5, r.grace_seconds - 10))]
+    if not pool.prefix_cache.enabled:
+        args.append("--no-prefix-cache")
+    if r.quantization != "auto":
+        args += ["--quantization", r.quantization]
+    if r.kv_cache_dtype != "auto":
+        args += ["--kv-cache-dtype", r.kv_cache_dtype]
     if r.gpus > 1:
         args += ["--tp", str(r.gpus)]
     return args + list(r.extra_args)

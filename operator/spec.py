@@ -12,6 +12,8 @@ from typing import Any, Mapping
 from lorafleet.common.peft_config import BaseShape
 
 MAX_GPUS_PER_RUNNER = 8  # one tensor-parallel group lives on one node
+QUANTIZATIONS = ("auto", "fp8")  # runner.quantization: auto = as the checkpoint stores its weights
+KV_CACHE_DTYPES = ("auto", "fp8")  # runner.kvCacheDtype: auto = the model's dtype
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,8 @@ class RunnerSpec:
     max_batch_size: int = 32
     kv_fraction: float = 0.9
     max_lora_rank: int = 64
+    quantization: str = "auto"  # fp8: the runners' --quantization fp8
+    kv_cache_dtype: str = "auto"  # fp8: the runners' --kv-cache-dtype fp8
     resources: Mapping[str, Any] = field(default_factory=dict)
     node_selector: Mapping[str, str] = field(default_factory=dict)
     tolerations: tuple[Mapping[str, Any], ...] = ()
@@ -70,6 +74,14 @@ class NetworkPolicySpec:
 
 
 @dataclass(frozen=True)
+class PrefixCacheSpec:
+    """The runners' prefix cache (on unless `enabled` is false) and per-API-key salting of it."""
+
+    enabled: bool = True
+    salt_per_api_key: bool = False  # the scheduler's --cache-salt-per-key (needs api keys)
+
+
+@dataclass(frozen=True)
 class NodeGroupSpec:
     api_version: str
     kind: str
@@ -98,6 +110,7 @@ class PoolSpec:
     node_group: NodeGroupSpec | None = None
     api_keys_secret: str | None = None  # spec.apiKeys.secretName: keys of the OpenAI endpoints
     network_policy: NetworkPolicySpec = NetworkPolicySpec()
+    prefix_cache: PrefixCacheSpec = PrefixCacheSpec()
 
     @property
     def gpus_per_runner(self) -> int:
@@ -129,6 +142,8 @@ def parse_pool(name: str, namespace: str, spec: Mapping[str, Any]) -> PoolSpec:
         max_batch_size=int(r.get("maxBatchSize", 32)),
         kv_fraction=float(r.get("kvFraction", 0.9)),
         max_lora_rank=int(r.get("maxLoraRank", 64)),
+        quantization=str(r.get("quantization", "auto")),
+        kv_cache_dtype=str(r.get("kvCacheDtype", "auto")),
         resources=dict(r.get("resources") or {}),
         node_selector=dict(r.get("nodeSelector") or {}),
         tolerations=_tuple(r.get("tolerations")),
@@ -141,6 +156,12 @@ def parse_pool(name: str, namespace: str, spec: Mapping[str, Any]) -> PoolSpec:
     if not 1 <= runner.gpus <= MAX_GPUS_PER_RUNNER:
         raise SpecError(f"runner.gpusPerRunner is {runner.gpus}: it must be 1 to {MAX_GPUS_PER_RUNNER} "
                         "(the GPUs of one tensor-parallel runner on one node)")
+    if runner.quantization not in QUANTIZATIONS:
+        raise SpecError(f"runner.quantization is {runner.quantization!r}: it must be one of {', '.join(QUANTIZATIONS)} "
+                        "(auto: the weights as the checkpoint stores them; fp8: FP8 weights with a scale per row)")
+    if runner.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise SpecError(f"runner.kvCacheDtype is {runner.kv_cache_dtype!r}: it must be one of "
+                        f"{', '.join(KV_CACHE_DTYPES)} (auto: the model's dtype; fp8: e4m3 K/V pages)")
     scheduler = SchedulerSpec(
         image=s.get("image"),
         image_pull_policy=s.get("imagePullPolicy"),
@@ -172,6 +193,12 @@ def parse_pool(name: str, namespace: str, spec: Mapping[str, Any]) -> PoolSpec:
     np = spec.get("networkPolicy") or {}
     network_policy = NetworkPolicySpec(enabled=bool(np.get("enabled", True)),
                                        additional_peers=_tuple(np.get("additionalPeers")))
+    pc = spec.get("prefixCache") or {}
+    prefix_cache = PrefixCacheSpec(enabled=bool(pc.get("enabled", True)),
+                                   salt_per_api_key=bool(pc.get("saltPerApiKey", False)))
+    if prefix_cache.salt_per_api_key and not api_keys_secret:
+        raise SpecError("prefixCache.saltPerApiKey needs apiKeys.secretName: without API keys there is no key to "
+                        "salt the cache by")
     node_group = None
     ng = spec.get("nodeGroup")
     if ng:
@@ -206,6 +233,7 @@ def parse_pool(name: str, namespace: str, spec: Mapping[str, Any]) -> PoolSpec:
         node_group=node_group,
         api_keys_secret=str(api_keys_secret) if api_keys_secret else None,
         network_policy=network_policy,
+        prefix_cache=prefix_cache,
     )
     if pool.min_runners > pool.max_runners:
         raise SpecError(f"minRunners ({pool.min_runners}) must not exceed maxRunners ({pool.max_runners})")

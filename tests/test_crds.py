@@ -106,6 +106,9 @@ ADAPTER = {"apiVersion": "lorafleet.dev/v1alpha1", "kind": "LoraAdapter", "metad
     ("ServingPool", ("spec", "runner", "maxLoraRank"), 256),
     ("ServingPool", ("spec", "runner", "gpusPerRunner"), 0),
     ("ServingPool", ("spec", "runner", "imagePullPolicy"), "Sometimes"),
+    ("ServingPool", ("spec", "runner", "quantization"), "int4"),
+    ("ServingPool", ("spec", "runner", "kvCacheDtype"), "fp16"),
+    ("ServingPool", ("spec", "prefixCache", "enabled"), "no"),
     ("ServingPool", ("spec", "minRunners"), -1),
     ("ServingPool", ("spec", "adapterVolumes"), ["Bad_Name"]),
     ("ServingPool", ("spec", "nodeGroup"), {"kind": "MachineDeployment"}),
@@ -150,6 +153,7 @@ def test_cel_rules_present():
     rules = _rules(schema_of("ServingPool"))
     assert "self.minRunners <= self.maxRunners" in rules
     assert any("gpusPerNode" in r for r in rules)
+    assert any("saltPerApiKey" in r and "has(self.apiKeys)" in r for r in rules)
     assert any("size(self.metadata.name)" in r for r in rules)
 
 
@@ -179,6 +183,10 @@ def test_crd_defaults_match_the_operator():
         ("autoscaling", "maxScaleUpStep"): pool.autoscaling.max_step,
         ("ingress", "enabled"): pool.ingress.enabled,
         ("ingress", "path"): pool.ingress.path,
+        ("runner", "quantization"): pool.runner.quantization,
+        ("runner", "kvCacheDtype"): pool.runner.kv_cache_dtype,
+        ("prefixCache", "enabled"): pool.prefix_cache.enabled,
+        ("prefixCache", "saltPerApiKey"): pool.prefix_cache.salt_per_api_key,
     }
     for path, value in pairs.items():
         assert _default("ServingPool", *path) == value, path

@@ -81,6 +81,9 @@ def server_dry_run(cluster, obj: dict) -> str:
     ({"ingress": {"enabled": True, "path": "/"}}, "supported values: \"/v1\""),
     ({"apiKeys": {}}, "secretName: Required value"),
     ({"idleSecondsBeforeDrain": 0}, "should be greater than or equal to 1"),
+    ({"prefixCache": {"saltPerApiKey": True}}, "prefixCache.saltPerApiKey needs apiKeys"),
+    ({"runner": {"quantization": "int4"}}, 'supported values: "auto", "fp8"'),
+    ({"runner": {"kvCacheDtype": "fp16"}}, 'supported values: "auto", "fp8"'),
 ])
 def test_the_server_refuses_bad_pools(cluster, release, spec, error):
     obj = {**POOL, "spec": {**POOL["spec"], **spec}}
@@ -96,6 +99,14 @@ def test_the_server_accepts_and_defaults_good_pools(cluster, release):
     spec = yaml.safe_load(out)["spec"]
     assert spec["runner"]["gpusPerRunner"] == 8 and spec["ingress"]["path"] == "/v1"
     assert spec["networkPolicy"] == {"enabled": True} and spec["minRunners"] == 1
+    assert spec["prefixCache"] == {"enabled": True, "saltPerApiKey": False}
+    assert spec["runner"]["quantization"] == "auto" and spec["runner"]["kvCacheDtype"] == "auto"
+    obj["spec"]["prefixCache"] = {"saltPerApiKey": True}  # with apiKeys: accepted
+    obj["spec"]["runner"].update(quantization="fp8", kvCacheDtype="fp8")
+    out = cluster.kubectl("apply", "--dry-run=server", "-o", "yaml", "-f", "-", input=yaml.safe_dump(obj))
+    spec = yaml.safe_load(out)["spec"]
+    assert spec["prefixCache"] == {"enabled": True, "saltPerApiKey": True}
+    assert spec["runner"]["quantization"] == "fp8" and spec["runner"]["kvCacheDtype"] == "fp8"
 
 
 def test_operator_log_is_quiet_on_an_unreachable_model_and_a_deletion(cluster, release):

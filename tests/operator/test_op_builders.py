@@ -34,7 +34,8 @@ SPECS = {
     "full": ("big", {
         "model": {"source": "pvc://models/llama-2-70b"},
         "runner": {"image": "my/runner:1", "imagePullPolicy": "Always", "gpusPerRunner": 2, "maxBatchSize": 64,
-                   "kvFraction": 0.85, "maxLoraRank": 128, "resources": {"requests": {"cpu": "32", "memory": "200Gi"},
+                   "kvFraction": 0.85, "maxLoraRank": 128, "quantization": "fp8", "kvCacheDtype": "fp8",
+                   "resources": {"requests": {"cpu": "32", "memory": "200Gi"},
                                                                           "limits": {"memory": "240Gi"}},
                    "nodeSelector": {"node.kubernetes.io/instance-type": "p5.48xlarge"},
                    "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "llm", "effect": "NoSchedule"}],
@@ -48,6 +49,7 @@ SPECS = {
         "ingress": {"enabled": True, "className": "nginx", "host": "big.example.com",
                     "tlsSecretName": "big-tls", "annotations": {"nginx.ingress.kubernetes.io/proxy-buffering": "off"}},
         "apiKeys": {"secretName": "big-api-keys"},
+        "prefixCache": {"enabled": False, "saltPerApiKey": True},
         "networkPolicy": {"additionalPeers": [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}]},
         "nodeGroup": {"apiVersion": "cluster.x-k8s.io/v1beta1", "kind": "MachineDeployment", "name": "p5",
                       "gpusPerNode": 8},
@@ -134,6 +136,47 @@ def test_scheduler_gets_both_tokens_and_the_api_keys_file():
     minimal = {(o["kind"], o["metadata"]["name"]): o for o in render("minimal")}
     sargs = minimal[("Deployment", "llama-scheduler")]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--api-keys" not in sargs
+
+
+def test_prefix_cache_off_reaches_the_runners_and_salting_per_key_the_scheduler():
+    def args(name, component):
+        objs = {(o["kind"], o["metadata"]["name"]): o for o in render(name)}
+        pool = SPECS[name][0]
+        return objs[("Deployment", f"{pool}-{component}")]["spec"]["template"]["spec"]["containers"][0]["args"]
+
+    assert "--no-prefix-cache" in args("full", "runner") and "--cache-salt-per-key" in args("full", "scheduler")
+    assert "--no-prefix-cache" not in args("minimal", "runner")  # on by default
+    assert "--cache-salt-per-key" not in args("minimal", "scheduler")
+    pool = parse_pool("p", "ns", {"model": {"source": "hf://o/m"}})
+    assert pool.prefix_cache.enabled and not pool.prefix_cache.salt_per_api_key
+    with pytest.raises(SpecError, match="saltPerApiKey needs apiKeys"):
+        parse_pool("p", "ns", {"model": {"source": "hf://o/m"}, "prefixCache": {"saltPerApiKey": True}})
+
+
+def test_fp8_weights_and_kv_pages_reach_the_runners_only_when_asked():
+    def runner_args(spec):
+        return builders.runner_args(parse_pool("p", "ns", {"model": {"source": "hf://o/m"}, "runner": spec}))
+
+    assert "--quantization" not in runner_args({}) and "--kv-cache-dtype" not in runner_args({})
+    assert runner_args({"quantization": "auto", "kvCacheDtype": "auto"}) == runner_args({})
+    args = runner_args({"quantization": "fp8"})
+    assert args[args.index("--quantization") + 1] == "fp8" and "--kv-cache-dtype" not in args
+    args = runner_args({"kvCacheDtype": "fp8", "extraArgs": ["--prefill-chunk", "512"]})
+    assert args[args.index("--kv-cache-dtype") + 1] == "fp8" and "--quantization" not in args
+    assert args[-2:] == ["--prefill-chunk", "512"]  # extraArgs still come last, so they can override
+    full = {(o["kind"], o["metadata"]["name"]): o for o in render("full")}
+    args = full[("Deployment", "big-runner")]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--quantization") + 1] == "fp8" and args[args.index("--kv-cache-dtype") + 1] == "fp8"
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("quantization", "int4", "runner.quantization is 'int4': it must be one of auto, fp8"),
+    ("quantization", "none", "runner.quantization is 'none'"),
+    ("kvCacheDtype", "fp16", "runner.kvCacheDtype is 'fp16': it must be one of auto, fp8"),
+])
+def test_unknown_precisions_are_refused_by_name(field, value, words):
+    with pytest.raises(SpecError, match=words):
+        parse_pool("p", "ns", {"model": {"source": "hf://o/m"}, "runner": {field: value}})
 
 
 def test_ingress_publishes_only_the_openai_api():
