@@ -267,3 +267,31 @@ async def test_pool_prefix_cache_totals_sum_the_runners_and_never_go_down(tok):
         await wait_for(await reached((1630, 536)))
     finally:
         await stop(client, servers)
+
+
+# -- failover ------------------------------------------------------------------------------------------------
+
+
+async def test_failover_from_the_runner_holding_the_prefix_loses_and_repeats_no_token(tok):
+    runners = [CachingFakeRunner("r0", step_s=0.02), CachingFakeRunner("r1", step_s=0.02)]
+    client, service, servers = await start(tok, runners)
+    try:
+        body = completion(max_tokens=30)
+        want = await (await client.post("/v1/completions", json=body)).json()  # on r1 (a tie goes to the highest id)
+        assert len(runners[1].seen) == 1 and not runners[0].seen
+        task = asyncio.ensure_future(client.post("/v1/completions", json=body))
+
+        async def streaming_on_r1():  # a few tokens out already
+            return len(runners[1].seen) == 2 and any(a["out"] >= 5 for a in runners[1].active.values())
+
+        await wait_for(streaming_on_r1)
+        await servers[1].close()  # r1 goes away mid-answer: its stream breaks, its requests move to r0
+        got = await (await task).json()
+        assert got["choices"][0]["text"] == want["choices"][0]["text"]  # no token lost or repeated
+        assert got["usage"]["completion_tokens"] == 30 and len(runners[0].seen) == 1
+        assert len(runners[0].seen[0]["prompt_token_ids"]) >= len(PROMPT) + 5  # resumed with the ids it had
+        assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == CACHED  # what r1 reported first
+        assert "r1" not in service.cluster.prefix_index.pages  # what r1 held is forgotten ...
+        assert service.cluster.prefix_index.pages["r0"]  # ... and r0, which computed it again, remembered
+    finally:
+        await stop(client, servers[:1])
