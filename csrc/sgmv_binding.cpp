@@ -19,6 +19,8 @@
 //       launch (rope_kv.h).
 //   rope_kv_lora(..., stream, v, b, ranks, row_slot): the same with the qkv rows' LoRA expand added first
 //       (rope_kv.h RopeKvLora), so a decode step needs no separate expand launch for q, k and v.
+//   quantize_e4m3(out, scale, x, stream): dynamic per-row FP8 quantization of activations (quant.h),
+//       one launch: scale[i] = max(absmax(x[i]) / 448, 1e-12), out[i] = e4m3(x[i] / scale[i]).
 //
 // with r = ranks[g, s]. The values inside ranks / indptr / slots live on the device and are not
 // inspected here (that would need a synchronisation): the kernels clamp ranks to [0, R_g], skip
@@ -31,6 +33,7 @@
 #include <cstdio>
 #include <vector>
 
+#include "quant.h"
 #include "rope_kv.h"
 #include "sgmv.h"
 
@@ -386,10 +389,33 @@ void rope_kv_lora(Tensor q_out, Tensor k_cache, Tensor v_cache, Tensor qkv, Tens
   launch_rope_kv(a, qkv, stream);
 }
 
+void quantize_e4m3(Tensor out, Tensor scale, Tensor x, int64_t stream) {
+  const auto dtype = kernel_dtype(x, "x");
+  SGMV_CHECK(x.is_cuda() && x.dim() == 2 && x.stride(1) == 1, "quantize_e4m3: x must be a 2-D CUDA tensor with unit "
+             "column stride");
+  check_device(out, Name("out"), x);
+  check_device(scale, Name("scale"), x);
+  SGMV_CHECK(out.scalar_type() == torch::kFloat8_e4m3fn && out.is_contiguous() && out.dim() == 2 &&
+                 out.size(0) == x.size(0) && out.size(1) == x.size(1),
+             "quantize_e4m3: out must be contiguous float8_e4m3fn [%lld, %lld]", ll(x.size(0)), ll(x.size(1)));
+  SGMV_CHECK(scale.scalar_type() == torch::kFloat && scale.is_contiguous() && scale.numel() == x.size(0),
+             "quantize_e4m3: scale must be contiguous float32 with %lld entries", ll(x.size(0)));
+  SGMV_CHECK(x.size(0) <= kInt32Max && x.size(1) <= kInt32Max, "quantize_e4m3: x is too large");
+  lorafleet::QuantizeRowsArgs a;
+  a.x = x.data_ptr();
+  a.x_row_stride = x.stride(0);
+  a.out = out.data_ptr();
+  a.scale = scale.data_ptr<float>();
+  a.rows = static_cast<int>(x.size(0));
+  a.cols = static_cast<int>(x.size(1));
+  const char* err = lorafleet::quantize_rows_e4m3(dtype, a, x.get_device(), as_stream(stream));
+  SGMV_CHECK(err == nullptr, "quantize_e4m3 launch failed: %s", err ? err : "");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "lorafleet CUDA kernels: SGMV (LoRA shrink / expand over segments of a flat batch) and rope_kv";
+  m.doc() = "lorafleet CUDA kernels: SGMV (LoRA shrink / expand over segments of a flat batch), rope_kv, quantize_e4m3";
   m.def("shrink", &shrink, "v[rows, g, :r] = x[rows] @ a[g][slot, :r].T for every segment",
         py::arg("v"), py::arg("x"), py::arg("a"), py::arg("ranks"), py::arg("indptr"), py::arg("slots"),
         py::arg("mma_min_rows"), py::arg("pdl"), py::arg("stream"), py::arg("max_blocks") = 0,
@@ -409,6 +435,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q_out"), py::arg("k_cache"), py::arg("v_cache"), py::arg("qkv"), py::arg("positions"),
         py::arg("slots"), py::arg("cos_sin"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("stream"),
         py::arg("v"), py::arg("b"), py::arg("ranks"), py::arg("row_slot"));
+  m.def("quantize_e4m3", &quantize_e4m3, "dynamic per-row FP8 (e4m3) quantization of activations, one launch",
+        py::arg("out"), py::arg("scale"), py::arg("x"), py::arg("stream"));
   m.attr("MAX_RANK") = lorafleet::kMaxRank;
   m.attr("MAX_GROUP") = lorafleet::kMaxGroup;
   m.attr("MAX_SEGMENTS") = lorafleet::kMaxSegments;

@@ -24,6 +24,7 @@ class KernelChoices:
     rope_kv: RoPE and the K/V cache write in one launch of the project's kernel (CUDA, full rotary).
     rope_kv_lora: decode graphs add the qkv rows' LoRA expand inside that kernel.
     blas_lt_rows: steps of at most this many rows run the o and down GEMMs on cuBLASLt (CUDA, one GPU).
+    fp8_swap_rows: with FP8 weights, steps of at most this many rows compute W @ x.T (operands swapped).
     pin_host_adapters: adapters read from disk are kept in pinned host memory.
     """
 
@@ -36,6 +37,7 @@ class KernelChoices:
     rope_kv: bool = True
     rope_kv_lora: bool = False
     blas_lt_rows: int = 64
+    fp8_swap_rows: int = 0
     pin_host_adapters: bool = False
 
     def __post_init__(self):
@@ -43,8 +45,9 @@ class KernelChoices:
                          ("sgmv", ("auto", "cuda", "torch")), ("sgmv_fused", ("auto", "1", "0"))):
             if getattr(self, name) not in ok:
                 raise ValueError(f"kernel choice {name} must be one of {', '.join(ok)}, got {getattr(self, name)!r}")
-        if self.blas_lt_rows < 0:
-            raise ValueError(f"blas_lt_rows must be >= 0, got {self.blas_lt_rows}")
+        for name in ("blas_lt_rows", "fp8_swap_rows"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if len(self.mma_rows) != 4 or any(len(r) != 2 or min(r) < 1 for r in self.mma_rows):
             raise ValueError("mma_rows needs (shrink, expand) row counts >= 1 for each of the four projection groups")
 
@@ -56,6 +59,7 @@ class KernelChoices:
         return cls(attention=env.attention_backend(), prefill=env.prefill_backend(), sgmv=env.sgmv_backend(),
                    sgmv_fused=env.sgmv_fused(), fused_ops=env.fused_ops(), rope_kv=env.rope_kv_kernel(),
                    rope_kv_lora=env.rope_kv_lora(), blas_lt_rows=env.blas_lt_rows(),
+                   fp8_swap_rows=env.fp8_swap_rows(),
                    pin_host_adapters=env.pin_host_adapters())
 
     def describe(self) -> str:

@@ -16,6 +16,7 @@ and placement, activation, biases, q/k norms, embedding scale, RoPE and window p
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -30,6 +31,8 @@ from lorafleet.runner.model.rope import Rope
 
 # Group indices for LoraStep.add: projections that share an input run as one SGMV launch.
 QKV, O, GATE_UP, DOWN = 0, 1, 2, 3
+
+log = logging.getLogger(__name__)
 
 
 class AttentionStep(Protocol):
@@ -121,6 +124,8 @@ class Decoder:
         self.lt_rows = kernels.blas_lt_rows if self.device.type == "cuda" and all_reduce is None else 0
         # FP8 projection weights (runner/model/fp8.py): products on FP8 tensor cores where the GPU has them
         self.fp8_tensor_cores = fp8_tensor_cores(self.device)
+        self.fp8_ext = None  # the CUDA extension whose kernel quantizes activations (set below, with FP8 weights)
+        self.fp8_swap_rows = kernels.fp8_swap_rows
         self.embed_scale = (torch.tensor(cfg.embed_scale, dtype=torch.float32).to(dtype).item()
                             if cfg.embed_scale is not None else None)
         self.num_layers = cfg.num_layers
@@ -144,6 +149,13 @@ class Decoder:
             raise WeightsError(f"unexpected tensors in the weights of a {cfg.family} model, e.g. {leftover[:3]}")
         self._check_shapes(WeightsError)
         self.kv_write = None  # set by attach_kv
+        if self.fp8_tensor_cores and isinstance(self.layers[0].qkv, Fp8Weight):
+            try:
+                from lorafleet.runner.kernels import load
+
+                self.fp8_ext = load()
+            except Exception as exc:  # no compiler: torch's ops quantize the activations (same bits, more launches)
+                log.warning("FP8 activation kernel unavailable (%s); activations are quantized by torch ops", exc)
 
     def _check_shapes(self, error) -> None:
         c = self.cfg
@@ -232,13 +244,13 @@ class Decoder:
     def _linear(self, x: torch.Tensor, w, b: torch.Tensor | None) -> torch.Tensor:
         """x @ w.T + b for a bf16/fp16/fp32 weight or an FP8 one."""
         if isinstance(w, Fp8Weight):
-            return fp8_linear(x, w, b, self.fp8_tensor_cores)
+            return fp8_linear(x, w, b, self.fp8_tensor_cores, self.fp8_ext, self.fp8_swap_rows)
         return F.linear(x, w, b)
 
     def _linear_small(self, x: torch.Tensor, w, b: torch.Tensor | None) -> torch.Tensor:
         """x @ w.T + b; on cuBLASLt for steps of at most `lt_rows` rows (the o and down projections)."""
         if isinstance(w, Fp8Weight):
-            return fp8_linear(x, w, b, self.fp8_tensor_cores)
+            return fp8_linear(x, w, b, self.fp8_tensor_cores, self.fp8_ext, self.fp8_swap_rows)
         if 0 < x.shape[0] <= self.lt_rows:
             with prefer_cublaslt():
                 return F.linear(x, w, b)

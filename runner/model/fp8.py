@@ -72,20 +72,35 @@ def fp8_tensor_cores(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic per-token quantization: (x_q float8 [M, K], scale fp32 [M, 1])."""
+def quantize_tokens(x: torch.Tensor, ext=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token quantization: (x_q float8 [M, K], scale fp32 [M, 1]). `ext` (the project's CUDA
+    extension, runner/kernels.py): the same bits in one launch (csrc/quant.cu) for 2-D bf16/fp16 CUDA rows."""
+    if ext is not None and x.is_cuda and x.dim() == 2 and x.stride(-1) == 1 and x.dtype in (torch.bfloat16,
+                                                                                             torch.float16):
+        q = torch.empty(x.shape, dtype=E4M3, device=x.device)
+        scale = torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device)
+        ext.quantize_e4m3(q, scale.view(-1), x, torch.cuda.current_stream(x.device).cuda_stream)
+        return q, scale
     xf = x.float()
     scale = (xf.abs().amax(dim=-1, keepdim=True) / E4M3_MAX).clamp(min=1e-12)
     return to_e4m3(xf / scale), scale
 
 
-def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_cores: bool) -> torch.Tensor:
-    """x [M, K] (bf16/fp16 on the GPU, any float on the CPU) @ w.T + bias -> [M, N] in x's dtype."""
+def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_cores: bool,
+               ext=None, swap_rows: int = 0) -> torch.Tensor:
+    """x [M, K] (bf16/fp16 on the GPU, any float on the CPU) @ w.T + bias -> [M, N] in x's dtype; `ext`: the
+    activations quantized by the CUDA extension's one-launch kernel (see quantize_tokens); M <= `swap_rows`
+    (and a multiple of 16): the tensor cores compute (w @ x.T).T, the same products with the weight as the
+    long operand."""
     if not tensor_cores:
         y = torch.nn.functional.linear(x, w.dequant(x.dtype))
         return y if bias is None else y + bias
     if w.scale_row is None:
         w.scale_row = w.scale.reshape(1, -1).contiguous()
-    xq, sx = quantize_tokens(x)
-    y = torch._scaled_mm(xq, w.q.t(), scale_a=sx, scale_b=w.scale_row, out_dtype=x.dtype)
+    xq, sx = quantize_tokens(x, ext)
+    if 0 < x.shape[0] <= swap_rows and x.shape[0] % 16 == 0:  # cuBLASLt wants the rows in multiples of 16 there
+        y = torch._scaled_mm(w.q, xq.t(), scale_a=w.scale_row.view(-1, 1), scale_b=sx.view(1, -1),
+                             out_dtype=x.dtype).t().contiguous()
+    else:
+        y = torch._scaled_mm(xq, w.q.t(), scale_a=sx, scale_b=w.scale_row, out_dtype=x.dtype)
     return y if bias is None else y + bias

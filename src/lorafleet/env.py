@@ -132,6 +132,15 @@ def rope_kv_lora() -> bool:
     return _flag("LORAFLEET_ROPE_KV_LORA", False)
 
 
+def fp8_swap_rows() -> int:
+    """LORAFLEET_FP8_SWAP_ROWS: with FP8 weights on CUDA, steps of at most this many rows compute W @ x.T on
+    the FP8 tensor cores (the operands swapped, the same products) instead of x @ W.T (default 0: never)."""
+    rows = _int("LORAFLEET_FP8_SWAP_ROWS", 0)
+    if rows < 0:
+        raise ValueError(f"LORAFLEET_FP8_SWAP_ROWS must be >= 0, got {rows}")
+    return rows
+
+
 def blas_lt_rows() -> int:
     """LORAFLEET_BLAS_LT_ROWS: on CUDA without tensor parallelism, the o and down projections of steps
     with at most this many rows call cuBLASLt instead of cuBLAS (default 64; 0: never). cuBLAS picks

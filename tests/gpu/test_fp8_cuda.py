@@ -26,6 +26,49 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 NEW = 8
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_activation_kernel_gives_the_torch_quantization_bits(dtype):
+    """csrc/quant.cu (one launch) against quantize_tokens' torch ops, bit for bit: widths with and without
+    16-byte rows, a strided view, a zero row, a row with a NaN, values far past e4m3's range and tiny ones."""
+    from lorafleet.runner.kernels import load
+    from lorafleet.runner.model.fp8 import quantize_tokens
+
+    ext = load()
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for rows, cols in ((1, 8), (32, 4096), (7, 28672), (5, 1000), (3, 13)):
+        x = (torch.randn(rows, cols, device="cuda", generator=g) * 3).to(dtype)
+        x[0, : min(cols, 4)] = torch.tensor([6e4, -6e4, 1e-7, -3e-5], dtype=dtype)[: min(cols, 4)]
+        if rows > 2:
+            x[1] = 0
+            x[2, cols // 2] = float("nan")
+        for view in (x, torch.cat([x, x], dim=1)[:, :cols]):  # contiguous, then rows with a stride of 2 * cols
+            want_q, want_s = quantize_tokens(view)
+            got_q, got_s = quantize_tokens(view, ext)
+            assert torch.equal(got_s.isnan(), want_s.isnan()), (rows, cols)
+            ok = ~want_s.isnan().view(-1)
+            assert torch.equal(got_s[ok], want_s[ok]), (rows, cols)
+            assert torch.equal(got_q.view(torch.uint8)[ok], want_q.view(torch.uint8)[ok]), (rows, cols)
+            assert got_q[~ok].float().isnan().all() and want_q[~ok].float().isnan().all()  # a NaN row: all NaN
+
+
+def test_swapped_operands_give_the_same_product():
+    """fp8_linear with the operands swapped (w @ x.T on the tensor cores, KernelChoices.fp8_swap_rows) against
+    the x @ w.T call and against the fp32 product of the dequantized operands."""
+    from lorafleet.runner.model.fp8 import fp8_linear, quantize_rows, quantize_tokens
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for M, K, N in ((1, 256, 512), (16, 256, 512), (32, 4096, 1536), (64, 1024, 4096)):  # M = 1: not swapped
+        x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
+        w = quantize_rows(torch.randn(N, K, device="cuda", generator=g) * 0.05)
+        plain = fp8_linear(x, w, None, True)
+        swapped = fp8_linear(x, w, None, True, swap_rows=64)
+        xq, sx = quantize_tokens(x)
+        exact = (xq.float() * sx) @ w.dequant(torch.float32).t()
+        assert swapped.shape == (M, N) and swapped.is_contiguous() and swapped.dtype == torch.bfloat16
+        torch.testing.assert_close(swapped.float(), exact, rtol=8e-3, atol=1e-3 * exact.abs().max().item())
+        torch.testing.assert_close(swapped, plain, rtol=8e-3, atol=1e-3 * exact.abs().max().item())
+
+
 @pytest.fixture(scope="module", params=["llama3", "phi3"])
 def fam(request, tmp_path_factory):
     if not fp8_tensor_cores(torch.device("cuda")):

@@ -73,7 +73,9 @@ class FlashInferAttention:
         fp8_pages = self.kv_dtype != self.q_dtype
         if fp8_pages and prefill_choice == "fa3":
             raise ValueError("flashinfer's FA3 prefill takes FP8 K/V pages only with FP8 queries: use fa2 or auto")
-        if prefill_choice == "auto" and sm90 and self.d in FA3_HEAD_DIMS and not fp8_pages:  # per step, meta.prefill_kernel
+        if fp8_pages:  # FA2 named: flashinfer's own auto picks FA3 on sm90, whose build fails for bf16 q + e4m3 K/V
+            self.prefill_kinds = ("fa2",)
+        elif prefill_choice == "auto" and sm90 and self.d in FA3_HEAD_DIMS:  # per step, meta.prefill_kernel
             self.prefill_kinds = ("fa2", "fa3")
         else:  # forced, or FA3 cannot run (not sm90, or a head size it lacks): flashinfer's auto is FA2 then
             self.prefill_kinds = (prefill_choice,)
