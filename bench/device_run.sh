@@ -7,6 +7,15 @@
 #   ktests   kernel GPU tests only (incl. the fused one-launch path), sanitizer case
 #   etests   engine GPU tests only
 #   ftests   every model family against HF + PEFT and graphs against eager, and the flashinfer plan and window tests
+#   fp8tests FP8 weights (and FP8 K/V pages) against the fp32 HF emulation of FP8, graphs against eager, bytes
+#   ptests   the prefix cache against HF + PEFT fp32 (llama3, gemma3), hits counted
+#   fp8      bench e2e (7B shape; distinct, identical, uniform, skewed, LoRA off; FP8_REQS, default 300) in bf16,
+#            with FP8 weights and with FP8 weights + FP8 K/V pages, with step profiles   -> e2e_fp8_{bf16,fp8,fp8_kv8}.json
+#   fp8probe bench/probe_fp8_gemm.py: decode-sized FP8 GEMMs (engine call, swapped operands, per-tensor) vs bf16
+#            -> probe_fp8_gemm.json; a later fp8 stage then sets LORAFLEET_FP8_SWAP_ROWS=64 where swapping wins
+#   fp870    bench e2e --tp 1: Llama-2-70B shape on one GPU with FP8 weights (distinct, identical, LoRA off;
+#            FP70_REQS, default 300)                                                   -> e2e_70b_fp8.json
+#   quality  bench quality on a model directory in QUALITY_MODEL (bf16 vs FP8 vs FP8 + FP8 K/V) -> quality.json
 #   tptests  tensor-parallel GPU test (needs two GPUs: run it alone, not in a --par list)
 #   probe    bench/probe_decode.py: decode attention variants, LoRA beside the GEMM (SM carve-out), the decode
 #            GEMMs per BLAS backend -> probe[_TAG].json (PROBE_ARGS="--skip ..." picks sections)
@@ -93,6 +102,34 @@ stage() {
       timeout ${TEST_S:-500} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_families_cuda.py \
         tests/gpu/test_flashinfer_plans.py -rA -s -k "${FTESTS_K:-}" -o faulthandler_timeout=${HANG_S:-200} 2>&1 \
         | tee "$LOGS/gpu_ftests.log" | grep -E "passed|failed|FAILED|flips|Error|Timeout|File " | tail -24 ;;
+    fp8tests|ptests)
+      local f=tests/gpu/test_fp8_cuda.py; [ "$1" = ptests ] && f=tests/gpu/test_prefix_cuda.py
+      timeout ${TEST_S:-400} python3 -m pytest -q -p no:cacheprovider $f -rA -s --durations=4 --tb=short -k "${FP8_K:-}" \
+        -o faulthandler_timeout=${HANG_S:-200} 2>&1 | tee "$LOGS/gpu_$1.log" \
+        | grep -E "passed|failed|FAILED|flips|cache|Error|Timeout|File |^E  " | cut -c1-300 | tail -${TEST_LINES:-30} ;;
+    fp8probe)
+      timeout ${PROBE_S:-120} python3 bench/probe_fp8_gemm.py --out "$OUT/probe_fp8_gemm.json" 2>&1 \
+        | tee "$LOGS/probe_fp8_gemm.log" | tail -10 ;;
+    fp8)
+      local q flags
+      if [ -z "${LORAFLEET_FP8_SWAP_ROWS:-}" ] && [ -f "$OUT/probe_fp8_gemm.json" ]; then
+        export LORAFLEET_FP8_SWAP_ROWS=$(python3 -c "import json,sys; r=[x for x in json.load(open(sys.argv[1]))['rows'] if x['M']==32]
+t=lambda k: sum(x[k].get('us', 1e9) for x in r); print(64 if t('rowwise_swapped') < 0.95 * t('rowwise') else 0)" "$OUT/probe_fp8_gemm.json")
+        echo "LORAFLEET_FP8_SWAP_ROWS=$LORAFLEET_FP8_SWAP_ROWS (from the GEMM probe)"
+      fi
+      for q in ${FP8_PRECISIONS:-bf16 fp8 fp8_kv8}; do
+        flags=""; [ "$q" != bf16 ] && flags="--quantization fp8"; [ "$q" = fp8_kv8 ] && flags="$flags --kv-cache-dtype fp8"
+        timeout ${FP8_S:-200} python3 -m lorafleet --log-level WARNING bench e2e --requests ${FP8_REQS:-300} \
+          --mixes ${FP8_MIXES:-distinct identical uniform skewed} --hf-requests 0 --profile $flags --out "$OUT/e2e_fp8_$q.json" 2>&1 \
+          | tee "$LOGS/e2e_fp8_$q.log" | grep -E "tok/s|decode|Error|Traceback" | tail -12
+      done ;;
+    fp870)
+      timeout ${FP70_S:-420} python3 -m lorafleet --log-level WARNING bench e2e --tp 1 --shape llama2-70b \
+        --quantization fp8 --requests ${FP70_REQS:-300} --mixes distinct identical --population 4 --profile \
+        --out "$OUT/e2e_70b_fp8.json" 2>&1 | tee "$LOGS/e2e_70b_fp8.log" | tail -12 ;;
+    quality)
+      timeout ${QUALITY_S:-300} python3 -m lorafleet bench quality --model "$QUALITY_MODEL" --device cuda \
+        ${QUALITY_ARGS:-} --out "$OUT/quality.json" 2>&1 | tee "$LOGS/quality.log" | tail -8 ;;
     compare)
       local v dir
       for v in old new; do

@@ -746,7 +746,8 @@ def main(argv: list[str] | None = None) -> int:
     log(f"{len(store)} adapters in pinned memory ({time.perf_counter() - t_start:.0f}s)")
 
     results: dict = {"card": torch.cuda.get_device_name(0), "date": str(date.today()), "torch": torch.__version__,
-                     "requests": args.requests, "max_batch": args.max_batch, "runs": []}
+                     "requests": args.requests, "max_batch": args.max_batch, "runs": [],
+                     "quantization": args.quantization or "none", "kv_cache_dtype": args.kv_cache_dtype}
 
     def make_engine(max_batch: int, lora: bool, from_disk: bool = False, chunked: bool = True):
         from lorafleet.runner.engine.sequence import AdapterRef, SamplingParams, Sequence
@@ -977,7 +978,8 @@ def run_tp(args) -> int:
     cuda = torch.cuda.is_available()
     results: dict = {"card": torch.cuda.get_device_name(0) if cuda else "cpu", "gpus": torch.cuda.device_count(),
                      "date": str(date.today()), "torch": torch.__version__, "requests": args.requests,
-                     "max_batch": args.max_batch, "shape": args.shape, "population": population, "runs": [], "tp": {}}
+                     "max_batch": args.max_batch, "shape": args.shape, "population": population, "runs": [], "tp": {},
+                     "quantization": args.quantization or "none", "kv_cache_dtype": args.kv_cache_dtype}
     key = args.shape.replace("-", "_")
 
     def save() -> None:

@@ -77,7 +77,8 @@ def score(engine, ids: list[int], adapter, window: int):
     return nll, n, torch.cat(top1)
 
 
-def run(model: str, text: str, adapters: dict, device: str, window: int, precisions: list[str], log) -> dict:
+def run(model: str, text: str, adapters: dict, device: str, window: int, precisions: list[str], log,
+        dtype: str = "auto") -> dict:
     import torch
 
     from lorafleet.runner.config import EngineConfig
@@ -86,10 +87,10 @@ def run(model: str, text: str, adapters: dict, device: str, window: int, precisi
     from lorafleet.scheduler.tokenizer import Tokenizer
 
     ids = Tokenizer(model).encode(text)
-    res: dict = {"model": model, "tokens": len(ids), "window": window, "device": device, "precisions": {}}
+    res: dict = {"model": model, "tokens": len(ids), "window": window, "device": device, "dtype": dtype, "precisions": {}}
     firsts = {}
     for name in precisions:
-        cfg = EngineConfig(device=device, max_batch_size=4, max_lora_rank=64, kv_cache_gb=0.5, num_pages=None,
+        cfg = EngineConfig(device=device, dtype=dtype, max_batch_size=4, max_lora_rank=64, kv_cache_gb=0.5, num_pages=None,
                            **PRECISIONS[name])
         eng = Engine(model, cfg)
         try:
@@ -132,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="a directory of PEFT adapters to score too (default: the demo adapters with the demo model)")
     p.add_argument("--text", type=Path, default=DEFAULT_TEXT, help="the text to score (default: %(default)s)")
     p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu or cuda")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="the engine's dtype in every precision (default auto: bfloat16 on a GPU, float32 on the CPU)")
     p.add_argument("--window", type=int, default=1024, help="tokens scored per prefill (default %(default)s)")
     p.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=list(PRECISIONS),
                    help="the first is the reference (default: %(default)s)")
@@ -146,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.adapters:
         adapters = {a.name: a for a in sorted(Path(args.adapters).iterdir()) if (a / "adapter_config.json").is_file()}
     res = run(model, args.text.read_text(), adapters, args.device, args.window, args.precisions,
-              lambda m: print(m, file=sys.stderr, flush=True))
+              lambda m: print(m, file=sys.stderr, flush=True), args.dtype)
     try:
         import torch
 
