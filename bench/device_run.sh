@@ -11,6 +11,9 @@
 #   ptests   the prefix cache against HF + PEFT fp32 (llama3, gemma3), hits counted
 #   fp8      bench e2e (7B shape; distinct, identical, uniform, skewed, LoRA off; FP8_REQS, default 300) in bf16,
 #            with FP8 weights and with FP8 weights + FP8 K/V pages, with step profiles   -> e2e_fp8_{bf16,fp8,fp8_kv8}.json
+#   pserve   bench serve --prefix-workloads system-prompt sharegpt: two runners on the machine's GPUs (sharing one
+#            GPU where there is one), cache off and on, prefix-aware (busiest) against prefix-ignoring placement
+#            (busiest-no-prefix); PSERVE_REQS, default 400                              -> serve_prefix.json
 #   fp8probe bench/probe_fp8_gemm.py: decode-sized FP8 GEMMs (engine call, swapped operands, per-tensor) vs bf16
 #            -> probe_fp8_gemm.json; a later fp8 stage then sets LORAFLEET_FP8_SWAP_ROWS=64 where swapping wins
 #   fp870    bench e2e --tp 1: Llama-2-70B shape on one GPU with FP8 weights (distinct, identical, LoRA off;
@@ -206,6 +209,10 @@ t=lambda k: sum(x[k].get('us', 1e9) for x in r); print(64 if t('rowwise_swapped'
       [ "$1" = serve3p ] && pin=0  # pageable host copies of adapters read from disk (the default); serve3: pinned
       LORAFLEET_PIN_HOST_ADAPTERS=$pin timeout ${SERVE_S:-500} $SERVE --runners 1 --requests ${SERVE_REQS:-600} --mixes ${SERVE_MIXES:-distinct skewed} $extra \
         --work-dir /tmp/bs_$1 --out "$OUT/$1.json" 2>&1 | tee "$LOGS/$1.log" | grep -v " INFO " | tail -12 ;;
+    pserve)
+      timeout ${PSERVE_S:-560} $SERVE --runners 2 --kv-fraction 0.4 --requests ${PSERVE_REQS:-400} \
+        --prefix-workloads system-prompt sharegpt --placement busiest busiest-no-prefix --work-dir /tmp/bs_pserve \
+        --out "$OUT/serve_prefix.json" 2>&1 | tee "$LOGS/serve_prefix.log" | grep -v " INFO " | tail -14 ;;
     place)
       timeout ${PLACE_S:-420} $SERVE --runners 2 --requests ${PLACE_REQS:-200} --mixes skewed \
         --rates ${PLACE_RATES:-4 8 16 24} --placement busiest least-loaded --no-offline --work-dir /tmp/bs_place \
@@ -222,7 +229,7 @@ run_list() {  # GPU index, stages
   local gpu=$1; shift
   for s in $@; do
     stamp "GPU $gpu: $s"
-    case "$s" in tp*|place) stage "$s" ;;  # tensor-parallel stages use every GPU of the machine
+    case "$s" in tp*|place|pserve) stage "$s" ;;  # tensor-parallel stages use every GPU of the machine
       *) CUDA_VISIBLE_DEVICES=$gpu stage "$s" ;; esac
   done
   stamp "GPU $gpu: done"

@@ -101,3 +101,30 @@ def test_sigterm_stops_the_server_it_started(tiny_chat_llama, tmp_path):
             bench.kill()
         for pid in _pids_with(str(work / "adapters")):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_bench_serve_prefix_workloads_cache_off_and_on(tiny_chat_llama, tmp_path):
+    """--prefix-workloads through the OpenAI API: with the cache off no prompt token is reported cached; with it
+    on, every system-prompt request after its adapter's first finds at least the system prompt's full pages
+    (usage.prompt_tokens_details.cached_tokens), and requests on their own adapters share nothing."""
+    out = tmp_path / "prefix.json"
+    n, adapters, system = 8, 2, 32
+    cmd = [sys.executable, "-m", "lorafleet", "--log-level", "WARNING", "bench", "serve", "--model", str(tiny_chat_llama),
+           "--requests", str(n), "--max-prompt", "12", "--max-output", "4", "--weight-sets", "2", "--rank", "4",
+           "--runners", "1", "--device", "cpu", "--kv-pages", "400", "--page-size", "4", "--max-batch-size", "4",
+           "--prefix-workloads", "system-prompt", "sharegpt", "--system-tokens", str(system),
+           "--prefix-adapters", str(adapters), "--out", str(out), "--work-dir", str(tmp_path / "work")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=500)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())["prefix"]["busiest"]
+    for wl in ("system-prompt", "sharegpt"):
+        off, on = res[wl]["off"], res[wl]["on"]
+        assert off["completed"] == on["completed"] == n and off["output_tokens"] == on["output_tokens"]
+        assert off["prompt_tokens_cached"] == 0 and off["prompt_tokens_computed"] == off["prompt_tokens"]
+        assert on["prompt_tokens"] == off["prompt_tokens"]
+        assert on["prompt_tokens_computed"] == on["prompt_tokens"] - on["prompt_tokens_cached"]
+    sp = res["system-prompt"]["on"]
+    assert sp["prompt_tokens_cached"] >= (n - adapters) * system, sp
+    assert res["system-prompt"]["on_over_off"]["prompt_tokens_computed"] < 0.6
+    assert res["sharegpt"]["on"]["prompt_tokens_cached"] == 0
+    assert "| busiest | system-prompt | on |" in r.stdout

@@ -32,6 +32,7 @@ class Result:
     ok: bool = False
     output_tokens: int = 0
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens: prompt tokens a runner's prefix cache held
     start: float = 0.0  # perf_counter when sent
     ttft: float | None = None  # s from send to the first text chunk
     e2e: float | None = None
@@ -75,6 +76,7 @@ async def one(session: aiohttp.ClientSession, url: str, req: LoadRequest, header
                     if not ev.get("choices") and ev.get("usage"):
                         use = ev["usage"]
                         res.output_tokens, res.prompt_tokens = use["completion_tokens"], use["prompt_tokens"]
+                        res.cached_tokens = int((use.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
                 elif line.startswith(b'data: {"error"'):
                     res.error = json.loads(line[6:])["error"]["message"]
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
@@ -141,6 +143,9 @@ def summary(results: list[Result], wall: float, slo_ttft_s: float | None = None,
         out["goodput_req_s"] = round(len(g) / wall, 3) if wall > 0 else None
         out["goodput_tok_s"] = round(sum(r.output_tokens for r in g) / wall, 1) if wall > 0 else None
         out["slo"] = {"ttft_s": slo_ttft_s, "tpot_ms": slo_tpot_ms}
+    prompt, cached = sum(r.prompt_tokens for r in ok), sum(r.cached_tokens for r in ok)
+    out.update(prompt_tokens=prompt, prompt_tokens_cached=cached, prompt_tokens_computed=prompt - cached,
+               hit_rate=round(cached / prompt, 3) if prompt else 0.0)
     errors = sorted({r.error for r in results if r.error})
     if errors:
         out["errors"] = errors[:5]

@@ -70,16 +70,20 @@ def _steps(engine, label, first, ends, on_end=None) -> int:
     return prefill
 
 
-def run_system_prompt(engine, reqs, adapters: int, system_tokens: int, vocab: int, label: str, source=str) -> dict:
-    """`reqs` [(user prompt ids, output tokens)]; request i on adapter i % adapters, after that adapter's
-    system prompt."""
+def system_prompt_requests(reqs, adapters: int, system_tokens: int, vocab: int) -> list[tuple[list[int], int, int]]:
+    """`reqs` [(user prompt ids, output tokens)] -> [(prompt ids, output tokens, adapter k)]: request i on
+    adapter k = i % adapters, after that adapter's own system prompt of `system_tokens` tokens."""
     systems = [tokens(system_tokens, 1000 + k, vocab) for k in range(adapters)]
+    return [(systems[i % adapters] + ids, o, i % adapters) for i, (ids, o) in enumerate(reqs)]
+
+
+def run_system_prompt(engine, reqs, adapters: int, system_tokens: int, vocab: int, label: str, source=str) -> dict:
+    """`reqs` [(user prompt ids, output tokens)]; see system_prompt_requests."""
     stats0 = dict(engine.blocks.stats)
     t0 = time.perf_counter()
     first, sent, ends, n_out = {}, {}, {}, {}
-    for i, (ids, o) in enumerate(reqs):
-        k = i % adapters
-        _submit(engine, f"s{i}", systems[k] + ids, o, f"sys{k}", source(k), float(i))
+    for i, (ids, o, k) in enumerate(system_prompt_requests(reqs, adapters, system_tokens, vocab)):
+        _submit(engine, f"s{i}", ids, o, f"sys{k}", source(k), float(i))
         sent[f"s{i}"], n_out[f"s{i}"] = t0, o
     prefill = _steps(engine, label, first, ends)
     return _summary(label, engine, t0, first, sent, ends, n_out, prefill, stats0,

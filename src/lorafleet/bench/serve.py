@@ -38,6 +38,7 @@ from lorafleet.bench.load import LoadRequest, run_load, summary
 from lorafleet.common.workloads import assign, sharegpt_requests
 
 MIXES = ("distinct", "uniform", "skewed", "identical", "base")
+PREFIX_WORKLOADS = ("system-prompt", "sharegpt")
 
 
 def parse_rate(s: str) -> float | None:
@@ -99,7 +100,8 @@ def mix_adapters(mix: str, n: int, population: int, weights: list[str], root: Pa
 class Server:
     """`lorafleet serve` as a child process, with an admin token so its busy time can be read."""
 
-    def __init__(self, args, model: Path, adapters: Path, placement: str, work: Path):
+    def __init__(self, args, model: Path, adapters: Path, placement: str, work: Path, extra: tuple[str, ...] = (),
+                 tag: str = ""):
         self.token = secrets.token_urlsafe(16)
         self.port = procs.free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -111,8 +113,8 @@ class Server:
             v = getattr(args, flag)
             if v is not None:
                 cmd += ["--" + flag.replace("_", "-"), str(v)]
-        cmd += args.serve_arg
-        self.log = work / f"serve-{placement}.log"
+        cmd += list(args.serve_arg) + list(extra)
+        self.log = work / f"serve-{placement}{tag}.log"
         self.proc = procs.start(cmd, log=self.log, env={"LORAFLEET_ADMIN_TOKEN": self.token})
 
     def wait(self, timeout: float) -> None:
@@ -169,6 +171,67 @@ def adapter_load_delta(before: dict, after: dict) -> dict:
     n = n1 - n0
     return {"disk_reads": n, "mean_read_s": round((t1 - t0) / n, 4) if n else None,
             "mean_worker_s": round((w1 - w0) / n, 4) if n else None}
+
+
+def prefix_runs(args, model: Path, adapters_root: Path, weights: list[str], reqs, vocab: int, work: Path,
+                log) -> dict:
+    """--prefix-workloads: per placement, the runners' prefix cache off then on (a server each), every workload
+    through the OpenAI API. TTFT p50/p99, output tok/s and, from each response's usage, prompt tokens, those
+    the runners' caches held (cached_tokens), those computed and the hit rate; the on / off ratios."""
+    from lorafleet.bench.prefix import system_prompt_requests
+
+    loads = {}
+    for wl in args.prefix_workloads:
+        if wl == "system-prompt":
+            sys_reqs = system_prompt_requests(reqs, args.prefix_adapters, args.system_tokens, vocab)
+            names = []
+            for _ids, _o, k in sys_reqs:
+                link = adapters_root / f"sys-{k}"
+                if not link.exists():
+                    os.symlink(weights[k % len(weights)], link)
+                names.append(link.name)
+            loads[wl] = ([(ids, o) for ids, o, _k in sys_reqs], names)
+        else:
+            loads[wl] = (reqs, mix_adapters("distinct", len(reqs), len(reqs), weights, adapters_root, args.seed))
+    out: dict = {}
+    for placement in args.placement:
+        per = out.setdefault(placement, {})
+        for cache in ("off", "on"):
+            server = Server(args, model, adapters_root, placement, work,
+                            extra=() if cache == "on" else ("--no-prefix-cache",), tag=f"-cache-{cache}")
+            try:
+                server.wait(args.ready_timeout)
+                base = base_model_name(server.url)
+                for wl, (wl_reqs, names) in loads.items():
+                    r = online_run(server.url, server.token, base, wl_reqs, names, None, args)
+                    r.update(placement=placement, workload=wl, cache=cache)
+                    per.setdefault(wl, {})[cache] = r
+                    log(f"{placement:>17} {wl:>13} cache {cache:>3}: {r['output_tok_s']} tok/s, TTFT p50 "
+                        f"{r['ttft_p50_s']}s p99 {r['ttft_p99_s']}s, prompt tokens computed "
+                        f"{r['prompt_tokens_computed']} of {r['prompt_tokens']} (hit rate {r['hit_rate']:.0%}), "
+                        f"{r['failed']} failed")
+            finally:
+                server.stop()
+        for wl, runs in per.items():
+            on, off = runs["on"], runs["off"]
+            runs["on_over_off"] = {
+                "output_tok_s": round(on["output_tok_s"] / off["output_tok_s"], 3) if off["output_tok_s"] else None,
+                "ttft_p50": round(on["ttft_p50_s"] / off["ttft_p50_s"], 3) if off["ttft_p50_s"] else None,
+                "prompt_tokens_computed": round(on["prompt_tokens_computed"] / max(off["prompt_tokens_computed"], 1), 3)}
+    return out
+
+
+def print_prefix_table(prefix: dict) -> None:
+    print("| placement | workload | cache | done | output tok/s | TTFT p50/p99 (s) | prompt tokens computed | "
+          "hit rate |")
+    print("|---|---|---|---|---|---|---|---|")
+    for placement, per in prefix.items():
+        for wl, runs in per.items():
+            for cache in ("off", "on"):
+                r = runs[cache]
+                print(f"| {placement} | {wl} | {cache} | {r['completed']}/{r['requests']} | {r['output_tok_s']} | "
+                      f"{r['ttft_p50_s']}/{r['ttft_p99_s']} | {r['prompt_tokens_computed']} of {r['prompt_tokens']} | "
+                      f"{r['hit_rate']:.1%} |")
 
 
 # -- reporting -------------------------------------------------------------------------------------------
@@ -246,6 +309,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--slo-ttft", type=float, default=None, help="goodput SLO: TTFT in seconds")
     w.add_argument("--slo-tpot", type=float, default=None, help="goodput SLO: TPOT in milliseconds")
+    w.add_argument("--prefix-workloads", nargs="*", default=[], choices=PREFIX_WORKLOADS, metavar="WL",
+                   help="instead of the mixes: the prefix cache's workloads (system-prompt: each of "
+                        "--prefix-adapters adapters has its own system prompt before every request's user turn; "
+                        "sharegpt: one adapter per request, nothing shared), each with the runners' prefix cache "
+                        "off and on (one server each), per --placement; default: none")
+    w.add_argument("--system-tokens", type=int, default=1024, help="system-prompt: tokens per adapter (default 1024)")
+    w.add_argument("--prefix-adapters", type=int, default=32, help="system-prompt: adapters (default 32)")
     s = p.add_argument_group("server")
     s.add_argument("--url", default=None, help="target a running scheduler instead of starting `lorafleet serve` "
                    "(env LORAFLEET_ADMIN_TOKEN, if set, is used to read GPUs busy)")
@@ -255,7 +325,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--synthetic-model", choices=["7b"], default=None,
                    help="use a Llama-2-7B-shape model with random weights made on the runner's device")
     s.add_argument("--adapters", type=Path, default=None, help="adapters to copy as weight sets (default: synthetic)")
-    s.add_argument("--placement", nargs="+", default=["busiest"], choices=["busiest", "least-loaded", "round-robin"])
+    s.add_argument("--placement", nargs="+", default=["busiest"],
+                   choices=["busiest", "busiest-no-prefix", "least-loaded", "round-robin"],
+                   help="scheduler placement policies, one server each (default: busiest, which prefers the runner "
+                        "holding a request's prefix)")
     s.add_argument("--runners", type=int, default=1)
     s.add_argument("--device", default="auto")
     s.add_argument("--max-batch-size", type=int, default=32)
@@ -342,9 +415,24 @@ def main(argv: list[str] | None = None) -> int:
     weights = prepare_adapters(args, adapters_root, hf) if needs_adapters else []
     names = {m: mix_adapters(m, len(reqs), args.population, weights, adapters_root, args.seed) if m != "base"
              else [None] * len(reqs) for m in args.mixes}
+    what = (f"prefix workloads {', '.join(args.prefix_workloads)}" if args.prefix_workloads else
+            f"mixes {', '.join(args.mixes)}; rates {', '.join(rate_label(r) for r in rates)}")
     log(f"{len(reqs)} requests: mean prompt {sum(len(a) for a, _ in reqs) / len(reqs):.0f}, mean output "
-        f"{sum(o for _, o in reqs) / len(reqs):.0f} tokens; mixes {', '.join(args.mixes)}; rates "
-        f"{', '.join(rate_label(r) for r in rates)}; {len(weights)} weight sets; work dir {work}")
+        f"{sum(o for _, o in reqs) / len(reqs):.0f} tokens; {what}; {len(weights)} weight sets; work dir {work}")
+
+    if args.prefix_workloads:
+        if args.url:
+            raise SystemExit("--prefix-workloads starts its own servers (cache off and on): leave out --url")
+        if not weights:
+            weights = prepare_adapters(args, adapters_root, hf)
+        prefix = prefix_runs(args, Path(model), adapters_root, weights, reqs, int(hf["vocab_size"]), work, log)
+        args.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "model": str(model), "requests": len(reqs),
+                                        "max_batch_size": args.max_batch_size, "runners": args.runners,
+                                        "device": args.device, "system_tokens": args.system_tokens,
+                                        "prefix_adapters": args.prefix_adapters, "prefix": prefix}, indent=1))
+        print_prefix_table(prefix)
+        return 1 if any(r["failed"] for per in prefix.values() for runs in per.values()
+                        for k, r in runs.items() if k in ("on", "off")) else 0
 
     runs: list[dict] = []
     result = {"date": time.strftime("%Y-%m-%d"), "model": str(model), "requests": len(reqs),
