@@ -2,9 +2,10 @@
 
 For each projection of the Llama-2-7B and -70B shapes at M token rows (default 32): the bf16 product
 (F.linear), the engine's call (torch._scaled_mm with per-token and per-row scales), the same with the operands
-swapped (W @ x.T, so the GEMM's long side is the weight's rows), and per-tensor scales with the row scales
-applied after an fp32 output. Weights rotate over copies larger than L2, so every call reads from HBM.
-Reports us per call and the weight bytes / time (TB/s).
+swapped (W @ x.T, so the GEMM's long side is the weight's rows), per-tensor scales with the row scales
+applied after an fp32 output, and the project's kernel (csrc/fp8_gemm.cu, `own`; its largest relative
+error against the fp32 product of the same operands is reported as `own_max_rel_err`). Weights rotate over
+copies larger than L2, so every call reads from HBM. Reports us per call and the weight bytes / time (TB/s).
 
     python bench/probe_fp8_gemm.py --out probe_fp8_gemm.json
 """
@@ -46,7 +47,14 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
-    from lorafleet.runner.model.fp8 import E4M3, quantize_rows, quantize_tokens
+    from lorafleet.runner.kernels import load
+    from lorafleet.runner.model.fp8 import quantize_rows, quantize_tokens
+
+    try:
+        ext = load()
+    except Exception as exc:  # no compiler: the own kernel is left out
+        print(f"the CUDA extension did not build ({exc}): no `own` variant", file=sys.stderr)
+        ext = None
 
     dev = torch.device("cuda")
     one = torch.ones((), device=dev)
@@ -62,6 +70,8 @@ def main(argv=None) -> int:
             sxt = sx.view(1, -1).contiguous()
             rs = [w.scale.view(1, -1).contiguous() for w in ws]
             cs = [w.scale.view(-1, 1).contiguous() for w in ws]
+            stream = torch.cuda.current_stream().cuda_stream
+            out = torch.empty(M, N, device=dev, dtype=torch.bfloat16)
             fns = {
                 "bf16": lambda i: torch.nn.functional.linear(x, w16[i % len(w16)]),
                 "rowwise": lambda i: torch._scaled_mm(xq, ws[i % copies].q.t(), scale_a=sx, scale_b=rs[i % copies],
@@ -72,7 +82,14 @@ def main(argv=None) -> int:
                                                                       scale_b=one, out_dtype=torch.float32)
                                                      * sx * rs[i % copies]).to(torch.bfloat16),
             }
+            if ext is not None and M <= 64:
+                fns["own"] = lambda i: ext.fp8_gemm(out, xq, sx.view(-1), ws[i % copies].q, ws[i % copies].scale,
+                                                    stream)
             row = {"gemm": name, "M": M, "K": K, "N": N}
+            if "own" in fns:
+                fns["own"](0)
+                exact = (xq.float() * sx) @ ws[0].dequant(torch.float32).t()
+                row["own_max_rel_err"] = float(((out.float() - exact).abs() / exact.abs().max()).max())
             for label, fn in fns.items():
                 try:
                     us = timed(fn, args.iters)
@@ -83,7 +100,8 @@ def main(argv=None) -> int:
             rows.append(row)
             print(f"{name:12s} M={M:3d} " + "  ".join(
                 f"{k} {v['us']:7.1f}us {v['tb_s']:4.2f}TB/s" if "us" in v else f"{k} err" for k, v in row.items()
-                if isinstance(v, dict)), flush=True)
+                if isinstance(v, dict)) + (f"  own err {row['own_max_rel_err']:.1e}" if "own_max_rel_err" in row
+                                           else ""), flush=True)
         del ws, w16
         torch.cuda.empty_cache()
     args.out.write_text(json.dumps({"card": torch.cuda.get_device_name(0), "torch": torch.__version__,

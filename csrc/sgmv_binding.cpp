@@ -21,6 +21,8 @@
 //       (rope_kv.h RopeKvLora), so a decode step needs no separate expand launch for q, k and v.
 //   quantize_e4m3(out, scale, x, stream): dynamic per-row FP8 quantization of activations (quant.h),
 //       one launch: scale[i] = max(absmax(x[i]) / 448, 1e-12), out[i] = e4m3(x[i] / scale[i]).
+//   fp8_gemm(out, x, x_scale, w, w_scale, stream): out = (x @ w.T) * x_scale[:, None] * w_scale[None, :] in
+//       bf16 for at most 64 e4m3 rows x (fp8_gemm.h), the weight streamed once.
 //
 // with r = ranks[g, s]. The values inside ranks / indptr / slots live on the device and are not
 // inspected here (that would need a synchronisation): the kernels clamp ranks to [0, R_g], skip
@@ -33,6 +35,7 @@
 #include <cstdio>
 #include <vector>
 
+#include "fp8_gemm.h"
 #include "quant.h"
 #include "rope_kv.h"
 #include "sgmv.h"
@@ -412,6 +415,37 @@ void quantize_e4m3(Tensor out, Tensor scale, Tensor x, int64_t stream) {
   SGMV_CHECK(err == nullptr, "quantize_e4m3 launch failed: %s", err ? err : "");
 }
 
+void fp8_gemm(Tensor out, Tensor x, Tensor x_scale, Tensor w, Tensor w_scale, int64_t stream) {
+  SGMV_CHECK(x.is_cuda() && x.scalar_type() == torch::kFloat8_e4m3fn && x.dim() == 2 && x.is_contiguous(),
+             "fp8_gemm: x must be a contiguous 2-D float8_e4m3fn CUDA tensor");
+  for (const Tensor* t : {&w, &x_scale, &w_scale, &out}) check_device(*t, Name("fp8_gemm operand"), x);
+  SGMV_CHECK(w.scalar_type() == torch::kFloat8_e4m3fn && w.dim() == 2 && w.is_contiguous() && w.size(1) == x.size(1),
+             "fp8_gemm: w must be contiguous float8_e4m3fn [N, K=%lld]", ll(x.size(1)));
+  const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
+  SGMV_CHECK(M <= lorafleet::kFp8GemmMaxRows, "fp8_gemm: at most %d rows, got %lld", lorafleet::kFp8GemmMaxRows, ll(M));
+  SGMV_CHECK(K % 64 == 0 && N % 16 == 0 && K <= kInt32Max && N <= kInt32Max,
+             "fp8_gemm: K (%lld) must be a multiple of 64 and N (%lld) of 16", ll(K), ll(N));
+  SGMV_CHECK(aligned16(x) && aligned16(w), "fp8_gemm: x and w must be 16-byte aligned");
+  SGMV_CHECK(x_scale.scalar_type() == torch::kFloat && x_scale.is_contiguous() && x_scale.numel() == M,
+             "fp8_gemm: x_scale must be contiguous float32 with %lld entries", ll(M));
+  SGMV_CHECK(w_scale.scalar_type() == torch::kFloat && w_scale.is_contiguous() && w_scale.numel() == N,
+             "fp8_gemm: w_scale must be contiguous float32 with %lld entries", ll(N));
+  SGMV_CHECK(out.scalar_type() == torch::kBFloat16 && out.is_contiguous() && out.dim() == 2 && out.size(0) == M &&
+                 out.size(1) == N,
+             "fp8_gemm: out must be contiguous bfloat16 [%lld, %lld]", ll(M), ll(N));
+  lorafleet::Fp8GemmArgs a;
+  a.x = static_cast<const uint8_t*>(x.data_ptr());
+  a.x_scale = x_scale.data_ptr<float>();
+  a.w = static_cast<const uint8_t*>(w.data_ptr());
+  a.w_scale = w_scale.data_ptr<float>();
+  a.out = out.data_ptr();
+  a.m = static_cast<int>(M);
+  a.n = static_cast<int>(N);
+  a.k = static_cast<int>(K);
+  const char* err = lorafleet::fp8_gemm(a, x.get_device(), as_stream(stream));
+  SGMV_CHECK(err == nullptr, "fp8_gemm launch failed: %s", err ? err : "");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -437,6 +471,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("v"), py::arg("b"), py::arg("ranks"), py::arg("row_slot"));
   m.def("quantize_e4m3", &quantize_e4m3, "dynamic per-row FP8 (e4m3) quantization of activations, one launch",
         py::arg("out"), py::arg("scale"), py::arg("x"), py::arg("stream"));
+  m.def("fp8_gemm", &fp8_gemm, "bf16 (x @ w.T) * x_scale * w_scale for at most 64 e4m3 rows, the weight streamed once",
+        py::arg("out"), py::arg("x"), py::arg("x_scale"), py::arg("w"), py::arg("w_scale"), py::arg("stream"));
   m.attr("MAX_RANK") = lorafleet::kMaxRank;
   m.attr("MAX_GROUP") = lorafleet::kMaxGroup;
   m.attr("MAX_SEGMENTS") = lorafleet::kMaxSegments;

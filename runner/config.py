@@ -25,6 +25,7 @@ class KernelChoices:
     rope_kv_lora: decode graphs add the qkv rows' LoRA expand inside that kernel.
     blas_lt_rows: steps of at most this many rows run the o and down GEMMs on cuBLASLt (CUDA, one GPU).
     fp8_swap_rows: with FP8 weights, steps of at most this many rows compute W @ x.T (operands swapped).
+    fp8_gemm_rows: with FP8 weights, steps of at most this many rows (<= 64) run the project's FP8 kernel.
     pin_host_adapters: adapters read from disk are kept in pinned host memory.
     """
 
@@ -38,6 +39,7 @@ class KernelChoices:
     rope_kv_lora: bool = False
     blas_lt_rows: int = 64
     fp8_swap_rows: int = 0
+    fp8_gemm_rows: int = 0
     pin_host_adapters: bool = False
 
     def __post_init__(self):
@@ -48,6 +50,8 @@ class KernelChoices:
         for name in ("blas_lt_rows", "fp8_swap_rows"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.fp8_gemm_rows <= 64:
+            raise ValueError(f"fp8_gemm_rows must be in [0, 64], got {self.fp8_gemm_rows}")
         if len(self.mma_rows) != 4 or any(len(r) != 2 or min(r) < 1 for r in self.mma_rows):
             raise ValueError("mma_rows needs (shrink, expand) row counts >= 1 for each of the four projection groups")
 
@@ -59,7 +63,7 @@ class KernelChoices:
         return cls(attention=env.attention_backend(), prefill=env.prefill_backend(), sgmv=env.sgmv_backend(),
                    sgmv_fused=env.sgmv_fused(), fused_ops=env.fused_ops(), rope_kv=env.rope_kv_kernel(),
                    rope_kv_lora=env.rope_kv_lora(), blas_lt_rows=env.blas_lt_rows(),
-                   fp8_swap_rows=env.fp8_swap_rows(),
+                   fp8_swap_rows=env.fp8_swap_rows(), fp8_gemm_rows=env.fp8_gemm_rows(),
                    pin_host_adapters=env.pin_host_adapters())
 
     def describe(self) -> str:

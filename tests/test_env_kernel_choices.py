@@ -97,6 +97,27 @@ def test_blas_lt_rows(monkeypatch):
         env.blas_lt_rows()
 
 
+def test_fp8_gemm_switches(monkeypatch):
+    from lorafleet.runner.config import KernelChoices
+
+    for var in ("LORAFLEET_FP8_SWAP_ROWS", "LORAFLEET_FP8_GEMM_ROWS"):
+        monkeypatch.delenv(var, raising=False)
+    assert (env.fp8_swap_rows(), env.fp8_gemm_rows()) == (0, 0)
+    monkeypatch.setenv("LORAFLEET_FP8_SWAP_ROWS", "64")
+    monkeypatch.setenv("LORAFLEET_FP8_GEMM_ROWS", "32")
+    k = KernelChoices.from_env()
+    assert (k.fp8_swap_rows, k.fp8_gemm_rows) == (64, 32)
+    assert k.describe() == "kernel choices: fp8_swap_rows=64, fp8_gemm_rows=32"
+    monkeypatch.setenv("LORAFLEET_FP8_GEMM_ROWS", "65")  # the kernel takes at most 64 rows
+    with pytest.raises(ValueError, match="LORAFLEET_FP8_GEMM_ROWS must be in \\[0, 64\\]"):
+        env.fp8_gemm_rows()
+    monkeypatch.setenv("LORAFLEET_FP8_SWAP_ROWS", "-1")
+    with pytest.raises(ValueError, match="LORAFLEET_FP8_SWAP_ROWS must be >= 0"):
+        env.fp8_swap_rows()
+    with pytest.raises(ValueError, match="fp8_gemm_rows must be in"):
+        KernelChoices(fp8_gemm_rows=-1)
+
+
 def test_kernel_choices_are_read_once_validated_and_described(monkeypatch):
     from lorafleet.runner.config import KernelChoices
 

@@ -87,18 +87,25 @@ def quantize_tokens(x: torch.Tensor, ext=None) -> tuple[torch.Tensor, torch.Tens
 
 
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_cores: bool,
-               ext=None, swap_rows: int = 0) -> torch.Tensor:
-    """x [M, K] (bf16/fp16 on the GPU, any float on the CPU) @ w.T + bias -> [M, N] in x's dtype; `ext`: the
-    activations quantized by the CUDA extension's one-launch kernel (see quantize_tokens); M <= `swap_rows`
-    (and a multiple of 16): the tensor cores compute (w @ x.T).T, the same products with the weight as the
-    long operand."""
+               ext=None, swap_rows: int = 0, own_rows: int = 0) -> torch.Tensor:
+    """x [M, K] (bf16/fp16 on the GPU, any float on the CPU) @ w.T + bias -> [M, N] in x's dtype. With the
+    CUDA extension `ext`: the activations quantized by its one-launch kernel (see quantize_tokens), and for
+    M <= `own_rows` (bf16, K a multiple of 64, N of 16) the product on its FP8 kernel (csrc/fp8_gemm.cu);
+    M <= `swap_rows` (and a multiple of 16): cuBLASLt computes (w @ x.T).T, the weight as the long operand.
+    Otherwise torch._scaled_mm with per-token and per-row scales."""
     if not tensor_cores:
         y = torch.nn.functional.linear(x, w.dequant(x.dtype))
         return y if bias is None else y + bias
     if w.scale_row is None:
         w.scale_row = w.scale.reshape(1, -1).contiguous()
     xq, sx = quantize_tokens(x, ext)
-    if 0 < x.shape[0] <= swap_rows and x.shape[0] % 16 == 0:  # cuBLASLt wants the rows in multiples of 16 there
+    M, K = x.shape
+    N = w.q.shape[0]
+    if (ext is not None and 0 < M <= own_rows and x.dtype == torch.bfloat16 and K % 64 == 0 and N % 16 == 0
+            and w.q.is_contiguous()):
+        y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+        ext.fp8_gemm(y, xq, sx.view(-1), w.q, w.scale_row.view(-1), torch.cuda.current_stream(x.device).cuda_stream)
+    elif 0 < M <= swap_rows and M % 16 == 0:  # cuBLASLt wants the rows in multiples of 16 there
         y = torch._scaled_mm(w.q, xq.t(), scale_a=w.scale_row.view(-1, 1), scale_b=sx.view(1, -1),
                              out_dtype=x.dtype).t().contiguous()
     else:

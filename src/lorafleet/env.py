@@ -141,6 +141,16 @@ def fp8_swap_rows() -> int:
     return rows
 
 
+def fp8_gemm_rows() -> int:
+    """LORAFLEET_FP8_GEMM_ROWS: with FP8 weights on CUDA, steps of at most this many rows (up to 64) run their
+    FP8 products on the project's kernel (csrc/fp8_gemm.cu, the weight streamed once) instead of cuBLASLt
+    (default 0: never)."""
+    rows = _int("LORAFLEET_FP8_GEMM_ROWS", 0)
+    if not 0 <= rows <= 64:
+        raise ValueError(f"LORAFLEET_FP8_GEMM_ROWS must be in [0, 64], got {rows}")
+    return rows
+
+
 def blas_lt_rows() -> int:
     """LORAFLEET_BLAS_LT_ROWS: on CUDA without tensor parallelism, the o and down projections of steps
     with at most this many rows call cuBLASLt instead of cuBLAS (default 64; 0: never). cuBLAS picks

@@ -69,6 +69,32 @@ def test_swapped_operands_give_the_same_product():
         torch.testing.assert_close(swapped, plain, rtol=8e-3, atol=1e-3 * exact.abs().max().item())
 
 
+@pytest.mark.parametrize("M", [1, 7, 16, 32, 33, 64])
+def test_own_fp8_kernel_gives_the_scaled_product(M):
+    """csrc/fp8_gemm.cu against the fp32 product of the dequantized operands and against torch._scaled_mm, for
+    narrow weights (one 16-row tile per block) and wide ones (two), K of 64 to 11,008."""
+    from lorafleet.runner.kernels import load
+    from lorafleet.runner.model.fp8 import fp8_linear, quantize_rows, quantize_tokens
+
+    ext = load()
+    g = torch.Generator(device="cuda").manual_seed(M)
+    for K, N in ((64, 16), (4096, 4096), (1024, 8192), (11008, 4096), (256, 24576)):
+        x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
+        w = quantize_rows(torch.randn(N, K, device="cuda", generator=g) * 0.05)
+        xq, sx = quantize_tokens(x, ext)
+        exact = (xq.float() * sx) @ w.dequant(torch.float32).t()
+        got = fp8_linear(x, w, None, True, ext, own_rows=64)
+        ref = fp8_linear(x, w, None, True, ext)
+        tol = dict(rtol=8e-3, atol=2e-3 * exact.abs().max().item())
+        torch.testing.assert_close(got.float(), exact, **tol, msg=lambda m: f"M={M} K={K} N={N}: {m}")
+        torch.testing.assert_close(got, ref, **tol)
+    with pytest.raises(RuntimeError, match="at most 64 rows"):
+        ext.fp8_gemm(torch.empty(65, 16, device="cuda", dtype=torch.bfloat16),
+                     torch.zeros(65, 64, device="cuda").to(E4M3), torch.ones(65, device="cuda"),
+                     torch.zeros(16, 64, device="cuda").to(E4M3), torch.ones(16, device="cuda"),
+                     torch.cuda.current_stream().cuda_stream)
+
+
 @pytest.fixture(scope="module", params=["llama3", "phi3"])
 def fam(request, tmp_path_factory):
     if not fp8_tensor_cores(torch.device("cuda")):
@@ -92,14 +118,20 @@ def reference_continuations(rounded, ads, reqs, kv: bool):
         return [ref.greedy(ids, n, NEW) for ids, n, _ in reqs]
 
 
-@pytest.mark.parametrize("kv", ["auto", "fp8"])
-def test_fp8_engine_matches_the_fp32_fp8_reference_teacher_forced(fam, kv):
+@pytest.mark.parametrize("kv,gemm", [("auto", "cublaslt"), ("fp8", "cublaslt"), ("auto", "own")])
+def test_fp8_engine_matches_the_fp32_fp8_reference_teacher_forced(fam, kv, gemm):
+    """(gemm "own": every step on csrc/fp8_gemm.cu: KernelChoices.fp8_gemm_rows = 64 and steps of at most 64
+    rows, prompts in chunks)"""
+    from lorafleet.runner.config import KernelChoices
+
     name, model, rounded, ads, reqs = fam
     fp8kv = kv == "fp8"
     toks = reference_continuations(rounded, ads, reqs, fp8kv)
     emulate = functools.partial(emulate_fp8, activations=True, kv=fp8kv)
-    eng = teacher.teacher_forced_check(model, ads, reqs, toks, "bfloat16", f"{name} fp8 kv={kv}", ref_model=rounded,
-                                       emulate=emulate, quantization="fp8", kv_cache_dtype=kv)
+    own = {"kernels": KernelChoices(fp8_gemm_rows=64), "max_step_tokens": 64} if gemm == "own" else {}
+    eng = teacher.teacher_forced_check(model, ads, reqs, toks, "bfloat16", f"{name} fp8 kv={kv} gemm={gemm}",
+                                       ref_model=rounded, emulate=emulate, quantization="fp8", kv_cache_dtype=kv,
+                                       **own)
     layer = eng.model.layers[0]
     assert isinstance(layer.qkv, Fp8Weight) and layer.qkv.q.dtype == E4M3 and layer.qkv.q.is_cuda
     assert (eng.kv.k.dtype == E4M3) == fp8kv

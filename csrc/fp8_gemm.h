@@ -1,0 +1,34 @@
+// FP8 (e4m3) products of decode-sized steps: at most 64 token rows against a weight of N rows.
+//
+// Torch-free like sgmv.h (the binding is in sgmv_binding.cpp). With x_q [M, K] and w_q [N, K] in e4m3
+// (row-major, unit column stride, K a multiple of 64, N a multiple of 16, M <= 64):
+//
+//   out[m, n] = bf16( (sum_k x_q[m, k] * w_q[n, k]) * x_scale[m] * w_scale[n] )
+//
+// the products on the FP8 tensor cores (mma.sync m16n8k32, fp32 accumulation), the weight streamed once
+// from memory: a block of 8 warps owns 16 weight rows, each warp a strided share of K, and the 8 partial
+// sums are added in shared memory. The same value as torch._scaled_mm with per-row scales up to the order
+// of the fp32 additions.
+#pragma once
+
+#include <cstdint>
+
+namespace lorafleet {
+
+struct Fp8GemmArgs {
+  const uint8_t* x = nullptr;      // [M, K] e4m3
+  const float* x_scale = nullptr;  // [M]
+  const uint8_t* w = nullptr;      // [N, K] e4m3
+  const float* w_scale = nullptr;  // [N]
+  void* out = nullptr;             // [M, N] bf16, contiguous
+  int m = 0;
+  int n = 0;
+  int k = 0;
+};
+
+constexpr int kFp8GemmMaxRows = 64;
+
+// Enqueue on `stream`; no synchronisation or allocation (capturable). nullptr on success.
+const char* fp8_gemm(const Fp8GemmArgs& args, int device, void* stream);
+
+}  // namespace lorafleet
