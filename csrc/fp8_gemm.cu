@@ -18,14 +18,26 @@ namespace {
 constexpr int kWarps = 8;
 constexpr int kKStep = 64;  // k per warp step
 
+// The e4m3 MMA needs PTX ISA 8.4 (CUDA 12.4) and compute capability 8.9. Built without it (an older compiler,
+// or the sm_80 image of the library) the kernel traps instead of returning zeros, and the launcher refuses
+// before launching (kMmaCompiled, the kernel image's binary version).
+#if defined(__CUDACC_VER_MAJOR__) && (__CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 4))
+constexpr bool kMmaCompiled = true;
+#else
+constexpr bool kMmaCompiled = false;
+#endif
+
 __device__ __forceinline__ void mma_e4m3(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                          uint32_t b0, uint32_t b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890 && defined(__CUDACC_VER_MAJOR__) && \
+    (__CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 4))
   asm volatile(
       "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
       "{%0, %1, %2, %3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#else
+  __trap();
 #endif
 }
 
@@ -69,13 +81,13 @@ __global__ void __launch_bounds__(kWarps * 32) fp8_gemm_kernel(Fp8GemmArgs a) {
     }
   }
   constexpr int kTile = NT * 128;  // fp32 partial sums of one 16-row tile per warp
-  __shared__ float part[kWarps][MT * kTile];
+  __shared__ __align__(16) float part[kWarps][MT * kTile];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) part[warp][mt * kTile + nt * 128 + lane * 4 + i] = acc[mt][nt][i];
+      *reinterpret_cast<float4*>(&part[warp][mt * kTile + nt * 128 + lane * 4]) =
+          make_float4(acc[mt][nt][0], acc[mt][nt][1], acc[mt][nt][2], acc[mt][nt][3]);
   __syncthreads();
   __nv_bfloat16* out = static_cast<__nv_bfloat16*>(a.out);
   for (int e = threadIdx.x; e < MT * kTile; e += kWarps * 32) {
@@ -103,12 +115,16 @@ const char* fp8_gemm(const Fp8GemmArgs& a, int device, void* stream) {
   cudaError_t e = cudaGetDevice(&prev);
   if (e == cudaSuccess && prev != device) e = cudaSetDevice(device);
   if (e != cudaSuccess) return cudaGetErrorString(e);
-  int major = 0, minor = 0;
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
-  if (major * 10 + minor < 89) {
+  // The kernel image this device runs must carry the MMA (an sm_80 image on an sm_89 device would not).
+  cudaFuncAttributes fa{};
+  e = cudaFuncGetAttributes(&fa, fp8_gemm_kernel<1, 1>);
+  const char* refusal = nullptr;
+  if (e != cudaSuccess) refusal = cudaGetErrorString(e);
+  else if (!kMmaCompiled) refusal = "fp8_gemm: built by a CUDA compiler older than 12.4 (no e4m3 MMA)";
+  else if (fa.binaryVersion < 89) refusal = "fp8_gemm: needs FP8 tensor cores (compute capability 8.9 or higher)";
+  if (refusal != nullptr) {
     if (prev != device) cudaSetDevice(prev);
-    return "fp8_gemm: needs FP8 tensor cores (compute capability 8.9 or higher)";
+    return refusal;
   }
   auto s = static_cast<cudaStream_t>(stream);
   // Two 16-row tiles per block where the weight has rows enough for >= 256 blocks (activations are read once

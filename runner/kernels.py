@@ -35,7 +35,9 @@ NAME = "lorafleet_sgmv"
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
 BINDING = "sgmv_binding.cpp"
 # sm_90 (H100/H200) and sm_80 (A100) machine code; no --use_fast_math (keeps IEEE fp32 accumulation).
-CUDA_FLAGS = ["-O3", "-gencode=arch=compute_90,code=sm_90", "-gencode=arch=compute_80,code=sm_80"]
+# sm_89 (Ada: FP8 tensor cores) has its own image: an 8.9 device would otherwise run the sm_80 one.
+CUDA_FLAGS = ["-O3", "-gencode=arch=compute_90,code=sm_90", "-gencode=arch=compute_89,code=sm_89",
+              "-gencode=arch=compute_80,code=sm_80"]
 CXX_FLAGS = ["-O3"]
 
 _lock = threading.Lock()
