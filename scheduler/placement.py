@@ -31,7 +31,7 @@ tokens per place, each likely cached 16-token page counts as one more request in
 
 What is given up is load balance among busy runners, never the number of busy runners. `lorafleet
 simulate --workload chat` measured the weights (16, 32, 64 tokens per place and prefixes ignored,
-docs/benchmarks.md §10): the GPU-hours of busiest-that-fits stay, and the hit rate rises with the
+docs/benchmarks.md §11): the GPU-hours of busiest-that-fits stay, and the hit rate rises with the
 weight up to about one page per place. `prefix_tokens_per_slot=0` ignores prefixes
 (`--placement busiest-no-prefix`, or `--prefix-affinity-tokens 0`).
 
