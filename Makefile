@@ -15,11 +15,14 @@ IMAGE_BUILD_FLAGS ?=
 IMAGE_BASE ?=
 IMAGE_PREFIX ?= lorafleet
 RUNNER_VARIANT ?= cuda
-IMAGES := IMAGE_BUILDER="$(IMAGE_BUILDER)" IMAGE_BUILD_FLAGS="$(IMAGE_BUILD_FLAGS)" IMAGE_BASE="$(IMAGE_BASE)" \
+# (IMAGE_BUILD_FLAGS travels in the environment, so quotes in it reach scripts/images.sh intact:
+# IMAGE_BUILD_FLAGS='--build-arg KERNEL_HEAD_DIMS="128 256"')
+export IMAGE_BUILD_FLAGS
+IMAGES := IMAGE_BUILDER="$(IMAGE_BUILDER)" IMAGE_BASE="$(IMAGE_BASE)" \
 	IMAGE_PREFIX="$(IMAGE_PREFIX)" RUNNER_VARIANT="$(RUNNER_VARIANT)" PYTHON="$(BIN)/python" scripts/images.sh
 
 .PHONY: install run generate test test-gpu test-images clean-venv \
-	images image-base image-operator image-runner image-smoke image-export
+	images image-base image-operator image-runner image-smoke image-check image-export
 
 $(BIN)/.installed: pyproject.toml setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -67,6 +70,13 @@ image-runner:
 image-smoke: install
 	$(IMAGES) smoke operator
 	$(IMAGES) smoke runner
+
+# The CUDA runner image carries its compiled kernels (no GPU needed): every module loads with flashinfer's
+# JIT off and build-kernels compiles nothing. RUNNER_CHECK_SHAPES: the build's shape flags, e.g.
+# RUNNER_CHECK_SHAPES="--kv-dtypes bfloat16 float8_e4m3fn" (default: head size 128, bf16).
+RUNNER_CHECK_SHAPES ?=
+image-check:
+	$(IMAGES) check runner $(RUNNER_CHECK_SHAPES)
 
 # OCI archives in build/images/ (kind load image-archive, skopeo copy, podman load).
 image-export:

@@ -5,11 +5,17 @@
 #   scripts/images.sh build operator|runner     build one image from its Dockerfile
 #   scripts/images.sh smoke operator|runner     run it: the operator against a test control plane, the
 #                                               runner serving the CPU demo and answering a completion
+#   scripts/images.sh check runner [SHAPES]     the CUDA runner image carries its kernels: versions, `lorafleet
+#                                               runner --help`, every ahead-of-time module loads with flashinfer's
+#                                               JIT off, and `lorafleet build-kernels --flashinfer SHAPES` (the
+#                                               build's shapes, e.g. --kv-dtypes bfloat16 float8_e4m3fn) compiles
+#                                               nothing; runs on a machine without a GPU
 #   scripts/images.sh export operator|runner    an OCI archive in build/images/ (kind load, skopeo, registry push)
 #   scripts/images.sh size operator|runner      its size in MB
 # Environment (the Makefile passes its variables of the same names):
 #   IMAGE_BUILDER      docker, podman or buildah (default: the first one present that works)
 #   IMAGE_BUILD_FLAGS  extra builder flags, e.g. --volume /etc/ssl/certs/ca-certificates.crt:/etc/ssl/certs/ca-certificates.crt:ro
+#                      (split as the shell splits words: --build-arg KERNEL_HEAD_DIMS="128 256" is one argument)
 #   IMAGE_BASE         the images' base (build argument BASE_IMAGE; default: the Dockerfiles' own)
 #   IMAGE_PREFIX       repository prefix (default lorafleet): lorafleet/operator:VERSION, lorafleet/runner:VERSION
 #   RUNNER_VARIANT     cuda (default) or cpu: the runner with CPU torch (tag VERSION-cpu)
@@ -22,8 +28,8 @@ PREFIX=${IMAGE_PREFIX:-lorafleet}
 TAG=${IMAGE_TAG:-$VERSION}
 VARIANT=${RUNNER_VARIANT:-cuda}
 BASE_TAG=localhost/lorafleet-base:bookworm
-# shellcheck disable=SC2206
-FLAGS=(${IMAGE_BUILD_FLAGS:-})
+# the flags as a shell would split them (quotes group words); they are the caller's own command line
+eval "FLAGS=(${IMAGE_BUILD_FLAGS:-})"
 
 die() { echo "images.sh: $*" >&2; exit 2; }
 
@@ -66,6 +72,86 @@ run_in() {
   trap - TERM INT
   [ -z "$ctr" ] || buildah rm "$ctr" >/dev/null
   return $rc
+}
+
+# A command (not the entrypoint's arguments) in a new container of IMAGE, as the image's user:
+# exec_in IMAGE COMMAND [ARGS...]
+exec_in() {
+  local img=$1; shift
+  local b ctr rc=0; b=$(builder)
+  if [ "$b" = buildah ]; then
+    ctr=$(buildah from --pull=false "$img")
+    buildah run --network host "$ctr" -- "$@" || rc=$?
+    buildah rm "$ctr" >/dev/null
+  else
+    "$b" run --rm --network host --entrypoint "$1" "$img" "${@:2}" || rc=$?
+  fi
+  return $rc
+}
+
+has_image() {
+  local b; b=$(builder)
+  case "$b" in
+    buildah) buildah inspect --type image "$1" >/dev/null 2>&1 ;;
+    *) "$b" image inspect "$1" >/dev/null 2>&1 ;;
+  esac
+}
+
+# Runs inside the runner image (python -c): argv[1:] are build-kernels' shape flags.
+CHECK_RUNNER_PY='
+import os, subprocess, sys, tempfile, time
+from pathlib import Path
+shapes = sys.argv[1:] or ["--head-dims", "128", "--dtypes", "bfloat16"]
+os.environ.setdefault("FLASHINFER_CUDA_ARCH_LIST", "8.0 9.0a")  # no GPU to ask (the names do not depend on it)
+ws, home = Path(tempfile.mkdtemp(prefix="jit-")), Path(tempfile.mkdtemp(prefix="home-"))
+env = dict(os.environ, FLASHINFER_WORKSPACE_BASE=str(ws), FLASHINFER_DISABLE_JIT="1", HOME=str(home))
+import torch, flashinfer, tvm_ffi
+from flashinfer.jit import env as fi_env
+nvcc = subprocess.run([os.environ["CUDA_HOME"] + "/bin/nvcc", "--version"], capture_output=True, text=True).stdout
+nvcc = nvcc.split("release ")[1].split(",")[0]
+print(f"uid {os.getuid()}; torch {torch.__version__} (CUDA {torch.version.cuda}); flashinfer {flashinfer.__version__};",
+      f"tvm-ffi {tvm_ffi.__version__}; nvcc {nvcc}")
+aot_dir, tvm_dir, kdir = fi_env.FLASHINFER_AOT_DIR, Path(os.environ["TVM_FFI_CACHE_DIR"]), Path(os.environ["LORAFLEET_KERNEL_DIR"])
+aot, tvm, sgmv = sorted(aot_dir.glob("*/*.so")), sorted(tvm_dir.glob("*.so")), sorted(kdir.glob("*.so"))
+mb = sum(p.stat().st_size for p in aot) / 1e6
+print(f"flashinfer ahead-of-time modules in {aot_dir}: {len(aot)} ({mb:.0f} MB)")
+for p in aot:
+    print("  ", p.name)
+print(f"tvm-ffi torch addons in {tvm_dir}:", *[p.name for p in tvm])
+print(f"SGMV extension in {kdir}:", *[p.name for p in sgmv])
+assert aot and len(tvm) == 2 and sgmv
+# 1. build-kernels for the build shapes: every module already there, nothing compiled
+t0 = time.time()
+r = subprocess.run(["lorafleet", "build-kernels", "--flashinfer", *shapes], env=env, capture_output=True, text=True)
+took = time.time() - t0
+assert r.returncode == 0, r.stdout + r.stderr
+out = [Path(x) for x in r.stdout.split()]
+def compiled():  # what a build leaves (writing the generated sources of a module is not building it)
+    return [p for p in ws.rglob("*") if p.suffix in (".o", ".so", ".ninja")]
+assert not compiled(), f"build-kernels compiled: {compiled()[:5]}"
+built = [p for p in out if p.parent.parent == aot_dir and p.is_file()]
+assert built and out == built + [kdir / "lorafleet_sgmv.so"], r.stdout
+print(f"lorafleet build-kernels --flashinfer", *shapes, f"-> {len(built)} flashinfer modules and the SGMV",
+      f"extension already built, nothing compiled ({took:.1f} s)")
+# 2. every ahead-of-time module and the SGMV extension load (flashinfer JIT off; the kernel folder read-only)
+code = ("import sys, torch, tvm_ffi\nfor p in sys.argv[1:]: tvm_ffi.load_module(p)\n"
+        "from lorafleet.runner import kernels\nprint(kernels.load().__file__)")
+r = subprocess.run([sys.executable, "-c", code, *map(str, aot)], env=env, capture_output=True, text=True)
+assert r.returncode == 0, r.stdout + r.stderr
+assert Path(r.stdout.split()[-1]) == kdir / "lorafleet_sgmv.so", r.stdout
+assert not compiled() and not (home / ".cache").exists(), "something was compiled"
+print(f"loaded {len(aot)} flashinfer modules and the SGMV extension, flashinfer JIT off; tvm-ffi compiled nothing")
+'
+
+check_runner() {
+  local img; img=$(image runner)
+  [ "$VARIANT" = cuda ] || die "check: the cpu variant carries no kernels"
+  has_image "$img" || die "no image $img (make image-runner)"
+  echo "== $img: lorafleet runner --help"
+  run_in "$img" -- runner --help | head -1
+  echo "== $img: compiled kernels"
+  exec_in "$img" python -c "$CHECK_RUNNER_PY" "$@"
+  echo "== $img: carries its kernels"
 }
 
 cmd_base() {
@@ -177,10 +263,11 @@ case "${1:-}" in
   base) cmd_base ;;
   build) cmd_build "${2:?operator or runner}" ;;
   smoke) "smoke_${2:?operator or runner}" ;;
+  check) [ "${2:-}" = runner ] || die "check: runner only"; shift 2; check_runner "$@" ;;
   export) cmd_export "${2:?operator or runner}" ;;
   size) cmd_size "${2:?operator or runner}" ;;
   builder) builder ;;
   name) image "${2:?operator or runner}" ;;
   run-in) shift; img=$1; shift; run_in "$img" "$@" ;;
-  *) sed -n '2,17p' "$0"; exit 2 ;;
+  *) sed -n '2,22p' "$0"; exit 2 ;;
 esac

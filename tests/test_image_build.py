@@ -6,6 +6,11 @@ Outside the default suite (marker `image`; a cold build takes several minutes): 
 or `pytest -m image tests/test_image_build.py`. Without Docker, Podman or Buildah it skips. The
 builder settings come from the environment as for `make images` (IMAGE_BUILDER, IMAGE_BUILD_FLAGS,
 IMAGE_BASE); the image is tagged under the prefix `lorafleet-test` so it leaves the real tags alone.
+
+The CUDA runner image is not built here (its kernels take about 40 minutes on two cores): when
+`make image-runner` has built it (IMAGE_PREFIX, default `lorafleet`), `scripts/images.sh check runner`
+checks that it carries its compiled kernels (skipped otherwise); RUNNER_CHECK_SHAPES gives the build's
+shape flags (default: build-kernels' own, head size 128 in bf16, which every build includes).
 """
 
 from __future__ import annotations
@@ -70,3 +75,20 @@ def test_operator_image_exports_as_an_archive(operator_image):
         assert "index.json" in names or "manifest.json" in names, sorted(names)[:20]
     finally:
         archive.unlink(missing_ok=True)
+
+
+def test_cuda_runner_image_carries_its_kernels():
+    env = {**os.environ, "IMAGE_PREFIX": os.environ.get("IMAGE_PREFIX", "lorafleet"), "RUNNER_VARIANT": "cuda",
+           "PYTHON": sys.executable}
+    if subprocess.run(["bash", str(SCRIPT), "builder"], capture_output=True, env=env, cwd=REPO).returncode != 0:
+        pytest.skip("no image builder")
+    shapes = os.environ.get("RUNNER_CHECK_SHAPES", "").split()
+    out = subprocess.run(["bash", str(SCRIPT), "check", "runner", *shapes], capture_output=True, text=True,
+                         timeout=600, env=env, cwd=REPO)
+    text = out.stdout + out.stderr
+    if "no image" in text:
+        pytest.skip(text.strip().splitlines()[-1])
+    assert out.returncode == 0, text[-4000:]
+    assert "usage: lorafleet runner" in text
+    assert "nothing compiled" in text and "tvm-ffi compiled nothing" in text
+    assert "carries its kernels" in text
