@@ -137,6 +137,17 @@ def run_sharegpt(engine, reqs, label: str, source=str) -> dict:
     return _summary(label, engine, t0, first, sent, ends, n_out, prefill, stats0)
 
 
+def on_over_off(on: dict, off: dict) -> dict:
+    """The cache-on / cache-off ratios of one workload's two runs (output tok/s, TTFT p50, prompt tokens
+    computed; TTFT p50 of later turns where the runs have it)."""
+    ratio = {"output_tok_s": round(on["output_tok_s"] / off["output_tok_s"], 3) if off["output_tok_s"] else None,
+             "ttft_p50": round(on["ttft_p50_s"] / off["ttft_p50_s"], 3) if off["ttft_p50_s"] else None,
+             "prompt_tokens_computed": round(on["prompt_tokens_computed"] / max(off["prompt_tokens_computed"], 1), 3)}
+    if "ttft_later_turns_p50_s" in on:
+        ratio["ttft_later_turns_p50"] = round(on["ttft_later_turns_p50_s"] / off["ttft_later_turns_p50_s"], 3)
+    return ratio
+
+
 def run_workloads(engine, workloads, reqs, vocab: int, log, adapters: int = 32, system_tokens: int = 1024,
                   conversations: int = 64, source=str, user_tokens=(40, 200), output_tokens=(60, 160)) -> dict:
     """Each workload with the prefix cache off, then on (the same engine; cached pages dropped in between);
@@ -161,11 +172,6 @@ def run_workloads(engine, workloads, reqs, vocab: int, log, adapters: int = 32, 
                 f" (hit rate {r['hit_rate']:.0%})" + (f"  later turns TTFT p50 {r['ttft_later_turns_p50_s']:.2f}s"
                                                        if "ttft_later_turns_p50_s" in r else ""))
         on, off = runs["on"], runs["off"]
-        ratio = {"output_tok_s": round(on["output_tok_s"] / off["output_tok_s"], 3),
-                 "ttft_p50": round(on["ttft_p50_s"] / off["ttft_p50_s"], 3) if off["ttft_p50_s"] else None,
-                 "prompt_tokens_computed": round(on["prompt_tokens_computed"] / max(off["prompt_tokens_computed"], 1), 3)}
-        if "ttft_later_turns_p50_s" in on:
-            ratio["ttft_later_turns_p50"] = round(on["ttft_later_turns_p50_s"] / off["ttft_later_turns_p50_s"], 3)
-        out[wl] = {**runs, "on_over_off": ratio}
+        out[wl] = {**runs, "on_over_off": on_over_off(on, off)}
     engine.blocks.caching = True
     return out

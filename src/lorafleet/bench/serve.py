@@ -178,7 +178,7 @@ def prefix_runs(args, model: Path, adapters_root: Path, weights: list[str], reqs
     """--prefix-workloads: per placement, the runners' prefix cache off then on (a server each), every workload
     through the OpenAI API. TTFT p50/p99, output tok/s and, from each response's usage, prompt tokens, those
     the runners' caches held (cached_tokens), those computed and the hit rate; the on / off ratios."""
-    from lorafleet.bench.prefix import system_prompt_requests
+    from lorafleet.bench.prefix import on_over_off, system_prompt_requests
 
     loads = {}
     for wl in args.prefix_workloads:
@@ -214,10 +214,7 @@ def prefix_runs(args, model: Path, adapters_root: Path, weights: list[str], reqs
                 server.stop()
         for wl, runs in per.items():
             on, off = runs["on"], runs["off"]
-            runs["on_over_off"] = {
-                "output_tok_s": round(on["output_tok_s"] / off["output_tok_s"], 3) if off["output_tok_s"] else None,
-                "ttft_p50": round(on["ttft_p50_s"] / off["ttft_p50_s"], 3) if off["ttft_p50_s"] else None,
-                "prompt_tokens_computed": round(on["prompt_tokens_computed"] / max(off["prompt_tokens_computed"], 1), 3)}
+            runs["on_over_off"] = on_over_off(on, off)
     return out
 
 
