@@ -4,6 +4,9 @@
 #   bash bench/device_run.sh --par "STAGE..." "STAGE..."   # one stage list per GPU, the lists in parallel
 # Stages:
 #   tests    ktests, then etests
+#   fresh    bench/fresh_start.sh: the runner image's kernel step into fresh folders (FLASHINFER_CUDA_ARCH_LIST, default
+#            "9.0a" here: the card's own), then a runner's start with nothing else cached -> fresh_start.json; first
+#            in a list, its kernels then serve the later stages
 #   ktests   kernel GPU tests only (incl. the fused one-launch path), sanitizer case
 #   etests   engine GPU tests only
 #   ftests   every model family against HF + PEFT and graphs against eager, and the flashinfer plan and window tests
@@ -68,8 +71,13 @@ set -u -o pipefail
 OUT=${OUT:-/tmp/out}; LOGS=/tmp/logs; mkdir -p "$OUT" "$LOGS"
 export PYTHONUNBUFFERED=1 LORAFLEET_KERNEL_DIR=/tmp/lfkernels FLASHINFER_WORKSPACE_BASE=/tmp/fiws
 t0=$(date +%s); stamp() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  > "$LOGS/pip.log" 2>&1 || { cat "$LOGS/pip.log"; exit 1; }
+# (once per machine: a reinstall would drop the ahead-of-time modules a `fresh` stage put into the site)
+wheels=$(sha256sum .whl/*.whl | sha256sum | cut -c1-16)
+if [ "$(cat /tmp/site/.wheels 2>/dev/null)" != "$wheels" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    > "$LOGS/pip.log" 2>&1 || { cat "$LOGS/pip.log"; exit 1; }
+  echo "$wheels" > /tmp/site/.wheels
+fi
 export PYTHONPATH=$PWD/src:/tmp/site
 ls .cache_fi/ficache.tgz.part-* >/dev/null 2>&1 && cat .cache_fi/ficache.tgz.part-* > .cache_fi/ficache.tgz
 if [ -f .cache_fi/ficache.tgz ]; then  # flashinfer's compiled ops, installed as its ahead-of-time modules
@@ -82,14 +90,23 @@ fi
 # (not over a build of an earlier call on this machine, which may be newer)
 [ -f .cache_fi/lfkernels.tgz ] && [ ! -d /tmp/lfkernels ] && tar xzf .cache_fi/lfkernels.tgz -C /tmp
 nvidia-smi --query-gpu=index,name,memory.used,clocks.sm --format=csv,noheader
-timeout 300 python3 -m lorafleet build-kernels > "$LOGS/build.log" 2>&1; stamp "kernels: $(tail -1 "$LOGS/build.log")"
+built=""
+build_once() {
+  [ -n "$built" ] && return 0; built=1
+  timeout 300 python3 -m lorafleet build-kernels > "$LOGS/build.log" 2>&1; stamp "kernels: $(tail -1 "$LOGS/build.log")"
+}
 
 E2E="python3 -m lorafleet --log-level WARNING bench e2e --requests ${REQS:-1000}"
 SERVE="python3 -m lorafleet --log-level WARNING bench serve --synthetic-model 7b --tokenizer-from .cache_fi/tok
   --device cuda --max-batch-size 32 --rates inf --weight-sets 32 --rank 16 --population 256 --kv-fraction 0.8"
 stage() {
+  [ "$1" = fresh ] || build_once
   case "$1" in
     tests) stage ktests; stage etests ;;
+    fresh)
+      FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-9.0a} FRESH_KEEP_SITE=/tmp/site FRESH_KEEP_KERNELS=$LORAFLEET_KERNEL_DIR \
+        OUT=$LOGS timeout ${FRESH_S:-560} bash bench/fresh_start.sh 2>&1 | tee "$LOGS/fresh_start.log" | tail -4
+      tail -1 "$LOGS/fresh_start.log" | grep '^{' > "$OUT/fresh_start.json" || true ;;
     ktests)
       timeout ${TEST_S:-240} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_sgmv_cuda.py tests/gpu/test_rope_kv_cuda.py \
         tests/gpu/test_flashinfer_plans.py -rA -x -k "${KTESTS_K:-}" 2>&1 \
@@ -131,12 +148,12 @@ print({'rowwise': '', 'rowwise_swapped': 'LORAFLEET_FP8_SWAP_ROWS=64', 'own': 'L
       for q in ${FP8_PRECISIONS:-bf16 fp8 fp8_kv8}; do
         flags=""; [ "$q" != bf16 ] && flags="--quantization fp8"; [ "$q" = fp8_kv8 ] && flags="$flags --kv-cache-dtype fp8"
         timeout ${FP8_S:-200} python3 -m lorafleet --log-level WARNING bench e2e --requests ${FP8_REQS:-300} \
-          --mixes ${FP8_MIXES:-distinct identical uniform skewed} --hf-requests 0 --profile $flags --out "$OUT/e2e_fp8_$q.json" 2>&1 \
+          --mixes ${FP8_MIXES:-distinct identical uniform skewed} --sweep --hf-requests 0 --profile $flags --out "$OUT/e2e_fp8_$q.json" 2>&1 \
           | tee "$LOGS/e2e_fp8_$q.log" | grep -E "tok/s|decode|Error|Traceback" | tail -12
       done ;;
     fp870)
       timeout ${FP70_S:-420} python3 -m lorafleet --log-level WARNING bench e2e --tp 1 --shape llama2-70b \
-        --quantization fp8 --requests ${FP70_REQS:-300} --mixes distinct identical --population 4 --profile \
+        --quantization fp8 --requests ${FP70_REQS:-300} --mixes distinct identical --sweep --population 4 --profile \
         --out "$OUT/e2e_70b_fp8.json" 2>&1 | tee "$LOGS/e2e_70b_fp8.log" | tail -12 ;;
     quality)
       timeout ${QUALITY_S:-300} python3 -m lorafleet bench quality --model "$QUALITY_MODEL" --device cuda \
@@ -151,7 +168,7 @@ print({'rowwise': '', 'rowwise_swapped': 'LORAFLEET_FP8_SWAP_ROWS=64', 'own': 'L
           | tee "$LOGS/cmp_$v.log" | tail -5
       done ;;
     prefix)
-      timeout ${PREFIX_S:-540} $E2E --mixes --no-lora-off --hf-requests 0 --prefix-workloads ${PREFIX_WL:-system-prompt multi-turn sharegpt} \
+      timeout ${PREFIX_S:-540} $E2E --mixes --no-lora-off --sweep --hf-requests 0 --prefix-workloads ${PREFIX_WL:-system-prompt multi-turn sharegpt} \
         --out "$OUT/e2e_prefix.json" 2>&1 | tee "$LOGS/e2e_prefix.log" | tail -14 ;;
     shapes)
       local s

@@ -35,13 +35,14 @@ FAMILIES = {
 }
 # GPU-sized overrides (hidden 512, 4 heads): heads of 128 everywhere (the size the released checkpoints use);
 # Gemma without the attention soft-cap (Gemma-3 has none; the CPU tests cover it); Phi-3's LongRoPE factors
-# for its 64 rotary dimensions.
+# for its 64 rotary dimensions, and a context (original_max_position_embeddings, where the engine caps Phi-3)
+# that holds the GPU tests' longest sequences (59-token prompts + 64 new tokens in the decode graph test).
 GPU_OVERRIDES = {
     "mistral": dict(head_dim=128),
     "qwen3": dict(head_dim=128),
     "gemma3": dict(head_dim=128, query_pre_attn_scalar=96, attn_logit_softcapping=None),
     "phi3": dict(rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.05 * i for i in range(32)],
-                               "long_factor": [4.0] * 32}),
+                               "long_factor": [4.0] * 32}, original_max_position_embeddings=160),
 }
 
 

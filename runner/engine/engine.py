@@ -125,6 +125,7 @@ class Engine:
         self.last_busy = time.time()
         self.steps = 0
         self.last_step = (0, 0)  # (prefill tokens, decode requests) of the last launched step
+        self.requeued = 0  # evicted requests resumed here (requeue_evicted)
         self.last_step_kv = (0, 0)  # (KV tokens attended, distinct adapters) of the last launched step
 
     def close(self) -> None:
@@ -241,6 +242,7 @@ class Engine:
         if seq.finish_reason == "evicted" and self.config.requeue_evicted:
             # Offline use: resume here later by prefill on prompt + generated ids.
             seq.finish_reason = None
+            self.requeued += 1
             self._seqs[seq.id] = seq
             self.batcher.add(seq)
             return StepOutput(seq.id)

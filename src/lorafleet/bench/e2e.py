@@ -157,6 +157,7 @@ def run_mix(engine, reqs, names, weights_of, label: str, log, fm: dict | None = 
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     engine.runner.phases = {}
+    requeued0 = engine.requeued
     t0 = time.perf_counter()
     first, end, n_out = {}, {}, {}
     for i, ((ids, o), name) in enumerate(zip(reqs, names)):
@@ -173,7 +174,8 @@ def run_mix(engine, reqs, names, weights_of, label: str, log, fm: dict | None = 
            "output_tok_s": round(total / wall, 1), "ttft_p50_s": round(pct(ttft, 50), 3),
            "ttft_p99_s": round(pct(ttft, 99), 3), "tpot_p50_ms": round(1000 * pct(tpot, 50), 2),
            "tpot_p99_ms": round(1000 * pct(tpot, 99), 2), "steps": len(steps),
-           "decode_step_ms_p50": round(1000 * pct(decode_steps, 50), 2)}
+           "decode_step_ms_p50": round(1000 * pct(decode_steps, 50), 2),
+           "evicted_and_resumed": engine.requeued - requeued0}  # KV pages ran out: re-prefilled later
     # Where the wall time went: decode-only steps, steps with prefill, steps that ran nothing.
     split = {"decode": [0, 0.0], "mixed": [0, 0.0], "idle": [0, 0.0]}
     for pf, nd, dt, *_ in steps:
@@ -193,7 +195,8 @@ def run_mix(engine, reqs, names, weights_of, label: str, log, fm: dict | None = 
     engine.runner.phases = None
     floor = f" ({res['floor_fraction']:.0%} of the floor {res['floor_tok_s']:.0f})" if res.get("floor_tok_s") else ""
     log(f"{label:>28}: {res['output_tok_s']:8.1f} tok/s{floor}  TTFT p50 {res['ttft_p50_s']:.2f}s p99 {res['ttft_p99_s']:.2f}s"
-        f"  TPOT p50 {res['tpot_p50_ms']:.1f}ms p99 {res['tpot_p99_ms']:.1f}ms  ({wall:.1f}s)")
+        f"  TPOT p50 {res['tpot_p50_ms']:.1f}ms p99 {res['tpot_p99_ms']:.1f}ms  ({wall:.1f}s)"
+        + (f"  {res['evicted_and_resumed']} evicted and resumed" if res["evicted_and_resumed"] else ""))
     log(" " * 30 + "  ".join(f"{k} {v['steps']} x {v['ms_per_step']:.2f}ms" for k, v in res["time_split"].items())
         + "  | " + "  ".join(f"{k}: prep {v['prepare']:.2f} launch {v['launch']:.2f} wait {v['wait_and_sample']:.2f}"
                              for k, v in res["runner_phases_ms"].items()))
@@ -756,7 +759,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = EngineConfig(max_batch_size=max_batch, max_lora_rank=args.rank, lora_slots=max(64, 2 * max_batch),
                            enable_lora=lora, host_lora_cache=4096, kv_fraction=0.8, chunked_prefill=chunked,
                            max_step_tokens=args.step_tokens if chunked else None, quantization=args.quantization,
-                           kv_cache_dtype=args.kv_cache_dtype)
+                           kv_cache_dtype=args.kv_cache_dtype, requeue_evicted=True)  # offline: an evicted request resumes
         loader = None if from_disk else (lambda ref: store[int(ref.source) % len(store)])
         eng = Engine(model, cfg, adapter_loader=loader)
         built = time.perf_counter() - t0
@@ -768,8 +771,9 @@ def main(argv: list[str] | None = None) -> int:
         start = round(time.perf_counter() - t0, 2)
         results.setdefault("engine_start", []).append({"max_batch": max_batch, "lora": lora, "chunked": chunked,
                                                         "construct_s": round(built, 2), "ready_s": start})
-        log(f"engine ready: max batch {max_batch}, LoRA {'on' if lora else 'off'}, step budget {eng.max_step_tokens} "
-            f"(KV pool, graph capture and warm-up {start:.1f}s, of which construction {built:.1f}s)")
+        log(f"engine ready: max batch {max_batch}, LoRA {'on' if lora else 'off'}, step budget {eng.max_step_tokens}, "
+            f"KV pool {eng.blocks.total_tokens} tokens (KV pool, graph capture and warm-up {start:.1f}s, of which "
+            f"construction {built:.1f}s)")
         return eng
 
 
