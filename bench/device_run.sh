@@ -29,6 +29,7 @@
 #            worktree of the commit to compare with, carried with the call), then of this tree -> cmp_old/cmp_new.json
 #   prefix   bench e2e --prefix-workloads: shared system prompts (32 adapters x 1,024 tokens), 4-turn chats and the
 #            usual no-sharing mix, each with the prefix cache off and on                    -> e2e_prefix.json
+#            (PREFIX_ARGS, e.g. "--prefix-rate 8": Poisson arrivals for system-prompt and sharegpt; TAG: name suffix)
 #   shapes   bench e2e --shape S for S in SHAPES (default llama3-8b qwen2.5-7b gemma-3-12b): distinct, identical,
 #            LoRA off, SHAPE_REQS requests (default 300) -> shape_S.json
 #   plantest the flashinfer plan GPU test alone
@@ -168,8 +169,8 @@ print({'rowwise': '', 'rowwise_swapped': 'LORAFLEET_FP8_SWAP_ROWS=64', 'own': 'L
           | tee "$LOGS/cmp_$v.log" | tail -5
       done ;;
     prefix)
-      timeout ${PREFIX_S:-540} $E2E --mixes --no-lora-off --sweep --hf-requests 0 --prefix-workloads ${PREFIX_WL:-system-prompt multi-turn sharegpt} \
-        --out "$OUT/e2e_prefix.json" 2>&1 | tee "$LOGS/e2e_prefix.log" | tail -14 ;;
+      timeout ${PREFIX_S:-540} $E2E --mixes --no-lora-off --sweep --hf-requests 0 --prefix-workloads ${PREFIX_WL:-system-prompt multi-turn sharegpt} ${PREFIX_ARGS:-} \
+        --out "$OUT/e2e_prefix${TAG:+_$TAG}.json" 2>&1 | tee "$LOGS/e2e_prefix${TAG:+_$TAG}.log" | tail -14 ;;
     shapes)
       local s
       for s in ${SHAPES:-llama3-8b qwen2.5-7b gemma-3-12b}; do

@@ -252,6 +252,46 @@ def test_prefix_workloads_run_with_the_cache_off_and_on(tiny_llama):
     assert set(sp["on_over_off"]) >= {"output_tok_s", "ttft_p50", "prompt_tokens_computed"} and len(logs) == 6
 
 
+def test_prefix_workloads_at_a_rate_submit_each_request_at_its_arrival(tiny_llama):
+    """With `rate`, requests arrive as a Poisson process: none is submitted before its arrival time, the run
+    lasts at least until the last arrival, and TTFT counts from each request's own arrival."""
+    import time
+
+    from lorafleet.bench.prefix import arrivals, run_workloads
+    from lorafleet.runner.config import EngineConfig
+    from lorafleet.runner.engine.engine import Engine
+
+    at = arrivals(200, 50.0, seed=3)
+    assert at[0] == 0.0 and all(b >= a for a, b in zip(at, at[1:]))
+    assert 3.0 < at[-1] < 5.0  # 199 gaps of mean 20 ms
+    assert arrivals(4, 0.0) == [0.0] * 4
+
+    eng = _no_adapters(Engine(str(tiny_llama), EngineConfig(device="cpu", max_batch_size=8, page_size=8,
+                                                            num_pages=800, enable_lora=False)))
+    submitted = {}
+    inner = eng.submit
+
+    def submit(seq):
+        submitted[seq.id] = time.perf_counter()
+        inner(seq)
+
+    eng.submit = submit
+    reqs = [(list(range(3 + i, 30 + i)), 4) for i in range(10)]
+    rate = 20.0
+    t0 = time.perf_counter()
+    out = run_workloads(eng, ["system-prompt"], reqs, 512, lambda _: None, adapters=2, system_tokens=32, rate=rate)
+    want = arrivals(len(reqs), rate)
+    for run in ("off", "on"):
+        assert out["system-prompt"][run]["rate"] == rate and out["system-prompt"][run]["requests"] == 10
+    times = sorted(submitted.values())
+    assert len(times) == 10  # the second run's submissions overwrite the first's (same ids)
+    start = min(times)
+    assert start >= t0
+    # each submission of the last run no earlier than its arrival after that run's start
+    assert all(t - start >= a - 0.01 for t, a in zip(times, want))
+    assert out["system-prompt"]["on"]["seconds"] >= want[-1]
+
+
 def _no_adapters(eng):
     """The workloads name adapters; on this base-only engine every request runs on the base model."""
     real = eng.submit

@@ -691,6 +691,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="FP8 K/V pages (default: bf16)")
     p.add_argument("--system-tokens", type=int, default=1024, help="system prompt per adapter (default 1024)")
     p.add_argument("--conversations", type=int, default=64, help="multi-turn: conversations of four turns (default 64)")
+    p.add_argument("--prefix-rate", type=float, default=0.0, metavar="R",
+                   help="system-prompt and sharegpt: Poisson arrivals at R requests/s, so TTFT is the prefill's "
+                        "rather than the wait for a batch place (default 0: every request at t = 0)")
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama2-7b")
     p.add_argument("--tp", type=int, nargs="+", default=[1], metavar="G",
                    help="tensor-parallel group sizes to run one after another (any other value than 1, or a shape "
@@ -788,7 +791,8 @@ def main(argv: list[str] | None = None) -> int:
         from lorafleet.bench.prefix import run_workloads
 
         results["prefix"] = run_workloads(eng, args.prefix_workloads, reqs, model.cfg.vocab_size, log,
-                                          args.prefix_adapters, args.system_tokens, args.conversations)
+                                          args.prefix_adapters, args.system_tokens, args.conversations,
+                                          rate=args.prefix_rate)
         for wl, r in results["prefix"].items():
             log(f"{wl}: cache on / off {r['on_over_off']}")
         save_partial()

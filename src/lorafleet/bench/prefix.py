@@ -2,11 +2,12 @@
 on, one after the other, on the same engine:
 
 - `system-prompt`: every adapter of a population has its own system prompt (1,024 tokens by default) before
-  each request's ShareGPT-like user turn; all requests at t = 0.
+  each request's ShareGPT-like user turn; all requests at t = 0, or (`rate`) Poisson arrivals at that many
+  requests per second, so TTFT is the prefill's and not the wait for a batch place.
 - `multi-turn`: conversations of four turns on one adapter each; a turn is sent, with the whole conversation
   so far (earlier prompts and the answers the engine gave), when the previous turn ends.
 - `sharegpt`: the usual mix, one adapter per request, nothing shared: what the cache costs when nothing
-  repeats.
+  repeats (at t = 0, or at `rate` as above).
 
 Reported per run: output tok/s, TTFT p50/p99 (multi-turn: of turns 2-4 too), prompt tokens computed (the
 rows of prompt chunks), prompt tokens looked up and found in the cache.
@@ -50,11 +51,27 @@ def _summary(label, engine, t0, first, sent, ends, n_out, prefill, stats0, extra
     return res
 
 
-def _steps(engine, label, first, ends, on_end=None) -> int:
-    """Step until the engine is idle; first-token and end times; on_end(seq_id, output_ids) per finished
-    request (it may submit more). The prompt rows computed."""
+def arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
+    """Offsets (s) of `n` Poisson arrivals at `rate` per second from 0 (all 0.0 when rate <= 0)."""
+    if rate <= 0:
+        return [0.0] * n
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, n)
+    return np.concatenate([[0.0], np.cumsum(gaps[:-1])]).tolist()
+
+
+def _steps(engine, label, first, ends, on_end=None, due=None) -> int:
+    """Step until the engine is idle and nothing is due; first-token and end times; on_end(seq_id, output_ids)
+    per finished request (it may submit more); `due` [(time, submit())] in time order: each submitted once
+    perf_counter() reaches its time (the engine waits for the next when it has nothing else). The prompt rows
+    computed."""
     prefill = 0
-    while engine.has_work():
+    due = list(due or [])[::-1]
+    while engine.has_work() or due:
+        while due and due[-1][0] <= time.perf_counter():
+            due.pop()[1]()
+        if not engine.has_work():
+            time.sleep(max(0.0, min(due[-1][0] - time.perf_counter(), 0.05)))
+            continue
         outs = engine.step()
         prefill += engine.last_step[0]
         now = time.perf_counter()
@@ -77,17 +94,32 @@ def system_prompt_requests(reqs, adapters: int, system_tokens: int, vocab: int) 
     return [(systems[i % adapters] + ids, o, i % adapters) for i, (ids, o) in enumerate(reqs)]
 
 
-def run_system_prompt(engine, reqs, adapters: int, system_tokens: int, vocab: int, label: str, source=str) -> dict:
-    """`reqs` [(user prompt ids, output tokens)]; see system_prompt_requests."""
+def _timed(engine, t0: float, rate: float, items, sent: dict, n_out: dict) -> list:
+    """[(rid, ids, out, adapter name, source)] -> `due` for _steps: each submitted at its Poisson arrival
+    (`rate` per second; all at t0 when 0), its TTFT counted from then."""
+    def submit(i, rid, ids, o, name, src):
+        now = time.perf_counter()
+        _submit(engine, rid, ids, o, name, src, float(i))
+        sent[rid] = now
+
+    due = []
+    for i, ((rid, ids, o, name, src), at) in enumerate(zip(items, arrivals(len(items), rate))):
+        n_out[rid] = o
+        due.append((t0 + at, lambda i=i, rid=rid, ids=ids, o=o, name=name, src=src: submit(i, rid, ids, o, name, src)))
+    return due
+
+
+def run_system_prompt(engine, reqs, adapters: int, system_tokens: int, vocab: int, label: str, source=str,
+                      rate: float = 0.0) -> dict:
+    """`reqs` [(user prompt ids, output tokens)]; see system_prompt_requests. `rate`: see arrivals."""
     stats0 = dict(engine.blocks.stats)
     t0 = time.perf_counter()
     first, sent, ends, n_out = {}, {}, {}, {}
-    for i, (ids, o, k) in enumerate(system_prompt_requests(reqs, adapters, system_tokens, vocab)):
-        _submit(engine, f"s{i}", ids, o, f"sys{k}", source(k), float(i))
-        sent[f"s{i}"], n_out[f"s{i}"] = t0, o
-    prefill = _steps(engine, label, first, ends)
+    items = [(f"s{i}", ids, o, f"sys{k}", source(k))
+             for i, (ids, o, k) in enumerate(system_prompt_requests(reqs, adapters, system_tokens, vocab))]
+    prefill = _steps(engine, label, first, ends, due=_timed(engine, t0, rate, items, sent, n_out))
     return _summary(label, engine, t0, first, sent, ends, n_out, prefill, stats0,
-                    {"adapters": adapters, "system_tokens": system_tokens})
+                    {"adapters": adapters, "system_tokens": system_tokens, "rate": rate or None})
 
 
 def run_multi_turn(engine, conversations: int, turns: int, adapters: int, vocab: int, label: str, seed: int = 0,
@@ -125,16 +157,14 @@ def run_multi_turn(engine, conversations: int, turns: int, adapters: int, vocab:
                      "ttft_later_turns_p99_s": round(pct(later, 99), 3)})
 
 
-def run_sharegpt(engine, reqs, label: str, source=str) -> dict:
-    """The usual requests, one adapter each: nothing to share."""
+def run_sharegpt(engine, reqs, label: str, source=str, rate: float = 0.0) -> dict:
+    """The usual requests, one adapter each: nothing to share. `rate`: see arrivals."""
     stats0 = dict(engine.blocks.stats)
     t0 = time.perf_counter()
     first, sent, ends, n_out = {}, {}, {}, {}
-    for i, (ids, o) in enumerate(reqs):
-        _submit(engine, f"g{i}", ids, o, f"one{i}", source(i), float(i))
-        sent[f"g{i}"], n_out[f"g{i}"] = t0, o
-    prefill = _steps(engine, label, first, ends)
-    return _summary(label, engine, t0, first, sent, ends, n_out, prefill, stats0)
+    items = [(f"g{i}", ids, o, f"one{i}", source(i)) for i, (ids, o) in enumerate(reqs)]
+    prefill = _steps(engine, label, first, ends, due=_timed(engine, t0, rate, items, sent, n_out))
+    return _summary(label, engine, t0, first, sent, ends, n_out, prefill, stats0, {"rate": rate or None})
 
 
 def on_over_off(on: dict, off: dict) -> dict:
@@ -149,9 +179,10 @@ def on_over_off(on: dict, off: dict) -> dict:
 
 
 def run_workloads(engine, workloads, reqs, vocab: int, log, adapters: int = 32, system_tokens: int = 1024,
-                  conversations: int = 64, source=str, user_tokens=(40, 200), output_tokens=(60, 160)) -> dict:
+                  conversations: int = 64, source=str, user_tokens=(40, 200), output_tokens=(60, 160),
+                  rate: float = 0.0) -> dict:
     """Each workload with the prefix cache off, then on (the same engine; cached pages dropped in between);
-    the on / off ratios."""
+    the on / off ratios. `rate` (requests/s, Poisson; 0: all at t = 0) for system-prompt and sharegpt."""
     out = {}
     for wl in workloads:
         runs = {}
@@ -160,12 +191,12 @@ def run_workloads(engine, workloads, reqs, vocab: int, log, adapters: int = 32, 
             engine.blocks.caching = on
             label = f"{wl} (cache {'on' if on else 'off'})"
             if wl == "system-prompt":
-                r = run_system_prompt(engine, reqs, adapters, system_tokens, vocab, label, source)
+                r = run_system_prompt(engine, reqs, adapters, system_tokens, vocab, label, source, rate)
             elif wl == "multi-turn":
                 r = run_multi_turn(engine, conversations, 4, adapters, vocab, label, source=source,
                                    user_tokens=user_tokens, output_tokens=output_tokens)
             else:
-                r = run_sharegpt(engine, reqs, label, source)
+                r = run_sharegpt(engine, reqs, label, source, rate)
             runs["on" if on else "off"] = r
             log(f"{label:>28}: {r['output_tok_s']:8.1f} tok/s  TTFT p50 {r['ttft_p50_s']:.2f}s p99 {r['ttft_p99_s']:.2f}s"
                 f"  prompt tokens computed {r['prompt_tokens_computed']} of {r['prompt_tokens']}"
