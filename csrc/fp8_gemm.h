@@ -6,11 +6,14 @@
 //   out[m, n] = bf16( (sum_k x_q[m, k] * w_q[n, k]) * x_scale[m] * w_scale[n] )
 //
 // the products on the FP8 tensor cores (mma.sync m16n8k32, fp32 accumulation), the weight streamed once
-// from memory: a block of 8 warps owns 16 weight rows, each warp a strided share of K, and the 8 partial
-// sums are added in shared memory. The same value as torch._scaled_mm with per-row scales up to the order
-// of the fp32 additions.
+// from memory: a block of 8 warps owns 128 weight rows (16 per warp) and a range of K; where N alone gives
+// too few blocks for the GPU, K is split over blocks whose fp32 partial sums meet in a workspace (its size
+// from fp8_gemm_workspace). The split depends on N, K and the GPU, never on M, and the partials are added
+// in a fixed order: a token's row of `out` is the same whatever else is in x. The same value as
+// torch._scaled_mm with per-row scales up to the order of the fp32 additions.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 namespace lorafleet {
@@ -24,11 +27,17 @@ struct Fp8GemmArgs {
   int m = 0;
   int n = 0;
   int k = 0;
+  void* workspace = nullptr;   // device memory of fp8_gemm_workspace(m, n, k, device) bytes (none when 0)
+  size_t workspace_bytes = 0;
 };
 
 constexpr int kFp8GemmMaxRows = 64;
 
-// Enqueue on `stream`; no synchronisation or allocation (capturable). nullptr on success.
+// Bytes of workspace fp8_gemm needs for these sizes on `device` (0: none). No synchronisation.
+size_t fp8_gemm_workspace(int m, int n, int k, int device);
+
+// Enqueue on `stream` (a memset of the workspace's counters, then the kernel); no synchronisation or
+// allocation (capturable). nullptr on success.
 const char* fp8_gemm(const Fp8GemmArgs& args, int device, void* stream);
 
 }  // namespace lorafleet

@@ -442,6 +442,14 @@ void fp8_gemm(Tensor out, Tensor x, Tensor x_scale, Tensor w, Tensor w_scale, in
   a.m = static_cast<int>(M);
   a.n = static_cast<int>(N);
   a.k = static_cast<int>(K);
+  // The K-split's partial sums and counters: from torch's allocator (a graph capture's pool while capturing).
+  const size_t ws = lorafleet::fp8_gemm_workspace(a.m, a.n, a.k, x.get_device());
+  Tensor workspace;
+  if (ws > 0) {
+    workspace = torch::empty({static_cast<int64_t>(ws)}, x.options().dtype(torch::kUInt8));
+    a.workspace = workspace.data_ptr();
+    a.workspace_bytes = ws;
+  }
   const char* err = lorafleet::fp8_gemm(a, x.get_device(), as_stream(stream));
   SGMV_CHECK(err == nullptr, "fp8_gemm launch failed: %s", err ? err : "");
 }

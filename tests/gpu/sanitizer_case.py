@@ -1,5 +1,5 @@
-"""A tiny shrink + expand run of every kernel path (and the fused one-launch path), meant for
-compute-sanitizer:
+"""A tiny shrink + expand run of every kernel path (and the fused one-launch path), and the FP8 GEMM with its
+K split, meant for compute-sanitizer:
 
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck python tests/gpu/sanitizer_case.py
 
@@ -64,8 +64,36 @@ def main() -> int:
                 if not err < 2e-2:
                     print(f"FAIL dtype={dtype} opts={opts} projection {g}: relative error {err:.3e}")
                     return 1
-    print(f"sanitizer case ok (worst relative error {worst:.2e})")
+    fp8 = fp8_case()
+    if fp8 is None:
+        return 1
+    print(f"sanitizer case ok (worst relative error {worst:.2e}; FP8 GEMM {fp8})")
     return 0
+
+
+def fp8_case() -> str | None:
+    """csrc/fp8_gemm.cu with K split over blocks (the workspace and counters) and a last row tile of one live
+    warp, 5 and 33 token rows; "skipped" without FP8 tensor cores, None on a wrong result."""
+    from lorafleet.runner.kernels import load
+    from lorafleet.runner.model.fp8 import fp8_tensor_cores, quantize_rows, quantize_tokens
+
+    if not fp8_tensor_cores(torch.device("cuda")):
+        return "skipped (no FP8 tensor cores)"
+    ext = load()
+    worst = 0.0
+    for M, K, N in ((5, 4096, 4112), (33, 1024, 272)):
+        x = torch.randn(M, K, device="cuda").bfloat16()
+        w = quantize_rows(torch.randn(N, K, device="cuda") * 0.05)
+        xq, sx = quantize_tokens(x, ext)
+        out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+        ext.fp8_gemm(out, xq, sx.view(-1), w.q, w.scale, torch.cuda.current_stream().cuda_stream)
+        want = (xq.float() * sx) @ w.dequant(torch.float32).t()
+        err = ((out.float() - want).norm() / want.norm()).item()
+        worst = max(worst, err)
+        if not err < 1e-2:
+            print(f"FAIL fp8_gemm M={M} K={K} N={N}: relative error {err:.3e}")
+            return None
+    return f"worst relative error {worst:.2e}"
 
 
 if __name__ == "__main__":

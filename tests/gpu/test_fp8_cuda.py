@@ -78,14 +78,15 @@ def test_swapped_operands_give_the_same_product():
 @needs_fp8
 @pytest.mark.parametrize("M", [1, 7, 16, 32, 33, 64])
 def test_own_fp8_kernel_gives_the_scaled_product(M):
-    """csrc/fp8_gemm.cu against the fp32 product of the dequantized operands and against torch._scaled_mm, for
-    narrow weights (one 16-row tile per block) and wide ones (two), K of 64 to 11,008."""
+    """csrc/fp8_gemm.cu against the fp32 product of the dequantized operands and against torch._scaled_mm, K of
+    64 to 11,008 in one range or split over blocks (an uneven last range at 11,008), N of one warp's 16 rows to
+    24,576, a last block with one live warp (4,112); and each token's row as in a step of that token alone."""
     from lorafleet.runner.kernels import load
     from lorafleet.runner.model.fp8 import fp8_linear, quantize_rows, quantize_tokens
 
     ext = load()
     g = torch.Generator(device="cuda").manual_seed(M)
-    for K, N in ((64, 16), (4096, 4096), (1024, 8192), (11008, 4096), (256, 24576)):
+    for K, N in ((64, 16), (4096, 4096), (1024, 8192), (11008, 4096), (256, 24576), (512, 4112)):
         x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
         w = quantize_rows(torch.randn(N, K, device="cuda", generator=g) * 0.05)
         xq, sx = quantize_tokens(x, ext)
@@ -98,6 +99,11 @@ def test_own_fp8_kernel_gives_the_scaled_product(M):
         tol = dict(rtol=8e-3, atol=2e-3 * exact.abs().max().item())
         torch.testing.assert_close(got.float(), exact, **tol, msg=lambda m: f"M={M} K={K} N={N}: {m}")
         torch.testing.assert_close(got, ref, **tol)
+        for i in sorted({0, M // 2, M - 1}):  # batch-independent bits: the K split never depends on M
+            alone = torch.empty((1, N), device="cuda", dtype=torch.bfloat16)
+            ext.fp8_gemm(alone, xq[i:i + 1].contiguous(), sx.view(-1)[i:i + 1].contiguous(), w.q, w.scale,
+                         torch.cuda.current_stream().cuda_stream)
+            assert torch.equal(alone[0], got[i]), (M, K, N, i)
     with pytest.raises(RuntimeError, match="at most 64 rows"):
         ext.fp8_gemm(torch.empty(65, 16, device="cuda", dtype=torch.bfloat16),
                      torch.zeros(65, 64, device="cuda").to(E4M3), torch.ones(65, device="cuda"),
