@@ -30,6 +30,9 @@
 #   prefix   bench e2e --prefix-workloads: shared system prompts (32 adapters x 1,024 tokens), 4-turn chats and the
 #            usual no-sharing mix, each with the prefix cache off and on                    -> e2e_prefix.json
 #            (PREFIX_ARGS, e.g. "--prefix-rate 8": Poisson arrivals for system-prompt and sharegpt; TAG: name suffix)
+#   lora     LoRA's cost (bench e2e --profile --prefill): distinct, identical, LoRA off (LORA_REQS, default 1000),
+#            per decode step the LoRA kernels beside their adapters' byte time (distinct and one adapter), and the
+#            prefill of 64 prompts of 2,048 tokens with LoRA off / one adapter / 64 distinct   -> e2e_lora.json
 #   shapes   bench e2e --shape S for S in SHAPES (default llama3-8b qwen2.5-7b gemma-3-12b): distinct, identical,
 #            LoRA off, SHAPE_REQS requests (default 300) -> shape_S.json
 #   plantest the flashinfer plan GPU test alone
@@ -171,6 +174,10 @@ print({'rowwise': '', 'rowwise_swapped': 'LORAFLEET_FP8_SWAP_ROWS=64', 'own': 'L
     prefix)
       timeout ${PREFIX_S:-540} $E2E --mixes --no-lora-off --sweep --hf-requests 0 --prefix-workloads ${PREFIX_WL:-system-prompt multi-turn sharegpt} ${PREFIX_ARGS:-} \
         --out "$OUT/e2e_prefix${TAG:+_$TAG}.json" 2>&1 | tee "$LOGS/e2e_prefix${TAG:+_$TAG}.log" | tail -14 ;;
+    lora)
+      timeout ${LORA_S:-540} $E2E --requests ${LORA_REQS:-1000} --mixes distinct identical --sweep --hf-requests 0 \
+        --profile --prefill --out "$OUT/e2e_lora${TAG:+_$TAG}.json" 2>&1 | tee "$LOGS/e2e_lora${TAG:+_$TAG}.log" \
+        | grep -E "tok/s|LoRA per decode|prefill|Error|Traceback" | tail -14 ;;
     shapes)
       local s
       for s in ${SHAPES:-llama3-8b qwen2.5-7b gemma-3-12b}; do

@@ -164,12 +164,58 @@ def test_breakdown_profiles_steps_with_prompt_rows_while_the_batch_fills(tiny_ll
     assert 1 <= len(rows) <= 3 and all(p > 0 for p, _ in rows)
     assert not eng.has_work() and eng.blocks.free_pages == eng.blocks.num_pages
 
+    # with the floor model: the adapters' bytes at the floor's bandwidth beside the LoRA kernels' time, one
+    # adapter for the whole batch (`identical`) or one per request
+    import json
+
+    from lorafleet.bench.e2e import BANDWIDTH, floor_model
+    from lorafleet.models.registry import config_from_hf
+
+    fm = floor_model(config_from_hf(json.loads((tiny_llama / "config.json").read_text())), rank=4)
+    for identical, adapters in ((True, 1), (False, 6)):
+        lines.clear()
+        reqs = [(rng.integers(3, 500, 20).tolist(), 8) for _ in range(6)]
+        out = profile_breakdown(eng, reqs, lines.append, lambda i: str(sets[i % 2]), mixed_steps=0, fm=fm,
+                                identical=identical)
+        assert out["adapters_per_step"] == adapters
+        assert out["lora_bytes_ms"] == round(1000 * adapters * fm["adapter_bytes"] / BANDWIDTH, 3)
+        assert any(("one adapter" if identical else "6 distinct adapters") in ln and "adapters' bytes" in ln
+                   for ln in lines)
+        assert not eng.has_work() and eng.blocks.free_pages == eng.blocks.num_pages
+
     # every prompt admitted in the first step: nothing to profile, and the log says so
     big = Engine(str(tiny_llama), EngineConfig(device="cpu", max_batch_size=4, page_size=4, num_pages=600,
                                                chunked_prefill=True, max_step_tokens=200))
     lines.clear()
     out = profile_breakdown(big, reqs[:4], lines.append, lambda i: str(sets[i % 2]), mixed_steps=2)
     assert "mixed" not in out and any("no step with prompt rows" in ln for ln in lines)
+
+
+def test_prefill_rate_times_every_prompt_token_once_with_the_cache_off(tiny_llama, tmp_path):
+    """The prefill benchmark: each prompt computed in full (no cached pages, even for repeated prompts), the
+    adapters loaded before the timed part, the prefix cache switched back on afterwards."""
+    from model_helpers import write_random_adapter
+
+    from lorafleet.bench.e2e import prefill_rate
+    from lorafleet.runner.config import EngineConfig
+    from lorafleet.runner.engine.engine import Engine
+
+    sets = [write_random_adapter(tiny_llama, tmp_path / f"w{k}", r=4, seed=k) for k in range(2)]
+    eng = Engine(str(tiny_llama), EngineConfig(device="cpu", max_batch_size=4, page_size=4, num_pages=600,
+                                                chunked_prefill=True, max_step_tokens=64))
+    assert eng.blocks.caching
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 500, 100).tolist() for _ in range(3)]
+    prompts.append(list(prompts[0]))  # a repeat would hit the cache if it were on
+    lines = []
+    for adapters in ([None] * 4, [("one", str(sets[0]))] * 4, [(f"d{i}", str(sets[i % 2])) for i in range(4)]):
+        hits = eng.blocks.stats["hits"]
+        res = prefill_rate(eng, prompts, adapters, "prefill", lines.append)
+        assert res["prompts"] == 4 and res["prompt_tokens"] == 400
+        assert res["steps"] >= 400 // 64 and abs(res["prompt_tok_s"] * res["seconds"] - 400) < 400 * 0.02
+        assert eng.blocks.stats["hits"] == hits and eng.blocks.caching
+        assert not eng.has_work() and eng.blocks.free_pages == eng.blocks.num_pages
+    assert len(lines) == 3 and all("prompt tokens/s" in ln for ln in lines)
 
 
 def test_kernel_categories_of_the_profiled_kernels():

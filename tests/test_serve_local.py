@@ -47,6 +47,24 @@ def test_banner_examples_paste_safely(name, tmp_path):
     assert "\n" not in text.splitlines()[1].split("(models: ")[1]  # names are printed on one line
 
 
+def test_banner_names_the_interpreter_that_has_the_client(tmp_path, monkeypatch):
+    """In a virtual environment the Python example runs this interpreter (relative to the working directory
+    when under it), which has what lorafleet installed; outside one, plain `python`."""
+    from lorafleet import serve
+
+    line = lambda text: next(ln.strip() for ln in text.splitlines() if " -c " in ln and "OpenAI" in ln)
+    assert line(banner("http://h:1", "base", ["a"], python=".venv/bin/python")).startswith(".venv/bin/python -c ")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(serve.sys, "prefix", "/venv")
+    monkeypatch.setattr(serve.sys, "base_prefix", "/usr")
+    monkeypatch.setattr(serve.sys, "executable", str(tmp_path / ".venv" / "bin" / "python"))
+    assert serve.python_command() == ".venv/bin/python"
+    monkeypatch.setattr(serve.sys, "executable", "/opt/env with space/bin/python")
+    assert serve.python_command() == "'/opt/env with space/bin/python'"
+    monkeypatch.setattr(serve.sys, "prefix", "/usr")
+    assert serve.python_command() == "python"
+
+
 def test_supervisor_restarts_with_growing_backoff(tmp_path):
     r = RunnerProcess("runner-0", "http://127.0.0.1:1", [sys.executable, "-c", "import sys; sys.exit(3)"])
     r.start()

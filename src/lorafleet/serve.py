@@ -142,8 +142,23 @@ def _shown(name: str) -> str:
     return name if name.isprintable() else repr(name)
 
 
-def banner(url: str, model_name: str, adapters: list[str], api_keys: bool = False) -> str:
-    """The startup message; its shell examples quote every name, so any adapter name pastes safely."""
+def python_command() -> str:
+    """How the banner's Python example names its interpreter: this one where it runs in a virtual
+    environment (the one `make run` made, which has the openai client), relative to the working directory
+    when it lies under it; plain `python` otherwise."""
+    if sys.prefix == sys.base_prefix:
+        return "python"
+    exe = Path(sys.executable)
+    try:
+        exe = exe.relative_to(Path.cwd())
+    except ValueError:
+        pass
+    return shlex.quote(str(exe))
+
+
+def banner(url: str, model_name: str, adapters: list[str], api_keys: bool = False, python: str = "python") -> str:
+    """The startup message; its shell examples quote every name, so any adapter name pastes safely.
+    `python`: the interpreter command of the Python example (see python_command)."""
     example = adapters[0] if adapters else model_name
     body = json.dumps({"model": example, "messages": [{"role": "user", "content": "What is the capital of France?"}],
                        "max_tokens": 48, "temperature": 0})
@@ -159,7 +174,7 @@ lorafleet is serving at {url}/v1   (models: {names})
   curl {shlex.quote(url + '/v1/chat/completions')} -H 'Content-Type: application/json'{auth} \\
     -d {shlex.quote(body)}
 
-  python -c {shlex.quote(code)}
+  {python} -c {shlex.quote(code)}
 
 Press Ctrl-C to stop.
 """
@@ -292,7 +307,7 @@ def run(args: argparse.Namespace) -> int:
         url = f"http://{args.host}:{args.port}"
 
         async def announce(app):
-            print(banner(url, service.model_name, registry.names(), api_keys is not None), flush=True)
+            print(banner(url, service.model_name, registry.names(), api_keys is not None, python_command()), flush=True)
 
         app.on_startup.append(announce)
         web.run_app(app, sock=sock, print=None, handle_signals=True, shutdown_timeout=args.grace_seconds + 5)

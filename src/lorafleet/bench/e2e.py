@@ -204,17 +204,22 @@ def run_mix(engine, reqs, names, weights_of, label: str, log, fm: dict | None = 
     return res
 
 
-def profile_breakdown(engine, reqs, log, source_of=str, mixed_steps: int = 4) -> dict:
+def profile_breakdown(engine, reqs, log, source_of=str, mixed_steps: int = 4, fm: dict | None = None,
+                      identical: bool = False) -> dict:
     """GPU time per category over decode steps at full batch, vs wall time (the rest is host). With
     `mixed_steps`, first up to that many steps while the batch fills (from half of it decoding on, while
     prompts wait, so that each carries prompt rows beside decodes) -> `mixed`, with each profiled step's
-    rows; a profiled step that carried no prompt rows is logged as such."""
+    rows; a profiled step that carried no prompt rows is logged as such. Every request its own adapter, or
+    (`identical`) all the same one; with the floor model `fm`, `lora_bytes_ms`: the time its adapters' bytes
+    take at BANDWIDTH, beside `lora_sgmv`."""
     from lorafleet.runner.engine.sequence import AdapterRef, SamplingParams, Sequence
 
     full = min(engine.config.max_batch_size, len(reqs))
-    for i, (ids, _) in enumerate(reqs[:full]):  # distinct adapters
-        engine.submit(Sequence(f"p{i}", ids[:128], SamplingParams(max_tokens=200, ignore_eos=True),
-                               AdapterRef(f"prof-{i}", source_of(i))))
+    tag = "prof-same" if identical else "prof"
+    for i, (ids, _) in enumerate(reqs[:full]):
+        k = 0 if identical else i
+        engine.submit(Sequence(f"{tag}{i}", ids[:128], SamplingParams(max_tokens=200, ignore_eos=True),
+                               AdapterRef(f"{tag}-{k}", source_of(k))))
     mixed = None
     for _ in range(2000):  # until every request is admitted (adapter loads) and decoding
         engine.step()
@@ -226,6 +231,9 @@ def profile_breakdown(engine, reqs, log, source_of=str, mixed_steps: int = 4) ->
     for _ in range(3):
         engine.step()
     out = profile_steps(engine, 10)
+    if fm is not None:
+        out["adapters_per_step"] = 1 if identical else full
+        out["lora_bytes_ms"] = round(1000 * out["adapters_per_step"] * fm["adapter_bytes"] / BANDWIDTH, 3)
     if mixed is not None:
         out["mixed"] = mixed
     while engine.has_work():
@@ -233,6 +241,10 @@ def profile_breakdown(engine, reqs, log, source_of=str, mixed_steps: int = 4) ->
     for label, prof in (("decode step", out), ("step with prompt rows", mixed)):
         if prof is not None:
             log(f"per {label} (ms): {figures_line(prof)}")
+    if fm is not None:
+        log(f"    LoRA per decode step ({'one adapter' if identical else f'{full} distinct adapters'}): "
+            f"{out['lora_sgmv']:.3f} ms of kernels against {out['lora_bytes_ms']:.3f} ms for its adapters' bytes "
+            f"({out['lora_sgmv'] / max(out['lora_bytes_ms'], 1e-9):.1f}x)")
     if mixed is not None:
         log("    profiled steps with prompt rows (prompt rows, decodes): "
             + " ".join(f"({p},{d})" for p, d in mixed["rows"]))
@@ -244,10 +256,47 @@ def profile_breakdown(engine, reqs, log, source_of=str, mixed_steps: int = 4) ->
     return out
 
 
+def prefill_rate(engine, prompts: list[list[int]], adapters: list, label: str, log) -> dict:
+    """Prompt tokens per second of prefilling `prompts` (one new token each, all queued at t = 0, the prefix
+    cache off), request i on `adapters[i]` ((name, source) or None). Every adapter is loaded by a warm-up
+    of 16-token prompts first, so the time is the prefill's alone."""
+    from lorafleet.runner.engine.sequence import AdapterRef, SamplingParams, Sequence
+
+    def run(tag: str, ids_of) -> tuple[float, int]:
+        for i, ad in enumerate(adapters):
+            engine.submit(Sequence(f"{tag}{i}", ids_of(i), SamplingParams(max_tokens=1, ignore_eos=True),
+                                   AdapterRef(*ad) if ad is not None else None))
+        steps = 0
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        while engine.has_work():
+            for out in engine.step():
+                if out.finished and out.finish_reason not in ("length", "stop"):
+                    raise RuntimeError(f"{label}: request {out.seq_id} ended with {out.finish_reason}: {out.error}")
+            steps += 1
+        return time.perf_counter() - t0, steps
+
+    caching = engine.blocks.caching
+    engine.blocks.caching = False
+    try:
+        run("pw", lambda i: prompts[i][:16])
+        seconds, steps = run("pf", lambda i: prompts[i])
+    finally:
+        engine.blocks.caching = caching
+    tokens = sum(len(p) for p in prompts)
+    res = {"prompts": len(prompts), "prompt_tokens": tokens, "seconds": round(seconds, 4), "steps": steps,
+           "prompt_tok_s": round(tokens / seconds, 1)}
+    log(f"{label:>28}: {res['prompt_tok_s']:10.1f} prompt tokens/s  ({len(prompts)} prompts of "
+        f"{tokens // max(len(prompts), 1)} tokens, {steps} steps, {seconds:.2f}s)")
+    return res
+
+
 def figures_line(prof: dict) -> str:
     """A profile's figures (category ms, wall, host and gaps, ...) on one line, without its per-kernel
     and per-step lists."""
-    return ", ".join(f"{k} {v}" for k, v in prof.items() if k not in ("top_kernels", "rows", "mixed"))
+    return ", ".join(f"{k} {v}" for k, v in prof.items()
+                     if k not in ("top_kernels", "rows", "mixed", "adapters_per_step", "lora_bytes_ms"))
 
 
 def kernel_category(name: str) -> str:
@@ -683,6 +732,9 @@ def main(argv: list[str] | None = None) -> int:
                    "(default: the engine's)")
     from lorafleet.bench.prefix import WORKLOADS
 
+    p.add_argument("--prefill", type=int, nargs="?", const=2048, default=None, metavar="TOKENS",
+                   help="also the prefill benchmark: 64 prompts of TOKENS tokens (default 2048) with LoRA off, on one "
+                        "adapter and on 64 distinct adapters, prompt tokens/s (default: not run)")
     p.add_argument("--prefix-workloads", nargs="*", default=[], choices=WORKLOADS, metavar="WL",
                    help=f"the prefix cache's workloads ({', '.join(WORKLOADS)}), each with the cache off and on "
                         "(bench/prefix.py); default: none")
@@ -805,8 +857,20 @@ def main(argv: list[str] | None = None) -> int:
         res = run_mix(eng, reqs, [f"{mix}-{i}" for i in idx], lambda i, idx=idx: idx[i], mix, log, fm)
         results["runs"].append(res)
         save_partial()
+    prefill_prompts = None
+    if args.prefill:
+        rng = np.random.default_rng(args.seed + 7)
+        prefill_prompts = [rng.integers(3, model.cfg.vocab_size, args.prefill).tolist() for _ in range(64)]
+        eng = eng or make_engine(args.max_batch, True)
+        results["prefill"] = {
+            "one": prefill_rate(eng, prefill_prompts, [("pf-one", "0")] * 64, "prefill, one adapter", log),
+            "distinct": prefill_rate(eng, prefill_prompts, [(f"pf-{i}", str(i)) for i in range(64)],
+                                     "prefill, 64 distinct adapters", log)}
+        save_partial()
     if args.profile:
-        results["breakdown_lora_distinct"] = profile_breakdown(eng, reqs, log)
+        results["breakdown_lora_distinct"] = profile_breakdown(eng, reqs, log, fm=fm)
+        save_partial()
+        results["breakdown_lora_identical"] = profile_breakdown(eng, reqs, log, fm=fm, identical=True, mixed_steps=0)
         save_partial()
     if args.interference:
         eng = eng or make_engine(args.max_batch, True)
@@ -856,9 +920,16 @@ def main(argv: list[str] | None = None) -> int:
     del eng
     gc.collect()
     torch.cuda.empty_cache()
-    if not args.no_lora_off:
+    if not args.no_lora_off or prefill_prompts is not None:
         eng = make_engine(args.max_batch, False)
-        results["runs"].append(run_mix(eng, reqs, [None] * n, lambda i: 0, "lora off", log, fm))
+        if not args.no_lora_off:
+            results["runs"].append(run_mix(eng, reqs, [None] * n, lambda i: 0, "lora off", log, fm))
+        if prefill_prompts is not None:
+            pf = results["prefill"]
+            pf["off"] = prefill_rate(eng, prefill_prompts, [None] * 64, "prefill, LoRA off", log)
+            for k in ("one", "distinct"):
+                pf[f"{k}_over_off"] = round(pf[k]["prompt_tok_s"] / pf["off"]["prompt_tok_s"], 3)
+            log(f"prefill with LoRA / LoRA off: one adapter {pf['one_over_off']}, 64 distinct {pf['distinct_over_off']}")
         save_partial()
         del eng
         gc.collect()
@@ -869,7 +940,7 @@ def main(argv: list[str] | None = None) -> int:
                       fm)
         res["max_batch"] = mb
         if args.profile:
-            res["breakdown"] = profile_breakdown(eng, reqs, log)
+            res["breakdown"] = profile_breakdown(eng, reqs, log, fm=fm)
         results["runs"].append(res)
         save_partial()
         del eng
@@ -960,7 +1031,7 @@ def _tp_session(job: dict, conn) -> None:
                 res.update(tp=tp, shape=job["shape"], mix=mix)
                 out["runs"].append(res)
             if lora and job["profile"]:
-                out["breakdown"] = profile_breakdown(eng, reqs, log, source)
+                out["breakdown"] = profile_breakdown(eng, reqs, log, source, fm=fm)
         finally:
             eng.close()
         conn.send(("ok", out))
