@@ -370,6 +370,18 @@ class Cluster:
         if count > limit:
             req.finish("error", f"{why}, {count} times; giving up")
             return
+        room = self.max_total_kv()
+        if room and req.num_tokens + 1 > room:
+            # grown past what any healthy runner holds: none could take it back. With tokens generated it ends as
+            # at its length limit; a prompt alone too long for the runners left is an error.
+            log.info("request %s ends: with %d tokens it has outgrown every runner's KV cache (%d tokens)",
+                     req.id, req.num_tokens, room)
+            if req.generated:
+                req.finish("length")
+            else:
+                req.finish("error", f"the prompt has {req.num_tokens} tokens; no runner left has that much KV cache "
+                                    f"({room} tokens)")
+            return
         log.log(logging.INFO if migration else logging.WARNING,
                 "request %s left runner %s (%s); re-placing with %d generated tokens",
                 req.id, runner.id, why, len(req.generated))

@@ -64,6 +64,14 @@ def make_bad(good, tiny_llama, tmp_path):
         "missing": (tmp_path / "does-not-exist", "does not exist"),
         "notlora": (variant(good, tmp_path, "notlora", config={"peft_type": "IA3"}), "IA3"),
         "bias": (variant(good, tmp_path, "bias", config={"bias": "all"}), "bias"),
+        # weights PEFT would not load as they are: a rank other than the config's, a module the config leaves out
+        "rankcfg": (variant(good, tmp_path, "rankcfg", config={"r": 4}), "rank 8 but adapter_config.json gives r = 4"),
+        "rankpattern": (variant(good, tmp_path, "rankpattern", config={"rank_pattern": {"v_proj": 16}}),
+                        "rank_pattern = 16"),
+        "untargeted": (variant(good, tmp_path, "untargeted", config={"target_modules": ["q_proj", "gate_proj"]}),
+                       "leave out"),
+        "excluded": (variant(good, tmp_path, "excluded", config={"exclude_modules": ["gate_proj"]}), "leave out"),
+        "layers": (variant(good, tmp_path, "layers", config={"layers_to_transform": [0]}), "leave out"),
     }
     (bads["badjson"][0] / "adapter_config.json").write_text("{not json")
     (bads["pickle"][0] / "adapter_model.bin").write_bytes(b"\x80\x04pickle-payload-never-loaded")
@@ -87,6 +95,16 @@ def test_every_refusal_is_clear_and_isolated(tiny_llama, good, tmp_path):
         if s.id.startswith("ok-"):
             assert out[s.id].finish_reason == "length" and len(out[s.id].output_ids) == 6
     assert eng.blocks.free_pages == eng.blocks.num_pages
+
+
+def test_config_forms_peft_accepts_still_load(good, tmp_path):
+    """target_modules as a regex or all-linear, and a rank_pattern that agrees with the tensors, are what PEFT
+    itself loads: accepted."""
+    for name, cfg in (("regex", {"target_modules": r".*\.(q_proj|v_proj|gate_proj)"}),
+                      ("alllinear", {"target_modules": "all-linear"}),
+                      ("pattern", {"r": 4, "rank_pattern": {"q_proj": 8, "v_proj": 8, "gate_proj": 8}})):
+        spec = inspect_adapter(name, variant(good, tmp_path, name, config=cfg))
+        assert spec.max_rank == 8 and spec.target_modules == ("q", "v", "gate"), name
 
 
 def test_inspect_reports_ranks_targets_and_scaling(good):

@@ -97,6 +97,29 @@ async def test_migration_under_tiny_kv_pool(tiny_chat_llama, tight):
         assert st["free_kv_tokens"] == st["total_kv_tokens"]
 
 
+async def test_a_request_that_outgrows_every_runners_kv_cache_ends_at_length(tiny_chat_llama, tight):
+    """Prompt + output larger than any runner's whole KV pool (160 tokens): evicted when its runner is full,
+    it cannot be placed again, so it ends with finish_reason "length" and the tokens it has (the greedy
+    tokens of a run without limits), instead of waiting in the queue for ever."""
+    import json
+
+    p = prompts(1, 40)[0]
+    want = reference(tiny_chat_llama, [p], 300)[0]
+    async with Scheduler(tiny_chat_llama, tight) as s:
+        body = {"model": "tiny", "prompt": p, "max_tokens": 300, "temperature": 0, "ignore_eos": True}
+        resp = await asyncio.wait_for(s.client.post("/v1/completions", json=body), 60)
+        assert resp.status == 200, await resp.text()
+        out = json.loads(await resp.text())
+        choice = out["choices"][0]
+        assert choice["finish_reason"] == "length"
+        assert 100 < out["usage"]["completion_tokens"] <= 160 - len(p) + 1  # the last token needs no K/V yet
+        assert want.startswith(choice["text"]) and choice["text"]
+        assert s.service.metrics.migrations._value.get() >= 1
+    for r in tight:
+        st = r.state()
+        assert st["free_kv_tokens"] == st["total_kv_tokens"]
+
+
 async def test_fcfs_under_overload(tiny_chat_llama, wide):
     """One runner of batch 4 and 12 requests arriving one by one: they are placed in arrival order."""
     async with Scheduler(tiny_chat_llama, wide[:1]) as s:

@@ -24,6 +24,8 @@ def test_generate_demo_with_bad_lines(demo_model, demo_adapters, tmp_path):
         {"id": "badtemp", "prompt": "x", "temperature": -1},
         {"id": "extra", "prompt": "x", "colour": "red"},
         {"id": "empty", "prompt": ""},
+        {"id": "oov", "prompt_token_ids": [504, 49152], "max_tokens": 2},  # the demo's vocabulary is 49,152
+        {"id": "both", "prompt": "x", "prompt_token_ids": [504]},
     ]
     inp = tmp_path / "in.jsonl"
     inp.write_text("\n".join(json.dumps(x) for x in lines[:5]) + "\n{not json\n" +
@@ -35,7 +37,7 @@ def test_generate_demo_with_bad_lines(demo_model, demo_adapters, tmp_path):
     assert r.returncode == 0, r.stderr
     res = read_jsonl(out)
     assert [x["id"] for x in res] == ["base", "pirate", "shouty", "ids", "sampled", "line-6", "ghost", "badtemp",
-                                      "extra", "empty"]
+                                      "extra", "empty", "oov", "both"]
     by = {x["id"]: x for x in res}
     assert "Paris" in by["base"]["text"]
     assert by["pirate"]["text"].startswith("Arr")
@@ -43,9 +45,9 @@ def test_generate_demo_with_bad_lines(demo_model, demo_adapters, tmp_path):
     assert by["ids"]["prompt_token_ids"] == [504, 3575, 282, 4649, 314] and len(by["ids"]["token_ids"]) == 4
     assert by["sampled"]["finish_reason"] in ("stop", "length") and by["sampled"]["token_ids"]
     for rid, word in [("line-6", "JSON"), ("ghost", "ghost"), ("badtemp", "temperature"), ("extra", "colour"),
-                      ("empty", "prompt")]:
+                      ("empty", "prompt"), ("oov", "vocabulary"), ("both", "one of")]:
         assert by[rid]["finish_reason"] == "error" and word in by[rid]["error"], by[rid]
-    assert "5 failed" in r.stderr and "tok/s" in r.stderr
+    assert "7 failed" in r.stderr and "tok/s" in r.stderr
 
 
 def test_a_model_of_an_unsupported_architecture_is_refused_in_one_line(tmp_path):

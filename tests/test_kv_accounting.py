@@ -130,3 +130,23 @@ def test_admission_batching_groups_prefills_and_keeps_tokens(tiny_llama):
     # a short wait bounds the delay: admission after at most 2 held steps, even for one place
     _, _, groups2, held_max = run(admit_batch=4, admit_wait_steps=2)
     assert held_max <= 2 and any(n < min(4, w) for w, n in groups2)
+
+
+def test_offline_a_request_longer_than_the_whole_pool_ends_at_length(tiny_llama):
+    """Offline (evicted requests resume here): a request whose prompt + output outgrows the whole KV pool is
+    evicted by its own growth and cannot come back, so it ends with "length" and the tokens it has, the same
+    greedy tokens as with room to spare; a prompt alone too long for the pool is an error."""
+    p = prompts(1, seed=5)[0]
+
+    def run(num_pages, ids, max_tokens):
+        eng = Engine(str(tiny_llama), EngineConfig(page_size=4, num_pages=num_pages, requeue_evicted=True))
+        out = eng.run_to_completion([Sequence("a", ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True))])["a"]
+        assert eng.blocks.free_pages == eng.blocks.num_pages
+        return out
+
+    small = run(10, p, 100)  # 40 KV tokens
+    assert small.finish_reason == "length" and small.error is None
+    assert len(p) + len(small.output_ids) == 41  # every token's K/V but the last sampled one's
+    assert small.output_ids == run(200, p, 100).output_ids[: len(small.output_ids)]
+    too_long = run(10, list(range(3, 60)), 4)
+    assert too_long.finish_reason == "error" and "KV tokens" in too_long.error

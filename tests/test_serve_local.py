@@ -65,6 +65,35 @@ def test_banner_names_the_interpreter_that_has_the_client(tmp_path, monkeypatch)
     assert serve.python_command() == "python"
 
 
+def test_serve_refuses_bad_inputs_in_one_line_before_starting_runners(tmp_path, demo_model, demo_adapters):
+    """A missing adapters folder, a model without a tokenizer, an adapter folder named like the base model (its
+    requests would reach the base), a missing model, an unknown --dtype: one error line, exit 2, no runner."""
+    import shutil
+
+    collide = tmp_path / "collide"
+    shutil.copytree(demo_adapters / "pirate", collide / "SmolLM2-135M-Instruct")
+    notok = tmp_path / "notok"
+    notok.mkdir()
+    shutil.copy(demo_model / "config.json", notok / "config.json")
+    cases = [
+        (["--model", str(demo_model), "--adapters", str(tmp_path / "none")], "adapter directory"),
+        (["--model", str(notok)], "needs the model's tokenizer"),
+        (["--model", str(demo_model), "--adapters", str(collide)], "has the base model's name"),
+        (["--model", str(tmp_path / "nope")], "does not exist"),
+        (["--model", str(demo_model), "--dtype", "int8"], "invalid choice: 'int8'"),
+    ]
+    for extra, words in cases:
+        r = subprocess.run([sys.executable, "-m", "lorafleet", "serve", "--port", "0", *extra], capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 2, (extra, r.stderr)
+        assert words in r.stderr and "Traceback" not in r.stderr and "started" not in r.stderr, (extra, r.stderr)
+    # --model-name resolves the clash
+    r = subprocess.run([sys.executable, "-m", "lorafleet", "serve", "--port", "0", "--model", str(demo_model),
+                        "--adapters", str(collide), "--model-name", "base", "--ready-timeout", "0.01"],
+                       capture_output=True, text=True, timeout=120)
+    assert "has the base model's name" not in r.stderr
+
+
 def test_supervisor_restarts_with_growing_backoff(tmp_path):
     r = RunnerProcess("runner-0", "http://127.0.0.1:1", [sys.executable, "-c", "import sys; sys.exit(3)"])
     r.start()

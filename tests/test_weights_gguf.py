@@ -52,6 +52,28 @@ def test_pickle_checkpoints_are_refused(tmp_path, demo_model):
         load_model(tmp_path / "nope")
 
 
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_a_checkpoint_with_nan_or_inf_is_refused_naming_the_tensor(tmp_path, tiny_llama, quantization):
+    """A NaN or Inf in a weight would load and answer with garbage: refused at load, naming the tensor."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from lorafleet.runner.config import EngineConfig
+    from lorafleet.runner.engine.engine import Engine
+
+    for name, value in (("model.layers.0.mlp.up_proj.weight", float("nan")),
+                        ("model.layers.1.input_layernorm.weight", float("inf"))):
+        d = tmp_path / name
+        shutil.copytree(tiny_llama, d)
+        sd = load_file(str(d / "model.safetensors"))
+        sd[name] = sd[name].clone()
+        sd[name].view(-1)[3] = value
+        save_file(sd, str(d / "model.safetensors"))
+        with pytest.raises(WeightsError, match=f"tensor {name} of the checkpoint contains NaN or Inf"):
+            Engine(str(d), EngineConfig(device="cpu", num_pages=16, quantization=quantization))
+
+
 def write_gguf(model_dir, path, arch: str):
     """A GGUF (F32) of an HF directory as llama.cpp writes one, named by the gguf library's own tensor-name
     map (the reference, independent of lorafleet's tables): its metadata keys, q/k not permuted (these

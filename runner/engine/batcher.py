@@ -46,7 +46,7 @@ from lorafleet.runner.engine.step_batch import RowWork
 class StepPlan:
     work: list[RowWork] = field(default_factory=list)  # in scheduling order
     evicted: list[Sequence] = field(default_factory=list)
-    failed: list[Sequence] = field(default_factory=list)  # finish_reason "error", error set
+    failed: list[Sequence] = field(default_factory=list)  # ended here: finish_reason "error" (error set) or "length"
 
     @property
     def prefill_tokens(self) -> int:
@@ -190,7 +190,10 @@ class Batcher:
                 self._fail(seq, plan, f"prompt of {n} tokens does not fit the model's {self.max_model_len}-token context")
                 continue
             if self.blocks.pages_for(n + 1) > self.blocks.num_pages:
-                self._fail(seq, plan, f"request needs {n + 1} KV tokens; this runner holds {self.blocks.total_tokens}")
+                if seq.output_ids:  # back after an eviction, grown as long as this runner's whole KV cache
+                    self._end(seq, plan, "length")
+                else:
+                    self._fail(seq, plan, f"request needs {n + 1} KV tokens; this runner holds {self.blocks.total_tokens}")
                 continue
             if seq.adapter is not None and seq.slot < 0:
                 if self.adapters is None:
@@ -270,6 +273,12 @@ class Batcher:
         seq.finish_reason = "evicted"
         plan.work = [w for w in plan.work if w.seq is not seq]
         plan.evicted.append(seq)
+
+    def _end(self, seq: Sequence, plan: StepPlan, reason: str) -> None:
+        """Finish a request here with `reason` and the tokens it has (no error)."""
+        self.remove(seq)
+        seq.finish_reason = reason
+        plan.failed.append(seq)
 
     def _fail(self, seq: Sequence, plan: StepPlan, message: str) -> None:
         self.remove(seq)

@@ -223,8 +223,9 @@ class Engine:
             except queue.Empty:
                 return outputs
             if op == "add":
-                if arg.id in self._seqs:
-                    arg.finish_reason, arg.error = "error", f"request id {arg.id!r} is already running"
+                error = self._refusal(arg)
+                if error is not None:
+                    arg.finish_reason, arg.error = "error", error
                     outputs.append(StepOutput(arg.id, [], "error", arg.error, list(arg.output_ids)))
                     continue
                 arg.max_len = self.max_model_len
@@ -236,6 +237,17 @@ class Engine:
                     self.batcher.remove(seq)
                     seq.finish_reason = "cancelled"
                     outputs.append(self._finish(seq))
+
+    def _refusal(self, seq: Sequence) -> str | None:
+        """Why a submitted request cannot run here (its id is taken, a token id is outside the vocabulary:
+        the embedding lookup would fault), or None."""
+        if seq.id in self._seqs:
+            return f"request id {seq.id!r} is already running"
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in seq.prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            return f"token id {bad} is outside the model's vocabulary [0, {vocab})"
+        return None
 
     def _finish(self, seq: Sequence) -> StepOutput:
         self._seqs.pop(seq.id, None)

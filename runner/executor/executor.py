@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lorafleet.models.contract import DeviceError
 from lorafleet.runner.config import EngineConfig, KernelChoices, ModelConfig, ModelConfigError
 from lorafleet.runner.executor.kv_cache import KVCache, bytes_per_token
 from lorafleet.runner.executor.model_runner import ModelRunner
@@ -32,9 +33,17 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise DeviceError(f"unknown device {name!r} (use auto, cpu, cuda or cuda:N)") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("--device cuda was asked for but CUDA is not available on this machine")
+        raise DeviceError(f"--device {name} was asked for but CUDA is not available on this machine (torch "
+                          f"{torch.__version__}{'' if torch.version.cuda else ', a build without CUDA'})")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise DeviceError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if dev.type not in ("cpu", "cuda"):
+        raise DeviceError(f"device {name!r}: this engine runs on cpu or cuda")
     return dev
 
 

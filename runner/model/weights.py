@@ -167,6 +167,14 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
 PROJECTION_PARAMS = ("qkv", "o", "gate_up", "down")  # the engine parameters FP8 applies to
 
 
+def finite(t: torch.Tensor, name: str) -> torch.Tensor:
+    """`t` itself, or WeightsError naming checkpoint tensor `name` when it holds NaN or Inf (a model that would
+    load and answer with garbage). Min and max propagate NaN and reach +-Inf: one pass over the tensor."""
+    if t.numel() and t.is_floating_point() and not bool(torch.isfinite(torch.stack(torch.aminmax(t.reshape(-1)))).all()):
+        raise WeightsError(f"tensor {name} of the checkpoint contains NaN or Inf values")
+    return t
+
+
 class Params:
     """The engine parameters of a model (this tensor-parallel rank's part), read on `pop` from a reader in
     checkpoint names through the family's plan, on `device` in `dtype`."""
@@ -203,7 +211,7 @@ class Params:
                 if param.required:
                     raise WeightsError(f"the weights lack tensor {part.name} (is this a {self.family.name} checkpoint?)")
                 return None
-            pieces.append(t)
+            pieces.append(finite(t, part.name))
         t = pieces[0] if len(pieces) == 1 else torch.cat([p.to(self.device) for p in pieces], 0)
         return t.to(device=self.device, dtype=self.dtype).contiguous()
 
@@ -234,9 +242,11 @@ class Params:
                 if sname not in self.reader.names():
                     raise WeightsError(f"the weights lack the FP8 scale {sname}")
                 srows = rows if self.scheme.strategy == "channel" else None
-                w = from_checkpoint(t, self.reader.read(sname, srows, None), self.scheme.strategy, self.scheme.block)
+                finite(t.float(), part.name)  # e4m3fn holds NaN (no Inf)
+                w = from_checkpoint(t, finite(self.reader.read(sname, srows, None), sname), self.scheme.strategy,
+                                    self.scheme.block)
             else:  # a bf16/fp16 checkpoint, or a module the checkpoint left unquantized
-                w = quantize_rows(t)
+                w = quantize_rows(finite(t, part.name))
             if block:
                 lo, hi = part.rows if part.rows is not None else (0, w.q.shape[0])
                 if tp and part.split == 0:

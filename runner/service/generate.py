@@ -55,6 +55,9 @@ def parse_request(line: str, lineno: int, tokenizer, adapters_dir: Path | None) 
     unknown = set(obj) - FIELDS
     if unknown:
         raise RequestError(f"request {rid}: unknown field(s) {sorted(unknown)}")
+    given = [k for k in ("prompt", "messages", "prompt_token_ids") if k in obj]
+    if len(given) > 1:
+        raise RequestError(f"request {rid}: give one of 'prompt', 'messages' and 'prompt_token_ids', not {given}")
     if "prompt_token_ids" in obj:
         try:
             ids = parse_token_ids(obj["prompt_token_ids"])
@@ -94,6 +97,8 @@ def parse_request(line: str, lineno: int, tokenizer, adapters_dir: Path | None) 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from lorafleet.common import cli_args
+
     p.add_argument("--model", type=Path, default=None,
                    help="HF model directory or .gguf file (default: the demo model, prepared on first use)")
     p.add_argument("--adapters", type=Path, default=None,
@@ -104,10 +109,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-size", type=int, default=32, help="requests batched together")
     p.add_argument("--kv-pages", type=int, default=None, help="KV cache pages (default: from memory)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    p.add_argument("--max-lora-rank", type=int, default=64, help="largest adapter rank accepted")
+    p.add_argument("--max-lora-rank", type=cli_args.lora_rank, default=64,
+                   help=f"largest adapter rank accepted (1-{cli_args.MAX_LORA_RANK})")
     p.add_argument("--lora-slots", type=int, default=None, help="adapters resident at once (default 8 CPU / 64 GPU)")
-    p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
-    p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu or cuda[:N]")
+    p.add_argument("--dtype", default="auto", choices=cli_args.DTYPES,
+                   help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
+    p.add_argument("--device", default="auto", type=cli_args.device, help="auto (CUDA when available), cpu or cuda[:N]")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-prefix-cache", action="store_true", help="do not reuse the KV pages of shared prompt "
                    "prefixes between requests (reused by default)")
@@ -131,6 +138,10 @@ def run(args: argparse.Namespace) -> int:
         model, adapters_dir = demo / "model", adapters_dir or demo / "adapters"
     if not args.input.is_file():
         print(f"error: input file {args.input} does not exist", file=sys.stderr)
+        return 2
+    if not Path(model).exists() or (Path(model).is_file() and Path(model).suffix != ".gguf"):
+        what = "does not exist" if not Path(model).exists() else "is a file but not a .gguf file"
+        print(f"error: --model {model} {what} (give a Hugging Face model directory or a .gguf file)", file=sys.stderr)
         return 2
     if adapters_dir is not None and not adapters_dir.is_dir():
         print(f"error: adapters directory {adapters_dir} does not exist", file=sys.stderr)

@@ -34,6 +34,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from lorafleet import env
+from lorafleet.common import cli_args
 from lorafleet.common.cpus import available_cpus
 from lorafleet.common.peft_config import AdapterError, BaseShape
 from lorafleet.runner.service.engine_client import EngineClient
@@ -392,13 +393,14 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-pages", type=int, default=None, help="KV pages (default: from memory)")
     p.add_argument("--kv-fraction", type=float, default=0.85, help="GPU: share of free memory for the KV cache")
     p.add_argument("--kv-cache-gb", type=float, default=1.0, help="CPU: KV cache size in GiB")
-    p.add_argument("--max-lora-rank", type=int, default=64, help="largest adapter rank accepted")
+    p.add_argument("--max-lora-rank", type=cli_args.lora_rank, default=64,
+                   help=f"largest adapter rank accepted (1-{cli_args.MAX_LORA_RANK})")
     p.add_argument("--lora-slots", type=int, default=None,
                    help="adapters resident on the device at once (default: 8 on the CPU, 64 on a GPU)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    p.add_argument("--dtype", default="auto",
+    p.add_argument("--dtype", default="auto", choices=cli_args.DTYPES,
                    help="auto (float32 on the CPU, bfloat16 on CUDA), float32, bfloat16 or float16")
-    p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
+    p.add_argument("--device", default="auto", type=cli_args.device, help="auto (CUDA when available), cpu, cuda or cuda:N")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="run every step eagerly on CUDA (no decode or piecewise CUDA graphs)")
     p.add_argument("--admit-batch", type=int, default=None,

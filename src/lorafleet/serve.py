@@ -26,6 +26,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from lorafleet.common import cli_args
 from lorafleet.runner_procs import RunnerProcess, Supervisor, stop_children
 
 log = logging.getLogger("lorafleet.serve")
@@ -193,15 +194,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="CPU runners: torch threads of each runner (default: the cores this process may use, "
                         "divided among the runners, at least 1)")
-    p.add_argument("--device", default="auto", help="auto (CUDA when available, else CPU), cpu or cuda (runner i uses "
-                   "cuda:i)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="auto (CUDA when available, else CPU), cpu or cuda (runner i uses cuda:i)")
     p.add_argument("--max-batch-size", type=int, default=32, help="requests batched together on each runner")
-    p.add_argument("--max-lora-rank", type=int, default=64, help="largest adapter rank the runners accept")
+    p.add_argument("--max-lora-rank", type=cli_args.lora_rank, default=64,
+                   help=f"largest adapter rank the runners accept (1-{cli_args.MAX_LORA_RANK})")
     p.add_argument("--kv-pages", type=int, default=None,
                    help="KV cache pages of each runner (default: from --kv-cache-gb on the CPU, --kv-fraction on GPUs)")
     p.add_argument("--kv-cache-gb", type=float, default=None, help="CPU: KV cache of each runner in GiB (default: 1)")
     p.add_argument("--page-size", type=int, default=None, help="tokens per KV page (default: 16)")
-    p.add_argument("--dtype", default="auto",
+    p.add_argument("--dtype", default="auto", choices=cli_args.DTYPES,
                    help="weights and activations: auto (float32 on the CPU, bfloat16 on CUDA), float32, bfloat16 or "
                         "float16")
     p.add_argument("--grace-seconds", type=float, default=20.0, help="time to finish in-flight requests on stop")
@@ -270,12 +272,31 @@ def run(args: argparse.Namespace) -> int:
         demo = prepare()
         model, adapters_dir = str(demo / "model"), adapters_dir or demo / "adapters"
     model_path = Path(model)
+    if not model_path.exists():
+        log.error("model path %s does not exist (give a Hugging Face model directory or a .gguf file)", model_path)
+        return 2
     tok_dir = model_path
     if model_path.suffix == ".gguf":
         from lorafleet.runner.service.generate import tokenizer_dir
 
         tok_dir = tokenizer_dir(model_path)
-    registry = AdapterRegistry.from_directory(adapters_dir) if adapters_dir else AdapterRegistry()
+    # what the API needs besides the runners: the adapters' folder, the tokenizer, a name for the base model
+    try:
+        registry = AdapterRegistry.from_directory(adapters_dir) if adapters_dir else AdapterRegistry()
+    except FileNotFoundError as exc:
+        log.error("%s", exc)
+        return 2
+    try:
+        tokenizer = Tokenizer(tok_dir)
+    except (OSError, ValueError) as exc:
+        log.error("the API needs the model's tokenizer: %s (`lorafleet generate` runs token-id prompts without one)",
+                  exc)
+        return 2
+    model_name = args.model_name or model_display_name(tok_dir if model_path.is_dir() else model_path)
+    if model_name in registry:
+        log.error("the adapter folder %r has the base model's name, so requests could not reach it: rename the "
+                  "folder or give the base model another name (--model-name)", model_name)
+        return 2
 
     runners: list[RunnerProcess] = []
     supervisor = None
@@ -298,8 +319,7 @@ def run(args: argparse.Namespace) -> int:
         directory = RunnerDirectory([RunnerEndpoint(r.rid, r.url) for r in runners])
         max_model_len = model_limits(tok_dir)
         service = SchedulerService(
-            Tokenizer(tok_dir), args.model_name or model_display_name(tok_dir if model_path.is_dir() else model_path),
-            registry, directory, limits=limits.from_args(args, max_model_len), api_keys=api_keys,
+            tokenizer, model_name, registry, directory, limits=limits.from_args(args, max_model_len), api_keys=api_keys,
             admin_token=env.admin_token(), grace_seconds=args.grace_seconds, placement=args.placement,
             runner_token=token,
         )

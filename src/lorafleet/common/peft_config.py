@@ -136,6 +136,30 @@ def _pattern_value(patterns: dict, module_name: str, default):
     return default
 
 
+def _targeted(cfg: dict, module_name: str, layer: int) -> bool:
+    """Whether PEFT would put a LoRA layer on `module_name` under this config (target_modules as a list: the
+    name or a dotted suffix of it; as a string: "all-linear" or a full regex match; exclude_modules and
+    layers_to_transform as PEFT reads them). Without target_modules (PEFT's per-model defaults) or with a
+    setting this does not read, True: nothing to contradict."""
+    targets = cfg.get("target_modules")
+    if not targets:
+        return True
+    if isinstance(targets, str):
+        ok = targets == "all-linear" or re.fullmatch(targets, module_name) is not None
+    else:
+        ok = any(module_name == t or module_name.endswith("." + str(t)) for t in targets)
+    exclude = cfg.get("exclude_modules")
+    if ok and exclude:
+        if isinstance(exclude, str):
+            ok = re.fullmatch(exclude, module_name) is None
+        else:
+            ok = not any(module_name == t or module_name.endswith("." + str(t)) for t in exclude)
+    layers = cfg.get("layers_to_transform")
+    if ok and layers is not None and not cfg.get("layers_pattern"):
+        ok = layer in ([layers] if isinstance(layers, int) else list(layers))
+    return ok
+
+
 def _refuse_unsupported(name: str, cfg: dict) -> None:
     peft_type = str(cfg.get("peft_type", "LORA")).upper()
     if peft_type != "LORA":
@@ -268,6 +292,15 @@ def inspect_adapter(
                     rows[j] = (lo, lo + n)
                     lo += n
         module_name = ck.layer.format(i=layer) + module
+        # Tensors PEFT would not load, or load into a layer of another rank, are refused: served, they would
+        # give other outputs than the adapter gives under PEFT.
+        if not _targeted(cfg, module_name, layer):
+            raise AdapterError(name, f"{where}: {WEIGHTS_FILE} holds LoRA weights for {module_name}, which the "
+                               f"config's target_modules / exclude_modules / layers_to_transform leave out")
+        want_rank = _pattern_value(cfg.get("rank_pattern"), module_name, cfg.get("r", 8))
+        if rank != want_rank:
+            raise AdapterError(name, f"{where}: the weights have rank {rank} but {CONFIG_FILE} gives "
+                               f"{'rank_pattern' if want_rank != cfg.get('r', 8) else 'r'} = {want_rank}")
         alpha = _pattern_value(cfg.get("alpha_pattern"), module_name, default_alpha)
         try:
             alpha = float(alpha)

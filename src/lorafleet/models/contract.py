@@ -57,6 +57,10 @@ class ModelError(ValueError):
     """A base model that cannot be served: the message says why (commands print it, without a traceback)."""
 
 
+class DeviceError(ModelError):
+    """The device asked for is not on this machine (no CUDA, no such GPU)."""
+
+
 class ModelConfigError(ModelError):
     """The model's config.json describes something this engine cannot run."""
 
