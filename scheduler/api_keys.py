@@ -95,7 +95,10 @@ def parse_keys(text: str, salt_per_key: bool = False) -> dict[bytes, Grant]:
         options = dict(f.split("=", 1) for f in fields[1:] if "=" in f)
         rest = [f for f in fields[1:] if "=" not in f]
         if len(rest) > 1 or len(options) != len(fields) - 1 - len(rest):
-            raise ApiKeyFileError(f"line {n}: expected `KEY [model,model,...] [cache_group=NAME]` "
+            # (the fields are not echoed: a misplaced one may be a key)
+            what = (f"{len(rest)} space-separated fields after the key where one model list may stand" if len(rest) > 1
+                    else "an option given twice")
+            raise ApiKeyFileError(f"line {n}: {what}; expected `KEY [model,model,...] [cache_group=NAME]` "
                                   "(no spaces in the list)")
         unknown = sorted(set(options) - {"cache_group"})
         if unknown:

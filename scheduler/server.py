@@ -471,7 +471,8 @@ def model_limits(model_dir: Path) -> int:
 
 
 def model_display_name(model_dir: Path) -> str:
-    """The base model's API name: config.json's `_name_or_path` (last part) or the folder name."""
+    """The base model's API name: config.json's `_name_or_path` (last part), else the folder name (for a
+    Hugging Face cache snapshot, `.../models--ORG--NAME/snapshots/HASH`, NAME rather than the hash)."""
     cfg = model_dir / "config.json"
     if cfg.is_file():
         try:
@@ -480,7 +481,12 @@ def model_display_name(model_dir: Path) -> str:
                 return name.rstrip("/").rsplit("/", 1)[-1]
         except json.JSONDecodeError:
             pass
-    return model_dir.stem if model_dir.is_file() else model_dir.name
+    if model_dir.is_file():
+        return model_dir.stem
+    parts = model_dir.resolve().parts
+    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+        return parts[-3].split("--")[-1]
+    return model_dir.name
 
 
 def parse_runner(spec: str, i: int) -> RunnerEndpoint:

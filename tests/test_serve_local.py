@@ -197,3 +197,21 @@ def test_runner_whose_engine_core_died_is_restarted(tiny_chat_llama, tmp_path):
     out = s.proc.stdout.read()
     assert code == 0, out[-3000:]
     assert "is up but unhealthy" in out and "restarting runner runner-0" in out
+
+
+def test_the_base_models_api_name(tmp_path):
+    """config.json's _name_or_path, else the folder; a Hugging Face cache snapshot is named by its model, not its
+    commit hash."""
+    import json
+
+    from lorafleet.scheduler.server import model_display_name
+
+    snap = tmp_path / "hub" / "models--Qwen--Qwen2.5-7B-Instruct" / "snapshots" / "0123abcd"
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    assert model_display_name(snap) == "Qwen2.5-7B-Instruct"
+    (snap / "config.json").write_text(json.dumps({"_name_or_path": "org/named"}))
+    assert model_display_name(snap) == "named"
+    plain = tmp_path / "my-model"
+    plain.mkdir()
+    assert model_display_name(plain) == "my-model"

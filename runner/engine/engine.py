@@ -115,8 +115,9 @@ class Engine:
                                max_step_tokens=self.max_step_tokens, adapter_lookahead=lookahead,
                                decode_prefill_tokens=self.config.decode_prefill_tokens, identity=self._identity)
         self.overlap = config.overlap if config.overlap is not None else self.device.type == "cuda"
-        log.info("KV cache: %d pages x %d tokens (%d tokens); attention=%s sgmv=%s%s", ex.num_pages, config.page_size,
-                 self.blocks.total_tokens, self.attention.name, getattr(self.sgmv, "name", "?"),
+        log.info("KV cache: %d pages x %d tokens (%d tokens, %s); attention=%s sgmv=%s%s", ex.num_pages, config.page_size,
+                 self.blocks.total_tokens, "FP8 e4m3" if config.kv_cache_dtype == "fp8" else "model dtype",
+                 self.attention.name, getattr(self.sgmv, "name", "?"),
                  f"; tensor parallel over {config.tp} ranks" if self.tp else "")
 
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()

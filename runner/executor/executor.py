@@ -20,7 +20,7 @@ from lorafleet.runner.executor.kv_cache import KVCache, bytes_per_token
 from lorafleet.runner.executor.model_runner import ModelRunner
 from lorafleet.runner.lora.pool import LoraPool
 from lorafleet.runner.model.decoder import Decoder
-from lorafleet.runner.model.fp8 import E4M3, fp8_tensor_cores
+from lorafleet.runner.model.fp8 import E4M3, Fp8Weight, fp8_tensor_cores
 from lorafleet.runner.model.rope_kv import make_kv_writer
 from lorafleet.runner.model.weights import load_model
 
@@ -98,7 +98,11 @@ def build_executor(model: "str | Decoder", config: EngineConfig, shard=None, gro
                       max_positions=config.max_model_len)
         del loaded
         part = f" (tensor-parallel rank {shard.rank} of {shard.size})" if shard is not None and shard.size > 1 else ""
-        log.info("loaded %s%s on %s as %s in %.1fs: %s", model, part, device, dtype, time.perf_counter() - t0,
+        fp8 = ""
+        if net.layers and isinstance(net.layers[0].qkv, Fp8Weight):
+            fp8 = (", projection weights in FP8 e4m3 (" + ("products on FP8 tensor cores)" if net.fp8_tensor_cores else
+                                                       "weight-only: dequantized for each product)"))
+        log.info("loaded %s%s on %s as %s%s in %.1fs: %s", model, part, device, dtype, fp8, time.perf_counter() - t0,
                  full.describe())
     check_context(config, net.full_cfg)
     rank_cfg: ModelConfig = net.cfg

@@ -52,7 +52,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "scheduler": ("lorafleet.scheduler.server", "run the scheduler service (OpenAI API, placement, migration)"),
     "operator": ("lorafleet.operator.cli", "run the Kubernetes operator (kopf)"),
     "simulate": ("lorafleet.scheduler.simulate", "simulate placement policies over a cluster trace"),
-    "bench": ("lorafleet.bench", "benchmarks: kernels, e2e, cpu, serve, relay"),
+    "bench": ("lorafleet.bench", "benchmarks: kernels, e2e, cpu, serve, relay, quality"),
     "build-kernels": ("lorafleet.runner.kernels", "build the SGMV CUDA extension ahead of time"),
 }
 
@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve hundreds of LoRA fine-tunes of one base model from a shared GPU pool.",
     )
     parser.add_argument("--version", action="version", version=f"lorafleet {__version__}")
-    parser.add_argument("--log-level", default=env.log_level(), help="DEBUG, INFO, WARNING or ERROR (env LORAFLEET_LOG_LEVEL)")
+    parser.add_argument("--log-level", default=env.log_level(), help="DEBUG, INFO, WARNING or ERROR (default: INFO, or env LORAFLEET_LOG_LEVEL)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter)

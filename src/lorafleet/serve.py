@@ -186,7 +186,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adapters", type=Path, default=None,
                    help="directory with one PEFT adapter per subfolder (default: the demo adapters with the demo "
                         "model, none with --model)")
-    p.add_argument("--model-name", default=None, help="the base model's name in the API (default: from config.json)")
+    p.add_argument("--model-name", default=None,
+                   help="the base model's name in the API (default: config.json's _name_or_path, else the folder or "
+                        "file name; NAME for a Hugging Face cache snapshot of ORG/NAME)")
     p.add_argument("--host", default="127.0.0.1", help="address the OpenAI API listens on")
     p.add_argument("--port", type=int, default=8000, help="port the OpenAI API listens on")
     p.add_argument("--runners", type=int, default=1,

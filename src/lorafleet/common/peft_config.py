@@ -277,7 +277,8 @@ def inspect_adapter(
         rows: list[tuple[int, int] | None] = [None] * len(projs)
         if base is not None:
             if layer >= base.num_layers:
-                raise AdapterError(name, f"{where}: the base model {base.name or ''} has only {base.num_layers} layers".replace("  ", " "))
+                raise AdapterError(name, f"{where}: the base model{f' {base.name!r}' if base.name else ''} has only "
+                                         f"{base.num_layers} layers")
             want_in = base.shape(projs[0])[0]
             outs = [base.shape(p)[1] for p in projs]
             if a_shape[1] != want_in or b_shape[0] != sum(outs):
