@@ -88,13 +88,13 @@ class EngineConfig:
     adapter_readers: int | None = None  # CUDA: processes reading adapters from disk; None: half the CPUs, 2..8
     max_prefill_tokens: int = 8192  # unchunked: prompt tokens per step (one longer prompt still runs alone)
     # Chunked prefill: at most this many token rows per step, decodes included; long prompts are split
-    # across steps. None: 2048 when chunked_prefill is on (the default on CUDA), else unchunked.
+    # across steps. None: 2048 on CUDA, 512 on the CPU (unchunked with chunked_prefill=False).
     max_step_tokens: int | None = None
     # Chunked prefill, steps that carry decodes: at most this many prompt rows ride along (a smaller
     # chunk keeps such a step close to a decode-only one, so a long prompt barely delays the decoding
     # requests; its own first token comes later). None: the step budget alone limits them.
     decode_prefill_tokens: int | None = None
-    chunked_prefill: bool | None = None  # None: on for CUDA, off for CPU
+    chunked_prefill: bool | None = None  # None or True: on (see max_step_tokens); False: whole prompts per step
     # Overlapped scheduling: build and queue step N+1 while the device runs step N. None: on for CUDA.
     overlap: bool | None = None
     # Admission batching: while requests run, wait until this many batch places are free (or as many

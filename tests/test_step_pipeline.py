@@ -225,3 +225,41 @@ def test_step_batch_layout_and_wire_round_trip(tiny_llama):
     assert torch.equal(StepBatch.from_wire(b2.to_wire()).packedf, b2.packedf)
     with pytest.raises(RuntimeError, match="pending"):
         build_step_batch(work, 4, 8, None)
+
+
+def test_the_cpu_default_prefills_long_prompts_in_chunks_that_let_others_through(tiny_llama, tmp_path):
+    """On the CPU too, by default, a long prompt is prefilled 512 rows at a time: a request already decoding
+    keeps getting a token every step while the long prompt is prefilled (not one long stall), and cancelling the
+    long one takes effect between its chunks."""
+    import json
+    import shutil
+
+    model = tmp_path / "long-context"
+    shutil.copytree(tiny_llama, model)
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 4096}))
+    eng = Engine(str(model), EngineConfig(device="cpu", page_size=4, num_pages=1000))
+    assert eng.batcher.max_step_tokens == 512
+    long_ids = [3 + (i * 7) % 500 for i in range(1800)]
+    eng.submit(Sequence("short", [5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True), arrival=0.0))
+    eng.step()  # the short request is decoding
+    eng.submit(Sequence("long", long_ids, SamplingParams(max_tokens=2, ignore_eos=True), arrival=1.0))
+    tokens, steps = {"short": [], "long": []}, 0
+    while eng.has_work():
+        steps += 1
+        for o in eng.step():
+            tokens[o.seq_id].extend([steps] * len(o.new_token_ids or []))
+    long_first = tokens["long"][0]
+    assert long_first >= 1800 // 512  # the long prompt took several steps
+    during = [t for t in tokens["short"] if t < long_first]
+    assert len(during) >= 3 and all(b - a <= 1 for a, b in zip(during, during[1:]))  # a token every step
+
+    eng.submit(Sequence("long2", [t + 1 for t in long_ids], SamplingParams(max_tokens=2, ignore_eos=True)))
+    eng.step()
+    eng.step()  # two chunks in
+    eng.cancel("long2")
+    outs = []
+    for _ in range(4):
+        outs += eng.step()
+    assert any(o.seq_id == "long2" and o.finish_reason == "cancelled" for o in outs)
+    assert not eng.has_work() and eng.blocks.free_pages + eng.blocks.cached_pages >= eng.blocks.num_pages

@@ -25,7 +25,10 @@ from lorafleet.runner.model.rope_kv import make_kv_writer
 from lorafleet.runner.model.weights import load_model
 
 log = logging.getLogger(__name__)
-DEFAULT_STEP_TOKENS = 2048  # chunked prefill: token rows per step when EngineConfig leaves it open
+DEFAULT_STEP_TOKENS = 2048  # chunked prefill: token rows per step when EngineConfig leaves it open (CUDA)
+# On the CPU a step of 2,048 prompt rows takes seconds: smaller chunks let decodes, cancellations and short
+# prompts through between the chunks of a long prompt.
+CPU_STEP_TOKENS = 512
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 
@@ -70,9 +73,10 @@ class Executor:
 
 
 def step_budget(config: EngineConfig, device: torch.device) -> int | None:
+    """Token rows per step (chunked prefill), or None (unchunked: `chunked_prefill=False`)."""
     budget = config.max_step_tokens
-    if budget is None and config.chunked_prefill is not False and (config.chunked_prefill or device.type == "cuda"):
-        budget = DEFAULT_STEP_TOKENS
+    if budget is None and config.chunked_prefill is not False:
+        budget = DEFAULT_STEP_TOKENS if device.type == "cuda" else CPU_STEP_TOKENS
     return None if budget is None else max(budget, config.max_batch_size + 1)
 
 

@@ -409,7 +409,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "CUDA, 1 on CPU)")
     p.add_argument("--admit-wait-steps", type=int, default=8, help="longest wait of admission batching, in steps")
     p.add_argument("--max-step-tokens", type=int, default=None,
-                   help="chunked prefill: token rows per step, decodes included (default: 2048 on CUDA, none on the "
+                   help="chunked prefill: token rows per step, decodes included (default: 2048 on CUDA, 512 on the "
                         "CPU)")
     p.add_argument("--decode-prefill-tokens", type=int, default=None,
                    help="chunked prefill: prompt rows a step that carries decodes may add (smaller: decoding "
