@@ -84,6 +84,8 @@ class AdapterRegistry:
         entries = []
         for d in sorted(root.iterdir()):
             if not (d.is_dir() and (d / "adapter_config.json").is_file()):
+                if d.is_dir() and not d.name.startswith("."):
+                    log.warning("%s skipped: no adapter_config.json in it (not a PEFT adapter)", d)
                 continue
             real = d.resolve()
             inside = real.parent == real_root or real_root in real.parents

@@ -229,6 +229,19 @@ def test_directory_registry_skips_symlinks_that_leave_it(tmp_path):
     assert Path(reg.get("alias").source) == (adapters / "inside").resolve()
 
 
+def test_directory_registry_warns_about_folders_that_are_not_adapters(tmp_path, caplog):
+    adapters = tmp_path / "adapters"
+    write_adapter(adapters / "real")
+    (adapters / "empty").mkdir()
+    (adapters / ".hidden").mkdir()
+    (adapters / "notes.txt").write_text("x")
+    with caplog.at_level("WARNING"):
+        reg = AdapterRegistry.from_directory(adapters)
+    assert reg.names() == ["real"]
+    warned = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert len(warned) == 1 and "empty" in warned[0] and "adapter_config.json" in warned[0]
+
+
 def test_roots_from_env(monkeypatch, tmp_path):
     monkeypatch.setenv("LORAFLEET_SOURCE_ROOTS", os.pathsep.join([str(tmp_path / "a"), "", str(tmp_path / "b")]))
     monkeypatch.setenv("LORAFLEET_ALLOW_PRIVATE_SOURCES", "1")
