@@ -75,7 +75,7 @@ Plan make_plan(int n, int k, int device) {
   Plan p;
   p.tiles = (n + kRowsPerBlock - 1) / kRowsPerBlock;
   const int steps = k / kKStep;
-  int s = (2 * sms + p.tiles - 1) / p.tiles;        // about two blocks per SM
+  int s = (2 * sms) / p.tiles;  // at most two blocks per SM: one wave (a second, partial one would run on few SMs)
   s = std::max(1, std::min(s, std::max(1, steps / kDepth)));  // at least one stage of k per split
   const int chunk_steps = (steps + s - 1) / s;
   p.splits = (steps + chunk_steps - 1) / chunk_steps;  // no empty split
@@ -184,12 +184,32 @@ __global__ void __launch_bounds__(kThreads, NT <= 4 ? 2 : 1)
   __syncthreads();
   if (!finisher) return;
   __threadfence();
-  const int row0 = tile * kRowsPerBlock, rows = min(kRowsPerBlock, a.n - row0);
-  for (int e = threadIdx.x; e < a.m * rows; e += kThreads) {
-    const int tok = e / rows, row = row0 + e % rows;
-    float s = 0.f;
-    for (int sp = 0; sp < splits; ++sp) s += __ldcg(&partial[(static_cast<int64_t>(sp) * a.m + tok) * a.n + row]);
-    out[static_cast<int64_t>(tok) * a.n + row] = __float2bfloat16_rn(s * a.x_scale[tok] * a.w_scale[row]);
+  // Four elements per thread at a time, so that their partials' loads overlap; each element's partials are
+  // still added in split order.
+  constexpr int kGroup = 4;
+  const int row0 = tile * kRowsPerBlock, rows = min(kRowsPerBlock, a.n - row0), total = a.m * rows;
+  for (int e0 = threadIdx.x; e0 < total; e0 += kThreads * kGroup) {
+    int64_t at[kGroup];
+    float s[kGroup];
+#pragma unroll
+    for (int j = 0; j < kGroup; ++j) {
+      const int e = min(e0 + j * kThreads, total - 1);
+      at[j] = static_cast<int64_t>(e / rows) * a.n + row0 + e % rows;
+      s[j] = 0.f;
+    }
+    for (int sp = 0; sp < splits; ++sp) {
+      const float* base = partial + static_cast<int64_t>(sp) * a.m * a.n;
+#pragma unroll
+      for (int j = 0; j < kGroup; ++j) s[j] += __ldcg(base + at[j]);
+    }
+#pragma unroll
+    for (int j = 0; j < kGroup; ++j) {
+      const int e = e0 + j * kThreads;
+      if (e < total) {
+        const int tok = e / rows, row = row0 + e % rows;
+        out[at[j]] = __float2bfloat16_rn(s[j] * a.x_scale[tok] * a.w_scale[row]);
+      }
+    }
   }
 }
 

@@ -442,7 +442,9 @@ void fp8_gemm(Tensor out, Tensor x, Tensor x_scale, Tensor w, Tensor w_scale, in
   a.m = static_cast<int>(M);
   a.n = static_cast<int>(N);
   a.k = static_cast<int>(K);
-  // The K-split's partial sums and counters: from torch's allocator (a graph capture's pool while capturing).
+  // The K-split's partial sums and counters: from torch's allocator (a graph capture's pool while capturing),
+  // on torch's current stream of x's device, which `stream` must be (every caller passes it): the memory is
+  // released when this returns and reused in that stream's order.
   const size_t ws = lorafleet::fp8_gemm_workspace(a.m, a.n, a.k, x.get_device());
   Tensor workspace;
   if (ws > 0) {
