@@ -164,11 +164,15 @@ def test_fp8_reference_is_not_the_bf16_model(fam):
     assert base != toks, name
 
 
-@pytest.mark.parametrize("kv", ["auto", "fp8"])
-def test_fp8_decode_graph_replay_matches_the_eager_step(fam, kv):
+@pytest.mark.parametrize("kv,gemm", [("auto", "cublaslt"), ("fp8", "cublaslt"), ("auto", "own")])
+def test_fp8_decode_graph_replay_matches_the_eager_step(fam, kv, gemm):
+    """(gemm "own": the project's FP8 kernel, its K-split workspace and counter memset captured in the graph)"""
+    from lorafleet.runner.config import KernelChoices
+
     name, model, _, _, reqs = fam
-    eng = teacher.decode_graph_vs_eager(model, reqs[:4] * 2, f"{name} fp8 kv={kv}", quantization="fp8",
-                                        kv_cache_dtype=kv)
+    own = {"kernels": KernelChoices(fp8_gemm_rows=64)} if gemm == "own" else {}
+    eng = teacher.decode_graph_vs_eager(model, reqs[:4] * 2, f"{name} fp8 kv={kv} gemm={gemm}", quantization="fp8",
+                                        kv_cache_dtype=kv, **own)
     assert isinstance(eng.model.layers[0].qkv, Fp8Weight)
 
 
