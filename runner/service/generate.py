@@ -43,6 +43,15 @@ def tokenizer_dir(model: Path) -> Path | None:
     return out
 
 
+def model_path_problem(model: Path) -> str | None:
+    """Why `model` cannot be a model (missing, or a file that is not a .gguf), or None."""
+    if not model.exists():
+        return f"{model} does not exist (give a Hugging Face model directory or a .gguf file)"
+    if model.is_file() and model.suffix != ".gguf":
+        return f"{model} is a file but not a .gguf file (give a Hugging Face model directory or a .gguf file)"
+    return None
+
+
 def parse_request(line: str, lineno: int, tokenizer, adapters_dir: Path | None) -> tuple[str, dict]:
     """-> (id, request dict with prompt_token_ids, params, adapter ref); RequestError on bad input."""
     try:
@@ -139,9 +148,9 @@ def run(args: argparse.Namespace) -> int:
     if not args.input.is_file():
         print(f"error: input file {args.input} does not exist", file=sys.stderr)
         return 2
-    if not Path(model).exists() or (Path(model).is_file() and Path(model).suffix != ".gguf"):
-        what = "does not exist" if not Path(model).exists() else "is a file but not a .gguf file"
-        print(f"error: --model {model} {what} (give a Hugging Face model directory or a .gguf file)", file=sys.stderr)
+    problem = model_path_problem(Path(model))
+    if problem:
+        print(f"error: --model {problem}", file=sys.stderr)
         return 2
     if adapters_dir is not None and not adapters_dir.is_dir():
         print(f"error: adapters directory {adapters_dir} does not exist", file=sys.stderr)

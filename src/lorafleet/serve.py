@@ -273,15 +273,14 @@ def run(args: argparse.Namespace) -> int:
         log.info("preparing the demo model and adapters (first run only)...")
         demo = prepare()
         model, adapters_dir = str(demo / "model"), adapters_dir or demo / "adapters"
-    model_path = Path(model)
-    if not model_path.exists():
-        log.error("model path %s does not exist (give a Hugging Face model directory or a .gguf file)", model_path)
-        return 2
-    tok_dir = model_path
-    if model_path.suffix == ".gguf":
-        from lorafleet.runner.service.generate import tokenizer_dir
+    from lorafleet.runner.service.generate import model_path_problem, tokenizer_dir
 
-        tok_dir = tokenizer_dir(model_path)
+    model_path = Path(model)
+    problem = model_path_problem(model_path)
+    if problem:
+        log.error("model path %s", problem)
+        return 2
+    tok_dir = tokenizer_dir(model_path) if model_path.suffix == ".gguf" else model_path
     # what the API needs besides the runners: the adapters' folder, the tokenizer, a name for the base model
     try:
         registry = AdapterRegistry.from_directory(adapters_dir) if adapters_dir else AdapterRegistry()

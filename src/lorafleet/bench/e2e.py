@@ -266,16 +266,11 @@ def prefill_rate(engine, prompts: list[list[int]], adapters: list, label: str, l
         for i, ad in enumerate(adapters):
             engine.submit(Sequence(f"{tag}{i}", ids_of(i), SamplingParams(max_tokens=1, ignore_eos=True),
                                    AdapterRef(*ad) if ad is not None else None))
-        steps = 0
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        while engine.has_work():
-            for out in engine.step():
-                if out.finished and out.finish_reason not in ("length", "stop"):
-                    raise RuntimeError(f"{label}: request {out.seq_id} ended with {out.finish_reason}: {out.error}")
-            steps += 1
-        return time.perf_counter() - t0, steps
+        steps = drive(engine, label, {}, {})
+        return time.perf_counter() - t0, len(steps)
 
     caching = engine.blocks.caching
     engine.blocks.caching = False
