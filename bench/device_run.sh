@@ -244,7 +244,7 @@ print({'rowwise': '', 'rowwise_swapped': 'LORAFLEET_FP8_SWAP_ROWS=64', 'own': 'L
         --work-dir /tmp/bs_$1 --out "$OUT/$1.json" 2>&1 | tee "$LOGS/$1.log" | grep -v " INFO " | tail -12 ;;
     pserve)
       timeout ${PSERVE_S:-560} $SERVE --runners 2 --kv-fraction 0.4 --requests ${PSERVE_REQS:-400} \
-        --prefix-workloads system-prompt sharegpt --placement busiest busiest-no-prefix --work-dir /tmp/bs_pserve \
+        --prefix-workloads system-prompt sharegpt --placement ${PSERVE_PLACEMENT:-busiest busiest-no-prefix} --rates ${PSERVE_RATES:-inf} --work-dir /tmp/bs_pserve \
         --out "$OUT/serve_prefix.json" 2>&1 | tee "$LOGS/serve_prefix.log" | grep -v " INFO " | tail -14 ;;
     place)
       timeout ${PLACE_S:-420} $SERVE --runners 2 --requests ${PLACE_REQS:-200} --mixes skewed \

@@ -113,10 +113,19 @@ def test_bench_serve_prefix_workloads_cache_off_and_on(tiny_chat_llama, tmp_path
            "--requests", str(n), "--max-prompt", "12", "--max-output", "4", "--weight-sets", "2", "--rank", "4",
            "--runners", "1", "--device", "cpu", "--kv-pages", "400", "--page-size", "4", "--max-batch-size", "4",
            "--prefix-workloads", "system-prompt", "sharegpt", "--system-tokens", str(system),
-           "--prefix-adapters", str(adapters), "--out", str(out), "--work-dir", str(tmp_path / "work")]
+           "--prefix-adapters", str(adapters), "--out", str(out), "--work-dir", str(tmp_path / "work"),
+           "--rates", "inf", "40"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=500)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    res = json.loads(out.read_text())["prefix"]["busiest"]
+    doc = json.loads(out.read_text())
+    assert "partial" not in doc and doc["rates"] == ["inf", "40"]
+    res = doc["prefix"]["busiest"]
+    assert set(res) == {"system-prompt", "sharegpt", "system-prompt@40", "sharegpt@40"}
+    # each rate's run is salted apart: the Poisson run finds nothing the first run left (sharegpt repeats its prompts)
+    at_rate = res["system-prompt@40"]["on"]
+    assert at_rate["rate"] == "40" and at_rate["completed"] == n
+    assert at_rate["prompt_tokens_cached"] <= (n - adapters) * (system + 12), at_rate  # first per adapter: none
+    assert res["sharegpt@40"]["on"]["prompt_tokens_cached"] == 0
     for wl in ("system-prompt", "sharegpt"):
         off, on = res[wl]["off"], res[wl]["on"]
         assert off["completed"] == on["completed"] == n and off["output_tokens"] == on["output_tokens"]

@@ -25,6 +25,7 @@ class LoadRequest:
     model: str
     prompt_ids: list[int]
     max_tokens: int
+    cache_salt: str | None = None  # sent as the request's cache_salt: its prefix pages are its own
 
 
 @dataclass
@@ -56,6 +57,8 @@ def arrival_times(n: int, rate: float | None, seed: int) -> list[float]:
 async def one(session: aiohttp.ClientSession, url: str, req: LoadRequest, headers: dict) -> Result:
     body = {"model": req.model, "prompt": req.prompt_ids, "max_tokens": req.max_tokens, "temperature": 0,
             "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    if req.cache_salt:
+        body["cache_salt"] = req.cache_salt
     res = Result(start=time.perf_counter())
     try:
         async with session.post(f"{url}/v1/completions", json=body, headers=headers) as resp:

@@ -144,8 +144,8 @@ def base_model_name(url: str) -> str:
         return next(m["id"] for m in json.loads(r.read())["data"] if not m.get("parent"))
 
 
-def online_run(url: str, token: str | None, base: str, reqs, names, rate, args) -> dict:
-    load = [LoadRequest(name or base, ids, o) for (ids, o), name in zip(reqs, names)]
+def online_run(url: str, token: str | None, base: str, reqs, names, rate, args, salt: str | None = None) -> dict:
+    load = [LoadRequest(name or base, ids, o, salt) for (ids, o), name in zip(reqs, names)]
     before = admin_state(url, token)
     results, wall = asyncio.run(run_load(url, load, rate=rate, seed=args.seed))
     after = admin_state(url, token)
@@ -174,12 +174,14 @@ def adapter_load_delta(before: dict, after: dict) -> dict:
 
 
 def prefix_runs(args, model: Path, adapters_root: Path, weights: list[str], reqs, vocab: int, work: Path,
-                log) -> dict:
+                log, save=lambda out: None) -> dict:
     """--prefix-workloads: per placement, the runners' prefix cache off then on (a server each), every workload
     through the OpenAI API. TTFT p50/p99, output tok/s and, from each response's usage, prompt tokens, those
-    the runners' caches held (cached_tokens), those computed and the hit rate; the on / off ratios."""
+    the runners' caches held (cached_tokens), those computed and the hit rate; the on / off ratios. Each
+    workload runs at each of --rates (keys `WL@RATE` for a finite rate); `save` gets the results after every run."""
     from lorafleet.bench.prefix import on_over_off, system_prompt_requests
 
+    rates = [parse_rate(r) for r in args.rates]  # each workload at each rate (inf: all at t=0)
     loads = {}
     for wl in args.prefix_workloads:
         if wl == "system-prompt":
@@ -202,14 +204,18 @@ def prefix_runs(args, model: Path, adapters_root: Path, weights: list[str], reqs
             try:
                 server.wait(args.ready_timeout)
                 base = base_model_name(server.url)
-                for wl, (wl_reqs, names) in loads.items():
-                    r = online_run(server.url, server.token, base, wl_reqs, names, None, args)
-                    r.update(placement=placement, workload=wl, cache=cache)
-                    per.setdefault(wl, {})[cache] = r
-                    log(f"{placement:>17} {wl:>13} cache {cache:>3}: {r['output_tok_s']} tok/s, TTFT p50 "
+                for (wl, (wl_reqs, names)), rate in ((item, rate) for item in loads.items() for rate in rates):
+                    # (with several rates, each run's pages are salted apart: no run finds an earlier one's)
+                    salt = f"rate-{rate_label(rate)}" if len(rates) > 1 else None
+                    r = online_run(server.url, server.token, base, wl_reqs, names, rate, args, salt)
+                    key = wl if rate is None else f"{wl}@{rate_label(rate)}"
+                    r.update(placement=placement, workload=wl, cache=cache, rate=rate_label(rate))
+                    per.setdefault(key, {})[cache] = r
+                    log(f"{placement:>17} {key:>13} cache {cache:>3}: {r['output_tok_s']} tok/s, TTFT p50 "
                         f"{r['ttft_p50_s']}s p99 {r['ttft_p99_s']}s, prompt tokens computed "
                         f"{r['prompt_tokens_computed']} of {r['prompt_tokens']} (hit rate {r['hit_rate']:.0%}), "
                         f"{r['failed']} failed")
+                    save(out)
             finally:
                 server.stop()
         for wl, runs in per.items():
@@ -296,7 +302,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w = p.add_argument_group("workload")
     w.add_argument("--requests", type=int, default=1000)
     w.add_argument("--mixes", nargs="+", default=["distinct", "uniform", "skewed", "identical", "base"], choices=MIXES)
-    w.add_argument("--rates", nargs="+", default=["inf"], help="request rates per second; inf: all at t=0")
+    w.add_argument("--rates", nargs="+", default=["inf"], help="request rates per second; inf: all at t=0 (default: inf)")
     w.add_argument("--population", type=int, default=256, help="adapter names the mixes draw from")
     w.add_argument("--weight-sets", type=int, default=None, help="distinct adapter weight sets (default 32 synthetic, "
                    "or every adapter in --adapters)")
@@ -413,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     names = {m: mix_adapters(m, len(reqs), args.population, weights, adapters_root, args.seed) if m != "base"
              else [None] * len(reqs) for m in args.mixes}
     what = (f"prefix workloads {', '.join(args.prefix_workloads)}" if args.prefix_workloads else
-            f"mixes {', '.join(args.mixes)}; rates {', '.join(rate_label(r) for r in rates)}")
+            f"mixes {', '.join(args.mixes)}") + f"; rates {', '.join(rate_label(r) for r in rates)}"
     log(f"{len(reqs)} requests: mean prompt {sum(len(a) for a, _ in reqs) / len(reqs):.0f}, mean output "
         f"{sum(o for _, o in reqs) / len(reqs):.0f} tokens; {what}; {len(weights)} weight sets; work dir {work}")
 
@@ -422,11 +428,17 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("--prefix-workloads starts its own servers (cache off and on): leave out --url")
         if not weights:
             weights = prepare_adapters(args, adapters_root, hf)
-        prefix = prefix_runs(args, Path(model), adapters_root, weights, reqs, int(hf["vocab_size"]), work, log)
-        args.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "model": str(model), "requests": len(reqs),
-                                        "max_batch_size": args.max_batch_size, "runners": args.runners,
-                                        "device": args.device, "system_tokens": args.system_tokens,
-                                        "prefix_adapters": args.prefix_adapters, "prefix": prefix}, indent=1))
+        def save(prefix: dict, partial: bool) -> None:  # after every run: a run cut short keeps what it measured
+            args.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "model": str(model),
+                                            "requests": len(reqs), "max_batch_size": args.max_batch_size,
+                                            "runners": args.runners, "device": args.device,
+                                            "system_tokens": args.system_tokens, "rates": args.rates,
+                                            "prefix_adapters": args.prefix_adapters, "prefix": prefix,
+                                            **({"partial": True} if partial else {})}, indent=1))
+
+        prefix = prefix_runs(args, Path(model), adapters_root, weights, reqs, int(hf["vocab_size"]), work, log,
+                             lambda p: save(p, True))
+        save(prefix, False)
         print_prefix_table(prefix)
         return 1 if any(r["failed"] for per in prefix.values() for runs in per.values()
                         for k, r in runs.items() if k in ("on", "off")) else 0
