@@ -99,6 +99,19 @@ def test_the_cache_off_computes_every_prompt_token(tiny_llama, adapters, counted
     assert eng.blocks.stats["hits"] == 0 and eng.blocks.cached_pages == 0
 
 
+def test_the_cache_off_counts_no_queries_and_reports_nothing_cached(tiny_llama):
+    """With the cache off no prompt is looked up: the query and hit counters (vllm:prefix_cache_queries and
+    _hits) stay 0, and every request reports 0 cached tokens (the API's cached_tokens)."""
+    system = ids(21, 9)
+    eng = engine(tiny_llama, prefix_cache=False)
+    reqs = [seq(0, system + [5, 6]), seq(1, system + [7])]
+    run(eng, reqs[:1])
+    run(eng, reqs[1:])
+    pc = eng.state()["prefix_cache"]
+    assert not pc["enabled"] and pc["queries"] == 0 and pc["hits"] == 0 and pc["cached_pages"] == 0
+    assert [s.cached_tokens for s in reqs] == [0, 0]
+
+
 def test_pages_are_never_shared_across_adapters_or_salts(tiny_llama, adapters):
     prompt = ids(33, 3)
     eng = engine(tiny_llama)

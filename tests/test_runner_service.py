@@ -161,6 +161,22 @@ async def test_shared_prefixes_report_their_cached_tokens_and_count_in_metrics(c
     assert counts["vllm:prefix_cache_hits_total"] >= 40 and counts["vllm:prefix_cache_queries_total"] >= 91
 
 
+async def test_the_cache_off_reports_no_cached_tokens_and_counts_no_queries(tiny_llama):
+    """--no-prefix-cache: a repeated prefix is computed again (0 cached tokens on the first-token entry) and
+    the runner's vllm:prefix_cache_queries / _hits stay 0: a lookup that never happens is not a query."""
+    prefix = list(range(10, 31))
+    async with runner_front(tiny_llama, prefix_cache=False) as c:
+        s = await Stream(c, "off").open()
+        for rid, tail in (("q1", [40, 41]), ("q2", [42])):
+            await s.submit({"request_id": rid, "prompt_token_ids": prefix + tail,
+                            "sampling": {"max_tokens": 3, "ignore_eos": True}})
+            assert (await s.until_finished({rid}))[rid]["cached"] == 0
+        text = await (await c.get("/metrics")).text()
+    counts = {ln.split()[0]: float(ln.split()[1]) for ln in text.splitlines()
+              if ln.startswith("vllm:prefix_cache_")}
+    assert counts["vllm:prefix_cache_queries_total"] == 0 and counts["vllm:prefix_cache_hits_total"] == 0
+
+
 async def test_runner_credential(tiny_llama):
     async with runner_front(tiny_llama, token="t0ken") as c:
         assert (await c.get("/state")).status == 200  # the client sends the token

@@ -217,8 +217,9 @@ class Batcher:
             self.blocks.grow(seq.pages, n)
             if seq.cached_tokens is None:  # its first admission here: what the API reports as cached
                 seq.cached_tokens = min(cached, len(seq.prompt_ids))
-                self.blocks.stats["queries"] += len(seq.prompt_ids)
-                self.blocks.stats["hits"] += seq.cached_tokens
+                if self.blocks.caching:  # with the cache off nothing is looked up: no query, no hit
+                    self.blocks.stats["queries"] += len(seq.prompt_ids)
+                    self.blocks.stats["hits"] += seq.cached_tokens
             self.waiting.remove(seq)
             seq.status = Status.RUNNING
             self.running.append(seq)

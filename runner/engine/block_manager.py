@@ -52,7 +52,7 @@ class BlockManager:
         self._key_of: dict[int, bytes] = {}
         self._page_of: dict[bytes, int] = {}
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached pages nobody holds, oldest first
-        self.stats = {"queries": 0, "hits": 0, "evictions": 0}  # prompt tokens looked up / found; pages reused
+        self.stats = {"queries": 0, "hits": 0, "evictions": 0}  # prompt tokens looked up/found (cache on); pages reused
 
     @property
     def free_pages(self) -> int:

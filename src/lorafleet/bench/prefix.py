@@ -37,16 +37,16 @@ def _submit(engine, rid: str, ids: list[int], out: int, name: str | None, source
     engine.submit(Sequence(rid, ids, SamplingParams(max_tokens=out, ignore_eos=True), ref, arrival=arrival))
 
 
-def _summary(label, engine, t0, first, sent, ends, n_out, prefill, stats0, extra=None) -> dict:
+def _summary(label, engine, t0, first, sent, ends, n_out, n_in, prefill, stats0, extra=None) -> dict:
+    """`n_in`: each request's prompt tokens (the cache's query counter stays still with the cache off)."""
     wall = time.perf_counter() - t0
     ttft = [first[k] - sent[k] for k in first]
-    st = engine.blocks.stats
-    queries, hits = st["queries"] - stats0["queries"], st["hits"] - stats0["hits"]
-    total = sum(n_out.values())
+    hits = engine.blocks.stats["hits"] - stats0["hits"]
+    prompt, total = sum(n_in.values()), sum(n_out.values())
     res = {"label": label, "requests": len(n_out), "output_tokens": total, "seconds": round(wall, 2),
            "output_tok_s": round(total / wall, 1), "ttft_p50_s": round(pct(ttft, 50), 3),
-           "ttft_p99_s": round(pct(ttft, 99), 3), "prompt_tokens": queries, "prompt_tokens_computed": prefill,
-           "prompt_tokens_cached": hits, "hit_rate": round(hits / queries, 3) if queries else 0.0}
+           "ttft_p99_s": round(pct(ttft, 99), 3), "prompt_tokens": prompt, "prompt_tokens_computed": prefill,
+           "prompt_tokens_cached": hits, "hit_rate": round(hits / prompt, 3) if prompt else 0.0}
     res.update(extra or {})
     return res
 
@@ -94,7 +94,7 @@ def system_prompt_requests(reqs, adapters: int, system_tokens: int, vocab: int) 
     return [(systems[i % adapters] + ids, o, i % adapters) for i, (ids, o) in enumerate(reqs)]
 
 
-def _timed(engine, t0: float, rate: float, items, sent: dict, n_out: dict) -> list:
+def _timed(engine, t0: float, rate: float, items, sent: dict, n_out: dict, n_in: dict) -> list:
     """[(rid, ids, out, adapter name, source)] -> `due` for _steps: each submitted at its Poisson arrival
     (`rate` per second; all at t0 when 0), its TTFT counted from then."""
     def submit(i, rid, ids, o, name, src):
@@ -104,7 +104,7 @@ def _timed(engine, t0: float, rate: float, items, sent: dict, n_out: dict) -> li
 
     due = []
     for i, ((rid, ids, o, name, src), at) in enumerate(zip(items, arrivals(len(items), rate))):
-        n_out[rid] = o
+        n_out[rid], n_in[rid] = o, len(ids)
         due.append((t0 + at, lambda i=i, rid=rid, ids=ids, o=o, name=name, src=src: submit(i, rid, ids, o, name, src)))
     return due
 
@@ -114,11 +114,11 @@ def run_system_prompt(engine, reqs, adapters: int, system_tokens: int, vocab: in
     """`reqs` [(user prompt ids, output tokens)]; see system_prompt_requests. `rate`: see arrivals."""
     stats0 = dict(engine.blocks.stats)
     t0 = time.perf_counter()
-    first, sent, ends, n_out = {}, {}, {}, {}
+    first, sent, ends, n_out, n_in = {}, {}, {}, {}, {}
     items = [(f"s{i}", ids, o, f"sys{k}", source(k))
              for i, (ids, o, k) in enumerate(system_prompt_requests(reqs, adapters, system_tokens, vocab))]
-    prefill = _steps(engine, label, first, ends, due=_timed(engine, t0, rate, items, sent, n_out))
-    return _summary(label, engine, t0, first, sent, ends, n_out, prefill, stats0,
+    prefill = _steps(engine, label, first, ends, due=_timed(engine, t0, rate, items, sent, n_out, n_in))
+    return _summary(label, engine, t0, first, sent, ends, n_out, n_in, prefill, stats0,
                     {"adapters": adapters, "system_tokens": system_tokens, "rate": rate or None})
 
 
@@ -133,13 +133,13 @@ def run_multi_turn(engine, conversations: int, turns: int, adapters: int, vocab:
     history: dict[int, list[int]] = {c: [] for c in range(conversations)}
     stats0 = dict(engine.blocks.stats)
     t0 = time.perf_counter()
-    first, sent, ends, n_out = {}, {}, {}, {}
+    first, sent, ends, n_out, n_in = {}, {}, {}, {}, {}
 
     def send(c: int, t: int) -> None:
         rid = f"c{c}t{t}"
         history[c] = history[c] + users[(c, t)]
         _submit(engine, rid, history[c], outs[(c, t)], f"chat{c % adapters}", source(c % adapters), float(c))
-        sent[rid], n_out[rid] = time.perf_counter(), outs[(c, t)]
+        sent[rid], n_out[rid], n_in[rid] = time.perf_counter(), outs[(c, t)], len(history[c])
 
     def on_end(rid: str, output_ids) -> None:
         c, t = (int(x) for x in rid[1:].split("t"))
@@ -151,7 +151,7 @@ def run_multi_turn(engine, conversations: int, turns: int, adapters: int, vocab:
         send(c, 0)
     prefill = _steps(engine, label, first, ends, on_end)
     later = [first[k] - sent[k] for k in first if not k.endswith("t0")]
-    return _summary(label, engine, t0, first, sent, ends, n_out, prefill, stats0,
+    return _summary(label, engine, t0, first, sent, ends, n_out, n_in, prefill, stats0,
                     {"conversations": conversations, "turns": turns,
                      "ttft_later_turns_p50_s": round(pct(later, 50), 3),
                      "ttft_later_turns_p99_s": round(pct(later, 99), 3)})
@@ -161,10 +161,10 @@ def run_sharegpt(engine, reqs, label: str, source=str, rate: float = 0.0) -> dic
     """The usual requests, one adapter each: nothing to share. `rate`: see arrivals."""
     stats0 = dict(engine.blocks.stats)
     t0 = time.perf_counter()
-    first, sent, ends, n_out = {}, {}, {}, {}
+    first, sent, ends, n_out, n_in = {}, {}, {}, {}, {}
     items = [(f"g{i}", ids, o, f"one{i}", source(i)) for i, (ids, o) in enumerate(reqs)]
-    prefill = _steps(engine, label, first, ends, due=_timed(engine, t0, rate, items, sent, n_out))
-    return _summary(label, engine, t0, first, sent, ends, n_out, prefill, stats0, {"rate": rate or None})
+    prefill = _steps(engine, label, first, ends, due=_timed(engine, t0, rate, items, sent, n_out, n_in))
+    return _summary(label, engine, t0, first, sent, ends, n_out, n_in, prefill, stats0, {"rate": rate or None})
 
 
 def on_over_off(on: dict, off: dict) -> dict:
