@@ -140,15 +140,18 @@ def load_adapter(
                                        m.scaling) for m in spec.modules}
     except Exception as exc:
         raise AdapterError(name, f"cannot read adapter_model.safetensors: {scrub_paths(str(exc))}") from None
-    return LoadedAdapter(spec, packed=pack_peft(name, raw, base.num_layers, dtype, pin))
+    keys = {(m.layer, m.proj): (m.a_key, m.b_key) for m in spec.modules}
+    return LoadedAdapter(spec, packed=pack_peft(name, raw, base.num_layers, dtype, pin, keys))
 
 
 def pack_peft(name: str, raw: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]], num_layers: int,
-              dtype: torch.dtype, pin: bool = False) -> Packed:
+              dtype: torch.dtype, pin: bool = False,
+              keys: dict[tuple[int, str], tuple[str, str]] | None = None) -> Packed:
     """Pack PEFT tensors, (layer, proj) -> (A [r, in], B [out, r], scaling), into `Packed` in `dtype`:
     B is transposed and scaled in float32 and rounded once, straight into the packed tensor (one pass
     over the weights; the cost of a load from disk is mostly this).
-    Raises AdapterError when a weight is NaN or Inf, in the file or after the conversion."""
+    Raises AdapterError when a weight is NaN or Inf, in the file or after the conversion, naming the tensor
+    by its key in the file (`keys`: (layer, proj) -> (lora_A key, lora_B key); without, layer and projection)."""
     per_proj: dict[int, list] = {}
     for (layer, proj), item in raw.items():
         if not 0 <= layer < num_layers:
@@ -170,11 +173,23 @@ def pack_peft(name: str, raw: dict[tuple[int, str], tuple[torch.Tensor, torch.Te
                 b = b.float()
             torch.mul(b.t(), s, out=Bt[layer, :k])
             host_ranks[layer][p] = k
-        for t in (A, Bt):  # after the conversion: an overflow to Inf counts too
+        for which, t in enumerate((A, Bt)):  # after the conversion: an overflow to Inf counts too
             if all_finite(t):
                 continue
             layer = int((~torch.isfinite(t)).flatten(1).any(1).nonzero()[0])
-            raise AdapterError(name, f"layer {layer} {PROJECTIONS[p]}: weights contain NaN or Inf")
+            raise AdapterError(name, _not_finite(layer, PROJECTIONS[p], which, raw[(layer, PROJECTIONS[p])], dtype,
+                                                 keys))
         pa[p], pb[p] = (A.pin_memory(), Bt.pin_memory()) if pin else (A.contiguous(), Bt.contiguous())
     ranks = torch.tensor(host_ranks, dtype=torch.int32)
     return Packed(pa, pb, ranks.pin_memory() if pin else ranks, host_ranks)
+
+
+def _not_finite(layer: int, proj: str, which: int, item: tuple, dtype: torch.dtype, keys: dict | None) -> str:
+    """Why (layer, proj)'s lora_A (`which` 0) or lora_B (1) is refused, naming it as the adapter's file does:
+    NaN or Inf in the file, or a finite value that overflows to Inf in the serving dtype (B: once scaled)."""
+    a, b, scaling = item
+    key = (keys or {}).get((layer, proj), (f"lora_A of layer {layer} {proj}", f"lora_B of layer {layer} {proj}"))[which]
+    if not all_finite((a, b)[which]):
+        return f"tensor {key} contains NaN or Inf values"
+    scaled = f" once scaled by {scaling:g}" if which and scaling != 1.0 else ""
+    return f"tensor {key} overflows to Inf in {str(dtype).removeprefix('torch.')}{scaled}"
