@@ -113,6 +113,36 @@ def test_longrope_caps_the_context_whatever_the_family():
     assert config_from_hf(cfg).max_position_embeddings == 256
 
 
+def test_a_longrope_context_cap_is_logged_once_at_load(tmp_path, caplog):
+    """Phi-3's LongRoPE caps the context at original_max_position_embeddings (64 here, of the config's 256): the
+    engine says so in one INFO line at load, with the reason; a config within its original context logs none."""
+    import logging
+
+    from lorafleet.models.contract import ModelConfigError
+
+    capped = write_family_model("phi3", tmp_path / "capped", layers=1)
+    within = write_family_model("phi3", tmp_path / "within", layers=1, max_position_embeddings=64)
+    caplog.set_level(logging.INFO, logger="lorafleet.runner.executor.executor")
+    for model, n in ((capped, 1), (within, 0)):
+        caplog.clear()
+        eng = Engine(str(model), EngineConfig(device="cpu", num_pages=20, page_size=4))
+        try:
+            assert eng.model_config.max_position_embeddings == eng.max_model_len == 64
+        finally:
+            eng.close()
+        lines = [r.getMessage() for r in caplog.records if "context capped" in r.getMessage()]
+        assert len(lines) == n, lines
+    caplog.clear()
+    with pytest.raises(ModelConfigError, match="max_model_len 100 exceeds the model's context of 64 tokens"):
+        Engine(str(capped), EngineConfig(device="cpu", num_pages=20, page_size=4, max_model_len=100))
+    (line,) = [r for r in caplog.records if "context capped" in r.getMessage()]
+    assert line.levelno == logging.INFO
+    assert line.getMessage() == (
+        "phi3: context capped at 64 tokens (LongRoPE runs with its short factors only: past "
+        "original_max_position_embeddings 64 transformers switches every position of the sequence to the long "
+        "factors, which K/V already written to the paged cache cannot follow); config max_position_embeddings 256")
+
+
 def test_gemma_local_layers_keep_their_rope_without_a_window():
     """transformers picks a layer's RoPE by its type: local layers with a null window still take the local
     base (and attend to everything)."""

@@ -94,6 +94,9 @@ def build_executor(model: "str | Decoder", config: EngineConfig, shard=None, gro
         t0 = time.perf_counter()
         loaded = load_model(model, shard, device, dtype, fp8=config.quantization == "fp8")
         full = loaded.config
+        cap = full.context_cap_note(loaded.hf_config.get("max_position_embeddings"))
+        if cap is not None:
+            log.info("%s", cap)
         check_context(config, full)
         check_fp8(loaded.params.fp8, device)
         cfg = shard.config(full) if shard is not None else full

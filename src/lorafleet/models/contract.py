@@ -173,6 +173,17 @@ class ModelConfig:
     def rope_of(self, layer: int) -> RopeSpec:
         return self.ropes[self.layer_rope[layer]]
 
+    def context_cap_note(self, declared) -> str | None:
+        """One line for logs when LongRoPE capped the context below the config's own max_position_embeddings
+        (`declared`); None when nothing was capped."""
+        longrope = [r.original_max_position_embeddings for r in self.ropes if r.kind == "longrope"]
+        if not longrope or not isinstance(declared, int) or declared <= self.max_position_embeddings:
+            return None
+        return (f"{self.family}: context capped at {self.max_position_embeddings} tokens (LongRoPE runs with its "
+                f"short factors only: past original_max_position_embeddings {min(longrope)} transformers switches "
+                f"every position of the sequence to the long factors, which K/V already written to the paged cache "
+                f"cannot follow); config max_position_embeddings {declared}")
+
     def base_shape(self) -> BaseShape:
         return BaseShape(self.num_layers, self.hidden_size, self.intermediate_size, self.q_dim, self.kv_dim,
                          self.name, self.family)

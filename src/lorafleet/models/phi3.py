@@ -4,7 +4,8 @@ sets one (Phi-3-mini-4k: 2047).
 
 LongRoPE runs with the checkpoint's short factors, which transformers uses while a sequence stays within
 `original_max_position_embeddings`; beyond that it switches every position of the sequence to the long
-factors, which a paged KV cache cannot follow, so the context is capped there (see `max_context`)."""
+factors, which a paged KV cache cannot follow, so the context is capped there (`ModelConfig.__post_init__`;
+the engine logs the cap at load: `ModelConfig.context_cap_note`)."""
 
 from __future__ import annotations
 
