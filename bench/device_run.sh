@@ -16,7 +16,8 @@
 #            with FP8 weights and with FP8 weights + FP8 K/V pages, with step profiles   -> e2e_fp8_{bf16,fp8,fp8_kv8}.json
 #   pserve   bench serve --prefix-workloads system-prompt sharegpt: two runners on the machine's GPUs (sharing one
 #            GPU where there is one), cache off and on, prefix-aware (busiest) against prefix-ignoring placement
-#            (busiest-no-prefix); PSERVE_REQS, default 400                              -> serve_prefix.json
+#            (busiest-no-prefix); PSERVE_REQS, default 400; PSERVE_RATES (default inf: all at t=0; e.g. "4":
+#            Poisson arrivals, 4 requests/s); PSERVE_PLACEMENT (default "busiest busiest-no-prefix") -> serve_prefix.json
 #   fp8probe bench/probe_fp8_gemm.py: decode-sized FP8 GEMMs (engine call, swapped operands, per-tensor) vs bf16
 #            -> probe_fp8_gemm.json; a later fp8 stage then sets LORAFLEET_FP8_SWAP_ROWS=64 where swapping wins
 #   fp870    bench e2e --tp 1: Llama-2-70B shape on one GPU with FP8 weights (distinct, identical, LoRA off;
