@@ -218,6 +218,26 @@ def test_prefill_rate_times_every_prompt_token_once_with_the_cache_off(tiny_llam
     assert len(lines) == 3 and all("prompt tokens/s" in ln for ln in lines)
 
 
+def test_each_mix_run_starts_with_an_empty_prefix_cache(tiny_llama, tmp_path):
+    """Runs one after another on one engine (as bench e2e's mixes do) compute every prompt token again: the
+    identical mix must not find the pages an earlier run of the same adapter left in the cache."""
+    from model_helpers import write_random_adapter
+
+    from lorafleet.bench.e2e import run_mix
+    from lorafleet.runner.config import EngineConfig
+    from lorafleet.runner.engine.engine import Engine
+
+    w = write_random_adapter(tiny_llama, tmp_path / "w0", r=4, seed=0)
+    eng = Engine(str(tiny_llama), EngineConfig(device="cpu", max_batch_size=4, page_size=4, num_pages=600))
+    rng = np.random.default_rng(2)
+    reqs = [(rng.integers(3, 500, 40).tolist(), 3) for _ in range(4)]
+    prompt = sum(len(ids) for ids, _ in reqs)
+    for names in (["one"] * 4, ["one"] * 4, [None] * 4, [None] * 4):
+        res = run_mix(eng, reqs, names, lambda i: w, "mix", lambda *a: None)
+        assert res["prefill_tokens"] == prompt and res["prompt_tokens_cached"] == 0, res
+    assert eng.blocks.caching
+
+
 def test_kernel_categories_of_the_profiled_kernels():
     from lorafleet.bench.e2e import kernel_category
 

@@ -151,13 +151,15 @@ def drive(engine, label: str, first: dict, end: dict) -> list[tuple]:
 
 
 def run_mix(engine, reqs, names, weights_of, label: str, log, fm: dict | None = None) -> dict:
-    """Submit everything at t0, step to completion; throughput, TTFT and TPOT."""
+    """Submit everything at t0, step to completion; throughput, TTFT and TPOT. The prefix cache starts empty:
+    a run never finds pages an earlier run (or the warm-up) left, so every mix computes the same prompts."""
     from lorafleet.runner.engine.sequence import AdapterRef, SamplingParams, Sequence
 
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     engine.runner.phases = {}
-    requeued0 = engine.requeued
+    engine.blocks.clear_cache()
+    requeued0, hits0 = engine.requeued, engine.blocks.stats["hits"]
     t0 = time.perf_counter()
     first, end, n_out = {}, {}, {}
     for i, ((ids, o), name) in enumerate(zip(reqs, names)):
@@ -185,6 +187,7 @@ def run_mix(engine, reqs, names, weights_of, label: str, log, fm: dict | None = 
     res["time_split"] = {k: {"steps": n, "seconds": round(t, 3), "ms_per_step": round(1000 * t / max(n, 1), 3)}
                          for k, (n, t) in split.items()}
     res["prefill_tokens"] = sum(st[0] for st in steps)
+    res["prompt_tokens_cached"] = engine.blocks.stats["hits"] - hits0  # shared within the run only
     if fm is not None:
         fl = floor_seconds(fm, steps)
         res["floor_tok_s"] = round(total / fl, 1) if fl else None
