@@ -18,6 +18,17 @@ MAX_N = 128  # OpenAI's bound; the scheduler's sequence budget (limits.py) is us
 MAX_PROMPTS = 2048
 MAX_STOP = 4
 MAX_CACHE_SALT = 256  # characters; the runners take the same bound
+
+# The body fields each endpoint reads, refuses as unsupported (_refuse_unsupported) or ignores (IGNORED: OpenAI
+# fields that change nothing about the output). Anything else is refused, as OpenAI refuses an unrecognized
+# argument: a misspelt field (`max_token`) would otherwise fall back to its default unnoticed.
+COMMON_FIELDS = frozenset({
+    "model", "max_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop", "stop_token_ids", "ignore_eos",
+    "stream", "stream_options", "cache_salt", "presence_penalty", "frequency_penalty", "logprobs", "logit_bias",
+    "response_format", "tools", "functions", "tool_choice", "function_call"})
+COMPLETION_FIELDS = frozenset({"prompt", "echo", "best_of", "suffix"})
+CHAT_FIELDS = frozenset({"messages", "max_completion_tokens", "chat_template_kwargs", "top_logprobs"})
+IGNORED = frozenset({"user", "metadata", "store", "service_tier"})
 INT64 = 2**63
 
 
@@ -91,6 +102,17 @@ def _integer(body: dict, key: str, default, lo: int, hi: int) -> int | None:
     return v
 
 
+def known_fields(chat: bool) -> frozenset:
+    return COMMON_FIELDS | IGNORED | (CHAT_FIELDS if chat else COMPLETION_FIELDS)
+
+
+def _refuse_unknown(body: dict, chat: bool) -> None:
+    unknown = sorted(k for k in body if k not in known_fields(chat))
+    if unknown:
+        raise bad(unknown[0], f"unrecognized request argument(s): {', '.join(map(repr, unknown))} (this endpoint "
+                              f"takes {', '.join(sorted(COMMON_FIELDS | (CHAT_FIELDS if chat else COMPLETION_FIELDS)))})")
+
+
 def _refuse_unsupported(body: dict, chat: bool) -> None:
     for key in ("presence_penalty", "frequency_penalty"):
         v = body.get(key)
@@ -119,6 +141,7 @@ def parse_common(body: dict, chat: bool, max_tokens_cap: int) -> GenParams:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad("model", "model must be a non-empty string naming the base model or an adapter")
+    _refuse_unknown(body, chat)
     _refuse_unsupported(body, chat)
     key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _integer(body, key, None if chat else min(16, max_tokens_cap), 1, max_tokens_cap)

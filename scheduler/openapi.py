@@ -60,6 +60,9 @@ def _schemas(limits: RequestLimits, names: list[str], vocab_size: int) -> dict:
         "presence_penalty": {"type": ["number", "null"], "enum": [0, None], "description": "only 0 is supported"},
         "frequency_penalty": {"type": ["number", "null"], "enum": [0, None], "description": "only 0 is supported"},
         "user": {"type": "string"},
+        "metadata": {"type": ["object", "null"], "description": "accepted and ignored"},
+        "store": {"type": ["boolean", "null"], "description": "accepted and ignored"},
+        "service_tier": {"type": ["string", "null"], "description": "accepted and ignored"},
         "cache_salt": {"type": ["string", "null"], "minLength": 1, "maxLength": MAX_CACHE_SALT,
                        "description": "prefix cache isolation: this request shares cached prompt pages only with "
                                       "requests of the same salt (and the same API key's salt, where the server "
@@ -85,14 +88,14 @@ def _schemas(limits: RequestLimits, names: list[str], vocab_size: int) -> dict:
             "properties": {"message": {"type": "string"}, "type": {"type": "string"}, "param": NULLABLE_STR,
                            "code": NULLABLE_STR}}}},
         "CompletionRequest": {
-            "type": "object", "required": ["model", "prompt"], **stream_rule,
+            "type": "object", "required": ["model", "prompt"], **stream_rule, "additionalProperties": False,
             "properties": {**sampling, "prompt": {"anyOf": [
                 {"type": "string", "minLength": 1},
                 {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": MAX_PROMPTS},
                 token_ids,
                 {"type": "array", "items": token_ids, "minItems": 1, "maxItems": MAX_PROMPTS}]}}},
         "ChatCompletionRequest": {
-            "type": "object", "required": ["model", "messages"], **stream_rule,
+            "type": "object", "required": ["model", "messages"], **stream_rule, "additionalProperties": False,
             "properties": {**sampling, "max_completion_tokens": sampling["max_tokens"],
                            "chat_template_kwargs": {
                                "type": ["object", "null"], "description": "extra variables of the model's chat "

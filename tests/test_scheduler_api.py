@@ -72,6 +72,8 @@ BAD = [
     ({"model": "base", "prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
     ({"model": "base", "prompt": "x", "max_tokens": 200, "n": 1, "stop": "q", "echo": True}, 400, "echo"),
     ({"model": "base", "prompt": "x", "max_tokens": 256}, 400, "max_tokens"),
+    ({"model": "base", "prompt": "x", "max_token": 5}, 400, "max_token"),  # misspelt: not the default instead
+    ({"model": "base", "prompt": "x", "messages": []}, 400, "messages"),  # a chat field on the completions route
 ]
 
 
@@ -83,6 +85,21 @@ async def test_completion_errors(api, body, status, param):
     assert r.status == status and err["param"] == param and err["message"], err
 
 
+async def test_unrecognized_fields_are_named_and_harmless_openai_fields_pass(api):
+    client, _, fr = api
+    msgs = [{"role": "user", "content": "Hi"}]
+    r = await client.post("/v1/chat/completions", json={"model": "base", "messages": msgs, "max_tokens": 2,
+                                                         "temprature": 0, "bogus": 1})
+    err = (await r.json())["error"]
+    assert r.status == 400 and err["param"] == "bogus" and "'temprature'" in err["message"], err
+    seen = len(fr.seen)
+    for route, body in (("/v1/chat/completions", {"messages": msgs}), ("/v1/completions", {"prompt": "Hi"})):
+        r = await client.post(route, json={"model": "base", "max_tokens": 2, "user": "u1", "metadata": {"k": "v"},
+                                           "store": False, "service_tier": "auto", **body})
+        assert r.status == 200, await r.text()
+    assert len(fr.seen) == seen + 2
+
+
 @pytest.mark.parametrize("body,param", [
     ({"model": "base", "messages": []}, "messages"),
     ({"model": "base", "messages": "hi"}, "messages"),
@@ -90,6 +107,7 @@ async def test_completion_errors(api, body, status, param):
     ({"model": "base", "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ({"model": "base", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
     ({"model": "base", "messages": [{"role": "user", "content": "x"}], "tools": [{}]}, "tools"),
+    ({"model": "base", "messages": [{"role": "user", "content": "x"}], "prompt": "x"}, "prompt"),
 ])
 async def test_chat_errors(api, body, param):
     client, _, _ = api
