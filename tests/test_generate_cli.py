@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from model_helpers import read_jsonl
 
 
@@ -64,3 +66,73 @@ def test_a_model_of_an_unsupported_architecture_is_refused_in_one_line(tmp_path)
     line = [ln for ln in r.stderr.splitlines() if "error:" in ln]
     assert len(line) == 1 and "FalconForCausalLM'] is not supported" in line[0]
     assert "Qwen2ForCausalLM (Qwen2, Qwen2.5)" in line[0] and "Gemma3ForCausalLM" in line[0]
+
+
+def _generate(model, lines, tmp_path, capsys):
+    """`lorafleet generate` in this process on `lines` -> (output records, stderr)."""
+    from lorafleet import cli
+
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    rc = cli.main(["generate", "--model", str(model), "--input", str(inp), "--output", str(out), "--device", "cpu",
+                   "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    return read_jsonl(out), err
+
+
+def test_max_tokens_and_temperature_take_serves_ranges(tiny_llama, tmp_path, capsys):
+    """max_tokens beyond the model's context (512 here) or a temperature above 2 fail their own line with serve's
+    message (scheduler/openai_api.py); the other lines run."""
+    from lorafleet.scheduler import openai_api as oa
+
+    ctx = json.loads((tiny_llama / "config.json").read_text())["max_position_embeddings"]
+    lines = [
+        {"id": "huge", "prompt_token_ids": [1, 2, 3], "max_tokens": 100_000_000},
+        {"id": "over", "prompt_token_ids": [1, 2, 3], "max_tokens": ctx + 1},
+        {"id": "zero", "prompt_token_ids": [1, 2, 3], "max_tokens": 0},
+        {"id": "hot", "prompt_token_ids": [1, 2], "temperature": 2.5, "max_tokens": 2},
+        {"id": "cold", "prompt_token_ids": [1, 2], "temperature": -0.5, "max_tokens": 2},
+        {"id": "warm", "prompt_token_ids": [1, 2], "temperature": 2.0, "seed": 1, "max_tokens": 2},
+        {"id": "fine", "prompt_token_ids": [1, 2], "max_tokens": 2, "ignore_eos": True},
+    ]
+    res, err = _generate(tiny_llama, lines, tmp_path, capsys)
+    by = {x["id"]: x for x in res}
+    assert [x["id"] for x in res] == [x["id"] for x in lines]
+
+    def serve_says(body):
+        with pytest.raises(oa.ApiError) as exc:
+            oa.parse_common({"model": "m", **body}, False, ctx)
+        return exc.value.message
+
+    assert serve_says({"max_tokens": 100_000_000}) == f"max_tokens must be between 1 and {ctx}, got 100000000"
+    for rid, body in [("huge", {"max_tokens": 100_000_000}), ("over", {"max_tokens": ctx + 1}),
+                      ("zero", {"max_tokens": 0}), ("hot", {"temperature": 2.5}), ("cold", {"temperature": -0.5})]:
+        assert by[rid]["finish_reason"] == "error" and by[rid]["token_ids"] == [], by[rid]
+        assert by[rid]["error"] == f"request {rid}: {serve_says(body)}"
+    assert by["warm"]["finish_reason"] in ("stop", "length") and by["warm"]["token_ids"]
+    assert by["fine"]["finish_reason"] == "length" and len(by["fine"]["token_ids"]) == 2
+    assert "7 requests (5 failed)" in err
+
+
+def test_a_failed_line_repeating_an_earlier_id_is_reported_as_a_duplicate(tiny_llama, tmp_path, capsys):
+    """The duplicate-id check covers every line: a line that fails (no prompt) with the id of an earlier good line
+    is its own error line, not a second copy of the good one, and the failed count includes it."""
+    lines = [
+        {"id": "ok", "prompt_token_ids": [1, 2], "max_tokens": 2, "ignore_eos": True},
+        {"id": "ok"},  # no prompt, and the id is taken
+        {"id": "bad"},
+        {"id": "bad"},
+        {"id": "late"},
+        {"id": "late", "prompt_token_ids": [1, 2], "max_tokens": 2},
+    ]
+    res, err = _generate(tiny_llama, lines, tmp_path, capsys)
+    assert [x["id"] for x in res] == ["ok", "ok", "bad", "bad", "late", "late"]
+    assert res[0]["finish_reason"] == "length" and len(res[0]["token_ids"]) == 2 and "error" not in res[0]
+    assert res[1]["finish_reason"] == "error" and res[1]["token_ids"] == [] and "duplicate id 'ok'" in res[1]["error"]
+    assert "prompt" in res[2]["error"] and "duplicate id" not in res[2]["error"]
+    assert "duplicate id 'bad'" in res[3]["error"]
+    assert "prompt" in res[4]["error"] and "duplicate id 'late'" in res[5]["error"]
+    assert all(r["finish_reason"] == "error" for r in res[1:])
+    assert "6 requests (5 failed)" in err
+    assert err.count("duplicate id") == 3

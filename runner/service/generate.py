@@ -5,7 +5,10 @@ Every input line is one request:
    "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos"}
 Every output line (same order): {"id", "adapter", "prompt_token_ids", "token_ids", "text",
 "finish_reason"} plus "error" when a request failed. A bad line or a bad adapter fails
-that request only; all the others run as one continuous batch.
+that request only; all the others run as one continuous batch. The sampling fields take
+`serve`'s ranges (max_tokens between 1 and the model's context length, temperature in
+[0, 2], ...: scheduler/openai_api.py checks both); defaults: max_tokens 64, greedy. Ids are
+unique: a line repeating an earlier line's id fails as a duplicate.
 """
 
 from __future__ import annotations
@@ -18,12 +21,14 @@ import time
 from pathlib import Path
 
 from lorafleet.runner.config import EngineConfig
-from lorafleet.runner.engine.sequence import AdapterRef, SamplingError, Sequence, parse_token_ids, sampling_from_dict
+from lorafleet.runner.engine.sequence import AdapterRef, SamplingError, SamplingParams, Sequence, parse_token_ids
+from lorafleet.scheduler import openai_api as oa
 
 log = logging.getLogger(__name__)
 
-FIELDS = {"id", "adapter", "prompt", "prompt_token_ids", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed",
-          "stop_token_ids", "ignore_eos"}
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos")
+FIELDS = {"id", "adapter", "prompt", "prompt_token_ids", "messages", *SAMPLING_FIELDS}
+DEFAULT_MAX_TOKENS = 64
 
 
 class RequestError(ValueError):
@@ -44,16 +49,68 @@ def tokenizer_dir(model: Path) -> Path | None:
 
 
 def model_path_problem(model: Path) -> str | None:
-    """Why `model` cannot be a model (missing, or a file that is not a .gguf), or None."""
+    """Why `model` cannot be a model (missing, a file that is not a .gguf, or a directory whose config.json
+    names an architecture or setting the engine does not support), or None."""
     if not model.exists():
         return f"{model} does not exist (give a Hugging Face model directory or a .gguf file)"
     if model.is_file() and model.suffix != ".gguf":
         return f"{model} is a file but not a .gguf file (give a Hugging Face model directory or a .gguf file)"
+    cfg = model / "config.json"
+    if model.is_dir() and cfg.is_file():
+        from lorafleet.models.contract import ModelConfigError
+        from lorafleet.models.registry import config_from_hf
+
+        try:
+            hf = json.loads(cfg.read_text())
+            if not isinstance(hf, dict):
+                return f"{cfg} is not a JSON object"
+            config_from_hf(hf, model.name)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            return f"{cfg} is not valid JSON ({exc})"
+        except ModelConfigError as exc:
+            return f"{model}: {exc}"
+        except (KeyError, TypeError, ValueError) as exc:  # a field missing or of the wrong kind
+            return f"{cfg}: cannot read the model's settings ({type(exc).__name__}: {exc})"
     return None
 
 
-def parse_request(line: str, lineno: int, tokenizer, adapters_dir: Path | None) -> tuple[str, dict]:
-    """-> (id, request dict with prompt_token_ids, params, adapter ref); RequestError on bad input."""
+def sampling_params(obj: dict, rid: str, max_model_len: int) -> SamplingParams:
+    """A request's sampling fields, checked by `serve`'s own rules (openai_api.parse_common, the one definition of
+    the ranges: max_tokens between 1 and the context length, temperature in [0, 2], top_p in (0, 1], ...), so a
+    line that `serve` would answer 400 fails here with the same message; generate's defaults where a field is
+    absent (max_tokens 64, at most the context; temperature 0: greedy). RequestError on a bad value."""
+    given = {k: obj[k] for k in SAMPLING_FIELDS if obj.get(k) is not None}
+    try:
+        p = oa.parse_common({"model": "generate", **given}, chat=False, max_tokens_cap=max_model_len)
+        return SamplingParams(
+            max_tokens=p.max_tokens if "max_tokens" in given else min(DEFAULT_MAX_TOKENS, max_model_len),
+            temperature=p.temperature if "temperature" in given else 0.0,
+            top_p=p.top_p, top_k=p.top_k, seed=p.seed, stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos,
+        )
+    except oa.ApiError as exc:
+        raise RequestError(f"request {rid}: {exc.message}") from None
+    except SamplingError as exc:
+        raise RequestError(f"request {rid}: {exc}") from None
+
+
+def line_id(line: str, lineno: int) -> str:
+    """The id a line gives (`line-N` when it gives none or is not a JSON object)."""
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError:
+        return f"line-{lineno}"
+    return str(obj.get("id", f"line-{lineno}")) if isinstance(obj, dict) else f"line-{lineno}"
+
+
+def failed(rid: str, error: str) -> dict:
+    """The output line of a request that did not run."""
+    return {"id": rid, "adapter": None, "prompt_token_ids": [], "token_ids": [], "text": "", "finish_reason": "error",
+            "error": error}
+
+
+def parse_request(line: str, lineno: int, tokenizer, adapters_dir: Path | None, max_model_len: int) -> tuple[str, dict]:
+    """-> (id, request dict with prompt_token_ids, params, adapter ref); RequestError on bad input.
+    `max_model_len`: the model's context length, max_tokens' upper bound (as in `serve`)."""
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
@@ -90,10 +147,7 @@ def parse_request(line: str, lineno: int, tokenizer, adapters_dir: Path | None) 
         ids = tokenizer.encode(obj["prompt"])
     else:
         raise RequestError(f"request {rid}: give a non-empty 'prompt', 'messages' or 'prompt_token_ids'")
-    try:
-        params = sampling_from_dict({"max_tokens": 64, **obj})
-    except SamplingError as exc:
-        raise RequestError(f"request {rid}: {exc}") from None
+    params = sampling_params(obj, rid, max_model_len)
     adapter = obj.get("adapter")
     ref = None
     if adapter is not None:
@@ -158,39 +212,39 @@ def run(args: argparse.Namespace) -> int:
     tok_dir = tokenizer_dir(model)
     tokenizer = Tokenizer(tok_dir) if tok_dir else None
 
-    order: list[str] = []
-    results: dict[str, dict] = {}
-    seqs: list[Sequence] = []
-    for lineno, line in enumerate(args.input.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rid, req = parse_request(line, lineno, tokenizer, adapters_dir)
-        except RequestError as exc:
-            rid = f"line-{lineno}"
-            try:
-                rid = str(json.loads(line).get("id", rid))
-            except Exception:
-                pass
-            order.append(rid)
-            results[rid] = {"id": rid, "adapter": None, "prompt_token_ids": [], "token_ids": [], "text": "",
-                            "finish_reason": "error", "error": str(exc)}
-            continue
-        if rid in results or any(s.id == rid for s in seqs):
-            order.append(f"{rid}#dup{lineno}")
-            results[f"{rid}#dup{lineno}"] = {"id": rid, "adapter": None, "prompt_token_ids": [], "token_ids": [],
-                                              "text": "", "finish_reason": "error", "error": f"duplicate id {rid!r}"}
-            continue
-        order.append(rid)
-        seqs.append(Sequence(rid, req["ids"], req["params"], req["adapter"], arrival=float(lineno)))
-
     cfg = EngineConfig(
         max_batch_size=args.max_batch_size, page_size=args.page_size, num_pages=args.kv_pages,
         max_lora_rank=args.max_lora_rank, lora_slots=args.lora_slots, dtype=args.dtype, device=args.device,
         requeue_evicted=True, prefix_cache=not args.no_prefix_cache, quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
     )
-    engine = Engine(str(model), cfg)
+    engine = Engine(str(model), cfg)  # first: its context length bounds every line's max_tokens
+
+    # One result per input line, keyed by line number (ids may repeat: every repeat fails as a duplicate).
+    order: list[int] = []
+    results: dict[int, dict] = {}
+    seqs: list[Sequence] = []
+    line_of: dict[str, int] = {}  # id of a request that runs -> its line
+    seen: set[str] = set()
+    for lineno, line in enumerate(args.input.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        error = None
+        try:
+            rid, req = parse_request(line, lineno, tokenizer, adapters_dir, engine.max_model_len)
+        except RequestError as exc:
+            rid, error = line_id(line, lineno), str(exc)
+        if rid in seen:
+            error = f"request {rid}: duplicate id {rid!r} (line {lineno} repeats an earlier line's id)" + (
+                f"; also {error}" if error else "")
+        seen.add(rid)
+        order.append(lineno)
+        if error is not None:
+            results[lineno] = failed(rid, error)
+            continue
+        line_of[rid] = lineno
+        seqs.append(Sequence(rid, req["ids"], req["params"], req["adapter"], arrival=float(lineno)))
+
     by_id = {s.id: s for s in seqs}
     t0 = time.perf_counter()
     n_tokens = 0
@@ -208,7 +262,7 @@ def run(args: argparse.Namespace) -> int:
     for rid, out in finals.items():
         s = by_id[rid]
         ids = out.output_ids or []
-        results[rid] = {
+        results[line_of[rid]] = {
             "id": rid,
             "adapter": s.adapter_name,
             "prompt_token_ids": s.prompt_ids,
@@ -217,15 +271,15 @@ def run(args: argparse.Namespace) -> int:
             "finish_reason": out.finish_reason,
         }
         if out.error:
-            results[rid]["error"] = out.error
+            results[line_of[rid]]["error"] = out.error
     args.output.parent.mkdir(parents=True, exist_ok=True)
     with args.output.open("w") as f:
-        for rid in order:
-            f.write(json.dumps(results[rid], ensure_ascii=False) + "\n")
-    errors = sum(1 for r in results.values() if r["finish_reason"] == "error")
+        for key in order:
+            f.write(json.dumps(results[key], ensure_ascii=False) + "\n")
+    errors = sum(1 for key in order if results[key]["finish_reason"] == "error")
     print(f"{len(order)} requests ({errors} failed), {n_tokens} tokens in {elapsed:.1f}s "
           f"= {n_tokens / max(elapsed, 1e-9):.1f} tok/s -> {args.output}", file=sys.stderr)
-    for rid in order:
-        if results[rid]["finish_reason"] == "error":
-            print(f"  {rid}: {results[rid]['error']}", file=sys.stderr)
+    for key in order:
+        if results[key]["finish_reason"] == "error":
+            print(f"  {results[key]['id']}: {results[key]['error']}", file=sys.stderr)
     return 0
