@@ -294,6 +294,39 @@ def test_interference_caps_only_needs_caps(capsys):
         assert "--interference-caps-only needs --interference and --decode-prefill-tokens" in capsys.readouterr().err
 
 
+def test_help_states_every_options_default(capsys):
+    """`lorafleet bench e2e --help`: every option with a default (other than None or off) says it in its help,
+    and every option says what it does; the help `main` prints is the parser's."""
+    import argparse
+    import re
+
+    from lorafleet.bench.e2e import build_parser, main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    assert text == build_parser().format_help()
+    options = text.split("\noptions:\n", 1)[1]
+    entries = {}
+    for entry in re.split(r"\n(?=  -)", options):  # one entry per option: "  --flag METAVAR  help..."
+        flag, *rest = entry.split(None, 1)
+        entries[flag.rstrip(",")] = " ".join(" ".join(rest).split())
+    checked = []
+    for action in build_parser()._actions:
+        if not action.option_strings or isinstance(action, argparse._HelpAction):
+            continue
+        flag = action.option_strings[0]
+        assert flag in entries, f"{flag} not in the help"
+        assert action.help and len(action.help) > 8, f"{flag}: no help"
+        if not any(action.default is v for v in (None, False, argparse.SUPPRESS)):  # 0 is a default to state
+            assert "default" in entries[flag].lower(), f"{flag}: no default in {entries[flag]!r}"
+            checked.append(flag)
+    assert {"--requests", "--max-batch", "--mixes", "--population", "--rank", "--sweep", "--hf-requests",
+            "--hf-tokens", "--shape", "--tp", "--seed", "--out"} <= set(checked)
+    assert "(default: 1000)" in entries["--requests"] and "(default: bench_e2e.json)" in entries["--out"]
+
+
 def test_prefix_workloads_run_with_the_cache_off_and_on(tiny_llama):
     """The prefix cache's benchmark workloads on a small engine: with the cache on, the shared system prompts
     and the conversations' earlier turns are not computed again; with nothing shared, nothing is found."""

@@ -699,17 +699,23 @@ def plot_mixes(results: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="lorafleet bench e2e", description=__doc__)
-    p.add_argument("--requests", type=int, default=1000)
-    p.add_argument("--max-batch", type=int, default=32)
-    p.add_argument("--mixes", nargs="*", default=["distinct", "uniform", "skewed", "identical"])
+def build_parser() -> argparse.ArgumentParser:
+    """`lorafleet bench e2e`'s options; every option's help ends with its default (cli.HelpFormatter)."""
+    from lorafleet.cli import HelpFormatter
+
+    p = argparse.ArgumentParser(prog="lorafleet bench e2e", description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--requests", type=int, default=1000, help="requests of each mix run")
+    p.add_argument("--max-batch", type=int, default=32, help="the engine's max batch size")
+    p.add_argument("--mixes", nargs="*", default=["distinct", "uniform", "skewed", "identical"],
+                   help="adapter popularity mixes to run (default: distinct uniform skewed identical; none: skip)")
     p.add_argument("--population", type=int, default=256, help="distinct adapter weight sets")
-    p.add_argument("--rank", type=int, default=16)
-    p.add_argument("--sweep", type=int, nargs="*", default=[64, 128, 256], help="extra max batch sizes (distinct)")
-    p.add_argument("--no-lora-off", action="store_true")
-    p.add_argument("--hf-requests", type=int, default=32, help="HF+PEFT sample size (0: skip)")
-    p.add_argument("--hf-tokens", type=int, default=16)
+    p.add_argument("--rank", type=int, default=16, help="LoRA rank of every adapter")
+    p.add_argument("--sweep", type=int, nargs="*", default=[64, 128, 256],
+                   help="extra max batch sizes for the distinct mix (default: 64 128 256; none: skip)")
+    p.add_argument("--no-lora-off", action="store_true", help="skip the peer run of the same engine with LoRA off")
+    p.add_argument("--hf-requests", type=int, default=32,
+                   help="requests of the HF+PEFT sample (default: %(default)s; 0: skip)")
+    p.add_argument("--hf-tokens", type=int, default=16, help="new tokens per request of the HF+PEFT sample")
     p.add_argument("--cold", action="store_true",
                    help="also run the uniform mix from adapters on disk with empty GPU and host tiers, then warm")
     p.add_argument("--cold-requests", type=int, default=None, help="requests of the cold and warm runs "
@@ -722,7 +728,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --interference: every request with its own adapter (default), or the base model only")
     p.add_argument("--decode-prefill-tokens", type=int, nargs="*", default=[], metavar="N",
                    help="with --interference: also run it with at most N prompt rows per step that carries decodes "
-                        "(EngineConfig.decode_prefill_tokens), once per N")
+                        "(EngineConfig.decode_prefill_tokens), once per N (default: none)")
     p.add_argument("--interference-caps-only", action="store_true",
                    help="with --interference: only the --decode-prefill-tokens runs (no default-budget and "
                         "unchunked runs; for A/B runs of one setting)")
@@ -744,17 +750,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefix-rate", type=float, default=0.0, metavar="R",
                    help="system-prompt and sharegpt: Poisson arrivals at R requests/s, so TTFT is the prefill's "
                         "rather than the wait for a batch place (default 0: every request at t = 0)")
-    p.add_argument("--shape", choices=sorted(SHAPES), default="llama2-7b")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="llama2-7b",
+                   help="model shape from the families' registry (tiny also runs on the CPU)")
     p.add_argument("--tp", type=int, nargs="+", default=[1], metavar="G",
                    help="tensor-parallel group sizes to run one after another (any other value than 1, or a shape "
-                        "other than llama2-7b, runs the synthetic-model path: every rank draws its own weights)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=Path("bench_e2e.json"))
-    p.add_argument("--plot", type=Path, default=None)
+                        "other than llama2-7b, runs the synthetic-model path: every rank draws its own weights; "
+                        "default: 1)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights, adapters and requests")
+    p.add_argument("--out", type=Path, default=Path("bench_e2e.json"), help="results as JSON")
+    p.add_argument("--plot", type=Path, default=None, help="also draw the mixes' throughput as a PNG (default: none)")
     p.add_argument("--plot-from", type=Path, nargs="+", default=None, metavar="JSON",
                    help="only draw --plot from result files of earlier runs (no GPU needed)")
     p.add_argument("--merge", type=Path, nargs="+", default=None, metavar="JSON",
                    help="only merge result files of runs on one card into --out, with their e2e summary")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.interference_caps_only and not (args.interference and args.decode_prefill_tokens):
         p.error("--interference-caps-only needs --interference and --decode-prefill-tokens N...")
