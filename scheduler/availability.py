@@ -1,4 +1,5 @@
-"""Adapters a runner refused (bad files, unsupported features, unreachable source).
+"""Adapters a runner refused (bad files, unsupported features, unreachable source), or the registry did
+when it published them (an `--adapters` directory's scan, see registry.py and server.py).
 
 A refusal is logged once (again only if the reason changes), answered as a 400 naming the
 adapter and the reason, and shown in `/v1/models` as `"status": "unavailable"`. Requests for

@@ -17,7 +17,9 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class AdapterEntry:
-    """A servable adapter. `source` is what runners load: a local path or a URI."""
+    """A published adapter. `source` is what runners load: a local path or a URI. `problem`: why it cannot be
+    served, as found when it was published (a directory's scan checks each adapter's files); None: nothing known
+    against it. The scheduler lists an adapter with a problem as unavailable from the start (server.py)."""
 
     name: str
     source: str
@@ -25,6 +27,7 @@ class AdapterEntry:
     rank: int | None = None
     base_model: str | None = None
     created: float = field(default_factory=time.time)
+    problem: str | None = None
 
 
 class AdapterRegistry:
@@ -75,8 +78,13 @@ class AdapterRegistry:
         """One adapter per subfolder holding an adapter_config.json, named by the folder.
 
         A subfolder (or its config file) that is a symlink resolving outside the directory is
-        skipped with a warning: the directory is the boundary of what it publishes.
+        skipped with a warning: the directory is the boundary of what it publishes. Each adapter's
+        files are checked as a runner checks them before reading the weights (peft_config.check_files:
+        the config is valid JSON and asks for no unsupported PEFT feature, a safetensors weights file
+        is there); one that fails is published with that reason as its `problem`.
         """
+        from lorafleet.common.peft_config import AdapterError, check_files, scrub_paths
+
         root = Path(path)
         if not root.is_dir():
             raise FileNotFoundError(f"adapter directory {root} does not exist")
@@ -92,5 +100,10 @@ class AdapterRegistry:
             if not inside or real_root not in (d / "adapter_config.json").resolve().parents:
                 log.warning("adapter %r skipped: it is a symlink to a place outside %s", d.name, root)
                 continue
-            entries.append(AdapterEntry(name=d.name, source=str(real)))
+            try:
+                check_files(d.name, real)
+                problem = None
+            except AdapterError as exc:
+                problem = scrub_paths(exc.reason)
+            entries.append(AdapterEntry(name=d.name, source=str(real), problem=problem))
         return cls(entries)

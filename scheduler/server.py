@@ -91,7 +91,9 @@ class SchedulerService:
         self.metrics.attach_cluster(self.cluster)
         self.prompts = PromptEncoder(tokenizer, self.max_model_len)
         self.availability = AdapterAvailability()
-        registry.subscribe(self.availability.clear)
+        registry.subscribe(self._adapter_changed)
+        for entry in registry.entries():
+            self._adapter_changed(entry.name, entry)
         self.disconnects = DisconnectWatch(disconnect_poll)
         self.accepting = True
         self.in_flight: set[Request] = set()
@@ -129,6 +131,15 @@ class SchedulerService:
                     req.finish("error", "no runner became available in time")
 
     # -- helpers ----------------------------------------------------------------------------------------
+    def _adapter_changed(self, name: str, entry) -> None:
+        """A registry change clears the adapter's refusal mark; an entry published with a problem (its files
+        failed the registry's check) is marked at once, so it is listed unavailable before any request fails.
+        The mark then works like a runner's refusal: after the retry window a request goes to a runner,
+        and a success (the files were fixed) clears it."""
+        self.availability.clear(name)
+        if entry is not None and entry.problem:
+            self.availability.refuse(name, entry.problem)
+
     def _authenticate(self, request: web.Request) -> Grant:
         return self.api_keys.authenticate(request) if self.api_keys is not None else ANYONE
 

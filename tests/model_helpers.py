@@ -31,14 +31,15 @@ def write_random_llama(path: Path, *, hidden=128, layers=2, heads=4, kv_heads=4,
 
 def write_random_adapter(model_dir: Path, out: Path, *, r=8, alpha=16, targets=("q_proj", "v_proj"), seed=0,
                          scale=0.05, **extra) -> Path:
-    """A PEFT LoRA adapter with random non-zero A and B, saved by PEFT itself."""
+    """A PEFT LoRA adapter with random non-zero A and B, saved by PEFT itself (`targets`: module names, or a
+    regex string PEFT matches against full module names)."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0, init_lora_weights=False,
-                     task_type="CAUSAL_LM", **extra)
+    cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=targets if isinstance(targets, str) else list(targets),
+                     lora_dropout=0.0, init_lora_weights=False, task_type="CAUSAL_LM", **extra)
     model = get_peft_model(base, cfg)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():

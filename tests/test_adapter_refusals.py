@@ -72,6 +72,13 @@ def make_bad(good, tiny_llama, tmp_path):
                        "leave out"),
         "excluded": (variant(good, tmp_path, "excluded", config={"exclude_modules": ["gate_proj"]}), "leave out"),
         "layers": (variant(good, tmp_path, "layers", config={"layers_to_transform": [0]}), "leave out"),
+        # a module the config targets without weights (PEFT: missing keys, lora_B = 0): nowhere, or in one layer
+        "noq": (variant(good, tmp_path, "noq", tensors=lambda w: {k: v for k, v in w.items() if "q_proj" not in k}),
+                "adapter_config.json targets q_proj but adapter_model.safetensors holds no LoRA weights for it"),
+        "gap": (variant(good, tmp_path, "gap", tensors=lambda w: {k: v for k, v in w.items()
+                                                               if ".layers.1.self_attn.v_proj." not in k}),
+                "layer 1 v_proj: adapter_model.safetensors has no "
+                "base_model.model.model.layers.1.self_attn.v_proj.lora_A.weight"),
     }
     (bads["badjson"][0] / "adapter_config.json").write_text("{not json")
     (bads["pickle"][0] / "adapter_model.bin").write_bytes(b"\x80\x04pickle-payload-never-loaded")
@@ -97,14 +104,51 @@ def test_every_refusal_is_clear_and_isolated(tiny_llama, good, tmp_path):
     assert eng.blocks.free_pages == eng.blocks.num_pages
 
 
-def test_config_forms_peft_accepts_still_load(good, tmp_path):
+def test_config_forms_peft_accepts_still_load(good, tiny_llama, tmp_path):
     """target_modules as a regex or all-linear, and a rank_pattern that agrees with the tensors, are what PEFT
     itself loads: accepted."""
     for name, cfg in (("regex", {"target_modules": r".*\.(q_proj|v_proj|gate_proj)"}),
-                      ("alllinear", {"target_modules": "all-linear"}),
                       ("pattern", {"r": 4, "rank_pattern": {"q_proj": 8, "v_proj": 8, "gate_proj": 8}})):
         spec = inspect_adapter(name, variant(good, tmp_path, name, config=cfg))
         assert spec.max_rank == 8 and spec.target_modules == ("q", "v", "gate"), name
+    # all-linear is every projection (what PEFT saves for it); over three of seven, four are missing
+    every = write_random_adapter(tiny_llama, tmp_path / "every", r=4, targets=("q_proj", "k_proj", "v_proj", "o_proj",
+                                                                              "gate_proj", "up_proj", "down_proj"))
+    spec = inspect_adapter("alllinear", variant(every, tmp_path, "alllinear", config={"target_modules": "all-linear"}))
+    assert spec.target_modules == ("q", "k", "v", "o", "gate", "up", "down")
+    with pytest.raises(AdapterError, match="targets k_proj, o_proj, up_proj, down_proj but .* no LoRA weights for"):
+        inspect_adapter("partial", variant(good, tmp_path, "partial", config={"target_modules": "all-linear"}))
+
+
+def test_modules_some_layers_leave_out_by_config_still_load(tiny_llama, tmp_path):
+    """Weights PEFT saves with a module in some layers only — layers_to_transform, exclude_modules, a regex that
+    names layers — are complete: accepted, with exactly the modules the file holds."""
+    cases = {
+        "layers": dict(targets=("q_proj", "v_proj"), layers_to_transform=[1]),
+        "exclude": dict(targets=("q_proj", "v_proj"), exclude_modules=["model.layers.0.self_attn.q_proj"]),
+        "regex": dict(targets=r"model\.layers\.1\.self_attn\.q_proj|.*\.v_proj"),
+    }
+    want = {"layers": {(1, "q"), (1, "v")}, "exclude": {(0, "v"), (1, "q"), (1, "v")},
+            "regex": {(0, "v"), (1, "q"), (1, "v")}}
+    for name, kw in cases.items():
+        targets = kw.pop("targets")
+        path = write_random_adapter(tiny_llama, tmp_path / name, r=4, targets=targets, **kw)
+        spec = inspect_adapter(name, path)
+        assert {(m.layer, m.proj) for m in spec.modules} == want[name], name
+
+
+def test_shouty_without_q_proj_is_refused_naming_the_module(demo_model, demo_adapters, tmp_path):
+    """The demo's shouty adapter (q, k, v, o) with every q_proj tensor taken out of its weights: refused against
+    the demo base, naming q_proj; the file as shipped loads."""
+    from lorafleet.models import registry
+
+    base = registry.config_from_hf(json.loads((demo_model / "config.json").read_text())).base_shape()
+    assert inspect_adapter("shouty", demo_adapters / "shouty", base=base).target_modules == ("q", "k", "v", "o")
+    broken = variant(demo_adapters / "shouty", tmp_path, "shouty",
+                     tensors=lambda w: {k: v for k, v in w.items() if "q_proj" not in k})
+    with pytest.raises(AdapterError, match=r"^adapter 'shouty': adapter_config.json targets q_proj but "
+                                           r"adapter_model.safetensors holds no LoRA weights for it in any layer"):
+        inspect_adapter("shouty", broken, base=base)
 
 
 def test_inspect_reports_ranks_targets_and_scaling(good):

@@ -138,3 +138,65 @@ async def test_runner_errors_reach_clients_without_server_paths(tok):
         assert r.status == 400 and "/srv/secret" not in msg and "<path>" in msg, msg
     finally:
         await stop(client, servers)
+
+
+def _adapter_dir(tmp_path):
+    """An --adapters folder: one good adapter and three whose files a runner would refuse before any weight."""
+    import json
+
+    from model_helpers import write_adapter
+
+    root = tmp_path / "adapters"
+    write_adapter(root / "good")
+    (write_adapter(root / "badjson") / "adapter_config.json").write_text('{"r": 8, "lora_alpha":')
+    dora = write_adapter(root / "dora") / "adapter_config.json"
+    dora.write_text(json.dumps({**json.loads(dora.read_text()), "use_dora": True}))
+    (write_adapter(root / "noweights") / "adapter_model.safetensors").unlink()
+    return root
+
+
+def test_directory_scan_checks_each_adapters_files(tmp_path):
+    from lorafleet.scheduler.registry import AdapterRegistry
+
+    reg = AdapterRegistry.from_directory(_adapter_dir(tmp_path))
+    assert reg.names() == ["badjson", "dora", "good", "noweights"]  # all published, as before
+    problems = {e.name: e.problem for e in reg.entries()}
+    assert problems["good"] is None
+    assert problems["badjson"].startswith("adapter_config.json is not valid JSON")
+    assert problems["dora"] == REASON
+    assert problems["noweights"] == "adapter_model.safetensors not found"
+    assert not any(str(tmp_path) in (p or "") for p in problems.values())
+
+
+async def test_adapters_failing_the_scan_are_unavailable_from_the_start(tok, tmp_path, caplog):
+    """`serve --adapters DIR`: broken adapters are listed unavailable (with the reason a runner would give) before
+    any request, refused without asking a runner, logged once; fixed on disk, they are served again after the
+    retry window like any refused adapter."""
+    from lorafleet.scheduler.registry import AdapterRegistry
+
+    root = _adapter_dir(tmp_path)
+    caplog.set_level(logging.WARNING, logger="lorafleet.scheduler.availability")
+    fr = FakeRunner()
+    client, service, servers = await start(tok, [fr], registry=AdapterRegistry.from_directory(root))
+    try:
+        models = {m["id"]: m for m in (await (await client.get("/v1/models")).json())["data"]}
+        assert models["good"]["status"] == "available" and "reason" not in models["good"]
+        for name, why in (("badjson", "adapter_config.json is not valid JSON"), ("dora", REASON),
+                          ("noweights", "adapter_model.safetensors not found")):
+            assert models[name]["status"] == "unavailable", models[name]
+            assert models[name]["reason"].startswith(f"adapter {name!r} cannot be served: {why}"), models[name]
+            r = await client.post("/v1/completions", json={"model": name, "prompt": "hi"})
+            got = (await r.json())["error"]
+            assert r.status == 400 and got["code"] == "adapter_unavailable" and why in got["message"], got
+        assert fr.seen == []  # refused without bothering a runner
+        assert (await client.post("/v1/completions", json={"model": "good", "prompt": "hi"})).status == 200
+        warned = [rec.getMessage() for rec in caplog.records if "badjson" in rec.getMessage()]
+        assert len(warned) == 1, warned
+        # the file is fixed: after the retry window the next request goes to a runner, and its success clears it
+        (root / "badjson" / "adapter_config.json").write_text((root / "good" / "adapter_config.json").read_text())
+        service.availability.retry_s = 0.0
+        r = await client.post("/v1/completions", json={"model": "badjson", "prompt": "hi", "max_tokens": 2})
+        assert r.status == 200 and fr.seen[-1]["adapter"]["name"] == "badjson"
+        assert (await (await client.get("/v1/models/badjson")).json())["status"] == "available"
+    finally:
+        await stop(client, servers)

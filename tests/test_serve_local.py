@@ -47,6 +47,14 @@ def test_banner_examples_paste_safely(name, tmp_path):
     assert "\n" not in text.splitlines()[1].split("(models: ")[1]  # names are printed on one line
 
 
+def test_banner_example_uses_an_available_adapter():
+    """An adapter refused at start (its files) is marked in the list and never the pasted example."""
+    text = banner("http://127.0.0.1:8000", "base", ["badjson", "pirate"], unavailable=frozenset({"badjson"}))
+    assert "badjson (unavailable)" in text and '"model": "pirate"' in text and '"model": "badjson"' not in text
+    text = banner("http://127.0.0.1:8000", "base", ["badjson"], unavailable=frozenset({"badjson"}))
+    assert '"model": "base"' in text
+
+
 def test_banner_names_the_interpreter_that_has_the_client(tmp_path, monkeypatch):
     """In a virtual environment the Python example runs this interpreter (relative to the working directory
     when under it), which has what lorafleet installed; outside one, plain `python`."""
@@ -67,7 +75,8 @@ def test_banner_names_the_interpreter_that_has_the_client(tmp_path, monkeypatch)
 
 def test_serve_refuses_bad_inputs_in_one_line_before_starting_runners(tmp_path, demo_model, demo_adapters):
     """A missing adapters folder, a model without a tokenizer, an adapter folder named like the base model (its
-    requests would reach the base), a missing model, an unknown --dtype: one error line, exit 2, no runner."""
+    requests would reach the base), a missing model, an architecture the engine does not run, an unknown --dtype:
+    one error line, exit 2, no runner."""
     import shutil
 
     collide = tmp_path / "collide"
@@ -75,7 +84,11 @@ def test_serve_refuses_bad_inputs_in_one_line_before_starting_runners(tmp_path, 
     notok = tmp_path / "notok"
     notok.mkdir()
     shutil.copy(demo_model / "config.json", notok / "config.json")
+    gpt2 = tmp_path / "gpt2"  # an architecture the engine does not run, with a tokenizer: refused before runners
+    shutil.copytree(demo_model, gpt2)
+    (gpt2 / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
     cases = [
+        (["--model", str(gpt2)], "is not supported; supported: LlamaForCausalLM"),
         (["--model", str(demo_model), "--adapters", str(tmp_path / "none")], "adapter directory"),
         (["--model", str(notok)], "needs the model's tokenizer"),
         (["--model", str(demo_model), "--adapters", str(collide)], "has the base model's name"),

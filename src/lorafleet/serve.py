@@ -157,13 +157,15 @@ def python_command() -> str:
     return shlex.quote(str(exe))
 
 
-def banner(url: str, model_name: str, adapters: list[str], api_keys: bool = False, python: str = "python") -> str:
+def banner(url: str, model_name: str, adapters: list[str], api_keys: bool = False, python: str = "python",
+           unavailable: frozenset[str] = frozenset()) -> str:
     """The startup message; its shell examples quote every name, so any adapter name pastes safely.
-    `python`: the interpreter command of the Python example (see python_command)."""
-    example = adapters[0] if adapters else model_name
+    `python`: the interpreter command of the Python example (see python_command). `unavailable`: adapters whose
+    files were refused at start: listed as such, never the example."""
+    example = next((a for a in adapters if a not in unavailable), model_name)
     body = json.dumps({"model": example, "messages": [{"role": "user", "content": "What is the capital of France?"}],
                        "max_tokens": 48, "temperature": 0})
-    names = ", ".join(_shown(n) for n in [model_name] + adapters)
+    names = ", ".join(_shown(n) + (" (unavailable)" if n in unavailable else "") for n in [model_name] + adapters)
     auth = " -H 'Authorization: Bearer YOUR_KEY'" if api_keys else ""
     lit = functools.partial(json.dumps, ensure_ascii=False)  # a JSON string is also a Python string literal
     code = (f"from openai import OpenAI; c = OpenAI(base_url={lit(url + '/v1')}, "
@@ -328,7 +330,9 @@ def run(args: argparse.Namespace) -> int:
         url = f"http://{args.host}:{args.port}"
 
         async def announce(app):
-            print(banner(url, service.model_name, registry.names(), api_keys is not None, python_command()), flush=True)
+            broken = frozenset(n for n in registry.names() if registry.get(n).problem)
+            print(banner(url, service.model_name, registry.names(), api_keys is not None, python_command(), broken),
+                  flush=True)
 
         app.on_startup.append(announce)
         web.run_app(app, sock=sock, print=None, handle_signals=True, shutdown_timeout=args.grace_seconds + 5)

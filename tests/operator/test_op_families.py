@@ -60,3 +60,16 @@ def test_fused_lora_targets_split_into_the_engines_projections(tmp_path):
     _phi_adapter(tmp_path / "split", ["self_attn.q_proj"])
     with pytest.raises(AdapterError, match="only lora_A/lora_B weights of .*qkv_proj.* on phi3 models"):
         inspect_adapter("split", tmp_path / "split", base=phi)
+
+
+def test_a_fused_module_the_config_targets_without_weights_is_refused(tmp_path):
+    """Phi-3 names its fused modules in target_modules; one with no tensors in the file is refused by that name."""
+    phi = _phi_adapter(tmp_path / "half", ["self_attn.qkv_proj"])
+    cfg = json.loads((tmp_path / "half" / "adapter_config.json").read_text())
+    (tmp_path / "half" / "adapter_config.json").write_text(json.dumps({**cfg, "target_modules": ["qkv_proj",
+                                                                                                  "gate_up_proj"]}))
+    with pytest.raises(AdapterError, match="targets gate_up_proj but adapter_model.safetensors holds no LoRA weights"):
+        inspect_adapter("half", tmp_path / "half", base=phi)
+    # without a base, the file's modules name the family: Phi-3's gate_up_proj is asked for too
+    with pytest.raises(AdapterError, match="targets gate_up_proj"):
+        inspect_adapter("half", tmp_path / "half")

@@ -18,8 +18,8 @@ from lorafleet.common.safetensors_header import HeaderError, read_header
 from lorafleet.models import registry
 from lorafleet.models.contract import PROJECTIONS, BaseShape, Checkpoint
 
-__all__ = ["AdapterError", "AdapterSpec", "BaseShape", "ModuleLora", "inspect_adapter", "read_config", "scrub_paths",
-           "refusal_reason"]
+__all__ = ["AdapterError", "AdapterSpec", "BaseShape", "ModuleLora", "check_files", "inspect_adapter", "read_config",
+           "scrub_paths", "refusal_reason"]
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -205,17 +205,8 @@ def read_config(name: str, path: Path) -> dict:
     return cfg
 
 
-def inspect_adapter(
-    name: str, path: str | Path, base: BaseShape | None = None, max_rank: int | None = None
-) -> AdapterSpec:
-    """Validate a PEFT LoRA adapter directory and describe every adapted module.
-
-    Refuses (AdapterError): missing or corrupt files, pickle weights, DoRA, modules_to_save,
-    embedding/lm_head LoRA, LoRA biases, tensors that are not LoRA weights of q/k/v/o/gate/up/down,
-    ranks above `max_rank`, and shapes that do not fit `base`.
-    """
-    path = Path(path)
-    cfg = read_config(name, path)
+def weights_file(name: str, path: Path) -> Path:
+    """The adapter's weights file, not opened: refuses a missing one, and pickle weights (never unpickled)."""
     weights = path / WEIGHTS_FILE
     if not weights.is_file():
         pickled = [p for p in PICKLE_FILES if (path / p).exists()]
@@ -225,6 +216,32 @@ def inspect_adapter(
                 "(convert it with safetensors)"
             )
         raise AdapterError(name, f"{WEIGHTS_FILE} not found")
+    return weights
+
+
+def check_files(name: str, path: str | Path) -> dict:
+    """What `inspect_adapter` checks without reading the weights: the config (valid JSON, only supported PEFT
+    features) and a safetensors weights file beside it. Returns the config; raises AdapterError with the reason
+    `inspect_adapter` (and so a runner) would give. For a directory of adapters scanned at start."""
+    path = Path(path)
+    cfg = read_config(name, path)
+    weights_file(name, path)
+    return cfg
+
+
+def inspect_adapter(
+    name: str, path: str | Path, base: BaseShape | None = None, max_rank: int | None = None
+) -> AdapterSpec:
+    """Validate a PEFT LoRA adapter directory and describe every adapted module.
+
+    Refuses (AdapterError): missing or corrupt files, pickle weights, DoRA, modules_to_save,
+    embedding/lm_head LoRA, LoRA biases, tensors that are not LoRA weights of q/k/v/o/gate/up/down,
+    ranks above `max_rank`, shapes that do not fit `base`, and weights that contradict the config: a
+    tensor of a module it leaves out, a rank other than its own, a module it targets left out.
+    """
+    path = Path(path)
+    cfg = read_config(name, path)
+    weights = weights_file(name, path)
     try:
         header = read_header(weights)
     except HeaderError as exc:
@@ -310,6 +327,7 @@ def inspect_adapter(
         scaling = alpha / math.sqrt(rank) if rslora else alpha / rank
         for proj, r in zip(projs, rows):
             modules.append(ModuleLora(layer, proj, rank, scaling, a_key, b_key, r))
+    _refuse_missing_targets(name, cfg, ck, base, pairs, pattern)
 
     return AdapterSpec(
         name=name,
@@ -322,6 +340,52 @@ def inspect_adapter(
         config=cfg,
         fingerprint=_fingerprint(cfg, header, weights),
     )
+
+
+def _checked_modules(base: BaseShape | None, present: set[str]) -> list[str]:
+    """The PEFT modules whose absence from the weights counts: the base family's; without a base, those every
+    family that has all of the file's modules has (so a module of another family is never asked for)."""
+    if base is not None:
+        return list(registry.family(base.family).checkpoint.peft_modules())
+    fits = [list(ms) for ms in (registry.family(f).checkpoint.peft_modules() for f in registry.FAMILIES)
+            if present <= set(ms)]
+    return [m for m in fits[0] if all(m in ms for ms in fits[1:])] if fits else []
+
+
+def _refuse_missing_targets(name: str, cfg: dict, ck: Checkpoint, base: BaseShape | None,
+                            pairs: dict[tuple[int, str], dict], pattern: re.Pattern) -> None:
+    """Refuse weights that lack a module the config targets (PEFT reports those keys missing and leaves the
+    module's lora_B at zero, so it adds nothing; served, the adapter would silently lose that module):
+    a targeted module with no tensor in any layer of the file (a truncated or broken file), or a layer of the
+    file without a module the config targets there (target_modules, exclude_modules, layers_to_transform as
+    `_targeted` reads them) while other layers hold it. Without target_modules (PEFT's per-model defaults)
+    there is nothing to hold the file to."""
+    if not cfg.get("target_modules"):
+        return
+    present = {module for _, module in pairs}
+    layers = sorted({layer for layer, _ in pairs})
+    missing: dict[str, list[int]] = {}
+    for module in _checked_modules(base, present):
+        for layer in layers:
+            if (layer, module) not in pairs and _targeted(cfg, ck.layer.format(i=layer) + module, layer):
+                missing.setdefault(module, []).append(layer)
+    nowhere = [m for m in missing if m not in present]
+    if nowhere:
+        short = [m.rsplit(".", 1)[-1] for m in nowhere]
+        one = len(short) == 1
+        raise AdapterError(name, f"{CONFIG_FILE} targets {', '.join(short)} but {WEIGHTS_FILE} holds no LoRA "
+                           f"weights for {'it' if one else 'them'} in any layer (a truncated or broken file? PEFT "
+                           f"would load {'that module' if one else 'those modules'} with lora_B = 0, adding "
+                           f"nothing)")
+    if missing:
+        layer, module = min((ls[0], m) for m, ls in missing.items())
+        # the key as this file spells it: another layer's lora_A key of the module with this layer's number
+        other = next(ab["lora_A"][0] for (_, m), ab in sorted(pairs.items()) if m == module)
+        got = pattern.match(other)
+        key = other[:got.start(1)] + str(layer) + other[got.end(1):]
+        raise AdapterError(name, f"layer {layer} {module.rsplit('.', 1)[-1]}: {WEIGHTS_FILE} has no {key} "
+                           f"(nor its lora_B) although {CONFIG_FILE} targets {ck.layer.format(i=layer) + module} "
+                           f"and other layers of the file hold {module.rsplit('.', 1)[-1]} weights")
 
 
 def _fingerprint(cfg: dict, header: dict, weights: Path) -> str:
