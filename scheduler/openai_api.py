@@ -22,13 +22,20 @@ MAX_CACHE_SALT = 256  # characters; the runners take the same bound
 # The body fields each endpoint reads, refuses as unsupported (_refuse_unsupported) or ignores (IGNORED: OpenAI
 # fields that change nothing about the output). Anything else is refused, as OpenAI refuses an unrecognized
 # argument: a misspelt field (`max_token`) would otherwise fall back to its default unnoticed.
+# Sampling extras of vLLM's API (its own benchmark client sends repetition_penalty 1.0) at the value that
+# changes nothing; any other value is refused as unsupported.
+NEUTRAL = {"repetition_penalty": 1, "min_p": 0, "min_tokens": 0, "skip_special_tokens": True,
+           "spaces_between_special_tokens": True}
+# OpenAI features this server lacks, accepted when unset (null, false or "none"), otherwise refused as unsupported.
+OFF_ONLY = ("tools", "functions", "tool_choice", "function_call", "parallel_tool_calls", "reasoning_effort",
+            "verbosity")
 COMMON_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop", "stop_token_ids", "ignore_eos",
     "stream", "stream_options", "cache_salt", "presence_penalty", "frequency_penalty", "logprobs", "logit_bias",
-    "response_format", "tools", "functions", "tool_choice", "function_call"})
+    "response_format", *OFF_ONLY, *NEUTRAL})
 COMPLETION_FIELDS = frozenset({"prompt", "echo", "best_of", "suffix"})
 CHAT_FIELDS = frozenset({"messages", "max_completion_tokens", "chat_template_kwargs", "top_logprobs"})
-IGNORED = frozenset({"user", "metadata", "store", "service_tier"})
+IGNORED = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"})
 INT64 = 2**63
 
 
@@ -128,9 +135,13 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
         raise bad("logit_bias", "logit_bias is not supported")
     if body.get("suffix"):
         raise bad("suffix", "suffix is not supported")
-    for key in ("tools", "functions", "tool_choice", "function_call"):
-        if body.get(key) not in (None, "none"):
+    for key in OFF_ONLY:
+        if body.get(key) not in (None, False, "none"):
             raise bad(key, f"{key} is not supported")
+    for key, neutral in NEUTRAL.items():
+        v = body.get(key)
+        if v is not None and (type(v) is not type(neutral) and not (_is_num(v) and _is_num(neutral)) or v != neutral):
+            raise bad(key, f"{key} is not supported (only {json.dumps(neutral)})")
     rf = body.get("response_format")
     if rf not in (None,) and not (isinstance(rf, dict) and rf.get("type") == "text"):
         raise bad("response_format", "only response_format {\"type\": \"text\"} is supported")

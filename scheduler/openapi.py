@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from lorafleet import __version__
 from lorafleet.scheduler.limits import RequestLimits
-from lorafleet.scheduler.openai_api import MAX_CACHE_SALT, MAX_N, MAX_PROMPTS, MAX_STOP, ROLES
+from lorafleet.scheduler.openai_api import (IGNORED, MAX_CACHE_SALT, MAX_N, MAX_PROMPTS, MAX_STOP, NEUTRAL, OFF_ONLY,
+                                            ROLES)
 
 JSON = "application/json"
 
@@ -59,10 +60,15 @@ def _schemas(limits: RequestLimits, names: list[str], vocab_size: int) -> dict:
                            "description": "only with stream: true"},
         "presence_penalty": {"type": ["number", "null"], "enum": [0, None], "description": "only 0 is supported"},
         "frequency_penalty": {"type": ["number", "null"], "enum": [0, None], "description": "only 0 is supported"},
-        "user": {"type": "string"},
-        "metadata": {"type": ["object", "null"], "description": "accepted and ignored"},
-        "store": {"type": ["boolean", "null"], "description": "accepted and ignored"},
-        "service_tier": {"type": ["string", "null"], "description": "accepted and ignored"},
+        **{k: {"description": "accepted and ignored"} for k in sorted(IGNORED)},
+        **{k: {"enum": [None, False, "none"], "description": "not supported: only unset"} for k in OFF_ONLY},
+        **{k: {"enum": [None, v], "description": f"not supported: only {v}"} for k, v in NEUTRAL.items()},
+        "logprobs": {"enum": [None, False, 0], "description": "not supported: only unset"},
+        "logit_bias": {"anyOf": [{"type": "null"}, {"type": "object", "maxProperties": 0}],
+                       "description": "not supported: only unset or empty"},
+        "response_format": {"anyOf": [{"type": "null"}, {"type": "object", "required": ["type"],
+                                                          "properties": {"type": {"const": "text"}}}],
+                            "description": "only {\"type\": \"text\"}"},
         "cache_salt": {"type": ["string", "null"], "minLength": 1, "maxLength": MAX_CACHE_SALT,
                        "description": "prefix cache isolation: this request shares cached prompt pages only with "
                                       "requests of the same salt (and the same API key's salt, where the server "
@@ -89,7 +95,10 @@ def _schemas(limits: RequestLimits, names: list[str], vocab_size: int) -> dict:
                            "code": NULLABLE_STR}}}},
         "CompletionRequest": {
             "type": "object", "required": ["model", "prompt"], **stream_rule, "additionalProperties": False,
-            "properties": {**sampling, "prompt": {"anyOf": [
+            "properties": {**sampling, "echo": {"enum": [None, False], "description": "not supported: only false"},
+                           "best_of": {"enum": [None, 1], "description": "not supported: only 1"},
+                           "suffix": {"enum": [None, ""], "description": "not supported: only unset"},
+                           "prompt": {"anyOf": [
                 {"type": "string", "minLength": 1},
                 {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": MAX_PROMPTS},
                 token_ids,
@@ -97,6 +106,7 @@ def _schemas(limits: RequestLimits, names: list[str], vocab_size: int) -> dict:
         "ChatCompletionRequest": {
             "type": "object", "required": ["model", "messages"], **stream_rule, "additionalProperties": False,
             "properties": {**sampling, "max_completion_tokens": sampling["max_tokens"],
+                           "top_logprobs": {"enum": [None, 0], "description": "not supported: only unset"},
                            "chat_template_kwargs": {
                                "type": ["object", "null"], "description": "extra variables of the model's chat "
                                "template, e.g. {\"enable_thinking\": false}; may not set messages, "

@@ -105,5 +105,7 @@ class AdapterRegistry:
                 problem = None
             except AdapterError as exc:
                 problem = scrub_paths(exc.reason)
+            except Exception as exc:  # a check that did not foresee this file: the adapter, not the server, fails
+                problem = scrub_paths(f"cannot read its files ({type(exc).__name__}: {exc})")
             entries.append(AdapterEntry(name=d.name, source=str(real), problem=problem))
         return cls(entries)

@@ -168,6 +168,26 @@ def test_directory_scan_checks_each_adapters_files(tmp_path):
     assert not any(str(tmp_path) in (p or "") for p in problems.values())
 
 
+
+def test_a_malformed_target_list_fails_its_adapter_not_the_scan(tmp_path):
+    import json
+
+    from model_helpers import write_adapter
+
+    from lorafleet.scheduler.registry import AdapterRegistry
+
+    root = tmp_path / "adapters"
+    write_adapter(root / "good")
+    for name, targets in (("int", 7), ("flag", True), ("regex", "(q_proj")):
+        cfg = write_adapter(root / name) / "adapter_config.json"
+        cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "target_modules": targets}))
+    problems = {e.name: e.problem for e in AdapterRegistry.from_directory(root).entries()}
+    assert problems["good"] is None
+    assert problems["int"].startswith("target_modules must be a module name") and "7" in problems["int"]
+    assert problems["flag"].startswith("target_modules must be a module name")
+    assert "not a valid regular expression" in problems["regex"]
+
+
 async def test_adapters_failing_the_scan_are_unavailable_from_the_start(tok, tmp_path, caplog):
     """`serve --adapters DIR`: broken adapters are listed unavailable (with the reason a runner would give) before
     any request, refused without asking a runner, logged once; fixed on disk, they are served again after the

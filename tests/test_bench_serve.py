@@ -124,7 +124,8 @@ def test_bench_serve_prefix_workloads_cache_off_and_on(tiny_chat_llama, tmp_path
     # each rate's run is salted apart: the Poisson run finds nothing the first run left (sharegpt repeats its prompts)
     at_rate = res["system-prompt@40"]["on"]
     assert at_rate["rate"] == "40" and at_rate["completed"] == n
-    assert at_rate["prompt_tokens_cached"] <= (n - adapters) * (system + 12), at_rate  # first per adapter: none
+    # its first request per adapter finds nothing (unsalted, every prompt would find all but its last page)
+    assert at_rate["prompt_tokens_cached"] <= at_rate["prompt_tokens"] - adapters * system, at_rate
     assert res["sharegpt@40"]["on"]["prompt_tokens_cached"] == 0
     for wl in ("system-prompt", "sharegpt"):
         off, on = res[wl]["off"], res[wl]["on"]

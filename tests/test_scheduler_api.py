@@ -73,6 +73,9 @@ BAD = [
     ({"model": "base", "prompt": "x", "max_tokens": 200, "n": 1, "stop": "q", "echo": True}, 400, "echo"),
     ({"model": "base", "prompt": "x", "max_tokens": 256}, 400, "max_tokens"),
     ({"model": "base", "prompt": "x", "max_token": 5}, 400, "max_token"),  # misspelt: not the default instead
+    ({"model": "base", "prompt": "x", "repetition_penalty": 1.2}, 400, "repetition_penalty"),  # only 1 (vLLM's)
+    ({"model": "base", "prompt": "x", "skip_special_tokens": 1}, 400, "skip_special_tokens"),
+    ({"model": "base", "prompt": "x", "parallel_tool_calls": True}, 400, "parallel_tool_calls"),
     ({"model": "base", "prompt": "x", "messages": []}, 400, "messages"),  # a chat field on the completions route
 ]
 

@@ -87,8 +87,13 @@ def test_serve_refuses_bad_inputs_in_one_line_before_starting_runners(tmp_path, 
     gpt2 = tmp_path / "gpt2"  # an architecture the engine does not run, with a tokenizer: refused before runners
     shutil.copytree(demo_model, gpt2)
     (gpt2 / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    zero = tmp_path / "zero"  # a supported architecture with an impossible setting: one line too
+    shutil.copytree(demo_model, zero)
+    hf = {k: v for k, v in json.loads((demo_model / "config.json").read_text()).items() if k != "head_dim"}
+    (zero / "config.json").write_text(json.dumps({**hf, "num_attention_heads": 0}))
     cases = [
         (["--model", str(gpt2)], "is not supported; supported: LlamaForCausalLM"),
+        (["--model", str(zero)], "cannot read the model's settings"),
         (["--model", str(demo_model), "--adapters", str(tmp_path / "none")], "adapter directory"),
         (["--model", str(notok)], "needs the model's tokenizer"),
         (["--model", str(demo_model), "--adapters", str(collide)], "has the base model's name"),

@@ -69,7 +69,7 @@ def model_path_problem(model: Path) -> str | None:
             return f"{cfg} is not valid JSON ({exc})"
         except ModelConfigError as exc:
             return f"{model}: {exc}"
-        except (KeyError, TypeError, ValueError) as exc:  # a field missing or of the wrong kind
+        except Exception as exc:  # a field missing, of the wrong kind or out of range (heads = 0, ...)
             return f"{cfg}: cannot read the model's settings ({type(exc).__name__}: {exc})"
     return None
 

@@ -168,6 +168,15 @@ def _refuse_unsupported(name: str, cfg: dict) -> None:
         raise AdapterError(name, "DoRA adapters (use_dora=true) are not supported")
     if cfg.get("modules_to_save"):
         raise AdapterError(name, f"modules_to_save={cfg['modules_to_save']!r} is not supported (full copies of base modules)")
+    for key in ("target_modules", "exclude_modules"):
+        v = cfg.get(key)
+        if not (v is None or isinstance(v, str) or (isinstance(v, list) and all(isinstance(t, str) for t in v))):
+            raise AdapterError(name, f"{key} must be a module name, a list of them or a regex, got {v!r}")
+        if isinstance(v, str) and v != "all-linear":
+            try:
+                re.compile(v)
+            except re.error as exc:
+                raise AdapterError(name, f"{key} {v!r} is not a valid regular expression ({exc})") from None
     targets = cfg.get("target_modules") or []
     targets = [targets] if isinstance(targets, str) else list(targets)
     for t in targets:
