@@ -17,7 +17,7 @@
 #   pserve   bench serve --prefix-workloads system-prompt sharegpt: two runners on the machine's GPUs (sharing one
 #            GPU where there is one), cache off and on, prefix-aware (busiest) against prefix-ignoring placement
 #            (busiest-no-prefix); PSERVE_REQS, default 400; PSERVE_RATES (default inf: all at t=0; e.g. "4":
-#            Poisson arrivals, 4 requests/s); PSERVE_PLACEMENT (default "busiest busiest-no-prefix") -> serve_prefix.json
+#            Poisson arrivals, 4 requests/s); PSERVE_PLACEMENT (default "busiest busiest-no-prefix"); PSERVE_WL (default "system-prompt sharegpt") -> serve_prefix.json
 #   fp8probe bench/probe_fp8_gemm.py: decode-sized FP8 GEMMs (engine call, swapped operands, per-tensor) vs bf16
 #            -> probe_fp8_gemm.json; a later fp8 stage then sets LORAFLEET_FP8_SWAP_ROWS=64 where swapping wins
 #   fp870    bench e2e --tp 1: Llama-2-70B shape on one GPU with FP8 weights (distinct, identical, LoRA off;
@@ -245,7 +245,7 @@ print({'rowwise': '', 'rowwise_swapped': 'LORAFLEET_FP8_SWAP_ROWS=64', 'own': 'L
         --work-dir /tmp/bs_$1 --out "$OUT/$1.json" 2>&1 | tee "$LOGS/$1.log" | grep -v " INFO " | tail -12 ;;
     pserve)
       timeout ${PSERVE_S:-560} $SERVE --runners 2 --kv-fraction 0.4 --requests ${PSERVE_REQS:-400} \
-        --prefix-workloads system-prompt sharegpt --placement ${PSERVE_PLACEMENT:-busiest busiest-no-prefix} --rates ${PSERVE_RATES:-inf} --work-dir /tmp/bs_pserve \
+        --prefix-workloads ${PSERVE_WL:-system-prompt sharegpt} --placement ${PSERVE_PLACEMENT:-busiest busiest-no-prefix} --rates ${PSERVE_RATES:-inf} --work-dir /tmp/bs_pserve \
         --out "$OUT/serve_prefix.json" 2>&1 | tee "$LOGS/serve_prefix.log" | grep -v " INFO " | tail -14 ;;
     place)
       timeout ${PLACE_S:-420} $SERVE --runners 2 --requests ${PLACE_REQS:-200} --mixes skewed \
