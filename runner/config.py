@@ -26,6 +26,9 @@ class KernelChoices:
     blas_lt_rows: steps of at most this many rows run the o and down GEMMs on cuBLASLt (CUDA, one GPU).
     fp8_swap_rows: with FP8 weights, steps of at most this many rows compute W @ x.T (operands swapped).
     fp8_gemm_rows: with FP8 weights, steps of at most this many rows (<= 64) run the project's FP8 kernel.
+    fp8_unit_scale_elems: with FP8 weights, steps of at most 64 rows whose weight has at least this many
+        elements multiply with unit scales into fp32 and apply the token and row scales after (0: never;
+        the default, 2**27, takes Llama-2-70B's gate_up and down).
     pin_host_adapters: adapters read from disk are kept in pinned host memory.
     """
 
@@ -40,6 +43,7 @@ class KernelChoices:
     blas_lt_rows: int = 64
     fp8_swap_rows: int = 0
     fp8_gemm_rows: int = 0
+    fp8_unit_scale_elems: int = 1 << 27
     pin_host_adapters: bool = False
 
     def __post_init__(self):
@@ -47,7 +51,7 @@ class KernelChoices:
                          ("sgmv", ("auto", "cuda", "torch")), ("sgmv_fused", ("auto", "1", "0"))):
             if getattr(self, name) not in ok:
                 raise ValueError(f"kernel choice {name} must be one of {', '.join(ok)}, got {getattr(self, name)!r}")
-        for name in ("blas_lt_rows", "fp8_swap_rows"):
+        for name in ("blas_lt_rows", "fp8_swap_rows", "fp8_unit_scale_elems"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.fp8_gemm_rows <= 64:
@@ -64,6 +68,7 @@ class KernelChoices:
                    sgmv_fused=env.sgmv_fused(), fused_ops=env.fused_ops(), rope_kv=env.rope_kv_kernel(),
                    rope_kv_lora=env.rope_kv_lora(), blas_lt_rows=env.blas_lt_rows(),
                    fp8_swap_rows=env.fp8_swap_rows(), fp8_gemm_rows=env.fp8_gemm_rows(),
+                   fp8_unit_scale_elems=env.fp8_unit_scale_elems(),
                    pin_host_adapters=env.pin_host_adapters())
 
     def describe(self) -> str:

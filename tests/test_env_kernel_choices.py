@@ -100,9 +100,16 @@ def test_blas_lt_rows(monkeypatch):
 def test_fp8_gemm_switches(monkeypatch):
     from lorafleet.runner.config import KernelChoices
 
-    for var in ("LORAFLEET_FP8_SWAP_ROWS", "LORAFLEET_FP8_GEMM_ROWS"):
+    for var in ("LORAFLEET_FP8_SWAP_ROWS", "LORAFLEET_FP8_GEMM_ROWS", "LORAFLEET_FP8_UNIT_SCALE_ELEMS"):
         monkeypatch.delenv(var, raising=False)
-    assert (env.fp8_swap_rows(), env.fp8_gemm_rows()) == (0, 0)
+    assert (env.fp8_swap_rows(), env.fp8_gemm_rows(), env.fp8_unit_scale_elems()) == (0, 0, 1 << 27)
+    assert KernelChoices.from_env() == KernelChoices()  # the dataclass's defaults are the environment's
+    monkeypatch.setenv("LORAFLEET_FP8_UNIT_SCALE_ELEMS", "-5")
+    with pytest.raises(ValueError, match="LORAFLEET_FP8_UNIT_SCALE_ELEMS must be >= 0"):
+        env.fp8_unit_scale_elems()
+    monkeypatch.setenv("LORAFLEET_FP8_UNIT_SCALE_ELEMS", "0")
+    assert KernelChoices.from_env().describe() == "kernel choices: fp8_unit_scale_elems=0"
+    monkeypatch.delenv("LORAFLEET_FP8_UNIT_SCALE_ELEMS")
     monkeypatch.setenv("LORAFLEET_FP8_SWAP_ROWS", "64")
     monkeypatch.setenv("LORAFLEET_FP8_GEMM_ROWS", "32")
     k = KernelChoices.from_env()

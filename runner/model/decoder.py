@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from lorafleet.models.contract import ModelConfig
 from lorafleet.runner.config import KernelChoices
-from lorafleet.runner.model.fp8 import Fp8Weight, fp8_linear, fp8_tensor_cores
+from lorafleet.runner.model.fp8 import Fp8Weight, fp8_linear, fp8_tensor_cores, unit_scale
 from lorafleet.runner.model.ops import make_ops, prefer_cublaslt
 from lorafleet.runner.model.rope import Rope
 
@@ -127,6 +127,7 @@ class Decoder:
         self.fp8_ext = None  # the CUDA extension whose kernel quantizes activations (set below, with FP8 weights)
         self.fp8_swap_rows = kernels.fp8_swap_rows
         self.fp8_gemm_rows = kernels.fp8_gemm_rows
+        self.fp8_unit_scale_elems = kernels.fp8_unit_scale_elems
         self.embed_scale = (torch.tensor(cfg.embed_scale, dtype=torch.float32).to(dtype).item()
                             if cfg.embed_scale is not None else None)
         self.num_layers = cfg.num_layers
@@ -151,6 +152,7 @@ class Decoder:
         self._check_shapes(WeightsError)
         self.kv_write = None  # set by attach_kv
         if self.fp8_tensor_cores and isinstance(self.layers[0].qkv, Fp8Weight):
+            unit_scale(self.device)  # made before any graph capture reads it
             try:
                 from lorafleet.runner.kernels import load
 
@@ -245,13 +247,15 @@ class Decoder:
     def _linear(self, x: torch.Tensor, w, b: torch.Tensor | None) -> torch.Tensor:
         """x @ w.T + b for a bf16/fp16/fp32 weight or an FP8 one."""
         if isinstance(w, Fp8Weight):
-            return fp8_linear(x, w, b, self.fp8_tensor_cores, self.fp8_ext, self.fp8_swap_rows, self.fp8_gemm_rows)
+            return fp8_linear(x, w, b, self.fp8_tensor_cores, self.fp8_ext, self.fp8_swap_rows, self.fp8_gemm_rows,
+                              self.fp8_unit_scale_elems)
         return F.linear(x, w, b)
 
     def _linear_small(self, x: torch.Tensor, w, b: torch.Tensor | None) -> torch.Tensor:
         """x @ w.T + b; on cuBLASLt for steps of at most `lt_rows` rows (the o and down projections)."""
         if isinstance(w, Fp8Weight):
-            return fp8_linear(x, w, b, self.fp8_tensor_cores, self.fp8_ext, self.fp8_swap_rows, self.fp8_gemm_rows)
+            return fp8_linear(x, w, b, self.fp8_tensor_cores, self.fp8_ext, self.fp8_swap_rows, self.fp8_gemm_rows,
+                              self.fp8_unit_scale_elems)
         if 0 < x.shape[0] <= self.lt_rows:
             with prefer_cublaslt():
                 return F.linear(x, w, b)

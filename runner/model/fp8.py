@@ -86,12 +86,26 @@ def quantize_tokens(x: torch.Tensor, ext=None) -> tuple[torch.Tensor, torch.Tens
     return to_e4m3(xf / scale), scale
 
 
+_ONES: dict[int, torch.Tensor] = {}
+
+
+def unit_scale(device: torch.device) -> torch.Tensor:
+    """A unit fp32 scale on CUDA `device`, made once per GPU: the engine makes it before it captures graphs,
+    so a graph never holds the only write of it."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _ONES:
+        _ONES[index] = torch.ones((), dtype=torch.float32, device=torch.device("cuda", index))
+    return _ONES[index]
+
+
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_cores: bool,
-               ext=None, swap_rows: int = 0, own_rows: int = 0) -> torch.Tensor:
+               ext=None, swap_rows: int = 0, own_rows: int = 0, unit_scale_elems: int = 0) -> torch.Tensor:
     """x [M, K] (bf16/fp16 on the GPU, any float on the CPU) @ w.T + bias -> [M, N] in x's dtype. With the
     CUDA extension `ext`: the activations quantized by its one-launch kernel (see quantize_tokens), and for
     M <= `own_rows` (bf16, K a multiple of 64, N of 16) the product on its FP8 kernel (csrc/fp8_gemm.cu);
     M <= `swap_rows` (and a multiple of 16): cuBLASLt computes (w @ x.T).T, the weight as the long operand.
+    M <= 64 and N * K >= `unit_scale_elems` > 0: the product of the e4m3 operands with unit scales into fp32,
+    then times the token and row scales (the same arithmetic; cuBLASLt streams large weights faster there).
     Otherwise torch._scaled_mm with per-token and per-row scales."""
     if not tensor_cores:
         y = torch.nn.functional.linear(x, w.dequant(x.dtype))
@@ -105,6 +119,10 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
             and w.q.is_contiguous()):
         y = torch.empty(M, N, dtype=x.dtype, device=x.device)
         ext.fp8_gemm(y, xq, sx.view(-1), w.q, w.scale_row.view(-1), torch.cuda.current_stream(x.device).cuda_stream)
+    elif 0 < unit_scale_elems <= N * K and 0 < M <= 64:
+        one = unit_scale(x.device)
+        y = torch._scaled_mm(xq, w.q.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+        y = y.mul_(sx).mul_(w.scale_row).to(x.dtype)
     elif 0 < M <= swap_rows and M % 16 == 0:  # cuBLASLt wants the rows in multiples of 16 there
         y = torch._scaled_mm(w.q, xq.t(), scale_a=w.scale_row.view(-1, 1), scale_b=sx.view(1, -1),
                              out_dtype=x.dtype).t().contiguous()

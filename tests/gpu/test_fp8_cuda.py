@@ -76,6 +76,25 @@ def test_swapped_operands_give_the_same_product():
 
 
 @needs_fp8
+def test_unit_scales_then_scaled_give_the_same_product():
+    """fp8_linear with unit scales into fp32 and the scales applied after (KernelChoices.fp8_unit_scale_elems)
+    against the per-token x per-row call and the fp32 product of the dequantized operands; 65 rows: not taken."""
+    from lorafleet.runner.model.fp8 import fp8_linear, quantize_rows, quantize_tokens
+
+    g = torch.Generator(device="cuda").manual_seed(6)
+    for M, K, N in ((1, 256, 512), (32, 4096, 1536), (64, 1024, 4096), (65, 256, 512)):
+        x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
+        w = quantize_rows(torch.randn(N, K, device="cuda", generator=g) * 0.05)
+        plain = fp8_linear(x, w, None, True)
+        unit = fp8_linear(x, w, None, True, unit_scale_elems=1)
+        xq, sx = quantize_tokens(x)
+        exact = (xq.float() * sx) @ w.dequant(torch.float32).t()
+        assert unit.shape == (M, N) and unit.dtype == torch.bfloat16
+        torch.testing.assert_close(unit.float(), exact, rtol=8e-3, atol=1e-3 * exact.abs().max().item())
+        torch.testing.assert_close(unit, plain, rtol=8e-3, atol=1e-3 * exact.abs().max().item())
+
+
+@needs_fp8
 @pytest.mark.parametrize("M", [1, 7, 16, 32, 33, 64])
 def test_own_fp8_kernel_gives_the_scaled_product(M):
     """csrc/fp8_gemm.cu against the fp32 product of the dequantized operands and against torch._scaled_mm, K of
