@@ -510,7 +510,9 @@ def parse_runner(spec: str, i: int) -> RunnerEndpoint:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="base model directory (tokenizer + config) or source URI")
-    p.add_argument("--model-name", default=None, help="name of the base model in the API (default: folder name)")
+    p.add_argument("--model-name", default=None,
+                   help="the base model's name in the API (default: config.json's _name_or_path, else the folder "
+                        "name; NAME for a Hugging Face cache snapshot of ORG/NAME)")
     p.add_argument("--host", default="127.0.0.1", help="address the OpenAI API listens on")
     p.add_argument("--port", type=int, default=8000, help="port the OpenAI API listens on")
     p.add_argument("--adapters", type=Path, default=None,
@@ -554,6 +556,24 @@ def load_api_keys(args: argparse.Namespace) -> ApiKeys | None:
     return ApiKeys(args.api_keys, salt_per_key=per_key) if args.api_keys else None
 
 
+class StartupError(ValueError):
+    """A model or adapter folder the scheduler cannot start with; the message says why in one line."""
+
+
+MODEL_HINT = "give the base model's directory, with its tokenizer.json, or a model source URI"
+
+
+def load_tokenizer(model_dir: Path) -> Tokenizer:
+    if not model_dir.exists():
+        raise StartupError(f"model path {model_dir} does not exist ({MODEL_HINT})")
+    if not model_dir.is_dir():
+        raise StartupError(f"model path {model_dir} is not a directory ({MODEL_HINT})")
+    try:
+        return Tokenizer(model_dir)
+    except (OSError, ValueError) as exc:
+        raise StartupError(f"the API needs the model's tokenizer: {exc}") from None
+
+
 def build_service(args: argparse.Namespace) -> SchedulerService:
     api_keys = load_api_keys(args)
     model = args.model
@@ -562,10 +582,14 @@ def build_service(args: argparse.Namespace) -> SchedulerService:
 
         model = str(fetch_model(model, cache_dir=env.cache_dir() / "models", tokenizer_only=True))
     model_dir = Path(model)
-    registry = AdapterRegistry.from_directory(args.adapters) if args.adapters else AdapterRegistry()
+    tokenizer = load_tokenizer(model_dir)
+    try:
+        registry = AdapterRegistry.from_directory(args.adapters) if args.adapters else AdapterRegistry()
+    except FileNotFoundError as exc:
+        raise StartupError(str(exc)) from None
     directory = RunnerDirectory([parse_runner(s, i) for i, s in enumerate(args.runner)])
     return SchedulerService(
-        Tokenizer(model_dir), args.model_name or model_display_name(model_dir), registry, directory,
+        tokenizer, args.model_name or model_display_name(model_dir), registry, directory,
         limits=limits_mod.from_args(args, model_limits(model_dir)), api_keys=api_keys, max_queue=args.max_queue,
         queue_timeout=args.queue_timeout, admin_token=env.admin_token(), placement=args.placement,
         runner_token=env.runner_token(),
@@ -579,7 +603,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         sock = bind(args.host, args.port)
         service = build_service(args)
-    except (ListenError, ApiKeyFileError) as exc:
+    except (ListenError, ApiKeyFileError, StartupError) as exc:
         log.error("%s", exc)
         return 2
     app = create_app(service)

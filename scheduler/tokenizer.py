@@ -128,7 +128,10 @@ class Tokenizer:
         path = d / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(f"{d} has no tokenizer.json")
-        self._tok = HFTokenizer.from_file(str(path))
+        try:
+            self._tok = HFTokenizer.from_file(str(path))
+        except Exception as exc:  # the tokenizers library raises a bare Exception for a file it cannot parse
+            raise ValueError(f"{path} cannot be read by the tokenizers library ({exc})") from None
         cfg_path = d / "tokenizer_config.json"
         cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
         template = cfg.get("chat_template")

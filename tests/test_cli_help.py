@@ -1,7 +1,7 @@
 """The command line as a new user meets it: every flag of serve, generate, runner and scheduler says
 what it does and its default; a command whose extra is not installed names the extra in one line;
-a busy port's message says how to pick another the way the server was started; the test tools'
-stores stay out of git."""
+a busy port's message says how to pick another the way the server was started; a scheduler given no
+usable model says so in one line; the test tools' stores stay out of git."""
 
 from __future__ import annotations
 
@@ -39,6 +39,35 @@ def test_every_flag_says_what_it_does_and_its_default(command):
             continue
         shown = formatter._get_help_string(action) % {"default": action.default}
         assert "default" in shown.lower(), f"lorafleet {command} {flag}: no default in {shown!r}"
+
+
+def test_scheduler_model_name_help_states_the_true_default(tmp_path):
+    from lorafleet.scheduler.server import model_display_name
+
+    help_text = " ".join(subparser("scheduler").format_help().split())
+    assert "(default: config.json's _name_or_path, else the folder name;" in help_text, help_text
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "config.json").write_text('{"_name_or_path": "org/real-name"}')
+    assert model_display_name(tmp_path / "folder") == "real-name"
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("missing", "model path {model} does not exist (give the base model's directory"),
+    ("no-tokenizer", "the API needs the model's tokenizer: {model} has no tokenizer.json"),
+    ("bad-tokenizer", "the API needs the model's tokenizer: {model}/tokenizer.json cannot be read"),
+])
+def test_scheduler_without_a_usable_model_says_why_in_one_line(tmp_path, case, expected):
+    model = tmp_path / "model"
+    if case != "missing":
+        model.mkdir()
+    if case == "bad-tokenizer":
+        (model / "tokenizer.json").write_text("not json")
+    r = subprocess.run([sys.executable, "-m", "lorafleet", "scheduler", "--model", str(model), "--port", "0"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert expected.format(model=model) in lines[0], r.stderr
 
 
 def test_generate_says_the_demo_adapters_are_the_default():

@@ -2,12 +2,13 @@
 image's `lorafleet operator --help`, then the operator from the image against a test control plane,
 writing a LoraAdapter's status), its size and no torch, and its export as an OCI archive.
 
-Outside the default suite (marker `image`; a cold build takes several minutes): `make test-images`,
-or `pytest -m image tests/test_image_build.py`. Without Docker, Podman or Buildah it skips. The
-builder settings come from the environment as for `make images` (IMAGE_BUILDER, IMAGE_BUILD_FLAGS,
-IMAGE_BASE); the image is tagged under the prefix `lorafleet-test` so it leaves the real tags alone.
+Outside the default suite (marker `image`; about a minute and a half with cached base layers, see
+docs/images.md): `make test-images`, or `pytest -m image tests/test_image_build.py`. Without Docker,
+Podman or Buildah it skips. The builder settings come from the environment as for `make images`
+(IMAGE_BUILDER, IMAGE_BUILD_FLAGS, IMAGE_BASE); the image is tagged under the prefix `lorafleet-test`
+so it leaves the real tags alone.
 
-The CUDA runner image is not built here (its kernels take about 40 minutes on two cores): when
+The CUDA runner image is not built here (15 to 30 minutes on two cores, most of it its kernels): when
 `make image-runner` has built it (IMAGE_PREFIX, default `lorafleet`), `scripts/images.sh check runner`
 checks that it carries its compiled kernels (skipped otherwise); RUNNER_CHECK_SHAPES gives the build's
 shape flags (default: build-kernels' own, head size 128 in bf16, which every build includes).

@@ -1,11 +1,15 @@
 """The runner's HTTP front with its engine core process: the batched stream protocol, cancel,
-disconnect, state, validation, the runner credential, and engine crashes."""
+disconnect, state, validation, the runner credential, engine crashes, and a busy port refused
+before the model loads."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import signal
+import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -251,3 +255,20 @@ async def test_synthetic_model_directory_gives_the_same_weights_in_every_process
     eng = build_engine(str(model), {"page_size": 4, "num_pages": 64, "device": "cpu"})
     want = eng.run_to_completion([Sequence("s", [5, 9, 11], SamplingParams(max_tokens=8, ignore_eos=True))])
     assert got["s"]["tokens"] == want["s"].output_ids and len(set(want["s"].output_ids)) > 1
+
+
+def test_busy_port_is_refused_before_loading(tiny_llama):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        t0 = time.monotonic()
+        r = subprocess.run([sys.executable, "-m", "lorafleet", "runner", "--model", str(tiny_llama), "--port", str(port),
+                            "--device", "cpu"], capture_output=True, text=True, timeout=120,
+                           env={k: v for k, v in os.environ.items() if k != "LORAFLEET_PORT_HINT"})
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert f"port {port} on 127.0.0.1 is already in use" in lines[0] and f"--port {port + 1}" in lines[0], r.stderr
+    assert "listening on 127.0.0.1" not in r.stderr and "engine core" not in r.stderr  # nothing was started
+    assert time.monotonic() - t0 < 30

@@ -483,6 +483,13 @@ def service_from_args(args: argparse.Namespace, model: str) -> RunnerService:
 
 
 def run(args: argparse.Namespace) -> int:
+    from lorafleet.scheduler.listen import ListenError, bind
+
+    try:  # before fetching or loading the model: a busy port is reported at once
+        sock = bind(args.host, args.port)
+    except ListenError as exc:
+        log.error("%s", exc)
+        return 2
     model = args.model
     if "://" in model:
         from lorafleet.common.sources import fetch_model
@@ -490,7 +497,7 @@ def run(args: argparse.Namespace) -> int:
         model = str(fetch_model(model, cache_dir=env.cache_dir() / "models"))
     service = service_from_args(args, model)
     app = create_app(service, env.runner_token())
-    log.info("runner %s listening on %s:%d (pid %d)", service.id, args.host, args.port, os.getpid())
-    web.run_app(app, host=args.host, port=args.port, print=None, handle_signals=True, access_log=None,
+    log.info("runner %s listening on %s:%d (pid %d)", service.id, args.host, sock.getsockname()[1], os.getpid())
+    web.run_app(app, sock=sock, print=None, handle_signals=True, access_log=None,
                 shutdown_timeout=args.grace_seconds + 5)
     return 0
