@@ -20,6 +20,8 @@
 #            Poisson arrivals, 4 requests/s); PSERVE_PLACEMENT (default "busiest busiest-no-prefix"); PSERVE_WL (default "system-prompt sharegpt") -> serve_prefix.json
 #   fp8probe bench/probe_fp8_gemm.py: decode-sized FP8 GEMMs (engine call, swapped operands, per-tensor) vs bf16
 #            -> probe_fp8_gemm.json; a later fp8 stage then sets LORAFLEET_FP8_SWAP_ROWS=64 where swapping wins
+#   loraprobe bench/probe_lora.py: per projection group, the base GEMM, today's LoRA call, the K-extended GEMM
+#            ([x | v] @ [W | B]^T) and the merged weight, prefill (2,048 rows) and decode (32 rows) -> probe_lora.json
 #   fp870    bench e2e --tp 1: Llama-2-70B shape on one GPU with FP8 weights (distinct, identical, LoRA off;
 #            FP70_REQS, default 300)                                                   -> e2e_70b_fp8.json
 #   quality  bench quality on a model directory in QUALITY_MODEL (bf16 vs FP8 vs FP8 + FP8 K/V) -> quality.json
@@ -132,6 +134,9 @@ stage() {
       timeout ${TEST_S:-400} python3 -m pytest -q -p no:cacheprovider $f -rA -s --durations=4 --tb=short -k "${FP8_K:-}" \
         -o faulthandler_timeout=${HANG_S:-200} 2>&1 | tee "$LOGS/gpu_$1.log" \
         | grep -E "passed|failed|FAILED|flips|cache|Error|Timeout|File |^E  " | cut -c1-300 | tail -${TEST_LINES:-30} ;;
+    loraprobe)
+      timeout ${PROBE_S:-240} python3 bench/probe_lora.py --out "$OUT/probe_lora.json" 2>&1 \
+        | tee "$LOGS/probe_lora.log" | tail -8 ;;
     fp8probe)
       timeout ${PROBE_S:-120} python3 bench/probe_fp8_gemm.py --out "$OUT/probe_fp8_gemm.json" 2>&1 \
         | tee "$LOGS/probe_fp8_gemm.log" | tail -10 ;;

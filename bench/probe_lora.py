@@ -1,0 +1,231 @@
+"""Where LoRA's cost in a step goes, and what three ways of folding it into the base GEMM would cost (GPU).
+
+Per projection group of the Llama-2-7B shape (qkv, o, gate_up, down; rank 16 on every projection), each
+timed inside a CUDA graph, weights and adapters rotated so nothing stays in L2:
+
+- `base`     the base GEMM alone;
+- `today`    the base GEMM, then the engine's LoRA call (CudaSGMV.add with the engine's tensor-core
+             thresholds for steps with prompt rows; decode: the two CUDA-core launches);
+- `kcat`     one GEMM over the K-extended operands: [x | v] @ [W | B]^T, v = x A from the shrink in bf16,
+             B in spare columns of the weight (written per step: the copy is timed with the GEMM), one
+             block of columns per adapter of the step, v zero outside a row's own block; y is written
+             once instead of read and written again by the expand;
+- `merged`   one adapter per step only: W + B^T A written into a scratch weight (per step and layer),
+             then one GEMM (no LoRA launch at all, the merge's bytes instead);
+- `launch_floor` (decode): two launches of a kernel that does nothing useful (a one-element fill), the
+             least two dependent graph nodes cost; `today` minus it is the LoRA kernels' own work.
+
+Steps: prefill (one 2,048-row segment; 8 segments of 256 rows for 8 adapters) and decode (32 rows, 32
+adapters or one). A layer's sum per variant, times 32 layers, is what the step would spend.
+
+    python bench/probe_lora.py --out probe_lora.json
+
+`formulations` is exact math checked on the CPU by tests/test_probe_lora.py; only the timing needs a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+HIDDEN, INTER, RANK, LAYERS = 4096, 11008, 16, 32
+GROUPS = {  # name: (in, outs per projection)
+    "qkv": (HIDDEN, (HIDDEN, HIDDEN, HIDDEN)),
+    "o": (HIDDEN, (HIDDEN,)),
+    "gate_up": (HIDDEN, (INTER, INTER)),
+    "down": (INTER, (HIDDEN,)),
+}
+MMA_ROWS = {"qkv": (129, 129), "o": (512, 512), "gate_up": (129, 129), "down": (512, 512)}  # KernelChoices'
+
+
+def _acc(t: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+class formulations:
+    """The alternatives as plain torch, for one group: x [T, K]; w [N, K] (the group's projections stacked);
+    a [S, G, R, K] and b [S, G, R, N_g] of the step's adapters; row_adapter [T] (index into S). Products in
+    fp32, or in the inputs' dtype where that is wider."""
+
+    @staticmethod
+    def reference(x, w, a, b, row_adapter, outs):
+        """x W^T plus every row's own adapter, per projection, in x's dtype."""
+        f = _acc(x)
+        y = (x.to(f) @ w.to(f).t())
+        lo = 0
+        for g, n in enumerate(outs):
+            v = torch.einsum("tk,trk->tr", x.to(f), a[row_adapter, g].to(f))
+            y[:, lo:lo + n] += torch.einsum("tr,trn->tn", v, b[row_adapter, g].to(f))
+            lo += n
+        return y.to(x.dtype)
+
+    @staticmethod
+    def kcat_operands(x, w, a, b, row_adapter, outs, v=None):
+        """([x | V] [T, K + S*G*R], [W | Bcat] [N, K + S*G*R]): V holds each row's v = x A in its adapter's
+        block (zeros elsewhere), Bcat each projection's B^T in its (adapter, projection) block."""
+        T, K = x.shape
+        S, G, R = a.shape[0], a.shape[1], a.shape[2]
+        if v is None:
+            v = torch.einsum("tk,tgrk->tgr", x.to(_acc(x)), a[row_adapter].to(_acc(x)))
+        xe = torch.zeros(T, K + S * G * R, dtype=x.dtype, device=x.device)
+        xe[:, :K] = x
+        blocks = xe[:, K:].view(T, S, G, R)
+        blocks[torch.arange(T, device=x.device), row_adapter] = v.to(x.dtype)
+        we = torch.zeros(w.shape[0], K + S * G * R, dtype=w.dtype, device=w.device)
+        we[:, :K] = w
+        wb = we[:, K:].view(w.shape[0], S, G, R)
+        lo = 0
+        for g, n in enumerate(outs):
+            wb[lo:lo + n, :, g, :] = b[:, g].permute(2, 0, 1)  # [N_g, S, R]
+            lo += n
+        return xe, we
+
+    @staticmethod
+    def merged_weight(w, a, b, outs):
+        """W + B^T A for one adapter (a [1, G, R, K], b [1, G, R, N_g])."""
+        f = _acc(w)
+        m = w.to(f).clone()
+        lo = 0
+        for g, n in enumerate(outs):
+            m[lo:lo + n] += b[0, g].to(f).t() @ a[0, g].to(f)
+            lo += n
+        return m.to(w.dtype)
+
+
+def timer():
+    from lorafleet.bench.kernels import Timer
+
+    return Timer(flush_bytes=1 << 20)
+
+
+def probe_group(name: str, T: int, n_adapters: int, decode: bool, tm, copies: int = 4) -> dict:
+    from lorafleet.runner.lora.segments import build_segments
+    from lorafleet.runner.lora.sgmv_cuda import CudaSGMV
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    K, outs = GROUPS[name]
+    N, G = sum(outs), len(outs)
+    gen = torch.Generator(device=dev).manual_seed(T + n_adapters)
+    rnd = lambda *s: torch.randn(*s, device=dev, dtype=dt, generator=gen) * 0.02  # noqa: E731
+    ws = [rnd(N, K) for _ in range(copies)]
+    S = n_adapters
+    pool_a = [[rnd(S, RANK, K) for _ in range(G)] for _ in range(copies)]  # the engine's pool layout
+    pool_b = [[rnd(S, RANK, n) for n in outs] for _ in range(copies)]
+    ranks = torch.full((G, S), RANK, dtype=torch.int32, device=dev)
+    row_slots = [i * S // T for i in range(T)]
+    seg = build_segments(row_slots, dev)
+    x = rnd(T, K)
+    y = torch.empty(T, N, device=dev, dtype=dt)
+    v = torch.empty(T, G, RANK, device=dev, dtype=torch.float32)
+    sgmv = CudaSGMV()
+    i = [0]
+
+    def nxt():
+        i[0] = (i[0] + 1) % copies
+        return i[0]
+
+    def views(out):
+        vs, lo = [], 0
+        for n in outs:
+            vs.append(out[:, lo:lo + n])
+            lo += n
+        return vs
+
+    def base():
+        torch.mm(x, ws[nxt()].t(), out=y)
+
+    def today():
+        c = nxt()
+        torch.mm(x, ws[c].t(), out=y)
+        sgmv.add(views(y), v, x, pool_a[c], pool_b[c], ranks, None, seg, mma=not decode,
+                 mma_rows=MMA_ROWS[name], fused=not decode)
+
+    extra = S * G * RANK
+    wes = [torch.zeros(N, K + extra, device=dev, dtype=dt) for _ in range(copies)]
+    for c in range(copies):
+        wes[c][:, :K] = ws[c]
+    xe = torch.zeros(T, K + extra, device=dev, dtype=dt)
+    xe[:, :K] = x
+    slot_col = torch.tensor(row_slots, device=dev)
+    all_rows = torch.arange(T, device=dev)
+
+    def kcat():
+        c = nxt()
+        sgmv.shrink(v, x, pool_a[c], ranks, None, seg, mma_min_rows=MMA_ROWS[name][0] if not decode else 1 << 30)
+        blocks = xe[:, K:].view(T, S, G * RANK)
+        blocks.zero_()
+        blocks[all_rows, slot_col] = v.view(T, G * RANK).to(dt)
+        wb = wes[c][:, K:].view(N, S, G, RANK)
+        lo = 0
+        for g, n in enumerate(outs):  # the step's B into the spare columns (a per-step copy)
+            wb[lo:lo + n, :, g, :].copy_(pool_b[c][g].permute(2, 0, 1))
+            lo += n
+        torch.mm(xe, wes[c].t(), out=y)
+
+    fns = {"base": base, "today": today, "kcat": kcat}
+    if S == 1:
+        scratch = torch.empty(N, K, device=dev, dtype=dt)
+
+        def merged():
+            c = nxt()
+            scratch.copy_(ws[c])
+            lo = 0
+            for g, n in enumerate(outs):
+                scratch[lo:lo + n].addmm_(pool_b[c][g][0].t(), pool_a[c][g][0])
+                lo += n
+            torch.mm(x, scratch.t(), out=y)
+
+        fns["merged"] = merged
+    if decode:
+        tiny = torch.empty(1, device=dev)
+
+        def launch_floor():
+            tiny.fill_(1.0)
+            tiny.fill_(2.0)
+
+        fns["launch_floor"] = launch_floor
+    row = {"group": name, "rows": T, "adapters": S, "decode": decode}
+    for label, fn in fns.items():
+        try:
+            row[label] = round(tm.graph_us([fn] * 8), 2)
+        except Exception as exc:  # a variant this torch does not take
+            row[label] = None
+            row[f"{label}_error"] = str(exc)[:160]
+    return row
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="probe_lora.json", help="result file (default: probe_lora.json)")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("probe_lora needs a CUDA GPU", file=sys.stderr)
+        return 2
+    tm, t0 = timer(), time.time()
+    cases = [(2048, 1, False), (2048, 8, False), (32, 32, True), (32, 1, True)]
+    rows = [probe_group(g, T, S, d, tm) for T, S, d in cases for g in GROUPS]
+    summary = []
+    for T, S, d in cases:
+        rs = [r for r in rows if (r["rows"], r["adapters"], r["decode"]) == (T, S, d)]
+        layer = {k: round(sum(r[k] for r in rs), 1) for k in ("base", "today", "kcat", "merged", "launch_floor")
+                 if all(r.get(k) is not None for r in rs)}
+        s = {"rows": T, "adapters": S, "decode": d, "us_per_layer": layer,
+             "ms_per_step_32_layers": {k: round(us * LAYERS / 1000, 3) for k, us in layer.items()}}
+        if "today" in layer:
+            s["lora_over_base"] = {k: round((layer[k] - layer["base"]) / layer["base"], 3) for k in layer
+                                   if k in ("today", "kcat", "merged")}
+        summary.append(s)
+        print(f"{'decode' if d else 'prefill'} T={T} adapters={S}: " + "  ".join(f"{k} {us} us" for k, us in layer.items()))
+    out = {"card": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+           "shape": "llama2-7b", "rank": RANK, "rows": rows, "summary": summary, "seconds": round(time.time() - t0, 1)}
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
