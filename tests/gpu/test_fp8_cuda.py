@@ -57,41 +57,31 @@ def test_activation_kernel_gives_the_torch_quantization_bits(dtype):
 
 
 @needs_fp8
-def test_swapped_operands_give_the_same_product():
-    """fp8_linear with the operands swapped (w @ x.T on the tensor cores, KernelChoices.fp8_swap_rows) against
-    the x @ w.T call and against the fp32 product of the dequantized operands."""
+@pytest.mark.parametrize("variant", [
+    # (w @ x.T).T on the tensor cores (KernelChoices.fp8_swap_rows); M = 1 is not swapped
+    pytest.param((dict(swap_rows=64), ((1, 256, 512), (16, 256, 512), (32, 4096, 1536), (64, 1024, 4096))),
+                 id="swapped"),
+    # unit scales into fp32, the token and row scales after (KernelChoices.fp8_unit_scale_elems); 65 rows: not taken
+    pytest.param((dict(unit_scale_elems=1), ((1, 256, 512), (32, 4096, 1536), (64, 1024, 4096), (65, 256, 512))),
+                 id="unit_scales"),
+])
+def test_other_fp8_calls_give_the_same_product(variant):
+    """fp8_linear's alternative calls of the FP8 tensor cores against the x @ w.T call with per-token and per-row
+    scales and against the fp32 product of the dequantized operands."""
     from lorafleet.runner.model.fp8 import fp8_linear, quantize_rows, quantize_tokens
 
+    kwargs, shapes = variant
     g = torch.Generator(device="cuda").manual_seed(5)
-    for M, K, N in ((1, 256, 512), (16, 256, 512), (32, 4096, 1536), (64, 1024, 4096)):  # M = 1: not swapped
+    for M, K, N in shapes:
         x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
         w = quantize_rows(torch.randn(N, K, device="cuda", generator=g) * 0.05)
         plain = fp8_linear(x, w, None, True)
-        swapped = fp8_linear(x, w, None, True, swap_rows=64)
+        other = fp8_linear(x, w, None, True, **kwargs)
         xq, sx = quantize_tokens(x)
         exact = (xq.float() * sx) @ w.dequant(torch.float32).t()
-        assert swapped.shape == (M, N) and swapped.is_contiguous() and swapped.dtype == torch.bfloat16
-        torch.testing.assert_close(swapped.float(), exact, rtol=8e-3, atol=1e-3 * exact.abs().max().item())
-        torch.testing.assert_close(swapped, plain, rtol=8e-3, atol=1e-3 * exact.abs().max().item())
-
-
-@needs_fp8
-def test_unit_scales_then_scaled_give_the_same_product():
-    """fp8_linear with unit scales into fp32 and the scales applied after (KernelChoices.fp8_unit_scale_elems)
-    against the per-token x per-row call and the fp32 product of the dequantized operands; 65 rows: not taken."""
-    from lorafleet.runner.model.fp8 import fp8_linear, quantize_rows, quantize_tokens
-
-    g = torch.Generator(device="cuda").manual_seed(6)
-    for M, K, N in ((1, 256, 512), (32, 4096, 1536), (64, 1024, 4096), (65, 256, 512)):
-        x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
-        w = quantize_rows(torch.randn(N, K, device="cuda", generator=g) * 0.05)
-        plain = fp8_linear(x, w, None, True)
-        unit = fp8_linear(x, w, None, True, unit_scale_elems=1)
-        xq, sx = quantize_tokens(x)
-        exact = (xq.float() * sx) @ w.dequant(torch.float32).t()
-        assert unit.shape == (M, N) and unit.dtype == torch.bfloat16
-        torch.testing.assert_close(unit.float(), exact, rtol=8e-3, atol=1e-3 * exact.abs().max().item())
-        torch.testing.assert_close(unit, plain, rtol=8e-3, atol=1e-3 * exact.abs().max().item())
+        assert other.shape == (M, N) and other.is_contiguous() and other.dtype == torch.bfloat16
+        torch.testing.assert_close(other.float(), exact, rtol=8e-3, atol=1e-3 * exact.abs().max().item())
+        torch.testing.assert_close(other, plain, rtol=8e-3, atol=1e-3 * exact.abs().max().item())
 
 
 @needs_fp8
