@@ -27,8 +27,9 @@ class KernelChoices:
     fp8_swap_rows: with FP8 weights, steps of at most this many rows compute W @ x.T (operands swapped).
     fp8_gemm_rows: with FP8 weights, steps of at most this many rows (<= 64) run the project's FP8 kernel.
     fp8_unit_scale_elems: with FP8 weights, steps of at most 64 rows whose weight has at least this many
-        elements multiply with unit scales into fp32 and apply the token and row scales after (0: never;
-        the default, 2**27, takes Llama-2-70B's gate_up and down).
+        elements (per rank's shard) multiply with unit scales into fp32 and apply the token and row scales
+        after; checked before fp8_swap_rows (0: never; the default, 3 * 2**26, takes Llama-2-70B's gate_up and
+        down on one GPU).
     pin_host_adapters: adapters read from disk are kept in pinned host memory.
     """
 
@@ -43,7 +44,7 @@ class KernelChoices:
     blas_lt_rows: int = 64
     fp8_swap_rows: int = 0
     fp8_gemm_rows: int = 0
-    fp8_unit_scale_elems: int = 1 << 27
+    fp8_unit_scale_elems: int = 3 << 26
     pin_host_adapters: bool = False
 
     def __post_init__(self):

@@ -1,8 +1,9 @@
 """The listening socket of a server, bound before anything slow happens.
 
-`lorafleet serve` and `lorafleet scheduler` bind their port first, so a port that is taken
-is reported at once (a clear message, a non-zero exit, no traceback) instead of after
-loading a model; the bound socket is then handed to aiohttp (no window for another process).
+`lorafleet serve`, `lorafleet scheduler` and `lorafleet runner` bind their port first, so a port
+that is taken is reported at once (a clear message, a non-zero exit, no traceback) instead of
+after loading a model; the bound socket is then handed to aiohttp (no window for another
+process). A host name is bound at the first address it resolves to (give 0.0.0.0 or :: for all).
 """
 
 from __future__ import annotations

@@ -487,7 +487,8 @@ def model_display_name(model_dir: Path) -> str:
     cfg = model_dir / "config.json"
     if cfg.is_file():
         try:
-            name = json.loads(cfg.read_text()).get("_name_or_path")
+            data = json.loads(cfg.read_text())
+            name = data.get("_name_or_path") if isinstance(data, dict) else None
             if isinstance(name, str) and name.strip("/"):
                 return name.rstrip("/").rsplit("/", 1)[-1]
         except json.JSONDecodeError:
@@ -511,8 +512,8 @@ def parse_runner(spec: str, i: int) -> RunnerEndpoint:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="base model directory (tokenizer + config) or source URI")
     p.add_argument("--model-name", default=None,
-                   help="the base model's name in the API (default: config.json's _name_or_path, else the folder "
-                        "name; NAME for a Hugging Face cache snapshot of ORG/NAME)")
+                   help="the base model's name in the API (default: the last part of config.json's _name_or_path; "
+                        "without one, NAME for a Hugging Face cache snapshot of ORG/NAME, else the folder name)")
     p.add_argument("--host", default="127.0.0.1", help="address the OpenAI API listens on")
     p.add_argument("--port", type=int, default=8000, help="port the OpenAI API listens on")
     p.add_argument("--adapters", type=Path, default=None,

@@ -133,7 +133,12 @@ class Tokenizer:
         except Exception as exc:  # the tokenizers library raises a bare Exception for a file it cannot parse
             raise ValueError(f"{path} cannot be read by the tokenizers library ({exc})") from None
         cfg_path = d / "tokenizer_config.json"
-        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        try:
+            cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{cfg_path} is not readable JSON ({exc})") from None
+        if not isinstance(cfg, dict):
+            raise ValueError(f"{cfg_path} must hold a JSON object, found {type(cfg).__name__}")
         template = cfg.get("chat_template")
         if isinstance(template, list):  # named templates: take "default"
             template = next((t["template"] for t in template if t.get("name") == "default"), None)

@@ -45,7 +45,7 @@ def test_scheduler_model_name_help_states_the_true_default(tmp_path):
     from lorafleet.scheduler.server import model_display_name
 
     help_text = " ".join(subparser("scheduler").format_help().split())
-    assert "(default: config.json's _name_or_path, else the folder name;" in help_text, help_text
+    assert "(default: the last part of config.json's _name_or_path; without one," in help_text, help_text
     (tmp_path / "folder").mkdir()
     (tmp_path / "folder" / "config.json").write_text('{"_name_or_path": "org/real-name"}')
     assert model_display_name(tmp_path / "folder") == "real-name"
@@ -55,6 +55,8 @@ def test_scheduler_model_name_help_states_the_true_default(tmp_path):
     ("missing", "model path {model} does not exist (give the base model's directory"),
     ("no-tokenizer", "the API needs the model's tokenizer: {model} has no tokenizer.json"),
     ("bad-tokenizer", "the API needs the model's tokenizer: {model}/tokenizer.json cannot be read"),
+    ("bad-tokenizer-config", "the API needs the model's tokenizer: {model}/tokenizer_config.json is not readable JSON"),
+    ("list-tokenizer-config", "{model}/tokenizer_config.json must hold a JSON object, found list"),
 ])
 def test_scheduler_without_a_usable_model_says_why_in_one_line(tmp_path, case, expected):
     model = tmp_path / "model"
@@ -62,6 +64,12 @@ def test_scheduler_without_a_usable_model_says_why_in_one_line(tmp_path, case, e
         model.mkdir()
     if case == "bad-tokenizer":
         (model / "tokenizer.json").write_text("not json")
+    if case.endswith("tokenizer-config"):
+        from tokenizers import Tokenizer
+        from tokenizers.models import WordLevel
+
+        Tokenizer(WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")).save(str(model / "tokenizer.json"))
+        (model / "tokenizer_config.json").write_text("{not json" if case.startswith("bad") else "[1, 2]")
     r = subprocess.run([sys.executable, "-m", "lorafleet", "scheduler", "--model", str(model), "--port", "0"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr

@@ -103,9 +103,9 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
     """x [M, K] (bf16/fp16 on the GPU, any float on the CPU) @ w.T + bias -> [M, N] in x's dtype. With the
     CUDA extension `ext`: the activations quantized by its one-launch kernel (see quantize_tokens), and for
     M <= `own_rows` (bf16, K a multiple of 64, N of 16) the product on its FP8 kernel (csrc/fp8_gemm.cu);
-    M <= `swap_rows` (and a multiple of 16): cuBLASLt computes (w @ x.T).T, the weight as the long operand.
-    M <= 64 and N * K >= `unit_scale_elems` > 0: the product of the e4m3 operands with unit scales into fp32,
-    then times the token and row scales (the same arithmetic; cuBLASLt streams large weights faster there).
+    Then, M <= 64 and N * K >= `unit_scale_elems` > 0: the product of the e4m3 operands with unit scales into
+    fp32, then times the token and row scales (the same arithmetic; cuBLASLt streams large weights faster there).
+    Then, M <= `swap_rows` (and a multiple of 16): cuBLASLt computes (w @ x.T).T, the weight as the long operand.
     Otherwise torch._scaled_mm with per-token and per-row scales."""
     if not tensor_cores:
         y = torch.nn.functional.linear(x, w.dequant(x.dtype))

@@ -476,8 +476,9 @@ def engine_config_dict(args: argparse.Namespace) -> dict:
     return d
 
 
-def service_from_args(args: argparse.Namespace, model: str) -> RunnerService:
-    runner_id = args.id or env.runner_id() or f"{socket.gethostname()}:{args.port}"
+def service_from_args(args: argparse.Namespace, model: str, port: int | None = None) -> RunnerService:
+    """`port`: the port actually bound (differs from args.port when that is 0), for the default runner id."""
+    runner_id = args.id or env.runner_id() or f"{socket.gethostname()}:{args.port if port is None else port}"
     client = EngineClient(model, engine_config_dict(args), log_level=str(args.log_level))
     return RunnerService(client, runner_id, args.grace_seconds)
 
@@ -485,7 +486,9 @@ def service_from_args(args: argparse.Namespace, model: str) -> RunnerService:
 def run(args: argparse.Namespace) -> int:
     from lorafleet.scheduler.listen import ListenError, bind
 
-    try:  # before fetching or loading the model: a busy port is reported at once
+    # Before fetching or loading the model, so a busy port is reported at once. Until the app runs, connections
+    # wait in the listen backlog (health probes time out rather than being refused: the same "not ready").
+    try:
         sock = bind(args.host, args.port)
     except ListenError as exc:
         log.error("%s", exc)
@@ -495,7 +498,7 @@ def run(args: argparse.Namespace) -> int:
         from lorafleet.common.sources import fetch_model
 
         model = str(fetch_model(model, cache_dir=env.cache_dir() / "models"))
-    service = service_from_args(args, model)
+    service = service_from_args(args, model, port=sock.getsockname()[1])
     app = create_app(service, env.runner_token())
     log.info("runner %s listening on %s:%d (pid %d)", service.id, args.host, sock.getsockname()[1], os.getpid())
     web.run_app(app, sock=sock, print=None, handle_signals=True, access_log=None,

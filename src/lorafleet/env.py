@@ -151,15 +151,17 @@ def fp8_gemm_rows() -> int:
     return rows
 
 
-UNIT_SCALE_ELEMS_DEFAULT = 1 << 27
+UNIT_SCALE_ELEMS_DEFAULT = 3 << 26
 
 
 def fp8_unit_scale_elems() -> int:
     """LORAFLEET_FP8_UNIT_SCALE_ELEMS: with FP8 weights on CUDA, steps of at most 64 rows whose weight has at
     least this many elements run the FP8 product with unit scales and fp32 output, the per-token and per-row
     scales applied after it (the same products: cuBLASLt picks a kernel that streams large weights faster
-    for this call: the Llama-2-70B decode step 15 % shorter, docs/benchmarks.md section 10.5). Default 2**27
-    (134,217,728: 70B's gate_up and down; no 7B-12B shape's weight is that large); 0: never."""
+    for this call: the Llama-2-70B decode step 15 % shorter, docs/benchmarks.md section 10.5; below ~90M
+    elements it is slower, section 10.4). The count is per rank's shard. Default 3 * 2**26 (201,326,592): on
+    one GPU Llama-2-70B's gate_up and down (470M, 235M); Qwen2.5-7B's gate_up (136M) and every 7B-14B shape's
+    weights stay on the per-row call; 0: never."""
     elems = _int("LORAFLEET_FP8_UNIT_SCALE_ELEMS", UNIT_SCALE_ELEMS_DEFAULT)
     if elems < 0:
         raise ValueError(f"LORAFLEET_FP8_UNIT_SCALE_ELEMS must be >= 0, got {elems}")

@@ -16,7 +16,7 @@ import torch
 import teacher
 from family_models import family_targets, write_gpu_family_model
 from fp8_reference import emulate_fp8, rounded_copy
-from lorafleet.runner.config import EngineConfig
+from lorafleet.runner.config import EngineConfig, KernelChoices
 from lorafleet.runner.engine.engine import Engine
 from lorafleet.runner.model.fp8 import E4M3, Fp8Weight, fp8_tensor_cores
 from model_helpers import write_random_adapter
@@ -61,8 +61,8 @@ def test_activation_kernel_gives_the_torch_quantization_bits(dtype):
     # (w @ x.T).T on the tensor cores (KernelChoices.fp8_swap_rows); M = 1 is not swapped
     pytest.param((dict(swap_rows=64), ((1, 256, 512), (16, 256, 512), (32, 4096, 1536), (64, 1024, 4096))),
                  id="swapped"),
-    # unit scales into fp32, the token and row scales after (KernelChoices.fp8_unit_scale_elems); 65 rows: not taken
-    pytest.param((dict(unit_scale_elems=1), ((1, 256, 512), (32, 4096, 1536), (64, 1024, 4096), (65, 256, 512))),
+    # unit scales into fp32, the token and row scales after (KernelChoices.fp8_unit_scale_elems)
+    pytest.param((dict(unit_scale_elems=1), ((1, 256, 512), (32, 4096, 1536), (64, 1024, 4096))),
                  id="unit_scales"),
 ])
 def test_other_fp8_calls_give_the_same_product(variant):
@@ -143,20 +143,25 @@ def reference_continuations(rounded, ads, reqs, kv: bool):
         return [ref.greedy(ids, n, NEW) for ids, n, _ in reqs]
 
 
-@pytest.mark.parametrize("kv,gemm", [("auto", "cublaslt"), ("fp8", "cublaslt"), ("auto", "own")])
-def test_fp8_engine_matches_the_fp32_fp8_reference_teacher_forced(fam, kv, gemm):
-    """(gemm "own": every step on csrc/fp8_gemm.cu: KernelChoices.fp8_gemm_rows = 64 and steps of at most 64
-    rows, prompts in chunks)"""
-    from lorafleet.runner.config import KernelChoices
+GEMM_CHOICES = {  # gemm -> the engine's kernel choices and step size for that FP8 call
+    "cublaslt": {},
+    # every step on csrc/fp8_gemm.cu: steps of at most 64 rows, prompts in chunks
+    "own": {"kernels": KernelChoices(fp8_gemm_rows=64), "max_step_tokens": 64},
+    # every projection of every step of at most 64 rows on the unit-scale call (every weight is large enough)
+    "unit": {"kernels": KernelChoices(fp8_unit_scale_elems=1), "max_step_tokens": 64},
+}
 
+
+@pytest.mark.parametrize("kv,gemm", [("auto", "cublaslt"), ("fp8", "cublaslt"), ("auto", "own"), ("auto", "unit")])
+def test_fp8_engine_matches_the_fp32_fp8_reference_teacher_forced(fam, kv, gemm):
+    """Each way of calling the FP8 tensor cores (GEMM_CHOICES) against the fp32 FP8 reference."""
     name, model, rounded, ads, reqs = fam
     fp8kv = kv == "fp8"
     toks = reference_continuations(rounded, ads, reqs, fp8kv)
     emulate = functools.partial(emulate_fp8, activations=True, kv=fp8kv)
-    own = {"kernels": KernelChoices(fp8_gemm_rows=64), "max_step_tokens": 64} if gemm == "own" else {}
     eng = teacher.teacher_forced_check(model, ads, reqs, toks, "bfloat16", f"{name} fp8 kv={kv} gemm={gemm}",
                                        ref_model=rounded, emulate=emulate, quantization="fp8", kv_cache_dtype=kv,
-                                       **own)
+                                       **GEMM_CHOICES[gemm])
     layer = eng.model.layers[0]
     assert isinstance(layer.qkv, Fp8Weight) and layer.qkv.q.dtype == E4M3 and layer.qkv.q.is_cuda
     assert (eng.kv.k.dtype == E4M3) == fp8kv
@@ -173,15 +178,14 @@ def test_fp8_reference_is_not_the_bf16_model(fam):
     assert base != toks, name
 
 
-@pytest.mark.parametrize("kv,gemm", [("auto", "cublaslt"), ("fp8", "cublaslt"), ("auto", "own")])
+@pytest.mark.parametrize("kv,gemm", [("auto", "cublaslt"), ("fp8", "cublaslt"), ("auto", "own"), ("auto", "unit")])
 def test_fp8_decode_graph_replay_matches_the_eager_step(fam, kv, gemm):
-    """(gemm "own": the project's FP8 kernel, its K-split workspace and counter memset captured in the graph)"""
-    from lorafleet.runner.config import KernelChoices
-
+    """(gemm "own": the project's FP8 kernel, its K-split workspace and counter memset captured in the graph;
+    "unit": the unit scale made before the capture)"""
     name, model, _, _, reqs = fam
-    own = {"kernels": KernelChoices(fp8_gemm_rows=64)} if gemm == "own" else {}
+    kernels = {k: v for k, v in GEMM_CHOICES[gemm].items() if k == "kernels"}
     eng = teacher.decode_graph_vs_eager(model, reqs[:4] * 2, f"{name} fp8 kv={kv} gemm={gemm}", quantization="fp8",
-                                        kv_cache_dtype=kv, **own)
+                                        kv_cache_dtype=kv, **kernels)
     assert isinstance(eng.model.layers[0].qkv, Fp8Weight)
 
 
