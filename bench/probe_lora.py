@@ -46,6 +46,25 @@ def _acc(t: torch.Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
 
 
+def write_v_blocks(tail: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, row_adapter: torch.Tensor, S: int):
+    """The extra K columns of [x | V] (tail: [T, S*G*R], a view): row t's v [G, R] in its adapter's block, zeros
+    elsewhere."""
+    T = tail.shape[0]
+    blocks = tail.view(T, S, -1)
+    blocks.zero_()
+    blocks[rows, row_adapter] = v.reshape(T, -1).to(tail.dtype)
+
+
+def write_b_blocks(tail: torch.Tensor, bs, outs, S: int, G: int, R: int):
+    """The extra K columns of [W | Bcat] (tail: [N, S*G*R], a view): projection g's B^T ([S, R, N_g] in
+    bs[g]) in its (adapter, g) block; the other projections' blocks are left as they are (zeros)."""
+    wb = tail.view(tail.shape[0], S, G, R)
+    lo = 0
+    for g, n in enumerate(outs):
+        wb[lo:lo + n, :, g, :].copy_(bs[g].permute(2, 0, 1))  # [N_g, S, R]
+        lo += n
+
+
 class formulations:
     """The alternatives as plain torch, for one group: x [T, K]; w [N, K] (the group's projections stacked);
     a [S, G, R, K] and b [S, G, R, N_g] of the step's adapters; row_adapter [T] (index into S). Products in
@@ -71,17 +90,12 @@ class formulations:
         S, G, R = a.shape[0], a.shape[1], a.shape[2]
         if v is None:
             v = torch.einsum("tk,tgrk->tgr", x.to(_acc(x)), a[row_adapter].to(_acc(x)))
-        xe = torch.zeros(T, K + S * G * R, dtype=x.dtype, device=x.device)
+        xe = torch.empty(T, K + S * G * R, dtype=x.dtype, device=x.device)
         xe[:, :K] = x
-        blocks = xe[:, K:].view(T, S, G, R)
-        blocks[torch.arange(T, device=x.device), row_adapter] = v.to(x.dtype)
+        write_v_blocks(xe[:, K:], v, torch.arange(T, device=x.device), row_adapter, S)
         we = torch.zeros(w.shape[0], K + S * G * R, dtype=w.dtype, device=w.device)
         we[:, :K] = w
-        wb = we[:, K:].view(w.shape[0], S, G, R)
-        lo = 0
-        for g, n in enumerate(outs):
-            wb[lo:lo + n, :, g, :] = b[:, g].permute(2, 0, 1)  # [N_g, S, R]
-            lo += n
+        write_b_blocks(we[:, K:], [b[:, g] for g in range(G)], outs, S, G, R)
         return xe, we
 
     @staticmethod
@@ -156,14 +170,8 @@ def probe_group(name: str, T: int, n_adapters: int, decode: bool, tm, copies: in
     def kcat():
         c = nxt()
         sgmv.shrink(v, x, pool_a[c], ranks, None, seg, mma_min_rows=MMA_ROWS[name][0] if not decode else 1 << 30)
-        blocks = xe[:, K:].view(T, S, G * RANK)
-        blocks.zero_()
-        blocks[all_rows, slot_col] = v.view(T, G * RANK).to(dt)
-        wb = wes[c][:, K:].view(N, S, G, RANK)
-        lo = 0
-        for g, n in enumerate(outs):  # the step's B into the spare columns (a per-step copy)
-            wb[lo:lo + n, :, g, :].copy_(pool_b[c][g].permute(2, 0, 1))
-            lo += n
+        write_v_blocks(xe[:, K:], v, all_rows, slot_col, S)
+        write_b_blocks(wes[c][:, K:], pool_b[c], outs, S, G, RANK)  # the step's B: a per-step copy
         torch.mm(xe, wes[c].t(), out=y)
 
     fns = {"base": base, "today": today, "kcat": kcat}
