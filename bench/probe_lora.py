@@ -174,7 +174,64 @@ def probe_group(name: str, T: int, n_adapters: int, decode: bool, tm, copies: in
         write_b_blocks(wes[c][:, K:], pool_b[c], outs, S, G, RANK)  # the step's B: a per-step copy
         torch.mm(xe, wes[c].t(), out=y)
 
-    fns = {"base": base, "today": today, "kcat": kcat}
+    def shrink():  # today's shrink alone (the part of `today` that reads x)
+        sgmv.shrink(v, x, pool_a[nxt()], ranks, None, seg, mma_min_rows=MMA_ROWS[name][0] if not decode else 1 << 30)
+
+    def expand():  # today's expand alone (the read-modify-write of y)
+        sgmv.expand(views(y), v, pool_b[nxt()], ranks, None, seg,
+                    mma_min_rows=MMA_ROWS[name][1] if not decode else 1 << 30)
+
+    def kcat_gemm():  # the K-extended GEMM alone, operands in place (what the layer would pay if the norm
+        torch.mm(xe, wes[nxt()].t(), out=y)  # wrote [x | V] and the weight carried the step's B)
+
+    hp = list(seg.host_indptr)
+    bounds = [(hp[i], hp[i + 1], sl) for i, sl in enumerate(seg.host_slots)]
+    vb = torch.empty(T, RANK, device=dev, dtype=dt)
+
+    def cublas():  # the base GEMM, then per segment and projection x_s A^T and y_s += v_s B with cuBLAS
+        c = nxt()
+        torch.mm(x, ws[c].t(), out=y)
+        ys = views(y)
+        for lo, hi, s_i in bounds:
+            for g in range(G):
+                torch.mm(x[lo:hi], pool_a[c][g][s_i].t(), out=vb[lo:hi])
+                ys[g][lo:hi].addmm_(vb[lo:hi], pool_b[c][g][s_i])
+
+    # per adapter of the step: its A rows of the group stacked [G*R, K] and its B block-diagonal [G*R, N]
+    # (built at load time in an engine; not timed)
+    a_stack = [[torch.cat([pool_a[c][g][s_i] for g in range(G)], 0) for s_i in range(S)] for c in range(copies)]
+    b_block = []
+    for c in range(copies):
+        blocks = []
+        for s_i in range(S):
+            bb = torch.zeros(G * RANK, N, device=dev, dtype=dt)
+            lo = 0
+            for g, n in enumerate(outs):
+                bb[g * RANK:(g + 1) * RANK, lo:lo + n] = pool_b[c][g][s_i]
+                lo += n
+            blocks.append(bb)
+        b_block.append(blocks)
+    vg = torch.empty(T, G * RANK, device=dev, dtype=dt)
+
+    def first():  # per segment v = x_s A_stack^T, y_s = v B_block (y written once), then y += x W^T (beta = 1)
+        c = nxt()
+        for lo, hi, s_i in bounds:
+            torch.mm(x[lo:hi], a_stack[c][s_i].t(), out=vg[lo:hi])
+            torch.mm(vg[lo:hi], b_block[c][s_i], out=y[lo:hi])
+        y.addmm_(x, ws[c].t())
+
+    def first_views():  # the same with the pool's per-projection A and B (y's column views as outputs)
+        c = nxt()
+        ys = views(y)
+        for lo, hi, s_i in bounds:
+            for g in range(G):
+                torch.mm(x[lo:hi], pool_a[c][g][s_i].t(), out=vb[lo:hi])
+                torch.mm(vb[lo:hi], pool_b[c][g][s_i], out=ys[g][lo:hi])
+        y.addmm_(x, ws[c].t())
+
+    fns = {"base": base, "today": today, "kcat": kcat, "shrink": shrink, "expand": expand, "kcat_gemm": kcat_gemm}
+    if not decode:
+        fns.update(cublas=cublas, first=first, first_views=first_views)
     if S == 1:
         scratch = torch.empty(N, K, device=dev, dtype=dt)
 
@@ -197,6 +254,14 @@ def probe_group(name: str, T: int, n_adapters: int, decode: bool, tm, copies: in
 
         fns["launch_floor"] = launch_floor
     row = {"group": name, "rows": T, "adapters": S, "decode": decode}
+    if not decode:  # the cuBLAS orders against the engine's call, same operands: largest |diff| / largest |y|
+        i[0] = copies - 1
+        today()
+        ref = y.float().clone()
+        for label in ("cublas", "first", "first_views"):
+            i[0] = copies - 1
+            fns[label]()
+            row[f"{label}_rel_diff"] = float((y.float() - ref).abs().max() / ref.abs().max())
     for label, fn in fns.items():
         try:
             row[label] = round(tm.graph_us([fn] * 8), 2)
@@ -219,13 +284,16 @@ def main(argv=None) -> int:
     summary = []
     for T, S, d in cases:
         rs = [r for r in rows if (r["rows"], r["adapters"], r["decode"]) == (T, S, d)]
-        layer = {k: round(sum(r[k] for r in rs), 1) for k in ("base", "today", "kcat", "merged", "launch_floor")
+        layer = {k: round(sum(r[k] for r in rs), 1) for k in ("base", "today", "kcat", "merged", "launch_floor",
+                                                                   "shrink", "expand", "kcat_gemm", "cublas", "first",
+                                                                   "first_views")
                  if all(r.get(k) is not None for r in rs)}
         s = {"rows": T, "adapters": S, "decode": d, "us_per_layer": layer,
              "ms_per_step_32_layers": {k: round(us * LAYERS / 1000, 3) for k, us in layer.items()}}
         if "today" in layer:
             s["lora_over_base"] = {k: round((layer[k] - layer["base"]) / layer["base"], 3) for k in layer
-                                   if k in ("today", "kcat", "merged")}
+                                   if k in ("today", "kcat", "merged", "kcat_gemm", "cublas",
+                                                                          "first", "first_views")}
         summary.append(s)
         print(f"{'decode' if d else 'prefill'} T={T} adapters={S}: " + "  ".join(f"{k} {us} us" for k, us in layer.items()))
     out = {"card": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
