@@ -36,6 +36,8 @@
 #   lora     LoRA's cost (bench e2e --profile --prefill): distinct, identical, LoRA off (LORA_REQS, default 1000),
 #            per decode step the LoRA kernels beside their adapters' byte time (distinct and one adapter), and the
 #            prefill of 64 prompts of 2,048 tokens with LoRA off / one adapter / 64 distinct   -> e2e_lora.json
+#   lorapf   the prefill benchmark (after a 32-request identical run; 64 prompts of 2,048 tokens; LoRA off, one adapter, 64 distinct), first with
+#            every step on the LoRA kernels (LORAFLEET_DENSE_LORA_ROWS=0), then the default -> prefill_dense_{0,default}.json
 #   shapes   bench e2e --shape S for S in SHAPES (default llama3-8b qwen2.5-7b gemma-3-12b): distinct, identical,
 #            LoRA off, SHAPE_REQS requests (default 300) -> shape_S.json
 #   plantest the flashinfer plan GPU test alone
@@ -184,6 +186,14 @@ print({'rowwise': '', 'rowwise_swapped': 'LORAFLEET_FP8_SWAP_ROWS=64', 'own': 'L
       timeout ${LORA_S:-540} $E2E --requests ${LORA_REQS:-1000} --mixes distinct identical --sweep --hf-requests 0 \
         --profile --prefill --out "$OUT/e2e_lora${TAG:+_$TAG}.json" 2>&1 | tee "$LOGS/e2e_lora${TAG:+_$TAG}.log" \
         | grep -E "tok/s|LoRA per decode|prefill|Error|Traceback" | tail -14 ;;
+    lorapf)
+      local v
+      for v in 0 ""; do  # the LoRA kernels for every step, then the default (long prompt chunks on the dense path)
+        LORAFLEET_DENSE_LORA_ROWS=$v timeout ${LORA_S:-300} python3 -m lorafleet --log-level WARNING bench e2e \
+          --requests 32 --mixes identical --no-lora-off --sweep --hf-requests 0 --prefill \
+          --out "$OUT/prefill_dense_${v:-default}.json" 2>&1 | tee "$LOGS/prefill_dense_${v:-default}.log" \
+          | grep -E "prefill|Error|Traceback" | tail -6
+      done ;;
     shapes)
       local s
       for s in ${SHAPES:-llama3-8b qwen2.5-7b gemma-3-12b}; do

@@ -18,6 +18,9 @@ from lorafleet import env
     ("LORAFLEET_SGMV_FUSED", env.sgmv_fused, "0", "0"),
     ("LORAFLEET_SGMV_FUSED", env.sgmv_fused, "1", "1"),
     ("LORAFLEET_SGMV_FUSED", env.sgmv_fused, " AUTO", "auto"),
+    ("LORAFLEET_DENSE_LORA_ROWS", env.dense_lora_rows, None, 256),
+    ("LORAFLEET_DENSE_LORA_ROWS", env.dense_lora_rows, "0", 0),
+    ("LORAFLEET_DENSE_LORA_ROWS", env.dense_lora_rows, "1024", 1024),
 ])
 def test_values(monkeypatch, var, read, value, want):
     if value is None:
@@ -227,3 +230,15 @@ def test_prefer_cublaslt_restores_the_backend_under_overlapping_holders(monkeypa
         t.join(10)
     assert seen == ["cublaslt"]
     assert state["backend"] == "cublas"
+
+
+def test_dense_lora_rows_refuses_a_negative_count(monkeypatch):
+    monkeypatch.setenv("LORAFLEET_DENSE_LORA_ROWS", "-1")
+    with pytest.raises(ValueError, match="LORAFLEET_DENSE_LORA_ROWS must be >= 0, got -1"):
+        env.dense_lora_rows()
+    monkeypatch.setenv("LORAFLEET_DENSE_LORA_ROWS", "512")
+    from lorafleet.runner.config import KernelChoices
+
+    assert KernelChoices.from_env().dense_lora_rows == 512
+    with pytest.raises(ValueError, match="dense_lora_rows must be >= 0"):
+        KernelChoices(dense_lora_rows=-5)

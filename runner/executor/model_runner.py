@@ -6,8 +6,9 @@
 Every executor reads the same `StepBatch` (runner/engine/step_batch.py) and its device copy
 (`batch.to_device(...)`, a `DeviceStep`):
 decode-only steps replay a CUDA graph per batch bucket (cuda_graph.py), steps with prefill replay
-piecewise graphs around eager attention (piecewise.py), and anything else runs the forward pass
-eagerly (the CPU path, and the fallback). None of them rebuilds or reorders the batch.
+piecewise graphs around eager attention (piecewise.py), steps of long prompt chunks of few adapters run
+eagerly with their LoRA written before the base GEMMs (runner/lora/step.py, dense_lora_bounds), and
+anything else runs the forward pass eagerly (the CPU path, and the fallback). None of them rebuilds or reorders the batch.
 
 Overlap: `launch` returns as soon as the work is queued on the device. The sampled ids stay on the
 device (`InFlight.tokens_dev`), where the next step's input rows read them, and are copied to
@@ -21,9 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
-from lorafleet.runner.lora.step import LoraStepImpl
+from lorafleet.runner.lora.step import LoraStepImpl, dense_lora_bounds
 from lorafleet.runner.config import KernelChoices
 from lorafleet.runner.model.decoder import Decoder, StepIO
+from lorafleet.runner.model.fp8 import Fp8Weight
 from lorafleet.runner.executor.sampler import sample_tokens
 
 
@@ -84,7 +86,10 @@ class ModelRunner:
         t1 = time.perf_counter() if self.phases is not None else 0.0
         logits = None
         kind = "eager"
-        if batch.decode_only and self.graphs is not None and self.graphs.bucket(batch.batch_size) is not None:
+        dense = self._dense_lora(batch, d)
+        if dense is not None:  # long prompt chunks: eagerly, their LoRA written before the base GEMMs
+            logits = self.forward(batch, d, dense)
+        elif batch.decode_only and self.graphs is not None and self.graphs.bucket(batch.batch_size) is not None:
             kind, logits = "graph", self.graphs.run(batch, d)
         elif self.mixed is not None:
             logits = self.mixed.run(batch, d)
@@ -105,12 +110,20 @@ class ModelRunner:
             acc[3] += 1
         return out
 
-    def forward(self, batch: "StepBatch", d: "DeviceStep") -> torch.Tensor:
-        """The whole step eagerly: logits fp32 [B, V] (one row per request, its last row)."""
+    def _dense_lora(self, batch: "StepBatch", d: "DeviceStep") -> list[tuple[int, int, int]] | None:
+        """The adapted segments of a step that takes LoRA's dense path (runner/lora/step.py), else None."""
+        if self.lora_pool is None or not d.seg.any_adapter or isinstance(self.model.layers[0].qkv, Fp8Weight):
+            return None
+        return dense_lora_bounds(d.seg, batch.num_tokens, self.kernels)
+
+    def forward(self, batch: "StepBatch", d: "DeviceStep", dense: list[tuple[int, int, int]] | None = None
+                ) -> torch.Tensor:
+        """The whole step eagerly: logits fp32 [B, V] (one row per request, its last row). `dense`: the
+        step's adapted segments on LoRA's dense path."""
         attn_step = self.attention.begin(d.attn_meta(batch))
         lora = None
         if self.lora_pool is not None and d.seg.any_adapter:
-            lora = LoraStepImpl(self.lora_pool, self.sgmv, d.seg, self._workspace, kernels=self.kernels)
+            lora = LoraStepImpl(self.lora_pool, self.sgmv, d.seg, self._workspace, kernels=self.kernels, dense=dense)
             self._workspace = lora.ws
         io = StepIO(d.input_ids, d.positions, d.slot_mapping, d.logit_rows)
         return self.model.forward(io, attn_step, lora)

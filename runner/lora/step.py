@@ -41,6 +41,32 @@ def mixed_fused(kernels: KernelChoices) -> bool:
     return MIXED_FUSED if kernels.sgmv_fused == "auto" else kernels.sgmv_fused == "1"
 
 
+# Long prompt chunks: the dense path (KernelChoices.dense_lora_rows). Per segment and projection,
+# v = x_s A^T and x_s A^T B written into the projection's output rows (zeros where a row has no adapter),
+# then the base GEMM accumulates onto them (beta = 1: the output is read in its epilogue, which a
+# compute-bound GEMM hides). The LoRA kernels instead read and write the GEMM's output once more, and their
+# 16-row shrink tiles re-read x per projection and A per tile. `python bench/probe_lora.py` on the H200
+# (Llama-2-7B shapes, rank 16, a 2,048-row segment, docs/perf_notes.md): LoRA 436 us per layer on the
+# kernels, 244 us dense (208 with A and B stacked per adapter); 8 segments of 256 rows 633 against 417 us
+# (stacked; per projection 673: more launches). Eager steps launch every product from the host, so the path
+# is kept to steps long enough to hide that (DENSE_LORA_MIN_TOKENS) with few segments.
+DENSE_LORA_MIN_TOKENS = 1024
+DENSE_LORA_MAX_SEGMENTS = 4
+
+
+def dense_lora_bounds(seg: SegmentTable, num_tokens: int, kernels: KernelChoices) -> list[tuple[int, int, int]] | None:
+    """The step's adapted segments as (lo, hi, slot) when it takes the dense path, else None."""
+    if kernels.dense_lora_rows <= 0 or num_tokens < DENSE_LORA_MIN_TOKENS:
+        return None
+    hp = seg.host_indptr
+    bounds = [(hp[i], hp[i + 1], s) for i, s in enumerate(seg.host_slots) if s >= 0 and hp[i + 1] > hp[i]]
+    if not bounds or len(bounds) > DENSE_LORA_MAX_SEGMENTS:
+        return None
+    if any(hi - lo < kernels.dense_lora_rows for lo, hi, _ in bounds):
+        return None
+    return bounds
+
+
 class LoraStepImpl:
     """The LoRA half of a step: `mma=False` (the decode CUDA graphs) puts every segment on the CUDA-core
     path (two launches per group, DECODE_FUSED); otherwise (eager and piecewise steps, also decode-only
@@ -48,8 +74,12 @@ class LoraStepImpl:
     thresholds is one fused launch (MIXED_FUSED, KernelChoices.sgmv_fused). The bits are the same either way."""
 
     def __init__(self, pool: LoraPool, sgmv: SGMV, seg: SegmentTable, workspace: torch.Tensor | None = None,
-                 mma: bool = True, qkv_expand_in_rope: bool = False, kernels: KernelChoices = KernelChoices()):
+                 mma: bool = True, qkv_expand_in_rope: bool = False, kernels: KernelChoices = KernelChoices(),
+                 dense: list[tuple[int, int, int]] | None = None):
         self.pool, self.sgmv, self.seg, self.mma = pool, sgmv, seg, mma
+        # (lo, hi, slot) of the adapted segments of an eager step on the dense path (dense_lora_bounds), or None
+        self.dense = dense
+        self._dense_rows = sum(hi - lo for lo, hi, _ in dense) if dense is not None else 0
         self.mma_rows = kernels.mma_rows
         # Decode graphs with the fused K/V writer (KernelChoices.rope_kv_lora): the qkv group's expand is left to that
         # kernel (add_qkv), which adds it in the same order as the CUDA-core expand.
@@ -96,3 +126,33 @@ class LoraStepImpl:
         a, b, ranks, host = self.pool.group_args[layer][group]  # ranks [G, S]
         self.sgmv.add(ys, v, x, a, b, ranks, host, self.seg, self.mma, self.mma_rows[group],
                       fused=self.fused)
+
+    def dense_linear(self, layer: int, group: int, x: torch.Tensor, w: torch.Tensor,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ w.T + bias plus the group's LoRA on the dense path (self.dense): per segment and projection,
+        (x_s A^T) B written into the output (v rounded to x's dtype, as the kernels and TorchSGMV do),
+        rows without an adapter zeroed, then the base product accumulated onto it."""
+        a, b, ranks, host = self.pool.group_args[layer][group]  # a[g] [S, R, in], b[g] [S, R, out_g]
+        T = x.shape[0]
+        y = torch.empty(T, w.shape[0], dtype=x.dtype, device=x.device)
+        covers = self._dense_rows == T
+        if not covers:
+            y.zero_()
+        ys, lo_col = [], 0
+        for b_g in b:
+            ys.append(y[:, lo_col: lo_col + b_g.shape[-1]])
+            lo_col += b_g.shape[-1]
+        if lo_col != w.shape[0]:
+            raise ValueError(f"LoRA outputs of group {group} cover {lo_col} columns, the weight has {w.shape[0]}")
+        for lo, hi, s in self.dense:
+            xs = x[lo:hi]
+            for g in range(len(b)):
+                r = host[g][s]
+                if r:
+                    torch.mm(torch.mm(xs, a[g][s, :r].t()), b[g][s, :r], out=ys[g][lo:hi])
+                elif covers:
+                    ys[g][lo:hi].zero_()
+        y.addmm_(x, w.t())
+        if bias is not None:
+            y.add_(bias)
+        return y

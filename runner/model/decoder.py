@@ -48,6 +48,13 @@ class LoraStep(Protocol):
     def add_qkv(self, layer: int, x: torch.Tensor, ys: tuple[torch.Tensor, ...]):
         """The qkv group: adds it (returns None), or leaves the expand to the K/V writer (returns its operands)."""
 
+    # not None: the step's LoRA is written before the base products (dense_linear), not added after them
+    dense: list[tuple[int, int, int]] | None
+
+    def dense_linear(self, layer: int, group: int, x: torch.Tensor, w: torch.Tensor,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ w.T + bias with the group's LoRA add-on, one output written once."""
+
 
 @dataclass
 class LayerWeights:
@@ -204,10 +211,13 @@ class Decoder:
             residual, x = h, ops.rms_norm(h, lw.attn_norm)
         else:
             x, residual = ops.add_rms_norm(h, residual, lw.attn_norm)
-        qkv = self._linear(x, lw.qkv, lw.qkv_bias)  # [T, q_dim + 2 kv_dim]
         expand = None
-        if lora is not None:
-            expand = lora.add_qkv(i, x, qkv.split([c.q_dim, c.kv_dim, c.kv_dim], dim=-1))
+        if self._dense(lora, lw.qkv):
+            qkv = lora.dense_linear(i, QKV, x, lw.qkv, lw.qkv_bias)
+        else:
+            qkv = self._linear(x, lw.qkv, lw.qkv_bias)  # [T, q_dim + 2 kv_dim]
+            if lora is not None:
+                expand = lora.add_qkv(i, x, qkv.split([c.q_dim, c.kv_dim, c.kv_dim], dim=-1))
         if lw.q_norm is not None:
             T = qkv.shape[0]
             q, k = qkv[:, : c.q_dim].view(T, c.num_heads, c.head_dim), qkv[:, c.q_dim: c.q_dim + c.kv_dim].view(
@@ -222,27 +232,42 @@ class Decoder:
     def post_attention(self, i: int, o: torch.Tensor, residual: torch.Tensor, lora: LoraStep | None):
         """Layer i after attention: o-proj and its LoRA, [norm], add + norm, MLP and its LoRA, [norm]."""
         c, ops, lw = self.cfg, self.ops, self.layers[i]
-        out = self._linear_small(o, lw.o, lw.o_bias)  # [T, H] (a partial sum with tensor parallelism)
-        if lora is not None:
-            lora.add(i, O, o, (out,))
+        if self._dense(lora, lw.o):
+            out = lora.dense_linear(i, O, o, lw.o, lw.o_bias)
+        else:
+            out = self._linear_small(o, lw.o, lw.o_bias)  # [T, H] (a partial sum with tensor parallelism)
+            if lora is not None:
+                lora.add(i, O, o, (out,))
         if self.all_reduce is not None:
             self.all_reduce(out)
         if lw.post_attn_norm is not None:
             out = ops.rms_norm(out, lw.post_attn_norm)
         x, residual = ops.add_rms_norm(out, residual, lw.mlp_norm)
-        gu = self._linear(x, lw.gate_up, lw.gate_up_bias)  # [T, 2 I]
-        if lora is not None:
-            gate, up = gu.split([c.intermediate_size, c.intermediate_size], dim=-1)
-            lora.add(i, GATE_UP, x, (gate, up))
+        if self._dense(lora, lw.gate_up):
+            gu = lora.dense_linear(i, GATE_UP, x, lw.gate_up, lw.gate_up_bias)
+        else:
+            gu = self._linear(x, lw.gate_up, lw.gate_up_bias)  # [T, 2 I]
+            if lora is not None:
+                gate, up = gu.split([c.intermediate_size, c.intermediate_size], dim=-1)
+                lora.add(i, GATE_UP, x, (gate, up))
         a = ops.act_mul(gu, c.intermediate_size)  # [T, I]
-        h = self._linear_small(a, lw.down, lw.down_bias)  # [T, H] (a partial sum with tensor parallelism)
-        if lora is not None:
-            lora.add(i, DOWN, a, (h,))
+        if self._dense(lora, lw.down):
+            h = lora.dense_linear(i, DOWN, a, lw.down, lw.down_bias)
+        else:
+            h = self._linear_small(a, lw.down, lw.down_bias)  # [T, H] (a partial sum with tensor parallelism)
+            if lora is not None:
+                lora.add(i, DOWN, a, (h,))
         if self.all_reduce is not None:
             self.all_reduce(h)
         if lw.post_mlp_norm is not None:
             h = ops.rms_norm(h, lw.post_mlp_norm)
         return h, residual
+
+    @staticmethod
+    def _dense(lora: LoraStep | None, w) -> bool:
+        """The step's LoRA takes the dense path for this weight (runner/lora/step.py: an eager step of long
+        segments; a bf16/fp16/fp32 weight, whose product can accumulate onto the add-on)."""
+        return lora is not None and getattr(lora, "dense", None) is not None and not isinstance(w, Fp8Weight)
 
     def _linear(self, x: torch.Tensor, w, b: torch.Tensor | None) -> torch.Tensor:
         """x @ w.T + b for a bf16/fp16/fp32 weight or an FP8 one."""

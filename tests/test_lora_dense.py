@@ -1,0 +1,132 @@
+"""LoRA's dense path for long prompt chunks (runner/lora/step.py): which steps take it, its product against
+an independent per-row fp32 loop, and an engine on it against HF transformers + PEFT."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lorafleet.runner.config import EngineConfig, KernelChoices
+from lorafleet.runner.lora import step as lora_step
+from lorafleet.runner.lora.segments import build_segments
+from lorafleet.runner.lora.sgmv import TorchSGMV, fp32_loop_reference
+from lorafleet.runner.lora.step import LoraStepImpl, dense_lora_bounds
+
+K, R, S = 12, 4, 3
+OUTS = (8, 4, 4)
+
+
+def _rows(*runs):
+    out = []
+    for n, slot in runs:
+        out += [slot] * n
+    return out
+
+
+@pytest.mark.parametrize("runs,tokens,rows,want", [
+    ([(1200, 0)], 1200, 256, [(0, 1200, 0)]),
+    ([(600, 0), (10, -1), (600, 2)], 1210, 256, [(0, 600, 0), (610, 1210, 2)]),  # rows without adapter allowed
+    ([(1000, 0)], 1000, 256, None),  # too few tokens in the step
+    ([(1200, 0), (100, 1)], 1300, 256, None),  # one segment too short
+    ([(300, s % 5) for s in range(5)], 1500, 256, None),  # more than DENSE_LORA_MAX_SEGMENTS
+    ([(1200, 0)], 1200, 0, None),  # switched off
+    ([(1200, -1)], 1200, 256, None),  # no adapter at all
+])
+def test_which_steps_take_the_dense_path(runs, tokens, rows, want):
+    seg = build_segments(_rows(*runs))
+    assert dense_lora_bounds(seg, tokens, KernelChoices(dense_lora_rows=rows)) == want
+
+
+def _pool(gen, dtype):
+    """A group's pool: A and B of 3 slots, rows beyond each slot's rank filled with large values that must never
+    be read; slot 1 leaves projection 1 unadapted."""
+    host = [[4, 4, 2], [3, 0, 1], [2, 4, 4]]  # [G][S]
+    a = [torch.randn(S, R, K, generator=gen).to(dtype) for _ in OUTS]
+    b = [torch.randn(S, R, n, generator=gen).to(dtype) for n in OUTS]
+    for g in range(len(OUTS)):
+        for s in range(S):
+            a[g][s, host[g][s]:] = 1e4
+            b[g][s, host[g][s]:] = 1e4
+    ranks = torch.tensor(host, dtype=torch.int32)
+    return SimpleNamespace(group_args=[[(a, b, ranks, host)]], device=torch.device("cpu"), max_rank=R), a, b, host
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("runs", [
+    [(10, 2), (4, -1), (16, 0), (10, 1)],  # a row run without adapter: zeros there
+    [(20, 1), (20, 0)],  # every row adapted; slot 1 leaves projection 1 at zero
+])
+def test_dense_linear_equals_the_fp32_loop(runs, bias):
+    gen = torch.Generator().manual_seed(len(runs) + bias)
+    pool, a, b, host = _pool(gen, torch.float32)
+    row_slots = _rows(*runs)
+    seg = build_segments(row_slots)
+    T = len(row_slots)
+    x = torch.randn(T, K, generator=gen)
+    w = torch.randn(sum(OUTS), K, generator=gen)
+    bvec = torch.randn(sum(OUTS), generator=gen) if bias else None
+    bounds = [(seg.host_indptr[i], seg.host_indptr[i + 1], s) for i, s in enumerate(seg.host_slots) if s >= 0]
+    impl = LoraStepImpl(pool, TorchSGMV(), seg, dense=bounds)
+    y = impl.dense_linear(0, 0, x, w, bvec)
+    want = x.double() @ w.double().t() + torch.cat(fp32_loop_reference(x, a, b, host, row_slots), 1).double()
+    if bias:
+        want += bvec.double()
+    assert y.shape == (T, sum(OUTS))
+    torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-4)
+    # the add-on is really there, and absent on rows without an adapter
+    base = x.double() @ w.double().t() + (bvec.double() if bias else 0)
+    adapted = torch.tensor([s >= 0 for s in row_slots])
+    assert (y.double() - base)[adapted].abs().max() > 1e-2
+    torch.testing.assert_close(y.double()[~adapted], base[~adapted], rtol=1e-5, atol=1e-4)
+
+
+def test_dense_linear_refuses_a_weight_that_does_not_match_the_group():
+    gen = torch.Generator().manual_seed(0)
+    pool, *_ = _pool(gen, torch.float32)
+    seg = build_segments(_rows((8, 0)))
+    impl = LoraStepImpl(pool, TorchSGMV(), seg, dense=[(0, 8, 0)])
+    with pytest.raises(ValueError, match="cover 16 columns, the weight has 20"):
+        impl.dense_linear(0, 0, torch.randn(8, K), torch.randn(20, K), None)
+
+
+def test_engine_on_the_dense_path_equals_hf_peft(tiny_llama, tmp_path, monkeypatch):
+    """Prompts of 40-90 tokens with the step-length floor lowered to 32: the prompt steps take the dense path
+    (counted), decode steps the usual one; greedy tokens equal HF + PEFT's, request by request."""
+    from model_helpers import write_random_adapter
+    from reference import HFReference
+    from lorafleet.runner.engine.engine import Engine
+    from lorafleet.runner.engine.sequence import AdapterRef, SamplingParams, Sequence
+
+    adapters = {
+        "a16": write_random_adapter(tiny_llama, tmp_path / "a16", r=16, alpha=32,
+                                    targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                             "down_proj"), seed=11),
+        "a4": write_random_adapter(tiny_llama, tmp_path / "a4", r=4, alpha=8, targets=("v_proj", "up_proj"), seed=12),
+    }
+    monkeypatch.setattr(lora_step, "DENSE_LORA_MIN_TOKENS", 32)
+    calls = []
+    real = LoraStepImpl.dense_linear
+
+    def counted(self, layer, group, x, w, bias):
+        calls.append((layer, group, x.shape[0]))
+        return real(self, layer, group, x, w, bias)
+
+    monkeypatch.setattr(LoraStepImpl, "dense_linear", counted)
+    g = torch.Generator().manual_seed(3)
+    names = ["a16", "a4", None, "a16"]
+    requests = []
+    for name in names:
+        n = int(torch.randint(40, 90, (1,), generator=g))
+        requests.append((torch.randint(3, 512, (n,), generator=g).tolist(), name))
+    eng = Engine(str(tiny_llama), EngineConfig(max_batch_size=8, kv_cache_gb=0.25, max_lora_rank=16, page_size=4,
+                                               kernels=KernelChoices(dense_lora_rows=16)))
+    seqs = [Sequence(f"r{i}", ids, SamplingParams(max_tokens=12), AdapterRef(name, str(adapters[name])) if name else None)
+            for i, (ids, name) in enumerate(requests)]
+    out = eng.run_to_completion(seqs)
+    assert calls, "no step took the dense path"
+    assert {grp for _, grp, _ in calls} == {0, 1, 2, 3}
+    ref = HFReference(tiny_llama, adapters)
+    for i, (ids, name) in enumerate(requests):
+        assert out[f"r{i}"].output_ids == ref.greedy(ids, name, 12, eos=2), name
