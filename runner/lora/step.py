@@ -129,9 +129,10 @@ class LoraStepImpl:
 
     def dense_linear(self, layer: int, group: int, x: torch.Tensor, w: torch.Tensor,
                      bias: torch.Tensor | None) -> torch.Tensor:
-        """x @ w.T + bias plus the group's LoRA on the dense path (self.dense): per segment and projection,
-        (x_s A^T) B written into the output (v rounded to x's dtype, as the kernels and TorchSGMV do),
-        rows without an adapter zeroed, then the base product accumulated onto it."""
+        """x @ w.T + bias plus the group's LoRA on the dense path (self.dense): per segment v = x_s A^T (the
+        projections' A rows stacked, one product), per projection v_g B_g written into the output (v rounded
+        to x's dtype, as the kernels and TorchSGMV do), rows without an adapter zeroed, then the base product
+        accumulated onto it."""
         a, b, ranks, host = self.pool.group_args[layer][group]  # a[g] [S, R, in], b[g] [S, R, out_g]
         T = x.shape[0]
         y = torch.empty(T, w.shape[0], dtype=x.dtype, device=x.device)
@@ -146,10 +147,17 @@ class LoraStepImpl:
             raise ValueError(f"LoRA outputs of group {group} cover {lo_col} columns, the weight has {w.shape[0]}")
         for lo, hi, s in self.dense:
             xs = x[lo:hi]
+            rs = [host[g][s] for g in range(len(b))]
+            used = [g for g in range(len(b)) if rs[g]]
+            if len(used) > 1:  # one shrink over the projections' A rows stacked: x read once
+                v = torch.mm(xs, torch.cat([a[g][s, :rs[g]] for g in used]).t())
+            off = 0
             for g in range(len(b)):
-                r = host[g][s]
+                r = rs[g]
                 if r:
-                    torch.mm(torch.mm(xs, a[g][s, :r].t()), b[g][s, :r], out=ys[g][lo:hi])
+                    vg = v[:, off:off + r] if len(used) > 1 else torch.mm(xs, a[g][s, :r].t())
+                    torch.mm(vg, b[g][s, :r], out=ys[g][lo:hi])
+                    off += r
                 elif covers:
                     ys[g][lo:hi].zero_()
         y.addmm_(x, w.t())
