@@ -8,7 +8,7 @@ from pathlib import Path
 
 
 def write_random_llama(path: Path, *, hidden=128, layers=2, heads=4, kv_heads=4, inter=352, vocab=512,
-                       tied=False, seed=0, std=0.08, rope_scaling=None, rope_theta=10000.0) -> Path:
+                       tied=False, seed=0, std=0.08, rope_scaling=None, rope_theta=10000.0, max_positions=512) -> Path:
     """A small random Llama saved as an HF directory (weights with a useful spread of logits)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -16,7 +16,7 @@ def write_random_llama(path: Path, *, hidden=128, layers=2, heads=4, kv_heads=4,
     torch.manual_seed(seed)
     cfg = LlamaConfig(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
         tie_word_embeddings=tied, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, initializer_range=std,
         rope_scaling=rope_scaling, rope_theta=rope_theta,
     )

@@ -75,6 +75,54 @@ def test_bigger_groups_give_the_tokens_of_one_rank(gqa, tp):
     assert generate(*gqa, tp=tp, n=5, new=4) == generate(*gqa, tp=1, n=5, new=4)
 
 
+def test_tp2_on_the_dense_lora_path_gives_the_tokens_of_one_rank(tmp_path, monkeypatch):
+    """Prompts of 1,100-1,300 tokens, one per step: LoRA's dense path (runner/lora/step.py), its calls counted
+    on rank 0 (this process); the other rank takes the same path from the same batch, and the all-reduced
+    partial sums of o and down (each rank's add-on written before its base product) give one rank's tokens."""
+    from lorafleet.runner.config import KernelChoices
+    from lorafleet.runner.lora.step import LoraStepImpl
+
+    model = write_random_llama(tmp_path / "model", hidden=128, layers=2, heads=16, kv_heads=8, inter=256, vocab=512,
+                               seed=3, max_positions=2048)
+    ads = {"all8": write_random_adapter(model, tmp_path / "all8", r=8, alpha=16, seed=5,
+                                        targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                 "down_proj")),
+           "vd4": write_random_adapter(model, tmp_path / "vd4", r=4, alpha=8, targets=("v_proj", "down_proj"), seed=6),
+           "qou16": write_random_adapter(model, tmp_path / "qou16", r=16, alpha=16,
+                                         targets=("q_proj", "o_proj", "up_proj"), seed=7)}
+    calls = []
+    real = LoraStepImpl.dense_linear
+
+    def counted(self, layer, group, x, w, bias):
+        calls.append(group)
+        return real(self, layer, group, x, w, bias)
+
+    monkeypatch.setattr(LoraStepImpl, "dense_linear", counted)
+    g = torch.Generator().manual_seed(13)
+    names = ["all8", "qou16", None, "vd4"]
+
+    def run(tp):
+        eng = Engine(str(model), EngineConfig(device="cpu", tp=tp, max_batch_size=1, page_size=16, num_pages=400,
+                                              max_lora_rank=16, max_step_tokens=1400,
+                                              kernels=KernelChoices(dense_lora_rows=256)))
+        try:
+            seqs = [Sequence(f"d{i}", p, SamplingParams(max_tokens=4, ignore_eos=True),
+                             AdapterRef(n, str(ads[n])) if n else None) for i, (p, n) in enumerate(zip(prompts, names))]
+            out = eng.run_to_completion(seqs)
+            assert all(v.finish_reason == "length" for v in out.values()), out
+            return {k: v.output_ids for k, v in out.items()}
+        finally:
+            eng.close()
+
+    prompts = [torch.randint(3, 512, (int(torch.randint(1100, 1300, (1,), generator=g)),), generator=g).tolist()
+               for _ in names]
+    one = run(1)
+    assert set(calls) == {0, 1, 2, 3}
+    calls.clear()
+    assert run(2) == one
+    assert set(calls) == {0, 1, 2, 3}
+
+
 def test_a_model_that_does_not_split_is_refused(gqa, tmp_path):
     model = write_random_llama(tmp_path / "m", hidden=96, layers=1, heads=6, kv_heads=3, inter=128, vocab=64)
     with pytest.raises(ModelConfigError, match="KV heads"):
