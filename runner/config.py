@@ -31,9 +31,12 @@ class KernelChoices:
         after; checked before fp8_swap_rows (0: never; the default, 3 * 2**26, takes Llama-2-70B's gate_up and
         down on one GPU).
     pin_host_adapters: adapters read from disk are kept in pinned host memory.
-    dense_lora_rows: a step of at least DENSE_LORA_MIN_TOKENS tokens (runner/lora/step.py) whose adapted rows form at most
-        DENSE_LORA_MAX_SEGMENTS segments, each of at least this many rows, runs eagerly, its LoRA as matrix
-        products per segment written before the base GEMM, which accumulates onto them (0: never).
+    dense_lora_rows: a step with prompt rows whose adapted rows form at most DENSE_LORA_MAX_SEGMENTS segments
+        (runner/lora/step.py), each of at least this many rows, and whose work reaches dense_lora_min_work,
+        runs eagerly, its LoRA as matrix products per segment written before the base GEMM, which accumulates
+        onto them (0: never).
+    dense_lora_min_work: the work floor of that path: token rows x projection weight elements of one layer on
+        this rank (default: 1,024 rows of a Llama-2-7B layer); not read from the environment.
     """
 
     attention: str = "auto"
@@ -50,13 +53,14 @@ class KernelChoices:
     fp8_unit_scale_elems: int = 3 << 26
     pin_host_adapters: bool = False
     dense_lora_rows: int = 256
+    dense_lora_min_work: int = 1024 * 202_375_168
 
     def __post_init__(self):
         for name, ok in (("attention", ("auto", "flashinfer", "torch")), ("prefill", ("auto", "fa2", "fa3")),
                          ("sgmv", ("auto", "cuda", "torch")), ("sgmv_fused", ("auto", "1", "0"))):
             if getattr(self, name) not in ok:
                 raise ValueError(f"kernel choice {name} must be one of {', '.join(ok)}, got {getattr(self, name)!r}")
-        for name in ("blas_lt_rows", "fp8_swap_rows", "fp8_unit_scale_elems", "dense_lora_rows"):
+        for name in ("blas_lt_rows", "fp8_swap_rows", "fp8_unit_scale_elems", "dense_lora_rows", "dense_lora_min_work"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.fp8_gemm_rows <= 64:

@@ -25,24 +25,30 @@ def _rows(*runs):
     return out
 
 
-@pytest.mark.parametrize("runs,tokens,rows,want", [
-    ([(1200, 0)], 1200, 256, [(0, 1200, 0)]),
-    ([(600, 0), (10, -1), (600, 2)], 1210, 256, [(0, 600, 0), (610, 1210, 2)]),  # rows without adapter allowed
-    ([(1000, 0)], 1000, 256, None),  # too few tokens in the step
-    ([(1200, 0), (100, 1)], 1300, 256, None),  # one segment too short
-    ([(300, s % 5) for s in range(5)], 1500, 256, None),  # more than DENSE_LORA_MAX_SEGMENTS
-    ([(1200, 0)], 1200, 0, None),  # switched off
-    ([(1200, -1)], 1200, 256, None),  # no adapter at all
+LLAMA2_7B_LAYER = 202_375_168  # projection weight elements of one layer
+
+
+@pytest.mark.parametrize("runs,tokens,rows,elems,want", [
+    ([(1200, 0)], 1200, 256, LLAMA2_7B_LAYER, [(0, 1200, 0)]),
+    ([(600, 0), (10, -1), (600, 2)], 1210, 256, LLAMA2_7B_LAYER, [(0, 600, 0), (610, 1210, 2)]),  # unadapted rows
+    ([(1000, 0)], 1000, 256, LLAMA2_7B_LAYER, None),  # too little work in the step
+    ([(1200, 0)], 1200, 256, LLAMA2_7B_LAYER // 2, None),  # ... e.g. a rank's half of the layer
+    ([(2048, 0)], 2048, 256, LLAMA2_7B_LAYER // 2, [(0, 2048, 0)]),  # ... with twice the rows
+    ([(2048, 0)], 2048, 256, 3_500_000, None),  # a 135M model never qualifies
+    ([(1200, 0), (100, 1)], 1300, 256, LLAMA2_7B_LAYER, None),  # one segment too short
+    ([(300, s % 5) for s in range(5)], 1500, 256, LLAMA2_7B_LAYER, None),  # more than DENSE_LORA_MAX_SEGMENTS
+    ([(1200, 0)], 1200, 0, LLAMA2_7B_LAYER, None),  # switched off
+    ([(1200, -1)], 1200, 256, LLAMA2_7B_LAYER, None),  # no adapter at all
 ])
-def test_which_steps_take_the_dense_path(runs, tokens, rows, want):
+def test_which_steps_take_the_dense_path(runs, tokens, rows, elems, want):
     seg = build_segments(_rows(*runs))
-    assert dense_lora_bounds(seg, tokens, KernelChoices(dense_lora_rows=rows)) == want
+    assert dense_lora_bounds(seg, tokens, KernelChoices(dense_lora_rows=rows), elems) == want
 
 
 def _pool(gen, dtype):
     """A group's pool: A and B of 3 slots, rows beyond each slot's rank filled with large values that must never
-    be read; slot 1 leaves projection 1 unadapted."""
-    host = [[4, 4, 2], [3, 0, 1], [2, 4, 4]]  # [G][S]
+    be read; slot 1 leaves projection 1 unadapted, slot 2 adapts only projection 1."""
+    host = [[4, 4, 0], [3, 0, 1], [2, 4, 0]]  # [G][S]: slot 2 adapts projection 1 only
     a = [torch.randn(S, R, K, generator=gen).to(dtype) for _ in OUTS]
     b = [torch.randn(S, R, n, generator=gen).to(dtype) for n in OUTS]
     for g in range(len(OUTS)):
@@ -92,8 +98,8 @@ def test_dense_linear_refuses_a_weight_that_does_not_match_the_group():
 
 
 def test_engine_on_the_dense_path_equals_hf_peft(tiny_llama, tmp_path, monkeypatch):
-    """Prompts of 40-90 tokens with the step-length floor lowered to 32: the prompt steps take the dense path
-    (counted), decode steps the usual one; greedy tokens equal HF + PEFT's, request by request."""
+    """Prompts of 40-90 tokens with the work floor lowered: the prompt steps take the dense path (counted),
+    decode steps the usual one; greedy tokens equal HF + PEFT's, request by request."""
     from model_helpers import write_random_adapter
     from reference import HFReference
     from lorafleet.runner.engine.engine import Engine
@@ -105,7 +111,6 @@ def test_engine_on_the_dense_path_equals_hf_peft(tiny_llama, tmp_path, monkeypat
                                              "down_proj"), seed=11),
         "a4": write_random_adapter(tiny_llama, tmp_path / "a4", r=4, alpha=8, targets=("v_proj", "up_proj"), seed=12),
     }
-    monkeypatch.setattr(lora_step, "DENSE_LORA_MIN_TOKENS", 32)
     calls = []
     real = LoraStepImpl.dense_linear
 
@@ -121,7 +126,8 @@ def test_engine_on_the_dense_path_equals_hf_peft(tiny_llama, tmp_path, monkeypat
         n = int(torch.randint(40, 90, (1,), generator=g))
         requests.append((torch.randint(3, 512, (n,), generator=g).tolist(), name))
     eng = Engine(str(tiny_llama), EngineConfig(max_batch_size=8, kv_cache_gb=0.25, max_lora_rank=16, page_size=4,
-                                               kernels=KernelChoices(dense_lora_rows=16)))
+                                               kernels=KernelChoices(dense_lora_rows=16,
+                                                                                   dense_lora_min_work=1)))
     seqs = [Sequence(f"r{i}", ids, SamplingParams(max_tokens=12), AdapterRef(name, str(adapters[name])) if name else None)
             for i, (ids, name) in enumerate(requests)]
     out = eng.run_to_completion(seqs)

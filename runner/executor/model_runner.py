@@ -74,6 +74,7 @@ class ModelRunner:
         self.graphs = graphs  # GraphRunner for decode-only steps on CUDA, or None
         self.mixed = mixed  # PiecewiseGraphs for steps with prefill, or None
         self._workspace: torch.Tensor | None = None
+        self._layer_elems: int | None = None  # for LoRA's dense path (_dense_lora)
         # Optional wall-clock split of launches for profiling: {kind: [copy_s, launch_s, sample_s, n]}.
         self.phases: dict[str, list[float]] | None = None
 
@@ -88,7 +89,7 @@ class ModelRunner:
         kind = "eager"
         dense = self._dense_lora(batch, d)
         if dense is not None:  # long prompt chunks: eagerly, their LoRA written before the base GEMMs
-            logits = self.forward(batch, d, dense)
+            kind, logits = "dense", self.forward(batch, d, dense)
         elif batch.decode_only and self.graphs is not None and self.graphs.bucket(batch.batch_size) is not None:
             kind, logits = "graph", self.graphs.run(batch, d)
         elif self.mixed is not None:
@@ -112,9 +113,13 @@ class ModelRunner:
 
     def _dense_lora(self, batch: "StepBatch", d: "DeviceStep") -> list[tuple[int, int, int]] | None:
         """The adapted segments of a step that takes LoRA's dense path (runner/lora/step.py), else None."""
-        if self.lora_pool is None or not d.seg.any_adapter or isinstance(self.model.layers[0].qkv, Fp8Weight):
+        if self.lora_pool is None or batch.decode_only or not d.seg.any_adapter:
             return None
-        return dense_lora_bounds(d.seg, batch.num_tokens, self.kernels)
+        if self._layer_elems is None:  # one layer's projection weights on this rank; 0 with FP8 weights (never)
+            lw = self.model.layers[0]
+            plain = not isinstance(lw.qkv, Fp8Weight)
+            self._layer_elems = sum(t.numel() for t in (lw.qkv, lw.o, lw.gate_up, lw.down)) if plain else 0
+        return dense_lora_bounds(d.seg, batch.num_tokens, self.kernels, self._layer_elems)
 
     def forward(self, batch: "StepBatch", d: "DeviceStep", dense: list[tuple[int, int, int]] | None = None
                 ) -> torch.Tensor:

@@ -41,22 +41,28 @@ def mixed_fused(kernels: KernelChoices) -> bool:
     return MIXED_FUSED if kernels.sgmv_fused == "auto" else kernels.sgmv_fused == "1"
 
 
-# Long prompt chunks: the dense path (KernelChoices.dense_lora_rows). Per segment and projection,
-# v = x_s A^T and x_s A^T B written into the projection's output rows (zeros where a row has no adapter),
-# then the base GEMM accumulates onto them (beta = 1: the output is read in its epilogue, which a
-# compute-bound GEMM hides). The LoRA kernels instead read and write the GEMM's output once more, and their
-# 16-row shrink tiles re-read x per projection and A per tile. `python bench/probe_lora.py` on the H200
+# Long prompt chunks: the dense path (KernelChoices.dense_lora_rows). Per segment, v = x_s A^T (the group's
+# A rows stacked: x read once) and v_g B_g written into each projection's output rows (the bias where a row
+# has no adapter), then the base GEMM accumulates onto them (beta = 1: the output is read in its epilogue,
+# which a compute-bound GEMM hides). The LoRA kernels instead read and write the GEMM's output once more, and
+# their 16-row shrink tiles re-read x per projection and A per tile. `python bench/probe_lora.py` on the H200
 # (Llama-2-7B shapes, rank 16, a 2,048-row segment, docs/perf_notes.md): LoRA 436 us per layer on the
-# kernels, 244 us dense (208 with A and B stacked per adapter); 8 segments of 256 rows 633 against 417 us
-# (stacked; per projection 673: more launches). Eager steps launch every product from the host, so the path
-# is kept to steps long enough to hide that (DENSE_LORA_MIN_TOKENS) with few segments.
-DENSE_LORA_MIN_TOKENS = 1024
+# kernels, 244 us dense per projection, 208 with A and B stacked per adapter; 8 segments of 256 rows 633
+# against 417 us (stacked; per projection 673: more launches).
+# Eager steps launch every product from the host (~25 ms of launches for a 2,048-token 7B step, ~50 ms of GPU
+# work), so the path is kept to steps with prompt rows whose GPU work hides that: at least
+# KernelChoices.dense_lora_min_work (token rows x projection weight elements of one layer on this rank; 1,024
+# rows of a Llama-2-7B layer, the measured regime: a 135M model never qualifies, two-way tensor parallelism
+# needs twice the rows), with few segments. A row's rounding on this path depends on its segment's length (cuBLAS picks kernels by shape),
+# as the base GEMM's already depends on the step's.
 DENSE_LORA_MAX_SEGMENTS = 4
 
 
-def dense_lora_bounds(seg: SegmentTable, num_tokens: int, kernels: KernelChoices) -> list[tuple[int, int, int]] | None:
-    """The step's adapted segments as (lo, hi, slot) when it takes the dense path, else None."""
-    if kernels.dense_lora_rows <= 0 or num_tokens < DENSE_LORA_MIN_TOKENS:
+def dense_lora_bounds(seg: SegmentTable, num_tokens: int, kernels: KernelChoices,
+                      layer_elems: int) -> list[tuple[int, int, int]] | None:
+    """The adapted segments (lo, hi, slot) of a step with prompt rows when it takes the dense path, else None.
+    `layer_elems`: elements of one layer's projection weights on this rank."""
+    if kernels.dense_lora_rows <= 0 or num_tokens * layer_elems < kernels.dense_lora_min_work:
         return None
     hp = seg.host_indptr
     bounds = [(hp[i], hp[i + 1], s) for i, s in enumerate(seg.host_slots) if s >= 0 and hp[i + 1] > hp[i]]
@@ -79,7 +85,6 @@ class LoraStepImpl:
         self.pool, self.sgmv, self.seg, self.mma = pool, sgmv, seg, mma
         # (lo, hi, slot) of the adapted segments of an eager step on the dense path (dense_lora_bounds), or None
         self.dense = dense
-        self._dense_rows = sum(hi - lo for lo, hi, _ in dense) if dense is not None else 0
         self.mma_rows = kernels.mma_rows
         # Decode graphs with the fused K/V writer (KernelChoices.rope_kv_lora): the qkv group's expand is left to that
         # kernel (add_qkv), which adds it in the same order as the CUDA-core expand.
@@ -130,22 +135,32 @@ class LoraStepImpl:
     def dense_linear(self, layer: int, group: int, x: torch.Tensor, w: torch.Tensor,
                      bias: torch.Tensor | None) -> torch.Tensor:
         """x @ w.T + bias plus the group's LoRA on the dense path (self.dense): per segment v = x_s A^T (the
-        projections' A rows stacked, one product), per projection v_g B_g written into the output (v rounded
-        to x's dtype, as the kernels and TorchSGMV do), rows without an adapter zeroed, then the base product
-        accumulated onto it."""
+        projections' A rows stacked, one product), per projection bias_g + v_g B_g written into the output (v
+        rounded to x's dtype, as the kernels and TorchSGMV do), rows without an adapter set to the bias (or
+        zero), then the base product accumulated onto it."""
         a, b, ranks, host = self.pool.group_args[layer][group]  # a[g] [S, R, in], b[g] [S, R, out_g]
-        T = x.shape[0]
-        y = torch.empty(T, w.shape[0], dtype=x.dtype, device=x.device)
-        covers = self._dense_rows == T
-        if not covers:
-            y.zero_()
-        ys, lo_col = [], 0
+        T, N = x.shape[0], w.shape[0]
+        y = torch.empty(T, N, dtype=x.dtype, device=x.device)
+        ys, bs, lo_col = [], [], 0
         for b_g in b:
-            ys.append(y[:, lo_col: lo_col + b_g.shape[-1]])
-            lo_col += b_g.shape[-1]
-        if lo_col != w.shape[0]:
-            raise ValueError(f"LoRA outputs of group {group} cover {lo_col} columns, the weight has {w.shape[0]}")
+            n = b_g.shape[-1]
+            ys.append(y[:, lo_col: lo_col + n])
+            bs.append(bias[lo_col: lo_col + n] if bias is not None else None)
+            lo_col += n
+        if lo_col != N:
+            raise ValueError(f"LoRA outputs of group {group} cover {lo_col} columns, the weight has {N}")
+
+        def fill(rows: torch.Tensor, bias_part: torch.Tensor | None) -> None:
+            if bias_part is None:
+                rows.zero_()
+            else:
+                rows.copy_(bias_part.expand_as(rows))
+
+        prev = 0
         for lo, hi, s in self.dense:
+            if lo > prev:  # rows without an adapter
+                fill(y[prev:lo], bias)
+            prev = hi
             xs = x[lo:hi]
             rs = [host[g][s] for g in range(len(b))]
             used = [g for g in range(len(b)) if rs[g]]
@@ -154,13 +169,16 @@ class LoraStepImpl:
             off = 0
             for g in range(len(b)):
                 r = rs[g]
-                if r:
-                    vg = v[:, off:off + r] if len(used) > 1 else torch.mm(xs, a[g][s, :r].t())
+                if not r:
+                    fill(ys[g][lo:hi], bs[g])
+                    continue
+                vg = v[:, off:off + r] if len(used) > 1 else torch.mm(xs, a[g][s, :r].t())
+                off += r
+                if bs[g] is None:
                     torch.mm(vg, b[g][s, :r], out=ys[g][lo:hi])
-                    off += r
-                elif covers:
-                    ys[g][lo:hi].zero_()
+                else:
+                    torch.addmm(bs[g], vg, b[g][s, :r], out=ys[g][lo:hi])
+        if T > prev:
+            fill(y[prev:T], bias)
         y.addmm_(x, w.t())
-        if bias is not None:
-            y.add_(bias)
         return y

@@ -156,11 +156,13 @@ DENSE_LORA_ROWS_DEFAULT = 256
 
 
 def dense_lora_rows() -> int:
-    """LORAFLEET_DENSE_LORA_ROWS: a step of at least 1,024 tokens whose adapted rows form at most 4 segments,
-    each of at least this many rows, runs eagerly with its LoRA as matrix products per segment: the add-on is
-    written into the projection's output first and the base GEMM accumulates onto it (one write of the output
-    instead of the LoRA kernels' read-modify-write; half the LoRA time of a 2,048-token prefill on the H200,
-    docs/benchmarks.md section 13.1). Default 256; 0: never (every such step on the LoRA kernels)."""
+    """LORAFLEET_DENSE_LORA_ROWS: a step with prompt rows whose adapted rows form at most 4 segments, each of at
+    least this many rows, and whose work is at least that of 1,024 rows through a Llama-2-7B layer (token rows x
+    one layer's projection weight elements on the rank) runs eagerly with its LoRA as matrix products per
+    segment: the add-on is written into the projection's output first and the base GEMM accumulates onto it (one
+    write of the output instead of the LoRA kernels' read-modify-write; prefill of 2,048-token prompts 0.83 ->
+    0.92 of LoRA off on the H200, docs/benchmarks.md section 13.1). Default 256; 0: never (every step on the
+    LoRA kernels)."""
     rows = _int("LORAFLEET_DENSE_LORA_ROWS", DENSE_LORA_ROWS_DEFAULT)
     if rows < 0:
         raise ValueError(f"LORAFLEET_DENSE_LORA_ROWS must be >= 0, got {rows}")

@@ -87,12 +87,11 @@ def test_fa2_prefill_matches_cpu_fp32_teacher_forced(smol_shaped, cpu_reference,
 
 def test_dense_lora_path_matches_cpu_fp32_teacher_forced(smol_shaped, cpu_reference, monkeypatch):
     """LoRA's dense path (runner/lora/step.py: cuBLAS products per segment written before the base GEMM,
-    which accumulates onto them), forced onto every prompt step (4 requests per step, no length floor): the
+    which accumulates onto them), forced onto every prompt step (4 requests per step, no work floor): the
     same check as above, in bf16, with the path's calls counted."""
     from lorafleet.runner.config import KernelChoices
     from lorafleet.runner.lora import step as lora_step
 
-    monkeypatch.setattr(lora_step, "DENSE_LORA_MIN_TOKENS", 1)
     calls = []
     real = lora_step.LoraStepImpl.dense_linear
 
@@ -104,7 +103,7 @@ def test_dense_lora_path_matches_cpu_fp32_teacher_forced(smol_shaped, cpu_refere
     model, ads = smol_shaped
     reqs, cpu = cpu_reference
     teacher.teacher_forced_check(model, ads, reqs, cpu, "bfloat16", "smol-shaped dense", max_batch_size=4,
-                                 kernels=KernelChoices(dense_lora_rows=1))
+                                 kernels=KernelChoices(dense_lora_rows=1, dense_lora_min_work=1))
     assert set(calls) == {0, 1, 2, 3}
 
 
