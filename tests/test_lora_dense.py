@@ -136,3 +136,31 @@ def test_engine_on_the_dense_path_equals_hf_peft(tiny_llama, tmp_path, monkeypat
     ref = HFReference(tiny_llama, adapters)
     for i, (ids, name) in enumerate(requests):
         assert out[f"r{i}"].output_ids == ref.greedy(ids, name, 12, eos=2), name
+
+
+def _runner(qkv, min_work=1, pool=True):
+    from lorafleet.runner.executor.model_runner import ModelRunner
+
+    r = ModelRunner.__new__(ModelRunner)
+    r.lora_pool = object() if pool else None
+    r.kernels = KernelChoices(dense_lora_rows=256, dense_lora_min_work=min_work)
+    r.model = SimpleNamespace(layers=[SimpleNamespace(qkv=qkv, o=torch.empty(8, 8), gate_up=torch.empty(16, 8),
+                                                      down=torch.empty(8, 8))])
+    r._layer_elems = None
+    return r
+
+
+def test_the_runner_sends_only_prompt_steps_with_plain_weights_down_the_dense_path():
+    from lorafleet.runner.model.fp8 import Fp8Weight
+
+    seg = build_segments(_rows((600, 0)))
+    prompt = SimpleNamespace(decode_only=False, num_tokens=600)
+    d = SimpleNamespace(seg=seg)
+    assert _runner(torch.empty(24, 8))._dense_lora(prompt, d) == [(0, 600, 0)]
+    assert _runner(torch.empty(24, 8))._dense_lora(SimpleNamespace(decode_only=True, num_tokens=600), d) is None
+    assert _runner(torch.empty(24, 8), pool=False)._dense_lora(prompt, d) is None
+    # work: 600 rows x 448 elements of this layer
+    assert _runner(torch.empty(24, 8), min_work=600 * 448)._dense_lora(prompt, d) == [(0, 600, 0)]
+    assert _runner(torch.empty(24, 8), min_work=600 * 448 + 1)._dense_lora(prompt, d) is None
+    fp8 = Fp8Weight(torch.zeros(24, 8).to(torch.float8_e4m3fn), torch.ones(24))
+    assert _runner(fp8, min_work=0)._dense_lora(prompt, d) is None  # FP8 products cannot accumulate onto it

@@ -119,6 +119,8 @@ class ModelRunner:
             lw = self.model.layers[0]
             plain = not isinstance(lw.qkv, Fp8Weight)
             self._layer_elems = sum(t.numel() for t in (lw.qkv, lw.o, lw.gate_up, lw.down)) if plain else 0
+        if not self._layer_elems:
+            return None
         return dense_lora_bounds(d.seg, batch.num_tokens, self.kernels, self._layer_elems)
 
     def forward(self, batch: "StepBatch", d: "DeviceStep", dense: list[tuple[int, int, int]] | None = None
