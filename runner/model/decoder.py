@@ -232,36 +232,32 @@ class Decoder:
     def post_attention(self, i: int, o: torch.Tensor, residual: torch.Tensor, lora: LoraStep | None):
         """Layer i after attention: o-proj and its LoRA, [norm], add + norm, MLP and its LoRA, [norm]."""
         c, ops, lw = self.cfg, self.ops, self.layers[i]
-        if self._dense(lora, lw.o):
-            out = lora.dense_linear(i, O, o, lw.o, lw.o_bias)
-        else:
-            out = self._linear_small(o, lw.o, lw.o_bias)  # [T, H] (a partial sum with tensor parallelism)
-            if lora is not None:
-                lora.add(i, O, o, (out,))
+        out = self._project(i, O, o, lw.o, lw.o_bias, lora, small=True)  # [T, H] (partial sum with TP)
         if self.all_reduce is not None:
             self.all_reduce(out)
         if lw.post_attn_norm is not None:
             out = ops.rms_norm(out, lw.post_attn_norm)
         x, residual = ops.add_rms_norm(out, residual, lw.mlp_norm)
-        if self._dense(lora, lw.gate_up):
-            gu = lora.dense_linear(i, GATE_UP, x, lw.gate_up, lw.gate_up_bias)
-        else:
-            gu = self._linear(x, lw.gate_up, lw.gate_up_bias)  # [T, 2 I]
-            if lora is not None:
-                gate, up = gu.split([c.intermediate_size, c.intermediate_size], dim=-1)
-                lora.add(i, GATE_UP, x, (gate, up))
+        gu = self._project(i, GATE_UP, x, lw.gate_up, lw.gate_up_bias, lora,
+                           split=[c.intermediate_size, c.intermediate_size])  # [T, 2 I]
         a = ops.act_mul(gu, c.intermediate_size)  # [T, I]
-        if self._dense(lora, lw.down):
-            h = lora.dense_linear(i, DOWN, a, lw.down, lw.down_bias)
-        else:
-            h = self._linear_small(a, lw.down, lw.down_bias)  # [T, H] (a partial sum with tensor parallelism)
-            if lora is not None:
-                lora.add(i, DOWN, a, (h,))
+        h = self._project(i, DOWN, a, lw.down, lw.down_bias, lora, small=True)  # [T, H] (partial sum with TP)
         if self.all_reduce is not None:
             self.all_reduce(h)
         if lw.post_mlp_norm is not None:
             h = ops.rms_norm(h, lw.post_mlp_norm)
         return h, residual
+
+    def _project(self, i: int, group: int, x: torch.Tensor, w, b: torch.Tensor | None, lora: LoraStep | None,
+                 small: bool = False, split: list[int] | None = None) -> torch.Tensor:
+        """x @ w.T + b with layer i's LoRA of `group` (o, gate_up or down): on the dense path, or the base
+        product (`_linear_small` for `small`) then the add-on into its projections' columns (`split`)."""
+        if self._dense(lora, w):
+            return lora.dense_linear(i, group, x, w, b)
+        y = (self._linear_small if small else self._linear)(x, w, b)
+        if lora is not None:
+            lora.add(i, group, x, tuple(y.split(split, dim=-1)) if split else (y,))
+        return y
 
     @staticmethod
     def _dense(lora: LoraStep | None, w) -> bool:
