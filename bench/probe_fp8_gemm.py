@@ -3,9 +3,11 @@
 For each projection of the Llama-2-7B and -70B shapes at M token rows (default 32): the bf16 product
 (F.linear), the engine's call (torch._scaled_mm with per-token and per-row scales), the same with the operands
 swapped (W @ x.T, so the GEMM's long side is the weight's rows), per-tensor scales with the row scales
-applied after an fp32 output, and the project's kernel (csrc/fp8_gemm.cu, `own`; its largest relative
-error against the fp32 product of the same operands is reported as `own_max_rel_err`). Weights rotate over
-copies larger than L2, so every call reads from HBM. Reports us per call and the weight bytes / time (TB/s).
+applied after an fp32 output, and the project's kernel (csrc/fp8_gemm.cu) on the e4m3 activations (`own`) and
+on the bf16 ones, weight-only (`own_bf16`); their largest relative errors against the fp32 product of the same
+operands are reported as `own_max_rel_err`, `own_bf16_max_rel_err`). Weights rotate over
+copies larger than L2, so every call reads from HBM. Reports us per call replayed from a CUDA graph (as the
+engine's decode steps run) with the weight bytes / that time (TB/s), and us per call launched from Python.
 
     python bench/probe_fp8_gemm.py --out probe_fp8_gemm.json
 """
@@ -26,6 +28,7 @@ SHAPES = {  # name: (K, N) of x [M, K] @ W.T, W [N, K]
 
 
 def timed(fn, iters: int) -> float:
+    """us per call, the calls launched one by one from Python (as an eager engine step does)."""
     for _ in range(3):
         fn(0)
     torch.cuda.synchronize()
@@ -36,6 +39,31 @@ def timed(fn, iters: int) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) * 1e3 / iters  # us
+
+
+def graph_timed(fn, iters: int, replays: int = 5) -> float:
+    """us per call with the calls replayed from one CUDA graph (as the engine's decode steps run): the GPU's
+    time for the call, without Python's launch cost."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn(0)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(iters):
+            fn(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    del graph
+    return start.elapsed_time(end) * 1e3 / (iters * replays)
 
 
 def main(argv=None) -> int:
@@ -70,7 +98,6 @@ def main(argv=None) -> int:
             sxt = sx.view(1, -1).contiguous()
             rs = [w.scale.view(1, -1).contiguous() for w in ws]
             cs = [w.scale.view(-1, 1).contiguous() for w in ws]
-            stream = torch.cuda.current_stream().cuda_stream
             out = torch.empty(M, N, device=dev, dtype=torch.bfloat16)
             fns = {
                 "bf16": lambda i: torch.nn.functional.linear(x, w16[i % len(w16)]),
@@ -84,24 +111,29 @@ def main(argv=None) -> int:
             }
             if ext is not None and M <= 64:
                 fns["own"] = lambda i: ext.fp8_gemm(out, xq, sx.view(-1), ws[i % copies].q, ws[i % copies].scale,
-                                                    stream)
+                                                    torch.cuda.current_stream().cuda_stream)  # (a capture's)
+                fns["own_bf16"] = lambda i: ext.fp8_gemm_bf16(out, x, ws[i % copies].q, ws[i % copies].scale,
+                                                              torch.cuda.current_stream().cuda_stream)
             row = {"gemm": name, "M": M, "K": K, "N": N}
             if "own" in fns:
-                fns["own"](0)
-                exact = (xq.float() * sx) @ ws[0].dequant(torch.float32).t()
-                row["own_max_rel_err"] = float(((out.float() - exact).abs() / exact.abs().max()).max())
+                w32 = ws[0].dequant(torch.float32).t()
+                for label, exact in (("own", (xq.float() * sx) @ w32), ("own_bf16", x.float() @ w32)):
+                    fns[label](0)
+                    row[f"{label}_max_rel_err"] = float(((out.float() - exact).abs() / exact.abs().max()).max())
             for label, fn in fns.items():
                 try:
-                    us = timed(fn, args.iters)
+                    us = graph_timed(fn, args.iters)
+                    eager = timed(fn, args.iters)
                     nbytes = N * K * (2 if label == "bf16" else 1)
-                    row[label] = {"us": round(us, 1), "tb_s": round(nbytes / us / 1e6, 2)}
+                    row[label] = {"us": round(us, 1), "tb_s": round(nbytes / us / 1e6, 2),
+                                  "eager_us": round(eager, 1)}
                 except Exception as exc:  # a variant this torch / cuBLASLt does not take
                     row[label] = {"error": str(exc)[:120]}
             rows.append(row)
-            print(f"{name:12s} M={M:3d} " + "  ".join(
-                f"{k} {v['us']:7.1f}us {v['tb_s']:4.2f}TB/s" if "us" in v else f"{k} err" for k, v in row.items()
-                if isinstance(v, dict)) + (f"  own err {row['own_max_rel_err']:.1e}" if "own_max_rel_err" in row
-                                           else ""), flush=True)
+            times = "  ".join(f"{k} {v['us']:7.1f}us {v['tb_s']:4.2f}TB/s" if "us" in v else f"{k} err"
+                              for k, v in row.items() if isinstance(v, dict))
+            errors = "".join(f"  {k} {v:.1e}" for k, v in row.items() if k.endswith("_max_rel_err"))
+            print(f"{name:12s} M={M:3d} {times}{errors}", flush=True)
         del ws, w16
         torch.cuda.empty_cache()
     args.out.write_text(json.dumps({"card": torch.cuda.get_device_name(0), "torch": torch.__version__,

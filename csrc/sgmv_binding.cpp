@@ -23,6 +23,7 @@
 //       one launch: scale[i] = max(absmax(x[i]) / 448, 1e-12), out[i] = e4m3(x[i] / scale[i]).
 //   fp8_gemm(out, x, x_scale, w, w_scale, stream): out = (x @ w.T) * x_scale[:, None] * w_scale[None, :] in
 //       bf16 for at most 64 e4m3 rows x (fp8_gemm.h), the weight streamed once.
+//   fp8_gemm_bf16(out, x, w, w_scale, stream): the same for bf16 rows x, unquantized: (x @ w.T) * w_scale.
 //
 // with r = ranks[g, s]. The values inside ranks / indptr / slots live on the device and are not
 // inspected here (that would need a synchronisation): the kernels clamp ranks to [0, R_g], skip
@@ -415,10 +416,14 @@ void quantize_e4m3(Tensor out, Tensor scale, Tensor x, int64_t stream) {
   SGMV_CHECK(err == nullptr, "quantize_e4m3 launch failed: %s", err ? err : "");
 }
 
-void fp8_gemm(Tensor out, Tensor x, Tensor x_scale, Tensor w, Tensor w_scale, int64_t stream) {
-  SGMV_CHECK(x.is_cuda() && x.scalar_type() == torch::kFloat8_e4m3fn && x.dim() == 2 && x.is_contiguous(),
-             "fp8_gemm: x must be a contiguous 2-D float8_e4m3fn CUDA tensor");
-  for (const Tensor* t : {&w, &x_scale, &w_scale, &out}) check_device(*t, Name("fp8_gemm operand"), x);
+// The checks and launch of fp8_gemm and fp8_gemm_bf16: x e4m3 with x_scale, or bf16 (x_scale undefined).
+void fp8_gemm_impl(Tensor& out, Tensor& x, const Tensor* x_scale, Tensor& w, Tensor& w_scale, int64_t stream) {
+  const bool bf16 = x_scale == nullptr;
+  SGMV_CHECK(x.is_cuda() && x.scalar_type() == (bf16 ? torch::kBFloat16 : torch::kFloat8_e4m3fn) && x.dim() == 2 &&
+                 x.is_contiguous(),
+             "fp8_gemm: x must be a contiguous 2-D %s CUDA tensor", bf16 ? "bfloat16" : "float8_e4m3fn");
+  for (const Tensor* t : {&w, &w_scale, &out}) check_device(*t, Name("fp8_gemm operand"), x);
+  if (!bf16) check_device(*x_scale, Name("fp8_gemm operand"), x);
   SGMV_CHECK(w.scalar_type() == torch::kFloat8_e4m3fn && w.dim() == 2 && w.is_contiguous() && w.size(1) == x.size(1),
              "fp8_gemm: w must be contiguous float8_e4m3fn [N, K=%lld]", ll(x.size(1)));
   const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
@@ -426,8 +431,9 @@ void fp8_gemm(Tensor out, Tensor x, Tensor x_scale, Tensor w, Tensor w_scale, in
   SGMV_CHECK(K % 64 == 0 && N % 16 == 0 && K <= kInt32Max && N <= kInt32Max,
              "fp8_gemm: K (%lld) must be a multiple of 64 and N (%lld) of 16", ll(K), ll(N));
   SGMV_CHECK(aligned16(x) && aligned16(w), "fp8_gemm: x and w must be 16-byte aligned");
-  SGMV_CHECK(x_scale.scalar_type() == torch::kFloat && x_scale.is_contiguous() && x_scale.numel() == M,
-             "fp8_gemm: x_scale must be contiguous float32 with %lld entries", ll(M));
+  if (!bf16)
+    SGMV_CHECK(x_scale->scalar_type() == torch::kFloat && x_scale->is_contiguous() && x_scale->numel() == M,
+               "fp8_gemm: x_scale must be contiguous float32 with %lld entries", ll(M));
   SGMV_CHECK(w_scale.scalar_type() == torch::kFloat && w_scale.is_contiguous() && w_scale.numel() == N,
              "fp8_gemm: w_scale must be contiguous float32 with %lld entries", ll(N));
   SGMV_CHECK(out.scalar_type() == torch::kBFloat16 && out.is_contiguous() && out.dim() == 2 && out.size(0) == M &&
@@ -435,7 +441,8 @@ void fp8_gemm(Tensor out, Tensor x, Tensor x_scale, Tensor w, Tensor w_scale, in
              "fp8_gemm: out must be contiguous bfloat16 [%lld, %lld]", ll(M), ll(N));
   lorafleet::Fp8GemmArgs a;
   a.x = static_cast<const uint8_t*>(x.data_ptr());
-  a.x_scale = x_scale.data_ptr<float>();
+  a.x_scale = bf16 ? nullptr : x_scale->data_ptr<float>();
+  a.x_bf16 = bf16;
   a.w = static_cast<const uint8_t*>(w.data_ptr());
   a.w_scale = w_scale.data_ptr<float>();
   a.out = out.data_ptr();
@@ -454,6 +461,14 @@ void fp8_gemm(Tensor out, Tensor x, Tensor x_scale, Tensor w, Tensor w_scale, in
   }
   const char* err = lorafleet::fp8_gemm(a, x.get_device(), as_stream(stream));
   SGMV_CHECK(err == nullptr, "fp8_gemm launch failed: %s", err ? err : "");
+}
+
+void fp8_gemm(Tensor out, Tensor x, Tensor x_scale, Tensor w, Tensor w_scale, int64_t stream) {
+  fp8_gemm_impl(out, x, &x_scale, w, w_scale, stream);
+}
+
+void fp8_gemm_bf16(Tensor out, Tensor x, Tensor w, Tensor w_scale, int64_t stream) {
+  fp8_gemm_impl(out, x, nullptr, w, w_scale, stream);
 }
 
 }  // namespace
@@ -483,6 +498,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("scale"), py::arg("x"), py::arg("stream"));
   m.def("fp8_gemm", &fp8_gemm, "bf16 (x @ w.T) * x_scale * w_scale for at most 64 e4m3 rows, the weight streamed once",
         py::arg("out"), py::arg("x"), py::arg("x_scale"), py::arg("w"), py::arg("w_scale"), py::arg("stream"));
+  m.def("fp8_gemm_bf16", &fp8_gemm_bf16,
+        "bf16 (x @ w.T) * w_scale for at most 64 bf16 rows and e4m3 w (weight-only FP8), the weight streamed once",
+        py::arg("out"), py::arg("x"), py::arg("w"), py::arg("w_scale"), py::arg("stream"));
   m.attr("MAX_RANK") = lorafleet::kMaxRank;
   m.attr("MAX_GROUP") = lorafleet::kMaxGroup;
   m.attr("MAX_SEGMENTS") = lorafleet::kMaxSegments;

@@ -26,6 +26,8 @@ class KernelChoices:
     blas_lt_rows: steps of at most this many rows run the o and down GEMMs on cuBLASLt (CUDA, one GPU).
     fp8_swap_rows: with FP8 weights, steps of at most this many rows compute W @ x.T (operands swapped).
     fp8_gemm_rows: with FP8 weights, steps of at most this many rows (<= 64) run the project's FP8 kernel.
+    fp8_gemm_bf16: that kernel takes the bf16 activations as they are (weight-only FP8: no per-token
+        quantization launch; the products of the bf16 rows and the e4m3 weights) instead of e4m3 ones.
     fp8_unit_scale_elems: with FP8 weights, steps of at most 64 rows whose weight has at least this many
         elements (per rank's shard) multiply with unit scales into fp32 and apply the token and row scales
         after; checked before fp8_swap_rows (0: never; the default, 3 * 2**26, takes Llama-2-70B's gate_up and
@@ -50,6 +52,7 @@ class KernelChoices:
     blas_lt_rows: int = 64
     fp8_swap_rows: int = 0
     fp8_gemm_rows: int = 0
+    fp8_gemm_bf16: bool = False
     fp8_unit_scale_elems: int = 3 << 26
     pin_host_adapters: bool = False
     dense_lora_rows: int = 256
@@ -77,6 +80,7 @@ class KernelChoices:
                    sgmv_fused=env.sgmv_fused(), fused_ops=env.fused_ops(), rope_kv=env.rope_kv_kernel(),
                    rope_kv_lora=env.rope_kv_lora(), blas_lt_rows=env.blas_lt_rows(),
                    fp8_swap_rows=env.fp8_swap_rows(), fp8_gemm_rows=env.fp8_gemm_rows(),
+                   fp8_gemm_bf16=env.fp8_gemm_bf16(),
                    fp8_unit_scale_elems=env.fp8_unit_scale_elems(),
                    pin_host_adapters=env.pin_host_adapters(), dense_lora_rows=env.dense_lora_rows())
 

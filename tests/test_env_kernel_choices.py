@@ -103,7 +103,8 @@ def test_blas_lt_rows(monkeypatch):
 def test_fp8_gemm_switches(monkeypatch):
     from lorafleet.runner.config import KernelChoices
 
-    for var in ("LORAFLEET_FP8_SWAP_ROWS", "LORAFLEET_FP8_GEMM_ROWS", "LORAFLEET_FP8_UNIT_SCALE_ELEMS"):
+    for var in ("LORAFLEET_FP8_SWAP_ROWS", "LORAFLEET_FP8_GEMM_ROWS", "LORAFLEET_FP8_UNIT_SCALE_ELEMS",
+                "LORAFLEET_FP8_GEMM_BF16"):
         monkeypatch.delenv(var, raising=False)
     assert (env.fp8_swap_rows(), env.fp8_gemm_rows(), env.fp8_unit_scale_elems()) == (0, 0, 3 << 26)
     assert KernelChoices.from_env() == KernelChoices()  # the dataclass's defaults are the environment's
@@ -126,6 +127,10 @@ def test_fp8_gemm_switches(monkeypatch):
         env.fp8_swap_rows()
     with pytest.raises(ValueError, match="fp8_gemm_rows must be in"):
         KernelChoices(fp8_gemm_rows=-1)
+    monkeypatch.delenv("LORAFLEET_FP8_SWAP_ROWS")
+    monkeypatch.delenv("LORAFLEET_FP8_GEMM_ROWS")
+    monkeypatch.setenv("LORAFLEET_FP8_GEMM_BF16", "0" if KernelChoices().fp8_gemm_bf16 else "1")
+    assert KernelChoices.from_env().fp8_gemm_bf16 != KernelChoices().fp8_gemm_bf16
 
 
 def test_kernel_choices_are_read_once_validated_and_described(monkeypatch):

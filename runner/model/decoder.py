@@ -134,6 +134,7 @@ class Decoder:
         self.fp8_ext = None  # the CUDA extension whose kernel quantizes activations (set below, with FP8 weights)
         self.fp8_swap_rows = kernels.fp8_swap_rows
         self.fp8_gemm_rows = kernels.fp8_gemm_rows
+        self.fp8_gemm_bf16 = kernels.fp8_gemm_bf16
         self.fp8_unit_scale_elems = kernels.fp8_unit_scale_elems
         self.embed_scale = (torch.tensor(cfg.embed_scale, dtype=torch.float32).to(dtype).item()
                             if cfg.embed_scale is not None else None)
@@ -269,14 +270,14 @@ class Decoder:
         """x @ w.T + b for a bf16/fp16/fp32 weight or an FP8 one."""
         if isinstance(w, Fp8Weight):
             return fp8_linear(x, w, b, self.fp8_tensor_cores, self.fp8_ext, self.fp8_swap_rows, self.fp8_gemm_rows,
-                              self.fp8_unit_scale_elems)
+                              self.fp8_unit_scale_elems, self.fp8_gemm_bf16)
         return F.linear(x, w, b)
 
     def _linear_small(self, x: torch.Tensor, w, b: torch.Tensor | None) -> torch.Tensor:
         """x @ w.T + b; on cuBLASLt for steps of at most `lt_rows` rows (the o and down projections)."""
         if isinstance(w, Fp8Weight):
             return fp8_linear(x, w, b, self.fp8_tensor_cores, self.fp8_ext, self.fp8_swap_rows, self.fp8_gemm_rows,
-                              self.fp8_unit_scale_elems)
+                              self.fp8_unit_scale_elems, self.fp8_gemm_bf16)
         if 0 < x.shape[0] <= self.lt_rows:
             with prefer_cublaslt():
                 return F.linear(x, w, b)

@@ -99,10 +99,12 @@ def unit_scale(device: torch.device) -> torch.Tensor:
 
 
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_cores: bool,
-               ext=None, swap_rows: int = 0, own_rows: int = 0, unit_scale_elems: int = 0) -> torch.Tensor:
+               ext=None, swap_rows: int = 0, own_rows: int = 0, unit_scale_elems: int = 0,
+               own_bf16: bool = False) -> torch.Tensor:
     """x [M, K] (bf16/fp16 on the GPU, any float on the CPU) @ w.T + bias -> [M, N] in x's dtype. With the
     CUDA extension `ext`: the activations quantized by its one-launch kernel (see quantize_tokens), and for
-    M <= `own_rows` (bf16, K a multiple of 64, N of 16) the product on its FP8 kernel (csrc/fp8_gemm.cu);
+    M <= `own_rows` (bf16, K a multiple of 64, N of 16) the product on its FP8 kernel (csrc/fp8_gemm.cu), with
+    `own_bf16` on the bf16 rows themselves (weight-only FP8: no activation quantization, x @ dequant(w).T);
     Then, M <= 64 and N * K >= `unit_scale_elems` > 0: the product of the e4m3 operands with unit scales into
     fp32, then times the token and row scales (the same arithmetic; cuBLASLt streams large weights faster there).
     Then, M <= `swap_rows` (and a multiple of 16): cuBLASLt computes (w @ x.T).T, the weight as the long operand.
@@ -112,11 +114,16 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
         return y if bias is None else y + bias
     if w.scale_row is None:
         w.scale_row = w.scale.reshape(1, -1).contiguous()
-    xq, sx = quantize_tokens(x, ext)
     M, K = x.shape
     N = w.q.shape[0]
-    if (ext is not None and 0 < M <= own_rows and x.dtype == torch.bfloat16 and K % 64 == 0 and N % 16 == 0
-            and w.q.is_contiguous()):
+    own = (ext is not None and 0 < M <= own_rows and x.dtype == torch.bfloat16 and K % 64 == 0 and N % 16 == 0
+           and w.q.is_contiguous())
+    if own and own_bf16:
+        y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+        ext.fp8_gemm_bf16(y, x.contiguous(), w.q, w.scale_row.view(-1), torch.cuda.current_stream(x.device).cuda_stream)
+        return y if bias is None else y + bias
+    xq, sx = quantize_tokens(x, ext)
+    if own:
         y = torch.empty(M, N, dtype=x.dtype, device=x.device)
         ext.fp8_gemm(y, xq, sx.view(-1), w.q, w.scale_row.view(-1), torch.cuda.current_stream(x.device).cuda_stream)
     elif 0 < unit_scale_elems <= N * K and 0 < M <= 64:

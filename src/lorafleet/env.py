@@ -151,6 +151,13 @@ def fp8_gemm_rows() -> int:
     return rows
 
 
+def fp8_gemm_bf16() -> bool:
+    """LORAFLEET_FP8_GEMM_BF16: the project's FP8 kernel (LORAFLEET_FP8_GEMM_ROWS) multiplies the bf16
+    activations as they are with the e4m3 weights (weight-only FP8, no per-token quantization launch) instead of
+    e4m3 activations (default 0)."""
+    return _flag("LORAFLEET_FP8_GEMM_BF16", False)
+
+
 UNIT_SCALE_ELEMS_DEFAULT = 3 << 26
 DENSE_LORA_ROWS_DEFAULT = 256
 

@@ -120,6 +120,48 @@ def test_own_fp8_kernel_gives_the_scaled_product(M):
                      torch.cuda.current_stream().cuda_stream)
 
 
+@needs_fp8
+@pytest.mark.parametrize("M", [1, 9, 32, 64])
+def test_own_fp8_kernel_on_bf16_rows_gives_the_weight_only_product(M):
+    """csrc/fp8_gemm.cu with unquantized bf16 activations (fp8_gemm_bf16): the fp32 product of the bf16 rows and
+    the dequantized e4m3 weight (every e4m3 value, subnormals and +-448 included, converted exactly), K in one
+    range and split, a last block with one live warp; each token's row as in a step of that token alone."""
+    from lorafleet.runner.kernels import load
+    from lorafleet.runner.model.fp8 import quantize_rows
+
+    ext = load()
+    g = torch.Generator(device="cuda").manual_seed(100 + M)
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    every = torch.where((codes & 0x7F) == 0x7F, 0, codes).to(torch.uint8).view(E4M3).cuda()  # all codes, NaNs -> 0
+    for K, N in ((256, 16), (4096, 4096), (11008, 4096), (512, 4112)):
+        x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
+        w = quantize_rows(torch.randn(N, K, device="cuda", generator=g) * 0.05)
+        w.q[:1, :256] = every  # the first row holds every code
+        exact = x.float() @ w.dequant(torch.float32).t()
+        got = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+        ext.fp8_gemm_bf16(got, x, w.q, w.scale, torch.cuda.current_stream().cuda_stream)
+        tol = dict(rtol=8e-3, atol=2e-3 * exact.abs().max().item())
+        torch.testing.assert_close(got.float(), exact, **tol, msg=lambda m: f"M={M} K={K} N={N}: {m}")
+        for i in sorted({0, M // 2, M - 1}):
+            alone = torch.empty((1, N), device="cuda", dtype=torch.bfloat16)
+            ext.fp8_gemm_bf16(alone, x[i:i + 1].contiguous(), w.q, w.scale, torch.cuda.current_stream().cuda_stream)
+            assert torch.equal(alone[0], got[i]), (M, K, N, i)
+    # one code at a time against its float value: the conversion itself, exactly
+    K, N = 256, 16
+    w_q = every.view(1, 256).expand(N, 256).contiguous()
+    for o in range(4):
+        x = torch.zeros(64, K, device="cuda", dtype=torch.bfloat16)
+        x[torch.arange(64), torch.arange(64) * 4 + o] = 1.0  # token i picks code 4 i + o of every row
+        got = torch.empty(64, N, device="cuda", dtype=torch.bfloat16)
+        ext.fp8_gemm_bf16(got, x, w_q, torch.ones(N, device="cuda"), torch.cuda.current_stream().cuda_stream)
+        want = every.float()[torch.arange(64, device="cuda") * 4 + o].view(64, 1).expand(64, N)
+        assert torch.equal(got.float(), want), o
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        ext.fp8_gemm_bf16(torch.empty(4, 16, device="cuda", dtype=torch.bfloat16),
+                          torch.zeros(4, 64, device="cuda"), torch.zeros(16, 64, device="cuda").to(E4M3),
+                          torch.ones(16, device="cuda"), torch.cuda.current_stream().cuda_stream)
+
+
 @pytest.fixture(scope="module", params=["llama3", "phi3"])
 def fam(request, tmp_path_factory):
     if not fp8_tensor_cores(torch.device("cuda")):
@@ -136,10 +178,10 @@ def fam(request, tmp_path_factory):
     return name, model, rounded_copy(model, d / "rounded"), ads, reqs
 
 
-def reference_continuations(rounded, ads, reqs, kv: bool):
+def reference_continuations(rounded, ads, reqs, kv: bool, activations: bool = True):
     """The fp32 greedy continuation of each request under the FP8 semantics (HF + PEFT on the CPU)."""
     ref = HFReference(rounded, ads)
-    with emulate_fp8(ref.peft, activations=True, kv=kv):
+    with emulate_fp8(ref.peft, activations=activations, kv=kv):
         return [ref.greedy(ids, n, NEW) for ids, n, _ in reqs]
 
 
@@ -149,16 +191,21 @@ GEMM_CHOICES = {  # gemm -> the engine's kernel choices and step size for that F
     "own": {"kernels": KernelChoices(fp8_gemm_rows=64), "max_step_tokens": 64},
     # every projection of every step of at most 64 rows on the unit-scale call (every weight is large enough)
     "unit": {"kernels": KernelChoices(fp8_unit_scale_elems=1), "max_step_tokens": 64},
+    # every step on csrc/fp8_gemm.cu with the bf16 activations unquantized (weight-only FP8)
+    "own_bf16": {"kernels": KernelChoices(fp8_gemm_rows=64, fp8_gemm_bf16=True), "max_step_tokens": 64},
 }
+WEIGHT_ONLY = {"own_bf16"}  # choices whose activations are not rounded through e4m3
 
 
-@pytest.mark.parametrize("kv,gemm", [("auto", "cublaslt"), ("fp8", "cublaslt"), ("auto", "own"), ("auto", "unit")])
+@pytest.mark.parametrize("kv,gemm", [("auto", "cublaslt"), ("fp8", "cublaslt"), ("auto", "own"), ("auto", "unit"),
+                                     ("auto", "own_bf16")])
 def test_fp8_engine_matches_the_fp32_fp8_reference_teacher_forced(fam, kv, gemm):
-    """Each way of calling the FP8 tensor cores (GEMM_CHOICES) against the fp32 FP8 reference."""
+    """Each way of calling the FP8 tensor cores (GEMM_CHOICES) against the fp32 FP8 reference (its activations
+    rounded through e4m3 per token, except for the weight-only choices)."""
     name, model, rounded, ads, reqs = fam
-    fp8kv = kv == "fp8"
-    toks = reference_continuations(rounded, ads, reqs, fp8kv)
-    emulate = functools.partial(emulate_fp8, activations=True, kv=fp8kv)
+    fp8kv, acts = kv == "fp8", gemm not in WEIGHT_ONLY
+    toks = reference_continuations(rounded, ads, reqs, fp8kv, acts)
+    emulate = functools.partial(emulate_fp8, activations=acts, kv=fp8kv)
     eng = teacher.teacher_forced_check(model, ads, reqs, toks, "bfloat16", f"{name} fp8 kv={kv} gemm={gemm}",
                                        ref_model=rounded, emulate=emulate, quantization="fp8", kv_cache_dtype=kv,
                                        **GEMM_CHOICES[gemm])
@@ -178,7 +225,8 @@ def test_fp8_reference_is_not_the_bf16_model(fam):
     assert base != toks, name
 
 
-@pytest.mark.parametrize("kv,gemm", [("auto", "cublaslt"), ("fp8", "cublaslt"), ("auto", "own"), ("auto", "unit")])
+@pytest.mark.parametrize("kv,gemm", [("auto", "cublaslt"), ("fp8", "cublaslt"), ("auto", "own"), ("auto", "unit"),
+                                     ("auto", "own_bf16")])
 def test_fp8_decode_graph_replay_matches_the_eager_step(fam, kv, gemm):
     """(gemm "own": the project's FP8 kernel, its K-split workspace and counter memset captured in the graph;
     "unit": the unit scale made before the capture)"""
