@@ -11,7 +11,7 @@
 //
 // Work split. A block of 4 warps owns 128 weight rows (32 per warp: two 16-row MMA tiles sharing each
 // activation fragment) and one K range (`split`); the K ranges are chosen from N, K and the number of SMs
-// only (never from M), to fill two blocks per SM. The block streams its rows and the activations 128 k at a
+// only (never from M), to fill one wave of blocks. The block streams its rows and the activations 128 k at a
 // time into a ring of shared-memory stages with cp.async, kStages - 1 stages in flight while one is
 // multiplied, so that the loads never wait on the arithmetic and enough bytes are in flight to keep HBM
 // busy. Shared rows are 128 bytes, their 16-byte chunks swizzled by the row's parity (chunk ^ 4 on odd rows)
@@ -23,6 +23,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 
 #include "fp8_gemm.h"
 
@@ -36,17 +37,31 @@ constexpr int kRowsPerBlock = kRowsPerWarp * kWarps;    // weight rows per block
 constexpr int kKStep = 64;                              // k per warp step (two MMAs)
 constexpr int kStageK = 128;                            // k per pipeline stage: one 128-byte shared row
 constexpr int kMaxStages = 4;
-constexpr int kBlocksPerSm = 2;
+// Blocks per SM: 4 by default (16 warps; the kernel is latency-bound: at 2 blocks, 8 warps per SM, Nsight Compute
+// saw 34 % of DRAM and 39 % of the SM's throughput on 70B's down GEMM); LORAFLEET_FP8_GEMM_BLOCKS_PER_SM=2 or 3
+// keeps more pipeline stages per block instead.
+constexpr int kBlocksPerSm = 4;
+int blocks_per_sm() {
+  static const int b = [] {
+    const char* v = std::getenv("LORAFLEET_FP8_GEMM_BLOCKS_PER_SM");
+    const int n = v ? std::atoi(v) : kBlocksPerSm;
+    return n == 2 || n == 3 ? n : kBlocksPerSm;
+  }();
+  return b;
+}
 constexpr size_t kCounterAlign = 256;
 
 // Shared bytes of one stage for NT tiles of 8 tokens: 128 weight rows and 8 * NT activation rows of 128 k
-// (one byte each in e4m3, two in bf16); as many stages (up to 4) as let two blocks share an SM.
+// (one byte each in e4m3, two in bf16); as many stages (2 to 4) as let BPS blocks share an SM.
 constexpr int stage_bytes(int nt, bool a16) { return kRowsPerBlock * kStageK + 8 * nt * kStageK * (a16 ? 2 : 1); }
-constexpr int stages_for(int nt, bool a16) {
-  return kBlocksPerSm * kMaxStages * stage_bytes(nt, a16) <= 227 * 1024 ? kMaxStages : kMaxStages - 1;
+constexpr int stages_for(int nt, bool a16, int bps) {
+  int st = kMaxStages;
+  while (st > 2 && bps * st * stage_bytes(nt, a16) > 227 * 1024) --st;
+  return st;
 }
-constexpr int smem_bytes(int nt, bool a16) { return stages_for(nt, a16) * stage_bytes(nt, a16); }
-static_assert(kBlocksPerSm * smem_bytes(8, true) <= 227 * 1024, "two blocks per SM at 64 bf16 tokens");
+constexpr int smem_bytes(int nt, bool a16, int bps) { return stages_for(nt, a16, bps) * stage_bytes(nt, a16); }
+static_assert(4 * smem_bytes(8, true, 4) <= 227 * 1024 || 3 * smem_bytes(8, true, 3) <= 227 * 1024,
+              "blocks per SM at 64 bf16 tokens");
 
 // The e4m3 -> f16 conversion needs PTX ISA 8.4 (CUDA 12.4) and compute capability 8.9. Built without it (an
 // older compiler, or the sm_80 image of the library) the kernel traps instead of returning zeros, and the launcher refuses
@@ -172,7 +187,7 @@ Plan make_plan(int n, int k, int device) {
   const int stages = (k + kStageK - 1) / kStageK;
   // One wave of kBlocksPerSm blocks per SM (a second, partial one would run on few SMs), at least two
   // stages of k per split so that each block's pipeline has something to overlap.
-  int s = (kBlocksPerSm * sms) / p.tiles;
+  int s = (blocks_per_sm() * sms) / p.tiles;
   s = std::max(1, std::min(s, std::max(1, stages / 2)));
   const int chunk_stages = (stages + s - 1) / s;
   p.splits = (stages + chunk_stages - 1) / chunk_stages;  // no empty split
@@ -185,10 +200,10 @@ size_t counter_bytes(int tiles) {
 }
 
 // NT tiles of 8 tokens (M <= 8 * NT); A16: x in bf16 (products on the bf16 tensor cores, no x_scale), else e4m3.
-template <int NT, bool A16>
-__global__ void __launch_bounds__(kThreads, kBlocksPerSm)
+template <int NT, bool A16, int BPS>
+__global__ void __launch_bounds__(kThreads, BPS)
     fp8_gemm_kernel(Fp8GemmArgs a, int k_chunk, int splits, int* counters, float* partial) {
-  constexpr int kStages = stages_for(NT, A16);
+  constexpr int kStages = stages_for(NT, A16, BPS);
   constexpr int kXElem = A16 ? 2 : 1;
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ int finisher;
@@ -346,15 +361,25 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   }
 }
 
-template <int NT, bool A16>
-cudaError_t launch(const Fp8GemmArgs& a, const Plan& p, int* counters, float* partial, cudaStream_t s) {
+template <int NT, bool A16, int BPS>
+cudaError_t launch_bps(const Fp8GemmArgs& a, const Plan& p, int* counters, float* partial, cudaStream_t s) {
   // Above 48 KB of dynamic shared memory a kernel must opt in; a host-side setting, no work on the stream.
-  cudaError_t e = cudaFuncSetAttribute(fp8_gemm_kernel<NT, A16>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       smem_bytes(NT, A16));
+  constexpr int bytes = smem_bytes(NT, A16, BPS);
+  cudaError_t e = cudaFuncSetAttribute(fp8_gemm_kernel<NT, A16, BPS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       bytes);
   if (e != cudaSuccess) return e;
   const dim3 grid(static_cast<unsigned>(p.tiles), static_cast<unsigned>(p.splits)), block(kThreads);
-  fp8_gemm_kernel<NT, A16><<<grid, block, smem_bytes(NT, A16), s>>>(a, p.k_chunk, p.splits, counters, partial);
+  fp8_gemm_kernel<NT, A16, BPS><<<grid, block, bytes, s>>>(a, p.k_chunk, p.splits, counters, partial);
   return cudaGetLastError();
+}
+
+template <int NT, bool A16>
+cudaError_t launch(const Fp8GemmArgs& a, const Plan& p, int* counters, float* partial, cudaStream_t s) {
+  switch (blocks_per_sm()) {
+    case 2: return launch_bps<NT, A16, 2>(a, p, counters, partial, s);
+    case 3: return launch_bps<NT, A16, 3>(a, p, counters, partial, s);
+    default: return launch_bps<NT, A16, kBlocksPerSm>(a, p, counters, partial, s);
+  }
 }
 
 template <bool A16>
@@ -388,7 +413,7 @@ const char* fp8_gemm(const Fp8GemmArgs& a, int device, void* stream) {
   if (e != cudaSuccess) return cudaGetErrorString(e);
   // The kernel image this device runs must carry the MMA (an sm_80 image on an sm_89 device would not).
   cudaFuncAttributes fa{};
-  e = cudaFuncGetAttributes(&fa, fp8_gemm_kernel<1, false>);
+  e = cudaFuncGetAttributes(&fa, fp8_gemm_kernel<1, false, kBlocksPerSm>);
   const char* refusal = nullptr;
   const Plan p = make_plan(a.n, a.k, device);
   const size_t need = p.splits == 1 ? 0 : counter_bytes(p.tiles) + static_cast<size_t>(p.splits) * a.m * a.n * sizeof(float);

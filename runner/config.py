@@ -30,8 +30,8 @@ class KernelChoices:
         quantization launch; the products of the bf16 rows and the e4m3 weights) instead of e4m3 ones.
     fp8_unit_scale_elems: with FP8 weights, steps of at most 64 rows whose weight has at least this many
         elements (per rank's shard) multiply with unit scales into fp32 and apply the token and row scales
-        after; checked before fp8_swap_rows (0: never; the default, 3 * 2**26, takes Llama-2-70B's gate_up and
-        down on one GPU).
+        after; checked before fp8_swap_rows (0: never; the default, 1, takes every weight: the fastest FP8
+        call in CUDA graphs on every 7B and 70B projection, docs/benchmarks.md section 10.7).
     pin_host_adapters: adapters read from disk are kept in pinned host memory.
     dense_lora_rows: a step with prompt rows whose adapted rows form at most DENSE_LORA_MAX_SEGMENTS segments
         (runner/lora/step.py), each of at least this many rows, and whose work reaches dense_lora_min_work,
@@ -53,7 +53,7 @@ class KernelChoices:
     fp8_swap_rows: int = 0
     fp8_gemm_rows: int = 0
     fp8_gemm_bf16: bool = False
-    fp8_unit_scale_elems: int = 3 << 26
+    fp8_unit_scale_elems: int = 1
     pin_host_adapters: bool = False
     dense_lora_rows: int = 256
     dense_lora_min_work: int = 1024 * 202_375_168

@@ -106,7 +106,7 @@ def test_fp8_gemm_switches(monkeypatch):
     for var in ("LORAFLEET_FP8_SWAP_ROWS", "LORAFLEET_FP8_GEMM_ROWS", "LORAFLEET_FP8_UNIT_SCALE_ELEMS",
                 "LORAFLEET_FP8_GEMM_BF16"):
         monkeypatch.delenv(var, raising=False)
-    assert (env.fp8_swap_rows(), env.fp8_gemm_rows(), env.fp8_unit_scale_elems()) == (0, 0, 3 << 26)
+    assert (env.fp8_swap_rows(), env.fp8_gemm_rows(), env.fp8_unit_scale_elems()) == (0, 0, 1)
     assert KernelChoices.from_env() == KernelChoices()  # the dataclass's defaults are the environment's
     monkeypatch.setenv("LORAFLEET_FP8_UNIT_SCALE_ELEMS", "-5")
     with pytest.raises(ValueError, match="LORAFLEET_FP8_UNIT_SCALE_ELEMS must be >= 0"):

@@ -158,7 +158,7 @@ def fp8_gemm_bf16() -> bool:
     return _flag("LORAFLEET_FP8_GEMM_BF16", False)
 
 
-UNIT_SCALE_ELEMS_DEFAULT = 3 << 26
+UNIT_SCALE_ELEMS_DEFAULT = 1
 DENSE_LORA_ROWS_DEFAULT = 256
 
 
@@ -179,11 +179,10 @@ def dense_lora_rows() -> int:
 def fp8_unit_scale_elems() -> int:
     """LORAFLEET_FP8_UNIT_SCALE_ELEMS: with FP8 weights on CUDA, steps of at most 64 rows whose weight has at
     least this many elements run the FP8 product with unit scales and fp32 output, the per-token and per-row
-    scales applied after it (the same products: cuBLASLt picks a kernel that streams large weights faster
-    for this call: the Llama-2-70B decode step 15 % shorter, docs/benchmarks.md section 10.5; below ~90M
-    elements it is slower, section 10.4). The count is per rank's shard. Default 3 * 2**26 (201,326,592): on
-    one GPU Llama-2-70B's gate_up and down (470M, 235M); Qwen2.5-7B's gate_up (136M) and every 7B-14B shape's
-    weights stay on the per-row call; 0: never."""
+    scales applied after it (the same products: cuBLASLt picks a kernel that streams the weight faster for
+    this call; timed in CUDA graphs, as decode steps run, it is the fastest FP8 call on every Llama-2-7B and
+    -70B projection at 32 rows, docs/benchmarks.md section 10.7). The count is per rank's shard. Default 1:
+    every weight; 0: never (the per-row call)."""
     elems = _int("LORAFLEET_FP8_UNIT_SCALE_ELEMS", UNIT_SCALE_ELEMS_DEFAULT)
     if elems < 0:
         raise ValueError(f"LORAFLEET_FP8_UNIT_SCALE_ELEMS must be >= 0, got {elems}")
