@@ -112,18 +112,19 @@ SERVE="python3 -m lorafleet --log-level WARNING bench serve --synthetic-model 7b
 # With FP8 weights: take the probe's fastest FP8 call, unless one is set in the environment.
 fp8_pick() {
   local pick
-  if [ -z "${LORAFLEET_FP8_SWAP_ROWS:-}${LORAFLEET_FP8_GEMM_ROWS:-}" ] && [ -f "$OUT/probe_fp8_gemm.json" ]; then
+  if [ -z "${LORAFLEET_FP8_SWAP_ROWS:-}${LORAFLEET_FP8_GEMM_ROWS:-}${LORAFLEET_FP8_UNIT_SCALE_ELEMS:-}" ] && [ -f "$OUT/probe_fp8_gemm.json" ]; then
     # the fastest way of calling the FP8 tensor cores at 32 rows over the probe's GEMMs (the project's
     # kernel only where its error against the fp32 product is at bf16 rounding; on bf16 rows, which
     # also saves the activations' quantization launch, where it is within 3 % of the e4m3 rows)
     pick=$(python3 -c "import json,sys; r=[x for x in json.load(open(sys.argv[1]))['rows'] if x['M']==32]
 t=lambda k: sum(x.get(k, {}).get('us', 1e9) for x in r) / (1.03 if k == 'own_bf16' else 1)
 ok=lambda k: all(x.get(k + '_max_rel_err', 1) < 1e-2 for x in r)
-best=min(['rowwise', 'rowwise_swapped'] + [k for k in ('own', 'own_bf16') if ok(k)], key=t)
-print({'rowwise': '', 'rowwise_swapped': 'LORAFLEET_FP8_SWAP_ROWS=64', 'own': 'LORAFLEET_FP8_GEMM_ROWS=64',
+best=min(['tensor_fp32_then_scale', 'rowwise', 'rowwise_swapped'] + [k for k in ('own', 'own_bf16') if ok(k)], key=t)
+print({'tensor_fp32_then_scale': '', 'rowwise': 'LORAFLEET_FP8_UNIT_SCALE_ELEMS=0',
+       'rowwise_swapped': 'LORAFLEET_FP8_UNIT_SCALE_ELEMS=0 LORAFLEET_FP8_SWAP_ROWS=64', 'own': 'LORAFLEET_FP8_GEMM_ROWS=64',
    'own_bf16': 'LORAFLEET_FP8_GEMM_ROWS=64 LORAFLEET_FP8_GEMM_BF16=1'}[best])" "$OUT/probe_fp8_gemm.json")
     [ -n "$pick" ] && export $pick
-    echo "FP8 GEMM from the probe: ${pick:-cuBLASLt as x @ W.T}"
+    echo "FP8 GEMM from the probe: ${pick:-cuBLASLt with unit scales (the default)}"
   fi
 }
 stage() {
