@@ -73,17 +73,24 @@ constexpr bool kMmaCompiled = false;
 #endif
 
 // Hopper has no 8-bit mma.sync (ptxas emulates the e4m3 one, converting both operands for every call), so
-// each operand fragment is converted once, exactly (every e4m3 value is an f16), and multiplied on the f16
-// tensor cores: the same fp32 sums of exact products as an FP8 MMA.
-__device__ __forceinline__ void mma_f16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                        uint32_t b0, uint32_t b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890 && defined(__CUDACC_VER_MAJOR__) && \
-    (__CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 4))
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+// each operand fragment is converted once, exactly (every e4m3 value is an f16 and a bf16), and multiplied on
+// the f16 (kBf16: bf16) tensor cores: the same fp32 sums of exact products as an FP8 MMA.
+template <bool kBf16>
+__device__ __forceinline__ void mma_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                          uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (kBf16)
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  else
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 #else
   __trap();
 #endif
@@ -98,18 +105,6 @@ __device__ __forceinline__ void e4m3x4_to_f16(uint32_t v, uint32_t& lo, uint32_t
       : "r"(v));
 #else
   lo = hi = v;
-#endif
-}
-
-__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-#else
   __trap();
 #endif
 }
@@ -285,14 +280,9 @@ __global__ void __launch_bounds__(kThreads, BPS)
           for (int mt = 0; mt < 2; ++mt) {
             if (mt < live_tiles) {
 #pragma unroll
-              for (int j = 0; j < 4; ++j) {
-                if constexpr (A16)
-                  mma_bf16(acc[mt][nt], lo[mt][2 * j], hi[mt][2 * j], lo[mt][2 * j + 1], hi[mt][2 * j + 1],
-                           xh[2 * j], xh[2 * j + 1]);
-                else
-                  mma_f16(acc[mt][nt], lo[mt][2 * j], hi[mt][2 * j], lo[mt][2 * j + 1], hi[mt][2 * j + 1],
-                          xh[2 * j], xh[2 * j + 1]);
-              }
+              for (int j = 0; j < 4; ++j)
+                mma_16816<A16>(acc[mt][nt], lo[mt][2 * j], hi[mt][2 * j], lo[mt][2 * j + 1], hi[mt][2 * j + 1],
+                               xh[2 * j], xh[2 * j + 1]);
             }
           }
         }
