@@ -13,7 +13,7 @@
 #   fp8tests FP8 weights (and FP8 K/V pages) against the fp32 HF emulation of FP8, graphs against eager, bytes
 #   ptests   the prefix cache against HF + PEFT fp32 (llama3, gemma3), hits counted
 #   fp8      bench e2e (7B shape; distinct, identical, uniform, skewed, LoRA off; FP8_REQS, default 300) in bf16,
-#            with FP8 weights and with FP8 weights + FP8 K/V pages, with step profiles   -> e2e_fp8_{bf16,fp8,fp8_kv8}.json
+#            with FP8 weights and with FP8 weights + FP8 K/V pages, with step profiles   -> e2e_fp8_{bf16,fp8,fp8_kv8}[_TAG].json
 #   pserve   bench serve --prefix-workloads system-prompt sharegpt: two runners on the machine's GPUs (sharing one
 #            GPU where there is one), cache off and on, prefix-aware (busiest) against prefix-ignoring placement
 #            (busiest-no-prefix); PSERVE_REQS, default 400; PSERVE_RATES (default inf: all at t=0; e.g. "4":
@@ -167,8 +167,8 @@ stage() {
       for q in ${FP8_PRECISIONS:-bf16 fp8 fp8_kv8}; do
         flags=""; [ "$q" != bf16 ] && flags="--quantization fp8"; [ "$q" = fp8_kv8 ] && flags="$flags --kv-cache-dtype fp8"
         timeout ${FP8_S:-200} python3 -m lorafleet --log-level WARNING bench e2e --requests ${FP8_REQS:-300} \
-          --mixes ${FP8_MIXES:-distinct identical uniform skewed} --sweep --hf-requests 0 --profile $flags --out "$OUT/e2e_fp8_$q.json" 2>&1 \
-          | tee "$LOGS/e2e_fp8_$q.log" | grep -E "tok/s|decode|Error|Traceback" | tail -12
+          --mixes ${FP8_MIXES:-distinct identical uniform skewed} --sweep --hf-requests 0 --profile $flags --out "$OUT/e2e_fp8_$q${TAG:+_$TAG}.json" 2>&1 \
+          | tee "$LOGS/e2e_fp8_$q${TAG:+_$TAG}.log" | grep -E "tok/s|decode|Error|Traceback" | tail -12
       done ;;
     fp870)
       fp8_pick

@@ -1,5 +1,7 @@
 // quantize_rows_e4m3 (see quant.h): one block per row; the row is read twice (absmax, then the scaled
 // cast; the second read hits L2), 16-byte loads when the row allows them.
+// fp8_epilogue (see quant.h): one thread per 8 columns of one row (16-byte stores), a block per 1,024
+// columns of a row; B's first 8 rank rows are loaded before the programmatic-launch wait.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -7,81 +9,22 @@
 
 #include "quant.h"
 
+#include "quant_row.cuh"
+
+#include "pdl.h"
+
 namespace lorafleet {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr float kE4m3Max = 448.f;
-
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-
-__device__ __forceinline__ uint8_t e4m3(float v, float s) {
-  const float d = __fdiv_rn(v, s);
-  // torch's clamp keeps a NaN (fminf / fmaxf would drop it): a NaN input or a NaN row scale gives NaN
-  const float q = d != d ? d : fminf(fmaxf(d, -kE4m3Max), kE4m3Max);
-  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(q, __NV_SATFINITE, __NV_E4M3));
-}
+using quant_detail::to_float;
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) quantize_rows_kernel(QuantizeRowsArgs a) {
   const int row = blockIdx.x;
-  const T* x = static_cast<const T*>(a.x) + static_cast<int64_t>(row) * a.x_row_stride;
-  uint8_t* out = static_cast<uint8_t*>(a.out) + static_cast<int64_t>(row) * a.cols;
-  const bool vec = (a.cols % 8 == 0) && (reinterpret_cast<uintptr_t>(x) % 16 == 0) &&
-                   (reinterpret_cast<uintptr_t>(out) % 8 == 0);
-  // fmaxf drops NaN; torch's amax propagates it: a NaN anywhere makes the row's scale NaN.
-  float m = 0.f;
-  bool nan = false;
-  if (vec) {
-    for (int j = threadIdx.x * 8; j < a.cols; j += kThreads * 8) {
-      const uint4 raw = *reinterpret_cast<const uint4*>(x + j);
-      const T* v = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        const float f = to_float(v[e]);
-        nan |= f != f;
-        m = fmaxf(m, fabsf(f));
-      }
-    }
-  } else {
-    for (int j = threadIdx.x; j < a.cols; j += kThreads) {
-      const float f = to_float(x[j]);
-      nan |= f != f;
-      m = fmaxf(m, fabsf(f));
-    }
-  }
-  __shared__ float red[kThreads / 32];
-  __shared__ int any_nan;
-  if (threadIdx.x == 0) any_nan = 0;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = m;
-  __syncthreads();
-  if (nan) atomicExch(&any_nan, 1);
-  if (threadIdx.x < 32) {
-    float w = threadIdx.x < kThreads / 32 ? red[threadIdx.x] : 0.f;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) w = fmaxf(w, __shfl_xor_sync(0xffffffffu, w, o));
-    if (threadIdx.x == 0) red[0] = w;
-  }
-  __syncthreads();
-  // torch divides a tensor by a Python scalar as a product with the scalar's fp32 reciprocal
-  const float s = any_nan ? __int_as_float(0x7fffffff) : fmaxf(__fmul_rn(red[0], 1.f / kE4m3Max), 1e-12f);
-  if (threadIdx.x == 0) a.scale[row] = s;
-  if (vec) {
-    for (int j = threadIdx.x * 8; j < a.cols; j += kThreads * 8) {
-      const uint4 raw = *reinterpret_cast<const uint4*>(x + j);
-      const T* v = reinterpret_cast<const T*>(&raw);
-      uint2 packed;
-      uint8_t* b = reinterpret_cast<uint8_t*>(&packed);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) b[e] = e4m3(to_float(v[e]), s);
-      *reinterpret_cast<uint2*>(out + j) = packed;
-    }
-  } else {
-    for (int j = threadIdx.x; j < a.cols; j += kThreads) out[j] = e4m3(to_float(x[j]), s);
-  }
+  quant_detail::quantize_row<T, kThreads>(static_cast<const T*>(a.x) + static_cast<int64_t>(row) * a.x_row_stride,
+                                          static_cast<uint8_t*>(a.out) + static_cast<int64_t>(row) * a.cols,
+                                          a.scale + row, a.cols);
 }
 
 }  // namespace
@@ -97,6 +40,166 @@ const char* quantize_rows_e4m3(DType dtype, const QuantizeRowsArgs& a, int devic
   if (dtype == DType::kBFloat16) quantize_rows_kernel<__nv_bfloat16><<<a.rows, kThreads, 0, s>>>(a);
   else quantize_rows_kernel<__half><<<a.rows, kThreads, 0, s>>>(a);
   e = cudaGetLastError();
+  if (prev != device) cudaSetDevice(prev);
+  return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
+}
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------------
+// fp8_epilogue
+
+constexpr int kEpiThreads = 128;
+constexpr int kEpiCols = 8;  // columns per thread: one 16-byte store
+constexpr int kEpiChunk = 8;  // rank rows of B loaded together (the first chunk before the wait)
+
+__device__ __forceinline__ void unpack8(const uint4& raw, float f[8], __nv_bfloat16) {
+  const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const float2 t = __bfloat1622float2(p[e]);
+    f[2 * e] = t.x;
+    f[2 * e + 1] = t.y;
+  }
+}
+__device__ __forceinline__ void unpack8(const uint4& raw, float f[8], __half) {
+  const __half2* p = reinterpret_cast<const __half2*>(&raw);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const float2 t = __half22float2(p[e]);
+    f[2 * e] = t.x;
+    f[2 * e + 1] = t.y;
+  }
+}
+__device__ __forceinline__ __nv_bfloat16 round_to(float v, __nv_bfloat16) { return __float2bfloat16_rn(v); }
+__device__ __forceinline__ __half round_to(float v, __half) { return __float2half_rn(v); }
+
+// v rounded to T and back (a tensor op's store in T)
+template <typename T>
+__device__ __forceinline__ float through(float v) { return to_float(round_to(v, T())); }
+
+// acc[e][k mod 4] += v[k] * b[k][e] for the chunk's rank rows k0 .. k0 + kEpiChunk - 1 below r (k0 a multiple of 4)
+template <typename T>
+__device__ __forceinline__ void lora_chunk(float acc[kEpiCols][4], const uint4 (&bk)[kEpiChunk], const float* v, int k0,
+                                           int r) {
+#pragma unroll
+  for (int j = 0; j < kEpiChunk; ++j) {
+    if (k0 + j < r) {
+      const float vk = v[k0 + j];
+      float b[kEpiCols];
+      unpack8(bk[j], b, T());
+#pragma unroll
+      for (int e = 0; e < kEpiCols; ++e) acc[e][j & 3] = fmaf(vk, b[e], acc[e][j & 3]);
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kEpiThreads) fp8_epilogue_kernel(const Fp8EpilogueArgs a) {
+  const int row = blockIdx.y;
+  const int c = (blockIdx.x * kEpiThreads + threadIdx.x) * kEpiCols;
+  if (c >= a.n) return;
+  // the projection whose output span holds column c
+  int g = 0, start = 0, width = a.cols[0];
+  if (a.num_groups > 1 && c >= a.cols[0]) {
+    g = 1;
+    start = a.cols[0];
+    width = a.cols[1];
+    if (a.num_groups > 2 && c >= start + a.cols[1]) {
+      g = 2;
+      start += a.cols[1];
+      width = a.cols[2];
+    }
+  }
+  const Fp8EpilogueLora& l = a.lora;
+  int r = 0;
+  const T* b = nullptr;
+  if (l.v != nullptr) {
+    const int s = l.row_slot[row];
+    if (s >= 0 && s < l.num_slots) {
+      const int rdim = g == 0 ? l.b_rank_dim[0] : g == 1 ? l.b_rank_dim[1] : l.b_rank_dim[2];
+      r = min(max(l.ranks[static_cast<int64_t>(g) * l.num_slots + s], 0), min(rdim, kMaxRank));
+      const void* bg = g == 0 ? l.b[0] : g == 1 ? l.b[1] : l.b[2];
+      b = static_cast<const T*>(bg) + static_cast<int64_t>(s) * rdim * width + (c - start);
+    }
+  }
+  uint4 bk[kEpiChunk];
+#pragma unroll
+  for (int j = 0; j < kEpiChunk; ++j)
+    if (j < r) bk[j] = __ldg(reinterpret_cast<const uint4*>(b + static_cast<int64_t>(j) * width));
+  pdl_wait();
+  const int64_t at = static_cast<int64_t>(row) * a.n + c;
+  const float4 y0 = *reinterpret_cast<const float4*>(a.y + at), y1 = *reinterpret_cast<const float4*>(a.y + at + 4);
+  const float4 w0 = __ldg(reinterpret_cast<const float4*>(a.w_scale + c));
+  const float4 w1 = __ldg(reinterpret_cast<const float4*>(a.w_scale + c + 4));
+  const float y[kEpiCols] = {y0.x, y0.y, y0.z, y0.w, y1.x, y1.y, y1.z, y1.w};
+  const float w[kEpiCols] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+  const float xs = a.x_scale[row];
+  float o[kEpiCols];
+#pragma unroll
+  for (int e = 0; e < kEpiCols; ++e) o[e] = through<T>(__fmul_rn(__fmul_rn(y[e], xs), w[e]));
+  if (a.bias != nullptr) {
+    float bias[kEpiCols];
+    unpack8(__ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(a.bias) + c)), bias, T());
+#pragma unroll
+    for (int e = 0; e < kEpiCols; ++e) o[e] = through<T>(__fadd_rn(o[e], bias[e]));
+  }
+  if (r > 0) {
+    const float* v = l.v + static_cast<int64_t>(row) * l.v_row_stride + static_cast<int64_t>(g) * l.v_rank_dim;
+    float acc[kEpiCols][4] = {};
+    lora_chunk<T>(acc, bk, v, 0, r);
+    for (int k0 = kEpiChunk; k0 < r; k0 += kEpiChunk) {
+#pragma unroll
+      for (int j = 0; j < kEpiChunk; ++j)
+        if (k0 + j < r) bk[j] = __ldg(reinterpret_cast<const uint4*>(b + static_cast<int64_t>(k0 + j) * width));
+      lora_chunk<T>(acc, bk, v, k0, r);
+    }
+#pragma unroll
+    for (int e = 0; e < kEpiCols; ++e)
+      o[e] = __fadd_rn(o[e], __fadd_rn(__fadd_rn(acc[e][0], acc[e][2]), __fadd_rn(acc[e][1], acc[e][3])));
+  }
+  uint4 packed;
+  T* p = reinterpret_cast<T*>(&packed);
+#pragma unroll
+  for (int e = 0; e < kEpiCols; ++e) p[e] = round_to(o[e], T());
+  *reinterpret_cast<uint4*>(static_cast<T*>(a.out) + at) = packed;
+}
+
+}  // namespace
+
+const char* fp8_epilogue(DType dtype, const Fp8EpilogueArgs& a, int device, void* stream) {
+  if (a.m == 0 || a.n == 0) return nullptr;
+  if (a.y == nullptr || a.x_scale == nullptr || a.w_scale == nullptr || a.out == nullptr)
+    return "fp8_epilogue: null pointer";
+  if (a.m > 65535) return "fp8_epilogue: at most 65535 rows";
+  if (a.n % kEpiCols != 0 || a.num_groups < 1 || a.num_groups > kMaxGroup) return "fp8_epilogue: bad column spans";
+  int total = 0;
+  for (int g = 0; g < a.num_groups; ++g) {
+    if (a.cols[g] <= 0 || a.cols[g] % kEpiCols != 0) return "fp8_epilogue: spans must be positive multiples of 8";
+    total += a.cols[g];
+  }
+  if (total != a.n) return "fp8_epilogue: the spans do not cover the columns";
+  const Fp8EpilogueLora& l = a.lora;
+  if (l.v != nullptr) {
+    if (l.ranks == nullptr || l.row_slot == nullptr || l.num_slots < 1) return "fp8_epilogue: LoRA tables missing";
+    for (int g = 0; g < a.num_groups; ++g)
+      if (l.b[g] == nullptr || l.b_rank_dim[g] < 1) return "fp8_epilogue: LoRA B pool missing";
+  }
+  int prev = -1;
+  cudaError_t e = cudaGetDevice(&prev);
+  if (e == cudaSuccess && prev != device) e = cudaSetDevice(device);
+  int major = 0;
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  if (e == cudaSuccess) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3((a.n / kEpiCols + kEpiThreads - 1) / kEpiThreads, a.m);
+    cfg.blockDim = dim3(kEpiThreads);
+    cfg.stream = static_cast<cudaStream_t>(stream);
+    cudaLaunchAttribute attr[1];
+    set_pdl(cfg, attr, a.pdl, major);
+    e = dtype == DType::kBFloat16 ? cudaLaunchKernelEx(&cfg, fp8_epilogue_kernel<__nv_bfloat16>, a)
+                                  : cudaLaunchKernelEx(&cfg, fp8_epilogue_kernel<__half>, a);
+  }
   if (prev != device) cudaSetDevice(prev);
   return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
 }

@@ -27,4 +27,47 @@ struct QuantizeRowsArgs {
 // Enqueue on `stream`; no synchronisation or allocation (capturable). nullptr on success.
 const char* quantize_rows_e4m3(DType dtype, const QuantizeRowsArgs& args, int device, void* stream);
 
+// The epilogue of an FP8 product taken with unit scales into fp32 (y = x_q @ w_q.T), in one launch: the
+// token and row scales, the bias and the rows' LoRA expand. For every row i < m and column c < n, with c in
+// the output span of projection g (spans cols[0], cols[1], ... in order, each a multiple of 8), T the dtype:
+//
+//   o = T((y[i, c] * x_scale[i]) * w_scale[c])                      as y.mul_(sx).mul_(w_scale).to(T)
+//   o = T(float(o) + float(bias[c]))                                  with a bias (a bf16 / fp16 tensor add)
+//   s = lora.row_slot[i], r = clamp(lora.ranks[g, s], 0, min(b_rank_dim[g], kMaxRank))
+//   out[i, c] = T(float(o) + sum_k<r v[i, g, k] * b[g][s, k, c - start_g])   if 0 <= s < S and r > 0, else o
+//
+// the sum in the SGMV CUDA-core expand's order (4 partial sums over k mod 4, then (p0 + p2) + (p1 + p3)), so
+// the result is bit for bit the unit-scale product's three torch ops, the bias add and sgmv expand (decode
+// rows) one after the other. Each output element depends only on its own row: no other row changes it.
+struct Fp8EpilogueLora {
+  const float* v = nullptr;            // [>= m, G, v_rank_dim] fp32, row stride v_row_stride (nullptr: no LoRA)
+  int64_t v_row_stride = 0;
+  int v_rank_dim = 0;
+  const void* b[kMaxGroup] = {};       // [S, b_rank_dim[g], cols[g]] contiguous, dtype T
+  int b_rank_dim[kMaxGroup] = {};
+  const int32_t* ranks = nullptr;      // [G, S]
+  const int32_t* row_slot = nullptr;   // [>= m], -1 (or out of range): no adapter
+  int num_slots = 0;                   // S
+};
+
+struct Fp8EpilogueArgs {
+  const float* y = nullptr;            // [m, n] fp32 contiguous
+  const float* x_scale = nullptr;      // [m]
+  const float* w_scale = nullptr;      // [n]
+  const void* bias = nullptr;          // [n] dtype T, or nullptr
+  void* out = nullptr;                 // [m, n] dtype T contiguous
+  int m = 0;
+  int n = 0;                           // multiple of 8
+  int num_groups = 1;                  // G, 1..kMaxGroup
+  int cols[kMaxGroup] = {};            // output span of each projection, multiples of 8 summing to n
+  Fp8EpilogueLora lora;
+  // Programmatic dependent launch (sm_90+): the grid starts while the previous kernel (the product) drains
+  // and reads row_slot, ranks and the first rank rows of B, then waits for it before reading y, the scales,
+  // the bias or v. So nothing may write row_slot, ranks or the B pools in the kernel launched right before.
+  bool pdl = true;
+};
+
+// Enqueue on `stream`; no synchronisation or allocation (capturable). nullptr on success.
+const char* fp8_epilogue(DType dtype, const Fp8EpilogueArgs& args, int device, void* stream);
+
 }  // namespace lorafleet

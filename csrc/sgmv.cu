@@ -24,6 +24,9 @@
 // x, v or y. Every output element is written by one thread: no atomics, bitwise reproducible.
 #include "sgmv.h"
 
+#include "pdl.h"
+#include "quant_row.cuh"
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -84,20 +87,6 @@ static_assert(4 <= kShrinkRows * kShrinkRanksLong, "the CUDA-core reduction area
 
 // ---------------------------------------------------------------------------------------------------
 // Small device helpers.
-
-__device__ __forceinline__ void pdl_launch_dependents() {
-#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
-// Waits until the preceding kernel in the stream has completed and its writes are visible. A no-op
-// when this grid was launched without programmatic stream serialization.
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
 
 template <typename To, typename From>
 __device__ __forceinline__ To bit_cast(const From& f) {
@@ -194,6 +183,8 @@ struct ShrinkParams {
   int decode_ranks;         // rank rows per CUDA-core item of one-row segments: 1, 2 or 4
   int rank_pad;             // max rank_cap rounded up to 16: rows of the A tile in shared memory
   int work_offset;          // bytes from the start of dynamic shared memory to the work area
+  uint8_t* quant_out;       // optional: x's rows quantized to e4m3 (ShrinkArgs)
+  float* quant_scale;
 };
 
 struct ExpandParams {
@@ -626,6 +617,14 @@ __global__ void __launch_bounds__(kThreads, kMma ? 2 : kShrinkMinBlocks) sgmv_sh
     }
   }
   if (!waited) pdl_wait();  // finish only after the preceding kernel (see the expand kernel)
+  if (p.quant_out != nullptr) {  // after the items, so that their A loads overlap the preceding kernel's tail
+    __syncthreads();  // the items' last use of shared memory
+    const T* x = static_cast<const T*>(p.x);
+    for (int row = blockIdx.x; row < p.seg.num_rows; row += gridDim.x)
+      quant_detail::quantize_row<T, kThreads>(x + static_cast<int64_t>(row) * p.in_features,
+                                              p.quant_out + static_cast<int64_t>(row) * p.in_features,
+                                              p.quant_scale + row, p.in_features);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -1062,13 +1061,7 @@ const char* launch(Kernel kernel, const Params& params, int max_items, int max_p
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
-  cfg.attrs = attr;
-  cfg.numAttrs = 0;
-  if (opt.pdl && info.major >= 9) {
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.numAttrs = 1;
-  }
+  set_pdl(cfg, attr, opt.pdl, info.major);
   const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, params);
   return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
 }
@@ -1142,6 +1135,9 @@ const char* shrink_typed(const ShrinkArgs& args, const LaunchOptions& opt, int d
   p.v_row_stride = args.seg.num_groups * args.v_rank_dim;
   p.mma_min_rows = std::max(1, opt.mma_min_rows);
   p.decode_ranks = decode_ranks_of(opt);  // checked by sgmv_shrink
+  p.quant_out = args.quant_out;
+  p.quant_scale = args.quant_out != nullptr ? args.quant_scale : nullptr;
+  if (args.quant_out != nullptr && args.quant_scale == nullptr) return "sgmv_shrink: quant_out without quant_scale";
   int rank_sum = 0;
   for (int g = 0; g < kMaxGroup; ++g) {
     const bool used = g < args.seg.num_groups;

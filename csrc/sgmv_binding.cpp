@@ -2,8 +2,9 @@
 // kernels on the CUDA stream that Python passes in as an integer (no c10/cuda headers needed).
 //
 //   shrink(v, x, a, ranks, indptr, slots, mma_min_rows, pdl, stream, max_blocks=0, blocks_per_sm=0,
-//          decode_ranks=0):
+//          decode_ranks=0, quant_out=None, quant_scale=None):
 //       v[rows, g, :r] = x[rows] @ a[g][s, :r, :].T        for every segment (rows, s >= 0) and g;
+//       with quant_out / quant_scale also every row of x quantized as quantize_e4m3 does, in the same launch;
 //       max_blocks > 0 caps the grid (to leave SMs to a kernel on another stream), blocks_per_sm > 0
 //       the resident blocks per SM (0: 4), decode_ranks (1, 2 or 4; 0: 2, or 4 when the launch can take
 //       tensor cores) sets the rank rows per CUDA-core item of one-row segments. None of the three
@@ -24,6 +25,10 @@
 //   fp8_gemm(out, x, x_scale, w, w_scale, stream): out = (x @ w.T) * x_scale[:, None] * w_scale[None, :] in
 //       bf16 for at most 64 e4m3 rows x (fp8_gemm.h), the weight streamed once.
 //   fp8_gemm_bf16(out, x, w, w_scale, stream): the same for bf16 rows x, unquantized: (x @ w.T) * w_scale.
+//   fp8_epilogue(out, y, x_scale, w_scale, bias, cols, v, b, ranks, row_slot, pdl, stream): out = the fp32
+//       unit-scale FP8 product y times the token and row scales, plus the bias and the rows' LoRA expand
+//       (v @ b[g][row_slot]) over the projections' column spans `cols`, one launch (quant.h); bias and v
+//       (with b, ranks, row_slot) may be None.
 //
 // with r = ranks[g, s]. The values inside ranks / indptr / slots live on the device and are not
 // inspected here (that would need a synchronisation): the kernels clamp ranks to [0, R_g], skip
@@ -34,6 +39,7 @@
 #include <cstdarg>
 #include <cstdint>
 #include <cstdio>
+#include <optional>
 #include <vector>
 
 #include "fp8_gemm.h"
@@ -197,9 +203,22 @@ void* as_stream(int64_t stream) { return reinterpret_cast<void*>(static_cast<int
 
 void shrink(Tensor v, Tensor x, std::vector<Tensor> a, Tensor ranks, Tensor indptr, Tensor slots,
             int64_t mma_min_rows, bool pdl, int64_t stream, int64_t max_blocks, int64_t blocks_per_sm,
-            int64_t decode_ranks) {
+            int64_t decode_ranks, std::optional<Tensor> quant_out, std::optional<Tensor> quant_scale) {
   const auto dtype = kernel_dtype(x, "x");
-  const lorafleet::ShrinkArgs args = shrink_args(v, x, a, ranks, indptr, slots);
+  lorafleet::ShrinkArgs args = shrink_args(v, x, a, ranks, indptr, slots);
+  SGMV_CHECK(quant_out.has_value() == quant_scale.has_value(), "sgmv: quant_out and quant_scale go together");
+  if (quant_out.has_value()) {
+    check_device(*quant_out, Name("quant_out"), x);
+    check_device(*quant_scale, Name("quant_scale"), x);
+    SGMV_CHECK(quant_out->scalar_type() == torch::kFloat8_e4m3fn && quant_out->is_contiguous() &&
+                   quant_out->dim() == 2 && quant_out->size(0) == x.size(0) && quant_out->size(1) == x.size(1),
+               "sgmv: quant_out must be contiguous float8_e4m3fn [%lld, %lld]", ll(x.size(0)), ll(x.size(1)));
+    SGMV_CHECK(quant_scale->scalar_type() == torch::kFloat && quant_scale->is_contiguous() &&
+                   quant_scale->numel() == x.size(0),
+               "sgmv: quant_scale must be contiguous float32 with %lld entries", ll(x.size(0)));
+    args.quant_out = static_cast<uint8_t*>(quant_out->data_ptr());
+    args.quant_scale = quant_scale->data_ptr<float>();
+  }
   const lorafleet::LaunchOptions opt = launch_options(mma_min_rows, pdl, max_blocks, blocks_per_sm, decode_ranks);
   if (x.size(0) == 0) return;
   const char* err = lorafleet::sgmv_shrink(dtype, args, opt, x.get_device(), as_stream(stream));
@@ -471,6 +490,85 @@ void fp8_gemm_bf16(Tensor out, Tensor x, Tensor w, Tensor w_scale, int64_t strea
   fp8_gemm_impl(out, x, nullptr, w, w_scale, stream);
 }
 
+void fp8_epilogue(Tensor out, Tensor y, Tensor x_scale, Tensor w_scale, std::optional<Tensor> bias,
+                  std::vector<int64_t> cols, std::optional<Tensor> v, std::vector<Tensor> b,
+                  std::optional<Tensor> ranks, std::optional<Tensor> row_slot, bool pdl, int64_t stream) {
+  const auto dtype = kernel_dtype(out, "out");
+  SGMV_CHECK(y.is_cuda() && y.scalar_type() == torch::kFloat && y.dim() == 2 && y.is_contiguous(),
+             "fp8_epilogue: y must be a contiguous 2-D float32 CUDA tensor");
+  const int64_t M = y.size(0), N = y.size(1);
+  check_device(out, Name("out"), y);
+  SGMV_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == M && out.size(1) == N && aligned16(out),
+             "fp8_epilogue: out must be contiguous, 16-byte aligned [%lld, %lld]", ll(M), ll(N));
+  SGMV_CHECK(aligned16(y) && N % 8 == 0 && M <= 65535 && N <= kInt32Max,
+             "fp8_epilogue: y must be 16-byte aligned with a multiple of 8 columns and at most 65535 rows");
+  check_device(x_scale, Name("x_scale"), y);
+  check_device(w_scale, Name("w_scale"), y);
+  SGMV_CHECK(x_scale.scalar_type() == torch::kFloat && x_scale.is_contiguous() && x_scale.numel() == M,
+             "fp8_epilogue: x_scale must be contiguous float32 with %lld entries", ll(M));
+  SGMV_CHECK(w_scale.scalar_type() == torch::kFloat && w_scale.is_contiguous() && w_scale.numel() == N &&
+                 aligned16(w_scale),
+             "fp8_epilogue: w_scale must be contiguous, 16-byte aligned float32 with %lld entries", ll(N));
+  const int64_t G = static_cast<int64_t>(cols.size());
+  SGMV_CHECK(G >= 1 && G <= lorafleet::kMaxGroup, "fp8_epilogue: 1 to %d column spans, got %lld",
+             lorafleet::kMaxGroup, ll(G));
+  lorafleet::Fp8EpilogueArgs a;
+  int64_t total = 0;
+  for (int64_t g = 0; g < G; ++g) {
+    SGMV_CHECK(cols[g] > 0 && cols[g] % 8 == 0, "fp8_epilogue: span %lld (%lld columns) must be a positive multiple of 8",
+               ll(g), ll(cols[g]));
+    a.cols[g] = static_cast<int>(cols[g]);
+    total += cols[g];
+  }
+  SGMV_CHECK(total == N, "fp8_epilogue: the spans cover %lld columns, y has %lld", ll(total), ll(N));
+  if (bias.has_value()) {
+    check_device(*bias, Name("bias"), y);
+    SGMV_CHECK(bias->scalar_type() == out.scalar_type() && bias->is_contiguous() && bias->numel() == N &&
+                   aligned16(*bias),
+               "fp8_epilogue: bias must be contiguous, 16-byte aligned %s with %lld entries", dtype_name(out), ll(N));
+    a.bias = bias->data_ptr();
+  }
+  if (v.has_value()) {
+    SGMV_CHECK(ranks.has_value() && row_slot.has_value() && static_cast<int64_t>(b.size()) == G,
+               "fp8_epilogue: LoRA needs ranks, row_slot and one B pool per span (%lld), got %lld", ll(G),
+               ll(static_cast<int64_t>(b.size())));
+    check_device(*v, Name("v"), y);
+    SGMV_CHECK(v->scalar_type() == torch::kFloat && v->dim() == 3 && v->is_contiguous() && v->size(0) >= M &&
+                   v->size(1) == G && v->size(2) >= 1,
+               "fp8_epilogue: v must be contiguous float32 [>= %lld, %lld, R]", ll(M), ll(G));
+    check_device(*ranks, Name("ranks"), y);
+    SGMV_CHECK(ranks->scalar_type() == torch::kInt && ranks->is_contiguous() && ranks->dim() == 2 &&
+                   ranks->size(0) == G && ranks->size(1) >= 1 && ranks->size(1) <= kInt32Max,
+               "fp8_epilogue: ranks must be contiguous int32 [%lld, S]", ll(G));
+    const int64_t S = ranks->size(1);
+    for (int64_t g = 0; g < G; ++g) {
+      check_weight_pool(b[g], Name("b", g), out, S, cols[g], v->size(2));
+      a.lora.b[g] = b[g].data_ptr();
+      a.lora.b_rank_dim[g] = static_cast<int>(b[g].size(1));
+    }
+    check_device(*row_slot, Name("row_slot"), y);
+    SGMV_CHECK(row_slot->scalar_type() == torch::kInt && row_slot->dim() == 1 && row_slot->is_contiguous() &&
+                   row_slot->size(0) >= M,
+               "fp8_epilogue: row_slot must be contiguous int32 with at least %lld entries", ll(M));
+    a.lora.v = v->data_ptr<float>();
+    a.lora.v_row_stride = v->stride(0);
+    a.lora.v_rank_dim = static_cast<int>(v->size(2));
+    a.lora.ranks = ranks->data_ptr<int32_t>();
+    a.lora.row_slot = row_slot->data_ptr<int32_t>();
+    a.lora.num_slots = static_cast<int>(S);
+  }
+  a.y = y.data_ptr<float>();
+  a.x_scale = x_scale.data_ptr<float>();
+  a.w_scale = w_scale.data_ptr<float>();
+  a.out = out.data_ptr();
+  a.m = static_cast<int>(M);
+  a.n = static_cast<int>(N);
+  a.num_groups = static_cast<int>(G);
+  a.pdl = pdl;
+  const char* err = lorafleet::fp8_epilogue(dtype, a, y.get_device(), as_stream(stream));
+  SGMV_CHECK(err == nullptr, "fp8_epilogue launch failed: %s", err ? err : "");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -478,7 +576,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("shrink", &shrink, "v[rows, g, :r] = x[rows] @ a[g][slot, :r].T for every segment",
         py::arg("v"), py::arg("x"), py::arg("a"), py::arg("ranks"), py::arg("indptr"), py::arg("slots"),
         py::arg("mma_min_rows"), py::arg("pdl"), py::arg("stream"), py::arg("max_blocks") = 0,
-        py::arg("blocks_per_sm") = 0, py::arg("decode_ranks") = 0);
+        py::arg("blocks_per_sm") = 0, py::arg("decode_ranks") = 0, py::arg("quant_out") = py::none(),
+        py::arg("quant_scale") = py::none());
   m.def("expand", &expand, "ys[g][rows] += v[rows, g, :r] @ b[g][slot, :r] for every segment",
         py::arg("ys"), py::arg("v"), py::arg("b"), py::arg("ranks"), py::arg("indptr"), py::arg("slots"),
         py::arg("mma_min_rows"), py::arg("pdl"), py::arg("stream"), py::arg("blocks_per_sm") = 0);
@@ -501,6 +600,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fp8_gemm_bf16", &fp8_gemm_bf16,
         "bf16 (x @ w.T) * w_scale for at most 64 bf16 rows and e4m3 w (weight-only FP8), the weight streamed once",
         py::arg("out"), py::arg("x"), py::arg("w"), py::arg("w_scale"), py::arg("stream"));
+  m.def("fp8_epilogue", &fp8_epilogue,
+        "out = (y * x_scale) * w_scale [+ bias] [+ the rows' LoRA expand] for the fp32 unit-scale FP8 product y, one launch",
+        py::arg("out"), py::arg("y"), py::arg("x_scale"), py::arg("w_scale"), py::arg("bias"), py::arg("cols"),
+        py::arg("v"), py::arg("b"), py::arg("ranks"), py::arg("row_slot"), py::arg("pdl"), py::arg("stream"));
   m.attr("MAX_RANK") = lorafleet::kMaxRank;
   m.attr("MAX_GROUP") = lorafleet::kMaxGroup;
   m.attr("MAX_SEGMENTS") = lorafleet::kMaxSegments;

@@ -32,6 +32,10 @@ class KernelChoices:
         elements (per rank's shard) multiply with unit scales into fp32 and apply the token and row scales
         after; checked before fp8_swap_rows (0: never; the default, 1, takes every weight: the fastest FP8
         call in CUDA graphs on every 7B and 70B projection, docs/benchmarks.md section 10.7).
+    fp8_epilogue: that product is finished by one launch of the project's epilogue kernel (token and row
+        scales, bias, the rows' LoRA expand; bit for bit the separate launches it replaces).
+    fp8_quant_in_shrink: with that epilogue and adapters in the step, the LoRA shrink's launch quantizes the
+        projection's activations too (the same bits) instead of a launch of their own.
     pin_host_adapters: adapters read from disk are kept in pinned host memory.
     dense_lora_rows: a step with prompt rows whose adapted rows form at most DENSE_LORA_MAX_SEGMENTS segments
         (runner/lora/step.py), each of at least this many rows, and whose work reaches dense_lora_min_work,
@@ -54,6 +58,8 @@ class KernelChoices:
     fp8_gemm_rows: int = 0
     fp8_gemm_bf16: bool = False
     fp8_unit_scale_elems: int = 1
+    fp8_epilogue: bool = True
+    fp8_quant_in_shrink: bool = True
     pin_host_adapters: bool = False
     dense_lora_rows: int = 256
     dense_lora_min_work: int = 1024 * 202_375_168
@@ -81,7 +87,8 @@ class KernelChoices:
                    rope_kv_lora=env.rope_kv_lora(), blas_lt_rows=env.blas_lt_rows(),
                    fp8_swap_rows=env.fp8_swap_rows(), fp8_gemm_rows=env.fp8_gemm_rows(),
                    fp8_gemm_bf16=env.fp8_gemm_bf16(),
-                   fp8_unit_scale_elems=env.fp8_unit_scale_elems(),
+                   fp8_unit_scale_elems=env.fp8_unit_scale_elems(), fp8_epilogue=env.fp8_epilogue(),
+                   fp8_quant_in_shrink=env.fp8_quant_in_shrink(),
                    pin_host_adapters=env.pin_host_adapters(), dense_lora_rows=env.dense_lora_rows())
 
     def describe(self) -> str:

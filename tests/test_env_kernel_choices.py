@@ -104,10 +104,16 @@ def test_fp8_gemm_switches(monkeypatch):
     from lorafleet.runner.config import KernelChoices
 
     for var in ("LORAFLEET_FP8_SWAP_ROWS", "LORAFLEET_FP8_GEMM_ROWS", "LORAFLEET_FP8_UNIT_SCALE_ELEMS",
-                "LORAFLEET_FP8_GEMM_BF16"):
+                "LORAFLEET_FP8_GEMM_BF16", "LORAFLEET_FP8_EPILOGUE", "LORAFLEET_FP8_QUANT_IN_SHRINK"):
         monkeypatch.delenv(var, raising=False)
     assert (env.fp8_swap_rows(), env.fp8_gemm_rows(), env.fp8_unit_scale_elems()) == (0, 0, 1)
+    assert env.fp8_epilogue() and env.fp8_quant_in_shrink()
     assert KernelChoices.from_env() == KernelChoices()  # the dataclass's defaults are the environment's
+    monkeypatch.setenv("LORAFLEET_FP8_EPILOGUE", "0")
+    monkeypatch.setenv("LORAFLEET_FP8_QUANT_IN_SHRINK", "0")
+    assert KernelChoices.from_env().describe() == "kernel choices: fp8_epilogue=False, fp8_quant_in_shrink=False"
+    monkeypatch.delenv("LORAFLEET_FP8_EPILOGUE")
+    monkeypatch.delenv("LORAFLEET_FP8_QUANT_IN_SHRINK")
     monkeypatch.setenv("LORAFLEET_FP8_UNIT_SCALE_ELEMS", "-5")
     with pytest.raises(ValueError, match="LORAFLEET_FP8_UNIT_SCALE_ELEMS must be >= 0"):
         env.fp8_unit_scale_elems()

@@ -72,18 +72,22 @@ class CudaSGMV:
 
     def shrink(self, v: torch.Tensor, x: torch.Tensor, a: Sequence[torch.Tensor], ranks: torch.Tensor,
                host_ranks: Sequence[Sequence[int]], seg: SegmentTable, max_blocks: int = 0,
-               mma_min_rows: int | None = None, blocks_per_sm: int = 0, decode_ranks: int = 0) -> None:
+               mma_min_rows: int | None = None, blocks_per_sm: int = 0, decode_ranks: int = 0,
+               quant: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """`mma_min_rows` overrides the instance's threshold. Launch-shape knobs, none of which ever
         changes a bit of v (only the speed): `max_blocks` > 0 caps the grid, leaving SMs to a kernel
         that runs beside this one on another stream; `blocks_per_sm` > 0 caps the resident blocks per
         SM (0: the kernel's default, 4); `decode_ranks` (1, 2 or 4; 0: the default, 2, or 4 when the call
-        can take tensor cores) is the number of rank rows per CUDA-core work item of one-row segments."""
+        can take tensor cores) is the number of rank rows per CUDA-core work item of one-row segments.
+        `quant` = (out float8_e4m3fn [T, in], scale fp32 [T]): the same launch also quantizes every row of x per
+        token, bit for bit runner/model/fp8.py quantize_tokens (an FP8 projection's input, no launch of its own)."""
         if not x.is_cuda:
             raise ValueError(f"CudaSGMV needs CUDA tensors, got x on {x.device} (use TorchSGMV on the CPU)")
         stream = torch.cuda.current_stream(x.device).cuda_stream
         rows = self.shrink_mma_min_rows if mma_min_rows is None else mma_min_rows
+        q_out, q_scale = quant if quant is not None else (None, None)
         self._ext().shrink(v, x, list(a), ranks, seg.indptr, seg.slots, rows, self.pdl, stream, max_blocks,
-                           blocks_per_sm, decode_ranks)
+                           blocks_per_sm, decode_ranks, q_out, q_scale)
 
     def expand(self, ys: Sequence[torch.Tensor], v: torch.Tensor, b: Sequence[torch.Tensor], ranks: torch.Tensor,
                host_ranks: Sequence[Sequence[int]], seg: SegmentTable, mma_min_rows: int | None = None,

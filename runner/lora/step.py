@@ -89,11 +89,7 @@ class LoraStepImpl:
         # Decode graphs with the fused K/V writer (KernelChoices.rope_kv_lora): the qkv group's expand is left to that
         # kernel (add_qkv), which adds it in the same order as the CUDA-core expand.
         self.qkv_expand_in_rope = qkv_expand_in_rope and not mma
-        if self.qkv_expand_in_rope:
-            n = seg.num_rows
-            self._rows = torch.arange(n, dtype=torch.int32, device=pool.device)
-            self._seg_of_row = torch.empty(n, dtype=torch.int64, device=pool.device)
-            self.row_slot = torch.empty(n, dtype=torch.int32, device=pool.device)
+        self._rows = None  # the row-slot buffers (_row_slots), made on first use
         self.fused = mixed_fused(kernels) if mma else DECODE_FUSED
         need = seg.num_rows * 3 * pool.max_rank
         if workspace is None or workspace.numel() < need:
@@ -113,16 +109,47 @@ class LoraStepImpl:
             return None
         v = self.views[GROUP_SPANS[0][1]]
         a, b, ranks, host = self.pool.group_args[layer][0]
-        if layer == 0:  # row t lies in the segment i with indptr[i] <= t < indptr[i + 1]; rows past the table: -1
-            torch.searchsorted(self.seg.indptr[1:], self._rows, right=True, out=self._seg_of_row)
-            self._seg_of_row.clamp_(max=self.seg.slots.shape[0] - 1)
-            torch.index_select(self.seg.slots, 0, self._seg_of_row, out=self.row_slot)
-            self.row_slot.masked_fill_(self._rows >= self.seg.indptr[-1], -1)
+        row_slot = self._row_slots(layer)
         if getattr(self.sgmv, "name", "") == "cuda":  # CUDA-core items, as the decode call's shrink
             self.sgmv.shrink(v, x, a, ranks, host, self.seg, mma_min_rows=1 << 30)
         else:
             self.sgmv.shrink(v, x, a, ranks, host, self.seg)
-        return v, b, ranks, self.row_slot
+        return v, b, ranks, row_slot
+
+    def _row_slots(self, layer: int) -> torch.Tensor:
+        """Each row's adapter slot (int32 [rows], -1: none) from the step's segment table, recomputed on the device
+        at every call for layer 0 (inside a captured graph, on every replay; at most once per group of that layer)
+        and reused by the later layers: row t lies in the segment i with indptr[i] <= t < indptr[i + 1]."""
+        if self._rows is None:
+            n, dev = self.seg.num_rows, self.pool.device
+            self._rows = torch.arange(n, dtype=torch.int32, device=dev)
+            self._seg_of_row = torch.empty(n, dtype=torch.int64, device=dev)
+            self.row_slot = torch.empty(n, dtype=torch.int32, device=dev)
+        if layer == 0:
+            torch.searchsorted(self.seg.indptr[1:], self._rows, right=True, out=self._seg_of_row)
+            self._seg_of_row.clamp_(max=self.seg.slots.shape[0] - 1)
+            torch.index_select(self.seg.slots, 0, self._seg_of_row, out=self.row_slot)
+            self.row_slot.masked_fill_(self._rows >= self.seg.indptr[-1], -1)
+        return self.row_slot
+
+    @property
+    def epilogue_ready(self) -> bool:
+        """The FP8 epilogue kernel can take this step's expands (the CUDA LoRA kernels, not the dense path)."""
+        return getattr(self.sgmv, "name", "") == "cuda" and self.dense is None
+
+    def epilogue_operands(self, layer: int, group: int, x: torch.Tensor,
+                          quant: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """The group's shrink, launched now on the CUDA-core path (the path of every segment of at most 64 rows,
+        so the same v as `add`), and the expand's operands (v, B pools, ranks, each row's slot) for the kernel
+        that finishes the FP8 product (runner/model/fp8.py fp8_linear, epilogue); None, and nothing launched:
+        no adapter in the step. `quant` (e4m3 rows, scales): the shrink's launch also quantizes x into them."""
+        if not self.active:
+            return None
+        v = self.views[GROUP_SPANS[group][1]]
+        a, b, ranks, host = self.pool.group_args[layer][group]
+        row_slot = self._row_slots(layer)
+        self.sgmv.shrink(v, x, a, ranks, host, self.seg, mma_min_rows=1 << 30, quant=quant)
+        return v, b, ranks, row_slot
 
     def add(self, layer: int, group: int, x: torch.Tensor, ys: tuple[torch.Tensor, ...]) -> None:
         if not self.active:

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from lorafleet.models.contract import ModelConfig
 from lorafleet.runner.config import KernelChoices
-from lorafleet.runner.model.fp8 import Fp8Weight, fp8_linear, fp8_tensor_cores, unit_scale
+from lorafleet.runner.model.fp8 import E4M3, Fp8Weight, epilogue_applies, fp8_linear, fp8_tensor_cores, unit_scale
 from lorafleet.runner.model.ops import make_ops, prefer_cublaslt
 from lorafleet.runner.model.rope import Rope
 
@@ -136,6 +136,8 @@ class Decoder:
         self.fp8_gemm_rows = kernels.fp8_gemm_rows
         self.fp8_gemm_bf16 = kernels.fp8_gemm_bf16
         self.fp8_unit_scale_elems = kernels.fp8_unit_scale_elems
+        self.fp8_epilogue = kernels.fp8_epilogue
+        self.fp8_quant_in_shrink = kernels.fp8_quant_in_shrink  # with LoRA, the shrink's launch quantizes them too
         self.embed_scale = (torch.tensor(cfg.embed_scale, dtype=torch.float32).to(dtype).item()
                             if cfg.embed_scale is not None else None)
         self.num_layers = cfg.num_layers
@@ -216,9 +218,12 @@ class Decoder:
         if self._dense(lora, lw.qkv):
             qkv = lora.dense_linear(i, QKV, x, lw.qkv, lw.qkv_bias)
         else:
-            qkv = self._linear(x, lw.qkv, lw.qkv_bias)  # [T, q_dim + 2 kv_dim]
-            if lora is not None:
-                expand = lora.add_qkv(i, x, qkv.split([c.q_dim, c.kv_dim, c.kv_dim], dim=-1))
+            spans = [c.q_dim, c.kv_dim, c.kv_dim]
+            qkv = self._fp8_finished(i, QKV, x, lw.qkv, lw.qkv_bias, lora, spans)
+            if qkv is None:
+                qkv = self._linear(x, lw.qkv, lw.qkv_bias)  # [T, q_dim + 2 kv_dim]
+                if lora is not None:
+                    expand = lora.add_qkv(i, x, qkv.split(spans, dim=-1))
         if lw.q_norm is not None:
             T = qkv.shape[0]
             q, k = qkv[:, : c.q_dim].view(T, c.num_heads, c.head_dim), qkv[:, c.q_dim: c.q_dim + c.kv_dim].view(
@@ -255,10 +260,38 @@ class Decoder:
         product (`_linear_small` for `small`) then the add-on into its projections' columns (`split`)."""
         if self._dense(lora, w):
             return lora.dense_linear(i, group, x, w, b)
+        y = self._fp8_finished(i, group, x, w, b, lora, split or [w.shape[0]])
+        if y is not None:
+            return y
         y = (self._linear_small if small else self._linear)(x, w, b)
         if lora is not None:
             lora.add(i, group, x, tuple(y.split(split, dim=-1)) if split else (y,))
         return y
+
+    def _fp8_finished(self, i: int, group: int, x: torch.Tensor, w, b: torch.Tensor | None, lora: LoraStep | None,
+                      spans: list[int]) -> torch.Tensor | None:
+        """x @ w.T + b with layer i's LoRA of `group` for an FP8 weight whose unit-scale product the epilogue kernel
+        finishes (scales, bias and the expand in one launch after the group's shrink; runner/model/fp8.py), else
+        None (the caller takes the separate launches)."""
+        if not (self.fp8_epilogue and isinstance(w, Fp8Weight)
+                and epilogue_applies(x, w, b, self.fp8_tensor_cores, self.fp8_ext, self.fp8_gemm_rows,
+                                     self.fp8_unit_scale_elems, spans)):
+            return None
+        operands = quant = None
+        if lora is not None:
+            if not getattr(lora, "epilogue_ready", False):
+                return None
+            if self.fp8_quant_in_shrink and x.is_contiguous():  # the shrink's launch quantizes x too
+                quant = (torch.empty(x.shape, dtype=E4M3, device=x.device),
+                         torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device))
+                operands = lora.epilogue_operands(i, group, x, quant=(quant[0], quant[1].view(-1)))
+            else:
+                operands = lora.epilogue_operands(i, group, x)
+            if operands is None:  # no adapter in the step: no shrink was launched
+                quant = None
+        return fp8_linear(x, w, b, self.fp8_tensor_cores, self.fp8_ext, self.fp8_swap_rows, self.fp8_gemm_rows,
+                          self.fp8_unit_scale_elems, self.fp8_gemm_bf16, epilogue=True, spans=spans, lora=operands,
+                          quantized=quant)
 
     @staticmethod
     def _dense(lora: LoraStep | None, w) -> bool:

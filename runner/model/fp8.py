@@ -98,15 +98,49 @@ def unit_scale(device: torch.device) -> torch.Tensor:
     return _ONES[index]
 
 
+def unit_scale_call(M: int, N: int, K: int, unit_scale_elems: int) -> bool:
+    """Whether fp8_linear takes the unit-scale product (fp32 output, scales applied after) for x [M, K], w [N, K]."""
+    return 0 < unit_scale_elems <= N * K and 0 < M <= 64
+
+
+def _own_kernel(x: torch.Tensor, w: Fp8Weight, ext, own_rows: int) -> bool:
+    M, K = x.shape
+    return (ext is not None and 0 < M <= own_rows and x.dtype == torch.bfloat16 and K % 64 == 0
+            and w.q.shape[0] % 16 == 0 and w.q.is_contiguous())
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    return t.is_contiguous() and t.data_ptr() % 16 == 0
+
+
+def epilogue_applies(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_cores: bool, ext,
+                     own_rows: int, unit_scale_elems: int, spans: list[int]) -> bool:
+    """Whether fp8_linear(..., epilogue=True) can finish the unit-scale product in the extension's one-launch
+    epilogue (csrc/quant.h fp8_epilogue: the scales, the bias and the rows' LoRA expand over the output `spans`)."""
+    if not (tensor_cores and ext is not None and hasattr(ext, "fp8_epilogue") and x.is_cuda and x.dim() == 2
+            and x.dtype in (torch.bfloat16, torch.float16)):
+        return False
+    M, K = x.shape
+    N = w.q.shape[0]
+    return (not _own_kernel(x, w, ext, own_rows) and unit_scale_call(M, N, K, unit_scale_elems)
+            and sum(spans) == N and all(s > 0 and s % 8 == 0 for s in spans) and len(spans) <= 3
+            and _aligned(w.scale) and (bias is None or (bias.dtype == x.dtype and _aligned(bias))))
+
+
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_cores: bool,
                ext=None, swap_rows: int = 0, own_rows: int = 0, unit_scale_elems: int = 0,
-               own_bf16: bool = False) -> torch.Tensor:
+               own_bf16: bool = False, epilogue: bool = False, spans: list[int] | None = None,
+               lora: tuple | None = None, quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x [M, K] (bf16/fp16 on the GPU, any float on the CPU) @ w.T + bias -> [M, N] in x's dtype. With the
     CUDA extension `ext`: the activations quantized by its one-launch kernel (see quantize_tokens), and for
     M <= `own_rows` (bf16, K a multiple of 64, N of 16) the product on its FP8 kernel (csrc/fp8_gemm.cu), with
     `own_bf16` on the bf16 rows themselves (weight-only FP8: no activation quantization, x @ dequant(w).T);
     Then, M <= 64 and N * K >= `unit_scale_elems` > 0: the product of the e4m3 operands with unit scales into
-    fp32, then times the token and row scales (the same arithmetic; cuBLASLt streams large weights faster there).
+    fp32, then times the token and row scales (the same arithmetic; cuBLASLt streams large weights faster there);
+    with `epilogue` (only where epilogue_applies) the scales, the bias and, given `lora` = (v, B pools, ranks,
+    row slots) from LoraStepImpl.epilogue_operands, the rows' LoRA expand over the output `spans` in one launch,
+    bit for bit the separate ops. `quantized`: x's e4m3 rows and scales [M, 1] already made (by the LoRA shrink's
+    launch), the same bits as quantize_tokens(x, ext).
     Then, M <= `swap_rows` (and a multiple of 16): cuBLASLt computes (w @ x.T).T, the weight as the long operand.
     Otherwise torch._scaled_mm with per-token and per-row scales."""
     if not tensor_cores:
@@ -116,19 +150,24 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
         w.scale_row = w.scale.reshape(1, -1).contiguous()
     M, K = x.shape
     N = w.q.shape[0]
-    own = (ext is not None and 0 < M <= own_rows and x.dtype == torch.bfloat16 and K % 64 == 0 and N % 16 == 0
-           and w.q.is_contiguous())
+    own = _own_kernel(x, w, ext, own_rows)
     if own and own_bf16:
         y = torch.empty(M, N, dtype=x.dtype, device=x.device)
         ext.fp8_gemm_bf16(y, x.contiguous(), w.q, w.scale_row.view(-1), torch.cuda.current_stream(x.device).cuda_stream)
         return y if bias is None else y + bias
-    xq, sx = quantize_tokens(x, ext)
+    xq, sx = quantized if quantized is not None else quantize_tokens(x, ext)
     if own:
         y = torch.empty(M, N, dtype=x.dtype, device=x.device)
         ext.fp8_gemm(y, xq, sx.view(-1), w.q, w.scale_row.view(-1), torch.cuda.current_stream(x.device).cuda_stream)
-    elif 0 < unit_scale_elems <= N * K and 0 < M <= 64:
+    elif unit_scale_call(M, N, K, unit_scale_elems):
         one = unit_scale(x.device)
         y = torch._scaled_mm(xq, w.q.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+        if epilogue:
+            out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+            v, b, ranks, row_slot = lora if lora is not None else (None, [], None, None)
+            ext.fp8_epilogue(out, y, sx.view(-1), w.scale, bias, list(spans or [N]), v, list(b), ranks, row_slot,
+                             True, torch.cuda.current_stream(x.device).cuda_stream)
+            return out
         y = y.mul_(sx).mul_(w.scale_row).to(x.dtype)
     elif 0 < M <= swap_rows and M % 16 == 0:  # cuBLASLt wants the rows in multiples of 16 there
         y = torch._scaled_mm(w.q, xq.t(), scale_a=w.scale_row.view(-1, 1), scale_b=sx.view(1, -1),

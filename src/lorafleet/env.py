@@ -158,6 +158,21 @@ def fp8_gemm_bf16() -> bool:
     return _flag("LORAFLEET_FP8_GEMM_BF16", False)
 
 
+def fp8_epilogue() -> bool:
+    """LORAFLEET_FP8_EPILOGUE: the unit-scale FP8 product (LORAFLEET_FP8_UNIT_SCALE_ELEMS) is finished by one
+    launch of the project's kernel that applies the token and row scales, the bias and the rows' LoRA expand
+    (csrc/quant.h fp8_epilogue; bit for bit the separate ops) instead of three torch ops, a bias add and the SGMV
+    expand (default 1; 0: the separate launches)."""
+    return _flag("LORAFLEET_FP8_EPILOGUE", True)
+
+
+def fp8_quant_in_shrink() -> bool:
+    """LORAFLEET_FP8_QUANT_IN_SHRINK: with the FP8 epilogue and adapters in the step, the LoRA shrink's launch also
+    quantizes the projection's activations (the same bits; one launch less per projection) instead of the
+    activation kernel's own launch (default 1; 0: a launch of its own)."""
+    return _flag("LORAFLEET_FP8_QUANT_IN_SHRINK", True)
+
+
 UNIT_SCALE_ELEMS_DEFAULT = 1
 DENSE_LORA_ROWS_DEFAULT = 256
 

@@ -82,6 +82,21 @@ def decode_graph_vs_eager(model, reqs, label: str = "", **cfg):
     """A decode step of 24 requests (`reqs` three times: [(prompt ids, adapter name, path)]) replayed from its
     CUDA graph against the same step run eagerly (EngineConfig(**cfg)): the same logits up to bf16
     kernel-choice noise (TOL of the logit range) and the same argmax at 90 % of rows or more."""
+    eng, batch = decode_step(model, reqs, **cfg)
+    assert eng.runner.graphs.bucket(batch.batch_size) is not None
+    got = eng.runner.graphs.run(batch, batch.to_device(eng.device)).clone()
+    ref = eng.runner.forward(batch, batch.to_device(eng.device))
+    span = (ref.max(-1).values - ref.min(-1).values)[:, None]
+    rel = ((got - ref).abs() / span).max().item()
+    same = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    print(f"{label} decode graph vs eager: max |diff| {rel:.4f} of the logit range, argmax agreement {same:.3f}")
+    assert rel < TOL and same >= 0.9
+    return eng
+
+
+def decode_step(model, reqs, **cfg):
+    """An engine (EngineConfig(**cfg), CUDA graphs on) with the requests `reqs` three times ([(prompt ids, adapter
+    name, path)]) prefilled and decoding, and the host batch of its next step: 24 decode rows, no prompt rows."""
     from lorafleet.runner.config import EngineConfig
     from lorafleet.runner.engine.engine import Engine
     from lorafleet.runner.engine.sequence import AdapterRef, SamplingParams, Sequence
@@ -99,13 +114,4 @@ def decode_graph_vs_eager(model, reqs, label: str = "", **cfg):
     eng._drain_inbox()
     plan = eng.batcher.schedule()
     assert plan.num_decode == 24 and not plan.prefill_tokens
-    batch = build_step_batch(plan.work, eng.config.page_size, 32, pin=True)
-    assert eng.runner.graphs.bucket(batch.batch_size) is not None
-    got = eng.runner.graphs.run(batch, batch.to_device(eng.device)).clone()
-    ref = eng.runner.forward(batch, batch.to_device(eng.device))
-    span = (ref.max(-1).values - ref.min(-1).values)[:, None]
-    rel = ((got - ref).abs() / span).max().item()
-    same = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
-    print(f"{label} decode graph vs eager: max |diff| {rel:.4f} of the logit range, argmax agreement {same:.3f}")
-    assert rel < TOL and same >= 0.9
-    return eng
+    return eng, build_step_batch(plan.work, eng.config.page_size, 32, pin=True)

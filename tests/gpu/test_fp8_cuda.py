@@ -162,6 +162,121 @@ def test_own_fp8_kernel_on_bf16_rows_gives_the_weight_only_product(M):
                           torch.ones(16, device="cuda"), torch.cuda.current_stream().cuda_stream)
 
 
+def _epilogue_case(dtype, spans, M, bias: bool, lora: bool, seed: int):
+    """Random operands of the FP8 epilogue: the fp32 unit-scale product, scales, bias, and a LoRA step whose rows
+    hold every kind of slot (-1, out of range, adapters with rank 0, 1, 5, 16 and the pool's 128, a rank past
+    the pool's, a negative one)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dev = "cuda"
+    N = sum(spans)
+    case = {"y": torch.randn(M, N, device=dev, generator=g) * 40,
+            "x_scale": torch.rand(M, device=dev, generator=g) * 0.05 + 1e-3,
+            "w_scale": torch.rand(N, device=dev, generator=g) * 0.02 + 1e-4,
+            "bias": (torch.randn(N, device=dev, generator=g) * 0.5).to(dtype) if bias else None}
+    if lora:
+        S, R = 7, 128
+        case["b"] = [(torch.randn(S, R, n, device=dev, generator=g) * 0.1).to(dtype) for n in spans]
+        case["v"] = torch.randn(M, len(spans), R, device=dev, generator=g)
+        ranks = torch.tensor([1, 5, 16, 0, 128, 400, -3], dtype=torch.int32)
+        case["ranks"] = torch.stack([ranks.roll(k) for k in range(len(spans))]).to(dev).contiguous()
+        row = torch.randint(-1, S + 1, (M,), generator=torch.Generator().manual_seed(seed))  # S: out of range
+        row[: min(M, 3)] = torch.tensor([-1, S, 2])[: min(M, 3)]
+        case["row_slot"] = row.to(torch.int32).to(dev)
+    return case
+
+
+def _epilogue_separate(ext, dtype, spans, c):
+    """What the epilogue replaces: the unit-scale product's three torch ops, the bias add, then the SGMV expand
+    (CUDA-core path) over the segments of equal row slots."""
+    from lorafleet.runner.lora.segments import merge_runs
+
+    out = c["y"].clone().mul_(c["x_scale"].view(-1, 1)).mul_(c["w_scale"].view(1, -1)).to(dtype)
+    if c["bias"] is not None:
+        out = out + c["bias"]
+    if "v" in c:
+        indptr, slots = merge_runs(c["row_slot"].tolist())
+        ys = list(out.split(spans, dim=1))
+        ext.expand(ys, c["v"], c["b"], c["ranks"], torch.tensor(indptr, dtype=torch.int32, device="cuda"),
+                   torch.tensor(slots, dtype=torch.int32, device="cuda"), 1 << 30, True,
+                   torch.cuda.current_stream().cuda_stream)
+    return out
+
+
+def _epilogue_fp64(spans, c):
+    """The same sum in fp64 with no intermediate rounding (the independent reference), and the sum of its terms'
+    magnitudes (what the roundings of the running value are relative to)."""
+    out = c["y"].double() * c["x_scale"].double().view(-1, 1) * c["w_scale"].double().view(1, -1)
+    mag = out.abs()
+    if c["bias"] is not None:
+        out += c["bias"].double()
+        mag += c["bias"].double().abs()
+    if "v" in c:
+        lo = 0
+        S = c["ranks"].shape[1]
+        for g, n in enumerate(spans):
+            for i, s in enumerate(c["row_slot"].tolist()):
+                if 0 <= s < S:
+                    r = min(max(int(c["ranks"][g, s]), 0), c["b"][g].shape[1])
+                    add = c["v"][i, g, :r].double() @ c["b"][g][s, :r].double()
+                    out[i, lo: lo + n] += add
+                    mag[i, lo: lo + n] += add.abs()
+            lo += n
+    return out, mag
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("spans,M,bias,lora", [([4096], 32, False, False), ([4096], 1, True, False),
+                                                ([1024, 256, 256], 37, True, True), ([2056, 2056], 64, False, True),
+                                                ([4096], 32, False, True), ([8, 16, 8], 5, True, True)])
+def test_fp8_epilogue_is_the_separate_ops_bit_for_bit(dtype, spans, M, bias, lora):
+    """csrc/quant.cu fp8_epilogue (scales, bias and the rows' LoRA expand in one launch) against the launches it
+    replaces, bit for bit, and against the fp64 sum within the roundings of the separate ops."""
+    from lorafleet.runner.kernels import load
+
+    ext = load()
+    c = _epilogue_case(dtype, spans, M, bias, lora, seed=M + len(spans))
+    want = _epilogue_separate(ext, dtype, spans, c)
+    got = torch.empty(M, sum(spans), dtype=dtype, device="cuda")
+    ext.fp8_epilogue(got, c["y"], c["x_scale"], c["w_scale"], c["bias"], spans, c.get("v"), c.get("b", []),
+                     c.get("ranks"), c.get("row_slot"), True, torch.cuda.current_stream().cuda_stream)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    exact, mag = _epilogue_fp64(spans, c)
+    eps = torch.finfo(dtype).eps  # three roundings of the running value, each at most half an ulp of it
+    assert ((got.double() - exact).abs() <= 2 * eps * mag + 1e-6).all()
+
+
+def test_fp8_epilogue_refuses_bad_operands():
+    from lorafleet.runner.kernels import load
+
+    ext = load()
+    st = torch.cuda.current_stream().cuda_stream
+    c = _epilogue_case(torch.bfloat16, [64, 32, 32], 4, True, True, seed=1)
+    out = torch.empty(4, 128, dtype=torch.bfloat16, device="cuda")
+    args = dict(out=out, y=c["y"], x_scale=c["x_scale"], w_scale=c["w_scale"], bias=c["bias"], cols=[64, 32, 32],
+                v=c["v"], b=c["b"], ranks=c["ranks"], row_slot=c["row_slot"], pdl=True, stream=st)
+    for change, match in ((dict(cols=[64, 32, 24]), "spans cover"), (dict(cols=[64, 36, 28]), "multiple of 8"),
+                          (dict(bias=c["bias"].float()), "bias"), (dict(b=c["b"][:2]), "one B pool per span"),
+                          (dict(row_slot=None), "row_slot"), (dict(y=c["y"].double()), "float32"),
+                          (dict(x_scale=c["x_scale"][:3]), "x_scale"),
+                          (dict(b=[c["b"][0], c["b"][1][:, :, :16].contiguous(), c["b"][2]]), "features")):
+        with pytest.raises(RuntimeError, match=match):
+            ext.fp8_epilogue(**{**args, **change})
+
+
+class _CountingExt:
+    """The CUDA extension with its fp8_epilogue calls counted."""
+
+    def __init__(self, ext):
+        self.ext, self.epilogues = ext, 0
+
+    def __getattr__(self, name):
+        return getattr(self.ext, name)
+
+    def fp8_epilogue(self, *args):
+        self.epilogues += 1
+        return self.ext.fp8_epilogue(*args)
+
+
 @pytest.fixture(scope="module", params=["llama3", "phi3"])
 def fam(request, tmp_path_factory):
     if not fp8_tensor_cores(torch.device("cuda")):
@@ -229,7 +344,7 @@ def test_fp8_reference_is_not_the_bf16_model(fam):
 
 
 @pytest.mark.parametrize("kv,gemm", [("auto", "cublaslt"), ("fp8", "cublaslt"), ("auto", "own"), ("auto", "unit"),
-                                     ("auto", "own_bf16")])
+                                     ("fp8", "unit"), ("auto", "own_bf16")])
 def test_fp8_decode_graph_replay_matches_the_eager_step(fam, kv, gemm):
     """(gemm "own": the project's FP8 kernel, its K-split workspace and counter memset captured in the graph;
     "unit": the unit scale made before the capture)"""
@@ -256,3 +371,62 @@ def test_fp8_weights_take_half_the_bytes(fam):
     finally:
         bf16.close()
         fp8.close()
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_fp8_epilogue_step_gives_the_bits_of_the_separate_launches(fam, kv):
+    """A decode step of 24 rows (no adapter, a rank-16 adapter on every projection, a rank-4 one on the MLP only)
+    with the epilogue kernel finishing every projection (counted) and with the separate launches: the same logits,
+    bit for bit."""
+    name, model, _, _, reqs = fam
+    eng, batch = teacher.decode_step(model, reqs[:4] * 2, quantization="fp8", kv_cache_dtype=kv)
+    dev = batch.to_device(eng.device)
+    m = eng.model
+    assert m.fp8_epilogue and m.fp8_ext is not None
+    ext, m.fp8_ext = m.fp8_ext, _CountingExt(m.fp8_ext)
+    try:
+        fused = eng.runner.forward(batch, dev).clone()
+        assert m.fp8_ext.epilogues == 4 * m.num_layers, name
+        m.fp8_quant_in_shrink = False  # the activations quantized by their own launch
+        own_quant = eng.runner.forward(batch, dev).clone()
+        assert m.fp8_ext.epilogues == 8 * m.num_layers
+        m.fp8_epilogue = False
+        separate = eng.runner.forward(batch, dev).clone()
+        assert m.fp8_ext.epilogues == 8 * m.num_layers
+    finally:
+        m.fp8_ext, m.fp8_epilogue, m.fp8_quant_in_shrink = ext, True, True
+        eng.close()
+    assert torch.equal(fused, own_quant), (fused - own_quant).abs().max().item()
+    assert torch.equal(fused, separate), (fused - separate).abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("T,K", [(1, 4096), (24, 4096), (37, 11008), (64, 512)])
+def test_shrink_quantizes_its_input_as_the_activation_kernel_does(dtype, T, K):
+    """The LoRA shrink asked to quantize x (runner/lora/sgmv_cuda.py, `quant`): v unchanged, the e4m3 rows and
+    scales bit for bit those of quantize_tokens, for every row (adapted or not), whatever the grid."""
+    from lorafleet.runner.kernels import load
+    from lorafleet.runner.lora.segments import build_segments
+    from lorafleet.runner.lora.sgmv_cuda import CudaSGMV
+    from lorafleet.runner.model.fp8 import quantize_tokens
+
+    g = torch.Generator(device="cuda").manual_seed(T)
+    x = (torch.randn(T, K, device="cuda", generator=g) * 2).to(dtype)
+    if T > 2:
+        x[1] = 0
+    S, R = 4, 16
+    a = [(torch.randn(S, R, K, device="cuda", generator=g) * 0.05).to(dtype) for _ in range(3)]
+    ranks = torch.tensor([[16, 4, 0, 1]] * 3, dtype=torch.int32, device="cuda")
+    seg = build_segments([(i % 5) - 1 for i in range(T)], "cuda", capacity=64)  # slot -1 rows too
+    sgmv = CudaSGMV()
+    v_plain = torch.zeros(T, 3, R, device="cuda")
+    sgmv.shrink(v_plain, x, a, ranks, None, seg, mma_min_rows=1 << 30)
+    v = torch.zeros(T, 3, R, device="cuda")
+    q = torch.empty(T, K, dtype=E4M3, device="cuda")
+    sc = torch.empty(T, device="cuda")
+    sgmv.shrink(v, x, a, ranks, None, seg, mma_min_rows=1 << 30, quant=(q, sc))
+    torch.cuda.synchronize()
+    assert torch.equal(v, v_plain)
+    want_q, want_s = quantize_tokens(x, load())
+    assert torch.equal(sc, want_s.view(-1))
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))

@@ -1,0 +1,88 @@
+// One row of the dynamic per-row FP8 (e4m3) quantization of quant.h, as a block-wide device function: the
+// one-launch kernel of quant.cu runs it per row, and the LoRA shrink (sgmv.cu) for the rows of its input when
+// asked to (so an FP8 projection's activations are quantized without a launch of their own).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <cstdint>
+
+namespace lorafleet {
+namespace quant_detail {
+
+constexpr float kE4m3Max = 448.f;
+
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+
+__device__ __forceinline__ uint8_t e4m3(float v, float s) {
+  const float d = __fdiv_rn(v, s);
+  // torch's clamp keeps a NaN (fminf / fmaxf would drop it): a NaN input or a NaN row scale gives NaN
+  const float q = d != d ? d : fminf(fmaxf(d, -kE4m3Max), kE4m3Max);
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(q, __NV_SATFINITE, __NV_E4M3));
+}
+
+// One row of quantize_rows_e4m3 (quant.h) by a whole block of kThreads threads (every thread must call it):
+// out[:cols] and *scale from x[:cols].
+template <typename T, int kThreads>
+__device__ __forceinline__ void quantize_row(const T* x, uint8_t* out, float* scale, int cols) {
+  const bool vec = (cols % 8 == 0) && (reinterpret_cast<uintptr_t>(x) % 16 == 0) &&
+                   (reinterpret_cast<uintptr_t>(out) % 8 == 0);
+  // fmaxf drops NaN; torch's amax propagates it: a NaN anywhere makes the row's scale NaN.
+  float m = 0.f;
+  bool nan = false;
+  if (vec) {
+    for (int j = threadIdx.x * 8; j < cols; j += kThreads * 8) {
+      const uint4 raw = *reinterpret_cast<const uint4*>(x + j);
+      const T* v = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const float f = to_float(v[e]);
+        nan |= f != f;
+        m = fmaxf(m, fabsf(f));
+      }
+    }
+  } else {
+    for (int j = threadIdx.x; j < cols; j += kThreads) {
+      const float f = to_float(x[j]);
+      nan |= f != f;
+      m = fmaxf(m, fabsf(f));
+    }
+  }
+  __shared__ float red[kThreads / 32];
+  __shared__ int any_nan;
+  if (threadIdx.x == 0) any_nan = 0;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = m;
+  __syncthreads();
+  if (nan) atomicExch(&any_nan, 1);
+  if (threadIdx.x < 32) {
+    float w = threadIdx.x < kThreads / 32 ? red[threadIdx.x] : 0.f;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) w = fmaxf(w, __shfl_xor_sync(0xffffffffu, w, o));
+    if (threadIdx.x == 0) red[0] = w;
+  }
+  __syncthreads();
+  // torch divides a tensor by a Python scalar as a product with the scalar's fp32 reciprocal
+  const float s = any_nan ? __int_as_float(0x7fffffff) : fmaxf(__fmul_rn(red[0], 1.f / kE4m3Max), 1e-12f);
+  __syncthreads();  // every thread has read red and any_nan: the block may call this again for another row
+  if (threadIdx.x == 0) *scale = s;
+  if (vec) {
+    for (int j = threadIdx.x * 8; j < cols; j += kThreads * 8) {
+      const uint4 raw = *reinterpret_cast<const uint4*>(x + j);
+      const T* v = reinterpret_cast<const T*>(&raw);
+      uint2 packed;
+      uint8_t* b = reinterpret_cast<uint8_t*>(&packed);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) b[e] = e4m3(to_float(v[e]), s);
+      *reinterpret_cast<uint2*>(out + j) = packed;
+    }
+  } else {
+    for (int j = threadIdx.x; j < cols; j += kThreads) out[j] = e4m3(to_float(x[j]), s);
+  }
+}
+}  // namespace quant_detail
+}  // namespace lorafleet
