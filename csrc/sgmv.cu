@@ -76,6 +76,7 @@ constexpr int kTileM = 64;        // expand: rows per item
 constexpr int kTileN = 64;        // expand: output columns per item
 constexpr int kLds = kTileN + 8;  // expand: smem row stride (elements) of 64-wide B tiles: 144 B, no bank conflicts
 constexpr int kLdc = kTileN + 4;  // expand: fp32 staging row stride
+constexpr int kQuantRowSmem = 64;  // static shared memory of quant_detail::quantize_row (36 bytes), rounded up
 constexpr int kShrinkTileM = 16;  // tensor-core shrink: rows per item
 constexpr int kShrinkK = 32;      // ... K per stage of one warp
 constexpr int kLdsS = kShrinkK + 8;  // ... its smem row stride (elements): 80 B
@@ -1157,7 +1158,8 @@ const char* shrink_typed(const ShrinkArgs& args, const LaunchOptions& opt, int d
   if (const char* err = device_info(device, &info)) return err;
   // A device whose blocks cannot hold the stages (large ranks before sm_90) runs every segment on the
   // CUDA-core path, which is exact too.
-  const bool mma = args.seg.num_rows >= p.mma_min_rows && p.work_offset + mma_work <= info.smem_optin;
+  // (kQuantRowSmem: the static shared memory of the rows' quantization, which both variants carry)
+  const bool mma = args.seg.num_rows >= p.mma_min_rows && p.work_offset + mma_work + kQuantRowSmem <= info.smem_optin;
   if (!mma) p.mma_min_rows = 1 << 30;
   // The tensor-core capable variant holds 2 blocks per SM: there its decode rows keep the 1 x 4 items
   // (with 1 x 2 items a lone call with 64 or 256 distinct rows took 10.3 / 38.2 us against 9.0 / 32.3).

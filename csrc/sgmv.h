@@ -43,7 +43,7 @@ struct ShrinkArgs {
   int v_rank_dim = 0;                    // >= every a_rank_dim[g]
   // Optional (quant_out != nullptr): the same launch also quantizes every row of x, adapted or not, to e4m3
   // with one scale per row, bit for bit quantize_rows_e4m3 (quant.h): an FP8 projection's input quantized
-  // without a launch of its own.
+  // without a launch of its own. sgmv_shrink only (sgmv_fused ignores it).
   uint8_t* quant_out = nullptr;          // [T, in_features] contiguous
   float* quant_scale = nullptr;          // [T]
 };

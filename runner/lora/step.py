@@ -109,23 +109,25 @@ class LoraStepImpl:
             return None
         v = self.views[GROUP_SPANS[0][1]]
         a, b, ranks, host = self.pool.group_args[layer][0]
-        row_slot = self._row_slots(layer)
+        row_slot = self._row_slots(layer, x.shape[0])
         if getattr(self.sgmv, "name", "") == "cuda":  # CUDA-core items, as the decode call's shrink
             self.sgmv.shrink(v, x, a, ranks, host, self.seg, mma_min_rows=1 << 30)
         else:
             self.sgmv.shrink(v, x, a, ranks, host, self.seg)
         return v, b, ranks, row_slot
 
-    def _row_slots(self, layer: int) -> torch.Tensor:
-        """Each row's adapter slot (int32 [rows], -1: none) from the step's segment table, recomputed on the device
-        at every call for layer 0 (inside a captured graph, on every replay; at most once per group of that layer)
-        and reused by the later layers: row t lies in the segment i with indptr[i] <= t < indptr[i + 1]."""
-        if self._rows is None:
-            n, dev = self.seg.num_rows, self.pool.device
+    def _row_slots(self, layer: int, rows: int) -> torch.Tensor:
+        """Each row's adapter slot (int32, at least `rows` entries, -1: none) from the step's segment table, computed on
+        the device at every call for layer 0 (inside a captured graph, on every replay; at most once per group of that
+        layer) and at the first call of this step object whatever its layer; later layers reuse it. Row t lies in the
+        segment i with indptr[i] <= t < indptr[i + 1]."""
+        fresh = self._rows is None or self._rows.numel() < rows
+        if fresh:
+            n, dev = max(rows, self.seg.num_rows), self.pool.device
             self._rows = torch.arange(n, dtype=torch.int32, device=dev)
             self._seg_of_row = torch.empty(n, dtype=torch.int64, device=dev)
             self.row_slot = torch.empty(n, dtype=torch.int32, device=dev)
-        if layer == 0:
+        if layer == 0 or fresh:
             torch.searchsorted(self.seg.indptr[1:], self._rows, right=True, out=self._seg_of_row)
             self._seg_of_row.clamp_(max=self.seg.slots.shape[0] - 1)
             torch.index_select(self.seg.slots, 0, self._seg_of_row, out=self.row_slot)
@@ -139,15 +141,15 @@ class LoraStepImpl:
 
     def epilogue_operands(self, layer: int, group: int, x: torch.Tensor,
                           quant: tuple[torch.Tensor, torch.Tensor] | None = None):
-        """The group's shrink, launched now on the CUDA-core path (the path of every segment of at most 64 rows,
-        so the same v as `add`), and the expand's operands (v, B pools, ranks, each row's slot) for the kernel
+        """The group's shrink, launched now on the CUDA-core path (the path of every segment of at most 64 rows
+        with the default KernelChoices.mma_rows, so the same v as `add`), and the expand's operands (v, B pools, ranks, each row's slot) for the kernel
         that finishes the FP8 product (runner/model/fp8.py fp8_linear, epilogue); None, and nothing launched:
         no adapter in the step. `quant` (e4m3 rows, scales): the shrink's launch also quantizes x into them."""
         if not self.active:
             return None
         v = self.views[GROUP_SPANS[group][1]]
         a, b, ranks, host = self.pool.group_args[layer][group]
-        row_slot = self._row_slots(layer)
+        row_slot = self._row_slots(layer, x.shape[0])
         self.sgmv.shrink(v, x, a, ranks, host, self.seg, mma_min_rows=1 << 30, quant=quant)
         return v, b, ranks, row_slot
 

@@ -421,12 +421,13 @@ def test_shrink_quantizes_its_input_as_the_activation_kernel_does(dtype, T, K):
     sgmv = CudaSGMV()
     v_plain = torch.zeros(T, 3, R, device="cuda")
     sgmv.shrink(v_plain, x, a, ranks, None, seg, mma_min_rows=1 << 30)
-    v = torch.zeros(T, 3, R, device="cuda")
-    q = torch.empty(T, K, dtype=E4M3, device="cuda")
-    sc = torch.empty(T, device="cuda")
-    sgmv.shrink(v, x, a, ranks, None, seg, mma_min_rows=1 << 30, quant=(q, sc))
-    torch.cuda.synchronize()
-    assert torch.equal(v, v_plain)
     want_q, want_s = quantize_tokens(x, load())
-    assert torch.equal(sc, want_s.view(-1))
-    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    for max_blocks in (0, 1, 3):  # the launcher's grid, then blocks that quantize several rows each
+        v = torch.zeros(T, 3, R, device="cuda")
+        q = torch.empty(T, K, dtype=E4M3, device="cuda")
+        sc = torch.empty(T, device="cuda")
+        sgmv.shrink(v, x, a, ranks, None, seg, mma_min_rows=1 << 30, quant=(q, sc), max_blocks=max_blocks)
+        torch.cuda.synchronize()
+        assert torch.equal(v, v_plain), max_blocks
+        assert torch.equal(sc, want_s.view(-1)), max_blocks
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)), max_blocks
