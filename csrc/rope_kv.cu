@@ -7,6 +7,8 @@
 
 #include "rope_kv.h"
 
+#include "quant_row.cuh"  // quant_detail::e4m3
+
 namespace lorafleet {
 namespace {
 
@@ -71,7 +73,8 @@ __global__ void __launch_bounds__(kWarps * 32) rope_kv_kernel(const RopeKvArgs p
   const int t = static_cast<int>(item / heads), h = static_cast<int>(item - static_cast<int64_t>(t) * heads);
   const int D = p.head_dim, half = D >> 1;
   const T* src = static_cast<const T*>(p.qkv) + t * p.qkv_row_stride + static_cast<int64_t>(h) * D;
-  T* dst;
+  T* dst = nullptr;
+  uint8_t* dst8 = nullptr;  // FP8 pages (cache_e4m3)
   bool rotate = true;
   if (h < p.num_heads) {
     dst = static_cast<T*>(p.q_out) + (static_cast<int64_t>(t) * p.num_heads + h) * D;
@@ -80,9 +83,21 @@ __global__ void __launch_bounds__(kWarps * 32) rope_kv_kernel(const RopeKvArgs p
     if (slot < 0 || slot >= p.num_cache_slots) return;
     const bool is_k = h < p.num_heads + p.num_kv_heads;
     const int kh = is_k ? h - p.num_heads : h - p.num_heads - p.num_kv_heads;
-    dst = static_cast<T*>(is_k ? p.k_cache : p.v_cache) + (slot * p.num_kv_heads + kh) * D;
+    const int64_t at = (slot * p.num_kv_heads + kh) * D;
+    if (p.cache_e4m3) dst8 = static_cast<uint8_t*>(is_k ? p.k_cache : p.v_cache) + at;
+    else dst = static_cast<T*>(is_k ? p.k_cache : p.v_cache) + at;
     rotate = is_k;
   }
+  // elements i, i + 1 of the destination: rounded to T, then (FP8 pages) to e4m3 with unit scale
+  const auto store = [&](int i, V pair) {
+    if (dst8 == nullptr) {
+      *reinterpret_cast<V*>(dst + i) = pair;
+      return;
+    }
+    const float2 f = Pair<T>::get(pair);
+    *reinterpret_cast<uint16_t*>(dst8 + i) = static_cast<uint16_t>(quant_detail::e4m3(f.x, 1.f) |
+                                                                  (quant_detail::e4m3(f.y, 1.f) << 8));
+  };
   // This head's LoRA add-on, if the row has an adapter (projection g, its column offset within it).
   int r = 0;
   const float* lv = nullptr;
@@ -104,9 +119,9 @@ __global__ void __launch_bounds__(kWarps * 32) rope_kv_kernel(const RopeKvArgs p
   if (!rotate) {
     for (int i = lane * 2; i < D; i += 64) {
       if (r == 0) {
-        *reinterpret_cast<V*>(dst + i) = *reinterpret_cast<const V*>(src + i);
+        store(i, *reinterpret_cast<const V*>(src + i));
       } else {
-        *reinterpret_cast<V*>(dst + i) = Pair<T>::put(load_pair<T>(src, i, lv, lb, r, out));
+        store(i, Pair<T>::put(load_pair<T>(src, i, lv, lb, r, out)));
       }
     }
     return;
@@ -126,8 +141,8 @@ __global__ void __launch_bounds__(kWarps * 32) rope_kv_kernel(const RopeKvArgs p
     lo.y = __fmaf_rn(x1.y, c.y, __fmul_rn(-x2.y, s.y));
     hi.x = __fmaf_rn(x2.x, c.x, __fmul_rn(x1.x, s.x));
     hi.y = __fmaf_rn(x2.y, c.y, __fmul_rn(x1.y, s.y));
-    *reinterpret_cast<V*>(dst + i) = Pair<T>::put(lo);
-    *reinterpret_cast<V*>(dst + half + i) = Pair<T>::put(hi);
+    store(i, Pair<T>::put(lo));
+    store(half + i, Pair<T>::put(hi));
   }
 }
 

@@ -10,7 +10,10 @@
 //
 // rope(x)[i] = x[i] * cos[i] - x[i + D/2] * sin[i], rope(x)[i + D/2] = x[i + D/2] * cos[i] + x[i] * sin[i]
 // for i < D/2, in fp32, rounded once to the storage type. Positions outside [0, P) are clamped;
-// slots < 0 skip the cache write of that token (q_out is still written).
+// slots < 0 skip the cache write of that token (q_out is still written). With `cache_e4m3` the K/V caches
+// hold float8_e4m3fn with unit scale: each k / v element is rounded to the storage type first, then cast to
+// e4m3 saturating at +-448 (round to nearest even; NaN stays NaN), the bits of the torch K/V writer's
+// `to_e4m3` of its bf16 / fp16 rows.
 #pragma once
 
 #include <cstdint>
@@ -52,6 +55,7 @@ struct RopeKvArgs {
   int num_heads = 0;                   // Hq
   int num_kv_heads = 0;                // Hkv
   int head_dim = 0;                    // D, a multiple of 4, at most 512
+  bool cache_e4m3 = false;             // the K/V caches are float8_e4m3fn (unit scale), not the storage type
   RopeKvLora lora;                     // optional (lora.v == nullptr: none)
 };
 

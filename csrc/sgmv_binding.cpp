@@ -17,7 +17,7 @@
 //       CUDA-core path), else the two launches above. counters: int32 [>= 2 * capacity], zero.
 //   rope_kv(q_out, k_cache, v_cache, qkv, positions, slots, cos_sin, num_heads, num_kv_heads, stream):
 //       rotary embedding of q into q_out and of k into k_cache[slots], v copied to v_cache[slots], one
-//       launch (rope_kv.h).
+//       launch (rope_kv.h); caches of qkv's dtype, or float8_e4m3fn (FP8 pages, unit scale).
 //   rope_kv_lora(..., stream, v, b, ranks, row_slot): the same with the qkv rows' LoRA expand added first
 //       (rope_kv.h RopeKvLora), so a decode step needs no separate expand launch for q, k and v.
 //   quantize_e4m3(out, scale, x, stream): dynamic per-row FP8 quantization of activations (quant.h),
@@ -323,11 +323,13 @@ lorafleet::RopeKvArgs rope_kv_args(Tensor q_out, Tensor k_cache, Tensor v_cache,
   for (const Tensor* c : {&k_cache, &v_cache}) {
     SGMV_CHECK(c->dim() == 3 && c->is_contiguous() && c->size(1) == num_kv_heads && c->size(2) == D,
                "rope_kv: the K/V caches must be contiguous [slots, %lld, %lld]", ll(num_kv_heads), ll(D));
-    SGMV_CHECK(c->scalar_type() == qkv.scalar_type(), "rope_kv: cache dtype %s differs from qkv's %s",
-               dtype_name(*c), dtype_name(qkv));
+    SGMV_CHECK(c->scalar_type() == qkv.scalar_type() || c->scalar_type() == torch::kFloat8_e4m3fn,
+               "rope_kv: cache dtype %s is neither qkv's %s nor float8_e4m3fn", dtype_name(*c), dtype_name(qkv));
+    SGMV_CHECK(reinterpret_cast<uintptr_t>(c->data_ptr()) % 4 == 0, "rope_kv: the K/V caches must be 4-byte aligned");
     check_device(*c, Name("cache"), qkv);
   }
   SGMV_CHECK(k_cache.size(0) == v_cache.size(0), "rope_kv: K and V caches differ in size");
+  SGMV_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "rope_kv: K and V caches differ in dtype");
   SGMV_CHECK(q_out.scalar_type() == qkv.scalar_type(), "rope_kv: q_out dtype %s differs from qkv's %s",
              dtype_name(q_out), dtype_name(qkv));
   for (const Tensor* ix : {&positions, &slots}) {
@@ -342,6 +344,7 @@ lorafleet::RopeKvArgs rope_kv_args(Tensor q_out, Tensor k_cache, Tensor v_cache,
   check_device(cos_sin, Name("cos_sin"), qkv);
   SGMV_CHECK(T <= kInt32Max, "rope_kv: too many tokens");
   lorafleet::RopeKvArgs a;
+  a.cache_e4m3 = k_cache.scalar_type() == torch::kFloat8_e4m3fn;
   a.qkv = qkv.data_ptr();
   a.qkv_row_stride = T <= 1 ? qkv.size(1) : qkv.stride(0);
   a.positions = positions.data_ptr<int64_t>();

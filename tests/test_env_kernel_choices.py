@@ -114,6 +114,11 @@ def test_fp8_gemm_switches(monkeypatch):
     assert KernelChoices.from_env().describe() == "kernel choices: fp8_epilogue=False, fp8_quant_in_shrink=False"
     monkeypatch.delenv("LORAFLEET_FP8_EPILOGUE")
     monkeypatch.delenv("LORAFLEET_FP8_QUANT_IN_SHRINK")
+    monkeypatch.delenv("LORAFLEET_ROPE_KV_FP8", raising=False)
+    assert not env.rope_kv_fp8()  # off until measured on a GPU
+    monkeypatch.setenv("LORAFLEET_ROPE_KV_FP8", "1")
+    assert KernelChoices.from_env().describe() == "kernel choices: rope_kv_fp8=True"
+    monkeypatch.delenv("LORAFLEET_ROPE_KV_FP8")
     monkeypatch.setenv("LORAFLEET_FP8_UNIT_SCALE_ELEMS", "-5")
     with pytest.raises(ValueError, match="LORAFLEET_FP8_UNIT_SCALE_ELEMS must be >= 0"):
         env.fp8_unit_scale_elems()

@@ -151,3 +151,23 @@ def test_qkv_expand_left_to_rope_kv_keeps_the_add_on():
     assert plain.add_qkv(0, x, ys2) is None
     for y, y_want in zip(ys2, want):
         assert torch.allclose(y[: len(row_slots)], y_want, rtol=1e-5, atol=1e-5)
+
+
+def test_row_slots_are_made_at_a_step_objects_first_call_whatever_its_layer():
+    """The per-row adapter slots the FP8 epilogue and the rope_kv expand read: computed at the first call of a step
+    object even when that is not layer 0, recomputed at every layer-0 call, reused by later layers, and sized to the
+    rows asked for (rows past the segment table: -1)."""
+    from lorafleet.runner.lora.segments import SegmentTable, build_segments
+    from lorafleet.runner.lora.sgmv import TorchSGMV
+    from lorafleet.runner.lora.step import LoraStepImpl
+
+    pool = LoraPool(BASE, num_slots=4, max_rank=8, dtype=torch.float32, device=torch.device("cpu"))
+    row_slots = [1, 2, 2, -1, 1]
+    table = build_segments(row_slots, capacity=8)
+    seg = SegmentTable(table.indptr, table.slots, table.host_indptr, table.host_slots, 5)
+    step = LoraStepImpl(pool, TorchSGMV(), seg, mma=False)
+    assert step._row_slots(7, 5).tolist() == row_slots  # first call, layer 7
+    assert step._row_slots(8, 7).tolist() == row_slots + [-1, -1]  # more rows than before: resized, recomputed
+    seg.slots[0] = 3  # the table changes between steps (a graph's static table)
+    assert step._row_slots(9, 7).tolist() == row_slots + [-1, -1]  # a later layer reuses the slots
+    assert step._row_slots(0, 7).tolist() == [3, 2, 2, -1, 1, -1, -1]  # layer 0 recomputes them (segment 0: row 0)

@@ -53,8 +53,8 @@ class TorchKvWriter:
 class FusedKvWriter:
     """`rope_kv(q_out, k_flat, v_flat, qkv, positions, slots, cos_sin, heads, kv_heads, stream)`: q_out
     [T, Hq, D] = rope(q), cache[slots] = (rope(k), v), from the qkv rows [T, (Hq + 2 Hkv) * D]; angles from
-    the layer's fp32 cos/sin cache (the one flashinfer's RoPE reads), computed in fp32 and rounded once.
-    Rows whose slot is negative write nothing."""
+    the layer's fp32 cos/sin cache (the one flashinfer's RoPE reads), computed in fp32 and rounded once (for
+    e4m3 pages then cast as TorchKvWriter's to_e4m3 does). Rows whose slot is negative write nothing."""
 
     def __init__(self, ext, model, flat):
         self.ext, self.model, self.flat = ext, model, flat
@@ -81,14 +81,17 @@ class FusedKvWriter:
         return io.q if io.static else q_out.view(T, c.q_dim)
 
 
-def make_kv_writer(model, flat, fused: bool = True):
+def make_kv_writer(model, flat, fused: bool = True, fp8_pages: bool = False):
     """The fused writer where it can run (CUDA, flashinfer's ops whose cos/sin caches it shares, fp16/bf16,
-    full rotary embeddings, head_dim a multiple of 4, pages in the model's dtype (not FP8), `fused` i.e.
-    KernelChoices.rope_kv, the extension builds), else the torch writer."""
+    full rotary embeddings, head_dim a multiple of 4, pages in the model's dtype or, with `fp8_pages`
+    (KernelChoices.rope_kv_fp8), e4m3 pages, `fused` i.e. KernelChoices.rope_kv, the extension builds), else the
+    torch writer."""
     c = model.cfg
+    page_dtype = flat(0)[0].dtype
     ok = (fused and model.device.type == "cuda" and hasattr(model.ops, "caches")
           and model.dtype in (torch.float16, torch.bfloat16) and c.head_dim % 4 == 0
-          and all(r.rotary_dim == c.head_dim for r in c.ropes) and flat(0)[0].dtype == model.dtype)
+          and all(r.rotary_dim == c.head_dim for r in c.ropes)
+          and (page_dtype == model.dtype or (fp8_pages and page_dtype == torch.float8_e4m3fn)))
     if ok:
         try:
             from lorafleet.runner.kernels import load

@@ -125,6 +125,13 @@ def rope_kv_kernel() -> bool:
     return _flag("LORAFLEET_ROPE_KV", True)
 
 
+def rope_kv_fp8() -> bool:
+    """LORAFLEET_ROPE_KV_FP8: with FP8 K/V pages (--kv-cache-dtype fp8) the rope_kv kernel writes the e4m3 pages too
+    (one launch, the torch writer's bits) instead of RoPE plus the torch ops of the e4m3 write (default 0 until it
+    has been measured on a GPU)."""
+    return _flag("LORAFLEET_ROPE_KV_FP8", False)
+
+
 def rope_kv_lora() -> bool:
     """LORAFLEET_ROPE_KV_LORA: decode CUDA graphs add the qkv rows' LoRA expand inside the rope_kv
     kernel instead of a separate expand launch per layer (same bits; default 0: no gain on the H200,

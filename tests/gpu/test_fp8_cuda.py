@@ -431,3 +431,25 @@ def test_shrink_quantizes_its_input_as_the_activation_kernel_does(dtype, T, K):
         assert torch.equal(v, v_plain), max_blocks
         assert torch.equal(sc, want_s.view(-1)), max_blocks
         assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)), max_blocks
+
+
+def test_fp8_pages_written_by_rope_kv_give_the_torch_writers_step(fam):
+    """FP8 K/V pages written by the rope_kv kernel (KernelChoices.rope_kv_fp8) against the torch K/V writer (RoPE,
+    the e4m3 cast, index copies): a decode step of 24 rows gives the same logits, bit for bit."""
+    from lorafleet.runner.model.rope_kv import FusedKvWriter, TorchKvWriter, make_kv_writer
+
+    name, model, _, _, reqs = fam
+    eng, batch = teacher.decode_step(model, reqs[:4] * 2, quantization="fp8", kv_cache_dtype="fp8")
+    dev = batch.to_device(eng.device)
+    m = eng.model
+    try:
+        assert isinstance(m.kv_write, TorchKvWriter)  # the default for FP8 pages
+        plain = eng.runner.forward(batch, dev).clone()
+        fused = make_kv_writer(m, eng.kv.flat, True, True)
+        if not isinstance(fused, FusedKvWriter):
+            pytest.skip(f"{name}: the fused K/V writer does not apply to this model")
+        m.attach_kv(fused)
+        got = eng.runner.forward(batch, dev).clone()
+    finally:
+        eng.close()
+    assert torch.equal(got, plain), (got - plain).abs().max().item()

@@ -110,6 +110,42 @@ def test_matches_flashinfer_rope_and_index_copy():
     assert torch.equal(k_cache[slots], k.view(T, Hkv, D))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("T,H,Hkv,D", [(1, 32, 32, 128), (33, 32, 8, 128), (7, 8, 2, 64), (5, 4, 4, 68)])
+def test_e4m3_pages_get_the_torch_writers_bits(T, H, Hkv, D, dtype):
+    """FP8 K/V pages (float8_e4m3fn, unit scale): the kernel's cache bytes equal TorchKvWriter's to_e4m3 of the
+    kernel's own bf16 / fp16 result for rotated k and of the qkv rows for v (values past +-448 included), q_out
+    equals the plain call's, and slots it must not touch keep their bytes."""
+    from lorafleet.runner.model.fp8 import E4M3, to_e4m3
+
+    g = torch.Generator(device=DEV).manual_seed(11)
+    width = (H + 2 * Hkv) * D
+    buf = torch.randn(T, width + 32, generator=g, device=DEV).to(dtype)
+    buf[:, 16 + width - Hkv * D: 16 + width] *= 300  # v values past e4m3's range: saturated, not NaN
+    big = buf[:, 16: 16 + width]  # strided rows
+    cs = cos_sin_cache(4096, D)
+    pos = torch.randint(0, 4096, (T,), generator=g, device=DEV)
+    nslots = 3 * T + 5
+    slots = torch.randperm(nslots, generator=g, device=DEV)[:T]
+    k8 = torch.full((nslots, Hkv, D), 0x55, dtype=torch.uint8, device=DEV).view(E4M3)
+    v8 = k8.clone()
+    q_out = torch.empty(T, H, D, dtype=dtype, device=DEV)
+    stream = torch.cuda.current_stream().cuda_stream
+    ext().rope_kv(q_out, k8, v8, big, pos, slots, cs, H, Hkv, stream)
+    q2, k2, v2 = (torch.empty_like(q_out), torch.full((nslots, Hkv, D), float("nan"), dtype=dtype, device=DEV),
+                  torch.full((nslots, Hkv, D), float("nan"), dtype=dtype, device=DEV))
+    ext().rope_kv(q2, k2, v2, big, pos, slots, cs, H, Hkv, stream)  # the same kernel into pages of the model's dtype
+    torch.cuda.synchronize()
+    assert torch.equal(q_out, q2)
+    k8, v8 = k8.view(torch.uint8), v8.view(torch.uint8)  # (indexing float8 tensors is not supported everywhere)
+    assert torch.equal(k8[slots], to_e4m3(k2[slots]).view(torch.uint8))
+    assert torch.equal(v8[slots], to_e4m3(v2[slots]).view(torch.uint8))
+    assert torch.isfinite(v8[slots].view(E4M3).float()).all()
+    untouched = torch.ones(nslots, dtype=torch.bool, device=DEV)
+    untouched[slots] = False
+    assert (k8[untouched] == 0x55).all() and (v8[untouched] == 0x55).all()
+
+
 def test_bad_shapes_are_refused():
     dtype = torch.bfloat16
     qkv = torch.zeros(4, (8 + 2 * 2) * 64, dtype=dtype, device=DEV)
