@@ -9,6 +9,7 @@
 
 #include "quant.h"
 
+#include "half_pair.cuh"
 #include "quant_row.cuh"
 
 #include "pdl.h"
@@ -53,30 +54,9 @@ constexpr int kEpiThreads = 128;
 constexpr int kEpiCols = 8;  // columns per thread: one 16-byte store
 constexpr int kEpiChunk = 8;  // rank rows of B loaded together (the first chunk before the wait)
 
-__device__ __forceinline__ void unpack8(const uint4& raw, float f[8], __nv_bfloat16) {
-  const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    const float2 t = __bfloat1622float2(p[e]);
-    f[2 * e] = t.x;
-    f[2 * e + 1] = t.y;
-  }
-}
-__device__ __forceinline__ void unpack8(const uint4& raw, float f[8], __half) {
-  const __half2* p = reinterpret_cast<const __half2*>(&raw);
-#pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    const float2 t = __half22float2(p[e]);
-    f[2 * e] = t.x;
-    f[2 * e + 1] = t.y;
-  }
-}
-__device__ __forceinline__ __nv_bfloat16 round_to(float v, __nv_bfloat16) { return __float2bfloat16_rn(v); }
-__device__ __forceinline__ __half round_to(float v, __half) { return __float2half_rn(v); }
-
 // v rounded to T and back (a tensor op's store in T)
 template <typename T>
-__device__ __forceinline__ float through(float v) { return to_float(round_to(v, T())); }
+__device__ __forceinline__ float through(float v) { return to_float(Pair<T>::round(v)); }
 
 // acc[e][k mod 4] += v[k] * b[k][e] for the chunk's rank rows k0 .. k0 + kEpiChunk - 1 below r (k0 a multiple of 4)
 template <typename T>
@@ -87,7 +67,7 @@ __device__ __forceinline__ void lora_chunk(float acc[kEpiCols][4], const uint4 (
     if (k0 + j < r) {
       const float vk = v[k0 + j];
       float b[kEpiCols];
-      unpack8(bk[j], b, T());
+      unpack8<T>(bk[j], b);
 #pragma unroll
       for (int e = 0; e < kEpiCols; ++e) acc[e][j & 3] = fmaf(vk, b[e], acc[e][j & 3]);
     }
@@ -140,7 +120,7 @@ __global__ void __launch_bounds__(kEpiThreads) fp8_epilogue_kernel(const Fp8Epil
   for (int e = 0; e < kEpiCols; ++e) o[e] = through<T>(__fmul_rn(__fmul_rn(y[e], xs), w[e]));
   if (a.bias != nullptr) {
     float bias[kEpiCols];
-    unpack8(__ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(a.bias) + c)), bias, T());
+    unpack8<T>(__ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(a.bias) + c)), bias);
 #pragma unroll
     for (int e = 0; e < kEpiCols; ++e) o[e] = through<T>(__fadd_rn(o[e], bias[e]));
   }
@@ -161,7 +141,7 @@ __global__ void __launch_bounds__(kEpiThreads) fp8_epilogue_kernel(const Fp8Epil
   uint4 packed;
   T* p = reinterpret_cast<T*>(&packed);
 #pragma unroll
-  for (int e = 0; e < kEpiCols; ++e) p[e] = round_to(o[e], T());
+  for (int e = 0; e < kEpiCols; ++e) p[e] = Pair<T>::round(o[e]);
   *reinterpret_cast<uint4*>(static_cast<T*>(a.out) + at) = packed;
 }
 

@@ -7,27 +7,13 @@
 
 #include "rope_kv.h"
 
+#include "half_pair.cuh"
 #include "quant_row.cuh"  // quant_detail::e4m3
 
 namespace lorafleet {
 namespace {
 
 constexpr int kWarps = 4;
-
-template <typename T>
-struct Pair;
-template <>
-struct Pair<__nv_bfloat16> {
-  using V = __nv_bfloat162;
-  static __device__ __forceinline__ float2 get(V v) { return __bfloat1622float2(v); }
-  static __device__ __forceinline__ V put(float2 f) { return __float22bfloat162_rn(f); }
-};
-template <>
-struct Pair<__half> {
-  using V = __half2;
-  static __device__ __forceinline__ float2 get(V v) { return __half22float2(v); }
-  static __device__ __forceinline__ V put(float2 f) { return __float22half2_rn(f); }
-};
 
 constexpr int kMaxLoraRank = 128;  // sgmv.h kMaxRank
 

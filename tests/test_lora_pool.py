@@ -155,8 +155,8 @@ def test_qkv_expand_left_to_rope_kv_keeps_the_add_on():
 
 def test_row_slots_are_made_at_a_step_objects_first_call_whatever_its_layer():
     """The per-row adapter slots the FP8 epilogue and the rope_kv expand read: computed at the first call of a step
-    object even when that is not layer 0, recomputed at every layer-0 call, reused by later layers, and sized to the
-    rows asked for (rows past the segment table: -1)."""
+    object even when that is not layer 0, recomputed at the layer-0 call of the first group that asks, reused by
+    later calls, and sized to the rows asked for (rows past the segment table: -1)."""
     from lorafleet.runner.lora.segments import SegmentTable, build_segments
     from lorafleet.runner.lora.sgmv import TorchSGMV
     from lorafleet.runner.lora.step import LoraStepImpl
@@ -166,8 +166,8 @@ def test_row_slots_are_made_at_a_step_objects_first_call_whatever_its_layer():
     table = build_segments(row_slots, capacity=8)
     seg = SegmentTable(table.indptr, table.slots, table.host_indptr, table.host_slots, 5)
     step = LoraStepImpl(pool, TorchSGMV(), seg, mma=False)
-    assert step._row_slots(7, 5).tolist() == row_slots  # first call, layer 7
-    assert step._row_slots(8, 7).tolist() == row_slots + [-1, -1]  # more rows than before: resized, recomputed
+    assert step._row_slots(7, 1, 5).tolist() == row_slots  # first call, layer 7
+    assert step._row_slots(8, 1, 7).tolist() == row_slots + [-1, -1]  # more rows than before: resized, recomputed
     seg.slots[0] = 3  # the table changes between steps (a graph's static table)
-    assert step._row_slots(9, 7).tolist() == row_slots + [-1, -1]  # a later layer reuses the slots
-    assert step._row_slots(0, 7).tolist() == [3, 2, 2, -1, 1, -1, -1]  # layer 0 recomputes them (segment 0: row 0)
+    assert step._row_slots(9, 1, 7).tolist() == row_slots + [-1, -1]  # a later layer reuses the slots
+    assert step._row_slots(0, 1, 7).tolist() == [3, 2, 2, -1, 1, -1, -1]  # layer 0 recomputes them (segment 0: row 0)

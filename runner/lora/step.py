@@ -90,6 +90,7 @@ class LoraStepImpl:
         # kernel (add_qkv), which adds it in the same order as the CUDA-core expand.
         self.qkv_expand_in_rope = qkv_expand_in_rope and not mma
         self._rows = None  # the row-slot buffers (_row_slots), made on first use
+        self._row_slot_group = None  # the group whose layer-0 call computes them each step
         self.fused = mixed_fused(kernels) if mma else DECODE_FUSED
         need = seg.num_rows * 3 * pool.max_rank
         if workspace is None or workspace.numel() < need:
@@ -109,17 +110,17 @@ class LoraStepImpl:
             return None
         v = self.views[GROUP_SPANS[0][1]]
         a, b, ranks, host = self.pool.group_args[layer][0]
-        row_slot = self._row_slots(layer, x.shape[0])
+        row_slot = self._row_slots(layer, 0, x.shape[0])
         if getattr(self.sgmv, "name", "") == "cuda":  # CUDA-core items, as the decode call's shrink
             self.sgmv.shrink(v, x, a, ranks, host, self.seg, mma_min_rows=1 << 30)
         else:
             self.sgmv.shrink(v, x, a, ranks, host, self.seg)
         return v, b, ranks, row_slot
 
-    def _row_slots(self, layer: int, rows: int) -> torch.Tensor:
+    def _row_slots(self, layer: int, group: int, rows: int) -> torch.Tensor:
         """Each row's adapter slot (int32, at least `rows` entries, -1: none) from the step's segment table, computed on
-        the device at every call for layer 0 (inside a captured graph, on every replay; at most once per group of that
-        layer) and at the first call of this step object whatever its layer; later layers reuse it. Row t lies in the
+        the device once per step: at layer 0 in the first group that asks for them (inside a captured graph, on every
+        replay), and at this object's first call whatever its layer; later calls reuse them. Row t lies in the
         segment i with indptr[i] <= t < indptr[i + 1]."""
         fresh = self._rows is None or self._rows.numel() < rows
         if fresh:
@@ -127,7 +128,9 @@ class LoraStepImpl:
             self._rows = torch.arange(n, dtype=torch.int32, device=dev)
             self._seg_of_row = torch.empty(n, dtype=torch.int64, device=dev)
             self.row_slot = torch.empty(n, dtype=torch.int32, device=dev)
-        if layer == 0 or fresh:
+        if layer == 0 and self._row_slot_group is None:
+            self._row_slot_group = group  # the layers' groups come in one order: this one opens every step
+        if fresh or (layer == 0 and group == self._row_slot_group):
             torch.searchsorted(self.seg.indptr[1:], self._rows, right=True, out=self._seg_of_row)
             self._seg_of_row.clamp_(max=self.seg.slots.shape[0] - 1)
             torch.index_select(self.seg.slots, 0, self._seg_of_row, out=self.row_slot)
@@ -149,7 +152,7 @@ class LoraStepImpl:
             return None
         v = self.views[GROUP_SPANS[group][1]]
         a, b, ranks, host = self.pool.group_args[layer][group]
-        row_slot = self._row_slots(layer, x.shape[0])
+        row_slot = self._row_slots(layer, group, x.shape[0])
         self.sgmv.shrink(v, x, a, ranks, host, self.seg, mma_min_rows=1 << 30, quant=quant)
         return v, b, ranks, row_slot
 

@@ -284,14 +284,15 @@ class Decoder:
             if self.fp8_quant_in_shrink and x.is_contiguous():  # the shrink's launch quantizes x too
                 quant = (torch.empty(x.shape, dtype=E4M3, device=x.device),
                          torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device))
-                operands = lora.epilogue_operands(i, group, x, quant=(quant[0], quant[1].view(-1)))
-            else:
-                operands = lora.epilogue_operands(i, group, x)
+            operands = lora.epilogue_operands(i, group, x, quant=quant and (quant[0], quant[1].view(-1)))
             if operands is None:  # no adapter in the step: no shrink was launched
                 quant = None
+        return self._fp8_linear(x, w, b, epilogue=True, spans=spans, lora=operands, quantized=quant)
+
+    def _fp8_linear(self, x: torch.Tensor, w: Fp8Weight, b: torch.Tensor | None, **finish) -> torch.Tensor:
+        """fp8_linear with this model's FP8 kernel choices; `finish`: its epilogue arguments."""
         return fp8_linear(x, w, b, self.fp8_tensor_cores, self.fp8_ext, self.fp8_swap_rows, self.fp8_gemm_rows,
-                          self.fp8_unit_scale_elems, self.fp8_gemm_bf16, epilogue=True, spans=spans, lora=operands,
-                          quantized=quant)
+                          self.fp8_unit_scale_elems, self.fp8_gemm_bf16, **finish)
 
     @staticmethod
     def _dense(lora: LoraStep | None, w) -> bool:
@@ -302,15 +303,13 @@ class Decoder:
     def _linear(self, x: torch.Tensor, w, b: torch.Tensor | None) -> torch.Tensor:
         """x @ w.T + b for a bf16/fp16/fp32 weight or an FP8 one."""
         if isinstance(w, Fp8Weight):
-            return fp8_linear(x, w, b, self.fp8_tensor_cores, self.fp8_ext, self.fp8_swap_rows, self.fp8_gemm_rows,
-                              self.fp8_unit_scale_elems, self.fp8_gemm_bf16)
+            return self._fp8_linear(x, w, b)
         return F.linear(x, w, b)
 
     def _linear_small(self, x: torch.Tensor, w, b: torch.Tensor | None) -> torch.Tensor:
         """x @ w.T + b; on cuBLASLt for steps of at most `lt_rows` rows (the o and down projections)."""
         if isinstance(w, Fp8Weight):
-            return fp8_linear(x, w, b, self.fp8_tensor_cores, self.fp8_ext, self.fp8_swap_rows, self.fp8_gemm_rows,
-                              self.fp8_unit_scale_elems, self.fp8_gemm_bf16)
+            return self._fp8_linear(x, w, b)
         if 0 < x.shape[0] <= self.lt_rows:
             with prefer_cublaslt():
                 return F.linear(x, w, b)
