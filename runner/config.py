@@ -15,6 +15,8 @@ class KernelChoices:
 
     attention: auto (flashinfer on CUDA when installed, torch elsewhere), flashinfer or torch.
     prefill: flashinfer's kernel for prompt rows on sm90: auto (FA2 or FA3 per step), fa2 or fa3.
+    decode_tc: flashinfer's decode attention on tensor cores: auto (where >= 4 query heads share a K/V
+        head), 1 (always) or 0 (never).
     sgmv: auto (the CUDA kernels on CUDA, torch elsewhere), cuda or torch.
     sgmv_fused: steps with prompt rows launch a LoRA group below the tensor-core thresholds as one fused
         launch (auto: the measured default; 1) or two (0); the bits are the same.
@@ -48,13 +50,14 @@ class KernelChoices:
 
     attention: str = "auto"
     prefill: str = "auto"
+    decode_tc: str = "auto"
     sgmv: str = "auto"
     sgmv_fused: str = "auto"
     mma_rows: tuple[tuple[int, int], ...] = ((129, 129), (512, 512), (129, 129), (512, 512))
     fused_ops: bool = True
     rope_kv: bool = True
     rope_kv_lora: bool = False
-    rope_kv_fp8: bool = False
+    rope_kv_fp8: bool = True
     blas_lt_rows: int = 64
     fp8_swap_rows: int = 0
     fp8_gemm_rows: int = 0
@@ -68,6 +71,7 @@ class KernelChoices:
 
     def __post_init__(self):
         for name, ok in (("attention", ("auto", "flashinfer", "torch")), ("prefill", ("auto", "fa2", "fa3")),
+                         ("decode_tc", ("auto", "1", "0")),
                          ("sgmv", ("auto", "cuda", "torch")), ("sgmv_fused", ("auto", "1", "0"))):
             if getattr(self, name) not in ok:
                 raise ValueError(f"kernel choice {name} must be one of {', '.join(ok)}, got {getattr(self, name)!r}")
@@ -84,7 +88,8 @@ class KernelChoices:
         """The LORAFLEET_* kernel variables (lorafleet.env), each validated."""
         from lorafleet import env
 
-        return cls(attention=env.attention_backend(), prefill=env.prefill_backend(), sgmv=env.sgmv_backend(),
+        return cls(attention=env.attention_backend(), prefill=env.prefill_backend(),
+                   decode_tc=env.decode_tensor_cores(), sgmv=env.sgmv_backend(),
                    sgmv_fused=env.sgmv_fused(), fused_ops=env.fused_ops(), rope_kv=env.rope_kv_kernel(),
                    rope_kv_lora=env.rope_kv_lora(), rope_kv_fp8=env.rope_kv_fp8(), blas_lt_rows=env.blas_lt_rows(),
                    fp8_swap_rows=env.fp8_swap_rows(), fp8_gemm_rows=env.fp8_gemm_rows(),

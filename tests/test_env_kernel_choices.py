@@ -18,6 +18,9 @@ from lorafleet import env
     ("LORAFLEET_SGMV_FUSED", env.sgmv_fused, "0", "0"),
     ("LORAFLEET_SGMV_FUSED", env.sgmv_fused, "1", "1"),
     ("LORAFLEET_SGMV_FUSED", env.sgmv_fused, " AUTO", "auto"),
+    ("LORAFLEET_DECODE_TC", env.decode_tensor_cores, None, "auto"),
+    ("LORAFLEET_DECODE_TC", env.decode_tensor_cores, "1", "1"),
+    ("LORAFLEET_DECODE_TC", env.decode_tensor_cores, " 0 ", "0"),
     ("LORAFLEET_DENSE_LORA_ROWS", env.dense_lora_rows, None, 256),
     ("LORAFLEET_DENSE_LORA_ROWS", env.dense_lora_rows, "0", 0),
     ("LORAFLEET_DENSE_LORA_ROWS", env.dense_lora_rows, "1024", 1024),
@@ -34,6 +37,12 @@ def test_bad_value_is_refused(monkeypatch):
     monkeypatch.setenv("LORAFLEET_PREFILL_BACKEND", "cudnn")
     with pytest.raises(ValueError, match="LORAFLEET_PREFILL_BACKEND must be one of auto, fa2, fa3"):
         env.prefill_backend()
+    monkeypatch.setenv("LORAFLEET_DECODE_TC", "yes")
+    with pytest.raises(ValueError, match="LORAFLEET_DECODE_TC must be one of auto, 1, 0"):
+        env.decode_tensor_cores()
+    from lorafleet.runner.config import KernelChoices
+    with pytest.raises(ValueError, match="kernel choice decode_tc must be one of auto, 1, 0"):
+        KernelChoices(decode_tc="true")
 
 
 # --- which kernel a step's prompt rows take under `auto` on sm90 (runner/attention/meta.py) ---
@@ -115,9 +124,9 @@ def test_fp8_gemm_switches(monkeypatch):
     monkeypatch.delenv("LORAFLEET_FP8_EPILOGUE")
     monkeypatch.delenv("LORAFLEET_FP8_QUANT_IN_SHRINK")
     monkeypatch.delenv("LORAFLEET_ROPE_KV_FP8", raising=False)
-    assert not env.rope_kv_fp8()  # off until measured on a GPU
-    monkeypatch.setenv("LORAFLEET_ROPE_KV_FP8", "1")
-    assert KernelChoices.from_env().describe() == "kernel choices: rope_kv_fp8=True"
+    assert env.rope_kv_fp8()  # on since measured on a GPU (+9 % with FP8 K/V pages)
+    monkeypatch.setenv("LORAFLEET_ROPE_KV_FP8", "0")
+    assert KernelChoices.from_env().describe() == "kernel choices: rope_kv_fp8=False"
     monkeypatch.delenv("LORAFLEET_ROPE_KV_FP8")
     monkeypatch.setenv("LORAFLEET_FP8_UNIT_SCALE_ELEMS", "-5")
     with pytest.raises(ValueError, match="LORAFLEET_FP8_UNIT_SCALE_ELEMS must be >= 0"):

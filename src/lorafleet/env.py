@@ -69,6 +69,15 @@ def attention_backend() -> str:
     return _choice("LORAFLEET_ATTENTION", ATTENTION_BACKENDS)
 
 
+DECODE_TC_CHOICES = ("auto", "1", "0")
+
+
+def decode_tensor_cores() -> str:
+    """LORAFLEET_DECODE_TC: flashinfer's decode attention on tensor cores (its prefill kernel) or CUDA cores.
+    auto: tensor cores where at least 4 query heads share a K/V head; 1 / 0: always / never."""
+    return _choice("LORAFLEET_DECODE_TC", DECODE_TC_CHOICES)
+
+
 PREFILL_BACKENDS = ("auto", "fa2", "fa3")
 
 
@@ -127,9 +136,9 @@ def rope_kv_kernel() -> bool:
 
 def rope_kv_fp8() -> bool:
     """LORAFLEET_ROPE_KV_FP8: with FP8 K/V pages (--kv-cache-dtype fp8) the rope_kv kernel writes the e4m3 pages too
-    (one launch, the torch writer's bits) instead of RoPE plus the torch ops of the e4m3 write (default 0 until it
-    has been measured on a GPU)."""
-    return _flag("LORAFLEET_ROPE_KV_FP8", False)
+    (one launch, the torch writer's bits) instead of RoPE plus the torch ops of the e4m3 write (default 1; H200,
+    7B FP8 weights + FP8 K/V: +9 % output tok/s over the torch writer)."""
+    return _flag("LORAFLEET_ROPE_KV_FP8", True)
 
 
 def rope_kv_lora() -> bool:

@@ -61,13 +61,14 @@ class FlashInferAttention:
     name = "flashinfer"
 
     def __init__(self, kv: KVCache, cfg, device: torch.device, prefill_choice: str = "auto",
-                 q_dtype: torch.dtype | None = None):
+                 q_dtype: torch.dtype | None = None, decode_tc: str = "auto"):
         self.kv, self.cfg, self.device = kv, cfg, device
         self.q_dtype = q_dtype or kv.k.dtype  # FP8 pages: queries stay in the model's dtype
         self.kv_dtype = kv.k.dtype
         self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.sm_scale, self.soft_cap = cfg.softmax_scale, cfg.attn_softcap or 0.0
-        self.decode_tc = self.h // self.hkv >= 4
+        # decode on tensor cores (flashinfer's prefill kernel) where >= 4 query heads share a K/V head, or as told
+        self.decode_tc = {"1": True, "0": False}.get(decode_tc, self.h // self.hkv >= 4)
         sm90 = torch.cuda.get_device_capability(device)[0] == 9
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         fp8_pages = self.kv_dtype != self.q_dtype
