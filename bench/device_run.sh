@@ -11,6 +11,7 @@
 #   etests   engine GPU tests only
 #   ftests   every model family against HF + PEFT and graphs against eager, and the flashinfer plan and window tests
 #   fp8tests FP8 weights (and FP8 K/V pages) against the fp32 HF emulation of FP8, graphs against eager, bytes
+#   ntests   the project's RMSNorm kernel and the norm + LoRA shrink launch (tests/gpu/test_norm_cuda.py; NTESTS_K: -k)
 #   ptests   the prefix cache against HF + PEFT fp32 (llama3, gemma3), hits counted
 #   fp8      bench e2e (7B shape; distinct, identical, uniform, skewed, LoRA off; FP8_REQS, default 300) in bf16,
 #            with FP8 weights and with FP8 weights + FP8 K/V pages, with step profiles   -> e2e_fp8_{bf16,fp8,fp8_kv8}[_TAG].json
@@ -150,6 +151,10 @@ stage() {
       timeout ${TEST_S:-500} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_families_cuda.py \
         tests/gpu/test_flashinfer_plans.py -rA -s -k "${FTESTS_K:-}" -o faulthandler_timeout=${HANG_S:-200} 2>&1 \
         | tee "$LOGS/gpu_ftests.log" | grep -E "passed|failed|FAILED|flips|Error|Timeout|File " | tail -24 ;;
+    ntests)
+      timeout ${TEST_S:-400} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_norm_cuda.py -rA -s --durations=4 --tb=short \
+        -k "${NTESTS_K:-}" -o faulthandler_timeout=${HANG_S:-200} 2>&1 | tee -a "$LOGS/gpu_ntests.log" \
+        | grep -E "passed|failed|FAILED|flips|Error|Timeout|File |^E  " | cut -c1-300 | tail -${TEST_LINES:-20} ;;
     fp8tests|ptests)
       local f=tests/gpu/test_fp8_cuda.py; [ "$1" = ptests ] && f=tests/gpu/test_prefix_cuda.py
       timeout ${TEST_S:-400} python3 -m pytest -q -p no:cacheprovider $f -rA -s --durations=4 --tb=short -k "${FP8_K:-}" \

@@ -186,6 +186,7 @@ struct ShrinkParams {
   int work_offset;          // bytes from the start of dynamic shared memory to the work area
   uint8_t* quant_out;       // optional: x's rows quantized to e4m3 (ShrinkArgs)
   float* quant_scale;
+  NormArgs norm;            // sgmv_norm_shrink: x is norm.x_out, computed by the launch (kNorm kernels only)
 };
 
 struct ExpandParams {
@@ -330,6 +331,92 @@ __device__ __forceinline__ int find_segment(const int* prefix, int cap, int item
 }
 
 // ---------------------------------------------------------------------------------------------------
+// RMSNorm rows (NormArgs, sgmv.h): the standalone launch and the rows of sgmv_norm_shrink.
+
+template <typename T>
+__device__ __forceinline__ float round_to(float v) {
+  return static_cast<float>(Cvt<T>::from(v));
+}
+
+// r's 8 values at element offset `off` (a multiple of 8) of the rows: T(h + res), or h.
+template <typename T>
+__device__ __forceinline__ void norm_load8(const NormArgs& n, int64_t off, float (&r)[8]) {
+  to_float8<T>(ldg16(static_cast<const T*>(n.h) + off), r);
+  if (n.res != nullptr) {
+    float q[8];
+    to_float8<T>(ldg16(static_cast<const T*>(n.res) + off), q);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) r[e] = round_to<T>(r[e] + q[e]);
+  }
+}
+
+// r -> x in place for the 8 columns of vector kv: the norm's scaling and roundings (ops.py rms_norm).
+template <typename T>
+__device__ __forceinline__ void norm_apply8(const NormArgs& n, int kv, float rs, float (&r)[8]) {
+  float w[8];
+  to_float8<T>(ldg16(static_cast<const T*>(n.w) + static_cast<int64_t>(kv) * 8), w);
+  if (n.offset == 0.f) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) r[e] = round_to<T>(w[e] * round_to<T>(r[e] * rs));
+  } else {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) r[e] = round_to<T>((r[e] * rs) * (n.offset + w[e]));
+  }
+}
+
+// rs of a row, by the whole block (every thread calls it, every thread gets it): each thread sums the squares
+// of its vectors tid, tid + kThreads, ... with fmaf, then the warps' xor trees, then the warps in order — the
+// same value in every launch and block that computes it.
+template <typename T>
+__device__ float norm_rs(const NormArgs& n, int row) {
+  __shared__ float part[kWarps];
+  const int KV = n.cols >> 3;
+  const int64_t base = static_cast<int64_t>(row) * n.cols;
+  float ss = 0.f;
+  for (int kv = threadIdx.x; kv < KV; kv += kThreads) {
+    float r[8];
+    norm_load8<T>(n, base + static_cast<int64_t>(kv) * 8, r);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) ss = fmaf(r[e], r[e], ss);
+  }
+  ss = warp_sum(ss);
+  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
+  __syncthreads();
+  float t = 0.f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) t += part[w];
+  __syncthreads();  // `part` is reused by the next call
+  return rsqrtf(__fdiv_rn(t, static_cast<float>(n.cols)) + n.eps);
+}
+
+// One row's outputs (res_out, x_out, and the e4m3 row and scale) by the whole block.
+template <typename T>
+__device__ void norm_row(const NormArgs& n, int row) {
+  const float rs = norm_rs<T>(n, row);
+  const int KV = n.cols >> 3;
+  const int64_t base = static_cast<int64_t>(row) * n.cols;
+  for (int kv = threadIdx.x; kv < KV; kv += kThreads) {
+    const int64_t off = base + static_cast<int64_t>(kv) * 8;
+    float r[8];
+    norm_load8<T>(n, off, r);
+    if (n.res != nullptr) *reinterpret_cast<uint4*>(static_cast<T*>(n.res_out) + off) = from_float8<T>(r);
+    norm_apply8<T>(n, kv, rs, r);
+    *reinterpret_cast<uint4*>(static_cast<T*>(n.x_out) + off) = from_float8<T>(r);
+  }
+  if (n.quant_out != nullptr) {
+    __syncthreads();  // the block's x_out stores are visible to all its threads
+    quant_detail::quantize_row<T, kThreads>(static_cast<const T*>(n.x_out) + base, n.quant_out + base,
+                                            n.quant_scale + row, n.cols);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) rms_norm_rows_kernel(const __grid_constant__ NormArgs n) {
+  pdl_wait();  // h and res come from the preceding kernel
+  for (int row = blockIdx.x; row < n.rows; row += gridDim.x) norm_row<T>(n, row);
+}
+
+// ---------------------------------------------------------------------------------------------------
 // Shrink.
 
 template <bool kMma>
@@ -362,10 +449,10 @@ __device__ __forceinline__ int2 split_rank_row(int packed, int f) {
 // v[row0 + m, rank row f0 + j] = dot(x[row0 + m], A row) for m < NR, j < RB (rank rows
 // flattened over the projections). Each thread accumulates a strided part of K; one block reduction.
 // The first A loads are issued before waiting for the preceding kernel (A is never written by it).
-template <typename T, int NR, int RB>
+template <typename T, int NR, int RB, bool kNorm = false>
 __device__ __forceinline__ void shrink_cc(const ShrinkParams& p, int row0, int slot, int packed, int f0, float* red,
                                           bool& waited) {
-  constexpr int U = NR * RB <= 4 ? 2 : 1;  // K steps in flight per thread (register budget)
+  constexpr int U = !kNorm && NR * RB <= 4 ? 2 : 1;  // K steps in flight per thread (register budget)
   const int K = p.in_features;
   const int KV = K >> 3;
   const int rt = rank_of(packed, 0) + rank_of(packed, 1) + rank_of(packed, 2);
@@ -400,14 +487,33 @@ __device__ __forceinline__ void shrink_cc(const ShrinkParams& p, int row0, int s
     pdl_wait();
     waited = true;
   }
+  // kNorm: x is not in memory yet (this launch writes it after its items); each row's normalized values are made
+  // here from the norm's inputs, with the roundings of the values the launch writes, so v is the plain shrink's.
+  float rs[NR];
+  if constexpr (kNorm) {
+#pragma unroll
+    for (int m = 0; m < NR; ++m) rs[m] = norm_rs<T>(p.norm, row0 + m);
+  }
   for (int kv0 = tid; kv0 < KV; kv0 += U * kThreads) {
     uint4 xv[U][NR];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int kv = kv0 + u * kThreads;
 #pragma unroll
-      for (int m = 0; m < NR; ++m)
-        xv[u][m] = kv < KV ? ldg16(x0 + static_cast<int64_t>(m) * K + kv * 8) : make_uint4(0, 0, 0, 0);
+      for (int m = 0; m < NR; ++m) {
+        if constexpr (kNorm) {
+          if (kv < KV) {
+            float r[8];
+            norm_load8<T>(p.norm, static_cast<int64_t>(row0 + m) * K + kv * 8, r);
+            norm_apply8<T>(p.norm, kv, rs[m], r);
+            xv[u][m] = from_float8<T>(r);  // exact: r holds values of T
+          } else {
+            xv[u][m] = make_uint4(0, 0, 0, 0);
+          }
+        } else {
+          xv[u][m] = kv < KV ? ldg16(x0 + static_cast<int64_t>(m) * K + kv * 8) : make_uint4(0, 0, 0, 0);
+        }
+      }
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -549,7 +655,7 @@ __device__ void shrink_mma(const ShrinkParams& p, int row0, int nr, int slot, in
 // shape never changes a bit of v: every thread of shrink_cc accumulates its K vectors tid, tid + 256,
 // ... in increasing order with explicit fmaf (trailing zero vectors past K only add +0), and the block
 // reduction sums the 256 partials of one (row, rank row) in a fixed order, whatever NR, RB or block.
-template <typename T>
+template <typename T, bool kNorm = false>
 __device__ __forceinline__ void shrink_cc_item(const ShrinkParams& p, int lo, int n, int slot, int packed, int local,
                                                float* red, bool& waited) {
   const int rt = rank_of(packed, 0) + rank_of(packed, 1) + rank_of(packed, 2);
@@ -563,27 +669,28 @@ __device__ __forceinline__ void shrink_cc_item(const ShrinkParams& p, int lo, in
   static_assert(kShrinkRows == 2, "one shrink_cc instantiation per row count");
   if (long_seg) {
     if (nr == 1) {
-      shrink_cc<T, 1, kShrinkRanksLong>(p, row0, slot, packed, f0, red, waited);
+      shrink_cc<T, 1, kShrinkRanksLong, kNorm>(p, row0, slot, packed, f0, red, waited);
     } else {
-      shrink_cc<T, 2, kShrinkRanksLong>(p, row0, slot, packed, f0, red, waited);
+      shrink_cc<T, 2, kShrinkRanksLong, kNorm>(p, row0, slot, packed, f0, red, waited);
     }
   } else if (n == 1) {  // decode: p.decode_ranks is 1, 2 or 4 (checked by the launchers)
     if (rb == 4) {
-      shrink_cc<T, 1, 4>(p, row0, slot, packed, f0, red, waited);
+      shrink_cc<T, 1, 4, kNorm>(p, row0, slot, packed, f0, red, waited);
     } else if (rb == 2) {
-      shrink_cc<T, 1, 2>(p, row0, slot, packed, f0, red, waited);
+      shrink_cc<T, 1, 2, kNorm>(p, row0, slot, packed, f0, red, waited);
     } else {
-      shrink_cc<T, 1, 1>(p, row0, slot, packed, f0, red, waited);
+      shrink_cc<T, 1, 1, kNorm>(p, row0, slot, packed, f0, red, waited);
     }
   } else if (nr == 1) {  // the odd last row of a short segment
-    shrink_cc<T, 1, kShrinkRanksN>(p, row0, slot, packed, f0, red, waited);
+    shrink_cc<T, 1, kShrinkRanksN, kNorm>(p, row0, slot, packed, f0, red, waited);
   } else {
-    shrink_cc<T, 2, kShrinkRanksN>(p, row0, slot, packed, f0, red, waited);
+    shrink_cc<T, 2, kShrinkRanksN, kNorm>(p, row0, slot, packed, f0, red, waited);
   }
 }
 
-template <typename T, bool kMma>
-__global__ void __launch_bounds__(kThreads, kMma ? 2 : kShrinkMinBlocks) sgmv_shrink_kernel(const __grid_constant__ ShrinkParams p) {
+template <typename T, bool kMma, bool kNorm = false>
+__global__ void __launch_bounds__(kThreads, kMma ? 2 : (kNorm ? 3 : kShrinkMinBlocks)) sgmv_shrink_kernel(const __grid_constant__ ShrinkParams p) {
+  static_assert(!(kMma && kNorm), "the norm's shrink runs CUDA-core items only");
   pdl_launch_dependents();
   extern __shared__ __align__(128) unsigned char smem[];
   // The segment table, the ranks and the first A tile are read while the preceding kernel may
@@ -614,10 +721,15 @@ __global__ void __launch_bounds__(kThreads, kMma ? 2 : kShrinkMinBlocks) sgmv_sh
       shrink_mma<T>(p, lo + tile * kShrinkTileM, min(kShrinkTileM, n - tile * kShrinkTileM), slot, g,
                     rank_of(packed, g), work, waited);
     } else {
-      shrink_cc_item<T>(p, lo, n, slot, packed, local, red, waited);
+      shrink_cc_item<T, kNorm>(p, lo, n, slot, packed, local, red, waited);
     }
   }
   if (!waited) pdl_wait();  // finish only after the preceding kernel (see the expand kernel)
+  if constexpr (kNorm) {  // after the items, like the quantization below (which kNorm launches never ask for)
+    __syncthreads();
+    for (int row = blockIdx.x; row < p.norm.rows; row += gridDim.x) norm_row<T>(p.norm, row);
+    return;
+  }
   if (p.quant_out != nullptr) {  // after the items, so that their A loads overlap the preceding kernel's tail
     __syncthreads();  // the items' last use of shared memory
     const T* x = static_cast<const T*>(p.x);
@@ -1125,20 +1237,23 @@ int row_chunks_bound(const SegmentArgs& s, int rows) {
   return ceil_div(s.num_rows, rows) + std::min(s.capacity, s.num_rows);
 }
 
+// `norm` (sgmv_norm_shrink): the norm's launch, CUDA-core items only, x = norm->x_out.
 template <typename T>
-const char* shrink_typed(const ShrinkArgs& args, const LaunchOptions& opt, int device, cudaStream_t stream) {
+const char* shrink_typed(const ShrinkArgs& args, const LaunchOptions& opt, int device, cudaStream_t stream,
+                         const NormArgs* norm = nullptr) {
   ShrinkParams p = {};
   p.seg = args.seg;
-  p.x = args.x;
+  p.x = norm != nullptr ? norm->x_out : args.x;
   p.in_features = args.in_features;
   p.v = args.v;
   p.v_rank_dim = args.v_rank_dim;
   p.v_row_stride = args.seg.num_groups * args.v_rank_dim;
   p.mma_min_rows = std::max(1, opt.mma_min_rows);
   p.decode_ranks = decode_ranks_of(opt);  // checked by sgmv_shrink
-  p.quant_out = args.quant_out;
-  p.quant_scale = args.quant_out != nullptr ? args.quant_scale : nullptr;
-  if (args.quant_out != nullptr && args.quant_scale == nullptr) return "sgmv_shrink: quant_out without quant_scale";
+  p.quant_out = norm != nullptr ? nullptr : args.quant_out;
+  p.quant_scale = p.quant_out != nullptr ? args.quant_scale : nullptr;
+  if (p.quant_out != nullptr && args.quant_scale == nullptr) return "sgmv_shrink: quant_out without quant_scale";
+  if (norm != nullptr) p.norm = *norm;
   int rank_sum = 0;
   for (int g = 0; g < kMaxGroup; ++g) {
     const bool used = g < args.seg.num_groups;
@@ -1159,7 +1274,8 @@ const char* shrink_typed(const ShrinkArgs& args, const LaunchOptions& opt, int d
   // A device whose blocks cannot hold the stages (large ranks before sm_90) runs every segment on the
   // CUDA-core path, which is exact too.
   // (kQuantRowSmem: the static shared memory of the rows' quantization, which both variants carry)
-  const bool mma = args.seg.num_rows >= p.mma_min_rows && p.work_offset + mma_work + kQuantRowSmem <= info.smem_optin;
+  const bool mma = norm == nullptr && args.seg.num_rows >= p.mma_min_rows &&
+                   p.work_offset + mma_work + kQuantRowSmem <= info.smem_optin;
   if (!mma) p.mma_min_rows = 1 << 30;
   // The tensor-core capable variant holds 2 blocks per SM: there its decode rows keep the 1 x 4 items
   // (with 1 x 2 items a lone call with 64 or 256 distinct rows took 10.3 / 38.2 us against 9.0 / 32.3).
@@ -1169,10 +1285,36 @@ const char* shrink_typed(const ShrinkArgs& args, const LaunchOptions& opt, int d
   int64_t items = static_cast<int64_t>(row_chunks_bound(args.seg, kShrinkRows)) *
                   ceil_div(rank_sum, std::min(kShrinkRanksN, p.decode_ranks));
   if (mma) items += static_cast<int64_t>(row_chunks_bound(args.seg, kShrinkTileM)) * args.seg.num_groups;
+  if (norm != nullptr) items = std::max<int64_t>(items, norm->rows);  // every row's norm, whatever the adapters
   const int max_items = static_cast<int>(std::min<int64_t>(items, 1 << 30));
   const int per_sm = per_sm_cap(opt, kShrinkBlocksPerSm);
+  if (norm != nullptr) return launch(sgmv_shrink_kernel<T, false, true>, p, max_items, per_sm, smem, opt, device, stream);
   return mma ? launch(sgmv_shrink_kernel<T, true>, p, max_items, per_sm, smem, opt, device, stream)
              : launch(sgmv_shrink_kernel<T, false>, p, max_items, per_sm, smem, opt, device, stream);
+}
+
+template <typename T>
+const char* norm_typed(const NormArgs& n, bool pdl, int max_blocks, int device, cudaStream_t stream) {
+  DeviceInfo info;
+  if (const char* err = device_info(device, &info)) return err;
+  int blocks = std::min(n.rows, info.sms * 8);
+  if (max_blocks > 0) blocks = std::min(blocks, max_blocks);
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(std::max(1, blocks));
+  cfg.blockDim = dim3(kThreads);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  set_pdl(cfg, attr, pdl, info.major);
+  const cudaError_t e = cudaLaunchKernelEx(&cfg, rms_norm_rows_kernel<T>, n);
+  return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
+}
+
+const char* check_norm(const NormArgs& n) {
+  if (n.rows < 0 || n.cols < 8 || n.cols % 8 != 0) return "rms_norm: the rows' width must be a positive multiple of 8";
+  if (n.h == nullptr || n.w == nullptr || n.x_out == nullptr) return "rms_norm: null h, w or x_out";
+  if ((n.res == nullptr) != (n.res_out == nullptr)) return "rms_norm: res and res_out go together";
+  if ((n.quant_out == nullptr) != (n.quant_scale == nullptr)) return "rms_norm: quant_out and quant_scale go together";
+  return nullptr;
 }
 
 template <typename T>
@@ -1288,6 +1430,32 @@ const char* sgmv_shrink(DType dtype, const ShrinkArgs& args, const LaunchOptions
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   return dtype == DType::kBFloat16 ? shrink_typed<__nv_bfloat16>(args, options, device, s)
                                    : shrink_typed<__half>(args, options, device, s);
+}
+
+const char* rms_norm_rows(DType dtype, const NormArgs& args, bool pdl, int max_blocks, int device, void* stream) {
+  if (const char* err = check_norm(args)) return err;
+  if (args.rows == 0) return nullptr;
+  DeviceScope scope(device);
+  if (!scope.ok()) return "rms_norm: cannot select the tensors' CUDA device";
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  return dtype == DType::kBFloat16 ? norm_typed<__nv_bfloat16>(args, pdl, max_blocks, device, s)
+                                   : norm_typed<__half>(args, pdl, max_blocks, device, s);
+}
+
+const char* sgmv_norm_shrink(DType dtype, const NormArgs& norm, const ShrinkArgs& args, const LaunchOptions& options,
+                             int device, void* stream) {
+  if (const char* err = check_norm(norm)) return err;
+  if (const char* err = check_segments(args.seg)) return err;
+  if (norm.cols != args.in_features || norm.rows != args.seg.num_rows)
+    return "sgmv_norm_shrink: the norm's rows and the shrink's input differ in shape";
+  if (args.v == nullptr) return "sgmv_norm_shrink: null v";
+  if (decode_ranks_of(options) == 0) return "sgmv: decode_ranks must be 0, 1, 2 or 4";
+  if (norm.rows == 0) return nullptr;
+  DeviceScope scope(device);
+  if (!scope.ok()) return "sgmv_norm_shrink: cannot select the tensors' CUDA device";
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  return dtype == DType::kBFloat16 ? shrink_typed<__nv_bfloat16>(args, options, device, s, &norm)
+                                   : shrink_typed<__half>(args, options, device, s, &norm);
 }
 
 const char* sgmv_expand(DType dtype, const ExpandArgs& args, const LaunchOptions& options, int device, void* stream) {

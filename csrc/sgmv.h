@@ -48,6 +48,24 @@ struct ShrinkArgs {
   float* quant_scale = nullptr;          // [T]
 };
 
+// An RMSNorm of rows, Hugging Face's op for op (runner/model/ops.py rms_norm / add_rms_norm): with `res`,
+// r = T(h + res) (written to res_out: the new residual), else r = h; rs = rsqrt(sum(r^2) / cols + eps) in fp32;
+// x = T(w * T(r * rs)) (offset 0, Llama) or T((r * rs) * (offset + w)) (Gemma's 1 + w); optionally x's e4m3
+// rows and scales as quantize_rows_e4m3 makes them from x. The outputs never alias the inputs.
+struct NormArgs {
+  const void* h = nullptr;        // [rows, cols] contiguous
+  const void* res = nullptr;      // optional [rows, cols] contiguous
+  void* res_out = nullptr;        // [rows, cols] contiguous, with res
+  const void* w = nullptr;        // [cols]
+  void* x_out = nullptr;          // [rows, cols] contiguous
+  uint8_t* quant_out = nullptr;   // optional [rows, cols] contiguous e4m3
+  float* quant_scale = nullptr;   // [rows], with quant_out
+  float eps = 1e-6f;
+  float offset = 0.f;
+  int rows = 0;
+  int cols = 0;                   // multiple of 8
+};
+
 struct ExpandArgs {
   SegmentArgs seg;
   const float* v = nullptr;              // [T, G, v_rank_dim] contiguous fp32
@@ -91,6 +109,17 @@ const char* sgmv_shrink(DType dtype, const ShrinkArgs& args, const LaunchOptions
                         void* stream);
 const char* sgmv_expand(DType dtype, const ExpandArgs& args, const LaunchOptions& options, int device,
                         void* stream);
+
+// The RMSNorm of NormArgs, one block per row (a grid of at most `max_blocks`, 0: the launcher's bound).
+const char* rms_norm_rows(DType dtype, const NormArgs& args, bool pdl, int max_blocks, int device, void* stream);
+
+// The RMSNorm of `norm` and the shrink of `sargs` in ONE launch: sargs.x names norm.x_out, and the shrink's
+// items (every segment on the CUDA-core path, options.mma_min_rows ignored) compute each row's normalized
+// values themselves (the norm's row reduction per item), so v is bit for bit sgmv_shrink's on the x the
+// launch writes; after its items each block writes the norm's outputs of rows blockIdx.x, + gridDim.x, ...
+// (sargs.quant_out is ignored: norm.quant_out quantizes). The grid is at least min(rows, what fits).
+const char* sgmv_norm_shrink(DType dtype, const NormArgs& norm, const ShrinkArgs& sargs, const LaunchOptions& options,
+                             int device, void* stream);
 
 // Shrink then expand of one projection group in ONE launch, every segment on the CUDA-core path
 // (the decode case; `options.mma_min_rows` is ignored). `sargs` and `eargs` must share the segment

@@ -20,6 +20,12 @@
 //       launch (rope_kv.h); caches of qkv's dtype, or float8_e4m3fn (FP8 pages, unit scale).
 //   rope_kv_lora(..., stream, v, b, ranks, row_slot): the same with the qkv rows' LoRA expand added first
 //       (rope_kv.h RopeKvLora), so a decode step needs no separate expand launch for q, k and v.
+//   rms_norm(x_out, h, res, res_out, w, eps, offset, quant_out, quant_scale, pdl, stream, max_blocks=0): the RMSNorm
+//       of runner/model/ops.py (res: res_out = h + res, normalized; offset: Gemma's 1 + w), optionally x_out's
+//       e4m3 rows and scales as quantize_e4m3 makes them; res, res_out, quant_out, quant_scale may be None.
+//   norm_shrink(v, x_out, h, res, res_out, w, eps, offset, a, ranks, indptr, slots, pdl, stream, max_blocks=0,
+//       decode_ranks=0, quant_out=None, quant_scale=None): rms_norm and the shrink of x_out (CUDA-core items),
+//       one launch; v bit for bit shrink's on the x_out it writes.
 //   quantize_e4m3(out, scale, x, stream): dynamic per-row FP8 quantization of activations (quant.h),
 //       one launch: scale[i] = max(absmax(x[i]) / 448, 1e-12), out[i] = e4m3(x[i] / scale[i]).
 //   fp8_gemm(out, x, x_scale, w, w_scale, stream): out = (x @ w.T) * x_scale[:, None] * w_scale[None, :] in
@@ -40,6 +46,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "fp8_gemm.h"
@@ -415,6 +422,88 @@ void rope_kv_lora(Tensor q_out, Tensor k_cache, Tensor v_cache, Tensor qkv, Tens
   launch_rope_kv(a, qkv, stream);
 }
 
+bool overlap(const Tensor& a, const Tensor& b) {
+  const auto pa = reinterpret_cast<uintptr_t>(a.data_ptr()), pb = reinterpret_cast<uintptr_t>(b.data_ptr());
+  return pa < pb + b.nbytes() && pb < pa + a.nbytes();
+}
+
+// The checks of rms_norm and norm_shrink -> the norm's arguments.
+lorafleet::NormArgs norm_args(const Tensor& x_out, const Tensor& h, const std::optional<Tensor>& res,
+                              const std::optional<Tensor>& res_out, const Tensor& w, double eps, double offset,
+                              const std::optional<Tensor>& quant_out, const std::optional<Tensor>& quant_scale) {
+  kernel_dtype(h, "h");
+  SGMV_CHECK(h.is_cuda() && h.dim() == 2 && h.is_contiguous(), "rms_norm: h must be a contiguous 2-D CUDA tensor");
+  SGMV_CHECK(h.size(1) >= 8 && h.size(1) % 8 == 0, "rms_norm: the width must be a multiple of 8, got %lld",
+             ll(h.size(1)));
+  SGMV_CHECK(h.numel() <= kInt32Max, "rms_norm: h is too large");
+  SGMV_CHECK(res.has_value() == res_out.has_value(), "rms_norm: res and res_out go together");
+  SGMV_CHECK(quant_out.has_value() == quant_scale.has_value(), "rms_norm: quant_out and quant_scale go together");
+  std::vector<std::pair<const Tensor*, const char*>> rows = {{&h, "h"}, {&x_out, "x_out"}};
+  if (res.has_value()) {
+    rows.push_back({&*res, "res"});
+    rows.push_back({&*res_out, "res_out"});
+  }
+  for (const auto& [t, name] : rows) {
+    check_device(*t, Name(name), h);
+    SGMV_CHECK(t->scalar_type() == h.scalar_type() && t->is_contiguous() && t->sizes() == h.sizes() && aligned16(*t),
+               "rms_norm: %s must be contiguous, 16-byte aligned, of h's dtype and shape [%lld, %lld]", name,
+               ll(h.size(0)), ll(h.size(1)));
+  }
+  check_device(w, Name("w"), h);
+  SGMV_CHECK(w.scalar_type() == h.scalar_type() && w.dim() == 1 && w.numel() == h.size(1) && w.is_contiguous() &&
+                 aligned16(w), "rms_norm: w must be contiguous, 16-byte aligned, of h's dtype, [%lld]", ll(h.size(1)));
+  SGMV_CHECK(!overlap(x_out, h) && !overlap(x_out, w) && (!res.has_value() || (!overlap(x_out, *res) &&
+             !overlap(*res_out, h) && !overlap(*res_out, *res) && !overlap(*res_out, x_out))),
+             "rms_norm: the outputs (x_out, res_out) must not overlap the inputs or each other");
+  lorafleet::NormArgs a;
+  a.h = h.data_ptr();
+  a.res = res.has_value() ? res->data_ptr() : nullptr;
+  a.res_out = res.has_value() ? res_out->data_ptr() : nullptr;
+  a.w = w.data_ptr();
+  a.x_out = x_out.data_ptr();
+  if (quant_out.has_value()) {
+    check_device(*quant_out, Name("quant_out"), h);
+    check_device(*quant_scale, Name("quant_scale"), h);
+    SGMV_CHECK(quant_out->scalar_type() == torch::kFloat8_e4m3fn && quant_out->is_contiguous() &&
+                   quant_out->sizes() == h.sizes(),
+               "rms_norm: quant_out must be contiguous float8_e4m3fn [%lld, %lld]", ll(h.size(0)), ll(h.size(1)));
+    SGMV_CHECK(quant_scale->scalar_type() == torch::kFloat && quant_scale->is_contiguous() &&
+                   quant_scale->numel() == h.size(0),
+               "rms_norm: quant_scale must be contiguous float32 with %lld entries", ll(h.size(0)));
+    a.quant_out = static_cast<uint8_t*>(quant_out->data_ptr());
+    a.quant_scale = quant_scale->data_ptr<float>();
+  }
+  SGMV_CHECK(eps >= 0 && offset >= 0, "rms_norm: eps and offset must be >= 0");
+  a.eps = static_cast<float>(eps);
+  a.offset = static_cast<float>(offset);
+  a.rows = static_cast<int>(h.size(0));
+  a.cols = static_cast<int>(h.size(1));
+  return a;
+}
+
+void rms_norm(Tensor x_out, Tensor h, std::optional<Tensor> res, std::optional<Tensor> res_out, Tensor w, double eps,
+              double offset, std::optional<Tensor> quant_out, std::optional<Tensor> quant_scale, bool pdl,
+              int64_t stream, int64_t max_blocks) {
+  const lorafleet::NormArgs a = norm_args(x_out, h, res, res_out, w, eps, offset, quant_out, quant_scale);
+  SGMV_CHECK(max_blocks >= 0, "rms_norm: max_blocks must be >= 0 (0: no cap)");
+  const char* err = lorafleet::rms_norm_rows(kernel_dtype(h, "h"), a, pdl,
+                                             static_cast<int>(std::min<int64_t>(max_blocks, kInt32Max)),
+                                             h.get_device(), as_stream(stream));
+  SGMV_CHECK(err == nullptr, "rms_norm launch failed: %s", err ? err : "");
+}
+
+void norm_shrink(Tensor v, Tensor x_out, Tensor h, std::optional<Tensor> res, std::optional<Tensor> res_out, Tensor w,
+                 double eps, double offset, std::vector<Tensor> a, Tensor ranks, Tensor indptr, Tensor slots, bool pdl,
+                 int64_t stream, int64_t max_blocks, int64_t decode_ranks, std::optional<Tensor> quant_out,
+                 std::optional<Tensor> quant_scale) {
+  const lorafleet::NormArgs n = norm_args(x_out, h, res, res_out, w, eps, offset, quant_out, quant_scale);
+  lorafleet::ShrinkArgs args = shrink_args(v, x_out, a, ranks, indptr, slots);
+  const lorafleet::LaunchOptions opt = launch_options(1 << 30, pdl, max_blocks, 0, decode_ranks);
+  if (h.size(0) == 0) return;
+  const char* err = lorafleet::sgmv_norm_shrink(kernel_dtype(h, "h"), n, args, opt, h.get_device(), as_stream(stream));
+  SGMV_CHECK(err == nullptr, "norm_shrink launch failed: %s", err ? err : "");
+}
+
 void quantize_e4m3(Tensor out, Tensor scale, Tensor x, int64_t stream) {
   const auto dtype = kernel_dtype(x, "x");
   SGMV_CHECK(x.is_cuda() && x.dim() == 2 && x.stride(1) == 1, "quantize_e4m3: x must be a 2-D CUDA tensor with unit "
@@ -596,6 +685,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q_out"), py::arg("k_cache"), py::arg("v_cache"), py::arg("qkv"), py::arg("positions"),
         py::arg("slots"), py::arg("cos_sin"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("stream"),
         py::arg("v"), py::arg("b"), py::arg("ranks"), py::arg("row_slot"));
+  m.def("rms_norm", &rms_norm,
+        "x_out = RMSNorm(h [+ res]) as ops.py computes it (res_out = h + res), optionally x_out's e4m3 rows, one launch",
+        py::arg("x_out"), py::arg("h"), py::arg("res"), py::arg("res_out"), py::arg("w"), py::arg("eps"),
+        py::arg("offset"), py::arg("quant_out"), py::arg("quant_scale"), py::arg("pdl"), py::arg("stream"),
+        py::arg("max_blocks") = 0);
+  m.def("norm_shrink", &norm_shrink,
+        "rms_norm and the shrink of its output (v[rows, g, :r] = x_out[rows] @ a[g][slot, :r].T) in one launch",
+        py::arg("v"), py::arg("x_out"), py::arg("h"), py::arg("res"), py::arg("res_out"), py::arg("w"), py::arg("eps"),
+        py::arg("offset"), py::arg("a"), py::arg("ranks"), py::arg("indptr"), py::arg("slots"), py::arg("pdl"),
+        py::arg("stream"), py::arg("max_blocks") = 0, py::arg("decode_ranks") = 0, py::arg("quant_out") = py::none(),
+        py::arg("quant_scale") = py::none());
   m.def("quantize_e4m3", &quantize_e4m3, "dynamic per-row FP8 (e4m3) quantization of activations, one launch",
         py::arg("out"), py::arg("scale"), py::arg("x"), py::arg("stream"));
   m.def("fp8_gemm", &fp8_gemm, "bf16 (x @ w.T) * x_scale * w_scale for at most 64 e4m3 rows, the weight streamed once",

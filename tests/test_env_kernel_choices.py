@@ -128,6 +128,11 @@ def test_fp8_gemm_switches(monkeypatch):
     monkeypatch.setenv("LORAFLEET_ROPE_KV_FP8", "0")
     assert KernelChoices.from_env().describe() == "kernel choices: rope_kv_fp8=False"
     monkeypatch.delenv("LORAFLEET_ROPE_KV_FP8")
+    monkeypatch.delenv("LORAFLEET_NORM_SHRINK", raising=False)
+    assert not env.norm_shrink()  # off until measured on a GPU
+    monkeypatch.setenv("LORAFLEET_NORM_SHRINK", "1")
+    assert KernelChoices.from_env().describe() == "kernel choices: norm_shrink=True"
+    monkeypatch.delenv("LORAFLEET_NORM_SHRINK")
     monkeypatch.setenv("LORAFLEET_FP8_UNIT_SCALE_ELEMS", "-5")
     with pytest.raises(ValueError, match="LORAFLEET_FP8_UNIT_SCALE_ELEMS must be >= 0"):
         env.fp8_unit_scale_elems()

@@ -7,6 +7,7 @@ from typing import Sequence
 import torch
 
 from lorafleet.runner.lora.segments import SegmentTable
+from lorafleet.runner.model.norm import NormOperands
 
 
 class CudaSGMV:
@@ -88,6 +89,17 @@ class CudaSGMV:
         q_out, q_scale = quant if quant is not None else (None, None)
         self._ext().shrink(v, x, list(a), ranks, seg.indptr, seg.slots, rows, self.pdl, stream, max_blocks,
                            blocks_per_sm, decode_ranks, q_out, q_scale)
+
+    def norm_shrink(self, v: torch.Tensor, x_out: torch.Tensor, norm: "NormOperands", a: Sequence[torch.Tensor],
+                    ranks: torch.Tensor, seg: SegmentTable,
+                    quant: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """The RMSNorm of `norm` (runner/model/norm.py) into x_out (and its residual, and with `quant` its e4m3 rows)
+        and the shrink of x_out in ONE launch, every segment on the CUDA-core path: v is bit for bit
+        `shrink(v, x_out, a, ranks, None, seg, mma_min_rows=1 << 30)` on the x_out it writes."""
+        stream = torch.cuda.current_stream(x_out.device).cuda_stream
+        q_out, q_scale = quant if quant is not None else (None, None)
+        self._ext().norm_shrink(v, x_out, norm.h, norm.res, norm.res_out, norm.w, norm.eps, norm.offset, list(a), ranks,
+                                seg.indptr, seg.slots, self.pdl, stream, 0, 0, q_out, q_scale)
 
     def expand(self, ys: Sequence[torch.Tensor], v: torch.Tensor, b: Sequence[torch.Tensor], ranks: torch.Tensor,
                host_ranks: Sequence[Sequence[int]], seg: SegmentTable, mma_min_rows: int | None = None,

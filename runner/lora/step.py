@@ -89,6 +89,7 @@ class LoraStepImpl:
         # Decode graphs with the fused K/V writer (KernelChoices.rope_kv_lora): the qkv group's expand is left to that
         # kernel (add_qkv), which adds it in the same order as the CUDA-core expand.
         self.qkv_expand_in_rope = qkv_expand_in_rope and not mma
+        self._shrunk = None  # (layer, group) whose shrink the norm's launch has done (norm_shrink)
         self._rows = None  # the row-slot buffers (_row_slots), made on first use
         self._row_slot_group = None  # the group whose layer-0 call computes them each step
         self.fused = mixed_fused(kernels) if mma else DECODE_FUSED
@@ -111,11 +112,35 @@ class LoraStepImpl:
         v = self.views[GROUP_SPANS[0][1]]
         a, b, ranks, host = self.pool.group_args[layer][0]
         row_slot = self._row_slots(layer, 0, x.shape[0])
-        if getattr(self.sgmv, "name", "") == "cuda":  # CUDA-core items, as the decode call's shrink
+        if self._take_shrunk(layer, 0):
+            pass
+        elif getattr(self.sgmv, "name", "") == "cuda":  # CUDA-core items, as the decode call's shrink
             self.sgmv.shrink(v, x, a, ranks, host, self.seg, mma_min_rows=1 << 30)
         else:
             self.sgmv.shrink(v, x, a, ranks, host, self.seg)
         return v, b, ranks, row_slot
+
+    def norm_shrink(self, layer: int, group: int, x_out: torch.Tensor, norm,
+                    quant: tuple[torch.Tensor, torch.Tensor] | None = None) -> bool:
+        """In decode graphs with adapters (CUDA kernels, CUDA-core items): the RMSNorm `norm` (runner/model/norm.py
+        NormOperands) into x_out, and the group's shrink of x_out, in one launch (`quant`: x_out's e4m3 rows and
+        scales too); the group's next call (add, add_qkv, epilogue_operands) then skips its shrink. v is bit for bit
+        the separate shrink's. False, and nothing launched, where it does not apply."""
+        if not (self.active and not self.mma and self.dense is None and getattr(self.sgmv, "name", "") == "cuda"
+                and hasattr(self.sgmv, "norm_shrink")):
+            return False
+        v = self.views[GROUP_SPANS[group][1]]
+        a, _, ranks, _ = self.pool.group_args[layer][group]
+        self.sgmv.norm_shrink(v, x_out, norm, a, ranks, self.seg, quant)
+        self._shrunk = (layer, group)
+        return True
+
+    def _take_shrunk(self, layer: int, group: int) -> bool:
+        """Whether the norm's launch did this group's shrink (then forgotten: one use)."""
+        done = self._shrunk == (layer, group)
+        if done:
+            self._shrunk = None
+        return done
 
     def _row_slots(self, layer: int, group: int, rows: int) -> torch.Tensor:
         """Each row's adapter slot (int32, at least `rows` entries, -1: none) from the step's segment table, computed on
@@ -153,7 +178,11 @@ class LoraStepImpl:
         v = self.views[GROUP_SPANS[group][1]]
         a, b, ranks, host = self.pool.group_args[layer][group]
         row_slot = self._row_slots(layer, group, x.shape[0])
-        self.sgmv.shrink(v, x, a, ranks, host, self.seg, mma_min_rows=1 << 30, quant=quant)
+        if self._take_shrunk(layer, group):
+            if quant is not None:
+                raise ValueError("epilogue_operands: the norm's launch did the shrink; it quantizes x itself")
+        else:
+            self.sgmv.shrink(v, x, a, ranks, host, self.seg, mma_min_rows=1 << 30, quant=quant)
         return v, b, ranks, row_slot
 
     def add(self, layer: int, group: int, x: torch.Tensor, ys: tuple[torch.Tensor, ...]) -> None:
@@ -161,6 +190,9 @@ class LoraStepImpl:
             return
         v = self.views[GROUP_SPANS[group][1]]
         a, b, ranks, host = self.pool.group_args[layer][group]  # ranks [G, S]
+        if self._take_shrunk(layer, group):  # decode graphs: the expand's CUDA-core launch, as add's two launches
+            self.sgmv.expand(ys, v, b, ranks, host, self.seg, mma_min_rows=1 << 30)
+            return
         self.sgmv.add(ys, v, x, a, b, ranks, host, self.seg, self.mma, self.mma_rows[group],
                       fused=self.fused)
 

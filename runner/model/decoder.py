@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from lorafleet.models.contract import ModelConfig
 from lorafleet.runner.config import KernelChoices
 from lorafleet.runner.model.fp8 import E4M3, Fp8Weight, epilogue_applies, fp8_linear, fp8_tensor_cores, unit_scale
+from lorafleet.runner.model.norm import OwnNorm
 from lorafleet.runner.model.ops import make_ops, prefer_cublaslt
 from lorafleet.runner.model.rope import Rope
 
@@ -138,6 +139,7 @@ class Decoder:
         self.fp8_unit_scale_elems = kernels.fp8_unit_scale_elems
         self.fp8_epilogue = kernels.fp8_epilogue
         self.fp8_quant_in_shrink = kernels.fp8_quant_in_shrink  # with LoRA, the shrink's launch quantizes them too
+        self.own_norm = None  # runner/model/norm.py OwnNorm: the norms before qkv and gate_up (KernelChoices.norm_shrink)
         self.embed_scale = (torch.tensor(cfg.embed_scale, dtype=torch.float32).to(dtype).item()
                             if cfg.embed_scale is not None else None)
         self.num_layers = cfg.num_layers
@@ -169,6 +171,13 @@ class Decoder:
                 self.fp8_ext = load()
             except Exception as exc:  # no compiler: torch's ops quantize the activations (same bits, more launches)
                 log.warning("FP8 activation kernel unavailable (%s); activations are quantized by torch ops", exc)
+        if kernels.norm_shrink and self.device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
+            try:
+                from lorafleet.runner.kernels import load
+
+                self.own_norm = OwnNorm(load(), cfg.rms_norm_eps, cfg.norm_offset)
+            except Exception as exc:  # no compiler: the ops' norms and the separate shrink launches
+                log.warning("norm kernel unavailable (%s); the norms take %s's kernels", exc, self.ops.name)
 
     def _check_shapes(self, error) -> None:
         c = self.cfg
@@ -210,18 +219,17 @@ class Decoder:
         """Layer i up to attention: norm, qkv projection and its LoRA, q/k norms, then the K/V writer (RoPE,
         k and v into the cache, rotated q into io.q). Returns the residual."""
         c, ops, lw = self.cfg, self.ops, self.layers[i]
-        if residual is None:
-            residual, x = h, ops.rms_norm(h, lw.attn_norm)
-        else:
-            x, residual = ops.add_rms_norm(h, residual, lw.attn_norm)
+        # (static buffers: the new residual goes back into io.residual, so the piece needs no copy)
+        x, residual, quant = self._norm(i, QKV, h, residual, lw.attn_norm, lora, lw.qkv,
+                                        io.residual if io.static else None)
         expand = None
         if self._dense(lora, lw.qkv):
             qkv = lora.dense_linear(i, QKV, x, lw.qkv, lw.qkv_bias)
         else:
             spans = [c.q_dim, c.kv_dim, c.kv_dim]
-            qkv = self._fp8_finished(i, QKV, x, lw.qkv, lw.qkv_bias, lora, spans)
+            qkv = self._fp8_finished(i, QKV, x, lw.qkv, lw.qkv_bias, lora, spans, quant)
             if qkv is None:
-                qkv = self._linear(x, lw.qkv, lw.qkv_bias)  # [T, q_dim + 2 kv_dim]
+                qkv = self._linear(x, lw.qkv, lw.qkv_bias, quant)  # [T, q_dim + 2 kv_dim]
                 if lora is not None:
                     expand = lora.add_qkv(i, x, qkv.split(spans, dim=-1))
         if lw.q_norm is not None:
@@ -243,9 +251,9 @@ class Decoder:
             self.all_reduce(out)
         if lw.post_attn_norm is not None:
             out = ops.rms_norm(out, lw.post_attn_norm)
-        x, residual = ops.add_rms_norm(out, residual, lw.mlp_norm)
+        x, residual, quant = self._norm(i, GATE_UP, out, residual, lw.mlp_norm, lora, lw.gate_up)
         gu = self._project(i, GATE_UP, x, lw.gate_up, lw.gate_up_bias, lora,
-                           split=[c.intermediate_size, c.intermediate_size])  # [T, 2 I]
+                           split=[c.intermediate_size, c.intermediate_size], quant=quant)  # [T, 2 I]
         a = ops.act_mul(gu, c.intermediate_size)  # [T, I]
         h = self._project(i, DOWN, a, lw.down, lw.down_bias, lora, small=True)  # [T, H] (partial sum with TP)
         if self.all_reduce is not None:
@@ -254,22 +262,48 @@ class Decoder:
             h = ops.rms_norm(h, lw.post_mlp_norm)
         return h, residual
 
+    def _norm(self, i: int, group: int, h: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor,
+              lora: LoraStep | None, proj, res_dst: torch.Tensor | None = None):
+        """The RMSNorm before layer i's `group` (qkv or gate_up) of h (+ residual) -> (x, the residual, quant).
+        On the project's kernel where it applies (self.own_norm): the new residual into `res_dst` (else a new
+        tensor), with an FP8 projection `proj` x's e4m3 rows and scales [T, 1] as quant (else None), and in decode
+        graphs with adapters the group's shrink in the same launch (LoraStepImpl.norm_shrink). Otherwise the ops'
+        norm (flashinfer's, in place)."""
+        own = self.own_norm
+        if own is None or not own.applies(h, w) or (residual is not None and not own.applies(residual, w)):
+            if residual is None:
+                return self.ops.rms_norm(h, w), h, None
+            x, residual = self.ops.add_rms_norm(h, residual, w)
+            return x, residual, None
+        n = own.operands(h, residual, w, res_dst)
+        x = torch.empty_like(h)
+        quant = None
+        if isinstance(proj, Fp8Weight) and self.fp8_tensor_cores and not self.fp8_gemm_bf16:
+            quant = (torch.empty(h.shape, dtype=E4M3, device=h.device),
+                     torch.empty(h.shape[0], 1, dtype=torch.float32, device=h.device))
+        q = quant and (quant[0], quant[1].view(-1))
+        if not (lora is not None and getattr(lora, "norm_shrink", None) is not None
+                and lora.norm_shrink(i, group, x, n, q)):
+            own.run(x, n, q)
+        return x, (h if residual is None else n.res_out), quant
+
     def _project(self, i: int, group: int, x: torch.Tensor, w, b: torch.Tensor | None, lora: LoraStep | None,
-                 small: bool = False, split: list[int] | None = None) -> torch.Tensor:
+                 small: bool = False, split: list[int] | None = None, quant=None) -> torch.Tensor:
         """x @ w.T + b with layer i's LoRA of `group` (o, gate_up or down): on the dense path, or the base
-        product (`_linear_small` for `small`) then the add-on into its projections' columns (`split`)."""
+        product (`_linear_small` for `small`) then the add-on into its projections' columns (`split`). `quant`:
+        x's e4m3 rows and scales, made by the norm's launch (FP8 weights)."""
         if self._dense(lora, w):
             return lora.dense_linear(i, group, x, w, b)
-        y = self._fp8_finished(i, group, x, w, b, lora, split or [w.shape[0]])
+        y = self._fp8_finished(i, group, x, w, b, lora, split or [w.shape[0]], quant)
         if y is not None:
             return y
-        y = (self._linear_small if small else self._linear)(x, w, b)
+        y = self._linear(x, w, b, quant) if not small else self._linear_small(x, w, b)
         if lora is not None:
             lora.add(i, group, x, tuple(y.split(split, dim=-1)) if split else (y,))
         return y
 
     def _fp8_finished(self, i: int, group: int, x: torch.Tensor, w, b: torch.Tensor | None, lora: LoraStep | None,
-                      spans: list[int]) -> torch.Tensor | None:
+                      spans: list[int], quantized=None) -> torch.Tensor | None:
         """x @ w.T + b with layer i's LoRA of `group` for an FP8 weight whose unit-scale product the epilogue kernel
         finishes (scales, bias and the expand in one launch after the group's shrink; runner/model/fp8.py), else
         None (the caller takes the separate launches)."""
@@ -277,15 +311,16 @@ class Decoder:
                 and epilogue_applies(x, w, b, self.fp8_tensor_cores, self.fp8_ext, self.fp8_gemm_rows,
                                      self.fp8_unit_scale_elems, spans)):
             return None
-        operands = quant = None
+        operands, quant = None, quantized
         if lora is not None:
             if not getattr(lora, "epilogue_ready", False):
                 return None
-            if self.fp8_quant_in_shrink and x.is_contiguous():  # the shrink's launch quantizes x too
-                quant = (torch.empty(x.shape, dtype=E4M3, device=x.device),
-                         torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device))
-            operands = lora.epilogue_operands(i, group, x, quant=quant and (quant[0], quant[1].view(-1)))
-            if operands is None:  # no adapter in the step: no shrink was launched
+            mine = None
+            if quant is None and self.fp8_quant_in_shrink and x.is_contiguous():  # the shrink's launch quantizes x too
+                quant = mine = (torch.empty(x.shape, dtype=E4M3, device=x.device),
+                                torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device))
+            operands = lora.epilogue_operands(i, group, x, quant=mine and (mine[0], mine[1].view(-1)))
+            if operands is None and mine is not None:  # no adapter in the step: no shrink was launched
                 quant = None
         return self._fp8_linear(x, w, b, epilogue=True, spans=spans, lora=operands, quantized=quant)
 
@@ -300,10 +335,10 @@ class Decoder:
         segments; a bf16/fp16/fp32 weight, whose product can accumulate onto the add-on)."""
         return lora is not None and getattr(lora, "dense", None) is not None and not isinstance(w, Fp8Weight)
 
-    def _linear(self, x: torch.Tensor, w, b: torch.Tensor | None) -> torch.Tensor:
-        """x @ w.T + b for a bf16/fp16/fp32 weight or an FP8 one."""
+    def _linear(self, x: torch.Tensor, w, b: torch.Tensor | None, quant=None) -> torch.Tensor:
+        """x @ w.T + b for a bf16/fp16/fp32 weight or an FP8 one (`quant`: x's e4m3 rows and scales, made)."""
         if isinstance(w, Fp8Weight):
-            return self._fp8_linear(x, w, b)
+            return self._fp8_linear(x, w, b, quantized=quant)
         return F.linear(x, w, b)
 
     def _linear_small(self, x: torch.Tensor, w, b: torch.Tensor | None) -> torch.Tensor:

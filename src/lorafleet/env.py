@@ -141,6 +141,14 @@ def rope_kv_fp8() -> bool:
     return _flag("LORAFLEET_ROPE_KV_FP8", True)
 
 
+def norm_shrink() -> bool:
+    """LORAFLEET_NORM_SHRINK: on CUDA the RMSNorms before the qkv and gate_up projections run on the project's kernel
+    (csrc/sgmv.cu: Hugging Face's roundings; with FP8 weights it also quantizes the rows), and in decode steps with
+    adapters that launch also computes the group's LoRA shrink (one launch fewer per group); default 0 until
+    measured on a GPU."""
+    return _flag("LORAFLEET_NORM_SHRINK", False)
+
+
 def rope_kv_lora() -> bool:
     """LORAFLEET_ROPE_KV_LORA: decode CUDA graphs add the qkv rows' LoRA expand inside the rope_kv
     kernel instead of a separate expand launch per layer (same bits; default 0: no gain on the H200,
