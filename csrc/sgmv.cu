@@ -335,7 +335,7 @@ __device__ __forceinline__ int find_segment(const int* prefix, int cap, int item
 
 template <typename T>
 __device__ __forceinline__ float round_to(float v) {
-  return static_cast<float>(Cvt<T>::from(v));
+  return quant_detail::to_float(Cvt<T>::from(v));
 }
 
 // r's 8 values at element offset `off` (a multiple of 8) of the rows: T(h + res), or h.

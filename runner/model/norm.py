@@ -42,7 +42,8 @@ class OwnNorm:
     def operands(self, h: torch.Tensor, res: torch.Tensor | None, w: torch.Tensor,
                  res_out: torch.Tensor | None = None) -> NormOperands:
         """`res_out`: where the new residual goes (a fresh tensor when None)."""
-        if res is not None and (res_out is None or res_out.data_ptr() in (res.data_ptr(), h.data_ptr())):
+        if res is not None and (res_out is None or res_out.shape != res.shape or not res_out.is_contiguous()
+                                or res_out.data_ptr() in (res.data_ptr(), h.data_ptr())):
             res_out = torch.empty_like(res)
         return NormOperands(h, res.contiguous() if res is not None else None, res_out if res is not None else None,
                             w, self.eps, self.offset)
