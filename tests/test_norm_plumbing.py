@@ -1,0 +1,70 @@
+"""The decoder's own-norm path (KernelChoices.norm_shrink, runner/model/norm.py) on the CPU, with the CUDA launch
+replaced by a torch emulation of its contract (x = Hugging Face's norm of h + res, the new residual written out of
+place into res_out): the tokens of a CPU engine are exactly the default path's (the residual handed through the
+layers from the norms' separate outputs, the LoRA add-on unchanged), and the norm is asked for twice per layer and
+step. A decoder that kept using the old residual, or wrote the new one in place of an input still to be read,
+would change the tokens. The kernel itself is checked on the GPU (tests/gpu/test_norm_cuda.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from family_models import family_targets, write_family_model
+from lorafleet.runner.config import EngineConfig
+from lorafleet.runner.engine.engine import Engine
+from lorafleet.runner.engine.sequence import AdapterRef, SamplingParams, Sequence
+from lorafleet.runner.model.norm import OwnNorm
+from lorafleet.runner.model.ops import rms_norm
+from model_helpers import write_random_adapter
+
+NEW = 6
+
+
+class TorchEmulatedNorm(OwnNorm):
+    """The launch's contract in torch, for CPU tensors."""
+
+    def __init__(self, eps, offset):
+        super().__init__(None, eps, offset)
+        self.calls, self.outputs = 0, set()
+
+    @staticmethod
+    def applies(h, w):
+        return h.dim() == 2 and h.is_contiguous() and w.dtype == h.dtype
+
+    def run(self, x_out, n, quant=None):
+        assert quant is None  # no FP8 tensor cores on the CPU
+        self.calls += 1
+        r = n.h if n.res is None else n.h + n.res
+        if n.res is not None:
+            assert n.res_out.data_ptr() not in (n.h.data_ptr(), n.res.data_ptr())
+            n.res_out.copy_(r)
+            self.outputs.add(n.res_out.data_ptr())
+        x_out.copy_(rms_norm(r, n.w, self.eps, self.offset))
+
+
+def run(model, reqs, own: bool):
+    eng = Engine(str(model), EngineConfig(max_lora_rank=8, device="cpu", kv_cache_gb=0.02))
+    norm = None
+    if own:
+        c = eng.model.cfg
+        eng.model.own_norm = norm = TorchEmulatedNorm(c.rms_norm_eps, c.norm_offset)
+    seqs = [Sequence(f"r{i}", ids, SamplingParams(max_tokens=NEW, ignore_eos=True), AdapterRef(n, str(p)) if n else None)
+            for i, (ids, n, p) in enumerate(reqs)]
+    out = eng.run_to_completion(seqs)
+    return [out[f"r{i}"].output_ids for i in range(len(reqs))], eng, norm
+
+
+@pytest.mark.parametrize("family", ["llama3", "gemma3"])
+def test_own_norm_path_gives_the_default_tokens(tmp_path, family):
+    model = write_family_model(family, tmp_path / "m")
+    ads = {"a8": write_random_adapter(model, tmp_path / "a8", r=8, alpha=16, targets=family_targets(family), seed=3)}
+    g = torch.Generator().manual_seed(5)
+    reqs = [(torch.randint(3, 200, (int(torch.randint(4, 12, (1,), generator=g)),), generator=g).tolist(),
+             ["a8", None][i % 2], ads["a8"] if i % 2 == 0 else None) for i in range(4)]
+    want, _, _ = run(model, reqs, own=False)
+    got, eng, norm = run(model, reqs, own=True)
+    assert got == want
+    assert norm.calls >= 2 * eng.model.num_layers * NEW  # at least one step per new token, two norms per layer
+    assert norm.calls % (2 * eng.model.num_layers) == 0
+    assert norm.outputs  # the new residuals went to tensors of their own
