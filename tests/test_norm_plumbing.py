@@ -68,3 +68,48 @@ def test_own_norm_path_gives_the_default_tokens(tmp_path, family):
     assert norm.calls >= 2 * eng.model.num_layers * NEW  # at least one step per new token, two norms per layer
     assert norm.calls % (2 * eng.model.num_layers) == 0
     assert norm.outputs  # the new residuals went to tensors of their own
+
+
+def test_fp8_norm_quantizes_and_a_shrunk_group_is_not_shrunk_again(monkeypatch):
+    """With FP8 weights the norm's launch always makes the e4m3 rows (also under fp8_gemm_bf16, whose bf16-row kernel
+    may not be the call a step takes), so a group whose shrink rode in that launch is finished without a second
+    shrink and without asking the LoRA step to quantize (which it refuses once the shrink is done)."""
+    import types
+
+    import lorafleet.runner.model.decoder as dec
+    from lorafleet.runner.lora.step import LoraStepImpl
+    from lorafleet.runner.model.fp8 import Fp8Weight
+
+    calls = []
+
+    class FakeSGMV:
+        name = "cuda"
+
+        def shrink(self, *a, **k):
+            calls.append("shrink")
+
+        def norm_shrink(self, v, x_out, norm, a, ranks, seg, quant):
+            calls.append("norm_shrink")
+            assert quant is not None
+            x_out.copy_(rms_norm(norm.h + norm.res, norm.w, norm.eps, norm.offset))
+            norm.res_out.copy_(norm.h + norm.res)
+
+    lora = LoraStepImpl.__new__(LoraStepImpl)
+    lora.active, lora.mma, lora.dense, lora.sgmv, lora.seg, lora._shrunk = True, False, None, FakeSGMV(), None, None
+    lora.views = {1: None, 2: None, 3: None}
+    lora.pool = types.SimpleNamespace(group_args=[[(None, None, None, None)] * 4])
+    lora._row_slots = lambda *a: None
+    finished = {}
+    me = types.SimpleNamespace(
+        own_norm=TorchEmulatedNorm(1e-6, 0.0), fp8_tensor_cores=True, fp8_gemm_bf16=True, fp8_epilogue=True,
+        fp8_ext=None, fp8_gemm_rows=0, fp8_unit_scale_elems=1, fp8_quant_in_shrink=True,
+        _fp8_linear=lambda x, w, b, **k: finished.update(k) or x)
+    h, res = torch.randn(4, 16, dtype=torch.bfloat16), torch.randn(4, 16, dtype=torch.bfloat16)
+    w = Fp8Weight(torch.zeros(16, 16, dtype=torch.float8_e4m3fn), torch.ones(16))
+    x, new_res, quant = dec.Decoder._norm(me, 0, 2, h, res, torch.ones(16, dtype=torch.bfloat16), lora, w)
+    assert quant is not None and quant[0].dtype == torch.float8_e4m3fn and quant[1].shape == (4, 1)
+    assert torch.equal(new_res, h + res) and calls == ["norm_shrink"]
+    monkeypatch.setattr(dec, "epilogue_applies", lambda *a, **k: True)  # as on an H200 for at most 64 rows
+    dec.Decoder._fp8_finished(me, 0, 2, x, w, None, lora, [8, 8], quant)
+    assert calls == ["norm_shrink"]  # no second shrink
+    assert finished["quantized"] is quant and finished["lora"] is not None

@@ -270,7 +270,8 @@ class Decoder:
         graphs with adapters the group's shrink in the same launch (LoraStepImpl.norm_shrink). Otherwise the ops'
         norm (flashinfer's, in place)."""
         own = self.own_norm
-        if own is None or not own.applies(h, w) or (residual is not None and not own.applies(residual, w)):
+        if own is None or not own.applies(h, w) or (residual is not None and (residual.shape != h.shape
+                                                                             or not own.applies(residual, w))):
             if residual is None:
                 return self.ops.rms_norm(h, w), h, None
             x, residual = self.ops.add_rms_norm(h, residual, w)
@@ -278,7 +279,9 @@ class Decoder:
         n = own.operands(h, residual, w, res_dst)
         x = torch.empty_like(h)
         quant = None
-        if isinstance(proj, Fp8Weight) and self.fp8_tensor_cores and not self.fp8_gemm_bf16:
+        # (also under fp8_gemm_bf16: the product then ignores them where its bf16-row kernel runs, and every other
+        # FP8 call, which the step may still take, needs them: the norm's launch may have done the shrink already)
+        if isinstance(proj, Fp8Weight) and self.fp8_tensor_cores:
             quant = (torch.empty(h.shape, dtype=E4M3, device=h.device),
                      torch.empty(h.shape[0], 1, dtype=torch.float32, device=h.device))
         q = quant and (quant[0], quant[1].view(-1))

@@ -27,6 +27,11 @@ class NormOperands:
     offset: float  # 0: Llama's norm; 1: Gemma's (1 + w)
 
 
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    pa, pb = a.data_ptr(), b.data_ptr()
+    return pa < pb + b.numel() * b.element_size() and pb < pa + a.numel() * a.element_size()
+
+
 class OwnNorm:
     """The standalone launch, for norms whose launch does not also shrink (no adapter in the step, or a step whose
     LoRA takes other kernels)."""
@@ -37,13 +42,14 @@ class OwnNorm:
     @staticmethod
     def applies(h: torch.Tensor, w: torch.Tensor) -> bool:
         return (h.is_cuda and h.dim() == 2 and h.dtype in (torch.bfloat16, torch.float16) and h.is_contiguous()
-                and h.shape[1] % 8 == 0 and w.dtype == h.dtype and w.is_contiguous() and h.data_ptr() % 16 == 0)
+                and h.shape[1] % 8 == 0 and w.dtype == h.dtype and w.is_contiguous() and w.numel() == h.shape[1]
+                and h.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0)
 
     def operands(self, h: torch.Tensor, res: torch.Tensor | None, w: torch.Tensor,
                  res_out: torch.Tensor | None = None) -> NormOperands:
         """`res_out`: where the new residual goes (a fresh tensor when None)."""
         if res is not None and (res_out is None or res_out.shape != res.shape or not res_out.is_contiguous()
-                                or res_out.data_ptr() in (res.data_ptr(), h.data_ptr())):
+                                or res_out.data_ptr() % 16 or _overlap(res_out, res) or _overlap(res_out, h)):
             res_out = torch.empty_like(res)
         return NormOperands(h, res.contiguous() if res is not None else None, res_out if res is not None else None,
                             w, self.eps, self.offset)
