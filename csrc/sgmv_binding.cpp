@@ -161,6 +161,19 @@ lorafleet::SegmentArgs check_tables(const Tensor& v, const Tensor& x, int64_t gr
   return s;
 }
 
+// The e4m3 rows and scales of x's quantization: out float8_e4m3fn [T, K] and scale float32 [T], contiguous, on x's
+// device; `who` and the names prefix the messages.
+void check_e4m3_out(const char* who, const Tensor& out, const char* out_name, const Tensor& scale,
+                    const char* scale_name, const Tensor& x) {
+  check_device(out, Name(out_name), x);
+  check_device(scale, Name(scale_name), x);
+  SGMV_CHECK(out.scalar_type() == torch::kFloat8_e4m3fn && out.is_contiguous() && out.dim() == 2 &&
+                 out.size(0) == x.size(0) && out.size(1) == x.size(1),
+             "%s: %s must be contiguous float8_e4m3fn [%lld, %lld]", who, out_name, ll(x.size(0)), ll(x.size(1)));
+  SGMV_CHECK(scale.scalar_type() == torch::kFloat && scale.is_contiguous() && scale.numel() == x.size(0),
+             "%s: %s must be contiguous float32 with %lld entries", who, scale_name, ll(x.size(0)));
+}
+
 void check_x(const Tensor& x) {
   SGMV_CHECK(x.is_cuda(), "sgmv: x must be a CUDA tensor, got device %s", x.device().str().c_str());
   SGMV_CHECK(x.dim() == 2, "sgmv: x must be [T, in_features], got %lld dimensions", ll(x.dim()));
@@ -215,14 +228,7 @@ void shrink(Tensor v, Tensor x, std::vector<Tensor> a, Tensor ranks, Tensor indp
   lorafleet::ShrinkArgs args = shrink_args(v, x, a, ranks, indptr, slots);
   SGMV_CHECK(quant_out.has_value() == quant_scale.has_value(), "sgmv: quant_out and quant_scale go together");
   if (quant_out.has_value()) {
-    check_device(*quant_out, Name("quant_out"), x);
-    check_device(*quant_scale, Name("quant_scale"), x);
-    SGMV_CHECK(quant_out->scalar_type() == torch::kFloat8_e4m3fn && quant_out->is_contiguous() &&
-                   quant_out->dim() == 2 && quant_out->size(0) == x.size(0) && quant_out->size(1) == x.size(1),
-               "sgmv: quant_out must be contiguous float8_e4m3fn [%lld, %lld]", ll(x.size(0)), ll(x.size(1)));
-    SGMV_CHECK(quant_scale->scalar_type() == torch::kFloat && quant_scale->is_contiguous() &&
-                   quant_scale->numel() == x.size(0),
-               "sgmv: quant_scale must be contiguous float32 with %lld entries", ll(x.size(0)));
+    check_e4m3_out("sgmv", *quant_out, "quant_out", *quant_scale, "quant_scale", x);
     args.quant_out = static_cast<uint8_t*>(quant_out->data_ptr());
     args.quant_scale = quant_scale->data_ptr<float>();
   }
@@ -462,14 +468,7 @@ lorafleet::NormArgs norm_args(const Tensor& x_out, const Tensor& h, const std::o
   a.w = w.data_ptr();
   a.x_out = x_out.data_ptr();
   if (quant_out.has_value()) {
-    check_device(*quant_out, Name("quant_out"), h);
-    check_device(*quant_scale, Name("quant_scale"), h);
-    SGMV_CHECK(quant_out->scalar_type() == torch::kFloat8_e4m3fn && quant_out->is_contiguous() &&
-                   quant_out->sizes() == h.sizes(),
-               "rms_norm: quant_out must be contiguous float8_e4m3fn [%lld, %lld]", ll(h.size(0)), ll(h.size(1)));
-    SGMV_CHECK(quant_scale->scalar_type() == torch::kFloat && quant_scale->is_contiguous() &&
-                   quant_scale->numel() == h.size(0),
-               "rms_norm: quant_scale must be contiguous float32 with %lld entries", ll(h.size(0)));
+    check_e4m3_out("rms_norm", *quant_out, "quant_out", *quant_scale, "quant_scale", h);
     a.quant_out = static_cast<uint8_t*>(quant_out->data_ptr());
     a.quant_scale = quant_scale->data_ptr<float>();
   }
@@ -508,13 +507,7 @@ void quantize_e4m3(Tensor out, Tensor scale, Tensor x, int64_t stream) {
   const auto dtype = kernel_dtype(x, "x");
   SGMV_CHECK(x.is_cuda() && x.dim() == 2 && x.stride(1) == 1, "quantize_e4m3: x must be a 2-D CUDA tensor with unit "
              "column stride");
-  check_device(out, Name("out"), x);
-  check_device(scale, Name("scale"), x);
-  SGMV_CHECK(out.scalar_type() == torch::kFloat8_e4m3fn && out.is_contiguous() && out.dim() == 2 &&
-                 out.size(0) == x.size(0) && out.size(1) == x.size(1),
-             "quantize_e4m3: out must be contiguous float8_e4m3fn [%lld, %lld]", ll(x.size(0)), ll(x.size(1)));
-  SGMV_CHECK(scale.scalar_type() == torch::kFloat && scale.is_contiguous() && scale.numel() == x.size(0),
-             "quantize_e4m3: scale must be contiguous float32 with %lld entries", ll(x.size(0)));
+  check_e4m3_out("quantize_e4m3", out, "out", scale, "scale", x);
   SGMV_CHECK(x.size(0) <= kInt32Max && x.size(1) <= kInt32Max, "quantize_e4m3: x is too large");
   lorafleet::QuantizeRowsArgs a;
   a.x = x.data_ptr();

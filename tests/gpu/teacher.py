@@ -115,3 +115,19 @@ def decode_step(model, reqs, **cfg):
     plan = eng.batcher.schedule()
     assert plan.num_decode == 24 and not plan.prefill_tokens
     return eng, build_step_batch(plan.work, eng.config.page_size, 32, pin=True)
+
+
+def family_with_two_adapters(name: str, d):
+    """A GPU-sized random model of family `name` in d / "model", a rank-16 adapter on every projection and a rank-4
+    one on the MLP, and six requests [(prompt ids, adapter name or None, path)] over them and the base model."""
+    from family_models import family_targets, write_gpu_family_model
+    from model_helpers import write_random_adapter
+
+    model = write_gpu_family_model(name, d / "model")
+    ads = {"all16": write_random_adapter(model, d / "all16", r=16, alpha=32, targets=family_targets(name), seed=5),
+           "mlp4": write_random_adapter(model, d / "mlp4", r=4, alpha=8, targets=family_targets(name, "mlp"), seed=7)}
+    g = torch.Generator().manual_seed(17)
+    names = [None, "all16", "mlp4"]
+    reqs = [(torch.randint(3, 4096, (int(torch.randint(20, 60, (1,), generator=g)),), generator=g).tolist(),
+             names[i % 3], ads.get(names[i % 3])) for i in range(6)]
+    return model, ads, reqs

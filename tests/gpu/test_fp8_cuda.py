@@ -14,12 +14,10 @@ import pytest
 import torch
 
 import teacher
-from family_models import family_targets, write_gpu_family_model
 from fp8_reference import emulate_fp8, rounded_copy
 from lorafleet.runner.config import EngineConfig, KernelChoices
 from lorafleet.runner.engine.engine import Engine
 from lorafleet.runner.model.fp8 import E4M3, Fp8Weight, fp8_tensor_cores
-from model_helpers import write_random_adapter
 from reference import HFReference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
@@ -283,13 +281,7 @@ def fam(request, tmp_path_factory):
         pytest.skip("this GPU has no FP8 tensor cores (compute capability below 8.9)")
     name = request.param
     d = tmp_path_factory.mktemp(f"gpu-fp8-{name}")
-    model = write_gpu_family_model(name, d / "model")
-    ads = {"all16": write_random_adapter(model, d / "all16", r=16, alpha=32, targets=family_targets(name), seed=5),
-           "mlp4": write_random_adapter(model, d / "mlp4", r=4, alpha=8, targets=family_targets(name, "mlp"), seed=7)}
-    g = torch.Generator().manual_seed(17)
-    names = [None, "all16", "mlp4"]
-    reqs = [(torch.randint(3, 4096, (int(torch.randint(20, 60, (1,), generator=g)),), generator=g).tolist(),
-             names[i % 3], ads.get(names[i % 3])) for i in range(6)]
+    model, ads, reqs = teacher.family_with_two_adapters(name, d)
     return name, model, rounded_copy(model, d / "rounded"), ads, reqs
 
 

@@ -15,9 +15,7 @@ import pytest
 import torch
 
 import teacher
-from family_models import family_targets, write_gpu_family_model
 from lorafleet.runner.config import KernelChoices
-from model_helpers import write_random_adapter
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -172,15 +170,7 @@ def test_norm_refuses_bad_operands():
 @pytest.fixture(scope="module", params=["llama3", "gemma3"])
 def fam(request, tmp_path_factory):
     name = request.param
-    d = tmp_path_factory.mktemp(f"gpu-norm-{name}")
-    model = write_gpu_family_model(name, d / "model")
-    ads = {"all16": write_random_adapter(model, d / "all16", r=16, alpha=32, targets=family_targets(name), seed=5),
-           "mlp4": write_random_adapter(model, d / "mlp4", r=4, alpha=8, targets=family_targets(name, "mlp"), seed=7)}
-    g = torch.Generator().manual_seed(17)
-    names = [None, "all16", "mlp4"]
-    reqs = [(torch.randint(3, 4096, (int(torch.randint(20, 60, (1,), generator=g)),), generator=g).tolist(),
-             names[i % 3], ads.get(names[i % 3])) for i in range(6)]
-    return name, model, ads, reqs
+    return (name,) + teacher.family_with_two_adapters(name, tmp_path_factory.mktemp(f"gpu-norm-{name}"))
 
 
 def test_engine_with_the_norm_kernel_matches_hf_fp32_teacher_forced(fam):
