@@ -129,7 +129,7 @@ def test_interference_run_measures_decoders_and_cleans_up(tiny_llama, tmp_path):
     assert host["wall_ms_unprofiled"] > 0 and "function calls" in host["cprofile_tottime"]
     assert mixed["wall_ms"] > 0 and quiet["wall_ms"] > 0
     assert mixed["host_and_gaps_ms"] == round(mixed["wall_ms"] - sum(
-        v for k, v in mixed.items() if k not in ("wall_ms", "host_and_gaps_ms", "top_kernels", "rows")), 3)
+        v for k, v in mixed.items() if k not in ("wall_ms", "host_and_gaps_ms", "top_kernels", "rows", "gaps")), 3)
     assert any(p > 0 for p, _ in mixed["rows"]) and all(p == 0 for p, _ in quiet["rows"])
     assert not eng.has_work() and eng.blocks.free_pages == eng.blocks.num_pages
 
@@ -401,3 +401,33 @@ def _no_adapters(eng):
 
     eng.submit = submit
     return eng
+
+
+def test_kernel_gaps_attributes_idle_time_to_the_kernel_pair_around_it():
+    from lorafleet.bench.e2e import kernel_gaps, kernel_label
+
+    assert kernel_label("void lorafleet::(anonymous namespace)::sgmv_shrink_kernel<__nv_bfloat16, false, false>"
+                        "(lorafleet::(anonymous namespace)::ShrinkParams)") == "sgmv_shrink_kernel"
+    assert kernel_label("nvjet_sm90_qqsss_192x32_128x7_4x1_v_bz_algo2_TNT") == "nvjet_sm90_qqsss"
+    assert kernel_label("void flashinfer::norm::FusedAddRMSNormKernel<8u, __nv_bfloat16>(__nv_bfloat16*)") == \
+        "FusedAddRMSNormKernel"
+    # two steps of: shrink 0-5, gemm 7-20 (2 us idle), epilogue 18-25 (started early: 2 us overlap),
+    # norm 26-28 (1 us idle); the second step 100 us later (the host), a GEMM on a second stream inside
+    # the first kernel's span (no idle, overlap)
+    names = ["void a::shrink_k<int>(P)", "nvjet_sm90_qqsss_x", "void a::epi_k<int>(E)", "void f::Norm<8u>(h*)"]
+    spans = []
+    for base in (0.0, 128.0):
+        spans += [(base + 0, base + 5, names[0]), (base + 7, base + 20, names[1]), (base + 18, base + 25, names[2]),
+                  (base + 26, base + 28, names[3])]
+    spans.append((1.0, 3.0, "nvjet_sm90_tst_y"))
+    g = kernel_gaps(spans, 2)
+    pairs = {(p["after"], p["before"]): p for p in g["pairs"]}
+    assert pairs[("shrink_k", "nvjet_sm90_qqsss")]["idle_ms_per_step"] == 0.002
+    assert pairs[("shrink_k", "nvjet_sm90_qqsss")]["per_step"] == 1 and \
+        pairs[("shrink_k", "nvjet_sm90_qqsss")]["mean_us"] == 2.0
+    assert pairs[("epi_k", "Norm")]["mean_us"] == 1.0
+    assert pairs[("Norm", "shrink_k")]["per_step"] == 0.5 and pairs[("Norm", "shrink_k")]["mean_us"] == 100.0
+    assert ("nvjet_sm90_tst", "nvjet_sm90_qqsss") not in pairs  # the short kernel ended before the shrink
+    assert g["idle_ms_per_step"] == round((2 * (2 + 1) + 100) / 2 / 1000, 3)
+    assert g["overlap_ms_per_step"] == round((2 * 2 + 4) / 2 / 1000, 3)  # 4: the second stream's start to 5
+    assert g["pairs"][0]["before"] == "shrink_k"  # sorted by idle time

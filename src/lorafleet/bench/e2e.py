@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import re
 import sys
 import time
 from datetime import date
@@ -244,6 +245,11 @@ def profile_breakdown(engine, reqs, log, source_of=str, mixed_steps: int = 4, fm
     for label, prof in (("decode step", out), ("step with prompt rows", mixed)):
         if prof is not None:
             log(f"per {label} (ms): {figures_line(prof)}")
+    g = out["gaps"]
+    log(f"    device idle between kernels {g['idle_ms_per_step']} ms per decode step (overlap "
+        f"{g['overlap_ms_per_step']} ms); most idle after -> before: " + "; ".join(
+            f"{p['after']} -> {p['before']} {p['idle_ms_per_step']} ({p['per_step']}x {p['mean_us']} us)"
+            for p in g["pairs"][:6]))
     if fm is not None:
         log(f"    LoRA per decode step ({'one adapter' if identical else f'{full} distinct adapters'}): "
             f"{out['lora_sgmv']:.3f} ms of kernels against {out['lora_bytes_ms']:.3f} ms for its adapters' bytes "
@@ -294,7 +300,7 @@ def figures_line(prof: dict) -> str:
     """A profile's figures (category ms, wall, host and gaps, ...) on one line, without its per-kernel
     and per-step lists."""
     return ", ".join(f"{k} {v}" for k, v in prof.items()
-                     if k not in ("top_kernels", "rows", "mixed", "adapters_per_step", "lora_bytes_ms"))
+                     if k not in ("top_kernels", "rows", "mixed", "adapters_per_step", "lora_bytes_ms", "gaps"))
 
 
 def kernel_category(name: str) -> str:
@@ -355,8 +361,53 @@ def profile_steps(engine, n: int, top: int = 12, while_=None) -> dict:
     out["host_and_gaps_ms"] = round(out["wall_ms"] - gpu, 3)
     out["top_kernels"] = [{"kernel": key[:160], "ms_per_step": round(dt / n / 1000, 3), "calls_per_step": c / n}
                           for dt, key, c in sorted(kernels, reverse=True)[:top]]
+    spans = []
+    for ev in prof.events():
+        if getattr(ev, "device_type", None) == DeviceType.CUDA and not ev.name.startswith("Memcpy"):
+            spans.append((ev.time_range.start, ev.time_range.end, ev.name))
+    out["gaps"] = kernel_gaps(spans, n, top)
     out["rows"] = rows  # (prompt rows, decodes) of each profiled step
     return out
+
+
+def kernel_label(name: str) -> str:
+    """A kernel's short name: its function's identifier without namespaces, template arguments and
+    parameters (cuBLAS's nvjet kernels by their first three fields)."""
+    if name.startswith("nvjet"):
+        return "_".join(name.split("_")[:3])
+    head = re.split(r"[<(]", name.removeprefix("void ").replace("(anonymous namespace)::", ""), maxsplit=1)[0]
+    return head.rsplit("::", 1)[-1].strip() or name[:40]
+
+
+def kernel_gaps(spans, n_steps: int, top: int = 12) -> dict:
+    """Where the device sat idle between kernels, from their (start, end, name) spans in µs: each kernel's
+    start minus the latest end of the kernels before it (when positive) is idle time, counted against the
+    pair (the kernel that ended last, this kernel) by short name; when negative it is overlap (a kernel that
+    started early under programmatic dependent launch, or a second stream). ms per step over `n_steps`;
+    the `top` pairs by idle time."""
+    idle: dict[tuple[str, str], list[float]] = {}
+    total_idle = total_overlap = 0.0
+    frontier, last = None, None
+    for start, end, name in sorted(spans):
+        label = kernel_label(name)
+        if frontier is not None:
+            d = start - frontier
+            if d > 0:
+                total_idle += d
+                acc = idle.setdefault((last, label), [0.0, 0])
+                acc[0] += d
+                acc[1] += 1
+            else:
+                total_overlap -= d
+        if frontier is None or end >= frontier:
+            frontier, last = end, label
+    n = max(n_steps, 1)
+    pairs = sorted(idle.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"idle_ms_per_step": round(total_idle / n / 1000, 3),
+            "overlap_ms_per_step": round(total_overlap / n / 1000, 3),
+            "pairs": [{"after": a, "before": b, "idle_ms_per_step": round(v[0] / n / 1000, 3),
+                       "per_step": round(v[1] / n, 2), "mean_us": round(v[0] / max(v[1], 1), 2)}
+                      for (a, b), v in pairs]}
 
 
 def run_interference(engine, vocab: int, log, long_len: int = 8000, n_long: int = 4, every: int = 40,
