@@ -11,10 +11,12 @@
 #   etests   engine GPU tests only
 #   ftests   every model family against HF + PEFT and graphs against eager, and the flashinfer plan and window tests
 #   fp8tests FP8 weights (and FP8 K/V pages) against the fp32 HF emulation of FP8, graphs against eager, bytes
+#   stests   the LoRA shrink that does not wait for its base GEMM (tests/gpu/test_shrink_early_cuda.py)
 #   ntests   the project's RMSNorm kernel and the norm + LoRA shrink launch (tests/gpu/test_norm_cuda.py; NTESTS_K: -k)
 #   ptests   the prefix cache against HF + PEFT fp32 (llama3, gemma3), hits counted
 #   fp8      bench e2e (7B shape; distinct, identical, uniform, skewed, LoRA off; FP8_REQS, default 300) in bf16,
 #            with FP8 weights and with FP8 weights + FP8 K/V pages, with step profiles   -> e2e_fp8_{bf16,fp8,fp8_kv8}[_TAG].json
+#            (FP8_ARGS: extra arguments of bench e2e, e.g. --no-lora-off)
 #   pserve   bench serve --prefix-workloads system-prompt sharegpt: two runners on the machine's GPUs (sharing one
 #            GPU where there is one), cache off and on, prefix-aware (busiest) against prefix-ignoring placement
 #            (busiest-no-prefix); PSERVE_REQS, default 400; PSERVE_RATES (default inf: all at t=0; e.g. "4":
@@ -155,6 +157,10 @@ stage() {
       timeout ${TEST_S:-400} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_norm_cuda.py -rA -s --durations=4 --tb=short \
         -k "${NTESTS_K:-}" -o faulthandler_timeout=${HANG_S:-200} 2>&1 | tee -a "$LOGS/gpu_ntests.log" \
         | grep -E "passed|failed|FAILED|flips|Error|Timeout|File |^E  " | cut -c1-300 | tail -${TEST_LINES:-20} ;;
+    stests)
+      timeout ${TEST_S:-300} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_shrink_early_cuda.py -rA -s --tb=short \
+        -o faulthandler_timeout=${HANG_S:-200} 2>&1 | tee "$LOGS/gpu_stests.log" \
+        | grep -E "passed|failed|FAILED|Error|Timeout|File |^E  " | cut -c1-300 | tail -${TEST_LINES:-20} ;;
     fp8tests|ptests)
       local f=tests/gpu/test_fp8_cuda.py; [ "$1" = ptests ] && f=tests/gpu/test_prefix_cuda.py
       timeout ${TEST_S:-400} python3 -m pytest -q -p no:cacheprovider $f -rA -s --durations=4 --tb=short -k "${FP8_K:-}" \
@@ -172,7 +178,7 @@ stage() {
       for q in ${FP8_PRECISIONS:-bf16 fp8 fp8_kv8}; do
         flags=""; [ "$q" != bf16 ] && flags="--quantization fp8"; [ "$q" = fp8_kv8 ] && flags="$flags --kv-cache-dtype fp8"
         timeout ${FP8_S:-200} python3 -m lorafleet --log-level WARNING bench e2e --requests ${FP8_REQS:-300} \
-          --mixes ${FP8_MIXES:-distinct identical uniform skewed} --sweep --hf-requests 0 --profile $flags --out "$OUT/e2e_fp8_$q${TAG:+_$TAG}.json" 2>&1 \
+          --mixes ${FP8_MIXES:-distinct identical uniform skewed} --sweep --hf-requests 0 --profile $flags ${FP8_ARGS:-} --out "$OUT/e2e_fp8_$q${TAG:+_$TAG}.json" 2>&1 \
           | tee "$LOGS/e2e_fp8_$q${TAG:+_$TAG}.log" | grep -E "tok/s|decode|Error|Traceback" | tail -12
       done ;;
     fp870)

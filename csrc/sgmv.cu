@@ -184,6 +184,7 @@ struct ShrinkParams {
   int decode_ranks;         // rank rows per CUDA-core item of one-row segments: 1, 2 or 4
   int rank_pad;             // max rank_cap rounded up to 16: rows of the A tile in shared memory
   int work_offset;          // bytes from the start of dynamic shared memory to the work area
+  int x_ready;              // LaunchOptions::x_ready: read x and write v without waiting for the previous kernel
   uint8_t* quant_out;       // optional: x's rows quantized to e4m3 (ShrinkArgs)
   float* quant_scale;
   NormArgs norm;            // sgmv_norm_shrink: x is norm.x_out, computed by the launch (kNorm kernels only)
@@ -483,7 +484,7 @@ __device__ __forceinline__ void shrink_cc(const ShrinkParams& p, int row0, int s
     }
   };
   load_a(tid);
-  if (!waited) {  // block-uniform
+  if (!waited && !p.x_ready) {  // block-uniform
     pdl_wait();
     waited = true;
   }
@@ -599,7 +600,7 @@ __device__ void shrink_mma(const ShrinkParams& p, int row0, int nr, int slot, in
 #pragma unroll
   for (int j = 0; j < kMaxRank / 16; ++j) wmma::fill_fragment(acc[j], 0.f);
 
-  if (!waited) {  // block-uniform; x comes from the preceding kernel
+  if (!waited && !p.x_ready) {  // block-uniform; x comes from the preceding kernel
     pdl_wait();
     waited = true;
   }
@@ -695,12 +696,13 @@ __global__ void __launch_bounds__(kThreads, kMma ? 2 : (kNorm ? 3 : kShrinkMinBl
   extern __shared__ __align__(128) unsigned char smem[];
   // The segment table, the ranks and the first A tile are read while the preceding kernel may
   // still run (they are written before a step starts, never by the kernel right before a shrink);
-  // x is read and v written only after the wait.
+  // x is read and v written only after the wait (with p.x_ready: at once, the wait at the end).
   const Table t = carve_table(reinterpret_cast<int*>(smem), p.seg.capacity);
   const int total = build_table(p.seg, p.rank_cap, t, ShrinkCount<kMma>{p.mma_min_rows, p.decode_ranks});
   unsigned char* work = smem + p.work_offset;
   float* red = reinterpret_cast<float*>(work);
-  bool waited = false;  // every global write (v) comes after pdl_wait(): the previous expand may read v
+  bool waited = false;  // every global write (v) comes after pdl_wait() (the previous expand may read v), unless
+                        // p.x_ready: then the previous kernel leaves x and v alone, and the wait comes at the end
 
   for (int item = blockIdx.x; item < total; item += gridDim.x) {
     const int i = find_segment(t.prefix, t.cap, item);
@@ -733,7 +735,9 @@ __global__ void __launch_bounds__(kThreads, kMma ? 2 : (kNorm ? 3 : kShrinkMinBl
   if (p.quant_out != nullptr) {  // after the items, so that their A loads overlap the preceding kernel's tail
     __syncthreads();  // the items' last use of shared memory
     const T* x = static_cast<const T*>(p.x);
-    for (int row = blockIdx.x; row < p.seg.num_rows; row += gridDim.x)
+    // Rows on the grid's last blocks: items go to blocks 0, 1, ... first, so the last blocks hold the fewest
+    // (row r on block gridDim.x - 1 - r, and every gridDim.x-th row after it on the same block).
+    for (int row = gridDim.x - 1 - static_cast<int>(blockIdx.x); row < p.seg.num_rows; row += gridDim.x)
       quant_detail::quantize_row<T, kThreads>(x + static_cast<int64_t>(row) * p.in_features,
                                               p.quant_out + static_cast<int64_t>(row) * p.in_features,
                                               p.quant_scale + row, p.in_features);
@@ -1250,6 +1254,7 @@ const char* shrink_typed(const ShrinkArgs& args, const LaunchOptions& opt, int d
   p.v_row_stride = args.seg.num_groups * args.v_rank_dim;
   p.mma_min_rows = std::max(1, opt.mma_min_rows);
   p.decode_ranks = decode_ranks_of(opt);  // checked by sgmv_shrink
+  p.x_ready = opt.x_ready && norm == nullptr;
   p.quant_out = norm != nullptr ? nullptr : args.quant_out;
   p.quant_scale = p.quant_out != nullptr ? args.quant_scale : nullptr;
   if (p.quant_out != nullptr && args.quant_scale == nullptr) return "sgmv_shrink: quant_out without quant_scale";

@@ -28,6 +28,8 @@ class KernelChoices:
     rope_kv_fp8: that kernel also writes FP8 (e4m3) K/V pages (otherwise those take the torch writer).
     norm_shrink: the RMSNorms before qkv and gate_up on the project's kernel (CUDA; with FP8 weights it quantizes
         the rows too), which in decode steps with adapters also computes the group's LoRA shrink.
+    shrink_early: the LoRA shrink launched right after its projection's base GEMM does not wait for that GEMM
+        before reading x (CUDA, two launches per group; the same bits).
     blas_lt_rows: steps of at most this many rows run the o and down GEMMs on cuBLASLt (CUDA, one GPU).
     fp8_swap_rows: with FP8 weights, steps of at most this many rows compute W @ x.T (operands swapped).
     fp8_gemm_rows: with FP8 weights, steps of at most this many rows (<= 64) run the project's FP8 kernel.
@@ -61,6 +63,7 @@ class KernelChoices:
     rope_kv_lora: bool = False
     rope_kv_fp8: bool = True
     norm_shrink: bool = False
+    shrink_early: bool = False
     blas_lt_rows: int = 64
     fp8_swap_rows: int = 0
     fp8_gemm_rows: int = 0
@@ -95,7 +98,7 @@ class KernelChoices:
                    decode_tc=env.decode_tensor_cores(), sgmv=env.sgmv_backend(),
                    sgmv_fused=env.sgmv_fused(), fused_ops=env.fused_ops(), rope_kv=env.rope_kv_kernel(),
                    rope_kv_lora=env.rope_kv_lora(), rope_kv_fp8=env.rope_kv_fp8(),
-                   norm_shrink=env.norm_shrink(), blas_lt_rows=env.blas_lt_rows(),
+                   norm_shrink=env.norm_shrink(), shrink_early=env.shrink_early(), blas_lt_rows=env.blas_lt_rows(),
                    fp8_swap_rows=env.fp8_swap_rows(), fp8_gemm_rows=env.fp8_gemm_rows(),
                    fp8_gemm_bf16=env.fp8_gemm_bf16(),
                    fp8_unit_scale_elems=env.fp8_unit_scale_elems(), fp8_epilogue=env.fp8_epilogue(),

@@ -133,6 +133,11 @@ def test_fp8_gemm_switches(monkeypatch):
     monkeypatch.setenv("LORAFLEET_NORM_SHRINK", "1")
     assert KernelChoices.from_env().describe() == "kernel choices: norm_shrink=True"
     monkeypatch.delenv("LORAFLEET_NORM_SHRINK")
+    monkeypatch.delenv("LORAFLEET_SHRINK_EARLY", raising=False)
+    assert not env.shrink_early()  # off until measured on a GPU
+    monkeypatch.setenv("LORAFLEET_SHRINK_EARLY", "1")
+    assert KernelChoices.from_env().describe() == "kernel choices: shrink_early=True"
+    monkeypatch.delenv("LORAFLEET_SHRINK_EARLY")
     monkeypatch.setenv("LORAFLEET_FP8_UNIT_SCALE_ELEMS", "-5")
     with pytest.raises(ValueError, match="LORAFLEET_FP8_UNIT_SCALE_ELEMS must be >= 0"):
         env.fp8_unit_scale_elems()

@@ -77,9 +77,11 @@ def test_step_passes_each_groups_tensor_core_thresholds(monkeypatch):
     class Recording(TorchSGMV):
         def __init__(self):
             self.calls = []
+            self.ready = []
 
-        def add(self, ys, v, x, a, b, ranks, host_ranks, seg, mma=True, mma_rows=None, fused=True):
+        def add(self, ys, v, x, a, b, ranks, host_ranks, seg, mma=True, mma_rows=None, fused=True, x_ready=False):
             self.calls.append((mma, mma_rows, fused))
+            self.ready.append(x_ready)
             super().add(ys, v, x, a, b, ranks, host_ranks, seg, mma, mma_rows, fused)
 
     pool = LoraPool(BASE, num_slots=3, max_rank=8, dtype=torch.float32, device=torch.device("cpu"))
@@ -102,6 +104,13 @@ def test_step_passes_each_groups_tensor_core_thresholds(monkeypatch):
             for y, r in zip(ys, ref):
                 assert torch.allclose(y, r, rtol=1e-4, atol=1e-4)
         assert sg.calls == [(mma, GROUP_MMA_ROWS[0], fused), (mma, GROUP_MMA_ROWS[1], fused)]
+        assert sg.ready == [False, False]  # the shrink waits for the kernel before it unless told otherwise
+    # KernelChoices.shrink_early: every call tells the kernels that the base GEMM right before left x alone
+    sg = Recording()
+    step = LoraStepImpl(pool, sg, build_segments(row_slots), mma=False, kernels=KernelChoices(shrink_early=True))
+    x = torch.randn(len(row_slots), BASE.hidden_size, generator=g)
+    step.add(0, 1, x, (torch.zeros(len(row_slots), BASE.shape(PROJECTIONS[3])[1]),))
+    assert sg.ready == [True]
 
 
 def test_qkv_expand_left_to_rope_kv_keeps_the_add_on():

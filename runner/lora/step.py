@@ -86,6 +86,8 @@ class LoraStepImpl:
         # (lo, hi, slot) of the adapted segments of an eager step on the dense path (dense_lora_bounds), or None
         self.dense = dense
         self.mma_rows = kernels.mma_rows
+        # the shrink of add / add_qkv follows the base GEMM on the same x (runner/model/decoder.py): it need not wait
+        self.x_ready = kernels.shrink_early
         # Decode graphs with the fused K/V writer (KernelChoices.rope_kv_lora): the qkv group's expand is left to that
         # kernel (add_qkv), which adds it in the same order as the CUDA-core expand.
         self.qkv_expand_in_rope = qkv_expand_in_rope and not mma
@@ -115,7 +117,7 @@ class LoraStepImpl:
         if self._take_shrunk(layer, 0):
             pass
         elif getattr(self.sgmv, "name", "") == "cuda":  # CUDA-core items, as the decode call's shrink
-            self.sgmv.shrink(v, x, a, ranks, host, self.seg, mma_min_rows=1 << 30)
+            self.sgmv.shrink(v, x, a, ranks, host, self.seg, mma_min_rows=1 << 30, x_ready=self.x_ready)
         else:
             self.sgmv.shrink(v, x, a, ranks, host, self.seg)
         return v, b, ranks, row_slot
@@ -194,7 +196,7 @@ class LoraStepImpl:
             self.sgmv.expand(ys, v, b, ranks, host, self.seg, mma_min_rows=1 << 30)
             return
         self.sgmv.add(ys, v, x, a, b, ranks, host, self.seg, self.mma, self.mma_rows[group],
-                      fused=self.fused)
+                      fused=self.fused, x_ready=self.x_ready)
 
     def dense_linear(self, layer: int, group: int, x: torch.Tensor, w: torch.Tensor,
                      bias: torch.Tensor | None) -> torch.Tensor:

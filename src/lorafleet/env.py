@@ -149,6 +149,14 @@ def norm_shrink() -> bool:
     return _flag("LORAFLEET_NORM_SHRINK", False)
 
 
+def shrink_early() -> bool:
+    """LORAFLEET_SHRINK_EARLY: the LoRA shrink launched right after its projection's base GEMM (bf16/fp16 weights, two
+    launches per group) reads x without waiting for that GEMM to finish (csrc/sgmv.h LaunchOptions::x_ready): under
+    programmatic dependent launch it can run while the GEMM drains. The same bits either way (default 0 until
+    measured on a GPU)."""
+    return _flag("LORAFLEET_SHRINK_EARLY", False)
+
+
 def rope_kv_lora() -> bool:
     """LORAFLEET_ROPE_KV_LORA: decode CUDA graphs add the qkv rows' LoRA expand inside the rope_kv
     kernel instead of a separate expand launch per layer (same bits; default 0: no gain on the H200,

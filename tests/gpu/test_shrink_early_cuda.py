@@ -1,0 +1,137 @@
+"""The LoRA shrink that does not wait for its base GEMM (KernelChoices.shrink_early, csrc/sgmv.h
+LaunchOptions::x_ready) on the GPU.
+
+- Kernels: a kernel writes x, the base GEMM reads it, then the shrink (told that x is ready) and the expand;
+  eager and captured in a CUDA graph replayed with new x: v, the add-on and the GEMM's output bit for bit those
+  of the shrink that waits, and v against an fp64 reference. Decode-shaped tables on CUDA-core items, and a
+  long segment on tensor-core items beside one-row segments.
+- Engine: a decode step replayed from its CUDA graph with the choice on gives the logits of the same step with
+  it off, bit for bit, and the graph's shrinks were launched with it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import teacher
+from lorafleet.runner.config import KernelChoices
+from lorafleet.runner.lora.segments import build_segments
+from lorafleet.runner.lora.sgmv_cuda import CudaSGMV
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900),
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+DEV = "cuda"
+K, OUT, S, R = 4096, [4096, 1024, 1024], 40, 16
+TABLES = {
+    # 32 decode rows: distinct adapters, some rows without one
+    "decode": [-1 if i % 7 == 3 else (5 * i) % S for i in range(32)],
+    # a 150-row segment (tensor-core items at the default thresholds) beside one-row segments and base rows
+    "mma": [3] * 150 + [-1 if i % 5 == 0 else (7 * i) % S for i in range(42)],
+}
+
+
+def pool(dtype):
+    g = torch.Generator(device=DEV).manual_seed(3)
+    ranks = [[0 if (s + p) % 9 == 0 else (16, 8, 13)[p] for s in range(S)] for p in range(3)]
+    a = [(torch.randn(S, R, K, generator=g, device=DEV) / math.sqrt(K)).to(dtype) for _ in OUT]
+    b = [(torch.randn(S, R, n, generator=g, device=DEV) / 4).to(dtype) for n in OUT]
+    return a, b, torch.tensor(ranks, dtype=torch.int32, device=DEV), ranks
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("table", list(TABLES))
+def test_shrink_right_after_the_gemm_without_waiting_keeps_the_bits(dtype, table):
+    row_slots = TABLES[table]
+    T = len(row_slots)
+    a, b, ranks, host = pool(dtype)
+    seg = build_segments(row_slots, device=DEV, capacity=T + 8)
+    g = torch.Generator(device=DEV).manual_seed(5)
+    w = (torch.randn(16384, K, generator=g, device=DEV) / 64).to(dtype)  # a GEMM of tens of us to overlap
+    src = torch.randn(T, K, generator=g, device=DEV).to(dtype)
+    x, ybig = torch.empty(T, K, device=DEV, dtype=dtype), torch.empty(T, 16384, device=DEV, dtype=dtype)
+    base = torch.randn(T, sum(OUT), generator=g, device=DEV).to(dtype)
+    out = base.clone()
+    v = torch.empty(T, 3, R, device=DEV)
+    sg = CudaSGMV()
+    mma = table == "mma"
+
+    def step(ready: bool):
+        x.copy_(src)  # a kernel writes x ...
+        torch.matmul(x, w.t(), out=ybig)  # ... the base GEMM reads it ...
+        sg.add(list(out.split(OUT, dim=1)), v, x, a, b, ranks, host, seg, mma=mma, fused=False, x_ready=ready)
+
+    def fresh():
+        out.copy_(base)
+        v.fill_(float("nan"))
+
+    results = {}
+    for ready in (False, True, False, True):
+        fresh()
+        step(ready)
+        torch.cuda.synchronize()
+        got = (out.clone(), v.nan_to_num(nan=-7.0), ybig.clone())
+        if ready in results:
+            assert all(torch.equal(p, q) for p, q in zip(got, results[ready])), "not reproducible"
+        results[ready] = got
+    assert all(torch.equal(p, q) for p, q in zip(results[True], results[False])), f"{table}: x_ready changed a bit"
+
+    # v against fp64 where an adapter has a rank, untouched elsewhere
+    for p in range(3):
+        for t, s in enumerate(row_slots):
+            r = host[p][s] if s >= 0 else 0
+            got_v = results[True][1][t, p]
+            if r == 0:
+                assert (got_v == -7.0).all(), (table, p, t)
+                continue
+            want = src[t].double() @ a[p][s, :r].double().T
+            assert (got_v[:r].double() - want).abs().max() <= 1e-4 * want.abs().max() + 1e-6, (table, p, t)
+            assert (got_v[r:] == -7.0).all()
+    assert not torch.equal(results[True][0], base)
+
+    # captured once with the early shrink, replayed with new x: the waiting shrink's bits every time
+    fresh()
+    step(True)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(True)
+    for seed in (11, 12, 13):
+        src.copy_(torch.randn(T, K, generator=torch.Generator(device=DEV).manual_seed(seed), device=DEV).to(dtype))
+        fresh()
+        step(False)
+        torch.cuda.synchronize()
+        want = (out.clone(), v.nan_to_num(nan=-7.0), ybig.clone())
+        fresh()
+        graph.replay()
+        torch.cuda.synchronize()
+        got = (out, v.nan_to_num(nan=-7.0), ybig)
+        assert all(torch.equal(p, q) for p, q in zip(got, want)), f"{table}: graph replay {seed} differs"
+
+
+@pytest.fixture(scope="module")
+def fam(tmp_path_factory):
+    return teacher.family_with_two_adapters("llama3", tmp_path_factory.mktemp("gpu-early"))
+
+
+def test_decode_graph_with_the_early_shrink_gives_the_same_logits(fam, monkeypatch):
+    model, _, reqs = fam
+    told = []
+    real = CudaSGMV.shrink
+
+    def recording(self, *args, **kw):
+        told.append(bool(kw.get("x_ready", False)))
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(CudaSGMV, "shrink", recording)
+    logits = []
+    for early in (False, True):
+        told.clear()
+        eng, batch = teacher.decode_step(model, reqs[:4] * 2, kernels=KernelChoices(shrink_early=early))
+        assert eng.runner.graphs.bucket(batch.batch_size) is not None
+        logits.append(eng.runner.graphs.run(batch, batch.to_device(eng.device)).float().cpu())
+        assert any(told) == early and (not early or told.count(True) >= eng.model.num_layers), told[:8]
+        del eng
+        torch.cuda.empty_cache()
+    assert torch.equal(logits[0], logits[1])
