@@ -116,6 +116,12 @@ def fam(tmp_path_factory):
 
 
 def test_decode_graph_with_the_early_shrink_gives_the_same_logits(fam, monkeypatch):
+    """One engine, one decode step of 24 rows, replayed from the engine's graphs (the shrink waits) and from graphs
+    captured with the choice on over the same model, pools and pages: the same logits, bit for bit."""
+    import dataclasses
+
+    from lorafleet.runner.executor.executor import make_graphs
+
     model, _, reqs = fam
     told = []
     real = CudaSGMV.shrink
@@ -125,13 +131,15 @@ def test_decode_graph_with_the_early_shrink_gives_the_same_logits(fam, monkeypat
         return real(self, *args, **kw)
 
     monkeypatch.setattr(CudaSGMV, "shrink", recording)
-    logits = []
-    for early in (False, True):
-        told.clear()
-        eng, batch = teacher.decode_step(model, reqs[:4] * 2, kernels=KernelChoices(shrink_early=early))
-        assert eng.runner.graphs.bucket(batch.batch_size) is not None
-        logits.append(eng.runner.graphs.run(batch, batch.to_device(eng.device)).float().cpu())
-        assert any(told) == early and (not early or told.count(True) >= eng.model.num_layers), told[:8]
-        del eng
-        torch.cuda.empty_cache()
-    assert torch.equal(logits[0], logits[1])
+    eng, batch = teacher.decode_step(model, reqs[:4] * 2)
+    assert not (eng.config.kernels or KernelChoices()).shrink_early and not any(told)
+    d = batch.to_device(eng.device)
+    waiting = [eng.runner.graphs.run(batch, d).clone() for _ in range(2)]
+    assert torch.equal(waiting[0], waiting[1])  # a replay is reproducible
+    early = make_graphs(eng.model, eng.attention, eng.lora_pool, eng.sgmv,
+                        dataclasses.replace(eng.config, kernels=KernelChoices(shrink_early=True)),
+                        eng.runner.graphs.scratch_page)
+    assert told.count(True) >= 4 * eng.model.num_layers  # captured with the early shrink
+    got = early.run(batch, d)
+    assert torch.equal(got, waiting[0])
+    assert torch.equal(eng.runner.graphs.run(batch, d), waiting[0])
