@@ -183,6 +183,20 @@ def test_breakdown_profiles_steps_with_prompt_rows_while_the_batch_fills(tiny_ll
                    for ln in lines)
         assert not eng.has_work() and eng.blocks.free_pages == eng.blocks.num_pages
 
+    # an engine without LoRA: no adapters submitted, no byte figures; the exposed LoRA time is the walls' difference
+    from lorafleet.bench.e2e import lora_exposed
+
+    off_eng = Engine(str(tiny_llama), EngineConfig(device="cpu", max_batch_size=6, page_size=4, num_pages=600,
+                                                   enable_lora=False))
+    lines.clear()
+    off = profile_breakdown(off_eng, reqs, lines.append, mixed_steps=0, fm=fm, lora=False)
+    assert off["wall_ms"] > 0 and "adapters_per_step" not in off and "lora_bytes_ms" not in off
+    assert not any("adapters' bytes" in ln for ln in lines) and any("device idle" in ln for ln in lines)
+    assert not off_eng.has_work()
+    res = {"breakdown_lora_distinct": {"wall_ms": 7.25}, "breakdown_lora_identical": out | {"wall_ms": 6.5}}
+    assert lora_exposed(res, {"wall_ms": 6.0}) == {"distinct": 1.25, "identical": 0.5}
+    assert lora_exposed({"breakdown_lora_distinct": {"wall_ms": 7.0}}, {"wall_ms": 6.0}) == {"distinct": 1.0}
+
     # every prompt admitted in the first step: nothing to profile, and the log says so
     big = Engine(str(tiny_llama), EngineConfig(device="cpu", max_batch_size=4, page_size=4, num_pages=600,
                                                chunked_prefill=True, max_step_tokens=200))

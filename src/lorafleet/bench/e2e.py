@@ -209,13 +209,13 @@ def run_mix(engine, reqs, names, weights_of, label: str, log, fm: dict | None = 
 
 
 def profile_breakdown(engine, reqs, log, source_of=str, mixed_steps: int = 4, fm: dict | None = None,
-                      identical: bool = False) -> dict:
+                      identical: bool = False, lora: bool = True) -> dict:
     """GPU time per category over decode steps at full batch, vs wall time (the rest is host). With
     `mixed_steps`, first up to that many steps while the batch fills (from half of it decoding on, while
     prompts wait, so that each carries prompt rows beside decodes) -> `mixed`, with each profiled step's
     rows; a profiled step that carried no prompt rows is logged as such. Every request its own adapter, or
     (`identical`) all the same one; with the floor model `fm`, `lora_bytes_ms`: the time its adapters' bytes
-    take at BANDWIDTH, beside `lora_sgmv`."""
+    take at BANDWIDTH, beside `lora_sgmv`. `lora=False`: no adapters (an engine without LoRA)."""
     from lorafleet.runner.engine.sequence import AdapterRef, SamplingParams, Sequence
 
     full = min(engine.config.max_batch_size, len(reqs))
@@ -223,7 +223,7 @@ def profile_breakdown(engine, reqs, log, source_of=str, mixed_steps: int = 4, fm
     for i, (ids, _) in enumerate(reqs[:full]):
         k = 0 if identical else i
         engine.submit(Sequence(f"{tag}{i}", ids[:128], SamplingParams(max_tokens=200, ignore_eos=True),
-                               AdapterRef(f"{tag}-{k}", source_of(k))))
+                               AdapterRef(f"{tag}-{k}", source_of(k)) if lora else None))
     mixed = None
     for _ in range(2000):  # until every request is admitted (adapter loads) and decoding
         engine.step()
@@ -235,7 +235,7 @@ def profile_breakdown(engine, reqs, log, source_of=str, mixed_steps: int = 4, fm
     for _ in range(3):
         engine.step()
     out = profile_steps(engine, 10)
-    if fm is not None:
+    if fm is not None and lora:
         out["adapters_per_step"] = 1 if identical else full
         out["lora_bytes_ms"] = round(1000 * out["adapters_per_step"] * fm["adapter_bytes"] / BANDWIDTH, 3)
     if mixed is not None:
@@ -250,7 +250,7 @@ def profile_breakdown(engine, reqs, log, source_of=str, mixed_steps: int = 4, fm
         f"{g['overlap_ms_per_step']} ms); most idle after -> before: " + "; ".join(
             f"{p['after']} -> {p['before']} {p['idle_ms_per_step']} ({p['per_step']}x {p['mean_us']} us)"
             for p in g["pairs"][:6]))
-    if fm is not None:
+    if fm is not None and lora:
         log(f"    LoRA per decode step ({'one adapter' if identical else f'{full} distinct adapters'}): "
             f"{out['lora_sgmv']:.3f} ms of kernels against {out['lora_bytes_ms']:.3f} ms for its adapters' bytes "
             f"({out['lora_sgmv'] / max(out['lora_bytes_ms'], 1e-9):.1f}x)")
@@ -263,6 +263,14 @@ def profile_breakdown(engine, reqs, log, source_of=str, mixed_steps: int = 4, fm
         log("no step with prompt rows beside decodes was profiled (every prompt was admitted before half "
             "the batch decoded)")
     return out
+
+
+def lora_exposed(results: dict, off: dict) -> dict:
+    """What LoRA adds to a full-batch decode step's wall time (ms): each profiled LoRA mix's step against the LoRA-off
+    step (`off`, profile_breakdown(lora=False)). Unlike the kernels' sum (`lora_sgmv`), this leaves out the time the
+    LoRA kernels run beside other kernels (programmatic dependent launch)."""
+    return {k.removeprefix("breakdown_lora_"): round(results[k]["wall_ms"] - off["wall_ms"], 3)
+            for k in ("breakdown_lora_distinct", "breakdown_lora_identical") if k in results}
 
 
 def prefill_rate(engine, prompts: list[list[int]], adapters: list, label: str, log) -> dict:
@@ -986,6 +994,12 @@ def main(argv: list[str] | None = None) -> int:
         eng = make_engine(args.max_batch, False)
         if not args.no_lora_off:
             results["runs"].append(run_mix(eng, reqs, [None] * n, lambda i: 0, "lora off", log, fm))
+            if args.profile:
+                off = results["breakdown_lora_off"] = profile_breakdown(eng, reqs, log, fm=fm, lora=False,
+                                                                        mixed_steps=0)
+                results["lora_exposed_ms"] = exposed = lora_exposed(results, off)
+                log("LoRA per decode step, exposed (the profiled full-batch step's wall against LoRA off's "
+                    f"{off['wall_ms']} ms): " + ", ".join(f"{k} {v} ms" for k, v in exposed.items()))
         if prefill_prompts is not None:
             pf = results["prefill"]
             pf["off"] = prefill_rate(eng, prefill_prompts, [None] * 64, "prefill, LoRA off", log)
