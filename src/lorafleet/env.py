@@ -150,10 +150,10 @@ def norm_shrink() -> bool:
 
 
 def shrink_early() -> bool:
-    """LORAFLEET_SHRINK_EARLY: the LoRA shrink launched right after its projection's base GEMM (bf16/fp16 weights, two
-    launches per group) reads x without waiting for that GEMM to finish (csrc/sgmv.h LaunchOptions::x_ready): under
-    programmatic dependent launch it can run while the GEMM drains. The same bits either way (default 0 until
-    measured on a GPU)."""
+    """LORAFLEET_SHRINK_EARLY: the LoRA shrink launched right after its projection's base product (bf16/fp16
+    weights, or FP8 ones without the epilogue; two launches per group) reads x without waiting for that product to
+    finish (csrc/sgmv.h LaunchOptions::x_ready): under programmatic dependent launch it can run while the GEMM
+    drains. The same bits either way (default 0: no gain end to end on the H200, docs/benchmarks.md section 13.4)."""
     return _flag("LORAFLEET_SHRINK_EARLY", False)
 
 
