@@ -75,27 +75,71 @@ __device__ __forceinline__ void lora_chunk(float acc[kEpiCols][4], const uint4 (
   }
 }
 
+// The activations of flashinfer's act_and_mul kernels, instruction for instruction as its fast-math build emits them
+// (ftz multiplies and adds, ex2.approx, div.approx, tanh.approx), so the fused epilogue gives its bits.
+__device__ __forceinline__ float fm_mul(float a, float b) {
+  float d;
+  asm("mul.ftz.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+  return d;
+}
+__device__ __forceinline__ float fm_add(float a, float b) {
+  float d;
+  asm("add.ftz.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+  return d;
+}
+// SiLU: val / (1 + __expf(-val))
+__device__ __forceinline__ float act_silu(float x) {
+  float e, q;
+  const float t = fm_mul(x, -1.44269502162933349609375f);  // -log2(e), 0xBFB8AA3B
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(t));
+  const float d = fm_add(e, 1.0f);
+  asm("div.approx.ftz.f32 %0, %1, %2;" : "=f"(q) : "f"(x), "f"(d));
+  return q;
+}
+// GELU (tanh): val * 0.5 * (1 + tanh(0.7978845608028654 * (val + 0.044715 * val^3)))
+__device__ __forceinline__ float act_gelu_tanh(float x) {
+  float c, t;
+  const float b = fm_mul(x, fm_mul(x, 0.044715f));
+  asm("fma.rn.ftz.f32 %0, %1, %2, %1;" : "=f"(c) : "f"(x), "f"(b));
+  const float z = fm_mul(c, 0.7978845608028654f);
+  asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(z));
+  return fm_mul(x, fm_mul(fm_add(t, 1.0f), 0.5f));
+}
+
+// Threads: one per 8 columns of one row. Without `act`, thread t of a row takes columns 8t .. 8t + 7 of y and out.
+// With `act` (two spans of I columns, gate then up), lanes 2p and 2p + 1 take columns 8p .. 8p + 7 of the gate
+// span and of the up span, each as above (rounded to T as the separate epilogue would store them), the up lane hands
+// its values to the gate lane, which stores T(act(gate) * up) at columns 8p .. of out [m, I].
 template <typename T>
 __global__ void __launch_bounds__(kEpiThreads, 4) fp8_epilogue_kernel(const Fp8EpilogueArgs a) {
   const int row = blockIdx.y;
-  const int c = (blockIdx.x * kEpiThreads + threadIdx.x) * kEpiCols;
-  if (c >= a.n) return;
-  // the projection whose output span holds column c
-  int g = 0, start = 0, width = a.cols[0];
-  if (a.num_groups > 1 && c >= a.cols[0]) {
-    g = 1;
-    start = a.cols[0];
-    width = a.cols[1];
-    if (a.num_groups > 2 && c >= start + a.cols[1]) {
-      g = 2;
-      start += a.cols[1];
-      width = a.cols[2];
+  const int t = blockIdx.x * kEpiThreads + threadIdx.x;
+  int c, g = 0, start = 0, width = a.cols[0];
+  bool active = true;
+  if (a.act != 0) {  // every lane stays for the exchange below; lanes past the row compute nothing
+    g = t & 1;
+    start = g * width;
+    c = start + (t >> 1) * kEpiCols;
+    active = (t >> 1) * kEpiCols < width;
+  } else {
+    c = t * kEpiCols;
+    if (c >= a.n) return;
+    // the projection whose output span holds column c
+    if (a.num_groups > 1 && c >= a.cols[0]) {
+      g = 1;
+      start = a.cols[0];
+      width = a.cols[1];
+      if (a.num_groups > 2 && c >= start + a.cols[1]) {
+        g = 2;
+        start += a.cols[1];
+        width = a.cols[2];
+      }
     }
   }
   const Fp8EpilogueLora& l = a.lora;
   int r = 0;
   const T* b = nullptr;
-  if (l.v != nullptr) {
+  if (active && l.v != nullptr) {
     const int s = l.row_slot[row];
     if (s >= 0 && s < l.num_slots) {
       const int rdim = g == 0 ? l.b_rank_dim[0] : g == 1 ? l.b_rank_dim[1] : l.b_rank_dim[2];
@@ -109,41 +153,57 @@ __global__ void __launch_bounds__(kEpiThreads, 4) fp8_epilogue_kernel(const Fp8E
   for (int j = 0; j < kEpiChunk; ++j)
     if (j < r) bk[j] = __ldg(reinterpret_cast<const uint4*>(b + static_cast<int64_t>(j) * width));
   pdl_wait();
-  const int64_t at = static_cast<int64_t>(row) * a.n + c;
-  const float4 y0 = *reinterpret_cast<const float4*>(a.y + at), y1 = *reinterpret_cast<const float4*>(a.y + at + 4);
-  const float4 w0 = __ldg(reinterpret_cast<const float4*>(a.w_scale + c));
-  const float4 w1 = __ldg(reinterpret_cast<const float4*>(a.w_scale + c + 4));
-  const float y[kEpiCols] = {y0.x, y0.y, y0.z, y0.w, y1.x, y1.y, y1.z, y1.w};
-  const float w[kEpiCols] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
-  const float xs = a.x_scale[row];
-  float o[kEpiCols];
+  float o[kEpiCols] = {};
+  if (active) {
+    const int64_t at = static_cast<int64_t>(row) * a.n + c;
+    const float4 y0 = *reinterpret_cast<const float4*>(a.y + at), y1 = *reinterpret_cast<const float4*>(a.y + at + 4);
+    const float4 w0 = __ldg(reinterpret_cast<const float4*>(a.w_scale + c));
+    const float4 w1 = __ldg(reinterpret_cast<const float4*>(a.w_scale + c + 4));
+    const float y[kEpiCols] = {y0.x, y0.y, y0.z, y0.w, y1.x, y1.y, y1.z, y1.w};
+    const float w[kEpiCols] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+    const float xs = a.x_scale[row];
 #pragma unroll
-  for (int e = 0; e < kEpiCols; ++e) o[e] = through<T>(__fmul_rn(__fmul_rn(y[e], xs), w[e]));
-  if (a.bias != nullptr) {
-    float bias[kEpiCols];
-    unpack8<T>(__ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(a.bias) + c)), bias);
+    for (int e = 0; e < kEpiCols; ++e) o[e] = through<T>(__fmul_rn(__fmul_rn(y[e], xs), w[e]));
+    if (a.bias != nullptr) {
+      float bias[kEpiCols];
+      unpack8<T>(__ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(a.bias) + c)), bias);
 #pragma unroll
-    for (int e = 0; e < kEpiCols; ++e) o[e] = through<T>(__fadd_rn(o[e], bias[e]));
-  }
-  if (r > 0) {
-    const float* v = l.v + static_cast<int64_t>(row) * l.v_row_stride + static_cast<int64_t>(g) * l.v_rank_dim;
-    float acc[kEpiCols][4] = {};
-    lora_chunk<T>(acc, bk, v, 0, r);
-    for (int k0 = kEpiChunk; k0 < r; k0 += kEpiChunk) {
-#pragma unroll
-      for (int j = 0; j < kEpiChunk; ++j)
-        if (k0 + j < r) bk[j] = __ldg(reinterpret_cast<const uint4*>(b + static_cast<int64_t>(k0 + j) * width));
-      lora_chunk<T>(acc, bk, v, k0, r);
+      for (int e = 0; e < kEpiCols; ++e) o[e] = through<T>(__fadd_rn(o[e], bias[e]));
     }
+    if (r > 0) {
+      const float* v = l.v + static_cast<int64_t>(row) * l.v_row_stride + static_cast<int64_t>(g) * l.v_rank_dim;
+      float acc[kEpiCols][4] = {};
+      lora_chunk<T>(acc, bk, v, 0, r);
+      for (int k0 = kEpiChunk; k0 < r; k0 += kEpiChunk) {
 #pragma unroll
-    for (int e = 0; e < kEpiCols; ++e)
-      o[e] = __fadd_rn(o[e], __fadd_rn(__fadd_rn(acc[e][0], acc[e][2]), __fadd_rn(acc[e][1], acc[e][3])));
+        for (int j = 0; j < kEpiChunk; ++j)
+          if (k0 + j < r) bk[j] = __ldg(reinterpret_cast<const uint4*>(b + static_cast<int64_t>(k0 + j) * width));
+        lora_chunk<T>(acc, bk, v, k0, r);
+      }
+#pragma unroll
+      for (int e = 0; e < kEpiCols; ++e)
+        o[e] = __fadd_rn(o[e], __fadd_rn(__fadd_rn(acc[e][0], acc[e][2]), __fadd_rn(acc[e][1], acc[e][3])));
+    }
   }
   uint4 packed;
   T* p = reinterpret_cast<T*>(&packed);
+  if (a.act != 0) {
+    float up[kEpiCols];
+#pragma unroll
+    for (int e = 0; e < kEpiCols; ++e) {
+      o[e] = through<T>(o[e]);  // the value the separate epilogue stores, read back by the activation kernel
+      up[e] = __shfl_xor_sync(0xffffffffu, o[e], 1);
+    }
+    if (!active || g != 0) return;
+#pragma unroll
+    for (int e = 0; e < kEpiCols; ++e)
+      p[e] = Pair<T>::round(fm_mul(a.act == 1 ? act_silu(o[e]) : act_gelu_tanh(o[e]), up[e]));
+    *reinterpret_cast<uint4*>(static_cast<T*>(a.out) + static_cast<int64_t>(row) * width + (c - start)) = packed;
+    return;
+  }
 #pragma unroll
   for (int e = 0; e < kEpiCols; ++e) p[e] = Pair<T>::round(o[e]);
-  *reinterpret_cast<uint4*>(static_cast<T*>(a.out) + at) = packed;
+  *reinterpret_cast<uint4*>(static_cast<T*>(a.out) + static_cast<int64_t>(row) * a.n + c) = packed;
 }
 
 }  // namespace
@@ -160,6 +220,9 @@ const char* fp8_epilogue(DType dtype, const Fp8EpilogueArgs& a, int device, void
     total += a.cols[g];
   }
   if (total != a.n) return "fp8_epilogue: the spans do not cover the columns";
+  if (a.act < 0 || a.act > 2) return "fp8_epilogue: act must be 0 (none), 1 (SiLU) or 2 (GELU-tanh)";
+  if (a.act != 0 && (a.num_groups != 2 || a.cols[0] != a.cols[1]))
+    return "fp8_epilogue: an activation needs two spans of equal width (gate, up)";
   const Fp8EpilogueLora& l = a.lora;
   if (l.v != nullptr) {
     if (l.ranks == nullptr || l.row_slot == nullptr || l.num_slots < 1) return "fp8_epilogue: LoRA tables missing";

@@ -61,6 +61,11 @@ struct Fp8EpilogueArgs {
   int num_groups = 1;                  // G, 1..kMaxGroup
   int cols[kMaxGroup] = {};            // output span of each projection, multiples of 8 summing to n
   Fp8EpilogueLora lora;
+  // 0: out [m, n] as above. 1 (SiLU) or 2 (GELU with tanh): two spans of equal width I (gate, up) and out [m, I]:
+  //   out[i, c] = T(act(float(gate)) * float(up)), gate and up the values above at columns c and I + c (as T), act
+  //   flashinfer's activation as its fast-math build computes it, so bit for bit the epilogue followed by
+  //   flashinfer's act_and_mul kernel.
+  int act = 0;
   // Programmatic dependent launch (sm_90+): the grid starts while the previous kernel (the product) drains
   // and reads row_slot, ranks and the first rank rows of B, then waits for it before reading y, the scales,
   // the bias or v. So nothing may write row_slot, ranks or the B pools in the kernel launched right before.

@@ -32,10 +32,11 @@
 //   fp8_gemm(out, x, x_scale, w, w_scale, stream): out = (x @ w.T) * x_scale[:, None] * w_scale[None, :] in
 //       bf16 for at most 64 e4m3 rows x (fp8_gemm.h), the weight streamed once.
 //   fp8_gemm_bf16(out, x, w, w_scale, stream): the same for bf16 rows x, unquantized: (x @ w.T) * w_scale.
-//   fp8_epilogue(out, y, x_scale, w_scale, bias, cols, v, b, ranks, row_slot, pdl, stream): out = the fp32
+//   fp8_epilogue(out, y, x_scale, w_scale, bias, cols, v, b, ranks, row_slot, pdl, stream, act=0): out = the fp32
 //       unit-scale FP8 product y times the token and row scales, plus the bias and the rows' LoRA expand
 //       (v @ b[g][row_slot]) over the projections' column spans `cols`, one launch (quant.h); bias and v
-//       (with b, ranks, row_slot) may be None.
+//       (with b, ranks, row_slot) may be None. act=1 (SiLU) / 2 (GELU-tanh), with two equal spans (gate, up):
+//       out [M, N / 2] = act(gate) * up as flashinfer's act_and_mul computes it from the epilogue's output.
 //
 // with r = ranks[g, s]. The values inside ranks / indptr / slots live on the device and are not
 // inspected here (that would need a synchronisation): the kernels clamp ranks to [0, R_g], skip
@@ -580,14 +581,18 @@ void fp8_gemm_bf16(Tensor out, Tensor x, Tensor w, Tensor w_scale, int64_t strea
 
 void fp8_epilogue(Tensor out, Tensor y, Tensor x_scale, Tensor w_scale, std::optional<Tensor> bias,
                   std::vector<int64_t> cols, std::optional<Tensor> v, std::vector<Tensor> b,
-                  std::optional<Tensor> ranks, std::optional<Tensor> row_slot, bool pdl, int64_t stream) {
+                  std::optional<Tensor> ranks, std::optional<Tensor> row_slot, bool pdl, int64_t stream, int64_t act) {
   const auto dtype = kernel_dtype(out, "out");
   SGMV_CHECK(y.is_cuda() && y.scalar_type() == torch::kFloat && y.dim() == 2 && y.is_contiguous(),
              "fp8_epilogue: y must be a contiguous 2-D float32 CUDA tensor");
   const int64_t M = y.size(0), N = y.size(1);
   check_device(out, Name("out"), y);
-  SGMV_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == M && out.size(1) == N && aligned16(out),
-             "fp8_epilogue: out must be contiguous, 16-byte aligned [%lld, %lld]", ll(M), ll(N));
+  SGMV_CHECK(act >= 0 && act <= 2, "fp8_epilogue: act must be 0 (none), 1 (SiLU) or 2 (GELU-tanh), got %lld", ll(act));
+  SGMV_CHECK(act == 0 || (cols.size() == 2 && cols[0] == cols[1]),
+             "fp8_epilogue: an activation needs two spans of equal width (gate, up)");
+  const int64_t out_cols = act == 0 ? N : N / 2;
+  SGMV_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == M && out.size(1) == out_cols && aligned16(out),
+             "fp8_epilogue: out must be contiguous, 16-byte aligned [%lld, %lld]", ll(M), ll(out_cols));
   SGMV_CHECK(aligned16(y) && N % 8 == 0 && M <= 65535 && N <= kInt32Max,
              "fp8_epilogue: y must be 16-byte aligned with a multiple of 8 columns and at most 65535 rows");
   check_device(x_scale, Name("x_scale"), y);
@@ -601,6 +606,7 @@ void fp8_epilogue(Tensor out, Tensor y, Tensor x_scale, Tensor w_scale, std::opt
   SGMV_CHECK(G >= 1 && G <= lorafleet::kMaxGroup, "fp8_epilogue: 1 to %d column spans, got %lld",
              lorafleet::kMaxGroup, ll(G));
   lorafleet::Fp8EpilogueArgs a;
+  a.act = static_cast<int>(act);
   int64_t total = 0;
   for (int64_t g = 0; g < G; ++g) {
     SGMV_CHECK(cols[g] > 0 && cols[g] % 8 == 0, "fp8_epilogue: span %lld (%lld columns) must be a positive multiple of 8",
@@ -702,7 +708,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fp8_epilogue", &fp8_epilogue,
         "out = (y * x_scale) * w_scale [+ bias] [+ the rows' LoRA expand] for the fp32 unit-scale FP8 product y, one launch",
         py::arg("out"), py::arg("y"), py::arg("x_scale"), py::arg("w_scale"), py::arg("bias"), py::arg("cols"),
-        py::arg("v"), py::arg("b"), py::arg("ranks"), py::arg("row_slot"), py::arg("pdl"), py::arg("stream"));
+        py::arg("v"), py::arg("b"), py::arg("ranks"), py::arg("row_slot"), py::arg("pdl"), py::arg("stream"),
+        py::arg("act") = 0);
   m.attr("MAX_RANK") = lorafleet::kMaxRank;
   m.attr("MAX_GROUP") = lorafleet::kMaxGroup;
   m.attr("MAX_SEGMENTS") = lorafleet::kMaxSegments;

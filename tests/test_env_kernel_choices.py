@@ -138,6 +138,11 @@ def test_fp8_gemm_switches(monkeypatch):
     monkeypatch.setenv("LORAFLEET_SHRINK_EARLY", "1")
     assert KernelChoices.from_env().describe() == "kernel choices: shrink_early=True"
     monkeypatch.delenv("LORAFLEET_SHRINK_EARLY")
+    monkeypatch.delenv("LORAFLEET_FP8_EPILOGUE_ACT", raising=False)
+    assert not env.fp8_epilogue_act()  # off until measured on a GPU
+    monkeypatch.setenv("LORAFLEET_FP8_EPILOGUE_ACT", "1")
+    assert KernelChoices.from_env().describe() == "kernel choices: fp8_epilogue_act=True"
+    monkeypatch.delenv("LORAFLEET_FP8_EPILOGUE_ACT")
     monkeypatch.setenv("LORAFLEET_FP8_UNIT_SCALE_ELEMS", "-5")
     with pytest.raises(ValueError, match="LORAFLEET_FP8_UNIT_SCALE_ELEMS must be >= 0"):
         env.fp8_unit_scale_elems()

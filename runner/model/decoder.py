@@ -32,6 +32,8 @@ from lorafleet.runner.model.rope import Rope
 
 # Group indices for LoraStep.add: projections that share an input run as one SGMV launch.
 QKV, O, GATE_UP, DOWN = 0, 1, 2, 3
+# The FP8 epilogue's activation codes (csrc/quant.h Fp8EpilogueArgs::act) per ModelConfig.activation.
+ACT_CODES = {"silu": 1, "gelu_tanh": 2}
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +140,7 @@ class Decoder:
         self.fp8_gemm_bf16 = kernels.fp8_gemm_bf16
         self.fp8_unit_scale_elems = kernels.fp8_unit_scale_elems
         self.fp8_epilogue = kernels.fp8_epilogue
+        self.fp8_epilogue_act = kernels.fp8_epilogue_act  # ... and for gate_up the activation too (flashinfer ops)
         self.fp8_quant_in_shrink = kernels.fp8_quant_in_shrink  # with LoRA, the shrink's launch quantizes them too
         self.own_norm = None  # runner/model/norm.py OwnNorm: the norms before qkv and gate_up (KernelChoices.norm_shrink)
         self.embed_scale = (torch.tensor(cfg.embed_scale, dtype=torch.float32).to(dtype).item()
@@ -252,9 +255,15 @@ class Decoder:
         if lw.post_attn_norm is not None:
             out = ops.rms_norm(out, lw.post_attn_norm)
         x, residual, quant = self._norm(i, GATE_UP, out, residual, lw.mlp_norm, lora, lw.gate_up)
-        gu = self._project(i, GATE_UP, x, lw.gate_up, lw.gate_up_bias, lora,
-                           split=[c.intermediate_size, c.intermediate_size], quant=quant)  # [T, 2 I]
-        a = ops.act_mul(gu, c.intermediate_size)  # [T, I]
+        a = None
+        if self.fp8_epilogue_act and ops.name == "flashinfer" and not self._dense(lora, lw.gate_up):
+            # the FP8 epilogue of gate_up writes act(gate) * up itself, flashinfer's act_and_mul bits (None: not here)
+            a = self._fp8_finished(i, GATE_UP, x, lw.gate_up, lw.gate_up_bias, lora,
+                                   [c.intermediate_size, c.intermediate_size], quant, act=ACT_CODES[c.activation])
+        if a is None:
+            gu = self._project(i, GATE_UP, x, lw.gate_up, lw.gate_up_bias, lora,
+                               split=[c.intermediate_size, c.intermediate_size], quant=quant)  # [T, 2 I]
+            a = ops.act_mul(gu, c.intermediate_size)  # [T, I]
         h = self._project(i, DOWN, a, lw.down, lw.down_bias, lora, small=True)  # [T, H] (partial sum with TP)
         if self.all_reduce is not None:
             self.all_reduce(h)
@@ -306,10 +315,11 @@ class Decoder:
         return y
 
     def _fp8_finished(self, i: int, group: int, x: torch.Tensor, w, b: torch.Tensor | None, lora: LoraStep | None,
-                      spans: list[int], quantized=None) -> torch.Tensor | None:
+                      spans: list[int], quantized=None, act: int = 0) -> torch.Tensor | None:
         """x @ w.T + b with layer i's LoRA of `group` for an FP8 weight whose unit-scale product the epilogue kernel
         finishes (scales, bias and the expand in one launch after the group's shrink; runner/model/fp8.py), else
-        None (the caller takes the separate launches)."""
+        None (the caller takes the separate launches; nothing was launched). `act` (gate_up): the epilogue also applies
+        the activation (runner/model/fp8.py fp8_linear) and returns act(gate) * up."""
         if not (self.fp8_epilogue and isinstance(w, Fp8Weight)
                 and epilogue_applies(x, w, b, self.fp8_tensor_cores, self.fp8_ext, self.fp8_gemm_rows,
                                      self.fp8_unit_scale_elems, spans)):
@@ -325,7 +335,7 @@ class Decoder:
             operands = lora.epilogue_operands(i, group, x, quant=mine and (mine[0], mine[1].view(-1)))
             if operands is None and mine is not None:  # no adapter in the step: no shrink was launched
                 quant = None
-        return self._fp8_linear(x, w, b, epilogue=True, spans=spans, lora=operands, quantized=quant)
+        return self._fp8_linear(x, w, b, epilogue=True, spans=spans, lora=operands, quantized=quant, act=act)
 
     def _fp8_linear(self, x: torch.Tensor, w: Fp8Weight, b: torch.Tensor | None, **finish) -> torch.Tensor:
         """fp8_linear with this model's FP8 kernel choices; `finish`: its epilogue arguments."""

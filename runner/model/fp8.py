@@ -130,7 +130,8 @@ def epilogue_applies(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, t
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_cores: bool,
                ext=None, swap_rows: int = 0, own_rows: int = 0, unit_scale_elems: int = 0,
                own_bf16: bool = False, epilogue: bool = False, spans: list[int] | None = None,
-               lora: tuple | None = None, quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+               lora: tuple | None = None, quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
+               act: int = 0) -> torch.Tensor:
     """x [M, K] (bf16/fp16 on the GPU, any float on the CPU) @ w.T + bias -> [M, N] in x's dtype. With the
     CUDA extension `ext`: the activations quantized by its one-launch kernel (see quantize_tokens), and for
     M <= `own_rows` (bf16, K a multiple of 64, N of 16) the product on its FP8 kernel (csrc/fp8_gemm.cu), with
@@ -140,7 +141,8 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
     with `epilogue` (only where epilogue_applies) the scales, the bias and, given `lora` = (v, B pools, ranks,
     row slots) from LoraStepImpl.epilogue_operands, the rows' LoRA expand over the output `spans` in one launch,
     bit for bit the separate ops. `quantized`: x's e4m3 rows and scales [M, 1] already made (by the LoRA shrink's
-    launch), the same bits as quantize_tokens(x, ext).
+    launch), the same bits as quantize_tokens(x, ext). `act` (with `epilogue`, two equal spans gate | up): 1 (SiLU) or
+    2 (GELU-tanh): the epilogue returns act(gate) * up [M, N / 2] as flashinfer's act_and_mul makes it from its output.
     Then, M <= `swap_rows` (and a multiple of 16): cuBLASLt computes (w @ x.T).T, the weight as the long operand.
     Otherwise torch._scaled_mm with per-token and per-row scales."""
     if not tensor_cores:
@@ -163,11 +165,13 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
         one = unit_scale(x.device)
         y = torch._scaled_mm(xq, w.q.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
         if epilogue:
-            out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+            out = torch.empty(M, N // 2 if act else N, dtype=x.dtype, device=x.device)
             v, b, ranks, row_slot = lora if lora is not None else (None, [], None, None)
             ext.fp8_epilogue(out, y, sx.view(-1), w.scale, bias, list(spans or [N]), v, list(b), ranks, row_slot,
-                             True, torch.cuda.current_stream(x.device).cuda_stream)
+                             True, torch.cuda.current_stream(x.device).cuda_stream, act)
             return out
+    if act:
+        raise ValueError("fp8_linear: an activation rides only in the epilogue of the unit-scale product")
         y = y.mul_(sx).mul_(w.scale_row).to(x.dtype)
     elif 0 < M <= swap_rows and M % 16 == 0:  # cuBLASLt wants the rows in multiples of 16 there
         y = torch._scaled_mm(w.q, xq.t(), scale_a=w.scale_row.view(-1, 1), scale_b=sx.view(1, -1),

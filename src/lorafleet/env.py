@@ -198,6 +198,13 @@ def fp8_epilogue() -> bool:
     return _flag("LORAFLEET_FP8_EPILOGUE", True)
 
 
+def fp8_epilogue_act() -> bool:
+    """LORAFLEET_FP8_EPILOGUE_ACT: with FP8 weights, that epilogue and flashinfer's ops, the gate_up projection's
+    epilogue also applies the activation (SiLU or GELU-tanh) and writes act(gate) * up, bit for bit flashinfer's
+    act_and_mul of its output, instead of that kernel's launch (default 0 until measured on a GPU)."""
+    return _flag("LORAFLEET_FP8_EPILOGUE_ACT", False)
+
+
 def fp8_quant_in_shrink() -> bool:
     """LORAFLEET_FP8_QUANT_IN_SHRINK: with the FP8 epilogue and adapters in the step, the LoRA shrink's launch also
     quantizes the projection's activations (the same bits; one launch less per projection) instead of the

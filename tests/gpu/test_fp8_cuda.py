@@ -243,6 +243,46 @@ def test_fp8_epilogue_is_the_separate_ops_bit_for_bit(dtype, spans, M, bias, lor
     assert ((got.double() - exact).abs() <= 2 * eps * mag + 1e-6).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("act", [1, 2], ids=["silu", "gelu_tanh"])
+@pytest.mark.parametrize("inter,M,bias,lora", [(1376, 32, False, True), (11008, 1, True, False), (8, 37, True, True),
+                                               (2048, 64, False, False)])
+def test_fp8_epilogue_with_the_activation_is_flashinfer_act_and_mul_bit_for_bit(dtype, act, inter, M, bias, lora):
+    """fp8_epilogue(act=1 | 2) over the gate | up spans: bit for bit the epilogue followed by flashinfer's
+    silu_and_mul / gelu_tanh_and_mul (the launch it replaces), and within a few roundings of the fp64 activation
+    of the fp64 epilogue."""
+    import flashinfer
+
+    from lorafleet.runner.kernels import load
+
+    ext = load()
+    st = torch.cuda.current_stream().cuda_stream
+    spans = [inter, inter]
+    c = _epilogue_case(dtype, spans, M, bias, lora, seed=M + inter + act)
+    c["y"] /= 40  # gate values of order one, where the activations bend
+    args = (c["y"], c["x_scale"], c["w_scale"], c["bias"], spans, c.get("v"), c.get("b", []), c.get("ranks"),
+            c.get("row_slot"), True, st)
+    full = torch.empty(M, 2 * inter, dtype=dtype, device="cuda")
+    ext.fp8_epilogue(full, *args)
+    want = (flashinfer.silu_and_mul if act == 1 else flashinfer.gelu_tanh_and_mul)(full)
+    got = torch.empty(M, inter, dtype=dtype, device="cuda")
+    ext.fp8_epilogue(got, *args, act)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (got.float() - want.float()).abs().max()
+    exact, mag = _epilogue_fp64(spans, c)
+    gate, up = exact[:, :inter], exact[:, inter:]
+    ref = (torch.nn.functional.silu(gate) if act == 1 else torch.nn.functional.gelu(gate, approximate="tanh")) * up
+    err = (got.double() - ref).abs()
+    # the epilogue's roundings are relative to the magnitudes of its terms (mag); |act(g)| <= |g|, |act'| < 1.2
+    scale = (mag[:, :inter] + gate.abs()) * (mag[:, inter:] + up.abs())
+    assert (err <= 8 * torch.finfo(dtype).eps * scale + 1e-5).all(), err.max()
+    with pytest.raises(RuntimeError, match="two spans of equal width"):
+        ext.fp8_epilogue(got, *args[:4], [inter - 8, inter + 8], *args[5:], act)
+    with pytest.raises(RuntimeError, match="out must be"):
+        ext.fp8_epilogue(full, *args, act)
+    with pytest.raises(RuntimeError, match="act must be"):
+        ext.fp8_epilogue(got, *args, 3)
+
+
 def test_fp8_epilogue_refuses_bad_operands():
     from lorafleet.runner.kernels import load
 
@@ -401,6 +441,28 @@ def test_fp8_epilogue_step_gives_the_bits_of_the_separate_launches(fam, kv):
         eng.close()
     assert torch.equal(fused, own_quant), (fused - own_quant).abs().max().item()
     assert torch.equal(fused, separate), (fused - separate).abs().max().item()
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_fp8_gate_up_epilogue_with_the_activation_gives_the_same_step(fam, kv):
+    """The decode step of the test above with the gate_up epilogue applying the activation too
+    (KernelChoices.fp8_epilogue_act: no act_and_mul launch) and without: the same logits, bit for bit; every
+    projection still finished by an epilogue launch (counted)."""
+    name, model, _, _, reqs = fam
+    eng, batch = teacher.decode_step(model, reqs[:4] * 2, quantization="fp8", kv_cache_dtype=kv)
+    dev = batch.to_device(eng.device)
+    m = eng.model
+    assert not m.fp8_epilogue_act and m.ops.name == "flashinfer"
+    ext, m.fp8_ext = m.fp8_ext, _CountingExt(m.fp8_ext)
+    try:
+        plain = eng.runner.forward(batch, dev).clone()
+        m.fp8_epilogue_act = True
+        fused = eng.runner.forward(batch, dev).clone()
+        assert m.fp8_ext.epilogues == 8 * m.num_layers, name
+    finally:
+        m.fp8_ext, m.fp8_epilogue_act = ext, False
+        eng.close()
+    assert torch.equal(fused, plain), (fused - plain).abs().max().item()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

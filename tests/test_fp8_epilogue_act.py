@@ -1,0 +1,61 @@
+"""The FP8 gate_up epilogue that also applies the activation (KernelChoices.fp8_epilogue_act) in the decoder, on the
+CPU: the epilogue's launch is replaced by a torch emulation of its contract (the product, then with `act` the model's
+act(gate) * up, [T, I]). A CPU engine's tokens are the default path's, the activation is asked of gate_up's epilogue
+once per layer and step with the model's code (SiLU 1, GELU-tanh 2) and two spans of I columns, and never of another
+projection; a decoder that applied the activation again, or kept the activation kernel's call, would change the
+tokens. The kernel itself (flashinfer's act_and_mul bits) is checked on the GPU (tests/gpu/test_fp8_cuda.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import lorafleet.runner.model.decoder as dec
+from family_models import write_family_model
+from lorafleet.runner.config import EngineConfig, KernelChoices
+from lorafleet.runner.engine.engine import Engine
+from lorafleet.runner.engine.sequence import SamplingParams, Sequence
+
+NEW = 5
+
+
+def run(model, reqs, act: bool, monkeypatch):
+    eng = Engine(str(model), EngineConfig(device="cpu", kv_cache_gb=0.02, quantization="fp8", enable_lora=False,
+                                          kernels=KernelChoices(fp8_epilogue_act=act)))
+    d = eng.model
+    assert d.fp8_epilogue_act == act
+    calls = []
+
+    def emulated(x, w, b, epilogue=False, spans=None, lora=None, quantized=None, act=0):
+        y = F.linear(x, w.dequant(x.dtype), b)
+        calls.append((act, tuple(spans or ())))
+        if act:
+            return d.ops.act_mul(y, spans[0])  # the contract: act(gate) * up of the epilogue's output
+        return y
+
+    monkeypatch.setattr(dec, "epilogue_applies", lambda *a, **k: True)  # as on an H200 for at most 64 rows
+    monkeypatch.setattr(d, "_fp8_linear", emulated)
+    monkeypatch.setattr(d.ops, "name", "flashinfer")  # the fusion replaces flashinfer's act_and_mul only
+    seqs = [Sequence(f"r{i}", ids, SamplingParams(max_tokens=NEW, ignore_eos=True)) for i, ids in enumerate(reqs)]
+    out = eng.run_to_completion(seqs)
+    return [out[f"r{i}"].output_ids for i in range(len(reqs))], d, calls
+
+
+@pytest.mark.parametrize("family", ["llama3", "gemma3"])
+def test_gate_up_epilogue_with_the_activation_gives_the_default_tokens(tmp_path, family, monkeypatch):
+    model = write_family_model(family, tmp_path / "m")
+    g = torch.Generator().manual_seed(3)
+    reqs = [torch.randint(3, 200, (int(torch.randint(4, 12, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(3)]
+    want, _, plain = run(model, reqs, False, monkeypatch)
+    got, d, calls = run(model, reqs, True, monkeypatch)
+    assert got == want
+    code = dec.ACT_CODES[d.cfg.activation]
+    inter = d.cfg.intermediate_size
+    with_act = [c for c in calls if c[0]]
+    assert with_act and all(c == (code, (inter, inter)) for c in with_act)
+    assert not any(c[0] for c in plain)
+    # one epilogue per projection group and layer in both runs; with the choice, every gate_up one carries the act
+    assert len(calls) == len(plain) and len(with_act) * 4 == len(calls)
+    assert code == (2 if family == "gemma3" else 1)
