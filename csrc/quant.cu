@@ -195,9 +195,13 @@ __global__ void __launch_bounds__(kEpiThreads, 4) fp8_epilogue_kernel(const Fp8E
       up[e] = __shfl_xor_sync(0xffffffffu, o[e], 1);
     }
     if (!active || g != 0) return;
+    if (a.act == 1) {
 #pragma unroll
-    for (int e = 0; e < kEpiCols; ++e)
-      p[e] = Pair<T>::round(fm_mul(a.act == 1 ? act_silu(o[e]) : act_gelu_tanh(o[e]), up[e]));
+      for (int e = 0; e < kEpiCols; ++e) p[e] = Pair<T>::round(fm_mul(act_silu(o[e]), up[e]));
+    } else {
+#pragma unroll
+      for (int e = 0; e < kEpiCols; ++e) p[e] = Pair<T>::round(fm_mul(act_gelu_tanh(o[e]), up[e]));
+    }
     *reinterpret_cast<uint4*>(static_cast<T*>(a.out) + static_cast<int64_t>(row) * width + (c - start)) = packed;
     return;
   }

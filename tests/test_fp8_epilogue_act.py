@@ -59,3 +59,54 @@ def test_gate_up_epilogue_with_the_activation_gives_the_default_tokens(tmp_path,
     # one epilogue per projection group and layer in both runs; with the choice, every gate_up one carries the act
     assert len(calls) == len(plain) and len(with_act) * 4 == len(calls)
     assert code == (2 if family == "gemma3" else 1)
+
+
+def test_fp8_linear_keeps_its_products_and_takes_the_activation_only_in_the_epilogue(monkeypatch):
+    """runner/model/fp8.py fp8_linear on the CPU with the tensor-core products emulated (torch._scaled_mm counted):
+    every call (the unit-scale product finished by torch ops, the project's kernel, the per-row call) runs one
+    product and returns the scaled result; `act` is refused wherever the epilogue does not finish the product, before
+    anything runs; with the epilogue the extension is asked for act(gate) * up into [M, I]."""
+    import types
+
+    from lorafleet.runner.model.fp8 import Fp8Weight, fp8_linear
+
+    products = []
+
+    def scaled_mm(a, b, scale_a, scale_b, out_dtype):
+        products.append(out_dtype)
+        return ((a.float() @ b.float()) * scale_a * scale_b).to(out_dtype)
+
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
+    g = torch.Generator().manual_seed(1)
+    M, K, N = 4, 64, 32
+    w = Fp8Weight((torch.randn(N, K, generator=g) * 40).to(torch.float8_e4m3fn), torch.rand(N, generator=g) / 100)
+    xq = (torch.randn(M, K, generator=g) * 40).to(torch.float8_e4m3fn)
+    sx = torch.rand(M, 1, generator=g) / 100
+    x = torch.zeros(M, K, dtype=torch.bfloat16)
+    want = (xq.float() @ w.q.float().T * sx * w.scale.view(1, -1)).to(torch.bfloat16)
+    own_calls = []
+    ext = types.SimpleNamespace(
+        fp8_gemm=lambda y, xq_, s, wq, ws, st: own_calls.append(1) or y.copy_(
+            (xq_.float() @ wq.float().T * s.view(-1, 1) * ws.view(1, -1)).to(y.dtype)))
+    import lorafleet.runner.model.fp8 as fp8
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: types.SimpleNamespace(cuda_stream=0))
+    monkeypatch.setattr(fp8, "unit_scale", lambda device: torch.ones(()))  # a CUDA scalar on a GPU
+    for kw, n_products in ((dict(unit_scale_elems=1), 1), (dict(unit_scale_elems=0), 1),
+                           (dict(ext=ext, own_rows=64), 0)):
+        products.clear()
+        y = fp8_linear(x, w, None, True, quantized=(xq, sx), **kw)
+        assert len(products) == n_products, kw
+        assert torch.allclose(y.float(), want.float(), rtol=1e-2, atol=1e-3), kw
+    assert own_calls == [1]
+    for kw in (dict(unit_scale_elems=1), dict(unit_scale_elems=0, epilogue=True), dict(ext=ext, own_rows=64,
+                                                                                       epilogue=True)):
+        products.clear()
+        with pytest.raises(ValueError, match="activation rides only in the epilogue"):
+            fp8_linear(x, w, None, True, quantized=(xq, sx), act=1, **kw)
+        assert not products
+    seen = {}
+    ext2 = types.SimpleNamespace(fp8_epilogue=lambda out, *args: seen.update(shape=tuple(out.shape), act=args[-1]))
+    fp8_linear(x, w, None, True, ext=ext2, quantized=(xq, sx), unit_scale_elems=1, epilogue=True, spans=[16, 16],
+               act=2)
+    assert seen == {"shape": (M, N // 2), "act": 2} and products == [torch.float32]

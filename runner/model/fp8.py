@@ -145,6 +145,9 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
     2 (GELU-tanh): the epilogue returns act(gate) * up [M, N / 2] as flashinfer's act_and_mul makes it from its output.
     Then, M <= `swap_rows` (and a multiple of 16): cuBLASLt computes (w @ x.T).T, the weight as the long operand.
     Otherwise torch._scaled_mm with per-token and per-row scales."""
+    if act and not (epilogue and tensor_cores and not _own_kernel(x, w, ext, own_rows)
+                    and unit_scale_call(x.shape[0], w.q.shape[0], x.shape[-1], unit_scale_elems)):
+        raise ValueError("fp8_linear: an activation rides only in the epilogue of the unit-scale product")
     if not tensor_cores:
         y = torch.nn.functional.linear(x, w.dequant(x.dtype))
         return y if bias is None else y + bias
@@ -170,8 +173,6 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
             ext.fp8_epilogue(out, y, sx.view(-1), w.scale, bias, list(spans or [N]), v, list(b), ranks, row_slot,
                              True, torch.cuda.current_stream(x.device).cuda_stream, act)
             return out
-    if act:
-        raise ValueError("fp8_linear: an activation rides only in the epilogue of the unit-scale product")
         y = y.mul_(sx).mul_(w.scale_row).to(x.dtype)
     elif 0 < M <= swap_rows and M % 16 == 0:  # cuBLASLt wants the rows in multiples of 16 there
         y = torch._scaled_mm(w.q, xq.t(), scale_a=w.scale_row.view(-1, 1), scale_b=sx.view(1, -1),
