@@ -193,9 +193,15 @@ def test_breakdown_profiles_steps_with_prompt_rows_while_the_batch_fills(tiny_ll
     assert off["wall_ms"] > 0 and "adapters_per_step" not in off and "lora_bytes_ms" not in off
     assert not any("adapters' bytes" in ln for ln in lines) and any("device idle" in ln for ln in lines)
     assert not off_eng.has_work()
-    res = {"breakdown_lora_distinct": {"wall_ms": 7.25}, "breakdown_lora_identical": out | {"wall_ms": 6.5}}
+    assert off["wall_ms_unprofiled"] > 0 and out["wall_ms_unprofiled"] > 0  # the steps timed without the profiler too
+    res = {"breakdown_lora_distinct": {"wall_ms": 7.25}, "breakdown_lora_identical": {"wall_ms": 6.5}}
     assert lora_exposed(res, {"wall_ms": 6.0}) == {"distinct": 1.25, "identical": 0.5}
     assert lora_exposed({"breakdown_lora_distinct": {"wall_ms": 7.0}}, {"wall_ms": 6.0}) == {"distinct": 1.0}
+    # unprofiled walls where both have them
+    assert lora_exposed({"breakdown_lora_distinct": {"wall_ms": 7.0, "wall_ms_unprofiled": 6.5}},
+                        {"wall_ms": 6.0, "wall_ms_unprofiled": 5.75}) == {"distinct": 0.75}
+    assert lora_exposed({"breakdown_lora_distinct": {"wall_ms": 7.0, "wall_ms_unprofiled": 6.5}},
+                        {"wall_ms": 6.0}) == {"distinct": 1.0}
 
     # every prompt admitted in the first step: nothing to profile, and the log says so
     big = Engine(str(tiny_llama), EngineConfig(device="cpu", max_batch_size=4, page_size=4, num_pages=600,
