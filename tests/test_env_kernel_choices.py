@@ -282,3 +282,20 @@ def test_dense_lora_rows_refuses_a_negative_count(monkeypatch):
     assert KernelChoices.from_env().dense_lora_rows == 512
     with pytest.raises(ValueError, match="dense_lora_rows must be >= 0"):
         KernelChoices(dense_lora_rows=-5)
+
+
+@pytest.mark.parametrize("var,default", [("LORAFLEET_SHRINK_EARLY", False), ("LORAFLEET_FP8_EPILOGUE", True),
+                                         ("LORAFLEET_FUSED_OPS", True), ("LORAFLEET_ALLOW_PRIVATE_SOURCES", False)])
+def test_switches_take_the_usual_spellings_and_refuse_anything_else(monkeypatch, var, default):
+    read = {"LORAFLEET_SHRINK_EARLY": env.shrink_early, "LORAFLEET_FP8_EPILOGUE": env.fp8_epilogue,
+            "LORAFLEET_FUSED_OPS": env.fused_ops, "LORAFLEET_ALLOW_PRIVATE_SOURCES": env.allow_private_sources}[var]
+    for raw, want in (("", default), ("  ", default), ("1", True), ("TRUE", True), ("yes", True), (" on ", True),
+                      ("0", False), ("False", False), ("no", False), ("OFF", False)):
+        monkeypatch.setenv(var, raw)
+        assert read() is want, (var, raw)
+    monkeypatch.delenv(var)
+    assert read() is default
+    for raw in ("2", "enable", "ture", "-1"):
+        monkeypatch.setenv(var, raw)
+        with pytest.raises(ValueError, match=f"{var} must be 1 or 0 .*got '{raw}'"):
+            read()

@@ -136,3 +136,19 @@ def test_a_failed_line_repeating_an_earlier_id_is_reported_as_a_duplicate(tiny_l
     assert all(r["finish_reason"] == "error" for r in res[1:])
     assert "6 requests (5 failed)" in err
     assert err.count("duplicate id") == 3
+
+
+def test_a_bad_kernel_switch_is_one_error_line_naming_it(tiny_llama, tmp_path, capsys, monkeypatch):
+    """A LORAFLEET_* switch set to a value it cannot take stops the command with one line that names it (no traceback,
+    no silent default)."""
+    from lorafleet import cli
+
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text(json.dumps({"id": "a", "prompt_token_ids": [1, 2], "max_tokens": 2}) + "\n")
+    monkeypatch.setenv("LORAFLEET_SHRINK_EARLY", "maybe")
+    rc = cli.main(["generate", "--model", str(tiny_llama), "--input", str(inp), "--output", str(out), "--device", "cpu",
+                   "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "lorafleet generate: error: LORAFLEET_SHRINK_EARLY must be 1 or 0" in err and "'maybe'" in err
+    assert "Traceback" not in err

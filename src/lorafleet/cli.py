@@ -96,11 +96,12 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     from lorafleet.common.peft_config import AdapterError
+    from lorafleet.env import EnvError
     from lorafleet.models.contract import ModelError
 
     try:
         return int(module.run(args) or 0)
-    except (ModelError, AdapterError) as exc:  # a model or adapter that cannot be served: say why, no traceback
+    except (ModelError, AdapterError, EnvError) as exc:  # a model, adapter or setting that cannot be used: say why
         print(f"lorafleet {command}: error: {exc}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as exc:

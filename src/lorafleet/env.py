@@ -9,6 +9,10 @@ import os
 from pathlib import Path
 
 
+class EnvError(ValueError):
+    """A LORAFLEET_* variable with a value it cannot take (the message names the variable and what it takes)."""
+
+
 def _str(name: str, default: str) -> str:
     return os.environ.get(name, default)
 
@@ -17,7 +21,7 @@ def _choice(name: str, choices: tuple[str, ...]) -> str:
     """One of `choices` (case and surrounding blanks ignored; unset or empty: the first), else ValueError."""
     choice = _str(name, choices[0]).strip().lower() or choices[0]
     if choice not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {choice!r}")
+        raise EnvError(f"{name} must be one of {', '.join(choices)}, got {choice!r}")
     return choice
 
 
@@ -28,7 +32,7 @@ def _int(name: str, default: int) -> int:
     try:
         return int(raw)
     except ValueError as exc:
-        raise ValueError(f"environment variable {name} must be an integer, got {raw!r}") from exc
+        raise EnvError(f"environment variable {name} must be an integer, got {raw!r}") from exc
 
 
 def cache_dir() -> Path:
@@ -125,7 +129,7 @@ def pvc_root() -> Path:
 
 def fused_ops() -> bool:
     """LORAFLEET_FUSED_OPS: use flashinfer's fused norm / activation / RoPE kernels on CUDA (default 1)."""
-    return _str("LORAFLEET_FUSED_OPS", "1").lower() not in ("0", "false", "no")
+    return _flag("LORAFLEET_FUSED_OPS", True)
 
 
 def rope_kv_kernel() -> bool:
@@ -169,7 +173,7 @@ def fp8_swap_rows() -> int:
     the FP8 tensor cores (the operands swapped, the same products) instead of x @ W.T (default 0: never)."""
     rows = _int("LORAFLEET_FP8_SWAP_ROWS", 0)
     if rows < 0:
-        raise ValueError(f"LORAFLEET_FP8_SWAP_ROWS must be >= 0, got {rows}")
+        raise EnvError(f"LORAFLEET_FP8_SWAP_ROWS must be >= 0, got {rows}")
     return rows
 
 
@@ -179,7 +183,7 @@ def fp8_gemm_rows() -> int:
     (default 0: never)."""
     rows = _int("LORAFLEET_FP8_GEMM_ROWS", 0)
     if not 0 <= rows <= 64:
-        raise ValueError(f"LORAFLEET_FP8_GEMM_ROWS must be in [0, 64], got {rows}")
+        raise EnvError(f"LORAFLEET_FP8_GEMM_ROWS must be in [0, 64], got {rows}")
     return rows
 
 
@@ -226,7 +230,7 @@ def dense_lora_rows() -> int:
     LoRA kernels)."""
     rows = _int("LORAFLEET_DENSE_LORA_ROWS", DENSE_LORA_ROWS_DEFAULT)
     if rows < 0:
-        raise ValueError(f"LORAFLEET_DENSE_LORA_ROWS must be >= 0, got {rows}")
+        raise EnvError(f"LORAFLEET_DENSE_LORA_ROWS must be >= 0, got {rows}")
     return rows
 
 
@@ -239,7 +243,7 @@ def fp8_unit_scale_elems() -> int:
     every weight; 0: never (the per-row call)."""
     elems = _int("LORAFLEET_FP8_UNIT_SCALE_ELEMS", UNIT_SCALE_ELEMS_DEFAULT)
     if elems < 0:
-        raise ValueError(f"LORAFLEET_FP8_UNIT_SCALE_ELEMS must be >= 0, got {elems}")
+        raise EnvError(f"LORAFLEET_FP8_UNIT_SCALE_ELEMS must be >= 0, got {elems}")
     return elems
 
 
@@ -250,15 +254,24 @@ def blas_lt_rows() -> int:
     model is built: a model built earlier and shared keeps the value it saw."""
     rows = _int("LORAFLEET_BLAS_LT_ROWS", 64)
     if rows < 0:
-        raise ValueError(f"LORAFLEET_BLAS_LT_ROWS must be >= 0, got {rows}")
+        raise EnvError(f"LORAFLEET_BLAS_LT_ROWS must be >= 0, got {rows}")
     return rows
 
 
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
 def _flag(name: str, default: bool = False) -> bool:
+    """A switch: unset or empty gives `default`; 1/true/yes/on and 0/false/no/off (any case); anything else is an
+    error naming the variable, never a silent default."""
     raw = os.environ.get(name, "").strip().lower()
     if raw == "":
         return default
-    return raw in ("1", "true", "yes", "on")
+    if raw in _TRUE:
+        return True
+    if raw in _FALSE:
+        return False
+    raise EnvError(f"{name} must be 1 or 0 (also true/false, yes/no, on/off), got {os.environ[name]!r}")
 
 
 def allow_private_sources() -> bool:
