@@ -34,6 +34,8 @@
 #            GEMMs per BLAS backend -> probe[_TAG].json (PROBE_ARGS="--skip ..." picks sections)
 #   compare  bench e2e (7B shape; distinct, identical, LoRA off; REQS, default 500) of the old code in .old/ (a git
 #            worktree of the commit to compare with, carried with the call), then of this tree -> cmp_old/cmp_new.json
+#            (CMP_MIXES: the mixes; CMP_ARGS: extra bench arguments, e.g. "--quantization fp8 --profile"; each tree
+#            builds its kernels into a folder of its own: /tmp/lfkernels_old, /tmp/lfkernels)
 #   prefix   bench e2e --prefix-workloads: shared system prompts (32 adapters x 1,024 tokens), 4-turn chats and the
 #            usual no-sharing mix, each with the prefix cache off and on                    -> e2e_prefix.json
 #            (PREFIX_ARGS, e.g. "--prefix-rate 8": Poisson arrivals for system-prompt and sharegpt; TAG: name suffix)
@@ -190,12 +192,16 @@ stage() {
       timeout ${QUALITY_S:-300} python3 -m lorafleet bench quality --model "$QUALITY_MODEL" --device cuda \
         ${QUALITY_ARGS:-} --out "$OUT/quality.json" 2>&1 | tee "$LOGS/quality.log" | tail -8 ;;
     compare)
-      local v dir
+      local v dir kdir
       for v in old new; do
         dir=$PWD; [ "$v" = old ] && dir=$PWD/.old
         [ -d "$dir" ] || { echo "compare: no $dir"; return 2; }
-        ( cd "$dir" && PYTHONPATH=$dir/src:/tmp/site timeout ${CMP_S:-280} python3 -m lorafleet --log-level WARNING \
-            bench e2e --requests ${REQS:-500} --mixes distinct identical --hf-requests 0 --out "$OUT/cmp_$v.json" ) 2>&1 \
+        # the old tree builds its kernels into a folder of its own (a build folder keeps one library)
+        kdir=/tmp/lfkernels; [ "$v" = old ] && kdir=/tmp/lfkernels_old
+        ( cd "$dir" && PYTHONPATH=$dir/src:/tmp/site LORAFLEET_KERNEL_DIR=$kdir \
+            timeout ${CMP_S:-280} python3 -m lorafleet --log-level WARNING \
+            bench e2e --requests ${REQS:-500} --mixes ${CMP_MIXES:-distinct identical} --hf-requests 0 ${CMP_ARGS:-} \
+            --out "$OUT/cmp_$v.json" ) 2>&1 \
           | tee "$LOGS/cmp_$v.log" | tail -5
       done ;;
     prefix)
