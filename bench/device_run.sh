@@ -33,7 +33,8 @@
 #   probe    bench/probe_decode.py: decode attention variants, LoRA beside the GEMM (SM carve-out), the decode
 #            GEMMs per BLAS backend -> probe[_TAG].json (PROBE_ARGS="--skip ..." picks sections)
 #   compare  bench e2e (7B shape; distinct, identical, LoRA off; REQS, default 500) of the old code in .old/ (a git
-#            worktree of the commit to compare with, carried with the call), then of this tree -> cmp_old/cmp_new.json
+#            worktree of the commit to compare with: git worktree add .old COMMIT, then carry ".old"), then of this
+#            tree -> cmp_old/cmp_new.json
 #            (CMP_MIXES: the mixes; CMP_ARGS: extra bench arguments, e.g. "--quantization fp8 --profile"; each tree
 #            builds its kernels into a folder of its own: /tmp/lfkernels_old, /tmp/lfkernels)
 #   prefix   bench e2e --prefix-workloads: shared system prompts (32 adapters x 1,024 tokens), 4-turn chats and the
