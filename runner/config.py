@@ -28,6 +28,8 @@ class KernelChoices:
     rope_kv_fp8: that kernel also writes FP8 (e4m3) K/V pages (otherwise those take the torch writer).
     norm_shrink: the RMSNorms before qkv and gate_up on the project's kernel (CUDA; with FP8 weights it quantizes
         the rows too), which in decode steps with adapters also computes the group's LoRA shrink.
+    decode_ranks: rank rows per work item of the LoRA shrink's one-row segments (1, 2 or 4; 0: the kernel's choice),
+        in the shrinks of decode steps (CUDA; a launch shape, the same bits).
     shrink_early: the LoRA shrink launched right after its projection's base GEMM does not wait for that GEMM
         before reading x (CUDA, two launches per group; the same bits).
     blas_lt_rows: steps of at most this many rows run the o and down GEMMs on cuBLASLt (CUDA, one GPU).
@@ -66,6 +68,7 @@ class KernelChoices:
     rope_kv_fp8: bool = True
     norm_shrink: bool = False
     shrink_early: bool = False
+    decode_ranks: int = 0
     blas_lt_rows: int = 64
     fp8_swap_rows: int = 0
     fp8_gemm_rows: int = 0
@@ -87,6 +90,8 @@ class KernelChoices:
         for name in ("blas_lt_rows", "fp8_swap_rows", "fp8_unit_scale_elems", "dense_lora_rows", "dense_lora_min_work"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.decode_ranks not in (0, 1, 2, 4):
+            raise ValueError(f"decode_ranks must be 0, 1, 2 or 4, got {self.decode_ranks}")
         if not 0 <= self.fp8_gemm_rows <= 64:
             raise ValueError(f"fp8_gemm_rows must be in [0, 64], got {self.fp8_gemm_rows}")
         if len(self.mma_rows) != 4 or any(len(r) != 2 or min(r) < 1 for r in self.mma_rows):
@@ -101,7 +106,8 @@ class KernelChoices:
                    decode_tc=env.decode_tensor_cores(), sgmv=env.sgmv_backend(),
                    sgmv_fused=env.sgmv_fused(), fused_ops=env.fused_ops(), rope_kv=env.rope_kv_kernel(),
                    rope_kv_lora=env.rope_kv_lora(), rope_kv_fp8=env.rope_kv_fp8(),
-                   norm_shrink=env.norm_shrink(), shrink_early=env.shrink_early(), blas_lt_rows=env.blas_lt_rows(),
+                   norm_shrink=env.norm_shrink(), shrink_early=env.shrink_early(),
+                   decode_ranks=env.decode_ranks(), blas_lt_rows=env.blas_lt_rows(),
                    fp8_swap_rows=env.fp8_swap_rows(), fp8_gemm_rows=env.fp8_gemm_rows(),
                    fp8_gemm_bf16=env.fp8_gemm_bf16(),
                    fp8_unit_scale_elems=env.fp8_unit_scale_elems(), fp8_epilogue=env.fp8_epilogue(),

@@ -138,6 +138,15 @@ def test_fp8_gemm_switches(monkeypatch):
     monkeypatch.setenv("LORAFLEET_SHRINK_EARLY", "1")
     assert KernelChoices.from_env().describe() == "kernel choices: shrink_early=True"
     monkeypatch.delenv("LORAFLEET_SHRINK_EARLY")
+    monkeypatch.delenv("LORAFLEET_DECODE_RANKS", raising=False)
+    assert env.decode_ranks() == 0  # the kernel's own choice
+    monkeypatch.setenv("LORAFLEET_DECODE_RANKS", "4")
+    assert KernelChoices.from_env().describe() == "kernel choices: decode_ranks=4"
+    for bad in ("3", "8", "-1"):
+        monkeypatch.setenv("LORAFLEET_DECODE_RANKS", bad)
+        with pytest.raises(ValueError, match="LORAFLEET_DECODE_RANKS must be 0, 1, 2 or 4"):
+            env.decode_ranks()
+    monkeypatch.delenv("LORAFLEET_DECODE_RANKS")
     monkeypatch.delenv("LORAFLEET_FP8_EPILOGUE_ACT", raising=False)
     assert not env.fp8_epilogue_act()  # off until measured on a GPU
     monkeypatch.setenv("LORAFLEET_FP8_EPILOGUE_ACT", "1")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from lorafleet.common.peft_config import AdapterSpec, BaseShape
@@ -79,9 +80,10 @@ def test_step_passes_each_groups_tensor_core_thresholds(monkeypatch):
             self.calls = []
             self.ready = []
 
-        def add(self, ys, v, x, a, b, ranks, host_ranks, seg, mma=True, mma_rows=None, fused=True, x_ready=False):
+        def add(self, ys, v, x, a, b, ranks, host_ranks, seg, mma=True, mma_rows=None, fused=True, x_ready=False,
+                decode_ranks=0):
             self.calls.append((mma, mma_rows, fused))
-            self.ready.append(x_ready)
+            self.ready.append((x_ready, decode_ranks) if decode_ranks else x_ready)
             super().add(ys, v, x, a, b, ranks, host_ranks, seg, mma, mma_rows, fused)
 
     pool = LoraPool(BASE, num_slots=3, max_rank=8, dtype=torch.float32, device=torch.device("cpu"))
@@ -111,6 +113,13 @@ def test_step_passes_each_groups_tensor_core_thresholds(monkeypatch):
     x = torch.randn(len(row_slots), BASE.hidden_size, generator=g)
     step.add(0, 1, x, (torch.zeros(len(row_slots), BASE.shape(PROJECTIONS[3])[1]),))
     assert sg.ready == [True]
+    # KernelChoices.decode_ranks: the shrink's items of one-row segments, asked of every call
+    sg = Recording()
+    step = LoraStepImpl(pool, sg, build_segments(row_slots), mma=False, kernels=KernelChoices(decode_ranks=4))
+    step.add(0, 1, x, (torch.zeros(len(row_slots), BASE.shape(PROJECTIONS[3])[1]),))
+    assert sg.ready == [(False, 4)]
+    with pytest.raises(ValueError, match="decode_ranks must be 0, 1, 2 or 4"):
+        KernelChoices(decode_ranks=3)
 
 
 def test_qkv_expand_left_to_rope_kv_keeps_the_add_on():

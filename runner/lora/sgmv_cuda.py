@@ -119,18 +119,20 @@ class CudaSGMV:
     def add(self, ys: Sequence[torch.Tensor], v: torch.Tensor, x: torch.Tensor, a: Sequence[torch.Tensor],
             b: Sequence[torch.Tensor], ranks: torch.Tensor, host_ranks: Sequence[Sequence[int]], seg: SegmentTable,
             mma: bool = True, mma_rows: tuple[int, int] | None = None, fused: bool = True,
-            x_ready: bool = False) -> None:
+            x_ready: bool = False, decode_ranks: int = 0) -> None:
         """shrink then expand of one group (see the class docstring), fused into one launch when T is
         below both thresholds (`mma=False`: always). `mma_rows` = (shrink, expand) thresholds of this
         call instead of the instance's. `fused=False`: always the two launches (the same bits as the
         fused launch); `mma=False, fused=False` is what decode steps call. `x_ready`: the two launches' shrink
-        need not wait for the kernel enqueued before the call (see shrink); the fused launch ignores it."""
+        need not wait for the kernel enqueued before the call (see shrink); the fused launch ignores it, as it does
+        `decode_ranks` (the two launches' shrink: see shrink)."""
         if not x.is_cuda:
             raise ValueError(f"CudaSGMV needs CUDA tensors, got x on {x.device} (use TorchSGMV on the CPU)")
         big = 1 << 30
         s_rows, e_rows = mma_rows or (self.shrink_mma_min_rows, self.expand_mma_min_rows)  # the binding checks >= 1
         if not fused:
-            self.shrink(v, x, a, ranks, host_ranks, seg, mma_min_rows=s_rows if mma else big, x_ready=x_ready)
+            self.shrink(v, x, a, ranks, host_ranks, seg, mma_min_rows=s_rows if mma else big, x_ready=x_ready,
+                        decode_ranks=decode_ranks)
             self.expand(ys, v, b, ranks, host_ranks, seg, mma_min_rows=e_rows if mma else big)
             return
         stream = torch.cuda.current_stream(x.device).cuda_stream

@@ -88,6 +88,7 @@ class LoraStepImpl:
         self.mma_rows = kernels.mma_rows
         # the shrink of add / add_qkv follows the base GEMM on the same x (runner/model/decoder.py): it need not wait
         self.x_ready = kernels.shrink_early
+        self.decode_ranks = kernels.decode_ranks  # rank rows per shrink item of one-row segments (0: the kernel's)
         # Decode graphs with the fused K/V writer (KernelChoices.rope_kv_lora): the qkv group's expand is left to that
         # kernel (add_qkv), which adds it in the same order as the CUDA-core expand.
         self.qkv_expand_in_rope = qkv_expand_in_rope and not mma
@@ -117,7 +118,8 @@ class LoraStepImpl:
         if self._take_shrunk(layer, 0):
             pass
         elif getattr(self.sgmv, "name", "") == "cuda":  # CUDA-core items, as the decode call's shrink
-            self.sgmv.shrink(v, x, a, ranks, host, self.seg, mma_min_rows=1 << 30, x_ready=self.x_ready)
+            self.sgmv.shrink(v, x, a, ranks, host, self.seg, mma_min_rows=1 << 30, x_ready=self.x_ready,
+                             decode_ranks=self.decode_ranks)
         else:
             self.sgmv.shrink(v, x, a, ranks, host, self.seg)
         return v, b, ranks, row_slot
@@ -184,7 +186,8 @@ class LoraStepImpl:
             if quant is not None:
                 raise ValueError("epilogue_operands: the norm's launch did the shrink; it quantizes x itself")
         else:
-            self.sgmv.shrink(v, x, a, ranks, host, self.seg, mma_min_rows=1 << 30, quant=quant)
+            self.sgmv.shrink(v, x, a, ranks, host, self.seg, mma_min_rows=1 << 30, quant=quant,
+                             decode_ranks=self.decode_ranks)
         return v, b, ranks, row_slot
 
     def add(self, layer: int, group: int, x: torch.Tensor, ys: tuple[torch.Tensor, ...]) -> None:
@@ -196,7 +199,7 @@ class LoraStepImpl:
             self.sgmv.expand(ys, v, b, ranks, host, self.seg, mma_min_rows=1 << 30)
             return
         self.sgmv.add(ys, v, x, a, b, ranks, host, self.seg, self.mma, self.mma_rows[group],
-                      fused=self.fused, x_ready=self.x_ready)
+                      fused=self.fused, x_ready=self.x_ready, decode_ranks=self.decode_ranks)
 
     def dense_linear(self, layer: int, group: int, x: torch.Tensor, w: torch.Tensor,
                      bias: torch.Tensor | None) -> torch.Tensor:

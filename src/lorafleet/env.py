@@ -161,6 +161,15 @@ def shrink_early() -> bool:
     return _flag("LORAFLEET_SHRINK_EARLY", False)
 
 
+def decode_ranks() -> int:
+    """LORAFLEET_DECODE_RANKS: rank rows per work item of the LoRA shrink's one-row segments (decode rows): 1, 2 or 4;
+    0 (default): the kernel's own choice (2 in decode steps). A launch shape only: never changes a bit."""
+    ranks = _int("LORAFLEET_DECODE_RANKS", 0)
+    if ranks not in (0, 1, 2, 4):
+        raise EnvError(f"LORAFLEET_DECODE_RANKS must be 0, 1, 2 or 4, got {ranks}")
+    return ranks
+
+
 def rope_kv_lora() -> bool:
     """LORAFLEET_ROPE_KV_LORA: decode CUDA graphs add the qkv rows' LoRA expand inside the rope_kv
     kernel instead of a separate expand launch per layer (same bits; default 0: no gain on the H200,
