@@ -103,10 +103,10 @@ struct LaunchOptions {
   // Shrink only: the kernel launched right before this one (the base GEMM that reads the same x) neither writes x
   // nor reads or writes v, and lets this launch start only once every kernel before it is complete (a kernel
   // launched normally, as cuBLAS's and torch's are; never one of this file's kernels, which let their dependents
-  // start at once). The items then read x and
-  // write v without waiting for that kernel (under programmatic dependent launch the whole shrink can run
-  // while the GEMM drains); the launch still waits for it before finishing, so whatever follows the shrink
-  // sees both complete. Never changes a bit of v. Ignored by the fused and norm launches.
+  // start at once). The items then read x and write v without waiting for that kernel (under programmatic
+  // dependent launch the whole shrink can run while the GEMM drains); the launch still waits for it before
+  // finishing, so whatever follows the shrink sees both complete. Never changes a bit of v. Ignored by the fused
+  // and norm launches.
   bool x_ready = false;
 };
 
