@@ -429,6 +429,11 @@ def test_kernel_gaps_attributes_idle_time_to_the_kernel_pair_around_it():
     assert kernel_label("void lorafleet::(anonymous namespace)::sgmv_shrink_kernel<__nv_bfloat16, false, false>"
                         "(lorafleet::(anonymous namespace)::ShrinkParams)") == "sgmv_shrink_kernel"
     assert kernel_label("nvjet_sm90_qqsss_192x32_128x7_4x1_v_bz_algo2_TNT") == "nvjet_sm90_qqsss"
+    assert kernel_label("void cutlass::device_kernel<flash::FlashAttnFwdSm90<flash::CollectiveMainloopFwdSm90<2>, "
+                        "int> >(flash::FlashAttnFwdSm90<int>::Params)") == "device_kernel<FlashAttnFwdSm90>"
+    assert kernel_label("void cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<int> >(P)") == \
+        "device_kernel<GemmUniversal>"
+    assert kernel_label("gemvx_kernel") == "gemvx_kernel" and kernel_label("") == ""
     assert kernel_label("void flashinfer::norm::FusedAddRMSNormKernel<8u, __nv_bfloat16>(__nv_bfloat16*)") == \
         "FusedAddRMSNormKernel"
     # two steps of: shrink 0-5, gemm 7-20 (2 us idle), epilogue 18-25 (started early: 2 us overlap),

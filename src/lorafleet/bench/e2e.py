@@ -399,11 +399,16 @@ def profile_steps(engine, n: int, top: int = 12, while_=None) -> dict:
 
 def kernel_label(name: str) -> str:
     """A kernel's short name: its function's identifier without namespaces, template arguments and
-    parameters (cuBLAS's nvjet kernels by their first three fields)."""
+    parameters (cuBLAS's nvjet kernels by their first three fields; a CUTLASS `device_kernel<Op>` by its Op's)."""
     if name.startswith("nvjet"):
         return "_".join(name.split("_")[:3])
-    head = re.split(r"[<(]", name.removeprefix("void ").replace("(anonymous namespace)::", ""), maxsplit=1)[0]
-    return head.rsplit("::", 1)[-1].strip() or name[:40]
+    name = name.removeprefix("void ").replace("(anonymous namespace)::", "")
+    head, _, rest = name.partition("<")
+    head = head.split("(", 1)[0].rsplit("::", 1)[-1].strip()
+    if head == "device_kernel" and rest:
+        inner = re.split(r"[<(,]", rest, maxsplit=1)[0].rsplit("::", 1)[-1].strip()
+        return f"device_kernel<{inner}>" if inner else head
+    return head or name[:40]
 
 
 def kernel_gaps(spans, n_steps: int, top: int = 12) -> dict:
