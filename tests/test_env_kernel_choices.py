@@ -123,35 +123,23 @@ def test_fp8_gemm_switches(monkeypatch):
     assert KernelChoices.from_env().describe() == "kernel choices: fp8_epilogue=False, fp8_quant_in_shrink=False"
     monkeypatch.delenv("LORAFLEET_FP8_EPILOGUE")
     monkeypatch.delenv("LORAFLEET_FP8_QUANT_IN_SHRINK")
-    monkeypatch.delenv("LORAFLEET_ROPE_KV_FP8", raising=False)
-    assert env.rope_kv_fp8()  # on since measured on a GPU (+9 % with FP8 K/V pages)
-    monkeypatch.setenv("LORAFLEET_ROPE_KV_FP8", "0")
-    assert KernelChoices.from_env().describe() == "kernel choices: rope_kv_fp8=False"
-    monkeypatch.delenv("LORAFLEET_ROPE_KV_FP8")
-    monkeypatch.delenv("LORAFLEET_NORM_SHRINK", raising=False)
-    assert not env.norm_shrink()  # off until measured on a GPU
-    monkeypatch.setenv("LORAFLEET_NORM_SHRINK", "1")
-    assert KernelChoices.from_env().describe() == "kernel choices: norm_shrink=True"
-    monkeypatch.delenv("LORAFLEET_NORM_SHRINK")
-    monkeypatch.delenv("LORAFLEET_SHRINK_EARLY", raising=False)
-    assert not env.shrink_early()  # off: no gain end to end on the H200
-    monkeypatch.setenv("LORAFLEET_SHRINK_EARLY", "1")
-    assert KernelChoices.from_env().describe() == "kernel choices: shrink_early=True"
-    monkeypatch.delenv("LORAFLEET_SHRINK_EARLY")
-    monkeypatch.delenv("LORAFLEET_DECODE_RANKS", raising=False)
-    assert env.decode_ranks() == 0  # the kernel's own choice
-    monkeypatch.setenv("LORAFLEET_DECODE_RANKS", "4")
-    assert KernelChoices.from_env().describe() == "kernel choices: decode_ranks=4"
+    # each switch: its default (why, in the comment), and the choice it names when set
+    for var, read, default, raw, described in (
+            ("LORAFLEET_ROPE_KV_FP8", env.rope_kv_fp8, True, "0", "rope_kv_fp8=False"),  # on: +9 % with FP8 pages
+            ("LORAFLEET_NORM_SHRINK", env.norm_shrink, False, "1", "norm_shrink=True"),  # off: measured slower
+            ("LORAFLEET_SHRINK_EARLY", env.shrink_early, False, "1", "shrink_early=True"),  # off: no gain end to end
+            ("LORAFLEET_DECODE_RANKS", env.decode_ranks, 0, "4", "decode_ranks=4"),  # 0: the kernel's own choice
+            ("LORAFLEET_FP8_EPILOGUE_ACT", env.fp8_epilogue_act, False, "1", "fp8_epilogue_act=True")):  # off: unmeasured
+        monkeypatch.delenv(var, raising=False)
+        assert read() == default, var
+        monkeypatch.setenv(var, raw)
+        assert KernelChoices.from_env().describe() == f"kernel choices: {described}"
+        monkeypatch.delenv(var)
     for bad in ("3", "8", "-1"):
         monkeypatch.setenv("LORAFLEET_DECODE_RANKS", bad)
         with pytest.raises(ValueError, match="LORAFLEET_DECODE_RANKS must be 0, 1, 2 or 4"):
             env.decode_ranks()
     monkeypatch.delenv("LORAFLEET_DECODE_RANKS")
-    monkeypatch.delenv("LORAFLEET_FP8_EPILOGUE_ACT", raising=False)
-    assert not env.fp8_epilogue_act()  # off until measured on a GPU
-    monkeypatch.setenv("LORAFLEET_FP8_EPILOGUE_ACT", "1")
-    assert KernelChoices.from_env().describe() == "kernel choices: fp8_epilogue_act=True"
-    monkeypatch.delenv("LORAFLEET_FP8_EPILOGUE_ACT")
     monkeypatch.setenv("LORAFLEET_FP8_UNIT_SCALE_ELEMS", "-5")
     with pytest.raises(ValueError, match="LORAFLEET_FP8_UNIT_SCALE_ELEMS must be >= 0"):
         env.fp8_unit_scale_elems()
