@@ -38,6 +38,13 @@ ACT_CODES = {"silu": 1, "gelu_tanh": 2}
 log = logging.getLogger(__name__)
 
 
+def quant_buffers(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty e4m3 rows and fp32 scales [T, 1] for x [T, K]'s per-token quantization by a launch that also does
+    other work (the norm's, the LoRA shrink's)."""
+    return (torch.empty(x.shape, dtype=E4M3, device=x.device),
+            torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device))
+
+
 class AttentionStep(Protocol):
     def attend(self, layer: int, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """q [T, Hq, D] over the paged cache (this step's K/V already written) -> out [T, Hq * D]
@@ -291,8 +298,7 @@ class Decoder:
         # (also under fp8_gemm_bf16: the product then ignores them where its bf16-row kernel runs, and every other
         # FP8 call, which the step may still take, needs them: the norm's launch may have done the shrink already)
         if isinstance(proj, Fp8Weight) and self.fp8_tensor_cores:
-            quant = (torch.empty(h.shape, dtype=E4M3, device=h.device),
-                     torch.empty(h.shape[0], 1, dtype=torch.float32, device=h.device))
+            quant = quant_buffers(h)
         q = quant and (quant[0], quant[1].view(-1))
         if not (lora is not None and getattr(lora, "norm_shrink", None) is not None
                 and lora.norm_shrink(i, group, x, n, q)):
@@ -330,8 +336,7 @@ class Decoder:
                 return None
             mine = None
             if quant is None and self.fp8_quant_in_shrink and x.is_contiguous():  # the shrink's launch quantizes x too
-                quant = mine = (torch.empty(x.shape, dtype=E4M3, device=x.device),
-                                torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device))
+                quant = mine = quant_buffers(x)
             operands = lora.epilogue_operands(i, group, x, quant=mine and (mine[0], mine[1].view(-1)))
             if operands is None and mine is not None:  # no adapter in the step: no shrink was launched
                 quant = None
