@@ -11,6 +11,7 @@
 #   etests   engine GPU tests only
 #   ftests   every model family against HF + PEFT and graphs against eager, and the flashinfer plan and window tests
 #   fp8tests FP8 weights (and FP8 K/V pages) against the fp32 HF emulation of FP8, graphs against eager, bytes
+#   sm90tests the wgmma FP8 GEMM (csrc/fp8_gemm_sm90.cu) against the fp64 sum of its e4m3 products and cuBLASLt
 #   stests   the LoRA shrink that does not wait for its base GEMM (tests/gpu/test_shrink_early_cuda.py)
 #   ntests   the project's RMSNorm kernel and the norm + LoRA shrink launch (tests/gpu/test_norm_cuda.py; NTESTS_K: -k)
 #   ptests   the prefix cache against HF + PEFT fp32 (llama3, gemma3), hits counted
@@ -164,8 +165,9 @@ stage() {
       timeout ${TEST_S:-300} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_shrink_early_cuda.py -rA -s --tb=short \
         -o faulthandler_timeout=${HANG_S:-200} 2>&1 | tee "$LOGS/gpu_stests.log" \
         | grep -E "passed|failed|FAILED|Error|Timeout|File |^E  " | cut -c1-300 | tail -${TEST_LINES:-20} ;;
-    fp8tests|ptests)
+    fp8tests|ptests|sm90tests)
       local f=tests/gpu/test_fp8_cuda.py; [ "$1" = ptests ] && f=tests/gpu/test_prefix_cuda.py
+      [ "$1" = sm90tests ] && f=tests/gpu/test_fp8_sm90_cuda.py
       timeout ${TEST_S:-400} python3 -m pytest -q -p no:cacheprovider $f -rA -s --durations=4 --tb=short -k "${FP8_K:-}" \
         -o faulthandler_timeout=${HANG_S:-200} 2>&1 | tee "$LOGS/gpu_$1.log" \
         | grep -E "passed|failed|FAILED|flips|cache|Error|Timeout|File |^E  " | cut -c1-300 | tail -${TEST_LINES:-30} ;;

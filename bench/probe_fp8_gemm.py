@@ -5,7 +5,10 @@ For each projection of the Llama-2-7B and -70B shapes at M token rows (default 3
 swapped (W @ x.T, so the GEMM's long side is the weight's rows), per-tensor scales with the row scales
 applied after an fp32 output, and the project's kernel (csrc/fp8_gemm.cu) on the e4m3 activations (`own`) and
 on the bf16 ones, weight-only (`own_bf16`); their largest relative errors against the fp32 product of the same
-operands are reported as `own_max_rel_err`, `own_bf16_max_rel_err`). Weights rotate over
+operands are reported as `own_max_rel_err`, `own_bf16_max_rel_err`). The engine's decode product is the
+unit-scale one into fp32 (`unit_fp32`: cuBLASLt; `sm90`: the project's wgmma kernel, csrc/fp8_gemm_sm90.cu, where
+the build has it; `sm90_max_rel_err` against the fp32 product of the e4m3 operands; `sm90_s2`, `sm90_s4`: K in
+2 or 4 parts run as a batch, partial sums only). Weights rotate over
 copies larger than L2, so every call reads from HBM. Reports us per call replayed from a CUDA graph (as the
 engine's decode steps run) with the weight bytes / that time (TB/s), and us per call launched from Python.
 
@@ -99,6 +102,7 @@ def main(argv=None) -> int:
             rs = [w.scale.view(1, -1).contiguous() for w in ws]
             cs = [w.scale.view(-1, 1).contiguous() for w in ws]
             out = torch.empty(M, N, device=dev, dtype=torch.bfloat16)
+            out32 = torch.empty(M, N, device=dev, dtype=torch.float32)
             fns = {
                 "bf16": lambda i: torch.nn.functional.linear(x, w16[i % len(w16)]),
                 "rowwise": lambda i: torch._scaled_mm(xq, ws[i % copies].q.t(), scale_a=sx, scale_b=rs[i % copies],
@@ -108,13 +112,26 @@ def main(argv=None) -> int:
                 "tensor_fp32_then_scale": lambda i: (torch._scaled_mm(xq, ws[i % copies].q.t(), scale_a=one,
                                                                       scale_b=one, out_dtype=torch.float32)
                                                      * sx * rs[i % copies]).to(torch.bfloat16),
+                "unit_fp32": lambda i: torch._scaled_mm(xq, ws[i % copies].q.t(), scale_a=one, scale_b=one,
+                                                        out_dtype=torch.float32),
             }
+            if ext is not None and M <= 64 and hasattr(ext, "fp8_gemm_sm90") and ext.fp8_gemm_sm90_built():
+                fns["sm90"] = lambda i: ext.fp8_gemm_sm90(out32, xq, ws[i % copies].q,
+                                                          torch.cuda.current_stream().cuda_stream)
+                for s in (2, 4):  # K in s parts as a batch (partial sums only; the epilogue would add them)
+                    part = torch.empty(s, M, N, device=dev, dtype=torch.float32)
+                    fns[f"sm90_s{s}"] = (lambda part, s: lambda i: ext.fp8_gemm_sm90(
+                        part, xq, ws[i % copies].q, torch.cuda.current_stream().cuda_stream, s))(part, s)
             if ext is not None and M <= 64:
                 fns["own"] = lambda i: ext.fp8_gemm(out, xq, sx.view(-1), ws[i % copies].q, ws[i % copies].scale,
                                                     torch.cuda.current_stream().cuda_stream)  # (a capture's)
                 fns["own_bf16"] = lambda i: ext.fp8_gemm_bf16(out, x, ws[i % copies].q, ws[i % copies].scale,
                                                               torch.cuda.current_stream().cuda_stream)
             row = {"gemm": name, "M": M, "K": K, "N": N}
+            if "sm90" in fns:
+                fns["sm90"](0)
+                exact = xq.float() @ ws[0].q.float().t()
+                row["sm90_max_rel_err"] = float(((out32 - exact).abs() / exact.abs().max()).max())
             if "own" in fns:
                 w32 = ws[0].dequant(torch.float32).t()
                 for label, exact in (("own", (xq.float() * sx) @ w32), ("own_bf16", x.float() @ w32)):

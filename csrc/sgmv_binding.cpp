@@ -32,6 +32,9 @@
 //   fp8_gemm(out, x, x_scale, w, w_scale, stream): out = (x @ w.T) * x_scale[:, None] * w_scale[None, :] in
 //       bf16 for at most 64 e4m3 rows x (fp8_gemm.h), the weight streamed once.
 //   fp8_gemm_bf16(out, x, w, w_scale, stream): the same for bf16 rows x, unquantized: (x @ w.T) * w_scale.
+//   fp8_gemm_sm90(out, x, w, stream, splits=1): out = x @ w.T in fp32 (unit scales) for at most 64 e4m3 rows x on
+//       Hopper's wgmma (fp8_gemm_sm90.h, CUTLASS); splits > 1: out [splits, M, N] holds the partial sums of K's
+//       equal parts. fp8_gemm_sm90_built(): whether this build holds that kernel.
 //   fp8_epilogue(out, y, x_scale, w_scale, bias, cols, v, b, ranks, row_slot, pdl, stream, act=0): out = the fp32
 //       unit-scale FP8 product y times the token and row scales, plus the bias and the rows' LoRA expand
 //       (v @ b[g][row_slot]) over the projections' column spans `cols`, one launch (quant.h); bias and v
@@ -52,6 +55,7 @@
 #include <vector>
 
 #include "fp8_gemm.h"
+#include "fp8_gemm_sm90.h"
 #include "quant.h"
 #include "rope_kv.h"
 #include "sgmv.h"
@@ -579,6 +583,38 @@ void fp8_gemm_bf16(Tensor out, Tensor x, Tensor w, Tensor w_scale, int64_t strea
   fp8_gemm_impl(out, x, nullptr, w, w_scale, stream);
 }
 
+void fp8_gemm_sm90(Tensor out, Tensor x, Tensor w, int64_t stream, int64_t splits) {
+  SGMV_CHECK(lorafleet::fp8_gemm_sm90_built(), "fp8_gemm_sm90: this build has no sm90 FP8 GEMM (CUTLASS not found)");
+  SGMV_CHECK(x.is_cuda() && x.scalar_type() == torch::kFloat8_e4m3fn && x.dim() == 2 && x.is_contiguous(),
+             "fp8_gemm_sm90: x must be a contiguous 2-D float8_e4m3fn CUDA tensor");
+  for (const Tensor* t : {&w, &out}) check_device(*t, Name("fp8_gemm_sm90 operand"), x);
+  SGMV_CHECK(w.scalar_type() == torch::kFloat8_e4m3fn && w.dim() == 2 && w.is_contiguous() && w.size(1) == x.size(1),
+             "fp8_gemm_sm90: w must be contiguous float8_e4m3fn [N, K=%lld]", ll(x.size(1)));
+  const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
+  SGMV_CHECK(M >= 1 && M <= lorafleet::kFp8Sm90MaxRows, "fp8_gemm_sm90: 1 to %d rows, got %lld",
+             lorafleet::kFp8Sm90MaxRows, ll(M));
+  SGMV_CHECK(splits >= 1 && splits <= 16, "fp8_gemm_sm90: splits must be in [1, 16], got %lld", ll(splits));
+  SGMV_CHECK(K % (16 * splits) == 0 && N % 4 == 0 && K <= kInt32Max && N <= kInt32Max,
+             "fp8_gemm_sm90: K (%lld) must be a multiple of 16 * splits (%lld) and N (%lld) of 4", ll(K), ll(splits),
+             ll(N));
+  SGMV_CHECK(aligned16(x) && aligned16(w) && aligned16(out), "fp8_gemm_sm90: x, w and out must be 16-byte aligned");
+  const bool shape_ok = splits == 1 ? out.dim() == 2 && out.size(0) == M && out.size(1) == N
+                                    : out.dim() == 3 && out.size(0) == splits && out.size(1) == M && out.size(2) == N;
+  SGMV_CHECK(out.scalar_type() == torch::kFloat && out.is_contiguous() && shape_ok,
+             "fp8_gemm_sm90: out must be contiguous float32 [%lld, %lld] (splits 1) or [splits, %lld, %lld]", ll(M),
+             ll(N), ll(M), ll(N));
+  lorafleet::Fp8Sm90Args a;
+  a.x = static_cast<const uint8_t*>(x.data_ptr());
+  a.w = static_cast<const uint8_t*>(w.data_ptr());
+  a.out = out.data_ptr<float>();
+  a.m = static_cast<int>(M);
+  a.n = static_cast<int>(N);
+  a.k = static_cast<int>(K);
+  a.splits = static_cast<int>(splits);
+  const char* err = lorafleet::fp8_gemm_sm90(a, as_stream(stream));
+  SGMV_CHECK(err == nullptr, "fp8_gemm_sm90 launch failed: %s", err ? err : "");
+}
+
 void fp8_epilogue(Tensor out, Tensor y, Tensor x_scale, Tensor w_scale, std::optional<Tensor> bias,
                   std::vector<int64_t> cols, std::optional<Tensor> v, std::vector<Tensor> b,
                   std::optional<Tensor> ranks, std::optional<Tensor> row_slot, bool pdl, int64_t stream, int64_t act) {
@@ -705,6 +741,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fp8_gemm_bf16", &fp8_gemm_bf16,
         "bf16 (x @ w.T) * w_scale for at most 64 bf16 rows and e4m3 w (weight-only FP8), the weight streamed once",
         py::arg("out"), py::arg("x"), py::arg("w"), py::arg("w_scale"), py::arg("stream"));
+  m.def("fp8_gemm_sm90", &fp8_gemm_sm90, "fp32 x @ w.T (unit scales) for at most 64 e4m3 rows on Hopper's wgmma",
+        py::arg("out"), py::arg("x"), py::arg("w"), py::arg("stream"), py::arg("splits") = 1);
+  m.def("fp8_gemm_sm90_built", &lorafleet::fp8_gemm_sm90_built, "whether this build holds the sm90 FP8 GEMM");
   m.def("fp8_epilogue", &fp8_epilogue,
         "out = (y * x_scale) * w_scale [+ bias] [+ the rows' LoRA expand] for the fp32 unit-scale FP8 product y, one launch",
         py::arg("out"), py::arg("y"), py::arg("x_scale"), py::arg("w_scale"), py::arg("bias"), py::arg("cols"),

@@ -21,6 +21,7 @@ import argparse
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import sys
@@ -30,15 +31,35 @@ from types import ModuleType
 
 from lorafleet import env
 
+log = logging.getLogger(__name__)
+
 NAME = "lorafleet_sgmv"
 # repo/runner/kernels.py -> repo/csrc; wheel: lorafleet/runner/kernels.py -> lorafleet/csrc
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
 BINDING = "sgmv_binding.cpp"
-# sm_90 (H100/H200) and sm_80 (A100) machine code; no --use_fast_math (keeps IEEE fp32 accumulation).
-# sm_89 (Ada: FP8 tensor cores) has its own image: an 8.9 device would otherwise run the sm_80 one.
-CUDA_FLAGS = ["-O3", "-gencode=arch=compute_90,code=sm_90", "-gencode=arch=compute_89,code=sm_89",
+# sm_90a (H100/H200: the architecture-specific target, for wgmma and TMA) and sm_80 (A100) machine code; no
+# --use_fast_math (keeps IEEE fp32 accumulation). sm_89 (Ada: FP8 tensor cores) has its own image: an 8.9 device
+# would otherwise run the sm_80 one.
+CUDA_FLAGS = ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-gencode=arch=compute_89,code=sm_89",
               "-gencode=arch=compute_80,code=sm_80"]
 CXX_FLAGS = ["-O3"]
+
+
+def cutlass_includes() -> list[Path]:
+    """CUTLASS's header folders as flashinfer's package ships them (flashinfer builds its own kernels with them), or
+    [] where flashinfer is not installed: then csrc/fp8_gemm_sm90.cu builds without its kernel. The package is
+    located, not imported."""
+    spec = importlib.util.find_spec("flashinfer")
+    for root in (spec.submodule_search_locations or []) if spec is not None else []:
+        base = Path(root) / "data" / "cutlass"
+        dirs = [base / "include", base / "tools" / "util" / "include"]
+        if all((d / sub).is_dir() for d, sub in zip(dirs, ("cutlass", "cutlass"))):
+            return dirs
+    return []
+
+
+def cuda_flags(cutlass: list[Path]) -> list[str]:
+    return CUDA_FLAGS + (["-DLORAFLEET_CUTLASS"] if cutlass else [])
 
 _lock = threading.Lock()
 _module: ModuleType | None = None
@@ -58,7 +79,9 @@ def fingerprint() -> str:
         if path.suffix in {".cu", ".cuh", ".h", ".cpp"}:
             h.update(path.name.encode())
             h.update(path.read_bytes())
-    h.update(json.dumps([CUDA_FLAGS, CXX_FLAGS, torch.__version__, torch.version.cuda]).encode())
+    cutlass = cutlass_includes()
+    h.update(json.dumps([cuda_flags(cutlass), [str(d) for d in cutlass], CXX_FLAGS, torch.__version__,
+                         torch.version.cuda]).encode())
     return h.hexdigest()
 
 
@@ -106,13 +129,17 @@ def load(verbose: bool = False) -> ModuleType:
         fp = fingerprint()
         module = _import_prebuilt(build_dir, fp)
         if module is None:
+            cutlass = cutlass_includes()
+            if not cutlass:
+                log.info("CUTLASS's headers not found (flashinfer is not installed): building without the sm90 "
+                         "FP8 GEMM")
             module = cpp_extension.load(
                 name=NAME,
                 sources=[str(s) for s in sources()],
                 build_directory=str(build_dir),
                 extra_cflags=CXX_FLAGS,
-                extra_cuda_cflags=CUDA_FLAGS,
-                extra_include_paths=[str(CSRC)],
+                extra_cuda_cflags=cuda_flags(cutlass),
+                extra_include_paths=[str(CSRC), *map(str, cutlass)],
                 verbose=verbose,
             )
             _write_stamp(build_dir, fp, module)

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 
 from lorafleet.models.contract import ModelConfig
 from lorafleet.runner.config import KernelChoices
-from lorafleet.runner.model.fp8 import E4M3, Fp8Weight, epilogue_applies, fp8_linear, fp8_tensor_cores, unit_scale
+from lorafleet.runner.model.fp8 import (E4M3, Fp8Weight, epilogue_applies, fp8_linear, fp8_tensor_cores,
+                                       sm90_gemm_available, unit_scale)
 from lorafleet.runner.model.norm import OwnNorm
 from lorafleet.runner.model.ops import make_ops, prefer_cublaslt
 from lorafleet.runner.model.rope import Rope
@@ -149,6 +150,7 @@ class Decoder:
         self.fp8_epilogue = kernels.fp8_epilogue
         self.fp8_epilogue_act = kernels.fp8_epilogue_act  # ... and for gate_up the activation too (flashinfer ops)
         self.fp8_quant_in_shrink = kernels.fp8_quant_in_shrink  # with LoRA, the shrink's launch quantizes them too
+        self.fp8_sm90 = False  # the unit-scale product on the project's wgmma kernel (set below, where built)
         self.own_norm = None  # runner/model/norm.py OwnNorm: the norms before qkv and gate_up (KernelChoices.norm_shrink)
         self.embed_scale = (torch.tensor(cfg.embed_scale, dtype=torch.float32).to(dtype).item()
                             if cfg.embed_scale is not None else None)
@@ -181,6 +183,12 @@ class Decoder:
                 self.fp8_ext = load()
             except Exception as exc:  # no compiler: torch's ops quantize the activations (same bits, more launches)
                 log.warning("FP8 activation kernel unavailable (%s); activations are quantized by torch ops", exc)
+            if kernels.fp8_sm90:
+                self.fp8_sm90 = sm90_gemm_available(self.fp8_ext, self.device)
+                if not self.fp8_sm90:
+                    log.warning("LORAFLEET_FP8_SM90: the wgmma FP8 GEMM needs a compute capability 9.0 GPU and a "
+                                "kernel build with CUTLASS's headers (flashinfer installed); FP8 products stay on "
+                                "cuBLASLt")
         if kernels.norm_shrink and self.device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
             try:
                 from lorafleet.runner.kernels import load
@@ -345,7 +353,7 @@ class Decoder:
     def _fp8_linear(self, x: torch.Tensor, w: Fp8Weight, b: torch.Tensor | None, **finish) -> torch.Tensor:
         """fp8_linear with this model's FP8 kernel choices; `finish`: its epilogue arguments."""
         return fp8_linear(x, w, b, self.fp8_tensor_cores, self.fp8_ext, self.fp8_swap_rows, self.fp8_gemm_rows,
-                          self.fp8_unit_scale_elems, self.fp8_gemm_bf16, **finish)
+                          self.fp8_unit_scale_elems, self.fp8_gemm_bf16, sm90=self.fp8_sm90, **finish)
 
     @staticmethod
     def _dense(lora: LoraStep | None, w) -> bool:

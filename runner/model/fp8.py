@@ -113,6 +113,27 @@ def _aligned(t: torch.Tensor) -> bool:
     return t.is_contiguous() and t.data_ptr() % 16 == 0
 
 
+def sm90_gemm_available(ext, device: torch.device) -> bool:
+    """Whether the extension `ext` holds the wgmma FP8 GEMM (csrc/fp8_gemm_sm90.cu, built where CUTLASS's headers were
+    found) and `device` can run it (compute capability 9.0: its machine code is sm_90a)."""
+    return (ext is not None and hasattr(ext, "fp8_gemm_sm90_built") and bool(ext.fp8_gemm_sm90_built())
+            and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0))
+
+
+def _unit_product(xq: torch.Tensor, w: Fp8Weight, ext, sm90: bool) -> torch.Tensor:
+    """x_q @ w_q.T in fp32 with unit scales: on the wgmma kernel (`sm90`, where its operands suit it: K a multiple
+    of 16, N of 4, 16-byte aligned rows) or cuBLASLt. Both are sums of exact e4m3 products in fp32; they differ
+    only in the order of the additions."""
+    M, K = xq.shape
+    N = w.q.shape[0]
+    if sm90 and K % 16 == 0 and N % 4 == 0 and _aligned(xq) and _aligned(w.q):
+        y = torch.empty(M, N, dtype=torch.float32, device=xq.device)
+        ext.fp8_gemm_sm90(y, xq, w.q, torch.cuda.current_stream(xq.device).cuda_stream)
+        return y
+    one = unit_scale(xq.device)
+    return torch._scaled_mm(xq, w.q.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+
+
 def epilogue_applies(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_cores: bool, ext,
                      own_rows: int, unit_scale_elems: int, spans: list[int]) -> bool:
     """Whether fp8_linear(..., epilogue=True) can finish the unit-scale product in the extension's one-launch
@@ -131,13 +152,14 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
                ext=None, swap_rows: int = 0, own_rows: int = 0, unit_scale_elems: int = 0,
                own_bf16: bool = False, epilogue: bool = False, spans: list[int] | None = None,
                lora: tuple | None = None, quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
-               act: int = 0) -> torch.Tensor:
+               act: int = 0, sm90: bool = False) -> torch.Tensor:
     """x [M, K] (bf16/fp16 on the GPU, any float on the CPU) @ w.T + bias -> [M, N] in x's dtype. With the
     CUDA extension `ext`: the activations quantized by its one-launch kernel (see quantize_tokens), and for
     M <= `own_rows` (bf16, K a multiple of 64, N of 16) the product on its FP8 kernel (csrc/fp8_gemm.cu), with
     `own_bf16` on the bf16 rows themselves (weight-only FP8: no activation quantization, x @ dequant(w).T);
     Then, M <= 64 and N * K >= `unit_scale_elems` > 0: the product of the e4m3 operands with unit scales into
-    fp32, then times the token and row scales (the same arithmetic; cuBLASLt streams large weights faster there);
+    fp32, then times the token and row scales (the same arithmetic; cuBLASLt streams large weights faster there), the
+    product on the wgmma kernel with `sm90` (only where sm90_gemm_available);
     with `epilogue` (only where epilogue_applies) the scales, the bias and, given `lora` = (v, B pools, ranks,
     row slots) from LoraStepImpl.epilogue_operands, the rows' LoRA expand over the output `spans` in one launch,
     bit for bit the separate ops. `quantized`: x's e4m3 rows and scales [M, 1] already made (by the LoRA shrink's
@@ -165,8 +187,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
         y = torch.empty(M, N, dtype=x.dtype, device=x.device)
         ext.fp8_gemm(y, xq, sx.view(-1), w.q, w.scale_row.view(-1), torch.cuda.current_stream(x.device).cuda_stream)
     elif unit_scale_call(M, N, K, unit_scale_elems):
-        one = unit_scale(x.device)
-        y = torch._scaled_mm(xq, w.q.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+        y = _unit_product(xq, w, ext, sm90)
         if epilogue:
             out = torch.empty(M, N // 2 if act else N, dtype=x.dtype, device=x.device)
             v, b, ranks, row_slot = lora if lora is not None else (None, [], None, None)

@@ -214,8 +214,16 @@ def fp8_epilogue() -> bool:
 def fp8_epilogue_act() -> bool:
     """LORAFLEET_FP8_EPILOGUE_ACT: with FP8 weights, that epilogue and flashinfer's ops, the gate_up projection's
     epilogue also applies the activation (SiLU or GELU-tanh) and writes act(gate) * up, bit for bit flashinfer's
-    act_and_mul of its output, instead of that kernel's launch (default 0 until measured on a GPU)."""
-    return _flag("LORAFLEET_FP8_EPILOGUE_ACT", False)
+    act_and_mul of its output, instead of that kernel's launch (default 1: one launch less per layer, +0.6 to +1.5 %
+    end to end on the H200, docs/benchmarks.md section 10.11; 0: flashinfer's launch)."""
+    return _flag("LORAFLEET_FP8_EPILOGUE_ACT", True)
+
+
+def fp8_sm90() -> bool:
+    """LORAFLEET_FP8_SM90: with FP8 weights on a compute capability 9.0 GPU, the unit-scale product of steps of at
+    most 64 rows runs on the project's wgmma kernel (csrc/fp8_gemm_sm90.cu, CUTLASS's sm90 collectives, the weight
+    as the long side of the MMA) instead of cuBLASLt (default 0; needs a build that found CUTLASS's headers)."""
+    return _flag("LORAFLEET_FP8_SM90", False)
 
 
 def fp8_quant_in_shrink() -> bool:

@@ -346,6 +346,8 @@ GEMM_CHOICES = {  # gemm -> the engine's kernel choices and step size for that F
     "unit_norm": {"kernels": KernelChoices(norm_shrink=True)},
     # every step on csrc/fp8_gemm.cu with the bf16 activations unquantized (weight-only FP8)
     "own_bf16": {"kernels": KernelChoices(fp8_gemm_rows=64, fp8_gemm_bf16=True), "max_step_tokens": 64},
+    # the unit-scale product of steps of at most 64 rows on the project's wgmma kernel (csrc/fp8_gemm_sm90.cu)
+    "sm90": {"kernels": KernelChoices(fp8_sm90=True), "max_step_tokens": 64},
 }
 WEIGHT_ONLY = {"own_bf16"}  # choices whose activations are not rounded through e4m3
 
@@ -359,10 +361,13 @@ WEIGHT_ONLY = {"own_bf16"}  # choices whose activations are not rounded through 
                                      pytest.param("auto", "own_bf16", marks=pytest.mark.xfail(strict=False, reason=(
                                          "H200, 2026-12-03: 12 / 14 flips of 48 (worst 0.051 / 0.042) against the "
                                          "weight-only reference, beyond its bound of 0.02 set by HF's bf16 run "
-                                         "(2 / 4 flips); not yet explained, the path is off by default")))])
+                                         "(2 / 4 flips); not yet explained, the path is off by default"))),
+                                     ("auto", "sm90"), ("fp8", "sm90")])
 def test_fp8_engine_matches_the_fp32_fp8_reference_teacher_forced(fam, kv, gemm):
     """Each way of calling the FP8 tensor cores (GEMM_CHOICES) against the fp32 FP8 reference (its activations
     rounded through e4m3 per token, except for the weight-only choices)."""
+    if gemm == "sm90" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma kernel is built for compute capability 9.0 only")
     name, model, rounded, ads, reqs = fam
     fp8kv, acts = kv == "fp8", gemm not in WEIGHT_ONLY
     toks = reference_continuations(rounded, ads, reqs, fp8kv, acts)
@@ -374,6 +379,7 @@ def test_fp8_engine_matches_the_fp32_fp8_reference_teacher_forced(fam, kv, gemm)
     assert isinstance(layer.qkv, Fp8Weight) and layer.qkv.q.dtype == E4M3 and layer.qkv.q.is_cuda
     assert (eng.kv.k.dtype == E4M3) == fp8kv
     assert eng.sgmv.name == "cuda"
+    assert eng.model.fp8_sm90 == (gemm == "sm90")  # the choice was taken (needs sm_90a and CUTLASS in the build)
 
 
 def test_fp8_reference_is_not_the_bf16_model(fam):
@@ -388,7 +394,7 @@ def test_fp8_reference_is_not_the_bf16_model(fam):
 
 @pytest.mark.parametrize("kv,gemm", [("auto", "cublaslt"), ("fp8", "cublaslt"), ("auto", "own"), ("auto", "unit"),
                                      ("fp8", "unit"), ("fp8", "unit_tc"), ("auto", "unit_norm"), ("fp8", "unit_norm"),
-                                     ("auto", "own_bf16")])
+                                     ("auto", "own_bf16"), ("auto", "sm90"), ("fp8", "sm90")])
 def test_fp8_decode_graph_replay_matches_the_eager_step(fam, kv, gemm):
     """(gemm "own": the project's FP8 kernel, its K-split workspace and counter memset captured in the graph;
     "unit": the unit scale made before the capture)"""
@@ -453,9 +459,10 @@ def test_fp8_gate_up_epilogue_with_the_activation_gives_the_same_step(fam, kv):
     eng, batch = teacher.decode_step(model, reqs[:4] * 2, quantization="fp8", kv_cache_dtype=kv)
     dev = batch.to_device(eng.device)
     m = eng.model
-    assert not m.fp8_epilogue_act and m.ops.name == "flashinfer"
+    assert m.fp8_epilogue_act and m.ops.name == "flashinfer"  # on by default
     ext, m.fp8_ext = m.fp8_ext, _CountingExt(m.fp8_ext)
     try:
+        m.fp8_epilogue_act = False
         plain = eng.runner.forward(batch, dev).clone()
         assert m.fp8_ext.with_act == 0
         m.fp8_epilogue_act = True
@@ -463,7 +470,7 @@ def test_fp8_gate_up_epilogue_with_the_activation_gives_the_same_step(fam, kv):
         assert m.fp8_ext.epilogues == 8 * m.num_layers, name
         assert m.fp8_ext.with_act == m.num_layers  # every gate_up epilogue took the activation (SiLU here)
     finally:
-        m.fp8_ext, m.fp8_epilogue_act = ext, False
+        m.fp8_ext, m.fp8_epilogue_act = ext, True
         eng.close()
     assert torch.equal(fused, plain), (fused - plain).abs().max().item()
 

@@ -1,0 +1,33 @@
+// The unit-scale FP8 product of decode-sized steps on Hopper's wgmma (CUTLASS sm90 collectives):
+//
+//   out[m, n] = sum_k x_q[m, k] * w_q[n, k]        (fp32, no scales: the caller's epilogue applies them)
+//
+// x_q [M, K] and w_q [N, K] e4m3, row-major with unit column stride, 16-byte aligned base addresses, K a
+// multiple of 16, N of 4, 1 <= M <= 64; out [M, N] fp32 contiguous. The weight is the MMA's long side
+// (64-row tiles), the tokens its narrow side (16, 32 or 64 per tile, by M). A token's row of `out` does not
+// depend on the other rows. Torch-free like sgmv.h; the binding is in sgmv_binding.cpp.
+#pragma once
+
+#include <cstdint>
+
+namespace lorafleet {
+
+struct Fp8Sm90Args {
+  const uint8_t* x = nullptr;  // [M, K] e4m3
+  const uint8_t* w = nullptr;  // [N, K] e4m3
+  float* out = nullptr;        // [M, N] fp32
+  int m = 0;
+  int n = 0;
+  int k = 0;
+  int splits = 1;  // K in this many equal parts (K a multiple of 16 * splits): out is [splits, M, N] partial sums
+};
+
+constexpr int kFp8Sm90MaxRows = 64;
+
+// Whether this build holds the kernel (CUTLASS's headers were found; it runs on compute capability 9.0).
+bool fp8_gemm_sm90_built();
+
+// Enqueue on `stream`; no allocation or synchronisation (capturable). nullptr on success.
+const char* fp8_gemm_sm90(const Fp8Sm90Args& args, void* stream);
+
+}  // namespace lorafleet
