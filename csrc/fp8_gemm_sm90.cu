@@ -31,6 +31,9 @@
 #ifndef NDEBUG
 #define NDEBUG
 #endif
+// Programmatic dependent launch: the kernel may start while the previous kernel drains (its producer waits for that
+// kernel before the first load), and lets the next one (the FP8 epilogue) start after its main loop.
+#define CUTLASS_ENABLE_GDC_FOR_SM90 1
 #include <cuda_runtime.h>
 
 #include "cute/tensor.hpp"
@@ -110,7 +113,7 @@ struct Sm90Fp8Gemm {
     if (Gemm::get_workspace_size(args) != 0) return "fp8_gemm_sm90: unexpected workspace";
     if (gemm.initialize(args, nullptr, static_cast<cudaStream_t>(stream)) != cutlass::Status::kSuccess)
       return "fp8_gemm_sm90: CUTLASS initialization failed";
-    if (gemm.run(static_cast<cudaStream_t>(stream)) != cutlass::Status::kSuccess)
+    if (gemm.run(static_cast<cudaStream_t>(stream), nullptr, a.pdl) != cutlass::Status::kSuccess)
       return "fp8_gemm_sm90: launch failed";
     return nullptr;
   }

@@ -20,6 +20,9 @@ struct Fp8Sm90Args {
   int n = 0;
   int k = 0;
   int splits = 1;  // K in this many equal parts (K a multiple of 16 * splits): out is [splits, M, N] partial sums
+  // Programmatic dependent launch (sm_90): the grid may start while the kernel before it drains; it waits for
+  // that kernel's completion before its first load, so any kernel may precede it.
+  bool pdl = true;
 };
 
 constexpr int kFp8Sm90MaxRows = 64;

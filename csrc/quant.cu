@@ -159,7 +159,14 @@ __global__ void __launch_bounds__(kEpiThreads, 4) fp8_epilogue_kernel(const Fp8E
     const float4 y0 = *reinterpret_cast<const float4*>(a.y + at), y1 = *reinterpret_cast<const float4*>(a.y + at + 4);
     const float4 w0 = __ldg(reinterpret_cast<const float4*>(a.w_scale + c));
     const float4 w1 = __ldg(reinterpret_cast<const float4*>(a.w_scale + c + 4));
-    const float y[kEpiCols] = {y0.x, y0.y, y0.z, y0.w, y1.x, y1.y, y1.z, y1.w};
+    float y[kEpiCols] = {y0.x, y0.y, y0.z, y0.w, y1.x, y1.y, y1.z, y1.w};
+    for (int s = 1; s < a.splits; ++s) {  // the split-K product's partial sums, in part order
+      const float* ys = a.y + static_cast<int64_t>(s) * a.m * a.n + at;
+      const float4 p0 = *reinterpret_cast<const float4*>(ys), p1 = *reinterpret_cast<const float4*>(ys + 4);
+      const float p[kEpiCols] = {p0.x, p0.y, p0.z, p0.w, p1.x, p1.y, p1.z, p1.w};
+#pragma unroll
+      for (int e = 0; e < kEpiCols; ++e) y[e] = __fadd_rn(y[e], p[e]);
+    }
     const float w[kEpiCols] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
     const float xs = a.x_scale[row];
 #pragma unroll
@@ -225,6 +232,7 @@ const char* fp8_epilogue(DType dtype, const Fp8EpilogueArgs& a, int device, void
   }
   if (total != a.n) return "fp8_epilogue: the spans do not cover the columns";
   if (a.act < 0 || a.act > 2) return "fp8_epilogue: act must be 0 (none), 1 (SiLU) or 2 (GELU-tanh)";
+  if (a.splits < 1 || a.splits > 16) return "fp8_epilogue: splits must be in [1, 16]";
   if (a.act != 0 && (a.num_groups != 2 || a.cols[0] != a.cols[1]))
     return "fp8_epilogue: an activation needs two spans of equal width (gate, up)";
   const Fp8EpilogueLora& l = a.lora;

@@ -51,7 +51,8 @@ struct Fp8EpilogueLora {
 };
 
 struct Fp8EpilogueArgs {
-  const float* y = nullptr;            // [m, n] fp32 contiguous
+  const float* y = nullptr;            // [splits, m, n] fp32 contiguous
+  int splits = 1;                      // y holds this many partial sums of the product, added in order (1..16)
   const float* x_scale = nullptr;      // [m]
   const float* w_scale = nullptr;      // [n]
   const void* bias = nullptr;          // [n] dtype T, or nullptr

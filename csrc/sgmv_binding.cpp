@@ -32,7 +32,7 @@
 //   fp8_gemm(out, x, x_scale, w, w_scale, stream): out = (x @ w.T) * x_scale[:, None] * w_scale[None, :] in
 //       bf16 for at most 64 e4m3 rows x (fp8_gemm.h), the weight streamed once.
 //   fp8_gemm_bf16(out, x, w, w_scale, stream): the same for bf16 rows x, unquantized: (x @ w.T) * w_scale.
-//   fp8_gemm_sm90(out, x, w, stream, splits=1): out = x @ w.T in fp32 (unit scales) for at most 64 e4m3 rows x on
+//   fp8_gemm_sm90(out, x, w, stream, splits=1, pdl=True): out = x @ w.T in fp32 (unit scales) for at most 64 e4m3 rows x on
 //       Hopper's wgmma (fp8_gemm_sm90.h, CUTLASS); splits > 1: out [splits, M, N] holds the partial sums of K's
 //       equal parts. fp8_gemm_sm90_built(): whether this build holds that kernel.
 //   fp8_epilogue(out, y, x_scale, w_scale, bias, cols, v, b, ranks, row_slot, pdl, stream, act=0): out = the fp32
@@ -40,6 +40,7 @@
 //       (v @ b[g][row_slot]) over the projections' column spans `cols`, one launch (quant.h); bias and v
 //       (with b, ranks, row_slot) may be None. act=1 (SiLU) / 2 (GELU-tanh), with two equal spans (gate, up):
 //       out [M, N / 2] = act(gate) * up as flashinfer's act_and_mul computes it from the epilogue's output.
+//       y [splits, M, N]: a split-K product's partial sums (fp8_gemm_sm90 with splits), added in part order first.
 //
 // with r = ranks[g, s]. The values inside ranks / indptr / slots live on the device and are not
 // inspected here (that would need a synchronisation): the kernels clamp ranks to [0, R_g], skip
@@ -583,7 +584,7 @@ void fp8_gemm_bf16(Tensor out, Tensor x, Tensor w, Tensor w_scale, int64_t strea
   fp8_gemm_impl(out, x, nullptr, w, w_scale, stream);
 }
 
-void fp8_gemm_sm90(Tensor out, Tensor x, Tensor w, int64_t stream, int64_t splits) {
+void fp8_gemm_sm90(Tensor out, Tensor x, Tensor w, int64_t stream, int64_t splits, bool pdl) {
   SGMV_CHECK(lorafleet::fp8_gemm_sm90_built(), "fp8_gemm_sm90: this build has no sm90 FP8 GEMM (CUTLASS not found)");
   SGMV_CHECK(x.is_cuda() && x.scalar_type() == torch::kFloat8_e4m3fn && x.dim() == 2 && x.is_contiguous(),
              "fp8_gemm_sm90: x must be a contiguous 2-D float8_e4m3fn CUDA tensor");
@@ -611,6 +612,7 @@ void fp8_gemm_sm90(Tensor out, Tensor x, Tensor w, int64_t stream, int64_t split
   a.n = static_cast<int>(N);
   a.k = static_cast<int>(K);
   a.splits = static_cast<int>(splits);
+  a.pdl = pdl;
   const char* err = lorafleet::fp8_gemm_sm90(a, as_stream(stream));
   SGMV_CHECK(err == nullptr, "fp8_gemm_sm90 launch failed: %s", err ? err : "");
 }
@@ -619,9 +621,11 @@ void fp8_epilogue(Tensor out, Tensor y, Tensor x_scale, Tensor w_scale, std::opt
                   std::vector<int64_t> cols, std::optional<Tensor> v, std::vector<Tensor> b,
                   std::optional<Tensor> ranks, std::optional<Tensor> row_slot, bool pdl, int64_t stream, int64_t act) {
   const auto dtype = kernel_dtype(out, "out");
-  SGMV_CHECK(y.is_cuda() && y.scalar_type() == torch::kFloat && y.dim() == 2 && y.is_contiguous(),
-             "fp8_epilogue: y must be a contiguous 2-D float32 CUDA tensor");
-  const int64_t M = y.size(0), N = y.size(1);
+  SGMV_CHECK(y.is_cuda() && y.scalar_type() == torch::kFloat && (y.dim() == 2 || y.dim() == 3) && y.is_contiguous(),
+             "fp8_epilogue: y must be a contiguous float32 CUDA tensor [M, N] or [splits, M, N]");
+  const int64_t splits = y.dim() == 3 ? y.size(0) : 1;
+  SGMV_CHECK(splits >= 1 && splits <= 16, "fp8_epilogue: 1 to 16 partial sums in y, got %lld", ll(splits));
+  const int64_t M = y.size(y.dim() - 2), N = y.size(y.dim() - 1);
   check_device(out, Name("out"), y);
   SGMV_CHECK(act >= 0 && act <= 2, "fp8_epilogue: act must be 0 (none), 1 (SiLU) or 2 (GELU-tanh), got %lld", ll(act));
   SGMV_CHECK(act == 0 || (cols.size() == 2 && cols[0] == cols[1]),
@@ -643,6 +647,7 @@ void fp8_epilogue(Tensor out, Tensor y, Tensor x_scale, Tensor w_scale, std::opt
              lorafleet::kMaxGroup, ll(G));
   lorafleet::Fp8EpilogueArgs a;
   a.act = static_cast<int>(act);
+  a.splits = static_cast<int>(splits);
   int64_t total = 0;
   for (int64_t g = 0; g < G; ++g) {
     SGMV_CHECK(cols[g] > 0 && cols[g] % 8 == 0, "fp8_epilogue: span %lld (%lld columns) must be a positive multiple of 8",
@@ -742,7 +747,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "bf16 (x @ w.T) * w_scale for at most 64 bf16 rows and e4m3 w (weight-only FP8), the weight streamed once",
         py::arg("out"), py::arg("x"), py::arg("w"), py::arg("w_scale"), py::arg("stream"));
   m.def("fp8_gemm_sm90", &fp8_gemm_sm90, "fp32 x @ w.T (unit scales) for at most 64 e4m3 rows on Hopper's wgmma",
-        py::arg("out"), py::arg("x"), py::arg("w"), py::arg("stream"), py::arg("splits") = 1);
+        py::arg("out"), py::arg("x"), py::arg("w"), py::arg("stream"), py::arg("splits") = 1, py::arg("pdl") = true);
   m.def("fp8_gemm_sm90_built", &lorafleet::fp8_gemm_sm90_built, "whether this build holds the sm90 FP8 GEMM");
   m.def("fp8_epilogue", &fp8_epilogue,
         "out = (y * x_scale) * w_scale [+ bias] [+ the rows' LoRA expand] for the fp32 unit-scale FP8 product y, one launch",

@@ -151,6 +151,7 @@ class Decoder:
         self.fp8_epilogue_act = kernels.fp8_epilogue_act  # ... and for gate_up the activation too (flashinfer ops)
         self.fp8_quant_in_shrink = kernels.fp8_quant_in_shrink  # with LoRA, the shrink's launch quantizes them too
         self.fp8_sm90 = False  # the unit-scale product on the project's wgmma kernel (set below, where built)
+        self.fp8_sm90_split = kernels.fp8_sm90_split  # ... with K in parts for weights of few rows
         self.own_norm = None  # runner/model/norm.py OwnNorm: the norms before qkv and gate_up (KernelChoices.norm_shrink)
         self.embed_scale = (torch.tensor(cfg.embed_scale, dtype=torch.float32).to(dtype).item()
                             if cfg.embed_scale is not None else None)
@@ -185,10 +186,9 @@ class Decoder:
                 log.warning("FP8 activation kernel unavailable (%s); activations are quantized by torch ops", exc)
             if kernels.fp8_sm90:
                 self.fp8_sm90 = sm90_gemm_available(self.fp8_ext, self.device)
-                if not self.fp8_sm90:
-                    log.warning("LORAFLEET_FP8_SM90: the wgmma FP8 GEMM needs a compute capability 9.0 GPU and a "
-                                "kernel build with CUTLASS's headers (flashinfer installed); FP8 products stay on "
-                                "cuBLASLt")
+                log.info("FP8 products of decode-sized steps on %s", "the wgmma kernel (csrc/fp8_gemm_sm90.cu)"
+                         if self.fp8_sm90 else "cuBLASLt (the wgmma kernel needs compute capability 9.0 and a "
+                         "kernel build that found CUTLASS's headers, i.e. flashinfer installed)")
         if kernels.norm_shrink and self.device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
             try:
                 from lorafleet.runner.kernels import load
@@ -353,7 +353,8 @@ class Decoder:
     def _fp8_linear(self, x: torch.Tensor, w: Fp8Weight, b: torch.Tensor | None, **finish) -> torch.Tensor:
         """fp8_linear with this model's FP8 kernel choices; `finish`: its epilogue arguments."""
         return fp8_linear(x, w, b, self.fp8_tensor_cores, self.fp8_ext, self.fp8_swap_rows, self.fp8_gemm_rows,
-                          self.fp8_unit_scale_elems, self.fp8_gemm_bf16, sm90=self.fp8_sm90, **finish)
+                          self.fp8_unit_scale_elems, self.fp8_gemm_bf16, sm90=self.fp8_sm90,
+                          sm90_split=self.fp8_sm90_split, **finish)
 
     @staticmethod
     def _dense(lora: LoraStep | None, w) -> bool:

@@ -120,18 +120,52 @@ def sm90_gemm_available(ext, device: torch.device) -> bool:
             and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0))
 
 
-def _unit_product(xq: torch.Tensor, w: Fp8Weight, ext, sm90: bool) -> torch.Tensor:
+SM90_TILE_ROWS = 64  # weight rows per tile of csrc/fp8_gemm_sm90.cu
+_SMS: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
+
+
+def sm90_splits(n: int, k: int, sms: int) -> int:
+    """The parts K is cut into for the wgmma kernel: doubled while the weight's 64-row tiles times the parts still fit
+    in one wave of `sms` SMs (K divisible by 16 per part). Depends on the weight and the GPU only, never on the step's
+    rows, so a token's output does not depend on what else is in its step. 7B o and down on 132 SMs: 2; the rest 1."""
+    tiles = -(-n // SM90_TILE_ROWS)
+    s = 1
+    while s < 16 and tiles * s * 2 <= sms and k % (16 * s * 2) == 0:
+        s *= 2
+    return s
+
+
+def _unit_product(xq: torch.Tensor, w: Fp8Weight, ext, sm90: bool, split: bool = False) -> torch.Tensor:
     """x_q @ w_q.T in fp32 with unit scales: on the wgmma kernel (`sm90`, where its operands suit it: K a multiple
     of 16, N of 4, 16-byte aligned rows) or cuBLASLt. Both are sums of exact e4m3 products in fp32; they differ
-    only in the order of the additions."""
+    only in the order of the additions. With `split` the wgmma kernel may cut K into parts (sm90_splits): the result
+    is then [parts, M, N], partial sums for the FP8 epilogue (or split_sum) to add in part order."""
     M, K = xq.shape
     N = w.q.shape[0]
     if sm90 and K % 16 == 0 and N % 4 == 0 and _aligned(xq) and _aligned(w.q):
-        y = torch.empty(M, N, dtype=torch.float32, device=xq.device)
-        ext.fp8_gemm_sm90(y, xq, w.q, torch.cuda.current_stream(xq.device).cuda_stream)
+        parts = sm90_splits(N, K, _sm_count(xq.device)) if split else 1
+        y = torch.empty(*((parts,) if parts > 1 else ()), M, N, dtype=torch.float32, device=xq.device)
+        ext.fp8_gemm_sm90(y, xq, w.q, torch.cuda.current_stream(xq.device).cuda_stream, parts)
         return y
     one = unit_scale(xq.device)
     return torch._scaled_mm(xq, w.q.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+
+
+def split_sum(y: torch.Tensor) -> torch.Tensor:
+    """[parts, M, N] partial sums added in part order (the FP8 epilogue's order: the same bits), or y as it is."""
+    if y.dim() == 2:
+        return y
+    total = y[0].clone()
+    for part in y[1:]:
+        total.add_(part)
+    return total
 
 
 def epilogue_applies(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_cores: bool, ext,
@@ -152,14 +186,15 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
                ext=None, swap_rows: int = 0, own_rows: int = 0, unit_scale_elems: int = 0,
                own_bf16: bool = False, epilogue: bool = False, spans: list[int] | None = None,
                lora: tuple | None = None, quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
-               act: int = 0, sm90: bool = False) -> torch.Tensor:
+               act: int = 0, sm90: bool = False, sm90_split: bool = False) -> torch.Tensor:
     """x [M, K] (bf16/fp16 on the GPU, any float on the CPU) @ w.T + bias -> [M, N] in x's dtype. With the
     CUDA extension `ext`: the activations quantized by its one-launch kernel (see quantize_tokens), and for
     M <= `own_rows` (bf16, K a multiple of 64, N of 16) the product on its FP8 kernel (csrc/fp8_gemm.cu), with
     `own_bf16` on the bf16 rows themselves (weight-only FP8: no activation quantization, x @ dequant(w).T);
     Then, M <= 64 and N * K >= `unit_scale_elems` > 0: the product of the e4m3 operands with unit scales into
     fp32, then times the token and row scales (the same arithmetic; cuBLASLt streams large weights faster there), the
-    product on the wgmma kernel with `sm90` (only where sm90_gemm_available);
+    product on the wgmma kernel with `sm90` (only where sm90_gemm_available; `sm90_split`: K cut into parts where the
+    weight has too few rows to fill the GPU, sm90_splits);
     with `epilogue` (only where epilogue_applies) the scales, the bias and, given `lora` = (v, B pools, ranks,
     row slots) from LoraStepImpl.epilogue_operands, the rows' LoRA expand over the output `spans` in one launch,
     bit for bit the separate ops. `quantized`: x's e4m3 rows and scales [M, 1] already made (by the LoRA shrink's
@@ -187,14 +222,14 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
         y = torch.empty(M, N, dtype=x.dtype, device=x.device)
         ext.fp8_gemm(y, xq, sx.view(-1), w.q, w.scale_row.view(-1), torch.cuda.current_stream(x.device).cuda_stream)
     elif unit_scale_call(M, N, K, unit_scale_elems):
-        y = _unit_product(xq, w, ext, sm90)
+        y = _unit_product(xq, w, ext, sm90, sm90_split)
         if epilogue:
             out = torch.empty(M, N // 2 if act else N, dtype=x.dtype, device=x.device)
             v, b, ranks, row_slot = lora if lora is not None else (None, [], None, None)
             ext.fp8_epilogue(out, y, sx.view(-1), w.scale, bias, list(spans or [N]), v, list(b), ranks, row_slot,
                              True, torch.cuda.current_stream(x.device).cuda_stream, act)
             return out
-        y = y.mul_(sx).mul_(w.scale_row).to(x.dtype)
+        y = split_sum(y).mul_(sx).mul_(w.scale_row).to(x.dtype)
     elif 0 < M <= swap_rows and M % 16 == 0:  # cuBLASLt wants the rows in multiples of 16 there
         y = torch._scaled_mm(w.q, xq.t(), scale_a=w.scale_row.view(-1, 1), scale_b=sx.view(1, -1),
                              out_dtype=x.dtype).t().contiguous()

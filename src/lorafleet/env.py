@@ -222,8 +222,16 @@ def fp8_epilogue_act() -> bool:
 def fp8_sm90() -> bool:
     """LORAFLEET_FP8_SM90: with FP8 weights on a compute capability 9.0 GPU, the unit-scale product of steps of at
     most 64 rows runs on the project's wgmma kernel (csrc/fp8_gemm_sm90.cu, CUTLASS's sm90 collectives, the weight
-    as the long side of the MMA) instead of cuBLASLt (default 0; needs a build that found CUTLASS's headers)."""
-    return _flag("LORAFLEET_FP8_SM90", False)
+    as the long side of the MMA) instead of cuBLASLt (default 1: +1.3 to +3.7 % end to end on the H200,
+    docs/benchmarks.md section 10.12; needs a build that found CUTLASS's headers, else cuBLASLt; 0: cuBLASLt)."""
+    return _flag("LORAFLEET_FP8_SM90", True)
+
+
+def fp8_sm90_split() -> bool:
+    """LORAFLEET_FP8_SM90_SPLIT: that wgmma kernel cuts K into parts where the weight's 64-row tiles alone fill less
+    than half the GPU's SMs (7B o and down on an H200: two parts; runner/model/fp8.py sm90_splits), the FP8
+    epilogue adding the partial sums in part order (default 0)."""
+    return _flag("LORAFLEET_FP8_SM90_SPLIT", False)
 
 
 def fp8_quant_in_shrink() -> bool:

@@ -1,0 +1,60 @@
+"""runner/kernels.py finds CUTLASS's headers in flashinfer's package (without importing it) and builds the wgmma FP8
+GEMM (csrc/fp8_gemm_sm90.cu) only then: the flag and the include folders enter the build and its fingerprint."""
+
+import importlib
+import sys
+
+from lorafleet.runner import kernels
+
+
+def _fake_flashinfer(root, with_util: bool = True):
+    pkg = root / "flashinfer"
+    (pkg / "data" / "cutlass" / "include" / "cutlass").mkdir(parents=True)
+    if with_util:
+        (pkg / "data" / "cutlass" / "tools" / "util" / "include" / "cutlass").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("raise ImportError('flashinfer must not be imported to find its headers')\n")
+    return pkg
+
+
+def _clear():
+    sys.modules.pop("flashinfer", None)
+    importlib.invalidate_caches()
+
+
+def test_headers_found_in_flashinfers_package(tmp_path, monkeypatch):
+    _clear()
+    monkeypatch.delitem(sys.modules, "flashinfer", raising=False)
+    without = kernels.cutlass_includes()
+    fp_without = kernels.fingerprint()
+    pkg = _fake_flashinfer(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _clear()
+    found = kernels.cutlass_includes()
+    assert found == [pkg / "data" / "cutlass" / "include", pkg / "data" / "cutlass" / "tools" / "util" / "include"]
+    assert "-DLORAFLEET_CUTLASS" in kernels.cuda_flags(found)
+    assert "-DLORAFLEET_CUTLASS" not in kernels.cuda_flags([])
+    if not without:  # this machine has no flashinfer of its own: the fingerprint follows the headers' presence
+        assert kernels.fingerprint() != fp_without
+    assert "flashinfer" not in sys.modules  # located, not imported
+
+
+def test_a_package_without_the_util_headers_does_not_count(tmp_path, monkeypatch):
+    _fake_flashinfer(tmp_path, with_util=False)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _clear()
+    assert kernels.cutlass_includes() == []
+    assert all("sm_90a" in f or "sm_90" not in f for f in kernels.CUDA_FLAGS)  # wgmma needs the sm_90a target
+
+
+def test_sm90_splits_depend_on_the_weight_and_the_gpu_only():
+    from lorafleet.runner.model.fp8 import sm90_splits
+
+    h200 = 132
+    assert sm90_splits(4096, 4096, h200) == 2      # 7B o: 64 row tiles -> 128 tiles
+    assert sm90_splits(4096, 11008, h200) == 2     # 7B down
+    assert sm90_splits(12288, 4096, h200) == 1     # 7B qkv: 192 tiles already
+    assert sm90_splits(8192, 8192, h200) == 1      # 70B o: 128 tiles
+    assert sm90_splits(1024, 8192, h200) == 8      # 16 tiles -> 128
+    assert sm90_splits(4096, 48, h200) == 1        # K of 48 does not cut into parts of multiples of 16
+    assert sm90_splits(64, 4096, 12) == 8          # a small GPU: 1 tile -> 8 (16 would not fit 12 SMs)
+    assert sm90_splits(64, 1 << 20, 1000) == 16    # at most 16 parts
