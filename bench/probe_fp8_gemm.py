@@ -79,7 +79,7 @@ def main(argv=None) -> int:
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
     from lorafleet.runner.kernels import load
-    from lorafleet.runner.model.fp8 import quantize_rows, quantize_tokens
+    from lorafleet.runner.model.fp8 import quantize_rows, quantize_tokens, sm90_gemm_available
 
     try:
         ext = load()
@@ -115,7 +115,7 @@ def main(argv=None) -> int:
                 "unit_fp32": lambda i: torch._scaled_mm(xq, ws[i % copies].q.t(), scale_a=one, scale_b=one,
                                                         out_dtype=torch.float32),
             }
-            if ext is not None and M <= 64 and hasattr(ext, "fp8_gemm_sm90") and ext.fp8_gemm_sm90_built():
+            if M <= 64 and sm90_gemm_available(ext, dev):
                 fns["sm90"] = lambda i: ext.fp8_gemm_sm90(out32, xq, ws[i % copies].q,
                                                           torch.cuda.current_stream().cuda_stream)
                 for s in (2, 4):  # K in s parts as a batch (partial sums only; the epilogue would add them)

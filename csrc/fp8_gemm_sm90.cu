@@ -7,7 +7,7 @@
 // per tile), so a decode step of 32 tokens does not pad 32 rows to a 64- or 128-row tile. D' [N, M] is
 // written column-major, which is y [M, N] row-major: the layout the caller reads. The accumulation is
 // promoted out of the tensor cores into fp32 registers once per k-tile of 256 (CUTLASS's non-"FastAccum" FP8
-// schedule), as cuBLASLt does for torch._scaled_mm's default.
+// schedule); inside a k-tile the tensor cores accumulate with fewer bits than fp32.
 //
 // With `splits` > 1 the K range is cut into equal parts, run as a batch (more tiles for the GPU where N alone
 // gives fewer than its SMs: the 7B o and down weights have 64 row tiles for 132 SMs); part l's partial sums
@@ -17,8 +17,9 @@
 // (256) and the same order over K, and a column's sums involve no other column. The binding checks the
 // alignment TMA needs (16-byte rows and base addresses).
 //
-// Without CUTLASS's headers (found through flashinfer at build time, runner/kernels.py), or for other
-// architectures than sm_90a, the entry points report that the kernel is not built.
+// Without CUTLASS's headers (found through flashinfer at build time, runner/kernels.py) the entry points report
+// that the kernel is not built; on a device other than compute capability 9.0 (whose machine code here is not
+// sm_90a's) the launcher refuses with an error.
 #include "fp8_gemm_sm90.h"
 
 #if defined(LORAFLEET_CUTLASS) && __has_include(<cutlass/cutlass.h>)
@@ -102,6 +103,8 @@ struct Sm90Fp8Gemm {
         s > 1 ? cutlass::gemm::GemmUniversalMode::kBatched : cutlass::gemm::GemmUniversalMode::kGemm,
         {n, m, ks, s},
         {reinterpret_cast<const ElementA*>(a.w), sa, reinterpret_cast<const ElementB*>(a.x), sb, kPromotionInterval},
+        // alpha and beta as values: with programmatic dependent launch only the producer warp waits for the kernel
+        // before, and the consumers would read device-side alpha / beta pointers before that wait.
         {{1.0f, 0.0f}, nullptr, sd, a.out, sd}};
     return args;
   }
@@ -127,9 +130,19 @@ const char* fp8_gemm_sm90(const Fp8Sm90Args& a, void* stream) {
   if (a.m <= 0 || a.m > kFp8Sm90MaxRows || a.n <= 0 || a.k <= 0) return "fp8_gemm_sm90: sizes out of range";
   if (a.splits < 1 || a.k % (16 * a.splits) != 0 || a.n % 4 != 0)
     return "fp8_gemm_sm90: K must be a multiple of 16 * splits and N of 4";
-  if (a.m <= 16) return Sm90Fp8Gemm<16>::run(a, stream);
-  if (a.m <= 32) return Sm90Fp8Gemm<32>::run(a, stream);
-  return Sm90Fp8Gemm<64>::run(a, stream);
+  int prev = -1;
+  cudaError_t e = cudaGetDevice(&prev);
+  if (e == cudaSuccess && prev != a.device) e = cudaSetDevice(a.device);
+  int major = 0, minor = 0;
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, a.device);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, a.device);
+  const char* err = e != cudaSuccess ? cudaGetErrorString(e)
+                    : major != 9 || minor != 0 ? "fp8_gemm_sm90: needs a compute capability 9.0 GPU"
+                    : a.m <= 16 ? Sm90Fp8Gemm<16>::run(a, stream)
+                    : a.m <= 32 ? Sm90Fp8Gemm<32>::run(a, stream)
+                                : Sm90Fp8Gemm<64>::run(a, stream);
+  if (prev >= 0 && prev != a.device) cudaSetDevice(prev);
+  return err;
 }
 
 #else

@@ -613,6 +613,7 @@ void fp8_gemm_sm90(Tensor out, Tensor x, Tensor w, int64_t stream, int64_t split
   a.k = static_cast<int>(K);
   a.splits = static_cast<int>(splits);
   a.pdl = pdl;
+  a.device = x.get_device();
   const char* err = lorafleet::fp8_gemm_sm90(a, as_stream(stream));
   SGMV_CHECK(err == nullptr, "fp8_gemm_sm90 launch failed: %s", err ? err : "");
 }

@@ -82,6 +82,9 @@ def fingerprint() -> str:
     cutlass = cutlass_includes()
     h.update(json.dumps([cuda_flags(cutlass), [str(d) for d in cutlass], CXX_FLAGS, torch.__version__,
                          torch.version.cuda]).encode())
+    if cutlass:  # a flashinfer upgrade in place may bring another CUTLASS: rebuild then
+        version = cutlass[0] / "cutlass" / "version.h"
+        h.update(version.read_bytes() if version.is_file() else b"")
     return h.hexdigest()
 
 
@@ -131,8 +134,8 @@ def load(verbose: bool = False) -> ModuleType:
         if module is None:
             cutlass = cutlass_includes()
             if not cutlass:
-                log.info("CUTLASS's headers not found (flashinfer is not installed): building without the sm90 "
-                         "FP8 GEMM")
+                log.info("CUTLASS's headers not found (flashinfer's package, with its data/cutlass folder, is not "
+                         "installed): building without the sm90 FP8 GEMM")
             module = cpp_extension.load(
                 name=NAME,
                 sources=[str(s) for s in sources()],

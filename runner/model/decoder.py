@@ -186,9 +186,12 @@ class Decoder:
                 log.warning("FP8 activation kernel unavailable (%s); activations are quantized by torch ops", exc)
             if kernels.fp8_sm90:
                 self.fp8_sm90 = sm90_gemm_available(self.fp8_ext, self.device)
-                log.info("FP8 products of decode-sized steps on %s", "the wgmma kernel (csrc/fp8_gemm_sm90.cu)"
-                         if self.fp8_sm90 else "cuBLASLt (the wgmma kernel needs compute capability 9.0 and a "
-                         "kernel build that found CUTLASS's headers, i.e. flashinfer installed)")
+                hopper = torch.cuda.get_device_capability(self.device) == (9, 0)
+                # a 9.0 GPU whose kernel build lacks the wgmma kernel loses its gain: say so louder
+                (log.warning if hopper and not self.fp8_sm90 else log.info)(
+                    "FP8 products of decode-sized steps on %s", "the wgmma kernel (csrc/fp8_gemm_sm90.cu)"
+                    if self.fp8_sm90 else "cuBLASLt (the wgmma kernel needs compute capability 9.0 and a kernel build "
+                    "that found CUTLASS's headers in flashinfer's package)")
         if kernels.norm_shrink and self.device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
             try:
                 from lorafleet.runner.kernels import load

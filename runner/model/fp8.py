@@ -144,8 +144,9 @@ def sm90_splits(n: int, k: int, sms: int) -> int:
 
 def _unit_product(xq: torch.Tensor, w: Fp8Weight, ext, sm90: bool, split: bool = False) -> torch.Tensor:
     """x_q @ w_q.T in fp32 with unit scales: on the wgmma kernel (`sm90`, where its operands suit it: K a multiple
-    of 16, N of 4, 16-byte aligned rows) or cuBLASLt. Both are sums of exact e4m3 products in fp32; they differ
-    only in the order of the additions. With `split` the wgmma kernel may cut K into parts (sm90_splits): the result
+    of 16, N of 4, 16-byte aligned rows) or cuBLASLt. Both sum exact e4m3 products on the tensor cores, which
+    accumulate with fewer bits than fp32 between their promotions to fp32: the two differ in those roundings and in
+    the order of the additions. With `split` the wgmma kernel may cut K into parts (sm90_splits): the result
     is then [parts, M, N], partial sums for the FP8 epilogue (or split_sum) to add in part order."""
     M, K = xq.shape
     N = w.q.shape[0]

@@ -302,13 +302,17 @@ def test_fp8_epilogue_refuses_bad_operands():
 
 
 class _CountingExt:
-    """The CUDA extension with its fp8_epilogue calls counted."""
+    """The CUDA extension with its fp8_epilogue and fp8_gemm_sm90 calls counted."""
 
     def __init__(self, ext):
-        self.ext, self.epilogues, self.with_act = ext, 0, 0
+        self.ext, self.epilogues, self.with_act, self.sm90 = ext, 0, 0, 0
 
     def __getattr__(self, name):
         return getattr(self.ext, name)
+
+    def fp8_gemm_sm90(self, *args):
+        self.sm90 += 1
+        return self.ext.fp8_gemm_sm90(*args)
 
     def fp8_epilogue(self, *args):
         self.epilogues += 1
@@ -452,6 +456,34 @@ def test_fp8_epilogue_step_gives_the_bits_of_the_separate_launches(fam, kv):
         eng.close()
     assert torch.equal(fused, own_quant), (fused - own_quant).abs().max().item()
     assert torch.equal(fused, separate), (fused - separate).abs().max().item()
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_fp8_step_takes_the_wgmma_product_on_every_projection(fam, kv):
+    """With the default kernel choices on a compute capability 9.0 GPU, every FP8 projection of a decode step (with
+    adapters) runs its product on the wgmma kernel (counted: none falls back to cuBLASLt on its operands' sizes or
+    alignment), and the step's logits are those of the same step on cuBLASLt's product up to the two products'
+    accumulation roundings."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma kernel is built for compute capability 9.0 only")
+    name, model, _, _, reqs = fam
+    eng, batch = teacher.decode_step(model, reqs[:4] * 2, quantization="fp8", kv_cache_dtype=kv)
+    dev = batch.to_device(eng.device)
+    m = eng.model
+    assert m.fp8_sm90, "the default build should hold the wgmma kernel (CUTLASS's headers from flashinfer)"
+    ext, m.fp8_ext = m.fp8_ext, _CountingExt(m.fp8_ext)
+    try:
+        wgmma = eng.runner.forward(batch, dev).float().clone()
+        assert m.fp8_ext.sm90 == 4 * m.num_layers, (name, m.fp8_ext.sm90)
+        m.fp8_sm90 = False
+        cublaslt = eng.runner.forward(batch, dev).float().clone()
+        assert m.fp8_ext.sm90 == 4 * m.num_layers
+    finally:
+        m.fp8_ext, m.fp8_sm90 = ext, True
+        eng.close()
+    spread = (cublaslt.max() - cublaslt.min()).item()
+    assert (wgmma - cublaslt).abs().max().item() <= 0.03 * spread, name
+    assert not torch.equal(wgmma, torch.zeros_like(wgmma))
 
 
 @pytest.mark.parametrize("kv", ["auto", "fp8"])
