@@ -456,3 +456,9 @@ def test_kernel_gaps_attributes_idle_time_to_the_kernel_pair_around_it():
     assert g["idle_ms_per_step"] == round((2 * (2 + 1) + 100) / 2 / 1000, 3)
     assert g["overlap_ms_per_step"] == round((2 * 2 + 4) / 2 / 1000, 3)  # 4: the second stream's start to 5
     assert g["pairs"][0]["before"] == "shrink_k"  # sorted by idle time
+    # the timeline by category: the GEMMs 13 us per step (the second stream's GEMM lies inside the shrink's span:
+    # nothing), the epilogue only from the GEMM's end (20-25: 5 of its 7 us), the shrink 5 and the norm 2 (all
+    # three "other" by name here); with the idle time they add up to the kernels' span (28 us per step)
+    ex = g["exclusive_ms_per_step"]
+    assert ex == {"dense_gemm": 0.013, "other_gpu": 0.012}
+    assert round(sum(ex.values()) + (2 + 1) / 1000, 3) == 0.028

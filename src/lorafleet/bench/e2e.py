@@ -251,6 +251,8 @@ def profile_breakdown(engine, reqs, log, source_of=str, mixed_steps: int = 4, fm
         f"{g['overlap_ms_per_step']} ms); most idle after -> before: " + "; ".join(
             f"{p['after']} -> {p['before']} {p['idle_ms_per_step']} ({p['per_step']}x {p['mean_us']} us)"
             for p in g["pairs"][:6]))
+    log("    device timeline per decode step, each kernel from where the ones before it ended (ms): " + ", ".join(
+        f"{k} {v}" for k, v in g["exclusive_ms_per_step"].items()))
     if fm is not None and lora:
         log(f"    LoRA per decode step ({'one adapter' if identical else f'{full} distinct adapters'}): "
             f"{out['lora_sgmv']:.3f} ms of kernels against {out['lora_bytes_ms']:.3f} ms for its adapters' bytes "
@@ -416,12 +418,20 @@ def kernel_gaps(spans, n_steps: int, top: int = 12) -> dict:
     start minus the latest end of the kernels before it (when positive) is idle time, counted against the
     pair (the kernel that ended last, this kernel) by short name; when negative it is overlap (a kernel that
     started early under programmatic dependent launch, or a second stream). ms per step over `n_steps`;
-    the `top` pairs by idle time."""
+    the `top` pairs by idle time. `exclusive_ms_per_step`: the device timeline by kernel_category, each kernel
+    counted only from where the kernels before it ended (its end minus max(its start, that frontier)): a kernel
+    that starts early and waits does not count its wait, so these and the idle time add up to the span of the
+    kernels, where the per-kernel device times count overlapping stretches twice."""
     idle: dict[tuple[str, str], list[float]] = {}
+    exclusive: dict[str, float] = {}
     total_idle = total_overlap = 0.0
     frontier, last = None, None
     for start, end, name in sorted(spans):
         label = kernel_label(name)
+        own = end - (start if frontier is None else max(start, frontier))
+        if own > 0:
+            cat = kernel_category(name)
+            exclusive[cat] = exclusive.get(cat, 0.0) + own
         if frontier is not None:
             d = start - frontier
             if d > 0:
@@ -437,6 +447,7 @@ def kernel_gaps(spans, n_steps: int, top: int = 12) -> dict:
     pairs = sorted(idle.items(), key=lambda kv: -kv[1][0])[:top]
     return {"idle_ms_per_step": round(total_idle / n / 1000, 3),
             "overlap_ms_per_step": round(total_overlap / n / 1000, 3),
+            "exclusive_ms_per_step": {k: round(v / n / 1000, 3) for k, v in sorted(exclusive.items())},
             "pairs": [{"after": a, "before": b, "idle_ms_per_step": round(v[0] / n / 1000, 3),
                        "per_step": round(v[1] / n, 2), "mean_us": round(v[0] / max(v[1], 1), 2)}
                       for (a, b), v in pairs]}
