@@ -75,7 +75,8 @@
 # LORAFLEET_ROPE_KV_LORA (any stage: 1 = the qkv LoRA expand inside the rope_kv kernel in decode graphs),
 # INTERF_ARGS (interf: extra arguments, e.g. --interference-caps-only), TAG (interf, e2e, probe: output name suffix),
 # E2E_MIXES / E2E_ARGS (e2e: mixes, default "distinct identical"; extra arguments, e.g. --no-lora-off), E2E2_ARGS (e2e2: extra arguments, e.g. --no-lora-off), PROBE_ARGS (probe: e.g. "--skip attention lora"), SWEEP_B (sweep: max batch sizes), ETESTS_K / KTESTS_K (pytest -k filters of etests / ktests), DPT (interf: decode_prefill_tokens values), SERVE_MIXES (serve3*: mixes), REQS (default 1000), BENCH_S (timeout of one bench stage, s; COLD_S, SWEEP_S, HF_S, TEST_S per stage). Results, caches and logs.tgz go to
-# $OUT, each GPU's log to $OUT/gpuN.log.
+# $OUT, each GPU's log to $OUT/gpuN.log. A call returns at most 8 files from $OUT and these caches and logs take 4
+# (ficache.tgz.part-aa/-ab, lfkernels.tgz, logs.tgz): a command with more results tars them into one file at its end.
 # The wheels (the GPU machine has no network): in the repository root, with .whl/ ignored by git,
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
