@@ -130,6 +130,7 @@ const char* fp8_gemm_sm90(const Fp8Sm90Args& a, void* stream) {
   if (a.m <= 0 || a.m > kFp8Sm90MaxRows || a.n <= 0 || a.k <= 0) return "fp8_gemm_sm90: sizes out of range";
   if (a.splits < 1 || a.k % (16 * a.splits) != 0 || a.n % 4 != 0)
     return "fp8_gemm_sm90: K must be a multiple of 16 * splits and N of 4";
+  if (a.device < 0) return "fp8_gemm_sm90: no device given";
   int prev = -1;
   cudaError_t e = cudaGetDevice(&prev);
   if (e == cudaSuccess && prev != a.device) e = cudaSetDevice(a.device);
@@ -142,6 +143,7 @@ const char* fp8_gemm_sm90(const Fp8Sm90Args& a, void* stream) {
                     : a.m <= 32 ? Sm90Fp8Gemm<32>::run(a, stream)
                                 : Sm90Fp8Gemm<64>::run(a, stream);
   if (prev >= 0 && prev != a.device) cudaSetDevice(prev);
+  if (e != cudaSuccess) cudaGetLastError();  // reported here, not left for the next unrelated check
   return err;
 }
 

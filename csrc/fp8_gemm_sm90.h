@@ -19,7 +19,7 @@ struct Fp8Sm90Args {
   int m = 0;
   int n = 0;
   int k = 0;
-  int device = 0;  // the CUDA device of the operands and the stream (made current for the launch, then restored)
+  int device = -1;  // the CUDA device of the operands and the stream (made current for the launch, then restored)
   int splits = 1;  // K in this many equal parts (K a multiple of 16 * splits): out is [splits, M, N] partial sums
   // Programmatic dependent launch (sm_90): the grid may start while the kernel before it drains; it waits for
   // that kernel's completion before its first load, so any kernel may precede it.

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import logging
@@ -85,6 +86,10 @@ def fingerprint() -> str:
     if cutlass:  # a flashinfer upgrade in place may bring another CUTLASS: rebuild then
         version = cutlass[0] / "cutlass" / "version.h"
         h.update(version.read_bytes() if version.is_file() else b"")
+        try:  # (patched headers under the same CUTLASS version come with another flashinfer version)
+            h.update(importlib.metadata.version("flashinfer-python").encode())
+        except importlib.metadata.PackageNotFoundError:
+            pass
     return h.hexdigest()
 
 
