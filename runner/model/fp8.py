@@ -10,6 +10,7 @@ weight-only: x times the dequantized weight, so the CPU runs the FP8 path's weig
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -121,14 +122,11 @@ def sm90_gemm_available(ext, device: torch.device) -> bool:
 
 
 SM90_TILE_ROWS = 64  # weight rows per tile of csrc/fp8_gemm_sm90.cu
-_SMS: dict[int, int] = {}
 
 
-def _sm_count(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SMS:
-        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SMS[index]
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def sm90_splits(n: int, k: int, sms: int) -> int:
@@ -151,7 +149,7 @@ def _unit_product(xq: torch.Tensor, w: Fp8Weight, ext, sm90: bool, split: bool =
     M, K = xq.shape
     N = w.q.shape[0]
     if sm90 and K % 16 == 0 and N % 4 == 0 and _aligned(xq) and _aligned(w.q):
-        parts = sm90_splits(N, K, _sm_count(xq.device)) if split else 1
+        parts = sm90_splits(N, K, _sm_count(xq.device.index)) if split else 1
         y = torch.empty(*((parts,) if parts > 1 else ()), M, N, dtype=torch.float32, device=xq.device)
         ext.fp8_gemm_sm90(y, xq, w.q, torch.cuda.current_stream(xq.device).cuda_stream, parts)
         return y
