@@ -55,6 +55,10 @@ class KernelChoices:
         (runner/lora/step.py), each of at least this many rows, and whose work reaches dense_lora_min_work,
         runs eagerly, its LoRA as matrix products per segment written before the base GEMM, which accumulates
         onto them (0: never).
+    dense_lora_kext: spare columns per LoRA projection in the plain qkv and gate_up weights of an engine whose steps
+        can take that path (with adapters, and enough rows per step to reach its work floor): the path then runs
+        those projections as one GEMM over K-extended operands, [x | v] @ [W | B]^T, where the step's rank blocks
+        fit (runner/lora/step.py); 0: off (the add-on written first, the base GEMM accumulating onto it).
     dense_lora_min_work: the work floor of that path: token rows x projection weight elements of one layer on
         this rank (default: 1,024 rows of a Llama-2-7B layer); not read from the environment.
     """
@@ -84,6 +88,7 @@ class KernelChoices:
     fp8_quant_in_shrink: bool = True
     pin_host_adapters: bool = False
     dense_lora_rows: int = 256
+    dense_lora_kext: int = 64
     dense_lora_min_work: int = 1024 * 202_375_168
 
     def __post_init__(self):
@@ -92,7 +97,8 @@ class KernelChoices:
                          ("sgmv", ("auto", "cuda", "torch")), ("sgmv_fused", ("auto", "1", "0"))):
             if getattr(self, name) not in ok:
                 raise ValueError(f"kernel choice {name} must be one of {', '.join(ok)}, got {getattr(self, name)!r}")
-        for name in ("blas_lt_rows", "fp8_swap_rows", "fp8_unit_scale_elems", "dense_lora_rows", "dense_lora_min_work"):
+        for name in ("blas_lt_rows", "fp8_swap_rows", "fp8_unit_scale_elems", "dense_lora_rows", "dense_lora_kext",
+                     "dense_lora_min_work"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.decode_ranks not in (0, 1, 2, 4):
@@ -119,7 +125,8 @@ class KernelChoices:
                    fp8_epilogue_act=env.fp8_epilogue_act(), fp8_sm90=env.fp8_sm90(),
                    fp8_sm90_split=env.fp8_sm90_split(),
                    fp8_quant_in_shrink=env.fp8_quant_in_shrink(),
-                   pin_host_adapters=env.pin_host_adapters(), dense_lora_rows=env.dense_lora_rows())
+                   pin_host_adapters=env.pin_host_adapters(), dense_lora_rows=env.dense_lora_rows(),
+                   dense_lora_kext=env.dense_lora_kext())
 
     def describe(self) -> str:
         defaults = KernelChoices()

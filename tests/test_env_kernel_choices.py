@@ -24,6 +24,9 @@ from lorafleet import env
     ("LORAFLEET_DENSE_LORA_ROWS", env.dense_lora_rows, None, 256),
     ("LORAFLEET_DENSE_LORA_ROWS", env.dense_lora_rows, "0", 0),
     ("LORAFLEET_DENSE_LORA_ROWS", env.dense_lora_rows, "1024", 1024),
+    ("LORAFLEET_DENSE_LORA_KEXT", env.dense_lora_kext, None, 64),
+    ("LORAFLEET_DENSE_LORA_KEXT", env.dense_lora_kext, "0", 0),
+    ("LORAFLEET_DENSE_LORA_KEXT", env.dense_lora_kext, "128", 128),
 ])
 def test_values(monkeypatch, var, read, value, want):
     if value is None:
@@ -298,3 +301,15 @@ def test_switches_take_the_usual_spellings_and_refuse_anything_else(monkeypatch,
         monkeypatch.setenv(var, raw)
         with pytest.raises(ValueError, match=f"{var} must be 1 or 0 .*got '{raw}'"):
             read()
+
+
+def test_dense_lora_kext_refuses_a_negative_count(monkeypatch):
+    monkeypatch.setenv("LORAFLEET_DENSE_LORA_KEXT", "-1")
+    with pytest.raises(ValueError, match="LORAFLEET_DENSE_LORA_KEXT must be >= 0, got -1"):
+        env.dense_lora_kext()
+    monkeypatch.setenv("LORAFLEET_DENSE_LORA_KEXT", "32")
+    from lorafleet.runner.config import KernelChoices
+
+    assert KernelChoices.from_env().dense_lora_kext == 32
+    with pytest.raises(ValueError, match="dense_lora_kext must be >= 0"):
+        KernelChoices(dense_lora_kext=-5)

@@ -88,6 +88,74 @@ def test_dense_linear_equals_the_fp32_loop(runs, bias):
     torch.testing.assert_close(y.double()[~adapted], base[~adapted], rtol=1e-5, atol=1e-4)
 
 
+def _wide(t: torch.Tensor, spare: int) -> torch.Tensor:
+    """t as the [:, :K] view of a zeroed [N, K + spare] tensor (Decoder.widen_for_lora's layout)."""
+    wide = torch.zeros(t.shape[0], t.shape[1] + spare, dtype=t.dtype)
+    wide[:, :t.shape[1]] = t
+    return wide[:, :t.shape[1]]
+
+
+def _reference(x, w, bvec, a, b, host, row_slots):
+    want = x.double() @ w.double().t() + torch.cat(fp32_loop_reference(x, a, b, host, row_slots), 1).double()
+    return want + bvec.double() if bvec is not None else want
+
+
+@pytest.mark.parametrize("x_spare", [0, 8, 24])  # 0, 8: no room beside x for the blocks: the add-on written first
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("runs", [
+    [(10, 2), (4, -1), (16, 0), (10, 1)],  # blocks: slot 2: 1 column, slot 0: 4 + 3 + 2, slot 1: 4 + 4 (18)
+    [(20, 1), (20, 0)],  # 17 columns
+])
+def test_k_extended_gemm_equals_the_fp32_loop(runs, bias, x_spare, monkeypatch):
+    """With spare columns in the weight and room for the blocks beside x (the previous projection's wide output),
+    dense_linear is one GEMM over [x | V] and [W | B]; without that room the add-on is written first. Either way the
+    fp32 loop's result, x's own columns untouched."""
+    gen = torch.Generator().manual_seed(len(runs) + 2 * bias + x_spare)
+    pool, a, b, host = _pool(gen, torch.float32)
+    row_slots = _rows(*runs)
+    seg = build_segments(row_slots)
+    T = len(row_slots)
+    x = _wide(torch.randn(T, K, generator=gen), x_spare) if x_spare else torch.randn(T, K, generator=gen)
+    x0 = x.clone()
+    w = _wide(torch.randn(sum(OUTS), K, generator=gen), 3 * 6)
+    bvec = torch.randn(sum(OUTS), generator=gen) if bias else None
+    bounds = [(seg.host_indptr[i], seg.host_indptr[i + 1], s) for i, s in enumerate(seg.host_slots) if s >= 0]
+    calls = []
+    real = LoraStepImpl._kext_linear
+    monkeypatch.setattr(LoraStepImpl, "_kext_linear",
+                        staticmethod(lambda *args: calls.append(args[-2][1]) or real(*args)))
+    y = LoraStepImpl(pool, TorchSGMV(), seg, dense=bounds).dense_linear(0, 0, x, w, bvec, out_spare=7)
+    used = sum(r for g in range(3) for r in [host[g][s] for _, _, s in bounds])
+    assert calls == ([used] if x_spare >= used else [])  # the columns used
+    torch.testing.assert_close(y.double(), _reference(x0, w, bvec, a, b, host, row_slots), rtol=1e-5, atol=1e-4)
+    assert torch.equal(x, x0)
+    assert y.stride(0) == sum(OUTS) + 7  # the room asked for beside the output
+    if x_spare:  # V went into x's own spare columns where they hold the blocks
+        beside = x.as_strided((T, K + x_spare), (x.stride(0), 1))[:, K:]
+        assert (beside.abs().sum() > 0) == (x_spare >= used)
+
+
+def test_k_extended_gemm_rewrites_every_spare_column_it_reads():
+    """The spare columns of one step (slot 0: all three projections) hold nothing the next step (slot 2: only
+    projection 1; then slot 1) reads: each result is the fp32 loop's, and a step whose blocks do not fit takes the
+    add-on-first path and leaves the spare columns alone."""
+    gen = torch.Generator().manual_seed(5)
+    pool, a, b, host = _pool(gen, torch.float32)
+    w = _wide(torch.randn(sum(OUTS), K, generator=gen), 3 * 4)
+    for slot in (0, 2, 1, 0):
+        seg = build_segments([slot] * 12)
+        x = _wide(torch.randn(12, K, generator=gen), 12)
+        y = LoraStepImpl(pool, TorchSGMV(), seg, dense=[(0, 12, slot)]).dense_linear(0, 0, x, w, None)
+        torch.testing.assert_close(y.double(), _reference(x, w, None, a, b, host, [slot] * 12), rtol=1e-5, atol=1e-4)
+    spare = w.as_strided((w.shape[0], w.shape[1] + 12), (w.stride(0), 1))[:, K:].clone()
+    seg = build_segments([0] * 6 + [1] * 6 + [2] * 6)  # 9 + 8 + 1 = 18 columns > 12: add-on first
+    x = _wide(torch.randn(18, K, generator=gen), 24)
+    y = LoraStepImpl(pool, TorchSGMV(), seg, dense=[(0, 6, 0), (6, 12, 1), (12, 18, 2)]).dense_linear(0, 0, x, w, None)
+    torch.testing.assert_close(y.double(), _reference(x, w, None, a, b, host, [0] * 6 + [1] * 6 + [2] * 6),
+                               rtol=1e-5, atol=1e-4)
+    assert torch.equal(w.as_strided((w.shape[0], w.shape[1] + 12), (w.stride(0), 1))[:, K:], spare)
+
+
 def test_dense_linear_refuses_a_weight_that_does_not_match_the_group():
     gen = torch.Generator().manual_seed(0)
     pool, *_ = _pool(gen, torch.float32)
@@ -97,9 +165,11 @@ def test_dense_linear_refuses_a_weight_that_does_not_match_the_group():
         impl.dense_linear(0, 0, torch.randn(8, K), torch.randn(20, K), None)
 
 
-def test_engine_on_the_dense_path_equals_hf_peft(tiny_llama, tmp_path, monkeypatch):
-    """Prompts of 40-90 tokens with the work floor lowered: the prompt steps take the dense path (counted),
-    decode steps the usual one; greedy tokens equal HF + PEFT's, request by request."""
+@pytest.mark.parametrize("kext", [0, 64])
+def test_engine_on_the_dense_path_equals_hf_peft(tiny_llama, tmp_path, monkeypatch, kext):
+    """Prompts of 40-90 tokens with the work floor lowered: the prompt steps take the dense path (counted), with
+    spare weight columns (kext) as K-extended GEMMs (counted), decode steps the usual one; greedy tokens equal
+    HF + PEFT's, request by request."""
     from model_helpers import write_random_adapter
     from reference import HFReference
     from lorafleet.runner.engine.engine import Engine
@@ -111,14 +181,15 @@ def test_engine_on_the_dense_path_equals_hf_peft(tiny_llama, tmp_path, monkeypat
                                              "down_proj"), seed=11),
         "a4": write_random_adapter(tiny_llama, tmp_path / "a4", r=4, alpha=8, targets=("v_proj", "up_proj"), seed=12),
     }
-    calls = []
-    real = LoraStepImpl.dense_linear
+    calls, kcalls = [], []
+    real, kreal = LoraStepImpl.dense_linear, LoraStepImpl._kext_linear
 
-    def counted(self, layer, group, x, w, bias):
+    def counted(self, layer, group, x, w, bias, **kw):
         calls.append((layer, group, x.shape[0]))
-        return real(self, layer, group, x, w, bias)
+        return real(self, layer, group, x, w, bias, **kw)
 
     monkeypatch.setattr(LoraStepImpl, "dense_linear", counted)
+    monkeypatch.setattr(LoraStepImpl, "_kext_linear", staticmethod(lambda *args: kcalls.append(1) or kreal(*args)))
     g = torch.Generator().manual_seed(3)
     names = ["a16", "a4", None, "a16"]
     requests = []
@@ -126,13 +197,17 @@ def test_engine_on_the_dense_path_equals_hf_peft(tiny_llama, tmp_path, monkeypat
         n = int(torch.randint(40, 90, (1,), generator=g))
         requests.append((torch.randint(3, 512, (n,), generator=g).tolist(), name))
     eng = Engine(str(tiny_llama), EngineConfig(max_batch_size=8, kv_cache_gb=0.25, max_lora_rank=16, page_size=4,
-                                               kernels=KernelChoices(dense_lora_rows=16,
-                                                                                   dense_lora_min_work=1)))
+                                               kernels=KernelChoices(dense_lora_rows=16, dense_lora_kext=kext,
+                                                                     dense_lora_min_work=1)))
+    lw = eng.executor.model.layers[0]  # the weights carry spare columns exactly when asked to
+    assert lw.qkv.stride(0) - lw.qkv.shape[1] == 3 * kext and lw.gate_up.stride(0) - lw.gate_up.shape[1] == 2 * kext
     seqs = [Sequence(f"r{i}", ids, SamplingParams(max_tokens=12), AdapterRef(name, str(adapters[name])) if name else None)
             for i, (ids, name) in enumerate(requests)]
     out = eng.run_to_completion(seqs)
     assert calls, "no step took the dense path"
     assert {grp for _, grp, _ in calls} == {0, 1, 2, 3}
+    # the qkv (from layer 1 on) and gate_up inputs normalized inside the previous projection's wide output
+    assert (len(kcalls) > 0) == (kext > 0)
     ref = HFReference(tiny_llama, adapters)
     for i, (ids, name) in enumerate(requests):
         assert out[f"r{i}"].output_ids == ref.greedy(ids, name, 12, eos=2), name
@@ -164,3 +239,23 @@ def test_the_runner_sends_only_prompt_steps_with_plain_weights_down_the_dense_pa
     assert _runner(torch.empty(24, 8), min_work=600 * 448 + 1)._dense_lora(prompt, d) is None
     fp8 = Fp8Weight(torch.zeros(24, 8).to(torch.float8_e4m3fn), torch.ones(24))
     assert _runner(fp8, min_work=0)._dense_lora(prompt, d) is None  # FP8 products cannot accumulate onto it
+
+
+def test_weights_get_spare_columns_only_where_the_dense_path_can_run(tiny_llama):
+    """The default work floor (1,024 rows of a Llama-2-7B layer) is out of a tiny model's reach: its weights stay
+    as loaded; so do they without adapters, with the path off, or with LORAFLEET_DENSE_LORA_KEXT=0."""
+    from lorafleet.runner.engine.engine import Engine
+
+    def spare(**kw):
+        cfg = dict(max_batch_size=4, kv_cache_gb=0.05, max_lora_rank=16, page_size=4)
+        cfg.update({k: v for k, v in kw.items() if k == "enable_lora"})
+        kernels = KernelChoices(**{k: v for k, v in kw.items() if k != "enable_lora"})
+        lw = Engine(str(tiny_llama), EngineConfig(**cfg, kernels=kernels)).executor.model.layers[0]
+        return [t.stride(0) - t.shape[1] for t in (lw.qkv, lw.o, lw.gate_up, lw.down)]
+
+    assert spare() == [0, 0, 0, 0]
+    assert spare(dense_lora_min_work=1) == [192, 0, 128, 0]  # qkv and gate_up only
+    assert spare(dense_lora_min_work=1, dense_lora_kext=8) == [24, 0, 16, 0]
+    assert spare(dense_lora_min_work=1, dense_lora_kext=0) == [0, 0, 0, 0]
+    assert spare(dense_lora_min_work=1, dense_lora_rows=0) == [0, 0, 0, 0]
+    assert spare(dense_lora_min_work=1, enable_lora=False) == [0, 0, 0, 0]

@@ -91,14 +91,17 @@ def test_tp2_on_the_dense_lora_path_gives_the_tokens_of_one_rank(tmp_path, monke
            "vd4": write_random_adapter(model, tmp_path / "vd4", r=4, alpha=8, targets=("v_proj", "down_proj"), seed=6),
            "qou16": write_random_adapter(model, tmp_path / "qou16", r=16, alpha=16,
                                          targets=("q_proj", "o_proj", "up_proj"), seed=7)}
-    calls = []
-    real = LoraStepImpl.dense_linear
+    calls, kcalls = [], []
+    real, kreal = LoraStepImpl.dense_linear, LoraStepImpl._kext_linear
 
-    def counted(self, layer, group, x, w, bias):
+    def counted(self, layer, group, x, w, bias, **kw):
         calls.append(group)
-        return real(self, layer, group, x, w, bias)
+        return real(self, layer, group, x, w, bias, **kw)
 
     monkeypatch.setattr(LoraStepImpl, "dense_linear", counted)
+    # the K-extended GEMM (KernelChoices.dense_lora_kext's default) on one rank; with two, the o and down outputs
+    # are all-reduced as contiguous tensors: no room beside the next input, the add-on written first
+    monkeypatch.setattr(LoraStepImpl, "_kext_linear", staticmethod(lambda *args: kcalls.append(1) or kreal(*args)))
     g = torch.Generator().manual_seed(13)
     names = ["all8", "qou16", None, "vd4"]
 
@@ -118,10 +121,11 @@ def test_tp2_on_the_dense_lora_path_gives_the_tokens_of_one_rank(tmp_path, monke
     prompts = [torch.randint(3, 512, (int(torch.randint(1100, 1300, (1,), generator=g)),), generator=g).tolist()
                for _ in names]
     one = run(1)
-    assert set(calls) == {0, 1, 2, 3}
+    assert set(calls) == {0, 1, 2, 3} and kcalls
     calls.clear()
+    kcalls.clear()
     assert run(2) == one
-    assert set(calls) == {0, 1, 2, 3}
+    assert set(calls) == {0, 1, 2, 3} and not kcalls
 
 
 def test_a_model_that_does_not_split_is_refused(gqa, tmp_path):

@@ -118,6 +118,8 @@ def build_executor(model: "str | Decoder", config: EngineConfig, shard=None, gro
         slots = config.lora_slots or (64 if device.type == "cuda" else 8)
         lora_pool = LoraPool(rank_cfg.base_shape(), slots, config.max_lora_rank, dtype, device, shard,
                              net.full_cfg.base_shape())
+    budget = step_budget(config, device)
+    widen_for_dense_lora(net, lora_pool, kernels, budget)
     kv_dtype = E4M3 if config.kv_cache_dtype == "fp8" else dtype
     num_pages = config.num_pages or default_pages(rank_cfg, kv_dtype, device, config)
     if group is not None:
@@ -129,11 +131,28 @@ def build_executor(model: "str | Decoder", config: EngineConfig, shard=None, gro
 
     attention = attention_backend(kv, rank_cfg, device, kernels, dtype)
     sgmv = make_sgmv(device, dtype, kernels)
-    budget = step_budget(config, device)
     graphs = make_graphs(net, attention, lora_pool, sgmv, config, num_pages)
     mixed = make_piecewise(net, attention, lora_pool, sgmv, config, budget, num_pages) if graphs is not None else None
     runner = ModelRunner(net, attention, lora_pool, sgmv, config.page_size, graphs, mixed, kernels)
     return Executor(net, device, dtype, kv, num_pages, lora_pool, attention, sgmv, runner, budget)
+
+
+def widen_for_dense_lora(net: Decoder, lora_pool, kernels: KernelChoices, budget: int | None) -> None:
+    """Spare columns in the projection weights for LoRA's dense path as one K-extended GEMM
+    (KernelChoices.dense_lora_kext), where that path can be taken at all: adapters, plain weights, and a step's
+    rows (the step budget, else the context) times one layer's projection weights reaching its work floor."""
+    if lora_pool is None or kernels.dense_lora_kext <= 0 or kernels.dense_lora_rows <= 0 or not net.layers:
+        return
+    lw = net.layers[0]
+    if isinstance(lw.qkv, Fp8Weight):
+        return
+    elems = sum(t.shape[0] * t.shape[1] for t in (lw.qkv, lw.o, lw.gate_up, lw.down))
+    if elems * (budget or net.max_positions) < kernels.dense_lora_min_work:
+        return
+    added = net.widen_for_lora(kernels.dense_lora_kext)
+    if added:
+        log.info("LoRA's dense path as one K-extended GEMM per projection: %d spare columns per LoRA projection in the "
+                 "projection weights, %.1f MB", kernels.dense_lora_kext, added / 2**20)
 
 
 def check_fp8(fp8: bool, device: torch.device) -> None:

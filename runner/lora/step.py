@@ -202,22 +202,30 @@ class LoraStepImpl:
                       fused=self.fused, x_ready=self.x_ready, decode_ranks=self.decode_ranks)
 
     def dense_linear(self, layer: int, group: int, x: torch.Tensor, w: torch.Tensor,
-                     bias: torch.Tensor | None) -> torch.Tensor:
-        """x @ w.T + bias plus the group's LoRA on the dense path (self.dense): per segment v = x_s A^T (the
-        projections' A rows stacked, one product), per projection bias_g + v_g B_g written into the output (v
-        rounded to x's dtype, as the kernels and TorchSGMV do), rows without an adapter set to the bias (or
-        zero), then the base product accumulated onto it."""
+                     bias: torch.Tensor | None, out_spare: int = 0) -> torch.Tensor:
+        """x @ w.T + bias plus the group's LoRA on the dense path (self.dense). Where w has spare columns
+        (Decoder.widen_for_lora) and so has x (the previous projection's output, normalized in place), and they hold
+        the step's rank blocks: one GEMM over K-extended operands (_kext_linear).
+        Otherwise per segment v = x_s A^T (the projections' A rows stacked, one product), per projection
+        bias_g + v_g B_g written into the output (v rounded to x's dtype, as the kernels and TorchSGMV do), rows
+        without an adapter set to the bias (or zero), then the base product accumulated onto it. `out_spare`: the
+        output is the [:, :N] view of a [T, N + out_spare] tensor (the next projection's input, whose spare columns
+        its own K-extended GEMM then fills without a copy of x)."""
         a, b, ranks, host = self.pool.group_args[layer][group]  # a[g] [S, R, in], b[g] [S, R, out_g]
         T, N = x.shape[0], w.shape[0]
-        y = torch.empty(T, N, dtype=x.dtype, device=x.device)
+        spans = [b_g.shape[-1] for b_g in b]
+        if sum(spans) != N:
+            raise ValueError(f"LoRA outputs of group {group} cover {sum(spans)} columns, the weight has {N}")
+        y = torch.empty(T, N + max(out_spare, 0), dtype=x.dtype, device=x.device)[:, :N]
+        room = min(w.stride(0) - w.shape[1] if w.stride(1) == 1 else 0, x.stride(0) - x.shape[1] if x.stride(1) == 1 else 0)
+        blocks = self._kext_blocks(host, len(b), room)
+        if blocks is not None:
+            return self._kext_linear(x, w, bias, a, b, spans, blocks, y)
         ys, bs, lo_col = [], [], 0
-        for b_g in b:
-            n = b_g.shape[-1]
+        for n in spans:
             ys.append(y[:, lo_col: lo_col + n])
             bs.append(bias[lo_col: lo_col + n] if bias is not None else None)
             lo_col += n
-        if lo_col != N:
-            raise ValueError(f"LoRA outputs of group {group} cover {lo_col} columns, the weight has {N}")
 
         def fill(rows: torch.Tensor, bias_part: torch.Tensor | None) -> None:
             if bias_part is None:
@@ -250,4 +258,49 @@ class LoraStepImpl:
         if T > prev:
             fill(y[prev:T], bias)
         y.addmm_(x, w.t())
+        return y
+
+    def _kext_blocks(self, host, projections: int, spare: int):
+        """The step's rank blocks in the spare columns: ([per dense segment (lo, hi, slot, [(g, r, col)])], columns
+        used), each adapted projection g's r columns from `col` on, the segment's blocks side by side; None where
+        they do not fit in `spare`."""
+        blocks, col = [], 0
+        for lo, hi, s in self.dense:
+            parts = []
+            for g in range(projections):
+                r = int(host[g][s])
+                if r > 0:
+                    parts.append((g, r, col))
+                    col += r
+            blocks.append((lo, hi, s, parts))
+        return (blocks, col) if 0 < col <= spare else None
+
+    @staticmethod
+    def _kext_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, a, b, spans: list[int], blocks,
+                     y: torch.Tensor) -> torch.Tensor:
+        """y = [x | V] @ [W | B]^T + bias in one GEMM: V [T, c] holds each dense segment's v = x_s A^T (rounded to x's
+        dtype, as PEFT does) in its rank blocks' columns and zeros elsewhere (rows without an adapter, other
+        segments' blocks); the weight's spare columns hold each block's B^T in its projection's output rows and
+        zeros in the others'. Both are written per call, V into x's own spare columns (dense_linear checked the
+        room): a copy of x beside V would cost more than the add-on's write this saves."""
+        T, K = x.shape
+        blocks, c = blocks
+        ww = w.as_strided((w.shape[0], K + c), (w.stride(0), 1))
+        xw = x.as_strided((T, K + c), (x.stride(0), 1))
+        ww[:, K:].zero_()
+        xw[:, K:].zero_()
+        starts = [sum(spans[:g]) for g in range(len(spans))]
+        for lo, hi, s, parts in blocks:
+            if not parts:
+                continue
+            c0, c1 = parts[0][2], parts[-1][2] + parts[-1][1]
+            a_rows = a[parts[0][0]][s, :parts[0][1]] if len(parts) == 1 else torch.cat(
+                [a[g][s, :r] for g, r, _ in parts])
+            xw[lo:hi, K + c0: K + c1].copy_(torch.mm(x[lo:hi], a_rows.t()))
+            for g, r, col in parts:
+                ww[starts[g]: starts[g] + spans[g], K + col: K + col + r].copy_(b[g][s, :r].t())
+        if bias is None:
+            torch.mm(xw, ww.t(), out=y)
+        else:
+            torch.addmm(bias, xw, ww.t(), out=y)
         return y

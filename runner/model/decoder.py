@@ -63,8 +63,9 @@ class LoraStep(Protocol):
     dense: list[tuple[int, int, int]] | None
 
     def dense_linear(self, layer: int, group: int, x: torch.Tensor, w: torch.Tensor,
-                     bias: torch.Tensor | None) -> torch.Tensor:
-        """x @ w.T + bias with the group's LoRA add-on, one output written once."""
+                     bias: torch.Tensor | None, out_spare: int = 0) -> torch.Tensor:
+        """x @ w.T + bias with the group's LoRA add-on, one output written once (`out_spare`: spare columns
+        beside it, for the next projection's K-extended operand)."""
 
 
 @dataclass
@@ -200,6 +201,36 @@ class Decoder:
             except Exception as exc:  # no compiler: the ops' norms and the separate shrink launches
                 log.warning("norm kernel unavailable (%s); the norms take %s's kernels", exc, self.ops.name)
 
+    def widen_for_lora(self, per_projection: int) -> int:
+        """Gives the plain (not FP8) qkv and gate_up weights `per_projection` spare columns per LoRA projection of
+        their group (3 and 2): each becomes the [:, :K] view of a zeroed [N, K + c] tensor, which every product reads
+        as before (a row stride of K + c), and LoRA's dense path fills the spare columns with a step's B^T
+        (runner/lora/step.py, the K-extended GEMM). Only these two: their inputs are normalized in place inside the
+        previous projection's output, which then carries the spare columns of x too (_spare_for); o's and down's
+        inputs (attention's output, the activation's) would need a copy of x, which costs more than the add-on's
+        write it saves. Returns the bytes added."""
+        from lorafleet.runner.lora.pool import GROUP_SPANS
+
+        added = 0
+        for lw in self.layers:
+            for name, (_, g) in (("qkv", GROUP_SPANS[QKV]), ("gate_up", GROUP_SPANS[GATE_UP])):
+                w = getattr(lw, name)
+                if isinstance(w, Fp8Weight) or per_projection <= 0 or w.stride(0) > w.shape[1]:
+                    continue
+                n, k = w.shape
+                wide = torch.zeros(n, k + g * per_projection, dtype=w.dtype, device=w.device)
+                wide[:, :k].copy_(w)
+                setattr(lw, name, wide[:, :k])
+                added += n * g * per_projection * w.element_size()
+        return added
+
+    def spare_columns(self, layer: int, group: int) -> int:
+        """Spare columns of layer's `group` weight (widen_for_lora), 0 for none or past the last layer."""
+        if not 0 <= layer < self.num_layers:
+            return 0
+        w = getattr(self.layers[layer], ("qkv", "o", "gate_up", "down")[group])
+        return 0 if isinstance(w, Fp8Weight) else w.stride(0) - w.shape[1]
+
     def _check_shapes(self, error) -> None:
         c = self.cfg
         l0 = self.layers[0]
@@ -267,7 +298,9 @@ class Decoder:
     def post_attention(self, i: int, o: torch.Tensor, residual: torch.Tensor, lora: LoraStep | None):
         """Layer i after attention: o-proj and its LoRA, [norm], add + norm, MLP and its LoRA, [norm]."""
         c, ops, lw = self.cfg, self.ops, self.layers[i]
-        out = self._project(i, O, o, lw.o, lw.o_bias, lora, small=True)  # [T, H] (partial sum with TP)
+        # on LoRA's dense path, o's output in a buffer with room for gate_up's K-extended operand (see _spare_for)
+        out = self._project(i, O, o, lw.o, lw.o_bias, lora, small=True,
+                            out_spare=self._spare_for(lora, i, GATE_UP, lw.post_attn_norm))  # [T, H]
         if self.all_reduce is not None:
             self.all_reduce(out)
         if lw.post_attn_norm is not None:
@@ -282,7 +315,8 @@ class Decoder:
             gu = self._project(i, GATE_UP, x, lw.gate_up, lw.gate_up_bias, lora,
                                split=[c.intermediate_size, c.intermediate_size], quant=quant)  # [T, 2 I]
             a = ops.act_mul(gu, c.intermediate_size)  # [T, I]
-        h = self._project(i, DOWN, a, lw.down, lw.down_bias, lora, small=True)  # [T, H] (partial sum with TP)
+        h = self._project(i, DOWN, a, lw.down, lw.down_bias, lora, small=True,
+                          out_spare=self._spare_for(lora, i + 1, QKV, lw.post_mlp_norm))  # [T, H] (partial sum with TP)
         if self.all_reduce is not None:
             self.all_reduce(h)
         if lw.post_mlp_norm is not None:
@@ -316,13 +350,23 @@ class Decoder:
             own.run(x, n, q)
         return x, (h if residual is None else n.res_out), quant
 
+    def _spare_for(self, lora: LoraStep | None, layer: int, group: int, post_norm) -> int:
+        """Spare columns for an output on LoRA's dense path that becomes, normalized in place (the ops' add + norm
+        writes into it), the input of layer's `group`: that weight's spare columns (Decoder.widen_for_lora), which
+        its K-extended GEMM fills beside x; 0 where the output is reduced across ranks (the reduction takes
+        contiguous tensors) or normalized into a new tensor first (sandwich norms)."""
+        if (lora is None or getattr(lora, "dense", None) is None or self.all_reduce is not None
+                or post_norm is not None):
+            return 0
+        return self.spare_columns(layer, group)
+
     def _project(self, i: int, group: int, x: torch.Tensor, w, b: torch.Tensor | None, lora: LoraStep | None,
-                 small: bool = False, split: list[int] | None = None, quant=None) -> torch.Tensor:
-        """x @ w.T + b with layer i's LoRA of `group` (o, gate_up or down): on the dense path, or the base
-        product (`_linear_small` for `small`) then the add-on into its projections' columns (`split`). `quant`:
-        x's e4m3 rows and scales, made by the norm's launch (FP8 weights)."""
+                 small: bool = False, split: list[int] | None = None, quant=None, out_spare: int = 0) -> torch.Tensor:
+        """x @ w.T + b with layer i's LoRA of `group` (o, gate_up or down): on the dense path (`out_spare`: see
+        LoraStepImpl.dense_linear), or the base product (`_linear_small` for `small`) then the add-on into its
+        projections' columns (`split`). `quant`: x's e4m3 rows and scales, made by the norm's launch (FP8 weights)."""
         if self._dense(lora, w):
-            return lora.dense_linear(i, group, x, w, b)
+            return lora.dense_linear(i, group, x, w, b, out_spare=out_spare)
         y = self._fp8_finished(i, group, x, w, b, lora, split or [w.shape[0]], quant)
         if y is not None:
             return y

@@ -63,9 +63,14 @@ class TorchOps:
         return rms_norm(x, w, self.eps, self.offset)
 
     def add_rms_norm(self, x, residual, w):
-        """(norm(residual + x), residual + x)."""
+        """(norm(residual + x), residual + x); the norm written into x where x has spare columns beside it (the
+        previous projection's output on LoRA's dense path, whose K-extended GEMM reads them), as flashinfer's
+        in-place kernel does."""
         h = residual + x
-        return rms_norm(h, w, self.eps, self.offset), h
+        out = rms_norm(h, w, self.eps, self.offset)
+        if x.dim() == 2 and x.stride(0) > x.shape[1]:
+            return x.copy_(out), h
+        return out, h
 
     def head_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Per-head RMSNorm of x [T, heads, D] (q/k norms) -> a new [T, heads, D] tensor."""

@@ -85,26 +85,38 @@ def test_fa2_prefill_matches_cpu_fp32_teacher_forced(smol_shaped, cpu_reference,
     assert all(s.prefill["fa2"]._backend == "fa2" for s in eng.attention.sets.values())
 
 
-def test_dense_lora_path_matches_cpu_fp32_teacher_forced(smol_shaped, cpu_reference, monkeypatch):
-    """LoRA's dense path (runner/lora/step.py: cuBLAS products per segment written before the base GEMM,
-    which accumulates onto them), forced onto every prompt step (4 requests per step, no work floor): the
-    same check as above, in bf16, with the path's calls counted."""
+@pytest.mark.parametrize("kext", [0, 64])
+def test_dense_lora_path_matches_cpu_fp32_teacher_forced(smol_shaped, cpu_reference, monkeypatch, kext):
+    """LoRA's dense path (runner/lora/step.py), forced onto every prompt step (4 requests per step, no work
+    floor): the same check as above, in bf16, with the path's calls counted; kext 0: cuBLAS products per segment
+    written before the base GEMM, which accumulates onto them; kext 64: one K-extended GEMM per projection, the
+    qkv and gate_up inputs (after layer 0) normalized in place inside the previous projection's wide output."""
     from lorafleet.runner.config import KernelChoices
     from lorafleet.runner.lora import step as lora_step
 
-    calls = []
-    real = lora_step.LoraStepImpl.dense_linear
+    calls, wide_inputs, kcalls = [], [], []
+    real, kreal = lora_step.LoraStepImpl.dense_linear, lora_step.LoraStepImpl._kext_linear
 
-    def counted(self, layer, group, x, w, bias):
+    def counted(self, layer, group, x, w, bias, **kw):
         calls.append(group)
-        return real(self, layer, group, x, w, bias)
+        if x.stride(0) > x.shape[1]:
+            wide_inputs.append((layer, group))
+        return real(self, layer, group, x, w, bias, **kw)
 
     monkeypatch.setattr(lora_step.LoraStepImpl, "dense_linear", counted)
+    monkeypatch.setattr(lora_step.LoraStepImpl, "_kext_linear",
+                        staticmethod(lambda *args: kcalls.append(1) or kreal(*args)))
     model, ads = smol_shaped
     reqs, cpu = cpu_reference
-    teacher.teacher_forced_check(model, ads, reqs, cpu, "bfloat16", "smol-shaped dense", max_batch_size=4,
-                                 kernels=KernelChoices(dense_lora_rows=1, dense_lora_min_work=1))
+    teacher.teacher_forced_check(model, ads, reqs, cpu, "bfloat16", f"smol-shaped dense kext={kext}",
+                                 max_batch_size=4,
+                                 kernels=KernelChoices(dense_lora_rows=1, dense_lora_min_work=1, dense_lora_kext=kext))
     assert set(calls) == {0, 1, 2, 3}
+    assert (len(kcalls) > 0) == (kext > 0)
+    if kext:
+        assert {g for _, g in wide_inputs} == {0, 2} and all(layer > 0 or g == 2 for layer, g in wide_inputs)
+    else:
+        assert not wide_inputs
 
 
 def teacher_forced_check(smol_shaped, cpu_reference, dtype):
