@@ -58,7 +58,8 @@ class KernelChoices:
     dense_lora_kext: spare columns per LoRA projection in the plain qkv and gate_up weights of an engine whose steps
         can take that path (with adapters, and enough rows per step to reach its work floor): the path then runs
         those projections as one GEMM over K-extended operands, [x | v] @ [W | B]^T, where the step's rank blocks
-        fit (runner/lora/step.py); 0: off (the add-on written first, the base GEMM accumulating onto it).
+        fit (runner/lora/step.py); a multiple of 8; 0: off (the add-on written first, the base GEMM accumulating onto
+        it).
     dense_lora_min_work: the work floor of that path: token rows x projection weight elements of one layer on
         this rank (default: 1,024 rows of a Llama-2-7B layer); not read from the environment.
     """
@@ -101,6 +102,8 @@ class KernelChoices:
                      "dense_lora_min_work"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.dense_lora_kext % 8:
+            raise ValueError(f"dense_lora_kext must be a multiple of 8 (16-byte rows), got {self.dense_lora_kext}")
         if self.decode_ranks not in (0, 1, 2, 4):
             raise ValueError(f"decode_ranks must be 0, 1, 2 or 4, got {self.decode_ranks}")
         if not 0 <= self.fp8_gemm_rows <= 64:

@@ -274,16 +274,30 @@ def test_prefer_cublaslt_restores_the_backend_under_overlapping_holders(monkeypa
     assert state["backend"] == "cublas"
 
 
-def test_dense_lora_rows_refuses_a_negative_count(monkeypatch):
-    monkeypatch.setenv("LORAFLEET_DENSE_LORA_ROWS", "-1")
-    with pytest.raises(ValueError, match="LORAFLEET_DENSE_LORA_ROWS must be >= 0, got -1"):
-        env.dense_lora_rows()
-    monkeypatch.setenv("LORAFLEET_DENSE_LORA_ROWS", "512")
+@pytest.mark.parametrize("var,read,field,value", [
+    ("LORAFLEET_DENSE_LORA_ROWS", env.dense_lora_rows, "dense_lora_rows", 512),
+    ("LORAFLEET_DENSE_LORA_KEXT", env.dense_lora_kext, "dense_lora_kext", 32),
+])
+def test_dense_lora_counts_refuse_a_negative_count(monkeypatch, var, read, field, value):
+    monkeypatch.setenv(var, "-1")
+    with pytest.raises(ValueError, match=f"{var} must be .*>= 0, got -1"):
+        read()
+    monkeypatch.setenv(var, str(value))
     from lorafleet.runner.config import KernelChoices
 
-    assert KernelChoices.from_env().dense_lora_rows == 512
-    with pytest.raises(ValueError, match="dense_lora_rows must be >= 0"):
-        KernelChoices(dense_lora_rows=-5)
+    assert getattr(KernelChoices.from_env(), field) == value
+    with pytest.raises(ValueError, match=f"{field} must be >= 0"):
+        KernelChoices(**{field: -5})
+
+
+def test_dense_lora_kext_keeps_rows_16_byte_aligned(monkeypatch):
+    from lorafleet.runner.config import KernelChoices
+
+    monkeypatch.setenv("LORAFLEET_DENSE_LORA_KEXT", "12")
+    with pytest.raises(ValueError, match="LORAFLEET_DENSE_LORA_KEXT must be a multiple of 8 .* got 12"):
+        env.dense_lora_kext()
+    with pytest.raises(ValueError, match="dense_lora_kext must be a multiple of 8"):
+        KernelChoices(dense_lora_kext=4)
 
 
 @pytest.mark.parametrize("var,default", [("LORAFLEET_SHRINK_EARLY", False), ("LORAFLEET_FP8_EPILOGUE", True),
@@ -301,15 +315,3 @@ def test_switches_take_the_usual_spellings_and_refuse_anything_else(monkeypatch,
         monkeypatch.setenv(var, raw)
         with pytest.raises(ValueError, match=f"{var} must be 1 or 0 .*got '{raw}'"):
             read()
-
-
-def test_dense_lora_kext_refuses_a_negative_count(monkeypatch):
-    monkeypatch.setenv("LORAFLEET_DENSE_LORA_KEXT", "-1")
-    with pytest.raises(ValueError, match="LORAFLEET_DENSE_LORA_KEXT must be >= 0, got -1"):
-        env.dense_lora_kext()
-    monkeypatch.setenv("LORAFLEET_DENSE_LORA_KEXT", "32")
-    from lorafleet.runner.config import KernelChoices
-
-    assert KernelChoices.from_env().dense_lora_kext == 32
-    with pytest.raises(ValueError, match="dense_lora_kext must be >= 0"):
-        KernelChoices(dense_lora_kext=-5)

@@ -3,6 +3,7 @@ an independent per-row fp32 loop, and an engine on it against HF transformers + 
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -88,9 +89,10 @@ def test_dense_linear_equals_the_fp32_loop(runs, bias):
     torch.testing.assert_close(y.double()[~adapted], base[~adapted], rtol=1e-5, atol=1e-4)
 
 
-def _wide(t: torch.Tensor, spare: int) -> torch.Tensor:
-    """t as the [:, :K] view of a zeroed [N, K + spare] tensor (Decoder.widen_for_lora's layout)."""
-    wide = torch.zeros(t.shape[0], t.shape[1] + spare, dtype=t.dtype)
+def _wide(t: torch.Tensor, spare: int, fill: float = 0.0) -> torch.Tensor:
+    """t as the [:, :K] view of a [N, K + spare] tensor whose spare columns hold `fill` (Decoder.widen_for_lora's
+    layout; NaN: what no product may read before the step writes it)."""
+    wide = torch.full((t.shape[0], t.shape[1] + spare), fill, dtype=t.dtype)
     wide[:, :t.shape[1]] = t
     return wide[:, :t.shape[1]]
 
@@ -115,9 +117,10 @@ def test_k_extended_gemm_equals_the_fp32_loop(runs, bias, x_spare, monkeypatch):
     row_slots = _rows(*runs)
     seg = build_segments(row_slots)
     T = len(row_slots)
-    x = _wide(torch.randn(T, K, generator=gen), x_spare) if x_spare else torch.randn(T, K, generator=gen)
+    # spare columns full of NaN (torch.empty's garbage in the engine): the step must write every one it reads
+    x = _wide(torch.randn(T, K, generator=gen), x_spare, math.nan) if x_spare else torch.randn(T, K, generator=gen)
     x0 = x.clone()
-    w = _wide(torch.randn(sum(OUTS), K, generator=gen), 3 * 6)
+    w = _wide(torch.randn(sum(OUTS), K, generator=gen), 3 * 6, math.nan)
     bvec = torch.randn(sum(OUTS), generator=gen) if bias else None
     bounds = [(seg.host_indptr[i], seg.host_indptr[i + 1], s) for i, s in enumerate(seg.host_slots) if s >= 0]
     calls = []
@@ -131,8 +134,8 @@ def test_k_extended_gemm_equals_the_fp32_loop(runs, bias, x_spare, monkeypatch):
     assert torch.equal(x, x0)
     assert y.stride(0) == sum(OUTS) + 7  # the room asked for beside the output
     if x_spare:  # V went into x's own spare columns where they hold the blocks
-        beside = x.as_strided((T, K + x_spare), (x.stride(0), 1))[:, K:]
-        assert (beside.abs().sum() > 0) == (x_spare >= used)
+        beside = x.as_strided((T, K + x_spare), (x.stride(0), 1))[:, K:K + used]
+        assert (not beside.isnan().any() and beside.abs().sum() > 0) == (x_spare >= used)
 
 
 def test_k_extended_gemm_rewrites_every_spare_column_it_reads():
@@ -141,19 +144,23 @@ def test_k_extended_gemm_rewrites_every_spare_column_it_reads():
     add-on-first path and leaves the spare columns alone."""
     gen = torch.Generator().manual_seed(5)
     pool, a, b, host = _pool(gen, torch.float32)
-    w = _wide(torch.randn(sum(OUTS), K, generator=gen), 3 * 4)
+    w = _wide(torch.randn(sum(OUTS), K, generator=gen), 3 * 4, math.nan)
     for slot in (0, 2, 1, 0):
         seg = build_segments([slot] * 12)
-        x = _wide(torch.randn(12, K, generator=gen), 12)
+        x = _wide(torch.randn(12, K, generator=gen), 12, math.nan)
         y = LoraStepImpl(pool, TorchSGMV(), seg, dense=[(0, 12, slot)]).dense_linear(0, 0, x, w, None)
         torch.testing.assert_close(y.double(), _reference(x, w, None, a, b, host, [slot] * 12), rtol=1e-5, atol=1e-4)
     spare = w.as_strided((w.shape[0], w.shape[1] + 12), (w.stride(0), 1))[:, K:].clone()
+    # the widest step (slot 0: 4 + 3 + 2 columns) wrote 9 columns; the 3 beyond were never touched
+    assert not spare[:, :9].isnan().any() and spare[:, 9:].isnan().all()
     seg = build_segments([0] * 6 + [1] * 6 + [2] * 6)  # 9 + 8 + 1 = 18 columns > 12: add-on first
-    x = _wide(torch.randn(18, K, generator=gen), 24)
+    x = _wide(torch.randn(18, K, generator=gen), 24, math.nan)
     y = LoraStepImpl(pool, TorchSGMV(), seg, dense=[(0, 6, 0), (6, 12, 1), (12, 18, 2)]).dense_linear(0, 0, x, w, None)
     torch.testing.assert_close(y.double(), _reference(x, w, None, a, b, host, [0] * 6 + [1] * 6 + [2] * 6),
                                rtol=1e-5, atol=1e-4)
-    assert torch.equal(w.as_strided((w.shape[0], w.shape[1] + 12), (w.stride(0), 1))[:, K:], spare)
+    torch.testing.assert_close(w.as_strided((w.shape[0], w.shape[1] + 12), (w.stride(0), 1))[:, K:], spare, rtol=0,
+                               atol=0, equal_nan=True)
+    assert x.as_strided((18, K + 24), (x.stride(0), 1))[:, K:].isnan().all()  # nor x's
 
 
 def test_dense_linear_refuses_a_weight_that_does_not_match_the_group():
@@ -259,3 +266,20 @@ def test_weights_get_spare_columns_only_where_the_dense_path_can_run(tiny_llama)
     assert spare(dense_lora_min_work=1, dense_lora_kext=0) == [0, 0, 0, 0]
     assert spare(dense_lora_min_work=1, dense_lora_rows=0) == [0, 0, 0, 0]
     assert spare(dense_lora_min_work=1, enable_lora=False) == [0, 0, 0, 0]
+
+
+def test_sandwich_norms_leave_their_projection_narrow():
+    """A post norm writes the next projection's input into a new tensor: no room beside x, so no spare columns for
+    that weight (post_mlp_norm before qkv, post_attn_norm before gate_up)."""
+    from lorafleet.runner.model.decoder import Decoder, LayerWeights
+
+    def layer(post_attn, post_mlp):
+        return LayerWeights(attn_norm=None, qkv=torch.randn(24, 8), o=torch.randn(8, 8), mlp_norm=None,
+                            gate_up=torch.randn(32, 8), down=torch.randn(8, 16),
+                            post_attn_norm=torch.ones(8) if post_attn else None,
+                            post_mlp_norm=torch.ones(8) if post_mlp else None)
+
+    net = Decoder.__new__(Decoder)
+    net.layers = [layer(False, False), layer(True, False), layer(False, True)]
+    assert net.widen_for_lora({"qkv": 24, "gate_up": 16}) == 4 * (2 * 24 * 24 + 2 * 32 * 16)  # fp32: two of each
+    assert [(lw.qkv.stride(0) - 8, lw.gate_up.stride(0) - 8) for lw in net.layers] == [(24, 16), (24, 0), (0, 16)]

@@ -110,6 +110,8 @@ def test_tp2_on_the_dense_lora_path_gives_the_tokens_of_one_rank(tmp_path, monke
                                               max_lora_rank=16, max_step_tokens=1400,
                                               kernels=KernelChoices(dense_lora_rows=256, dense_lora_min_work=1)))
         try:
+            lw = eng.executor.model.layers[0]  # spare columns for the K-extended GEMM on one rank only
+            assert (lw.qkv.stride(0) > lw.qkv.shape[1]) == (tp == 1)
             seqs = [Sequence(f"d{i}", p, SamplingParams(max_tokens=4, ignore_eos=True),
                              AdapterRef(n, str(ads[n])) if n else None) for i, (p, n) in enumerate(zip(prompts, names))]
             out = eng.run_to_completion(seqs)

@@ -18,7 +18,7 @@ from lorafleet.models.contract import DeviceError
 from lorafleet.runner.config import EngineConfig, KernelChoices, ModelConfig, ModelConfigError
 from lorafleet.runner.executor.kv_cache import KVCache, bytes_per_token
 from lorafleet.runner.executor.model_runner import ModelRunner
-from lorafleet.runner.lora.pool import LoraPool
+from lorafleet.runner.lora.pool import GROUP_SPANS, LoraPool
 from lorafleet.runner.model.decoder import Decoder
 from lorafleet.runner.model.fp8 import E4M3, Fp8Weight, fp8_tensor_cores
 from lorafleet.runner.model.rope_kv import make_kv_writer
@@ -139,9 +139,12 @@ def build_executor(model: "str | Decoder", config: EngineConfig, shard=None, gro
 
 def widen_for_dense_lora(net: Decoder, lora_pool, kernels: KernelChoices, budget: int | None) -> None:
     """Spare columns in the projection weights for LoRA's dense path as one K-extended GEMM
-    (KernelChoices.dense_lora_kext), where that path can be taken at all: adapters, plain weights, and a step's
-    rows (the step budget, else the context) times one layer's projection weights reaching its work floor."""
-    if lora_pool is None or kernels.dense_lora_kext <= 0 or kernels.dense_lora_rows <= 0 or not net.layers:
+    (KernelChoices.dense_lora_kext), where that path can be taken at all: adapters, plain weights, one rank (the
+    outputs that become the next inputs are all-reduced as contiguous tensors under tensor parallelism), and a step's
+    rows (the step budget, else the context) times one layer's projection weights reaching its work floor. The
+    narrow weights' memory goes back to the device (the KV pages are sized from what is free next)."""
+    if (lora_pool is None or kernels.dense_lora_kext <= 0 or kernels.dense_lora_rows <= 0 or not net.layers
+            or net.all_reduce is not None):
         return
     lw = net.layers[0]
     if isinstance(lw.qkv, Fp8Weight):
@@ -149,7 +152,10 @@ def widen_for_dense_lora(net: Decoder, lora_pool, kernels: KernelChoices, budget
     elems = sum(t.shape[0] * t.shape[1] for t in (lw.qkv, lw.o, lw.gate_up, lw.down))
     if elems * (budget or net.max_positions) < kernels.dense_lora_min_work:
         return
-    added = net.widen_for_lora(kernels.dense_lora_kext)
+    k = kernels.dense_lora_kext  # per LoRA projection of the group: q, k, v; gate, up
+    added = net.widen_for_lora({"qkv": GROUP_SPANS[0][1] * k, "gate_up": GROUP_SPANS[2][1] * k})
+    if added and net.device.type == "cuda":
+        torch.cuda.empty_cache()
     if added:
         log.info("LoRA's dense path as one K-extended GEMM per projection: %d spare columns per LoRA projection in the "
                  "projection weights, %.1f MB", kernels.dense_lora_kext, added / 2**20)

@@ -201,27 +201,28 @@ class Decoder:
             except Exception as exc:  # no compiler: the ops' norms and the separate shrink launches
                 log.warning("norm kernel unavailable (%s); the norms take %s's kernels", exc, self.ops.name)
 
-    def widen_for_lora(self, per_projection: int) -> int:
-        """Gives the plain (not FP8) qkv and gate_up weights `per_projection` spare columns per LoRA projection of
-        their group (3 and 2): each becomes the [:, :K] view of a zeroed [N, K + c] tensor, which every product reads
-        as before (a row stride of K + c), and LoRA's dense path fills the spare columns with a step's B^T
-        (runner/lora/step.py, the K-extended GEMM). Only these two: their inputs are normalized in place inside the
-        previous projection's output, which then carries the spare columns of x too (_spare_for); o's and down's
-        inputs (attention's output, the activation's) would need a copy of x, which costs more than the add-on's
-        write it saves. Returns the bytes added."""
-        from lorafleet.runner.lora.pool import GROUP_SPANS
-
+    def widen_for_lora(self, spare: dict[str, int]) -> int:
+        """Gives the plain (not FP8) weights named in `spare` (qkv, gate_up) that many spare columns: each becomes
+        the [:, :K] view of a zeroed [N, K + c] tensor, which every product reads as before (a row stride of K + c),
+        and LoRA's dense path fills the spare columns with a step's B^T (runner/lora/step.py, the K-extended GEMM).
+        qkv and gate_up because their inputs are normalized in place inside the previous projection's output, which
+        then carries the spare columns of x too (_spare_for); not where a sandwich norm writes that input into a new
+        tensor (post_mlp_norm before qkv, post_attn_norm before gate_up). o's and down's inputs (attention's output,
+        the activation's) would need a copy of x, which costs more than the add-on's write it saves. Returns the
+        bytes added."""
+        post = {"qkv": "post_mlp_norm", "gate_up": "post_attn_norm"}
         added = 0
         for lw in self.layers:
-            for name, (_, g) in (("qkv", GROUP_SPANS[QKV]), ("gate_up", GROUP_SPANS[GATE_UP])):
+            for name, c in spare.items():
                 w = getattr(lw, name)
-                if isinstance(w, Fp8Weight) or per_projection <= 0 or w.stride(0) > w.shape[1]:
+                if (isinstance(w, Fp8Weight) or c <= 0 or w.stride(0) > w.shape[1]
+                        or getattr(lw, post[name]) is not None):
                     continue
                 n, k = w.shape
-                wide = torch.zeros(n, k + g * per_projection, dtype=w.dtype, device=w.device)
+                wide = torch.zeros(n, k + c, dtype=w.dtype, device=w.device)
                 wide[:, :k].copy_(w)
                 setattr(lw, name, wide[:, :k])
-                added += n * g * per_projection * w.element_size()
+                added += n * c * w.element_size()
         return added
 
     def spare_columns(self, layer: int, group: int) -> int:

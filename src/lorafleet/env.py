@@ -269,10 +269,10 @@ def dense_lora_kext() -> int:
     beside x (the previous projection's output, normalized in place) and its B^T in the weight's, so the output is
     written once (the rank blocks of a step's segments must fit: 64 columns hold four rank-16 adapters or one of
     rank 64; otherwise the add-on is written first, as without it). Costs the spare columns' memory (Llama-2-7B:
-    331 MB, 2.5 % of the weights). Default 64; 0: off."""
+    331 MB, 2.5 % of the weights). A multiple of 8, so rows stay 16-byte aligned. Default 64; 0: off."""
     cols = _int("LORAFLEET_DENSE_LORA_KEXT", DENSE_LORA_KEXT_DEFAULT)
-    if cols < 0:
-        raise EnvError(f"LORAFLEET_DENSE_LORA_KEXT must be >= 0, got {cols}")
+    if cols < 0 or cols % 8:
+        raise EnvError(f"LORAFLEET_DENSE_LORA_KEXT must be a multiple of 8 (16-byte rows) and >= 0, got {cols}")
     return cols
 
 
