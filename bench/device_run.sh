@@ -46,8 +46,9 @@
 #            prefill of 64 prompts of 2,048 tokens with LoRA off / one adapter / 64 distinct   -> e2e_lora.json
 #   lorapf   the prefill benchmark (after a 32-request identical run; 64 prompts of 2,048 tokens; LoRA off, one adapter, 64 distinct), first with
 #            every step on the LoRA kernels (LORAFLEET_DENSE_LORA_ROWS=0), then the default -> prefill_dense_{0,default}.json
-#   kext     the prefill benchmark as lorapf, with LORAFLEET_DENSE_LORA_KEXT=0 (the dense path's add-on written
-#            first) and =KEXT_COLS (default 64: one K-extended GEMM per projection) -> prefill_kext_{0,64}.json
+#   kext     the prefill benchmark as lorapf, for each LORAFLEET_DENSE_LORA_KEXT value in KEXT_VALUES (default "0 64": the
+#            dense path's add-on written first; qkv and gate_up as K-extended GEMMs) -> prefill_kext_V.json
+#            (KEXT_ARGS: extra arguments, e.g. --profile: each prefill's step profile too)
 #   shapes   bench e2e --shape S for S in SHAPES (default llama3-8b qwen2.5-7b gemma-3-12b): distinct, identical,
 #            LoRA off, SHAPE_REQS requests (default 300) -> shape_S.json
 #   plantest the flashinfer plan GPU test alone
@@ -227,10 +228,11 @@ stage() {
       done ;;
     kext)
       local v
-      for v in 0 ${KEXT_COLS:-64}; do  # the dense path's add-on written first, then one K-extended GEMM per projection
+      for v in ${KEXT_VALUES:-0 64}; do  # the dense path's add-on written first, then qkv and gate_up K-extended
         LORAFLEET_DENSE_LORA_KEXT=$v timeout ${LORA_S:-300} python3 -m lorafleet --log-level WARNING bench e2e \
-          --requests 32 --mixes identical --no-lora-off --sweep --hf-requests 0 --prefill \
-          --out "$OUT/prefill_kext_$v.json" 2>&1 | tee "$LOGS/prefill_kext_$v.log" | grep -E "prefill|Error|Traceback" | tail -6
+          --requests 32 --mixes identical --no-lora-off --sweep --hf-requests 0 --prefill ${KEXT_ARGS:-} \
+          --out "$OUT/prefill_kext_$v.json" 2>&1 | tee "$LOGS/prefill_kext_$v.log" \
+          | grep -E "prefill|Error|Traceback" | cut -c1-400 | tail -9
       done ;;
     shapes)
       local s

@@ -236,6 +236,14 @@ def test_prefill_rate_times_every_prompt_token_once_with_the_cache_off(tiny_llam
         assert eng.blocks.stats["hits"] == hits and eng.blocks.caching
         assert not eng.has_work() and eng.blocks.free_pages == eng.blocks.num_pages
     assert len(lines) == 3 and all("prompt tokens/s" in ln for ln in lines)
+    # with the profile: four more steps' device time and kernels (none on the CPU: the categories stay zero), each a
+    # step of the profiled prompts' rows, and the engine drained afterwards
+    res = prefill_rate(eng, prompts, [("one", str(sets[0]))] * 4, "prefill", lines.append, profile=True)
+    prof = res["profile"]
+    assert len(prof["rows"]) == 4 and all(r[0] == 64 for r in prof["rows"]) and prof["wall_ms"] > 0
+    assert set(prof) >= {"dense_gemm", "lora_sgmv", "other_gpu", "top_kernels"}
+    assert not eng.has_work() and eng.blocks.free_pages == eng.blocks.num_pages
+    assert any(ln.strip().startswith("per prefill step (ms)") for ln in lines[3:])
 
 
 def test_each_mix_run_starts_with_an_empty_prefix_cache(tiny_llama, tmp_path):

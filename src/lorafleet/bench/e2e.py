@@ -293,10 +293,11 @@ def lora_exposed(results: dict, off: dict) -> dict:
     return out
 
 
-def prefill_rate(engine, prompts: list[list[int]], adapters: list, label: str, log) -> dict:
+def prefill_rate(engine, prompts: list[list[int]], adapters: list, label: str, log, profile: bool = False) -> dict:
     """Prompt tokens per second of prefilling `prompts` (one new token each, all queued at t = 0, the prefix
     cache off), request i on `adapters[i]` ((name, source) or None). Every adapter is loaded by a warm-up
-    of 16-token prompts first, so the time is the prefill's alone."""
+    of 16-token prompts first, so the time is the prefill's alone. `profile`: then the device time of four more
+    such steps (the first four prompts again), by category and by kernel (profile_steps), under "profile"."""
     from lorafleet.runner.engine.sequence import AdapterRef, SamplingParams, Sequence
 
     def run(tag: str, ids_of) -> tuple[float, int]:
@@ -311,9 +312,17 @@ def prefill_rate(engine, prompts: list[list[int]], adapters: list, label: str, l
 
     caching = engine.blocks.caching
     engine.blocks.caching = False
+    prof = None
     try:
         run("pw", lambda i: prompts[i][:16])
         seconds, steps = run("pf", lambda i: prompts[i])
+        if profile:
+            k = min(4, len(prompts))
+            for i in range(k):
+                engine.submit(Sequence(f"pp{i}", prompts[i], SamplingParams(max_tokens=1, ignore_eos=True),
+                                       AdapterRef(*adapters[i]) if adapters[i] is not None else None))
+            prof = profile_steps(engine, k, top=16, while_=engine.has_work)
+            drive(engine, label, {}, {})
     finally:
         engine.blocks.caching = caching
     tokens = sum(len(p) for p in prompts)
@@ -321,6 +330,11 @@ def prefill_rate(engine, prompts: list[list[int]], adapters: list, label: str, l
            "prompt_tok_s": round(tokens / seconds, 1)}
     log(f"{label:>28}: {res['prompt_tok_s']:10.1f} prompt tokens/s  ({len(prompts)} prompts of "
         f"{tokens // max(len(prompts), 1)} tokens, {steps} steps, {seconds:.2f}s)")
+    if prof is not None:
+        res["profile"] = prof
+        log(f"{'per prefill step (ms)':>28}: {figures_line(prof)}")
+        log(" " * 30 + "; ".join(f"{kernel_label(t['kernel'])} {t['ms_per_step']} ({t['calls_per_step']:g}x)"
+                                 for t in prof["top_kernels"][:10]))
     return res
 
 
@@ -968,9 +982,10 @@ def main(argv: list[str] | None = None) -> int:
         prefill_prompts = [rng.integers(3, model.cfg.vocab_size, args.prefill).tolist() for _ in range(64)]
         eng = eng or make_engine(args.max_batch, True)
         results["prefill"] = {
-            "one": prefill_rate(eng, prefill_prompts, [("pf-one", "0")] * 64, "prefill, one adapter", log),
+            "one": prefill_rate(eng, prefill_prompts, [("pf-one", "0")] * 64, "prefill, one adapter", log,
+                                profile=args.profile),
             "distinct": prefill_rate(eng, prefill_prompts, [(f"pf-{i}", str(i)) for i in range(64)],
-                                     "prefill, 64 distinct adapters", log)}
+                                     "prefill, 64 distinct adapters", log, profile=args.profile)}
         save_partial()
     if args.profile:
         results["breakdown_lora_distinct"] = profile_breakdown(eng, reqs, log, fm=fm)
@@ -1037,7 +1052,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{off.get('wall_ms_unprofiled')} ms): " + ", ".join(f"{k} {v} ms" for k, v in exposed.items()))
         if prefill_prompts is not None:
             pf = results["prefill"]
-            pf["off"] = prefill_rate(eng, prefill_prompts, [None] * 64, "prefill, LoRA off", log)
+            pf["off"] = prefill_rate(eng, prefill_prompts, [None] * 64, "prefill, LoRA off", log, profile=args.profile)
             for k in ("one", "distinct"):
                 pf[f"{k}_over_off"] = round(pf[k]["prompt_tok_s"] / pf["off"]["prompt_tok_s"], 3)
             log(f"prefill with LoRA / LoRA off: one adapter {pf['one_over_off']}, 64 distinct {pf['distinct_over_off']}")
