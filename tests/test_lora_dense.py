@@ -163,6 +163,36 @@ def test_k_extended_gemm_rewrites_every_spare_column_it_reads():
     assert x.as_strided((18, K + 24), (x.stride(0), 1))[:, K:].isnan().all()  # nor x's
 
 
+def test_k_extended_weight_blocks_are_kept_while_their_slots_are_unchanged():
+    """The weight's spare columns keep a step's B blocks: a next step with the same blocks of slots not written
+    since (LoraPool.slot_writes) reuses them, so a slot changed behind the pool's back would go unseen (shown here on
+    purpose), and any write to one of the step's slots, or another layout, has them written again."""
+    gen = torch.Generator().manual_seed(9)
+    pool, a, b, host = _pool(gen, torch.float32)
+    pool.slot_writes = [0] * S
+    w = _wide(torch.randn(sum(OUTS), K, generator=gen), 3 * 4, math.nan)
+
+    def step(slot):
+        seg = build_segments([slot] * 10)
+        x = _wide(torch.randn(10, K, generator=gen), 12, math.nan)
+        y = LoraStepImpl(pool, TorchSGMV(), seg, dense=[(0, 10, slot)]).dense_linear(0, 0, x, w, None)
+        return x, y
+
+    x, y = step(0)
+    torch.testing.assert_close(y.double(), _reference(x, w, None, a, b, host, [0] * 10), rtol=1e-5, atol=1e-4)
+    kept = [t.clone() for t in b]
+    for g in range(3):
+        b[g][0, :host[g][0]] += 1.0  # slot 0 changed without the pool knowing
+    x, y = step(0)  # the blocks in the weight are the earlier ones
+    torch.testing.assert_close(y.double(), _reference(x, w, None, a, kept, host, [0] * 10), rtol=1e-5, atol=1e-4)
+    pool.slot_writes[0] += 1  # what LoraPool.write does
+    x, y = step(0)
+    torch.testing.assert_close(y.double(), _reference(x, w, None, a, b, host, [0] * 10), rtol=1e-5, atol=1e-4)
+    for slot in (2, 0):  # another layout, then back: written again each time
+        x, y = step(slot)
+        torch.testing.assert_close(y.double(), _reference(x, w, None, a, b, host, [slot] * 10), rtol=1e-5, atol=1e-4)
+
+
 def test_dense_linear_refuses_a_weight_that_does_not_match_the_group():
     gen = torch.Generator().manual_seed(0)
     pool, *_ = _pool(gen, torch.float32)
@@ -172,11 +202,12 @@ def test_dense_linear_refuses_a_weight_that_does_not_match_the_group():
         impl.dense_linear(0, 0, torch.randn(8, K), torch.randn(20, K), None)
 
 
-@pytest.mark.parametrize("kext", [0, 64])
-def test_engine_on_the_dense_path_equals_hf_peft(tiny_llama, tmp_path, monkeypatch, kext):
+@pytest.mark.parametrize("kext,slots", [(0, None), (64, None), (64, 1)])
+def test_engine_on_the_dense_path_equals_hf_peft(tiny_llama, tmp_path, monkeypatch, kext, slots):
     """Prompts of 40-90 tokens with the work floor lowered: the prompt steps take the dense path (counted), with
     spare weight columns (kext) as K-extended GEMMs (counted), decode steps the usual one; greedy tokens equal
-    HF + PEFT's, request by request."""
+    HF + PEFT's, request by request. One slot: the adapters take turns in it, so the B blocks kept in the weights'
+    spare columns must be written again after each load (LoraPool.slot_writes)."""
     from model_helpers import write_random_adapter
     from reference import HFReference
     from lorafleet.runner.engine.engine import Engine
@@ -187,6 +218,9 @@ def test_engine_on_the_dense_path_equals_hf_peft(tiny_llama, tmp_path, monkeypat
                                     targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                              "down_proj"), seed=11),
         "a4": write_random_adapter(tiny_llama, tmp_path / "a4", r=4, alpha=8, targets=("v_proj", "up_proj"), seed=12),
+        "b16": write_random_adapter(tiny_llama, tmp_path / "b16", r=16, alpha=32,
+                                    targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                             "down_proj"), seed=13),  # a16's layout, other weights
     }
     calls, kcalls = [], []
     real, kreal = LoraStepImpl.dense_linear, LoraStepImpl._kext_linear
@@ -198,12 +232,14 @@ def test_engine_on_the_dense_path_equals_hf_peft(tiny_llama, tmp_path, monkeypat
     monkeypatch.setattr(LoraStepImpl, "dense_linear", counted)
     monkeypatch.setattr(LoraStepImpl, "_kext_linear", staticmethod(lambda *args: kcalls.append(1) or kreal(*args)))
     g = torch.Generator().manual_seed(3)
-    names = ["a16", "a4", None, "a16"]
+    # one slot: a16 and b16 take turns in it with the same rank blocks, so only the slot's write count tells them apart
+    names = ["a16", "a4", None, "a16"] if slots is None else ["a16", "b16", "a16", "b16"]
     requests = []
     for name in names:
         n = int(torch.randint(40, 90, (1,), generator=g))
         requests.append((torch.randint(3, 512, (n,), generator=g).tolist(), name))
     eng = Engine(str(tiny_llama), EngineConfig(max_batch_size=8, kv_cache_gb=0.25, max_lora_rank=16, page_size=4,
+                                               lora_slots=slots,
                                                kernels=KernelChoices(dense_lora_rows=16, dense_lora_kext=kext,
                                                                      dense_lora_min_work=1)))
     lw = eng.executor.model.layers[0]  # the weights carry spare columns exactly when asked to
@@ -218,6 +254,8 @@ def test_engine_on_the_dense_path_equals_hf_peft(tiny_llama, tmp_path, monkeypat
     ref = HFReference(tiny_llama, adapters)
     for i, (ids, name) in enumerate(requests):
         assert out[f"r{i}"].output_ids == ref.greedy(ids, name, 12, eos=2), name
+    if slots == 1:  # a16, b16, a16, b16 through the one slot
+        assert eng.executor.lora_pool.slot_writes[0] >= 2
 
 
 def _runner(qkv, min_work=1, pool=True):

@@ -39,6 +39,9 @@ class LoraPool:
         self.b = [[self.B[p][layer] for p in range(len(PROJECTIONS))] for layer in range(L)]
         self.ranks = torch.zeros(L, len(PROJECTIONS), S, dtype=torch.int32, device=device)
         self.host_ranks = [[[0] * S for _ in PROJECTIONS] for _ in range(L)]
+        # per slot, how often write() or clear() changed it: what a copy of its weights elsewhere is checked against
+        # (LoRA's dense path keeps the step's B in the projection weights' spare columns across steps)
+        self.slot_writes = [0] * S
         # (a list, b list, ranks [G, S], host ranks) of each (layer, group), built once for the step loop
         self.group_args = [[(self.a[layer][p0 : p0 + g], self.b[layer][p0 : p0 + g], self.ranks[layer, p0 : p0 + g],
                              self.host_ranks[layer][p0 : p0 + g]) for p0, g in GROUP_SPANS] for layer in range(L)]
@@ -51,6 +54,7 @@ class LoraPool:
         """Copy an adapter into a slot (asynchronously on `stream` when given: pinned sources)."""
         pk = adapter.shard_for(self.shard, self.full) if self.shard else adapter.packed_for(self.base.num_layers)
         nb = stream is not None
+        self.slot_writes[slot] += 1
         for p in range(len(PROJECTIONS)):
             if p in pk.a:
                 r = pk.a[p].shape[1]
@@ -64,6 +68,7 @@ class LoraPool:
 
     def clear(self, slot: int) -> None:
         """Mark a slot empty: rank 0 everywhere (weights are left, never read)."""
+        self.slot_writes[slot] += 1
         self.ranks[:, :, slot] = 0
         for layer in range(self.base.num_layers):
             for p in range(len(PROJECTIONS)):

@@ -220,7 +220,8 @@ class LoraStepImpl:
         room = min(w.stride(0) - w.shape[1] if w.stride(1) == 1 else 0, x.stride(0) - x.shape[1] if x.stride(1) == 1 else 0)
         blocks = self._kext_blocks(host, len(b), room)
         if blocks is not None:
-            return self._kext_linear(x, w, bias, a, b, spans, blocks, y)
+            self._kext_weight(layer, group, w, b, spans, blocks)
+            return self._kext_linear(x, w, bias, a, spans, blocks, y)
         ys, bs, lo_col = [], [], 0
         for n in spans:
             ys.append(y[:, lo_col: lo_col + n])
@@ -275,21 +276,43 @@ class LoraStepImpl:
             blocks.append((lo, hi, s, parts))
         return (blocks, col) if 0 < col <= spare else None
 
+    def _kext_weight(self, layer: int, group: int, w: torch.Tensor, b, spans: list[int], blocks) -> None:
+        """The weight's spare columns for the step's rank blocks: each block's B^T in its projection's output rows,
+        zeros in the others'. Skipped where they already hold exactly that: the same blocks (slot, projection, rank,
+        column) of slots not written since (LoraPool.slot_writes), as in every step of one adapter's prompts."""
+        blocks, c = blocks
+        K = w.shape[1]
+        writes = getattr(self.pool, "slot_writes", None)
+        key = None if writes is None else (c, tuple((s, g, r, col, writes[s]) for _, _, s, parts in blocks
+                                                    for g, r, col in parts))
+        store = self.pool.__dict__.setdefault("kext_written", {})
+        where = (w.data_ptr(), w.stride(0), layer, group)
+        if key is not None and store.get(where) == key:
+            return
+        store.pop(where, None)
+        ww = w.as_strided((w.shape[0], K + c), (w.stride(0), 1))
+        ww[:, K:].zero_()
+        starts = [sum(spans[:g]) for g in range(len(spans))]
+        for _, _, s, parts in blocks:
+            for g, r, col in parts:
+                ww[starts[g]: starts[g] + spans[g], K + col: K + col + r].copy_(b[g][s, :r].t())
+        if key is not None:
+            store[where] = key
+
     @staticmethod
-    def _kext_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, a, b, spans: list[int], blocks,
+    def _kext_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, a, spans: list[int], blocks,
                      y: torch.Tensor) -> torch.Tensor:
         """y = [x | V] @ [W | B]^T + bias in one GEMM: V [T, c] holds each dense segment's v = x_s A^T (rounded to x's
         dtype, as PEFT does) in its rank blocks' columns and zeros elsewhere (rows without an adapter, other
-        segments' blocks); the weight's spare columns hold each block's B^T in its projection's output rows and
-        zeros in the others'. Both are written per call, V into x's own spare columns (dense_linear checked the
-        room): a copy of x beside V would cost more than the add-on's write this saves."""
+        segments' blocks), written per call into x's own spare columns (dense_linear checked the room: a copy of x
+        beside V would cost more than the add-on's write this saves); the weight's spare columns hold the blocks'
+        B^T (_kext_weight)."""
         T, K = x.shape
         blocks, c = blocks
         ww = w.as_strided((w.shape[0], K + c), (w.stride(0), 1))
         xw = x.as_strided((T, K + c), (x.stride(0), 1))
-        ww[:, K:].zero_()
-        xw[:, K:].zero_()
-        starts = [sum(spans[:g]) for g in range(len(spans))]
+        if not (len(blocks) == 1 and blocks[0][0] == 0 and blocks[0][1] == T):  # one segment fills all of V
+            xw[:, K:].zero_()
         for lo, hi, s, parts in blocks:
             if not parts:
                 continue
@@ -297,8 +320,6 @@ class LoraStepImpl:
             a_rows = a[parts[0][0]][s, :parts[0][1]] if len(parts) == 1 else torch.cat(
                 [a[g][s, :r] for g, r, _ in parts])
             xw[lo:hi, K + c0: K + c1].copy_(torch.mm(x[lo:hi], a_rows.t()))
-            for g, r, col in parts:
-                ww[starts[g]: starts[g] + spans[g], K + col: K + col + r].copy_(b[g][s, :r].t())
         if bias is None:
             torch.mm(xw, ww.t(), out=y)
         else:
