@@ -42,6 +42,9 @@ class LoraPool:
         # per slot, how often write() or clear() changed it: what a copy of its weights elsewhere is checked against
         # (LoRA's dense path keeps the step's B in the projection weights' spare columns across steps)
         self.slot_writes = [0] * S
+        # (weight, layer, group) -> the rank blocks its spare columns hold, with those slots' write counts
+        # (runner/lora/step.py LoraStepImpl._kext_weight)
+        self.kext_written: dict = {}
         # (a list, b list, ranks [G, S], host ranks) of each (layer, group), built once for the step loop
         self.group_args = [[(self.a[layer][p0 : p0 + g], self.b[layer][p0 : p0 + g], self.ranks[layer, p0 : p0 + g],
                              self.host_ranks[layer][p0 : p0 + g]) for p0, g in GROUP_SPANS] for layer in range(L)]
