@@ -169,7 +169,7 @@ def test_k_extended_weight_blocks_are_kept_while_their_slots_are_unchanged():
     purpose), and any write to one of the step's slots, or another layout, has them written again."""
     gen = torch.Generator().manual_seed(9)
     pool, a, b, host = _pool(gen, torch.float32)
-    pool.slot_writes = [0] * S
+    pool.slot_writes, pool.uid = [0] * S, 1
     w = _wide(torch.randn(sum(OUTS), K, generator=gen), 3 * 4, math.nan)
 
     def step(slot):
@@ -191,6 +191,11 @@ def test_k_extended_weight_blocks_are_kept_while_their_slots_are_unchanged():
     for slot in (2, 0):  # another layout, then back: written again each time
         x, y = step(slot)
         torch.testing.assert_close(y.double(), _reference(x, w, None, a, b, host, [slot] * 10), rtol=1e-5, atol=1e-4)
+    for g in range(3):
+        b[g][0, :host[g][0]] -= 1.0  # (unseen again) ...
+    pool.uid = 2  # ... but another pool's engine wrote the same weight's spare columns last
+    x, y = step(0)
+    torch.testing.assert_close(y.double(), _reference(x, w, None, a, b, host, [0] * 10), rtol=1e-5, atol=1e-4)
 
 
 def test_dense_linear_refuses_a_weight_that_does_not_match_the_group():

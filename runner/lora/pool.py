@@ -12,6 +12,8 @@ is the contiguous view `A[p][layer]` and writing a slot is one strided copy per 
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from lorafleet.common.peft_config import BaseShape
@@ -20,6 +22,7 @@ from lorafleet.runner.lora.adapter import LoadedAdapter
 
 # (first projection index, count) of each SGMV group, in PROJECTIONS order: qkv, o, gate_up, down.
 GROUP_SPANS = ((0, 3), (3, 1), (4, 2), (6, 1))
+_POOL_UIDS = itertools.count(1)
 
 
 class LoraPool:
@@ -42,9 +45,7 @@ class LoraPool:
         # per slot, how often write() or clear() changed it: what a copy of its weights elsewhere is checked against
         # (LoRA's dense path keeps the step's B in the projection weights' spare columns across steps)
         self.slot_writes = [0] * S
-        # (weight, layer, group) -> the rank blocks its spare columns hold, with those slots' write counts
-        # (runner/lora/step.py LoraStepImpl._kext_weight)
-        self.kext_written: dict = {}
+        self.uid = next(_POOL_UIDS)  # tells pools apart in records that outlive one (runner/lora/step.py _kext_weight)
         # (a list, b list, ranks [G, S], host ranks) of each (layer, group), built once for the step loop
         self.group_args = [[(self.a[layer][p0 : p0 + g], self.b[layer][p0 : p0 + g], self.ranks[layer, p0 : p0 + g],
                              self.host_ranks[layer][p0 : p0 + g]) for p0, g in GROUP_SPANS] for layer in range(L)]

@@ -57,6 +57,11 @@ def mixed_fused(kernels: KernelChoices) -> bool:
 # as the base GEMM's already depends on the step's.
 DENSE_LORA_MAX_SEGMENTS = 4
 
+# The attribute of a widened weight (the tensor object the model holds) that records the rank blocks its spare
+# columns hold: (pool uid, columns, ((slot, projection, rank, column, the slot's write count), ...));
+# LoraStepImpl._kext_weight.
+KEXT_RECORD = "_lorafleet_kext_blocks"
+
 
 def dense_lora_bounds(seg: SegmentTable, num_tokens: int, kernels: KernelChoices,
                       layer_elems: int) -> list[tuple[int, int, int]] | None:
@@ -279,17 +284,17 @@ class LoraStepImpl:
     def _kext_weight(self, layer: int, group: int, w: torch.Tensor, b, spans: list[int], blocks) -> None:
         """The weight's spare columns for the step's rank blocks: each block's B^T in its projection's output rows,
         zeros in the others'. Skipped where they already hold exactly that: the same blocks (slot, projection, rank,
-        column) of slots not written since (LoraPool.slot_writes), as in every step of one adapter's prompts."""
+        column) of the same pool's slots, not written since (LoraPool.slot_writes), as in every step of one
+        adapter's prompts. The record lives on the weight (KEXT_RECORD), so an engine sharing the model that wrote
+        other blocks there in between is seen."""
         blocks, c = blocks
         K = w.shape[1]
-        writes = getattr(self.pool, "slot_writes", None)
-        key = None if writes is None else (c, tuple((s, g, r, col, writes[s]) for _, _, s, parts in blocks
-                                                    for g, r, col in parts))
-        store = self.pool.__dict__.setdefault("kext_written", {})
-        where = (w.data_ptr(), w.stride(0), layer, group)
-        if key is not None and store.get(where) == key:
+        writes, uid = getattr(self.pool, "slot_writes", None), getattr(self.pool, "uid", None)
+        key = None if writes is None or uid is None else (
+            uid, c, tuple((s, g, r, col, writes[s]) for _, _, s, parts in blocks for g, r, col in parts))
+        if key is not None and getattr(w, KEXT_RECORD, None) == key:
             return
-        store.pop(where, None)
+        setattr(w, KEXT_RECORD, None)
         ww = w.as_strided((w.shape[0], K + c), (w.stride(0), 1))
         ww[:, K:].zero_()
         starts = [sum(spans[:g]) for g in range(len(spans))]
@@ -297,7 +302,7 @@ class LoraStepImpl:
             for g, r, col in parts:
                 ww[starts[g]: starts[g] + spans[g], K + col: K + col + r].copy_(b[g][s, :r].t())
         if key is not None:
-            store[where] = key
+            setattr(w, KEXT_RECORD, key)
 
     @staticmethod
     def _kext_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, a, spans: list[int], blocks,

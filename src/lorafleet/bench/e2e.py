@@ -296,8 +296,9 @@ def lora_exposed(results: dict, off: dict) -> dict:
 def prefill_rate(engine, prompts: list[list[int]], adapters: list, label: str, log, profile: bool = False) -> dict:
     """Prompt tokens per second of prefilling `prompts` (one new token each, all queued at t = 0, the prefix
     cache off), request i on `adapters[i]` ((name, source) or None). Every adapter is loaded by a warm-up
-    of 16-token prompts first, so the time is the prefill's alone. `profile`: then the device time of four more
-    such steps (the first four prompts again), by category and by kernel (profile_steps), under "profile"."""
+    of 16-token prompts first, so the time is the prefill's alone. `profile`: then the device time of the steps
+    that prefill the first four prompts again (at most four steps), by category and by kernel (profile_steps),
+    under "profile"."""
     from lorafleet.runner.engine.sequence import AdapterRef, SamplingParams, Sequence
 
     def run(tag: str, ids_of) -> tuple[float, int]:
