@@ -75,6 +75,26 @@ def test_family_equals_hf_peft_in_one_mixed_batch(family):
     assert sum(base[s.id] != got[s.id] for s in reqs if s.adapter) >= 5
 
 
+def test_family_on_the_dense_lora_path_equals_hf_peft(family, monkeypatch):
+    """LoRA's dense path forced onto the steps with prompt rows (work floor 1, any segment length), its qkv
+    and gate_up as K-extended GEMMs where the family allows them (not behind Gemma's sandwich norms), counted; greedy
+    tokens equal HF + PEFT's."""
+    from lorafleet.runner.config import KernelChoices
+    from lorafleet.runner.lora.step import LoraStepImpl
+
+    name, model, ads = family
+    kcalls = []
+    real = LoraStepImpl._kext_linear
+    monkeypatch.setattr(LoraStepImpl, "_kext_linear", staticmethod(lambda *a: kcalls.append(a[-2][1]) or real(*a)))
+    got = generate(model, ads, chunked_prefill=True, max_step_tokens=64,
+                   kernels=KernelChoices(dense_lora_rows=1, dense_lora_min_work=1, dense_lora_kext=16))
+    assert (len(kcalls) > 0) == (name != "gemma3"), (name, len(kcalls))
+    ref = HFReference(model, ads)
+    bad = [(s.id, got[s.id]) for s in requests(ads)
+           if got[s.id] != ref.greedy(s.prompt_ids, s.adapter.name if s.adapter else None, NEW, eos=None)]
+    assert not bad, bad
+
+
 def test_family_tp2_gives_the_tokens_of_one_rank(family):
     _, model, ads = family
     one = generate(model, ads, n=6, new=6, lora_slots=2)
