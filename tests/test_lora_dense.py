@@ -248,7 +248,8 @@ def test_engine_on_the_dense_path_equals_hf_peft(tiny_llama, tmp_path, monkeypat
                                                kernels=KernelChoices(dense_lora_rows=16, dense_lora_kext=kext,
                                                                      dense_lora_min_work=1)))
     lw = eng.executor.model.layers[0]  # the weights carry spare columns exactly when asked to
-    assert lw.qkv.stride(0) - lw.qkv.shape[1] == 3 * kext and lw.gate_up.stride(0) - lw.gate_up.shape[1] == 2 * kext
+    assert lw.qkv.stride(0) - lw.qkv.shape[1] == 3 * kext
+    assert lw.gate_up.stride(0) - lw.gate_up.shape[1] == 2 * kext
     seqs = [Sequence(f"r{i}", ids, SamplingParams(max_tokens=12), AdapterRef(name, str(adapters[name])) if name else None)
             for i, (ids, name) in enumerate(requests)]
     out = eng.run_to_completion(seqs)

@@ -157,8 +157,8 @@ def widen_for_dense_lora(net: Decoder, lora_pool, kernels: KernelChoices, budget
     if added and net.device.type == "cuda":
         torch.cuda.empty_cache()
     if added:
-        log.info("LoRA's dense path as one K-extended GEMM per projection: %d spare columns per LoRA projection in the "
-                 "projection weights, %.1f MB", kernels.dense_lora_kext, added / 2**20)
+        log.info("LoRA's dense path runs qkv and gate_up as K-extended GEMMs: %d spare columns per LoRA projection in "
+                 "their weights, %.1f MB", kernels.dense_lora_kext, added / 2**20)
 
 
 def check_fp8(fp8: bool, device: torch.device) -> None:

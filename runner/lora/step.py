@@ -222,7 +222,8 @@ class LoraStepImpl:
         if sum(spans) != N:
             raise ValueError(f"LoRA outputs of group {group} cover {sum(spans)} columns, the weight has {N}")
         y = torch.empty(T, N + max(out_spare, 0), dtype=x.dtype, device=x.device)[:, :N]
-        room = min(w.stride(0) - w.shape[1] if w.stride(1) == 1 else 0, x.stride(0) - x.shape[1] if x.stride(1) == 1 else 0)
+        room = min(w.stride(0) - w.shape[1] if w.stride(1) == 1 else 0,
+                   x.stride(0) - x.shape[1] if x.stride(1) == 1 else 0)
         blocks = self._kext_blocks(host, len(b), room)
         if blocks is not None:
             self._kext_weight(layer, group, w, b, spans, blocks)
