@@ -19,7 +19,7 @@ from lorafleet.runner.config import EngineConfig, KernelChoices, ModelConfig, Mo
 from lorafleet.runner.executor.kv_cache import KVCache, bytes_per_token
 from lorafleet.runner.executor.model_runner import ModelRunner
 from lorafleet.runner.lora.pool import GROUP_SPANS, LoraPool
-from lorafleet.runner.model.decoder import Decoder
+from lorafleet.runner.model.decoder import Decoder, plain_projection_elems
 from lorafleet.runner.model.fp8 import E4M3, Fp8Weight, fp8_tensor_cores
 from lorafleet.runner.model.rope_kv import make_kv_writer
 from lorafleet.runner.model.weights import load_model
@@ -146,11 +146,8 @@ def widen_for_dense_lora(net: Decoder, lora_pool, kernels: KernelChoices, budget
     if (lora_pool is None or kernels.dense_lora_kext <= 0 or kernels.dense_lora_rows <= 0 or not net.layers
             or net.all_reduce is not None):
         return
-    lw = net.layers[0]
-    if isinstance(lw.qkv, Fp8Weight):
-        return
-    elems = sum(t.shape[0] * t.shape[1] for t in (lw.qkv, lw.o, lw.gate_up, lw.down))
-    if elems * (budget or net.max_positions) < kernels.dense_lora_min_work:
+    elems = plain_projection_elems(net.layers[0])
+    if not elems or elems * (budget or net.max_positions) < kernels.dense_lora_min_work:
         return
     k = kernels.dense_lora_kext  # per LoRA projection of the group: q, k, v; gate, up
     added = net.widen_for_lora({"qkv": GROUP_SPANS[0][1] * k, "gate_up": GROUP_SPANS[2][1] * k})

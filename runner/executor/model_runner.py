@@ -24,8 +24,7 @@ import torch
 
 from lorafleet.runner.lora.step import LoraStepImpl, dense_lora_bounds
 from lorafleet.runner.config import KernelChoices
-from lorafleet.runner.model.decoder import Decoder, StepIO
-from lorafleet.runner.model.fp8 import Fp8Weight
+from lorafleet.runner.model.decoder import Decoder, StepIO, plain_projection_elems
 from lorafleet.runner.executor.sampler import sample_tokens
 
 
@@ -116,9 +115,7 @@ class ModelRunner:
         if self.lora_pool is None or batch.decode_only or not d.seg.any_adapter:
             return None
         if self._layer_elems is None:  # one layer's projection weights on this rank; 0 with FP8 weights (never)
-            lw = self.model.layers[0]
-            plain = not isinstance(lw.qkv, Fp8Weight)
-            self._layer_elems = sum(t.numel() for t in (lw.qkv, lw.o, lw.gate_up, lw.down)) if plain else 0
+            self._layer_elems = plain_projection_elems(self.model.layers[0])
         if not self._layer_elems:
             return None
         return dense_lora_bounds(d.seg, batch.num_tokens, self.kernels, self._layer_elems)

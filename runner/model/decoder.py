@@ -30,6 +30,7 @@ from lorafleet.runner.model.fp8 import (E4M3, Fp8Weight, epilogue_applies, fp8_l
 from lorafleet.runner.model.norm import OwnNorm
 from lorafleet.runner.model.ops import make_ops, prefer_cublaslt
 from lorafleet.runner.model.rope import Rope
+from lorafleet.runner.model.weights import PROJECTION_PARAMS
 
 # Group indices for LoraStep.add: projections that share an input run as one SGMV launch.
 QKV, O, GATE_UP, DOWN = 0, 1, 2, 3
@@ -37,6 +38,14 @@ QKV, O, GATE_UP, DOWN = 0, 1, 2, 3
 ACT_CODES = {"silu": 1, "gelu_tanh": 2}
 
 log = logging.getLogger(__name__)
+
+
+def plain_projection_elems(lw) -> int:
+    """Elements of a layer's projection weights (qkv, o, gate_up, down) on this rank, 0 where they are FP8: the work
+    measure of LoRA's dense path (runner/lora/step.py dense_lora_bounds), which FP8 weights never take."""
+    if isinstance(lw.qkv, Fp8Weight):
+        return 0
+    return sum(getattr(lw, name).shape[0] * getattr(lw, name).shape[1] for name in PROJECTION_PARAMS)
 
 
 def quant_buffers(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,7 +238,7 @@ class Decoder:
         """Spare columns of layer's `group` weight (widen_for_lora), 0 for none or past the last layer."""
         if not 0 <= layer < self.num_layers:
             return 0
-        w = getattr(self.layers[layer], ("qkv", "o", "gate_up", "down")[group])
+        w = getattr(self.layers[layer], PROJECTION_PARAMS[group])
         return 0 if isinstance(w, Fp8Weight) else w.stride(0) - w.shape[1]
 
     def _check_shapes(self, error) -> None:
