@@ -12,6 +12,9 @@
 #   ftests   every model family against HF + PEFT and graphs against eager, and the flashinfer plan and window tests
 #   fp8tests FP8 weights (and FP8 K/V pages) against the fp32 HF emulation of FP8, graphs against eager, bytes
 #   sm90tests the wgmma FP8 GEMM (csrc/fp8_gemm_sm90.cu) against the fp64 sum of its e4m3 products and cuBLASLt
+#   btests   LoRA beside the base GEMM in decode graphs (tests/gpu/test_lora_branch_cuda.py)
+#   branch   bench e2e bf16 distinct + identical (+ LoRA off, profiled) with LORAFLEET_LORA_BRANCH=0 then 1
+#            (BRANCH_VALUES, BRANCH_REQS default 200, BRANCH_ARGS extra arguments) -> e2e_branch_V.json
 #   stests   the LoRA shrink that does not wait for its base GEMM (tests/gpu/test_shrink_early_cuda.py)
 #   ntests   the project's RMSNorm kernel and the norm + LoRA shrink launch (tests/gpu/test_norm_cuda.py; NTESTS_K: -k)
 #   ptests   the prefix cache against HF + PEFT fp32 (llama3, gemma3), hits counted
@@ -169,6 +172,17 @@ stage() {
       timeout ${TEST_S:-300} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_shrink_early_cuda.py -rA -s --tb=short \
         -o faulthandler_timeout=${HANG_S:-200} 2>&1 | tee "$LOGS/gpu_stests.log" \
         | grep -E "passed|failed|FAILED|Error|Timeout|File |^E  " | cut -c1-300 | tail -${TEST_LINES:-20} ;;
+    btests)
+      timeout ${TEST_S:-300} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_lora_branch_cuda.py -rA -s --tb=short \
+        -o faulthandler_timeout=${HANG_S:-200} 2>&1 | tee "$LOGS/gpu_btests.log" \
+        | grep -E "passed|failed|FAILED|Error|Timeout|File |^E  " | cut -c1-300 | tail -${TEST_LINES:-20} ;;
+    branch)
+      local v
+      for v in ${BRANCH_VALUES:-0 1}; do  # decode graphs' LoRA after each base GEMM, then beside it on a second stream
+        LORAFLEET_LORA_BRANCH=$v timeout ${LORA_S:-300} $E2E --requests ${BRANCH_REQS:-200} --mixes distinct identical \
+          --sweep --hf-requests 0 --profile ${BRANCH_ARGS:-} --out "$OUT/e2e_branch_$v.json" 2>&1 \
+          | tee "$LOGS/e2e_branch_$v.log" | grep -E "tok/s|LoRA per decode|Error|Traceback" | cut -c1-300 | tail -10
+      done ;;
     fp8tests|ptests|sm90tests)
       local f=tests/gpu/test_fp8_cuda.py; [ "$1" = ptests ] && f=tests/gpu/test_prefix_cuda.py
       [ "$1" = sm90tests ] && f=tests/gpu/test_fp8_sm90_cuda.py

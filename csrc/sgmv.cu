@@ -204,6 +204,7 @@ struct ExpandParams {
   int mma_min_rows;
   int rank_pad;
   int work_offset;
+  int write_f32;  // ExpandArgs::write_f32: y[g] are fp32 and receive the add-on itself (no read of y)
 };
 
 // ---------------------------------------------------------------------------------------------------
@@ -822,10 +823,9 @@ __device__ __forceinline__ void expand_cc(const ExpandParams& p, int row0, int n
   const bool hi2 = lane & 2, hi1 = lane & 1;
   const int row = hi2 ? 1 : 0;
   const bool writes = valid && row < nr;
-  T* yp = writes ? static_cast<T*>(p.y[g]) + static_cast<int64_t>(row0 + row) * p.y_row_stride[g] + f * 8 +
-                       (hi1 ? 4 : 0)
-                 : nullptr;
-  uint2 yv = writes ? *reinterpret_cast<const uint2*>(yp) : make_uint2(0, 0);
+  const int64_t yoff = writes ? static_cast<int64_t>(row0 + row) * p.y_row_stride[g] + f * 8 + (hi1 ? 4 : 0) : 0;
+  T* yp = writes && !p.write_f32 ? static_cast<T*>(p.y[g]) + yoff : nullptr;
+  uint2 yv = yp != nullptr ? *reinterpret_cast<const uint2*>(yp) : make_uint2(0, 0);
 
   const float* vp = p.v + static_cast<int64_t>(row0) * p.v_row_stride + (valid ? g : 0) * p.v_rank_dim;
   const bool two = nr > 1;
@@ -868,7 +868,9 @@ __device__ __forceinline__ void expand_cc(const ExpandParams& p, int row0, int n
     const float keep = hi1 ? h[4 + e] : h[e];
     o[e] = keep + __shfl_xor_sync(kFullMask, send, 1);
   }
-  if (writes) {
+  if (writes && p.write_f32) {
+    *reinterpret_cast<float4*>(static_cast<float*>(p.y[g]) + yoff) = make_float4(o[0], o[1], o[2], o[3]);
+  } else if (writes) {
     const float2 a = Cvt<T>::unpack(yv.x), b = Cvt<T>::unpack(yv.y);
     yv.x = Cvt<T>::pack(a.x + o[0], a.y + o[1]);
     yv.y = Cvt<T>::pack(b.x + o[2], b.y + o[3]);
@@ -905,7 +907,7 @@ __device__ void expand_mma(const ExpandParams& p, int row0, int nr, int slot, in
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     const int id = tid + j * kThreads, row = id >> 3, col = col0 + (id & 7) * 8;
-    yv[j] = (row < nr && col < out)
+    yv[j] = (row < nr && col < out && !p.write_f32)
                 ? *reinterpret_cast<const uint4*>(static_cast<const T*>(p.y[g]) +
                                                   static_cast<int64_t>(row0 + row) * p.y_row_stride[g] + col)
                 : make_uint4(0, 0, 0, 0);
@@ -943,7 +945,12 @@ __device__ void expand_mma(const ExpandParams& p, int row0, int nr, int slot, in
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     const int id = tid + j * kThreads, row = id >> 3, c = id & 7, col = col0 + c * 8;
-    if (row < nr && col < out) {
+    if (row < nr && col < out && p.write_f32) {
+      float* dp = static_cast<float*>(p.y[g]) + static_cast<int64_t>(row0 + row) * p.y_row_stride[g] + col;
+      const float* cp = cs + row * kLdc + c * 8;
+      reinterpret_cast<float4*>(dp)[0] = make_float4(cp[0], cp[1], cp[2], cp[3]);
+      reinterpret_cast<float4*>(dp)[1] = make_float4(cp[4], cp[5], cp[6], cp[7]);
+    } else if (row < nr && col < out) {
       T* yp = static_cast<T*>(p.y[g]) + static_cast<int64_t>(row0 + row) * p.y_row_stride[g] + col;
       float yf[8];
       to_float8<T>(yv[j], yf);
@@ -1330,6 +1337,7 @@ const char* expand_typed(const ExpandArgs& args, const LaunchOptions& opt, int d
   p.v_rank_dim = args.v_rank_dim;
   p.v_row_stride = args.seg.num_groups * args.v_rank_dim;
   p.mma_min_rows = std::max(1, opt.mma_min_rows);
+  p.write_f32 = args.write_f32 ? 1 : 0;
   int vecs = 0, tiles = 0;
   for (int g = 0; g < kMaxGroup; ++g) {
     const bool used = g < args.seg.num_groups;
@@ -1370,6 +1378,7 @@ const char* expand_typed(const ExpandArgs& args, const LaunchOptions& opt, int d
 template <typename T>
 const char* fused_typed(const ShrinkArgs& sa, const ExpandArgs& ea, int* counters, const LaunchOptions& opt,
                         int device, cudaStream_t stream) {
+  if (ea.write_f32) return "sgmv_fused: the fused launch adds the add-on to y (write_f32 is sgmv_expand's)";
   FusedParams p = {};
   ShrinkParams& s = p.s;
   ExpandParams& e = p.e;

@@ -75,6 +75,12 @@ struct ExpandArgs {
   void* y[kMaxGroup] = {};               // [T, out_features[g]], unit column stride
   int64_t y_row_stride[kMaxGroup] = {};  // elements, multiple of 8
   int out_features[kMaxGroup] = {};      // multiple of 8
+  // The add-on on its own: y[g] are fp32 (16-byte aligned, row strides multiples of 8) and receive
+  // v[rows, g, :r] @ b[g][s, :r, :] in fp32 (y is not read), the very sums the default mode adds to its
+  // fp16/bf16 y before rounding once: T(y_bf16 + y_f32) later is bit for bit that mode's result. Rows of
+  // segments with slot -1 and projections a slot does not adapt are not written (the caller zeroes them).
+  // sgmv_expand only (sgmv_fused refuses it).
+  bool write_f32 = false;
 };
 
 struct LaunchOptions {

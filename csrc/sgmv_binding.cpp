@@ -13,6 +13,8 @@
 //   expand(ys, v, b, ranks, indptr, slots, mma_min_rows, pdl, stream, blocks_per_sm=0):
 //       ys[g][rows] += v[rows, g, :r] @ b[g][s, :r, :]
 //       blocks_per_sm > 0 caps the resident blocks per SM (0: occupancy only); never changes a bit.
+//   expand_write(ys, v, b, ranks, indptr, slots, mma_min_rows, pdl, stream): the add-on alone into fp32 ys
+//       (sgmv.h ExpandArgs::write_f32), for a consumer that adds it to the base product later.
 //   add(ys, v, x, a, b, ranks, indptr, slots, counters, shrink_mma_min_rows, expand_mma_min_rows, pdl, stream):
 //       shrink then expand; one fused launch when T is below both thresholds (every segment on the
 //       CUDA-core path), else the two launches above. counters: int32 [>= 2 * capacity], zero.
@@ -247,15 +249,24 @@ void shrink(Tensor v, Tensor x, std::vector<Tensor> a, Tensor ranks, Tensor indp
   SGMV_CHECK(err == nullptr, "sgmv shrink launch failed: %s", err ? err : "");
 }
 
+// `write_f32`: ys are fp32 and receive the add-on (ExpandArgs::write_f32); the B pools then set the dtype.
 lorafleet::ExpandArgs expand_args(const std::vector<Tensor>& ys, const Tensor& v, const std::vector<Tensor>& b,
-                                  const Tensor& ranks, const Tensor& indptr, const Tensor& slots) {
+                                  const Tensor& ranks, const Tensor& indptr, const Tensor& slots,
+                                  bool write_f32 = false) {
   SGMV_CHECK(!ys.empty() && ys.size() == b.size(), "sgmv: expand needs one output per B pool, got %lld and %lld",
              ll(static_cast<int64_t>(ys.size())), ll(static_cast<int64_t>(b.size())));
   const Tensor& y0 = ys[0];
   SGMV_CHECK(y0.is_cuda(), "sgmv: ys[0] must be a CUDA tensor, got device %s", y0.device().str().c_str());
   const int64_t groups = static_cast<int64_t>(b.size());
   SGMV_CHECK(y0.dim() == 2, "sgmv: ys[0] must be [T, out_features], got %lld dimensions", ll(y0.dim()));
+  if (write_f32) {
+    SGMV_CHECK(y0.scalar_type() == torch::kFloat, "sgmv: expand_write writes fp32 outputs, got ys[0] of %s",
+               dtype_name(y0));
+    check_device(b[0], Name("b", 0), y0);
+  }
+  const Tensor& pool_ref = write_f32 ? b[0] : y0;  // the dtype every B pool must have
   lorafleet::ExpandArgs args;
+  args.write_f32 = write_f32;
   args.seg = check_tables(v, y0, groups, ranks, indptr, slots);
   args.v = v.data_ptr<float>();
   args.v_rank_dim = static_cast<int>(v.size(2));
@@ -275,7 +286,7 @@ lorafleet::ExpandArgs expand_args(const std::vector<Tensor>& ys, const Tensor& v
                ll(y.stride(0)));
     SGMV_CHECK(aligned16(y), "sgmv: %s must start 16-byte aligned (column offset a multiple of 8)", name.text);
     SGMV_CHECK(y.size(1) <= kInt32Max, "sgmv: %s is too wide", name.text);
-    check_weight_pool(b[g], Name("b", g), y0, ranks.size(1), y.size(1), v.size(2));
+    check_weight_pool(b[g], Name("b", g), pool_ref, ranks.size(1), y.size(1), v.size(2));
     args.b[g] = b[g].data_ptr();
     args.b_rank_dim[g] = static_cast<int>(b[g].size(1));
     args.y[g] = y.data_ptr();
@@ -294,6 +305,17 @@ void expand(std::vector<Tensor> ys, Tensor v, std::vector<Tensor> b, Tensor rank
   if (ys[0].size(0) == 0) return;
   const char* err = lorafleet::sgmv_expand(dtype, args, opt, ys[0].get_device(), as_stream(stream));
   SGMV_CHECK(err == nullptr, "sgmv expand launch failed: %s", err ? err : "");
+}
+
+void expand_write(std::vector<Tensor> ys, Tensor v, std::vector<Tensor> b, Tensor ranks, Tensor indptr, Tensor slots,
+                  int64_t mma_min_rows, bool pdl, int64_t stream) {
+  SGMV_CHECK(!ys.empty() && !b.empty(), "sgmv: expand_write needs at least one output and one B pool");
+  const auto dtype = kernel_dtype(b[0], "b[0]");
+  const lorafleet::ExpandArgs args = expand_args(ys, v, b, ranks, indptr, slots, true);
+  const lorafleet::LaunchOptions opt = launch_options(mma_min_rows, pdl, 0, 0);
+  if (ys[0].size(0) == 0) return;
+  const char* err = lorafleet::sgmv_expand(dtype, args, opt, ys[0].get_device(), as_stream(stream));
+  SGMV_CHECK(err == nullptr, "sgmv expand_write launch failed: %s", err ? err : "");
 }
 
 void add(std::vector<Tensor> ys, Tensor v, Tensor x, std::vector<Tensor> a, std::vector<Tensor> b, Tensor ranks,
@@ -714,6 +736,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("mma_min_rows"), py::arg("pdl"), py::arg("stream"), py::arg("max_blocks") = 0,
         py::arg("blocks_per_sm") = 0, py::arg("decode_ranks") = 0, py::arg("quant_out") = py::none(),
         py::arg("quant_scale") = py::none(), py::arg("x_ready") = false);
+  m.def("expand_write", &expand_write,
+        "ys[g][rows] = v[rows, g, :r] @ b[g][slot, :r] in fp32 for every segment (ys fp32; other rows untouched)",
+        py::arg("ys"), py::arg("v"), py::arg("b"), py::arg("ranks"), py::arg("indptr"), py::arg("slots"),
+        py::arg("mma_min_rows"), py::arg("pdl"), py::arg("stream"));
   m.def("expand", &expand, "ys[g][rows] += v[rows, g, :r] @ b[g][slot, :r] for every segment",
         py::arg("ys"), py::arg("v"), py::arg("b"), py::arg("ranks"), py::arg("indptr"), py::arg("slots"),
         py::arg("mma_min_rows"), py::arg("pdl"), py::arg("stream"), py::arg("blocks_per_sm") = 0);

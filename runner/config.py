@@ -32,6 +32,8 @@ class KernelChoices:
         in the shrinks of decode steps (CUDA; a launch shape, the same bits).
     shrink_early: the LoRA shrink launched right after its projection's base GEMM does not wait for that GEMM
         before reading x (CUDA, two launches per group; the same bits).
+    lora_branch: in decode graphs (bf16/fp16 weights, CUDA LoRA kernels) each group's shrink and expand run on a
+        second stream beside the base GEMM, the add-on into an fp32 buffer added after both (the same bits).
     blas_lt_rows: steps of at most this many rows run the o and down GEMMs on cuBLASLt (CUDA, one GPU).
     fp8_swap_rows: with FP8 weights, steps of at most this many rows compute W @ x.T (operands swapped).
     fp8_gemm_rows: with FP8 weights, steps of at most this many rows (<= 64) run the project's FP8 kernel.
@@ -77,6 +79,7 @@ class KernelChoices:
     norm_shrink: bool = False
     shrink_early: bool = False
     decode_ranks: int = 0
+    lora_branch: bool = False
     blas_lt_rows: int = 64
     fp8_swap_rows: int = 0
     fp8_gemm_rows: int = 0
@@ -121,7 +124,7 @@ class KernelChoices:
                    sgmv_fused=env.sgmv_fused(), fused_ops=env.fused_ops(), rope_kv=env.rope_kv_kernel(),
                    rope_kv_lora=env.rope_kv_lora(), rope_kv_fp8=env.rope_kv_fp8(),
                    norm_shrink=env.norm_shrink(), shrink_early=env.shrink_early(),
-                   decode_ranks=env.decode_ranks(), blas_lt_rows=env.blas_lt_rows(),
+                   decode_ranks=env.decode_ranks(), lora_branch=env.lora_branch(), blas_lt_rows=env.blas_lt_rows(),
                    fp8_swap_rows=env.fp8_swap_rows(), fp8_gemm_rows=env.fp8_gemm_rows(),
                    fp8_gemm_bf16=env.fp8_gemm_bf16(),
                    fp8_unit_scale_elems=env.fp8_unit_scale_elems(), fp8_epilogue=env.fp8_epilogue(),

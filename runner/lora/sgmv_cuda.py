@@ -106,14 +106,22 @@ class CudaSGMV:
 
     def expand(self, ys: Sequence[torch.Tensor], v: torch.Tensor, b: Sequence[torch.Tensor], ranks: torch.Tensor,
                host_ranks: Sequence[Sequence[int]], seg: SegmentTable, mma_min_rows: int | None = None,
-               blocks_per_sm: int = 0) -> None:
+               blocks_per_sm: int = 0, write: bool = False) -> None:
         """`mma_min_rows` overrides the instance's threshold; `blocks_per_sm` > 0 caps the resident blocks
-        per SM (0: occupancy only), a launch-shape knob that never changes a bit of ys."""
+        per SM (0: occupancy only), a launch-shape knob that never changes a bit of ys. `write`: ys are fp32 and
+        receive the add-on itself, v @ B in fp32 (not read; rows without an adapter and projections a slot does
+        not adapt are left as they are), the very sums the default mode adds to its fp16/bf16 ys before rounding:
+        ys_bf16.add_(ys_f32) later gives that mode's bits (csrc/sgmv.h ExpandArgs::write_f32)."""
         ys = list(ys)
         if not ys or not ys[0].is_cuda:
             raise ValueError("CudaSGMV needs CUDA tensors (use TorchSGMV on the CPU)")
         stream = torch.cuda.current_stream(ys[0].device).cuda_stream
         rows = self.expand_mma_min_rows if mma_min_rows is None else mma_min_rows
+        if write:
+            if blocks_per_sm:
+                raise ValueError("CudaSGMV.expand: blocks_per_sm applies to the accumulating mode only")
+            self._ext().expand_write(ys, v, list(b), ranks, seg.indptr, seg.slots, rows, self.pdl, stream)
+            return
         self._ext().expand(ys, v, list(b), ranks, seg.indptr, seg.slots, rows, self.pdl, stream, blocks_per_sm)
 
     def add(self, ys: Sequence[torch.Tensor], v: torch.Tensor, x: torch.Tensor, a: Sequence[torch.Tensor],

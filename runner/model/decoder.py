@@ -68,6 +68,9 @@ class LoraStep(Protocol):
     def add_qkv(self, layer: int, x: torch.Tensor, ys: tuple[torch.Tensor, ...]):
         """The qkv group: adds it (returns None), or leaves the expand to the K/V writer (returns its operands)."""
 
+    # optional: begin(layer, group, x), called right before the group's base product on x, starts LoRA work that
+    # may run beside it (LoraStepImpl: on a second stream in decode graphs); the group's add / add_qkv finishes it
+
     # not None: the step's LoRA is written before the base products (dense_linear), not added after them
     dense: list[tuple[int, int, int]] | None
 
@@ -291,6 +294,7 @@ class Decoder:
             spans = [c.q_dim, c.kv_dim, c.kv_dim]
             qkv = self._fp8_finished(i, QKV, x, lw.qkv, lw.qkv_bias, lora, spans, quant)
             if qkv is None:
+                self._begin(lora, i, QKV, x)
                 qkv = self._linear(x, lw.qkv, lw.qkv_bias, quant)  # [T, q_dim + 2 kv_dim]
                 if lora is not None:
                     expand = lora.add_qkv(i, x, qkv.split(spans, dim=-1))
@@ -380,6 +384,7 @@ class Decoder:
         y = self._fp8_finished(i, group, x, w, b, lora, split or [w.shape[0]], quant)
         if y is not None:
             return y
+        self._begin(lora, i, group, x)
         y = self._linear(x, w, b, quant) if not small else self._linear_small(x, w, b)
         if lora is not None:
             lora.add(i, group, x, tuple(y.split(split, dim=-1)) if split else (y,))
@@ -412,6 +417,13 @@ class Decoder:
         return fp8_linear(x, w, b, self.fp8_tensor_cores, self.fp8_ext, self.fp8_swap_rows, self.fp8_gemm_rows,
                           self.fp8_unit_scale_elems, self.fp8_gemm_bf16, sm90=self.fp8_sm90,
                           sm90_split=self.fp8_sm90_split, **finish)
+
+    @staticmethod
+    def _begin(lora: LoraStep | None, layer: int, group: int, x: torch.Tensor) -> None:
+        """The step's LoRA work of layer's `group` that may run beside its base product (LoraStep.begin), if any."""
+        begin = getattr(lora, "begin", None)
+        if begin is not None:
+            begin(layer, group, x)
 
     @staticmethod
     def _dense(lora: LoraStep | None, w) -> bool:

@@ -161,6 +161,13 @@ def shrink_early() -> bool:
     return _flag("LORAFLEET_SHRINK_EARLY", False)
 
 
+def lora_branch() -> bool:
+    """LORAFLEET_LORA_BRANCH: in decode CUDA graphs (bf16/fp16 weights, CUDA LoRA kernels), each projection group's
+    LoRA shrink and expand run on a second stream beside the base GEMM and write the add-on into an fp32 buffer,
+    which is added to the GEMM's output after both (the same bits as the expand adding it itself)."""
+    return _flag("LORAFLEET_LORA_BRANCH", False)
+
+
 def decode_ranks() -> int:
     """LORAFLEET_DECODE_RANKS: rank rows per work item of the LoRA shrink's one-row segments (decode rows): 1, 2 or 4;
     0 (default): the kernel's own choice (2 in decode steps). A launch shape only: never changes a bit."""

@@ -1,0 +1,97 @@
+"""LoRA beside the base GEMM (KernelChoices.lora_branch) on the GPU.
+
+- Kernel: the expand's write mode (csrc/sgmv.h ExpandArgs::write_f32) writes exactly the fp32 sums the
+  accumulating expand adds: y_bf16 + the written add-on is the accumulating expand's y bit for bit, on CUDA-core
+  and tensor-core items; rows without an adapter and projections a slot does not adapt are not written; the add-on
+  against an fp64 reference.
+- Engine: a decode step replayed from graphs captured with the branch (shrink and expand on a second stream, the
+  add-on added after the GEMM) gives the logits of the engine's own graphs bit for bit, on a model with base rows,
+  a rank-16 adapter on every projection and a rank-4 MLP-only one; the graphs' expands were the writing kind."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import teacher
+from lorafleet.runner.config import KernelChoices
+from lorafleet.runner.lora.segments import build_segments
+from lorafleet.runner.lora.sgmv_cuda import CudaSGMV
+from test_shrink_early_cuda import DEV, K, OUT, R, TABLES, pool
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900),
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("table", list(TABLES))
+def test_written_addon_plus_y_is_the_accumulating_expand_bit_for_bit(dtype, table):
+    row_slots = TABLES[table]
+    T = len(row_slots)
+    a, b, ranks, host = pool(dtype)
+    seg = build_segments(row_slots, device=DEV, capacity=T + 8)
+    g = torch.Generator(device=DEV).manual_seed(21)
+    x = torch.randn(T, K, generator=g, device=DEV).to(dtype)
+    y0 = torch.randn(T, sum(OUT), generator=g, device=DEV).to(dtype)
+    v = torch.zeros(T, 3, R, device=DEV)
+    sg = CudaSGMV()
+    rows = None if table == "mma" else 1 << 30  # "mma": the 150-row segment on tensor-core items
+    sg.shrink(v, x, a, ranks, host, seg, mma_min_rows=rows)
+    y = y0.clone()
+    sg.expand(list(y.split(OUT, dim=1)), v, b, ranks, host, seg, mma_min_rows=rows)
+    addon = torch.full((T, sum(OUT)), float("nan"), device=DEV)
+    sg.expand(list(addon.split(OUT, dim=1)), v, b, ranks, host, seg, mma_min_rows=rows, write=True)
+    torch.cuda.synchronize()
+    for p, part in enumerate(addon.split(OUT, dim=1)):
+        for t, s in enumerate(row_slots):
+            r = host[p][s] if s >= 0 else 0
+            if r == 0:
+                assert torch.isnan(part[t]).all(), (table, p, t)  # not written
+                continue
+            assert torch.isfinite(part[t]).all(), (table, p, t)
+            # tensor-core items round v to the pool's dtype first; CUDA-core items use it in fp32
+            vt = v[t, p, :r].to(dtype) if (table == "mma" and t < 150) else v[t, p, :r]
+            want = vt.double() @ b[p][s, :r].double()
+            scale = (vt.double().abs() @ b[p][s, :r].double().abs()).max()
+            assert (part[t].double() - want).abs().max() <= 1e-5 * scale, (table, p, t)
+    summed = y0.clone().add_(addon.nan_to_num(nan=0.0))
+    assert torch.equal(summed, y), f"{table}: y + written add-on differs from the accumulating expand"
+    assert not torch.equal(y, y0)
+
+    with pytest.raises(RuntimeError, match="expand_write writes fp32 outputs"):
+        sg.expand(list(y.split(OUT, dim=1)), v, b, ranks, host, seg, write=True)
+
+
+@pytest.fixture(scope="module")
+def fam(tmp_path_factory):
+    return teacher.family_with_two_adapters("llama3", tmp_path_factory.mktemp("gpu-branch"))
+
+
+def test_decode_graph_with_lora_beside_the_gemm_gives_the_same_logits(fam, monkeypatch):
+    from lorafleet.runner.executor.executor import make_graphs
+
+    model, _, reqs = fam
+    writes = []
+    real = CudaSGMV.expand
+
+    def recording(self, *args, **kw):
+        writes.append(bool(kw.get("write", False)))
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(CudaSGMV, "expand", recording)
+    eng, batch = teacher.decode_step(model, reqs[:6] + reqs[:2])
+    assert not (eng.config.kernels or KernelChoices()).lora_branch and not any(writes)
+    d = batch.to_device(eng.device)
+    plain = [eng.runner.graphs.run(batch, d).clone() for _ in range(2)]
+    assert torch.equal(plain[0], plain[1])
+    writes.clear()
+    beside = make_graphs(eng.model, eng.attention, eng.lora_pool, eng.sgmv,
+                         dataclasses.replace(eng.config, kernels=dataclasses.replace(
+                             eng.config.kernels or KernelChoices(), lora_branch=True)),
+                         eng.runner.graphs.scratch_page)
+    assert writes and all(writes) and len(writes) >= 4 * eng.model.num_layers  # captured with the branch
+    for _ in range(2):
+        assert torch.equal(beside.run(batch, d), plain[0])
+    assert torch.equal(eng.runner.graphs.run(batch, d), plain[0])
