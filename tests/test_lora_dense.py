@@ -164,12 +164,13 @@ def test_k_extended_gemm_rewrites_every_spare_column_it_reads():
 
 
 def test_k_extended_weight_blocks_are_kept_while_their_slots_are_unchanged():
-    """The weight's spare columns keep a step's B blocks: a next step with the same blocks of slots not written
-    since (LoraPool.slot_writes) reuses them, so a slot changed behind the pool's back would go unseen (shown here on
-    purpose), and any write to one of the step's slots, or another layout, has them written again."""
+    """The weight's spare columns keep a step's B blocks, and the pool the stacked A rows of a one-segment step: a
+    next step with the same blocks of slots not written since (LoraPool.slot_writes) reuses them, so a slot changed
+    behind the pool's back would go unseen (shown here on purpose), and any write to one of the step's slots, or
+    another layout, has them written again."""
     gen = torch.Generator().manual_seed(9)
     pool, a, b, host = _pool(gen, torch.float32)
-    pool.slot_writes, pool.uid = [0] * S, 1
+    pool.slot_writes, pool.uid, pool.kext_a_rows = [0] * S, 1, {}
     w = _wide(torch.randn(sum(OUTS), K, generator=gen), 3 * 4, math.nan)
 
     def step(slot):
@@ -180,14 +181,17 @@ def test_k_extended_weight_blocks_are_kept_while_their_slots_are_unchanged():
 
     x, y = step(0)
     torch.testing.assert_close(y.double(), _reference(x, w, None, a, b, host, [0] * 10), rtol=1e-5, atol=1e-4)
-    kept = [t.clone() for t in b]
+    kept, kept_a = [t.clone() for t in b], [t.clone() for t in a]
+    assert set(pool.kext_a_rows) == {(0, 0)}
     for g in range(3):
         b[g][0, :host[g][0]] += 1.0  # slot 0 changed without the pool knowing
-    x, y = step(0)  # the blocks in the weight are the earlier ones
-    torch.testing.assert_close(y.double(), _reference(x, w, None, a, kept, host, [0] * 10), rtol=1e-5, atol=1e-4)
+        a[g][0, :host[g][0]] -= 0.5
+    x, y = step(0)  # the blocks in the weight and the stacked A rows are the earlier ones
+    torch.testing.assert_close(y.double(), _reference(x, w, None, kept_a, kept, host, [0] * 10), rtol=1e-5, atol=1e-4)
     pool.slot_writes[0] += 1  # what LoraPool.write does
     x, y = step(0)
     torch.testing.assert_close(y.double(), _reference(x, w, None, a, b, host, [0] * 10), rtol=1e-5, atol=1e-4)
+    assert len(pool.kext_a_rows) == 1  # one stack per layer and group
     for slot in (2, 0):  # another layout, then back: written again each time
         x, y = step(slot)
         torch.testing.assert_close(y.double(), _reference(x, w, None, a, b, host, [slot] * 10), rtol=1e-5, atol=1e-4)

@@ -45,6 +45,9 @@ class LoraPool:
         # per slot, how often write() or clear() changed it: what a copy of its weights elsewhere is checked against
         # (LoRA's dense path keeps the step's B in the projection weights' spare columns across steps)
         self.slot_writes = [0] * S
+        # (layer, group) -> the last one-segment K-extended step's stacked A rows and their key (runner/lora/step.py
+        # _kext_a_rows): one stack per layer and group at most
+        self.kext_a_rows: dict = {}
         self.uid = next(_POOL_UIDS)  # tells pools apart in records that outlive one (runner/lora/step.py _kext_weight)
         # (a list, b list, ranks [G, S], host ranks) of each (layer, group), built once for the step loop
         self.group_args = [[(self.a[layer][p0 : p0 + g], self.b[layer][p0 : p0 + g], self.ranks[layer, p0 : p0 + g],

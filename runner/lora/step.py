@@ -279,7 +279,7 @@ class LoraStepImpl:
         blocks = self._kext_blocks(host, len(b), room)
         if blocks is not None:
             self._kext_weight(layer, group, w, b, spans, blocks)
-            return self._kext_linear(x, w, bias, a, spans, blocks, y)
+            return self._kext_linear(x, w, bias, self._kext_a_rows(layer, group, a, blocks[0]), spans, blocks, y)
         ys, bs, lo_col = [], [], 0
         for n in spans:
             ys.append(y[:, lo_col: lo_col + n])
@@ -357,27 +357,51 @@ class LoraStepImpl:
         if key is not None:
             setattr(w, KEXT_RECORD, key)
 
+    def _kext_a_rows(self, layer: int, group: int, a, blocks) -> list[torch.Tensor | None]:
+        """Per dense segment, its blocks' A rows stacked [sum r, in] (None: no block). A step with one segment keeps
+        them on the pool for the next step of the same slot, rank blocks and slot contents (LoraPool.slot_writes):
+        one adapter's 2,048-token chunks stack them once per layer and group, not per step (bounded: one stack per
+        layer and group)."""
+        rows = []
+        for _, _, s, parts in blocks:
+            if not parts:
+                rows.append(None)
+            elif len(parts) == 1:
+                rows.append(a[parts[0][0]][s, :parts[0][1]])
+            else:
+                rows.append(None if len(blocks) == 1 else torch.cat([a[g][s, :r] for g, r, _ in parts]))
+        if len(blocks) != 1 or rows[0] is not None or not blocks[0][3]:
+            return rows
+        _, _, s, parts = blocks[0]
+        writes, cache = getattr(self.pool, "slot_writes", None), getattr(self.pool, "kext_a_rows", None)
+        key = (s, writes[s] if writes is not None else None, tuple((g, r) for g, r, _ in parts))
+        hit = cache.get((layer, group)) if cache is not None and writes is not None else None
+        if hit is None or hit[0] != key:
+            hit = (key, torch.cat([a[g][s, :r] for g, r, _ in parts]))
+            if cache is not None and writes is not None:
+                cache[(layer, group)] = hit
+        return [hit[1]]
+
     @staticmethod
-    def _kext_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, a, spans: list[int], blocks,
+    def _kext_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, a_rows, spans: list[int], blocks,
                      y: torch.Tensor) -> torch.Tensor:
         """y = [x | V] @ [W | B]^T + bias in one GEMM: V [T, c] holds each dense segment's v = x_s A^T (rounded to x's
-        dtype, as PEFT does) in its rank blocks' columns and zeros elsewhere (rows without an adapter, other
-        segments' blocks), written per call into x's own spare columns (dense_linear checked the room: a copy of x
-        beside V would cost more than the add-on's write this saves); the weight's spare columns hold the blocks'
-        B^T (_kext_weight)."""
+        dtype, as PEFT does; `a_rows`: per segment its blocks' A rows stacked, _kext_a_rows) in its rank blocks'
+        columns and zeros elsewhere (rows without an adapter, other segments' blocks), written per call by the
+        shrink's product straight into x's own spare columns (dense_linear checked the room: a copy of x beside V
+        would cost more than the add-on's write this saves); the weight's spare columns hold the blocks' B^T
+        (_kext_weight)."""
         T, K = x.shape
         blocks, c = blocks
         ww = w.as_strided((w.shape[0], K + c), (w.stride(0), 1))
         xw = x.as_strided((T, K + c), (x.stride(0), 1))
         if not (len(blocks) == 1 and blocks[0][0] == 0 and blocks[0][1] == T):  # one segment fills all of V
             xw[:, K:].zero_()
-        for lo, hi, s, parts in blocks:
+        for (lo, hi, s, parts), rows in zip(blocks, a_rows):
             if not parts:
                 continue
             c0, c1 = parts[0][2], parts[-1][2] + parts[-1][1]
-            a_rows = a[parts[0][0]][s, :parts[0][1]] if len(parts) == 1 else torch.cat(
-                [a[g][s, :r] for g, r, _ in parts])
-            xw[lo:hi, K + c0: K + c1].copy_(torch.mm(x[lo:hi], a_rows.t()))
+            torch.mm(x[lo:hi], rows.t(), out=xw[lo:hi, K + c0: K + c1])  # a strided output: no copy of v
         if bias is None:
             torch.mm(xw, ww.t(), out=y)
         else:
