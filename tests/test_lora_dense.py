@@ -202,6 +202,38 @@ def test_k_extended_weight_blocks_are_kept_while_their_slots_are_unchanged():
     torch.testing.assert_close(y.double(), _reference(x, w, None, a, b, host, [0] * 10), rtol=1e-5, atol=1e-4)
 
 
+def test_k_extended_weight_zeros_are_kept_for_blocks_of_the_same_layout():
+    """One adapter after another with the same ranks (the distinct-prompts case): only the blocks are written, the
+    zeros around them stay from the first step (shown on purpose: NaN put there afterwards is read); a step of
+    another layout zeroes the spare columns again."""
+    gen = torch.Generator().manual_seed(13)
+    pool, a, b, host = _pool(gen, torch.float32)
+    for g in range(3):  # slot 1 gets slot 0's ranks (the same layout), with fresh rows
+        host[g][1] = host[g][0]
+        a[g][1, :host[g][1]] = torch.randn(host[g][1], K, generator=gen)
+        b[g][1, :host[g][1]] = torch.randn(host[g][1], OUTS[g], generator=gen)
+    pool.group_args[0][0] = (a, b, torch.tensor(host, dtype=torch.int32), host)
+    pool.slot_writes, pool.uid, pool.kext_a_rows = [0] * S, 1, {}
+    w = _wide(torch.randn(sum(OUTS), K, generator=gen), 3 * 4, math.nan)
+    spare = w.as_strided((w.shape[0], K + 12), (w.stride(0), 1))[:, K:]
+
+    def step(slot):
+        seg = build_segments([slot] * 10)
+        x = _wide(torch.randn(10, K, generator=gen), 12, math.nan)
+        y = LoraStepImpl(pool, TorchSGMV(), seg, dense=[(0, 10, slot)]).dense_linear(0, 0, x, w, None)
+        return y, _reference(x, w, None, a, b, host, [slot] * 10)
+
+    for slot in (0, 1, 0):
+        y, want = step(slot)
+        torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-4)
+    spare[0, 4] = math.nan  # q's row, k's block column: a zero the layout keeps
+    y, _ = step(1)
+    assert y[:, 0].isnan().all() and not y[:, 1:].isnan().any()
+    for slot in (2, 1):  # another layout zeroes again, then slot 1's blocks are written afresh
+        y, want = step(slot)
+        torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-4)
+
+
 def test_dense_linear_refuses_a_weight_that_does_not_match_the_group():
     gen = torch.Generator().manual_seed(0)
     pool, *_ = _pool(gen, torch.float32)

@@ -345,11 +345,16 @@ class LoraStepImpl:
         writes, uid = getattr(self.pool, "slot_writes", None), getattr(self.pool, "uid", None)
         key = None if writes is None or uid is None else (
             uid, c, tuple((s, g, r, col, writes[s]) for _, _, s, parts in blocks for g, r, col in parts))
-        if key is not None and getattr(w, KEXT_RECORD, None) == key:
+        before = getattr(w, KEXT_RECORD, None)
+        if key is not None and before == key:
             return
         setattr(w, KEXT_RECORD, None)
         ww = w.as_strided((w.shape[0], K + c), (w.stride(0), 1))
-        ww[:, K:].zero_()
+        # the zeros around the blocks are there already where the last write had the same layout (projection, rank,
+        # column of each block; e.g. one adapter after another of the same ranks): only the blocks change
+        layout = (lambda k: k and (k[0], k[1], tuple(e[1:4] for e in k[2])))
+        if key is None or before is None or layout(before) != layout(key):
+            ww[:, K:].zero_()
         starts = [sum(spans[:g]) for g in range(len(spans))]
         for _, _, s, parts in blocks:
             for g, r, col in parts:
