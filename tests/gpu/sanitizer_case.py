@@ -49,6 +49,15 @@ def main() -> int:
             else:
                 sg.shrink(v, x, a, ranks, host_ranks, seg)
                 sg.expand(ys, v, b, ranks, host_ranks, seg)
+                # the write mode into strided fp32 views: y0 + the add-on, rounded once, is the accumulating expand's y
+                addon = torch.zeros(T, sum(out_dims) + 8, device=dev)
+                sg.expand(list(addon[:, 4: 4 + sum(out_dims)].split(out_dims, dim=1)), v, b, ranks, host_ranks, seg,
+                          write=True)
+                torch.cuda.synchronize()
+                if not torch.equal((y0[:, 8: 8 + sum(out_dims)].float() + addon[:, 4: 4 + sum(out_dims)]).to(dtype),
+                                   fused[:, 8: 8 + sum(out_dims)]):
+                    print(f"FAIL dtype={dtype} opts={opts}: the written add-on is not the accumulating expand's")
+                    return 1
             torch.cuda.synchronize()
             off = 8
             for g, od in enumerate(out_dims):
