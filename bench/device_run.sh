@@ -13,8 +13,8 @@
 #   fp8tests FP8 weights (and FP8 K/V pages) against the fp32 HF emulation of FP8, graphs against eager, bytes
 #   sm90tests the wgmma FP8 GEMM (csrc/fp8_gemm_sm90.cu) against the fp64 sum of its e4m3 products and cuBLASLt
 #   btests   LoRA beside the base GEMM in decode graphs (tests/gpu/test_lora_branch_cuda.py)
-#   branch   bench e2e bf16 distinct + identical (+ LoRA off, profiled) with LORAFLEET_LORA_BRANCH=0 then 1
-#            (BRANCH_VALUES, BRANCH_REQS default 200, BRANCH_ARGS extra arguments) -> e2e_branch_V.json
+#   branch   bench e2e bf16 distinct + identical (+ LoRA off, profiled) for each LORAFLEET_LORA_BRANCH value
+#            (BRANCH_VALUES, default "off addon"; BRANCH_REQS default 200, BRANCH_ARGS extra arguments) -> e2e_branch_V.json
 #   stests   the LoRA shrink that does not wait for its base GEMM (tests/gpu/test_shrink_early_cuda.py)
 #   ntests   the project's RMSNorm kernel and the norm + LoRA shrink launch (tests/gpu/test_norm_cuda.py; NTESTS_K: -k)
 #   ptests   the prefix cache against HF + PEFT fp32 (llama3, gemma3), hits counted
@@ -178,7 +178,7 @@ stage() {
         | grep -E "passed|failed|FAILED|Error|Timeout|File |^E  " | cut -c1-300 | tail -${TEST_LINES:-20} ;;
     branch)
       local v
-      for v in ${BRANCH_VALUES:-0 1}; do  # decode graphs' LoRA after each base GEMM, then beside it on a second stream
+      for v in ${BRANCH_VALUES:-off addon}; do  # decode graphs' LoRA after each base GEMM, then beside it on a second stream
         LORAFLEET_LORA_BRANCH=$v timeout ${LORA_S:-300} $E2E --requests ${BRANCH_REQS:-200} --mixes distinct identical \
           --sweep --hf-requests 0 --profile ${BRANCH_ARGS:-} --out "$OUT/e2e_branch_$v.json" 2>&1 \
           | tee "$LOGS/e2e_branch_$v.log" | grep -E "tok/s|LoRA per decode|Error|Traceback" | cut -c1-300 | tail -10

@@ -32,8 +32,9 @@ class KernelChoices:
         in the shrinks of decode steps (CUDA; a launch shape, the same bits).
     shrink_early: the LoRA shrink launched right after its projection's base GEMM does not wait for that GEMM
         before reading x (CUDA, two launches per group; the same bits).
-    lora_branch: in decode graphs (bf16/fp16 weights, CUDA LoRA kernels) each group's shrink and expand run on a
-        second stream beside the base GEMM, the add-on into an fp32 buffer added after both (the same bits).
+    lora_branch: in decode graphs (bf16/fp16 weights, CUDA LoRA kernels), what of each group's LoRA runs on a second
+        stream beside the base GEMM: off, addon (the shrink and an expand writing the add-on into an fp32 buffer,
+        added after both) or shrink (the shrink only; the expand after the GEMM). The same bits in every case.
     blas_lt_rows: steps of at most this many rows run the o and down GEMMs on cuBLASLt (CUDA, one GPU).
     fp8_swap_rows: with FP8 weights, steps of at most this many rows compute W @ x.T (operands swapped).
     fp8_gemm_rows: with FP8 weights, steps of at most this many rows (<= 64) run the project's FP8 kernel.
@@ -79,7 +80,7 @@ class KernelChoices:
     norm_shrink: bool = False
     shrink_early: bool = False
     decode_ranks: int = 0
-    lora_branch: bool = False
+    lora_branch: str = "off"
     blas_lt_rows: int = 64
     fp8_swap_rows: int = 0
     fp8_gemm_rows: int = 0
@@ -98,7 +99,8 @@ class KernelChoices:
     def __post_init__(self):
         for name, ok in (("attention", ("auto", "flashinfer", "torch")), ("prefill", ("auto", "fa2", "fa3")),
                          ("decode_tc", ("auto", "1", "0")),
-                         ("sgmv", ("auto", "cuda", "torch")), ("sgmv_fused", ("auto", "1", "0"))):
+                         ("sgmv", ("auto", "cuda", "torch")), ("sgmv_fused", ("auto", "1", "0")),
+                         ("lora_branch", ("off", "addon", "shrink"))):
             if getattr(self, name) not in ok:
                 raise ValueError(f"kernel choice {name} must be one of {', '.join(ok)}, got {getattr(self, name)!r}")
         for name in ("blas_lt_rows", "fp8_swap_rows", "fp8_unit_scale_elems", "dense_lora_rows", "dense_lora_kext",

@@ -101,16 +101,19 @@ class LoraStepImpl:
         self._rows = None  # the row-slot buffers (_row_slots), made on first use
         self._row_slot_group = None  # the group whose layer-0 call computes them each step
         self.fused = mixed_fused(kernels) if mma else DECODE_FUSED
-        # Decode graphs with KernelChoices.lora_branch: each group's shrink and expand on a second stream (begin),
-        # the add-on into one fp32 buffer that add() adds to the base product once both are done. One buffer serves
-        # every group: a group's branch starts after the previous group's add-on was consumed (stream order).
-        self.branch = (kernels.lora_branch and not mma and not self.qkv_expand_in_rope
-                       and getattr(sgmv, "name", "") == "cuda" and pool.device.type == "cuda")
-        self._pending = None  # (layer, group, x, the add-on's fp32 views per projection) of the branch in flight
+        # Decode graphs with KernelChoices.lora_branch: each group's shrink ("shrink"), or its shrink and an expand into
+        # one fp32 buffer ("addon"), on a second stream beside the base product (begin); add() waits for them, then runs
+        # the expand, or adds the buffer. One buffer serves every group: a group's branch starts after the previous
+        # group's add-on was consumed (stream order). "" where it does not apply.
+        on = (kernels.lora_branch != "off" and not mma and not self.qkv_expand_in_rope
+              and getattr(sgmv, "name", "") == "cuda" and pool.device.type == "cuda")
+        self.branch = kernels.lora_branch if on else ""
+        self._pending = None  # (layer, group, x, the add-on buffer or None) of the branch in flight
         if self.branch:
+            self._side = torch.cuda.Stream(pool.device)
+        if self.branch == "addon":
             width = max(sum(b.shape[2] for b in pool.group_args[0][g][1]) for g in range(len(GROUP_SPANS)))
             self._addon = torch.empty(seg.num_rows * width, dtype=torch.float32, device=pool.device)
-            self._side = torch.cuda.Stream(pool.device)
         need = seg.num_rows * 3 * pool.max_rank
         if workspace is None or workspace.numel() < need:
             workspace = torch.empty(need, dtype=torch.float32, device=pool.device)
@@ -206,9 +209,10 @@ class LoraStepImpl:
         return v, b, ranks, row_slot
 
     def begin(self, layer: int, group: int, x: torch.Tensor) -> None:
-        """Before layer's `group` base product on x (decoder): with `branch`, the group's shrink and expand start on
-        the second stream now, beside the product, writing the add-on into the fp32 buffer (zeroed first: rows without
-        an adapter add 0); add() then waits for them and adds it. Nothing otherwise."""
+        """Before layer's `group` base product on x (decoder): with `branch`, the group's shrink ("shrink"), or its
+        shrink and an expand writing the add-on into the fp32 buffer, zeroed first so that rows without an adapter
+        add 0 ("addon"), start on the second stream now, beside the product; add() waits for them and finishes the
+        group. Nothing otherwise."""
         if not (self.branch and self.active) or self._shrunk == (layer, group):
             return
         if self._pending is not None:
@@ -217,25 +221,32 @@ class LoraStepImpl:
         a, b, ranks, host = self.pool.group_args[layer][group]
         rows = x.shape[0]
         widths = [t.shape[2] for t in b]
-        addon = self._addon[: rows * sum(widths)].view(rows, sum(widths))
+        addon = self._addon[: rows * sum(widths)].view(rows, sum(widths)) if self.branch == "addon" else None
         main = torch.cuda.current_stream(x.device)
         self._side.wait_stream(main)
         with torch.cuda.stream(self._side):
-            addon.zero_()
+            if addon is not None:
+                addon.zero_()
             self.sgmv.shrink(v, x, a, ranks, host, self.seg, mma_min_rows=1 << 30, decode_ranks=self.decode_ranks)
-            self.sgmv.expand(list(addon.split(widths, dim=-1)), v, b, ranks, host, self.seg, mma_min_rows=1 << 30,
-                             write=True)
+            if addon is not None:
+                self.sgmv.expand(list(addon.split(widths, dim=-1)), v, b, ranks, host, self.seg,
+                                 mma_min_rows=1 << 30, write=True)
         # x stays referenced until add(): its memory is not handed to later work on the main stream meanwhile
         self._pending = (layer, group, x, addon)
 
     def _finish_branch(self, layer: int, group: int, ys: tuple[torch.Tensor, ...]) -> bool:
-        """add()'s half of begin(): the main stream waits for the branch, then ys += the add-on in one launch
-        (fp32 sum, one rounding: the expand's own bits). False where no branch of (layer, group) is in flight."""
+        """add()'s half of begin(): the main stream waits for the branch, then the expand onto ys ("shrink"), or
+        ys += the add-on in one launch (fp32 sum, one rounding: the expand's own bits). False where no branch of
+        (layer, group) is in flight."""
         if self._pending is None or self._pending[:2] != (layer, group):
             return False
         addon = self._pending[3]
         self._pending = None
-        torch.cuda.current_stream(addon.device).wait_stream(self._side)
+        torch.cuda.current_stream(ys[0].device).wait_stream(self._side)
+        if addon is None:
+            _, b, ranks, host = self.pool.group_args[layer][group]
+            self.sgmv.expand(ys, self.views[GROUP_SPANS[group][1]], b, ranks, host, self.seg, mma_min_rows=1 << 30)
+            return True
         y = ys[0]
         width = sum(t.shape[1] for t in ys)
         contiguous = all(t.stride() == y.stride() for t in ys) and y.stride(-1) == 1 and all(

@@ -161,11 +161,15 @@ def shrink_early() -> bool:
     return _flag("LORAFLEET_SHRINK_EARLY", False)
 
 
-def lora_branch() -> bool:
-    """LORAFLEET_LORA_BRANCH: in decode CUDA graphs (bf16/fp16 weights, CUDA LoRA kernels), each projection group's
-    LoRA shrink and expand run on a second stream beside the base GEMM and write the add-on into an fp32 buffer,
-    which is added to the GEMM's output after both (the same bits as the expand adding it itself)."""
-    return _flag("LORAFLEET_LORA_BRANCH", False)
+LORA_BRANCH_CHOICES = ("off", "addon", "shrink")
+
+
+def lora_branch() -> str:
+    """LORAFLEET_LORA_BRANCH: in decode CUDA graphs (bf16/fp16 weights, CUDA LoRA kernels), what of each projection
+    group's LoRA runs on a second stream beside the base GEMM: off (default: nothing, the shrink and the expand follow
+    the GEMM), addon (the shrink and an expand that writes the add-on into an fp32 buffer, added to the GEMM's output
+    after both) or shrink (the shrink only; the expand follows the GEMM). The same bits in every case."""
+    return _choice("LORAFLEET_LORA_BRANCH", LORA_BRANCH_CHOICES)
 
 
 def decode_ranks() -> int:

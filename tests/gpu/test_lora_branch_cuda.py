@@ -4,9 +4,10 @@
   accumulating expand adds: y_bf16 + the written add-on is the accumulating expand's y bit for bit, on CUDA-core
   and tensor-core items; rows without an adapter and projections a slot does not adapt are not written; the add-on
   against an fp64 reference.
-- Engine: a decode step replayed from graphs captured with the branch (shrink and expand on a second stream, the
-  add-on added after the GEMM) gives the logits of the engine's own graphs bit for bit, on a model with base rows,
-  a rank-16 adapter on every projection and a rank-4 MLP-only one; the graphs' expands were the writing kind."""
+- Engine: a decode step replayed from graphs captured with the branch (addon: shrink and writing expand on a second
+  stream, the add-on added after the GEMM; shrink: the shrink there, the expand after the GEMM) gives the logits of the
+  engine's own graphs bit for bit, on a model with base rows, a rank-16 adapter on every projection and a rank-4
+  MLP-only one."""
 
 from __future__ import annotations
 
@@ -69,29 +70,41 @@ def fam(tmp_path_factory):
     return teacher.family_with_two_adapters("llama3", tmp_path_factory.mktemp("gpu-branch"))
 
 
-def test_decode_graph_with_lora_beside_the_gemm_gives_the_same_logits(fam, monkeypatch):
+@pytest.mark.parametrize("mode", ["addon", "shrink"])
+def test_decode_graph_with_lora_beside_the_gemm_gives_the_same_logits(fam, monkeypatch, mode):
+    """`mode` addon: the shrink and the writing expand on the second stream; shrink: the shrink there, the expand
+    after the GEMM. Either way the engine's own graphs' logits, bit for bit, and the shrinks ran on another stream."""
     from lorafleet.runner.executor.executor import make_graphs
 
     model, _, reqs = fam
-    writes = []
-    real = CudaSGMV.expand
+    writes, streams = [], []
+    real_expand, real_shrink = CudaSGMV.expand, CudaSGMV.shrink
 
-    def recording(self, *args, **kw):
+    def expanding(self, *args, **kw):
         writes.append(bool(kw.get("write", False)))
-        return real(self, *args, **kw)
+        return real_expand(self, *args, **kw)
 
-    monkeypatch.setattr(CudaSGMV, "expand", recording)
+    def shrinking(self, *args, **kw):
+        streams.append(torch.cuda.current_stream().cuda_stream)
+        return real_shrink(self, *args, **kw)
+
+    monkeypatch.setattr(CudaSGMV, "expand", expanding)
+    monkeypatch.setattr(CudaSGMV, "shrink", shrinking)
     eng, batch = teacher.decode_step(model, reqs[:6] + reqs[:2])
-    assert not (eng.config.kernels or KernelChoices()).lora_branch and not any(writes)
+    assert (eng.config.kernels or KernelChoices()).lora_branch == "off" and not any(writes)
     d = batch.to_device(eng.device)
     plain = [eng.runner.graphs.run(batch, d).clone() for _ in range(2)]
     assert torch.equal(plain[0], plain[1])
     writes.clear()
+    streams.clear()
     beside = make_graphs(eng.model, eng.attention, eng.lora_pool, eng.sgmv,
                          dataclasses.replace(eng.config, kernels=dataclasses.replace(
-                             eng.config.kernels or KernelChoices(), lora_branch=True)),
+                             eng.config.kernels or KernelChoices(), lora_branch=mode)),
                          eng.runner.graphs.scratch_page)
-    assert writes and all(writes) and len(writes) >= 4 * eng.model.num_layers  # captured with the branch
+    assert len(writes) >= 4 * eng.model.num_layers  # captured with the branch
+    assert all(writes) if mode == "addon" else not any(writes)
+    sides = {st.lora._side.cuda_stream for st in beside.static.values()}
+    assert streams and set(streams) <= sides  # every shrink on a second stream
     for _ in range(2):
         assert torch.equal(beside.run(batch, d), plain[0])
     assert torch.equal(eng.runner.graphs.run(batch, d), plain[0])
