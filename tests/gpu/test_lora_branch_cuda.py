@@ -18,9 +18,8 @@ import torch
 
 import teacher
 from lorafleet.runner.config import KernelChoices
-from lorafleet.runner.lora.segments import build_segments
 from lorafleet.runner.lora.sgmv_cuda import CudaSGMV
-from test_shrink_early_cuda import DEV, K, OUT, R, TABLES, pool
+from test_shrink_early_cuda import DEV, K, OUT, R, TABLES, case
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -29,11 +28,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900),
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("table", list(TABLES))
 def test_written_addon_plus_y_is_the_accumulating_expand_bit_for_bit(dtype, table):
-    row_slots = TABLES[table]
-    T = len(row_slots)
-    a, b, ranks, host = pool(dtype)
-    seg = build_segments(row_slots, device=DEV, capacity=T + 8)
-    g = torch.Generator(device=DEV).manual_seed(21)
+    row_slots, T, (a, b, ranks, host), seg, g = case(table, dtype, 21)
     x = torch.randn(T, K, generator=g, device=DEV).to(dtype)
     y0 = torch.randn(T, sum(OUT), generator=g, device=DEV).to(dtype)
     v = torch.zeros(T, 3, R, device=DEV)

@@ -40,14 +40,17 @@ def pool(dtype):
     return a, b, torch.tensor(ranks, dtype=torch.int32, device=DEV), ranks
 
 
+def case(table: str, dtype, seed: int):
+    """TABLES[table]'s rows, their count, the pool (a, b, ranks, host ranks), the segment table and a generator."""
+    row_slots = TABLES[table]
+    seg = build_segments(row_slots, device=DEV, capacity=len(row_slots) + 8)
+    return row_slots, len(row_slots), pool(dtype), seg, torch.Generator(device=DEV).manual_seed(seed)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("table", list(TABLES))
 def test_shrink_right_after_the_gemm_without_waiting_keeps_the_bits(dtype, table):
-    row_slots = TABLES[table]
-    T = len(row_slots)
-    a, b, ranks, host = pool(dtype)
-    seg = build_segments(row_slots, device=DEV, capacity=T + 8)
-    g = torch.Generator(device=DEV).manual_seed(5)
+    row_slots, T, (a, b, ranks, host), seg, g = case(table, dtype, 5)
     w = (torch.randn(sum(OUT), K, generator=g, device=DEV) / 64).to(dtype)  # the base weight of the 3 projections
     src = torch.randn(T, K, generator=g, device=DEV).to(dtype)
     x, out = torch.empty(T, K, device=DEV, dtype=dtype), torch.empty(T, sum(OUT), device=DEV, dtype=dtype)
