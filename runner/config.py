@@ -32,9 +32,10 @@ class KernelChoices:
         in the shrinks of decode steps (CUDA; a launch shape, the same bits).
     shrink_early: the LoRA shrink launched right after its projection's base GEMM does not wait for that GEMM
         before reading x (CUDA, two launches per group; the same bits).
-    lora_branch: in decode graphs (bf16/fp16 weights, CUDA LoRA kernels), what of each group's LoRA runs on a second
-        stream beside the base GEMM: off, addon (the shrink and an expand writing the add-on into an fp32 buffer,
-        added after both) or shrink (the shrink only; the expand after the GEMM). The same bits in every case.
+    lora_branch: in decode graphs (CUDA LoRA kernels; projections not finished by the FP8 epilogue; not with
+        rope_kv_lora), what of each group's LoRA runs on a second stream beside the base GEMM: off, addon (the shrink
+        and an expand writing the add-on into an fp32 buffer, added after both) or shrink (the shrink only; the expand
+        after the GEMM). The same bits in every case, but for addon's +0.0 added where no adapter writes (-0.0 -> +0.0).
     blas_lt_rows: steps of at most this many rows run the o and down GEMMs on cuBLASLt (CUDA, one GPU).
     fp8_swap_rows: with FP8 weights, steps of at most this many rows compute W @ x.T (operands swapped).
     fp8_gemm_rows: with FP8 weights, steps of at most this many rows (<= 64) run the project's FP8 kernel.

@@ -141,6 +141,13 @@ def test_fp8_gemm_switches(monkeypatch):
         monkeypatch.setenv(var, raw)
         assert KernelChoices.from_env().describe() == f"kernel choices: {described}"
         monkeypatch.delenv(var)
+    for bad in ("1", "0", "on", "both"):  # a choice, not a switch
+        monkeypatch.setenv("LORAFLEET_LORA_BRANCH", bad)
+        with pytest.raises(ValueError, match="LORAFLEET_LORA_BRANCH must be one of off, addon, shrink"):
+            env.lora_branch()
+    monkeypatch.delenv("LORAFLEET_LORA_BRANCH")
+    with pytest.raises(ValueError, match="kernel choice lora_branch must be one of off, addon, shrink"):
+        KernelChoices(lora_branch="on")
     for bad in ("3", "8", "-1"):
         monkeypatch.setenv("LORAFLEET_DECODE_RANKS", bad)
         with pytest.raises(ValueError, match="LORAFLEET_DECODE_RANKS must be 0, 1, 2 or 4"):

@@ -56,6 +56,32 @@ def test_mixed_ranks_and_partial_modules_land_in_their_slot():
         assert int(pool.ranks.abs().sum()) == 0 and all(r == 0 for lay in pool.host_ranks for p in lay for r in p)
 
 
+def test_a_slot_change_counts_and_lets_go_of_its_stacked_a_rows():
+    """write() and clear() move the slot's write count on (what copies of its weights elsewhere are checked against)
+    and drop the dense path's stacked A rows of that slot only."""
+    from lorafleet.runner.lora.segments import build_segments
+    from lorafleet.runner.lora.sgmv import TorchSGMV
+    from lorafleet.runner.lora.step import LoraStepImpl
+
+    pool = LoraPool(BASE, num_slots=3, max_rank=8, dtype=torch.float32, device=torch.device("cpu"))
+    pool.write(0, adapter("a0", {(0, "q"): 4, (0, "k"): 2, (1, "q"): 4, (1, "v"): 1}, seed=3, stacked=True))
+    pool.write(1, adapter("a1", {(0, "q"): 4, (0, "v"): 4}, seed=4, stacked=True))
+    assert pool.slot_writes == [1, 1, 0]
+    w = torch.zeros(BASE.q_dim + 2 * BASE.kv_dim, BASE.hidden_size + 16)[:, :BASE.hidden_size]
+    for layer, slot in ((0, 0), (1, 0)):  # one stack per (layer, qkv) of slot 0 ...
+        x = torch.zeros(4, BASE.hidden_size + 16)[:, :BASE.hidden_size]
+        LoraStepImpl(pool, TorchSGMV(), build_segments([slot] * 4), dense=[(0, 4, slot)]).dense_linear(layer, 0, x, w,
+                                                                                                        None)
+    x = torch.zeros(4, BASE.hidden_size + 16)[:, :BASE.hidden_size]
+    LoraStepImpl(pool, TorchSGMV(), build_segments([1] * 4), dense=[(0, 4, 1)]).dense_linear(0, 0, x, w, None)
+    # ... layer 0's replaced by slot 1's (one per layer and group); layer 1 still slot 0's
+    assert {k: hit[0][0] for k, hit in pool.kext_a_rows.items()} == {(0, 0): 1, (1, 0): 0}
+    pool.clear(0)
+    assert pool.slot_writes == [2, 1, 0] and set(pool.kext_a_rows) == {(0, 0)}
+    pool.write(1, adapter("a2", {(0, "o"): 2}, seed=5, stacked=True))
+    assert pool.slot_writes == [2, 2, 0] and pool.kext_a_rows == {}
+
+
 def test_packed_views_share_memory_with_the_packed_tensors():
     a = adapter("a", {(0, "q"): 4, (2, "q"): 2}, seed=3, stacked=True)
     pk = a.packed

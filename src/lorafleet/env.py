@@ -165,10 +165,11 @@ LORA_BRANCH_CHOICES = ("off", "addon", "shrink")
 
 
 def lora_branch() -> str:
-    """LORAFLEET_LORA_BRANCH: in decode CUDA graphs (bf16/fp16 weights, CUDA LoRA kernels), what of each projection
-    group's LoRA runs on a second stream beside the base GEMM: off (default: nothing, the shrink and the expand follow
-    the GEMM), addon (the shrink and an expand that writes the add-on into an fp32 buffer, added to the GEMM's output
-    after both) or shrink (the shrink only; the expand follows the GEMM). The same bits in every case."""
+    """LORAFLEET_LORA_BRANCH: in decode CUDA graphs (CUDA LoRA kernels; projections that the FP8 epilogue does not
+    finish), what of each projection group's LoRA runs on a second stream beside the base GEMM: off (default: nothing,
+    the shrink and the expand follow the GEMM; measured faster, docs/benchmarks.md section 13.7), addon (the shrink
+    and an expand that writes the add-on into an fp32 buffer, added to the GEMM's output after both) or shrink (the
+    shrink only; the expand follows the GEMM). The same bits in every case (addon adds +0.0 where no adapter writes)."""
     return _choice("LORAFLEET_LORA_BRANCH", LORA_BRANCH_CHOICES)
 
 

@@ -49,13 +49,24 @@ def main() -> int:
             else:
                 sg.shrink(v, x, a, ranks, host_ranks, seg)
                 sg.expand(ys, v, b, ranks, host_ranks, seg)
-                # the write mode into strided fp32 views: y0 + the add-on, rounded once, is the accumulating expand's y
-                addon = torch.zeros(T, sum(out_dims) + 8, device=dev)
+                # the write mode into strided fp32 views: only the adapted rows' projections written (the rest, and
+                # the columns beside the views, keep their NaN), and y0 + the add-on, rounded once, is the
+                # accumulating expand's y
+                addon = torch.full((T, sum(out_dims) + 8), float("nan"), device=dev)
                 sg.expand(list(addon[:, 4: 4 + sum(out_dims)].split(out_dims, dim=1)), v, b, ranks, host_ranks, seg,
                           write=True)
                 torch.cuda.synchronize()
-                if not torch.equal((y0[:, 8: 8 + sum(out_dims)].float() + addon[:, 4: 4 + sum(out_dims)]).to(dtype),
-                                   fused[:, 8: 8 + sum(out_dims)]):
+                written = torch.zeros(T, sum(out_dims) + 8, dtype=torch.bool)  # (on the host: a few hundred writes)
+                col = 4
+                for g, od in enumerate(out_dims):
+                    for i, s in enumerate(row_slots):
+                        written[i, col: col + od] = s >= 0 and host_ranks[g][s] > 0
+                    col += od
+                if not (torch.isnan(addon).cpu() == ~written).all():
+                    print(f"FAIL dtype={dtype} opts={opts}: the write mode wrote outside the adapted rows' projections")
+                    return 1
+                summed = y0[:, 8: 8 + sum(out_dims)].float() + addon[:, 4: 4 + sum(out_dims)].nan_to_num(nan=0.0)
+                if not torch.equal(summed.to(dtype), fused[:, 8: 8 + sum(out_dims)]):
                     print(f"FAIL dtype={dtype} opts={opts}: the written add-on is not the accumulating expand's")
                     return 1
             torch.cuda.synchronize()
