@@ -363,7 +363,9 @@ class LoraStepImpl:
         ww = w.as_strided((w.shape[0], K + c), (w.stride(0), 1))
         # the zeros around the blocks are there already where the last write had the same layout (projection, rank,
         # column of each block; e.g. one adapter after another of the same ranks): only the blocks change
-        layout = (lambda k: k and (k[0], k[1], tuple(e[1:4] for e in k[2])))
+        def layout(k):  # (pool uid, columns, (projection, rank, column) of each block)
+            return k[0], k[1], tuple(e[1:4] for e in k[2])
+
         if key is None or before is None or layout(before) != layout(key):
             ww[:, K:].zero_()
         starts = [sum(spans[:g]) for g in range(len(spans))]
