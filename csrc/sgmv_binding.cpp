@@ -10,11 +10,11 @@
 //       tensor cores) sets the rank rows per CUDA-core item of one-row segments; x_ready: the kernel launched
 //       right before (the base GEMM on the same x) neither writes x nor touches v, so the items need not
 //       wait for it (sgmv.h LaunchOptions::x_ready). None of the four changes a bit of v.
-//   expand(ys, v, b, ranks, indptr, slots, mma_min_rows, pdl, stream, blocks_per_sm=0):
+//   expand(ys, v, b, ranks, indptr, slots, mma_min_rows, pdl, stream, blocks_per_sm=0, write_f32=false):
 //       ys[g][rows] += v[rows, g, :r] @ b[g][s, :r, :]
 //       blocks_per_sm > 0 caps the resident blocks per SM (0: occupancy only); never changes a bit.
-//   expand_write(ys, v, b, ranks, indptr, slots, mma_min_rows, pdl, stream): the add-on alone into fp32 ys
-//       (sgmv.h ExpandArgs::write_f32), for a consumer that adds it to the base product later.
+//       write_f32 (the "expand_write" mode): the add-on alone into fp32 ys (sgmv.h ExpandArgs::write_f32), for a
+//       consumer that adds it to the base product later.
 //   add(ys, v, x, a, b, ranks, indptr, slots, counters, shrink_mma_min_rows, expand_mma_min_rows, pdl, stream):
 //       shrink then expand; one fused launch when T is below both thresholds (every segment on the
 //       CUDA-core path), else the two launches above. counters: int32 [>= 2 * capacity], zero.
@@ -297,25 +297,15 @@ lorafleet::ExpandArgs expand_args(const std::vector<Tensor>& ys, const Tensor& v
 }
 
 void expand(std::vector<Tensor> ys, Tensor v, std::vector<Tensor> b, Tensor ranks, Tensor indptr, Tensor slots,
-            int64_t mma_min_rows, bool pdl, int64_t stream, int64_t blocks_per_sm) {
+            int64_t mma_min_rows, bool pdl, int64_t stream, int64_t blocks_per_sm, bool write_f32) {
   SGMV_CHECK(!ys.empty(), "sgmv: expand needs at least one output");
-  const auto dtype = kernel_dtype(ys[0], "ys[0]");
-  const lorafleet::ExpandArgs args = expand_args(ys, v, b, ranks, indptr, slots);
+  // (the write mode, "expand_write": fp32 outputs, so the B pools carry the kernel's dtype; expand_args checks them)
+  const auto dtype = write_f32 && !b.empty() ? kernel_dtype(b[0], "b[0]") : kernel_dtype(ys[0], "ys[0]");
+  const lorafleet::ExpandArgs args = expand_args(ys, v, b, ranks, indptr, slots, write_f32);
   const lorafleet::LaunchOptions opt = launch_options(mma_min_rows, pdl, 0, blocks_per_sm);
   if (ys[0].size(0) == 0) return;
   const char* err = lorafleet::sgmv_expand(dtype, args, opt, ys[0].get_device(), as_stream(stream));
   SGMV_CHECK(err == nullptr, "sgmv expand launch failed: %s", err ? err : "");
-}
-
-void expand_write(std::vector<Tensor> ys, Tensor v, std::vector<Tensor> b, Tensor ranks, Tensor indptr, Tensor slots,
-                  int64_t mma_min_rows, bool pdl, int64_t stream) {
-  SGMV_CHECK(!ys.empty() && !b.empty(), "sgmv: expand_write needs at least one output and one B pool");
-  const auto dtype = kernel_dtype(b[0], "b[0]");
-  const lorafleet::ExpandArgs args = expand_args(ys, v, b, ranks, indptr, slots, true);
-  const lorafleet::LaunchOptions opt = launch_options(mma_min_rows, pdl, 0, 0);
-  if (ys[0].size(0) == 0) return;
-  const char* err = lorafleet::sgmv_expand(dtype, args, opt, ys[0].get_device(), as_stream(stream));
-  SGMV_CHECK(err == nullptr, "sgmv expand_write launch failed: %s", err ? err : "");
 }
 
 void add(std::vector<Tensor> ys, Tensor v, Tensor x, std::vector<Tensor> a, std::vector<Tensor> b, Tensor ranks,
@@ -736,13 +726,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("mma_min_rows"), py::arg("pdl"), py::arg("stream"), py::arg("max_blocks") = 0,
         py::arg("blocks_per_sm") = 0, py::arg("decode_ranks") = 0, py::arg("quant_out") = py::none(),
         py::arg("quant_scale") = py::none(), py::arg("x_ready") = false);
-  m.def("expand_write", &expand_write,
-        "ys[g][rows] = v[rows, g, :r] @ b[g][slot, :r] in fp32 for every segment (ys fp32; other rows untouched)",
+  m.def("expand", &expand,
+        "ys[g][rows] += v[rows, g, :r] @ b[g][slot, :r] for every segment (write_f32: ys fp32, = instead of +=)",
         py::arg("ys"), py::arg("v"), py::arg("b"), py::arg("ranks"), py::arg("indptr"), py::arg("slots"),
-        py::arg("mma_min_rows"), py::arg("pdl"), py::arg("stream"));
-  m.def("expand", &expand, "ys[g][rows] += v[rows, g, :r] @ b[g][slot, :r] for every segment",
-        py::arg("ys"), py::arg("v"), py::arg("b"), py::arg("ranks"), py::arg("indptr"), py::arg("slots"),
-        py::arg("mma_min_rows"), py::arg("pdl"), py::arg("stream"), py::arg("blocks_per_sm") = 0);
+        py::arg("mma_min_rows"), py::arg("pdl"), py::arg("stream"), py::arg("blocks_per_sm") = 0,
+        py::arg("write_f32") = false);
   m.def("add", &add, "ys[g][rows] += (x[rows] @ a[g][slot, :r].T) @ b[g][slot, :r] for every segment (fused)",
         py::arg("ys"), py::arg("v"), py::arg("x"), py::arg("a"), py::arg("b"), py::arg("ranks"), py::arg("indptr"),
         py::arg("slots"), py::arg("counters"), py::arg("shrink_mma_min_rows"), py::arg("expand_mma_min_rows"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from lorafleet.env import LORA_BRANCH_CHOICES
 from lorafleet.models.contract import ModelConfig, ModelConfigError  # noqa: F401 (re-exported)
 
 
@@ -101,7 +102,7 @@ class KernelChoices:
         for name, ok in (("attention", ("auto", "flashinfer", "torch")), ("prefill", ("auto", "fa2", "fa3")),
                          ("decode_tc", ("auto", "1", "0")),
                          ("sgmv", ("auto", "cuda", "torch")), ("sgmv_fused", ("auto", "1", "0")),
-                         ("lora_branch", ("off", "addon", "shrink"))):
+                         ("lora_branch", LORA_BRANCH_CHOICES)):
             if getattr(self, name) not in ok:
                 raise ValueError(f"kernel choice {name} must be one of {', '.join(ok)}, got {getattr(self, name)!r}")
         for name in ("blas_lt_rows", "fp8_swap_rows", "fp8_unit_scale_elems", "dense_lora_rows", "dense_lora_kext",

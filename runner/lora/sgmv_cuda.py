@@ -117,12 +117,7 @@ class CudaSGMV:
             raise ValueError("CudaSGMV needs CUDA tensors (use TorchSGMV on the CPU)")
         stream = torch.cuda.current_stream(ys[0].device).cuda_stream
         rows = self.expand_mma_min_rows if mma_min_rows is None else mma_min_rows
-        if write:
-            if blocks_per_sm:
-                raise ValueError("CudaSGMV.expand: blocks_per_sm applies to the accumulating mode only")
-            self._ext().expand_write(ys, v, list(b), ranks, seg.indptr, seg.slots, rows, self.pdl, stream)
-            return
-        self._ext().expand(ys, v, list(b), ranks, seg.indptr, seg.slots, rows, self.pdl, stream, blocks_per_sm)
+        self._ext().expand(ys, v, list(b), ranks, seg.indptr, seg.slots, rows, self.pdl, stream, blocks_per_sm, write)
 
     def add(self, ys: Sequence[torch.Tensor], v: torch.Tensor, x: torch.Tensor, a: Sequence[torch.Tensor],
             b: Sequence[torch.Tensor], ranks: torch.Tensor, host_ranks: Sequence[Sequence[int]], seg: SegmentTable,

@@ -247,15 +247,13 @@ class LoraStepImpl:
             _, b, ranks, host = self.pool.group_args[layer][group]
             self.sgmv.expand(ys, self.views[GROUP_SPANS[group][1]], b, ranks, host, self.seg, mma_min_rows=1 << 30)
             return True
+        # ys are column views of one product, side by side (the decoder's split): one add over all of them
         y = ys[0]
-        width = sum(t.shape[1] for t in ys)
-        contiguous = all(t.stride() == y.stride() for t in ys) and y.stride(-1) == 1 and all(
+        side_by_side = all(t.stride() == y.stride() for t in ys) and all(
             ys[j + 1].data_ptr() == ys[j].data_ptr() + ys[j].shape[1] * ys[j].element_size() for j in range(len(ys) - 1))
-        if contiguous and (y.shape[0] <= 1 or y.stride(0) >= width):
-            y.as_strided((y.shape[0], width), y.stride()).add_(addon)  # the projections side by side: one launch
-        else:
-            for t, part in zip(ys, addon.split([t.shape[1] for t in ys], dim=-1)):
-                t.add_(part)
+        if not side_by_side:
+            raise ValueError("LoRA branch: the group's outputs must be column views of one product, side by side")
+        y.as_strided(addon.shape, y.stride()).add_(addon)
         return True
 
     def add(self, layer: int, group: int, x: torch.Tensor, ys: tuple[torch.Tensor, ...]) -> None:
@@ -380,24 +378,19 @@ class LoraStepImpl:
         them on the pool for the next step of the same slot, rank blocks and slot contents (LoraPool.slot_writes):
         one adapter's 2,048-token chunks stack them once per layer and group, not per step (bounded: one stack per
         layer and group)."""
-        rows = []
-        for _, _, s, parts in blocks:
+        def stack(s, parts):
             if not parts:
-                rows.append(None)
-            elif len(parts) == 1:
-                rows.append(a[parts[0][0]][s, :parts[0][1]])
-            else:
-                rows.append(None if len(blocks) == 1 else torch.cat([a[g][s, :r] for g, r, _ in parts]))
-        if len(blocks) != 1 or rows[0] is not None or not blocks[0][3]:
-            return rows
-        _, _, s, parts = blocks[0]
+                return None
+            return a[parts[0][0]][s, :parts[0][1]] if len(parts) == 1 else torch.cat([a[g][s, :r] for g, r, _ in parts])
+
         writes, cache = getattr(self.pool, "slot_writes", None), getattr(self.pool, "kext_a_rows", None)
-        key = (s, writes[s] if writes is not None else None, tuple((g, r) for g, r, _ in parts))
-        hit = cache.get((layer, group)) if cache is not None and writes is not None else None
+        if len(blocks) != 1 or len(blocks[0][3]) < 2 or writes is None or cache is None:  # nothing worth keeping
+            return [stack(s, parts) for _, _, s, parts in blocks]
+        _, _, s, parts = blocks[0]
+        key = (s, writes[s], tuple((g, r) for g, r, _ in parts))
+        hit = cache.get((layer, group))
         if hit is None or hit[0] != key:
-            hit = (key, torch.cat([a[g][s, :r] for g, r, _ in parts]))
-            if cache is not None and writes is not None:
-                cache[(layer, group)] = hit
+            hit = cache[(layer, group)] = (key, stack(s, parts))
         return [hit[1]]
 
     @staticmethod
