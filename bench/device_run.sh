@@ -15,6 +15,10 @@
 #   btests   LoRA beside the base GEMM in decode graphs (tests/gpu/test_lora_branch_cuda.py)
 #   branch   bench e2e bf16 distinct + identical (+ LoRA off, profiled) for each LORAFLEET_LORA_BRANCH value
 #            (BRANCH_VALUES, default "off addon"; BRANCH_REQS default 200, BRANCH_ARGS extra arguments) -> e2e_branch_V.json
+#   normlora bench e2e bf16 distinct + identical (+ LoRA off, profiled) with LORAFLEET_NORM_LORA in NL_VALUES (default
+#            "0 1"; NL_REQS default 200, NL_ARGS extra arguments) -> e2e_normlora_V.json
+#   ab       the same for any variable: AB_VAR, AB_VALUES, AB_REQS, AB_ARGS, AB_NAME -> e2e_AB_NAME_V.json
+#   nltests  the norm with the LoRA expand before and the shrink after it (tests/gpu/test_norm_lora_cuda.py; NLTESTS_K: -k)
 #   stests   the LoRA shrink that does not wait for its base GEMM (tests/gpu/test_shrink_early_cuda.py)
 #   ntests   the project's RMSNorm kernel and the norm + LoRA shrink launch (tests/gpu/test_norm_cuda.py; NTESTS_K: -k)
 #   ptests   the prefix cache against HF + PEFT fp32 (llama3, gemma3), hits counted
@@ -176,13 +180,23 @@ stage() {
       timeout ${TEST_S:-300} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_lora_branch_cuda.py -rA -s --tb=short \
         -o faulthandler_timeout=${HANG_S:-200} 2>&1 | tee "$LOGS/gpu_btests.log" \
         | grep -E "passed|failed|FAILED|Error|Timeout|File |^E  " | cut -c1-300 | tail -${TEST_LINES:-20} ;;
-    branch)
+    branch)  # decode graphs' LoRA after each base GEMM, then beside it on a second stream
+      AB_VAR=LORAFLEET_LORA_BRANCH AB_VALUES=${BRANCH_VALUES:-off addon} AB_REQS=${BRANCH_REQS:-200} \
+        AB_ARGS=${BRANCH_ARGS:-} AB_NAME=branch stage ab ;;
+    normlora)  # the norms with the LoRA expand before and the shrink after them, off then on
+      AB_VAR=LORAFLEET_NORM_LORA AB_VALUES=${NL_VALUES:-0 1} AB_REQS=${NL_REQS:-200} AB_ARGS=${NL_ARGS:-} AB_NAME=normlora \
+        stage ab ;;
+    ab)
       local v
-      for v in ${BRANCH_VALUES:-off addon}; do  # decode graphs' LoRA after each base GEMM, then beside it on a second stream
-        LORAFLEET_LORA_BRANCH=$v timeout ${LORA_S:-300} $E2E --requests ${BRANCH_REQS:-200} --mixes distinct identical \
-          --sweep --hf-requests 0 --profile ${BRANCH_ARGS:-} --out "$OUT/e2e_branch_$v.json" 2>&1 \
-          | tee "$LOGS/e2e_branch_$v.log" | grep -E "tok/s|LoRA per decode|Error|Traceback" | cut -c1-300 | tail -10
+      for v in $AB_VALUES; do
+        env "$AB_VAR=$v" timeout ${LORA_S:-300} $E2E --requests $AB_REQS --mixes distinct identical \
+          --sweep --hf-requests 0 --profile $AB_ARGS --out "$OUT/e2e_${AB_NAME}_$v.json" 2>&1 \
+          | tee "$LOGS/e2e_${AB_NAME}_$v.log" | grep -E "tok/s|LoRA per decode|Error|Traceback" | cut -c1-300 | tail -10
       done ;;
+    nltests)
+      timeout ${TEST_S:-400} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_norm_lora_cuda.py -rA -s --durations=4 \
+        --tb=short -k "${NLTESTS_K:-}" -o faulthandler_timeout=${HANG_S:-200} 2>&1 | tee -a "$LOGS/gpu_nltests.log" \
+        | grep -E "passed|failed|FAILED|vs eager|Error|Timeout|File |^E  " | cut -c1-300 | tail -${TEST_LINES:-20} ;;
     fp8tests|ptests|sm90tests)
       local f=tests/gpu/test_fp8_cuda.py; [ "$1" = ptests ] && f=tests/gpu/test_prefix_cuda.py
       [ "$1" = sm90tests ] && f=tests/gpu/test_fp8_sm90_cuda.py

@@ -31,6 +31,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <mma.h>
+#include <cooperative_groups.h>
 
 #include <algorithm>
 #include <cstring>
@@ -164,6 +165,19 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 
 __device__ __forceinline__ int rank_of(int packed, int g) { return (packed >> (8 * g)) & 0xff; }
+
+// The slice order of a row's reductions over K (the RMSNorm's sum of squares, the CUDA-core shrink's dot products):
+// the KV 16-byte vectors of a row fall into kSlices slices of ceil(KV / kSlices) vectors, slice c = [x, y); lane l
+// of the slice's warp accumulates its vectors x + l, x + l + 32, ... in order with fmaf, the warp's xor tree sums
+// the lanes, and the slices' sums are added in slice order from 0. One block of kWarps warps reduces a whole row
+// (warp c: slice c); so does a cluster of kSlices blocks with one slice each (norm_lora_kernel), with the same bits.
+constexpr int kSlices = 8;
+static_assert(kWarps == kSlices, "a block of the CUDA-core kernels reduces a row's slices with one warp each");
+__device__ __forceinline__ int2 slice_of(int KV, int c) {
+  const int per = (KV + kSlices - 1) / kSlices;
+  const int lo = min(c * per, KV);
+  return make_int2(lo, min(lo + per, KV));
+}
 
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
@@ -366,16 +380,17 @@ __device__ __forceinline__ void norm_apply8(const NormArgs& n, int kv, float rs,
   }
 }
 
-// rs of a row, by the whole block (every thread calls it, every thread gets it): each thread sums the squares
-// of its vectors tid, tid + kThreads, ... with fmaf, then the warps' xor trees, then the warps in order — the
-// same value in every launch and block that computes it.
+// rs of a row, by the whole block (every thread calls it, every thread gets it), in the slice order (see
+// slice_of): warp w sums slice w, each lane the squares of its vectors with fmaf, then the warp's xor tree, then
+// the slices in order — the same value in every launch, block and cluster that computes it.
 template <typename T>
 __device__ float norm_rs(const NormArgs& n, int row) {
   __shared__ float part[kWarps];
   const int KV = n.cols >> 3;
   const int64_t base = static_cast<int64_t>(row) * n.cols;
+  const int2 sl = slice_of(KV, threadIdx.x >> 5);
   float ss = 0.f;
-  for (int kv = threadIdx.x; kv < KV; kv += kThreads) {
+  for (int kv = sl.x + (threadIdx.x & 31); kv < sl.y; kv += 32) {
     float r[8];
     norm_load8<T>(n, base + static_cast<int64_t>(kv) * 8, r);
 #pragma unroll
@@ -419,6 +434,174 @@ __global__ void __launch_bounds__(kThreads) rms_norm_rows_kernel(const __grid_co
 }
 
 // ---------------------------------------------------------------------------------------------------
+// norm_lora (sm_90): a row's RMSNorm with the LoRA expand of the projection before it and the shrink of the group
+// after it, one thread-block cluster of kSlices blocks per row, block c holding slice c of the row (slice_of).
+// Each block: stages its slice of the row's B rows (expand) and A rows (shrink) in shared memory before waiting for
+// the preceding kernel; h' = T(h + v_in B) per element in sgmv_expand's CUDA-core order (four fmaf chains over the
+// rank rows k = j mod 4, then (a0 + a2) + (a1 + a3), then the add to h and one rounding); r = T(h' + res); the
+// slice's sum of squares (lane chains, xor tree) -> shared memory; the cluster's slices summed in order (distributed
+// shared memory) = norm_rs's value; x = the norm's scaling of r; per A rank row the slice's dot product (lane chains,
+// xor tree) -> shared memory; block c adds the slices of rank rows c, c + kSlices, ... in order = shrink_cc's value.
+
+constexpr int kNlThreads = 128;
+constexpr int kNlWarps = kNlThreads / 32;
+constexpr int kNlMaxSliceVecs = 512;       // vectors per slice: rows up to kSlices * 512 * 8 = 32,768 wide
+constexpr int kNlStageBytes = 96 * 1024;   // shared memory for the staged B and A rows (and the row's slice)
+
+struct NormLoraParams {
+  NormLoraArgs a;
+  int per;          // vectors per slice (the slices' shared-memory stride)
+  int pre_b;        // B rank rows staged before the wait
+  int pre_a;        // A rank rows staged before the wait
+};
+
+template <typename T>
+__global__ void __launch_bounds__(kNlThreads) norm_lora_kernel(const __grid_constant__ NormLoraParams P) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  const NormLoraArgs& p = P.a;
+  const NormArgs& n = p.norm;
+  const int c = static_cast<int>(cluster.block_rank());
+  const int row = blockIdx.x / kSlices;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int2 sl = slice_of(n.cols >> 3, c);
+  const int nv = sl.y - sl.x, per = P.per;
+  extern __shared__ uint4 nl_smem[];
+  uint4* rv = nl_smem;                 // [per] r, then x (as T)
+  uint4* bs = rv + per;                // [pre_b][per]
+  uint4* as = bs + P.pre_b * per;      // [pre_a][per]
+  __shared__ float part_ss;
+  __shared__ float part_v[kMaxGroup * kMaxRank];
+
+  if (p.late_tables) pdl_wait();  // row_slot was written by the kernel right before this one
+  int slot = p.row_slot[row];
+  if (slot < 0 || slot >= p.num_slots) slot = -1;
+  int rin = 0;
+  if (p.b_in != nullptr && slot >= 0) rin = min(max(p.ranks_in[slot], 0), min(p.b_in_rank_dim, kMaxRank));
+  int rg[kMaxGroup] = {0, 0, 0};
+  int F = 0;
+#pragma unroll
+  for (int g = 0; g < kMaxGroup; ++g) {
+    if (g < p.groups && slot >= 0)
+      rg[g] = min(max(p.ranks_out[g * p.num_slots + slot], 0), min(p.a_out_rank_dim[g], kMaxRank));
+    F += rg[g];
+  }
+  const T* b_in = slot >= 0 && rin > 0
+                      ? static_cast<const T*>(p.b_in) + static_cast<int64_t>(slot) * p.b_in_rank_dim * n.cols : nullptr;
+  auto a_row = [&](int f) {  // rank row f of the flattened (projection, rank) list -> its A row
+    int g = 0;
+    while (g < kMaxGroup - 1 && f >= rg[g]) f -= rg[g++];
+    return static_cast<const T*>(p.a_out[g]) + (static_cast<int64_t>(slot) * p.a_out_rank_dim[g] + f) * n.cols;
+  };
+  const int fb = min(rin, P.pre_b), fa = min(F, P.pre_a);
+  for (int i = tid; i < fb * nv; i += kNlThreads) {
+    const int k = i / nv, j = i - k * nv;
+    cp_async16(bs + k * per + j, b_in + static_cast<int64_t>(k) * n.cols + (sl.x + j) * 8, true);
+  }
+  for (int i = tid; i < fa * nv; i += kNlThreads) {
+    const int f = i / nv, j = i - f * nv;
+    cp_async16(as + f * per + j, a_row(f) + (sl.x + j) * 8, true);
+  }
+  cp_async_commit();
+  if (!p.late_tables) pdl_wait();  // h, res and v_in come from the preceding kernels
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // r = T(T(h + the expand) + res) of the slice's vectors; the new residual written
+  const int64_t base = static_cast<int64_t>(row) * n.cols;
+  const float* vin = rin > 0 ? p.v_in + static_cast<int64_t>(row) * p.v_in_row_stride : nullptr;
+  for (int i = tid; i < nv; i += kNlThreads) {
+    const int64_t off = base + static_cast<int64_t>(sl.x + i) * 8;
+    float r[8];
+    to_float8<T>(ldg16(static_cast<const T*>(n.h) + off), r);
+    if (rin > 0) {
+      float acc[8][4];
+#pragma unroll
+      for (int e = 0; e < 8; ++e)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[e][j] = 0.f;
+      for (int k0 = 0; k0 < rin; k0 += 4) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int k = k0 + j;
+          if (k < rin) {
+            const uint4 bq = k < fb ? bs[k * per + i] : ldg16(b_in + static_cast<int64_t>(k) * n.cols + (sl.x + i) * 8);
+            float bf[8];
+            to_float8<T>(bq, bf);
+            const float vk = __ldg(vin + k);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[e][j] = fmaf(vk, bf[e], acc[e][j]);
+          }
+        }
+      }
+#pragma unroll
+      for (int e = 0; e < 8; ++e) r[e] = round_to<T>(r[e] + ((acc[e][0] + acc[e][2]) + (acc[e][1] + acc[e][3])));
+    }
+    if (n.res != nullptr) {
+      float q[8];
+      to_float8<T>(ldg16(static_cast<const T*>(n.res) + off), q);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) r[e] = round_to<T>(r[e] + q[e]);
+      *reinterpret_cast<uint4*>(static_cast<T*>(n.res_out) + off) = from_float8<T>(r);
+    }
+    rv[i] = from_float8<T>(r);  // exact: r holds values of T
+  }
+  __syncthreads();
+  if (warp == 0) {
+    float ss = 0.f;
+    for (int i = lane; i < nv; i += 32) {
+      float r[8];
+      to_float8<T>(rv[i], r);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) ss = fmaf(r[e], r[e], ss);
+    }
+    ss = warp_sum(ss);
+    if (lane == 0) part_ss = ss;
+  }
+  cluster.sync();
+  float t = 0.f;
+#pragma unroll
+  for (int q = 0; q < kSlices; ++q) t += *cluster.map_shared_rank(&part_ss, q);
+  const float rs = rsqrtf(__fdiv_rn(t, static_cast<float>(n.cols)) + n.eps);
+
+  for (int i = tid; i < nv; i += kNlThreads) {
+    float r[8];
+    to_float8<T>(rv[i], r);
+    norm_apply8<T>(n, sl.x + i, rs, r);
+    const uint4 xq = from_float8<T>(r);
+    *reinterpret_cast<uint4*>(static_cast<T*>(n.x_out) + base + static_cast<int64_t>(sl.x + i) * 8) = xq;
+    rv[i] = xq;  // each thread rewrites only its own vectors
+  }
+  __syncthreads();
+  for (int f = warp; f < F; f += kNlWarps) {  // F is the same in every block of the cluster
+    const T* ar = f < fa ? nullptr : a_row(f);
+    float acc = 0.f;
+    for (int i = lane; i < nv; i += 32) {
+      const uint4 aq = f < fa ? as[f * per + i] : ldg16(ar + static_cast<int64_t>(sl.x + i) * 8);
+      float af[8], xf[8];
+      to_float8<T>(aq, af);
+      to_float8<T>(rv[i], xf);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc = fmaf(xf[e], af[e], acc);
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) part_v[f] = acc;
+  }
+  cluster.sync();
+  for (int f = c + kSlices * tid; f < F; f += kSlices * kNlThreads) {
+    float sum = 0.f;
+#pragma unroll
+    for (int q = 0; q < kSlices; ++q) sum += cluster.map_shared_rank(part_v, q)[f];
+    int g = 0, k = f;
+    while (g < kMaxGroup - 1 && k >= rg[g]) k -= rg[g++];
+    p.v_out[static_cast<int64_t>(row) * p.groups * p.v_out_rank_dim + g * p.v_out_rank_dim + k] = sum;
+  }
+  cluster.sync();  // no block leaves while another reads its part_v
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------------
 // Shrink.
 
 template <bool kMma>
@@ -449,7 +632,7 @@ __device__ __forceinline__ int2 split_rank_row(int packed, int f) {
 }
 
 // v[row0 + m, rank row f0 + j] = dot(x[row0 + m], A row) for m < NR, j < RB (rank rows
-// flattened over the projections). Each thread accumulates a strided part of K; one block reduction.
+// flattened over the projections). Each warp accumulates its slice of K (slice_of); the slice order's reduction.
 // The first A loads are issued before waiting for the preceding kernel (A is never written by it).
 template <typename T, int NR, int RB, bool kNorm = false>
 __device__ __forceinline__ void shrink_cc(const ShrinkParams& p, int row0, int slot, int packed, int f0, float* red,
@@ -466,7 +649,9 @@ __device__ __forceinline__ void shrink_cc(const ShrinkParams& p, int row0, int s
     ap[j] = static_cast<const T*>(p.a[gf.x]) + (static_cast<int64_t>(slot) * p.a_rank_dim[gf.x] + gf.y) * K;
   }
   const T* x0 = static_cast<const T*>(p.x) + static_cast<int64_t>(row0) * K;
-  const int tid = threadIdx.x;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  // this warp's slice of K (slice_of): the lane takes its vectors sl.x + lane, + 32, ...
+  const int2 sl = slice_of(KV, warp);
 
   float acc[NR][RB];
 #pragma unroll
@@ -478,13 +663,13 @@ __device__ __forceinline__ void shrink_cc(const ShrinkParams& p, int row0, int s
   auto load_a = [&](int kv0) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int kv = kv0 + u * kThreads;
+      const int kv = kv0 + u * 32;
 #pragma unroll
       for (int j = 0; j < RB; ++j)
-        av[u][j] = kv < KV ? ldg16(ap[j] + static_cast<int64_t>(kv) * 8) : make_uint4(0, 0, 0, 0);
+        av[u][j] = kv < sl.y ? ldg16(ap[j] + static_cast<int64_t>(kv) * 8) : make_uint4(0, 0, 0, 0);
     }
   };
-  load_a(tid);
+  load_a(sl.x + lane);
   if (!waited && !p.x_ready) {  // block-uniform
     pdl_wait();
     waited = true;
@@ -496,15 +681,15 @@ __device__ __forceinline__ void shrink_cc(const ShrinkParams& p, int row0, int s
 #pragma unroll
     for (int m = 0; m < NR; ++m) rs[m] = norm_rs<T>(p.norm, row0 + m);
   }
-  for (int kv0 = tid; kv0 < KV; kv0 += U * kThreads) {
+  for (int kv0 = sl.x + lane; kv0 < sl.y; kv0 += U * 32) {
     uint4 xv[U][NR];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int kv = kv0 + u * kThreads;
+      const int kv = kv0 + u * 32;
 #pragma unroll
       for (int m = 0; m < NR; ++m) {
         if constexpr (kNorm) {
-          if (kv < KV) {
+          if (kv < sl.y) {
             float r[8];
             norm_load8<T>(p.norm, static_cast<int64_t>(row0 + m) * K + kv * 8, r);
             norm_apply8<T>(p.norm, kv, rs[m], r);
@@ -513,7 +698,7 @@ __device__ __forceinline__ void shrink_cc(const ShrinkParams& p, int row0, int s
             xv[u][m] = make_uint4(0, 0, 0, 0);
           }
         } else {
-          xv[u][m] = kv < KV ? ldg16(x0 + static_cast<int64_t>(m) * K + kv * 8) : make_uint4(0, 0, 0, 0);
+          xv[u][m] = kv < sl.y ? ldg16(x0 + static_cast<int64_t>(m) * K + kv * 8) : make_uint4(0, 0, 0, 0);
         }
       }
     }
@@ -532,24 +717,25 @@ __device__ __forceinline__ void shrink_cc(const ShrinkParams& p, int row0, int s
         }
       }
     }
-    if (kv0 + U * kThreads < KV) load_a(kv0 + U * kThreads);
+    if (kv0 + U * 32 < sl.y) load_a(kv0 + U * 32);
   }
 
-  // Block reduction: warp w sums values w, w + 8, ... (value = (row m, rank row j)).
+  // The slice order's reduction: each warp's xor tree (its slice's sum), then the slices in order.
   constexpr int NV = NR * RB;
 #pragma unroll
   for (int m = 0; m < NR; ++m)
 #pragma unroll
-    for (int j = 0; j < RB; ++j) red[(m * RB + j) * kThreads + tid] = acc[m][j];
+    for (int j = 0; j < RB; ++j) {
+      const float s = warp_sum(acc[m][j]);
+      if (lane == 0) red[(m * RB + j) * kWarps + warp] = s;
+    }
   __syncthreads();
-  const int warp = tid >> 5, lane = tid & 31;
-  for (int vi = warp; vi < NV; vi += kWarps) {
+  if (tid < NV) {
     float s = 0.f;
 #pragma unroll
-    for (int i = 0; i < kWarps; ++i) s += red[vi * kThreads + lane + 32 * i];
-    s = warp_sum(s);
-    const int m = vi / RB, f = f0 + vi % RB;
-    if (lane == 0 && f < rt) {
+    for (int w = 0; w < kWarps; ++w) s += red[tid * kWarps + w];
+    const int m = tid / RB, f = f0 + tid % RB;
+    if (f < rt) {
       const int2 gf = split_rank_row(packed, f);
       p.v[static_cast<int64_t>(row0 + m) * p.v_row_stride + gf.x * p.v_rank_dim + gf.y] = s;
     }
@@ -1330,6 +1516,49 @@ const char* check_norm(const NormArgs& n) {
 }
 
 template <typename T>
+const char* norm_lora_typed(const NormLoraArgs& a, bool pdl, int device, cudaStream_t stream) {
+  DeviceInfo info;
+  if (const char* err = device_info(device, &info)) return err;
+  if (info.major < 9) return "norm_lora: needs compute capability 9.0 or newer (thread-block clusters)";
+  NormLoraParams P = {};
+  P.a = a;
+  P.per = ceil_div(a.norm.cols / 8, kSlices);
+  if (P.per > kNlMaxSliceVecs) return "norm_lora: rows wider than 32,768 columns";
+  int a_rows = 0;
+  for (int g = 0; g < a.groups; ++g) a_rows += std::min(a.a_out_rank_dim[g], kMaxRank);
+  const int b_rows = a.b_in != nullptr ? std::min(a.b_in_rank_dim, kMaxRank) : 0;
+  const int fit = std::max(0, kNlStageBytes / 16 / P.per - 1);  // rank rows that fit beside the row's slice
+  P.pre_b = std::min(b_rows, fit);
+  P.pre_a = std::min(a_rows, fit - P.pre_b);
+  const int smem = (1 + P.pre_b + P.pre_a) * P.per * 16;
+  {
+    static std::mutex mu;
+    static std::map<std::pair<const void*, int>, int> limit;
+    std::lock_guard<std::mutex> lock(mu);
+    int& lim = limit[std::make_pair(reinterpret_cast<const void*>(norm_lora_kernel<T>), device)];
+    if (smem > 48 * 1024 && smem > lim) {
+      const cudaError_t e = cudaFuncSetAttribute(norm_lora_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      if (e != cudaSuccess) return cudaGetErrorString(e);
+      lim = smem;
+    }
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(kSlices * a.norm.rows);
+  cfg.blockDim = dim3(kNlThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[2];
+  set_pdl(cfg, attr, pdl, info.major);
+  attr[cfg.numAttrs].id = cudaLaunchAttributeClusterDimension;
+  attr[cfg.numAttrs].val.clusterDim.x = kSlices;
+  attr[cfg.numAttrs].val.clusterDim.y = 1;
+  attr[cfg.numAttrs].val.clusterDim.z = 1;
+  cfg.numAttrs += 1;
+  const cudaError_t e = cudaLaunchKernelEx(&cfg, norm_lora_kernel<T>, P);
+  return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
+}
+
+template <typename T>
 const char* expand_typed(const ExpandArgs& args, const LaunchOptions& opt, int device, cudaStream_t stream) {
   ExpandParams p = {};
   p.seg = args.seg;
@@ -1470,6 +1699,26 @@ const char* sgmv_norm_shrink(DType dtype, const NormArgs& norm, const ShrinkArgs
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   return dtype == DType::kBFloat16 ? shrink_typed<__nv_bfloat16>(args, options, device, s, &norm)
                                    : shrink_typed<__half>(args, options, device, s, &norm);
+}
+
+const char* norm_lora(DType dtype, const NormLoraArgs& args, bool pdl, int device, void* stream) {
+  if (const char* err = check_norm(args.norm)) return err;
+  if (args.norm.quant_out != nullptr) return "norm_lora: no e4m3 output (the FP8 path quantizes with rms_norm)";
+  if (args.row_slot == nullptr || args.num_slots < 1) return "norm_lora: null row_slot or an empty pool";
+  if (args.b_in != nullptr && (args.v_in == nullptr || args.ranks_in == nullptr || args.b_in_rank_dim < 1))
+    return "norm_lora: the expand needs v_in, ranks_in and a B pool with a rank dimension >= 1";
+  if (args.groups < 0 || args.groups > kMaxGroup) return "norm_lora: number of shrink projections must be 0 to 3";
+  if (args.groups > 0 && (args.v_out == nullptr || args.ranks_out == nullptr)) return "norm_lora: null v_out or ranks_out";
+  for (int g = 0; g < args.groups; ++g)
+    if (args.a_out[g] == nullptr || args.a_out_rank_dim[g] < 1 || args.a_out_rank_dim[g] > args.v_out_rank_dim)
+      return "norm_lora: every A pool needs a rank dimension in [1, v_out.size(2)]";
+  if (args.norm.rows == 0) return nullptr;
+  if (args.norm.rows > (1 << 30) / kSlices) return "norm_lora: too many rows";
+  DeviceScope scope(device);
+  if (!scope.ok()) return "norm_lora: cannot select the tensors' CUDA device";
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  return dtype == DType::kBFloat16 ? norm_lora_typed<__nv_bfloat16>(args, pdl, device, s)
+                                   : norm_lora_typed<__half>(args, pdl, device, s);
 }
 
 const char* sgmv_expand(DType dtype, const ExpandArgs& args, const LaunchOptions& options, int device, void* stream) {

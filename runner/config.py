@@ -29,6 +29,9 @@ class KernelChoices:
     rope_kv_fp8: that kernel also writes FP8 (e4m3) K/V pages (otherwise those take the torch writer).
     norm_shrink: the RMSNorms before qkv and gate_up on the project's kernel (CUDA; with FP8 weights it quantizes
         the rows too), which in decode steps with adapters also computes the group's LoRA shrink.
+    norm_lora: in decode graphs with adapters (CUDA, compute capability 9.0, bf16/fp16 weights) the norms before
+        gate_up and qkv also add the LoRA expand of the projection before them (o, down) and compute their group's
+        LoRA shrink, one launch of thread-block clusters; the norms of every step then take the project's kernel.
     decode_ranks: rank rows per work item of the LoRA shrink's one-row segments (1, 2 or 4; 0: the kernel's choice),
         in the shrinks of decode steps (CUDA; a launch shape, the same bits).
     shrink_early: the LoRA shrink launched right after its projection's base GEMM does not wait for that GEMM
@@ -80,6 +83,7 @@ class KernelChoices:
     rope_kv_lora: bool = False
     rope_kv_fp8: bool = True
     norm_shrink: bool = False
+    norm_lora: bool = False
     shrink_early: bool = False
     decode_ranks: int = 0
     lora_branch: str = "off"
@@ -127,7 +131,7 @@ class KernelChoices:
                    decode_tc=env.decode_tensor_cores(), sgmv=env.sgmv_backend(),
                    sgmv_fused=env.sgmv_fused(), fused_ops=env.fused_ops(), rope_kv=env.rope_kv_kernel(),
                    rope_kv_lora=env.rope_kv_lora(), rope_kv_fp8=env.rope_kv_fp8(),
-                   norm_shrink=env.norm_shrink(), shrink_early=env.shrink_early(),
+                   norm_shrink=env.norm_shrink(), norm_lora=env.norm_lora(), shrink_early=env.shrink_early(),
                    decode_ranks=env.decode_ranks(), lora_branch=env.lora_branch(), blas_lt_rows=env.blas_lt_rows(),
                    fp8_swap_rows=env.fp8_swap_rows(), fp8_gemm_rows=env.fp8_gemm_rows(),
                    fp8_gemm_bf16=env.fp8_gemm_bf16(),

@@ -62,8 +62,10 @@ class AttentionStep(Protocol):
 
 
 class LoraStep(Protocol):
-    def add(self, layer: int, group: int, x: torch.Tensor, ys: tuple[torch.Tensor, ...]) -> None:
-        """ys[g] += LoRA add-on of x for projection g of the group, per segment."""
+    def add(self, layer: int, group: int, x: torch.Tensor, ys: tuple[torch.Tensor, ...], defer: bool = False) -> None:
+        """ys[g] += LoRA add-on of x for projection g of the group, per segment. `defer` (o, down): the decoder's next
+        LoRA call is the norm of ys[0] (`norm_shrink`, or `settle` where the norm is not the project's), which may take
+        the expand into its own launch."""
 
     def add_qkv(self, layer: int, x: torch.Tensor, ys: tuple[torch.Tensor, ...]):
         """The qkv group: adds it (returns None), or leaves the expand to the K/V writer (returns its operands)."""
@@ -165,7 +167,8 @@ class Decoder:
         self.fp8_quant_in_shrink = kernels.fp8_quant_in_shrink  # with LoRA, the shrink's launch quantizes them too
         self.fp8_sm90 = False  # the unit-scale product on the project's wgmma kernel (set below, where built)
         self.fp8_sm90_split = kernels.fp8_sm90_split  # ... with K in parts for weights of few rows
-        self.own_norm = None  # runner/model/norm.py OwnNorm: the norms before qkv and gate_up (KernelChoices.norm_shrink)
+        # runner/model/norm.py OwnNorm: the norms before qkv and gate_up (KernelChoices.norm_shrink, norm_lora)
+        self.own_norm = None
         self.embed_scale = (torch.tensor(cfg.embed_scale, dtype=torch.float32).to(dtype).item()
                             if cfg.embed_scale is not None else None)
         self.num_layers = cfg.num_layers
@@ -205,7 +208,8 @@ class Decoder:
                     "FP8 products of decode-sized steps on %s", "the wgmma kernel (csrc/fp8_gemm_sm90.cu)"
                     if self.fp8_sm90 else "cuBLASLt (the wgmma kernel needs compute capability 9.0 and a kernel build "
                     "that found CUTLASS's headers in flashinfer's package)")
-        if kernels.norm_shrink and self.device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
+        if ((kernels.norm_shrink or kernels.norm_lora) and self.device.type == "cuda"
+                and dtype in (torch.bfloat16, torch.float16)):
             try:
                 from lorafleet.runner.kernels import load
 
@@ -314,7 +318,8 @@ class Decoder:
         c, ops, lw = self.cfg, self.ops, self.layers[i]
         # on LoRA's dense path, o's output in a buffer with room for gate_up's K-extended operand (see _spare_for)
         out = self._project(i, O, o, lw.o, lw.o_bias, lora, small=True,
-                            out_spare=self._spare_for(lora, i, GATE_UP, lw.post_attn_norm))  # [T, H]
+                            out_spare=self._spare_for(lora, i, GATE_UP, lw.post_attn_norm),
+                            defer=self._norm_follows(lora, lw.post_attn_norm))  # [T, H]
         if self.all_reduce is not None:
             self.all_reduce(out)
         if lw.post_attn_norm is not None:
@@ -330,7 +335,9 @@ class Decoder:
                                split=[c.intermediate_size, c.intermediate_size], quant=quant)  # [T, 2 I]
             a = ops.act_mul(gu, c.intermediate_size)  # [T, I]
         h = self._project(i, DOWN, a, lw.down, lw.down_bias, lora, small=True,
-                          out_spare=self._spare_for(lora, i + 1, QKV, lw.post_mlp_norm))  # [T, H] (partial sum with TP)
+                          out_spare=self._spare_for(lora, i + 1, QKV, lw.post_mlp_norm),
+                          defer=i + 1 < self.num_layers and self._norm_follows(lora, lw.post_mlp_norm))
+        # [T, H] (partial sum with TP)
         if self.all_reduce is not None:
             self.all_reduce(h)
         if lw.post_mlp_norm is not None:
@@ -347,6 +354,9 @@ class Decoder:
         own = self.own_norm
         if own is None or not own.applies(h, w) or (residual is not None and (residual.shape != h.shape
                                                                              or not own.applies(residual, w))):
+            settle = getattr(lora, "settle", None)
+            if settle is not None:  # an expand deferred to this norm (_norm_follows), on its own launch
+                settle()
             if residual is None:
                 return self.ops.rms_norm(h, w), h, None
             x, residual = self.ops.add_rms_norm(h, residual, w)
@@ -364,6 +374,13 @@ class Decoder:
             own.run(x, n, q)
         return x, (h if residual is None else n.res_out), quant
 
+    def _norm_follows(self, lora: LoraStep | None, post_norm) -> bool:
+        """Whether the output of an o or down projection goes straight into _norm (no reduction across ranks, no
+        sandwich norm first), where the project's norm kernel may take that projection's LoRA expand into its launch
+        (LoraStep.add with defer: cluster_norm steps)."""
+        return (lora is not None and getattr(lora, "cluster_norm", False) and self.own_norm is not None
+                and self.all_reduce is None and post_norm is None)
+
     def _spare_for(self, lora: LoraStep | None, layer: int, group: int, post_norm) -> int:
         """Spare columns for an output on LoRA's dense path that becomes, normalized in place (the ops' add + norm
         writes into it), the input of layer's `group`: that weight's spare columns (Decoder.widen_for_lora), which
@@ -375,10 +392,12 @@ class Decoder:
         return self.spare_columns(layer, group)
 
     def _project(self, i: int, group: int, x: torch.Tensor, w, b: torch.Tensor | None, lora: LoraStep | None,
-                 small: bool = False, split: list[int] | None = None, quant=None, out_spare: int = 0) -> torch.Tensor:
+                 small: bool = False, split: list[int] | None = None, quant=None, out_spare: int = 0,
+                 defer: bool = False) -> torch.Tensor:
         """x @ w.T + b with layer i's LoRA of `group` (o, gate_up or down): on the dense path (`out_spare`: see
         LoraStepImpl.dense_linear), or the base product (`_linear_small` for `small`) then the add-on into its
-        projections' columns (`split`). `quant`: x's e4m3 rows and scales, made by the norm's launch (FP8 weights)."""
+        projections' columns (`split`). `quant`: x's e4m3 rows and scales, made by the norm's launch (FP8 weights).
+        `defer`: the output goes straight into _norm, which may take the add-on's expand (LoraStep.add)."""
         if self._dense(lora, w):
             return lora.dense_linear(i, group, x, w, b, out_spare=out_spare)
         y = self._fp8_finished(i, group, x, w, b, lora, split or [w.shape[0]], quant)
@@ -387,7 +406,11 @@ class Decoder:
         self._begin(lora, i, group, x)
         y = self._linear(x, w, b, quant) if not small else self._linear_small(x, w, b)
         if lora is not None:
-            lora.add(i, group, x, tuple(y.split(split, dim=-1)) if split else (y,))
+            ys = tuple(y.split(split, dim=-1)) if split else (y,)
+            if defer:
+                lora.add(i, group, x, ys, defer=True)
+            else:
+                lora.add(i, group, x, ys)
         return y
 
     def _fp8_finished(self, i: int, group: int, x: torch.Tensor, w, b: torch.Tensor | None, lora: LoraStep | None,

@@ -153,6 +153,15 @@ def norm_shrink() -> bool:
     return _flag("LORAFLEET_NORM_SHRINK", False)
 
 
+def norm_lora() -> bool:
+    """LORAFLEET_NORM_LORA: in decode graphs with adapters on compute capability 9.0 (bf16/fp16 weights), the add +
+    RMSNorm after the o and down projections runs as one launch of thread-block clusters that also adds that
+    projection's LoRA expand before it and computes the next group's (gate_up, qkv) LoRA shrink after it: two launches
+    fewer per group pair. Eager steps take the project's norm kernel and the separate LoRA launches, with the same
+    bits (default 0 until measured on a GPU)."""
+    return _flag("LORAFLEET_NORM_LORA", False)
+
+
 def shrink_early() -> bool:
     """LORAFLEET_SHRINK_EARLY: the LoRA shrink launched right after its projection's base product (bf16/fp16
     weights, or FP8 ones without the epilogue; two launches per group) reads x without waiting for that product to
