@@ -443,6 +443,18 @@ __global__ void __launch_bounds__(kThreads) rms_norm_rows_kernel(const __grid_co
 // shared memory) = norm_rs's value; x = the norm's scaling of r; per A rank row the slice's dot product (lane chains,
 // xor tree) -> shared memory; block c adds the slices of rank rows c, c + kSlices, ... in order = shrink_cc's value.
 
+// The cluster barrier in two halves (sm_90): arrive early, wait where the other blocks must be running.
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_wait() {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
+#endif
+}
+
 constexpr int kNlThreads = 128;
 constexpr int kNlWarps = kNlThreads / 32;
 constexpr int kNlMaxSliceVecs = 512;       // vectors per slice: rows up to kSlices * 512 * 8 = 32,768 wide
@@ -471,8 +483,10 @@ __global__ void __launch_bounds__(kNlThreads) norm_lora_kernel(const __grid_cons
   uint4* rv = nl_smem;                 // [per] r, then x (as T)
   uint4* bs = rv + per;                // [pre_b][per]
   uint4* as = bs + P.pre_b * per;      // [pre_a][per]
-  __shared__ float part_ss;
-  __shared__ float part_v[kMaxGroup * kMaxRank];
+  __shared__ float ss_of[kSlices];                 // the slices' sums of squares, written by their blocks
+  __shared__ float part_v[kMaxGroup * kMaxRank];   // [f / kSlices][slice] for this block's rank rows f = c mod kSlices
+  __shared__ float v_in_s[kMaxRank];
+  cluster_arrive_relaxed();  // (waited for before the first write into another block's shared memory)
 
   if (p.late_tables) pdl_wait();  // row_slot was written by the kernel right before this one
   int slot = p.row_slot[row];
@@ -505,12 +519,12 @@ __global__ void __launch_bounds__(kNlThreads) norm_lora_kernel(const __grid_cons
   }
   cp_async_commit();
   if (!p.late_tables) pdl_wait();  // h, res and v_in come from the preceding kernels
+  for (int k = tid; k < rin; k += kNlThreads) v_in_s[k] = p.v_in[static_cast<int64_t>(row) * p.v_in_row_stride + k];
   cp_async_wait<0>();
   __syncthreads();
 
   // r = T(T(h + the expand) + res) of the slice's vectors; the new residual written
   const int64_t base = static_cast<int64_t>(row) * n.cols;
-  const float* vin = rin > 0 ? p.v_in + static_cast<int64_t>(row) * p.v_in_row_stride : nullptr;
   for (int i = tid; i < nv; i += kNlThreads) {
     const int64_t off = base + static_cast<int64_t>(sl.x + i) * 8;
     float r[8];
@@ -529,7 +543,7 @@ __global__ void __launch_bounds__(kNlThreads) norm_lora_kernel(const __grid_cons
             const uint4 bq = k < fb ? bs[k * per + i] : ldg16(b_in + static_cast<int64_t>(k) * n.cols + (sl.x + i) * 8);
             float bf[8];
             to_float8<T>(bq, bf);
-            const float vk = __ldg(vin + k);
+            const float vk = v_in_s[k];
 #pragma unroll
             for (int e = 0; e < 8; ++e) acc[e][j] = fmaf(vk, bf[e], acc[e][j]);
           }
@@ -548,6 +562,7 @@ __global__ void __launch_bounds__(kNlThreads) norm_lora_kernel(const __grid_cons
     rv[i] = from_float8<T>(r);  // exact: r holds values of T
   }
   __syncthreads();
+  cluster_wait();  // every block of the cluster runs: its shared memory may be written
   if (warp == 0) {
     float ss = 0.f;
     for (int i = lane; i < nv; i += 32) {
@@ -557,12 +572,12 @@ __global__ void __launch_bounds__(kNlThreads) norm_lora_kernel(const __grid_cons
       for (int e = 0; e < 8; ++e) ss = fmaf(r[e], r[e], ss);
     }
     ss = warp_sum(ss);
-    if (lane == 0) part_ss = ss;
+    if (lane < kSlices) *cluster.map_shared_rank(&ss_of[c], lane) = ss;  // into every block
   }
   cluster.sync();
   float t = 0.f;
 #pragma unroll
-  for (int q = 0; q < kSlices; ++q) t += *cluster.map_shared_rank(&part_ss, q);
+  for (int q = 0; q < kSlices; ++q) t += ss_of[q];
   const float rs = rsqrtf(__fdiv_rn(t, static_cast<float>(n.cols)) + n.eps);
 
   for (int i = tid; i < nv; i += kNlThreads) {
@@ -586,18 +601,18 @@ __global__ void __launch_bounds__(kNlThreads) norm_lora_kernel(const __grid_cons
       for (int e = 0; e < 8; ++e) acc = fmaf(xf[e], af[e], acc);
     }
     acc = warp_sum(acc);
-    if (lane == 0) part_v[f] = acc;
+    // into the block that finishes rank row f (f mod kSlices), beside the other slices' sums of f
+    if (lane == 0) *cluster.map_shared_rank(&part_v[f / kSlices * kSlices + c], f % kSlices) = acc;
   }
-  cluster.sync();
+  cluster.sync();  // the last access to another block's shared memory is before this
   for (int f = c + kSlices * tid; f < F; f += kSlices * kNlThreads) {
     float sum = 0.f;
 #pragma unroll
-    for (int q = 0; q < kSlices; ++q) sum += cluster.map_shared_rank(part_v, q)[f];
+    for (int q = 0; q < kSlices; ++q) sum += part_v[f / kSlices * kSlices + q];
     int g = 0, k = f;
     while (g < kMaxGroup - 1 && k >= rg[g]) k -= rg[g++];
     p.v_out[static_cast<int64_t>(row) * p.groups * p.v_out_rank_dim + g * p.v_out_rank_dim + k] = sum;
   }
-  cluster.sync();  // no block leaves while another reads its part_v
 #endif
 }
 

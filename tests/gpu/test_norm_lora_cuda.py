@@ -209,13 +209,15 @@ def test_engine_with_norm_lora_matches_hf_fp32_teacher_forced(fam):
     assert eng.model.own_norm is not None
 
 
-def _graph_logits(model, reqs, monkeypatch, cluster: bool):
-    """One decode step of 24 rows replayed from its CUDA graph, with norm_lora's launch (cluster) or with
-    LoraStepImpl told it does not apply (the project's norm and the separate LoRA launches); and the launches of
-    norm_lora counted during the engine's capture."""
-    from lorafleet.runner.lora import step as step_mod
+def test_decode_graph_with_norm_lora_is_bit_for_bit_the_separate_launches(fam, monkeypatch):
+    """One engine, one decode step of 24 rows: its graphs captured with norm_lora's launch (counted), replayed; the
+    graphs captured again with the choice off (the project's norm and the separate LoRA launches), replayed: the
+    same logits bit for bit; and against the eager step within kernel-choice noise."""
+    import dataclasses
+
     from lorafleet.runner.lora.sgmv_cuda import CudaSGMV
 
+    name, model, _, reqs = fam
     calls = []
     real = CudaSGMV.norm_lora
 
@@ -223,27 +225,22 @@ def _graph_logits(model, reqs, monkeypatch, cluster: bool):
         calls.append(1)
         return real(self, *args, **kw)
 
-    with monkeypatch.context() as m:
-        m.setattr(CudaSGMV, "norm_lora", counting)
-        if not cluster:
-            m.setattr(step_mod.LoraStepImpl, "cluster_norm", property(lambda self: False, lambda self, v: None),
-                      raising=False)
-        eng, batch = teacher.decode_step(model, reqs[:4] * 2, kernels=KernelChoices(norm_lora=True))
-        got = eng.runner.graphs.run(batch, batch.to_device(eng.device)).clone()
-        ref = eng.runner.forward(batch, batch.to_device(eng.device))
-    return eng, got, ref, len(calls)
-
-
-def test_decode_graph_with_norm_lora_is_bit_for_bit_the_separate_launches(fam, monkeypatch):
-    name, model, _, reqs = fam
-    eng, got, eager, n_cluster = _graph_logits(model, reqs, monkeypatch, cluster=True)
-    _, want, _, n_plain = _graph_logits(model, reqs, monkeypatch, cluster=False)
-    assert n_plain == 0
-    layers = eng.model.num_layers
+    monkeypatch.setattr(CudaSGMV, "norm_lora", counting)
+    eng, batch = teacher.decode_step(model, reqs[:4] * 2, kernels=KernelChoices(norm_lora=True))
+    graphs = eng.runner.graphs
+    got = graphs.run(batch, batch.to_device(eng.device)).clone()
     # llama3: every norm before qkv and gate_up in every captured graph; gemma3's sandwich norms keep the separate
     # expands, but its norms still take the launch for their shrinks
-    assert n_cluster >= 2 * layers, n_cluster
+    assert len(calls) >= 2 * eng.model.num_layers * len(graphs.buckets), len(calls)
+    n_cluster = len(calls)
+    graphs.kernels = dataclasses.replace(graphs.kernels, norm_lora=False)
+    graphs.static, graphs.pool = {}, None
+    graphs.capture_all()
+    assert len(calls) == n_cluster  # the second capture never takes the launch
+    want = graphs.run(batch, batch.to_device(eng.device)).clone()
     assert torch.equal(got, want), (got - want).abs().max().item()
+    # (last: the eager step rewrites the step's K/V with its own kernels' bits)
+    eager = eng.runner.forward(batch, batch.to_device(eng.device)).clone()
     span = (eager.max(-1).values - eager.min(-1).values)[:, None]
     rel = ((got - eager).abs() / span).max().item()
     print(f"{name} norm_lora decode graph vs eager: max |diff| {rel:.4f} of the logit range")
