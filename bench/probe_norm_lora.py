@@ -61,7 +61,8 @@ def main() -> None:
     x = torch.empty_like(h)
     v1 = torch.randn(T, 1, R, device="cuda")
     v3 = torch.zeros(T, 3, R, device="cuda")
-    sg = CudaSGMV()
+    sg, sg_nopdl = CudaSGMV(), CudaSGMV(pdl=False)
+    zero1 = torch.zeros(S, dtype=torch.int32, device="cuda")
     own = OwnNorm(load(), 1e-5, 0.0)
     n = own.operands(h, res, w)
     h2, res2 = h.clone(), res.clone()
@@ -77,6 +78,11 @@ def main() -> None:
             "expand_o": lambda: sg.expand((h2,), v1, (b1,), ranks1, None, seg, mma_min_rows=big),
             "norm_lora": lambda: sg.norm_lora(x, n, row_slot, (v1, b1, ranks1[0]), (v3, a3, ranks3)),
             "norm_lora_shrink_only": lambda: sg.norm_lora(x, n, row_slot, None, (v3, a3, ranks3)),
+            "norm_lora_norm_only": lambda: sg.norm_lora(x, n, row_slot, (v1, b1, zero1), None),
+            "norm_lora_expand_only": lambda: sg.norm_lora(x, n, row_slot, (v1, b1, ranks1[0]), None),
+            "norm_lora_unstaged": lambda: sg.norm_lora(x, n, row_slot, (v1, b1, ranks1[0]), (v3, a3, ranks3),
+                                                       stage_bytes=0),
+            "norm_lora_no_pdl": lambda: sg_nopdl.norm_lora(x, n, row_slot, (v1, b1, ranks1[0]), (v3, a3, ranks3)),
             "chain_expand_flashinfer_shrink": lambda: (
                 sg.expand((h2,), v1, (b1,), ranks1, None, seg, mma_min_rows=big),
                 flashinfer.norm.fused_add_rmsnorm(h2, res2, w, 1e-5),

@@ -1542,7 +1542,8 @@ const char* norm_lora_typed(const NormLoraArgs& a, bool pdl, int device, cudaStr
   int a_rows = 0;
   for (int g = 0; g < a.groups; ++g) a_rows += std::min(a.a_out_rank_dim[g], kMaxRank);
   const int b_rows = a.b_in != nullptr ? std::min(a.b_in_rank_dim, kMaxRank) : 0;
-  const int fit = std::max(0, kNlStageBytes / 16 / P.per - 1);  // rank rows that fit beside the row's slice
+  const int budget = a.stage_bytes >= 0 ? std::min(a.stage_bytes, kNlStageBytes) : kNlStageBytes;
+  const int fit = std::max(0, budget / 16 / P.per - 1);  // rank rows that fit beside the row's slice
   P.pre_b = std::min(b_rows, fit);
   P.pre_a = std::min(a_rows, fit - P.pre_b);
   const int smem = (1 + P.pre_b + P.pre_a) * P.per * 16;

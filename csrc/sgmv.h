@@ -92,6 +92,7 @@ struct NormLoraArgs {
   int a_out_rank_dim[kMaxGroup] = {};
   const int32_t* ranks_out = nullptr;   // [groups, S]
   int groups = 0;                       // 0: no shrink
+  int stage_bytes = -1;                 // shared memory for B and A rows staged before the wait (-1: the default)
 };
 
 struct ExpandArgs {

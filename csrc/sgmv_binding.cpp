@@ -30,10 +30,11 @@
 //       decode_ranks=0, quant_out=None, quant_scale=None): rms_norm and the shrink of x_out (CUDA-core items),
 //       one launch; v bit for bit shrink's on the x_out it writes.
 //   norm_lora(x_out, h, res, res_out, w, eps, offset, row_slot, v_in, b_in, ranks_in, v_out, a_out, ranks_out, pdl,
-//       stream, late_tables=False): rms_norm of h after the expand of the projection h comes from (v_in, b_in,
+//       stream, late_tables=False, stage_bytes=-1): rms_norm of h after the expand of the projection h comes from (v_in, b_in,
 //       ranks_in; h is not written) and the shrink of x_out for the group after it (v_out, a_out, ranks_out), one
 //       launch, one thread-block cluster per row (sm_90); each half bit for bit the separate launches' (sgmv.h
-//       NormLoraArgs). late_tables: row_slot was written by the kernel right before.
+//       NormLoraArgs). late_tables: row_slot was written by the kernel right before; stage_bytes: shared
+//       memory for the weight rows staged before the wait (a launch shape: never changes a bit; -1: the default).
 //   quantize_e4m3(out, scale, x, stream): dynamic per-row FP8 quantization of activations (quant.h),
 //       one launch: scale[i] = max(absmax(x[i]) / 448, 1e-12), out[i] = e4m3(x[i] / scale[i]).
 //   fp8_gemm(out, x, x_scale, w, w_scale, stream): out = (x @ w.T) * x_scale[:, None] * w_scale[None, :] in
@@ -532,7 +533,7 @@ void norm_shrink(Tensor v, Tensor x_out, Tensor h, std::optional<Tensor> res, st
 void norm_lora(Tensor x_out, Tensor h, std::optional<Tensor> res, std::optional<Tensor> res_out, Tensor w, double eps,
                double offset, Tensor row_slot, std::optional<Tensor> v_in, std::optional<Tensor> b_in,
                std::optional<Tensor> ranks_in, std::optional<Tensor> v_out, std::vector<Tensor> a_out,
-               std::optional<Tensor> ranks_out, bool pdl, int64_t stream, bool late_tables) {
+               std::optional<Tensor> ranks_out, bool pdl, int64_t stream, bool late_tables, int64_t stage_bytes) {
   lorafleet::NormLoraArgs a;
   a.norm = norm_args(x_out, h, res, res_out, w, eps, offset, std::nullopt, std::nullopt);
   const int64_t T = h.size(0);
@@ -542,6 +543,7 @@ void norm_lora(Tensor x_out, Tensor h, std::optional<Tensor> res, std::optional<
              "norm_lora: row_slot must be contiguous int32 with at least T=%lld entries", ll(T));
   a.row_slot = row_slot.data_ptr<int32_t>();
   a.late_tables = late_tables;
+  a.stage_bytes = static_cast<int>(std::max<int64_t>(-1, std::min<int64_t>(stage_bytes, kInt32Max)));
   int64_t slots = -1;
   SGMV_CHECK(v_in.has_value() == b_in.has_value() && b_in.has_value() == ranks_in.has_value(),
              "norm_lora: v_in, b_in and ranks_in go together (the expand)");
@@ -832,7 +834,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(v_out[t, g, :r] = x_out[t] @ a_out[g][row_slot[t], :r].T), one launch of thread-block clusters (sm_90)",
         py::arg("x_out"), py::arg("h"), py::arg("res"), py::arg("res_out"), py::arg("w"), py::arg("eps"),
         py::arg("offset"), py::arg("row_slot"), py::arg("v_in"), py::arg("b_in"), py::arg("ranks_in"), py::arg("v_out"),
-        py::arg("a_out"), py::arg("ranks_out"), py::arg("pdl"), py::arg("stream"), py::arg("late_tables") = false);
+        py::arg("a_out"), py::arg("ranks_out"), py::arg("pdl"), py::arg("stream"), py::arg("late_tables") = false,
+        py::arg("stage_bytes") = -1);
   m.def("quantize_e4m3", &quantize_e4m3, "dynamic per-row FP8 (e4m3) quantization of activations, one launch",
         py::arg("out"), py::arg("scale"), py::arg("x"), py::arg("stream"));
   m.def("fp8_gemm", &fp8_gemm, "bf16 (x @ w.T) * x_scale * w_scale for at most 64 e4m3 rows, the weight streamed once",
