@@ -443,20 +443,15 @@ __global__ void __launch_bounds__(kThreads) rms_norm_rows_kernel(const __grid_co
 // shared memory) = norm_rs's value; x = the norm's scaling of r; per A rank row the slice's dot product (lane chains,
 // xor tree) -> shared memory; block c adds the slices of rank rows c, c + kSlices, ... in order = shrink_cc's value.
 
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
 // The cluster barrier in two halves (sm_90): arrive early, wait where the other blocks must be running.
 __device__ __forceinline__ void cluster_arrive_relaxed() {
-#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
-#endif
 }
-__device__ __forceinline__ void cluster_wait() {
-#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
-  asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory"); }
 #endif
-}
 
 constexpr int kNlThreads = 128;
-constexpr int kNlWarps = kNlThreads / 32;
 constexpr int kNlMaxSliceVecs = 512;       // vectors per slice: rows up to kSlices * 512 * 8 = 32,768 wide
 constexpr int kNlStageBytes = 96 * 1024;   // shared memory for the staged B and A rows (and the row's slice)
 
@@ -471,6 +466,7 @@ template <typename T>
 __global__ void __launch_bounds__(kNlThreads) norm_lora_kernel(const __grid_constant__ NormLoraParams P) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   namespace cg = cooperative_groups;
+  constexpr int kNlWarps = kNlThreads / 32;
   cg::cluster_group cluster = cg::this_cluster();
   const NormLoraArgs& p = P.a;
   const NormArgs& n = p.norm;
@@ -664,9 +660,9 @@ __device__ __forceinline__ void shrink_cc(const ShrinkParams& p, int row0, int s
     ap[j] = static_cast<const T*>(p.a[gf.x]) + (static_cast<int64_t>(slot) * p.a_rank_dim[gf.x] + gf.y) * K;
   }
   const T* x0 = static_cast<const T*>(p.x) + static_cast<int64_t>(row0) * K;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  // this warp's slice of K (slice_of): the lane takes its vectors sl.x + lane, + 32, ...
-  const int2 sl = slice_of(KV, warp);
+  // this warp's slice of K (slice_of): the lane takes its vectors start, start + 32, ... below end
+  const int2 sl = slice_of(KV, threadIdx.x >> 5);
+  const int start = sl.x + (threadIdx.x & 31), end = sl.y;
 
   float acc[NR][RB];
 #pragma unroll
@@ -681,10 +677,10 @@ __device__ __forceinline__ void shrink_cc(const ShrinkParams& p, int row0, int s
       const int kv = kv0 + u * 32;
 #pragma unroll
       for (int j = 0; j < RB; ++j)
-        av[u][j] = kv < sl.y ? ldg16(ap[j] + static_cast<int64_t>(kv) * 8) : make_uint4(0, 0, 0, 0);
+        av[u][j] = kv < end ? ldg16(ap[j] + static_cast<int64_t>(kv) * 8) : make_uint4(0, 0, 0, 0);
     }
   };
-  load_a(sl.x + lane);
+  load_a(start);
   if (!waited && !p.x_ready) {  // block-uniform
     pdl_wait();
     waited = true;
@@ -696,7 +692,7 @@ __device__ __forceinline__ void shrink_cc(const ShrinkParams& p, int row0, int s
 #pragma unroll
     for (int m = 0; m < NR; ++m) rs[m] = norm_rs<T>(p.norm, row0 + m);
   }
-  for (int kv0 = sl.x + lane; kv0 < sl.y; kv0 += U * 32) {
+  for (int kv0 = start; kv0 < end; kv0 += U * 32) {
     uint4 xv[U][NR];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -704,7 +700,7 @@ __device__ __forceinline__ void shrink_cc(const ShrinkParams& p, int row0, int s
 #pragma unroll
       for (int m = 0; m < NR; ++m) {
         if constexpr (kNorm) {
-          if (kv < sl.y) {
+          if (kv < end) {
             float r[8];
             norm_load8<T>(p.norm, static_cast<int64_t>(row0 + m) * K + kv * 8, r);
             norm_apply8<T>(p.norm, kv, rs[m], r);
@@ -713,7 +709,7 @@ __device__ __forceinline__ void shrink_cc(const ShrinkParams& p, int row0, int s
             xv[u][m] = make_uint4(0, 0, 0, 0);
           }
         } else {
-          xv[u][m] = kv < sl.y ? ldg16(x0 + static_cast<int64_t>(m) * K + kv * 8) : make_uint4(0, 0, 0, 0);
+          xv[u][m] = kv < end ? ldg16(x0 + static_cast<int64_t>(m) * K + kv * 8) : make_uint4(0, 0, 0, 0);
         }
       }
     }
@@ -732,27 +728,29 @@ __device__ __forceinline__ void shrink_cc(const ShrinkParams& p, int row0, int s
         }
       }
     }
-    if (kv0 + U * 32 < sl.y) load_a(kv0 + U * 32);
+    if (kv0 + U * 32 < end) load_a(kv0 + U * 32);
   }
 
   // The slice order's reduction: each warp's xor tree (its slice's sum), then the slices in order.
+  // (the partial sums go through shared memory first: the block's register budget holds no more)
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   constexpr int NV = NR * RB;
 #pragma unroll
   for (int m = 0; m < NR; ++m)
 #pragma unroll
-    for (int j = 0; j < RB; ++j) {
-      const float s = warp_sum(acc[m][j]);
-      if (lane == 0) red[(m * RB + j) * kWarps + warp] = s;
-    }
+    for (int j = 0; j < RB; ++j) red[(m * RB + j) * kThreads + tid] = acc[m][j];
   __syncthreads();
-  if (tid < NV) {
-    float s = 0.f;
+  for (int vi = warp; vi < NV; vi += kWarps) {
+    float s[kWarps];
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) s += red[tid * kWarps + w];
-    const int m = tid / RB, f = f0 + tid % RB;
-    if (f < rt) {
+    for (int c = 0; c < kWarps; ++c) s[c] = warp_sum(red[vi * kThreads + c * 32 + lane]);
+    float t = 0.f;
+#pragma unroll
+    for (int c = 0; c < kWarps; ++c) t += s[c];
+    const int m = vi / RB, f = f0 + vi % RB;
+    if (lane == 0 && f < rt) {
       const int2 gf = split_rank_row(packed, f);
-      p.v[static_cast<int64_t>(row0 + m) * p.v_row_stride + gf.x * p.v_rank_dim + gf.y] = s;
+      p.v[static_cast<int64_t>(row0 + m) * p.v_row_stride + gf.x * p.v_rank_dim + gf.y] = t;
     }
   }
   __syncthreads();  // `red` is reused by the next item
