@@ -78,6 +78,20 @@ def teacher_forced_check(model, ads, reqs, ref_toks, dtype: str, label: str = ""
     return eng
 
 
+def cpu_continuations(model, reqs, new: int) -> list[list[int]]:
+    """The fp32 CPU engine's greedy continuation (`new` tokens) of each of `reqs` [(prompt ids, adapter name, path)]:
+    the tokens a GPU engine is then teacher-forced along (teacher_forced_check)."""
+    from lorafleet.runner.config import EngineConfig
+    from lorafleet.runner.engine.engine import Engine
+    from lorafleet.runner.engine.sequence import AdapterRef, SamplingParams, Sequence
+
+    cpu = Engine(str(model), EngineConfig(max_lora_rank=16, device="cpu", kv_cache_gb=0.05))
+    seqs = [Sequence(f"r{i}", ids, SamplingParams(max_tokens=new, ignore_eos=True), AdapterRef(n, str(p)) if n else None)
+            for i, (ids, n, p) in enumerate(reqs)]
+    out = cpu.run_to_completion(seqs)
+    return [out[f"r{i}"].output_ids for i in range(len(reqs))]
+
+
 def decode_graph_vs_eager(model, reqs, label: str = "", **cfg):
     """A decode step of 24 requests (`reqs` three times: [(prompt ids, adapter name, path)]) replayed from its
     CUDA graph against the same step run eagerly (EngineConfig(**cfg)): the same logits up to bf16

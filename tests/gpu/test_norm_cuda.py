@@ -174,16 +174,8 @@ def fam(request, tmp_path_factory):
 
 
 def test_engine_with_the_norm_kernel_matches_hf_fp32_teacher_forced(fam):
-    from lorafleet.runner.config import EngineConfig
-    from lorafleet.runner.engine.engine import Engine
-    from lorafleet.runner.engine.sequence import AdapterRef, SamplingParams, Sequence
-
     name, model, ads, reqs = fam
-    cpu = Engine(str(model), EngineConfig(max_lora_rank=16, device="cpu", kv_cache_gb=0.05))
-    seqs = [Sequence(f"r{i}", ids, SamplingParams(max_tokens=NEW, ignore_eos=True), AdapterRef(n, str(p)) if n else None)
-            for i, (ids, n, p) in enumerate(reqs)]
-    out = cpu.run_to_completion(seqs)
-    toks = [out[f"r{i}"].output_ids for i in range(len(reqs))]
+    toks = teacher.cpu_continuations(model, reqs, NEW)
     eng = teacher.teacher_forced_check(model, ads, reqs, toks, "bfloat16", f"{name} norm kernel",
                                        kernels=KernelChoices(norm_shrink=True))
     assert eng.model.own_norm is not None
