@@ -853,9 +853,9 @@ __device__ void shrink_mma(const ShrinkParams& p, int row0, int nr, int slot, in
 
 // One CUDA-core shrink item: item `local` of the segment (lo, n, slot, packed ranks) -> its rows
 // and rank rows, and the shrink_cc instantiation for its shape. Must agree with ShrinkCount. The item
-// shape never changes a bit of v: every thread of shrink_cc accumulates its K vectors tid, tid + 256,
-// ... in increasing order with explicit fmaf (trailing zero vectors past K only add +0), and the block
-// reduction sums the 256 partials of one (row, rank row) in a fixed order, whatever NR, RB or block.
+// shape never changes a bit of v: every lane of shrink_cc accumulates its vectors of its warp's slice of K
+// in increasing order with explicit fmaf (trailing zero vectors past the slice only add +0), and the
+// reduction is the slice order's (slice_of), whatever NR, RB or block.
 template <typename T, bool kNorm = false>
 __device__ __forceinline__ void shrink_cc_item(const ShrinkParams& p, int lo, int n, int slot, int packed, int local,
                                                float* red, bool& waited) {
@@ -1549,8 +1549,9 @@ const char* norm_lora_typed(const NormLoraArgs& a, bool pdl, int device, cudaStr
     static std::mutex mu;
     static std::map<std::pair<const void*, int>, int> limit;
     std::lock_guard<std::mutex> lock(mu);
+    // (raised for any size above the last: the kernel's static shared memory counts against the 48 KB default too)
     int& lim = limit[std::make_pair(reinterpret_cast<const void*>(norm_lora_kernel<T>), device)];
-    if (smem > 48 * 1024 && smem > lim) {
+    if (smem > lim) {
       const cudaError_t e = cudaFuncSetAttribute(norm_lora_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
       if (e != cudaSuccess) return cudaGetErrorString(e);
       lim = smem;

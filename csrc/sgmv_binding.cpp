@@ -555,8 +555,9 @@ void norm_lora(Tensor x_out, Tensor h, std::optional<Tensor> res, std::optional<
     slots = ranks_in->numel();
     check_device(*v_in, Name("v_in"), h);
     SGMV_CHECK(v_in->scalar_type() == torch::kFloat && v_in->dim() == 3 && v_in->size(0) == T && v_in->size(1) == 1 &&
-                   v_in->size(2) >= 1 && v_in->stride(2) == 1,
-               "norm_lora: v_in must be float32 [T=%lld, 1, R] with unit rank stride", ll(T));
+                   v_in->size(2) >= 1 && v_in->stride(2) == 1 && v_in->stride(0) >= v_in->size(2) &&
+                   v_in->is_non_overlapping_and_dense(),
+               "norm_lora: v_in must be a dense float32 [T=%lld, 1, R] with unit rank stride and rows apart", ll(T));
     check_weight_pool(*b_in, Name("b_in"), h, slots, h.size(1), v_in->size(2));
     SGMV_CHECK(!overlap(*v_in, x_out) && !overlap(*v_in, h) && (!res_out.has_value() || !overlap(*v_in, *res_out)),
                "norm_lora: v_in must not overlap the norm's outputs");
@@ -583,6 +584,8 @@ void norm_lora(Tensor x_out, Tensor h, std::optional<Tensor> res, std::optional<
                    v_out->size(1) == groups && v_out->size(2) >= 1 && v_out->is_contiguous() && v_out->numel() <= kInt32Max,
                "norm_lora: v_out must be contiguous float32 [T=%lld, G=%lld, R]", ll(T), ll(groups));
     SGMV_CHECK(!v_in.has_value() || !overlap(*v_in, *v_out), "norm_lora: v_out must not overlap v_in");
+    SGMV_CHECK(!overlap(*v_out, x_out) && !overlap(*v_out, h) && (!res.has_value() || (!overlap(*v_out, *res) &&
+               !overlap(*v_out, *res_out))), "norm_lora: v_out must not overlap the norm's rows");
     for (int64_t g = 0; g < groups; ++g) {
       check_weight_pool(a_out[g], Name("a_out", g), h, slots, h.size(1), v_out->size(2));
       a.a_out[g] = a_out[g].data_ptr();

@@ -172,11 +172,15 @@ class LoraStepImpl:
         if self.cluster_norm and self.active and quant is None and self.dense is None:
             a, _, ranks, _ = self.pool.group_args[layer][group]
             expand_in = None
+            if deferred is not None and norm.res is None:  # the launch does not write h, which is then the residual
+                self.settle(deferred)
+                deferred = None
             if deferred is not None:
                 _, b_in, r_in, _ = self.pool.group_args[deferred[0]][deferred[1]]
                 expand_in = (self.views[1], b_in[0], r_in[0])
-            # (group -1: at layer 0 this launch opens the step, before the group's own calls, which then reuse them)
-            row_slot = self._row_slots(layer, -1, x_out.shape[0])
+            # (groups -1 and -3 for the qkv and gate_up norms: at layer 0 the qkv norm's launch opens the step, before
+            # the groups' own calls, and every later call reuses its row slots)
+            row_slot = self._row_slots(layer, -1 - group, x_out.shape[0])
             self.sgmv.norm_lora(x_out, norm, row_slot, expand_in, (self.views[GROUP_SPANS[group][1]], a, ranks),
                                 late_tables=self._slots_fresh)
             self._shrunk = (layer, group)

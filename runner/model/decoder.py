@@ -208,7 +208,10 @@ class Decoder:
                     "FP8 products of decode-sized steps on %s", "the wgmma kernel (csrc/fp8_gemm_sm90.cu)"
                     if self.fp8_sm90 else "cuBLASLt (the wgmma kernel needs compute capability 9.0 and a kernel build "
                     "that found CUTLASS's headers in flashinfer's package)")
-        if ((kernels.norm_shrink or kernels.norm_lora) and self.device.type == "cuda"
+        # (norm_lora only where its launch can run: thread-block clusters, one rank)
+        cluster_norm = (kernels.norm_lora and self.device.type == "cuda" and all_reduce is None
+                        and torch.cuda.get_device_capability(self.device)[0] >= 9)
+        if ((kernels.norm_shrink or cluster_norm) and self.device.type == "cuda"
                 and dtype in (torch.bfloat16, torch.float16)):
             try:
                 from lorafleet.runner.kernels import load

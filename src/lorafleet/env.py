@@ -158,7 +158,8 @@ def norm_lora() -> bool:
     RMSNorm after the o and down projections runs as one launch of thread-block clusters that also adds that
     projection's LoRA expand before it and computes the next group's (gate_up, qkv) LoRA shrink after it: two launches
     fewer per group pair. Eager steps take the project's norm kernel and the separate LoRA launches, with the same
-    bits (default 0 until measured on a GPU)."""
+    bits (default 0: measured slower on the H200, the shrink before the base GEMM exposes its reads of A;
+    docs/benchmarks.md section 13.8)."""
     return _flag("LORAFLEET_NORM_LORA", False)
 
 

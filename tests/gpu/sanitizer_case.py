@@ -95,9 +95,9 @@ def main() -> int:
 
 
 def norm_lora_case() -> str | None:
-    """csrc/sgmv.cu norm_lora on a width of 17 vectors (slices of 3, the last two empty), ranks past the rank rows it
-    stages in shared memory, slot -1 rows: bit for bit the separate launches; "skipped" before compute capability
-    9.0, None on a wrong result."""
+    """csrc/sgmv.cu norm_lora on a width of 17 vectors (slices of 3, the last two empty), every weight row staged in
+    shared memory and none, slot -1 rows: bit for bit the separate launches; "skipped" before compute capability 9.0,
+    None on a wrong result."""
     from lorafleet.runner.kernels import load
     from lorafleet.runner.model.norm import OwnNorm
 
@@ -121,15 +121,16 @@ def norm_lora_case() -> str | None:
     own.run(x2, n2)
     v2 = torch.full((T, 3, R), float("nan"), device="cuda")
     sg.shrink(v2, x2, a, ranks_out, None, seg, mma_min_rows=1 << 30)
-    n1, x1 = own.operands(h, res, w), torch.empty_like(h)
-    v1 = torch.full((T, 3, R), float("nan"), device="cuda")
-    sg.norm_lora(x1, n1, torch.tensor(row_slots, dtype=torch.int32, device="cuda"), (v_in, b, ranks_in),
-                 (v1, a, ranks_out))
-    torch.cuda.synchronize()
-    if not (torch.equal(x1, x2) and torch.equal(n1.res_out, n2.res_out)
-            and torch.equal(v1.nan_to_num(3.0), v2.nan_to_num(3.0))):
-        print("FAIL norm_lora: not the separate launches' bits")
-        return None
+    for stage_bytes in (-1, 0):  # every weight row staged in shared memory, then none (all read in place)
+        n1, x1 = own.operands(h, res, w), torch.empty_like(h)
+        v1 = torch.full((T, 3, R), float("nan"), device="cuda")
+        sg.norm_lora(x1, n1, torch.tensor(row_slots, dtype=torch.int32, device="cuda"), (v_in, b, ranks_in),
+                     (v1, a, ranks_out), stage_bytes=stage_bytes)
+        torch.cuda.synchronize()
+        if not (torch.equal(x1, x2) and torch.equal(n1.res_out, n2.res_out)
+                and torch.equal(v1.nan_to_num(3.0), v2.nan_to_num(3.0))):
+            print(f"FAIL norm_lora (stage_bytes={stage_bytes}): not the separate launches' bits")
+            return None
     return "ok"
 
 
