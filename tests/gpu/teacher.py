@@ -92,6 +92,14 @@ def cpu_continuations(model, reqs, new: int) -> list[list[int]]:
     return [out[f"r{i}"].output_ids for i in range(len(reqs))]
 
 
+def family_teacher_forced(fam, label: str, new: int, **engine_cfg):
+    """teacher_forced_check of `fam` = (family name, model, adapters, requests) along the fp32 CPU engine's `new`
+    tokens (cpu_continuations), for a GPU engine of EngineConfig(**engine_cfg) in bf16. Returns the engine."""
+    name, model, ads, reqs = fam
+    toks = cpu_continuations(model, reqs, new)
+    return teacher_forced_check(model, ads, reqs, toks, "bfloat16", f"{name} {label}", **engine_cfg)
+
+
 def decode_graph_vs_eager(model, reqs, label: str = "", **cfg):
     """A decode step of 24 requests (`reqs` three times: [(prompt ids, adapter name, path)]) replayed from its
     CUDA graph against the same step run eagerly (EngineConfig(**cfg)): the same logits up to bf16

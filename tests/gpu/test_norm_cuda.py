@@ -174,10 +174,7 @@ def fam(request, tmp_path_factory):
 
 
 def test_engine_with_the_norm_kernel_matches_hf_fp32_teacher_forced(fam):
-    name, model, ads, reqs = fam
-    toks = teacher.cpu_continuations(model, reqs, NEW)
-    eng = teacher.teacher_forced_check(model, ads, reqs, toks, "bfloat16", f"{name} norm kernel",
-                                       kernels=KernelChoices(norm_shrink=True))
+    eng = teacher.family_teacher_forced(fam, "norm kernel", NEW, kernels=KernelChoices(norm_shrink=True))
     assert eng.model.own_norm is not None
 
 

@@ -194,10 +194,7 @@ def fam(request, tmp_path_factory):
 
 
 def test_engine_with_norm_lora_matches_hf_fp32_teacher_forced(fam):
-    name, model, ads, reqs = fam
-    toks = teacher.cpu_continuations(model, reqs, 8)
-    eng = teacher.teacher_forced_check(model, ads, reqs, toks, "bfloat16", f"{name} norm_lora",
-                                       kernels=KernelChoices(norm_lora=True))
+    eng = teacher.family_teacher_forced(fam, "norm_lora", 8, kernels=KernelChoices(norm_lora=True))
     assert eng.model.own_norm is not None
 
 
