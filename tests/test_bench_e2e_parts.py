@@ -460,6 +460,14 @@ def test_kernel_gaps_attributes_idle_time_to_the_kernel_pair_around_it():
         pairs[("shrink_k", "nvjet_sm90_qqsss")]["mean_us"] == 2.0
     assert pairs[("epi_k", "Norm")]["mean_us"] == 1.0
     assert pairs[("Norm", "shrink_k")]["per_step"] == 0.5 and pairs[("Norm", "shrink_k")]["mean_us"] == 100.0
+    assert pairs[("shrink_k", "nvjet_sm90_qqsss")]["median_us"] == 2.0 == pairs[("shrink_k", "nvjet_sm90_qqsss")]["max_us"]
+    # one long gap among short ones of the same pair: the median shows the usual gap, the max the outlier
+    g3 = kernel_gaps([(0.0, 1.0, names[0]), (1.0, 2.0, names[1]), (50.0, 51.0, names[0]), (52.0, 53.0, names[1]),
+                      (54.0, 55.0, names[0]), (56.0, 57.0, names[1])], 3)
+    p3 = {(p["after"], p["before"]): p for p in g3["pairs"]}[("shrink_k", "nvjet_sm90_qqsss")]
+    assert (p3["per_step"], p3["median_us"], p3["max_us"]) == (0.67, 1.0, 1.0)
+    p4 = {(p["after"], p["before"]): p for p in g3["pairs"]}[("nvjet_sm90_qqsss", "shrink_k")]
+    assert (p4["median_us"], p4["max_us"], p4["mean_us"]) == (24.5, 48.0, 24.5)  # gaps of 48 and 1 us
     assert ("nvjet_sm90_tst", "nvjet_sm90_qqsss") not in pairs  # the short kernel ended before the shrink
     assert g["idle_ms_per_step"] == round((2 * (2 + 1) + 100) / 2 / 1000, 3)
     assert g["overlap_ms_per_step"] == round((2 * 2 + 4) / 2 / 1000, 3)  # 4: the second stream's start to 5

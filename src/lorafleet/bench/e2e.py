@@ -15,6 +15,7 @@ import argparse
 import gc
 import json
 import re
+import statistics
 import sys
 import time
 from datetime import date
@@ -436,7 +437,9 @@ def kernel_gaps(spans, n_steps: int, top: int = 12) -> dict:
     the `top` pairs by idle time. `exclusive_ms_per_step`: the device timeline by kernel_category, each kernel
     counted only from where the kernels before it ended (its end minus max(its start, that frontier)): a kernel
     that starts early and waits does not count its wait, so these and the idle time add up to the span of the
-    kernels, where the per-kernel device times count overlapping stretches twice."""
+    kernels, where the per-kernel device times count overlapping stretches twice. Each pair also has its median and
+    largest gap (µs), which tell a gap of every step from one long gap in the window (e.g. the first step's host
+    work after the profiler's synchronization)."""
     idle: dict[tuple[str, str], list[float]] = {}
     exclusive: dict[str, float] = {}
     total_idle = total_overlap = 0.0
@@ -451,20 +454,19 @@ def kernel_gaps(spans, n_steps: int, top: int = 12) -> dict:
             d = start - frontier
             if d > 0:
                 total_idle += d
-                acc = idle.setdefault((last, label), [0.0, 0])
-                acc[0] += d
-                acc[1] += 1
+                idle.setdefault((last, label), []).append(d)
             else:
                 total_overlap -= d
         if frontier is None or end >= frontier:
             frontier, last = end, label
     n = max(n_steps, 1)
-    pairs = sorted(idle.items(), key=lambda kv: -kv[1][0])[:top]
+    pairs = sorted(idle.items(), key=lambda kv: -sum(kv[1]))[:top]
     return {"idle_ms_per_step": round(total_idle / n / 1000, 3),
             "overlap_ms_per_step": round(total_overlap / n / 1000, 3),
             "exclusive_ms_per_step": {k: round(v / n / 1000, 3) for k, v in sorted(exclusive.items())},
-            "pairs": [{"after": a, "before": b, "idle_ms_per_step": round(v[0] / n / 1000, 3),
-                       "per_step": round(v[1] / n, 2), "mean_us": round(v[0] / max(v[1], 1), 2)}
+            "pairs": [{"after": a, "before": b, "idle_ms_per_step": round(sum(v) / n / 1000, 3),
+                       "per_step": round(len(v) / n, 2), "mean_us": round(sum(v) / len(v), 2),
+                       "median_us": round(statistics.median(v), 2), "max_us": round(max(v), 2)}
                       for (a, b), v in pairs]}
 
 
