@@ -409,11 +409,7 @@ class Decoder:
         self._begin(lora, i, group, x)
         y = self._linear(x, w, b, quant) if not small else self._linear_small(x, w, b)
         if lora is not None:
-            ys = tuple(y.split(split, dim=-1)) if split else (y,)
-            if defer:
-                lora.add(i, group, x, ys, defer=True)
-            else:
-                lora.add(i, group, x, ys)
+            lora.add(i, group, x, tuple(y.split(split, dim=-1)) if split else (y,), defer=defer)
         return y
 
     def _fp8_finished(self, i: int, group: int, x: torch.Tensor, w, b: torch.Tensor | None, lora: LoraStep | None,
