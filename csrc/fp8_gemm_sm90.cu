@@ -22,6 +22,8 @@
 // sm_90a's) the launcher refuses with an error.
 #include "fp8_gemm_sm90.h"
 
+#include "quant.h"
+
 #if defined(LORAFLEET_CUTLASS) && __has_include(<cutlass/cutlass.h>)
 #define LORAFLEET_SM90_GEMM 1
 #endif
@@ -44,6 +46,10 @@
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/util/packed_stride.hpp"
+#include "cutlass/arch/barrier.h"
+#include "cutlass/epilogue/collective/detail.hpp"
+
+#include "fp8_epilogue.cuh"
 #endif
 
 namespace lorafleet {
@@ -122,29 +128,193 @@ struct Sm90Fp8Gemm {
   }
 };
 
+
+// The fused epilogue (fp8_gemm_sm90_fused): the FP8 epilogue of quant.h (scales, bias, the rows' LoRA expand) on the
+// tile's accumulators, inside the product's kernel. The consumer warp group (128 threads) puts its fp32 sums into
+// shared memory (the mainloop's, free after its last MMA), then each thread takes chunks of 8 weight rows of one
+// token, as the separate epilogue's threads do, and runs fp8_epi::finish on them: the same bits as the product into
+// fp32 followed by fp8_epilogue, without the fp32 round trip and the second launch. v, the scales and the bias are
+// read only here, after the mainloop, whose loads start after the producer's wait for the kernel before.
+template <typename T, int kTokens>
+class FusedEpilogue {
+ public:
+  using EpilogueSchedule = cutlass::gemm::EpilogueDefault;
+  using DispatchPolicy = EpilogueSchedule;
+  struct ThreadEpilogueOp {};  // none: the whole epilogue is operator() below
+  using ElementC = cutlass::bfloat16_t;  // nominal: there is no C, and D is written by operator()
+  using ElementD = cutlass::bfloat16_t;
+  using StrideC = cutlass::detail::TagToStrideC_t<cutlass::layout::ColumnMajor>;
+  using StrideD = StrideC;
+  using GmemTiledCopyC = void;
+  using GmemTiledCopyD = void;
+
+  static constexpr int kRows = 64;        // weight rows per tile
+  static constexpr int kPitch = kRows + 4;  // fp32 per token in shared memory: the accumulator stores hit 32 banks
+  struct SharedStorage {
+    alignas(16) float tile[kTokens][kPitch];
+  };
+  using TensorStorage = SharedStorage;
+  using Arguments = Fp8EpilogueArgs;
+  using Params = Arguments;
+
+  template <class ProblemShape>
+  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) {
+    return args;
+  }
+  template <class ProblemShape>
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&) {
+    return 0;
+  }
+  template <class ProblemShape>
+  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
+                                              cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const&, Arguments const&) {
+    return true;
+  }
+
+  CUTLASS_HOST_DEVICE
+  FusedEpilogue(Params const& params, SharedStorage const& = SharedStorage()) : params_(params) {}
+
+  CUTLASS_DEVICE bool is_source_needed() { return false; }
+
+  template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine, class FrgLayout,
+            class TiledMma, class ResidueMNK>
+  CUTLASS_DEVICE void operator()(ProblemShapeMNKL problem_shape_mnkl, BlockShapeMNK blk_shape_MNK,
+                                 BlockCoordMNKL blk_coord_mnkl, cute::Tensor<FrgEngine, FrgLayout> const& accumulators,
+                                 TiledMma tiled_mma, ResidueMNK, int thread_idx, char* smem) {
+    using namespace cute;
+    static_assert(size<0>(BlockShapeMNK{}) == kRows && size<1>(BlockShapeMNK{}) == kTokens, "tile shape");
+    const auto m_coord = get<0>(blk_coord_mnkl);
+    const auto n_coord = get<1>(blk_coord_mnkl);
+    // each accumulator's (weight row, token) inside the tile
+    Tensor coords = local_tile(make_identity_tensor(make_shape(get<0>(problem_shape_mnkl), get<1>(problem_shape_mnkl))),
+                               take<0, 2>(blk_shape_MNK), make_coord(m_coord, n_coord));
+    Tensor tCcD = tiled_mma.get_thread_slice(thread_idx).partition_C(coords);
+    const int row0 = static_cast<int>(m_coord) * kRows, tok0 = static_cast<int>(n_coord) * kTokens;
+    SharedStorage& st = *reinterpret_cast<SharedStorage*>(smem);
+    // every warp of the group past its last MMA before the tile (the mainloop's buffers) is written
+    cutlass::arch::NamedBarrier::sync(kThreads, cutlass::arch::ReservedNamedBarriers::EpilogueBarrier);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(accumulators); ++i)
+      st.tile[get<1>(tCcD(i)) - tok0][get<0>(tCcD(i)) - row0] = accumulators(i);
+    cutlass::arch::NamedBarrier::sync(kThreads, cutlass::arch::ReservedNamedBarriers::EpilogueBarrier);
+    const Fp8EpilogueArgs& a = params_;
+    constexpr int kChunks = kTokens * (kRows / fp8_epi::kCols);
+    CUTLASS_PRAGMA_UNROLL
+    for (int q0 = 0; q0 < kChunks; q0 += kThreads) {
+      const int q = q0 + thread_idx;
+      const int tk = q / (kRows / fp8_epi::kCols), ch = q % (kRows / fp8_epi::kCols);
+      const int row = tok0 + tk, c = row0 + ch * fp8_epi::kCols;
+      if (q < kChunks && row < a.m && c < a.n) {
+        int g, start, width;
+        fp8_epi::span_of(a, c, g, start, width);
+        const T* b = nullptr;
+        const int r = fp8_epi::lora_rank<T>(a.lora, row, g, c, start, width, b);
+        uint4 bk[fp8_epi::kChunk];
+        fp8_epi::load_b<T>(bk, b, width, r);
+        const float* t = &st.tile[tk][ch * fp8_epi::kCols];
+        const float4 y0 = *reinterpret_cast<const float4*>(t), y1 = *reinterpret_cast<const float4*>(t + 4);
+        const float y[fp8_epi::kCols] = {y0.x, y0.y, y0.z, y0.w, y1.x, y1.y, y1.z, y1.w};
+        float o[fp8_epi::kCols];
+        fp8_epi::finish<T>(a, row, c, g, width, y, bk, b, r, o);
+        fp8_epi::store8<T>(static_cast<T*>(a.out) + static_cast<int64_t>(row) * a.n + c, o);
+      }
+    }
+  }
+
+ private:
+  static constexpr int kThreads = 128;  // the consumer warp group
+  Params params_;
+};
+
+// The product with the fused epilogue: Sm90Fp8Gemm's mainloop (the same stages, so the same sums), FusedEpilogue.
+template <typename T, int kTokens>
+struct Sm90Fp8GemmFused {
+  using G = Sm90Fp8Gemm<kTokens>;
+  using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<FusedEpilogue<T, kTokens>>;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, typename G::Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+
+  static const char* run(const Fp8Sm90Args& a, const Fp8EpilogueArgs& e, void* stream) {
+    using StrideA = typename Gemm::GemmKernel::StrideA;
+    using StrideB = typename Gemm::GemmKernel::StrideB;
+    const StrideA sa = cutlass::make_cute_packed_stride(StrideA{}, {a.n, a.k, 1});
+    const StrideB sb = cutlass::make_cute_packed_stride(StrideB{}, {a.m, a.k, 1});
+    const typename Gemm::Arguments args{
+        cutlass::gemm::GemmUniversalMode::kGemm,
+        {a.n, a.m, a.k, 1},
+        {reinterpret_cast<const typename G::ElementA*>(a.w), sa, reinterpret_cast<const typename G::ElementB*>(a.x),
+         sb, G::kPromotionInterval},
+        e};
+    Gemm gemm;
+    if (gemm.can_implement(args) != cutlass::Status::kSuccess)
+      return "fp8_gemm_sm90_fused: CUTLASS cannot run these sizes";
+    if (Gemm::get_workspace_size(args) != 0) return "fp8_gemm_sm90_fused: unexpected workspace";
+    if (gemm.initialize(args, nullptr, static_cast<cudaStream_t>(stream)) != cutlass::Status::kSuccess)
+      return "fp8_gemm_sm90_fused: CUTLASS initialization failed";
+    if (gemm.run(static_cast<cudaStream_t>(stream), nullptr, a.pdl) != cutlass::Status::kSuccess)
+      return "fp8_gemm_sm90_fused: launch failed";
+    return nullptr;
+  }
+};
+
 }  // namespace
 
 bool fp8_gemm_sm90_built() { return true; }
 
-const char* fp8_gemm_sm90(const Fp8Sm90Args& a, void* stream) {
+namespace {
+
+// The product's size checks, shared by both entry points.
+const char* sizes_error(const Fp8Sm90Args& a) {
   if (a.m <= 0 || a.m > kFp8Sm90MaxRows || a.n <= 0 || a.k <= 0) return "fp8_gemm_sm90: sizes out of range";
   if (a.splits < 1 || a.k % (16 * a.splits) != 0 || a.n % 4 != 0)
     return "fp8_gemm_sm90: K must be a multiple of 16 * splits and N of 4";
   if (a.device < 0) return "fp8_gemm_sm90: no device given";
+  return nullptr;
+}
+
+// launch() with `device` current (the previous device restored after), on compute capability 9.0 only.
+template <class Launch>
+const char* on_sm90(int device, Launch&& launch) {
   int prev = -1;
   cudaError_t e = cudaGetDevice(&prev);
-  if (e == cudaSuccess && prev != a.device) e = cudaSetDevice(a.device);
+  if (e == cudaSuccess && prev != device) e = cudaSetDevice(device);
   int major = 0, minor = 0;
-  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, a.device);
-  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, a.device);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
   const char* err = e != cudaSuccess ? cudaGetErrorString(e)
                     : major != 9 || minor != 0 ? "fp8_gemm_sm90: needs a compute capability 9.0 GPU"
-                    : a.m <= 16 ? Sm90Fp8Gemm<16>::run(a, stream)
-                    : a.m <= 32 ? Sm90Fp8Gemm<32>::run(a, stream)
-                                : Sm90Fp8Gemm<64>::run(a, stream);
-  if (prev >= 0 && prev != a.device) cudaSetDevice(prev);
+                                               : launch();
+  if (prev >= 0 && prev != device) cudaSetDevice(prev);
   if (e != cudaSuccess) cudaGetLastError();  // reported here, not left for the next unrelated check
   return err;
+}
+
+}  // namespace
+
+const char* fp8_gemm_sm90(const Fp8Sm90Args& a, void* stream) {
+  if (const char* err = sizes_error(a)) return err;
+  return on_sm90(a.device, [&] {
+    return a.m <= 16 ? Sm90Fp8Gemm<16>::run(a, stream)
+         : a.m <= 32 ? Sm90Fp8Gemm<32>::run(a, stream)
+                     : Sm90Fp8Gemm<64>::run(a, stream);
+  });
+}
+
+const char* fp8_gemm_sm90_fused(const Fp8Sm90Args& a, const Fp8EpilogueArgs& e, void* stream) {
+  if (const char* err = sizes_error(a)) return err;
+  if (a.splits != 1 || e.splits != 1) return "fp8_gemm_sm90_fused: the product in one part only";
+  if (e.act != 0) return "fp8_gemm_sm90_fused: no activation (gate and up lie in different tiles)";
+  if (e.m != a.m || e.n != a.n) return "fp8_gemm_sm90_fused: the epilogue's sizes differ from the product's";
+  if (const char* err = fp8_epilogue_check(e)) return err;
+  return on_sm90(a.device, [&] {
+    return a.m <= 16 ? Sm90Fp8GemmFused<__nv_bfloat16, 16>::run(a, e, stream)
+         : a.m <= 32 ? Sm90Fp8GemmFused<__nv_bfloat16, 32>::run(a, e, stream)
+                     : Sm90Fp8GemmFused<__nv_bfloat16, 64>::run(a, e, stream);
+  });
 }
 
 #else
@@ -153,6 +323,10 @@ bool fp8_gemm_sm90_built() { return false; }
 
 const char* fp8_gemm_sm90(const Fp8Sm90Args&, void*) {
   return "fp8_gemm_sm90: not built (needs CUTLASS's headers, found through flashinfer, and sm_90a)";
+}
+
+const char* fp8_gemm_sm90_fused(const Fp8Sm90Args&, const Fp8EpilogueArgs&, void*) {
+  return "fp8_gemm_sm90_fused: not built (needs CUTLASS's headers, found through flashinfer, and sm_90a)";
 }
 
 #endif

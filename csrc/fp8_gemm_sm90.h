@@ -10,6 +10,8 @@
 
 #include <cstdint>
 
+#include "quant.h"  // Fp8EpilogueArgs
+
 namespace lorafleet {
 
 struct Fp8Sm90Args {
@@ -33,5 +35,11 @@ bool fp8_gemm_sm90_built();
 
 // Enqueue on `stream`; no allocation or synchronisation (capturable). nullptr on success.
 const char* fp8_gemm_sm90(const Fp8Sm90Args& args, void* stream);
+
+// The product with quant.h's FP8 epilogue inside the same kernel: out (epilogue.out, bf16 [M, N]) gets the bits of
+// fp8_gemm_sm90 into fp32 followed by fp8_epilogue(kBFloat16, epilogue), without the fp32 round trip or a second
+// launch. One part (splits 1), no activation; epilogue.y is not read. The epilogue reads v, the scales and the bias
+// after the product's main loop (so after the kernel before has finished), and ranks, row_slot and B anywhere.
+const char* fp8_gemm_sm90_fused(const Fp8Sm90Args& args, const Fp8EpilogueArgs& epilogue, void* stream);
 
 }  // namespace lorafleet

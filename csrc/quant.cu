@@ -10,6 +10,7 @@
 
 #include "quant.h"
 
+#include "fp8_epilogue.cuh"
 #include "half_pair.cuh"
 #include "quant_row.cuh"
 
@@ -52,28 +53,8 @@ namespace {
 // fp8_epilogue
 
 constexpr int kEpiThreads = 128;
-constexpr int kEpiCols = 8;  // columns per thread: one 16-byte store
-constexpr int kEpiChunk = 16;  // rank rows of B loaded together (the first chunk before the wait): rank 16 in one go
-
-// v rounded to T and back (a tensor op's store in T)
-template <typename T>
-__device__ __forceinline__ float through(float v) { return to_float(Pair<T>::round(v)); }
-
-// acc[e][k mod 4] += v[k] * b[k][e] for the chunk's rank rows k0 .. k0 + kEpiChunk - 1 below r (k0 a multiple of 4)
-template <typename T>
-__device__ __forceinline__ void lora_chunk(float acc[kEpiCols][4], const uint4 (&bk)[kEpiChunk], const float* v, int k0,
-                                           int r) {
-#pragma unroll
-  for (int j = 0; j < kEpiChunk; ++j) {
-    if (k0 + j < r) {
-      const float vk = v[k0 + j];
-      float b[kEpiCols];
-      unpack8<T>(bk[j], b);
-#pragma unroll
-      for (int e = 0; e < kEpiCols; ++e) acc[e][j & 3] = fmaf(vk, b[e], acc[e][j & 3]);
-    }
-  }
-}
+using fp8_epi::kCols;
+using fp8_epi::through;
 
 // The activations of flashinfer's act_and_mul kernels, instruction for instruction as its fast-math build emits them
 // (ftz multiplies and adds, ex2.approx, div.approx, tanh.approx), so the fused epilogue gives its bits.
@@ -119,115 +100,63 @@ __global__ void __launch_bounds__(kEpiThreads, 4) fp8_epilogue_kernel(const Fp8E
   if (a.act != 0) {  // every lane stays for the exchange below; lanes past the row compute nothing
     g = t & 1;
     start = g * width;
-    c = start + (t >> 1) * kEpiCols;
-    active = (t >> 1) * kEpiCols < width;
+    c = start + (t >> 1) * kCols;
+    active = (t >> 1) * kCols < width;
   } else {
-    c = t * kEpiCols;
+    c = t * kCols;
     if (c >= a.n) return;
-    // the projection whose output span holds column c
-    if (a.num_groups > 1 && c >= a.cols[0]) {
-      g = 1;
-      start = a.cols[0];
-      width = a.cols[1];
-      if (a.num_groups > 2 && c >= start + a.cols[1]) {
-        g = 2;
-        start += a.cols[1];
-        width = a.cols[2];
-      }
-    }
+    fp8_epi::span_of(a, c, g, start, width);
   }
-  const Fp8EpilogueLora& l = a.lora;
-  int r = 0;
   const T* b = nullptr;
-  if (active && l.v != nullptr) {
-    const int s = l.row_slot[row];
-    if (s >= 0 && s < l.num_slots) {
-      const int rdim = g == 0 ? l.b_rank_dim[0] : g == 1 ? l.b_rank_dim[1] : l.b_rank_dim[2];
-      r = min(max(l.ranks[static_cast<int64_t>(g) * l.num_slots + s], 0), min(rdim, kMaxRank));
-      const void* bg = g == 0 ? l.b[0] : g == 1 ? l.b[1] : l.b[2];
-      b = static_cast<const T*>(bg) + static_cast<int64_t>(s) * rdim * width + (c - start);
-    }
-  }
-  uint4 bk[kEpiChunk];
-#pragma unroll
-  for (int j = 0; j < kEpiChunk; ++j)
-    if (j < r) bk[j] = __ldg(reinterpret_cast<const uint4*>(b + static_cast<int64_t>(j) * width));
+  const int r = active ? fp8_epi::lora_rank<T>(a.lora, row, g, c, start, width, b) : 0;
+  uint4 bk[fp8_epi::kChunk];
+  fp8_epi::load_b<T>(bk, b, width, r);
   pdl_wait();
-  float o[kEpiCols] = {};
+  float o[kCols] = {};
   if (active) {
     const int64_t at = static_cast<int64_t>(row) * a.n + c;
     const float4 y0 = *reinterpret_cast<const float4*>(a.y + at), y1 = *reinterpret_cast<const float4*>(a.y + at + 4);
-    const float4 w0 = __ldg(reinterpret_cast<const float4*>(a.w_scale + c));
-    const float4 w1 = __ldg(reinterpret_cast<const float4*>(a.w_scale + c + 4));
-    float y[kEpiCols] = {y0.x, y0.y, y0.z, y0.w, y1.x, y1.y, y1.z, y1.w};
+    float y[kCols] = {y0.x, y0.y, y0.z, y0.w, y1.x, y1.y, y1.z, y1.w};
     for (int s = 1; s < a.splits; ++s) {  // the split-K product's partial sums, in part order
       const float* ys = a.y + static_cast<int64_t>(s) * a.m * a.n + at;
       const float4 p0 = *reinterpret_cast<const float4*>(ys), p1 = *reinterpret_cast<const float4*>(ys + 4);
-      const float p[kEpiCols] = {p0.x, p0.y, p0.z, p0.w, p1.x, p1.y, p1.z, p1.w};
+      const float p[kCols] = {p0.x, p0.y, p0.z, p0.w, p1.x, p1.y, p1.z, p1.w};
 #pragma unroll
-      for (int e = 0; e < kEpiCols; ++e) y[e] = __fadd_rn(y[e], p[e]);
+      for (int e = 0; e < kCols; ++e) y[e] = __fadd_rn(y[e], p[e]);
     }
-    const float w[kEpiCols] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
-    const float xs = a.x_scale[row];
-#pragma unroll
-    for (int e = 0; e < kEpiCols; ++e) o[e] = through<T>(__fmul_rn(__fmul_rn(y[e], xs), w[e]));
-    if (a.bias != nullptr) {
-      float bias[kEpiCols];
-      unpack8<T>(__ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(a.bias) + c)), bias);
-#pragma unroll
-      for (int e = 0; e < kEpiCols; ++e) o[e] = through<T>(__fadd_rn(o[e], bias[e]));
-    }
-    if (r > 0) {
-      const float* v = l.v + static_cast<int64_t>(row) * l.v_row_stride + static_cast<int64_t>(g) * l.v_rank_dim;
-      float acc[kEpiCols][4] = {};
-      lora_chunk<T>(acc, bk, v, 0, r);
-      for (int k0 = kEpiChunk; k0 < r; k0 += kEpiChunk) {
-#pragma unroll
-        for (int j = 0; j < kEpiChunk; ++j)
-          if (k0 + j < r) bk[j] = __ldg(reinterpret_cast<const uint4*>(b + static_cast<int64_t>(k0 + j) * width));
-        lora_chunk<T>(acc, bk, v, k0, r);
-      }
-#pragma unroll
-      for (int e = 0; e < kEpiCols; ++e)
-        o[e] = __fadd_rn(o[e], __fadd_rn(__fadd_rn(acc[e][0], acc[e][2]), __fadd_rn(acc[e][1], acc[e][3])));
-    }
+    fp8_epi::finish<T>(a, row, c, g, width, y, bk, b, r, o);
   }
-  uint4 packed;
-  T* p = reinterpret_cast<T*>(&packed);
   if (a.act != 0) {
-    float up[kEpiCols];
+    float up[kCols];
 #pragma unroll
-    for (int e = 0; e < kEpiCols; ++e) {
+    for (int e = 0; e < kCols; ++e) {
       o[e] = through<T>(o[e]);  // the value the separate epilogue stores, read back by the activation kernel
       up[e] = __shfl_xor_sync(0xffffffffu, o[e], 1);
     }
     if (!active || g != 0) return;
+    float h[kCols];
     if (a.act == 1) {
 #pragma unroll
-      for (int e = 0; e < kEpiCols; ++e) p[e] = Pair<T>::round(fm_mul(act_silu(o[e]), up[e]));
+      for (int e = 0; e < kCols; ++e) h[e] = fm_mul(act_silu(o[e]), up[e]);
     } else {
 #pragma unroll
-      for (int e = 0; e < kEpiCols; ++e) p[e] = Pair<T>::round(fm_mul(act_gelu_tanh(o[e]), up[e]));
+      for (int e = 0; e < kCols; ++e) h[e] = fm_mul(act_gelu_tanh(o[e]), up[e]);
     }
-    *reinterpret_cast<uint4*>(static_cast<T*>(a.out) + static_cast<int64_t>(row) * width + (c - start)) = packed;
+    fp8_epi::store8<T>(static_cast<T*>(a.out) + static_cast<int64_t>(row) * width + (c - start), h);
     return;
   }
-#pragma unroll
-  for (int e = 0; e < kEpiCols; ++e) p[e] = Pair<T>::round(o[e]);
-  *reinterpret_cast<uint4*>(static_cast<T*>(a.out) + static_cast<int64_t>(row) * a.n + c) = packed;
+  fp8_epi::store8<T>(static_cast<T*>(a.out) + static_cast<int64_t>(row) * a.n + c, o);
 }
 
 }  // namespace
 
-const char* fp8_epilogue(DType dtype, const Fp8EpilogueArgs& a, int device, void* stream) {
-  if (a.m == 0 || a.n == 0) return nullptr;
-  if (a.y == nullptr || a.x_scale == nullptr || a.w_scale == nullptr || a.out == nullptr)
-    return "fp8_epilogue: null pointer";
+const char* fp8_epilogue_check(const Fp8EpilogueArgs& a) {
+  if (a.x_scale == nullptr || a.w_scale == nullptr || a.out == nullptr) return "fp8_epilogue: null pointer";
   if (a.m > 65535) return "fp8_epilogue: at most 65535 rows";
-  if (a.n % kEpiCols != 0 || a.num_groups < 1 || a.num_groups > kMaxGroup) return "fp8_epilogue: bad column spans";
+  if (a.n % kCols != 0 || a.num_groups < 1 || a.num_groups > kMaxGroup) return "fp8_epilogue: bad column spans";
   int total = 0;
   for (int g = 0; g < a.num_groups; ++g) {
-    if (a.cols[g] <= 0 || a.cols[g] % kEpiCols != 0) return "fp8_epilogue: spans must be positive multiples of 8";
+    if (a.cols[g] <= 0 || a.cols[g] % kCols != 0) return "fp8_epilogue: spans must be positive multiples of 8";
     total += a.cols[g];
   }
   if (total != a.n) return "fp8_epilogue: the spans do not cover the columns";
@@ -241,6 +170,13 @@ const char* fp8_epilogue(DType dtype, const Fp8EpilogueArgs& a, int device, void
     for (int g = 0; g < a.num_groups; ++g)
       if (l.b[g] == nullptr || l.b_rank_dim[g] < 1) return "fp8_epilogue: LoRA B pool missing";
   }
+  return nullptr;
+}
+
+const char* fp8_epilogue(DType dtype, const Fp8EpilogueArgs& a, int device, void* stream) {
+  if (a.m == 0 || a.n == 0) return nullptr;
+  if (a.y == nullptr) return "fp8_epilogue: null pointer";
+  if (const char* err = fp8_epilogue_check(a)) return err;
   int prev = -1;
   cudaError_t e = cudaGetDevice(&prev);
   if (e == cudaSuccess && prev != device) e = cudaSetDevice(device);
@@ -248,7 +184,7 @@ const char* fp8_epilogue(DType dtype, const Fp8EpilogueArgs& a, int device, void
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
   if (e == cudaSuccess) {
     cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3((a.n / kEpiCols + kEpiThreads - 1) / kEpiThreads, a.m);
+    cfg.gridDim = dim3((a.n / kCols + kEpiThreads - 1) / kEpiThreads, a.m);
     cfg.blockDim = dim3(kEpiThreads);
     cfg.stream = static_cast<cudaStream_t>(stream);
     cudaLaunchAttribute attr[1];

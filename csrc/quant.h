@@ -73,6 +73,9 @@ struct Fp8EpilogueArgs {
   bool pdl = true;
 };
 
+// The arguments' host-side checks other than y's (pointers, spans, act, splits, the LoRA tables' presence): nullptr when they pass.
+const char* fp8_epilogue_check(const Fp8EpilogueArgs& args);
+
 // Enqueue on `stream`; no synchronisation or allocation (capturable). nullptr on success.
 const char* fp8_epilogue(DType dtype, const Fp8EpilogueArgs& args, int device, void* stream);
 

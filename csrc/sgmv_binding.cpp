@@ -49,6 +49,9 @@
 //       (with b, ranks, row_slot) may be None. act=1 (SiLU) / 2 (GELU-tanh), with two equal spans (gate, up):
 //       out [M, N / 2] = act(gate) * up as flashinfer's act_and_mul computes it from the epilogue's output.
 //       y [splits, M, N]: a split-K product's partial sums (fp8_gemm_sm90 with splits), added in part order first.
+//   fp8_gemm_sm90_fused(out, x, w, x_scale, w_scale, bias, cols, v, b, ranks, row_slot, pdl, stream): the bits of
+//       fp8_gemm_sm90 then fp8_epilogue (act 0, one part) in one launch, the epilogue inside the product's kernel;
+//       out in bf16.
 //
 // with r = ranks[g, s]. The values inside ranks / indptr / slots live on the device and are not
 // inspected here (that would need a synchronisation): the kernels clamp ranks to [0, R_g], skip
@@ -674,38 +677,127 @@ void fp8_gemm_bf16(Tensor out, Tensor x, Tensor w, Tensor w_scale, int64_t strea
   fp8_gemm_impl(out, x, nullptr, w, w_scale, stream);
 }
 
-void fp8_gemm_sm90(Tensor out, Tensor x, Tensor w, int64_t stream, int64_t splits, bool pdl) {
-  SGMV_CHECK(lorafleet::fp8_gemm_sm90_built(), "fp8_gemm_sm90: this build has no sm90 FP8 GEMM (CUTLASS not found)");
+// The wgmma product's arguments for x [M, K] @ w [N, K].T, checked (the output is the caller's).
+lorafleet::Fp8Sm90Args sm90_args(const Tensor& x, const Tensor& w, int64_t splits, bool pdl, const char* who) {
+  SGMV_CHECK(lorafleet::fp8_gemm_sm90_built(), "%s: this build has no sm90 FP8 GEMM (CUTLASS not found)", who);
   SGMV_CHECK(x.is_cuda() && x.scalar_type() == torch::kFloat8_e4m3fn && x.dim() == 2 && x.is_contiguous(),
-             "fp8_gemm_sm90: x must be a contiguous 2-D float8_e4m3fn CUDA tensor");
-  for (const Tensor* t : {&w, &out}) check_device(*t, Name("fp8_gemm_sm90 operand"), x);
+             "%s: x must be a contiguous 2-D float8_e4m3fn CUDA tensor", who);
+  check_device(w, Name("w"), x);
   SGMV_CHECK(w.scalar_type() == torch::kFloat8_e4m3fn && w.dim() == 2 && w.is_contiguous() && w.size(1) == x.size(1),
-             "fp8_gemm_sm90: w must be contiguous float8_e4m3fn [N, K=%lld]", ll(x.size(1)));
+             "%s: w must be contiguous float8_e4m3fn [N, K=%lld]", who, ll(x.size(1)));
   const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
-  SGMV_CHECK(M >= 1 && M <= lorafleet::kFp8Sm90MaxRows, "fp8_gemm_sm90: 1 to %d rows, got %lld",
+  SGMV_CHECK(M >= 1 && M <= lorafleet::kFp8Sm90MaxRows, "%s: 1 to %d rows, got %lld", who,
              lorafleet::kFp8Sm90MaxRows, ll(M));
-  SGMV_CHECK(splits >= 1 && splits <= 16, "fp8_gemm_sm90: splits must be in [1, 16], got %lld", ll(splits));
+  SGMV_CHECK(splits >= 1 && splits <= 16, "%s: splits must be in [1, 16], got %lld", who, ll(splits));
   SGMV_CHECK(K % (16 * splits) == 0 && N % 4 == 0 && K <= kInt32Max && N <= kInt32Max,
-             "fp8_gemm_sm90: K (%lld) must be a multiple of 16 * splits (%lld) and N (%lld) of 4", ll(K), ll(splits),
-             ll(N));
-  SGMV_CHECK(aligned16(x) && aligned16(w) && aligned16(out), "fp8_gemm_sm90: x, w and out must be 16-byte aligned");
-  const bool shape_ok = splits == 1 ? out.dim() == 2 && out.size(0) == M && out.size(1) == N
-                                    : out.dim() == 3 && out.size(0) == splits && out.size(1) == M && out.size(2) == N;
-  SGMV_CHECK(out.scalar_type() == torch::kFloat && out.is_contiguous() && shape_ok,
-             "fp8_gemm_sm90: out must be contiguous float32 [%lld, %lld] (splits 1) or [splits, %lld, %lld]", ll(M),
-             ll(N), ll(M), ll(N));
+             "%s: K (%lld) must be a multiple of 16 * splits (%lld) and N (%lld) of 4", who, ll(K), ll(splits), ll(N));
+  SGMV_CHECK(aligned16(x) && aligned16(w), "%s: x and w must be 16-byte aligned", who);
   lorafleet::Fp8Sm90Args a;
   a.x = static_cast<const uint8_t*>(x.data_ptr());
   a.w = static_cast<const uint8_t*>(w.data_ptr());
-  a.out = out.data_ptr<float>();
   a.m = static_cast<int>(M);
   a.n = static_cast<int>(N);
   a.k = static_cast<int>(K);
   a.splits = static_cast<int>(splits);
   a.pdl = pdl;
   a.device = x.get_device();
+  return a;
+}
+
+void fp8_gemm_sm90(Tensor out, Tensor x, Tensor w, int64_t stream, int64_t splits, bool pdl) {
+  lorafleet::Fp8Sm90Args a = sm90_args(x, w, splits, pdl, "fp8_gemm_sm90");
+  const int64_t M = a.m, N = a.n;
+  check_device(out, Name("out"), x);
+  const bool shape_ok = splits == 1 ? out.dim() == 2 && out.size(0) == M && out.size(1) == N
+                                    : out.dim() == 3 && out.size(0) == splits && out.size(1) == M && out.size(2) == N;
+  SGMV_CHECK(out.scalar_type() == torch::kFloat && out.is_contiguous() && shape_ok,
+             "fp8_gemm_sm90: out must be contiguous float32 [%lld, %lld] (splits 1) or [splits, %lld, %lld]", ll(M),
+             ll(N), ll(M), ll(N));
+  SGMV_CHECK(aligned16(out), "fp8_gemm_sm90: x, w and out must be 16-byte aligned");
+  a.out = out.data_ptr<float>();
   const char* err = lorafleet::fp8_gemm_sm90(a, as_stream(stream));
   SGMV_CHECK(err == nullptr, "fp8_gemm_sm90 launch failed: %s", err ? err : "");
+}
+
+// The FP8 epilogue's arguments (all but y, splits and pdl) for a product of M rows and N columns on `ref`'s device,
+// checked: shared by fp8_epilogue and fp8_gemm_sm90_fused.
+lorafleet::Fp8EpilogueArgs epilogue_args(const Tensor& ref, int64_t M, int64_t N, Tensor out, Tensor x_scale,
+                                         Tensor w_scale, std::optional<Tensor> bias, std::vector<int64_t> cols,
+                                         std::optional<Tensor> v, std::vector<Tensor> b, std::optional<Tensor> ranks,
+                                         std::optional<Tensor> row_slot, int64_t act) {
+  (void)kernel_dtype(out, "out");
+  check_device(out, Name("out"), ref);
+  SGMV_CHECK(act >= 0 && act <= 2, "fp8_epilogue: act must be 0 (none), 1 (SiLU) or 2 (GELU-tanh), got %lld", ll(act));
+  SGMV_CHECK(act == 0 || (cols.size() == 2 && cols[0] == cols[1]),
+             "fp8_epilogue: an activation needs two spans of equal width (gate, up)");
+  const int64_t out_cols = act == 0 ? N : N / 2;
+  SGMV_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == M && out.size(1) == out_cols && aligned16(out),
+             "fp8_epilogue: out must be contiguous, 16-byte aligned [%lld, %lld]", ll(M), ll(out_cols));
+  SGMV_CHECK(N % 8 == 0 && M <= 65535 && N <= kInt32Max,
+             "fp8_epilogue: the product must have a multiple of 8 columns and at most 65535 rows");
+  check_device(x_scale, Name("x_scale"), ref);
+  check_device(w_scale, Name("w_scale"), ref);
+  SGMV_CHECK(x_scale.scalar_type() == torch::kFloat && x_scale.is_contiguous() && x_scale.numel() == M,
+             "fp8_epilogue: x_scale must be contiguous float32 with %lld entries", ll(M));
+  SGMV_CHECK(w_scale.scalar_type() == torch::kFloat && w_scale.is_contiguous() && w_scale.numel() == N &&
+                 aligned16(w_scale),
+             "fp8_epilogue: w_scale must be contiguous, 16-byte aligned float32 with %lld entries", ll(N));
+  const int64_t G = static_cast<int64_t>(cols.size());
+  SGMV_CHECK(G >= 1 && G <= lorafleet::kMaxGroup, "fp8_epilogue: 1 to %d column spans, got %lld",
+             lorafleet::kMaxGroup, ll(G));
+  lorafleet::Fp8EpilogueArgs a;
+  a.act = static_cast<int>(act);
+  int64_t total = 0;
+  for (int64_t g = 0; g < G; ++g) {
+    SGMV_CHECK(cols[g] > 0 && cols[g] % 8 == 0, "fp8_epilogue: span %lld (%lld columns) must be a positive multiple of 8",
+               ll(g), ll(cols[g]));
+    a.cols[g] = static_cast<int>(cols[g]);
+    total += cols[g];
+  }
+  SGMV_CHECK(total == N, "fp8_epilogue: the spans cover %lld columns, y has %lld", ll(total), ll(N));
+  if (bias.has_value()) {
+    check_device(*bias, Name("bias"), ref);
+    SGMV_CHECK(bias->scalar_type() == out.scalar_type() && bias->is_contiguous() && bias->numel() == N &&
+                   aligned16(*bias),
+               "fp8_epilogue: bias must be contiguous, 16-byte aligned %s with %lld entries", dtype_name(out), ll(N));
+    a.bias = bias->data_ptr();
+  }
+  if (v.has_value()) {
+    SGMV_CHECK(ranks.has_value() && row_slot.has_value() && static_cast<int64_t>(b.size()) == G,
+               "fp8_epilogue: LoRA needs ranks, row_slot and one B pool per span (%lld), got %lld", ll(G),
+               ll(static_cast<int64_t>(b.size())));
+    check_device(*v, Name("v"), ref);
+    SGMV_CHECK(v->scalar_type() == torch::kFloat && v->dim() == 3 && v->is_contiguous() && v->size(0) >= M &&
+                   v->size(1) == G && v->size(2) >= 1,
+               "fp8_epilogue: v must be contiguous float32 [>= %lld, %lld, R]", ll(M), ll(G));
+    check_device(*ranks, Name("ranks"), ref);
+    SGMV_CHECK(ranks->scalar_type() == torch::kInt && ranks->is_contiguous() && ranks->dim() == 2 &&
+                   ranks->size(0) == G && ranks->size(1) >= 1 && ranks->size(1) <= kInt32Max,
+               "fp8_epilogue: ranks must be contiguous int32 [%lld, S]", ll(G));
+    const int64_t S = ranks->size(1);
+    for (int64_t g = 0; g < G; ++g) {
+      check_weight_pool(b[g], Name("b", g), out, S, cols[g], v->size(2));
+      a.lora.b[g] = b[g].data_ptr();
+      a.lora.b_rank_dim[g] = static_cast<int>(b[g].size(1));
+    }
+    check_device(*row_slot, Name("row_slot"), ref);
+    SGMV_CHECK(row_slot->scalar_type() == torch::kInt && row_slot->dim() == 1 && row_slot->is_contiguous() &&
+                   row_slot->size(0) >= M,
+               "fp8_epilogue: row_slot must be contiguous int32 with at least %lld entries", ll(M));
+    a.lora.v = v->data_ptr<float>();
+    a.lora.v_row_stride = v->stride(0);
+    a.lora.v_rank_dim = static_cast<int>(v->size(2));
+    a.lora.ranks = ranks->data_ptr<int32_t>();
+    a.lora.row_slot = row_slot->data_ptr<int32_t>();
+    a.lora.num_slots = static_cast<int>(S);
+  }
+  a.x_scale = x_scale.data_ptr<float>();
+  a.w_scale = w_scale.data_ptr<float>();
+  a.out = out.data_ptr();
+  a.m = static_cast<int>(M);
+  a.n = static_cast<int>(N);
+  a.num_groups = static_cast<int>(G);
+  return a;
 }
 
 void fp8_epilogue(Tensor out, Tensor y, Tensor x_scale, Tensor w_scale, std::optional<Tensor> bias,
@@ -717,82 +809,27 @@ void fp8_epilogue(Tensor out, Tensor y, Tensor x_scale, Tensor w_scale, std::opt
   const int64_t splits = y.dim() == 3 ? y.size(0) : 1;
   SGMV_CHECK(splits >= 1 && splits <= 16, "fp8_epilogue: 1 to 16 partial sums in y, got %lld", ll(splits));
   const int64_t M = y.size(y.dim() - 2), N = y.size(y.dim() - 1);
-  check_device(out, Name("out"), y);
-  SGMV_CHECK(act >= 0 && act <= 2, "fp8_epilogue: act must be 0 (none), 1 (SiLU) or 2 (GELU-tanh), got %lld", ll(act));
-  SGMV_CHECK(act == 0 || (cols.size() == 2 && cols[0] == cols[1]),
-             "fp8_epilogue: an activation needs two spans of equal width (gate, up)");
-  const int64_t out_cols = act == 0 ? N : N / 2;
-  SGMV_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == M && out.size(1) == out_cols && aligned16(out),
-             "fp8_epilogue: out must be contiguous, 16-byte aligned [%lld, %lld]", ll(M), ll(out_cols));
-  SGMV_CHECK(aligned16(y) && N % 8 == 0 && M <= 65535 && N <= kInt32Max,
-             "fp8_epilogue: y must be 16-byte aligned with a multiple of 8 columns and at most 65535 rows");
-  check_device(x_scale, Name("x_scale"), y);
-  check_device(w_scale, Name("w_scale"), y);
-  SGMV_CHECK(x_scale.scalar_type() == torch::kFloat && x_scale.is_contiguous() && x_scale.numel() == M,
-             "fp8_epilogue: x_scale must be contiguous float32 with %lld entries", ll(M));
-  SGMV_CHECK(w_scale.scalar_type() == torch::kFloat && w_scale.is_contiguous() && w_scale.numel() == N &&
-                 aligned16(w_scale),
-             "fp8_epilogue: w_scale must be contiguous, 16-byte aligned float32 with %lld entries", ll(N));
-  const int64_t G = static_cast<int64_t>(cols.size());
-  SGMV_CHECK(G >= 1 && G <= lorafleet::kMaxGroup, "fp8_epilogue: 1 to %d column spans, got %lld",
-             lorafleet::kMaxGroup, ll(G));
-  lorafleet::Fp8EpilogueArgs a;
-  a.act = static_cast<int>(act);
+  SGMV_CHECK(aligned16(y), "fp8_epilogue: y must be 16-byte aligned");
+  lorafleet::Fp8EpilogueArgs a = epilogue_args(y, M, N, out, x_scale, w_scale, bias, std::move(cols), v, std::move(b),
+                                               ranks, row_slot, act);
   a.splits = static_cast<int>(splits);
-  int64_t total = 0;
-  for (int64_t g = 0; g < G; ++g) {
-    SGMV_CHECK(cols[g] > 0 && cols[g] % 8 == 0, "fp8_epilogue: span %lld (%lld columns) must be a positive multiple of 8",
-               ll(g), ll(cols[g]));
-    a.cols[g] = static_cast<int>(cols[g]);
-    total += cols[g];
-  }
-  SGMV_CHECK(total == N, "fp8_epilogue: the spans cover %lld columns, y has %lld", ll(total), ll(N));
-  if (bias.has_value()) {
-    check_device(*bias, Name("bias"), y);
-    SGMV_CHECK(bias->scalar_type() == out.scalar_type() && bias->is_contiguous() && bias->numel() == N &&
-                   aligned16(*bias),
-               "fp8_epilogue: bias must be contiguous, 16-byte aligned %s with %lld entries", dtype_name(out), ll(N));
-    a.bias = bias->data_ptr();
-  }
-  if (v.has_value()) {
-    SGMV_CHECK(ranks.has_value() && row_slot.has_value() && static_cast<int64_t>(b.size()) == G,
-               "fp8_epilogue: LoRA needs ranks, row_slot and one B pool per span (%lld), got %lld", ll(G),
-               ll(static_cast<int64_t>(b.size())));
-    check_device(*v, Name("v"), y);
-    SGMV_CHECK(v->scalar_type() == torch::kFloat && v->dim() == 3 && v->is_contiguous() && v->size(0) >= M &&
-                   v->size(1) == G && v->size(2) >= 1,
-               "fp8_epilogue: v must be contiguous float32 [>= %lld, %lld, R]", ll(M), ll(G));
-    check_device(*ranks, Name("ranks"), y);
-    SGMV_CHECK(ranks->scalar_type() == torch::kInt && ranks->is_contiguous() && ranks->dim() == 2 &&
-                   ranks->size(0) == G && ranks->size(1) >= 1 && ranks->size(1) <= kInt32Max,
-               "fp8_epilogue: ranks must be contiguous int32 [%lld, S]", ll(G));
-    const int64_t S = ranks->size(1);
-    for (int64_t g = 0; g < G; ++g) {
-      check_weight_pool(b[g], Name("b", g), out, S, cols[g], v->size(2));
-      a.lora.b[g] = b[g].data_ptr();
-      a.lora.b_rank_dim[g] = static_cast<int>(b[g].size(1));
-    }
-    check_device(*row_slot, Name("row_slot"), y);
-    SGMV_CHECK(row_slot->scalar_type() == torch::kInt && row_slot->dim() == 1 && row_slot->is_contiguous() &&
-                   row_slot->size(0) >= M,
-               "fp8_epilogue: row_slot must be contiguous int32 with at least %lld entries", ll(M));
-    a.lora.v = v->data_ptr<float>();
-    a.lora.v_row_stride = v->stride(0);
-    a.lora.v_rank_dim = static_cast<int>(v->size(2));
-    a.lora.ranks = ranks->data_ptr<int32_t>();
-    a.lora.row_slot = row_slot->data_ptr<int32_t>();
-    a.lora.num_slots = static_cast<int>(S);
-  }
   a.y = y.data_ptr<float>();
-  a.x_scale = x_scale.data_ptr<float>();
-  a.w_scale = w_scale.data_ptr<float>();
-  a.out = out.data_ptr();
-  a.m = static_cast<int>(M);
-  a.n = static_cast<int>(N);
-  a.num_groups = static_cast<int>(G);
   a.pdl = pdl;
   const char* err = lorafleet::fp8_epilogue(dtype, a, y.get_device(), as_stream(stream));
   SGMV_CHECK(err == nullptr, "fp8_epilogue launch failed: %s", err ? err : "");
+}
+
+void fp8_gemm_sm90_fused(Tensor out, Tensor x, Tensor w, Tensor x_scale, Tensor w_scale, std::optional<Tensor> bias,
+                         std::vector<int64_t> cols, std::optional<Tensor> v, std::vector<Tensor> b,
+                         std::optional<Tensor> ranks, std::optional<Tensor> row_slot, bool pdl, int64_t stream) {
+  lorafleet::Fp8Sm90Args g = sm90_args(x, w, 1, pdl, "fp8_gemm_sm90_fused");
+  SGMV_CHECK(out.scalar_type() == torch::kBFloat16, "fp8_gemm_sm90_fused: out must be bfloat16, got %s",
+             dtype_name(out));
+  lorafleet::Fp8EpilogueArgs e = epilogue_args(x, g.m, g.n, out, x_scale, w_scale, bias, std::move(cols), v,
+                                               std::move(b), ranks, row_slot, 0);
+  e.pdl = pdl;
+  const char* err = lorafleet::fp8_gemm_sm90_fused(g, e, as_stream(stream));
+  SGMV_CHECK(err == nullptr, "fp8_gemm_sm90_fused launch failed: %s", err ? err : "");
 }
 
 }  // namespace
@@ -848,6 +885,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("x"), py::arg("w"), py::arg("w_scale"), py::arg("stream"));
   m.def("fp8_gemm_sm90", &fp8_gemm_sm90, "fp32 x @ w.T (unit scales) for at most 64 e4m3 rows on Hopper's wgmma",
         py::arg("out"), py::arg("x"), py::arg("w"), py::arg("stream"), py::arg("splits") = 1, py::arg("pdl") = true);
+  m.def("fp8_gemm_sm90_fused", &fp8_gemm_sm90_fused,
+        "bf16 out = the FP8 epilogue (scales, bias, rows' LoRA expand) of x @ w.T on Hopper's wgmma, one launch",
+        py::arg("out"), py::arg("x"), py::arg("w"), py::arg("x_scale"), py::arg("w_scale"), py::arg("bias"),
+        py::arg("cols"), py::arg("v"), py::arg("b"), py::arg("ranks"), py::arg("row_slot"), py::arg("pdl"),
+        py::arg("stream"));
   m.def("fp8_gemm_sm90_built", &lorafleet::fp8_gemm_sm90_built, "whether this build holds the sm90 FP8 GEMM");
   m.def("fp8_epilogue", &fp8_epilogue,
         "out = (y * x_scale) * w_scale [+ bias] [+ the rows' LoRA expand] for the fp32 unit-scale FP8 product y, one launch",

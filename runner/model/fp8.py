@@ -140,6 +140,20 @@ def sm90_splits(n: int, k: int, sms: int) -> int:
     return s
 
 
+def _sm90_operands(xq: torch.Tensor, w: Fp8Weight) -> bool:
+    """Whether the wgmma kernel takes these operands: K a multiple of 16, N of 4, 16-byte aligned rows."""
+    K, N = xq.shape[1], w.q.shape[0]
+    return K % 16 == 0 and N % 4 == 0 and _aligned(xq) and _aligned(w.q)
+
+
+def _sm90_fused(xq: torch.Tensor, w: Fp8Weight, out_dtype: torch.dtype, act: int, split: bool) -> bool:
+    """Whether the wgmma kernel can finish the product with the epilogue inside it (fp8_gemm_sm90_fused): bf16 out,
+    no activation, one part (the parts sm90_splits would cut K into: 1)."""
+    N, K = w.q.shape
+    return (out_dtype == torch.bfloat16 and act == 0 and _sm90_operands(xq, w)
+            and (not split or sm90_splits(N, K, _sm_count(xq.device.index)) == 1))
+
+
 def _unit_product(xq: torch.Tensor, w: Fp8Weight, ext, sm90: bool, split: bool = False) -> torch.Tensor:
     """x_q @ w_q.T in fp32 with unit scales: on the wgmma kernel (`sm90`, where its operands suit it: K a multiple
     of 16, N of 4, 16-byte aligned rows) or cuBLASLt. Both sum exact e4m3 products on the tensor cores, which
@@ -148,7 +162,7 @@ def _unit_product(xq: torch.Tensor, w: Fp8Weight, ext, sm90: bool, split: bool =
     is then [parts, M, N], partial sums for the FP8 epilogue (or split_sum) to add in part order."""
     M, K = xq.shape
     N = w.q.shape[0]
-    if sm90 and K % 16 == 0 and N % 4 == 0 and _aligned(xq) and _aligned(w.q):
+    if sm90 and _sm90_operands(xq, w):
         parts = sm90_splits(N, K, _sm_count(xq.device.index)) if split else 1
         y = torch.empty(*((parts,) if parts > 1 else ()), M, N, dtype=torch.float32, device=xq.device)
         ext.fp8_gemm_sm90(y, xq, w.q, torch.cuda.current_stream(xq.device).cuda_stream, parts)
@@ -185,7 +199,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
                ext=None, swap_rows: int = 0, own_rows: int = 0, unit_scale_elems: int = 0,
                own_bf16: bool = False, epilogue: bool = False, spans: list[int] | None = None,
                lora: tuple | None = None, quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
-               act: int = 0, sm90: bool = False, sm90_split: bool = False) -> torch.Tensor:
+               act: int = 0, sm90: bool = False, sm90_split: bool = False, sm90_fused: bool = False) -> torch.Tensor:
     """x [M, K] (bf16/fp16 on the GPU, any float on the CPU) @ w.T + bias -> [M, N] in x's dtype. With the
     CUDA extension `ext`: the activations quantized by its one-launch kernel (see quantize_tokens), and for
     M <= `own_rows` (bf16, K a multiple of 64, N of 16) the product on its FP8 kernel (csrc/fp8_gemm.cu), with
@@ -199,6 +213,8 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
     bit for bit the separate ops. `quantized`: x's e4m3 rows and scales [M, 1] already made (by the LoRA shrink's
     launch), the same bits as quantize_tokens(x, ext). `act` (with `epilogue`, two equal spans gate | up): 1 (SiLU) or
     2 (GELU-tanh): the epilogue returns act(gate) * up [M, N / 2] as flashinfer's act_and_mul makes it from its output.
+    With `sm90` and `sm90_fused`, an epilogue without an activation on a product in one part (bf16) runs inside the
+    wgmma kernel (the same bits, one launch).
     Then, M <= `swap_rows` (and a multiple of 16): cuBLASLt computes (w @ x.T).T, the weight as the long operand.
     Otherwise torch._scaled_mm with per-token and per-row scales."""
     if act and not (epilogue and tensor_cores and not _own_kernel(x, w, ext, own_rows)
@@ -221,13 +237,19 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
         y = torch.empty(M, N, dtype=x.dtype, device=x.device)
         ext.fp8_gemm(y, xq, sx.view(-1), w.q, w.scale_row.view(-1), torch.cuda.current_stream(x.device).cuda_stream)
     elif unit_scale_call(M, N, K, unit_scale_elems):
-        y = _unit_product(xq, w, ext, sm90, sm90_split)
         if epilogue:
             out = torch.empty(M, N // 2 if act else N, dtype=x.dtype, device=x.device)
             v, b, ranks, row_slot = lora if lora is not None else (None, [], None, None)
+            stream = torch.cuda.current_stream(x.device).cuda_stream
+            if sm90 and sm90_fused and _sm90_fused(xq, w, x.dtype, act, sm90_split):
+                ext.fp8_gemm_sm90_fused(out, xq, w.q, sx.view(-1), w.scale, bias, list(spans or [N]), v, list(b),
+                                        ranks, row_slot, True, stream)
+                return out
+            y = _unit_product(xq, w, ext, sm90, sm90_split)
             ext.fp8_epilogue(out, y, sx.view(-1), w.scale, bias, list(spans or [N]), v, list(b), ranks, row_slot,
-                             True, torch.cuda.current_stream(x.device).cuda_stream, act)
+                             True, stream, act)
             return out
+        y = _unit_product(xq, w, ext, sm90, sm90_split)
         y = split_sum(y).mul_(sx).mul_(w.scale_row).to(x.dtype)
     elif 0 < M <= swap_rows and M % 16 == 0:  # cuBLASLt wants the rows in multiples of 16 there
         y = torch._scaled_mm(w.q, xq.t(), scale_a=w.scale_row.view(-1, 1), scale_b=sx.view(1, -1),

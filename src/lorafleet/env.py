@@ -249,6 +249,14 @@ def fp8_sm90() -> bool:
     return _flag("LORAFLEET_FP8_SM90", True)
 
 
+def fp8_sm90_fused() -> bool:
+    """LORAFLEET_FP8_SM90_FUSED: where that wgmma kernel's product (in one part, bf16 output) is finished by the FP8
+    epilogue without an activation (qkv, o, down), the epilogue runs inside the product's kernel (csrc/fp8_gemm_sm90.cu
+    fp8_gemm_sm90_fused: the same bits, no fp32 round trip, one launch less per projection) instead of a launch of its
+    own (default 1; 0: two launches)."""
+    return _flag("LORAFLEET_FP8_SM90_FUSED", True)
+
+
 def fp8_sm90_split() -> bool:
     """LORAFLEET_FP8_SM90_SPLIT: that wgmma kernel cuts K into parts where the weight's 64-row tiles alone fill less
     than half the GPU's SMs (7B o and down on an H200: two parts; runner/model/fp8.py sm90_splits), the FP8

@@ -302,10 +302,11 @@ def test_fp8_epilogue_refuses_bad_operands():
 
 
 class _CountingExt:
-    """The CUDA extension with its fp8_epilogue and fp8_gemm_sm90 calls counted."""
+    """The CUDA extension with its fp8_epilogue and fp8_gemm_sm90 calls counted; a call of fp8_gemm_sm90_fused (the
+    product with the epilogue inside it) counts as one of each, and in `fused`."""
 
     def __init__(self, ext):
-        self.ext, self.epilogues, self.with_act, self.sm90 = ext, 0, 0, 0
+        self.ext, self.epilogues, self.with_act, self.sm90, self.fused = ext, 0, 0, 0, 0
 
     def __getattr__(self, name):
         return getattr(self.ext, name)
@@ -313,6 +314,12 @@ class _CountingExt:
     def fp8_gemm_sm90(self, *args):
         self.sm90 += 1
         return self.ext.fp8_gemm_sm90(*args)
+
+    def fp8_gemm_sm90_fused(self, *args):
+        self.sm90 += 1
+        self.epilogues += 1
+        self.fused += 1
+        return self.ext.fp8_gemm_sm90_fused(*args)
 
     def fp8_epilogue(self, *args):
         self.epilogues += 1
@@ -511,6 +518,31 @@ def test_fp8_gate_up_epilogue_with_the_activation_gives_the_same_step(fam, kv):
         assert m.fp8_ext.with_act == m.num_layers  # every gate_up epilogue took the activation (SiLU here)
     finally:
         m.fp8_ext, m.fp8_epilogue_act = ext, True
+        eng.close()
+    assert torch.equal(fused, plain), (fused - plain).abs().max().item()
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_fp8_epilogue_inside_the_wgmma_product_gives_the_same_step(fam, kv):
+    """The decode step with the qkv, o and down epilogues inside the wgmma product (KernelChoices.fp8_sm90_fused, the
+    default: counted, 3 per layer; gate_up keeps its own epilogue for the activation) and with the two launches: the
+    same logits, bit for bit."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma kernel is built for compute capability 9.0 only")
+    name, model, _, _, reqs = fam
+    eng, batch = teacher.decode_step(model, reqs[:4] * 2, quantization="fp8", kv_cache_dtype=kv)
+    dev = batch.to_device(eng.device)
+    m = eng.model
+    assert m.fp8_sm90 and m.fp8_sm90_fused  # on by default
+    ext, m.fp8_ext = m.fp8_ext, _CountingExt(m.fp8_ext)
+    try:
+        fused = eng.runner.forward(batch, dev).clone()
+        assert m.fp8_ext.fused == 3 * m.num_layers, (name, m.fp8_ext.fused)
+        m.fp8_sm90_fused = False
+        plain = eng.runner.forward(batch, dev).clone()
+        assert m.fp8_ext.fused == 3 * m.num_layers and m.fp8_ext.epilogues == 8 * m.num_layers
+    finally:
+        m.fp8_ext, m.fp8_sm90_fused = ext, True
         eng.close()
     assert torch.equal(fused, plain), (fused - plain).abs().max().item()
 

@@ -1,7 +1,8 @@
 """The unit-scale FP8 product on Hopper's wgmma (csrc/fp8_gemm_sm90.cu, KernelChoices.fp8_sm90) against the sum of
 the same e4m3 products in fp64 and against cuBLASLt's unit-scale call; each token's row the same whatever else is in
-the step; a CUDA graph's replay the eager call's bits; refusals. The engine with it is checked against HF + PEFT in
-tests/gpu/test_fp8_cuda.py (gemm "sm90")."""
+the step; a CUDA graph's replay the eager call's bits; refusals. The product with the FP8 epilogue inside it
+(fp8_gemm_sm90_fused) against the product followed by that epilogue's own launch, bit for bit. The engine with it is
+checked against HF + PEFT in tests/gpu/test_fp8_cuda.py (gemm "sm90")."""
 
 from __future__ import annotations
 
@@ -171,3 +172,99 @@ def test_sm90_gemm_refuses_bad_operands(ext):
         args = dict(out=out, x=xq, w=w.q, stream=s)
         with pytest.raises(RuntimeError, match=match):
             ext.fp8_gemm_sm90(**{**args, **change})
+
+
+# (spans, M, bias, LoRA, K): one projection and three (qkv-like), partial 64-row tiles (N = 32, 4,112), partial k-tiles,
+# 1 to 64 rows (each of the three token tiles), the 7B and 70B widths
+FUSED_CASES = [([4096], 32, False, False, 4096), ([4096, 1024, 1024], 32, True, True, 4096),
+               ([1024, 256, 256], 37, True, True, 272), ([8, 16, 8], 5, True, True, 48),
+               ([2056, 2056], 64, False, True, 256), ([4096], 1, True, True, 11008), ([8192], 17, False, True, 1024),
+               ([4096], 16, True, False, 4096)]
+
+
+def _fused_args(spans, M, bias, lora, K, seed):
+    """e4m3 operands and the epilogue's operands (the weight's own row scales; random token scales, bias and a LoRA
+    step with every kind of row slot, tests/gpu/test_fp8_cuda.py _epilogue_case)."""
+    from test_fp8_cuda import _epilogue_case
+
+    xq, w = _operands(M, K, sum(spans), seed=seed)
+    c = _epilogue_case(torch.bfloat16, spans, M, bias, lora, seed=seed)
+    return xq, w, dict(x_scale=c["x_scale"], w_scale=w.scale, bias=c["bias"], cols=list(spans), v=c.get("v"),
+                       b=c.get("b", []), ranks=c.get("ranks"), row_slot=c.get("row_slot"))
+
+
+def _two_launches(ext, xq, w, e) -> torch.Tensor:
+    out = torch.empty(xq.shape[0], w.q.shape[0], device="cuda", dtype=torch.bfloat16)
+    ext.fp8_epilogue(out, _sm90(ext, xq, w), e["x_scale"], e["w_scale"], e["bias"], e["cols"], e["v"], e["b"],
+                     e["ranks"], e["row_slot"], True, _stream())
+    return out
+
+
+def _fused(ext, xq, w, e, out=None, pdl=True) -> torch.Tensor:
+    if out is None:  # NaN everywhere: every element must be written
+        out = torch.full((xq.shape[0], w.q.shape[0]), float("nan"), device="cuda", dtype=torch.bfloat16)
+    ext.fp8_gemm_sm90_fused(out, xq, w.q, e["x_scale"], e["w_scale"], e["bias"], e["cols"], e["v"], e["b"], e["ranks"],
+                            e["row_slot"], pdl, _stream())
+    return out
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+@pytest.mark.parametrize("spans,M,bias,lora,K", FUSED_CASES)
+def test_fused_epilogue_is_the_product_then_the_epilogue_bit_for_bit(ext, spans, M, bias, lora, K):
+    """fp8_gemm_sm90_fused against fp8_gemm_sm90 into fp32 followed by fp8_epilogue (whose own test takes it against
+    the separate ops and the fp64 sum: tests/gpu/test_fp8_cuda.py), with every kind of row slot, with and without
+    programmatic dependent launch: the same bits."""
+    xq, w, e = _fused_args(spans, M, bias, lora, K, seed=M + K + len(spans))
+    want = _two_launches(ext, xq, w, e)
+    for pdl in (True, False):
+        got = _fused(ext, xq, w, e, pdl=pdl)
+        assert _same_bits(got, want), (pdl, (got.float() - want.float()).abs().max())
+
+
+def test_fused_graph_replay_with_new_rows_and_slots(ext):
+    """The fused call captured in a CUDA graph, replayed after new activations, token scales, v and row slots were
+    copied into the captured inputs: the eager two launches' bits on the new inputs."""
+    spans, M, K = [4096, 1024, 1024], 32, 4096
+    sx, w, static = _fused_args(spans, M, True, True, K, seed=5)
+    out = torch.empty(M, sum(spans), device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        _fused(ext, sx, w, static, out)  # warm up outside the capture
+        with torch.cuda.graph(graph, stream=side):
+            _fused(ext, sx, w, static, out)
+    torch.cuda.current_stream().wait_stream(side)
+    for seed in (21, 22):
+        nxq, _, new = _fused_args(spans, M, True, True, K, seed=seed)
+        sx.copy_(nxq)
+        static["x_scale"].copy_(new["x_scale"])
+        static["v"].copy_(new["v"])
+        static["row_slot"].copy_(new["row_slot"].flip(0))  # other rows on other adapters
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert _same_bits(out, _two_launches(ext, sx, w, static)), seed
+
+
+def test_fused_refuses_bad_operands(ext):
+    xq, w, e = _fused_args([64, 32, 32], 4, True, True, 256, seed=1)
+    base = dict(out=torch.empty(4, 128, device="cuda", dtype=torch.bfloat16), x=xq, w=w.q, **e, pdl=True,
+                stream=_stream())
+    w132 = torch.zeros(132, 256, device="cuda").to(E4M3)
+    cases = [
+        (dict(out=base["out"].half(), bias=None), "out must be bfloat16"),
+        (dict(cols=[64, 32, 24]), "spans cover"),
+        (dict(b=e["b"][:2]), "one B pool per span"),
+        (dict(x=torch.zeros(65, 256, device="cuda").to(E4M3)), "1 to 64 rows"),
+        (dict(x_scale=e["x_scale"][:3]), "x_scale"),
+        (dict(w=w132, w_scale=torch.ones(132, device="cuda"), cols=[132], v=None, b=[], ranks=None, row_slot=None,
+              bias=None, out=torch.empty(4, 132, device="cuda", dtype=torch.bfloat16)), "multiple of 8"),
+    ]
+    for change, match in cases:
+        with pytest.raises(RuntimeError, match=match):
+            ext.fp8_gemm_sm90_fused(**{**base, **change})
