@@ -55,8 +55,10 @@ class KernelChoices:
         writes act(gate) * up (flashinfer's act_and_mul bits) instead of a launch of its own.
     fp8_sm90: with FP8 weights on a compute capability 9.0 GPU, that unit-scale product runs on the project's wgmma
         kernel (csrc/fp8_gemm_sm90.cu; tokens as the MMA's narrow side) instead of cuBLASLt, where the build has it.
-    fp8_sm90_fused: where that kernel's product (in one part) is finished by the epilogue without an activation (qkv,
-        o, down; bf16), the epilogue runs inside the product's kernel (the same bits, one launch less).
+    fp8_sm90_fused: where that kernel's product (in one part) is finished by the epilogue without an activation or a
+        LoRA expand (qkv, o, down of steps without adapters; bf16), the epilogue runs inside the product's kernel (the
+        same bits, one launch less).
+    fp8_sm90_fused_lora: the same also for epilogues with the rows' LoRA expand (measured slower: off).
     fp8_sm90_split: that kernel cuts K into parts for weights with too few rows to fill the GPU (fp8.py sm90_splits).
     fp8_quant_in_shrink: with that epilogue and adapters in the step, the LoRA shrink's launch quantizes the
         projection's activations too (the same bits) instead of a launch of their own.
@@ -98,6 +100,7 @@ class KernelChoices:
     fp8_epilogue_act: bool = True
     fp8_sm90: bool = True
     fp8_sm90_fused: bool = True
+    fp8_sm90_fused_lora: bool = False
     fp8_sm90_split: bool = False
     fp8_quant_in_shrink: bool = True
     pin_host_adapters: bool = False
@@ -140,7 +143,8 @@ class KernelChoices:
                    fp8_gemm_bf16=env.fp8_gemm_bf16(),
                    fp8_unit_scale_elems=env.fp8_unit_scale_elems(), fp8_epilogue=env.fp8_epilogue(),
                    fp8_epilogue_act=env.fp8_epilogue_act(), fp8_sm90=env.fp8_sm90(),
-                   fp8_sm90_fused=env.fp8_sm90_fused(), fp8_sm90_split=env.fp8_sm90_split(),
+                   fp8_sm90_fused=env.fp8_sm90_fused(), fp8_sm90_fused_lora=env.fp8_sm90_fused_lora(),
+                   fp8_sm90_split=env.fp8_sm90_split(),
                    fp8_quant_in_shrink=env.fp8_quant_in_shrink(),
                    pin_host_adapters=env.pin_host_adapters(), dense_lora_rows=env.dense_lora_rows(),
                    dense_lora_kext=env.dense_lora_kext())

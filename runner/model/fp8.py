@@ -199,7 +199,8 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
                ext=None, swap_rows: int = 0, own_rows: int = 0, unit_scale_elems: int = 0,
                own_bf16: bool = False, epilogue: bool = False, spans: list[int] | None = None,
                lora: tuple | None = None, quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
-               act: int = 0, sm90: bool = False, sm90_split: bool = False, sm90_fused: bool = False) -> torch.Tensor:
+               act: int = 0, sm90: bool = False, sm90_split: bool = False, sm90_fused: bool = False,
+               sm90_fused_lora: bool = False) -> torch.Tensor:
     """x [M, K] (bf16/fp16 on the GPU, any float on the CPU) @ w.T + bias -> [M, N] in x's dtype. With the
     CUDA extension `ext`: the activations quantized by its one-launch kernel (see quantize_tokens), and for
     M <= `own_rows` (bf16, K a multiple of 64, N of 16) the product on its FP8 kernel (csrc/fp8_gemm.cu), with
@@ -213,8 +214,8 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
     bit for bit the separate ops. `quantized`: x's e4m3 rows and scales [M, 1] already made (by the LoRA shrink's
     launch), the same bits as quantize_tokens(x, ext). `act` (with `epilogue`, two equal spans gate | up): 1 (SiLU) or
     2 (GELU-tanh): the epilogue returns act(gate) * up [M, N / 2] as flashinfer's act_and_mul makes it from its output.
-    With `sm90` and `sm90_fused`, an epilogue without an activation on a product in one part (bf16) runs inside the
-    wgmma kernel (the same bits, one launch).
+    With `sm90` and `sm90_fused`, an epilogue without an activation or `lora` on a product in one part (bf16) runs
+    inside the wgmma kernel (the same bits, one launch); with `sm90_fused_lora` too, also one with `lora`.
     Then, M <= `swap_rows` (and a multiple of 16): cuBLASLt computes (w @ x.T).T, the weight as the long operand.
     Otherwise torch._scaled_mm with per-token and per-row scales."""
     if act and not (epilogue and tensor_cores and not _own_kernel(x, w, ext, own_rows)
@@ -241,7 +242,8 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
             out = torch.empty(M, N // 2 if act else N, dtype=x.dtype, device=x.device)
             v, b, ranks, row_slot = lora if lora is not None else (None, [], None, None)
             stream = torch.cuda.current_stream(x.device).cuda_stream
-            if sm90 and sm90_fused and _sm90_fused(xq, w, x.dtype, act, sm90_split):
+            if (sm90 and sm90_fused and (lora is None or sm90_fused_lora)
+                    and _sm90_fused(xq, w, x.dtype, act, sm90_split)):
                 ext.fp8_gemm_sm90_fused(out, xq, w.q, sx.view(-1), w.scale, bias, list(spans or [N]), v, list(b),
                                         ranks, row_slot, True, stream)
                 return out

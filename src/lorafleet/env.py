@@ -251,10 +251,17 @@ def fp8_sm90() -> bool:
 
 def fp8_sm90_fused() -> bool:
     """LORAFLEET_FP8_SM90_FUSED: where that wgmma kernel's product (in one part, bf16 output) is finished by the FP8
-    epilogue without an activation (qkv, o, down), the epilogue runs inside the product's kernel (csrc/fp8_gemm_sm90.cu
-    fp8_gemm_sm90_fused: the same bits, no fp32 round trip, one launch less per projection) instead of a launch of its
-    own (default 1; 0: two launches)."""
+    epilogue without an activation or a LoRA expand (qkv, o, down of steps without adapters), the epilogue runs inside
+    the product's kernel (csrc/fp8_gemm_sm90.cu fp8_gemm_sm90_fused: the same bits, no fp32 round trip, one launch less
+    per projection; default 1: LoRA off +2.8 % end to end on the H200, docs/benchmarks.md section 10.15; 0: two
+    launches)."""
     return _flag("LORAFLEET_FP8_SM90_FUSED", True)
+
+
+def fp8_sm90_fused_lora() -> bool:
+    """LORAFLEET_FP8_SM90_FUSED_LORA: the same also for products whose epilogue adds the rows' LoRA expand (default 0:
+    measured slower, the B and v loads wait behind each tile's main loop; docs/benchmarks.md section 10.15)."""
+    return _flag("LORAFLEET_FP8_SM90_FUSED_LORA", False)
 
 
 def fp8_sm90_split() -> bool:

@@ -524,27 +524,48 @@ def test_fp8_gate_up_epilogue_with_the_activation_gives_the_same_step(fam, kv):
 
 @pytest.mark.parametrize("kv", ["auto", "fp8"])
 def test_fp8_epilogue_inside_the_wgmma_product_gives_the_same_step(fam, kv):
-    """The decode step with the qkv, o and down epilogues inside the wgmma product (KernelChoices.fp8_sm90_fused, the
-    default: counted, 3 per layer; gate_up keeps its own epilogue for the activation) and with the two launches: the
-    same logits, bit for bit."""
+    """The decode step (with adapters) with the qkv, o and down epilogues inside the wgmma product
+    (KernelChoices.fp8_sm90_fused_lora: counted, 3 per layer; gate_up keeps its own epilogue for the activation), with
+    the defaults (fp8_sm90_fused: inside the product only without a LoRA expand, so none here) and with the two
+    launches everywhere: the same logits, bit for bit."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the wgmma kernel is built for compute capability 9.0 only")
     name, model, _, _, reqs = fam
     eng, batch = teacher.decode_step(model, reqs[:4] * 2, quantization="fp8", kv_cache_dtype=kv)
     dev = batch.to_device(eng.device)
     m = eng.model
-    assert m.fp8_sm90 and m.fp8_sm90_fused  # on by default
+    assert m.fp8_sm90 and m.fp8_sm90_fused and not m.fp8_sm90_fused_lora  # the defaults
     ext, m.fp8_ext = m.fp8_ext, _CountingExt(m.fp8_ext)
     try:
+        default = eng.runner.forward(batch, dev).clone()
+        assert m.fp8_ext.fused == 0 and m.fp8_ext.epilogues == 4 * m.num_layers, name
+        m.fp8_sm90_fused_lora = True
         fused = eng.runner.forward(batch, dev).clone()
+        assert m.fp8_ext.fused == 3 * m.num_layers, (name, m.fp8_ext.fused)
+        m.fp8_sm90_fused = m.fp8_sm90_fused_lora = False
+        plain = eng.runner.forward(batch, dev).clone()
+        assert m.fp8_ext.fused == 3 * m.num_layers and m.fp8_ext.epilogues == 12 * m.num_layers
+    finally:
+        m.fp8_ext, m.fp8_sm90_fused, m.fp8_sm90_fused_lora = ext, True, False
+        eng.close()
+    assert torch.equal(fused, plain), (fused - plain).abs().max().item()
+    assert torch.equal(default, plain), (default - plain).abs().max().item()
+    # a step without adapters: the default takes the product with the epilogue inside on qkv, o and down
+    eng, batch = teacher.decode_step(model, [(ids, None, None) for ids, _, _ in reqs[:4]] * 2, quantization="fp8",
+                                     kv_cache_dtype=kv)
+    dev = batch.to_device(eng.device)
+    m = eng.model
+    ext, m.fp8_ext = m.fp8_ext, _CountingExt(m.fp8_ext)
+    try:
+        default = eng.runner.forward(batch, dev).clone()
         assert m.fp8_ext.fused == 3 * m.num_layers, (name, m.fp8_ext.fused)
         m.fp8_sm90_fused = False
         plain = eng.runner.forward(batch, dev).clone()
-        assert m.fp8_ext.fused == 3 * m.num_layers and m.fp8_ext.epilogues == 8 * m.num_layers
+        assert m.fp8_ext.fused == 3 * m.num_layers
     finally:
         m.fp8_ext, m.fp8_sm90_fused = ext, True
         eng.close()
-    assert torch.equal(fused, plain), (fused - plain).abs().max().item()
+    assert torch.equal(default, plain), (default - plain).abs().max().item()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
