@@ -35,7 +35,8 @@
 #define NDEBUG
 #endif
 // Programmatic dependent launch: the kernel may start while the previous kernel drains (its producer waits for that
-// kernel before the first load), and lets the next one (the FP8 epilogue) start after its main loop.
+// kernel before the first load), and lets the next one start after its main loop (the FP8 epilogue's launch, or,
+// with the epilogue inside, whatever follows: see fp8_gemm_sm90.h).
 #define CUTLASS_ENABLE_GDC_FOR_SM90 1
 #include <cuda_runtime.h>
 
@@ -176,7 +177,7 @@ class FusedEpilogue {
   }
 
   CUTLASS_HOST_DEVICE
-  FusedEpilogue(Params const& params, SharedStorage const& = SharedStorage()) : params_(params) {}
+  explicit FusedEpilogue(Params const& params) : params_(params) {}
 
   CUTLASS_DEVICE bool is_source_needed() { return false; }
 
@@ -195,6 +196,9 @@ class FusedEpilogue {
     Tensor tCcD = tiled_mma.get_thread_slice(thread_idx).partition_C(coords);
     const int row0 = static_cast<int>(m_coord) * kRows, tok0 = static_cast<int>(n_coord) * kTokens;
     SharedStorage& st = *reinterpret_cast<SharedStorage*>(smem);
+    // The kernel before has finished (the producer waited for it before the first load, and these sums come after
+    // that load); said here too, so that this thread's reads of x_scale and v do not rest on that ordering alone.
+    cutlass::arch::wait_on_dependent_grids();
     // every warp of the group past its last MMA before the tile (the mainloop's buffers) is written
     cutlass::arch::NamedBarrier::sync(kThreads, cutlass::arch::ReservedNamedBarriers::EpilogueBarrier);
     CUTLASS_PRAGMA_UNROLL
@@ -203,12 +207,13 @@ class FusedEpilogue {
     cutlass::arch::NamedBarrier::sync(kThreads, cutlass::arch::ReservedNamedBarriers::EpilogueBarrier);
     const Fp8EpilogueArgs& a = params_;
     constexpr int kChunks = kTokens * (kRows / fp8_epi::kCols);
+    static_assert(kChunks % kThreads == 0, "every thread takes the same number of chunks");
     CUTLASS_PRAGMA_UNROLL
     for (int q0 = 0; q0 < kChunks; q0 += kThreads) {
       const int q = q0 + thread_idx;
       const int tk = q / (kRows / fp8_epi::kCols), ch = q % (kRows / fp8_epi::kCols);
       const int row = tok0 + tk, c = row0 + ch * fp8_epi::kCols;
-      if (q < kChunks && row < a.m && c < a.n) {
+      if (row < a.m && c < a.n) {
         int g, start, width;
         fp8_epi::span_of(a, c, g, start, width);
         const T* b = nullptr;
@@ -269,10 +274,10 @@ namespace {
 
 // The product's size checks, shared by both entry points.
 const char* sizes_error(const Fp8Sm90Args& a) {
-  if (a.m <= 0 || a.m > kFp8Sm90MaxRows || a.n <= 0 || a.k <= 0) return "fp8_gemm_sm90: sizes out of range";
+  if (a.m <= 0 || a.m > kFp8Sm90MaxRows || a.n <= 0 || a.k <= 0) return "fp8_gemm_sm90(_fused): sizes out of range";
   if (a.splits < 1 || a.k % (16 * a.splits) != 0 || a.n % 4 != 0)
-    return "fp8_gemm_sm90: K must be a multiple of 16 * splits and N of 4";
-  if (a.device < 0) return "fp8_gemm_sm90: no device given";
+    return "fp8_gemm_sm90(_fused): K must be a multiple of 16 * splits and N of 4";
+  if (a.device < 0) return "fp8_gemm_sm90(_fused): no device given";
   return nullptr;
 }
 

@@ -713,7 +713,7 @@ void fp8_gemm_sm90(Tensor out, Tensor x, Tensor w, int64_t stream, int64_t split
   SGMV_CHECK(out.scalar_type() == torch::kFloat && out.is_contiguous() && shape_ok,
              "fp8_gemm_sm90: out must be contiguous float32 [%lld, %lld] (splits 1) or [splits, %lld, %lld]", ll(M),
              ll(N), ll(M), ll(N));
-  SGMV_CHECK(aligned16(out), "fp8_gemm_sm90: x, w and out must be 16-byte aligned");
+  SGMV_CHECK(aligned16(out), "fp8_gemm_sm90: out must be 16-byte aligned");
   a.out = out.data_ptr<float>();
   const char* err = lorafleet::fp8_gemm_sm90(a, as_stream(stream));
   SGMV_CHECK(err == nullptr, "fp8_gemm_sm90 launch failed: %s", err ? err : "");
@@ -725,7 +725,6 @@ lorafleet::Fp8EpilogueArgs epilogue_args(const Tensor& ref, int64_t M, int64_t N
                                          Tensor w_scale, std::optional<Tensor> bias, std::vector<int64_t> cols,
                                          std::optional<Tensor> v, std::vector<Tensor> b, std::optional<Tensor> ranks,
                                          std::optional<Tensor> row_slot, int64_t act) {
-  (void)kernel_dtype(out, "out");
   check_device(out, Name("out"), ref);
   SGMV_CHECK(act >= 0 && act <= 2, "fp8_epilogue: act must be 0 (none), 1 (SiLU) or 2 (GELU-tanh), got %lld", ll(act));
   SGMV_CHECK(act == 0 || (cols.size() == 2 && cols[0] == cols[1]),
@@ -754,7 +753,7 @@ lorafleet::Fp8EpilogueArgs epilogue_args(const Tensor& ref, int64_t M, int64_t N
     a.cols[g] = static_cast<int>(cols[g]);
     total += cols[g];
   }
-  SGMV_CHECK(total == N, "fp8_epilogue: the spans cover %lld columns, y has %lld", ll(total), ll(N));
+  SGMV_CHECK(total == N, "fp8_epilogue: the spans cover %lld columns, the product has %lld", ll(total), ll(N));
   if (bias.has_value()) {
     check_device(*bias, Name("bias"), ref);
     SGMV_CHECK(bias->scalar_type() == out.scalar_type() && bias->is_contiguous() && bias->numel() == N &&
@@ -827,7 +826,6 @@ void fp8_gemm_sm90_fused(Tensor out, Tensor x, Tensor w, Tensor x_scale, Tensor 
              dtype_name(out));
   lorafleet::Fp8EpilogueArgs e = epilogue_args(x, g.m, g.n, out, x_scale, w_scale, bias, std::move(cols), v,
                                                std::move(b), ranks, row_slot, 0);
-  e.pdl = pdl;
   const char* err = lorafleet::fp8_gemm_sm90_fused(g, e, as_stream(stream));
   SGMV_CHECK(err == nullptr, "fp8_gemm_sm90_fused launch failed: %s", err ? err : "");
 }

@@ -9,6 +9,7 @@ Two layouts of projections: separate q/k/v and gate/up (llama3, GQA) and fused q
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
@@ -530,6 +531,8 @@ def test_fp8_epilogue_inside_the_wgmma_product_gives_the_same_step(fam, kv):
     launches everywhere: the same logits, bit for bit."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the wgmma kernel is built for compute capability 9.0 only")
+    if {"LORAFLEET_FP8_SM90", "LORAFLEET_FP8_SM90_FUSED", "LORAFLEET_FP8_SM90_FUSED_LORA"} & set(os.environ):
+        pytest.skip("this test starts from the default kernel choices")
     name, model, _, _, reqs = fam
     eng, batch = teacher.decode_step(model, reqs[:4] * 2, quantization="fp8", kv_cache_dtype=kv)
     dev = batch.to_device(eng.device)

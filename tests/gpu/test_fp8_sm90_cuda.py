@@ -228,27 +228,27 @@ def test_fused_graph_replay_with_new_rows_and_slots(ext):
     """The fused call captured in a CUDA graph, replayed after new activations, token scales, v and row slots were
     copied into the captured inputs: the eager two launches' bits on the new inputs."""
     spans, M, K = [4096, 1024, 1024], 32, 4096
-    sx, w, static = _fused_args(spans, M, True, True, K, seed=5)
+    static_xq, w, static = _fused_args(spans, M, True, True, K, seed=5)
     out = torch.empty(M, sum(spans), device="cuda", dtype=torch.bfloat16)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        _fused(ext, sx, w, static, out)  # warm up outside the capture
+        _fused(ext, static_xq, w, static, out)  # warm up outside the capture
         with torch.cuda.graph(graph, stream=side):
-            _fused(ext, sx, w, static, out)
+            _fused(ext, static_xq, w, static, out)
     torch.cuda.current_stream().wait_stream(side)
     for seed in (21, 22):
         nxq, _, new = _fused_args(spans, M, True, True, K, seed=seed)
-        sx.copy_(nxq)
+        static_xq.copy_(nxq)
         static["x_scale"].copy_(new["x_scale"])
         static["v"].copy_(new["v"])
         static["row_slot"].copy_(new["row_slot"].flip(0))  # other rows on other adapters
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        assert _same_bits(out, _two_launches(ext, sx, w, static)), seed
+        assert _same_bits(out, _two_launches(ext, static_xq, w, static)), seed
 
 
 def test_fused_refuses_bad_operands(ext):
