@@ -82,8 +82,9 @@ __device__ __forceinline__ void load_b(uint4 (&bk)[kChunk], const T* b, int widt
 // order): T((y * x_scale) * w_scale), plus the bias (rounded to T), plus the LoRA sum (not rounded: the caller
 // stores T(o) or hands o to the activation). bk: B's first rank rows from load_b, b and r from lora_rank.
 template <typename T>
-__device__ __forceinline__ void finish(const Fp8EpilogueArgs& a, int row, int c, int g, int width, const float (&y)[kCols],
-                                       uint4 (&bk)[kChunk], const T* b, int r, float (&o)[kCols]) {
+__device__ __forceinline__ void finish(const Fp8EpilogueArgs& a, int row, int c, int g, int width,
+                                       const float (&y)[kCols], uint4 (&bk)[kChunk], const T* b, int r,
+                                       float (&o)[kCols]) {
   const float4 w0 = __ldg(reinterpret_cast<const float4*>(a.w_scale + c));
   const float4 w1 = __ldg(reinterpret_cast<const float4*>(a.w_scale + c + 4));
   const float w[kCols] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};

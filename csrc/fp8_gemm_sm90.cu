@@ -60,6 +60,20 @@ namespace {
 
 using namespace cute;
 
+// One CUTLASS GEMM's checks and launch on `stream` (no workspace); nullptr on success.
+template <class Gemm>
+const char* launch(const typename Gemm::Arguments& args, bool pdl, void* stream) {
+  Gemm gemm;
+  if (gemm.can_implement(args) != cutlass::Status::kSuccess)
+    return "fp8_gemm_sm90(_fused): CUTLASS cannot run these sizes";
+  if (Gemm::get_workspace_size(args) != 0) return "fp8_gemm_sm90(_fused): unexpected workspace";
+  if (gemm.initialize(args, nullptr, static_cast<cudaStream_t>(stream)) != cutlass::Status::kSuccess)
+    return "fp8_gemm_sm90(_fused): CUTLASS initialization failed";
+  if (gemm.run(static_cast<cudaStream_t>(stream), nullptr, pdl) != cutlass::Status::kSuccess)
+    return "fp8_gemm_sm90(_fused): launch failed";
+  return nullptr;
+}
+
 template <int kTokens>
 struct Sm90Fp8Gemm {
   using ElementA = cutlass::float_e4m3_t;  // W [N, K], K-major
@@ -116,17 +130,7 @@ struct Sm90Fp8Gemm {
     return args;
   }
 
-  static const char* run(const Fp8Sm90Args& a, void* stream) {
-    const typename Gemm::Arguments args = arguments(a);
-    Gemm gemm;
-    if (gemm.can_implement(args) != cutlass::Status::kSuccess) return "fp8_gemm_sm90: CUTLASS cannot run these sizes";
-    if (Gemm::get_workspace_size(args) != 0) return "fp8_gemm_sm90: unexpected workspace";
-    if (gemm.initialize(args, nullptr, static_cast<cudaStream_t>(stream)) != cutlass::Status::kSuccess)
-      return "fp8_gemm_sm90: CUTLASS initialization failed";
-    if (gemm.run(static_cast<cudaStream_t>(stream), nullptr, a.pdl) != cutlass::Status::kSuccess)
-      return "fp8_gemm_sm90: launch failed";
-    return nullptr;
-  }
+  static const char* run(const Fp8Sm90Args& a, void* stream) { return launch<Gemm>(arguments(a), a.pdl, stream); }
 };
 
 
@@ -254,15 +258,7 @@ struct Sm90Fp8GemmFused {
         {reinterpret_cast<const typename G::ElementA*>(a.w), sa, reinterpret_cast<const typename G::ElementB*>(a.x),
          sb, G::kPromotionInterval},
         e};
-    Gemm gemm;
-    if (gemm.can_implement(args) != cutlass::Status::kSuccess)
-      return "fp8_gemm_sm90_fused: CUTLASS cannot run these sizes";
-    if (Gemm::get_workspace_size(args) != 0) return "fp8_gemm_sm90_fused: unexpected workspace";
-    if (gemm.initialize(args, nullptr, static_cast<cudaStream_t>(stream)) != cutlass::Status::kSuccess)
-      return "fp8_gemm_sm90_fused: CUTLASS initialization failed";
-    if (gemm.run(static_cast<cudaStream_t>(stream), nullptr, a.pdl) != cutlass::Status::kSuccess)
-      return "fp8_gemm_sm90_fused: launch failed";
-    return nullptr;
+    return launch<Gemm>(args, a.pdl, stream);
   }
 };
 
