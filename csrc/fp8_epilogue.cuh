@@ -55,19 +55,44 @@ __device__ __forceinline__ void span_of(const Fp8EpilogueArgs& a, int c, int& g,
   }
 }
 
+// The row's adapter slot, or -1 for none (no LoRA, or a slot outside the pool).
+__device__ __forceinline__ int lora_slot(const Fp8EpilogueLora& l, int row) {
+  if (l.v == nullptr) return -1;
+  const int s = l.row_slot[row];
+  return s >= 0 && s < l.num_slots ? s : -1;
+}
+
+// Span g's B pool rank dimension.
+__device__ __forceinline__ int b_rank_dim(const Fp8EpilogueLora& l, int g) {
+  return g == 0 ? l.b_rank_dim[0] : g == 1 ? l.b_rank_dim[1] : l.b_rank_dim[2];
+}
+
+// Slot s's (>= 0) B for span g at column c: the address of its rank row 0.
+template <typename T>
+__device__ __forceinline__ const T* b_row0(const Fp8EpilogueLora& l, int s, int g, int c, int start, int width) {
+  const void* bg = g == 0 ? l.b[0] : g == 1 ? l.b[1] : l.b[2];
+  return static_cast<const T*>(bg) + static_cast<int64_t>(s) * b_rank_dim(l, g) * width + (c - start);
+}
+
+// Slot s's (>= 0) rank for span g, clamped to the pool's rank dimension and kMaxRank.
+__device__ __forceinline__ int slot_rank(const Fp8EpilogueLora& l, int s, int g) {
+  return min(max(l.ranks[static_cast<int64_t>(g) * l.num_slots + s], 0), min(b_rank_dim(l, g), kMaxRank));
+}
+
 // The row's adapter for span g: its rank r (0: none) and the address of B's rank row 0 at column c.
 template <typename T>
 __device__ __forceinline__ int lora_rank(const Fp8EpilogueLora& l, int row, int g, int c, int start, int width,
                                          const T*& b) {
   b = nullptr;
-  if (l.v == nullptr) return 0;
-  const int s = l.row_slot[row];
-  if (s < 0 || s >= l.num_slots) return 0;
-  const int rdim = g == 0 ? l.b_rank_dim[0] : g == 1 ? l.b_rank_dim[1] : l.b_rank_dim[2];
-  const int r = min(max(l.ranks[static_cast<int64_t>(g) * l.num_slots + s], 0), min(rdim, kMaxRank));
-  const void* bg = g == 0 ? l.b[0] : g == 1 ? l.b[1] : l.b[2];
-  b = static_cast<const T*>(bg) + static_cast<int64_t>(s) * rdim * width + (c - start);
-  return r;
+  const int s = lora_slot(l, row);
+  if (s < 0) return 0;
+  b = b_row0<T>(l, s, g, c, start, width);
+  return slot_rank(l, s, g);
+}
+
+// The row's v for span g (its shrink's rank values).
+__device__ __forceinline__ const float* lora_v(const Fp8EpilogueLora& l, int row, int g) {
+  return l.v + static_cast<int64_t>(row) * l.v_row_stride + static_cast<int64_t>(g) * l.v_rank_dim;
 }
 
 // B's first kChunk rank rows below r at column c (nothing may write B in the kernel launched right before).
@@ -80,10 +105,11 @@ __device__ __forceinline__ void load_b(uint4 (&bk)[kChunk], const T* b, int widt
 
 // o[e] for columns c .. c + 7 of `row` from the product's fp32 values y[e] (split parts already added, in part
 // order): T((y * x_scale) * w_scale), plus the bias (rounded to T), plus the LoRA sum (not rounded: the caller
-// stores T(o) or hands o to the activation). bk: B's first rank rows from load_b, b and r from lora_rank.
+// stores T(o) or hands o to the activation). bk: B's first rank rows (load_b), b and r from lora_rank; v0: the row's
+// first kChunk values of v for span g (lora_v, or a copy of them), v: all of them (lora_v).
 template <typename T>
-__device__ __forceinline__ void finish(const Fp8EpilogueArgs& a, int row, int c, int g, int width,
-                                       const float (&y)[kCols], uint4 (&bk)[kChunk], const T* b, int r,
+__device__ __forceinline__ void finish(const Fp8EpilogueArgs& a, int row, int c, int width, const float (&y)[kCols],
+                                       uint4 (&bk)[kChunk], const T* b, int r, const float* v0, const float* v,
                                        float (&o)[kCols]) {
   const float4 w0 = __ldg(reinterpret_cast<const float4*>(a.w_scale + c));
   const float4 w1 = __ldg(reinterpret_cast<const float4*>(a.w_scale + c + 4));
@@ -98,10 +124,8 @@ __device__ __forceinline__ void finish(const Fp8EpilogueArgs& a, int row, int c,
     for (int e = 0; e < kCols; ++e) o[e] = through<T>(__fadd_rn(o[e], bias[e]));
   }
   if (r > 0) {
-    const Fp8EpilogueLora& l = a.lora;
-    const float* v = l.v + static_cast<int64_t>(row) * l.v_row_stride + static_cast<int64_t>(g) * l.v_rank_dim;
     float acc[kCols][4] = {};
-    lora_chunk<T>(acc, bk, v, 0, r);
+    lora_chunk<T>(acc, bk, v0, 0, r);
     for (int k0 = kChunk; k0 < r; k0 += kChunk) {
 #pragma unroll
       for (int j = 0; j < kChunk; ++j)

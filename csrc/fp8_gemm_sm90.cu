@@ -181,7 +181,22 @@ class FusedEpilogue {
   }
 
   CUTLASS_HOST_DEVICE
-  explicit FusedEpilogue(Params const& params) : params_(params) {}
+  explicit FusedEpilogue(Params const& params) : params_(params) {
+#if defined(__CUDA_ARCH__)
+    // With LoRA, the consumer warp group's threads (threadIdx.x 128 .. 255 in this kernel) issue the loads of their
+    // chunks' row slots here, before the main loop, and first use them after it: the one load of the LoRA chain whose
+    // address needs nothing else. (The tables are written before the step's first kernel, never by the kernel right
+    // before: the rule under which the separate epilogue loads B before its wait.)
+    const int t = static_cast<int>(threadIdx.x) - kThreads;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kPer; ++i) {
+      slot_[i] = -1;
+      const int row = static_cast<int>(blockIdx.y) * kTokens + (i * kThreads + t) / kPerRow;
+      if (t >= 0 && t < kThreads && params.lora.v != nullptr && row < params.m)
+        asm volatile("ld.global.nc.s32 %0, [%1];" : "=r"(slot_[i]) : "l"(params.lora.row_slot + row));
+    }
+#endif
+  }
 
   CUTLASS_DEVICE bool is_source_needed() { return false; }
 
@@ -210,33 +225,65 @@ class FusedEpilogue {
       st.tile[get<1>(tCcD(i)) - tok0][get<0>(tCcD(i)) - row0] = accumulators(i);
     cutlass::arch::NamedBarrier::sync(kThreads, cutlass::arch::ReservedNamedBarriers::EpilogueBarrier);
     const Fp8EpilogueArgs& a = params_;
-    constexpr int kChunks = kTokens * (kRows / fp8_epi::kCols);
-    static_assert(kChunks % kThreads == 0, "every thread takes the same number of chunks");
+    const Fp8EpilogueLora& l = a.lora;
+    // Chunk i of this thread: 8 weight rows of one token, the i-th of the tile's chunks that fall to it (consecutive
+    // threads take consecutive chunks: 16-byte stores and B loads side by side). With LoRA, a group of chunks has
+    // all its loads in flight at once (the rank, B's first rank rows and v's, none waiting for another; B and v
+    // past the rank are read and then ignored), then its arithmetic: one round trip to memory per group. Groups of
+    // two chunks at 32 tokens (255 registers, no spill); one at 64 tokens, where two would spill.
+    constexpr int kGroup = kPer == 2 ? 2 : 1;
     CUTLASS_PRAGMA_UNROLL
-    for (int q0 = 0; q0 < kChunks; q0 += kThreads) {
-      const int q = q0 + thread_idx;
-      const int tk = q / (kRows / fp8_epi::kCols), ch = q % (kRows / fp8_epi::kCols);
-      const int row = tok0 + tk, c = row0 + ch * fp8_epi::kCols;
-      if (row < a.m && c < a.n) {
-        int g, start, width;
-        fp8_epi::span_of(a, c, g, start, width);
-        const T* b = nullptr;
-        const int r = fp8_epi::lora_rank<T>(a.lora, row, g, c, start, width, b);
-        uint4 bk[fp8_epi::kChunk];
-        fp8_epi::load_b<T>(bk, b, width, r);
-        const float* t = &st.tile[tk][ch * fp8_epi::kCols];
+    for (int i0 = 0; i0 < kPer; i0 += kGroup) {
+      int row[kGroup], c[kGroup], width[kGroup], r[kGroup];
+      const T* b[kGroup];
+      const float* v[kGroup];
+      uint4 bk[kGroup][fp8_epi::kChunk];
+      float v0[kGroup][fp8_epi::kChunk];
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < kGroup; ++i) {
+        const int q = (i0 + i) * kThreads + thread_idx;
+        row[i] = tok0 + q / kPerRow;
+        c[i] = row0 + (q % kPerRow) * fp8_epi::kCols;
+        r[i] = 0;
+        b[i] = nullptr;
+        v[i] = nullptr;
+        int g, start;
+        fp8_epi::span_of(a, min(c[i], a.n - fp8_epi::kCols), g, start, width[i]);
+        const int s = row[i] < a.m && c[i] < a.n && slot_[i0 + i] < l.num_slots ? slot_[i0 + i] : -1;
+        if (s >= 0) {
+          b[i] = fp8_epi::b_row0<T>(l, s, g, c[i], start, width[i]);
+          r[i] = fp8_epi::slot_rank(l, s, g);
+          const int rows = min(fp8_epi::b_rank_dim(l, g), fp8_epi::kChunk);
+          v[i] = fp8_epi::lora_v(l, row[i], g);
+          const int vs = min(l.v_rank_dim, fp8_epi::kChunk);
+          CUTLASS_PRAGMA_UNROLL
+          for (int j = 0; j < fp8_epi::kChunk; ++j) {
+            if (j < rows) bk[i][j] = __ldg(reinterpret_cast<const uint4*>(b[i] + static_cast<int64_t>(j) * width[i]));
+            if (j < vs) v0[i][j] = v[i][j];
+          }
+        }
+      }
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < kGroup; ++i) {
+        if (row[i] >= a.m || c[i] >= a.n) continue;
+        const int q = (i0 + i) * kThreads + thread_idx;
+        const float* t = &st.tile[q / kPerRow][(q % kPerRow) * fp8_epi::kCols];
         const float4 y0 = *reinterpret_cast<const float4*>(t), y1 = *reinterpret_cast<const float4*>(t + 4);
         const float y[fp8_epi::kCols] = {y0.x, y0.y, y0.z, y0.w, y1.x, y1.y, y1.z, y1.w};
         float o[fp8_epi::kCols];
-        fp8_epi::finish<T>(a, row, c, g, width, y, bk, b, r, o);
-        fp8_epi::store8<T>(static_cast<T*>(a.out) + static_cast<int64_t>(row) * a.n + c, o);
+        fp8_epi::finish<T>(a, row[i], c[i], width[i], y, bk[i], b[i], r[i], v0[i], v[i], o);
+        fp8_epi::store8<T>(static_cast<T*>(a.out) + static_cast<int64_t>(row[i]) * a.n + c[i], o);
       }
     }
   }
 
  private:
   static constexpr int kThreads = 128;  // the consumer warp group
+  static constexpr int kPerRow = kRows / fp8_epi::kCols;  // chunks per token
+  static constexpr int kPer = kTokens * kPerRow / kThreads;  // chunks per thread: 1, 2 or 4
+  static_assert(kTokens * kPerRow % kThreads == 0, "every thread takes the same number of chunks");
   Params params_;
+  int slot_[kPer];  // with LoRA: the row slots of this thread's chunks (loaded by the constructor), else -1
 };
 
 // The product with the fused epilogue: Sm90Fp8Gemm's mainloop (the same stages, so the same sums), FusedEpilogue.

@@ -124,7 +124,8 @@ __global__ void __launch_bounds__(kEpiThreads, 4) fp8_epilogue_kernel(const Fp8E
 #pragma unroll
       for (int e = 0; e < kCols; ++e) y[e] = __fadd_rn(y[e], p[e]);
     }
-    fp8_epi::finish<T>(a, row, c, g, width, y, bk, b, r, o);
+    const float* v = r > 0 ? fp8_epi::lora_v(a.lora, row, g) : nullptr;
+    fp8_epi::finish<T>(a, row, c, width, y, bk, b, r, v, v, o);
   }
   if (a.act != 0) {
     float up[kCols];
