@@ -133,13 +133,13 @@ struct Sm90Fp8Gemm {
   static const char* run(const Fp8Sm90Args& a, void* stream) { return launch<Gemm>(arguments(a), a.pdl, stream); }
 };
 
-
 // The fused epilogue (fp8_gemm_sm90_fused): the FP8 epilogue of quant.h (scales, bias, the rows' LoRA expand) on the
 // tile's accumulators, inside the product's kernel. The consumer warp group (128 threads) puts its fp32 sums into
 // shared memory (the mainloop's, free after its last MMA), then each thread takes chunks of 8 weight rows of one
 // token, as the separate epilogue's threads do, and runs fp8_epi::finish on them: the same bits as the product into
-// fp32 followed by fp8_epilogue, without the fp32 round trip and the second launch. v, the scales and the bias are
-// read only here, after the mainloop, whose loads start after the producer's wait for the kernel before.
+// fp32 followed by fp8_epilogue, without the fp32 round trip and the second launch. The row slots are loaded by the
+// constructor, before the mainloop; everything else only after it (whose loads start after the producer's wait for
+// the kernel before).
 template <typename T, int kTokens>
 class FusedEpilogue {
  public:

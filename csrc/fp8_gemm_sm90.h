@@ -38,10 +38,11 @@ const char* fp8_gemm_sm90(const Fp8Sm90Args& args, void* stream);
 
 // The product with quant.h's FP8 epilogue inside the same kernel: out (epilogue.out, bf16 [M, N]) gets the bits of
 // fp8_gemm_sm90 into fp32 followed by fp8_epilogue(kBFloat16, epilogue), without the fp32 round trip or a second
-// launch. One part (splits 1), no activation; epilogue.y and epilogue.pdl are not read (args.pdl is). Every operand
-// of the epilogue is read after the product's main loop, so after the kernel before has finished. But the kernel
-// lets the next one start after its main loop: a kernel launched after it with programmatic dependent launch must
-// not write x_scale, w_scale, bias, v, ranks, row_slot, B or out before its own wait.
+// launch. One part (splits 1), no activation; epilogue.y and epilogue.pdl are not read (args.pdl is). The row slots
+// are read at the kernel's start (the kernel right before must not write them), every other operand of the epilogue
+// after the product's main loop, so after the kernel before has finished. But the kernel lets the next one start
+// after its main loop: a kernel launched after it with programmatic dependent launch must not write x_scale, w_scale,
+// bias, v, ranks, row_slot, B or out before its own wait.
 const char* fp8_gemm_sm90_fused(const Fp8Sm90Args& args, const Fp8EpilogueArgs& epilogue, void* stream);
 
 }  // namespace lorafleet
