@@ -164,7 +164,7 @@ stage() {
         > "$LOGS/sanitizer.log" 2>&1; tail -2 "$LOGS/sanitizer.log" ;;
     etests)
       timeout ${TEST_S:-300} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_engine_cuda.py -rA -s -k "${ETESTS_K:-}" \
-        --durations=6 -o faulthandler_timeout=${HANG_S:-100} 2>&1 | tee "$LOGS/gpu_etests.log" \
+        --durations=6 -o faulthandler_timeout=${HANG_S:-300} 2>&1 | tee "$LOGS/gpu_etests.log" \
         | grep -E "passed|failed|FAILED|flips|Error|piecewise|Timeout|File " | tail -20 ;;
     ftests)
       timeout ${TEST_S:-500} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_families_cuda.py \
