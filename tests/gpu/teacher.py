@@ -100,6 +100,19 @@ def family_teacher_forced(fam, label: str, new: int, **engine_cfg):
     return teacher_forced_check(model, ads, reqs, toks, "bfloat16", f"{name} {label}", **engine_cfg)
 
 
+def count_calls(monkeypatch, cls, name: str) -> list:
+    """`cls.name` wrapped (through `monkeypatch`) to append 1 to the returned list at each call, then run as before."""
+    calls = []
+    real = getattr(cls, name)
+
+    def counting(self, *args, **kw):
+        calls.append(1)
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(cls, name, counting)
+    return calls
+
+
 def decode_graph_vs_eager(model, reqs, label: str = "", **cfg):
     """A decode step of 24 requests (`reqs` three times: [(prompt ids, adapter name, path)]) replayed from its
     CUDA graph against the same step run eagerly (EngineConfig(**cfg)): the same logits up to bf16

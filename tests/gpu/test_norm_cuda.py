@@ -183,14 +183,7 @@ def test_decode_graph_with_the_fused_norm_shrink_matches_the_eager_step(fam, mon
     and the shrink separately: the same logits up to kernel-choice noise."""
     from lorafleet.runner.lora.sgmv_cuda import CudaSGMV
 
-    calls = []
-    real = CudaSGMV.norm_shrink
-
-    def counting(self, *args, **kw):
-        calls.append(1)
-        return real(self, *args, **kw)
-
-    monkeypatch.setattr(CudaSGMV, "norm_shrink", counting)
+    calls = teacher.count_calls(monkeypatch, CudaSGMV, "norm_shrink")
     name, model, _, reqs = fam
     eng = teacher.decode_graph_vs_eager(model, reqs[:4] * 2, f"{name} norm kernel",
                                         kernels=KernelChoices(norm_shrink=True))

@@ -207,14 +207,7 @@ def test_decode_graph_with_norm_lora_is_bit_for_bit_the_separate_launches(fam, m
     from lorafleet.runner.lora.sgmv_cuda import CudaSGMV
 
     name, model, _, reqs = fam
-    calls = []
-    real = CudaSGMV.norm_lora
-
-    def counting(self, *args, **kw):
-        calls.append(1)
-        return real(self, *args, **kw)
-
-    monkeypatch.setattr(CudaSGMV, "norm_lora", counting)
+    calls = teacher.count_calls(monkeypatch, CudaSGMV, "norm_lora")
     eng, batch = teacher.decode_step(model, reqs[:4] * 2, kernels=KernelChoices(norm_lora=True))
     graphs = eng.runner.graphs
     got = graphs.run(batch, batch.to_device(eng.device)).clone()
