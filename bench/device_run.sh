@@ -39,7 +39,8 @@
 #   loraprobe bench/probe_lora.py: per projection group, the base GEMM, today's LoRA call, the K-extended GEMM
 #            ([x | v] @ [W | B]^T) and the merged weight, prefill (2,048 rows) and decode (32 rows) -> probe_lora.json
 #   fp870    bench e2e --tp 1: Llama-2-70B shape on one GPU with FP8 weights (distinct, identical, LoRA off;
-#            FP70_REQS, default 300)                                                   -> e2e_70b_fp8.json
+#            FP70_REQS, default 300; FP70_ARGS: extra arguments, e.g. --no-lora-off)  -> e2e_70b_fp8[_TAG].json
+#   ab70     fp870 for each value of one variable (AB_VAR, AB_VALUES, AB_NAME)    -> e2e_70b_fp8_AB_NAME_V.json
 #   quality  bench quality on a model directory in QUALITY_MODEL (bf16 vs FP8 vs FP8 + FP8 K/V) -> quality.json
 #   tptests  tensor-parallel GPU test (needs two GPUs: run it alone, not in a --par list)
 #   probe    bench/probe_decode.py: decode attention variants, LoRA beside the GEMM (SM carve-out), the decode
@@ -194,8 +195,8 @@ stage() {
       local v
       for v in $AB_VALUES; do
         env "$AB_VAR=$v" timeout ${LORA_S:-300} $E2E --requests $AB_REQS --mixes distinct identical \
-          --sweep --hf-requests 0 --profile $AB_ARGS --out "$OUT/e2e_${AB_NAME}_$v.json" 2>&1 \
-          | tee "$LOGS/e2e_${AB_NAME}_$v.log" | grep -E "tok/s|LoRA per decode|Error|Traceback" | cut -c1-300 | tail -10
+          --sweep --hf-requests 0 --profile $AB_ARGS --out "$OUT/e2e_${AB_NAME}_${v//,/-}.json" 2>&1 \
+          | tee "$LOGS/e2e_${AB_NAME}_${v//,/-}.log" | grep -E "tok/s|LoRA per decode|Error|Traceback" | cut -c1-300 | tail -10
       done ;;
     nlprobe)
       timeout ${PROBE_S:-120} python3 bench/probe_norm_lora.py ${NLPROBE_ARGS:-} --out "$OUT/probe_norm_lora${TAG:+_$TAG}.json" 2>&1 \
@@ -232,7 +233,13 @@ stage() {
       fp8_pick
       timeout ${FP70_S:-420} python3 -m lorafleet --log-level WARNING bench e2e --tp 1 --shape llama2-70b \
         --quantization fp8 --requests ${FP70_REQS:-300} --mixes distinct identical --sweep --population 4 --profile \
-        --out "$OUT/e2e_70b_fp8.json" 2>&1 | tee "$LOGS/e2e_70b_fp8.log" | tail -12 ;;
+        ${FP70_ARGS:-} \
+        --out "$OUT/e2e_70b_fp8${TAG:+_$TAG}.json" 2>&1 | tee "$LOGS/e2e_70b_fp8${TAG:+_$TAG}.log" | tail -12 ;;
+    ab70)  # fp870 for each value of one variable: AB_VAR, AB_VALUES (FP70_REQS, as fp870)
+      local v
+      for v in $AB_VALUES; do
+        ( export "$AB_VAR=$v" TAG="${AB_NAME:-ab}_${v//,/-}"; stage fp870 )  # (a subshell: the variable for this run only)
+      done ;;
     quality)
       timeout ${QUALITY_S:-300} python3 -m lorafleet bench quality --model "$QUALITY_MODEL" --device cuda \
         ${QUALITY_ARGS:-} --out "$OUT/quality.json" 2>&1 | tee "$LOGS/quality.log" | tail -8 ;;

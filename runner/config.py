@@ -32,8 +32,9 @@ class KernelChoices:
     norm_lora: in decode graphs with adapters (CUDA, compute capability 9.0, bf16/fp16 weights) the norms before
         gate_up and qkv also add the LoRA expand of the projection before them (o, down) and compute their group's
         LoRA shrink, one launch of thread-block clusters; the norms of every step then take the project's kernel.
-    decode_ranks: rank rows per work item of the LoRA shrink's one-row segments (1, 2 or 4; 0: the kernel's choice),
-        in the shrinks of decode steps (CUDA; a launch shape, the same bits).
+    decode_ranks: per projection group (qkv, o, gate_up, down) the rank rows per work item of the LoRA shrink's
+        one-row segments (1, 2 or 4; 0: the kernel's choice), in the shrinks of decode steps (CUDA; a launch shape,
+        the same bits); one number stands for all four groups.
     shrink_early: the LoRA shrink launched right after its projection's base GEMM does not wait for that GEMM
         before reading x (CUDA, two launches per group; the same bits).
     lora_branch: in decode graphs (CUDA LoRA kernels; projections not finished by the FP8 epilogue; not with
@@ -89,7 +90,7 @@ class KernelChoices:
     norm_shrink: bool = False
     norm_lora: bool = False
     shrink_early: bool = False
-    decode_ranks: int = 0
+    decode_ranks: tuple[int, int, int, int] = (0, 0, 0, 0)
     lora_branch: str = "off"
     blas_lt_rows: int = 64
     fp8_swap_rows: int = 0
@@ -121,8 +122,14 @@ class KernelChoices:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.dense_lora_kext % 8:
             raise ValueError(f"dense_lora_kext must be a multiple of 8 (16-byte rows), got {self.dense_lora_kext}")
-        if self.decode_ranks not in (0, 1, 2, 4):
-            raise ValueError(f"decode_ranks must be 0, 1, 2 or 4, got {self.decode_ranks}")
+        ranks = self.decode_ranks
+        if isinstance(ranks, int):  # one number: every group's
+            ranks = (ranks,) * 4
+        ranks = tuple(ranks)
+        if len(ranks) != 4 or any(not isinstance(r, int) or r not in (0, 1, 2, 4) for r in ranks):
+            raise ValueError(f"decode_ranks must be 0, 1, 2 or 4 (one number, or one per group: qkv, o, gate_up, "
+                             f"down), got {self.decode_ranks!r}")
+        object.__setattr__(self, "decode_ranks", ranks)  # (frozen: the normalized form, set once here)
         if not 0 <= self.fp8_gemm_rows <= 64:
             raise ValueError(f"fp8_gemm_rows must be in [0, 64], got {self.fp8_gemm_rows}")
         if len(self.mma_rows) != 4 or any(len(r) != 2 or min(r) < 1 for r in self.mma_rows):

@@ -132,7 +132,8 @@ def test_fp8_gemm_switches(monkeypatch):
             ("LORAFLEET_NORM_SHRINK", env.norm_shrink, False, "1", "norm_shrink=True"),  # off: measured slower
             ("LORAFLEET_NORM_LORA", env.norm_lora, False, "1", "norm_lora=True"),  # off: measured slower
             ("LORAFLEET_SHRINK_EARLY", env.shrink_early, False, "1", "shrink_early=True"),  # off: no gain end to end
-            ("LORAFLEET_DECODE_RANKS", env.decode_ranks, 0, "4", "decode_ranks=4"),  # 0: the kernel's own choice
+            ("LORAFLEET_DECODE_RANKS", env.decode_ranks, (0, 0, 0, 0), "4",
+             "decode_ranks=(4, 4, 4, 4)"),  # 0: the kernel's own choice
             ("LORAFLEET_LORA_BRANCH", env.lora_branch, "off", "Shrink", "lora_branch=shrink"),  # off: measured slower
             ("LORAFLEET_FP8_EPILOGUE_ACT", env.fp8_epilogue_act, True, "0", "fp8_epilogue_act=False"),  # on: measured faster
             ("LORAFLEET_FP8_SM90", env.fp8_sm90, True, "0", "fp8_sm90=False"),  # on: measured faster
@@ -152,11 +153,19 @@ def test_fp8_gemm_switches(monkeypatch):
     monkeypatch.delenv("LORAFLEET_LORA_BRANCH")
     with pytest.raises(ValueError, match="kernel choice lora_branch must be one of off, addon, shrink"):
         KernelChoices(lora_branch="on")
-    for bad in ("3", "8", "-1"):
+    for bad in ("3", "8", "-1", "4,1,2", "4,1,2,1,1", "4,,2,1", "four", "4;1;2;1"):
         monkeypatch.setenv("LORAFLEET_DECODE_RANKS", bad)
-        with pytest.raises(ValueError, match="LORAFLEET_DECODE_RANKS must be 0, 1, 2 or 4"):
+        with pytest.raises(ValueError, match="LORAFLEET_DECODE_RANKS must be 0, 1, 2 or 4, or four of them"):
             env.decode_ranks()
+    # one per group (qkv, o, gate_up, down), blanks allowed
+    monkeypatch.setenv("LORAFLEET_DECODE_RANKS", " 4, 1,2 ,1")
+    assert env.decode_ranks() == (4, 1, 2, 1)
+    assert KernelChoices.from_env().describe() == "kernel choices: decode_ranks=(4, 1, 2, 1)"
     monkeypatch.delenv("LORAFLEET_DECODE_RANKS")
+    assert KernelChoices(decode_ranks=2).decode_ranks == (2, 2, 2, 2)  # one number: every group's
+    for bad in (3, (4, 1, 2), (4, 1, 2, 3), (4.0, 1, 2, 1)):
+        with pytest.raises(ValueError, match="decode_ranks must be 0, 1, 2 or 4"):
+            KernelChoices(decode_ranks=bad)
     monkeypatch.setenv("LORAFLEET_FP8_UNIT_SCALE_ELEMS", "-5")
     with pytest.raises(ValueError, match="LORAFLEET_FP8_UNIT_SCALE_ELEMS must be >= 0"):
         env.fp8_unit_scale_elems()

@@ -139,11 +139,18 @@ def test_step_passes_each_groups_tensor_core_thresholds(monkeypatch):
     x = torch.randn(len(row_slots), BASE.hidden_size, generator=g)
     step.add(0, 1, x, (torch.zeros(len(row_slots), BASE.shape(PROJECTIONS[3])[1]),))
     assert sg.ready == [True]
-    # KernelChoices.decode_ranks: the shrink's items of one-row segments, asked of every call
+    # KernelChoices.decode_ranks: the shrink's items of one-row segments, asked of every call, each group its own
     sg = Recording()
     step = LoraStepImpl(pool, sg, build_segments(row_slots), mma=False, kernels=KernelChoices(decode_ranks=4))
     step.add(0, 1, x, (torch.zeros(len(row_slots), BASE.shape(PROJECTIONS[3])[1]),))
     assert sg.ready == [(False, 4)]
+    sg = Recording()
+    step = LoraStepImpl(pool, sg, build_segments(row_slots), mma=False,
+                        kernels=KernelChoices(decode_ranks=(4, 1, 2, 0)))
+    qkv = tuple(torch.zeros(len(row_slots), BASE.shape(PROJECTIONS[p])[1]) for p in range(3))
+    step.add(0, 0, x, qkv)
+    step.add(0, 1, x, (torch.zeros(len(row_slots), BASE.shape(PROJECTIONS[3])[1]),))
+    assert sg.ready == [(False, 4), (False, 1)]
     with pytest.raises(ValueError, match="decode_ranks must be 0, 1, 2 or 4"):
         KernelChoices(decode_ranks=3)
 

@@ -183,12 +183,23 @@ def lora_branch() -> str:
     return _choice("LORAFLEET_LORA_BRANCH", LORA_BRANCH_CHOICES)
 
 
-def decode_ranks() -> int:
+def decode_ranks() -> tuple[int, int, int, int]:
     """LORAFLEET_DECODE_RANKS: rank rows per work item of the LoRA shrink's one-row segments (decode rows): 1, 2 or 4;
-    0 (default): the kernel's own choice (2 in decode steps). A launch shape only: never changes a bit."""
-    ranks = _int("LORAFLEET_DECODE_RANKS", 0)
-    if ranks not in (0, 1, 2, 4):
-        raise EnvError(f"LORAFLEET_DECODE_RANKS must be 0, 1, 2 or 4, got {ranks}")
+    0 (default): the kernel's own choice (2 in decode steps). One number for every projection group, or four,
+    comma-separated, for qkv, o, gate_up and down (e.g. 4,1,2,1: groups with many rank rows in few items, those
+    with few in many). A launch shape only: never changes a bit."""
+    raw = _str("LORAFLEET_DECODE_RANKS", "0").strip() or "0"
+    parts = [p.strip() for p in raw.split(",")]
+    try:
+        ranks = tuple(int(p) for p in parts)
+    except ValueError as exc:
+        raise EnvError(f"LORAFLEET_DECODE_RANKS must be 0, 1, 2 or 4, or four of them comma-separated "
+                       f"(qkv,o,gate_up,down), got {raw!r}") from exc
+    if len(ranks) == 1:
+        ranks = ranks * 4
+    if len(ranks) != 4 or any(r not in (0, 1, 2, 4) for r in ranks):
+        raise EnvError(f"LORAFLEET_DECODE_RANKS must be 0, 1, 2 or 4, or four of them comma-separated "
+                       f"(qkv,o,gate_up,down), got {raw!r}")
     return ranks
 
 
