@@ -648,7 +648,12 @@ __device__ __forceinline__ int2 split_rank_row(int packed, int f) {
 template <typename T, int NR, int RB, bool kNorm = false>
 __device__ __forceinline__ void shrink_cc(const ShrinkParams& p, int row0, int slot, int packed, int f0, float* red,
                                           bool& waited) {
-  constexpr int U = !kNorm && NR * RB <= 4 ? 2 : 1;  // K steps in flight per thread (register budget)
+  // K steps in flight per thread (register budget: 64 registers, no spills at any of these). Items of one rank row of
+  // one row (decode_ranks 1) keep four in flight (8 loads; a 1 x 2 item's two steps: 6), so the long rows of wide
+  // inputs (Llama-2-70B's down: 14 vectors per lane) take half the dependent round trips. Never a bit of v: the lane
+  // accumulates its vectors in increasing order whatever U (the zero vectors past its slice add +0 to a sum that
+  // started at +0).
+  constexpr int U = kNorm ? 1 : (NR * RB == 1 ? 4 : (NR * RB <= 4 ? 2 : 1));
   const int K = p.in_features;
   const int KV = K >> 3;
   const int rt = rank_of(packed, 0) + rank_of(packed, 1) + rank_of(packed, 2);

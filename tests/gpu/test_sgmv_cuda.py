@@ -425,14 +425,15 @@ DECODE_TABLES = {
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", ["llama_qkv_gqa", "llama_down"])
+@pytest.mark.parametrize("shape", ["llama_qkv_gqa", "llama_down", "llama70_down"])
 @pytest.mark.parametrize("table", list(DECODE_TABLES))
 def test_launch_shape_knobs_keep_the_bits(dtype, shape, table):
     """Decode-shaped tables (T = 32): `shrink(blocks_per_sm=1..4, decode_ranks=1|2|4)` gives v bit for bit
     as the default call, and `expand(blocks_per_sm=1|2|4)` ys bit for bit as the default expand; the
     default call matches the fp64 reference. Ranks 0..16 per (projection, slot), many neither even nor
-    multiples of 4 (partial last items), pool rows beyond a rank NaN; K = 4096 (G = 3) and 11008 (G = 1)."""
-    in_dim, out_dims = SHAPES[shape]
+    multiples of 4 (partial last items), pool rows beyond a rank NaN; K = 4096 (G = 3), 11008 and 28672 (G = 1: lanes
+    with 6 and 5, and 14 vectors, several steps of four for decode items of one rank row)."""
+    in_dim, out_dims = {**SHAPES, "llama70_down": (28672, [8192])}[shape]
     G, S, R = len(out_dims), DECODE_T, 16
     rank_list = [3, 5, 16, 1, 7, 2, 13, 16, 6, 9, 11, 4, 15]
     host_ranks = [[0 if (s + 2 * g) % 9 == 8 else rank_list[(s + 5 * g) % len(rank_list)] for s in range(S)]
