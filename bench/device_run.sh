@@ -22,6 +22,8 @@
 #            expand, norm_lora) alone and as chains, each in a CUDA graph -> probe_norm_lora.json (NLPROBE_ARGS)
 #   fusedprobe the FP8 product then its epilogue's launch against the product with the epilogue inside, per 7B
 #            projection, 32 / 1 / no adapters, in CUDA graphs -> probe_fused_epilogue.json
+#   shrinkprobe the LoRA shrink alone per 7B and 70B projection group, 32 distinct adapters and one, with and without
+#            the e4m3 rows, for each decode_ranks, beside its bytes, in CUDA graphs -> probe_shrink.json
 #   nltests  the norm with the LoRA expand before and the shrink after it (tests/gpu/test_norm_lora_cuda.py; NLTESTS_K: -k)
 #   stests   the LoRA shrink that does not wait for its base GEMM (tests/gpu/test_shrink_early_cuda.py)
 #   ntests   the project's RMSNorm kernel and the norm + LoRA shrink launch (tests/gpu/test_norm_cuda.py; NTESTS_K: -k)
@@ -204,6 +206,9 @@ stage() {
     fusedprobe)
       timeout ${PROBE_S:-120} python3 bench/probe_fused_epilogue.py --out "$OUT/probe_fused_epilogue${TAG:+_$TAG}.json" \
         2>&1 | tee "$LOGS/probe_fused_epilogue.log" | tail -12 ;;
+    shrinkprobe)
+      timeout ${PROBE_S:-180} python3 bench/probe_shrink.py --out "$OUT/probe_shrink${TAG:+_$TAG}.json" \
+        2>&1 | tee "$LOGS/probe_shrink.log" | tail -34 ;;
     nltests)
       timeout ${TEST_S:-400} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_norm_lora_cuda.py -rA -s --durations=4 \
         --tb=short -k "${NLTESTS_K:-}" -o faulthandler_timeout=${HANG_S:-200} 2>&1 | tee -a "$LOGS/gpu_nltests.log" \
