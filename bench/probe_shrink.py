@@ -1,6 +1,6 @@
 """The LoRA shrink of a decode step alone, each launch replayed from a CUDA graph: per projection group of the
 Llama-2-7B and -70B shapes (rank 16 on every projection, 32 rows), 32 distinct adapters (one-row segments) and one
-(one 32-row segment), with and without the rows' e4m3 quantization in the same launch (FP8 weights), for each
+(one 32-row segment, and its rows as one-row segments), with and without the rows' e4m3 quantization in the same launch (FP8 weights), for each
 number of rank rows per decode item (decode_ranks), beside the bytes it must read (x, and A of each distinct
 adapter; each launch reads its A from DRAM, x stays in L2 as after the kernel that wrote it) and the rate that
 makes.
@@ -36,14 +36,19 @@ def main() -> None:
     ap.add_argument("--out", default="", help="JSON file of the results (none: print only)")
     args = ap.parse_args()
 
-    from lorafleet.runner.lora.segments import build_segments
+    from lorafleet.runner.lora.segments import SegmentTable, build_segments
     from lorafleet.runner.lora.sgmv_cuda import CudaSGMV
 
     T, R = args.rows, args.rank
     dt = torch.bfloat16
     sg = CudaSGMV()
-    mixes = {"distinct": (list(range(T)), T), "identical": ([0] * T, 1)}
+    # identical_rows: the one adapter's rows as one-row segments (decode_ranks' items) instead of one 32-row segment
+    # (items of 2 rows x 2 rank rows); the same bits, another launch shape
+    mixes = {"distinct": (list(range(T)), T), "identical": ([0] * T, 1), "identical_rows": ([0] * T, 1)}
     segs = {m: build_segments(slots, "cuda", capacity=T) for m, (slots, _) in mixes.items()}
+    segs["identical_rows"] = SegmentTable(torch.arange(T + 1, dtype=torch.int32, device="cuda"),
+                                          torch.zeros(T, dtype=torch.int32, device="cuda"), tuple(range(T + 1)),
+                                          (0,) * T, T)
     rows = []
     for shape in args.shapes:
         for group, (K, G) in GROUPS[shape].items():
