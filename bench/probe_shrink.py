@@ -1,9 +1,9 @@
 """The LoRA shrink of a decode step alone, each launch replayed from a CUDA graph: per projection group of the
 Llama-2-7B and -70B shapes (rank 16 on every projection, 32 rows), 32 distinct adapters (one-row segments) and one
-(one 32-row segment, and its rows as one-row segments), with and without the rows' e4m3 quantization in the same launch (FP8 weights), for each
-number of rank rows per decode item (decode_ranks), beside the bytes it must read (x, and A of each distinct
-adapter; each launch reads its A from DRAM, x stays in L2 as after the kernel that wrote it) and the rate that
-makes.
+(one 32-row segment, also cut into one-row items: row_items), with and without the rows' e4m3 quantization in the
+same launch (FP8 weights), for each number of rank rows per decode item (decode_ranks), beside the bytes it must
+read (x, and A of each distinct adapter; each launch reads its A from DRAM, x stays in L2 as after the kernel that
+wrote it) and the rate that makes.
 
     python bench/probe_shrink.py --out probe_shrink.json
 """
@@ -36,19 +36,16 @@ def main() -> None:
     ap.add_argument("--out", default="", help="JSON file of the results (none: print only)")
     args = ap.parse_args()
 
-    from lorafleet.runner.lora.segments import SegmentTable, build_segments
+    from lorafleet.runner.lora.segments import build_segments
     from lorafleet.runner.lora.sgmv_cuda import CudaSGMV
 
     T, R = args.rows, args.rank
     dt = torch.bfloat16
     sg = CudaSGMV()
-    # identical_rows: the one adapter's rows as one-row segments (decode_ranks' items) instead of one 32-row segment
-    # (items of 2 rows x 2 rank rows); the same bits, another launch shape
-    mixes = {"distinct": (list(range(T)), T), "identical": ([0] * T, 1), "identical_rows": ([0] * T, 1)}
+    # identical_row_items: the one adapter's 32-row segment cut into one-row items of decode_ranks rank rows
+    # (row_items, LORAFLEET_SHRINK_ROW_ITEMS) instead of items of 2 rows x 2 rank rows; the same bits
+    mixes = {"distinct": (list(range(T)), T), "identical": ([0] * T, 1), "identical_row_items": ([0] * T, 1)}
     segs = {m: build_segments(slots, "cuda", capacity=T) for m, (slots, _) in mixes.items()}
-    segs["identical_rows"] = SegmentTable(torch.arange(T + 1, dtype=torch.int32, device="cuda"),
-                                          torch.zeros(T, dtype=torch.int32, device="cuda"), tuple(range(T + 1)),
-                                          (0,) * T, T)
     rows = []
     for shape in args.shapes:
         for group, (K, G) in GROUPS[shape].items():
@@ -70,7 +67,7 @@ def main() -> None:
                             a = pools[turn[0] % copies]  # (the capture calls this once per launch of the graph)
                             turn[0] += 1
                             sg.shrink(v, x, a, ranks, None, segs[mix], mma_min_rows=1 << 30, decode_ranks=dr,
-                                      quant=q if quant else None)
+                                      quant=q if quant else None, row_items=mix == "identical_row_items")
 
                         us = timed(call, args.reps)
                         rows.append({"shape": shape, "group": group, "K": K, "projections": G, "mix": mix,

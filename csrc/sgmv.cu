@@ -199,6 +199,7 @@ struct ShrinkParams {
   int rank_pad;             // max rank_cap rounded up to 16: rows of the A tile in shared memory
   int work_offset;          // bytes from the start of dynamic shared memory to the work area
   int x_ready;              // LaunchOptions::x_ready: read x and write v without waiting for the previous kernel
+  int row_items;            // LaunchOptions::row_items: segments below kShrinkLong rows as one-row items too
   uint8_t* quant_out;       // optional: x's rows quantized to e4m3 (ShrinkArgs)
   float* quant_scale;
   NormArgs norm;            // sgmv_norm_shrink: x is norm.x_out, computed by the launch (kNorm kernels only)
@@ -615,10 +616,14 @@ __global__ void __launch_bounds__(kNlThreads) norm_lora_kernel(const __grid_cons
 // ---------------------------------------------------------------------------------------------------
 // Shrink.
 
+// Whether a segment of n rows runs as one-row CUDA-core items of decode_ranks rank rows (row_items: ShrinkParams's).
+__device__ __forceinline__ bool one_row_items(int n, int row_items) { return n == 1 || (row_items && n < kShrinkLong); }
+
 template <bool kMma>
 struct ShrinkCount {
   int mma_min_rows;
   int decode_ranks;  // ShrinkParams::decode_ranks
+  int row_items = 0;  // ShrinkParams::row_items (the fused and norm launches: 0)
   __device__ int operator()(int n, int packed) const {
     int rt = 0, active = 0;
 #pragma unroll
@@ -628,7 +633,8 @@ struct ShrinkCount {
       active += r > 0;
     }
     if (kMma && n >= mma_min_rows) return ceil_div(n, kShrinkTileM) * active;
-    const int rb = n == 1 ? decode_ranks : (n >= kShrinkLong ? kShrinkRanksLong : kShrinkRanksN);
+    if (one_row_items(n, row_items)) return n * ceil_div(rt, decode_ranks);
+    const int rb = n >= kShrinkLong ? kShrinkRanksLong : kShrinkRanksN;
     return ceil_div(n, kShrinkRows) * ceil_div(rt, rb);
   }
 };
@@ -866,26 +872,29 @@ __device__ __forceinline__ void shrink_cc_item(const ShrinkParams& p, int lo, in
                                                float* red, bool& waited) {
   const int rt = rank_of(packed, 0) + rank_of(packed, 1) + rank_of(packed, 2);
   const bool long_seg = n >= kShrinkLong;
-  const int rb = n == 1 ? p.decode_ranks : (long_seg ? kShrinkRanksLong : kShrinkRanksN);
+  const bool one_row = one_row_items(n, p.row_items);
+  const int rb = one_row ? p.decode_ranks : (long_seg ? kShrinkRanksLong : kShrinkRanksN);
+  const int rows = one_row ? 1 : kShrinkRows;  // per item
   const int nq = ceil_div(rt, rb);
   const int c = local / nq, q = local - c * nq;
-  const int row0 = lo + c * kShrinkRows;
+  const int row0 = lo + c * rows;
   const int f0 = q * rb;
-  const int nr = min(kShrinkRows, n - c * kShrinkRows);
+  const int nr = min(rows, n - c * rows);
   static_assert(kShrinkRows == 2, "one shrink_cc instantiation per row count");
-  if (long_seg) {
-    if (nr == 1) {
-      shrink_cc<T, 1, kShrinkRanksLong, kNorm>(p, row0, slot, packed, f0, red, waited);
-    } else {
-      shrink_cc<T, 2, kShrinkRanksLong, kNorm>(p, row0, slot, packed, f0, red, waited);
-    }
-  } else if (n == 1) {  // decode: p.decode_ranks is 1, 2 or 4 (checked by the launchers)
+  if (one_row) {  // decode rows (and with row_items short segments' rows): p.decode_ranks is 1, 2 or 4 (checked
+                  // by the launchers)
     if (rb == 4) {
       shrink_cc<T, 1, 4, kNorm>(p, row0, slot, packed, f0, red, waited);
     } else if (rb == 2) {
       shrink_cc<T, 1, 2, kNorm>(p, row0, slot, packed, f0, red, waited);
     } else {
       shrink_cc<T, 1, 1, kNorm>(p, row0, slot, packed, f0, red, waited);
+    }
+  } else if (long_seg) {
+    if (nr == 1) {
+      shrink_cc<T, 1, kShrinkRanksLong, kNorm>(p, row0, slot, packed, f0, red, waited);
+    } else {
+      shrink_cc<T, 2, kShrinkRanksLong, kNorm>(p, row0, slot, packed, f0, red, waited);
     }
   } else if (nr == 1) {  // the odd last row of a short segment
     shrink_cc<T, 1, kShrinkRanksN, kNorm>(p, row0, slot, packed, f0, red, waited);
@@ -903,7 +912,7 @@ __global__ void __launch_bounds__(kThreads, kMma ? 2 : (kNorm ? 3 : kShrinkMinBl
   // still run (they are written before a step starts, never by the kernel right before a shrink);
   // x is read and v written only after the wait (with p.x_ready: at once, the wait at the end).
   const Table t = carve_table(reinterpret_cast<int*>(smem), p.seg.capacity);
-  const int total = build_table(p.seg, p.rank_cap, t, ShrinkCount<kMma>{p.mma_min_rows, p.decode_ranks});
+  const int total = build_table(p.seg, p.rank_cap, t, ShrinkCount<kMma>{p.mma_min_rows, p.decode_ranks, p.row_items});
   unsigned char* work = smem + p.work_offset;
   float* red = reinterpret_cast<float*>(work);
   bool waited = false;  // every global write (v) comes after pdl_wait() (the previous expand may read v), unless
@@ -1466,6 +1475,7 @@ const char* shrink_typed(const ShrinkArgs& args, const LaunchOptions& opt, int d
   p.mma_min_rows = std::max(1, opt.mma_min_rows);
   p.decode_ranks = decode_ranks_of(opt);  // checked by sgmv_shrink
   p.x_ready = opt.x_ready && norm == nullptr;
+  p.row_items = opt.row_items && norm == nullptr;
   p.quant_out = norm != nullptr ? nullptr : args.quant_out;
   p.quant_scale = p.quant_out != nullptr ? args.quant_scale : nullptr;
   if (p.quant_out != nullptr && args.quant_scale == nullptr) return "sgmv_shrink: quant_out without quant_scale";
@@ -1498,7 +1508,7 @@ const char* shrink_typed(const ShrinkArgs& args, const LaunchOptions& opt, int d
   if (mma) p.decode_ranks = decode_ranks_of(opt, kShrinkRanksMma1);
   const int smem = p.work_offset + (mma ? mma_work : cc_work);
   // fewest rank rows per CUDA-core item: kShrinkRanksN (two-row chunks), or decode_ranks (one-row segments)
-  int64_t items = static_cast<int64_t>(row_chunks_bound(args.seg, kShrinkRows)) *
+  int64_t items = static_cast<int64_t>(row_chunks_bound(args.seg, p.row_items ? 1 : kShrinkRows)) *
                   ceil_div(rank_sum, std::min(kShrinkRanksN, p.decode_ranks));
   if (mma) items += static_cast<int64_t>(row_chunks_bound(args.seg, kShrinkTileM)) * args.seg.num_groups;
   if (norm != nullptr) items = std::max<int64_t>(items, norm->rows);  // every row's norm, whatever the adapters

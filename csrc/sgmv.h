@@ -143,6 +143,11 @@ struct LaunchOptions {
   // finishing, so whatever follows the shrink sees both complete. Never changes a bit of v. Ignored by the fused
   // and norm launches.
   bool x_ready = false;
+  // Shrink only: segments shorter than the long-segment threshold (96 rows) are cut into one-row items too, of
+  // decode_ranks rank rows each, as one-row segments are (a decode step's rows of one adapter then take as many
+  // items as distinct adapters' rows would, instead of half as many of 2 rows x 2 rank rows). A launch shape:
+  // never changes a bit of v. Ignored by the fused and norm launches.
+  bool row_items = false;
 };
 
 // Enqueue one launch on `stream` (a cudaStream_t) of device `device`. No host synchronisation, no

@@ -2,14 +2,15 @@
 // kernels on the CUDA stream that Python passes in as an integer (no c10/cuda headers needed).
 //
 //   shrink(v, x, a, ranks, indptr, slots, mma_min_rows, pdl, stream, max_blocks=0, blocks_per_sm=0,
-//          decode_ranks=0, quant_out=None, quant_scale=None, x_ready=False):
+//          decode_ranks=0, quant_out=None, quant_scale=None, x_ready=False, row_items=False):
 //       v[rows, g, :r] = x[rows] @ a[g][s, :r, :].T        for every segment (rows, s >= 0) and g;
 //       with quant_out / quant_scale also every row of x quantized as quantize_e4m3 does, in the same launch;
 //       max_blocks > 0 caps the grid (to leave SMs to a kernel on another stream), blocks_per_sm > 0
 //       the resident blocks per SM (0: 4), decode_ranks (1, 2 or 4; 0: 2, or 4 when the launch can take
 //       tensor cores) sets the rank rows per CUDA-core item of one-row segments; x_ready: the kernel launched
 //       right before (the base GEMM on the same x) neither writes x nor touches v, so the items need not
-//       wait for it (sgmv.h LaunchOptions::x_ready). None of the four changes a bit of v.
+//       wait for it (sgmv.h LaunchOptions::x_ready); row_items: segments below 96 rows also as one-row items of
+//       decode_ranks rank rows (sgmv.h LaunchOptions::row_items). None of the five changes a bit of v.
 //   expand(ys, v, b, ranks, indptr, slots, mma_min_rows, pdl, stream, blocks_per_sm=0, write_f32=false):
 //       ys[g][rows] += v[rows, g, :r] @ b[g][s, :r, :]
 //       blocks_per_sm > 0 caps the resident blocks per SM (0: occupancy only); never changes a bit.
@@ -221,7 +222,8 @@ lorafleet::ShrinkArgs shrink_args(const Tensor& v, const Tensor& x, const std::v
 }
 
 lorafleet::LaunchOptions launch_options(int64_t mma_min_rows, bool pdl, int64_t max_blocks = 0,
-                                        int64_t blocks_per_sm = 0, int64_t decode_ranks = 0, bool x_ready = false) {
+                                        int64_t blocks_per_sm = 0, int64_t decode_ranks = 0, bool x_ready = false,
+                                        bool row_items = false) {
   SGMV_CHECK(mma_min_rows >= 1, "sgmv: mma_min_rows must be >= 1");
   SGMV_CHECK(max_blocks >= 0, "sgmv: max_blocks must be >= 0 (0: no cap)");
   SGMV_CHECK(blocks_per_sm >= 0, "sgmv: blocks_per_sm must be >= 0 (0: the kernel's default), got %lld",
@@ -235,6 +237,7 @@ lorafleet::LaunchOptions launch_options(int64_t mma_min_rows, bool pdl, int64_t 
   opt.blocks_per_sm = static_cast<int>(std::min<int64_t>(blocks_per_sm, kInt32Max));
   opt.decode_ranks = static_cast<int>(decode_ranks);
   opt.x_ready = x_ready;
+  opt.row_items = row_items;
   return opt;
 }
 
@@ -242,7 +245,8 @@ void* as_stream(int64_t stream) { return reinterpret_cast<void*>(static_cast<int
 
 void shrink(Tensor v, Tensor x, std::vector<Tensor> a, Tensor ranks, Tensor indptr, Tensor slots,
             int64_t mma_min_rows, bool pdl, int64_t stream, int64_t max_blocks, int64_t blocks_per_sm,
-            int64_t decode_ranks, std::optional<Tensor> quant_out, std::optional<Tensor> quant_scale, bool x_ready) {
+            int64_t decode_ranks, std::optional<Tensor> quant_out, std::optional<Tensor> quant_scale, bool x_ready,
+            bool row_items) {
   const auto dtype = kernel_dtype(x, "x");
   lorafleet::ShrinkArgs args = shrink_args(v, x, a, ranks, indptr, slots);
   SGMV_CHECK(quant_out.has_value() == quant_scale.has_value(), "sgmv: quant_out and quant_scale go together");
@@ -252,7 +256,7 @@ void shrink(Tensor v, Tensor x, std::vector<Tensor> a, Tensor ranks, Tensor indp
     args.quant_scale = quant_scale->data_ptr<float>();
   }
   const lorafleet::LaunchOptions opt =
-      launch_options(mma_min_rows, pdl, max_blocks, blocks_per_sm, decode_ranks, x_ready);
+      launch_options(mma_min_rows, pdl, max_blocks, blocks_per_sm, decode_ranks, x_ready, row_items);
   if (x.size(0) == 0) return;
   const char* err = lorafleet::sgmv_shrink(dtype, args, opt, x.get_device(), as_stream(stream));
   SGMV_CHECK(err == nullptr, "sgmv shrink launch failed: %s", err ? err : "");
@@ -838,7 +842,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("v"), py::arg("x"), py::arg("a"), py::arg("ranks"), py::arg("indptr"), py::arg("slots"),
         py::arg("mma_min_rows"), py::arg("pdl"), py::arg("stream"), py::arg("max_blocks") = 0,
         py::arg("blocks_per_sm") = 0, py::arg("decode_ranks") = 0, py::arg("quant_out") = py::none(),
-        py::arg("quant_scale") = py::none(), py::arg("x_ready") = false);
+        py::arg("quant_scale") = py::none(), py::arg("x_ready") = false, py::arg("row_items") = false);
   m.def("expand", &expand,
         "ys[g][rows] += v[rows, g, :r] @ b[g][slot, :r] for every segment (write_f32: ys fp32, = instead of +=)",
         py::arg("ys"), py::arg("v"), py::arg("b"), py::arg("ranks"), py::arg("indptr"), py::arg("slots"),

@@ -35,6 +35,8 @@ class KernelChoices:
     decode_ranks: per projection group (qkv, o, gate_up, down) the rank rows per work item of the LoRA shrink's
         one-row segments (1, 2 or 4; 0: the kernel's choice), in the shrinks of decode steps (CUDA; a launch shape,
         the same bits); one number stands for all four groups.
+    shrink_row_items: the rows of short segments (under 96 rows: a decode step's rows of one adapter) also run as
+        such one-row items instead of items of 2 rows x 2 rank rows (CUDA; a launch shape, the same bits).
     shrink_early: the LoRA shrink launched right after its projection's base GEMM does not wait for that GEMM
         before reading x (CUDA, two launches per group; the same bits).
     lora_branch: in decode graphs (CUDA LoRA kernels; projections not finished by the FP8 epilogue; not with
@@ -91,6 +93,7 @@ class KernelChoices:
     norm_lora: bool = False
     shrink_early: bool = False
     decode_ranks: tuple[int, int, int, int] = (0, 0, 0, 0)
+    shrink_row_items: bool = False
     lora_branch: str = "off"
     blas_lt_rows: int = 64
     fp8_swap_rows: int = 0
@@ -145,7 +148,8 @@ class KernelChoices:
                    sgmv_fused=env.sgmv_fused(), fused_ops=env.fused_ops(), rope_kv=env.rope_kv_kernel(),
                    rope_kv_lora=env.rope_kv_lora(), rope_kv_fp8=env.rope_kv_fp8(),
                    norm_shrink=env.norm_shrink(), norm_lora=env.norm_lora(), shrink_early=env.shrink_early(),
-                   decode_ranks=env.decode_ranks(), lora_branch=env.lora_branch(), blas_lt_rows=env.blas_lt_rows(),
+                   decode_ranks=env.decode_ranks(), shrink_row_items=env.shrink_row_items(),
+                   lora_branch=env.lora_branch(), blas_lt_rows=env.blas_lt_rows(),
                    fp8_swap_rows=env.fp8_swap_rows(), fp8_gemm_rows=env.fp8_gemm_rows(),
                    fp8_gemm_bf16=env.fp8_gemm_bf16(),
                    fp8_unit_scale_elems=env.fp8_unit_scale_elems(), fp8_epilogue=env.fp8_epilogue(),

@@ -134,6 +134,8 @@ def test_fp8_gemm_switches(monkeypatch):
             ("LORAFLEET_SHRINK_EARLY", env.shrink_early, False, "1", "shrink_early=True"),  # off: no gain end to end
             ("LORAFLEET_DECODE_RANKS", env.decode_ranks, (0, 0, 0, 0), "4",
              "decode_ranks=(4, 4, 4, 4)"),  # 0: the kernel's own choice
+            ("LORAFLEET_SHRINK_ROW_ITEMS", env.shrink_row_items, False, "1",
+             "shrink_row_items=True"),  # off until measured
             ("LORAFLEET_LORA_BRANCH", env.lora_branch, "off", "Shrink", "lora_branch=shrink"),  # off: measured slower
             ("LORAFLEET_FP8_EPILOGUE_ACT", env.fp8_epilogue_act, True, "0", "fp8_epilogue_act=False"),  # on: measured faster
             ("LORAFLEET_FP8_SM90", env.fp8_sm90, True, "0", "fp8_sm90=False"),  # on: measured faster

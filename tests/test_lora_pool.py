@@ -107,9 +107,9 @@ def test_step_passes_each_groups_tensor_core_thresholds(monkeypatch):
             self.ready = []
 
         def add(self, ys, v, x, a, b, ranks, host_ranks, seg, mma=True, mma_rows=None, fused=True, x_ready=False,
-                decode_ranks=0):
+                decode_ranks=0, row_items=False):
             self.calls.append((mma, mma_rows, fused))
-            self.ready.append((x_ready, decode_ranks) if decode_ranks else x_ready)
+            self.ready.append((x_ready, decode_ranks, row_items) if decode_ranks or row_items else x_ready)
             super().add(ys, v, x, a, b, ranks, host_ranks, seg, mma, mma_rows, fused)
 
     pool = LoraPool(BASE, num_slots=3, max_rank=8, dtype=torch.float32, device=torch.device("cpu"))
@@ -143,14 +143,14 @@ def test_step_passes_each_groups_tensor_core_thresholds(monkeypatch):
     sg = Recording()
     step = LoraStepImpl(pool, sg, build_segments(row_slots), mma=False, kernels=KernelChoices(decode_ranks=4))
     step.add(0, 1, x, (torch.zeros(len(row_slots), BASE.shape(PROJECTIONS[3])[1]),))
-    assert sg.ready == [(False, 4)]
+    assert sg.ready == [(False, 4, False)]
     sg = Recording()
     step = LoraStepImpl(pool, sg, build_segments(row_slots), mma=False,
-                        kernels=KernelChoices(decode_ranks=(4, 1, 2, 0)))
+                        kernels=KernelChoices(decode_ranks=(4, 1, 2, 0), shrink_row_items=True))
     qkv = tuple(torch.zeros(len(row_slots), BASE.shape(PROJECTIONS[p])[1]) for p in range(3))
     step.add(0, 0, x, qkv)
     step.add(0, 1, x, (torch.zeros(len(row_slots), BASE.shape(PROJECTIONS[3])[1]),))
-    assert sg.ready == [(False, 4), (False, 1)]
+    assert sg.ready == [(False, 4, True), (False, 1, True)]
     with pytest.raises(ValueError, match="decode_ranks must be 0, 1, 2 or 4"):
         KernelChoices(decode_ranks=3)
 

@@ -40,14 +40,15 @@ class SGMV(Protocol):
     def add(self, ys: Sequence[torch.Tensor], v: torch.Tensor, x: torch.Tensor, a: Sequence[torch.Tensor],
             b: Sequence[torch.Tensor], ranks: torch.Tensor, host_ranks: Sequence[Sequence[int]], seg: SegmentTable,
             mma: bool = True, mma_rows: tuple[int, int] | None = None, fused: bool = True,
-            x_ready: bool = False, decode_ranks: int = 0) -> None:
+            x_ready: bool = False, decode_ranks: int = 0, row_items: bool = False) -> None:
         """shrink(v, x, a, ...) then expand(ys, v, b, ...); `mma=False` asks for the CUDA-core path;
         `mma_rows` = (shrink, expand): segments of at least that many rows may take tensor cores (None:
         the implementation's defaults); `fused=False` asks for separate launches where one fused launch
         would be allowed. Only the speed depends on the path, and the rounding on a segment's own path
         (never on other segments, the step's length or `fused`). `x_ready`: the caller enqueued the base GEMM on
         the same x right before, so the shrink need not wait for it (a scheduling hint; never changes a bit);
-        `decode_ranks`: rank rows per shrink work item of one-row segments (a launch shape; never changes a bit)."""
+        `decode_ranks`: rank rows per shrink work item of one-row segments, `row_items`: short segments' rows as such
+        items too (launch shapes; never change a bit)."""
 
 
 SHORT_SEGMENT = 16  # shorter segments run together as one padded bmm over their distinct slots
@@ -126,7 +127,7 @@ class TorchSGMV:
             v[sp.dest, g, :r_max] = out.view(sp.k * sp.m, r_max).index_select(0, sp.valid)
 
     def add(self, ys, v, x, a, b, ranks, host_ranks, seg, mma=True, mma_rows=None, fused=True, x_ready=False,
-            decode_ranks=0):
+            decode_ranks=0, row_items=False):
         self.shrink(v, x, a, ranks, host_ranks, seg)
         self.expand(ys, v, b, ranks, host_ranks, seg)
 

@@ -74,12 +74,14 @@ class CudaSGMV:
     def shrink(self, v: torch.Tensor, x: torch.Tensor, a: Sequence[torch.Tensor], ranks: torch.Tensor,
                host_ranks: Sequence[Sequence[int]], seg: SegmentTable, max_blocks: int = 0,
                mma_min_rows: int | None = None, blocks_per_sm: int = 0, decode_ranks: int = 0,
-               quant: tuple[torch.Tensor, torch.Tensor] | None = None, x_ready: bool = False) -> None:
+               quant: tuple[torch.Tensor, torch.Tensor] | None = None, x_ready: bool = False,
+               row_items: bool = False) -> None:
         """`mma_min_rows` overrides the instance's threshold. Launch-shape knobs, none of which ever
         changes a bit of v (only the speed): `max_blocks` > 0 caps the grid, leaving SMs to a kernel
         that runs beside this one on another stream; `blocks_per_sm` > 0 caps the resident blocks per
         SM (0: the kernel's default, 4); `decode_ranks` (1, 2 or 4; 0: the default, 2, or 4 when the call
-        can take tensor cores) is the number of rank rows per CUDA-core work item of one-row segments.
+        can take tensor cores) is the number of rank rows per CUDA-core work item of one-row segments, and with
+        `row_items` also of the rows of segments shorter than 96 rows (instead of items of 2 rows x 2 rank rows).
         `quant` = (out float8_e4m3fn [T, in], scale fp32 [T]): the same launch also quantizes every row of x per
         token, bit for bit runner/model/fp8.py quantize_tokens (an FP8 projection's input, no launch of its own).
         `x_ready`: the kernel enqueued right before this call (the base GEMM on the same x) neither writes x nor
@@ -91,7 +93,7 @@ class CudaSGMV:
         rows = self.shrink_mma_min_rows if mma_min_rows is None else mma_min_rows
         q_out, q_scale = quant if quant is not None else (None, None)
         self._ext().shrink(v, x, list(a), ranks, seg.indptr, seg.slots, rows, self.pdl, stream, max_blocks,
-                           blocks_per_sm, decode_ranks, q_out, q_scale, x_ready)
+                           blocks_per_sm, decode_ranks, q_out, q_scale, x_ready, row_items)
 
     def norm_shrink(self, v: torch.Tensor, x_out: torch.Tensor, norm: "NormOperands", a: Sequence[torch.Tensor],
                     ranks: torch.Tensor, seg: SegmentTable,
@@ -142,20 +144,20 @@ class CudaSGMV:
     def add(self, ys: Sequence[torch.Tensor], v: torch.Tensor, x: torch.Tensor, a: Sequence[torch.Tensor],
             b: Sequence[torch.Tensor], ranks: torch.Tensor, host_ranks: Sequence[Sequence[int]], seg: SegmentTable,
             mma: bool = True, mma_rows: tuple[int, int] | None = None, fused: bool = True,
-            x_ready: bool = False, decode_ranks: int = 0) -> None:
+            x_ready: bool = False, decode_ranks: int = 0, row_items: bool = False) -> None:
         """shrink then expand of one group (see the class docstring), fused into one launch when T is
         below both thresholds (`mma=False`: always). `mma_rows` = (shrink, expand) thresholds of this
         call instead of the instance's. `fused=False`: always the two launches (the same bits as the
         fused launch); `mma=False, fused=False` is what decode steps call. `x_ready`: the two launches' shrink
         need not wait for the kernel enqueued before the call (see shrink); the fused launch ignores it, as it does
-        `decode_ranks` (the two launches' shrink: see shrink)."""
+        `decode_ranks` and `row_items` (the two launches' shrink: see shrink)."""
         if not x.is_cuda:
             raise ValueError(f"CudaSGMV needs CUDA tensors, got x on {x.device} (use TorchSGMV on the CPU)")
         big = 1 << 30
         s_rows, e_rows = mma_rows or (self.shrink_mma_min_rows, self.expand_mma_min_rows)  # the binding checks >= 1
         if not fused:
             self.shrink(v, x, a, ranks, host_ranks, seg, mma_min_rows=s_rows if mma else big, x_ready=x_ready,
-                        decode_ranks=decode_ranks)
+                        decode_ranks=decode_ranks, row_items=row_items)
             self.expand(ys, v, b, ranks, host_ranks, seg, mma_min_rows=e_rows if mma else big)
             return
         stream = torch.cuda.current_stream(x.device).cuda_stream

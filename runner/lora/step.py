@@ -93,8 +93,8 @@ class LoraStepImpl:
         self.mma_rows = kernels.mma_rows
         # the shrink of add / add_qkv follows the base GEMM on the same x (runner/model/decoder.py): it need not wait
         self.x_ready = kernels.shrink_early
-        # per group: rank rows per shrink item of one-row segments (0: the kernel's)
-        self.decode_ranks = kernels.decode_ranks
+        # per group: rank rows per shrink item of one-row segments (0: the kernel's); row_items: of short segments' too
+        self.decode_ranks, self.row_items = kernels.decode_ranks, kernels.shrink_row_items
         # Decode graphs with the fused K/V writer (KernelChoices.rope_kv_lora): the qkv group's expand is left to that
         # kernel (add_qkv), which adds it in the same order as the CUDA-core expand.
         self.qkv_expand_in_rope = qkv_expand_in_rope and not mma
@@ -149,7 +149,7 @@ class LoraStepImpl:
             pass
         elif getattr(self.sgmv, "name", "") == "cuda":  # CUDA-core items, as the decode call's shrink
             self.sgmv.shrink(v, x, a, ranks, host, self.seg, mma_min_rows=1 << 30, x_ready=self.x_ready,
-                             decode_ranks=self.decode_ranks[0])
+                             decode_ranks=self.decode_ranks[0], row_items=self.row_items)
         else:
             self.sgmv.shrink(v, x, a, ranks, host, self.seg)
         return v, b, ranks, row_slot
@@ -257,7 +257,7 @@ class LoraStepImpl:
                 raise ValueError("epilogue_operands: the norm's launch did the shrink; it quantizes x itself")
         else:
             self.sgmv.shrink(v, x, a, ranks, host, self.seg, mma_min_rows=1 << 30, quant=quant,
-                             decode_ranks=self.decode_ranks[group])
+                             decode_ranks=self.decode_ranks[group], row_items=self.row_items)
         return v, b, ranks, row_slot
 
     def begin(self, layer: int, group: int, x: torch.Tensor) -> None:
@@ -280,7 +280,7 @@ class LoraStepImpl:
             if addon is not None:
                 addon.zero_()
             self.sgmv.shrink(v, x, a, ranks, host, self.seg, mma_min_rows=1 << 30,
-                             decode_ranks=self.decode_ranks[group])
+                             decode_ranks=self.decode_ranks[group], row_items=self.row_items)
             if addon is not None:
                 self.sgmv.expand(list(addon.split(widths, dim=-1)), v, b, ranks, host, self.seg,
                                  mma_min_rows=1 << 30, write=True)
@@ -320,14 +320,15 @@ class LoraStepImpl:
         a, b, ranks, host = self.pool.group_args[layer][group]  # ranks [G, S]
         if defer and self.cluster_norm and len(ys) == 1:
             self.sgmv.shrink(v, x, a, ranks, host, self.seg, mma_min_rows=1 << 30, x_ready=self.x_ready,
-                             decode_ranks=self.decode_ranks[group])
+                             decode_ranks=self.decode_ranks[group], row_items=self.row_items)
             self._deferred = (layer, group, ys[0])
             return
         if self._take_shrunk(layer, group):  # decode graphs: the expand's CUDA-core launch, as add's two launches
             self.sgmv.expand(ys, v, b, ranks, host, self.seg, mma_min_rows=1 << 30)
             return
         self.sgmv.add(ys, v, x, a, b, ranks, host, self.seg, self.mma, self.mma_rows[group],
-                      fused=self.fused, x_ready=self.x_ready, decode_ranks=self.decode_ranks[group])
+                      fused=self.fused, x_ready=self.x_ready, decode_ranks=self.decode_ranks[group],
+                      row_items=self.row_items)
 
     def dense_linear(self, layer: int, group: int, x: torch.Tensor, w: torch.Tensor,
                      bias: torch.Tensor | None, out_spare: int = 0) -> torch.Tensor:

@@ -203,6 +203,14 @@ def decode_ranks() -> tuple[int, int, int, int]:
     return ranks
 
 
+def shrink_row_items() -> bool:
+    """LORAFLEET_SHRINK_ROW_ITEMS: the LoRA shrink cuts the rows of segments shorter than 96 rows (a decode step's
+    rows of one adapter) into one-row work items of LORAFLEET_DECODE_RANKS rank rows, as it does one-row segments,
+    instead of items of 2 rows x 2 rank rows: more, shorter items where few adapters serve many rows. A launch shape
+    only: never changes a bit (default 0 until measured)."""
+    return _flag("LORAFLEET_SHRINK_ROW_ITEMS", False)
+
+
 def rope_kv_lora() -> bool:
     """LORAFLEET_ROPE_KV_LORA: decode CUDA graphs add the qkv rows' LoRA expand inside the rope_kv
     kernel instead of a separate expand launch per layer (same bits; default 0: no gain on the H200,

@@ -421,6 +421,8 @@ DECODE_TABLES = {
     "same_slot_rows": ([0] * DECODE_T, True),
     "same_slot_merged": ([0] * DECODE_T, False),  # one 32-row segment: decode_ranks has nothing to do
     "distinct_base_rows": ([-1 if i % 5 == 4 else (7 * i) % DECODE_T for i in range(DECODE_T)], False),
+    # runs of 5, 7, 1 and 17 rows of four adapters around two rows without one: short segments of odd lengths
+    "short_runs": ([0] * 5 + [3] * 7 + [-1] * 2 + [9] + [0] * 17, False),
 }
 
 
@@ -428,8 +430,8 @@ DECODE_TABLES = {
 @pytest.mark.parametrize("shape", ["llama_qkv_gqa", "llama_down", "llama70_down"])
 @pytest.mark.parametrize("table", list(DECODE_TABLES))
 def test_launch_shape_knobs_keep_the_bits(dtype, shape, table):
-    """Decode-shaped tables (T = 32): `shrink(blocks_per_sm=1..4, decode_ranks=1|2|4)` gives v bit for bit
-    as the default call, and `expand(blocks_per_sm=1|2|4)` ys bit for bit as the default expand; the
+    """Decode-shaped tables (T = 32): `shrink(blocks_per_sm=1..4, decode_ranks=1|2|4, row_items=False|True)` gives v
+    bit for bit as the default call, and `expand(blocks_per_sm=1|2|4)` ys bit for bit as the default expand; the
     default call matches the fp64 reference. Ranks 0..16 per (projection, slot), many neither even nor
     multiples of 4 (partial last items), pool rows beyond a rank NaN; K = 4096 (G = 3), 11008 and 28672 (G = 1: lanes
     with 6 and 5, and 14 vectors, several steps of four for decode items of one rank row)."""
@@ -462,9 +464,11 @@ def test_launch_shape_knobs_keep_the_bits(dtype, shape, table):
 
     for bps in (1, 2, 3, 4):
         for rb in (1, 2, 4):
-            v = shrink(blocks_per_sm=bps, decode_ranks=rb)
-            torch.cuda.synchronize()
-            assert same_bits(v, v0), f"{table}: shrink(blocks_per_sm={bps}, decode_ranks={rb}) changed v"
+            for row_items in (False, True):  # short segments' rows as one-row items of rb rank rows too
+                v = shrink(blocks_per_sm=bps, decode_ranks=rb, row_items=row_items)
+                torch.cuda.synchronize()
+                assert same_bits(v, v0), (f"{table}: shrink(blocks_per_sm={bps}, decode_ranks={rb}, "
+                                          f"row_items={row_items}) changed v")
     # The tensor-core capable kernel (mma_min_rows=2) keeps one-row segments on CUDA-core items, with
     # its own default rank rows per item: the same bits when every adapted segment has one row.
     runs = [len(list(grp)) for slot, grp in itertools.groupby(row_slots) if slot >= 0]
@@ -473,6 +477,17 @@ def test_launch_shape_knobs_keep_the_bits(dtype, shape, table):
             v = shrink(mma_min_rows=2, decode_ranks=rb)
             torch.cuda.synchronize()
             assert same_bits(v, v0), f"{table}: tensor-core capable shrink (decode_ranks={rb}) changed v"
+    # ... and with row_items, the segments below its threshold (here 24 rows) as one-row items, the others on tensor
+    # cores (the same bits for the former; the latter checked against the reference by the tensor-core tests)
+    v = shrink(mma_min_rows=24, decode_ranks=1, row_items=True)
+    v_cc = shrink(mma_min_rows=24, decode_ranks=2)
+    torch.cuda.synchronize()
+    ip = seg.host_indptr
+    short = [i for k in range(len(ip) - 1) if ip[k + 1] - ip[k] < 24 for i in range(ip[k], ip[k + 1])]
+    if short:
+        idx = torch.tensor(short, device=DEV)
+        assert same_bits(v.index_select(0, idx), v0.index_select(0, idx)), f"{table}: row_items beside tensor cores"
+        assert same_bits(v_cc.index_select(0, idx), v0.index_select(0, idx))
     for bps in (1, 2, 4):
         buf2 = before.clone()
         ys2 = list(buf2[:, PAD : PAD + sum(out_dims)].split(out_dims, dim=1))
