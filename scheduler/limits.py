@@ -37,21 +37,21 @@ class RequestLimits:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The budget flags (shared by `lorafleet scheduler` and `lorafleet serve`)."""
     p.add_argument("--max-sequences-per-request", type=int, default=DEFAULT_MAX_SEQUENCES, metavar="N",
-                   help=f"prompts x n of one request (default {DEFAULT_MAX_SEQUENCES})")
+                   help=f"prompts x n of one request (default: {DEFAULT_MAX_SEQUENCES})")
     p.add_argument("--max-prompt-tokens-per-request", type=int, default=DEFAULT_MAX_PROMPT_TOKENS, metavar="N",
                    help="prompt tokens of all sequences of one request together, prompts x n "
-                        f"(default {DEFAULT_MAX_PROMPT_TOKENS}, at least the context length)")
+                        f"(default: {DEFAULT_MAX_PROMPT_TOKENS}, at least the context length)")
     p.add_argument("--max-completion-tokens", type=int, default=None, metavar="N",
                    help="largest max_tokens a request may ask for (default: the context length)")
     p.add_argument("--max-prefill-backlog", type=int, default=PREFILL_BACKLOG, metavar="TOKENS",
                    help="placement passes over a runner whose queued prompt tokens would exceed this "
-                        f"(default {PREFILL_BACKLOG})")
+                        f"(default: {PREFILL_BACKLOG})")
     p.add_argument("--runner-queue", type=int, default=None, metavar="N",
                    help="requests placed on a runner beyond its max batch size, so it loads their adapters "
                         "while its batch is full (default: a quarter of its max batch; 0: none)")
     p.add_argument("--prefix-affinity-tokens", type=int, default=PREFIX_TOKENS_PER_SLOT, metavar="TOKENS",
                    help="placement: a runner likely to hold this many tokens of a request's prefix in its cache counts "
-                        f"as one more request in its batch (default {PREFIX_TOKENS_PER_SLOT}; 0: ignore prefixes)")
+                        f"as one more request in its batch (default: {PREFIX_TOKENS_PER_SLOT}; 0: ignore prefixes)")
 
 
 def from_args(args: argparse.Namespace, max_model_len: int) -> RequestLimits:

@@ -476,15 +476,17 @@ def plot(results: list[dict], trace: list[Req], path: Path) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--gpus", type=int, default=16)
+    p.add_argument("--gpus", type=int, default=16, help="simulated GPUs in the cluster, one runner each")
     p.add_argument("--duration", type=float, default=3600.0, help="trace length in seconds")
     p.add_argument("--peak-rps", type=float, default=30.0, help="arrival rate at the busiest moment")
     p.add_argument("--adapters", type=int, default=1000, help="adapter population (Zipf-1.5 popularity)")
-    p.add_argument("--max-batch", type=int, default=32)
+    p.add_argument("--max-batch", type=int, default=32, help="max batch size of each simulated runner")
     p.add_argument("--kv-tokens", type=int, default=48000, help="KV capacity of one GPU in tokens")
     p.add_argument("--idle-window", type=float, default=60.0, help="seconds idle before a GPU is released")
     p.add_argument("--step-model", type=Path, default=None,
-                   help="JSON with decode_base_ms, decode_per_req_ms, prefill_per_token_ms (from bench e2e)")
+                   help="JSON with decode_base_ms, decode_per_req_ms, prefill_per_token_ms (from bench e2e; "
+                        f"default: {StepModel.decode_base_ms}, {StepModel.decode_per_req_ms}, "
+                        f"{StepModel.prefill_per_token_ms})")
     p.add_argument("--fit-from", type=Path, nargs="+", default=None, metavar="JSON",
                    help="refit the step model from `bench serve` / `bench e2e` result files (overrides --step-model)")
     p.add_argument("--policies", nargs="+", default=["busiest", "least-loaded", "round-robin"], metavar="POLICY",
@@ -497,9 +499,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--think-time", type=float, default=15.0, help="chat: mean seconds between an answer and the next turn")
     p.add_argument("--max-context", type=int, default=4096, help="chat: a conversation ends before it would overflow this")
     p.add_argument("--no-prefix-cache", action="store_true", help="runners keep no prefix cache")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=None, help="write full results as JSON")
-    p.add_argument("--plot", type=Path, default=None, help="write a PNG like Punica's Fig. 13")
+    p.add_argument("--seed", type=int, default=0, help="seed of the trace: arrivals, lengths and adapters")
+    p.add_argument("--out", type=Path, default=None, help="write full results as JSON (default: not written)")
+    p.add_argument("--plot", type=Path, default=None, help="write a PNG like Punica's Fig. 13 (default: none)")
 
 
 def make_trace(args: argparse.Namespace) -> list[Req]:

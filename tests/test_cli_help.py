@@ -1,4 +1,4 @@
-"""The command line as a new user meets it: every flag of serve, generate, runner and scheduler says
+"""The command line as a new user meets it: every flag of every command (benchmarks included) says
 what it does and its default; a command whose extra is not installed names the extra in one line;
 a busy port's message says how to pick another the way the server was started; a scheduler given no
 usable model says so in one line; the test tools' stores stay out of git."""
@@ -144,3 +144,61 @@ def test_test_tool_stores_are_ignored_by_git():
     for path in (".schemathesis/cache/manifest.json", ".hypothesis/examples/x"):
         r = subprocess.run(["git", "check-ignore", "-q", path], cwd=REPO, timeout=30)
         assert r.returncode == 0, f"{path} is not ignored"
+
+
+def every_parser() -> dict[str, argparse.ArgumentParser]:
+    """Every parser of the `lorafleet` command, by its command line: the top level, each subcommand (with
+    its arguments added as `cli.main` adds them), argparse subcommands nested under those, and the
+    benchmarks that `lorafleet bench X` hands its remaining arguments to (each module's `build_parser()`)."""
+    from lorafleet import bench
+
+    found: dict[str, argparse.ArgumentParser] = {}
+
+    def walk(prog: str, p: argparse.ArgumentParser) -> None:
+        found[prog] = p
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, child in action.choices.items():
+                    if prog == "lorafleet":  # the top level adds a command's arguments only when it runs
+                        importlib.import_module(cli.COMMANDS[name][0]).add_arguments(child)
+                    walk(f"{prog} {name}", child)
+
+    walk("lorafleet", cli.build_parser())
+    which = next(a for a in found["lorafleet bench"]._actions if a.dest == "which")
+    assert sorted(which.choices) == sorted(bench.BENCHES)
+    for name in which.choices:
+        walk(f"lorafleet bench {name}", importlib.import_module(bench.BENCHES[name]).build_parser())
+    return found
+
+
+def test_every_option_of_every_command_has_help_that_states_its_default():
+    """Walks every parser of the CLI (see every_parser). For each option, -h/--help, --version and options
+    whose default is argparse.SUPPRESS left out:
+    - its help is a non-empty text;
+    - unless the option is required, or its default is None or False (nothing given / a switch left off),
+      its help as `--help` prints it says "default" (the formatter appends "(default: X)", or the text
+      says it in words: "default: all", "default: none", ...). Empty defaults ('' or []) must say it too;
+    - no help renders a default as a Python list (`['...']`): lists print as plain words."""
+    problems = []
+    parsers = every_parser()
+    assert {"lorafleet simulate", "lorafleet bench serve", "lorafleet bench relay"} <= set(parsers)
+    for prog, p in sorted(parsers.items()):
+        formatter = p._get_formatter()
+        for action in p._actions:
+            if (not action.option_strings or action.default is argparse.SUPPRESS
+                    or isinstance(action, (argparse._HelpAction, argparse._VersionAction))):
+                continue
+            flag = action.option_strings[-1]
+            if not (action.help or "").strip():
+                problems.append(f"{prog} {flag}: no help")
+                continue
+            shown = " ".join(formatter._expand_help(action).split())
+            if "['" in shown or "[Path" in shown or "PosixPath(" in shown:
+                problems.append(f"{prog} {flag}: default rendered as Python: {shown!r}")
+            if action.required or action.default is None or action.default is False:
+                continue
+            if "default" not in shown.lower():
+                problems.append(f"{prog} {flag}: default {action.default!r} not stated in {shown!r}")
+        if "['" in p.format_help():
+            problems.append(f"{prog}: a Python list in --help")
+    assert not problems, "\n".join(problems)

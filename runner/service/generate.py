@@ -174,7 +174,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     p.add_argument("--max-lora-rank", type=cli_args.lora_rank, default=64,
                    help=f"largest adapter rank accepted (1-{cli_args.MAX_LORA_RANK})")
-    p.add_argument("--lora-slots", type=int, default=None, help="adapters resident at once (default 8 CPU / 64 GPU)")
+    p.add_argument("--lora-slots", type=int, default=None,
+                   help="adapters resident at once (default: 8 on the CPU, 64 on a GPU)")
     p.add_argument("--dtype", default="auto", choices=cli_args.DTYPES,
                    help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
     p.add_argument("--device", default="auto", type=cli_args.device, help="auto (CUDA when available), cpu or cuda[:N]")

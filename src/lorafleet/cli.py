@@ -8,6 +8,7 @@ scheduler and operator never import torch.
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib
 import logging
 import sys
@@ -20,7 +21,8 @@ EXTRAS = {"torch": "runner", "safetensors": "runner", "gguf": "runner", "tqdm": 
 
 
 class HelpFormatter(argparse.HelpFormatter):
-    """Every option's help ends with its default, unless the help already says it in words."""
+    """Every option's help ends with its default, unless the help already says it in words; a list
+    default prints as its items joined by spaces, as they are given on the command line."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
@@ -29,9 +31,19 @@ class HelpFormatter(argparse.HelpFormatter):
             return text
         if isinstance(action, argparse._StoreTrueAction):
             return f"{text} (default: off)"
-        if action.default in (None, []):
-            return text
+        if action.default is None or (isinstance(action.default, (str, list, tuple)) and not action.default):
+            return text  # nothing to print: an empty default is said in words where it matters
         return f"{text} (default: %(default)s)"
+
+    def _expand_help(self, action: argparse.Action) -> str:
+        if isinstance(action.default, (list, tuple)):
+            action = copy.copy(action)
+            action.default = " ".join(str(x) for x in action.default)
+        return super()._expand_help(action)
+
+
+class DocHelpFormatter(argparse.RawDescriptionHelpFormatter, HelpFormatter):
+    """HelpFormatter for a parser whose description is a docstring laid out by hand (printed as written)."""
 
 
 def missing_extra(exc: ModuleNotFoundError) -> str | None:
@@ -61,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lorafleet",
         description="Serve hundreds of LoRA fine-tunes of one base model from a shared GPU pool.",
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"lorafleet {__version__}")
     parser.add_argument("--log-level", default=env.log_level(), help="DEBUG, INFO, WARNING or ERROR (default: INFO, or env LORAFLEET_LOG_LEVEL)")

@@ -1,4 +1,4 @@
-"""`lorafleet bench {kernels,e2e,cpu,serve,relay} [options]`: the benchmarks (each prints a table and writes JSON)."""
+"""`lorafleet bench {kernels,e2e,cpu,serve,relay,quality} [options]`: the benchmarks (each prints a table and writes JSON)."""
 
 from __future__ import annotations
 

@@ -22,13 +22,20 @@ QUESTIONS = ["What is the capital of France?", "Why is the sky blue?", "Give me 
 ADAPTERS = [None, "pirate", "shouty", "terse"]
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="lorafleet bench cpu", description=__doc__)
-    p.add_argument("--requests", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=64)
+def build_parser() -> argparse.ArgumentParser:
+    from lorafleet.cli import DocHelpFormatter
+
+    p = argparse.ArgumentParser(prog="lorafleet bench cpu", description=__doc__, formatter_class=DocHelpFormatter)
+    p.add_argument("--requests", type=int, default=16,
+                   help="chat requests, taking turns over the base model and the three demo adapters")
+    p.add_argument("--max-tokens", type=int, default=64, help="new tokens of every request (EOS ignored)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    p.add_argument("--out", type=Path, default=None, help="write the results as JSON")
-    args = p.parse_args(argv)
+    p.add_argument("--out", type=Path, default=None, help="write the results as JSON (default: not written)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
 

@@ -834,33 +834,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", action="store_true", help="per-step GPU time breakdown: decode steps at full batch and steps with "
                    "prompt rows while the batch fills (each max batch of --sweep too)")
     p.add_argument("--interference", action="store_true",
-                   help="8k-token prompts into a full decode batch, chunked (the default step budget) and unchunked")
+                   help="8k-token prompts into a full decode batch, chunked (the engine's step budget) and unchunked")
     p.add_argument("--interference-adapters", choices=["distinct", "none"], default="distinct",
                    help="with --interference: every request with its own adapter (default), or the base model only")
     p.add_argument("--decode-prefill-tokens", type=int, nargs="*", default=[], metavar="N",
                    help="with --interference: also run it with at most N prompt rows per step that carries decodes "
                         "(EngineConfig.decode_prefill_tokens), once per N (default: none)")
     p.add_argument("--interference-caps-only", action="store_true",
-                   help="with --interference: only the --decode-prefill-tokens runs (no default-budget and "
-                        "unchunked runs; for A/B runs of one setting)")
+                   help="with --interference: only the --decode-prefill-tokens runs (no runs at the engine's step "
+                        "budget or unchunked; for A/B runs of one setting)")
     p.add_argument("--step-tokens", type=int, default=None, help="chunked prefill: token rows per step "
                    "(default: the engine's)")
     from lorafleet.bench.prefix import WORKLOADS
 
     p.add_argument("--prefill", type=int, nargs="?", const=2048, default=None, metavar="TOKENS",
-                   help="also the prefill benchmark: 64 prompts of TOKENS tokens (default 2048) with LoRA off, on one "
+                   help="also the prefill benchmark: 64 prompts of TOKENS tokens (2048 if TOKENS is left out) with LoRA off, on one "
                         "adapter and on 64 distinct adapters, prompt tokens/s (default: not run)")
     p.add_argument("--prefix-workloads", nargs="*", default=[], choices=WORKLOADS, metavar="WL",
                    help=f"the prefix cache's workloads ({', '.join(WORKLOADS)}), each with the cache off and on "
                         "(bench/prefix.py); default: none")
-    p.add_argument("--prefix-adapters", type=int, default=32, help="adapters of the prefix workloads (default 32)")
+    p.add_argument("--prefix-adapters", type=int, default=32, help="adapters of the prefix workloads")
     p.add_argument("--quantization", choices=["fp8"], default=None, help="FP8 projection weights (default: bf16)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="FP8 K/V pages (default: bf16)")
-    p.add_argument("--system-tokens", type=int, default=1024, help="system prompt per adapter (default 1024)")
-    p.add_argument("--conversations", type=int, default=64, help="multi-turn: conversations of four turns (default 64)")
+    p.add_argument("--system-tokens", type=int, default=1024, help="system prompt per adapter, in tokens")
+    p.add_argument("--conversations", type=int, default=64, help="multi-turn: conversations of four turns")
     p.add_argument("--prefix-rate", type=float, default=0.0, metavar="R",
                    help="system-prompt and sharegpt: Poisson arrivals at R requests/s, so TTFT is the prefill's "
-                        "rather than the wait for a batch place (default 0: every request at t = 0)")
+                        "rather than the wait for a batch place (default: 0, every request at t = 0)")
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama2-7b",
                    help="model shape from the families' registry (tiny also runs on the CPU)")
     p.add_argument("--tp", type=int, nargs="+", default=[1], metavar="G",

@@ -543,29 +543,35 @@ def plot(results: list[dict], path: str, card: str) -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="lorafleet bench kernels", description=__doc__.split("\n\n")[0])
+    from lorafleet.cli import HelpFormatter
+
+    p = argparse.ArgumentParser(prog="lorafleet bench kernels", description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
     add_arguments(p)
     return p
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default="bench_kernels.json", help="full results as JSON (default %(default)s)")
-    p.add_argument("--plot", default="bench_kernels.png", help="latency-vs-batch PNG, needs matplotlib ('' = none)")
+    p.add_argument("--out", default="bench_kernels.json", help="full results as JSON")
+    p.add_argument("--plot", default="bench_kernels.png", help="latency-vs-batch PNG, needs matplotlib ('': none)")
     p.add_argument("--quick", action="store_true", help="headline shape only, fewer batch sizes")
-    p.add_argument("--shapes", default="", help=f"comma-separated subset of {','.join(s.name for s in SHAPES)}")
+    p.add_argument("--shapes", default="", help=f"comma-separated subset of {','.join(s.name for s in SHAPES)} "
+                   "(default: all)")
     p.add_argument("--impls", default=",".join(IMPLS),
                    help="comma-separated implementations (also: cuda_nopdl, cuda_shrink, cuda_expand)")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated workloads")
-    p.add_argument("--batches", default="", help="comma-separated batch sizes (default 1..256)")
-    p.add_argument("--reps", type=int, default=40, help="cold single-call replays timed per case (default %(default)s)")
-    p.add_argument("--slots", type=int, default=1024, help="adapters in the pool (default %(default)s)")
+    p.add_argument("--batches", default="", help=f"comma-separated batch sizes (default: {','.join(map(str, BATCHES))}; "
+                   "with --quick: 1,8,32,64,256)")
+    p.add_argument("--reps", type=int, default=40, help="cold single-call replays timed per case")
+    p.add_argument("--slots", type=int, default=1024, help="adapters in the pool")
     p.add_argument("--prefill", action="store_true",
                    help="instead: steps with prefill (long segments), qkv and down of Llama-2-7B at rank 16, "
                         "per tensor-core shrink threshold, µs per call inside a CUDA graph")
     p.add_argument("--prefill-layouts", default="", metavar="NAMES",
-                   help=f"with --prefill: comma-separated layout name prefixes of {', '.join(PREFILL_LAYOUTS)}")
+                   help=f"with --prefill: comma-separated layout name prefixes of {', '.join(PREFILL_LAYOUTS)} "
+                        "(default: all)")
     p.add_argument("--prefill-variants", default="", metavar="NAMES",
-                   help=f"with --prefill: comma-separated subset of {', '.join(PREFILL_VARIANTS)}")
+                   help=f"with --prefill: comma-separated subset of {', '.join(PREFILL_VARIANTS)} (default: all)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -125,21 +125,26 @@ def run(model: str, text: str, adapters: dict, device: str, window: int, precisi
     return res
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="lorafleet bench quality", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    from lorafleet.cli import DocHelpFormatter
+
+    p = argparse.ArgumentParser(prog="lorafleet bench quality", description=__doc__, formatter_class=DocHelpFormatter)
     p.add_argument("--model", default=None, help="HF model directory (default: the demo model, prepared on first use)")
     p.add_argument("--adapters", type=Path, default=None,
                    help="a directory of PEFT adapters to score too (default: the demo adapters with the demo model)")
-    p.add_argument("--text", type=Path, default=DEFAULT_TEXT, help="the text to score (default: %(default)s)")
+    p.add_argument("--text", type=Path, default=DEFAULT_TEXT, help="the text to score (default: bench/declaration.txt, shipped with the package)")
     p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu or cuda")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="the engine's dtype in every precision (default auto: bfloat16 on a GPU, float32 on the CPU)")
-    p.add_argument("--window", type=int, default=1024, help="tokens scored per prefill (default %(default)s)")
+                   help="the engine's dtype in every precision (default: auto, bfloat16 on a GPU, float32 on the CPU)")
+    p.add_argument("--window", type=int, default=1024, help="tokens scored per prefill")
     p.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=list(PRECISIONS),
-                   help="the first is the reference (default: %(default)s)")
-    p.add_argument("--out", type=Path, default=Path("quality.json"), help="results (default %(default)s)")
-    args = p.parse_args(argv)
+                   help="precisions to score; the first is the reference")
+    p.add_argument("--out", type=Path, default=Path("quality.json"), help="results as JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     model, adapters = args.model, {}
     if model is None:
         from lorafleet.runner.demo import prepare

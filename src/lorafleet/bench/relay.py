@@ -77,21 +77,26 @@ def measure(args: argparse.Namespace, model: Path, step_ms: float, log) -> dict:
         procs.stop(fake, 10)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="lorafleet bench relay", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    from lorafleet.cli import DocHelpFormatter
+
+    p = argparse.ArgumentParser(prog="lorafleet bench relay", description=__doc__, formatter_class=DocHelpFormatter)
     p.add_argument("--model", type=Path, default=None, help="tokenizer directory (default: the demo model)")
     p.add_argument("--streams", type=int, default=256, help="concurrent streaming clients")
     p.add_argument("--requests", type=int, default=1024, help="requests in all")
     p.add_argument("--tokens", type=int, default=200, help="completion tokens per request")
-    p.add_argument("--prompt-tokens", type=int, default=16)
+    p.add_argument("--prompt-tokens", type=int, default=16, help="prompt length of every request, in tokens")
     p.add_argument("--runners", type=int, default=4, help="fake runners")
     p.add_argument("--max-batch", type=int, default=64, help="max batch of each fake runner")
     p.add_argument("--step-ms", type=float, nargs="+", default=[0.0, 20.0],
                    help="fake runner step times to measure (0: unpaced, the scheduler saturated)")
-    p.add_argument("--out", type=Path, default=Path("bench_relay.json"))
-    p.add_argument("--profile", type=Path, default=None, help="run the scheduler under cProfile; write PATH.stepN")
-    args = p.parse_args(argv)
+    p.add_argument("--out", type=Path, default=Path("bench_relay.json"), help="results as JSON")
+    p.add_argument("--profile", type=Path, default=None, help="run the scheduler under cProfile; write PATH.stepN (default: no profile)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     model = args.model or default_model()
 
     def log(msg):

@@ -300,25 +300,28 @@ def print_table(runs: list[dict], offline: dict) -> None:
 # -- main -------------------------------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
     w = p.add_argument_group("workload")
-    w.add_argument("--requests", type=int, default=1000)
-    w.add_argument("--mixes", nargs="+", default=["distinct", "uniform", "skewed", "identical", "base"], choices=MIXES)
+    w.add_argument("--requests", type=int, default=1000, help="requests of every run (each mix at each rate)")
+    w.add_argument("--mixes", nargs="+", default=["distinct", "uniform", "skewed", "identical", "base"], choices=MIXES,
+                   help="adapter mixes: distinct (an adapter per request), Punica's uniform, skewed and identical "
+                        "over --population names, base (no adapter)")
     w.add_argument("--rates", nargs="+", default=["inf"], help="request rates per second; inf: all at t=0 (default: inf)")
     w.add_argument("--population", type=int, default=256, help="adapter names the mixes draw from")
-    w.add_argument("--weight-sets", type=int, default=None, help="distinct adapter weight sets (default 32 synthetic, "
+    w.add_argument("--weight-sets", type=int, default=None, help="distinct adapter weight sets (default: 32 synthetic, "
                    "or every adapter in --adapters)")
     w.add_argument("--rank", type=int, default=16, help="rank of synthetic adapters (all seven projections)")
     w.add_argument("--max-prompt", type=int, default=1536, help="cap on prompt tokens")
     w.add_argument("--max-output", type=int, default=1024, help="cap on output tokens")
-    w.add_argument("--seed", type=int, default=0)
-    w.add_argument("--slo-ttft", type=float, default=None, help="goodput SLO: TTFT in seconds")
-    w.add_argument("--slo-tpot", type=float, default=None, help="goodput SLO: TPOT in milliseconds")
+    w.add_argument("--seed", type=int, default=0, help="seed of the requests, adapter mixes, arrivals and "
+                   "synthetic weights")
+    w.add_argument("--slo-ttft", type=float, default=None, help="goodput SLO: TTFT in seconds (default: none)")
+    w.add_argument("--slo-tpot", type=float, default=None, help="goodput SLO: TPOT in milliseconds (default: none)")
     w.add_argument("--prefix-workloads", nargs="*", default=[], choices=PREFIX_WORKLOADS, metavar="WL",
                    help="instead of the mixes: the prefix cache's workloads (system-prompt: each of "
                         "--prefix-adapters adapters has its own system prompt before every request's user turn; "
                         "sharegpt: one adapter per request, nothing shared), each with the runners' prefix cache "
                         "off and on (one server each), per --placement; default: none")
-    w.add_argument("--system-tokens", type=int, default=1024, help="system-prompt: tokens per adapter (default 1024)")
-    w.add_argument("--prefix-adapters", type=int, default=32, help="system-prompt: adapters (default 32)")
+    w.add_argument("--system-tokens", type=int, default=1024, help="system-prompt: tokens per adapter")
+    w.add_argument("--prefix-adapters", type=int, default=32, help="system-prompt: adapters")
     s = p.add_argument_group("server")
     s.add_argument("--url", default=None, help="target a running scheduler instead of starting `lorafleet serve` "
                    "(env LORAFLEET_ADMIN_TOKEN, if set, is used to read GPUs busy)")
@@ -332,23 +335,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    choices=["busiest", "busiest-no-prefix", "least-loaded", "round-robin"],
                    help="scheduler placement policies, one server each (default: busiest, which prefers the runner "
                         "holding a request's prefix)")
-    s.add_argument("--runners", type=int, default=1)
-    s.add_argument("--device", default="auto")
-    s.add_argument("--max-batch-size", type=int, default=32)
-    s.add_argument("--kv-fraction", type=float, default=None)
-    s.add_argument("--kv-cache-gb", type=float, default=None)
-    s.add_argument("--kv-pages", type=int, default=None)
-    s.add_argument("--page-size", type=int, default=None)
-    s.add_argument("--lora-slots", type=int, default=None)
-    s.add_argument("--dtype", default=None)
-    s.add_argument("--serve-arg", action="append", default=[], help="extra argument for `lorafleet serve` (repeat)")
-    s.add_argument("--ready-timeout", type=float, default=900.0)
+    s.add_argument("--runners", type=int, default=1, help="runner processes of `lorafleet serve`")
+    s.add_argument("--device", default="auto", help="auto (CUDA when available), cpu or cuda, for `lorafleet serve` "
+                   "and the offline engine")
+    s.add_argument("--max-batch-size", type=int, default=32, help="requests batched together on each runner and in "
+                   "the offline engine")
+    s.add_argument("--kv-fraction", type=float, default=None,
+                   help="GPU: share of free memory for each runner's KV cache (default: `lorafleet serve`'s)")
+    s.add_argument("--kv-cache-gb", type=float, default=None,
+                   help="CPU: KV cache of each runner in GiB (default: `lorafleet serve`'s)")
+    s.add_argument("--kv-pages", type=int, default=None,
+                   help="KV cache pages of each runner (default: `lorafleet serve`'s)")
+    s.add_argument("--page-size", type=int, default=None, help="tokens per KV page (default: `lorafleet serve`'s)")
+    s.add_argument("--lora-slots", type=int, default=None,
+                   help="adapters resident on each runner's device at once (default: `lorafleet serve`'s)")
+    s.add_argument("--dtype", default=None, help="weights and activations: auto, float32, bfloat16 or float16 "
+                   "(default: `lorafleet serve`'s)")
+    s.add_argument("--serve-arg", action="append", default=[],
+                   help="extra argument for `lorafleet serve` (repeat; default: none)")
+    s.add_argument("--ready-timeout", type=float, default=900.0,
+                   help="seconds to wait for a started `lorafleet serve` to be ready")
     o = p.add_argument_group("output")
     o.add_argument("--offline", action=argparse.BooleanOptionalAction, default=None,
                    help="also run the offline engine on the same requests (default: on unless --url)")
     o.add_argument("--work-dir", type=Path, default=None, help="model, adapters and logs (default: a temp dir)")
-    o.add_argument("--out", type=Path, default=Path("bench_serve.json"))
-    o.add_argument("--plot", type=Path, default=None, help="latency-versus-rate PNG")
+    o.add_argument("--out", type=Path, default=Path("bench_serve.json"), help="results as JSON")
+    o.add_argument("--plot", type=Path, default=None, help="latency-versus-rate PNG (default: none)")
     o.add_argument("--merge", type=Path, nargs="+", default=None, metavar="JSON",
                    help="only merge result files of earlier runs (e.g. one per mix group or placement) into --out, "
                         "with their table, `serve` summary and --plot")
@@ -375,11 +387,16 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="lorafleet bench serve", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    from lorafleet.cli import DocHelpFormatter
+
+    p = argparse.ArgumentParser(prog="lorafleet bench serve", description=__doc__, formatter_class=DocHelpFormatter)
     add_arguments(p)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     # SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C, so the `lorafleet serve` it started is stopped too
     signal.signal(signal.SIGTERM, _interrupt)
     if args.merge:
