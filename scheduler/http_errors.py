@@ -11,6 +11,7 @@ counted with nginx's 499, nothing is sent.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from aiohttp import web
@@ -20,6 +21,7 @@ from lorafleet.scheduler.openai_api import ApiError
 log = logging.getLogger(__name__)
 
 CLIENT_CLOSED = 499
+BODY_TIMEOUT_S = 60.0  # a request's body must arrive within this long once its headers have
 
 
 class ClientGone(Exception):
@@ -28,6 +30,20 @@ class ClientGone(Exception):
     def __init__(self, response: web.StreamResponse | None = None):
         super().__init__("client went away")
         self.response = response
+
+
+async def read_body(request: web.Request, timeout: float | None = None) -> bytes:
+    """The request's body. A client that drops while sending it raises ClientGone (a 499, not an unhandled
+    error); one whose body has not arrived `timeout` seconds after its headers gets a 408, so a stalled upload
+    does not hold a handler forever. A body over the size limit still raises aiohttp's 413."""
+    timeout = BODY_TIMEOUT_S if timeout is None else timeout
+    try:
+        return await asyncio.wait_for(request.read(), timeout)
+    except asyncio.TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {timeout:g} s", code="request_timeout",
+                       headers={"Connection": "close"}) from None
+    except ConnectionError:
+        raise ClientGone() from None
 
 
 def error_response(err: ApiError) -> web.Response:

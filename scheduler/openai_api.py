@@ -147,8 +147,9 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
         raise bad("response_format", "only response_format {\"type\": \"text\"} is supported")
 
 
-def parse_common(body: dict, chat: bool, max_tokens_cap: int) -> GenParams:
-    """The sampling and output fields shared by both endpoints; `max_tokens_cap` bounds max_tokens."""
+def parse_common(body: dict, chat: bool, max_tokens_cap: int, vocab_size: int | None = None) -> GenParams:
+    """The sampling and output fields shared by both endpoints; `max_tokens_cap` bounds max_tokens, `vocab_size`
+    (where known) the stop token ids."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad("model", "model must be a non-empty string naming the base model or an adapter")
@@ -159,8 +160,8 @@ def parse_common(body: dict, chat: bool, max_tokens_cap: int) -> GenParams:
     stop = body.get("stop")
     if stop is None:
         stop = ()
-    elif isinstance(stop, str):
-        stop = (stop,) if stop else ()
+    elif isinstance(stop, str) and stop:
+        stop = (stop,)
     elif isinstance(stop, list) and all(isinstance(s, str) and s for s in stop) and len(stop) <= MAX_STOP:
         stop = tuple(stop)
     else:
@@ -168,6 +169,8 @@ def parse_common(body: dict, chat: bool, max_tokens_cap: int) -> GenParams:
     stop_ids = _integral_ids(body.get("stop_token_ids") or [])
     if not isinstance(stop_ids, list) or not all(_is_int(t) and t >= 0 for t in stop_ids):
         raise bad("stop_token_ids", "stop_token_ids must be a list of token ids")
+    if vocab_size is not None and any(t >= vocab_size for t in stop_ids):
+        raise bad("stop_token_ids", f"stop_token_ids must be in [0, {vocab_size}), got {max(stop_ids)}")
     stream = False if body.get("stream") is None else body["stream"]
     if not isinstance(stream, bool):
         raise bad("stream", "stream must be a boolean")

@@ -34,7 +34,7 @@ from lorafleet.scheduler.cluster import Cluster
 from lorafleet.scheduler.detokenizer import IncrementalDetokenizer
 from lorafleet.scheduler.disconnect import DisconnectWatch
 from lorafleet.scheduler.discovery import RunnerDirectory, RunnerEndpoint
-from lorafleet.scheduler.http_errors import ClientGone, errors_middleware
+from lorafleet.scheduler.http_errors import ClientGone, errors_middleware, read_body
 from lorafleet.scheduler.limits import RequestLimits
 from lorafleet.scheduler.metrics import SchedulerMetrics
 from lorafleet.scheduler.openai_api import ApiError
@@ -192,7 +192,7 @@ class SchedulerService:
     def _parse(self, raw: bytes, chat: bool) -> tuple[oa.GenParams, list]:
         """Blocking (runs in the tokenizer pool): body -> (params, messages or raw prompts)."""
         body = parse_body(raw)
-        params = oa.parse_common(body, chat, self.limits.completion_cap)
+        params = oa.parse_common(body, chat, self.limits.completion_cap, self.tok.vocab_size)
         items = [oa.parse_messages(body)] if chat else oa.parse_prompts(body, self.tok.vocab_size,
                                                                        self.max_model_len)
         seqs = len(items) * params.n
@@ -251,7 +251,7 @@ class SchedulerService:
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         grant = self._authenticate(request)
-        raw = await request.read()
+        raw = await read_body(request)
         loop = asyncio.get_running_loop()
         params, items = await loop.run_in_executor(self.prompts.pool, self._parse, raw, chat)
         adapter = self._resolve_model(params.model, grant)
@@ -435,7 +435,7 @@ class SchedulerService:
 
     async def admin_validate(self, request: web.Request) -> web.Response:
         self._authorize(request)
-        body = await asyncio.get_running_loop().run_in_executor(self.prompts.pool, parse_body, await request.read())
+        body = await asyncio.get_running_loop().run_in_executor(self.prompts.pool, parse_body, await read_body(request))
         runners = [r for r in self.cluster.runners.values() if r.healthy]
         if not runners:
             return web.json_response({"ok": False, "error": "no healthy runner to validate on", "retry": True},

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -126,6 +127,17 @@ async def test_validate_endpoint(client, adapter, tmp_path):
     assert ok["ok"] and ok["rank"] == 8 and set(ok["target_modules"]) == {"q", "v"}
     bad = await (await client.post("/v1/adapters/validate", json={"name": "x", "source": str(tmp_path)})).json()
     assert not bad["ok"] and "adapter_config.json" in bad["error"]
+    # well-formed files whose weights hold a NaN: refused here as loading refuses them, not "ok" and then unservable
+    from safetensors.torch import load_file, save_file
+
+    nan = tmp_path / "nan"
+    shutil.copytree(adapter, nan)
+    weights = load_file(nan / "adapter_model.safetensors")
+    key = sorted(k for k in weights if "lora_B" in k)[0]
+    weights[key][0, 0] = float("nan")
+    save_file(weights, nan / "adapter_model.safetensors")
+    got = await (await client.post("/v1/adapters/validate", json={"name": "nan", "source": str(nan)})).json()
+    assert not got["ok"] and key in got["error"] and "NaN or Inf" in got["error"], got
 
 
 @shared

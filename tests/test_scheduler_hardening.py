@@ -184,3 +184,42 @@ async def test_metrics_split_http_codes_from_finish_reasons_and_count_crashes(ap
     assert 'lorafleet_sequences_finished_total{finish_reason="length"} 1.0' in text
     assert "lorafleet_unhandled_errors_total 1.0" in text
     assert "lorafleet_requests_total" not in text
+
+
+async def test_a_dropped_or_stalled_upload_is_a_499_or_a_408_not_an_error(api, monkeypatch):
+    """A client that sends its headers and part of the body, then hangs up: counted 499, nothing unhandled; one
+    that stalls mid-body: a JSON 408 once the body timeout passes (here 0.5 s), not a handler held forever."""
+    from lorafleet.scheduler import http_errors
+
+    client, service, fr = api
+    monkeypatch.setattr(http_errors, "BODY_TIMEOUT_S", 0.5)
+    host, port = client.server.host, client.server.port
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 1000\r\n\r\n{\"model\":")
+
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(head)
+    await writer.drain()
+    writer.close()  # gone mid-body
+    await writer.wait_closed()
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(head)
+    await writer.drain()
+    t0 = time.monotonic()
+    head_in = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)  # answered though the body never came
+    length = int(next(ln.split(b":")[1] for ln in head_in.split(b"\r\n") if ln.lower().startswith(b"content-length")))
+    body = await asyncio.wait_for(reader.readexactly(length), 10)
+    writer.close()
+    assert head_in.startswith(b"HTTP/1.1 408 "), head_in
+    assert json.loads(body)["error"]["code"] == "request_timeout"
+    assert 0.4 < time.monotonic() - t0 < 5
+    for _ in range(100):  # the dropped upload's handler ends on its own
+        text = await (await client.get("/metrics")).text()
+        if 'code="499"' in text:
+            break
+        await asyncio.sleep(0.02)
+    assert 'route="/v1/chat/completions"' in text and 'code="499"' in text, text[-2000:]
+    assert service.metrics.unhandled_errors._value.get() == 0
+    assert not fr.seen
+    r = await client.post("/v1/completions", json={"model": "base", "prompt": "x", "max_tokens": 2})
+    assert r.status == 200  # and it still serves

@@ -66,6 +66,8 @@ def ready_info(engine) -> dict:
     bs = mc.base_shape()
     return {"page_size": engine.config.page_size, "max_model_len": engine.max_model_len, "model": mc.name,
             "vocab_size": mc.vocab_size, "max_lora_rank": engine.config.max_lora_rank,
+            "adapter_dtype": str(engine.lora_pool.dtype if engine.lora_pool is not None else engine.dtype
+                                 ).removeprefix("torch."),
             "base_shape": {"num_layers": bs.num_layers, "hidden_size": bs.hidden_size,
                            "intermediate_size": bs.intermediate_size, "q_dim": bs.q_dim, "kv_dim": bs.kv_dim,
                            "name": bs.name, "family": bs.family},

@@ -342,7 +342,10 @@ class RunnerService:
         return web.Response(body=generate_latest(self.registry), content_type="text/plain")
 
     async def validate(self, request: web.Request) -> web.Response:
+        import torch
+
         from lorafleet.common.peft_config import inspect_adapter
+        from lorafleet.runner.lora.adapter import load_adapter
         from lorafleet.runner.service.adapter_fetch import local_adapter_dir
 
         info = self.engine.info
@@ -357,8 +360,13 @@ class RunnerService:
             return web.json_response({"ok": False, "error": "body must be {name, source, sha256?}"}, status=400)
 
         def check():
+            """What loading it would check: the files and shapes, then every weight finite in the serving dtype (a
+            NaN, or a value that overflows there, is refused at load: so here too). Reads the whole file."""
             local = local_adapter_dir(name, source, body.get("sha256"))
-            return inspect_adapter(name, local, base=BaseShape(**info["base_shape"]), max_rank=info["max_lora_rank"])
+            base = BaseShape(**info["base_shape"])
+            spec = inspect_adapter(name, local, base=base, max_rank=info["max_lora_rank"])
+            load_adapter(name, local, base, info["max_lora_rank"], getattr(torch, info.get("adapter_dtype", "float32")))
+            return spec
 
         try:
             spec = await asyncio.get_running_loop().run_in_executor(None, check)
