@@ -5,7 +5,10 @@ Every step, in this order:
    it needs room for one more KV entry, and when pages run out the *newest* running request is
    evicted (Punica §5.3). A request whose final token is already sampled (max_tokens or the
    context reached, the token still on its way back from the device) is not scheduled.
-2. Prefill chunks of running requests part-way through their prompt, oldest first.
+2. Prefill chunks of running requests part-way through their prompt, oldest first; while a waiting request
+   that this step can admit waits (a batch place, its adapter resident, its prompt in the free pages), these
+   chunks take at most half of the step's prompt budget, the rest kept for admissions (up to the waiting prompts'
+   length), so a short request behind a long prompt starts a step later, not after the whole prompt.
 3. Admission: waiting requests oldest first while the batch has room, their adapter is resident
    and their whole prompt fits in free pages (the pages are taken at admission).
 Admission is FCFS: a request that does not fit blocks later ones, except requests merely waiting
@@ -146,7 +149,20 @@ class Batcher:
                     budget -= 1
         if chunked and plan.work and self.decode_prefill_tokens is not None:
             budget = min(budget, self.decode_prefill_tokens)  # prompt rows that ride along with decodes
-        # 2. Prefill chunks of requests part-way through their prompt (their pages are taken).
+        want = min(self.admit_batch, len(self.waiting))
+        free = self.max_batch_size - len(self.running)
+        hold = (self.admit_batch > 1 and bool(self.running) and free < want
+                and (free == 0 or self._held < self.admit_wait_steps))
+        if not hold:
+            self._held = 0
+        elif free > 0:
+            self._held += 1  # a full batch admits nobody anyway: only count steps with free places
+        # 2. Prefill chunks of requests part-way through their prompt (their pages are taken). While requests that
+        # this step can admit wait, those chunks take at most half of the prompt budget: the rest is kept for the
+        # waiting prompts (up to their length), so a short request that arrives behind a long prompt starts in the
+        # next step rather than after that whole prompt.
+        reserve = self._reserve(budget, free) if chunked and not hold else 0
+        budget -= reserve
         for seq in running:
             if seq.status != Status.RUNNING or not seq.prefilling:
                 continue
@@ -158,15 +174,8 @@ class Batcher:
                 budget -= n
             plan.work.append(RowWork(seq, seq.num_cached, seq.num_cached + n, seq.num_cached + n == seq.num_tokens))
         self._computed(plan.work)  # the pages these rows fill are found by requests admitted below
+        budget += reserve
         # 3. Admission: the oldest waiting requests that fit.
-        want = min(self.admit_batch, len(self.waiting))
-        free = self.max_batch_size - len(self.running)
-        hold = (self.admit_batch > 1 and bool(self.running) and free < want
-                and (free == 0 or self._held < self.admit_wait_steps))
-        if not hold:
-            self._held = 0
-        elif free > 0:
-            self._held += 1  # a full batch admits nobody anyway: only count steps with free places
         # Requests past the admission point (the batch is full, admission is held, the step's budget
         # is spent or the next request waits for pages) are still looked at, up to `adapter_lookahead`
         # of them, to start their adapter loads: a load then overlaps the running batch instead of
@@ -229,6 +238,22 @@ class Batcher:
             budget -= first
             admitted_any = True
         return plan
+
+    def _reserve(self, budget: int, free: int) -> int:
+        """Prompt rows of this step kept from the chunks of running prompts for admissions: at most half the
+        budget, at most the prompts of the first `free` waiting requests, and none while a request part-way through
+        its prompt has none to share with (no prefill in progress) or the next waiting request cannot be admitted
+        now (its adapter still loading, or its prompt larger than the free pages: FCFS, nothing overtakes it)."""
+        if free <= 0 or not self.waiting or not any(s.prefilling for s in self.running):
+            return 0
+        head = self.waiting[0]
+        if head.adapter is not None and head.slot < 0 and (self.adapters is None
+                                                         or not self.adapters.is_resident(head.adapter)):
+            return 0
+        if self.blocks.pages_for(head.num_tokens + 1) > self.blocks.free_pages:
+            return 0
+        want = sum(s.num_tokens for s in list(self.waiting)[:free])
+        return min(budget // 2, want)
 
     def _computed(self, work: list[RowWork]) -> None:
         """Host bookkeeping: these rows' K/V are written by this step (before any later step reads them, and

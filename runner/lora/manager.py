@@ -76,6 +76,11 @@ class AdapterManager:
     def resident(self) -> list[str]:
         return sorted(s.ref.name for s in self.slots.values() if s.ready)
 
+    def is_resident(self, ref: AdapterRef) -> bool:
+        """Whether `ref` (this name from this source) sits ready in a device slot: acquire would not load it."""
+        slot = self.by_name.get(ref.name)
+        return slot is not None and self.slots[slot].ref == ref and self.slots[slot].ready
+
     def state(self) -> dict:
         return {
             "gpu_slots": self.pool.num_slots,
