@@ -138,6 +138,9 @@ async def test_validate_endpoint(client, adapter, tmp_path):
     save_file(weights, nan / "adapter_model.safetensors")
     got = await (await client.post("/v1/adapters/validate", json={"name": "nan", "source": str(nan)})).json()
     assert not got["ok"] and key in got["error"] and "NaN or Inf" in got["error"], got
+    for body in ({"name": "", "source": str(adapter)}, {"name": "ad", "source": " "}, {"name": "ad"}):
+        r = await client.post("/v1/adapters/validate", json=body)
+        assert r.status == 400 and "non-empty name and source" in (await r.json())["error"]
 
 
 @shared

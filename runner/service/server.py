@@ -354,10 +354,11 @@ class RunnerService:
         try:
             body = await request.json()
             name, source = body["name"], body["source"]
-            if not isinstance(name, str) or not isinstance(source, str):
+            if not isinstance(name, str) or not isinstance(source, str) or not name.strip() or not source.strip():
                 raise TypeError
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
-            return web.json_response({"ok": False, "error": "body must be {name, source, sha256?}"}, status=400)
+            return web.json_response({"ok": False, "error": "body must be {name, source, sha256?} with a non-empty "
+                                      "name and source"}, status=400)
 
         def check():
             """What loading it would check: the files and shapes, then every weight finite in the serving dtype (a

@@ -152,7 +152,7 @@ def parse_source(uri: str) -> Source:
     scheme = scheme.lower()
     if scheme not in SCHEMES:
         raise SourceError(
-            f"unsupported source scheme {scheme!r} in {uri!r}: use pvc://, https://, s3://, hf://, file:// or a local path"
+            f"unsupported source scheme {scheme!r} in {uri!r}: use pvc://, https:// (http:// in-cluster), s3://, hf://, file:// or a local path"
         )
     if scheme == "file":
         parsed = urllib.parse.urlparse(uri)
