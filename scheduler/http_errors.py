@@ -46,6 +46,29 @@ async def read_body(request: web.Request, timeout: float | None = None) -> bytes
         raise ClientGone() from None
 
 
+class ClientProtocolErrors(logging.Filter):
+    """aiohttp logs a client's malformed HTTP (a header line over its limit, a wrong Content-Length, a broken chunked
+    body) at ERROR with a traceback, and answers it 400 itself: the client's fault, not the server's. Such records
+    become one WARNING line naming the problem and the client."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from aiohttp.http_exceptions import HttpProcessingError
+
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            record.msg, record.args = f"{record.getMessage()}: malformed HTTP, answered 400: {exc}", ()
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def quiet_client_protocol_errors() -> None:
+    """Installs ClientProtocolErrors on aiohttp's server logger (once)."""
+    logger = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, ClientProtocolErrors) for f in logger.filters):
+        logger.addFilter(ClientProtocolErrors())
+
+
 def error_response(err: ApiError) -> web.Response:
     return web.json_response(err.body(), status=err.status, headers=err.headers)
 

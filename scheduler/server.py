@@ -34,7 +34,7 @@ from lorafleet.scheduler.cluster import Cluster
 from lorafleet.scheduler.detokenizer import IncrementalDetokenizer
 from lorafleet.scheduler.disconnect import DisconnectWatch
 from lorafleet.scheduler.discovery import RunnerDirectory, RunnerEndpoint
-from lorafleet.scheduler.http_errors import ClientGone, errors_middleware, read_body
+from lorafleet.scheduler.http_errors import ClientGone, errors_middleware, quiet_client_protocol_errors, read_body
 from lorafleet.scheduler.limits import RequestLimits
 from lorafleet.scheduler.metrics import SchedulerMetrics
 from lorafleet.scheduler.openai_api import ApiError
@@ -452,6 +452,7 @@ SERVICE_KEY = web.AppKey("service", SchedulerService)
 
 
 def create_app(service: SchedulerService) -> web.Application:
+    quiet_client_protocol_errors()
     app = web.Application(client_max_size=MAX_BODY, middlewares=[errors_middleware(service.metrics, MAX_BODY)])
     app.router.add_post("/v1/completions", service.completions)
     app.router.add_post("/v1/chat/completions", service.chat_completions)

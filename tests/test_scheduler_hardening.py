@@ -223,3 +223,24 @@ async def test_a_dropped_or_stalled_upload_is_a_499_or_a_408_not_an_error(api, m
     assert not fr.seen
     r = await client.post("/v1/completions", json={"model": "base", "prompt": "x", "max_tokens": 2})
     assert r.status == 200  # and it still serves
+
+
+async def test_malformed_http_is_one_warning_line_not_an_error_traceback(api, caplog):
+    """A header line over aiohttp's limit: aiohttp answers 400 itself; the log says so in one WARNING line (no
+    ERROR, no traceback), and the server keeps serving."""
+    import logging
+
+    client, _, _ = api
+    host, port = client.server.host, client.server.port
+    with caplog.at_level(logging.DEBUG, logger="aiohttp.server"):
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20000 + b"\r\n\r\n")
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+    assert answer.split(b" ", 2)[1] == b"400", answer[:200]
+    mine = [r for r in caplog.records if r.name == "aiohttp.server"]
+    assert mine and all(r.levelno == logging.WARNING and not r.exc_info for r in mine), [
+        (r.levelname, r.getMessage()) for r in mine]
+    assert "malformed HTTP, answered 400" in mine[0].getMessage()
+    assert (await client.get("/v1/models")).status == 200
