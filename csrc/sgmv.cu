@@ -1276,7 +1276,8 @@ __global__ void __launch_bounds__(kThreads, kShrinkMinBlocks) sgmv_fused_kernel(
   extern __shared__ __align__(128) unsigned char smem[];
   const Table t = carve_table(reinterpret_cast<int*>(smem), p.s.seg.capacity);
   int* eprefix = reinterpret_cast<int*>(smem) + p.eprefix_offset;
-  const int ns = build_table(p.s.seg, p.s.rank_cap, t, ShrinkCount<false>{p.s.mma_min_rows, p.s.decode_ranks});
+  const int ns = build_table(p.s.seg, p.s.rank_cap, t,
+                             ShrinkCount<false>{p.s.mma_min_rows, p.s.decode_ranks, p.s.row_items});
   const ExpandCount<false> ecount{p.e.mma_min_rows, {p.e.out_features[0], p.e.out_features[1], p.e.out_features[2]}};
   const int ne = scan_items(t, eprefix, ecount);
   float* red = reinterpret_cast<float*>(smem + p.s.work_offset);
@@ -1651,6 +1652,7 @@ const char* fused_typed(const ShrinkArgs& sa, const ExpandArgs& ea, int* counter
   s.v_row_stride = e.v_row_stride = sa.seg.num_groups * sa.v_rank_dim;
   s.mma_min_rows = e.mma_min_rows = 1 << 30;  // CUDA-core items only
   s.decode_ranks = decode_ranks_of(opt, kShrinkRanksMma1);  // checked by sgmv_fused; 1 x 4 as before (see below)
+  s.row_items = 0;  // (LaunchOptions::row_items is the shrink launch's: the expand items count on these shapes)
   int rank_sum = 0, vecs = 0;
   for (int g = 0; g < kMaxGroup; ++g) {
     const bool used = g < sa.seg.num_groups;

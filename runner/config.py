@@ -128,8 +128,8 @@ class KernelChoices:
         ranks = self.decode_ranks
         if isinstance(ranks, int):  # one number: every group's
             ranks = (ranks,) * 4
-        ranks = tuple(ranks)
-        if len(ranks) != 4 or any(not isinstance(r, int) or r not in (0, 1, 2, 4) for r in ranks):
+        ranks = tuple(ranks) if isinstance(ranks, (tuple, list)) else ()
+        if len(ranks) != 4 or any(type(r) is not int or r not in (0, 1, 2, 4) for r in ranks):
             raise ValueError(f"decode_ranks must be 0, 1, 2 or 4 (one number, or one per group: qkv, o, gate_up, "
                              f"down), got {self.decode_ranks!r}")
         object.__setattr__(self, "decode_ranks", ranks)  # (frozen: the normalized form, set once here)

@@ -165,7 +165,7 @@ def test_fp8_gemm_switches(monkeypatch):
     assert KernelChoices.from_env().describe() == "kernel choices: decode_ranks=(4, 1, 2, 1)"
     monkeypatch.delenv("LORAFLEET_DECODE_RANKS")
     assert KernelChoices(decode_ranks=2).decode_ranks == (2, 2, 2, 2)  # one number: every group's
-    for bad in (3, (4, 1, 2), (4, 1, 2, 3), (4.0, 1, 2, 1)):
+    for bad in (3, (4, 1, 2), (4, 1, 2, 3), (4.0, 1, 2, 1), 4.0, True, (True, 1, 2, 1), "4"):
         with pytest.raises(ValueError, match="decode_ranks must be 0, 1, 2 or 4"):
             KernelChoices(decode_ranks=bad)
     monkeypatch.setenv("LORAFLEET_FP8_UNIT_SCALE_ELEMS", "-5")
