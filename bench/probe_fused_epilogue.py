@@ -8,11 +8,10 @@ graph: the wgmma product into fp32 then the epilogue's own launch, against the p
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
-from probe_norm_lora import timed
+from probe_norm_lora import timed, write_json
 
 # projection -> (output spans, K) of the Llama-2-7B shape
 SHAPES = {"qkv": ([4096, 4096, 4096], 4096), "o": ([4096], 4096), "down": ([4096], 11008)}
@@ -64,10 +63,7 @@ def main() -> None:
     print(f"{'projection, adapters (us per call, CUDA graph)':48s} {'two launches':>12s} {'fused':>8s} {'ratio':>6s}")
     for k, r in rows.items():
         print(f"{k:48s} {r['two_launches']:12.2f} {r['fused']:8.2f} {r['fused'] / r['two_launches']:6.3f}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"card": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": T, "rank": R,
-                       "us_per_call": rows}, f, indent=1)
+    write_json(args.out, rows=T, rank=R, us_per_call=rows)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,13 @@ def timed(fn, reps: int, rounds: int = 5) -> float:
     return best
 
 
+def write_json(path: str, **fields) -> None:
+    """A probe's results as JSON at `path`, after the card and the torch version (nothing without a path)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump({"card": torch.cuda.get_device_name(), "torch": torch.__version__, **fields}, f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=32)
@@ -92,14 +99,10 @@ def main() -> None:
                 sg.shrink(v3, x, a3, ranks3, None, seg, mma_min_rows=big)),
         }
         rows[mix] = {k: round(timed(fn, args.reps), 2) for k, fn in ops.items()}
-    out = {"card": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": T, "hidden": H, "rank": R,
-           "us_per_call": rows}
     print(f"{'launch (us, in a CUDA graph)':34s} {'distinct':>9s} {'identical':>9s}")
     for k in rows["distinct"]:
         print(f"{k:34s} {rows['distinct'][k]:9.2f} {rows['identical'][k]:9.2f}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+    write_json(args.out, rows=T, hidden=H, rank=R, us_per_call=rows)
 
 
 if __name__ == "__main__":

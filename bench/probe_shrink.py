@@ -11,11 +11,10 @@ wrote it) and the rate that makes.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
-from probe_norm_lora import timed
+from probe_norm_lora import timed, write_json
 
 L2_DEFEAT = 160 << 20  # bytes of A pools cycled through: over 3x the H200's 50 MB L2
 
@@ -81,10 +80,7 @@ def main() -> None:
         best = min(r4, key=lambda x: x["us"])
         print(f"{r['shape'] + ' ' + r['group'] + ' ' + r['mix'] + (' +quant' if r['quant'] else ''):32s} "
               + " ".join(f"{x['us']:8.2f}" for x in r4) + f" {r['bytes'] / 1e6:6.1f} {best['gb_s']:9.0f}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"card": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": T, "rank": R,
-                       "launches": rows}, f, indent=1)
+    write_json(args.out, rows=T, rank=R, launches=rows)
 
 
 if __name__ == "__main__":
