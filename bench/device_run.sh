@@ -20,8 +20,8 @@
 #   ab       the same for any variable: AB_VAR, AB_VALUES, AB_REQS, AB_ARGS, AB_NAME -> e2e_AB_NAME_V.json
 #   nlprobe  bench/probe_norm_lora.py: the launches around a decode norm (flashinfer's, the project's, the LoRA shrink and
 #            expand, norm_lora) alone and as chains, each in a CUDA graph -> probe_norm_lora.json (NLPROBE_ARGS)
-#   fusedprobe the FP8 product then its epilogue's launch against the product with the epilogue inside, per 7B
-#            projection, 32 / 1 / no adapters, in CUDA graphs -> probe_fused_epilogue.json
+#   fusedprobe the FP8 product then its epilogue's launch against the product with the epilogue inside, per 7B and
+#            70B projection, 32 / 1 / no adapters, weights from DRAM, in CUDA graphs -> probe_fused_epilogue.json
 #   shrinkprobe the LoRA shrink alone per 7B and 70B projection group, 32 distinct adapters and one, with and without
 #            the e4m3 rows, for each decode_ranks, beside its bytes, in CUDA graphs -> probe_shrink.json
 #   nltests  the norm with the LoRA expand before and the shrink after it (tests/gpu/test_norm_lora_cuda.py; NLTESTS_K: -k)
@@ -205,7 +205,7 @@ stage() {
         | tee "$LOGS/probe_norm_lora.log" | tail -12 ;;
     fusedprobe)
       timeout ${PROBE_S:-120} python3 bench/probe_fused_epilogue.py --out "$OUT/probe_fused_epilogue${TAG:+_$TAG}.json" \
-        2>&1 | tee "$LOGS/probe_fused_epilogue.log" | tail -12 ;;
+        2>&1 | tee "$LOGS/probe_fused_epilogue.log" | tail -20 ;;
     shrinkprobe)
       timeout ${PROBE_S:-180} python3 bench/probe_shrink.py --out "$OUT/probe_shrink${TAG:+_$TAG}.json" \
         2>&1 | tee "$LOGS/probe_shrink.log" | tail -34 ;;

@@ -1,6 +1,7 @@
 """The FP8 product of a decode step and its epilogue (scales, bias, the rows' LoRA expand), each replayed from a CUDA
 graph: the wgmma product into fp32 then the epilogue's own launch, against the product with the epilogue inside it
-(csrc/fp8_gemm_sm90.cu fp8_gemm_sm90_fused), per Llama-2-7B projection, with 32 distinct adapters, one, and none.
+(csrc/fp8_gemm_sm90.cu fp8_gemm_sm90_fused), per Llama-2-7B and -70B projection (qkv, o, down), with 32 distinct
+adapters, one, and none; each launch reads its weight from DRAM (copies cycled past the L2), as a step's layers do.
 
     python bench/probe_fused_epilogue.py --out probe_fused_epilogue.json
 """
@@ -13,8 +14,12 @@ import torch
 
 from probe_norm_lora import timed, write_json
 
-# projection -> (output spans, K) of the Llama-2-7B shape
-SHAPES = {"qkv": ([4096, 4096, 4096], 4096), "o": ([4096], 4096), "down": ([4096], 11008)}
+# shape -> projection -> (output spans, K)
+SHAPES = {
+    "7b": {"qkv": ([4096, 4096, 4096], 4096), "o": ([4096], 4096), "down": ([4096], 11008)},
+    "70b": {"qkv": ([8192, 1024, 1024], 8192), "o": ([8192], 8192), "down": ([8192], 28672)},
+}
+L2_DEFEAT = 160 << 20  # bytes of weight copies cycled through: over 3x the H200's 50 MB L2, as a step's layers
 
 
 def main() -> None:
@@ -23,6 +28,7 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--slots", type=int, default=64)
     ap.add_argument("--reps", type=int, default=64)
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--out", default="")
     args = ap.parse_args()
 
@@ -36,9 +42,15 @@ def main() -> None:
         return torch.cuda.current_stream().cuda_stream
 
     rows: dict[str, dict[str, float]] = {}
-    for name, (spans, K) in SHAPES.items():
+    for shape, name, (spans, K) in [(sh, n, v) for sh in args.shapes for n, v in SHAPES[sh].items()]:
         N, G = sum(spans), len(spans)
-        w = quantize_rows(torch.randn(N, K, device="cuda") * 0.05)
+        # copies of the weight read in turn, so that each launch streams its weight from DRAM as in a step
+        ws = [quantize_rows(torch.randn(N, K, device="cuda") * 0.05) for _ in range(max(1, -(-L2_DEFEAT // (N * K))))]
+        turn = [0]
+
+        def weight():
+            turn[0] += 1
+            return ws[turn[0] % len(ws)]
         xq, sx = quantize_tokens(torch.randn(T, K, device="cuda").bfloat16())
         sx = sx.view(-1).contiguous()
         y = torch.empty(T, N, device="cuda")
@@ -51,14 +63,15 @@ def main() -> None:
                     else (None, [], None, None))
 
             def two_launches(lora=lora):
-                st = cur()
+                st, w = cur(), weight()
                 ext.fp8_gemm_sm90(y, xq, w.q, st, 1, True)
                 ext.fp8_epilogue(out, y, sx, w.scale, None, spans, *lora, True, st)
 
             def fused(lora=lora):
+                w = weight()
                 ext.fp8_gemm_sm90_fused(out, xq, w.q, sx, w.scale, None, spans, *lora, True, cur())
 
-            rows[f"{name} {mix}"] = {"two_launches": round(timed(two_launches, args.reps), 2),
+            rows[f"{shape} {name} {mix}"] = {"two_launches": round(timed(two_launches, args.reps), 2),
                                      "fused": round(timed(fused, args.reps), 2)}
     print(f"{'projection, adapters (us per call, CUDA graph)':48s} {'two launches':>12s} {'fused':>8s} {'ratio':>6s}")
     for k, r in rows.items():
