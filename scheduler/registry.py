@@ -79,11 +79,12 @@ class AdapterRegistry:
 
         A subfolder (or its config file) that is a symlink resolving outside the directory is
         skipped with a warning: the directory is the boundary of what it publishes. Each adapter's
-        files are checked as a runner checks them before reading the weights (peft_config.check_files:
-        the config is valid JSON and asks for no unsupported PEFT feature, a safetensors weights file
-        is there); one that fails is published with that reason as its `problem`.
+        files are checked as a runner checks them before reading the weights, short of the base model's shapes
+        (peft_config.inspect_adapter without a base: the config is valid JSON and asks for no unsupported PEFT
+        feature, the safetensors header is whole and lies within the file, the tensors are LoRA weights of the
+        modules the config targets, at its rank); one that fails is published with that reason as its `problem`.
         """
-        from lorafleet.common.peft_config import AdapterError, check_files, scrub_paths
+        from lorafleet.common.peft_config import AdapterError, inspect_adapter, scrub_paths
 
         root = Path(path)
         if not root.is_dir():
@@ -101,7 +102,7 @@ class AdapterRegistry:
                 log.warning("adapter %r skipped: it is a symlink to a place outside %s", d.name, root)
                 continue
             try:
-                check_files(d.name, real)
+                inspect_adapter(d.name, real)
                 problem = None
             except AdapterError as exc:
                 problem = scrub_paths(exc.reason)

@@ -141,7 +141,7 @@ async def test_runner_errors_reach_clients_without_server_paths(tok):
 
 
 def _adapter_dir(tmp_path):
-    """An --adapters folder: one good adapter and three whose files a runner would refuse before any weight."""
+    """An --adapters folder: one good adapter and five whose files a runner would refuse before any weight."""
     import json
 
     from model_helpers import write_adapter
@@ -152,6 +152,11 @@ def _adapter_dir(tmp_path):
     dora = write_adapter(root / "dora") / "adapter_config.json"
     dora.write_text(json.dumps({**json.loads(dora.read_text()), "use_dora": True}))
     (write_adapter(root / "noweights") / "adapter_model.safetensors").unlink()
+    # weights whose rank is not the config's, and weights cut short: the header tells, without reading a weight
+    badrank = write_adapter(root / "badrank", rank=8) / "adapter_config.json"
+    badrank.write_text(json.dumps({**json.loads(badrank.read_text()), "r": 4}))
+    cut = write_adapter(root / "truncated") / "adapter_model.safetensors"
+    cut.write_bytes(cut.read_bytes()[:-40])
     return root
 
 
@@ -159,12 +164,14 @@ def test_directory_scan_checks_each_adapters_files(tmp_path):
     from lorafleet.scheduler.registry import AdapterRegistry
 
     reg = AdapterRegistry.from_directory(_adapter_dir(tmp_path))
-    assert reg.names() == ["badjson", "dora", "good", "noweights"]  # all published, as before
+    assert reg.names() == ["badjson", "badrank", "dora", "good", "noweights", "truncated"]  # all published
     problems = {e.name: e.problem for e in reg.entries()}
     assert problems["good"] is None
     assert problems["badjson"].startswith("adapter_config.json is not valid JSON")
     assert problems["dora"] == REASON
     assert problems["noweights"] == "adapter_model.safetensors not found"
+    assert "rank" in problems["badrank"] and "8" in problems["badrank"], problems["badrank"]
+    assert problems["truncated"] and "corrupt" in problems["truncated"], problems["truncated"]
     assert not any(str(tmp_path) in (p or "") for p in problems.values())
 
 

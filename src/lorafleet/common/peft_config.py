@@ -18,7 +18,7 @@ from lorafleet.common.safetensors_header import HeaderError, read_header
 from lorafleet.models import registry
 from lorafleet.models.contract import PROJECTIONS, BaseShape, Checkpoint
 
-__all__ = ["AdapterError", "AdapterSpec", "BaseShape", "ModuleLora", "check_files", "inspect_adapter", "read_config",
+__all__ = ["AdapterError", "AdapterSpec", "BaseShape", "ModuleLora", "inspect_adapter", "read_config",
            "scrub_paths", "refusal_reason"]
 
 CONFIG_FILE = "adapter_config.json"
@@ -226,16 +226,6 @@ def weights_file(name: str, path: Path) -> Path:
             )
         raise AdapterError(name, f"{WEIGHTS_FILE} not found")
     return weights
-
-
-def check_files(name: str, path: str | Path) -> dict:
-    """What `inspect_adapter` checks without reading the weights: the config (valid JSON, only supported PEFT
-    features) and a safetensors weights file beside it. Returns the config; raises AdapterError with the reason
-    `inspect_adapter` (and so a runner) would give. For a directory of adapters scanned at start."""
-    path = Path(path)
-    cfg = read_config(name, path)
-    weights_file(name, path)
-    return cfg
 
 
 def inspect_adapter(
