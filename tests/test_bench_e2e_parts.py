@@ -291,7 +291,7 @@ def test_tensor_parallel_benchmark_path_on_the_cpu(tmp_path):
     """`lorafleet bench e2e --tp 2` (what runs Llama-2-70B over two GPUs) end to end on a tiny shape
     with two gloo ranks, through the CLI (the ranks are spawned from `python -m lorafleet`):
     synthetic weights on every rank, synthetic adapters through the slot mirror, every mix finished,
-    summaries against LoRA off and the floor."""
+    summaries against LoRA off and the floor, and with --profile the decode step of each mix and of LoRA off."""
     import json
     import subprocess
     import sys
@@ -299,12 +299,17 @@ def test_tensor_parallel_benchmark_path_on_the_cpu(tmp_path):
     out = tmp_path / "tp.json"
     cmd = [sys.executable, "-m", "lorafleet", "--log-level", "WARNING", "bench", "e2e", "--shape", "tiny", "--tp", "2",
            "--requests", "2", "--max-batch", "4", "--mixes", "distinct", "identical", "--population", "3",
-           "--rank", "4", "--out", str(out)]
+           "--rank", "4", "--profile", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())
     s = res["tp"]["tiny_tp2"]
     assert set(s["output_tok_s"]) == {"distinct", "identical"} and s["lora_off_output_tok_s"] > 0
+    # --profile: full-batch decode steps of both mixes and of LoRA off, and LoRA's exposed time per step
+    for k in ("breakdown_lora_distinct", "breakdown_lora_identical", "breakdown_lora_off"):
+        assert s[k]["wall_ms_unprofiled"] > 0, k
+    assert s["breakdown_lora_identical"]["adapters_per_step"] == 1 and "lora_bytes_ms" not in s["breakdown_lora_off"]
+    assert set(s["lora_exposed_ms"]) == {"distinct", "identical"}
     assert all(r["output_tokens"] > 0 and r["tp"] == 2 for r in res["runs"])
     assert all(v > 0 for v in s["floor_tok_s"].values()) and set(s["over_lora_off"]) == {"distinct", "identical"}
     assert "| distinct tp=2 |" in proc.stdout

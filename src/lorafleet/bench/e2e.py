@@ -1159,8 +1159,14 @@ def _tp_session(job: dict, conn) -> None:
                 res.pop("_steps", None)
                 res.update(tp=tp, shape=job["shape"], mix=mix)
                 out["runs"].append(res)
-            if lora and job["profile"]:
-                out["breakdown"] = profile_breakdown(eng, reqs, log, source, fm=fm)
+            if job["profile"]:  # full-batch decode steps: every mix of the run, and LoRA off's (exposed time)
+                if not lora:
+                    out["breakdown_off"] = profile_breakdown(eng, reqs, log, fm=fm, lora=False, mixed_steps=0)
+                else:
+                    out["breakdown"] = profile_breakdown(eng, reqs, log, source, fm=fm)
+                    if "identical" in job["mixes"]:
+                        out["breakdown_identical"] = profile_breakdown(eng, reqs, log, source, fm=fm, identical=True,
+                                                                       mixed_steps=0)
         finally:
             eng.close()
         conn.send(("ok", out))
@@ -1230,6 +1236,14 @@ def run_tp(args) -> int:
             if "breakdown" in out:
                 summary["breakdown_lora_distinct"] = out["breakdown"]
                 summary["allreduce_ms_per_step"] = out["breakdown"]["allreduce"]
+            if "breakdown_identical" in out:
+                summary["breakdown_lora_identical"] = out["breakdown_identical"]
+            if "breakdown_off" in out:
+                summary["breakdown_lora_off"] = out["breakdown_off"]
+                summary["lora_exposed_ms"] = exposed = lora_exposed(summary, out["breakdown_off"])
+                print(f"tp={tp} LoRA per decode step, exposed (against LoRA off's "
+                      f"{out['breakdown_off'].get('wall_ms_unprofiled')} ms): "
+                      + ", ".join(f"{k} {v} ms" for k, v in exposed.items()), flush=True)
             save()
         off = summary.get("lora_off_output_tok_s")
         if off:
