@@ -144,6 +144,34 @@ async def test_validate_endpoint(client, adapter, tmp_path):
 
 
 @shared
+async def test_validations_read_at_most_two_adapters_at_once(client, adapter, monkeypatch):
+    """Validation reads a whole adapter into memory: many asked at once (an operator with hundreds of adapters)
+    run two at a time, and each still answers."""
+    import threading
+    import time
+
+    from lorafleet.runner.lora import adapter as adapter_mod
+    from lorafleet.runner.service import server
+
+    real, lock, now, most = adapter_mod.load_adapter, threading.Lock(), [0], [0]
+
+    def slow_load(*args, **kw):
+        with lock:
+            now[0] += 1
+            most[0] = max(most[0], now[0])
+        time.sleep(0.2)
+        with lock:
+            now[0] -= 1
+        return real(*args, **kw)
+
+    monkeypatch.setattr(adapter_mod, "load_adapter", slow_load)
+    bodies = [{"name": f"v{i}", "source": str(adapter)} for i in range(6)]
+    answers = await asyncio.gather(*(client.post("/v1/adapters/validate", json=b) for b in bodies))
+    assert [(await r.json())["ok"] for r in answers] == [True] * 6
+    assert most[0] == server.VALIDATIONS_AT_ONCE == 2
+
+
+@shared
 async def test_metrics_expose_gateway_shape(client, adapter):
     s = await Stream(client, "metrics").open()
     await s.submit({"request_id": "m", "prompt_token_ids": [5, 6], "sampling": {"max_tokens": 2},

@@ -153,6 +153,9 @@ class StateCollector:
         yield g("lorafleet_runner_prefix_cache_pages", "KV pages held by the prefix cache", value=pc.get("cached_pages", 0))
 
 
+VALIDATIONS_AT_ONCE = 2
+
+
 class RunnerService:
     """The front: streams, submits and cancels to the engine core; health from the core's fate."""
 
@@ -167,6 +170,8 @@ class RunnerService:
         self.pending: dict[str, RunnerStream] = {}  # waiting for their adapter to be fetched
         self.cancelled_pending: set[str] = set()
         self.adapter_dirs: dict[tuple, str] = {}  # (name, source, sha256) -> local folder
+        # validations read whole adapters into memory: two at a time, whatever the operator asks at once
+        self.validations = asyncio.Semaphore(VALIDATIONS_AT_ONCE)
         self.registry = CollectorRegistry()
         self.registry.register(StateCollector(self))
         self.engine.on_step.append(self._count)
@@ -370,7 +375,8 @@ class RunnerService:
             return spec
 
         try:
-            spec = await asyncio.get_running_loop().run_in_executor(None, check)
+            async with self.validations:
+                spec = await asyncio.get_running_loop().run_in_executor(None, check)
         except AdapterError as exc:
             return web.json_response({"ok": False, "error": str(exc)})
         return web.json_response({"ok": True, "rank": spec.max_rank, "target_modules": list(spec.target_modules),
