@@ -243,7 +243,9 @@ class Batcher:
         """Prompt rows of this step kept from the chunks of running prompts for admissions: at most half the
         budget, at most the prompts of the first `free` waiting requests, and none while a request part-way through
         its prompt has none to share with (no prefill in progress) or the next waiting request cannot be admitted
-        now (its adapter still loading, or its prompt larger than the free pages: FCFS, nothing overtakes it)."""
+        now (its adapter still loading, or its prompt larger than the free pages: FCFS, nothing overtakes it), or
+        shares its first page with a prompt still being computed (with the prefix cache it would compute again what
+        that prompt is about to cache)."""
         if free <= 0 or not self.waiting or not any(s.prefilling for s in self.running):
             return 0
         head = self.waiting[0]
@@ -252,6 +254,10 @@ class Batcher:
             return 0
         if self.blocks.pages_for(head.num_tokens + 1) > self.blocks.free_pages:
             return 0
+        if self.blocks.caching and head.num_tokens > self.blocks.page_size:
+            first = self._keys(head, self.blocks.page_size)
+            if any(s.prefilling and s.page_keys[:1] == first for s in self.running):
+                return 0  # it shares its prefix with a prompt still being computed: it finds it cached if it waits
         want = sum(s.num_tokens for s in list(self.waiting)[:free])
         return min(budget // 2, want)
 
