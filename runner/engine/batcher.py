@@ -254,10 +254,11 @@ class Batcher:
             return 0
         if self.blocks.pages_for(head.num_tokens + 1) > self.blocks.free_pages:
             return 0
-        if self.blocks.caching and head.num_tokens > self.blocks.page_size:
-            first = self._keys(head, self.blocks.page_size)
-            if any(s.prefilling and s.page_keys[:1] == first for s in self.running):
-                return 0  # it shares its prefix with a prompt still being computed: it finds it cached if it waits
+        ps = self.blocks.page_size
+        if self.blocks.caching and head.num_tokens > ps and any(
+                s.prefilling and s.adapter == head.adapter and s.cache_salt == head.cache_salt
+                and s.prompt_ids[:ps] == head.prompt_ids[:ps] for s in self.running):
+            return 0  # it shares its first page with a prompt still being computed: it finds it cached if it waits
         want = sum(s.num_tokens for s in list(self.waiting)[:free])
         return min(budget // 2, want)
 
