@@ -35,6 +35,7 @@ is computed, so later requests (and this one, if it is evicted and comes back) f
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -259,7 +260,7 @@ class Batcher:
                 s.prefilling and s.adapter == head.adapter and s.cache_salt == head.cache_salt
                 and s.prompt_ids[:ps] == head.prompt_ids[:ps] for s in self.running):
             return 0  # it shares its first page with a prompt still being computed: it finds it cached if it waits
-        want = sum(s.num_tokens for s in list(self.waiting)[:free])
+        want = sum(s.num_tokens for s in itertools.islice(self.waiting, free))
         return min(budget // 2, want)
 
     def _computed(self, work: list[RowWork]) -> None:

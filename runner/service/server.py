@@ -349,7 +349,6 @@ class RunnerService:
     async def validate(self, request: web.Request) -> web.Response:
         import torch
 
-        from lorafleet.common.peft_config import inspect_adapter
         from lorafleet.runner.lora.adapter import load_adapter
         from lorafleet.runner.service.adapter_fetch import local_adapter_dir
 
@@ -366,13 +365,11 @@ class RunnerService:
                                       "name and source"}, status=400)
 
         def check():
-            """What loading it would check: the files and shapes, then every weight finite in the serving dtype (a
-            NaN, or a value that overflows there, is refused at load: so here too). Reads the whole file."""
+            """What loading checks, by loading it: the files and shapes (inspect_adapter), then every weight finite in
+            the serving dtype (a NaN, or a value that overflows there). Reads the whole file."""
             local = local_adapter_dir(name, source, body.get("sha256"))
-            base = BaseShape(**info["base_shape"])
-            spec = inspect_adapter(name, local, base=base, max_rank=info["max_lora_rank"])
-            load_adapter(name, local, base, info["max_lora_rank"], getattr(torch, info.get("adapter_dtype", "float32")))
-            return spec
+            dtype = getattr(torch, info.get("adapter_dtype", "float32"))
+            return load_adapter(name, local, BaseShape(**info["base_shape"]), info["max_lora_rank"], dtype).spec
 
         try:
             async with self.validations:
