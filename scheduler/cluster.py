@@ -337,7 +337,7 @@ class Cluster:
             if len(e) > 4 and req.cached_tokens is None and isinstance(e[4], int):
                 req.cached_tokens = max(0, min(e[4], len(req.prompt_ids)))  # its first runner's count stays
             if e[1]:
-                req.add_tokens(e[1])
+                req.add_tokens(e[1], e[5] if len(e) > 5 and isinstance(e[5], list) else None)
             if e[2] is not None:
                 self._finished(runner, req, e[2], e[3])
 

@@ -18,6 +18,8 @@ MAX_N = 128  # OpenAI's bound; the scheduler's sequence budget (limits.py) is us
 MAX_PROMPTS = 2048
 MAX_STOP = 4
 MAX_CACHE_SALT = 256  # characters; the runners take the same bound
+MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs bound); the runners take the same bound
+MIN_LOGPROB = -9999.0  # a log-probability of -inf (a token the model rules out) as JSON can carry it
 
 # The body fields each endpoint reads, refuses as unsupported (_refuse_unsupported) or ignores (IGNORED: OpenAI
 # fields that change nothing about the output). Anything else is refused, as OpenAI refuses an unrecognized
@@ -75,6 +77,7 @@ class GenParams:
     stream: bool
     include_usage: bool
     cache_salt: str | None = None  # the request's own salt (api_keys.cache_salt mixes in the key's)
+    logprobs: int | None = None  # alternatives per generated token with its log-probability; None: none asked
 
 
 def _is_int(v) -> bool:
@@ -125,8 +128,6 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
         v = body.get(key)
         if v is not None and (not _is_num(v) or v != 0):
             raise bad(key, f"{key} is not supported (only 0)")
-    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs"):
-        raise bad("logprobs", "logprobs are not supported")
     if body.get("echo"):
         raise bad("echo", "echo is not supported")
     if body.get("best_of") not in (None, 1):
@@ -183,6 +184,7 @@ def parse_common(body: dict, chat: bool, max_tokens_cap: int, vocab_size: int | 
     if not isinstance(ignore_eos, bool):
         raise bad("ignore_eos", "ignore_eos must be a boolean")
     top_k = _integer(body, "top_k", -1, -1, 1 << 30)
+    logprobs = _parse_logprobs(body, chat)
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt or len(salt) > MAX_CACHE_SALT):
         raise bad("cache_salt", f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT} characters")
@@ -200,7 +202,23 @@ def parse_common(body: dict, chat: bool, max_tokens_cap: int, vocab_size: int | 
         stream=stream,
         include_usage=bool(opts and opts.get("include_usage")),
         cache_salt=salt,
+        logprobs=logprobs,
     )
+
+
+def _parse_logprobs(body: dict, chat: bool) -> int | None:
+    """How many alternatives each generated token's log-probability comes with, or None (not asked). Chat:
+    `logprobs` true, with `top_logprobs` alternatives (0 to 20; only with logprobs true). Completions: `logprobs`
+    as a number of alternatives (0 to 20)."""
+    lp = body.get("logprobs")
+    if not chat:
+        return None if lp is False else _integer(body, "logprobs", None, 0, MAX_LOGPROBS)
+    if lp is not None and not isinstance(lp, bool):
+        raise bad("logprobs", "logprobs must be a boolean")
+    top = _integer(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+    if top and not lp:
+        raise bad("top_logprobs", "top_logprobs needs logprobs set to true")
+    return (top or 0) if lp else None
 
 
 def _integral_ids(p):
@@ -334,26 +352,70 @@ def completion_body(rid: str, model: str, chat: bool, choices: list[dict], use: 
             "model": model, "choices": choices, "usage": use}
 
 
-def choice(index: int, text: str, finish_reason: str | None, chat: bool) -> dict:
+def choice(index: int, text: str, finish_reason: str | None, chat: bool, logprobs: dict | None = None) -> dict:
     if chat:
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                 "finish_reason": finish_reason}
-    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def chunk(rid: str, model: str, chat: bool, index: int, text: str | None, finish_reason: str | None,
-          role: bool = False) -> dict:
+          role: bool = False, logprobs: dict | None = None) -> dict:
     if chat:
         delta: dict = {}
         if role:
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        ch = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        ch = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     else:
-        ch = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        ch = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
     return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
             "model": model, "choices": [ch]}
+
+
+class LogprobsWriter:
+    """One choice's log-probabilities in OpenAI's shapes, token by token as they come (`take` gives the object
+    for the tokens added since the last `take`; `text_offset` of completions keeps counting across takes).
+
+    Each entry is (token id, [log-probability, [[id, log-probability], ...]]) as a runner reports it (the model's
+    own distribution: the logits' log-softmax, before temperature, top-k and top-p). A token's text is its bytes
+    (`Tokenizer.token_bytes`, special tokens spelt out) read as UTF-8, a byte sequence cut inside a character
+    as U+FFFD; chat entries carry the exact `bytes` too."""
+
+    def __init__(self, tok, chat: bool):
+        self.tok, self.chat = tok, chat
+        self.entries: list[tuple[int, list]] = []
+        self.offset = 0
+
+    def add(self, ids: list[int], lps: list) -> None:
+        self.entries.extend(zip(ids, lps))
+
+    def _token(self, i: int) -> tuple[str, bytes]:
+        b = self.tok.token_bytes(i)
+        return b.decode("utf-8", "replace"), b
+
+    def take(self) -> dict | None:
+        if not self.entries:
+            return None
+        entries, self.entries = self.entries, []
+        if self.chat:
+            content = []
+            for i, (lp, top) in entries:
+                text, b = self._token(i)
+                content.append({"token": text, "logprob": max(lp, MIN_LOGPROB), "bytes": list(b), "top_logprobs": [
+                    {"token": t, "logprob": max(v, MIN_LOGPROB), "bytes": list(tb)}
+                    for t, tb, v in ((*self._token(j), v) for j, v in top)]})
+            return {"content": content}
+        tokens, offsets = [], []
+        for i, _ in entries:
+            text = self._token(i)[0]
+            tokens.append(text)
+            offsets.append(self.offset)
+            self.offset += len(text)
+        return {"tokens": tokens, "token_logprobs": [max(lp, MIN_LOGPROB) for _, (lp, _) in entries],
+                "top_logprobs": [{self._token(j)[0]: max(v, MIN_LOGPROB) for j, v in top} for _, (_, top) in entries],
+                "text_offset": offsets}
 
 
 _json_text = json.JSONEncoder(ensure_ascii=False).encode
@@ -375,13 +437,16 @@ class ChunkEncoder:
         self._tail = (b'},"logprobs":null,"finish_reason":null}]}\n\n' if chat
                       else b',"logprobs":null,"finish_reason":null}]}\n\n')
 
-    def text(self, index: int, text: str) -> bytes:
+    def text(self, index: int, text: str, logprobs: dict | None = None) -> bytes:
+        if logprobs is not None:
+            return self.chunk(index, text, None, logprobs=logprobs)
         return b"".join((self._head, str(index).encode(), self._mid, _json_text(text).encode(), self._tail))
 
     def event(self, obj: dict) -> bytes:
         return b"data: " + _json_text(obj).encode() + b"\n\n"
 
-    def chunk(self, index: int, text: str | None, finish_reason: str | None, role: bool = False) -> bytes:
-        c = chunk(self.rid, self.model, self.chat, index, text, finish_reason, role)
+    def chunk(self, index: int, text: str | None, finish_reason: str | None, role: bool = False,
+              logprobs: dict | None = None) -> bytes:
+        c = chunk(self.rid, self.model, self.chat, index, text, finish_reason, role, logprobs)
         c["created"] = self.created
         return self.event(c)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from lorafleet import __version__
 from lorafleet.scheduler.limits import RequestLimits
-from lorafleet.scheduler.openai_api import (IGNORED, MAX_CACHE_SALT, MAX_N, MAX_PROMPTS, MAX_STOP, NEUTRAL, OFF_ONLY,
-                                            ROLES)
+from lorafleet.scheduler.openai_api import (IGNORED, MAX_CACHE_SALT, MAX_LOGPROBS, MAX_N, MAX_PROMPTS, MAX_STOP,
+                                            NEUTRAL, OFF_ONLY, ROLES)
 
 JSON = "application/json"
 
@@ -64,7 +64,6 @@ def _schemas(limits: RequestLimits, names: list[str], vocab_size: int) -> dict:
         **{k: {"description": "accepted and ignored"} for k in sorted(IGNORED)},
         **{k: {"enum": [None, False, "none"], "description": "not supported: only unset"} for k in OFF_ONLY},
         **{k: {"enum": [None, v], "description": f"not supported: only {v}"} for k, v in NEUTRAL.items()},
-        "logprobs": {"enum": [None, False, 0], "description": "not supported: only unset"},
         "logit_bias": {"anyOf": [{"type": "null"}, {"type": "object", "maxProperties": 0}],
                        "description": "not supported: only unset or empty"},
         "response_format": {"anyOf": [{"type": "null"}, {"type": "object", "required": ["type"],
@@ -89,6 +88,25 @@ def _schemas(limits: RequestLimits, names: list[str], vocab_size: int) -> dict:
                                     "description": "prompt tokens found in a runner's prefix cache (not computed "
                                                    "again); each prompt counts once, like prompt_tokens"}}}}}
     finish = {"enum": ["stop", "length"]}
+    # log-probabilities of the generated tokens under the model's distribution (the logits' log-softmax, before
+    # temperature, top-k and top-p); -inf is written as -9999.0
+    logprob = {"type": "number", "maximum": 0}
+    token_bytes = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 255}}
+    chat_logprobs = {"anyOf": [{"type": "null"}, {"type": "object", "required": ["content"], "properties": {
+        "content": {"type": "array", "items": {
+            "type": "object", "required": ["token", "logprob", "bytes", "top_logprobs"],
+            "properties": {"token": {"type": "string"}, "logprob": logprob, "bytes": token_bytes,
+                           "top_logprobs": {"type": "array", "maxItems": MAX_LOGPROBS, "items": {
+                               "type": "object", "required": ["token", "logprob", "bytes"],
+                               "properties": {"token": {"type": "string"}, "logprob": logprob,
+                                              "bytes": token_bytes}}}}}}}}]}
+    completion_logprobs = {"anyOf": [{"type": "null"}, {
+        "type": "object", "required": ["tokens", "token_logprobs", "top_logprobs", "text_offset"],
+        "properties": {"tokens": {"type": "array", "items": {"type": "string"}},
+                       "token_logprobs": {"type": "array", "items": logprob},
+                       "top_logprobs": {"type": "array", "items": {
+                           "type": "object", "additionalProperties": logprob, "maxProperties": MAX_LOGPROBS}},
+                       "text_offset": {"type": "array", "items": {"type": "integer", "minimum": 0}}}}]}
     return {
         "Error": {"type": "object", "required": ["error"], "properties": {"error": {
             "type": "object", "required": ["message", "type", "param", "code"],
@@ -97,6 +115,10 @@ def _schemas(limits: RequestLimits, names: list[str], vocab_size: int) -> dict:
         "CompletionRequest": {
             "type": "object", "required": ["model", "prompt"], **stream_rule, "additionalProperties": False,
             "properties": {**sampling, "echo": {"enum": [None, False], "description": "not supported: only false"},
+                           "logprobs": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
+                                                  {"enum": [None, False]}],
+                                        "description": "each generated token's log-probability with this many of "
+                                                       "the most likely alternatives"},
                            "best_of": {"enum": [None, 1], "description": "not supported: only 1"},
                            "suffix": {"enum": [None, ""], "description": "not supported: only unset"},
                            "prompt": {"anyOf": [
@@ -105,9 +127,16 @@ def _schemas(limits: RequestLimits, names: list[str], vocab_size: int) -> dict:
                 token_ids,
                 {"type": "array", "items": token_ids, "minItems": 1, "maxItems": MAX_PROMPTS}]}}},
         "ChatCompletionRequest": {
-            "type": "object", "required": ["model", "messages"], **stream_rule, "additionalProperties": False,
+            "type": "object", "required": ["model", "messages"], "additionalProperties": False,
+            "allOf": [stream_rule, {  # top_logprobs above 0 only with logprobs: true
+                "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer", "minimum": 1}}},
+                "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}}],
             "properties": {**sampling, "max_completion_tokens": sampling["max_tokens"],
-                           "top_logprobs": {"enum": [None, 0], "description": "not supported: only unset"},
+                           "logprobs": {"type": ["boolean", "null"],
+                                        "description": "each generated token's log-probability"},
+                           "top_logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_LOGPROBS,
+                                            "description": "with logprobs: true, this many of the most likely "
+                                                           "alternatives of each generated token"},
                            "chat_template_kwargs": {
                                "type": ["object", "null"], "description": "extra variables of the model's chat "
                                "template, e.g. {\"enable_thinking\": false}; may not set messages, "
@@ -126,7 +155,7 @@ def _schemas(limits: RequestLimits, names: list[str], vocab_size: int) -> dict:
                            "choices": {"type": "array", "items": {
                                "type": "object", "required": ["index", "text", "logprobs", "finish_reason"],
                                "properties": {"index": {"type": "integer"}, "text": {"type": "string"},
-                                              "logprobs": {"type": "null"}, "finish_reason": finish}}}}},
+                                              "logprobs": completion_logprobs, "finish_reason": finish}}}}},
         "ChatCompletion": {
             "type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
             "properties": {"id": {"type": "string"}, "object": {"const": "chat.completion"},
@@ -134,7 +163,7 @@ def _schemas(limits: RequestLimits, names: list[str], vocab_size: int) -> dict:
                            "choices": {"type": "array", "items": {
                                "type": "object", "required": ["index", "message", "logprobs", "finish_reason"],
                                "properties": {
-                                   "index": {"type": "integer"}, "logprobs": {"type": "null"}, "finish_reason": finish,
+                                   "index": {"type": "integer"}, "logprobs": chat_logprobs, "finish_reason": finish,
                                    "message": {"type": "object", "required": ["role", "content"], "properties": {
                                        "role": {"const": "assistant"}, "content": {"type": "string"}}}}}}}},
         "CompletionChunk": {
@@ -144,7 +173,7 @@ def _schemas(limits: RequestLimits, names: list[str], vocab_size: int) -> dict:
                            "choices": {"type": "array", "items": {
                                "type": "object", "required": ["index", "text", "finish_reason"],
                                "properties": {"index": {"type": "integer"}, "text": {"type": "string"},
-                                              "logprobs": {"type": "null"},
+                                              "logprobs": completion_logprobs,
                                               "finish_reason": {"enum": ["stop", "length", None]}}}}}},
         "ChatCompletionChunk": {
             "type": "object", "required": ["id", "object", "created", "model", "choices"],
@@ -153,7 +182,7 @@ def _schemas(limits: RequestLimits, names: list[str], vocab_size: int) -> dict:
                            "choices": {"type": "array", "items": {
                                "type": "object", "required": ["index", "delta", "finish_reason"],
                                "properties": {
-                                   "index": {"type": "integer"}, "logprobs": {"type": "null"},
+                                   "index": {"type": "integer"}, "logprobs": chat_logprobs,
                                    "finish_reason": {"enum": ["stop", "length", None]},
                                    "delta": {"type": "object", "properties": {
                                        "role": {"const": "assistant"}, "content": {"type": "string"}}}}}}}},

@@ -28,7 +28,7 @@ class Request:
     adapter: AdapterEntry | None
     prompt_ids: list[int]
     max_tokens: int
-    sampling: dict  # temperature, top_p, top_k, seed, stop_token_ids, ignore_eos
+    sampling: dict  # temperature, top_p, top_k, seed, stop_token_ids, ignore_eos (, logprobs)
     arrival: float = field(default_factory=time.time)
     generated: list[int] = field(default_factory=list)
     sink: object = field(default_factory=Discard)
@@ -80,8 +80,9 @@ class Request:
             **({"cache_salt": self.cache_salt} if self.cache_salt is not None else {}),
         }
 
-    def add_tokens(self, ids: list[int]) -> None:
-        """New ids from the runner (never more than max_tokens in all)."""
+    def add_tokens(self, ids: list[int], logprobs: list | None = None) -> None:
+        """New ids from the runner (never more than max_tokens in all), with their log-probabilities where the
+        request asked for them (one entry per id)."""
         if self.done or not ids:
             return
         room = self.max_tokens - len(self.generated)
@@ -89,10 +90,12 @@ class Request:
             ids = ids[: max(room, 0)]
             if not ids:
                 return
+        if logprobs is not None:
+            logprobs = logprobs[: len(ids)] if len(logprobs) >= len(ids) else None  # (a runner's short list: none)
         if self.first_token_time is None:
             self.first_token_time = time.time()
         self.generated += ids
-        self.sink.tokens(self, ids)
+        self.sink.tokens(self, ids, logprobs)
 
     def finish(self, reason: str, error: str | None = None) -> None:
         if self.done:

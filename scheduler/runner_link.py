@@ -31,16 +31,22 @@ def merge(steps: list[list]) -> list[list]:
     call, so its client gets them in one SSE chunk (the catch-up costs one write, not one per step)."""
     out: dict[str, list] = {}
     for entries in steps:
-        for rid, ids, fin, err, *cached in entries:
+        for rid, ids, fin, err, *extra in entries:  # extra: cached_tokens, then logprobs (one per id)
             e = out.get(rid)
             if e is None:
-                out[rid] = [rid, list(ids), fin, err, *cached]
+                out[rid] = e = [rid, list(ids), fin, err, *extra[:1]]
             else:
                 e[1] += ids
                 if fin is not None:
                     e[2], e[3] = fin, err
-                if cached and len(e) == 4:
-                    e.append(cached[0])
+                if extra and len(e) == 4:
+                    e.append(extra[0])
+                elif extra and e[4] is None:
+                    e[4] = extra[0]
+            if len(extra) > 1 and extra[1]:
+                if len(e) == 5:
+                    e.append([])
+                e[5] += extra[1]
     return list(out.values())
 
 

@@ -237,7 +237,8 @@ class SchedulerService:
                     prompt_ids=list(p_ids), max_tokens=max_tokens,
                     sampling={"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
                               "seed": seed, "stop_token_ids": list(params.stop_token_ids),
-                              "ignore_eos": params.ignore_eos},
+                              "ignore_eos": params.ignore_eos,
+                              **({"logprobs": params.logprobs} if params.logprobs is not None else {})},
                     cache_salt=salt,
                 ))
         return reqs
@@ -259,6 +260,7 @@ class SchedulerService:
         reqs = self._make_requests(params, adapter, prompts, chat, grant)
         self._check_capacity(len(reqs))
         detoks = [IncrementalDetokenizer(self.tok, r.prompt_ids, params.stop) for r in reqs]
+        lps = None if params.logprobs is None else [oa.LogprobsWriter(self.tok, chat) for _ in reqs]
         rid = oa.new_id(chat)
         gone: list[bool] = []
 
@@ -270,9 +272,9 @@ class SchedulerService:
         if params.stream:
             enc = oa.ChunkEncoder(rid, params.model, chat)
             sink = StreamSink(detoks, enc, chat, self._stop_string, client_gone,
-                              lambda req, reason, error: self._failure(req, reason, error).body()["error"])
+                              lambda req, reason, error: self._failure(req, reason, error).body()["error"], lps)
         else:
-            sink = CollectSink(detoks, self._stop_string)
+            sink = CollectSink(detoks, self._stop_string, lps)
         for i, r in enumerate(reqs):
             r.index, r.sink = i, sink
             self.metrics.prompt_tokens.inc(len(r.prompt_ids))
@@ -321,7 +323,8 @@ class SchedulerService:
         for req, (reason, error) in zip(reqs, sink.ends):
             if reason not in ("stop", "length"):
                 raise self._failure(req, reason, error)
-        choices = [oa.choice(i, "".join(sink.parts[i]), sink.ends[i][0], chat) for i in range(len(reqs))]
+        choices = [oa.choice(i, "".join(sink.parts[i]), sink.ends[i][0], chat,
+                             sink.logprobs[i].take() if sink.logprobs else None) for i in range(len(reqs))]
         return web.json_response(oa.completion_body(rid, params.model, chat, choices, self._usage(params, reqs)))
 
     async def _stream(self, request: web.Request, rid: str, params: oa.GenParams, reqs: list[Request], chat: bool,

@@ -10,6 +10,11 @@ reason, error)` synchronously for every request in a runner's step line. One sin
   (HTTP/1.1 chunked) and written with `transport.write`. A client that stops reading (more than
   `HIGH_WATER` bytes queued) is detached: chunks buffer and the handler writes them with awaits.
 - `CollectSink` (non-streaming): text per choice, resolved when every choice has ended.
+
+With log-probabilities asked (`logprobs`: one `openai_api.LogprobsWriter` per choice), each token's entry goes
+with the text it produced: a streamed chunk carries the entries of the tokens pushed since the last chunk (text
+held back for a possible stop string holds its entries back too), the final chunk whatever is left. Tokens that
+arrive after a stop string ended a choice are dropped with their text.
 """
 
 from __future__ import annotations
@@ -25,24 +30,31 @@ HIGH_WATER = 1 << 20
 class Discard:
     """The sink of a request nobody listens to."""
 
-    def tokens(self, req, ids) -> None:
+    def tokens(self, req, ids, logprobs=None) -> None:
         pass
 
     def done(self, req, reason, error) -> None:
         pass
 
 
+def _push(detok: IncrementalDetokenizer, writers: list | None, index: int, ids: list[int], logprobs) -> str:
+    """The text `ids` add to choice `index`; their log-probabilities to its writer (not after a stop string)."""
+    if writers is not None and logprobs is not None and not detok.stopped:
+        writers[index].add(ids, logprobs)
+    return detok.push(ids)
+
+
 class CollectSink:
-    def __init__(self, detoks: list[IncrementalDetokenizer], on_stop: Callable):
-        self.detoks, self.on_stop = detoks, on_stop
+    def __init__(self, detoks: list[IncrementalDetokenizer], on_stop: Callable, logprobs: list | None = None):
+        self.detoks, self.on_stop, self.logprobs = detoks, on_stop, logprobs
         self.parts: list[list[str]] = [[] for _ in detoks]
         self.ends: list[tuple | None] = [None] * len(detoks)
         self.left = len(detoks)
         self.finished = asyncio.get_running_loop().create_future()
 
-    def tokens(self, req, ids) -> None:
+    def tokens(self, req, ids, logprobs=None) -> None:
         d = self.detoks[req.index]
-        text = d.push(ids)
+        text = _push(d, self.logprobs, req.index, ids, logprobs)
         if text:
             self.parts[req.index].append(text)
         if d.stopped:
@@ -68,8 +80,8 @@ class StreamSink:
     chunk (the handler then answers with a JSON error instead of starting the stream)."""
 
     def __init__(self, detoks: list[IncrementalDetokenizer], enc, chat: bool, on_stop: Callable, on_gone: Callable,
-                 failure_body: Callable | None = None):
-        self.detoks, self.enc, self.chat = detoks, enc, chat
+                 failure_body: Callable | None = None, logprobs: list | None = None):
+        self.detoks, self.enc, self.chat, self.logprobs = detoks, enc, chat, logprobs
         self.on_stop, self.on_gone = on_stop, on_gone
         self.failure_body = failure_body
         self.first_failure: tuple | None = None
@@ -133,11 +145,14 @@ class StreamSink:
             self.on_gone()
             self._notify()
 
-    def tokens(self, req, ids) -> None:
+    def _take(self, index: int) -> dict | None:
+        return self.logprobs[index].take() if self.logprobs is not None else None
+
+    def tokens(self, req, ids, logprobs=None) -> None:
         d = self.detoks[req.index]
-        text = d.push(ids)
+        text = _push(d, self.logprobs, req.index, ids, logprobs)
         if text and not self.gone:
-            self._send(self.enc.text(req.index, text))
+            self._send(self.enc.text(req.index, text, self._take(req.index)))
         if d.stopped:
             self.on_stop(req)
 
@@ -149,8 +164,11 @@ class StreamSink:
         if not self.gone:
             if reason in ("stop", "length"):
                 tail = self.detoks[i].flush()
-                final = self.enc.chunk(i, None if self.chat else "", reason)
-                self._send(self.enc.text(i, tail) + final if tail else final)
+                left = self._take(i)
+                if tail:
+                    self._send(self.enc.text(i, tail, left) + self.enc.chunk(i, None if self.chat else "", reason))
+                else:
+                    self._send(self.enc.chunk(i, None if self.chat else "", reason, logprobs=left))
             else:
                 if not self.produced and self.first_failure is None:
                     self.first_failure = (req, reason, error)

@@ -214,6 +214,14 @@ class Tokenizer:
     def id_to_token(self, i: int) -> str | None:
         return self._tok.id_to_token(i)
 
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes id `i` stands for in generated text, a special token spelt out (what log-probabilities show
+        for each token: with byte-level BPE a token may hold part of a UTF-8 character)."""
+        pieces = self.byte_pieces()
+        if pieces is not None and 0 <= i < len(pieces) and i not in self.special_ids:
+            return pieces[i]
+        return self._tok.decode([i], skip_special_tokens=False).encode()
+
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     template_kwargs: dict | None = None, tools: list[dict] | None = None,
                     documents: list[dict] | None = None) -> str:

@@ -32,3 +32,11 @@ def test_steps_read_together_merge_per_request_in_order():
              [["a", [2], None, None], ["b", [8], "length", None]],
              [["a", [3], None, None], ["c", [], "error", "boom"]]]
     assert merge(steps) == [["a", [1, 2, 3], None, None], ["b", [7, 8], "length", None], ["c", [], "error", "boom"]]
+
+
+def test_merged_steps_keep_each_tokens_logprobs_and_the_first_cached_count():
+    lp = lambda v: [v, [[9, v]]]  # noqa: E731
+    steps = [[["a", [1], None, None, 4, [lp(-0.5)]], ["b", [7], None, None]],
+             [["a", [2], None, None, None, [lp(-1.5)]], ["b", [8], None, None, 3]],
+             [["a", [], "cancelled", None]]]
+    assert merge(steps) == [["a", [1, 2], "cancelled", None, 4, [lp(-0.5), lp(-1.5)]], ["b", [7, 8], None, None, 3]]

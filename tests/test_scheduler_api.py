@@ -71,7 +71,8 @@ BAD = [
     ({"model": "base", "prompt": "x", "stop_token_ids": [10**9]}, 400, "stop_token_ids"),  # past the vocabulary:
     ({"model": "base", "prompt": "x", "stop_token_ids": [3, -1]}, 400, "stop_token_ids"),  # not the runner's 500
     ({"model": "base", "prompt": "x", "stream": "yes"}, 400, "stream"),
-    ({"model": "base", "prompt": "x", "logprobs": 3}, 400, "logprobs"),
+    ({"model": "base", "prompt": "x", "logprobs": 21}, 400, "logprobs"),  # at most 20 alternatives
+    ({"model": "base", "prompt": "x", "logprobs": True}, 400, "logprobs"),  # completions: a number
     ({"model": "base", "prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
     ({"model": "base", "prompt": "x", "max_tokens": 200, "n": 1, "stop": "q", "echo": True}, 400, "echo"),
     ({"model": "base", "prompt": "x", "max_tokens": 256}, 400, "max_tokens"),

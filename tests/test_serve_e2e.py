@@ -204,3 +204,25 @@ def test_graceful_shutdown_finishes_in_flight_and_leaves_no_process(demo_model, 
     assert finals[-1].get("choices", [{}])[0].get("finish_reason") == "length", (finals[-1], s.proc.stdout.read()[-6000:])
     for pid in kids:
         assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
+
+
+def test_chat_logprobs_through_the_openai_client_equal_hf_peft(served, demo_model, demo_adapters):
+    """The served adapter's greedy tokens and their log-probabilities (with 3 alternatives each) against HF + PEFT's
+    log-softmax in fp32, teacher-forced on the same tokens."""
+    from reference import HFReference
+
+    tok = Tokenizer(demo_model)
+    msgs = [{"role": "user", "content": QUESTIONS[0]}]
+    out = openai_client(served).chat.completions.create(model="pirate", messages=msgs, max_tokens=12, temperature=0,
+                                                        logprobs=True, top_logprobs=3)
+    content = out.choices[0].logprobs.content
+    prompt = tok.encode_chat(msgs)
+    want_ids = HFReference(demo_model, {"pirate": demo_adapters / "pirate"}).greedy(prompt, "pirate", 12, eos=2)
+    assert [bytes(c.bytes) for c in content] == [tok.token_bytes(i) for i in want_ids]
+    ref = HFReference(demo_model, {"pirate": demo_adapters / "pirate"})
+    logp = ref.logits(prompt + want_ids, "pirate").log_softmax(-1)[len(prompt) - 1: -1]
+    for pos, (i, c) in enumerate(zip(want_ids, content)):
+        assert c.logprob == pytest.approx(float(logp[pos, i]), abs=2e-3)
+        assert len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob == pytest.approx(c.logprob, abs=1e-6)
+        top = logp[pos].topk(3)
+        assert [t.logprob for t in c.top_logprobs] == pytest.approx(top.values.tolist(), abs=2e-3)

@@ -43,6 +43,8 @@ class StepOutput:
     error: str | None = None
     output_ids: list[int] | None = None  # all generated ids, set when finished
     cached_tokens: int | None = None  # with the request's first token: prompt tokens found in the prefix cache
+    # per new token, for a request that asks (SamplingParams.logprobs): [log-probability, [[id, log-probability], ...]]
+    logprobs: list | None = None
 
     @property
     def finished(self) -> bool:
@@ -180,7 +182,8 @@ class Engine:
         if not self.overlap and launched is not None:
             prev, self._inflight = launched, None
         if prev is not None:
-            outputs += self._postprocess(prev.batch, prev.tokens(self.tp.check if self.tp is not None else None))
+            tokens = prev.tokens(self.tp.check if self.tp is not None else None)
+            outputs += self._postprocess(prev.batch, tokens, prev.logprobs())
         elif idle_wait and not plan.work and self.batcher.waiting and not outputs:
             time.sleep(0.0005)  # only adapter loads are pending: let their worker threads run
         return outputs
@@ -261,9 +264,10 @@ class Engine:
             return StepOutput(seq.id)
         return StepOutput(seq.id, [], seq.finish_reason, seq.error, list(seq.output_ids))
 
-    def _postprocess(self, batch: StepBatch, tokens: list[int]) -> list[StepOutput]:
+    def _postprocess(self, batch: StepBatch, tokens: list[int], logprobs: list | None = None) -> list[StepOutput]:
         """Append each sampled id to its request (unless the request left the batch since the step
-        was scheduled), and finish requests at EOS, a stop token, max_tokens or the context end."""
+        was scheduled), and finish requests at EOS, a stop token, max_tokens or the context end. `logprobs`:
+        per sampled row, what `InFlight.logprobs` gives (None, or None for a row that asked for none)."""
         eos = set(self.model_config.eos_token_ids)
         outputs = []
         for j, b in enumerate(batch.sample_idx):
@@ -278,7 +282,8 @@ class Engine:
                 reason = "stop"
             elif len(seq.output_ids) >= p.max_tokens or len(seq.prompt_ids) + len(seq.output_ids) >= self.max_model_len:
                 reason = "length"
-            out = StepOutput(seq.id, [tok], cached_tokens=seq.cached_tokens if len(seq.output_ids) == 1 else None)
+            out = StepOutput(seq.id, [tok], cached_tokens=seq.cached_tokens if len(seq.output_ids) == 1 else None,
+                             logprobs=[logprobs[j]] if logprobs is not None and logprobs[j] is not None else None)
             if reason is not None:
                 self.batcher.remove(seq)
                 seq.finish_reason = reason

@@ -8,6 +8,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
+from lorafleet.runner.executor.sampler import MAX_LOGPROBS
 from lorafleet.runner.lora.adapter import AdapterRef  # noqa: F401 (a request names its adapter by one)
 
 _counter = itertools.count()
@@ -19,7 +20,9 @@ class SamplingError(ValueError):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 means greedy; top_k 0 and top_p 1 disable those filters."""
+    """temperature 0 means greedy; top_k 0 and top_p 1 disable those filters. `logprobs` (None: off) asks for
+    each generated token's log-probability and that many of the most likely alternatives (0..MAX_LOGPROBS), under
+    the model's own distribution (the logits' log-softmax, before temperature, top-k and top-p)."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -28,6 +31,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -40,6 +44,9 @@ class SamplingParams:
             raise SamplingError(f"top_k must be a non-negative integer, got {self.top_k!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise SamplingError(f"seed must be an integer, got {self.seed!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise SamplingError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or null, got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:
@@ -67,6 +74,7 @@ def sampling_from_dict(d: dict) -> SamplingParams:
             stop_token_ids=tuple(parse_token_ids(list(d["stop_token_ids"]), "stop_token_ids"))
             if d.get("stop_token_ids") else (),
             ignore_eos=bool(d.get("ignore_eos", False)),
+            logprobs=d.get("logprobs"),
         )
     except (TypeError, ValueError) as exc:
         if isinstance(exc, SamplingError):

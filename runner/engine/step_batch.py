@@ -77,6 +77,9 @@ class StepBatch:
     # float32 [4, S]: temperature | top_p | top_k | uniform (sampler.pack_sampling); None if all greedy
     packedf: torch.Tensor | None = None
     sample_pos: dict[int, int] = field(default_factory=dict)  # id(seq) -> index of its sampled token
+    # [S] alternatives each sampled row asks for with its token's log-probability (-1: none asked); empty when no
+    # row asks (host bookkeeping: the rank that reads the samples back computes them, sampler.token_logprobs)
+    logprobs: list[int] = field(default_factory=list)
 
     @property
     def batch_size(self) -> int:
@@ -93,6 +96,11 @@ class StepBatch:
     @property
     def decode_only(self) -> bool:
         return self.num_prefill == 0
+
+    @property
+    def max_logprobs(self) -> int:
+        """The most alternatives any sampled row asks for; -1 when no row asks for log-probabilities."""
+        return max(self.logprobs, default=-1)
 
     # -- serialised form for tensor-parallel ranks ----------------------------------------------
     def to_device(self, device, prev_tokens=None) -> "DeviceStep":
@@ -163,6 +171,7 @@ def build_step_batch(work: list[RowWork], page_size: int, seg_capacity: int, pre
     pending_src: list[int] = []
     sample_idx: list[int] = []
     temperature, top_p, top_k, uniform = [], [], [], []
+    logprobs: list[int] | None = None  # [S] once a row asks
     sample_pos: dict[int, int] = {}
     for b, w in enumerate(order):
         s = w.seq
@@ -203,6 +212,10 @@ def build_step_batch(work: list[RowWork], page_size: int, seg_capacity: int, pre
             top_p.append(float(sp.top_p))
             top_k.append(int(sp.top_k))
             uniform.append(0.0 if sp.greedy else uniform_for(s.sample_seed, w.end))
+            if sp.logprobs is not None and logprobs is None:
+                logprobs = [-1] * (len(sample_idx) - 1)
+            if logprobs is not None:
+                logprobs.append(-1 if sp.logprobs is None else sp.logprobs)
     indptr, slots = merge_runs(row_slots)
     cap = max(seg_capacity, len(slots), 1)
     T, B = len(ids), len(order)
@@ -220,7 +233,7 @@ def build_step_batch(work: list[RowWork], page_size: int, seg_capacity: int, pre
         page_tables=[w.seq.pages[: -(-w.end // page_size)] for w in order],
         seg_indptr=tuple(indptr), seg_slots=tuple(slots), seg_capacity=cap, sample_idx=sample_idx,
         temperature=temperature, top_p=top_p, top_k=top_k, uniform=uniform, packed64=packed64, packed32=packed32,
-        num_pending=len(pending_rows), sample_pos=sample_pos, packedf=packedf)
+        num_pending=len(pending_rows), sample_pos=sample_pos, packedf=packedf, logprobs=logprobs or [])
 
 
 @dataclass

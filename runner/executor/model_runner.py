@@ -2,6 +2,7 @@
 
     handle = runner.launch(batch, prev)   # the batch's copies to the device, forward, sampling, readback
     ids = handle.tokens()                 # waits for this step only: ids in batch.sample_idx order
+    lps = handle.logprobs()               # then, for rows that asked (batch.logprobs), their log-probabilities
 
 Every executor reads the same `StepBatch` (runner/engine/step_batch.py) and its device copy
 (`batch.to_device(...)`, a `DeviceStep`):
@@ -25,21 +26,29 @@ import torch
 from lorafleet.runner.lora.step import LoraStepImpl, dense_lora_bounds
 from lorafleet.runner.config import KernelChoices
 from lorafleet.runner.model.decoder import Decoder, StepIO, plain_projection_elems
-from lorafleet.runner.executor.sampler import sample_tokens
+from lorafleet.runner.executor.sampler import sample_tokens, token_logprobs
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A pinned host copy of device tensor `t`, queued behind the work before it (no wait)."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
 
 
 class InFlight:
     """A launched step: its batch, sampled ids on the device, and (with `readback`) their pinned
-    host copy."""
+    host copy; with `lp` (sampler.token_logprobs' tensors) their host copies too."""
 
-    def __init__(self, batch: "StepBatch", tokens_dev: torch.Tensor, kind: str, readback: bool = True):
+    def __init__(self, batch: "StepBatch", tokens_dev: torch.Tensor, kind: str, readback: bool = True,
+                 lp: tuple[torch.Tensor, ...] | None = None):
         self.batch, self.tokens_dev, self.kind = batch, tokens_dev, kind
         self.event = None
-        self.host = tokens_dev
+        self.host, self.lp_host = tokens_dev, lp
         if tokens_dev.is_cuda:
             if readback:
-                self.host = torch.empty(tokens_dev.shape, dtype=tokens_dev.dtype, pin_memory=True)
-                self.host.copy_(tokens_dev, non_blocking=True)
+                self.host = _to_host(tokens_dev)
+                if lp is not None:
+                    self.lp_host = tuple(_to_host(t) for t in lp)
             self.event = torch.cuda.Event()
             self.event.record()
 
@@ -62,6 +71,15 @@ class InFlight:
         """The sampled ids, in `batch.sample_idx` order (waits for this step's device work)."""
         self.wait(poll)
         return self.host.tolist()
+
+    def logprobs(self) -> list[list | None] | None:
+        """After `tokens()`: per sampled row, None or [its token's log-probability, [[id, log-probability], ...]
+        with as many alternatives as the row asked for (`batch.logprobs`)]; None when no row asked."""
+        if self.lp_host is None:
+            return None
+        chosen, ids, vals = (t.tolist() for t in self.lp_host)
+        return [None if k < 0 else [chosen[j], [[i, v] for i, v in zip(ids[j][:k], vals[j][:k])]]
+                for j, k in enumerate(self.batch.logprobs)]
 
 
 class ModelRunner:
@@ -100,7 +118,9 @@ class ModelRunner:
         if len(batch.sample_idx) < batch.batch_size:
             logits = logits.index_select(0, d.sample_idx)
         tokens = sample_tokens(logits, d.sampling)
-        out = InFlight(batch, tokens, kind, readback)
+        k = batch.max_logprobs
+        lp = token_logprobs(logits, tokens, k) if readback and k >= 0 else None
+        out = InFlight(batch, tokens, kind, readback, lp)
         if self.phases is not None:
             acc = self.phases.setdefault(kind, [0.0, 0.0, 0.0, 0])
             t3 = time.perf_counter()

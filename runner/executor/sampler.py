@@ -7,7 +7,8 @@ tokens, and a request resumed elsewhere (migration) continues the same stream.
 `sample_tokens` works on the per-row parameters packed by `pack_sampling` (the step batch
 carries them and copies them to the device with its other numbers) and returns the token ids as
 a device tensor without synchronising, so the host can build the next step while the device still
-runs this one.
+runs this one. `token_logprobs` gives the sampled tokens' log-probabilities (and the most likely
+alternatives) under the model's own distribution, for the requests that ask for them.
 """
 
 from __future__ import annotations
@@ -15,6 +16,10 @@ from __future__ import annotations
 import random
 
 import torch
+
+
+MAX_LOGPROBS = 20  # alternatives per token a request may ask for with its log-probability (OpenAI's bound)
+MIN_LOGPROB = -9999.0  # a log-probability of -inf (a token the model rules out) as JSON can carry it
 
 
 def uniform_for(seed: int, position: int) -> float:
@@ -53,3 +58,15 @@ def sample_tokens(logits: torch.Tensor, params: torch.Tensor | None) -> torch.Te
     # never land on a filtered-out token (zero-width CDF step)
     pick = torch.minimum(pick, keep.sum(-1, keepdim=True) - 1)
     return torch.where(greedy, out, order.gather(1, pick).squeeze(1))
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logits fp32 [S, V], the sampled ids int64 [S], `k` >= 0 alternatives -> (the ids' log-probabilities fp32 [S],
+    the k most likely ids int64 [S, k] and their log-probabilities fp32 [S, k], most likely first), all under
+    log_softmax(logits): the model's distribution, before temperature, top-k and top-p; -inf as MIN_LOGPROB. No host
+    synchronisation."""
+    logp = logits.float().log_softmax(-1)  # [S, V]
+    chosen = logp.gather(1, tokens[:, None]).squeeze(1).clamp_min(MIN_LOGPROB)
+    top = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], tokens.new_empty((logp.shape[0], 0)))
+    return chosen, top[1], top[0].clamp_min(MIN_LOGPROB)

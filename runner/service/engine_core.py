@@ -139,8 +139,10 @@ def serve(ch: BlockingChannel, engine) -> int:
                 changed = True
             if o.new_token_ids or o.finish_reason is not None:
                 entry = [o.seq_id, o.new_token_ids, o.finish_reason, o.error]
-                if o.cached_tokens is not None:  # with a request's first token: its prompt tokens found cached
-                    entry.append(o.cached_tokens)
+                if o.cached_tokens is not None or o.logprobs is not None:
+                    entry.append(o.cached_tokens)  # with a request's first token: its prompt tokens found cached
+                if o.logprobs is not None:  # a request that asked: its new tokens' log-probabilities
+                    entry.append(o.logprobs)
                 wire.append(entry)
         state = None
         if changed or want_state or now - last_snap > SNAPSHOT_EVERY_S:

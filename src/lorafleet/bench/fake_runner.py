@@ -74,7 +74,7 @@ class FakeRunner:
         if adapter in self.refuse:
             st.deliver([[rid, [], "error", f"adapter {adapter!r}: {self.refuse[adapter]}"]])
             return web.json_response({"request_id": rid, "accepted": True}, status=202)
-        self.active[rid] = {"stream": st, "todo": self.tokens(body), "out": 0}
+        self.active[rid] = {"stream": st, "todo": self.tokens(body), "out": 0, "lp": body["sampling"].get("logprobs")}
         self._wake.set()
         if self._stepper is None or self._stepper.done():
             self._stepper = asyncio.get_running_loop().create_task(self._steps())
@@ -95,6 +95,8 @@ class FakeRunner:
                     del self.active[rid]
                 g = per_stream.setdefault(id(a["stream"]), (a["stream"], []))
                 g[1].append([rid, [tok], "length" if done else None, None])
+                if a.get("lp") is not None:  # scripted log-probabilities: the token, then the next ids, less likely
+                    g[1][-1] += [None, [[-0.25 * (tok % 7), [[tok + j, -0.25 * (tok % 7) - j] for j in range(a["lp"])]]]]
             for st, entries in per_stream.values():
                 st.deliver(entries)
             self.steps += 1

@@ -1,0 +1,210 @@
+"""Log-probabilities of generated tokens: the engine's equal HF transformers + PEFT's log-softmax, row by row."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from model_helpers import write_random_adapter
+from lorafleet.runner.config import EngineConfig
+from lorafleet.runner.engine.engine import Engine
+from lorafleet.runner.engine.sequence import (MAX_LOGPROBS, AdapterRef, SamplingError, SamplingParams, Sequence,
+                                              sampling_from_dict)
+from reference import HFReference
+
+
+def _collect(eng: Engine, seqs: list[Sequence]) -> dict[str, dict]:
+    """Every request's generated ids and the log-probability entries that came with them, step by step."""
+    got = {s.id: {"ids": [], "lps": [], "entries": 0} for s in seqs}
+    for s in seqs:
+        eng.submit(s)
+    while eng.has_work():
+        for out in eng.step():
+            g = got[out.seq_id]
+            g["ids"] += out.new_token_ids
+            if out.logprobs is not None:
+                assert len(out.logprobs) == len(out.new_token_ids)
+                g["lps"] += out.logprobs
+                g["entries"] += 1
+    return got
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama, tmp_path_factory):
+    d = tmp_path_factory.mktemp("lp-adapters")
+    return {"a8": write_random_adapter(tiny_llama, d / "a8", r=8, alpha=16,
+                                       targets=("q_proj", "v_proj", "o_proj", "down_proj"), seed=11, scale=0.2)}
+
+
+def test_logprobs_of_a_mixed_batch_equal_hf_peft_log_softmax(tiny_llama, adapters):
+    g = torch.Generator().manual_seed(3)
+    asks = [3, None, 0, MAX_LOGPROBS, 5, None]
+    names = [None, "a8", "a8", None, "a8", None]
+    temps = [0.0, 0.0, 0.0, 0.0, 0.8, 0.7]
+    seqs = []
+    for i, (k, name, t) in enumerate(zip(asks, names, temps)):
+        ids = torch.randint(3, 512, (int(torch.randint(3, 30, (1,), generator=g)),), generator=g).tolist()
+        seqs.append(Sequence(f"r{i}", ids, SamplingParams(max_tokens=10, temperature=t, seed=100 + i, logprobs=k,
+                                                          ignore_eos=True),
+                             AdapterRef(name, str(adapters[name])) if name else None))
+    prompts = {s.id: (list(s.prompt_ids), s.adapter_name) for s in seqs}
+    eng = Engine(str(tiny_llama), EngineConfig(max_batch_size=8, kv_cache_gb=0.05, max_lora_rank=16, page_size=4))
+    got = _collect(eng, seqs)
+    ref = HFReference(tiny_llama, adapters)
+    for sid, k in zip(prompts, asks):
+        ids, name = prompts[sid]
+        out = got[sid]
+        assert len(out["ids"]) == 10
+        if k is None:
+            assert out["entries"] == 0, sid
+            continue
+        assert len(out["lps"]) == 10
+        want = ref.logits(ids + out["ids"], name).log_softmax(-1)[len(ids) - 1: -1]  # [10, V] teacher-forced
+        for pos, (tok, (lp, top)) in enumerate(zip(out["ids"], out["lps"])):
+            assert lp == pytest.approx(float(want[pos, tok]), abs=2e-4), (sid, pos)
+            assert len(top) == k
+            vals = [v for _, v in top]
+            assert vals == sorted(vals, reverse=True)
+            for i, v in top:
+                assert v == pytest.approx(float(want[pos, i]), abs=2e-4)
+            if k:  # the alternatives are the k most likely (up to ties within the tolerance)
+                kth = float(want[pos].topk(k).values[-1])
+                assert min(vals) >= kth - 2e-4 and max(vals) == pytest.approx(float(want[pos].max()), abs=2e-4)
+        if temps[int(sid[1:])] == 0.0:  # greedy: the token is the most likely one
+            assert all(lp == pytest.approx(float(want[p].max()), abs=2e-4) for p, (lp, _) in enumerate(out["lps"]))
+
+
+def test_asking_for_logprobs_never_changes_the_tokens(tiny_llama):
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 512, (12,), generator=g).tolist() for _ in range(4)]
+
+    def run(k):
+        eng = Engine(str(tiny_llama), EngineConfig(max_batch_size=8, kv_cache_gb=0.05, page_size=4))
+        seqs = [Sequence(f"r{i}", p, SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=i, logprobs=k,
+                                                    ignore_eos=True)) for i, p in enumerate(prompts)]
+        return {sid: v["ids"] for sid, v in _collect(eng, seqs).items()}
+
+    assert run(None) == run(4)
+
+
+@pytest.mark.parametrize("bad", [-1, MAX_LOGPROBS + 1, 2.5, True, "3"])
+def test_logprobs_outside_0_to_20_are_refused(bad):
+    with pytest.raises(SamplingError, match="logprobs"):
+        sampling_from_dict({"logprobs": bad})
+
+
+def test_logprobs_absent_or_null_is_off():
+    assert sampling_from_dict({}).logprobs is None
+    assert sampling_from_dict({"logprobs": None}).logprobs is None
+    assert sampling_from_dict({"logprobs": 0}).logprobs == 0
+
+
+# -- through the OpenAI API (scheduler + scripted runners, tests/fake_runner.py: the runner protocol's logprobs) --
+
+def test_the_scheduler_and_the_runners_take_the_same_bound():
+    from lorafleet.scheduler import openai_api as oa
+
+    assert oa.MAX_LOGPROBS == MAX_LOGPROBS
+
+
+def _scripted(tok_id: int, k: int) -> tuple[float, list[tuple[int, float]]]:
+    """What tests/fake_runner.py reports for token `tok_id` with k alternatives."""
+    lp = -0.25 * (tok_id % 7)
+    return lp, [(tok_id + j, lp - j) for j in range(k)]
+
+
+@pytest.fixture
+async def api(tok):
+    from api_helpers import start, stop
+    from fake_runner import FakeRunner
+
+    fr = FakeRunner()
+    client, _, servers = await start(tok, [fr])
+    yield client, fr, tok
+    await stop(client, servers)
+
+
+async def test_completions_logprobs_have_openais_legacy_shape(api):
+    client, fr, tok = api
+    r = await client.post("/v1/completions", json={"model": "base", "prompt": "Hello", "max_tokens": 5, "logprobs": 2})
+    body = await r.json()
+    assert r.status == 200, body
+    assert fr.seen[-1]["sampling"]["logprobs"] == 2
+    ids = fr.tokens(fr.seen[-1])
+    lp = body["choices"][0]["logprobs"]
+    texts = [tok.token_bytes(i).decode("utf-8", "replace") for i in ids]
+    assert lp["tokens"] == texts
+    assert lp["token_logprobs"] == [_scripted(i, 2)[0] for i in ids]
+    assert lp["top_logprobs"] == [{tok.token_bytes(j).decode("utf-8", "replace"): v for j, v in _scripted(i, 2)[1]}
+                                  for i in ids]
+    assert lp["text_offset"] == [sum(len(t) for t in texts[:k]) for k in range(len(texts))]
+    assert "".join(texts) == body["choices"][0]["text"]  # no special token among the scripted ids
+    r = await client.post("/v1/completions", json={"model": "base", "prompt": "Hello", "max_tokens": 3})
+    assert (await r.json())["choices"][0]["logprobs"] is None and "logprobs" not in fr.seen[-1]["sampling"]
+
+
+async def test_chat_logprobs_have_openais_shape_with_bytes(api):
+    client, fr, tok = api
+    msgs = [{"role": "user", "content": "Hi"}]
+    r = await client.post("/v1/chat/completions", json={"model": "base", "messages": msgs, "max_tokens": 4,
+                                                         "logprobs": True, "top_logprobs": 3, "n": 2, "seed": 3})
+    body = await r.json()
+    assert r.status == 200, body
+    for ch, sent in zip(body["choices"], fr.seen[-2:]):
+        ids = fr.tokens(sent)
+        content = ch["logprobs"]["content"]
+        assert [list(tok.token_bytes(i)) for i in ids] == [c["bytes"] for c in content]
+        assert [c["logprob"] for c in content] == [_scripted(i, 3)[0] for i in ids]
+        assert [[(t["bytes"], t["logprob"]) for t in c["top_logprobs"]] for c in content] == [
+            [(list(tok.token_bytes(j)), v) for j, v in _scripted(i, 3)[1]] for i in ids]
+        assert all(c["token"] == bytes(c["bytes"]).decode("utf-8", "replace") for c in content)
+    r = await client.post("/v1/chat/completions", json={"model": "base", "messages": msgs, "max_tokens": 2,
+                                                         "logprobs": True})
+    content = (await r.json())["choices"][0]["logprobs"]["content"]
+    assert len(content) == 2 and all(c["top_logprobs"] == [] for c in content)
+    assert fr.seen[-1]["sampling"]["logprobs"] == 0
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"logprobs": 3}, "logprobs"),  # chat: a boolean
+])
+async def test_chat_logprobs_refusals_name_the_field(api, body, param):
+    client, _, _ = api
+    r = await client.post("/v1/chat/completions", json={"model": "base", "messages": [{"role": "user", "content": "x"}],
+                                                         **body})
+    err = (await r.json())["error"]
+    assert r.status == 400 and err["param"] == param, err
+
+
+async def test_streamed_chunks_carry_the_logprobs_of_their_own_tokens(api):
+    client, fr, tok = api
+    r = await client.post("/v1/completions", json={"model": "base", "prompt": "Hello", "max_tokens": 6,
+                                                    "logprobs": 1, "stream": True})
+    events = [ln[6:] for ln in (await r.text()).split("\n\n") if ln.startswith("data: ")]
+    chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+    ids = fr.tokens(fr.seen[-1])
+    got = [t for c in chunks if c["logprobs"] for t in c["logprobs"]["token_logprobs"]]
+    assert got == [_scripted(i, 1)[0] for i in ids]
+    for c in chunks:  # each chunk's tokens spell its text; the offsets run on across chunks
+        if c["logprobs"]:
+            assert "".join(c["logprobs"]["tokens"]) == c["text"]
+    offsets = [o for c in chunks if c["logprobs"] for o in c["logprobs"]["text_offset"]]
+    texts = [tok.token_bytes(i).decode("utf-8", "replace") for i in ids]
+    assert offsets == [sum(len(t) for t in texts[:k]) for k in range(len(texts))]
+
+
+async def test_a_stop_string_ends_the_logprobs_with_the_token_that_completed_it(api):
+    client, fr, tok = api
+    ids = fr.tokens({"sampling": {"max_tokens": 8}, "prompt_token_ids": tok.encode("Hello")})
+    texts = [tok.token_bytes(i).decode("utf-8", "replace") for i in ids]
+    stop = texts[2][-1]  # a stop string that the third token's text ends with
+    assert stop not in "".join(texts[:2]) + texts[2][:-1], "the scripted text must not hold the stop string earlier"
+    r = await client.post("/v1/completions", json={"model": "base", "prompt": "Hello", "max_tokens": 8,
+                                                    "logprobs": 0, "stop": stop})
+    ch = (await r.json())["choices"][0]
+    assert ch["finish_reason"] == "stop" and ch["text"] == "".join(texts[:2]) + texts[2][:-1]
+    assert ch["logprobs"]["tokens"] == texts[:3]
