@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 from lorafleet.models import registry
-from lorafleet.models.contract import Family, ModelConfig, ModelConfigError, ModelError, checkpoint_plan
+from lorafleet.models.contract import (Family, ModelConfig, ModelConfigError, ModelError, checkpoint_plan,
+                                       checkpoint_shapes)
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ def read_hf_config(model_dir: Path) -> dict:
         raise WeightsError(f"{model_dir} has no config.json (expected a Hugging Face model directory or a .gguf file)")
     try:
         cfg = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise WeightsError(f"{cfg_path} is not valid JSON: {exc}") from None
     if not isinstance(cfg, dict):
         raise WeightsError(f"{cfg_path} must hold a JSON object")
@@ -52,9 +53,21 @@ def read_hf_config(model_dir: Path) -> dict:
             g = json.loads(gen.read_text())
             if isinstance(g, dict) and g.get("eos_token_id") is not None:
                 cfg = {**cfg, "eos_token_id": g["eos_token_id"]}
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, UnicodeDecodeError):
             log.warning("ignoring unreadable %s", gen)
     return cfg
+
+
+def typed_config(fam: Family, hf: dict, name: str) -> ModelConfig:
+    """The family's typed config of `hf`; a setting of the wrong kind or out of range that the family's reader
+    does not name itself (a string where a number goes, say) -> ModelConfigError saying so, not a traceback."""
+    try:
+        return fam.config(hf, name)
+    except ModelConfigError:
+        raise
+    except (TypeError, ValueError, KeyError, ZeroDivisionError, OverflowError) as exc:
+        raise ModelConfigError(f"the model's config has a setting of the wrong kind or out of range "
+                               f"({type(exc).__name__}: {exc})") from None
 
 
 # --- readers: checkpoint name -> (sliced) tensor ---------------------------------------------------------
@@ -72,6 +85,8 @@ class SafetensorsReader:
         self._safe_open = safe_open
         for f in _safetensors_files(model_dir):
             for name in self._file(f).keys():
+                if name in self.where:  # which copy wins would depend on file order: neither does
+                    raise WeightsError(f"{model_dir}: tensor {name} is in both {self.where[name].name} and {f.name}")
                 self.where[name] = f
 
     def _file(self, f: Path):
@@ -93,6 +108,8 @@ class SafetensorsReader:
         try:
             part = self._file(f).get_slice(name)
             ndim = len(part.get_shape())
+            if ndim == 0:  # a scalar (a per-tensor FP8 scale): slices do not apply
+                return self._file(f).get_tensor(name)
             if rows is None and cols is None:
                 return part[:]
             r = slice(*rows) if rows is not None else slice(None)
@@ -138,13 +155,21 @@ class TensorReader:
         self.tensors = {}
 
 
+def _shard_name(f) -> bool:
+    """Whether an index entry names a .safetensors file in the model directory itself."""
+    return isinstance(f, str) and f.endswith(".safetensors") and Path(f).name == f and f not in (".", "..")
+
+
 def _safetensors_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text()).get("weight_map", {})
-        except (json.JSONDecodeError, AttributeError):
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
             raise WeightsError(f"{index.name} is not a valid safetensors index") from None
+        if not isinstance(weight_map, dict) or not all(_shard_name(f) for f in weight_map.values()):
+            raise WeightsError(f"{index.name} is not a valid safetensors index: its weight_map must map tensor names to "
+                               "the names of .safetensors files in the model directory")
         files = sorted({model_dir / f for f in weight_map.values()})
         missing = [f.name for f in files if not f.is_file()]
         if missing:
@@ -165,6 +190,19 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
 
 
 PROJECTION_PARAMS = ("qkv", "o", "gate_up", "down")  # the engine parameters FP8 applies to
+# dtypes whose values the engine converts to its own dtype as the numbers they are
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def plain_float(t: torch.Tensor, name: str) -> torch.Tensor:
+    """`t` itself when it holds plain floating-point values; WeightsError naming checkpoint tensor `name` otherwise
+    (integers, booleans or FP8 without its scales, cast to the engine's dtype, would stand for other numbers)."""
+    if t.dtype in FLOAT_DTYPES:
+        return t
+    fp8 = " (FP8 only as the projection weights of a pre-quantized checkpoint whose config.json has a " \
+          "quantization_config)" if t.dtype.is_floating_point else ""
+    raise WeightsError(f"tensor {name} has dtype {str(t.dtype).removeprefix('torch.')}; weights must be float32, "
+                       f"float16, bfloat16 or float64{fp8}")
 
 
 def all_finite(t: torch.Tensor) -> bool:
@@ -193,6 +231,7 @@ class Params:
         self.device, self.dtype = torch.device(device), dtype
         self.fp8, self.scheme = fp8 or scheme is not None, scheme
         self.plan = {p.name: p for p in checkpoint_plan(family, cfg)}
+        self.shapes = checkpoint_shapes(family, cfg)
         self.read_names: set[str] = set()
         if cfg.tie_word_embeddings:  # transformers ties lm_head to the embedding, whatever the file holds
             self.read_names.add(family.checkpoint.lm_head)
@@ -204,6 +243,7 @@ class Params:
         if param is None:
             raise KeyError(name)
         if name == "lm_head" and self.cfg.tie_word_embeddings:
+            self._check_tied_head()
             return None
         if self.fp8 and name.startswith("layers.") and name.rsplit(".", 1)[1] in PROJECTION_PARAMS:
             return self._pop_fp8(param)
@@ -212,12 +252,13 @@ class Params:
             self.read_names.add(part.name)
             if part.rank0_only and self.shard is not None and self.shard.rank != 0:
                 return None
+            self._check_shape(part.name)
             t = self._read(part)
             if t is None:
                 if param.required:
                     raise WeightsError(f"the weights lack tensor {part.name} (is this a {self.family.name} checkpoint?)")
                 return None
-            pieces.append(finite(t, part.name))
+            pieces.append(finite(plain_float(t, part.name), part.name))
         t = pieces[0] if len(pieces) == 1 else torch.cat([p.to(self.device) for p in pieces], 0)
         return t.to(device=self.device, dtype=self.dtype).contiguous()
 
@@ -231,6 +272,7 @@ class Params:
             self.read_names.add(part.name)
             if part.name not in self.reader.names():
                 raise WeightsError(f"the weights lack tensor {part.name} (is this a {self.family.name} checkpoint?)")
+            self._check_shape(part.name)
             # block scales cover whole 128 x 128 tiles: read the whole tensor, then take this part's rows
             block = self.scheme is not None and self.scheme.strategy == "block"
             rows = None if block else part.rows
@@ -247,12 +289,13 @@ class Params:
                 self.read_names.add(sname)
                 if sname not in self.reader.names():
                     raise WeightsError(f"the weights lack the FP8 scale {sname}")
+                self._check_scale(sname, self.shapes[part.name])
                 srows = rows if self.scheme.strategy == "channel" else None
                 finite(t.float(), part.name)  # e4m3fn holds NaN (no Inf)
-                w = from_checkpoint(t, finite(self.reader.read(sname, srows, None), sname), self.scheme.strategy,
-                                    self.scheme.block)
+                scale = finite(plain_float(self.reader.read(sname, srows, None), sname), sname)
+                w = from_checkpoint(t, scale, self.scheme.strategy, self.scheme.block)
             else:  # a bf16/fp16 checkpoint, or a module the checkpoint left unquantized
-                w = quantize_rows(finite(t, part.name))
+                w = quantize_rows(finite(plain_float(t, part.name), part.name))
             if block:
                 lo, hi = part.rows if part.rows is not None else (0, w.q.shape[0])
                 if tp and part.split == 0:
@@ -265,6 +308,46 @@ class Params:
         q = torch.cat([p.q for p in pieces], 0) if len(pieces) > 1 else pieces[0].q
         s = torch.cat([p.scale for p in pieces], 0) if len(pieces) > 1 else pieces[0].scale
         return Fp8Weight(q.contiguous(), s.contiguous()).to(self.device)
+
+    def _check_tied_head(self) -> None:
+        """With tied embeddings, an lm_head in the checkpoint must be the embedding itself: a different one is
+        used by some transformers versions and dropped by others, so neither reading is safe to pick silently."""
+        ck = self.family.checkpoint
+        if ck.lm_head not in self.reader.names() or ck.embed not in self.reader.names():
+            return
+        head, embed = self.reader.read(ck.lm_head), self.reader.read(ck.embed)
+        if head.shape != embed.shape or not torch.equal(head, embed.to(head.dtype)):
+            raise WeightsError(f"config.json ties the output head to the embeddings (tie_word_embeddings true) but the "
+                               f"checkpoint holds a different {ck.lm_head}: set tie_word_embeddings to false to use it, "
+                               f"or remove it from the checkpoint")
+
+    def _check_shape(self, name: str) -> None:
+        """WeightsError when checkpoint tensor `name` (when present) has another shape than the config implies:
+        a wrong shape would fail mid-step or, broadcast, silently compute something else."""
+        want = self.shapes.get(name)
+        if want is None or name not in self.reader.names():
+            return
+        got = tuple(self.reader.shape(name))
+        if got != want:
+            raise WeightsError(f"tensor {name} has shape {list(got)}; the model's config implies {list(want)}")
+
+    def _check_scale(self, sname: str, wshape: tuple[int, ...]) -> None:
+        """WeightsError when FP8 scale `sname` of a [N, K] weight does not have its strategy's shape: per channel
+        [N] or [N, 1], per tensor one value, per block [ceil(N / rows), ceil(K / cols)]."""
+        n, k = wshape
+        got = tuple(self.reader.shape(sname))
+        strategy = self.scheme.strategy
+        if strategy == "channel":
+            ok, want = got in ((n,), (n, 1)), f"[{n}] or [{n}, 1]"
+        elif strategy == "tensor":
+            ok, want = len(got) <= 2 and all(d == 1 for d in got), "one value"
+        else:
+            br, bc = self.scheme.block
+            need = (-(-n // br), -(-k // bc))
+            ok, want = got == need, f"{list(need)} ({br} x {bc} blocks)"
+        if not ok:
+            raise WeightsError(f"FP8 scale {sname} has shape {list(got)}; {strategy} scales of a {[n, k]} weight "
+                               f"have shape {want}")
 
     def _read(self, part) -> torch.Tensor | None:
         rows, cols = part.rows, None
@@ -305,24 +388,51 @@ def _field(reader, key, default=None):
     return default if f is None else f.contents()
 
 
+def _required(reader, key: str) -> int:
+    """Integer GGUF metadata `key`; WeightsError when the file lacks it or holds something else."""
+    v = _field(reader, key)
+    try:
+        if v is None or isinstance(v, (bool, str)):
+            raise TypeError(v)
+        n = int(v)
+    except (TypeError, ValueError):
+        raise WeightsError(f"the GGUF metadata {'lacks ' + key if v is None else f'{key} is {v!r}, not a count'}") from None
+    if n < 1:
+        raise WeightsError(f"the GGUF metadata {key} must be at least 1, got {n}")
+    return n
+
+
+def _dequantize(t) -> np.ndarray:
+    """A GGUF tensor's values as float32; WeightsError naming a tensor type the gguf library cannot dequantize."""
+    from gguf.quants import dequantize
+
+    try:
+        return dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+    except (NotImplementedError, ValueError) as exc:
+        kind = getattr(t.tensor_type, "name", t.tensor_type)
+        raise WeightsError(f"GGUF tensor {t.name} has type {kind}, which cannot be loaded ({exc})") from None
+
+
 def gguf_hf_config(reader, name: str) -> tuple[Family, dict]:
     """(family, an HF-style config dict) from GGUF metadata."""
     arch = _field(reader, "general.architecture")
     fam = registry.family_for_gguf(str(arch))
     a = arch
-    heads = int(_field(reader, f"{a}.attention.head_count"))
-    hidden = int(_field(reader, f"{a}.embedding_length"))
+    heads = _required(reader, f"{a}.attention.head_count")
+    hidden = _required(reader, f"{a}.embedding_length")
     tensor_names = {t.name for t in reader.tensors}
     vocab = _field(reader, f"{a}.vocab_size")
     if vocab is None:
+        if "tokenizer.ggml.tokens" not in reader.fields:
+            raise WeightsError(f"the GGUF metadata has neither {a}.vocab_size nor tokenizer.ggml.tokens")
         vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
     head_dim = _field(reader, f"{a}.attention.key_length") or _field(reader, f"{a}.rope.dimension_count") or hidden // heads
     cfg = {
         "architectures": [fam.architectures[0]],
         "model_type": fam.model_types[0],
         "hidden_size": hidden,
-        "intermediate_size": int(_field(reader, f"{a}.feed_forward_length")),
-        "num_hidden_layers": int(_field(reader, f"{a}.block_count")),
+        "intermediate_size": _required(reader, f"{a}.feed_forward_length"),
+        "num_hidden_layers": _required(reader, f"{a}.block_count"),
         "num_attention_heads": heads,
         "num_key_value_heads": int(_field(reader, f"{a}.attention.head_count_kv", heads)),
         "head_dim": int(head_dim),
@@ -347,11 +457,7 @@ def gguf_hf_config(reader, name: str) -> tuple[Family, dict]:
 
     def tensor(name: str):
         t = by_name.get(name)
-        if t is None:
-            return None
-        from gguf.quants import dequantize
-
-        return dequantize(t.data, t.tensor_type).astype(np.float32).reshape(-1)
+        return None if t is None else _dequantize(t).reshape(-1)
 
     freqs = tensor("rope_freqs.weight")
     if freqs is not None:  # llama.cpp keeps Llama-3.x RoPE scaling as one divisor per frequency
@@ -370,15 +476,14 @@ def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
 def load_gguf(path: str | Path) -> tuple[Family, dict, dict[str, torch.Tensor]]:
     """(family, HF-style config, float32 tensors in the family's checkpoint names) of a GGUF file."""
     import gguf
-    from gguf.quants import dequantize
 
     path = Path(path)
     try:
         reader = gguf.GGUFReader(str(path))
     except Exception as exc:
-        raise WeightsError(f"cannot read GGUF file {path.name}: {exc}") from None
+        raise WeightsError(f"cannot read GGUF file {path.name} (truncated or not a GGUF file?): {exc}") from None
     fam, cfg = gguf_hf_config(reader, path.stem)
-    config = fam.config(cfg, path.stem)
+    config = typed_config(fam, cfg, path.stem)
     g, ck = fam.gguf, fam.checkpoint
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
@@ -387,13 +492,16 @@ def load_gguf(path: str | Path) -> tuple[Family, dict, dict[str, torch.Tensor]]:
         if t.name in g.globals:
             name = g.globals[t.name]
         elif t.name.startswith("blk."):
-            _, idx, kind, suffix = t.name.split(".", 3)
+            parts = t.name.split(".", 3)
+            if len(parts) != 4 or not parts[1].isdigit() or parts[2] not in g.layer:
+                raise WeightsError(f"unexpected GGUF tensor {t.name} for architecture {g.arch}")
+            _, idx, kind, suffix = parts
             if kind not in g.layer:
                 raise WeightsError(f"unexpected GGUF tensor {t.name} for architecture {g.arch}")
             name = f"{ck.layer.format(i=idx)}{g.layer[kind]}.{suffix}"
         else:
             raise WeightsError(f"unexpected GGUF tensor {t.name} for architecture {g.arch}")
-        arr = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        arr = _dequantize(t)
         arr = arr.reshape(tuple(int(d) for d in reversed(t.shape.tolist())))
         if g.norm_shift and name.rsplit(".", 2)[-2].endswith("norm"):
             arr = arr + np.float32(g.norm_shift)  # the file's norm weights are shifted (Gemma: 1 + w)
@@ -421,11 +529,11 @@ def load_model(path: str | Path, shard=None, device="cpu", dtype=torch.float32, 
     try:
         if is_gguf(p):
             fam, hf, tensors = load_gguf(p)
-            config, reader = fam.config(hf, p.stem), TensorReader(tensors)
+            config, reader = typed_config(fam, hf, p.stem), TensorReader(tensors)
         elif p.is_dir():
             hf = read_hf_config(p)
             fam = registry.family_for(hf)
-            config = fam.config(hf, p.name)
+            config = typed_config(fam, hf, p.name)
             if synthetic.is_synthetic(p):
                 declared = hf.get("_name_or_path")
                 if isinstance(declared, str) and declared.strip("/"):  # a synthetic model keeps the name it was given

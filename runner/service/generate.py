@@ -74,6 +74,48 @@ def model_path_problem(model: Path) -> str | None:
     return None
 
 
+def output_problem(output: Path) -> str | None:
+    """Why results cannot be written to `output` (a directory, or under a path that is not one), or None; its
+    folder is made here, before any request runs, so that a long run does not end unable to write them."""
+    if output.is_dir():
+        return f"{output} is a directory (give the path of the results file)"
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"cannot make the folder {output.parent} for {output.name} ({exc.strerror or exc})"
+    return None
+
+
+def input_lines(path: Path) -> list[tuple[int, str | None]]:
+    """(line number, text) of every non-blank line of a JSONL file, split at newlines only (JSON strings may hold
+    U+2028 and other characters str.splitlines breaks at); text None for a line that is not UTF-8."""
+    out = []
+    for lineno, raw in enumerate(path.read_bytes().split(b"\n"), 1):
+        try:
+            line = raw.decode("utf-8").removesuffix("\r")
+        except UnicodeDecodeError:
+            out.append((lineno, None))
+            continue
+        if line.strip():
+            out.append((lineno, line))
+    return out
+
+
+def adapter_ref(name, rid: str, adapters_dir: Path | None) -> AdapterRef | None:
+    """The adapter a line asks for: a folder directly inside `adapters_dir` (a name holding a path, such as
+    `../x` or `/x`, would read an adapter from elsewhere), or None for the base model."""
+    if name is None:
+        return None
+    if not isinstance(name, str) or not name:
+        raise RequestError(f"request {rid}: adapter must be a name or null")
+    if name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise RequestError(f"request {rid}: adapter {name!r} is not a name (the adapter folders are named by their "
+                           "folder name inside --adapters)")
+    if adapters_dir is None:
+        raise RequestError(f"request {rid}: adapter {name!r} asked for but no --adapters directory given")
+    return AdapterRef(name, str(adapters_dir / name))
+
+
 def sampling_params(obj: dict, rid: str, max_model_len: int) -> SamplingParams:
     """A request's sampling fields, checked by `serve`'s own rules (openai_api.parse_common, the one definition of
     the ranges: max_tokens between 1 and the context length, temperature in [0, 2], top_p in (0, 1], ...), so a
@@ -148,15 +190,18 @@ def parse_request(line: str, lineno: int, tokenizer, adapters_dir: Path | None, 
     else:
         raise RequestError(f"request {rid}: give a non-empty 'prompt', 'messages' or 'prompt_token_ids'")
     params = sampling_params(obj, rid, max_model_len)
-    adapter = obj.get("adapter")
-    ref = None
-    if adapter is not None:
-        if not isinstance(adapter, str) or not adapter:
-            raise RequestError(f"request {rid}: adapter must be a name or null")
-        if adapters_dir is None:
-            raise RequestError(f"request {rid}: adapter {adapter!r} asked for but no --adapters directory given")
-        ref = AdapterRef(adapter, str(adapters_dir / adapter))
+    ref = adapter_ref(obj.get("adapter"), rid, adapters_dir)
     return rid, {"ids": ids, "params": params, "adapter": ref}
+
+
+def write_results(output: Path, lines: list[dict]) -> None:
+    """The results file, one JSON line per input line, written whole to a temporary file and then renamed into
+    place (an interrupt while writing leaves the previous file or the new one, never half of it)."""
+    tmp = output.with_name(output.name + ".partial")
+    with tmp.open("w") as f:
+        for line in lines:
+            f.write(json.dumps(line, ensure_ascii=False) + "\n")
+    tmp.replace(output)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -201,7 +246,12 @@ def run(args: argparse.Namespace) -> int:
         demo = prepare()
         model, adapters_dir = demo / "model", adapters_dir or demo / "adapters"
     if not args.input.is_file():
-        print(f"error: input file {args.input} does not exist", file=sys.stderr)
+        what = "is not a file" if args.input.exists() else "does not exist"
+        print(f"error: input file {args.input} {what}", file=sys.stderr)
+        return 2
+    problem = output_problem(args.output)
+    if problem:
+        print(f"error: --output {problem}", file=sys.stderr)
         return 2
     problem = model_path_problem(Path(model))
     if problem:
@@ -227,14 +277,14 @@ def run(args: argparse.Namespace) -> int:
     seqs: list[Sequence] = []
     line_of: dict[str, int] = {}  # id of a request that runs -> its line
     seen: set[str] = set()
-    for lineno, line in enumerate(args.input.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
+    for lineno, line in input_lines(args.input):
         error = None
         try:
+            if line is None:
+                raise RequestError(f"line {lineno}: not valid UTF-8")
             rid, req = parse_request(line, lineno, tokenizer, adapters_dir, engine.max_model_len)
         except RequestError as exc:
-            rid, error = line_id(line, lineno), str(exc)
+            rid, error = (line_id(line, lineno) if line is not None else f"line-{lineno}"), str(exc)
         if rid in seen:
             error = f"request {rid}: duplicate id {rid!r} (line {lineno} repeats an earlier line's id)" + (
                 f"; also {error}" if error else "")
@@ -250,16 +300,24 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     n_tokens = 0
     bar = tqdm(total=len(seqs), unit="req", disable=args.no_progress, file=sys.stderr)
+    finals: dict = {}
 
     def done(out):
         nonlocal n_tokens
+        finals[out.seq_id] = out
         n_tokens += len(out.output_ids or [])
         bar.update(1)
         bar.set_postfix(tok_s=f"{n_tokens / max(time.perf_counter() - t0, 1e-9):.1f}")
 
-    finals = engine.run_to_completion(seqs, progress=done)
+    interrupted = False
+    try:
+        finals.update(engine.run_to_completion(seqs, progress=done))
+    except KeyboardInterrupt:  # keep what finished: the file gets every line, the unfinished ones as errors
+        interrupted = True
     bar.close()
     elapsed = time.perf_counter() - t0
+    for rid in set(line_of) - set(finals):
+        results[line_of[rid]] = failed(rid, f"request {rid}: interrupted before it finished")
     for rid, out in finals.items():
         s = by_id[rid]
         ids = out.output_ids or []
@@ -273,10 +331,12 @@ def run(args: argparse.Namespace) -> int:
         }
         if out.error:
             results[line_of[rid]]["error"] = out.error
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    with args.output.open("w") as f:
-        for key in order:
-            f.write(json.dumps(results[key], ensure_ascii=False) + "\n")
+    write_results(args.output, [results[key] for key in order])
+    if interrupted:
+        done_n = sum(1 for rid in line_of if rid in finals)
+        print(f"interrupted: {done_n} of {len(line_of)} requests finished; results so far -> {args.output}",
+              file=sys.stderr)
+        return 130
     errors = sum(1 for key in order if results[key]["finish_reason"] == "error")
     print(f"{len(order)} requests ({errors} failed), {n_tokens} tokens in {elapsed:.1f}s "
           f"= {n_tokens / max(elapsed, 1e-9):.1f} tok/s -> {args.output}", file=sys.stderr)

@@ -21,6 +21,7 @@ dimensions are the engine's (`SPLIT_DIM`), the same for every family.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
@@ -360,15 +361,50 @@ def _proj_of(ck: Checkpoint, tensor: str) -> str:
 # --- helpers for family modules ---------------------------------------------------------------------------
 
 
-def hf_int(cfg: dict, key: str, default=None) -> int:
+def hf_int(cfg: dict, key: str, default=None, minimum: int | None = None) -> int:
+    """An integer setting of config.json (`default` when absent or null): an int, an integral float (64.0) or a
+    string of one; ModelConfigError for anything else (64.7 would be silently cut to 64, true read as 1) and
+    for a value below `minimum`."""
     v = cfg.get(key)
     v = default if v is None else v
     if v is None:
         raise ModelConfigError(f"the model's config lacks {key!r}")
     try:
-        return int(v)
-    except (TypeError, ValueError):
+        if isinstance(v, bool) or (isinstance(v, float) and not v.is_integer()):
+            raise ValueError(v)
+        n = int(v)
+    except (TypeError, ValueError, OverflowError):
         raise ModelConfigError(f"the model's config: {key!r} must be an integer, got {v!r}") from None
+    if minimum is not None and n < minimum:
+        raise ModelConfigError(f"the model's config: {key!r} must be at least {minimum}, got {n}")
+    return n
+
+
+def hf_float(cfg: dict, key: str, default: float, minimum: float | None = None) -> float:
+    """A finite number setting of config.json (`default` when absent or null), at least `minimum`."""
+    v = cfg.get(key)
+    v = default if v is None else v
+    try:
+        if isinstance(v, bool):
+            raise ValueError(v)
+        x = float(v)
+    except (TypeError, ValueError):
+        raise ModelConfigError(f"the model's config: {key!r} must be a number, got {v!r}") from None
+    if not math.isfinite(x) or (minimum is not None and x < minimum):
+        raise ModelConfigError(f"the model's config: {key!r} must be a finite number"
+                               f"{'' if minimum is None else f' of at least {minimum:g}'}, got {v!r}")
+    return x
+
+
+def hf_bool(cfg: dict, key: str, default: bool) -> bool:
+    """A true/false setting of config.json (`default` when absent or null); ModelConfigError for any other
+    value (the string "false" is truthy: read as a flag it would turn the setting on)."""
+    v = cfg.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise ModelConfigError(f"the model's config: {key!r} must be true or false, got {v!r}")
+    return v
 
 
 def eos_ids(cfg: dict) -> tuple[int, ...]:
@@ -457,21 +493,25 @@ def layer_types(cfg: dict, num_layers: int) -> list[str] | None:
 def common_fields(cfg: dict, family: str, name: str, head_dim: int | None = None) -> dict:
     """The fields every HF decoder config spells alike (`head_dim`: the family's default when the config has
     none; else hidden / heads)."""
-    hidden = hf_int(cfg, "hidden_size")
-    heads = hf_int(cfg, "num_attention_heads")
-    head_dim = cfg.get("head_dim") or head_dim or hidden // heads
+    hidden = hf_int(cfg, "hidden_size", minimum=1)
+    heads = hf_int(cfg, "num_attention_heads", minimum=1)
+    kv_heads = hf_int(cfg, "num_key_value_heads", heads, minimum=1)
+    if heads % kv_heads:
+        raise ModelConfigError(f"the model's config: num_attention_heads {heads} is not a multiple of "
+                               f"num_key_value_heads {kv_heads}")
+    head_dim = hf_int(cfg, "head_dim", head_dim or hidden // heads, minimum=1)
     return dict(
         family=family,
-        vocab_size=hf_int(cfg, "vocab_size"),
+        vocab_size=hf_int(cfg, "vocab_size", minimum=1),
         hidden_size=hidden,
-        intermediate_size=hf_int(cfg, "intermediate_size"),
-        num_layers=hf_int(cfg, "num_hidden_layers"),
+        intermediate_size=hf_int(cfg, "intermediate_size", minimum=1),
+        num_layers=hf_int(cfg, "num_hidden_layers", minimum=1),
         num_heads=heads,
-        num_kv_heads=hf_int(cfg, "num_key_value_heads", heads),
-        head_dim=int(head_dim),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=hf_int(cfg, "max_position_embeddings", 4096),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=hf_float(cfg, "rms_norm_eps", 1e-6, minimum=0.0),
+        max_position_embeddings=hf_int(cfg, "max_position_embeddings", 4096, minimum=1),
+        tie_word_embeddings=hf_bool(cfg, "tie_word_embeddings", False),
         bos_token_id=cfg.get("bos_token_id") if isinstance(cfg.get("bos_token_id"), int) else None,
         eos_token_ids=eos_ids(cfg),
         name=name or str(cfg.get("_name_or_path") or ""),

@@ -9,7 +9,7 @@ import dataclasses
 
 from lorafleet.models import llama
 from lorafleet.models.contract import (Family, Gguf, ModelConfig, ModelConfigError, check_activation,
-                                       common_fields, hf_int, layer_types, rope_from_hf)
+                                       common_fields, hf_bool, hf_int, layer_types, rope_from_hf)
 
 NORMS = {**llama.NORMS, "mlp_norm": "pre_feedforward_layernorm.weight",
          "post_attn_norm": "post_attention_layernorm.weight", "post_mlp_norm": "post_feedforward_layernorm.weight"}
@@ -54,8 +54,8 @@ def config_from_hf(cfg: dict, name: str = "") -> ModelConfig:
     if cfg.get("use_bidirectional_attention"):
         raise ModelConfigError("Gemma-3 with use_bidirectional_attention is an encoder; it is not supported")
     f = common_fields(cfg, "gemma3", name, head_dim=256)  # transformers' defaults where config.json is silent
-    f["tie_word_embeddings"] = bool(cfg.get("tie_word_embeddings", True))
-    f["max_position_embeddings"] = hf_int(cfg, "max_position_embeddings", 131072)
+    f["tie_word_embeddings"] = hf_bool(cfg, "tie_word_embeddings", True)
+    f["max_position_embeddings"] = hf_int(cfg, "max_position_embeddings", 131072, minimum=1)
     L = f["num_layers"]
     lt = layer_types(cfg, L)
     if lt is None:
@@ -63,7 +63,7 @@ def config_from_hf(cfg: dict, name: str = "") -> ModelConfig:
         lt = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(L)]
     window = cfg.get("sliding_window", 4096)
     local = [t == "sliding_attention" for t in lt]  # the local RoPE follows the layer type, window or not
-    bias = bool(cfg.get("attention_bias", False))
+    bias = hf_bool(cfg, "attention_bias", False)
     soft = {k: (float(cfg[k]) if cfg.get(k) else None) for k in ("attn_logit_softcapping", "final_logit_softcapping")}
     return ModelConfig(
         **f, ropes=ropes(cfg, f["head_dim"]), layer_rope=tuple(1 if s else 0 for s in local),

@@ -5,8 +5,8 @@ Also the tables other families start from: the Hugging Face Llama tensor names a
 
 from __future__ import annotations
 
-from lorafleet.models.contract import (Checkpoint, Family, Gguf, ModelConfig, check_activation, common_fields,
-                                       rope_from_hf)
+from lorafleet.models.contract import (Checkpoint, Family, Gguf, ModelConfig, ModelConfigError, check_activation,
+                                       common_fields, hf_bool, hf_float, hf_int, rope_from_hf)
 
 MODULES = {
     "q": "self_attn.q_proj",
@@ -49,25 +49,36 @@ GGUF_GLOBALS = {
 def rope_params(cfg: dict) -> tuple[dict, float]:
     """(rope dict, default theta): transformers 5 writes `rope_parameters` (with rope_theta inside), 4.x
     writes `rope_theta` and `rope_scaling`."""
-    params = cfg.get("rope_parameters")
-    if isinstance(params, dict) and params:
-        return params, float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    return dict(cfg.get("rope_scaling") or {}), float(cfg.get("rope_theta", 10000.0))
+    theta = hf_float(cfg, "rope_theta", 10000.0, minimum=0.0)
+    params = rope_dict(cfg, "rope_parameters")
+    if params:
+        return params, hf_float(params, "rope_theta", theta, minimum=0.0)
+    return rope_dict(cfg, "rope_scaling"), theta
+
+
+def rope_dict(cfg: dict, key: str) -> dict:
+    """config.json's `key` (rope_parameters, rope_scaling) as a dict, {} when absent or null."""
+    v = cfg.get(key)
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise ModelConfigError(f"the model's config: {key!r} must be an object, got {v!r}")
+    return dict(v)
 
 
 def single_rope(cfg: dict, head_dim: int, partial_rotary_factor: float = 1.0) -> tuple:
     params, theta = rope_params(cfg)
-    return (rope_from_hf(params, head_dim, int(cfg.get("max_position_embeddings", 4096)), theta,
+    return (rope_from_hf(params, head_dim, hf_int(cfg, "max_position_embeddings", 4096, minimum=1), theta,
                          partial_rotary_factor, cfg.get("original_max_position_embeddings")),)
 
 
 def config_from_hf(cfg: dict, name: str = "") -> ModelConfig:
     check_activation(cfg, ("silu",))
     f = common_fields(cfg, "llama", name)
-    bias = bool(cfg.get("attention_bias", False))
+    bias = hf_bool(cfg, "attention_bias", False)
     return ModelConfig(
         **f, ropes=single_rope(cfg, f["head_dim"]), layer_rope=(0,) * f["num_layers"],
-        layer_window=(None,) * f["num_layers"], qkv_bias=bias, o_bias=bias, mlp_bias=bool(cfg.get("mlp_bias", False)))
+        layer_window=(None,) * f["num_layers"], qkv_bias=bias, o_bias=bias, mlp_bias=hf_bool(cfg, "mlp_bias", False))
 
 
 FAMILY = Family(

@@ -44,8 +44,9 @@ def quant_scheme(cfg: dict) -> QuantScheme | None:
             raise ModelConfigError(f"fp8 checkpoints with activation_scheme {q.get('activation_scheme')!r} are not "
                                    "supported (only dynamic)")
         block = q.get("weight_block_size")
-        if block is not None and (not isinstance(block, list) or len(block) != 2):
-            raise ModelConfigError(f"fp8 weight_block_size {block!r} is not supported (two integers)")
+        if block is not None and (not isinstance(block, list) or len(block) != 2 or not all(
+                isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+            raise ModelConfigError(f"fp8 weight_block_size {block!r} is not supported (two positive integers)")
         return QuantScheme("fp8", "weight_scale_inv", "block" if block else "tensor",
                            tuple(int(b) for b in block) if block else None,
                            ignore=tuple(q.get("modules_to_not_convert") or ()))
@@ -53,12 +54,17 @@ def quant_scheme(cfg: dict) -> QuantScheme | None:
         fmt = q.get("format")
         if fmt not in ("float-quantized", "naive-quantized"):
             raise ModelConfigError(f"compressed-tensors format {fmt!r} is not supported (only float-quantized FP8)")
-        groups = list((q.get("config_groups") or {}).values())
+        groups = q.get("config_groups") or {}
+        if not isinstance(groups, dict) or not all(isinstance(g, dict) for g in groups.values()):
+            raise ModelConfigError(f"compressed-tensors config_groups must map group names to objects, got {groups!r}")
+        groups = list(groups.values())
         if len(groups) != 1:
             raise ModelConfigError(f"compressed-tensors checkpoints with {len(groups)} config groups are not supported "
                                    "(one group of FP8 Linear weights)")
         g = groups[0]
         w = g.get("weights") or {}
+        if not isinstance(w, dict):
+            raise ModelConfigError(f"compressed-tensors weights {w!r} must be an object")
         if w.get("type") != "float" or w.get("num_bits") != 8:
             raise ModelConfigError(f"compressed-tensors weights of type {w.get('type')!r} with {w.get('num_bits')} bits "
                                    "are not supported (only 8-bit float)")
@@ -70,6 +76,9 @@ def quant_scheme(cfg: dict) -> QuantScheme | None:
         a = g.get("input_activations")
         if a is None:
             act = "none"
+        elif not isinstance(a, dict):
+            raise ModelConfigError(f"compressed-tensors input activations {a!r} are not supported (dynamic per-token "
+                                   "FP8 or none)")
         elif a.get("dynamic") and a.get("strategy") in ("token", None) and a.get("type", "float") == "float" \
                 and a.get("num_bits", 8) == 8:
             act = "dynamic"

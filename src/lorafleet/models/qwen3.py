@@ -6,12 +6,12 @@ from __future__ import annotations
 import dataclasses
 
 from lorafleet.models import llama, qwen2
-from lorafleet.models.contract import Family, Gguf, ModelConfig
+from lorafleet.models.contract import Family, Gguf, ModelConfig, hf_bool
 
 
 def config_from_hf(cfg: dict, name: str = "") -> ModelConfig:
     base = qwen2.config_from_hf(cfg, name, family="qwen3", head_dim=128)  # transformers' default head_dim
-    bias = bool(cfg.get("attention_bias", False))
+    bias = hf_bool(cfg, "attention_bias", False)
     return dataclasses.replace(base, qk_norm=True, qkv_bias=bias, o_bias=bias)
 
 

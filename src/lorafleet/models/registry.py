@@ -31,7 +31,10 @@ def supported() -> str:
 def family_for(cfg: dict) -> Family:
     """The family of an HF config.json: by `architectures`, else by `model_type`."""
     archs = cfg.get("architectures") or []
-    archs = [archs] if isinstance(archs, str) else list(archs)
+    archs = [archs] if isinstance(archs, str) else archs
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ModelConfigError(f"the model's config: 'architectures' must be a list of class names, got "
+                               f"{cfg.get('architectures')!r}")
     for a in archs:
         if a in _REFUSED:
             raise ModelConfigError(f"{a}: {_REFUSED[a]}")
