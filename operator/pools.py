@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Mapping
 
@@ -12,8 +13,10 @@ from lorafleet.operator import builders, reconcile
 from lorafleet.operator import constants as c
 from lorafleet.operator.admin import SchedulerUnavailable
 from lorafleet.operator.autoscale import History
-from lorafleet.operator.spec import SpecError, parse_pool
+from lorafleet.operator.spec import PoolSpec, SpecError, parse_pool
 from lorafleet.operator.status import PoolFacts, merge_patch, now_iso, pool_status
+
+log = logging.getLogger(__name__)
 
 
 async def patch_status(ctx: reconcile.Context, plural: str, name: str, namespace: str,
@@ -32,6 +35,26 @@ async def publish_base_shape(ctx: reconcile.Context, pool: Any, status: Mapping[
                              subresource="status")
 
 
+def applied(ctx: reconcile.Context, body: Any, pool: PoolSpec, written: list[str]) -> None:
+    """The pool's objects were written: forget an earlier refusal, say what changed."""
+    ctx.apply_errors.pop((pool.namespace, pool.name), None)
+    if written:
+        kopf.info(body, reason="Applied", message=", ".join(written))
+
+
+def apply_refused(ctx: reconcile.Context, body: Any, pool: PoolSpec, exc: ApiError) -> None:
+    """The API server refused one of the pool's objects: an event and a log line once per refusal, the
+    pool's status says it (see `tick`), and the next try is a resync interval away, not the next look."""
+    key = (pool.namespace, pool.name)
+    ctx.last_apply[key] = time.monotonic()
+    message = f"the API server refused the pool's objects: {exc.message or exc}"
+    if ctx.apply_errors.get(key) == message:
+        return
+    ctx.apply_errors[key] = message
+    log.warning("pool %s/%s: %s", pool.namespace, pool.name, message)
+    kopf.warn(body, reason="ApplyFailed", message=message)
+
+
 async def apply(ctx: reconcile.Context, body: Any, patch: kopf.Patch) -> None:
     """A pool was created, changed or found at start-up: make its objects match its spec."""
     meta, status = body["metadata"], dict(body.get("status") or {})
@@ -44,9 +67,11 @@ async def apply(ctx: reconcile.Context, body: Any, patch: kopf.Patch) -> None:
         await publish_base_shape(ctx, pool, status)  # first: this pool's adapters wait for it
         written = await reconcile.apply_pool(ctx, pool, body)
     except ApiError as exc:
-        raise kopf.TemporaryError(f"applying the pool's objects failed: {exc}", delay=10) from None
-    if written:
-        kopf.info(body, reason="Applied", message=", ".join(written))
+        if not reconcile.refused(exc):
+            raise kopf.TemporaryError(f"applying the pool's objects failed: {exc}", delay=10) from None
+        apply_refused(ctx, body, pool, exc)  # retrying will not help: the pool's loop reports it
+        return
+    applied(ctx, body, pool, written)
     patch.status["endpoint"] = builders.endpoint_url(pool)
 
 
@@ -70,9 +95,14 @@ async def tick(ctx: reconcile.Context, body: Any, logger: Any) -> None:
         return
     last = ctx.last_apply.get((namespace, name))
     if last is None or time.monotonic() - last >= ctx.config.resync_interval_s:
-        written = await reconcile.apply_pool(ctx, pool, body)  # level-triggered: heals drift
-        if written:
-            kopf.info(body, reason="Applied", message=", ".join(written))
+        try:
+            written = await reconcile.apply_pool(ctx, pool, body)  # level-triggered: heals drift
+        except ApiError as exc:
+            if not reconcile.refused(exc):
+                raise
+            apply_refused(ctx, body, pool, exc)
+        else:
+            applied(ctx, body, pool, written)
         await publish_base_shape(ctx, pool, status)
     admin = reconcile.admin_client(ctx, namespace, name)
     current = await reconcile.look(ctx, pool, admin)
@@ -98,11 +128,12 @@ async def tick(ctx: reconcile.Context, body: Any, logger: Any) -> None:
         history=history,
         node_group_replicas=nodes,
         gpus_per_runner=pool.runner.gpus,
+        apply_error=ctx.apply_errors.get((namespace, name)),
     )
     new = pool_status(facts, status, now_iso())
     before = {x.get("type"): x.get("status") for x in status.get("conditions") or ()}
     await patch_status(ctx, c.POOLS, name, namespace, status, new)
     ready = next(x for x in new["conditions"] if x["type"] == "Ready")
-    if before.get("Ready") != ready["status"]:
+    if before.get("Ready") != ready["status"] and ready["reason"] != "ApplyFailed":  # (apply_refused said it)
         emit = kopf.info if ready["status"] == "True" else kopf.warn
         emit(body, reason=ready["reason"], message=ready["message"] or ready["reason"])

@@ -43,6 +43,7 @@ class Context:
     http: aiohttp.ClientSession
     credentials: Credentials
     last_apply: dict[tuple[str, str], float] = field(default_factory=dict)
+    apply_errors: dict[tuple[str, str], str] = field(default_factory=dict)  # pool -> why the API refused its objects
     locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
     shape_failures: dict[str, float] = field(default_factory=dict)  # model source -> when reading it failed
     shape_reads: dict[str, asyncio.Task] = field(default_factory=dict)  # model source -> the read under way
@@ -141,6 +142,17 @@ async def _apply_pool(ctx: Context, pool: PoolSpec, owner: Mapping[str, Any]) ->
     return written
 
 
+def refused(exc: ApiError) -> bool:
+    """Whether the API server refused an object we sent for what it is (invalid, unknown fields, bad
+    quantities): sending it again changes nothing until the pool's spec does. Conflicts, throttling,
+    RBAC and an unavailable server are not refusals."""
+    if exc.status in (400, 422):
+        return True
+    # Server-side apply answers 500 when it cannot even type the object (a field a kind does not declare,
+    # a quantity that does not parse).
+    return exc.status == 500 and exc.message.startswith(("failed to create typed patch object", "failed to convert"))
+
+
 def owned_by(obj: Mapping[str, Any], pool: str) -> bool:
     """Whether an object carries this operator's labels for `pool` (never touch anyone else's)."""
     labels = (obj.get("metadata") or {}).get("labels") or {}
@@ -184,6 +196,7 @@ async def delete_pool_children(ctx: Context, name: str, namespace: str) -> list[
         if await delete_owned(ctx.kube, api_version, plural, naming(name), name, namespace):
             deleted.append(f"{plural}/{naming(name)}")
     ctx.last_apply.pop((namespace, name), None)
+    ctx.apply_errors.pop((namespace, name), None)
     ctx.locks.pop((namespace, name), None)
     return deleted
 

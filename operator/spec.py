@@ -6,12 +6,17 @@ the operator behaves the same on an object that skipped defaulting. Keep both in
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from lorafleet.common import sources
 from lorafleet.common.peft_config import BaseShape
 
 MAX_GPUS_PER_RUNNER = 8  # one tensor-parallel group lives on one node
+KV_FRACTION_RANGE = (0.05, 0.99)  # runner.kvFraction, as the CRD bounds it
+# A pool's name prefixes its Services' names, which must be DNS-1035 labels (the CRD checks it too).
+_POOL_NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 QUANTIZATIONS = ("auto", "fp8")  # runner.quantization: auto = as the checkpoint stores its weights
 KV_CACHE_DTYPES = ("auto", "fp8")  # runner.kvCacheDtype: auto = the model's dtype
 
@@ -131,6 +136,13 @@ def parse_pool(name: str, namespace: str, spec: Mapping[str, Any]) -> PoolSpec:
     source = model.get("source") if isinstance(model, Mapping) else None
     if not source:
         raise SpecError("spec.model.source is required")
+    if not _POOL_NAME.match(name):
+        raise SpecError(f"the ServingPool name {name!r} must be a DNS-1035 label (lowercase letters, digits and '-', "
+                        "starting with a letter): it names the pool's Services")
+    try:
+        sources.parse_source(str(source))
+    except sources.SourceError as exc:
+        raise SpecError(f"spec.model.source: {exc}") from None
     r = spec.get("runner") or {}
     s = spec.get("scheduler") or {}
     a = spec.get("autoscaling") or {}
@@ -156,6 +168,10 @@ def parse_pool(name: str, namespace: str, spec: Mapping[str, Any]) -> PoolSpec:
     if not 1 <= runner.gpus <= MAX_GPUS_PER_RUNNER:
         raise SpecError(f"runner.gpusPerRunner is {runner.gpus}: it must be 1 to {MAX_GPUS_PER_RUNNER} "
                         "(the GPUs of one tensor-parallel runner on one node)")
+    low, high = KV_FRACTION_RANGE
+    if not low <= runner.kv_fraction <= high:
+        raise SpecError(f"runner.kvFraction is {runner.kv_fraction:g}: it must be {low:g} to {high:g} (the share of the "
+                        "GPU memory left after the weights that holds KV pages)")
     if runner.quantization not in QUANTIZATIONS:
         raise SpecError(f"runner.quantization is {runner.quantization!r}: it must be one of {', '.join(QUANTIZATIONS)} "
                         "(auto: the weights as the checkpoint stores them; fp8: FP8 weights with a scale per row)")
@@ -216,6 +232,9 @@ def parse_pool(name: str, namespace: str, spec: Mapping[str, Any]) -> PoolSpec:
         )
         if node_group.gpus_per_node < runner.gpus:
             raise SpecError("nodeGroup.gpusPerNode must be at least runner.gpusPerRunner")
+        if node_group.max_replicas is not None and node_group.min_replicas > node_group.max_replicas:
+            raise SpecError(f"nodeGroup.minReplicas ({node_group.min_replicas}) must not exceed nodeGroup.maxReplicas "
+                            f"({node_group.max_replicas})")
     pool = PoolSpec(
         name=name,
         namespace=namespace,

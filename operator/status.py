@@ -63,6 +63,7 @@ class PoolFacts:
     node_group_replicas: int | None = None
     spec_error: str | None = None
     gpus_per_runner: int = 1
+    apply_error: str | None = None  # why the API server refused the pool's objects, while it does
 
 
 def pool_status(facts: PoolFacts, previous: Mapping[str, Any] | None, now: str) -> dict[str, Any]:
@@ -98,7 +99,9 @@ def pool_status(facts: PoolFacts, previous: Mapping[str, Any] | None, now: str) 
         status["message"] = facts.spec_error
         status["conditions"] = conds
         return status
-    if not facts.scheduler_available:
+    if facts.apply_error:
+        ready = (False, "ApplyFailed", facts.apply_error)
+    elif not facts.scheduler_available:
         ready = (False, "SchedulerStarting", "the scheduler Deployment has no available replica yet")
     elif obs is None:
         ready = (False, "SchedulerUnreachable", facts.scheduler_error or "the scheduler's admin API did not answer")
@@ -106,14 +109,18 @@ def pool_status(facts: PoolFacts, previous: Mapping[str, Any] | None, now: str) 
         ready = (False, "NoRunnerReady", "no runner is ready yet")
     else:
         ready = (True, "Serving", f"{len(healthy)} runner(s) ready, {len(busy)} busy")
-    if starting:
+    if facts.apply_error:
+        progressing = (False, "ApplyFailed", facts.apply_error)
+    elif starting:
         progressing = (True, "RunnersStarting", f"{starting} runner(s) starting")
     elif not facts.scheduler_available:
         progressing = (True, "SchedulerStarting", "waiting for the scheduler")
     else:
         progressing = (False, "Stable", "all runners are up")
     unhealthy = [r.id for r in runners if not r.healthy]
-    if facts.scheduler_available and obs is None:
+    if facts.apply_error:
+        degraded = (True, "ApplyFailed", facts.apply_error)
+    elif facts.scheduler_available and obs is None:
         degraded = (True, "SchedulerUnreachable", facts.scheduler_error or "the scheduler's admin API did not answer")
     elif unhealthy:
         degraded = (True, "UnhealthyRunners", f"unhealthy runner(s): {', '.join(sorted(unhealthy))}")

@@ -130,6 +130,10 @@ def test_parse_source(uri, scheme, location, path, revision):
     ("https:///nohost", "no host"),
     ("https://h/x?sig=1", "query"),
     ("file://otherhost/x", "must be local"),
+    ("https://[::1/x", "Invalid IPv6 URL"),  # urllib's own refusals name the URL too, never a bare ValueError
+    ("https://example.com:99999/x", "Port out of range"),
+    ("https://exa mple.com/x", "'exa mple.com' is not a valid host name"),  # never retried as unreachable
+    ("https://-bad-.invalid/x", "'-bad-.invalid' is not a valid host name"),
 ])
 def test_parse_source_refuses(uri, words):
     with pytest.raises(sources.SourceError, match=words.replace("(", r"\(").replace("?", r"\?")):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import http.client
+import ipaddress
 import json
 import os
 import re
@@ -141,6 +142,19 @@ def _safe_relpath(path: str, uri: str) -> str:
     return "/".join(parts)
 
 
+_HOST_LABEL = re.compile(r"^[a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?$")
+
+
+def _host_name(host: str) -> bool:
+    """Whether `host` (lowercase, as urllib gives it) is an IP address or a DNS name of valid labels."""
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        pass
+    return len(host) <= 253 and all(_HOST_LABEL.match(label) for label in host.removesuffix(".").split("."))
+
+
 def parse_source(uri: str) -> Source:
     """Parse a source URI; raise SourceError for unknown schemes and malformed URIs."""
     if not isinstance(uri, str) or not uri.strip():
@@ -154,17 +168,22 @@ def parse_source(uri: str) -> Source:
         raise SourceError(
             f"unsupported source scheme {scheme!r} in {uri!r}: use pvc://, https:// (http:// in-cluster), s3://, hf://, file:// or a local path"
         )
-    if scheme == "file":
+    try:  # urllib refuses some malformed URLs itself (an unclosed IPv6 bracket, a port out of range)
         parsed = urllib.parse.urlparse(uri)
+        host, _ = parsed.hostname, parsed.port
+    except ValueError as exc:
+        raise SourceError(f"{uri!r}: {exc}") from None
+    if scheme == "file":
         if parsed.netloc not in ("", "localhost"):
             raise SourceError(f"{uri!r}: file:// sources must be local (file:///path)")
         if not parsed.path:
             raise SourceError(f"{uri!r}: file:// needs a path")
         return Source(uri, "file", urllib.parse.unquote(parsed.path))
     if scheme in ("http", "https"):
-        parsed = urllib.parse.urlparse(uri)
-        if not parsed.netloc:
+        if not host:
             raise SourceError(f"{uri!r}: no host")
+        if not _host_name(host):
+            raise SourceError(f"{uri!r}: {host!r} is not a valid host name or IP address")
         if parsed.query or parsed.fragment:
             raise SourceError(f"{uri!r}: a folder URL cannot carry a query or fragment")
         return Source(uri, scheme, uri.rstrip("/"))
