@@ -64,6 +64,13 @@ def make_bad(good, tiny_llama, tmp_path):
         "missing": (tmp_path / "does-not-exist", "does not exist"),
         "notlora": (variant(good, tmp_path, "notlora", config={"peft_type": "IA3"}), "IA3"),
         "bias": (variant(good, tmp_path, "bias", config={"bias": "all"}), "bias"),
+        # PEFT kinds that plain LoRA would serve wrongly (aLoRA acts only after its invocation tokens)
+        "alora": (variant(good, tmp_path, "alora", config={"alora_invocation_tokens": [5, 6]}), "activated LoRA"),
+        "qalora": (variant(good, tmp_path, "qalora", config={"use_qalora": True}), "QALoRA"),
+        "patternlist": (variant(good, tmp_path, "patternlist", config={"rank_pattern": ["v_proj"]}),
+                        "rank_pattern must map module names"),
+        "patternregex": (variant(good, tmp_path, "patternregex", config={"alpha_pattern": {"v_proj(": 4}}),
+                         "alpha_pattern key 'v_proj(' is not a valid regular expression"),
         # weights PEFT would not load as they are: a rank other than the config's, a module the config leaves out
         "rankcfg": (variant(good, tmp_path, "rankcfg", config={"r": 4}), "rank 8 but adapter_config.json gives r = 4"),
         "rankpattern": (variant(good, tmp_path, "rankpattern", config={"rank_pattern": {"v_proj": 16}}),

@@ -30,6 +30,7 @@ import time
 from lorafleet import env
 from lorafleet.common.procs import die_with_parent
 from lorafleet.common.channel import BlockingChannel, ChannelClosed
+from lorafleet.models.contract import ModelError
 
 log = logging.getLogger("lorafleet.runner.service.engine_core")
 
@@ -183,7 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         engine = build_engine(init[1]["model"], init[1].get("config") or {})
     except Exception as exc:
-        log.exception("model load failed")
+        if isinstance(exc, ModelError):  # a model or checkpoint we refuse: its message says why, no traceback
+            log.error("model load failed: %s", exc)
+        else:
+            log.exception("model load failed")
         ch.send(["fatal", f"model load failed: {type(exc).__name__}: {exc}"])
         return 2
     ch.send(["ready", ready_info(engine)])

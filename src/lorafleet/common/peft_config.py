@@ -191,6 +191,23 @@ def _refuse_unsupported(name: str, cfg: dict) -> None:
     for key in ("layer_replication", "trainable_token_indices", "target_parameters", "megatron_config"):
         if cfg.get(key):
             raise AdapterError(name, f"{key} is not supported")
+    if cfg.get("alora_invocation_tokens"):  # served as plain LoRA it would change every token, not only after them
+        raise AdapterError(name, "activated LoRA (alora_invocation_tokens) is not supported")
+    if cfg.get("use_qalora"):
+        raise AdapterError(name, "QALoRA adapters (use_qalora=true) are not supported")
+    for key in ("rank_pattern", "alpha_pattern"):
+        v = cfg.get(key)
+        if v is None:
+            continue
+        if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
+            raise AdapterError(name, f"{key} must map module names (or regular expressions) to numbers, got {v!r}")
+        for k, x in v.items():
+            try:
+                re.compile(k)
+            except re.error as exc:
+                raise AdapterError(name, f"{key} key {k!r} is not a valid regular expression ({exc})") from None
+            if not isinstance(x, (int, float)) or isinstance(x, bool) or x <= 0:
+                raise AdapterError(name, f"{key}[{k!r}] must be a positive number, got {x!r}")
     r = cfg.get("r", 8)
     if not isinstance(r, int) or isinstance(r, bool) or r < 1:
         raise AdapterError(name, f"r must be a positive integer, got {r!r}")
