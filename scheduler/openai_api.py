@@ -20,21 +20,22 @@ MAX_STOP = 4
 MAX_CACHE_SALT = 256  # characters; the runners take the same bound
 MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs bound); the runners take the same bound
 MIN_LOGPROB = -9999.0  # a log-probability of -inf (a token the model rules out) as JSON can carry it
+MAX_LOGIT_BIAS = 300  # token ids one request may bias (OpenAI's bound); the runners take the same bound
+MAX_REPETITION_PENALTY = 10.0  # the runners take the same bound
 
 # The body fields each endpoint reads, refuses as unsupported (_refuse_unsupported) or ignores (IGNORED: OpenAI
 # fields that change nothing about the output). Anything else is refused, as OpenAI refuses an unrecognized
 # argument: a misspelt field (`max_token`) would otherwise fall back to its default unnoticed.
 # Sampling extras of vLLM's API (its own benchmark client sends repetition_penalty 1.0) at the value that
 # changes nothing; any other value is refused as unsupported.
-NEUTRAL = {"repetition_penalty": 1, "min_p": 0, "min_tokens": 0, "skip_special_tokens": True,
-           "spaces_between_special_tokens": True}
+NEUTRAL = {"skip_special_tokens": True, "spaces_between_special_tokens": True}
 # OpenAI features this server lacks, accepted when unset (null, false or "none"), otherwise refused as unsupported.
 OFF_ONLY = ("tools", "functions", "tool_choice", "function_call", "parallel_tool_calls", "reasoning_effort",
             "verbosity")
 COMMON_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop", "stop_token_ids", "ignore_eos",
     "stream", "stream_options", "cache_salt", "presence_penalty", "frequency_penalty", "logprobs", "logit_bias",
-    "response_format", *OFF_ONLY, *NEUTRAL})
+    "response_format", "repetition_penalty", "min_p", "min_tokens", *OFF_ONLY, *NEUTRAL})
 COMPLETION_FIELDS = frozenset({"prompt", "echo", "best_of", "suffix"})
 CHAT_FIELDS = frozenset({"messages", "max_completion_tokens", "chat_template_kwargs", "top_logprobs"})
 IGNORED = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"})
@@ -78,6 +79,22 @@ class GenParams:
     include_usage: bool
     cache_salt: str | None = None  # the request's own salt (api_keys.cache_salt mixes in the key's)
     logprobs: int | None = None  # alternatives per generated token with its log-probability; None: none asked
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+
+    def extras(self) -> dict:
+        """The sampling fields past the basic ones that this request sets to something other than their neutral
+        value, as a runner's `sampling` (and SamplingParams) take them."""
+        out = {"logprobs": self.logprobs, "min_p": self.min_p, "presence_penalty": self.presence_penalty,
+               "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
+               "logit_bias": self.logit_bias, "min_tokens": self.min_tokens}
+        neutral = {"logprobs": None, "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                   "repetition_penalty": 1.0, "logit_bias": (), "min_tokens": 0}
+        return {k: v for k, v in out.items() if v != neutral[k]}
 
 
 def _is_int(v) -> bool:
@@ -124,16 +141,10 @@ def _refuse_unknown(body: dict, chat: bool) -> None:
 
 
 def _refuse_unsupported(body: dict, chat: bool) -> None:
-    for key in ("presence_penalty", "frequency_penalty"):
-        v = body.get(key)
-        if v is not None and (not _is_num(v) or v != 0):
-            raise bad(key, f"{key} is not supported (only 0)")
     if body.get("echo"):
         raise bad("echo", "echo is not supported")
     if body.get("best_of") not in (None, 1):
         raise bad("best_of", "best_of is not supported")
-    if body.get("logit_bias"):
-        raise bad("logit_bias", "logit_bias is not supported")
     if body.get("suffix"):
         raise bad("suffix", "suffix is not supported")
     for key in OFF_ONLY:
@@ -185,6 +196,9 @@ def parse_common(body: dict, chat: bool, max_tokens_cap: int, vocab_size: int | 
         raise bad("ignore_eos", "ignore_eos must be a boolean")
     top_k = _integer(body, "top_k", -1, -1, 1 << 30)
     logprobs = _parse_logprobs(body, chat)
+    min_tokens = _integer(body, "min_tokens", 0, 0, max_tokens_cap)
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise bad("min_tokens", f"min_tokens ({min_tokens}) must not exceed {key} ({max_tokens})")
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt or len(salt) > MAX_CACHE_SALT):
         raise bad("cache_salt", f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT} characters")
@@ -203,7 +217,34 @@ def parse_common(body: dict, chat: bool, max_tokens_cap: int, vocab_size: int | 
         include_usage=bool(opts and opts.get("include_usage")),
         cache_salt=salt,
         logprobs=logprobs,
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, MAX_REPETITION_PENALTY, lo_open=True),
+        logit_bias=_parse_logit_bias(body, vocab_size),
+        min_tokens=min_tokens,
     )
+
+
+def _parse_logit_bias(body: dict, vocab_size: int | None) -> tuple[tuple[int, float], ...]:
+    """`logit_bias`: an object of token ids (as strings, OpenAI's form) to numbers in [-100, 100] added to those
+    tokens' logits, at most MAX_LOGIT_BIAS of them; sorted (id, bias) pairs."""
+    lb = body.get("logit_bias")
+    if lb is None:
+        return ()
+    if not isinstance(lb, dict):
+        raise bad("logit_bias", "logit_bias must be an object mapping token ids to numbers")
+    if len(lb) > MAX_LOGIT_BIAS:
+        raise bad("logit_bias", f"logit_bias may bias at most {MAX_LOGIT_BIAS} tokens, got {len(lb)}")
+    out = []
+    for k, v in lb.items():
+        if not (isinstance(k, str) and k.isascii() and k.isdigit()) or (vocab_size is not None and int(k) >= vocab_size):
+            raise bad("logit_bias", f"logit_bias keys must be token ids{f' in [0, {vocab_size})' if vocab_size else ''}, "
+                                    f"got {k!r}")
+        if not _is_num(v) or not -100 <= v <= 100:
+            raise bad("logit_bias", f"logit_bias values must be numbers in [-100, 100], got {v!r} for token {k}")
+        out.append((int(k), float(v)))
+    return tuple(sorted(out))
 
 
 def _parse_logprobs(body: dict, chat: bool) -> int | None:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from lorafleet import __version__
 from lorafleet.scheduler.limits import RequestLimits
-from lorafleet.scheduler.openai_api import (IGNORED, MAX_CACHE_SALT, MAX_LOGPROBS, MAX_N, MAX_PROMPTS, MAX_STOP,
-                                            NEUTRAL, OFF_ONLY, ROLES)
+from lorafleet.scheduler.openai_api import (IGNORED, MAX_CACHE_SALT, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N,
+                                            MAX_PROMPTS, MAX_REPETITION_PENALTY, MAX_STOP, NEUTRAL, OFF_ONLY, ROLES)
 
 JSON = "application/json"
 
@@ -59,13 +59,24 @@ def _schemas(limits: RequestLimits, names: list[str], vocab_size: int) -> dict:
         "stream": {"type": ["boolean", "null"]},
         "stream_options": {"type": ["object", "null"], "properties": {"include_usage": {"type": "boolean"}},
                            "description": "only with stream: true"},
-        "presence_penalty": {"type": ["number", "null"], "enum": [0, None], "description": "only 0 is supported"},
-        "frequency_penalty": {"type": ["number", "null"], "enum": [0, None], "description": "only 0 is supported"},
+        "presence_penalty": {"type": ["number", "null"], "minimum": -2, "maximum": 2,
+                             "description": "subtracted once from the logit of each token the output holds"},
+        "frequency_penalty": {"type": ["number", "null"], "minimum": -2, "maximum": 2,
+                              "description": "subtracted from a token's logit once per time the output holds it"},
+        "repetition_penalty": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": MAX_REPETITION_PENALTY,
+                               "description": "HF's: the logit of a token of the prompt or output divided by it "
+                                              "(multiplied when negative)"},
+        "min_p": {"type": ["number", "null"], "minimum": 0, "maximum": 1,
+                  "description": "a token less likely than min_p times the most likely one is not sampled"},
+        "min_tokens": {"type": ["integer", "null"], "minimum": 0, "maximum": cap,
+                       "description": "no EOS or stop_token_ids before this many tokens (at most max_tokens)"},
+        "logit_bias": {"anyOf": [{"type": "null"}, {
+            "type": "object", "maxProperties": MAX_LOGIT_BIAS, "propertyNames": {"pattern": "^[0-9]+$"},
+            "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}}],
+            "description": "token id -> a number added to its logit"},
         **{k: {"description": "accepted and ignored"} for k in sorted(IGNORED)},
         **{k: {"enum": [None, False, "none"], "description": "not supported: only unset"} for k in OFF_ONLY},
         **{k: {"enum": [None, v], "description": f"not supported: only {v}"} for k, v in NEUTRAL.items()},
-        "logit_bias": {"anyOf": [{"type": "null"}, {"type": "object", "maxProperties": 0}],
-                       "description": "not supported: only unset or empty"},
         "response_format": {"anyOf": [{"type": "null"}, {"type": "object", "required": ["type"],
                                                           "properties": {"type": {"const": "text"}}}],
                             "description": "only {\"type\": \"text\"}"},

@@ -28,7 +28,7 @@ class Request:
     adapter: AdapterEntry | None
     prompt_ids: list[int]
     max_tokens: int
-    sampling: dict  # temperature, top_p, top_k, seed, stop_token_ids, ignore_eos (, logprobs)
+    sampling: dict  # temperature, top_p, top_k, seed, stop_token_ids, ignore_eos (, GenParams.extras())
     arrival: float = field(default_factory=time.time)
     generated: list[int] = field(default_factory=list)
     sink: object = field(default_factory=Discard)
@@ -75,7 +75,10 @@ class Request:
             "prompt_token_ids": self.prompt_ids + self.generated,
             "adapter": None if self.adapter is None else {
                 "name": self.adapter.name, "source": self.adapter.source, "sha256": self.adapter.sha256},
-            "sampling": {**self.sampling, "max_tokens": self.remaining},
+            # (tokens generated on an earlier runner come back as prompt: they count as output for penalties
+            # and min_tokens there)
+            "sampling": {**self.sampling, "max_tokens": self.remaining,
+                         **({"prior_output_tokens": len(self.generated)} if self.generated else {})},
             "arrival": self.arrival,
             **({"cache_salt": self.cache_salt} if self.cache_salt is not None else {}),
         }

@@ -237,8 +237,7 @@ class SchedulerService:
                     prompt_ids=list(p_ids), max_tokens=max_tokens,
                     sampling={"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
                               "seed": seed, "stop_token_ids": list(params.stop_token_ids),
-                              "ignore_eos": params.ignore_eos,
-                              **({"logprobs": params.logprobs} if params.logprobs is not None else {})},
+                              "ignore_eos": params.ignore_eos, **params.extras()},
                     cache_salt=salt,
                 ))
         return reqs

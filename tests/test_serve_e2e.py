@@ -226,3 +226,17 @@ def test_chat_logprobs_through_the_openai_client_equal_hf_peft(served, demo_mode
         assert len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob == pytest.approx(c.logprob, abs=1e-6)
         top = logp[pos].topk(3)
         assert [t.logprob for t in c.top_logprobs] == pytest.approx(top.values.tolist(), abs=2e-3)
+
+
+def test_logit_bias_and_min_tokens_through_the_openai_client(served, base_name, demo_model):
+    """A bias of +100 on one token makes greedy decoding repeat it; min_tokens keeps EOS away until then."""
+    tok = Tokenizer(demo_model)
+    client = openai_client(served)
+    word = tok.encode(" banana", add_special_tokens=False)[0]
+    out = client.completions.create(model=base_name, prompt="Fruit:", max_tokens=5, temperature=0,
+                                    logit_bias={str(word): 100})
+    assert out.choices[0].text == tok.decode([word] * 5)
+    eos = tok.eos_token_id
+    out = client.completions.create(model=base_name, prompt="Hi", max_tokens=6, temperature=0,
+                                    logit_bias={str(eos): 100}, extra_body={"min_tokens": 4})
+    assert out.usage.completion_tokens == 5 and out.choices[0].finish_reason == "stop"  # 4 tokens, then EOS

@@ -214,14 +214,15 @@ def test_step_batch_layout_and_wire_round_trip(tiny_llama):
     assert (w.qo_indptr, w.kv_lens, w.page_tables, w.seg_indptr, w.sample_idx, w.uniform) == (
         b.qo_indptr, b.kv_lens, b.page_tables, b.seg_indptr, b.sample_idx, b.uniform)
     assert w.packedf is None
-    # non-greedy rows: their parameters go as one float32 [4, S] pack, rebuilt on the wire's other side
-    seqs[1].params = SamplingParams(max_tokens=5, temperature=0.7, top_p=0.9, top_k=40, seed=3)
+    # non-greedy rows: their parameters go as one float32 [5, S] pack, rebuilt on the wire's other side
+    seqs[1].params = SamplingParams(max_tokens=5, temperature=0.7, top_p=0.9, top_k=40, seed=3, min_p=0.05)
     b2 = build_step_batch(work, 4, 8, prev)
-    assert b2.packedf is not None and b2.packedf.shape == (4, 3)
+    assert b2.packedf is not None and b2.packedf.shape == (5, 3)
     k = b2.sample_idx.index(b2.seqs.index(seqs[1]))
     assert [b2.packedf[0, j].item() for j in range(3) if j != k] == [0.0, 0.0]  # the greedy rows
-    t, tp, tk, u = b2.packedf[:, k].tolist()
-    assert (round(t, 6), round(tp, 6), tk) == (0.7, 0.9, 40.0) and 0 <= u < 1 and u == pytest.approx(b2.uniform[k])
+    t, tp, tk, u, mp = b2.packedf[:, k].tolist()
+    assert (round(t, 6), round(tp, 6), tk, round(mp, 6)) == (0.7, 0.9, 40.0, 0.05) and 0 <= u < 1
+    assert u == pytest.approx(b2.uniform[k])
     assert torch.equal(StepBatch.from_wire(b2.to_wire()).packedf, b2.packedf)
     with pytest.raises(RuntimeError, match="pending"):
         build_step_batch(work, 4, 8, None)

@@ -36,12 +36,18 @@ def gqa(tmp_path_factory):
     return model, ads
 
 
+# every rank samples each step (its next inputs read the samples on its own device): the logit changes and the
+# sampling draws must reach every rank
+SAMPLING = [dict(), dict(repetition_penalty=1.5, frequency_penalty=0.5), dict(temperature=0.8, min_p=0.05, seed=4),
+            dict(logit_bias=((7, 4.0),), min_tokens=3, stop_token_ids=(9,), presence_penalty=-1.0)]
+
+
 def requests(ads, n=12, new=10):
     g = torch.Generator().manual_seed(11)
     names = [None, "all8", "vd4", "qou16"]
     return [Sequence(f"r{i}", torch.randint(3, 512, (int(torch.randint(4, 30, (1,), generator=g)),),
                                              generator=g).tolist(),
-                     SamplingParams(max_tokens=new, ignore_eos=True),
+                     SamplingParams(max_tokens=new, ignore_eos=True, **SAMPLING[i % 3 if i % 4 == 0 else i % 4]),
                      AdapterRef(names[i % 4], str(ads[names[i % 4]])) if names[i % 4] else None, arrival=float(i))
             for i in range(n)]
 

@@ -122,6 +122,7 @@ class Engine:
                  self.attention.name, getattr(self.sgmv, "name", "?"),
                  f"; tensor parallel over {config.tp} ranks" if self.tp else "")
 
+        self._eos_ids = tuple(self.model_config.eos_token_ids)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._seqs: dict[str, Sequence] = {}
         self._inflight = None  # the launched step whose results are not read yet (overlap)
@@ -166,7 +167,8 @@ class Engine:
         prev, launched = self._inflight, None
         if plan.work:
             batch = build_step_batch(plan.work, self.config.page_size, self.config.max_batch_size,
-                                     prev.batch if prev is not None else None, pin=self.device.type == "cuda")
+                                     prev.batch if prev is not None else None, pin=self.device.type == "cuda",
+                                     eos_ids=self._eos_ids)
             if self.tp is not None:
                 self.tp.check()
                 self.tp.send(("step", batch.to_wire()))
@@ -251,6 +253,10 @@ class Engine:
         bad = next((t for t in seq.prompt_ids if not 0 <= t < vocab), None)
         if bad is not None:
             return f"token id {bad} is outside the model's vocabulary [0, {vocab})"
+        p = seq.params
+        bad = next((t for t in (*p.stop_token_ids, *(i for i, _ in p.logit_bias)) if not 0 <= t < vocab), None)
+        if bad is not None:
+            return f"token id {bad} of stop_token_ids or logit_bias is outside the model's vocabulary [0, {vocab})"
         return None
 
     def _finish(self, seq: Sequence) -> StepOutput:
@@ -275,7 +281,7 @@ class Engine:
             if seq.epoch != batch.epochs[b]:
                 continue  # finished, cancelled or evicted after this step was queued: stale
             seq.num_pending -= 1
-            seq.output_ids.append(tok)
+            seq.add_output(tok)
             p = seq.params
             reason = None
             if tok in p.stop_token_ids or (not p.ignore_eos and tok in eos):

@@ -8,7 +8,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from lorafleet.runner.executor.sampler import MAX_LOGPROBS
+from lorafleet.runner.executor.sampler import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_REPETITION_PENALTY
 from lorafleet.runner.lora.adapter import AdapterRef  # noqa: F401 (a request names its adapter by one)
 
 _counter = itertools.count()
@@ -20,9 +20,17 @@ class SamplingError(ValueError):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 means greedy; top_k 0 and top_p 1 disable those filters. `logprobs` (None: off) asks for
-    each generated token's log-probability and that many of the most likely alternatives (0..MAX_LOGPROBS), under
-    the model's own distribution (the logits' log-softmax, before temperature, top-k and top-p)."""
+    """temperature 0 means greedy; top_k 0, top_p 1 and min_p 0 disable those filters. `logprobs` (None: off) asks
+    for each generated token's log-probability and that many of the most likely alternatives (0..MAX_LOGPROBS),
+    under the model's own distribution (the logits' log-softmax, before any of the changes below).
+
+    The logits are changed before sampling (sampler.adjust_logits, in this order): `repetition_penalty` (HF's: a
+    logit of a token seen in the prompt or the output divided by it if positive, multiplied if not), then
+    OpenAI's `presence_penalty` (subtracted once from a token that occurs in the output) and `frequency_penalty`
+    (times its count there), then `logit_bias` ((token id, bias) pairs added), then `min_tokens`: until that many
+    tokens are generated, EOS (unless `ignore_eos`) and `stop_token_ids` cannot be sampled. The last
+    `prior_output_tokens` ids of the prompt are output generated earlier (a request resumed elsewhere): they count
+    as output for the penalties and for `min_tokens`."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -32,6 +40,13 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    prior_output_tokens: int = 0
 
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -47,10 +62,36 @@ class SamplingParams:
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise SamplingError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or null, got {self.logprobs!r}")
+        if not 0.0 <= float(self.min_p) <= 1.0:
+            raise SamplingError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= float(getattr(self, name)) <= 2.0:
+                raise SamplingError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if not 0.0 < float(self.repetition_penalty) <= MAX_REPETITION_PENALTY:
+            raise SamplingError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], "
+                                f"got {self.repetition_penalty!r}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS or not all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 0 and -100.0 <= float(b) <= 100.0
+                for i, b in self.logit_bias):
+            raise SamplingError(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to biases in [-100, 100]")
+        for name in ("min_tokens", "prior_output_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise SamplingError(f"{name} must be a non-negative integer, got {v!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the output's tokens change the logits (presence, frequency or repetition penalty)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether any change of the logits before sampling applies (sampler.adjust_logits)."""
+        return self.penalized or bool(self.logit_bias) or self.min_tokens > self.prior_output_tokens
 
 
 def parse_token_ids(value, what: str = "prompt_token_ids") -> list[int]:
@@ -60,6 +101,17 @@ def parse_token_ids(value, what: str = "prompt_token_ids") -> list[int]:
     ):
         raise SamplingError(f"{what} must be a non-empty list of non-negative integers")
     return value
+
+
+def _logit_bias(value) -> tuple[tuple[int, float], ...]:
+    """`logit_bias` as a JSON object ({"token id": bias}, OpenAI's form) or a list of [id, bias] pairs, sorted by id."""
+    if not value:
+        return ()
+    items = value.items() if isinstance(value, dict) else value
+    try:
+        return tuple(sorted((int(k), float(b)) for k, b in items))
+    except (TypeError, ValueError):
+        raise SamplingError("logit_bias must map token ids to numbers") from None
 
 
 def sampling_from_dict(d: dict) -> SamplingParams:
@@ -75,6 +127,13 @@ def sampling_from_dict(d: dict) -> SamplingParams:
             if d.get("stop_token_ids") else (),
             ignore_eos=bool(d.get("ignore_eos", False)),
             logprobs=d.get("logprobs"),
+            min_p=float(d.get("min_p", 0.0)),
+            presence_penalty=float(d.get("presence_penalty", 0.0)),
+            frequency_penalty=float(d.get("frequency_penalty", 0.0)),
+            repetition_penalty=float(d.get("repetition_penalty", 1.0)),
+            logit_bias=_logit_bias(d.get("logit_bias")),
+            min_tokens=d.get("min_tokens", 0),
+            prior_output_tokens=d.get("prior_output_tokens", 0),
         )
     except (TypeError, ValueError) as exc:
         if isinstance(exc, SamplingError):
@@ -123,10 +182,18 @@ class Sequence:
     page_keys: list = field(default_factory=list)
     num_registered: int = 0  # pages of `pages` registered in the cache
     cached_tokens: int | None = None  # prompt tokens found in the cache at its first admission here
+    # with penalties (params.penalized): each output token's count so far, read back ones only (the engine adds
+    # each as it comes); a token still pending on the device is counted there (sampler.adjust_logits)
+    out_counts: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self):
         if not self.prompt_ids:
             raise SamplingError("prompt_token_ids must not be empty")
+        if self.params.prior_output_tokens > len(self.prompt_ids):
+            raise SamplingError("prior_output_tokens exceeds the prompt's length")
+        if self.params.penalized:
+            for t in self.prompt_ids[len(self.prompt_ids) - self.params.prior_output_tokens:]:
+                self.out_counts[t] = self.out_counts.get(t, 0) + 1
         # Sampling draws depend only on (seed, position), so a resumed request samples the same.
         self.sample_seed = self.params.seed if self.params.seed is not None else int.from_bytes(os.urandom(6), "little")
 
@@ -143,6 +210,12 @@ class Sequence:
     @property
     def num_generated(self) -> int:
         return len(self.output_ids) + self.num_pending
+
+    def add_output(self, token: int) -> None:
+        """A sampled token read back from the device."""
+        self.output_ids.append(token)
+        if self.params.penalized:
+            self.out_counts[token] = self.out_counts.get(token, 0) + 1
 
     @property
     def done_generating(self) -> bool:

@@ -25,7 +25,7 @@ import torch
 
 from lorafleet.runner.engine.sequence import Sequence
 from lorafleet.runner.executor.attention.meta import AttnMeta
-from lorafleet.runner.executor.sampler import pack_sampling, uniform_for
+from lorafleet.runner.executor.sampler import DeviceAdjust, LogitAdjust, pack_sampling, uniform_for
 from lorafleet.runner.lora.segments import SegmentTable, merge_runs
 
 
@@ -74,12 +74,14 @@ class StepBatch:
     packed64: torch.Tensor
     packed32: torch.Tensor  # int32 [2 * capacity + 1]: seg indptr (padded) | seg slots (padded with -1)
     num_pending: int  # P
-    # float32 [4, S]: temperature | top_p | top_k | uniform (sampler.pack_sampling); None if all greedy
+    # float32 [5, S]: temperature | top_p | top_k | uniform | min_p (sampler.pack_sampling); None if all greedy
     packedf: torch.Tensor | None = None
     sample_pos: dict[int, int] = field(default_factory=dict)  # id(seq) -> index of its sampled token
     # [S] alternatives each sampled row asks for with its token's log-probability (-1: none asked); empty when no
     # row asks (host bookkeeping: the rank that reads the samples back computes them, sampler.token_logprobs)
     logprobs: list[int] = field(default_factory=list)
+    min_p: list[float] = field(default_factory=list)  # [S]
+    adjust: LogitAdjust | None = None  # the logit changes before sampling, when a row asks (sampler.adjust_logits)
 
     @property
     def batch_size(self) -> int:
@@ -114,7 +116,8 @@ class StepBatch:
             "kv_lens": self.kv_lens, "page_tables": self.page_tables, "page_size": self.page_size,
             "seg_indptr": list(self.seg_indptr), "seg_slots": list(self.seg_slots), "seg_capacity": self.seg_capacity,
             "sample_idx": self.sample_idx, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
-            "uniform": self.uniform, "num_pending": self.num_pending,
+            "uniform": self.uniform, "min_p": self.min_p, "num_pending": self.num_pending,
+            "adjust": self.adjust.to_wire() if self.adjust is not None else None,
             "packed64": self.packed64.numpy().tobytes(), "packed32": self.packed32.numpy().tobytes(),
         }
 
@@ -122,7 +125,7 @@ class StepBatch:
     def from_wire(cls, w: dict, pin: bool = False) -> "StepBatch":
         p64 = torch.from_numpy(np.frombuffer(w["packed64"], dtype=np.int64).copy())
         p32 = torch.from_numpy(np.frombuffer(w["packed32"], dtype=np.int32).copy())
-        pf = pack_sampling(w["temperature"], w["top_p"], w["top_k"], w["uniform"])
+        pf = pack_sampling(w["temperature"], w["top_p"], w["top_k"], w["uniform"], w["min_p"])
         if pin:
             p64, p32 = p64.pin_memory(), p32.pin_memory()
             pf = pf.pin_memory() if pf is not None else None
@@ -132,7 +135,8 @@ class StepBatch:
                    seg_indptr=tuple(w["seg_indptr"]), seg_slots=tuple(w["seg_slots"]), seg_capacity=w["seg_capacity"],
                    sample_idx=list(w["sample_idx"]), temperature=list(w["temperature"]), top_p=list(w["top_p"]),
                    top_k=list(w["top_k"]), uniform=list(w["uniform"]), packed64=p64, packed32=p32,
-                   num_pending=w["num_pending"], packedf=pf)
+                   num_pending=w["num_pending"], packedf=pf, min_p=list(w["min_p"]),
+                   adjust=LogitAdjust.from_wire(w["adjust"]) if w["adjust"] is not None else None)
 
 
 def split64(p: torch.Tensor, T: int, B: int, P: int, S: int) -> dict[str, torch.Tensor]:
@@ -155,9 +159,10 @@ def order_for_segments(prefill: list[RowWork], decode: list[RowWork]) -> tuple[l
 
 
 def build_step_batch(work: list[RowWork], page_size: int, seg_capacity: int, prev: StepBatch | None = None,
-                     pin: bool = False) -> StepBatch:
+                     pin: bool = False, eos_ids: tuple[int, ...] = ()) -> StepBatch:
     """The step batch of the scheduled `work`. `prev` is the step launched before this one: a
-    request whose last token is still pending on the device reads it from that step's samples."""
+    request whose last token is still pending on the device reads it from that step's samples. `eos_ids`: what
+    `min_tokens` keeps from being sampled besides a request's stop_token_ids (unless it ignores EOS)."""
     prefill, decode = order_for_segments([w for w in work if not w.decode], [w for w in work if w.decode])
     order = prefill + decode
     ids: list[int] = []
@@ -172,17 +177,21 @@ def build_step_batch(work: list[RowWork], page_size: int, seg_capacity: int, pre
     sample_idx: list[int] = []
     temperature, top_p, top_k, uniform = [], [], [], []
     logprobs: list[int] | None = None  # [S] once a row asks
+    min_p: list[float] = []
+    adjust: LogitAdjust | None = None  # once a row asks
     sample_pos: dict[int, int] = {}
     for b, w in enumerate(order):
         s = w.seq
         known = s.all_ids
         row0 = qo_indptr[-1]
         n = w.end - w.start
+        pending = False
         if n == 1:
             p = w.start
             if p < len(known):
                 ids.append(known[p])
             else:  # the token sampled by the previous step, still on the device
+                pending = True
                 if prev is None or id(s) not in prev.sample_pos:
                     raise RuntimeError(f"request {s.id}: token {p} is pending but no step in flight sampled it")
                 ids.append(0)
@@ -216,6 +225,16 @@ def build_step_batch(work: list[RowWork], page_size: int, seg_capacity: int, pre
                 logprobs = [-1] * (len(sample_idx) - 1)
             if logprobs is not None:
                 logprobs.append(-1 if sp.logprobs is None else sp.logprobs)
+            min_p.append(float(sp.min_p))
+            if sp.adjusts_logits:
+                if adjust is None:
+                    k = len(sample_idx) - 1
+                    adjust = LogitAdjust([0.0] * k, [0.0] * k, [1.0] * k)
+                _adjust_row(adjust, len(sample_idx) - 1, s, row0 if pending else -1, eos_ids)
+            elif adjust is not None:  # no change for this row
+                adjust.presence.append(0.0)
+                adjust.frequency.append(0.0)
+                adjust.repetition.append(1.0)
     indptr, slots = merge_runs(row_slots)
     cap = max(seg_capacity, len(slots), 1)
     T, B = len(ids), len(order)
@@ -223,7 +242,7 @@ def build_step_batch(work: list[RowWork], page_size: int, seg_capacity: int, pre
                             dtype=torch.int64)
     packed32 = torch.tensor(indptr + [indptr[-1]] * (cap - len(slots)) + slots + [-1] * (cap - len(slots)),
                             dtype=torch.int32)
-    packedf = pack_sampling(temperature, top_p, top_k, uniform)
+    packedf = pack_sampling(temperature, top_p, top_k, uniform, min_p)
     if pin:
         packed64, packed32 = packed64.pin_memory(), packed32.pin_memory()
         packedf = packedf.pin_memory() if packedf is not None else None
@@ -233,7 +252,28 @@ def build_step_batch(work: list[RowWork], page_size: int, seg_capacity: int, pre
         page_tables=[w.seq.pages[: -(-w.end // page_size)] for w in order],
         seg_indptr=tuple(indptr), seg_slots=tuple(slots), seg_capacity=cap, sample_idx=sample_idx,
         temperature=temperature, top_p=top_p, top_k=top_k, uniform=uniform, packed64=packed64, packed32=packed32,
-        num_pending=len(pending_rows), sample_pos=sample_pos, packedf=packedf, logprobs=logprobs or [])
+        num_pending=len(pending_rows), sample_pos=sample_pos, packedf=packedf, logprobs=logprobs or [], min_p=min_p,
+        adjust=adjust)
+
+
+def _adjust_row(adj: LogitAdjust, j: int, seq: Sequence, pending_row: int, eos_ids: tuple[int, ...]) -> None:
+    """Sampled row j's part of the step's logit changes (SamplingParams.adjusts_logits): its penalties over the
+    output so far (the read-back counts; `pending_row` >= 0: the input row holding its newest, still pending,
+    output token), its prompt's distinct ids for the repetition penalty, its logit_bias, and while it has fewer
+    than min_tokens outputs, EOS and its stop ids banned."""
+    p = seq.params
+    adj.presence.append(float(p.presence_penalty))
+    adj.frequency.append(float(p.frequency_penalty))
+    adj.repetition.append(float(p.repetition_penalty))
+    if p.penalized:
+        adj.counts.extend((j, t, float(c)) for t, c in seq.out_counts.items())
+        if pending_row >= 0:
+            adj.pending.append((j, pending_row))
+        if p.repetition_penalty != 1.0:
+            adj.seen.extend((j, t) for t in dict.fromkeys(seq.prompt_ids))
+    adj.bias.extend((j, t, b) for t, b in p.logit_bias)
+    if p.prior_output_tokens + seq.num_generated < p.min_tokens:
+        adj.ban.extend((j, t) for t in dict.fromkeys((*p.stop_token_ids, *(() if p.ignore_eos else eos_ids))))
 
 
 @dataclass
@@ -247,7 +287,8 @@ class DeviceStep:
     inputs3: torch.Tensor  # int64 [3, T]: input_ids, positions, slot_mapping as one view
     seg: SegmentTable  # device indptr / slots at the batch's capacity, host tuples of the real segments
     sample_idx: torch.Tensor  # int64 [S]: the requests whose next token is sampled
-    sampling: torch.Tensor | None  # float32 [4, S] (sampler.pack_sampling), None if every row is greedy
+    sampling: torch.Tensor | None  # float32 [5, S] (sampler.pack_sampling), None if every row is greedy
+    adjust: DeviceAdjust | None = None  # the logit changes before sampling, None when no row asks
 
     def attn_meta(self, batch: StepBatch) -> AttnMeta:
         return AttnMeta(num_prefill=batch.num_prefill, qo_indptr=batch.qo_indptr, kv_lens=batch.kv_lens,
@@ -269,4 +310,4 @@ def to_device(batch: "StepBatch", device: torch.device, prev_tokens: torch.Tenso
     cap = batch.seg_capacity
     seg = SegmentTable(d32[: cap + 1], d32[cap + 1:], batch.seg_indptr, batch.seg_slots, T)
     return DeviceStep(v["input_ids"], v["positions"], v["slot_mapping"], v["logit_rows"], d64[: 3 * T].view(3, T), seg,
-                      v["sample_idx"], df)
+                      v["sample_idx"], df, batch.adjust.to_device(device) if batch.adjust is not None else None)

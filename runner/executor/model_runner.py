@@ -26,7 +26,7 @@ import torch
 from lorafleet.runner.lora.step import LoraStepImpl, dense_lora_bounds
 from lorafleet.runner.config import KernelChoices
 from lorafleet.runner.model.decoder import Decoder, StepIO, plain_projection_elems
-from lorafleet.runner.executor.sampler import sample_tokens, token_logprobs
+from lorafleet.runner.executor.sampler import adjust_logits, sample_tokens, token_logprobs
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
@@ -117,7 +117,8 @@ class ModelRunner:
         t2 = time.perf_counter() if self.phases is not None else 0.0
         if len(batch.sample_idx) < batch.batch_size:
             logits = logits.index_select(0, d.sample_idx)
-        tokens = sample_tokens(logits, d.sampling)
+        tokens = sample_tokens(adjust_logits(logits, d.adjust, d.input_ids) if d.adjust is not None else logits,
+                               d.sampling)
         k = batch.max_logprobs
         lp = token_logprobs(logits, tokens, k) if readback and k >= 0 else None
         out = InFlight(batch, tokens, kind, readback, lp)

@@ -13,13 +13,17 @@ alternatives) under the model's own distribution, for the requests that ask for 
 
 from __future__ import annotations
 
+import dataclasses
 import random
+from dataclasses import dataclass, field
 
 import torch
 
 
 MAX_LOGPROBS = 20  # alternatives per token a request may ask for with its log-probability (OpenAI's bound)
 MIN_LOGPROB = -9999.0  # a log-probability of -inf (a token the model rules out) as JSON can carry it
+MAX_LOGIT_BIAS = 300  # token ids one request may bias (OpenAI's bound)
+MAX_REPETITION_PENALTY = 10.0
 
 
 def uniform_for(seed: int, position: int) -> float:
@@ -27,23 +31,25 @@ def uniform_for(seed: int, position: int) -> float:
 
 
 def pack_sampling(temperature: list[float], top_p: list[float], top_k: list[int],
-                  uniform: list[float]) -> torch.Tensor | None:
-    """The per-row sampling parameters as one float32 CPU tensor [4, S] (temperature, top_p, top_k, the
-    draw u), for one copy to the device; None when every row is greedy (no parameter is read then)."""
+                  uniform: list[float], min_p: list[float] | None = None) -> torch.Tensor | None:
+    """The per-row sampling parameters as one float32 CPU tensor [5, S] (temperature, top_p, top_k, the
+    draw u, min_p (default 0)), for one copy to the device; None when every row is greedy (no parameter is read
+    then)."""
     if all(t == 0.0 or k == 1 for t, k in zip(temperature, top_k)):
         return None
-    return torch.tensor([temperature, top_p, [float(k) for k in top_k], uniform], dtype=torch.float32)
+    return torch.tensor([temperature, top_p, [float(k) for k in top_k], uniform,
+                         min_p if min_p is not None else [0.0] * len(uniform)], dtype=torch.float32)
 
 
 def sample_tokens(logits: torch.Tensor, params: torch.Tensor | None) -> torch.Tensor:
-    """logits fp32 [S, V]; `params` float32 [4, S] on the logits' device (pack_sampling: per row the
-    temperature (0: greedy), top_p, top_k (0: off) and the draw u in [0, 1)), or None when every row is
-    greedy -> int64 [S] token ids on the logits' device. No host synchronisation: nothing is read back
-    and nothing is copied from the host here."""
+    """logits fp32 [S, V]; `params` float32 [5, S] on the logits' device (pack_sampling: per row the
+    temperature (0: greedy), top_p, top_k (0: off), the draw u in [0, 1) and min_p (0: off: a token less likely
+    than min_p times the most likely one is not drawn)), or None when every row is greedy -> int64 [S] token ids on
+    the logits' device. No host synchronisation: nothing is read back and nothing is copied from the host here."""
     out = logits.argmax(-1)
     if params is None:
         return out
-    temp, tp, tk, u = params.unbind(0)
+    temp, tp, tk, u, mp = params.unbind(0)
     greedy = (temp == 0) | (tk == 1)
     V = logits.shape[1]
     probs = (logits / torch.where(greedy, 1.0, temp)[:, None]).softmax(-1)  # [S, V]
@@ -51,7 +57,7 @@ def sample_tokens(logits: torch.Tensor, params: torch.Tensor | None) -> torch.Te
     rank = torch.arange(V, device=logits.device)[None, :]
     tk = torch.where(tk > 0, tk, float(V))
     before = sorted_p.cumsum(-1) - sorted_p  # mass of strictly more likely tokens
-    keep = (rank < tk[:, None]) & ((before < tp[:, None]) | (rank == 0))
+    keep = (rank < tk[:, None]) & ((before < tp[:, None]) | (rank == 0)) & (sorted_p >= mp[:, None] * sorted_p[:, :1])
     sorted_p = sorted_p * keep
     cdf = sorted_p.cumsum(-1)
     pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_max(V - 1)
@@ -70,3 +76,85 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int
     chosen = logp.gather(1, tokens[:, None]).squeeze(1).clamp_min(MIN_LOGPROB)
     top = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], tokens.new_empty((logp.shape[0], 0)))
     return chosen, top[1], top[0].clamp_min(MIN_LOGPROB)
+
+
+@dataclass
+class LogitAdjust:
+    """The changes of one step's logits before sampling (SamplingParams' penalties, logit_bias, min_tokens), as
+    sparse host lists over the sampled rows j in [0, S), built by the step batch for steps where a row asks.
+
+    counts: (j, id, n) output tokens read back so far; pending: (j, r) a row whose request's newest output token is
+    still on the device, as the step's input row r (its count is added there); seen: (j, id) the distinct prompt
+    ids (repetition penalty); bias: (j, id, b); ban: (j, id) ids that cannot be sampled (min_tokens). presence /
+    frequency / repetition: [S] per row (0, 0, 1: none)."""
+
+    presence: list[float]
+    frequency: list[float]
+    repetition: list[float]
+    counts: list[tuple[int, int, float]] = field(default_factory=list)
+    pending: list[tuple[int, int]] = field(default_factory=list)
+    seen: list[tuple[int, int]] = field(default_factory=list)
+    bias: list[tuple[int, int, float]] = field(default_factory=list)
+    ban: list[tuple[int, int]] = field(default_factory=list)
+
+    def to_wire(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_wire(cls, w: dict) -> "LogitAdjust":
+        return cls(**{k: [tuple(x) if isinstance(x, list) else x for x in v] for k, v in w.items()})
+
+    def to_device(self, device: torch.device) -> "DeviceAdjust":
+        """One int64 and one float32 copy to `device` (no wait)."""
+        ints = [j for j, _, _ in self.counts] + [i for _, i, _ in self.counts] + [j for j, _ in self.pending] \
+            + [r for _, r in self.pending] + [j for j, _ in self.seen] + [i for _, i in self.seen] \
+            + [j for j, _, _ in self.bias] + [i for _, i, _ in self.bias] + [j for j, _ in self.ban] \
+            + [i for _, i in self.ban]
+        floats = self.presence + self.frequency + self.repetition + [n for _, _, n in self.counts] \
+            + [b for _, _, b in self.bias]
+        di = torch.tensor(ints, dtype=torch.int64).to(device, non_blocking=True)
+        df = torch.tensor(floats, dtype=torch.float32).to(device, non_blocking=True)
+        S, C, P, N, B = len(self.presence), len(self.counts), len(self.pending), len(self.seen), len(self.bias)
+        i, f = di.split([C, C, P, P, N, N, B, B, len(self.ban), len(self.ban)]), df.split([S, S, S, C, B])
+        return DeviceAdjust(*f[:3], (i[0], i[1]), f[3], (i[2], i[3]), (i[4], i[5]), (i[6], i[7]), f[4], (i[8], i[9]),
+                            any(r != 1.0 for r in self.repetition))
+
+
+@dataclass
+class DeviceAdjust:
+    presence: torch.Tensor  # [S]
+    frequency: torch.Tensor  # [S]
+    repetition: torch.Tensor  # [S]
+    count_at: tuple[torch.Tensor, torch.Tensor]  # ([C] rows, [C] ids)
+    count: torch.Tensor  # [C]
+    pending_at: tuple[torch.Tensor, torch.Tensor]  # ([P] rows, [P] input rows)
+    seen_at: tuple[torch.Tensor, torch.Tensor]  # ([N] rows, [N] ids)
+    bias_at: tuple[torch.Tensor, torch.Tensor]  # ([B] rows, [B] ids)
+    bias: torch.Tensor  # [B]
+    ban_at: tuple[torch.Tensor, torch.Tensor]  # ([X] rows, [X] ids)
+    any_repetition: bool
+
+
+def adjust_logits(logits: torch.Tensor, adj: DeviceAdjust, input_ids: torch.Tensor) -> torch.Tensor:
+    """logits fp32 [S, V] -> a new fp32 [S, V] with the step's changes (LogitAdjust), per row in this order:
+    repetition penalty on tokens seen in the prompt or output (HF's: a positive logit divided by it, a negative
+    one multiplied), presence and frequency penalties on output tokens (OpenAI's: minus presence once, minus
+    frequency times the count), logit_bias added, min_tokens' banned ids at -inf. `input_ids` int64 [T]: the
+    step's input rows, where a request's pending output token is read. No host synchronisation."""
+    S, V = logits.shape
+    counts = logits.new_zeros(S, V)
+    counts.index_put_(adj.count_at, adj.count, accumulate=True)
+    rows, at = adj.pending_at
+    counts.index_put_((rows, input_ids.index_select(0, at)), torch.ones_like(rows, dtype=counts.dtype),
+                      accumulate=True)
+    out = counts > 0
+    logits = logits.clone()
+    if adj.any_repetition:
+        seen = out.clone()
+        seen[adj.seen_at] = True
+        rp = adj.repetition[:, None]
+        logits = torch.where(seen, torch.where(logits > 0, logits / rp, logits * rp), logits)
+    logits = logits - adj.presence[:, None] * out - adj.frequency[:, None] * counts
+    logits.index_put_(adj.bias_at, adj.bias, accumulate=True)
+    logits[adj.ban_at] = float("-inf")
+    return logits

@@ -2,7 +2,8 @@
 
 Every input line is one request:
   {"id", "adapter": name or null, "prompt": text | "prompt_token_ids": [...] | "messages": [chat],
-   "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos"}
+   "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos", "min_p",
+   "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens"}
 Every output line (same order): {"id", "adapter", "prompt_token_ids", "token_ids", "text",
 "finish_reason"} plus "error" when a request failed. A bad line or a bad adapter fails
 that request only; all the others run as one continuous batch. The sampling fields take
@@ -26,7 +27,8 @@ from lorafleet.scheduler import openai_api as oa
 
 log = logging.getLogger(__name__)
 
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos")
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos", "min_p",
+                   "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens")
 FIELDS = {"id", "adapter", "prompt", "prompt_token_ids", "messages", *SAMPLING_FIELDS}
 DEFAULT_MAX_TOKENS = 64
 
@@ -128,6 +130,7 @@ def sampling_params(obj: dict, rid: str, max_model_len: int) -> SamplingParams:
             max_tokens=p.max_tokens if "max_tokens" in given else min(DEFAULT_MAX_TOKENS, max_model_len),
             temperature=p.temperature if "temperature" in given else 0.0,
             top_p=p.top_p, top_k=p.top_k, seed=p.seed, stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos,
+            **p.extras(),
         )
     except oa.ApiError as exc:
         raise RequestError(f"request {rid}: {exc.message}") from None
