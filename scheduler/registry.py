@@ -1,11 +1,12 @@
 """The adapter registry: which adapter names the scheduler serves, and where each one lives.
 
-One small interface fed by a directory (`lorafleet serve --adapters DIR`) or by the
-Kubernetes API (LoraAdapter objects in phase Ready, see `kube.py`).
+One small interface fed by a directory (`lorafleet serve --adapters DIR`, rescanned by `DirectoryFeed`) or by
+the Kubernetes API (LoraAdapter objects in phase Ready, see `kube.py`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
@@ -26,8 +27,9 @@ class AdapterEntry:
     sha256: str | None = None
     rank: int | None = None
     base_model: str | None = None
-    created: float = field(default_factory=time.time)
+    created: float = field(default_factory=time.time, compare=False)
     problem: str | None = None
+    version: str | None = None  # a directory adapter's files' fingerprint: runners read a new version again
 
 
 class AdapterRegistry:
@@ -75,38 +77,110 @@ class AdapterRegistry:
 
     @classmethod
     def from_directory(cls, path: str | Path) -> "AdapterRegistry":
-        """One adapter per subfolder holding an adapter_config.json, named by the folder.
+        """The adapters of a directory (`scan_directory`)."""
+        return cls(scan_directory(path))
 
-        A subfolder (or its config file) that is a symlink resolving outside the directory is
-        skipped with a warning: the directory is the boundary of what it publishes. Each adapter's
-        files are checked as a runner checks them before reading the weights, short of the base model's shapes
-        (peft_config.inspect_adapter without a base: the config is valid JSON and asks for no unsupported PEFT
-        feature, the safetensors header is whole and lies within the file, the tensors are LoRA weights of the
-        modules the config targets, at its rank); one that fails is published with that reason as its `problem`.
-        """
-        from lorafleet.common.peft_config import AdapterError, inspect_adapter, scrub_paths
 
-        root = Path(path)
-        if not root.is_dir():
-            raise FileNotFoundError(f"adapter directory {root} does not exist")
-        real_root = root.resolve()
-        entries = []
-        for d in sorted(root.iterdir()):
-            if not (d.is_dir() and (d / "adapter_config.json").is_file()):
-                if d.is_dir() and not d.name.startswith("."):
-                    log.warning("%s skipped: no adapter_config.json in it (not a PEFT adapter)", d)
-                continue
-            real = d.resolve()
-            inside = real.parent == real_root or real_root in real.parents
-            if not inside or real_root not in (d / "adapter_config.json").resolve().parents:
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def files_version(folder: Path) -> str:
+    """A fingerprint of an adapter folder's files (size and modification time of each): it changes when they do."""
+    parts = []
+    for name in ADAPTER_FILES:
+        try:
+            st = (folder / name).stat()
+            parts.append(f"{st.st_size}.{st.st_mtime_ns}")
+        except OSError:
+            parts.append("-")
+    return "/".join(parts)
+
+
+def scan_directory(path: str | Path, known: dict[str, AdapterEntry] | None = None,
+                   skip: frozenset[str] = frozenset()) -> list[AdapterEntry]:
+    """One adapter per subfolder holding an adapter_config.json, named by the folder; names in `skip` are left out.
+
+    A subfolder (or its config file) that is a symlink resolving outside the directory is
+    skipped with a warning: the directory is the boundary of what it publishes. Each adapter's
+    files are checked as a runner checks them before reading the weights, short of the base model's shapes
+    (peft_config.inspect_adapter without a base: the config is valid JSON and asks for no unsupported PEFT
+    feature, the safetensors header is whole and lies within the file, the tensors are LoRA weights of the
+    modules the config targets, at its rank); one that fails is published with that reason as its `problem`.
+    Each entry carries its files' `version` (files_version); an adapter of `known` whose folder and version are
+    unchanged is taken as it is, unchecked again.
+    """
+    from lorafleet.common.peft_config import AdapterError, inspect_adapter, scrub_paths
+
+    root = Path(path)
+    if not root.is_dir():
+        raise FileNotFoundError(f"adapter directory {root} does not exist")
+    known = known or {}
+    real_root = root.resolve()
+    entries = []
+    for d in sorted(root.iterdir()):
+        if d.name in skip or not (d.is_dir() and (d / "adapter_config.json").is_file()):
+            if d.is_dir() and not d.name.startswith(".") and d.name not in skip and d.name not in known:
+                log.warning("%s skipped: no adapter_config.json in it (not a PEFT adapter)", d)
+            continue
+        real = d.resolve()
+        inside = real.parent == real_root or real_root in real.parents
+        if not inside or real_root not in (d / "adapter_config.json").resolve().parents:
+            if d.name not in known:
                 log.warning("adapter %r skipped: it is a symlink to a place outside %s", d.name, root)
-                continue
+            continue
+        version = files_version(real)
+        old = known.get(d.name)
+        if old is not None and old.source == str(real) and old.version == version:
+            entries.append(old)
+            continue
+        try:
+            inspect_adapter(d.name, real)
+            problem = None
+        except AdapterError as exc:
+            problem = scrub_paths(exc.reason)
+        except Exception as exc:  # a check that did not foresee this file: the adapter, not the server, fails
+            problem = scrub_paths(f"cannot read its files ({type(exc).__name__}: {exc})")
+        entries.append(AdapterEntry(name=d.name, source=str(real), problem=problem, version=version))
+    return entries
+
+
+class DirectoryFeed:
+    """Keeps a registry equal to an adapter directory: every `interval` seconds the directory is scanned again
+    (off the event loop; only new or changed folders are checked), so adapters added, changed or removed there are
+    served, served anew (runners read the new files: the entry's version changed) or refused, without a restart.
+    `skip`: folder names never published (the base model's name)."""
+
+    def __init__(self, registry: AdapterRegistry, root: str | Path, interval: float,
+                 skip: frozenset[str] = frozenset()):
+        self.registry, self.root, self.interval, self.skip = registry, Path(root), interval, skip
+
+    def scan(self) -> list[AdapterEntry]:
+        """The directory's adapters now (reads files: call it off the event loop)."""
+        return scan_directory(self.root, {e.name: e for e in self.registry.entries()}, self.skip)
+
+    def apply(self, entries: list[AdapterEntry]) -> tuple[list[str], list[str], list[str]]:
+        """Publish a scan (on the registry's own thread: its listeners run here); (added, changed, removed)."""
+        before = {e.name: e for e in self.registry.entries()}
+        after = {e.name: e for e in entries}
+        self.registry.replace_all(entries)
+        added = sorted(n for n in after if n not in before)
+        changed = sorted(n for n in after if n in before and after[n] != before[n])
+        removed = sorted(n for n in before if n not in after)
+        return added, changed, removed
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.interval)
             try:
-                inspect_adapter(d.name, real)
-                problem = None
-            except AdapterError as exc:
-                problem = scrub_paths(exc.reason)
-            except Exception as exc:  # a check that did not foresee this file: the adapter, not the server, fails
-                problem = scrub_paths(f"cannot read its files ({type(exc).__name__}: {exc})")
-            entries.append(AdapterEntry(name=d.name, source=str(real), problem=problem))
-        return cls(entries)
+                added, changed, removed = self.apply(await loop.run_in_executor(None, self.scan))
+            except FileNotFoundError:
+                log.warning("adapter directory %s is gone; keeping the adapters published so far", self.root)
+                continue
+            except OSError as exc:
+                log.warning("cannot rescan the adapter directory %s: %s", self.root, exc)
+                continue
+            for what, names in (("added", added), ("changed (runners read the new files)", changed),
+                                ("removed", removed)):
+                if names:
+                    log.info("adapters %s: %s", what, ", ".join(names))

@@ -74,7 +74,8 @@ class Request:
             "stream": stream_id,
             "prompt_token_ids": self.prompt_ids + self.generated,
             "adapter": None if self.adapter is None else {
-                "name": self.adapter.name, "source": self.adapter.source, "sha256": self.adapter.sha256},
+                "name": self.adapter.name, "source": self.adapter.source, "sha256": self.adapter.sha256,
+                **({"version": self.adapter.version} if self.adapter.version else {})},
             # (tokens generated on an earlier runner come back as prompt: they count as output for penalties
             # and min_tokens there)
             "sampling": {**self.sampling, "max_tokens": self.remaining,

@@ -40,7 +40,7 @@ from lorafleet.scheduler.metrics import SchedulerMetrics
 from lorafleet.scheduler.openai_api import ApiError
 from lorafleet.scheduler.placement import POLICIES, busiest_fit
 from lorafleet.scheduler.prompts import PromptEncoder
-from lorafleet.scheduler.registry import AdapterRegistry
+from lorafleet.scheduler.registry import AdapterRegistry, DirectoryFeed
 from lorafleet.scheduler.request import Request
 from lorafleet.scheduler.sinks import CollectSink, StreamSink
 from lorafleet.scheduler.tokenizer import Tokenizer
@@ -521,6 +521,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="port the OpenAI API listens on")
     p.add_argument("--adapters", type=Path, default=None,
                    help="directory with one adapter per subfolder (default: none, or the LoraAdapters with --kube)")
+    add_adapter_rescan_argument(p)
     p.add_argument("--runner", action="append", default=[],
                    help="runner endpoint, `id=url` or `url` (repeat; default: none, or the pool's pods with --kube)")
     p.add_argument("--max-queue", type=int, default=1024, help="queued requests before 429")
@@ -532,6 +533,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_api_key_argument(p)
     add_placement_argument(p)
     limits_mod.add_arguments(p)
+
+
+def add_adapter_rescan_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--adapter-rescan", type=float, default=5.0, metavar="SECONDS",
+                   help="with --adapters: look at the directory again every SECONDS, so adapters added, changed or "
+                        "removed there are served, read again or dropped without a restart (0: never; default: 5)")
+
+
+def watch_adapters(app: web.Application, registry: AdapterRegistry, root: Path | None, interval: float,
+                   model_name: str) -> None:
+    """Rescan an adapter directory in the background while `app` runs (registry.DirectoryFeed); a folder named as
+    the base model is never published (requests for that name reach the base model)."""
+    if root is None or interval <= 0:
+        return
+    feed = DirectoryFeed(registry, root, interval, skip=frozenset({model_name}))
+
+    async def start(app):
+        app["adapter_feed"] = asyncio.create_task(feed.run())
+
+    async def stop(app):
+        app["adapter_feed"].cancel()
+
+    app.on_startup.append(start)
+    app.on_cleanup.append(stop)
 
 
 def add_placement_argument(p: argparse.ArgumentParser) -> None:
@@ -611,6 +636,7 @@ def run(args: argparse.Namespace) -> int:
         log.error("%s", exc)
         return 2
     app = create_app(service)
+    watch_adapters(app, service.registry, args.adapters, args.adapter_rescan, service.model_name)
     if args.kube:
         if not (args.namespace and args.pool):
             raise SystemExit("--kube needs --namespace and --pool")

@@ -15,11 +15,14 @@ from lorafleet.runner.model.weights import all_finite
 
 @dataclass(frozen=True)
 class AdapterRef:
-    """Which adapter a request uses and where the runner can load it from."""
+    """Which adapter a request uses and where the runner can load it from. `version` (optional) changes when the
+    files at `source` change (a directory's adapters are rescanned): a new version is read again, never served from
+    a copy of the old one."""
 
     name: str
     source: str
     sha256: str | None = None
+    version: str | None = None
 
 
 @dataclass

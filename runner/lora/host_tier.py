@@ -48,7 +48,7 @@ class HostTier:
 
     def get(self, ref: AdapterRef) -> LoadedAdapter:
         """The adapter in host memory (read on a miss); raises AdapterError."""
-        key = (ref.name, ref.source)
+        key = ref  # (name, source, sha256, version): a changed adapter is a miss
         with self.lock:
             hit = self.cache.get(key)
             if hit is not None:

@@ -57,7 +57,7 @@ def sequence_from_wire(d: dict):
     from lorafleet.runner.engine.sequence import AdapterRef, Sequence, sampling_from_dict
 
     a = d.get("adapter")
-    ref = AdapterRef(a["name"], a["source"], a.get("sha256")) if a else None
+    ref = AdapterRef(a["name"], a["source"], a.get("sha256"), a.get("version")) if a else None
     return Sequence(d["id"], list(d["prompt_ids"]), sampling_from_dict(d.get("sampling") or {}), ref,
                     arrival=float(d.get("arrival") or time.time()), cache_salt=d.get("cache_salt"))
 

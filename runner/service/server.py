@@ -80,6 +80,9 @@ def parse_generate(body: dict) -> tuple[str, list[int], SamplingParams, dict | N
             adapter.get("source"), str
         ):
             raise BadRequest("adapter must be null or an object with string name and source")
+        for key in ("sha256", "version"):
+            if adapter.get(key) is not None and not isinstance(adapter[key], str):
+                raise BadRequest(f"adapter.{key} must be a string or null")
     arrival = body.get("arrival")
     if arrival is not None and not isinstance(arrival, (int, float)):
         raise BadRequest("arrival must be a number")
@@ -292,11 +295,11 @@ class RunnerService:
         if adapter is not None:
             key = (adapter["name"], adapter["source"], adapter.get("sha256"))
             local = self.adapter_dirs.get(key)
+            wire["adapter"] = {"name": key[0], "source": local, "sha256": key[2], "version": adapter.get("version")}
             if local is None:  # fetch (or check) it off the event loop; the request waits, not the POST
                 self.pending[rid] = st
                 asyncio.create_task(self._fetch_then_submit(key, wire, st))
                 return web.json_response({"request_id": rid, "accepted": True}, status=202)
-            wire["adapter"] = {"name": key[0], "source": local, "sha256": key[2]}
         self.engine.submit(wire, st)
         return web.json_response({"request_id": rid, "accepted": True}, status=202)
 
@@ -317,7 +320,7 @@ class RunnerService:
             self.cancelled_pending.discard(rid)
             st.deliver([[rid, [], "cancelled" if self.engine.alive else "aborted", self.engine.error]])
             return
-        wire["adapter"] = {"name": key[0], "source": str(local), "sha256": key[2]}
+        wire["adapter"] = {**wire["adapter"], "source": str(local)}
         self.engine.submit(wire, st)
 
     async def cancel(self, request: web.Request) -> web.Response:

@@ -226,8 +226,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor parallelism: GPUs per runner (runner i uses "
                    "cuda:i*tp .. cuda:i*tp+tp-1)")
     from lorafleet.scheduler import limits
-    from lorafleet.scheduler.server import add_api_key_argument, add_placement_argument
+    from lorafleet.scheduler.server import add_adapter_rescan_argument, add_api_key_argument, add_placement_argument
 
+    add_adapter_rescan_argument(p)
     add_api_key_argument(p)
     add_placement_argument(p)
     limits.add_arguments(p)
@@ -259,6 +260,7 @@ def run(args: argparse.Namespace) -> int:
         load_api_keys,
         model_display_name,
         model_limits,
+        watch_adapters,
     )
     from lorafleet.scheduler.tokenizer import Tokenizer
 
@@ -327,6 +329,7 @@ def run(args: argparse.Namespace) -> int:
             runner_token=token,
         )
         app = create_app(service)
+        watch_adapters(app, registry, adapters_dir, args.adapter_rescan, service.model_name)
         url = f"http://{args.host}:{args.port}"
 
         async def announce(app):
