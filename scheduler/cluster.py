@@ -336,6 +336,8 @@ class Cluster:
                 continue  # cancelled here already, or a request that left this runner
             if len(e) > 4 and req.cached_tokens is None and isinstance(e[4], int):
                 req.cached_tokens = max(0, min(e[4], len(req.prompt_ids)))  # its first runner's count stays
+            if len(e) > 6 and isinstance(e[6], list):  # its prompt's log-probabilities: before its tokens
+                req.add_prompt_logprobs(e[6])
             if e[1]:
                 req.add_tokens(e[1], e[5] if len(e) > 5 and isinstance(e[5], list) else None)
             if e[2] is not None:

@@ -79,6 +79,7 @@ class GenParams:
     include_usage: bool
     cache_salt: str | None = None  # the request's own salt (api_keys.cache_salt mixes in the key's)
     logprobs: int | None = None  # alternatives per generated token with its log-probability; None: none asked
+    echo: bool = False  # completions: the prompt comes back before the completion (with logprobs: its tokens' too)
     min_p: float = 0.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -94,7 +95,10 @@ class GenParams:
                "logit_bias": self.logit_bias, "min_tokens": self.min_tokens}
         neutral = {"logprobs": None, "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
                    "repetition_penalty": 1.0, "logit_bias": (), "min_tokens": 0}
-        return {k: v for k, v in out.items() if v != neutral[k]}
+        out = {k: v for k, v in out.items() if v != neutral[k]}
+        if self.echo and self.logprobs is not None:
+            out["prompt_logprobs"] = self.logprobs
+        return out
 
 
 def _is_int(v) -> bool:
@@ -141,8 +145,6 @@ def _refuse_unknown(body: dict, chat: bool) -> None:
 
 
 def _refuse_unsupported(body: dict, chat: bool) -> None:
-    if body.get("echo"):
-        raise bad("echo", "echo is not supported")
     if body.get("best_of") not in (None, 1):
         raise bad("best_of", "best_of is not supported")
     if body.get("suffix"):
@@ -167,8 +169,12 @@ def parse_common(body: dict, chat: bool, max_tokens_cap: int, vocab_size: int | 
         raise bad("model", "model must be a non-empty string naming the base model or an adapter")
     _refuse_unknown(body, chat)
     _refuse_unsupported(body, chat)
+    echo = False if chat or body.get("echo") is None else body["echo"]
+    if not isinstance(echo, bool):
+        raise bad("echo", "echo must be a boolean")
     key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _integer(body, key, None if chat else min(16, max_tokens_cap), 1, max_tokens_cap)
+    # max_tokens 0 with echo: the prompt scored, nothing generated
+    max_tokens = _integer(body, key, None if chat else min(16, max_tokens_cap), 0 if echo else 1, max_tokens_cap)
     stop = body.get("stop")
     if stop is None:
         stop = ()
@@ -217,6 +223,7 @@ def parse_common(body: dict, chat: bool, max_tokens_cap: int, vocab_size: int | 
         include_usage=bool(opts and opts.get("include_usage")),
         cache_salt=salt,
         logprobs=logprobs,
+        echo=echo,
         min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
@@ -238,7 +245,8 @@ def _parse_logit_bias(body: dict, vocab_size: int | None) -> tuple[tuple[int, fl
         raise bad("logit_bias", f"logit_bias may bias at most {MAX_LOGIT_BIAS} tokens, got {len(lb)}")
     out = []
     for k, v in lb.items():
-        if not (isinstance(k, str) and k.isascii() and k.isdigit()) or (vocab_size is not None and int(k) >= vocab_size):
+        if not (isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 12) or (
+                vocab_size is not None and int(k) >= vocab_size):
             raise bad("logit_bias", f"logit_bias keys must be token ids{f' in [0, {vocab_size})' if vocab_size else ''}, "
                                     f"got {k!r}")
         if not _is_num(v) or not -100 <= v <= 100:
@@ -415,6 +423,11 @@ def chunk(rid: str, model: str, chat: bool, index: int, text: str | None, finish
             "model": model, "choices": [ch]}
 
 
+def _finite_lp(v: float) -> float:
+    """A log-probability JSON can carry: -inf (and NaN, which a sound model never gives) as MIN_LOGPROB."""
+    return v if v >= MIN_LOGPROB else MIN_LOGPROB  # (NaN compares false)
+
+
 class LogprobsWriter:
     """One choice's log-probabilities in OpenAI's shapes, token by token as they come (`take` gives the object
     for the tokens added since the last `take`; `text_offset` of completions keeps counting across takes).
@@ -432,6 +445,11 @@ class LogprobsWriter:
     def add(self, ids: list[int], lps: list) -> None:
         self.entries.extend(zip(ids, lps))
 
+    def add_prompt(self, ids: list[int], lps: list) -> None:
+        """An echoed prompt's tokens: the first has no log-probability (null), the others `lps` (as many as there
+        are; a shorter list, from a runner that gave none, leaves the rest null)."""
+        self.entries.extend(zip(ids, [None, *lps, *[None] * (len(ids) - 1 - len(lps))]))
+
     def _token(self, i: int) -> tuple[str, bytes]:
         b = self.tok.token_bytes(i)
         return b.decode("utf-8", "replace"), b
@@ -444,8 +462,8 @@ class LogprobsWriter:
             content = []
             for i, (lp, top) in entries:
                 text, b = self._token(i)
-                content.append({"token": text, "logprob": max(lp, MIN_LOGPROB), "bytes": list(b), "top_logprobs": [
-                    {"token": t, "logprob": max(v, MIN_LOGPROB), "bytes": list(tb)}
+                content.append({"token": text, "logprob": _finite_lp(lp), "bytes": list(b), "top_logprobs": [
+                    {"token": t, "logprob": _finite_lp(v), "bytes": list(tb)}
                     for t, tb, v in ((*self._token(j), v) for j, v in top)]})
             return {"content": content}
         tokens, offsets = [], []
@@ -454,8 +472,10 @@ class LogprobsWriter:
             tokens.append(text)
             offsets.append(self.offset)
             self.offset += len(text)
-        return {"tokens": tokens, "token_logprobs": [max(lp, MIN_LOGPROB) for _, (lp, _) in entries],
-                "top_logprobs": [{self._token(j)[0]: max(v, MIN_LOGPROB) for j, v in top} for _, (_, top) in entries],
+        return {"tokens": tokens,
+                "token_logprobs": [None if e is None else _finite_lp(e[0]) for _, e in entries],
+                "top_logprobs": [None if e is None else {self._token(j)[0]: _finite_lp(v) for j, v in e[1]}
+                                 for _, e in entries],
                 "text_offset": offsets}
 
 

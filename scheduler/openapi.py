@@ -114,9 +114,10 @@ def _schemas(limits: RequestLimits, names: list[str], vocab_size: int) -> dict:
     completion_logprobs = {"anyOf": [{"type": "null"}, {
         "type": "object", "required": ["tokens", "token_logprobs", "top_logprobs", "text_offset"],
         "properties": {"tokens": {"type": "array", "items": {"type": "string"}},
-                       "token_logprobs": {"type": "array", "items": logprob},
-                       "top_logprobs": {"type": "array", "items": {
-                           "type": "object", "additionalProperties": logprob, "maxProperties": MAX_LOGPROBS}},
+                       # (null for an echoed prompt's first token)
+                       "token_logprobs": {"type": "array", "items": {"anyOf": [logprob, {"type": "null"}]}},
+                       "top_logprobs": {"type": "array", "items": {"anyOf": [{"type": "null"}, {
+                           "type": "object", "additionalProperties": logprob, "maxProperties": MAX_LOGPROBS}]}},
                        "text_offset": {"type": "array", "items": {"type": "integer", "minimum": 0}}}}]}
     return {
         "Error": {"type": "object", "required": ["error"], "properties": {"error": {
@@ -124,8 +125,14 @@ def _schemas(limits: RequestLimits, names: list[str], vocab_size: int) -> dict:
             "properties": {"message": {"type": "string"}, "type": {"type": "string"}, "param": NULLABLE_STR,
                            "code": NULLABLE_STR}}}},
         "CompletionRequest": {
-            "type": "object", "required": ["model", "prompt"], **stream_rule, "additionalProperties": False,
-            "properties": {**sampling, "echo": {"enum": [None, False], "description": "not supported: only false"},
+            "type": "object", "required": ["model", "prompt"], "additionalProperties": False,
+            "allOf": [stream_rule, {  # max_tokens 0 only with echo: true (the prompt scored, nothing generated)
+                "if": {"required": ["max_tokens"], "properties": {"max_tokens": {"const": 0}}},
+                "then": {"required": ["echo"], "properties": {"echo": {"const": True}}}}],
+            "properties": {**sampling, "max_tokens": {"type": ["integer", "null"], "minimum": 0, "maximum": cap},
+                           "echo": {"type": ["boolean", "null"],
+                                    "description": "the prompt first, then the completion (with logprobs: the prompt's "
+                                                   "tokens first, the first one with a null log-probability)"},
                            "logprobs": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
                                                   {"enum": [None, False]}],
                                         "description": "each generated token's log-probability with this many of "

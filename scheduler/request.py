@@ -47,6 +47,8 @@ class Request:
     cached_tokens: int | None = None  # prompt tokens its first runner found in its prefix cache
     prefix_page_size: int = 0  # the page size `prefix_keys` were chained with (prefix_index.py)
     prefix_keys: list[bytes] = field(default_factory=list)  # keys of its leading full pages
+    # with echo and logprobs (sampling's prompt_logprobs): one entry per prompt token after the first, as they come
+    prompt_lps: list = field(default_factory=list)
     order: int = field(default_factory=lambda: next(_order))
 
     @property
@@ -69,6 +71,14 @@ class Request:
     def runner_body(self, stream_id: str) -> dict:
         """What a runner receives: prompt + ids generated so far (recompute by prefill)."""
         self.rid = f"{self.id}.{self.migrations}.{self.failures}"
+        sampling = {**self.sampling, "max_tokens": max(1, self.remaining)}  # (max_tokens 0: echo alone; see add_tokens)
+        if self.generated:  # tokens generated on an earlier runner come back as prompt: they count as output there
+            sampling["prior_output_tokens"] = len(self.generated)
+        if "prompt_logprobs" in sampling:
+            if self.prompt_logprobs_done:
+                del sampling["prompt_logprobs"]  # its first runner gave them all
+            else:
+                self.prompt_lps = []  # an earlier runner gave part of them: the new one gives them all again
         return {
             "request_id": self.rid,
             "stream": stream_id,
@@ -76,13 +86,19 @@ class Request:
             "adapter": None if self.adapter is None else {
                 "name": self.adapter.name, "source": self.adapter.source, "sha256": self.adapter.sha256,
                 **({"version": self.adapter.version} if self.adapter.version else {})},
-            # (tokens generated on an earlier runner come back as prompt: they count as output for penalties
-            # and min_tokens there)
-            "sampling": {**self.sampling, "max_tokens": self.remaining,
-                         **({"prior_output_tokens": len(self.generated)} if self.generated else {})},
+            "sampling": sampling,
             "arrival": self.arrival,
             **({"cache_salt": self.cache_salt} if self.cache_salt is not None else {}),
         }
+
+    @property
+    def prompt_logprobs_done(self) -> bool:
+        return len(self.prompt_lps) >= len(self.prompt_ids) - 1
+
+    def add_prompt_logprobs(self, entries: list) -> None:
+        """Entries of its prompt's log-probabilities from the runner, in prompt order."""
+        if not self.done and not self.prompt_logprobs_done:
+            self.prompt_lps += entries[: len(self.prompt_ids) - 1 - len(self.prompt_lps)]
 
     def add_tokens(self, ids: list[int], logprobs: list | None = None) -> None:
         """New ids from the runner (never more than max_tokens in all), with their log-probabilities where the

@@ -31,22 +31,20 @@ def merge(steps: list[list]) -> list[list]:
     call, so its client gets them in one SSE chunk (the catch-up costs one write, not one per step)."""
     out: dict[str, list] = {}
     for entries in steps:
-        for rid, ids, fin, err, *extra in entries:  # extra: cached_tokens, then logprobs (one per id)
+        for rid, ids, fin, err, *extra in entries:  # extra: cached_tokens, logprobs, prompt_logprobs (stream.py)
             e = out.get(rid)
             if e is None:
-                out[rid] = e = [rid, list(ids), fin, err, *extra[:1]]
-            else:
-                e[1] += ids
-                if fin is not None:
-                    e[2], e[3] = fin, err
-                if extra and len(e) == 4:
-                    e.append(extra[0])
-                elif extra and e[4] is None:
-                    e[4] = extra[0]
-            if len(extra) > 1 and extra[1]:
-                if len(e) == 5:
-                    e.append([])
-                e[5] += extra[1]
+                out[rid] = e = [rid, [], None, None]
+            e[1] += ids
+            if fin is not None:
+                e[2], e[3] = fin, err
+            if extra:
+                e.extend([None] * (4 + len(extra) - len(e)))
+                if e[4] is None:
+                    e[4] = extra[0]  # the first runner's count
+                for k in (5, 6):  # lists: one entry per token, concatenated in order
+                    if len(extra) > k - 4 and extra[k - 4]:
+                        e[k] = (e[k] or []) + extra[k - 4]
     return list(out.values())
 
 

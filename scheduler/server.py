@@ -223,7 +223,7 @@ class SchedulerService:
             if max_kv and n + 1 > max_kv:
                 raise oa.context_exceeded(where, f"the prompt has {n} tokens; no runner has that much KV cache "
                                                  f"({max_kv} tokens)")
-            max_tokens = params.max_tokens or min(lim.completion_cap, ctx - n)
+            max_tokens = params.max_tokens if params.max_tokens is not None else min(lim.completion_cap, ctx - n)
             if n + max_tokens > ctx:
                 raise oa.context_exceeded("max_tokens", f"This model's maximum context length is {ctx} tokens, "
                                           f"however you requested {n + max_tokens} tokens ({n} in the prompt, "
@@ -260,6 +260,9 @@ class SchedulerService:
         self._check_capacity(len(reqs))
         detoks = [IncrementalDetokenizer(self.tok, r.prompt_ids, params.stop) for r in reqs]
         lps = None if params.logprobs is None else [oa.LogprobsWriter(self.tok, chat) for _ in reqs]
+        echo = None
+        if params.echo:  # each choice's prompt as given (token-id prompts decoded)
+            echo = [p if isinstance(p, str) else self.tok.decode(p) for p in items for _ in range(params.n)]
         rid = oa.new_id(chat)
         gone: list[bool] = []
 
@@ -271,9 +274,9 @@ class SchedulerService:
         if params.stream:
             enc = oa.ChunkEncoder(rid, params.model, chat)
             sink = StreamSink(detoks, enc, chat, self._stop_string, client_gone,
-                              lambda req, reason, error: self._failure(req, reason, error).body()["error"], lps)
+                              lambda req, reason, error: self._failure(req, reason, error).body()["error"], lps, echo)
         else:
-            sink = CollectSink(detoks, self._stop_string, lps)
+            sink = CollectSink(detoks, self._stop_string, lps, echo)
         for i, r in enumerate(reqs):
             r.index, r.sink = i, sink
             self.metrics.prompt_tokens.inc(len(r.prompt_ids))

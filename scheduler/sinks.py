@@ -12,9 +12,9 @@ reason, error)` synchronously for every request in a runner's step line. One sin
 - `CollectSink` (non-streaming): text per choice, resolved when every choice has ended.
 
 With log-probabilities asked (`logprobs`: one `openai_api.LogprobsWriter` per choice), each token's entry goes
-with the text it produced: a streamed chunk carries the entries of the tokens pushed since the last chunk (text
-held back for a possible stop string holds its entries back too), the final chunk whatever is left. Tokens that
-arrive after a stop string ended a choice are dropped with their text.
+out with the first chunk that shows text of its token (text held back for a possible stop string holds its
+entries back too), the final chunk whatever is left; a stop string ends a choice's entries with the token that
+completed it. With `echo` (completions), the prompt's text (and its tokens' entries) comes first.
 """
 
 from __future__ import annotations
@@ -37,16 +37,45 @@ class Discard:
         pass
 
 
-def _push(detok: IncrementalDetokenizer, writers: list | None, index: int, ids: list[int], logprobs) -> str:
-    """The text `ids` add to choice `index`; their log-probabilities to its writer (not after a stop string)."""
-    if writers is not None and logprobs is not None and not detok.stopped:
-        writers[index].add(ids, logprobs)
-    return detok.push(ids)
+class _Choices:
+    """What both sinks keep per choice: its detokenizer, its log-probability writer (`logprobs`, one
+    openai_api.LogprobsWriter per choice, or None) and its echoed prompt (`echo`: the prompt text per choice, or
+    None), which goes first, with its prompt's log-probabilities when asked, before the choice's first text."""
+
+    def __init__(self, detoks: list[IncrementalDetokenizer], logprobs: list | None, echo: list[str] | None):
+        self.detoks, self.logprobs, self.echo = detoks, logprobs, echo
+        self.begun = [echo is None] * len(detoks)
+
+    def _begin(self, req) -> str:
+        """The echoed prompt of `req`'s choice the first time it is asked for (else "")."""
+        i = req.index
+        if self.begun[i]:
+            return ""
+        self.begun[i] = True
+        if self.logprobs is not None and req.prompt_ids:
+            self.logprobs[i].add_prompt(req.prompt_ids, req.prompt_lps)
+        return self.echo[i]
+
+    def _push(self, req, ids: list[int], logprobs) -> str:
+        """The text `ids` add to `req`'s choice; with log-probabilities, each token's entry goes to its writer
+        unless a stop string ended the choice before that token."""
+        d = self.detoks[req.index]
+        if self.logprobs is None or logprobs is None:
+            return d.push(ids)
+        writer, out = self.logprobs[req.index], []
+        for t, e in zip(ids, logprobs):
+            if d.stopped:
+                break
+            writer.add([t], [e])
+            out.append(d.push([t]))
+        return "".join(out)
 
 
-class CollectSink:
-    def __init__(self, detoks: list[IncrementalDetokenizer], on_stop: Callable, logprobs: list | None = None):
-        self.detoks, self.on_stop, self.logprobs = detoks, on_stop, logprobs
+class CollectSink(_Choices):
+    def __init__(self, detoks: list[IncrementalDetokenizer], on_stop: Callable, logprobs: list | None = None,
+                 echo: list[str] | None = None):
+        super().__init__(detoks, logprobs, echo)
+        self.on_stop = on_stop
         self.parts: list[list[str]] = [[] for _ in detoks]
         self.ends: list[tuple | None] = [None] * len(detoks)
         self.left = len(detoks)
@@ -54,7 +83,7 @@ class CollectSink:
 
     def tokens(self, req, ids, logprobs=None) -> None:
         d = self.detoks[req.index]
-        text = _push(d, self.logprobs, req.index, ids, logprobs)
+        text = self._begin(req) + self._push(req, ids, logprobs)
         if text:
             self.parts[req.index].append(text)
         if d.stopped:
@@ -65,7 +94,7 @@ class CollectSink:
         if self.ends[i] is not None:
             return
         if reason in ("stop", "length"):
-            tail = self.detoks[i].flush()
+            tail = self._begin(req) + self.detoks[i].flush()
             if tail:
                 self.parts[i].append(tail)
         self.ends[i] = (reason, error)
@@ -74,14 +103,15 @@ class CollectSink:
             self.finished.set_result(None)
 
 
-class StreamSink:
+class StreamSink(_Choices):
     """`failure_body(req, reason, error)` gives the OpenAI error object of a choice that ended
     without stop/length; `first_failure` is (req, reason, error) when such an end came before any
     chunk (the handler then answers with a JSON error instead of starting the stream)."""
 
     def __init__(self, detoks: list[IncrementalDetokenizer], enc, chat: bool, on_stop: Callable, on_gone: Callable,
-                 failure_body: Callable | None = None, logprobs: list | None = None):
-        self.detoks, self.enc, self.chat, self.logprobs = detoks, enc, chat, logprobs
+                 failure_body: Callable | None = None, logprobs: list | None = None, echo: list[str] | None = None):
+        super().__init__(detoks, logprobs, echo)
+        self.enc, self.chat = enc, chat
         self.on_stop, self.on_gone = on_stop, on_gone
         self.failure_body = failure_body
         self.first_failure: tuple | None = None
@@ -150,7 +180,7 @@ class StreamSink:
 
     def tokens(self, req, ids, logprobs=None) -> None:
         d = self.detoks[req.index]
-        text = _push(d, self.logprobs, req.index, ids, logprobs)
+        text = self._begin(req) + self._push(req, ids, logprobs)
         if text and not self.gone:
             self._send(self.enc.text(req.index, text, self._take(req.index)))
         if d.stopped:
@@ -163,7 +193,7 @@ class StreamSink:
         self.ended[i] = True
         if not self.gone:
             if reason in ("stop", "length"):
-                tail = self.detoks[i].flush()
+                tail = self._begin(req) + self.detoks[i].flush()
                 left = self._take(i)
                 if tail:
                     self._send(self.enc.text(i, tail, left) + self.enc.chunk(i, None if self.chat else "", reason))

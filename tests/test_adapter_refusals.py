@@ -71,6 +71,8 @@ def make_bad(good, tiny_llama, tmp_path):
                         "rank_pattern must map module names"),
         "patternregex": (variant(good, tmp_path, "patternregex", config={"alpha_pattern": {"v_proj(": 4}}),
                          "alpha_pattern key 'v_proj(' is not a valid regular expression"),
+        "patternflags": (variant(good, tmp_path, "patternflags", config={"rank_pattern": {"(?i)v_proj": 8}}),
+                         "rank_pattern key '(?i)v_proj' is not a valid regular expression"),
         # weights PEFT would not load as they are: a rank other than the config's, a module the config leaves out
         "rankcfg": (variant(good, tmp_path, "rankcfg", config={"r": 4}), "rank 8 but adapter_config.json gives r = 4"),
         "rankpattern": (variant(good, tmp_path, "rankpattern", config={"rank_pattern": {"v_proj": 16}}),

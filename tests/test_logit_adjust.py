@@ -107,6 +107,8 @@ def test_min_p_keeps_only_tokens_within_its_share_of_the_most_likely():
     ("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0), ("repetition_penalty", 11),
     ("min_p", 1.5), ("min_tokens", -1), ("logit_bias", {"5": 101}), ("logit_bias", {"x": 1}),
     ("logit_bias", {str(i): 1 for i in range(301)}), ("prior_output_tokens", 9),
+    ("logit_bias", [[1.9, 5]]), ("logit_bias", [[True, 5]]), ("logit_bias", {"1": "2"}),
+    ("logit_bias", [[5, 1], [5, 2]]), ("logit_bias", [{"1": 2, "3": 4}]), ("logit_bias", {"9" * 5000: 1}),
 ])
 def test_out_of_range_changes_are_refused(field, value):
     with pytest.raises(SamplingError):
@@ -162,3 +164,33 @@ def test_a_resumed_request_tells_its_new_runner_which_prompt_tokens_are_output()
     assert body["sampling"]["prior_output_tokens"] == 3 and body["sampling"]["max_tokens"] == 7
     seq = Sequence("a", body["prompt_token_ids"], sampling_from_dict(body["sampling"]))
     assert seq.out_counts == {7: 2, 8: 1}  # the counts the penalties start from there
+
+
+def test_logits_a_penalty_overflows_still_sample_a_token():
+    """A repetition penalty of 1e-38 turns a positive logit into +inf, and a row whose probabilities are not numbers
+    must still give a token of the vocabulary (never an index past the sorted row)."""
+    logits = torch.tensor([[2.0, 1.0, -1.0], [float("nan")] * 3])
+    params = pack_sampling([1.0, 1.0], [0.9, 1.0], [0, 0], [0.5, 0.5], [0.2, 0.0])
+    assert all(0 <= t < 3 for t in sample_tokens(logits, params).tolist())
+
+
+def test_a_tiny_repetition_penalty_with_sampling_runs_to_the_end(tiny_llama):
+    eng = Engine(str(tiny_llama), EngineConfig(max_batch_size=4, kv_cache_gb=0.02, page_size=4))
+    seqs = [Sequence("x", [5, 6, 7, 5, 6], SamplingParams(max_tokens=6, temperature=1.0, seed=1, ignore_eos=True,
+                                                          repetition_penalty=1e-38))]
+    out = eng.run_to_completion(seqs)["x"]
+    assert out.finish_reason == "length" and len(out.output_ids) == 6 and all(0 <= t < 512 for t in out.output_ids)
+
+
+def test_generate_takes_min_tokens_against_its_own_default_max_tokens():
+    from lorafleet.runner.service.generate import DEFAULT_MAX_TOKENS, sampling_params
+
+    p = sampling_params({"min_tokens": 20}, "r", 4096)
+    assert p.min_tokens == 20 and p.max_tokens == DEFAULT_MAX_TOKENS and p.temperature == 0.0
+
+
+def test_the_runner_refuses_more_prior_output_than_prompt():
+    from lorafleet.runner.service.server import BadRequest, parse_generate
+
+    with pytest.raises(BadRequest, match="prior_output_tokens"):
+        parse_generate({"request_id": "a", "prompt_token_ids": [1, 2, 3], "sampling": {"prior_output_tokens": 9}})

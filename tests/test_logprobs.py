@@ -208,3 +208,105 @@ async def test_a_stop_string_ends_the_logprobs_with_the_token_that_completed_it(
     ch = (await r.json())["choices"][0]
     assert ch["finish_reason"] == "stop" and ch["text"] == "".join(texts[:2]) + texts[2][:-1]
     assert ch["logprobs"]["tokens"] == texts[:3]
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_prompt_logprobs_equal_hf_peft_and_skip_the_prefix_cache(tiny_llama, adapters, chunked):
+    """Every prompt token after the first gets its log-probability under the logits of the position before it,
+    in the order of the prompt, over however many chunks the prompt is computed in; a prompt whose pages are
+    cached is computed anyway (its log-probabilities need every position)."""
+    g = torch.Generator().manual_seed(9)
+    prompt = torch.randint(3, 512, (37,), generator=g).tolist()
+    cfg = dict(max_batch_size=8, kv_cache_gb=0.05, max_lora_rank=16, page_size=4, prefix_cache=True)
+    if chunked:
+        cfg.update(chunked_prefill=True, max_step_tokens=16)
+    eng = Engine(str(tiny_llama), EngineConfig(**cfg))
+    warm = Sequence("warm", list(prompt), SamplingParams(max_tokens=2), AdapterRef("a8", str(adapters["a8"])))
+    _collect(eng, [warm])  # its pages are now cached
+    seqs = [Sequence("p", list(prompt), SamplingParams(max_tokens=3, prompt_logprobs=2, logprobs=1, ignore_eos=True),
+                     AdapterRef("a8", str(adapters["a8"]))),
+            Sequence("plain", list(prompt), SamplingParams(max_tokens=3, ignore_eos=True),
+                     AdapterRef("a8", str(adapters["a8"])))]
+    got = {s.id: {"prompt": [], "entries": 0} for s in seqs}
+    for s in seqs:
+        eng.submit(s)
+    while eng.has_work():
+        for out in eng.step():
+            if out.prompt_logprobs is not None:
+                got[out.seq_id]["prompt"] += out.prompt_logprobs
+                got[out.seq_id]["entries"] += 1
+    assert got["plain"]["entries"] == 0 and seqs[1].cached_tokens > 0  # the other one took the cached pages
+    assert seqs[0].cached_tokens == 0
+    if chunked:
+        assert got["p"]["entries"] > 1
+    want = HFReference(tiny_llama, adapters).logits(prompt, "a8").log_softmax(-1)
+    assert len(got["p"]["prompt"]) == len(prompt) - 1
+    for p, (lp, top) in enumerate(got["p"]["prompt"]):
+        assert lp == pytest.approx(float(want[p, prompt[p + 1]]), abs=2e-4), p
+        assert [i for i, _ in top] == want[p].topk(2).indices.tolist() or abs(
+            float(want[p].topk(2).values[0] - want[p].topk(2).values[1])) < 1e-4
+        assert [v for _, v in top] == pytest.approx(want[p].topk(2).values.tolist(), abs=2e-4)
+
+
+async def test_echo_returns_the_prompt_first_with_its_tokens_logprobs(api):
+    """Completions' echo (the way lm-evaluation-harness scores a text): the prompt's text first, then the
+    completion; with logprobs, the prompt's tokens first (the first one without a log-probability), then the
+    completion's. max_tokens 0 scores the prompt alone."""
+    client, fr, tok = api
+    prompt = tok.encode("The quick brown fox")
+    r = await client.post("/v1/completions", json={"model": "base", "prompt": prompt, "max_tokens": 3, "logprobs": 1,
+                                                    "echo": True})
+    body = await r.json()
+    assert r.status == 200, body
+    sent = fr.seen[-1]
+    assert sent["sampling"]["prompt_logprobs"] == 1 and sent["sampling"]["logprobs"] == 1
+    ids = fr.tokens(sent)
+    ch = body["choices"][0]
+    assert ch["text"] == tok.decode(prompt) + "".join(tok.token_bytes(i).decode("utf-8", "replace") for i in ids)
+    lp = ch["logprobs"]
+    assert len(lp["tokens"]) == len(prompt) + 3
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:len(prompt)] == [_scripted(t, 1)[0] for t in prompt[1:]]  # the fake runner's
+    assert lp["token_logprobs"][len(prompt):] == [_scripted(i, 1)[0] for i in ids]
+    r = await client.post("/v1/completions", json={"model": "base", "prompt": "The quick brown fox", "max_tokens": 0,
+                                                    "logprobs": 0, "echo": True})
+    body = await r.json()
+    assert r.status == 200, body
+    ch = body["choices"][0]
+    assert ch["text"] == "The quick brown fox" and ch["finish_reason"] == "length"
+    assert len(ch["logprobs"]["tokens"]) == len(prompt) and body["usage"]["completion_tokens"] == 0
+    r = await client.post("/v1/completions", json={"model": "base", "prompt": "x", "max_tokens": 0})
+    assert r.status == 400 and (await r.json())["error"]["param"] == "max_tokens"  # 0 only with echo
+    r = await client.post("/v1/completions", json={"model": "base", "prompt": "Hi there", "max_tokens": 2,
+                                                    "echo": True, "stream": True})
+    events = [json.loads(ln[6:]) for ln in (await r.text()).split("\n\n") if ln.startswith("data: {")]
+    assert "".join(e["choices"][0]["text"] for e in events).startswith("Hi there")
+
+
+def test_a_stop_string_inside_a_multi_token_line_ends_the_entries_at_its_token(tok):
+    """A runner line may carry several tokens (steps read together): entries stop with the token that completed
+    the stop string, as the text does."""
+    import asyncio
+
+    from lorafleet.scheduler import openai_api as oa
+    from lorafleet.scheduler.detokenizer import IncrementalDetokenizer
+    from lorafleet.scheduler.sinks import CollectSink
+
+    ids = tok.encode("Hello world STOP after more", add_special_tokens=False)
+    words = [tok.token_bytes(i).decode() for i in ids]
+    k = next(n for n in range(len(ids)) if "STOP" in "".join(words[:n + 1]))  # the token completing the stop
+    assert k < len(ids) - 1
+
+    class Req:
+        index, prompt_ids, prompt_lps = 0, [1], []
+
+    async def run():
+        writer = oa.LogprobsWriter(tok, chat=False)
+        sink = CollectSink([IncrementalDetokenizer(tok, [1], ("STOP",))], lambda req: None, [writer])
+        sink.tokens(Req, ids, [[-1.0, []]] * len(ids))
+        sink.done(Req, "stop", None)
+        return "".join(sink.parts[0]), writer.take()
+
+    text, lp = asyncio.run(run())
+    assert text == "Hello world "
+    assert lp["tokens"] == words[:k + 1] and len(lp["token_logprobs"]) == k + 1

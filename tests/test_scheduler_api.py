@@ -74,7 +74,8 @@ BAD = [
     ({"model": "base", "prompt": "x", "logprobs": 21}, 400, "logprobs"),  # at most 20 alternatives
     ({"model": "base", "prompt": "x", "logprobs": True}, 400, "logprobs"),  # completions: a number
     ({"model": "base", "prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),  # OpenAI's [-2, 2]
-    ({"model": "base", "prompt": "x", "max_tokens": 200, "n": 1, "stop": "q", "echo": True}, 400, "echo"),
+    ({"model": "base", "prompt": "x", "echo": "yes"}, 400, "echo"),
+    ({"model": "base", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),  # 0 only with echo
     ({"model": "base", "prompt": "x", "max_tokens": 256}, 400, "max_tokens"),
     ({"model": "base", "prompt": "x", "max_token": 5}, 400, "max_token"),  # misspelt: not the default instead
     ({"model": "base", "prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),  # must be > 0
@@ -82,6 +83,7 @@ BAD = [
     ({"model": "base", "prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias"),
     ({"model": "base", "prompt": "x", "logit_bias": {"-5": 1}}, 400, "logit_bias"),
     ({"model": "base", "prompt": "x", "logit_bias": {str(10**8): 1}}, 400, "logit_bias"),  # past the vocabulary
+    ({"model": "base", "prompt": "x", "logit_bias": {"9" * 5000: 1}}, 400, "logit_bias"),  # (int() refuses it)
     ({"model": "base", "prompt": "x", "skip_special_tokens": 1}, 400, "skip_special_tokens"),
     ({"model": "base", "prompt": "x", "parallel_tool_calls": True}, 400, "parallel_tool_calls"),
     ({"model": "base", "prompt": "x", "messages": []}, 400, "messages"),  # a chat field on the completions route

@@ -240,3 +240,22 @@ def test_logit_bias_and_min_tokens_through_the_openai_client(served, base_name, 
     out = client.completions.create(model=base_name, prompt="Hi", max_tokens=6, temperature=0,
                                     logit_bias={str(eos): 100}, extra_body={"min_tokens": 4})
     assert out.usage.completion_tokens == 5 and out.choices[0].finish_reason == "stop"  # 4 tokens, then EOS
+
+
+def test_echo_scores_a_prompt_as_hf_peft_does(served, demo_model, demo_adapters):
+    """lm-evaluation-harness's loglikelihood call (echo, logprobs, max_tokens 0) on an adapter: each prompt token's
+    log-probability equals HF + PEFT's in fp32, and the greedy flag it derives (is each token the top one?) too."""
+    from reference import HFReference
+
+    tok = Tokenizer(demo_model)
+    ids = tok.encode("The capital of France is Paris, and the capital of Spain is Madrid.")
+    out = openai_client(served).completions.create(model="terse", prompt=ids, max_tokens=0, echo=True, logprobs=1,
+                                                   temperature=0)
+    lp = out.choices[0].logprobs
+    assert out.choices[0].text == tok.decode(ids) and len(lp.token_logprobs) == len(ids)
+    want = HFReference(demo_model, {"terse": demo_adapters / "terse"}).logits(ids, "terse").log_softmax(-1)
+    assert lp.token_logprobs[0] is None
+    for p in range(1, len(ids)):
+        assert lp.token_logprobs[p] == pytest.approx(float(want[p - 1, ids[p]]), abs=2e-3), p
+        top_id = int(want[p - 1].argmax())
+        assert list(lp.top_logprobs[p]) == [tok.token_bytes(top_id).decode("utf-8", "replace")]

@@ -38,7 +38,8 @@ def gqa(tmp_path_factory):
 
 # every rank samples each step (its next inputs read the samples on its own device): the logit changes and the
 # sampling draws must reach every rank
-SAMPLING = [dict(), dict(repetition_penalty=1.5, frequency_penalty=0.5), dict(temperature=0.8, min_p=0.05, seed=4),
+SAMPLING = [dict(), dict(repetition_penalty=1.5, frequency_penalty=0.5, prompt_logprobs=2, logprobs=1),
+            dict(temperature=0.8, min_p=0.05, seed=4),
             dict(logit_bias=((7, 4.0),), min_tokens=3, stop_token_ids=(9,), presence_penalty=-1.0)]
 
 

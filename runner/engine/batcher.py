@@ -286,8 +286,9 @@ class Batcher:
 
     def _match_prefix(self, seq: Sequence, n: int) -> int:
         """Admission: take the cached pages of the longest cached run of the request's full pages, leaving
-        at least its last token to compute; the tokens covered."""
-        if not self.blocks.caching:
+        at least its last token to compute; the tokens covered. None for a request that asks for its prompt's
+        log-probabilities: those come from computing every position."""
+        if not self.blocks.caching or seq.params.prompt_logprobs is not None:
             return 0
         pages = self.blocks.match(self._keys(seq, n - 1))
         seq.pages[:] = pages

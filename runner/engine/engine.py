@@ -45,6 +45,9 @@ class StepOutput:
     cached_tokens: int | None = None  # with the request's first token: prompt tokens found in the prefix cache
     # per new token, for a request that asks (SamplingParams.logprobs): [log-probability, [[id, log-probability], ...]]
     logprobs: list | None = None
+    # for a request that asks (SamplingParams.prompt_logprobs): the entries of the prompt positions computed in
+    # this step, in order (all of them over its prefill: one per prompt token after the first)
+    prompt_logprobs: list | None = None
 
     @property
     def finished(self) -> bool:
@@ -185,7 +188,7 @@ class Engine:
             prev, self._inflight = launched, None
         if prev is not None:
             tokens = prev.tokens(self.tp.check if self.tp is not None else None)
-            outputs += self._postprocess(prev.batch, tokens, prev.logprobs())
+            outputs += self._postprocess(prev.batch, tokens, prev.logprobs(), prev.prompt_logprobs())
         elif idle_wait and not plan.work and self.batcher.waiting and not outputs:
             time.sleep(0.0005)  # only adapter loads are pending: let their worker threads run
         return outputs
@@ -270,26 +273,35 @@ class Engine:
             return StepOutput(seq.id)
         return StepOutput(seq.id, [], seq.finish_reason, seq.error, list(seq.output_ids))
 
-    def _postprocess(self, batch: StepBatch, tokens: list[int], logprobs: list | None = None) -> list[StepOutput]:
+    def _postprocess(self, batch: StepBatch, tokens: list[int], logprobs: list | None = None,
+                     prompt_logprobs: dict[int, list] | None = None) -> list[StepOutput]:
         """Append each sampled id to its request (unless the request left the batch since the step
         was scheduled), and finish requests at EOS, a stop token, max_tokens or the context end. `logprobs`:
-        per sampled row, what `InFlight.logprobs` gives (None, or None for a row that asked for none)."""
+        per sampled row, what `InFlight.logprobs` gives (None, or None for a row that asked for none);
+        `prompt_logprobs`: what `InFlight.prompt_logprobs` gives, reported before the request's token."""
         eos = set(self.model_config.eos_token_ids)
         outputs = []
+        for b, entries in (prompt_logprobs or {}).items():
+            seq = batch.seqs[b]
+            if seq.epoch == batch.epochs[b]:
+                outputs.append(StepOutput(seq.id, prompt_logprobs=entries))
         for j, b in enumerate(batch.sample_idx):
             seq, tok = batch.seqs[b], tokens[j]
             if seq.epoch != batch.epochs[b]:
                 continue  # finished, cancelled or evicted after this step was queued: stale
             seq.num_pending -= 1
-            seq.add_output(tok)
+            seq.output_ids.append(tok)
             p = seq.params
+            if p.penalized:  # (the counts the penalties read, step_batch._adjust_row)
+                seq.out_counts[tok] = seq.out_counts.get(tok, 0) + 1
             reason = None
             if tok in p.stop_token_ids or (not p.ignore_eos and tok in eos):
                 reason = "stop"
             elif len(seq.output_ids) >= p.max_tokens or len(seq.prompt_ids) + len(seq.output_ids) >= self.max_model_len:
                 reason = "length"
-            out = StepOutput(seq.id, [tok], cached_tokens=seq.cached_tokens if len(seq.output_ids) == 1 else None,
-                             logprobs=[logprobs[j]] if logprobs is not None and logprobs[j] is not None else None)
+            out = StepOutput(seq.id, [tok], cached_tokens=seq.cached_tokens if len(seq.output_ids) == 1 else None)
+            if logprobs is not None and logprobs[j] is not None:
+                out.logprobs = [logprobs[j]]
             if reason is not None:
                 self.batcher.remove(seq)
                 seq.finish_reason = reason

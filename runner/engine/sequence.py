@@ -23,6 +23,8 @@ class SamplingParams:
     """temperature 0 means greedy; top_k 0, top_p 1 and min_p 0 disable those filters. `logprobs` (None: off) asks
     for each generated token's log-probability and that many of the most likely alternatives (0..MAX_LOGPROBS),
     under the model's own distribution (the logits' log-softmax, before any of the changes below).
+    `prompt_logprobs` (None: off) asks the same for every prompt token after the first (each under the logits of
+    the position before it); such a request computes its whole prompt (it takes no pages from the prefix cache).
 
     The logits are changed before sampling (sampler.adjust_logits, in this order): `repetition_penalty` (HF's: a
     logit of a token seen in the prompt or the output divided by it if positive, multiplied if not), then
@@ -40,6 +42,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     min_p: float = 0.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -62,6 +65,11 @@ class SamplingParams:
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise SamplingError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or null, got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (
+                not isinstance(self.prompt_logprobs, int) or isinstance(self.prompt_logprobs, bool)
+                or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise SamplingError(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}] or null, "
+                                f"got {self.prompt_logprobs!r}")
         if not 0.0 <= float(self.min_p) <= 1.0:
             raise SamplingError(f"min_p must be in [0, 1], got {self.min_p!r}")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -78,20 +86,17 @@ class SamplingParams:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise SamplingError(f"{name} must be a non-negative integer, got {v!r}")
+        # read per sampled row every step: plain attributes, worked out once. penalized: the output's tokens
+        # change the logits (presence, frequency or repetition penalty); adjusts_always: some change of the logits
+        # applies whatever the output's length (min_tokens' applies only while fewer tokens are out)
+        penalized = self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+        object.__setattr__(self, "penalized", penalized)
+        object.__setattr__(self, "adjusts_always", penalized or bool(self.logit_bias))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
-    @property
-    def penalized(self) -> bool:
-        """Whether the output's tokens change the logits (presence, frequency or repetition penalty)."""
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
-
-    @property
-    def adjusts_logits(self) -> bool:
-        """Whether any change of the logits before sampling applies (sampler.adjust_logits)."""
-        return self.penalized or bool(self.logit_bias) or self.min_tokens > self.prior_output_tokens
 
 
 def parse_token_ids(value, what: str = "prompt_token_ids") -> list[int]:
@@ -104,14 +109,26 @@ def parse_token_ids(value, what: str = "prompt_token_ids") -> list[int]:
 
 
 def _logit_bias(value) -> tuple[tuple[int, float], ...]:
-    """`logit_bias` as a JSON object ({"token id": bias}, OpenAI's form) or a list of [id, bias] pairs, sorted by id."""
+    """`logit_bias` as a JSON object ({"token id": bias}, OpenAI's form) or a list of [id, bias] pairs, sorted by id;
+    each id once."""
     if not value:
         return ()
-    items = value.items() if isinstance(value, dict) else value
-    try:
-        return tuple(sorted((int(k), float(b)) for k, b in items))
-    except (TypeError, ValueError):
-        raise SamplingError("logit_bias must map token ids to numbers") from None
+    if isinstance(value, dict):
+        items = list(value.items())
+    elif isinstance(value, (list, tuple)) and all(isinstance(x, (list, tuple)) and len(x) == 2 for x in value):
+        items = list(value)
+    else:
+        raise SamplingError("logit_bias must be an object of token ids to numbers or a list of [id, number] pairs")
+    out = {}
+    for k, b in items:
+        if isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 12:
+            k = int(k)
+        if not isinstance(k, int) or isinstance(k, bool) or not isinstance(b, (int, float)) or isinstance(b, bool):
+            raise SamplingError(f"logit_bias must map token ids to numbers, got {k!r}: {b!r}")
+        if k in out:
+            raise SamplingError(f"logit_bias gives token {k} twice")
+        out[k] = float(b)
+    return tuple(sorted(out.items()))
 
 
 def sampling_from_dict(d: dict) -> SamplingParams:
@@ -127,6 +144,7 @@ def sampling_from_dict(d: dict) -> SamplingParams:
             if d.get("stop_token_ids") else (),
             ignore_eos=bool(d.get("ignore_eos", False)),
             logprobs=d.get("logprobs"),
+            prompt_logprobs=d.get("prompt_logprobs"),
             min_p=float(d.get("min_p", 0.0)),
             presence_penalty=float(d.get("presence_penalty", 0.0)),
             frequency_penalty=float(d.get("frequency_penalty", 0.0)),
@@ -185,6 +203,7 @@ class Sequence:
     # with penalties (params.penalized): each output token's count so far, read back ones only (the engine adds
     # each as it comes); a token still pending on the device is counted there (sampler.adjust_logits)
     out_counts: dict[int, int] = field(default_factory=dict)
+    _prompt_distinct: object = None  # with a repetition penalty: its prompt's distinct ids (int64 CPU tensor)
 
     def __post_init__(self):
         if not self.prompt_ids:
@@ -211,11 +230,14 @@ class Sequence:
     def num_generated(self) -> int:
         return len(self.output_ids) + self.num_pending
 
-    def add_output(self, token: int) -> None:
-        """A sampled token read back from the device."""
-        self.output_ids.append(token)
-        if self.params.penalized:
-            self.out_counts[token] = self.out_counts.get(token, 0) + 1
+    def prompt_distinct(self):
+        """Its prompt's distinct ids as an int64 CPU tensor (the repetition penalty's part from the prompt),
+        worked out once."""
+        if self._prompt_distinct is None:
+            import torch
+
+            self._prompt_distinct = torch.tensor(list(dict.fromkeys(self.prompt_ids)), dtype=torch.int64)
+        return self._prompt_distinct
 
     @property
     def done_generating(self) -> bool:

@@ -25,7 +25,7 @@ import torch
 
 from lorafleet.runner.engine.sequence import Sequence
 from lorafleet.runner.executor.attention.meta import AttnMeta
-from lorafleet.runner.executor.sampler import DeviceAdjust, LogitAdjust, pack_sampling, uniform_for
+from lorafleet.runner.executor.sampler import DeviceAdjust, LogitAdjust, PromptRows, pack_sampling, uniform_for
 from lorafleet.runner.lora.segments import SegmentTable, merge_runs
 
 
@@ -82,6 +82,7 @@ class StepBatch:
     logprobs: list[int] = field(default_factory=list)
     min_p: list[float] = field(default_factory=list)  # [S]
     adjust: LogitAdjust | None = None  # the logit changes before sampling, when a row asks (sampler.adjust_logits)
+    prompt_rows: PromptRows | None = None  # prompt positions whose log-probabilities a request asks for
 
     @property
     def batch_size(self) -> int:
@@ -118,6 +119,7 @@ class StepBatch:
             "sample_idx": self.sample_idx, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
             "uniform": self.uniform, "min_p": self.min_p, "num_pending": self.num_pending,
             "adjust": self.adjust.to_wire() if self.adjust is not None else None,
+            "prompt_rows": self.prompt_rows.to_wire() if self.prompt_rows is not None else None,
             "packed64": self.packed64.numpy().tobytes(), "packed32": self.packed32.numpy().tobytes(),
         }
 
@@ -136,7 +138,8 @@ class StepBatch:
                    sample_idx=list(w["sample_idx"]), temperature=list(w["temperature"]), top_p=list(w["top_p"]),
                    top_k=list(w["top_k"]), uniform=list(w["uniform"]), packed64=p64, packed32=p32,
                    num_pending=w["num_pending"], packedf=pf, min_p=list(w["min_p"]),
-                   adjust=LogitAdjust.from_wire(w["adjust"]) if w["adjust"] is not None else None)
+                   adjust=LogitAdjust.from_wire(w["adjust"]) if w["adjust"] is not None else None,
+                   prompt_rows=PromptRows.from_wire(w["prompt_rows"]) if w["prompt_rows"] is not None else None)
 
 
 def split64(p: torch.Tensor, T: int, B: int, P: int, S: int) -> dict[str, torch.Tensor]:
@@ -179,6 +182,7 @@ def build_step_batch(work: list[RowWork], page_size: int, seg_capacity: int, pre
     logprobs: list[int] | None = None  # [S] once a row asks
     min_p: list[float] = []
     adjust: LogitAdjust | None = None  # once a row asks
+    prompt_rows: PromptRows | None = None  # once a request asks for its prompt's log-probabilities
     sample_pos: dict[int, int] = {}
     for b, w in enumerate(order):
         s = w.seq
@@ -209,6 +213,14 @@ def build_step_batch(work: list[RowWork], page_size: int, seg_capacity: int, pre
             flat = (pages[:, None] * page_size + np.arange(page_size)).ravel()
             off = w.start - first * page_size
             slot_map.extend(flat[off: off + n].tolist())
+        if s.params.prompt_logprobs is not None:  # its positions p < end are followed by prompt tokens known[p + 1]
+            end = min(w.end, len(s.prompt_ids) - 1)
+            if end > w.start:
+                prompt_rows = prompt_rows or PromptRows()
+                prompt_rows.rows.extend(range(row0, row0 + end - w.start))
+                prompt_rows.targets.extend(known[w.start + 1: end + 1])
+                prompt_rows.k.extend([s.params.prompt_logprobs] * (end - w.start))
+                prompt_rows.owner.extend([b] * (end - w.start))
         row_slots.extend([s.slot] * n)
         qo_indptr.append(row0 + n)
         kv_lens.append(w.end)
@@ -225,8 +237,8 @@ def build_step_batch(work: list[RowWork], page_size: int, seg_capacity: int, pre
                 logprobs = [-1] * (len(sample_idx) - 1)
             if logprobs is not None:
                 logprobs.append(-1 if sp.logprobs is None else sp.logprobs)
-            min_p.append(float(sp.min_p))
-            if sp.adjusts_logits:
+            min_p.append(sp.min_p)
+            if sp.adjusts_always or (sp.min_tokens and sp.prior_output_tokens + s.num_generated < sp.min_tokens):
                 if adjust is None:
                     k = len(sample_idx) - 1
                     adjust = LogitAdjust([0.0] * k, [0.0] * k, [1.0] * k)
@@ -253,7 +265,7 @@ def build_step_batch(work: list[RowWork], page_size: int, seg_capacity: int, pre
         seg_indptr=tuple(indptr), seg_slots=tuple(slots), seg_capacity=cap, sample_idx=sample_idx,
         temperature=temperature, top_p=top_p, top_k=top_k, uniform=uniform, packed64=packed64, packed32=packed32,
         num_pending=len(pending_rows), sample_pos=sample_pos, packedf=packedf, logprobs=logprobs or [], min_p=min_p,
-        adjust=adjust)
+        adjust=adjust, prompt_rows=prompt_rows)
 
 
 def _adjust_row(adj: LogitAdjust, j: int, seq: Sequence, pending_row: int, eos_ids: tuple[int, ...]) -> None:
@@ -270,7 +282,7 @@ def _adjust_row(adj: LogitAdjust, j: int, seq: Sequence, pending_row: int, eos_i
         if pending_row >= 0:
             adj.pending.append((j, pending_row))
         if p.repetition_penalty != 1.0:
-            adj.seen.extend((j, t) for t in dict.fromkeys(seq.prompt_ids))
+            adj.seen.append((j, seq.prompt_distinct()))
     adj.bias.extend((j, t, b) for t, b in p.logit_bias)
     if p.prior_output_tokens + seq.num_generated < p.min_tokens:
         adj.ban.extend((j, t) for t in dict.fromkeys((*p.stop_token_ids, *(() if p.ignore_eos else eos_ids))))
@@ -289,6 +301,7 @@ class DeviceStep:
     sample_idx: torch.Tensor  # int64 [S]: the requests whose next token is sampled
     sampling: torch.Tensor | None  # float32 [5, S] (sampler.pack_sampling), None if every row is greedy
     adjust: DeviceAdjust | None = None  # the logit changes before sampling, None when no row asks
+    prompt_rows: torch.Tensor | None = None  # int64 [2, R]: input rows | the prompt tokens that follow them
 
     def attn_meta(self, batch: StepBatch) -> AttnMeta:
         return AttnMeta(num_prefill=batch.num_prefill, qo_indptr=batch.qo_indptr, kv_lens=batch.kv_lens,
@@ -310,4 +323,6 @@ def to_device(batch: "StepBatch", device: torch.device, prev_tokens: torch.Tenso
     cap = batch.seg_capacity
     seg = SegmentTable(d32[: cap + 1], d32[cap + 1:], batch.seg_indptr, batch.seg_slots, T)
     return DeviceStep(v["input_ids"], v["positions"], v["slot_mapping"], v["logit_rows"], d64[: 3 * T].view(3, T), seg,
-                      v["sample_idx"], df, batch.adjust.to_device(device) if batch.adjust is not None else None)
+                      v["sample_idx"], df, batch.adjust.to_device(device) if batch.adjust is not None else None,
+                      torch.tensor([batch.prompt_rows.rows, batch.prompt_rows.targets], dtype=torch.int64).to(
+                          device, non_blocking=True) if batch.prompt_rows is not None else None)

@@ -40,15 +40,17 @@ class InFlight:
     host copy; with `lp` (sampler.token_logprobs' tensors) their host copies too."""
 
     def __init__(self, batch: "StepBatch", tokens_dev: torch.Tensor, kind: str, readback: bool = True,
-                 lp: tuple[torch.Tensor, ...] | None = None):
+                 lp: tuple[torch.Tensor, ...] | None = None, prompt_lp: tuple[torch.Tensor, ...] | None = None):
         self.batch, self.tokens_dev, self.kind = batch, tokens_dev, kind
         self.event = None
-        self.host, self.lp_host = tokens_dev, lp
+        self.host, self.lp_host, self.prompt_lp_host = tokens_dev, lp, prompt_lp
         if tokens_dev.is_cuda:
             if readback:
                 self.host = _to_host(tokens_dev)
                 if lp is not None:
                     self.lp_host = tuple(_to_host(t) for t in lp)
+                if prompt_lp is not None:
+                    self.prompt_lp_host = tuple(_to_host(t) for t in prompt_lp)
             self.event = torch.cuda.Event()
             self.event.record()
 
@@ -77,9 +79,25 @@ class InFlight:
         with as many alternatives as the row asked for (`batch.logprobs`)]; None when no row asked."""
         if self.lp_host is None:
             return None
-        chosen, ids, vals = (t.tolist() for t in self.lp_host)
-        return [None if k < 0 else [chosen[j], [[i, v] for i, v in zip(ids[j][:k], vals[j][:k])]]
-                for j, k in enumerate(self.batch.logprobs)]
+        return _entries(self.lp_host, self.batch.logprobs)
+
+    def prompt_logprobs(self) -> dict[int, list] | None:
+        """After `tokens()`: per request index of the batch, the entries (as `logprobs` gives them) of its prompt
+        positions computed in this step, in order; None when no request asked."""
+        rows = self.batch.prompt_rows
+        if self.prompt_lp_host is None or rows is None:
+            return None
+        out: dict[int, list] = {}
+        for b, e in zip(rows.owner, _entries(self.prompt_lp_host, rows.k)):
+            out.setdefault(b, []).append(e)
+        return out
+
+
+def _entries(lp: tuple[torch.Tensor, ...], ks: list[int]) -> list[list | None]:
+    """token_logprobs' tensors on the host -> per row None (k < 0) or [log-probability, [[id, lp], ...k]]."""
+    chosen, ids, vals = (t.tolist() for t in lp)
+    return [None if k < 0 else [chosen[j], [[i, v] for i, v in zip(ids[j][:k], vals[j][:k])]]
+            for j, k in enumerate(ks)]
 
 
 class ModelRunner:
@@ -105,8 +123,12 @@ class ModelRunner:
         logits = None
         kind = "eager"
         dense = self._dense_lora(batch, d)
-        if dense is not None:  # long prompt chunks: eagerly, their LoRA written before the base GEMMs
-            kind, logits = "dense", self.forward(batch, d, dense)
+        prompt_logits = None
+        if dense is not None or d.prompt_rows is not None:
+            # long prompt chunks: eagerly, their LoRA written before the base GEMMs; prompt rows whose
+            # log-probabilities are asked for: eagerly too, their logits apart (StepIO.extra_rows)
+            io = self._forward_io(batch, d, dense)
+            kind, logits, prompt_logits = "dense" if dense is not None else "eager", io.logits, io.extra_logits
         elif batch.decode_only and self.graphs is not None and self.graphs.bucket(batch.batch_size) is not None:
             kind, logits = "graph", self.graphs.run(batch, d)
         elif self.mixed is not None:
@@ -121,7 +143,10 @@ class ModelRunner:
                                d.sampling)
         k = batch.max_logprobs
         lp = token_logprobs(logits, tokens, k) if readback and k >= 0 else None
-        out = InFlight(batch, tokens, kind, readback, lp)
+        plp = None
+        if readback and prompt_logits is not None:
+            plp = token_logprobs(prompt_logits, d.prompt_rows[1], max(batch.prompt_rows.k))
+        out = InFlight(batch, tokens, kind, readback, lp, plp)
         if self.phases is not None:
             acc = self.phases.setdefault(kind, [0.0, 0.0, 0.0, 0])
             t3 = time.perf_counter()
@@ -145,10 +170,18 @@ class ModelRunner:
                 ) -> torch.Tensor:
         """The whole step eagerly: logits fp32 [B, V] (one row per request, its last row). `dense`: the
         step's adapted segments on LoRA's dense path."""
+        return self._forward_io(batch, d, dense).logits
+
+    def _forward_io(self, batch: "StepBatch", d: "DeviceStep", dense: list[tuple[int, int, int]] | None = None
+                    ) -> StepIO:
+        """`forward`, returning the step's StepIO: its logits and, for the prompt rows the step carries
+        (d.prompt_rows), their logits in `extra_logits`."""
         attn_step = self.attention.begin(d.attn_meta(batch))
         lora = None
         if self.lora_pool is not None and d.seg.any_adapter:
             lora = LoraStepImpl(self.lora_pool, self.sgmv, d.seg, self._workspace, kernels=self.kernels, dense=dense)
             self._workspace = lora.ws
-        io = StepIO(d.input_ids, d.positions, d.slot_mapping, d.logit_rows)
-        return self.model.forward(io, attn_step, lora)
+        io = StepIO(d.input_ids, d.positions, d.slot_mapping, d.logit_rows,
+                    extra_rows=d.prompt_rows[0] if d.prompt_rows is not None else None)
+        self.model.forward(io, attn_step, lora)
+        return io

@@ -57,7 +57,8 @@ def sample_tokens(logits: torch.Tensor, params: torch.Tensor | None) -> torch.Te
     rank = torch.arange(V, device=logits.device)[None, :]
     tk = torch.where(tk > 0, tk, float(V))
     before = sorted_p.cumsum(-1) - sorted_p  # mass of strictly more likely tokens
-    keep = (rank < tk[:, None]) & ((before < tp[:, None]) | (rank == 0)) & (sorted_p >= mp[:, None] * sorted_p[:, :1])
+    # the most likely token always stays (also where the probabilities are not numbers: never an empty row)
+    keep = ((rank < tk[:, None]) & (before < tp[:, None]) & (sorted_p >= mp[:, None] * sorted_p[:, :1])) | (rank == 0)
     sorted_p = sorted_p * keep
     cdf = sorted_p.cumsum(-1)
     pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_max(V - 1)
@@ -79,45 +80,71 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int
 
 
 @dataclass
+class PromptRows:
+    """The prompt positions of one step whose next token's log-probability a request asked for
+    (SamplingParams.prompt_logprobs): per entry the step's input row, the prompt token that follows it, the
+    alternatives asked for, and the request's index in the step batch."""
+
+    rows: list[int] = field(default_factory=list)
+    targets: list[int] = field(default_factory=list)
+    k: list[int] = field(default_factory=list)
+    owner: list[int] = field(default_factory=list)
+
+    def to_wire(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_wire(cls, w: dict) -> "PromptRows":
+        return cls(**w)
+
+
+@dataclass
 class LogitAdjust:
     """The changes of one step's logits before sampling (SamplingParams' penalties, logit_bias, min_tokens), as
     sparse host lists over the sampled rows j in [0, S), built by the step batch for steps where a row asks.
 
     counts: (j, id, n) output tokens read back so far; pending: (j, r) a row whose request's newest output token is
-    still on the device, as the step's input row r (its count is added there); seen: (j, id) the distinct prompt
-    ids (repetition penalty); bias: (j, id, b); ban: (j, id) ids that cannot be sampled (min_tokens). presence /
-    frequency / repetition: [S] per row (0, 0, 1: none)."""
+    still on the device, as the step's input row r (its count is added there); seen: (j, ids) the distinct prompt
+    ids of row j (repetition penalty; `ids` an int64 CPU tensor the request keeps); bias: (j, id, b); ban: (j, id)
+    ids that cannot be sampled (min_tokens). presence / frequency / repetition: [S] per row (0, 0, 1: none)."""
 
     presence: list[float]
     frequency: list[float]
     repetition: list[float]
     counts: list[tuple[int, int, float]] = field(default_factory=list)
     pending: list[tuple[int, int]] = field(default_factory=list)
-    seen: list[tuple[int, int]] = field(default_factory=list)
+    seen: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     bias: list[tuple[int, int, float]] = field(default_factory=list)
     ban: list[tuple[int, int]] = field(default_factory=list)
 
     def to_wire(self) -> dict:
-        return dataclasses.asdict(self)
+        w = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        w["seen"] = [(j, ids.tolist()) for j, ids in self.seen]
+        return w
 
     @classmethod
     def from_wire(cls, w: dict) -> "LogitAdjust":
-        return cls(**{k: [tuple(x) if isinstance(x, list) else x for x in v] for k, v in w.items()})
+        w = {k: [tuple(x) if isinstance(x, list) else x for x in v] for k, v in w.items()}
+        w["seen"] = [(j, torch.tensor(ids, dtype=torch.int64)) for j, ids in w["seen"]]
+        return cls(**w)
 
     def to_device(self, device: torch.device) -> "DeviceAdjust":
         """One int64 and one float32 copy to `device` (no wait)."""
         ints = [j for j, _, _ in self.counts] + [i for _, i, _ in self.counts] + [j for j, _ in self.pending] \
-            + [r for _, r in self.pending] + [j for j, _ in self.seen] + [i for _, i in self.seen] \
-            + [j for j, _, _ in self.bias] + [i for _, i, _ in self.bias] + [j for j, _ in self.ban] \
-            + [i for _, i in self.ban]
+            + [r for _, r in self.pending] + [j for j, _, _ in self.bias] + [i for _, i, _ in self.bias] \
+            + [j for j, _ in self.ban] + [i for _, i in self.ban]
+        seen_rows = [torch.full((len(ids),), j, dtype=torch.int64) for j, ids in self.seen]
+        seen_ids = [ids for _, ids in self.seen]
         floats = self.presence + self.frequency + self.repetition + [n for _, _, n in self.counts] \
             + [b for _, _, b in self.bias]
-        di = torch.tensor(ints, dtype=torch.int64).to(device, non_blocking=True)
+        di = torch.cat([torch.tensor(ints, dtype=torch.int64), *seen_rows, *seen_ids]).to(device, non_blocking=True)
         df = torch.tensor(floats, dtype=torch.float32).to(device, non_blocking=True)
-        S, C, P, N, B = len(self.presence), len(self.counts), len(self.pending), len(self.seen), len(self.bias)
-        i, f = di.split([C, C, P, P, N, N, B, B, len(self.ban), len(self.ban)]), df.split([S, S, S, C, B])
-        return DeviceAdjust(*f[:3], (i[0], i[1]), f[3], (i[2], i[3]), (i[4], i[5]), (i[6], i[7]), f[4], (i[8], i[9]),
-                            any(r != 1.0 for r in self.repetition))
+        S, C, P, B, X = len(self.presence), len(self.counts), len(self.pending), len(self.bias), len(self.ban)
+        N = sum(len(ids) for ids in seen_ids)
+        i, f = di.split([C, C, P, P, B, B, X, X, N, N]), df.split([S, S, S, C, B])
+        return DeviceAdjust(*f[:3], (i[0], i[1]), f[3], (i[2], i[3]), (i[8], i[9]), (i[4], i[5]), f[4], (i[6], i[7]),
+                            any(r != 1.0 for r in self.repetition),
+                            any(r != 1.0 for r in self.repetition) or any(self.presence) or any(self.frequency))
 
 
 @dataclass
@@ -133,6 +160,7 @@ class DeviceAdjust:
     bias: torch.Tensor  # [B]
     ban_at: tuple[torch.Tensor, torch.Tensor]  # ([X] rows, [X] ids)
     any_repetition: bool
+    any_penalty: bool  # a row with a repetition, presence or frequency penalty (else no counts are built)
 
 
 def adjust_logits(logits: torch.Tensor, adj: DeviceAdjust, input_ids: torch.Tensor) -> torch.Tensor:
@@ -142,19 +170,22 @@ def adjust_logits(logits: torch.Tensor, adj: DeviceAdjust, input_ids: torch.Tens
     frequency times the count), logit_bias added, min_tokens' banned ids at -inf. `input_ids` int64 [T]: the
     step's input rows, where a request's pending output token is read. No host synchronisation."""
     S, V = logits.shape
-    counts = logits.new_zeros(S, V)
-    counts.index_put_(adj.count_at, adj.count, accumulate=True)
-    rows, at = adj.pending_at
-    counts.index_put_((rows, input_ids.index_select(0, at)), torch.ones_like(rows, dtype=counts.dtype),
-                      accumulate=True)
-    out = counts > 0
     logits = logits.clone()
-    if adj.any_repetition:
-        seen = out.clone()
-        seen[adj.seen_at] = True
-        rp = adj.repetition[:, None]
-        logits = torch.where(seen, torch.where(logits > 0, logits / rp, logits * rp), logits)
-    logits = logits - adj.presence[:, None] * out - adj.frequency[:, None] * counts
+    if adj.any_penalty:
+        counts = logits.new_zeros(S, V)
+        counts.index_put_(adj.count_at, adj.count, accumulate=True)
+        rows, at = adj.pending_at
+        counts.index_put_((rows, input_ids.index_select(0, at)), torch.ones_like(rows, dtype=counts.dtype),
+                          accumulate=True)
+        out = counts > 0
+        if adj.any_repetition:
+            seen = out.clone()
+            seen[adj.seen_at] = True
+            rp = adj.repetition[:, None]
+            logits = torch.where(seen, torch.where(logits > 0, logits / rp, logits * rp), logits)
+        logits = logits - adj.presence[:, None] * out - adj.frequency[:, None] * counts
     logits.index_put_(adj.bias_at, adj.bias, accumulate=True)
+    # a tiny repetition penalty can overflow a logit: the largest finite value instead, so softmax stays a number
+    logits = torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max, neginf=float("-inf"))
     logits[adj.ban_at] = float("-inf")
     return logits

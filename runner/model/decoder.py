@@ -116,6 +116,10 @@ class StepIO:
     rows: int = 0  # rows attention runs over (fewer than Tp when the pieces are padded)
     static: bool = False
     cos_sin: list | None = None  # per RoPE (torch ops), from the first piece
+    # eager steps only: more rows whose logits are wanted, computed apart from `logits` (an lm_head product of
+    # its own, so the logit rows' values do not depend on them)
+    extra_rows: torch.Tensor | None = None  # int64 [R]
+    extra_logits: torch.Tensor | None = None  # fp32 [R, V]
 
     @classmethod
     def buffers(cls, cfg: ModelConfig, T: int, B: int, dtype, device) -> "StepIO":
@@ -488,6 +492,8 @@ class Decoder:
             h, residual = self.post_attention(j - 1, io.o, io.residual, lora)
             if j == self.num_layers:
                 z = self.logits(h, residual, io.logit_rows)
+                if io.extra_rows is not None:
+                    io.extra_logits = self.logits(h, residual, io.extra_rows)
                 if io.static:
                     io.logits.copy_(z)
                 else:

@@ -138,12 +138,12 @@ def serve(ch: BlockingChannel, engine) -> int:
             elif o.seq_id not in started:
                 started.add(o.seq_id)
                 changed = True
-            if o.new_token_ids or o.finish_reason is not None:
+            if o.new_token_ids or o.finish_reason is not None or o.prompt_logprobs is not None:
                 entry = [o.seq_id, o.new_token_ids, o.finish_reason, o.error]
-                if o.cached_tokens is not None or o.logprobs is not None:
-                    entry.append(o.cached_tokens)  # with a request's first token: its prompt tokens found cached
-                if o.logprobs is not None:  # a request that asked: its new tokens' log-probabilities
-                    entry.append(o.logprobs)
+                extra = [o.cached_tokens, o.logprobs, o.prompt_logprobs]  # (stream.py: the optional elements)
+                while extra and extra[-1] is None:
+                    extra.pop()
+                entry += extra
                 wire.append(entry)
         state = None
         if changed or want_state or now - last_snap > SNAPSHOT_EVERY_S:

@@ -124,11 +124,11 @@ def sampling_params(obj: dict, rid: str, max_model_len: int) -> SamplingParams:
     line that `serve` would answer 400 fails here with the same message; generate's defaults where a field is
     absent (max_tokens 64, at most the context; temperature 0: greedy). RequestError on a bad value."""
     given = {k: obj[k] for k in SAMPLING_FIELDS if obj.get(k) is not None}
+    defaults = {"max_tokens": min(DEFAULT_MAX_TOKENS, max_model_len), "temperature": 0.0}  # generate's own
     try:
-        p = oa.parse_common({"model": "generate", **given}, chat=False, max_tokens_cap=max_model_len)
+        p = oa.parse_common({"model": "generate", **defaults, **given}, chat=False, max_tokens_cap=max_model_len)
         return SamplingParams(
-            max_tokens=p.max_tokens if "max_tokens" in given else min(DEFAULT_MAX_TOKENS, max_model_len),
-            temperature=p.temperature if "temperature" in given else 0.0,
+            max_tokens=p.max_tokens, temperature=p.temperature,
             top_p=p.top_p, top_k=p.top_k, seed=p.seed, stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos,
             **p.extras(),
         )

@@ -83,6 +83,8 @@ def parse_generate(body: dict) -> tuple[str, list[int], SamplingParams, dict | N
         for key in ("sha256", "version"):
             if adapter.get(key) is not None and not isinstance(adapter[key], str):
                 raise BadRequest(f"adapter.{key} must be a string or null")
+    if params.prior_output_tokens > len(ids):
+        raise BadRequest("sampling: prior_output_tokens exceeds the prompt's length")
     arrival = body.get("arrival")
     if arrival is not None and not isinstance(arrival, (int, float)):
         raise BadRequest("arrival must be a number")

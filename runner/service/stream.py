@@ -3,12 +3,14 @@
 Every engine step becomes at most one NDJSON line per stream, holding the outputs of all of
 that stream's requests in the step:
 
-    {"o": [[request_id, [new token ids], finish_reason | null, error | null(, cached_tokens(, logprobs))], ...]}
+    {"o": [[request_id, [new token ids], finish_reason | null, error | null
+            (, cached_tokens(, logprobs(, prompt_logprobs)))], ...]}
 
 An entry that carries a request's first token has a fifth element: how many of its prompt tokens the
-prefix cache held (their K/V were not computed again); null in other entries that have a sixth. The sixth,
-for a request that asked for log-probabilities, has one [log-probability, [[id, log-probability], ...]] per
-new token.
+prefix cache held (their K/V were not computed again); the optional elements are null where a later one is
+given. The sixth, for a request that asked for log-probabilities, has one [log-probability, [[id,
+log-probability], ...]] per new token; the seventh, for a request that asked for its prompt's, the same for
+the prompt positions computed in that step (an entry may carry only those: no tokens yet).
 
 If the HTTP writer falls behind, the lines of several steps leave in one write. A heartbeat
 (an empty line) goes out after `HEARTBEAT_S` of silence so the scheduler can tell an idle

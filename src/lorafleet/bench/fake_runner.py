@@ -21,6 +21,12 @@ from aiohttp import web
 from lorafleet.runner.service.stream import RunnerStream, hello_line
 
 
+def _scripted(tok: int, k: int) -> list:
+    """A scripted log-probability entry for token `tok` with k alternatives (the next ids, each less likely)."""
+    lp = -0.25 * (tok % 7)
+    return [lp, [[tok + j, lp - j] for j in range(k)]]
+
+
 class FakeRunner:
     """`refuse` maps adapter names to a reason: requests for them end at once with the error a
     runner sends for an adapter it cannot load."""
@@ -74,7 +80,8 @@ class FakeRunner:
         if adapter in self.refuse:
             st.deliver([[rid, [], "error", f"adapter {adapter!r}: {self.refuse[adapter]}"]])
             return web.json_response({"request_id": rid, "accepted": True}, status=202)
-        self.active[rid] = {"stream": st, "todo": self.tokens(body), "out": 0, "lp": body["sampling"].get("logprobs")}
+        self.active[rid] = {"stream": st, "todo": self.tokens(body), "out": 0, "lp": body["sampling"].get("logprobs"),
+                            "plp": body["sampling"].get("prompt_logprobs"), "prompt": body["prompt_token_ids"]}
         self._wake.set()
         if self._stepper is None or self._stepper.done():
             self._stepper = asyncio.get_running_loop().create_task(self._steps())
@@ -96,7 +103,10 @@ class FakeRunner:
                 g = per_stream.setdefault(id(a["stream"]), (a["stream"], []))
                 g[1].append([rid, [tok], "length" if done else None, None])
                 if a.get("lp") is not None:  # scripted log-probabilities: the token, then the next ids, less likely
-                    g[1][-1] += [None, [[-0.25 * (tok % 7), [[tok + j, -0.25 * (tok % 7) - j] for j in range(a["lp"])]]]]
+                    g[1][-1] += [None, [_scripted(tok, a["lp"])]]
+                if a.get("plp") is not None:  # its prompt's, all with its first token
+                    g[1][-1] += [None] * (6 - len(g[1][-1])) + [[_scripted(t, a["plp"]) for t in a["prompt"][1:]]]
+                    a["plp"] = None
             for st, entries in per_stream.values():
                 st.deliver(entries)
             self.steps += 1

@@ -203,7 +203,7 @@ def _refuse_unsupported(name: str, cfg: dict) -> None:
             raise AdapterError(name, f"{key} must map module names (or regular expressions) to numbers, got {v!r}")
         for k, x in v.items():
             try:
-                re.compile(k)
+                re.compile(rf"(.*\.)?({k})$")  # as _pattern_value matches it
             except re.error as exc:
                 raise AdapterError(name, f"{key} key {k!r} is not a valid regular expression ({exc})") from None
             if not isinstance(x, (int, float)) or isinstance(x, bool) or x <= 0:
