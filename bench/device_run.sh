@@ -13,6 +13,8 @@
 #   fp8tests FP8 weights (and FP8 K/V pages) against the fp32 HF emulation of FP8, graphs against eager, bytes
 #   sm90tests the wgmma FP8 GEMM (csrc/fp8_gemm_sm90.cu) against the fp64 sum of its e4m3 products and cuBLASLt
 #   btests   LoRA beside the base GEMM in decode graphs (tests/gpu/test_lora_branch_cuda.py)
+#   samptests log-probabilities, prompt log-probabilities, penalties, logit_bias, min_tokens on the CUDA engine
+#            (tests/gpu/test_sampling_cuda.py)
 #   branch   bench e2e bf16 distinct + identical (+ LoRA off, profiled) for each LORAFLEET_LORA_BRANCH value
 #            (BRANCH_VALUES, default "off addon"; BRANCH_REQS default 200, BRANCH_ARGS extra arguments) -> e2e_branch_V.json
 #   normlora bench e2e bf16 distinct + identical (+ LoRA off, profiled) with LORAFLEET_NORM_LORA in NL_VALUES (default
@@ -185,6 +187,10 @@ stage() {
     stests)
       timeout ${TEST_S:-300} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_shrink_early_cuda.py -rA -s --tb=short \
         -o faulthandler_timeout=${HANG_S:-200} 2>&1 | tee "$LOGS/gpu_stests.log" \
+        | grep -E "passed|failed|FAILED|Error|Timeout|File |^E  " | cut -c1-300 | tail -${TEST_LINES:-20} ;;
+    samptests)
+      timeout ${TEST_S:-240} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_sampling_cuda.py -rA --tb=short \
+        -o faulthandler_timeout=${HANG_S:-200} 2>&1 | tee "$LOGS/gpu_samptests.log" \
         | grep -E "passed|failed|FAILED|Error|Timeout|File |^E  " | cut -c1-300 | tail -${TEST_LINES:-20} ;;
     btests)
       timeout ${TEST_S:-300} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_lora_branch_cuda.py -rA -s --tb=short \
