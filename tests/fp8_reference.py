@@ -35,6 +35,19 @@ def round_rows(w: torch.Tensor) -> torch.Tensor:
     return round_e4m3(w, scale)
 
 
+def block_quantize(w: torch.Tensor, br: int, bc: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 weight, [ceil(N / br), ceil(K / bc)] scales): one scale per block, by loops."""
+    n, k = w.shape
+    s = torch.zeros(-(-n // br), -(-k // bc))
+    q = torch.zeros_like(w)
+    for i in range(s.shape[0]):
+        for j in range(s.shape[1]):
+            blk = w[i * br:(i + 1) * br, j * bc:(j + 1) * bc]
+            s[i, j] = (blk.abs().amax() / 448).clamp(min=1e-12)
+            q[i * br:(i + 1) * br, j * bc:(j + 1) * bc] = blk / s[i, j]
+    return q.clamp(-448, 448).to(E4M3), s
+
+
 def rounded_copy(model, out):
     """The HF directory with every projection weight rounded through e4m3 per output row (fp32)."""
     out.mkdir()

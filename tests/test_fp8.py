@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from family_models import family_targets, write_family_model
-from fp8_reference import emulate_fp8, is_proj, rounded_copy
+from fp8_reference import block_quantize, emulate_fp8, is_proj, rounded_copy
 from lorafleet.runner.config import EngineConfig
 from lorafleet.runner.engine.engine import Engine
 from lorafleet.runner.engine.sequence import AdapterRef, SamplingParams, Sequence
@@ -115,16 +115,9 @@ def quantized_copy(model, out, fmt: str):
             new[k], new[k + "_scale"] = (w / s).clamp(-448, 448).to(E4M3), s
             exact[k] = new[k].float() * s
         else:  # 128 x 128 blocks (these small weights: one or two blocks per dimension)
-            n, kk = w.shape
             br = bc = 128
-            s = torch.zeros(-(-n // br), -(-kk // bc))
-            q = torch.zeros_like(w)
-            for i in range(s.shape[0]):
-                for j in range(s.shape[1]):
-                    blk = w[i * br:(i + 1) * br, j * bc:(j + 1) * bc]
-                    s[i, j] = (blk.abs().amax() / 448).clamp(min=1e-12)
-                    q[i * br:(i + 1) * br, j * bc:(j + 1) * bc] = blk / s[i, j]
-            new[k], new[k + "_scale_inv"] = q.clamp(-448, 448).to(E4M3), s
+            new[k], s = block_quantize(w, br, bc)
+            new[k + "_scale_inv"] = s
             exact[k] = from_checkpoint(new[k], s, "block", (br, bc)).dequant()
     save_file({k: v.contiguous() for k, v in new.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
     if fmt == "block":

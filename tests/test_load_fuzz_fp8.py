@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from fp8_reference import block_quantize
 from model_helpers import write_random_llama
 
 from lorafleet.runner.config import EngineConfig
@@ -33,19 +34,6 @@ def small(tmp_path_factory):
                               vocab=256)
 
 
-def blocks(w: torch.Tensor, br: int, bc: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 weight, [ceil(N / br), ceil(K / bc)] scales): one scale per block, by loops."""
-    n, k = w.shape
-    s = torch.zeros(-(-n // br), -(-k // bc))
-    q = torch.zeros_like(w)
-    for i in range(s.shape[0]):
-        for j in range(s.shape[1]):
-            blk = w[i * br:(i + 1) * br, j * bc:(j + 1) * bc]
-            s[i, j] = (blk.abs().amax() / 448).clamp(min=1e-12)
-            q[i * br:(i + 1) * br, j * bc:(j + 1) * bc] = blk / s[i, j]
-    return q.clamp(-448, 448).to(E4M3), s
-
-
 def quantized(small, dst, strategy, qc, block=(128, 128), change=None):
     """The small model's projections as FP8 with `strategy` scales, `qc` its quantization_config."""
     dst.mkdir()
@@ -62,7 +50,7 @@ def quantized(small, dst, strategy, qc, block=(128, 128), change=None):
             s = (v.abs().amax() / 448).reshape(1)
             out[k], out[k + "_scale"] = (v / s).clamp(-448, 448).to(E4M3), s
         else:
-            out[k], out[k + "_scale_inv"] = blocks(v, *block)
+            out[k], out[k + "_scale_inv"] = block_quantize(v, *block)
     out.update(change or {})
     save_file(out, str(dst / "model.safetensors"))
     cfg = json.loads((small / "config.json").read_text())
