@@ -6,6 +6,7 @@ File format, one key per line:
     KEY  pirate,shouty       # may use only these (the base model's name may be listed too)
     KEY  cache_group=team-a  # its requests share the prefix cache only with team-a's keys
     KEY  pirate cache_group=team-a
+    KEY  max_concurrent=16   # at most 16 sequences of this key's requests in flight at once (else 429)
 
 Blank lines and `#` comments are ignored (so a key cannot hold `#` or whitespace). Clients send `Authorization: Bearer KEY`. A
 missing or wrong key is a 401; a model the key may not use answers 404 exactly like a model
@@ -20,6 +21,11 @@ prefix cache is shared only among the requests of one group (or one key) and a t
 learn another's prompts from cache hits. The salt is a one-way hash of the key's digest (or of
 the group's name); it never reveals the key and is neither logged nor sent to clients.
 `cache_salt()` mixes it with a request's own `cache_salt`.
+
+Concurrency limits: a key with `max_concurrent=N` has at most N sequences (prompts x n) queued or running at
+once; a request that would pass the limit is answered 429 `too_many_concurrent_requests` with Retry-After,
+so one tenant cannot fill the queue of all the others. The count is the scheduler's own (one scheduler per
+pool); a key edited in the file keeps the count of its requests in flight.
 """
 
 from __future__ import annotations
@@ -48,6 +54,8 @@ class Grant:
 
     models: frozenset[str] | None = None
     cache_salt: str | None = None  # mixed into every request's prefix cache salt (`cache_salt()`)
+    max_concurrent: int | None = None  # sequences of this key in flight at once (None: no limit)
+    ident: str = ""  # names the key where its requests are counted (a digest prefix; never the key)
 
     def allows(self, model: str) -> bool:
         return self.models is None or model in self.models
@@ -98,11 +106,17 @@ def parse_keys(text: str, salt_per_key: bool = False) -> dict[bytes, Grant]:
             # (the fields are not echoed: a misplaced one may be a key)
             what = (f"{len(rest)} space-separated fields after the key where one model list may stand" if len(rest) > 1
                     else "an option given twice")
-            raise ApiKeyFileError(f"line {n}: {what}; expected `KEY [model,model,...] [cache_group=NAME]` "
-                                  "(no spaces in the list)")
-        unknown = sorted(set(options) - {"cache_group"})
+            raise ApiKeyFileError(f"line {n}: {what}; expected `KEY [model,model,...] [cache_group=NAME] "
+                                  "[max_concurrent=N]` (no spaces in the list)")
+        unknown = sorted(set(options) - {"cache_group", "max_concurrent"})
         if unknown:
-            raise ApiKeyFileError(f"line {n}: unknown option {unknown[0]!r} (known: cache_group)")
+            raise ApiKeyFileError(f"line {n}: unknown option {unknown[0]!r} (known: cache_group, max_concurrent)")
+        limit = None
+        if "max_concurrent" in options:
+            v = options["max_concurrent"]
+            if not (v.isascii() and v.isdigit() and 1 <= int(v) <= 1_000_000):
+                raise ApiKeyFileError(f"line {n}: max_concurrent must be a whole number from 1 to 1000000")
+            limit = int(v)
         digest = _digest(fields[0])
         if digest in keys:
             raise ApiKeyFileError(f"line {n}: this key appears twice")
@@ -118,7 +132,7 @@ def parse_keys(text: str, salt_per_key: bool = False) -> dict[bytes, Grant]:
             salt = group_salt(options["cache_group"])
         elif salt_per_key:
             salt = key_salt(digest)
-        keys[digest] = Grant(models, salt)
+        keys[digest] = Grant(models, salt, limit, digest.hex()[:16])
     return keys
 
 

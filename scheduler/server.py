@@ -97,6 +97,7 @@ class SchedulerService:
         self.disconnects = DisconnectWatch(disconnect_poll)
         self.accepting = True
         self.in_flight: set[Request] = set()
+        self.key_in_flight: dict[str, int] = {}  # API key (Grant.ident) -> its sequences in flight, for max_concurrent
         self.created = int(time.time())
         self.background: list[asyncio.Task] = []
 
@@ -153,6 +154,19 @@ class SchedulerService:
         if len(self.cluster.queue) + count > self.max_queue:
             raise ApiError(429, f"the request queue is full ({self.max_queue} waiting)", type_="rate_limit_error",
                            code="queue_full", headers={"Retry-After": "2"})
+
+    def _check_key_limit(self, grant: Grant, count: int) -> None:
+        """An API key's `max_concurrent` (api_keys.py): `count` more sequences must fit beside its others."""
+        limit = grant.max_concurrent
+        if limit is None:
+            return
+        if count > limit:
+            raise ApiError(400, f"this request asks for {count} sequences; this API key may have at most {limit} in "
+                                "flight at once", param="n", code="too_many_sequences")
+        if self.key_in_flight.get(grant.ident, 0) + count > limit:
+            raise ApiError(429, f"this API key already has {self.key_in_flight[grant.ident]} sequences in flight; it "
+                                f"may have at most {limit} at once", type_="rate_limit_error",
+                           code="too_many_concurrent_requests", headers={"Retry-After": "1"})
 
     def _not_found(self, name: str) -> ApiError:
         return ApiError(404, f"The model `{name}` does not exist or you do not have access to it.",
@@ -258,6 +272,7 @@ class SchedulerService:
         prompts = [await self.prompts.chat(items[0])] if chat else await self.prompts.prompts(items)
         reqs = self._make_requests(params, adapter, prompts, chat, grant)
         self._check_capacity(len(reqs))
+        self._check_key_limit(grant, len(reqs))
         detoks = [IncrementalDetokenizer(self.tok, r.prompt_ids, params.stop) for r in reqs]
         lps = None if params.logprobs is None else [oa.LogprobsWriter(self.tok, chat) for _ in reqs]
         echo = None
@@ -283,12 +298,20 @@ class SchedulerService:
             self.in_flight.add(r)
             self.cluster.submit(r)
         watch = self.disconnects.watch(request, client_gone)
+        if grant.max_concurrent is not None:  # (given back in the finally below, whatever happens)
+            self.key_in_flight[grant.ident] = self.key_in_flight.get(grant.ident, 0) + len(reqs)
         try:
             if params.stream:
                 return await self._stream(request, rid, params, reqs, chat, sink, enc, gone)
             return await self._collect(rid, params, reqs, chat, sink, gone)
         finally:
             self.disconnects.forget(watch)
+            if grant.max_concurrent is not None:
+                left = self.key_in_flight.get(grant.ident, 0) - len(reqs)
+                if left > 0:
+                    self.key_in_flight[grant.ident] = left
+                else:
+                    self.key_in_flight.pop(grant.ident, None)
             for r in reqs:
                 if not r.done:
                     self.cluster.cancel(r)

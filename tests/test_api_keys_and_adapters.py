@@ -227,3 +227,30 @@ async def test_adapters_failing_the_scan_are_unavailable_from_the_start(tok, tmp
         assert (await (await client.get("/v1/models/badjson")).json())["status"] == "available"
     finally:
         await stop(client, servers)
+
+
+async def test_a_keys_max_concurrent_caps_its_sequences_in_flight_and_no_one_elses(tok, tmp_path):
+    import asyncio
+
+    path = tmp_path / "keys"
+    path.write_text("capped-key max_concurrent=2\nfree-key\n")
+    with pytest.raises(ApiKeyFileError, match="max_concurrent"):
+        parse_keys("k max_concurrent=0")
+    fr = FakeRunner(step_s=0.05)  # 20 tokens: about a second in flight
+    client, service, servers = await start(tok, [fr], api_keys=ApiKeys(path, reload_s=0.0))
+    body = {"model": "base", "prompt": "hi", "max_tokens": 20}
+    try:
+        first = [asyncio.create_task(client.post("/v1/completions", json=body, headers=bearer("capped-key")))
+                 for _ in range(2)]
+        await asyncio.sleep(0.3)  # both placed and generating
+        r = await client.post("/v1/completions", json=body, headers=bearer("capped-key"))
+        err = await r.json()
+        assert r.status == 429 and err["error"]["code"] == "too_many_concurrent_requests" and r.headers["Retry-After"]
+        assert (await client.post("/v1/completions", json=body, headers=bearer("free-key"))).status == 200
+        assert [x.status for x in await asyncio.gather(*first)] == [200, 200]
+        assert service.key_in_flight == {}  # given back, for good answers as for refused ones
+        assert (await client.post("/v1/completions", json=body, headers=bearer("capped-key"))).status == 200
+        r = await client.post("/v1/completions", json={**body, "n": 3}, headers=bearer("capped-key"))
+        assert r.status == 400 and (await r.json())["error"]["param"] == "n"  # can never fit: not a 429
+    finally:
+        await stop(client, servers)
