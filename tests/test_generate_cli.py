@@ -152,3 +152,30 @@ def test_a_bad_kernel_switch_is_one_error_line_naming_it(tiny_llama, tmp_path, c
     assert rc == 2
     assert "lorafleet generate: error: LORAFLEET_SHRINK_EARLY must be 1 or 0" in err and "'maybe'" in err
     assert "Traceback" not in err
+
+
+def test_generate_writes_logprobs_and_prompt_logprobs_as_hf_computes_them(tiny_llama, tmp_path, capsys):
+    """Offline scoring: one line's prompt log-probabilities (its perplexity) and its tokens' with alternatives,
+    equal to HF transformers' log-softmax in fp32; a line that asks for neither has neither."""
+    from reference import HFReference
+
+    prompt = [5, 17, 99, 230, 17, 99, 41]
+    lines = [{"id": "scored", "prompt_token_ids": prompt, "max_tokens": 3, "ignore_eos": True, "logprobs": 2,
+              "prompt_logprobs": 0},
+             {"id": "plain", "prompt_token_ids": prompt, "max_tokens": 2, "ignore_eos": True},
+             {"id": "bad", "prompt_token_ids": prompt, "prompt_logprobs": 21}]
+    res, _ = _generate(tiny_llama, lines, tmp_path, capsys)
+    by = {x["id"]: x for x in res}
+    assert "logprobs" not in by["plain"] and "prompt_logprobs" not in by["plain"]
+    assert by["bad"]["finish_reason"] == "error" and "prompt_logprobs" in by["bad"]["error"]
+    s = by["scored"]
+    want = HFReference(tiny_llama, {}).logits(prompt + s["token_ids"], None).log_softmax(-1)
+    assert s["prompt_logprobs"][0] is None and len(s["prompt_logprobs"]) == len(prompt)
+    for p in range(1, len(prompt)):
+        e = s["prompt_logprobs"][p]
+        assert e["token_id"] == prompt[p] and e["top_logprobs"] == []
+        assert e["logprob"] == pytest.approx(float(want[p - 1, prompt[p]]), abs=2e-4)
+    for k, e in enumerate(s["logprobs"]):
+        assert e["token_id"] == s["token_ids"][k] and len(e["top_logprobs"]) == 2
+        assert e["logprob"] == pytest.approx(float(want[len(prompt) - 1 + k, e["token_id"]]), abs=2e-4)
+        assert e["top_logprobs"][0]["token_id"] == int(want[len(prompt) - 1 + k].argmax())  # greedy

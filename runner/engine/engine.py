@@ -322,13 +322,21 @@ class Engine:
         return outs
 
     def run_to_completion(self, seqs: list[Sequence], progress=None) -> dict[str, StepOutput]:
-        """Offline helper: submit all, step until all finish; final output per id."""
+        """Offline helper: submit all, step until all finish; final output per id, with all of a request's
+        log-probability entries (`logprobs`, `prompt_logprobs`) where it asked for them."""
         for s in seqs:
             self.submit(s)
         done: dict[str, StepOutput] = {}
+        lps: dict[str, list] = {}
+        plps: dict[str, list] = {}
         while self.has_work():
             for out in self.step():
+                if out.logprobs is not None:
+                    lps.setdefault(out.seq_id, []).extend(out.logprobs)
+                if out.prompt_logprobs is not None:
+                    plps.setdefault(out.seq_id, []).extend(out.prompt_logprobs)
                 if out.finished:
+                    out.logprobs, out.prompt_logprobs = lps.pop(out.seq_id, None), plps.pop(out.seq_id, None)
                     done[out.seq_id] = out
                     if progress is not None:
                         progress(out)

@@ -3,9 +3,13 @@
 Every input line is one request:
   {"id", "adapter": name or null, "prompt": text | "prompt_token_ids": [...] | "messages": [chat],
    "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos", "min_p",
-   "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens"}
+   "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
+   "logprobs": N, "prompt_logprobs": N}
 Every output line (same order): {"id", "adapter", "prompt_token_ids", "token_ids", "text",
-"finish_reason"} plus "error" when a request failed. A bad line or a bad adapter fails
+"finish_reason"} plus "error" when a request failed, and with "logprobs" / "prompt_logprobs" (0 to 20
+alternatives) one {"token_id", "logprob", "top_logprobs": [{"token_id", "logprob"}]} per generated / prompt
+token (the prompt's first: null), under the model's own distribution (the logits' log-softmax): per-adapter
+perplexity of a dataset is one run of prompts with "prompt_logprobs": 0. A bad line or a bad adapter fails
 that request only; all the others run as one continuous batch. The sampling fields take
 `serve`'s ranges (max_tokens between 1 and the model's context length, temperature in
 [0, 2], ...: scheduler/openai_api.py checks both); defaults: max_tokens 64, greedy. Ids are
@@ -28,8 +32,8 @@ from lorafleet.scheduler import openai_api as oa
 log = logging.getLogger(__name__)
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos", "min_p",
-                   "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens")
-FIELDS = {"id", "adapter", "prompt", "prompt_token_ids", "messages", *SAMPLING_FIELDS}
+                   "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "logprobs")
+FIELDS = {"id", "adapter", "prompt", "prompt_token_ids", "messages", "prompt_logprobs", *SAMPLING_FIELDS}
 DEFAULT_MAX_TOKENS = 64
 
 
@@ -124,13 +128,16 @@ def sampling_params(obj: dict, rid: str, max_model_len: int) -> SamplingParams:
     line that `serve` would answer 400 fails here with the same message; generate's defaults where a field is
     absent (max_tokens 64, at most the context; temperature 0: greedy). RequestError on a bad value."""
     given = {k: obj[k] for k in SAMPLING_FIELDS if obj.get(k) is not None}
+    plp = obj.get("prompt_logprobs")
+    if plp is not None and (not isinstance(plp, int) or isinstance(plp, bool) or not 0 <= plp <= oa.MAX_LOGPROBS):
+        raise RequestError(f"request {rid}: prompt_logprobs must be an integer from 0 to {oa.MAX_LOGPROBS}")
     defaults = {"max_tokens": min(DEFAULT_MAX_TOKENS, max_model_len), "temperature": 0.0}  # generate's own
     try:
         p = oa.parse_common({"model": "generate", **defaults, **given}, chat=False, max_tokens_cap=max_model_len)
         return SamplingParams(
             max_tokens=p.max_tokens, temperature=p.temperature,
             top_p=p.top_p, top_k=p.top_k, seed=p.seed, stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos,
-            **p.extras(),
+            **p.extras(), prompt_logprobs=plp,
         )
     except oa.ApiError as exc:
         raise RequestError(f"request {rid}: {exc.message}") from None
@@ -195,6 +202,12 @@ def parse_request(line: str, lineno: int, tokenizer, adapters_dir: Path | None, 
     params = sampling_params(obj, rid, max_model_len)
     ref = adapter_ref(obj.get("adapter"), rid, adapters_dir)
     return rid, {"ids": ids, "params": params, "adapter": ref}
+
+
+def logprob_entry(token: int, entry: list) -> dict:
+    """One token's log-probability (the model's own: the logits' log-softmax) and its most likely alternatives."""
+    lp, top = entry
+    return {"token_id": token, "logprob": lp, "top_logprobs": [{"token_id": i, "logprob": v} for i, v in top]}
 
 
 def write_results(output: Path, lines: list[dict]) -> None:
@@ -332,6 +345,11 @@ def run(args: argparse.Namespace) -> int:
             "text": tokenizer.decode(ids) if tokenizer else "",
             "finish_reason": out.finish_reason,
         }
+        if out.logprobs is not None:
+            results[line_of[rid]]["logprobs"] = [logprob_entry(t, e) for t, e in zip(ids, out.logprobs)]
+        if out.prompt_logprobs is not None:
+            results[line_of[rid]]["prompt_logprobs"] = [None] + [
+                logprob_entry(t, e) for t, e in zip(s.prompt_ids[1:], out.prompt_logprobs)]
         if out.error:
             results[line_of[rid]]["error"] = out.error
     write_results(args.output, [results[key] for key in order])
