@@ -93,7 +93,7 @@ def test_serve_refuses_bad_inputs_in_one_line_before_starting_runners(tmp_path, 
     (zero / "config.json").write_text(json.dumps({**hf, "num_attention_heads": 0}))
     cases = [
         (["--model", str(gpt2)], "is not supported; supported: LlamaForCausalLM"),
-        (["--model", str(zero)], "cannot read the model's settings"),
+        (["--model", str(zero)], "'num_attention_heads' must be at least 1, got 0"),
         (["--model", str(demo_model), "--adapters", str(tmp_path / "none")], "adapter directory"),
         (["--model", str(notok)], "needs the model's tokenizer"),
         (["--model", str(demo_model), "--adapters", str(collide)], "has the base model's name"),
