@@ -36,6 +36,10 @@ class SchedulerMetrics:
                                     registry=r)
         self.model_sequences = Counter("lorafleet_model_sequences", "Finished sequences per model (an adapter's name, "
                                        "or the base model's)", ["model"], registry=r)
+        self.model_prompt_tokens = Counter("lorafleet_model_prompt_tokens", "Prompt tokens per model (an adapter's "
+                                           "name, or the base model's)", ["model"], registry=r)
+        self.model_generation_tokens = Counter("lorafleet_model_generation_tokens", "Generated tokens per model (an "
+                                               "adapter's name, or the base model's)", ["model"], registry=r)
 
     def attach_cluster(self, cluster) -> None:
         self.registry.register(_ClusterCollector(cluster))
@@ -44,6 +48,7 @@ class SchedulerMetrics:
         now = time.time()
         self.sequences.labels(finish_reason=finish_reason).inc()
         self.model_sequences.labels(model=req.model).inc()
+        self.model_generation_tokens.labels(model=req.model).inc(len(req.generated))
         self.e2e.observe(now - req.arrival)
         if req.first_token_time is not None:
             self.ttft.observe(req.first_token_time - req.arrival)

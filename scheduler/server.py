@@ -295,6 +295,7 @@ class SchedulerService:
         for i, r in enumerate(reqs):
             r.index, r.sink = i, sink
             self.metrics.prompt_tokens.inc(len(r.prompt_ids))
+            self.metrics.model_prompt_tokens.labels(model=r.model).inc(len(r.prompt_ids))
             self.in_flight.add(r)
             self.cluster.submit(r)
         watch = self.disconnects.watch(request, client_gone)

@@ -80,6 +80,7 @@ def test_panels_cover_what_a_pool_operator_watches():
                    "lorafleet_time_per_output_token_seconds_bucket", "lorafleet_queue_length",
                    "vllm:kv_cache_usage_perc", "lorafleet_runner_adapters_resident", "lorafleet_runner_adapters_loading",
                    "sum by (model) (rate(lorafleet_model_sequences_total", "lorafleet_migrations_total",
+                   "sum by (model) (rate(lorafleet_model_generation_tokens_total",
                    "lorafleet_runner_healthy", "lorafleet_runner_busy_seconds_total"):
         assert needed in joined, needed
     dash = json.loads(DASHBOARD.read_text())
@@ -100,6 +101,7 @@ def test_scheduler_exposition_has_the_dashboards_names():
     m.observe_finished(req, "stop")
     text = generate_latest(m.registry).decode()
     for series in ('lorafleet_model_sequences_total{model="pirate"} 1.0', "lorafleet_generation_tokens_total 3.0",
+                   'lorafleet_model_generation_tokens_total{model="pirate"} 3.0',
                    "lorafleet_time_to_first_token_seconds_bucket", "lorafleet_time_per_output_token_seconds_bucket"):
         assert series in text, series
 
