@@ -324,5 +324,10 @@ def to_device(batch: "StepBatch", device: torch.device, prev_tokens: torch.Tenso
     seg = SegmentTable(d32[: cap + 1], d32[cap + 1:], batch.seg_indptr, batch.seg_slots, T)
     return DeviceStep(v["input_ids"], v["positions"], v["slot_mapping"], v["logit_rows"], d64[: 3 * T].view(3, T), seg,
                       v["sample_idx"], df, batch.adjust.to_device(device) if batch.adjust is not None else None,
-                      torch.tensor([batch.prompt_rows.rows, batch.prompt_rows.targets], dtype=torch.int64).to(
-                          device, non_blocking=True) if batch.prompt_rows is not None else None)
+                      _pinned(torch.tensor([batch.prompt_rows.rows, batch.prompt_rows.targets], dtype=torch.int64),
+                              device).to(device, non_blocking=True) if batch.prompt_rows is not None else None)
+
+
+def _pinned(t: torch.Tensor, device) -> torch.Tensor:
+    """`t` in pinned host memory when it goes to a GPU (its copy then queues behind the step, no wait)."""
+    return t.pin_memory() if torch.device(device).type == "cuda" else t

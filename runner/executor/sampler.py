@@ -137,8 +137,11 @@ class LogitAdjust:
         seen_ids = [ids for _, ids in self.seen]
         floats = self.presence + self.frequency + self.repetition + [n for _, _, n in self.counts] \
             + [b for _, _, b in self.bias]
-        di = torch.cat([torch.tensor(ints, dtype=torch.int64), *seen_rows, *seen_ids]).to(device, non_blocking=True)
-        df = torch.tensor(floats, dtype=torch.float32).to(device, non_blocking=True)
+        di = torch.cat([torch.tensor(ints, dtype=torch.int64), *seen_rows, *seen_ids])
+        df = torch.tensor(floats, dtype=torch.float32)
+        if torch.device(device).type == "cuda":  # pinned: the copies queue behind the step instead of waiting
+            di, df = di.pin_memory(), df.pin_memory()
+        di, df = di.to(device, non_blocking=True), df.to(device, non_blocking=True)
         S, C, P, B, X = len(self.presence), len(self.counts), len(self.pending), len(self.bias), len(self.ban)
         N = sum(len(ids) for ids in seen_ids)
         i, f = di.split([C, C, P, P, B, B, X, X, N, N]), df.split([S, S, S, C, B])
