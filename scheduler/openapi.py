@@ -212,6 +212,24 @@ def _schemas(limits: RequestLimits, names: list[str], vocab_size: int) -> dict:
                 {"const": "[DONE]"},
                 {"type": "string", "contentMediaType": JSON, "contentSchema": {
                     "anyOf": [_ref("CompletionChunk"), _ref("ChatCompletionChunk"), _ref("Error")]}}]}}},
+        "TokenizeRequest": {
+            "type": "object", "required": ["model"], "additionalProperties": False,
+            "description": "either prompt (a text) or messages (a chat, rendered by the model's template)",
+            "properties": {"model": model, "prompt": {"type": "string"},
+                           "messages": {"type": "array", "minItems": 1, "items": {
+                               "type": "object", "required": ["role", "content"],
+                               "properties": {"role": {"enum": list(ROLES)}, "content": {"type": "string"}}}},
+                           "add_generation_prompt": {"type": "boolean", "description": "messages: default true"},
+                           "add_special_tokens": {"type": "boolean", "description": "prompt: default true"},
+                           "chat_template_kwargs": {"type": ["object", "null"]}}},
+        "TokenizeResponse": {"type": "object", "required": ["count", "max_model_len", "tokens"], "properties": {
+            "count": {"type": "integer", "minimum": 0}, "max_model_len": {"type": "integer"},
+            "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}}}},
+        "DetokenizeRequest": {"type": "object", "required": ["model", "tokens"], "additionalProperties": False,
+                              "properties": {"model": model, "tokens": {
+                                  "type": "array", "items": {"type": "integer", "minimum": 0,
+                                                             "maximum": vocab_size - 1}}}},
+        "DetokenizeResponse": {"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
         "Model": {
             "type": "object", "required": ["id", "object", "created", "owned_by", "status"],
             "properties": {"id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
@@ -237,6 +255,11 @@ def _generate_op(summary: str, request: str, response: str) -> dict:
     }
 
 
+def _tokens_op(summary: str, request: str, response: str) -> dict:
+    return {"summary": summary, "requestBody": {"required": True, "content": {JSON: {"schema": _ref(request)}}},
+            "responses": {"200": _json(_ref(response), summary), **_errors(400, 401, 404, 408, 413)}}
+
+
 def document(model_name: str, limits: RequestLimits, adapters: list[str] = (), auth: bool = False,
              vocab_size: int = 2**31) -> dict:
     """The OpenAPI document; `auth`: the /v1 endpoints require an API key."""
@@ -246,6 +269,10 @@ def document(model_name: str, limits: RequestLimits, adapters: list[str] = (), a
     ops = {
         "/v1/completions": {"post": _generate_op("text completion", "CompletionRequest", "Completion")},
         "/v1/chat/completions": {"post": _generate_op("chat completion", "ChatCompletionRequest", "ChatCompletion")},
+        **{f"{prefix}/tokenize": {"post": _tokens_op("a prompt's or a chat's token ids", "TokenizeRequest",
+                                                     "TokenizeResponse")} for prefix in ("/v1", "")},
+        **{f"{prefix}/detokenize": {"post": _tokens_op("token ids to text", "DetokenizeRequest",
+                                                       "DetokenizeResponse")} for prefix in ("/v1", "")},
         "/v1/models": {"get": {"summary": "the base model and the adapters this key may use",
                                "responses": {"200": _json(_ref("ModelList"), "models"), **_errors(401)}}},
         "/v1/models/{model_id}": {"get": {

@@ -41,9 +41,9 @@ class PromptEncoder:
             log.warning("tokenizer refused a %s: %s", param, exc)
             raise bad(param, "the text could not be tokenized") from None
 
-    def _chat(self, messages: list[dict], template_kwargs: dict | None) -> list[int]:
+    def _chat(self, messages: list[dict], template_kwargs: dict | None, add_generation_prompt: bool = True) -> list[int]:
         try:
-            text = self.tok.render_chat(messages, template_kwargs=template_kwargs)
+            text = self.tok.render_chat(messages, add_generation_prompt, template_kwargs=template_kwargs)
         except ChatTemplateError as exc:
             raise bad("messages", str(exc)) from None
         self._check_chars(len(text), "messages")
@@ -58,6 +58,18 @@ class PromptEncoder:
             template_kwargs = getattr(messages, "template_kwargs", None)
         self._check_chars(sum(len(m["content"]) for m in messages), "messages")
         return await asyncio.get_running_loop().run_in_executor(self.pool, self._chat, messages, template_kwargs)
+
+    async def chat_ids(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        """A chat's token ids as `chat` gives them, with or without the generation prompt (`/v1/tokenize`)."""
+        self._check_chars(sum(len(m["content"]) for m in messages), "messages")
+        return await asyncio.get_running_loop().run_in_executor(
+            self.pool, self._chat, messages, getattr(messages, "template_kwargs", None), add_generation_prompt)
+
+    async def text_ids(self, text: str, add_special_tokens: bool) -> list[int]:
+        """One text's token ids (`/v1/tokenize`), in the pool."""
+        self._check_chars(len(text), "prompt")
+        return (await asyncio.get_running_loop().run_in_executor(
+            self.pool, self._encode, [text], add_special_tokens, "prompt"))[0]
 
     async def prompts(self, items: list[str | list[int]]) -> list[list[int]]:
         """Completions prompts (texts or token id lists) to token ids; texts tokenized in the pool."""

@@ -407,6 +407,57 @@ class SchedulerService:
             card.update(status="unavailable", reason=f"adapter {e.name!r} cannot be served: {why}")
         return card
 
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """`POST /v1/tokenize` (also `/tokenize`, vLLM's path): a prompt's token ids as a completion request would
+        send them, or a chat's as its template renders them (`messages`, with `add_generation_prompt`, default true,
+        and `chat_template_kwargs`), with their count and the model's context length. `model` names the base model
+        or an adapter (all share the tokenizer); the API key must allow it."""
+        grant = self._authenticate(request)
+        body = parse_body(await read_body(request))
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise oa.bad("model", "model must be a non-empty string naming the base model or an adapter")
+        self._resolve_model(model, grant)
+        unknown = sorted(set(body) - {"model", "prompt", "messages", "add_generation_prompt", "chat_template_kwargs",
+                                      "add_special_tokens"})
+        if unknown:
+            raise oa.bad(unknown[0], f"unrecognized argument(s): {', '.join(map(repr, unknown))}")
+        if ("prompt" in body) == ("messages" in body):
+            raise oa.bad("prompt", "give either `prompt` (a string) or `messages` (a chat)")
+        for key in ("add_generation_prompt", "add_special_tokens"):
+            if not isinstance(body.get(key, True), bool):
+                raise oa.bad(key, f"{key} must be a boolean")
+        if "messages" in body:
+            msgs = oa.parse_messages(body)
+            ids = await self.prompts.chat_ids(msgs, bool(body.get("add_generation_prompt", True)))
+        else:
+            prompt = body["prompt"]
+            if not isinstance(prompt, str):
+                raise oa.bad("prompt", "prompt must be a string")
+            ids = await self.prompts.text_ids(prompt, bool(body.get("add_special_tokens", True)))
+        return web.json_response({"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """`POST /v1/detokenize` (also `/detokenize`): token ids back to text (special tokens dropped, as in
+        completions' text)."""
+        grant = self._authenticate(request)
+        body = parse_body(await read_body(request))
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise oa.bad("model", "model must be a non-empty string naming the base model or an adapter")
+        self._resolve_model(model, grant)
+        unknown = sorted(set(body) - {"model", "tokens"})
+        if unknown:
+            raise oa.bad(unknown[0], f"unrecognized argument(s): {', '.join(map(repr, unknown))}")
+        ids = oa._integral_ids(body.get("tokens"))
+        vocab = self.tok.vocab_size
+        if not isinstance(ids, list) or not all(oa._is_int(t) and 0 <= t < vocab for t in ids):
+            raise oa.bad("tokens", f"tokens must be a list of token ids in [0, {vocab})")
+        if len(ids) > self.max_model_len * 4:
+            raise oa.bad("tokens", f"at most {self.max_model_len * 4} tokens at once")
+        text = await asyncio.get_running_loop().run_in_executor(self.prompts.pool, self.tok.decode, ids)
+        return web.json_response({"prompt": text})
+
     async def models(self, request: web.Request) -> web.Response:
         grant = self._authenticate(request)
         names = [self.model_name] + [n for n in self.registry.names() if n != self.model_name]
@@ -486,6 +537,9 @@ def create_app(service: SchedulerService) -> web.Application:
     app.router.add_post("/v1/completions", service.completions)
     app.router.add_post("/v1/chat/completions", service.chat_completions)
     app.router.add_get("/v1/models", service.models)
+    for prefix in ("/v1", ""):  # (/v1: through the Ingress, which routes only /v1; the bare paths are vLLM's)
+        app.router.add_post(f"{prefix}/tokenize", service.tokenize)
+        app.router.add_post(f"{prefix}/detokenize", service.detokenize)
     app.router.add_get("/v1/models/{model_id:.+}", service.model)
     app.router.add_get("/openapi.json", service.openapi)
     app.router.add_get("/healthz", service.healthz)

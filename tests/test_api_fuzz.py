@@ -100,14 +100,15 @@ def served_models_schema(served):
     """The same document with `model` narrowed to the names served (its `enum` branch), so that valid
     requests reach placement, the runners and the response paths instead of stopping at a 404."""
     doc = requests.get(f"{served.live.url}/openapi.json", timeout=10).json()
-    for name in ("CompletionRequest", "ChatCompletionRequest"):
+    for name in ("CompletionRequest", "ChatCompletionRequest", "TokenizeRequest", "DetokenizeRequest"):
         props = doc["components"]["schemas"][name]["properties"]
         props["model"] = props["model"]["anyOf"][0]
     return load(doc, served.live.url)
 
 
 OPERATIONS = ["POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /v1/models/{model_id}",
-              "GET /openapi.json", "GET /healthz", "GET /readyz", "GET /metrics", "GET /admin/state"]
+              "GET /openapi.json", "GET /healthz", "GET /readyz", "GET /metrics", "GET /admin/state",
+              "POST /v1/tokenize", "POST /v1/detokenize", "POST /tokenize", "POST /detokenize"]
 # The generating endpoints get the most examples; the small GETs need few to cover their inputs.
 EXAMPLES_FOR = {"POST /v1/completions": EXAMPLES, "POST /v1/chat/completions": EXAMPLES}
 
@@ -117,7 +118,8 @@ def test_the_document_lists_every_operation(api_schema):
     assert labels == sorted(OPERATIONS)
 
 
-WITH_INPUT = ["POST /v1/completions", "POST /v1/chat/completions"]  # a path id has no invalid form
+WITH_INPUT = ["POST /v1/completions", "POST /v1/chat/completions",  # a path id has no invalid form
+              "POST /v1/tokenize", "POST /v1/detokenize"]
 CASES = [(label, GenerationMode.POSITIVE) for label in OPERATIONS] + \
         [(label, GenerationMode.NEGATIVE) for label in WITH_INPUT]  # no invalid form of an input-less GET
 
