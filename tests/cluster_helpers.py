@@ -110,17 +110,19 @@ class Scheduler:
         """Streaming completion; returns the concatenated text."""
         body = {"model": "tiny", "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0, "stream": True,
                 "ignore_eos": True, **extra}
-        resp = await self.client.post("/v1/completions", json=body)
-        assert resp.status == 200, await resp.text()
-        text = []
-        async for line in resp.content:
-            line = line.strip()
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            ev = json.loads(line[6:])
-            assert "error" not in ev, ev
-            piece = ev["choices"][0]["text"]
-            text.append(piece)
-            if record is not None:
-                record.append(piece)
+        # (`async with`: a cancelled caller closes the connection, as a client that goes away does; an abandoned
+        # response would keep it open until garbage collection)
+        async with self.client.post("/v1/completions", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            text = []
+            async for line in resp.content:
+                line = line.strip()
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                ev = json.loads(line[6:])
+                assert "error" not in ev, ev
+                piece = ev["choices"][0]["text"]
+                text.append(piece)
+                if record is not None:
+                    record.append(piece)
         return "".join(text)

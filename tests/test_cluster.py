@@ -171,8 +171,8 @@ async def test_client_disconnect_frees_runner_pages(tiny_chat_llama, wide):
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
 
-        async def freed():
-            st = wide[0].state()
+        async def freed():  # (the runner's state read off the event loop: the scheduler's cancel runs on it)
+            st = await asyncio.to_thread(wide[0].state)
             return st["batch_size"] == 0 and st["free_kv_tokens"] == st["total_kv_tokens"]
 
         await wait_for(freed, timeout=5.0)  # a loaded 2-core machine; the 1-second bound is tested in test_serve_e2e
