@@ -7,6 +7,7 @@ File format, one key per line:
     KEY  cache_group=team-a  # its requests share the prefix cache only with team-a's keys
     KEY  pirate cache_group=team-a
     KEY  max_concurrent=16   # at most 16 sequences of this key's requests in flight at once (else 429)
+    KEY  priority=5          # its requests queue behind those of priority < 5 (a request may ask for a larger value)
 
 Blank lines and `#` comments are ignored (so a key cannot hold `#` or whitespace). Clients send `Authorization: Bearer KEY`. A
 missing or wrong key is a 401; a model the key may not use answers 404 exactly like a model
@@ -26,6 +27,10 @@ Concurrency limits: a key with `max_concurrent=N` has at most N sequences (promp
 once; a request that would pass the limit is answered 429 `too_many_concurrent_requests` with Retry-After,
 so one tenant cannot fill the queue of all the others. The count is the scheduler's own (one scheduler per
 pool); a key edited in the file keeps the count of its requests in flight.
+
+Priorities: a key with `priority=N` has its requests queued (in the scheduler and on the runners) at priority N
+or a larger value a request asks for (lower values go first, vLLM's convention); without it a request's own
+`priority` (default 0) stands. Priority orders the queues; it does not stop requests already running.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ class Grant:
     models: frozenset[str] | None = None
     cache_salt: str | None = None  # mixed into every request's prefix cache salt (`cache_salt()`)
     max_concurrent: int | None = None  # sequences of this key in flight at once (None: no limit)
+    priority: int | None = None  # the lowest priority value its requests may have (None: any)
     ident: str = ""  # names the key where its requests are counted (a digest prefix; never the key)
 
     def allows(self, model: str) -> bool:
@@ -107,10 +113,17 @@ def parse_keys(text: str, salt_per_key: bool = False) -> dict[bytes, Grant]:
             what = (f"{len(rest)} space-separated fields after the key where one model list may stand" if len(rest) > 1
                     else "an option given twice")
             raise ApiKeyFileError(f"line {n}: {what}; expected `KEY [model,model,...] [cache_group=NAME] "
-                                  "[max_concurrent=N]` (no spaces in the list)")
-        unknown = sorted(set(options) - {"cache_group", "max_concurrent"})
+                                  "[max_concurrent=N] [priority=N]` (no spaces in the list)")
+        unknown = sorted(set(options) - {"cache_group", "max_concurrent", "priority"})
         if unknown:
-            raise ApiKeyFileError(f"line {n}: unknown option {unknown[0]!r} (known: cache_group, max_concurrent)")
+            raise ApiKeyFileError(f"line {n}: unknown option {unknown[0]!r} (known: cache_group, max_concurrent, "
+                                  "priority)")
+        floor = None
+        if "priority" in options:
+            v = options["priority"]
+            if not (v.lstrip("-").isascii() and v.lstrip("-").isdigit() and -(2**31) <= int(v) < 2**31):
+                raise ApiKeyFileError(f"line {n}: priority must be a whole number (32-bit)")
+            floor = int(v)
         limit = None
         if "max_concurrent" in options:
             v = options["max_concurrent"]
@@ -132,7 +145,7 @@ def parse_keys(text: str, salt_per_key: bool = False) -> dict[bytes, Grant]:
             salt = group_salt(options["cache_group"])
         elif salt_per_key:
             salt = key_salt(digest)
-        keys[digest] = Grant(models, salt, limit, digest.hex()[:16])
+        keys[digest] = Grant(models, salt, limit, floor, digest.hex()[:16])
     return keys
 
 

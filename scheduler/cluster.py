@@ -1,4 +1,4 @@
-"""The scheduler's view of its runners, the FCFS queue, placement, migration and failover.
+"""The scheduler's view of its runners, the queue (FCFS within a priority), placement, migration and failover.
 
 Every request is placed by the placement policy (default `placement.busiest_fit`) or waits in
 arrival order. Each runner has one multiplexed stream (`runner_link.py`); a request is
@@ -247,7 +247,7 @@ class Cluster:
                 r.link.cancel(rid)
 
     def _enqueue(self, req: Request) -> None:
-        # FCFS by arrival: a migrated request keeps its place ahead of later arrivals.
+        # By priority, then FCFS by arrival: a migrated request keeps its place ahead of later arrivals.
         i = len(self.queue)
         while i > 0 and self.queue[i - 1].key > req.key:
             i -= 1

@@ -35,7 +35,7 @@ OFF_ONLY = ("tools", "functions", "tool_choice", "function_call", "parallel_tool
 COMMON_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop", "stop_token_ids", "ignore_eos",
     "stream", "stream_options", "cache_salt", "presence_penalty", "frequency_penalty", "logprobs", "logit_bias",
-    "response_format", "repetition_penalty", "min_p", "min_tokens", *OFF_ONLY, *NEUTRAL})
+    "response_format", "repetition_penalty", "min_p", "min_tokens", "priority", *OFF_ONLY, *NEUTRAL})
 COMPLETION_FIELDS = frozenset({"prompt", "echo", "best_of", "suffix"})
 CHAT_FIELDS = frozenset({"messages", "max_completion_tokens", "chat_template_kwargs", "top_logprobs"})
 IGNORED = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"})
@@ -80,6 +80,7 @@ class GenParams:
     cache_salt: str | None = None  # the request's own salt (api_keys.cache_salt mixes in the key's)
     logprobs: int | None = None  # alternatives per generated token with its log-probability; None: none asked
     echo: bool = False  # completions: the prompt comes back before the completion (with logprobs: its tokens' too)
+    priority: int = 0  # queue order, lower first (an API key's `priority` is a floor: api_keys.py)
     min_p: float = 0.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -224,6 +225,7 @@ def parse_common(body: dict, chat: bool, max_tokens_cap: int, vocab_size: int | 
         cache_salt=salt,
         logprobs=logprobs,
         echo=echo,
+        priority=_integer(body, "priority", 0, -(2**31), 2**31 - 1),
         min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),

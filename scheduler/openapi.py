@@ -80,6 +80,9 @@ def _schemas(limits: RequestLimits, names: list[str], vocab_size: int) -> dict:
         "response_format": {"anyOf": [{"type": "null"}, {"type": "object", "required": ["type"],
                                                           "properties": {"type": {"const": "text"}}}],
                             "description": "only {\"type\": \"text\"}"},
+        "priority": {"type": ["integer", "null"], "minimum": -(2**31), "maximum": 2**31 - 1,
+                     "description": "queue order: lower values are placed first (default 0; an API key may set a "
+                                    "floor)"},
         "cache_salt": {"type": ["string", "null"], "minLength": 1, "maxLength": MAX_CACHE_SALT,
                        "description": "prefix cache isolation: this request shares cached prompt pages only with "
                                       "requests of the same salt (and the same API key's salt, where the server "

@@ -44,6 +44,7 @@ class Request:
     queued_at: float | None = None
     placed_at_generated: int = -1  # len(generated) when last placed on a runner
     cache_salt: str | None = None
+    priority: int = 0  # lower values are placed first (vLLM's convention); a migrated request keeps it
     cached_tokens: int | None = None  # prompt tokens its first runner found in its prefix cache
     prefix_page_size: int = 0  # the page size `prefix_keys` were chained with (prefix_index.py)
     prefix_keys: list[bytes] = field(default_factory=list)  # keys of its leading full pages
@@ -52,8 +53,9 @@ class Request:
     order: int = field(default_factory=lambda: next(_order))
 
     @property
-    def key(self) -> tuple[float, int]:
-        return (self.arrival, self.order)
+    def key(self) -> tuple[int, float, int]:
+        """Queue order: the lower priority value first, then FCFS."""
+        return (self.priority, self.arrival, self.order)
 
     @property
     def num_tokens(self) -> int:
@@ -88,6 +90,7 @@ class Request:
                 **({"version": self.adapter.version} if self.adapter.version else {})},
             "sampling": sampling,
             "arrival": self.arrival,
+            **({"priority": self.priority} if self.priority else {}),
             **({"cache_salt": self.cache_salt} if self.cache_salt is not None else {}),
         }
 

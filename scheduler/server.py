@@ -252,7 +252,8 @@ class SchedulerService:
                     sampling={"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
                               "seed": seed, "stop_token_ids": list(params.stop_token_ids),
                               "ignore_eos": params.ignore_eos, **params.extras()},
-                    cache_salt=salt,
+                    cache_salt=salt, priority=max(params.priority, grant.priority) if grant.priority is not None
+                    else params.priority,
                 ))
         return reqs
 

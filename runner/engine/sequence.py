@@ -169,8 +169,9 @@ class Status(enum.Enum):
 class Sequence:
     """A request: prompt ids, ids generated so far, its adapter, sampling and KV pages.
 
-    `arrival` orders requests: FCFS admission takes the oldest first; eviction takes the
-    newest. A resumed (migrated) request keeps its original arrival.
+    `priority` then `arrival` order requests: admission takes the lowest priority value, and among equals the
+    oldest, first; eviction takes the other end (the newest of the least important). A resumed (migrated)
+    request keeps its original arrival and priority.
     """
 
     id: str
@@ -195,6 +196,7 @@ class Sequence:
     sample_seed: int = 0
     max_len: int = 1 << 30  # the engine's context length, set when the engine accepts the request
     cache_salt: str | None = None  # prefix cache: requests share cached pages only with the same salt
+    priority: int = 0  # lower values go first (vLLM's convention); 0 for everyone by default
     # prefix cache bookkeeping (block_manager.py): the key chain's root and the keys of the full pages so far
     key_root: bytes | None = None
     page_keys: list = field(default_factory=list)
@@ -254,5 +256,6 @@ class Sequence:
         return self.adapter.name if self.adapter else None
 
     @property
-    def age_key(self) -> tuple[float, int]:
-        return (self.arrival, self.order)
+    def age_key(self) -> tuple[int, float, int]:
+        """Admission order (FCFS within a priority, the lower value first) and, from the other end, eviction's."""
+        return (self.priority, self.arrival, self.order)

@@ -59,7 +59,8 @@ def sequence_from_wire(d: dict):
     a = d.get("adapter")
     ref = AdapterRef(a["name"], a["source"], a.get("sha256"), a.get("version")) if a else None
     return Sequence(d["id"], list(d["prompt_ids"]), sampling_from_dict(d.get("sampling") or {}), ref,
-                    arrival=float(d.get("arrival") or time.time()), cache_salt=d.get("cache_salt"))
+                    arrival=float(d.get("arrival") or time.time()), cache_salt=d.get("cache_salt"),
+                    priority=int(d.get("priority") or 0))
 
 
 def ready_info(engine) -> dict:

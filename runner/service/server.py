@@ -88,6 +88,9 @@ def parse_generate(body: dict) -> tuple[str, list[int], SamplingParams, dict | N
     arrival = body.get("arrival")
     if arrival is not None and not isinstance(arrival, (int, float)):
         raise BadRequest("arrival must be a number")
+    priority = body.get("priority", 0)
+    if not isinstance(priority, int) or isinstance(priority, bool) or not -(2**31) <= priority < 2**31:
+        raise BadRequest("priority must be an integer (32-bit)")
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or len(salt) > MAX_SALT):
         raise BadRequest(f"cache_salt must be a string of at most {MAX_SALT} characters")
@@ -293,7 +296,8 @@ class RunnerService:
         if rid in self.engine.owners or rid in self.pending:
             return web.json_response({"error": f"request {rid} is already running"}, status=409)
         wire = {"id": rid, "prompt_ids": ids, "sampling": dataclasses.asdict(params), "adapter": None,
-                "arrival": float(arrival) if arrival is not None else time.time(), "cache_salt": body.get("cache_salt")}
+                "arrival": float(arrival) if arrival is not None else time.time(), "cache_salt": body.get("cache_salt"),
+                "priority": body.get("priority", 0)}
         if adapter is not None:
             key = (adapter["name"], adapter["source"], adapter.get("sha256"))
             local = self.adapter_dirs.get(key)
