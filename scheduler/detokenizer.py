@@ -32,6 +32,7 @@ class IncrementalDetokenizer:
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.pending = ""  # decoded, not yet emitted (may be the start of a stop string)
         self.stopped = False
+        self.last_new = ""  # the text the last push decoded, before any is held back (log-probabilities' offsets)
 
     def _decode_new(self) -> str:
         prefix = self.tok.decode(self.ids[self.prefix_offset : self.read_offset])
@@ -48,12 +49,14 @@ class IncrementalDetokenizer:
         if self.pieces is not None:
             p = self.pieces
             text = self.utf8.decode(p[new_ids[0]] if len(new_ids) == 1 else b"".join([p[i] for i in new_ids]))
+            self.last_new = text
             if not self.stop:  # nothing to hold back
                 return text
             self.pending += text
             return self._emit(final=False)
         self.ids.extend(new_ids)
-        self.pending += self._decode_new()
+        self.last_new = self._decode_new()
+        self.pending += self.last_new
         return self._emit(final=False)
 
     def flush(self) -> str:

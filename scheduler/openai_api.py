@@ -425,6 +425,15 @@ def chunk(rid: str, model: str, chat: bool, index: int, text: str | None, finish
             "model": model, "choices": [ch]}
 
 
+def _top_dict(pairs) -> dict:
+    """Completions' {token text: log-probability}, most likely first; two tokens of one text (byte-level pieces
+    of characters read as U+FFFD) keep the first, larger, value."""
+    out: dict = {}
+    for text, v in pairs:
+        out.setdefault(text, _finite_lp(v))
+    return out
+
+
 def _finite_lp(v: float) -> float:
     """A log-probability JSON can carry: -inf (and NaN, which a sound model never gives) as MIN_LOGPROB."""
     return v if v >= MIN_LOGPROB else MIN_LOGPROB  # (NaN compares false)
@@ -442,15 +451,24 @@ class LogprobsWriter:
     def __init__(self, tok, chat: bool):
         self.tok, self.chat = tok, chat
         self.entries: list[tuple[int, list]] = []
-        self.offset = 0
+        self.offsets: list[int] = []  # completions: each entry's text_offset
+        self.offset = 0  # where the next generated token's text starts in the choice's text
 
-    def add(self, ids: list[int], lps: list) -> None:
+    def add(self, ids: list[int], lps: list, texts: list[str] | None = None) -> None:
+        """Generated tokens' entries; `texts`: the text each adds to the choice's text (its offsets follow them;
+        a special token, which the text leaves out, adds none)."""
         self.entries.extend(zip(ids, lps))
+        for t in texts if texts is not None else [""] * len(ids):
+            self.offsets.append(self.offset)
+            self.offset += len(t)
 
-    def add_prompt(self, ids: list[int], lps: list) -> None:
-        """An echoed prompt's tokens: the first has no log-probability (null), the others `lps` (as many as there
-        are; a shorter list, from a runner that gave none, leaves the rest null)."""
+    def add_prompt(self, ids: list[int], lps: list, text: str) -> None:
+        """An echoed prompt's tokens (`text`: the echoed text): the first has no log-probability (null), the others
+        `lps` (as many as there are; a shorter list, from a runner that gave none, leaves the rest null); their
+        offsets index `text`."""
         self.entries.extend(zip(ids, [None, *lps, *[None] * (len(ids) - 1 - len(lps))]))
+        self.offsets += self.tok.prompt_offsets(ids, text)
+        self.offset = len(text)
 
     def _token(self, i: int) -> tuple[str, bytes]:
         b = self.tok.token_bytes(i)
@@ -468,15 +486,10 @@ class LogprobsWriter:
                     {"token": t, "logprob": _finite_lp(v), "bytes": list(tb)}
                     for t, tb, v in ((*self._token(j), v) for j, v in top)]})
             return {"content": content}
-        tokens, offsets = [], []
-        for i, _ in entries:
-            text = self._token(i)[0]
-            tokens.append(text)
-            offsets.append(self.offset)
-            self.offset += len(text)
-        return {"tokens": tokens,
+        offsets, self.offsets = self.offsets[:len(entries)], self.offsets[len(entries):]
+        return {"tokens": [self._token(i)[0] for i, _ in entries],
                 "token_logprobs": [None if e is None else _finite_lp(e[0]) for _, e in entries],
-                "top_logprobs": [None if e is None else {self._token(j)[0]: _finite_lp(v) for j, v in e[1]}
+                "top_logprobs": [None if e is None else _top_dict((self._token(j)[0], v) for j, v in e[1])
                                  for _, e in entries],
                 "text_offset": offsets}
 

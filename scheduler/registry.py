@@ -97,7 +97,7 @@ def files_version(folder: Path) -> str:
 
 
 def scan_directory(path: str | Path, known: dict[str, AdapterEntry] | None = None,
-                   skip: frozenset[str] = frozenset()) -> list[AdapterEntry]:
+                   skip: frozenset[str] = frozenset(), noted: set[str] | None = None) -> list[AdapterEntry]:
     """One adapter per subfolder holding an adapter_config.json, named by the folder; names in `skip` are left out.
 
     A subfolder (or its config file) that is a symlink resolving outside the directory is
@@ -107,7 +107,7 @@ def scan_directory(path: str | Path, known: dict[str, AdapterEntry] | None = Non
     feature, the safetensors header is whole and lies within the file, the tensors are LoRA weights of the
     modules the config targets, at its rank); one that fails is published with that reason as its `problem`.
     Each entry carries its files' `version` (files_version); an adapter of `known` whose folder and version are
-    unchanged is taken as it is, unchecked again.
+    unchanged is taken as it is, unchecked again. `noted`: folders already warned about (a rescan warns once).
     """
     from lorafleet.common.peft_config import AdapterError, inspect_adapter, scrub_paths
 
@@ -115,19 +115,30 @@ def scan_directory(path: str | Path, known: dict[str, AdapterEntry] | None = Non
     if not root.is_dir():
         raise FileNotFoundError(f"adapter directory {root} does not exist")
     known = known or {}
+    noted = set() if noted is None else noted
+
+    def warn(name: str, msg: str, *args) -> None:
+        if name not in noted:
+            noted.add(name)
+            log.warning(msg, *args)
+
     real_root = root.resolve()
     entries = []
     for d in sorted(root.iterdir()):
-        if d.name in skip or not (d.is_dir() and (d / "adapter_config.json").is_file()):
-            if d.is_dir() and not d.name.startswith(".") and d.name not in skip and d.name not in known:
-                log.warning("%s skipped: no adapter_config.json in it (not a PEFT adapter)", d)
+        if d.name in skip:
+            warn(d.name, "adapter folder %r skipped: it has the base model's name (requests for it reach the base "
+                 "model)", d.name)
+            continue
+        if not (d.is_dir() and (d / "adapter_config.json").is_file()):
+            if d.is_dir() and not d.name.startswith("."):
+                warn(d.name, "%s skipped: no adapter_config.json in it (not a PEFT adapter)", d)
             continue
         real = d.resolve()
         inside = real.parent == real_root or real_root in real.parents
         if not inside or real_root not in (d / "adapter_config.json").resolve().parents:
-            if d.name not in known:
-                log.warning("adapter %r skipped: it is a symlink to a place outside %s", d.name, root)
+            warn(d.name, "adapter %r skipped: it is a symlink to a place outside %s", d.name, root)
             continue
+        noted.discard(d.name)  # (a folder that becomes an adapter is warned about again if it stops being one)
         version = files_version(real)
         old = known.get(d.name)
         if old is not None and old.source == str(real) and old.version == version:
@@ -153,10 +164,11 @@ class DirectoryFeed:
     def __init__(self, registry: AdapterRegistry, root: str | Path, interval: float,
                  skip: frozenset[str] = frozenset()):
         self.registry, self.root, self.interval, self.skip = registry, Path(root), interval, skip
+        self.noted: set[str] = set()  # folders warned about: not again at every rescan
 
     def scan(self) -> list[AdapterEntry]:
         """The directory's adapters now (reads files: call it off the event loop)."""
-        return scan_directory(self.root, {e.name: e for e in self.registry.entries()}, self.skip)
+        return scan_directory(self.root, {e.name: e for e in self.registry.entries()}, self.skip, self.noted)
 
     def apply(self, entries: list[AdapterEntry]) -> tuple[list[str], list[str], list[str]]:
         """Publish a scan (on the registry's own thread: its listeners run here); (added, changed, removed)."""

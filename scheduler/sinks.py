@@ -53,7 +53,7 @@ class _Choices:
             return ""
         self.begun[i] = True
         if self.logprobs is not None and req.prompt_ids:
-            self.logprobs[i].add_prompt(req.prompt_ids, req.prompt_lps)
+            self.logprobs[i].add_prompt(req.prompt_ids, req.prompt_lps, self.echo[i])
         return self.echo[i]
 
     def _push(self, req, ids: list[int], logprobs) -> str:
@@ -66,8 +66,8 @@ class _Choices:
         for t, e in zip(ids, logprobs):
             if d.stopped:
                 break
-            writer.add([t], [e])
             out.append(d.push([t]))
+            writer.add([t], [e], [d.last_new])  # (the text it adds, for completions' text_offset)
         return "".join(out)
 
 

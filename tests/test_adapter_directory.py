@@ -127,3 +127,18 @@ def test_serve_picks_up_a_new_adapter_its_new_weights_and_its_removal(demo_model
         assert _until(lambda: _complete(s.url, "late")[0] == 404)
     finally:
         s.stop()
+
+
+def test_a_rescan_warns_once_about_a_folder_it_cannot_publish(demo_adapters, tmp_path, caplog):
+    root = tmp_path / "adapters"
+    _copy(demo_adapters / "terse", root / "terse")
+    registry = AdapterRegistry.from_directory(root)
+    feed = DirectoryFeed(registry, root, 1.0, skip=frozenset({"base"}))
+    (root / "empty").mkdir()
+    _copy(demo_adapters / "terse", root / "base")
+    with caplog.at_level("WARNING", logger="lorafleet.scheduler.registry"):
+        for _ in range(3):
+            feed.apply(feed.scan())
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 2 and any("base model's name" in m for m in warned), warned
+    assert registry.names() == ["terse"]

@@ -310,3 +310,54 @@ def test_a_stop_string_inside_a_multi_token_line_ends_the_entries_at_its_token(t
     text, lp = asyncio.run(run())
     assert text == "Hello world "
     assert lp["tokens"] == words[:k + 1] and len(lp["token_logprobs"]) == k + 1
+
+
+def test_text_offsets_index_the_text_with_special_tokens_and_echo(tok):
+    """A special token has an entry but adds no text: every offset points into the choice's text at the token's
+    own text (echoed id prompts decoded, string prompts as sent, with the tokenizer's own offsets)."""
+    import asyncio
+
+    from lorafleet.scheduler import openai_api as oa
+    from lorafleet.scheduler.detokenizer import IncrementalDetokenizer
+    from lorafleet.scheduler.sinks import CollectSink
+
+    special = sorted(tok.special_ids)[:2]  # e.g. <|endoftext|>, <|im_start|>
+    words = tok.encode("\nHi there", add_special_tokens=False)
+    gen = [special[1], *words, special[0]]
+
+    def run(prompt_ids, echo):
+        class Req:
+            index, prompt_lps = 0, [[-1.0, []]] * (len(prompt_ids) - 1)
+        Req.prompt_ids = prompt_ids
+
+        async def go():
+            writer = oa.LogprobsWriter(tok, chat=False)
+            sink = CollectSink([IncrementalDetokenizer(tok, prompt_ids)], lambda r: None, [writer], [echo])
+            sink.tokens(Req, gen, [[-0.5, [[gen[0], -0.5], [gen[0] + 1, -0.7]]]] * len(gen))
+            sink.done(Req, "length", None)
+            return "".join(sink.parts[0]), writer.take()
+        return asyncio.run(go())
+
+    for prompt_ids, echo in ((tok.encode("<|im_start|>user\nWhy?"), "<|im_start|>user\nWhy?"),
+                             ([special[1], *tok.encode("user", add_special_tokens=False)], None)):
+        if echo is None:
+            echo = tok.decode(prompt_ids)
+        text, lp = run(prompt_ids, echo)
+        assert text == echo + "\nHi there"
+        assert len(lp["text_offset"]) == len(prompt_ids) + len(gen)
+        for tid, t, off in zip(prompt_ids + gen, lp["tokens"], lp["text_offset"]):
+            assert 0 <= off <= len(text)
+            if tid not in tok.special_ids or t in echo:  # a token's text sits at its offset
+                assert text[off:].startswith(t) or tid in tok.special_ids, (t, off, text)
+        assert lp["text_offset"] == sorted(lp["text_offset"])
+
+
+def test_completions_top_logprobs_keep_the_larger_of_two_tokens_with_one_text(tok):
+    from lorafleet.scheduler import openai_api as oa
+
+    pieces = tok.byte_pieces()
+    halves = [i for i in range(len(pieces)) if len(pieces[i]) == 1 and pieces[i][0] >= 0x80][:2]  # 'U+FFFD' both
+    w = oa.LogprobsWriter(tok, chat=False)
+    w.add([halves[0]], [[-1.0, [[halves[0], -1.0], [halves[1], -3.0]]]], [""])
+    top = w.take()["top_logprobs"][0]
+    assert top == {"\ufffd": -1.0}
