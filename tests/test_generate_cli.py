@@ -163,11 +163,16 @@ def test_generate_writes_logprobs_and_prompt_logprobs_as_hf_computes_them(tiny_l
     lines = [{"id": "scored", "prompt_token_ids": prompt, "max_tokens": 3, "ignore_eos": True, "logprobs": 2,
               "prompt_logprobs": 0},
              {"id": "plain", "prompt_token_ids": prompt, "max_tokens": 2, "ignore_eos": True},
-             {"id": "bad", "prompt_token_ids": prompt, "prompt_logprobs": 21}]
+             {"id": "bad", "prompt_token_ids": prompt, "prompt_logprobs": 21},
+             {"id": "score", "prompt_token_ids": prompt, "prompt_logprobs": 1, "max_tokens": 0}]
     res, _ = _generate(tiny_llama, lines, tmp_path, capsys)
     by = {x["id"]: x for x in res}
     assert "logprobs" not in by["plain"] and "prompt_logprobs" not in by["plain"]
     assert by["bad"]["finish_reason"] == "error" and "prompt_logprobs" in by["bad"]["error"]
+    score = by["score"]  # max_tokens 0: the prompt scored alone, as serve's echo does
+    assert score["token_ids"] == [] and score["finish_reason"] == "length" and "logprobs" not in score
+    assert [e["logprob"] for e in score["prompt_logprobs"][1:]] == [
+        e["logprob"] for e in by["scored"]["prompt_logprobs"][1:]]
     s = by["scored"]
     want = HFReference(tiny_llama, {}).logits(prompt + s["token_ids"], None).log_softmax(-1)
     assert s["prompt_logprobs"][0] is None and len(s["prompt_logprobs"]) == len(prompt)

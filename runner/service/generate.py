@@ -9,7 +9,8 @@ Every output line (same order): {"id", "adapter", "prompt_token_ids", "token_ids
 "finish_reason"} plus "error" when a request failed, and with "logprobs" / "prompt_logprobs" (0 to 20
 alternatives) one {"token_id", "logprob", "top_logprobs": [{"token_id", "logprob"}]} per generated / prompt
 token (the prompt's first: null), under the model's own distribution (the logits' log-softmax): per-adapter
-perplexity of a dataset is one run of prompts with "prompt_logprobs": 0. A bad line or a bad adapter fails
+perplexity of a dataset is one run of prompts with "prompt_logprobs": 0 and "max_tokens": 0 (the prompt
+scored, nothing generated; max_tokens 0 only with prompt_logprobs). A bad line or a bad adapter fails
 that request only; all the others run as one continuous batch. The sampling fields take
 `serve`'s ranges (max_tokens between 1 and the model's context length, temperature in
 [0, 2], ...: scheduler/openai_api.py checks both); defaults: max_tokens 64, greedy. Ids are
@@ -132,6 +133,8 @@ def sampling_params(obj: dict, rid: str, max_model_len: int) -> SamplingParams:
     if plp is not None and (not isinstance(plp, int) or isinstance(plp, bool) or not 0 <= plp <= oa.MAX_LOGPROBS):
         raise RequestError(f"request {rid}: prompt_logprobs must be an integer from 0 to {oa.MAX_LOGPROBS}")
     defaults = {"max_tokens": min(DEFAULT_MAX_TOKENS, max_model_len), "temperature": 0.0}  # generate's own
+    if plp is not None and given.get("max_tokens") == 0:  # the prompt scored alone (serve's echo + max_tokens 0):
+        given["max_tokens"] = 1  # one token is computed with it and dropped (score_only)
     try:
         p = oa.parse_common({"model": "generate", **defaults, **given}, chat=False, max_tokens_cap=max_model_len)
         return SamplingParams(
@@ -201,7 +204,8 @@ def parse_request(line: str, lineno: int, tokenizer, adapters_dir: Path | None, 
         raise RequestError(f"request {rid}: give a non-empty 'prompt', 'messages' or 'prompt_token_ids'")
     params = sampling_params(obj, rid, max_model_len)
     ref = adapter_ref(obj.get("adapter"), rid, adapters_dir)
-    return rid, {"ids": ids, "params": params, "adapter": ref}
+    score_only = obj.get("prompt_logprobs") is not None and obj.get("max_tokens") == 0
+    return rid, {"ids": ids, "params": params, "adapter": ref, "score_only": score_only}
 
 
 def logprob_entry(token: int, entry: list) -> dict:
@@ -291,6 +295,7 @@ def run(args: argparse.Namespace) -> int:
     order: list[int] = []
     results: dict[int, dict] = {}
     seqs: list[Sequence] = []
+    score_only: set[str] = set()  # lines with prompt_logprobs and max_tokens 0: no output tokens
     line_of: dict[str, int] = {}  # id of a request that runs -> its line
     seen: set[str] = set()
     for lineno, line in input_lines(args.input):
@@ -311,6 +316,8 @@ def run(args: argparse.Namespace) -> int:
             continue
         line_of[rid] = lineno
         seqs.append(Sequence(rid, req["ids"], req["params"], req["adapter"], arrival=float(lineno)))
+        if req["score_only"]:
+            score_only.add(rid)
 
     by_id = {s.id: s for s in seqs}
     t0 = time.perf_counter()
@@ -337,6 +344,8 @@ def run(args: argparse.Namespace) -> int:
     for rid, out in finals.items():
         s = by_id[rid]
         ids = out.output_ids or []
+        if rid in score_only and out.finish_reason in ("stop", "length"):  # max_tokens 0: the prompt scored alone
+            ids, out.logprobs, out.finish_reason = [], None, "length"
         results[line_of[rid]] = {
             "id": rid,
             "adapter": s.adapter_name,
