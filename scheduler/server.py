@@ -408,21 +408,27 @@ class SchedulerService:
             card.update(status="unavailable", reason=f"adapter {e.name!r} cannot be served: {why}")
         return card
 
-    async def tokenize(self, request: web.Request) -> web.Response:
-        """`POST /v1/tokenize` (also `/tokenize`, vLLM's path): a prompt's token ids as a completion request would
-        send them, or a chat's as its template renders them (`messages`, with `add_generation_prompt`, default true,
-        and `chat_template_kwargs`), with their count and the model's context length. `model` names the base model
-        or an adapter (all share the tokenizer); the API key must allow it."""
+    async def _token_body(self, request: web.Request, fields: set[str]) -> dict:
+        """The body of a tokenize / detokenize call: its key checked, `model` one the key may use, no field but
+        `model` and `fields`."""
         grant = self._authenticate(request)
         body = parse_body(await read_body(request))
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise oa.bad("model", "model must be a non-empty string naming the base model or an adapter")
         self._resolve_model(model, grant)
-        unknown = sorted(set(body) - {"model", "prompt", "messages", "add_generation_prompt", "chat_template_kwargs",
-                                      "add_special_tokens"})
+        unknown = sorted(set(body) - fields - {"model"})
         if unknown:
             raise oa.bad(unknown[0], f"unrecognized argument(s): {', '.join(map(repr, unknown))}")
+        return body
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """`POST /v1/tokenize` (also `/tokenize`, vLLM's path): a prompt's token ids as a completion request would
+        send them, or a chat's as its template renders them (`messages`, with `add_generation_prompt`, default true,
+        and `chat_template_kwargs`), with their count and the model's context length. `model` names the base model
+        or an adapter (all share the tokenizer); the API key must allow it."""
+        body = await self._token_body(request, {"prompt", "messages", "add_generation_prompt", "chat_template_kwargs",
+                                                "add_special_tokens"})
         if ("prompt" in body) == ("messages" in body):
             raise oa.bad("prompt", "give either `prompt` (a string) or `messages` (a chat)")
         for key in ("add_generation_prompt", "add_special_tokens"):
@@ -441,15 +447,7 @@ class SchedulerService:
     async def detokenize(self, request: web.Request) -> web.Response:
         """`POST /v1/detokenize` (also `/detokenize`): token ids back to text (special tokens dropped, as in
         completions' text)."""
-        grant = self._authenticate(request)
-        body = parse_body(await read_body(request))
-        model = body.get("model")
-        if not isinstance(model, str) or not model:
-            raise oa.bad("model", "model must be a non-empty string naming the base model or an adapter")
-        self._resolve_model(model, grant)
-        unknown = sorted(set(body) - {"model", "tokens"})
-        if unknown:
-            raise oa.bad(unknown[0], f"unrecognized argument(s): {', '.join(map(repr, unknown))}")
+        body = await self._token_body(request, {"tokens"})
         ids = oa._integral_ids(body.get("tokens"))
         vocab = self.tok.vocab_size
         if not isinstance(ids, list) or not all(oa._is_int(t) and 0 <= t < vocab for t in ids):
