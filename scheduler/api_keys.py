@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 import os
 import time
 from dataclasses import dataclass
@@ -121,7 +122,7 @@ def parse_keys(text: str, salt_per_key: bool = False) -> dict[bytes, Grant]:
         floor = None
         if "priority" in options:
             v = options["priority"]
-            if not (v.lstrip("-").isascii() and v.lstrip("-").isdigit() and -(2**31) <= int(v) < 2**31):
+            if not (re.fullmatch(r"-?[0-9]{1,10}", v) and -(2**31) <= int(v) < 2**31):
                 raise ApiKeyFileError(f"line {n}: priority must be a whole number (32-bit)")
             floor = int(v)
         limit = None

@@ -467,7 +467,16 @@ class LogprobsWriter:
         `lps` (as many as there are; a shorter list, from a runner that gave none, leaves the rest null); their
         offsets index `text`."""
         self.entries.extend(zip(ids, [None, *lps, *[None] * (len(ids) - 1 - len(lps))]))
-        self.offsets += self.tok.prompt_offsets(ids, text)
+        offsets = self.tok.text_offsets(ids, text)
+        if offsets is None:  # text decoded from the ids: each token's place in it (one incremental pass)
+            from lorafleet.scheduler.detokenizer import IncrementalDetokenizer
+
+            d, offsets, pos = IncrementalDetokenizer(self.tok, []), [], 0
+            for i in ids:
+                offsets.append(pos)
+                d.push([i])
+                pos += len(d.last_new)
+        self.offsets += offsets
         self.offset = len(text)
 
     def _token(self, i: int) -> tuple[str, bytes]:

@@ -166,9 +166,12 @@ class DirectoryFeed:
         self.registry, self.root, self.interval, self.skip = registry, Path(root), interval, skip
         self.noted: set[str] = set()  # folders warned about: not again at every rescan
 
-    def scan(self) -> list[AdapterEntry]:
-        """The directory's adapters now (reads files: call it off the event loop)."""
-        return scan_directory(self.root, {e.name: e for e in self.registry.entries()}, self.skip, self.noted)
+    def scan(self, known: dict[str, AdapterEntry] | None = None) -> list[AdapterEntry]:
+        """The directory's adapters now (reads files: call it off the event loop, with `known` the registry's
+        entries taken on it; default: taken here)."""
+        if known is None:
+            known = {e.name: e for e in self.registry.entries()}
+        return scan_directory(self.root, known, self.skip, self.noted)
 
     def apply(self, entries: list[AdapterEntry]) -> tuple[list[str], list[str], list[str]]:
         """Publish a scan (on the registry's own thread: its listeners run here); (added, changed, removed)."""
@@ -184,13 +187,14 @@ class DirectoryFeed:
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(self.interval)
+            known = {e.name: e for e in self.registry.entries()}  # (on the loop, where the registry changes)
             try:
-                added, changed, removed = self.apply(await loop.run_in_executor(None, self.scan))
+                added, changed, removed = self.apply(await loop.run_in_executor(None, self.scan, known))
             except FileNotFoundError:
                 log.warning("adapter directory %s is gone; keeping the adapters published so far", self.root)
                 continue
-            except OSError as exc:
-                log.warning("cannot rescan the adapter directory %s: %s", self.root, exc)
+            except Exception as exc:  # an unreadable folder, anything unforeseen: this rescan fails, not the next
+                log.warning("cannot rescan the adapter directory %s: %s: %s", self.root, type(exc).__name__, exc)
                 continue
             for what, names in (("added", added), ("changed (runners read the new files)", changed),
                                 ("removed", removed)):

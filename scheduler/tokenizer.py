@@ -20,7 +20,6 @@ renders to the same text here as there:
 
 from __future__ import annotations
 
-import codecs
 import json
 import logging
 from datetime import datetime
@@ -215,26 +214,11 @@ class Tokenizer:
     def id_to_token(self, i: int) -> str | None:
         return self._tok.id_to_token(i)
 
-    def prompt_offsets(self, ids: list[int], text: str) -> list[int]:
-        """Where each of a prompt's tokens starts in `text`: the tokenizer's own offsets when `text` encodes to
-        `ids` (a prompt sent as text; a token it added, such as BOS, starts at 0), else (`text` decoded from ids)
-        each token's place in the decoded text, a special token (which decoding leaves out) adding nothing."""
+    def text_offsets(self, ids: list[int], text: str) -> list[int] | None:
+        """Where each of a prompt's tokens starts in `text`, by the tokenizer's own offsets, when `text` encodes to
+        `ids` (a prompt sent as text; a token it added, such as BOS, starts at 0); else None."""
         enc = self._tok.encode(text)
-        if enc.ids == list(ids):
-            return [start for start, _ in enc.offsets]
-        out, pos = [], 0
-        pieces = self.byte_pieces()
-        if pieces is not None:
-            utf8 = codecs.getincrementaldecoder("utf-8")("replace")
-            for i in ids:
-                out.append(pos)
-                pos += len(utf8.decode(pieces[i] if 0 <= i < len(pieces) else b""))
-            return out
-        prev = ""
-        for k in range(len(ids)):  # (other decoders: the decoded prefix's growth)
-            out.append(len(prev))
-            prev = self.decode(ids[: k + 1])
-        return out
+        return [start for start, _ in enc.offsets] if enc.ids == list(ids) else None
 
     def token_bytes(self, i: int) -> bytes:
         """The bytes id `i` stands for in generated text, a special token spelt out (what log-probabilities show

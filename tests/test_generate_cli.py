@@ -164,11 +164,13 @@ def test_generate_writes_logprobs_and_prompt_logprobs_as_hf_computes_them(tiny_l
               "prompt_logprobs": 0},
              {"id": "plain", "prompt_token_ids": prompt, "max_tokens": 2, "ignore_eos": True},
              {"id": "bad", "prompt_token_ids": prompt, "prompt_logprobs": 21},
-             {"id": "score", "prompt_token_ids": prompt, "prompt_logprobs": 1, "max_tokens": 0}]
+             {"id": "score", "prompt_token_ids": prompt, "prompt_logprobs": 1, "max_tokens": 0},
+             {"id": "nope", "prompt_token_ids": prompt, "prompt_logprobs": 1, "max_tokens": False}]
     res, _ = _generate(tiny_llama, lines, tmp_path, capsys)
     by = {x["id"]: x for x in res}
     assert "logprobs" not in by["plain"] and "prompt_logprobs" not in by["plain"]
     assert by["bad"]["finish_reason"] == "error" and "prompt_logprobs" in by["bad"]["error"]
+    assert by["nope"]["finish_reason"] == "error" and "max_tokens" in by["nope"]["error"]  # false is not 0
     score = by["score"]  # max_tokens 0: the prompt scored alone, as serve's echo does
     assert score["token_ids"] == [] and score["finish_reason"] == "length" and "logprobs" not in score
     assert [e["logprob"] for e in score["prompt_logprobs"][1:]] == [

@@ -361,3 +361,24 @@ def test_completions_top_logprobs_keep_the_larger_of_two_tokens_with_one_text(to
     w.add([halves[0]], [[-1.0, [[halves[0], -1.0], [halves[1], -3.0]]]], [""])
     top = w.take()["top_logprobs"][0]
     assert top == {"\ufffd": -1.0}
+
+
+def test_a_request_evicted_mid_prompt_reports_its_prompt_entries_once(tiny_llama):
+    """Offline (requeue_evicted): a request evicted part-way through its prompt computes it again and reports its
+    entries again; run_to_completion keeps the last full set, equal to a run with room enough."""
+    g = torch.Generator().manual_seed(4)
+    a = torch.randint(3, 512, (30,), generator=g).tolist()
+    b = torch.randint(3, 512, (200,), generator=g).tolist()
+
+    def run(pages):
+        eng = Engine(str(tiny_llama), EngineConfig(page_size=16, num_pages=pages, max_batch_size=4, prefix_cache=False,
+                                                   chunked_prefill=True, max_step_tokens=16, requeue_evicted=True))
+        out = eng.run_to_completion([
+            Sequence("a", a, SamplingParams(max_tokens=100, ignore_eos=True), arrival=0.0),
+            Sequence("b", b, SamplingParams(max_tokens=1, ignore_eos=True, prompt_logprobs=0), arrival=1.0)])
+        return out["b"].prompt_logprobs, eng.requeued
+
+    tight, requeued = run(15)
+    roomy, none = run(64)
+    assert requeued >= 1 and none == 0, (requeued, none)
+    assert len(tight) == len(b) - 1 and [e[0] for e in tight] == pytest.approx([e[0] for e in roomy], abs=1e-5)

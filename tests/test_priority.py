@@ -47,8 +47,9 @@ def test_a_runner_out_of_pages_evicts_the_least_important_first():
 def test_a_keys_priority_is_a_floor():
     keys = parse_keys("low priority=10\nfree\n")
     assert sorted(g.priority for g in keys.values() if g.priority is not None) == [10]
-    with pytest.raises(ApiKeyFileError, match="priority"):
-        parse_keys("k priority=high")
+    for bad in ("high", "--5", "1.5", "99999999999"):
+        with pytest.raises(ApiKeyFileError, match="priority"):
+            parse_keys(f"k priority={bad}")
 
 
 async def test_the_scheduler_queues_by_priority_and_keys_cannot_jump_it(tok, tmp_path):

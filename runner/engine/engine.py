@@ -329,6 +329,7 @@ class Engine:
         done: dict[str, StepOutput] = {}
         lps: dict[str, list] = {}
         plps: dict[str, list] = {}
+        need = {s.id: len(s.prompt_ids) - 1 for s in seqs}  # prompt entries (a requeued request reports them again)
         while self.has_work():
             for out in self.step():
                 if out.logprobs is not None:
@@ -337,6 +338,8 @@ class Engine:
                     plps.setdefault(out.seq_id, []).extend(out.prompt_logprobs)
                 if out.finished:
                     out.logprobs, out.prompt_logprobs = lps.pop(out.seq_id, None), plps.pop(out.seq_id, None)
+                    if out.prompt_logprobs is not None:  # the last full pass over its prompt
+                        out.prompt_logprobs = out.prompt_logprobs[-need[out.seq_id]:] if need[out.seq_id] else []
                     done[out.seq_id] = out
                     if progress is not None:
                         progress(out)

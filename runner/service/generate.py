@@ -133,7 +133,7 @@ def sampling_params(obj: dict, rid: str, max_model_len: int) -> SamplingParams:
     if plp is not None and (not isinstance(plp, int) or isinstance(plp, bool) or not 0 <= plp <= oa.MAX_LOGPROBS):
         raise RequestError(f"request {rid}: prompt_logprobs must be an integer from 0 to {oa.MAX_LOGPROBS}")
     defaults = {"max_tokens": min(DEFAULT_MAX_TOKENS, max_model_len), "temperature": 0.0}  # generate's own
-    if plp is not None and given.get("max_tokens") == 0:  # the prompt scored alone (serve's echo + max_tokens 0):
+    if plp is not None and _zero(given.get("max_tokens")):  # the prompt scored alone (serve's echo + max_tokens 0):
         given["max_tokens"] = 1  # one token is computed with it and dropped (score_only)
     try:
         p = oa.parse_common({"model": "generate", **defaults, **given}, chat=False, max_tokens_cap=max_model_len)
@@ -204,8 +204,13 @@ def parse_request(line: str, lineno: int, tokenizer, adapters_dir: Path | None, 
         raise RequestError(f"request {rid}: give a non-empty 'prompt', 'messages' or 'prompt_token_ids'")
     params = sampling_params(obj, rid, max_model_len)
     ref = adapter_ref(obj.get("adapter"), rid, adapters_dir)
-    score_only = obj.get("prompt_logprobs") is not None and obj.get("max_tokens") == 0
+    score_only = obj.get("prompt_logprobs") is not None and _zero(obj.get("max_tokens"))
     return rid, {"ids": ids, "params": params, "adapter": ref, "score_only": score_only}
+
+
+def _zero(v) -> bool:
+    """`max_tokens` given as the integer 0 (not false, not 0.0)."""
+    return type(v) is int and v == 0
 
 
 def logprob_entry(token: int, entry: list) -> dict:
