@@ -69,6 +69,20 @@ def helm() -> str:
     return path
 
 
+@pytest.fixture
+async def fake_api(tok):
+    """The scheduler over one scripted runner (tests/fake_runner.py): `.client`, `.service`, `.runner`, `.tok`."""
+    from types import SimpleNamespace
+
+    from api_helpers import start, stop
+    from fake_runner import FakeRunner
+
+    fr = FakeRunner()
+    client, service, servers = await start(tok, [fr])
+    yield SimpleNamespace(client=client, service=service, runner=fr, tok=tok)
+    await stop(client, servers)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     """A random Llama-2-shaped model: MHA, untied embeddings."""

@@ -124,14 +124,8 @@ def test_logit_bias_past_the_vocabulary_ends_the_request_with_a_clear_error(tiny
 # -- through the OpenAI API -----------------------------------------------------------------------------------
 
 @pytest.fixture
-async def api(tok):
-    from api_helpers import start, stop
-    from fake_runner import FakeRunner
-
-    fr = FakeRunner()
-    client, _, servers = await start(tok, [fr])
-    yield client, fr
-    await stop(client, servers)
+def api(fake_api):
+    return fake_api.client, fake_api.runner
 
 
 async def test_the_scheduler_sends_the_runner_only_the_changes_a_request_asks_for(api):

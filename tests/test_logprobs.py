@@ -116,14 +116,8 @@ def _scripted(tok_id: int, k: int) -> tuple[float, list[tuple[int, float]]]:
 
 
 @pytest.fixture
-async def api(tok):
-    from api_helpers import start, stop
-    from fake_runner import FakeRunner
-
-    fr = FakeRunner()
-    client, _, servers = await start(tok, [fr])
-    yield client, fr, tok
-    await stop(client, servers)
+def api(fake_api):
+    return fake_api.client, fake_api.runner, fake_api.tok
 
 
 async def test_completions_logprobs_have_openais_legacy_shape(api):

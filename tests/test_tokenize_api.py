@@ -5,16 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from api_helpers import start, stop
-from fake_runner import FakeRunner
 
 
 @pytest.fixture
-async def api(tok):
-    fr = FakeRunner()
-    client, service, servers = await start(tok, [fr])
-    yield client, service, fr, tok
-    await stop(client, servers)
+def api(fake_api):
+    return fake_api.client, fake_api.service, fake_api.runner, fake_api.tok
 
 
 async def test_tokenize_gives_the_ids_a_request_would_send(api):
