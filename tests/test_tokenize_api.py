@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 
 
-
 @pytest.fixture
 def api(fake_api):
     return fake_api.client, fake_api.service, fake_api.runner, fake_api.tok
