@@ -684,6 +684,8 @@ def load_tokenizer(model_dir: Path) -> Tokenizer:
 
 
 def build_service(args: argparse.Namespace) -> SchedulerService:
+    if getattr(args, "kube", False) and args.adapters:  # two feeds of one registry would remove each other's
+        raise StartupError("give --adapters DIR or --kube (the pool's LoraAdapters), not both")
     api_keys = load_api_keys(args)
     model = args.model
     if "://" in model:

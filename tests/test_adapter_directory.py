@@ -142,3 +142,12 @@ def test_a_rescan_warns_once_about_a_folder_it_cannot_publish(demo_adapters, tmp
     warned = [r.getMessage() for r in caplog.records]
     assert len(warned) == 2 and any("base model's name" in m for m in warned), warned
     assert registry.names() == ["terse"]
+
+
+def test_the_scheduler_refuses_an_adapter_directory_beside_the_kubernetes_feed(tmp_path):
+    import argparse
+
+    from lorafleet.scheduler.server import StartupError, build_service
+
+    with pytest.raises(StartupError, match="not both"):
+        build_service(argparse.Namespace(kube=True, adapters=tmp_path, model=str(tmp_path), api_keys=None))

@@ -170,6 +170,7 @@ def test_generate_writes_logprobs_and_prompt_logprobs_as_hf_computes_them(tiny_l
     by = {x["id"]: x for x in res}
     assert "logprobs" not in by["plain"] and "prompt_logprobs" not in by["plain"]
     assert by["bad"]["finish_reason"] == "error" and "prompt_logprobs" in by["bad"]["error"]
+    assert by["bad"]["prompt_token_ids"] == prompt  # a failed line keeps what it gave
     assert by["nope"]["finish_reason"] == "error" and "max_tokens" in by["nope"]["error"]  # false is not 0
     score = by["score"]  # max_tokens 0: the prompt scored alone, as serve's echo does
     assert score["token_ids"] == [] and score["finish_reason"] == "length" and "logprobs" not in score

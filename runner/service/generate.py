@@ -157,10 +157,24 @@ def line_id(line: str, lineno: int) -> str:
     return str(obj.get("id", f"line-{lineno}")) if isinstance(obj, dict) else f"line-{lineno}"
 
 
-def failed(rid: str, error: str) -> dict:
-    """The output line of a request that did not run."""
-    return {"id": rid, "adapter": None, "prompt_token_ids": [], "token_ids": [], "text": "", "finish_reason": "error",
-            "error": error}
+def failed(rid: str, error: str, adapter=None, prompt_ids=None) -> dict:
+    """The output line of a request that did not run (with its adapter and prompt ids where the line gave them)."""
+    return {"id": rid, "adapter": adapter, "prompt_token_ids": prompt_ids or [], "token_ids": [], "text": "",
+            "finish_reason": "error", "error": error}
+
+
+def line_fields(line: str | None) -> tuple[str | None, list[int]]:
+    """A failed line's adapter name and prompt ids as it gave them, where they are well-formed (else None, [])."""
+    try:
+        obj = json.loads(line) if line is not None else None
+    except json.JSONDecodeError:
+        obj = None
+    if not isinstance(obj, dict):
+        return None, []
+    adapter = obj.get("adapter") if isinstance(obj.get("adapter"), str) else None
+    ids = obj.get("prompt_token_ids")
+    ok = isinstance(ids, list) and all(type(t) is int and t >= 0 for t in ids)
+    return adapter, ids if ok else []
 
 
 def parse_request(line: str, lineno: int, tokenizer, adapters_dir: Path | None, max_model_len: int) -> tuple[str, dict]:
@@ -317,7 +331,7 @@ def run(args: argparse.Namespace) -> int:
         seen.add(rid)
         order.append(lineno)
         if error is not None:
-            results[lineno] = failed(rid, error)
+            results[lineno] = failed(rid, error, *line_fields(line))
             continue
         line_of[rid] = lineno
         seqs.append(Sequence(rid, req["ids"], req["params"], req["adapter"], arrival=float(lineno)))
@@ -345,7 +359,9 @@ def run(args: argparse.Namespace) -> int:
     bar.close()
     elapsed = time.perf_counter() - t0
     for rid in set(line_of) - set(finals):
-        results[line_of[rid]] = failed(rid, f"request {rid}: interrupted before it finished")
+        s = by_id[rid]
+        results[line_of[rid]] = failed(rid, f"request {rid}: interrupted before it finished", s.adapter_name,
+                                       s.prompt_ids)
     for rid, out in finals.items():
         s = by_id[rid]
         ids = out.output_ids or []
