@@ -6,6 +6,7 @@ Every rejection is an `ApiError` carrying the HTTP status and the OpenAI error b
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -63,6 +64,10 @@ def context_exceeded(param: str, message: str) -> ApiError:
     return ApiError(400, message, param=param, code="context_length_exceeded")
 
 
+EXTRA_SAMPLING = ("logprobs", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+                  "min_tokens")
+
+
 @dataclass
 class GenParams:
     model: str
@@ -89,14 +94,10 @@ class GenParams:
     min_tokens: int = 0
 
     def extras(self) -> dict:
-        """The sampling fields past the basic ones that this request sets to something other than their neutral
-        value, as a runner's `sampling` (and SamplingParams) take them."""
-        out = {"logprobs": self.logprobs, "min_p": self.min_p, "presence_penalty": self.presence_penalty,
-               "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
-               "logit_bias": self.logit_bias, "min_tokens": self.min_tokens}
-        neutral = {"logprobs": None, "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-                   "repetition_penalty": 1.0, "logit_bias": (), "min_tokens": 0}
-        out = {k: v for k, v in out.items() if v != neutral[k]}
+        """The sampling fields past the basic ones (EXTRA_SAMPLING) that this request sets to something other than
+        their default (the neutral value), as a runner's `sampling` (and SamplingParams) take them."""
+        default = {f.name: f.default for f in dataclasses.fields(self)}
+        out = {k: getattr(self, k) for k in EXTRA_SAMPLING if getattr(self, k) != default[k]}
         if self.echo and self.logprobs is not None:
             out["prompt_logprobs"] = self.logprobs
         return out

@@ -80,3 +80,23 @@ def write_adapter(folder: Path, rank: int = 4, hidden: int = 16) -> Path:
         tensors[f"base_model.model.model.layers.0.self_attn.{proj}.lora_B.weight"] = (hidden, rank)
     write_safetensors(folder / "adapter_model.safetensors", tensors)
     return folder
+
+
+def collect_outputs(eng, seqs) -> dict[str, dict]:
+    """Submit `seqs` to engine `eng` and step it until it is done: per request id, the generated ids, their
+    log-probability entries, its prompt's entries, and how many step outputs carried each kind of entry."""
+    got = {s.id: {"ids": [], "lps": [], "lp_entries": 0, "prompt": [], "prompt_entries": 0} for s in seqs}
+    for s in seqs:
+        eng.submit(s)
+    while eng.has_work():
+        for out in eng.step():
+            g = got[out.seq_id]
+            g["ids"] += out.new_token_ids
+            if out.logprobs is not None:
+                assert len(out.logprobs) == len(out.new_token_ids)
+                g["lps"] += out.logprobs
+                g["lp_entries"] += 1
+            if out.prompt_logprobs is not None:
+                g["prompt"] += out.prompt_logprobs
+                g["prompt_entries"] += 1
+    return got

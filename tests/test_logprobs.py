@@ -7,28 +7,12 @@ import json
 import pytest
 import torch
 
-from model_helpers import write_random_adapter
+from model_helpers import collect_outputs, write_random_adapter
 from lorafleet.runner.config import EngineConfig
 from lorafleet.runner.engine.engine import Engine
 from lorafleet.runner.engine.sequence import (MAX_LOGPROBS, AdapterRef, SamplingError, SamplingParams, Sequence,
                                               sampling_from_dict)
 from reference import HFReference
-
-
-def _collect(eng: Engine, seqs: list[Sequence]) -> dict[str, dict]:
-    """Every request's generated ids and the log-probability entries that came with them, step by step."""
-    got = {s.id: {"ids": [], "lps": [], "entries": 0} for s in seqs}
-    for s in seqs:
-        eng.submit(s)
-    while eng.has_work():
-        for out in eng.step():
-            g = got[out.seq_id]
-            g["ids"] += out.new_token_ids
-            if out.logprobs is not None:
-                assert len(out.logprobs) == len(out.new_token_ids)
-                g["lps"] += out.logprobs
-                g["entries"] += 1
-    return got
 
 
 @pytest.fixture(scope="module")
@@ -51,14 +35,14 @@ def test_logprobs_of_a_mixed_batch_equal_hf_peft_log_softmax(tiny_llama, adapter
                              AdapterRef(name, str(adapters[name])) if name else None))
     prompts = {s.id: (list(s.prompt_ids), s.adapter_name) for s in seqs}
     eng = Engine(str(tiny_llama), EngineConfig(max_batch_size=8, kv_cache_gb=0.05, max_lora_rank=16, page_size=4))
-    got = _collect(eng, seqs)
+    got = collect_outputs(eng, seqs)
     ref = HFReference(tiny_llama, adapters)
     for sid, k in zip(prompts, asks):
         ids, name = prompts[sid]
         out = got[sid]
         assert len(out["ids"]) == 10
         if k is None:
-            assert out["entries"] == 0, sid
+            assert out["lp_entries"] == 0, sid
             continue
         assert len(out["lps"]) == 10
         want = ref.logits(ids + out["ids"], name).log_softmax(-1)[len(ids) - 1: -1]  # [10, V] teacher-forced
@@ -84,7 +68,7 @@ def test_asking_for_logprobs_never_changes_the_tokens(tiny_llama):
         eng = Engine(str(tiny_llama), EngineConfig(max_batch_size=8, kv_cache_gb=0.05, page_size=4))
         seqs = [Sequence(f"r{i}", p, SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=i, logprobs=k,
                                                     ignore_eos=True)) for i, p in enumerate(prompts)]
-        return {sid: v["ids"] for sid, v in _collect(eng, seqs).items()}
+        return {sid: v["ids"] for sid, v in collect_outputs(eng, seqs).items()}
 
     assert run(None) == run(4)
 
@@ -216,23 +200,16 @@ def test_prompt_logprobs_equal_hf_peft_and_skip_the_prefix_cache(tiny_llama, ada
         cfg.update(chunked_prefill=True, max_step_tokens=16)
     eng = Engine(str(tiny_llama), EngineConfig(**cfg))
     warm = Sequence("warm", list(prompt), SamplingParams(max_tokens=2), AdapterRef("a8", str(adapters["a8"])))
-    _collect(eng, [warm])  # its pages are now cached
+    collect_outputs(eng, [warm])  # its pages are now cached
     seqs = [Sequence("p", list(prompt), SamplingParams(max_tokens=3, prompt_logprobs=2, logprobs=1, ignore_eos=True),
                      AdapterRef("a8", str(adapters["a8"]))),
             Sequence("plain", list(prompt), SamplingParams(max_tokens=3, ignore_eos=True),
                      AdapterRef("a8", str(adapters["a8"])))]
-    got = {s.id: {"prompt": [], "entries": 0} for s in seqs}
-    for s in seqs:
-        eng.submit(s)
-    while eng.has_work():
-        for out in eng.step():
-            if out.prompt_logprobs is not None:
-                got[out.seq_id]["prompt"] += out.prompt_logprobs
-                got[out.seq_id]["entries"] += 1
-    assert got["plain"]["entries"] == 0 and seqs[1].cached_tokens > 0  # the other one took the cached pages
+    got = collect_outputs(eng, seqs)
+    assert got["plain"]["prompt_entries"] == 0 and seqs[1].cached_tokens > 0  # the other one took the cached pages
     assert seqs[0].cached_tokens == 0
     if chunked:
-        assert got["p"]["entries"] > 1
+        assert got["p"]["prompt_entries"] > 1
     want = HFReference(tiny_llama, adapters).logits(prompt, "a8").log_softmax(-1)
     assert len(got["p"]["prompt"]) == len(prompt) - 1
     for p, (lp, top) in enumerate(got["p"]["prompt"]):

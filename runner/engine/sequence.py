@@ -8,6 +8,8 @@ import os
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from lorafleet.runner.executor.sampler import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_REPETITION_PENALTY
 from lorafleet.runner.lora.adapter import AdapterRef  # noqa: F401 (a request names its adapter by one)
 
@@ -236,8 +238,6 @@ class Sequence:
         """Its prompt's distinct ids as an int64 CPU tensor (the repetition penalty's part from the prompt),
         worked out once."""
         if self._prompt_distinct is None:
-            import torch
-
             self._prompt_distinct = torch.tensor(list(dict.fromkeys(self.prompt_ids)), dtype=torch.int64)
         return self._prompt_distinct
 

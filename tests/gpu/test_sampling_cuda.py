@@ -15,7 +15,7 @@ import torch
 from lorafleet.runner.config import EngineConfig
 from lorafleet.runner.engine.engine import Engine
 from lorafleet.runner.engine.sequence import AdapterRef, SamplingParams, Sequence
-from model_helpers import write_random_adapter, write_random_llama
+from model_helpers import collect_outputs, write_random_adapter, write_random_llama
 from reference import HFReference
 
 pytestmark = pytest.mark.gpu
@@ -45,16 +45,7 @@ def _prompt(seed, n=24):
 def _run(eng, specs, adapters):
     seqs = [Sequence(f"r{i}", _prompt(i), SamplingParams(max_tokens=12, **kw),
                      AdapterRef(a, str(adapters[a])) if a else None) for i, (kw, a) in enumerate(specs)]
-    got = {s.id: {"ids": [], "lps": [], "prompt": []} for s in seqs}
-    for s in seqs:
-        eng.submit(s)
-    while eng.has_work():
-        for out in eng.step():
-            g = got[out.seq_id]
-            g["ids"] += out.new_token_ids
-            g["lps"] += out.logprobs or []
-            g["prompt"] += out.prompt_logprobs or []
-    return seqs, got
+    return seqs, collect_outputs(eng, seqs)
 
 
 PENALIZED = [  # greedy rows with the changes whose device path (a pending token counted on the device) is tested
