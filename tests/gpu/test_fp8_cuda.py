@@ -37,7 +37,7 @@ def test_activation_kernel_gives_the_torch_quantization_bits(dtype):
 
     ext = load()
     g = torch.Generator(device="cuda").manual_seed(3)
-    for rows, cols in ((1, 8), (32, 4096), (7, 28672), (5, 1000), (3, 13)):
+    for rows, cols in ((1, 8), (32, 4096), (7, 28672), (5, 1000), (3, 13), (2, 16384), (3, 16392)):
         x = (torch.randn(rows, cols, device="cuda", generator=g) * 3).to(dtype)
         x[0, : min(cols, 4)] = torch.tensor([6e4, -6e4, 1e-7, -3e-5], dtype=dtype)[: min(cols, 4)]
         if rows > 2:
@@ -572,7 +572,7 @@ def test_fp8_epilogue_inside_the_wgmma_product_gives_the_same_step(fam, kv):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("T,K", [(1, 4096), (24, 4096), (37, 11008), (64, 512)])
+@pytest.mark.parametrize("T,K", [(1, 4096), (24, 4096), (37, 11008), (64, 512), (3, 8200), (5, 28672)])
 def test_shrink_quantizes_its_input_as_the_activation_kernel_does(dtype, T, K):
     """The LoRA shrink asked to quantize x (runner/lora/sgmv_cuda.py, `quant`): v unchanged, the e4m3 rows and
     scales bit for bit those of quantize_tokens, for every row (adapted or not), whatever the grid."""
