@@ -30,6 +30,23 @@ __device__ __forceinline__ uint8_t e4m3(float v, float s) {
 // load per vector would wait on each). The LoRA shrink, whose items cap its registers, holds fewer (4).
 constexpr int kHeldVecs = 8;
 
+// Column of the thread's i-th vector in the chunk of the row starting at column c0.
+template <int kThreads>
+__device__ __forceinline__ int held_col(int c0, int i) {
+  return c0 + (static_cast<int>(threadIdx.x) + i * kThreads) * 8;
+}
+
+// The thread's vectors of that chunk into `held`, all loads issued before any is used (plain loads: in rms_norm x
+// is this block's own stores).
+template <typename T, int kThreads, int kHeld>
+__device__ __forceinline__ void load_held(const T* x, int cols, int c0, uint4 (&held)[kHeld]) {
+#pragma unroll
+  for (int i = 0; i < kHeld; ++i) {
+    const int j = held_col<kThreads>(c0, i);
+    if (j < cols) held[i] = *reinterpret_cast<const uint4*>(x + j);
+  }
+}
+
 // One row of quantize_rows_e4m3 (quant.h) by a whole block of kThreads threads (every thread must call it):
 // out[:cols] and *scale from x[:cols].
 template <typename T, int kThreads, int kHeld = kHeldVecs>
@@ -43,15 +60,10 @@ __device__ __forceinline__ void quantize_row(const T* x, uint8_t* out, float* sc
   uint4 held[kHeld] = {};
   if (vec) {
     for (int c0 = 0; c0 < cols; c0 += kChunk) {
-#pragma unroll
-      for (int i = 0; i < kHeld; ++i) {  // (plain loads: in rms_norm x is this block's own stores)
-        const int j = c0 + (static_cast<int>(threadIdx.x) + i * kThreads) * 8;
-        if (j < cols) held[i] = *reinterpret_cast<const uint4*>(x + j);
-      }
+      load_held<T, kThreads>(x, cols, c0, held);
 #pragma unroll
       for (int i = 0; i < kHeld; ++i) {
-        const int j = c0 + (static_cast<int>(threadIdx.x) + i * kThreads) * 8;
-        if (j >= cols) continue;
+        if (held_col<kThreads>(c0, i) >= cols) continue;
         const T* v = reinterpret_cast<const T*>(&held[i]);
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
@@ -90,16 +102,10 @@ __device__ __forceinline__ void quantize_row(const T* x, uint8_t* out, float* sc
   if (vec) {
     const bool kept = cols <= kChunk;  // the whole row is still in `held`
     for (int c0 = 0; c0 < cols; c0 += kChunk) {
-      if (!kept) {
-#pragma unroll
-        for (int i = 0; i < kHeld; ++i) {
-          const int j = c0 + (static_cast<int>(threadIdx.x) + i * kThreads) * 8;
-          if (j < cols) held[i] = *reinterpret_cast<const uint4*>(x + j);
-        }
-      }
+      if (!kept) load_held<T, kThreads>(x, cols, c0, held);
 #pragma unroll
       for (int i = 0; i < kHeld; ++i) {
-        const int j = c0 + (static_cast<int>(threadIdx.x) + i * kThreads) * 8;
+        const int j = held_col<kThreads>(c0, i);
         if (j >= cols) continue;
         const T* v = reinterpret_cast<const T*>(&held[i]);
         uint2 packed;
