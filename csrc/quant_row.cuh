@@ -24,53 +24,24 @@ __device__ __forceinline__ uint8_t e4m3(float v, float s) {
   return static_cast<uint8_t>(__nv_cvt_float_to_fp8(q, __NV_SATFINITE, __NV_E4M3));
 }
 
-// kHeld: the 16-byte vectors of a row a thread loads at once. A row up to kThreads * 8 * kHeld wide (16,384 columns
-// at 256 threads and 8) is read once, all of a thread's loads in flight together, and kept in registers for the
-// scaled cast; a wider row takes one round trip per chunk of that width in each of the two passes (a loop of one
-// load per vector would wait on each). The LoRA shrink, whose items cap its registers, holds fewer (4).
-constexpr int kHeldVecs = 8;
-
-// Column of the thread's i-th vector in the chunk of the row starting at column c0.
-template <int kThreads>
-__device__ __forceinline__ int held_col(int c0, int i) {
-  return c0 + (static_cast<int>(threadIdx.x) + i * kThreads) * 8;
-}
-
-// The thread's vectors of that chunk into `held`, all loads issued before any is used (plain loads: in rms_norm x
-// is this block's own stores).
-template <typename T, int kThreads, int kHeld>
-__device__ __forceinline__ void load_held(const T* x, int cols, int c0, uint4 (&held)[kHeld]) {
-#pragma unroll
-  for (int i = 0; i < kHeld; ++i) {
-    const int j = held_col<kThreads>(c0, i);
-    if (j < cols) held[i] = *reinterpret_cast<const uint4*>(x + j);
-  }
-}
-
 // One row of quantize_rows_e4m3 (quant.h) by a whole block of kThreads threads (every thread must call it):
 // out[:cols] and *scale from x[:cols].
-template <typename T, int kThreads, int kHeld = kHeldVecs>
+template <typename T, int kThreads>
 __device__ __forceinline__ void quantize_row(const T* x, uint8_t* out, float* scale, int cols) {
   const bool vec = (cols % 8 == 0) && (reinterpret_cast<uintptr_t>(x) % 16 == 0) &&
                    (reinterpret_cast<uintptr_t>(out) % 8 == 0);
   // fmaxf drops NaN; torch's amax propagates it: a NaN anywhere makes the row's scale NaN.
   float m = 0.f;
   bool nan = false;
-  constexpr int kChunk = kThreads * 8 * kHeld;  // columns per chunk of loads
-  uint4 held[kHeld] = {};
   if (vec) {
-    for (int c0 = 0; c0 < cols; c0 += kChunk) {
-      load_held<T, kThreads>(x, cols, c0, held);
+    for (int j = threadIdx.x * 8; j < cols; j += kThreads * 8) {
+      const uint4 raw = *reinterpret_cast<const uint4*>(x + j);
+      const T* v = reinterpret_cast<const T*>(&raw);
 #pragma unroll
-      for (int i = 0; i < kHeld; ++i) {
-        if (held_col<kThreads>(c0, i) >= cols) continue;
-        const T* v = reinterpret_cast<const T*>(&held[i]);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          const float f = to_float(v[e]);
-          nan |= f != f;
-          m = fmaxf(m, fabsf(f));
-        }
+      for (int e = 0; e < 8; ++e) {
+        const float f = to_float(v[e]);
+        nan |= f != f;
+        m = fmaxf(m, fabsf(f));
       }
     }
   } else {
@@ -100,20 +71,14 @@ __device__ __forceinline__ void quantize_row(const T* x, uint8_t* out, float* sc
   __syncthreads();  // every thread has read red and any_nan: the block may call this again for another row
   if (threadIdx.x == 0) *scale = s;
   if (vec) {
-    const bool kept = cols <= kChunk;  // the whole row is still in `held`
-    for (int c0 = 0; c0 < cols; c0 += kChunk) {
-      if (!kept) load_held<T, kThreads>(x, cols, c0, held);
+    for (int j = threadIdx.x * 8; j < cols; j += kThreads * 8) {
+      const uint4 raw = *reinterpret_cast<const uint4*>(x + j);
+      const T* v = reinterpret_cast<const T*>(&raw);
+      uint2 packed;
+      uint8_t* b = reinterpret_cast<uint8_t*>(&packed);
 #pragma unroll
-      for (int i = 0; i < kHeld; ++i) {
-        const int j = held_col<kThreads>(c0, i);
-        if (j >= cols) continue;
-        const T* v = reinterpret_cast<const T*>(&held[i]);
-        uint2 packed;
-        uint8_t* b = reinterpret_cast<uint8_t*>(&packed);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) b[e] = e4m3(to_float(v[e]), s);
-        *reinterpret_cast<uint2*>(out + j) = packed;
-      }
+      for (int e = 0; e < 8; ++e) b[e] = e4m3(to_float(v[e]), s);
+      *reinterpret_cast<uint2*>(out + j) = packed;
     }
   } else {
     for (int j = threadIdx.x; j < cols; j += kThreads) out[j] = e4m3(to_float(x[j]), s);

@@ -952,7 +952,7 @@ __global__ void __launch_bounds__(kThreads, kMma ? 2 : (kNorm ? 3 : kShrinkMinBl
     // Rows on the grid's last blocks: items go to blocks 0, 1, ... first, so the last blocks hold the fewest
     // (row r on block gridDim.x - 1 - r, and every gridDim.x-th row after it on the same block).
     for (int row = gridDim.x - 1 - static_cast<int>(blockIdx.x); row < p.seg.num_rows; row += gridDim.x)
-      quant_detail::quantize_row<T, kThreads, 4>(x + static_cast<int64_t>(row) * p.in_features,
+      quant_detail::quantize_row<T, kThreads>(x + static_cast<int64_t>(row) * p.in_features,
                                               p.quant_out + static_cast<int64_t>(row) * p.in_features,
                                               p.quant_scale + row, p.in_features);
   }
