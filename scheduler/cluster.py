@@ -339,7 +339,7 @@ class Cluster:
             if len(e) > 6 and isinstance(e[6], list):  # its prompt's log-probabilities: before its tokens
                 req.add_prompt_logprobs(e[6])
             if e[1]:
-                req.add_tokens(e[1], e[5] if len(e) > 5 and isinstance(e[5], list) else None)
+                req.add_tokens(e[1], e[5] if len(e) > 5 and isinstance(e[5], list) else None, e[2] == "stop")
             if e[2] is not None:
                 self._finished(runner, req, e[2], e[3])
 

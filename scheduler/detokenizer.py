@@ -21,9 +21,12 @@ REPLACEMENT = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: tuple[str, ...] = (), context: int = 5):
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: tuple[str, ...] = (), context: int = 5,
+                 skip_special_tokens: bool = True):
+        """`skip_special_tokens` False: special tokens are spelt out in the text (and stop strings may match them)."""
         self.tok = tokenizer
-        self.pieces = tokenizer.byte_pieces()
+        self.skip = skip_special_tokens
+        self.pieces = tokenizer.byte_pieces(skip_special_tokens)
         self.utf8 = codecs.getincrementaldecoder("utf-8")("replace") if self.pieces is not None else None
         self.ids = list(prompt_ids[-context:])
         self.prefix_offset = 0
@@ -35,17 +38,24 @@ class IncrementalDetokenizer:
         self.last_new = ""  # the text the last push decoded, before any is held back (log-probabilities' offsets)
 
     def _decode_new(self) -> str:
-        prefix = self.tok.decode(self.ids[self.prefix_offset : self.read_offset])
-        full = self.tok.decode(self.ids[self.prefix_offset :])
+        prefix = self.tok.decode(self.ids[self.prefix_offset : self.read_offset], self.skip)
+        full = self.tok.decode(self.ids[self.prefix_offset :], self.skip)
         if len(full) > len(prefix) and not full.endswith(REPLACEMENT):
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
             return full[len(prefix) :]
         return ""
 
-    def push(self, new_ids: list[int]) -> str:
-        """Add generated ids; return text that can be shown now ("" if none)."""
+    def push(self, new_ids: list[int], ending: bool = False) -> str:
+        """Add generated ids; return text that can be shown now ("" if none). `ending`: the last id ended the
+        output (EOS or one of stop_token_ids); a special token there adds no text even when special tokens are
+        spelt out (as vLLM leaves the token that stopped the output out of its text)."""
         if self.stopped:
             return ""
+        if ending and not self.skip and new_ids and new_ids[-1] in self.tok.special_ids:
+            new_ids = new_ids[:-1]
+            if not new_ids:
+                self.last_new = ""
+                return ""
         if self.pieces is not None:
             p = self.pieces
             text = self.utf8.decode(p[new_ids[0]] if len(new_ids) == 1 else b"".join([p[i] for i in new_ids]))
@@ -66,8 +76,8 @@ class IncrementalDetokenizer:
         if self.pieces is not None:
             self.pending += self.utf8.decode(b"", final=True)
             return self._emit(final=True)
-        full = self.tok.decode(self.ids[self.prefix_offset :])
-        prefix = self.tok.decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self.tok.decode(self.ids[self.prefix_offset :], self.skip)
+        prefix = self.tok.decode(self.ids[self.prefix_offset : self.read_offset], self.skip)
         if len(full) > len(prefix):
             self.pending += full[len(prefix) :]
         self.prefix_offset = self.read_offset = len(self.ids)

@@ -29,14 +29,15 @@ MAX_REPETITION_PENALTY = 10.0  # the runners take the same bound
 # argument: a misspelt field (`max_token`) would otherwise fall back to its default unnoticed.
 # Sampling extras of vLLM's API (its own benchmark client sends repetition_penalty 1.0) at the value that
 # changes nothing; any other value is refused as unsupported.
-NEUTRAL = {"skip_special_tokens": True, "spaces_between_special_tokens": True}
+NEUTRAL = {"spaces_between_special_tokens": True}
 # OpenAI features this server lacks, accepted when unset (null, false or "none"), otherwise refused as unsupported.
 OFF_ONLY = ("tools", "functions", "tool_choice", "function_call", "parallel_tool_calls", "reasoning_effort",
             "verbosity")
 COMMON_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop", "stop_token_ids", "ignore_eos",
     "stream", "stream_options", "cache_salt", "presence_penalty", "frequency_penalty", "logprobs", "logit_bias",
-    "response_format", "repetition_penalty", "min_p", "min_tokens", "priority", *OFF_ONLY, *NEUTRAL})
+    "response_format", "repetition_penalty", "min_p", "min_tokens", "priority", "skip_special_tokens", *OFF_ONLY,
+    *NEUTRAL})
 COMPLETION_FIELDS = frozenset({"prompt", "echo", "best_of", "suffix"})
 CHAT_FIELDS = frozenset({"messages", "max_completion_tokens", "chat_template_kwargs", "top_logprobs"})
 IGNORED = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"})
@@ -92,6 +93,7 @@ class GenParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
+    skip_special_tokens: bool = True  # False: special tokens (e.g. <|im_end|>) spelt out in the text
 
     def extras(self) -> dict:
         """The sampling fields past the basic ones (EXTRA_SAMPLING) that this request sets to something other than
@@ -191,17 +193,12 @@ def parse_common(body: dict, chat: bool, max_tokens_cap: int, vocab_size: int | 
         raise bad("stop_token_ids", "stop_token_ids must be a list of token ids")
     if vocab_size is not None and any(t >= vocab_size for t in stop_ids):
         raise bad("stop_token_ids", f"stop_token_ids must be in [0, {vocab_size}), got {max(stop_ids)}")
-    stream = False if body.get("stream") is None else body["stream"]
-    if not isinstance(stream, bool):
-        raise bad("stream", "stream must be a boolean")
+    stream = _boolean(body, "stream", False)
     opts = body.get("stream_options")
     if opts is not None and (not isinstance(opts, dict) or not isinstance(opts.get("include_usage", False), bool)):
         raise bad("stream_options", "stream_options must be an object like {\"include_usage\": true}")
     if opts is not None and not stream:
         raise bad("stream_options", "stream_options is only allowed when stream is true")
-    ignore_eos = False if body.get("ignore_eos") is None else body["ignore_eos"]
-    if not isinstance(ignore_eos, bool):
-        raise bad("ignore_eos", "ignore_eos must be a boolean")
     top_k = _integer(body, "top_k", -1, -1, 1 << 30)
     logprobs = _parse_logprobs(body, chat)
     min_tokens = _integer(body, "min_tokens", 0, 0, max_tokens_cap)
@@ -220,7 +217,7 @@ def parse_common(body: dict, chat: bool, max_tokens_cap: int, vocab_size: int | 
         seed=_integer(body, "seed", None, -INT64, INT64 - 1),
         stop=stop,
         stop_token_ids=tuple(stop_ids),
-        ignore_eos=ignore_eos,
+        ignore_eos=_boolean(body, "ignore_eos", False),
         stream=stream,
         include_usage=bool(opts and opts.get("include_usage")),
         cache_salt=salt,
@@ -233,7 +230,18 @@ def parse_common(body: dict, chat: bool, max_tokens_cap: int, vocab_size: int | 
         repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, MAX_REPETITION_PENALTY, lo_open=True),
         logit_bias=_parse_logit_bias(body, vocab_size),
         min_tokens=min_tokens,
+        skip_special_tokens=_boolean(body, "skip_special_tokens", True),
     )
+
+
+def _boolean(body: dict, key: str, default: bool) -> bool:
+    """A boolean field (null or absent: `default`); anything else is a 400 naming it."""
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad(key, f"{key} must be a boolean")
+    return v
 
 
 def _parse_logit_bias(body: dict, vocab_size: int | None) -> tuple[tuple[int, float], ...]:
@@ -449,15 +457,15 @@ class LogprobsWriter:
     (`Tokenizer.token_bytes`, special tokens spelt out) read as UTF-8, a byte sequence cut inside a character
     as U+FFFD; chat entries carry the exact `bytes` too."""
 
-    def __init__(self, tok, chat: bool):
-        self.tok, self.chat = tok, chat
+    def __init__(self, tok, chat: bool, skip_special_tokens: bool = True):
+        self.tok, self.chat, self.skip = tok, chat, skip_special_tokens  # skip: the choice's text leaves them out
         self.entries: list[tuple[int, list]] = []
         self.offsets: list[int] = []  # completions: each entry's text_offset
         self.offset = 0  # where the next generated token's text starts in the choice's text
 
     def add(self, ids: list[int], lps: list, texts: list[str] | None = None) -> None:
         """Generated tokens' entries; `texts`: the text each adds to the choice's text (its offsets follow them;
-        a special token, which the text leaves out, adds none)."""
+        a special token adds none where the text leaves it out)."""
         self.entries.extend(zip(ids, lps))
         for t in texts if texts is not None else [""] * len(ids):
             self.offsets.append(self.offset)
@@ -472,7 +480,7 @@ class LogprobsWriter:
         if offsets is None:  # text decoded from the ids: each token's place in it (one incremental pass)
             from lorafleet.scheduler.detokenizer import IncrementalDetokenizer
 
-            d, offsets, pos = IncrementalDetokenizer(self.tok, []), [], 0
+            d, offsets, pos = IncrementalDetokenizer(self.tok, [], skip_special_tokens=self.skip), [], 0
             for i in ids:
                 offsets.append(pos)
                 d.push([i])

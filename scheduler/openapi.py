@@ -56,6 +56,9 @@ def _schemas(limits: RequestLimits, names: list[str], vocab_size: int) -> dict:
                                                  "maxItems": MAX_STOP}, {"type": "null"}]},
         "stop_token_ids": {"type": ["array", "null"], "items": {"type": "integer", "minimum": 0}},
         "ignore_eos": {"type": ["boolean", "null"]},
+        "skip_special_tokens": {"type": ["boolean", "null"],
+                                "description": "false: special tokens (e.g. an end-of-turn token) spelt out in the "
+                                               "text (default true: left out)"},
         "stream": {"type": ["boolean", "null"]},
         "stream_options": {"type": ["object", "null"], "properties": {"include_usage": {"type": "boolean"}},
                            "description": "only with stream: true"},

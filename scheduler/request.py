@@ -103,14 +103,15 @@ class Request:
         if not self.done and not self.prompt_logprobs_done:
             self.prompt_lps += entries[: len(self.prompt_ids) - 1 - len(self.prompt_lps)]
 
-    def add_tokens(self, ids: list[int], logprobs: list | None = None) -> None:
+    def add_tokens(self, ids: list[int], logprobs: list | None = None, ending: bool = False) -> None:
         """New ids from the runner (never more than max_tokens in all), with their log-probabilities where the
-        request asked for them (one entry per id)."""
+        request asked for them (one entry per id); `ending`: the runner stopped the request at the last of them (EOS
+        or a stop token id)."""
         if self.done or not ids:
             return
         room = self.max_tokens - len(self.generated)
         if len(ids) > room:
-            ids = ids[: max(room, 0)]
+            ids, ending = ids[: max(room, 0)], False
             if not ids:
                 return
         if logprobs is not None:
@@ -118,7 +119,7 @@ class Request:
         if self.first_token_time is None:
             self.first_token_time = time.time()
         self.generated += ids
-        self.sink.tokens(self, ids, logprobs)
+        self.sink.tokens(self, ids, logprobs, ending)
 
     def finish(self, reason: str, error: str | None = None) -> None:
         if self.done:

@@ -274,11 +274,14 @@ class SchedulerService:
         reqs = self._make_requests(params, adapter, prompts, chat, grant)
         self._check_capacity(len(reqs))
         self._check_key_limit(grant, len(reqs))
-        detoks = [IncrementalDetokenizer(self.tok, r.prompt_ids, params.stop) for r in reqs]
-        lps = None if params.logprobs is None else [oa.LogprobsWriter(self.tok, chat) for _ in reqs]
+        detoks = [IncrementalDetokenizer(self.tok, r.prompt_ids, params.stop,
+                                         skip_special_tokens=params.skip_special_tokens) for r in reqs]
+        lps = None if params.logprobs is None else [oa.LogprobsWriter(self.tok, chat, params.skip_special_tokens)
+                                                    for _ in reqs]
         echo = None
         if params.echo:  # each choice's prompt as given (token-id prompts decoded)
-            echo = [p if isinstance(p, str) else self.tok.decode(p) for p in items for _ in range(params.n)]
+            echo = [p if isinstance(p, str) else self.tok.decode(p, params.skip_special_tokens)
+                    for p in items for _ in range(params.n)]
         rid = oa.new_id(chat)
         gone: list[bool] = []
 

@@ -1,6 +1,6 @@
 """Where a request's tokens go: straight to its client, on the call stack that read them.
 
-The runner stream reader (`cluster.py`) calls `sink.tokens(req, ids)` and `sink.done(req,
+The runner stream reader (`cluster.py`) calls `sink.tokens(req, ids, logprobs, ending)` and `sink.done(req,
 reason, error)` synchronously for every request in a runner's step line. One sink serves the
 `n` choices of one API call.
 
@@ -30,7 +30,7 @@ HIGH_WATER = 1 << 20
 class Discard:
     """The sink of a request nobody listens to."""
 
-    def tokens(self, req, ids, logprobs=None) -> None:
+    def tokens(self, req, ids, logprobs=None, ending=False) -> None:
         pass
 
     def done(self, req, reason, error) -> None:
@@ -56,17 +56,18 @@ class _Choices:
             self.logprobs[i].add_prompt(req.prompt_ids, req.prompt_lps, self.echo[i])
         return self.echo[i]
 
-    def _push(self, req, ids: list[int], logprobs) -> str:
-        """The text `ids` add to `req`'s choice; with log-probabilities, each token's entry goes to its writer
-        unless a stop string ended the choice before that token."""
+    def _push(self, req, ids: list[int], logprobs, ending: bool) -> str:
+        """The text `ids` add to `req`'s choice (`ending`: the last one ended it, IncrementalDetokenizer.push); with
+        log-probabilities, each token's entry goes to its writer unless a stop string ended the choice before that
+        token."""
         d = self.detoks[req.index]
         if self.logprobs is None or logprobs is None:
-            return d.push(ids)
+            return d.push(ids, ending)
         writer, out = self.logprobs[req.index], []
-        for t, e in zip(ids, logprobs):
+        for k, (t, e) in enumerate(zip(ids, logprobs)):
             if d.stopped:
                 break
-            out.append(d.push([t]))
+            out.append(d.push([t], ending and k == len(ids) - 1))
             writer.add([t], [e], [d.last_new])  # (the text it adds, for completions' text_offset)
         return "".join(out)
 
@@ -81,9 +82,9 @@ class CollectSink(_Choices):
         self.left = len(detoks)
         self.finished = asyncio.get_running_loop().create_future()
 
-    def tokens(self, req, ids, logprobs=None) -> None:
+    def tokens(self, req, ids, logprobs=None, ending=False) -> None:
         d = self.detoks[req.index]
-        text = self._begin(req) + self._push(req, ids, logprobs)
+        text = self._begin(req) + self._push(req, ids, logprobs, ending)
         if text:
             self.parts[req.index].append(text)
         if d.stopped:
@@ -178,9 +179,9 @@ class StreamSink(_Choices):
     def _take(self, index: int) -> dict | None:
         return self.logprobs[index].take() if self.logprobs is not None else None
 
-    def tokens(self, req, ids, logprobs=None) -> None:
+    def tokens(self, req, ids, logprobs=None, ending=False) -> None:
         d = self.detoks[req.index]
-        text = self._begin(req) + self._push(req, ids, logprobs)
+        text = self._begin(req) + self._push(req, ids, logprobs, ending)
         if text and not self.gone:
             self._send(self.enc.text(req.index, text, self._take(req.index)))
         if d.stopped:

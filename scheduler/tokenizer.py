@@ -157,6 +157,7 @@ class Tokenizer:
         self._template_problem: str | None = None
         self._max_token_chars: int | None = None
         self._pieces: list[bytes] | None = None
+        self._special_pieces: list[bytes] | None = None  # byte_pieces(skip_special_tokens=False)
         if template:
             try:
                 self._template = _ENV.from_string(template)
@@ -164,10 +165,20 @@ class Tokenizer:
                 self._template_problem = f"this model's chat template does not compile: {exc}"
                 log.error("%s", self._template_problem)
 
-    def byte_pieces(self) -> list[bytes] | None:
+    def byte_pieces(self, skip_special_tokens: bool = True) -> list[bytes] | None:
         """For byte-level BPE tokenizers (GPT-2 style `ByteLevel` decoder): the bytes each id decodes
-        to (b"" for special ids, as `decode(skip_special_tokens=True)` drops them), so incremental
-        detokenization is a table lookup plus an incremental UTF-8 decoder. None for other decoders."""
+        to (b"" for special ids, as `decode(skip_special_tokens=True)` drops them; with False their text, as
+        `decode(skip_special_tokens=False)` spells them), so incremental detokenization is a table lookup plus an
+        incremental UTF-8 decoder. None for other decoders."""
+        if not skip_special_tokens:
+            pieces = self.byte_pieces()
+            if pieces is None:
+                return None
+            if self._special_pieces is None:
+                added = self._tok.get_added_tokens_decoder()
+                self._special_pieces = [added[i].content.encode() if i in self.special_ids else b
+                                        for i, b in enumerate(pieces)]
+            return self._special_pieces
         if self._pieces is not None:
             return self._pieces or None
         self._pieces = []

@@ -81,7 +81,8 @@ class FakeRunner:
             st.deliver([[rid, [], "error", f"adapter {adapter!r}: {self.refuse[adapter]}"]])
             return web.json_response({"request_id": rid, "accepted": True}, status=202)
         self.active[rid] = {"stream": st, "todo": self.tokens(body), "out": 0, "lp": body["sampling"].get("logprobs"),
-                            "plp": body["sampling"].get("prompt_logprobs"), "prompt": body["prompt_token_ids"]}
+                            "plp": body["sampling"].get("prompt_logprobs"), "prompt": body["prompt_token_ids"],
+                            "stop_ids": set(body["sampling"].get("stop_token_ids") or ())}
         self._wake.set()
         if self._stepper is None or self._stepper.done():
             self._stepper = asyncio.get_running_loop().create_task(self._steps())
@@ -97,11 +98,12 @@ class FakeRunner:
             for rid, a in list(self.active.items()):
                 tok = a["todo"][a["out"]]
                 a["out"] += 1
-                done = a["out"] >= len(a["todo"])
+                stop = tok in a["stop_ids"]  # (as the engine stops at one of stop_token_ids)
+                done = stop or a["out"] >= len(a["todo"])
                 if done:
                     del self.active[rid]
                 g = per_stream.setdefault(id(a["stream"]), (a["stream"], []))
-                g[1].append([rid, [tok], "length" if done else None, None])
+                g[1].append([rid, [tok], ("stop" if stop else "length") if done else None, None])
                 if a.get("lp") is not None:  # scripted log-probabilities: the token, then the next ids, less likely
                     g[1][-1] += [None, [_scripted(tok, a["lp"])]]
                 if a.get("plp") is not None:  # its prompt's, all with its first token
