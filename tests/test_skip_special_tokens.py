@@ -129,3 +129,16 @@ async def test_a_non_boolean_is_refused_naming_the_field(fake_api, value):
         "model": "base", "prompt": "Hi", "max_tokens": 2, "skip_special_tokens": value})
     body = await r.json()
     assert r.status == 400 and body["error"]["param"] == "skip_special_tokens", body
+
+
+@pytest.mark.parametrize("table", [True, False])
+def test_an_ending_special_token_in_a_longer_push_adds_no_text(tok, table):
+    """A runner's line may carry several ids with the one that stopped the output last."""
+    ids = special_ids(tok)
+    end = len(ids) - 1  # TEXT ends with a special token
+    assert ids[end] in tok.special_ids
+    d = IncrementalDetokenizer(tok if table else NoTable(tok), [], skip_special_tokens=False)
+    text = d.push(ids[:4]) + d.push(ids[4:], ending=True) + d.flush()
+    assert text == tok._tok.decode(ids[:end], skip_special_tokens=False)
+    d = IncrementalDetokenizer(tok if table else NoTable(tok), [], skip_special_tokens=False)
+    assert d.push(ids[:3]) + d.push(ids[3:], ending=False) + d.flush() == tok._tok.decode(ids, skip_special_tokens=False)
