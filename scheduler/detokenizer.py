@@ -47,11 +47,11 @@ class IncrementalDetokenizer:
 
     def push(self, new_ids: list[int], ending: bool = False) -> str:
         """Add generated ids; return text that can be shown now ("" if none). `ending`: the last id ended the
-        output (EOS or one of stop_token_ids); a special token there adds no text even when special tokens are
-        spelt out (as vLLM leaves the token that stopped the output out of its text)."""
+        output (EOS or one of stop_token_ids); it adds no text, special or not, as vLLM leaves the token that
+        stopped the output out of its text."""
         if self.stopped:
             return ""
-        if ending and not self.skip and new_ids and new_ids[-1] in self.tok.special_ids:
+        if ending and new_ids:
             new_ids = new_ids[:-1]
             if not new_ids:
                 self.last_new = ""

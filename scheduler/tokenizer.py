@@ -174,10 +174,9 @@ class Tokenizer:
             pieces = self.byte_pieces()
             if pieces is None:
                 return None
-            if self._special_pieces is None:
-                added = self._tok.get_added_tokens_decoder()
-                self._special_pieces = [added[i].content.encode() if i in self.special_ids else b
-                                        for i, b in enumerate(pieces)]
+            if self._special_pieces is None:  # (each special token as the library's own decode spells it)
+                self._special_pieces = [self._tok.decode([i], skip_special_tokens=False).encode()
+                                        if i in self.special_ids else b for i, b in enumerate(pieces)]
             return self._special_pieces
         if self._pieces is not None:
             return self._pieces or None

@@ -142,3 +142,52 @@ def test_an_ending_special_token_in_a_longer_push_adds_no_text(tok, table):
     assert text == tok._tok.decode(ids[:end], skip_special_tokens=False)
     d = IncrementalDetokenizer(tok if table else NoTable(tok), [], skip_special_tokens=False)
     assert d.push(ids[:3]) + d.push(ids[3:], ending=False) + d.flush() == tok._tok.decode(ids, skip_special_tokens=False)
+
+
+async def test_echoed_id_prompt_not_the_tokenizers_own_split(fake_api, tok):
+    """Token ids the tokenizer would not produce for their text (single characters where it merges them): the
+    offsets come from decoding token by token, special tokens spelt or left out as asked."""
+    client = fake_api.client
+    one = [tok.encode(c, add_special_tokens=False) for c in "abc"]
+    assert all(len(x) == 1 for x in one)
+    start, end = sorted(tok.special_ids)[1], sorted(tok.special_ids)[2]
+    prompt = [start, one[0][0], one[1][0], end, one[2][0]]
+    assert tok.text_offsets(prompt, tok.decode(prompt, False)) is None  # (so the fallback path runs)
+    fake_api.runner.tokens = lambda body: one[0] * body["sampling"]["max_tokens"]
+    for skip in (True, False):
+        r = await client.post("/v1/completions", json={
+            "model": "base", "prompt": prompt, "max_tokens": 1, "echo": True, "logprobs": 0,
+            "skip_special_tokens": skip})
+        lp = (await r.json())["choices"][0]["logprobs"]
+        spelt = [tok._tok.decode([i], skip_special_tokens=skip) for i in prompt]
+        assert lp["text_offset"][: len(prompt)] == [len("".join(spelt[:k])) for k in range(len(prompt))], skip
+
+
+def test_the_sink_drops_only_the_ending_token_of_a_longer_line(tok):
+    """A runner line of several ids whose last ended the output (CollectSink with log-probabilities, then a
+    Request whose max_tokens cuts the line before its stopping token: that token is not the one that ends it)."""
+    import asyncio
+
+    from lorafleet.scheduler import openai_api as oa
+    from lorafleet.scheduler.request import Request
+    from lorafleet.scheduler.sinks import CollectSink
+
+    ids = tok.encode("Hi there, ok.", add_special_tokens=False)
+
+    async def run(max_tokens: int, skip: bool):
+        writer = oa.LogprobsWriter(tok, chat=False, skip_special_tokens=skip)
+        sink = CollectSink([IncrementalDetokenizer(tok, [], skip_special_tokens=skip)], lambda req: None, [writer])
+        req = Request(id="r", model="base", adapter=None, prompt_ids=[1], max_tokens=max_tokens, sampling={},
+                      sink=sink)
+        req.add_tokens(ids, [[-1.0, []]] * len(ids), ending=True)
+        req.finish("stop" if max_tokens >= len(ids) else "length")
+        return "".join(sink.parts[0]), writer.take()
+
+    for skip in (True, False):
+        text, lp = asyncio.run(run(len(ids), skip))
+        assert text == tok._tok.decode(ids[:-1]) and len(lp["tokens"]) == len(ids)  # "." ended it: no text
+        assert lp["text_offset"][-1] == len(text)
+        text, _ = asyncio.run(run(len(ids) - 1, skip))  # the line cut before its stopping token
+        assert text == tok._tok.decode(ids[:-1])
+        text, _ = asyncio.run(run(len(ids) - 2, skip))
+        assert text == tok._tok.decode(ids[:-2])

@@ -97,7 +97,8 @@ def test_logprobs_and_prompt_logprobs_agree_with_hf_peft_fp32(model):
             if top:  # greedy: its own token is the most likely one, or tied with it (argmax takes the lowest
                 # index of equal bf16 logits; the order topk gives equal values is unspecified)
                 assert abs(top[0][1] - lp) < 1e-6, (s.id, k, tok, lp, top)
-                assert top[0][0] == tok or float(want[P - 1 + k, top[0][0]]) >= float(want[P - 1 + k, tok]) - LP_TOL
+                assert top[0][0] == tok or float(want[P - 1 + k, top[0][0]]) >= float(want[P - 1 + k, tok]) - LP_TOL, \
+                    (s.id, k, tok, top)
         if kw.get("prompt_logprobs") is not None:
             assert len(g["prompt"]) == P - 1
             err = [abs(lp - float(want[p, s.prompt_ids[p + 1]])) for p, (lp, _) in enumerate(g["prompt"])]

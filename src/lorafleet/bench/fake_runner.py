@@ -1,7 +1,8 @@
 """A scripted runner speaking the real runner protocol (docs/api.md), without a model or torch.
 
 Used by the scheduler's API tests and by `lorafleet bench relay`. Request `rid` with prompt
-length P generates ids `first + (P + i) % 500`, i = 0.., up to its max_tokens. Every `step_s`
+length P generates ids `first + (P + i) % 500`, i = 0.., up to its max_tokens (or, as the engine, up to one of
+its stop_token_ids once min_tokens are out: finish reason "stop"). Every `step_s`
 seconds (0: as fast as the stream's writer drains) every active request gets one token, and
 each stream gets one line for the whole step, as from a real engine.
 
@@ -82,7 +83,8 @@ class FakeRunner:
             return web.json_response({"request_id": rid, "accepted": True}, status=202)
         self.active[rid] = {"stream": st, "todo": self.tokens(body), "out": 0, "lp": body["sampling"].get("logprobs"),
                             "plp": body["sampling"].get("prompt_logprobs"), "prompt": body["prompt_token_ids"],
-                            "stop_ids": set(body["sampling"].get("stop_token_ids") or ())}
+                            "stop_ids": set(body["sampling"].get("stop_token_ids") or ()),
+                            "min_tokens": body["sampling"].get("min_tokens", 0)}
         self._wake.set()
         if self._stepper is None or self._stepper.done():
             self._stepper = asyncio.get_running_loop().create_task(self._steps())
@@ -98,7 +100,7 @@ class FakeRunner:
             for rid, a in list(self.active.items()):
                 tok = a["todo"][a["out"]]
                 a["out"] += 1
-                stop = tok in a["stop_ids"]  # (as the engine stops at one of stop_token_ids)
+                stop = tok in a["stop_ids"] and a["out"] > a["min_tokens"]  # (as the engine, past min_tokens)
                 done = stop or a["out"] >= len(a["todo"])
                 if done:
                     del self.active[rid]
