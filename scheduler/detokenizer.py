@@ -22,10 +22,12 @@ REPLACEMENT = "\ufffd"
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: tuple[str, ...] = (), context: int = 5,
-                 skip_special_tokens: bool = True):
-        """`skip_special_tokens` False: special tokens are spelt out in the text (and stop strings may match them)."""
+                 skip_special_tokens: bool = True, include_stop: bool = False):
+        """`skip_special_tokens` False: special tokens are spelt out in the text (and stop strings may match them).
+        `include_stop` (vLLM's include_stop_str_in_output): the stop string that ended the text, or the text of the
+        token that stopped the output, stays in it."""
         self.tok = tokenizer
-        self.skip = skip_special_tokens
+        self.skip, self.include_stop = skip_special_tokens, include_stop
         self.pieces = tokenizer.byte_pieces(skip_special_tokens)
         self.utf8 = codecs.getincrementaldecoder("utf-8")("replace") if self.pieces is not None else None
         self.ids = list(prompt_ids[-context:])
@@ -48,10 +50,10 @@ class IncrementalDetokenizer:
     def push(self, new_ids: list[int], ending: bool = False) -> str:
         """Add generated ids; return text that can be shown now ("" if none). `ending`: the last id ended the
         output (EOS or one of stop_token_ids); it adds no text, special or not, as vLLM leaves the token that
-        stopped the output out of its text."""
+        stopped the output out of its text (unless include_stop)."""
         if self.stopped:
             return ""
-        if ending and new_ids:
+        if ending and new_ids and not self.include_stop:
             new_ids = new_ids[:-1]
             if not new_ids:
                 self.last_new = ""
@@ -88,8 +90,10 @@ class IncrementalDetokenizer:
             hits = [(self.pending.find(s), s) for s in self.stop]
             hits = [(i, s) for i, s in hits if i >= 0]
             if hits:
-                i = min(hits)[0]
-                out, self.pending, self.stopped = self.pending[:i], "", True
+                # the text ends before the earliest stop string, or with include_stop after the one that was
+                # complete first (the earliest end)
+                end = min(i + len(s) for i, s in hits) if self.include_stop else min(hits)[0]
+                out, self.pending, self.stopped = self.pending[:end], "", True
                 return out
         if final or self.hold == 0:
             out, self.pending = self.pending, ""

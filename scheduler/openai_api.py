@@ -36,8 +36,8 @@ OFF_ONLY = ("tools", "functions", "tool_choice", "function_call", "parallel_tool
 COMMON_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop", "stop_token_ids", "ignore_eos",
     "stream", "stream_options", "cache_salt", "presence_penalty", "frequency_penalty", "logprobs", "logit_bias",
-    "response_format", "repetition_penalty", "min_p", "min_tokens", "priority", "skip_special_tokens", *OFF_ONLY,
-    *NEUTRAL})
+    "response_format", "repetition_penalty", "min_p", "min_tokens", "priority", "skip_special_tokens",
+    "include_stop_str_in_output", *OFF_ONLY, *NEUTRAL})
 COMPLETION_FIELDS = frozenset({"prompt", "echo", "best_of", "suffix"})
 CHAT_FIELDS = frozenset({"messages", "max_completion_tokens", "chat_template_kwargs", "top_logprobs"})
 IGNORED = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"})
@@ -94,6 +94,7 @@ class GenParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     skip_special_tokens: bool = True  # False: special tokens (e.g. <|im_end|>) spelt out in the text
+    include_stop_str_in_output: bool = False  # the stop string (or stopping token's text) kept at the text's end
 
     def extras(self) -> dict:
         """The sampling fields past the basic ones (EXTRA_SAMPLING) that this request sets to something other than
@@ -231,6 +232,7 @@ def parse_common(body: dict, chat: bool, max_tokens_cap: int, vocab_size: int | 
         logit_bias=_parse_logit_bias(body, vocab_size),
         min_tokens=min_tokens,
         skip_special_tokens=_boolean(body, "skip_special_tokens", True),
+        include_stop_str_in_output=_boolean(body, "include_stop_str_in_output", False),
     )
 
 

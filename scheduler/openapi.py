@@ -59,6 +59,9 @@ def _schemas(limits: RequestLimits, names: list[str], vocab_size: int) -> dict:
         "skip_special_tokens": {"type": ["boolean", "null"],
                                 "description": "false: special tokens (e.g. an end-of-turn token) spelt out in the "
                                                "text (default true: left out)"},
+        "include_stop_str_in_output": {"type": ["boolean", "null"],
+                                       "description": "true: the stop string that ended the text (or the text of "
+                                                      "the stop token) stays at its end (default false)"},
         "stream": {"type": ["boolean", "null"]},
         "stream_options": {"type": ["object", "null"], "properties": {"include_usage": {"type": "boolean"}},
                            "description": "only with stream: true"},

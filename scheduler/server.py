@@ -275,7 +275,8 @@ class SchedulerService:
         self._check_capacity(len(reqs))
         self._check_key_limit(grant, len(reqs))
         detoks = [IncrementalDetokenizer(self.tok, r.prompt_ids, params.stop,
-                                         skip_special_tokens=params.skip_special_tokens) for r in reqs]
+                                         skip_special_tokens=params.skip_special_tokens,
+                                         include_stop=params.include_stop_str_in_output) for r in reqs]
         lps = None if params.logprobs is None else [oa.LogprobsWriter(self.tok, chat, params.skip_special_tokens)
                                                     for _ in reqs]
         echo = None

@@ -191,3 +191,36 @@ def test_the_sink_drops_only_the_ending_token_of_a_longer_line(tok):
         assert text == tok._tok.decode(ids[:-1])
         text, _ = asyncio.run(run(len(ids) - 2, skip))
         assert text == tok._tok.decode(ids[:-2])
+
+
+@pytest.mark.parametrize("table", [True, False])
+def test_include_stop_keeps_the_stop_string_and_the_stopping_token(tok, table):
+    """vLLM's include_stop_str_in_output: the text ends with the stop string that was complete first (not cut
+    before it), and the token that stopped the output keeps its text."""
+    t = tok if table else NoTable(tok)
+    text = "Hello world, and more words"
+    ids = tok.encode(text, add_special_tokens=False)
+    for include, want in ((False, "Hello"), (True, "Hello world,")):
+        d = IncrementalDetokenizer(t, [], (" world,", "and more"), include_stop=include)
+        out = "".join(d.push([i]) for i in ids) + d.flush()
+        assert d.stopped and out == (want if include else "Hello"), include
+    ids = special_ids(tok)
+    for include in (False, True):
+        d = IncrementalDetokenizer(t, [], skip_special_tokens=False, include_stop=include)
+        out = d.push(ids, ending=True) + d.flush()
+        assert out == tok._tok.decode(ids if include else ids[:-1], skip_special_tokens=False)
+
+
+async def test_include_stop_through_the_api(scripted, tok):
+    client, ids = scripted
+    end = next(k for k, t in enumerate(ids) if t in tok.special_ids and k > 0)
+    body = {"model": "base", "prompt": "Hi", "max_tokens": 40, "stop_token_ids": [ids[end]],
+            "skip_special_tokens": False, "include_stop_str_in_output": True}
+    r = await client.post("/v1/completions", json=body)
+    assert (await r.json())["choices"][0]["text"] == tok._tok.decode(ids[: end + 1], skip_special_tokens=False)
+    body.update(stop=["there"], stop_token_ids=[])
+    r = await client.post("/v1/completions", json={**body, "stream": True})
+    want = tok._tok.decode(ids, skip_special_tokens=False)
+    assert await streamed_text(r) == want[: want.index("there") + len("there")]
+    r = await client.post("/v1/completions", json={**body, "include_stop_str_in_output": "yes"})
+    assert r.status == 400 and (await r.json())["error"]["param"] == "include_stop_str_in_output"
