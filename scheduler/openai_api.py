@@ -174,9 +174,7 @@ def parse_common(body: dict, chat: bool, max_tokens_cap: int, vocab_size: int | 
         raise bad("model", "model must be a non-empty string naming the base model or an adapter")
     _refuse_unknown(body, chat)
     _refuse_unsupported(body, chat)
-    echo = False if chat or body.get("echo") is None else body["echo"]
-    if not isinstance(echo, bool):
-        raise bad("echo", "echo must be a boolean")
+    echo = False if chat else _boolean(body, "echo", False)
     key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     # max_tokens 0 with echo: the prompt scored, nothing generated
     max_tokens = _integer(body, key, None if chat else min(16, max_tokens_cap), 0 if echo else 1, max_tokens_cap)
@@ -275,8 +273,7 @@ def _parse_logprobs(body: dict, chat: bool) -> int | None:
     lp = body.get("logprobs")
     if not chat:
         return None if lp is False else _integer(body, "logprobs", None, 0, MAX_LOGPROBS)
-    if lp is not None and not isinstance(lp, bool):
-        raise bad("logprobs", "logprobs must be a boolean")
+    lp = _boolean(body, "logprobs", False)
     top = _integer(body, "top_logprobs", None, 0, MAX_LOGPROBS)
     if top and not lp:
         raise bad("top_logprobs", "top_logprobs needs logprobs set to true")
