@@ -1,5 +1,6 @@
-// quantize_rows_e4m3 (see quant.h): one block per row; the row is read twice (absmax, then the scaled
-// cast; the second read hits L2), 16-byte loads when the row allows them.
+// quantize_rows_e4m3 (see quant.h): one block per row, of 1,024 threads for rows of 8,192 columns and more (a
+// launch has one block per token row, far fewer than the SMs: wide rows take more of each SM), else 256; the row
+// is read twice (absmax, then the scaled cast; the second read hits L2), 16-byte loads when the row allows them.
 // fp8_epilogue (see quant.h): one thread per 8 columns of one row (16-byte stores), a block per 1,024
 // columns of a row; B's first 16 rank rows are loaded before the programmatic-launch wait, at once (rank 16: one
 // round trip to memory; at most 128 registers, 4 blocks of 128 threads per SM, no spills).
@@ -22,12 +23,15 @@ namespace {
 constexpr int kThreads = 256;
 using quant_detail::to_float;
 
-template <typename T>
-__global__ void __launch_bounds__(kThreads) quantize_rows_kernel(QuantizeRowsArgs a) {
+constexpr int kWideThreads = 1024;
+constexpr int kWideCols = 8192;
+
+template <typename T, int kBlock>
+__global__ void __launch_bounds__(kBlock) quantize_rows_kernel(QuantizeRowsArgs a) {
   const int row = blockIdx.x;
-  quant_detail::quantize_row<T, kThreads>(static_cast<const T*>(a.x) + static_cast<int64_t>(row) * a.x_row_stride,
-                                          static_cast<uint8_t*>(a.out) + static_cast<int64_t>(row) * a.cols,
-                                          a.scale + row, a.cols);
+  quant_detail::quantize_row<T, kBlock>(static_cast<const T*>(a.x) + static_cast<int64_t>(row) * a.x_row_stride,
+                                        static_cast<uint8_t*>(a.out) + static_cast<int64_t>(row) * a.cols,
+                                        a.scale + row, a.cols);
 }
 
 }  // namespace
@@ -40,8 +44,14 @@ const char* quantize_rows_e4m3(DType dtype, const QuantizeRowsArgs& a, int devic
   if (e == cudaSuccess && prev != device) e = cudaSetDevice(device);
   if (e != cudaSuccess) return cudaGetErrorString(e);
   auto s = static_cast<cudaStream_t>(stream);
-  if (dtype == DType::kBFloat16) quantize_rows_kernel<__nv_bfloat16><<<a.rows, kThreads, 0, s>>>(a);
-  else quantize_rows_kernel<__half><<<a.rows, kThreads, 0, s>>>(a);
+  const bool wide = a.cols >= kWideCols;
+  if (dtype == DType::kBFloat16) {
+    if (wide) quantize_rows_kernel<__nv_bfloat16, kWideThreads><<<a.rows, kWideThreads, 0, s>>>(a);
+    else quantize_rows_kernel<__nv_bfloat16, kThreads><<<a.rows, kThreads, 0, s>>>(a);
+  } else {
+    if (wide) quantize_rows_kernel<__half, kWideThreads><<<a.rows, kWideThreads, 0, s>>>(a);
+    else quantize_rows_kernel<__half, kThreads><<<a.rows, kThreads, 0, s>>>(a);
+  }
   e = cudaGetLastError();
   if (prev != device) cudaSetDevice(prev);
   return e == cudaSuccess ? nullptr : cudaGetErrorString(e);

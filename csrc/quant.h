@@ -4,9 +4,12 @@
 // `cols` elements, unit column stride):
 //
 //   scale[i]  = max(absmax(x[i, :]) * fp32(1 / 448), 1e-12)              fp32 (how torch divides by a scalar)
-//   out[i, j] = e4m3(clamp(x[i, j] / scale[i], -448, 448))               round to nearest even
+//   inv[i]    = 1 / scale[i]                                             fp32, correctly rounded
+//   out[i, j] = e4m3(clamp(x[i, j] * inv[i], -448, 448))                 round to nearest even
 //
-// the same bits as runner/model/fp8.py quantize_tokens (x.float(), amax, division, clamp, cast).
+// the same bits as runner/model/fp8.py quantize_tokens (x.float(), amax, reciprocal, product, clamp, cast). A
+// product, not a division: vLLM's per-token kernels multiply by the reciprocal too, and a correctly rounded
+// division per element is most of the kernel's instructions.
 #pragma once
 
 #include <cstdint>

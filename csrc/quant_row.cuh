@@ -17,11 +17,15 @@ constexpr float kE4m3Max = 448.f;
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
 
-__device__ __forceinline__ uint8_t e4m3(float v, float s) {
-  const float d = __fdiv_rn(v, s);
-  // torch's clamp keeps a NaN (fminf / fmaxf would drop it): a NaN input or a NaN row scale gives NaN
-  const float q = d != d ? d : fminf(fmaxf(d, -kE4m3Max), kE4m3Max);
-  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(q, __NV_SATFINITE, __NV_E4M3));
+// v times a row's reciprocal scale, saturated to e4m3: cvt's satfinite is torch's clamp to +-448 followed by the
+// cast (a NaN stays NaN), round to nearest even. Two values per conversion, the first in the low byte.
+__device__ __forceinline__ uint32_t e4m3x2(float a, float b, float inv) {
+  return static_cast<uint32_t>(
+      __nv_cvt_float2_to_fp8x2(make_float2(__fmul_rn(a, inv), __fmul_rn(b, inv)), __NV_SATFINITE, __NV_E4M3));
+}
+
+__device__ __forceinline__ uint8_t e4m3(float v, float inv) {
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(__fmul_rn(v, inv), __NV_SATFINITE, __NV_E4M3));
 }
 
 // One row of quantize_rows_e4m3 (quant.h) by a whole block of kThreads threads (every thread must call it):
@@ -68,6 +72,7 @@ __device__ __forceinline__ void quantize_row(const T* x, uint8_t* out, float* sc
   __syncthreads();
   // torch divides a tensor by a Python scalar as a product with the scalar's fp32 reciprocal
   const float s = any_nan ? __int_as_float(0x7fffffff) : fmaxf(__fmul_rn(red[0], 1.f / kE4m3Max), 1e-12f);
+  const float inv = __frcp_rn(s);  // the values are multiplied by it (quantize_tokens: x * scale.reciprocal())
   __syncthreads();  // every thread has read red and any_nan: the block may call this again for another row
   if (threadIdx.x == 0) *scale = s;
   if (vec) {
@@ -75,13 +80,12 @@ __device__ __forceinline__ void quantize_row(const T* x, uint8_t* out, float* sc
       const uint4 raw = *reinterpret_cast<const uint4*>(x + j);
       const T* v = reinterpret_cast<const T*>(&raw);
       uint2 packed;
-      uint8_t* b = reinterpret_cast<uint8_t*>(&packed);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) b[e] = e4m3(to_float(v[e]), s);
+      packed.x = e4m3x2(to_float(v[0]), to_float(v[1]), inv) | (e4m3x2(to_float(v[2]), to_float(v[3]), inv) << 16);
+      packed.y = e4m3x2(to_float(v[4]), to_float(v[5]), inv) | (e4m3x2(to_float(v[6]), to_float(v[7]), inv) << 16);
       *reinterpret_cast<uint2*>(out + j) = packed;
     }
   } else {
-    for (int j = threadIdx.x; j < cols; j += kThreads) out[j] = e4m3(to_float(x[j]), s);
+    for (int j = threadIdx.x; j < cols; j += kThreads) out[j] = e4m3(to_float(x[j]), inv);
   }
 }
 }  // namespace quant_detail

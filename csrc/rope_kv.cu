@@ -81,8 +81,7 @@ __global__ void __launch_bounds__(kWarps * 32) rope_kv_kernel(const RopeKvArgs p
       return;
     }
     const float2 f = Pair<T>::get(pair);
-    *reinterpret_cast<uint16_t*>(dst8 + i) = static_cast<uint16_t>(quant_detail::e4m3(f.x, 1.f) |
-                                                                  (quant_detail::e4m3(f.y, 1.f) << 8));
+    *reinterpret_cast<uint16_t*>(dst8 + i) = static_cast<uint16_t>(quant_detail::e4m3x2(f.x, f.y, 1.f));
   };
   // This head's LoRA add-on, if the row has an adapter (projection g, its column offset within it).
   int r = 0;

@@ -74,8 +74,9 @@ def fp8_tensor_cores(device: torch.device) -> bool:
 
 
 def quantize_tokens(x: torch.Tensor, ext=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic per-token quantization: (x_q float8 [M, K], scale fp32 [M, 1]). `ext` (the project's CUDA
-    extension, runner/kernels.py): the same bits in one launch (csrc/quant.cu) for 2-D bf16/fp16 CUDA rows."""
+    """Dynamic per-token quantization: (x_q float8 [M, K], scale fp32 [M, 1]), x_q = e4m3(x * (1 / scale)). `ext`
+    (the project's CUDA extension, runner/kernels.py): the same bits in one launch (csrc/quant.cu) for 2-D bf16/fp16
+    CUDA rows."""
     if ext is not None and x.is_cuda and x.dim() == 2 and x.stride(-1) == 1 and x.dtype in (torch.bfloat16,
                                                                                              torch.float16):
         q = torch.empty(x.shape, dtype=E4M3, device=x.device)
@@ -84,7 +85,7 @@ def quantize_tokens(x: torch.Tensor, ext=None) -> tuple[torch.Tensor, torch.Tens
         return q, scale
     xf = x.float()
     scale = (xf.abs().amax(dim=-1, keepdim=True) / E4M3_MAX).clamp(min=1e-12)
-    return to_e4m3(xf / scale), scale
+    return to_e4m3(xf * scale.reciprocal()), scale  # a product with the reciprocal, as vLLM's kernels take it
 
 
 _ONES: dict[int, torch.Tensor] = {}
