@@ -429,7 +429,7 @@ __device__ void norm_row(const NormArgs& n, int row) {
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads) rms_norm_rows_kernel(const __grid_constant__ NormArgs n) {
+__global__ void __launch_bounds__(kThreads, 1) rms_norm_rows_kernel(const __grid_constant__ NormArgs n) {
   pdl_wait();  // h and res come from the preceding kernel
   for (int row = blockIdx.x; row < n.rows; row += gridDim.x) norm_row<T>(n, row);
 }
