@@ -225,9 +225,12 @@ stage() {
     fp8tests|ptests|sm90tests)
       local f=tests/gpu/test_fp8_cuda.py; [ "$1" = ptests ] && f=tests/gpu/test_prefix_cuda.py
       [ "$1" = sm90tests ] && f=tests/gpu/test_fp8_sm90_cuda.py
-      timeout ${TEST_S:-400} python3 -m pytest -q -p no:cacheprovider $f -rA -s --durations=4 --tb=short -k "${FP8_K:-}" \
+      timeout ${TEST_S:-400} python3 -m pytest -v -p no:cacheprovider $f -rA -s --durations=4 --tb=short -k "${FP8_K:-}" \
         -o faulthandler_timeout=${HANG_S:-200} 2>&1 | tee "$LOGS/gpu_$1.log" \
-        | grep -E "passed|failed|FAILED|flips|cache|Error|Timeout|File |^E  " | cut -c1-300 | tail -${TEST_LINES:-30} ;;
+        | grep -E "passed|failed|FAILED|flips|cache|Error|Timeout|File |^E  " | cut -c1-300 | tail -${TEST_LINES:-30}
+      # (-v: each test's outcome as it ends, "PASSED [ 12%]", so a run cut by its time limit still says what passed)
+      echo "$1 as they ended: $(grep -oE 'PASSED +\[ *[0-9]+%\]' "$LOGS/gpu_$1.log" | wc -l) passed," \
+        "$(grep -oE '(FAILED|ERROR) +\[ *[0-9]+%\]' "$LOGS/gpu_$1.log" | wc -l) failed" ;;
     loraprobe)
       timeout ${PROBE_S:-240} python3 bench/probe_lora.py --out "$OUT/probe_lora.json" 2>&1 \
         | tee "$LOGS/probe_lora.log" | tail -8 ;;
