@@ -74,7 +74,10 @@ const char* launch(const typename Gemm::Arguments& args, bool pdl, void* stream)
   return nullptr;
 }
 
-template <int kTokens>
+// kPersistent: CUTLASS's persistent ping-pong schedule (one CTA per SM walks the tiles; two consumer warp groups
+// take alternate tiles, so one's epilogue runs while the producer already loads the other's k-tiles) instead of one
+// CTA per tile. The same mainloop collective: each tile's k-tiles in the same order, the same promotions.
+template <int kTokens, bool kPersistent = false>
 struct Sm90Fp8Gemm {
   using ElementA = cutlass::float_e4m3_t;  // W [N, K], K-major
   using LayoutA = cutlass::layout::RowMajor;
@@ -103,12 +106,13 @@ struct Sm90Fp8Gemm {
       kAlignAB, ElementAcc, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename Epilogue::SharedStorage))>,
-      cutlass::gemm::KernelTmaWarpSpecialized>::CollectiveOp;
+      std::conditional_t<kPersistent, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
+                         cutlass::gemm::KernelTmaWarpSpecialized>>::CollectiveOp;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 
-  static typename Gemm::Arguments arguments(const Fp8Sm90Args& a) {
+  static typename Gemm::Arguments arguments(const Fp8Sm90Args& a, int sm_count = 0) {
     using StrideA = typename Gemm::GemmKernel::StrideA;
     using StrideB = typename Gemm::GemmKernel::StrideB;
     using StrideD = typename Gemm::GemmKernel::StrideD;
@@ -127,10 +131,15 @@ struct Sm90Fp8Gemm {
         // alpha and beta as values: with programmatic dependent launch only the producer warp waits for the kernel
         // before, and the consumers would read device-side alpha / beta pointers before that wait.
         {{1.0f, 0.0f}, nullptr, sd, a.out, sd}};
+    // the persistent schedule's grid: one CTA per SM (given, so that the launch asks the driver for nothing)
+    args.hw_info.device_id = a.device;
+    args.hw_info.sm_count = sm_count;
     return args;
   }
 
-  static const char* run(const Fp8Sm90Args& a, void* stream) { return launch<Gemm>(arguments(a), a.pdl, stream); }
+  static const char* run(const Fp8Sm90Args& a, void* stream, int sm_count = 0) {
+    return launch<Gemm>(arguments(a, sm_count), a.pdl, stream);
+  }
 };
 
 // The fused epilogue (fp8_gemm_sm90_fused): the FP8 epilogue of quant.h (scales, bias, the rows' LoRA expand) on the
@@ -345,7 +354,15 @@ const char* on_sm90(int device, Launch&& launch) {
 
 const char* fp8_gemm_sm90(const Fp8Sm90Args& a, void* stream) {
   if (const char* err = sizes_error(a)) return err;
-  return on_sm90(a.device, [&] {
+  return on_sm90(a.device, [&]() -> const char* {
+    if (a.persistent) {
+      int sms = 0;
+      if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, a.device) != cudaSuccess)
+        return "fp8_gemm_sm90: cannot read the SM count";
+      return a.m <= 16 ? Sm90Fp8Gemm<16, true>::run(a, stream, sms)
+           : a.m <= 32 ? Sm90Fp8Gemm<32, true>::run(a, stream, sms)
+                       : Sm90Fp8Gemm<64, true>::run(a, stream, sms);
+    }
     return a.m <= 16 ? Sm90Fp8Gemm<16>::run(a, stream)
          : a.m <= 32 ? Sm90Fp8Gemm<32>::run(a, stream)
                      : Sm90Fp8Gemm<64>::run(a, stream);

@@ -26,6 +26,9 @@ struct Fp8Sm90Args {
   // Programmatic dependent launch (sm_90): the grid may start while the kernel before it drains; it waits for
   // that kernel's completion before its first load, so any kernel may precede it.
   bool pdl = true;
+  // CUTLASS's persistent ping-pong schedule (one CTA per SM over the tiles, a tile's epilogue beside the next tile's
+  // loads) instead of one CTA per tile; the same bits (the same k-tiles in the same order per tile).
+  bool persistent = false;
 };
 
 constexpr int kFp8Sm90MaxRows = 64;

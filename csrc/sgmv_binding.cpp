@@ -37,13 +37,14 @@
 //       NormLoraArgs). late_tables: row_slot was written by the kernel right before; stage_bytes: shared
 //       memory for the weight rows staged before the wait (a launch shape: never changes a bit; -1: the default).
 //   quantize_e4m3(out, scale, x, stream): dynamic per-row FP8 quantization of activations (quant.h),
-//       one launch: scale[i] = max(absmax(x[i]) / 448, 1e-12), out[i] = e4m3(x[i] / scale[i]).
+//       one launch: scale[i] = max(absmax(x[i]) / 448, 1e-12), out[i] = e4m3(x[i] * (1 / scale[i])).
 //   fp8_gemm(out, x, x_scale, w, w_scale, stream): out = (x @ w.T) * x_scale[:, None] * w_scale[None, :] in
 //       bf16 for at most 64 e4m3 rows x (fp8_gemm.h), the weight streamed once.
 //   fp8_gemm_bf16(out, x, w, w_scale, stream): the same for bf16 rows x, unquantized: (x @ w.T) * w_scale.
-//   fp8_gemm_sm90(out, x, w, stream, splits=1, pdl=True): out = x @ w.T in fp32 (unit scales) for at most 64 e4m3 rows x on
-//       Hopper's wgmma (fp8_gemm_sm90.h, CUTLASS); splits > 1: out [splits, M, N] holds the partial sums of K's
-//       equal parts. fp8_gemm_sm90_built(): whether this build holds that kernel.
+//   fp8_gemm_sm90(out, x, w, stream, splits=1, pdl=True, persistent=False): out = x @ w.T in fp32 (unit scales) for
+//       at most 64 e4m3 rows x on Hopper's wgmma (fp8_gemm_sm90.h, CUTLASS); splits > 1: out [splits, M, N] holds
+//       the partial sums of K's equal parts; persistent: CUTLASS's persistent ping-pong schedule (the same bits).
+//       fp8_gemm_sm90_built(): whether this build holds that kernel.
 //   fp8_epilogue(out, y, x_scale, w_scale, bias, cols, v, b, ranks, row_slot, pdl, stream, act=0): out = the fp32
 //       unit-scale FP8 product y times the token and row scales, plus the bias and the rows' LoRA expand
 //       (v @ b[g][row_slot]) over the projections' column spans `cols`, one launch (quant.h); bias and v
@@ -708,8 +709,9 @@ lorafleet::Fp8Sm90Args sm90_args(const Tensor& x, const Tensor& w, int64_t split
   return a;
 }
 
-void fp8_gemm_sm90(Tensor out, Tensor x, Tensor w, int64_t stream, int64_t splits, bool pdl) {
+void fp8_gemm_sm90(Tensor out, Tensor x, Tensor w, int64_t stream, int64_t splits, bool pdl, bool persistent) {
   lorafleet::Fp8Sm90Args a = sm90_args(x, w, splits, pdl, "fp8_gemm_sm90");
+  a.persistent = persistent;
   const int64_t M = a.m, N = a.n;
   check_device(out, Name("out"), x);
   const bool shape_ok = splits == 1 ? out.dim() == 2 && out.size(0) == M && out.size(1) == N
@@ -886,7 +888,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "bf16 (x @ w.T) * w_scale for at most 64 bf16 rows and e4m3 w (weight-only FP8), the weight streamed once",
         py::arg("out"), py::arg("x"), py::arg("w"), py::arg("w_scale"), py::arg("stream"));
   m.def("fp8_gemm_sm90", &fp8_gemm_sm90, "fp32 x @ w.T (unit scales) for at most 64 e4m3 rows on Hopper's wgmma",
-        py::arg("out"), py::arg("x"), py::arg("w"), py::arg("stream"), py::arg("splits") = 1, py::arg("pdl") = true);
+        py::arg("out"), py::arg("x"), py::arg("w"), py::arg("stream"), py::arg("splits") = 1, py::arg("pdl") = true,
+        py::arg("persistent") = false);
   m.def("fp8_gemm_sm90_fused", &fp8_gemm_sm90_fused,
         "bf16 out = the FP8 epilogue (scales, bias, rows' LoRA expand) of x @ w.T on Hopper's wgmma, one launch",
         py::arg("out"), py::arg("x"), py::arg("w"), py::arg("x_scale"), py::arg("w_scale"), py::arg("bias"),

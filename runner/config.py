@@ -63,6 +63,8 @@ class KernelChoices:
         same bits, one launch less).
     fp8_sm90_fused_lora: the same also for epilogues with the rows' LoRA expand (measured slower: off).
     fp8_sm90_split: that kernel cuts K into parts for weights with too few rows to fill the GPU (fp8.py sm90_splits).
+    fp8_sm90_persistent: that kernel (where its epilogue is a launch of its own) on CUTLASS's persistent ping-pong
+        schedule instead of one CTA per tile (the same bits).
     fp8_quant_in_shrink: with that epilogue and adapters in the step, the LoRA shrink's launch quantizes the
         projection's activations too (the same bits) instead of a launch of their own.
     pin_host_adapters: adapters read from disk are kept in pinned host memory.
@@ -106,6 +108,7 @@ class KernelChoices:
     fp8_sm90_fused: bool = True
     fp8_sm90_fused_lora: bool = False
     fp8_sm90_split: bool = False
+    fp8_sm90_persistent: bool = False
     fp8_quant_in_shrink: bool = True
     pin_host_adapters: bool = False
     dense_lora_rows: int = 256
@@ -155,7 +158,7 @@ class KernelChoices:
                    fp8_unit_scale_elems=env.fp8_unit_scale_elems(), fp8_epilogue=env.fp8_epilogue(),
                    fp8_epilogue_act=env.fp8_epilogue_act(), fp8_sm90=env.fp8_sm90(),
                    fp8_sm90_fused=env.fp8_sm90_fused(), fp8_sm90_fused_lora=env.fp8_sm90_fused_lora(),
-                   fp8_sm90_split=env.fp8_sm90_split(),
+                   fp8_sm90_split=env.fp8_sm90_split(), fp8_sm90_persistent=env.fp8_sm90_persistent(),
                    fp8_quant_in_shrink=env.fp8_quant_in_shrink(),
                    pin_host_adapters=env.pin_host_adapters(), dense_lora_rows=env.dense_lora_rows(),
                    dense_lora_kext=env.dense_lora_kext())

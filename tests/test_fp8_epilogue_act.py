@@ -110,3 +110,39 @@ def test_fp8_linear_keeps_its_products_and_takes_the_activation_only_in_the_epil
     fp8_linear(x, w, None, True, ext=ext2, quantized=(xq, sx), unit_scale_elems=1, epilogue=True, spans=[16, 16],
                act=2)
     assert seen == {"shape": (M, N // 2), "act": 2} and products == [torch.float32]
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("epilogue", [False, True])
+def test_fp8_linear_asks_the_wgmma_product_for_its_schedule(monkeypatch, persistent, epilogue):
+    """fp8_linear with `sm90` on the CPU, the extension emulated: the unit-scale product is asked of fp8_gemm_sm90 once,
+    with the persistent schedule exactly when `sm90_persistent` is given (the kernel's own arguments then: pdl and
+    persistent), and the scaled result is the product's, with and without the epilogue's launch."""
+    import types
+
+    import lorafleet.runner.model.fp8 as fp8
+    from lorafleet.runner.model.fp8 import Fp8Weight, fp8_linear
+
+    g = torch.Generator().manual_seed(2)
+    M, K, N = 4, 64, 32
+    w = Fp8Weight((torch.randn(N, K, generator=g) * 40).to(torch.float8_e4m3fn), torch.rand(N, generator=g) / 100)
+    xq = (torch.randn(M, K, generator=g) * 40).to(torch.float8_e4m3fn)
+    sx = torch.rand(M, 1, generator=g) / 100
+    x = torch.zeros(M, K, dtype=torch.bfloat16)
+    want = (xq.float() @ w.q.float().T * sx * w.scale.view(1, -1)).to(torch.bfloat16)
+    calls = []
+
+    def gemm(y, xq_, wq, stream, parts, *rest):
+        calls.append((parts, rest))
+        y.copy_(xq_.float() @ wq.float().T)
+
+    def epilogue_launch(out, y, sx_, ws, bias, spans, v, b, ranks, row_slot, pdl, stream, act):
+        out.copy_((y * sx_.view(-1, 1) * ws.view(1, -1)).to(out.dtype))
+
+    ext = types.SimpleNamespace(fp8_gemm_sm90=gemm, fp8_epilogue=epilogue_launch)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: types.SimpleNamespace(cuda_stream=0))
+    monkeypatch.setattr(fp8, "_sm_count", lambda index: 132)
+    y = fp8_linear(x, w, None, True, ext=ext, quantized=(xq, sx), unit_scale_elems=1, epilogue=epilogue,
+                   spans=[N] if epilogue else None, sm90=True, sm90_persistent=persistent)
+    assert calls == [(1, (True, True) if persistent else ())]
+    assert torch.allclose(y.float(), want.float(), rtol=1e-2, atol=1e-3)

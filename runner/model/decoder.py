@@ -173,6 +173,7 @@ class Decoder:
         self.fp8_sm90_fused = kernels.fp8_sm90_fused  # ... with the epilogue inside it (one part, no activation)
         self.fp8_sm90_fused_lora = kernels.fp8_sm90_fused_lora  # ... also where the epilogue adds LoRA
         self.fp8_sm90_split = kernels.fp8_sm90_split  # ... with K in parts for weights of few rows
+        self.fp8_sm90_persistent = kernels.fp8_sm90_persistent  # ... on the persistent ping-pong schedule
         # runner/model/norm.py OwnNorm: the norms before qkv and gate_up (KernelChoices.norm_shrink, norm_lora)
         self.own_norm = None
         self.embed_scale = (torch.tensor(cfg.embed_scale, dtype=torch.float32).to(dtype).item()
@@ -445,7 +446,8 @@ class Decoder:
         return fp8_linear(x, w, b, self.fp8_tensor_cores, self.fp8_ext, self.fp8_swap_rows, self.fp8_gemm_rows,
                           self.fp8_unit_scale_elems, self.fp8_gemm_bf16, sm90=self.fp8_sm90,
                           sm90_split=self.fp8_sm90_split, sm90_fused=self.fp8_sm90_fused,
-                          sm90_fused_lora=self.fp8_sm90_fused_lora, **finish)
+                          sm90_fused_lora=self.fp8_sm90_fused_lora, sm90_persistent=self.fp8_sm90_persistent,
+                          **finish)
 
     @staticmethod
     def _begin(lora: LoraStep | None, layer: int, group: int, x: torch.Tensor) -> None:

@@ -155,18 +155,24 @@ def _sm90_fused(xq: torch.Tensor, w: Fp8Weight, out_dtype: torch.dtype, act: int
             and (not split or sm90_splits(N, K, _sm_count(xq.device.index)) == 1))
 
 
-def _unit_product(xq: torch.Tensor, w: Fp8Weight, ext, sm90: bool, split: bool = False) -> torch.Tensor:
+def _unit_product(xq: torch.Tensor, w: Fp8Weight, ext, sm90: bool, split: bool = False,
+                  persistent: bool = False) -> torch.Tensor:
     """x_q @ w_q.T in fp32 with unit scales: on the wgmma kernel (`sm90`, where its operands suit it: K a multiple
     of 16, N of 4, 16-byte aligned rows) or cuBLASLt. Both sum exact e4m3 products on the tensor cores, which
     accumulate with fewer bits than fp32 between their promotions to fp32: the two differ in those roundings and in
     the order of the additions. With `split` the wgmma kernel may cut K into parts (sm90_splits): the result
-    is then [parts, M, N], partial sums for the FP8 epilogue (or split_sum) to add in part order."""
+    is then [parts, M, N], partial sums for the FP8 epilogue (or split_sum) to add in part order. `persistent`: the
+    wgmma kernel on CUTLASS's persistent ping-pong schedule (the same bits)."""
     M, K = xq.shape
     N = w.q.shape[0]
     if sm90 and _sm90_operands(xq, w):
         parts = sm90_splits(N, K, _sm_count(xq.device.index)) if split else 1
         y = torch.empty(*((parts,) if parts > 1 else ()), M, N, dtype=torch.float32, device=xq.device)
-        ext.fp8_gemm_sm90(y, xq, w.q, torch.cuda.current_stream(xq.device).cuda_stream, parts)
+        stream = torch.cuda.current_stream(xq.device).cuda_stream
+        if persistent:
+            ext.fp8_gemm_sm90(y, xq, w.q, stream, parts, True, True)
+        else:
+            ext.fp8_gemm_sm90(y, xq, w.q, stream, parts)
         return y
     one = unit_scale(xq.device)
     return torch._scaled_mm(xq, w.q.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
@@ -201,7 +207,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
                own_bf16: bool = False, epilogue: bool = False, spans: list[int] | None = None,
                lora: tuple | None = None, quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
                act: int = 0, sm90: bool = False, sm90_split: bool = False, sm90_fused: bool = False,
-               sm90_fused_lora: bool = False) -> torch.Tensor:
+               sm90_fused_lora: bool = False, sm90_persistent: bool = False) -> torch.Tensor:
     """x [M, K] (bf16/fp16 on the GPU, any float on the CPU) @ w.T + bias -> [M, N] in x's dtype. With the
     CUDA extension `ext`: the activations quantized by its one-launch kernel (see quantize_tokens), and for
     M <= `own_rows` (bf16, K a multiple of 64, N of 16) the product on its FP8 kernel (csrc/fp8_gemm.cu), with
@@ -216,7 +222,8 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
     launch), the same bits as quantize_tokens(x, ext). `act` (with `epilogue`, two equal spans gate | up): 1 (SiLU) or
     2 (GELU-tanh): the epilogue returns act(gate) * up [M, N / 2] as flashinfer's act_and_mul makes it from its output.
     With `sm90` and `sm90_fused`, an epilogue without an activation or `lora` on a product in one part (bf16) runs
-    inside the wgmma kernel (the same bits, one launch); with `sm90_fused_lora` too, also one with `lora`.
+    inside the wgmma kernel (the same bits, one launch); with `sm90_fused_lora` too, also one with `lora`;
+    `sm90_persistent`: the other wgmma products on the kernel's persistent ping-pong schedule (the same bits).
     Then, M <= `swap_rows` (and a multiple of 16): cuBLASLt computes (w @ x.T).T, the weight as the long operand.
     Otherwise torch._scaled_mm with per-token and per-row scales."""
     if act and not (epilogue and tensor_cores and not _own_kernel(x, w, ext, own_rows)
@@ -248,11 +255,11 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
                 ext.fp8_gemm_sm90_fused(out, xq, w.q, sx.view(-1), w.scale, bias, list(spans or [N]), v, list(b),
                                         ranks, row_slot, True, stream)
                 return out
-            y = _unit_product(xq, w, ext, sm90, sm90_split)
+            y = _unit_product(xq, w, ext, sm90, sm90_split, sm90_persistent)
             ext.fp8_epilogue(out, y, sx.view(-1), w.scale, bias, list(spans or [N]), v, list(b), ranks, row_slot,
                              True, stream, act)
             return out
-        y = _unit_product(xq, w, ext, sm90, sm90_split)
+        y = _unit_product(xq, w, ext, sm90, sm90_split, sm90_persistent)
         y = split_sum(y).mul_(sx).mul_(w.scale_row).to(x.dtype)
     elif 0 < M <= swap_rows and M % 16 == 0:  # cuBLASLt wants the rows in multiples of 16 there
         y = torch._scaled_mm(w.q, xq.t(), scale_a=w.scale_row.view(-1, 1), scale_b=sx.view(1, -1),

@@ -290,6 +290,13 @@ def fp8_sm90_split() -> bool:
     return _flag("LORAFLEET_FP8_SM90_SPLIT", False)
 
 
+def fp8_sm90_persistent() -> bool:
+    """LORAFLEET_FP8_SM90_PERSISTENT: that wgmma kernel, where its epilogue is a launch of its own (gate_up; every
+    projection of a step with adapters), runs CUTLASS's persistent ping-pong schedule: one CTA per SM walks the tiles,
+    a tile's epilogue beside the next tile's loads (the same bits; default 0: one CTA per tile)."""
+    return _flag("LORAFLEET_FP8_SM90_PERSISTENT", False)
+
+
 def fp8_quant_in_shrink() -> bool:
     """LORAFLEET_FP8_QUANT_IN_SHRINK: with the FP8 epilogue and adapters in the step, the LoRA shrink's launch also
     quantizes the projection's activations (the same bits; one launch less per projection) instead of the

@@ -304,16 +304,18 @@ def test_fp8_epilogue_refuses_bad_operands():
 
 class _CountingExt:
     """The CUDA extension with its fp8_epilogue and fp8_gemm_sm90 calls counted; a call of fp8_gemm_sm90_fused (the
-    product with the epilogue inside it) counts as one of each, and in `fused`."""
+    product with the epilogue inside it) counts as one of each, and in `fused`; fp8_gemm_sm90 calls on the persistent
+    schedule (its 7th argument) in `persistent`."""
 
     def __init__(self, ext):
-        self.ext, self.epilogues, self.with_act, self.sm90, self.fused = ext, 0, 0, 0, 0
+        self.ext, self.epilogues, self.with_act, self.sm90, self.fused, self.persistent = ext, 0, 0, 0, 0, 0
 
     def __getattr__(self, name):
         return getattr(self.ext, name)
 
     def fp8_gemm_sm90(self, *args):
         self.sm90 += 1
+        self.persistent += len(args) > 6 and bool(args[6])
         return self.ext.fp8_gemm_sm90(*args)
 
     def fp8_gemm_sm90_fused(self, *args):
@@ -569,6 +571,35 @@ def test_fp8_epilogue_inside_the_wgmma_product_gives_the_same_step(fam, kv):
         m.fp8_ext, m.fp8_sm90_fused = ext, True
         eng.close()
     assert torch.equal(default, plain), (default - plain).abs().max().item()
+
+
+def test_fp8_persistent_wgmma_schedule_gives_the_same_step(fam):
+    """The decode step with adapters (every projection's product on the wgmma kernel, its epilogue a launch of its
+    own) and without them (gate_up's product; qkv, o and down with the epilogue inside, which keeps one CTA per
+    tile) with KernelChoices.fp8_sm90_persistent on and off: the same logits, bit for bit."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma kernel is built for compute capability 9.0 only")
+    if {"LORAFLEET_FP8_SM90", "LORAFLEET_FP8_SM90_PERSISTENT", "LORAFLEET_FP8_SM90_FUSED_LORA"} & set(os.environ):
+        pytest.skip("this test starts from the default kernel choices")
+    name, model, _, _, reqs = fam
+    for rows in (reqs[:4] * 2, [(ids, None, None) for ids, _, _ in reqs[:4]] * 2):
+        eng, batch = teacher.decode_step(model, rows, quantization="fp8")
+        dev = batch.to_device(eng.device)
+        m = eng.model
+        assert m.fp8_sm90 and not m.fp8_sm90_persistent  # the defaults
+        adapted = any(r[1] is not None for r in rows)
+        ext, m.fp8_ext = m.fp8_ext, _CountingExt(m.fp8_ext)
+        try:
+            plain = eng.runner.forward(batch, dev).clone()
+            assert m.fp8_ext.persistent == 0
+            m.fp8_sm90_persistent = True
+            pers = eng.runner.forward(batch, dev).clone()
+            # with adapters all four projections' products, without them gate_up's alone
+            assert m.fp8_ext.persistent == (4 if adapted else 1) * m.num_layers, (name, m.fp8_ext.persistent)
+        finally:
+            m.fp8_ext, m.fp8_sm90_persistent = ext, False
+            eng.close()
+        assert torch.equal(pers, plain), (name, (pers - plain).abs().max().item())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
