@@ -1,6 +1,8 @@
-// quantize_rows_e4m3 (see quant.h): one block per row, of 1,024 threads for rows of 8,192 columns and more (a
-// launch has one block per token row, far fewer than the SMs: wide rows take more of each SM), else 256; the row
-// is read twice (absmax, then the scaled cast; the second read hits L2), 16-byte loads when the row allows them.
+// quantize_rows_e4m3 (see quant.h): one block per row, of 1,024 threads for rows of 8,192 columns and more in
+// launches of at most 256 rows (a decode step's: one block per token row, about as many as the SMs or fewer, so a
+// wide row takes more of its SM), else 256 (a prefill chunk's thousands of rows fill the GPU with 256-thread blocks
+// and waste fewer lanes on a row's last pass); the row is read twice (absmax, then the scaled cast; the second read
+// hits L2), 16-byte loads when the row allows them. The bits do not depend on the block size.
 // fp8_epilogue (see quant.h): one thread per 8 columns of one row (16-byte stores), a block per 1,024
 // columns of a row; B's first 16 rank rows are loaded before the programmatic-launch wait, at once (rank 16: one
 // round trip to memory; at most 128 registers, 4 blocks of 128 threads per SM, no spills).
@@ -25,6 +27,7 @@ using quant_detail::to_float;
 
 constexpr int kWideThreads = 1024;
 constexpr int kWideCols = 8192;
+constexpr int kWideMaxRows = 256;
 
 template <typename T, int kBlock>
 __global__ void __launch_bounds__(kBlock) quantize_rows_kernel(QuantizeRowsArgs a) {
@@ -44,7 +47,7 @@ const char* quantize_rows_e4m3(DType dtype, const QuantizeRowsArgs& a, int devic
   if (e == cudaSuccess && prev != device) e = cudaSetDevice(device);
   if (e != cudaSuccess) return cudaGetErrorString(e);
   auto s = static_cast<cudaStream_t>(stream);
-  const bool wide = a.cols >= kWideCols;
+  const bool wide = a.cols >= kWideCols && a.rows <= kWideMaxRows;
   if (dtype == DType::kBFloat16) {
     if (wide) quantize_rows_kernel<__nv_bfloat16, kWideThreads><<<a.rows, kWideThreads, 0, s>>>(a);
     else quantize_rows_kernel<__nv_bfloat16, kThreads><<<a.rows, kThreads, 0, s>>>(a);

@@ -8,7 +8,7 @@
 #include "rope_kv.h"
 
 #include "half_pair.cuh"
-#include "quant_row.cuh"  // quant_detail::e4m3
+#include "quant_row.cuh"  // quant_detail::e4m3x2
 
 namespace lorafleet {
 namespace {

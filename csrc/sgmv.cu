@@ -428,8 +428,12 @@ __device__ void norm_row(const NormArgs& n, int row) {
   }
 }
 
+// Blocks per SM of the norm's launch (norm_typed's grid), in its launch bounds too: without a block count ptxas kept
+// the kernel at 32 registers and spilled one across the quantization's reciprocal (a call on its slow path).
+constexpr int kNormBlocksPerSm = 8;
+
 template <typename T>
-__global__ void __launch_bounds__(kThreads, 1) rms_norm_rows_kernel(const __grid_constant__ NormArgs n) {
+__global__ void __launch_bounds__(kThreads, kNormBlocksPerSm) rms_norm_rows_kernel(const __grid_constant__ NormArgs n) {
   pdl_wait();  // h and res come from the preceding kernel
   for (int row = blockIdx.x; row < n.rows; row += gridDim.x) norm_row<T>(n, row);
 }
@@ -1524,7 +1528,7 @@ template <typename T>
 const char* norm_typed(const NormArgs& n, bool pdl, int max_blocks, int device, cudaStream_t stream) {
   DeviceInfo info;
   if (const char* err = device_info(device, &info)) return err;
-  int blocks = std::min(n.rows, info.sms * 8);
+  int blocks = std::min(n.rows, info.sms * kNormBlocksPerSm);
   if (max_blocks > 0) blocks = std::min(blocks, max_blocks);
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(std::max(1, blocks));
