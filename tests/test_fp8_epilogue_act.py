@@ -61,6 +61,19 @@ def test_gate_up_epilogue_with_the_activation_gives_the_default_tokens(tmp_path,
     assert code == (2 if family == "gemma3" else 1)
 
 
+def _unit_operands(M: int, K: int, N: int, seed: int):
+    """An e4m3 weight with row scales, e4m3 rows with token scales, the (unused) bf16 rows they stand for, and the
+    scaled product in bf16."""
+    from lorafleet.runner.model.fp8 import Fp8Weight
+
+    g = torch.Generator().manual_seed(seed)
+    w = Fp8Weight((torch.randn(N, K, generator=g) * 40).to(torch.float8_e4m3fn), torch.rand(N, generator=g) / 100)
+    xq = (torch.randn(M, K, generator=g) * 40).to(torch.float8_e4m3fn)
+    sx = torch.rand(M, 1, generator=g) / 100
+    want = (xq.float() @ w.q.float().T * sx * w.scale.view(1, -1)).to(torch.bfloat16)
+    return w, xq, sx, torch.zeros(M, K, dtype=torch.bfloat16), want
+
+
 def test_fp8_linear_keeps_its_products_and_takes_the_activation_only_in_the_epilogue(monkeypatch):
     """runner/model/fp8.py fp8_linear on the CPU with the tensor-core products emulated (torch._scaled_mm counted):
     every call (the unit-scale product finished by torch ops, the project's kernel, the per-row call) runs one
@@ -68,7 +81,7 @@ def test_fp8_linear_keeps_its_products_and_takes_the_activation_only_in_the_epil
     anything runs; with the epilogue the extension is asked for act(gate) * up into [M, I]."""
     import types
 
-    from lorafleet.runner.model.fp8 import Fp8Weight, fp8_linear
+    from lorafleet.runner.model.fp8 import fp8_linear
 
     products = []
 
@@ -77,13 +90,8 @@ def test_fp8_linear_keeps_its_products_and_takes_the_activation_only_in_the_epil
         return ((a.float() @ b.float()) * scale_a * scale_b).to(out_dtype)
 
     monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
-    g = torch.Generator().manual_seed(1)
     M, K, N = 4, 64, 32
-    w = Fp8Weight((torch.randn(N, K, generator=g) * 40).to(torch.float8_e4m3fn), torch.rand(N, generator=g) / 100)
-    xq = (torch.randn(M, K, generator=g) * 40).to(torch.float8_e4m3fn)
-    sx = torch.rand(M, 1, generator=g) / 100
-    x = torch.zeros(M, K, dtype=torch.bfloat16)
-    want = (xq.float() @ w.q.float().T * sx * w.scale.view(1, -1)).to(torch.bfloat16)
+    w, xq, sx, x, want = _unit_operands(M, K, N, seed=1)
     own_calls = []
     ext = types.SimpleNamespace(
         fp8_gemm=lambda y, xq_, s, wq, ws, st: own_calls.append(1) or y.copy_(
@@ -121,15 +129,10 @@ def test_fp8_linear_asks_the_wgmma_product_for_its_schedule(monkeypatch, persist
     import types
 
     import lorafleet.runner.model.fp8 as fp8
-    from lorafleet.runner.model.fp8 import Fp8Weight, fp8_linear
+    from lorafleet.runner.model.fp8 import fp8_linear
 
-    g = torch.Generator().manual_seed(2)
     M, K, N = 4, 64, 32
-    w = Fp8Weight((torch.randn(N, K, generator=g) * 40).to(torch.float8_e4m3fn), torch.rand(N, generator=g) / 100)
-    xq = (torch.randn(M, K, generator=g) * 40).to(torch.float8_e4m3fn)
-    sx = torch.rand(M, 1, generator=g) / 100
-    x = torch.zeros(M, K, dtype=torch.bfloat16)
-    want = (xq.float() @ w.q.float().T * sx * w.scale.view(1, -1)).to(torch.bfloat16)
+    w, xq, sx, x, want = _unit_operands(M, K, N, seed=2)
     calls = []
 
     def gemm(y, xq_, wq, stream, parts, *rest):

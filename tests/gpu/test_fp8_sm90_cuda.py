@@ -130,7 +130,7 @@ def test_epilogue_adds_the_parts_in_order(ext, act):
 def test_persistent_schedule_gives_the_bits_of_one_cta_per_tile(ext, M):
     """The kernel on CUTLASS's persistent ping-pong schedule (KernelChoices.fp8_sm90_persistent) against the one-CTA-
     per-tile kernel, bit for bit: the 7B and 70B widths (tile counts under, at and over the SMs: 64 to 448 tiles),
-    partial k-tiles and row tiles, K in parts; then captured in a CUDA graph and replayed on new activations."""
+    partial k-tiles and row tiles, K in parts (its graph replay: test_graph_replay_gives_the_eager_bits)."""
     for K, N in SHAPES + [(4096, 22016), (8192, 28672)]:
         xq, w = _operands(M, K, N, seed=M * 7 + K + N)
         for splits in (1, 2) if K % 32 == 0 else (1,):
@@ -140,30 +140,12 @@ def test_persistent_schedule_gives_the_bits_of_one_cta_per_tile(ext, M):
             pers = torch.full(shape, float("nan"), device="cuda")
             ext.fp8_gemm_sm90(pers, xq, w.q, _stream(), splits, True, True)
             assert torch.equal(pers, plain), (M, K, N, splits, (pers - plain).abs().max().item())
-    K, N = 4096, 12288
-    xq, w = _operands(M, K, N, seed=M)
-    static_x = xq.clone()
-    out = torch.empty(M, N, device="cuda")
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        ext.fp8_gemm_sm90(out, static_x, w.q, _stream(), 1, True, True)  # warm up outside the capture
-        with torch.cuda.graph(graph, stream=side):
-            ext.fp8_gemm_sm90(out, static_x, w.q, _stream(), 1, True, True)
-    torch.cuda.current_stream().wait_stream(side)
-    new, _ = _operands(M, K, N, seed=M + 99)
-    static_x.copy_(new)
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, _sm90(ext, new, w))
 
 
-def test_graph_replay_gives_the_eager_bits(ext):
+@pytest.mark.parametrize("persistent", [False, True])
+def test_graph_replay_gives_the_eager_bits(ext, persistent):
     """The call captured in a CUDA graph (descriptors made at capture time) and replayed on new activations copied into
-    the captured input: the eager call's bits."""
+    the captured input: the eager call's bits (one CTA per tile), on either schedule."""
     K, N, M = 4096, 12288, 32
     xq, w = _operands(M, K, N, seed=3)
     static_x = xq.clone()
@@ -173,9 +155,9 @@ def test_graph_replay_gives_the_eager_bits(ext):
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        ext.fp8_gemm_sm90(out, static_x, w.q, _stream())  # warm up outside the capture
+        ext.fp8_gemm_sm90(out, static_x, w.q, _stream(), 1, True, persistent)  # warm up outside the capture
         with torch.cuda.graph(graph, stream=side):
-            ext.fp8_gemm_sm90(out, static_x, w.q, _stream())
+            ext.fp8_gemm_sm90(out, static_x, w.q, _stream(), 1, True, persistent)
     torch.cuda.current_stream().wait_stream(side)
     for seed in (11, 12):
         new, _ = _operands(M, K, N, seed=seed)
