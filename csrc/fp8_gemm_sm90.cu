@@ -36,9 +36,13 @@
 #endif
 // Programmatic dependent launch: the kernel may start while the previous kernel drains (its producer waits for that
 // kernel before the first load), and lets the next one start after its main loop (the FP8 epilogue's launch, or,
-// with the epilogue inside, whatever follows: see fp8_gemm_sm90.h).
+// with the epilogue inside, whatever follows: see fp8_gemm_sm90.h). On the persistent schedule the trigger can come
+// as early as the kernel's start (a consumer warp group left without a tile triggers at once), so the next kernel's
+// pre-wait part may run beside the kernel before this one too (see quant.h Fp8EpilogueArgs::pdl).
 #define CUTLASS_ENABLE_GDC_FOR_SM90 1
 #include <cuda_runtime.h>
+
+#include <atomic>
 
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
@@ -131,7 +135,7 @@ struct Sm90Fp8Gemm {
         // alpha and beta as values: with programmatic dependent launch only the producer warp waits for the kernel
         // before, and the consumers would read device-side alpha / beta pointers before that wait.
         {{1.0f, 0.0f}, nullptr, sd, a.out, sd}};
-    // the persistent schedule's grid: one CTA per SM (given, so that the launch asks the driver for nothing)
+    // the persistent schedule's grid: one CTA per SM (the count given, read once per device by the caller)
     args.hw_info.device_id = a.device;
     args.hw_info.sm_count = sm_count;
     return args;
@@ -334,6 +338,21 @@ const char* sizes_error(const Fp8Sm90Args& a) {
 }
 
 // launch() with `device` current (the previous device restored after), on compute capability 9.0 only.
+// The device's SM count, read once per device (0 if it cannot be read; the error is cleared).
+int device_sms(int device) {
+  constexpr int kDevices = 64;
+  static std::atomic<int> cache[kDevices] = {};
+  if (device < 0 || device >= kDevices) return 0;
+  int sms = cache[device].load(std::memory_order_relaxed);
+  if (sms > 0) return sms;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  cache[device].store(sms, std::memory_order_relaxed);
+  return sms;
+}
+
 template <class Launch>
 const char* on_sm90(int device, Launch&& launch) {
   int prev = -1;
@@ -356,9 +375,8 @@ const char* fp8_gemm_sm90(const Fp8Sm90Args& a, void* stream) {
   if (const char* err = sizes_error(a)) return err;
   return on_sm90(a.device, [&]() -> const char* {
     if (a.persistent) {
-      int sms = 0;
-      if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, a.device) != cudaSuccess)
-        return "fp8_gemm_sm90: cannot read the SM count";
+      const int sms = device_sms(a.device);
+      if (sms <= 0) return "fp8_gemm_sm90: cannot read the SM count";
       return a.m <= 16 ? Sm90Fp8Gemm<16, true>::run(a, stream, sms)
            : a.m <= 32 ? Sm90Fp8Gemm<32, true>::run(a, stream, sms)
                        : Sm90Fp8Gemm<64, true>::run(a, stream, sms);

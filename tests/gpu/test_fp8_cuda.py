@@ -580,14 +580,19 @@ def test_fp8_persistent_wgmma_schedule_gives_the_same_step(fam):
     tile) with KernelChoices.fp8_sm90_persistent on and off: the same logits, bit for bit."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the wgmma kernel is built for compute capability 9.0 only")
-    if {"LORAFLEET_FP8_SM90", "LORAFLEET_FP8_SM90_PERSISTENT", "LORAFLEET_FP8_SM90_FUSED_LORA"} & set(os.environ):
+    if {"LORAFLEET_FP8_SM90", "LORAFLEET_FP8_SM90_PERSISTENT", "LORAFLEET_FP8_SM90_FUSED",
+            "LORAFLEET_FP8_SM90_FUSED_LORA", "LORAFLEET_FP8_SM90_SPLIT", "LORAFLEET_FP8_EPILOGUE",
+            "LORAFLEET_FP8_EPILOGUE_ACT"} & set(os.environ):
         pytest.skip("this test starts from the default kernel choices")
     name, model, _, _, reqs = fam
     for rows in (reqs[:4] * 2, [(ids, None, None) for ids, _, _ in reqs[:4]] * 2):
         eng, batch = teacher.decode_step(model, rows, quantization="fp8")
         dev = batch.to_device(eng.device)
         m = eng.model
-        assert m.fp8_sm90 and not m.fp8_sm90_persistent  # the defaults
+        # the defaults the counts below rest on: qkv, o and down with the epilogue inside when no LoRA expand rides,
+        # gate_up's epilogue a launch of its own (the activation, flashinfer's ops)
+        assert m.fp8_sm90 and not m.fp8_sm90_persistent and m.fp8_sm90_fused and not m.fp8_sm90_fused_lora
+        assert not m.fp8_sm90_split and m.fp8_epilogue and m.fp8_epilogue_act and m.ops.name == "flashinfer"
         adapted = any(r[1] is not None for r in rows)
         ext, m.fp8_ext = m.fp8_ext, _CountingExt(m.fp8_ext)
         try:
