@@ -42,8 +42,6 @@
 #define CUTLASS_ENABLE_GDC_FOR_SM90 1
 #include <cuda_runtime.h>
 
-#include <atomic>
-
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
 #include "cutlass/epilogue/collective/collective_builder.hpp"
@@ -338,21 +336,6 @@ const char* sizes_error(const Fp8Sm90Args& a) {
 }
 
 // launch() with `device` current (the previous device restored after), on compute capability 9.0 only.
-// The device's SM count, read once per device (0 if it cannot be read; the error is cleared).
-int device_sms(int device) {
-  constexpr int kDevices = 64;
-  static std::atomic<int> cache[kDevices] = {};
-  if (device < 0 || device >= kDevices) return 0;
-  int sms = cache[device].load(std::memory_order_relaxed);
-  if (sms > 0) return sms;
-  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-    cudaGetLastError();
-    return 0;
-  }
-  cache[device].store(sms, std::memory_order_relaxed);
-  return sms;
-}
-
 template <class Launch>
 const char* on_sm90(int device, Launch&& launch) {
   int prev = -1;
@@ -375,11 +358,11 @@ const char* fp8_gemm_sm90(const Fp8Sm90Args& a, void* stream) {
   if (const char* err = sizes_error(a)) return err;
   return on_sm90(a.device, [&]() -> const char* {
     if (a.persistent) {
-      const int sms = device_sms(a.device);
-      if (sms <= 0) return "fp8_gemm_sm90: cannot read the SM count";
-      return a.m <= 16 ? Sm90Fp8Gemm<16, true>::run(a, stream, sms)
-           : a.m <= 32 ? Sm90Fp8Gemm<32, true>::run(a, stream, sms)
-                       : Sm90Fp8Gemm<64, true>::run(a, stream, sms);
+      DeviceInfo info;  // (sgmv.h: read once per device)
+      if (const char* err = device_info(a.device, &info)) return err;
+      return a.m <= 16 ? Sm90Fp8Gemm<16, true>::run(a, stream, info.sms)
+           : a.m <= 32 ? Sm90Fp8Gemm<32, true>::run(a, stream, info.sms)
+                       : Sm90Fp8Gemm<64, true>::run(a, stream, info.sms);
     }
     return a.m <= 16 ? Sm90Fp8Gemm<16>::run(a, stream)
          : a.m <= 32 ? Sm90Fp8Gemm<32>::run(a, stream)

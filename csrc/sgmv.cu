@@ -1337,11 +1337,7 @@ __global__ void __launch_bounds__(kThreads, kShrinkMinBlocks) sgmv_fused_kernel(
 // ---------------------------------------------------------------------------------------------------
 // Host side.
 
-struct DeviceInfo {
-  int sms = 0;
-  int major = 0;
-  int smem_optin = 0;  // largest dynamic shared memory one block may opt in to (bytes)
-};
+}  // namespace
 
 const char* device_info(int device, DeviceInfo* info) {
   static std::mutex mu;
@@ -1359,6 +1355,8 @@ const char* device_info(int device, DeviceInfo* info) {
   *info = it->second;
   return nullptr;
 }
+
+namespace {
 
 // Resident blocks per SM for `kernel` with `smem` bytes of dynamic shared memory (raises the kernel's
 // dynamic shared-memory limit first when needed; never lowers it, since launches with a larger size

@@ -172,6 +172,15 @@ const char* sgmv_norm_shrink(DType dtype, const NormArgs& norm, const ShrinkArgs
 // NormLoraArgs in one launch of kSlices-block clusters (compute capability 9.0 or newer; an error otherwise).
 const char* norm_lora(DType dtype, const NormLoraArgs& args, bool pdl, int device, void* stream);
 
+// A device's properties the launchers size their grids by, read once per device (cached; thread-safe; host-only, so
+// safe during graph capture). nullptr on success.
+struct DeviceInfo {
+  int sms = 0;
+  int major = 0;
+  int smem_optin = 0;  // largest dynamic shared memory one block may opt in to (bytes)
+};
+const char* device_info(int device, DeviceInfo* info);
+
 // Shrink then expand of one projection group in ONE launch, every segment on the CUDA-core path
 // (the decode case; `options.mma_min_rows` is ignored). `sargs` and `eargs` must share the segment
 // table, T, G and v. `counters` is 2 * capacity int32 on the device, all zero before the first

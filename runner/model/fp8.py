@@ -168,11 +168,8 @@ def _unit_product(xq: torch.Tensor, w: Fp8Weight, ext, sm90: bool, split: bool =
     if sm90 and _sm90_operands(xq, w):
         parts = sm90_splits(N, K, _sm_count(xq.device.index)) if split else 1
         y = torch.empty(*((parts,) if parts > 1 else ()), M, N, dtype=torch.float32, device=xq.device)
-        stream = torch.cuda.current_stream(xq.device).cuda_stream
-        if persistent:
-            ext.fp8_gemm_sm90(y, xq, w.q, stream, parts, True, True)
-        else:
-            ext.fp8_gemm_sm90(y, xq, w.q, stream, parts)
+        schedule = (True, True) if persistent else ()  # (pdl, persistent), the kernel's defaults otherwise
+        ext.fp8_gemm_sm90(y, xq, w.q, torch.cuda.current_stream(xq.device).cuda_stream, parts, *schedule)
         return y
     one = unit_scale(xq.device)
     return torch._scaled_mm(xq, w.q.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
