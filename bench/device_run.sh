@@ -13,6 +13,10 @@
 #   fp8tests FP8 weights (and FP8 K/V pages) against the fp32 HF emulation of FP8, graphs against eager, bytes
 #   sm90tests the wgmma FP8 GEMM (csrc/fp8_gemm_sm90.cu) against the fp64 sum of its e4m3 products and cuBLASLt
 #   btests   LoRA beside the base GEMM in decode graphs (tests/gpu/test_lora_branch_cuda.py)
+#   dtests   the project's decode attention kernel (csrc/decode_attn.cu) against fp64, its bits and graphs, then in the
+#            families' engines and with FP8 pages against flashinfer's decode (DTESTS_K: -k)
+#   dprobe   bench/probe_decode_attn.py: that kernel against flashinfer's decode, bf16 and e4m3 pages, 7B and 70B
+#            shapes, beside the K/V bytes -> probe_decode_attn.json (DPROBE_ARGS)
 #   samptests log-probabilities, prompt log-probabilities, penalties, logit_bias, min_tokens on the CUDA engine
 #            (tests/gpu/test_sampling_cuda.py)
 #   branch   bench e2e bf16 distinct + identical (+ LoRA off, profiled) for each LORAFLEET_LORA_BRANCH value
@@ -231,6 +235,17 @@ stage() {
       # (-v: each test's outcome as it ends, "PASSED [ 12%]", so a run cut by its time limit still says what passed)
       echo "$1 as they ended: $(grep -oE 'PASSED +\[ *[0-9]+%\]' "$LOGS/gpu_$1.log" | wc -l) passed," \
         "$(grep -oE '(FAILED|ERROR) +\[ *[0-9]+%\]' "$LOGS/gpu_$1.log" | wc -l) failed" ;;
+    dtests)
+      timeout ${TEST_S:-400} python3 -m pytest -v -p no:cacheprovider tests/gpu/test_decode_attn_cuda.py \
+        tests/gpu/test_families_cuda.py tests/gpu/test_fp8_cuda.py -rA -s --tb=short \
+        -k "${DTESTS_K:-test_decode_attn_cuda or lorafleet_kernel}" -o faulthandler_timeout=${HANG_S:-200} 2>&1 \
+        | tee "$LOGS/gpu_dtests.log" | grep -E "passed|failed|FAILED|lorafleet decode|Error|Timeout|File |^E  " \
+        | cut -c1-300 | tail -${TEST_LINES:-30}
+      echo "dtests as they ended: $(grep -oE 'PASSED +\[ *[0-9]+%\]' "$LOGS/gpu_dtests.log" | wc -l) passed," \
+        "$(grep -oE '(FAILED|ERROR) +\[ *[0-9]+%\]' "$LOGS/gpu_dtests.log" | wc -l) failed" ;;
+    dprobe)
+      timeout ${PROBE_S:-240} python3 bench/probe_decode_attn.py ${DPROBE_ARGS:-} \
+        --out "$OUT/probe_decode_attn${TAG:+_$TAG}.json" 2>&1 | tee "$LOGS/probe_decode_attn.log" | tail -18 ;;
     loraprobe)
       timeout ${PROBE_S:-240} python3 bench/probe_lora.py --out "$OUT/probe_lora.json" 2>&1 \
         | tee "$LOGS/probe_lora.log" | tail -8 ;;

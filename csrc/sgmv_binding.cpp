@@ -54,6 +54,12 @@
 //   fp8_gemm_sm90_fused(out, x, w, x_scale, w_scale, bias, cols, v, b, ranks, row_slot, pdl, stream): the bits of
 //       fp8_gemm_sm90 then fp8_epilogue (act 0, one part) in one launch, the epilogue inside the product's kernel;
 //       out in bf16.
+//   decode_attention(out, q, k_cache, v_cache, indptr, indices, last_page_len, partial_o, partial_ml, counters,
+//       sm_scale, soft_cap, window_left, chunk, max_chunks, workers, stream): attention of one query row per request
+//       over its K/V pages (decode_attn.h), one launch; pages of q's dtype or float8_e4m3fn (unit scale). The
+//       page table is flashinfer's CSR (indptr, indices, last_page_len) on the device; a request's bits depend on
+//       nothing else in the launch (workers only spreads its chunks over CTAs).
+//       decode_attention_supports(head_dim, group): whether the kernel takes these shapes.
 //
 // with r = ranks[g, s]. The values inside ranks / indptr / slots live on the device and are not
 // inspected here (that would need a synchronisation): the kernels clamp ranks to [0, R_g], skip
@@ -68,6 +74,7 @@
 #include <utility>
 #include <vector>
 
+#include "decode_attn.h"
 #include "fp8_gemm.h"
 #include "fp8_gemm_sm90.h"
 #include "quant.h"
@@ -836,6 +843,86 @@ void fp8_gemm_sm90_fused(Tensor out, Tensor x, Tensor w, Tensor x_scale, Tensor 
   SGMV_CHECK(err == nullptr, "fp8_gemm_sm90_fused launch failed: %s", err ? err : "");
 }
 
+void decode_attention(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor indptr, Tensor indices,
+                      Tensor last_page_len, Tensor partial_o, Tensor partial_ml, Tensor counters, double sm_scale,
+                      double soft_cap, int64_t window_left, int64_t chunk, int64_t max_chunks, int64_t workers,
+                      int64_t stream) {
+  const auto dtype = kernel_dtype(q, "q");
+  SGMV_CHECK(q.is_cuda() && q.dim() == 3 && q.is_contiguous() && reinterpret_cast<uintptr_t>(q.data_ptr()) % 4 == 0,
+             "decode_attention: q must be a contiguous, 4-byte aligned [B, Hq, D] CUDA tensor");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  SGMV_CHECK(out.scalar_type() == q.scalar_type() && out.sizes() == q.sizes() && out.is_contiguous(),
+             "decode_attention: out must be contiguous, of q's dtype and shape [%lld, %lld, %lld]", ll(B), ll(H), ll(D));
+  for (const Tensor* c : {&k_cache, &v_cache}) {
+    SGMV_CHECK(c->dim() == 4 && c->is_contiguous() && c->size(3) == D && aligned16(*c),
+               "decode_attention: the K/V pages must be contiguous, 16-byte aligned [pages, page_size, Hkv, D=%lld]",
+               ll(D));
+    SGMV_CHECK(c->scalar_type() == q.scalar_type() || c->scalar_type() == torch::kFloat8_e4m3fn,
+               "decode_attention: page dtype %s is neither q's %s nor float8_e4m3fn", dtype_name(*c), dtype_name(q));
+    check_device(*c, Name("k_cache/v_cache"), q);
+  }
+  SGMV_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
+             "decode_attention: K and V pages differ in shape or dtype");
+  const int64_t Hkv = k_cache.size(2);
+  SGMV_CHECK(Hkv > 0 && H % Hkv == 0 && lorafleet::decode_attention_supports(static_cast<int>(D),
+                                                                              static_cast<int>(H / Hkv)),
+             "decode_attention: head_dim %lld with %lld query heads per K/V head is not supported (64, 128 or 256; "
+             "at most 8)", ll(D), ll(Hkv > 0 ? H / Hkv : 0));
+  SGMV_CHECK(B <= 65535 && Hkv <= 65535, "decode_attention: too many requests or K/V heads");
+  SGMV_CHECK(chunk > 0 && chunk % 16 == 0 && chunk <= kInt32Max && max_chunks > 0 && max_chunks <= kInt32Max &&
+                 workers > 0 && workers <= 65535,
+             "decode_attention: chunk must be a positive multiple of 16, max_chunks and workers positive");
+  const struct { const Tensor* t; const char* name; int64_t min; } ints[] = {
+      {&indptr, "indptr", B + 1}, {&indices, "indices", 0}, {&last_page_len, "last_page_len", B},
+      {&counters, "counters", B * Hkv}};
+  for (const auto& it : ints) {
+    SGMV_CHECK(it.t->scalar_type() == torch::kInt && it.t->dim() == 1 && it.t->is_contiguous() &&
+                   it.t->numel() >= it.min && it.t->numel() <= kInt32Max,
+               "decode_attention: %s must be contiguous int32 with at least %lld entries", it.name, ll(it.min));
+    check_device(*it.t, Name(it.name), q);
+  }
+  const struct { const Tensor* t; const char* name; int64_t min; } floats[] = {
+      {&partial_o, "partial_o", B * H * max_chunks * D}, {&partial_ml, "partial_ml", B * H * max_chunks * 2}};
+  for (const auto& it : floats) {
+    SGMV_CHECK(it.t->scalar_type() == torch::kFloat && it.t->is_contiguous() && it.t->numel() >= it.min,
+               "decode_attention: %s must be contiguous float32 with at least %lld entries", it.name, ll(it.min));
+    check_device(*it.t, Name(it.name), q);
+  }
+  check_device(out, Name("out"), q);
+  lorafleet::DecodeAttnArgs a;
+  a.q = q.data_ptr();
+  a.out = out.data_ptr();
+  a.k_cache = k_cache.data_ptr();
+  a.v_cache = v_cache.data_ptr();
+  a.indptr = indptr.data_ptr<int32_t>();
+  a.indices = indices.data_ptr<int32_t>();
+  a.last_page_len = last_page_len.data_ptr<int32_t>();
+  a.partial_o = partial_o.data_ptr<float>();
+  a.partial_ml = partial_ml.data_ptr<float>();
+  a.counters = counters.data_ptr<int32_t>();
+  a.num_pages = k_cache.size(0);
+  a.num_indices = indices.numel();
+  a.batch = static_cast<int>(B);
+  a.num_heads = static_cast<int>(H);
+  a.num_kv_heads = static_cast<int>(Hkv);
+  a.head_dim = static_cast<int>(D);
+  a.page_size = static_cast<int>(k_cache.size(1));
+  a.chunk = static_cast<int>(chunk);
+  a.max_chunks = static_cast<int>(max_chunks);
+  a.workers = static_cast<int>(workers);
+  a.sm_scale = static_cast<float>(sm_scale);
+  a.soft_cap = static_cast<float>(soft_cap);
+  a.window_left = static_cast<int>(std::max<int64_t>(-1, std::min<int64_t>(window_left, kInt32Max)));
+  a.kv_e4m3 = k_cache.scalar_type() == torch::kFloat8_e4m3fn;
+  const char* err = lorafleet::decode_attention(dtype, a, q.get_device(), as_stream(stream));
+  SGMV_CHECK(err == nullptr, "decode_attention launch failed: %s", err ? err : "");
+}
+
+bool decode_attention_supports(int64_t head_dim, int64_t group) {
+  return head_dim <= kInt32Max && group <= kInt32Max &&
+         lorafleet::decode_attention_supports(static_cast<int>(head_dim), static_cast<int>(group));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -901,6 +988,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("y"), py::arg("x_scale"), py::arg("w_scale"), py::arg("bias"), py::arg("cols"),
         py::arg("v"), py::arg("b"), py::arg("ranks"), py::arg("row_slot"), py::arg("pdl"), py::arg("stream"),
         py::arg("act") = 0);
+  m.def("decode_attention", &decode_attention,
+        "attention of one query row per request over its paged K/V (bf16 / fp16 or e4m3 pages), one launch",
+        py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("indptr"), py::arg("indices"),
+        py::arg("last_page_len"), py::arg("partial_o"), py::arg("partial_ml"), py::arg("counters"),
+        py::arg("sm_scale"), py::arg("soft_cap"), py::arg("window_left"), py::arg("chunk"), py::arg("max_chunks"),
+        py::arg("workers"), py::arg("stream"));
+  m.def("decode_attention_supports", &decode_attention_supports,
+        "whether decode_attention takes this head size and number of query heads per K/V head",
+        py::arg("head_dim"), py::arg("group"));
   m.attr("MAX_RANK") = lorafleet::kMaxRank;
   m.attr("MAX_GROUP") = lorafleet::kMaxGroup;
   m.attr("MAX_SEGMENTS") = lorafleet::kMaxSegments;

@@ -18,6 +18,9 @@ class KernelChoices:
     prefill: flashinfer's kernel for prompt rows on sm90: auto (FA2 or FA3 per step), fa2 or fa3.
     decode_tc: flashinfer's decode attention on tensor cores: auto (where >= 4 query heads share a K/V
         head), 1 (always) or 0 (never).
+    decode_kernel: the decode rows' attention kernel on CUDA: flashinfer's, or the project's own (csrc/decode_attn.cu,
+        lorafleet: the K/V pages read once at their byte cost, bf16 / fp16 or e4m3; head sizes 64, 128 and 256 with at
+        most 8 query heads per K/V head, flashinfer's elsewhere).
     sgmv: auto (the CUDA kernels on CUDA, torch elsewhere), cuda or torch.
     sgmv_fused: steps with prompt rows launch a LoRA group below the tensor-core thresholds as one fused
         launch (auto: the measured default; 1) or two (0); the bits are the same.
@@ -84,6 +87,7 @@ class KernelChoices:
     attention: str = "auto"
     prefill: str = "auto"
     decode_tc: str = "auto"
+    decode_kernel: str = "flashinfer"
     sgmv: str = "auto"
     sgmv_fused: str = "auto"
     mma_rows: tuple[tuple[int, int], ...] = ((129, 129), (512, 512), (129, 129), (512, 512))
@@ -117,7 +121,7 @@ class KernelChoices:
 
     def __post_init__(self):
         for name, ok in (("attention", ("auto", "flashinfer", "torch")), ("prefill", ("auto", "fa2", "fa3")),
-                         ("decode_tc", ("auto", "1", "0")),
+                         ("decode_tc", ("auto", "1", "0")), ("decode_kernel", ("flashinfer", "lorafleet")),
                          ("sgmv", ("auto", "cuda", "torch")), ("sgmv_fused", ("auto", "1", "0")),
                          ("lora_branch", LORA_BRANCH_CHOICES)):
             if getattr(self, name) not in ok:
@@ -147,7 +151,7 @@ class KernelChoices:
         from lorafleet import env
 
         return cls(attention=env.attention_backend(), prefill=env.prefill_backend(),
-                   decode_tc=env.decode_tensor_cores(), sgmv=env.sgmv_backend(),
+                   decode_tc=env.decode_tensor_cores(), decode_kernel=env.decode_kernel(), sgmv=env.sgmv_backend(),
                    sgmv_fused=env.sgmv_fused(), fused_ops=env.fused_ops(), rope_kv=env.rope_kv_kernel(),
                    rope_kv_lora=env.rope_kv_lora(), rope_kv_fp8=env.rope_kv_fp8(),
                    norm_shrink=env.norm_shrink(), norm_lora=env.norm_lora(), shrink_early=env.shrink_early(),

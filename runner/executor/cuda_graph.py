@@ -100,9 +100,7 @@ class GraphRunner:
         self.static[B] = st
         if not self.use_graphs:
             return
-        from lorafleet.runner.executor.attention.flashinfer_backend import GraphDecodeStep
-
-        st.attn = GraphDecodeStep(self.attention, self.attention.make_graph_decoders(B, self.max_pages))
+        st.attn = self.attention.graph_step(B, self.max_pages)
         st.attn.plan([[self.scratch_page]] * B, [1] * B)
         run = lambda: self.model.forward(st.io, st.attn, st.lora)  # noqa: E731
         stream.wait_stream(torch.cuda.current_stream(self.device))

@@ -82,6 +82,16 @@ def decode_tensor_cores() -> str:
     return _choice("LORAFLEET_DECODE_TC", DECODE_TC_CHOICES)
 
 
+DECODE_KERNEL_CHOICES = ("flashinfer", "lorafleet")
+
+
+def decode_kernel() -> str:
+    """LORAFLEET_DECODE_KERNEL: the decode rows' attention kernel on CUDA. flashinfer (default): flashinfer's batch
+    decode; lorafleet: the project's own (csrc/decode_attn.cu), for head sizes 64, 128 and 256 with at most 8 query
+    heads per K/V head (flashinfer's elsewhere)."""
+    return _choice("LORAFLEET_DECODE_KERNEL", DECODE_KERNEL_CHOICES)
+
+
 PREFILL_BACKENDS = ("auto", "fa2", "fa3")
 
 

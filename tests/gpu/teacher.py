@@ -129,6 +129,32 @@ def decode_graph_vs_eager(model, reqs, label: str = "", **cfg):
     return eng
 
 
+def decode_kernel_vs_flashinfer(model, reqs, label: str = "", **cfg):
+    """A decode step of 24 requests on the project's decode attention kernel (KernelChoices.decode_kernel, eager)
+    against the same step on flashinfer's decode kernel, and its graph replay against its eager step: the same
+    logits up to bf16 kernel-choice noise (TOL of the logit range) and the same argmax at 90 % of rows or more.
+    `cfg["kernels"]` must choose the project's kernel. Returns the engine."""
+    eng, batch = decode_step(model, reqs, **cfg)
+    own = eng.attention.own
+    assert own is not None, "the project's decode kernel was not taken"
+    d = batch.to_device(eng.device)
+    ours = eng.runner.forward(batch, d).clone()
+    eng.attention.own = None  # the same step's decode rows on flashinfer's kernel
+    try:
+        theirs = eng.runner.forward(batch, d).clone()
+    finally:
+        eng.attention.own = own
+    replay = eng.runner.graphs.run(batch, d).clone()
+    span = (theirs.max(-1).values - theirs.min(-1).values)[:, None]
+    for name, got in (("against flashinfer", ours), ("graph replay against eager", replay)):
+        ref = theirs if name == "against flashinfer" else ours
+        rel = ((got - ref).abs() / span).max().item()
+        same = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+        print(f"{label} lorafleet decode {name}: max |diff| {rel:.4f} of the logit range, argmax agreement {same:.3f}")
+        assert rel < TOL and same >= 0.9, name
+    return eng
+
+
 def decode_step(model, reqs, **cfg):
     """An engine (EngineConfig(**cfg), CUDA graphs on) with the requests `reqs` three times ([(prompt ids, adapter
     name, path)]) prefilled and decoding, and the host batch of its next step: 24 decode rows, no prompt rows."""

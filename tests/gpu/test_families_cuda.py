@@ -12,7 +12,7 @@ import torch
 
 import teacher
 from family_models import FAMILIES, family_targets, write_gpu_family_model
-from lorafleet.runner.config import EngineConfig
+from lorafleet.runner.config import EngineConfig, KernelChoices
 from lorafleet.runner.engine.engine import Engine
 from lorafleet.runner.engine.sequence import AdapterRef, SamplingParams, Sequence
 from model_helpers import write_random_adapter
@@ -65,3 +65,11 @@ def test_family_decode_graph_replay_matches_the_eager_step(family):
     run flips up to 10 of 64 positions of their fp32 run.)"""
     name, model, _, reqs = family
     teacher.decode_graph_vs_eager(model, reqs, name)
+
+
+def test_family_decode_on_the_lorafleet_kernel(family):
+    """The project's decode attention kernel (LORAFLEET_DECODE_KERNEL=lorafleet) in a decode step of 24 requests,
+    with the family's windows, grouping and soft-cap: against flashinfer's decode kernel on the same step, and its
+    graph replay against its eager step."""
+    name, model, _, reqs = family
+    teacher.decode_kernel_vs_flashinfer(model, reqs, name, kernels=KernelChoices(decode_kernel="lorafleet"))

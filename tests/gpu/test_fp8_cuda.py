@@ -401,6 +401,15 @@ def test_fp8_engine_matches_the_fp32_fp8_reference_teacher_forced(fam, kv, gemm)
         assert eng.model.fp8_sm90 == (gemm != "unit")
 
 
+def test_fp8_pages_decode_on_the_lorafleet_kernel(fam):
+    """FP8 weights and FP8 K/V pages with the project's decode attention kernel (csrc/decode_attn.cu): a decode step
+    against flashinfer's decode kernel on the same pages, and its graph replay against its eager step."""
+    name, model, _, _, reqs = fam
+    eng = teacher.decode_kernel_vs_flashinfer(model, reqs, f"{name} FP8 pages", quantization="fp8",
+                                              kv_cache_dtype="fp8", kernels=KernelChoices(decode_kernel="lorafleet"))
+    assert eng.kv.k.dtype == E4M3
+
+
 def test_fp8_reference_is_not_the_bf16_model(fam):
     """The check above could not pass with the FP8 path switched off: the unrounded bf16 engine misses the
     FP8 reference at positions where its margin is large."""

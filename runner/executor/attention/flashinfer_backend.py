@@ -14,6 +14,9 @@ device asynchronously, so a plan waits until the device has consumed the copy of
 previous plan (an event recorded right after it) before it overwrites that buffer. The events are per
 wrapper: with one event for all, a step's second plan (prompt rows, then decode rows) waited for the
 first one's copy, queued behind the whole step in flight, and the host idled for a step.
+
+With `decode_kernel="lorafleet"` the decode rows take the project's own kernel instead (decode_kernel.py), where it
+takes the model's head shapes: nothing is planned for them, the step's page table is copied to the device once.
 """
 
 from __future__ import annotations
@@ -22,11 +25,16 @@ from contextlib import contextmanager
 
 import torch
 
+import logging
+
 import flashinfer  # noqa: F401  (ImportError here makes select.py fall back to torch)
 from flashinfer import BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper
 
+from lorafleet.runner.executor.attention import decode_kernel
 from lorafleet.runner.executor.attention.meta import AttnMeta, prefill_kernel
 from lorafleet.runner.executor.kv_cache import KVCache
+
+log = logging.getLogger(__name__)
 
 WORKSPACE_BYTES = 256 << 20
 FA3_HEAD_DIMS = (64, 128, 256)  # head sizes flashinfer's FA3 prefill is built for
@@ -61,7 +69,7 @@ class FlashInferAttention:
     name = "flashinfer"
 
     def __init__(self, kv: KVCache, cfg, device: torch.device, prefill_choice: str = "auto",
-                 q_dtype: torch.dtype | None = None, decode_tc: str = "auto"):
+                 q_dtype: torch.dtype | None = None, decode_tc: str = "auto", decode_kernel_choice: str = "flashinfer"):
         self.kv, self.cfg, self.device = kv, cfg, device
         self.q_dtype = q_dtype or kv.k.dtype  # FP8 pages: queries stay in the model's dtype
         self.kv_dtype = kv.k.dtype
@@ -87,6 +95,14 @@ class FlashInferAttention:
         self.layer_set = [self.sets[wl] for wl in self.layer_window]
         self._planned: dict[int, torch.cuda.Event] = {}  # id(wrapper) -> recorded after its last plan's copies
         self.graph_ws: torch.Tensor | None = None
+        self.own: decode_kernel.LorafleetDecode | None = None  # the project's decode kernel, when chosen and able
+        self.own_graph_ws: decode_kernel.Workspace | None = None
+        if decode_kernel_choice == "lorafleet":
+            if decode_kernel.supported(cfg):
+                self.own = decode_kernel.LorafleetDecode(kv, cfg, device)
+            else:
+                log.warning("the lorafleet decode kernel takes head sizes 64, 128, 256 with at most 8 query heads per "
+                            "K/V head, not %d with %d: decode rows stay on flashinfer's", self.d, self.h // self.hkv)
         self.warm_up()
 
     @contextmanager
@@ -142,8 +158,13 @@ class FlashInferAttention:
                         self.plan_prefill(wrapper, ws.window_left, [0, rows], [list(range(-(-kv // ps)))], [kv])
                         wrapper.run(q, cache)
             for kv in sorted({1, long_kv}):
+                q = torch.zeros(1, self.h, self.d, dtype=self.q_dtype, device=self.device)
+                if self.own is not None:
+                    tables = self.own.tables([list(range(-(-kv // ps)))], [kv])
+                    self.own.run(0, ws.window_left, q, torch.empty_like(q), tables, self.own.eager_workspace(1), 1)
+                    continue
                 self.plan_decode(ws.decode, ws.window_left, [list(range(-(-kv // ps)))], [kv])
-                ws.decode.run(torch.zeros(1, self.h, self.d, dtype=self.q_dtype, device=self.device), cache)
+                ws.decode.run(q, cache)
         torch.cuda.synchronize(self.device)
 
     def prefill_kind(self, qo_lens: list[int]) -> str:
@@ -154,6 +175,15 @@ class FlashInferAttention:
 
     def begin(self, meta: AttnMeta) -> "FlashInferStep":
         return FlashInferStep(self, meta)
+
+    def graph_step(self, batch_size: int, max_pages: int):
+        """Decode attention for a CUDA graph of one batch size (its page tables of at most `max_pages` pages):
+        `plan(page_tables, kv_lens)` before each replay, `attend` inside the captured forward."""
+        if self.own is None:
+            return GraphDecodeStep(self, self.make_graph_decoders(batch_size, max_pages))
+        if self.own_graph_ws is None or self.own_graph_ws.rows < batch_size:  # graphs replay one at a time: one for all
+            self.own_graph_ws = self.own.workspace(batch_size)
+        return decode_kernel.GraphDecodeTables(self, batch_size, max_pages, self.own_graph_ws)
 
     def make_graph_decoders(self, batch_size: int, max_pages: int) -> dict[int, BatchDecodeWithPagedKVCacheWrapper]:
         """Per window, a decode wrapper with fixed buffers, for CUDA-graph capture at one batch size. Every
@@ -186,11 +216,16 @@ class FlashInferStep:
         if P:
             lens = [meta.qo_indptr[i + 1] - meta.qo_indptr[i] for i in range(P)]
             self.prefill_kernel = b.prefill_kind(lens)
+        self.own_tables = None
+        if self.num_decode and b.own is not None:
+            self.own_tables = b.own.tables(meta.page_tables[P:], meta.kv_lens[P:])
+            self.own_ws = b.own.eager_workspace(self.num_decode)
+            self.own_workers = b.own.workers(self.num_decode, meta.kv_lens[P:])
         for ws in b.sets.values():
             if P:
                 b.plan_prefill(ws.prefill[self.prefill_kernel], ws.window_left, meta.qo_indptr[: P + 1],
                                meta.page_tables[:P], meta.kv_lens[:P])
-            if self.num_decode:
+            if self.num_decode and self.own_tables is None:
                 b.plan_decode(ws.decode, ws.window_left, meta.page_tables[P:], meta.kv_lens[P:])
 
     def attend(self, layer: int, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -203,7 +238,9 @@ class FlashInferStep:
         out = torch.empty(T, b.h, b.d, dtype=q.dtype, device=q.device) if out is None else out.view(T, b.h, b.d)
         if n:
             ws.prefill[self.prefill_kernel].run(q[:n], cache, out=out[:n])
-        if self.num_decode:
+        if self.own_tables is not None:
+            b.own.run(layer, ws.window_left, q[n:], out[n:], self.own_tables, self.own_ws, self.own_workers)
+        elif self.num_decode:
             ws.decode.run(q[n:], cache, out=out[n:])
         return out.view(T, b.h * b.d)
 

@@ -24,7 +24,8 @@ def attention_backend(kv, cfg, device: torch.device, kernels: KernelChoices, q_d
                 raise RuntimeError(f"LORAFLEET_ATTENTION=flashinfer but flashinfer is not importable: {exc}") from None
             log.warning("flashinfer not available (%s); using the torch attention path", exc)
         else:
-            return FlashInferAttention(kv, cfg, device, kernels.prefill, q_dtype, kernels.decode_tc)
+            return FlashInferAttention(kv, cfg, device, kernels.prefill, q_dtype, kernels.decode_tc,
+                                       kernels.decode_kernel)
     elif choice == "flashinfer":
         raise RuntimeError("LORAFLEET_ATTENTION=flashinfer needs a CUDA device")
     return TorchAttention(kv, cfg)

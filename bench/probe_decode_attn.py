@@ -1,0 +1,113 @@
+"""Decode attention alone: the project's kernel (csrc/decode_attn.cu) against flashinfer's batch decode (CUDA cores and
+tensor cores), bf16 and e4m3 pages, next to the bytes of K/V each call must read.
+
+Per shape (Llama-2-7B: 32 heads of 128, no grouping; Llama-2-70B on one GPU: 64 query heads over 8 K/V heads), batch
+and context: every layer has its own pages (32 layers, so nothing stays in L2), the page tables are shuffled, and
+the 32 layer calls run in one CUDA graph; µs per layer call, the K/V bytes it read per second, and its time against
+the floor (those bytes at 4.2 TB/s, the H200's measured copy rate). Each variant's output is checked against
+flashinfer's CUDA-core kernel on the same pages.
+
+    python bench/probe_decode_attn.py --out probe_decode_attn.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+
+FLOOR_TB_S = 4.2
+SHAPES = {"7b": (32, 32, 128), "70b": (64, 8, 128)}
+LAYERS = 32
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", required=True, help="JSON file for the rows")
+    p.add_argument("--ctx", type=int, nargs="+", default=[128, 370, 1024, 4096],
+                   help="context lengths (default: 128 370 1024 4096)")
+    p.add_argument("--batch", type=int, nargs="+", default=[32, 8], help="requests per call (default: 32 8)")
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES), help="default: 7b 70b")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per page (default: 16)")
+    args = p.parse_args()
+
+    from flashinfer import BatchDecodeWithPagedKVCacheWrapper
+
+    from lorafleet.bench.kernels import Timer
+    from lorafleet.runner.executor.attention import decode_kernel as dk
+    from lorafleet.runner.kernels import load
+
+    ext, timer, dev, ps = load(), Timer(flush_bytes=1 << 20), torch.device("cuda"), args.page_size
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    rows = []
+    for shape in args.shapes:
+        H, Hkv, D = SHAPES[shape]
+        for batch in args.batch:
+            for ctx in args.ctx:
+                pps = math.ceil(ctx / ps)
+                P = batch * pps
+                gen = torch.Generator().manual_seed(ctx + batch)
+                perm = torch.randperm(P, generator=gen).to(torch.int32)
+                indptr = torch.arange(0, P + 1, pps, dtype=torch.int32)
+                last = torch.full((batch,), ctx - (pps - 1) * ps, dtype=torch.int32)
+                q = torch.randn(batch, H, D, dtype=torch.bfloat16, device=dev)
+                for kv_name, kv_dtype in (("bf16", torch.bfloat16), ("e4m3", torch.float8_e4m3fn)):
+                    caches = []
+                    for _ in range(LAYERS):
+                        c = torch.randn(P, 2, ps, Hkv, D, device=dev).to(kv_dtype)
+                        caches.append((c[:, 0], c[:, 1]))
+                    kv_bytes = batch * ctx * Hkv * D * 2 * caches[0][0].element_size()
+                    out = {}
+                    times = {}
+                    for tc in (False, True):
+                        ws = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
+                        w = BatchDecodeWithPagedKVCacheWrapper(
+                            ws, "NHD", use_cuda_graph=True, use_tensor_cores=tc,
+                            paged_kv_indptr_buffer=torch.zeros(batch + 1, dtype=torch.int32, device=dev),
+                            paged_kv_indices_buffer=torch.zeros(P, dtype=torch.int32, device=dev),
+                            paged_kv_last_page_len_buffer=torch.zeros(batch, dtype=torch.int32, device=dev))
+                        w.plan(indptr, perm.to(dev), last, H, Hkv, D, ps, q_data_type=torch.bfloat16,
+                               kv_data_type=kv_dtype)
+                        o = torch.empty_like(q)
+                        name = "flashinfer_tc" if tc else "flashinfer"
+                        times[name] = timer.graph_us([lambda: [w.run(q, c, out=o) for c in caches]]) / LAYERS
+                        out[name] = o.clone()
+                        del w, ws
+                    wsp = dk.Workspace(batch, H, Hkv, D, dev)
+                    t_indptr, t_indices, t_last = indptr.to(dev), perm.to(dev), last.to(dev)
+                    o = torch.empty_like(q)
+                    workers = dk.workers(sms, batch, Hkv)  # as in a CUDA graph (lengths unknown)
+
+                    def own():
+                        for k, v in caches:
+                            ext.decode_attention(o, q, k, v, t_indptr, t_indices, t_last, wsp.partial_o,
+                                                 wsp.partial_ml, wsp.counters, 1 / math.sqrt(D), 0.0, -1, dk.CHUNK,
+                                                 dk.MAX_CHUNKS, workers, torch.cuda.current_stream().cuda_stream)
+
+                    times["lorafleet"] = timer.graph_us([own]) / LAYERS
+                    out["lorafleet"] = o.clone()
+                    ref = out["flashinfer"].float()
+                    floor_us = kv_bytes / (FLOOR_TB_S * 1e12) * 1e6
+                    for name, us in times.items():
+                        r = {"shape": shape, "batch": batch, "ctx": ctx, "pages": kv_name, "kernel": name,
+                             "us_per_layer": round(us, 2), "kv_tb_s": round(kv_bytes / (us * 1e-6) / 1e12, 2),
+                             "of_floor": round(floor_us / us, 3), "ms_per_step": round(us * LAYERS / 1e3, 3),
+                             "max_diff_vs_flashinfer": float((out[name].float() - ref).abs().max())}
+                        print(json.dumps(r), flush=True)
+                        rows.append(r)
+                    del caches
+                    torch.cuda.empty_cache()
+    with open(args.out, "w") as f:
+        json.dump({"floor_tb_s": FLOOR_TB_S, "page_size": ps, "rows": rows}, f, indent=1)
+    print(f"{'shape':5} {'B':>3} {'ctx':>5} {'pages':5} " + " ".join(f"{k:>14}" for k in ("flashinfer", "flashinfer_tc",
+                                                                                            "lorafleet")) + "  (µs / layer)")
+    for i in range(0, len(rows), 3):
+        a = rows[i: i + 3]
+        print(f"{a[0]['shape']:5} {a[0]['batch']:>3} {a[0]['ctx']:>5} {a[0]['pages']:5} "
+              + " ".join(f"{r['us_per_layer']:>14}" for r in a))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,356 @@
+// decode_attention (see decode_attn.h): one CTA of 4 warps per (request, K/V head, worker). A lane holds DPL
+// dimensions of a token's K/V row (one 4- to 16-byte load each), LPT = D / DPL lanes make a token, a warp takes
+// TPW = 32 / LPT tokens per load and U such loads at once, so every lane has 2U loads in flight. The lane keeps the
+// G query heads' DPL dims of q and of the output in fp32 registers; DPL is chosen so that G * DPL <= 32 where the
+// head allows (the wider 16-byte loads where G is small).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "decode_attn.h"
+#include "half_pair.cuh"
+
+namespace lorafleet {
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kUnroll = 2;  // loads per lane of K (and of V) in flight
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr unsigned kFull = 0xffffffffu;
+
+// Dims per lane for head size D, group bucket G and K/V element bytes: at most 16 bytes per load, G * DPL <= 32
+// where that still leaves at most 32 lanes per token.
+template <int D, int G, int KVB>
+struct Shape {
+  static constexpr int kByBytes = 16 / KVB;
+  static constexpr int kByRegs = 32 / G;
+  static constexpr int kNarrow = kByBytes < kByRegs ? kByBytes : kByRegs;
+  static constexpr int DPL = kNarrow < D / 32 ? D / 32 : kNarrow;
+  static constexpr int LPT = D / DPL;
+  static constexpr int TPW = 32 / LPT;
+  static constexpr int BYTES = DPL * KVB;
+  static_assert(LPT >= 1 && LPT <= 32 && 32 % LPT == 0 && DPL % 2 == 0, "decode_attention: bad lane shape");
+};
+
+template <int N>
+struct Raw;
+template <>
+struct Raw<16> {
+  using V = uint4;
+};
+template <>
+struct Raw<8> {
+  using V = uint2;
+};
+template <>
+struct Raw<4> {
+  using V = uint32_t;
+};
+
+// DPL values of one load in fp32: e4m3 pairs through the exact fp16 conversion, or T pairs.
+template <typename T, bool KV8, int DPL, typename L>
+__device__ __forceinline__ void unpack(const L& raw, float f[DPL]) {
+  if constexpr (KV8) {
+    const __nv_fp8x2_storage_t* p = reinterpret_cast<const __nv_fp8x2_storage_t*>(&raw);
+#pragma unroll
+    for (int e = 0; e < DPL / 2; ++e) {
+      const float2 t = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(p[e], __NV_E4M3)));
+      f[2 * e] = t.x;
+      f[2 * e + 1] = t.y;
+    }
+  } else {
+    const typename Pair<T>::V* p = reinterpret_cast<const typename Pair<T>::V*>(&raw);
+#pragma unroll
+    for (int e = 0; e < DPL / 2; ++e) {
+      const float2 t = Pair<T>::get(p[e]);
+      f[2 * e] = t.x;
+      f[2 * e + 1] = t.y;
+    }
+  }
+}
+
+// (m, l, acc) <- the merge of itself with (mo, lo, ao): m the running max of log2-scaled scores, l the sum of
+// exp2(s - m), acc the sum of exp2(s - m) v. Two empty states (m = -inf) stay empty.
+template <int DPL>
+__device__ __forceinline__ void merge_state(float& m, float& l, float acc[DPL], float mo, float lo, const float ao[DPL]) {
+  const float mx = fmaxf(m, mo);
+  if (mx == -INFINITY) return;
+  const float ca = exp2f(m - mx), cb = exp2f(mo - mx);
+  l = l * ca + lo * cb;
+#pragma unroll
+  for (int i = 0; i < DPL; ++i) acc[i] = acc[i] * ca + ao[i] * cb;
+  m = mx;
+}
+
+// tanh to a few ulp without a slow-path call (CUDA's tanhf divides with one, which spills here): expm1 of 2|x| (|x|
+// clamped to 10, where tanh is 1 in fp32) over itself plus 2.
+__device__ __forceinline__ float tanh_fast(float x) {
+  const float e = expm1f(2.f * fminf(fabsf(x), 10.f));
+  return copysignf(__fdividef(e, e + 2.f), x);
+}
+
+template <typename T, bool KV8, int D, int G>
+__global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(const DecodeAttnArgs p) {
+  using S = Shape<D, G, KV8 ? 1 : 2>;
+  constexpr int DPL = S::DPL, LPT = S::LPT, TPW = S::TPW;
+  using KvT = std::conditional_t<KV8, uint8_t, T>;
+  using Ld = typename Raw<S::BYTES>::V;
+  using V2 = typename Pair<T>::V;
+  __shared__ float sm_acc[kWarps][G][D];
+  __shared__ float sm_m[kWarps][G], sm_l[kWarps][G];
+  __shared__ int sm_last;
+
+  const int worker = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
+  const int g = p.num_heads / p.num_kv_heads;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int part = lane % LPT, slot = lane / LPT;
+  const int head0 = kvh * g;
+
+  const int p0 = p.indptr[b], np = p.indptr[b + 1] - p0;
+  const int last_len = min(max(p.last_page_len[b], 1), p.page_size);
+  const int kv_len = np > 0 ? (np - 1) * p.page_size + last_len : 0;
+  const int start = p.window_left >= 0 && kv_len - 1 - p.window_left > 0 ? kv_len - 1 - p.window_left : 0;
+  const int n = kv_len - start;
+  T* out = static_cast<T*>(p.out) + (static_cast<int64_t>(b) * p.num_heads + head0) * D;
+  if (n <= 0) {  // no keys: zeros, from the first worker
+    if (worker == 0)
+      for (int e = tid; e < g * D; e += kThreads) out[e] = Pair<T>::round(0.f);
+    return;
+  }
+  int chunk = p.chunk, nchunks = (n + chunk - 1) / chunk;
+  if (nchunks > p.max_chunks) {
+    chunk = ((n + p.max_chunks - 1) / p.max_chunks + 15) & ~15;
+    nchunks = (n + chunk - 1) / chunk;
+  }
+  if (worker >= nchunks) return;
+
+  // this lane's dims of the group's queries
+  float q[G][DPL];
+  const T* qrow = static_cast<const T*>(p.q) + (static_cast<int64_t>(b) * p.num_heads + head0) * D + part * DPL;
+#pragma unroll
+  for (int j = 0; j < G; ++j) {
+#pragma unroll
+    for (int e = 0; e < DPL / 2; ++e) {
+      float2 t = make_float2(0.f, 0.f);
+      if (j < g) t = Pair<T>::get(reinterpret_cast<const V2*>(qrow + j * D)[e]);
+      q[j][2 * e] = t.x;
+      q[j][2 * e + 1] = t.y;
+    }
+  }
+  const bool capped = p.soft_cap > 0.f;
+  const float scale_log2 = p.sm_scale * kLog2e;
+  const float cap_in = capped ? p.sm_scale / p.soft_cap : 0.f, cap_out = p.soft_cap * kLog2e;
+  const int64_t tok_stride = static_cast<int64_t>(p.num_kv_heads) * D;  // elements from one slot to the next
+  const KvT* kbase = static_cast<const KvT*>(p.k_cache) + static_cast<int64_t>(kvh) * D + part * DPL;
+  const KvT* vbase = static_cast<const KvT*>(p.v_cache) + static_cast<int64_t>(kvh) * D + part * DPL;
+  const int ps = p.page_size, ps_shift = __ffs(ps) - 1;
+  const bool ps_pow2 = (ps & (ps - 1)) == 0;
+  const int64_t last_page = p.num_pages - 1;
+
+  int done = 0;
+  for (int c = worker; c < nchunks; c += p.workers, ++done) {
+    const int t0 = start + c * chunk, t1 = min(t0 + chunk, kv_len);
+    float m[G], l[G], acc[G][DPL];
+#pragma unroll
+    for (int j = 0; j < G; ++j) {
+      m[j] = -INFINITY;
+      l[j] = 0.f;
+#pragma unroll
+      for (int i = 0; i < DPL; ++i) acc[j][i] = 0.f;
+    }
+    for (int base = t0 + warp * TPW; base < t1; base += kWarps * TPW * kUnroll) {
+      Ld kr[kUnroll], vr[kUnroll];
+      bool valid[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int t = base + u * kWarps * TPW + slot;
+        valid[u] = t < t1;
+        if (valid[u]) {
+          const int pi = ps_pow2 ? t >> ps_shift : t / ps;
+          const int64_t at = static_cast<int64_t>(p0) + pi;
+          int64_t pg = at >= 0 && at < p.num_indices ? p.indices[at] : 0;
+          pg = pg < 0 ? 0 : (pg > last_page ? last_page : pg);
+          const int64_t off = (pg * ps + (ps_pow2 ? t & (ps - 1) : t % ps)) * tok_stride;
+          kr[u] = *reinterpret_cast<const Ld*>(kbase + off);
+          vr[u] = *reinterpret_cast<const Ld*>(vbase + off);
+        } else {
+          kr[u] = Ld{};
+          vr[u] = Ld{};
+        }
+      }
+      float s[kUnroll][G];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        float kf[DPL];
+        unpack<T, KV8, DPL>(kr[u], kf);
+#pragma unroll
+        for (int j = 0; j < G; ++j) {
+          float d = 0.f;
+#pragma unroll
+          for (int i = 0; i < DPL; ++i) d = fmaf(q[j][i], kf[i], d);
+#pragma unroll
+          for (int off = LPT / 2; off >= 1; off >>= 1) d += __shfl_xor_sync(kFull, d, off);
+          s[u][j] = !valid[u] ? -INFINITY : capped ? tanh_fast(d * cap_in) * cap_out : d * scale_log2;
+        }
+      }
+      float vf[kUnroll][DPL];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) unpack<T, KV8, DPL>(vr[u], vf[u]);
+#pragma unroll
+      for (int j = 0; j < G; ++j) {
+        if (j >= g) continue;
+        float mx = m[j];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) mx = fmaxf(mx, s[u][j]);
+        if (mx == -INFINITY) continue;
+        const float corr = exp2f(m[j] - mx);
+        float pu[kUnroll];
+        float sum = l[j] * corr;
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          pu[u] = exp2f(s[u][j] - mx);
+          sum += pu[u];
+        }
+        l[j] = sum;
+#pragma unroll
+        for (int i = 0; i < DPL; ++i) {
+          float a = acc[j][i] * corr;
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u) a = fmaf(pu[u], vf[u][i], a);
+          acc[j][i] = a;
+        }
+        m[j] = mx;
+      }
+    }
+    // the warp's token slots, then the warps in order
+#pragma unroll
+    for (int off = LPT; off < 32; off <<= 1) {
+#pragma unroll
+      for (int j = 0; j < G; ++j) {
+        float ao[DPL];
+#pragma unroll
+        for (int i = 0; i < DPL; ++i) ao[i] = __shfl_xor_sync(kFull, acc[j][i], off);
+        const float mo = __shfl_xor_sync(kFull, m[j], off), lo = __shfl_xor_sync(kFull, l[j], off);
+        merge_state<DPL>(m[j], l[j], acc[j], mo, lo, ao);
+      }
+    }
+    if (slot == 0) {
+#pragma unroll
+      for (int j = 0; j < G; ++j) {
+        if (j >= g) continue;
+        if (part == 0) {
+          sm_m[warp][j] = m[j];
+          sm_l[warp][j] = l[j];
+        }
+#pragma unroll
+        for (int i = 0; i < DPL; ++i) sm_acc[warp][j][part * DPL + i] = acc[j][i];
+      }
+    }
+    __syncthreads();
+    for (int e = tid; e < g * D; e += kThreads) {
+      const int j = e / D, d = e - j * D;
+      float mx = sm_m[0][j];
+#pragma unroll
+      for (int w = 1; w < kWarps; ++w) mx = fmaxf(mx, sm_m[w][j]);
+      float sum = 0.f, a = 0.f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        if (sm_m[w][j] == -INFINITY) continue;
+        const float cw = exp2f(sm_m[w][j] - mx);
+        sum = fmaf(sm_l[w][j], cw, sum);
+        a = fmaf(sm_acc[w][j][d], cw, a);
+      }
+      if (nchunks == 1) {
+        out[e] = Pair<T>::round(__fdividef(a, sum));  // sum is in [1, n]: the fast division is exact to 2 ulp
+      } else {
+        const int64_t pi = (static_cast<int64_t>(b) * p.num_heads + head0 + j) * p.max_chunks + c;
+        p.partial_o[pi * D + d] = a;
+        if (d == 0) {
+          p.partial_ml[2 * pi] = mx;
+          p.partial_ml[2 * pi + 1] = sum;
+        }
+      }
+    }
+    __syncthreads();  // the shared state is the next chunk's
+  }
+  if (nchunks == 1) return;
+
+  // the CTA that completes the request's last chunk merges the partials in chunk order
+  __threadfence();
+  __syncthreads();
+  int32_t* counter = p.counters + static_cast<int64_t>(b) * p.num_kv_heads + kvh;
+  if (tid == 0) sm_last = atomicAdd(counter, done) + done == nchunks;
+  __syncthreads();
+  if (!sm_last) return;
+  __threadfence();
+  for (int e = tid; e < g * D; e += kThreads) {
+    const int j = e / D, d = e - j * D;
+    const int64_t pi0 = (static_cast<int64_t>(b) * p.num_heads + head0 + j) * p.max_chunks;
+    float mx = -INFINITY;
+    for (int c = 0; c < nchunks; ++c) mx = fmaxf(mx, __ldcg(p.partial_ml + 2 * (pi0 + c)));
+    float sum = 0.f, a = 0.f;
+    for (int c = 0; c < nchunks; ++c) {
+      const float cw = exp2f(__ldcg(p.partial_ml + 2 * (pi0 + c)) - mx);
+      sum = fmaf(__ldcg(p.partial_ml + 2 * (pi0 + c) + 1), cw, sum);
+      a = fmaf(__ldcg(p.partial_o + (pi0 + c) * D + d), cw, a);
+    }
+    out[e] = Pair<T>::round(__fdividef(a, sum));  // sum is in [1, n]: the fast division is exact to 2 ulp
+  }
+  if (tid == 0) *counter = 0;
+}
+
+template <typename T, bool KV8, int D>
+const char* launch_group(const DecodeAttnArgs& a, int group, dim3 grid, cudaStream_t stream) {
+  if (group <= 1) decode_attention_kernel<T, KV8, D, 1><<<grid, kThreads, 0, stream>>>(a);
+  else if (group <= 2) decode_attention_kernel<T, KV8, D, 2><<<grid, kThreads, 0, stream>>>(a);
+  else if (group <= 4) decode_attention_kernel<T, KV8, D, 4><<<grid, kThreads, 0, stream>>>(a);
+  else decode_attention_kernel<T, KV8, D, 8><<<grid, kThreads, 0, stream>>>(a);
+  const cudaError_t err = cudaGetLastError();
+  return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
+}
+
+template <typename T, bool KV8>
+const char* launch_dim(const DecodeAttnArgs& a, int group, dim3 grid, cudaStream_t stream) {
+  switch (a.head_dim) {
+    case 64: return launch_group<T, KV8, 64>(a, group, grid, stream);
+    case 128: return launch_group<T, KV8, 128>(a, group, grid, stream);
+    default: return launch_group<T, KV8, 256>(a, group, grid, stream);
+  }
+}
+
+template <typename T>
+const char* launch_typed(const DecodeAttnArgs& a, int group, dim3 grid, cudaStream_t stream) {
+  return a.kv_e4m3 ? launch_dim<T, true>(a, group, grid, stream) : launch_dim<T, false>(a, group, grid, stream);
+}
+
+}  // namespace
+
+bool decode_attention_supports(int head_dim, int group) {
+  return (head_dim == 64 || head_dim == 128 || head_dim == 256) && group >= 1 && group <= 8;
+}
+
+const char* decode_attention(DType dtype, const DecodeAttnArgs& a, int device, void* stream) {
+  if (a.batch <= 0) return nullptr;
+  if (a.num_kv_heads <= 0 || a.num_heads % a.num_kv_heads != 0)
+    return "decode_attention: the query heads must be a positive multiple of the K/V heads";
+  if (!decode_attention_supports(a.head_dim, a.num_heads / a.num_kv_heads))
+    return "decode_attention: head_dim must be 64, 128 or 256 and at most 8 query heads share a K/V head";
+  if (a.page_size <= 0 || a.num_pages <= 0 || a.chunk <= 0 || a.chunk % 16 != 0 || a.max_chunks <= 0 ||
+      a.workers <= 0)
+    return "decode_attention: page_size, num_pages, max_chunks and workers must be positive, chunk a multiple of 16";
+  if (a.batch > 65535 || a.num_kv_heads > 65535) return "decode_attention: too many requests or K/V heads";
+  cudaError_t err = cudaSetDevice(device);
+  if (err != cudaSuccess) return cudaGetErrorString(err);
+  const dim3 grid(a.workers, a.num_kv_heads, a.batch);
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const int group = a.num_heads / a.num_kv_heads;
+  return dtype == DType::kFloat16 ? launch_typed<__half>(a, group, grid, s)
+                                  : launch_typed<__nv_bfloat16>(a, group, grid, s);
+}
+
+}  // namespace lorafleet

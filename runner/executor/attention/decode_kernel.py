@@ -1,0 +1,120 @@
+"""The project's decode attention kernel (csrc/decode_attn.cu) for the decode rows of the flashinfer backend
+(KernelChoices.decode_kernel = "lorafleet", LORAFLEET_DECODE_KERNEL).
+
+It reads a request's K/V pages once, in bf16 / fp16 or e4m3 (FP8 pages, unit scale), with the model's softmax scale,
+score soft-cap and per-layer window, from the page table in flashinfer's CSR form. Nothing is planned on the host:
+a step copies its page table to the device and every layer launches once. A request's keys are cut into chunks of
+CHUNK tokens (more when it would need more than MAX_CHUNKS), so its bits depend only on its own length; `workers`
+CTAs per (request, K/V head) share its chunks and change no bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+CHUNK = 256  # tokens per chunk
+MAX_CHUNKS = 16  # chunks per request at most: longer contexts take longer chunks
+CTAS_PER_SM = 4  # a launch's grid aims at this many CTAs per SM when it has few (request, K/V head) pairs
+
+
+def workers(num_sms: int, rows: int, kv_heads: int, kv_lens: list[int] | None = None) -> int:
+    """CTAs per (request, K/V head) of a launch over `rows` requests: enough for CTAS_PER_SM per SM, at most the chunks
+    the longest request has (all MAX_CHUNKS where the lengths are not known, as in a CUDA graph). A launch shape only:
+    it changes no bit."""
+    want = -(-num_sms * CTAS_PER_SM // max(1, rows * kv_heads))
+    most = MAX_CHUNKS if kv_lens is None else min(MAX_CHUNKS, -(-max(kv_lens, default=1) // CHUNK))
+    return max(1, min(want, most))
+
+
+def supported(cfg) -> bool:
+    """Whether the kernel takes this model's head size and query heads per K/V head."""
+    group = cfg.num_heads // cfg.num_kv_heads
+    return cfg.head_dim in (64, 128, 256) and 1 <= group <= 8 and cfg.num_heads % cfg.num_kv_heads == 0
+
+
+class Workspace:
+    """The chunks' partial results of up to `rows` requests and the per-(request, K/V head) counters (zero; every
+    launch leaves them zero)."""
+
+    def __init__(self, rows: int, heads: int, kv_heads: int, head_dim: int, device: torch.device):
+        self.rows = rows
+        self.partial_o = torch.empty(rows * heads * MAX_CHUNKS * head_dim, dtype=torch.float32, device=device)
+        self.partial_ml = torch.empty(rows * heads * MAX_CHUNKS * 2, dtype=torch.float32, device=device)
+        self.counters = torch.zeros(rows * kv_heads, dtype=torch.int32, device=device)
+
+
+class Tables:
+    """A step's page table on the device: indptr [B + 1], indices, last_page_len [B] (int32)."""
+
+    def __init__(self, indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor):
+        self.indptr, self.indices, self.last = indptr, indices, last
+
+
+class LorafleetDecode:
+    """The kernel with one model's shapes; the eager steps' workspace grows with their decode rows."""
+
+    def __init__(self, kv, cfg, device: torch.device):
+        from lorafleet.runner import kernels
+
+        self.ext = kernels.load()
+        self.kv, self.device = kv, device
+        self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.sm_scale, self.soft_cap = cfg.softmax_scale, cfg.attn_softcap or 0.0
+        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self._eager: Workspace | None = None
+
+    def workspace(self, rows: int) -> Workspace:
+        return Workspace(rows, self.h, self.hkv, self.d, self.device)
+
+    def eager_workspace(self, rows: int) -> Workspace:
+        if self._eager is None or self._eager.rows < rows:
+            self._eager = self.workspace(max(rows, 2 * self._eager.rows if self._eager else rows))
+        return self._eager
+
+    def workers(self, rows: int, kv_lens: list[int] | None = None) -> int:
+        return workers(self.num_sms, rows, self.hkv, kv_lens)
+
+    def tables(self, page_tables, kv_lens) -> Tables:
+        """A step's page table, copied to the device on the current stream."""
+        from lorafleet.runner.executor.attention.flashinfer_backend import page_table_arrays
+
+        arrays = page_table_arrays(page_tables, kv_lens, self.kv.page_size, pin=True)
+        return Tables(*(a.to(self.device, non_blocking=True) for a in arrays))
+
+    def run(self, layer: int, window_left: int, q: torch.Tensor, out: torch.Tensor, tables: Tables, ws: Workspace,
+            workers: int) -> None:
+        """out [B, Hq, D] = attention of q [B, Hq, D] over layer `layer`'s pages."""
+        k, v = self.kv.layer(layer)
+        self.ext.decode_attention(out, q, k, v, tables.indptr, tables.indices, tables.last, ws.partial_o,
+                                  ws.partial_ml, ws.counters, self.sm_scale, self.soft_cap, window_left, CHUNK,
+                                  MAX_CHUNKS, workers, torch.cuda.current_stream(q.device).cuda_stream)
+
+
+class GraphDecodeTables:
+    """Decode attention on the project's kernel for a CUDA graph of one batch size: fixed device buffers for the
+    page table (`plan` fills them before each replay) and a workspace shared by every graph."""
+
+    def __init__(self, backend, batch_size: int, max_pages: int, ws: Workspace):
+        dev = backend.device
+        self.b, self.own, self.ws = backend, backend.own, ws
+        self.tables = Tables(torch.zeros(batch_size + 1, dtype=torch.int32, device=dev),
+                             torch.zeros(max_pages, dtype=torch.int32, device=dev),
+                             torch.ones(batch_size, dtype=torch.int32, device=dev))
+        self.workers = self.own.workers(batch_size)
+
+    def plan(self, page_tables, kv_lens) -> None:
+        from lorafleet.runner.executor.attention.flashinfer_backend import page_table_arrays
+
+        indptr, indices, last = page_table_arrays(page_tables, kv_lens, self.own.kv.page_size, pin=True)
+        if indices.numel() > self.tables.indices.numel():
+            raise ValueError(f"decode graph: {indices.numel()} pages exceed the captured {self.tables.indices.numel()}")
+        self.tables.indptr.copy_(indptr, non_blocking=True)
+        self.tables.indices[: indices.numel()].copy_(indices, non_blocking=True)
+        self.tables.last.copy_(last, non_blocking=True)
+
+    def attend(self, layer: int, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        T = q.shape[0]
+        b = self.b
+        out = torch.empty(T, b.h, b.d, dtype=q.dtype, device=q.device) if out is None else out.view(T, b.h, b.d)
+        self.own.run(layer, b.layer_window[layer], q, out, self.tables, self.ws, self.workers)
+        return out.view(T, b.h * b.d)
