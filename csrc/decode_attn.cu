@@ -163,13 +163,14 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(const Dec
 #pragma unroll
       for (int i = 0; i < DPL; ++i) acc[j][i] = 0.f;
     }
-    for (int base = t0 + warp * TPW; base < t1; base += kWarps * TPW * kUnroll) {
-      Ld kr[kUnroll], vr[kUnroll];
-      bool valid[kUnroll];
+    // this lane's rows of the kUnroll tokens of the warp's pass at `base` (zeros past t1)
+    auto fetch = [&](int base, Ld (&kr)[kUnroll], Ld (&vr)[kUnroll], bool (&valid)[kUnroll]) {
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int t = base + u * kWarps * TPW + slot;
         valid[u] = t < t1;
+        kr[u] = Ld{};
+        vr[u] = Ld{};
         if (valid[u]) {
           const int pi = ps_pow2 ? t >> ps_shift : t / ps;
           const int64_t at = static_cast<int64_t>(p0) + pi;
@@ -178,11 +179,15 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(const Dec
           const int64_t off = (pg * ps + (ps_pow2 ? t & (ps - 1) : t % ps)) * tok_stride;
           kr[u] = *reinterpret_cast<const Ld*>(kbase + off);
           vr[u] = *reinterpret_cast<const Ld*>(vbase + off);
-        } else {
-          kr[u] = Ld{};
-          vr[u] = Ld{};
         }
       }
+    };
+    constexpr int kPass = kWarps * TPW * kUnroll;  // tokens of one pass of the CTA
+    Ld kr[kUnroll], vr[kUnroll], kn[kUnroll], vn[kUnroll];
+    bool valid[kUnroll], vnext[kUnroll];
+    if (t0 + warp * TPW < t1) fetch(t0 + warp * TPW, kr, vr, valid);
+    for (int base = t0 + warp * TPW; base < t1; base += kPass) {
+      if (base + kPass < t1) fetch(base + kPass, kn, vn, vnext);  // the next pass's loads fly during this one's math
       float s[kUnroll][G];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
@@ -225,6 +230,12 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(const Dec
           acc[j][i] = a;
         }
         m[j] = mx;
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        kr[u] = kn[u];
+        vr[u] = vn[u];
+        valid[u] = vnext[u];
       }
     }
     // the warp's token slots, then the warps in order

@@ -14,7 +14,7 @@ import torch
 
 CHUNK = 256  # tokens per chunk
 MAX_CHUNKS = 16  # chunks per request at most: longer contexts take longer chunks
-CTAS_PER_SM = 4  # a launch's grid aims at this many CTAs per SM when it has few (request, K/V head) pairs
+CTAS_PER_SM = 8  # a launch's grid aims at this many CTAs per SM (about two waves) where it has few (request, head) pairs
 
 
 def workers(num_sms: int, rows: int, kv_heads: int, kv_lens: list[int] | None = None) -> int:
