@@ -56,8 +56,8 @@ def main() -> None:
                 for kv_name, kv_dtype in (("bf16", torch.bfloat16), ("e4m3", torch.float8_e4m3fn)):
                     caches = []
                     for _ in range(LAYERS):
-                        c = torch.randn(P, 2, ps, Hkv, D, device=dev).to(kv_dtype)
-                        caches.append((c[:, 0], c[:, 1]))
+                        c = torch.randn(2, P, ps, Hkv, D, device=dev).to(kv_dtype)
+                        caches.append((c[0], c[1]))  # contiguous K and V pages, as the engine's
                     kv_bytes = batch * ctx * Hkv * D * 2 * caches[0][0].element_size()
                     out = {}
                     times = {}

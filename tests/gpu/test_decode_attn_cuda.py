@@ -100,7 +100,8 @@ class Case:
 
 
 def assert_close(got: torch.Tensor, want: torch.Tensor, vmax: float, label: str):
-    """Within twice the output type's rounding of the fp64 value, plus fp32 accumulation noise."""
+    """Within one rounding step of the output type (twice its round-to-nearest error) of the fp64 value, plus fp32
+    accumulation noise."""
     rtol = 2.0 ** -8 if got.dtype == torch.bfloat16 else 2.0 ** -10
     err = (got.double() - want).abs()
     bound = rtol * want.abs() + 1e-4 * vmax

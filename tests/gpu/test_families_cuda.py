@@ -69,7 +69,8 @@ def test_family_decode_graph_replay_matches_the_eager_step(family):
 
 def test_family_decode_on_the_lorafleet_kernel(family):
     """The project's decode attention kernel (LORAFLEET_DECODE_KERNEL=lorafleet) in a decode step of 24 requests,
-    with the family's windows, grouping and soft-cap: against flashinfer's decode kernel on the same step, and its
-    graph replay against its eager step."""
+    with the family's windows, grouping and softmax scale (no GPU family model has an attention soft-cap:
+    test_decode_attn_cuda.py checks it): against flashinfer's decode kernel on the same step, and its graph replay
+    against its eager step."""
     name, model, _, reqs = family
     teacher.decode_kernel_vs_flashinfer(model, reqs, name, kernels=KernelChoices(decode_kernel="lorafleet"))
