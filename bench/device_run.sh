@@ -45,7 +45,8 @@
 #            -> probe_fp8_gemm.json; a later fp8 / fp870 stage then takes the fastest call (LORAFLEET_FP8_SWAP_ROWS,
 #            LORAFLEET_FP8_GEMM_ROWS, LORAFLEET_FP8_GEMM_BF16)
 #   loraprobe bench/probe_lora.py: per projection group, the base GEMM, today's LoRA call, the K-extended GEMM
-#            ([x | v] @ [W | B]^T) and the merged weight, prefill (2,048 rows) and decode (32 rows) -> probe_lora.json
+#            ([x | v] @ [W | B]^T), the merged weight and (decode) the shrink inside the base GEMM (x @ [W; A_pool]^T),
+#            prefill (2,048 rows) and decode (32 rows) -> probe_lora.json
 #   fp870    bench e2e --tp 1: Llama-2-70B shape on one GPU with FP8 weights (distinct, identical, LoRA off;
 #            FP70_REQS, default 300; FP70_ARGS: extra arguments, e.g. --no-lora-off)  -> e2e_70b_fp8[_TAG].json
 #   ab70     fp870 for each value of one variable (AB_VAR, AB_VALUES, AB_NAME)    -> e2e_70b_fp8_AB_NAME_V.json

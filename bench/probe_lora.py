@@ -12,6 +12,10 @@ timed inside a CUDA graph, weights and adapters rotated so nothing stays in L2:
              once instead of read and written again by the expand;
 - `merged`   one adapter per step only: W + B^T A written into a scratch weight (per step and layer),
              then one GEMM (no LoRA launch at all, the merge's bytes instead);
+- `rowcat`   (decode) the shrink inside the base GEMM: x @ [W; A_pool]^T, the weight's rows followed by the A rows
+             of every pool slot (32, whatever the step's adapters), so one GEMM gives y and every slot's v; then
+             today's expand (in an engine it would read its row's own slot block of that output, one launch);
+             `rowcat_gemm` that GEMM alone, `rowcat_active` the same with only the step's adapters' A rows;
 - `launch_floor` (decode): two launches of a kernel that does nothing useful (a one-element fill), the
              least two dependent graph nodes cost; `today` minus it is the LoRA kernels' own work.
 
@@ -97,6 +101,29 @@ class formulations:
         we[:, :K] = w
         write_b_blocks(we[:, K:], [b[:, g] for g in range(G)], outs, S, G, R)
         return xe, we
+
+    @staticmethod
+    def rowcat_weight(w, a_pool):
+        """[W; A_pool] [N + S*G*R, K]: the base weight's rows, then every slot's A rows (a_pool [S, G, R, K]) in slot
+        order, so that x @ it^T holds x W^T in its first N columns and slot s's v = x A_s^T in columns
+        N + s*G*R ... N + (s+1)*G*R (projection g's R columns at offset g*R of the block)."""
+        S, G, R, K = a_pool.shape
+        return torch.cat([w, a_pool.reshape(S * G * R, K).to(w.dtype)], 0)
+
+    @staticmethod
+    def rowcat_apply(ye, b, row_adapter, outs, R):
+        """y from x @ rowcat_weight^T (ye [T, N + S*G*R]): its first N columns plus each row's own slot block of v
+        through that slot's B (b [S, G, R, N_g]), in ye's dtype widened to fp32."""
+        N, G = sum(outs), len(outs)
+        f = _acc(ye)
+        T = ye.shape[0]
+        y = ye[:, :N].to(f).clone()
+        blocks = ye[:, N:].to(f).view(T, -1, G, R)[torch.arange(T), row_adapter]  # [T, G, R]
+        lo = 0
+        for g, n in enumerate(outs):
+            y[:, lo:lo + n] += torch.einsum("tr,trn->tn", blocks[:, g], b[row_adapter, g].to(f))
+            lo += n
+        return y
 
     @staticmethod
     def merged_weight(w, a, b, outs):
@@ -229,7 +256,26 @@ def probe_group(name: str, T: int, n_adapters: int, decode: bool, tm, copies: in
                 torch.mm(vb[lo:hi], pool_b[c][g][s_i], out=ys[g][lo:hi])
         y.addmm_(x, ws[c].t())
 
+    pool_slots = 32  # the pool of a max batch of 32 decode rows, whatever this step's adapters
+    w_rowcat = [torch.cat([ws[c], rnd(pool_slots * G * RANK, K)], 0) for c in range(copies)]
+    w_rowcat_active = [formulations.rowcat_weight(ws[c], torch.stack(pool_a[c], 1)) for c in range(copies)]
+    ye = torch.empty(T, N + pool_slots * G * RANK, device=dev, dtype=dt)
+    ye_active = torch.empty(T, N + S * G * RANK, device=dev, dtype=dt)
+
+    def rowcat_gemm():  # y and every pool slot's v from one GEMM
+        torch.mm(x, w_rowcat[nxt()].t(), out=ye)
+
+    def rowcat():  # ... then today's expand (reading its slot's block of ye in an engine)
+        c = nxt()
+        torch.mm(x, w_rowcat[c].t(), out=ye)
+        sgmv.expand(views(ye[:, :N]), v, pool_b[c], ranks, None, seg, mma_min_rows=1 << 30)
+
+    def rowcat_active():  # the same GEMM with only the step's adapters' A rows
+        torch.mm(x, w_rowcat_active[nxt()].t(), out=ye_active)
+
     fns = {"base": base, "today": today, "kcat": kcat, "shrink": shrink, "expand": expand, "kcat_gemm": kcat_gemm}
+    if decode:
+        fns.update(rowcat=rowcat, rowcat_gemm=rowcat_gemm, rowcat_active=rowcat_active)
     if not decode:
         fns.update(cublas=cublas, first=first, first_views=first_views)
     if S == 1:
@@ -286,14 +332,16 @@ def main(argv=None) -> int:
         rs = [r for r in rows if (r["rows"], r["adapters"], r["decode"]) == (T, S, d)]
         layer = {k: round(sum(r[k] for r in rs), 1) for k in ("base", "today", "kcat", "merged", "launch_floor",
                                                                    "shrink", "expand", "kcat_gemm", "cublas", "first",
-                                                                   "first_views")
+                                                                   "first_views", "rowcat", "rowcat_gemm",
+                                                                   "rowcat_active")
                  if all(r.get(k) is not None for r in rs)}
         s = {"rows": T, "adapters": S, "decode": d, "us_per_layer": layer,
              "ms_per_step_32_layers": {k: round(us * LAYERS / 1000, 3) for k, us in layer.items()}}
         if "today" in layer:
             s["lora_over_base"] = {k: round((layer[k] - layer["base"]) / layer["base"], 3) for k in layer
                                    if k in ("today", "kcat", "merged", "kcat_gemm", "cublas",
-                                                                          "first", "first_views")}
+                                                                          "first", "first_views", "rowcat",
+                                                                          "rowcat_gemm", "rowcat_active")}
         summary.append(s)
         print(f"{'decode' if d else 'prefill'} T={T} adapters={S}: " + "  ".join(f"{k} {us} us" for k, us in layer.items()))
     out = {"card": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),

@@ -57,3 +57,22 @@ def test_merged_weight_gives_base_plus_the_adapter(K, outs):
     x, w, a, b, _ = case(6, 1, K, outs, seed=K)
     want = per_row_loop(x, w, a, b, torch.zeros(6, dtype=torch.long), outs)
     torch.testing.assert_close(x @ probe.formulations.merged_weight(w, a, b, outs).t(), want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("T,S,K,outs", [(7, 3, 16, (8, 8, 8)), (5, 1, 24, (16,)), (9, 4, 32, (12, 12))])
+def test_rowcat_weight_gives_y_and_every_slots_v(T, S, K, outs):
+    """x @ [W; A_pool]^T: y in the first N columns, slot s's v in its block; each row's own block through its B gives
+    the base plus its adapter."""
+    x, w, a, b, row_adapter = case(T, S, K, outs, seed=3 * T + S)
+    we = probe.formulations.rowcat_weight(w, a)
+    G, R = len(outs), a.shape[2]
+    assert we.shape == (sum(outs) + S * G * R, K)
+    ye = x @ we.t()
+    torch.testing.assert_close(ye[:, :sum(outs)], x @ w.t(), rtol=1e-12, atol=1e-12)
+    for s in range(S):
+        for g in range(G):
+            col = sum(outs) + (s * G + g) * R
+            torch.testing.assert_close(ye[:, col:col + R], x @ a[s, g].t(), rtol=1e-12, atol=1e-12)
+    want = per_row_loop(x, w, a, b, row_adapter, outs)
+    torch.testing.assert_close(probe.formulations.rowcat_apply(ye, b, row_adapter, outs, R), want, rtol=1e-10,
+                               atol=1e-10)
