@@ -85,7 +85,7 @@ class LorafleetDecode:
             workers: int) -> None:
         """out [B, Hq, D] = attention of q [B, Hq, D] over layer `layer`'s pages."""
         k, v = self.kv.layer(layer)
-        self.ext.decode_attention(out, q, k, v, tables.indptr, tables.indices, tables.last, ws.partial_o,
+        self.ext.decode_attention(out, q.contiguous(), k, v, tables.indptr, tables.indices, tables.last, ws.partial_o,
                                   ws.partial_ml, ws.counters, self.sm_scale, self.soft_cap, window_left, CHUNK,
                                   MAX_CHUNKS, workers, torch.cuda.current_stream(q.device).cuda_stream)
 
