@@ -43,9 +43,22 @@ def graph_time(fn) -> float:
     return timer().graph_us([fn]) * 1e-6
 
 
-def attention(ctxs, batch: int, log) -> list[dict]:
+def graph_decoder(indptr, indices, last, heads: int, kv_heads: int, D: int, page_size: int, kv_dtype, tc: bool):
+    """flashinfer's decode wrapper with fixed buffers (as the engine's CUDA graphs hold it), planned for this CSR page
+    table (host indptr / last, device indices) with bf16 queries."""
     from flashinfer import BatchDecodeWithPagedKVCacheWrapper
 
+    dev, batch = indices.device, last.numel()
+    w = BatchDecodeWithPagedKVCacheWrapper(
+        torch.zeros(256 << 20, dtype=torch.uint8, device=dev), "NHD", use_cuda_graph=True, use_tensor_cores=tc,
+        paged_kv_indptr_buffer=torch.zeros(batch + 1, dtype=torch.int32, device=dev),
+        paged_kv_indices_buffer=torch.zeros(indices.numel(), dtype=torch.int32, device=dev),
+        paged_kv_last_page_len_buffer=torch.zeros(batch, dtype=torch.int32, device=dev))
+    w.plan(indptr, indices, last, heads, kv_heads, D, page_size, q_data_type=torch.bfloat16, kv_data_type=kv_dtype)
+    return w
+
+
+def attention(ctxs, batch: int, log) -> list[dict]:
     dev = torch.device("cuda")
     rows = []
     for ps in (16, 64):
@@ -62,14 +75,7 @@ def attention(ctxs, batch: int, log) -> list[dict]:
             out = torch.empty_like(q)
             kv_bytes = batch * ctx * H * D * 2 * 2
             for tc in (False, True):
-                ws = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
-                w = BatchDecodeWithPagedKVCacheWrapper(
-                    ws, "NHD", use_cuda_graph=True, use_tensor_cores=tc,
-                    paged_kv_indptr_buffer=torch.zeros(batch + 1, dtype=torch.int32, device=dev),
-                    paged_kv_indices_buffer=torch.zeros(P, dtype=torch.int32, device=dev),
-                    paged_kv_last_page_len_buffer=torch.zeros(batch, dtype=torch.int32, device=dev))
-                w.plan(indptr, perm.to(dev), last, H, H, D, ps, q_data_type=torch.bfloat16,
-                       kv_data_type=torch.bfloat16)
+                w = graph_decoder(indptr, perm.to(dev), last, H, H, D, ps, torch.bfloat16, tc)
 
                 def run():
                     for c in caches:
@@ -80,7 +86,7 @@ def attention(ctxs, batch: int, log) -> list[dict]:
                      "kv_tb_s": round(kv_bytes / t / 1e12, 2), "ms_per_step_32_layers": round(t * L * 1e3, 3)}
                 log(r)
                 rows.append(r)
-                del w, ws
+                del w
             del caches
             torch.cuda.empty_cache()
     return rows

@@ -33,7 +33,7 @@ def main() -> None:
     p.add_argument("--page-size", type=int, default=16, help="tokens per page (default: 16)")
     args = p.parse_args()
 
-    from flashinfer import BatchDecodeWithPagedKVCacheWrapper
+    from probe_decode import graph_decoder
 
     from lorafleet.bench.kernels import Timer
     from lorafleet.runner.executor.attention import decode_kernel as dk
@@ -62,19 +62,12 @@ def main() -> None:
                     out = {}
                     times = {}
                     for tc in (False, True):
-                        ws = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
-                        w = BatchDecodeWithPagedKVCacheWrapper(
-                            ws, "NHD", use_cuda_graph=True, use_tensor_cores=tc,
-                            paged_kv_indptr_buffer=torch.zeros(batch + 1, dtype=torch.int32, device=dev),
-                            paged_kv_indices_buffer=torch.zeros(P, dtype=torch.int32, device=dev),
-                            paged_kv_last_page_len_buffer=torch.zeros(batch, dtype=torch.int32, device=dev))
-                        w.plan(indptr, perm.to(dev), last, H, Hkv, D, ps, q_data_type=torch.bfloat16,
-                               kv_data_type=kv_dtype)
+                        w = graph_decoder(indptr, perm.to(dev), last, H, Hkv, D, ps, kv_dtype, tc)
                         o = torch.empty_like(q)
                         name = "flashinfer_tc" if tc else "flashinfer"
                         times[name] = timer.graph_us([lambda: [w.run(q, c, out=o) for c in caches]]) / LAYERS
                         out[name] = o.clone()
-                        del w, ws
+                        del w
                     wsp = dk.Workspace(batch, H, Hkv, D, dev)
                     t_indptr, t_indices, t_last = indptr.to(dev), perm.to(dev), last.to(dev)
                     o = torch.empty_like(q)
