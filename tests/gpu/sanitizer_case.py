@@ -1,5 +1,6 @@
-"""A tiny shrink + expand run of every kernel path (and the fused one-launch path), and the FP8 GEMM with its
-K split, meant for compute-sanitizer:
+"""A tiny shrink + expand run of every kernel path (and the fused one-launch path), the FP8 GEMM with its
+K split, norm_lora and the decode attention kernel (one chunk, several, a request without pages, a table with page
+ids out of range and pages past its indices), meant for compute-sanitizer:
 
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck python tests/gpu/sanitizer_case.py
 
@@ -90,8 +91,61 @@ def main() -> int:
     nl = norm_lora_case()
     if nl is None:
         return 1
-    print(f"sanitizer case ok (worst relative error {worst:.2e}; FP8 GEMM {fp8}; norm_lora {nl})")
+    da = decode_attention_case()
+    if da is None:
+        return 1
+    print(f"sanitizer case ok (worst relative error {worst:.2e}; FP8 GEMM {fp8}; norm_lora {nl}; decode attention {da})")
     return 0
+
+
+def decode_attention_case() -> str | None:
+    """csrc/decode_attn.cu over e4m3 and bf16 pages of 5 tokens, 2 K/V heads of 64 with 3 query heads each: a request
+    of one chunk, one of several (chunks of 16, at most 4: so longer ones), one without pages, and one whose table
+    names page ids outside the pool and whose indptr runs past the indices (clamped: no access outside the tensors);
+    each launch on exactly-sized tensors. None on a wrong result."""
+    import math
+
+    from lorafleet.runner.kernels import load
+
+    ext, dev = load(), "cuda"
+    H, Hkv, D, ps, pages = 6, 2, 64, 5, 40
+    lens = [3, 150, 0, 9]
+    tables = [[7], list(range(8, 38)), [], [10 ** 6, -3]]
+    indptr = torch.tensor([0, 1, 31, 31, 34], dtype=torch.int32, device=dev)  # the last row's end is past indices
+    indices = torch.tensor(sum(tables, []), dtype=torch.int32, device=dev)
+    last = torch.tensor([3, 5, 1, 4], dtype=torch.int32, device=dev)
+    worst = 0.0
+    for kv_dtype in (torch.float8_e4m3fn, torch.bfloat16):
+        k = torch.randn(pages, ps, Hkv, D, device=dev).to(kv_dtype)
+        v = torch.randn(pages, ps, Hkv, D, device=dev).to(kv_dtype)
+        q = torch.randn(len(lens), H, D, device=dev).bfloat16()
+        out = torch.full_like(q, float("nan"))
+        chunks = 4
+        po = torch.empty(len(lens) * H * chunks * D, device=dev)
+        pml = torch.empty(len(lens) * H * chunks * 2, device=dev)
+        counters = torch.zeros(len(lens) * Hkv, dtype=torch.int32, device=dev)
+        ext.decode_attention(out, q, k, v, indptr, indices, last, po, pml, counters, 1 / math.sqrt(D), 0.0, -1, 16,
+                             chunks, 3, torch.cuda.current_stream().cuda_stream)
+        torch.cuda.synchronize()
+        for b in (0, 1):  # the well-formed requests against fp64
+            t = torch.arange(lens[b], device=dev)
+            slots = torch.tensor(tables[b], device=dev)[t // ps] * ps + t % ps
+            kk = k.view(-1, Hkv, D).view(torch.uint8)[slots].view(kv_dtype).double() if kv_dtype != torch.bfloat16 \
+                else k.view(-1, Hkv, D)[slots].double()
+            vv = v.view(-1, Hkv, D).view(torch.uint8)[slots].view(kv_dtype).double() if kv_dtype != torch.bfloat16 \
+                else v.view(-1, Hkv, D)[slots].double()
+            qq = q[b].double().view(Hkv, H // Hkv, D)
+            p = (torch.einsum("hgd,lhd->hgl", qq, kk) / math.sqrt(D)).softmax(-1)
+            want = torch.einsum("hgl,lhd->hgd", p, vv).reshape(H, D)
+            err = ((out[b].double() - want).norm() / want.norm()).item()
+            worst = max(worst, err)
+            if not err < 1e-2:
+                print(f"FAIL decode_attention {kv_dtype} request {b}: relative error {err:.3e}")
+                return None
+        if out[2].abs().max().item() != 0 or not torch.isfinite(out[3]).all() or counters.abs().sum().item() != 0:
+            print(f"FAIL decode_attention {kv_dtype}: the empty or clamped request, or the counters")
+            return None
+    return f"worst relative error {worst:.2e}"
 
 
 def norm_lora_case() -> str | None:
