@@ -21,11 +21,10 @@ takes the model's head shapes: nothing is planned for them, the step's page tabl
 
 from __future__ import annotations
 
+import logging
 from contextlib import contextmanager
 
 import torch
-
-import logging
 
 import flashinfer  # noqa: F401  (ImportError here makes select.py fall back to torch)
 from flashinfer import BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper
@@ -100,6 +99,7 @@ class FlashInferAttention:
         if decode_kernel_choice == "lorafleet":
             if decode_kernel.supported(cfg):
                 self.own = decode_kernel.LorafleetDecode(kv, cfg, device)
+                log.info("decode rows on the lorafleet decode attention kernel (%s pages)", str(self.kv_dtype)[6:])
             else:
                 log.warning("the lorafleet decode kernel takes head sizes 64, 128, 256 with at most 8 query heads per "
                             "K/V head, not %d with %d: decode rows stay on flashinfer's", self.d, self.h // self.hkv)
