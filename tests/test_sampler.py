@@ -28,6 +28,18 @@ def test_greedy_and_degenerate_filters_pick_argmax():
     assert sample(logits, seqs) == logits.argmax(-1).tolist()
 
 
+def test_tiny_temperatures_and_huge_logits_stay_greedy():
+    """logits / temperature overflowed float32 for temperatures below ~1e-37 (and for a logit at the float32 limit,
+    which a penalty can leave), and the draw then landed on an arbitrary token."""
+    logits = torch.randn(6, 50) * 4
+    logits[5, 7] = torch.finfo(torch.float32).max  # a penalty's clamp can leave one
+    temps = [1e-37, 1e-38, 1e-44, 1e-30, 1e-5, 0.5]
+    for seed in range(20):
+        seqs = [seq(i, temperature=t, seed=seed) for i, t in enumerate(temps)]
+        got = sample(logits, seqs)
+        assert got == logits.argmax(-1).tolist(), (seed, got)
+
+
 def test_seeded_draw_independent_of_batch_composition():
     logits = torch.randn(6, 100)
     seqs = [seq(i, temperature=1.0, seed=42) for i in range(6)]

@@ -52,7 +52,11 @@ def sample_tokens(logits: torch.Tensor, params: torch.Tensor | None) -> torch.Te
     temp, tp, tk, u, mp = params.unbind(0)
     greedy = (temp == 0) | (tk == 1)
     V = logits.shape[1]
-    probs = (logits / torch.where(greedy, 1.0, temp)[:, None]).softmax(-1)  # [S, V]
+    # each row's largest logit subtracted before the temperature divides: a tiny temperature (or a logit at the
+    # float32 limit after a penalty) then gives -inf steps below the top, never inf - inf, so the draw stays greedy
+    # in the limit instead of landing on an arbitrary token
+    top = logits.amax(-1, keepdim=True)
+    probs = ((logits - top) / torch.where(greedy, 1.0, temp)[:, None]).softmax(-1)  # [S, V]
     sorted_p, order = probs.sort(-1, descending=True)
     rank = torch.arange(V, device=logits.device)[None, :]
     tk = torch.where(tk > 0, tk, float(V))
