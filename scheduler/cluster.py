@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 MAX_FAILURES = 5  # runner failures one request survives
 MAX_MIGRATIONS = 64  # evictions one request survives
+RUNNER_REFUSED = "runner refused the request: "  # the error of a request a runner answered with a 4xx (not 404)
 
 
 class RunnerHandle:
@@ -325,7 +326,7 @@ class Cluster:
             self._runner_failed(runner, f"runner refused a submit: HTTP {status}: {text[:200]}")
             self._requeue(runner, req, f"HTTP {status}", migration=False)
         else:
-            req.finish("error", f"runner refused the request: {text[:300]}")
+            req.finish("error", RUNNER_REFUSED + text[:300])
 
     def _on_entries(self, runner: RunnerHandle, entries: list) -> None:
         """One line of a runner's stream: new tokens and ends of any of our requests there."""

@@ -254,7 +254,7 @@ def _parse_logit_bias(body: dict, vocab_size: int | None) -> tuple[tuple[int, fl
         raise bad("logit_bias", "logit_bias must be an object mapping token ids to numbers")
     if len(lb) > MAX_LOGIT_BIAS:
         raise bad("logit_bias", f"logit_bias may bias at most {MAX_LOGIT_BIAS} tokens, got {len(lb)}")
-    out = []
+    out: dict[int, float] = {}
     for k, v in lb.items():
         if not (isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 12) or (
                 vocab_size is not None and int(k) >= vocab_size):
@@ -262,8 +262,10 @@ def _parse_logit_bias(body: dict, vocab_size: int | None) -> tuple[tuple[int, fl
                                     f"got {k!r}")
         if not _is_num(v) or not -100 <= v <= 100:
             raise bad("logit_bias", f"logit_bias values must be numbers in [-100, 100], got {v!r} for token {k}")
-        out.append((int(k), float(v)))
-    return tuple(sorted(out))
+        if int(k) in out:  # "7" and "07": two keys, one token
+            raise bad("logit_bias", f"logit_bias names token {int(k)} twice ({k!r} and another spelling of it)")
+        out[int(k)] = float(v)
+    return tuple(sorted(out.items()))
 
 
 def _parse_logprobs(body: dict, chat: bool) -> int | None:

@@ -30,7 +30,7 @@ from lorafleet.scheduler import openai_api as oa
 from lorafleet.scheduler.api_keys import ANYONE, ApiKeyFileError, ApiKeys, Grant, cache_salt
 from lorafleet.scheduler.availability import AdapterAvailability
 from lorafleet.scheduler.bodies import parse_body
-from lorafleet.scheduler.cluster import Cluster
+from lorafleet.scheduler.cluster import RUNNER_REFUSED, Cluster
 from lorafleet.scheduler.detokenizer import IncrementalDetokenizer
 from lorafleet.scheduler.disconnect import DisconnectWatch
 from lorafleet.scheduler.discovery import RunnerDirectory, RunnerEndpoint
@@ -201,6 +201,14 @@ class SchedulerService:
         if reason == "cancelled":
             return ApiError(503, "the request was cancelled by the server", code="cancelled",
                             headers={"Retry-After": "5"})
+        if reason == "error" and error and error.startswith(RUNNER_REFUSED):
+            # the runner's own validation refused what this server's let through: the client's request, not a fault
+            text = error[len(RUNNER_REFUSED):]
+            try:
+                text = str(json.loads(text)["error"])
+            except (ValueError, TypeError, KeyError):
+                pass
+            return ApiError(400, f"the request was refused: {scrub_paths(text)}", code="invalid_request")
         return ApiError(500, f"generation failed: {scrub_paths(error or reason)}", code="generation_failed")
 
     def _parse(self, raw: bytes, chat: bool) -> tuple[oa.GenParams, list]:

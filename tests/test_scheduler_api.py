@@ -84,6 +84,7 @@ BAD = [
     ({"model": "base", "prompt": "x", "logit_bias": {"-5": 1}}, 400, "logit_bias"),
     ({"model": "base", "prompt": "x", "logit_bias": {str(10**8): 1}}, 400, "logit_bias"),  # past the vocabulary
     ({"model": "base", "prompt": "x", "logit_bias": {"9" * 5000: 1}}, 400, "logit_bias"),  # (int() refuses it)
+    ({"model": "base", "prompt": "x", "logit_bias": {"7": 1, "07": 2}}, 400, "logit_bias"),  # one token twice: not the runner's 500
     ({"model": "base", "prompt": "x", "skip_special_tokens": 1}, 400, "skip_special_tokens"),
     ({"model": "base", "prompt": "x", "parallel_tool_calls": True}, 400, "parallel_tool_calls"),
     ({"model": "base", "prompt": "x", "messages": []}, 400, "messages"),  # a chat field on the completions route
@@ -206,3 +207,28 @@ def test_chunk_encoder_bytes_are_the_chunk_json(chat):
         want = oa.chunk("cmpl-1", 'mo"del', chat, 3, text, None)
         want["created"] = 7
         assert json.loads(line[6:]) == want
+
+
+async def test_a_runners_refusal_is_the_clients_400(tok):
+    """A request the runner's own validation refuses (a 400 from its submit) is answered 400 with the runner's reason,
+    not 500, and the runner keeps serving."""
+    from aiohttp import web
+
+    class Refusing(FakeRunner):
+        async def generate(self, request):
+            body = await request.json()
+            if body["sampling"]["max_tokens"] == 7:
+                return web.json_response({"error": "sampling: a check only the runner makes"}, status=400)
+            return await super().generate(request)
+
+    fr = Refusing()
+    client, _, servers = await start(tok, [fr])
+    try:
+        r = await client.post("/v1/completions", json={"model": "pirate", "prompt": "Hello", "max_tokens": 7})
+        err = (await r.json())["error"]
+        assert r.status == 400 and err["code"] == "invalid_request", err
+        assert err["type"] == "invalid_request_error" and "a check only the runner makes" in err["message"], err
+        r = await client.post("/v1/completions", json={"model": "pirate", "prompt": "Hello", "max_tokens": 4})
+        assert r.status == 200, await r.text()
+    finally:
+        await stop(client, servers)
