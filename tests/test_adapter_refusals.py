@@ -166,3 +166,37 @@ def test_inspect_reports_ranks_targets_and_scaling(good):
     assert {m.scaling for m in spec.modules} == {2.0}
     with pytest.raises(AdapterError, match="exceeds"):
         inspect_adapter("good", good, max_rank=4)
+
+
+def test_an_adapter_that_overflows_stops_its_request_and_no_other(tiny_llama, good, tmp_path):
+    """Finite weights that overflow in the product (a lora_A row of 3e38, which every load-time check passes) make
+    NaN logits and NaN K/V pages. The request is stopped with an error naming its adapter (its tokens were the argmax
+    of NaN rows); the requests beside it in the same steps keep the tokens they get alone
+    (tests/test_torch_attention_padding.py: the padding that once carried NaN pages to other rows)."""
+    def poison(w):
+        k = next(k for k in w if "v_proj.lora_A" in k)
+        w = {n: t.float() for n, t in w.items()}
+        w[k][0, :] = 3e38  # x . a overflows to +-inf, and inf - inf is NaN
+        return w
+
+    bad = variant(good, tmp_path, "overflow", tensors=poison)
+    prompts = [[9, 10, 11, 12, 13, 14, 15], [21, 22], [30, 31, 32, 33]]  # shorter and longer than the bad one
+
+    def run(with_bad: bool):
+        eng = Engine(str(tiny_llama), EngineConfig(page_size=4, num_pages=400, max_batch_size=8, max_lora_rank=32))
+        seqs = [Sequence(f"ok-{i}", p, SamplingParams(max_tokens=8, ignore_eos=True),
+                         AdapterRef("good", str(good)) if i == 2 else None) for i, p in enumerate(prompts)]
+        if with_bad:
+            seqs.insert(1, Sequence("bad", [5, 6, 7, 8, 9], SamplingParams(max_tokens=8, ignore_eos=True),
+                                    AdapterRef("overflow", str(bad))))
+        out = eng.run_to_completion(seqs)
+        assert eng.blocks.free_pages == eng.blocks.num_pages
+        return out
+
+    alone, shared = run(False), run(True)
+    o = shared["bad"]
+    assert o.finish_reason == "error" and "not finite" in o.error and "adapter 'overflow'" in o.error, o
+    assert not o.output_ids  # its very first token's logits are NaN: nothing is reported as a token
+    for i in range(len(prompts)):
+        assert shared[f"ok-{i}"].output_ids == alone[f"ok-{i}"].output_ids, i
+        assert shared[f"ok-{i}"].finish_reason == "length"

@@ -26,6 +26,7 @@ from lorafleet.runner.engine.batcher import Batcher
 from lorafleet.runner.engine.block_manager import BlockManager
 from lorafleet.runner.config import EngineConfig, KernelChoices, ModelConfig
 from lorafleet.runner.executor.executor import build_executor
+from lorafleet.runner.executor.model_runner import NOT_FINITE
 from lorafleet.runner.lora.manager import AdapterManager
 from lorafleet.runner.model.decoder import Decoder
 from lorafleet.runner.engine.sequence import Sequence
@@ -290,6 +291,15 @@ class Engine:
             if seq.epoch != batch.epochs[b]:
                 continue  # finished, cancelled or evicted after this step was queued: stale
             seq.num_pending -= 1
+            if tok == NOT_FINITE:  # its logits held a NaN or an infinity: an error, not a token
+                self.batcher.remove(seq)
+                self._seqs.pop(seq.id, None)
+                via = f"adapter {seq.adapter_name!r}" if seq.adapter_name else "the base model"
+                seq.finish_reason, seq.error = "error", (
+                    f"the model's output was not finite (NaN or infinity) at output token {len(seq.output_ids) + 1} "
+                    f"({via}); the request was stopped")
+                outputs.append(StepOutput(seq.id, [], "error", seq.error, list(seq.output_ids)))
+                continue
             seq.output_ids.append(tok)
             p = seq.params
             if p.penalized:  # (the counts the penalties read, step_batch._adjust_row)

@@ -35,18 +35,30 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     return host.copy_(t, non_blocking=True)
 
 
+NOT_FINITE = -1  # the id read back for a row whose logits hold a NaN or an infinity (never a vocabulary id)
+
+
+def reported_tokens(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The ids the host reads back: `tokens`, with NOT_FINITE where the row's logits are not all finite (an adapter
+    whose weights overflow in the product, say). The device keeps `tokens` themselves for the next step's input, whose
+    embedding lookup must never see an id outside the vocabulary. No host synchronisation."""
+    return torch.where(torch.isfinite(logits).all(-1), tokens, NOT_FINITE)
+
+
 class InFlight:
-    """A launched step: its batch, sampled ids on the device, and (with `readback`) their pinned
-    host copy; with `lp` (sampler.token_logprobs' tensors) their host copies too."""
+    """A launched step: its batch, sampled ids on the device, and (with `readback`) the pinned host copy of the ids to
+    report (`report`, default the sampled ids); with `lp` (sampler.token_logprobs' tensors) their host copies too."""
 
     def __init__(self, batch: "StepBatch", tokens_dev: torch.Tensor, kind: str, readback: bool = True,
-                 lp: tuple[torch.Tensor, ...] | None = None, prompt_lp: tuple[torch.Tensor, ...] | None = None):
+                 lp: tuple[torch.Tensor, ...] | None = None, prompt_lp: tuple[torch.Tensor, ...] | None = None,
+                 report: torch.Tensor | None = None):
         self.batch, self.tokens_dev, self.kind = batch, tokens_dev, kind
         self.event = None
-        self.host, self.lp_host, self.prompt_lp_host = tokens_dev, lp, prompt_lp
+        report = tokens_dev if report is None else report
+        self.host, self.lp_host, self.prompt_lp_host = report, lp, prompt_lp
         if tokens_dev.is_cuda:
             if readback:
-                self.host = _to_host(tokens_dev)
+                self.host = _to_host(report)
                 if lp is not None:
                     self.lp_host = tuple(_to_host(t) for t in lp)
                 if prompt_lp is not None:
@@ -146,7 +158,7 @@ class ModelRunner:
         plp = None
         if readback and prompt_logits is not None:
             plp = token_logprobs(prompt_logits, d.prompt_rows[1], max(batch.prompt_rows.k))
-        out = InFlight(batch, tokens, kind, readback, lp, plp)
+        out = InFlight(batch, tokens, kind, readback, lp, plp, reported_tokens(logits, tokens) if readback else None)
         if self.phases is not None:
             acc = self.phases.setdefault(kind, [0.0, 0.0, 0.0, 0])
             t3 = time.perf_counter()

@@ -59,6 +59,8 @@ class TorchAttentionStep:
                 idx[j, : len(s)] = s
                 mask[j, : len(s)] = False
             self.dec_idx, self.dec_mask = idx.to(dev), mask.to(dev)  # [Bd, L], True = padding
+            # padding gathers slot 0, another request's: its V must not reach this row even as 0 x NaN
+            self.dec_padded = bool(mask.any())
             # key position of each gathered column, and the query's own position (kv_len - 1)
             self.dec_pos = torch.arange(max_len, device=dev)[None, :]
             self.dec_qpos = torch.tensor([meta.kv_lens[i] - 1 for i in dec], device=dev)[:, None]
@@ -96,6 +98,8 @@ class TorchAttentionStep:
             r0 = self.dec_row0
             qd = q[r0:].float().view(self.num_decode, b.hkv, g, b.d)  # [Bd, Hkv, G, D]
             kd, vd = gather(k_flat, self.dec_idx), gather(v_flat, self.dec_idx)  # fp32 [Bd, L, Hkv, D]
+            if self.dec_padded:
+                vd = vd.masked_fill(self.dec_mask[:, :, None, None], 0.0)
             scores = self._scores(torch.einsum("bhgd,blhd->bhgl", qd, kd))
             mask = self.dec_mask
             if window is not None:
