@@ -38,7 +38,7 @@ from lorafleet.scheduler.http_errors import ClientGone, errors_middleware, quiet
 from lorafleet.scheduler.limits import RequestLimits
 from lorafleet.scheduler.metrics import SchedulerMetrics
 from lorafleet.scheduler.openai_api import ApiError
-from lorafleet.scheduler.placement import POLICIES, busiest_fit
+from lorafleet.scheduler.placement import POLICIES, busiest_fit, kv_need
 from lorafleet.scheduler.prompts import PromptEncoder
 from lorafleet.scheduler.registry import AdapterRegistry, DirectoryFeed
 from lorafleet.scheduler.request import Request
@@ -246,6 +246,13 @@ class SchedulerService:
                 raise oa.context_exceeded(where, f"the prompt has {n} tokens; no runner has that much KV cache "
                                                  f"({max_kv} tokens)")
             max_tokens = params.max_tokens if params.max_tokens is not None else min(lim.completion_cap, ctx - n)
+            if max_kv and params.max_tokens is None:  # the default completion: what the largest KV cache can hold
+                max_tokens = min(max_tokens, max_kv - n)
+            if max_kv and kv_need(n, max_tokens) > max_kv:  # placement would wait for room that never comes
+                raise oa.context_exceeded("max_tokens", f"the prompt has {n} tokens and a runner must hold "
+                                                        f"{kv_need(n, max_tokens)} (with the first part of its "
+                                                        f"completion) to start it; no runner has that much KV cache "
+                                                        f"({max_kv} tokens): lower max_tokens or shorten the prompt")
             if n + max_tokens > ctx:
                 raise oa.context_exceeded("max_tokens", f"This model's maximum context length is {ctx} tokens, "
                                           f"however you requested {n + max_tokens} tokens ({n} in the prompt, "
