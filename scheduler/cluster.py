@@ -19,6 +19,7 @@ runner that restarts (its counters begin again) never makes the totals go down.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from typing import Callable
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 
 MAX_FAILURES = 5  # runner failures one request survives
 MAX_MIGRATIONS = 64  # evictions one request survives
-RUNNER_REFUSED = "runner refused the request: "  # the error of a request a runner answered with a 4xx (not 404)
+RUNNER_REFUSED = "runner refused the request: "  # the error of a request a runner's own validation answered with 400
 
 
 class RunnerHandle:
@@ -210,8 +211,10 @@ class Cluster:
     def any_healthy(self) -> bool:
         return any(r.healthy for r in self.runners.values())
 
-    def max_total_kv(self) -> int:
-        return max((r.view().total_kv_tokens for r in self.runners.values() if r.healthy), default=0)
+    def max_total_kv(self, placeable: bool = False) -> int:
+        """The largest KV cache of the healthy runners (`placeable`: of those that take new requests, not draining)."""
+        return max((v.total_kv_tokens for v in (r.view() for r in self.runners.values() if r.healthy)
+                    if not (placeable and v.draining)), default=0)
 
     def admin_state(self) -> dict:
         return {
@@ -267,13 +270,23 @@ class Cluster:
             self.dispatch()
 
     def dispatch(self) -> None:
-        """Place queued requests in arrival order; stop at the first that fits nowhere."""
+        """Place queued requests in arrival order; stop at the first that fits nowhere. A request's KV need is
+        capped at the largest runner that takes requests, so one that could run there alone (ending at its length
+        limit when it outgrows it) waits only until that runner has room, never forever; one that has outgrown every
+        healthy runner ends (`_outgrown`)."""
         while self.queue:
             req = self.queue[0]
             if req.done:
                 self.queue.pop(0)
                 continue
-            rid = self.placement(self.views(req), kv_need(req.num_tokens, req.remaining), req.num_tokens)
+            healthy = self.max_total_kv()
+            if healthy and self._outgrown(req, healthy):  # (the largest runner left since it was queued)
+                self.queue.pop(0)
+                continue
+            need, room = kv_need(req.num_tokens, req.remaining), self.max_total_kv(placeable=True)
+            if room:  # never below its tokens + 1: a runner must hold what it has
+                need = max(min(need, room), req.num_tokens + 1)
+            rid = self.placement(self.views(req), need, req.num_tokens)
             if rid is None:
                 return
             self.queue.pop(0)
@@ -325,8 +338,14 @@ class Cluster:
         if status >= 500 or status == 404:  # not ready, or our stream is gone there: try elsewhere
             self._runner_failed(runner, f"runner refused a submit: HTTP {status}: {text[:200]}")
             self._requeue(runner, req, f"HTTP {status}", migration=False)
-        else:
+        elif status == 400:  # the request itself, by the runner's checks: the client's error (server.py _failure)
+            try:
+                text = str(json.loads(text)["error"])
+            except (ValueError, TypeError, KeyError):
+                pass
             req.finish("error", RUNNER_REFUSED + text[:300])
+        else:  # 401, 409, 413 ...: a fault between this server and the runner, not the client's
+            req.finish("error", f"the runner answered the submit with HTTP {status}: {text[:300]}")
 
     def _on_entries(self, runner: RunnerHandle, entries: list) -> None:
         """One line of a runner's stream: new tokens and ends of any of our requests there."""
@@ -374,21 +393,26 @@ class Cluster:
             req.finish("error", f"{why}, {count} times; giving up")
             return
         room = self.max_total_kv()
-        if room and req.num_tokens + 1 > room:
-            # grown past what any healthy runner holds: none could take it back. With tokens generated it ends as
-            # at its length limit; a prompt alone too long for the runners left is an error.
-            log.info("request %s ends: with %d tokens it has outgrown every runner's KV cache (%d tokens)",
-                     req.id, req.num_tokens, room)
-            if req.generated:
-                req.finish("length")
-            else:
-                req.finish("error", f"the prompt has {req.num_tokens} tokens; no runner left has that much KV cache "
-                                    f"({room} tokens)")
+        if room and self._outgrown(req, room):
             return
         log.log(logging.INFO if migration else logging.WARNING,
                 "request %s left runner %s (%s); re-placing with %d generated tokens",
                 req.id, runner.id, why, len(req.generated))
         self._enqueue(req)
+
+    def _outgrown(self, req: Request, room: int) -> bool:
+        """Whether the request has grown past `room`, the largest KV cache of the runners that could take it back;
+        if so it is finished: with tokens generated as at its length limit, a prompt alone as an error."""
+        if req.num_tokens + 1 <= room:
+            return False
+        log.info("request %s ends: with %d tokens it has outgrown every runner's KV cache (%d tokens)",
+                 req.id, req.num_tokens, room)
+        if req.generated:
+            req.finish("length")
+        else:
+            req.finish("error", f"the prompt has {req.num_tokens} tokens; no runner left has that much KV cache "
+                                f"({room} tokens)")
+        return True
 
     def _requeue_all(self, runner: RunnerHandle, why: str) -> None:
         for req in list(runner.assigned.values()):

@@ -38,7 +38,7 @@ from lorafleet.scheduler.http_errors import ClientGone, errors_middleware, quiet
 from lorafleet.scheduler.limits import RequestLimits
 from lorafleet.scheduler.metrics import SchedulerMetrics
 from lorafleet.scheduler.openai_api import ApiError
-from lorafleet.scheduler.placement import POLICIES, busiest_fit, kv_need
+from lorafleet.scheduler.placement import POLICIES, busiest_fit
 from lorafleet.scheduler.prompts import PromptEncoder
 from lorafleet.scheduler.registry import AdapterRegistry, DirectoryFeed
 from lorafleet.scheduler.request import Request
@@ -203,12 +203,8 @@ class SchedulerService:
                             headers={"Retry-After": "5"})
         if reason == "error" and error and error.startswith(RUNNER_REFUSED):
             # the runner's own validation refused what this server's let through: the client's request, not a fault
-            text = error[len(RUNNER_REFUSED):]
-            try:
-                text = str(json.loads(text)["error"])
-            except (ValueError, TypeError, KeyError):
-                pass
-            return ApiError(400, f"the request was refused: {scrub_paths(text)}", code="invalid_request")
+            return ApiError(400, f"the request was refused: {scrub_paths(error[len(RUNNER_REFUSED):])}",
+                            code="invalid_request")
         return ApiError(500, f"generation failed: {scrub_paths(error or reason)}", code="generation_failed")
 
     def _parse(self, raw: bytes, chat: bool) -> tuple[oa.GenParams, list]:
@@ -248,11 +244,6 @@ class SchedulerService:
             max_tokens = params.max_tokens if params.max_tokens is not None else min(lim.completion_cap, ctx - n)
             if max_kv and params.max_tokens is None:  # the default completion: what the largest KV cache can hold
                 max_tokens = min(max_tokens, max_kv - n)
-            if max_kv and kv_need(n, max_tokens) > max_kv:  # placement would wait for room that never comes
-                raise oa.context_exceeded("max_tokens", f"the prompt has {n} tokens and a runner must hold "
-                                                        f"{kv_need(n, max_tokens)} (with the first part of its "
-                                                        f"completion) to start it; no runner has that much KV cache "
-                                                        f"({max_kv} tokens): lower max_tokens or shorten the prompt")
             if n + max_tokens > ctx:
                 raise oa.context_exceeded("max_tokens", f"This model's maximum context length is {ctx} tokens, "
                                           f"however you requested {n + max_tokens} tokens ({n} in the prompt, "

@@ -244,3 +244,43 @@ async def test_malformed_http_is_one_warning_line_not_an_error_traceback(api, ca
         (r.levelname, r.getMessage()) for r in mine]
     assert "malformed HTTP, answered 400" in mine[0].getMessage()
     assert (await client.get("/v1/models")).status == 200
+
+
+async def test_a_requeued_request_that_only_an_empty_runner_can_take_does_not_block_the_queue():
+    """A request re-queued with 200 prompt and 30 generated tokens (its runner failed or left) under max_tokens 300,
+    with one runner of 256 KV tokens: placement's need (its tokens plus the next 64) exceeded every runner, so it
+    once stayed at the queue's head and everything behind it waited. Capped at the largest runner, it is placed (the
+    one behind it then waits for room on that full runner, as any request does); one that has outgrown every runner
+    ends at its length limit instead of waiting."""
+    import types
+
+    from lorafleet.scheduler.cluster import Cluster, RunnerHandle
+    from lorafleet.scheduler.discovery import RunnerDirectory, RunnerEndpoint
+    from lorafleet.scheduler.request import Request
+
+    c = Cluster(RunnerDirectory())
+    r = RunnerHandle(RunnerEndpoint("r1", "http://127.0.0.1:9"))
+    r.healthy = True
+    r.state = {"total_kv_tokens": 256, "max_batch_size": 8, "page_size": 16}
+    r.link = types.SimpleNamespace(stream_id="s", cancel=lambda rid: None)
+    c.runners["r1"] = r
+    placed = []
+
+    async def run_on(runner, req):
+        placed.append(req.id)
+
+    c._run_on = run_on
+    big = Request(id="big", model="m", adapter=None, prompt_ids=[5] * 200, max_tokens=300, sampling={})
+    big.generated = [1] * 30
+    c._requeue(r, big, "runner left", migration=False)
+    small = Request(id="small", model="m", adapter=None, prompt_ids=[5] * 5, max_tokens=4, sampling={})
+    c.submit(small)
+    c.dispatch()
+    await asyncio.sleep(0)
+    assert placed == ["big"] and [q.id for q in c.queue] == ["small"]
+    c.queue.clear()
+    grown = Request(id="grown", model="m", adapter=None, prompt_ids=[5] * 200, max_tokens=300, sampling={})
+    grown.generated = [1] * 60  # 260 tokens: more than any runner holds
+    c.queue.append(grown)
+    c.dispatch()
+    assert grown.done and grown.finish_reason == "length" and not c.queue
