@@ -219,6 +219,11 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8: e4m3 K/V pages
 
     def __post_init__(self):
+        for name in ("max_batch_size", "page_size", "num_pages", "max_lora_rank", "lora_slots", "max_model_len", "tp",
+                     "max_prefill_tokens", "max_step_tokens", "admit_batch"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, int) and v >= 1):  # (0 pages or batch places: a silent hang)
+                raise ValueError(f"{name} must be an integer of at least 1, got {v!r}")
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"quantization must be fp8 or none, got {self.quantization!r}")
         if self.kv_cache_dtype not in ("auto", "fp8"):

@@ -17,6 +17,8 @@ class ListenError(OSError):
 
 
 def bind(host: str, port: int) -> socket.socket:
+    if not 0 <= port <= 65535:  # getaddrinfo would take it modulo 65536: another port than the one announced
+        raise ListenError(f"cannot listen on {host}:{port}: a port is between 0 and 65535")
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:

@@ -24,6 +24,7 @@ from aiohttp import web
 from prometheus_client import generate_latest
 
 from lorafleet import env
+from lorafleet.common import cli_args
 from lorafleet.common.peft_config import refusal_reason, scrub_paths
 from lorafleet.scheduler import limits as limits_mod
 from lorafleet.scheduler import openai_api as oa
@@ -608,7 +609,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the base model's name in the API (default: the last part of config.json's _name_or_path; "
                         "without one, NAME for a Hugging Face cache snapshot of ORG/NAME, else the folder name)")
     p.add_argument("--host", default="127.0.0.1", help="address the OpenAI API listens on")
-    p.add_argument("--port", type=int, default=8000, help="port the OpenAI API listens on")
+    p.add_argument("--port", type=cli_args.port, default=8000, help="port the OpenAI API listens on")
     p.add_argument("--adapters", type=Path, default=None,
                    help="directory with one adapter per subfolder (default: none, or the LoraAdapters with --kube)")
     add_adapter_rescan_argument(p)

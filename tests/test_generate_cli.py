@@ -187,3 +187,51 @@ def test_generate_writes_logprobs_and_prompt_logprobs_as_hf_computes_them(tiny_l
         assert e["token_id"] == s["token_ids"][k] and len(e["top_logprobs"]) == 2
         assert e["logprob"] == pytest.approx(float(want[len(prompt) - 1 + k, e["token_id"]]), abs=2e-4)
         assert e["top_logprobs"][0]["token_id"] == int(want[len(prompt) - 1 + k].argmax())  # greedy
+
+
+def test_output_equal_to_input_and_bad_sizes_are_refused_before_anything_loads(tiny_llama, tmp_path, capsys):
+    """--output naming the input file once replaced the requests with the results; --max-batch-size 0 once hung (no
+    request was ever admitted)."""
+    from lorafleet import cli
+
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps({"id": "a", "prompt_token_ids": [1, 2], "max_tokens": 2}) + "\n")
+    before = inp.read_text()
+    rc = cli.main(["generate", "--model", str(tiny_llama), "--input", str(inp), "--output", str(tmp_path / "." / "in.jsonl"),
+                   "--device", "cpu", "--no-progress"])
+    assert rc == 2 and "the results would replace the requests" in capsys.readouterr().err
+    assert inp.read_text() == before
+    for flag, value in (("--max-batch-size", "0"), ("--kv-pages", "-1"), ("--page-size", "0"), ("--lora-slots", "0")):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["generate", "--model", str(tiny_llama), "--input", str(inp), "--output", str(tmp_path / "o.jsonl"),
+                      flag, value])
+        assert exc.value.code == 2 and f"argument {flag}: must be at least 1" in capsys.readouterr().err
+
+
+def test_sigterm_writes_the_finished_results(tiny_llama, tmp_path):
+    """SIGTERM (a job's stop) once lost every finished result; it now ends as Ctrl-C does: every line written, the
+    unfinished ones as errors, exit 130."""
+    import signal
+    import time
+
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps({"id": f"r{i}", "prompt_token_ids": [1, 2, 3], "max_tokens": 400 if i else 1,
+                                       "ignore_eos": True}) + "\n" for i in range(60)))
+    p = subprocess.Popen([sys.executable, "-m", "lorafleet", "generate", "--model", str(tiny_llama), "--input", str(inp),
+                          "--output", str(out), "--device", "cpu", "--max-batch-size", "1"],
+                         stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    err = ""
+    while time.time() < deadline and p.poll() is None:  # until the engine runs: its KV cache line, then a second
+        line = p.stderr.readline()
+        err += line
+        if "KV cache:" in line:
+            time.sleep(1.0)
+            break
+    p.send_signal(signal.SIGTERM)
+    err += p.communicate(timeout=120)[1]
+    assert p.returncode == 130, err
+    recs = read_jsonl(out)
+    assert [r["id"] for r in recs] == [f"r{i}" for i in range(60)], err
+    assert recs[0]["finish_reason"] == "length", recs[0]  # finished before the signal
+    assert any(r["finish_reason"] == "error" and "interrupted" in r["error"] for r in recs), recs

@@ -22,7 +22,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shutil
+import signal
+import struct
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -43,15 +47,24 @@ class RequestError(ValueError):
 
 
 def tokenizer_dir(model: Path) -> Path | None:
-    """Where the model's tokenizer.json lives (converted once for a .gguf file)."""
+    """Where the model's tokenizer.json lives (converted once for a .gguf file, cached under the file's name, size and
+    modification time: two files of one name, or a file replaced in place, never share a conversion). A .gguf file
+    that cannot be read is a WeightsError saying so."""
     if model.is_dir():
         return model if (model / "tokenizer.json").is_file() else None
     from lorafleet import env
     from lorafleet.runner.demo import write_tokenizer
+    from lorafleet.runner.model.weights import WeightsError
 
-    out = env.cache_dir() / "tokenizers" / model.stem
+    st = model.stat()
+    out = env.cache_dir() / "tokenizers" / f"{model.stem}-{st.st_size}-{st.st_mtime_ns}"
     if not (out / "tokenizer.json").is_file():
-        write_tokenizer(model, out)
+        try:
+            write_tokenizer(model, out)
+        except (ValueError, OSError, EOFError, struct.error) as exc:  # gguf's reader: magic, truncation, shapes
+            shutil.rmtree(out, ignore_errors=True)
+            raise WeightsError(f"cannot read GGUF file {model} (truncated or not a GGUF file?): "
+                               f"{type(exc).__name__}: {exc}") from None
     return out
 
 
@@ -253,12 +266,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: the demo adapters pirate, shouty and terse with the demo model; none with --model)")
     p.add_argument("--input", type=Path, required=True, help="requests, one JSON object per line")
     p.add_argument("--output", type=Path, required=True, help="where to write results (JSONL, input order)")
-    p.add_argument("--max-batch-size", type=int, default=32, help="requests batched together")
-    p.add_argument("--kv-pages", type=int, default=None, help="KV cache pages (default: from memory)")
-    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    p.add_argument("--max-batch-size", type=cli_args.positive_int, default=32, help="requests batched together")
+    p.add_argument("--kv-pages", type=cli_args.positive_int, default=None, help="KV cache pages (default: from memory)")
+    p.add_argument("--page-size", type=cli_args.positive_int, default=16, help="tokens per KV page")
     p.add_argument("--max-lora-rank", type=cli_args.lora_rank, default=64,
                    help=f"largest adapter rank accepted (1-{cli_args.MAX_LORA_RANK})")
-    p.add_argument("--lora-slots", type=int, default=None,
+    p.add_argument("--lora-slots", type=cli_args.positive_int, default=None,
                    help="adapters resident at once (default: 8 on the CPU, 64 on a GPU)")
     p.add_argument("--dtype", default="auto", choices=cli_args.DTYPES,
                    help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
@@ -289,6 +302,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: input file {args.input} {what}", file=sys.stderr)
         return 2
     problem = output_problem(args.output)
+    if problem is None and args.output.exists() and args.output.resolve() == args.input.resolve():
+        problem = f"is the input file {args.input}: the results would replace the requests (give another file)"
     if problem:
         print(f"error: --output {problem}", file=sys.stderr)
         return 2
@@ -352,10 +367,19 @@ def run(args: argparse.Namespace) -> int:
         bar.set_postfix(tok_s=f"{n_tokens / max(time.perf_counter() - t0, 1e-9):.1f}")
 
     interrupted = False
+
+    def terminated(signum, frame):  # SIGTERM (a job's stop, kill): as Ctrl-C, so the finished results are written
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, terminated) if threading.current_thread() is threading.main_thread() \
+        else None
     try:
         finals.update(engine.run_to_completion(seqs, progress=done))
     except KeyboardInterrupt:  # keep what finished: the file gets every line, the unfinished ones as errors
         interrupted = True
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     bar.close()
     elapsed = time.perf_counter() - t0
     for rid in set(line_of) - set(finals):

@@ -409,27 +409,27 @@ def create_app(service: RunnerService, token: str | None = None) -> web.Applicat
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-batch-size", type=int, default=32, help="requests per batch (Punica uses 32)")
-    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    p.add_argument("--kv-pages", type=int, default=None, help="KV pages (default: from memory)")
-    p.add_argument("--kv-fraction", type=float, default=0.85, help="GPU: share of free memory for the KV cache")
-    p.add_argument("--kv-cache-gb", type=float, default=1.0, help="CPU: KV cache size in GiB")
+    p.add_argument("--max-batch-size", type=cli_args.positive_int, default=32, help="requests per batch (Punica uses 32)")
+    p.add_argument("--page-size", type=cli_args.positive_int, default=16, help="tokens per KV page")
+    p.add_argument("--kv-pages", type=cli_args.positive_int, default=None, help="KV pages (default: from memory)")
+    p.add_argument("--kv-fraction", type=cli_args.fraction, default=0.85, help="GPU: share of free memory for the KV cache")
+    p.add_argument("--kv-cache-gb", type=cli_args.positive_float, default=1.0, help="CPU: KV cache size in GiB")
     p.add_argument("--max-lora-rank", type=cli_args.lora_rank, default=64,
                    help=f"largest adapter rank accepted (1-{cli_args.MAX_LORA_RANK})")
-    p.add_argument("--lora-slots", type=int, default=None,
+    p.add_argument("--lora-slots", type=cli_args.positive_int, default=None,
                    help="adapters resident on the device at once (default: 8 on the CPU, 64 on a GPU)")
-    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--max-model-len", type=cli_args.positive_int, default=None, help="context length (default: the model's)")
     p.add_argument("--dtype", default="auto", choices=cli_args.DTYPES,
                    help="auto (float32 on the CPU, bfloat16 on CUDA), float32, bfloat16 or float16")
     p.add_argument("--device", default="auto", type=cli_args.device, help="auto (CUDA when available), cpu, cuda or cuda:N")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="run every step eagerly on CUDA (no decode or piecewise CUDA graphs)")
-    p.add_argument("--admit-batch", type=int, default=None,
+    p.add_argument("--admit-batch", type=cli_args.positive_int, default=None,
                    help="while requests run, admit new ones once this many batch places are free (or after "
                         "--admit-wait-steps steps) so prompts share prefill steps (default: max batch / 8 on "
                         "CUDA, 1 on CPU)")
     p.add_argument("--admit-wait-steps", type=int, default=8, help="longest wait of admission batching, in steps")
-    p.add_argument("--max-step-tokens", type=int, default=None,
+    p.add_argument("--max-step-tokens", type=cli_args.positive_int, default=None,
                    help="chunked prefill: token rows per step, decodes included (default: 2048 on CUDA, 512 on the "
                         "CPU)")
     p.add_argument("--decode-prefill-tokens", type=int, default=None,
@@ -438,7 +438,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "the step budget alone)")
     p.add_argument("--no-chunked-prefill", action="store_true",
                    help="prefill whole prompts in one step (the old behaviour; long prompts stall decodes)")
-    p.add_argument("--tp", type=int, default=1,
+    p.add_argument("--tp", type=cli_args.positive_int, default=1,
                    help="tensor parallelism: drive this many GPUs of the node as one engine (from --device on)")
     add_prefix_cache_argument(p)
     add_precision_arguments(p)
@@ -479,7 +479,7 @@ def engine_config(args: argparse.Namespace):
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="HF model directory, .gguf file or model source URI")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=int, default=8001, help="port to listen on")
+    p.add_argument("--port", type=cli_args.port, default=8001, help="port to listen on")
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="torch threads of the engine (CPU work) (default: the CPUs this process may use, within its "
                         "cgroup's CPU limit)")

@@ -192,29 +192,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the base model's name in the API (default: config.json's _name_or_path, else the folder or "
                         "file name; NAME for a Hugging Face cache snapshot of ORG/NAME)")
     p.add_argument("--host", default="127.0.0.1", help="address the OpenAI API listens on")
-    p.add_argument("--port", type=int, default=8000, help="port the OpenAI API listens on")
-    p.add_argument("--runners", type=int, default=1,
+    p.add_argument("--port", type=cli_args.port, default=8000, help="port the OpenAI API listens on")
+    p.add_argument("--runners", type=cli_args.positive_int, default=1,
                    help="runner processes to start; on the CPU they share the cores (see --threads)")
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="CPU runners: torch threads of each runner (default: the cores this process may use, "
                         "divided among the runners, at least 1)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="auto (CUDA when available, else CPU), cpu or cuda (runner i uses cuda:i)")
-    p.add_argument("--max-batch-size", type=int, default=32, help="requests batched together on each runner")
+    p.add_argument("--max-batch-size", type=cli_args.positive_int, default=32, help="requests batched together on each runner")
     p.add_argument("--max-lora-rank", type=cli_args.lora_rank, default=64,
                    help=f"largest adapter rank the runners accept (1-{cli_args.MAX_LORA_RANK})")
-    p.add_argument("--kv-pages", type=int, default=None,
+    p.add_argument("--kv-pages", type=cli_args.positive_int, default=None,
                    help="KV cache pages of each runner (default: from --kv-cache-gb on the CPU, --kv-fraction on GPUs)")
-    p.add_argument("--kv-cache-gb", type=float, default=None, help="CPU: KV cache of each runner in GiB (default: 1)")
-    p.add_argument("--page-size", type=int, default=None, help="tokens per KV page (default: 16)")
+    p.add_argument("--kv-cache-gb", type=cli_args.positive_float, default=None, help="CPU: KV cache of each runner in GiB (default: 1)")
+    p.add_argument("--page-size", type=cli_args.positive_int, default=None, help="tokens per KV page (default: 16)")
     p.add_argument("--dtype", default="auto", choices=cli_args.DTYPES,
                    help="weights and activations: auto (float32 on the CPU, bfloat16 on CUDA), float32, bfloat16 or "
                         "float16")
     p.add_argument("--grace-seconds", type=float, default=20.0, help="time to finish in-flight requests on stop")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for runners to load")
-    p.add_argument("--kv-fraction", type=float, default=None,
+    p.add_argument("--kv-fraction", type=cli_args.fraction, default=None,
                    help="GPU: share of free memory for each runner's KV cache (default: 0.85)")
-    p.add_argument("--lora-slots", type=int, default=None,
+    p.add_argument("--lora-slots", type=cli_args.positive_int, default=None,
                    help="adapters resident on each runner's device at once (default: 8 on the CPU, 64 on GPUs)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="runners step eagerly on CUDA")
     p.add_argument("--no-prefix-cache", action="store_true", help="runners keep no KV pages for later requests "
@@ -223,7 +223,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="runners hold the projection weights in FP8 (default: as the checkpoint stores them)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                    help="runners' K/V pages: the model's dtype (auto, the default) or FP8")
-    p.add_argument("--tp", type=int, default=1, help="tensor parallelism: GPUs per runner (runner i uses "
+    p.add_argument("--tp", type=cli_args.positive_int, default=1, help="tensor parallelism: GPUs per runner (runner i uses "
                    "cuda:i*tp .. cuda:i*tp+tp-1)")
     from lorafleet.scheduler import limits
     from lorafleet.scheduler.server import add_adapter_rescan_argument, add_api_key_argument, add_placement_argument

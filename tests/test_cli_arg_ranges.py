@@ -1,0 +1,47 @@
+"""Sizes, counts and ports on the command line are refused by argparse in one line when out of range: a batch of 0
+once hung every command, `serve --port 70000` listened on 4464 (getaddrinfo wraps the port) while it announced
+70000, and `serve --page-size 0` silently ran with 16."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from lorafleet.common import cli_args
+from lorafleet.scheduler.listen import ListenError, bind
+
+
+@pytest.mark.parametrize("fn,value,ok", [
+    (cli_args.positive_int, "1", 1), (cli_args.positive_int, "0", None), (cli_args.positive_int, "-3", None),
+    (cli_args.positive_int, "2.5", None), (cli_args.port, "0", 0), (cli_args.port, "65535", 65535),
+    (cli_args.port, "65536", None), (cli_args.port, "70000", None), (cli_args.port, "-1", None),
+    (cli_args.positive_float, "0.5", 0.5), (cli_args.positive_float, "0", None), (cli_args.positive_float, "inf", None),
+    (cli_args.positive_float, "nan", None), (cli_args.fraction, "1", 1.0), (cli_args.fraction, "1.5", None),
+])
+def test_ranges(fn, value, ok):
+    if ok is None:
+        with pytest.raises(argparse.ArgumentTypeError):
+            fn(value)
+    else:
+        assert fn(value) == ok
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["serve", "--port", "70000"], "--port"), (["serve", "--page-size", "0"], "--page-size"),
+    (["serve", "--runners", "0"], "--runners"), (["serve", "--max-batch-size", "0"], "--max-batch-size"),
+    (["runner", "--model", "m", "--tp", "0"], "--tp"), (["runner", "--model", "m", "--kv-fraction", "2"], "--kv-fraction"),
+    (["scheduler", "--model", "m", "--port", "99999"], "--port"),
+])
+def test_commands_refuse_them_in_one_line(argv, flag, capsys):
+    from lorafleet import cli
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"argument {flag}:" in err and "Traceback" not in err, err
+
+
+def test_bind_refuses_a_port_it_would_wrap():
+    with pytest.raises(ListenError, match="a port is between 0 and 65535"):
+        bind("127.0.0.1", 70000)
