@@ -123,6 +123,21 @@ def test_released_qwen2_configs_keep_full_attention():
     assert on.layer_window == (None,) * 4 + (WINDOW,) * 2
 
 
+def test_rope_given_twice_and_disagreeing_is_refused():
+    """rope_parameters "default" beside rope_scaling "linear" (or "yarn"): the engine read the first, transformers 5 the
+    second, so the model ran silently with other positions than its reference. Refused, naming both; agreeing copies
+    load."""
+    from lorafleet.models.contract import ModelConfigError
+    from lorafleet.models.registry import config_from_hf
+
+    linear = {"rope_type": "linear", "factor": 4.0}
+    cfg = {**_cfg("llama3"), "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "rope_scaling": linear}
+    with pytest.raises(ModelConfigError, match="RoPE twice.*'default'.*'linear'"):
+        config_from_hf(cfg)
+    same = {**_cfg("llama3"), "rope_parameters": {**linear, "rope_theta": 10000.0}, "rope_scaling": linear}
+    assert config_from_hf(same).ropes[0] == config_from_hf({**same, "rope_scaling": None}).ropes[0]
+
+
 def test_longrope_caps_the_context_whatever_the_family():
     from lorafleet.models.registry import config_from_hf
 

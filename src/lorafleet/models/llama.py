@@ -50,10 +50,15 @@ def rope_params(cfg: dict) -> tuple[dict, float]:
     """(rope dict, default theta): transformers 5 writes `rope_parameters` (with rope_theta inside), 4.x
     writes `rope_theta` and `rope_scaling`."""
     theta = hf_float(cfg, "rope_theta", 10000.0, minimum=0.0)
-    params = rope_dict(cfg, "rope_parameters")
+    params, scaling = rope_dict(cfg, "rope_parameters"), rope_dict(cfg, "rope_scaling")
     if params:
+        kind = lambda d: (d.get("rope_type", d.get("type", "default")), d.get("factor"))  # noqa: E731
+        if scaling and kind(scaling) != kind(params):  # which one transformers reads depends on its version
+            raise ModelConfigError(f"the model's config gives RoPE twice, and the two disagree: rope_parameters "
+                                   f"{kind(params)[0]!r} (factor {kind(params)[1]}) and rope_scaling "
+                                   f"{kind(scaling)[0]!r} (factor {kind(scaling)[1]}); keep one of them")
         return params, hf_float(params, "rope_theta", theta, minimum=0.0)
-    return rope_dict(cfg, "rope_scaling"), theta
+    return scaling, theta
 
 
 def rope_dict(cfg: dict, key: str) -> dict:
