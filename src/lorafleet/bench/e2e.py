@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from lorafleet.common import cli_args
 from lorafleet.common.workloads import assign, sharegpt_requests  # noqa: F401 (re-exported)
 from lorafleet.models import registry
 from lorafleet.runner.model import synthetic
@@ -815,14 +816,16 @@ def build_parser() -> argparse.ArgumentParser:
     from lorafleet.cli import HelpFormatter
 
     p = argparse.ArgumentParser(prog="lorafleet bench e2e", description=__doc__, formatter_class=HelpFormatter)
-    p.add_argument("--requests", type=int, default=1000, help="requests of each mix run")
-    p.add_argument("--max-batch", type=int, default=32, help="the engine's max batch size")
+    p.add_argument("--requests", type=cli_args.positive_int, default=1000, help="requests of each mix run")
+    p.add_argument("--max-batch", type=cli_args.positive_int, default=32, help="the engine's max batch size")
     p.add_argument("--mixes", nargs="*", default=["distinct", "uniform", "skewed", "identical"],
-                   help="adapter popularity mixes to run (default: distinct uniform skewed identical; none: skip)")
-    p.add_argument("--population", type=int, default=256, help="distinct adapter weight sets")
-    p.add_argument("--rank", type=int, default=16, help="LoRA rank of every adapter")
-    p.add_argument("--sweep", type=int, nargs="*", default=[64, 128, 256],
-                   help="extra max batch sizes for the distinct mix (default: 64 128 256; none: skip)")
+                   help="adapter popularity mixes to run (default: distinct uniform skewed identical; the flag alone: "
+                        "none)")
+    p.add_argument("--population", type=cli_args.positive_int, default=256, help="distinct adapter weight sets")
+    p.add_argument("--rank", type=cli_args.lora_rank, default=16,
+                   help=f"LoRA rank of every adapter (1-{cli_args.MAX_LORA_RANK})")
+    p.add_argument("--sweep", type=cli_args.positive_int, nargs="*", default=[64, 128, 256],
+                   help="extra max batch sizes for the distinct mix (default: 64 128 256; the flag alone: none)")
     p.add_argument("--no-lora-off", action="store_true", help="skip the peer run of the same engine with LoRA off")
     p.add_argument("--hf-requests", type=int, default=32,
                    help="requests of the HF+PEFT sample (default: %(default)s; 0: skip)")
