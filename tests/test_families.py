@@ -123,19 +123,29 @@ def test_released_qwen2_configs_keep_full_attention():
     assert on.layer_window == (None,) * 4 + (WINDOW,) * 2
 
 
-def test_rope_given_twice_and_disagreeing_is_refused():
-    """rope_parameters "default" beside rope_scaling "linear" (or "yarn"): the engine read the first, transformers 5 the
-    second, so the model ran silently with other positions than its reference. Refused, naming both; agreeing copies
-    load."""
-    from lorafleet.models.contract import ModelConfigError
+@pytest.mark.parametrize("params,scaling,top_theta", [
+    ({"rope_type": "default", "rope_theta": 10000.0}, {"rope_type": "linear", "factor": 4.0}, None),
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 64, "rope_theta": 500000.0},
+     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 64}, None),
+    ({"rope_type": "linear", "factor": 2.0, "rope_theta": 20000.0}, {"rope_type": "linear", "factor": 2.0}, 30000.0),
+])
+def test_rope_given_twice_is_read_as_transformers_reads_it(params, scaling, top_theta):
+    """rope_parameters beside rope_scaling: the engine read the first, transformers (4.x and 5) the second, with its
+    own theta or else the top-level one, so the model ran silently with other positions than its reference."""
+    import transformers
+
     from lorafleet.models.registry import config_from_hf
 
-    linear = {"rope_type": "linear", "factor": 4.0}
-    cfg = {**_cfg("llama3"), "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "rope_scaling": linear}
-    with pytest.raises(ModelConfigError, match="RoPE twice.*'default'.*'linear'"):
-        config_from_hf(cfg)
-    same = {**_cfg("llama3"), "rope_parameters": {**linear, "rope_theta": 10000.0}, "rope_scaling": linear}
-    assert config_from_hf(same).ropes[0] == config_from_hf({**same, "rope_scaling": None}).ropes[0]
+    cfg = {**_cfg("llama3"), "rope_parameters": params, "rope_scaling": scaling}
+    cfg.pop("rope_theta", None)
+    if top_theta is not None:
+        cfg["rope_theta"] = top_theta
+    hf = transformers.LlamaConfig.from_dict(cfg).rope_parameters
+    ours = config_from_hf(cfg).ropes[0]
+    assert ours.kind == hf["rope_type"] and ours.theta == hf["rope_theta"], (ours, hf)
+    assert ours.factor == hf.get("factor", 1.0)
 
 
 def test_longrope_caps_the_context_whatever_the_family():

@@ -17,7 +17,7 @@ def test_two_ggufs_of_one_name_get_their_own_conversion(tmp_path, monkeypatch):
     made = []
 
     def fake_write(gguf, out):  # the conversion itself (transformers' GGUF reader) is not what is checked here
-        out.mkdir(parents=True)
+        out.mkdir(parents=True, exist_ok=True)
         (out / "tokenizer.json").write_text(gguf.read_text())
         made.append(gguf)
 
@@ -43,3 +43,18 @@ def test_a_file_that_is_not_a_whole_gguf_is_a_model_error(tmp_path, monkeypatch,
     with pytest.raises(WeightsError, match="cannot read GGUF file .*bad.gguf"):
         generate.tokenizer_dir(bad)
     assert not any((tmp_path / "cache").glob("tokenizers/*/tokenizer.json"))
+
+
+def test_an_interrupted_conversion_leaves_nothing_that_passes_for_a_whole_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("LORAFLEET_CACHE", str(tmp_path / "cache"))
+
+    def dies_halfway(gguf, out):  # tokenizer.json written, the chat template not yet
+        (out / "tokenizer.json").write_text("half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("lorafleet.runner.demo.write_tokenizer", dies_halfway)
+    g = tmp_path / "model.gguf"
+    g.write_text("x")
+    with pytest.raises(KeyboardInterrupt):
+        generate.tokenizer_dir(g)
+    assert not list((tmp_path / "cache" / "tokenizers").iterdir())

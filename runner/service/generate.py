@@ -22,10 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shutil
 import signal
 import struct
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -58,13 +60,24 @@ def tokenizer_dir(model: Path) -> Path | None:
 
     st = model.stat()
     out = env.cache_dir() / "tokenizers" / f"{model.stem}-{st.st_size}-{st.st_mtime_ns}"
-    if not (out / "tokenizer.json").is_file():
+    if (out / "tokenizer.json").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))  # whole or not at all: renamed when done
+    try:
         try:
-            write_tokenizer(model, out)
-        except (ValueError, OSError, EOFError, struct.error) as exc:  # gguf's reader: magic, truncation, shapes
-            shutil.rmtree(out, ignore_errors=True)
+            write_tokenizer(model, tmp)
+        except (ValueError, EOFError, struct.error) as exc:  # gguf's reader: magic, truncation, shapes
             raise WeightsError(f"cannot read GGUF file {model} (truncated or not a GGUF file?): "
                                f"{type(exc).__name__}: {exc}") from None
+        shutil.rmtree(out, ignore_errors=True)  # (what an interrupted conversion may have left)
+        try:
+            os.replace(tmp, out)
+        except OSError:  # another process converted it meanwhile: theirs is as good
+            if not (out / "tokenizer.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
@@ -302,7 +315,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: input file {args.input} {what}", file=sys.stderr)
         return 2
     problem = output_problem(args.output)
-    if problem is None and args.output.exists() and args.output.resolve() == args.input.resolve():
+    if problem is None and args.output.exists() and os.path.samefile(args.output, args.input):
         problem = f"is the input file {args.input}: the results would replace the requests (give another file)"
     if problem:
         print(f"error: --output {problem}", file=sys.stderr)
@@ -371,15 +384,17 @@ def run(args: argparse.Namespace) -> int:
     def terminated(signum, frame):  # SIGTERM (a job's stop, kill): as Ctrl-C, so the finished results are written
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, terminated) if threading.current_thread() is threading.main_thread() \
-        else None
+    installed, previous = False, None
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) != signal.SIG_IGN:
+        previous, installed = signal.signal(signal.SIGTERM, terminated), True
+    log.info("running %d requests; SIGTERM or Ctrl-C writes the results so far", len(seqs))
     try:
         finals.update(engine.run_to_completion(seqs, progress=done))
     except KeyboardInterrupt:  # keep what finished: the file gets every line, the unfinished ones as errors
         interrupted = True
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        if installed:  # (a handler installed outside Python reads back as None: the default then)
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
     bar.close()
     elapsed = time.perf_counter() - t0
     for rid in set(line_of) - set(finals):

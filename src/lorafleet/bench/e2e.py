@@ -846,7 +846,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--interference-caps-only", action="store_true",
                    help="with --interference: only the --decode-prefill-tokens runs (no runs at the engine's step "
                         "budget or unchunked; for A/B runs of one setting)")
-    p.add_argument("--step-tokens", type=int, default=None, help="chunked prefill: token rows per step "
+    p.add_argument("--step-tokens", type=cli_args.positive_int, default=None, help="chunked prefill: token rows per step "
                    "(default: the engine's)")
     from lorafleet.bench.prefix import WORKLOADS
 
@@ -866,7 +866,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "rather than the wait for a batch place (default: 0, every request at t = 0)")
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama2-7b",
                    help="model shape from the families' registry (tiny also runs on the CPU)")
-    p.add_argument("--tp", type=int, nargs="+", default=[1], metavar="G",
+    p.add_argument("--tp", type=cli_args.positive_int, nargs="+", default=[1], metavar="G",
                    help="tensor-parallel group sizes to run one after another (any other value than 1, or a shape "
                         "other than llama2-7b, runs the synthetic-model path: every rank draws its own weights; "
                         "default: 1)")

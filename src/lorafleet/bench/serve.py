@@ -35,6 +35,7 @@ from pathlib import Path
 
 from lorafleet.bench import procs
 from lorafleet.bench.load import LoadRequest, run_load, summary
+from lorafleet.common import cli_args
 from lorafleet.common.workloads import assign, sharegpt_requests
 
 MIXES = ("distinct", "uniform", "skewed", "identical", "base")
@@ -335,19 +336,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    choices=["busiest", "busiest-no-prefix", "least-loaded", "round-robin"],
                    help="scheduler placement policies, one server each (default: busiest, which prefers the runner "
                         "holding a request's prefix)")
-    s.add_argument("--runners", type=int, default=1, help="runner processes of `lorafleet serve`")
+    s.add_argument("--runners", type=cli_args.positive_int, default=1, help="runner processes of `lorafleet serve`")
     s.add_argument("--device", default="auto", help="auto (CUDA when available), cpu or cuda, for `lorafleet serve` "
                    "and the offline engine")
-    s.add_argument("--max-batch-size", type=int, default=32, help="requests batched together on each runner and in "
+    s.add_argument("--max-batch-size", type=cli_args.positive_int, default=32, help="requests batched together on each runner and in "
                    "the offline engine")
-    s.add_argument("--kv-fraction", type=float, default=None,
+    s.add_argument("--kv-fraction", type=cli_args.fraction, default=None,
                    help="GPU: share of free memory for each runner's KV cache (default: `lorafleet serve`'s)")
-    s.add_argument("--kv-cache-gb", type=float, default=None,
+    s.add_argument("--kv-cache-gb", type=cli_args.positive_float, default=None,
                    help="CPU: KV cache of each runner in GiB (default: `lorafleet serve`'s)")
-    s.add_argument("--kv-pages", type=int, default=None,
+    s.add_argument("--kv-pages", type=cli_args.positive_int, default=None,
                    help="KV cache pages of each runner (default: `lorafleet serve`'s)")
-    s.add_argument("--page-size", type=int, default=None, help="tokens per KV page (default: `lorafleet serve`'s)")
-    s.add_argument("--lora-slots", type=int, default=None,
+    s.add_argument("--page-size", type=cli_args.positive_int, default=None, help="tokens per KV page (default: `lorafleet serve`'s)")
+    s.add_argument("--lora-slots", type=cli_args.positive_int, default=None,
                    help="adapters resident on each runner's device at once (default: `lorafleet serve`'s)")
     s.add_argument("--dtype", default=None, help="weights and activations: auto, float32, bfloat16 or float16 "
                    "(default: `lorafleet serve`'s)")

@@ -47,18 +47,13 @@ GGUF_GLOBALS = {
 
 
 def rope_params(cfg: dict) -> tuple[dict, float]:
-    """(rope dict, default theta): transformers 5 writes `rope_parameters` (with rope_theta inside), 4.x
-    writes `rope_theta` and `rope_scaling`."""
+    """(rope dict, its theta): transformers 5 writes `rope_parameters` (with rope_theta inside), 4.x writes
+    `rope_theta` and `rope_scaling`. Where a config has both, transformers (4.x and 5) reads `rope_scaling`, its theta
+    its own or else the top-level one, and so does this (convert_rope_params_to_dict: `rope_scaling or
+    rope_parameters`)."""
     theta = hf_float(cfg, "rope_theta", 10000.0, minimum=0.0)
-    params, scaling = rope_dict(cfg, "rope_parameters"), rope_dict(cfg, "rope_scaling")
-    if params:
-        kind = lambda d: (d.get("rope_type", d.get("type", "default")), d.get("factor"))  # noqa: E731
-        if scaling and kind(scaling) != kind(params):  # which one transformers reads depends on its version
-            raise ModelConfigError(f"the model's config gives RoPE twice, and the two disagree: rope_parameters "
-                                   f"{kind(params)[0]!r} (factor {kind(params)[1]}) and rope_scaling "
-                                   f"{kind(scaling)[0]!r} (factor {kind(scaling)[1]}); keep one of them")
-        return params, hf_float(params, "rope_theta", theta, minimum=0.0)
-    return scaling, theta
+    params = rope_dict(cfg, "rope_scaling") or rope_dict(cfg, "rope_parameters")
+    return params, hf_float(params, "rope_theta", theta, minimum=0.0)
 
 
 def rope_dict(cfg: dict, key: str) -> dict:
