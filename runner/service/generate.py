@@ -70,7 +70,8 @@ def tokenizer_dir(model: Path) -> Path | None:
         except (ValueError, EOFError, struct.error) as exc:  # gguf's reader: magic, truncation, shapes
             raise WeightsError(f"cannot read GGUF file {model} (truncated or not a GGUF file?): "
                                f"{type(exc).__name__}: {exc}") from None
-        shutil.rmtree(out, ignore_errors=True)  # (what an interrupted conversion may have left)
+        if out.exists() and not (out / "tokenizer.json").is_file():  # what an interrupted conversion may have left
+            shutil.rmtree(out, ignore_errors=True)
         try:
             os.replace(tmp, out)
         except OSError:  # another process converted it meanwhile: theirs is as good
