@@ -274,16 +274,16 @@ class Cluster:
         capped at the largest runner that takes requests, so one that could run there alone (ending at its length
         limit when it outgrows it) waits only until that runner has room, never forever; one that has outgrown every
         healthy runner ends (`_outgrown`)."""
+        healthy, room = self.max_total_kv(), self.max_total_kv(placeable=True)  # (placing changes no runner's size)
         while self.queue:
             req = self.queue[0]
             if req.done:
                 self.queue.pop(0)
                 continue
-            healthy = self.max_total_kv()
             if healthy and self._outgrown(req, healthy):  # (the largest runner left since it was queued)
                 self.queue.pop(0)
                 continue
-            need, room = kv_need(req.num_tokens, req.remaining), self.max_total_kv(placeable=True)
+            need = kv_need(req.num_tokens, req.remaining)
             if room:  # never below its tokens + 1: a runner must hold what it has
                 need = max(min(need, room), req.num_tokens + 1)
             rid = self.placement(self.views(req), need, req.num_tokens)

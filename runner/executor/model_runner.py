@@ -39,10 +39,11 @@ NOT_FINITE = -1  # the id read back for a row whose logits hold a NaN or an infi
 
 
 def reported_tokens(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """The ids the host reads back: `tokens`, with NOT_FINITE where the row's logits are not all finite (an adapter
-    whose weights overflow in the product, say). The device keeps `tokens` themselves for the next step's input, whose
-    embedding lookup must never see an id outside the vocabulary. No host synchronisation."""
-    return torch.where(torch.isfinite(logits).all(-1), tokens, NOT_FINITE)
+    """The ids the host reads back: `tokens`, with NOT_FINITE where the row's logits hold a NaN or +inf (an adapter
+    whose weights overflow in the product, say; found by the row maximum, which propagates NaN: one [S] reduction on
+    the decode step, no [S, V] mask). The device keeps `tokens` themselves for the next step's input, whose embedding
+    lookup must never see an id outside the vocabulary. No host synchronisation."""
+    return torch.where(torch.isfinite(logits.amax(-1)), tokens, NOT_FINITE)
 
 
 class InFlight:
