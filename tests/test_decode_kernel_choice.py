@@ -30,15 +30,16 @@ def test_supported_shapes(shape, ok):
 
 
 def test_workers_fill_the_gpu_within_the_chunks():
-    assert dk.CTAS_PER_SM == 8
+    assert dk.CTAS_PER_SM == 4
     assert dk.workers(132, 64, 32, [370] * 64) == 1  # 2,048 CTAs already: one each
-    assert dk.workers(132, 32, 32, [370] * 32) == 2  # 1,024 pairs: two workers, each request has two chunks
-    assert dk.workers(132, 32, 32, [100] * 32) == 1  # ... but these have one
+    assert dk.workers(132, 32, 32, [370] * 32) == 1  # 1,024 pairs, 7.8 per SM: one each (measured fastest)
+    assert dk.workers(132, 8, 32, [370] * 8) == 2  # 256 pairs: two workers (measured fastest), two chunks each
+    assert dk.workers(132, 8, 32, [100] * 8) == 1  # ... but these have one chunk
     assert dk.workers(132, 1, 8, [5000]) == dk.MAX_CHUNKS  # one long request: as many as it has chunks
     assert dk.workers(132, 1, 8, [300]) == 2
     assert dk.workers(132, 1, 8, [1]) == 1
     assert dk.workers(132, 2, 8) == dk.MAX_CHUNKS  # a CUDA graph: the lengths are not known
-    assert dk.workers(132, 16, 8) == 9  # ceil(1,056 / 128)
+    assert dk.workers(132, 16, 8) == 4  # 528 / 128, rounded
     assert dk.CHUNK % 16 == 0
 
 

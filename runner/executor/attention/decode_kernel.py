@@ -14,14 +14,17 @@ import torch
 
 CHUNK = 256  # tokens per chunk
 MAX_CHUNKS = 16  # chunks per request at most: longer contexts take longer chunks
-CTAS_PER_SM = 8  # a launch's grid aims at this many CTAs per SM (about two waves) where it has few (request, head) pairs
+# A launch's grid aims at this many CTAs per SM where it has few (request, head) pairs: measured on an H100 (7B shape,
+# docs/benchmarks.md §10.18), one worker was fastest at batch 32 (7.8 pairs per SM) and two at batch 8 (1.9 per SM).
+CTAS_PER_SM = 4
 
 
 def workers(num_sms: int, rows: int, kv_heads: int, kv_lens: list[int] | None = None) -> int:
-    """CTAs per (request, K/V head) of a launch over `rows` requests: enough for CTAS_PER_SM per SM, at most the chunks
-    the longest request has (all MAX_CHUNKS where the lengths are not known, as in a CUDA graph). A launch shape only:
-    it changes no bit."""
-    want = -(-num_sms * CTAS_PER_SM // max(1, rows * kv_heads))
+    """CTAs per (request, K/V head) of a launch over `rows` requests: the nearest to CTAS_PER_SM per SM, at most the
+    chunks the longest request has (all MAX_CHUNKS where the lengths are not known, as in a CUDA graph). A launch shape
+    only: it changes no bit."""
+    pairs = max(1, rows * kv_heads)
+    want = (num_sms * CTAS_PER_SM + pairs // 2) // pairs
     most = MAX_CHUNKS if kv_lens is None else min(MAX_CHUNKS, -(-max(kv_lens, default=1) // CHUNK))
     return max(1, min(want, most))
 

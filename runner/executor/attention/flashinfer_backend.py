@@ -100,6 +100,10 @@ class FlashInferAttention:
             if decode_kernel.supported(cfg):
                 self.own = decode_kernel.LorafleetDecode(kv, cfg, device)
                 log.info("decode rows on the lorafleet decode attention kernel (%s pages)", str(self.kv_dtype)[6:])
+                if self.h // self.hkv >= 8:
+                    log.warning("the lorafleet decode kernel was measured 3-9x slower than flashinfer's tensor-core "
+                                "decode with 8 query heads per K/V head (docs/benchmarks.md 10.18); this model has %d",
+                                self.h // self.hkv)
             else:
                 log.warning("the lorafleet decode kernel takes head sizes 64, 128, 256 with at most 8 query heads per "
                             "K/V head, not %d with %d: decode rows stay on flashinfer's", self.d, self.h // self.hkv)
