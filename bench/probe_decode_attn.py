@@ -4,7 +4,7 @@ tensor cores), bf16 and e4m3 pages, next to the bytes of K/V each call must read
 Per shape (Llama-2-7B: 32 heads of 128, no grouping; Llama-2-70B on one GPU: 64 query heads over 8 K/V heads), batch
 and context: every layer has its own pages (32 layers, so nothing stays in L2), the page tables are shuffled, and
 the 32 layer calls run in one CUDA graph; µs per layer call, the K/V bytes it read per second, and its time against
-the floor (those bytes at 4.2 TB/s, the H200's measured copy rate). Each variant's output is checked against
+the floor (those bytes at the card's measured copy rate, src/lorafleet/bench/rates.py). Each variant's output is checked against
 flashinfer's CUDA-core kernel on the same pages.
 
     python bench/probe_decode_attn.py --out probe_decode_attn.json
@@ -18,7 +18,6 @@ import math
 
 import torch
 
-FLOOR_TB_S = 4.2
 SHAPES = {"7b": (32, 32, 128), "70b": (64, 8, 128)}
 LAYERS = 32
 
@@ -36,10 +35,12 @@ def main() -> None:
     from probe_decode import graph_decoder
 
     from lorafleet.bench.kernels import Timer
+    from lorafleet.bench.rates import card_rates
     from lorafleet.runner.executor.attention import decode_kernel as dk
     from lorafleet.runner.kernels import load
 
     ext, timer, dev, ps = load(), Timer(flush_bytes=1 << 20), torch.device("cuda"), args.page_size
+    floor_tb_s = round(card_rates(dev)["bandwidth"] / 1e12, 2)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     rows = []
     for shape in args.shapes:
@@ -84,7 +85,7 @@ def main() -> None:
                         times[name] = timer.graph_us([own]) / LAYERS
                         out[name] = o.clone()
                     ref = out["flashinfer"].float()
-                    floor_us = kv_bytes / (FLOOR_TB_S * 1e12) * 1e6
+                    floor_us = kv_bytes / (floor_tb_s * 1e12) * 1e6
                     for name, us in times.items():
                         r = {"shape": shape, "batch": batch, "ctx": ctx, "pages": kv_name, "kernel": name,
                              "us_per_layer": round(us, 2), "kv_tb_s": round(kv_bytes / (us * 1e-6) / 1e12, 2),
@@ -96,7 +97,7 @@ def main() -> None:
                     del caches
                     torch.cuda.empty_cache()
     with open(args.out, "w") as f:
-        json.dump({"floor_tb_s": FLOOR_TB_S, "page_size": ps, "rows": rows}, f, indent=1)
+        json.dump({"floor_tb_s": floor_tb_s, "page_size": ps, "rows": rows}, f, indent=1)
     print("µs per layer call (lorafleet: the workers the engine's graphs take; _wN: N workers)")
     key = lambda r: (r["shape"], r["batch"], r["ctx"], r["pages"])  # noqa: E731
     for k in dict.fromkeys(map(key, rows)):

@@ -88,6 +88,12 @@ def test_floor_model_counts_the_weights_transformers_counts(tiny_llama):
     want = max((fm["weight_bytes"] + 100 * fm["kv_bytes_per_token"] + 2 * fm["adapter_bytes"]) / 4.2e12,
                (4 * fm["flops_per_row"] + 4 * fm["lm_head_flops"]) / 7.7e14)
     assert abs(t - want) < 1e-15
+    assert (fm["bandwidth"], fm["matmul"]) == (4.2e12, 7.7e14)  # no card given: the H200's measured rates
+    # a card's own rates: a step bound by its bytes takes half as long at twice the bandwidth
+    fast = floor_model(cfg, rank=8, rates={"bandwidth": 8.4e12, "matmul": 7.7e14})
+    step = [(0, 1, 0.01, 100, 2)]
+    assert floor_seconds(fm, step) > (4 * fm["flops_per_row"]) / 7.7e14  # bytes-bound at 4.2 TB/s
+    assert abs(floor_seconds(fast, step) - floor_seconds(fm, step) / 2) < 1e-15
 
 
 def test_interference_run_measures_decoders_and_cleans_up(tiny_llama, tmp_path):
@@ -168,17 +174,18 @@ def test_breakdown_profiles_steps_with_prompt_rows_while_the_batch_fills(tiny_ll
     # adapter for the whole batch (`identical`) or one per request
     import json
 
-    from lorafleet.bench.e2e import BANDWIDTH, floor_model
+    from lorafleet.bench.e2e import floor_model
     from lorafleet.models.registry import config_from_hf
 
-    fm = floor_model(config_from_hf(json.loads((tiny_llama / "config.json").read_text())), rank=4)
+    fm = floor_model(config_from_hf(json.loads((tiny_llama / "config.json").read_text())), rank=4,
+                     rates={"bandwidth": 3.0e12, "matmul": 8.0e14})  # an H100-like card's
     for identical, adapters in ((True, 1), (False, 6)):
         lines.clear()
         reqs = [(rng.integers(3, 500, 20).tolist(), 8) for _ in range(6)]
         out = profile_breakdown(eng, reqs, lines.append, lambda i: str(sets[i % 2]), mixed_steps=0, fm=fm,
                                 identical=identical)
         assert out["adapters_per_step"] == adapters
-        assert out["lora_bytes_ms"] == round(1000 * adapters * fm["adapter_bytes"] / BANDWIDTH, 3)
+        assert out["lora_bytes_ms"] == round(1000 * adapters * fm["adapter_bytes"] / 3.0e12, 3)
         assert any(("one adapter" if identical else "6 distinct adapters") in ln and "adapters' bytes" in ln
                    for ln in lines)
         assert not eng.has_work() and eng.blocks.free_pages == eng.blocks.num_pages
@@ -313,6 +320,8 @@ def test_tensor_parallel_benchmark_path_on_the_cpu(tmp_path):
     assert all(r["output_tokens"] > 0 and r["tp"] == 2 for r in res["runs"])
     assert all(v > 0 for v in s["floor_tok_s"].values()) and set(s["over_lora_off"]) == {"distinct", "identical"}
     assert "| distinct tp=2 |" in proc.stdout
+    # no CUDA device: the floor is at the H200's measured rates, and the record says it was not measured
+    assert res["floor_rates"]["bandwidth"] == 4.2e12 and res["floor_rates"]["measured"] is False
 
 
 def test_interference_caps_only_needs_caps(capsys):

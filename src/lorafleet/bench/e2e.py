@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from lorafleet.bench.rates import REFERENCE, card_rates, describe
 from lorafleet.common import cli_args
 from lorafleet.common.workloads import assign, sharegpt_requests  # noqa: F401 (re-exported)
 from lorafleet.models import registry
@@ -37,18 +38,17 @@ for _name in ("llama2-7b", "llama2-70b"):
     SHAPES[_name] = dict(SHAPES[_name], max_position_embeddings=16384)
 LLAMA2_7B = SHAPES["llama2-7b"]
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
-BANDWIDTH = 4.2e12  # bytes/s: the H200's measured device-to-device copy rate
-MATMUL = 7.7e14  # FLOP/s: its measured bf16 matmul rate
 
 
 def floor_model(cfg, rank: int, dtype_bytes: int = 2, tp: int = 1, proj_bytes: int | None = None,
-                kv_bytes: int | None = None) -> dict:
+                kv_bytes: int | None = None, rates: dict | None = None) -> dict:
     """Bytes and FLOPs that any engine must spend per step, from the model's shapes:
     every layer weight and lm_head read once per step, each attended KV token read once, each
     distinct adapter's A and B read once; 2 FLOPs per weight per token row. With tensor
     parallelism, per GPU: its 1/tp of the layers, KV and adapters, and the whole lm_head. `proj_bytes`
     / `kv_bytes`: bytes per projection weight / K-V element (1 with FP8; default `dtype_bytes`); FP8
-    projections also count at twice the matmul rate (the FP8 tensor cores' dense rate over bf16's)."""
+    projections also count at twice the matmul rate (the FP8 tensor cores' dense rate over bf16's). `rates`: the
+    card's copy bandwidth and bf16 matmul rate (bench/rates.py card_rates; default: the H200's measured ones)."""
     H, I, V, L = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_layers
     proj_bytes, kv_bytes = proj_bytes or dtype_bytes, kv_bytes or dtype_bytes
     layer = H * (cfg.q_dim + 2 * cfg.kv_dim) + cfg.q_dim * H + 3 * H * I
@@ -57,18 +57,19 @@ def floor_model(cfg, rank: int, dtype_bytes: int = 2, tp: int = 1, proj_bytes: i
             "kv_bytes_per_token": 2 * L * cfg.kv_dim * kv_bytes // tp,
             "adapter_bytes": adapter * dtype_bytes // tp,
             "flops_per_row": 2 * L * layer // tp // (2 if proj_bytes == 1 else 1),
-            "lm_head_flops": 2 * V * H}
+            "lm_head_flops": 2 * V * H,
+            "bandwidth": (rates or REFERENCE)["bandwidth"], "matmul": (rates or REFERENCE)["matmul"]}
 
 
 def floor_seconds(fm: dict, steps) -> float:
-    """Sum over the run's steps of max(bytes / bandwidth, FLOPs / matmul rate)."""
+    """Sum over the run's steps of max(bytes / bandwidth, FLOPs / matmul rate), at the floor model's rates."""
     t = 0.0
     for pf, nd, _dt, kv, ads in steps:
         if not (pf or nd):
             continue
         nbytes = fm["weight_bytes"] + kv * fm["kv_bytes_per_token"] + ads * fm["adapter_bytes"]
         flops = (pf + nd) * fm["flops_per_row"] + nd * fm["lm_head_flops"]
-        t += max(nbytes / BANDWIDTH, flops / MATMUL)
+        t += max(nbytes / fm["bandwidth"], flops / fm["matmul"])
     return t
 
 
@@ -217,7 +218,7 @@ def profile_breakdown(engine, reqs, log, source_of=str, mixed_steps: int = 4, fm
     prompts wait, so that each carries prompt rows beside decodes) -> `mixed`, with each profiled step's
     rows; a profiled step that carried no prompt rows is logged as such. Every request its own adapter, or
     (`identical`) all the same one; with the floor model `fm`, `lora_bytes_ms`: the time its adapters' bytes
-    take at BANDWIDTH, beside `lora_sgmv`. `lora=False`: no adapters (an engine without LoRA)."""
+    take at the floor's bandwidth, beside `lora_sgmv`. `lora=False`: no adapters (an engine without LoRA)."""
     from lorafleet.runner.engine.sequence import AdapterRef, SamplingParams, Sequence
 
     full = min(engine.config.max_batch_size, len(reqs))
@@ -240,7 +241,7 @@ def profile_breakdown(engine, reqs, log, source_of=str, mixed_steps: int = 4, fm
     out["wall_ms_unprofiled"] = timed_steps(engine, 10)
     if fm is not None and lora:
         out["adapters_per_step"] = 1 if identical else full
-        out["lora_bytes_ms"] = round(1000 * out["adapters_per_step"] * fm["adapter_bytes"] / BANDWIDTH, 3)
+        out["lora_bytes_ms"] = round(1000 * out["adapters_per_step"] * fm["adapter_bytes"] / fm["bandwidth"], 3)
     if mixed is not None:
         out["mixed"] = mixed
     while engine.has_work():
@@ -918,6 +919,8 @@ def main(argv: list[str] | None = None) -> int:
 
     dev = torch.device("cuda")
     t_start = time.perf_counter()
+    rates = card_rates(dev)  # before the model: the copy needs 2 GiB of the card
+    log(f"memory floor at {describe(rates)}")
     model = random_model(dev, torch.bfloat16, args.seed, fp8=args.quantization == "fp8")
     base = model.cfg.base_shape()
     reqs = sharegpt_requests(args.requests, args.seed, model.cfg.vocab_size)
@@ -925,12 +928,13 @@ def main(argv: list[str] | None = None) -> int:
         f"{np.mean([len(a) for a, _ in reqs]):.0f}, mean output {np.mean([b for _, b in reqs]):.0f} tokens")
     store = random_adapters(base, args.population, args.rank, torch.bfloat16, dev, args.seed + 1)
     fm = floor_model(model.cfg, args.rank, proj_bytes=1 if args.quantization == "fp8" else None,
-                     kv_bytes=1 if args.kv_cache_dtype == "fp8" else None)
+                     kv_bytes=1 if args.kv_cache_dtype == "fp8" else None, rates=rates)
     log(f"{len(store)} adapters in pinned memory ({time.perf_counter() - t_start:.0f}s)")
 
     results: dict = {"card": torch.cuda.get_device_name(0), "date": str(date.today()), "torch": torch.__version__,
                      "requests": args.requests, "max_batch": args.max_batch, "runs": [],
-                     "quantization": args.quantization or "none", "kv_cache_dtype": args.kv_cache_dtype}
+                     "quantization": args.quantization or "none", "kv_cache_dtype": args.kv_cache_dtype,
+                     "floor_rates": rates}
 
     def make_engine(max_batch: int, lora: bool, from_disk: bool = False, chunked: bool = True):
         from lorafleet.runner.engine.sequence import AdapterRef, SamplingParams, Sequence
@@ -1124,8 +1128,10 @@ def _tp_session(job: dict, conn) -> None:
         mcfg = registry.config_from_hf(SHAPES[job["shape"]], name=job["shape"])
         reqs = sharegpt_requests(job["requests"], job["seed"], mcfg.vocab_size)
         n = len(reqs)
+        rates = card_rates(torch.device("cuda", 0) if cuda else None)  # before the engine takes the memory
+        log(f"memory floor at {describe(rates)}")
         fm = floor_model(mcfg, rank, tp=tp, proj_bytes=1 if job.get("quantization") == "fp8" else None,
-                         kv_bytes=1 if job.get("kv_cache_dtype") == "fp8" else None)
+                         kv_bytes=1 if job.get("kv_cache_dtype") == "fp8" else None, rates=rates)
 
         def source(i: int) -> str:
             return f"synthetic://{i % population}?rank={rank}"
@@ -1137,7 +1143,7 @@ def _tp_session(job: dict, conn) -> None:
                            quantization=job.get("quantization"), kv_cache_dtype=job.get("kv_cache_dtype", "auto"),
                            **({} if cuda else {"device": "cpu", "num_pages": 2000, "page_size": 16}))
         eng = Engine(job["path"], cfg)
-        out: dict = {"runs": []}
+        out: dict = {"runs": [], "floor_rates": rates}
         try:
             # Warm-up outside the timed runs. With LoRA, one request per weight set of the population: every
             # rank draws each set once (on the CPU, seconds per set for the large shapes), which would
@@ -1228,6 +1234,7 @@ def run_tp(args) -> int:
                 save()
                 continue
             summary.setdefault("engine_start_s", out["engine_start_s"])
+            results.setdefault("floor_rates", out["floor_rates"])  # measured by the first session
             for res in out["runs"]:
                 results["runs"].append(res)
                 if res["mix"] is None:

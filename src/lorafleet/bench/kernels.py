@@ -21,7 +21,7 @@ three ways:
 
 Every case is first checked against an fp64 reference (ours must match; a peer that does not is
 marked wrong). The memory floor counts each distinct adapter's A and B once, x once and y read and
-written, at 4.2 TB/s (the H200's measured copy bandwidth).
+written, at the card's measured copy bandwidth (bench/rates.py).
 
     lorafleet bench kernels [--out bench_kernels.json] [--plot bench_kernels.png] [--quick]
 """
@@ -43,7 +43,6 @@ from typing import Callable
 
 WORKLOADS = ("distinct", "uniform", "skewed", "identical")
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-BANDWIDTH = 4.2e12  # bytes/s
 HEADLINE = "h4096_r16"
 IMPLS = ("cuda", "cuda_fused", "cuda_2launch", "loop", "gather_bmm", "grouped_mm")
 
@@ -253,12 +252,13 @@ def footprint(n_distinct: int, batch: int, shape: Shape, elem: int = 2) -> int:
     return (n_distinct * shape.rank * (shape.in_dim + shape.out_dim) + batch * (shape.in_dim + 2 * shape.out_dim)) * elem
 
 
-def floor_us(n_distinct: int, batch: int, shape: Shape) -> float:
-    return footprint(n_distinct, batch, shape) / BANDWIDTH * 1e6
+def floor_us(n_distinct: int, batch: int, shape: Shape, bandwidth: float) -> float:
+    """The call's bytes (footprint) at `bandwidth` bytes/s, in us."""
+    return footprint(n_distinct, batch, shape) / bandwidth * 1e6
 
 
 def run_shape(shape: Shape, batches, workloads, impls_wanted, slots: int, cold_reps: int, timer: Timer,
-              log) -> list[dict]:
+              bandwidth: float, log) -> list[dict]:
     import numpy as np
     import torch
 
@@ -299,7 +299,7 @@ def run_shape(shape: Shape, batches, workloads, impls_wanted, slots: int, cold_r
                 ))
             rec = {"shape": shape.name, "in": shape.in_dim, "out": shape.out_dim, "rank": shape.rank,
                    "dtype": "bf16", "workload": workload, "batch": batch, "distinct_adapters": n_distinct,
-                   "calls_per_graph": rotations, "floor_us": floor_us(n_distinct, batch, shape), "us": {},
+                   "calls_per_graph": rotations, "floor_us": floor_us(n_distinct, batch, shape, bandwidth), "us": {},
                    "rel_err": {}}
             c0 = cases[0]
             want = _reference(c0, pool_a, pool_b, shape.rank)
@@ -487,14 +487,14 @@ def headline(results: list[dict], card: str, date: str) -> dict:
             "graph_us": graph_us}
 
 
-def table(results: list[dict], shape_name: str) -> str:
+def table(results: list[dict], shape_name: str, bandwidth: float) -> str:
     rows = [r for r in results if r["shape"] == shape_name]
     if not rows:
         return ""
     extra = sorted({n for r in rows for n in r["us"]} - set(IMPLS))
     names = [n for n in IMPLS if any(n in r["us"] for r in rows)] + extra
     head = (f"{shape_name}: us per call. graph = steady state in a CUDA graph (cold weights); cold = one replay "
-            "after an L2 flush; floor = bytes / 4.2 TB/s; ! = wrong result")
+            f"after an L2 flush; floor = bytes / {bandwidth / 1e12:.2f} TB/s; ! = wrong result")
     cols = "workload  batch  floor   cuda graph  cold eager" + "".join(f"{n + ' graph':>17}" for n in names[1:])
     lines = [head, cols]
     for r in rows:
@@ -577,6 +577,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from lorafleet.bench.rates import card_rates, describe
+
     if not torch.cuda.is_available():
         print("bench kernels needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -600,21 +602,23 @@ def run(args: argparse.Namespace) -> int:
         Path(args.out).write_text(json.dumps(doc, indent=1))
         print("\n" + prefill_table(pre) + f"\n\nwrote {args.out} ({doc['seconds']} s, {card})")
         return 0
+    rates = card_rates()
+    print(f"memory floor at {describe(rates)}", flush=True)
     results = []
     for shape in shapes:
-        results += run_shape(shape, batches, workloads, impls, args.slots, args.reps, timer,
+        results += run_shape(shape, batches, workloads, impls, args.slots, args.reps, timer, rates["bandwidth"],
                              log=lambda s: print(s, flush=True))
     doc = {"card": card, "date": date, "torch": torch.__version__, "cuda": torch.version.cuda,
-           "bandwidth_Bps": BANDWIDTH, "seconds": round(time.time() - t0, 1),
+           "bandwidth_Bps": rates["bandwidth"], "floor_rates": rates, "seconds": round(time.time() - t0, 1),
            "sgmv": headline(results, card, date), "cases": results}
     Path(args.out).write_text(json.dumps(doc, indent=1))
     plotted = bool(args.plot) and plot(results, args.plot, card)
     print()
     for shape in shapes:
         if shape.name != HEADLINE:
-            print(table(results, shape.name))
+            print(table(results, shape.name, rates["bandwidth"]))
             print()
-    print(table(results, HEADLINE) if any(s.name == HEADLINE for s in shapes) else "")
+    print(table(results, HEADLINE, rates["bandwidth"]) if any(s.name == HEADLINE for s in shapes) else "")
     print(f"\nwrote {args.out}" + (f" and {args.plot}" if plotted else "") + f" ({doc['seconds']} s, {card})")
     return 0
 
