@@ -9,7 +9,9 @@ File format, one key per line:
     KEY  max_concurrent=16   # at most 16 sequences of this key's requests in flight at once (else 429)
     KEY  priority=5          # its requests queue behind those of priority < 5 (a request may ask for a larger value)
 
-Blank lines and `#` comments are ignored (so a key cannot hold `#` or whitespace). Clients send `Authorization: Bearer KEY`. A
+Blank lines and `#` comments are ignored (so a key cannot hold `#` or whitespace). A key holds no quote, brace or
+bracket, is not `-` and does not end in `:`, so a YAML or JSON file given by mistake is refused, not read as keys
+nobody meant. Clients send `Authorization: Bearer KEY`. A
 missing or wrong key is a 401; a model the key may not use answers 404 exactly like a model
 that does not exist (its existence is not revealed), and `/v1/models` lists only what the
 key may use. The file is re-read when it changes (checked at most every `reload_s`); a file
@@ -98,6 +100,9 @@ def cache_salt(grant_salt: str | None, request_salt: str | None) -> str | None:
     return _salt("request", data)
 
 
+NOT_IN_A_KEY = frozenset("\"'{}[]")  # (with a key of `-` or one ending in `:`: a YAML or JSON file)
+
+
 def parse_keys(text: str, salt_per_key: bool = False) -> dict[bytes, Grant]:
     """sha256(key) -> Grant; ApiKeyFileError for a malformed line or a repeated key. `salt_per_key`: a key
     without a `cache_group` gets a cache salt of its own."""
@@ -107,6 +112,9 @@ def parse_keys(text: str, salt_per_key: bool = False) -> dict[bytes, Grant]:
         if not line:
             continue
         fields = line.split()
+        if fields[0] == "-" or fields[0].endswith(":") or NOT_IN_A_KEY.intersection(fields[0]):
+            raise ApiKeyFileError(f"line {n}: this looks like YAML or JSON, not a key; the file holds one key per "
+                                  "line: `KEY [model,model,...] [option=value ...]`")
         options = dict(f.split("=", 1) for f in fields[1:] if "=" in f)
         rest = [f for f in fields[1:] if "=" not in f]
         if len(rest) > 1 or len(options) != len(fields) - 1 - len(rest):

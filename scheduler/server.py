@@ -565,28 +565,36 @@ def create_app(service: SchedulerService) -> web.Application:
     return app
 
 
-def model_limits(model_dir: Path) -> int:
+def model_config(model_dir: Path) -> dict:
+    """The model directory's config.json ({} without one); StartupError for one that is not a readable JSON object
+    (the context length and the model's name would silently be guessed)."""
     cfg = model_dir / "config.json"
-    if cfg.is_file():
-        try:
-            return int(json.loads(cfg.read_text()).get("max_position_embeddings", 4096))
-        except (json.JSONDecodeError, ValueError):
-            pass
-    return 4096
+    if not cfg.is_file():
+        return {}
+    try:
+        data = json.loads(cfg.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise StartupError(f"{cfg} is not readable JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise StartupError(f"{cfg} must hold a JSON object, found {type(data).__name__}")
+    return data
+
+
+def model_limits(model_dir: Path) -> int:
+    """The context length: config.json's max_position_embeddings (4096 without it)."""
+    n = model_config(model_dir).get("max_position_embeddings", 4096)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise StartupError(f"{model_dir / 'config.json'}: max_position_embeddings must be a positive whole number, "
+                           f"found {n!r}")
+    return n
 
 
 def model_display_name(model_dir: Path) -> str:
     """The base model's API name: config.json's `_name_or_path` (last part), else the folder name (for a
     Hugging Face cache snapshot, `.../models--ORG--NAME/snapshots/HASH`, NAME rather than the hash)."""
-    cfg = model_dir / "config.json"
-    if cfg.is_file():
-        try:
-            data = json.loads(cfg.read_text())
-            name = data.get("_name_or_path") if isinstance(data, dict) else None
-            if isinstance(name, str) and name.strip("/"):
-                return name.rstrip("/").rsplit("/", 1)[-1]
-        except json.JSONDecodeError:
-            pass
+    name = model_config(model_dir).get("_name_or_path")
+    if isinstance(name, str) and name.strip("/"):
+        return name.rstrip("/").rsplit("/", 1)[-1]
     if model_dir.is_file():
         return model_dir.stem
     parts = model_dir.resolve().parts

@@ -67,8 +67,9 @@ class EngineClient:
         self._stopping = False
 
     # -- lifecycle -----------------------------------------------------------------------------
-    async def start(self) -> None:
-        """Spawn the core and wait until it has loaded the model (or failed: then `error` is set)."""
+    async def start(self) -> bool:
+        """Spawn the core and wait until it has loaded the model: True, or False if the core exited first (then
+        `error` says why, and the caller reports it)."""
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self.proc = await asyncio.create_subprocess_exec(
@@ -85,6 +86,7 @@ class EngineClient:
                            return_when=asyncio.FIRST_COMPLETED)
         if not self._ready.is_set():
             await self._exited.wait()
+        return self._ready.is_set()
 
     async def stop(self, timeout: float = 10.0) -> None:
         """Ask the core to exit; kill it if it does not within `timeout`. Always reaps it."""
@@ -151,7 +153,8 @@ class EngineClient:
                     log.info("engine core (pid %s) ready", self.pid)
                 elif kind == "fatal":
                     self.error = str(msg[1])
-                    log.error("engine core: %s", self.error)
+                    if self._ready.is_set():  # before ready, start()'s caller reports it
+                        log.error("engine core: %s", self.error)
         except ChannelClosed:
             pass
         except Exception as exc:  # a malformed message: treat the core as broken
@@ -190,7 +193,8 @@ class EngineClient:
         if not (self._stopping and code == 0):
             reason = describe_exit(code)
             self.error = f"{self.error} ({reason})" if self.error else reason
-            log.error("%s; the runner is unhealthy", self.error)
+            if self._ready.is_set():
+                log.error("%s; the runner is unhealthy", self.error)
         else:
             self.error = self.error or "engine core stopped"
         self.abort_all(self.error)

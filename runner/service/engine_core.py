@@ -10,8 +10,9 @@ when a request's first token or its end is reported).
 Idle, it blocks on the channel.
 
 Failure: an exception in a step sends ["fatal", reason] and exits with status 3; a failed
-model load sends ["fatal", ...] and exits with status 2. The front then reports the runner
-unhealthy with that reason and ends every in-flight request. The core exits when the channel
+model load sends ["fatal", ...] and exits with status 2. After a step failure the front reports
+the runner unhealthy with that reason and ends every in-flight request; after a failed load
+`lorafleet runner` logs the reason and exits. The core exits when the channel
 closes (the front died) and, on Linux, is killed by the kernel if the front process dies
 (PR_SET_PDEATHSIG); Ctrl-C in a terminal is left to the front, which shuts the core down in
 order.
@@ -185,9 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         engine = build_engine(init[1]["model"], init[1].get("config") or {})
     except Exception as exc:
-        if isinstance(exc, ModelError):  # a model or checkpoint we refuse: its message says why, no traceback
-            log.error("model load failed: %s", exc)
-        else:
+        if not isinstance(exc, ModelError):  # a model or checkpoint we refuse: the front logs its message, once
             log.exception("model load failed")
         ch.send(["fatal", f"model load failed: {type(exc).__name__}: {exc}"])
         return 2

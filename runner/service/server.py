@@ -13,7 +13,10 @@ The front never imports torch.
 With LORAFLEET_RUNNER_TOKEN set, every route except GET /healthz, /readyz and /metrics needs
 `Authorization: Bearer <token>`. An engine core that dies (a failed step, SIGKILL, any exit)
 makes /healthz answer 500 with the reason and ends every in-flight request with
-finish_reason "aborted", which the scheduler re-places on another runner.
+finish_reason "aborted", which the scheduler re-places on another runner. An engine that
+cannot be built at start (a missing or unsupported model, unreadable weights) is different:
+`lorafleet runner` logs the reason, answers /healthz and /readyz with it for
+START_FAILURE_LINGER_S, then exits with status 2.
 """
 
 from __future__ import annotations
@@ -162,15 +165,26 @@ class StateCollector:
 
 
 VALIDATIONS_AT_ONCE = 2
+START_FAILURE_LINGER_S = 2.0  # an engine that could not start: its reason stays readable on /readyz this long
+START_FAILURE_STATUS = 2  # the exit status then (as for a model the command refuses)
+
+
+def _graceful_exit() -> None:
+    raise web.GracefulExit()  # as run_app's SIGTERM handler: stops the app, runs on_shutdown
 
 
 class RunnerService:
     """The front: streams, submits and cancels to the engine core; health from the core's fate."""
 
-    def __init__(self, engine: EngineClient, runner_id: str, grace_seconds: float = 30.0):
+    def __init__(self, engine: EngineClient, runner_id: str, grace_seconds: float = 30.0,
+                 exit_on_start_failure: bool = False):
+        """`exit_on_start_failure`: when the engine core exits before it is ready, stop the app (after
+        START_FAILURE_LINGER_S) and leave `exit_status` set, instead of answering unhealthy until stopped."""
         self.engine = engine
         self.id = runner_id
         self.grace_seconds = grace_seconds
+        self.exit_on_start_failure = exit_on_start_failure
+        self.exit_status = 0
         self.draining = False
         self.tokens_out = 0
         self.finished: dict[str, int] = {}
@@ -192,13 +206,26 @@ class RunnerService:
 
     async def _start_engine(self) -> None:
         try:
-            await self.engine.start()
+            started = await self.engine.start()
         except Exception as exc:
-            log.exception("engine core did not start")
+            log.debug("engine core did not start", exc_info=True)
             self.engine.error = f"engine core did not start: {type(exc).__name__}: {exc}"
+            started = False
+        if started:  # what happens to the core from now on is reported on /healthz, never an exit
+            if self.engine.ready:
+                log.info("runner %s ready (engine core pid %s)", self.id, self.engine.pid)
             return
-        if self.engine.ready:
-            log.info("runner %s ready (engine core pid %s)", self.id, self.engine.pid)
+        if self.draining:  # stopped while loading
+            return
+        if not self.exit_on_start_failure:
+            log.error("runner %s could not start: %s", self.id, self.engine.error)
+            return
+        self.exit_status = START_FAILURE_STATUS
+        log.error("runner %s could not start: %s; exiting with status %d", self.id, self.engine.error,
+                  self.exit_status)
+        await asyncio.sleep(START_FAILURE_LINGER_S)
+        if not self.draining:
+            asyncio.get_running_loop().call_soon(_graceful_exit)
 
     async def stop(self, app: web.Application) -> None:
         """SIGTERM / Ctrl-C: stop taking work, let in-flight requests finish (up to the grace time),
@@ -501,7 +528,7 @@ def service_from_args(args: argparse.Namespace, model: str, port: int | None = N
     """`port`: the port actually bound (differs from args.port when that is 0), for the default runner id."""
     runner_id = args.id or env.runner_id() or f"{socket.gethostname()}:{args.port if port is None else port}"
     client = EngineClient(model, engine_config_dict(args), log_level=str(args.log_level))
-    return RunnerService(client, runner_id, args.grace_seconds)
+    return RunnerService(client, runner_id, args.grace_seconds, exit_on_start_failure=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -524,4 +551,4 @@ def run(args: argparse.Namespace) -> int:
     log.info("runner %s listening on %s:%d (pid %d)", service.id, args.host, sock.getsockname()[1], os.getpid())
     web.run_app(app, sock=sock, print=None, handle_signals=True, access_log=None,
                 shutdown_timeout=args.grace_seconds + 5)
-    return 0
+    return service.exit_status

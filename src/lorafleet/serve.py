@@ -256,6 +256,7 @@ def run(args: argparse.Namespace) -> int:
     from lorafleet.scheduler.registry import AdapterRegistry
     from lorafleet.scheduler.server import (
         SchedulerService,
+        StartupError,
         create_app,
         load_api_keys,
         model_display_name,
@@ -297,7 +298,12 @@ def run(args: argparse.Namespace) -> int:
         log.error("the API needs the model's tokenizer: %s (`lorafleet generate` runs token-id prompts without one)",
                   exc)
         return 2
-    model_name = args.model_name or model_display_name(tok_dir if model_path.is_dir() else model_path)
+    try:  # a config.json that cannot be read would leave the name and the context length guessed
+        model_name = args.model_name or model_display_name(tok_dir if model_path.is_dir() else model_path)
+        max_model_len = model_limits(tok_dir)
+    except StartupError as exc:
+        log.error("%s", exc)
+        return 2
     if model_name in registry:
         log.error("the adapter folder %r has the base model's name, so requests could not reach it: rename the "
                   "folder or give the base model another name (--model-name)", model_name)
@@ -322,7 +328,6 @@ def run(args: argparse.Namespace) -> int:
         supervisor = Supervisor(runners)
         supervisor.start()
         directory = RunnerDirectory([RunnerEndpoint(r.rid, r.url) for r in runners])
-        max_model_len = model_limits(tok_dir)
         service = SchedulerService(
             tokenizer, model_name, registry, directory, limits=limits.from_args(args, max_model_len), api_keys=api_keys,
             admin_token=env.admin_token(), grace_seconds=args.grace_seconds, placement=args.placement,
