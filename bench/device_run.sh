@@ -17,6 +17,8 @@
 #            families' engines and with FP8 pages against flashinfer's decode (DTESTS_K: -k)
 #   dprobe   bench/probe_decode_attn.py: that kernel against flashinfer's decode, bf16 and e4m3 pages, 7B and 70B
 #            shapes, beside the K/V bytes -> probe_decode_attn.json (DPROBE_ARGS)
+#   dncu     Nsight Compute on that kernel (bench/ncu_decode_attn.py; DNCU_ARGS: --cases ...): throughput, stall
+#            reasons, occupancy per case -> ncu_decode_attn.txt
 #   samptests log-probabilities, prompt log-probabilities, penalties, logit_bias, min_tokens on the CUDA engine
 #            (tests/gpu/test_sampling_cuda.py)
 #   branch   bench e2e bf16 distinct + identical (+ LoRA off, profiled) for each LORAFLEET_LORA_BRANCH value
@@ -248,6 +250,12 @@ stage() {
     dprobe)
       timeout ${PROBE_S:-240} python3 bench/probe_decode_attn.py ${DPROBE_ARGS:-} \
         --out "$OUT/probe_decode_attn${TAG:+_$TAG}.json" 2>&1 | tee "$LOGS/probe_decode_attn.log" | tail -18 ;;
+    dncu)
+      timeout ${PROBE_S:-300} ncu --clock-control none --kernel-name regex:decode_attention --section SpeedOfLight \
+        --section WarpStateStats --section Occupancy --section MemoryWorkloadAnalysis --section LaunchStats \
+        --section SchedulerStats python3 bench/ncu_decode_attn.py ${DNCU_ARGS:-} > "$OUT/ncu_decode_attn.txt" 2>&1
+      grep -E "^ +(Memory Throughput|DRAM Throughput|Duration|Achieved Occupancy|Registers Per Thread|Warp Cycles Per \
+Issued Instruction|One or More Eligible)|batch .* context" "$OUT/ncu_decode_attn.txt" | tail -40 ;;
     loraprobe)
       timeout ${PROBE_S:-240} python3 bench/probe_lora.py --out "$OUT/probe_lora.json" 2>&1 \
         | tee "$LOGS/probe_lora.log" | tail -8 ;;
