@@ -110,8 +110,17 @@ def prepare(out: Path | None = None, force: bool = False) -> Path:
     return out
 
 
+def output_dir(value: str) -> Path:
+    """--out: a directory, existing or to be made; a path that is a file, or lies under one, is refused."""
+    path = Path(value)
+    file = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+    if file is not None:
+        raise argparse.ArgumentTypeError(f"the output must be a directory, and {file} is a file")
+    return path
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", type=Path, default=None, help=f"output directory (default: {default_dir()})")
+    p.add_argument("--out", type=output_dir, default=None, help=f"output directory (default: {default_dir()})")
     p.add_argument("--force", action="store_true", help="rewrite files that already exist")
 
 

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
+from lorafleet.common.cli_args import non_negative_float, non_negative_int, positive_float, positive_int
 from lorafleet.scheduler.placement import POLICIES, RunnerView, busiest_fit, kv_need
 from lorafleet.scheduler.prefix_index import MAX_PAGES, PrefixIndex
 
@@ -476,13 +477,13 @@ def plot(results: list[dict], trace: list[Req], path: Path) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--gpus", type=int, default=16, help="simulated GPUs in the cluster, one runner each")
-    p.add_argument("--duration", type=float, default=3600.0, help="trace length in seconds")
-    p.add_argument("--peak-rps", type=float, default=30.0, help="arrival rate at the busiest moment")
-    p.add_argument("--adapters", type=int, default=1000, help="adapter population (Zipf-1.5 popularity)")
-    p.add_argument("--max-batch", type=int, default=32, help="max batch size of each simulated runner")
-    p.add_argument("--kv-tokens", type=int, default=48000, help="KV capacity of one GPU in tokens")
-    p.add_argument("--idle-window", type=float, default=60.0, help="seconds idle before a GPU is released")
+    p.add_argument("--gpus", type=positive_int, default=16, help="simulated GPUs in the cluster, one runner each")
+    p.add_argument("--duration", type=positive_float, default=3600.0, help="trace length in seconds")
+    p.add_argument("--peak-rps", type=positive_float, default=30.0, help="arrival rate at the busiest moment")
+    p.add_argument("--adapters", type=positive_int, default=1000, help="adapter population (Zipf-1.5 popularity)")
+    p.add_argument("--max-batch", type=positive_int, default=32, help="max batch size of each simulated runner")
+    p.add_argument("--kv-tokens", type=positive_int, default=48000, help="KV capacity of one GPU in tokens")
+    p.add_argument("--idle-window", type=non_negative_float, default=60.0, help="seconds idle before a GPU is released")
     p.add_argument("--step-model", type=Path, default=None,
                    help="JSON with decode_base_ms, decode_per_req_ms, prefill_per_token_ms (from bench e2e; "
                         f"default: {StepModel.decode_base_ms}, {StepModel.decode_per_req_ms}, "
@@ -494,10 +495,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"batch place); each may end in {NO_CACHE} (its runners keep no prefix cache)")
     p.add_argument("--workload", choices=["sharegpt", "chat"], default="sharegpt",
                    help="sharegpt: independent prompts; chat: per-adapter system prompts and multi-turn conversations")
-    p.add_argument("--system-prompt", type=int, default=1024, help="chat: system prompt tokens of every adapter")
-    p.add_argument("--turns", type=int, default=4, help="chat: turns per conversation")
-    p.add_argument("--think-time", type=float, default=15.0, help="chat: mean seconds between an answer and the next turn")
-    p.add_argument("--max-context", type=int, default=4096, help="chat: a conversation ends before it would overflow this")
+    p.add_argument("--system-prompt", type=non_negative_int, default=1024,
+                   help="chat: system prompt tokens of every adapter")
+    p.add_argument("--turns", type=positive_int, default=4, help="chat: turns per conversation")
+    p.add_argument("--think-time", type=non_negative_float, default=15.0,
+                   help="chat: mean seconds between an answer and the next turn")
+    p.add_argument("--max-context", type=positive_int, default=4096,
+                   help="chat: a conversation ends before it would overflow this")
     p.add_argument("--no-prefix-cache", action="store_true", help="runners keep no prefix cache")
     p.add_argument("--seed", type=int, default=0, help="seed of the trace: arrivals, lengths and adapters")
     p.add_argument("--out", type=Path, default=None, help="write full results as JSON (default: not written)")
@@ -522,6 +526,10 @@ def run(args: argparse.Namespace) -> int:
     results = []
     for pol in args.policies:
         trace = make_trace(args)  # fresh requests per policy (the same draws)
+        if not trace:
+            raise SystemExit("lorafleet simulate: error: the trace has no requests; lengthen --duration or raise "
+                             "--peak-rps" + (" (chat: a first turn must fit --max-context after --system-prompt)"
+                                             if args.workload == "chat" else ""))
         res = simulate(trace, pol, args.gpus, args.max_batch, args.kv_tokens, model, args.idle_window,
                        prefix_cache=not args.no_prefix_cache)
         results.append(res)

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from lorafleet.common import cli_args
+
 QUESTIONS = ["What is the capital of France?", "Why is the sky blue?", "Give me a tip for learning to cook.",
              "Tell me about the moon."]
 ADAPTERS = [None, "pirate", "shouty", "terse"]
@@ -26,10 +28,11 @@ def build_parser() -> argparse.ArgumentParser:
     from lorafleet.cli import DocHelpFormatter
 
     p = argparse.ArgumentParser(prog="lorafleet bench cpu", description=__doc__, formatter_class=DocHelpFormatter)
-    p.add_argument("--requests", type=int, default=16,
+    p.add_argument("--requests", type=cli_args.positive_int, default=16,
                    help="chat requests, taking turns over the base model and the three demo adapters")
-    p.add_argument("--max-tokens", type=int, default=64, help="new tokens of every request (EOS ignored)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--max-tokens", type=cli_args.positive_int, default=64,
+                   help="new tokens of every request (EOS ignored)")
+    p.add_argument("--threads", type=cli_args.positive_int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON (default: not written)")
     return p
 

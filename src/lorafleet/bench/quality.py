@@ -19,8 +19,14 @@ import time
 from datetime import date
 from pathlib import Path
 
+from lorafleet.common import cli_args
+
 PRECISIONS = {"model": {}, "fp8": {"quantization": "fp8"}, "fp8_kv8": {"quantization": "fp8", "kv_cache_dtype": "fp8"}}
 DEFAULT_TEXT = Path(__file__).resolve().parent / "declaration.txt"
+
+
+class QualityInputError(ValueError):
+    """Input the benchmark cannot score (a text too short, one that is not UTF-8)."""
 
 
 def window_logits(engine, ids: list[int], adapter=None):
@@ -87,6 +93,8 @@ def run(model: str, text: str, adapters: dict, device: str, window: int, precisi
     from lorafleet.scheduler.tokenizer import Tokenizer
 
     ids = Tokenizer(model).encode(text)
+    if len(ids) < 2:
+        raise QualityInputError(f"the text to score is {len(ids)} token(s) long; perplexity needs at least 2")
     res: dict = {"model": model, "tokens": len(ids), "window": window, "device": device, "dtype": dtype, "precisions": {}}
     firsts = {}
     for name in precisions:
@@ -129,14 +137,15 @@ def build_parser() -> argparse.ArgumentParser:
     from lorafleet.cli import DocHelpFormatter
 
     p = argparse.ArgumentParser(prog="lorafleet bench quality", description=__doc__, formatter_class=DocHelpFormatter)
-    p.add_argument("--model", default=None, help="HF model directory (default: the demo model, prepared on first use)")
-    p.add_argument("--adapters", type=Path, default=None,
+    p.add_argument("--model", type=cli_args.model_dir("config.json", "tokenizer.json"), default=None,
+                   help="HF model directory, with its tokenizer.json (default: the demo model, prepared on first use)")
+    p.add_argument("--adapters", type=cli_args.existing_dir, default=None,
                    help="a directory of PEFT adapters to score too (default: the demo adapters with the demo model)")
-    p.add_argument("--text", type=Path, default=DEFAULT_TEXT, help="the text to score (default: bench/declaration.txt, shipped with the package)")
+    p.add_argument("--text", type=cli_args.existing_file, default=DEFAULT_TEXT, help="the text to score (default: bench/declaration.txt, shipped with the package)")
     p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu or cuda")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="the engine's dtype in every precision (default: auto, bfloat16 on a GPU, float32 on the CPU)")
-    p.add_argument("--window", type=int, default=1024, help="tokens scored per prefill")
+    p.add_argument("--window", type=cli_args.positive_int, default=1024, help="tokens scored per prefill")
     p.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=list(PRECISIONS),
                    help="precisions to score; the first is the reference")
     p.add_argument("--out", type=Path, default=Path("quality.json"), help="results as JSON")
@@ -153,8 +162,16 @@ def main(argv: list[str] | None = None) -> int:
         model, args.adapters = str(d / "model"), args.adapters or d / "adapters"
     if args.adapters:
         adapters = {a.name: a for a in sorted(Path(args.adapters).iterdir()) if (a / "adapter_config.json").is_file()}
-    res = run(model, args.text.read_text(), adapters, args.device, args.window, args.precisions,
-              lambda m: print(m, file=sys.stderr, flush=True), args.dtype)
+    try:
+        try:
+            text = args.text.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise QualityInputError(f"{args.text} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        res = run(model, text, adapters, args.device, args.window, args.precisions,
+                  lambda m: print(m, file=sys.stderr, flush=True), args.dtype)
+    except QualityInputError as exc:
+        print(f"lorafleet bench quality: error: {exc}", file=sys.stderr)
+        return 2
     try:
         import torch
 

@@ -19,12 +19,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import tempfile
 import time
 from pathlib import Path
 
 from lorafleet.bench import procs
 from lorafleet.bench.load import LoadRequest, run_load, summary
+from lorafleet.common import cli_args
 
 
 def default_model() -> Path:
@@ -34,7 +36,9 @@ def default_model() -> Path:
 
 
 def measure(args: argparse.Namespace, model: Path, step_ms: float, log) -> dict:
+    """One run at `step_ms`; its processes' logs are kept in a temporary folder only where the run fails."""
     tmp = Path(tempfile.mkdtemp(prefix="lorafleet-relay-"))
+    ok = False
     fake = procs.start(["lorafleet.bench.fake_runner", "--runners", str(args.runners), "--max-batch",
                         str(args.max_batch), "--step-ms", str(step_ms), "--port-file", str(tmp / "ports.json")],
                        log=tmp / "fake.log")
@@ -70,25 +74,32 @@ def measure(args: argparse.Namespace, model: Path, step_ms: float, log) -> dict:
             f"{s['failed']} failed)")
         if s["failed"]:
             out["errors"] = s.get("errors")
+        ok = not s["failed"]
         return out
     finally:
         if sched is not None:
             procs.stop(sched, 30)
         procs.stop(fake, 10)
+        if ok:
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            log(f"the processes' logs are in {tmp}")
 
 
 def build_parser() -> argparse.ArgumentParser:
     from lorafleet.cli import DocHelpFormatter
 
     p = argparse.ArgumentParser(prog="lorafleet bench relay", description=__doc__, formatter_class=DocHelpFormatter)
-    p.add_argument("--model", type=Path, default=None, help="tokenizer directory (default: the demo model)")
-    p.add_argument("--streams", type=int, default=256, help="concurrent streaming clients")
-    p.add_argument("--requests", type=int, default=1024, help="requests in all")
-    p.add_argument("--tokens", type=int, default=200, help="completion tokens per request")
-    p.add_argument("--prompt-tokens", type=int, default=16, help="prompt length of every request, in tokens")
-    p.add_argument("--runners", type=int, default=4, help="fake runners")
-    p.add_argument("--max-batch", type=int, default=64, help="max batch of each fake runner")
-    p.add_argument("--step-ms", type=float, nargs="+", default=[0.0, 20.0],
+    p.add_argument("--model", type=cli_args.model_dir("tokenizer.json"), default=None,
+                   help="tokenizer directory (default: the demo model)")
+    p.add_argument("--streams", type=cli_args.positive_int, default=256, help="concurrent streaming clients")
+    p.add_argument("--requests", type=cli_args.positive_int, default=1024, help="requests in all")
+    p.add_argument("--tokens", type=cli_args.positive_int, default=200, help="completion tokens per request")
+    p.add_argument("--prompt-tokens", type=cli_args.positive_int, default=16,
+                   help="prompt length of every request, in tokens")
+    p.add_argument("--runners", type=cli_args.positive_int, default=4, help="fake runners")
+    p.add_argument("--max-batch", type=cli_args.positive_int, default=64, help="max batch of each fake runner")
+    p.add_argument("--step-ms", type=cli_args.non_negative_float, nargs="+", default=[0.0, 20.0],
                    help="fake runner step times to measure (0: unpaced, the scheduler saturated)")
     p.add_argument("--out", type=Path, default=Path("bench_relay.json"), help="results as JSON")
     p.add_argument("--profile", type=Path, default=None, help="run the scheduler under cProfile; write PATH.stepN (default: no profile)")

@@ -326,8 +326,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("server")
     s.add_argument("--url", default=None, help="target a running scheduler instead of starting `lorafleet serve` "
                    "(env LORAFLEET_ADMIN_TOKEN, if set, is used to read GPUs busy)")
-    s.add_argument("--model", type=Path, default=None, help="model directory (default: the demo model)")
-    s.add_argument("--tokenizer-from", type=Path, default=None, metavar="DIR",
+    s.add_argument("--model", type=cli_args.model_dir("config.json", "tokenizer.json"), default=None,
+                   help="model directory, with its tokenizer.json (default: the demo model)")
+    s.add_argument("--tokenizer-from", type=cli_args.model_dir("tokenizer.json"), default=None, metavar="DIR",
                    help="with --synthetic-model: copy the tokenizer files from DIR (default: the demo model's)")
     s.add_argument("--synthetic-model", choices=["7b"], default=None,
                    help="use a Llama-2-7B-shape model with random weights made on the runner's device")

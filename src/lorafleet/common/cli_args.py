@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import re
+from collections.abc import Callable
+from pathlib import Path
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 MAX_LORA_RANK = 128  # the CUDA kernels' largest rank (csrc/sgmv.h kMaxRank); the CPU path keeps the same bound
@@ -43,6 +45,25 @@ def positive_int(value: str) -> int:
     return n
 
 
+def non_negative_int(value: str) -> int:
+    """An integer of at least 0 (a token count where 0 means none)."""
+    n = _integer(value)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0 (got {n})")
+    return n
+
+
+def non_negative_float(value: str) -> float:
+    """A finite number of at least 0 (a time in seconds where 0 means at once)."""
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
+    if not 0 <= x < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of at least 0 (got {value})")
+    return x
+
+
 def positive_float(value: str) -> float:
     """A finite number above 0 (a size in GiB)."""
     try:
@@ -68,3 +89,36 @@ def port(value: str) -> int:
     if not 0 <= n <= 65535:
         raise argparse.ArgumentTypeError(f"a port is between 0 and 65535 (got {n})")
     return n
+
+
+def existing_file(value: str) -> Path:
+    """A path that names an existing regular file."""
+    path = Path(value)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"{value} {'is not a file' if path.exists() else 'does not exist'}")
+    return path
+
+
+def existing_dir(value: str) -> Path:
+    """A path that names an existing directory."""
+    path = Path(value)
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{value} {'is not a directory' if path.exists() else 'does not exist'}")
+    return path
+
+
+def model_dir(*files: str) -> Callable[[str], str]:
+    """The type of an option naming a model directory that must hold each of `files` (e.g. "config.json",
+    "tokenizer.json"): a path that is not a directory, or a directory without one of them, is refused in one
+    line naming the directory and what it lacks. The value is returned as given."""
+
+    def check(value: str) -> str:
+        path = Path(value)
+        if not path.is_dir():
+            raise argparse.ArgumentTypeError(f"{value} {'is not a directory' if path.exists() else 'does not exist'}")
+        missing = [f for f in files if not (path / f).is_file()]
+        if missing:
+            raise argparse.ArgumentTypeError(f"model directory {value} has no {' and no '.join(missing)}")
+        return value
+
+    return check

@@ -1,0 +1,157 @@
+"""Bad input on the command line is refused in one line, before anything loads: a model directory that is missing
+or lacks its tokenizer, a zero window, count or rate, an output path that is a file. None of them may end in a
+traceback, a division by zero or a table of zeros."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from lorafleet import cli
+from lorafleet.common import cli_args
+
+
+def refused(argv: list[str], capsys) -> str:
+    """The one error line `lorafleet ARGV` prints, after checking it exits with status 2 and no traceback."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "Traceback" not in err, err
+    return next(line for line in err.splitlines() if ": error: " in line)
+
+
+@pytest.fixture
+def no_tokenizer(tmp_path):
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    return d
+
+
+@pytest.mark.parametrize("bench", ["quality", "serve", "relay"])
+def test_a_model_directory_without_its_tokenizer_is_named_with_what_it_lacks(bench, no_tokenizer, capsys):
+    line = refused(["bench", bench, "--model", str(no_tokenizer)], capsys)
+    assert f"lorafleet bench {bench}: error: argument --model: model directory {no_tokenizer} has no tokenizer.json" \
+        == line
+
+
+@pytest.mark.parametrize("bench", ["quality", "serve", "relay"])
+def test_a_model_path_that_does_not_exist_is_refused(bench, tmp_path, capsys):
+    missing = tmp_path / "nowhere"
+    line = refused(["bench", bench, "--model", str(missing)], capsys)
+    assert line.endswith(f"argument --model: {missing} does not exist")
+
+
+def test_a_model_path_that_is_a_file_is_refused(tmp_path, capsys):
+    f = tmp_path / "model.txt"
+    f.write_text("x")
+    assert refused(["bench", "quality", "--model", str(f)], capsys).endswith(f"{f} is not a directory")
+
+
+def test_quality_and_serve_need_the_config_too(tmp_path, capsys):
+    d = tmp_path / "tok-only"
+    d.mkdir()
+    (d / "tokenizer.json").write_text("{}")
+    for bench in ("quality", "serve"):
+        assert refused(["bench", bench, "--model", str(d)], capsys).endswith(f"{d} has no config.json")
+
+
+def test_serve_refuses_a_tokenizer_source_that_does_not_exist(tmp_path, capsys):
+    missing = tmp_path / "nowhere"
+    line = refused(["bench", "serve", "--synthetic-model", "7b", "--tokenizer-from", str(missing)], capsys)
+    assert line.endswith(f"argument --tokenizer-from: {missing} does not exist")
+
+
+@pytest.mark.parametrize("argv, flag, got", [
+    (["bench", "quality", "--window", "0"], "--window", "0"),
+    (["bench", "quality", "--window", "-4"], "--window", "-4"),
+    (["bench", "cpu", "--requests", "0"], "--requests", "0"),
+    (["bench", "cpu", "--max-tokens", "0"], "--max-tokens", "0"),
+    (["bench", "cpu", "--threads", "-1"], "--threads", "-1"),
+    (["simulate", "--gpus", "0"], "--gpus", "0"),
+    (["simulate", "--adapters", "0"], "--adapters", "0"),
+    (["simulate", "--max-batch", "0"], "--max-batch", "0"),
+    (["simulate", "--kv-tokens", "0"], "--kv-tokens", "0"),
+    (["simulate", "--turns", "0"], "--turns", "0"),
+    (["simulate", "--max-context", "0"], "--max-context", "0"),
+])
+def test_zero_counts_are_refused_by_argparse(argv, flag, got, capsys):
+    assert refused(argv, capsys).endswith(f"argument {flag}: must be at least 1 (got {got})")
+
+
+@pytest.mark.parametrize("flag, value, says", [
+    ("--duration", "0", "above 0"), ("--peak-rps", "0", "above 0"), ("--duration", "nan", "above 0"),
+    ("--idle-window", "-1", "of at least 0"), ("--think-time", "-1", "of at least 0"),
+    ("--system-prompt", "-1", "at least 0"),
+])
+def test_simulate_refuses_rates_and_times_out_of_range(flag, value, says, capsys):
+    line = refused(["simulate", flag, value], capsys)
+    assert f"argument {flag}: must be" in line and says in line and f"(got {value})" in line
+
+
+@pytest.mark.parametrize("argv, hint", [
+    (["simulate", "--duration", "0.001", "--policies", "busiest"], "lengthen --duration or raise --peak-rps"),
+    (["simulate", "--workload", "chat", "--max-context", "100", "--duration", "30", "--policies", "busiest"],
+     "a first turn must fit --max-context after --system-prompt"),
+])
+def test_simulate_says_when_the_trace_has_no_requests(argv, hint, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert isinstance(exc.value.code, str) and "error: the trace has no requests" in exc.value.code, exc.value.code
+    assert hint in exc.value.code
+    assert "| busiest |" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("under", [False, True])
+def test_prepare_demo_refuses_an_output_that_is_a_file_and_keeps_it(under, tmp_path, capsys):
+    f = tmp_path / "notes.txt"
+    f.write_text("keep me")
+    out = f / "demo" if under else f
+    line = refused(["prepare-demo", "--out", str(out)], capsys)
+    assert line == f"lorafleet prepare-demo: error: argument --out: the output must be a directory, and {f} is a file"
+    assert f.read_text() == "keep me" and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+@pytest.mark.parametrize("fn, value, ok", [
+    (cli_args.non_negative_int, "0", 0), (cli_args.non_negative_int, "-1", None),
+    (cli_args.non_negative_int, "1.5", None), (cli_args.non_negative_float, "0", 0.0),
+    (cli_args.non_negative_float, "2.5", 2.5), (cli_args.non_negative_float, "-0.1", None),
+    (cli_args.non_negative_float, "inf", None), (cli_args.non_negative_float, "nan", None),
+])
+def test_non_negative_ranges(fn, value, ok):
+    if ok is None:
+        with pytest.raises(argparse.ArgumentTypeError):
+            fn(value)
+    else:
+        assert fn(value) == ok
+
+
+def test_model_dir_returns_a_directory_holding_every_file_as_given(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert cli_args.model_dir("config.json", "tokenizer.json")(str(tmp_path)) == str(tmp_path)
+    with pytest.raises(argparse.ArgumentTypeError, match="has no generation_config.json and no x.json"):
+        cli_args.model_dir("generation_config.json", "config.json", "x.json")(str(tmp_path))
+
+
+@pytest.mark.parametrize("flag, kind", [("--text", "does not exist"), ("--adapters", "does not exist")])
+def test_quality_refuses_a_text_or_adapter_folder_that_is_not_there(flag, kind, tmp_path, capsys):
+    line = refused(["bench", "quality", flag, str(tmp_path / "nope")], capsys)
+    assert line == f"lorafleet bench quality: error: argument {flag}: {tmp_path / 'nope'} {kind}"
+
+
+@pytest.mark.parametrize("content, says", [(b"", "0 token(s) long"), (b"\xff\xfe\x00bad", "is not UTF-8 text")])
+def test_quality_refuses_text_it_cannot_score_before_any_engine(content, says, demo_model, tmp_path, capsys):
+    text = tmp_path / "t.txt"
+    text.write_bytes(content)
+    out = tmp_path / "q.json"
+    assert cli.main(["bench", "quality", "--model", str(demo_model), "--text", str(text), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "lorafleet bench quality: error: " in err and says in err and "Traceback" not in err, err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("flag", ["--streams", "--requests", "--tokens", "--prompt-tokens", "--runners", "--max-batch"])
+def test_relay_counts_are_positive(flag, capsys):
+    assert refused(["bench", "relay", flag, "0"], capsys).endswith(f"argument {flag}: must be at least 1 (got 0)")
