@@ -1,6 +1,7 @@
 // decode_attention (see decode_attn.h): one CTA of 4 warps per (request, K/V head, worker). A lane holds DPL
 // dimensions of a token's K/V row (one 4- to 16-byte load each), LPT = D / DPL lanes make a token, a warp takes
-// TPW = 32 / LPT tokens per load and U such loads at once, so every lane has 2U loads in flight. The lane keeps the
+// TPW = 32 / LPT tokens per load and U such loads at once, so every lane has 2U loads in flight (the next pass's,
+// during this pass's math; their page ids were loaded a pass earlier still). The lane keeps the
 // G query heads' DPL dims of q and of the output in fp32 registers; DPL is chosen so that G * DPL <= 32 where the
 // head allows (the wider 16-byte loads where G is small).
 #include <cuda_bf16.h>
@@ -163,8 +164,21 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(const Dec
 #pragma unroll
       for (int i = 0; i < DPL; ++i) acc[j][i] = 0.f;
     }
-    // this lane's rows of the kUnroll tokens of the warp's pass at `base` (zeros past t1)
-    auto fetch = [&](int base, Ld (&kr)[kUnroll], Ld (&vr)[kUnroll], bool (&valid)[kUnroll]) {
+    // The page ids of this lane's kUnroll tokens of the warp's pass at `base`, as stored (0 past t1 or outside
+    // `indices`): loaded one pass before the K/V loads that need them, so that a pass waits for one load, not for an
+    // id and then the row it names.
+    auto locate = [&](int base, int32_t (&ids)[kUnroll]) {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int t = base + u * kWarps * TPW + slot;
+        const int pi = ps_pow2 ? t >> ps_shift : t / ps;
+        const int64_t at = static_cast<int64_t>(p0) + pi;
+        ids[u] = t < t1 && at >= 0 && at < p.num_indices ? p.indices[at] : 0;
+      }
+    };
+    // this lane's rows of the kUnroll tokens of the warp's pass at `base` (zeros past t1), from their page ids
+    auto fetch = [&](int base, const int32_t (&ids)[kUnroll], Ld (&kr)[kUnroll], Ld (&vr)[kUnroll],
+                     bool (&valid)[kUnroll]) {
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int t = base + u * kWarps * TPW + slot;
@@ -172,10 +186,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(const Dec
         kr[u] = Ld{};
         vr[u] = Ld{};
         if (valid[u]) {
-          const int pi = ps_pow2 ? t >> ps_shift : t / ps;
-          const int64_t at = static_cast<int64_t>(p0) + pi;
-          int64_t pg = at >= 0 && at < p.num_indices ? p.indices[at] : 0;
-          pg = pg < 0 ? 0 : (pg > last_page ? last_page : pg);
+          const int64_t pg = ids[u] < 0 ? 0 : (ids[u] > last_page ? last_page : ids[u]);
           const int64_t off = (pg * ps + (ps_pow2 ? t & (ps - 1) : t % ps)) * tok_stride;
           kr[u] = *reinterpret_cast<const Ld*>(kbase + off);
           vr[u] = *reinterpret_cast<const Ld*>(vbase + off);
@@ -185,9 +196,17 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(const Dec
     constexpr int kPass = kWarps * TPW * kUnroll;  // tokens of one pass of the CTA
     Ld kr[kUnroll], vr[kUnroll], kn[kUnroll], vn[kUnroll];
     bool valid[kUnroll], vnext[kUnroll];
-    if (t0 + warp * TPW < t1) fetch(t0 + warp * TPW, kr, vr, valid);
+    int32_t ids[kUnroll];  // the page ids of the pass after the one whose K/V loads are in flight
+    if (t0 + warp * TPW < t1) {
+      locate(t0 + warp * TPW, ids);
+      fetch(t0 + warp * TPW, ids, kr, vr, valid);
+      locate(t0 + warp * TPW + kPass, ids);
+    }
     for (int base = t0 + warp * TPW; base < t1; base += kPass) {
-      if (base + kPass < t1) fetch(base + kPass, kn, vn, vnext);  // the next pass's loads fly during this one's math
+      if (base + kPass < t1) {  // the next pass's loads fly during this one's math, the ids of the one after them
+        fetch(base + kPass, ids, kn, vn, vnext);
+        locate(base + 2 * kPass, ids);
+      }
       float s[kUnroll][G];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
