@@ -30,6 +30,8 @@ from lorafleet.common.channel import AsyncChannel, ChannelClosed
 
 log = logging.getLogger(__name__)
 
+FATAL_EXIT_S = 10.0  # a core that sent its fatal reason before ready and has not exited this long after: killed
+
 
 class Owner(Protocol):
     def deliver(self, entries: list[list]) -> None: ...
@@ -64,6 +66,7 @@ class EngineClient:
         self._reader: asyncio.Task | None = None
         self._ready = asyncio.Event()
         self._exited = asyncio.Event()
+        self._fatal = asyncio.Event()  # the core sent its fatal reason
         self._stopping = False
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -78,14 +81,26 @@ class EngineClient:
                 stdin=asyncio.subprocess.DEVNULL)
         finally:
             theirs.close()
-        self.chan = await AsyncChannel.open(mine)
-        self.chan.send(["init", {"model": self.model, "config": self.config}])
+        asyncio.create_task(self._watch())  # from now on _exited is set whenever the core exits
+        try:
+            self.chan = await AsyncChannel.open(mine)
+            self.chan.send(["init", {"model": self.model, "config": self.config}])
+        except BaseException:
+            self.proc.kill()  # it would wait for its init forever
+            raise
         self._reader = asyncio.create_task(self._read_loop())
-        asyncio.create_task(self._watch())
-        await asyncio.wait([asyncio.create_task(self._ready.wait()), asyncio.create_task(self._exited.wait())],
-                           return_when=asyncio.FIRST_COMPLETED)
-        if not self._ready.is_set():
-            await self._exited.wait()
+        waits = [asyncio.create_task(e.wait()) for e in (self._ready, self._exited, self._fatal)]
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for w in waits:
+            w.cancel()
+        if not self._ready.is_set():  # it exited, or said why it will: give it FATAL_EXIT_S to go, then make it
+            try:
+                await asyncio.wait_for(self._exited.wait(), FATAL_EXIT_S)
+            except asyncio.TimeoutError:
+                log.warning("engine core (pid %s) still running %.0fs after its fatal error; killing it", self.pid,
+                            FATAL_EXIT_S)
+                self.proc.kill()
+                await self._exited.wait()
         return self._ready.is_set()
 
     async def stop(self, timeout: float = 10.0) -> None:
@@ -153,6 +168,7 @@ class EngineClient:
                     log.info("engine core (pid %s) ready", self.pid)
                 elif kind == "fatal":
                     self.error = str(msg[1])
+                    self._fatal.set()
                     if self._ready.is_set():  # before ready, start()'s caller reports it
                         log.error("engine core: %s", self.error)
         except ChannelClosed:

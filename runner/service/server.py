@@ -205,10 +205,11 @@ class RunnerService:
         self._start_task = asyncio.create_task(self._start_engine())
 
     async def _start_engine(self) -> None:
+        failure = None  # an exception of the start itself (not the model's refusal): logged with its traceback
         try:
             started = await self.engine.start()
         except Exception as exc:
-            log.debug("engine core did not start", exc_info=True)
+            failure = exc
             self.engine.error = f"engine core did not start: {type(exc).__name__}: {exc}"
             started = False
         if started:  # what happens to the core from now on is reported on /healthz, never an exit
@@ -218,11 +219,11 @@ class RunnerService:
         if self.draining:  # stopped while loading
             return
         if not self.exit_on_start_failure:
-            log.error("runner %s could not start: %s", self.id, self.engine.error)
+            log.error("runner %s could not start: %s", self.id, self.engine.error, exc_info=failure)
             return
         self.exit_status = START_FAILURE_STATUS
         log.error("runner %s could not start: %s; exiting with status %d", self.id, self.engine.error,
-                  self.exit_status)
+                  self.exit_status, exc_info=failure)
         await asyncio.sleep(START_FAILURE_LINGER_S)
         if not self.draining:
             asyncio.get_running_loop().call_soon(_graceful_exit)

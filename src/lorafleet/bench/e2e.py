@@ -896,6 +896,9 @@ def main(argv: list[str] | None = None) -> int:
                   "requests": parts[0]["requests"], "merged_from": [str(f) for f in args.merge],
                   "runs": [dict(r, run_file=str(f)) for f, res in zip(args.merge, parts) for r in res["runs"]],
                   "e2e": headline(parts)}
+        rates = {str(f): res["floor_rates"] for f, res in zip(args.merge, parts) if "floor_rates" in res}
+        if rates:  # each part's floors are at its own run's rates
+            merged["floor_rates"] = rates
         args.out.write_text(json.dumps(merged, indent=1))
         print(json.dumps(merged["e2e"], indent=1))
         return 0
@@ -1234,7 +1237,7 @@ def run_tp(args) -> int:
                 save()
                 continue
             summary.setdefault("engine_start_s", out["engine_start_s"])
-            results.setdefault("floor_rates", out["floor_rates"])  # measured by the first session
+            summary["floor_rates"] = out["floor_rates"]  # each session measures the card it runs on
             for res in out["runs"]:
                 results["runs"].append(res)
                 if res["mix"] is None:

@@ -22,7 +22,7 @@ _measured: dict = {}
 def card_rates(device=None) -> dict:
     """{"bandwidth": bytes/s, "matmul": FLOP/s, "measured": bool, "source": str} for `device` (a torch device or
     None for the current CUDA device); REFERENCE where it is not a CUDA device. Measured once per process and
-    device; a card too full for the copy's 2 GiB falls back to REFERENCE with a warning."""
+    device; a card too full for the copy's 2 GiB falls back to REFERENCE with a warning, and its record says so."""
     import torch
 
     dev = torch.device(device) if device is not None else (
@@ -33,11 +33,14 @@ def card_rates(device=None) -> dict:
         dev = torch.device("cuda", torch.cuda.current_device())
     if dev.index not in _measured:
         try:
-            _measured[dev.index] = _measure(dev)
+            rates = _measure(dev)
         except torch.cuda.OutOfMemoryError:
-            log.warning("no room on %s to measure its copy bandwidth: floors at the H200's rates", dev)
-            torch.cuda.empty_cache()
-            return dict(REFERENCE)
+            rates = None
+        torch.cuda.empty_cache()  # (after the except block: a failed measurement's tensors are gone by now)
+        if rates is None:
+            log.warning("no room on %s to measure its rates: floors at the H200's", dev)
+            return dict(REFERENCE, source=f"the H200's measured rates (no room on {dev} to measure its own)")
+        _measured[dev.index] = rates
     return dict(_measured[dev.index])
 
 
@@ -69,7 +72,6 @@ def _measure(device) -> dict:
         b = torch.randn(MATMUL_N, MATMUL_N, dtype=torch.bfloat16, device=device)
         mm_s = _timed(lambda: torch.mm(a, b), 10, device)
         del a, b
-        torch.cuda.empty_cache()
     name = torch.cuda.get_device_name(device)
     rates = {"bandwidth": 2 * COPY_BYTES / copy_s, "matmul": 2 * MATMUL_N ** 3 / mm_s, "measured": True,
              "source": f"measured on {name}: a {COPY_BYTES >> 30} GiB device-to-device copy (bytes read and "

@@ -92,10 +92,11 @@ def port(value: str) -> int:
 
 
 def existing_file(value: str) -> Path:
-    """A path that names an existing regular file."""
+    """A path that names something readable as a file: an existing path that is not a directory (a pipe or
+    /dev/stdin too)."""
     path = Path(value)
-    if not path.is_file():
-        raise argparse.ArgumentTypeError(f"{value} {'is not a file' if path.exists() else 'does not exist'}")
+    if not path.exists() or path.is_dir():
+        raise argparse.ArgumentTypeError(f"{value} {'is a directory' if path.exists() else 'does not exist'}")
     return path
 
 
