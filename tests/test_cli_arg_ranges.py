@@ -18,6 +18,10 @@ from lorafleet.scheduler.listen import ListenError, bind
     (cli_args.port, "65536", None), (cli_args.port, "70000", None), (cli_args.port, "-1", None),
     (cli_args.positive_float, "0.5", 0.5), (cli_args.positive_float, "0", None), (cli_args.positive_float, "inf", None),
     (cli_args.positive_float, "nan", None), (cli_args.fraction, "1", 1.0), (cli_args.fraction, "1.5", None),
+    (cli_args.non_negative_int, "0", 0), (cli_args.non_negative_int, "-1", None),
+    (cli_args.non_negative_int, "1.5", None), (cli_args.non_negative_float, "0", 0.0),
+    (cli_args.non_negative_float, "2.5", 2.5), (cli_args.non_negative_float, "-0.1", None),
+    (cli_args.non_negative_float, "inf", None), (cli_args.non_negative_float, "nan", None),
 ])
 def test_ranges(fn, value, ok):
     if ok is None:

@@ -113,20 +113,6 @@ def test_prepare_demo_refuses_an_output_that_is_a_file_and_keeps_it(under, tmp_p
     assert f.read_text() == "keep me" and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
 
 
-@pytest.mark.parametrize("fn, value, ok", [
-    (cli_args.non_negative_int, "0", 0), (cli_args.non_negative_int, "-1", None),
-    (cli_args.non_negative_int, "1.5", None), (cli_args.non_negative_float, "0", 0.0),
-    (cli_args.non_negative_float, "2.5", 2.5), (cli_args.non_negative_float, "-0.1", None),
-    (cli_args.non_negative_float, "inf", None), (cli_args.non_negative_float, "nan", None),
-])
-def test_non_negative_ranges(fn, value, ok):
-    if ok is None:
-        with pytest.raises(argparse.ArgumentTypeError):
-            fn(value)
-    else:
-        assert fn(value) == ok
-
-
 def test_model_dir_returns_a_directory_holding_every_file_as_given(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "tokenizer.json").write_text("{}")

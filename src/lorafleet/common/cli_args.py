@@ -53,12 +53,16 @@ def non_negative_int(value: str) -> int:
     return n
 
 
-def non_negative_float(value: str) -> float:
-    """A finite number of at least 0 (a time in seconds where 0 means at once)."""
+def _number(value: str) -> float:
     try:
-        x = float(value)
+        return float(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
+
+
+def non_negative_float(value: str) -> float:
+    """A finite number of at least 0 (a time in seconds where 0 means at once)."""
+    x = _number(value)
     if not 0 <= x < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number of at least 0 (got {value})")
     return x
@@ -66,10 +70,7 @@ def non_negative_float(value: str) -> float:
 
 def positive_float(value: str) -> float:
     """A finite number above 0 (a size in GiB)."""
-    try:
-        x = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
+    x = _number(value)
     if not (x > 0 and x != float("inf")):
         raise argparse.ArgumentTypeError(f"must be a finite number above 0 (got {value})")
     return x
