@@ -530,6 +530,14 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit("lorafleet simulate: error: the trace has no requests; lengthen --duration or raise "
                              "--peak-rps" + (" (chat: a first turn must fit --max-context after --system-prompt)"
                                              if args.workload == "chat" else ""))
+        needs = [kv_need(r.prompt, r.output) for r in trace]
+        too_big = sum(n > args.kv_tokens for n in needs)
+        if too_big == len(trace):
+            raise SystemExit(f"lorafleet simulate: error: every request needs more KV than one GPU holds "
+                             f"(--kv-tokens {args.kv_tokens}; the smallest needs {min(needs)})")
+        if too_big:
+            print(f"{too_big} of {len(trace)} requests need more KV than one GPU holds (--kv-tokens "
+                  f"{args.kv_tokens}; up to {max(needs)}): they are never placed", file=sys.stderr)
         res = simulate(trace, pol, args.gpus, args.max_batch, args.kv_tokens, model, args.idle_window,
                        prefix_cache=not args.no_prefix_cache)
         results.append(res)

@@ -103,6 +103,25 @@ def test_simulate_says_when_the_trace_has_no_requests(argv, hint, capsys):
     assert "| busiest |" not in capsys.readouterr().out
 
 
+def test_simulate_says_when_no_request_fits_one_gpus_kv(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["simulate", "--kv-tokens", "10", "--duration", "60", "--policies", "busiest"])
+    assert isinstance(exc.value.code, str) and exc.value.code.startswith(
+        "lorafleet simulate: error: every request needs more KV than one GPU holds (--kv-tokens 10; the smallest "), \
+        exc.value.code
+
+
+def test_simulate_names_the_requests_too_big_for_one_gpu(capsys):
+    """Some requests fit and some never can: the run goes on and says how many are never placed."""
+    assert cli.main(["simulate", "--kv-tokens", "400", "--duration", "60", "--policies", "busiest"]) == 0
+    err = capsys.readouterr().err
+    line = next(ln for ln in err.splitlines() if "need more KV than one GPU holds" in ln)
+    never = int(line.split(" of ")[0])
+    done, total = (int(x) for x in next(ln for ln in err.splitlines() if " done, " in ln).split(": ")[1]
+                   .split(" done")[0].split("/"))
+    assert 0 < never < total and done <= total - never
+
+
 @pytest.mark.parametrize("under", [False, True])
 def test_prepare_demo_refuses_an_output_that_is_a_file_and_keeps_it(under, tmp_path, capsys):
     f = tmp_path / "notes.txt"
