@@ -313,6 +313,7 @@ def simulate(trace: list[Req], policy: str, gpus: int, max_batch: int, kv_tokens
         seq += 1
     queue: list[Req] = []
     ttft, migrations, done, requests = [], 0, 0, len(trace)
+    unplaced = cut = 0  # ended: a prompt no GPU's KV holds / a lone request at its GPU's KV limit (as cluster.py)
     queries = hits = prefill_computed = 0
     timeline: list[tuple[float, int, int]] = []  # (t, in-use GPUs, running requests)
     now = 0.0
@@ -326,12 +327,18 @@ def simulate(trace: list[Req], policy: str, gpus: int, max_batch: int, kv_tokens
             index.record(g.id, keys[:MAX_PAGES], kv_tokens // PAGE)
 
     def try_place(t: float) -> None:
-        nonlocal seq, queries, hits
+        nonlocal seq, queries, hits, unplaced
         while queue:
             r = queue[0]
+            if r.tokens + 1 > kv_tokens:  # it has outgrown every GPU: it ends (the scheduler's Cluster._outgrown)
+                queue.pop(0)
+                unplaced += 1
+                continue
             keys = r.keys(r.tokens - 1)
             views = [g.view(prefix_tokens=index.match(g.id, keys[:MAX_PAGES]) * PAGE) for g in pool]
-            gid = place(views, kv_need(r.tokens, r.output - r.generated), r.tokens)
+            # (its need capped at a GPU's KV, never below its tokens + 1, as Cluster.dispatch caps it)
+            need = max(min(kv_need(r.tokens, r.output - r.generated), kv_tokens), r.tokens + 1)
+            gid = place(views, need, r.tokens)
             if gid is None:
                 return
             queue.pop(0)
@@ -400,13 +407,18 @@ def simulate(trace: list[Req], policy: str, gpus: int, max_batch: int, kv_tokens
                 victim.migrations += 1
                 migrations += 1
                 enqueue(victim)
+            lone = g.running[0]
+            if lone.tokens + 1 > g.kv_tokens:  # alone and out of KV: it ends at its length limit, as the engine ends it
+                lone.output = lone.generated
+                cut += 1
             prefill = sum(r.tokens - r.cached for r in g.running if not r.prefilled)
             prefill_computed += prefill
             ms = model.step_ms(len(g.running), prefill)
             end = t + ms / 1000.0
             for r in list(g.running):
-                r.prefilled = True
-                r.generated += 1
+                if r.generated < r.output:
+                    r.prefilled = True
+                    r.generated += 1
                 if r.first_token is None:
                     r.first_token = end
                     ttft.append(end - r.arrival)
@@ -437,6 +449,8 @@ def simulate(trace: list[Req], policy: str, gpus: int, max_batch: int, kv_tokens
         "prefix_cache": prefix_cache,
         "requests": requests,
         "completed": done,
+        "ended_unplaced": unplaced,
+        "ended_at_kv_limit": cut,
         "gpu_hours": round(total_in_use / 3600.0, 3),
         "frac_time_at_max_batch": round(sum(g.full_time for g in pool) / max(total_in_use, 1e-9), 4),
         "frac_time_idle": round(sum(g.idle_in_use_time for g in pool) / max(total_in_use, 1e-9), 4),
@@ -530,20 +544,19 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit("lorafleet simulate: error: the trace has no requests; lengthen --duration or raise "
                              "--peak-rps" + (" (chat: a first turn must fit --max-context after --system-prompt)"
                                              if args.workload == "chat" else ""))
-        needs = [kv_need(r.prompt, r.output) for r in trace]
-        too_big = sum(n > args.kv_tokens for n in needs)
-        if too_big == len(trace):
-            raise SystemExit(f"lorafleet simulate: error: every request needs more KV than one GPU holds "
-                             f"(--kv-tokens {args.kv_tokens}; the smallest needs {min(needs)})")
-        if too_big:
-            print(f"{too_big} of {len(trace)} requests need more KV than one GPU holds (--kv-tokens "
-                  f"{args.kv_tokens}; up to {max(needs)}): they are never placed", file=sys.stderr)
+        shortest = min(r.prompt for r in trace)
+        if shortest + 1 > args.kv_tokens:
+            raise SystemExit(f"lorafleet simulate: error: every prompt is longer than one GPU's KV holds "
+                             f"(--kv-tokens {args.kv_tokens}; the shortest prompt has {shortest} tokens)")
         res = simulate(trace, pol, args.gpus, args.max_batch, args.kv_tokens, model, args.idle_window,
                        prefix_cache=not args.no_prefix_cache)
         results.append(res)
         print(f"{pol:>13}: {res['completed']}/{res['requests']} done, {res['gpu_hours']:.2f} GPU-h, "
               f"at max batch {100 * res['frac_time_at_max_batch']:.1f}%, idle {100 * res['frac_time_idle']:.1f}%, "
-              f"migrations {res['migrations']}, hit rate {100 * res['hit_rate']:.1f}%, TTFT p99 {res['ttft_p99_s']} s",
+              f"migrations {res['migrations']}, hit rate {100 * res['hit_rate']:.1f}%, TTFT p99 {res['ttft_p99_s']} s"
+              + (f"; {res['ended_unplaced']} ended unplaced (a prompt longer than one GPU's KV)"
+                 if res["ended_unplaced"] else "")
+              + (f"; {res['ended_at_kv_limit']} ended at their GPU's KV limit" if res["ended_at_kv_limit"] else ""),
               file=sys.stderr)
     def plain(v):
         return str(v) if isinstance(v, Path) else [plain(x) for x in v] if isinstance(v, list) else v

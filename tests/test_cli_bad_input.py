@@ -103,23 +103,28 @@ def test_simulate_says_when_the_trace_has_no_requests(argv, hint, capsys):
     assert "| busiest |" not in capsys.readouterr().out
 
 
-def test_simulate_says_when_no_request_fits_one_gpus_kv(capsys):
+def test_simulate_says_when_no_prompt_fits_one_gpus_kv(capsys):
     with pytest.raises(SystemExit) as exc:
-        cli.main(["simulate", "--kv-tokens", "10", "--duration", "60", "--policies", "busiest"])
+        cli.main(["simulate", "--kv-tokens", "2", "--duration", "60", "--policies", "busiest"])
     assert isinstance(exc.value.code, str) and exc.value.code.startswith(
-        "lorafleet simulate: error: every request needs more KV than one GPU holds (--kv-tokens 10; the smallest "), \
+        "lorafleet simulate: error: every prompt is longer than one GPU's KV holds (--kv-tokens 2; the shortest "), \
         exc.value.code
 
 
-def test_simulate_names_the_requests_too_big_for_one_gpu(capsys):
-    """Some requests fit and some never can: the run goes on and says how many are never placed."""
-    assert cli.main(["simulate", "--kv-tokens", "400", "--duration", "60", "--policies", "busiest"]) == 0
-    err = capsys.readouterr().err
-    line = next(ln for ln in err.splitlines() if "need more KV than one GPU holds" in ln)
-    never = int(line.split(" of ")[0])
-    done, total = (int(x) for x in next(ln for ln in err.splitlines() if " done, " in ln).split(": ")[1]
-                   .split(" done")[0].split("/"))
-    assert 0 < never < total and done <= total - never
+def test_simulate_ends_what_no_gpu_can_hold_as_the_scheduler_does(capsys):
+    """A small KV cache: prompts longer than it end unplaced, a request alone at its GPU's KV limit ends there (as
+    Cluster.dispatch and the engine end them); every other request completes, none is left waiting forever."""
+    import json
+
+    from lorafleet.scheduler import simulate
+
+    args = argparse.Namespace(workload="sharegpt", duration=60.0, peak_rps=30.0, adapters=1000, seed=0)
+    trace = simulate.make_trace(args)
+    res = simulate.simulate(trace, "busiest", 4, 32, 400, simulate.StepModel(), 60.0)
+    too_long = sum(r.prompt + 1 > 400 for r in simulate.make_trace(args))
+    assert 0 < too_long < len(trace) and res["ended_unplaced"] == too_long
+    assert res["completed"] + res["ended_unplaced"] == res["requests"] and res["ended_at_kv_limit"] > 0
+    assert json.dumps(res)  # (the record stays JSON)
 
 
 @pytest.mark.parametrize("under", [False, True])
