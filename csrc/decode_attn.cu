@@ -1,9 +1,9 @@
 // decode_attention (see decode_attn.h): one CTA of 4 warps per (request, K/V head, worker). A lane holds DPL
 // dimensions of a token's K/V row (one 4- to 16-byte load each), LPT = D / DPL lanes make a token, a warp takes
 // TPW = 32 / LPT tokens per load and U such loads at once, so every lane has 2U loads in flight (the next pass's,
-// during this pass's math; their page ids were loaded a pass earlier still). The lane keeps the
-// G query heads' DPL dims of q and of the output in fp32 registers; DPL is chosen so that G * DPL <= 32 where the
-// head allows (the wider 16-byte loads where G is small).
+// during this pass's math; their page ids were loaded a pass earlier still; the stream of passes runs on across
+// the CTA's chunks). The lane keeps the G query heads' DPL dims of q and of the output in fp32 registers; DPL is
+// chosen so that G * DPL <= 32 where the head allows (the wider 16-byte loads where G is small).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -153,9 +153,72 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(const Dec
   const bool ps_pow2 = (ps & (ps - 1)) == 0;
   const int64_t last_page = p.num_pages - 1;
 
+  // This warp's passes over its chunks c = worker, worker + workers, ... form one stream: a pass is (chunk, first
+  // token), the next is kPass tokens on in the same chunk, else the first of the warp's tokens in its next chunk
+  // that has any. Loads run ahead along the stream across chunk ends, so a chunk's first pass is in flight during
+  // the previous chunk's last one (and its merge).
+  constexpr int kPass = kWarps * TPW * kUnroll;  // tokens of one pass of the CTA
+  auto chunk_end = [&](int c) { return min(start + (c + 1) * chunk, kv_len); };
+  // (c, base) <- the pass after it; c = nchunks where the stream ends
+  auto advance = [&](int& c, int& base) {
+    base += kPass;
+    if (base < chunk_end(c)) return;
+    for (c += p.workers; c < nchunks; c += p.workers) {
+      base = start + c * chunk + warp * TPW;
+      if (base < chunk_end(c)) return;
+    }
+    c = nchunks;
+  };
+  // The page ids of this lane's kUnroll tokens of the pass (c, base), as stored (0 past the chunk's end or outside
+  // `indices`): loaded one pass before the K/V loads that need them, so that a pass waits for one load, not for an
+  // id and then the row it names.
+  auto locate = [&](int c, int base, int32_t (&ids)[kUnroll]) {
+    const int end = c < nchunks ? chunk_end(c) : 0;
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int t = base + u * kWarps * TPW + slot;
+      const int pi = ps_pow2 ? t >> ps_shift : t / ps;
+      const int64_t at = static_cast<int64_t>(p0) + pi;
+      ids[u] = t < end && at >= 0 && at < p.num_indices ? p.indices[at] : 0;
+    }
+  };
+  // this lane's rows of the kUnroll tokens of the pass (c, base) (zeros past the chunk's end), from their page ids
+  auto fetch = [&](int c, int base, const int32_t (&ids)[kUnroll], Ld (&kr)[kUnroll], Ld (&vr)[kUnroll],
+                   bool (&valid)[kUnroll]) {
+    const int end = chunk_end(c);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int t = base + u * kWarps * TPW + slot;
+      valid[u] = t < end;
+      kr[u] = Ld{};
+      vr[u] = Ld{};
+      if (valid[u]) {
+        const int64_t pg = ids[u] < 0 ? 0 : (ids[u] > last_page ? last_page : ids[u]);
+        const int64_t off = (pg * ps + (ps_pow2 ? t & (ps - 1) : t % ps)) * tok_stride;
+        kr[u] = *reinterpret_cast<const Ld*>(kbase + off);
+        vr[u] = *reinterpret_cast<const Ld*>(vbase + off);
+      }
+    }
+  };
+  Ld kr[kUnroll], vr[kUnroll], kn[kUnroll], vn[kUnroll];
+  bool valid[kUnroll], vnext[kUnroll];
+  int32_t ids[kUnroll];  // the page ids of the pass after the one whose K/V loads are in flight
+  // the stream's first pass (its loads into kr / vr) and the one after it (its ids), before any chunk
+  int nc = worker, nb = start + worker * chunk + warp * TPW;
+  if (nb >= chunk_end(nc)) {
+    nb -= kPass;
+    advance(nc, nb);
+  }
+  if (nc < nchunks) {
+    locate(nc, nb, ids);
+    fetch(nc, nb, ids, kr, vr, valid);
+    advance(nc, nb);
+    locate(nc, nb, ids);
+  }
+
   int done = 0;
   for (int c = worker; c < nchunks; c += p.workers, ++done) {
-    const int t0 = start + c * chunk, t1 = min(t0 + chunk, kv_len);
+    const int t0 = start + c * chunk, t1 = chunk_end(c);
     float m[G], l[G], acc[G][DPL];
 #pragma unroll
     for (int j = 0; j < G; ++j) {
@@ -164,48 +227,11 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(const Dec
 #pragma unroll
       for (int i = 0; i < DPL; ++i) acc[j][i] = 0.f;
     }
-    // The page ids of this lane's kUnroll tokens of the warp's pass at `base`, as stored (0 past t1 or outside
-    // `indices`): loaded one pass before the K/V loads that need them, so that a pass waits for one load, not for an
-    // id and then the row it names.
-    auto locate = [&](int base, int32_t (&ids)[kUnroll]) {
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int t = base + u * kWarps * TPW + slot;
-        const int pi = ps_pow2 ? t >> ps_shift : t / ps;
-        const int64_t at = static_cast<int64_t>(p0) + pi;
-        ids[u] = t < t1 && at >= 0 && at < p.num_indices ? p.indices[at] : 0;
-      }
-    };
-    // this lane's rows of the kUnroll tokens of the warp's pass at `base` (zeros past t1), from their page ids
-    auto fetch = [&](int base, const int32_t (&ids)[kUnroll], Ld (&kr)[kUnroll], Ld (&vr)[kUnroll],
-                     bool (&valid)[kUnroll]) {
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int t = base + u * kWarps * TPW + slot;
-        valid[u] = t < t1;
-        kr[u] = Ld{};
-        vr[u] = Ld{};
-        if (valid[u]) {
-          const int64_t pg = ids[u] < 0 ? 0 : (ids[u] > last_page ? last_page : ids[u]);
-          const int64_t off = (pg * ps + (ps_pow2 ? t & (ps - 1) : t % ps)) * tok_stride;
-          kr[u] = *reinterpret_cast<const Ld*>(kbase + off);
-          vr[u] = *reinterpret_cast<const Ld*>(vbase + off);
-        }
-      }
-    };
-    constexpr int kPass = kWarps * TPW * kUnroll;  // tokens of one pass of the CTA
-    Ld kr[kUnroll], vr[kUnroll], kn[kUnroll], vn[kUnroll];
-    bool valid[kUnroll], vnext[kUnroll];
-    int32_t ids[kUnroll];  // the page ids of the pass after the one whose K/V loads are in flight
-    if (t0 + warp * TPW < t1) {
-      locate(t0 + warp * TPW, ids);
-      fetch(t0 + warp * TPW, ids, kr, vr, valid);
-      locate(t0 + warp * TPW + kPass, ids);
-    }
     for (int base = t0 + warp * TPW; base < t1; base += kPass) {
-      if (base + kPass < t1) {  // the next pass's loads fly during this one's math, the ids of the one after them
-        fetch(base + kPass, ids, kn, vn, vnext);
-        locate(base + 2 * kPass, ids);
+      if (nc < nchunks) {  // the next pass's loads fly during this one's math, the ids of the one after them
+        fetch(nc, nb, ids, kn, vn, vnext);
+        advance(nc, nb);
+        locate(nc, nb, ids);
       }
       float s[kUnroll][G];
 #pragma unroll
