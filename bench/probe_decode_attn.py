@@ -4,8 +4,8 @@ tensor cores), bf16 and e4m3 pages, next to the bytes of K/V each call must read
 Per shape (Llama-2-7B: 32 heads of 128, no grouping; Llama-2-70B on one GPU: 64 query heads over 8 K/V heads), batch
 and context: every layer has its own pages (32 layers, so nothing stays in L2), the page tables are shuffled, and
 the 32 layer calls run in one CUDA graph; µs per layer call, the K/V bytes it read per second, and its time against
-the floor (those bytes at the card's measured copy rate, src/lorafleet/bench/rates.py). Each variant's output is checked against
-flashinfer's CUDA-core kernel on the same pages.
+the floor (those bytes at the card's measured copy rate, src/lorafleet/bench/rates.py). Each variant's output is
+checked against flashinfer's CUDA-core kernel on the same pages.
 
     python bench/probe_decode_attn.py --out probe_decode_attn.json
 """

@@ -141,7 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="HF model directory, with its tokenizer.json (default: the demo model, prepared on first use)")
     p.add_argument("--adapters", type=cli_args.existing_dir, default=None,
                    help="a directory of PEFT adapters to score too (default: the demo adapters with the demo model)")
-    p.add_argument("--text", type=cli_args.existing_file, default=DEFAULT_TEXT, help="the text to score (default: bench/declaration.txt, shipped with the package)")
+    p.add_argument("--text", type=cli_args.existing_file, default=DEFAULT_TEXT,
+                   help="the text to score (default: bench/declaration.txt, shipped with the package)")
     p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu or cuda")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="the engine's dtype in every precision (default: auto, bfloat16 on a GPU, float32 on the CPU)")
