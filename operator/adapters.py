@@ -35,23 +35,24 @@ async def check(ctx: reconcile.Context, body: Any, pools: Mapping[Any, Any], *, 
     """The adapter's new status, or None when nothing changes.
 
     `full` checks the files again; otherwise a Ready adapter for its current spec is only
-    re-checked against its pool (cheap, no I/O).
+    re-checked against its pool (cheap, no I/O), unless the pool's model or maxLoraRank changed.
     """
     meta, spec, status = body["metadata"], body.get("spec") or {}, dict(body.get("status") or {})
     name, namespace = meta["name"], meta["namespace"]
     pool_body = pool_of(pools, namespace, spec.get("pool"))
+    against = validation.checked_against(spec, pool_body, namespace)
     generation = meta.get("generation")
     current = (status.get("phase") == validation.READY and status.get("source") == spec.get("source")
                and status.get("observedGeneration") in (None, generation))
-    if not full and current:
-        verdict = validation.recheck(spec, status, pool_body, namespace)
-        if verdict is None:
-            return None
-    else:
+    verdict = validation.recheck(spec, status, pool_body, namespace) if not full and current else None
+    if verdict is None and not full and current and not validation.pool_changed(status, against):
+        return None
+    if verdict is None:
         admin = reconcile.admin_client(ctx, namespace, spec["pool"]) if pool_body else None
         verdict = await validation.validate_adapter(name, namespace, spec, pool_body, admin=admin,
                                                     fetch_timeout=ctx.config.fetch_timeout_s, executor=ctx.fetch_pool)
-    new = verdict.status(status, generation=generation, source=spec.get("source"), now=now_iso())
+    new = verdict.status(status, generation=generation, source=spec.get("source"), now=now_iso(),
+                         checked_against=against)
     announce(body, status, new)
     return new
 
@@ -66,13 +67,17 @@ async def changed(ctx: reconcile.Context, body: Any, patch: kopf.Patch, pools: M
 
 
 async def retry(ctx: reconcile.Context, body: Any, pools: Mapping[Any, Any]) -> None:
-    """One round of the adapter's loop: retry Pending and retryably Failed, re-check Ready."""
-    meta, status = body["metadata"], dict(body.get("status") or {})
+    """One round of the adapter's loop: retry Pending and retryably Failed, re-check Ready, and check
+    again any adapter whose pool's model or maxLoraRank changed since its verdict."""
+    meta, spec, status = body["metadata"], body.get("spec") or {}, dict(body.get("status") or {})
     if status.get("observedGeneration") not in (None, meta.get("generation")):
         return  # the change handler is checking the new spec
     phase = status.get("phase")
     if phase not in (None, validation.READY) and not status.get("retryable"):
-        return
+        against = validation.checked_against(spec, pool_of(pools, meta["namespace"], spec.get("pool")),
+                                             meta["namespace"])
+        if not validation.pool_changed(status, against):
+            return
     new = await check(ctx, body, pools, full=phase != validation.READY)
     # A retry with the same outcome changes nothing but the time: no write.
     if new is not None and merge_patch(status, {**new, "validatedAt": status.get("validatedAt")}):

@@ -10,8 +10,9 @@ Rules, in order:
   `scale_up_cooldown_s`.
 - With no queue, and no scale-up within the cooldown, one runner that has been idle (empty
   batch) for `idle_seconds` is drained per decision, never taking the active runners below
-  `min_runners`. Only runners above `max_runners` (the spec was lowered) are drained
-  regardless of idleness, least loaded first.
+  `min_runners`. Runners above `max_runners` (the spec was lowered) go at once while they are
+  not up yet (one replica fewer each: the ReplicaSet removes pending and unready pods before
+  ready ones); the others are drained regardless of idleness, least loaded first.
 - A draining runner whose scheduler view shows it draining and empty is removed (unless
   requests are queuing again, when it may soon be taken back): its pod gets
   the lowest deletion cost and the replica count drops by one, so exactly that pod goes. This
@@ -209,6 +210,13 @@ def decide(obs: Observation, policy: Policy, history: History, now: float) -> De
     if replicas < policy.min_runners:
         reasons.append(f"below minRunners: {replicas} -> {policy.min_runners}")
         replicas = policy.min_runners
+    # maxRunners lowered below the runners there are: those not up yet hold no requests and go at once.
+    cut = min(starting, replicas - len(draining) - policy.max_runners)
+    if cut > 0:
+        reasons.append(f"above maxRunners ({policy.max_runners}): {replicas} -> {replicas - cut}, "
+                       f"{cut} runner(s) not up yet")
+        replicas -= cut
+        starting -= cut
 
     if pressure:
         if draining:

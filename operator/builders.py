@@ -60,8 +60,8 @@ def _pvc_mount(claim: str) -> Obj:
 
 def _env(pool: PoolSpec, extra: tuple[Mapping[str, Any], ...]) -> list[Obj]:
     base = [
-        {"name": "LORAFLEET_PVC_ROOT", "value": c.PVC_ROOT},
-        {"name": "LORAFLEET_CACHE", "value": c.CACHE_DIR},
+        {"name": c.ENV_PVC_ROOT, "value": c.PVC_ROOT},
+        {"name": c.ENV_CACHE, "value": c.CACHE_DIR},
     ]
     return base + [dict(e) for e in extra]
 
@@ -323,7 +323,7 @@ def runner_deployment(
     """
     name = c.runner_name(pool.name)
     r = pool.runner
-    env = [{"name": "LORAFLEET_RUNNER_ID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+    env = [{"name": c.ENV_RUNNER_ID, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
            {"name": c.ENV_POD_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
            _runner_token_env(pool),
            *_env(pool, r.env)]

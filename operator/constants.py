@@ -49,6 +49,12 @@ RUNNER_TOKEN_KEY = "token"
 ENV_ADMIN_TOKEN = "LORAFLEET_ADMIN_TOKEN"
 ENV_RUNNER_TOKEN = "LORAFLEET_RUNNER_TOKEN"
 ENV_POD_IP = "POD_IP"
+ENV_RUNNER_ID = "LORAFLEET_RUNNER_ID"
+ENV_PVC_ROOT = "LORAFLEET_PVC_ROOT"
+ENV_CACHE = "LORAFLEET_CACHE"
+# What the operator sets in each container; a pool's `env` may not set these too (the CRD refuses them).
+RUNNER_ENV = (ENV_RUNNER_ID, ENV_POD_IP, ENV_RUNNER_TOKEN, ENV_PVC_ROOT, ENV_CACHE)
+SCHEDULER_ENV = (ENV_ADMIN_TOKEN, ENV_RUNNER_TOKEN, "HOME", ENV_PVC_ROOT, ENV_CACHE)
 
 # API keys of a pool's OpenAI endpoints: the Secret named in spec.apiKeys, key `keys`, mounted here.
 API_KEYS_KEY = "keys"

@@ -3,8 +3,8 @@
 ServingPool: create/update/resume apply its objects; a daemon per pool looks at it every
 `sync_interval_s` (status, autoscaler, periodic re-apply); deletion removes its objects.
 LoraAdapter: create/update check it; resume re-checks it against its pool; a daemon per adapter
-retries Pending or retryably Failed ones; deletion (finalizer) waits until the pool's scheduler
-no longer serves it.
+retries Pending or retryably Failed ones and checks again those whose pool changed model or
+maxLoraRank; deletion (finalizer) waits until the pool's scheduler no longer serves it.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ from lorafleet.operator import constants as c
 from lorafleet.operator.admin import SchedulerUnavailable
 from lorafleet.operator.autoscale import History
 from lorafleet.operator.spec import PoolSpec, SpecError, parse_pool
-from lorafleet.operator.status import PoolFacts, merge_patch, now_iso, pool_status
+from lorafleet.operator.status import (NODE_GROUP_UNAVAILABLE, POD_CREATION_FAILED, PoolFacts, merge_patch,
+                                       now_iso, pool_status)
 
 log = logging.getLogger(__name__)
 
@@ -115,8 +116,8 @@ async def tick(ctx: reconcile.Context, body: Any, logger: Any) -> None:
     for action in actions:
         kopf.info(body, reason="Autoscaled", message=action)
     nodes = current.node_group_replicas
-    if decision is not None and decision.node_group_replicas is not None:
-        nodes = decision.node_group_replicas
+    if decision is not None and decision.node_group_replicas is not None and nodes is not None:
+        nodes = decision.node_group_replicas  # (a node group that could not be read was not scaled)
     facts = PoolFacts(
         generation=meta.get("generation"),
         replicas=decision.replicas if decision else current.replicas,
@@ -129,11 +130,21 @@ async def tick(ctx: reconcile.Context, body: Any, logger: Any) -> None:
         node_group_replicas=nodes,
         gpus_per_runner=pool.runner.gpus,
         apply_error=ctx.apply_errors.get((namespace, name)),
+        node_group_error=current.node_group_error,
+        replica_failures=current.replica_failures,
     )
     new = pool_status(facts, status, now_iso())
-    before = {x.get("type"): x.get("status") for x in status.get("conditions") or ()}
+    before = {x.get("type"): x for x in status.get("conditions") or ()}
     await patch_status(ctx, c.POOLS, name, namespace, status, new)
-    ready = next(x for x in new["conditions"] if x["type"] == "Ready")
-    if before.get("Ready") != ready["status"] and ready["reason"] != "ApplyFailed":  # (apply_refused said it)
+    after = {x["type"]: x for x in new["conditions"]}
+    ready, degraded = after["Ready"], after["Degraded"]
+    said = None
+    if before.get("Ready", {}).get("status") != ready["status"] and ready["reason"] != "ApplyFailed":  # (apply_refused)
         emit = kopf.info if ready["status"] == "True" else kopf.warn
         emit(body, reason=ready["reason"], message=ready["message"] or ready["reason"])
+        said = ready["reason"]
+    # Causes only the user can remove: one event when they appear.
+    was = before.get("Degraded", {})
+    if degraded["reason"] in (POD_CREATION_FAILED, NODE_GROUP_UNAVAILABLE) and degraded["reason"] != said \
+            and (was.get("status"), was.get("reason")) != ("True", degraded["reason"]):
+        kopf.warn(body, reason=degraded["reason"], message=degraded["message"])

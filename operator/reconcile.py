@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping
 import aiohttp
 
 from lorafleet.common import sources
-from lorafleet.common.kubeclient import ApiError, KubeClient
+from lorafleet.common.kubeclient import ApiError, KubeClient, api_path
 from lorafleet.operator import builders
 from lorafleet.operator import constants as c
 from lorafleet.operator.admin import AdminClient, SchedulerUnavailable
@@ -44,6 +44,7 @@ class Context:
     credentials: Credentials
     last_apply: dict[tuple[str, str], float] = field(default_factory=dict)
     apply_errors: dict[tuple[str, str], str] = field(default_factory=dict)  # pool -> why the API refused its objects
+    node_group_errors: dict[tuple[str, str], str] = field(default_factory=dict)  # pool -> why its node group is unread
     locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
     shape_failures: dict[str, float] = field(default_factory=dict)  # model source -> when reading it failed
     shape_reads: dict[str, asyncio.Task] = field(default_factory=dict)  # model source -> the read under way
@@ -79,8 +80,8 @@ def applied_hash(obj: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
 
-async def apply_object(kube: KubeClient, obj: dict[str, Any]) -> bool:
-    """Server-side apply `obj` unless the live object already matches; True when written."""
+async def stale(kube: KubeClient, obj: dict[str, Any]) -> bool:
+    """Whether the live object differs from `obj` (stamping `obj` with the hash that says what was applied)."""
     digest = applied_hash(obj)
     meta = obj["metadata"]
     plural = await kube.plural_of(obj["apiVersion"], obj["kind"])
@@ -90,8 +91,21 @@ async def apply_object(kube: KubeClient, obj: dict[str, Any]) -> bool:
         if live_hash == digest and is_subset(obj, live):
             return False
     meta.setdefault("annotations", {})[c.ANNOTATION_APPLIED] = digest
-    await kube.apply(obj, c.FIELD_MANAGER)
     return True
+
+
+async def dry_run(kube: KubeClient, obj: Mapping[str, Any]) -> None:
+    """Server-side apply of `obj` with dryRun=All: raises the ApiError the real write would meet
+    (validation, admission), writes nothing. A server that cannot dry-run a missing object (404) passes."""
+    meta = obj["metadata"]
+    plural = await kube.plural_of(obj["apiVersion"], obj["kind"])
+    path = api_path(obj["apiVersion"], plural, meta.get("namespace"), meta["name"])
+    params = {"fieldManager": c.FIELD_MANAGER, "force": "true", "dryRun": "All"}
+    try:
+        await kube.request("PATCH", path, params=params, body=obj, content_type="application/apply-patch+yaml")
+    except ApiError as exc:
+        if exc.status != 404:
+            raise
 
 
 async def apply_credentials(ctx: Context, pool: PoolSpec, owner: Mapping[str, Any]) -> None:
@@ -126,11 +140,16 @@ async def apply_pool(ctx: Context, pool: PoolSpec, owner: Mapping[str, Any]) -> 
 async def _apply_pool(ctx: Context, pool: PoolSpec, owner: Mapping[str, Any]) -> list[str]:
     await apply_credentials(ctx, pool, owner)
     live_runner = await ctx.kube.get("apps/v1", "deployments", c.runner_name(pool.name), pool.namespace)
+    objs = builders.children(pool, ctx.config, wanted_replicas(pool, live_runner), owner, ctx.credentials.fingerprint)
+    changed = [obj for obj in objs if await stale(ctx.kube, obj)]
+    # All or nothing: an object the API server would refuse stops the apply before anything is written,
+    # so a pool never runs half of a spec (e.g. a new scheduler beside the old runners, or no runners).
+    for obj in changed:
+        await dry_run(ctx.kube, obj)
     written = []
-    for obj in builders.children(pool, ctx.config, wanted_replicas(pool, live_runner), owner,
-                                 ctx.credentials.fingerprint):
-        if await apply_object(ctx.kube, obj):
-            written.append(f"{obj['kind']}/{obj['metadata']['name']}")
+    for obj in changed:
+        await ctx.kube.apply(obj, c.FIELD_MANAGER)
+        written.append(f"{obj['kind']}/{obj['metadata']['name']}")
     if not pool.ingress.enabled:
         if await delete_owned(ctx.kube, "networking.k8s.io/v1", "ingresses", c.ingress_name(pool.name), pool):
             written.append(f"Ingress/{c.ingress_name(pool.name)} (deleted)")
@@ -197,6 +216,7 @@ async def delete_pool_children(ctx: Context, name: str, namespace: str) -> list[
             deleted.append(f"{plural}/{naming(name)}")
     ctx.last_apply.pop((namespace, name), None)
     ctx.apply_errors.pop((namespace, name), None)
+    ctx.node_group_errors.pop((namespace, name), None)
     ctx.locks.pop((namespace, name), None)
     return deleted
 
@@ -263,14 +283,32 @@ async def runner_pods(ctx: Context, pool: PoolSpec) -> list[dict]:
 
 
 async def node_group_replicas(ctx: Context, pool: PoolSpec) -> int | None:
+    """The node group's replicas from its scale subresource; ApiError saying what is wrong when it cannot be read."""
     ng = pool.node_group
     if ng is None:
         return None
-    plural = await ctx.kube.plural_of(ng.api_version, ng.kind)
-    scale = await ctx.kube.get(ng.api_version, plural, ng.name, ng.namespace or pool.namespace, subresource="scale")
+    try:
+        plural = await ctx.kube.plural_of(ng.api_version, ng.kind)
+    except ApiError as exc:
+        if exc.status != 404:
+            raise
+        raise ApiError(404, "NotFound", f"the API server does not serve kind {ng.kind} in {ng.api_version} "
+                       "(is its CRD installed?)") from None
+    where = ng.namespace or pool.namespace
+    scale = await ctx.kube.get(ng.api_version, plural, ng.name, where, subresource="scale")
     if scale is None:
-        raise ApiError(404, "NotFound", f"node group {ng.kind}/{ng.name} not found")
+        raise ApiError(404, "NotFound", f"{ng.kind} {where}/{ng.name} not found")
     return int((scale.get("spec") or {}).get("replicas") or 0)
+
+
+def replica_failure(deployment: Mapping[str, Any] | None) -> str | None:
+    """Why a Deployment cannot create its pods (its ReplicaFailure condition: a missing PriorityClass,
+    a quota, an admission webhook), or None."""
+    for cond in ((deployment or {}).get("status") or {}).get("conditions") or ():
+        if cond.get("type") == "ReplicaFailure" and cond.get("status") == "True":
+            name = (deployment or {}).get("metadata", {}).get("name")
+            return f"Deployment {name} cannot create pods: {cond.get('message') or cond.get('reason')}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -281,8 +319,10 @@ class Look:
     observation: Observation | None
     scheduler_available: bool
     scheduler_error: str | None
-    node_group_replicas: int | None
+    node_group_replicas: int | None  # None: no node group, or it could not be read (node_group_error)
     runner_deployment_exists: bool
+    node_group_error: str | None = None
+    replica_failures: Mapping[str, str] = field(default_factory=dict)  # component -> why its pods are refused
 
 
 async def look(ctx: Context, pool: PoolSpec, admin: AdminClient | None) -> Look:
@@ -290,15 +330,26 @@ async def look(ctx: Context, pool: PoolSpec, admin: AdminClient | None) -> Look:
     sched = await ctx.kube.get("apps/v1", "deployments", c.scheduler_name(pool.name), pool.namespace)
     replicas = int(((runner or {}).get("spec") or {}).get("replicas") or 0)
     available = int(((sched or {}).get("status") or {}).get("availableReplicas") or 0) > 0
+    failures = {component: why for component, why in ((c.COMPONENT_SCHEDULER, replica_failure(sched)),
+                                                       (c.COMPONENT_RUNNER, replica_failure(runner))) if why}
     pods = await runner_pods(ctx, pool)
     alive = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
     names = tuple(sorted(p["metadata"]["name"] for p in alive))
     ready = sum(1 for p in alive if _pod_ready(p))
-    nodes = None
+    nodes, nodes_error = None, None
     try:
         nodes = await node_group_replicas(ctx, pool)
     except ApiError as exc:
-        log.warning("pool %s/%s: %s", pool.namespace, pool.name, exc)
+        ng = pool.node_group
+        assert ng is not None
+        nodes_error = f"node group {ng.kind}/{ng.name} cannot be read: {exc.message or exc}"
+    key = (pool.namespace, pool.name)
+    if nodes_error is not None and ctx.node_group_errors.get(key) != nodes_error:
+        log.warning("pool %s/%s: %s", pool.namespace, pool.name, nodes_error)  # once per distinct error
+    if nodes_error is None:
+        ctx.node_group_errors.pop(key, None)
+    else:
+        ctx.node_group_errors[key] = nodes_error
     state, error = None, None
     if admin is not None:
         try:
@@ -309,7 +360,7 @@ async def look(ctx: Context, pool: PoolSpec, admin: AdminClient | None) -> Look:
     if state is not None:
         obs = Observation.from_state(state, replicas=replicas, pods=names, ready_pods=ready,
                                      terminating=len(pods) - len(alive), node_group_replicas=nodes)
-    return Look(replicas, obs, available, error, nodes, runner is not None)
+    return Look(replicas, obs, available, error, nodes, runner is not None, nodes_error, failures)
 
 
 async def scale_runners(ctx: Context, pool: PoolSpec, replicas: int) -> None:
@@ -340,18 +391,22 @@ async def act(ctx: Context, pool: PoolSpec, admin: AdminClient, decision: Decisi
         what = f" (removing {', '.join(removed)})" if removed else ""
         done.append(f"runners {current.replicas} -> {replicas}{what}")
     ng = pool.node_group
-    if ng is not None and decision.node_group_replicas is not None:
-        await scale_node_group(ctx, pool, decision.node_group_replicas)
-        done.append(f"node group {ng.kind}/{ng.name}: {current.node_group_replicas} -> {decision.node_group_replicas}")
+    # A node group that could not be read is not scaled blind (the status says why).
+    if ng is not None and decision.node_group_replicas is not None and current.node_group_replicas is not None:
+        if await scale_node_group(ctx, pool, decision.node_group_replicas):
+            done.append(f"node group {ng.kind}/{ng.name}: {current.node_group_replicas} -> "
+                        f"{decision.node_group_replicas}")
     return done
 
 
-async def scale_node_group(ctx: Context, pool: PoolSpec, replicas: int) -> None:
+async def scale_node_group(ctx: Context, pool: PoolSpec, replicas: int) -> bool:
+    """Set the node group's replicas; False when it is gone."""
     ng = pool.node_group
     assert ng is not None
     plural = await ctx.kube.plural_of(ng.api_version, ng.kind)
-    await ctx.kube.patch(ng.api_version, plural, ng.name, {"spec": {"replicas": replicas}},
-                         ng.namespace or pool.namespace, subresource="scale")
+    done = await ctx.kube.patch(ng.api_version, plural, ng.name, {"spec": {"replicas": replicas}},
+                                ng.namespace or pool.namespace, subresource="scale")
+    return done is not None
 
 
 async def keep_node_floor(ctx: Context, pool: PoolSpec, runners: int, current: Look) -> list[str]:
@@ -362,7 +417,8 @@ async def keep_node_floor(ctx: Context, pool: PoolSpec, runners: int, current: L
         return []
     ng = pool.node_group
     assert ng is not None
-    await scale_node_group(ctx, pool, floor)
+    if not await scale_node_group(ctx, pool, floor):
+        return []
     return [f"node group {ng.kind}/{ng.name}: {have} -> {floor} (its minimum for {runners} runner(s))"]
 
 

@@ -12,6 +12,7 @@ from typing import Any, Mapping
 
 from lorafleet.common import sources
 from lorafleet.common.peft_config import BaseShape
+from lorafleet.operator import constants as c
 
 MAX_GPUS_PER_RUNNER = 8  # one tensor-parallel group lives on one node
 KV_FRACTION_RANGE = (0.05, 0.99)  # runner.kvFraction, as the CRD bounds it
@@ -130,6 +131,17 @@ def _tuple(value: Any) -> tuple:
     return tuple(value or ())
 
 
+def _check_env(field: str, env: tuple[Mapping[str, Any], ...], reserved: tuple[str, ...]) -> None:
+    """One entry per name, none of them one the operator sets itself."""
+    names = [str(e.get("name") or "") for e in env]
+    taken = sorted({n for n in names if n in reserved})
+    if taken:
+        raise SpecError(f"{field} sets {', '.join(taken)}: the operator sets {', '.join(reserved)} itself")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise SpecError(f"{field} sets {', '.join(twice)} more than once")
+
+
 def parse_pool(name: str, namespace: str, spec: Mapping[str, Any]) -> PoolSpec:
     """Turn a ServingPool's `spec` into a PoolSpec; raise SpecError when it is unusable."""
     model = spec.get("model") or {}
@@ -178,6 +190,7 @@ def parse_pool(name: str, namespace: str, spec: Mapping[str, Any]) -> PoolSpec:
     if runner.kv_cache_dtype not in KV_CACHE_DTYPES:
         raise SpecError(f"runner.kvCacheDtype is {runner.kv_cache_dtype!r}: it must be one of "
                         f"{', '.join(KV_CACHE_DTYPES)} (auto: the model's dtype; fp8: e4m3 K/V pages)")
+    _check_env("runner.env", runner.env, c.RUNNER_ENV)
     scheduler = SchedulerSpec(
         image=s.get("image"),
         image_pull_policy=s.get("imagePullPolicy"),
@@ -187,6 +200,7 @@ def parse_pool(name: str, namespace: str, spec: Mapping[str, Any]) -> PoolSpec:
         env=_tuple(s.get("env")),
         extra_args=tuple(str(x) for x in s.get("extraArgs") or ()),
     )
+    _check_env("scheduler.env", scheduler.env, c.SCHEDULER_ENV)
     autoscaling = AutoscalingSpec(
         enabled=bool(a.get("enabled", True)),
         scale_up_delay_s=int(a.get("scaleUpDelaySeconds", 10)),

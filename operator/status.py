@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Iterable, Mapping
 
 from lorafleet.operator.autoscale import History, Observation
+from lorafleet.operator.constants import COMPONENT_SCHEDULER
 
 
 def now_iso() -> str:
@@ -64,6 +65,12 @@ class PoolFacts:
     spec_error: str | None = None
     gpus_per_runner: int = 1
     apply_error: str | None = None  # why the API server refused the pool's objects, while it does
+    node_group_error: str | None = None  # why the node group could not be read (then it is not scaled)
+    replica_failures: Mapping[str, str] = field(default_factory=dict)  # component -> why its pods are refused
+
+
+POD_CREATION_FAILED = "PodCreationFailed"
+NODE_GROUP_UNAVAILABLE = "NodeGroupUnavailable"
 
 
 def pool_status(facts: PoolFacts, previous: Mapping[str, Any] | None, now: str) -> dict[str, Any]:
@@ -99,8 +106,11 @@ def pool_status(facts: PoolFacts, previous: Mapping[str, Any] | None, now: str) 
         status["message"] = facts.spec_error
         status["conditions"] = conds
         return status
+    refused = dict(facts.replica_failures or {})
     if facts.apply_error:
         ready = (False, "ApplyFailed", facts.apply_error)
+    elif not facts.scheduler_available and COMPONENT_SCHEDULER in refused:
+        ready = (False, POD_CREATION_FAILED, refused[COMPONENT_SCHEDULER])
     elif not facts.scheduler_available:
         ready = (False, "SchedulerStarting", "the scheduler Deployment has no available replica yet")
     elif obs is None:
@@ -111,6 +121,8 @@ def pool_status(facts: PoolFacts, previous: Mapping[str, Any] | None, now: str) 
         ready = (True, "Serving", f"{len(healthy)} runner(s) ready, {len(busy)} busy")
     if facts.apply_error:
         progressing = (False, "ApplyFailed", facts.apply_error)
+    elif refused:  # nothing starts until the cause is removed
+        progressing = (False, POD_CREATION_FAILED, "; ".join(refused.values()))
     elif starting:
         progressing = (True, "RunnersStarting", f"{starting} runner(s) starting")
     elif not facts.scheduler_available:
@@ -120,8 +132,12 @@ def pool_status(facts: PoolFacts, previous: Mapping[str, Any] | None, now: str) 
     unhealthy = [r.id for r in runners if not r.healthy]
     if facts.apply_error:
         degraded = (True, "ApplyFailed", facts.apply_error)
+    elif refused:
+        degraded = (True, POD_CREATION_FAILED, "; ".join(refused.values()))
     elif facts.scheduler_available and obs is None:
         degraded = (True, "SchedulerUnreachable", facts.scheduler_error or "the scheduler's admin API did not answer")
+    elif facts.node_group_error:
+        degraded = (True, NODE_GROUP_UNAVAILABLE, facts.node_group_error)
     elif unhealthy:
         degraded = (True, "UnhealthyRunners", f"unhealthy runner(s): {', '.join(sorted(unhealthy))}")
     else:

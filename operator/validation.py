@@ -42,8 +42,9 @@ class Verdict:
     base_model: str | None = None
 
     def status(self, previous: Mapping[str, Any] | None, *, generation: int | None, source: str | None,
-               now: str) -> dict[str, Any]:
-        """The adapter's new status (a merge patch: fields that no longer apply are None)."""
+               now: str, checked_against: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """The adapter's new status (a merge patch: fields that no longer apply are None).
+        `checked_against`: the pool settings the verdict was reached with (see `checked_against`)."""
         ready = self.phase == READY
         conds = set_condition((previous or {}).get("conditions"), "Ready", ready, self.reason, self.message,
                               now, generation)
@@ -57,6 +58,7 @@ class Verdict:
             "sizeBytes": self.size_bytes if ready else None,
             "baseModel": self.base_model if ready else None,
             "source": source,
+            "checkedAgainst": dict(checked_against) if checked_against else None,
             "observedGeneration": generation,
             "validatedAt": now,
             "conditions": conds,
@@ -93,6 +95,27 @@ def precheck(name: str, spec: Mapping[str, Any], pool_body: Mapping[str, Any] | 
             True,
         )
     return src, pool
+
+
+def checked_against(spec: Mapping[str, Any], pool_body: Mapping[str, Any] | None,
+                    namespace: str) -> dict[str, Any] | None:
+    """The pool settings an adapter's verdict depends on: the pool, its model and its maxLoraRank
+    (None while the pool is missing or its spec unusable: those verdicts are retried anyway)."""
+    pool_name = spec.get("pool")
+    if not pool_name or pool_body is None:
+        return None
+    try:
+        pool = parse_pool(str(pool_name), namespace, pool_body.get("spec") or {})
+    except SpecError:
+        return None
+    return {"pool": pool.name, "model": pool.model_source, "maxLoraRank": pool.runner.max_lora_rank}
+
+
+def pool_changed(status: Mapping[str, Any], against: Mapping[str, Any] | None) -> bool:
+    """Whether the pool settings changed since the adapter's last verdict (which then no longer holds:
+    a Ready adapter may not fit the new base model, a rank refused before may fit now)."""
+    before = status.get("checkedAgainst")
+    return bool(before) and dict(before) != dict(against or {})
 
 
 def recheck(spec: Mapping[str, Any], status: Mapping[str, Any], pool_body: Mapping[str, Any] | None,
@@ -165,7 +188,10 @@ async def validate_adapter(name: str, namespace: str, spec: Mapping[str, Any], p
     src, pool = checked
     if not src.remote:
         return await _ask_scheduler(admin, name, spec, "read it from its volume")
-    base = base_shape_from_status((pool_body or {}).get("status"))
+    pool_status = (pool_body or {}).get("status") or {}
+    # A shape learned from another model (the pool's model changed, the new one is not read yet) says nothing.
+    same_model = (pool_status.get("baseModel") or {}).get("source") in (None, pool.model_source)
+    base = base_shape_from_status(pool_status) if same_model else None
     verdict = await asyncio.get_running_loop().run_in_executor(
         executor, _inspect_remote, name, src.uri, spec.get("sha256"), base, pool.runner.max_lora_rank, fetch_timeout)
     if verdict.phase != READY or base is not None:
