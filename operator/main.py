@@ -110,10 +110,13 @@ async def pool_loop(stopped: kopf.DaemonStopped, body: kopf.Body, memo: kopf.Mem
         while not stopped and not ctx.closed:
             try:
                 await pool_ops.tick(ctx, body, logger)
-            except ApiError as exc:
-                logger.warning("pool look failed: %s", exc)
-            except Exception:  # keep the loop alive; the next round starts from the API again
-                logger.exception("pool look failed")
+            except Exception as exc:
+                if stopped or ctx.closed:  # the operator stopped (its clients closed) during the look: nothing to say
+                    return
+                if isinstance(exc, ApiError):
+                    logger.warning("pool look failed: %s", exc)
+                else:  # keep the loop alive; the next round starts from the API again
+                    logger.exception("pool look failed")
             await asyncio.sleep(ctx.config.sync_interval_s)
     except asyncio.CancelledError:
         return

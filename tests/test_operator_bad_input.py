@@ -16,7 +16,8 @@ import pytest
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "operator"))
-from opkit import TINY_CONFIG, running_operator, scheduler, test_config, wait_for, write_adapter  # noqa: E402,F401
+from opkit import (TINY_CONFIG, plane, running_operator, scheduler, test_config, wait_for,  # noqa: E402,F401
+                   write_adapter)
 
 from lorafleet.common.kubeclient import api_path  # noqa: E402
 from lorafleet.operator import constants as c  # noqa: E402
@@ -26,26 +27,6 @@ REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(180)
 
 NS = "ml"
-
-
-@pytest.fixture(scope="module")
-def plane(tmp_path_factory):
-    """etcd + kube-apiserver + kube-controller-manager with the project's CRDs and a namespace `ml`."""
-    sys.path.insert(0, str(REPO / "tests" / "envtest"))
-    from controlplane import ControlPlane, Unavailable
-
-    try:
-        cp = ControlPlane.start(tmp_path_factory.mktemp("kube"))
-    except Unavailable as exc:
-        pytest.skip(f"no Kubernetes control plane: {exc}")
-    try:
-        cp.kubectl("apply", "-f", str(REPO / "crds"))
-        cp.kubectl("wait", "--for=condition=Established", "crd/servingpools.lorafleet.dev",
-                   "crd/loraadapters.lorafleet.dev", "--timeout=60s")
-        cp.kubectl("create", "namespace", NS)
-        yield cp
-    finally:
-        cp.stop()
 
 
 @contextlib.asynccontextmanager

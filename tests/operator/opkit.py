@@ -176,6 +176,29 @@ TINY_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hi
                "_name_or_path": "tiny-llama"}
 
 
+@pytest.fixture(scope="module")
+def plane(tmp_path_factory):
+    """etcd + kube-apiserver + kube-controller-manager (`tests/envtest/controlplane.py`) with the project's CRDs and
+    a namespace `ml`; the test is skipped, with the reason, where there is no control plane."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "tests" / "envtest"))
+    from controlplane import ControlPlane, Unavailable
+
+    try:
+        cp = ControlPlane.start(tmp_path_factory.mktemp("kube"))
+    except Unavailable as exc:
+        pytest.skip(f"no Kubernetes control plane: {exc}")
+    try:
+        cp.kubectl("apply", "-f", str(REPO / "crds"))
+        cp.kubectl("wait", "--for=condition=Established", "crd/servingpools.lorafleet.dev",
+                   "crd/loraadapters.lorafleet.dev", "--timeout=60s")
+        cp.kubectl("create", "namespace", "ml")
+        yield cp
+    finally:
+        cp.stop()
+
+
 class FakeScheduler:
     """The admin API of docs/api.md, scripted by the test, plus static files under /files/."""
 

@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
-from pathlib import Path
 
 import pytest
 import yaml
-from opkit import REPO, running_operator, scheduler, test_config, wait_for  # noqa: F401  (fixtures)
+from opkit import REPO, plane, running_operator, scheduler, test_config, wait_for  # noqa: F401  (fixtures)
 
 from lorafleet.operator import constants as c
 from lorafleet.operator import validation
@@ -62,26 +60,6 @@ def test_an_adapter_source_urllib_cannot_parse_fails_as_an_invalid_source():
 
 
 # --- a real API server --------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def plane(tmp_path_factory):
-    """etcd + kube-apiserver + kube-controller-manager with the project's CRDs and a namespace `ml`."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "envtest"))
-    from controlplane import ControlPlane, Unavailable
-
-    try:
-        cp = ControlPlane.start(tmp_path_factory.mktemp("kube"))
-    except Unavailable as exc:
-        pytest.skip(f"no Kubernetes control plane: {exc}")
-    try:
-        cp.kubectl("apply", "-f", str(REPO / "crds"))
-        cp.kubectl("wait", "--for=condition=Established", "crd/servingpools.lorafleet.dev",
-                   "crd/loraadapters.lorafleet.dev", "--timeout=60s")
-        cp.kubectl("create", "namespace", "ml")
-        yield cp
-    finally:
-        cp.stop()
 
 
 def pool(name: str, **spec) -> dict:
