@@ -45,7 +45,7 @@ async def check(ctx: reconcile.Context, body: Any, pools: Mapping[Any, Any], *, 
     current = (status.get("phase") == validation.READY and status.get("source") == spec.get("source")
                and status.get("observedGeneration") in (None, generation))
     verdict = validation.recheck(spec, status, pool_body, namespace) if not full and current else None
-    if verdict is None and not full and current and not validation.pool_changed(status, against):
+    if verdict is None and not full and current and not validation.pool_changed(status, against, model_only=True):
         return None
     if verdict is None:
         admin = reconcile.admin_client(ctx, namespace, spec["pool"]) if pool_body else None

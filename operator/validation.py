@@ -111,11 +111,16 @@ def checked_against(spec: Mapping[str, Any], pool_body: Mapping[str, Any] | None
     return {"pool": pool.name, "model": pool.model_source, "maxLoraRank": pool.runner.max_lora_rank}
 
 
-def pool_changed(status: Mapping[str, Any], against: Mapping[str, Any] | None) -> bool:
+def pool_changed(status: Mapping[str, Any], against: Mapping[str, Any] | None, model_only: bool = False) -> bool:
     """Whether the pool settings changed since the adapter's last verdict (which then no longer holds:
-    a Ready adapter may not fit the new base model, a rank refused before may fit now)."""
-    before = status.get("checkedAgainst")
-    return bool(before) and dict(before) != dict(against or {})
+    a Ready adapter may not fit the new base model, a rank refused before may fit now). `model_only`: the pool or
+    its model only (a Ready adapter's rank against a changed maxLoraRank is `recheck`'s, without a fetch)."""
+    before = dict(status.get("checkedAgainst") or {})
+    now = dict(against or {})
+    if model_only:
+        before.pop("maxLoraRank", None)
+        now.pop("maxLoraRank", None)
+    return bool(before) and before != now
 
 
 def recheck(spec: Mapping[str, Any], status: Mapping[str, Any], pool_body: Mapping[str, Any] | None,
@@ -196,5 +201,8 @@ async def validate_adapter(name: str, namespace: str, spec: Mapping[str, Any], p
         executor, _inspect_remote, name, src.uri, spec.get("sha256"), base, pool.runner.max_lora_rank, fetch_timeout)
     if verdict.phase != READY or base is not None:
         return verdict
+    if not same_model:  # the runners still hold the old model until the new one's shape is read: wait for it
+        return Verdict(PENDING, "WaitingForBaseModel", f"waiting for the pool's new base model ({pool.model_source}) "
+                       "to be read before checking against it", True)
     # Files are fine but the base shape is unknown here (e.g. the model is on a PVC): ask a runner.
     return await _ask_scheduler(admin, name, spec, "check it against the base model")

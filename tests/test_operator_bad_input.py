@@ -249,3 +249,17 @@ async def test_a_ready_adapter_is_checked_again_when_its_pool_changes_model(plan
         assert st["reason"] == "InvalidAdapter" and "do not fit the base model" in st["message"], st
         await wait_for(lambda: events(plane, "r4", "InvalidAdapter"), 10, "the InvalidAdapter event")
         assert [e["reason"] for e in events(plane, "r4") if e["type"] == "Warning"] == ["InvalidAdapter"]
+
+
+def test_a_ready_adapter_is_fetched_again_for_a_new_model_not_for_a_new_rank_limit():
+    """A changed maxLoraRank is `recheck`'s for a Ready adapter (no fetch: a blip must not fail a served adapter);
+    a changed model or pool needs the full check; a status from before `checkedAgainst` existed is not a change."""
+    from lorafleet.operator import validation
+
+    was = {"checkedAgainst": {"pool": "p", "model": "hf://a/b", "maxLoraRank": 8}}
+    rank = {"pool": "p", "model": "hf://a/b", "maxLoraRank": 16}
+    model = {"pool": "p", "model": "hf://a/c", "maxLoraRank": 8}
+    assert validation.pool_changed(was, rank) and not validation.pool_changed(was, rank, model_only=True)
+    assert validation.pool_changed(was, model) and validation.pool_changed(was, model, model_only=True)
+    assert not validation.pool_changed(was, dict(was["checkedAgainst"]))
+    assert not validation.pool_changed({}, model)
