@@ -98,6 +98,19 @@ async def pool_deleted(name: str, namespace: str, memo: kopf.Memo, logger: Any, 
     await pool_ops.delete(_ctx(memo), name, namespace, logger)
 
 
+def _failed(what: str, exc: Exception, logger: Any, stopping: bool) -> bool:
+    """Log a daemon round's failure (called in its except block); False where the operator stopped during the round
+    (its clients closed under it): the daemon then ends without a word. Otherwise the loop goes on, its next round
+    starting from the API again."""
+    if stopping:
+        return False
+    if isinstance(exc, ApiError):
+        logger.warning("%s failed: %s", what, exc)
+    else:
+        logger.exception("%s failed", what)
+    return True
+
+
 @kopf.daemon(c.GROUP, c.VERSION, c.POOLS, cancellation_timeout=10.0)
 async def pool_loop(stopped: kopf.DaemonStopped, body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> None:
     """Every sync interval: status from the scheduler's view, autoscaling, periodic re-apply.
@@ -111,12 +124,8 @@ async def pool_loop(stopped: kopf.DaemonStopped, body: kopf.Body, memo: kopf.Mem
             try:
                 await pool_ops.tick(ctx, body, logger)
             except Exception as exc:
-                if stopped or ctx.closed:  # the operator stopped (its clients closed) during the look: nothing to say
+                if not _failed("pool look", exc, logger, bool(stopped) or ctx.closed):
                     return
-                if isinstance(exc, ApiError):
-                    logger.warning("pool look failed: %s", exc)
-                else:  # keep the loop alive; the next round starts from the API again
-                    logger.exception("pool look failed")
             await asyncio.sleep(ctx.config.sync_interval_s)
     except asyncio.CancelledError:
         return
@@ -151,10 +160,9 @@ async def adapter_loop(stopped: kopf.DaemonStopped, body: kopf.Body, memo: kopf.
             await asyncio.sleep(ctx.config.adapter_retry_s)
             try:
                 await adapters.retry(ctx, body, pools)
-            except ApiError as exc:
-                logger.warning("adapter re-check failed: %s", exc)
-            except Exception:
-                logger.exception("adapter re-check failed")
+            except Exception as exc:
+                if not _failed("adapter re-check", exc, logger, bool(stopped) or ctx.closed):
+                    return
     except asyncio.CancelledError:
         return
 
