@@ -21,20 +21,25 @@ def device(value: str) -> str:
 
 def lora_rank(value: str) -> int:
     """An integer LoRA rank in [1, MAX_LORA_RANK]."""
-    try:
-        rank = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+    rank = _integer(value)
     if not 1 <= rank <= MAX_LORA_RANK:
         raise argparse.ArgumentTypeError(f"a LoRA rank is between 1 and {MAX_LORA_RANK} (got {rank})")
     return rank
 
 
-def _integer(value: str) -> int:
+def _parsed(value: str, convert, noun: str):
     try:
-        return int(value)
+        return convert(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+        raise argparse.ArgumentTypeError(f"{value!r} is not {noun}") from None
+
+
+def _integer(value: str) -> int:
+    return _parsed(value, int, "an integer")
+
+
+def _number(value: str) -> float:
+    return _parsed(value, float, "a number")
 
 
 def positive_int(value: str) -> int:
@@ -51,13 +56,6 @@ def non_negative_int(value: str) -> int:
     if n < 0:
         raise argparse.ArgumentTypeError(f"must be at least 0 (got {n})")
     return n
-
-
-def _number(value: str) -> float:
-    try:
-        return float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
 
 
 def non_negative_float(value: str) -> float:
@@ -115,9 +113,7 @@ def model_dir(*files: str) -> Callable[[str], str]:
     line naming the directory and what it lacks. The value is returned as given."""
 
     def check(value: str) -> str:
-        path = Path(value)
-        if not path.is_dir():
-            raise argparse.ArgumentTypeError(f"{value} {'is not a directory' if path.exists() else 'does not exist'}")
+        path = existing_dir(value)
         missing = [f for f in files if not (path / f).is_file()]
         if missing:
             raise argparse.ArgumentTypeError(f"model directory {value} has no {' and no '.join(missing)}")
