@@ -35,7 +35,8 @@ async def check(ctx: reconcile.Context, body: Any, pools: Mapping[Any, Any], *, 
     """The adapter's new status, or None when nothing changes.
 
     `full` checks the files again; otherwise a Ready adapter for its current spec is only
-    re-checked against its pool (cheap, no I/O), unless the pool's model or maxLoraRank changed.
+    re-checked against its pool (cheap, no I/O: a changed maxLoraRank against its rank), unless the pool's
+    model changed since the verdict or is not known (a verdict from before `checkedAgainst`: checked once more).
     """
     meta, spec, status = body["metadata"], body.get("spec") or {}, dict(body.get("status") or {})
     name, namespace = meta["name"], meta["namespace"]

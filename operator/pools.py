@@ -109,28 +109,26 @@ async def tick(ctx: reconcile.Context, body: Any, logger: Any) -> None:
     current = await reconcile.look(ctx, pool, admin)
     history = History.from_status(status.get("autoscaler"))
     try:
-        history, actions, decision = await reconcile.autoscale(ctx, pool, admin, current, history, time.time())
+        done = await reconcile.autoscale(ctx, pool, admin, current, history, time.time())
     except SchedulerUnavailable as exc:
-        actions, decision = [], None
+        done = reconcile.Round(history, [], None, current.node_group_replicas, current.node_group_error)
         logger.warning("autoscaler: %s", exc)
-    for action in actions:
+    for action in done.actions:
         kopf.info(body, reason="Autoscaled", message=action)
-    nodes = current.node_group_replicas
-    if decision is not None and decision.node_group_replicas is not None and nodes is not None:
-        nodes = decision.node_group_replicas  # (a node group that could not be read was not scaled)
+    reconcile.note_node_group_error(ctx, pool, done.node_group_error)
     facts = PoolFacts(
         generation=meta.get("generation"),
-        replicas=decision.replicas if decision else current.replicas,
+        replicas=done.decision.replicas if done.decision else current.replicas,
         observation=current.observation,
         scheduler_available=current.scheduler_available,
         scheduler_error=current.scheduler_error,
         endpoint=builders.endpoint_url(pool),
         ingress_url=builders.ingress_url(pool),
-        history=history,
-        node_group_replicas=nodes,
+        history=done.history,
+        node_group_replicas=done.node_group_replicas,  # what the group holds, not a target it did not take
         gpus_per_runner=pool.runner.gpus,
         apply_error=ctx.apply_errors.get((namespace, name)),
-        node_group_error=current.node_group_error,
+        node_group_error=done.node_group_error,
         replica_failures=current.replica_failures,
     )
     new = pool_status(facts, status, now_iso())

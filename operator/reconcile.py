@@ -14,6 +14,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, Callable, Mapping
 
 import aiohttp
@@ -44,7 +45,7 @@ class Context:
     credentials: Credentials
     last_apply: dict[tuple[str, str], float] = field(default_factory=dict)
     apply_errors: dict[tuple[str, str], str] = field(default_factory=dict)  # pool -> why the API refused its objects
-    node_group_errors: dict[tuple[str, str], str] = field(default_factory=dict)  # pool -> why its node group is unread
+    node_group_errors: dict[tuple[str, str], str] = field(default_factory=dict)  # pool -> its node group error
     locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
     shape_failures: dict[str, float] = field(default_factory=dict)  # model source -> when reading it failed
     shape_reads: dict[str, asyncio.Task] = field(default_factory=dict)  # model source -> the read under way
@@ -275,6 +276,47 @@ def _pod_ready(pod: Mapping[str, Any]) -> bool:
     return any(x.get("type") == "Ready" and x.get("status") == "True" for x in conds)
 
 
+def _time(value: Any) -> datetime | None:
+    """An API server time (RFC 3339, "...Z"), or None."""
+    try:
+        return datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+    except ValueError:
+        return None
+
+
+def _up_since_start(pod: Mapping[str, Any]) -> bool:
+    """Whether the pod has been Ready since its containers last started (Ready now, or failing its readiness probe
+    now after passing it: it may hold requests). Its Ready condition is False from before the containers start until
+    they first pass the probe, and its lastTransitionTime moves only when its status does, so a False that began
+    after the last container start follows a True. A container not running (restarting, crashed) holds nothing."""
+    status = pod.get("status") or {}
+    ready = next((x for x in status.get("conditions") or () if x.get("type") == "Ready"), None)
+    if ready is None or ready.get("status") == "True":
+        return ready is not None
+    starts = [_time(((x.get("state") or {}).get("running") or {}).get("startedAt"))
+              for x in status.get("containerStatuses") or ()]
+    if not starts or None in starts:
+        return False
+    since = _time(ready.get("lastTransitionTime"))
+    return since is None or since > max(starts)  # (a time that does not parse: taken as up, never cut blind)
+
+
+_PHASES = {"Pending": 0, "Unknown": 1, "Running": 2}  # the order in which the ReplicaSet removes pods
+
+
+def never_ready(pods: list[dict]) -> tuple[str, ...]:
+    """The runner pods not Ready since their runner (re)started: they have served no request. In the order the
+    ReplicaSet removes pods: unscheduled first, then Pending before Running, then newest first."""
+
+    def phase(pod: Mapping[str, Any]) -> str:
+        return (pod.get("status") or {}).get("phase") or "Pending"
+
+    fresh = [p for p in pods if phase(p) in _PHASES and not _up_since_start(p)]  # (finished pods are no replicas)
+    fresh.sort(key=lambda p: str(p["metadata"].get("creationTimestamp") or ""), reverse=True)
+    fresh.sort(key=lambda p: (bool((p.get("spec") or {}).get("nodeName")), _PHASES[phase(p)]))
+    return tuple(p["metadata"]["name"] for p in fresh)
+
+
 async def runner_pods(ctx: Context, pool: PoolSpec) -> list[dict]:
     listing = await ctx.kube.list("v1", "pods", pool.namespace, label_selector=c.label_selector(pool.name, c.COMPONENT_RUNNER))
     want = c.selector_labels(pool.name, c.COMPONENT_RUNNER)
@@ -343,13 +385,6 @@ async def look(ctx: Context, pool: PoolSpec, admin: AdminClient | None) -> Look:
         ng = pool.node_group
         assert ng is not None
         nodes_error = f"node group {ng.kind}/{ng.name} cannot be read: {exc.message or exc}"
-    key = (pool.namespace, pool.name)
-    if nodes_error is not None and ctx.node_group_errors.get(key) != nodes_error:
-        log.warning("pool %s/%s: %s", pool.namespace, pool.name, nodes_error)  # once per distinct error
-    if nodes_error is None:
-        ctx.node_group_errors.pop(key, None)
-    else:
-        ctx.node_group_errors[key] = nodes_error
     state, error = None, None
     if admin is not None:
         try:
@@ -359,7 +394,8 @@ async def look(ctx: Context, pool: PoolSpec, admin: AdminClient | None) -> Look:
     obs = None
     if state is not None:
         obs = Observation.from_state(state, replicas=replicas, pods=names, ready_pods=ready,
-                                     terminating=len(pods) - len(alive), node_group_replicas=nodes)
+                                     never_ready=never_ready(alive), terminating=len(pods) - len(alive),
+                                     node_group_replicas=nodes)
     return Look(replicas, obs, available, error, nodes, runner is not None, nodes_error, failures)
 
 
@@ -369,7 +405,7 @@ async def scale_runners(ctx: Context, pool: PoolSpec, replicas: int) -> None:
 
 
 async def act(ctx: Context, pool: PoolSpec, admin: AdminClient, decision: Decision, current: Look) -> list[str]:
-    """Carry out a decision in a safe order; return one line per action taken."""
+    """Carry out a decision's runner changes in a safe order; return one line per action taken."""
     done = []
     for rid in decision.undrain:
         await admin.undrain(rid)
@@ -390,57 +426,84 @@ async def act(ctx: Context, pool: PoolSpec, admin: AdminClient, decision: Decisi
         await scale_runners(ctx, pool, replicas)
         what = f" (removing {', '.join(removed)})" if removed else ""
         done.append(f"runners {current.replicas} -> {replicas}{what}")
-    ng = pool.node_group
-    # A node group that could not be read is not scaled blind (the status says why).
-    if ng is not None and decision.node_group_replicas is not None and current.node_group_replicas is not None:
-        if await scale_node_group(ctx, pool, decision.node_group_replicas):
-            done.append(f"node group {ng.kind}/{ng.name}: {current.node_group_replicas} -> "
-                        f"{decision.node_group_replicas}")
     return done
 
 
-async def scale_node_group(ctx: Context, pool: PoolSpec, replicas: int) -> bool:
-    """Set the node group's replicas; False when it is gone."""
-    ng = pool.node_group
-    assert ng is not None
-    plural = await ctx.kube.plural_of(ng.api_version, ng.kind)
-    done = await ctx.kube.patch(ng.api_version, plural, ng.name, {"spec": {"replicas": replicas}},
-                                ng.namespace or pool.namespace, subresource="scale")
-    return done is not None
+@dataclass(frozen=True)
+class Round:
+    """One autoscaler round: the new history, one line per action, the decision (None where only the lower bounds
+    were kept), and the node group as known after it: its replicas (None: no node group, or not known) and why it
+    could not be read or scaled (None when it could)."""
+
+    history: History
+    actions: list[str]
+    decision: Decision | None
+    node_group_replicas: int | None
+    node_group_error: str | None = None
 
 
-async def keep_node_floor(ctx: Context, pool: PoolSpec, runners: int, current: Look) -> list[str]:
-    """Raise the node group to what the spec alone asks for (see autoscale.node_floor); never lowers it."""
+async def scale_node_group(ctx: Context, pool: PoolSpec, current: Look, target: int | None,
+                           why: str = "") -> tuple[list[str], int | None, str | None]:
+    """Set the node group's replicas to `target` (None: leave it; a group that could not be read is never scaled
+    blind). Returns the action taken, and the group as known after: `target` once set; when setting it failed, no
+    target but what the look read (None when the group is gone), and why."""
+    ng, have = pool.node_group, current.node_group_replicas
+    if ng is None or target is None or have is None or target == have:
+        return [], have, current.node_group_error
+    where = ng.namespace or pool.namespace
+    try:
+        plural = await ctx.kube.plural_of(ng.api_version, ng.kind)
+        done = await ctx.kube.patch(ng.api_version, plural, ng.name, {"spec": {"replicas": target}}, where,
+                                    subresource="scale")
+    except ApiError as exc:
+        gone, error = exc.status == 404, exc.message or str(exc)
+    else:
+        if done is not None:
+            return [f"node group {ng.kind}/{ng.name}: {have} -> {target}{why}"], target, None
+        gone, error = True, f"{ng.kind} {where}/{ng.name} not found"  # it went since the look
+    return [], None if gone else have, f"node group {ng.kind}/{ng.name} cannot be scaled: {error}"
+
+
+def floor_target(pool: PoolSpec, runners: int, current: Look) -> tuple[int | None, str]:
+    """The node group's target from the spec alone (autoscale.node_floor; None: it holds that already, it is never
+    lowered here, or it could not be read), and the words that say why."""
     floor = node_floor(Policy.from_pool(pool), runners)
     have = current.node_group_replicas
-    if floor is None or have is None or have >= floor:
-        return []
-    ng = pool.node_group
-    assert ng is not None
-    if not await scale_node_group(ctx, pool, floor):
-        return []
-    return [f"node group {ng.kind}/{ng.name}: {have} -> {floor} (its minimum for {runners} runner(s))"]
+    target = floor if floor is not None and have is not None and have < floor else None
+    return target, f" (its minimum for {runners} runner(s))"
 
 
 async def autoscale(ctx: Context, pool: PoolSpec, admin: AdminClient | None, current: Look,
-                    history: History, now: float) -> tuple[History, list[str], Decision | None]:
-    """One autoscaler round: decide from the look, act, return the new history and actions."""
+                    history: History, now: float) -> Round:
+    """One autoscaler round: decide from the look, act, scale the node group; what happened and is known after."""
     exists = current.runner_deployment_exists
+    actions: list[str] = []
+    decision = None
     if not pool.autoscaling.enabled:
-        actions = []
         if exists and current.replicas != pool.min_runners:  # a fixed pool runs exactly minRunners
             await scale_runners(ctx, pool, pool.min_runners)
             actions.append(f"runners {current.replicas} -> {pool.min_runners} (autoscaling off)")
-        actions += await keep_node_floor(ctx, pool, pool.min_runners, current)
-        return history, actions, None
-    if current.observation is None or admin is None or not exists:
+        target, why = floor_target(pool, pool.min_runners, current)
+    elif current.observation is None or admin is None or not exists:
         # Without the scheduler's view only the lower bounds are kept (removing needs a drain first).
-        actions = []
         if exists and current.replicas < pool.min_runners:
             await scale_runners(ctx, pool, pool.min_runners)
             actions.append(f"runners {current.replicas} -> {pool.min_runners} (minRunners)")
-        actions += await keep_node_floor(ctx, pool, max(current.replicas, pool.min_runners), current)
-        return history, actions, None
-    decision = decide(current.observation, Policy.from_pool(pool), history, now)
-    actions = await act(ctx, pool, admin, decision, current)
-    return decision.history, actions, decision
+        target, why = floor_target(pool, max(current.replicas, pool.min_runners), current)
+    else:
+        decision = decide(current.observation, Policy.from_pool(pool), history, now)
+        actions = await act(ctx, pool, admin, decision, current)
+        history, target, why = decision.history, decision.node_group_replicas, ""
+    scaled, nodes, error = await scale_node_group(ctx, pool, current, target, why)
+    return Round(history, actions + scaled, decision, nodes, error)
+
+
+def note_node_group_error(ctx: Context, pool: PoolSpec, error: str | None) -> None:
+    """Log why a pool's node group cannot be read or scaled, once per distinct reason (the status says it too)."""
+    key = (pool.namespace, pool.name)
+    if error is not None and ctx.node_group_errors.get(key) != error:
+        log.warning("pool %s/%s: %s", pool.namespace, pool.name, error)
+    if error is None:
+        ctx.node_group_errors.pop(key, None)
+    else:
+        ctx.node_group_errors[key] = error

@@ -65,7 +65,7 @@ class PoolFacts:
     spec_error: str | None = None
     gpus_per_runner: int = 1
     apply_error: str | None = None  # why the API server refused the pool's objects, while it does
-    node_group_error: str | None = None  # why the node group could not be read (then it is not scaled)
+    node_group_error: str | None = None  # why the node group could not be read (then not scaled) or scaled
     replica_failures: Mapping[str, str] = field(default_factory=dict)  # component -> why its pods are refused
 
 

@@ -114,13 +114,18 @@ def checked_against(spec: Mapping[str, Any], pool_body: Mapping[str, Any] | None
 def pool_changed(status: Mapping[str, Any], against: Mapping[str, Any] | None, model_only: bool = False) -> bool:
     """Whether the pool settings changed since the adapter's last verdict (which then no longer holds:
     a Ready adapter may not fit the new base model, a rank refused before may fit now). `model_only`: the pool or
-    its model only (a Ready adapter's rank against a changed maxLoraRank is `recheck`'s, without a fetch)."""
-    before = dict(status.get("checkedAgainst") or {})
+    its model only (a Ready adapter's rank against a changed maxLoraRank is `recheck`'s, without a fetch).
+
+    A verdict without `checkedAgainst` (reached by an operator from before the field) was reached against a pool
+    unknown now, so it counts as changed: the adapter is checked once more, and its new verdict records the pool."""
+    if not status.get("checkedAgainst"):
+        return True
+    before = dict(status["checkedAgainst"])
     now = dict(against or {})
     if model_only:
         before.pop("maxLoraRank", None)
         now.pop("maxLoraRank", None)
-    return bool(before) and before != now
+    return before != now
 
 
 def recheck(spec: Mapping[str, Any], status: Mapping[str, Any], pool_body: Mapping[str, Any] | None,

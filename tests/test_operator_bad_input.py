@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import json
 import sys
+import urllib.parse
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -16,11 +17,12 @@ import pytest
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "operator"))
-from opkit import (TINY_CONFIG, plane, running_operator, scheduler, test_config, wait_for,  # noqa: E402,F401
-                   write_adapter)
+from opkit import (TINY_CONFIG, plane, running_operator, runner_state, scheduler, test_config,  # noqa: E402,F401
+                   wait_for, write_adapter)
 
 from lorafleet.common.kubeclient import api_path  # noqa: E402
 from lorafleet.operator import constants as c  # noqa: E402
+from lorafleet.operator import pools, reconcile  # noqa: E402
 from lorafleet.operator.spec import SpecError, parse_pool  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -214,7 +216,126 @@ async def test_lowering_max_runners_removes_runners_that_never_came_up(plane, sc
         await wait_for(lambda: events(plane, "cap", "Autoscaled"), 10, "the Autoscaled event")
         await asyncio.sleep(1.0)  # (more looks of the pool: nothing else to do)
         said = [e["message"] for e in events(plane, "cap", "Autoscaled")]
-        assert said == ["runners 3 -> 1"], said
+        assert len(said) == 1 and said[0].startswith("runners 3 -> 1"), said
+
+
+def runner_pods(plane, pool_name: str) -> list[dict]:
+    """The pool's runner pods that are not being deleted, by name."""
+    query = urllib.parse.quote(c.label_selector(pool_name, c.COMPONENT_RUNNER))
+    items = (plane.get(f"/api/v1/namespaces/{NS}/pods?labelSelector={query}") or {}).get("items") or ()
+    return sorted((p for p in items if not p["metadata"].get("deletionTimestamp")), key=lambda p: p["metadata"]["name"])
+
+
+def play_kubelet(plane, pod: dict, ready: bool, ready_since: str) -> None:
+    """The status a kubelet writes: the runner container started at 10:00:00, its Ready condition as given."""
+    started = "2026-01-01T10:00:00Z"
+    ctr = pod["spec"]["containers"][0]
+    status = {"phase": "Running", "startTime": started,
+              "conditions": [{"type": "Ready", "status": str(ready), "lastTransitionTime": ready_since}],
+              "containerStatuses": [{"name": ctr["name"], "image": ctr["image"], "imageID": "", "ready": ready,
+                                     "restartCount": 0, "started": True, "state": {"running": {"startedAt": started}}}]}
+    plane.request("PATCH", api_path("v1", "pods", NS, pod["metadata"]["name"], "status"), {"status": status})
+
+
+async def test_lowering_max_runners_drains_a_runner_that_was_up_and_fails_its_readiness_probe_now(plane, scheduler,
+                                                                                                  monkeypatch):
+    """One runner is Ready and busy, one passed its readiness probe and fails it now (under load: it still holds
+    requests), one never came up. Lowered to one runner, only the last goes at once; the others are drained."""
+    def replicas() -> int | None:
+        return ((get(plane, "deployments", "lapse-runner", "apps/v1") or {}).get("spec") or {}).get("replicas")
+
+    async with operating(plane, scheduler, monkeypatch):
+        apply(plane, pool("lapse", minRunners=3, maxRunners=4))
+        await wait_for(lambda: len(runner_pods(plane, "lapse")) == 3, 30, "three runner pods")
+        up, lapsed, fresh = runner_pods(plane, "lapse")
+        play_kubelet(plane, up, True, "2026-01-01T10:01:00Z")
+        play_kubelet(plane, lapsed, False, "2026-01-01T10:30:00Z")  # after it passed the probe
+        up_name, lapsed_name, fresh_name = (p["metadata"]["name"] for p in (up, lapsed, fresh))
+        scheduler.state = {"runners": [runner_state(up_name, batch=3)], "queue_length": 0}
+        merge(plane, "servingpool", "lapse", {"spec": {"minRunners": 1, "maxRunners": 1}})
+        await wait_for(lambda: ("POST", f"/admin/runners/{up_name}/drain") in scheduler.calls, 30, "the drain")
+        await wait_for(lambda: [p["metadata"]["name"] for p in runner_pods(plane, "lapse")] == [up_name, lapsed_name],
+                       30, "the runner that never came up gone")
+        await asyncio.sleep(1.0)  # (more looks of the pool)
+        assert replicas() == 2
+        assert [p["metadata"]["name"] for p in runner_pods(plane, "lapse")] == [up_name, lapsed_name]
+        said = [e["message"] for e in events(plane, "lapse", "Autoscaled")]
+        assert f"runners 3 -> 2 (removing {fresh_name})" in said, said
+
+
+# --- node groups that fail between the look and the scale ---------------------------------------
+
+
+async def test_a_node_group_gone_before_it_is_scaled_is_reported_never_its_target(plane, scheduler, monkeypatch):
+    plane.kubectl("create", "deployment", "gone-nodes", "--image=registry.k8s.io/pause:3.9", "--replicas=0", "-n", NS)
+    look, write, written = reconcile.look, pools.patch_status, []
+
+    async def look_then_delete(ctx, spec, admin):  # the node group goes right after the pool's look read it
+        current = await look(ctx, spec, admin)
+        if spec.name == "vanish" and current.node_group_replicas is not None:
+            plane.kubectl("delete", "deployment", "gone-nodes", "-n", NS, "--wait=false")
+        return current
+
+    async def recorded(ctx, plural, name, namespace, old, new):
+        if (plural, name) == (c.POOLS, "vanish"):
+            written.append(new)
+        await write(ctx, plural, name, namespace, old, new)
+
+    monkeypatch.setattr(reconcile, "look", look_then_delete)
+    monkeypatch.setattr(pools, "patch_status", recorded)
+    async with operating(plane, scheduler, monkeypatch):
+        apply(plane, pool("vanish", nodeGroup={"apiVersion": "apps/v1", "kind": "Deployment", "name": "gone-nodes",
+                                               "gpusPerNode": 1}))
+        await wait_for(lambda: condition(plane, "vanish", "Degraded").get("reason") == "NodeGroupUnavailable", 30,
+                       "Degraded (NodeGroupUnavailable)")
+        await asyncio.sleep(1.0)  # (more looks of the pool)
+        # The status written right after the failed scale already says it, and never shows the target (1 node).
+        first = next(st for st in written if st.get("nodeGroupReplicas") != 0)
+        degraded = next(x for x in first["conditions"] if x["type"] == "Degraded")
+        assert (first["nodeGroupReplicas"], degraded["status"], degraded["reason"]) == \
+            (None, "True", "NodeGroupUnavailable"), first
+        assert degraded["message"] == "node group Deployment/gone-nodes cannot be scaled: Deployment ml/gone-nodes " \
+            "not found", degraded
+        assert all(st.get("nodeGroupReplicas") in (0, None) for st in written), written
+        assert not any("node group" in e["message"] for e in events(plane, "vanish", "Autoscaled"))
+        assert len(events(plane, "vanish", "NodeGroupUnavailable")) == 1
+
+
+async def test_a_node_group_whose_scale_is_refused_is_reported_with_what_it_holds(plane, scheduler, monkeypatch):
+    plane.kubectl("create", "deployment", "frozen-nodes", "--image=registry.k8s.io/pause:3.9", "--replicas=0",
+                  "-n", NS)
+    admission = "admissionregistration.k8s.io/v1"
+    refuse = {"apiVersion": admission, "kind": "ValidatingAdmissionPolicy", "metadata": {"name": "frozen-nodes"},
+              "spec": {"failurePolicy": "Fail",
+                       "matchConstraints": {"resourceRules": [{"apiGroups": ["apps"], "apiVersions": ["v1"],
+                                                               "operations": ["UPDATE"],
+                                                               "resources": ["deployments/scale"]}]},
+                       "validations": [{"expression": "object.metadata.name != 'frozen-nodes'",
+                                        "message": "frozen-nodes keeps its size"}]}}
+    binding = {"apiVersion": admission, "kind": "ValidatingAdmissionPolicyBinding",
+               "metadata": {"name": "frozen-nodes"},
+               "spec": {"policyName": "frozen-nodes", "validationActions": ["Deny"]}}
+    apply(plane, refuse, binding)
+    try:
+        await wait_for(lambda: "keeps its size" in plane.kubectl("scale", "deployment/frozen-nodes", "--replicas=1",
+                                                                 "-n", NS, "--dry-run=server", check=False),
+                       30, "the admission policy in force")
+        async with operating(plane, scheduler, monkeypatch):
+            apply(plane, pool("frozen", nodeGroup={"apiVersion": "apps/v1", "kind": "Deployment",
+                                                   "name": "frozen-nodes", "gpusPerNode": 1}))
+            degraded = await wait_for(lambda: condition(plane, "frozen", "Degraded").get("reason")
+                                      == "NodeGroupUnavailable" and condition(plane, "frozen", "Degraded"), 30,
+                                      "Degraded (NodeGroupUnavailable)")
+            assert degraded["message"].startswith("node group Deployment/frozen-nodes cannot be scaled: "), degraded
+            assert "frozen-nodes keeps its size" in degraded["message"], degraded
+            await asyncio.sleep(1.5)  # several looks and refused scales
+            assert get(plane, c.POOLS, "frozen")["status"]["nodeGroupReplicas"] == 0  # what it holds, not 1
+            assert not any("node group" in e["message"] for e in events(plane, "frozen", "Autoscaled"))
+            assert len(events(plane, "frozen", "NodeGroupUnavailable")) == 1
+    finally:
+        plane.kubectl("delete", "validatingadmissionpolicybinding/frozen-nodes",
+                      "validatingadmissionpolicy/frozen-nodes")
+        plane.kubectl("delete", "deployment", "frozen-nodes", "-n", NS, "--ignore-not-found")
 
 
 # --- adapters follow their pool ------------------------------------------------------------------
@@ -251,9 +372,51 @@ async def test_a_ready_adapter_is_checked_again_when_its_pool_changes_model(plan
         assert [e["reason"] for e in events(plane, "r4") if e["type"] == "Warning"] == ["InvalidAdapter"]
 
 
+async def test_verdicts_from_before_checked_against_are_checked_once_more_against_their_pool(plane, scheduler,
+                                                                                              monkeypatch):
+    """An operator from before `status.checkedAgainst` left verdicts without it, and a pool changed its model
+    meanwhile: the pool each verdict was reached against is unknown, so each adapter is checked once more (the one
+    whose pool changed fails), then carries `checkedAgainst` and is not fetched again."""
+    files = scheduler.files
+    for name in ("kept", "moved"):
+        write_adapter(files / "loras" / name, rank=4)
+    (files / "models" / "wide").mkdir()
+    (files / "models" / "wide" / "config.json").write_text(json.dumps({**TINY_CONFIG, "hidden_size": 32,
+                                                                       "_name_or_path": "wide-llama"}))
+    base = f"{scheduler.url}/files"
+    tiny = {"source": f"{base}/models/tiny"}
+    monkeypatch.setenv("KUBECONFIG", str(plane.kubeconfig))
+    async with running_operator(test_config(scheduler)):
+        apply(plane, pool("kept", model=tiny), pool("moved", model=tiny),
+              adapter("old-kept", f"{base}/loras/kept", "kept"), adapter("old-moved", f"{base}/loras/moved", "moved"))
+        for name in ("old-kept", "old-moved"):
+            await phase(plane, name, "Ready")
+    # What the older operator left behind: no checkedAgainst; and a pool changed its model while it ran.
+    for name in ("old-kept", "old-moved"):
+        plane.request("PATCH", api_path(c.API_VERSION, c.ADAPTERS, NS, name, "status"),
+                      {"status": {"checkedAgainst": None}})
+        assert "checkedAgainst" not in adapter_status(plane, name)
+    merge(plane, "servingpool", "moved", {"spec": {"model": {"source": f"{base}/models/wide"}}})
+
+    def fetches() -> int:
+        return sum(1 for path in scheduler.fetched if path.startswith("/files/loras/"))
+
+    async with operating(plane, scheduler, monkeypatch):
+        st = await phase(plane, "old-moved", "Failed")
+        assert st["reason"] == "InvalidAdapter" and "do not fit the base model" in st["message"], st
+        assert st["checkedAgainst"] == {"pool": "moved", "model": f"{base}/models/wide", "maxLoraRank": 64}, st
+        kept = await wait_for(lambda: adapter_status(plane, "old-kept").get("checkedAgainst")
+                              and adapter_status(plane, "old-kept"), 30, "old-kept checked once more")
+        assert kept["phase"] == "Ready" and kept["checkedAgainst"]["model"] == f"{base}/models/tiny", kept
+        seen = fetches()
+        await asyncio.sleep(1.5)  # five rounds of the adapters' loop
+        assert fetches() == seen  # no storm: checked once, then as any adapter
+
+
 def test_a_ready_adapter_is_fetched_again_for_a_new_model_not_for_a_new_rank_limit():
     """A changed maxLoraRank is `recheck`'s for a Ready adapter (no fetch: a blip must not fail a served adapter);
-    a changed model or pool needs the full check; a status from before `checkedAgainst` existed is not a change."""
+    a changed model or pool needs the full check; a verdict from before `checkedAgainst` existed was reached against
+    a pool unknown now, which is a change too (once: the new verdict carries `checkedAgainst`)."""
     from lorafleet.operator import validation
 
     was = {"checkedAgainst": {"pool": "p", "model": "hf://a/b", "maxLoraRank": 8}}
@@ -262,4 +425,10 @@ def test_a_ready_adapter_is_fetched_again_for_a_new_model_not_for_a_new_rank_lim
     assert validation.pool_changed(was, rank) and not validation.pool_changed(was, rank, model_only=True)
     assert validation.pool_changed(was, model) and validation.pool_changed(was, model, model_only=True)
     assert not validation.pool_changed(was, dict(was["checkedAgainst"]))
-    assert not validation.pool_changed({}, model)
+    for before in ({}, {"phase": "Ready", "rank": 4}, {"checkedAgainst": None}):
+        assert validation.pool_changed(before, model) and validation.pool_changed(before, model, model_only=True)
+        assert validation.pool_changed(before, None)
+    verdict = validation.Verdict(validation.READY, "Validated", "files read", rank=4)
+    after = verdict.status({"phase": "Ready", "rank": 4}, generation=1, source="hf://x/y", now="t",
+                           checked_against=model)
+    assert not validation.pool_changed(after, model) and not validation.pool_changed(after, model, model_only=True)

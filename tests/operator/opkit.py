@@ -208,6 +208,7 @@ class FakeScheduler:
         self.validate: Callable[[dict], tuple[int, dict]] = lambda body: (503, {"error": "no healthy runner"})
         self.models: Callable[[], list[str]] = lambda: []
         self.calls: list[tuple[str, str]] = []
+        self.fetched: list[str] = []  # paths of the static files served
         self.tokens: set[str] = set()
         self.url = ""
         self.key_file: Path | None = None  # the operator's credentials key (see test_config)
@@ -239,8 +240,14 @@ class FakeScheduler:
         self.calls.append((request.method, request.path))
         return aiohttp.web.json_response({"object": "list", "data": [{"id": m, "object": "model"} for m in self.models()]})
 
+    @aiohttp.web.middleware
+    async def record_files(self, request, handler):
+        if request.path.startswith("/files/"):
+            self.fetched.append(request.path)
+        return await handler(request)
+
     def app(self) -> aiohttp.web.Application:
-        app = aiohttp.web.Application()
+        app = aiohttp.web.Application(middlewares=[self.record_files])
         app.router.add_get("/admin/state", self.get_state)
         app.router.add_post("/admin/runners/{id}/{verb:drain|undrain}", self.drain)
         app.router.add_post("/admin/adapters/validate", self.validate_adapter)
