@@ -20,7 +20,8 @@ class KernelChoices:
         head), 1 (always) or 0 (never).
     decode_kernel: the decode rows' attention kernel on CUDA: flashinfer's, or the project's own (csrc/decode_attn.cu,
         lorafleet: the K/V pages read once at their byte cost, bf16 / fp16 or e4m3; head sizes 64, 128 and 256 with at
-        most 8 query heads per K/V head, flashinfer's elsewhere).
+        most 8 query heads per K/V head, flashinfer's elsewhere); auto: the project's own for e4m3 pages where each
+        K/V head serves one query head (decode_kernel.preferred), flashinfer's elsewhere.
     sgmv: auto (the CUDA kernels on CUDA, torch elsewhere), cuda or torch.
     sgmv_fused: steps with prompt rows launch a LoRA group below the tensor-core thresholds as one fused
         launch (auto: the measured default; 1) or two (0); the bits are the same.
@@ -87,7 +88,7 @@ class KernelChoices:
     attention: str = "auto"
     prefill: str = "auto"
     decode_tc: str = "auto"
-    decode_kernel: str = "flashinfer"
+    decode_kernel: str = "auto"
     sgmv: str = "auto"
     sgmv_fused: str = "auto"
     mma_rows: tuple[tuple[int, int], ...] = ((129, 129), (512, 512), (129, 129), (512, 512))
@@ -121,7 +122,7 @@ class KernelChoices:
 
     def __post_init__(self):
         for name, ok in (("attention", ("auto", "flashinfer", "torch")), ("prefill", ("auto", "fa2", "fa3")),
-                         ("decode_tc", ("auto", "1", "0")), ("decode_kernel", ("flashinfer", "lorafleet")),
+                         ("decode_tc", ("auto", "1", "0")), ("decode_kernel", ("auto", "flashinfer", "lorafleet")),
                          ("sgmv", ("auto", "cuda", "torch")), ("sgmv_fused", ("auto", "1", "0")),
                          ("lora_branch", LORA_BRANCH_CHOICES)):
             if getattr(self, name) not in ok:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from lorafleet.runner.config import KernelChoices
 from lorafleet.runner.executor.attention import decode_kernel as dk
@@ -27,6 +28,17 @@ def cfg(heads, kv_heads, head_dim):
 ])
 def test_supported_shapes(shape, ok):
     assert dk.supported(cfg(*shape)) is ok
+
+
+@pytest.mark.parametrize("shape, kv_dtype, ok", [
+    ((32, 32, 128), torch.float8_e4m3fn, True),   # Llama-2-7B, FP8 pages: measured faster at every context
+    ((32, 32, 128), torch.bfloat16, False),       # bf16 pages: flashinfer's was faster
+    ((64, 8, 128), torch.float8_e4m3fn, False),   # grouped heads: flashinfer's tensor-core decode
+    ((28, 4, 128), torch.float8_e4m3fn, False),   # groups of 2-7: not measured
+    ((32, 32, 96), torch.float8_e4m3fn, False),   # a head size the kernel lacks
+])
+def test_auto_takes_the_kernel_only_where_it_was_measured_faster(shape, kv_dtype, ok):
+    assert dk.preferred(cfg(*shape), kv_dtype) is ok
 
 
 def test_workers_fill_the_gpu_within_the_chunks():
@@ -51,7 +63,7 @@ def test_workspace_holds_every_chunk_of_every_row():
 
 
 def test_the_choice_is_validated():
-    assert KernelChoices().decode_kernel == "flashinfer"
+    assert KernelChoices().decode_kernel == "auto"
     assert "decode_kernel=lorafleet" in KernelChoices(decode_kernel="lorafleet").describe()
-    with pytest.raises(ValueError, match="decode_kernel must be one of flashinfer, lorafleet"):
+    with pytest.raises(ValueError, match="decode_kernel must be one of auto, flashinfer, lorafleet"):
         KernelChoices(decode_kernel="triton")

@@ -21,7 +21,8 @@ from lorafleet import env
     ("LORAFLEET_DECODE_TC", env.decode_tensor_cores, None, "auto"),
     ("LORAFLEET_DECODE_TC", env.decode_tensor_cores, "1", "1"),
     ("LORAFLEET_DECODE_TC", env.decode_tensor_cores, " 0 ", "0"),
-    ("LORAFLEET_DECODE_KERNEL", env.decode_kernel, None, "flashinfer"),
+    ("LORAFLEET_DECODE_KERNEL", env.decode_kernel, None, "auto"),
+    ("LORAFLEET_DECODE_KERNEL", env.decode_kernel, "flashinfer", "flashinfer"),
     ("LORAFLEET_DECODE_KERNEL", env.decode_kernel, " LoraFleet", "lorafleet"),
     ("LORAFLEET_DENSE_LORA_ROWS", env.dense_lora_rows, None, 256),
     ("LORAFLEET_DENSE_LORA_ROWS", env.dense_lora_rows, "0", 0),
@@ -49,9 +50,9 @@ def test_bad_value_is_refused(monkeypatch):
     with pytest.raises(ValueError, match="kernel choice decode_tc must be one of auto, 1, 0"):
         KernelChoices(decode_tc="true")
     monkeypatch.setenv("LORAFLEET_DECODE_KERNEL", "own")
-    with pytest.raises(ValueError, match="LORAFLEET_DECODE_KERNEL must be one of flashinfer, lorafleet"):
+    with pytest.raises(ValueError, match="LORAFLEET_DECODE_KERNEL must be one of auto, flashinfer, lorafleet"):
         env.decode_kernel()
-    with pytest.raises(ValueError, match="kernel choice decode_kernel must be one of flashinfer, lorafleet"):
+    with pytest.raises(ValueError, match="kernel choice decode_kernel must be one of auto, flashinfer, lorafleet"):
         KernelChoices(decode_kernel="own")
 
 

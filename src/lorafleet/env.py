@@ -82,13 +82,14 @@ def decode_tensor_cores() -> str:
     return _choice("LORAFLEET_DECODE_TC", DECODE_TC_CHOICES)
 
 
-DECODE_KERNEL_CHOICES = ("flashinfer", "lorafleet")
+DECODE_KERNEL_CHOICES = ("auto", "flashinfer", "lorafleet")
 
 
 def decode_kernel() -> str:
-    """LORAFLEET_DECODE_KERNEL: the decode rows' attention kernel on CUDA. flashinfer (default): flashinfer's batch
-    decode; lorafleet: the project's own (csrc/decode_attn.cu), for head sizes 64, 128 and 256 with at most 8 query
-    heads per K/V head (flashinfer's elsewhere)."""
+    """LORAFLEET_DECODE_KERNEL: the decode rows' attention kernel on CUDA. auto (default): the project's own where
+    the K/V pages are e4m3 and each K/V head serves one query head (measured faster there, docs/benchmarks.md 10.19),
+    flashinfer's batch decode elsewhere; flashinfer: always flashinfer's; lorafleet: the project's own
+    (csrc/decode_attn.cu) wherever it applies (head sizes 64, 128 and 256, at most 8 query heads per K/V head)."""
     return _choice("LORAFLEET_DECODE_KERNEL", DECODE_KERNEL_CHOICES)
 
 

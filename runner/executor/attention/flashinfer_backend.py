@@ -15,8 +15,9 @@ previous plan (an event recorded right after it) before it overwrites that buffe
 wrapper: with one event for all, a step's second plan (prompt rows, then decode rows) waited for the
 first one's copy, queued behind the whole step in flight, and the host idled for a step.
 
-With `decode_kernel="lorafleet"` the decode rows take the project's own kernel instead (decode_kernel.py), where it
-takes the model's head shapes: nothing is planned for them, the step's page table is copied to the device once.
+With `decode_kernel="lorafleet"` (and with "auto", the default, for e4m3 pages without grouped heads:
+decode_kernel.preferred) the decode rows take the project's own kernel instead (decode_kernel.py), where it takes the
+model's head shapes: nothing is planned for them, the step's page table is copied to the device once.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ class FlashInferAttention:
     name = "flashinfer"
 
     def __init__(self, kv: KVCache, cfg, device: torch.device, prefill_choice: str = "auto",
-                 q_dtype: torch.dtype | None = None, decode_tc: str = "auto", decode_kernel_choice: str = "flashinfer"):
+                 q_dtype: torch.dtype | None = None, decode_tc: str = "auto", decode_kernel_choice: str = "auto"):
         self.kv, self.cfg, self.device = kv, cfg, device
         self.q_dtype = q_dtype or kv.k.dtype  # FP8 pages: queries stay in the model's dtype
         self.kv_dtype = kv.k.dtype
@@ -96,6 +97,8 @@ class FlashInferAttention:
         self.graph_ws: torch.Tensor | None = None
         self.own: decode_kernel.LorafleetDecode | None = None  # the project's decode kernel, when chosen and able
         self.own_graph_ws: decode_kernel.Workspace | None = None
+        if decode_kernel_choice == "auto" and decode_kernel.preferred(cfg, self.kv_dtype):
+            decode_kernel_choice = "lorafleet"
         if decode_kernel_choice == "lorafleet":
             if decode_kernel.supported(cfg):
                 self.own = decode_kernel.LorafleetDecode(kv, cfg, device)
