@@ -55,10 +55,11 @@
 //       fp8_gemm_sm90 then fp8_epilogue (act 0, one part) in one launch, the epilogue inside the product's kernel;
 //       out in bf16.
 //   decode_attention(out, q, k_cache, v_cache, indptr, indices, last_page_len, partial_o, partial_ml, counters,
-//       sm_scale, soft_cap, window_left, chunk, max_chunks, workers, stream): attention of one query row per request
-//       over its K/V pages (decode_attn.h), one launch; pages of q's dtype or float8_e4m3fn (unit scale). The
+//       sm_scale, soft_cap, window_left, chunk, max_chunks, workers, stream, loads=2): attention of one query row per
+//       request over its K/V pages (decode_attn.h), one launch; pages of q's dtype or float8_e4m3fn (unit scale). The
 //       page table is flashinfer's CSR (indptr, indices, last_page_len) on the device; a request's bits depend on
-//       nothing else in the launch (workers only spreads its chunks over CTAs).
+//       nothing else in the launch (workers only spreads its chunks over CTAs). loads: a lane's K (and V) rows per
+//       pass, 2 or (e4m3 pages, one query head per K/V head) 4; the bits depend on it.
 //       decode_attention_supports(head_dim, group): whether the kernel takes these shapes.
 //
 // with r = ranks[g, s]. The values inside ranks / indptr / slots live on the device and are not
@@ -846,7 +847,7 @@ void fp8_gemm_sm90_fused(Tensor out, Tensor x, Tensor w, Tensor x_scale, Tensor 
 void decode_attention(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor indptr, Tensor indices,
                       Tensor last_page_len, Tensor partial_o, Tensor partial_ml, Tensor counters, double sm_scale,
                       double soft_cap, int64_t window_left, int64_t chunk, int64_t max_chunks, int64_t workers,
-                      int64_t stream) {
+                      int64_t stream, int64_t loads) {
   const auto dtype = kernel_dtype(q, "q");
   SGMV_CHECK(q.is_cuda() && q.dim() == 3 && q.is_contiguous() && reinterpret_cast<uintptr_t>(q.data_ptr()) % 4 == 0,
              "decode_attention: q must be a contiguous, 4-byte aligned [B, Hq, D] CUDA tensor");
@@ -914,6 +915,11 @@ void decode_attention(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache, Tens
   a.soft_cap = static_cast<float>(soft_cap);
   a.window_left = static_cast<int>(std::max<int64_t>(-1, std::min<int64_t>(window_left, kInt32Max)));
   a.kv_e4m3 = k_cache.scalar_type() == torch::kFloat8_e4m3fn;
+  SGMV_CHECK((loads == 2 || loads == 4) &&
+                 lorafleet::decode_attention_takes_loads(static_cast<int>(loads), a.kv_e4m3, static_cast<int>(H / Hkv)),
+             "decode_attention: loads must be 2, or 4 with float8_e4m3fn pages and one query head per K/V head "
+             "(got %lld with %s pages, %lld query heads per K/V head)", ll(loads), dtype_name(k_cache), ll(H / Hkv));
+  a.loads = static_cast<int>(loads);
   const char* err = lorafleet::decode_attention(dtype, a, q.get_device(), as_stream(stream));
   SGMV_CHECK(err == nullptr, "decode_attention launch failed: %s", err ? err : "");
 }
@@ -993,7 +999,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("indptr"), py::arg("indices"),
         py::arg("last_page_len"), py::arg("partial_o"), py::arg("partial_ml"), py::arg("counters"),
         py::arg("sm_scale"), py::arg("soft_cap"), py::arg("window_left"), py::arg("chunk"), py::arg("max_chunks"),
-        py::arg("workers"), py::arg("stream"));
+        py::arg("workers"), py::arg("stream"), py::arg("loads") = 2);
   m.def("decode_attention_supports", &decode_attention_supports,
         "whether decode_attention takes this head size and number of query heads per K/V head",
         py::arg("head_dim"), py::arg("group"));

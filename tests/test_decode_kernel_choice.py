@@ -41,6 +41,29 @@ def test_auto_takes_the_kernel_only_where_it_was_measured_faster(shape, kv_dtype
     assert dk.preferred(cfg(*shape), kv_dtype) is ok
 
 
+@pytest.mark.parametrize("shape, kv_dtype, asked, took", [
+    ((32, 32, 128), torch.float8_e4m3fn, 4, 4),
+    ((32, 32, 128), torch.float8_e4m3fn, 2, 2),
+    ((32, 32, 128), torch.bfloat16, 4, 2),      # four rows per pass are built for e4m3 pages only
+    ((64, 8, 128), torch.float8_e4m3fn, 4, 2),  # ... with one query head per K/V head
+])
+def test_four_loads_only_where_built(shape, kv_dtype, asked, took):
+    assert dk.loads_for(cfg(*shape), kv_dtype, asked) == took
+
+
+def test_decode_loads_is_validated(monkeypatch):
+    from lorafleet import env
+
+    assert KernelChoices().decode_loads == 2 and KernelChoices(decode_loads=4).decode_loads == 4
+    with pytest.raises(ValueError, match="decode_loads must be 2 or 4, got 3"):
+        KernelChoices(decode_loads=3)
+    monkeypatch.setenv("LORAFLEET_DECODE_LOADS", "4")
+    assert KernelChoices.from_env().decode_loads == 4
+    monkeypatch.setenv("LORAFLEET_DECODE_LOADS", "8")
+    with pytest.raises(ValueError, match="LORAFLEET_DECODE_LOADS must be one of 2, 4"):
+        env.decode_loads()
+
+
 def test_workers_fill_the_gpu_within_the_chunks():
     assert dk.CTAS_PER_SM == 4
     assert dk.workers(132, 64, 32, [370] * 64) == 1  # 2,048 CTAs already: one each

@@ -10,7 +10,11 @@ CTAs per (request, K/V head) share its chunks and change no bit.
 
 from __future__ import annotations
 
+import logging
+
 import torch
+
+log = logging.getLogger(__name__)
 
 CHUNK = 256  # tokens per chunk
 MAX_CHUNKS = 16  # chunks per request at most: longer contexts take longer chunks
@@ -36,6 +40,12 @@ def preferred(cfg, kv_dtype: torch.dtype) -> bool:
     32), and faster end to end on both (+1.2 to +4.6 %). Slower with bf16 pages (0.6-0.85x) and with 8 query heads per
     K/V head (3-9x, where flashinfer's decode runs on tensor cores); groups of 2 to 7 were not measured."""
     return supported(cfg) and kv_dtype == torch.float8_e4m3fn and cfg.num_heads == cfg.num_kv_heads
+
+
+def loads_for(cfg, kv_dtype: torch.dtype, asked: int) -> int:
+    """The K (and V) rows per lane and pass a launch takes: `asked` (2 or 4), but 2 where 4 is not built (bf16 / fp16
+    pages, or grouped query heads)."""
+    return asked if asked == 2 or (kv_dtype == torch.float8_e4m3fn and cfg.num_heads == cfg.num_kv_heads) else 2
 
 
 def supported(cfg) -> bool:
@@ -65,7 +75,7 @@ class Tables:
 class LorafleetDecode:
     """The kernel with one model's shapes; the eager steps' workspace grows with their decode rows."""
 
-    def __init__(self, kv, cfg, device: torch.device):
+    def __init__(self, kv, cfg, device: torch.device, loads: int = 2):
         from lorafleet.runner import kernels
 
         self.ext = kernels.load()
@@ -74,6 +84,10 @@ class LorafleetDecode:
         self.sm_scale, self.soft_cap = cfg.softmax_scale, cfg.attn_softcap or 0.0
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         self._eager: Workspace | None = None
+        self.loads = loads_for(cfg, kv.k.dtype, loads)
+        if self.loads != loads:
+            log.warning("decode_loads %d applies to e4m3 pages with one query head per K/V head; this model's decode "
+                        "attention takes %d", loads, self.loads)
 
     def workspace(self, rows: int) -> Workspace:
         return Workspace(rows, self.h, self.hkv, self.d, self.device)
@@ -99,7 +113,7 @@ class LorafleetDecode:
         k, v = self.kv.layer(layer)
         self.ext.decode_attention(out, q.contiguous(), k, v, tables.indptr, tables.indices, tables.last, ws.partial_o,
                                   ws.partial_ml, ws.counters, self.sm_scale, self.soft_cap, window_left, CHUNK,
-                                  MAX_CHUNKS, workers, torch.cuda.current_stream(q.device).cuda_stream)
+                                  MAX_CHUNKS, workers, torch.cuda.current_stream(q.device).cuda_stream, self.loads)
 
 
 class GraphDecodeTables:

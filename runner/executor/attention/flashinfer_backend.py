@@ -69,7 +69,8 @@ class FlashInferAttention:
     name = "flashinfer"
 
     def __init__(self, kv: KVCache, cfg, device: torch.device, prefill_choice: str = "auto",
-                 q_dtype: torch.dtype | None = None, decode_tc: str = "auto", decode_kernel_choice: str = "auto"):
+                 q_dtype: torch.dtype | None = None, decode_tc: str = "auto", decode_kernel_choice: str = "auto",
+                 decode_loads: int = 2):
         self.kv, self.cfg, self.device = kv, cfg, device
         self.q_dtype = q_dtype or kv.k.dtype  # FP8 pages: queries stay in the model's dtype
         self.kv_dtype = kv.k.dtype
@@ -101,7 +102,7 @@ class FlashInferAttention:
             decode_kernel_choice = "lorafleet"
         if decode_kernel_choice == "lorafleet":
             if decode_kernel.supported(cfg):
-                self.own = decode_kernel.LorafleetDecode(kv, cfg, device)
+                self.own = decode_kernel.LorafleetDecode(kv, cfg, device, decode_loads)
                 log.info("decode rows on the lorafleet decode attention kernel (%s pages)", str(self.kv_dtype)[6:])
                 if self.h // self.hkv >= 8:
                     log.warning("the lorafleet decode kernel was measured 3-9x slower than flashinfer's tensor-core "
