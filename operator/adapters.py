@@ -36,7 +36,8 @@ async def check(ctx: reconcile.Context, body: Any, pools: Mapping[Any, Any], *, 
 
     `full` checks the files again; otherwise a Ready adapter for its current spec is only
     re-checked against its pool (cheap, no I/O: a changed maxLoraRank against its rank), unless the pool's
-    model changed since the verdict or is not known (a verdict from before `checkedAgainst`: checked once more).
+    model changed since the verdict or is not known (a verdict from before `checkedAgainst`: checked once more; a
+    Ready one keeps its verdict until that check gives a final answer).
     """
     meta, spec, status = body["metadata"], body.get("spec") or {}, dict(body.get("status") or {})
     name, namespace = meta["name"], meta["namespace"]
@@ -52,6 +53,10 @@ async def check(ctx: reconcile.Context, body: Any, pools: Mapping[Any, Any], *, 
         admin = reconcile.admin_client(ctx, namespace, spec["pool"]) if pool_body else None
         verdict = await validation.validate_adapter(name, namespace, spec, pool_body, admin=admin,
                                                     fetch_timeout=ctx.config.fetch_timeout_s, executor=ctx.fetch_pool)
+        if current and not status.get("checkedAgainst") and verdict.phase != validation.READY and verdict.retryable:
+            # A served verdict from before `checkedAgainst` that cannot be checked now (source unreachable, no ready
+            # runner): it stands, and is checked again next round; only a final verdict replaces it.
+            return None
     new = verdict.status(status, generation=generation, source=spec.get("source"), now=now_iso(),
                          checked_against=against)
     announce(body, status, new)

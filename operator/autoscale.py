@@ -10,11 +10,9 @@ Rules, in order:
   `scale_up_cooldown_s`.
 - With no queue, and no scale-up within the cooldown, one runner that has been idle (empty
   batch) for `idle_seconds` is drained per decision, never taking the active runners below
-  `min_runners`. Runners above `max_runners` (the spec was lowered) go at once while they have
-  never been up (no pod yet, or a pod not Ready since its runner started: it holds no requests),
-  each such pod given the lowest deletion cost and the replica count dropped by one, so exactly
-  those go; the others, including a runner that was Ready and fails its readiness probe now (it
-  still holds requests), are drained regardless of idleness, least loaded first.
+  `min_runners`. Runners above `max_runners` (the spec was lowered) go at once while they are
+  not up yet (one replica fewer each: the ReplicaSet removes pending and unready pods before
+  ready ones); the others are drained regardless of idleness, least loaded first.
 - A draining runner whose scheduler view shows it draining and empty is removed (unless
   requests are queuing again, when it may soon be taken back): its pod gets
   the lowest deletion cost and the replica count drops by one, so exactly that pod goes. This
@@ -81,9 +79,6 @@ class Observation:
     replicas: int  # the runner Deployment's spec.replicas
     pods: tuple[str, ...] = ()  # runner pods that exist and are not terminating
     ready_pods: int = 0  # of those, how many are Ready
-    # Of those, the ones not Ready since their runner (re)started: never up, no request served. In the order the
-    # ReplicaSet removes pods (unscheduled, then pending, then newest first). Unready pods not listed were up.
-    never_ready: tuple[str, ...] = ()
     terminating: int = 0  # runner pods being deleted (they still hold their GPUs)
     node_group_replicas: int | None = None
 
@@ -158,7 +153,7 @@ class Decision:
     history: History
     drain: tuple[str, ...] = ()
     undrain: tuple[str, ...] = ()
-    remove: tuple[str, ...] = ()  # pods to go now (drained, or never up): lowest deletion cost, then one replica fewer
+    remove: tuple[str, ...] = ()
     node_group_replicas: int | None = None
     reasons: tuple[str, ...] = ()
 
@@ -215,15 +210,11 @@ def decide(obs: Observation, policy: Policy, history: History, now: float) -> De
     if replicas < policy.min_runners:
         reasons.append(f"below minRunners: {replicas} -> {policy.min_runners}")
         replicas = policy.min_runners
-    # maxRunners lowered below the runners there are: those never up hold no requests and go at once, replicas
-    # without a pod first, then exactly the pods named (not while an earlier removal is still under way).
-    missing = replicas - len(pods)  # replicas without a pod yet (below zero: a removal is under way)
-    cut = min(missing + len(obs.never_ready), starting, replicas - len(draining) - policy.max_runners)
-    cut_pods: list[str] = []
-    if cut > 0 and missing >= 0:
-        cut_pods = list(obs.never_ready[: max(0, cut - missing)])
+    # maxRunners lowered below the runners there are: those not up yet hold no requests and go at once.
+    cut = min(starting, replicas - len(draining) - policy.max_runners)
+    if cut > 0:
         reasons.append(f"above maxRunners ({policy.max_runners}): {replicas} -> {replicas - cut}, "
-                       f"{cut} runner(s) never up" + (f", removing {cut_pods}" if cut_pods else ""))
+                       f"{cut} runner(s) not up yet")
         replicas -= cut
         starting -= cut
 
@@ -320,7 +311,7 @@ def decide(obs: Observation, policy: Policy, history: History, now: float) -> De
         history=new_history,
         drain=tuple(drain),
         undrain=tuple(undrain),
-        remove=tuple(cut_pods + remove),
+        remove=tuple(remove),
         node_group_replicas=node_target,
         reasons=tuple(reasons),
     )

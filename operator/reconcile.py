@@ -14,7 +14,6 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import datetime
 from typing import Any, Callable, Mapping
 
 import aiohttp
@@ -276,47 +275,6 @@ def _pod_ready(pod: Mapping[str, Any]) -> bool:
     return any(x.get("type") == "Ready" and x.get("status") == "True" for x in conds)
 
 
-def _time(value: Any) -> datetime | None:
-    """An API server time (RFC 3339, "...Z"), or None."""
-    try:
-        return datetime.fromisoformat(str(value).replace("Z", "+00:00"))
-    except ValueError:
-        return None
-
-
-def _up_since_start(pod: Mapping[str, Any]) -> bool:
-    """Whether the pod has been Ready since its containers last started (Ready now, or failing its readiness probe
-    now after passing it: it may hold requests). Its Ready condition is False from before the containers start until
-    they first pass the probe, and its lastTransitionTime moves only when its status does, so a False that began
-    after the last container start follows a True. A container not running (restarting, crashed) holds nothing."""
-    status = pod.get("status") or {}
-    ready = next((x for x in status.get("conditions") or () if x.get("type") == "Ready"), None)
-    if ready is None or ready.get("status") == "True":
-        return ready is not None
-    starts = [_time(((x.get("state") or {}).get("running") or {}).get("startedAt"))
-              for x in status.get("containerStatuses") or ()]
-    if not starts or None in starts:
-        return False
-    since = _time(ready.get("lastTransitionTime"))
-    return since is None or since > max(starts)  # (a time that does not parse: taken as up, never cut blind)
-
-
-_PHASES = {"Pending": 0, "Unknown": 1, "Running": 2}  # the order in which the ReplicaSet removes pods
-
-
-def never_ready(pods: list[dict]) -> tuple[str, ...]:
-    """The runner pods not Ready since their runner (re)started: they have served no request. In the order the
-    ReplicaSet removes pods: unscheduled first, then Pending before Running, then newest first."""
-
-    def phase(pod: Mapping[str, Any]) -> str:
-        return (pod.get("status") or {}).get("phase") or "Pending"
-
-    fresh = [p for p in pods if phase(p) in _PHASES and not _up_since_start(p)]  # (finished pods are no replicas)
-    fresh.sort(key=lambda p: str(p["metadata"].get("creationTimestamp") or ""), reverse=True)
-    fresh.sort(key=lambda p: (bool((p.get("spec") or {}).get("nodeName")), _PHASES[phase(p)]))
-    return tuple(p["metadata"]["name"] for p in fresh)
-
-
 async def runner_pods(ctx: Context, pool: PoolSpec) -> list[dict]:
     listing = await ctx.kube.list("v1", "pods", pool.namespace, label_selector=c.label_selector(pool.name, c.COMPONENT_RUNNER))
     want = c.selector_labels(pool.name, c.COMPONENT_RUNNER)
@@ -394,8 +352,7 @@ async def look(ctx: Context, pool: PoolSpec, admin: AdminClient | None) -> Look:
     obs = None
     if state is not None:
         obs = Observation.from_state(state, replicas=replicas, pods=names, ready_pods=ready,
-                                     never_ready=never_ready(alive), terminating=len(pods) - len(alive),
-                                     node_group_replicas=nodes)
+                                     terminating=len(pods) - len(alive), node_group_replicas=nodes)
     return Look(replicas, obs, available, error, nodes, runner is not None, nodes_error, failures)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import shutil
 import sys
 import urllib.parse
 from pathlib import Path
@@ -237,30 +238,32 @@ def play_kubelet(plane, pod: dict, ready: bool, ready_since: str) -> None:
     plane.request("PATCH", api_path("v1", "pods", NS, pod["metadata"]["name"], "status"), {"status": status})
 
 
-async def test_lowering_max_runners_drains_a_runner_that_was_up_and_fails_its_readiness_probe_now(plane, scheduler,
-                                                                                                  monkeypatch):
-    """One runner is Ready and busy, one passed its readiness probe and fails it now (under load: it still holds
-    requests), one never came up. Lowered to one runner, only the last goes at once; the others are drained."""
+async def test_lowering_max_runners_cuts_a_runner_that_fails_its_readiness_probe_at_once(plane, scheduler,
+                                                                                        monkeypatch):
+    """One runner is Ready and busy, one passed its readiness probe and fails it now, one never came up. The
+    scheduler routes only to Ready runners and re-places an unready one's requests (scheduler/cluster.py `_leave`),
+    so neither unready runner holds anything: lowered to one runner, both go at once and the busy one stays,
+    undrained (draining it would leave the pool above maxRunners with a runner that cannot be drained)."""
     def replicas() -> int | None:
         return ((get(plane, "deployments", "lapse-runner", "apps/v1") or {}).get("spec") or {}).get("replicas")
 
     async with operating(plane, scheduler, monkeypatch):
         apply(plane, pool("lapse", minRunners=3, maxRunners=4))
         await wait_for(lambda: len(runner_pods(plane, "lapse")) == 3, 30, "three runner pods")
-        up, lapsed, fresh = runner_pods(plane, "lapse")
+        up, lapsed, _ = runner_pods(plane, "lapse")
         play_kubelet(plane, up, True, "2026-01-01T10:01:00Z")
         play_kubelet(plane, lapsed, False, "2026-01-01T10:30:00Z")  # after it passed the probe
-        up_name, lapsed_name, fresh_name = (p["metadata"]["name"] for p in (up, lapsed, fresh))
+        up_name = up["metadata"]["name"]
         scheduler.state = {"runners": [runner_state(up_name, batch=3)], "queue_length": 0}
         merge(plane, "servingpool", "lapse", {"spec": {"minRunners": 1, "maxRunners": 1}})
-        await wait_for(lambda: ("POST", f"/admin/runners/{up_name}/drain") in scheduler.calls, 30, "the drain")
-        await wait_for(lambda: [p["metadata"]["name"] for p in runner_pods(plane, "lapse")] == [up_name, lapsed_name],
-                       30, "the runner that never came up gone")
+        await wait_for(lambda: replicas() == 1, 30, "one runner after maxRunners was lowered to 1")
+        await wait_for(lambda: [p["metadata"]["name"] for p in runner_pods(plane, "lapse")] == [up_name], 30,
+                       "the two unready runners gone, the Ready one kept")
         await asyncio.sleep(1.0)  # (more looks of the pool)
-        assert replicas() == 2
-        assert [p["metadata"]["name"] for p in runner_pods(plane, "lapse")] == [up_name, lapsed_name]
+        assert replicas() == 1
+        assert not any(call[1].endswith("/drain") for call in scheduler.calls), scheduler.calls
         said = [e["message"] for e in events(plane, "lapse", "Autoscaled")]
-        assert f"runners 3 -> 2 (removing {fresh_name})" in said, said
+        assert len(said) == 1 and said[0].startswith("runners 3 -> 1"), said
 
 
 # --- node groups that fail between the look and the scale ---------------------------------------
@@ -411,6 +414,16 @@ async def test_verdicts_from_before_checked_against_are_checked_once_more_agains
         seen = fetches()
         await asyncio.sleep(1.5)  # five rounds of the adapters' loop
         assert fetches() == seen  # no storm: checked once, then as any adapter
+        # Such a Ready verdict whose check cannot be made now (its source gone: a retryable 404) stays Ready, served,
+        # not failed by a blip; it is tried again each round.
+        shutil.rmtree(files / "loras" / "kept")
+        before = len(scheduler.fetched)
+        plane.request("PATCH", api_path(c.API_VERSION, c.ADAPTERS, NS, "old-kept", "status"),
+                      {"status": {"checkedAgainst": None}})
+        gone = "/files/loras/kept"
+        await wait_for(lambda: sum(p.startswith(gone) for p in scheduler.fetched[before:]) >= 2, 30, "fetches tried")
+        st = adapter_status(plane, "old-kept")
+        assert st["phase"] == "Ready" and "checkedAgainst" not in st, st
 
 
 def test_a_ready_adapter_is_fetched_again_for_a_new_model_not_for_a_new_rank_limit():

@@ -136,52 +136,6 @@ def test_lowered_max_drains_least_loaded_even_if_busy():
     assert d.drain == ("r1",)
 
 
-def test_lowered_max_removes_at_once_only_runners_that_never_came_up():
-    p = Policy(min_runners=1, max_runners=1, idle_seconds=600)
-    # a: Ready and busy. b: was Ready and fails its readiness probe now (the scheduler no longer lists it; it still
-    # holds requests). c, d: never Ready, listed in the order the ReplicaSet removes pods.
-    four = obs([runner("a", batch=4)], replicas=4, ready=1, pods=("a", "b", "c", "d"), never_ready=("d", "c"))
-    d = decide(four, p, History(), now=0)
-    assert (d.replicas, d.remove, d.drain) == (2, ("d", "c"), ("a",))  # exactly c and d go; b is not cut
-    # A replica without a pod yet goes first, with no pod to name.
-    missing = obs([runner("a", batch=4)], replicas=3, ready=1, pods=("a", "b"), never_ready=())
-    d = decide(missing, p, History(), now=0)
-    assert (d.replicas, d.remove, d.drain) == (2, (), ("a",))
-    # Runners that were up are never cut, only drained: b stays until it is Ready again and can be drained.
-    lapsed = obs([runner("a", batch=4)], replicas=2, ready=1, pods=("a", "b"))
-    d = decide(lapsed, p, History(), now=0)
-    assert (d.replicas, d.remove, d.drain) == (2, (), ("a",))
-    # Not while an earlier removal is under way (d, cut last, is still listed): never one pod too many.
-    going = obs([runner("a", batch=4)], replicas=2, ready=1, pods=("a", "c", "d"), never_ready=("d", "c"))
-    d = decide(going, p, History(), now=0)
-    assert (d.replicas, d.remove) == (2, ())
-
-
-def test_pods_never_ready_since_their_runner_started_in_the_replicasets_order():
-    from lorafleet.operator.reconcile import never_ready
-
-    def pod(name, phase="Running", ready=None, since=None, started=("10:00:05",), node="n1", created="09:00:00"):
-        t = "2026-01-01T{}Z".format
-        conds = [] if ready is None else [{"type": "Ready", "status": str(ready), "lastTransitionTime": t(since)}]
-        states = [{"running": {"startedAt": t(s)}} if s else {"waiting": {"reason": "CrashLoopBackOff"}}
-                  for s in started]
-        return {"metadata": {"name": name, "creationTimestamp": t(created)}, "spec": {"nodeName": node},
-                "status": {"phase": phase, "conditions": conds,
-                           "containerStatuses": [{"name": "runner", "state": x} for x in states]}}
-
-    pods = [
-        pod("up", ready=True, since="10:01:00"),
-        pod("lapsed", ready=False, since="10:30:00"),  # Ready False since after its start: it passed its probe before
-        pod("loading", ready=False, since="10:00:00", created="09:00:01"),  # False since before it started
-        pod("restarted", ready=False, since="10:30:00", started=("10:31:00",)),  # its requests went with the restart
-        pod("crashed", ready=False, since="10:30:00", started=(None,), created="08:00:00"),
-        pod("unscheduled", phase="Pending", started=(), node=None),
-        pod("creating", phase="Pending", ready=False, since="10:00:00", started=(None,)),
-        pod("done", phase="Failed", ready=False, since="10:00:00", started=(None,)),  # no replica of the ReplicaSet
-    ]
-    assert never_ready(pods) == ("unscheduled", "creating", "loading", "restarted", "crashed")
-
-
 def test_drain_is_repeated_when_the_scheduler_forgot_it():
     h = History(draining={"r1": 10})
     d = decide(obs([runner("r0", batch=1), runner("r1", batch=0)]), POLICY, h, now=20)

@@ -37,7 +37,7 @@ def preferred(cfg, kv_dtype: torch.dtype) -> bool:
     """Whether `auto` takes the project's kernel: e4m3 pages where each K/V head serves one query head. Measured at the
     7B shape (docs/benchmarks.md 10.19) against flashinfer's decode with e4m3 pages: faster at every context from 128
     to 4,096 tokens on an H100 (1.05-2.1x), on an H200 up to a few hundred tokens (0.89-0.98x at 1,024-4,096, batch
-    32), and faster end to end on both (+1.2 to +4.6 %). Slower with bf16 pages (0.6-0.85x) and with 8 query heads per
+    32), and faster end to end on both (+1.1 to +4.6 %). Slower with bf16 pages (0.67-0.85x) and with 8 query heads per
     K/V head (3-9x, where flashinfer's decode runs on tensor cores); groups of 2 to 7 were not measured."""
     return supported(cfg) and kv_dtype == torch.float8_e4m3fn and cfg.num_heads == cfg.num_kv_heads
 
