@@ -242,7 +242,8 @@ stage() {
     dtests)
       timeout ${TEST_S:-600} python3 -m pytest -v -p no:cacheprovider tests/gpu/test_decode_attn_cuda.py \
         tests/gpu/test_families_cuda.py tests/gpu/test_fp8_cuda.py -rA -s --tb=short \
-        -k "${DTESTS_K:-test_decode_attn_cuda or lorafleet_kernel}" -o faulthandler_timeout=${HANG_S:-200} 2>&1 \
+        -k "${DTESTS_K:-test_decode_attn_cuda or lorafleet_kernel or default_decode_kernel}" \
+        -o faulthandler_timeout=${HANG_S:-200} 2>&1 \
         | tee "$LOGS/gpu_dtests.log" | grep -E "passed|failed|FAILED|lorafleet decode|Error|Timeout|File |^E  " \
         | cut -c1-300 | tail -${TEST_LINES:-30}
       echo "dtests as they ended: $(grep -oE 'PASSED +\[ *[0-9]+%\]' "$LOGS/gpu_dtests.log" | wc -l) passed," \

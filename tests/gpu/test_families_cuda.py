@@ -74,3 +74,29 @@ def test_family_decode_on_the_lorafleet_kernel(family):
     against its eager step."""
     name, model, _, reqs = family
     teacher.decode_kernel_vs_flashinfer(model, reqs, name, kernels=KernelChoices(decode_kernel="lorafleet"))
+
+
+@pytest.fixture(scope="module")
+def ungrouped(tmp_path_factory):
+    """Llama with one query head per K/V head (the Llama-2 shape, where `auto` takes the project's decode kernel for
+    e4m3 pages), its adapters and requests."""
+    d = tmp_path_factory.mktemp("gpu-llama-mha")
+    model = write_gpu_family_model("llama3", d / "model", num_key_value_heads=4)
+    ads = {"all16": write_random_adapter(model, d / "all16", r=16, alpha=32, targets=family_targets("llama3"), seed=5)}
+    g = torch.Generator().manual_seed(19)
+    reqs = [(torch.randint(3, 4096, (int(torch.randint(20, 60, (1,), generator=g)),), generator=g).tolist(),
+             "all16" if i % 2 else None, ads["all16"] if i % 2 else None) for i in range(8)]
+    return model, reqs
+
+
+@pytest.mark.parametrize("loads", [2, 4])
+def test_default_decode_kernel_for_e4m3_pages_without_grouped_heads(ungrouped, loads):
+    """LORAFLEET_DECODE_KERNEL=auto (the default) with FP8 K/V pages and one query head per K/V head: the project's
+    kernel is taken (with LORAFLEET_DECODE_LOADS' rows per pass), against flashinfer's decode on the same step and its
+    graph replay against its eager step; with bf16 pages the default stays on flashinfer's."""
+    model, reqs = ungrouped
+    eng = teacher.decode_kernel_vs_flashinfer(model, reqs, f"llama MHA FP8 pages auto loads={loads}",
+                                              kv_cache_dtype="fp8", kernels=KernelChoices(decode_loads=loads))
+    assert eng.attention.own.loads == loads
+    bf16, _ = teacher.decode_step(model, reqs)
+    assert bf16.attention.own is None
