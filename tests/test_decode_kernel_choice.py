@@ -76,6 +76,10 @@ def test_workers_fill_the_gpu_within_the_chunks():
     assert dk.workers(132, 2, 8) == dk.MAX_CHUNKS  # a CUDA graph: the lengths are not known
     assert dk.workers(132, 16, 8) == 4  # 528 / 128, rounded
     assert dk.CHUNK % 16 == 0
+    # four K/V rows per pass: three CTAs fit an SM, so fewer workers fill it
+    assert dk.workers(132, 8, 32, [1024] * 8, per_sm=dk.CTAS_PER_SM_LOADS4) == 2  # 396 / 256, rounded
+    assert dk.workers(132, 4, 32, [4096] * 4, per_sm=dk.CTAS_PER_SM_LOADS4) == 3  # 396 / 128 (4 at 4 per SM)
+    assert dk.workers(132, 4, 32, [4096] * 4) == 4
 
 
 def test_workspace_holds_every_chunk_of_every_row():

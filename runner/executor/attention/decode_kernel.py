@@ -21,14 +21,16 @@ MAX_CHUNKS = 16  # chunks per request at most: longer contexts take longer chunk
 # A launch's grid aims at this many CTAs per SM where it has few (request, head) pairs: measured on an H100 (7B shape,
 # docs/benchmarks.md §10.18), one worker was fastest at batch 32 (7.8 pairs per SM) and two at batch 8 (1.9 per SM).
 CTAS_PER_SM = 4
+CTAS_PER_SM_LOADS4 = 3  # with four K/V rows per lane and pass (165 registers a thread): three CTAs fit an SM
 
 
-def workers(num_sms: int, rows: int, kv_heads: int, kv_lens: list[int] | None = None) -> int:
-    """CTAs per (request, K/V head) of a launch over `rows` requests: the nearest to CTAS_PER_SM per SM, at most the
+def workers(num_sms: int, rows: int, kv_heads: int, kv_lens: list[int] | None = None,
+            per_sm: int = CTAS_PER_SM) -> int:
+    """CTAs per (request, K/V head) of a launch over `rows` requests: the nearest to `per_sm` per SM, at most the
     chunks the longest request has (all MAX_CHUNKS where the lengths are not known, as in a CUDA graph). A launch shape
     only: it changes no bit."""
     pairs = max(1, rows * kv_heads)
-    want = (num_sms * CTAS_PER_SM + pairs // 2) // pairs
+    want = (num_sms * per_sm + pairs // 2) // pairs
     most = MAX_CHUNKS if kv_lens is None else min(MAX_CHUNKS, -(-max(kv_lens, default=1) // CHUNK))
     return max(1, min(want, most))
 
@@ -98,7 +100,7 @@ class LorafleetDecode:
         return self._eager
 
     def workers(self, rows: int, kv_lens: list[int] | None = None) -> int:
-        return workers(self.num_sms, rows, self.hkv, kv_lens)
+        return workers(self.num_sms, rows, self.hkv, kv_lens, CTAS_PER_SM_LOADS4 if self.loads == 4 else CTAS_PER_SM)
 
     def tables(self, page_tables, kv_lens) -> Tables:
         """A step's page table, copied to the device on the current stream."""
