@@ -275,6 +275,21 @@ def _pod_ready(pod: Mapping[str, Any]) -> bool:
     return any(x.get("type") == "Ready" and x.get("status") == "True" for x in conds)
 
 
+FINISHED_PHASES = ("Succeeded", "Failed")  # an evicted or finished pod: no replica any more, no GPU held
+
+
+def replica_pods(pods: list[dict]) -> tuple[list[dict], int]:
+    """Of a Deployment's pods, the replicas it has now (not being deleted, not finished: an evicted pod stays listed
+    until it is garbage-collected, long after its ReplicaSet replaced it) and how many are being deleted while they
+    may still run (they hold their GPUs until they go)."""
+    def phase(p: dict) -> str | None:
+        return (p.get("status") or {}).get("phase")
+
+    alive = [p for p in pods if not p["metadata"].get("deletionTimestamp") and phase(p) not in FINISHED_PHASES]
+    deleting = sum(1 for p in pods if p["metadata"].get("deletionTimestamp") and phase(p) not in FINISHED_PHASES)
+    return alive, deleting
+
+
 async def runner_pods(ctx: Context, pool: PoolSpec) -> list[dict]:
     listing = await ctx.kube.list("v1", "pods", pool.namespace, label_selector=c.label_selector(pool.name, c.COMPONENT_RUNNER))
     want = c.selector_labels(pool.name, c.COMPONENT_RUNNER)
@@ -333,7 +348,7 @@ async def look(ctx: Context, pool: PoolSpec, admin: AdminClient | None) -> Look:
     failures = {component: why for component, why in ((c.COMPONENT_SCHEDULER, replica_failure(sched)),
                                                        (c.COMPONENT_RUNNER, replica_failure(runner))) if why}
     pods = await runner_pods(ctx, pool)
-    alive = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+    alive, terminating = replica_pods(pods)
     names = tuple(sorted(p["metadata"]["name"] for p in alive))
     ready = sum(1 for p in alive if _pod_ready(p))
     nodes, nodes_error = None, None
@@ -352,7 +367,7 @@ async def look(ctx: Context, pool: PoolSpec, admin: AdminClient | None) -> Look:
     obs = None
     if state is not None:
         obs = Observation.from_state(state, replicas=replicas, pods=names, ready_pods=ready,
-                                     terminating=len(pods) - len(alive), node_group_replicas=nodes)
+                                     terminating=terminating, node_group_replicas=nodes)
     return Look(replicas, obs, available, error, nodes, runner is not None, nodes_error, failures)
 
 

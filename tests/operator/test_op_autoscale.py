@@ -361,3 +361,29 @@ def test_trace_node_group_follows_runners():
     assert all(n is not None and n * 4 >= r for n, r in zip(c.node_trace, c.replica_trace))
     assert max(c.node_trace) == 2 and c.node_trace[-1] == 1 and c.replicas == 1
     assert direction_changes([n for n in c.node_trace if n is not None]) == 1
+
+
+def test_evicted_and_deleted_pods_are_no_replicas():
+    """An evicted pod (phase Failed) stays listed until it is garbage-collected, long after its ReplicaSet replaced
+    it: counted as a replica it would hold back every drained runner's removal ("an earlier removal is still under
+    way") and the node group's shrinking for good. A pod being deleted holds its GPU until it has gone."""
+    from lorafleet.operator.reconcile import replica_pods
+
+    def pod(name, phase="Running", deleting=False):
+        meta = {"name": name, **({"deletionTimestamp": "2026-01-01T10:00:00Z"} if deleting else {})}
+        return {"metadata": meta, "status": {"phase": phase}}
+
+    pods = [pod("up"), pod("pending", "Pending"), pod("evicted", "Failed"), pod("done", "Succeeded"),
+            pod("going", deleting=True), pod("gone-evicted", "Failed", deleting=True), {"metadata": {"name": "new"}}]
+    alive, deleting = replica_pods(pods)
+    assert [p["metadata"]["name"] for p in alive] == ["up", "pending", "new"]
+    assert deleting == 1
+    # A drained, empty runner is removed while an evicted pod of the pool lingers (counted, it was held back).
+    h = History(draining={"r1": 50})
+    empty = [runner("r0", batch=5), runner("r1", draining=True), runner("r2")]
+    lingering = [pod("r0"), pod("r1"), pod("r2"), pod("r9", "Failed")]
+    names = tuple(x["metadata"]["name"] for x in replica_pods(lingering)[0])
+    d = decide(obs(empty, pods=names), POLICY, h, now=110)
+    assert d.remove == ("r1",) and d.replicas == 2
+    d = decide(obs(empty, replicas=3, pods=names + ("r9",), ready=3), POLICY, h, now=110)
+    assert d.remove == () and d.replicas == 3  # what counting it did
