@@ -5,8 +5,8 @@ Per shape (Llama-2-7B: 32 heads of 128, no grouping; Llama-2-70B on one GPU: 64 
 and context: every layer has its own pages (32 layers, so nothing stays in L2), the page tables are shuffled, and
 the 32 layer calls run in one CUDA graph (the project's kernel with 1, 2, 4 and the engine's workers, and with e4m3
 pages and no grouped heads also with four K/V rows per lane and pass: `_l4`); µs per layer call, the K/V bytes it
-read per second, and its time against the floor (those bytes at the card's measured copy rate, src/lorafleet/bench/rates.py). Each variant's output is
-checked against flashinfer's CUDA-core kernel on the same pages.
+read per second, and its time against the floor (those bytes at the card's measured copy rate,
+src/lorafleet/bench/rates.py). Each variant's output is checked against flashinfer's CUDA-core kernel on the same pages.
 
     python bench/probe_decode_attn.py --out probe_decode_attn.json
 """

@@ -364,14 +364,9 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(const Dec
 
 template <typename T, bool KV8, int D>
 const char* launch_group(const DecodeAttnArgs& a, int group, dim3 grid, cudaStream_t stream) {
-  if constexpr (KV8) {
-    if (group <= 1 && a.loads == 4) {
-      decode_attention_kernel<T, KV8, D, 1, 4><<<grid, kThreads, 0, stream>>>(a);
-      const cudaError_t err = cudaGetLastError();
-      return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
-    }
-  }
-  if (group <= 1) decode_attention_kernel<T, KV8, D, 1, 2><<<grid, kThreads, 0, stream>>>(a);
+  constexpr int kDeep = KV8 ? 4 : 2;  // loads = 4 is built for e4m3 pages only (decode_attention_takes_loads)
+  if (group <= 1 && a.loads == 4) decode_attention_kernel<T, KV8, D, 1, kDeep><<<grid, kThreads, 0, stream>>>(a);
+  else if (group <= 1) decode_attention_kernel<T, KV8, D, 1, 2><<<grid, kThreads, 0, stream>>>(a);
   else if (group <= 2) decode_attention_kernel<T, KV8, D, 2, 2><<<grid, kThreads, 0, stream>>>(a);
   else if (group <= 4) decode_attention_kernel<T, KV8, D, 4, 2><<<grid, kThreads, 0, stream>>>(a);
   else decode_attention_kernel<T, KV8, D, 8, 2><<<grid, kThreads, 0, stream>>>(a);

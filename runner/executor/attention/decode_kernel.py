@@ -41,13 +41,18 @@ def preferred(cfg, kv_dtype: torch.dtype) -> bool:
     to 4,096 tokens on an H100 (1.05-2.1x), on an H200 up to a few hundred tokens (0.89-0.98x at 1,024-4,096, batch
     32), and faster end to end on both (+1.1 to +4.6 %). Slower with bf16 pages (0.67-0.85x) and with 8 query heads per
     K/V head (3-9x, where flashinfer's decode runs on tensor cores); groups of 2 to 7 were not measured."""
-    return supported(cfg) and kv_dtype == torch.float8_e4m3fn and cfg.num_heads == cfg.num_kv_heads
+    return supported(cfg) and _e4m3_ungrouped(cfg, kv_dtype)
+
+
+def _e4m3_ungrouped(cfg, kv_dtype: torch.dtype) -> bool:
+    """e4m3 pages, one query head per K/V head: where `auto` takes the kernel and four rows per pass are built."""
+    return kv_dtype == torch.float8_e4m3fn and cfg.num_heads == cfg.num_kv_heads
 
 
 def loads_for(cfg, kv_dtype: torch.dtype, asked: int) -> int:
     """The K (and V) rows per lane and pass a launch takes: `asked` (2 or 4), but 2 where 4 is not built (bf16 / fp16
     pages, or grouped query heads)."""
-    return asked if asked == 2 or (kv_dtype == torch.float8_e4m3fn and cfg.num_heads == cfg.num_kv_heads) else 2
+    return asked if asked == 2 or _e4m3_ungrouped(cfg, kv_dtype) else 2
 
 
 def supported(cfg) -> bool:
