@@ -111,14 +111,15 @@ async def tick(ctx: reconcile.Context, body: Any, logger: Any) -> None:
     try:
         done = await reconcile.autoscale(ctx, pool, admin, current, history, time.time())
     except SchedulerUnavailable as exc:
-        done = reconcile.Round(history, [], None, current.node_group_replicas, current.node_group_error)
+        done = reconcile.Round(history, [], None, current.replicas, current.node_group_replicas,
+                               current.node_group_error)
         logger.warning("autoscaler: %s", exc)
     for action in done.actions:
         kopf.info(body, reason="Autoscaled", message=action)
     reconcile.note_node_group_error(ctx, pool, done.node_group_error)
     facts = PoolFacts(
         generation=meta.get("generation"),
-        replicas=done.decision.replicas if done.decision else current.replicas,
+        replicas=done.replicas,
         observation=current.observation,
         scheduler_available=current.scheduler_available,
         scheduler_error=current.scheduler_error,

@@ -385,31 +385,32 @@ async def act(ctx: Context, pool: PoolSpec, admin: AdminClient, decision: Decisi
     for rid in decision.drain:
         await admin.drain(rid)
         done.append(f"draining idle runner {rid}")
-    removed = []
+    removed, gone = [], []
     for rid in decision.remove:
-        # Exactly this pod must go: lowest deletion cost first, then one replica fewer.
-        patched = await ctx.kube.patch("v1", "pods", rid,
-                                       {"metadata": {"annotations": {c.ANNOTATION_DELETION_COST: c.DRAINED_DELETION_COST}}},
-                                       pool.namespace)
-        if patched is not None:
-            removed.append(rid)
-    replicas = decision.replicas + (len(decision.remove) - len(removed))
-    if replicas != current.replicas:
-        await scale_runners(ctx, pool, replicas)
-        what = f" (removing {', '.join(removed)})" if removed else ""
-        done.append(f"runners {current.replicas} -> {replicas}{what}")
+        # Exactly this pod must go: lowest deletion cost first, then one replica fewer. A pod that went since the
+        # look still counts as removed: its replacement, if the ReplicaSet made one yet, is not Ready, and a
+        # ReplicaSet deletes pods that are not Ready before any deletion cost is looked at.
+        cost = {"metadata": {"annotations": {c.ANNOTATION_DELETION_COST: c.DRAINED_DELETION_COST}}}
+        patched = await ctx.kube.patch("v1", "pods", rid, cost, pool.namespace)
+        (removed if patched is not None else gone).append(rid)
+    if decision.replicas != current.replicas:
+        await scale_runners(ctx, pool, decision.replicas)
+        what = [f"removing {', '.join(removed)}"] if removed else []
+        what += [f"{', '.join(gone)} already gone"] if gone else []
+        done.append(f"runners {current.replicas} -> {decision.replicas}" + (f" ({'; '.join(what)})" if what else ""))
     return done
 
 
 @dataclass(frozen=True)
 class Round:
     """One autoscaler round: the new history, one line per action, the decision (None where only the lower bounds
-    were kept), and the node group as known after it: its replicas (None: no node group, or not known) and why it
-    could not be read or scaled (None when it could)."""
+    were kept), the runners it leaves, and the node group as known after it: its replicas (None: no node group, or
+    not known) and why it could not be read or scaled (None when it could)."""
 
     history: History
     actions: list[str]
     decision: Decision | None
+    replicas: int  # the runner Deployment's replicas after the round
     node_group_replicas: int | None
     node_group_error: str | None = None
 
@@ -451,23 +452,26 @@ async def autoscale(ctx: Context, pool: PoolSpec, admin: AdminClient | None, cur
     exists = current.runner_deployment_exists
     actions: list[str] = []
     decision = None
+    replicas = current.replicas
     if not pool.autoscaling.enabled:
         if exists and current.replicas != pool.min_runners:  # a fixed pool runs exactly minRunners
             await scale_runners(ctx, pool, pool.min_runners)
             actions.append(f"runners {current.replicas} -> {pool.min_runners} (autoscaling off)")
+            replicas = pool.min_runners
         target, why = floor_target(pool, pool.min_runners, current)
     elif current.observation is None or admin is None or not exists:
         # Without the scheduler's view only the lower bounds are kept (removing needs a drain first).
         if exists and current.replicas < pool.min_runners:
             await scale_runners(ctx, pool, pool.min_runners)
             actions.append(f"runners {current.replicas} -> {pool.min_runners} (minRunners)")
+            replicas = pool.min_runners
         target, why = floor_target(pool, max(current.replicas, pool.min_runners), current)
     else:
         decision = decide(current.observation, Policy.from_pool(pool), history, now)
         actions = await act(ctx, pool, admin, decision, current)
-        history, target, why = decision.history, decision.node_group_replicas, ""
+        history, target, why, replicas = decision.history, decision.node_group_replicas, "", decision.replicas
     scaled, nodes, error = await scale_node_group(ctx, pool, current, target, why)
-    return Round(history, actions + scaled, decision, nodes, error)
+    return Round(history, actions + scaled, decision, replicas, nodes, error)
 
 
 def note_node_group_error(ctx: Context, pool: PoolSpec, error: str | None) -> None:

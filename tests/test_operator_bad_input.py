@@ -266,6 +266,42 @@ async def test_lowering_max_runners_cuts_a_runner_that_fails_its_readiness_probe
         assert len(said) == 1 and said[0].startswith("runners 3 -> 1"), said
 
 
+async def test_a_drained_runner_gone_before_its_removal_still_lowers_the_replicas(plane, scheduler, monkeypatch):
+    """A drained, empty runner's pod goes (evicted, deleted by hand) between the operator's look and its act: the
+    Deployment still drops by one (a replacement the ReplicaSet made meanwhile is not Ready and goes first), the
+    status counts what the Deployment holds, and the event says the pod was already gone."""
+    def replicas() -> int | None:
+        return ((get(plane, "deployments", "gone-runner", "apps/v1") or {}).get("spec") or {}).get("replicas")
+
+    look, vanish = reconcile.look, []
+
+    async def look_then_delete(ctx, spec, admin):  # the drained pod goes right after the look that will remove it
+        current = await look(ctx, spec, admin)
+        seen = current.observation.runners if spec.name == "gone" and current.observation else ()
+        if vanish and any(r.id == vanish[0] and r.draining for r in seen):
+            plane.kubectl("delete", "pod", vanish.pop(), "-n", NS, "--wait=false")
+        return current
+
+    monkeypatch.setattr(reconcile, "look", look_then_delete)
+    async with operating(plane, scheduler, monkeypatch):
+        apply(plane, pool("gone", minRunners=2, maxRunners=3))
+        await wait_for(lambda: len(runner_pods(plane, "gone")) == 2, 30, "two runner pods")
+        busy, drained = (p["metadata"]["name"] for p in runner_pods(plane, "gone"))
+        for p in runner_pods(plane, "gone"):
+            play_kubelet(plane, p, True, "2026-01-01T10:01:00Z")
+        scheduler.state = {"runners": [runner_state(busy, batch=3), runner_state(drained, idle=100_000)],
+                           "queue_length": 0}
+        vanish.append(drained)
+        merge(plane, "servingpool", "gone", {"spec": {"minRunners": 1}})
+        await wait_for(lambda: replicas() == 1, 30, "one runner after the drained one went")
+        await wait_for(lambda: get(plane, c.POOLS, "gone")["status"].get("runners") == 1, 30, "status.runners 1")
+        await wait_for(lambda: [p["metadata"]["name"] for p in runner_pods(plane, "gone")] == [busy], 30,
+                       "only the busy runner left")
+        assert not vanish, "the idle runner was never drained"
+        said = [e["message"] for e in events(plane, "gone", "Autoscaled")]
+        assert f"runners 2 -> 1 ({drained} already gone)" in said, said
+
+
 # --- node groups that fail between the look and the scale ---------------------------------------
 
 
