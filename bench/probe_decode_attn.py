@@ -3,10 +3,9 @@ tensor cores), bf16 and e4m3 pages, next to the bytes of K/V each call must read
 
 Per shape (Llama-2-7B: 32 heads of 128, no grouping; Llama-2-70B on one GPU: 64 query heads over 8 K/V heads), batch
 and context: every layer has its own pages (32 layers, so nothing stays in L2), the page tables are shuffled, and
-the 32 layer calls run in one CUDA graph (the project's kernel with 1, 2, 4 and the engine's workers, and with e4m3
-pages and no grouped heads also with four K/V rows per lane and pass: `_l4`); µs per layer call, the K/V bytes it
-read per second, and its time against the floor (those bytes at the card's measured copy rate,
-src/lorafleet/bench/rates.py). Each variant's output is checked against flashinfer's CUDA-core kernel on the same pages.
+the 32 layer calls run in one CUDA graph; µs per layer call, the K/V bytes it read per second, and its time against
+the floor (those bytes at the card's measured copy rate, src/lorafleet/bench/rates.py). Each variant's output is
+checked against flashinfer's CUDA-core kernel on the same pages.
 
     python bench/probe_decode_attn.py --out probe_decode_attn.json
 """
@@ -74,19 +73,15 @@ def main() -> None:
                     t_indptr, t_indices, t_last = indptr.to(dev), perm.to(dev), last.to(dev)
                     o = torch.empty_like(q)
                     chosen = dk.workers(sms, batch, Hkv)  # as in a CUDA graph (lengths unknown)
-                    variants = [(w, 2) for w in sorted({1, 2, 4, chosen})]
-                    if kv_dtype == torch.float8_e4m3fn and H == Hkv:  # four rows per lane and pass, where built
-                        variants += [(w, 4) for w in sorted({1, 2, chosen})]
-                    for workers, loads in variants:
-                        def own(workers=workers, loads=loads):
+                    for workers in sorted({1, 2, 4, chosen}):
+                        def own(workers=workers):
                             for k, v in caches:
                                 ext.decode_attention(o, q, k, v, t_indptr, t_indices, t_last, wsp.partial_o,
                                                      wsp.partial_ml, wsp.counters, 1 / math.sqrt(D), 0.0, -1,
                                                      dk.CHUNK, dk.MAX_CHUNKS, workers,
-                                                     torch.cuda.current_stream().cuda_stream, loads)
+                                                     torch.cuda.current_stream().cuda_stream)
 
-                        name = ("lorafleet" if workers == chosen else f"lorafleet_w{workers}") + \
-                            ("" if loads == 2 else "_l4")
+                        name = "lorafleet" if workers == chosen else f"lorafleet_w{workers}"
                         times[name] = timer.graph_us([own]) / LAYERS
                         out[name] = o.clone()
                     ref = out["flashinfer"].float()
@@ -103,8 +98,7 @@ def main() -> None:
                     torch.cuda.empty_cache()
     with open(args.out, "w") as f:
         json.dump({"floor_tb_s": floor_tb_s, "page_size": ps, "rows": rows}, f, indent=1)
-    print("µs per layer call (lorafleet: the workers the engine's graphs take; _wN: N workers; _l4: four K/V rows per "
-          "lane and pass, LORAFLEET_DECODE_LOADS=4)")
+    print("µs per layer call (lorafleet: the workers the engine's graphs take; _wN: N workers)")
     key = lambda r: (r["shape"], r["batch"], r["ctx"], r["pages"])  # noqa: E731
     for k in dict.fromkeys(map(key, rows)):
         cells = [f"{r['kernel']} {r['us_per_layer']}{'' if r['agrees'] else ' WRONG'}" for r in rows if key(r) == k]

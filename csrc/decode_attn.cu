@@ -1,10 +1,9 @@
 // decode_attention (see decode_attn.h): one CTA of 4 warps per (request, K/V head, worker). A lane holds DPL
 // dimensions of a token's K/V row (one 4- to 16-byte load each), LPT = D / DPL lanes make a token, a warp takes
-// TPW = 32 / LPT tokens per load and U such loads at once (U = DecodeAttnArgs::loads: 2, or 4 where built), so every
-// lane has 2U loads in flight (the next pass's,
-// during this pass's math; their page ids were loaded a pass earlier still; the stream of passes runs on across
-// the CTA's chunks). The lane keeps the G query heads' DPL dims of q and of the output in fp32 registers; DPL is
-// chosen so that G * DPL <= 32 where the head allows (the wider 16-byte loads where G is small).
+// TPW = 32 / LPT tokens per load and kUnroll such loads at once, so every lane has 2 kUnroll loads in flight
+// (the next pass's, during this pass's math; their page ids were loaded a pass earlier still; the stream of passes
+// runs on across the CTA's chunks). The lane keeps the G query heads' DPL dims of q and of the output in fp32
+// registers; DPL is chosen so that G * DPL <= 32 where the head allows (the wider 16-byte loads where G is small).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -21,6 +20,7 @@ namespace {
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
+constexpr int kUnroll = 2;  // loads per lane of K (and of V) in flight
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr unsigned kFull = 0xffffffffu;
 
@@ -78,7 +78,8 @@ __device__ __forceinline__ void unpack(const L& raw, float f[DPL]) {
 // (m, l, acc) <- the merge of itself with (mo, lo, ao): m the running max of log2-scaled scores, l the sum of
 // exp2(s - m), acc the sum of exp2(s - m) v. Two empty states (m = -inf) stay empty.
 template <int DPL>
-__device__ __forceinline__ void merge_state(float& m, float& l, float acc[DPL], float mo, float lo, const float ao[DPL]) {
+__device__ __forceinline__ void merge_state(float& m, float& l, float acc[DPL], float mo, float lo,
+                                            const float ao[DPL]) {
   const float mx = fmaxf(m, mo);
   if (mx == -INFINITY) return;
   const float ca = exp2f(m - mx), cb = exp2f(mo - mx);
@@ -95,10 +96,8 @@ __device__ __forceinline__ float tanh_fast(float x) {
   return copysignf(__fdividef(e, e + 2.f), x);
 }
 
-// U: a lane's K (and V) rows per pass (DecodeAttnArgs::loads).
-template <typename T, bool KV8, int D, int G, int U>
+template <typename T, bool KV8, int D, int G>
 __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(const DecodeAttnArgs p) {
-  constexpr int kUnroll = U;
   using S = Shape<D, G, KV8 ? 1 : 2>;
   constexpr int DPL = S::DPL, LPT = S::LPT, TPW = S::TPW;
   using KvT = std::conditional_t<KV8, uint8_t, T>;
@@ -364,12 +363,10 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(const Dec
 
 template <typename T, bool KV8, int D>
 const char* launch_group(const DecodeAttnArgs& a, int group, dim3 grid, cudaStream_t stream) {
-  constexpr int kDeep = KV8 ? 4 : 2;  // loads = 4 is built for e4m3 pages only (decode_attention_takes_loads)
-  if (group <= 1 && a.loads == 4) decode_attention_kernel<T, KV8, D, 1, kDeep><<<grid, kThreads, 0, stream>>>(a);
-  else if (group <= 1) decode_attention_kernel<T, KV8, D, 1, 2><<<grid, kThreads, 0, stream>>>(a);
-  else if (group <= 2) decode_attention_kernel<T, KV8, D, 2, 2><<<grid, kThreads, 0, stream>>>(a);
-  else if (group <= 4) decode_attention_kernel<T, KV8, D, 4, 2><<<grid, kThreads, 0, stream>>>(a);
-  else decode_attention_kernel<T, KV8, D, 8, 2><<<grid, kThreads, 0, stream>>>(a);
+  if (group <= 1) decode_attention_kernel<T, KV8, D, 1><<<grid, kThreads, 0, stream>>>(a);
+  else if (group <= 2) decode_attention_kernel<T, KV8, D, 2><<<grid, kThreads, 0, stream>>>(a);
+  else if (group <= 4) decode_attention_kernel<T, KV8, D, 4><<<grid, kThreads, 0, stream>>>(a);
+  else decode_attention_kernel<T, KV8, D, 8><<<grid, kThreads, 0, stream>>>(a);
   const cudaError_t err = cudaGetLastError();
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
 }
@@ -390,10 +387,6 @@ const char* launch_typed(const DecodeAttnArgs& a, int group, dim3 grid, cudaStre
 
 }  // namespace
 
-bool decode_attention_takes_loads(int loads, bool kv_e4m3, int group) {
-  return loads == 2 || (loads == 4 && kv_e4m3 && group == 1);
-}
-
 bool decode_attention_supports(int head_dim, int group) {
   return (head_dim == 64 || head_dim == 128 || head_dim == 256) && group >= 1 && group <= 8;
 }
@@ -408,8 +401,6 @@ const char* decode_attention(DType dtype, const DecodeAttnArgs& a, int device, v
       a.workers <= 0)
     return "decode_attention: page_size, num_pages, max_chunks and workers must be positive, chunk a multiple of 16";
   if (a.batch > 65535 || a.num_kv_heads > 65535) return "decode_attention: too many requests or K/V heads";
-  if (!decode_attention_takes_loads(a.loads, a.kv_e4m3, a.num_heads / a.num_kv_heads))
-    return "decode_attention: loads must be 2, or 4 with e4m3 pages and one query head per K/V head";
   cudaError_t err = cudaSetDevice(device);
   if (err != cudaSuccess) return cudaGetErrorString(err);
   const dim3 grid(a.workers, a.num_kv_heads, a.batch);

@@ -54,13 +54,7 @@ struct DecodeAttnArgs {
   float soft_cap = 0.f;                    // <= 0: none
   int window_left = -1;                    // a query sees its last window_left + 1 keys; < 0: all
   bool kv_e4m3 = false;                    // the pages hold float8_e4m3fn, not the storage type
-  int loads = 2;                           // a lane's K (and V) rows per pass: 2, or 4 (twice the bytes in flight, more
-                                           // registers) with e4m3 pages and one query head per K/V head; the token
-                                           // order of a pass changes with it, so the bits do (never within a setting)
 };
-
-// Whether a launch can take `loads` (DecodeAttnArgs::loads) with these pages and query heads per K/V head.
-bool decode_attention_takes_loads(int loads, bool kv_e4m3, int group);
 
 // Whether a launch can take this head size and number of query heads per K/V head (group): D in {64, 128, 256} and
 // group in [1, 8].

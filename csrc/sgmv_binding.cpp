@@ -31,10 +31,10 @@
 //       decode_ranks=0, quant_out=None, quant_scale=None): rms_norm and the shrink of x_out (CUDA-core items),
 //       one launch; v bit for bit shrink's on the x_out it writes.
 //   norm_lora(x_out, h, res, res_out, w, eps, offset, row_slot, v_in, b_in, ranks_in, v_out, a_out, ranks_out, pdl,
-//       stream, late_tables=False, stage_bytes=-1): rms_norm of h after the expand of the projection h comes from (v_in, b_in,
-//       ranks_in; h is not written) and the shrink of x_out for the group after it (v_out, a_out, ranks_out), one
-//       launch, one thread-block cluster per row (sm_90); each half bit for bit the separate launches' (sgmv.h
-//       NormLoraArgs). late_tables: row_slot was written by the kernel right before; stage_bytes: shared
+//       stream, late_tables=False, stage_bytes=-1): rms_norm of h after the expand of the projection h comes from
+//       (v_in, b_in, ranks_in; h is not written) and the shrink of x_out for the group after it (v_out, a_out,
+//       ranks_out), one launch, one thread-block cluster per row (sm_90); each half bit for bit the separate launches'
+//       (sgmv.h NormLoraArgs). late_tables: row_slot was written by the kernel right before; stage_bytes: shared
 //       memory for the weight rows staged before the wait (a launch shape: never changes a bit; -1: the default).
 //   quantize_e4m3(out, scale, x, stream): dynamic per-row FP8 quantization of activations (quant.h),
 //       one launch: scale[i] = max(absmax(x[i]) / 448, 1e-12), out[i] = e4m3(x[i] * (1 / scale[i])).
@@ -55,11 +55,10 @@
 //       fp8_gemm_sm90 then fp8_epilogue (act 0, one part) in one launch, the epilogue inside the product's kernel;
 //       out in bf16.
 //   decode_attention(out, q, k_cache, v_cache, indptr, indices, last_page_len, partial_o, partial_ml, counters,
-//       sm_scale, soft_cap, window_left, chunk, max_chunks, workers, stream, loads=2): attention of one query row per
-//       request over its K/V pages (decode_attn.h), one launch; pages of q's dtype or float8_e4m3fn (unit scale). The
+//       sm_scale, soft_cap, window_left, chunk, max_chunks, workers, stream): attention of one query row per request
+//       over its K/V pages (decode_attn.h), one launch; pages of q's dtype or float8_e4m3fn (unit scale). The
 //       page table is flashinfer's CSR (indptr, indices, last_page_len) on the device; a request's bits depend on
-//       nothing else in the launch (workers only spreads its chunks over CTAs). loads: a lane's K (and V) rows per
-//       pass, 2 or (e4m3 pages, one query head per K/V head) 4; the bits depend on it.
+//       nothing else in the launch (workers only spreads its chunks over CTAs).
 //       decode_attention_supports(head_dim, group): whether the kernel takes these shapes.
 //
 // with r = ranks[g, s]. The values inside ranks / indptr / slots live on the device and are not
@@ -593,11 +592,13 @@ void norm_lora(Tensor x_out, Tensor h, std::optional<Tensor> res, std::optional<
     SGMV_CHECK(ranks_out->scalar_type() == torch::kInt && ranks_out->dim() == 2 && ranks_out->size(0) == groups &&
                    ranks_out->is_contiguous() && ranks_out->size(1) >= 1 && ranks_out->size(1) <= kInt32Max,
                "norm_lora: ranks_out must be contiguous int32 [G=%lld, S]", ll(groups));
-    SGMV_CHECK(slots < 0 || ranks_out->size(1) == slots, "norm_lora: the expand's and the shrink's pools differ in slots");
+    SGMV_CHECK(slots < 0 || ranks_out->size(1) == slots,
+               "norm_lora: the expand's and the shrink's pools differ in slots");
     slots = ranks_out->size(1);
     check_device(*v_out, Name("v_out"), h);
     SGMV_CHECK(v_out->scalar_type() == torch::kFloat && v_out->dim() == 3 && v_out->size(0) == T &&
-                   v_out->size(1) == groups && v_out->size(2) >= 1 && v_out->is_contiguous() && v_out->numel() <= kInt32Max,
+                   v_out->size(1) == groups && v_out->size(2) >= 1 && v_out->is_contiguous() &&
+                   v_out->numel() <= kInt32Max,
                "norm_lora: v_out must be contiguous float32 [T=%lld, G=%lld, R]", ll(T), ll(groups));
     SGMV_CHECK(!v_in.has_value() || !overlap(*v_in, *v_out), "norm_lora: v_out must not overlap v_in");
     SGMV_CHECK(!overlap(*v_out, x_out) && !overlap(*v_out, h) && (!res.has_value() || (!overlap(*v_out, *res) &&
@@ -762,8 +763,8 @@ lorafleet::Fp8EpilogueArgs epilogue_args(const Tensor& ref, int64_t M, int64_t N
   a.act = static_cast<int>(act);
   int64_t total = 0;
   for (int64_t g = 0; g < G; ++g) {
-    SGMV_CHECK(cols[g] > 0 && cols[g] % 8 == 0, "fp8_epilogue: span %lld (%lld columns) must be a positive multiple of 8",
-               ll(g), ll(cols[g]));
+    SGMV_CHECK(cols[g] > 0 && cols[g] % 8 == 0,
+               "fp8_epilogue: span %lld (%lld columns) must be a positive multiple of 8", ll(g), ll(cols[g]));
     a.cols[g] = static_cast<int>(cols[g]);
     total += cols[g];
   }
@@ -847,13 +848,14 @@ void fp8_gemm_sm90_fused(Tensor out, Tensor x, Tensor w, Tensor x_scale, Tensor 
 void decode_attention(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor indptr, Tensor indices,
                       Tensor last_page_len, Tensor partial_o, Tensor partial_ml, Tensor counters, double sm_scale,
                       double soft_cap, int64_t window_left, int64_t chunk, int64_t max_chunks, int64_t workers,
-                      int64_t stream, int64_t loads) {
+                      int64_t stream) {
   const auto dtype = kernel_dtype(q, "q");
   SGMV_CHECK(q.is_cuda() && q.dim() == 3 && q.is_contiguous() && reinterpret_cast<uintptr_t>(q.data_ptr()) % 4 == 0,
              "decode_attention: q must be a contiguous, 4-byte aligned [B, Hq, D] CUDA tensor");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   SGMV_CHECK(out.scalar_type() == q.scalar_type() && out.sizes() == q.sizes() && out.is_contiguous(),
-             "decode_attention: out must be contiguous, of q's dtype and shape [%lld, %lld, %lld]", ll(B), ll(H), ll(D));
+             "decode_attention: out must be contiguous, of q's dtype and shape [%lld, %lld, %lld]", ll(B), ll(H),
+             ll(D));
   for (const Tensor* c : {&k_cache, &v_cache}) {
     SGMV_CHECK(c->dim() == 4 && c->is_contiguous() && c->size(3) == D && aligned16(*c),
                "decode_attention: the K/V pages must be contiguous, 16-byte aligned [pages, page_size, Hkv, D=%lld]",
@@ -915,11 +917,6 @@ void decode_attention(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache, Tens
   a.soft_cap = static_cast<float>(soft_cap);
   a.window_left = static_cast<int>(std::max<int64_t>(-1, std::min<int64_t>(window_left, kInt32Max)));
   a.kv_e4m3 = k_cache.scalar_type() == torch::kFloat8_e4m3fn;
-  SGMV_CHECK((loads == 2 || loads == 4) &&
-                 lorafleet::decode_attention_takes_loads(static_cast<int>(loads), a.kv_e4m3, static_cast<int>(H / Hkv)),
-             "decode_attention: loads must be 2, or 4 with float8_e4m3fn pages and one query head per K/V head "
-             "(got %lld with %s pages, %lld query heads per K/V head)", ll(loads), dtype_name(k_cache), ll(H / Hkv));
-  a.loads = static_cast<int>(loads);
   const char* err = lorafleet::decode_attention(dtype, a, q.get_device(), as_stream(stream));
   SGMV_CHECK(err == nullptr, "decode_attention launch failed: %s", err ? err : "");
 }
@@ -956,7 +953,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("slots"), py::arg("cos_sin"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("stream"),
         py::arg("v"), py::arg("b"), py::arg("ranks"), py::arg("row_slot"));
   m.def("rms_norm", &rms_norm,
-        "x_out = RMSNorm(h [+ res]) as ops.py computes it (res_out = h + res), optionally x_out's e4m3 rows, one launch",
+        "x_out = RMSNorm(h [+ res]) as ops.py computes it (res_out = h + res), optionally x_out's e4m3 rows, "
+        "one launch",
         py::arg("x_out"), py::arg("h"), py::arg("res"), py::arg("res_out"), py::arg("w"), py::arg("eps"),
         py::arg("offset"), py::arg("quant_out"), py::arg("quant_scale"), py::arg("pdl"), py::arg("stream"),
         py::arg("max_blocks") = 0);
@@ -990,7 +988,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("stream"));
   m.def("fp8_gemm_sm90_built", &lorafleet::fp8_gemm_sm90_built, "whether this build holds the sm90 FP8 GEMM");
   m.def("fp8_epilogue", &fp8_epilogue,
-        "out = (y * x_scale) * w_scale [+ bias] [+ the rows' LoRA expand] for the fp32 unit-scale FP8 product y, one launch",
+        "out = (y * x_scale) * w_scale [+ bias] [+ the rows' LoRA expand] for the fp32 unit-scale FP8 product y, "
+        "one launch",
         py::arg("out"), py::arg("y"), py::arg("x_scale"), py::arg("w_scale"), py::arg("bias"), py::arg("cols"),
         py::arg("v"), py::arg("b"), py::arg("ranks"), py::arg("row_slot"), py::arg("pdl"), py::arg("stream"),
         py::arg("act") = 0);
@@ -999,7 +998,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("indptr"), py::arg("indices"),
         py::arg("last_page_len"), py::arg("partial_o"), py::arg("partial_ml"), py::arg("counters"),
         py::arg("sm_scale"), py::arg("soft_cap"), py::arg("window_left"), py::arg("chunk"), py::arg("max_chunks"),
-        py::arg("workers"), py::arg("stream"), py::arg("loads") = 2);
+        py::arg("workers"), py::arg("stream"));
   m.def("decode_attention_supports", &decode_attention_supports,
         "whether decode_attention takes this head size and number of query heads per K/V head",
         py::arg("head_dim"), py::arg("group"));

@@ -22,8 +22,6 @@ class KernelChoices:
         lorafleet: the K/V pages read once at their byte cost, bf16 / fp16 or e4m3; head sizes 64, 128 and 256 with at
         most 8 query heads per K/V head, flashinfer's elsewhere); auto: the project's own for e4m3 pages where each
         K/V head serves one query head (decode_kernel.preferred), flashinfer's elsewhere.
-    decode_loads: the project's decode kernel's K (and V) rows per lane and pass: 2, or 4 where it takes them (e4m3
-        pages, one query head per K/V head; 2 elsewhere).
     sgmv: auto (the CUDA kernels on CUDA, torch elsewhere), cuda or torch.
     sgmv_fused: steps with prompt rows launch a LoRA group below the tensor-core thresholds as one fused
         launch (auto: the measured default; 1) or two (0); the bits are the same.
@@ -91,7 +89,6 @@ class KernelChoices:
     prefill: str = "auto"
     decode_tc: str = "auto"
     decode_kernel: str = "auto"
-    decode_loads: int = 2
     sgmv: str = "auto"
     sgmv_fused: str = "auto"
     mma_rows: tuple[tuple[int, int], ...] = ((129, 129), (512, 512), (129, 129), (512, 512))
@@ -144,8 +141,6 @@ class KernelChoices:
             raise ValueError(f"decode_ranks must be 0, 1, 2 or 4 (one number, or one per group: qkv, o, gate_up, "
                              f"down), got {self.decode_ranks!r}")
         object.__setattr__(self, "decode_ranks", ranks)  # (frozen: the normalized form, set once here)
-        if self.decode_loads not in (2, 4):
-            raise ValueError(f"decode_loads must be 2 or 4, got {self.decode_loads!r}")
         if not 0 <= self.fp8_gemm_rows <= 64:
             raise ValueError(f"fp8_gemm_rows must be in [0, 64], got {self.fp8_gemm_rows}")
         if len(self.mma_rows) != 4 or any(len(r) != 2 or min(r) < 1 for r in self.mma_rows):
@@ -157,8 +152,7 @@ class KernelChoices:
         from lorafleet import env
 
         return cls(attention=env.attention_backend(), prefill=env.prefill_backend(),
-                   decode_tc=env.decode_tensor_cores(), decode_kernel=env.decode_kernel(),
-                   decode_loads=env.decode_loads(), sgmv=env.sgmv_backend(),
+                   decode_tc=env.decode_tensor_cores(), decode_kernel=env.decode_kernel(), sgmv=env.sgmv_backend(),
                    sgmv_fused=env.sgmv_fused(), fused_ops=env.fused_ops(), rope_kv=env.rope_kv_kernel(),
                    rope_kv_lora=env.rope_kv_lora(), rope_kv_fp8=env.rope_kv_fp8(),
                    norm_shrink=env.norm_shrink(), norm_lora=env.norm_lora(), shrink_early=env.shrink_early(),

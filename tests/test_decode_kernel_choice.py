@@ -41,29 +41,6 @@ def test_auto_takes_the_kernel_only_where_it_was_measured_faster(shape, kv_dtype
     assert dk.preferred(cfg(*shape), kv_dtype) is ok
 
 
-@pytest.mark.parametrize("shape, kv_dtype, asked, took", [
-    ((32, 32, 128), torch.float8_e4m3fn, 4, 4),
-    ((32, 32, 128), torch.float8_e4m3fn, 2, 2),
-    ((32, 32, 128), torch.bfloat16, 4, 2),      # four rows per pass are built for e4m3 pages only
-    ((64, 8, 128), torch.float8_e4m3fn, 4, 2),  # ... with one query head per K/V head
-])
-def test_four_loads_only_where_built(shape, kv_dtype, asked, took):
-    assert dk.loads_for(cfg(*shape), kv_dtype, asked) == took
-
-
-def test_decode_loads_is_validated(monkeypatch):
-    from lorafleet import env
-
-    assert KernelChoices().decode_loads == 2 and KernelChoices(decode_loads=4).decode_loads == 4
-    with pytest.raises(ValueError, match="decode_loads must be 2 or 4, got 3"):
-        KernelChoices(decode_loads=3)
-    monkeypatch.setenv("LORAFLEET_DECODE_LOADS", "4")
-    assert KernelChoices.from_env().decode_loads == 4
-    monkeypatch.setenv("LORAFLEET_DECODE_LOADS", "8")
-    with pytest.raises(ValueError, match="LORAFLEET_DECODE_LOADS must be one of 2, 4"):
-        env.decode_loads()
-
-
 def test_workers_fill_the_gpu_within_the_chunks():
     assert dk.CTAS_PER_SM == 4
     assert dk.workers(132, 64, 32, [370] * 64) == 1  # 2,048 CTAs already: one each
@@ -76,10 +53,6 @@ def test_workers_fill_the_gpu_within_the_chunks():
     assert dk.workers(132, 2, 8) == dk.MAX_CHUNKS  # a CUDA graph: the lengths are not known
     assert dk.workers(132, 16, 8) == 4  # 528 / 128, rounded
     assert dk.CHUNK % 16 == 0
-    # four K/V rows per pass: three CTAs fit an SM, so fewer workers fill it
-    assert dk.workers(132, 8, 32, [1024] * 8, per_sm=dk.CTAS_PER_SM_LOADS4) == 2  # 396 / 256, rounded
-    assert dk.workers(132, 4, 32, [4096] * 4, per_sm=dk.CTAS_PER_SM_LOADS4) == 3  # 396 / 128 (4 at 4 per SM)
-    assert dk.workers(132, 4, 32, [4096] * 4) == 4
 
 
 def test_workspace_holds_every_chunk_of_every_row():

@@ -93,16 +93,6 @@ def decode_kernel() -> str:
     return _choice("LORAFLEET_DECODE_KERNEL", DECODE_KERNEL_CHOICES)
 
 
-DECODE_LOADS_CHOICES = ("2", "4")
-
-
-def decode_loads() -> int:
-    """LORAFLEET_DECODE_LOADS: a lane's K (and V) rows per pass in the project's decode attention kernel: 2 (default),
-    or 4 (twice the bytes in flight, ~3 instead of 4 CTAs per SM; e4m3 pages with one query head per K/V head only,
-    2 elsewhere). The bits differ between the two; not measured on a GPU yet."""
-    return int(_choice("LORAFLEET_DECODE_LOADS", DECODE_LOADS_CHOICES))
-
-
 PREFILL_BACKENDS = ("auto", "fa2", "fa3")
 
 

@@ -57,7 +57,7 @@ class Case:
         return [a.to(DEV) for a in arrays]
 
     def run(self, q=None, tables=None, lens=None, workers=1, sm_scale=None, cap=0.0, window_left=-1, ws_rows=None,
-            chunk=CHUNK, max_chunks=MAX_CHUNKS, loads=2):
+            chunk=CHUNK, max_chunks=MAX_CHUNKS):
         q = self.q if q is None else q
         B = q.shape[0]
         indptr, indices, last = self.arrays(tables, lens)
@@ -68,7 +68,7 @@ class Case:
         out = torch.full_like(q, float("nan"))
         scale = 1 / math.sqrt(self.D) if sm_scale is None else sm_scale
         ext().decode_attention(out, q, self.k, self.v, indptr, indices, last, self.partial_o, self.partial_ml,
-                               self.counters, scale, cap, window_left, chunk, max_chunks, workers, stream(), loads)
+                               self.counters, scale, cap, window_left, chunk, max_chunks, workers, stream())
         torch.cuda.synchronize()
         return out
 
@@ -119,29 +119,6 @@ def test_decode_attention_matches_fp64(D, group, kv, dtype):
     got = c.run(workers=3)
     assert_close(got, c.reference(), c.v.float().abs().max().item(), f"D={D} group={group} kv={kv} {dtype}")
     assert int(c.counters.abs().sum()) == 0  # every launch leaves its counters zero
-
-
-@pytest.mark.parametrize("D", [64, 128, 256])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_four_loads_per_pass_match_fp64(D, dtype):
-    """loads=4 (e4m3 pages, one query head per K/V head): against fp64, with windows and soft-caps, page sizes that do
-    not divide a pass, and its bits independent of the launch's workers and neighbours (its own bits: the token order
-    within a pass is not loads=2's)."""
-    c = Case(LENS, 2, 1, D, dtype, E4M3, seed=D + 1)
-    vmax = c.v.float().abs().max().item()
-    base = c.run(workers=1, loads=4)
-    assert_close(base, c.reference(), vmax, f"loads=4 D={D} {dtype}")
-    assert int(c.counters.abs().sum()) == 0
-    for w in (3, 16):
-        assert torch.equal(c.run(workers=w, loads=4), base), f"loads=4 workers={w}"
-    alone = c.run(q=c.q[8:9].contiguous(), tables=[c.tables[8]], lens=[c.lens[8]], workers=2, loads=4)
-    assert torch.equal(alone[0], base[8])
-    for window_left, cap in ((40, 0.0), (300, 5.0), (-1, 5.0)):
-        got = c.run(workers=2, sm_scale=0.3, cap=cap, window_left=window_left, loads=4)
-        assert_close(got, c.reference(sm_scale=0.3, cap=cap, window_left=window_left), vmax,
-                     f"loads=4 D={D} window_left={window_left} cap={cap}")
-    p = Case([1, 7, 64, 300, 1025], 4, 1, D, dtype, E4M3, page_size=5, seed=D + 2)
-    assert_close(p.run(workers=4, loads=4), p.reference(), p.v.float().abs().max().item(), "loads=4 page_size=5")
 
 
 @pytest.mark.parametrize("window_left", [-1, 0, 40, 300, 3000])
@@ -260,9 +237,5 @@ def test_refusals():
         call(chunk=24)
     with pytest.raises(RuntimeError, match="counters must be contiguous int32 with at least 2"):
         call(counters=cnt[:1])
-    for loads, k in ((4, None), (4, c.k.to(E4M3)), (3, c.k.to(E4M3))):  # bf16 pages; two query heads; not 2 or 4
-        with pytest.raises(RuntimeError, match="loads must be 2, or 4 with float8_e4m3fn pages and one query head"):
-            x.decode_attention(torch.empty_like(c.q), c.q, c.k if k is None else k, c.v if k is None else k, ip, ix,
-                               la, po, pml, cnt, 1.0, 0.0, -1, CHUNK, MAX_CHUNKS, 1, stream(), loads)
     assert x.decode_attention_supports(128, 8) and not x.decode_attention_supports(128, 9)
     assert not x.decode_attention_supports(96, 1)

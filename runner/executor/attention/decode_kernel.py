@@ -10,27 +10,21 @@ CTAs per (request, K/V head) share its chunks and change no bit.
 
 from __future__ import annotations
 
-import logging
-
 import torch
-
-log = logging.getLogger(__name__)
 
 CHUNK = 256  # tokens per chunk
 MAX_CHUNKS = 16  # chunks per request at most: longer contexts take longer chunks
 # A launch's grid aims at this many CTAs per SM where it has few (request, head) pairs: measured on an H100 (7B shape,
 # docs/benchmarks.md §10.18), one worker was fastest at batch 32 (7.8 pairs per SM) and two at batch 8 (1.9 per SM).
 CTAS_PER_SM = 4
-CTAS_PER_SM_LOADS4 = 3  # with four K/V rows per lane and pass (165 registers a thread): three CTAs fit an SM
 
 
-def workers(num_sms: int, rows: int, kv_heads: int, kv_lens: list[int] | None = None,
-            per_sm: int = CTAS_PER_SM) -> int:
-    """CTAs per (request, K/V head) of a launch over `rows` requests: the nearest to `per_sm` per SM, at most the
+def workers(num_sms: int, rows: int, kv_heads: int, kv_lens: list[int] | None = None) -> int:
+    """CTAs per (request, K/V head) of a launch over `rows` requests: the nearest to CTAS_PER_SM per SM, at most the
     chunks the longest request has (all MAX_CHUNKS where the lengths are not known, as in a CUDA graph). A launch shape
     only: it changes no bit."""
     pairs = max(1, rows * kv_heads)
-    want = (num_sms * per_sm + pairs // 2) // pairs
+    want = (num_sms * CTAS_PER_SM + pairs // 2) // pairs
     most = MAX_CHUNKS if kv_lens is None else min(MAX_CHUNKS, -(-max(kv_lens, default=1) // CHUNK))
     return max(1, min(want, most))
 
@@ -41,18 +35,7 @@ def preferred(cfg, kv_dtype: torch.dtype) -> bool:
     to 4,096 tokens on an H100 (1.05-2.1x), on an H200 up to a few hundred tokens (0.89-0.98x at 1,024-4,096, batch
     32), and faster end to end on both (+1.1 to +4.6 %). Slower with bf16 pages (0.67-0.85x) and with 8 query heads per
     K/V head (3-9x, where flashinfer's decode runs on tensor cores); groups of 2 to 7 were not measured."""
-    return supported(cfg) and _e4m3_ungrouped(cfg, kv_dtype)
-
-
-def _e4m3_ungrouped(cfg, kv_dtype: torch.dtype) -> bool:
-    """e4m3 pages, one query head per K/V head: where `auto` takes the kernel and four rows per pass are built."""
-    return kv_dtype == torch.float8_e4m3fn and cfg.num_heads == cfg.num_kv_heads
-
-
-def loads_for(cfg, kv_dtype: torch.dtype, asked: int) -> int:
-    """The K (and V) rows per lane and pass a launch takes: `asked` (2 or 4), but 2 where 4 is not built (bf16 / fp16
-    pages, or grouped query heads)."""
-    return asked if asked == 2 or _e4m3_ungrouped(cfg, kv_dtype) else 2
+    return supported(cfg) and kv_dtype == torch.float8_e4m3fn and cfg.num_heads == cfg.num_kv_heads
 
 
 def supported(cfg) -> bool:
@@ -82,7 +65,7 @@ class Tables:
 class LorafleetDecode:
     """The kernel with one model's shapes; the eager steps' workspace grows with their decode rows."""
 
-    def __init__(self, kv, cfg, device: torch.device, loads: int = 2):
+    def __init__(self, kv, cfg, device: torch.device):
         from lorafleet.runner import kernels
 
         self.ext = kernels.load()
@@ -91,10 +74,6 @@ class LorafleetDecode:
         self.sm_scale, self.soft_cap = cfg.softmax_scale, cfg.attn_softcap or 0.0
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         self._eager: Workspace | None = None
-        self.loads = loads_for(cfg, kv.k.dtype, loads)
-        if self.loads != loads:
-            log.warning("decode_loads %d applies to e4m3 pages with one query head per K/V head; this model's decode "
-                        "attention takes %d", loads, self.loads)
 
     def workspace(self, rows: int) -> Workspace:
         return Workspace(rows, self.h, self.hkv, self.d, self.device)
@@ -105,7 +84,7 @@ class LorafleetDecode:
         return self._eager
 
     def workers(self, rows: int, kv_lens: list[int] | None = None) -> int:
-        return workers(self.num_sms, rows, self.hkv, kv_lens, CTAS_PER_SM_LOADS4 if self.loads == 4 else CTAS_PER_SM)
+        return workers(self.num_sms, rows, self.hkv, kv_lens)
 
     def tables(self, page_tables, kv_lens) -> Tables:
         """A step's page table, copied to the device on the current stream."""
@@ -120,7 +99,7 @@ class LorafleetDecode:
         k, v = self.kv.layer(layer)
         self.ext.decode_attention(out, q.contiguous(), k, v, tables.indptr, tables.indices, tables.last, ws.partial_o,
                                   ws.partial_ml, ws.counters, self.sm_scale, self.soft_cap, window_left, CHUNK,
-                                  MAX_CHUNKS, workers, torch.cuda.current_stream(q.device).cuda_stream, self.loads)
+                                  MAX_CHUNKS, workers, torch.cuda.current_stream(q.device).cuda_stream)
 
 
 class GraphDecodeTables:

@@ -58,7 +58,8 @@ class _Wrappers:
 
     def __init__(self, b: "FlashInferAttention", window_left: int, ws: dict):
         self.window_left = window_left
-        self.prefill = {name: BatchPrefillWithPagedKVCacheWrapper(ws[name], "NHD", backend=name) for name in b.prefill_kinds}
+        self.prefill = {name: BatchPrefillWithPagedKVCacheWrapper(ws[name], "NHD", backend=name)
+                        for name in b.prefill_kinds}
         self.decode = BatchDecodeWithPagedKVCacheWrapper(ws["decode"], "NHD", use_tensor_cores=b.decode_tc)
 
 
@@ -69,8 +70,7 @@ class FlashInferAttention:
     name = "flashinfer"
 
     def __init__(self, kv: KVCache, cfg, device: torch.device, prefill_choice: str = "auto",
-                 q_dtype: torch.dtype | None = None, decode_tc: str = "auto", decode_kernel_choice: str = "auto",
-                 decode_loads: int = 2):
+                 q_dtype: torch.dtype | None = None, decode_tc: str = "auto", decode_kernel_choice: str = "auto"):
         self.kv, self.cfg, self.device = kv, cfg, device
         self.q_dtype = q_dtype or kv.k.dtype  # FP8 pages: queries stay in the model's dtype
         self.kv_dtype = kv.k.dtype
@@ -89,7 +89,8 @@ class FlashInferAttention:
             self.prefill_kinds = ("fa2", "fa3")
         else:  # forced, or FA3 cannot run (not sm90, or a head size it lacks): flashinfer's auto is FA2 then
             self.prefill_kinds = (prefill_choice,)
-        ws = {k: torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device) for k in (*self.prefill_kinds, "decode")}
+        ws = {k: torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+              for k in (*self.prefill_kinds, "decode")}
         # window W (a query sees its last W keys) -> flashinfer's window_left W - 1; -1: full attention
         self.layer_window = [-1 if w is None else w - 1 for w in cfg.layer_window]
         self.sets = {wl: _Wrappers(self, wl, ws) for wl in sorted(set(self.layer_window))}
@@ -102,7 +103,7 @@ class FlashInferAttention:
             decode_kernel_choice = "lorafleet"
         if decode_kernel_choice == "lorafleet":
             if decode_kernel.supported(cfg):
-                self.own = decode_kernel.LorafleetDecode(kv, cfg, device, decode_loads)
+                self.own = decode_kernel.LorafleetDecode(kv, cfg, device)
                 log.info("decode rows on the lorafleet decode attention kernel (%s pages)", str(self.kv_dtype)[6:])
                 if self.h // self.hkv >= 8:
                     log.warning("the lorafleet decode kernel was measured 3-9x slower than flashinfer's tensor-core "
@@ -267,5 +268,6 @@ class GraphDecodeStep:
 
     def attend(self, layer: int, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         T = q.shape[0]
-        res = self.layer_wrapper[layer].run(q, self.b.kv.layer(layer), out=None if out is None else out.view(T, self.b.h, self.b.d))
+        res = self.layer_wrapper[layer].run(q, self.b.kv.layer(layer),
+                                            out=None if out is None else out.view(T, self.b.h, self.b.d))
         return res.view(T, self.b.h * self.b.d)
