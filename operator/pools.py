@@ -116,7 +116,10 @@ async def tick(ctx: reconcile.Context, body: Any, logger: Any) -> None:
         logger.warning("autoscaler: %s", exc)
     for action in done.actions:
         kopf.info(body, reason="Autoscaled", message=action)
-    reconcile.note_node_group_error(ctx, pool, done.node_group_error)
+    node_group_error = reconcile.node_group_verdict(ctx, pool, done.node_group_error)
+    nodes = done.node_group_replicas
+    if nodes is None and done.node_group_error is not None and node_group_error is None:
+        nodes = status.get("nodeGroupReplicas")  # a transient miss: what the group held when last read
     facts = PoolFacts(
         generation=meta.get("generation"),
         replicas=done.replicas,
@@ -126,10 +129,10 @@ async def tick(ctx: reconcile.Context, body: Any, logger: Any) -> None:
         endpoint=builders.endpoint_url(pool),
         ingress_url=builders.ingress_url(pool),
         history=done.history,
-        node_group_replicas=done.node_group_replicas,  # what the group holds, not a target it did not take
+        node_group_replicas=nodes,  # what the group holds, not a target it did not take
         gpus_per_runner=pool.runner.gpus,
         apply_error=ctx.apply_errors.get((namespace, name)),
-        node_group_error=done.node_group_error,
+        node_group_error=node_group_error,
         replica_failures=current.replica_failures,
     )
     new = pool_status(facts, status, now_iso())

@@ -45,6 +45,7 @@ class Context:
     last_apply: dict[tuple[str, str], float] = field(default_factory=dict)
     apply_errors: dict[tuple[str, str], str] = field(default_factory=dict)  # pool -> why the API refused its objects
     node_group_errors: dict[tuple[str, str], str] = field(default_factory=dict)  # pool -> its node group error
+    node_group_strikes: dict[tuple[str, str], int] = field(default_factory=dict)  # pool -> transient errors in a row
     locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
     shape_failures: dict[str, float] = field(default_factory=dict)  # model source -> when reading it failed
     shape_reads: dict[str, asyncio.Task] = field(default_factory=dict)  # model source -> the read under way
@@ -217,6 +218,7 @@ async def delete_pool_children(ctx: Context, name: str, namespace: str) -> list[
     ctx.last_apply.pop((namespace, name), None)
     ctx.apply_errors.pop((namespace, name), None)
     ctx.node_group_errors.pop((namespace, name), None)
+    ctx.node_group_strikes.pop((namespace, name), None)
     ctx.locks.pop((namespace, name), None)
     return deleted
 
@@ -316,6 +318,24 @@ async def node_group_replicas(ctx: Context, pool: PoolSpec) -> int | None:
     return int((scale.get("spec") or {}).get("replicas") or 0)
 
 
+# API answers another round may not meet (overload, an API server restarting): a node group that gives one is
+# reported only once it gave such answers this many rounds in a row.
+TRANSIENT_STATUSES = frozenset({429, 500, 502, 503, 504})
+NODE_GROUP_PATIENCE = 3
+
+
+@dataclass(frozen=True)
+class NodeGroupError:
+    """Why a pool's node group could not be read or scaled; transient where the API answered 429 or 5xx."""
+
+    message: str
+    transient: bool = False
+
+    @classmethod
+    def of(cls, what: str, exc: ApiError) -> NodeGroupError:
+        return cls(f"{what}: {exc.message or exc}", exc.status in TRANSIENT_STATUSES)
+
+
 def replica_failure(deployment: Mapping[str, Any] | None) -> str | None:
     """Why a Deployment cannot create its pods (its ReplicaFailure condition: a missing PriorityClass,
     a quota, an admission webhook), or None."""
@@ -336,7 +356,7 @@ class Look:
     scheduler_error: str | None
     node_group_replicas: int | None  # None: no node group, or it could not be read (node_group_error)
     runner_deployment_exists: bool
-    node_group_error: str | None = None
+    node_group_error: NodeGroupError | None = None
     replica_failures: Mapping[str, str] = field(default_factory=dict)  # component -> why its pods are refused
 
 
@@ -357,7 +377,7 @@ async def look(ctx: Context, pool: PoolSpec, admin: AdminClient | None) -> Look:
     except ApiError as exc:
         ng = pool.node_group
         assert ng is not None
-        nodes_error = f"node group {ng.kind}/{ng.name} cannot be read: {exc.message or exc}"
+        nodes_error = NodeGroupError.of(f"node group {ng.kind}/{ng.name} cannot be read", exc)
     state, error = None, None
     if admin is not None:
         try:
@@ -412,11 +432,11 @@ class Round:
     decision: Decision | None
     replicas: int  # the runner Deployment's replicas after the round
     node_group_replicas: int | None
-    node_group_error: str | None = None
+    node_group_error: NodeGroupError | None = None
 
 
 async def scale_node_group(ctx: Context, pool: PoolSpec, current: Look, target: int | None,
-                           why: str = "") -> tuple[list[str], int | None, str | None]:
+                           why: str = "") -> tuple[list[str], int | None, NodeGroupError | None]:
     """Set the node group's replicas to `target` (None: leave it; a group that could not be read is never scaled
     blind). Returns the action taken, and the group as known after: `target` once set; when setting it failed, no
     target but what the look read (None when the group is gone), and why."""
@@ -429,12 +449,13 @@ async def scale_node_group(ctx: Context, pool: PoolSpec, current: Look, target: 
         done = await ctx.kube.patch(ng.api_version, plural, ng.name, {"spec": {"replicas": target}}, where,
                                     subresource="scale")
     except ApiError as exc:
-        gone, error = exc.status == 404, exc.message or str(exc)
+        failed = exc
     else:
         if done is not None:
             return [f"node group {ng.kind}/{ng.name}: {have} -> {target}{why}"], target, None
-        gone, error = True, f"{ng.kind} {where}/{ng.name} not found"  # it went since the look
-    return [], None if gone else have, f"node group {ng.kind}/{ng.name} cannot be scaled: {error}"
+        failed = ApiError(404, "NotFound", f"{ng.kind} {where}/{ng.name} not found")  # it went since the look
+    error = NodeGroupError.of(f"node group {ng.kind}/{ng.name} cannot be scaled", failed)
+    return [], None if failed.status == 404 else have, error
 
 
 def floor_target(pool: PoolSpec, runners: int, current: Look) -> tuple[int | None, str]:
@@ -474,12 +495,22 @@ async def autoscale(ctx: Context, pool: PoolSpec, admin: AdminClient | None, cur
     return Round(history, actions + scaled, decision, replicas, nodes, error)
 
 
-def note_node_group_error(ctx: Context, pool: PoolSpec, error: str | None) -> None:
-    """Log why a pool's node group cannot be read or scaled, once per distinct reason (the status says it too)."""
+def node_group_verdict(ctx: Context, pool: PoolSpec, error: NodeGroupError | None) -> str | None:
+    """Why the status says a pool's node group cannot be read or scaled this round (None: it says nothing): a
+    transient error only from its NODE_GROUP_PATIENCE-th round in a row. Each distinct reason is logged once."""
     key = (pool.namespace, pool.name)
-    if error is not None and ctx.node_group_errors.get(key) != error:
-        log.warning("pool %s/%s: %s", pool.namespace, pool.name, error)
-    if error is None:
+    strikes = ctx.node_group_strikes.pop(key, 0) + 1  # (cleared by any other outcome)
+    if error is not None and error.transient:
+        ctx.node_group_strikes[key] = strikes
+        if strikes < NODE_GROUP_PATIENCE:
+            log.info("pool %s/%s: %s (round %d in a row; reported from round %d)", pool.namespace, pool.name,
+                     error.message, strikes, NODE_GROUP_PATIENCE)
+            return None
+    message = error.message if error is not None else None
+    if message is not None and ctx.node_group_errors.get(key) != message:
+        log.warning("pool %s/%s: %s", pool.namespace, pool.name, message)
+    if message is None:
         ctx.node_group_errors.pop(key, None)
     else:
-        ctx.node_group_errors[key] = error
+        ctx.node_group_errors[key] = message
+    return message

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "operator"))
 from opkit import (TINY_CONFIG, plane, running_operator, runner_state, scheduler, test_config,  # noqa: E402,F401
                    wait_for, write_adapter)
 
-from lorafleet.common.kubeclient import api_path  # noqa: E402
+from lorafleet.common.kubeclient import ApiError, api_path  # noqa: E402
 from lorafleet.operator import constants as c  # noqa: E402
 from lorafleet.operator import pools, reconcile  # noqa: E402
 from lorafleet.operator.spec import SpecError, parse_pool  # noqa: E402
@@ -338,6 +338,57 @@ async def test_a_node_group_gone_before_it_is_scaled_is_reported_never_its_targe
         assert all(st.get("nodeGroupReplicas") in (0, None) for st in written), written
         assert not any("node group" in e["message"] for e in events(plane, "vanish", "Autoscaled"))
         assert len(events(plane, "vanish", "NodeGroupUnavailable")) == 1
+
+
+async def test_a_node_group_read_failing_for_a_round_or_two_is_no_fault_but_one_failing_on_is(plane, scheduler,
+                                                                                                 monkeypatch):
+    """The API server answers 503 to the node group's read (overloaded, restarting): for a round or two the pool
+    keeps its last known nodeGroupReplicas and says nothing; from the third round in a row it is Degraded."""
+    plane.kubectl("create", "deployment", "blip-nodes", "--image=registry.k8s.io/pause:3.9", "--replicas=1", "-n", NS)
+    read, write, written, plan, failed = reconcile.node_group_replicas, pools.patch_status, [], [], []
+
+    async def flaky(ctx, spec):
+        if spec.name == "blip" and plan and plan[0] != "ok":
+            if plan[0] == "twice":
+                failed.append(len(written))
+                if len(failed) == 2:
+                    plan[0] = "ok"
+            else:
+                failed.append(len(written))
+            raise ApiError(503, "ServiceUnavailable", "the API server is restarting")
+        return await read(ctx, spec)
+
+    async def recorded(ctx, plural, name, namespace, old, new):
+        if (plural, name) == (c.POOLS, "blip"):
+            written.append(new)
+        await write(ctx, plural, name, namespace, old, new)
+
+    def said(st: dict) -> tuple:
+        degraded = next((x for x in st.get("conditions") or () if x["type"] == "Degraded"), {})
+        return st.get("nodeGroupReplicas"), degraded.get("reason")
+
+    monkeypatch.setattr(reconcile, "node_group_replicas", flaky)
+    monkeypatch.setattr(pools, "patch_status", recorded)
+    async with operating(plane, scheduler, monkeypatch):
+        apply(plane, pool("blip", nodeGroup={"apiVersion": "apps/v1", "kind": "Deployment", "name": "blip-nodes",
+                                             "gpusPerNode": 1}))
+        await wait_for(lambda: (get(plane, c.POOLS, "blip") or {}).get("status", {}).get("nodeGroupReplicas") == 1,
+                       30, "nodeGroupReplicas 1")
+        plan.append("twice")
+        await wait_for(lambda: len(failed) == 2, 30, "two failed reads")
+        start = failed[0]
+        await wait_for(lambda: len(written) > failed[1] + 3, 30, "more looks of the pool")
+        assert [said(st) for st in written[start:]] == [(1, "AsExpected")] * len(written[start:]), written[start:]
+        assert not events(plane, "blip", "NodeGroupUnavailable")
+        plan[0] = "always"
+        await wait_for(lambda: condition(plane, "blip", "Degraded").get("reason") == "NodeGroupUnavailable", 30,
+                       "Degraded (NodeGroupUnavailable) once the reads keep failing")
+        first = next(i for i, st in enumerate(written) if said(st)[1] == "NodeGroupUnavailable")
+        misses = [i for i in failed[2:] if i <= first]
+        assert len(misses) == reconcile.NODE_GROUP_PATIENCE, (misses, first)
+        assert said(written[first]) == (None, "NodeGroupUnavailable"), written[first]
+        assert "cannot be read: the API server is restarting" in condition(plane, "blip", "Degraded")["message"]
+        await wait_for(lambda: len(events(plane, "blip", "NodeGroupUnavailable")) == 1, 10, "one warning event")
 
 
 async def test_a_node_group_whose_scale_is_refused_is_reported_with_what_it_holds(plane, scheduler, monkeypatch):
