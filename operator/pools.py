@@ -116,10 +116,13 @@ async def tick(ctx: reconcile.Context, body: Any, logger: Any) -> None:
         logger.warning("autoscaler: %s", exc)
     for action in done.actions:
         kopf.info(body, reason="Autoscaled", message=action)
-    node_group_error = reconcile.node_group_verdict(ctx, pool, done.node_group_error)
+    before = {x.get("type"): x for x in status.get("conditions") or ()}
+    was = before.get("Degraded", {})
+    reported = (was.get("status"), was.get("reason")) == ("True", NODE_GROUP_UNAVAILABLE)
+    node_group_says = reconcile.node_group_verdict(ctx, pool, done.node_group_error, reported)
     nodes = done.node_group_replicas
-    if nodes is None and done.node_group_error is not None and node_group_error is None:
-        nodes = status.get("nodeGroupReplicas")  # a transient miss: what the group held when last read
+    if nodes is None and done.node_group_error is not None and node_group_says is None:
+        nodes = status.get("nodeGroupReplicas")  # a transient fault held back: what the group held when last read
     facts = PoolFacts(
         generation=meta.get("generation"),
         replicas=done.replicas,
@@ -132,11 +135,10 @@ async def tick(ctx: reconcile.Context, body: Any, logger: Any) -> None:
         node_group_replicas=nodes,  # what the group holds, not a target it did not take
         gpus_per_runner=pool.runner.gpus,
         apply_error=ctx.apply_errors.get((namespace, name)),
-        node_group_error=node_group_error,
+        node_group_error=node_group_says,
         replica_failures=current.replica_failures,
     )
     new = pool_status(facts, status, now_iso())
-    before = {x.get("type"): x for x in status.get("conditions") or ()}
     await patch_status(ctx, c.POOLS, name, namespace, status, new)
     after = {x["type"]: x for x in new["conditions"]}
     ready, degraded = after["Ready"], after["Degraded"]
@@ -146,7 +148,6 @@ async def tick(ctx: reconcile.Context, body: Any, logger: Any) -> None:
         emit(body, reason=ready["reason"], message=ready["message"] or ready["reason"])
         said = ready["reason"]
     # Causes only the user can remove: one event when they appear.
-    was = before.get("Degraded", {})
     if degraded["reason"] in (POD_CREATION_FAILED, NODE_GROUP_UNAVAILABLE) and degraded["reason"] != said \
             and (was.get("status"), was.get("reason")) != ("True", degraded["reason"]):
         kopf.warn(body, reason=degraded["reason"], message=degraded["message"])

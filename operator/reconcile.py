@@ -318,21 +318,22 @@ async def node_group_replicas(ctx: Context, pool: PoolSpec) -> int | None:
     return int((scale.get("spec") or {}).get("replicas") or 0)
 
 
-# API answers another round may not meet (overload, an API server restarting): a node group that gives one is
-# reported only once it gave such answers this many rounds in a row.
+# HTTP answers that the next round may not get (429 Too Many Requests; 500, 502, 503, 504: an overloaded or
+# restarting API server): a node group read or scale that gets one is reported only from the NODE_GROUP_PATIENCE-th
+# round in a row.
 TRANSIENT_STATUSES = frozenset({429, 500, 502, 503, 504})
 NODE_GROUP_PATIENCE = 3
 
 
 @dataclass(frozen=True)
-class NodeGroupError:
+class NodeGroupFault:
     """Why a pool's node group could not be read or scaled; transient where the API answered 429 or 5xx."""
 
     message: str
     transient: bool = False
 
     @classmethod
-    def of(cls, what: str, exc: ApiError) -> NodeGroupError:
+    def of(cls, what: str, exc: ApiError) -> NodeGroupFault:
         return cls(f"{what}: {exc.message or exc}", exc.status in TRANSIENT_STATUSES)
 
 
@@ -356,7 +357,7 @@ class Look:
     scheduler_error: str | None
     node_group_replicas: int | None  # None: no node group, or it could not be read (node_group_error)
     runner_deployment_exists: bool
-    node_group_error: NodeGroupError | None = None
+    node_group_error: NodeGroupFault | None = None
     replica_failures: Mapping[str, str] = field(default_factory=dict)  # component -> why its pods are refused
 
 
@@ -377,7 +378,7 @@ async def look(ctx: Context, pool: PoolSpec, admin: AdminClient | None) -> Look:
     except ApiError as exc:
         ng = pool.node_group
         assert ng is not None
-        nodes_error = NodeGroupError.of(f"node group {ng.kind}/{ng.name} cannot be read", exc)
+        nodes_error = NodeGroupFault.of(f"node group {ng.kind}/{ng.name} cannot be read", exc)
     state, error = None, None
     if admin is not None:
         try:
@@ -407,9 +408,10 @@ async def act(ctx: Context, pool: PoolSpec, admin: AdminClient, decision: Decisi
         done.append(f"draining idle runner {rid}")
     removed, gone = [], []
     for rid in decision.remove:
-        # Exactly this pod must go: lowest deletion cost first, then one replica fewer. A pod that went since the
-        # look still counts as removed: its replacement, if the ReplicaSet made one yet, is not Ready, and a
-        # ReplicaSet deletes pods that are not Ready before any deletion cost is looked at.
+        # Exactly this pod must go: lowest deletion cost first, then one replica fewer. For a pod that went since
+        # the look the replicas drop too (decide() removes nothing while a runner starts, so every other pod was
+        # Ready): a replacement the ReplicaSet made meanwhile is unscheduled or Pending, which a ReplicaSet deletes
+        # before any Running pod.
         cost = {"metadata": {"annotations": {c.ANNOTATION_DELETION_COST: c.DRAINED_DELETION_COST}}}
         patched = await ctx.kube.patch("v1", "pods", rid, cost, pool.namespace)
         (removed if patched is not None else gone).append(rid)
@@ -432,11 +434,11 @@ class Round:
     decision: Decision | None
     replicas: int  # the runner Deployment's replicas after the round
     node_group_replicas: int | None
-    node_group_error: NodeGroupError | None = None
+    node_group_error: NodeGroupFault | None = None
 
 
 async def scale_node_group(ctx: Context, pool: PoolSpec, current: Look, target: int | None,
-                           why: str = "") -> tuple[list[str], int | None, NodeGroupError | None]:
+                           why: str = "") -> tuple[list[str], int | None, NodeGroupFault | None]:
     """Set the node group's replicas to `target` (None: leave it; a group that could not be read is never scaled
     blind). Returns the action taken, and the group as known after: `target` once set; when setting it failed, no
     target but what the look read (None when the group is gone), and why."""
@@ -454,7 +456,7 @@ async def scale_node_group(ctx: Context, pool: PoolSpec, current: Look, target: 
         if done is not None:
             return [f"node group {ng.kind}/{ng.name}: {have} -> {target}{why}"], target, None
         failed = ApiError(404, "NotFound", f"{ng.kind} {where}/{ng.name} not found")  # it went since the look
-    error = NodeGroupError.of(f"node group {ng.kind}/{ng.name} cannot be scaled", failed)
+    error = NodeGroupFault.of(f"node group {ng.kind}/{ng.name} cannot be scaled", failed)
     return [], None if failed.status == 404 else have, error
 
 
@@ -495,14 +497,16 @@ async def autoscale(ctx: Context, pool: PoolSpec, admin: AdminClient | None, cur
     return Round(history, actions + scaled, decision, replicas, nodes, error)
 
 
-def node_group_verdict(ctx: Context, pool: PoolSpec, error: NodeGroupError | None) -> str | None:
-    """Why the status says a pool's node group cannot be read or scaled this round (None: it says nothing): a
-    transient error only from its NODE_GROUP_PATIENCE-th round in a row. Each distinct reason is logged once."""
+def node_group_verdict(ctx: Context, pool: PoolSpec, error: NodeGroupFault | None, reported: bool) -> str | None:
+    """Why the status says a pool's node group cannot be read or scaled this round (None: it says nothing). A
+    transient fault is held back (logged at INFO) until its NODE_GROUP_PATIENCE-th round in a row, unless the status
+    already reports the group (`reported`: its Degraded reason is NodeGroupUnavailable, also as a restarted operator
+    finds it), which then keeps saying so. Each reason that is reported is logged once, as a warning."""
     key = (pool.namespace, pool.name)
     strikes = ctx.node_group_strikes.pop(key, 0) + 1  # (cleared by any other outcome)
     if error is not None and error.transient:
         ctx.node_group_strikes[key] = strikes
-        if strikes < NODE_GROUP_PATIENCE:
+        if strikes < NODE_GROUP_PATIENCE and not reported:
             log.info("pool %s/%s: %s (round %d in a row; reported from round %d)", pool.namespace, pool.name,
                      error.message, strikes, NODE_GROUP_PATIENCE)
             return None

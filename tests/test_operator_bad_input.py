@@ -298,8 +298,9 @@ async def test_a_drained_runner_gone_before_its_removal_still_lowers_the_replica
         await wait_for(lambda: [p["metadata"]["name"] for p in runner_pods(plane, "gone")] == [busy], 30,
                        "only the busy runner left")
         assert not vanish, "the idle runner was never drained"
-        said = [e["message"] for e in events(plane, "gone", "Autoscaled")]
-        assert f"runners 2 -> 1 ({drained} already gone)" in said, said
+        line = f"runners 2 -> 1 ({drained} already gone)"
+        await wait_for(lambda: line in [e["message"] for e in events(plane, "gone", "Autoscaled")], 10,
+                       f"the event {line!r}")
 
 
 # --- node groups that fail between the look and the scale ---------------------------------------

@@ -201,3 +201,33 @@ def test_cli_run_starts_kopf_over_the_handlers(monkeypatch):
     assert "lorafleet.operator.main" in sys.modules
     cli.run(parser.parse_args(["-n", "ml", "-n", "team-*", "--liveness", ""]))
     assert seen["clusterwide"] is False and seen["namespaces"] == ["ml", "team-*"] and seen["liveness_endpoint"] is None
+
+
+def test_node_group_verdict_holds_transient_faults_back_for_a_few_rounds():
+    """A 429/5xx on the node group is said from the NODE_GROUP_PATIENCE-th round in a row, at once where the status
+    already reports the group; a lasting fault is said at once; any other outcome starts the count again."""
+    from types import SimpleNamespace
+
+    from lorafleet.common.kubeclient import ApiError
+    from lorafleet.operator import reconcile
+
+    def fault(status):
+        return reconcile.NodeGroupFault.of("node group Deployment/g cannot be read", ApiError(status, "", f"x{status}"))
+
+    def run(*rounds):
+        ctx = SimpleNamespace(node_group_strikes={}, node_group_errors={})
+        pool = SimpleNamespace(namespace="ml", name="p")
+        said, reported = [], False
+        for status in rounds:
+            says = reconcile.node_group_verdict(ctx, pool, None if status is None else fault(status), reported)
+            said.append(None if says is None else says.rsplit("x", 1)[1])
+            reported = says is not None
+        return said
+
+    assert reconcile.NODE_GROUP_PATIENCE == 3
+    assert run(503, 503, 503, 503) == [None, None, "503", "503"]
+    assert run(503, 429, None, 500, 502, 504) == [None, None, None, None, None, "504"]
+    assert run(403, 503, 503) == ["403", "503", "503"]  # the status says it already: never cleared in between
+    assert run(503, 403, 503) == [None, "403", "503"]
+    assert run(501, None) == ["501", None]  # not in TRANSIENT_STATUSES
+    assert not reconcile.NodeGroupFault.of("g", ApiError(404)).transient
