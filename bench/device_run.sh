@@ -237,8 +237,8 @@ stage() {
         -o faulthandler_timeout=${HANG_S:-200} 2>&1 | tee "$LOGS/gpu_$1.log" \
         | grep -E "passed|failed|FAILED|flips|cache|Error|Timeout|File |^E  " | cut -c1-300 | tail -${TEST_LINES:-30}
       # (-v: each test's outcome as it ends, "PASSED [ 12%]", so a run cut by its time limit still says what passed)
-      echo "$1 as they ended: $(grep -oE 'PASSED +\[ *[0-9]+%\]' "$LOGS/gpu_$1.log" | wc -l) passed," \
-        "$(grep -oE '(FAILED|ERROR) +\[ *[0-9]+%\]' "$LOGS/gpu_$1.log" | wc -l) failed" ;;
+      echo "$1 as they ended: $(grep -cE '(^| )PASSED( +\[ *[0-9]+%\])?$' "$LOGS/gpu_$1.log") passed," \
+        "$(grep -cE '(^| )(FAILED|ERROR)( +\[ *[0-9]+%\])?$' "$LOGS/gpu_$1.log") failed" ;;
     dtests)
       timeout ${TEST_S:-600} python3 -m pytest -v -p no:cacheprovider tests/gpu/test_decode_attn_cuda.py \
         tests/gpu/test_families_cuda.py tests/gpu/test_fp8_cuda.py -rA -s --tb=short \
@@ -246,8 +246,8 @@ stage() {
         -o faulthandler_timeout=${HANG_S:-200} 2>&1 \
         | tee "$LOGS/gpu_dtests.log" | grep -E "passed|failed|FAILED|lorafleet decode|Error|Timeout|File |^E  " \
         | cut -c1-300 | tail -${TEST_LINES:-30}
-      echo "dtests as they ended: $(grep -oE 'PASSED +\[ *[0-9]+%\]' "$LOGS/gpu_dtests.log" | wc -l) passed," \
-        "$(grep -oE '(FAILED|ERROR) +\[ *[0-9]+%\]' "$LOGS/gpu_dtests.log" | wc -l) failed" ;;
+      echo "dtests as they ended: $(grep -cE '(^| )PASSED( +\[ *[0-9]+%\])?$' "$LOGS/gpu_dtests.log") passed," \
+        "$(grep -cE '(^| )(FAILED|ERROR)( +\[ *[0-9]+%\])?$' "$LOGS/gpu_dtests.log") failed" ;;
     dprobe)
       timeout ${PROBE_S:-240} python3 bench/probe_decode_attn.py ${DPROBE_ARGS:-} \
         --out "$OUT/probe_decode_attn${TAG:+_$TAG}.json" 2>&1 | tee "$LOGS/probe_decode_attn.log" | tail -18 ;;
