@@ -56,6 +56,33 @@ def test_activation_kernel_gives_the_torch_quantization_bits(dtype):
             assert (bad_q.remainder(128) == 127).all() and (bad_want.remainder(128) == 127).all()  # NaN rows: NaN
 
 
+def test_activation_kernel_asking_l2_for_the_next_weight_gives_the_same_bits():
+    """The quantizing launch with an L2 prefetch of a weight's first k-tiles (csrc/l2_prefetch.cuh: in one part and
+    in several, all of each part, a weight larger than L2) gives the bits it gives without; bad prefetch operands are
+    refused before anything runs."""
+    from lorafleet.runner.kernels import load
+    from lorafleet.runner.model.fp8 import quantize_tokens
+
+    ext = load()
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x = (torch.randn(32, 4096, device="cuda", generator=g) * 3).to(torch.bfloat16)
+    want_q, want_s = quantize_tokens(x, ext)
+    w = torch.randint(0, 120, (12288, 4096), device="cuda", dtype=torch.uint8, generator=g).view(E4M3)
+    big = torch.empty(22016 * 4, 4096, device="cuda", dtype=torch.uint8).view(E4M3)  # 360 MB
+    for prefetch in ((w, 1, 512), (w, 2, 256), (w, 16, 256), (w, 1, 4096), (big, 1, 4096), (w, 1, 16)):
+        got_q, got_s = quantize_tokens(x, ext, prefetch)
+        torch.cuda.synchronize()
+        same = torch.equal(got_s, want_s) and torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
+        assert same, prefetch[1:]
+    out, scale = torch.empty_like(want_q), torch.empty(32, device="cuda")
+    stream = torch.cuda.current_stream().cuda_stream
+    for bad, match in (((w, 3, 256), "parts must divide K"), ((w, 1, 8192), "row_bytes be in"),
+                       ((w, 1, 24), "multiple of 16"), ((w.view(torch.uint8).view(torch.int16), 1, 256), "1-byte"),
+                       ((w[:, 8:], 1, 256), "contiguous"), ((w.cpu(), 1, 256), "CUDA tensor")):
+        with pytest.raises(RuntimeError, match=match):
+            ext.quantize_e4m3(out, scale, x, stream, *bad)
+
+
 @needs_fp8
 @pytest.mark.parametrize("variant", [
     # (w @ x.T).T on the tensor cores (KernelChoices.fp8_swap_rows); M = 1 is not swapped
@@ -615,6 +642,50 @@ def test_fp8_persistent_wgmma_schedule_gives_the_same_step(fam):
             m.fp8_ext, m.fp8_sm90_persistent = ext, False
             eng.close()
         assert torch.equal(pers, plain), (name, (pers - plain).abs().max().item())
+
+
+@pytest.mark.parametrize("adapted", [False, True])
+@pytest.mark.parametrize("split", [False, True])
+def test_fp8_l2_prefetch_gives_the_same_step(fam, split, adapted):
+    """The decode step with KernelChoices.fp8_l2_prefetch 0 and 4: the launch that quantizes each product's
+    activations (without adapters a launch of its own, asked here for each weight's first k-tiles, in each K part
+    with the split product; with them the LoRA shrink) warms L2, and the logits are the same, bit for bit."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma kernel is built for compute capability 9.0 only")
+    if {"LORAFLEET_FP8_SM90", "LORAFLEET_FP8_SM90_SPLIT", "LORAFLEET_FP8_L2_PREFETCH",
+            "LORAFLEET_FP8_QUANT_IN_SHRINK"} & set(os.environ):
+        pytest.skip("this test starts from the default kernel choices")
+    name, model, _, _, reqs = fam
+    rows = reqs[:4] * 2 if adapted else [(ids, None, None) for ids, _, _ in reqs[:4]] * 2
+    eng, batch = teacher.decode_step(model, rows, quantization="fp8")
+    dev = batch.to_device(eng.device)
+    m = eng.model
+    asked = []
+
+    class Asking:
+        def __getattr__(self, attr):
+            return getattr(ext, attr)
+
+        def quantize_e4m3(self, *args):
+            asked.append(args[4:])
+            return ext.quantize_e4m3(*args)
+
+    ext, m.fp8_ext, m.fp8_sm90_split = m.fp8_ext, Asking(), split
+    try:
+        plain = eng.runner.forward(batch, dev).clone()
+        assert all(a == () for a in asked)
+        asked.clear()
+        m.fp8_l2_prefetch = 4
+        warmed = eng.runner.forward(batch, dev).clone()
+        if adapted:  # the shrink's launch quantizes every projection's activations: no launch of their own
+            assert not asked, asked[:4]
+        else:
+            assert len(asked) == 4 * m.num_layers and all(len(a) == 3 and a[2] > 0 for a in asked), asked[:4]
+            assert any(a[1] > 1 for a in asked) == split  # o and down in parts where the split product cuts K
+    finally:
+        m.fp8_ext, m.fp8_l2_prefetch, m.fp8_sm90_split = ext, 0, False
+        eng.close()
+    assert torch.equal(warmed, plain), (name, (warmed - plain).abs().max().item())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
