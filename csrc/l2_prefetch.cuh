@@ -28,9 +28,10 @@ __device__ __forceinline__ void l2_prefetch(const L2Prefetch& p, int t, int thre
     const char* at = static_cast<const char*>(p.base) + static_cast<int64_t>(i / p.rows) * p.part_stride +
                      static_cast<int64_t>(i % p.rows) * p.row_stride;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(at), "r"(p.row_bytes) : "memory");
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(__cvta_generic_to_global(at)), "r"(p.row_bytes));
 #else
-    for (int b = 0; b < p.row_bytes; b += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(at + b));
+    for (int b = 0; b < p.row_bytes; b += 128)
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(__cvta_generic_to_global(at + b)));
 #endif
   }
 }
@@ -43,6 +44,8 @@ inline const char* l2_prefetch_check(const L2Prefetch& p) {
     return "l2 prefetch: rows >= 0, parts >= 1 and row_bytes a multiple of 16";
   if (reinterpret_cast<uintptr_t>(p.base) % 16 != 0 || p.row_stride % 16 != 0 || p.part_stride % 16 != 0)
     return "l2 prefetch: base, row_stride and part_stride must be 16-byte aligned";
+  if (p.row_bytes > p.part_stride || p.parts * p.part_stride > p.row_stride)
+    return "l2 prefetch: a row's parts must lie within the row";
   if (static_cast<int64_t>(p.rows) * p.parts > (int64_t{1} << 30)) return "l2 prefetch: too many rows";
   return nullptr;
 }

@@ -913,9 +913,11 @@ template <typename T, bool kMma, bool kNorm = false>
 __global__ void __launch_bounds__(kThreads, kMma ? 2 : (kNorm ? 3 : kShrinkMinBlocks)) sgmv_shrink_kernel(const __grid_constant__ ShrinkParams p) {
   static_assert(!(kMma && kNorm), "the norm's shrink runs CUDA-core items only");
   pdl_launch_dependents();
-  // (the weight of the product after this launch: read-only, so asked for before the wait)
-  l2_prefetch(p.prefetch, static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x),
-              static_cast<int>(gridDim.x * blockDim.x));
+  // The weight of the product after this launch (read-only, so asked for before the wait), on the CUDA-core items'
+  // variant only: the one the FP8 epilogue's shrink takes (the others would pay registers for it).
+  if constexpr (!kMma && !kNorm)
+    l2_prefetch(p.prefetch, static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x),
+                static_cast<int>(gridDim.x * blockDim.x));
   extern __shared__ __align__(128) unsigned char smem[];
   // The segment table, the ranks and the first A tile are read while the preceding kernel may
   // still run (they are written before a step starts, never by the kernel right before a shrink);

@@ -69,8 +69,8 @@ class KernelChoices:
     fp8_sm90_split: that kernel cuts K into parts for weights with too few rows to fill the GPU (fp8.py sm90_splits).
     fp8_sm90_persistent: that kernel (where its epilogue is a launch of its own) on CUTLASS's persistent ping-pong
         schedule instead of one CTA per tile (the same bits).
-    fp8_l2_prefetch: where the activations of an FP8 product are quantized by a launch of their own, that launch also
-        asks the first this many k-tiles (256 bytes) of each weight row into L2 (a hint: the same bits; 0: off).
+    fp8_l2_prefetch: the launch that quantizes a decode-sized FP8 product's activations (their own launch, or the LoRA
+        shrink's) also asks the first this many k-tiles (256 bytes) of each weight row into L2 (a hint; 0: off).
     fp8_quant_in_shrink: with that epilogue and adapters in the step, the LoRA shrink's launch quantizes the
         projection's activations too (the same bits) instead of a launch of their own.
     pin_host_adapters: adapters read from disk are kept in pinned host memory.

@@ -259,8 +259,7 @@ class LoraStepImpl:
                 raise ValueError("epilogue_operands: the norm's launch did the shrink; it quantizes x itself")
         else:
             self.sgmv.shrink(v, x, a, ranks, host, self.seg, mma_min_rows=1 << 30, quant=quant,
-                             decode_ranks=self.decode_ranks[group], row_items=self.row_items,
-                             **({"prefetch": prefetch} if prefetch is not None else {}))
+                             decode_ranks=self.decode_ranks[group], row_items=self.row_items, prefetch=prefetch)
         return v, b, ranks, row_slot
 
     def begin(self, layer: int, group: int, x: torch.Tensor) -> None:

@@ -441,8 +441,7 @@ class Decoder:
                 if self.fp8_l2_prefetch:  # ... and, as the launch that quantizes, asks L2 for w's first k-tiles
                     warm = l2_prefetch(w, self.fp8_l2_prefetch, product_parts(
                         x, w, self.fp8_sm90, self.fp8_sm90_split, self.fp8_unit_scale_elems))
-            operands = lora.epilogue_operands(i, group, x, quant=mine and (mine[0], mine[1].view(-1)),
-                                              **({"prefetch": warm} if warm is not None else {}))
+            operands = lora.epilogue_operands(i, group, x, quant=mine and (mine[0], mine[1].view(-1)), prefetch=warm)
             if operands is None and mine is not None:  # no adapter in the step: no shrink was launched
                 quant = None
         return self._fp8_linear(x, w, b, epilogue=True, spans=spans, lora=operands, quantized=quant, act=act)

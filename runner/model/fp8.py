@@ -248,8 +248,9 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
     With `sm90` and `sm90_fused`, an epilogue without an activation or `lora` on a product in one part (bf16) runs
     inside the wgmma kernel (the same bits, one launch); with `sm90_fused_lora` too, also one with `lora`;
     `sm90_persistent`: the other wgmma products on the kernel's persistent ping-pong schedule (the same bits).
-    `l2_ktiles`: where the activations' own launch quantizes them, it also asks the first `l2_ktiles` k-tiles of each
-    weight row (of each K part the product takes) into L2 (l2_prefetch: a hint, the same bits).
+    `l2_ktiles`: where the activations' own launch quantizes them for a unit-scale product (at most 64 rows), it also
+    asks the first `l2_ktiles` k-tiles of each weight row (of each K part the product takes) into L2 (l2_prefetch: a
+    hint, the same bits).
     Then, M <= `swap_rows` (and a multiple of 16): cuBLASLt computes (w @ x.T).T, the weight as the long operand.
     Otherwise torch._scaled_mm with per-token and per-row scales."""
     if act and not (epilogue and tensor_cores and not _own_kernel(x, w, ext, own_rows)
@@ -267,9 +268,10 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
         y = torch.empty(M, N, dtype=x.dtype, device=x.device)
         ext.fp8_gemm_bf16(y, x.contiguous(), w.q, w.scale_row.view(-1), torch.cuda.current_stream(x.device).cuda_stream)
         return y if bias is None else y + bias
-    if quantized is None:
-        parts = product_parts(x, w, sm90, sm90_split, unit_scale_elems, own) if l2_ktiles else 1
-        quantized = quantize_tokens(x, ext, l2_prefetch(w, l2_ktiles, parts) if l2_ktiles else None)
+    if quantized is None:  # (the warm-up only before decode-sized products, which stream their weight)
+        warm = l2_ktiles and not own and unit_scale_call(M, N, K, unit_scale_elems)
+        parts = product_parts(x, w, sm90, sm90_split, unit_scale_elems) if warm else 1
+        quantized = quantize_tokens(x, ext, l2_prefetch(w, l2_ktiles, parts) if warm else None)
     xq, sx = quantized
     if own:
         y = torch.empty(M, N, dtype=x.dtype, device=x.device)

@@ -646,21 +646,32 @@ def test_fp8_persistent_wgmma_schedule_gives_the_same_step(fam):
 
 @pytest.mark.parametrize("adapted", [False, True])
 @pytest.mark.parametrize("split", [False, True])
-def test_fp8_l2_prefetch_gives_the_same_step(fam, split, adapted):
+def test_fp8_l2_prefetch_gives_the_same_step(fam, split, adapted, monkeypatch):
     """The decode step with KernelChoices.fp8_l2_prefetch 0 and 4: the launch that quantizes each product's
-    activations (without adapters a launch of its own, asked here for each weight's first k-tiles, in each K part
-    with the split product; with them the LoRA shrink) warms L2, and the logits are the same, bit for bit."""
+    activations (without adapters a launch of its own, with them the LoRA shrink) is asked for each weight's first
+    k-tiles, in each K part with the split product, and the logits are the same, bit for bit."""
+    from lorafleet.runner.lora.sgmv_cuda import CudaSGMV
+
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the wgmma kernel is built for compute capability 9.0 only")
-    if {"LORAFLEET_FP8_SM90", "LORAFLEET_FP8_SM90_SPLIT", "LORAFLEET_FP8_L2_PREFETCH",
-            "LORAFLEET_FP8_QUANT_IN_SHRINK"} & set(os.environ):
+    if {"LORAFLEET_FP8_SM90", "LORAFLEET_FP8_SM90_SPLIT", "LORAFLEET_FP8_L2_PREFETCH", "LORAFLEET_FP8_QUANT_IN_SHRINK",
+            "LORAFLEET_FP8_EPILOGUE", "LORAFLEET_NORM_SHRINK", "LORAFLEET_NORM_LORA", "LORAFLEET_FP8_UNIT_SCALE_ELEMS",
+            "LORAFLEET_FP8_GEMM_ROWS"} & set(os.environ):
         pytest.skip("this test starts from the default kernel choices")
     name, model, _, _, reqs = fam
     rows = reqs[:4] * 2 if adapted else [(ids, None, None) for ids, _, _ in reqs[:4]] * 2
     eng, batch = teacher.decode_step(model, rows, quantization="fp8")
     dev = batch.to_device(eng.device)
     m = eng.model
-    asked = []
+    assert m.fp8_sm90 and m.fp8_epilogue, "the wgmma product and its epilogue (the build has CUTLASS's headers)"
+    asked, shrunk, shrink = [], [], CudaSGMV.shrink
+
+    def spy(self, *args, prefetch=None, **kw):
+        if kw.get("quant") is not None:
+            shrunk.append(prefetch)
+        return shrink(self, *args, prefetch=prefetch, **kw)
+
+    monkeypatch.setattr(CudaSGMV, "shrink", spy)
 
     class Asking:
         def __getattr__(self, attr):
@@ -673,15 +684,16 @@ def test_fp8_l2_prefetch_gives_the_same_step(fam, split, adapted):
     ext, m.fp8_ext, m.fp8_sm90_split = m.fp8_ext, Asking(), split
     try:
         plain = eng.runner.forward(batch, dev).clone()
-        assert all(a == () for a in asked)
+        assert all(a == () for a in asked) and all(p is None for p in shrunk)
         asked.clear()
+        shrunk.clear()
         m.fp8_l2_prefetch = 4
         warmed = eng.runner.forward(batch, dev).clone()
-        if adapted:  # the shrink's launch quantizes every projection's activations: no launch of their own
-            assert not asked, asked[:4]
-        else:
-            assert len(asked) == 4 * m.num_layers and all(len(a) == 3 and a[2] > 0 for a in asked), asked[:4]
-            assert any(a[1] > 1 for a in asked) == split  # o and down in parts where the split product cuts K
+        # every product's quantizing launch (the shrink's with adapters where x is contiguous, else its own) asked
+        warms = [p[1:] for p in shrunk if p is not None] + [a[1:] for a in asked if len(a) == 3]
+        assert len(shrunk) + len(asked) == 4 * m.num_layers and len(warms) == 4 * m.num_layers, (shrunk[:4], asked[:4])
+        assert bool(shrunk) == adapted and all(b > 0 for _, b in warms)
+        assert any(parts > 1 for parts, _ in warms) == split  # o and down in parts where the split product cuts K
     finally:
         m.fp8_ext, m.fp8_l2_prefetch, m.fp8_sm90_split = ext, 0, False
         eng.close()
