@@ -434,8 +434,7 @@ class Decoder:
         if lora is not None:
             if not getattr(lora, "epilogue_ready", False):
                 return None
-            mine = None
-            warm = None
+            mine = warm = None
             if quant is None and self.fp8_quant_in_shrink and x.is_contiguous():  # the shrink's launch quantizes x too
                 quant = mine = quant_buffers(x)
                 if self.fp8_l2_prefetch:  # ... and, as the launch that quantizes, asks L2 for w's first k-tiles

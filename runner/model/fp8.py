@@ -185,7 +185,7 @@ def l2_prefetch(w: Fp8Weight, ktiles: int, parts: int = 1) -> tuple[torch.Tensor
     """What the launch before w's product asks into L2 (csrc/l2_prefetch.cuh): the first `ktiles` k-tiles (256 bytes
     each) of every row of each of w's `parts` K ranges, at most the range; None: nothing (ktiles 0, or a weight the
     kernel cannot take: not contiguous, K not divisible into parts, rows or ranges not 16-byte aligned)."""
-    n, k = w.q.shape
+    k = w.q.shape[1]
     if ktiles <= 0 or parts < 1 or k % parts or not _aligned(w.q) or (k // parts) % 16:
         return None
     return w.q, parts, min(ktiles * L2_PREFETCH_KTILE, k // parts)
