@@ -32,7 +32,6 @@ constexpr int kWideMaxRows = 256;
 template <typename T, int kBlock>
 __global__ void __launch_bounds__(kBlock) quantize_rows_kernel(QuantizeRowsArgs a) {
   const int row = blockIdx.x;
-  l2_prefetch(a.prefetch, row * kBlock + static_cast<int>(threadIdx.x), static_cast<int>(gridDim.x) * kBlock);
   quant_detail::quantize_row<T, kBlock>(static_cast<const T*>(a.x) + static_cast<int64_t>(row) * a.x_row_stride,
                                         static_cast<uint8_t*>(a.out) + static_cast<int64_t>(row) * a.cols,
                                         a.scale + row, a.cols);
@@ -43,7 +42,6 @@ __global__ void __launch_bounds__(kBlock) quantize_rows_kernel(QuantizeRowsArgs 
 const char* quantize_rows_e4m3(DType dtype, const QuantizeRowsArgs& a, int device, void* stream) {
   if (a.rows == 0 || a.cols == 0) return nullptr;
   if (a.x == nullptr || a.out == nullptr || a.scale == nullptr) return "quantize_rows_e4m3: null pointer";
-  if (const char* err = l2_prefetch_check(a.prefetch)) return err;
   int prev = -1;
   cudaError_t e = cudaGetDevice(&prev);
   if (e == cudaSuccess && prev != device) e = cudaSetDevice(device);

@@ -14,7 +14,6 @@
 
 #include <cstdint>
 
-#include "l2_prefetch.cuh"
 #include "sgmv.h"  // DType
 
 namespace lorafleet {
@@ -26,7 +25,6 @@ struct QuantizeRowsArgs {
   float* scale = nullptr;       // [rows]
   int rows = 0;
   int cols = 0;
-  L2Prefetch prefetch;          // optional: the first bytes of the next product's weight rows, asked into L2 first
 };
 
 // Enqueue on `stream`; no synchronisation or allocation (capturable). nullptr on success.

@@ -202,7 +202,6 @@ struct ShrinkParams {
   int row_items;            // LaunchOptions::row_items: segments below kShrinkLong rows as one-row items too
   uint8_t* quant_out;       // optional: x's rows quantized to e4m3 (ShrinkArgs)
   float* quant_scale;
-  L2Prefetch prefetch;      // optional (ShrinkArgs)
   NormArgs norm;            // sgmv_norm_shrink: x is norm.x_out, computed by the launch (kNorm kernels only)
 };
 
@@ -913,11 +912,6 @@ template <typename T, bool kMma, bool kNorm = false>
 __global__ void __launch_bounds__(kThreads, kMma ? 2 : (kNorm ? 3 : kShrinkMinBlocks)) sgmv_shrink_kernel(const __grid_constant__ ShrinkParams p) {
   static_assert(!(kMma && kNorm), "the norm's shrink runs CUDA-core items only");
   pdl_launch_dependents();
-  // The weight of the product after this launch (read-only, so asked for before the wait), on the CUDA-core items'
-  // variant only: the one the FP8 epilogue's shrink takes (the others would pay registers for it).
-  if constexpr (!kMma && !kNorm)
-    l2_prefetch(p.prefetch, static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x),
-                static_cast<int>(gridDim.x * blockDim.x));
   extern __shared__ __align__(128) unsigned char smem[];
   // The segment table, the ranks and the first A tile are read while the preceding kernel may
   // still run (they are written before a step starts, never by the kernel right before a shrink);
@@ -1489,8 +1483,6 @@ const char* shrink_typed(const ShrinkArgs& args, const LaunchOptions& opt, int d
   p.quant_out = norm != nullptr ? nullptr : args.quant_out;
   p.quant_scale = p.quant_out != nullptr ? args.quant_scale : nullptr;
   if (p.quant_out != nullptr && args.quant_scale == nullptr) return "sgmv_shrink: quant_out without quant_scale";
-  if (const char* err = l2_prefetch_check(args.prefetch)) return err;
-  p.prefetch = args.prefetch;
   if (norm != nullptr) p.norm = *norm;
   int rank_sum = 0;
   for (int g = 0; g < kMaxGroup; ++g) {

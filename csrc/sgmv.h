@@ -14,8 +14,6 @@
 
 #include <cstdint>
 
-#include "l2_prefetch.cuh"
-
 namespace lorafleet {
 
 constexpr int kMaxGroup = 3;         // projections sharing one input per launch (q,k,v; gate,up)
@@ -48,8 +46,6 @@ struct ShrinkArgs {
   // without a launch of its own. sgmv_shrink only (sgmv_fused ignores it).
   uint8_t* quant_out = nullptr;          // [T, in_features] contiguous
   float* quant_scale = nullptr;          // [T]
-  // Optional: the first bytes of the next product's weight rows, asked into L2 at the launch's start (a hint)
-  L2Prefetch prefetch;
 };
 
 // An RMSNorm of rows, Hugging Face's op for op (runner/model/ops.py rms_norm / add_rms_norm): with `res`,

@@ -249,33 +249,12 @@ lorafleet::LaunchOptions launch_options(int64_t mma_min_rows, bool pdl, int64_t 
   return opt;
 }
 
-// The first `row_bytes` bytes of each of w's rows in each of `parts` equal K ranges (w [N, K], 1-byte elements,
-// row-major): the L2 warm-up a launch before w's product may ask for (l2_prefetch.cuh). Nothing without w.
-lorafleet::L2Prefetch l2_prefetch_of(const std::optional<Tensor>& w, int64_t parts, int64_t row_bytes,
-                                     const Tensor& like) {
-  lorafleet::L2Prefetch p;
-  if (!w.has_value() || row_bytes == 0) return p;
-  check_device(*w, Name("prefetch weight"), like);
-  SGMV_CHECK(w->dim() == 2 && w->element_size() == 1 && w->is_contiguous(), "prefetch: the weight must be a "
-             "contiguous 2-D tensor of 1-byte elements (e4m3)");
-  SGMV_CHECK(parts >= 1 && w->size(1) % parts == 0 && row_bytes > 0 && row_bytes <= w->size(1) / parts,
-             "prefetch: parts must divide K and row_bytes be in [1, K / parts]");
-  SGMV_CHECK(w->size(0) <= kInt32Max, "prefetch: the weight has too many rows");
-  p.base = w->data_ptr();
-  p.row_stride = w->size(1);
-  p.part_stride = w->size(1) / parts;
-  p.rows = static_cast<int>(w->size(0));
-  p.parts = static_cast<int>(parts);
-  p.row_bytes = static_cast<int>(row_bytes);
-  return p;  // (alignment: checked by the launch, l2_prefetch_check)
-}
-
 void* as_stream(int64_t stream) { return reinterpret_cast<void*>(static_cast<intptr_t>(stream)); }
 
 void shrink(Tensor v, Tensor x, std::vector<Tensor> a, Tensor ranks, Tensor indptr, Tensor slots,
             int64_t mma_min_rows, bool pdl, int64_t stream, int64_t max_blocks, int64_t blocks_per_sm,
             int64_t decode_ranks, std::optional<Tensor> quant_out, std::optional<Tensor> quant_scale, bool x_ready,
-            bool row_items, std::optional<Tensor> prefetch_w, int64_t prefetch_parts, int64_t prefetch_bytes) {
+            bool row_items) {
   const auto dtype = kernel_dtype(x, "x");
   lorafleet::ShrinkArgs args = shrink_args(v, x, a, ranks, indptr, slots);
   SGMV_CHECK(quant_out.has_value() == quant_scale.has_value(), "sgmv: quant_out and quant_scale go together");
@@ -284,7 +263,6 @@ void shrink(Tensor v, Tensor x, std::vector<Tensor> a, Tensor ranks, Tensor indp
     args.quant_out = static_cast<uint8_t*>(quant_out->data_ptr());
     args.quant_scale = quant_scale->data_ptr<float>();
   }
-  args.prefetch = l2_prefetch_of(prefetch_w, prefetch_parts, prefetch_bytes, x);
   const lorafleet::LaunchOptions opt =
       launch_options(mma_min_rows, pdl, max_blocks, blocks_per_sm, decode_ranks, x_ready, row_items);
   if (x.size(0) == 0) return;
@@ -641,8 +619,7 @@ void norm_lora(Tensor x_out, Tensor h, std::optional<Tensor> res, std::optional<
   SGMV_CHECK(err == nullptr, "norm_lora launch failed: %s", err ? err : "");
 }
 
-void quantize_e4m3(Tensor out, Tensor scale, Tensor x, int64_t stream, std::optional<Tensor> prefetch_w,
-                   int64_t prefetch_parts, int64_t prefetch_bytes) {
+void quantize_e4m3(Tensor out, Tensor scale, Tensor x, int64_t stream) {
   const auto dtype = kernel_dtype(x, "x");
   SGMV_CHECK(x.is_cuda() && x.dim() == 2 && x.stride(1) == 1, "quantize_e4m3: x must be a 2-D CUDA tensor with unit "
              "column stride");
@@ -655,7 +632,6 @@ void quantize_e4m3(Tensor out, Tensor scale, Tensor x, int64_t stream, std::opti
   a.scale = scale.data_ptr<float>();
   a.rows = static_cast<int>(x.size(0));
   a.cols = static_cast<int>(x.size(1));
-  a.prefetch = l2_prefetch_of(prefetch_w, prefetch_parts, prefetch_bytes, x);
   const char* err = lorafleet::quantize_rows_e4m3(dtype, a, x.get_device(), as_stream(stream));
   SGMV_CHECK(err == nullptr, "quantize_e4m3 launch failed: %s", err ? err : "");
 }
@@ -958,8 +934,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("v"), py::arg("x"), py::arg("a"), py::arg("ranks"), py::arg("indptr"), py::arg("slots"),
         py::arg("mma_min_rows"), py::arg("pdl"), py::arg("stream"), py::arg("max_blocks") = 0,
         py::arg("blocks_per_sm") = 0, py::arg("decode_ranks") = 0, py::arg("quant_out") = py::none(),
-        py::arg("quant_scale") = py::none(), py::arg("x_ready") = false, py::arg("row_items") = false,
-        py::arg("prefetch_w") = py::none(), py::arg("prefetch_parts") = 1, py::arg("prefetch_bytes") = 0);
+        py::arg("quant_scale") = py::none(), py::arg("x_ready") = false, py::arg("row_items") = false);
   m.def("expand", &expand,
         "ys[g][rows] += v[rows, g, :r] @ b[g][slot, :r] for every segment (write_f32: ys fp32, = instead of +=)",
         py::arg("ys"), py::arg("v"), py::arg("b"), py::arg("ranks"), py::arg("indptr"), py::arg("slots"),
@@ -996,12 +971,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("offset"), py::arg("row_slot"), py::arg("v_in"), py::arg("b_in"), py::arg("ranks_in"), py::arg("v_out"),
         py::arg("a_out"), py::arg("ranks_out"), py::arg("pdl"), py::arg("stream"), py::arg("late_tables") = false,
         py::arg("stage_bytes") = -1);
-  m.def("quantize_e4m3", &quantize_e4m3,
-        "dynamic per-row FP8 (e4m3) quantization of activations, one launch; prefetch_w [N, K] (e4m3): the first "
-        "prefetch_bytes of each row of each of its prefetch_parts K ranges asked into L2 first (a hint: no value "
-        "changes)",
-        py::arg("out"), py::arg("scale"), py::arg("x"), py::arg("stream"), py::arg("prefetch_w") = py::none(),
-        py::arg("prefetch_parts") = 1, py::arg("prefetch_bytes") = 0);
+  m.def("quantize_e4m3", &quantize_e4m3, "dynamic per-row FP8 (e4m3) quantization of activations, one launch",
+        py::arg("out"), py::arg("scale"), py::arg("x"), py::arg("stream"));
   m.def("fp8_gemm", &fp8_gemm, "bf16 (x @ w.T) * x_scale * w_scale for at most 64 e4m3 rows, the weight streamed once",
         py::arg("out"), py::arg("x"), py::arg("x_scale"), py::arg("w"), py::arg("w_scale"), py::arg("stream"));
   m.def("fp8_gemm_bf16", &fp8_gemm_bf16,

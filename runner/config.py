@@ -69,8 +69,6 @@ class KernelChoices:
     fp8_sm90_split: that kernel cuts K into parts for weights with too few rows to fill the GPU (fp8.py sm90_splits).
     fp8_sm90_persistent: that kernel (where its epilogue is a launch of its own) on CUTLASS's persistent ping-pong
         schedule instead of one CTA per tile (the same bits).
-    fp8_l2_prefetch: the launch that quantizes a decode-sized FP8 product's activations (their own launch, or the LoRA
-        shrink's) also asks the first this many k-tiles (256 bytes) of each weight row into L2 (a hint; 0: off).
     fp8_quant_in_shrink: with that epilogue and adapters in the step, the LoRA shrink's launch quantizes the
         projection's activations too (the same bits) instead of a launch of their own.
     pin_host_adapters: adapters read from disk are kept in pinned host memory.
@@ -116,7 +114,6 @@ class KernelChoices:
     fp8_sm90_fused_lora: bool = False
     fp8_sm90_split: bool = False
     fp8_sm90_persistent: bool = False
-    fp8_l2_prefetch: int = 0
     fp8_quant_in_shrink: bool = True
     pin_host_adapters: bool = False
     dense_lora_rows: int = 256
@@ -144,8 +141,6 @@ class KernelChoices:
             raise ValueError(f"decode_ranks must be 0, 1, 2 or 4 (one number, or one per group: qkv, o, gate_up, "
                              f"down), got {self.decode_ranks!r}")
         object.__setattr__(self, "decode_ranks", ranks)  # (frozen: the normalized form, set once here)
-        if type(self.fp8_l2_prefetch) is not int or not 0 <= self.fp8_l2_prefetch <= 64:
-            raise ValueError(f"fp8_l2_prefetch must be in [0, 64] k-tiles, got {self.fp8_l2_prefetch!r}")
         if not 0 <= self.fp8_gemm_rows <= 64:
             raise ValueError(f"fp8_gemm_rows must be in [0, 64], got {self.fp8_gemm_rows}")
         if len(self.mma_rows) != 4 or any(len(r) != 2 or min(r) < 1 for r in self.mma_rows):
@@ -169,7 +164,6 @@ class KernelChoices:
                    fp8_epilogue_act=env.fp8_epilogue_act(), fp8_sm90=env.fp8_sm90(),
                    fp8_sm90_fused=env.fp8_sm90_fused(), fp8_sm90_fused_lora=env.fp8_sm90_fused_lora(),
                    fp8_sm90_split=env.fp8_sm90_split(), fp8_sm90_persistent=env.fp8_sm90_persistent(),
-                   fp8_l2_prefetch=env.fp8_l2_prefetch(),
                    fp8_quant_in_shrink=env.fp8_quant_in_shrink(),
                    pin_host_adapters=env.pin_host_adapters(), dense_lora_rows=env.dense_lora_rows(),
                    dense_lora_kext=env.dense_lora_kext())

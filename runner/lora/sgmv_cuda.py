@@ -75,7 +75,7 @@ class CudaSGMV:
                host_ranks: Sequence[Sequence[int]], seg: SegmentTable, max_blocks: int = 0,
                mma_min_rows: int | None = None, blocks_per_sm: int = 0, decode_ranks: int = 0,
                quant: tuple[torch.Tensor, torch.Tensor] | None = None, x_ready: bool = False,
-               row_items: bool = False, prefetch: tuple[torch.Tensor, int, int] | None = None) -> None:
+               row_items: bool = False) -> None:
         """`mma_min_rows` overrides the instance's threshold. Launch-shape knobs, none of which ever
         changes a bit of v (only the speed): `max_blocks` > 0 caps the grid, leaving SMs to a kernel
         that runs beside this one on another stream; `blocks_per_sm` > 0 caps the resident blocks per
@@ -86,16 +86,14 @@ class CudaSGMV:
         token, bit for bit runner/model/fp8.py quantize_tokens (an FP8 projection's input, no launch of its own).
         `x_ready`: the kernel enqueued right before this call (the base GEMM on the same x) neither writes x nor
         touches v, so the launch reads x without waiting for it (csrc/sgmv.h LaunchOptions::x_ready); never
-        changes a bit of v. `prefetch` = (w [N, K] e4m3, parts, row_bytes): the launch also asks L2 for the first
-        row_bytes of each row of each of w's K parts (the next product's weight; runner/model/fp8.py l2_prefetch)."""
+        changes a bit of v."""
         if not x.is_cuda:
             raise ValueError(f"CudaSGMV needs CUDA tensors, got x on {x.device} (use TorchSGMV on the CPU)")
         stream = torch.cuda.current_stream(x.device).cuda_stream
         rows = self.shrink_mma_min_rows if mma_min_rows is None else mma_min_rows
         q_out, q_scale = quant if quant is not None else (None, None)
         self._ext().shrink(v, x, list(a), ranks, seg.indptr, seg.slots, rows, self.pdl, stream, max_blocks,
-                           blocks_per_sm, decode_ranks, q_out, q_scale, x_ready, row_items,
-                           *(prefetch if prefetch is not None else ()))
+                           blocks_per_sm, decode_ranks, q_out, q_scale, x_ready, row_items)
 
     def norm_shrink(self, v: torch.Tensor, x_out: torch.Tensor, norm: "NormOperands", a: Sequence[torch.Tensor],
                     ranks: torch.Tensor, seg: SegmentTable,

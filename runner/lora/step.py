@@ -242,13 +242,11 @@ class LoraStepImpl:
         return getattr(self.sgmv, "name", "") == "cuda" and self.dense is None
 
     def epilogue_operands(self, layer: int, group: int, x: torch.Tensor,
-                          quant: tuple[torch.Tensor, torch.Tensor] | None = None,
-                          prefetch: tuple[torch.Tensor, int, int] | None = None):
+                          quant: tuple[torch.Tensor, torch.Tensor] | None = None):
         """The group's shrink, launched now on the CUDA-core path (the path of every segment of at most 64 rows
         with the default KernelChoices.mma_rows, so the same v as `add`), and the expand's operands (v, B pools, ranks, each row's slot) for the kernel
         that finishes the FP8 product (runner/model/fp8.py fp8_linear, epilogue); None, and nothing launched:
-        no adapter in the step. `quant` (e4m3 rows, scales): the shrink's launch also quantizes x into them;
-        `prefetch` (CudaSGMV.shrink): it also asks L2 for the product's weight."""
+        no adapter in the step. `quant` (e4m3 rows, scales): the shrink's launch also quantizes x into them."""
         if not self.active:
             return None
         v = self.views[GROUP_SPANS[group][1]]
@@ -259,7 +257,7 @@ class LoraStepImpl:
                 raise ValueError("epilogue_operands: the norm's launch did the shrink; it quantizes x itself")
         else:
             self.sgmv.shrink(v, x, a, ranks, host, self.seg, mma_min_rows=1 << 30, quant=quant,
-                             decode_ranks=self.decode_ranks[group], row_items=self.row_items, prefetch=prefetch)
+                             decode_ranks=self.decode_ranks[group], row_items=self.row_items)
         return v, b, ranks, row_slot
 
     def begin(self, layer: int, group: int, x: torch.Tensor) -> None:

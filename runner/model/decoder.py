@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from lorafleet.models.contract import ModelConfig
 from lorafleet.runner.config import KernelChoices
 from lorafleet.runner.model.fp8 import (E4M3, Fp8Weight, epilogue_applies, fp8_linear, fp8_tensor_cores,
-                                       l2_prefetch, product_parts, sm90_gemm_available, unit_scale)
+                                       sm90_gemm_available, unit_scale)
 from lorafleet.runner.model.norm import OwnNorm
 from lorafleet.runner.model.ops import make_ops, prefer_cublaslt
 from lorafleet.runner.model.rope import Rope
@@ -174,7 +174,6 @@ class Decoder:
         self.fp8_sm90_fused_lora = kernels.fp8_sm90_fused_lora  # ... also where the epilogue adds LoRA
         self.fp8_sm90_split = kernels.fp8_sm90_split  # ... with K in parts for weights of few rows
         self.fp8_sm90_persistent = kernels.fp8_sm90_persistent  # ... on the persistent ping-pong schedule
-        self.fp8_l2_prefetch = kernels.fp8_l2_prefetch  # the quantizing launch warms L2 with the weight's first tiles
         # runner/model/norm.py OwnNorm: the norms before qkv and gate_up (KernelChoices.norm_shrink, norm_lora)
         self.own_norm = None
         self.embed_scale = (torch.tensor(cfg.embed_scale, dtype=torch.float32).to(dtype).item()
@@ -434,13 +433,10 @@ class Decoder:
         if lora is not None:
             if not getattr(lora, "epilogue_ready", False):
                 return None
-            mine = warm = None
+            mine = None
             if quant is None and self.fp8_quant_in_shrink and x.is_contiguous():  # the shrink's launch quantizes x too
                 quant = mine = quant_buffers(x)
-                if self.fp8_l2_prefetch:  # ... and, as the launch that quantizes, asks L2 for w's first k-tiles
-                    warm = l2_prefetch(w, self.fp8_l2_prefetch, product_parts(
-                        x, w, self.fp8_sm90, self.fp8_sm90_split, self.fp8_unit_scale_elems))
-            operands = lora.epilogue_operands(i, group, x, quant=mine and (mine[0], mine[1].view(-1)), prefetch=warm)
+            operands = lora.epilogue_operands(i, group, x, quant=mine and (mine[0], mine[1].view(-1)))
             if operands is None and mine is not None:  # no adapter in the step: no shrink was launched
                 quant = None
         return self._fp8_linear(x, w, b, epilogue=True, spans=spans, lora=operands, quantized=quant, act=act)
@@ -451,7 +447,7 @@ class Decoder:
                           self.fp8_unit_scale_elems, self.fp8_gemm_bf16, sm90=self.fp8_sm90,
                           sm90_split=self.fp8_sm90_split, sm90_fused=self.fp8_sm90_fused,
                           sm90_fused_lora=self.fp8_sm90_fused_lora, sm90_persistent=self.fp8_sm90_persistent,
-                          l2_ktiles=self.fp8_l2_prefetch, **finish)
+                          **finish)
 
     @staticmethod
     def _begin(lora: LoraStep | None, layer: int, group: int, x: torch.Tensor) -> None:

@@ -73,18 +73,15 @@ def fp8_tensor_cores(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def quantize_tokens(x: torch.Tensor, ext=None,
-                    prefetch: tuple[torch.Tensor, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_tokens(x: torch.Tensor, ext=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic per-token quantization: (x_q float8 [M, K], scale fp32 [M, 1]), x_q = e4m3(x * (1 / scale)). `ext`
     (the project's CUDA extension, runner/kernels.py): the same bits in one launch (csrc/quant.cu) for 2-D bf16/fp16
-    CUDA rows, which with `prefetch` = (w_q, parts, row_bytes) (l2_prefetch) also asks the first row_bytes of each
-    row of w_q's K parts into L2 for the product that follows (a hint: no value changes)."""
+    CUDA rows."""
     if ext is not None and x.is_cuda and x.dim() == 2 and x.stride(-1) == 1 and x.dtype in (torch.bfloat16,
                                                                                              torch.float16):
         q = torch.empty(x.shape, dtype=E4M3, device=x.device)
         scale = torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device)
-        ext.quantize_e4m3(q, scale.view(-1), x, torch.cuda.current_stream(x.device).cuda_stream,
-                          *(prefetch if prefetch is not None else ()))
+        ext.quantize_e4m3(q, scale.view(-1), x, torch.cuda.current_stream(x.device).cuda_stream)
         return q, scale
     xf = x.float()
     scale = (xf.abs().amax(dim=-1, keepdim=True) / E4M3_MAX).clamp(min=1e-12)
@@ -178,30 +175,6 @@ def _unit_product(xq: torch.Tensor, w: Fp8Weight, ext, sm90: bool, split: bool =
     return torch._scaled_mm(xq, w.q.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
 
 
-L2_PREFETCH_KTILE = 256  # bytes of an e4m3 weight row per k-tile of csrc/fp8_gemm_sm90.cu
-
-
-def l2_prefetch(w: Fp8Weight, ktiles: int, parts: int = 1) -> tuple[torch.Tensor, int, int] | None:
-    """What the launch before w's product asks into L2 (csrc/l2_prefetch.cuh): the first `ktiles` k-tiles (256 bytes
-    each) of every row of each of w's `parts` K ranges, at most the range; None: nothing (ktiles 0, or a weight the
-    kernel cannot take: not contiguous, K not divisible into parts, rows or ranges not 16-byte aligned)."""
-    k = w.q.shape[1]
-    if ktiles <= 0 or parts < 1 or k % parts or not _aligned(w.q) or (k // parts) % 16:
-        return None
-    return w.q, parts, min(ktiles * L2_PREFETCH_KTILE, k // parts)
-
-
-def product_parts(x: torch.Tensor, w: Fp8Weight, sm90: bool, sm90_split: bool, unit_scale_elems: int,
-                  own: bool = False) -> int:
-    """The K parts of w's product of the rows x in fp8_linear: sm90_splits on the wgmma kernel with `sm90_split`
-    (where _unit_product cuts K), else 1."""
-    M, K = x.shape
-    N = w.q.shape[0]
-    if own or not (sm90 and sm90_split and K % 16 == 0 and N % 4 == 0 and unit_scale_call(M, N, K, unit_scale_elems)):
-        return 1
-    return sm90_splits(N, K, _sm_count(x.device.index))
-
-
 def split_sum(y: torch.Tensor) -> torch.Tensor:
     """[parts, M, N] partial sums added in part order (the FP8 epilogue's order: the same bits), or y as it is."""
     if y.dim() == 2:
@@ -231,7 +204,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
                own_bf16: bool = False, epilogue: bool = False, spans: list[int] | None = None,
                lora: tuple | None = None, quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
                act: int = 0, sm90: bool = False, sm90_split: bool = False, sm90_fused: bool = False,
-               sm90_fused_lora: bool = False, sm90_persistent: bool = False, l2_ktiles: int = 0) -> torch.Tensor:
+               sm90_fused_lora: bool = False, sm90_persistent: bool = False) -> torch.Tensor:
     """x [M, K] (bf16/fp16 on the GPU, any float on the CPU) @ w.T + bias -> [M, N] in x's dtype. With the
     CUDA extension `ext`: the activations quantized by its one-launch kernel (see quantize_tokens), and for
     M <= `own_rows` (bf16, K a multiple of 64, N of 16) the product on its FP8 kernel (csrc/fp8_gemm.cu), with
@@ -248,9 +221,6 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
     With `sm90` and `sm90_fused`, an epilogue without an activation or `lora` on a product in one part (bf16) runs
     inside the wgmma kernel (the same bits, one launch); with `sm90_fused_lora` too, also one with `lora`;
     `sm90_persistent`: the other wgmma products on the kernel's persistent ping-pong schedule (the same bits).
-    `l2_ktiles`: where the activations' own launch quantizes them for a unit-scale product (at most 64 rows), it also
-    asks the first `l2_ktiles` k-tiles of each weight row (of each K part the product takes) into L2 (l2_prefetch: a
-    hint, the same bits).
     Then, M <= `swap_rows` (and a multiple of 16): cuBLASLt computes (w @ x.T).T, the weight as the long operand.
     Otherwise torch._scaled_mm with per-token and per-row scales."""
     if act and not (epilogue and tensor_cores and not _own_kernel(x, w, ext, own_rows)
@@ -268,11 +238,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
         y = torch.empty(M, N, dtype=x.dtype, device=x.device)
         ext.fp8_gemm_bf16(y, x.contiguous(), w.q, w.scale_row.view(-1), torch.cuda.current_stream(x.device).cuda_stream)
         return y if bias is None else y + bias
-    if quantized is None:  # (the warm-up only before decode-sized products, which stream their weight)
-        warm = l2_ktiles and not own and unit_scale_call(M, N, K, unit_scale_elems)
-        parts = product_parts(x, w, sm90, sm90_split, unit_scale_elems) if warm else 1
-        quantized = quantize_tokens(x, ext, l2_prefetch(w, l2_ktiles, parts) if warm else None)
-    xq, sx = quantized
+    xq, sx = quantized if quantized is not None else quantize_tokens(x, ext)
     if own:
         y = torch.empty(M, N, dtype=x.dtype, device=x.device)
         ext.fp8_gemm(y, xq, sx.view(-1), w.q, w.scale_row.view(-1), torch.cuda.current_stream(x.device).cuda_stream)

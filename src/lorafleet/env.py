@@ -308,18 +308,6 @@ def fp8_sm90_persistent() -> bool:
     return _flag("LORAFLEET_FP8_SM90_PERSISTENT", False)
 
 
-def fp8_l2_prefetch() -> int:
-    """LORAFLEET_FP8_L2_PREFETCH: the launch that quantizes a decode-sized FP8 product's activations (a launch of
-    their own without adapters, the LoRA shrink with them) first asks the first this many k-tiles (256 bytes each) of
-    every row of the product's weight into L2, so that DRAM, idle during the small launch, streams the product's
-    first bytes before it starts (csrc/l2_prefetch.cuh; a hint: the same bits; not where the norm quantizes them).
-    0 to 64; default 0: off until measured."""
-    ktiles = _int("LORAFLEET_FP8_L2_PREFETCH", 0)
-    if not 0 <= ktiles <= 64:
-        raise EnvError(f"LORAFLEET_FP8_L2_PREFETCH must be in [0, 64], got {ktiles}")
-    return ktiles
-
-
 def fp8_quant_in_shrink() -> bool:
     """LORAFLEET_FP8_QUANT_IN_SHRINK: with the FP8 epilogue and adapters in the step, the LoRA shrink's launch also
     quantizes the projection's activations (the same bits; one launch less per projection) instead of the

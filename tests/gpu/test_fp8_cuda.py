@@ -56,33 +56,6 @@ def test_activation_kernel_gives_the_torch_quantization_bits(dtype):
             assert (bad_q.remainder(128) == 127).all() and (bad_want.remainder(128) == 127).all()  # NaN rows: NaN
 
 
-def test_activation_kernel_asking_l2_for_the_next_weight_gives_the_same_bits():
-    """The quantizing launch with an L2 prefetch of a weight's first k-tiles (csrc/l2_prefetch.cuh: in one part and
-    in several, all of each part, a weight larger than L2) gives the bits it gives without; bad prefetch operands are
-    refused before anything runs."""
-    from lorafleet.runner.kernels import load
-    from lorafleet.runner.model.fp8 import quantize_tokens
-
-    ext = load()
-    g = torch.Generator(device="cuda").manual_seed(5)
-    x = (torch.randn(32, 4096, device="cuda", generator=g) * 3).to(torch.bfloat16)
-    want_q, want_s = quantize_tokens(x, ext)
-    w = torch.randint(0, 120, (12288, 4096), device="cuda", dtype=torch.uint8, generator=g).view(E4M3)
-    big = torch.empty(22016 * 4, 4096, device="cuda", dtype=torch.uint8).view(E4M3)  # 360 MB
-    for prefetch in ((w, 1, 512), (w, 2, 256), (w, 16, 256), (w, 1, 4096), (big, 1, 4096), (w, 1, 16)):
-        got_q, got_s = quantize_tokens(x, ext, prefetch)
-        torch.cuda.synchronize()
-        same = torch.equal(got_s, want_s) and torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
-        assert same, prefetch[1:]
-    out, scale = torch.empty_like(want_q), torch.empty(32, device="cuda")
-    stream = torch.cuda.current_stream().cuda_stream
-    for bad, match in (((w, 3, 256), "parts must divide K"), ((w, 1, 8192), "row_bytes be in"),
-                       ((w, 1, 24), "multiple of 16"), ((w.view(torch.uint8).view(torch.int16), 1, 256), "1-byte"),
-                       ((w[:, 8:], 1, 256), "contiguous"), ((w.cpu(), 1, 256), "CUDA tensor")):
-        with pytest.raises(RuntimeError, match=match):
-            ext.quantize_e4m3(out, scale, x, stream, *bad)
-
-
 @needs_fp8
 @pytest.mark.parametrize("variant", [
     # (w @ x.T).T on the tensor cores (KernelChoices.fp8_swap_rows); M = 1 is not swapped
@@ -642,62 +615,6 @@ def test_fp8_persistent_wgmma_schedule_gives_the_same_step(fam):
             m.fp8_ext, m.fp8_sm90_persistent = ext, False
             eng.close()
         assert torch.equal(pers, plain), (name, (pers - plain).abs().max().item())
-
-
-@pytest.mark.parametrize("adapted", [False, True])
-@pytest.mark.parametrize("split", [False, True])
-def test_fp8_l2_prefetch_gives_the_same_step(fam, split, adapted, monkeypatch):
-    """The decode step with KernelChoices.fp8_l2_prefetch 0 and 4: the launch that quantizes each product's
-    activations (without adapters a launch of its own, with them the LoRA shrink) is asked for each weight's first
-    k-tiles, in each K part with the split product, and the logits are the same, bit for bit."""
-    from lorafleet.runner.lora.sgmv_cuda import CudaSGMV
-
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the wgmma kernel is built for compute capability 9.0 only")
-    if {"LORAFLEET_FP8_SM90", "LORAFLEET_FP8_SM90_SPLIT", "LORAFLEET_FP8_L2_PREFETCH", "LORAFLEET_FP8_QUANT_IN_SHRINK",
-            "LORAFLEET_FP8_EPILOGUE", "LORAFLEET_NORM_SHRINK", "LORAFLEET_NORM_LORA", "LORAFLEET_FP8_UNIT_SCALE_ELEMS",
-            "LORAFLEET_FP8_GEMM_ROWS"} & set(os.environ):
-        pytest.skip("this test starts from the default kernel choices")
-    name, model, _, _, reqs = fam
-    rows = reqs[:4] * 2 if adapted else [(ids, None, None) for ids, _, _ in reqs[:4]] * 2
-    eng, batch = teacher.decode_step(model, rows, quantization="fp8")
-    dev = batch.to_device(eng.device)
-    m = eng.model
-    assert m.fp8_sm90 and m.fp8_epilogue, "the wgmma product and its epilogue (the build has CUTLASS's headers)"
-    asked, shrunk, shrink = [], [], CudaSGMV.shrink
-
-    def spy(self, *args, prefetch=None, **kw):
-        if kw.get("quant") is not None:
-            shrunk.append(prefetch)
-        return shrink(self, *args, prefetch=prefetch, **kw)
-
-    monkeypatch.setattr(CudaSGMV, "shrink", spy)
-
-    class Asking:
-        def __getattr__(self, attr):
-            return getattr(ext, attr)
-
-        def quantize_e4m3(self, *args):
-            asked.append(args[4:])
-            return ext.quantize_e4m3(*args)
-
-    ext, m.fp8_ext, m.fp8_sm90_split = m.fp8_ext, Asking(), split
-    try:
-        plain = eng.runner.forward(batch, dev).clone()
-        assert all(a == () for a in asked) and all(p is None for p in shrunk)
-        asked.clear()
-        shrunk.clear()
-        m.fp8_l2_prefetch = 4
-        warmed = eng.runner.forward(batch, dev).clone()
-        # every product's quantizing launch (the shrink's with adapters where x is contiguous, else its own) asked
-        warms = [p[1:] for p in shrunk if p is not None] + [a[1:] for a in asked if len(a) == 3]
-        assert len(shrunk) + len(asked) == 4 * m.num_layers and len(warms) == 4 * m.num_layers, (shrunk[:4], asked[:4])
-        assert bool(shrunk) == adapted and all(b > 0 for _, b in warms)
-        assert any(parts > 1 for parts, _ in warms) == split  # o and down in parts where the split product cuts K
-    finally:
-        m.fp8_ext, m.fp8_l2_prefetch, m.fp8_sm90_split = ext, 0, False
-        eng.close()
-    assert torch.equal(warmed, plain), (name, (warmed - plain).abs().max().item())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
