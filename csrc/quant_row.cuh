@@ -28,6 +28,40 @@ __device__ __forceinline__ uint8_t e4m3(float v, float inv) {
   return static_cast<uint8_t>(__nv_cvt_float_to_fp8(__fmul_rn(v, inv), __NV_SATFINITE, __NV_E4M3));
 }
 
+// 8 values times a row's reciprocal scale as e4m3, packed in order (the first value in the lowest byte).
+__device__ __forceinline__ uint2 e4m3x8(const float (&v)[8], float inv) {
+  uint2 packed;
+  packed.x = e4m3x2(v[0], v[1], inv) | (e4m3x2(v[2], v[3], inv) << 16);
+  packed.y = e4m3x2(v[4], v[5], inv) | (e4m3x2(v[6], v[7], inv) << 16);
+  return packed;
+}
+
+// A row's scale from each thread's share of it (m: the absmax of its values, nan: whether one is NaN), by a whole
+// block of kThreads threads (every thread must call it; every thread gets the scale). max is exact in any order, so
+// any split of the row over the threads gives the same scale.
+template <int kThreads>
+__device__ __forceinline__ float row_scale(float m, bool nan) {
+  __shared__ float red[kThreads / 32];
+  __shared__ int any_nan;
+  if (threadIdx.x == 0) any_nan = 0;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = m;
+  __syncthreads();
+  if (nan) atomicExch(&any_nan, 1);
+  if (threadIdx.x < 32) {
+    float w = threadIdx.x < kThreads / 32 ? red[threadIdx.x] : 0.f;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) w = fmaxf(w, __shfl_xor_sync(0xffffffffu, w, o));
+    if (threadIdx.x == 0) red[0] = w;
+  }
+  __syncthreads();
+  // torch divides a tensor by a Python scalar as a product with the scalar's fp32 reciprocal
+  const float s = any_nan ? __int_as_float(0x7fffffff) : fmaxf(__fmul_rn(red[0], 1.f / kE4m3Max), 1e-12f);
+  __syncthreads();  // every thread has read red and any_nan: the block may call this again for another row
+  return s;
+}
+
 // One row of quantize_rows_e4m3 (quant.h) by a whole block of kThreads threads (every thread must call it):
 // out[:cols] and *scale from x[:cols].
 template <typename T, int kThreads>
@@ -55,34 +89,17 @@ __device__ __forceinline__ void quantize_row(const T* x, uint8_t* out, float* sc
       m = fmaxf(m, fabsf(f));
     }
   }
-  __shared__ float red[kThreads / 32];
-  __shared__ int any_nan;
-  if (threadIdx.x == 0) any_nan = 0;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = m;
-  __syncthreads();
-  if (nan) atomicExch(&any_nan, 1);
-  if (threadIdx.x < 32) {
-    float w = threadIdx.x < kThreads / 32 ? red[threadIdx.x] : 0.f;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) w = fmaxf(w, __shfl_xor_sync(0xffffffffu, w, o));
-    if (threadIdx.x == 0) red[0] = w;
-  }
-  __syncthreads();
-  // torch divides a tensor by a Python scalar as a product with the scalar's fp32 reciprocal
-  const float s = any_nan ? __int_as_float(0x7fffffff) : fmaxf(__fmul_rn(red[0], 1.f / kE4m3Max), 1e-12f);
+  const float s = row_scale<kThreads>(m, nan);
   const float inv = __frcp_rn(s);  // the values are multiplied by it (quantize_tokens: x * scale.reciprocal())
-  __syncthreads();  // every thread has read red and any_nan: the block may call this again for another row
   if (threadIdx.x == 0) *scale = s;
   if (vec) {
     for (int j = threadIdx.x * 8; j < cols; j += kThreads * 8) {
       const uint4 raw = *reinterpret_cast<const uint4*>(x + j);
       const T* v = reinterpret_cast<const T*>(&raw);
-      uint2 packed;
-      packed.x = e4m3x2(to_float(v[0]), to_float(v[1]), inv) | (e4m3x2(to_float(v[2]), to_float(v[3]), inv) << 16);
-      packed.y = e4m3x2(to_float(v[4]), to_float(v[5]), inv) | (e4m3x2(to_float(v[6]), to_float(v[7]), inv) << 16);
-      *reinterpret_cast<uint2*>(out + j) = packed;
+      float f[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) f[e] = to_float(v[e]);
+      *reinterpret_cast<uint2*>(out + j) = e4m3x8(f, inv);
     }
   } else {
     for (int j = threadIdx.x; j < cols; j += kThreads) out[j] = e4m3(to_float(x[j]), inv);

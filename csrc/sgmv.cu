@@ -381,12 +381,25 @@ __device__ __forceinline__ void norm_apply8(const NormArgs& n, int kv, float rs,
   }
 }
 
+// rs of a row from each thread's sum of squares `ss` over its vectors in the slice order (see slice_of), by the whole
+// block (every thread calls it, every thread gets it): the warp's xor tree, then the slices in order.
+__device__ __forceinline__ float norm_rs_of(const NormArgs& n, float ss) {
+  __shared__ float part[kWarps];
+  ss = warp_sum(ss);
+  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
+  __syncthreads();
+  float t = 0.f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) t += part[w];
+  __syncthreads();  // `part` is reused by the next call
+  return rsqrtf(__fdiv_rn(t, static_cast<float>(n.cols)) + n.eps);
+}
+
 // rs of a row, by the whole block (every thread calls it, every thread gets it), in the slice order (see
 // slice_of): warp w sums slice w, each lane the squares of its vectors with fmaf, then the warp's xor tree, then
 // the slices in order — the same value in every launch, block and cluster that computes it.
 template <typename T>
 __device__ float norm_rs(const NormArgs& n, int row) {
-  __shared__ float part[kWarps];
   const int KV = n.cols >> 3;
   const int64_t base = static_cast<int64_t>(row) * n.cols;
   const int2 sl = slice_of(KV, threadIdx.x >> 5);
@@ -397,14 +410,7 @@ __device__ float norm_rs(const NormArgs& n, int row) {
 #pragma unroll
     for (int e = 0; e < 8; ++e) ss = fmaf(r[e], r[e], ss);
   }
-  ss = warp_sum(ss);
-  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
-  __syncthreads();
-  float t = 0.f;
-#pragma unroll
-  for (int w = 0; w < kWarps; ++w) t += part[w];
-  __syncthreads();  // `part` is reused by the next call
-  return rsqrtf(__fdiv_rn(t, static_cast<float>(n.cols)) + n.eps);
+  return norm_rs_of(n, ss);
 }
 
 // One row's outputs (res_out, x_out, and the e4m3 row and scale) by the whole block.
@@ -428,15 +434,75 @@ __device__ void norm_row(const NormArgs& n, int row) {
   }
 }
 
+// The same outputs with the row in registers, for rows whose slices give each lane at most kVecs vectors (cols up to
+// kSlices * 32 * kVecs * 8): each thread loads its vectors of h and res once, in the slice order, and keeps r, then x;
+// the block reduces twice (the sum of squares in the slice order: norm_rs's value; the absmax, exact in any order),
+// against norm_row's three passes over memory (rs, x, then the quantization reading x back). The same bits.
+template <typename T, int kVecs>
+__device__ void norm_row_regs(const NormArgs& n, int row) {
+  const int KV = n.cols >> 3;
+  const int64_t base = static_cast<int64_t>(row) * n.cols;
+  const int2 sl = slice_of(KV, threadIdx.x >> 5);
+  const int kv0 = sl.x + (threadIdx.x & 31);
+  float r[kVecs][8];
+#pragma unroll
+  for (int j = 0; j < kVecs; ++j)
+    if (kv0 + 32 * j < sl.y) norm_load8<T>(n, base + static_cast<int64_t>(kv0 + 32 * j) * 8, r[j]);
+  float ss = 0.f;
+#pragma unroll
+  for (int j = 0; j < kVecs; ++j)
+    if (kv0 + 32 * j < sl.y) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) ss = fmaf(r[j][e], r[j][e], ss);
+    }
+  const float rs = norm_rs_of(n, ss);
+  float m = 0.f;  // x's absmax and NaN flag over this thread's vectors (quantize_row's)
+  bool nan = false;
+#pragma unroll
+  for (int j = 0; j < kVecs; ++j) {
+    const int kv = kv0 + 32 * j;
+    if (kv >= sl.y) continue;
+    const int64_t off = base + static_cast<int64_t>(kv) * 8;
+    if (n.res != nullptr) *reinterpret_cast<uint4*>(static_cast<T*>(n.res_out) + off) = from_float8<T>(r[j]);
+    norm_apply8<T>(n, kv, rs, r[j]);  // r[j] now holds x's values, each a T (norm_apply8 rounds them)
+    *reinterpret_cast<uint4*>(static_cast<T*>(n.x_out) + off) = from_float8<T>(r[j]);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      nan |= r[j][e] != r[j][e];
+      m = fmaxf(m, fabsf(r[j][e]));
+    }
+  }
+  if (n.quant_out == nullptr) return;
+  const float s = quant_detail::row_scale<kThreads>(m, nan);
+  const float inv = __frcp_rn(s);
+  if (threadIdx.x == 0) n.quant_scale[row] = s;
+#pragma unroll
+  for (int j = 0; j < kVecs; ++j) {
+    const int kv = kv0 + 32 * j;
+    if (kv < sl.y)
+      *reinterpret_cast<uint2*>(n.quant_out + base + static_cast<int64_t>(kv) * 8) = quant_detail::e4m3x8(r[j], inv);
+  }
+}
+
 // Blocks per SM of the norm's launch (norm_typed's grid), in its launch bounds too. Without a block count there,
 // ptxas compiled the kernel to 32 registers with a spill across the quantization's reciprocal (a call on its slow
 // path); with this count it fits the same 32 registers without one (tests/test_csrc_compile.py checks).
 constexpr int kNormBlocksPerSm = 8;
+// ... of the register-resident launch (norm_row_regs): 64 registers a thread for a lane's kVecs vectors
+constexpr int kNormRegBlocksPerSm = 4;
+constexpr int kNormRegMaxVecs = 4;  // rows up to 8 * 32 * 4 * 8 = 8,192 wide in registers
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads, kNormBlocksPerSm) rms_norm_rows_kernel(const __grid_constant__ NormArgs n) {
   pdl_wait();  // h and res come from the preceding kernel
   for (int row = blockIdx.x; row < n.rows; row += gridDim.x) norm_row<T>(n, row);
+}
+
+template <typename T, int kVecs>
+__global__ void __launch_bounds__(kThreads, kNormRegBlocksPerSm)
+    rms_norm_rows_regs_kernel(const __grid_constant__ NormArgs n) {
+  pdl_wait();  // h and res come from the preceding kernel
+  for (int row = blockIdx.x; row < n.rows; row += gridDim.x) norm_row_regs<T, kVecs>(n, row);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -1527,7 +1593,10 @@ template <typename T>
 const char* norm_typed(const NormArgs& n, bool pdl, int max_blocks, int device, cudaStream_t stream) {
   DeviceInfo info;
   if (const char* err = device_info(device, &info)) return err;
-  int blocks = std::min(n.rows, info.sms * kNormBlocksPerSm);
+  // a lane's vectors in the slice order (slice_of): the register-resident launch where they fit
+  const int lane_vecs = ceil_div(ceil_div(n.cols / 8, kSlices), 32);
+  const bool regs = lane_vecs <= kNormRegMaxVecs;
+  int blocks = std::min(n.rows, info.sms * (regs ? kNormRegBlocksPerSm : kNormBlocksPerSm));
   if (max_blocks > 0) blocks = std::min(blocks, max_blocks);
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(std::max(1, blocks));
@@ -1535,7 +1604,9 @@ const char* norm_typed(const NormArgs& n, bool pdl, int max_blocks, int device, 
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   set_pdl(cfg, attr, pdl, info.major);
-  const cudaError_t e = cudaLaunchKernelEx(&cfg, rms_norm_rows_kernel<T>, n);
+  const cudaError_t e = !regs            ? cudaLaunchKernelEx(&cfg, rms_norm_rows_kernel<T>, n)
+                        : lane_vecs <= 2 ? cudaLaunchKernelEx(&cfg, rms_norm_rows_regs_kernel<T, 2>, n)
+                                         : cudaLaunchKernelEx(&cfg, rms_norm_rows_regs_kernel<T, kNormRegMaxVecs>, n);
   return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
 }
 

@@ -174,7 +174,8 @@ class Decoder:
         self.fp8_sm90_fused_lora = kernels.fp8_sm90_fused_lora  # ... also where the epilogue adds LoRA
         self.fp8_sm90_split = kernels.fp8_sm90_split  # ... with K in parts for weights of few rows
         self.fp8_sm90_persistent = kernels.fp8_sm90_persistent  # ... on the persistent ping-pong schedule
-        # runner/model/norm.py OwnNorm: the norms before qkv and gate_up (KernelChoices.norm_shrink, norm_lora)
+        # runner/model/norm.py OwnNorm: the norms before qkv and gate_up (KernelChoices.norm_shrink, norm_quant,
+        # norm_lora)
         self.own_norm = None
         self.embed_scale = (torch.tensor(cfg.embed_scale, dtype=torch.float32).to(dtype).item()
                             if cfg.embed_scale is not None else None)
@@ -218,7 +219,9 @@ class Decoder:
         # (norm_lora only where its launch can run: thread-block clusters, one rank)
         cluster_norm = (kernels.norm_lora and self.device.type == "cuda" and all_reduce is None
                         and torch.cuda.get_device_capability(self.device)[0] >= 9)
-        if ((kernels.norm_shrink or cluster_norm) and self.device.type == "cuda"
+        # (norm_quant only where the norm's launch quantizes the rows: FP8 products on the FP8 tensor cores)
+        norm_quant = kernels.norm_quant and self.fp8_tensor_cores and isinstance(self.layers[0].qkv, Fp8Weight)
+        if ((kernels.norm_shrink or norm_quant or cluster_norm) and self.device.type == "cuda"
                 and dtype in (torch.bfloat16, torch.float16)):
             try:
                 from lorafleet.runner.kernels import load

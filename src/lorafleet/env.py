@@ -164,6 +164,14 @@ def norm_shrink() -> bool:
     return _flag("LORAFLEET_NORM_SHRINK", False)
 
 
+def norm_quant() -> bool:
+    """LORAFLEET_NORM_QUANT: with FP8 weights on the FP8 tensor cores (CUDA), the RMSNorms before the qkv and gate_up
+    projections run on the project's kernel (csrc/sgmv.cu, Hugging Face's roundings, the row in registers up to 8,192
+    wide), which also writes the rows' e4m3 copy and scales for the product: one launch instead of flashinfer's norm
+    and the quantization's own (with adapters, the shrink's). Default 0 until measured on a GPU."""
+    return _flag("LORAFLEET_NORM_QUANT", False)
+
+
 def norm_lora() -> bool:
     """LORAFLEET_NORM_LORA: in decode graphs with adapters on compute capability 9.0 (bf16/fp16 weights), the add +
     RMSNorm after the o and down projections runs as one launch of thread-block clusters that also adds that

@@ -63,7 +63,9 @@ def run_norm(h, res, w, eps, offset, quant=False):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("T,H", [(1, 4096), (7, 64), (33, 4096), (300, 2048), (3, 11008)])
+# (widths up to 8,192 run with the row in registers, two or four vectors a lane; 8,200 and 11,008 on the strided path)
+@pytest.mark.parametrize("T,H", [(1, 4096), (7, 64), (33, 4096), (300, 2048), (3, 11008), (2, 8192), (2, 8200),
+                                 (5, 3840)])
 @pytest.mark.parametrize("with_res,offset", [(True, 0.0), (False, 0.0), (True, 1.0)])
 def test_rms_norm_is_the_torch_norm(dtype, T, H, with_res, offset):
     """The residual sum bit for bit torch's; x within one rounding of torch's (the sum of squares is added in
@@ -103,10 +105,12 @@ ROW_LAYOUTS = {
 @pytest.mark.parametrize("layout", sorted(ROW_LAYOUTS))
 @pytest.mark.parametrize("T,K,groups,offset,quant", [(1, 4096, 3, 0.0, False), (24, 4096, 3, 0.0, True),
                                                        (37, 4096, 2, 1.0, False), (32, 2048, 1, 0.0, True),
-                                                       (5, 512, 3, 0.0, False)])
+                                                       (5, 512, 3, 0.0, False), (3, 8192, 1, 0.0, True),
+                                                       (4, 3840, 2, 1.0, True)])
 def test_norm_shrink_is_the_norm_then_the_shrink(dtype, layout, T, K, groups, offset, quant):
     """One launch against two (the norm, then the CUDA-core shrink of its output): x, the residual, v and the
-    e4m3 rows, bit for bit; ranks 16, 4, 0 and 1 per slot and projection, and 64 in one of them."""
+    e4m3 rows, bit for bit; ranks 16, 4, 0 and 1 per slot and projection, and 64 in one of them. (The norm's own
+    launch keeps rows up to 8,192 wide in registers; the one launch reads them as norm_row does: the same bits.)"""
     from lorafleet.runner.lora.segments import build_segments
     from lorafleet.runner.lora.sgmv_cuda import CudaSGMV
     from lorafleet.runner.model.norm import OwnNorm
