@@ -34,12 +34,12 @@
 #ifndef NDEBUG
 #define NDEBUG
 #endif
-// Programmatic dependent launch: the kernel may start while the previous kernel drains (its producer waits for that
-// kernel before the first load), and lets the next one start after its main loop (the FP8 epilogue's launch, or,
-// with the epilogue inside, whatever follows: see fp8_gemm_sm90.h). On the persistent schedule the trigger can come
-// as early as the kernel's start (a consumer warp group left without a tile triggers at once), so the next kernel's
-// pre-wait part may run beside the kernel before this one too (see quant.h Fp8EpilogueArgs::pdl).
-#define CUTLASS_ENABLE_GDC_FOR_SM90 1
+// Programmatic dependent launch, done here rather than by CUTLASS's kernels (CUTLASS_ENABLE_GDC_FOR_SM90 stays
+// undefined, so their own waits and triggers compile to nothing): the kernel may start while the kernel before it
+// still runs, and its producer fills the pipeline's stages with the weight's first k-tiles before it waits for that
+// kernel (WeightFirstMainloop); every consumer warp group lets the next kernel start after its last MMA (the FP8
+// epilogue's launch, or, with the epilogue inside, whatever follows: see fp8_gemm_sm90.h), and the fused epilogue
+// waits for the kernel before it before its own reads.
 #include <cuda_runtime.h>
 
 #include "cute/tensor.hpp"
@@ -53,6 +53,7 @@
 #include "cutlass/epilogue/collective/detail.hpp"
 
 #include "fp8_epilogue.cuh"
+#include "pdl.h"
 #endif
 
 namespace lorafleet {
@@ -75,6 +76,62 @@ const char* launch(const typename Gemm::Arguments& args, bool pdl, void* stream)
     return "fp8_gemm_sm90(_fused): launch failed";
   return nullptr;
 }
+
+// A CUTLASS sm90 TMA mainloop (one CTA per cluster) whose producer asks for the weight's (A's) first k-tiles, as
+// many as the pipeline has stages, before it waits for the kernel before this one, and for the activations' (B's)
+// tiles only after that wait: the weight is never written within a step, the activations are (by that kernel: the
+// quantization, the LoRA shrink or the norm), and each stage's barrier expects both tiles' bytes, so a consumer
+// starts on a stage only once its activations' tile has landed too. The kernel before lets this one start early
+// (its griddepcontrol.launch_dependents), so the weight streams in while it runs. The consumers' trigger for the
+// next kernel follows their last MMA (mma_tail). The tiles, stages, barriers and MMAs are the collective's own:
+// the same sums as without it.
+template <class Base>
+struct WeightFirstMainloop : Base {
+  using typename Base::MainloopPipeline;
+  using typename Base::Params;
+  using typename Base::PipelineState;
+  using typename Base::TensorStorage;
+  static_assert(cute::size(typename Base::DispatchPolicy::ClusterShape{}) == 1, "one CTA per cluster: no multicast");
+
+  template <class TensorA, class TensorB, class KTileIterator, class BlockCoord>
+  CUTLASS_DEVICE void load(Params const& params, MainloopPipeline pipeline, PipelineState state,
+                           cute::tuple<TensorA, TensorB> const& inputs, BlockCoord const& blk, KTileIterator k_tile,
+                           int k_tiles, int, uint32_t, TensorStorage& storage) {
+    using namespace cute;
+    if (!elect_one_sync()) return;  // one lane of the producer warp issues every copy
+    Tensor sA = make_tensor(make_smem_ptr(storage.smem_A.data()), typename Base::SmemLayoutA{});
+    Tensor sB = make_tensor(make_smem_ptr(storage.smem_B.data()), typename Base::SmemLayoutB{});
+    auto tma_a = params.tma_load_a.get_slice(0);
+    auto tma_b = params.tma_load_b.get_slice(0);
+    auto [m, n, k, l] = blk;
+    Tensor gA = tma_a.partition_S(get<0>(inputs)(_, _, m, _, l));  // (TMA, TMA_M, TMA_K, k)
+    Tensor sA_ = tma_a.partition_D(sA);                             // (TMA, TMA_M, TMA_K, stage)
+    Tensor gB = tma_b.partition_S(get<1>(inputs)(_, _, n, _, l));
+    Tensor sB_ = tma_b.partition_D(sB);
+    using Barrier = typename MainloopPipeline::ProducerBarrierType;
+    const int early = min(k_tiles, Base::DispatchPolicy::Stages);
+    PipelineState w_state = state;
+    KTileIterator w_tile = k_tile;
+    for (int i = 0; i < early; ++i, ++w_tile, ++w_state) {  // the weight's first k-tiles, one stage each
+      pipeline.producer_acquire(w_state);
+      Barrier* bar = pipeline.producer_get_barrier(w_state);
+      copy(params.tma_load_a.with(*bar, uint16_t(0)), gA(_, _, _, *w_tile), sA_(_, _, _, w_state.index()));
+    }
+    pdl_wait();  // the activations come from the kernel before
+    for (int i = 0; i < k_tiles; ++i, ++k_tile, ++state) {
+      if (i >= early) pipeline.producer_acquire(state);
+      Barrier* bar = pipeline.producer_get_barrier(state);
+      if (i >= early)
+        copy(params.tma_load_a.with(*bar, uint16_t(0)), gA(_, _, _, *k_tile), sA_(_, _, _, state.index()));
+      copy(params.tma_load_b.with(*bar, uint16_t(0)), gB(_, _, _, *k_tile), sB_(_, _, _, state.index()));
+    }
+  }
+
+  CUTLASS_DEVICE void mma_tail(MainloopPipeline pipeline, PipelineState release, int k_tiles) {
+    Base::mma_tail(pipeline, release, k_tiles);
+    pdl_launch_dependents();
+  }
+};
 
 // kPersistent: CUTLASS's persistent ping-pong schedule (one CTA per SM walks the tiles; two consumer warp groups
 // take alternate tiles, so one's epilogue runs while the producer already loads the other's k-tiles) instead of one
@@ -103,13 +160,13 @@ struct Sm90Fp8Gemm {
       cutlass::epilogue::collective::EpilogueTileAuto, ElementAcc, float, void, LayoutD, kAlignD, ElementD,
       LayoutD, kAlignD, cutlass::epilogue::TmaWarpSpecialized>::CollectiveOp;
 
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+  using Mainloop = WeightFirstMainloop<typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, LayoutA, kAlignAB, ElementB, LayoutB,
       kAlignAB, ElementAcc, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename Epilogue::SharedStorage))>,
       std::conditional_t<kPersistent, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
-                         cutlass::gemm::KernelTmaWarpSpecialized>>::CollectiveOp;
+                         cutlass::gemm::KernelTmaWarpSpecialized>>::CollectiveOp>;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
@@ -226,9 +283,10 @@ class FusedEpilogue {
     Tensor tCcD = tiled_mma.get_thread_slice(thread_idx).partition_C(coords);
     const int row0 = static_cast<int>(m_coord) * kRows, tok0 = static_cast<int>(n_coord) * kTokens;
     SharedStorage& st = *reinterpret_cast<SharedStorage*>(smem);
-    // The kernel before has finished (the producer waited for it before the first load, and these sums come after
-    // that load); said here too, so that this thread's reads of x_scale and v do not rest on that ordering alone.
-    cutlass::arch::wait_on_dependent_grids();
+    // The kernel before has finished (the producer waited for it before the activations' first load, and these sums
+    // come after that load); said here too, so that this thread's reads of x_scale and v do not rest on that
+    // ordering alone.
+    pdl_wait();
     // every warp of the group past its last MMA before the tile (the mainloop's buffers) is written
     cutlass::arch::NamedBarrier::sync(kThreads, cutlass::arch::ReservedNamedBarriers::EpilogueBarrier);
     CUTLASS_PRAGMA_UNROLL

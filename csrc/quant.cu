@@ -31,6 +31,9 @@ constexpr int kWideMaxRows = 256;
 
 template <typename T, int kBlock>
 __global__ void __launch_bounds__(kBlock) quantize_rows_kernel(QuantizeRowsArgs a) {
+  // The FP8 product that follows may start now: its producer streams the weight meanwhile and waits for this kernel
+  // before it reads these rows (fp8_gemm_sm90.cu WeightFirstMainloop).
+  pdl_launch_dependents();
   const int row = blockIdx.x;
   quant_detail::quantize_row<T, kBlock>(static_cast<const T*>(a.x) + static_cast<int64_t>(row) * a.x_row_stride,
                                         static_cast<uint8_t*>(a.out) + static_cast<int64_t>(row) * a.cols,

@@ -1,8 +1,9 @@
 """The unit-scale FP8 product on Hopper's wgmma (csrc/fp8_gemm_sm90.cu, KernelChoices.fp8_sm90) against the sum of
 the same e4m3 products in fp64 and against cuBLASLt's unit-scale call; each token's row the same whatever else is in
 the step; a CUDA graph's replay the eager call's bits; refusals. The product with the FP8 epilogue inside it
-(fp8_gemm_sm90_fused) against the product followed by that epilogue's own launch, bit for bit. The engine with it is
-checked against HF + PEFT in tests/gpu/test_fp8_cuda.py (gemm "sm90")."""
+(fp8_gemm_sm90_fused) against the product followed by that epilogue's own launch, bit for bit. The product started
+early by the launch that writes its activations still reads the new ones. The engine with it is checked against
+HF + PEFT in tests/gpu/test_fp8_cuda.py (gemm "sm90")."""
 
 from __future__ import annotations
 
@@ -166,6 +167,62 @@ def test_graph_replay_gives_the_eager_bits(ext, persistent):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, _sm90(ext, new, w)), seed
+
+
+@pytest.mark.parametrize("writer", ["quantize", "norm"])
+@pytest.mark.parametrize("persistent", [False, True])
+def test_product_right_after_the_kernel_that_writes_its_activations_reads_the_new_ones(ext, writer, persistent):
+    """The launch that writes the product's e4m3 activations (the quantization kernel, or the project's norm with
+    them) lets the product start at once, and the product's producer asks for the weight's first k-tiles before it
+    waits for that launch (WeightFirstMainloop). The product still reads the new activations, never what the buffer
+    held before: eager, and replayed in a CUDA graph with new rows, bit for bit the product of the finished buffer."""
+    from lorafleet.runner.model.norm import OwnNorm
+
+    K, N, M = 4096, 12288, 32
+    g = torch.Generator(device="cuda").manual_seed(7)
+    w = quantize_rows(torch.randn(N, K, device="cuda", generator=g) * 0.05)
+    norm_w = (1 + torch.randn(K, device="cuda", generator=g) * 0.2).bfloat16()
+    h = torch.empty(M, K, device="cuda", dtype=torch.bfloat16)  # the writer's input
+    q = torch.empty(M, K, device="cuda", dtype=E4M3)
+    scale = torch.empty(M, device="cuda")
+    x_out = torch.empty_like(h)
+    own = OwnNorm(ext, 1e-5, 0.0)
+    out = torch.empty(M, N, device="cuda")
+
+    def step():
+        if writer == "quantize":
+            ext.quantize_e4m3(q, scale, h, _stream())
+        else:
+            own.run(x_out, own.operands(h, None, norm_w), (q, scale))
+        ext.fp8_gemm_sm90(out, q, w.q, _stream(), 1, True, persistent)
+
+    def fresh(seed):
+        h.copy_(torch.randn(M, K, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed)) * 3)
+
+    for seed in range(4):  # eager: the buffer holds another step's rows first
+        fresh(100 + seed)
+        step()
+        fresh(seed)
+        torch.cuda.synchronize()
+        out.fill_(float("nan"))
+        step()
+        torch.cuda.synchronize()
+        assert torch.equal(out, _sm90(ext, q.clone(), w)), (writer, persistent, seed)
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    for seed in (21, 22, 23):
+        fresh(seed)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want_q, want_s = (quantize_tokens(h) if writer == "quantize"
+                          else quantize_tokens(x_out))  # (the norm's rows: checked against torch in test_norm_cuda)
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scale, want_s.view(-1))
+        assert torch.equal(out, _sm90(ext, q.clone(), w)), (writer, persistent, seed)
 
 
 def test_sm90_gemm_refuses_bad_operands(ext):
