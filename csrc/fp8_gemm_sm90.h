@@ -23,8 +23,9 @@ struct Fp8Sm90Args {
   int k = 0;
   int device = -1;  // the CUDA device of the operands and the stream (made current for the launch, then restored)
   int splits = 1;  // K in this many equal parts (K a multiple of 16 * splits): out is [splits, M, N] partial sums
-  // Programmatic dependent launch (sm_90): the grid may start while the kernel before it drains; it waits for
-  // that kernel's completion before its first load, so any kernel may precede it.
+  // Programmatic dependent launch (sm_90): the grid may start while the kernel before it runs; it reads the
+  // weight's first k-tiles before it waits for that kernel's completion and the activations only after, so any
+  // kernel that does not write the weight may precede it.
   bool pdl = true;
   // CUTLASS's persistent ping-pong schedule (one CTA per SM over the tiles, a tile's epilogue beside the next tile's
   // loads) instead of one CTA per tile; the same bits (the same k-tiles in the same order per tile).

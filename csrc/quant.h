@@ -72,9 +72,7 @@ struct Fp8EpilogueArgs {
   int act = 0;
   // Programmatic dependent launch (sm_90+): the grid starts while the previous kernel (the product) drains
   // and reads row_slot, ranks and the first rank rows of B, then waits for it before reading y, the scales,
-  // the bias or v. So nothing may write row_slot, ranks or the B pools in the kernel launched right before, nor,
-  // after a product on the persistent schedule (which may let this grid start at its own start), in the one before
-  // that.
+  // the bias or v. So nothing may write row_slot, ranks or the B pools in the kernel launched right before.
   bool pdl = true;
 };
 
