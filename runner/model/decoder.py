@@ -177,6 +177,8 @@ class Decoder:
         # runner/model/norm.py OwnNorm: the norms before qkv and gate_up (KernelChoices.norm_shrink, norm_quant,
         # norm_lora)
         self.own_norm = None
+        self.own_norm_quant = True  # ... which writes the rows' e4m3 copy for an FP8 product (False: the product's
+        # own quantization does, from the same rows: the same bits, a launch more; tests compare the two)
         self.embed_scale = (torch.tensor(cfg.embed_scale, dtype=torch.float32).to(dtype).item()
                             if cfg.embed_scale is not None else None)
         self.num_layers = cfg.num_layers
@@ -379,7 +381,7 @@ class Decoder:
         quant = None
         # (also under fp8_gemm_bf16: the product then ignores them where its bf16-row kernel runs, and every other
         # FP8 call, which the step may still take, needs them: the norm's launch may have done the shrink already)
-        if isinstance(proj, Fp8Weight) and self.fp8_tensor_cores:
+        if isinstance(proj, Fp8Weight) and self.fp8_tensor_cores and self.own_norm_quant:
             quant = quant_buffers(h)
         q = quant and (quant[0], quant[1].view(-1))
         if not (lora is not None and getattr(lora, "norm_shrink", None) is not None
