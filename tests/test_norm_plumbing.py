@@ -102,8 +102,8 @@ def test_fp8_norm_quantizes_and_a_shrunk_group_is_not_shrunk_again(monkeypatch):
     lora._row_slots = lambda *a: None
     finished = {}
     me = types.SimpleNamespace(
-        own_norm=TorchEmulatedNorm(1e-6, 0.0), fp8_tensor_cores=True, fp8_gemm_bf16=True, fp8_epilogue=True,
-        fp8_ext=None, fp8_gemm_rows=0, fp8_unit_scale_elems=1, fp8_quant_in_shrink=True,
+        own_norm=TorchEmulatedNorm(1e-6, 0.0), own_norm_quant=True, fp8_tensor_cores=True, fp8_gemm_bf16=True,
+        fp8_epilogue=True, fp8_ext=None, fp8_gemm_rows=0, fp8_unit_scale_elems=1, fp8_quant_in_shrink=True,
         _fp8_linear=lambda x, w, b, **k: finished.update(k) or x)
     h, res = torch.randn(4, 16, dtype=torch.bfloat16), torch.randn(4, 16, dtype=torch.bfloat16)
     w = Fp8Weight(torch.zeros(16, 16, dtype=torch.float8_e4m3fn), torch.ones(16))
