@@ -1599,9 +1599,10 @@ template <typename T>
 const char* norm_typed(const NormArgs& n, bool pdl, int max_blocks, int device, cudaStream_t stream) {
   DeviceInfo info;
   if (const char* err = device_info(device, &info)) return err;
-  // a lane's vectors in the slice order (slice_of): the register-resident launch where they fit
+  // a lane's vectors in the slice order (slice_of): the register-resident launch where they fit (and the e4m3 rows,
+  // if any, take its 8-byte stores; quantize_row falls back to byte stores elsewhere)
   const int lane_vecs = ceil_div(ceil_div(n.cols / 8, kSlices), 32);
-  const bool regs = lane_vecs <= kNormRegMaxVecs;
+  const bool regs = lane_vecs <= kNormRegMaxVecs && reinterpret_cast<uintptr_t>(n.quant_out) % 8 == 0;
   int blocks = std::min(n.rows, info.sms * (regs ? kNormRegBlocksPerSm : kNormBlocksPerSm));
   if (max_blocks > 0) blocks = std::min(blocks, max_blocks);
   cudaLaunchConfig_t cfg = {};

@@ -632,17 +632,27 @@ def test_fp8_persistent_wgmma_schedule_gives_the_same_step(fam):
         assert torch.equal(pers, plain), (name, (pers - plain).abs().max().item())
 
 
-def test_fp8_norm_that_quantizes_takes_the_activation_launches_of_qkv_and_gate_up(fam):
+def test_fp8_norm_that_quantizes_takes_the_activation_launches_of_qkv_and_gate_up(fam, monkeypatch):
     """KernelChoices.norm_quant: the norms before qkv and gate_up on the project's kernel, which writes the rows' e4m3
     copy, against the same norms leaving the quantization to the product's own launch (the activation kernel without
     adapters, the shrink with them): the decode step's logits bit for bit, eager; without adapters the activation
-    kernel then runs for o's and down's inputs only (2 launches per layer against 4), with adapters never. The choice
+    kernel then runs for o's and down's inputs only (2 launches per layer against 4), with adapters never, and the
+    shrinks quantize o's and down's inputs only (2 per layer against 4). The choice
     is taken only with FP8 weights. (Against the default flashinfer norm the logits differ by more than bf16 noise:
     its roundings are not Hugging Face's, and e4m3 steps magnify a rounding; the teacher-forced test above checks the
     path against the fp32 reference instead.)"""
     from lorafleet.runner.kernels import load
+    from lorafleet.runner.lora.sgmv_cuda import CudaSGMV
     from lorafleet.runner.model.norm import OwnNorm
 
+    shrink_quant = []  # per shrink launch: whether it quantized its input too
+    real = CudaSGMV.shrink
+
+    def shrink(self, *args, **kw):
+        shrink_quant.append(kw.get("quant") is not None)
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(CudaSGMV, "shrink", shrink)
     name, model, _, _, reqs = fam
     for rows in (reqs[:4] * 2, [(ids, None, None) for ids, _, _ in reqs[:4]] * 2):
         eng, batch = teacher.decode_step(model, rows, quantization="fp8")
@@ -654,14 +664,18 @@ def test_fp8_norm_that_quantizes_takes_the_activation_launches_of_qkv_and_gate_u
         m.own_norm = OwnNorm(load(), m.cfg.rms_norm_eps, m.cfg.norm_offset)
         try:
             m.own_norm_quant = False
+            shrink_quant.clear()
             apart = eng.runner.forward(batch, dev).clone()
-            apart_q, m.fp8_ext.quantized = m.fp8_ext.quantized, 0
+            apart_q, apart_s, m.fp8_ext.quantized = m.fp8_ext.quantized, sum(shrink_quant), 0
             m.own_norm_quant = True
+            shrink_quant.clear()
             inside = eng.runner.forward(batch, dev).clone()
         finally:
             inside_q, m.fp8_ext, m.own_norm, m.own_norm_quant = m.fp8_ext.quantized, ext, None, True
             eng.close()
-        assert (apart_q, inside_q) == ((0, 0) if adapted else (4 * m.num_layers, 2 * m.num_layers)), (name, adapted)
+        inside_s, L = sum(shrink_quant), m.num_layers
+        assert (apart_q, inside_q) == ((0, 0) if adapted else (4 * L, 2 * L)), (name, adapted)
+        assert (apart_s, inside_s) == ((4 * L, 2 * L) if adapted else (0, 0)), (name, adapted)
         assert torch.equal(inside, apart), (name, adapted, (inside - apart).abs().max().item())
     bf16 = Engine(str(model), EngineConfig(max_lora_rank=16, num_pages=64, cuda_graphs=False,
                                            kernels=KernelChoices(norm_quant=True)))

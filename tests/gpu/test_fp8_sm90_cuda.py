@@ -169,16 +169,18 @@ def test_graph_replay_gives_the_eager_bits(ext, persistent):
         assert torch.equal(out, _sm90(ext, new, w)), seed
 
 
+# (K 1,024: fewer k-tiles than the pipeline's stages; 28,672: a writer that takes longer, the norm on its strided path)
+@pytest.mark.parametrize("K,N", [(4096, 12288), (1024, 4096), (28672, 2048)])
 @pytest.mark.parametrize("writer", ["quantize", "norm"])
 @pytest.mark.parametrize("persistent", [False, True])
-def test_product_right_after_the_kernel_that_writes_its_activations_reads_the_new_ones(ext, writer, persistent):
+def test_product_right_after_the_kernel_that_writes_its_activations_reads_the_new_ones(ext, writer, persistent, K, N):
     """The launch that writes the product's e4m3 activations (the quantization kernel, or the project's norm with
     them) lets the product start at once, and the product's producer asks for the weight's first k-tiles before it
     waits for that launch (WeightFirstMainloop). The product still reads the new activations, never what the buffer
     held before: eager, and replayed in a CUDA graph with new rows, bit for bit the product of the finished buffer."""
     from lorafleet.runner.model.norm import OwnNorm
 
-    K, N, M = 4096, 12288, 32
+    M = 32
     g = torch.Generator(device="cuda").manual_seed(7)
     w = quantize_rows(torch.randn(N, K, device="cuda", generator=g) * 0.05)
     norm_w = (1 + torch.randn(K, device="cuda", generator=g) * 0.2).bfloat16()
@@ -207,7 +209,7 @@ def test_product_right_after_the_kernel_that_writes_its_activations_reads_the_ne
         out.fill_(float("nan"))
         step()
         torch.cuda.synchronize()
-        assert torch.equal(out, _sm90(ext, q.clone(), w)), (writer, persistent, seed)
+        assert torch.equal(out, _sm90(ext, q.clone(), w)), (writer, persistent, K, seed)
     graph = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -222,7 +224,7 @@ def test_product_right_after_the_kernel_that_writes_its_activations_reads_the_ne
         want_q, want_s = (quantize_tokens(h) if writer == "quantize"
                           else quantize_tokens(x_out))  # (the norm's rows: checked against torch in test_norm_cuda)
         assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scale, want_s.view(-1))
-        assert torch.equal(out, _sm90(ext, q.clone(), w)), (writer, persistent, seed)
+        assert torch.equal(out, _sm90(ext, q.clone(), w)), (writer, persistent, K, seed)
 
 
 def test_sm90_gemm_refuses_bad_operands(ext):

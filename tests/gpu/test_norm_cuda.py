@@ -94,6 +94,49 @@ def test_rms_norm_is_the_torch_norm(dtype, T, H, with_res, offset):
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
 
 
+@pytest.mark.parametrize("H", [72, 1000, 3840, 4096, 5120, 8192])
+def test_norm_rows_in_registers_are_the_strided_bits(H):
+    """The norm's own launch keeps rows up to 8,192 wide in registers (norm_row_regs); the norm + shrink launch
+    computes the rows the strided way (norm_row). x, the residual, the e4m3 rows and scales bit for bit: widths whose
+    slices are uneven or empty (72, 1000) or give a lane 1 to 4 vectors, rows with a NaN and with an inf, several rows
+    per block (max_blocks 1 and 3), and an e4m3 output that is not 8-byte aligned (which takes the strided path)."""
+    from lorafleet.runner.lora.segments import build_segments
+    from lorafleet.runner.lora.sgmv_cuda import CudaSGMV
+    from lorafleet.runner.model.norm import OwnNorm
+
+    T, eps, dtype = 40, 1e-5, torch.bfloat16
+    h, res, w = inputs(T, H, dtype, H + 3)
+    h[3, H // 2] = float("nan")
+    h[4, 1] = float("inf")
+    bits = lambda t: t.contiguous().view(torch.uint8)  # NaN-proof comparison
+
+    def q_buffers(offset=0):
+        raw = torch.empty(T * H + 8, dtype=torch.uint8, device="cuda")[offset:offset + T * H]
+        return raw.view(torch.float8_e4m3fn).view(T, H), torch.empty(T, device="cuda")
+
+    own = OwnNorm(ext(), eps, 0.0)
+    # the strided path: the norm + shrink launch with every rank 0 (each row's norm, no v)
+    n = own.operands(h, res, w)
+    x_ref = torch.empty_like(h)
+    q_ref = q_buffers()
+    seg = build_segments([0] * T, "cuda", capacity=64)
+    a = [torch.zeros(1, 16, H, device="cuda", dtype=dtype)]
+    CudaSGMV().norm_shrink(torch.zeros(T, 1, 16, device="cuda"), x_ref, n, a,
+                           torch.zeros(1, 1, dtype=torch.int32, device="cuda"), seg, q_ref)
+    res_ref = n.res_out.clone()
+    stream = torch.cuda.current_stream().cuda_stream
+    for max_blocks, offset in ((0, 0), (1, 0), (3, 0), (0, 4)):
+        x, q = torch.empty_like(h), q_buffers(offset)
+        res_out = torch.empty_like(res)
+        ext().rms_norm(x, h, res, res_out, w, eps, 0.0, q[0], q[1], True, stream, max_blocks)
+        torch.cuda.synchronize()
+        case = (H, max_blocks, offset)
+        assert torch.equal(bits(res_out), bits(res_ref)), case
+        assert torch.equal(bits(x), bits(x_ref)), case
+        assert torch.equal(bits(q[0]), bits(q_ref[0])) and torch.equal(bits(q[1]), bits(q_ref[1])), case
+    assert torch.isnan(q_ref[1][3]) and torch.isfinite(q_ref[1][5])  # the NaN row's scale, a plain row's
+
+
 ROW_LAYOUTS = {
     "decode": lambda T: [(i % 5) - 1 for i in range(T)],  # one row per segment, slot -1 rows too
     "one_segment": lambda T: [2] * T,  # the identical mix: one long segment
