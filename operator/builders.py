@@ -171,6 +171,22 @@ def _template_meta(pool: PoolSpec, component: str, credentials_id: str | None) -
 # --- scheduler ---------------------------------------------------------------------------------
 
 
+# The scheduler pod's shortest grace period: it relays every stream of the pool, and while an old scheduler drains,
+# the new one (maxSurge 1) already serves, so a long period costs no availability.
+SCHEDULER_MIN_GRACE_SECONDS = 120
+
+
+def scheduler_grace_seconds(pool: PoolSpec) -> int:
+    """The scheduler pod's grace period: at least the runners' (whose streams it relays), at least 120 s."""
+    return max(SCHEDULER_MIN_GRACE_SECONDS, pool.runner.grace_seconds)
+
+
+def drain_seconds(grace_seconds: int) -> int:
+    """How long a runner or the scheduler, on SIGTERM, lets requests in flight finish: its pod's grace period minus a
+    margin, so that it ends what is left itself (an error to each client) before the kubelet's SIGKILL."""
+    return max(5, grace_seconds - 10)
+
+
 def scheduler_deployment(pool: PoolSpec, config: OperatorConfig, owner: Mapping[str, Any] | None = None,
                          credentials_id: str | None = None) -> Obj:
     """One scheduler replica: it holds every request's state and the cluster view in memory.
@@ -179,8 +195,9 @@ def scheduler_deployment(pool: PoolSpec, config: OperatorConfig, owner: Mapping[
     """
     name = c.scheduler_name(pool.name)
     s = pool.scheduler
+    grace = scheduler_grace_seconds(pool)
     args = ["scheduler", "--host", "0.0.0.0", "--port", str(c.SCHEDULER_PORT), "--model", pool.model_source,
-            "--kube", "--namespace", pool.namespace, "--pool", pool.name]
+            "--kube", "--namespace", pool.namespace, "--pool", pool.name, "--grace-seconds", str(drain_seconds(grace))]
     env = [
         _secret_env(c.ENV_ADMIN_TOKEN, c.admin_secret_name(pool.name), c.ADMIN_TOKEN_KEY),
         _runner_token_env(pool),
@@ -220,6 +237,7 @@ def scheduler_deployment(pool: PoolSpec, config: OperatorConfig, owner: Mapping[
     }
     pod_spec = {
         "serviceAccountName": name,
+        "terminationGracePeriodSeconds": grace,
         "securityContext": {"runAsNonRoot": True, "fsGroup": 1000},
         "containers": [container],
         "volumes": volumes,
@@ -288,8 +306,7 @@ def runner_args(pool: PoolSpec) -> list[str]:
     args = ["runner", "--host", f"$({c.ENV_POD_IP})", "--port", str(c.RUNNER_PORT), "--model", pool.model_source,
             "--device", "cuda", "--max-batch-size", str(r.max_batch_size), "--kv-fraction", f"{r.kv_fraction:g}",
             "--max-lora-rank", str(r.max_lora_rank),
-            # On SIGTERM, finish in-flight requests within the pod's grace period (minus a margin).
-            "--grace-seconds", str(max(5, r.grace_seconds - 10))]
+            "--grace-seconds", str(drain_seconds(r.grace_seconds))]
     if not pool.prefix_cache.enabled:
         args.append("--no-prefix-cache")
     if r.quantization != "auto":

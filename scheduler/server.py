@@ -112,8 +112,10 @@ class SchedulerService:
         deadline = time.monotonic() + self.grace_seconds
         while self.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
-        for req in list(self.in_flight):
+        for req in list(self.in_flight):  # past the grace period: each ends now, answered 503 or its stream closed
             self.cluster.cancel(req)
+            if not req.done:  # (a queued request has no runner for cancel() to finish it on)
+                req.finish("cancelled")
         for t in self.background:
             t.cancel()
         self.disconnects.stop()
@@ -625,6 +627,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="runner endpoint, `id=url` or `url` (repeat; default: none, or the pool's pods with --kube)")
     p.add_argument("--max-queue", type=int, default=1024, help="queued requests before 429")
     p.add_argument("--queue-timeout", type=float, default=120.0, help="seconds a request may wait with no runner")
+    p.add_argument("--grace-seconds", type=_grace_seconds, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM: stop taking requests, give those in flight this long to finish, then end them "
+                        "with an error (default: 30; keep it under the pod's termination grace period)")
     p.add_argument("--kube", action="store_true", help="learn adapters and runners from the Kubernetes API")
     p.add_argument("--namespace", default=None,
                    help="the pool's namespace (needed with --kube; default: none)")
@@ -632,6 +637,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_api_key_argument(p)
     add_placement_argument(p)
     limits_mod.add_arguments(p)
+
+
+def _grace_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 <= value <= 3600:
+        raise argparse.ArgumentTypeError(f"must be 0 to 3600 seconds, got {text}")
+    return value
 
 
 def add_adapter_rescan_argument(p: argparse.ArgumentParser) -> None:
@@ -722,7 +737,7 @@ def build_service(args: argparse.Namespace) -> SchedulerService:
         tokenizer, args.model_name or model_display_name(model_dir), registry, directory,
         limits=limits_mod.from_args(args, model_limits(model_dir)), api_keys=api_keys, max_queue=args.max_queue,
         queue_timeout=args.queue_timeout, admin_token=env.admin_token(), placement=args.placement,
-        runner_token=env.runner_token(),
+        runner_token=env.runner_token(), grace_seconds=args.grace_seconds,
     )
 
 

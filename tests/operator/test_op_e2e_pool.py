@@ -67,7 +67,9 @@ async def test_pool_lifecycle(k8s, scheduler):
         sctr = sched["spec"]["template"]["spec"]["containers"][0]
         assert sctr["image"] == "sched:1"
         assert sctr["args"] == ["scheduler", "--host", "0.0.0.0", "--port", "8000", "--model",
-                                "pvc://models/llama-2-7b", "--kube", "--namespace", "ml", "--pool", "llama"]
+                                "pvc://models/llama-2-7b", "--kube", "--namespace", "ml", "--pool", "llama",
+                                "--grace-seconds", "110"]
+        assert sched["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 120  # the runners' period
         token_ref = {e["name"]: e for e in sctr["env"]}["LORAFLEET_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"]
         assert token_ref == {"name": "llama-admin", "key": "token"}
         secret = k8s.obj("secrets", "ml", "llama-admin")
