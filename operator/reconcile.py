@@ -392,13 +392,19 @@ async def look(ctx: Context, pool: PoolSpec, admin: AdminClient | None) -> Look:
     return Look(replicas, obs, available, error, nodes, runner is not None, nodes_error, failures)
 
 
-async def scale_runners(ctx: Context, pool: PoolSpec, replicas: int) -> None:
-    await ctx.kube.patch("apps/v1", "deployments", c.runner_name(pool.name), {"spec": {"replicas": replicas}},
-                         pool.namespace, subresource="scale")
+async def scale_runners(ctx: Context, pool: PoolSpec, replicas: int) -> bool:
+    """Set the runner Deployment's replicas; False when it is gone (deleted since the look)."""
+    return await ctx.kube.patch("apps/v1", "deployments", c.runner_name(pool.name), {"spec": {"replicas": replicas}},
+                                pool.namespace, subresource="scale") is not None
 
 
-async def act(ctx: Context, pool: PoolSpec, admin: AdminClient, decision: Decision, current: Look) -> list[str]:
-    """Carry out a decision's runner changes in a safe order; return one line per action taken."""
+GONE = "the runner Deployment is gone"  # (an action line: it went between the look and the scale)
+
+
+async def act(ctx: Context, pool: PoolSpec, admin: AdminClient, decision: Decision,
+              current: Look) -> tuple[list[str], int]:
+    """Carry out a decision's runner changes in a safe order; return one line per action taken and the runner
+    Deployment's replicas after them (0: it went since the look)."""
     done = []
     for rid in decision.undrain:
         await admin.undrain(rid)
@@ -416,11 +422,12 @@ async def act(ctx: Context, pool: PoolSpec, admin: AdminClient, decision: Decisi
         patched = await ctx.kube.patch("v1", "pods", rid, cost, pool.namespace)
         (removed if patched is not None else gone).append(rid)
     if decision.replicas != current.replicas:
-        await scale_runners(ctx, pool, decision.replicas)
+        if not await scale_runners(ctx, pool, decision.replicas):
+            return done + [f"runners {current.replicas} -> {decision.replicas} not set: {GONE}"], 0
         what = [f"removing {', '.join(removed)}"] if removed else []
         what += [f"{', '.join(gone)} already gone"] if gone else []
         done.append(f"runners {current.replicas} -> {decision.replicas}" + (f" ({'; '.join(what)})" if what else ""))
-    return done
+    return done, decision.replicas
 
 
 @dataclass(frozen=True)
@@ -476,23 +483,27 @@ async def autoscale(ctx: Context, pool: PoolSpec, admin: AdminClient | None, cur
     actions: list[str] = []
     decision = None
     replicas = current.replicas
+
+    async def to_min(why: str) -> None:
+        nonlocal replicas
+        scaled = await scale_runners(ctx, pool, pool.min_runners)
+        actions.append(f"runners {current.replicas} -> {pool.min_runners} " + (f"({why})" if scaled else
+                                                                                f"not set: {GONE}"))
+        replicas = pool.min_runners if scaled else 0
+
     if not pool.autoscaling.enabled:
         if exists and current.replicas != pool.min_runners:  # a fixed pool runs exactly minRunners
-            await scale_runners(ctx, pool, pool.min_runners)
-            actions.append(f"runners {current.replicas} -> {pool.min_runners} (autoscaling off)")
-            replicas = pool.min_runners
+            await to_min("autoscaling off")
         target, why = floor_target(pool, pool.min_runners, current)
     elif current.observation is None or admin is None or not exists:
         # Without the scheduler's view only the lower bounds are kept (removing needs a drain first).
         if exists and current.replicas < pool.min_runners:
-            await scale_runners(ctx, pool, pool.min_runners)
-            actions.append(f"runners {current.replicas} -> {pool.min_runners} (minRunners)")
-            replicas = pool.min_runners
+            await to_min("minRunners")
         target, why = floor_target(pool, max(current.replicas, pool.min_runners), current)
     else:
         decision = decide(current.observation, Policy.from_pool(pool), history, now)
-        actions = await act(ctx, pool, admin, decision, current)
-        history, target, why, replicas = decision.history, decision.node_group_replicas, "", decision.replicas
+        actions, replicas = await act(ctx, pool, admin, decision, current)
+        history, target, why = decision.history, decision.node_group_replicas, ""
     scaled, nodes, error = await scale_node_group(ctx, pool, current, target, why)
     return Round(history, actions + scaled, decision, replicas, nodes, error)
 

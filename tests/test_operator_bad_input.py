@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import shutil
 import sys
@@ -301,6 +302,44 @@ async def test_a_drained_runner_gone_before_its_removal_still_lowers_the_replica
         line = f"runners 2 -> 1 ({drained} already gone)"
         await wait_for(lambda: line in [e["message"] for e in events(plane, "gone", "Autoscaled")], 10,
                        f"the event {line!r}")
+
+
+async def test_a_runner_deployment_gone_before_it_is_scaled_is_not_counted(plane, scheduler, monkeypatch):
+    """The runner Deployment goes (deleted by hand) between the operator's look, which found it scaled below the
+    fixed pool's two runners, and the scale: the status written for that round counts no runners, never the
+    replicas it could not set, and the event says why; the next round puts the Deployment back with two."""
+    look, write, written, vanish = reconcile.look, pools.patch_status, [], []
+
+    async def look_then_delete(ctx, spec, admin):  # the Deployment goes right after the look that will scale it
+        current = await look(ctx, spec, admin)
+        if spec.name == "novanish" and vanish and current.runner_deployment_exists:
+            plane.kubectl("delete", "deployment", vanish.pop(), "-n", NS, "--wait=true")
+            written.append("deleted")
+            return dataclasses.replace(current, replicas=1)  # as if scaled down by hand: the round sets it to 2
+        return current
+
+    async def recorded(ctx, plural, name, namespace, old, new):
+        if (plural, name) == (c.POOLS, "novanish"):
+            written.append(new)
+        await write(ctx, plural, name, namespace, old, new)
+
+    monkeypatch.setattr(reconcile, "look", look_then_delete)
+    monkeypatch.setattr(pools, "patch_status", recorded)
+    async with operating(plane, scheduler, monkeypatch):
+        apply(plane, pool("novanish", minRunners=2, maxRunners=2, autoscaling={"enabled": False}))
+        await wait_for(lambda: ((get(plane, "deployments", "novanish-runner", "apps/v1") or {}).get("spec") or {})
+                       .get("replicas") == 2, 30, "the runner Deployment")
+        vanish.append("novanish-runner")
+        await wait_for(lambda: not vanish and "deleted" in written
+                       and len(written) > written.index("deleted") + 1, 30, "a status written after the deletion")
+        after = written[written.index("deleted") + 1]
+        assert after.get("runners") == 0, after
+        line = "runners 1 -> 2 not set: the runner Deployment is gone"
+        await wait_for(lambda: line in [e["message"] for e in events(plane, "novanish", "Autoscaled")], 10,
+                       f"the event {line!r}")
+        await wait_for(lambda: ((get(plane, "deployments", "novanish-runner", "apps/v1") or {}).get("spec") or {})
+                       .get("replicas") == 2, 30, "the Deployment back with two runners")
+        await wait_for(lambda: get(plane, c.POOLS, "novanish")["status"].get("runners") == 2, 30, "status.runners 2")
 
 
 # --- node groups that fail between the look and the scale ---------------------------------------
