@@ -402,9 +402,9 @@ GONE = "the runner Deployment is gone"  # (an action line: it went between the l
 
 
 async def act(ctx: Context, pool: PoolSpec, admin: AdminClient, decision: Decision,
-              current: Look) -> tuple[list[str], int]:
+              current: Look) -> tuple[list[str], int | None]:
     """Carry out a decision's runner changes in a safe order; return one line per action taken and the runner
-    Deployment's replicas after them (0: it went since the look)."""
+    Deployment's replicas after them (None: it went since the look, so they were not set)."""
     done = []
     for rid in decision.undrain:
         await admin.undrain(rid)
@@ -422,11 +422,13 @@ async def act(ctx: Context, pool: PoolSpec, admin: AdminClient, decision: Decisi
         patched = await ctx.kube.patch("v1", "pods", rid, cost, pool.namespace)
         (removed if patched is not None else gone).append(rid)
     if decision.replicas != current.replicas:
-        if not await scale_runners(ctx, pool, decision.replicas):
-            return done + [f"runners {current.replicas} -> {decision.replicas} not set: {GONE}"], 0
+        scaled = await scale_runners(ctx, pool, decision.replicas)
         what = [f"removing {', '.join(removed)}"] if removed else []
         what += [f"{', '.join(gone)} already gone"] if gone else []
-        done.append(f"runners {current.replicas} -> {decision.replicas}" + (f" ({'; '.join(what)})" if what else ""))
+        done.append(f"runners {current.replicas} -> {decision.replicas}" + (f" ({'; '.join(what)})" if what else "")
+                    + ("" if scaled else f" not set: {GONE}"))
+        if not scaled:
+            return done, None
     return done, decision.replicas
 
 
@@ -502,8 +504,11 @@ async def autoscale(ctx: Context, pool: PoolSpec, admin: AdminClient | None, cur
         target, why = floor_target(pool, max(current.replicas, pool.min_runners), current)
     else:
         decision = decide(current.observation, Policy.from_pool(pool), history, now)
-        actions, replicas = await act(ctx, pool, admin, decision, current)
-        history, target, why = decision.history, decision.node_group_replicas, ""
+        actions, after = await act(ctx, pool, admin, decision, current)
+        if after is None:  # the runners were not scaled: no history of it, and the node group is left as it is
+            replicas, target, why = 0, None, ""
+        else:
+            history, target, why, replicas = decision.history, decision.node_group_replicas, "", after
     scaled, nodes, error = await scale_node_group(ctx, pool, current, target, why)
     return Round(history, actions + scaled, decision, replicas, nodes, error)
 

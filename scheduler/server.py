@@ -639,6 +639,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     limits_mod.add_arguments(p)
 
 
+# aiohttp's wait for handlers still running after SchedulerService.stop (which already gave requests the grace
+# period and ended the rest): a handler still writing to a slow reader. aiohttp may wait twice this long.
+SHUTDOWN_BACKSTOP_S = 5.0
+
+
 def _grace_seconds(text: str) -> float:
     try:
         value = float(text)
@@ -765,5 +770,5 @@ def run(args: argparse.Namespace) -> int:
 
         app.on_startup.append(feeds)
     log.info("scheduler for %s on http://%s:%d", service.model_name, args.host, args.port)
-    web.run_app(app, sock=sock, print=None, shutdown_timeout=service.grace_seconds + 5)
+    web.run_app(app, sock=sock, print=None, shutdown_timeout=SHUTDOWN_BACKSTOP_S)
     return 0

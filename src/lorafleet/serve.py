@@ -255,6 +255,7 @@ def run(args: argparse.Namespace) -> int:
     from lorafleet.scheduler.listen import ListenError, bind
     from lorafleet.scheduler.registry import AdapterRegistry
     from lorafleet.scheduler.server import (
+        SHUTDOWN_BACKSTOP_S,
         SchedulerService,
         StartupError,
         create_app,
@@ -343,7 +344,7 @@ def run(args: argparse.Namespace) -> int:
                   flush=True)
 
         app.on_startup.append(announce)
-        web.run_app(app, sock=sock, print=None, handle_signals=True, shutdown_timeout=args.grace_seconds + 5)
+        web.run_app(app, sock=sock, print=None, handle_signals=True, shutdown_timeout=SHUTDOWN_BACKSTOP_S)
     except RuntimeError as exc:
         log.error("%s", exc)
         return 1
