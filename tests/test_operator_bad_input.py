@@ -304,11 +304,23 @@ async def test_a_drained_runner_gone_before_its_removal_still_lowers_the_replica
                        f"the event {line!r}")
 
 
+def record_statuses(monkeypatch, name: str, written: list) -> None:
+    """pools.patch_status wrapped: each status the operator writes for pool `name` is appended to `written`."""
+    write = pools.patch_status
+
+    async def recorded(ctx, plural, obj_name, namespace, old, new):
+        if (plural, obj_name) == (c.POOLS, name):
+            written.append(new)
+        await write(ctx, plural, obj_name, namespace, old, new)
+
+    monkeypatch.setattr(pools, "patch_status", recorded)
+
+
 async def test_a_runner_deployment_gone_before_it_is_scaled_is_not_counted(plane, scheduler, monkeypatch):
     """The runner Deployment goes (deleted by hand) between the operator's look, which found it scaled below the
     fixed pool's two runners, and the scale: the status written for that round counts no runners, never the
     replicas it could not set, and the event says why; the next round puts the Deployment back with two."""
-    look, write, written, vanish = reconcile.look, pools.patch_status, [], []
+    look, written, vanish = reconcile.look, [], []
 
     async def look_then_delete(ctx, spec, admin):  # the Deployment goes right after the look that will scale it
         current = await look(ctx, spec, admin)
@@ -318,13 +330,8 @@ async def test_a_runner_deployment_gone_before_it_is_scaled_is_not_counted(plane
             return dataclasses.replace(current, replicas=1)  # as if scaled down by hand: the round sets it to 2
         return current
 
-    async def recorded(ctx, plural, name, namespace, old, new):
-        if (plural, name) == (c.POOLS, "novanish"):
-            written.append(new)
-        await write(ctx, plural, name, namespace, old, new)
-
     monkeypatch.setattr(reconcile, "look", look_then_delete)
-    monkeypatch.setattr(pools, "patch_status", recorded)
+    record_statuses(monkeypatch, "novanish", written)
     async with operating(plane, scheduler, monkeypatch):
         apply(plane, pool("novanish", minRunners=2, maxRunners=2, autoscaling={"enabled": False}))
         await wait_for(lambda: ((get(plane, "deployments", "novanish-runner", "apps/v1") or {}).get("spec") or {})
@@ -347,7 +354,7 @@ async def test_a_runner_deployment_gone_before_it_is_scaled_is_not_counted(plane
 
 async def test_a_node_group_gone_before_it_is_scaled_is_reported_never_its_target(plane, scheduler, monkeypatch):
     plane.kubectl("create", "deployment", "gone-nodes", "--image=registry.k8s.io/pause:3.9", "--replicas=0", "-n", NS)
-    look, write, written = reconcile.look, pools.patch_status, []
+    look, written = reconcile.look, []
 
     async def look_then_delete(ctx, spec, admin):  # the node group goes right after the pool's look read it
         current = await look(ctx, spec, admin)
@@ -355,13 +362,8 @@ async def test_a_node_group_gone_before_it_is_scaled_is_reported_never_its_targe
             plane.kubectl("delete", "deployment", "gone-nodes", "-n", NS, "--wait=false")
         return current
 
-    async def recorded(ctx, plural, name, namespace, old, new):
-        if (plural, name) == (c.POOLS, "vanish"):
-            written.append(new)
-        await write(ctx, plural, name, namespace, old, new)
-
     monkeypatch.setattr(reconcile, "look", look_then_delete)
-    monkeypatch.setattr(pools, "patch_status", recorded)
+    record_statuses(monkeypatch, "vanish", written)
     async with operating(plane, scheduler, monkeypatch):
         apply(plane, pool("vanish", nodeGroup={"apiVersion": "apps/v1", "kind": "Deployment", "name": "gone-nodes",
                                                "gpusPerNode": 1}))
@@ -385,7 +387,7 @@ async def test_a_node_group_read_failing_for_a_round_or_two_is_no_fault_but_one_
     """The API server answers 503 to the node group's read (overloaded, restarting): for a round or two the pool
     keeps its last known nodeGroupReplicas and says nothing; from the third round in a row it is Degraded."""
     plane.kubectl("create", "deployment", "blip-nodes", "--image=registry.k8s.io/pause:3.9", "--replicas=1", "-n", NS)
-    read, write, written, plan, failed = reconcile.node_group_replicas, pools.patch_status, [], [], []
+    read, written, plan, failed = reconcile.node_group_replicas, [], [], []
 
     async def flaky(ctx, spec):
         if spec.name == "blip" and plan and plan[0] != "ok":
@@ -398,17 +400,12 @@ async def test_a_node_group_read_failing_for_a_round_or_two_is_no_fault_but_one_
             raise ApiError(503, "ServiceUnavailable", "the API server is restarting")
         return await read(ctx, spec)
 
-    async def recorded(ctx, plural, name, namespace, old, new):
-        if (plural, name) == (c.POOLS, "blip"):
-            written.append(new)
-        await write(ctx, plural, name, namespace, old, new)
-
     def said(st: dict) -> tuple:
         degraded = next((x for x in st.get("conditions") or () if x["type"] == "Degraded"), {})
         return st.get("nodeGroupReplicas"), degraded.get("reason")
 
     monkeypatch.setattr(reconcile, "node_group_replicas", flaky)
-    monkeypatch.setattr(pools, "patch_status", recorded)
+    record_statuses(monkeypatch, "blip", written)
     async with operating(plane, scheduler, monkeypatch):
         apply(plane, pool("blip", nodeGroup={"apiVersion": "apps/v1", "kind": "Deployment", "name": "blip-nodes",
                                              "gpusPerNode": 1}))
