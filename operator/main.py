@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import logging
 from typing import Any, Mapping
 
 import kopf
@@ -25,6 +26,26 @@ from lorafleet.operator.config import OperatorConfig
 from lorafleet.operator.credentials import Credentials
 
 
+class RetriedRequests(logging.Filter):
+    """kopf logs each failed attempt of an API request it then retries (a 429 while the API server's storage
+    re-initializes, a 503) at ERROR; such an attempt is a warning: the request goes on. The last attempt's failure
+    ("escalating") stays an error."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno == logging.ERROR and "failed; will retry" in str(record.msg):
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+def soften_retried_requests() -> None:
+    """The filter on every kopf logger (a logger's filters see only the records made on it, not its children's)."""
+    names = [n for n in list(logging.root.manager.loggerDict) if n == "kopf" or n.startswith("kopf.")]
+    for name in names:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, RetriedRequests) for f in logger.filters):
+            logger.addFilter(RetriedRequests())
+
+
 def _ctx(memo: kopf.Memo) -> reconcile.Context:
     return memo["ctx"]
 
@@ -32,6 +53,7 @@ def _ctx(memo: kopf.Memo) -> reconcile.Context:
 @kopf.on.startup()
 async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     config: OperatorConfig = memo.get("config") or OperatorConfig()
+    soften_retried_requests()
     settings.persistence.finalizer = c.FINALIZER
     # kopf's own bookkeeping under kopf.lorafleet.dev/: kopf ignores its prefix when it looks for
     # changes, so user annotations such as lorafleet.dev/recheck still count as changes.

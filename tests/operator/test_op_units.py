@@ -231,3 +231,29 @@ def test_node_group_verdict_holds_transient_faults_back_for_a_few_rounds():
     assert run(503, 403, 503) == [None, "403", "503"]
     assert run(501, None) == ["501", None]  # not in TRANSIENT_STATUSES
     assert not reconcile.NodeGroupFault.of("g", ApiError(404)).transient
+
+
+def test_kopf_attempts_it_retries_are_warnings_its_last_failure_an_error(caplog):
+    """kopf logs each failed attempt of a request it retries at ERROR (an API server answering 429 while its storage
+    re-initializes made a passing run look failed); the operator makes those warnings, and keeps the final failure
+    an error, on kopf's loggers old and new."""
+    import logging
+
+    import kopf._cogs.clients.watching  # noqa: F401  (one of the loggers kopf's request retries log on)
+
+    from lorafleet.operator.main import soften_retried_requests
+
+    soften_retried_requests()
+    soften_retried_requests()  # (twice: one filter per logger)
+    caplog.set_level(logging.DEBUG)
+    for name in ("kopf._cogs.clients.watching", "kopf.objects"):
+        log = logging.getLogger(name)
+        assert sum(type(f).__name__ == "RetriedRequests" for f in log.filters) == 1
+        log.error("Request attempt #1/9 failed; will retry: GET /apis/x -> %r", "APITooManyRequestsError()")
+        log.error("Request attempt #9/9 failed; escalating: GET /apis/x -> %r", "APIServerError()")
+        log.error("Handler 'pool' failed with an exception. Will retry.")
+    levels = [(r.name, r.levelname, r.getMessage().split(":")[0]) for r in caplog.records]
+    for name in ("kopf._cogs.clients.watching", "kopf.objects"):
+        assert (name, "WARNING", "Request attempt #1/9 failed; will retry") in levels
+        assert (name, "ERROR", "Request attempt #9/9 failed; escalating") in levels
+        assert (name, "ERROR", "Handler 'pool' failed with an exception. Will retry.") in levels
