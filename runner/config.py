@@ -100,7 +100,7 @@ class KernelChoices:
     rope_kv_lora: bool = False
     rope_kv_fp8: bool = True
     norm_shrink: bool = False
-    norm_quant: bool = False
+    norm_quant: bool = True
     norm_lora: bool = False
     shrink_early: bool = False
     decode_ranks: tuple[int, int, int, int] = (0, 0, 0, 0)

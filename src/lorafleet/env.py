@@ -168,8 +168,9 @@ def norm_quant() -> bool:
     """LORAFLEET_NORM_QUANT: with FP8 weights on the FP8 tensor cores (CUDA), the RMSNorms before the qkv and gate_up
     projections run on the project's kernel (csrc/sgmv.cu, Hugging Face's roundings, the row in registers up to 8,192
     wide), which also writes the rows' e4m3 copy and scales for the product: one launch instead of flashinfer's norm
-    and the quantization's own (with adapters, the shrink's). Default 0 until measured on a GPU."""
-    return _flag("LORAFLEET_NORM_QUANT", False)
+    and the quantization's own (with adapters, the shrink's). Default 1: +1.0 to +1.5 % end to end on an H100 in
+    two runs (docs/benchmarks.md 10.21, 10.22); 0: flashinfer's norm and the separate quantization."""
+    return _flag("LORAFLEET_NORM_QUANT", True)
 
 
 def norm_lora() -> bool:

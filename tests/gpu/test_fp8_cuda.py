@@ -353,27 +353,30 @@ def reference_continuations(rounded, ads, reqs, kv: bool, activations: bool = Tr
         return [ref.greedy(ids, n, NEW) for ids, n, _ in reqs]
 
 
+# Each way of calling the FP8 tensor cores with flashinfer's norms (norm_quant=False: each product path as it was
+# checked before the norm that quantizes became the default), and the defaults themselves.
+_FI = {"norm_quant": False}
 GEMM_CHOICES = {  # gemm -> the engine's kernel choices and step size for that FP8 call
-    "cublaslt": {"kernels": KernelChoices(fp8_unit_scale_elems=0)},  # the per-row call (the default is "unit")
+    "cublaslt": {"kernels": KernelChoices(fp8_unit_scale_elems=0, **_FI)},  # the per-row call (the default: "unit")
     # every step on csrc/fp8_gemm.cu: steps of at most 64 rows, prompts in chunks
-    "own": {"kernels": KernelChoices(fp8_gemm_rows=64), "max_step_tokens": 64},
+    "own": {"kernels": KernelChoices(fp8_gemm_rows=64, **_FI), "max_step_tokens": 64},
     # every projection of every step of at most 64 rows on cuBLASLt's unit-scale call (every weight is large enough)
-    "unit": {"kernels": KernelChoices(fp8_unit_scale_elems=1, fp8_sm90=False), "max_step_tokens": 64},
+    "unit": {"kernels": KernelChoices(fp8_unit_scale_elems=1, fp8_sm90=False, **_FI), "max_step_tokens": 64},
     # the default FP8 call with flashinfer's decode attention on tensor cores whatever the heads' grouping
-    "unit_tc": {"kernels": KernelChoices(decode_tc="1")},
+    "unit_tc": {"kernels": KernelChoices(decode_tc="1", **_FI)},
     # the default FP8 call with the norms on the project's kernel, which quantizes the rows (and in decode
     # graphs with adapters does the LoRA shrink too)
     "unit_norm": {"kernels": KernelChoices(norm_shrink=True)},
-    # the default FP8 call with the norms before qkv and gate_up on the project's kernel, which quantizes the rows
-    # (KernelChoices.norm_quant: no shrink inside the norm's launch)
-    "unit_normq": {"kernels": KernelChoices(norm_quant=True)},
+    # the defaults: the wgmma product (below), the norms before qkv and gate_up on the project's kernel, which
+    # quantizes the rows (KernelChoices.norm_quant: no shrink inside the norm's launch)
+    "default": {"kernels": KernelChoices()},
     # every step on csrc/fp8_gemm.cu with the bf16 activations unquantized (weight-only FP8)
-    "own_bf16": {"kernels": KernelChoices(fp8_gemm_rows=64, fp8_gemm_bf16=True), "max_step_tokens": 64},
+    "own_bf16": {"kernels": KernelChoices(fp8_gemm_rows=64, fp8_gemm_bf16=True, **_FI), "max_step_tokens": 64},
     # the unit-scale product of steps of at most 64 rows on the project's wgmma kernel (csrc/fp8_gemm_sm90.cu; the
     # default, also under unit_tc and unit_norm)
-    "sm90": {"kernels": KernelChoices(fp8_sm90=True), "max_step_tokens": 64},
+    "sm90": {"kernels": KernelChoices(fp8_sm90=True, **_FI), "max_step_tokens": 64},
     # ... with K in parts for weights of few rows (the test models' small weights: up to 16 parts)
-    "sm90_split": {"kernels": KernelChoices(fp8_sm90=True, fp8_sm90_split=True), "max_step_tokens": 64},
+    "sm90_split": {"kernels": KernelChoices(fp8_sm90=True, fp8_sm90_split=True, **_FI), "max_step_tokens": 64},
 }
 WEIGHT_ONLY = {"own_bf16"}  # choices whose activations are not rounded through e4m3
 
@@ -389,10 +392,11 @@ WEIGHT_ONLY = {"own_bf16"}  # choices whose activations are not rounded through 
                                          "weight-only reference, beyond its bound of 0.02 set by HF's bf16 run "
                                          "(2 / 4 flips); not yet explained, the path is off by default"))),
                                      ("auto", "sm90"), ("fp8", "sm90"), ("auto", "sm90_split"),
-                                     pytest.param("auto", "unit_normq", marks=pytest.mark.xfail(strict=False, reason=(
-                                         "H100, 2026-12-06: llama3 13 of 48 flips (the default sm90: 16), the worst "
-                                         "at margin 0.061 against the bound 0.056 (1.5x HF bf16's worst, 0.037): "
-                                         "the same flip as unit_norm's, whose norm this is"))), ("fp8", "unit_normq")])
+                                     pytest.param("auto", "default", marks=pytest.mark.xfail(strict=False, reason=(
+                                         "H100, 2026-12-06: llama3 13 of 48 flips (sm90, flashinfer's norms: 16), "
+                                         "the worst at margin 0.061 against the bound 0.056 (1.5x HF bf16's worst, "
+                                         "0.037): the same flip as unit_norm's, whose norm this is"))),
+                                     ("fp8", "default")])
 def test_fp8_engine_matches_the_fp32_fp8_reference_teacher_forced(fam, kv, gemm):
     """Each way of calling the FP8 tensor cores (GEMM_CHOICES) against the fp32 FP8 reference (its activations
     rounded through e4m3 per token, except for the weight-only choices)."""
@@ -411,7 +415,7 @@ def test_fp8_engine_matches_the_fp32_fp8_reference_teacher_forced(fam, kv, gemm)
     assert eng.sgmv.name == "cuda"
     if gemm.startswith("sm90") or gemm == "unit":  # the choice was taken (needs sm_90a and CUTLASS in the build)
         assert eng.model.fp8_sm90 == (gemm != "unit")
-    if gemm == "unit_normq":  # the norms on the project's kernel
+    if gemm == "default":  # the norms on the project's kernel
         assert eng.model.own_norm is not None
 
 
@@ -437,7 +441,7 @@ def test_fp8_reference_is_not_the_bf16_model(fam):
 @pytest.mark.parametrize("kv,gemm", [("auto", "cublaslt"), ("fp8", "cublaslt"), ("auto", "own"), ("auto", "unit"),
                                      ("fp8", "unit"), ("fp8", "unit_tc"), ("auto", "unit_norm"), ("fp8", "unit_norm"),
                                      ("auto", "own_bf16"), ("auto", "sm90"), ("fp8", "sm90"), ("auto", "sm90_split"),
-                                     ("auto", "unit_normq")])
+                                     ("auto", "default")])
 def test_fp8_decode_graph_replay_matches_the_eager_step(fam, kv, gemm):
     """(gemm "own": the project's FP8 kernel, its K-split workspace and counter memset captured in the graph;
     "unit": the unit scale made before the capture)"""
@@ -633,7 +637,7 @@ def test_fp8_persistent_wgmma_schedule_gives_the_same_step(fam):
 
 
 def test_fp8_norm_that_quantizes_takes_the_activation_launches_of_qkv_and_gate_up(fam, monkeypatch):
-    """KernelChoices.norm_quant: the norms before qkv and gate_up on the project's kernel, which writes the rows' e4m3
+    """KernelChoices.norm_quant (the default): the norms before qkv and gate_up on the project's kernel, which writes the rows' e4m3
     copy, against the same norms leaving the quantization to the product's own launch (the activation kernel without
     adapters, the shrink with them): the decode step's logits bit for bit, eager; without adapters the activation
     kernel then runs for o's and down's inputs only (2 launches per layer against 4), with adapters never, and the
@@ -641,9 +645,7 @@ def test_fp8_norm_that_quantizes_takes_the_activation_launches_of_qkv_and_gate_u
     is taken only with FP8 weights. (Against the default flashinfer norm the logits differ by more than bf16 noise:
     its roundings are not Hugging Face's, and e4m3 steps magnify a rounding; the teacher-forced test above checks the
     path against the fp32 reference instead.)"""
-    from lorafleet.runner.kernels import load
     from lorafleet.runner.lora.sgmv_cuda import CudaSGMV
-    from lorafleet.runner.model.norm import OwnNorm
 
     shrink_quant = []  # per shrink launch: whether it quantized its input too
     real = CudaSGMV.shrink
@@ -658,10 +660,9 @@ def test_fp8_norm_that_quantizes_takes_the_activation_launches_of_qkv_and_gate_u
         eng, batch = teacher.decode_step(model, rows, quantization="fp8")
         dev = batch.to_device(eng.device)
         m = eng.model
-        assert m.own_norm is None and m.fp8_epilogue and m.own_norm_quant  # the defaults
+        assert m.own_norm is not None and m.fp8_epilogue and m.own_norm_quant  # the defaults
         adapted = any(r[1] is not None for r in rows)
         ext, m.fp8_ext = m.fp8_ext, _CountingExt(m.fp8_ext)
-        m.own_norm = OwnNorm(load(), m.cfg.rms_norm_eps, m.cfg.norm_offset)
         try:
             m.own_norm_quant = False
             shrink_quant.clear()
@@ -671,14 +672,19 @@ def test_fp8_norm_that_quantizes_takes_the_activation_launches_of_qkv_and_gate_u
             shrink_quant.clear()
             inside = eng.runner.forward(batch, dev).clone()
         finally:
-            inside_q, m.fp8_ext, m.own_norm, m.own_norm_quant = m.fp8_ext.quantized, ext, None, True
+            inside_q, m.fp8_ext, m.own_norm_quant = m.fp8_ext.quantized, ext, True
             eng.close()
         inside_s, L = sum(shrink_quant), m.num_layers
         assert (apart_q, inside_q) == ((0, 0) if adapted else (4 * L, 2 * L)), (name, adapted)
         assert (apart_s, inside_s) == ((4 * L, 2 * L) if adapted else (0, 0)), (name, adapted)
         assert torch.equal(inside, apart), (name, adapted, (inside - apart).abs().max().item())
-    bf16 = Engine(str(model), EngineConfig(max_lora_rank=16, num_pages=64, cuda_graphs=False,
-                                           kernels=KernelChoices(norm_quant=True)))
+    off = Engine(str(model), EngineConfig(max_lora_rank=16, num_pages=64, cuda_graphs=False, quantization="fp8",
+                                          kernels=KernelChoices(norm_quant=False)))
+    try:
+        assert off.model.own_norm is None  # the choice off: flashinfer's norms
+    finally:
+        off.close()
+    bf16 = Engine(str(model), EngineConfig(max_lora_rank=16, num_pages=64, cuda_graphs=False))
     try:
         assert bf16.model.own_norm is None  # nothing to quantize: flashinfer's norm stays
     finally:
