@@ -113,6 +113,7 @@ template <typename T>
 __device__ void quantize_out_row(const Fp8EpilogueArgs& a, int row, int width, bool stored, const float (&h)[kCols]) {
   __shared__ uint32_t red[kEpiThreads / 32];
   __shared__ bool last;
+  __shared__ float row_s;
   uint32_t key = 0;  // non-negative floats order as their bits
   if (stored) {
 #pragma unroll
@@ -133,12 +134,17 @@ __device__ void quantize_out_row(const Fp8EpilogueArgs& a, int row, int width, b
     atomicMax(state, key);
     __threadfence();
     last = atomicAdd(state + 1, 1u) == gridDim.x - 1;
+    if (last) {  // every block's share is in (each added before counting itself): take it, zero both words
+      __threadfence();
+      const uint32_t m = atomicExch(state, 0u);
+      atomicExch(state + 1, 0u);  // (the next launch touches the state only after this one ends)
+      row_s = quant_detail::scale_of(m == kNanKey ? 0.f : __uint_as_float(m), m == kNanKey);
+    }
   }
   __syncthreads();
   if (!last) return;
   __threadfence();
-  const uint32_t m = atomicAdd(state, 0u);  // every block's share is in (each added before counting itself)
-  const float s = quant_detail::scale_of(m == kNanKey ? 0.f : __uint_as_float(m), m == kNanKey);
+  const float s = row_s;
   const float inv = __frcp_rn(s);
   const T* x = static_cast<const T*>(a.out) + static_cast<int64_t>(row) * width;
   uint8_t* q = a.quant_out + static_cast<int64_t>(row) * width;
@@ -150,11 +156,7 @@ __device__ void quantize_out_row(const Fp8EpilogueArgs& a, int row, int width, b
     for (int e = 0; e < kCols; ++e) f[e] = quant_detail::to_float(v[e]);
     *reinterpret_cast<uint2*>(q + j) = quant_detail::e4m3x8(f, inv);
   }
-  if (threadIdx.x == 0) {
-    a.quant_scale[row] = s;
-    state[0] = 0;  // for the next launch (it starts after this one ends)
-    state[1] = 0;
-  }
+  if (threadIdx.x == 0) a.quant_scale[row] = s;
 }
 
 // Threads: one per 8 columns of one row. Without `act`, thread t of a row takes columns 8t .. 8t + 7 of y and out.

@@ -304,7 +304,8 @@ def test_fp8_epilogue_quantizes_its_activated_output_as_the_activation_kernel_do
     if M > 3:
         c["y"][1] = 0  # a zero row (up and gate zero: the scale's 1e-12 floor)
         c["y"][2, 3] = float("nan")  # a gate NaN: a NaN output, the row's scale NaN
-        c["y"][3, inter + 5] = float("inf")  # an up infinity: an infinite output and scale
+        c["y"][3, inter + 5] = float("inf")  # an up infinity: an infinite output and scale ...
+        c["y"][3, 5] = 10 / (c["x_scale"][3] * c["w_scale"][5])  # ... its gate ~10 (act(gate) * inf: not NaN)
     args = (c["y"], c["x_scale"], c["w_scale"], None, spans, c.get("v"), c.get("b", []), c.get("ranks"),
             c.get("row_slot"), True, st, act)
     plain = torch.empty(M, inter, dtype=dtype, device="cuda")
@@ -736,6 +737,7 @@ def test_fp8_gate_up_epilogue_that_quantizes_for_down_gives_the_same_step(fam, k
         try:
             with pytest.MonkeyPatch.context() as mp:
                 mp.setattr(CudaSGMV, "shrink", shrink)
+                shrink_quant.clear()
                 apart = eng.runner.forward(batch, dev).clone()
                 apart_q, apart_s, m.fp8_ext.quantized = m.fp8_ext.quantized, sum(shrink_quant), 0
                 shrink_quant.clear()
