@@ -108,6 +108,7 @@ __device__ __forceinline__ float act_gelu_tanh(float x) {
 // the block counts itself, and the row's last block reads the row back (from L2: written by other blocks) and
 // quantizes it as quantize_row does (the same scale, reciprocal and conversion, so the same bits).
 constexpr uint32_t kNanKey = 0xffffffffu;  // above the bits of every non-negative float, inf included
+constexpr int kQuantBatch = 8;
 
 template <typename T>
 __device__ void quantize_out_row(const Fp8EpilogueArgs& a, int row, int width, bool stored, const float (&h)[kCols]) {
@@ -148,13 +149,23 @@ __device__ void quantize_out_row(const Fp8EpilogueArgs& a, int row, int width, b
   const float inv = __frcp_rn(s);
   const T* x = static_cast<const T*>(a.out) + static_cast<int64_t>(row) * width;
   uint8_t* q = a.quant_out + static_cast<int64_t>(row) * width;
-  for (int j = threadIdx.x * kCols; j < width; j += kEpiThreads * kCols) {
-    const uint4 raw = __ldcg(reinterpret_cast<const uint4*>(x + j));
-    const T* v = reinterpret_cast<const T*>(&raw);
-    float f[kCols];
+  // kQuantBatch 16-byte loads of the row in flight per thread before the first conversion (one L2 round trip per
+  // batch: a 11,008-wide row is 11 vectors a thread, two batches)
+  constexpr int kStep = kEpiThreads * kCols;
+  for (int j0 = threadIdx.x * kCols; j0 < width; j0 += kQuantBatch * kStep) {
+    uint4 raw[kQuantBatch];
 #pragma unroll
-    for (int e = 0; e < kCols; ++e) f[e] = quant_detail::to_float(v[e]);
-    *reinterpret_cast<uint2*>(q + j) = quant_detail::e4m3x8(f, inv);
+    for (int b = 0; b < kQuantBatch; ++b)
+      if (j0 + b * kStep < width) raw[b] = __ldcg(reinterpret_cast<const uint4*>(x + j0 + b * kStep));
+#pragma unroll
+    for (int b = 0; b < kQuantBatch; ++b) {
+      if (j0 + b * kStep >= width) break;
+      const T* v = reinterpret_cast<const T*>(&raw[b]);
+      float f[kCols];
+#pragma unroll
+      for (int e = 0; e < kCols; ++e) f[e] = quant_detail::to_float(v[e]);
+      *reinterpret_cast<uint2*>(q + j0 + b * kStep) = quant_detail::e4m3x8(f, inv);
+    }
   }
   if (threadIdx.x == 0) a.quant_scale[row] = s;
 }

@@ -63,8 +63,8 @@ class KernelChoices:
         scales, bias, the rows' LoRA expand; bit for bit the separate launches it replaces).
     fp8_epilogue_act: with that epilogue and flashinfer's ops, the gate_up epilogue also applies the activation and
         writes act(gate) * up (flashinfer's act_and_mul bits) instead of a launch of its own.
-    fp8_epilogue_quant: that gate_up epilogue also writes its output's e4m3 rows and scales for the down product
-        (the quantization's bits, without its launch).
+    fp8_epilogue_quant: in steps without adapters, that gate_up epilogue also writes its output's e4m3 rows and
+        scales for the down product (the quantization's bits, without its launch).
     fp8_sm90: with FP8 weights on a compute capability 9.0 GPU, that unit-scale product runs on the project's wgmma
         kernel (csrc/fp8_gemm_sm90.cu; tokens as the MMA's narrow side) instead of cuBLASLt, where the build has it.
     fp8_sm90_fused: where that kernel's product (in one part) is finished by the epilogue without an activation or a

@@ -180,3 +180,28 @@ def test_fp8_linear_asks_the_wgmma_product_for_its_schedule(monkeypatch, persist
                    spans=[N] if epilogue else None, sm90=True, sm90_persistent=persistent)
     assert calls == [(1, (True, True) if persistent else ())]
     assert torch.allclose(y.float(), want.float(), rtol=1e-2, atol=1e-3)
+
+
+def test_down_rows_are_asked_of_the_epilogue_only_where_no_shrink_quantizes_them(tmp_path, monkeypatch):
+    """Decoder._down_quant: buffers of down's input shape (and the shared state) in steps without LoRA; None in steps
+    with LoRA while down's shrink quantizes its rows (fp8_quant_in_shrink, measured faster there), with the choice off,
+    for rows past the state's 64, and for a weight that is not FP8."""
+    model = write_family_model("llama3", tmp_path / "m")
+    eng = Engine(str(model), EngineConfig(device="cpu", kv_cache_gb=0.02, quantization="fp8", enable_lora=False,
+                                          kernels=KernelChoices(fp8_epilogue_quant=True)))
+    d = eng.model
+    lw = d.layers[0]
+    monkeypatch.setattr(d, "fp8_tensor_cores", True)
+    monkeypatch.setattr(d, "epilogue_quant_state", torch.zeros(128, dtype=torch.int32))
+    x = torch.zeros(5, d.cfg.hidden_size, dtype=torch.bfloat16)
+    q, s, state = d._down_quant(x, lw.gate_up, lw.down, None)
+    assert q.shape == (5, d.cfg.intermediate_size) and q.dtype == torch.float8_e4m3fn
+    assert s.shape == (5, 1) and s.dtype == torch.float32 and state is d.epilogue_quant_state
+    step = object()  # a step with LoRA
+    assert d._down_quant(x, lw.gate_up, lw.down, step) is None
+    monkeypatch.setattr(d, "fp8_quant_in_shrink", False)
+    assert d._down_quant(x, lw.gate_up, lw.down, step) is not None
+    assert d._down_quant(torch.zeros(65, d.cfg.hidden_size), lw.gate_up, lw.down, None) is None
+    assert d._down_quant(x, lw.gate_up, lw.down.dequant(torch.bfloat16), None) is None
+    monkeypatch.setattr(d, "fp8_epilogue_quant", False)
+    assert d._down_quant(x, lw.gate_up, lw.down, None) is None

@@ -349,7 +349,7 @@ class Decoder:
         if self.fp8_epilogue_act and ops.name == "flashinfer" and not self._dense(lora, lw.gate_up):
             # the FP8 epilogue of gate_up writes act(gate) * up itself, flashinfer's act_and_mul bits (None: not here),
             # and with fp8_epilogue_quant its e4m3 rows for down's product
-            down_quant = self._down_quant(x, lw.gate_up, lw.down)
+            down_quant = self._down_quant(x, lw.gate_up, lw.down, lora)
             a = self._fp8_finished(i, GATE_UP, x, lw.gate_up, lw.gate_up_bias, lora,
                                    [c.intermediate_size, c.intermediate_size], quant, act=ACT_CODES[c.activation],
                                    quantize_out=down_quant)
@@ -399,11 +399,14 @@ class Decoder:
             own.run(x, n, q)
         return x, (h if residual is None else n.res_out), quant
 
-    def _down_quant(self, x: torch.Tensor, gate_up, down) -> tuple | None:
+    def _down_quant(self, x: torch.Tensor, gate_up, down, lora: LoraStep | None) -> tuple | None:
         """Buffers for the e4m3 rows and scales of gate_up's activated output (x's rows, down's input width) and the
         epilogue's state, where that epilogue is to make them for an FP8 down product (fp8_epilogue_quant), else
-        None."""
+        None. Not in steps with LoRA when down's shrink quantizes its rows anyway (fp8_quant_in_shrink): measured
+        slower there (docs/benchmarks.md 10.23)."""
         state = self.epilogue_quant_state
+        if lora is not None and self.fp8_quant_in_shrink:
+            return None
         if not (self.fp8_epilogue_quant and self.fp8_tensor_cores and isinstance(gate_up, Fp8Weight)
                 and isinstance(down, Fp8Weight) and state is not None and x.dim() == 2
                 and 2 * x.shape[0] <= state.numel()):

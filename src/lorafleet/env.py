@@ -281,10 +281,11 @@ def fp8_epilogue_act() -> bool:
 
 
 def fp8_epilogue_quant() -> bool:
-    """LORAFLEET_FP8_EPILOGUE_QUANT: with FP8 weights, the gate_up epilogue that applies the activation also writes
-    the e4m3 rows and scales of its output for the down product (csrc/quant.h fp8_epilogue quant_out; bit for bit
-    the quantization's own launch, which it replaces), and lets that product start as it begins (default 0 until
-    measured on a GPU)."""
+    """LORAFLEET_FP8_EPILOGUE_QUANT: with FP8 weights, in steps without adapters, the gate_up epilogue that applies
+    the activation also writes the e4m3 rows and scales of its output for the down product (csrc/quant.h
+    fp8_epilogue quant_out; bit for bit the quantization's own launch, which it replaces), and lets that product start
+    as it begins (default 0: measured 1.1 to 1.7 % slower in steps with adapters on an H100, where it is no longer
+    taken; not yet measured without, docs/benchmarks.md section 10.23)."""
     return _flag("LORAFLEET_FP8_EPILOGUE_QUANT", False)
 
 
