@@ -7,9 +7,11 @@ The kernels are torch-free so that they build (and are checked here) with nvcc a
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -44,16 +46,32 @@ def test_only_the_binding_includes_torch():
         "the binding gets the stream from Python and needs no CUDA headers")
 
 
-@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
-@pytest.mark.parametrize("arch", ARCHS, ids=[f"sm_{a}" for a in ARCHS])
-@pytest.mark.parametrize("source", CUDA_SOURCES, ids=[p.name for p in CUDA_SOURCES])
-def test_compiles(source: Path, arch: str, tmp_path: Path):
+def _nvcc(source: Path, arch: str, out: Path) -> subprocess.CompletedProcess:
     cmd = [
         NVCC, "-std=c++17", "-O3", *TORCH_NVCC_FLAGS,
         f"-gencode=arch=compute_{arch},code=sm_{arch}",
-        "-Xptxas", "-v", "-c", str(source), "-o", str(tmp_path / f"{source.stem}.o"),
+        "-Xptxas", "-v", "-c", str(source), "-o", str(out / f"{source.stem}_sm{arch}.o"),
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def nvcc_builds(tmp_path_factory):
+    """Every (source, arch) compile, started together on as many workers as the machine has cores (each is one
+    process; in order, the suite waited for them one by one); each test takes its own result."""
+    out = tmp_path_factory.mktemp("nvcc")
+    pool = ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1))
+    try:
+        yield {(s.name, a): pool.submit(_nvcc, s, a, out) for s in CUDA_SOURCES for a in ARCHS}
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("arch", ARCHS, ids=[f"sm_{a}" for a in ARCHS])
+@pytest.mark.parametrize("source", CUDA_SOURCES, ids=[p.name for p in CUDA_SOURCES])
+def test_compiles(source: Path, arch: str, nvcc_builds):
+    proc = nvcc_builds[(source.name, arch)].result()
     assert proc.returncode == 0, f"nvcc failed for {source.name} (sm_{arch}):\n{proc.stderr}\n{proc.stdout}"
     log = proc.stderr + proc.stdout
     warnings = [line for line in log.splitlines() if "warning" in line.lower() and source.name in line]
