@@ -48,11 +48,13 @@ def plain_projection_elems(lw) -> int:
     return sum(getattr(lw, name).shape[0] * getattr(lw, name).shape[1] for name in PROJECTION_PARAMS)
 
 
-def quant_buffers(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quant_buffers(x: torch.Tensor, cols: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Empty e4m3 rows and fp32 scales [T, 1] for x [T, K]'s per-token quantization by a launch that also does
-    other work (the norm's, the LoRA shrink's)."""
-    return (torch.empty(x.shape, dtype=E4M3, device=x.device),
-            torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device))
+    other work (the norm's, the LoRA shrink's); `cols`: rows of that many columns instead of K (another tensor of x's
+    rows, made by that launch: the gate_up epilogue's output)."""
+    T = x.shape[0]
+    return (torch.empty(T, x.shape[1] if cols is None else cols, dtype=E4M3, device=x.device),
+            torch.empty(T, 1, dtype=torch.float32, device=x.device))
 
 
 class AttentionStep(Protocol):
@@ -353,15 +355,15 @@ class Decoder:
             a = self._fp8_finished(i, GATE_UP, x, lw.gate_up, lw.gate_up_bias, lora,
                                    [c.intermediate_size, c.intermediate_size], quant, act=ACT_CODES[c.activation],
                                    quantize_out=down_quant)
-            down_quant = down_quant and a is not None and down_quant[:2]
         if a is None:
+            down_quant = None
             gu = self._project(i, GATE_UP, x, lw.gate_up, lw.gate_up_bias, lora,
                                split=[c.intermediate_size, c.intermediate_size], quant=quant)  # [T, 2 I]
             a = ops.act_mul(gu, c.intermediate_size)  # [T, I]
         h = self._project(i, DOWN, a, lw.down, lw.down_bias, lora, small=True,
                           out_spare=self._spare_for(lora, i + 1, QKV, lw.post_mlp_norm),
                           defer=i + 1 < self.num_layers and self._norm_follows(lora, lw.post_mlp_norm),
-                          quant=down_quant or None)
+                          quant=down_quant and down_quant[:2])
         # [T, H] (partial sum with TP)
         if self.all_reduce is not None:
             self.all_reduce(h)
@@ -411,9 +413,7 @@ class Decoder:
                 and isinstance(down, Fp8Weight) and state is not None and x.dim() == 2
                 and 2 * x.shape[0] <= state.numel()):
             return None
-        T, I = x.shape[0], down.q.shape[1]
-        return (torch.empty(T, I, dtype=E4M3, device=x.device), torch.empty(T, 1, dtype=torch.float32, device=x.device),
-                state)
+        return (*quant_buffers(x, down.q.shape[1]), state)
 
     def _norm_follows(self, lora: LoraStep | None, post_norm) -> bool:
         """Whether the output of an o or down projection goes straight into _norm (no reduction across ranks, no
