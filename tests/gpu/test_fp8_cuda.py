@@ -465,18 +465,18 @@ WEIGHT_ONLY = {"own_bf16"}  # choices whose activations are not rounded through 
                                          "H200, 2026-12-03: 12 / 14 flips of 48 (worst 0.051 / 0.042) against the "
                                          "weight-only reference, beyond its bound of 0.02 set by HF's bf16 run "
                                          "(2 / 4 flips); not yet explained, the path is off by default"))),
-                                     ("auto", "sm90"), ("fp8", "sm90"), ("auto", "sm90_split"),
-                                     pytest.param("auto", "default", marks=pytest.mark.xfail(strict=False, reason=(
-                                         "H100, 2026-12-06: llama3 13 of 48 flips (sm90, flashinfer's norms: 16), "
-                                         "the worst at margin 0.061 against the bound 0.056 (1.5x HF bf16's worst, "
-                                         "0.037): the same flip as unit_norm's, whose norm this is"))),
+                                     ("auto", "sm90"), ("fp8", "sm90"), ("auto", "sm90_split"), ("auto", "default"),
                                      ("fp8", "default")])
-def test_fp8_engine_matches_the_fp32_fp8_reference_teacher_forced(fam, kv, gemm):
+def test_fp8_engine_matches_the_fp32_fp8_reference_teacher_forced(fam, kv, gemm, request):
     """Each way of calling the FP8 tensor cores (GEMM_CHOICES) against the fp32 FP8 reference (its activations
     rounded through e4m3 per token, except for the weight-only choices)."""
     if gemm.startswith("sm90") and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the wgmma kernel is built for compute capability 9.0 only")
     name, model, rounded, ads, reqs = fam
+    if (name, kv, gemm) == ("llama3", "auto", "default"):  # (phi3's case passes: H100, 2026-12-06)
+        request.applymarker(pytest.mark.xfail(strict=False, reason=(
+            "H100, 2026-12-06: llama3 13 of 48 flips (sm90, flashinfer's norms: 16), the worst at margin 0.061 "
+            "against the bound 0.056 (1.5x HF bf16's worst, 0.037): the same flip as unit_norm's, whose norm this is")))
     fp8kv, acts = kv == "fp8", gemm not in WEIGHT_ONLY
     toks = reference_continuations(rounded, ads, reqs, fp8kv, acts)
     emulate = functools.partial(emulate_fp8, activations=acts, kv=fp8kv)
