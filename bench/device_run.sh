@@ -30,6 +30,9 @@
 #            expand, norm_lora) alone and as chains, each in a CUDA graph -> probe_norm_lora.json (NLPROBE_ARGS)
 #   fusedprobe the FP8 product then its epilogue's launch against the product with the epilogue inside, per 7B and
 #            70B projection, 32 / 1 / no adapters, weights from DRAM, in CUDA graphs -> probe_fused_epilogue.json
+#   bf16probe the bf16 decode product on wgmma against cuBLAS's per 7B projection (1-64 rows), and the LoRA chains:
+#            cuBLAS + shrink + expand against shrink + wgmma product with the expand in its epilogue
+#            (BF16PROBE_ARGS, e.g. "--shapes 7b 70b") -> probe_bf16_sm90.json
 #   shrinkprobe the LoRA shrink alone per 7B and 70B projection group, 32 distinct adapters and one, with and without
 #            the e4m3 rows, for each decode_ranks, beside its bytes, in CUDA graphs -> probe_shrink.json
 #   nltests  the norm with the LoRA expand before and the shrink after it (tests/gpu/test_norm_lora_cuda.py; NLTESTS_K: -k)
@@ -223,6 +226,9 @@ stage() {
     fusedprobe)
       timeout ${PROBE_S:-120} python3 bench/probe_fused_epilogue.py --out "$OUT/probe_fused_epilogue${TAG:+_$TAG}.json" \
         2>&1 | tee "$LOGS/probe_fused_epilogue.log" | tail -20 ;;
+    bf16probe)
+      timeout ${PROBE_S:-180} python3 bench/probe_bf16_sm90.py ${BF16PROBE_ARGS:-} --out "$OUT/probe_bf16_sm90${TAG:+_$TAG}.json" \
+        2>&1 | tee "$LOGS/probe_bf16_sm90.log" | tail -30 ;;
     shrinkprobe)
       timeout ${PROBE_S:-180} python3 bench/probe_shrink.py --out "$OUT/probe_shrink${TAG:+_$TAG}.json" \
         2>&1 | tee "$LOGS/probe_shrink.log" | tail -34 ;;

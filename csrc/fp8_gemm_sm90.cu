@@ -136,22 +136,24 @@ struct WeightFirstMainloop : Base {
 // kPersistent: CUTLASS's persistent ping-pong schedule (one CTA per SM walks the tiles; two consumer warp groups
 // take alternate tiles, so one's epilogue runs while the producer already loads the other's k-tiles) instead of one
 // CTA per tile. The same mainloop collective: each tile's k-tiles in the same order, the same promotions.
-template <int kTokens, bool kPersistent = false>
-struct Sm90Fp8Gemm {
-  using ElementA = cutlass::float_e4m3_t;  // W [N, K], K-major
+// E: the operands' element, e4m3 (CUTLASS's FP8 collective, with its promotions) or bf16 (its plain collective: the
+// tensor cores accumulate in fp32 throughout); a k-tile is 256 bytes of a row either way.
+template <int kTokens, bool kPersistent = false, class E = cutlass::float_e4m3_t>
+struct Sm90Gemm {
+  using ElementA = E;  // W [N, K], K-major
   using LayoutA = cutlass::layout::RowMajor;
-  using ElementB = cutlass::float_e4m3_t;  // X [M, K], K-major
+  using ElementB = E;  // X [M, K], K-major
   using LayoutB = cutlass::layout::ColumnMajor;
   using ElementD = float;                  // D' [N, M] column-major = y [M, N] row-major
   using LayoutD = cutlass::layout::ColumnMajor;
   using ElementAcc = float;
-  static constexpr int kAlignAB = 16;  // 16 bytes of e4m3
+  static constexpr int kAlignAB = 16 / static_cast<int>(sizeof(E));  // 16 bytes
   static constexpr int kAlignD = 4;    // 16 bytes of fp32
 
-  static constexpr int kTileK = 256;
-  // The accumulators leave the tensor cores for fp32 registers once per k-tile (every 8 wgmma of k = 32); CUTLASS
-  // needs the interval to be a multiple of the wgmmas per k-tile.
-  static constexpr uint32_t kPromotionInterval = kTileK / 32;
+  static constexpr int kTileK = 256 / static_cast<int>(sizeof(E));
+  // FP8: the accumulators leave the tensor cores for fp32 registers once per k-tile (every 8 wgmma of k = 32);
+  // CUTLASS needs the interval to be a multiple of the wgmmas per k-tile. bf16: not read by the collective.
+  static constexpr uint32_t kPromotionInterval = sizeof(E) == 1 ? kTileK / 32 : 4;
   using TileShape = Shape<_64, Int<kTokens>, Int<kTileK>>;
   using ClusterShape = Shape<_1, _1, _1>;
 
@@ -208,7 +210,9 @@ struct Sm90Fp8Gemm {
 // fp32 followed by fp8_epilogue, without the fp32 round trip and the second launch. The row slots are loaded by the
 // constructor, before the mainloop; everything else only after it (whose loads start after the producer's wait for
 // the kernel before).
-template <typename T, int kTokens>
+// kPairs: the thread's chunks in groups of two where it has two (at 32 tokens). With bf16 operands ptxas holds the
+// consumers to 232 registers and puts two chunks' loads on the stack (208 bytes): one at a time there.
+template <typename T, int kTokens, bool kPairs = true>
 class FusedEpilogue {
  public:
   using EpilogueSchedule = cutlass::gemm::EpilogueDefault;
@@ -299,8 +303,8 @@ class FusedEpilogue {
     // threads take consecutive chunks: 16-byte stores and B loads side by side). With LoRA, a group of chunks has
     // all its loads in flight at once (the rank, B's first rank rows and v's, none waiting for another; B and v
     // past the rank are read and then ignored), then its arithmetic: one round trip to memory per group. Groups of
-    // two chunks at 32 tokens (255 registers, no spill); one at 64 tokens, where two would spill.
-    constexpr int kGroup = kPer == 2 ? 2 : 1;
+    // two chunks at 32 tokens (e4m3: 255 registers, no spill; see kPairs); one at 64 tokens, where two would spill.
+    constexpr int kGroup = kPer == 2 && kPairs ? 2 : 1;
     CUTLASS_PRAGMA_UNROLL
     for (int i0 = 0; i0 < kPer; i0 += kGroup) {
       int row[kGroup], c[kGroup], width[kGroup], r[kGroup];
@@ -355,11 +359,12 @@ class FusedEpilogue {
   int slot_[kPer];  // with LoRA: the row slots of this thread's chunks (loaded by the constructor), else -1
 };
 
-// The product with the fused epilogue: Sm90Fp8Gemm's mainloop (the same stages, so the same sums), FusedEpilogue.
-template <typename T, int kTokens>
-struct Sm90Fp8GemmFused {
-  using G = Sm90Fp8Gemm<kTokens>;
-  using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<FusedEpilogue<T, kTokens>>;
+// The product with the fused epilogue: Sm90Gemm's mainloop (the same stages, so the same sums), FusedEpilogue.
+template <typename T, int kTokens, class E = cutlass::float_e4m3_t>
+struct Sm90GemmFused {
+  using G = Sm90Gemm<kTokens, false, E>;
+  using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
+      FusedEpilogue<T, kTokens, sizeof(E) == 1>>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, typename G::Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 
@@ -410,21 +415,33 @@ const char* on_sm90(int device, Launch&& launch) {
   return err;
 }
 
+// The tile of tokens for M rows: 16, 32 or 64.
+template <class E, bool kPersistent>
+const char* plain(const Fp8Sm90Args& a, void* stream, int sms) {
+  return a.m <= 16 ? Sm90Gemm<16, kPersistent, E>::run(a, stream, sms)
+       : a.m <= 32 ? Sm90Gemm<32, kPersistent, E>::run(a, stream, sms)
+                   : Sm90Gemm<64, kPersistent, E>::run(a, stream, sms);
+}
+
+template <class E>
+const char* fused(const Fp8Sm90Args& a, const Fp8EpilogueArgs& e, void* stream) {
+  return a.m <= 16 ? Sm90GemmFused<__nv_bfloat16, 16, E>::run(a, e, stream)
+       : a.m <= 32 ? Sm90GemmFused<__nv_bfloat16, 32, E>::run(a, e, stream)
+                   : Sm90GemmFused<__nv_bfloat16, 64, E>::run(a, e, stream);
+}
+
 }  // namespace
 
 const char* fp8_gemm_sm90(const Fp8Sm90Args& a, void* stream) {
   if (const char* err = sizes_error(a)) return err;
+  if (a.bf16 && a.persistent) return "fp8_gemm_sm90: the persistent schedule is built for e4m3 operands only";
   return on_sm90(a.device, [&]() -> const char* {
     if (a.persistent) {
       DeviceInfo info;  // (sgmv.h: read once per device)
       if (const char* err = device_info(a.device, &info)) return err;
-      return a.m <= 16 ? Sm90Fp8Gemm<16, true>::run(a, stream, info.sms)
-           : a.m <= 32 ? Sm90Fp8Gemm<32, true>::run(a, stream, info.sms)
-                       : Sm90Fp8Gemm<64, true>::run(a, stream, info.sms);
+      return plain<cutlass::float_e4m3_t, true>(a, stream, info.sms);
     }
-    return a.m <= 16 ? Sm90Fp8Gemm<16>::run(a, stream)
-         : a.m <= 32 ? Sm90Fp8Gemm<32>::run(a, stream)
-                     : Sm90Fp8Gemm<64>::run(a, stream);
+    return a.bf16 ? plain<cutlass::bfloat16_t, false>(a, stream, 0) : plain<cutlass::float_e4m3_t, false>(a, stream, 0);
   });
 }
 
@@ -435,9 +452,7 @@ const char* fp8_gemm_sm90_fused(const Fp8Sm90Args& a, const Fp8EpilogueArgs& e, 
   if (e.m != a.m || e.n != a.n) return "fp8_gemm_sm90_fused: the epilogue's sizes differ from the product's";
   if (const char* err = fp8_epilogue_check(e)) return err;
   return on_sm90(a.device, [&] {
-    return a.m <= 16 ? Sm90Fp8GemmFused<__nv_bfloat16, 16>::run(a, e, stream)
-         : a.m <= 32 ? Sm90Fp8GemmFused<__nv_bfloat16, 32>::run(a, e, stream)
-                     : Sm90Fp8GemmFused<__nv_bfloat16, 64>::run(a, e, stream);
+    return a.bf16 ? fused<cutlass::bfloat16_t>(a, e, stream) : fused<cutlass::float_e4m3_t>(a, e, stream);
   });
 }
 

@@ -3,7 +3,8 @@
 //   out[m, n] = sum_k x_q[m, k] * w_q[n, k]        (fp32, no scales: the caller's epilogue applies them)
 //
 // x_q [M, K] and w_q [N, K] e4m3, row-major with unit column stride, 16-byte aligned base addresses, K a
-// multiple of 16, N of 4, 1 <= M <= 64; out [M, N] fp32 contiguous. The weight is the MMA's long side
+// multiple of 16, N of 4, 1 <= M <= 64; out [M, N] fp32 contiguous. With `bf16` the operands are bf16 instead
+// (the same tiles of 256 bytes of K, bf16 wgmma accumulating in fp32), for the bf16 base product of decode steps. The weight is the MMA's long side
 // (64-row tiles), the tokens its narrow side (16, 32 or 64 per tile, by M). A token's row of `out` does not
 // depend on the other rows. Torch-free like sgmv.h; the binding is in sgmv_binding.cpp.
 #pragma once
@@ -15,8 +16,8 @@
 namespace lorafleet {
 
 struct Fp8Sm90Args {
-  const uint8_t* x = nullptr;  // [M, K] e4m3
-  const uint8_t* w = nullptr;  // [N, K] e4m3
+  const uint8_t* x = nullptr;  // [M, K] e4m3 (bf16 with `bf16`)
+  const uint8_t* w = nullptr;  // [N, K] e4m3 (bf16 with `bf16`)
   float* out = nullptr;        // [M, N] fp32
   int m = 0;
   int n = 0;
@@ -30,6 +31,7 @@ struct Fp8Sm90Args {
   // CUTLASS's persistent ping-pong schedule (one CTA per SM over the tiles, a tile's epilogue beside the next tile's
   // loads) instead of one CTA per tile; the same bits (the same k-tiles in the same order per tile).
   bool persistent = false;
+  bool bf16 = false;  // x and w bf16 (not with `persistent`)
 };
 
 constexpr int kFp8Sm90MaxRows = 64;

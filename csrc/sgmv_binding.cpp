@@ -44,6 +44,7 @@
 //   fp8_gemm_sm90(out, x, w, stream, splits=1, pdl=True, persistent=False): out = x @ w.T in fp32 (unit scales) for
 //       at most 64 e4m3 rows x on Hopper's wgmma (fp8_gemm_sm90.h, CUTLASS); splits > 1: out [splits, M, N] holds
 //       the partial sums of K's equal parts; persistent: CUTLASS's persistent ping-pong schedule (the same bits).
+//       x and w may both be bf16 instead (bf16 wgmma; not persistent), here and in fp8_gemm_sm90_fused.
 //       fp8_gemm_sm90_built(): whether this build holds that kernel.
 //   fp8_epilogue(out, y, x_scale, w_scale, bias, cols, v, b, ranks, row_slot, pdl, stream, act=0): out = the fp32
 //       unit-scale FP8 product y times the token and row scales, plus the bias and the rows' LoRA expand
@@ -694,14 +695,17 @@ void fp8_gemm_bf16(Tensor out, Tensor x, Tensor w, Tensor w_scale, int64_t strea
   fp8_gemm_impl(out, x, nullptr, w, w_scale, stream);
 }
 
-// The wgmma product's arguments for x [M, K] @ w [N, K].T, checked (the output is the caller's).
+// The wgmma product's arguments for x [M, K] @ w [N, K].T, both e4m3 or both bf16, checked (the output is the
+// caller's).
 lorafleet::Fp8Sm90Args sm90_args(const Tensor& x, const Tensor& w, int64_t splits, bool pdl, const char* who) {
   SGMV_CHECK(lorafleet::fp8_gemm_sm90_built(), "%s: this build has no sm90 FP8 GEMM (CUTLASS not found)", who);
-  SGMV_CHECK(x.is_cuda() && x.scalar_type() == torch::kFloat8_e4m3fn && x.dim() == 2 && x.is_contiguous(),
-             "%s: x must be a contiguous 2-D float8_e4m3fn CUDA tensor", who);
+  SGMV_CHECK(x.is_cuda() && (x.scalar_type() == torch::kFloat8_e4m3fn || x.scalar_type() == torch::kBFloat16) &&
+                 x.dim() == 2 && x.is_contiguous(),
+             "%s: x must be a contiguous 2-D float8_e4m3fn or bfloat16 CUDA tensor", who);
   check_device(w, Name("w"), x);
-  SGMV_CHECK(w.scalar_type() == torch::kFloat8_e4m3fn && w.dim() == 2 && w.is_contiguous() && w.size(1) == x.size(1),
-             "%s: w must be contiguous float8_e4m3fn [N, K=%lld]", who, ll(x.size(1)));
+  SGMV_CHECK(w.scalar_type() == x.scalar_type() && w.dim() == 2 && w.is_contiguous() && w.size(1) == x.size(1),
+             "%s: w must be contiguous %s [N, K=%lld] (x's dtype)", who,
+             x.scalar_type() == torch::kBFloat16 ? "bfloat16" : "float8_e4m3fn", ll(x.size(1)));
   const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
   SGMV_CHECK(M >= 1 && M <= lorafleet::kFp8Sm90MaxRows, "%s: 1 to %d rows, got %lld", who,
              lorafleet::kFp8Sm90MaxRows, ll(M));
@@ -717,6 +721,7 @@ lorafleet::Fp8Sm90Args sm90_args(const Tensor& x, const Tensor& w, int64_t split
   a.k = static_cast<int>(K);
   a.splits = static_cast<int>(splits);
   a.pdl = pdl;
+  a.bf16 = x.scalar_type() == torch::kBFloat16;
   a.device = x.get_device();
   return a;
 }

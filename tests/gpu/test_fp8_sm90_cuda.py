@@ -2,8 +2,8 @@
 the same e4m3 products in fp64 and against cuBLASLt's unit-scale call; each token's row the same whatever else is in
 the step; a CUDA graph's replay the eager call's bits; refusals. The product with the FP8 epilogue inside it
 (fp8_gemm_sm90_fused) against the product followed by that epilogue's own launch, bit for bit. The product started
-early by the launch that writes its activations still reads the new ones. The engine with it is checked against
-HF + PEFT in tests/gpu/test_fp8_cuda.py (gemm "sm90")."""
+early by the launch that writes its activations still reads the new ones. The same kernel on bf16 operands. The
+engine with it is checked against HF + PEFT in tests/gpu/test_fp8_cuda.py (gemm "sm90")."""
 
 from __future__ import annotations
 
@@ -325,6 +325,66 @@ def test_fused_graph_replay_with_new_rows_and_slots(ext):
         graph.replay()
         torch.cuda.synchronize()
         assert _same_bits(out, _two_launches(ext, static_xq, w, static)), seed
+
+
+def _bf16_operands(M: int, K: int, N: int, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
+    x[0, :: max(1, K // 7)] = 30.0
+    return x, (torch.randn(N, K, device="cuda", generator=g) * 0.05).bfloat16()
+
+
+@pytest.mark.parametrize("M", [1, 16, 17, 32, 33, 64])
+def test_bf16_operands_give_the_fp32_sum_and_rows_of_their_own(ext, M):
+    """bf16 x and w (the same kernel on bf16 wgmma, bench/probe_bf16_sm90.py): the fp64 sum of the exact bf16 products
+    within fp32 accumulation's rounding, each row bit for bit the row alone and in a 17-row call (every token tile
+    shares the k-tile), K in parts as the unsplit calls on the K slices, and with the epilogue inside (unit scales)
+    bit for bit the product into fp32 followed by the epilogue's launch."""
+    for K, N in ((272, 100), (4096, 4096), (11008, 4096)):
+        x, w = _bf16_operands(M, K, N, seed=M * 7 + K + N)
+        got = torch.full((M, N), float("nan"), device="cuda")
+        ext.fp8_gemm_sm90(got, x, w, _stream())
+        xd, wd = x.double(), w.double()
+        bound = 1e-5 * (xd.abs() @ wd.abs().t()) + 1e-6
+        assert torch.isfinite(got).all() and ((got.double() - xd @ wd.t()).abs() <= bound).all(), (M, K, N)
+        for i in sorted({0, M // 2, M - 1}):
+            alone = torch.empty(1, N, device="cuda")
+            ext.fp8_gemm_sm90(alone, x[i:i + 1].contiguous(), w, _stream())
+            assert torch.equal(alone[0], got[i]), (M, K, N, i)
+        if M > 17:
+            part = torch.empty(17, N, device="cuda")
+            ext.fp8_gemm_sm90(part, x[:17].contiguous(), w, _stream())
+            assert torch.equal(part, got[:17]), (M, K, N)
+        if K % 32 == 0:
+            parts = torch.empty(2, M, N, device="cuda")
+            ext.fp8_gemm_sm90(parts, x, w, _stream(), 2)
+            half = torch.empty(M, N, device="cuda")
+            ext.fp8_gemm_sm90(half, x[:, K // 2:].contiguous(), w[:, K // 2:].contiguous(), _stream())
+            assert torch.equal(parts[1], half), (M, K, N)
+    for spans, rows, bias, lora, K in FUSED_CASES:
+        if {37: 32, 5: 1}.get(rows, rows) != M:  # each case once: at its own row count, 37 and 5 rows at 32 and 1
+            continue
+        x, w = _bf16_operands(rows, K, sum(spans), seed=rows + K)
+        _, _, e = _fused_args(spans, rows, bias, lora, K, seed=rows + K + len(spans))
+        e = {**e, "x_scale": torch.ones(rows, device="cuda"), "w_scale": torch.ones(sum(spans), device="cuda")}
+        y = torch.empty(rows, sum(spans), device="cuda")
+        ext.fp8_gemm_sm90(y, x, w, _stream())
+        want = torch.empty(rows, sum(spans), device="cuda", dtype=torch.bfloat16)
+        ext.fp8_epilogue(want, y, e["x_scale"], e["w_scale"], e["bias"], e["cols"], e["v"], e["b"], e["ranks"],
+                         e["row_slot"], True, _stream())
+        got = torch.full_like(want, float("nan"))
+        ext.fp8_gemm_sm90_fused(got, x, w, e["x_scale"], e["w_scale"], e["bias"], e["cols"], e["v"], e["b"],
+                                e["ranks"], e["row_slot"], True, _stream())
+        assert _same_bits(got, want), (spans, rows, (got.float() - want.float()).abs().max())
+
+
+def test_bf16_operands_refused_where_they_do_not_fit(ext):
+    x, w = _bf16_operands(4, 256, 64, seed=3)
+    out = torch.empty(4, 64, device="cuda")
+    with pytest.raises(RuntimeError, match=r"w must be contiguous bfloat16 \[N, K=256\] \(x's dtype\)"):
+        ext.fp8_gemm_sm90(out, x, w.to(E4M3), _stream())
+    with pytest.raises(RuntimeError, match="persistent schedule is built for e4m3 operands only"):
+        ext.fp8_gemm_sm90(out, x, w, _stream(), 1, True, True)
 
 
 def test_fused_refuses_bad_operands(ext):
