@@ -103,82 +103,12 @@ __device__ __forceinline__ float act_gelu_tanh(float x) {
   return fm_mul(x, fm_mul(fm_add(t, 1.0f), 0.5f));
 }
 
-// The epilogue's e4m3 copy of an activation's output row (Fp8EpilogueArgs::quant_out), by every thread of the block:
-// `h` the 8 values this thread stored (if `stored`). The block's share of the row's absmax goes into the row's state,
-// the block counts itself, and the row's last block reads the row back (from L2: written by other blocks) and
-// quantizes it as quantize_row does (the same scale, reciprocal and conversion, so the same bits).
-constexpr uint32_t kNanKey = 0xffffffffu;  // above the bits of every non-negative float, inf included
-constexpr int kQuantBatch = 8;
-
-template <typename T>
-__device__ void quantize_out_row(const Fp8EpilogueArgs& a, int row, int width, bool stored, const float (&h)[kCols]) {
-  __shared__ uint32_t red[kEpiThreads / 32];
-  __shared__ bool last;
-  __shared__ float row_s;
-  uint32_t key = 0;  // non-negative floats order as their bits
-  if (stored) {
-#pragma unroll
-    for (int e = 0; e < kCols; ++e) {
-      const float f = through<T>(h[e]);
-      key = max(key, f != f ? kNanKey : __float_as_uint(fabsf(f)));
-    }
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) key = max(key, __shfl_xor_sync(0xffffffffu, key, o));
-  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = key;
-  __threadfence();  // this thread's stores of out, before the block's arrival is counted
-  __syncthreads();
-  uint32_t* state = a.quant_state + 2 * static_cast<int64_t>(row);
-  if (threadIdx.x == 0) {
-#pragma unroll
-    for (int w = 1; w < kEpiThreads / 32; ++w) key = max(key, red[w]);
-    atomicMax(state, key);
-    __threadfence();
-    last = atomicAdd(state + 1, 1u) == gridDim.x - 1;
-    if (last) {  // every block's share is in (each added before counting itself): take it, zero both words
-      __threadfence();
-      const uint32_t m = atomicExch(state, 0u);
-      atomicExch(state + 1, 0u);  // (the next launch touches the state only after this one ends)
-      row_s = quant_detail::scale_of(m == kNanKey ? 0.f : __uint_as_float(m), m == kNanKey);
-    }
-  }
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  const float s = row_s;
-  const float inv = __frcp_rn(s);
-  const T* x = static_cast<const T*>(a.out) + static_cast<int64_t>(row) * width;
-  uint8_t* q = a.quant_out + static_cast<int64_t>(row) * width;
-  // kQuantBatch 16-byte loads of the row in flight per thread before the first conversion (one L2 round trip per
-  // batch: a 11,008-wide row is 11 vectors a thread, two batches)
-  constexpr int kStep = kEpiThreads * kCols;
-  for (int j0 = threadIdx.x * kCols; j0 < width; j0 += kQuantBatch * kStep) {
-    uint4 raw[kQuantBatch];
-#pragma unroll
-    for (int b = 0; b < kQuantBatch; ++b)
-      if (j0 + b * kStep < width) raw[b] = __ldcg(reinterpret_cast<const uint4*>(x + j0 + b * kStep));
-#pragma unroll
-    for (int b = 0; b < kQuantBatch; ++b) {
-      if (j0 + b * kStep >= width) break;
-      const T* v = reinterpret_cast<const T*>(&raw[b]);
-      float f[kCols];
-#pragma unroll
-      for (int e = 0; e < kCols; ++e) f[e] = quant_detail::to_float(v[e]);
-      *reinterpret_cast<uint2*>(q + j0 + b * kStep) = quant_detail::e4m3x8(f, inv);
-    }
-  }
-  if (threadIdx.x == 0) a.quant_scale[row] = s;
-}
-
 // Threads: one per 8 columns of one row. Without `act`, thread t of a row takes columns 8t .. 8t + 7 of y and out.
 // With `act` (two spans of I columns, gate then up), lanes 2p and 2p + 1 take columns 8p .. 8p + 7 of the gate
 // span and of the up span, each as above (rounded to T as the separate epilogue would store them), the up lane hands
 // its values to the gate lane, which stores T(act(gate) * up) at columns 8p .. of out [m, I].
 template <typename T>
 __global__ void __launch_bounds__(kEpiThreads, 4) fp8_epilogue_kernel(const Fp8EpilogueArgs a) {
-  // with down's e4m3 rows made here, the product that follows may start now (it waits for this kernel before it
-  // reads them, fp8_gemm_sm90.cu WeightFirstMainloop) and stream its weight meanwhile
-  if (a.quant_out != nullptr) pdl_launch_dependents();
   const int row = blockIdx.y;
   const int t = blockIdx.x * kEpiThreads + threadIdx.x;
   int c, g = 0, start = 0, width = a.cols[0];
@@ -220,19 +150,16 @@ __global__ void __launch_bounds__(kEpiThreads, 4) fp8_epilogue_kernel(const Fp8E
       o[e] = through<T>(o[e]);  // the value the separate epilogue stores, read back by the activation kernel
       up[e] = __shfl_xor_sync(0xffffffffu, o[e], 1);
     }
-    const bool stored = active && g == 0;
-    float h[kCols] = {};
-    if (stored) {
-      if (a.act == 1) {
+    if (!active || g != 0) return;
+    float h[kCols];
+    if (a.act == 1) {
 #pragma unroll
-        for (int e = 0; e < kCols; ++e) h[e] = fm_mul(act_silu(o[e]), up[e]);
-      } else {
+      for (int e = 0; e < kCols; ++e) h[e] = fm_mul(act_silu(o[e]), up[e]);
+    } else {
 #pragma unroll
-        for (int e = 0; e < kCols; ++e) h[e] = fm_mul(act_gelu_tanh(o[e]), up[e]);
-      }
-      fp8_epi::store8<T>(static_cast<T*>(a.out) + static_cast<int64_t>(row) * width + (c - start), h);
+      for (int e = 0; e < kCols; ++e) h[e] = fm_mul(act_gelu_tanh(o[e]), up[e]);
     }
-    if (a.quant_out != nullptr) quantize_out_row<T>(a, row, width, stored, h);  // (every thread of the block)
+    fp8_epi::store8<T>(static_cast<T*>(a.out) + static_cast<int64_t>(row) * width + (c - start), h);
     return;
   }
   fp8_epi::store8<T>(static_cast<T*>(a.out) + static_cast<int64_t>(row) * a.n + c, o);
@@ -251,12 +178,6 @@ const char* fp8_epilogue_check(const Fp8EpilogueArgs& a) {
   }
   if (total != a.n) return "fp8_epilogue: the spans do not cover the columns";
   if (a.act < 0 || a.act > 2) return "fp8_epilogue: act must be 0 (none), 1 (SiLU) or 2 (GELU-tanh)";
-  if (a.quant_out != nullptr || a.quant_scale != nullptr || a.quant_state != nullptr) {
-    if (a.quant_out == nullptr || a.quant_scale == nullptr || a.quant_state == nullptr)
-      return "fp8_epilogue: the e4m3 copy needs quant_out, quant_scale and quant_state";
-    if (a.act == 0) return "fp8_epilogue: the e4m3 copy of out is made only with an activation";
-    if (reinterpret_cast<uintptr_t>(a.quant_out) % 8 != 0) return "fp8_epilogue: quant_out must be 8-byte aligned";
-  }
   if (a.splits < 1 || a.splits > 16) return "fp8_epilogue: splits must be in [1, 16]";
   if (a.act != 0 && (a.num_groups != 2 || a.cols[0] != a.cols[1]))
     return "fp8_epilogue: an activation needs two spans of equal width (gate, up)";

@@ -70,16 +70,6 @@ struct Fp8EpilogueArgs {
   //   flashinfer's activation as its fast-math build computes it, so bit for bit the epilogue followed by
   //   flashinfer's act_and_mul kernel.
   int act = 0;
-  // With an activation, optionally the e4m3 copy of out for the next FP8 product (down's input), as
-  // quantize_rows_e4m3 would make it from out, in the same launch: quant_out [m, I] e4m3 and quant_scale [m]. Each
-  // block adds its part of a row's absmax to quant_state[2 i] (the bits of the largest |value|, NaN above every
-  // number) and counts itself in quant_state[2 i + 1]; the row's last block quantizes the row (read back from L2)
-  // and sets both to 0 again. quant_state [2 m] uint32 must be 0 before the first launch and is 0 after each, so one
-  // buffer serves every launch of a stream (not two launches at once). The kernel then lets the next kernel start
-  // (programmatic dependent launch) as it begins: the product after it streams its weight meanwhile.
-  uint8_t* quant_out = nullptr;
-  float* quant_scale = nullptr;
-  uint32_t* quant_state = nullptr;
   // Programmatic dependent launch (sm_90+): the grid starts while the previous kernel (the product) drains
   // and reads row_slot, ranks and the first rank rows of B, then waits for it before reading y, the scales,
   // the bias or v. So nothing may write row_slot, ranks or the B pools in the kernel launched right before.

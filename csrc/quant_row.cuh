@@ -36,12 +36,6 @@ __device__ __forceinline__ uint2 e4m3x8(const float (&v)[8], float inv) {
   return packed;
 }
 
-// A row's scale from its absmax m over the non-NaN values and whether one is NaN (torch's amax propagates NaN: the
-// scale is then NaN); torch divides a tensor by a Python scalar as a product with the scalar's fp32 reciprocal.
-__device__ __forceinline__ float scale_of(float m, bool nan) {
-  return nan ? __int_as_float(0x7fffffff) : fmaxf(__fmul_rn(m, 1.f / kE4m3Max), 1e-12f);
-}
-
 // A row's scale from each thread's share of it (m: the absmax of its values, nan: whether one is NaN), by a whole
 // block of kThreads threads (every thread must call it; every thread gets the scale). max is exact in any order, so
 // any split of the row over the threads gives the same scale.
@@ -62,7 +56,8 @@ __device__ __forceinline__ float row_scale(float m, bool nan) {
     if (threadIdx.x == 0) red[0] = w;
   }
   __syncthreads();
-  const float s = scale_of(red[0], any_nan != 0);
+  // torch divides a tensor by a Python scalar as a product with the scalar's fp32 reciprocal
+  const float s = any_nan ? __int_as_float(0x7fffffff) : fmaxf(__fmul_rn(red[0], 1.f / kE4m3Max), 1e-12f);
   __syncthreads();  // every thread has read red and any_nan: the block may call this again for another row
   return s;
 }

@@ -52,9 +52,6 @@
 //       (with b, ranks, row_slot) may be None. act=1 (SiLU) / 2 (GELU-tanh), with two equal spans (gate, up):
 //       out [M, N / 2] = act(gate) * up as flashinfer's act_and_mul computes it from the epilogue's output.
 //       y [splits, M, N]: a split-K product's partial sums (fp8_gemm_sm90 with splits), added in part order first.
-//       With an activation, quant_out [M, N / 2] float8_e4m3fn, quant_scale [M] float32 and quant_state [2 M] int32
-//       (zeros before the first call, zeros again after each): out's e4m3 rows and scales in the same launch, the
-//       bits of quantize_e4m3 on out.
 //   fp8_gemm_sm90_fused(out, x, w, x_scale, w_scale, bias, cols, v, b, ranks, row_slot, pdl, stream): the bits of
 //       fp8_gemm_sm90 then fp8_epilogue (act 0, one part) in one launch, the epilogue inside the product's kernel;
 //       out in bf16.
@@ -824,9 +821,7 @@ lorafleet::Fp8EpilogueArgs epilogue_args(const Tensor& ref, int64_t M, int64_t N
 
 void fp8_epilogue(Tensor out, Tensor y, Tensor x_scale, Tensor w_scale, std::optional<Tensor> bias,
                   std::vector<int64_t> cols, std::optional<Tensor> v, std::vector<Tensor> b,
-                  std::optional<Tensor> ranks, std::optional<Tensor> row_slot, bool pdl, int64_t stream, int64_t act,
-                  std::optional<Tensor> quant_out, std::optional<Tensor> quant_scale,
-                  std::optional<Tensor> quant_state) {
+                  std::optional<Tensor> ranks, std::optional<Tensor> row_slot, bool pdl, int64_t stream, int64_t act) {
   const auto dtype = kernel_dtype(out, "out");
   SGMV_CHECK(y.is_cuda() && y.scalar_type() == torch::kFloat && (y.dim() == 2 || y.dim() == 3) && y.is_contiguous(),
              "fp8_epilogue: y must be a contiguous float32 CUDA tensor [M, N] or [splits, M, N]");
@@ -839,26 +834,6 @@ void fp8_epilogue(Tensor out, Tensor y, Tensor x_scale, Tensor w_scale, std::opt
   a.splits = static_cast<int>(splits);
   a.y = y.data_ptr<float>();
   a.pdl = pdl;
-  if (quant_out.has_value() || quant_scale.has_value() || quant_state.has_value()) {
-    SGMV_CHECK(quant_out.has_value() && quant_scale.has_value() && quant_state.has_value() && act != 0,
-               "fp8_epilogue: the e4m3 copy needs an activation and quant_out, quant_scale and quant_state");
-    const int64_t I = N / 2;
-    check_device(*quant_out, Name("quant_out"), y);
-    check_device(*quant_scale, Name("quant_scale"), y);
-    check_device(*quant_state, Name("quant_state"), y);
-    SGMV_CHECK(quant_out->scalar_type() == torch::kFloat8_e4m3fn && quant_out->is_contiguous() &&
-                   quant_out->dim() == 2 && quant_out->size(0) == M && quant_out->size(1) == I &&
-                   reinterpret_cast<uintptr_t>(quant_out->data_ptr()) % 8 == 0,
-               "fp8_epilogue: quant_out must be contiguous, 8-byte aligned float8_e4m3fn [%lld, %lld]", ll(M), ll(I));
-    SGMV_CHECK(quant_scale->scalar_type() == torch::kFloat && quant_scale->is_contiguous() && quant_scale->numel() == M,
-               "fp8_epilogue: quant_scale must be contiguous float32 with %lld entries", ll(M));
-    SGMV_CHECK(quant_state->scalar_type() == torch::kInt && quant_state->is_contiguous() &&
-                   quant_state->numel() >= 2 * M,
-               "fp8_epilogue: quant_state must be contiguous int32 with at least %lld entries", ll(2 * M));
-    a.quant_out = static_cast<uint8_t*>(quant_out->data_ptr());
-    a.quant_scale = quant_scale->data_ptr<float>();
-    a.quant_state = reinterpret_cast<uint32_t*>(quant_state->data_ptr<int32_t>());
-  }
   const char* err = lorafleet::fp8_epilogue(dtype, a, y.get_device(), as_stream(stream));
   SGMV_CHECK(err == nullptr, "fp8_epilogue launch failed: %s", err ? err : "");
 }
@@ -1022,8 +997,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "one launch",
         py::arg("out"), py::arg("y"), py::arg("x_scale"), py::arg("w_scale"), py::arg("bias"), py::arg("cols"),
         py::arg("v"), py::arg("b"), py::arg("ranks"), py::arg("row_slot"), py::arg("pdl"), py::arg("stream"),
-        py::arg("act") = 0, py::arg("quant_out") = py::none(), py::arg("quant_scale") = py::none(),
-        py::arg("quant_state") = py::none());
+        py::arg("act") = 0);
   m.def("decode_attention", &decode_attention,
         "attention of one query row per request over its paged K/V (bf16 / fp16 or e4m3 pages), one launch",
         py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("indptr"), py::arg("indices"),

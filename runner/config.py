@@ -63,8 +63,6 @@ class KernelChoices:
         scales, bias, the rows' LoRA expand; bit for bit the separate launches it replaces).
     fp8_epilogue_act: with that epilogue and flashinfer's ops, the gate_up epilogue also applies the activation and
         writes act(gate) * up (flashinfer's act_and_mul bits) instead of a launch of its own.
-    fp8_epilogue_quant: in steps without adapters, that gate_up epilogue also writes its output's e4m3 rows and
-        scales for the down product (the quantization's bits, without its launch).
     fp8_sm90: with FP8 weights on a compute capability 9.0 GPU, that unit-scale product runs on the project's wgmma
         kernel (csrc/fp8_gemm_sm90.cu; tokens as the MMA's narrow side) instead of cuBLASLt, where the build has it.
     fp8_sm90_fused: where that kernel's product (in one part) is finished by the epilogue without an activation or a
@@ -115,7 +113,6 @@ class KernelChoices:
     fp8_unit_scale_elems: int = 1
     fp8_epilogue: bool = True
     fp8_epilogue_act: bool = True
-    fp8_epilogue_quant: bool = False
     fp8_sm90: bool = True
     fp8_sm90_fused: bool = True
     fp8_sm90_fused_lora: bool = False
@@ -169,8 +166,7 @@ class KernelChoices:
                    fp8_swap_rows=env.fp8_swap_rows(), fp8_gemm_rows=env.fp8_gemm_rows(),
                    fp8_gemm_bf16=env.fp8_gemm_bf16(),
                    fp8_unit_scale_elems=env.fp8_unit_scale_elems(), fp8_epilogue=env.fp8_epilogue(),
-                   fp8_epilogue_act=env.fp8_epilogue_act(), fp8_epilogue_quant=env.fp8_epilogue_quant(),
-                   fp8_sm90=env.fp8_sm90(),
+                   fp8_epilogue_act=env.fp8_epilogue_act(), fp8_sm90=env.fp8_sm90(),
                    fp8_sm90_fused=env.fp8_sm90_fused(), fp8_sm90_fused_lora=env.fp8_sm90_fused_lora(),
                    fp8_sm90_split=env.fp8_sm90_split(), fp8_sm90_persistent=env.fp8_sm90_persistent(),
                    fp8_quant_in_shrink=env.fp8_quant_in_shrink(),

@@ -146,10 +146,7 @@ def test_fp8_gemm_switches(monkeypatch):
             ("LORAFLEET_SHRINK_ROW_ITEMS", env.shrink_row_items, False, "1",
              "shrink_row_items=True"),  # off until measured
             ("LORAFLEET_LORA_BRANCH", env.lora_branch, "off", "Shrink", "lora_branch=shrink"),  # off: measured slower
-            ("LORAFLEET_FP8_EPILOGUE_ACT", env.fp8_epilogue_act, True, "0",
-             "fp8_epilogue_act=False"),  # on: measured faster
-            ("LORAFLEET_FP8_EPILOGUE_QUANT", env.fp8_epilogue_quant, False, "1",
-             "fp8_epilogue_quant=True"),  # off until measured
+            ("LORAFLEET_FP8_EPILOGUE_ACT", env.fp8_epilogue_act, True, "0", "fp8_epilogue_act=False"),  # on: measured faster
             ("LORAFLEET_FP8_SM90", env.fp8_sm90, True, "0", "fp8_sm90=False"),  # on: measured faster
             ("LORAFLEET_FP8_SM90_FUSED", env.fp8_sm90_fused, True, "0", "fp8_sm90_fused=False"),  # on: measured faster
             ("LORAFLEET_FP8_SM90_FUSED_LORA", env.fp8_sm90_fused_lora, False, "1",

@@ -16,38 +16,25 @@ from family_models import write_family_model
 from lorafleet.runner.config import EngineConfig, KernelChoices
 from lorafleet.runner.engine.engine import Engine
 from lorafleet.runner.engine.sequence import SamplingParams, Sequence
-from lorafleet.runner.model.fp8 import quantize_tokens
 
 NEW = 5
 
 
-def run(model, reqs, act: bool, monkeypatch, quant: bool = False):
+def run(model, reqs, act: bool, monkeypatch):
     eng = Engine(str(model), EngineConfig(device="cpu", kv_cache_gb=0.02, quantization="fp8", enable_lora=False,
-                                          kernels=KernelChoices(fp8_epilogue_act=act, fp8_epilogue_quant=quant)))
+                                          kernels=KernelChoices(fp8_epilogue_act=act)))
     d = eng.model
-    assert d.fp8_epilogue_act == act and d.fp8_epilogue_quant == quant
-    calls, made = [], []
+    assert d.fp8_epilogue_act == act
+    calls = []
 
-    def emulated(x, w, b, epilogue=False, spans=None, lora=None, quantized=None, act=0, quantize_out=None):
+    def emulated(x, w, b, epilogue=False, spans=None, lora=None, quantized=None, act=0):
         y = F.linear(x, w.dequant(x.dtype), b)
-        # (act, spans, the e4m3 rows given: those made by which earlier call, or -1; whether it was asked to make some)
-        given = next((j for j, m in enumerate(made) if quantized is not None and m is quantized[0]), -1)
-        calls.append((act, tuple(spans or ()), given, quantize_out is not None))
-        made.append(quantize_out[0] if quantize_out is not None else None)
+        calls.append((act, tuple(spans or ())))
         if act:
-            out = d.ops.act_mul(y, spans[0])  # the contract: act(gate) * up of the epilogue's output
-            if quantize_out is not None:  # ... and its e4m3 rows and scales into the buffers given
-                assert quantize_out[0].shape == out.shape and quantize_out[1].shape == (out.shape[0], 1)
-                q, sc = quantize_tokens(out)
-                quantize_out[0].copy_(q)
-                quantize_out[1].copy_(sc)
-            return out
+            return d.ops.act_mul(y, spans[0])  # the contract: act(gate) * up of the epilogue's output
         return y
 
     monkeypatch.setattr(dec, "epilogue_applies", lambda *a, **k: True)  # as on an H200 for at most 64 rows
-    if quant:  # as on a GPU with FP8 tensor cores (the state buffer is made for CUDA devices only)
-        monkeypatch.setattr(d, "fp8_tensor_cores", True)
-        monkeypatch.setattr(d, "epilogue_quant_state", torch.zeros(128, dtype=torch.int32))
     monkeypatch.setattr(d, "_fp8_linear", emulated)
     monkeypatch.setattr(d.ops, "name", "flashinfer")  # the fusion replaces flashinfer's act_and_mul only
     seqs = [Sequence(f"r{i}", ids, SamplingParams(max_tokens=NEW, ignore_eos=True)) for i, ids in enumerate(reqs)]
@@ -67,29 +54,11 @@ def test_gate_up_epilogue_with_the_activation_gives_the_default_tokens(tmp_path,
     code = dec.ACT_CODES[d.cfg.activation]
     inter = d.cfg.intermediate_size
     with_act = [c for c in calls if c[0]]
-    assert with_act and all(c[:2] == (code, (inter, inter)) for c in with_act)
+    assert with_act and all(c == (code, (inter, inter)) for c in with_act)
     assert not any(c[0] for c in plain)
     # one epilogue per projection group and layer in both runs; with the choice, every gate_up one carries the act
     assert len(calls) == len(plain) and len(with_act) * 4 == len(calls)
     assert code == (2 if family == "gemma3" else 1)
-    assert not any(c[2] >= 0 or c[3] for c in calls + plain)  # without fp8_epilogue_quant no rows made or passed
-
-
-@pytest.mark.parametrize("family", ["llama3", "gemma3"])
-def test_gate_up_epilogue_that_quantizes_hands_its_rows_to_down_only(tmp_path, family, monkeypatch):
-    """KernelChoices.fp8_epilogue_quant: each gate_up epilogue (with the activation) is asked for its output's e4m3
-    rows, and the down projection right after it, and no other call, gets exactly those rows; the tokens stay the
-    default path's."""
-    model = write_family_model(family, tmp_path / "m")
-    reqs = [[5, 9, 17, 33, 2], [40, 41, 42]]
-    want, _, _ = run(model, reqs, True, monkeypatch)
-    got, d, calls = run(model, reqs, True, monkeypatch, quant=True)
-    assert got == want
-    asked = [j for j, c in enumerate(calls) if c[3]]
-    assert asked and all(calls[j][0] for j in asked)  # only epilogues with the activation are asked
-    assert len(asked) * 4 == len(calls)  # every gate_up one
-    assert [c[2] for c in calls if c[2] >= 0] == asked  # each one's rows reach one call ...
-    assert all(calls[j + 1][2] == j for j in asked)  # ... the next: down's
 
 
 def _unit_operands(M: int, K: int, N: int, seed: int):
@@ -180,28 +149,3 @@ def test_fp8_linear_asks_the_wgmma_product_for_its_schedule(monkeypatch, persist
                    spans=[N] if epilogue else None, sm90=True, sm90_persistent=persistent)
     assert calls == [(1, (True, True) if persistent else ())]
     assert torch.allclose(y.float(), want.float(), rtol=1e-2, atol=1e-3)
-
-
-def test_down_rows_are_asked_of_the_epilogue_only_where_no_shrink_quantizes_them(tmp_path, monkeypatch):
-    """Decoder._down_quant: buffers of down's input shape (and the shared state) in steps without LoRA; None in steps
-    with LoRA while down's shrink quantizes its rows (fp8_quant_in_shrink, measured faster there), with the choice off,
-    for rows past the state's 64, and for a weight that is not FP8."""
-    model = write_family_model("llama3", tmp_path / "m")
-    eng = Engine(str(model), EngineConfig(device="cpu", kv_cache_gb=0.02, quantization="fp8", enable_lora=False,
-                                          kernels=KernelChoices(fp8_epilogue_quant=True)))
-    d = eng.model
-    lw = d.layers[0]
-    monkeypatch.setattr(d, "fp8_tensor_cores", True)
-    monkeypatch.setattr(d, "epilogue_quant_state", torch.zeros(128, dtype=torch.int32))
-    x = torch.zeros(5, d.cfg.hidden_size, dtype=torch.bfloat16)
-    q, s, state = d._down_quant(x, lw.gate_up, lw.down, None)
-    assert q.shape == (5, d.cfg.intermediate_size) and q.dtype == torch.float8_e4m3fn
-    assert s.shape == (5, 1) and s.dtype == torch.float32 and state is d.epilogue_quant_state
-    step = object()  # a step with LoRA
-    assert d._down_quant(x, lw.gate_up, lw.down, step) is None
-    monkeypatch.setattr(d, "fp8_quant_in_shrink", False)
-    assert d._down_quant(x, lw.gate_up, lw.down, step) is not None
-    assert d._down_quant(torch.zeros(65, d.cfg.hidden_size), lw.gate_up, lw.down, None) is None
-    assert d._down_quant(x, lw.gate_up, lw.down.dequant(torch.bfloat16), None) is None
-    monkeypatch.setattr(d, "fp8_epilogue_quant", False)
-    assert d._down_quant(x, lw.gate_up, lw.down, None) is None

@@ -48,13 +48,11 @@ def plain_projection_elems(lw) -> int:
     return sum(getattr(lw, name).shape[0] * getattr(lw, name).shape[1] for name in PROJECTION_PARAMS)
 
 
-def quant_buffers(x: torch.Tensor, cols: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quant_buffers(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Empty e4m3 rows and fp32 scales [T, 1] for x [T, K]'s per-token quantization by a launch that also does
-    other work (the norm's, the LoRA shrink's); `cols`: rows of that many columns instead of K (another tensor of x's
-    rows, made by that launch: the gate_up epilogue's output)."""
-    T = x.shape[0]
-    return (torch.empty(T, x.shape[1] if cols is None else cols, dtype=E4M3, device=x.device),
-            torch.empty(T, 1, dtype=torch.float32, device=x.device))
+    other work (the norm's, the LoRA shrink's)."""
+    return (torch.empty(x.shape, dtype=E4M3, device=x.device),
+            torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device))
 
 
 class AttentionStep(Protocol):
@@ -170,11 +168,6 @@ class Decoder:
         self.fp8_unit_scale_elems = kernels.fp8_unit_scale_elems
         self.fp8_epilogue = kernels.fp8_epilogue
         self.fp8_epilogue_act = kernels.fp8_epilogue_act  # ... and for gate_up the activation too (flashinfer ops)
-        self.fp8_epilogue_quant = kernels.fp8_epilogue_quant  # ... and the e4m3 rows of its output for down
-        # (the rows' absmax and arrival counts of that epilogue's quantization: zeros between launches, so one buffer
-        # serves every layer; made here, before any graph capture; steps of up to 64 rows take that epilogue)
-        self.epilogue_quant_state = (torch.zeros(2 * 64, dtype=torch.int32, device=self.device)
-                                     if self.device.type == "cuda" else None)
         self.fp8_quant_in_shrink = kernels.fp8_quant_in_shrink  # with LoRA, the shrink's launch quantizes them too
         self.fp8_sm90 = False  # the unit-scale product on the project's wgmma kernel (set below, where built)
         self.fp8_sm90_fused = kernels.fp8_sm90_fused  # ... with the epilogue inside it (one part, no activation)
@@ -347,23 +340,18 @@ class Decoder:
         if lw.post_attn_norm is not None:
             out = ops.rms_norm(out, lw.post_attn_norm)
         x, residual, quant = self._norm(i, GATE_UP, out, residual, lw.mlp_norm, lora, lw.gate_up)
-        a = down_quant = None
+        a = None
         if self.fp8_epilogue_act and ops.name == "flashinfer" and not self._dense(lora, lw.gate_up):
-            # the FP8 epilogue of gate_up writes act(gate) * up itself, flashinfer's act_and_mul bits (None: not here),
-            # and with fp8_epilogue_quant its e4m3 rows for down's product
-            down_quant = self._down_quant(x, lw.gate_up, lw.down, lora)
+            # the FP8 epilogue of gate_up writes act(gate) * up itself, flashinfer's act_and_mul bits (None: not here)
             a = self._fp8_finished(i, GATE_UP, x, lw.gate_up, lw.gate_up_bias, lora,
-                                   [c.intermediate_size, c.intermediate_size], quant, act=ACT_CODES[c.activation],
-                                   quantize_out=down_quant)
+                                   [c.intermediate_size, c.intermediate_size], quant, act=ACT_CODES[c.activation])
         if a is None:
-            down_quant = None
             gu = self._project(i, GATE_UP, x, lw.gate_up, lw.gate_up_bias, lora,
                                split=[c.intermediate_size, c.intermediate_size], quant=quant)  # [T, 2 I]
             a = ops.act_mul(gu, c.intermediate_size)  # [T, I]
         h = self._project(i, DOWN, a, lw.down, lw.down_bias, lora, small=True,
                           out_spare=self._spare_for(lora, i + 1, QKV, lw.post_mlp_norm),
-                          defer=i + 1 < self.num_layers and self._norm_follows(lora, lw.post_mlp_norm),
-                          quant=down_quant and down_quant[:2])
+                          defer=i + 1 < self.num_layers and self._norm_follows(lora, lw.post_mlp_norm))
         # [T, H] (partial sum with TP)
         if self.all_reduce is not None:
             self.all_reduce(h)
@@ -401,20 +389,6 @@ class Decoder:
             own.run(x, n, q)
         return x, (h if residual is None else n.res_out), quant
 
-    def _down_quant(self, x: torch.Tensor, gate_up, down, lora: LoraStep | None) -> tuple | None:
-        """Buffers for the e4m3 rows and scales of gate_up's activated output (x's rows, down's input width) and the
-        epilogue's state, where that epilogue is to make them for an FP8 down product (fp8_epilogue_quant), else
-        None. Not in steps with LoRA when down's shrink quantizes its rows anyway (fp8_quant_in_shrink): measured
-        slower there (docs/benchmarks.md 10.23)."""
-        state = self.epilogue_quant_state
-        if lora is not None and self.fp8_quant_in_shrink:
-            return None
-        if not (self.fp8_epilogue_quant and self.fp8_tensor_cores and isinstance(gate_up, Fp8Weight)
-                and isinstance(down, Fp8Weight) and state is not None and x.dim() == 2
-                and 2 * x.shape[0] <= state.numel()):
-            return None
-        return (*quant_buffers(x, down.q.shape[1]), state)
-
     def _norm_follows(self, lora: LoraStep | None, post_norm) -> bool:
         """Whether the output of an o or down projection goes straight into _norm (no reduction across ranks, no
         sandwich norm first), where the project's norm kernel may take that projection's LoRA expand into its launch
@@ -451,12 +425,11 @@ class Decoder:
         return y
 
     def _fp8_finished(self, i: int, group: int, x: torch.Tensor, w, b: torch.Tensor | None, lora: LoraStep | None,
-                      spans: list[int], quantized=None, act: int = 0, quantize_out=None) -> torch.Tensor | None:
+                      spans: list[int], quantized=None, act: int = 0) -> torch.Tensor | None:
         """x @ w.T + b with layer i's LoRA of `group` for an FP8 weight whose unit-scale product the epilogue kernel
         finishes (scales, bias and the expand in one launch after the group's shrink; runner/model/fp8.py), else
         None (the caller takes the separate launches; nothing was launched). `act` (gate_up): the epilogue also applies
-        the activation (runner/model/fp8.py fp8_linear) and returns act(gate) * up; `quantize_out` (with `act`,
-        _down_quant's buffers): the epilogue also writes that output's e4m3 rows and scales into them."""
+        the activation (runner/model/fp8.py fp8_linear) and returns act(gate) * up."""
         if not (self.fp8_epilogue and isinstance(w, Fp8Weight)
                 and epilogue_applies(x, w, b, self.fp8_tensor_cores, self.fp8_ext, self.fp8_gemm_rows,
                                      self.fp8_unit_scale_elems, spans)):
@@ -471,8 +444,7 @@ class Decoder:
             operands = lora.epilogue_operands(i, group, x, quant=mine and (mine[0], mine[1].view(-1)))
             if operands is None and mine is not None:  # no adapter in the step: no shrink was launched
                 quant = None
-        return self._fp8_linear(x, w, b, epilogue=True, spans=spans, lora=operands, quantized=quant, act=act,
-                                quantize_out=quantize_out)
+        return self._fp8_linear(x, w, b, epilogue=True, spans=spans, lora=operands, quantized=quant, act=act)
 
     def _fp8_linear(self, x: torch.Tensor, w: Fp8Weight, b: torch.Tensor | None, **finish) -> torch.Tensor:
         """fp8_linear with this model's FP8 kernel choices; `finish`: its epilogue arguments."""

@@ -204,8 +204,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
                own_bf16: bool = False, epilogue: bool = False, spans: list[int] | None = None,
                lora: tuple | None = None, quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
                act: int = 0, sm90: bool = False, sm90_split: bool = False, sm90_fused: bool = False,
-               sm90_fused_lora: bool = False, sm90_persistent: bool = False,
-               quantize_out: tuple | None = None) -> torch.Tensor:
+               sm90_fused_lora: bool = False, sm90_persistent: bool = False) -> torch.Tensor:
     """x [M, K] (bf16/fp16 on the GPU, any float on the CPU) @ w.T + bias -> [M, N] in x's dtype. With the
     CUDA extension `ext`: the activations quantized by its one-launch kernel (see quantize_tokens), and for
     M <= `own_rows` (bf16, K a multiple of 64, N of 16) the product on its FP8 kernel (csrc/fp8_gemm.cu), with
@@ -218,9 +217,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
     row slots) from LoraStepImpl.epilogue_operands, the rows' LoRA expand over the output `spans` in one launch,
     bit for bit the separate ops. `quantized`: x's e4m3 rows and scales [M, 1] already made (by the LoRA shrink's
     launch), the same bits as quantize_tokens(x, ext). `act` (with `epilogue`, two equal spans gate | up): 1 (SiLU) or
-    2 (GELU-tanh): the epilogue returns act(gate) * up [M, N / 2] as flashinfer's act_and_mul makes it from its output;
-    `quantize_out` = (e4m3 [M, N / 2], scales [M, 1], the epilogue's zeroed int32 state [>= 2 M]), with `act`: the same
-    launch also writes that output's e4m3 rows and scales into them, the bits of quantize_tokens on it.
+    2 (GELU-tanh): the epilogue returns act(gate) * up [M, N / 2] as flashinfer's act_and_mul makes it from its output.
     With `sm90` and `sm90_fused`, an epilogue without an activation or `lora` on a product in one part (bf16) runs
     inside the wgmma kernel (the same bits, one launch); with `sm90_fused_lora` too, also one with `lora`;
     `sm90_persistent`: the other wgmma products on the kernel's persistent ping-pong schedule (the same bits).
@@ -229,8 +226,6 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
     if act and not (epilogue and tensor_cores and not _own_kernel(x, w, ext, own_rows)
                     and unit_scale_call(x.shape[0], w.q.shape[0], x.shape[-1], unit_scale_elems)):
         raise ValueError("fp8_linear: an activation rides only in the epilogue of the unit-scale product")
-    if quantize_out is not None and not (act and tensor_cores):
-        raise ValueError("fp8_linear: the output's e4m3 rows are made only by the epilogue with an activation")
     if not tensor_cores:
         y = torch.nn.functional.linear(x, w.dequant(x.dtype))
         return y if bias is None else y + bias
@@ -258,11 +253,8 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
                                         ranks, row_slot, True, stream)
                 return out
             y = _unit_product(xq, w, ext, sm90, sm90_split, sm90_persistent)
-            made = {}
-            if quantize_out is not None:
-                made = dict(quant_out=quantize_out[0], quant_scale=quantize_out[1].view(-1), quant_state=quantize_out[2])
             ext.fp8_epilogue(out, y, sx.view(-1), w.scale, bias, list(spans or [N]), v, list(b), ranks, row_slot,
-                             True, stream, act, **made)
+                             True, stream, act)
             return out
         y = _unit_product(xq, w, ext, sm90, sm90_split, sm90_persistent)
         y = split_sum(y).mul_(sx).mul_(w.scale_row).to(x.dtype)

@@ -280,15 +280,6 @@ def fp8_epilogue_act() -> bool:
     return _flag("LORAFLEET_FP8_EPILOGUE_ACT", True)
 
 
-def fp8_epilogue_quant() -> bool:
-    """LORAFLEET_FP8_EPILOGUE_QUANT: with FP8 weights, in steps without adapters, the gate_up epilogue that applies
-    the activation also writes the e4m3 rows and scales of its output for the down product (csrc/quant.h
-    fp8_epilogue quant_out; bit for bit the quantization's own launch, which it replaces), and lets that product start
-    as it begins (default 0: measured 1.1 to 1.7 % slower in steps with adapters on an H100, where it is no longer
-    taken; not yet measured without, docs/benchmarks.md section 10.23)."""
-    return _flag("LORAFLEET_FP8_EPILOGUE_QUANT", False)
-
-
 def fp8_sm90() -> bool:
     """LORAFLEET_FP8_SM90: with FP8 weights on a compute capability 9.0 GPU, the unit-scale product of steps of at
     most 64 rows runs on the project's wgmma kernel (csrc/fp8_gemm_sm90.cu, CUTLASS's sm90 collectives, the weight

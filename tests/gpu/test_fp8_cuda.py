@@ -285,76 +285,6 @@ def test_fp8_epilogue_with_the_activation_is_flashinfer_act_and_mul_bit_for_bit(
         ext.fp8_epilogue(got, *args, 3)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("act", [1, 2], ids=["silu", "gelu_tanh"])
-@pytest.mark.parametrize("inter,M,lora", [(11008, 32, True), (11008, 1, False), (1376, 37, True), (8, 5, False),
-                                          (2048, 64, False)])
-def test_fp8_epilogue_quantizes_its_activated_output_as_the_activation_kernel_does(dtype, act, inter, M, lora):
-    """fp8_epilogue(act, quant_out=...): the activated output unchanged, its e4m3 rows and scales bit for bit
-    quantize_e4m3's on that output (rows with a NaN, an infinity, all zeros among them), the state zeros again after
-    every launch, the same bits launched again and replayed from a CUDA graph; the refusals."""
-    from lorafleet.runner.kernels import load
-    from lorafleet.runner.model.fp8 import quantize_tokens
-
-    ext = load()
-    st = torch.cuda.current_stream().cuda_stream
-    spans = [inter, inter]
-    c = _epilogue_case(dtype, spans, M, False, lora, seed=M + inter + 7 * act)
-    c["y"] *= 100
-    if M > 3:
-        c["y"][1] = 0  # a zero row (up and gate zero: the scale's 1e-12 floor)
-        c["y"][2, 3] = float("nan")  # a gate NaN: a NaN output, the row's scale NaN
-        c["y"][3, inter + 5] = float("inf")  # an up infinity: an infinite output and scale ...
-        c["y"][3, 5] = 10 / (c["x_scale"][3] * c["w_scale"][5])  # ... its gate ~10 (act(gate) * inf: not NaN)
-    args = (c["y"], c["x_scale"], c["w_scale"], None, spans, c.get("v"), c.get("b", []), c.get("ranks"),
-            c.get("row_slot"), True, st, act)
-    plain = torch.empty(M, inter, dtype=dtype, device="cuda")
-    ext.fp8_epilogue(plain, *args)
-    want_q, want_s = quantize_tokens(plain, ext)
-    state = torch.zeros(2 * M + 6, dtype=torch.int32, device="cuda")
-    out = torch.empty_like(plain)
-    q = torch.empty(M, inter, dtype=E4M3, device="cuda")
-    s = torch.empty(M, dtype=torch.float32, device="cuda")
-
-    def check(tag):
-        assert torch.equal(out.view(torch.int16), plain.view(torch.int16)), tag
-        assert torch.equal(s.isnan(), want_s.view(-1).isnan()), tag
-        ok = ~s.isnan()
-        assert torch.equal(s[ok], want_s.view(-1)[ok]), tag
-        assert torch.equal(q.view(torch.uint8)[ok], want_q.view(torch.uint8)[ok]), tag
-        assert (q.view(torch.uint8)[~ok].remainder(128) == 127).all(), tag  # NaN rows: NaN
-        assert not state.any(), tag
-
-    for n in range(2):
-        for t in (out, q, s):
-            t.zero_()
-        ext.fp8_epilogue(out, *args, q, s, state)
-        torch.cuda.synchronize()
-        check(f"eager {n}")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        ext.fp8_epilogue(out, *args[:-2], torch.cuda.current_stream().cuda_stream, act, q, s, state)
-    for n in range(3):
-        for t in (out, q, s):
-            t.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        check(f"replay {n}")
-    if M > 3:
-        assert s[2].isnan() and s[3].isinf() and s[1] == 1e-12
-    full = torch.empty(M, 2 * inter, dtype=dtype, device="cuda")
-    with pytest.raises(RuntimeError, match="needs an activation"):
-        ext.fp8_epilogue(full, *args[:-1], 0, q, s, state)
-    with pytest.raises(RuntimeError, match="needs an activation"):
-        ext.fp8_epilogue(out, *args, q, s, None)
-    with pytest.raises(RuntimeError, match="quant_out must be"):
-        ext.fp8_epilogue(out, *args, q.view(torch.uint8), s, state)
-    with pytest.raises(RuntimeError, match="quant_scale must be"):
-        ext.fp8_epilogue(out, *args, q, s[:1] if M > 1 else s.double(), state)
-    with pytest.raises(RuntimeError, match="quant_state must be"):
-        ext.fp8_epilogue(out, *args, q, s, state[: 2 * M - 1])
-
-
 def test_fp8_epilogue_refuses_bad_operands():
     from lorafleet.runner.kernels import load
 
@@ -381,7 +311,6 @@ class _CountingExt:
     def __init__(self, ext):
         self.ext, self.epilogues, self.with_act, self.sm90, self.fused, self.persistent = ext, 0, 0, 0, 0, 0
         self.quantized = 0  # the activation kernel's launches (quantize_e4m3)
-        self.with_quant = 0  # epilogues that also made their output's e4m3 rows
 
     def __getattr__(self, name):
         return getattr(self.ext, name)
@@ -397,11 +326,10 @@ class _CountingExt:
         self.fused += 1
         return self.ext.fp8_gemm_sm90_fused(*args)
 
-    def fp8_epilogue(self, *args, **kw):
+    def fp8_epilogue(self, *args):
         self.epilogues += 1
         self.with_act += len(args) > 12 and args[12] in (1, 2)
-        self.with_quant += kw.get("quant_out") is not None
-        return self.ext.fp8_epilogue(*args, **kw)
+        return self.ext.fp8_epilogue(*args)
 
     def quantize_e4m3(self, *args):
         self.quantized += 1
@@ -442,8 +370,6 @@ GEMM_CHOICES = {  # gemm -> the engine's kernel choices and step size for that F
     # the defaults: the wgmma product (below), the norms before qkv and gate_up on the project's kernel, which
     # quantizes the rows (KernelChoices.norm_quant: no shrink inside the norm's launch)
     "default": {"kernels": KernelChoices()},
-    # ... with the gate_up epilogue writing down's e4m3 rows (KernelChoices.fp8_epilogue_quant)
-    "epi_quant": {"kernels": KernelChoices(fp8_epilogue_quant=True)},
     # every step on csrc/fp8_gemm.cu with the bf16 activations unquantized (weight-only FP8)
     "own_bf16": {"kernels": KernelChoices(fp8_gemm_rows=64, fp8_gemm_bf16=True, **_FI), "max_step_tokens": 64},
     # the unit-scale product of steps of at most 64 rows on the project's wgmma kernel (csrc/fp8_gemm_sm90.cu; the
@@ -515,7 +441,7 @@ def test_fp8_reference_is_not_the_bf16_model(fam):
 @pytest.mark.parametrize("kv,gemm", [("auto", "cublaslt"), ("fp8", "cublaslt"), ("auto", "own"), ("auto", "unit"),
                                      ("fp8", "unit"), ("fp8", "unit_tc"), ("auto", "unit_norm"), ("fp8", "unit_norm"),
                                      ("auto", "own_bf16"), ("auto", "sm90"), ("fp8", "sm90"), ("auto", "sm90_split"),
-                                     ("auto", "default"), ("auto", "epi_quant"), ("fp8", "epi_quant")])
+                                     ("auto", "default")])
 def test_fp8_decode_graph_replay_matches_the_eager_step(fam, kv, gemm):
     """(gemm "own": the project's FP8 kernel, its K-split workspace and counter memset captured in the graph;
     "unit": the unit scale made before the capture)"""
@@ -708,52 +634,6 @@ def test_fp8_persistent_wgmma_schedule_gives_the_same_step(fam):
             m.fp8_ext, m.fp8_sm90_persistent = ext, False
             eng.close()
         assert torch.equal(pers, plain), (name, (pers - plain).abs().max().item())
-
-
-@pytest.mark.parametrize("kv", ["auto", "fp8"])
-def test_fp8_gate_up_epilogue_that_quantizes_for_down_gives_the_same_step(fam, kv):
-    """KernelChoices.fp8_epilogue_quant: in steps without adapters the gate_up epilogue writes the e4m3 rows of down's
-    input; the decode step's logits bit for bit those of the step where down's rows are quantized by their own
-    launch, eager, the quantizing launches counted (1 per layer instead of 2). In steps with adapters down's LoRA
-    shrink keeps quantizing them (nothing changes). (Graph replay: the replay test's "epi_quant" case.)"""
-    from lorafleet.runner.lora.sgmv_cuda import CudaSGMV
-
-    shrink_quant = []
-    real = CudaSGMV.shrink
-
-    def shrink(self, *args, **kw):
-        shrink_quant.append(kw.get("quant") is not None)
-        return real(self, *args, **kw)
-
-    name, model, _, _, reqs = fam
-    for rows in (reqs[:4] * 2, [(ids, None, None) for ids, _, _ in reqs[:4]] * 2):
-        eng, batch = teacher.decode_step(model, rows, quantization="fp8", kv_cache_dtype=kv)
-        dev = batch.to_device(eng.device)
-        m = eng.model
-        assert m.own_norm_quant and not m.fp8_epilogue_quant  # the defaults
-        adapted = any(r[1] is not None for r in rows)
-        ext, m.fp8_ext = m.fp8_ext, _CountingExt(m.fp8_ext)
-        try:
-            with pytest.MonkeyPatch.context() as mp:
-                mp.setattr(CudaSGMV, "shrink", shrink)
-                shrink_quant.clear()
-                apart = eng.runner.forward(batch, dev).clone()
-                apart_q, apart_s, m.fp8_ext.quantized = m.fp8_ext.quantized, sum(shrink_quant), 0
-                shrink_quant.clear()
-                m.fp8_epilogue_quant = True
-                inside = eng.runner.forward(batch, dev).clone()
-                inside_q, inside_s = m.fp8_ext.quantized, sum(shrink_quant)
-                assert m.fp8_ext.with_quant == (0 if adapted else m.num_layers), (name, m.fp8_ext.with_quant)
-                again = eng.runner.forward(batch, dev).clone()  # the state left at zeros for the next launch
-        finally:
-            m.fp8_ext, m.fp8_epilogue_quant = ext, False
-            eng.close()
-        L = m.num_layers
-        assert not m.epilogue_quant_state.any(), name
-        assert (apart_q, inside_q) == ((0, 0) if adapted else (2 * L, L)), (name, adapted, apart_q, inside_q)
-        assert (apart_s, inside_s) == ((2 * L, 2 * L) if adapted else (0, 0)), (name, adapted, apart_s, inside_s)
-        assert torch.equal(inside, apart), (name, adapted, (inside - apart).abs().max().item())
-        assert torch.equal(again, inside), (name, adapted)
 
 
 def test_fp8_norm_that_quantizes_takes_the_activation_launches_of_qkv_and_gate_up(fam, monkeypatch):
