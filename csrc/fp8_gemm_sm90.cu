@@ -179,9 +179,10 @@ struct Sm90Gemm {
     using StrideD = typename Gemm::GemmKernel::StrideD;
     const int n = a.n, m = a.m, k = a.k, s = a.splits, ks = a.k / a.splits;
     // K split into `s` equal ranges as a batch: range l of W and X starts at column l * ks (batch stride ks, rows
-    // still k apart), its partial sums go to out[l] (batch stride m * n).
+    // still w_ld and k apart), its partial sums go to out[l] (batch stride m * n).
     StrideA sa = cutlass::make_cute_packed_stride(StrideA{}, {n, k, 1});
     StrideB sb = cutlass::make_cute_packed_stride(StrideB{}, {m, k, 1});
+    cute::get<0>(sa) = a.w_ld > 0 ? a.w_ld : k;
     cute::get<2>(sa) = ks;
     cute::get<2>(sb) = ks;
     const StrideD sd = cutlass::make_cute_packed_stride(StrideD{}, {n, m, s});
@@ -371,7 +372,8 @@ struct Sm90GemmFused {
   static const char* run(const Fp8Sm90Args& a, const Fp8EpilogueArgs& e, void* stream) {
     using StrideA = typename Gemm::GemmKernel::StrideA;
     using StrideB = typename Gemm::GemmKernel::StrideB;
-    const StrideA sa = cutlass::make_cute_packed_stride(StrideA{}, {a.n, a.k, 1});
+    StrideA sa = cutlass::make_cute_packed_stride(StrideA{}, {a.n, a.k, 1});
+    cute::get<0>(sa) = a.w_ld > 0 ? a.w_ld : a.k;
     const StrideB sb = cutlass::make_cute_packed_stride(StrideB{}, {a.m, a.k, 1});
     const typename Gemm::Arguments args{
         cutlass::gemm::GemmUniversalMode::kGemm,

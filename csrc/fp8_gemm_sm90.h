@@ -32,6 +32,9 @@ struct Fp8Sm90Args {
   // loads) instead of one CTA per tile; the same bits (the same k-tiles in the same order per tile).
   bool persistent = false;
   bool bf16 = false;  // x and w bf16 (not with `persistent`)
+  // elements from one row of w to the next (0: k), a multiple of 16 bytes: a weight with spare columns after its k
+  // (a bf16 weight of LoRA's K-extended prefill GEMM is the [:, :k] view of a wider tensor)
+  int64_t w_ld = 0;
 };
 
 constexpr int kFp8Sm90MaxRows = 64;

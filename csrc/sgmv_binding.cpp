@@ -700,9 +700,12 @@ lorafleet::Fp8Sm90Args sm90_args(const Tensor& x, const Tensor& w, int64_t split
                  x.dim() == 2 && x.is_contiguous(),
              "%s: x must be a contiguous 2-D float8_e4m3fn or bfloat16 CUDA tensor", who);
   check_device(w, Name("w"), x);
-  SGMV_CHECK(w.scalar_type() == x.scalar_type() && w.dim() == 2 && w.is_contiguous() && w.size(1) == x.size(1),
-             "%s: w must be contiguous %s [N, K=%lld] (x's dtype)", who,
-             x.scalar_type() == torch::kBFloat16 ? "bfloat16" : "float8_e4m3fn", ll(x.size(1)));
+  // (w's rows may lie further apart than K: a weight with spare columns, TMA reading rows 16-byte aligned)
+  SGMV_CHECK(w.scalar_type() == x.scalar_type() && w.dim() == 2 && w.size(1) == x.size(1) &&
+                 (w.size(0) == 1 || (w.stride(0) >= w.size(1) && w.stride(0) * w.element_size() % 16 == 0)) &&
+                 (w.size(1) == 1 || w.stride(1) == 1),
+             "%s: w must be %s [N, K=%lld] with unit column stride and 16-byte aligned rows at least K apart "
+             "(x's dtype)", who, x.scalar_type() == torch::kBFloat16 ? "bfloat16" : "float8_e4m3fn", ll(x.size(1)));
   const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
   SGMV_CHECK(M >= 1 && M <= lorafleet::kFp8Sm90MaxRows, "%s: 1 to %d rows, got %lld", who,
              lorafleet::kFp8Sm90MaxRows, ll(M));
@@ -719,6 +722,7 @@ lorafleet::Fp8Sm90Args sm90_args(const Tensor& x, const Tensor& w, int64_t split
   a.splits = static_cast<int>(splits);
   a.pdl = pdl;
   a.bf16 = x.scalar_type() == torch::kBFloat16;
+  a.w_ld = w.size(0) == 1 ? K : w.stride(0);
   a.device = x.get_device();
   return a;
 }

@@ -74,6 +74,9 @@ class KernelChoices:
         schedule instead of one CTA per tile (the same bits).
     fp8_quant_in_shrink: with that epilogue and adapters in the step, the LoRA shrink's launch quantizes the
         projection's activations too (the same bits) instead of a launch of their own.
+    bf16_sm90: with bf16 weights on a compute capability 9.0 GPU, the products of steps of at most 64 rows run on
+        that wgmma kernel with bf16 operands instead of cuBLAS, the bias and the rows' LoRA expand inside its epilogue
+        (after the group's shrink), one launch where cuBLAS's product and the expand took two.
     pin_host_adapters: adapters read from disk are kept in pinned host memory.
     dense_lora_rows: a step with prompt rows whose adapted rows form at most DENSE_LORA_MAX_SEGMENTS segments
         (runner/lora/step.py), each of at least this many rows, and whose work reaches dense_lora_min_work,
@@ -119,6 +122,7 @@ class KernelChoices:
     fp8_sm90_split: bool = False
     fp8_sm90_persistent: bool = False
     fp8_quant_in_shrink: bool = True
+    bf16_sm90: bool = False
     pin_host_adapters: bool = False
     dense_lora_rows: int = 256
     dense_lora_kext: int = 64
@@ -169,7 +173,7 @@ class KernelChoices:
                    fp8_epilogue_act=env.fp8_epilogue_act(), fp8_sm90=env.fp8_sm90(),
                    fp8_sm90_fused=env.fp8_sm90_fused(), fp8_sm90_fused_lora=env.fp8_sm90_fused_lora(),
                    fp8_sm90_split=env.fp8_sm90_split(), fp8_sm90_persistent=env.fp8_sm90_persistent(),
-                   fp8_quant_in_shrink=env.fp8_quant_in_shrink(),
+                   fp8_quant_in_shrink=env.fp8_quant_in_shrink(), bf16_sm90=env.bf16_sm90(),
                    pin_host_adapters=env.pin_host_adapters(), dense_lora_rows=env.dense_lora_rows(),
                    dense_lora_kext=env.dense_lora_kext())
 

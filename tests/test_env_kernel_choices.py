@@ -153,7 +153,8 @@ def test_fp8_gemm_switches(monkeypatch):
              "fp8_sm90_fused_lora=True"),  # off: measured slower
             ("LORAFLEET_FP8_SM90_SPLIT", env.fp8_sm90_split, False, "1", "fp8_sm90_split=True"),
             ("LORAFLEET_FP8_SM90_PERSISTENT", env.fp8_sm90_persistent, False, "1",
-             "fp8_sm90_persistent=True")):  # off until measured
+             "fp8_sm90_persistent=True"),  # off until measured
+            ("LORAFLEET_BF16_SM90", env.bf16_sm90, False, "1", "bf16_sm90=True")):  # off until measured end to end
         monkeypatch.delenv(var, raising=False)
         assert read() == default, var
         monkeypatch.setenv(var, raw)

@@ -111,6 +111,6 @@ def test_fp8_norm_quantizes_and_a_shrunk_group_is_not_shrunk_again(monkeypatch):
     assert quant is not None and quant[0].dtype == torch.float8_e4m3fn and quant[1].shape == (4, 1)
     assert torch.equal(new_res, h + res) and calls == ["norm_shrink"]
     monkeypatch.setattr(dec, "epilogue_applies", lambda *a, **k: True)  # as on an H200 for at most 64 rows
-    dec.Decoder._fp8_finished(me, 0, 2, x, w, None, lora, [8, 8], quant)
+    dec.Decoder._finished(me, 0, 2, x, w, None, lora, [8, 8], quant)
     assert calls == ["norm_shrink"]  # no second shrink
     assert finished["quantized"] is quant and finished["lora"] is not None

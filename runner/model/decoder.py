@@ -25,8 +25,8 @@ import torch.nn.functional as F
 
 from lorafleet.models.contract import ModelConfig
 from lorafleet.runner.config import KernelChoices
-from lorafleet.runner.model.fp8 import (E4M3, Fp8Weight, epilogue_applies, fp8_linear, fp8_tensor_cores,
-                                       sm90_gemm_available, unit_scale)
+from lorafleet.runner.model.fp8 import (E4M3, Fp8Weight, bf16_sm90_applies, bf16_sm90_linear, epilogue_applies,
+                                       fp8_linear, fp8_tensor_cores, sm90_gemm_available, unit_scale)
 from lorafleet.runner.model.norm import OwnNorm
 from lorafleet.runner.model.ops import make_ops, prefer_cublaslt
 from lorafleet.runner.model.rope import Rope
@@ -174,6 +174,10 @@ class Decoder:
         self.fp8_sm90_fused_lora = kernels.fp8_sm90_fused_lora  # ... also where the epilogue adds LoRA
         self.fp8_sm90_split = kernels.fp8_sm90_split  # ... with K in parts for weights of few rows
         self.fp8_sm90_persistent = kernels.fp8_sm90_persistent  # ... on the persistent ping-pong schedule
+        # bf16 weights: decode-sized products on that wgmma kernel, bias and LoRA expand inside (set below, where built)
+        self.bf16_sm90 = False
+        self.sm90_ext = None
+        self.unit_scales = None  # ones (fp32) for that kernel's epilogue, made before any graph capture
         # runner/model/norm.py OwnNorm: the norms before qkv and gate_up (KernelChoices.norm_shrink, norm_quant,
         # norm_lora)
         self.own_norm = None
@@ -218,6 +222,9 @@ class Decoder:
                     "FP8 products of decode-sized steps on %s", "the wgmma kernel (csrc/fp8_gemm_sm90.cu)"
                     if self.fp8_sm90 else "cuBLASLt (the wgmma kernel needs compute capability 9.0 and a kernel build "
                     "that found CUTLASS's headers in flashinfer's package)")
+        if kernels.bf16_sm90 and self.device.type == "cuda" and dtype == torch.bfloat16 and not isinstance(
+                self.layers[0].qkv, Fp8Weight):
+            self._take_bf16_sm90()
         # (norm_lora only where its launch can run: thread-block clusters, one rank)
         cluster_norm = (kernels.norm_lora and self.device.type == "cuda" and all_reduce is None
                         and torch.cuda.get_device_capability(self.device)[0] >= 9)
@@ -231,6 +238,27 @@ class Decoder:
                 self.own_norm = OwnNorm(load(), cfg.rms_norm_eps, cfg.norm_offset)
             except Exception as exc:  # no compiler: the ops' norms and the separate shrink launches
                 log.warning("norm kernel unavailable (%s); the norms take %s's kernels", exc, self.ops.name)
+
+    def _take_bf16_sm90(self) -> None:
+        """KernelChoices.bf16_sm90: the wgmma kernel for this model's decode-sized bf16 products, where the build has
+        it and the GPU runs it (logged either way)."""
+        try:
+            from lorafleet.runner.kernels import load
+
+            ext = load()
+        except Exception as exc:  # no compiler: cuBLAS's products
+            log.warning("bf16 products stay on cuBLAS: the kernel build is unavailable (%s)", exc)
+            return
+        self.bf16_sm90 = sm90_gemm_available(ext, self.device)
+        if self.bf16_sm90:
+            self.sm90_ext = ext
+            rows = max(getattr(self.layers[0], name).shape[0] for name in PROJECTION_PARAMS)
+            self.unit_scales = torch.ones(max(rows, 64), dtype=torch.float32, device=self.device)
+        hopper = torch.cuda.get_device_capability(self.device) == (9, 0)
+        (log.warning if hopper and not self.bf16_sm90 else log.info)(
+            "bf16 products of decode-sized steps on %s", "the wgmma kernel, LoRA's expand in its epilogue"
+            if self.bf16_sm90 else "cuBLAS (the wgmma kernel needs compute capability 9.0 and a kernel build that "
+            "found CUTLASS's headers in flashinfer's package)")
 
     def widen_for_lora(self, spare: dict[str, int]) -> int:
         """Gives the plain (not FP8) weights named in `spare` (qkv, gate_up) that many spare columns: each becomes
@@ -311,7 +339,7 @@ class Decoder:
             qkv = lora.dense_linear(i, QKV, x, lw.qkv, lw.qkv_bias)
         else:
             spans = [c.q_dim, c.kv_dim, c.kv_dim]
-            qkv = self._fp8_finished(i, QKV, x, lw.qkv, lw.qkv_bias, lora, spans, quant)
+            qkv = self._finished(i, QKV, x, lw.qkv, lw.qkv_bias, lora, spans, quant)
             if qkv is None:
                 self._begin(lora, i, QKV, x)
                 qkv = self._linear(x, lw.qkv, lw.qkv_bias, quant)  # [T, q_dim + 2 kv_dim]
@@ -343,7 +371,7 @@ class Decoder:
         a = None
         if self.fp8_epilogue_act and ops.name == "flashinfer" and not self._dense(lora, lw.gate_up):
             # the FP8 epilogue of gate_up writes act(gate) * up itself, flashinfer's act_and_mul bits (None: not here)
-            a = self._fp8_finished(i, GATE_UP, x, lw.gate_up, lw.gate_up_bias, lora,
+            a = self._finished(i, GATE_UP, x, lw.gate_up, lw.gate_up_bias, lora,
                                    [c.intermediate_size, c.intermediate_size], quant, act=ACT_CODES[c.activation])
         if a is None:
             gu = self._project(i, GATE_UP, x, lw.gate_up, lw.gate_up_bias, lora,
@@ -415,7 +443,7 @@ class Decoder:
         `defer`: the output goes straight into _norm, which may take the add-on's expand (LoraStep.add)."""
         if self._dense(lora, w):
             return lora.dense_linear(i, group, x, w, b, out_spare=out_spare)
-        y = self._fp8_finished(i, group, x, w, b, lora, split or [w.shape[0]], quant)
+        y = self._finished(i, group, x, w, b, lora, split or [w.shape[0]], quant)
         if y is not None:
             return y
         self._begin(lora, i, group, x)
@@ -424,20 +452,27 @@ class Decoder:
             lora.add(i, group, x, tuple(y.split(split, dim=-1)) if split else (y,), defer=defer)
         return y
 
-    def _fp8_finished(self, i: int, group: int, x: torch.Tensor, w, b: torch.Tensor | None, lora: LoraStep | None,
-                      spans: list[int], quantized=None, act: int = 0) -> torch.Tensor | None:
-        """x @ w.T + b with layer i's LoRA of `group` for an FP8 weight whose unit-scale product the epilogue kernel
-        finishes (scales, bias and the expand in one launch after the group's shrink; runner/model/fp8.py), else
-        None (the caller takes the separate launches; nothing was launched). `act` (gate_up): the epilogue also applies
-        the activation (runner/model/fp8.py fp8_linear) and returns act(gate) * up."""
-        if not (self.fp8_epilogue and isinstance(w, Fp8Weight)
-                and epilogue_applies(x, w, b, self.fp8_tensor_cores, self.fp8_ext, self.fp8_gemm_rows,
-                                     self.fp8_unit_scale_elems, spans)):
+    def _finished(self, i: int, group: int, x: torch.Tensor, w, b: torch.Tensor | None, lora: LoraStep | None,
+                  spans: list[int], quantized=None, act: int = 0) -> torch.Tensor | None:
+        """x @ w.T + b with layer i's LoRA of `group` in a product whose epilogue applies the bias and the expand in
+        the same launch as the scales, after the group's shrink (runner/model/fp8.py): an FP8 weight whose unit-scale
+        product the epilogue kernel finishes, or with bf16_sm90 a bf16 weight on the wgmma kernel; else None (the
+        caller takes the separate launches; nothing was launched). `act` (gate_up, FP8 only): the epilogue also
+        applies the activation (fp8_linear) and returns act(gate) * up."""
+        fp8 = isinstance(w, Fp8Weight)
+        if fp8:
+            if not (self.fp8_epilogue and epilogue_applies(x, w, b, self.fp8_tensor_cores, self.fp8_ext,
+                                                           self.fp8_gemm_rows, self.fp8_unit_scale_elems, spans)):
+                return None
+        elif act or not (self.bf16_sm90 and bf16_sm90_applies(x, w, b, spans)):
             return None
+        if lora is not None and not getattr(lora, "epilogue_ready", False):
+            return None
+        if not fp8:
+            operands = None if lora is None else lora.epilogue_operands(i, group, x)
+            return bf16_sm90_linear(self.sm90_ext, x, w, b, spans, operands, self.unit_scales)
         operands, quant = None, quantized
         if lora is not None:
-            if not getattr(lora, "epilogue_ready", False):
-                return None
             mine = None
             if quant is None and self.fp8_quant_in_shrink and x.is_contiguous():  # the shrink's launch quantizes x too
                 quant = mine = quant_buffers(x)

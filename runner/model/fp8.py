@@ -123,6 +123,37 @@ def sm90_gemm_available(ext, device: torch.device) -> bool:
 
 
 SM90_TILE_ROWS = 64  # weight rows per tile of csrc/fp8_gemm_sm90.cu
+SM90_MAX_ROWS = 64  # token rows of one call of that kernel (fp8_gemm_sm90.h kFp8Sm90MaxRows)
+
+
+def bf16_sm90_applies(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, spans: list[int]) -> bool:
+    """Whether the wgmma kernel takes the bf16 product x @ w.T (+ bias, + the rows' LoRA expand over the output
+    `spans`) with its epilogue inside (bf16_sm90_linear): bf16 x [M <= 64, K] contiguous, a bf16 w [N, K] whose rows
+    are 16-byte aligned and at least K apart (a weight with spare columns, Decoder.widen_for_lora, qualifies), K a
+    multiple of 16, N of 8, one to three spans of multiples of 8 covering N, a bf16 bias or none."""
+    bf = torch.bfloat16
+    if not (x.dtype == bf and not isinstance(w, Fp8Weight) and w.dtype == bf and x.dim() == 2
+            and w.dim() == 2 and x.is_contiguous() and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0):
+        return False
+    (M, K), N = x.shape, w.shape[0]
+    return (1 <= M <= SM90_MAX_ROWS and w.shape[1] == K and K % 16 == 0 and N % 8 == 0 and w.stride(1) == 1
+            and w.stride(0) >= K and w.stride(0) % 8 == 0 and sum(spans) == N and 1 <= len(spans) <= 3
+            and all(s > 0 and s % 8 == 0 for s in spans)
+            and (bias is None or (bias.dtype == bf and _aligned(bias) and bias.numel() == N)))
+
+
+def bf16_sm90_linear(ext, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, spans: list[int],
+                     lora: tuple | None, unit: torch.Tensor) -> torch.Tensor:
+    """x @ w.T + bias plus, given `lora` = (v, B pools, ranks, row slots) from LoraStepImpl.epilogue_operands, the
+    rows' LoRA expand over the output `spans`, in one launch of the wgmma kernel on bf16 operands (where
+    bf16_sm90_applies): the product in fp32 rounded to bf16, the bias added and rounded, the expand's sum added before
+    the last rounding (the FP8 epilogue's arithmetic with unit scales: `unit`, ones, fp32, at least max(M, N))."""
+    M, N = x.shape[0], w.shape[0]
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    v, b, ranks, row_slot = lora if lora is not None else (None, [], None, None)
+    ext.fp8_gemm_sm90_fused(out, x, w, unit[:M], unit[:N], bias, list(spans), v, list(b), ranks, row_slot, True,
+                            torch.cuda.current_stream(x.device).cuda_stream)
+    return out
 
 
 @functools.cache

@@ -288,6 +288,14 @@ def fp8_sm90() -> bool:
     return _flag("LORAFLEET_FP8_SM90", True)
 
 
+def bf16_sm90() -> bool:
+    """LORAFLEET_BF16_SM90: with bf16 weights on a compute capability 9.0 GPU, the products of steps of at most 64
+    rows run on the project's wgmma kernel with bf16 operands instead of cuBLAS, with the bias and the rows' LoRA
+    expand inside its epilogue (default 0 until measured end to end; docs/benchmarks.md section 13.10 has the
+    per-group probe)."""
+    return _flag("LORAFLEET_BF16_SM90", False)
+
+
 def fp8_sm90_fused() -> bool:
     """LORAFLEET_FP8_SM90_FUSED: where that wgmma kernel's product (in one part, bf16 output) is finished by the FP8
     epilogue without an activation or a LoRA expand (qkv, o, down of steps without adapters), the epilogue runs inside

@@ -76,6 +76,30 @@ def test_family_decode_on_the_lorafleet_kernel(family):
     teacher.decode_kernel_vs_flashinfer(model, reqs, name, kernels=KernelChoices(decode_kernel="lorafleet"))
 
 
+def test_family_bf16_products_on_the_wgmma_kernel(family, monkeypatch):
+    """KernelChoices.bf16_sm90: the products of steps of at most 64 rows on the wgmma kernel with bf16 operands, the
+    bias and the rows' LoRA expand inside its epilogue after the group's shrink. Teacher-forced against HF + PEFT in
+    fp32 with every step at most 64 rows, so that every product takes the kernel (its calls counted, some with LoRA
+    operands); then a decode step of 24 requests replayed from its CUDA graph against the same step run eagerly."""
+    import lorafleet.runner.model.decoder as dec
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma kernel is built for compute capability 9.0 only")
+    name, model, ads, reqs = family
+    calls = []
+    real = dec.bf16_sm90_linear
+
+    def counted(ext, x, w, bias, spans, lora, unit):
+        calls.append(lora is not None)
+        return real(ext, x, w, bias, spans, lora, unit)
+    monkeypatch.setattr(dec, "bf16_sm90_linear", counted)
+    cpu, _ = generate(model, reqs, NEW, device="cpu", kv_cache_gb=0.05)  # the fp32 continuation
+    eng = teacher.teacher_forced_check(model, ads, reqs, cpu, "bfloat16", f"{name} bf16 wgmma",
+                                       kernels=KernelChoices(bf16_sm90=True), max_step_tokens=64)
+    assert eng.model.bf16_sm90 and any(calls)
+    teacher.decode_graph_vs_eager(model, reqs, f"{name} bf16 wgmma", kernels=KernelChoices(bf16_sm90=True))
+
+
 @pytest.fixture(scope="module")
 def ungrouped(tmp_path_factory):
     """Llama with one query head per K/V head (the Llama-2 shape, where `auto` takes the project's decode kernel for

@@ -235,7 +235,8 @@ def test_sm90_gemm_refuses_bad_operands(ext):
         (dict(out=torch.empty(65, 64, device="cuda"), x=torch.zeros(65, 256, device="cuda").to(E4M3)), "1 to 64 rows"),
         (dict(out=out.bfloat16()), "out must be contiguous float32"),
         (dict(x=xq.float()), "x must be a contiguous 2-D float8_e4m3fn"),
-        (dict(w=w.q[:, :128].contiguous()), r"w must be contiguous float8_e4m3fn \[N, K=256\]"),
+        (dict(w=w.q[:, :128].contiguous()), r"w must be float8_e4m3fn \[N, K=256\]"),
+        (dict(w=torch.zeros(64, 264, device="cuda").to(E4M3)[:, :256]), r"16-byte aligned rows at least K apart"),
         (dict(x=torch.zeros(4, 40, device="cuda").to(E4M3), w=torch.zeros(64, 40, device="cuda").to(E4M3)),
          "must be a multiple of 16"),
         (dict(w=torch.zeros(66, 256, device="cuda").to(E4M3), out=torch.empty(4, 66, device="cuda")), "N .* of 4"),
@@ -337,9 +338,10 @@ def _bf16_operands(M: int, K: int, N: int, seed: int):
 @pytest.mark.parametrize("M", [1, 16, 17, 32, 33, 64])
 def test_bf16_operands_give_the_fp32_sum_and_rows_of_their_own(ext, M):
     """bf16 x and w (the same kernel on bf16 wgmma, bench/probe_bf16_sm90.py): the fp64 sum of the exact bf16 products
-    within fp32 accumulation's rounding, each row bit for bit the row alone and in a 17-row call (every token tile
-    shares the k-tile), K in parts as the unsplit calls on the K slices, and with the epilogue inside (unit scales)
-    bit for bit the product into fp32 followed by the epilogue's launch."""
+    within fp32 accumulation's rounding, the same bits from a weight whose rows lie K + 64 apart, each row bit for bit
+    the row alone and in a 17-row call (every token tile shares the k-tile), K in parts as the unsplit calls on the K
+    slices, and with the epilogue inside (unit scales) bit for bit the product into fp32 followed by the epilogue's
+    launch."""
     for K, N in ((272, 100), (4096, 4096), (11008, 4096)):
         x, w = _bf16_operands(M, K, N, seed=M * 7 + K + N)
         got = torch.full((M, N), float("nan"), device="cuda")
@@ -351,6 +353,11 @@ def test_bf16_operands_give_the_fp32_sum_and_rows_of_their_own(ext, M):
             alone = torch.empty(1, N, device="cuda")
             ext.fp8_gemm_sm90(alone, x[i:i + 1].contiguous(), w, _stream())
             assert torch.equal(alone[0], got[i]), (M, K, N, i)
+        wide = torch.zeros(N, K + 64, device="cuda", dtype=torch.bfloat16)  # spare columns (Decoder.widen_for_lora)
+        wide[:, :K].copy_(w)
+        spare = torch.empty(M, N, device="cuda")
+        ext.fp8_gemm_sm90(spare, x, wide[:, :K], _stream())
+        assert torch.equal(spare, got), (M, K, N)
         if M > 17:
             part = torch.empty(17, N, device="cuda")
             ext.fp8_gemm_sm90(part, x[:17].contiguous(), w, _stream())
@@ -381,7 +388,7 @@ def test_bf16_operands_give_the_fp32_sum_and_rows_of_their_own(ext, M):
 def test_bf16_operands_refused_where_they_do_not_fit(ext):
     x, w = _bf16_operands(4, 256, 64, seed=3)
     out = torch.empty(4, 64, device="cuda")
-    with pytest.raises(RuntimeError, match=r"w must be contiguous bfloat16 \[N, K=256\] \(x's dtype\)"):
+    with pytest.raises(RuntimeError, match=r"w must be bfloat16 \[N, K=256\] .* \(x's dtype\)"):
         ext.fp8_gemm_sm90(out, x, w.to(E4M3), _stream())
     with pytest.raises(RuntimeError, match="persistent schedule is built for e4m3 operands only"):
         ext.fp8_gemm_sm90(out, x, w, _stream(), 1, True, True)

@@ -1,0 +1,144 @@
+"""The bf16 decode products on the wgmma kernel (KernelChoices.bf16_sm90; runner/model/fp8.py bf16_sm90_linear) in the
+decoder, on the CPU. The kernel's launch is replaced by a torch emulation of its contract (x @ w.T + bias, plus each
+row's LoRA expand v[t, g, :r] @ B_g[slot, :r] over the output spans), and the LoRA kernels by the torch ones under the
+CUDA kernels' name, so that the decoder takes its CUDA path: the group's shrink (LoraStepImpl.epilogue_operands), then
+the product with the expand inside. A CPU engine so configured gives the default path's tokens with adapters on every
+projection and mixed ranks; every projection group of every layer goes through the product once per step, with its
+spans and, in steps with adapters, the step's LoRA operands; the shrink runs once per such call and no expand launch
+remains. A decoder that dropped the expand, added it twice, passed another group's B or spans, or kept cuBLAS's product
+beside it would change the tokens or the counts. The kernel itself: tests/gpu/test_fp8_sm90_cuda.py; the engine with it
+against HF + PEFT: tests/gpu/test_families_cuda.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import lorafleet.runner.model.decoder as dec
+from family_models import family_targets, write_family_model
+from lorafleet.runner.config import EngineConfig, KernelChoices
+from lorafleet.runner.engine.engine import Engine
+from lorafleet.runner.engine.sequence import AdapterRef, SamplingParams, Sequence
+from lorafleet.runner.model.fp8 import Fp8Weight, bf16_sm90_applies
+from model_helpers import write_random_adapter
+
+NEW = 6
+
+
+class TorchUnderCudaName:
+    """The torch LoRA kernels behind the CUDA kernels' name and keyword arguments, counting shrinks and expands."""
+
+    name = "cuda"
+
+    def __init__(self, inner):
+        self.inner, self.shrinks, self.expands = inner, 0, 0
+
+    def shrink(self, v, x, a, ranks, host, seg, **_):
+        self.shrinks += 1
+        self.inner.shrink(v, x, a, ranks, host, seg)
+
+    def expand(self, ys, v, b, ranks, host, seg, **_):
+        self.expands += 1
+        self.inner.expand(ys, v, b, ranks, host, seg)
+
+    def add(self, ys, v, x, a, b, ranks, host, seg, *_, **__):
+        self.shrink(v, x, a, ranks, host, seg)
+        self.expand(ys, v, b, ranks, host, seg)
+
+
+def emulated_product(calls):
+    """bf16_sm90_linear's contract in torch, recording (spans, whether LoRA operands came) per call."""
+
+    def run(ext, x, w, bias, spans, lora, unit):
+        assert ext == "ext" and unit.numel() >= max(x.shape[0], w.shape[0]) and bool((unit == 1).all())
+        calls.append((tuple(spans), lora is not None))
+        y = F.linear(x, w, bias)
+        if lora is not None:
+            v, b, ranks, row_slot = lora
+            assert len(b) == len(spans) and all(bg.shape[2] == n for bg, n in zip(b, spans))
+            start = 0
+            for g, n in enumerate(spans):
+                for t in range(x.shape[0]):
+                    s = int(row_slot[t])
+                    if 0 <= s < b[g].shape[0]:
+                        r = min(int(ranks[g, s]), b[g].shape[1])
+                        y[t, start:start + n] += v[t, g, :r] @ b[g][s, :r]
+                start += n
+        return y
+    return run
+
+
+def run(model, ads, on: bool, monkeypatch):
+    g = torch.Generator().manual_seed(11)
+    names = [None] + sorted(ads)
+    seqs = [Sequence(f"r{i}", torch.randint(3, 256, (int(torch.randint(5, 20, (1,), generator=g)),),
+                                            generator=g).tolist(), SamplingParams(max_tokens=NEW, ignore_eos=True),
+                     AdapterRef(names[i % len(names)], str(ads[names[i % len(names)]])) if names[i % len(names)]
+                     else None) for i in range(6)]
+    eng = Engine(str(model), EngineConfig(device="cpu", max_batch_size=8, page_size=4, num_pages=200, max_lora_rank=16,
+                                          max_step_tokens=64, kernels=KernelChoices(bf16_sm90=on)))
+    calls: list = []
+    shim = TorchUnderCudaName(eng.runner.sgmv)
+    eng.runner.sgmv = shim
+    d = eng.model
+    assert d.bf16_sm90 is False  # a CPU device: the choice is not taken by itself
+    if on:  # as on a compute capability 9.0 GPU whose build has the kernel
+        d.bf16_sm90, d.sm90_ext, d.unit_scales = True, "ext", torch.ones(512)
+        monkeypatch.setattr(dec, "bf16_sm90_applies", lambda x, w, b, spans: x.shape[0] <= 64)
+        monkeypatch.setattr(dec, "bf16_sm90_linear", emulated_product(calls))
+    try:
+        out = eng.run_to_completion(seqs)
+    finally:
+        eng.close()
+    return [out[f"r{i}"].output_ids for i in range(len(seqs))], d, calls, shim
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "phi3"])
+def test_bf16_products_with_the_expand_inside_give_the_default_tokens(tmp_path, family, monkeypatch):
+    """(qwen2: q, k and v biases; phi3: fused qkv and gate_up in the checkpoint)"""
+    model = write_family_model(family, tmp_path / "m", seed=2)
+    ads = {"all": write_random_adapter(model, tmp_path / "all", r=8, alpha=16, targets=family_targets(family), seed=3),
+           "mlp": write_random_adapter(model, tmp_path / "mlp", r=4, alpha=8, targets=family_targets(family, "mlp"),
+                                       seed=4)}
+    want, _, none, plain = run(model, ads, False, monkeypatch)
+    got, d, calls, shim = run(model, ads, True, monkeypatch)
+    assert got == want
+    assert none == [] and plain.shrinks > 0 and plain.expands == plain.shrinks
+    c = d.cfg
+    kinds = {(c.q_dim, c.kv_dim, c.kv_dim): 0, (c.hidden_size,): 0, (c.intermediate_size, c.intermediate_size): 0}
+    for spans, _ in calls:
+        kinds[spans] += 1  # a KeyError: spans of no group
+    layers_steps = kinds[(c.q_dim, c.kv_dim, c.kv_dim)]
+    assert layers_steps > 0 and layers_steps % c.num_layers == 0
+    assert kinds[(c.intermediate_size, c.intermediate_size)] == layers_steps  # gate_up
+    assert kinds[(c.hidden_size,)] == 2 * layers_steps  # o and down
+    with_lora = sum(1 for _, lora in calls if lora)
+    assert with_lora > 0
+    assert shim.expands == 0 and shim.shrinks == with_lora  # the expand only inside the product
+
+
+def test_the_wgmma_kernel_takes_only_the_products_it_can():
+    bf = torch.bfloat16
+    x, w = torch.zeros(32, 64, dtype=bf), torch.zeros(48, 64, dtype=bf)
+    assert bf16_sm90_applies(x, w, None, [16, 16, 16])
+    assert bf16_sm90_applies(x, w, torch.zeros(48, dtype=bf), [48])
+    wide = torch.zeros(48, 64 + 64, dtype=bf)[:, :64]  # spare columns (Decoder.widen_for_lora)
+    assert bf16_sm90_applies(x, wide, None, [48])
+    refused = {
+        "65 rows": (torch.zeros(65, 64, dtype=bf), w, None, [48]),
+        "fp16": (x.half(), w.half(), None, [48]),
+        "fp32 weight": (x, w.float(), None, [48]),
+        "an FP8 weight": (x, Fp8Weight(torch.zeros(48, 64, dtype=torch.float8_e4m3fn), torch.ones(48)), None, [48]),
+        "K not a multiple of 16": (torch.zeros(32, 40, dtype=bf), torch.zeros(48, 40, dtype=bf), None, [48]),
+        "N not a multiple of 8": (x, torch.zeros(44, 64, dtype=bf), None, [44]),
+        "spans not covering N": (x, w, None, [16, 16]),
+        "a span not a multiple of 8": (x, w, None, [20, 28]),
+        "four spans": (x, w, None, [8, 8, 16, 16]),
+        "rows closer than K": (x, torch.zeros(48, 64 + 8, dtype=bf).as_strided((48, 64), (60, 1)), None, [48]),
+        "rows not 16-byte aligned": (x, torch.zeros(48, 64 + 4, dtype=bf)[:, :64], None, [48]),
+        "strided x": (torch.zeros(32, 128, dtype=bf)[:, :64], w, None, [48]),
+        "an fp32 bias": (x, w, torch.zeros(48), [48]),
+    }
+    for why, args in refused.items():
+        assert not bf16_sm90_applies(*args), why
