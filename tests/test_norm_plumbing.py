@@ -70,10 +70,13 @@ def test_own_norm_path_gives_the_default_tokens(tmp_path, family):
     assert norm.outputs  # the new residuals went to tensors of their own
 
 
-def test_fp8_norm_quantizes_and_a_shrunk_group_is_not_shrunk_again(monkeypatch):
+@pytest.mark.parametrize("weights", ["fp8", "bf16_sm90"])
+def test_a_group_shrunk_in_the_norms_launch_is_not_shrunk_again(monkeypatch, weights):
     """With FP8 weights the norm's launch always makes the e4m3 rows (also under fp8_gemm_bf16, whose bf16-row kernel
     may not be the call a step takes), so a group whose shrink rode in that launch is finished without a second
-    shrink and without asking the LoRA step to quantize (which it refuses once the shrink is done)."""
+    shrink and without asking the LoRA step to quantize (which it refuses once the shrink is done). bf16 weights on
+    the wgmma kernel (KernelChoices.bf16_sm90): no e4m3 rows, and the product with the expand inside likewise takes
+    the norm's shrink without a second one."""
     import types
 
     import lorafleet.runner.model.decoder as dec
@@ -90,7 +93,7 @@ def test_fp8_norm_quantizes_and_a_shrunk_group_is_not_shrunk_again(monkeypatch):
 
         def norm_shrink(self, v, x_out, norm, a, ranks, seg, quant):
             calls.append("norm_shrink")
-            assert quant is not None
+            assert (quant is not None) == (weights == "fp8")
             x_out.copy_(rms_norm(norm.h + norm.res, norm.w, norm.eps, norm.offset))
             norm.res_out.copy_(norm.h + norm.res)
 
@@ -106,6 +109,18 @@ def test_fp8_norm_quantizes_and_a_shrunk_group_is_not_shrunk_again(monkeypatch):
         fp8_epilogue=True, fp8_ext=None, fp8_gemm_rows=0, fp8_unit_scale_elems=1, fp8_quant_in_shrink=True,
         _fp8_linear=lambda x, w, b, **k: finished.update(k) or x)
     h, res = torch.randn(4, 16, dtype=torch.bfloat16), torch.randn(4, 16, dtype=torch.bfloat16)
+    if weights == "bf16_sm90":
+        me.bf16_sm90, me.sm90_ext, me.unit_scales = True, "ext", torch.ones(16)
+        monkeypatch.setattr(dec, "bf16_sm90_applies", lambda *a: True)  # as on an H100 for at most 64 rows
+        monkeypatch.setattr(dec, "bf16_sm90_linear", lambda ext, x, w, b, spans, lora, unit: finished.update(
+            lora=lora, spans=spans) or x)
+        w = torch.zeros(16, 16, dtype=torch.bfloat16)
+        x, new_res, quant = dec.Decoder._norm(me, 0, 2, h, res, torch.ones(16, dtype=torch.bfloat16), lora, w)
+        assert quant is None and torch.equal(new_res, h + res) and calls == ["norm_shrink"]
+        dec.Decoder._finished(me, 0, 2, x, w, None, lora, [8, 8], quant)
+        assert calls == ["norm_shrink"]  # no second shrink
+        assert finished["lora"] is not None and finished["spans"] == [8, 8]
+        return
     w = Fp8Weight(torch.zeros(16, 16, dtype=torch.float8_e4m3fn), torch.ones(16))
     x, new_res, quant = dec.Decoder._norm(me, 0, 2, h, res, torch.ones(16, dtype=torch.bfloat16), lora, w)
     assert quant is not None and quant[0].dtype == torch.float8_e4m3fn and quant[1].shape == (4, 1)

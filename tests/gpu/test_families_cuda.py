@@ -80,7 +80,8 @@ def test_family_bf16_products_on_the_wgmma_kernel(family, monkeypatch):
     """KernelChoices.bf16_sm90: the products of steps of at most 64 rows on the wgmma kernel with bf16 operands, the
     bias and the rows' LoRA expand inside its epilogue after the group's shrink. Teacher-forced against HF + PEFT in
     fp32 with every step at most 64 rows, so that every product takes the kernel (its calls counted, some with LoRA
-    operands); then a decode step of 24 requests replayed from its CUDA graph against the same step run eagerly."""
+    operands); then a decode step of 24 requests replayed from its CUDA graph against the same step run eagerly, also
+    with the shrinks of qkv and gate_up inside the norms' launches (KernelChoices.norm_shrink)."""
     import lorafleet.runner.model.decoder as dec
 
     if torch.cuda.get_device_capability() != (9, 0):
@@ -98,6 +99,9 @@ def test_family_bf16_products_on_the_wgmma_kernel(family, monkeypatch):
                                        kernels=KernelChoices(bf16_sm90=True), max_step_tokens=64)
     assert eng.model.bf16_sm90 and any(calls)
     teacher.decode_graph_vs_eager(model, reqs, f"{name} bf16 wgmma", kernels=KernelChoices(bf16_sm90=True))
+    # with the qkv and gate_up shrinks inside the norms' launches (the product then launches no shrink of its own)
+    teacher.decode_graph_vs_eager(model, reqs, f"{name} bf16 wgmma, norm + shrink",
+                                  kernels=KernelChoices(bf16_sm90=True, norm_shrink=True))
 
 
 @pytest.fixture(scope="module")
