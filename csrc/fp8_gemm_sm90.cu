@@ -396,6 +396,8 @@ const char* sizes_error(const Fp8Sm90Args& a) {
   if (a.m <= 0 || a.m > kFp8Sm90MaxRows || a.n <= 0 || a.k <= 0) return "fp8_gemm_sm90(_fused): sizes out of range";
   if (a.splits < 1 || a.k % (16 * a.splits) != 0 || a.n % 4 != 0)
     return "fp8_gemm_sm90(_fused): K must be a multiple of 16 * splits and N of 4";
+  if (a.w_ld != 0 && (a.w_ld < a.k || a.w_ld * (a.bf16 ? 2 : 1) % 16 != 0))
+    return "fp8_gemm_sm90(_fused): w_ld must be at least K and a multiple of 16 bytes";
   if (a.device < 0) return "fp8_gemm_sm90(_fused): no device given";
   return nullptr;
 }

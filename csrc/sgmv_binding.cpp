@@ -44,7 +44,8 @@
 //   fp8_gemm_sm90(out, x, w, stream, splits=1, pdl=True, persistent=False): out = x @ w.T in fp32 (unit scales) for
 //       at most 64 e4m3 rows x on Hopper's wgmma (fp8_gemm_sm90.h, CUTLASS); splits > 1: out [splits, M, N] holds
 //       the partial sums of K's equal parts; persistent: CUTLASS's persistent ping-pong schedule (the same bits).
-//       x and w may both be bf16 instead (bf16 wgmma; not persistent), here and in fp8_gemm_sm90_fused.
+//       x and w may both be bf16 instead (bf16 wgmma; not persistent), here and in fp8_gemm_sm90_fused; w's rows
+//       may lie further apart than K (a weight with spare columns: 16-byte aligned rows).
 //       fp8_gemm_sm90_built(): whether this build holds that kernel.
 //   fp8_epilogue(out, y, x_scale, w_scale, bias, cols, v, b, ranks, row_slot, pdl, stream, act=0): out = the fp32
 //       unit-scale FP8 product y times the token and row scales, plus the bias and the rows' LoRA expand

@@ -11,6 +11,8 @@ against HF + PEFT: tests/gpu/test_families_cuda.py."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -118,6 +120,37 @@ def test_bf16_products_with_the_expand_inside_give_the_default_tokens(tmp_path, 
     assert shim.expands == 0 and shim.shrinks == with_lora  # the expand only inside the product
 
 
+def test_the_products_launch_hands_the_kernel_its_operands(monkeypatch):
+    """bf16_sm90_linear against a stand-in for the extension: the output [M, N] in x's dtype, x and w as given (a
+    strided weight too), unit scales of M and N ones, the bias, the spans as a list, the LoRA operands in order (or
+    none: no v, no B pools, no ranks, no row slots), programmatic dependent launch on, the current stream."""
+    from lorafleet.runner.model.fp8 import bf16_sm90_linear
+
+    seen = {}
+
+    class Ext:
+        def fp8_gemm_sm90_fused(self, *args):
+            seen["args"] = args
+            args[0].fill_(7)
+
+    bf = torch.bfloat16
+    x, w = torch.zeros(3, 64, dtype=bf), torch.zeros(48, 128, dtype=bf)[:, :64]
+    bias, unit = torch.zeros(48, dtype=bf), torch.ones(100)
+    lora = (torch.zeros(3, 2, 8), (torch.zeros(4, 8, 16), torch.zeros(4, 8, 32)), torch.zeros(2, 4, dtype=torch.int32),
+            torch.zeros(3, dtype=torch.int32))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=1234))
+    out = bf16_sm90_linear(Ext(), x, w, bias, (16, 32), lora, unit)
+    got = seen["args"]
+    assert out.shape == (3, 48) and out.dtype == bf and bool((out == 7).all()) and got[0] is out
+    assert got[1] is x and got[2] is w and got[5] is bias and got[6] == [16, 32]
+    assert got[3].shape == (3,) and got[4].shape == (48,) and bool((got[3] == 1).all() and (got[4] == 1).all())
+    assert got[7] is lora[0] and got[8] == list(lora[1]) and got[9] is lora[2] and got[10] is lora[3]
+    assert got[11] is True and got[12] == 1234
+    bf16_sm90_linear(Ext(), x, w, None, [48], None, unit)
+    got = seen["args"]
+    assert got[5] is None and got[7:11] == (None, [], None, None)
+
+
 def test_the_wgmma_kernel_takes_only_the_products_it_can():
     bf = torch.bfloat16
     x, w = torch.zeros(32, 64, dtype=bf), torch.zeros(48, 64, dtype=bf)
@@ -135,7 +168,7 @@ def test_the_wgmma_kernel_takes_only_the_products_it_can():
         "spans not covering N": (x, w, None, [16, 16]),
         "a span not a multiple of 8": (x, w, None, [20, 28]),
         "four spans": (x, w, None, [8, 8, 16, 16]),
-        "rows closer than K": (x, torch.zeros(48, 64 + 8, dtype=bf).as_strided((48, 64), (60, 1)), None, [48]),
+        "rows closer than K": (x, torch.zeros(48, 64, dtype=bf).as_strided((48, 64), (56, 1)), None, [48]),
         "rows not 16-byte aligned": (x, torch.zeros(48, 64 + 4, dtype=bf)[:, :64], None, [48]),
         "strided x": (torch.zeros(32, 128, dtype=bf)[:, :64], w, None, [48]),
         "an fp32 bias": (x, w, torch.zeros(48), [48]),

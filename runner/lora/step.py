@@ -193,6 +193,10 @@ class LoraStepImpl:
             return False
         v = self.views[GROUP_SPANS[group][1]]
         a, _, ranks, _ = self.pool.group_args[layer][group]
+        # the row slots before the norm's launch, as for cluster_norm: the product that finishes the group with the
+        # expand in its epilogue (epilogue_operands) reads them before its programmatic-launch wait, so they must not
+        # be written by the kernel right before it
+        self._row_slots(layer, -1 - group, x_out.shape[0])
         self.sgmv.norm_shrink(v, x_out, norm, a, ranks, self.seg, quant)
         self._shrunk = (layer, group)
         return True
@@ -238,15 +242,17 @@ class LoraStepImpl:
 
     @property
     def epilogue_ready(self) -> bool:
-        """The FP8 epilogue kernel can take this step's expands (the CUDA LoRA kernels, not the dense path)."""
+        """An epilogue kernel can take this step's expands (the FP8 product's, the bf16 wgmma product's): the CUDA LoRA
+        kernels, not the dense path."""
         return getattr(self.sgmv, "name", "") == "cuda" and self.dense is None
 
     def epilogue_operands(self, layer: int, group: int, x: torch.Tensor,
                           quant: tuple[torch.Tensor, torch.Tensor] | None = None):
         """The group's shrink, launched now on the CUDA-core path (the path of every segment of at most 64 rows
-        with the default KernelChoices.mma_rows, so the same v as `add`), and the expand's operands (v, B pools, ranks, each row's slot) for the kernel
-        that finishes the FP8 product (runner/model/fp8.py fp8_linear, epilogue); None, and nothing launched:
-        no adapter in the step. `quant` (e4m3 rows, scales): the shrink's launch also quantizes x into them."""
+        with the default KernelChoices.mma_rows, so the same v as `add`), and the expand's operands (v, B pools,
+        ranks, each row's slot) for the kernel that finishes the product (runner/model/fp8.py: fp8_linear's epilogue,
+        bf16_sm90_linear); None, and nothing launched: no adapter in the step. `quant` (e4m3 rows, scales): the
+        shrink's launch also quantizes x into them."""
         if not self.active:
             return None
         v = self.views[GROUP_SPANS[group][1]]

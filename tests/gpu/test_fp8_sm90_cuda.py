@@ -368,6 +368,9 @@ def test_bf16_operands_give_the_fp32_sum_and_rows_of_their_own(ext, M):
             half = torch.empty(M, N, device="cuda")
             ext.fp8_gemm_sm90(half, x[:, K // 2:].contiguous(), w[:, K // 2:].contiguous(), _stream())
             assert torch.equal(parts[1], half), (M, K, N)
+            spare_parts = torch.empty(2, M, N, device="cuda")  # the parts of a weight with spare columns
+            ext.fp8_gemm_sm90(spare_parts, x, wide[:, :K], _stream(), 2)
+            assert torch.equal(spare_parts, parts), (M, K, N)
     for spans, rows, bias, lora, K in FUSED_CASES:
         if {37: 32, 5: 1}.get(rows, rows) != M:  # each case once: at its own row count, 37 and 5 rows at 32 and 1
             continue
