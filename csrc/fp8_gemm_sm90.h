@@ -2,11 +2,12 @@
 //
 //   out[m, n] = sum_k x_q[m, k] * w_q[n, k]        (fp32, no scales: the caller's epilogue applies them)
 //
-// x_q [M, K] and w_q [N, K] e4m3, row-major with unit column stride, 16-byte aligned base addresses, K a
-// multiple of 16, N of 4, 1 <= M <= 64; out [M, N] fp32 contiguous. With `bf16` the operands are bf16 instead
-// (the same tiles of 256 bytes of K, bf16 wgmma accumulating in fp32), for the bf16 base product of decode steps. The weight is the MMA's long side
-// (64-row tiles), the tokens its narrow side (16, 32 or 64 per tile, by M). A token's row of `out` does not
-// depend on the other rows. Torch-free like sgmv.h; the binding is in sgmv_binding.cpp.
+// x_q [M, K] and w_q [N, K] e4m3, row-major with unit column stride (w's rows w_ld apart), 16-byte aligned base
+// addresses, K a multiple of 16, N of 4, 1 <= M <= 64; out [M, N] fp32 contiguous. With `bf16` the operands are bf16
+// instead (the same tiles of 256 bytes of K, bf16 wgmma accumulating in fp32), for the bf16 base product of decode
+// steps. The weight is the MMA's long side (64-row tiles), the tokens its narrow side (16, 32 or 64 per tile, by M).
+// A token's row of `out` does not depend on the other rows. Torch-free like sgmv.h; the binding is in
+// sgmv_binding.cpp.
 #pragma once
 
 #include <cstdint>

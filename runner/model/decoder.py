@@ -222,9 +222,13 @@ class Decoder:
                     "FP8 products of decode-sized steps on %s", "the wgmma kernel (csrc/fp8_gemm_sm90.cu)"
                     if self.fp8_sm90 else "cuBLASLt (the wgmma kernel needs compute capability 9.0 and a kernel build "
                     "that found CUTLASS's headers in flashinfer's package)")
-        if kernels.bf16_sm90 and self.device.type == "cuda" and dtype == torch.bfloat16 and not isinstance(
-                self.layers[0].qkv, Fp8Weight):
-            self._take_bf16_sm90()
+        if kernels.bf16_sm90:
+            if self.device.type == "cuda" and dtype == torch.bfloat16 and not isinstance(self.layers[0].qkv, Fp8Weight):
+                self._take_bf16_sm90()
+            else:
+                log.info("bf16_sm90 ignored: it takes bf16 weights on a CUDA device (here %s, %s%s)", self.device.type,
+                         str(dtype).replace("torch.", ""), ", FP8 weights" if isinstance(self.layers[0].qkv, Fp8Weight)
+                         else "")
         # (norm_lora only where its launch can run: thread-block clusters, one rank)
         cluster_norm = (kernels.norm_lora and self.device.type == "cuda" and all_reduce is None
                         and torch.cuda.get_device_capability(self.device)[0] >= 9)
