@@ -223,12 +223,12 @@ class Decoder:
                     if self.fp8_sm90 else "cuBLASLt (the wgmma kernel needs compute capability 9.0 and a kernel build "
                     "that found CUTLASS's headers in flashinfer's package)")
         if kernels.bf16_sm90:
-            if self.device.type == "cuda" and dtype == torch.bfloat16 and not isinstance(self.layers[0].qkv, Fp8Weight):
+            weights = "FP8" if isinstance(self.layers[0].qkv, Fp8Weight) else str(dtype).replace("torch.", "")
+            if self.device.type == "cuda" and weights == "bfloat16":
                 self._take_bf16_sm90()
             else:
-                log.info("bf16_sm90 ignored: it takes bf16 weights on a CUDA device (here %s, %s%s)", self.device.type,
-                         str(dtype).replace("torch.", ""), ", FP8 weights" if isinstance(self.layers[0].qkv, Fp8Weight)
-                         else "")
+                log.info("bf16_sm90 ignored: it takes bfloat16 weights on a CUDA device, not %s weights on %s", weights,
+                         self.device.type)
         # (norm_lora only where its launch can run: thread-block clusters, one rank)
         cluster_norm = (kernels.norm_lora and self.device.type == "cuda" and all_reduce is None
                         and torch.cuda.get_device_capability(self.device)[0] >= 9)
@@ -376,7 +376,7 @@ class Decoder:
         if self.fp8_epilogue_act and ops.name == "flashinfer" and not self._dense(lora, lw.gate_up):
             # the FP8 epilogue of gate_up writes act(gate) * up itself, flashinfer's act_and_mul bits (None: not here)
             a = self._finished(i, GATE_UP, x, lw.gate_up, lw.gate_up_bias, lora,
-                                   [c.intermediate_size, c.intermediate_size], quant, act=ACT_CODES[c.activation])
+                               [c.intermediate_size, c.intermediate_size], quant, act=ACT_CODES[c.activation])
         if a is None:
             gu = self._project(i, GATE_UP, x, lw.gate_up, lw.gate_up_bias, lora,
                                split=[c.intermediate_size, c.intermediate_size], quant=quant)  # [T, 2 I]
