@@ -69,19 +69,25 @@ def test_sm90_splits_depend_on_the_weight_and_the_gpu_only():
 
 @pytest.mark.skipif(shutil.which("nvcc") is None or not kernels.cutlass_includes(),
                     reason="needs nvcc and CUTLASS's headers (flashinfer installed)")
-def test_the_wgmma_kernel_compiles_for_sm90a_without_serialized_wgmma(tmp_path):
-    """csrc/fp8_gemm_sm90.cu as the extension's build compiles it where CUTLASS is found (tests/test_csrc_compile.py
-    only ever sees its stub): no warnings, no spills, and no wgmma serialized by a call in its main loop (C7510)."""
+@pytest.mark.parametrize("source,mainloop", [("fp8_gemm_sm90.cu", "MainloopSm90TmaGmmaWarpSpecializedFP8"),
+                                             ("fp8_gemm_sm90_bf16.cu", "BF16BF16")])
+def test_the_wgmma_kernel_compiles_for_sm90a_without_serialized_wgmma(tmp_path, source, mainloop):
+    """csrc/fp8_gemm_sm90.cu (e4m3) and fp8_gemm_sm90_bf16.cu (bf16 operands) as the extension's build compiles them
+    where CUTLASS is found (tests/test_csrc_compile.py only ever sees their stubs): no warnings, no spills, no stack
+    frame (the bf16 epilogue's one chunk at a time at 32 tokens), and no wgmma serialized by a call in its main loop
+    (C7510)."""
     cutlass = kernels.cutlass_includes()
     cmd = ["nvcc", "-std=c++17", "-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
            "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__", "--expt-relaxed-constexpr",
            *kernels.cuda_flags(cutlass), *[f"-I{d}" for d in cutlass], "-Xptxas", "-v",
-           "-c", str(CSRC / "fp8_gemm_sm90.cu"), "-o", str(tmp_path / "k.o")]  # the build's flags and archs
+           "-c", str(CSRC / source), "-o", str(tmp_path / "k.o")]  # the build's flags and archs
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
     assert "C7510" not in log, "wgmma serialized"
-    assert "MainloopSm90TmaGmmaWarpSpecializedFP8" in log  # the real kernel, not the stub
+    assert mainloop in log  # the real kernel, not the stub
     spills = [line for line in log.splitlines() if "spill" in line and " 0 bytes spill stores, 0 bytes spill loads" not in line]
     assert not spills, spills
+    stacks = [line for line in log.splitlines() if "bytes stack frame" in line and " 0 bytes stack frame" not in line]
+    assert not stacks, stacks
     assert not [line for line in log.splitlines() if "warning" in line.lower()]  # nvcc's, ptxas's, CUTLASS's

@@ -1,0 +1,418 @@
+// sm90_gemm.cuh: the kernels behind fp8_gemm_sm90.h, shared by fp8_gemm_sm90.cu (the e4m3 operands and the
+// entry points) and fp8_gemm_sm90_bf16.cu (the bf16 operands), so that the two halves compile side by side.
+//
+// fp8_gemm_sm90 (see fp8_gemm_sm90.h): the unit-scale FP8 product of decode-sized steps on Hopper's
+// `wgmma`, through CUTLASS's sm90 collectives (TMA loads into a multistage shared-memory ring, a producer
+// warp and consumer warp groups).
+//
+// The operands are swapped: the kernel computes D' = W @ X^T with the weight W [N, K] as the MMA's M side
+// (64 weight rows per tile, wgmma's native M) and the tokens X [M, K] as its narrow N side (16, 32 or 64
+// per tile), so a decode step of 32 tokens does not pad 32 rows to a 64- or 128-row tile. D' [N, M] is
+// written column-major, which is y [M, N] row-major: the layout the caller reads. The accumulation is
+// promoted out of the tensor cores into fp32 registers once per k-tile of 256 (CUTLASS's non-"FastAccum" FP8
+// schedule); inside a k-tile the tensor cores accumulate with fewer bits than fp32.
+//
+// With `splits` > 1 the K range is cut into equal parts, run as a batch (more tiles for the GPU where N alone
+// gives fewer than its SMs: the 7B o and down weights have 64 row tiles for 132 SMs); part l's partial sums
+// go to out[l], and the caller adds them in part order.
+//
+// With bf16 operands (Fp8Sm90Args::bf16) the same kernels run CUTLASS's plain sm90 collective: a k-tile of 128
+// elements (256 bytes, as with e4m3), the tensor cores accumulating in fp32 throughout.
+//
+// A token's column of D' is the same whatever else is in the step: every tile shape here shares one k-tile
+// (256) and the same order over K, and a column's sums involve no other column. The binding checks the
+// alignment TMA needs (16-byte rows and base addresses).
+//
+// Without CUTLASS's headers (found through flashinfer at build time, runner/kernels.py) the entry points report
+// that the kernel is not built; on a device other than compute capability 9.0 (whose machine code here is not
+// sm_90a's) the launcher refuses with an error.
+#pragma once
+
+#include "fp8_gemm_sm90.h"
+
+#include "quant.h"
+
+#if defined(LORAFLEET_CUTLASS) && __has_include(<cutlass/cutlass.h>)
+#define LORAFLEET_SM90_GEMM 1
+#endif
+
+#ifdef LORAFLEET_SM90_GEMM
+// CUTLASS's device-side asserts are calls that ptxas cannot inline, and a call inside the main loop makes it
+// serialize every wgmma (warning C7510): this file is built without them.
+#ifndef NDEBUG
+#define NDEBUG
+#endif
+// Programmatic dependent launch, done here rather than by CUTLASS's kernels (CUTLASS_ENABLE_GDC_FOR_SM90 stays
+// undefined, so their own waits and triggers compile to nothing): the kernel may start while the kernel before it
+// still runs, and its producer fills the pipeline's stages with the weight's first k-tiles before it waits for that
+// kernel (WeightFirstMainloop); every consumer warp group lets the next kernel start after its last MMA (the FP8
+// epilogue's launch, or, with the epilogue inside, whatever follows: see fp8_gemm_sm90.h), and the fused epilogue
+// waits for the kernel before it before its own reads.
+#include <cuda_runtime.h>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/util/packed_stride.hpp"
+#include "cutlass/arch/barrier.h"
+#include "cutlass/epilogue/collective/detail.hpp"
+
+#include "fp8_epilogue.cuh"
+#include "pdl.h"
+#endif
+
+namespace lorafleet {
+
+#ifdef LORAFLEET_SM90_GEMM
+namespace {
+
+using namespace cute;
+
+// One CUTLASS GEMM's checks and launch on `stream` (no workspace); nullptr on success.
+template <class Gemm>
+const char* launch(const typename Gemm::Arguments& args, bool pdl, void* stream) {
+  Gemm gemm;
+  if (gemm.can_implement(args) != cutlass::Status::kSuccess)
+    return "fp8_gemm_sm90(_fused): CUTLASS cannot run these sizes";
+  if (Gemm::get_workspace_size(args) != 0) return "fp8_gemm_sm90(_fused): unexpected workspace";
+  if (gemm.initialize(args, nullptr, static_cast<cudaStream_t>(stream)) != cutlass::Status::kSuccess)
+    return "fp8_gemm_sm90(_fused): CUTLASS initialization failed";
+  if (gemm.run(static_cast<cudaStream_t>(stream), nullptr, pdl) != cutlass::Status::kSuccess)
+    return "fp8_gemm_sm90(_fused): launch failed";
+  return nullptr;
+}
+
+// A CUTLASS sm90 TMA mainloop (one CTA per cluster) whose producer asks for the weight's (A's) first k-tiles, as
+// many as the pipeline has stages, before it waits for the kernel before this one, and for the activations' (B's)
+// tiles only after that wait: the weight is never written within a step, the activations are (by that kernel: the
+// quantization, the LoRA shrink or the norm), and each stage's barrier expects both tiles' bytes, so a consumer
+// starts on a stage only once its activations' tile has landed too. The kernel before lets this one start early
+// (its griddepcontrol.launch_dependents), so the weight streams in while it runs. The consumers' trigger for the
+// next kernel follows their last MMA (mma_tail). The tiles, stages, barriers and MMAs are the collective's own:
+// the same sums as without it.
+template <class Base>
+struct WeightFirstMainloop : Base {
+  using typename Base::MainloopPipeline;
+  using typename Base::Params;
+  using typename Base::PipelineState;
+  using typename Base::TensorStorage;
+  static_assert(cute::size(typename Base::DispatchPolicy::ClusterShape{}) == 1, "one CTA per cluster: no multicast");
+
+  template <class TensorA, class TensorB, class KTileIterator, class BlockCoord>
+  CUTLASS_DEVICE void load(Params const& params, MainloopPipeline pipeline, PipelineState state,
+                           cute::tuple<TensorA, TensorB> const& inputs, BlockCoord const& blk, KTileIterator k_tile,
+                           int k_tiles, int, uint32_t, TensorStorage& storage) {
+    using namespace cute;
+    if (!elect_one_sync()) return;  // one lane of the producer warp issues every copy
+    Tensor sA = make_tensor(make_smem_ptr(storage.smem_A.data()), typename Base::SmemLayoutA{});
+    Tensor sB = make_tensor(make_smem_ptr(storage.smem_B.data()), typename Base::SmemLayoutB{});
+    auto tma_a = params.tma_load_a.get_slice(0);
+    auto tma_b = params.tma_load_b.get_slice(0);
+    auto [m, n, k, l] = blk;
+    Tensor gA = tma_a.partition_S(get<0>(inputs)(_, _, m, _, l));  // (TMA, TMA_M, TMA_K, k)
+    Tensor sA_ = tma_a.partition_D(sA);                             // (TMA, TMA_M, TMA_K, stage)
+    Tensor gB = tma_b.partition_S(get<1>(inputs)(_, _, n, _, l));
+    Tensor sB_ = tma_b.partition_D(sB);
+    using Barrier = typename MainloopPipeline::ProducerBarrierType;
+    const int early = min(k_tiles, Base::DispatchPolicy::Stages);
+    PipelineState w_state = state;
+    KTileIterator w_tile = k_tile;
+    for (int i = 0; i < early; ++i, ++w_tile, ++w_state) {  // the weight's first k-tiles, one stage each
+      pipeline.producer_acquire(w_state);
+      Barrier* bar = pipeline.producer_get_barrier(w_state);
+      copy(params.tma_load_a.with(*bar, uint16_t(0)), gA(_, _, _, *w_tile), sA_(_, _, _, w_state.index()));
+    }
+    pdl_wait();  // the activations come from the kernel before
+    for (int i = 0; i < k_tiles; ++i, ++k_tile, ++state) {
+      if (i >= early) pipeline.producer_acquire(state);
+      Barrier* bar = pipeline.producer_get_barrier(state);
+      if (i >= early)
+        copy(params.tma_load_a.with(*bar, uint16_t(0)), gA(_, _, _, *k_tile), sA_(_, _, _, state.index()));
+      copy(params.tma_load_b.with(*bar, uint16_t(0)), gB(_, _, _, *k_tile), sB_(_, _, _, state.index()));
+    }
+  }
+
+  CUTLASS_DEVICE void mma_tail(MainloopPipeline pipeline, PipelineState release, int k_tiles) {
+    Base::mma_tail(pipeline, release, k_tiles);
+    pdl_launch_dependents();
+  }
+};
+
+// kPersistent: CUTLASS's persistent ping-pong schedule (one CTA per SM walks the tiles; two consumer warp groups
+// take alternate tiles, so one's epilogue runs while the producer already loads the other's k-tiles) instead of one
+// CTA per tile. The same mainloop collective: each tile's k-tiles in the same order, the same promotions.
+// E: the operands' element, e4m3 (CUTLASS's FP8 collective, with its promotions) or bf16 (its plain collective: the
+// tensor cores accumulate in fp32 throughout); a k-tile is 256 bytes of a row either way.
+template <int kTokens, bool kPersistent = false, class E = cutlass::float_e4m3_t>
+struct Sm90Gemm {
+  using ElementA = E;  // W [N, K], K-major
+  using LayoutA = cutlass::layout::RowMajor;
+  using ElementB = E;  // X [M, K], K-major
+  using LayoutB = cutlass::layout::ColumnMajor;
+  using ElementD = float;                  // D' [N, M] column-major = y [M, N] row-major
+  using LayoutD = cutlass::layout::ColumnMajor;
+  using ElementAcc = float;
+  static constexpr int kAlignAB = 16 / static_cast<int>(sizeof(E));  // 16 bytes
+  static constexpr int kAlignD = 4;    // 16 bytes of fp32
+
+  static constexpr int kTileK = 256 / static_cast<int>(sizeof(E));
+  // FP8: the accumulators leave the tensor cores for fp32 registers once per k-tile (every 8 wgmma of k = 32);
+  // CUTLASS needs the interval to be a multiple of the wgmmas per k-tile. bf16: not read by the collective.
+  static constexpr uint32_t kPromotionInterval = sizeof(E) == 1 ? kTileK / 32 : 4;
+  using TileShape = Shape<_64, Int<kTokens>, Int<kTileK>>;
+  using ClusterShape = Shape<_1, _1, _1>;
+
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, ElementAcc, float, void, LayoutD, kAlignD, ElementD,
+      LayoutD, kAlignD, cutlass::epilogue::TmaWarpSpecialized>::CollectiveOp;
+
+  using Mainloop = WeightFirstMainloop<typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, LayoutA, kAlignAB, ElementB, LayoutB,
+      kAlignAB, ElementAcc, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename Epilogue::SharedStorage))>,
+      std::conditional_t<kPersistent, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
+                         cutlass::gemm::KernelTmaWarpSpecialized>>::CollectiveOp>;
+
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+
+  static typename Gemm::Arguments arguments(const Fp8Sm90Args& a, int sm_count = 0) {
+    using StrideA = typename Gemm::GemmKernel::StrideA;
+    using StrideB = typename Gemm::GemmKernel::StrideB;
+    using StrideD = typename Gemm::GemmKernel::StrideD;
+    const int n = a.n, m = a.m, k = a.k, s = a.splits, ks = a.k / a.splits;
+    // K split into `s` equal ranges as a batch: range l of W and X starts at column l * ks (batch stride ks, rows
+    // still w_ld and k apart), its partial sums go to out[l] (batch stride m * n).
+    StrideA sa = cutlass::make_cute_packed_stride(StrideA{}, {n, k, 1});
+    StrideB sb = cutlass::make_cute_packed_stride(StrideB{}, {m, k, 1});
+    cute::get<0>(sa) = a.w_ld > 0 ? a.w_ld : k;
+    cute::get<2>(sa) = ks;
+    cute::get<2>(sb) = ks;
+    const StrideD sd = cutlass::make_cute_packed_stride(StrideD{}, {n, m, s});
+    typename Gemm::Arguments args{
+        s > 1 ? cutlass::gemm::GemmUniversalMode::kBatched : cutlass::gemm::GemmUniversalMode::kGemm,
+        {n, m, ks, s},
+        {reinterpret_cast<const ElementA*>(a.w), sa, reinterpret_cast<const ElementB*>(a.x), sb, kPromotionInterval},
+        // alpha and beta as values: with programmatic dependent launch only the producer warp waits for the kernel
+        // before, and the consumers would read device-side alpha / beta pointers before that wait.
+        {{1.0f, 0.0f}, nullptr, sd, a.out, sd}};
+    // the persistent schedule's grid: one CTA per SM (the count given, read once per device by the caller)
+    args.hw_info.device_id = a.device;
+    args.hw_info.sm_count = sm_count;
+    return args;
+  }
+
+  static const char* run(const Fp8Sm90Args& a, void* stream, int sm_count = 0) {
+    return launch<Gemm>(arguments(a, sm_count), a.pdl, stream);
+  }
+};
+
+// The fused epilogue (fp8_gemm_sm90_fused): the FP8 epilogue of quant.h (scales, bias, the rows' LoRA expand) on the
+// tile's accumulators, inside the product's kernel. The consumer warp group (128 threads) puts its fp32 sums into
+// shared memory (the mainloop's, free after its last MMA), then each thread takes chunks of 8 weight rows of one
+// token, as the separate epilogue's threads do, and runs fp8_epi::finish on them: the same bits as the product into
+// fp32 followed by fp8_epilogue, without the fp32 round trip and the second launch. The row slots are loaded by the
+// constructor, before the mainloop; everything else only after it (whose loads start after the producer's wait for
+// the kernel before).
+// kPairs: the thread's chunks in groups of two where it has two (at 32 tokens). With bf16 operands ptxas holds the
+// consumers to 232 registers and puts two chunks' loads on the stack (208 bytes): one at a time there.
+template <typename T, int kTokens, bool kPairs = true>
+class FusedEpilogue {
+ public:
+  using EpilogueSchedule = cutlass::gemm::EpilogueDefault;
+  using DispatchPolicy = EpilogueSchedule;
+  struct ThreadEpilogueOp {};  // none: the whole epilogue is operator() below
+  using ElementC = cutlass::bfloat16_t;  // nominal: there is no C, and D is written by operator()
+  using ElementD = cutlass::bfloat16_t;
+  using StrideC = cutlass::detail::TagToStrideC_t<cutlass::layout::ColumnMajor>;
+  using StrideD = StrideC;
+  using GmemTiledCopyC = void;
+  using GmemTiledCopyD = void;
+
+  static constexpr int kRows = 64;        // weight rows per tile
+  static constexpr int kPitch = kRows + 4;  // fp32 per token in shared memory: the accumulator stores hit 32 banks
+  struct SharedStorage {
+    alignas(16) float tile[kTokens][kPitch];
+  };
+  using TensorStorage = SharedStorage;
+  using Arguments = Fp8EpilogueArgs;
+  using Params = Arguments;
+
+  template <class ProblemShape>
+  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) {
+    return args;
+  }
+  template <class ProblemShape>
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&) {
+    return 0;
+  }
+  template <class ProblemShape>
+  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
+                                              cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const&, Arguments const&) {
+    return true;
+  }
+
+  CUTLASS_HOST_DEVICE
+  explicit FusedEpilogue(Params const& params) : params_(params) {
+#if defined(__CUDA_ARCH__)
+    // With LoRA, the consumer warp group's threads (threadIdx.x 128 .. 255 in this kernel) issue the loads of their
+    // chunks' row slots here, before the main loop, and first use them after it: the one load of the LoRA chain whose
+    // address needs nothing else. (The tables are written before the step's first kernel, never by the kernel right
+    // before: the rule under which the separate epilogue loads B before its wait.)
+    const int t = static_cast<int>(threadIdx.x) - kThreads;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kPer; ++i) {
+      slot_[i] = -1;
+      const int row = static_cast<int>(blockIdx.y) * kTokens + (i * kThreads + t) / kPerRow;
+      if (t >= 0 && t < kThreads && params.lora.v != nullptr && row < params.m)
+        asm volatile("ld.global.nc.s32 %0, [%1];" : "=r"(slot_[i]) : "l"(params.lora.row_slot + row));
+    }
+#endif
+  }
+
+  CUTLASS_DEVICE bool is_source_needed() { return false; }
+
+  template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine, class FrgLayout,
+            class TiledMma, class ResidueMNK>
+  CUTLASS_DEVICE void operator()(ProblemShapeMNKL problem_shape_mnkl, BlockShapeMNK blk_shape_MNK,
+                                 BlockCoordMNKL blk_coord_mnkl, cute::Tensor<FrgEngine, FrgLayout> const& accumulators,
+                                 TiledMma tiled_mma, ResidueMNK, int thread_idx, char* smem) {
+    using namespace cute;
+    static_assert(size<0>(BlockShapeMNK{}) == kRows && size<1>(BlockShapeMNK{}) == kTokens, "tile shape");
+    const auto m_coord = get<0>(blk_coord_mnkl);
+    const auto n_coord = get<1>(blk_coord_mnkl);
+    // each accumulator's (weight row, token) inside the tile
+    Tensor coords = local_tile(make_identity_tensor(make_shape(get<0>(problem_shape_mnkl), get<1>(problem_shape_mnkl))),
+                               take<0, 2>(blk_shape_MNK), make_coord(m_coord, n_coord));
+    Tensor tCcD = tiled_mma.get_thread_slice(thread_idx).partition_C(coords);
+    const int row0 = static_cast<int>(m_coord) * kRows, tok0 = static_cast<int>(n_coord) * kTokens;
+    SharedStorage& st = *reinterpret_cast<SharedStorage*>(smem);
+    // The kernel before has finished (the producer waited for it before the activations' first load, and these sums
+    // come after that load); said here too, so that this thread's reads of x_scale and v do not rest on that
+    // ordering alone.
+    pdl_wait();
+    // every warp of the group past its last MMA before the tile (the mainloop's buffers) is written
+    cutlass::arch::NamedBarrier::sync(kThreads, cutlass::arch::ReservedNamedBarriers::EpilogueBarrier);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(accumulators); ++i)
+      st.tile[get<1>(tCcD(i)) - tok0][get<0>(tCcD(i)) - row0] = accumulators(i);
+    cutlass::arch::NamedBarrier::sync(kThreads, cutlass::arch::ReservedNamedBarriers::EpilogueBarrier);
+    const Fp8EpilogueArgs& a = params_;
+    const Fp8EpilogueLora& l = a.lora;
+    // Chunk i of this thread: 8 weight rows of one token, the i-th of the tile's chunks that fall to it (consecutive
+    // threads take consecutive chunks: 16-byte stores and B loads side by side). With LoRA, a group of chunks has
+    // all its loads in flight at once (the rank, B's first rank rows and v's, none waiting for another; B and v
+    // past the rank are read and then ignored), then its arithmetic: one round trip to memory per group. Groups of
+    // two chunks at 32 tokens (e4m3: 255 registers, no spill; see kPairs); one at 64 tokens, where two would spill.
+    constexpr int kGroup = kPer == 2 && kPairs ? 2 : 1;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i0 = 0; i0 < kPer; i0 += kGroup) {
+      int row[kGroup], c[kGroup], width[kGroup], r[kGroup];
+      const T* b[kGroup];
+      const float* v[kGroup];
+      uint4 bk[kGroup][fp8_epi::kChunk];
+      float v0[kGroup][fp8_epi::kChunk];
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < kGroup; ++i) {
+        const int q = (i0 + i) * kThreads + thread_idx;
+        row[i] = tok0 + q / kPerRow;
+        c[i] = row0 + (q % kPerRow) * fp8_epi::kCols;
+        r[i] = 0;
+        b[i] = nullptr;
+        v[i] = nullptr;
+        int g, start;
+        fp8_epi::span_of(a, min(c[i], a.n - fp8_epi::kCols), g, start, width[i]);
+        const int s = row[i] < a.m && c[i] < a.n && slot_[i0 + i] < l.num_slots ? slot_[i0 + i] : -1;
+        if (s >= 0) {
+          b[i] = fp8_epi::b_row0<T>(l, s, g, c[i], start, width[i]);
+          r[i] = fp8_epi::slot_rank(l, s, g);
+          const int rows = min(fp8_epi::b_rank_dim(l, g), fp8_epi::kChunk);
+          v[i] = fp8_epi::lora_v(l, row[i], g);
+          const int vs = min(l.v_rank_dim, fp8_epi::kChunk);
+          CUTLASS_PRAGMA_UNROLL
+          for (int j = 0; j < fp8_epi::kChunk; ++j) {
+            if (j < rows) bk[i][j] = __ldg(reinterpret_cast<const uint4*>(b[i] + static_cast<int64_t>(j) * width[i]));
+            if (j < vs) v0[i][j] = v[i][j];
+          }
+        }
+      }
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < kGroup; ++i) {
+        if (row[i] >= a.m || c[i] >= a.n) continue;
+        const int q = (i0 + i) * kThreads + thread_idx;
+        const float* t = &st.tile[q / kPerRow][(q % kPerRow) * fp8_epi::kCols];
+        const float4 y0 = *reinterpret_cast<const float4*>(t), y1 = *reinterpret_cast<const float4*>(t + 4);
+        const float y[fp8_epi::kCols] = {y0.x, y0.y, y0.z, y0.w, y1.x, y1.y, y1.z, y1.w};
+        float o[fp8_epi::kCols];
+        fp8_epi::finish<T>(a, row[i], c[i], width[i], y, bk[i], b[i], r[i], v0[i], v[i], o);
+        fp8_epi::store8<T>(static_cast<T*>(a.out) + static_cast<int64_t>(row[i]) * a.n + c[i], o);
+      }
+    }
+  }
+
+ private:
+  static constexpr int kThreads = 128;  // the consumer warp group
+  static constexpr int kPerRow = kRows / fp8_epi::kCols;  // chunks per token
+  static constexpr int kPer = kTokens * kPerRow / kThreads;  // chunks per thread: 1, 2 or 4
+  static_assert(kTokens * kPerRow % kThreads == 0, "every thread takes the same number of chunks");
+  Params params_;
+  int slot_[kPer];  // with LoRA: the row slots of this thread's chunks (loaded by the constructor), else -1
+};
+
+// The product with the fused epilogue: Sm90Gemm's mainloop (the same stages, so the same sums), FusedEpilogue.
+template <typename T, int kTokens, class E = cutlass::float_e4m3_t>
+struct Sm90GemmFused {
+  using G = Sm90Gemm<kTokens, false, E>;
+  using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
+      FusedEpilogue<T, kTokens, sizeof(E) == 1>>;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, typename G::Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+
+  static const char* run(const Fp8Sm90Args& a, const Fp8EpilogueArgs& e, void* stream) {
+    using StrideA = typename Gemm::GemmKernel::StrideA;
+    using StrideB = typename Gemm::GemmKernel::StrideB;
+    StrideA sa = cutlass::make_cute_packed_stride(StrideA{}, {a.n, a.k, 1});
+    cute::get<0>(sa) = a.w_ld > 0 ? a.w_ld : a.k;
+    const StrideB sb = cutlass::make_cute_packed_stride(StrideB{}, {a.m, a.k, 1});
+    const typename Gemm::Arguments args{
+        cutlass::gemm::GemmUniversalMode::kGemm,
+        {a.n, a.m, a.k, 1},
+        {reinterpret_cast<const typename G::ElementA*>(a.w), sa, reinterpret_cast<const typename G::ElementB*>(a.x),
+         sb, G::kPromotionInterval},
+        e};
+    return launch<Gemm>(args, a.pdl, stream);
+  }
+};
+
+// The tile of tokens for M rows: 16, 32 or 64.
+template <class E, bool kPersistent>
+const char* plain(const Fp8Sm90Args& a, void* stream, int sms) {
+  return a.m <= 16 ? Sm90Gemm<16, kPersistent, E>::run(a, stream, sms)
+       : a.m <= 32 ? Sm90Gemm<32, kPersistent, E>::run(a, stream, sms)
+                   : Sm90Gemm<64, kPersistent, E>::run(a, stream, sms);
+}
+
+template <class E>
+const char* fused(const Fp8Sm90Args& a, const Fp8EpilogueArgs& e, void* stream) {
+  return a.m <= 16 ? Sm90GemmFused<__nv_bfloat16, 16, E>::run(a, e, stream)
+       : a.m <= 32 ? Sm90GemmFused<__nv_bfloat16, 32, E>::run(a, e, stream)
+                   : Sm90GemmFused<__nv_bfloat16, 64, E>::run(a, e, stream);
+}
+
+}  // namespace
+
+// The bf16 operands' instantiations (fp8_gemm_sm90_bf16.cu): plain<bfloat16_t, false> and fused<bfloat16_t>.
+const char* sm90_bf16_plain(const Fp8Sm90Args& a, void* stream);
+const char* sm90_bf16_fused(const Fp8Sm90Args& a, const Fp8EpilogueArgs& e, void* stream);
+#endif
+
+}  // namespace lorafleet
