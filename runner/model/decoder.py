@@ -25,8 +25,8 @@ import torch.nn.functional as F
 
 from lorafleet.models.contract import ModelConfig
 from lorafleet.runner.config import KernelChoices
-from lorafleet.runner.model.fp8 import (E4M3, Fp8Weight, bf16_sm90_applies, bf16_sm90_linear, epilogue_applies,
-                                       fp8_linear, fp8_tensor_cores, sm90_gemm_available, unit_scale)
+from lorafleet.runner.model.fp8 import (E4M3, SM90_MAX_ROWS, Fp8Weight, bf16_sm90_applies, bf16_sm90_linear,
+                                       epilogue_applies, fp8_linear, fp8_tensor_cores, sm90_gemm_available, unit_scale)
 from lorafleet.runner.model.norm import OwnNorm
 from lorafleet.runner.model.ops import make_ops, prefer_cublaslt
 from lorafleet.runner.model.rope import Rope
@@ -53,6 +53,17 @@ def quant_buffers(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     other work (the norm's, the LoRA shrink's)."""
     return (torch.empty(x.shape, dtype=E4M3, device=x.device),
             torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device))
+
+
+def _sm90_taken(ext, device: torch.device, products: str, on: str, off: str) -> bool:
+    """Whether the extension `ext` has the wgmma kernel and `device` runs it, logged as where `products` (FP8, bf16)
+    of decode-sized steps run: `on` it, or `off` (louder on a 9.0 GPU whose kernel build lacks it: its gain is lost)."""
+    taken = sm90_gemm_available(ext, device)
+    hopper = torch.cuda.get_device_capability(device) == (9, 0)
+    (log.warning if hopper and not taken else log.info)(
+        "%s products of decode-sized steps on %s", products, on if taken else f"{off} (the wgmma kernel needs "
+        "compute capability 9.0 and a kernel build that found CUTLASS's headers in flashinfer's package)")
+    return taken
 
 
 class AttentionStep(Protocol):
@@ -215,13 +226,8 @@ class Decoder:
             except Exception as exc:  # no compiler: torch's ops quantize the activations (same bits, more launches)
                 log.warning("FP8 activation kernel unavailable (%s); activations are quantized by torch ops", exc)
             if kernels.fp8_sm90:
-                self.fp8_sm90 = sm90_gemm_available(self.fp8_ext, self.device)
-                hopper = torch.cuda.get_device_capability(self.device) == (9, 0)
-                # a 9.0 GPU whose kernel build lacks the wgmma kernel loses its gain: say so louder
-                (log.warning if hopper and not self.fp8_sm90 else log.info)(
-                    "FP8 products of decode-sized steps on %s", "the wgmma kernel (csrc/fp8_gemm_sm90.cu)"
-                    if self.fp8_sm90 else "cuBLASLt (the wgmma kernel needs compute capability 9.0 and a kernel build "
-                    "that found CUTLASS's headers in flashinfer's package)")
+                self.fp8_sm90 = _sm90_taken(self.fp8_ext, self.device, "FP8",
+                                            "the wgmma kernel (csrc/fp8_gemm_sm90.cu)", "cuBLASLt")
         if kernels.bf16_sm90:
             weights = "FP8" if isinstance(self.layers[0].qkv, Fp8Weight) else str(dtype).replace("torch.", "")
             if self.device.type == "cuda" and weights == "bfloat16":
@@ -253,16 +259,12 @@ class Decoder:
         except Exception as exc:  # no compiler: cuBLAS's products
             log.warning("bf16 products stay on cuBLAS: the kernel build is unavailable (%s)", exc)
             return
-        self.bf16_sm90 = sm90_gemm_available(ext, self.device)
+        self.bf16_sm90 = _sm90_taken(ext, self.device, "bf16", "the wgmma kernel, LoRA's expand in its epilogue",
+                                     "cuBLAS")
         if self.bf16_sm90:
             self.sm90_ext = ext
             rows = max(getattr(self.layers[0], name).shape[0] for name in PROJECTION_PARAMS)
-            self.unit_scales = torch.ones(max(rows, 64), dtype=torch.float32, device=self.device)
-        hopper = torch.cuda.get_device_capability(self.device) == (9, 0)
-        (log.warning if hopper and not self.bf16_sm90 else log.info)(
-            "bf16 products of decode-sized steps on %s", "the wgmma kernel, LoRA's expand in its epilogue"
-            if self.bf16_sm90 else "cuBLAS (the wgmma kernel needs compute capability 9.0 and a kernel build that "
-            "found CUTLASS's headers in flashinfer's package)")
+            self.unit_scales = torch.ones(max(rows, SM90_MAX_ROWS), dtype=torch.float32, device=self.device)
 
     def widen_for_lora(self, spare: dict[str, int]) -> int:
         """Gives the plain (not FP8) weights named in `spare` (qkv, gate_up) that many spare columns: each becomes

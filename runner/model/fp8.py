@@ -126,6 +126,12 @@ SM90_TILE_ROWS = 64  # weight rows per tile of csrc/fp8_gemm_sm90.cu
 SM90_MAX_ROWS = 64  # token rows of one call of that kernel (fp8_gemm_sm90.h kFp8Sm90MaxRows)
 
 
+def epilogue_lora(lora: tuple | None) -> tuple:
+    """The epilogue kernels' LoRA arguments (v, B pools, ranks, row slots) from LoraStepImpl.epilogue_operands' tuple,
+    or none: no v, no B pools, no ranks, no row slots."""
+    return lora if lora is not None else (None, [], None, None)
+
+
 def bf16_sm90_applies(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, spans: list[int]) -> bool:
     """Whether the wgmma kernel takes the bf16 product x @ w.T (+ bias, + the rows' LoRA expand over the output
     `spans`) with its epilogue inside (bf16_sm90_linear): bf16 x [M <= 64, K] contiguous, a bf16 w [N, K] whose rows
@@ -150,7 +156,7 @@ def bf16_sm90_linear(ext, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor |
     the last rounding (the FP8 epilogue's arithmetic with unit scales: `unit`, ones, fp32, at least max(M, N))."""
     M, N = x.shape[0], w.shape[0]
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    v, b, ranks, row_slot = lora if lora is not None else (None, [], None, None)
+    v, b, ranks, row_slot = epilogue_lora(lora)
     ext.fp8_gemm_sm90_fused(out, x, w, unit[:M], unit[:N], bias, list(spans), v, list(b), ranks, row_slot, True,
                             torch.cuda.current_stream(x.device).cuda_stream)
     return out
@@ -276,7 +282,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
     elif unit_scale_call(M, N, K, unit_scale_elems):
         if epilogue:
             out = torch.empty(M, N // 2 if act else N, dtype=x.dtype, device=x.device)
-            v, b, ranks, row_slot = lora if lora is not None else (None, [], None, None)
+            v, b, ranks, row_slot = epilogue_lora(lora)
             stream = torch.cuda.current_stream(x.device).cuda_stream
             if (sm90 and sm90_fused and (lora is None or sm90_fused_lora)
                     and _sm90_fused(xq, w, x.dtype, act, sm90_split)):
