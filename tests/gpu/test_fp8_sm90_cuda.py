@@ -237,8 +237,9 @@ def test_sm90_gemm_refuses_bad_operands(ext):
         (dict(x=xq.float()), "x must be a contiguous 2-D float8_e4m3fn"),
         (dict(w=w.q[:, :128].contiguous()), r"w must be float8_e4m3fn \[N, K=256\]"),
         (dict(w=torch.zeros(64, 264, device="cuda").to(E4M3)[:, :256]), r"16-byte aligned rows at least K apart"),
-        (dict(x=torch.zeros(4, 40, device="cuda").to(E4M3), w=torch.zeros(64, 40, device="cuda").to(E4M3)),
-         "must be a multiple of 16"),
+        # K = 40 with w's rows 48 bytes apart (aligned): the K rule itself refuses
+        (dict(x=torch.zeros(4, 40, device="cuda").to(E4M3), w=torch.zeros(64, 48, device="cuda").to(E4M3)[:, :40]),
+         r"K \(40\) must be a multiple of 16"),
         (dict(w=torch.zeros(66, 256, device="cuda").to(E4M3), out=torch.empty(4, 66, device="cuda")), "N .* of 4"),
         (dict(x=torch.zeros(4, 272, device="cuda").to(E4M3)[:, 16:]), "x must be a contiguous"),
         (dict(splits=2), r"\[splits, 4, 64\]"),  # a 2-D out with splits
