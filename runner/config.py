@@ -76,7 +76,8 @@ class KernelChoices:
         projection's activations too (the same bits) instead of a launch of their own.
     bf16_sm90: with bf16 weights on a compute capability 9.0 GPU, the products of steps of at most 64 rows run on
         that wgmma kernel with bf16 operands instead of cuBLAS, the bias and the rows' LoRA expand inside its epilogue
-        (after the group's shrink), one launch where cuBLAS's product and the expand took two.
+        (after the group's shrink), one launch where cuBLAS's product and the expand took two (on: +1 % in every
+        mix on the H100, docs/benchmarks.md section 13.11).
     pin_host_adapters: adapters read from disk are kept in pinned host memory.
     dense_lora_rows: a step with prompt rows whose adapted rows form at most DENSE_LORA_MAX_SEGMENTS segments
         (runner/lora/step.py), each of at least this many rows, and whose work reaches dense_lora_min_work,
@@ -122,7 +123,7 @@ class KernelChoices:
     fp8_sm90_split: bool = False
     fp8_sm90_persistent: bool = False
     fp8_quant_in_shrink: bool = True
-    bf16_sm90: bool = False
+    bf16_sm90: bool = True
     pin_host_adapters: bool = False
     dense_lora_rows: int = 256
     dense_lora_kext: int = 64

@@ -154,7 +154,7 @@ def test_fp8_gemm_switches(monkeypatch):
             ("LORAFLEET_FP8_SM90_SPLIT", env.fp8_sm90_split, False, "1", "fp8_sm90_split=True"),
             ("LORAFLEET_FP8_SM90_PERSISTENT", env.fp8_sm90_persistent, False, "1",
              "fp8_sm90_persistent=True"),  # off until measured
-            ("LORAFLEET_BF16_SM90", env.bf16_sm90, False, "1", "bf16_sm90=True")):  # off until measured end to end
+            ("LORAFLEET_BF16_SM90", env.bf16_sm90, True, "0", "bf16_sm90=False")):  # on: measured faster
         monkeypatch.delenv(var, raising=False)
         assert read() == default, var
         monkeypatch.setenv(var, raw)

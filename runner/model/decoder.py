@@ -232,9 +232,9 @@ class Decoder:
             weights = "FP8" if isinstance(self.layers[0].qkv, Fp8Weight) else str(dtype).replace("torch.", "")
             if self.device.type == "cuda" and weights == "bfloat16":
                 self._take_bf16_sm90()
-            else:
-                log.info("bf16_sm90 ignored: it takes bfloat16 weights on a CUDA device, not %s weights on %s", weights,
-                         self.device.type)
+            else:  # (on by default: nothing to say where it cannot apply)
+                log.debug("bf16_sm90 ignored: it takes bfloat16 weights on a CUDA device, not %s weights on %s",
+                          weights, self.device.type)
         # (norm_lora only where its launch can run: thread-block clusters, one rank)
         cluster_norm = (kernels.norm_lora and self.device.type == "cuda" and all_reduce is None
                         and torch.cuda.get_device_capability(self.device)[0] >= 9)

@@ -221,7 +221,7 @@ def fam(request, tmp_path_factory):
 
 
 def test_engine_with_the_norm_kernel_matches_hf_fp32_teacher_forced(fam):
-    eng = teacher.family_teacher_forced(fam, "norm kernel", NEW, kernels=KernelChoices(norm_shrink=True))
+    eng = teacher.family_teacher_forced(fam, "norm kernel", NEW, kernels=KernelChoices(norm_shrink=True, bf16_sm90=False))
     assert eng.model.own_norm is not None
 
 
@@ -233,5 +233,5 @@ def test_decode_graph_with_the_fused_norm_shrink_matches_the_eager_step(fam, mon
     calls = teacher.count_calls(monkeypatch, CudaSGMV, "norm_shrink")
     name, model, _, reqs = fam
     eng = teacher.decode_graph_vs_eager(model, reqs[:4] * 2, f"{name} norm kernel",
-                                        kernels=KernelChoices(norm_shrink=True))
+                                        kernels=KernelChoices(norm_shrink=True, bf16_sm90=False))
     assert len(calls) >= 2 * eng.model.num_layers, len(calls)
