@@ -22,14 +22,16 @@ constexpr int kChunk = 16;  // rank rows of B loaded together (rank 16 in one go
 template <typename T>
 __device__ __forceinline__ float through(float v) { return quant_detail::to_float(Pair<T>::round(v)); }
 
-// acc[e][k mod 4] += v[k] * b[k][e] for the chunk's rank rows k0 .. k0 + kChunk - 1 below r (k0 a multiple of 4)
-template <typename T>
+// acc[e][k mod 4] += v[k] * b[k][e] for the chunk's rank rows k0 .. k0 + kChunk - 1 below r (k0 a multiple of 4).
+// kGlobal: v is the global v (read through L2: with the shrink inside the product, other SMs of the same kernel
+// wrote it), else the thread's own copy of its first values.
+template <typename T, bool kGlobal = false>
 __device__ __forceinline__ void lora_chunk(float acc[kCols][4], const uint4 (&bk)[kChunk], const float* v, int k0,
                                            int r) {
 #pragma unroll
   for (int j = 0; j < kChunk; ++j) {
     if (k0 + j < r) {
-      const float vk = v[k0 + j];
+      const float vk = kGlobal ? __ldcg(v + k0 + j) : v[k0 + j];
       float b[kCols];
       unpack8<T>(bk[j], b);
 #pragma unroll
@@ -130,7 +132,7 @@ __device__ __forceinline__ void finish(const Fp8EpilogueArgs& a, int row, int c,
 #pragma unroll
       for (int j = 0; j < kChunk; ++j)
         if (k0 + j < r) bk[j] = __ldg(reinterpret_cast<const uint4*>(b + static_cast<int64_t>(k0 + j) * width));
-      lora_chunk<T>(acc, bk, v, k0, r);
+      lora_chunk<T, true>(acc, bk, v, k0, r);
     }
 #pragma unroll
     for (int e = 0; e < kCols; ++e)

@@ -59,8 +59,26 @@ const char* fp8_gemm_sm90_fused(const Fp8Sm90Args& a, const Fp8EpilogueArgs& e, 
   if (e.act != 0) return "fp8_gemm_sm90_fused: no activation (gate and up lie in different tiles)";
   if (e.m != a.m || e.n != a.n) return "fp8_gemm_sm90_fused: the epilogue's sizes differ from the product's";
   if (const char* err = fp8_epilogue_check(e)) return err;
-  return on_sm90(a.device, [&] {
-    return a.bf16 ? sm90_bf16_fused(a, e, stream) : fused<cutlass::float_e4m3_t>(a, e, stream);
+  const Fp8EpilogueLora& l = e.lora;
+  if (l.sync != nullptr) {
+    if (!a.bf16) return "fp8_gemm_sm90_fused: the shrink inside the product takes bf16 operands only";
+    if (l.v == nullptr || l.a_rank_max < 1) return "fp8_gemm_sm90_fused: the shrink inside the product needs LoRA";
+    for (int g = 0; g < e.num_groups; ++g)
+      if (l.a[g] == nullptr || l.a_rank_dim[g] < 1 || l.a_rank_dim[g] > l.a_rank_max)
+        return "fp8_gemm_sm90_fused: the shrink inside the product needs one A pool per span";
+  }
+  return on_sm90(a.device, [&]() -> const char* {
+    if (l.sync == nullptr) return a.bf16 ? sm90_bf16_fused(a, e, stream) : fused<cutlass::float_e4m3_t>(a, e, stream);
+    DeviceInfo info;  // (sgmv.h: read once per device)
+    if (const char* err = device_info(a.device, &info)) return err;
+    // the consumer warps (4 a CTA) of at most one CTA per SM (fused's tiles: 64 weight rows by 16, 32 or 64 tokens)
+    const int tokens = a.m <= 16 ? 16 : a.m <= 32 ? 32 : 64;
+    const long long ctas = static_cast<long long>((a.n + 63) / 64) * ((a.m + tokens - 1) / tokens);
+    Fp8EpilogueArgs shrunk = e;
+    shrunk.lora.x = a.x;
+    shrunk.lora.k = a.k;
+    shrunk.lora.shrink_warps = 4 * static_cast<int>(ctas < info.sms ? ctas : info.sms);
+    return sm90_bf16_fused(a, shrunk, stream);
   });
 }
 

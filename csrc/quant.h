@@ -51,6 +51,18 @@ struct Fp8EpilogueLora {
   const int32_t* ranks = nullptr;      // [G, S]
   const int32_t* row_slot = nullptr;   // [>= m], -1 (or out of range): no adapter
   int num_slots = 0;                   // S
+  // The rows' shrink inside the product (fp8_gemm_sm90_fused with bf16 operands only; sync nullptr: v comes from a
+  // shrink launched before): v[i, g, k] = sum_j x[i, j] * a[g][s, k, j] for k < r (s and r as above, r also below
+  // a_rank_dim[g]), in fp32, written into v by the product's own warps before any of its epilogues reads v. sync:
+  // three uint32 of this call site, zero before the launch (the launch leaves them zero); no two launches in flight
+  // may share them.
+  const void* a[kMaxGroup] = {};       // [S, a_rank_dim[g], K] contiguous, dtype T
+  int a_rank_dim[kMaxGroup] = {};
+  int a_rank_max = 0;                  // max over g of a_rank_dim[g]
+  unsigned* sync = nullptr;
+  const void* x = nullptr;             // the product's x [m, K] (set by the launcher)
+  int k = 0;                           // K (set by the launcher)
+  int shrink_warps = 0;                // the warps that take the shrink's work (set by the launcher)
 };
 
 struct Fp8EpilogueArgs {

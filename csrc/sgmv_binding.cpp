@@ -53,9 +53,11 @@
 //       (with b, ranks, row_slot) may be None. act=1 (SiLU) / 2 (GELU-tanh), with two equal spans (gate, up):
 //       out [M, N / 2] = act(gate) * up as flashinfer's act_and_mul computes it from the epilogue's output.
 //       y [splits, M, N]: a split-K product's partial sums (fp8_gemm_sm90 with splits), added in part order first.
-//   fp8_gemm_sm90_fused(out, x, w, x_scale, w_scale, bias, cols, v, b, ranks, row_slot, pdl, stream): the bits of
-//       fp8_gemm_sm90 then fp8_epilogue (act 0, one part) in one launch, the epilogue inside the product's kernel;
-//       out in bf16.
+//   fp8_gemm_sm90_fused(out, x, w, x_scale, w_scale, bias, cols, v, b, ranks, row_slot, pdl, stream, a=[], sync=None):
+//       the bits of fp8_gemm_sm90 then fp8_epilogue (act 0, one part) in one launch, the epilogue inside the
+//       product's kernel; out in bf16. With bf16 operands, a (one A pool [S, R, K] per span) and sync (int32 [>= 3],
+//       zero, the call site's own): the rows' shrink too, into v, inside the same launch (quant.h
+//       Fp8EpilogueLora::sync) instead of a shrink launched before.
 //   decode_attention(out, q, k_cache, v_cache, indptr, indices, last_page_len, partial_o, partial_ml, counters,
 //       sm_scale, soft_cap, window_left, chunk, max_chunks, workers, stream): attention of one query row per request
 //       over its K/V pages (decode_attn.h), one launch; pages of q's dtype or float8_e4m3fn (unit scale). The
@@ -845,12 +847,33 @@ void fp8_epilogue(Tensor out, Tensor y, Tensor x_scale, Tensor w_scale, std::opt
 
 void fp8_gemm_sm90_fused(Tensor out, Tensor x, Tensor w, Tensor x_scale, Tensor w_scale, std::optional<Tensor> bias,
                          std::vector<int64_t> cols, std::optional<Tensor> v, std::vector<Tensor> b,
-                         std::optional<Tensor> ranks, std::optional<Tensor> row_slot, bool pdl, int64_t stream) {
+                         std::optional<Tensor> ranks, std::optional<Tensor> row_slot, bool pdl, int64_t stream,
+                         std::vector<Tensor> a, std::optional<Tensor> sync) {
   lorafleet::Fp8Sm90Args g = sm90_args(x, w, 1, pdl, "fp8_gemm_sm90_fused");
   SGMV_CHECK(out.scalar_type() == torch::kBFloat16, "fp8_gemm_sm90_fused: out must be bfloat16, got %s",
              dtype_name(out));
+  const int64_t G = static_cast<int64_t>(cols.size());
   lorafleet::Fp8EpilogueArgs e = epilogue_args(x, g.m, g.n, out, x_scale, w_scale, bias, std::move(cols), v,
                                                std::move(b), ranks, row_slot, 0);
+  // the rows' shrink inside the product: one A pool per span over x's K, and the call site's three counters
+  SGMV_CHECK(sync.has_value() == !a.empty(), "fp8_gemm_sm90_fused: the shrink inside the product needs both a and "
+             "sync (or neither)");
+  if (sync.has_value()) {
+    SGMV_CHECK(x.scalar_type() == torch::kBFloat16 && v.has_value() && static_cast<int64_t>(a.size()) == G,
+               "fp8_gemm_sm90_fused: the shrink inside the product takes bf16 x, LoRA (v, B pools, ranks, row_slot) "
+               "and one A pool per span (%lld)", ll(G));
+    check_device(*sync, Name("sync"), x);
+    SGMV_CHECK(sync->scalar_type() == torch::kInt && sync->dim() == 1 && sync->is_contiguous() &&
+                   sync->numel() >= 3 && reinterpret_cast<uintptr_t>(sync->data_ptr()) % 4 == 0,
+               "fp8_gemm_sm90_fused: sync must be contiguous int32 with at least 3 entries (zero)");
+    for (int64_t i = 0; i < G; ++i) {
+      check_weight_pool(a[i], Name("a", i), x, ranks->size(1), x.size(1), v->size(2));
+      e.lora.a[i] = a[i].data_ptr();
+      e.lora.a_rank_dim[i] = static_cast<int>(a[i].size(1));
+      e.lora.a_rank_max = std::max(e.lora.a_rank_max, e.lora.a_rank_dim[i]);
+    }
+    e.lora.sync = reinterpret_cast<unsigned*>(sync->data_ptr());
+  }
   const char* err = lorafleet::fp8_gemm_sm90_fused(g, e, as_stream(stream));
   SGMV_CHECK(err == nullptr, "fp8_gemm_sm90_fused launch failed: %s", err ? err : "");
 }
@@ -995,7 +1018,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "bf16 out = the FP8 epilogue (scales, bias, rows' LoRA expand) of x @ w.T on Hopper's wgmma, one launch",
         py::arg("out"), py::arg("x"), py::arg("w"), py::arg("x_scale"), py::arg("w_scale"), py::arg("bias"),
         py::arg("cols"), py::arg("v"), py::arg("b"), py::arg("ranks"), py::arg("row_slot"), py::arg("pdl"),
-        py::arg("stream"));
+        py::arg("stream"), py::arg("a") = std::vector<torch::Tensor>{}, py::arg("sync") = py::none());
   m.def("fp8_gemm_sm90_built", &lorafleet::fp8_gemm_sm90_built, "whether this build holds the sm90 FP8 GEMM");
   m.def("fp8_epilogue", &fp8_epilogue,
         "out = (y * x_scale) * w_scale [+ bias] [+ the rows' LoRA expand] for the fp32 unit-scale FP8 product y, "

@@ -221,7 +221,9 @@ struct Sm90Gemm {
 // the kernel before).
 // kPairs: the thread's chunks in groups of two where it has two (at 32 tokens). With bf16 operands ptxas holds the
 // consumers to 232 registers and puts two chunks' loads on the stack (208 bytes): one at a time there.
-template <typename T, int kTokens, bool kPairs = true>
+// kShrink (bf16 operands): with Fp8EpilogueLora::sync the rows' LoRA shrink runs inside the kernel too (shrink_rows):
+// the consumer warps compute v before their main loop, and every epilogue waits until all of v is written.
+template <typename T, int kTokens, bool kPairs = true, bool kShrink = false>
 class FusedEpilogue {
  public:
   using EpilogueSchedule = cutlass::gemm::EpilogueDefault;
@@ -276,7 +278,102 @@ class FusedEpilogue {
       if (t >= 0 && t < kThreads && params.lora.v != nullptr && row < params.m)
         asm volatile("ld.global.nc.s32 %0, [%1];" : "=r"(slot_[i]) : "l"(params.lora.row_slot + row));
     }
+    if constexpr (kShrink) {
+      if (t >= 0 && t < kThreads && params.lora.sync != nullptr) shrink_rows(params);
+    }
 #endif
+  }
+
+  // The rows' shrink (kShrink, Fp8EpilogueLora::sync): output (row i, span g, rank row k), numbered
+  // (i * G + g) * a_rank_max + k, is one warp's dot product of x's row and A's rank row. Each consumer warp takes a
+  // ticket as it starts; the warps holding the first shrink_warps tickets take outputs ticket, ticket + shrink_warps,
+  // ... A warp that holds such a ticket has started and waits for nothing but the kernel before, so an epilogue
+  // waiting for all of them (wait_shrink) never waits for a CTA that needs its SM. The launcher sets shrink_warps to
+  // the consumer warps of at most one CTA per SM. A's rows are asked of L2 before the wait for the kernel before (no
+  // kernel writes A within a step, nor the tables), x's only after it. Lane j sums its 8-element vectors j, j + 32,
+  // ... in order, then the warp's xor tree: the same bits whichever warp takes the output, and a row's v depends on
+  // its own x and A only.
+  __device__ static const T* shrink_a(const Params& a, int o, int& row, int& g, int& k) {
+    const Fp8EpilogueLora& l = a.lora;
+    const int per_row = a.num_groups * l.a_rank_max;
+    row = o / per_row;
+    g = (o - row * per_row) / l.a_rank_max;
+    k = o - row * per_row - g * l.a_rank_max;
+    const int rank_dim = g == 0 ? l.a_rank_dim[0] : g == 1 ? l.a_rank_dim[1] : l.a_rank_dim[2];
+    const int s = fp8_epi::lora_slot(l, row);
+    if (s < 0 || k >= rank_dim || k >= fp8_epi::slot_rank(l, s, g)) return nullptr;
+    const void* ag = g == 0 ? l.a[0] : g == 1 ? l.a[1] : l.a[2];
+    return static_cast<const T*>(ag) + (static_cast<int64_t>(s) * rank_dim + k) * l.k;
+  }
+
+  __device__ static void shrink_rows(const Params& a) {
+    const Fp8EpilogueLora& l = a.lora;
+    const int lane = static_cast<int>(threadIdx.x) & 31;
+    unsigned ticket = 0;
+    if (lane == 0) ticket = atomicAdd(l.sync, 1u);
+    ticket = __shfl_sync(0xffffffffu, ticket, 0);
+    if (ticket >= static_cast<unsigned>(l.shrink_warps)) return;
+    const int outputs = a.m * a.num_groups * l.a_rank_max, vecs = l.k / 8, step = l.shrink_warps;
+    int row, g, k;
+    for (int o = static_cast<int>(ticket); o < outputs; o += step) {
+      const T* ap = shrink_a(a, o, row, g, k);
+      if (ap != nullptr)
+        for (int j = lane; j < vecs; j += 32) asm volatile("prefetch.global.L2 [%0];" ::"l"(ap + j * 8));
+    }
+    pdl_wait();  // x comes from the kernel before
+    constexpr int U = 8;  // vectors of A and x in flight per lane
+    for (int o = static_cast<int>(ticket); o < outputs; o += step) {
+      const T* ap = shrink_a(a, o, row, g, k);
+      if (ap == nullptr) continue;
+      const T* xp = static_cast<const T*>(l.x) + static_cast<int64_t>(row) * l.k;
+      float acc = 0.f;
+      for (int j0 = lane; j0 < vecs; j0 += U * 32) {
+        uint4 av[U], xv[U];
+        CUTLASS_PRAGMA_UNROLL
+        for (int u = 0; u < U; ++u) {
+          const int j = j0 + u * 32;
+          av[u] = j < vecs ? __ldg(reinterpret_cast<const uint4*>(ap + j * 8)) : make_uint4(0, 0, 0, 0);
+          xv[u] = j < vecs ? __ldcg(reinterpret_cast<const uint4*>(xp + j * 8)) : make_uint4(0, 0, 0, 0);
+        }
+        CUTLASS_PRAGMA_UNROLL
+        for (int u = 0; u < U; ++u) {
+          if (j0 + u * 32 >= vecs) break;
+          float af[8], xf[8];
+          unpack8<T>(av[u], af);
+          unpack8<T>(xv[u], xf);
+          CUTLASS_PRAGMA_UNROLL
+          for (int e = 0; e < 8; ++e) acc = fmaf(xf[e], af[e], acc);
+        }
+      }
+      CUTLASS_PRAGMA_UNROLL
+      for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+      if (lane == 0)
+        const_cast<float*>(fp8_epi::lora_v(l, row, g))[k] = acc;
+    }
+    __syncwarp();
+    if (lane == 0) {
+      __threadfence();  // this warp's v before its count
+      atomicAdd(l.sync + 1, 1u);
+    }
+  }
+
+  // Until every shrink warp has written its part of v (one thread of the CTA; the others wait at the barrier after),
+  // then the CTA's count: the last CTA of the grid to pass sets the three counters back to zero for the next launch.
+  // A guard against a grid that cannot make progress (fewer SMs than the launcher counted): a trap after ~seconds.
+  __device__ static void wait_shrink(const Fp8EpilogueLora& l) {
+    unsigned done = 0;
+    for (long long spins = 0;; ++spins) {
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(done) : "l"(l.sync + 1) : "memory");
+      if (done >= static_cast<unsigned>(l.shrink_warps)) break;
+      if (spins > (1ll << 26)) __trap();
+      __nanosleep(64);
+    }
+    const unsigned ctas = gridDim.x * gridDim.y * gridDim.z;
+    if (atomicAdd(l.sync + 2, 1u) == ctas - 1) {  // every CTA past its wait: every ticket taken, every count in
+      atomicExch(l.sync, 0u);
+      atomicExch(l.sync + 1, 0u);
+      atomicExch(l.sync + 2, 0u);
+    }
   }
 
   CUTLASS_DEVICE bool is_source_needed() { return false; }
@@ -300,7 +397,11 @@ class FusedEpilogue {
     // come after that load); said here too, so that this thread's reads of x_scale and v do not rest on that
     // ordering alone.
     pdl_wait();
-    // every warp of the group past its last MMA before the tile (the mainloop's buffers) is written
+    if constexpr (kShrink) {
+      if (params_.lora.sync != nullptr && thread_idx == 0) wait_shrink(params_.lora);
+    }
+    // every warp of the group past its last MMA before the tile (the mainloop's buffers) is written (and with the
+    // shrink inside, all of v)
     cutlass::arch::NamedBarrier::sync(kThreads, cutlass::arch::ReservedNamedBarriers::EpilogueBarrier);
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size(accumulators); ++i)
@@ -341,7 +442,7 @@ class FusedEpilogue {
           CUTLASS_PRAGMA_UNROLL
           for (int j = 0; j < fp8_epi::kChunk; ++j) {
             if (j < rows) bk[i][j] = __ldg(reinterpret_cast<const uint4*>(b[i] + static_cast<int64_t>(j) * width[i]));
-            if (j < vs) v0[i][j] = v[i][j];
+            if (j < vs) v0[i][j] = __ldcg(v[i] + j);  // (L2: see lora_chunk)
           }
         }
       }
@@ -373,7 +474,7 @@ template <typename T, int kTokens, class E = cutlass::float_e4m3_t>
 struct Sm90GemmFused {
   using G = Sm90Gemm<kTokens, false, E>;
   using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
-      FusedEpilogue<T, kTokens, sizeof(E) == 1>>;
+      FusedEpilogue<T, kTokens, sizeof(E) == 1, sizeof(E) == 2>>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, typename G::Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 

@@ -6,8 +6,9 @@ the product with the expand inside. A CPU engine so configured gives the default
 projection and mixed ranks; every projection group of every layer goes through the product once per step, with its
 spans and, in steps with adapters, the step's LoRA operands; the shrink runs once per such call and no expand launch
 remains. A decoder that dropped the expand, added it twice, passed another group's B or spans, or kept cuBLAS's product
-beside it would change the tokens or the counts. The kernel itself: tests/gpu/test_fp8_sm90_cuda.py; the engine with it
-against HF + PEFT: tests/gpu/test_families_cuda.py."""
+beside it would change the tokens or the counts. With the shrink inside the product too (KernelChoices.sm90_shrink) the
+emulation computes v from x and the A pools it is handed, and no shrink launch remains either. The kernel itself:
+tests/gpu/test_fp8_sm90_cuda.py; the engine with it against HF + PEFT: tests/gpu/test_families_cuda.py."""
 
 from __future__ import annotations
 
@@ -49,29 +50,40 @@ class TorchUnderCudaName:
         self.expand(ys, v, b, ranks, host, seg)
 
 
-def emulated_product(calls):
-    """bf16_sm90_linear's contract in torch, recording (spans, whether LoRA operands came) per call."""
+def emulated_product(calls, syncs=None):
+    """bf16_sm90_linear's contract in torch, recording (spans, whether LoRA operands came) per call. With A pools in
+    the operands, the kernel's shrink first: v[t, g, :r] = A_g[slot, :r] @ x[t] (the counters `sync`, zero int32, of
+    one layer and group: recorded by address in `syncs`)."""
 
-    def run(ext, x, w, bias, spans, lora, unit):
+    def run(ext, x, w, bias, spans, lora, unit, sync=None):
         assert ext == "ext" and unit.numel() >= max(x.shape[0], w.shape[0]) and bool((unit == 1).all())
         calls.append((tuple(spans), lora is not None))
         y = F.linear(x, w, bias)
         if lora is not None:
-            v, b, ranks, row_slot = lora
+            v, b, ranks, row_slot, a = lora
             assert len(b) == len(spans) and all(bg.shape[2] == n for bg, n in zip(b, spans))
+            if a is not None:  # the shrink inside the product
+                assert syncs is not None and sync.dtype == torch.int32 and sync.numel() >= 3
+                assert not sync.any()
+                syncs.add(sync.data_ptr())
+                assert len(a) == len(spans) and all(ag.shape[2] == x.shape[1] for ag in a)
+            else:
+                assert sync is None or syncs is None
             start = 0
             for g, n in enumerate(spans):
                 for t in range(x.shape[0]):
                     s = int(row_slot[t])
                     if 0 <= s < b[g].shape[0]:
                         r = min(int(ranks[g, s]), b[g].shape[1])
+                        if a is not None:
+                            v[t, g, :r] = a[g][s, :r].float() @ x[t].float()
                         y[t, start:start + n] += v[t, g, :r] @ b[g][s, :r]
                 start += n
         return y
     return run
 
 
-def run(model, ads, on: bool, monkeypatch):
+def run(model, ads, on: bool, monkeypatch, in_product: bool = False, syncs=None):
     g = torch.Generator().manual_seed(11)
     names = [None] + sorted(ads)
     seqs = [Sequence(f"r{i}", torch.randint(3, 256, (int(torch.randint(5, 20, (1,), generator=g)),),
@@ -87,8 +99,10 @@ def run(model, ads, on: bool, monkeypatch):
     assert d.bf16_sm90 is False  # a CPU device: the choice is not taken by itself
     if on:  # as on a compute capability 9.0 GPU whose build has the kernel
         d.bf16_sm90, d.sm90_ext, d.unit_scales = True, "ext", torch.ones(512)
+        if in_product:  # as Decoder._take_bf16_sm90 with KernelChoices.sm90_shrink
+            d.sm90_shrink, d.sm90_sync = True, torch.zeros(d.num_layers * 4, 4, dtype=torch.int32)
         monkeypatch.setattr(dec, "bf16_sm90_applies", lambda x, w, b, spans: x.shape[0] <= 64)
-        monkeypatch.setattr(dec, "bf16_sm90_linear", emulated_product(calls))
+        monkeypatch.setattr(dec, "bf16_sm90_linear", emulated_product(calls, syncs))
     try:
         out = eng.run_to_completion(seqs)
     finally:
@@ -96,16 +110,23 @@ def run(model, ads, on: bool, monkeypatch):
     return [out[f"r{i}"].output_ids for i in range(len(seqs))], d, calls, shim
 
 
+@pytest.mark.parametrize("in_product", [False, True])
 @pytest.mark.parametrize("family", ["llama3", "qwen2", "phi3"])
-def test_bf16_products_with_the_expand_inside_give_the_default_tokens(tmp_path, family, monkeypatch):
-    """(qwen2: q, k and v biases; phi3: fused qkv and gate_up in the checkpoint)"""
+def test_bf16_products_with_the_expand_inside_give_the_default_tokens(tmp_path, family, in_product, monkeypatch):
+    """(qwen2: q, k and v biases; phi3: fused qkv and gate_up in the checkpoint; in_product: the shrink inside the
+    product too, each layer and group with counters of its own)"""
     model = write_family_model(family, tmp_path / "m", seed=2)
     ads = {"all": write_random_adapter(model, tmp_path / "all", r=8, alpha=16, targets=family_targets(family), seed=3),
            "mlp": write_random_adapter(model, tmp_path / "mlp", r=4, alpha=8, targets=family_targets(family, "mlp"),
                                        seed=4)}
     want, _, none, plain = run(model, ads, False, monkeypatch)
-    got, d, calls, shim = run(model, ads, True, monkeypatch)
+    syncs: set[int] = set()
+    got, d, calls, shim = run(model, ads, True, monkeypatch, in_product, syncs if in_product else None)
     assert got == want
+    if in_product:
+        assert shim.shrinks == 0 and shim.expands == 0  # no LoRA launch of its own left
+        assert len(syncs) == 4 * d.num_layers  # one set of counters per layer and group
+        return
     assert none == [] and plain.shrinks > 0 and plain.expands == plain.shrinks
     c = d.cfg
     kinds = {(c.q_dim, c.kv_dim, c.kv_dim): 0, (c.hidden_size,): 0, (c.intermediate_size, c.intermediate_size): 0}
@@ -129,15 +150,17 @@ def test_the_products_launch_hands_the_kernel_its_operands(monkeypatch):
     seen = {}
 
     class Ext:
-        def fp8_gemm_sm90_fused(self, *args):
+        def fp8_gemm_sm90_fused(self, *args, **kwargs):
             seen["args"] = args
+            if kwargs:
+                seen["kwargs"] = kwargs
             args[0].fill_(7)
 
     bf = torch.bfloat16
     x, w = torch.zeros(3, 64, dtype=bf), torch.zeros(48, 128, dtype=bf)[:, :64]
     bias, unit = torch.zeros(48, dtype=bf), torch.ones(100)
     lora = (torch.zeros(3, 2, 8), (torch.zeros(4, 8, 16), torch.zeros(4, 8, 32)), torch.zeros(2, 4, dtype=torch.int32),
-            torch.zeros(3, dtype=torch.int32))
+            torch.zeros(3, dtype=torch.int32), None)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=1234))
     out = bf16_sm90_linear(Ext(), x, w, bias, (16, 32), lora, unit)
     got = seen["args"]
@@ -146,9 +169,13 @@ def test_the_products_launch_hands_the_kernel_its_operands(monkeypatch):
     assert got[3].shape == (3,) and got[4].shape == (48,) and bool((got[3] == 1).all() and (got[4] == 1).all())
     assert got[7] is lora[0] and got[8] == list(lora[1]) and got[9] is lora[2] and got[10] is lora[3]
     assert got[11] is True and got[12] == 1234
+    assert "kwargs" not in seen  # no shrink inside: no A pools, no counters
     bf16_sm90_linear(Ext(), x, w, None, [48], None, unit)
     got = seen["args"]
     assert got[5] is None and got[7:11] == (None, [], None, None)
+    pools, sync = (torch.zeros(4, 8, 64), torch.zeros(4, 8, 64)), torch.zeros(4, dtype=torch.int32)
+    bf16_sm90_linear(Ext(), x, w, bias, (16, 32), lora[:4] + (pools,), unit, sync)
+    assert seen["kwargs"]["a"] == list(pools) and seen["kwargs"]["sync"] is sync and seen["args"][7] is lora[0]
 
 
 def test_the_wgmma_kernel_takes_only_the_products_it_can():

@@ -76,7 +76,7 @@ def test_a_group_shrunk_in_the_norms_launch_is_not_shrunk_again(monkeypatch, wei
     may not be the call a step takes), so a group whose shrink rode in that launch is finished without a second
     shrink and without asking the LoRA step to quantize (which it refuses once the shrink is done). bf16 weights on
     the wgmma kernel (KernelChoices.bf16_sm90): no e4m3 rows, and the product with the expand inside likewise takes
-    the norm's shrink without a second one."""
+    the norm's shrink without a second one, nor one of its own (KernelChoices.sm90_shrink: no A pools handed over)."""
     import types
 
     import lorafleet.runner.model.decoder as dec
@@ -111,8 +111,9 @@ def test_a_group_shrunk_in_the_norms_launch_is_not_shrunk_again(monkeypatch, wei
     h, res = torch.randn(4, 16, dtype=torch.bfloat16), torch.randn(4, 16, dtype=torch.bfloat16)
     if weights == "bf16_sm90":
         me.bf16_sm90, me.sm90_ext, me.unit_scales = True, "ext", torch.ones(16)
+        me.sm90_shrink, me.sm90_sync = True, torch.zeros(16, 4, dtype=torch.int32)
         monkeypatch.setattr(dec, "bf16_sm90_applies", lambda *a: True)  # as on an H100 for at most 64 rows
-        monkeypatch.setattr(dec, "bf16_sm90_linear", lambda ext, x, w, b, spans, lora, unit: finished.update(
+        monkeypatch.setattr(dec, "bf16_sm90_linear", lambda ext, x, w, b, spans, lora, unit, sync: finished.update(
             lora=lora, spans=spans) or x)
         w = torch.zeros(16, 16, dtype=torch.bfloat16)
         x, new_res, quant = dec.Decoder._norm(me, 0, 2, h, res, torch.ones(16, dtype=torch.bfloat16), lora, w)
@@ -120,6 +121,7 @@ def test_a_group_shrunk_in_the_norms_launch_is_not_shrunk_again(monkeypatch, wei
         dec.Decoder._finished(me, 0, 2, x, w, None, lora, [8, 8], quant)
         assert calls == ["norm_shrink"]  # no second shrink
         assert finished["lora"] is not None and finished["spans"] == [8, 8]
+        assert finished["lora"][4] is None  # v is the norm's: the product must not shrink again
         return
     w = Fp8Weight(torch.zeros(16, 16, dtype=torch.float8_e4m3fn), torch.ones(16))
     x, new_res, quant = dec.Decoder._norm(me, 0, 2, h, res, torch.ones(16, dtype=torch.bfloat16), lora, w)

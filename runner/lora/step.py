@@ -247,12 +247,13 @@ class LoraStepImpl:
         return getattr(self.sgmv, "name", "") == "cuda" and self.dense is None
 
     def epilogue_operands(self, layer: int, group: int, x: torch.Tensor,
-                          quant: tuple[torch.Tensor, torch.Tensor] | None = None):
+                          quant: tuple[torch.Tensor, torch.Tensor] | None = None, in_product: bool = False):
         """The group's shrink, launched now on the CUDA-core path (the path of every segment of at most 64 rows
         with the default KernelChoices.mma_rows, so the same v as `add`), and the expand's operands (v, B pools,
-        ranks, each row's slot) for the kernel that finishes the product (runner/model/fp8.py: fp8_linear's epilogue,
-        bf16_sm90_linear); None, and nothing launched: no adapter in the step. `quant` (e4m3 rows, scales): the
-        shrink's launch also quantizes x into them."""
+        ranks, each row's slot, A pools or None) for the kernel that finishes the product (runner/model/fp8.py:
+        fp8_linear's epilogue, bf16_sm90_linear); None, and nothing launched: no adapter in the step. `quant` (e4m3
+        rows, scales): the shrink's launch also quantizes x into them. `in_product` (bf16_sm90_linear's kernel can
+        shrink): no launch, and the A pools for that kernel to write v from (None where the norm's launch wrote v)."""
         if not self.active:
             return None
         v = self.views[GROUP_SPANS[group][1]]
@@ -261,10 +262,12 @@ class LoraStepImpl:
         if self._take_shrunk(layer, group):
             if quant is not None:
                 raise ValueError("epilogue_operands: the norm's launch did the shrink; it quantizes x itself")
+        elif in_product and quant is None:
+            return v, b, ranks, row_slot, a
         else:
             self.sgmv.shrink(v, x, a, ranks, host, self.seg, mma_min_rows=1 << 30, quant=quant,
                              decode_ranks=self.decode_ranks[group], row_items=self.row_items)
-        return v, b, ranks, row_slot
+        return v, b, ranks, row_slot, None
 
     def begin(self, layer: int, group: int, x: torch.Tensor) -> None:
         """Before layer's `group` base product on x (decoder): with `branch`, the group's shrink ("shrink"), or its

@@ -189,6 +189,8 @@ class Decoder:
         self.bf16_sm90 = False
         self.sm90_ext = None
         self.unit_scales = None  # ones (fp32) for that kernel's epilogue, made before any graph capture
+        self.sm90_shrink = kernels.sm90_shrink  # ... and the rows' LoRA shrink inside its launch too
+        self.sm90_sync = None  # that kernel's counters, int32 [layers * 4, 4] zeros: one row per layer and group
         # runner/model/norm.py OwnNorm: the norms before qkv and gate_up (KernelChoices.norm_shrink, norm_quant,
         # norm_lora)
         self.own_norm = None
@@ -265,6 +267,8 @@ class Decoder:
             self.sm90_ext = ext
             rows = max(getattr(self.layers[0], name).shape[0] for name in PROJECTION_PARAMS)
             self.unit_scales = torch.ones(max(rows, SM90_MAX_ROWS), dtype=torch.float32, device=self.device)
+            if self.sm90_shrink:
+                self.sm90_sync = torch.zeros(len(self.layers) * 4, 4, dtype=torch.int32, device=self.device)
 
     def widen_for_lora(self, spare: dict[str, int]) -> int:
         """Gives the plain (not FP8) weights named in `spare` (qkv, gate_up) that many spare columns: each becomes
@@ -475,8 +479,9 @@ class Decoder:
         if lora is not None and not getattr(lora, "epilogue_ready", False):
             return None
         if not fp8:
-            operands = None if lora is None else lora.epilogue_operands(i, group, x)
-            return bf16_sm90_linear(self.sm90_ext, x, w, b, spans, operands, self.unit_scales)
+            operands = None if lora is None else lora.epilogue_operands(i, group, x, in_product=self.sm90_shrink)
+            sync = self.sm90_sync[i * 4 + group] if self.sm90_sync is not None else None
+            return bf16_sm90_linear(self.sm90_ext, x, w, b, spans, operands, self.unit_scales, sync)
         operands, quant = None, quantized
         if lora is not None:
             mine = None

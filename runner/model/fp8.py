@@ -127,9 +127,9 @@ SM90_MAX_ROWS = 64  # token rows of one call of that kernel (fp8_gemm_sm90.h kFp
 
 
 def epilogue_lora(lora: tuple | None) -> tuple:
-    """The epilogue kernels' LoRA arguments (v, B pools, ranks, row slots) from LoraStepImpl.epilogue_operands' tuple,
-    or none: no v, no B pools, no ranks, no row slots."""
-    return lora if lora is not None else (None, [], None, None)
+    """The epilogue kernels' LoRA arguments (v, B pools, ranks, row slots, A pools or None) from
+    LoraStepImpl.epilogue_operands' tuple, or none: no v, no B pools, no ranks, no row slots, no A pools."""
+    return lora if lora is not None else (None, [], None, None, None)
 
 
 def bf16_sm90_applies(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, spans: list[int]) -> bool:
@@ -149,16 +149,19 @@ def bf16_sm90_applies(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | Non
 
 
 def bf16_sm90_linear(ext, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, spans: list[int],
-                     lora: tuple | None, unit: torch.Tensor) -> torch.Tensor:
-    """x @ w.T + bias plus, given `lora` = (v, B pools, ranks, row slots) from LoraStepImpl.epilogue_operands, the
-    rows' LoRA expand over the output `spans`, in one launch of the wgmma kernel on bf16 operands (where
-    bf16_sm90_applies): the product in fp32 rounded to bf16, the bias added and rounded, the expand's sum added before
-    the last rounding (the FP8 epilogue's arithmetic with unit scales: `unit`, ones, fp32, at least max(M, N))."""
+                     lora: tuple | None, unit: torch.Tensor, sync: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T + bias plus, given `lora` = (v, B pools, ranks, row slots, A pools) from
+    LoraStepImpl.epilogue_operands, the rows' LoRA expand over the output `spans`, in one launch of the wgmma kernel on
+    bf16 operands (where bf16_sm90_applies): the product in fp32 rounded to bf16, the bias added and rounded, the
+    expand's sum added before the last rounding (the FP8 epilogue's arithmetic with unit scales: `unit`, ones, fp32,
+    at least max(M, N)). With A pools in `lora` the same launch also writes v (the rows' shrink, before its
+    epilogues read it), using `sync` (int32 [3], zero, this call site's own) between its warps."""
     M, N = x.shape[0], w.shape[0]
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    v, b, ranks, row_slot = epilogue_lora(lora)
+    v, b, ranks, row_slot, a = epilogue_lora(lora)
+    shrink = {} if a is None else {"a": list(a), "sync": sync}
     ext.fp8_gemm_sm90_fused(out, x, w, unit[:M], unit[:N], bias, list(spans), v, list(b), ranks, row_slot, True,
-                            torch.cuda.current_stream(x.device).cuda_stream)
+                            torch.cuda.current_stream(x.device).cuda_stream, **shrink)
     return out
 
 
@@ -282,7 +285,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
     elif unit_scale_call(M, N, K, unit_scale_elems):
         if epilogue:
             out = torch.empty(M, N // 2 if act else N, dtype=x.dtype, device=x.device)
-            v, b, ranks, row_slot = epilogue_lora(lora)
+            v, b, ranks, row_slot, _ = epilogue_lora(lora)  # (the FP8 path's shrink is always a launch)
             stream = torch.cuda.current_stream(x.device).cuda_stream
             if (sm90 and sm90_fused and (lora is None or sm90_fused_lora)
                     and _sm90_fused(xq, w, x.dtype, act, sm90_split)):

@@ -297,6 +297,13 @@ def bf16_sm90() -> bool:
     return _flag("LORAFLEET_BF16_SM90", True)
 
 
+def sm90_shrink() -> bool:
+    """LORAFLEET_SM90_SHRINK: with LORAFLEET_BF16_SM90, the rows' LoRA shrink runs inside the wgmma product's launch
+    too (its consumer warps write the rows' v before their main loop, the epilogues wait for all of it) instead of a
+    shrink launched before each product (default 0 until measured end to end)."""
+    return _flag("LORAFLEET_SM90_SHRINK", False)
+
+
 def fp8_sm90_fused() -> bool:
     """LORAFLEET_FP8_SM90_FUSED: where that wgmma kernel's product (in one part, bf16 output) is finished by the FP8
     epilogue without an activation or a LoRA expand (qkv, o, down of steps without adapters), the epilogue runs inside

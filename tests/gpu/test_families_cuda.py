@@ -90,9 +90,9 @@ def test_family_bf16_products_on_the_wgmma_kernel(family, monkeypatch):
     calls = []
     real = dec.bf16_sm90_linear
 
-    def counted(ext, x, w, bias, spans, lora, unit):
+    def counted(ext, x, w, bias, spans, lora, unit, sync=None):
         calls.append((len(spans), lora is not None))
-        return real(ext, x, w, bias, spans, lora, unit)
+        return real(ext, x, w, bias, spans, lora, unit, sync)
     monkeypatch.setattr(dec, "bf16_sm90_linear", counted)
     cpu, _ = generate(model, reqs, NEW, device="cpu", kv_cache_gb=0.05)  # the fp32 continuation
     eng = teacher.teacher_forced_check(model, ads, reqs, cpu, "bfloat16", f"{name} bf16 wgmma",
@@ -105,6 +105,35 @@ def test_family_bf16_products_on_the_wgmma_kernel(family, monkeypatch):
     # with the qkv and gate_up shrinks inside the norms' launches (the product then launches no shrink of its own)
     teacher.decode_graph_vs_eager(model, reqs, f"{name} bf16 wgmma, norm + shrink",
                                   kernels=KernelChoices(bf16_sm90=True, norm_shrink=True))
+
+
+def test_family_shrink_inside_the_wgmma_product(family, monkeypatch):
+    """KernelChoices.sm90_shrink: the rows' LoRA shrink inside the same wgmma launch as the product and the expand, no
+    LoRA launch of its own left. Teacher-forced against HF + PEFT in fp32 (every step at most 64 rows; the calls with
+    A pools counted, no shrink launched), the counters zero after the run, then a decode step replayed from its CUDA
+    graph against the same step run eagerly."""
+    import lorafleet.runner.model.decoder as dec
+    from lorafleet.runner.lora.sgmv_cuda import CudaSGMV
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma kernel is built for compute capability 9.0 only")
+    name, model, ads, reqs = family
+    inside, shrinks = [], []
+    real = dec.bf16_sm90_linear
+
+    def counted(ext, x, w, bias, spans, lora, unit, sync=None):
+        inside.append(lora is not None and lora[4] is not None and sync is not None)
+        return real(ext, x, w, bias, spans, lora, unit, sync)
+    monkeypatch.setattr(dec, "bf16_sm90_linear", counted)
+    real_shrink = CudaSGMV.shrink
+    monkeypatch.setattr(CudaSGMV, "shrink", lambda self, *a, **k: shrinks.append(1) or real_shrink(self, *a, **k))
+    cpu, _ = generate(model, reqs, NEW, device="cpu", kv_cache_gb=0.05)  # the fp32 continuation
+    kernels = KernelChoices(bf16_sm90=True, sm90_shrink=True)
+    eng = teacher.teacher_forced_check(model, ads, reqs, cpu, "bfloat16", f"{name} shrink in wgmma", kernels=kernels,
+                                       max_step_tokens=64)
+    assert eng.model.sm90_sync is not None and not eng.model.sm90_sync.any()
+    assert any(inside) and not shrinks, (sum(inside), len(shrinks))
+    teacher.decode_graph_vs_eager(model, reqs, f"{name} shrink in wgmma", kernels=kernels)
 
 
 @pytest.fixture(scope="module")

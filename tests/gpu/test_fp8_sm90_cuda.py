@@ -415,3 +415,132 @@ def test_fused_refuses_bad_operands(ext):
     for change, match in cases:
         with pytest.raises(RuntimeError, match=match):
             ext.fp8_gemm_sm90_fused(**{**base, **change})
+
+
+def _shrink_pools(spans, K: int, seed: int):
+    """A pools [S = 7, R = 128, K] per span (bf16) beside _fused_args' B pools, ranks and row slots."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return [(torch.randn(7, 128, K, device="cuda", generator=g) * 0.05).bfloat16() for _ in spans]
+
+
+def _shrink_fp64(x, a, e):
+    """v's entries the shrink must write, in fp64 ({(row, span, rank row): (value, magnitude)}): every row with a slot
+    in range, rank rows below its rank clamped to the pools' 128."""
+    want = {}
+    S = e["ranks"].shape[1]
+    for i, s in enumerate(e["row_slot"].tolist()):
+        if not 0 <= s < S:
+            continue
+        for g, ag in enumerate(a):
+            r = min(max(int(e["ranks"][g, s]), 0), ag.shape[1])
+            terms = ag[s, :r].double() * x[i].double()
+            for k, (val, mag) in enumerate(zip(terms.sum(1).tolist(), terms.abs().sum(1).tolist())):
+                want[(i, g, k)] = (val, mag)
+    return want
+
+
+@pytest.mark.parametrize("M", [1, 17, 32, 64])
+def test_the_shrink_inside_the_product(ext, M):
+    """bf16 operands with the A pools and counters (Fp8EpilogueLora::sync): the kernel's own warps write v, then its
+    epilogues add the expand. v holds the fp64 sums of x's rows and A's rank rows within fp32 accumulation's rounding
+    wherever a row has an adapter (every kind of slot and rank of _fused_args, ranks up to the pools' 128), and
+    nothing else of v is written; the output is bit for bit the fused call handed that v; the counters are zero
+    again after the launch; a second launch gives the same bits, and every row the bits of the row alone."""
+    for spans, rows, bias, lora, K in FUSED_CASES:
+        if not lora or {37: 32, 5: 1}.get(rows, rows) != M:
+            continue
+        x, w = _bf16_operands(rows, K, sum(spans), seed=rows + K)
+        _, _, e = _fused_args(spans, rows, bias, lora, K, seed=rows + K + len(spans))
+        e = {**e, "x_scale": torch.ones(rows, device="cuda"), "w_scale": torch.ones(sum(spans), device="cuda")}
+        a = _shrink_pools(spans, K, seed=rows + K)
+        sync = torch.zeros(4, dtype=torch.int32, device="cuda")
+
+        def launch(x, e, v):
+            out = torch.full((x.shape[0], sum(spans)), float("nan"), device="cuda", dtype=torch.bfloat16)
+            ext.fp8_gemm_sm90_fused(out, x, w, e["x_scale"], e["w_scale"], e["bias"], e["cols"], v, e["b"],
+                                    e["ranks"], e["row_slot"], True, _stream(), a=a, sync=sync)
+            torch.cuda.synchronize()
+            assert not sync.any(), (spans, rows)  # left zero for the next launch
+            return out
+
+        v = torch.full_like(e["v"], float("nan"))
+        got = launch(x, e, v)
+        want = _shrink_fp64(x, a, e)
+        written = torch.isfinite(v)
+        assert int(written.sum()) == len(want), (spans, rows)
+        for (i, g, k), (val, mag) in want.items():
+            assert abs(float(v[i, g, k]) - val) <= 1e-5 * mag + 1e-6, (spans, rows, i, g, k)
+        handed = torch.full_like(got, float("nan"))
+        ext.fp8_gemm_sm90_fused(handed, x, w, e["x_scale"], e["w_scale"], e["bias"], e["cols"], v.nan_to_num(),
+                                e["b"], e["ranks"], e["row_slot"], True, _stream())
+        assert _same_bits(got, handed), (spans, rows)
+        v2 = torch.full_like(v, float("nan"))
+        assert _same_bits(launch(x, e, v2), got) and torch.equal(v2.nan_to_num(), v.nan_to_num()), (spans, rows)
+        for i in sorted({0, rows // 2, rows - 1}):
+            one = {**e, "x_scale": e["x_scale"][:1], "row_slot": e["row_slot"][i:i + 1].contiguous()}
+            vi = torch.full_like(v, float("nan"))
+            alone = launch(x[i:i + 1].contiguous(), one, vi)
+            assert _same_bits(alone[0], got[i]) and torch.equal(vi[0].nan_to_num(), v[i].nan_to_num()), (spans, i)
+
+
+def test_the_shrink_inside_the_product_in_a_graph(ext):
+    """Captured once, replayed on new rows and new row slots: the eager launch's bits, and the counters zero after
+    every replay."""
+    spans, M, K = [4096, 1024, 1024], 32, 4096
+    x, w = _bf16_operands(M, K, sum(spans), seed=8)
+    _, _, e = _fused_args(spans, M, True, True, K, seed=9)
+    e = {**e, "x_scale": torch.ones(M, device="cuda"), "w_scale": torch.ones(sum(spans), device="cuda")}
+    a = _shrink_pools(spans, K, seed=10)
+    sync = torch.zeros(3, dtype=torch.int32, device="cuda")
+    out = torch.empty(M, sum(spans), device="cuda", dtype=torch.bfloat16)
+
+    def launch(o, v):
+        ext.fp8_gemm_sm90_fused(o, x, w, e["x_scale"], e["w_scale"], e["bias"], e["cols"], v, e["b"], e["ranks"],
+                                e["row_slot"], True, torch.cuda.current_stream().cuda_stream, a=a, sync=sync)
+
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        launch(out, e["v"])  # warm up outside the capture
+        with torch.cuda.graph(graph, stream=side):
+            launch(out, e["v"])
+    torch.cuda.current_stream().wait_stream(side)
+    for seed in (31, 32, 33):
+        nx, _ = _bf16_operands(M, K, sum(spans), seed=seed)
+        x.copy_(nx)
+        e["row_slot"].copy_(e["row_slot"].roll(seed))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert not sync.any(), seed
+        eager = torch.empty_like(out)
+        launch(eager, torch.empty_like(e["v"]))
+        torch.cuda.synchronize()
+        assert _same_bits(out, eager), seed
+
+
+def test_the_shrink_inside_the_product_refuses_what_it_cannot_do(ext):
+    x, w = _bf16_operands(4, 256, 128, seed=3)
+    _, _, e = _fused_args([64, 32, 32], 4, False, True, 256, seed=1)
+    a = _shrink_pools([64, 32, 32], 256, seed=2)
+    sync = torch.zeros(3, dtype=torch.int32, device="cuda")
+    base = dict(out=torch.empty(4, 128, device="cuda", dtype=torch.bfloat16), x=x, w=w, x_scale=torch.ones(4,
+                device="cuda"), w_scale=torch.ones(128, device="cuda"), bias=None, cols=e["cols"], v=e["v"],
+                b=e["b"], ranks=e["ranks"], row_slot=e["row_slot"], pdl=True, stream=_stream(), a=a, sync=sync)
+    xq, wq, _ = _fused_args([64, 32, 32], 4, False, True, 256, seed=1)
+    cases = [
+        (dict(sync=None), "needs both a and sync"),
+        (dict(a=[]), "needs both a and sync"),
+        (dict(a=a[:2]), "one A pool per span"),
+        (dict(v=None, b=[], ranks=None, row_slot=None), "takes bf16 x, LoRA"),
+        (dict(x=xq, w=wq.q), "takes bf16 x"),
+        (dict(sync=torch.zeros(2, dtype=torch.int32, device="cuda")), "at least 3 entries"),
+        (dict(sync=torch.zeros(3, device="cuda")), "sync must be contiguous int32"),
+        (dict(a=[t[:, :, :128].contiguous() for t in a]), "features"),
+    ]
+    for change, match in cases:
+        with pytest.raises(RuntimeError, match=match):
+            ext.fp8_gemm_sm90_fused(**{**base, **change})
+    assert not sync.any()
