@@ -253,7 +253,9 @@ class LoraStepImpl:
         ranks, each row's slot, A pools or None) for the kernel that finishes the product (runner/model/fp8.py:
         fp8_linear's epilogue, bf16_sm90_linear); None, and nothing launched: no adapter in the step. `quant` (e4m3
         rows, scales): the shrink's launch also quantizes x into them. `in_product` (bf16_sm90_linear's kernel can
-        shrink): no launch, and the A pools for that kernel to write v from (None where the norm's launch wrote v)."""
+        shrink): no launch, and the A pools for that kernel to write v from (None where the norm's launch wrote v,
+        and where this call has just launched the ops that compute the row slots: the kernel reads them before its
+        programmatic-launch wait, so the step's first group keeps its shrink's launch between the two)."""
         if not self.active:
             return None
         v = self.views[GROUP_SPANS[group][1]]
@@ -262,7 +264,7 @@ class LoraStepImpl:
         if self._take_shrunk(layer, group):
             if quant is not None:
                 raise ValueError("epilogue_operands: the norm's launch did the shrink; it quantizes x itself")
-        elif in_product and quant is None:
+        elif in_product and quant is None and not self._slots_fresh:
             return v, b, ranks, row_slot, a
         else:
             self.sgmv.shrink(v, x, a, ranks, host, self.seg, mma_min_rows=1 << 30, quant=quant,
