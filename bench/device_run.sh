@@ -216,8 +216,8 @@ stage() {
     ab)
       local v
       for v in $AB_VALUES; do
-        env "$AB_VAR=$v" timeout ${LORA_S:-300} $E2E --requests $AB_REQS --mixes distinct identical \
-          --sweep --hf-requests 0 --profile $AB_ARGS --out "$OUT/e2e_${AB_NAME}_${v//,/-}.json" 2>&1 \
+        env "$AB_VAR=$v" timeout ${LORA_S:-300} $E2E --requests ${AB_REQS:-200} --mixes distinct identical \
+          --sweep --hf-requests 0 --profile ${AB_ARGS:-} --out "$OUT/e2e_${AB_NAME}_${v//,/-}.json" 2>&1 \
           | tee "$LOGS/e2e_${AB_NAME}_${v//,/-}.log" | grep -E "tok/s|LoRA per decode|Error|Traceback" | cut -c1-300 | tail -10
       done ;;
     nlprobe)
