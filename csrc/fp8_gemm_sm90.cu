@@ -71,7 +71,8 @@ const char* fp8_gemm_sm90_fused(const Fp8Sm90Args& a, const Fp8EpilogueArgs& e, 
     if (l.sync == nullptr) return a.bf16 ? sm90_bf16_fused(a, e, stream) : fused<cutlass::float_e4m3_t>(a, e, stream);
     DeviceInfo info;  // (sgmv.h: read once per device)
     if (const char* err = device_info(a.device, &info)) return err;
-    // the consumer warps (4 a CTA) of at most one CTA per SM (fused's tiles: 64 weight rows by 16, 32 or 64 tokens)
+    // tickets for the consumer warps (4 a CTA) of one CTA per SM, at most of every CTA (fused's tiles: 64 weight
+    // rows by 16, 32 or 64 tokens); a grid with fewer SMs takes the rest in its epilogues
     const int tokens = a.m <= 16 ? 16 : a.m <= 32 ? 32 : 64;
     const long long ctas = static_cast<long long>((a.n + 63) / 64) * ((a.m + tokens - 1) / tokens);
     Fp8EpilogueArgs shrunk = e;

@@ -62,7 +62,8 @@ struct Fp8EpilogueLora {
   unsigned* sync = nullptr;
   const void* x = nullptr;             // the product's x [m, K] (set by the launcher)
   int k = 0;                           // K (set by the launcher)
-  int shrink_warps = 0;                // the warps that take the shrink's work (set by the launcher)
+  int shrink_warps = 0;                // the shrink's tickets (set by the launcher: the consumer warps of one CTA
+                                       // per SM, at most of every CTA)
 };
 
 struct Fp8EpilogueArgs {

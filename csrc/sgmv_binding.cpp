@@ -868,6 +868,9 @@ void fp8_gemm_sm90_fused(Tensor out, Tensor x, Tensor w, Tensor x_scale, Tensor 
                "fp8_gemm_sm90_fused: sync must be contiguous int32 with at least 3 entries (zero)");
     for (int64_t i = 0; i < G; ++i) {
       check_weight_pool(a[i], Name("a", i), x, ranks->size(1), x.size(1), v->size(2));
+      // (every v entry the expand reads below B's rank dimension is one the shrink writes)
+      SGMV_CHECK(a[i].size(1) >= e.lora.b_rank_dim[i], "fp8_gemm_sm90_fused: a[%lld] has rank dimension %lld, below "
+                 "b[%lld]'s %d", ll(i), ll(a[i].size(1)), ll(i), e.lora.b_rank_dim[i]);
       e.lora.a[i] = a[i].data_ptr();
       e.lora.a_rank_dim[i] = static_cast<int>(a[i].size(1));
       e.lora.a_rank_max = std::max(e.lora.a_rank_max, e.lora.a_rank_dim[i]);

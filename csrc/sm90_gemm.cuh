@@ -264,7 +264,7 @@ class FusedEpilogue {
   }
 
   CUTLASS_HOST_DEVICE
-  explicit FusedEpilogue(Params const& params) : params_(params) {
+  explicit FusedEpilogue(Params const& params) : params_(params), grid_(&params) {
 #if defined(__CUDA_ARCH__)
     // With LoRA, the consumer warp group's threads (threadIdx.x 128 .. 255 in this kernel) issue the loads of their
     // chunks' row slots here, before the main loop, and first use them after it: the one load of the LoRA chain whose
@@ -285,14 +285,14 @@ class FusedEpilogue {
   }
 
   // The rows' shrink (kShrink, Fp8EpilogueLora::sync): output (row i, span g, rank row k), numbered
-  // (i * G + g) * a_rank_max + k, is one warp's dot product of x's row and A's rank row. Each consumer warp takes a
-  // ticket as it starts; the warps holding the first shrink_warps tickets take outputs ticket, ticket + shrink_warps,
-  // ... A warp that holds such a ticket has started and waits for nothing but the kernel before, so an epilogue
-  // waiting for all of them (wait_shrink) never waits for a CTA that needs its SM. The launcher sets shrink_warps to
-  // the consumer warps of at most one CTA per SM. A's rows are asked of L2 before the wait for the kernel before (no
-  // kernel writes A within a step, nor the tables), x's only after it. Lane j sums its 8-element vectors j, j + 32,
-  // ... in order, then the warp's xor tree: the same bits whichever warp takes the output, and a row's v depends on
-  // its own x and A only.
+  // (i * G + g) * a_rank_max + k, is one warp's dot product of x's row and A's rank row. The outputs fall into
+  // shrink_warps tickets (ticket t: outputs t, t + shrink_warps, ...). Each consumer warp takes one ticket from the
+  // call site's first counter as it starts (shrink_rows) and does its work before the main loop; the launcher makes
+  // the tickets as many as the consumer warps of one CTA per SM, so that they spread over the first wave. An epilogue
+  // that finds work unfinished first takes the tickets still untaken and does them itself (drain_shrink), and only
+  // then waits: every ticket it waits for is held by a warp that runs and waits for nothing but the kernel before,
+  // however few SMs the grid gets. Lane j sums its 8-element vectors j, j + 32, ... in order, then the warp's xor tree:
+  // the same bits whichever warp takes the output, and a row's v depends on its own x and A only.
   __device__ static const T* shrink_a(const Params& a, int o, int& row, int& g, int& k) {
     const Fp8EpilogueLora& l = a.lora;
     const int per_row = a.num_groups * l.a_rank_max;
@@ -306,23 +306,32 @@ class FusedEpilogue {
     return static_cast<const T*>(ag) + (static_cast<int64_t>(s) * rank_dim + k) * l.k;
   }
 
-  __device__ static void shrink_rows(const Params& a) {
+  // The warp's next ticket (the first counter; every lane gets it).
+  __device__ static unsigned take_ticket(const Fp8EpilogueLora& l) {
+    unsigned ticket = 0;
+    if ((threadIdx.x & 31) == 0) ticket = atomicAdd(l.sync, 1u);
+    return __shfl_sync(0xffffffffu, ticket, 0);
+  }
+
+  // Ticket `ticket`'s outputs into v, then the warp's count in the second counter. `waited`: the wait for the kernel
+  // before is behind (else A's rows are asked of L2 first, as no kernel writes A or the tables within a step, then
+  // the wait, then x's reads). U: vectors of A and x in flight per lane (8 before the main loop; 1 in the epilogue,
+  // where the registers of 8 go to the stack; the same bits either way).
+  template <int U>
+  __device__ static void shrink_ticket(const Params& a, int ticket, bool waited) {
     const Fp8EpilogueLora& l = a.lora;
     const int lane = static_cast<int>(threadIdx.x) & 31;
-    unsigned ticket = 0;
-    if (lane == 0) ticket = atomicAdd(l.sync, 1u);
-    ticket = __shfl_sync(0xffffffffu, ticket, 0);
-    if (ticket >= static_cast<unsigned>(l.shrink_warps)) return;
     const int outputs = a.m * a.num_groups * l.a_rank_max, vecs = l.k / 8, step = l.shrink_warps;
     int row, g, k;
-    for (int o = static_cast<int>(ticket); o < outputs; o += step) {
-      const T* ap = shrink_a(a, o, row, g, k);
-      if (ap != nullptr)
-        for (int j = lane; j < vecs; j += 32) asm volatile("prefetch.global.L2 [%0];" ::"l"(ap + j * 8));
+    if (!waited) {
+      for (int o = ticket; o < outputs; o += step) {
+        const T* ap = shrink_a(a, o, row, g, k);
+        if (ap != nullptr)
+          for (int j = lane; j < vecs; j += 32) asm volatile("prefetch.global.L2 [%0];" ::"l"(ap + j * 8));
+      }
+      pdl_wait();  // x comes from the kernel before
     }
-    pdl_wait();  // x comes from the kernel before
-    constexpr int U = 8;  // vectors of A and x in flight per lane
-    for (int o = static_cast<int>(ticket); o < outputs; o += step) {
+    for (int o = ticket; o < outputs; o += step) {
       const T* ap = shrink_a(a, o, row, g, k);
       if (ap == nullptr) continue;
       const T* xp = static_cast<const T*>(l.x) + static_cast<int64_t>(row) * l.k;
@@ -337,12 +346,13 @@ class FusedEpilogue {
         }
         CUTLASS_PRAGMA_UNROLL
         for (int u = 0; u < U; ++u) {
-          if (j0 + u * 32 >= vecs) break;
-          float af[8], xf[8];
-          unpack8<T>(av[u], af);
-          unpack8<T>(xv[u], xf);
-          CUTLASS_PRAGMA_UNROLL
-          for (int e = 0; e < 8; ++e) acc = fmaf(xf[e], af[e], acc);
+          if (j0 + u * 32 < vecs) {
+            float af[8], xf[8];
+            unpack8<T>(av[u], af);
+            unpack8<T>(xv[u], xf);
+            CUTLASS_PRAGMA_UNROLL
+            for (int e = 0; e < 8; ++e) acc = fmaf(xf[e], af[e], acc);
+          }
         }
       }
       CUTLASS_PRAGMA_UNROLL
@@ -357,19 +367,37 @@ class FusedEpilogue {
     }
   }
 
-  // Until every shrink warp has written its part of v (one thread of the CTA; the others wait at the barrier after),
-  // then the CTA's count: the last CTA of the grid to pass sets the three counters back to zero for the next launch.
-  // A guard against a grid that cannot make progress (fewer SMs than the launcher counted): a trap after ~seconds.
-  __device__ static void wait_shrink(const Fp8EpilogueLora& l) {
-    unsigned done = 0;
-    for (long long spins = 0;; ++spins) {
-      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(done) : "l"(l.sync + 1) : "memory");
-      if (done >= static_cast<unsigned>(l.shrink_warps)) break;
+  // Before the main loop: one ticket per consumer warp, while the first wave's tickets last.
+  __device__ static void shrink_rows(const Params& a) {
+    const unsigned ticket = take_ticket(a.lora);
+    if (ticket < static_cast<unsigned>(a.lora.shrink_warps)) shrink_ticket<8>(a, static_cast<int>(ticket), false);
+  }
+
+  // In the epilogue, every consumer warp (after the wait for the kernel before): if v is not complete, the tickets
+  // nobody took yet, then (lane 0, acquire loads) until every ticket is counted. A trap after seconds of spinning
+  // guards against what cannot happen here (a ticket's warp that never finishes).
+  __device__ static void drain_shrink(const Params& a) {
+    const Fp8EpilogueLora& l = a.lora;
+    const unsigned all = static_cast<unsigned>(l.shrink_warps);
+    auto done = [&] {
+      unsigned d = 0;
+      if ((threadIdx.x & 31) == 0)
+        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(d) : "l"(l.sync + 1) : "memory");
+      return __shfl_sync(0xffffffffu, d, 0) >= all;
+    };
+    if (done()) return;
+    for (unsigned t = take_ticket(l); t < all; t = take_ticket(l)) shrink_ticket<1>(a, static_cast<int>(t), true);
+    for (long long spins = 0; !done(); ++spins) {
       if (spins > (1ll << 26)) __trap();
       __nanosleep(64);
     }
+  }
+
+  // After every consumer warp of the CTA has drained (the barrier before): the CTA's count in the third counter; the
+  // last CTA of the grid (every ticket taken, every count in, no warp left to take another) zeroes all three.
+  __device__ static void release_shrink(const Fp8EpilogueLora& l) {
     const unsigned ctas = gridDim.x * gridDim.y * gridDim.z;
-    if (atomicAdd(l.sync + 2, 1u) == ctas - 1) {  // every CTA past its wait: every ticket taken, every count in
+    if (atomicAdd(l.sync + 2, 1u) == ctas - 1) {
       atomicExch(l.sync, 0u);
       atomicExch(l.sync + 1, 0u);
       atomicExch(l.sync + 2, 0u);
@@ -397,16 +425,18 @@ class FusedEpilogue {
     // come after that load); said here too, so that this thread's reads of x_scale and v do not rest on that
     // ordering alone.
     pdl_wait();
-    if constexpr (kShrink) {
-      if (params_.lora.sync != nullptr && thread_idx == 0) wait_shrink(params_.lora);
-    }
-    // every warp of the group past its last MMA before the tile (the mainloop's buffers) is written (and with the
-    // shrink inside, all of v)
+    // every warp of the group past its last MMA before the tile (the mainloop's buffers) is written
     cutlass::arch::NamedBarrier::sync(kThreads, cutlass::arch::ReservedNamedBarriers::EpilogueBarrier);
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size(accumulators); ++i)
       st.tile[get<1>(tCcD(i)) - tok0][get<0>(tCcD(i)) - row0] = accumulators(i);
+    if constexpr (kShrink) {
+      if (params_.lora.sync != nullptr) drain_shrink(*grid_);  // all of v written
+    }
     cutlass::arch::NamedBarrier::sync(kThreads, cutlass::arch::ReservedNamedBarriers::EpilogueBarrier);
+    if constexpr (kShrink) {
+      if (params_.lora.sync != nullptr && thread_idx == 0) release_shrink(grid_->lora);
+    }
     const Fp8EpilogueArgs& a = params_;
     const Fp8EpilogueLora& l = a.lora;
     // Chunk i of this thread: 8 weight rows of one token, the i-th of the tile's chunks that fall to it (consecutive
@@ -466,6 +496,9 @@ class FusedEpilogue {
   static constexpr int kPer = kTokens * kPerRow / kThreads;  // chunks per thread: 1, 2 or 4
   static_assert(kTokens * kPerRow % kThreads == 0, "every thread takes the same number of chunks");
   Params params_;
+  // the kernel's own (grid-constant) copy, which the shrink's functions read by reference: a reference to params_
+  // would put all of it on the stack (CUTLASS hands the constructor the kernel parameter's member by reference)
+  const Params* grid_;
   int slot_[kPer];  // with LoRA: the row slots of this thread's chunks (loaded by the constructor), else -1
 };
 

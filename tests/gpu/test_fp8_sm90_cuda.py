@@ -424,9 +424,12 @@ def _shrink_pools(spans, K: int, seed: int):
 
 
 def _shrink_fp64(x, a, e):
-    """v's entries the shrink must write, in fp64 ({(row, span, rank row): (value, magnitude)}): every row with a slot
+    """v's entries the shrink must write (a mask like v's) and their fp64 values and magnitudes: every row with a slot
     in range, rank rows below its rank clamped to the pools' 128."""
-    want = {}
+    shape = (x.shape[0], len(a), a[0].shape[1])
+    mask = torch.zeros(shape, dtype=torch.bool, device="cuda")
+    want, mag = torch.zeros(shape, dtype=torch.float64, device="cuda"), torch.zeros(shape, dtype=torch.float64,
+                                                                                     device="cuda")
     S = e["ranks"].shape[1]
     for i, s in enumerate(e["row_slot"].tolist()):
         if not 0 <= s < S:
@@ -434,9 +437,17 @@ def _shrink_fp64(x, a, e):
         for g, ag in enumerate(a):
             r = min(max(int(e["ranks"][g, s]), 0), ag.shape[1])
             terms = ag[s, :r].double() * x[i].double()
-            for k, (val, mag) in enumerate(zip(terms.sum(1).tolist(), terms.abs().sum(1).tolist())):
-                want[(i, g, k)] = (val, mag)
-    return want
+            mask[i, g, :r] = True
+            want[i, g, :r], mag[i, g, :r] = terms.sum(1), terms.abs().sum(1)
+    return mask, want, mag
+
+
+def _shrink_checked(v, x, a, e, why):
+    """v written exactly where the shrink must write it, each entry within fp32 accumulation's rounding of fp64."""
+    mask, want, mag = _shrink_fp64(x, a, e)
+    rows = x.shape[0]
+    assert torch.equal(torch.isfinite(v[:rows]), mask) and not torch.isfinite(v[rows:]).any(), why
+    assert ((v[:rows].double() - want).abs() <= 1e-5 * mag + 1e-6)[mask].all(), why
 
 
 @pytest.mark.parametrize("M", [1, 17, 32, 64])
@@ -445,10 +456,12 @@ def test_the_shrink_inside_the_product(ext, M):
     epilogues add the expand. v holds the fp64 sums of x's rows and A's rank rows within fp32 accumulation's rounding
     wherever a row has an adapter (every kind of slot and rank of _fused_args, ranks up to the pools' 128), and
     nothing else of v is written; the output is bit for bit the fused call handed that v; the counters are zero
-    again after the launch; a second launch gives the same bits, and every row the bits of the row alone."""
-    for spans, rows, bias, lora, K in FUSED_CASES:
-        if not lora or {37: 32, 5: 1}.get(rows, rows) != M:
-            continue
+    again after the launch; a second launch gives the same bits, and every row the bits of the row alone. At 64 rows
+    also 256 weight tiles (more CTAs than the GPU has SMs: later waves, tickets past the first wave's)."""
+    cases = [c for c in FUSED_CASES if c[3] and {37: 32, 5: 1}.get(c[1], c[1]) == M]
+    if M == 64:
+        cases.append(([8192, 4096, 4096], 64, True, True, 4096))
+    for spans, rows, bias, lora, K in cases:
         x, w = _bf16_operands(rows, K, sum(spans), seed=rows + K)
         _, _, e = _fused_args(spans, rows, bias, lora, K, seed=rows + K + len(spans))
         e = {**e, "x_scale": torch.ones(rows, device="cuda"), "w_scale": torch.ones(sum(spans), device="cuda")}
@@ -465,11 +478,7 @@ def test_the_shrink_inside_the_product(ext, M):
 
         v = torch.full_like(e["v"], float("nan"))
         got = launch(x, e, v)
-        want = _shrink_fp64(x, a, e)
-        written = torch.isfinite(v)
-        assert int(written.sum()) == len(want), (spans, rows)
-        for (i, g, k), (val, mag) in want.items():
-            assert abs(float(v[i, g, k]) - val) <= 1e-5 * mag + 1e-6, (spans, rows, i, g, k)
+        _shrink_checked(v, x, a, e, (spans, rows))
         handed = torch.full_like(got, float("nan"))
         ext.fp8_gemm_sm90_fused(handed, x, w, e["x_scale"], e["w_scale"], e["bias"], e["cols"], v.nan_to_num(),
                                 e["b"], e["ranks"], e["row_slot"], True, _stream())
@@ -481,6 +490,39 @@ def test_the_shrink_inside_the_product(ext, M):
             vi = torch.full_like(v, float("nan"))
             alone = launch(x[i:i + 1].contiguous(), one, vi)
             assert _same_bits(alone[0], got[i]) and torch.equal(vi[0].nan_to_num(), v[i].nan_to_num()), (spans, i)
+
+
+def test_the_shrink_inside_back_to_back_products(ext):
+    """Two launches one after the other on one stream (programmatic dependent launch), 256 weight tiles each, sharing
+    one v buffer with counters of their own, the second on other rows and slots: each the bits of its launch alone,
+    the second's v its own rows' shrink, every counter zero after."""
+    spans, M, K = [8192, 4096, 4096], 64, 4096
+    x1, w = _bf16_operands(M, K, sum(spans), seed=41)
+    x2, _ = _bf16_operands(M, K, sum(spans), seed=42)
+    _, _, e = _fused_args(spans, M, True, True, K, seed=43)
+    e = {**e, "x_scale": torch.ones(M, device="cuda"), "w_scale": torch.ones(sum(spans), device="cuda")}
+    e2 = {**e, "row_slot": e["row_slot"].roll(5).contiguous()}
+    a = _shrink_pools(spans, K, seed=44)
+    syncs = [torch.zeros(3, dtype=torch.int32, device="cuda") for _ in range(2)]
+
+    def launch(x, e, v, sync, out=None):
+        out = torch.full((M, sum(spans)), float("nan"), device="cuda", dtype=torch.bfloat16) if out is None else out
+        ext.fp8_gemm_sm90_fused(out, x, w, e["x_scale"], e["w_scale"], e["bias"], e["cols"], v, e["b"], e["ranks"],
+                                e["row_slot"], True, _stream(), a=a, sync=sync)
+        return out
+
+    v = torch.full_like(e["v"], float("nan"))
+    first, second = launch(x1, e, v, syncs[0]), launch(x2, e2, v, syncs[1])
+    torch.cuda.synchronize()
+    assert not syncs[0].any() and not syncs[1].any()
+    v_alone = torch.full_like(v, float("nan"))
+    assert _same_bits(second, launch(x2, e2, v_alone, syncs[1]))
+    torch.cuda.synchronize()
+    mine, _, _ = _shrink_fp64(x2, a, e2)  # (the first launch's entries stay where the second writes none)
+    assert torch.equal(v[mine], v_alone[mine])
+    v1 = torch.full_like(v, float("nan"))
+    assert _same_bits(first, launch(x1, e, v1, syncs[0]))
+    _shrink_checked(v_alone, x2, a, e2, "second")
 
 
 def test_the_shrink_inside_the_product_in_a_graph(ext):
@@ -539,6 +581,7 @@ def test_the_shrink_inside_the_product_refuses_what_it_cannot_do(ext):
         (dict(sync=torch.zeros(2, dtype=torch.int32, device="cuda")), "at least 3 entries"),
         (dict(sync=torch.zeros(3, device="cuda")), "sync must be contiguous int32"),
         (dict(a=[t[:, :, :128].contiguous() for t in a]), "features"),
+        (dict(a=[t[:, :64].contiguous() for t in a]), r"rank dimension 64, below b\[0\]'s 128"),
     ]
     for change, match in cases:
         with pytest.raises(RuntimeError, match=match):
