@@ -98,7 +98,7 @@ def run(model, ads, on: bool, monkeypatch, in_product: bool = False, syncs=None)
     if on:  # as on a compute capability 9.0 GPU whose build has the kernel
         d.bf16_sm90, d.sm90_ext, d.unit_scales = True, "ext", torch.ones(512)
         if in_product:  # as Decoder._take_bf16_sm90 with KernelChoices.sm90_shrink
-            d.sm90_shrink, d.sm90_sync = True, torch.zeros(d.num_layers * 4, 4, dtype=torch.int32)
+            d.sm90_sync = torch.zeros(d.num_layers * 4, 4, dtype=torch.int32)
         monkeypatch.setattr(dec, "bf16_sm90_applies", lambda x, w, b, spans: x.shape[0] <= 64)
         monkeypatch.setattr(dec, "bf16_sm90_linear", emulated_product(calls, syncs))
     try:

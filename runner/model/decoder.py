@@ -34,6 +34,7 @@ from lorafleet.runner.model.weights import PROJECTION_PARAMS
 
 # Group indices for LoraStep.add: projections that share an input run as one SGMV launch.
 QKV, O, GATE_UP, DOWN = 0, 1, 2, 3
+GROUPS = 4  # projection groups of a layer
 # The FP8 epilogue's activation codes (csrc/quant.h Fp8EpilogueArgs::act) per ModelConfig.activation.
 ACT_CODES = {"silu": 1, "gelu_tanh": 2}
 
@@ -189,8 +190,9 @@ class Decoder:
         self.bf16_sm90 = False
         self.sm90_ext = None
         self.unit_scales = None  # ones (fp32) for that kernel's epilogue, made before any graph capture
-        self.sm90_shrink = kernels.sm90_shrink  # ... and the rows' LoRA shrink inside its launch too
-        self.sm90_sync = None  # that kernel's counters, int32 [layers * 4, 4] zeros: one row per layer and group
+        # with the rows' LoRA shrink inside its launch too (KernelChoices.sm90_shrink, set below where taken): that
+        # kernel's counters, int32 [layers * GROUPS, 4] zeros, one row per layer and projection group; else None
+        self.sm90_sync = None
         # runner/model/norm.py OwnNorm: the norms before qkv and gate_up (KernelChoices.norm_shrink, norm_quant,
         # norm_lora)
         self.own_norm = None
@@ -233,7 +235,7 @@ class Decoder:
         if kernels.bf16_sm90:
             weights = "FP8" if isinstance(self.layers[0].qkv, Fp8Weight) else str(dtype).replace("torch.", "")
             if self.device.type == "cuda" and weights == "bfloat16":
-                self._take_bf16_sm90()
+                self._take_bf16_sm90(kernels.sm90_shrink)
             else:  # (on by default: nothing to say where it cannot apply)
                 log.debug("bf16_sm90 ignored: it takes bfloat16 weights on a CUDA device, not %s weights on %s",
                           weights, self.device.type)
@@ -254,7 +256,7 @@ class Decoder:
             except Exception as exc:  # no compiler: the ops' norms and the separate shrink launches
                 log.warning("norm kernel unavailable (%s); the norms take %s's kernels", exc, self.ops.name)
 
-    def _take_bf16_sm90(self) -> None:
+    def _take_bf16_sm90(self, shrink: bool) -> None:
         """KernelChoices.bf16_sm90: the wgmma kernel for this model's decode-sized bf16 products, where the build has
         it and the GPU runs it (logged either way)."""
         try:
@@ -270,8 +272,8 @@ class Decoder:
             self.sm90_ext = ext
             rows = max(getattr(self.layers[0], name).shape[0] for name in PROJECTION_PARAMS)
             self.unit_scales = torch.ones(max(rows, SM90_MAX_ROWS), dtype=torch.float32, device=self.device)
-            if self.sm90_shrink:
-                self.sm90_sync = torch.zeros(len(self.layers) * 4, 4, dtype=torch.int32, device=self.device)
+            if shrink:
+                self.sm90_sync = torch.zeros(len(self.layers) * GROUPS, 4, dtype=torch.int32, device=self.device)
 
     def widen_for_lora(self, spare: dict[str, int]) -> int:
         """Gives the plain (not FP8) weights named in `spare` (qkv, gate_up) that many spare columns: each becomes
@@ -482,8 +484,8 @@ class Decoder:
         if lora is not None and not getattr(lora, "epilogue_ready", False):
             return None
         if not fp8:
-            operands = None if lora is None else lora.epilogue_operands(i, group, x, in_product=self.sm90_shrink)
-            sync = self.sm90_sync[i * 4 + group] if self.sm90_sync is not None else None
+            sync = self.sm90_sync[i * GROUPS + group] if self.sm90_sync is not None else None
+            operands = None if lora is None else lora.epilogue_operands(i, group, x, in_product=sync is not None)
             return bf16_sm90_linear(self.sm90_ext, x, w, b, spans, operands, self.unit_scales, sync)
         operands, quant = None, quantized
         if lora is not None:
