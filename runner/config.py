@@ -79,7 +79,8 @@ class KernelChoices:
         (after the group's shrink), one launch where cuBLAS's product and the expand took two (on: +1 % in every
         mix on the H100, docs/benchmarks.md section 13.11).
     sm90_shrink: with bf16_sm90, the rows' LoRA shrink inside that same launch too (the kernel's own warps write v
-        before its epilogues read it) instead of a launch before it: one launch per projection group and step.
+        before its epilogues read it) instead of a launch before it: one launch per projection group and step (on:
+        +1.7 / +1.8 % with adapters on the H100, docs/benchmarks.md section 13.12).
     pin_host_adapters: adapters read from disk are kept in pinned host memory.
     dense_lora_rows: a step with prompt rows whose adapted rows form at most DENSE_LORA_MAX_SEGMENTS segments
         (runner/lora/step.py), each of at least this many rows, and whose work reaches dense_lora_min_work,
@@ -126,7 +127,7 @@ class KernelChoices:
     fp8_sm90_persistent: bool = False
     fp8_quant_in_shrink: bool = True
     bf16_sm90: bool = True
-    sm90_shrink: bool = False
+    sm90_shrink: bool = True
     pin_host_adapters: bool = False
     dense_lora_rows: int = 256
     dense_lora_kext: int = 64

@@ -240,8 +240,8 @@ class Decoder:
                 log.debug("bf16_sm90 ignored: it takes bfloat16 weights on a CUDA device, not %s weights on %s",
                           weights, self.device.type)
         if kernels.sm90_shrink and not self.bf16_sm90:
-            log.info("sm90_shrink ignored: the shrink goes inside the bf16 products on the wgmma kernel, which this "
-                     "model does not take (bf16_sm90 off, or not bfloat16 weights on a compute capability 9.0 GPU)")
+            log.debug("sm90_shrink ignored: the shrink goes inside the bf16 products on the wgmma kernel, which this "
+                      "model does not take (bf16_sm90 off, or not bfloat16 weights on a compute capability 9.0 GPU)")
         # (norm_lora only where its launch can run: thread-block clusters, one rank)
         cluster_norm = (kernels.norm_lora and self.device.type == "cuda" and all_reduce is None
                         and torch.cuda.get_device_capability(self.device)[0] >= 9)
