@@ -85,6 +85,8 @@ def main() -> None:
         a = [(torch.randn(S, R, K, device=dev) * 0.05).to(bf) for _ in spans]
         b = [(torch.randn(S, R, n, device=dev) * 0.05).to(bf) for n in spans]
         v = torch.zeros(T, G, R, device=dev)
+        syncs = torch.zeros(args.reps + 1, 4, dtype=torch.int32, device=dev)  # counters: one row per call of a graph
+        turn_sync = [0]
         ranks = torch.full((G, S), R, dtype=torch.int32, device=dev)
         for mix in ("distinct", "identical"):
             slots = list(range(T)) if mix == "distinct" else [0] * T
@@ -103,15 +105,28 @@ def main() -> None:
 
             def fused(row_slot=row_slot):
                 shrink()
+                expand_only(row_slot)
+
+            def expand_only(row_slot=row_slot):  # v as the last shrink left it: the expand's share alone
                 ext.fp8_gemm_sm90_fused(out, x, weight(), ones_m, ones_n, None, spans, v, b, ranks, row_slot, True,
                                         cur())
-            variants = {"cublas_shrink_expand": today, "shrink_wgmma_expand": fused}
+
+            def inside(row_slot=row_slot):  # the shrink inside the same launch; a call site's counters per call
+                turn_sync[0] += 1
+                ext.fp8_gemm_sm90_fused(out, x, weight(), ones_m, ones_n, None, spans, v, b, ranks, row_slot, True,
+                                        cur(), a=a, sync=syncs[turn_sync[0] % len(syncs)])
+
+            def no_lora():
+                ext.fp8_gemm_sm90_fused(out, x, weight(), ones_m, ones_n, None, spans, None, [], None, None, True,
+                                        cur())
+            variants = {"cublas_shrink_expand": today, "shrink_wgmma_expand": fused, "wgmma_shrink_inside": inside,
+                        "wgmma_expand_only": expand_only, "wgmma_no_lora": no_lora}
             r = {k: round(timed(f, args.reps), 2) for k, f in variants.items()}
             turn[0] = -1  # the next calls on ws[0]
             today()
             first = out.float().clone()
             r["rel_diff"] = 0.0
-            for f in list(variants.values())[1:]:
+            for f in list(variants.values())[1:-1]:  # (all but the product without LoRA)
                 turn[0] = -1
                 out.fill_(float("nan"))
                 f()
