@@ -1,5 +1,7 @@
 // fp8_gemm_sm90 (see fp8_gemm_sm90.h): the entry points and the e4m3 operands' kernels; the kernels themselves are
 // in sm90_gemm.cuh, the bf16 operands' instantiations in fp8_gemm_sm90_bf16.cu.
+#include <algorithm>
+
 #include "sm90_gemm.cuh"
 
 namespace lorafleet {
@@ -71,14 +73,20 @@ const char* fp8_gemm_sm90_fused(const Fp8Sm90Args& a, const Fp8EpilogueArgs& e, 
     if (l.sync == nullptr) return a.bf16 ? sm90_bf16_fused(a, e, stream) : fused<cutlass::float_e4m3_t>(a, e, stream);
     DeviceInfo info;  // (sgmv.h: read once per device)
     if (const char* err = device_info(a.device, &info)) return err;
-    // tickets for the consumer warps (4 a CTA) of one CTA per SM, at most of every CTA (fused's tiles: 64 weight
-    // rows by 16, 32 or 64 tokens); a grid with fewer SMs takes the rest in its epilogues
+    // At most as many tickets as the consumer warps (4 a CTA) of one CTA per SM, at most of every CTA (fused's
+    // tiles: 64 weight rows by 16, 32 or 64 tokens), each the fewest rank rows of one row that allows it; where the
+    // rows alone outnumber those warps, a row each (a grid with fewer SMs takes the rest in its epilogues).
     const int tokens = a.m <= 16 ? 16 : a.m <= 32 ? 32 : 64;
     const long long ctas = static_cast<long long>((a.n + 63) / 64) * ((a.m + tokens - 1) / tokens);
+    const long long warps = 4 * (ctas < info.sms ? ctas : info.sms);
+    const int per_row = e.num_groups * l.a_rank_max;
+    int per = static_cast<int>(std::max(1LL, (static_cast<long long>(per_row) * a.m + warps - 1) / warps));
+    while (per < per_row && static_cast<long long>(a.m) * ((per_row + per - 1) / per) > warps) ++per;
     Fp8EpilogueArgs shrunk = e;
     shrunk.lora.x = a.x;
     shrunk.lora.k = a.k;
-    shrunk.lora.shrink_warps = 4 * static_cast<int>(ctas < info.sms ? ctas : info.sms);
+    shrunk.lora.shrink_per = per;
+    shrunk.lora.shrink_tickets = a.m * ((per_row + per - 1) / per);
     return sm90_bf16_fused(a, shrunk, stream);
   });
 }

@@ -62,8 +62,8 @@ struct Fp8EpilogueLora {
   unsigned* sync = nullptr;
   const void* x = nullptr;             // the product's x [m, K] (set by the launcher)
   int k = 0;                           // K (set by the launcher)
-  int shrink_warps = 0;                // the shrink's tickets (set by the launcher: the consumer warps of one CTA
-                                       // per SM, at most of every CTA)
+  int shrink_tickets = 0;              // the shrink's tickets and the rank rows (of one row's G spans) each
+  int shrink_per = 0;                  // takes (set by the launcher: see FusedEpilogue::shrink_ticket)
 };
 
 struct Fp8EpilogueArgs {

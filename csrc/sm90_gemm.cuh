@@ -284,21 +284,20 @@ class FusedEpilogue {
 #endif
   }
 
-  // The rows' shrink (kShrink, Fp8EpilogueLora::sync): output (row i, span g, rank row k), numbered
-  // (i * G + g) * a_rank_max + k, is one warp's dot product of x's row and A's rank row. The outputs fall into
-  // shrink_warps tickets (ticket t: outputs t, t + shrink_warps, ...). Each consumer warp takes one ticket from the
-  // call site's first counter as it starts (shrink_rows) and does its work before the main loop; the launcher makes
-  // the tickets as many as the consumer warps of one CTA per SM, so that they spread over the first wave. An epilogue
-  // that finds work unfinished first takes the tickets still untaken and does them itself (drain_shrink), and only
-  // then waits: every ticket it waits for is held by a warp that runs and waits for nothing but the kernel before,
-  // however few SMs the grid gets. Lane j sums its 8-element vectors j, j + 32, ... in order, then the warp's xor tree:
-  // the same bits whichever warp takes the output, and a row's v depends on its own x and A only.
-  __device__ static const T* shrink_a(const Params& a, int o, int& row, int& g, int& k) {
+  // The rows' shrink (kShrink, Fp8EpilogueLora::sync): output (row i, span g, rank row k) is a dot product of x's row
+  // i and A's rank row k of span g for the row's slot; the row's outputs are numbered q = g * a_rank_max + k. Ticket t
+  // holds rank rows [b * per, (b + 1) * per) of row t / blocks, b = t % blocks (per = shrink_per, blocks the row's
+  // outputs over per, rounded up): the launcher makes the tickets at most as many as the consumer warps of one CTA
+  // per SM, so that they spread over the first wave. Each consumer warp takes one ticket from the call site's first
+  // counter as it starts (shrink_rows) and does its work before the main loop; an epilogue that finds work
+  // unfinished first takes the tickets still untaken and does them itself (drain_shrink), and only then waits: every
+  // ticket it waits for is held by a warp that runs and waits for nothing but the kernel before, however few SMs the
+  // grid gets. Lane j sums its 8-element vectors j, j + 32, ... in order, then the warp's xor tree: the same bits
+  // whichever warp takes the output and however many it takes at once, and a row's v depends on its own x and A only.
+  __device__ static const T* shrink_a(const Params& a, int row, int q, int& g, int& k) {
     const Fp8EpilogueLora& l = a.lora;
-    const int per_row = a.num_groups * l.a_rank_max;
-    row = o / per_row;
-    g = (o - row * per_row) / l.a_rank_max;
-    k = o - row * per_row - g * l.a_rank_max;
+    g = q / l.a_rank_max;
+    k = q - g * l.a_rank_max;
     const int rank_dim = g == 0 ? l.a_rank_dim[0] : g == 1 ? l.a_rank_dim[1] : l.a_rank_dim[2];
     const int s = fp8_epi::lora_slot(l, row);
     if (s < 0 || k >= rank_dim || k >= fp8_epi::slot_rank(l, s, g)) return nullptr;
@@ -313,52 +312,82 @@ class FusedEpilogue {
     return __shfl_sync(0xffffffffu, ticket, 0);
   }
 
-  // Ticket `ticket`'s outputs into v, then the warp's count in the second counter. `waited`: the wait for the kernel
-  // before is behind (else A's rows are asked of L2 first, as no kernel writes A or the tables within a step, then
-  // the wait, then x's reads). U: vectors of A and x in flight per lane (8 before the main loop; 1 in the epilogue,
-  // where the registers of 8 go to the stack; the same bits either way).
-  template <int U>
+  // Ticket `ticket`'s outputs into v, then the warp's count in the second counter: P outputs at a time, which share
+  // x's row, U vectors of each in flight per lane, so that one round trip to memory serves P * U vectors of A.
+  // `waited`: the wait for the kernel before is behind; else the ticket's A rows are asked of L2 and the first
+  // vectors of A loaded before that wait (no kernel writes A or the tables within a step), x's only after it.
+  // (P = 3, U = 8 before the main loop; 1 and 1 in the epilogue, where more would go to the stack.)
+  template <int P, int U>
   __device__ static void shrink_ticket(const Params& a, int ticket, bool waited) {
     const Fp8EpilogueLora& l = a.lora;
     const int lane = static_cast<int>(threadIdx.x) & 31;
-    const int outputs = a.m * a.num_groups * l.a_rank_max, vecs = l.k / 8, step = l.shrink_warps;
-    int row, g, k;
+    const int vecs = l.k / 8, per_row = a.num_groups * l.a_rank_max, per = l.shrink_per;
+    const int blocks = (per_row + per - 1) / per, row = ticket / blocks;
+    const int first = (ticket - row * blocks) * per, last = min(first + per, per_row);
+    const T* xp = static_cast<const T*>(l.x) + static_cast<int64_t>(row) * l.k;
     if (!waited) {
-      for (int o = ticket; o < outputs; o += step) {
-        const T* ap = shrink_a(a, o, row, g, k);
+      for (int q = first; q < last; ++q) {
+        int g, k;
+        const T* ap = shrink_a(a, row, q, g, k);
         if (ap != nullptr)
-          for (int j = lane; j < vecs; j += 32) asm volatile("prefetch.global.L2 [%0];" ::"l"(ap + j * 8));
+          for (int j = lane + (q < first + P ? U * 32 : 0); j < vecs; j += 32)  // (the first P: U loaded below)
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(ap + j * 8));
       }
-      pdl_wait();  // x comes from the kernel before
     }
-    for (int o = ticket; o < outputs; o += step) {
-      const T* ap = shrink_a(a, o, row, g, k);
-      if (ap == nullptr) continue;
-      const T* xp = static_cast<const T*>(l.x) + static_cast<int64_t>(row) * l.k;
-      float acc = 0.f;
+    for (int q0 = first; q0 < last; q0 += P) {
+      const T* ap[P];
+      int g[P], k[P];
+      bool any = false;
+      CUTLASS_PRAGMA_UNROLL
+      for (int p = 0; p < P; ++p) {
+        ap[p] = q0 + p < last ? shrink_a(a, row, q0 + p, g[p], k[p]) : nullptr;
+        any = any || ap[p] != nullptr;
+      }
+      float acc[P];
+      uint4 av[P][U], xv[U];
+      auto load_a = [&](int j0) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int p = 0; p < P; ++p)
+          CUTLASS_PRAGMA_UNROLL
+          for (int u = 0; u < U; ++u) {
+            const int j = j0 + u * 32;
+            av[p][u] = ap[p] != nullptr && j < vecs ? __ldg(reinterpret_cast<const uint4*>(ap[p] + j * 8))
+                                                    : make_uint4(0, 0, 0, 0);
+          }
+      };
+      CUTLASS_PRAGMA_UNROLL
+      for (int p = 0; p < P; ++p) acc[p] = 0.f;
+      if (any) load_a(lane);
+      if (!waited && q0 == first) pdl_wait();  // x comes from the kernel before (every lane waits, with or without work)
+      if (!any) continue;
       for (int j0 = lane; j0 < vecs; j0 += U * 32) {
-        uint4 av[U], xv[U];
+        if (j0 != lane) load_a(j0);
         CUTLASS_PRAGMA_UNROLL
         for (int u = 0; u < U; ++u) {
           const int j = j0 + u * 32;
-          av[u] = j < vecs ? __ldg(reinterpret_cast<const uint4*>(ap + j * 8)) : make_uint4(0, 0, 0, 0);
           xv[u] = j < vecs ? __ldcg(reinterpret_cast<const uint4*>(xp + j * 8)) : make_uint4(0, 0, 0, 0);
         }
         CUTLASS_PRAGMA_UNROLL
         for (int u = 0; u < U; ++u) {
           if (j0 + u * 32 < vecs) {
-            float af[8], xf[8];
-            unpack8<T>(av[u], af);
+            float xf[8];
             unpack8<T>(xv[u], xf);
             CUTLASS_PRAGMA_UNROLL
-            for (int e = 0; e < 8; ++e) acc = fmaf(xf[e], af[e], acc);
+            for (int p = 0; p < P; ++p) {
+              float af[8];
+              unpack8<T>(av[p][u], af);
+              CUTLASS_PRAGMA_UNROLL
+              for (int e = 0; e < 8; ++e) acc[p] = fmaf(xf[e], af[e], acc[p]);
+            }
           }
         }
       }
       CUTLASS_PRAGMA_UNROLL
-      for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-      if (lane == 0)
-        const_cast<float*>(fp8_epi::lora_v(l, row, g))[k] = acc;
+      for (int p = 0; p < P; ++p) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int off = 16; off > 0; off >>= 1) acc[p] += __shfl_xor_sync(0xffffffffu, acc[p], off);
+        if (lane == 0 && ap[p] != nullptr) const_cast<float*>(fp8_epi::lora_v(l, row, g[p]))[k[p]] = acc[p];
+      }
     }
     __syncwarp();
     if (lane == 0) {
@@ -367,10 +396,10 @@ class FusedEpilogue {
     }
   }
 
-  // Before the main loop: one ticket per consumer warp, while the first wave's tickets last.
+  // Before the main loop: one ticket per consumer warp, while the tickets last.
   __device__ static void shrink_rows(const Params& a) {
     const unsigned ticket = take_ticket(a.lora);
-    if (ticket < static_cast<unsigned>(a.lora.shrink_warps)) shrink_ticket<8>(a, static_cast<int>(ticket), false);
+    if (ticket < static_cast<unsigned>(a.lora.shrink_tickets)) shrink_ticket<3, 8>(a, static_cast<int>(ticket), false);
   }
 
   // In the epilogue, every consumer warp (after the wait for the kernel before): if v is not complete, the tickets
@@ -378,7 +407,7 @@ class FusedEpilogue {
   // guards against what cannot happen here (a ticket's warp that never finishes).
   __device__ static void drain_shrink(const Params& a) {
     const Fp8EpilogueLora& l = a.lora;
-    const unsigned all = static_cast<unsigned>(l.shrink_warps);
+    const unsigned all = static_cast<unsigned>(l.shrink_tickets);
     auto done = [&] {
       unsigned d = 0;
       if ((threadIdx.x & 31) == 0)
@@ -386,7 +415,7 @@ class FusedEpilogue {
       return __shfl_sync(0xffffffffu, d, 0) >= all;
     };
     if (done()) return;
-    for (unsigned t = take_ticket(l); t < all; t = take_ticket(l)) shrink_ticket<1>(a, static_cast<int>(t), true);
+    for (unsigned t = take_ticket(l); t < all; t = take_ticket(l)) shrink_ticket<1, 1>(a, static_cast<int>(t), true);
     for (long long spins = 0; !done(); ++spins) {
       if (spins > (1ll << 26)) __trap();
       __nanosleep(64);
