@@ -108,16 +108,20 @@ def run(model, ads, on: bool, monkeypatch, in_product: bool = False, syncs=None)
     return [out[f"r{i}"].output_ids for i in range(len(seqs))], d, calls, shim
 
 
-@pytest.mark.parametrize("in_product", [False, True])
+@pytest.mark.parametrize("in_product", [False, True, "short_k"])
 @pytest.mark.parametrize("family", ["llama3", "qwen2", "phi3"])
 def test_bf16_products_with_the_expand_inside_give_the_default_tokens(tmp_path, family, in_product, monkeypatch):
     """(qwen2: q, k and v biases; phi3: fused qkv and gate_up in the checkpoint; in_product: the shrink inside the
-    product too, each layer and group with counters of its own)"""
+    product too, each layer and group with counters of its own; "short_k": only where K is the hidden size, as
+    SM90_SHRINK_MAX_K below the intermediate size makes it: down keeps the shrink's own launch)"""
     model = write_family_model(family, tmp_path / "m", seed=2)
     ads = {"all": write_random_adapter(model, tmp_path / "all", r=8, alpha=16, targets=family_targets(family), seed=3),
            "mlp": write_random_adapter(model, tmp_path / "mlp", r=4, alpha=8, targets=family_targets(family, "mlp"),
                                        seed=4)}
-    want, _, none, plain = run(model, ads, False, monkeypatch)
+    want, d0, none, plain = run(model, ads, False, monkeypatch)
+    if in_product == "short_k":
+        assert d0.cfg.intermediate_size > d0.cfg.hidden_size
+        monkeypatch.setattr(dec, "SM90_SHRINK_MAX_K", d0.cfg.hidden_size)
     syncs: set[int] = set()
     got, d, calls, shim = run(model, ads, True, monkeypatch, in_product, syncs if in_product else None)
     assert got == want
@@ -125,8 +129,9 @@ def test_bf16_products_with_the_expand_inside_give_the_default_tokens(tmp_path, 
         # no LoRA launch of its own left but the step's first shrink (its launch stands between the ops that compute
         # the row slots and the first product, which reads them before its wait)
         with_lora = sum(1 for _, lora in calls if lora)
-        assert shim.expands == 0 and shim.shrinks > 0 and with_lora == 4 * d.num_layers * shim.shrinks
-        assert len(syncs) == 4 * d.num_layers - 1  # one set of counters per layer and group that shrinks inside
+        launched = 1 if in_product is True else 1 + d.num_layers  # the first shrink (and each layer's down's)
+        assert shim.expands == 0 and shim.shrinks > 0 and with_lora * launched == 4 * d.num_layers * shim.shrinks
+        assert len(syncs) == 4 * d.num_layers - launched  # one set of counters per layer and group that shrinks inside
         return
     assert none == [] and plain.shrinks > 0 and plain.expands == plain.shrinks
     c = d.cfg

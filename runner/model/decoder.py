@@ -25,8 +25,9 @@ import torch.nn.functional as F
 
 from lorafleet.models.contract import ModelConfig
 from lorafleet.runner.config import KernelChoices
-from lorafleet.runner.model.fp8 import (E4M3, SM90_MAX_ROWS, Fp8Weight, bf16_sm90_applies, bf16_sm90_linear,
-                                       epilogue_applies, fp8_linear, fp8_tensor_cores, sm90_gemm_available, unit_scale)
+from lorafleet.runner.model.fp8 import (E4M3, SM90_MAX_ROWS, SM90_SHRINK_MAX_K, Fp8Weight, bf16_sm90_applies,
+                                       bf16_sm90_linear, epilogue_applies, fp8_linear, fp8_tensor_cores,
+                                       sm90_gemm_available, unit_scale)
 from lorafleet.runner.model.norm import OwnNorm
 from lorafleet.runner.model.ops import make_ops, prefer_cublaslt
 from lorafleet.runner.model.rope import Rope
@@ -484,8 +485,10 @@ class Decoder:
         if lora is not None and not getattr(lora, "epilogue_ready", False):
             return None
         if not fp8:
-            sync = self.sm90_sync[i * GROUPS + group] if self.sm90_sync is not None else None
-            operands = None if lora is None else lora.epilogue_operands(i, group, x, in_product=sync is not None)
+            # (the shrink inside the product up to SM90_SHRINK_MAX_K; a longer K keeps the shrink's launch)
+            inside = self.sm90_sync is not None and x.shape[1] <= SM90_SHRINK_MAX_K
+            sync = self.sm90_sync[i * GROUPS + group] if inside else None
+            operands = None if lora is None else lora.epilogue_operands(i, group, x, in_product=inside)
             return bf16_sm90_linear(self.sm90_ext, x, w, b, spans, operands, self.unit_scales, sync)
         operands, quant = None, quantized
         if lora is not None:

@@ -124,6 +124,10 @@ def sm90_gemm_available(ext, device: torch.device) -> bool:
 
 SM90_TILE_ROWS = 64  # weight rows per tile of csrc/fp8_gemm_sm90.cu
 SM90_MAX_ROWS = 64  # token rows of one call of that kernel (fp8_gemm_sm90.h kFp8Sm90MaxRows)
+# The longest K whose LoRA shrink goes inside that kernel's bf16 product (KernelChoices.sm90_shrink): its warps' dot
+# products run before their main loop, a round trip to memory per 8 vectors of each lane, so a long K pays more there
+# than in the shrink's own launch (7B's down, K = 11,008: 4.4 us more per product on an H100, docs/benchmarks.md 13.12)
+SM90_SHRINK_MAX_K = 8192
 
 
 def epilogue_lora(lora: tuple | None) -> tuple:
