@@ -1,8 +1,9 @@
 """The bf16 base product of a decode step on Hopper's wgmma (csrc/fp8_gemm_sm90.cu with bf16 operands) against
 cuBLAS's, and with LoRA the chain each would run: cuBLAS's product, then the shrink and the expand (today's decode
-path), against the shrink, then the wgmma product with the expand in its epilogue (fp8_gemm_sm90_fused, unit scales).
-Per Llama-2-7B (and -70B) projection, each launch reading its weight from DRAM (copies cycled past the L2), each
-chain replayed from a CUDA graph.
+path), against the shrink, then the wgmma product with the expand in its epilogue (fp8_gemm_sm90_fused, unit scales),
+the shrink inside that same launch, the expand's share alone (v given) and the product without LoRA; with --pingpong
+also the last three in the persistent ping-pong kernel. Per Llama-2-7B (and -70B) projection, each launch reading its
+weight from DRAM (copies cycled past the L2), each chain replayed from a CUDA graph.
 
     python bench/probe_bf16_sm90.py --out probe_bf16_sm90.json
 """
@@ -10,6 +11,7 @@ chain replayed from a CUDA graph.
 from __future__ import annotations
 
 import argparse
+import functools
 
 import torch
 
@@ -33,6 +35,8 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=64)
     ap.add_argument("--reps", type=int, default=32)
     ap.add_argument("--shapes", nargs="+", default=["7b"], choices=list(SHAPES))
+    ap.add_argument("--pingpong", action="store_true",
+                    help="also the LoRA chains in the persistent ping-pong kernel (off)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
 
@@ -107,26 +111,31 @@ def main() -> None:
                 shrink()
                 expand_only(row_slot)
 
-            def expand_only(row_slot=row_slot):  # v as the last shrink left it: the expand's share alone
+            def expand_only(row_slot=row_slot, pp=False):  # v as the last shrink left it: the expand's share alone
                 ext.fp8_gemm_sm90_fused(out, x, weight(), ones_m, ones_n, None, spans, v, b, ranks, row_slot, True,
-                                        cur())
+                                        cur(), persistent=pp)
 
-            def inside(row_slot=row_slot):  # the shrink inside the same launch; a call site's counters per call
+            def inside(row_slot=row_slot, pp=False):  # the shrink inside the same launch (counters of its own)
                 turn_sync[0] += 1
                 ext.fp8_gemm_sm90_fused(out, x, weight(), ones_m, ones_n, None, spans, v, b, ranks, row_slot, True,
-                                        cur(), a=a, sync=syncs[turn_sync[0] % len(syncs)])
+                                        cur(), a=a, sync=syncs[turn_sync[0] % len(syncs)], persistent=pp)
 
-            def no_lora():
+            def no_lora(pp=False):
                 ext.fp8_gemm_sm90_fused(out, x, weight(), ones_m, ones_n, None, spans, None, [], None, None, True,
-                                        cur())
+                                        cur(), persistent=pp)
             variants = {"cublas_shrink_expand": today, "shrink_wgmma_expand": fused, "wgmma_shrink_inside": inside,
-                        "wgmma_expand_only": expand_only, "wgmma_no_lora": no_lora}
+                        "wgmma_expand_only": expand_only}
+            if args.pingpong:  # the same in the persistent ping-pong kernel
+                variants.update({"pp_shrink_inside": functools.partial(inside, pp=True),
+                                 "pp_expand_only": functools.partial(expand_only, pp=True),
+                                 "pp_no_lora": functools.partial(no_lora, pp=True)})
+            variants["wgmma_no_lora"] = no_lora  # (last: left out of the comparison below)
             r = {k: round(timed(f, args.reps), 2) for k, f in variants.items()}
             turn[0] = -1  # the next calls on ws[0]
             today()
             first = out.float().clone()
             r["rel_diff"] = 0.0
-            for f in list(variants.values())[1:-1]:  # (all but the product without LoRA)
+            for f in [f for k, f in variants.items() if not k.endswith("no_lora")][1:]:
                 turn[0] = -1
                 out.fill_(float("nan"))
                 f()

@@ -61,6 +61,8 @@ const char* fp8_gemm_sm90_fused(const Fp8Sm90Args& a, const Fp8EpilogueArgs& e, 
   if (e.act != 0) return "fp8_gemm_sm90_fused: no activation (gate and up lie in different tiles)";
   if (e.m != a.m || e.n != a.n) return "fp8_gemm_sm90_fused: the epilogue's sizes differ from the product's";
   if (const char* err = fp8_epilogue_check(e)) return err;
+  if (a.persistent && !a.bf16)
+    return "fp8_gemm_sm90_fused: the persistent schedule with the fused epilogue is built for bf16 operands only";
   const Fp8EpilogueLora& l = e.lora;
   if (l.sync != nullptr) {
     if (!a.bf16) return "fp8_gemm_sm90_fused: the shrink inside the product takes bf16 operands only";
@@ -70,12 +72,14 @@ const char* fp8_gemm_sm90_fused(const Fp8Sm90Args& a, const Fp8EpilogueArgs& e, 
         return "fp8_gemm_sm90_fused: the shrink inside the product needs one A pool per span";
   }
   return on_sm90(a.device, [&]() -> const char* {
-    if (l.sync == nullptr) return a.bf16 ? sm90_bf16_fused(a, e, stream) : fused<cutlass::float_e4m3_t>(a, e, stream);
+    if (!a.bf16) return fused<cutlass::float_e4m3_t>(a, e, stream);
     DeviceInfo info;  // (sgmv.h: read once per device)
     if (const char* err = device_info(a.device, &info)) return err;
-    // At most as many tickets as the consumer warps (4 a CTA) of one CTA per SM, at most of every CTA (fused's
-    // tiles: 64 weight rows by 16, 32 or 64 tokens), each the fewest rank rows of one row that allows it; where the
-    // rows alone outnumber those warps, a row each (a grid with fewer SMs takes the rest in its epilogues).
+    if (l.sync == nullptr) return sm90_bf16_fused(a, e, stream, info.sms);
+    // At most as many tickets as the consumer warps (4 a CTA: the persistent kernel's second group's) of one CTA per
+    // SM, at most of every CTA (fused's tiles: 64 weight rows by 16, 32 or 64 tokens; the persistent grid: one CTA
+    // per SM at most), each the fewest rank rows of one row that allows it; where the rows alone outnumber those
+    // warps, a row each (a grid with fewer SMs takes the rest in its epilogues).
     const int tokens = a.m <= 16 ? 16 : a.m <= 32 ? 32 : 64;
     const long long ctas = static_cast<long long>((a.n + 63) / 64) * ((a.m + tokens - 1) / tokens);
     const long long warps = 4 * (ctas < info.sms ? ctas : info.sms);
@@ -87,7 +91,7 @@ const char* fp8_gemm_sm90_fused(const Fp8Sm90Args& a, const Fp8EpilogueArgs& e, 
     shrunk.lora.k = a.k;
     shrunk.lora.shrink_per = per;
     shrunk.lora.shrink_tickets = a.m * ((per_row + per - 1) / per);
-    return sm90_bf16_fused(a, shrunk, stream);
+    return sm90_bf16_fused(a, shrunk, stream, info.sms);
   });
 }
 

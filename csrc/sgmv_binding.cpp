@@ -44,7 +44,7 @@
 //   fp8_gemm_sm90(out, x, w, stream, splits=1, pdl=True, persistent=False): out = x @ w.T in fp32 (unit scales) for
 //       at most 64 e4m3 rows x on Hopper's wgmma (fp8_gemm_sm90.h, CUTLASS); splits > 1: out [splits, M, N] holds
 //       the partial sums of K's equal parts; persistent: CUTLASS's persistent ping-pong schedule (the same bits).
-//       x and w may both be bf16 instead (bf16 wgmma; not persistent), here and in fp8_gemm_sm90_fused; w's rows
+//       x and w may both be bf16 instead (bf16 wgmma; not persistent here), here and in fp8_gemm_sm90_fused; w's rows
 //       may lie further apart than K (a weight with spare columns: 16-byte aligned rows).
 //       fp8_gemm_sm90_built(): whether this build holds that kernel.
 //   fp8_epilogue(out, y, x_scale, w_scale, bias, cols, v, b, ranks, row_slot, pdl, stream, act=0): out = the fp32
@@ -53,11 +53,12 @@
 //       (with b, ranks, row_slot) may be None. act=1 (SiLU) / 2 (GELU-tanh), with two equal spans (gate, up):
 //       out [M, N / 2] = act(gate) * up as flashinfer's act_and_mul computes it from the epilogue's output.
 //       y [splits, M, N]: a split-K product's partial sums (fp8_gemm_sm90 with splits), added in part order first.
-//   fp8_gemm_sm90_fused(out, x, w, x_scale, w_scale, bias, cols, v, b, ranks, row_slot, pdl, stream, a=[], sync=None):
-//       the bits of fp8_gemm_sm90 then fp8_epilogue (act 0, one part) in one launch, the epilogue inside the
-//       product's kernel; out in bf16. With bf16 operands, a (one A pool [S, R, K] per span) and sync (int32 [>= 3],
-//       zero, the call site's own): the rows' shrink too, into v, inside the same launch (quant.h
-//       Fp8EpilogueLora::sync) instead of a shrink launched before.
+//   fp8_gemm_sm90_fused(out, x, w, x_scale, w_scale, bias, cols, v, b, ranks, row_slot, pdl, stream, a=[], sync=None,
+//       persistent=False): the bits of fp8_gemm_sm90 then fp8_epilogue (act 0, one part) in one launch, the
+//       epilogue inside the product's kernel; out in bf16. With bf16 operands, a (one A pool [S, R, K] per span) and
+//       sync (int32 [>= 3], zero, the call site's own): the rows' shrink too, into v, inside the same launch
+//       (quant.h Fp8EpilogueLora::sync) instead of a shrink launched before; persistent (bf16 operands only): in
+//       CUTLASS's persistent ping-pong kernel, the shrink then taken by its second consumer group alone.
 //   decode_attention(out, q, k_cache, v_cache, indptr, indices, last_page_len, partial_o, partial_ml, counters,
 //       sm_scale, soft_cap, window_left, chunk, max_chunks, workers, stream): attention of one query row per request
 //       over its K/V pages (decode_attn.h), one launch; pages of q's dtype or float8_e4m3fn (unit scale). The
@@ -848,8 +849,9 @@ void fp8_epilogue(Tensor out, Tensor y, Tensor x_scale, Tensor w_scale, std::opt
 void fp8_gemm_sm90_fused(Tensor out, Tensor x, Tensor w, Tensor x_scale, Tensor w_scale, std::optional<Tensor> bias,
                          std::vector<int64_t> cols, std::optional<Tensor> v, std::vector<Tensor> b,
                          std::optional<Tensor> ranks, std::optional<Tensor> row_slot, bool pdl, int64_t stream,
-                         std::vector<Tensor> a, std::optional<Tensor> sync) {
+                         std::vector<Tensor> a, std::optional<Tensor> sync, bool persistent) {
   lorafleet::Fp8Sm90Args g = sm90_args(x, w, 1, pdl, "fp8_gemm_sm90_fused");
+  g.persistent = persistent;
   SGMV_CHECK(out.scalar_type() == torch::kBFloat16, "fp8_gemm_sm90_fused: out must be bfloat16, got %s",
              dtype_name(out));
   const int64_t G = static_cast<int64_t>(cols.size());
@@ -1021,7 +1023,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "bf16 out = the FP8 epilogue (scales, bias, rows' LoRA expand) of x @ w.T on Hopper's wgmma, one launch",
         py::arg("out"), py::arg("x"), py::arg("w"), py::arg("x_scale"), py::arg("w_scale"), py::arg("bias"),
         py::arg("cols"), py::arg("v"), py::arg("b"), py::arg("ranks"), py::arg("row_slot"), py::arg("pdl"),
-        py::arg("stream"), py::arg("a") = std::vector<torch::Tensor>{}, py::arg("sync") = py::none());
+        py::arg("stream"), py::arg("a") = std::vector<torch::Tensor>{}, py::arg("sync") = py::none(),
+        py::arg("persistent") = false);
   m.def("fp8_gemm_sm90_built", &lorafleet::fp8_gemm_sm90_built, "whether this build holds the sm90 FP8 GEMM");
   m.def("fp8_epilogue", &fp8_epilogue,
         "out = (y * x_scale) * w_scale [+ bias] [+ the rows' LoRA expand] for the fp32 unit-scale FP8 product y, "

@@ -223,7 +223,11 @@ struct Sm90Gemm {
 // consumers to 232 registers and puts two chunks' loads on the stack (208 bytes): one at a time there.
 // kShrink (bf16 operands): with Fp8EpilogueLora::sync the rows' LoRA shrink runs inside the kernel too (shrink_rows):
 // the consumer warps compute v before their main loop, and every epilogue waits until all of v is written.
-template <typename T, int kTokens, bool kPairs = true, bool kShrink = false>
+// kPersistent: in CUTLASS's persistent ping-pong kernel (one CTA per SM over the tiles, two consumer warp groups
+// taking alternate tiles, a group's epilogue beside the other's main loop while the producer goes on loading): the
+// tokens' tile is then the only one (the launcher's kTokens >= M), and only the second consumer group's warps take
+// shrink tickets as they start, while the first runs its first tile's main loop: the shrink off the critical path.
+template <typename T, int kTokens, bool kPairs = true, bool kShrink = false, bool kPersistent = false>
 class FusedEpilogue {
  public:
   using EpilogueSchedule = cutlass::gemm::EpilogueDefault;
@@ -270,16 +274,24 @@ class FusedEpilogue {
     // chunks' row slots here, before the main loop, and first use them after it: the one load of the LoRA chain whose
     // address needs nothing else. (The tables are written before the step's first kernel, never by the kernel right
     // before: the rule under which the separate epilogue loads B before its wait.)
-    const int t = static_cast<int>(threadIdx.x) - kThreads;
+    // (the thread's index in its consumer warp group, or -1 in the producer's)
+    const int t = threadIdx.x >= kThreads ? static_cast<int>(threadIdx.x) % kThreads : -1;
+    const int tok0 = kPersistent ? 0 : static_cast<int>(blockIdx.y) * kTokens;
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kPer; ++i) {
       slot_[i] = -1;
-      const int row = static_cast<int>(blockIdx.y) * kTokens + (i * kThreads + t) / kPerRow;
-      if (t >= 0 && t < kThreads && params.lora.v != nullptr && row < params.m)
+      const int row = tok0 + (i * kThreads + t) / kPerRow;
+      if (t >= 0 && params.lora.v != nullptr && row < params.m)
         asm volatile("ld.global.nc.s32 %0, [%1];" : "=r"(slot_[i]) : "l"(params.lora.row_slot + row));
     }
     if constexpr (kShrink) {
-      if (t >= 0 && t < kThreads && params.lora.sync != nullptr) shrink_rows(params);
+      if (params.lora.sync != nullptr && threadIdx.x >= (kPersistent ? 2 : 1) * kThreads) {
+        shrink_rows(params);
+        if constexpr (kPersistent) {  // (these warps may have no tile, hence no epilogue: they count themselves)
+          __syncwarp();
+          if ((threadIdx.x & 31) == 0) count_out(params.lora, counts_due(params));
+        }
+      }
     }
 #endif
   }
@@ -358,7 +370,7 @@ class FusedEpilogue {
       CUTLASS_PRAGMA_UNROLL
       for (int p = 0; p < P; ++p) acc[p] = 0.f;
       if (any) load_a(lane);
-      if (!waited && q0 == first) pdl_wait();  // x comes from the kernel before (every lane waits, with or without work)
+      if (!waited && q0 == first) pdl_wait();  // x comes from the kernel before (every lane, with or without work)
       if (!any) continue;
       for (int j0 = lane; j0 < vecs; j0 += U * 32) {
         if (j0 != lane) load_a(j0);
@@ -422,11 +434,21 @@ class FusedEpilogue {
     }
   }
 
-  // After every consumer warp of the CTA has drained (the barrier before): the CTA's count in the third counter; the
-  // last CTA of the grid (every ticket taken, every count in, no warp left to take another) zeroes all three.
-  __device__ static void release_shrink(const Fp8EpilogueLora& l) {
+  // The counts the third counter takes in a launch: one per tile's epilogue (after its consumer group's barrier, so
+  // after every ticket its warps took), and in the persistent kernel one per warp of the second consumer group too
+  // (after its own ticket). One CTA per tile without kPersistent.
+  __device__ static unsigned counts_due(const Params& a) {
     const unsigned ctas = gridDim.x * gridDim.y * gridDim.z;
-    if (atomicAdd(l.sync + 2, 1u) == ctas - 1) {
+    if constexpr (kPersistent)
+      return static_cast<unsigned>((a.n + kRows - 1) / kRows) * ((a.m + kTokens - 1) / kTokens) + 4 * ctas;
+    return ctas;
+  }
+
+  // One count in the third counter; the last of a launch (every ticket taken, every count in, no warp left to take
+  // another) zeroes all three for the next launch.
+  __device__ static void count_out(const Fp8EpilogueLora& l, unsigned due) {
+    __threadfence();  // this thread's (and, through the barrier before, its group's) tickets before the count
+    if (atomicAdd(l.sync + 2, 1u) == due - 1) {
       atomicExch(l.sync, 0u);
       atomicExch(l.sync + 1, 0u);
       atomicExch(l.sync + 2, 0u);
@@ -464,7 +486,7 @@ class FusedEpilogue {
     }
     cutlass::arch::NamedBarrier::sync(kThreads, cutlass::arch::ReservedNamedBarriers::EpilogueBarrier);
     if constexpr (kShrink) {
-      if (params_.lora.sync != nullptr && thread_idx == 0) release_shrink(grid_->lora);
+      if (params_.lora.sync != nullptr && thread_idx == 0) count_out(grid_->lora, counts_due(*grid_));
     }
     const Fp8EpilogueArgs& a = params_;
     const Fp8EpilogueLora& l = a.lora;
@@ -531,27 +553,31 @@ class FusedEpilogue {
   int slot_[kPer];  // with LoRA: the row slots of this thread's chunks (loaded by the constructor), else -1
 };
 
-// The product with the fused epilogue: Sm90Gemm's mainloop (the same stages, so the same sums), FusedEpilogue.
-template <typename T, int kTokens, class E = cutlass::float_e4m3_t>
+// The product with the fused epilogue: Sm90Gemm's mainloop (the same stages, so the same sums), FusedEpilogue; with
+// kPersistent in CUTLASS's persistent ping-pong kernel (the grid one CTA per SM at most: `sms`).
+template <typename T, int kTokens, class E = cutlass::float_e4m3_t, bool kPersistent = false>
 struct Sm90GemmFused {
-  using G = Sm90Gemm<kTokens, false, E>;
+  using G = Sm90Gemm<kTokens, kPersistent, E>;
   using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
-      FusedEpilogue<T, kTokens, sizeof(E) == 1, sizeof(E) == 2>>;
+      FusedEpilogue<T, kTokens, sizeof(E) == 1, sizeof(E) == 2, kPersistent>>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, typename G::Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  static_assert(sizeof(typename Kernel::SharedStorage) <= 227 * 1024, "the kernel's shared memory fits an SM");
 
-  static const char* run(const Fp8Sm90Args& a, const Fp8EpilogueArgs& e, void* stream) {
+  static const char* run(const Fp8Sm90Args& a, const Fp8EpilogueArgs& e, void* stream, int sms = 0) {
     using StrideA = typename Gemm::GemmKernel::StrideA;
     using StrideB = typename Gemm::GemmKernel::StrideB;
     StrideA sa = cutlass::make_cute_packed_stride(StrideA{}, {a.n, a.k, 1});
     cute::get<0>(sa) = a.w_ld > 0 ? a.w_ld : a.k;
     const StrideB sb = cutlass::make_cute_packed_stride(StrideB{}, {a.m, a.k, 1});
-    const typename Gemm::Arguments args{
+    typename Gemm::Arguments args{
         cutlass::gemm::GemmUniversalMode::kGemm,
         {a.n, a.m, a.k, 1},
         {reinterpret_cast<const typename G::ElementA*>(a.w), sa, reinterpret_cast<const typename G::ElementB*>(a.x),
          sb, G::kPromotionInterval},
         e};
+    args.hw_info.device_id = a.device;
+    args.hw_info.sm_count = sms;
     return launch<Gemm>(args, a.pdl, stream);
   }
 };
@@ -564,18 +590,19 @@ const char* plain(const Fp8Sm90Args& a, void* stream, int sms) {
                    : Sm90Gemm<64, kPersistent, E>::run(a, stream, sms);
 }
 
-template <class E>
-const char* fused(const Fp8Sm90Args& a, const Fp8EpilogueArgs& e, void* stream) {
-  return a.m <= 16 ? Sm90GemmFused<__nv_bfloat16, 16, E>::run(a, e, stream)
-       : a.m <= 32 ? Sm90GemmFused<__nv_bfloat16, 32, E>::run(a, e, stream)
-                   : Sm90GemmFused<__nv_bfloat16, 64, E>::run(a, e, stream);
+template <class E, bool kPersistent = false>
+const char* fused(const Fp8Sm90Args& a, const Fp8EpilogueArgs& e, void* stream, int sms = 0) {
+  return a.m <= 16 ? Sm90GemmFused<__nv_bfloat16, 16, E, kPersistent>::run(a, e, stream, sms)
+       : a.m <= 32 ? Sm90GemmFused<__nv_bfloat16, 32, E, kPersistent>::run(a, e, stream, sms)
+                   : Sm90GemmFused<__nv_bfloat16, 64, E, kPersistent>::run(a, e, stream, sms);
 }
 
 }  // namespace
 
-// The bf16 operands' instantiations (fp8_gemm_sm90_bf16.cu): plain<bfloat16_t, false> and fused<bfloat16_t>.
+// The bf16 operands' instantiations (fp8_gemm_sm90_bf16.cu): plain<bfloat16_t, false> and fused<bfloat16_t>, the
+// latter persistent (one CTA per SM at most: `sms`) with Fp8Sm90Args::persistent.
 const char* sm90_bf16_plain(const Fp8Sm90Args& a, void* stream);
-const char* sm90_bf16_fused(const Fp8Sm90Args& a, const Fp8EpilogueArgs& e, void* stream);
+const char* sm90_bf16_fused(const Fp8Sm90Args& a, const Fp8EpilogueArgs& e, void* stream, int sms);
 #endif
 
 }  // namespace lorafleet

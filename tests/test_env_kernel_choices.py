@@ -155,7 +155,8 @@ def test_fp8_gemm_switches(monkeypatch):
             ("LORAFLEET_FP8_SM90_PERSISTENT", env.fp8_sm90_persistent, False, "1",
              "fp8_sm90_persistent=True"),  # off until measured
             ("LORAFLEET_BF16_SM90", env.bf16_sm90, True, "0", "bf16_sm90=False"),  # on: measured faster
-            ("LORAFLEET_SM90_SHRINK", env.sm90_shrink, True, "0", "sm90_shrink=False")):  # on: measured faster
+            ("LORAFLEET_SM90_SHRINK", env.sm90_shrink, True, "0", "sm90_shrink=False"),  # on: measured faster
+            ("LORAFLEET_SM90_PINGPONG", env.sm90_pingpong, False, "1", "sm90_pingpong=True")):  # off until measured
         monkeypatch.delenv(var, raising=False)
         assert read() == default, var
         monkeypatch.setenv(var, raw)

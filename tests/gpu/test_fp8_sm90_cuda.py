@@ -342,7 +342,7 @@ def test_bf16_operands_give_the_fp32_sum_and_rows_of_their_own(ext, M):
     within fp32 accumulation's rounding, the same bits from a weight whose rows lie K + 64 apart, each row bit for bit
     the row alone and in a 17-row call (every token tile shares the k-tile), K in parts as the unsplit calls on the K
     slices, and with the epilogue inside (unit scales) bit for bit the product into fp32 followed by the epilogue's
-    launch."""
+    launch, and so in the persistent ping-pong kernel."""
     for K, N in ((272, 100), (4096, 4096), (11008, 4096)):
         x, w = _bf16_operands(M, K, N, seed=M * 7 + K + N)
         got = torch.full((M, N), float("nan"), device="cuda")
@@ -383,10 +383,11 @@ def test_bf16_operands_give_the_fp32_sum_and_rows_of_their_own(ext, M):
         want = torch.empty(rows, sum(spans), device="cuda", dtype=torch.bfloat16)
         ext.fp8_epilogue(want, y, e["x_scale"], e["w_scale"], e["bias"], e["cols"], e["v"], e["b"], e["ranks"],
                          e["row_slot"], True, _stream())
-        got = torch.full_like(want, float("nan"))
-        ext.fp8_gemm_sm90_fused(got, x, w, e["x_scale"], e["w_scale"], e["bias"], e["cols"], e["v"], e["b"],
-                                e["ranks"], e["row_slot"], True, _stream())
-        assert _same_bits(got, want), (spans, rows, (got.float() - want.float()).abs().max())
+        for persistent in (False, True):
+            got = torch.full_like(want, float("nan"))
+            ext.fp8_gemm_sm90_fused(got, x, w, e["x_scale"], e["w_scale"], e["bias"], e["cols"], e["v"], e["b"],
+                                    e["ranks"], e["row_slot"], True, _stream(), persistent=persistent)
+            assert _same_bits(got, want), (spans, rows, persistent, (got.float() - want.float()).abs().max())
 
 
 def test_bf16_operands_refused_where_they_do_not_fit(ext):
@@ -396,6 +397,10 @@ def test_bf16_operands_refused_where_they_do_not_fit(ext):
         ext.fp8_gemm_sm90(out, x, w.to(E4M3), _stream())
     with pytest.raises(RuntimeError, match="persistent schedule is built for e4m3 operands only"):
         ext.fp8_gemm_sm90(out, x, w, _stream(), 1, True, True)
+    xq, wq, e = _fused_args([64], 4, False, False, 256, seed=1)
+    with pytest.raises(RuntimeError, match="persistent schedule with the fused epilogue is built for bf16 operands"):
+        ext.fp8_gemm_sm90_fused(torch.empty(4, 64, device="cuda", dtype=torch.bfloat16), xq, wq.q, e["x_scale"],
+                                e["w_scale"], None, e["cols"], None, [], None, None, True, _stream(), persistent=True)
 
 
 def test_fused_refuses_bad_operands(ext):
@@ -450,14 +455,16 @@ def _shrink_checked(v, x, a, e, why):
     assert ((v[:rows].double() - want).abs() <= 1e-5 * mag + 1e-6)[mask].all(), why
 
 
+@pytest.mark.parametrize("persistent", [False, True], ids=["per_tile", "pingpong"])
 @pytest.mark.parametrize("M", [1, 17, 32, 64])
-def test_the_shrink_inside_the_product(ext, M):
+def test_the_shrink_inside_the_product(ext, M, persistent):
     """bf16 operands with the A pools and counters (Fp8EpilogueLora::sync): the kernel's own warps write v, then its
     epilogues add the expand. v holds the fp64 sums of x's rows and A's rank rows within fp32 accumulation's rounding
     wherever a row has an adapter (every kind of slot and rank of _fused_args, ranks up to the pools' 128), and
     nothing else of v is written; the output is bit for bit the fused call handed that v; the counters are zero
     again after the launch; a second launch gives the same bits, and every row the bits of the row alone. At 64 rows
-    also 256 weight tiles (more CTAs than the GPU has SMs: later waves, tickets past the first wave's)."""
+    also 256 weight tiles (more CTAs than the GPU has SMs: later waves, tickets past the first wave's; persistent:
+    CTAs of two and more tiles, the shrink the second consumer group's, the output the bits of one CTA a tile)."""
     cases = [c for c in FUSED_CASES if c[3] and {37: 32, 5: 1}.get(c[1], c[1]) == M]
     if M == 64:
         cases.append(([8192, 4096, 4096], 64, True, True, 4096))
@@ -471,7 +478,7 @@ def test_the_shrink_inside_the_product(ext, M):
         def launch(x, e, v):
             out = torch.full((x.shape[0], sum(spans)), float("nan"), device="cuda", dtype=torch.bfloat16)
             ext.fp8_gemm_sm90_fused(out, x, w, e["x_scale"], e["w_scale"], e["bias"], e["cols"], v, e["b"],
-                                    e["ranks"], e["row_slot"], True, _stream(), a=a, sync=sync)
+                                    e["ranks"], e["row_slot"], True, _stream(), a=a, sync=sync, persistent=persistent)
             torch.cuda.synchronize()
             assert not sync.any(), (spans, rows)  # left zero for the next launch
             return out
@@ -492,7 +499,8 @@ def test_the_shrink_inside_the_product(ext, M):
             assert _same_bits(alone[0], got[i]) and torch.equal(vi[0].nan_to_num(), v[i].nan_to_num()), (spans, i)
 
 
-def test_the_shrink_inside_back_to_back_products(ext):
+@pytest.mark.parametrize("persistent", [False, True], ids=["per_tile", "pingpong"])
+def test_the_shrink_inside_back_to_back_products(ext, persistent):
     """Two launches one after the other on one stream (programmatic dependent launch), 256 weight tiles each, sharing
     one v buffer with counters of their own, the second on other rows and slots: each the bits of its launch alone,
     the second's v its own rows' shrink, every counter zero after."""
@@ -508,7 +516,7 @@ def test_the_shrink_inside_back_to_back_products(ext):
     def launch(x, e, v, sync, out=None):
         out = torch.full((M, sum(spans)), float("nan"), device="cuda", dtype=torch.bfloat16) if out is None else out
         ext.fp8_gemm_sm90_fused(out, x, w, e["x_scale"], e["w_scale"], e["bias"], e["cols"], v, e["b"], e["ranks"],
-                                e["row_slot"], True, _stream(), a=a, sync=sync)
+                                e["row_slot"], True, _stream(), a=a, sync=sync, persistent=persistent)
         return out
 
     v = torch.full_like(e["v"], float("nan"))
@@ -525,7 +533,8 @@ def test_the_shrink_inside_back_to_back_products(ext):
     _shrink_checked(v_alone, x2, a, e2, "second")
 
 
-def test_the_shrink_inside_the_product_in_a_graph(ext):
+@pytest.mark.parametrize("persistent", [False, True], ids=["per_tile", "pingpong"])
+def test_the_shrink_inside_the_product_in_a_graph(ext, persistent):
     """Captured once, replayed on new rows and new row slots: the eager launch's bits, and the counters zero after
     every replay."""
     spans, M, K = [4096, 1024, 1024], 32, 4096
@@ -538,7 +547,8 @@ def test_the_shrink_inside_the_product_in_a_graph(ext):
 
     def launch(o, v):
         ext.fp8_gemm_sm90_fused(o, x, w, e["x_scale"], e["w_scale"], e["bias"], e["cols"], v, e["b"], e["ranks"],
-                                e["row_slot"], True, torch.cuda.current_stream().cuda_stream, a=a, sync=sync)
+                                e["row_slot"], True, torch.cuda.current_stream().cuda_stream, a=a, sync=sync,
+                                persistent=persistent)
 
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
