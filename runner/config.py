@@ -79,8 +79,8 @@ class KernelChoices:
         (after the group's shrink), one launch where cuBLAS's product and the expand took two (on: +1 % in every
         mix on the H100, docs/benchmarks.md section 13.11).
     sm90_shrink: with bf16_sm90, the rows' LoRA shrink inside that same launch too (the kernel's own warps write v
-        before its epilogues read it) instead of a launch before it: one launch per projection group and step (on:
-        +1.7 / +1.8 % with adapters on the H100, docs/benchmarks.md section 13.12).
+        before its epilogues read it) instead of a launch before it, where K is at most SM90_SHRINK_MAX_K (on:
+        +5.8 / +6.0 % with adapters on the H100, docs/benchmarks.md section 13.12).
     sm90_pingpong: with bf16_sm90, those products in CUTLASS's persistent ping-pong kernel (one CTA per SM, two
         consumer warp groups on alternate tiles: a tile's epilogue beside the next tile's main loop), the shrink
         then the second group's, beside the first group's first tile, whatever K (off until measured).

@@ -300,8 +300,9 @@ def bf16_sm90() -> bool:
 def sm90_shrink() -> bool:
     """LORAFLEET_SM90_SHRINK: with LORAFLEET_BF16_SM90, the rows' LoRA shrink runs inside the wgmma product's launch
     too (its consumer warps write the rows' v before their main loop, the epilogues wait for all of it) instead of a
-    shrink launched before each product (default 1: +1.7 % end to end with 32 distinct adapters, +1.8 % with one, no
-    change without adapters, on the H100, docs/benchmarks.md section 13.12; 0: the shrink's own launch)."""
+    shrink launched before each product, where K is at most 8,192 (a longer K keeps the launch) (default 1: +5.8 % end
+    to end with 32 distinct adapters, +6.0 % with one, no change without adapters, on the H100, docs/benchmarks.md
+    section 13.12; 0: the shrink's own launch)."""
     return _flag("LORAFLEET_SM90_SHRINK", True)
 
 
