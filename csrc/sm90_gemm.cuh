@@ -408,10 +408,14 @@ class FusedEpilogue {
     }
   }
 
-  // Before the main loop: one ticket per consumer warp, while the tickets last.
+  // Before the main loop: tickets while they last (one each where the launcher could make them no more than the
+  // warps; where the rows alone outnumber the warps, a small grid's, the warps take the rest too, rather than leave
+  // them to the epilogues' one-vector-at-a-time drain).
   __device__ static void shrink_rows(const Params& a) {
-    const unsigned ticket = take_ticket(a.lora);
-    if (ticket < static_cast<unsigned>(a.lora.shrink_tickets)) shrink_ticket<3, 8>(a, static_cast<int>(ticket), false);
+    const unsigned all = static_cast<unsigned>(a.lora.shrink_tickets);
+    bool waited = false;
+    for (unsigned t = take_ticket(a.lora); t < all; t = take_ticket(a.lora), waited = true)
+      shrink_ticket<3, 8>(a, static_cast<int>(t), waited);
   }
 
   // In the epilogue, every consumer warp (after the wait for the kernel before): if v is not complete, the tickets
@@ -449,6 +453,7 @@ class FusedEpilogue {
   __device__ static void count_out(const Fp8EpilogueLora& l, unsigned due) {
     __threadfence();  // this thread's (and, through the barrier before, its group's) tickets before the count
     if (atomicAdd(l.sync + 2, 1u) == due - 1) {
+      __threadfence();  // (every other count, hence every ticket and its count, before the zeroing)
       atomicExch(l.sync, 0u);
       atomicExch(l.sync + 1, 0u);
       atomicExch(l.sync + 2, 0u);

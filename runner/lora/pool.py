@@ -64,7 +64,9 @@ class LoraPool:
         return sum(t.numel() * t.element_size() for t in self.A + self.B)
 
     def write(self, slot: int, adapter: LoadedAdapter, stream: torch.cuda.Stream | None = None) -> None:
-        """Copy an adapter into a slot (asynchronously on `stream` when given: pinned sources)."""
+        """Copy an adapter into a slot (asynchronously on `stream` when given: pinned sources). Only between steps:
+        the decode products that shrink inside their launch (csrc/sm90_gemm.cuh FusedEpilogue) load A and read the
+        slot tables before their wait for the kernel before, so no kernel of a step may write them."""
         pk = adapter.shard_for(self.shard, self.full) if self.shard else adapter.packed_for(self.base.num_layers)
         nb = stream is not None
         self._changed(slot)
