@@ -494,9 +494,9 @@ constexpr int kNormRegMaxVecs = 4;  // rows up to 8 * 32 * 4 * 8 = 8,192 wide in
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads, kNormBlocksPerSm) rms_norm_rows_kernel(const __grid_constant__ NormArgs n) {
-  // with the rows' e4m3 copy, the FP8 product that follows may start now (it waits for this kernel before it reads
-  // them, fp8_gemm_sm90.cu WeightFirstMainloop) and stream its weight meanwhile
-  if (n.quant_out != nullptr) pdl_launch_dependents();
+  // with the rows' e4m3 copy (or `early`), the wgmma product that follows may start now (it waits for this kernel
+  // before it reads them, sm90_gemm.cuh WeightFirstMainloop) and stream its weight meanwhile
+  if (n.quant_out != nullptr || n.early) pdl_launch_dependents();
   pdl_wait();  // h and res come from the preceding kernel
   for (int row = blockIdx.x; row < n.rows; row += gridDim.x) norm_row<T>(n, row);
 }
@@ -504,9 +504,9 @@ __global__ void __launch_bounds__(kThreads, kNormBlocksPerSm) rms_norm_rows_kern
 template <typename T, int kVecs>
 __global__ void __launch_bounds__(kThreads, kNormRegBlocksPerSm)
     rms_norm_rows_regs_kernel(const __grid_constant__ NormArgs n) {
-  // with the rows' e4m3 copy, the FP8 product that follows may start now (it waits for this kernel before it reads
-  // them, fp8_gemm_sm90.cu WeightFirstMainloop) and stream its weight meanwhile
-  if (n.quant_out != nullptr) pdl_launch_dependents();
+  // with the rows' e4m3 copy (or `early`), the wgmma product that follows may start now (it waits for this kernel
+  // before it reads them, sm90_gemm.cuh WeightFirstMainloop) and stream its weight meanwhile
+  if (n.quant_out != nullptr || n.early) pdl_launch_dependents();
   pdl_wait();  // h and res come from the preceding kernel
   for (int row = blockIdx.x; row < n.rows; row += gridDim.x) norm_row_regs<T, kVecs>(n, row);
 }

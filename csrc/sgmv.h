@@ -64,6 +64,10 @@ struct NormArgs {
   float offset = 0.f;
   int rows = 0;
   int cols = 0;                   // multiple of 8
+  // rms_norm_rows: let the next kernel start at once (griddepcontrol.launch_dependents first), as with quant_out:
+  // only where every kernel that may follow waits for this one before it reads x_out or res_out (the wgmma products'
+  // WeightFirstMainloop), or is launched without programmatic dependent launch
+  bool early = false;
 };
 
 // A decode step's RMSNorm of rows with the LoRA work on either side of it (norm_lora, sm_90: one thread-block

@@ -24,9 +24,10 @@
 //       launch (rope_kv.h); caches of qkv's dtype, or float8_e4m3fn (FP8 pages, unit scale).
 //   rope_kv_lora(..., stream, v, b, ranks, row_slot): the same with the qkv rows' LoRA expand added first
 //       (rope_kv.h RopeKvLora), so a decode step needs no separate expand launch for q, k and v.
-//   rms_norm(x_out, h, res, res_out, w, eps, offset, quant_out, quant_scale, pdl, stream, max_blocks=0): the RMSNorm
-//       of runner/model/ops.py (res: res_out = h + res, normalized; offset: Gemma's 1 + w), optionally x_out's
-//       e4m3 rows and scales as quantize_e4m3 makes them; res, res_out, quant_out, quant_scale may be None.
+//   rms_norm(x_out, h, res, res_out, w, eps, offset, quant_out, quant_scale, pdl, stream, max_blocks=0, early=False):
+//       the RMSNorm of runner/model/ops.py (res: res_out = h + res, normalized; offset: Gemma's 1 + w), optionally
+//       x_out's e4m3 rows and scales as quantize_e4m3 makes them; res, res_out, quant_out, quant_scale may be None.
+//       early (or quant_out): the next kernel may start at once (NormArgs::early: only before kernels that wait).
 //   norm_shrink(v, x_out, h, res, res_out, w, eps, offset, a, ranks, indptr, slots, pdl, stream, max_blocks=0,
 //       decode_ranks=0, quant_out=None, quant_scale=None): rms_norm and the shrink of x_out (CUDA-core items),
 //       one launch; v bit for bit shrink's on the x_out it writes.
@@ -529,8 +530,9 @@ lorafleet::NormArgs norm_args(const Tensor& x_out, const Tensor& h, const std::o
 
 void rms_norm(Tensor x_out, Tensor h, std::optional<Tensor> res, std::optional<Tensor> res_out, Tensor w, double eps,
               double offset, std::optional<Tensor> quant_out, std::optional<Tensor> quant_scale, bool pdl,
-              int64_t stream, int64_t max_blocks) {
-  const lorafleet::NormArgs a = norm_args(x_out, h, res, res_out, w, eps, offset, quant_out, quant_scale);
+              int64_t stream, int64_t max_blocks, bool early) {
+  lorafleet::NormArgs a = norm_args(x_out, h, res, res_out, w, eps, offset, quant_out, quant_scale);
+  a.early = early;
   SGMV_CHECK(max_blocks >= 0, "rms_norm: max_blocks must be >= 0 (0: no cap)");
   const char* err = lorafleet::rms_norm_rows(kernel_dtype(h, "h"), a, pdl,
                                              static_cast<int>(std::min<int64_t>(max_blocks, kInt32Max)),
@@ -995,7 +997,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "one launch",
         py::arg("x_out"), py::arg("h"), py::arg("res"), py::arg("res_out"), py::arg("w"), py::arg("eps"),
         py::arg("offset"), py::arg("quant_out"), py::arg("quant_scale"), py::arg("pdl"), py::arg("stream"),
-        py::arg("max_blocks") = 0);
+        py::arg("max_blocks") = 0, py::arg("early") = false);
   m.def("norm_shrink", &norm_shrink,
         "rms_norm and the shrink of its output (v[rows, g, :r] = x_out[rows] @ a[g][slot, :r].T) in one launch",
         py::arg("v"), py::arg("x_out"), py::arg("h"), py::arg("res"), py::arg("res_out"), py::arg("w"), py::arg("eps"),

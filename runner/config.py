@@ -84,6 +84,8 @@ class KernelChoices:
     sm90_pingpong: with bf16_sm90, those products in CUTLASS's persistent ping-pong kernel (one CTA per SM, two
         consumer warp groups on alternate tiles: a tile's epilogue beside the next tile's main loop), the shrink
         then the second group's, beside the first group's first tile, whatever K (off until measured).
+    norm_early: with bf16_sm90, the norms before qkv and gate_up on the project's kernel, which lets the product after
+        it start at once and stream its weight beside the norm (off until measured).
     pin_host_adapters: adapters read from disk are kept in pinned host memory.
     dense_lora_rows: a step with prompt rows whose adapted rows form at most DENSE_LORA_MAX_SEGMENTS segments
         (runner/lora/step.py), each of at least this many rows, and whose work reaches dense_lora_min_work,
@@ -132,6 +134,7 @@ class KernelChoices:
     bf16_sm90: bool = True
     sm90_shrink: bool = True
     sm90_pingpong: bool = False
+    norm_early: bool = False
     pin_host_adapters: bool = False
     dense_lora_rows: int = 256
     dense_lora_kext: int = 64
@@ -183,7 +186,7 @@ class KernelChoices:
                    fp8_sm90_fused=env.fp8_sm90_fused(), fp8_sm90_fused_lora=env.fp8_sm90_fused_lora(),
                    fp8_sm90_split=env.fp8_sm90_split(), fp8_sm90_persistent=env.fp8_sm90_persistent(),
                    fp8_quant_in_shrink=env.fp8_quant_in_shrink(), bf16_sm90=env.bf16_sm90(),
-                   sm90_shrink=env.sm90_shrink(), sm90_pingpong=env.sm90_pingpong(),
+                   sm90_shrink=env.sm90_shrink(), sm90_pingpong=env.sm90_pingpong(), norm_early=env.norm_early(),
                    pin_host_adapters=env.pin_host_adapters(), dense_lora_rows=env.dense_lora_rows(),
                    dense_lora_kext=env.dense_lora_kext())
 

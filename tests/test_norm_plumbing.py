@@ -26,15 +26,16 @@ class TorchEmulatedNorm(OwnNorm):
 
     def __init__(self, eps, offset):
         super().__init__(None, eps, offset)
-        self.calls, self.outputs = 0, set()
+        self.calls, self.outputs, self.early = 0, set(), set()
 
     @staticmethod
     def applies(h, w):
         return h.dim() == 2 and h.is_contiguous() and w.dtype == h.dtype
 
-    def run(self, x_out, n, quant=None):
+    def run(self, x_out, n, quant=None, early=False):
         assert quant is None  # no FP8 tensor cores on the CPU
         self.calls += 1
+        self.early.add(early)
         r = n.h if n.res is None else n.h + n.res
         if n.res is not None:
             assert n.res_out.data_ptr() not in (n.h.data_ptr(), n.res.data_ptr())
@@ -43,28 +44,31 @@ class TorchEmulatedNorm(OwnNorm):
         x_out.copy_(rms_norm(r, n.w, self.eps, self.offset))
 
 
-def run(model, reqs, own: bool):
+def run(model, reqs, own: bool, early: bool = False):
     eng = Engine(str(model), EngineConfig(max_lora_rank=8, device="cpu", kv_cache_gb=0.02))
     norm = None
     if own:
         c = eng.model.cfg
         eng.model.own_norm = norm = TorchEmulatedNorm(c.rms_norm_eps, c.norm_offset)
+        eng.model.norm_early = early  # as Decoder.__init__ sets it with KernelChoices.norm_early and bf16_sm90 taken
     seqs = [Sequence(f"r{i}", ids, SamplingParams(max_tokens=NEW, ignore_eos=True), AdapterRef(n, str(p)) if n else None)
             for i, (ids, n, p) in enumerate(reqs)]
     out = eng.run_to_completion(seqs)
     return [out[f"r{i}"].output_ids for i in range(len(reqs))], eng, norm
 
 
+@pytest.mark.parametrize("early", [False, True], ids=["at_its_end", "early"])
 @pytest.mark.parametrize("family", ["llama3", "gemma3"])
-def test_own_norm_path_gives_the_default_tokens(tmp_path, family):
+def test_own_norm_path_gives_the_default_tokens(tmp_path, family, early):
+    """(early: KernelChoices.norm_early, every norm's launch asked to let the next kernel start at once)"""
     model = write_family_model(family, tmp_path / "m")
     ads = {"a8": write_random_adapter(model, tmp_path / "a8", r=8, alpha=16, targets=family_targets(family), seed=3)}
     g = torch.Generator().manual_seed(5)
     reqs = [(torch.randint(3, 200, (int(torch.randint(4, 12, (1,), generator=g)),), generator=g).tolist(),
              ["a8", None][i % 2], ads["a8"] if i % 2 == 0 else None) for i in range(4)]
     want, _, _ = run(model, reqs, own=False)
-    got, eng, norm = run(model, reqs, own=True)
-    assert got == want
+    got, eng, norm = run(model, reqs, own=True, early=early)
+    assert got == want and norm.early == {early}
     assert norm.calls >= 2 * eng.model.num_layers * NEW  # at least one step per new token, two norms per layer
     assert norm.calls % (2 * eng.model.num_layers) == 0
     assert norm.outputs  # the new residuals went to tensors of their own
@@ -105,8 +109,9 @@ def test_a_group_shrunk_in_the_norms_launch_is_not_shrunk_again(monkeypatch, wei
     lora._row_slots = lambda *a: None
     finished = {}
     me = types.SimpleNamespace(
-        own_norm=TorchEmulatedNorm(1e-6, 0.0), own_norm_quant=True, fp8_tensor_cores=True, fp8_gemm_bf16=True,
-        fp8_epilogue=True, fp8_ext=None, fp8_gemm_rows=0, fp8_unit_scale_elems=1, fp8_quant_in_shrink=True,
+        own_norm=TorchEmulatedNorm(1e-6, 0.0), own_norm_quant=True, norm_early=False, fp8_tensor_cores=True,
+        fp8_gemm_bf16=True, fp8_epilogue=True, fp8_ext=None, fp8_gemm_rows=0, fp8_unit_scale_elems=1,
+        fp8_quant_in_shrink=True,
         _fp8_linear=lambda x, w, b, **k: finished.update(k) or x)
     h, res = torch.randn(4, 16, dtype=torch.bfloat16), torch.randn(4, 16, dtype=torch.bfloat16)
     if weights == "bf16_sm90":

@@ -195,6 +195,7 @@ class Decoder:
         # kernel's counters, int32 [layers * GROUPS, 4] zeros, one row per layer and projection group; else None
         self.sm90_sync = None
         self.sm90_pingpong = False  # those products in the persistent ping-pong kernel (KernelChoices.sm90_pingpong)
+        self.norm_early = False  # the project's norm before them, letting them start at once (KernelChoices.norm_early)
         # runner/model/norm.py OwnNorm: the norms before qkv and gate_up (KernelChoices.norm_shrink, norm_quant,
         # norm_lora)
         self.own_norm = None
@@ -241,7 +242,7 @@ class Decoder:
             else:  # (on by default: nothing to say where it cannot apply)
                 log.debug("bf16_sm90 ignored: it takes bfloat16 weights on a CUDA device, not %s weights on %s",
                           weights, self.device.type)
-        for choice in ("sm90_shrink", "sm90_pingpong"):
+        for choice in ("sm90_shrink", "sm90_pingpong", "norm_early"):
             if getattr(kernels, choice) and not self.bf16_sm90:
                 log.log(logging.DEBUG if choice == "sm90_shrink" else logging.INFO,
                         "%s ignored: it applies to the bf16 products on the wgmma kernel, which this model does not "
@@ -251,7 +252,9 @@ class Decoder:
                         and torch.cuda.get_device_capability(self.device)[0] >= 9)
         # (norm_quant only where the norm's launch quantizes the rows: FP8 products on the FP8 tensor cores)
         norm_quant = kernels.norm_quant and self.fp8_tensor_cores and isinstance(self.layers[0].qkv, Fp8Weight)
-        if ((kernels.norm_shrink or norm_quant or cluster_norm) and self.device.type == "cuda"
+        # (norm_early only before the wgmma products, which wait for the norm before they read its rows)
+        self.norm_early = kernels.norm_early and self.bf16_sm90
+        if ((kernels.norm_shrink or norm_quant or cluster_norm or self.norm_early) and self.device.type == "cuda"
                 and dtype in (torch.bfloat16, torch.float16)):
             try:
                 from lorafleet.runner.kernels import load
@@ -434,7 +437,7 @@ class Decoder:
         q = quant and (quant[0], quant[1].view(-1))
         if not (lora is not None and getattr(lora, "norm_shrink", None) is not None
                 and lora.norm_shrink(i, group, x, n, q)):
-            own.run(x, n, q)
+            own.run(x, n, q, early=self.norm_early)
         return x, (h if residual is None else n.res_out), quant
 
     def _norm_follows(self, lora: LoraStep | None, post_norm) -> bool:

@@ -55,7 +55,10 @@ class OwnNorm:
                             w, self.eps, self.offset)
 
     def run(self, x_out: torch.Tensor, n: NormOperands,
-            quant: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+            quant: tuple[torch.Tensor, torch.Tensor] | None = None, early: bool = False) -> None:
+        """`early` (as with `quant`): the next kernel may start at once, its weight streaming beside this launch; only
+        where every kernel that may follow waits for this one before it reads x_out (the wgmma products) or is
+        launched without programmatic dependent launch (KernelChoices.norm_early)."""
         q_out, q_scale = quant if quant is not None else (None, None)
         self.ext.rms_norm(x_out, n.h, n.res, n.res_out, n.w, n.eps, n.offset, q_out, q_scale, True,
-                          torch.cuda.current_stream(x_out.device).cuda_stream)
+                          torch.cuda.current_stream(x_out.device).cuda_stream, **({"early": True} if early else {}))

@@ -306,6 +306,14 @@ def sm90_shrink() -> bool:
     return _flag("LORAFLEET_SM90_SHRINK", True)
 
 
+def norm_early() -> bool:
+    """LORAFLEET_NORM_EARLY: with the bf16 products on the wgmma kernel (LORAFLEET_BF16_SM90), the norms before qkv and
+    gate_up run on the project's kernel, which lets the product after it start at once (the product streams its
+    weight's first k-tiles while the norm runs, and waits for it before it reads the rows) instead of flashinfer's,
+    which lets it start only at its end (default 0 until measured)."""
+    return _flag("LORAFLEET_NORM_EARLY", False)
+
+
 def sm90_pingpong() -> bool:
     """LORAFLEET_SM90_PINGPONG: with LORAFLEET_BF16_SM90, the bf16 decode products run in CUTLASS's persistent
     ping-pong kernel (one CTA per SM over the weight's tiles, two consumer warp groups on alternate tiles, one's

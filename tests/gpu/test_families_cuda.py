@@ -141,6 +141,21 @@ def test_family_shrink_inside_the_wgmma_product(family, pingpong, monkeypatch):
     teacher.decode_graph_vs_eager(model, reqs, label, kernels=kernels)
 
 
+def test_family_early_norm_before_the_wgmma_products(family):
+    """KernelChoices.norm_early: the norms before qkv and gate_up on the project's kernel, letting the wgmma product
+    after each start at once. Teacher-forced against HF + PEFT in fp32 (every step at most 64 rows), then a decode step
+    replayed from its CUDA graph against the same step run eagerly."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma kernel is built for compute capability 9.0 only")
+    name, model, ads, reqs = family
+    cpu, _ = generate(model, reqs, NEW, device="cpu", kv_cache_gb=0.05)  # the fp32 continuation
+    kernels = KernelChoices(bf16_sm90=True, norm_early=True)
+    eng = teacher.teacher_forced_check(model, ads, reqs, cpu, "bfloat16", f"{name} early norm", kernels=kernels,
+                                       max_step_tokens=64)
+    assert eng.model.norm_early and eng.model.own_norm is not None
+    teacher.decode_graph_vs_eager(model, reqs, f"{name} early norm", kernels=kernels)
+
+
 @pytest.fixture(scope="module")
 def ungrouped(tmp_path_factory):
     """Llama with one query head per K/V head (the Llama-2 shape, where `auto` takes the project's decode kernel for

@@ -227,6 +227,71 @@ def test_product_right_after_the_kernel_that_writes_its_activations_reads_the_ne
         assert torch.equal(out, _sm90(ext, q.clone(), w)), (writer, persistent, K, seed)
 
 
+@pytest.mark.parametrize("K,N", [(4096, 12288), (1024, 4096)])
+@pytest.mark.parametrize("persistent", [False, True], ids=["per_tile", "pingpong"])
+def test_bf16_product_right_after_the_early_norm_reads_its_rows(ext, persistent, K, N):
+    """The project's norm with `early` (KernelChoices.norm_early) lets the bf16 wgmma product that follows start at
+    once; the product, with the rows' shrink and expand inside, still reads the norm's new rows, never the buffer's
+    old ones: eager and replayed in a CUDA graph with new rows, bit for bit the same launch on the finished buffer."""
+    from lorafleet.runner.model.norm import OwnNorm
+
+    M, spans = 32, [N // 2, N // 4, N // 4]
+    g = torch.Generator(device="cuda").manual_seed(11)
+    _, w = _bf16_operands(M, K, N, seed=K + N)
+    norm_w = (1 + torch.randn(K, device="cuda", generator=g) * 0.2).bfloat16()
+    h = torch.empty(M, K, device="cuda", dtype=torch.bfloat16)
+    res = torch.empty_like(h)
+    res_out, x_out = torch.empty_like(h), torch.empty_like(h)
+    _, _, e = _fused_args(spans, M, True, True, K, seed=K)
+    ones_m, ones_n = torch.ones(M, device="cuda"), torch.ones(N, device="cuda")
+    a = _shrink_pools(spans, K, seed=K + 1)
+    sync = torch.zeros(3, dtype=torch.int32, device="cuda")
+    own = OwnNorm(ext, 1e-5, 0.0)
+    out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+
+    def product(o, x):
+        ext.fp8_gemm_sm90_fused(o, x, w, ones_m, ones_n, e["bias"], e["cols"], e["v"], e["b"], e["ranks"],
+                                e["row_slot"], True, torch.cuda.current_stream().cuda_stream, a=a, sync=sync,
+                                persistent=persistent)
+
+    def step():
+        own.run(x_out, own.operands(h, res, norm_w, res_out), early=True)
+        product(out, x_out)
+
+    def fresh(seed):
+        r = torch.Generator(device="cuda").manual_seed(seed)
+        h.copy_(torch.randn(M, K, device="cuda", generator=r) * 3)
+        res.copy_(torch.randn(M, K, device="cuda", generator=r))
+
+    def finished():
+        want = torch.empty_like(out)
+        product(want, x_out.clone())
+        torch.cuda.synchronize()
+        return want
+
+    for seed in range(3):  # eager: the buffer holds another step's rows first
+        fresh(100 + seed)
+        step()
+        fresh(seed)
+        torch.cuda.synchronize()
+        out.fill_(float("nan"))
+        step()
+        torch.cuda.synchronize()
+        assert _same_bits(out, finished()) and not sync.any(), (persistent, K, seed)
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    for seed in (21, 22):
+        fresh(seed)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert _same_bits(out, finished()) and not sync.any(), (persistent, K, seed)
+
+
 def test_sm90_gemm_refuses_bad_operands(ext):
     xq, w = _operands(4, 256, 64, seed=1)
     out = torch.empty(4, 64, device="cuda")
