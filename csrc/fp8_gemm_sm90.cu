@@ -61,8 +61,6 @@ const char* fp8_gemm_sm90_fused(const Fp8Sm90Args& a, const Fp8EpilogueArgs& e, 
   if (e.act != 0) return "fp8_gemm_sm90_fused: no activation (gate and up lie in different tiles)";
   if (e.m != a.m || e.n != a.n) return "fp8_gemm_sm90_fused: the epilogue's sizes differ from the product's";
   if (const char* err = fp8_epilogue_check(e)) return err;
-  if (a.persistent && !a.bf16)
-    return "fp8_gemm_sm90_fused: the persistent schedule with the fused epilogue is built for bf16 operands only";
   const Fp8EpilogueLora& l = e.lora;
   if (l.sync != nullptr) {
     if (!a.bf16) return "fp8_gemm_sm90_fused: the shrink inside the product takes bf16 operands only";
@@ -72,9 +70,11 @@ const char* fp8_gemm_sm90_fused(const Fp8Sm90Args& a, const Fp8EpilogueArgs& e, 
         return "fp8_gemm_sm90_fused: the shrink inside the product needs one A pool per span";
   }
   return on_sm90(a.device, [&]() -> const char* {
-    if (!a.bf16) return fused<cutlass::float_e4m3_t>(a, e, stream);
     DeviceInfo info;  // (sgmv.h: read once per device)
     if (const char* err = device_info(a.device, &info)) return err;
+    if (!a.bf16)
+      return a.persistent ? fused<cutlass::float_e4m3_t, true>(a, e, stream, info.sms)
+                          : fused<cutlass::float_e4m3_t>(a, e, stream);
     if (l.sync == nullptr) return sm90_bf16_fused(a, e, stream, info.sms);
     // At most as many tickets as the consumer warps (4 a CTA: the persistent kernel's second group's) of one CTA per
     // SM, at most of every CTA (fused's tiles: 64 weight rows by 16, 32 or 64 tokens; the persistent grid: one CTA

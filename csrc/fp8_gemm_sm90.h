@@ -32,7 +32,7 @@ struct Fp8Sm90Args {
   // CUTLASS's persistent ping-pong schedule (one CTA per SM over the tiles, a tile's epilogue beside the next tile's
   // loads) instead of one CTA per tile; the same bits (the same k-tiles in the same order per tile).
   bool persistent = false;
-  bool bf16 = false;  // x and w bf16 (with `persistent`: fp8_gemm_sm90_fused only)
+  bool bf16 = false;  // x and w bf16 (with `persistent`: fp8_gemm_sm90_fused only, where e4m3 operands may be too)
   // elements from one row of w to the next (0: k), a multiple of 16 bytes: a weight with spare columns after its k
   // (a bf16 weight of LoRA's K-extended prefill GEMM is the [:, :k] view of a wider tensor)
   int64_t w_ld = 0;

@@ -58,8 +58,8 @@
 //       persistent=False): the bits of fp8_gemm_sm90 then fp8_epilogue (act 0, one part) in one launch, the
 //       epilogue inside the product's kernel; out in bf16. With bf16 operands, a (one A pool [S, R, K] per span) and
 //       sync (int32 [>= 3], zero, the call site's own): the rows' shrink too, into v, inside the same launch
-//       (quant.h Fp8EpilogueLora::sync) instead of a shrink launched before; persistent (bf16 operands only): in
-//       CUTLASS's persistent ping-pong kernel, the shrink then taken by its second consumer group alone.
+//       (quant.h Fp8EpilogueLora::sync) instead of a shrink launched before; persistent: in CUTLASS's persistent
+//       ping-pong kernel (the same bits), the shrink then taken by its second consumer group alone.
 //   decode_attention(out, q, k_cache, v_cache, indptr, indices, last_page_len, partial_o, partial_ml, counters,
 //       sm_scale, soft_cap, window_left, chunk, max_chunks, workers, stream): attention of one query row per request
 //       over its K/V pages (decode_attn.h), one launch; pages of q's dtype or float8_e4m3fn (unit scale). The

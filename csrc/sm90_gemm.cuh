@@ -563,8 +563,10 @@ class FusedEpilogue {
 template <typename T, int kTokens, class E = cutlass::float_e4m3_t, bool kPersistent = false>
 struct Sm90GemmFused {
   using G = Sm90Gemm<kTokens, kPersistent, E>;
+  // (kPairs with e4m3 operands only where the one-CTA-a-tile kernel's consumers have their 255 registers: the
+  // persistent kernel's two consumer groups get fewer, and two chunks at once there spill)
   using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
-      FusedEpilogue<T, kTokens, sizeof(E) == 1, sizeof(E) == 2, kPersistent>>;
+      FusedEpilogue<T, kTokens, sizeof(E) == 1 && !kPersistent, sizeof(E) == 2, kPersistent>>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, typename G::Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   static_assert(sizeof(typename Kernel::SharedStorage) <= 227 * 1024, "the kernel's shared memory fits an SM");
@@ -605,7 +607,8 @@ const char* fused(const Fp8Sm90Args& a, const Fp8EpilogueArgs& e, void* stream, 
 }  // namespace
 
 // The bf16 operands' instantiations (fp8_gemm_sm90_bf16.cu): plain<bfloat16_t, false> and fused<bfloat16_t>, the
-// latter persistent (one CTA per SM at most: `sms`) with Fp8Sm90Args::persistent.
+// latter persistent (one CTA per SM at most: `sms`) with Fp8Sm90Args::persistent (fp8_gemm_sm90.cu holds the e4m3
+// operands' plain and fused, both also persistent).
 const char* sm90_bf16_plain(const Fp8Sm90Args& a, void* stream);
 const char* sm90_bf16_fused(const Fp8Sm90Args& a, const Fp8EpilogueArgs& e, void* stream, int sms);
 #endif

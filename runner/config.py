@@ -70,8 +70,8 @@ class KernelChoices:
         same bits, one launch less).
     fp8_sm90_fused_lora: the same also for epilogues with the rows' LoRA expand (measured slower: off).
     fp8_sm90_split: that kernel cuts K into parts for weights with too few rows to fill the GPU (fp8.py sm90_splits).
-    fp8_sm90_persistent: that kernel (where its epilogue is a launch of its own) on CUTLASS's persistent ping-pong
-        schedule instead of one CTA per tile (the same bits).
+    fp8_sm90_persistent: that kernel (its epilogue a launch of its own or inside it) on CUTLASS's persistent
+        ping-pong schedule instead of one CTA per tile (the same bits).
     fp8_quant_in_shrink: with that epilogue and adapters in the step, the LoRA shrink's launch quantizes the
         projection's activations too (the same bits) instead of a launch of their own.
     bf16_sm90: with bf16 weights on a compute capability 9.0 GPU, the products of steps of at most 64 rows run on

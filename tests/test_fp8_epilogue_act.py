@@ -149,3 +149,29 @@ def test_fp8_linear_asks_the_wgmma_product_for_its_schedule(monkeypatch, persist
                    spans=[N] if epilogue else None, sm90=True, sm90_persistent=persistent)
     assert calls == [(1, (True, True) if persistent else ())]
     assert torch.allclose(y.float(), want.float(), rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_fp8_linear_asks_the_fused_product_for_its_schedule(monkeypatch, persistent):
+    """With the epilogue inside the wgmma product (`sm90_fused`), fp8_linear asks fp8_gemm_sm90_fused once, for the
+    persistent ping-pong kernel exactly when `sm90_persistent` is given, and returns the kernel's output."""
+    import types
+
+    import lorafleet.runner.model.fp8 as fp8
+    from lorafleet.runner.model.fp8 import fp8_linear
+
+    M, K, N = 4, 64, 32
+    w, xq, sx, x, want = _unit_operands(M, K, N, seed=3)
+    calls = []
+
+    def fused(out, xq_, wq, sx_, ws, bias, spans, v, b, ranks, row_slot, pdl, stream, **kwargs):
+        calls.append((spans, pdl, kwargs))
+        out.copy_((xq_.float() @ wq.float().T * sx_.view(-1, 1) * ws.view(1, -1)).to(out.dtype))
+
+    ext = types.SimpleNamespace(fp8_gemm_sm90_fused=fused)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: types.SimpleNamespace(cuda_stream=0))
+    monkeypatch.setattr(fp8, "_sm_count", lambda index: 132)
+    y = fp8_linear(x, w, None, True, ext=ext, quantized=(xq, sx), unit_scale_elems=1, epilogue=True, spans=[N],
+                   sm90=True, sm90_fused=True, sm90_persistent=persistent)
+    assert calls == [([N], True, {"persistent": True} if persistent else {})]
+    assert torch.allclose(y.float(), want.float(), rtol=1e-2, atol=1e-3)

@@ -268,7 +268,8 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
     2 (GELU-tanh): the epilogue returns act(gate) * up [M, N / 2] as flashinfer's act_and_mul makes it from its output.
     With `sm90` and `sm90_fused`, an epilogue without an activation or `lora` on a product in one part (bf16) runs
     inside the wgmma kernel (the same bits, one launch); with `sm90_fused_lora` too, also one with `lora`;
-    `sm90_persistent`: the other wgmma products on the kernel's persistent ping-pong schedule (the same bits).
+    `sm90_persistent`: every wgmma product, with the epilogue inside or not, on the kernel's persistent ping-pong
+    schedule (the same bits; the epilogue inside then runs beside the next tile's main loop).
     Then, M <= `swap_rows` (and a multiple of 16): cuBLASLt computes (w @ x.T).T, the weight as the long operand.
     Otherwise torch._scaled_mm with per-token and per-row scales."""
     if act and not (epilogue and tensor_cores and not _own_kernel(x, w, ext, own_rows)
@@ -298,7 +299,8 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
             if (sm90 and sm90_fused and (lora is None or sm90_fused_lora)
                     and _sm90_fused(xq, w, x.dtype, act, sm90_split)):
                 ext.fp8_gemm_sm90_fused(out, xq, w.q, sx.view(-1), w.scale, bias, list(spans or [N]), v, list(b),
-                                        ranks, row_slot, True, stream)
+                                        ranks, row_slot, True, stream, **({"persistent": True} if sm90_persistent
+                                                                          else {}))
                 return out
             y = _unit_product(xq, w, ext, sm90, sm90_split, sm90_persistent)
             ext.fp8_epilogue(out, y, sx.view(-1), w.scale, bias, list(spans or [N]), v, list(b), ranks, row_slot,

@@ -345,9 +345,9 @@ def fp8_sm90_split() -> bool:
 
 
 def fp8_sm90_persistent() -> bool:
-    """LORAFLEET_FP8_SM90_PERSISTENT: that wgmma kernel, where its epilogue is a launch of its own (gate_up; every
-    projection of a step with adapters), runs CUTLASS's persistent ping-pong schedule: one CTA per SM walks the tiles,
-    a tile's epilogue beside the next tile's loads (the same bits; default 0: one CTA per tile)."""
+    """LORAFLEET_FP8_SM90_PERSISTENT: that wgmma kernel, with its epilogue a launch of its own or inside it
+    (LORAFLEET_FP8_SM90_FUSED, _FUSED_LORA), runs CUTLASS's persistent ping-pong schedule: one CTA per SM walks the
+    tiles, a tile's epilogue beside the next tile's loads (the same bits; default 0: one CTA per tile)."""
     return _flag("LORAFLEET_FP8_SM90_PERSISTENT", False)
 
 

@@ -343,11 +343,11 @@ def _two_launches(ext, xq, w, e) -> torch.Tensor:
     return out
 
 
-def _fused(ext, xq, w, e, out=None, pdl=True) -> torch.Tensor:
+def _fused(ext, xq, w, e, out=None, pdl=True, persistent=False) -> torch.Tensor:
     if out is None:  # NaN everywhere: every element must be written
         out = torch.full((xq.shape[0], w.q.shape[0]), float("nan"), device="cuda", dtype=torch.bfloat16)
     ext.fp8_gemm_sm90_fused(out, xq, w.q, e["x_scale"], e["w_scale"], e["bias"], e["cols"], e["v"], e["b"], e["ranks"],
-                            e["row_slot"], pdl, _stream())
+                            e["row_slot"], pdl, _stream(), persistent=persistent)
     return out
 
 
@@ -359,12 +359,12 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def test_fused_epilogue_is_the_product_then_the_epilogue_bit_for_bit(ext, spans, M, bias, lora, K):
     """fp8_gemm_sm90_fused against fp8_gemm_sm90 into fp32 followed by fp8_epilogue (whose own test takes it against
     the separate ops and the fp64 sum: tests/gpu/test_fp8_cuda.py), with every kind of row slot, with and without
-    programmatic dependent launch: the same bits."""
+    programmatic dependent launch, and in the persistent ping-pong kernel: the same bits."""
     xq, w, e = _fused_args(spans, M, bias, lora, K, seed=M + K + len(spans))
     want = _two_launches(ext, xq, w, e)
-    for pdl in (True, False):
-        got = _fused(ext, xq, w, e, pdl=pdl)
-        assert _same_bits(got, want), (pdl, (got.float() - want.float()).abs().max())
+    for pdl, persistent in ((True, False), (False, False), (True, True)):
+        got = _fused(ext, xq, w, e, pdl=pdl, persistent=persistent)
+        assert _same_bits(got, want), (pdl, persistent, (got.float() - want.float()).abs().max())
 
 
 def test_fused_graph_replay_with_new_rows_and_slots(ext):
@@ -462,10 +462,6 @@ def test_bf16_operands_refused_where_they_do_not_fit(ext):
         ext.fp8_gemm_sm90(out, x, w.to(E4M3), _stream())
     with pytest.raises(RuntimeError, match="persistent schedule is built for e4m3 operands only"):
         ext.fp8_gemm_sm90(out, x, w, _stream(), 1, True, True)
-    xq, wq, e = _fused_args([64], 4, False, False, 256, seed=1)
-    with pytest.raises(RuntimeError, match="persistent schedule with the fused epilogue is built for bf16 operands"):
-        ext.fp8_gemm_sm90_fused(torch.empty(4, 64, device="cuda", dtype=torch.bfloat16), xq, wq.q, e["x_scale"],
-                                e["w_scale"], None, e["cols"], None, [], None, None, True, _stream(), persistent=True)
 
 
 def test_fused_refuses_bad_operands(ext):
