@@ -270,8 +270,9 @@ class FusedEpilogue {
   CUTLASS_HOST_DEVICE
   explicit FusedEpilogue(Params const& params) : params_(params), grid_(&params) {
 #if defined(__CUDA_ARCH__)
-    // With LoRA, the consumer warp group's threads (threadIdx.x 128 .. 255 in this kernel) issue the loads of their
-    // chunks' row slots here, before the main loop, and first use them after it: the one load of the LoRA chain whose
+    // With LoRA, the consumer warp groups' threads (threadIdx.x 128 .. 255, and 256 .. 383 in the persistent kernel)
+    // issue the loads of their chunks' row slots here, before the main loop, and first use them after it (the
+    // persistent kernel's for every tile: the tokens' tile is the only one): the one load of the LoRA chain whose
     // address needs nothing else. (The tables are written before the step's first kernel, never by the kernel right
     // before: the rule under which the separate epilogue loads B before its wait.)
     // (the thread's index in its consumer warp group, or -1 in the producer's)
