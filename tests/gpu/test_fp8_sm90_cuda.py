@@ -201,7 +201,20 @@ def test_product_right_after_the_kernel_that_writes_its_activations_reads_the_ne
     def fresh(seed):
         h.copy_(torch.randn(M, K, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed)) * 3)
 
-    for seed in range(4):  # eager: the buffer holds another step's rows first
+    def check(seed, replayed):
+        if replayed:
+            want_q, want_s = (quantize_tokens(h) if writer == "quantize"
+                              else quantize_tokens(x_out))  # (the norm's rows: checked against torch in test_norm_cuda)
+            assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scale, want_s.view(-1))
+        assert torch.equal(out, _sm90(ext, q.clone(), w)), (writer, persistent, K, seed, replayed)
+    _reads_the_rows_just_written(step, fresh, out, check, range(4), (21, 22, 23))
+
+
+def _reads_the_rows_just_written(step, fresh, out, check, eager_seeds, graph_seeds):
+    """A writer launch and the product right after it (`step`): eagerly, each time after a step on other rows (the
+    buffer holds them first), then captured in a CUDA graph and replayed on new rows (`fresh(seed)` writes the
+    writer's inputs); `check(seed, replayed)` after each, `out` filled with NaN before."""
+    for seed in eager_seeds:
         fresh(100 + seed)
         step()
         fresh(seed)
@@ -209,22 +222,19 @@ def test_product_right_after_the_kernel_that_writes_its_activations_reads_the_ne
         out.fill_(float("nan"))
         step()
         torch.cuda.synchronize()
-        assert torch.equal(out, _sm90(ext, q.clone(), w)), (writer, persistent, K, seed)
+        check(seed, False)
     graph = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
         step()
     torch.cuda.current_stream().wait_stream(side)
-    for seed in (21, 22, 23):
+    for seed in graph_seeds:
         fresh(seed)
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        want_q, want_s = (quantize_tokens(h) if writer == "quantize"
-                          else quantize_tokens(x_out))  # (the norm's rows: checked against torch in test_norm_cuda)
-        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scale, want_s.view(-1))
-        assert torch.equal(out, _sm90(ext, q.clone(), w)), (writer, persistent, K, seed)
+        check(seed, True)
 
 
 @pytest.mark.parametrize("K,N", [(4096, 12288), (1024, 4096)])
@@ -263,33 +273,12 @@ def test_bf16_product_right_after_the_early_norm_reads_its_rows(ext, persistent,
         h.copy_(torch.randn(M, K, device="cuda", generator=r) * 3)
         res.copy_(torch.randn(M, K, device="cuda", generator=r))
 
-    def finished():
+    def check(seed, replayed):  # against the same launch on the finished rows
         want = torch.empty_like(out)
         product(want, x_out.clone())
         torch.cuda.synchronize()
-        return want
-
-    for seed in range(3):  # eager: the buffer holds another step's rows first
-        fresh(100 + seed)
-        step()
-        fresh(seed)
-        torch.cuda.synchronize()
-        out.fill_(float("nan"))
-        step()
-        torch.cuda.synchronize()
-        assert _same_bits(out, finished()) and not sync.any(), (persistent, K, seed)
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    for seed in (21, 22):
-        fresh(seed)
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert _same_bits(out, finished()) and not sync.any(), (persistent, K, seed)
+        assert _same_bits(out, want) and not sync.any(), (persistent, K, seed, replayed)
+    _reads_the_rows_just_written(step, fresh, out, check, range(3), (21, 22))
 
 
 def test_sm90_gemm_refuses_bad_operands(ext):
