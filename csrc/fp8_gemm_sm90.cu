@@ -80,7 +80,7 @@ const char* fp8_gemm_sm90_fused(const Fp8Sm90Args& a, const Fp8EpilogueArgs& e, 
     // SM, at most of every CTA (fused's tiles: 64 weight rows by 16, 32 or 64 tokens; the persistent grid: one CTA
     // per SM at most), each the fewest rank rows of one row that allows it; where the rows alone outnumber those
     // warps, a row each (a grid with fewer SMs takes the rest in its epilogues).
-    const int tokens = a.m <= 16 ? 16 : a.m <= 32 ? 32 : 64;
+    const int tokens = token_tile(a.m);
     const long long ctas = static_cast<long long>((a.n + 63) / 64) * ((a.m + tokens - 1) / tokens);
     const long long warps = 4 * (ctas < info.sms ? ctas : info.sms);
     const int per_row = e.num_groups * l.a_rank_max;

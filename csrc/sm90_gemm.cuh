@@ -591,18 +591,24 @@ struct Sm90GemmFused {
 };
 
 // The tile of tokens for M rows: 16, 32 or 64.
+constexpr int token_tile(int m) { return m <= 16 ? 16 : m <= 32 ? 32 : 64; }
+
 template <class E, bool kPersistent>
 const char* plain(const Fp8Sm90Args& a, void* stream, int sms) {
-  return a.m <= 16 ? Sm90Gemm<16, kPersistent, E>::run(a, stream, sms)
-       : a.m <= 32 ? Sm90Gemm<32, kPersistent, E>::run(a, stream, sms)
-                   : Sm90Gemm<64, kPersistent, E>::run(a, stream, sms);
+  switch (token_tile(a.m)) {
+    case 16: return Sm90Gemm<16, kPersistent, E>::run(a, stream, sms);
+    case 32: return Sm90Gemm<32, kPersistent, E>::run(a, stream, sms);
+    default: return Sm90Gemm<64, kPersistent, E>::run(a, stream, sms);
+  }
 }
 
 template <class E, bool kPersistent = false>
 const char* fused(const Fp8Sm90Args& a, const Fp8EpilogueArgs& e, void* stream, int sms = 0) {
-  return a.m <= 16 ? Sm90GemmFused<__nv_bfloat16, 16, E, kPersistent>::run(a, e, stream, sms)
-       : a.m <= 32 ? Sm90GemmFused<__nv_bfloat16, 32, E, kPersistent>::run(a, e, stream, sms)
-                   : Sm90GemmFused<__nv_bfloat16, 64, E, kPersistent>::run(a, e, stream, sms);
+  switch (token_tile(a.m)) {
+    case 16: return Sm90GemmFused<__nv_bfloat16, 16, E, kPersistent>::run(a, e, stream, sms);
+    case 32: return Sm90GemmFused<__nv_bfloat16, 32, E, kPersistent>::run(a, e, stream, sms);
+    default: return Sm90GemmFused<__nv_bfloat16, 64, E, kPersistent>::run(a, e, stream, sms);
+  }
 }
 
 }  // namespace

@@ -256,7 +256,8 @@ class LoraStepImpl:
         shrink): no launch, and the A pools for that kernel to write v from (None where the norm's launch wrote v,
         and where this call has just launched the ops that compute the row slots: the kernel reads them before its
         programmatic-launch wait, so the step's first group keeps its shrink's launch between the two). The kernel's
-        v sums in its own order (one warp per rank row): not the bits of `add`'s, a row's still its own."""
+        v sums in its own order (a warp's lanes over K, then its xor tree): not the bits of `add`'s, a row's still its
+        own."""
         if not self.active:
             return None
         v = self.views[GROUP_SPANS[group][1]]

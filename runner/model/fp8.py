@@ -165,11 +165,11 @@ def bf16_sm90_linear(ext, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor |
     M, N = x.shape[0], w.shape[0]
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     v, b, ranks, row_slot, a = epilogue_lora(lora)
-    shrink = {} if a is None else {"a": list(a), "sync": sync}
+    extra = {} if a is None else {"a": list(a), "sync": sync}  # (the kernel's defaults otherwise)
     if persistent:
-        shrink["persistent"] = True
+        extra["persistent"] = True
     ext.fp8_gemm_sm90_fused(out, x, w, unit[:M], unit[:N], bias, list(spans), v, list(b), ranks, row_slot, True,
-                            torch.cuda.current_stream(x.device).cuda_stream, **shrink)
+                            torch.cuda.current_stream(x.device).cuda_stream, **extra)
     return out
 
 
