@@ -103,8 +103,9 @@ def pool_manifest(s: Scenario, demo_dir) -> dict:
     spec = {
         "model": {"source": str(demo_dir / "model")},
         "runner": {"maxBatchSize": 4, "maxLoraRank": 16, "terminationGracePeriodSeconds": 10, "env": allow,
-                   # CPU runners, a small KV cache; extra arguments come last and win.
-                   "extraArgs": ["--device", "cpu", "--kv-cache-gb", "0.15"]},
+                   # CPU runners, a small KV cache, one torch thread each (the pods share this machine's
+                   # cores; a runner's default is every core it may use); extra arguments come last and win.
+                   "extraArgs": ["--device", "cpu", "--kv-cache-gb", "0.15", "--threads", "1"]},
         "scheduler": {"env": allow},
         "minRunners": 1, "maxRunners": 3,
         "idleSecondsBeforeDrain": 600,  # lowered when the scale-down step starts
