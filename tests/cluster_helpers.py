@@ -43,7 +43,7 @@ class Runner:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "LORAFLEET_RUNNER_TOKEN": RUNNER_TOKEN, **(env or {})}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "lorafleet", "--log-level", "WARNING", "runner", "--model", str(model),
-             "--port", str(self.port), "--id", rid, "--device", "cpu", *args],
+             "--port", str(self.port), "--id", rid, "--device", "cpu", "--threads", "1", *args],
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
     def state(self) -> dict:
