@@ -100,16 +100,23 @@ def test_serve_refuses_bad_inputs_in_one_line_before_starting_runners(tmp_path, 
         (["--model", str(tmp_path / "nope")], "does not exist"),
         (["--model", str(demo_model), "--dtype", "int8"], "invalid choice: 'int8'"),
     ]
-    for extra, words in cases:
-        r = subprocess.run([sys.executable, "-m", "lorafleet", "serve", "--port", "0", *extra], capture_output=True,
-                           text=True, timeout=120)
-        assert r.returncode == 2, (extra, r.stderr)
-        assert words in r.stderr and "Traceback" not in r.stderr and "started" not in r.stderr, (extra, r.stderr)
     # --model-name resolves the clash
-    r = subprocess.run([sys.executable, "-m", "lorafleet", "serve", "--port", "0", "--model", str(demo_model),
-                        "--adapters", str(collide), "--model-name", "base", "--ready-timeout", "0.01"],
-                       capture_output=True, text=True, timeout=120)
-    assert "has the base model's name" not in r.stderr
+    renamed = ["--model", str(demo_model), "--adapters", str(collide), "--model-name", "base", "--ready-timeout", "0.01"]
+    # the commands are independent: all started at once, each checked on its own
+    procs = [subprocess.Popen([sys.executable, "-m", "lorafleet", "serve", "--port", "0", *extra],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for extra in [*(extra for extra, _ in cases), renamed]]
+    try:
+        results = [(p.communicate(timeout=120)[1], p.returncode) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for (extra, words), (stderr, code) in zip(cases, results):
+        assert code == 2, (extra, stderr)
+        assert words in stderr and "Traceback" not in stderr and "started" not in stderr, (extra, stderr)
+    assert "has the base model's name" not in results[-1][0]
 
 
 def test_supervisor_restarts_with_growing_backoff(tmp_path):
