@@ -281,6 +281,21 @@ async def test_stopping_the_front_stops_its_engine_core(tiny_llama):
     assert not pid_alive(pid)
 
 
+async def test_a_stop_sent_while_the_engine_core_starts_is_obeyed(tiny_llama):
+    """The front is stopped right after it spawned its core (`lorafleet serve` gave up waiting): the shutdown
+    reaches the core with its init, and the core exits at once instead of loading and waiting to be killed."""
+    from lorafleet.runner.service.engine_client import EngineClient
+
+    engine = EngineClient(str(tiny_llama), {"page_size": 4, "num_pages": 64, "device": "cpu"}, log_level="WARNING")
+    start = asyncio.create_task(engine.start())
+    while engine.chan is None:  # until the init is sent: the core has not read it yet
+        await asyncio.sleep(0.001)
+    t0 = time.monotonic()
+    await engine.stop(timeout=15.0)  # a core that dropped the shutdown is killed after this
+    await start
+    assert engine.proc.returncode == 0 and time.monotonic() - t0 < 10, (engine.proc.returncode, engine.error)
+
+
 async def test_synthetic_model_directory_gives_the_same_weights_in_every_process(tmp_path, demo_model):
     from lorafleet.runner.service.engine_core import build_engine
     from lorafleet.runner.model.synthetic import write_synthetic_model

@@ -178,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     if init[0] != "init":
         ch.send(["fatal", f"expected init, got {init[0]!r}"])
         return 2
+    if any(later[0] == "shutdown" for later in first[1:]):
+        return 0  # the front was stopped while this process started: nothing to load
     threads = (init[1].get("config") or {}).get("threads")
     if threads:  # the CPUs this runner was given (`--threads`; `serve --runners N` divides the machine)
         import torch
