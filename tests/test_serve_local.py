@@ -101,7 +101,8 @@ def test_serve_refuses_bad_inputs_in_one_line_before_starting_runners(tmp_path, 
         (["--model", str(demo_model), "--dtype", "int8"], "invalid choice: 'int8'"),
     ]
     # --model-name resolves the clash
-    renamed = ["--model", str(demo_model), "--adapters", str(collide), "--model-name", "base", "--ready-timeout", "0.01"]
+    renamed = ["--model", str(demo_model), "--adapters", str(collide), "--model-name", "base",
+               "--ready-timeout", "0.01"]
     # the commands are independent: all started at once, each checked on its own
     procs = [subprocess.Popen([sys.executable, "-m", "lorafleet", "serve", "--port", "0", *extra],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
