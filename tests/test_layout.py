@@ -100,3 +100,12 @@ def test_families_and_the_registry_import_without_torch():
             "registry.shapes()\n"
             "assert 'torch' not in sys.modules, 'torch imported'\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+def test_the_fronts_of_runner_and_serve_import_without_torch():
+    """A runner's front (and `lorafleet serve`'s, which checks the model and the adapters) parses requests; only
+    the engine core imports torch, so a runner starts without loading it twice."""
+    code = ("import sys\n"
+            "import lorafleet.runner.service.server, lorafleet.runner.service.generate\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)

@@ -1,4 +1,5 @@
-"""One request as it flows through the engine."""
+"""One request as it flows through the engine. Torch-free at import: the runner's front (which never imports
+torch) parses requests into these."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ import os
 import time
 from dataclasses import dataclass, field
 
-import torch
+from lorafleet.runner.lora.ref import AdapterRef  # noqa: F401 (a request names its adapter by one)
 
-from lorafleet.runner.executor.sampler import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_REPETITION_PENALTY
-from lorafleet.runner.lora.adapter import AdapterRef  # noqa: F401 (a request names its adapter by one)
+MAX_LOGPROBS = 20  # alternatives per token a request may ask for with its log-probability (OpenAI's bound)
+MAX_LOGIT_BIAS = 300  # token ids one request may bias (OpenAI's bound)
+MAX_REPETITION_PENALTY = 10.0
 
 _counter = itertools.count()
 
@@ -238,6 +240,8 @@ class Sequence:
         """Its prompt's distinct ids as an int64 CPU tensor (the repetition penalty's part from the prompt),
         worked out once."""
         if self._prompt_distinct is None:
+            import torch
+
             self._prompt_distinct = torch.tensor(list(dict.fromkeys(self.prompt_ids)), dtype=torch.int64)
         return self._prompt_distinct
 

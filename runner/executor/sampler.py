@@ -20,10 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 
-MAX_LOGPROBS = 20  # alternatives per token a request may ask for with its log-probability (OpenAI's bound)
 MIN_LOGPROB = -9999.0  # a log-probability of -inf (a token the model rules out) as JSON can carry it
-MAX_LOGIT_BIAS = 300  # token ids one request may bias (OpenAI's bound)
-MAX_REPETITION_PENALTY = 10.0
 
 
 def uniform_for(seed: int, position: int) -> float:

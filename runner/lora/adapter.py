@@ -10,19 +10,8 @@ import torch
 
 from lorafleet.common.peft_config import AdapterError, AdapterSpec, BaseShape, inspect_adapter, scrub_paths
 from lorafleet.models.contract import PROJ_INDEX, PROJECTIONS
+from lorafleet.runner.lora.ref import AdapterRef  # noqa: F401 (re-exported)
 from lorafleet.runner.model.weights import all_finite
-
-
-@dataclass(frozen=True)
-class AdapterRef:
-    """Which adapter a request uses and where the runner can load it from. `version` (optional) changes when the
-    files at `source` change (a directory's adapters are rescanned): a new version is read again, never served from
-    a copy of the old one."""
-
-    name: str
-    source: str
-    sha256: str | None = None
-    version: str | None = None
 
 
 @dataclass
