@@ -173,7 +173,8 @@ def test_runner_image_builds_kernels_ahead_of_time():
 
 @pytest.mark.slow
 def test_operator_environment_installs_from_the_base_list_without_backtracking(tmp_path):
-    """`pip install .` (what Dockerfile.operator runs) into a fresh venv: quick, no backtracking, no torch."""
+    """`pip install .` (what Dockerfile.operator runs) into a fresh venv: quick, no backtracking, no torch. (Without
+    byte-compiling what it installs: the same resolution and files, and the checks below need no .pyc.)"""
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     py = venv / "bin" / "python"
@@ -181,8 +182,8 @@ def test_operator_environment_installs_from_the_base_list_without_backtracking(t
     env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
     env.pop("PYTHONPATH", None)
     try:
-        out = subprocess.run([str(py), "-m", "pip", "install", str(REPO)], capture_output=True, text=True,
-                             timeout=360, env=env, cwd=tmp_path)
+        out = subprocess.run([str(py), "-m", "pip", "install", "--no-compile", str(REPO)], capture_output=True,
+                             text=True, timeout=360, env=env, cwd=tmp_path)
     except subprocess.TimeoutExpired:
         pytest.fail("installing the operator's dependencies took more than 360 s (backtracking?)")
     took = time.monotonic() - started
