@@ -2,7 +2,8 @@
 
 One control plane serves all the modules of this folder; it is stopped as soon as the last of
 their tests is done (not at the end of the whole session), so the rest of the suite runs
-without it.
+without it. Its processes exit in the background while the next tests run; the session waits
+for them at its end.
 """
 
 from __future__ import annotations
@@ -15,11 +16,21 @@ from envkit import Cluster
 
 HERE = Path(__file__).parent
 _running: list = []  # what to stop, last started first
+_stopping: list = []  # stop scripts of control planes still running
 
 
 def _stop_all() -> None:
     while _running:
-        _running.pop().stop()
+        done = _running.pop()
+        if isinstance(done, ControlPlane):
+            _stopping.append(done.stop(wait=False))
+        else:
+            done.stop()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    while _stopping:
+        _stopping.pop().wait(60)
 
 
 @pytest.hookimpl(trylast=True)

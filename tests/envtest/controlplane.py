@@ -108,8 +108,14 @@ class ControlPlane:
             stop(folder)
         raise Unavailable(f"the control plane did not start: {last}")
 
-    def stop(self) -> None:
-        stop(self.dir)
+    def stop(self, wait: bool = True) -> subprocess.Popen | None:
+        """stop.sh. With `wait=False` it runs on in the background (the apiserver takes seconds, up to stop.sh's
+        10 s, to exit gracefully) and the caller waits for the process returned."""
+        if wait:
+            stop(self.dir)
+            return None
+        return subprocess.Popen(["bash", str(ENVTEST / "stop.sh"), str(self.dir)], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
 
     def request(self, method: str, path: str, body: Any = None,
                 content_type: str = "application/merge-patch+json") -> dict | None:
