@@ -198,21 +198,26 @@ def test_graceful_shutdown_finishes_in_flight_and_leaves_no_process(demo_model, 
     kids += cores
     import httpx
 
+    import threading
+
     result = {}
+    first = threading.Event()
 
     def stream():
+        lines = []
         with httpx.Client(timeout=120) as c:
             with c.stream("POST", f"{s.url}/v1/completions",
                           json={"model": "pirate", "prompt": "Tell me a story.", "max_tokens": 40, "temperature": 0,
                                 "stream": True, "ignore_eos": True}) as resp:
-                lines = [ln for ln in resp.iter_lines() if ln.startswith("data: ")]
+                for ln in resp.iter_lines():
+                    if ln.startswith("data: "):
+                        lines.append(ln)
+                        first.set()
         result["lines"] = lines
-
-    import threading
 
     t = threading.Thread(target=stream)
     t.start()
-    time.sleep(1.0)  # the request is in flight
+    assert first.wait(60), "no token arrived"  # the request is in flight
     code = s.stop(timeout=90)
     t.join(timeout=60)
     assert code == 0, s.proc.stdout.read()[-2000:]
