@@ -146,14 +146,33 @@ def test_graph_replay_equals_eager(smol_shaped, qkv_expand_in_rope, monkeypatch)
     assert same == len(reqs), f"{len(reqs) - same} of {len(reqs)} requests differ between graph replay and eager"
 
 
-def test_async_adapter_loads_with_few_slots(smol_shaped):
-    """Two slots for three adapters: loads and evictions happen while the batch runs."""
+# Kernel choices under which a request's tokens must not depend on its step's neighbours: the defaults, the early
+# norm (KernelChoices.norm_early), and every bf16 product on cuBLAS (no wgmma kernel, no LoRA inside it).
+FEW_SLOTS_KERNELS = {"defaults": {}, "norm_early": {"LORAFLEET_NORM_EARLY": "1"},
+                     "cublas": {"LORAFLEET_BF16_SM90": "0"}}
+
+
+@pytest.mark.parametrize("kernels", list(FEW_SLOTS_KERNELS))
+def test_async_adapter_loads_with_few_slots(smol_shaped, kernels, monkeypatch):
+    """Two slots for three adapters: loads and evictions happen while the batch runs, and the steps hold other
+    neighbours than with eight slots. The same run twice must give the same tokens (else a race: a kernel reading
+    what is still being written), and the two slot counts the same tokens (else a request's rows depend on what
+    else is in its step)."""
+    for name, value in FEW_SLOTS_KERNELS[kernels].items():
+        monkeypatch.setenv(name, value)
     model, ads = smol_shaped
     reqs = requests(ads, n=16, seed=7)
     small, eng = run(model, reqs, max_batch_size=32, lora_slots=2)
+    again, _ = run(model, reqs, max_batch_size=32, lora_slots=2)
     big, _ = run(model, reqs, max_batch_size=32, lora_slots=8)
-    assert small == big
     assert eng.adapters.stats["evictions"] > 0
+
+    def first_diff(a, b):
+        return next(((i, next(j for j, (x, y) in enumerate(zip(p, q)) if x != y)) for i, (p, q) in enumerate(zip(a, b))
+                     if p != q), None)
+
+    assert small == again, f"{kernels}: the same run twice differs (request, position): {first_diff(small, again)}"
+    assert small == big, f"{kernels}: 2 against 8 slots differ (request, position): {first_diff(small, big)}"
 
 
 def test_piecewise_mixed_step_matches_eager(smol_shaped):
