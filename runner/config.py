@@ -83,9 +83,11 @@ class KernelChoices:
         +5.8 / +6.0 % with adapters on the H100, docs/benchmarks.md section 13.12).
     sm90_pingpong: with bf16_sm90, those products in CUTLASS's persistent ping-pong kernel (one CTA per SM, two
         consumer warp groups on alternate tiles: a tile's epilogue beside the next tile's main loop), the shrink
-        then the second group's, beside the first group's first tile, whatever K (off until measured).
+        then the second group's, beside the first group's first tile, whatever K (off: slower in every mix,
+        docs/benchmarks.md section 13.13).
     norm_early: with bf16_sm90, the norms before qkv and gate_up on the project's kernel, which lets the product after
-        it start at once and stream its weight beside the norm (off until measured).
+        it start at once and stream its weight beside the norm (off: +1.5 / +1.6 % with adapters on the H100, but
+        an engine test of few adapter slots fails with it, not yet explained; section 13.13).
     pin_host_adapters: adapters read from disk are kept in pinned host memory.
     dense_lora_rows: a step with prompt rows whose adapted rows form at most DENSE_LORA_MAX_SEGMENTS segments
         (runner/lora/step.py), each of at least this many rows, and whose work reaches dense_lora_min_work,

@@ -310,7 +310,8 @@ def norm_early() -> bool:
     """LORAFLEET_NORM_EARLY: with the bf16 products on the wgmma kernel (LORAFLEET_BF16_SM90), the norms before qkv and
     gate_up run on the project's kernel, which lets the product after it start at once (the product streams its
     weight's first k-tiles while the norm runs, and waits for it before it reads the rows) instead of flashinfer's,
-    which lets it start only at its end (default 0 until measured)."""
+    which lets it start only at its end (default 0: +1.5-1.7 % end to end with adapters on the H100, but an engine test
+    of few adapter slots fails with it, not yet explained; docs/benchmarks.md section 13.13)."""
     return _flag("LORAFLEET_NORM_EARLY", False)
 
 
@@ -318,7 +319,8 @@ def sm90_pingpong() -> bool:
     """LORAFLEET_SM90_PINGPONG: with LORAFLEET_BF16_SM90, the bf16 decode products run in CUTLASS's persistent
     ping-pong kernel (one CTA per SM over the weight's tiles, two consumer warp groups on alternate tiles, one's
     epilogue beside the other's main loop) instead of one CTA per tile; with LORAFLEET_SM90_SHRINK the rows' shrink
-    is then the second group's, beside the first group's first tile, for every K (default 0 until measured)."""
+    is then the second group's, beside the first group's first tile, for every K (default 0: 1.8-6.5 % slower end
+    to end on the H100, docs/benchmarks.md section 13.13)."""
     return _flag("LORAFLEET_SM90_PINGPONG", False)
 
 
