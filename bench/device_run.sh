@@ -187,7 +187,7 @@ stage() {
       timeout ${TEST_S:-300} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_engine_cuda.py \
         tests/gpu/test_bench_rates_cuda.py -rA -s -k "${ETESTS_K:-}" \
         --durations=6 -o faulthandler_timeout=${HANG_S:-300} 2>&1 | tee "$LOGS/gpu_etests.log" \
-        | grep -E "passed|failed|FAILED|flips|Error|piecewise|Timeout|File " | tail -20 ;;
+        | grep -E "passed|failed|FAILED|flips|Error|piecewise|few slots|Timeout|File " | tail -20 ;;
     ftests)
       timeout ${TEST_S:-500} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_families_cuda.py \
         tests/gpu/test_flashinfer_plans.py -rA -s -k "${FTESTS_K:-}" -o faulthandler_timeout=${HANG_S:-200} 2>&1 \

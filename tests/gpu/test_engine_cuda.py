@@ -147,8 +147,13 @@ def test_graph_replay_equals_eager(smol_shaped, qkv_expand_in_rope, monkeypatch)
 
 
 # Kernel choices under which a request's tokens must not depend on its step's neighbours: the defaults, the early
-# norm (KernelChoices.norm_early), and every bf16 product on cuBLAS (no wgmma kernel, no LoRA inside it).
+# norm (KernelChoices.norm_early), and every bf16 product on cuBLAS (no wgmma kernel, no LoRA inside it). Two more
+# take the early norm apart: its kernel without the early start ("norm_early_late": the project's norm bits, no
+# programmatic launch of the product beside it) and without LoRA's dense prefill path, whose steps keep the ops'
+# norm ("norm_early_nodense").
 FEW_SLOTS_KERNELS = {"defaults": {}, "norm_early": {"LORAFLEET_NORM_EARLY": "1"},
+                     "norm_early_late": {"LORAFLEET_NORM_EARLY": "1"},
+                     "norm_early_nodense": {"LORAFLEET_NORM_EARLY": "1", "LORAFLEET_DENSE_LORA_ROWS": "0"},
                      "cublas": {"LORAFLEET_BF16_SM90": "0"}}
 
 
@@ -160,6 +165,11 @@ def test_async_adapter_loads_with_few_slots(smol_shaped, kernels, monkeypatch):
     else is in its step)."""
     for name, value in FEW_SLOTS_KERNELS[kernels].items():
         monkeypatch.setenv(name, value)
+    if kernels == "norm_early_late":
+        from lorafleet.runner.model.norm import OwnNorm
+
+        real = OwnNorm.run
+        monkeypatch.setattr(OwnNorm, "run", lambda self, x_out, n, quant=None, early=False: real(self, x_out, n, quant))
     model, ads = smol_shaped
     reqs = requests(ads, n=16, seed=7)
     small, eng = run(model, reqs, max_batch_size=32, lora_slots=2)
@@ -171,6 +181,9 @@ def test_async_adapter_loads_with_few_slots(smol_shaped, kernels, monkeypatch):
         return next(((i, next(j for j, (x, y) in enumerate(zip(p, q)) if x != y)) for i, (p, q) in enumerate(zip(a, b))
                      if p != q), None)
 
+    # (both comparisons printed before either is asserted: the pair tells a race from a neighbour dependence)
+    print(f"few slots, {kernels}: 2 slots twice {first_diff(small, again)}, 2 against 8 {first_diff(small, big)}, "
+          f"requests differing {sum(p != q for p, q in zip(small, big))} of {len(reqs)}")
     assert small == again, f"{kernels}: the same run twice differs (request, position): {first_diff(small, again)}"
     assert small == big, f"{kernels}: 2 against 8 slots differ (request, position): {first_diff(small, big)}"
 
