@@ -32,8 +32,7 @@
 #            70B projection, 32 / 1 / no adapters, weights from DRAM, in CUDA graphs -> probe_fused_epilogue.json
 #   bf16probe the bf16 decode product on wgmma against cuBLAS's per 7B projection (1-64 rows), and the LoRA chains:
 #            cuBLAS + shrink + expand against shrink + wgmma product with the expand in its epilogue, the shrink
-#            inside it too, the expand alone, no LoRA (BF16PROBE_ARGS, e.g. "--shapes 7b 70b", "--pingpong": those in
-#            the persistent ping-pong kernel too) -> probe_bf16_sm90.json
+#            inside it too, the expand alone, no LoRA (BF16PROBE_ARGS, e.g. "--shapes 7b 70b") -> probe_bf16_sm90.json
 #   shrinkprobe the LoRA shrink alone per 7B and 70B projection group, 32 distinct adapters and one, with and without
 #            the e4m3 rows, for each decode_ranks, beside its bytes, in CUDA graphs -> probe_shrink.json
 #   nltests  the norm with the LoRA expand before and the shrink after it (tests/gpu/test_norm_lora_cuda.py; NLTESTS_K: -k)

@@ -1,8 +1,7 @@
 """The bf16 base product of a decode step on Hopper's wgmma (csrc/fp8_gemm_sm90.cu with bf16 operands) against
 cuBLAS's, and with LoRA the chain each would run: cuBLAS's product, then the shrink and the expand (today's decode
 path), against the shrink, then the wgmma product with the expand in its epilogue (fp8_gemm_sm90_fused, unit scales),
-the shrink inside that same launch, the expand's share alone (v given) and the product without LoRA; with --pingpong
-also the last three in the persistent ping-pong kernel. Per Llama-2-7B (and -70B) projection, each launch reading its
+the shrink inside that same launch, the expand's share alone (v given) and the product without LoRA. Per Llama-2-7B (and -70B) projection, each launch reading its
 weight from DRAM (copies cycled past the L2), each chain replayed from a CUDA graph.
 
     python bench/probe_bf16_sm90.py --out probe_bf16_sm90.json
@@ -11,7 +10,6 @@ weight from DRAM (copies cycled past the L2), each chain replayed from a CUDA gr
 from __future__ import annotations
 
 import argparse
-import functools
 
 import torch
 
@@ -35,8 +33,6 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=64)
     ap.add_argument("--reps", type=int, default=32)
     ap.add_argument("--shapes", nargs="+", default=["7b"], choices=list(SHAPES))
-    ap.add_argument("--pingpong", action="store_true",
-                    help="also the LoRA chains in the persistent ping-pong kernel (off)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
 
@@ -111,24 +107,20 @@ def main() -> None:
                 shrink()
                 expand_only(row_slot)
 
-            def expand_only(row_slot=row_slot, pp=False):  # v as the last shrink left it: the expand's share alone
+            def expand_only(row_slot=row_slot):  # v as the last shrink left it: the expand's share alone
                 ext.fp8_gemm_sm90_fused(out, x, weight(), ones_m, ones_n, None, spans, v, b, ranks, row_slot, True,
-                                        cur(), persistent=pp)
+                                        cur())
 
-            def inside(row_slot=row_slot, pp=False):  # the shrink inside the same launch (counters of its own)
+            def inside(row_slot=row_slot):  # the shrink inside the same launch (counters of its own)
                 turn_sync[0] += 1
                 ext.fp8_gemm_sm90_fused(out, x, weight(), ones_m, ones_n, None, spans, v, b, ranks, row_slot, True,
-                                        cur(), a=a, sync=syncs[turn_sync[0] % len(syncs)], persistent=pp)
+                                        cur(), a=a, sync=syncs[turn_sync[0] % len(syncs)])
 
-            def no_lora(pp=False):
+            def no_lora():
                 ext.fp8_gemm_sm90_fused(out, x, weight(), ones_m, ones_n, None, spans, None, [], None, None, True,
-                                        cur(), persistent=pp)
+                                        cur())
             variants = {"cublas_shrink_expand": today, "shrink_wgmma_expand": fused, "wgmma_shrink_inside": inside,
                         "wgmma_expand_only": expand_only}
-            if args.pingpong:  # the same in the persistent ping-pong kernel
-                variants.update({"pp_shrink_inside": functools.partial(inside, pp=True),
-                                 "pp_expand_only": functools.partial(expand_only, pp=True),
-                                 "pp_no_lora": functools.partial(no_lora, pp=True)})
             variants["wgmma_no_lora"] = no_lora  # (last: left out of the comparison below)
             r = {k: round(timed(f, args.reps), 2) for k, f in variants.items()}
             turn[0] = -1  # the next calls on ws[0]

@@ -60,6 +60,7 @@ const char* fp8_gemm_sm90_fused(const Fp8Sm90Args& a, const Fp8EpilogueArgs& e, 
   if (a.splits != 1 || e.splits != 1) return "fp8_gemm_sm90_fused: the product in one part only";
   if (e.act != 0) return "fp8_gemm_sm90_fused: no activation (gate and up lie in different tiles)";
   if (e.m != a.m || e.n != a.n) return "fp8_gemm_sm90_fused: the epilogue's sizes differ from the product's";
+  if (a.bf16 && a.persistent) return "fp8_gemm_sm90_fused: the persistent schedule is built for e4m3 operands only";
   if (const char* err = fp8_epilogue_check(e)) return err;
   const Fp8EpilogueLora& l = e.lora;
   if (l.sync != nullptr) {
@@ -75,11 +76,10 @@ const char* fp8_gemm_sm90_fused(const Fp8Sm90Args& a, const Fp8EpilogueArgs& e, 
     if (!a.bf16)
       return a.persistent ? fused<cutlass::float_e4m3_t, true>(a, e, stream, info.sms)
                           : fused<cutlass::float_e4m3_t>(a, e, stream);
-    if (l.sync == nullptr) return sm90_bf16_fused(a, e, stream, info.sms);
-    // At most as many tickets as the consumer warps (4 a CTA: the persistent kernel's second group's) of one CTA per
-    // SM, at most of every CTA (fused's tiles: 64 weight rows by 16, 32 or 64 tokens; the persistent grid: one CTA
-    // per SM at most), each the fewest rank rows of one row that allows it; where the rows alone outnumber those
-    // warps, a row each (a grid with fewer SMs takes the rest in its epilogues).
+    if (l.sync == nullptr) return sm90_bf16_fused(a, e, stream);
+    // At most as many tickets as the consumer warps (4 a CTA) of one CTA per SM, at most of every CTA (fused's tiles:
+    // 64 weight rows by 16, 32 or 64 tokens), each the fewest rank rows of one row that allows it; where the rows
+    // alone outnumber those warps, a row each (a grid with fewer SMs takes the rest in its epilogues).
     const int tokens = token_tile(a.m);
     const long long ctas = static_cast<long long>((a.n + 63) / 64) * ((a.m + tokens - 1) / tokens);
     const long long warps = 4 * (ctas < info.sms ? ctas : info.sms);
@@ -91,7 +91,7 @@ const char* fp8_gemm_sm90_fused(const Fp8Sm90Args& a, const Fp8EpilogueArgs& e, 
     shrunk.lora.k = a.k;
     shrunk.lora.shrink_per = per;
     shrunk.lora.shrink_tickets = a.m * ((per_row + per - 1) / per);
-    return sm90_bf16_fused(a, shrunk, stream, info.sms);
+    return sm90_bf16_fused(a, shrunk, stream);
   });
 }
 

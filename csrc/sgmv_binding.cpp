@@ -45,7 +45,7 @@
 //   fp8_gemm_sm90(out, x, w, stream, splits=1, pdl=True, persistent=False): out = x @ w.T in fp32 (unit scales) for
 //       at most 64 e4m3 rows x on Hopper's wgmma (fp8_gemm_sm90.h, CUTLASS); splits > 1: out [splits, M, N] holds
 //       the partial sums of K's equal parts; persistent: CUTLASS's persistent ping-pong schedule (the same bits).
-//       x and w may both be bf16 instead (bf16 wgmma; not persistent here), here and in fp8_gemm_sm90_fused; w's rows
+//       x and w may both be bf16 instead (bf16 wgmma; not persistent), here and in fp8_gemm_sm90_fused; w's rows
 //       may lie further apart than K (a weight with spare columns: 16-byte aligned rows).
 //       fp8_gemm_sm90_built(): whether this build holds that kernel.
 //   fp8_epilogue(out, y, x_scale, w_scale, bias, cols, v, b, ranks, row_slot, pdl, stream, act=0): out = the fp32
@@ -58,8 +58,8 @@
 //       persistent=False): the bits of fp8_gemm_sm90 then fp8_epilogue (act 0, one part) in one launch, the
 //       epilogue inside the product's kernel; out in bf16. With bf16 operands, a (one A pool [S, R, K] per span) and
 //       sync (int32 [>= 3], zero, the call site's own): the rows' shrink too, into v, inside the same launch
-//       (quant.h Fp8EpilogueLora::sync) instead of a shrink launched before; persistent: in CUTLASS's persistent
-//       ping-pong kernel (the same bits), the shrink then taken by its second consumer group alone.
+//       (quant.h Fp8EpilogueLora::sync) instead of a shrink launched before; persistent (e4m3 operands): in
+//       CUTLASS's persistent ping-pong kernel (the same bits).
 //   decode_attention(out, q, k_cache, v_cache, indptr, indices, last_page_len, partial_o, partial_ml, counters,
 //       sm_scale, soft_cap, window_left, chunk, max_chunks, workers, stream): attention of one query row per request
 //       over its K/V pages (decode_attn.h), one launch; pages of q's dtype or float8_e4m3fn (unit scale). The

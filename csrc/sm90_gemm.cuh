@@ -223,12 +223,14 @@ struct Sm90Gemm {
 // consumers to 232 registers and puts two chunks' loads on the stack (208 bytes): one at a time there.
 // kShrink (bf16 operands): with Fp8EpilogueLora::sync the rows' LoRA shrink runs inside the kernel too (shrink_rows):
 // the consumer warps compute v before their main loop, and every epilogue waits until all of v is written.
-// kPersistent: in CUTLASS's persistent ping-pong kernel (one CTA per SM over the tiles, two consumer warp groups
-// taking alternate tiles, a group's epilogue beside the other's main loop while the producer goes on loading): the
-// tokens' tile is then the only one (the launcher's kTokens >= M), and only the second consumer group's warps take
-// shrink tickets as they start, while the first runs its first tile's main loop: the shrink off the critical path.
+// kPersistent (e4m3 operands): in CUTLASS's persistent ping-pong kernel (one CTA per SM over the tiles, two consumer
+// warp groups taking alternate tiles, a group's epilogue beside the other's main loop while the producer goes on
+// loading): the tokens' tile is then the only one (the launcher's kTokens >= M). Not with kShrink: the bf16 products
+// in that kernel, with the shrink as the second group's, measured slower (docs/benchmarks.md section 13.13).
 template <typename T, int kTokens, bool kPairs = true, bool kShrink = false, bool kPersistent = false>
 class FusedEpilogue {
+  static_assert(!(kShrink && kPersistent), "the shrink inside the product runs in the one-CTA-a-tile kernel only");
+
  public:
   using EpilogueSchedule = cutlass::gemm::EpilogueDefault;
   using DispatchPolicy = EpilogueSchedule;
@@ -286,13 +288,7 @@ class FusedEpilogue {
         asm volatile("ld.global.nc.s32 %0, [%1];" : "=r"(slot_[i]) : "l"(params.lora.row_slot + row));
     }
     if constexpr (kShrink) {
-      if (params.lora.sync != nullptr && threadIdx.x >= (kPersistent ? 2 : 1) * kThreads) {
-        shrink_rows(params);
-        if constexpr (kPersistent) {  // (these warps may have no tile, hence no epilogue: they count themselves)
-          __syncwarp();
-          if ((threadIdx.x & 31) == 0) count_out(params.lora, counts_due(params));
-        }
-      }
+      if (params.lora.sync != nullptr && threadIdx.x >= kThreads) shrink_rows(params);
     }
 #endif
   }
@@ -440,14 +436,8 @@ class FusedEpilogue {
   }
 
   // The counts the third counter takes in a launch: one per tile's epilogue (after its consumer group's barrier, so
-  // after every ticket its warps took), and in the persistent kernel one per warp of the second consumer group too
-  // (after its own ticket). One CTA per tile without kPersistent.
-  __device__ static unsigned counts_due(const Params& a) {
-    const unsigned ctas = gridDim.x * gridDim.y * gridDim.z;
-    if constexpr (kPersistent)
-      return static_cast<unsigned>((a.n + kRows - 1) / kRows) * ((a.m + kTokens - 1) / kTokens) + 4 * ctas;
-    return ctas;
-  }
+  // after every ticket its warps took), one CTA per tile.
+  __device__ static unsigned counts_due() { return gridDim.x * gridDim.y * gridDim.z; }
 
   // One count in the third counter; the last of a launch (every ticket taken, every count in, no warp left to take
   // another) zeroes all three for the next launch.
@@ -492,7 +482,7 @@ class FusedEpilogue {
     }
     cutlass::arch::NamedBarrier::sync(kThreads, cutlass::arch::ReservedNamedBarriers::EpilogueBarrier);
     if constexpr (kShrink) {
-      if (params_.lora.sync != nullptr && thread_idx == 0) count_out(grid_->lora, counts_due(*grid_));
+      if (params_.lora.sync != nullptr && thread_idx == 0) count_out(grid_->lora, counts_due());
     }
     const Fp8EpilogueArgs& a = params_;
     const Fp8EpilogueLora& l = a.lora;
@@ -560,7 +550,7 @@ class FusedEpilogue {
 };
 
 // The product with the fused epilogue: Sm90Gemm's mainloop (the same stages, so the same sums), FusedEpilogue; with
-// kPersistent in CUTLASS's persistent ping-pong kernel (the grid one CTA per SM at most: `sms`).
+// kPersistent (e4m3 operands) in CUTLASS's persistent ping-pong kernel (the grid one CTA per SM at most: `sms`).
 template <typename T, int kTokens, class E = cutlass::float_e4m3_t, bool kPersistent = false>
 struct Sm90GemmFused {
   using G = Sm90Gemm<kTokens, kPersistent, E>;
@@ -568,6 +558,7 @@ struct Sm90GemmFused {
   // persistent kernel's two consumer groups get fewer, and two chunks at once there spill)
   using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
       FusedEpilogue<T, kTokens, sizeof(E) == 1 && !kPersistent, sizeof(E) == 2, kPersistent>>;
+  static_assert(sizeof(E) == 1 || !kPersistent, "bf16 operands in the one-CTA-a-tile kernel only");
   using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, typename G::Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   static_assert(sizeof(typename Kernel::SharedStorage) <= 227 * 1024, "the kernel's shared memory fits an SM");
@@ -613,11 +604,10 @@ const char* fused(const Fp8Sm90Args& a, const Fp8EpilogueArgs& e, void* stream, 
 
 }  // namespace
 
-// The bf16 operands' instantiations (fp8_gemm_sm90_bf16.cu): plain<bfloat16_t, false> and fused<bfloat16_t>, the
-// latter persistent (one CTA per SM at most: `sms`) with Fp8Sm90Args::persistent (fp8_gemm_sm90.cu holds the e4m3
-// operands' plain and fused, both also persistent).
+// The bf16 operands' instantiations (fp8_gemm_sm90_bf16.cu): plain<bfloat16_t, false> and fused<bfloat16_t>, one CTA
+// a tile (fp8_gemm_sm90.cu holds the e4m3 operands' plain and fused, both also persistent).
 const char* sm90_bf16_plain(const Fp8Sm90Args& a, void* stream);
-const char* sm90_bf16_fused(const Fp8Sm90Args& a, const Fp8EpilogueArgs& e, void* stream, int sms);
+const char* sm90_bf16_fused(const Fp8Sm90Args& a, const Fp8EpilogueArgs& e, void* stream);
 #endif
 
 }  // namespace lorafleet

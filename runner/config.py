@@ -81,10 +81,6 @@ class KernelChoices:
     sm90_shrink: with bf16_sm90, the rows' LoRA shrink inside that same launch too (the kernel's own warps write v
         before its epilogues read it) instead of a launch before it, where K is at most SM90_SHRINK_MAX_K (on:
         +5.8 / +6.0 % with adapters on the H100, docs/benchmarks.md section 13.12).
-    sm90_pingpong: with bf16_sm90, those products in CUTLASS's persistent ping-pong kernel (one CTA per SM, two
-        consumer warp groups on alternate tiles: a tile's epilogue beside the next tile's main loop), the shrink
-        then the second group's, beside the first group's first tile, whatever K (off: slower in every mix,
-        docs/benchmarks.md section 13.13).
     norm_early: with bf16_sm90, the norms before qkv and gate_up on the project's kernel, which lets the product after
         it start at once and stream its weight beside the norm (off: +1.5 / +1.6 % with adapters on the H100, but
         an engine test of few adapter slots fails with it, not yet explained; section 13.13).
@@ -135,7 +131,6 @@ class KernelChoices:
     fp8_quant_in_shrink: bool = True
     bf16_sm90: bool = True
     sm90_shrink: bool = True
-    sm90_pingpong: bool = False
     norm_early: bool = False
     pin_host_adapters: bool = False
     dense_lora_rows: int = 256
@@ -188,7 +183,7 @@ class KernelChoices:
                    fp8_sm90_fused=env.fp8_sm90_fused(), fp8_sm90_fused_lora=env.fp8_sm90_fused_lora(),
                    fp8_sm90_split=env.fp8_sm90_split(), fp8_sm90_persistent=env.fp8_sm90_persistent(),
                    fp8_quant_in_shrink=env.fp8_quant_in_shrink(), bf16_sm90=env.bf16_sm90(),
-                   sm90_shrink=env.sm90_shrink(), sm90_pingpong=env.sm90_pingpong(), norm_early=env.norm_early(),
+                   sm90_shrink=env.sm90_shrink(), norm_early=env.norm_early(),
                    pin_host_adapters=env.pin_host_adapters(), dense_lora_rows=env.dense_lora_rows(),
                    dense_lora_kext=env.dense_lora_kext())
 

@@ -50,16 +50,14 @@ class TorchUnderCudaName:
         self.expand(ys, v, b, ranks, host, seg)
 
 
-def emulated_product(calls, syncs=None, forms=None):
+def emulated_product(calls, syncs=None):
     """bf16_sm90_linear's contract in torch, recording (spans, whether LoRA operands came) per call. With A pools in
     the operands, the kernel's shrink first: v[t, g, :r] = A_g[slot, :r] @ x[t] (the counters `sync`, zero int32, of
-    one layer and group: recorded by address in `syncs`). `forms`: the `persistent` values the calls asked for."""
+    one layer and group: recorded by address in `syncs`)."""
 
-    def run(ext, x, w, bias, spans, lora, unit, sync=None, persistent=False):
+    def run(ext, x, w, bias, spans, lora, unit, sync=None):
         assert ext == "ext" and unit.numel() >= max(x.shape[0], w.shape[0]) and bool((unit == 1).all())
         calls.append((tuple(spans), lora is not None))
-        if forms is not None:
-            forms.add(persistent)
         y = F.linear(x, w, bias)
         if lora is not None:
             v, b, ranks, row_slot, a = lora
@@ -83,7 +81,7 @@ def emulated_product(calls, syncs=None, forms=None):
     return run
 
 
-def run(model, ads, on: bool, monkeypatch, in_product: bool | str = False, syncs=None, forms=None):
+def run(model, ads, on: bool, monkeypatch, in_product: bool | str = False, syncs=None):
     g = torch.Generator().manual_seed(11)
     names = [None] + sorted(ads)
     seqs = [Sequence(f"r{i}", torch.randint(3, 256, (int(torch.randint(5, 20, (1,), generator=g)),),
@@ -99,11 +97,10 @@ def run(model, ads, on: bool, monkeypatch, in_product: bool | str = False, syncs
     assert d.bf16_sm90 is False  # a CPU device: the choice is not taken by itself
     if on:  # as on a compute capability 9.0 GPU whose build has the kernel
         d.bf16_sm90, d.sm90_ext, d.unit_scales = True, "ext", torch.ones(512)
-        if in_product:  # as Decoder._take_bf16_sm90 with KernelChoices.sm90_shrink (and sm90_pingpong)
+        if in_product:  # as Decoder._take_bf16_sm90 with KernelChoices.sm90_shrink
             d.sm90_sync = torch.zeros(d.num_layers * 4, 4, dtype=torch.int32)
-            d.sm90_pingpong = in_product == "pingpong"
         monkeypatch.setattr(dec, "bf16_sm90_applies", lambda x, w, b, spans: x.shape[0] <= 64)
-        monkeypatch.setattr(dec, "bf16_sm90_linear", emulated_product(calls, syncs, forms))
+        monkeypatch.setattr(dec, "bf16_sm90_linear", emulated_product(calls, syncs))
     try:
         out = eng.run_to_completion(seqs)
     finally:
@@ -111,26 +108,23 @@ def run(model, ads, on: bool, monkeypatch, in_product: bool | str = False, syncs
     return [out[f"r{i}"].output_ids for i in range(len(seqs))], d, calls, shim
 
 
-@pytest.mark.parametrize("in_product", [False, True, "short_k", "pingpong"])
+@pytest.mark.parametrize("in_product", [False, True, "short_k"])
 @pytest.mark.parametrize("family", ["llama3", "qwen2", "phi3"])
 def test_bf16_products_with_the_expand_inside_give_the_default_tokens(tmp_path, family, in_product, monkeypatch):
     """(qwen2: q, k and v biases; phi3: fused qkv and gate_up in the checkpoint; in_product: the shrink inside the
     product too, each layer and group with counters of its own; "short_k": only where K is the hidden size, as
-    SM90_SHRINK_MAX_K below the intermediate size makes it: down keeps the shrink's own launch; "pingpong": the
-    persistent ping-pong kernel, whose shrink runs beside the first tile's main loop: inside whatever K, even with
-    that SM90_SHRINK_MAX_K)"""
+    SM90_SHRINK_MAX_K below the intermediate size makes it: down keeps the shrink's own launch)"""
     model = write_family_model(family, tmp_path / "m", seed=2)
     ads = {"all": write_random_adapter(model, tmp_path / "all", r=8, alpha=16, targets=family_targets(family), seed=3),
            "mlp": write_random_adapter(model, tmp_path / "mlp", r=4, alpha=8, targets=family_targets(family, "mlp"),
                                        seed=4)}
     want, d0, none, plain = run(model, ads, False, monkeypatch)
-    if in_product in ("short_k", "pingpong"):
+    if in_product == "short_k":
         assert d0.cfg.intermediate_size > d0.cfg.hidden_size
         monkeypatch.setattr(dec, "SM90_SHRINK_MAX_K", d0.cfg.hidden_size)
     syncs: set[int] = set()
-    forms: set[bool] = set()
-    got, d, calls, shim = run(model, ads, True, monkeypatch, in_product, syncs if in_product else None, forms)
-    assert got == want and forms == {in_product == "pingpong"}
+    got, d, calls, shim = run(model, ads, True, monkeypatch, in_product, syncs if in_product else None)
+    assert got == want
     if in_product:
         # no LoRA launch of its own left but the step's first shrink (its launch stands between the ops that compute
         # the row slots and the first product, which reads them before its wait)
@@ -188,12 +182,7 @@ def test_the_products_launch_hands_the_kernel_its_operands(monkeypatch):
     pools, sync = (torch.zeros(4, 8, 64), torch.zeros(4, 8, 64)), torch.zeros(4, dtype=torch.int32)
     bf16_sm90_linear(Ext(), x, w, bias, (16, 32), lora[:4] + (pools,), unit, sync)
     assert seen["kwargs"]["a"] == list(pools) and seen["kwargs"]["sync"] is sync and seen["args"][7] is lora[0]
-    assert "persistent" not in seen["kwargs"]  # the one-CTA-a-tile kernel unless asked
-    bf16_sm90_linear(Ext(), x, w, bias, (16, 32), lora[:4] + (pools,), unit, sync, persistent=True)
-    assert seen["kwargs"]["persistent"] is True and seen["kwargs"]["sync"] is sync
-    seen.clear()
-    bf16_sm90_linear(Ext(), x, w, None, [48], None, unit, persistent=True)
-    assert seen["kwargs"] == {"persistent": True}
+    assert "persistent" not in seen["kwargs"]  # the one-CTA-a-tile kernel, the only one for bf16 operands
 
 
 def test_the_wgmma_kernel_takes_only_the_products_it_can():

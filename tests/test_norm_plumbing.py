@@ -116,9 +116,9 @@ def test_a_group_shrunk_in_the_norms_launch_is_not_shrunk_again(monkeypatch, wei
     h, res = torch.randn(4, 16, dtype=torch.bfloat16), torch.randn(4, 16, dtype=torch.bfloat16)
     if weights == "bf16_sm90":
         me.bf16_sm90, me.sm90_ext, me.unit_scales = True, "ext", torch.ones(16)
-        me.sm90_sync, me.sm90_pingpong = torch.zeros(16, 4, dtype=torch.int32), False
+        me.sm90_sync = torch.zeros(16, 4, dtype=torch.int32)
         monkeypatch.setattr(dec, "bf16_sm90_applies", lambda *a: True)  # as on an H100 for at most 64 rows
-        monkeypatch.setattr(dec, "bf16_sm90_linear", lambda ext, x, w, b, spans, lora, unit, sync, persistent:
+        monkeypatch.setattr(dec, "bf16_sm90_linear", lambda ext, x, w, b, spans, lora, unit, sync:
                             finished.update(lora=lora, spans=spans) or x)
         w = torch.zeros(16, 16, dtype=torch.bfloat16)
         x, new_res, quant = dec.Decoder._norm(me, 0, 2, h, res, torch.ones(16, dtype=torch.bfloat16), lora, w)

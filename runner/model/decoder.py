@@ -194,7 +194,6 @@ class Decoder:
         # with the rows' LoRA shrink inside its launch too (KernelChoices.sm90_shrink, set below where taken): that
         # kernel's counters, int32 [layers * GROUPS, 4] zeros, one row per layer and projection group; else None
         self.sm90_sync = None
-        self.sm90_pingpong = False  # those products in the persistent ping-pong kernel (KernelChoices.sm90_pingpong)
         self.norm_early = False  # the project's norm before them, letting them start at once (KernelChoices.norm_early)
         # runner/model/norm.py OwnNorm: the norms before qkv and gate_up (KernelChoices.norm_shrink, norm_quant,
         # norm_lora)
@@ -238,11 +237,11 @@ class Decoder:
         if kernels.bf16_sm90:
             weights = "FP8" if isinstance(self.layers[0].qkv, Fp8Weight) else str(dtype).replace("torch.", "")
             if self.device.type == "cuda" and weights == "bfloat16":
-                self._take_bf16_sm90(kernels.sm90_shrink, kernels.sm90_pingpong)
+                self._take_bf16_sm90(kernels.sm90_shrink)
             else:  # (on by default: nothing to say where it cannot apply)
                 log.debug("bf16_sm90 ignored: it takes bfloat16 weights on a CUDA device, not %s weights on %s",
                           weights, self.device.type)
-        for choice in ("sm90_shrink", "sm90_pingpong", "norm_early"):
+        for choice in ("sm90_shrink", "norm_early"):
             if getattr(kernels, choice) and not self.bf16_sm90:
                 log.log(logging.DEBUG if choice == "sm90_shrink" else logging.INFO,
                         "%s ignored: it applies to the bf16 products on the wgmma kernel, which this model does not "
@@ -263,9 +262,9 @@ class Decoder:
             except Exception as exc:  # no compiler: the ops' norms and the separate shrink launches
                 log.warning("norm kernel unavailable (%s); the norms take %s's kernels", exc, self.ops.name)
 
-    def _take_bf16_sm90(self, shrink: bool, pingpong: bool = False) -> None:
+    def _take_bf16_sm90(self, shrink: bool) -> None:
         """KernelChoices.bf16_sm90: the wgmma kernel for this model's decode-sized bf16 products, where the build has
-        it and the GPU runs it (logged either way); `shrink`, `pingpong`: KernelChoices.sm90_shrink, sm90_pingpong."""
+        it and the GPU runs it (logged either way); `shrink`: KernelChoices.sm90_shrink."""
         try:
             from lorafleet.runner.kernels import load
 
@@ -281,7 +280,6 @@ class Decoder:
             self.unit_scales = torch.ones(max(rows, SM90_MAX_ROWS), dtype=torch.float32, device=self.device)
             if shrink:
                 self.sm90_sync = torch.zeros(len(self.layers) * GROUPS, 4, dtype=torch.int32, device=self.device)
-            self.sm90_pingpong = pingpong
 
     def widen_for_lora(self, spare: dict[str, int]) -> int:
         """Gives the plain (not FP8) weights named in `spare` (qkv, gate_up) that many spare columns: each becomes
@@ -493,12 +491,11 @@ class Decoder:
             return None
         if not fp8:
             # (the shrink inside the product up to SM90_SHRINK_MAX_K, where it runs before the main loop; a longer K
-            # keeps the shrink's launch; in the ping-pong kernel it runs beside the first tile's main loop: any K)
-            inside = self.sm90_sync is not None and (self.sm90_pingpong or x.shape[1] <= SM90_SHRINK_MAX_K)
+            # keeps the shrink's launch)
+            inside = self.sm90_sync is not None and x.shape[1] <= SM90_SHRINK_MAX_K
             sync = self.sm90_sync[i * GROUPS + group] if inside else None
             operands = None if lora is None else lora.epilogue_operands(i, group, x, in_product=inside)
-            return bf16_sm90_linear(self.sm90_ext, x, w, b, spans, operands, self.unit_scales, sync,
-                                    persistent=self.sm90_pingpong)
+            return bf16_sm90_linear(self.sm90_ext, x, w, b, spans, operands, self.unit_scales, sync)
         operands, quant = None, quantized
         if lora is not None:
             mine = None

@@ -315,15 +315,6 @@ def norm_early() -> bool:
     return _flag("LORAFLEET_NORM_EARLY", False)
 
 
-def sm90_pingpong() -> bool:
-    """LORAFLEET_SM90_PINGPONG: with LORAFLEET_BF16_SM90, the bf16 decode products run in CUTLASS's persistent
-    ping-pong kernel (one CTA per SM over the weight's tiles, two consumer warp groups on alternate tiles, one's
-    epilogue beside the other's main loop) instead of one CTA per tile; with LORAFLEET_SM90_SHRINK the rows' shrink
-    is then the second group's, beside the first group's first tile, for every K (default 0: 1.8-6.5 % slower end
-    to end on the H100, docs/benchmarks.md section 13.13)."""
-    return _flag("LORAFLEET_SM90_PINGPONG", False)
-
-
 def fp8_sm90_fused() -> bool:
     """LORAFLEET_FP8_SM90_FUSED: where that wgmma kernel's product (in one part, bf16 output) is finished by the FP8
     epilogue without an activation or a LoRA expand (qkv, o, down of steps without adapters), the epilogue runs inside

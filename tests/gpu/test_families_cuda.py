@@ -90,9 +90,9 @@ def test_family_bf16_products_on_the_wgmma_kernel(family, monkeypatch):
     calls = []
     real = dec.bf16_sm90_linear
 
-    def counted(ext, x, w, bias, spans, lora, unit, sync=None, persistent=False):
+    def counted(ext, x, w, bias, spans, lora, unit, sync=None):
         calls.append((len(spans), lora is not None))
-        return real(ext, x, w, bias, spans, lora, unit, sync, persistent)
+        return real(ext, x, w, bias, spans, lora, unit, sync)
     monkeypatch.setattr(dec, "bf16_sm90_linear", counted)
     cpu, _ = generate(model, reqs, NEW, device="cpu", kv_cache_gb=0.05)  # the fp32 continuation
     eng = teacher.teacher_forced_check(model, ads, reqs, cpu, "bfloat16", f"{name} bf16 wgmma",
@@ -108,13 +108,12 @@ def test_family_bf16_products_on_the_wgmma_kernel(family, monkeypatch):
                                   kernels=KernelChoices(bf16_sm90=True, norm_shrink=True))
 
 
-@pytest.mark.parametrize("pingpong", [False, True], ids=["one_cta_a_tile", "pingpong"])
-def test_family_shrink_inside_the_wgmma_product(family, pingpong, monkeypatch):
+def test_family_shrink_inside_the_wgmma_product(family, monkeypatch):
     """KernelChoices.sm90_shrink: the rows' LoRA shrink inside the same wgmma launch as the product and the expand, no
     LoRA launch of its own left but each step's first shrink (between the row slots' ops and the first product).
     Teacher-forced against HF + PEFT in fp32 (every step at most 64 rows; the calls with A pools and the shrinks
     launched counted), the counters zero after the run, then a decode step replayed from its CUDA graph against the
-    same step run eagerly. Also in the persistent ping-pong kernel (KernelChoices.sm90_pingpong)."""
+    same step run eagerly."""
     import lorafleet.runner.model.decoder as dec
     from lorafleet.runner.lora.sgmv_cuda import CudaSGMV
 
@@ -124,16 +123,15 @@ def test_family_shrink_inside_the_wgmma_product(family, pingpong, monkeypatch):
     inside, shrinks = [], []
     real = dec.bf16_sm90_linear
 
-    def counted(ext, x, w, bias, spans, lora, unit, sync=None, persistent=False):
-        assert persistent == pingpong
+    def counted(ext, x, w, bias, spans, lora, unit, sync=None):
         inside.append(lora is not None and lora[4] is not None and sync is not None)
-        return real(ext, x, w, bias, spans, lora, unit, sync, persistent)
+        return real(ext, x, w, bias, spans, lora, unit, sync)
     monkeypatch.setattr(dec, "bf16_sm90_linear", counted)
     real_shrink = CudaSGMV.shrink
     monkeypatch.setattr(CudaSGMV, "shrink", lambda self, *a, **k: shrinks.append(1) or real_shrink(self, *a, **k))
     cpu, _ = generate(model, reqs, NEW, device="cpu", kv_cache_gb=0.05)  # the fp32 continuation
-    kernels = KernelChoices(bf16_sm90=True, sm90_shrink=True, sm90_pingpong=pingpong)
-    label = f"{name} shrink in wgmma{' ping-pong' if pingpong else ''}"
+    kernels = KernelChoices(bf16_sm90=True, sm90_shrink=True)
+    label = f"{name} shrink in wgmma"
     eng = teacher.teacher_forced_check(model, ads, reqs, cpu, "bfloat16", label, kernels=kernels, max_step_tokens=64)
     assert eng.model.sm90_sync is not None and not eng.model.sm90_sync.any()
     layers = eng.model.num_layers

@@ -238,8 +238,7 @@ def _reads_the_rows_just_written(step, fresh, out, check, eager_seeds, graph_see
 
 
 @pytest.mark.parametrize("K,N", [(4096, 12288), (1024, 4096)])
-@pytest.mark.parametrize("persistent", [False, True], ids=["per_tile", "pingpong"])
-def test_bf16_product_right_after_the_early_norm_reads_its_rows(ext, persistent, K, N):
+def test_bf16_product_right_after_the_early_norm_reads_its_rows(ext, K, N):
     """The project's norm with `early` (KernelChoices.norm_early) lets the bf16 wgmma product that follows start at
     once; the product, with the rows' shrink and expand inside, still reads the norm's new rows, never the buffer's
     old ones: eager and replayed in a CUDA graph with new rows, bit for bit the same launch on the finished buffer."""
@@ -261,8 +260,7 @@ def test_bf16_product_right_after_the_early_norm_reads_its_rows(ext, persistent,
 
     def product(o, x):
         ext.fp8_gemm_sm90_fused(o, x, w, ones_m, ones_n, e["bias"], e["cols"], e["v"], e["b"], e["ranks"],
-                                e["row_slot"], True, torch.cuda.current_stream().cuda_stream, a=a, sync=sync,
-                                persistent=persistent)
+                                e["row_slot"], True, torch.cuda.current_stream().cuda_stream, a=a, sync=sync)
 
     def step():
         own.run(x_out, own.operands(h, res, norm_w, res_out), early=True)
@@ -277,7 +275,7 @@ def test_bf16_product_right_after_the_early_norm_reads_its_rows(ext, persistent,
         want = torch.empty_like(out)
         product(want, x_out.clone())
         torch.cuda.synchronize()
-        assert _same_bits(out, want) and not sync.any(), (persistent, K, seed, replayed)
+        assert _same_bits(out, want) and not sync.any(), (K, seed, replayed)
     _reads_the_rows_just_written(step, fresh, out, check, range(3), (21, 22))
 
 
@@ -396,7 +394,7 @@ def test_bf16_operands_give_the_fp32_sum_and_rows_of_their_own(ext, M):
     within fp32 accumulation's rounding, the same bits from a weight whose rows lie K + 64 apart, each row bit for bit
     the row alone and in a 17-row call (every token tile shares the k-tile), K in parts as the unsplit calls on the K
     slices, and with the epilogue inside (unit scales) bit for bit the product into fp32 followed by the epilogue's
-    launch, and so in the persistent ping-pong kernel."""
+    launch."""
     for K, N in ((272, 100), (4096, 4096), (11008, 4096)):
         x, w = _bf16_operands(M, K, N, seed=M * 7 + K + N)
         got = torch.full((M, N), float("nan"), device="cuda")
@@ -437,11 +435,10 @@ def test_bf16_operands_give_the_fp32_sum_and_rows_of_their_own(ext, M):
         want = torch.empty(rows, sum(spans), device="cuda", dtype=torch.bfloat16)
         ext.fp8_epilogue(want, y, e["x_scale"], e["w_scale"], e["bias"], e["cols"], e["v"], e["b"], e["ranks"],
                          e["row_slot"], True, _stream())
-        for persistent in (False, True):
-            got = torch.full_like(want, float("nan"))
-            ext.fp8_gemm_sm90_fused(got, x, w, e["x_scale"], e["w_scale"], e["bias"], e["cols"], e["v"], e["b"],
-                                    e["ranks"], e["row_slot"], True, _stream(), persistent=persistent)
-            assert _same_bits(got, want), (spans, rows, persistent, (got.float() - want.float()).abs().max())
+        got = torch.full_like(want, float("nan"))
+        ext.fp8_gemm_sm90_fused(got, x, w, e["x_scale"], e["w_scale"], e["bias"], e["cols"], e["v"], e["b"],
+                                e["ranks"], e["row_slot"], True, _stream())
+        assert _same_bits(got, want), (spans, rows, (got.float() - want.float()).abs().max())
 
 
 def test_bf16_operands_refused_where_they_do_not_fit(ext):
@@ -451,6 +448,10 @@ def test_bf16_operands_refused_where_they_do_not_fit(ext):
         ext.fp8_gemm_sm90(out, x, w.to(E4M3), _stream())
     with pytest.raises(RuntimeError, match="persistent schedule is built for e4m3 operands only"):
         ext.fp8_gemm_sm90(out, x, w, _stream(), 1, True, True)
+    ones, cols = torch.ones(64, device="cuda"), [64]
+    with pytest.raises(RuntimeError, match="persistent schedule is built for e4m3 operands only"):
+        ext.fp8_gemm_sm90_fused(torch.empty(4, 64, device="cuda", dtype=torch.bfloat16), x, w, ones[:4], ones, None,
+                                cols, None, [], None, None, True, _stream(), persistent=True)
 
 
 def test_fused_refuses_bad_operands(ext):
@@ -505,16 +506,14 @@ def _shrink_checked(v, x, a, e, why):
     assert ((v[:rows].double() - want).abs() <= 1e-5 * mag + 1e-6)[mask].all(), why
 
 
-@pytest.mark.parametrize("persistent", [False, True], ids=["per_tile", "pingpong"])
 @pytest.mark.parametrize("M", [1, 17, 32, 64])
-def test_the_shrink_inside_the_product(ext, M, persistent):
+def test_the_shrink_inside_the_product(ext, M):
     """bf16 operands with the A pools and counters (Fp8EpilogueLora::sync): the kernel's own warps write v, then its
     epilogues add the expand. v holds the fp64 sums of x's rows and A's rank rows within fp32 accumulation's rounding
     wherever a row has an adapter (every kind of slot and rank of _fused_args, ranks up to the pools' 128), and
     nothing else of v is written; the output is bit for bit the fused call handed that v; the counters are zero
     again after the launch; a second launch gives the same bits, and every row the bits of the row alone. At 64 rows
-    also 256 weight tiles (more CTAs than the GPU has SMs: later waves, tickets past the first wave's; persistent:
-    CTAs of two and more tiles, the shrink the second consumer group's, the output the bits of one CTA a tile)."""
+    also 256 weight tiles (more CTAs than the GPU has SMs: later waves, tickets past the first wave's)."""
     cases = [c for c in FUSED_CASES if c[3] and {37: 32, 5: 1}.get(c[1], c[1]) == M]
     if M == 64:
         cases.append(([8192, 4096, 4096], 64, True, True, 4096))
@@ -528,7 +527,7 @@ def test_the_shrink_inside_the_product(ext, M, persistent):
         def launch(x, e, v):
             out = torch.full((x.shape[0], sum(spans)), float("nan"), device="cuda", dtype=torch.bfloat16)
             ext.fp8_gemm_sm90_fused(out, x, w, e["x_scale"], e["w_scale"], e["bias"], e["cols"], v, e["b"],
-                                    e["ranks"], e["row_slot"], True, _stream(), a=a, sync=sync, persistent=persistent)
+                                    e["ranks"], e["row_slot"], True, _stream(), a=a, sync=sync)
             torch.cuda.synchronize()
             assert not sync.any(), (spans, rows)  # left zero for the next launch
             return out
@@ -549,8 +548,7 @@ def test_the_shrink_inside_the_product(ext, M, persistent):
             assert _same_bits(alone[0], got[i]) and torch.equal(vi[0].nan_to_num(), v[i].nan_to_num()), (spans, i)
 
 
-@pytest.mark.parametrize("persistent", [False, True], ids=["per_tile", "pingpong"])
-def test_the_shrink_inside_back_to_back_products(ext, persistent):
+def test_the_shrink_inside_back_to_back_products(ext):
     """Two launches one after the other on one stream (programmatic dependent launch), 256 weight tiles each, sharing
     one v buffer with counters of their own, the second on other rows and slots: each the bits of its launch alone,
     the second's v its own rows' shrink, every counter zero after."""
@@ -566,7 +564,7 @@ def test_the_shrink_inside_back_to_back_products(ext, persistent):
     def launch(x, e, v, sync, out=None):
         out = torch.full((M, sum(spans)), float("nan"), device="cuda", dtype=torch.bfloat16) if out is None else out
         ext.fp8_gemm_sm90_fused(out, x, w, e["x_scale"], e["w_scale"], e["bias"], e["cols"], v, e["b"], e["ranks"],
-                                e["row_slot"], True, _stream(), a=a, sync=sync, persistent=persistent)
+                                e["row_slot"], True, _stream(), a=a, sync=sync)
         return out
 
     v = torch.full_like(e["v"], float("nan"))
@@ -583,8 +581,7 @@ def test_the_shrink_inside_back_to_back_products(ext, persistent):
     _shrink_checked(v_alone, x2, a, e2, "second")
 
 
-@pytest.mark.parametrize("persistent", [False, True], ids=["per_tile", "pingpong"])
-def test_the_shrink_inside_the_product_in_a_graph(ext, persistent):
+def test_the_shrink_inside_the_product_in_a_graph(ext):
     """Captured once, replayed on new rows and new row slots: the eager launch's bits, and the counters zero after
     every replay."""
     spans, M, K = [4096, 1024, 1024], 32, 4096
@@ -597,8 +594,7 @@ def test_the_shrink_inside_the_product_in_a_graph(ext, persistent):
 
     def launch(o, v):
         ext.fp8_gemm_sm90_fused(o, x, w, e["x_scale"], e["w_scale"], e["bias"], e["cols"], v, e["b"], e["ranks"],
-                                e["row_slot"], True, torch.cuda.current_stream().cuda_stream, a=a, sync=sync,
-                                persistent=persistent)
+                                e["row_slot"], True, torch.cuda.current_stream().cuda_stream, a=a, sync=sync)
 
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
