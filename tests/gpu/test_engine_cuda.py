@@ -149,11 +149,12 @@ def test_graph_replay_equals_eager(smol_shaped, qkv_expand_in_rope, monkeypatch)
 # Kernel choices under which a request's tokens must not depend on its step's neighbours: the defaults, the early
 # norm (KernelChoices.norm_early), and every bf16 product on cuBLAS (no wgmma kernel, no LoRA inside it). Two more
 # take the early norm apart: its kernel without the early start ("norm_early_late": the project's norm bits, no
-# programmatic launch of the product beside it) and without LoRA's dense prefill path, whose steps keep the ops'
-# norm ("norm_early_nodense").
+# programmatic launch of the product beside it), without LoRA's dense prefill path, whose steps keep the ops'
+# norm ("norm_early_nodense"), and without CUDA graphs ("norm_early_eager").
 FEW_SLOTS_KERNELS = {"defaults": {}, "norm_early": {"LORAFLEET_NORM_EARLY": "1"},
                      "norm_early_late": {"LORAFLEET_NORM_EARLY": "1"},
                      "norm_early_nodense": {"LORAFLEET_NORM_EARLY": "1", "LORAFLEET_DENSE_LORA_ROWS": "0"},
+                     "norm_early_eager": {"LORAFLEET_NORM_EARLY": "1"},
                      "cublas": {"LORAFLEET_BF16_SM90": "0"}}
 
 
@@ -165,16 +166,32 @@ def test_async_adapter_loads_with_few_slots(smol_shaped, kernels, monkeypatch):
     else is in its step)."""
     for name, value in FEW_SLOTS_KERNELS[kernels].items():
         monkeypatch.setenv(name, value)
-    if kernels == "norm_early_late":
-        from lorafleet.runner.model.norm import OwnNorm
+    import lorafleet.runner.model.decoder as dec
+    from lorafleet.runner.model.norm import OwnNorm
 
-        real = OwnNorm.run
-        monkeypatch.setattr(OwnNorm, "run", lambda self, x_out, n, quant=None, early=False: real(self, x_out, n, quant))
+    # which norm each qkv / gate_up norm call took, the project's or the ops' (counted where Python runs: eager
+    # steps and graph captures), by the step's rows
+    real_run, real_norm, owned, taken = OwnNorm.run, dec.Decoder._norm, [], {}
+    late = kernels == "norm_early_late"
+
+    def own_run(self, x_out, n, quant=None, early=False):
+        owned.append(1)
+        return real_run(self, x_out, n, quant, early=early and not late)
+
+    def norm(self, i, group, h, *a, **k):
+        before = len(owned)
+        out = real_norm(self, i, group, h, *a, **k)
+        key = ("own" if len(owned) > before else "ops", "<=64" if h.shape[0] <= 64 else ">64")
+        taken[key] = taken.get(key, 0) + 1
+        return out
+    monkeypatch.setattr(OwnNorm, "run", own_run)
+    monkeypatch.setattr(dec.Decoder, "_norm", norm)
+    extra = {"cuda_graphs": False} if kernels == "norm_early_eager" else {}
     model, ads = smol_shaped
     reqs = requests(ads, n=16, seed=7)
-    small, eng = run(model, reqs, max_batch_size=32, lora_slots=2)
-    again, _ = run(model, reqs, max_batch_size=32, lora_slots=2)
-    big, _ = run(model, reqs, max_batch_size=32, lora_slots=8)
+    small, eng = run(model, reqs, max_batch_size=32, lora_slots=2, **extra)
+    again, _ = run(model, reqs, max_batch_size=32, lora_slots=2, **extra)
+    big, _ = run(model, reqs, max_batch_size=32, lora_slots=8, **extra)
     assert eng.adapters.stats["evictions"] > 0
 
     def first_diff(a, b):
@@ -183,7 +200,7 @@ def test_async_adapter_loads_with_few_slots(smol_shaped, kernels, monkeypatch):
 
     # (both comparisons printed before either is asserted: the pair tells a race from a neighbour dependence)
     print(f"few slots, {kernels}: 2 slots twice {first_diff(small, again)}, 2 against 8 {first_diff(small, big)}, "
-          f"requests differing {sum(p != q for p, q in zip(small, big))} of {len(reqs)}")
+          f"requests differing {sum(p != q for p, q in zip(small, big))} of {len(reqs)}; norms taken {taken}")
     assert small == again, f"{kernels}: the same run twice differs (request, position): {first_diff(small, again)}"
     assert small == big, f"{kernels}: 2 against 8 slots differ (request, position): {first_diff(small, big)}"
 
