@@ -186,11 +186,24 @@ def test_async_adapter_loads_with_few_slots(smol_shaped, kernels, monkeypatch):
         return out
     monkeypatch.setattr(OwnNorm, "run", own_run)
     monkeypatch.setattr(dec.Decoder, "_norm", norm)
+    # the rows of each step that sampled a request's token, per request and run: (prompt rows, decode rows)
+    real_plan, steps = Engine.run_plan, []
+
+    def run_plan(self, plan, *a, **k):
+        shape = (plan.prefill_tokens, plan.num_decode)
+        for w in plan.work:
+            if w.sample:
+                steps[-1].setdefault(w.seq.id, []).append(shape)
+        return real_plan(self, plan, *a, **k)
+    monkeypatch.setattr(Engine, "run_plan", run_plan)
     extra = {"cuda_graphs": False} if kernels == "norm_early_eager" else {}
     model, ads = smol_shaped
     reqs = requests(ads, n=16, seed=7)
+    steps.append({})
     small, eng = run(model, reqs, max_batch_size=32, lora_slots=2, **extra)
+    steps.append({})
     again, _ = run(model, reqs, max_batch_size=32, lora_slots=2, **extra)
+    steps.append({})
     big, _ = run(model, reqs, max_batch_size=32, lora_slots=8, **extra)
     assert eng.adapters.stats["evictions"] > 0
 
@@ -201,6 +214,11 @@ def test_async_adapter_loads_with_few_slots(smol_shaped, kernels, monkeypatch):
     # (both comparisons printed before either is asserted: the pair tells a race from a neighbour dependence)
     print(f"few slots, {kernels}: 2 slots twice {first_diff(small, again)}, 2 against 8 {first_diff(small, big)}, "
           f"requests differing {sum(p != q for p, q in zip(small, big))} of {len(reqs)}; norms taken {taken}")
+    for found in (first_diff(small, again), first_diff(small, big)):
+        if found is not None:  # the steps that sampled that request's tokens up to the first that differs
+            r, pos = found
+            print(f"few slots, {kernels}: r{r}'s steps (prompt rows, decode rows) to position {pos}: "
+                  f"{[run_steps.get(f'r{r}', [])[:pos + 1] for run_steps in steps]}")
     assert small == again, f"{kernels}: the same run twice differs (request, position): {first_diff(small, again)}"
     assert small == big, f"{kernels}: 2 against 8 slots differ (request, position): {first_diff(small, big)}"
 
