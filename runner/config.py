@@ -82,8 +82,8 @@ class KernelChoices:
         before its epilogues read it) instead of a launch before it, where K is at most SM90_SHRINK_MAX_K (on:
         +5.8 / +6.0 % with adapters on the H100, docs/benchmarks.md section 13.12).
     norm_early: with bf16_sm90, the norms before qkv and gate_up on the project's kernel, which lets the product after
-        it start at once and stream its weight beside the norm (off: +1.5 / +1.6 % with adapters on the H100, but
-        an engine test of few adapter slots fails with it, not yet explained; section 13.13).
+        it start at once and stream its weight beside the norm (on: +1.5 / +1.6 % with adapters on the H100,
+        docs/benchmarks.md sections 13.13, 13.14).
     pin_host_adapters: adapters read from disk are kept in pinned host memory.
     dense_lora_rows: a step with prompt rows whose adapted rows form at most DENSE_LORA_MAX_SEGMENTS segments
         (runner/lora/step.py), each of at least this many rows, and whose work reaches dense_lora_min_work,
@@ -131,7 +131,7 @@ class KernelChoices:
     fp8_quant_in_shrink: bool = True
     bf16_sm90: bool = True
     sm90_shrink: bool = True
-    norm_early: bool = False
+    norm_early: bool = True
     pin_host_adapters: bool = False
     dense_lora_rows: int = 256
     dense_lora_kext: int = 64

@@ -310,9 +310,9 @@ def norm_early() -> bool:
     """LORAFLEET_NORM_EARLY: with the bf16 products on the wgmma kernel (LORAFLEET_BF16_SM90), the norms before qkv and
     gate_up run on the project's kernel, which lets the product after it start at once (the product streams its
     weight's first k-tiles while the norm runs, and waits for it before it reads the rows) instead of flashinfer's,
-    which lets it start only at its end (default 0: +1.5-1.7 % end to end with adapters on the H100, but an engine test
-    of few adapter slots fails with it, not yet explained; docs/benchmarks.md section 13.13)."""
-    return _flag("LORAFLEET_NORM_EARLY", False)
+    which lets it start only at its end (default 1: +1.5-1.7 % end to end with adapters on the H100, docs/benchmarks.md
+    sections 13.13 and 13.14; 0: flashinfer's norm)."""
+    return _flag("LORAFLEET_NORM_EARLY", True)
 
 
 def fp8_sm90_fused() -> bool:

@@ -58,16 +58,33 @@ def teacher_forced_check(model, ads, reqs, ref_toks, dtype: str, label: str = ""
             for k, (ids, n, p) in enumerate(forced)]
     gpu = eng.run_to_completion(seqs)
     assert eng.attention.name == "flashinfer" and eng.dtype == getattr(torch, dtype)
-    ours, hf, checked, k = [], [], 0, 0
-    for (ids, name, _), toks in zip(reqs, ref_toks):
+    chosen = [[gpu[f"f{i * new + j}"].output_ids[0] for j in range(new)] for i in range(len(reqs))]
+    judge(model, ads, reqs, ref_toks, chosen, dtype, label, ref_model, emulate)
+    return eng
+
+
+def free_run_check(model, ads, reqs, toks, dtype: str, label: str = ""):
+    """A free run's tokens `toks` (per request, what the engine generated greedily) against HF + PEFT in fp32 along
+    those same tokens: at every position the engine's token is HF's argmax after the same prefix, or within what HF's
+    own `dtype` run shows (judge)."""
+    judge(model, ads, reqs, toks, toks, dtype, label, free=True)
+
+
+def judge(model, ads, reqs, along, chosen, dtype: str, label: str, ref_model=None, emulate=None, free=False):
+    """Each request's `chosen` tokens (one per position) after the prefixes prompt + `along`[:j], against HF's fp32
+    logits there: where a token is not the reference's, the fp32 margin between them must be within what HF's own
+    `dtype` run shows (or TOL), at no more than about twice HF's count of positions. The reference token at position
+    j is `along`[j] (teacher forcing along the reference continuation) or, with `free`, HF fp32's argmax there (a free
+    run, `along` the engine's own tokens)."""
+    ours, hf, checked = [], [], 0
+    for (ids, name, _), toks, got in zip(reqs, along, chosen):
         ref = hf_logits(ref_model or model, ads, ids + toks, name, emulate=emulate)  # fp32, CPU: [len, V]
         hf_low = hf_logits(ref_model or model, ads, ids + toks, name, getattr(torch, dtype), "cuda", emulate)
-        n = len(ids)
-        chosen = [gpu[f"f{k + j}"].output_ids[0] for j in range(new)]
-        k += new
+        n, new = len(ids), len(toks)
+        want = [int(ref[n + j - 1].argmax()) for j in range(new)] if free else toks
         checked += new
-        ours += [(name,) + f for f in flips_against(ref, toks, n, chosen)]
-        hf += [(name,) + f for f in flips_against(ref, toks, n, [int(hf_low[n + j - 1].argmax()) for j in range(new)])]
+        ours += [(name,) + f for f in flips_against(ref, want, n, got)]
+        hf += [(name,) + f for f in flips_against(ref, want, n, [int(hf_low[n + j - 1].argmax()) for j in range(new)])]
     hf_worst = max((f[2] for f in hf), default=0.0)
     bound = max(TOL, 1.5 * hf_worst)
     bad = [f for f in ours if f[2] > bound]
@@ -75,7 +92,6 @@ def teacher_forced_check(model, ads, reqs, ref_toks, dtype: str, label: str = ""
           f"HF {dtype} flips {len(hf)}/{checked} (worst {hf_worst:.4f})")
     assert not bad, f"{len(bad)} of {checked} positions differ beyond {dtype} noise (bound {bound:.4f}): {bad[:5]}"
     assert len(ours) <= max(2 * len(hf), checked // 20), (len(ours), len(hf))
-    return eng
 
 
 def cpu_continuations(model, reqs, new: int) -> list[list[int]]:

@@ -146,81 +146,32 @@ def test_graph_replay_equals_eager(smol_shaped, qkv_expand_in_rope, monkeypatch)
     assert same == len(reqs), f"{len(reqs) - same} of {len(reqs)} requests differ between graph replay and eager"
 
 
-# Kernel choices under which a request's tokens must not depend on its step's neighbours: the defaults, the early
-# norm (KernelChoices.norm_early), and every bf16 product on cuBLAS (no wgmma kernel, no LoRA inside it). Two more
-# take the early norm apart: its kernel without the early start ("norm_early_late": the project's norm bits, no
-# programmatic launch of the product beside it), without LoRA's dense prefill path, whose steps keep the ops'
-# norm ("norm_early_nodense"), and without CUDA graphs ("norm_early_eager").
-FEW_SLOTS_KERNELS = {"defaults": {}, "norm_early": {"LORAFLEET_NORM_EARLY": "1"},
-                     "norm_early_late": {"LORAFLEET_NORM_EARLY": "1"},
-                     "norm_early_nodense": {"LORAFLEET_NORM_EARLY": "1", "LORAFLEET_DENSE_LORA_ROWS": "0"},
-                     "norm_early_eager": {"LORAFLEET_NORM_EARLY": "1"},
+# Kernel choices of the few-slots test: the defaults (the early norm among them), flashinfer's norm before the wgmma
+# products (LORAFLEET_NORM_EARLY=0), every bf16 product on cuBLAS (no wgmma kernel, no LoRA inside it).
+FEW_SLOTS_KERNELS = {"defaults": {}, "norm_late": {"LORAFLEET_NORM_EARLY": "0"},
                      "cublas": {"LORAFLEET_BF16_SM90": "0"}}
 
 
 @pytest.mark.parametrize("kernels", list(FEW_SLOTS_KERNELS))
 def test_async_adapter_loads_with_few_slots(smol_shaped, kernels, monkeypatch):
-    """Two slots for three adapters: loads and evictions happen while the batch runs, and the steps hold other
-    neighbours than with eight slots. The same run twice must give the same tokens (else a race: a kernel reading
-    what is still being written), and the two slot counts the same tokens (else a request's rows depend on what
-    else is in its step)."""
+    """Two slots for three adapters: loads and evictions happen while the batch runs. Every request's free-running
+    tokens, with two slots and with eight, against HF + PEFT in fp32 along those same tokens
+    (teacher.free_run_check): a row that read another adapter's weights, or a slot's while it was being refilled,
+    would put its token far outside bf16's noise.
+    Not asserted: the same tokens with two slots and with eight, or in two runs alike. The loads are asynchronous, so
+    the steps differ from run to run, and a request's rows depend on their step's neighbours: decode rows in a step of
+    more than 64 rows (SM90_MAX_ROWS) take cuBLAS's products, in a smaller step the wgmma kernel, and the two round
+    differently, so a near-tie may go either way (docs/perf_notes.md, eighteenth session)."""
     for name, value in FEW_SLOTS_KERNELS[kernels].items():
         monkeypatch.setenv(name, value)
-    import lorafleet.runner.model.decoder as dec
-    from lorafleet.runner.model.norm import OwnNorm
-
-    # which norm each qkv / gate_up norm call took, the project's or the ops' (counted where Python runs: eager
-    # steps and graph captures), by the step's rows
-    real_run, real_norm, owned, taken = OwnNorm.run, dec.Decoder._norm, [], {}
-    late = kernels == "norm_early_late"
-
-    def own_run(self, x_out, n, quant=None, early=False):
-        owned.append(1)
-        return real_run(self, x_out, n, quant, early=early and not late)
-
-    def norm(self, i, group, h, *a, **k):
-        before = len(owned)
-        out = real_norm(self, i, group, h, *a, **k)
-        key = ("own" if len(owned) > before else "ops", "<=64" if h.shape[0] <= 64 else ">64")
-        taken[key] = taken.get(key, 0) + 1
-        return out
-    monkeypatch.setattr(OwnNorm, "run", own_run)
-    monkeypatch.setattr(dec.Decoder, "_norm", norm)
-    # the rows of each step that sampled a request's token, per request and run: (prompt rows, decode rows)
-    real_plan, steps = Engine.run_plan, []
-
-    def run_plan(self, plan, *a, **k):
-        shape = (plan.prefill_tokens, plan.num_decode)
-        for w in plan.work:
-            if w.sample:
-                steps[-1].setdefault(w.seq.id, []).append(shape)
-        return real_plan(self, plan, *a, **k)
-    monkeypatch.setattr(Engine, "run_plan", run_plan)
-    extra = {"cuda_graphs": False} if kernels == "norm_early_eager" else {}
     model, ads = smol_shaped
     reqs = requests(ads, n=16, seed=7)
-    steps.append({})
-    small, eng = run(model, reqs, max_batch_size=32, lora_slots=2, **extra)
-    steps.append({})
-    again, _ = run(model, reqs, max_batch_size=32, lora_slots=2, **extra)
-    steps.append({})
-    big, _ = run(model, reqs, max_batch_size=32, lora_slots=8, **extra)
+    small, eng = run(model, reqs, max_batch_size=32, lora_slots=2)
     assert eng.adapters.stats["evictions"] > 0
-
-    def first_diff(a, b):
-        return next(((i, next(j for j, (x, y) in enumerate(zip(p, q)) if x != y)) for i, (p, q) in enumerate(zip(a, b))
-                     if p != q), None)
-
-    # (both comparisons printed before either is asserted: the pair tells a race from a neighbour dependence)
-    print(f"few slots, {kernels}: 2 slots twice {first_diff(small, again)}, 2 against 8 {first_diff(small, big)}, "
-          f"requests differing {sum(p != q for p, q in zip(small, big))} of {len(reqs)}; norms taken {taken}")
-    for found in (first_diff(small, again), first_diff(small, big)):
-        if found is not None:  # the steps that sampled that request's tokens up to the first that differs
-            r, pos = found
-            print(f"few slots, {kernels}: r{r}'s steps (prompt rows, decode rows) to position {pos}: "
-                  f"{[run_steps.get(f'r{r}', [])[:pos + 1] for run_steps in steps]}")
-    assert small == again, f"{kernels}: the same run twice differs (request, position): {first_diff(small, again)}"
-    assert small == big, f"{kernels}: 2 against 8 slots differ (request, position): {first_diff(small, big)}"
+    assert eng.model.norm_early == (kernels == "defaults")
+    big, _ = run(model, reqs, max_batch_size=32, lora_slots=8)
+    teacher.free_run_check(model, ads, reqs, small, "bfloat16", f"few slots ({kernels}), two slots")
+    teacher.free_run_check(model, ads, reqs, big, "bfloat16", f"few slots ({kernels}), eight slots")
 
 
 def test_piecewise_mixed_step_matches_eager(smol_shaped):
