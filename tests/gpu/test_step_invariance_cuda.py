@@ -4,7 +4,8 @@ in its step"), on the SmolLM2-shaped model of test_engine_cuda.py with three ada
 The same decode rows are run three ways from one engine state: all of them alone (a decode step), half of them alone,
 and all of them beside a prompt chunk (a mixed step of more than 64 rows). Their logits must be the same bits. Where
 they are not, the message names the first op whose output differs for those rows (the norms before qkv and gate_up,
-the o, gate_up and down projections, layer by layer), and by how much.
+the o, gate_up and down projections, layer by layer), and by how much. Each with the defaults and with every bf16
+product on cuBLAS (LORAFLEET_BF16_SM90=0, the decode path before the wgmma kernel).
 """
 
 from __future__ import annotations
@@ -20,10 +21,20 @@ from model_helpers import write_random_adapter, write_random_llama
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def engine_in_decode(tmp_path_factory):
+KERNELS = {"defaults": {}, "cublas": {"LORAFLEET_BF16_SM90": "0"}}
+
+
+@pytest.fixture(scope="module", params=list(KERNELS))
+def engine_in_decode(request, tmp_path_factory):
     """An engine (eager steps only: no overlap) with 8 requests decoding over three adapters and none, then a
-    120-token prompt submitted and scheduled beside them: (engine, the mixed step's plan)."""
+    120-token prompt submitted and scheduled beside them: (kernel choice, engine, the mixed step's plan)."""
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in KERNELS[request.param].items():
+            mp.setenv(name, value)
+        yield from _engine_in_decode(request.param, tmp_path_factory)
+
+
+def _engine_in_decode(choice, tmp_path_factory):
     d = tmp_path_factory.mktemp("smol-shaped")
     model = write_random_llama(d / "model", hidden=576, layers=30, heads=9, kv_heads=3, inter=1536, vocab=4096,
                                tied=True, std=0.06, rope_theta=100000.0)
@@ -58,7 +69,7 @@ def engine_in_decode(tmp_path_factory):
             break
         eng.run_plan(plan)  # keep decoding while the adapter is acquired
     assert plan.prefill_tokens and plan.num_decode == 8 and plan.prefill_tokens + plan.num_decode > 64
-    yield eng, plan
+    yield choice, eng, plan
     eng.close()
 
 
@@ -119,7 +130,7 @@ def _same_rows(seqs, a, b) -> bool:
 def test_decode_rows_do_not_depend_on_the_other_decode_rows(engine_in_decode):
     """Half of the decode rows alone against all eight (both steps at most 64 rows: the wgmma products with the
     shrink and expand inside, the decode attention): the same bits."""
-    eng, plan = engine_in_decode
+    _, eng, plan = engine_in_decode
     work = [w for w in plan.work if w.decode]
     half = work[::2]
     full, part = _run(eng, work), _run(eng, half)
@@ -127,15 +138,19 @@ def test_decode_rows_do_not_depend_on_the_other_decode_rows(engine_in_decode):
     assert _same_rows(seqs, full, part), _first_difference(seqs, full, part)
 
 
-@pytest.mark.xfail(strict=True, reason="not yet held: decode rows in a step of more than 64 rows take cuBLAS's "
-                   "products and the CUDA-core shrink, in a smaller step the wgmma kernel with the shrink inside "
-                   "(docs/benchmarks.md section 13.14)")
 def test_decode_rows_do_not_depend_on_prompt_rows_in_their_step(engine_in_decode):
-    """All eight decode rows alone against the same rows beside a 120-token prompt chunk: the same bits."""
-    eng, plan = engine_in_decode
+    """All eight decode rows alone against the same rows beside a 120-token prompt chunk: the same bits. Known not to
+    hold with the defaults (an expected failure there, reported if it starts to hold): decode rows in a step of more
+    than 64 rows take cuBLAS's products and the CUDA-core shrink, in a smaller step the wgmma kernel with the shrink
+    inside (docs/perf_notes.md, eighteenth session)."""
+    choice, eng, plan = engine_in_decode
     work = [w for w in plan.work if w.decode]
     alone, mixed = _run(eng, work), _run(eng, plan.work)
     seqs = [w.seq for w in work]
     same = _same_rows(seqs, alone, mixed)
-    print("decode rows beside a prompt:", "the same bits" if same else _first_difference(seqs, alone, mixed))
-    assert same, _first_difference(seqs, alone, mixed)
+    found = "the same bits" if same else _first_difference(seqs, alone, mixed)
+    print(f"decode rows beside a prompt ({choice}):", found)
+    if choice == "defaults":
+        assert not same, "now invariant with the defaults: make this an assertion of equality"
+        pytest.xfail(f"known: decode rows beside a prompt differ ({found})")
+    assert same, found
