@@ -19,6 +19,7 @@ from lorafleet.runner.config import EngineConfig
 from lorafleet.runner.engine.engine import Engine
 from lorafleet.runner.engine.sequence import AdapterRef, SamplingParams, Sequence
 import teacher
+from engine_steps import next_plan_with_prompt_rows
 from model_helpers import write_random_adapter, write_random_llama
 from teacher import TOL
 
@@ -194,13 +195,7 @@ def test_piecewise_mixed_step_matches_eager(smol_shaped):
     for i, (ids, n, p) in enumerate(reqs[8:]):
         eng.submit(Sequence(f"b{i}", ids, SamplingParams(max_tokens=4, ignore_eos=True),
                             AdapterRef(n, str(p)) if n else None, arrival=100.0 + i))
-    plan = None
-    for _ in range(200):
-        eng._drain_inbox()
-        plan = eng.batcher.schedule()
-        if plan.prefill_tokens:
-            break
-        eng.run_plan(plan)  # keep decoding while the new adapters load
+    plan = next_plan_with_prompt_rows(eng)
     assert plan.prefill_tokens and plan.num_decode
     batch = build_step_batch(plan.work, eng.config.page_size, 32, pin=True)
     got = eng.runner.mixed.run(batch, to_device(batch, eng.device, None)).clone()

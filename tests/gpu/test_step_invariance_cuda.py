@@ -16,6 +16,7 @@ import torch
 from lorafleet.runner.config import EngineConfig
 from lorafleet.runner.engine.engine import Engine
 from lorafleet.runner.engine.sequence import AdapterRef, SamplingParams, Sequence
+from engine_steps import next_plan_with_prompt_rows
 from model_helpers import write_random_adapter, write_random_llama
 
 pytestmark = pytest.mark.gpu
@@ -61,13 +62,7 @@ def _engine_in_decode(choice, tmp_path_factory):
     eng.submit(Sequence("p", torch.randint(3, 4096, (120,), generator=g).tolist(),
                         SamplingParams(max_tokens=4, ignore_eos=True), AdapterRef("a16", str(ads["a16"])),
                         arrival=100.0))
-    plan = None
-    for _ in range(200):
-        eng._drain_inbox()
-        plan = eng.batcher.schedule()
-        if plan.prefill_tokens:
-            break
-        eng.run_plan(plan)  # keep decoding while the adapter is acquired
+    plan = next_plan_with_prompt_rows(eng)
     assert plan.prefill_tokens and plan.num_decode == 8 and plan.prefill_tokens + plan.num_decode > 64
     yield choice, eng, plan
     eng.close()
