@@ -8,7 +8,7 @@
 #            "9.0a" here: the card's own), then a runner's start with nothing else cached -> fresh_start.json; first
 #            in a list, its kernels then serve the later stages
 #   ktests   kernel GPU tests only (incl. the fused one-launch path), sanitizer case
-#   etests   engine GPU tests only (and the floor rates' measurement)
+#   etests   engine GPU tests only (and the floor rates' measurement), decode rows' bits against their step's others
 #   ftests   every model family against HF + PEFT and graphs against eager, and the flashinfer plan and window tests
 #   fp8tests FP8 weights (and FP8 K/V pages) against the fp32 HF emulation of FP8, graphs against eager, bytes
 #   sm90tests the wgmma FP8 GEMM (csrc/fp8_gemm_sm90.cu) against the fp64 sum of its e4m3 products and cuBLASLt
@@ -184,9 +184,10 @@ stage() {
         > "$LOGS/sanitizer.log" 2>&1; tail -2 "$LOGS/sanitizer.log" ;;
     etests)
       timeout ${TEST_S:-300} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_engine_cuda.py \
-        tests/gpu/test_bench_rates_cuda.py -rA -s -k "${ETESTS_K:-}" \
+        tests/gpu/test_bench_rates_cuda.py tests/gpu/test_step_invariance_cuda.py -rA -s -k "${ETESTS_K:-}" \
         --durations=6 -o faulthandler_timeout=${HANG_S:-300} 2>&1 | tee "$LOGS/gpu_etests.log" \
-        | grep -E "passed|failed|FAILED|flips|Error|piecewise|few slots|Timeout|File " | tail -20 ;;
+        | grep -E "passed|failed|FAILED|XPASS|flips|Error|piecewise|few slots|beside a prompt|first at|Timeout|File " \
+        | tail -24 ;;
     ftests)
       timeout ${TEST_S:-500} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_families_cuda.py \
         tests/gpu/test_flashinfer_plans.py -rA -s -k "${FTESTS_K:-}" -o faulthandler_timeout=${HANG_S:-200} 2>&1 \
