@@ -183,7 +183,7 @@ stage() {
       PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 120 compute-sanitizer --tool memcheck python3 tests/gpu/sanitizer_case.py \
         > "$LOGS/sanitizer.log" 2>&1; tail -2 "$LOGS/sanitizer.log" ;;
     etests)
-      timeout ${TEST_S:-300} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_engine_cuda.py \
+      timeout ${TEST_S:-480} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_engine_cuda.py \
         tests/gpu/test_bench_rates_cuda.py tests/gpu/test_step_invariance_cuda.py -rA -s -k "${ETESTS_K:-}" \
         --durations=6 -o faulthandler_timeout=${HANG_S:-300} 2>&1 | tee "$LOGS/gpu_etests.log" \
         | grep -E "passed|failed|FAILED|XPASS|flips|Error|piecewise|few slots|beside a prompt|first at|Timeout|File " \

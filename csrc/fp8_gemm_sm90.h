@@ -30,9 +30,9 @@ struct Fp8Sm90Args {
   // kernel that does not write the weight may precede it.
   bool pdl = true;
   // CUTLASS's persistent ping-pong schedule (one CTA per SM over the tiles, a tile's epilogue beside the next tile's
-  // loads) instead of one CTA per tile; the same bits (the same k-tiles in the same order per tile).
+  // loads) instead of one CTA per tile; the same bits (the same k-tiles in the same order per tile). e4m3 operands only.
   bool persistent = false;
-  bool bf16 = false;  // x and w bf16 (with `persistent`: fp8_gemm_sm90_fused only, where e4m3 operands may be too)
+  bool bf16 = false;  // x and w bf16 (one CTA per tile only: with `persistent`, refused)
   // elements from one row of w to the next (0: k), a multiple of 16 bytes: a weight with spare columns after its k
   // (a bf16 weight of LoRA's K-extended prefill GEMM is the [:, :k] view of a wider tensor)
   int64_t w_ld = 0;

@@ -241,10 +241,9 @@ class Decoder:
             else:  # (on by default: nothing to say where it cannot apply)
                 log.debug("bf16_sm90 ignored: it takes bfloat16 weights on a CUDA device, not %s weights on %s",
                           weights, self.device.type)
-        for choice in ("sm90_shrink", "norm_early"):
+        for choice in ("sm90_shrink", "norm_early"):  # (both on by default: nothing to say where they cannot apply)
             if getattr(kernels, choice) and not self.bf16_sm90:
-                log.log(logging.DEBUG if choice == "sm90_shrink" else logging.INFO,
-                        "%s ignored: it applies to the bf16 products on the wgmma kernel, which this model does not "
+                log.debug("%s ignored: it applies to the bf16 products on the wgmma kernel, which this model does not "
                         "take (bf16_sm90 off, or not bfloat16 weights on a compute capability 9.0 GPU)", choice)
         # (norm_lora only where its launch can run: thread-block clusters, one rank)
         cluster_norm = (kernels.norm_lora and self.device.type == "cuda" and all_reduce is None
