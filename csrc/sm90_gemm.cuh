@@ -229,8 +229,6 @@ struct Sm90Gemm {
 // in that kernel, with the shrink as the second group's, measured slower (docs/benchmarks.md section 13.13).
 template <typename T, int kTokens, bool kPairs = true, bool kShrink = false, bool kPersistent = false>
 class FusedEpilogue {
-  static_assert(!(kShrink && kPersistent), "the shrink inside the product runs in the one-CTA-a-tile kernel only");
-
  public:
   using EpilogueSchedule = cutlass::gemm::EpilogueDefault;
   using DispatchPolicy = EpilogueSchedule;

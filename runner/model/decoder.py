@@ -244,7 +244,7 @@ class Decoder:
         for choice in ("sm90_shrink", "norm_early"):  # (both on by default: nothing to say where they cannot apply)
             if getattr(kernels, choice) and not self.bf16_sm90:
                 log.debug("%s ignored: it applies to the bf16 products on the wgmma kernel, which this model does not "
-                        "take (bf16_sm90 off, or not bfloat16 weights on a compute capability 9.0 GPU)", choice)
+                          "take (bf16_sm90 off, or not bfloat16 weights on a compute capability 9.0 GPU)", choice)
         # (norm_lora only where its launch can run: thread-block clusters, one rank)
         cluster_norm = (kernels.norm_lora and self.device.type == "cuda" and all_reduce is None
                         and torch.cuda.get_device_capability(self.device)[0] >= 9)
