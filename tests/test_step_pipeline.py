@@ -57,6 +57,8 @@ MODES = {
     "chunked": dict(chunked_prefill=True, max_step_tokens=11),
     "overlap+chunked": dict(overlap=True, chunked_prefill=True, max_step_tokens=9),
     "chunked+decode cap": dict(overlap=True, chunked_prefill=True, max_step_tokens=40, decode_prefill_tokens=3),
+    "separate prefill": dict(chunked_prefill=True, max_step_tokens=11, separate_prefill=True),
+    "overlap+separate prefill": dict(overlap=True, chunked_prefill=True, max_step_tokens=9, separate_prefill=True),
 }
 
 
@@ -69,10 +71,30 @@ def test_pipeline_modes_equal_the_plain_engine(tiny_llama, adapters, mode):
     assert sum(r == "stop" for _, r in ref.values()) >= 5
     eng = engine(tiny_llama, **MODES[mode])
     eng.runner.phases = {}
+    launched = record_launches(eng)
     got = run(eng, requests(adapters, stops=stops))
     assert got == ref
-    if "chunked" in mode:
+    if "chunked" in mode or "separate" in mode:
         assert eng.batcher.max_step_tokens == MODES[mode]["max_step_tokens"]
+    mixed = [parts for parts in launched if any(b.num_prefill and b.num_decode for b in parts)]
+    if "separate" in mode:  # every step with both kinds of rows ran them as two passes, decode rows first
+        split = [parts for parts in launched if len(parts) == 2]
+        assert len(split) >= 3 and not mixed
+        assert all(p[0].decode_only and p[1].num_prefill == p[1].batch_size for p in split)
+    else:
+        assert mixed and all(len(parts) == 1 for parts in launched)
+
+
+def record_launches(eng) -> list[list[StepBatch]]:
+    """The batches of every step the engine launches from now on, a list per step (its parts)."""
+    launched, real = [], eng.runner.launch_parts
+
+    def launch_parts(batches, prev=None, readback=True):
+        launched.append(list(batches))
+        return real(batches, prev, readback)
+
+    eng.runner.launch_parts = launch_parts
+    return launched
 
 
 def test_chunked_prefill_splits_long_prompts_and_keeps_decodes_running(tiny_llama):

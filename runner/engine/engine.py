@@ -170,26 +170,31 @@ class Engine:
         outputs = [self._finish(s) for s in plan.evicted + plan.failed]
         prev, launched = self._inflight, None
         if plan.work:
-            batch = build_step_batch(plan.work, self.config.page_size, self.config.max_batch_size,
-                                     prev.batch if prev is not None else None, pin=self.device.type == "cuda",
-                                     eos_ids=self._eos_ids)
+            parts = [plan.work]
+            if self.config.separate_prefill and plan.num_decode and plan.prefill_tokens:  # decode rows on their own
+                parts = [[w for w in plan.work if w.decode], [w for w in plan.work if not w.decode]]
+            batches = [build_step_batch(work, self.config.page_size, self.config.max_batch_size,
+                                        prev.batch if prev is not None else None, pin=self.device.type == "cuda",
+                                        eos_ids=self._eos_ids) for work in parts]
             if self.tp is not None:
                 self.tp.check()
-                self.tp.send(("step", batch.to_wire()))
-            launched = self.runner.launch(batch, prev)
+                self.tp.send(("step", [b.to_wire() for b in batches]))
+            launched = self.runner.launch_parts(batches, prev)
             for w in plan.work:
                 if w.sample:
                     w.seq.num_pending += 1
             self.last_step = (plan.prefill_tokens, plan.num_decode)
-            self.last_step_kv = (sum(batch.kv_lens), len({s for s in batch.seg_slots if s >= 0}))
+            self.last_step_kv = (sum(sum(b.kv_lens) for b in batches),
+                                 len({s for b in batches for s in b.seg_slots if s >= 0}))
             self.last_busy = time.time()
             self.steps += 1
         self._inflight = launched
         if not self.overlap and launched is not None:
             prev, self._inflight = launched, None
         if prev is not None:
-            tokens = prev.tokens(self.tp.check if self.tp is not None else None)
-            outputs += self._postprocess(prev.batch, tokens, prev.logprobs(), prev.prompt_logprobs())
+            for part in getattr(prev, "parts", [prev]):  # (a step run in parts: InFlightParts)
+                tokens = part.tokens(self.tp.check if self.tp is not None else None)
+                outputs += self._postprocess(part.batch, tokens, part.logprobs(), part.prompt_logprobs())
         elif idle_wait and not plan.work and self.batcher.waiting and not outputs:
             time.sleep(0.0005)  # only adapter loads are pending: let their worker threads run
         return outputs

@@ -119,11 +119,11 @@ def worker_main(rank: int, size: int, port: int, model: str, config, conn) -> No
             except EOFError:
                 return  # rank 0 went away
             if msg[0] == "step":
-                batch = StepBatch.from_wire(msg[1], pin=device.type == "cuda")
+                batches = [StepBatch.from_wire(w, pin=device.type == "cuda") for w in msg[1]]  # a step's parts
                 if slots is not None:
-                    slots.ready([s for s in batch.seg_slots if s >= 0])
+                    slots.ready([s for b in batches for s in b.seg_slots if s >= 0])
                 prev = window[-1] if window else None
-                window.append(ex.runner.launch(batch, prev, readback=False))
+                window.append(ex.runner.launch_parts(batches, prev, readback=False))
                 if len(window) > 2:
                     window.pop(0).wait()
             elif msg[0] == "slot":

@@ -106,6 +106,37 @@ class InFlight:
         return out
 
 
+class PartsBatch:
+    """What the next step reads of a step run in parts (build_step_batch's `prev`): where each request's sampled
+    id is in the parts' ids laid end to end."""
+
+    def __init__(self, parts: list[InFlight]):
+        self.sample_pos: dict[int, int] = {}
+        base = 0
+        for p in parts:
+            self.sample_pos.update({k: base + j for k, j in p.batch.sample_pos.items()})
+            base += len(p.batch.sample_idx)
+
+
+class InFlightParts:
+    """A step launched as separate forward passes (EngineConfig.separate_prefill: its decode rows, then its prompt
+    rows), each an InFlight of its own part (`parts`, read back one by one). To the step after it, it is one step:
+    `tokens_dev` the parts' sampled ids end to end, `batch.sample_pos` indexing them."""
+
+    def __init__(self, parts: list[InFlight]):
+        self.parts = parts
+        self.batch = PartsBatch(parts)
+        self.tokens_dev = torch.cat([p.tokens_dev for p in parts])
+        self.kind = "+".join(p.kind for p in parts)
+
+    def done(self) -> bool:
+        return all(p.done() for p in self.parts)
+
+    def wait(self, poll=None) -> None:
+        for p in self.parts:
+            p.wait(poll)
+
+
 def _entries(lp: tuple[torch.Tensor, ...], ks: list[int]) -> list[list | None]:
     """token_logprobs' tensors on the host -> per row None (k < 0) or [log-probability, [[id, lp], ...k]]."""
     chosen, ids, vals = (t.tolist() for t in lp)
@@ -168,6 +199,15 @@ class ModelRunner:
             acc[2] += t3 - t2  # host: sampling launches and the readback request
             acc[3] += 1
         return out
+
+    def launch_parts(self, batches: list["StepBatch"], prev=None, readback: bool = True) -> "InFlight | InFlightParts":
+        """`launch` for a step of one batch, or of several parts run one after another (EngineConfig.separate_prefill),
+        each reading its pending ids from `prev`: only the first part may have any (the decode rows)."""
+        if len(batches) == 1:
+            return self.launch(batches[0], prev, readback)
+        if any(b.num_pending for b in batches[1:]):
+            raise ValueError("launch_parts: only the first part of a step may read ids still pending on the device")
+        return InFlightParts([self.launch(b, prev, readback) for b in batches])
 
     def _dense_lora(self, batch: "StepBatch", d: "DeviceStep") -> list[tuple[int, int, int]] | None:
         """The adapted segments of a step that takes LoRA's dense path (runner/lora/step.py), else None."""

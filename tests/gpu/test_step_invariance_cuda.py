@@ -149,3 +149,81 @@ def test_decode_rows_do_not_depend_on_prompt_rows_in_their_step(engine_in_decode
     print(f"decode rows beside a prompt ({choice}):", found)
     assert not same, f"now invariant with {choice}: make this an assertion of equality"
     pytest.xfail(f"known: decode rows beside a prompt differ ({found})")
+
+
+@pytest.mark.parametrize("separate", [True, False], ids=["separate_prefill", "one_pass"])
+def test_a_request_under_load_gives_its_bits_alone(separate, tmp_path):
+    """The engine as served (CUDA graphs, overlapped steps; the prefix cache off, so that both runs compute the
+    request's prompt), a greedy request with an adapter run twice: alone, then arriving beside seven decoding
+    requests with a new long prompt every few steps while it decodes. Its prompt is prefilled in a step beside
+    decode rows only, so with EngineConfig.separate_prefill (the prompt a pass of its own) its tokens and their
+    log-probabilities must be the same bits in both runs; in one pass (the default) its decode rows share products
+    with the prompt chunks, and the test reports whether its bits moved."""
+    model = write_random_llama(tmp_path / "model", hidden=576, layers=30, heads=9, kv_heads=3, inter=1536, vocab=4096,
+                               tied=True, std=0.06, rope_theta=100000.0)
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    ads = {"a16": write_random_adapter(model, tmp_path / "a16", r=16, alpha=32, seed=1, targets=targets),
+           "a8": write_random_adapter(model, tmp_path / "a8", r=8, alpha=8, targets=("q_proj", "v_proj"), seed=2,
+                                      scale=0.08)}
+    eng = Engine(str(model), EngineConfig(max_lora_rank=16, max_batch_size=32, num_pages=4096, prefix_cache=False,
+                                          separate_prefill=separate))
+    g = torch.Generator().manual_seed(7)
+    prompt = torch.randint(3, 4096, (37,), generator=g).tolist()
+
+    def target(name):
+        return Sequence(name, prompt, SamplingParams(max_tokens=48, ignore_eos=True, logprobs=1),
+                        AdapterRef("a16", str(ads["a16"])), arrival=1000.0)
+
+    def neighbour(i, n):
+        a = [None, "a16", "a8"][i % 3]
+        return Sequence(f"n{i}", torch.randint(3, 4096, (n,), generator=g).tolist(),
+                        SamplingParams(max_tokens=40, ignore_eos=True), AdapterRef(a, str(ads[a])) if a else None,
+                        arrival=float(i))
+
+    def run_until_done(name, feed=None):
+        tokens, lps, steps = [], [], 0
+        while True:
+            for out in eng.step():
+                if out.seq_id == name:
+                    tokens += out.new_token_ids
+                    lps += [e[0] for e in out.logprobs or []]
+                    if out.finish_reason:
+                        return tokens, lps
+            steps += 1
+            if feed is not None:
+                feed(steps)
+            assert steps < 2000, "the engine did not finish the request"
+
+    try:
+        eng.submit(target("alone"))
+        alone = run_until_done("alone")
+        for i in range(7):
+            eng.submit(neighbour(i, int(torch.randint(60, 200, (1,), generator=g))))
+        for _ in range(400):  # until the seven decode
+            eng.step()
+            running = eng.batcher.running
+            if len(running) == 7 and not any(s.num_cached < len(s.prompt_ids) for s in running):
+                break
+        eng.submit(target("loaded"))
+        extra = iter(range(7, 40))
+        mixed_steps = []
+
+        def feed(steps):  # a new long prompt every 6 steps, beside the target's decode rows
+            if eng.last_step[0] and eng.last_step[1]:
+                mixed_steps.append(steps)
+            if steps % 6 == 0:
+                eng.submit(neighbour(next(extra), 400))
+
+        loaded = run_until_done("loaded", feed)
+    finally:
+        eng.close()
+    assert len(mixed_steps) >= 5, "too few steps with prompt rows beside decode rows to test anything"
+    same = alone == loaded
+    first = next((j for j, (a, b) in enumerate(zip(alone[1], loaded[1])) if a != b), None)
+    found = "the same bits" if same else (f"tokens equal: {alone[0] == loaded[0]}, first log-probability differs "
+                                          f"at token {first}")
+    print(f"a request under load ({'separate prefill' if separate else 'one pass'}): {found} "
+          f"({len(mixed_steps)} mixed steps)")
+    if separate:
+        assert alone[0] == loaded[0], "the request's tokens depend on the other requests"
+        assert alone[1] == loaded[1], f"its log-probabilities differ from token {first} on"
