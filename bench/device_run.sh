@@ -26,7 +26,8 @@
 #   normlora bench e2e bf16 distinct + identical (+ LoRA off, profiled) with LORAFLEET_NORM_LORA in NL_VALUES (default
 #            "0 1"; NL_REQS default 200, NL_ARGS extra arguments) -> e2e_normlora_V.json
 #   ab       the same for any variable: AB_VAR, AB_VALUES, AB_REQS, AB_ARGS, AB_NAME -> e2e_AB_NAME_V.json
-#   flagab   the same without, then with a flag of bench e2e: AB_FLAG, AB_REQS, AB_ARGS, AB_NAME -> e2e_AB_NAME_{0,1}.json
+#   flagab   the same without, then with a flag of bench e2e: AB_FLAG, AB_REQS, AB_ARGS, AB_NAME
+#            -> e2e_AB_NAME_{0,1}.json
 #   nlprobe  bench/probe_norm_lora.py: the launches around a decode norm (flashinfer's, the project's, the LoRA shrink and
 #            expand, norm_lora) alone and as chains, each in a CUDA graph -> probe_norm_lora.json (NLPROBE_ARGS)
 #   fusedprobe the FP8 product then its epilogue's launch against the product with the epilogue inside, per 7B and
@@ -187,7 +188,8 @@ stage() {
       timeout ${TEST_S:-480} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_engine_cuda.py \
         tests/gpu/test_bench_rates_cuda.py tests/gpu/test_step_invariance_cuda.py -rA -s -k "${ETESTS_K:-}" \
         --durations=6 -o faulthandler_timeout=${HANG_S:-300} 2>&1 | tee "$LOGS/gpu_etests.log" \
-        | grep -E "passed|failed|FAILED|XPASS|flips|Error|piecewise|few slots|beside a prompt|under load|first at|Timeout|File " \
+        | grep -E "passed|failed|FAILED|XPASS|flips|Error|piecewise|few slots|beside a prompt|under load|first at" \
+        | grep -E -v "^$" \
         | tail -24 ;;
     ftests)
       timeout ${TEST_S:-500} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_families_cuda.py \

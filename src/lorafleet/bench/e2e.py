@@ -1148,7 +1148,8 @@ def _tp_session(job: dict, conn) -> None:
                            lora_slots=max(64, 2 * job["max_batch"]), enable_lora=lora, host_lora_cache=4096,
                            kv_fraction=0.8, allow_synthetic=True, max_step_tokens=job["step_tokens"],
                            quantization=job.get("quantization"), kv_cache_dtype=job.get("kv_cache_dtype", "auto"),
-                           separate_prefill=job.get("separate_prefill", False), **({} if cuda else {"device": "cpu", "num_pages": 2000, "page_size": 16}))
+                           separate_prefill=job.get("separate_prefill", False),
+                           **({} if cuda else {"device": "cpu", "num_pages": 2000, "page_size": 16}))
         eng = Engine(job["path"], cfg)
         out: dict = {"runs": [], "floor_rates": rates}
         try:
