@@ -188,7 +188,7 @@ stage() {
       timeout ${TEST_S:-480} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_engine_cuda.py \
         tests/gpu/test_bench_rates_cuda.py tests/gpu/test_step_invariance_cuda.py -rA -s -k "${ETESTS_K:-}" \
         --durations=6 -o faulthandler_timeout=${HANG_S:-300} 2>&1 | tee "$LOGS/gpu_etests.log" \
-        | grep -E -e "passed|failed|FAILED|XPASS|flips|Error|piecewise|few slots|beside a prompt|under load" \
+        | grep -E -e "passed|failed|FAILED|XPASS|flips|Error|piecewise|few slots|beside a prompt|under load|lm_head" \
           -e "first at|Timeout|File " \
         | tail -24 ;;
     ftests)

@@ -135,11 +135,14 @@ def test_bf16_products_with_the_expand_inside_give_the_default_tokens(tmp_path, 
         return
     assert none == [] and plain.shrinks > 0 and plain.expands == plain.shrinks
     c = d.cfg
-    kinds = {(c.q_dim, c.kv_dim, c.kv_dim): 0, (c.hidden_size,): 0, (c.intermediate_size, c.intermediate_size): 0}
+    kinds = {(c.q_dim, c.kv_dim, c.kv_dim): 0, (c.hidden_size,): 0, (c.intermediate_size, c.intermediate_size): 0,
+             (c.vocab_size,): 0}
     for spans, _ in calls:
         kinds[spans] += 1  # a KeyError: spans of no group
     layers_steps = kinds[(c.q_dim, c.kv_dim, c.kv_dim)]
     assert layers_steps > 0 and layers_steps % c.num_layers == 0
+    # the lm_head on the same kernel: every step's logit rows (a step of more than 64 token rows has fewer logit rows)
+    assert kinds[(c.vocab_size,)] >= layers_steps // c.num_layers
     assert kinds[(c.intermediate_size, c.intermediate_size)] == layers_steps  # gate_up
     assert kinds[(c.hidden_size,)] == 2 * layers_steps  # o and down
     with_lora = sum(1 for _, lora in calls if lora)

@@ -275,7 +275,7 @@ class Decoder:
                                      "cuBLAS")
         if self.bf16_sm90:
             self.sm90_ext = ext
-            rows = max(getattr(self.layers[0], name).shape[0] for name in PROJECTION_PARAMS)
+            rows = max([getattr(self.layers[0], name).shape[0] for name in PROJECTION_PARAMS] + [self.lm_head.shape[0]])
             self.unit_scales = torch.ones(max(rows, SM90_MAX_ROWS), dtype=torch.float32, device=self.device)
             if shrink:
                 self.sm90_sync = torch.zeros(len(self.layers) * GROUPS, 4, dtype=torch.int32, device=self.device)
@@ -543,10 +543,19 @@ class Decoder:
 
     def logits(self, h: torch.Tensor, residual: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         x, _ = self.ops.add_rms_norm(h.index_select(0, rows), residual.index_select(0, rows), self.final_norm)
-        z = F.linear(x, self.lm_head).float()  # [B, V]
+        z = self._head(x).float()  # [B, V]
         if self.cfg.final_softcap is not None:
             z = torch.tanh(z / self.cfg.final_softcap) * self.cfg.final_softcap
         return z
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ lm_head.T: on the wgmma kernel where it takes the decode-sized bf16 products (bf16_sm90), whose rows do
+        not depend on how many rows the call has, so a decode row's logits do not depend on the step's size (cuBLAS
+        picks its kernel by the row count); cuBLAS's product elsewhere."""
+        spans = [self.lm_head.shape[0]]
+        if self.bf16_sm90 and bf16_sm90_applies(x, self.lm_head, None, spans):
+            return bf16_sm90_linear(self.sm90_ext, x, self.lm_head, None, spans, None, self.unit_scales)
+        return F.linear(x, self.lm_head)
 
     def piece(self, j: int, io: StepIO, lora: LoraStep | None) -> None:
         """Piece j of the loop: the embedding (j = 0) or layer j-1 after attention, then layer j up to

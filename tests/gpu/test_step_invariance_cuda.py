@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from lorafleet.runner.config import EngineConfig
 from lorafleet.runner.engine.engine import Engine
@@ -227,3 +228,29 @@ def test_a_request_under_load_gives_its_bits_alone(separate, tmp_path):
     if separate:
         assert alone[0] == loaded[0], "the request's tokens depend on the other requests"
         assert alone[1] == loaded[1], f"its log-probabilities differ from token {first} on"
+
+
+def test_logit_rows_do_not_depend_on_the_step_size():
+    """The lm_head product of a decode step (Decoder._head) at the 7B and SmolLM2 shapes: each row's bits the same in
+    calls of 1 to 64 rows on the wgmma kernel, where the decoder takes it. cuBLAS's rows are reported for each row
+    count (it picks its kernel by the row count, which is why the decoder does not take it there)."""
+    from lorafleet.runner.kernels import load
+    from lorafleet.runner.model.fp8 import bf16_sm90_applies, bf16_sm90_linear, sm90_gemm_available
+
+    ext = load()
+    if torch.cuda.get_device_capability() != (9, 0) or not sm90_gemm_available(ext, torch.device("cuda")):
+        pytest.skip("the wgmma kernel runs on compute capability 9.0 builds with CUTLASS's headers")
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for V, H in ((32000, 4096), (49152, 576)):
+        x = torch.randn(64, H, device="cuda", generator=g).bfloat16()
+        w = (torch.randn(V, H, device="cuda", generator=g) * 0.05).bfloat16()
+        unit = torch.ones(V, device="cuda")
+        full = bf16_sm90_linear(ext, x, w, None, [V], None, unit)
+        moved = []
+        for M in (1, 2, 3, 8, 16, 31, 32):
+            assert bf16_sm90_applies(x[:M], w, None, [V])
+            part = bf16_sm90_linear(ext, x[:M].contiguous(), w, None, [V], None, unit)
+            assert torch.equal(part, full[:M]), (V, H, M)
+            if not torch.equal(F.linear(x[:M], w), F.linear(x, w)[:M]):
+                moved.append(M)
+        print(f"cuBLAS's lm_head rows ({V} x {H}) beside 64 rows differ from those of a call of", moved or "no", "rows")
