@@ -224,7 +224,7 @@ stage() {
           --sweep --hf-requests 0 --profile ${AB_ARGS:-} --out "$OUT/e2e_${AB_NAME}_${v//,/-}.json" 2>&1 \
           | tee "$LOGS/e2e_${AB_NAME}_${v//,/-}.log" | grep -E "tok/s|LoRA per decode|Error|Traceback" | cut -c1-300 | tail -10
       done ;;
-    flagab)  # bench e2e without, then with the flag AB_FLAG (e.g. --separate-prefill); AB_REQS, AB_ARGS, AB_NAME
+    flagab)  # bench e2e without, then with the flag AB_FLAG (e.g. --batch-invariant); AB_REQS, AB_ARGS, AB_NAME
       local v
       for v in 0 1; do
         timeout ${LORA_S:-300} $E2E --requests ${AB_REQS:-200} --mixes distinct identical --sweep --hf-requests 0 \

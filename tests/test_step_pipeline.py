@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lorafleet.runner.config import EngineConfig
+from lorafleet.runner.config import EngineConfig, KernelChoices
 from lorafleet.runner.executor.cuda_graph import GraphRunner
 from lorafleet.runner.engine.engine import Engine
 from lorafleet.runner.engine.sequence import AdapterRef, SamplingParams, Sequence
@@ -57,8 +57,8 @@ MODES = {
     "chunked": dict(chunked_prefill=True, max_step_tokens=11),
     "overlap+chunked": dict(overlap=True, chunked_prefill=True, max_step_tokens=9),
     "chunked+decode cap": dict(overlap=True, chunked_prefill=True, max_step_tokens=40, decode_prefill_tokens=3),
-    "separate prefill": dict(chunked_prefill=True, max_step_tokens=11, separate_prefill=True),
-    "overlap+separate prefill": dict(overlap=True, chunked_prefill=True, max_step_tokens=9, separate_prefill=True),
+    "batch invariant": dict(chunked_prefill=True, max_step_tokens=11, batch_invariant=True),
+    "overlap+batch invariant": dict(overlap=True, chunked_prefill=True, max_step_tokens=9, batch_invariant=True),
 }
 
 
@@ -74,10 +74,10 @@ def test_pipeline_modes_equal_the_plain_engine(tiny_llama, adapters, mode):
     launched = record_launches(eng)
     got = run(eng, requests(adapters, stops=stops))
     assert got == ref
-    if "chunked" in mode or "separate" in mode:
+    if "chunked" in mode or "invariant" in mode:
         assert eng.batcher.max_step_tokens == MODES[mode]["max_step_tokens"]
     mixed = [parts for parts in launched if any(b.num_prefill and b.num_decode for b in parts)]
-    if "separate" in mode:  # every step with both kinds of rows ran them as two passes, decode rows first
+    if "invariant" in mode:  # every step with both kinds of rows ran them as two passes, decode rows first
         split = [parts for parts in launched if len(parts) == 2]
         assert len(split) >= 3 and not mixed
         assert all(p[0].decode_only and p[1].num_prefill == p[1].batch_size for p in split)
@@ -286,3 +286,18 @@ def test_the_cpu_default_prefills_long_prompts_in_chunks_that_let_others_through
         outs += eng.step()
     assert any(o.seq_id == "long2" and o.finish_reason == "cancelled" for o in outs)
     assert not eng.has_work() and eng.blocks.free_pages + eng.blocks.cached_pages >= eng.blocks.num_pages
+
+
+def test_a_batch_invariant_engine_takes_the_decode_kernel_that_follows_a_requests_own_length(tiny_llama, caplog):
+    """EngineConfig.batch_invariant: the decode rows' attention on the project's kernel (its chunks follow a request's
+    own length), unless the environment names flashinfer's, which is kept with a warning."""
+    from lorafleet.runner.engine.engine import invariant_kernels
+
+    assert invariant_kernels(KernelChoices()).decode_kernel == "lorafleet"
+    assert invariant_kernels(KernelChoices(decode_kernel="lorafleet")).decode_kernel == "lorafleet"
+    with caplog.at_level("WARNING"):
+        assert invariant_kernels(KernelChoices(decode_kernel="flashinfer")).decode_kernel == "flashinfer"
+    assert "may still depend on the other requests" in caplog.text
+    eng = engine(tiny_llama, batch_invariant=True)
+    assert eng.config.batch_invariant and eng.config.kernels.decode_kernel == "lorafleet"
+    assert engine(tiny_llama).config.kernels.decode_kernel == "auto"

@@ -77,9 +77,9 @@ def test_tp2_gives_the_tokens_of_one_rank(gqa, tp1):
 
 
 def test_tp2_with_steps_in_two_passes_gives_the_tokens_of_one_rank(gqa, tp1):
-    """EngineConfig.separate_prefill: every rank runs a step's decode rows and prompt rows as two passes (the
+    """EngineConfig.batch_invariant: every rank runs a step's decode rows and prompt rows as two passes (the
     step's parts reach the ranks together), reading pending ids from both parts of the step before."""
-    assert generate(*gqa, tp=2, overlap=True, chunked_prefill=True, max_step_tokens=16, separate_prefill=True) == tp1
+    assert generate(*gqa, tp=2, overlap=True, chunked_prefill=True, max_step_tokens=16, batch_invariant=True) == tp1
 
 
 @pytest.mark.parametrize("tp", [4, 8])

@@ -55,6 +55,17 @@ class StepOutput:
         return self.finish_reason is not None
 
 
+def invariant_kernels(kernels: KernelChoices) -> KernelChoices:
+    """The kernel choices of a batch-invariant engine (EngineConfig.batch_invariant): the decode rows' attention on the
+    project's kernel (its chunks follow a request's own length; flashinfer's decode splits a request's K/V by a plan
+    of the whole batch), unless the environment names flashinfer's (then a warning)."""
+    if kernels.decode_kernel == "flashinfer":
+        log.warning("batch-invariant decoding with flashinfer's decode attention (LORAFLEET_DECODE_KERNEL=flashinfer): "
+                    "a long context's attention may still depend on the other requests of its step")
+        return kernels
+    return dataclasses.replace(kernels, decode_kernel="lorafleet")
+
+
 class Engine:
     """`model` is a model path (HF directory, .gguf or synthetic directory) or an already built Decoder
     (shared weights, e.g. for benchmarks). `adapter_loader(ref) -> LoadedAdapter` replaces reading
@@ -64,6 +75,8 @@ class Engine:
     def __init__(self, model: "str | Decoder", config: EngineConfig = EngineConfig(), adapter_loader=None):
         if config.kernels is None:
             config = dataclasses.replace(config, kernels=KernelChoices.from_env())
+        if config.batch_invariant:
+            config = dataclasses.replace(config, kernels=invariant_kernels(config.kernels))
         log.info("%s", config.kernels.describe())
         self.config = config
         self.tp = None  # TPWorkers of ranks 1..G-1 with tensor parallelism
@@ -171,7 +184,7 @@ class Engine:
         prev, launched = self._inflight, None
         if plan.work:
             parts = [plan.work]
-            if self.config.separate_prefill and plan.num_decode and plan.prefill_tokens:  # decode rows on their own
+            if self.config.batch_invariant and plan.num_decode and plan.prefill_tokens:  # decode rows on their own
                 parts = [[w for w in plan.work if w.decode], [w for w in plan.work if not w.decode]]
             batches = [build_step_batch(work, self.config.page_size, self.config.max_batch_size,
                                         prev.batch if prev is not None else None, pin=self.device.type == "cuda",

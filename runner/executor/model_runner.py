@@ -119,7 +119,7 @@ class PartsBatch:
 
 
 class InFlightParts:
-    """A step launched as separate forward passes (EngineConfig.separate_prefill: its decode rows, then its prompt
+    """A step launched as separate forward passes (EngineConfig.batch_invariant: its decode rows, then its prompt
     rows), each an InFlight of its own part (`parts`, read back one by one). To the step after it, it is one step:
     `tokens_dev` the parts' sampled ids end to end, `batch.sample_pos` indexing them."""
 
@@ -201,7 +201,7 @@ class ModelRunner:
         return out
 
     def launch_parts(self, batches: list["StepBatch"], prev=None, readback: bool = True) -> "InFlight | InFlightParts":
-        """`launch` for a step of one batch, or of several parts run one after another (EngineConfig.separate_prefill),
+        """`launch` for a step of one batch, or of several parts run one after another (EngineConfig.batch_invariant),
         each reading its pending ids from `prev`: only the first part may have any (the decode rows)."""
         if len(batches) == 1:
             return self.launch(batches[0], prev, readback)

@@ -293,9 +293,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-prefix-cache", action="store_true", help="do not reuse the KV pages of shared prompt "
                    "prefixes between requests (reused by default)")
-    from lorafleet.runner.service.server import add_precision_arguments, add_separate_prefill_argument
+    from lorafleet.runner.service.server import add_precision_arguments, add_batch_invariant_argument
 
-    add_separate_prefill_argument(p)
+    add_batch_invariant_argument(p)
     add_precision_arguments(p)
 
 
@@ -336,7 +336,7 @@ def run(args: argparse.Namespace) -> int:
         max_batch_size=args.max_batch_size, page_size=args.page_size, num_pages=args.kv_pages,
         max_lora_rank=args.max_lora_rank, lora_slots=args.lora_slots, dtype=args.dtype, device=args.device,
         requeue_evicted=True, prefix_cache=not args.no_prefix_cache, quantization=args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype, separate_prefill=args.separate_prefill,
+        kv_cache_dtype=args.kv_cache_dtype, batch_invariant=args.batch_invariant,
     )
     engine = Engine(str(model), cfg)  # first: its context length bounds every line's max_tokens
 

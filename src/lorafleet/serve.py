@@ -57,8 +57,8 @@ def runner_command(args: argparse.Namespace, model: str, port: int, rid: str, de
         cmd.append("--no-cuda-graphs")
     if getattr(args, "no_prefix_cache", False):
         cmd.append("--no-prefix-cache")
-    if getattr(args, "separate_prefill", False):
-        cmd.append("--separate-prefill")
+    if getattr(args, "batch_invariant", False):
+        cmd.append("--batch-invariant")
     if getattr(args, "quantization", None):
         cmd += ["--quantization", args.quantization]
     if getattr(args, "kv_cache_dtype", "auto") != "auto":
@@ -221,9 +221,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cuda-graphs", action="store_true", help="runners step eagerly on CUDA")
     p.add_argument("--no-prefix-cache", action="store_true", help="runners keep no KV pages for later requests "
                    "(on by default: requests with the same prefix, adapter and cache salt reuse full pages)")
-    p.add_argument("--separate-prefill", action="store_true",
-                   help="runners run a step's decode rows and prompt rows as two forward passes (a decode row's bits "
-                        "then never depend on the prompts beside it; default: one pass)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="runners' decode rows never depend on the other rows of their step (EngineConfig."
+                        "batch_invariant: decode and prompt rows as two forward passes; default: off)")
     p.add_argument("--quantization", choices=["fp8"], default=None,
                    help="runners hold the projection weights in FP8 (default: as the checkpoint stores them)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",

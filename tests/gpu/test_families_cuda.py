@@ -91,16 +91,20 @@ def test_family_bf16_products_on_the_wgmma_kernel(family, monkeypatch):
     real = dec.bf16_sm90_linear
 
     def counted(ext, x, w, bias, spans, lora, unit, sync=None):
-        calls.append((len(spans), lora is not None))
+        calls.append((len(spans), lora is not None, w.shape[0]))
         return real(ext, x, w, bias, spans, lora, unit, sync)
     monkeypatch.setattr(dec, "bf16_sm90_linear", counted)
     cpu, _ = generate(model, reqs, NEW, device="cpu", kv_cache_gb=0.05)  # the fp32 continuation
     eng = teacher.teacher_forced_check(model, ads, reqs, cpu, "bfloat16", f"{name} bf16 wgmma",
                                        kernels=KernelChoices(bf16_sm90=True, sm90_shrink=False), max_step_tokens=64)
-    assert eng.model.bf16_sm90 and any(lora for _, lora in calls)
-    # every product of every layer and step took it: qkv (three spans), o and down (one), gate_up (two) alike
-    qkv, one, two = (sum(1 for n, _ in calls if n == k) for k in (3, 1, 2))
+    assert eng.model.bf16_sm90 and any(lora for _, lora, _ in calls)
+    # every product of every layer and step took it: qkv (three spans), o and down (one), gate_up (two) alike, and
+    # each step's lm_head (one span of the vocabulary's rows)
+    vocab = eng.model.lm_head.shape[0]
+    heads = sum(1 for n, _, rows in calls if n == 1 and rows == vocab)
+    qkv, one, two = (sum(1 for n, _, rows in calls if n == k and rows != vocab) for k in (3, 1, 2))
     assert qkv > 0 and qkv % eng.model.num_layers == 0 and one == 2 * qkv and two == qkv
+    assert heads >= qkv // eng.model.num_layers
     teacher.decode_graph_vs_eager(model, reqs, f"{name} bf16 wgmma",
                                   kernels=KernelChoices(bf16_sm90=True, sm90_shrink=False))
     # with the qkv and gate_up shrinks inside the norms' launches (the product then launches no shrink of its own)

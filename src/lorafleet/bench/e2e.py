@@ -849,9 +849,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "budget or unchunked; for A/B runs of one setting)")
     p.add_argument("--step-tokens", type=cli_args.positive_int, default=None, help="chunked prefill: token rows per step "
                    "(default: the engine's)")
-    from lorafleet.runner.service.server import add_separate_prefill_argument
+    from lorafleet.runner.service.server import add_batch_invariant_argument
 
-    add_separate_prefill_argument(p)
+    add_batch_invariant_argument(p)
     from lorafleet.bench.prefix import WORKLOADS
 
     p.add_argument("--prefill", type=int, nargs="?", const=2048, default=None, metavar="TOKENS",
@@ -940,7 +940,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict = {"card": torch.cuda.get_device_name(0), "date": str(date.today()), "torch": torch.__version__,
                      "requests": args.requests, "max_batch": args.max_batch, "runs": [],
                      "quantization": args.quantization or "none", "kv_cache_dtype": args.kv_cache_dtype,
-                     "separate_prefill": args.separate_prefill, "floor_rates": rates}
+                     "batch_invariant": args.batch_invariant, "floor_rates": rates}
 
     def make_engine(max_batch: int, lora: bool, from_disk: bool = False, chunked: bool = True):
         from lorafleet.runner.engine.sequence import AdapterRef, SamplingParams, Sequence
@@ -949,7 +949,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = EngineConfig(max_batch_size=max_batch, max_lora_rank=args.rank, lora_slots=max(64, 2 * max_batch),
                            enable_lora=lora, host_lora_cache=4096, kv_fraction=0.8, chunked_prefill=chunked,
                            max_step_tokens=args.step_tokens if chunked else None, quantization=args.quantization,
-                           kv_cache_dtype=args.kv_cache_dtype, separate_prefill=args.separate_prefill,
+                           kv_cache_dtype=args.kv_cache_dtype, batch_invariant=args.batch_invariant,
                            requeue_evicted=True)  # offline: an evicted request resumes
         loader = None if from_disk else (lambda ref: store[int(ref.source) % len(store)])
         eng = Engine(model, cfg, adapter_loader=loader)
@@ -1148,7 +1148,7 @@ def _tp_session(job: dict, conn) -> None:
                            lora_slots=max(64, 2 * job["max_batch"]), enable_lora=lora, host_lora_cache=4096,
                            kv_fraction=0.8, allow_synthetic=True, max_step_tokens=job["step_tokens"],
                            quantization=job.get("quantization"), kv_cache_dtype=job.get("kv_cache_dtype", "auto"),
-                           separate_prefill=job.get("separate_prefill", False),
+                           batch_invariant=job.get("batch_invariant", False),
                            **({} if cuda else {"device": "cpu", "num_pages": 2000, "page_size": 16}))
         eng = Engine(job["path"], cfg)
         out: dict = {"runs": [], "floor_rates": rates}
@@ -1211,7 +1211,7 @@ def run_tp(args) -> int:
                      "date": str(date.today()), "torch": torch.__version__, "requests": args.requests,
                      "max_batch": args.max_batch, "shape": args.shape, "population": population, "runs": [], "tp": {},
                      "quantization": args.quantization or "none", "kv_cache_dtype": args.kv_cache_dtype,
-                     "separate_prefill": args.separate_prefill}
+                     "batch_invariant": args.batch_invariant}
     key = args.shape.replace("-", "_")
 
     def save() -> None:
@@ -1226,7 +1226,7 @@ def run_tp(args) -> int:
                    "requests": args.requests, "seed": args.seed, "max_batch": args.max_batch,
                    "step_tokens": args.step_tokens, "path": str(path), "mixes": list(args.mixes),
                    "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
-                   "separate_prefill": args.separate_prefill, "profile": args.profile}
+                   "batch_invariant": args.batch_invariant, "profile": args.profile}
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_tp_session, args=(job, child), daemon=False)
             proc.start()
