@@ -301,3 +301,30 @@ def test_a_batch_invariant_engine_takes_the_decode_kernel_that_follows_a_request
     eng = engine(tiny_llama, batch_invariant=True)
     assert eng.config.batch_invariant and eng.config.kernels.decode_kernel == "lorafleet"
     assert engine(tiny_llama).config.kernels.decode_kernel == "auto"
+
+
+def test_a_batch_invariant_engine_caches_pages_for_the_next_step_only(tiny_llama):
+    """With the prefix cache, a request admitted beside another with the same prompt finds the pages that request's
+    prompt fills in the same step. In a batch-invariant engine the step's decode-shaped rows run in a pass before its
+    prompt rows, so such pages are cached from the next step on: two equal prompts of two full pages and one token
+    arriving together (the second would have one row left, computed before the first's pages), then a third after them
+    that finds both pages. The tokens are the one-pass engine's, and the third request's prompt is found cached."""
+    prompt = list(range(5, 14))  # 9 tokens, pages of 4
+
+    def go(**cfg):
+        eng = engine(tiny_llama, enable_lora=False, **cfg)
+        first = [Sequence(f"r{i}", list(prompt), SamplingParams(max_tokens=6, ignore_eos=True), arrival=float(i))
+                 for i in range(2)]
+        for s in first:
+            eng.submit(s)
+        for _ in range(3):
+            eng.step()
+        late = Sequence("r2", list(prompt), SamplingParams(max_tokens=6, ignore_eos=True), arrival=9.0)
+        done = eng.run_to_completion([late])
+        out = {s.id: s.output_ids for s in first} | {"r2": done["r2"].output_ids}
+        return out, late.cached_tokens
+
+    want, _ = go(prefix_cache=False)
+    assert go()[0] == want
+    got, cached = go(batch_invariant=True)
+    assert got == want and cached == 8

@@ -75,6 +75,7 @@ class Batcher:
         adapter_lookahead: int = 0,
         decode_prefill_tokens: int | None = None,
         identity=None,
+        reuse_next_step: bool = False,
     ):
         if admit_batch < 1 or admit_wait_steps < 0:
             raise ValueError("admit_batch must be >= 1 and admit_wait_steps >= 0")
@@ -96,6 +97,11 @@ class Batcher:
         self.running: list[Sequence] = []
         # identity(seq) -> the content identity of the weights the request runs on ("" for the base model)
         self.identity = identity or (lambda seq: "")
+        # Steps that may run in several passes (EngineConfig.batch_invariant): the full pages a step computes are
+        # cached for the requests of the next step on, not for those admitted in the same step (whose rows may run
+        # in a pass before the one that writes them)
+        self.reuse_next_step = reuse_next_step
+        self._unregistered: list[Sequence] = []
 
     # -- membership -------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -132,6 +138,10 @@ class Batcher:
     # -- one step -------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
         plan = StepPlan()
+        for seq in self._unregistered:  # the pages the step before computed (reuse_next_step)
+            if seq.status == Status.RUNNING:
+                self._register(seq)
+        self._unregistered = []
         chunked = self.max_step_tokens is not None
         budget = self.max_step_tokens if chunked else self.max_prefill_tokens
         running = sorted(self.running, key=lambda s: s.age_key)
@@ -266,11 +276,14 @@ class Batcher:
     def _computed(self, work: list[RowWork]) -> None:
         """Host bookkeeping: these rows' K/V are written by this step (before any later step reads them, and
         in each layer before this step's attention reads any: a request admitted later in the same step may
-        share the full pages they complete)."""
+        share the full pages they complete; with reuse_next_step, only the requests of later steps)."""
         for w in work:
             w.seq.num_cached = w.end
             if self.blocks.caching:
-                self._register(w.seq)
+                if self.reuse_next_step:
+                    self._unregistered.append(w.seq)
+                else:
+                    self._register(w.seq)
 
     # -- the prefix cache -------------------------------------------------------------------------------
     def _keys(self, seq: Sequence, num_tokens: int) -> list[bytes]:

@@ -132,7 +132,8 @@ class Engine:
         self.batcher = Batcher(self.blocks, self.adapters, config.max_batch_size, config.max_prefill_tokens,
                                self.max_model_len, admit_batch=admit, admit_wait_steps=config.admit_wait_steps,
                                max_step_tokens=self.max_step_tokens, adapter_lookahead=lookahead,
-                               decode_prefill_tokens=self.config.decode_prefill_tokens, identity=self._identity)
+                               decode_prefill_tokens=self.config.decode_prefill_tokens, identity=self._identity,
+                               reuse_next_step=config.batch_invariant)
         self.overlap = config.overlap if config.overlap is not None else self.device.type == "cuda"
         log.info("KV cache: %d pages x %d tokens (%d tokens, %s); attention=%s sgmv=%s%s", ex.num_pages, config.page_size,
                  self.blocks.total_tokens, "FP8 e4m3" if config.kv_cache_dtype == "fp8" else "model dtype",
