@@ -226,6 +226,7 @@ stage() {
       done ;;
     flagab)  # bench e2e without, then with the flag AB_FLAG (e.g. --batch-invariant); AB_REQS, AB_ARGS, AB_NAME
       local v
+      : "${AB_FLAG:?flagab needs AB_FLAG, a flag of bench e2e}"
       for v in 0 1; do
         timeout ${LORA_S:-300} $E2E --requests ${AB_REQS:-200} --mixes distinct identical --sweep --hf-requests 0 \
           --profile ${AB_ARGS:-} $([ $v = 1 ] && echo "$AB_FLAG") --out "$OUT/e2e_${AB_NAME}_$v.json" 2>&1 \

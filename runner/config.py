@@ -216,10 +216,11 @@ class EngineConfig:
     # requests; its own first token comes later). None: the step budget alone limits them.
     decode_prefill_tokens: int | None = None
     chunked_prefill: bool | None = None  # None or True: on (see max_step_tokens); False: whole prompts per step
-    # Batch-invariant decoding: a decode row's bits never depend on the other rows of its step. A step that carries
+    # Batch-invariant decoding: a decode row's bits do not depend on the other rows of its step. A step that carries
     # both decode and prompt rows runs them as two forward passes (the decode rows alone: a decode-only step, its
-    # CUDA graph; a second pass over the weights in each such step), and flashinfer's decode attention never splits a
-    # request's K/V by the batch (docs/api.md, "Reproducibility"). Off: one pass, flashinfer's split by its plan.
+    # CUDA graph; a second pass over the weights in each such step), the decode rows' attention takes the project's
+    # kernel (decode_kernel "lorafleet": its chunks follow a request's own length), and the pages a step fills are
+    # cached for later steps only (docs/api.md, "Reproducibility"). Off: one pass, the kernels' own choices.
     batch_invariant: bool = False
     # Overlapped scheduling: build and queue step N+1 while the device runs step N. None: on for CUDA.
     overlap: bool | None = None

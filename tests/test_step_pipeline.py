@@ -328,3 +328,21 @@ def test_a_batch_invariant_engine_caches_pages_for_the_next_step_only(tiny_llama
     assert go()[0] == want
     got, cached = go(batch_invariant=True)
     assert got == want and cached == 8
+
+
+def test_a_batch_invariant_engine_says_where_the_invariance_does_not_hold(tiny_llama, caplog):
+    """invariance_gaps: the CPU's products; on CUDA, products not on the wgmma kernel, decode batches beyond its 64
+    rows, decode attention left on flashinfer's."""
+    from types import SimpleNamespace as NS
+
+    from lorafleet.runner.engine.engine import invariance_gaps
+
+    with caplog.at_level("WARNING"):
+        engine(tiny_llama, batch_invariant=True)
+    assert "does not hold everywhere here: the CPU's matrix products" in caplog.text
+    cuda, cfg = torch.device("cuda"), EngineConfig()
+    assert invariance_gaps(cfg, cuda, NS(bf16_sm90=True), NS(own=object())) == []
+    assert invariance_gaps(cfg, cuda, NS(bf16_sm90=True), NS()) == []  # (torch attention: no split)
+    gaps = invariance_gaps(EngineConfig(max_batch_size=128), cuda, NS(bf16_sm90=False), NS(own=None))
+    assert len(gaps) == 2 and "cuBLAS" in gaps[0] and "flashinfer" in gaps[1]
+    assert "128" in invariance_gaps(EngineConfig(max_batch_size=128), cuda, NS(bf16_sm90=True), NS())[0]

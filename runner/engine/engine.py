@@ -2,6 +2,8 @@
 
     plan = batcher.schedule()                          # who computes which rows, pages, evictions
     inflight = runner.launch(build_step_batch(plan))   # one flat multi-LoRA batch, queued on the device
+                                                       # (batch_invariant: decode and prompt rows as two
+                                                       # batches, runner.launch_parts)
     return self._postprocess(previous step)            # append tokens, finish, report
 
 With overlap (CUDA by default), step N+1 is scheduled, built and queued while the device still runs
@@ -29,6 +31,7 @@ from lorafleet.runner.executor.executor import build_executor
 from lorafleet.runner.executor.model_runner import NOT_FINITE
 from lorafleet.runner.lora.manager import AdapterManager
 from lorafleet.runner.model.decoder import Decoder
+from lorafleet.runner.model.fp8 import SM90_MAX_ROWS
 from lorafleet.runner.engine.sequence import Sequence
 from lorafleet.runner.engine.step_batch import StepBatch, build_step_batch
 
@@ -60,10 +63,30 @@ def invariant_kernels(kernels: KernelChoices) -> KernelChoices:
     project's kernel (its chunks follow a request's own length; flashinfer's decode splits a request's K/V by a plan
     of the whole batch), unless the environment names flashinfer's (then a warning)."""
     if kernels.decode_kernel == "flashinfer":
-        log.warning("batch-invariant decoding with flashinfer's decode attention (LORAFLEET_DECODE_KERNEL=flashinfer): "
-                    "a long context's attention may still depend on the other requests of its step")
+        log.warning("batch-invariant decoding with flashinfer's decode attention (decode_kernel flashinfer, "
+                    "LORAFLEET_DECODE_KERNEL): a long context's attention may still depend on the other requests of "
+                    "its step")
         return kernels
     return dataclasses.replace(kernels, decode_kernel="lorafleet")
+
+
+def invariance_gaps(config: EngineConfig, device: torch.device, model, attention) -> list[str]:
+    """What keeps a batch-invariant engine's decode rows from being independent of their step's other rows, as built:
+    its products where they are not on the wgmma kernel, its decode attention where it is not on the project's."""
+    if device.type != "cuda":
+        return ["the CPU's matrix products depend on the number of rows"]
+    gaps = []
+    if not getattr(model, "bf16_sm90", False):
+        gaps.append("the decode products and the lm_head take cuBLAS (FP8 weights, a GPU other than compute "
+                    "capability 9.0, a build without CUTLASS's headers, or LORAFLEET_BF16_SM90=0), which does not "
+                    "promise rows that do not depend on the row count")
+    elif config.max_batch_size > SM90_MAX_ROWS:
+        gaps.append(f"decode steps of more than {SM90_MAX_ROWS} rows (max batch size {config.max_batch_size}) take "
+                    "cuBLAS's products")
+    if getattr(attention, "own", False) is None:
+        gaps.append("the decode attention stays on flashinfer's (the project's kernel does not take this model), "
+                    "which plans its split of long contexts over the whole batch")
+    return gaps
 
 
 class Engine:
@@ -106,6 +129,9 @@ class Engine:
             raise
         self.executor = ex
         self.model, self.device, self.dtype = ex.model, ex.device, ex.dtype
+        if config.batch_invariant:
+            for gap in invariance_gaps(config, ex.device, ex.model, ex.attention):
+                log.warning("batch-invariant decoding does not hold everywhere here: %s", gap)
         self.model_config: ModelConfig = ex.model.full_cfg
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.lora_pool, self.kv, self.attention, self.sgmv = ex.lora_pool, ex.kv, ex.attention, ex.sgmv

@@ -3,6 +3,7 @@
     plan  = batcher.schedule()                   # which rows of which requests (RowWork)
     batch = build_step_batch(plan.work, ...)     # this module: the only producer
     runner.launch(batch, prev)                   # eager, decode graph or piecewise graph: all read it
+    runner.launch_parts([decode, prompt], prev)  # EngineConfig.batch_invariant: a step as two batches
 
 Row layout (Punica §5): one flat token batch; prefill (and prefill-chunk) rows first, then decode
 rows, each part grouped by adapter slot so every adapter is one contiguous segment; a slot shared

@@ -129,9 +129,6 @@ class InFlightParts:
         self.tokens_dev = torch.cat([p.tokens_dev for p in parts])
         self.kind = "+".join(p.kind for p in parts)
 
-    def done(self) -> bool:
-        return all(p.done() for p in self.parts)
-
     def wait(self, poll=None) -> None:
         for p in self.parts:
             p.wait(poll)

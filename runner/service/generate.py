@@ -293,9 +293,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-prefix-cache", action="store_true", help="do not reuse the KV pages of shared prompt "
                    "prefixes between requests (reused by default)")
-    from lorafleet.runner.service.server import add_precision_arguments, add_batch_invariant_argument
+    from lorafleet.runner.service.server import add_precision_arguments
 
-    add_batch_invariant_argument(p)
+    cli_args.add_batch_invariant_argument(p)
     add_precision_arguments(p)
 
 

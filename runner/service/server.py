@@ -469,7 +469,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=cli_args.positive_int, default=1,
                    help="tensor parallelism: drive this many GPUs of the node as one engine (from --device on)")
     add_prefix_cache_argument(p)
-    add_batch_invariant_argument(p)
+    cli_args.add_batch_invariant_argument(p)
     add_precision_arguments(p)
 
 
@@ -479,16 +479,6 @@ PREFIX_CACHE_HELP = ("do not keep KV pages for later requests (the prefix cache 
 
 def add_prefix_cache_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-cache", action="store_true", help=PREFIX_CACHE_HELP)
-
-
-BATCH_INVARIANT_HELP = ("a decode row's bits never depend on the other rows of its step: a step's decode rows and "
-                        "prompt rows run as two forward passes (a second pass over the weights in each such step: "
-                        "about -3 %% end to end at ShareGPT-like loads), decode attention never splits a request's "
-                        "K/V by the batch (default: off)")
-
-
-def add_batch_invariant_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--batch-invariant", action="store_true", help=BATCH_INVARIANT_HELP)
 
 
 def add_precision_arguments(p: argparse.ArgumentParser) -> None:

@@ -221,9 +221,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cuda-graphs", action="store_true", help="runners step eagerly on CUDA")
     p.add_argument("--no-prefix-cache", action="store_true", help="runners keep no KV pages for later requests "
                    "(on by default: requests with the same prefix, adapter and cache salt reuse full pages)")
-    p.add_argument("--batch-invariant", action="store_true",
-                   help="runners' decode rows never depend on the other rows of their step (EngineConfig."
-                        "batch_invariant: decode and prompt rows as two forward passes; default: off)")
+    cli_args.add_batch_invariant_argument(p)  # (passed to the runners)
     p.add_argument("--quantization", choices=["fp8"], default=None,
                    help="runners hold the projection weights in FP8 (default: as the checkpoint stores them)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",

@@ -849,9 +849,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "budget or unchunked; for A/B runs of one setting)")
     p.add_argument("--step-tokens", type=cli_args.positive_int, default=None, help="chunked prefill: token rows per step "
                    "(default: the engine's)")
-    from lorafleet.runner.service.server import add_batch_invariant_argument
-
-    add_batch_invariant_argument(p)
+    cli_args.add_batch_invariant_argument(p)
     from lorafleet.bench.prefix import WORKLOADS
 
     p.add_argument("--prefill", type=int, nargs="?", const=2048, default=None, metavar="TOKENS",

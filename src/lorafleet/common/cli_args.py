@@ -120,3 +120,14 @@ def model_dir(*files: str) -> Callable[[str], str]:
         return value
 
     return check
+
+
+BATCH_INVARIANT_HELP = ("a decode row's bits do not depend on the other rows of its step: a step's decode rows and "
+                        "prompt rows run as two forward passes, decode attention on the project's kernel (the two "
+                        "passes cost about 3 %% at ShareGPT-like loads on an H100; docs/api.md, Reproducibility, "
+                        "says what it covers). Default: off")
+
+
+def add_batch_invariant_argument(p) -> None:
+    """--batch-invariant (runner, serve, generate, bench e2e): EngineConfig.batch_invariant."""
+    p.add_argument("--batch-invariant", action="store_true", help=BATCH_INVARIANT_HELP)
