@@ -939,6 +939,9 @@ def main(argv: list[str] | None = None) -> int:
                      "requests": args.requests, "max_batch": args.max_batch, "runs": [],
                      "quantization": args.quantization or "none", "kv_cache_dtype": args.kv_cache_dtype,
                      "batch_invariant": args.batch_invariant, "floor_rates": rates}
+    if args.batch_invariant:  # (what floor_tok_s and floor_fraction compare against)
+        results["floor_note"] = ("the floor reads the weights once per step; batch-invariant steps with prompt "
+                                 "and decode rows read them twice")
 
     def make_engine(max_batch: int, lora: bool, from_disk: bool = False, chunked: bool = True):
         from lorafleet.runner.engine.sequence import AdapterRef, SamplingParams, Sequence
