@@ -53,9 +53,13 @@ def requests(ads, n=12, new=10):
             for i in range(n)]
 
 
-def generate(model, ads, tp, n=12, new=10, **cfg):
+def generate(model, ads, tp, n=12, new=10, parts=None, **cfg):
+    """The requests' (finish reason, tokens); `parts`: a list given the number of parts of each step launched."""
     eng = Engine(str(model), EngineConfig(device="cpu", tp=tp, max_batch_size=6, page_size=4, num_pages=300,
                                           max_lora_rank=16, lora_slots=2, **cfg))
+    if parts is not None:
+        launch = eng.runner.launch_parts
+        eng.runner.launch_parts = lambda batches, *a: parts.append(len(batches)) or launch(batches, *a)
     try:
         done = eng.run_to_completion(requests(ads, n, new))
         assert eng.blocks.free_pages == eng.blocks.num_pages
@@ -79,7 +83,10 @@ def test_tp2_gives_the_tokens_of_one_rank(gqa, tp1):
 def test_tp2_with_steps_in_two_passes_gives_the_tokens_of_one_rank(gqa, tp1):
     """EngineConfig.batch_invariant: every rank runs a step's decode rows and prompt rows as two passes (the
     step's parts reach the ranks together), reading pending ids from both parts of the step before."""
-    assert generate(*gqa, tp=2, overlap=True, chunked_prefill=True, max_step_tokens=16, batch_invariant=True) == tp1
+    parts = []
+    got = generate(*gqa, tp=2, overlap=True, chunked_prefill=True, max_step_tokens=16, batch_invariant=True,
+                   parts=parts)
+    assert got == tp1 and parts.count(2) >= 3
 
 
 @pytest.mark.parametrize("tp", [4, 8])
