@@ -1,9 +1,11 @@
 """The step pipeline on the CPU: one step batch for every executor, overlapped scheduling (step N+1
-queued before step N's ids are read back) and chunked prefill all give the tokens of the plain
-synchronous, unchunked engine (fp32, greedy and seeded sampling), with adapters, stop tokens found
-one step late, cancellation and eviction; no page is leaked."""
+queued before step N's ids are read back), chunked prefill and batch-invariant steps (decode and prompt rows as two
+passes) all give the tokens of the plain synchronous, unchunked engine (fp32, greedy and seeded sampling), with
+adapters, stop tokens found one step late, cancellation and eviction; no page is leaked."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -346,3 +348,37 @@ def test_a_batch_invariant_engine_says_where_the_invariance_does_not_hold(tiny_l
     gaps = invariance_gaps(EngineConfig(max_batch_size=128), cuda, NS(bf16_sm90=False), NS(own=None))
     assert len(gaps) == 2 and "cuBLAS" in gaps[0] and "flashinfer" in gaps[1]
     assert "128" in invariance_gaps(EngineConfig(max_batch_size=128), cuda, NS(bf16_sm90=True), NS())[0]
+
+
+def test_a_batch_invariant_engine_reports_the_log_probabilities_of_one_pass(tiny_llama, adapters):
+    """Requests that ask for their tokens' and their prompts' log-probabilities, some prefilled in steps run as two
+    passes: every token and prompt position has its entries, the chosen ids and log-probabilities those of the
+    one-pass engine (fp32: within rounding)."""
+    def go(**cfg):
+        eng = engine(tiny_llama, chunked_prefill=True, max_step_tokens=11, **cfg)
+        launched = record_launches(eng)
+        seqs = requests(adapters, n=10)
+        for i, s in enumerate(seqs):
+            s.params = dataclasses.replace(s.params, temperature=0.0, logprobs=2,
+                                           prompt_logprobs=1 if i % 3 == 0 else None)
+        got = {}
+        for s in seqs:
+            eng.submit(s)
+        while eng.has_work():
+            for out in eng.step():
+                e = got.setdefault(out.seq_id, {"ids": [], "lp": [], "plp": []})
+                e["ids"] += out.new_token_ids
+                e["lp"] += out.logprobs or []
+                e["plp"] += out.prompt_logprobs or []
+        return got, sum(len(p) == 2 for p in launched)
+
+    want, _ = go()
+    got, split = go(batch_invariant=True)
+    assert split >= 3 and got.keys() == want.keys()
+    for k, w in want.items():
+        g = got[k]
+        assert g["ids"] == w["ids"] and len(g["lp"]) == len(w["ids"]) and len(g["plp"]) == len(w["plp"])
+        for a, b in zip(g["lp"] + g["plp"], w["lp"] + w["plp"]):
+            assert a[0] == pytest.approx(b[0], abs=1e-4)
+            assert [i for i, _ in a[1]] == [i for i, _ in b[1]]
+    assert any(w["plp"] for w in want.values())
