@@ -232,7 +232,7 @@ class Engine:
         if not self.overlap and launched is not None:
             prev, self._inflight = launched, None
         if prev is not None:
-            for part in getattr(prev, "parts", [prev]):  # (a step run in parts: InFlightParts)
+            for part in prev.parts:  # (one, or a step run as two passes: InFlightParts)
                 tokens = part.tokens(self.tp.check if self.tp is not None else None)
                 outputs += self._postprocess(part.batch, tokens, part.logprobs(), part.prompt_logprobs())
         elif idle_wait and not plan.work and self.batcher.waiting and not outputs:

@@ -67,6 +67,11 @@ class InFlight:
             self.event = torch.cuda.Event()
             self.event.record()
 
+    @property
+    def parts(self) -> list["InFlight"]:
+        """The step's parts, read back one by one: itself (InFlightParts: a step run as several passes)."""
+        return [self]
+
     def done(self) -> bool:
         return self.event is None or self.event.query()
 
@@ -127,7 +132,6 @@ class InFlightParts:
         self.parts = parts
         self.batch = PartsBatch(parts)
         self.tokens_dev = torch.cat([p.tokens_dev for p in parts])
-        self.kind = "+".join(p.kind for p in parts)
 
     def wait(self, poll=None) -> None:
         for p in self.parts:
