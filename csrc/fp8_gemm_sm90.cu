@@ -40,12 +40,57 @@ const char* on_sm90(int device, Launch&& launch) {
   return err;
 }
 
+// The shrink's checks (a LoRA with one A pool per span and the call site's counters), shared by both entry points.
+const char* shrink_error(const Fp8EpilogueArgs& e, const char* who) {
+  const Fp8EpilogueLora& l = e.lora;
+  if (l.v == nullptr || l.a_rank_max < 1 || l.sync == nullptr) return who;
+  for (int g = 0; g < e.num_groups; ++g)
+    if (l.a[g] == nullptr || l.a_rank_dim[g] < 1 || l.a_rank_dim[g] > l.a_rank_max) return who;
+  return nullptr;
+}
+
+// The shrink's tickets for a launch of `ctas` CTAs on `sms` SMs: at most as many as the consumer warps (4 a CTA)
+// of one CTA per SM, at most of every CTA, each the fewest rank rows of one row that allows it; where the rows alone
+// outnumber those warps, a row each. lora.x: x's bf16 rows where the caller gave none (bf16 operands: x itself).
+Fp8EpilogueArgs plan_shrink(const Fp8Sm90Args& a, const Fp8EpilogueArgs& e, int sms, long long ctas) {
+  const Fp8EpilogueLora& l = e.lora;
+  const long long warps = 4 * (ctas < sms ? ctas : sms);
+  const int per_row = e.num_groups * l.a_rank_max;
+  int per = static_cast<int>(std::max(1LL, (static_cast<long long>(per_row) * a.m + warps - 1) / warps));
+  while (per < per_row && static_cast<long long>(a.m) * ((per_row + per - 1) / per) > warps) ++per;
+  Fp8EpilogueArgs shrunk = e;
+  if (shrunk.lora.x == nullptr) shrunk.lora.x = a.x;
+  shrunk.lora.k = a.k;
+  shrunk.lora.shrink_per = per;
+  shrunk.lora.shrink_tickets = a.m * ((per_row + per - 1) / per);
+  return shrunk;
+}
+
+// The CTAs of a launch with one CTA a tile: 64 weight rows by token_tile(M) tokens, times the parts of K.
+long long tile_ctas(const Fp8Sm90Args& a) {
+  const int tokens = token_tile(a.m);
+  return static_cast<long long>((a.n + 63) / 64) * ((a.m + tokens - 1) / tokens) * a.splits;
+}
+
 }  // namespace
 
 const char* fp8_gemm_sm90(const Fp8Sm90Args& a, void* stream) {
   if (const char* err = sizes_error(a)) return err;
   if (a.bf16 && a.persistent) return "fp8_gemm_sm90: the persistent schedule is built for e4m3 operands only";
+  if (a.shrink != nullptr) {
+    if (a.bf16 || a.persistent)
+      return "fp8_gemm_sm90: the shrink first takes e4m3 operands, one CTA a tile (bf16: fp8_gemm_sm90_fused)";
+    if (a.shrink->lora.x == nullptr) return "fp8_gemm_sm90: the shrink first needs x's bf16 rows";
+    if (const char* err = shrink_error(*a.shrink, "fp8_gemm_sm90: the shrink first needs LoRA (v, ranks, row "
+                                                  "slots), one A pool per span and the call site's counters"))
+      return err;
+  }
   return on_sm90(a.device, [&]() -> const char* {
+    if (a.shrink != nullptr) {
+      DeviceInfo info;  // (sgmv.h: read once per device)
+      if (const char* err = device_info(a.device, &info)) return err;
+      return plain_shrink(a, plan_shrink(a, *a.shrink, info.sms, tile_ctas(a)), stream);
+    }
     if (a.persistent) {
       DeviceInfo info;  // (sgmv.h: read once per device)
       if (const char* err = device_info(a.device, &info)) return err;
@@ -65,10 +110,9 @@ const char* fp8_gemm_sm90_fused(const Fp8Sm90Args& a, const Fp8EpilogueArgs& e, 
   const Fp8EpilogueLora& l = e.lora;
   if (l.sync != nullptr) {
     if (!a.bf16) return "fp8_gemm_sm90_fused: the shrink inside the product takes bf16 operands only";
-    if (l.v == nullptr || l.a_rank_max < 1) return "fp8_gemm_sm90_fused: the shrink inside the product needs LoRA";
-    for (int g = 0; g < e.num_groups; ++g)
-      if (l.a[g] == nullptr || l.a_rank_dim[g] < 1 || l.a_rank_dim[g] > l.a_rank_max)
-        return "fp8_gemm_sm90_fused: the shrink inside the product needs one A pool per span";
+    if (const char* err = shrink_error(e, "fp8_gemm_sm90_fused: the shrink inside the product needs LoRA and one A "
+                                          "pool per span"))
+      return err;
   }
   return on_sm90(a.device, [&]() -> const char* {
     DeviceInfo info;  // (sgmv.h: read once per device)
@@ -77,21 +121,10 @@ const char* fp8_gemm_sm90_fused(const Fp8Sm90Args& a, const Fp8EpilogueArgs& e, 
       return a.persistent ? fused<cutlass::float_e4m3_t, true>(a, e, stream, info.sms)
                           : fused<cutlass::float_e4m3_t>(a, e, stream);
     if (l.sync == nullptr) return sm90_bf16_fused(a, e, stream);
-    // At most as many tickets as the consumer warps (4 a CTA) of one CTA per SM, at most of every CTA (fused's tiles:
-    // 64 weight rows by 16, 32 or 64 tokens), each the fewest rank rows of one row that allows it; where the rows
-    // alone outnumber those warps, a row each (a grid with fewer SMs takes the rest in its epilogues).
-    const int tokens = token_tile(a.m);
-    const long long ctas = static_cast<long long>((a.n + 63) / 64) * ((a.m + tokens - 1) / tokens);
-    const long long warps = 4 * (ctas < info.sms ? ctas : info.sms);
-    const int per_row = e.num_groups * l.a_rank_max;
-    int per = static_cast<int>(std::max(1LL, (static_cast<long long>(per_row) * a.m + warps - 1) / warps));
-    while (per < per_row && static_cast<long long>(a.m) * ((per_row + per - 1) / per) > warps) ++per;
-    Fp8EpilogueArgs shrunk = e;
-    shrunk.lora.x = a.x;
-    shrunk.lora.k = a.k;
-    shrunk.lora.shrink_per = per;
-    shrunk.lora.shrink_tickets = a.m * ((per_row + per - 1) / per);
-    return sm90_bf16_fused(a, shrunk, stream);
+    // (a grid with fewer SMs takes the tickets its first warps leave in its epilogues; x is the product's own)
+    Fp8EpilogueArgs own = e;
+    own.lora.x = nullptr;
+    return sm90_bf16_fused(a, plan_shrink(a, own, info.sms, tile_ctas(a)), stream);
   });
 }
 

@@ -47,6 +47,10 @@
 //       the partial sums of K's equal parts; persistent: CUTLASS's persistent ping-pong schedule (the same bits).
 //       x and w may both be bf16 instead (bf16 wgmma; not persistent), here and in fp8_gemm_sm90_fused; w's rows
 //       may lie further apart than K (a weight with spare columns: 16-byte aligned rows).
+//       With lora_x (x's bf16 rows [M, K]), cols, v, b, ranks, row_slot, a (one A pool [S, R, K] per span) and sync
+//       (int32 [>= 1], zero, the call site's own; e4m3 operands, not persistent): the rows' LoRA shrink too, into v,
+//       on the product's warps before their main loop, for the FP8 epilogue launched after it (fp8_gemm_sm90.h
+//       Fp8Sm90Args::shrink).
 //       fp8_gemm_sm90_built(): whether this build holds that kernel.
 //   fp8_epilogue(out, y, x_scale, w_scale, bias, cols, v, b, ranks, row_slot, pdl, stream, act=0): out = the fp32
 //       unit-scale FP8 product y times the token and row scales, plus the bias and the rows' LoRA expand
@@ -733,20 +737,51 @@ lorafleet::Fp8Sm90Args sm90_args(const Tensor& x, const Tensor& w, int64_t split
   return a;
 }
 
-void fp8_gemm_sm90(Tensor out, Tensor x, Tensor w, int64_t stream, int64_t splits, bool pdl, bool persistent) {
-  lorafleet::Fp8Sm90Args a = sm90_args(x, w, splits, pdl, "fp8_gemm_sm90");
-  a.persistent = persistent;
-  const int64_t M = a.m, N = a.n;
-  check_device(out, Name("out"), x);
-  const bool shape_ok = splits == 1 ? out.dim() == 2 && out.size(0) == M && out.size(1) == N
-                                    : out.dim() == 3 && out.size(0) == splits && out.size(1) == M && out.size(2) == N;
-  SGMV_CHECK(out.scalar_type() == torch::kFloat && out.is_contiguous() && shape_ok,
-             "fp8_gemm_sm90: out must be contiguous float32 [%lld, %lld] (splits 1) or [splits, %lld, %lld]", ll(M),
-             ll(N), ll(M), ll(N));
-  SGMV_CHECK(aligned16(out), "fp8_gemm_sm90: out must be 16-byte aligned");
-  a.out = out.data_ptr<float>();
-  const char* err = lorafleet::fp8_gemm_sm90(a, as_stream(stream));
-  SGMV_CHECK(err == nullptr, "fp8_gemm_sm90 launch failed: %s", err ? err : "");
+// The spans `cols` of a product of M rows and N columns on `ref`'s device, and with v the rows' LoRA (v, B pools of
+// `b_like`'s dtype, ranks, row slots), checked into `a`: shared by the FP8 epilogue and the shrink first.
+void lora_args(lorafleet::Fp8EpilogueArgs& a, const Tensor& ref, const Tensor& b_like, int64_t M, int64_t N,
+               const std::vector<int64_t>& cols, const std::optional<Tensor>& v, const std::vector<Tensor>& b,
+               const std::optional<Tensor>& ranks, const std::optional<Tensor>& row_slot, const char* who) {
+  const int64_t G = static_cast<int64_t>(cols.size());
+  SGMV_CHECK(G >= 1 && G <= lorafleet::kMaxGroup, "%s: 1 to %d column spans, got %lld", who, lorafleet::kMaxGroup,
+             ll(G));
+  int64_t total = 0;
+  for (int64_t g = 0; g < G; ++g) {
+    SGMV_CHECK(cols[g] > 0 && cols[g] % 8 == 0, "%s: span %lld (%lld columns) must be a positive multiple of 8", who,
+               ll(g), ll(cols[g]));
+    a.cols[g] = static_cast<int>(cols[g]);
+    total += cols[g];
+  }
+  SGMV_CHECK(total == N, "%s: the spans cover %lld columns, the product has %lld", who, ll(total), ll(N));
+  a.num_groups = static_cast<int>(G);
+  if (!v.has_value()) return;
+  SGMV_CHECK(ranks.has_value() && row_slot.has_value() && static_cast<int64_t>(b.size()) == G,
+             "%s: LoRA needs ranks, row_slot and one B pool per span (%lld), got %lld", who, ll(G),
+             ll(static_cast<int64_t>(b.size())));
+  check_device(*v, Name("v"), ref);
+  SGMV_CHECK(v->scalar_type() == torch::kFloat && v->dim() == 3 && v->is_contiguous() && v->size(0) >= M &&
+                 v->size(1) == G && v->size(2) >= 1,
+             "%s: v must be contiguous float32 [>= %lld, %lld, R]", who, ll(M), ll(G));
+  check_device(*ranks, Name("ranks"), ref);
+  SGMV_CHECK(ranks->scalar_type() == torch::kInt && ranks->is_contiguous() && ranks->dim() == 2 &&
+                 ranks->size(0) == G && ranks->size(1) >= 1 && ranks->size(1) <= kInt32Max,
+             "%s: ranks must be contiguous int32 [%lld, S]", who, ll(G));
+  const int64_t S = ranks->size(1);
+  for (int64_t g = 0; g < G; ++g) {
+    check_weight_pool(b[g], Name("b", g), b_like, S, cols[g], v->size(2));
+    a.lora.b[g] = b[g].data_ptr();
+    a.lora.b_rank_dim[g] = static_cast<int>(b[g].size(1));
+  }
+  check_device(*row_slot, Name("row_slot"), ref);
+  SGMV_CHECK(row_slot->scalar_type() == torch::kInt && row_slot->dim() == 1 && row_slot->is_contiguous() &&
+                 row_slot->size(0) >= M,
+             "%s: row_slot must be contiguous int32 with at least %lld entries", who, ll(M));
+  a.lora.v = v->data_ptr<float>();
+  a.lora.v_row_stride = v->stride(0);
+  a.lora.v_rank_dim = static_cast<int>(v->size(2));
+  a.lora.ranks = ranks->data_ptr<int32_t>();
+  a.lora.row_slot = row_slot->data_ptr<int32_t>();
+  a.lora.num_slots = static_cast<int>(S);
 }
 
 // The FP8 epilogue's arguments (all but y, splits and pdl) for a product of M rows and N columns on `ref`'s device,
@@ -771,19 +806,9 @@ lorafleet::Fp8EpilogueArgs epilogue_args(const Tensor& ref, int64_t M, int64_t N
   SGMV_CHECK(w_scale.scalar_type() == torch::kFloat && w_scale.is_contiguous() && w_scale.numel() == N &&
                  aligned16(w_scale),
              "fp8_epilogue: w_scale must be contiguous, 16-byte aligned float32 with %lld entries", ll(N));
-  const int64_t G = static_cast<int64_t>(cols.size());
-  SGMV_CHECK(G >= 1 && G <= lorafleet::kMaxGroup, "fp8_epilogue: 1 to %d column spans, got %lld",
-             lorafleet::kMaxGroup, ll(G));
   lorafleet::Fp8EpilogueArgs a;
   a.act = static_cast<int>(act);
-  int64_t total = 0;
-  for (int64_t g = 0; g < G; ++g) {
-    SGMV_CHECK(cols[g] > 0 && cols[g] % 8 == 0,
-               "fp8_epilogue: span %lld (%lld columns) must be a positive multiple of 8", ll(g), ll(cols[g]));
-    a.cols[g] = static_cast<int>(cols[g]);
-    total += cols[g];
-  }
-  SGMV_CHECK(total == N, "fp8_epilogue: the spans cover %lld columns, the product has %lld", ll(total), ll(N));
+  lora_args(a, ref, out, M, N, cols, v, b, ranks, row_slot, "fp8_epilogue");
   if (bias.has_value()) {
     check_device(*bias, Name("bias"), ref);
     SGMV_CHECK(bias->scalar_type() == out.scalar_type() && bias->is_contiguous() && bias->numel() == N &&
@@ -791,42 +816,76 @@ lorafleet::Fp8EpilogueArgs epilogue_args(const Tensor& ref, int64_t M, int64_t N
                "fp8_epilogue: bias must be contiguous, 16-byte aligned %s with %lld entries", dtype_name(out), ll(N));
     a.bias = bias->data_ptr();
   }
-  if (v.has_value()) {
-    SGMV_CHECK(ranks.has_value() && row_slot.has_value() && static_cast<int64_t>(b.size()) == G,
-               "fp8_epilogue: LoRA needs ranks, row_slot and one B pool per span (%lld), got %lld", ll(G),
-               ll(static_cast<int64_t>(b.size())));
-    check_device(*v, Name("v"), ref);
-    SGMV_CHECK(v->scalar_type() == torch::kFloat && v->dim() == 3 && v->is_contiguous() && v->size(0) >= M &&
-                   v->size(1) == G && v->size(2) >= 1,
-               "fp8_epilogue: v must be contiguous float32 [>= %lld, %lld, R]", ll(M), ll(G));
-    check_device(*ranks, Name("ranks"), ref);
-    SGMV_CHECK(ranks->scalar_type() == torch::kInt && ranks->is_contiguous() && ranks->dim() == 2 &&
-                   ranks->size(0) == G && ranks->size(1) >= 1 && ranks->size(1) <= kInt32Max,
-               "fp8_epilogue: ranks must be contiguous int32 [%lld, S]", ll(G));
-    const int64_t S = ranks->size(1);
-    for (int64_t g = 0; g < G; ++g) {
-      check_weight_pool(b[g], Name("b", g), out, S, cols[g], v->size(2));
-      a.lora.b[g] = b[g].data_ptr();
-      a.lora.b_rank_dim[g] = static_cast<int>(b[g].size(1));
-    }
-    check_device(*row_slot, Name("row_slot"), ref);
-    SGMV_CHECK(row_slot->scalar_type() == torch::kInt && row_slot->dim() == 1 && row_slot->is_contiguous() &&
-                   row_slot->size(0) >= M,
-               "fp8_epilogue: row_slot must be contiguous int32 with at least %lld entries", ll(M));
-    a.lora.v = v->data_ptr<float>();
-    a.lora.v_row_stride = v->stride(0);
-    a.lora.v_rank_dim = static_cast<int>(v->size(2));
-    a.lora.ranks = ranks->data_ptr<int32_t>();
-    a.lora.row_slot = row_slot->data_ptr<int32_t>();
-    a.lora.num_slots = static_cast<int>(S);
-  }
   a.x_scale = x_scale.data_ptr<float>();
   a.w_scale = w_scale.data_ptr<float>();
   a.out = out.data_ptr();
   a.m = static_cast<int>(M);
   a.n = static_cast<int>(N);
-  a.num_groups = static_cast<int>(G);
   return a;
+}
+
+// The rows' shrink inside a product (fp8_gemm_sm90_fused with bf16 operands, fp8_gemm_sm90's shrink first): one A
+// pool [S, R, K] per span of `x_bf16`'s dtype and K, and the call site's counters (int32, zero), into `e` (its LoRA
+// given).
+void add_shrink(lorafleet::Fp8EpilogueArgs& e, const Tensor& x_bf16, const std::optional<Tensor>& v,
+                const std::optional<Tensor>& ranks, const std::vector<Tensor>& a, const Tensor& sync, int64_t min_sync,
+                const char* who) {
+  const int64_t G = e.num_groups;
+  SGMV_CHECK(x_bf16.scalar_type() == torch::kBFloat16 && v.has_value() && static_cast<int64_t>(a.size()) == G,
+             "%s: the shrink inside the product takes bf16 x, LoRA (v, B pools, ranks, row_slot) and one A pool per "
+             "span (%lld)", who, ll(G));
+  check_device(sync, Name("sync"), x_bf16);
+  SGMV_CHECK(sync.scalar_type() == torch::kInt && sync.dim() == 1 && sync.is_contiguous() &&
+                 sync.numel() >= min_sync && reinterpret_cast<uintptr_t>(sync.data_ptr()) % 4 == 0,
+             "%s: sync must be contiguous int32 with at least %lld entries (zero)", who, ll(min_sync));
+  for (int64_t i = 0; i < G; ++i) {
+    check_weight_pool(a[i], Name("a", i), x_bf16, ranks->size(1), x_bf16.size(1), v->size(2));
+    // (every v entry the expand reads below B's rank dimension is one the shrink writes)
+    SGMV_CHECK(a[i].size(1) >= e.lora.b_rank_dim[i], "%s: a[%lld] has rank dimension %lld, below b[%lld]'s %d", who,
+               ll(i), ll(a[i].size(1)), ll(i), e.lora.b_rank_dim[i]);
+    e.lora.a[i] = a[i].data_ptr();
+    e.lora.a_rank_dim[i] = static_cast<int>(a[i].size(1));
+    e.lora.a_rank_max = std::max(e.lora.a_rank_max, e.lora.a_rank_dim[i]);
+  }
+  e.lora.sync = reinterpret_cast<unsigned*>(sync.data_ptr());
+}
+
+void fp8_gemm_sm90(Tensor out, Tensor x, Tensor w, int64_t stream, int64_t splits, bool pdl, bool persistent,
+                   std::optional<Tensor> lora_x, std::vector<int64_t> cols, std::optional<Tensor> v,
+                   std::vector<Tensor> b, std::optional<Tensor> ranks, std::optional<Tensor> row_slot,
+                   std::vector<Tensor> a_pools, std::optional<Tensor> sync) {
+  lorafleet::Fp8Sm90Args a = sm90_args(x, w, splits, pdl, "fp8_gemm_sm90");
+  a.persistent = persistent;
+  // the shrink first: x's bf16 rows, the spans, LoRA and one A pool per span, and the call site's counter
+  lorafleet::Fp8EpilogueArgs shrink;
+  SGMV_CHECK(lora_x.has_value() == sync.has_value(), "fp8_gemm_sm90: the shrink first needs both lora_x and sync "
+             "(or neither)");
+  if (lora_x.has_value()) {
+    SGMV_CHECK(x.scalar_type() == torch::kFloat8_e4m3fn && !persistent,
+               "fp8_gemm_sm90: the shrink first takes e4m3 operands, not persistent");
+    check_device(*lora_x, Name("lora_x"), x);
+    SGMV_CHECK(lora_x->dim() == 2 && lora_x->is_contiguous() && lora_x->size(0) == a.m && lora_x->size(1) == a.k &&
+                   aligned16(*lora_x),
+               "fp8_gemm_sm90: lora_x must be contiguous, 16-byte aligned [%d, %d] (x's bf16 rows)", a.m, a.k);
+    SGMV_CHECK(v.has_value(), "fp8_gemm_sm90: the shrink first needs LoRA (v, b, ranks, row_slot)");
+    lora_args(shrink, x, *lora_x, a.m, a.n, cols, v, b, ranks, row_slot, "fp8_gemm_sm90");
+    add_shrink(shrink, *lora_x, v, ranks, a_pools, *sync, 1, "fp8_gemm_sm90");
+    shrink.lora.x = lora_x->data_ptr();
+    shrink.m = a.m;
+    shrink.n = a.n;
+    a.shrink = &shrink;
+  }
+  const int64_t M = a.m, N = a.n;
+  check_device(out, Name("out"), x);
+  const bool shape_ok = splits == 1 ? out.dim() == 2 && out.size(0) == M && out.size(1) == N
+                                    : out.dim() == 3 && out.size(0) == splits && out.size(1) == M && out.size(2) == N;
+  SGMV_CHECK(out.scalar_type() == torch::kFloat && out.is_contiguous() && shape_ok,
+             "fp8_gemm_sm90: out must be contiguous float32 [%lld, %lld] (splits 1) or [splits, %lld, %lld]", ll(M),
+             ll(N), ll(M), ll(N));
+  SGMV_CHECK(aligned16(out), "fp8_gemm_sm90: out must be 16-byte aligned");
+  a.out = out.data_ptr<float>();
+  const char* err = lorafleet::fp8_gemm_sm90(a, as_stream(stream));
+  SGMV_CHECK(err == nullptr, "fp8_gemm_sm90 launch failed: %s", err ? err : "");
 }
 
 void fp8_epilogue(Tensor out, Tensor y, Tensor x_scale, Tensor w_scale, std::optional<Tensor> bias,
@@ -856,31 +915,12 @@ void fp8_gemm_sm90_fused(Tensor out, Tensor x, Tensor w, Tensor x_scale, Tensor 
   g.persistent = persistent;
   SGMV_CHECK(out.scalar_type() == torch::kBFloat16, "fp8_gemm_sm90_fused: out must be bfloat16, got %s",
              dtype_name(out));
-  const int64_t G = static_cast<int64_t>(cols.size());
   lorafleet::Fp8EpilogueArgs e = epilogue_args(x, g.m, g.n, out, x_scale, w_scale, bias, std::move(cols), v,
                                                std::move(b), ranks, row_slot, 0);
   // the rows' shrink inside the product: one A pool per span over x's K, and the call site's three counters
   SGMV_CHECK(sync.has_value() == !a.empty(), "fp8_gemm_sm90_fused: the shrink inside the product needs both a and "
              "sync (or neither)");
-  if (sync.has_value()) {
-    SGMV_CHECK(x.scalar_type() == torch::kBFloat16 && v.has_value() && static_cast<int64_t>(a.size()) == G,
-               "fp8_gemm_sm90_fused: the shrink inside the product takes bf16 x, LoRA (v, B pools, ranks, row_slot) "
-               "and one A pool per span (%lld)", ll(G));
-    check_device(*sync, Name("sync"), x);
-    SGMV_CHECK(sync->scalar_type() == torch::kInt && sync->dim() == 1 && sync->is_contiguous() &&
-                   sync->numel() >= 3 && reinterpret_cast<uintptr_t>(sync->data_ptr()) % 4 == 0,
-               "fp8_gemm_sm90_fused: sync must be contiguous int32 with at least 3 entries (zero)");
-    for (int64_t i = 0; i < G; ++i) {
-      check_weight_pool(a[i], Name("a", i), x, ranks->size(1), x.size(1), v->size(2));
-      // (every v entry the expand reads below B's rank dimension is one the shrink writes)
-      SGMV_CHECK(a[i].size(1) >= e.lora.b_rank_dim[i], "fp8_gemm_sm90_fused: a[%lld] has rank dimension %lld, below "
-                 "b[%lld]'s %d", ll(i), ll(a[i].size(1)), ll(i), e.lora.b_rank_dim[i]);
-      e.lora.a[i] = a[i].data_ptr();
-      e.lora.a_rank_dim[i] = static_cast<int>(a[i].size(1));
-      e.lora.a_rank_max = std::max(e.lora.a_rank_max, e.lora.a_rank_dim[i]);
-    }
-    e.lora.sync = reinterpret_cast<unsigned*>(sync->data_ptr());
-  }
+  if (sync.has_value()) add_shrink(e, x, v, ranks, a, *sync, 3, "fp8_gemm_sm90_fused");
   const char* err = lorafleet::fp8_gemm_sm90_fused(g, e, as_stream(stream));
   SGMV_CHECK(err == nullptr, "fp8_gemm_sm90_fused launch failed: %s", err ? err : "");
 }
@@ -1020,7 +1060,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("x"), py::arg("w"), py::arg("w_scale"), py::arg("stream"));
   m.def("fp8_gemm_sm90", &fp8_gemm_sm90, "fp32 x @ w.T (unit scales) for at most 64 e4m3 rows on Hopper's wgmma",
         py::arg("out"), py::arg("x"), py::arg("w"), py::arg("stream"), py::arg("splits") = 1, py::arg("pdl") = true,
-        py::arg("persistent") = false);
+        py::arg("persistent") = false, py::arg("lora_x") = py::none(), py::arg("cols") = std::vector<int64_t>{},
+        py::arg("v") = py::none(), py::arg("b") = std::vector<torch::Tensor>{}, py::arg("ranks") = py::none(),
+        py::arg("row_slot") = py::none(), py::arg("a") = std::vector<torch::Tensor>{}, py::arg("sync") = py::none());
   m.def("fp8_gemm_sm90_fused", &fp8_gemm_sm90_fused,
         "bf16 out = the FP8 epilogue (scales, bias, rows' LoRA expand) of x @ w.T on Hopper's wgmma, one launch",
         py::arg("out"), py::arg("x"), py::arg("w"), py::arg("x_scale"), py::arg("w_scale"), py::arg("bias"),

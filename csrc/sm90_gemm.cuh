@@ -85,6 +85,148 @@ const char* launch(const typename Gemm::Arguments& args, bool pdl, void* stream)
   return nullptr;
 }
 
+// The rows' LoRA shrink on a product's own consumer warps (Fp8EpilogueLora::sync), before their main loop: v for the
+// epilogue inside the same kernel (FusedEpilogue, kShrink) or for the FP8 epilogue's launch after it
+// (ShrinkFirstMainloop). T: x's and A's element (bf16).
+template <typename T>
+struct RowShrink {
+  // Output (row i, span g, rank row k) is a dot product of x's row
+  // i and A's rank row k of span g for the row's slot; the row's outputs are numbered q = g * a_rank_max + k. Ticket t
+  // holds rank rows [b * per, (b + 1) * per) of row t / blocks, b = t % blocks (per = shrink_per, blocks the row's
+  // outputs over per, rounded up): the launcher makes the tickets at most as many as the consumer warps of one CTA
+  // per SM, so that they spread over the first wave. Each consumer warp takes one ticket from the call site's first
+  // counter as it starts (shrink_rows) and does its work before the main loop; an epilogue that finds work
+  // unfinished first takes the tickets still untaken and does them itself (drain_shrink), and only then waits: every
+  // ticket it waits for is held by a warp that runs and waits for nothing but the kernel before, however few SMs the
+  // grid gets. Lane j sums its 8-element vectors j, j + 32, ... in order, then the warp's xor tree: the same bits
+  // whichever warp takes the output and however many it takes at once, and a row's v depends on its own x and A only.
+  __device__ static const T* shrink_a(const Fp8EpilogueArgs& a, int row, int q, int& g, int& k) {
+    const Fp8EpilogueLora& l = a.lora;
+    g = q / l.a_rank_max;
+    k = q - g * l.a_rank_max;
+    const int rank_dim = g == 0 ? l.a_rank_dim[0] : g == 1 ? l.a_rank_dim[1] : l.a_rank_dim[2];
+    const int s = fp8_epi::lora_slot(l, row);
+    if (s < 0 || k >= rank_dim || k >= fp8_epi::slot_rank(l, s, g)) return nullptr;
+    const void* ag = g == 0 ? l.a[0] : g == 1 ? l.a[1] : l.a[2];
+    return static_cast<const T*>(ag) + (static_cast<int64_t>(s) * rank_dim + k) * l.k;
+  }
+
+  // The warp's next ticket (the first counter; every lane gets it).
+  __device__ static unsigned take_ticket(const Fp8EpilogueLora& l) {
+    unsigned ticket = 0;
+    if ((threadIdx.x & 31) == 0) ticket = atomicAdd(l.sync, 1u);
+    return __shfl_sync(0xffffffffu, ticket, 0);
+  }
+
+  // Ticket `ticket`'s outputs into v, then the warp's count in the second counter: P outputs at a time, which share
+  // x's row, U vectors of each in flight per lane, so that one round trip to memory serves P * U vectors of A.
+  // `waited`: the wait for the kernel before is behind; else the ticket's A rows are asked of L2 and the first
+  // vectors of A loaded before that wait (no kernel writes A or the tables within a step), x's only after it.
+  // (P = 3, U = 8 before the main loop; 1 and 1 in the epilogue, where more would go to the stack.)
+  template <int P, int U, bool kCount = true>
+  __device__ static void shrink_ticket(const Fp8EpilogueArgs& a, int ticket, bool waited) {
+    const Fp8EpilogueLora& l = a.lora;
+    const int lane = static_cast<int>(threadIdx.x) & 31;
+    const int vecs = l.k / 8, per_row = a.num_groups * l.a_rank_max, per = l.shrink_per;
+    const int blocks = (per_row + per - 1) / per, row = ticket / blocks;
+    const int first = (ticket - row * blocks) * per, last = min(first + per, per_row);
+    const T* xp = static_cast<const T*>(l.x) + static_cast<int64_t>(row) * l.k;
+    if (!waited) {
+      for (int q = first; q < last; ++q) {
+        int g, k;
+        const T* ap = shrink_a(a, row, q, g, k);
+        if (ap != nullptr)
+          for (int j = lane + (q < first + P ? U * 32 : 0); j < vecs; j += 32)  // (the first P: U loaded below)
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(ap + j * 8));
+      }
+    }
+    for (int q0 = first; q0 < last; q0 += P) {
+      const T* ap[P];
+      int g[P], k[P];
+      bool any = false;
+      CUTLASS_PRAGMA_UNROLL
+      for (int p = 0; p < P; ++p) {
+        ap[p] = q0 + p < last ? shrink_a(a, row, q0 + p, g[p], k[p]) : nullptr;
+        any = any || ap[p] != nullptr;
+      }
+      float acc[P];
+      uint4 av[P][U], xv[U];
+      auto load_a = [&](int j0) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int p = 0; p < P; ++p)
+          CUTLASS_PRAGMA_UNROLL
+          for (int u = 0; u < U; ++u) {
+            const int j = j0 + u * 32;
+            av[p][u] = ap[p] != nullptr && j < vecs ? __ldg(reinterpret_cast<const uint4*>(ap[p] + j * 8))
+                                                    : make_uint4(0, 0, 0, 0);
+          }
+      };
+      CUTLASS_PRAGMA_UNROLL
+      for (int p = 0; p < P; ++p) acc[p] = 0.f;
+      if (any) load_a(lane);
+      if (!waited && q0 == first) pdl_wait();  // x comes from the kernel before (every lane, with or without work)
+      if (!any) continue;
+      for (int j0 = lane; j0 < vecs; j0 += U * 32) {
+        if (j0 != lane) load_a(j0);
+        CUTLASS_PRAGMA_UNROLL
+        for (int u = 0; u < U; ++u) {
+          const int j = j0 + u * 32;
+          xv[u] = j < vecs ? __ldcg(reinterpret_cast<const uint4*>(xp + j * 8)) : make_uint4(0, 0, 0, 0);
+        }
+        CUTLASS_PRAGMA_UNROLL
+        for (int u = 0; u < U; ++u) {
+          if (j0 + u * 32 < vecs) {
+            float xf[8];
+            unpack8<T>(xv[u], xf);
+            CUTLASS_PRAGMA_UNROLL
+            for (int p = 0; p < P; ++p) {
+              float af[8];
+              unpack8<T>(av[p][u], af);
+              CUTLASS_PRAGMA_UNROLL
+              for (int e = 0; e < 8; ++e) acc[p] = fmaf(xf[e], af[e], acc[p]);
+            }
+          }
+        }
+      }
+      CUTLASS_PRAGMA_UNROLL
+      for (int p = 0; p < P; ++p) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int off = 16; off > 0; off >>= 1) acc[p] += __shfl_xor_sync(0xffffffffu, acc[p], off);
+        if (lane == 0 && ap[p] != nullptr) const_cast<float*>(fp8_epi::lora_v(l, row, g[p]))[k[p]] = acc[p];
+      }
+    }
+    if constexpr (kCount) {
+      __syncwarp();
+      if (lane == 0) {
+        __threadfence();  // this warp's v before its count
+        atomicAdd(l.sync + 1, 1u);
+      }
+    }
+  }
+
+  // Before the main loop: tickets while they last (one each where the launcher could make them no more than the
+  // warps; where the rows alone outnumber the warps, a small grid's, the warps take the rest too, rather than leave
+  // them to the epilogues' one-vector-at-a-time drain).
+  __device__ static void shrink_rows(const Fp8EpilogueArgs& a) {
+    const unsigned all = static_cast<unsigned>(a.lora.shrink_tickets);
+    bool waited = false;
+    for (unsigned t = take_ticket(a.lora); t < all; t = take_ticket(a.lora), waited = true)
+      shrink_ticket<3, 8>(a, static_cast<int>(t), waited);
+  }
+
+  // The whole shrink on the product's consumer warps, for a launch whose v only the next kernel reads
+  // (ShrinkFirstMainloop): every consumer warp takes tickets until none is left, with no counts (the next kernel's
+  // wait for this one's end orders v), and the warp whose draw is the launch's last (each consumer warp draws once
+  // past the tickets: `warps` draws past them in all) zeroes the first counter for the next launch.
+  __device__ static void alone(const Fp8EpilogueArgs& a, unsigned warps) {
+    const unsigned all = static_cast<unsigned>(a.lora.shrink_tickets);
+    bool waited = false;
+    unsigned t = take_ticket(a.lora);
+    for (; t < all; t = take_ticket(a.lora), waited = true) shrink_ticket<3, 8, false>(a, static_cast<int>(t), waited);
+    if ((threadIdx.x & 31) == 0 && t == all + warps - 1) atomicExch(a.lora.sync, 0u);
+  }
+};
+
 // A CUTLASS sm90 TMA mainloop (one CTA per cluster) whose producer asks for the weight's (A's) first k-tiles, as
 // many as the pipeline has stages, before it waits for the kernel before this one, and for the activations' (B's)
 // tiles only after that wait: the weight is never written within a step, the activations are (by that kernel: the
@@ -141,13 +283,53 @@ struct WeightFirstMainloop : Base {
   }
 };
 
+// WeightFirstMainloop whose consumer warps first compute the rows' LoRA shrink into v (RowShrink::alone), then run the
+// main loop: the FP8 product of a decode step whose epilogue is the FP8 epilogue's launch after it, which reads v
+// once its wait for this kernel's end returns. The producer has then already filled every stage with the weight's
+// first k-tiles. Arguments and Params carry the shrink's (Fp8EpilogueArgs: num_groups and lora, whose sync is
+// nullptr for a launch without it).
+template <class Base, typename T>
+struct ShrinkFirstMainloop : WeightFirstMainloop<Base> {
+  using typename Base::MainloopPipeline;
+  using typename Base::PipelineState;
+  using typename Base::TensorStorage;
+  struct Arguments : Base::Arguments {
+    Fp8EpilogueArgs shrink;
+  };
+  struct Params : Base::Params {
+    Fp8EpilogueArgs shrink;
+  };
+
+  template <class ProblemShape>
+  static Params to_underlying_arguments(ProblemShape const& problem, Arguments const& args, void* workspace) {
+    Params p;
+    static_cast<typename Base::Params&>(p) = Base::to_underlying_arguments(problem, args, workspace);
+    p.shrink = args.shrink;
+    return p;
+  }
+
+  template <class FrgTensorC>
+  CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState read, FrgTensorC& accum, int k_tiles,
+                          int thread_idx, TensorStorage& storage, Params const& params) {
+    if (params.shrink.lora.sync != nullptr) {
+      // (every consumer warp of the grid draws once past the tickets)
+      const unsigned warps = (blockDim.x - cutlass::NumThreadsPerWarpGroup) / 32 * gridDim.x * gridDim.y * gridDim.z;
+      RowShrink<T>::alone(params.shrink, warps);
+    }
+    Base::mma(pipeline, read, accum, k_tiles, thread_idx, storage, params);
+  }
+};
+
 // kPersistent: CUTLASS's persistent ping-pong schedule (one CTA per SM walks the tiles; two consumer warp groups
 // take alternate tiles, so one's epilogue runs while the producer already loads the other's k-tiles) instead of one
 // CTA per tile. The same mainloop collective: each tile's k-tiles in the same order, the same promotions.
 // E: the operands' element, e4m3 (CUTLASS's FP8 collective, with its promotions) or bf16 (its plain collective: the
 // tensor cores accumulate in fp32 throughout); a k-tile is 256 bytes of a row either way.
-template <int kTokens, bool kPersistent = false, class E = cutlass::float_e4m3_t>
+// kShrink (e4m3 operands, one CTA a tile): the rows' LoRA shrink on the consumer warps before their main loop
+// (ShrinkFirstMainloop), given by run's `shrink`.
+template <int kTokens, bool kPersistent = false, class E = cutlass::float_e4m3_t, bool kShrink = false>
 struct Sm90Gemm {
+  static_assert(!kShrink || (sizeof(E) == 1 && !kPersistent), "the shrink first: e4m3 operands, one CTA a tile");
   using ElementA = E;  // W [N, K], K-major
   using LayoutA = cutlass::layout::RowMajor;
   using ElementB = E;  // X [M, K], K-major
@@ -170,18 +352,21 @@ struct Sm90Gemm {
       cutlass::epilogue::collective::EpilogueTileAuto, ElementAcc, float, void, LayoutD, kAlignD, ElementD,
       LayoutD, kAlignD, cutlass::epilogue::TmaWarpSpecialized>::CollectiveOp;
 
-  using Mainloop = WeightFirstMainloop<typename cutlass::gemm::collective::CollectiveBuilder<
+  using MainloopBase = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, LayoutA, kAlignAB, ElementB, LayoutB,
       kAlignAB, ElementAcc, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename Epilogue::SharedStorage))>,
       std::conditional_t<kPersistent, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
-                         cutlass::gemm::KernelTmaWarpSpecialized>>::CollectiveOp>;
+                         cutlass::gemm::KernelTmaWarpSpecialized>>::CollectiveOp;
+  using Mainloop = std::conditional_t<kShrink, ShrinkFirstMainloop<MainloopBase, __nv_bfloat16>,
+                                      WeightFirstMainloop<MainloopBase>>;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 
-  static typename Gemm::Arguments arguments(const Fp8Sm90Args& a, int sm_count = 0) {
+  static typename Gemm::Arguments arguments(const Fp8Sm90Args& a, int sm_count = 0,
+                                            const Fp8EpilogueArgs* shrink = nullptr) {
     using StrideA = typename Gemm::GemmKernel::StrideA;
     using StrideB = typename Gemm::GemmKernel::StrideB;
     using StrideD = typename Gemm::GemmKernel::StrideD;
@@ -194,10 +379,16 @@ struct Sm90Gemm {
     cute::get<2>(sa) = ks;
     cute::get<2>(sb) = ks;
     const StrideD sd = cutlass::make_cute_packed_stride(StrideD{}, {n, m, s});
+    typename Mainloop::Arguments mainloop{};
+    static_cast<typename MainloopBase::Arguments&>(mainloop) = typename MainloopBase::Arguments{
+        reinterpret_cast<const ElementA*>(a.w), sa, reinterpret_cast<const ElementB*>(a.x), sb, kPromotionInterval};
+    if constexpr (kShrink) {
+      if (shrink != nullptr) mainloop.shrink = *shrink;
+    }
     typename Gemm::Arguments args{
         s > 1 ? cutlass::gemm::GemmUniversalMode::kBatched : cutlass::gemm::GemmUniversalMode::kGemm,
         {n, m, ks, s},
-        {reinterpret_cast<const ElementA*>(a.w), sa, reinterpret_cast<const ElementB*>(a.x), sb, kPromotionInterval},
+        mainloop,
         // alpha and beta as values: with programmatic dependent launch only the producer warp waits for the kernel
         // before, and the consumers would read device-side alpha / beta pointers before that wait.
         {{1.0f, 0.0f}, nullptr, sd, a.out, sd}};
@@ -207,8 +398,8 @@ struct Sm90Gemm {
     return args;
   }
 
-  static const char* run(const Fp8Sm90Args& a, void* stream, int sm_count = 0) {
-    return launch<Gemm>(arguments(a, sm_count), a.pdl, stream);
+  static const char* run(const Fp8Sm90Args& a, void* stream, int sm_count = 0, const Fp8EpilogueArgs* shrink = nullptr) {
+    return launch<Gemm>(arguments(a, sm_count, shrink), a.pdl, stream);
   }
 };
 
@@ -286,131 +477,9 @@ class FusedEpilogue {
         asm volatile("ld.global.nc.s32 %0, [%1];" : "=r"(slot_[i]) : "l"(params.lora.row_slot + row));
     }
     if constexpr (kShrink) {
-      if (params.lora.sync != nullptr && threadIdx.x >= kThreads) shrink_rows(params);
+      if (params.lora.sync != nullptr && threadIdx.x >= kThreads) RowShrink<T>::shrink_rows(params);
     }
 #endif
-  }
-
-  // The rows' shrink (kShrink, Fp8EpilogueLora::sync): output (row i, span g, rank row k) is a dot product of x's row
-  // i and A's rank row k of span g for the row's slot; the row's outputs are numbered q = g * a_rank_max + k. Ticket t
-  // holds rank rows [b * per, (b + 1) * per) of row t / blocks, b = t % blocks (per = shrink_per, blocks the row's
-  // outputs over per, rounded up): the launcher makes the tickets at most as many as the consumer warps of one CTA
-  // per SM, so that they spread over the first wave. Each consumer warp takes one ticket from the call site's first
-  // counter as it starts (shrink_rows) and does its work before the main loop; an epilogue that finds work
-  // unfinished first takes the tickets still untaken and does them itself (drain_shrink), and only then waits: every
-  // ticket it waits for is held by a warp that runs and waits for nothing but the kernel before, however few SMs the
-  // grid gets. Lane j sums its 8-element vectors j, j + 32, ... in order, then the warp's xor tree: the same bits
-  // whichever warp takes the output and however many it takes at once, and a row's v depends on its own x and A only.
-  __device__ static const T* shrink_a(const Params& a, int row, int q, int& g, int& k) {
-    const Fp8EpilogueLora& l = a.lora;
-    g = q / l.a_rank_max;
-    k = q - g * l.a_rank_max;
-    const int rank_dim = g == 0 ? l.a_rank_dim[0] : g == 1 ? l.a_rank_dim[1] : l.a_rank_dim[2];
-    const int s = fp8_epi::lora_slot(l, row);
-    if (s < 0 || k >= rank_dim || k >= fp8_epi::slot_rank(l, s, g)) return nullptr;
-    const void* ag = g == 0 ? l.a[0] : g == 1 ? l.a[1] : l.a[2];
-    return static_cast<const T*>(ag) + (static_cast<int64_t>(s) * rank_dim + k) * l.k;
-  }
-
-  // The warp's next ticket (the first counter; every lane gets it).
-  __device__ static unsigned take_ticket(const Fp8EpilogueLora& l) {
-    unsigned ticket = 0;
-    if ((threadIdx.x & 31) == 0) ticket = atomicAdd(l.sync, 1u);
-    return __shfl_sync(0xffffffffu, ticket, 0);
-  }
-
-  // Ticket `ticket`'s outputs into v, then the warp's count in the second counter: P outputs at a time, which share
-  // x's row, U vectors of each in flight per lane, so that one round trip to memory serves P * U vectors of A.
-  // `waited`: the wait for the kernel before is behind; else the ticket's A rows are asked of L2 and the first
-  // vectors of A loaded before that wait (no kernel writes A or the tables within a step), x's only after it.
-  // (P = 3, U = 8 before the main loop; 1 and 1 in the epilogue, where more would go to the stack.)
-  template <int P, int U>
-  __device__ static void shrink_ticket(const Params& a, int ticket, bool waited) {
-    const Fp8EpilogueLora& l = a.lora;
-    const int lane = static_cast<int>(threadIdx.x) & 31;
-    const int vecs = l.k / 8, per_row = a.num_groups * l.a_rank_max, per = l.shrink_per;
-    const int blocks = (per_row + per - 1) / per, row = ticket / blocks;
-    const int first = (ticket - row * blocks) * per, last = min(first + per, per_row);
-    const T* xp = static_cast<const T*>(l.x) + static_cast<int64_t>(row) * l.k;
-    if (!waited) {
-      for (int q = first; q < last; ++q) {
-        int g, k;
-        const T* ap = shrink_a(a, row, q, g, k);
-        if (ap != nullptr)
-          for (int j = lane + (q < first + P ? U * 32 : 0); j < vecs; j += 32)  // (the first P: U loaded below)
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(ap + j * 8));
-      }
-    }
-    for (int q0 = first; q0 < last; q0 += P) {
-      const T* ap[P];
-      int g[P], k[P];
-      bool any = false;
-      CUTLASS_PRAGMA_UNROLL
-      for (int p = 0; p < P; ++p) {
-        ap[p] = q0 + p < last ? shrink_a(a, row, q0 + p, g[p], k[p]) : nullptr;
-        any = any || ap[p] != nullptr;
-      }
-      float acc[P];
-      uint4 av[P][U], xv[U];
-      auto load_a = [&](int j0) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int p = 0; p < P; ++p)
-          CUTLASS_PRAGMA_UNROLL
-          for (int u = 0; u < U; ++u) {
-            const int j = j0 + u * 32;
-            av[p][u] = ap[p] != nullptr && j < vecs ? __ldg(reinterpret_cast<const uint4*>(ap[p] + j * 8))
-                                                    : make_uint4(0, 0, 0, 0);
-          }
-      };
-      CUTLASS_PRAGMA_UNROLL
-      for (int p = 0; p < P; ++p) acc[p] = 0.f;
-      if (any) load_a(lane);
-      if (!waited && q0 == first) pdl_wait();  // x comes from the kernel before (every lane, with or without work)
-      if (!any) continue;
-      for (int j0 = lane; j0 < vecs; j0 += U * 32) {
-        if (j0 != lane) load_a(j0);
-        CUTLASS_PRAGMA_UNROLL
-        for (int u = 0; u < U; ++u) {
-          const int j = j0 + u * 32;
-          xv[u] = j < vecs ? __ldcg(reinterpret_cast<const uint4*>(xp + j * 8)) : make_uint4(0, 0, 0, 0);
-        }
-        CUTLASS_PRAGMA_UNROLL
-        for (int u = 0; u < U; ++u) {
-          if (j0 + u * 32 < vecs) {
-            float xf[8];
-            unpack8<T>(xv[u], xf);
-            CUTLASS_PRAGMA_UNROLL
-            for (int p = 0; p < P; ++p) {
-              float af[8];
-              unpack8<T>(av[p][u], af);
-              CUTLASS_PRAGMA_UNROLL
-              for (int e = 0; e < 8; ++e) acc[p] = fmaf(xf[e], af[e], acc[p]);
-            }
-          }
-        }
-      }
-      CUTLASS_PRAGMA_UNROLL
-      for (int p = 0; p < P; ++p) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int off = 16; off > 0; off >>= 1) acc[p] += __shfl_xor_sync(0xffffffffu, acc[p], off);
-        if (lane == 0 && ap[p] != nullptr) const_cast<float*>(fp8_epi::lora_v(l, row, g[p]))[k[p]] = acc[p];
-      }
-    }
-    __syncwarp();
-    if (lane == 0) {
-      __threadfence();  // this warp's v before its count
-      atomicAdd(l.sync + 1, 1u);
-    }
-  }
-
-  // Before the main loop: tickets while they last (one each where the launcher could make them no more than the
-  // warps; where the rows alone outnumber the warps, a small grid's, the warps take the rest too, rather than leave
-  // them to the epilogues' one-vector-at-a-time drain).
-  __device__ static void shrink_rows(const Params& a) {
-    const unsigned all = static_cast<unsigned>(a.lora.shrink_tickets);
-    bool waited = false;
-    for (unsigned t = take_ticket(a.lora); t < all; t = take_ticket(a.lora), waited = true)
-      shrink_ticket<3, 8>(a, static_cast<int>(t), waited);
   }
 
   // In the epilogue, every consumer warp (after the wait for the kernel before): if v is not complete, the tickets
@@ -426,7 +495,8 @@ class FusedEpilogue {
       return __shfl_sync(0xffffffffu, d, 0) >= all;
     };
     if (done()) return;
-    for (unsigned t = take_ticket(l); t < all; t = take_ticket(l)) shrink_ticket<1, 1>(a, static_cast<int>(t), true);
+    for (unsigned t = RowShrink<T>::take_ticket(l); t < all; t = RowShrink<T>::take_ticket(l))
+      RowShrink<T>::template shrink_ticket<1, 1>(a, static_cast<int>(t), true);
     for (long long spins = 0; !done(); ++spins) {
       if (spins > (1ll << 26)) __trap();
       __nanosleep(64);
@@ -588,6 +658,16 @@ const char* plain(const Fp8Sm90Args& a, void* stream, int sms) {
     case 16: return Sm90Gemm<16, kPersistent, E>::run(a, stream, sms);
     case 32: return Sm90Gemm<32, kPersistent, E>::run(a, stream, sms);
     default: return Sm90Gemm<64, kPersistent, E>::run(a, stream, sms);
+  }
+}
+
+// The e4m3 product into fp32 with the rows' LoRA shrink first (Sm90Gemm's kShrink; `shrink` planned by the launcher).
+inline const char* plain_shrink(const Fp8Sm90Args& a, const Fp8EpilogueArgs& shrink, void* stream) {
+  using E = cutlass::float_e4m3_t;
+  switch (token_tile(a.m)) {
+    case 16: return Sm90Gemm<16, false, E, true>::run(a, stream, 0, &shrink);
+    case 32: return Sm90Gemm<32, false, E, true>::run(a, stream, 0, &shrink);
+    default: return Sm90Gemm<64, false, E, true>::run(a, stream, 0, &shrink);
   }
 }
 

@@ -69,6 +69,9 @@ class KernelChoices:
         LoRA expand (qkv, o, down of steps without adapters; bf16), the epilogue runs inside the product's kernel (the
         same bits, one launch less).
     fp8_sm90_fused_lora: the same also for epilogues with the rows' LoRA expand (measured slower: off).
+    fp8_sm90_shrink: with that kernel and adapters in the step, the rows' LoRA shrink of the products whose rows the
+        norm quantizes (qkv, gate_up; K at most SM90_SHRINK_MAX_K) runs on the product's own warps before their main
+        loop instead of a launch before it; the epilogue's launch adds the expand (off until measured).
     fp8_sm90_split: that kernel cuts K into parts for weights with too few rows to fill the GPU (fp8.py sm90_splits).
     fp8_sm90_persistent: that kernel (its epilogue a launch of its own or inside it) on CUTLASS's persistent
         ping-pong schedule instead of one CTA per tile (the same bits).
@@ -126,6 +129,7 @@ class KernelChoices:
     fp8_sm90: bool = True
     fp8_sm90_fused: bool = True
     fp8_sm90_fused_lora: bool = False
+    fp8_sm90_shrink: bool = False
     fp8_sm90_split: bool = False
     fp8_sm90_persistent: bool = False
     fp8_quant_in_shrink: bool = True
@@ -181,6 +185,7 @@ class KernelChoices:
                    fp8_unit_scale_elems=env.fp8_unit_scale_elems(), fp8_epilogue=env.fp8_epilogue(),
                    fp8_epilogue_act=env.fp8_epilogue_act(), fp8_sm90=env.fp8_sm90(),
                    fp8_sm90_fused=env.fp8_sm90_fused(), fp8_sm90_fused_lora=env.fp8_sm90_fused_lora(),
+                   fp8_sm90_shrink=env.fp8_sm90_shrink(),
                    fp8_sm90_split=env.fp8_sm90_split(), fp8_sm90_persistent=env.fp8_sm90_persistent(),
                    fp8_quant_in_shrink=env.fp8_quant_in_shrink(), bf16_sm90=env.bf16_sm90(),
                    sm90_shrink=env.sm90_shrink(), norm_early=env.norm_early(),

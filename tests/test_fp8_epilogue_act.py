@@ -27,7 +27,7 @@ def run(model, reqs, act: bool, monkeypatch):
     assert d.fp8_epilogue_act == act
     calls = []
 
-    def emulated(x, w, b, epilogue=False, spans=None, lora=None, quantized=None, act=0):
+    def emulated(x, w, b, epilogue=False, spans=None, lora=None, quantized=None, act=0, shrink_sync=None):
         y = F.linear(x, w.dequant(x.dtype), b)
         calls.append((act, tuple(spans or ())))
         if act:

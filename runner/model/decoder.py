@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from lorafleet.models.contract import ModelConfig
 from lorafleet.runner.config import KernelChoices
 from lorafleet.runner.model.fp8 import (E4M3, SM90_MAX_ROWS, SM90_SHRINK_MAX_K, Fp8Weight, bf16_sm90_applies,
-                                       bf16_sm90_linear, epilogue_applies, fp8_linear, fp8_tensor_cores,
-                                       sm90_gemm_available, unit_scale)
+                                       bf16_sm90_linear, epilogue_applies, fp8_linear, fp8_shrink_first_applies,
+                                       fp8_tensor_cores, sm90_gemm_available, unit_scale)
 from lorafleet.runner.model.norm import OwnNorm
 from lorafleet.runner.model.ops import make_ops, prefer_cublaslt
 from lorafleet.runner.model.rope import Rope
@@ -191,8 +191,9 @@ class Decoder:
         self.bf16_sm90 = False
         self.sm90_ext = None
         self.unit_scales = None  # ones (fp32) for that kernel's epilogue, made before any graph capture
-        # with the rows' LoRA shrink inside its launch too (KernelChoices.sm90_shrink, set below where taken): that
-        # kernel's counters, int32 [layers * GROUPS, 4] zeros, one row per layer and projection group; else None
+        # with the rows' LoRA shrink inside its launch too (KernelChoices.sm90_shrink, set below where taken; with FP8
+        # weights KernelChoices.fp8_sm90_shrink): that kernel's counters, int32 [layers * GROUPS, 4] zeros, one row per
+        # layer and projection group; else None
         self.sm90_sync = None
         self.norm_early = False  # the project's norm before them, letting them start at once (KernelChoices.norm_early)
         # runner/model/norm.py OwnNorm: the norms before qkv and gate_up (KernelChoices.norm_shrink, norm_quant,
@@ -234,6 +235,11 @@ class Decoder:
             if kernels.fp8_sm90:
                 self.fp8_sm90 = _sm90_taken(self.fp8_ext, self.device, "FP8",
                                             "the wgmma kernel (csrc/fp8_gemm_sm90.cu)", "cuBLASLt")
+            if kernels.fp8_sm90_shrink and self.fp8_sm90 and dtype == torch.bfloat16:
+                # (the shrink first: one counter row per layer and projection group, as sm90_shrink's)
+                self.sm90_sync = torch.zeros(len(self.layers) * GROUPS, 4, dtype=torch.int32, device=self.device)
+            elif kernels.fp8_sm90_shrink:
+                log.info("fp8_sm90_shrink ignored: it needs the FP8 products on the wgmma kernel and bfloat16 rows")
         if kernels.bf16_sm90:
             weights = "FP8" if isinstance(self.layers[0].qkv, Fp8Weight) else str(dtype).replace("torch.", "")
             if self.device.type == "cuda" and weights == "bfloat16":
@@ -495,15 +501,24 @@ class Decoder:
             sync = self.sm90_sync[i * GROUPS + group] if inside else None
             operands = None if lora is None else lora.epilogue_operands(i, group, x, in_product=inside)
             return bf16_sm90_linear(self.sm90_ext, x, w, b, spans, operands, self.unit_scales, sync)
-        operands, quant = None, quantized
+        operands, quant, sync = None, quantized, None
         if lora is not None:
+            # (the shrink first, on the product's warps: where the norm quantized x, K is at most SM90_SHRINK_MAX_K
+            # and the product is the wgmma kernel's unit-scale one, with the FP8 epilogue's launch after it)
+            first = (self.sm90_sync is not None and quant is not None and x.shape[1] <= SM90_SHRINK_MAX_K
+                     and not self.fp8_sm90_fused_lora and not self.fp8_sm90_persistent
+                     and fp8_shrink_first_applies(x, quant[0], w))
             mine = None
             if quant is None and self.fp8_quant_in_shrink and x.is_contiguous():  # the shrink's launch quantizes x too
                 quant = mine = quant_buffers(x)
-            operands = lora.epilogue_operands(i, group, x, quant=mine and (mine[0], mine[1].view(-1)))
+            operands = lora.epilogue_operands(i, group, x, quant=mine and (mine[0], mine[1].view(-1)),
+                                              in_product=first)
             if operands is None and mine is not None:  # no adapter in the step: no shrink was launched
                 quant = None
-        return self._fp8_linear(x, w, b, epilogue=True, spans=spans, lora=operands, quantized=quant, act=act)
+            if operands is not None and operands[4] is not None:
+                sync = self.sm90_sync[i * GROUPS + group]
+        return self._fp8_linear(x, w, b, epilogue=True, spans=spans, lora=operands, quantized=quant, act=act,
+                                shrink_sync=sync)
 
     def _fp8_linear(self, x: torch.Tensor, w: Fp8Weight, b: torch.Tensor | None, **finish) -> torch.Tensor:
         """fp8_linear with this model's FP8 kernel choices; `finish`: its epilogue arguments."""

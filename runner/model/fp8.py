@@ -191,6 +191,14 @@ def _sm90_operands(xq: torch.Tensor, w: Fp8Weight) -> bool:
     return K % 16 == 0 and N % 4 == 0 and _aligned(xq) and _aligned(w.q)
 
 
+def fp8_shrink_first_applies(x: torch.Tensor, xq: torch.Tensor, w: Fp8Weight) -> bool:
+    """Whether the wgmma kernel's unit-scale product of x's e4m3 rows `xq` can also compute the rows' LoRA shrink of
+    x itself first (fp8_linear's `shrink_sync`): bf16 x [M <= 64, K] contiguous and 16-byte aligned, the kernel's
+    operands (_sm90_operands)."""
+    return (x.dtype == torch.bfloat16 and x.dim() == 2 and x.is_contiguous() and _aligned(x)
+            and 1 <= x.shape[0] <= SM90_MAX_ROWS and xq.shape == x.shape and _sm90_operands(xq, w))
+
+
 def _sm90_fused(xq: torch.Tensor, w: Fp8Weight, out_dtype: torch.dtype, act: int, split: bool) -> bool:
     """Whether the wgmma kernel can finish the product with the epilogue inside it (fp8_gemm_sm90_fused): bf16 out,
     no activation, one part (the parts sm90_splits would cut K into: 1)."""
@@ -200,21 +208,26 @@ def _sm90_fused(xq: torch.Tensor, w: Fp8Weight, out_dtype: torch.dtype, act: int
 
 
 def _unit_product(xq: torch.Tensor, w: Fp8Weight, ext, sm90: bool, split: bool = False,
-                  persistent: bool = False) -> torch.Tensor:
+                  persistent: bool = False, shrink: dict | None = None) -> torch.Tensor:
     """x_q @ w_q.T in fp32 with unit scales: on the wgmma kernel (`sm90`, where its operands suit it: K a multiple
     of 16, N of 4, 16-byte aligned rows) or cuBLASLt. Both sum exact e4m3 products on the tensor cores, which
     accumulate with fewer bits than fp32 between their promotions to fp32: the two differ in those roundings and in
     the order of the additions. With `split` the wgmma kernel may cut K into parts (sm90_splits): the result
     is then [parts, M, N], partial sums for the FP8 epilogue (or split_sum) to add in part order. `persistent`: the
-    wgmma kernel on CUTLASS's persistent ping-pong schedule (the same bits)."""
+    wgmma kernel on CUTLASS's persistent ping-pong schedule (the same bits). `shrink` (the wgmma kernel, one CTA a
+    tile): its fp8_gemm_sm90 arguments for the rows' LoRA shrink on the product's warps first (lora_x, cols, v, b,
+    ranks, row_slot, a, sync)."""
     M, K = xq.shape
     N = w.q.shape[0]
     if sm90 and _sm90_operands(xq, w):
         parts = sm90_splits(N, K, _sm_count(xq.device.index)) if split else 1
         y = torch.empty(*((parts,) if parts > 1 else ()), M, N, dtype=torch.float32, device=xq.device)
         schedule = (True, True) if persistent else ()  # (pdl, persistent), the kernel's defaults otherwise
-        ext.fp8_gemm_sm90(y, xq, w.q, torch.cuda.current_stream(xq.device).cuda_stream, parts, *schedule)
+        ext.fp8_gemm_sm90(y, xq, w.q, torch.cuda.current_stream(xq.device).cuda_stream, parts, *schedule,
+                          **(shrink or {}))
         return y
+    if shrink is not None:
+        raise ValueError("fp8_linear: the shrink first needs the product on the wgmma kernel")
     one = unit_scale(xq.device)
     return torch._scaled_mm(xq, w.q.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
 
@@ -248,7 +261,8 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
                own_bf16: bool = False, epilogue: bool = False, spans: list[int] | None = None,
                lora: tuple | None = None, quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
                act: int = 0, sm90: bool = False, sm90_split: bool = False, sm90_fused: bool = False,
-               sm90_fused_lora: bool = False, sm90_persistent: bool = False) -> torch.Tensor:
+               sm90_fused_lora: bool = False, sm90_persistent: bool = False,
+               shrink_sync: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (bf16/fp16 on the GPU, any float on the CPU) @ w.T + bias -> [M, N] in x's dtype. With the
     CUDA extension `ext`: the activations quantized by its one-launch kernel (see quantize_tokens), and for
     M <= `own_rows` (bf16, K a multiple of 64, N of 16) the product on its FP8 kernel (csrc/fp8_gemm.cu), with
@@ -265,7 +279,10 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
     With `sm90` and `sm90_fused`, an epilogue without an activation or `lora` on a product in one part (bf16) runs
     inside the wgmma kernel (the same bits, one launch); with `sm90_fused_lora` too, also one with `lora`;
     `sm90_persistent`: every wgmma product, with the epilogue inside or not, on the kernel's persistent ping-pong
-    schedule (the same bits; the epilogue inside then runs beside the next tile's main loop).
+    schedule (the same bits; the epilogue inside then runs beside the next tile's main loop). With A pools in `lora`
+    (LoraStepImpl.epilogue_operands' in_product) and `shrink_sync` (int32, zero, the call site's own), the product on
+    the wgmma kernel (one CTA a tile; fp8_shrink_first_applies) computes the rows' shrink of x into v first, on its
+    own warps, and the epilogue's launch after it adds the expand.
     Then, M <= `swap_rows` (and a multiple of 16): cuBLASLt computes (w @ x.T).T, the weight as the long operand.
     Otherwise torch._scaled_mm with per-token and per-row scales."""
     if act and not (epilogue and tensor_cores and not _own_kernel(x, w, ext, own_rows)
@@ -290,15 +307,22 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
     elif unit_scale_call(M, N, K, unit_scale_elems):
         if epilogue:
             out = torch.empty(M, N // 2 if act else N, dtype=x.dtype, device=x.device)
-            v, b, ranks, row_slot, _ = epilogue_lora(lora)  # (the FP8 path's shrink is always a launch)
+            v, b, ranks, row_slot, a = epilogue_lora(lora)
             stream = torch.cuda.current_stream(x.device).cuda_stream
-            if (sm90 and sm90_fused and (lora is None or sm90_fused_lora)
+            shrink = None
+            if a is not None:  # the shrink first, inside the product (else a launch before this call did it)
+                if shrink_sync is None or sm90_persistent or (sm90_fused and sm90_fused_lora):
+                    raise ValueError("fp8_linear: A pools take the shrink first: shrink_sync, one CTA a tile, the "
+                                     "epilogue's own launch")
+                shrink = dict(lora_x=x, cols=list(spans or [N]), v=v, b=list(b), ranks=ranks, row_slot=row_slot,
+                              a=list(a), sync=shrink_sync)
+            elif (sm90 and sm90_fused and (lora is None or sm90_fused_lora)
                     and _sm90_fused(xq, w, x.dtype, act, sm90_split)):
                 ext.fp8_gemm_sm90_fused(out, xq, w.q, sx.view(-1), w.scale, bias, list(spans or [N]), v, list(b),
                                         ranks, row_slot, True, stream, **({"persistent": True} if sm90_persistent
                                                                           else {}))
                 return out
-            y = _unit_product(xq, w, ext, sm90, sm90_split, sm90_persistent)
+            y = _unit_product(xq, w, ext, sm90, sm90_split, sm90_persistent, shrink)
             ext.fp8_epilogue(out, y, sx.view(-1), w.scale, bias, list(spans or [N]), v, list(b), ranks, row_slot,
                              True, stream, act)
             return out

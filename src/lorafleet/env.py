@@ -330,6 +330,14 @@ def fp8_sm90_fused_lora() -> bool:
     return _flag("LORAFLEET_FP8_SM90_FUSED_LORA", False)
 
 
+def fp8_sm90_shrink() -> bool:
+    """LORAFLEET_FP8_SM90_SHRINK: with FP8 weights on that wgmma kernel, the rows' LoRA shrink of qkv and gate_up (whose
+    rows the norm quantizes) runs on the product's own warps before their main loop instead of a shrink launched
+    before each product; the FP8 epilogue's launch after the product adds the expand as before (default 0 until
+    measured in every mix; 1: the shrink first)."""
+    return _flag("LORAFLEET_FP8_SM90_SHRINK", False)
+
+
 def fp8_sm90_split() -> bool:
     """LORAFLEET_FP8_SM90_SPLIT: that wgmma kernel cuts K into parts where the weight's 64-row tiles alone fill less
     than half the GPU's SMs (7B o and down on an H200: two parts; runner/model/fp8.py sm90_splits), the FP8

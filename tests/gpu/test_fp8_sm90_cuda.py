@@ -643,3 +643,144 @@ def test_the_shrink_inside_the_product_refuses_what_it_cannot_do(ext):
         with pytest.raises(RuntimeError, match=match):
             ext.fp8_gemm_sm90_fused(**{**base, **change})
     assert not sync.any()
+
+
+def _e4m3_rows(M: int, K: int, N: int, seed: int):
+    """_operands' e4m3 rows with the bf16 rows they were quantized from: (x, xq, w)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
+    x[0, :: max(1, K // 7)] = 30.0
+    w = quantize_rows(torch.randn(N, K, device="cuda", generator=g) * 0.05)
+    return x, quantize_tokens(x)[0], w
+
+
+def _shrink_first(ext, x, xq, w, e, a, v, sync, out=None) -> torch.Tensor:
+    """fp8_gemm_sm90 with the rows' shrink first (lora_x ... sync) into fp32 `out` (NaN: every element must be
+    written)."""
+    if out is None:
+        out = torch.full((xq.shape[0], w.q.shape[0]), float("nan"), device="cuda")
+    ext.fp8_gemm_sm90(out, xq, w.q, torch.cuda.current_stream().cuda_stream, lora_x=x, cols=e["cols"], v=v, b=e["b"],
+                      ranks=e["ranks"], row_slot=e["row_slot"], a=a, sync=sync)
+    return out
+
+
+@pytest.mark.parametrize("M", [1, 17, 32, 64])
+def test_the_shrink_first_in_the_fp8_product(ext, M):
+    """e4m3 operands with x's bf16 rows, the A pools and a counter (fp8_gemm_sm90's lora_x ... sync): the product's own
+    warps write v before their main loop, for the FP8 epilogue's launch after it. v holds the fp64 sums of x's rows and
+    A's rank rows within fp32 accumulation's rounding wherever a row has an adapter (every kind of slot and rank of
+    _fused_args), and nothing else of v is written; the product is bit for bit the call without the shrink; the
+    counter is zero again after the launch; a second launch gives the same bits, and each row's v is the row alone's.
+    At 64 rows also 256 weight tiles (more CTAs than the GPU has SMs: warps of later waves find no ticket left)."""
+    cases = [c for c in FUSED_CASES if c[3] and {37: 32, 5: 1}.get(c[1], c[1]) == M]
+    if M == 64:
+        cases.append(([8192, 4096, 4096], 64, True, True, 4096))
+    assert cases
+    for spans, rows, bias, lora, K in cases:
+        x, xq, w = _e4m3_rows(rows, K, sum(spans), seed=rows + K)
+        _, _, e = _fused_args(spans, rows, bias, lora, K, seed=rows + K + len(spans))
+        a = _shrink_pools(spans, K, seed=rows + K)
+        sync = torch.zeros(2, dtype=torch.int32, device="cuda")
+        v = torch.full_like(e["v"], float("nan"))
+        got = _shrink_first(ext, x, xq, w, e, a, v, sync)
+        torch.cuda.synchronize()
+        assert not sync.any(), (spans, rows)  # left zero for the next launch
+        _shrink_checked(v, x, a, e, (spans, rows))
+        assert torch.equal(got, _sm90(ext, xq, w)), (spans, rows)
+        v2 = torch.full_like(v, float("nan"))
+        again = _shrink_first(ext, x, xq, w, e, a, v2, sync)
+        torch.cuda.synchronize()
+        assert torch.equal(again, got) and torch.equal(v2.nan_to_num(), v.nan_to_num()), (spans, rows)
+        assert not sync.any(), (spans, rows)
+        for i in sorted({0, rows // 2, rows - 1}):
+            one = {**e, "row_slot": e["row_slot"][i:i + 1].contiguous()}
+            vi = torch.full_like(v, float("nan"))
+            _shrink_first(ext, x[i:i + 1].contiguous(), xq[i:i + 1].contiguous(), w, one, a, vi, sync)
+            torch.cuda.synchronize()
+            assert torch.equal(vi[0].nan_to_num(), v[i].nan_to_num()), (spans, i)
+
+
+def test_the_shrink_first_back_to_back_and_in_a_graph(ext):
+    """Two launches one after the other on one stream (programmatic dependent launch), 256 weight tiles each, sharing
+    one v buffer with counters of their own, the second on other rows and slots: its v its own rows' shrink, both
+    counters zero after. Then the shrink first and the FP8 epilogue's launch captured in a CUDA graph, replayed on
+    new rows and new row slots: the eager launches' bits, and the counter zero after every replay."""
+    spans, M, K = [8192, 4096, 4096], 64, 4096
+    x1, xq1, w = _e4m3_rows(M, K, sum(spans), seed=51)
+    x2, xq2, _ = _e4m3_rows(M, K, sum(spans), seed=52)
+    _, _, e = _fused_args(spans, M, True, True, K, seed=53)
+    e2 = {**e, "row_slot": e["row_slot"].roll(5).contiguous()}
+    a = _shrink_pools(spans, K, seed=54)
+    syncs = [torch.zeros(1, dtype=torch.int32, device="cuda") for _ in range(2)]
+    v = torch.full_like(e["v"], float("nan"))
+    _shrink_first(ext, x1, xq1, w, e, a, v, syncs[0])
+    _shrink_first(ext, x2, xq2, w, e2, a, v, syncs[1])
+    torch.cuda.synchronize()
+    assert not syncs[0].any() and not syncs[1].any()
+    mine, _, _ = _shrink_fp64(x2, a, e2)  # (the first launch's entries stay where the second writes none)
+    v_alone = torch.full_like(v, float("nan"))
+    _shrink_first(ext, x2, xq2, w, e2, a, v_alone, syncs[1])
+    torch.cuda.synchronize()
+    assert torch.equal(v[mine], v_alone[mine])
+    _shrink_checked(v_alone, x2, a, e2, "second")
+
+    spans, M = [4096, 1024, 1024], 32
+    x, xq, w = _e4m3_rows(M, K, sum(spans), seed=8)
+    _, _, e = _fused_args(spans, M, True, True, K, seed=9)
+    a = _shrink_pools(spans, K, seed=10)
+    sync = syncs[0]
+    out = torch.empty(M, sum(spans), device="cuda", dtype=torch.bfloat16)
+
+    def launch(o, v):  # the product with the shrink first, then the FP8 epilogue's launch with the expand
+        y = _shrink_first(ext, x, xq, w, e, a, v, sync, out=torch.empty(M, sum(spans), device="cuda"))
+        ext.fp8_epilogue(o, y, e["x_scale"], e["w_scale"], e["bias"], e["cols"], v, e["b"], e["ranks"],
+                         e["row_slot"], True, torch.cuda.current_stream().cuda_stream)
+
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        launch(out, e["v"])  # warm up outside the capture
+        with torch.cuda.graph(graph, stream=side):
+            launch(out, e["v"])
+    torch.cuda.current_stream().wait_stream(side)
+    for seed in (61, 62, 63):
+        nx, nxq, _ = _e4m3_rows(M, K, sum(spans), seed=seed)
+        x.copy_(nx)
+        xq.copy_(nxq)
+        e["row_slot"].copy_(e["row_slot"].roll(seed))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert not sync.any(), seed
+        eager = torch.empty_like(out)
+        launch(eager, torch.empty_like(e["v"]))
+        torch.cuda.synchronize()
+        assert _same_bits(out, eager), seed
+
+
+def test_the_shrink_first_refuses_what_it_cannot_do(ext):
+    x, xq, w = _e4m3_rows(4, 256, 128, seed=3)
+    _, _, e = _fused_args([64, 32, 32], 4, False, True, 256, seed=1)
+    a = _shrink_pools([64, 32, 32], 256, seed=2)
+    sync = torch.zeros(1, dtype=torch.int32, device="cuda")
+    xb, wb = _bf16_operands(4, 256, 128, seed=3)
+    base = dict(out=torch.empty(4, 128, device="cuda"), x=xq, w=w.q, stream=_stream(), lora_x=x, cols=e["cols"],
+                v=e["v"], b=e["b"], ranks=e["ranks"], row_slot=e["row_slot"], a=a, sync=sync)
+    cases = [
+        (dict(sync=None), "needs both lora_x and sync"),
+        (dict(lora_x=None), "needs both lora_x and sync"),
+        (dict(persistent=True), "e4m3 operands, not persistent"),
+        (dict(x=xb, w=wb), "e4m3 operands, not persistent"),
+        (dict(lora_x=x[:, :128].contiguous()), r"lora_x must be contiguous, 16-byte aligned \[4, 256\]"),
+        (dict(v=None, b=[], ranks=None, row_slot=None), "needs LoRA"),
+        (dict(a=a[:2]), "one A pool per span"),
+        (dict(cols=[64, 64]), "one B pool per span"),  # two spans against three B pools
+        (dict(sync=torch.zeros(1, device="cuda")), "sync must be contiguous int32"),
+        (dict(a=[t[:, :64].contiguous() for t in a]), r"rank dimension 64, below b\[0\]'s 128"),
+    ]
+    for change, match in cases:
+        with pytest.raises(RuntimeError, match=match):
+            ext.fp8_gemm_sm90(**{**base, **change})
+    assert not sync.any()
