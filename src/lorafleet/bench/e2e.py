@@ -196,8 +196,9 @@ def run_mix(engine, reqs, names, weights_of, label: str, log, fm: dict | None = 
         fl = floor_seconds(fm, steps)
         res["floor_tok_s"] = round(total / fl, 1) if fl else None
         res["floor_fraction"] = round(fl / wall, 3)
+    # (per launch of each kind: a step of a batch-invariant engine with decode and prompt rows is two launches)
     res["runner_phases_ms"] = {k: {"prepare": round(1000 * a / n, 3), "launch": round(1000 * b / n, 3),
-                                   "wait_and_sample": round(1000 * c / n, 3), "steps": n}
+                                   "wait_and_sample": round(1000 * c / n, 3), "launches": n}
                                for k, (a, b, c, n) in engine.runner.phases.items()}
     engine.runner.phases = None
     floor = f" ({res['floor_fraction']:.0%} of the floor {res['floor_tok_s']:.0f})" if res.get("floor_tok_s") else ""
