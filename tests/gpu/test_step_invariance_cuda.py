@@ -164,13 +164,14 @@ def test_a_request_under_load_gives_its_bits_alone(invariant, tmp_path):
     log-probabilities must be the same bits in both runs; by default its decode rows share products with the prompt
     chunks and flashinfer's decode splits its K/V by the batch, and the test reports whether its bits moved."""
     model = write_random_llama(tmp_path / "model", hidden=576, layers=30, heads=9, kv_heads=3, inter=1536, vocab=4096,
-                               tied=True, std=0.06, rope_theta=100000.0)
+                               tied=True, std=0.06, rope_theta=100000.0, max_positions=2048)
     targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     ads = {"a16": write_random_adapter(model, tmp_path / "a16", r=16, alpha=32, seed=1, targets=targets),
            "a8": write_random_adapter(model, tmp_path / "a8", r=8, alpha=8, targets=("q_proj", "v_proj"), seed=2,
                                       scale=0.08)}
+    # (a step budget above the prompt: one chunk in both runs, whose bounds the mode does not make load-independent)
     eng = Engine(str(model), EngineConfig(max_lora_rank=16, max_batch_size=32, num_pages=4096, prefix_cache=False,
-                                          batch_invariant=invariant))
+                                          batch_invariant=invariant, max_step_tokens=2048))
     g = torch.Generator().manual_seed(7)
     prompt = torch.randint(3, 4096, (700,), generator=g).tolist()  # K/V of three of the decode kernel's chunks
 
@@ -191,7 +192,8 @@ def test_a_request_under_load_gives_its_bits_alone(invariant, tmp_path):
                 if out.seq_id == name:
                     tokens += out.new_token_ids
                     lps += [e[0] for e in out.logprobs or []]
-                    if out.finish_reason:
+                    if out.finish_reason:  # (all its tokens: a refused request would end here too)
+                        assert out.finish_reason == "length" and len(tokens) == 48, (name, out.finish_reason)
                         return tokens, lps
             steps += 1
             if feed is not None:
