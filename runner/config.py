@@ -22,6 +22,10 @@ class KernelChoices:
         lorafleet: the K/V pages read once at their byte cost, bf16 / fp16 or e4m3; head sizes 64, 128 and 256 with at
         most 8 query heads per K/V head, flashinfer's elsewhere); auto: the project's own for e4m3 pages where each
         K/V head serves one query head (decode_kernel.preferred), flashinfer's elsewhere.
+    decode_no_split: flashinfer's decode attention (on tensor cores: decode_tc 1) plans every request's K/V as one
+        chunk instead of splitting long ones by a plan of the whole batch, so a request's attention does not depend on
+        the others in its step (set by batch-invariant engines that keep flashinfer's decode; not read from the
+        environment).
     sgmv: auto (the CUDA kernels on CUDA, torch elsewhere), cuda or torch.
     sgmv_fused: steps with prompt rows launch a LoRA group below the tensor-core thresholds as one fused
         launch (auto: the measured default; 1) or two (0); the bits are the same.
@@ -71,7 +75,7 @@ class KernelChoices:
     fp8_sm90_fused_lora: the same also for epilogues with the rows' LoRA expand (measured slower: off).
     fp8_sm90_shrink: with that kernel and adapters in the step, the rows' LoRA shrink of the products whose rows the
         norm quantizes (qkv, gate_up; K at most SM90_SHRINK_MAX_K) runs on the product's own warps before their main
-        loop instead of a launch before it; the epilogue's launch adds the expand (off until measured).
+        loop instead of a launch before it; the epilogue's launch adds the expand (measured even: off).
     fp8_sm90_split: that kernel cuts K into parts for weights with too few rows to fill the GPU (fp8.py sm90_splits).
     fp8_sm90_persistent: that kernel (its epilogue a launch of its own or inside it) on CUTLASS's persistent
         ping-pong schedule instead of one CTA per tile (the same bits).
@@ -105,6 +109,7 @@ class KernelChoices:
     prefill: str = "auto"
     decode_tc: str = "auto"
     decode_kernel: str = "auto"
+    decode_no_split: bool = False
     sgmv: str = "auto"
     sgmv_fused: str = "auto"
     mma_rows: tuple[tuple[int, int], ...] = ((129, 129), (512, 512), (129, 129), (512, 512))
@@ -154,6 +159,9 @@ class KernelChoices:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.dense_lora_kext % 8:
             raise ValueError(f"dense_lora_kext must be a multiple of 8 (16-byte rows), got {self.dense_lora_kext}")
+        if self.decode_no_split and self.decode_tc != "1":
+            raise ValueError("decode_no_split takes flashinfer's tensor-core decode (decode_tc 1): its other decode "
+                             "kernel plans its splits by itself")
         ranks = self.decode_ranks
         if isinstance(ranks, int):  # one number: every group's
             ranks = (ranks,) * 4
@@ -224,8 +232,10 @@ class EngineConfig:
     # Batch-invariant decoding: a decode row's bits do not depend on the other rows of its step. A step that carries
     # both decode and prompt rows runs them as two forward passes (the decode rows alone: a decode-only step, its
     # CUDA graph; a second pass over the weights in each such step), the decode rows' attention takes the project's
-    # kernel (decode_kernel "lorafleet": its chunks follow a request's own length), and the pages a step fills are
-    # cached for later steps only (docs/api.md, "Reproducibility"). Off: one pass, the kernels' own choices.
+    # kernel (decode_kernel "lorafleet": its chunks follow a request's own length), or with decode_kernel
+    # "flashinfer" flashinfer's tensor-core decode with each request's K/V unsplit (decode_no_split), and the pages a
+    # step fills are cached for later steps only (docs/api.md, "Reproducibility"). Off: one pass, the kernels' own
+    # choices.
     batch_invariant: bool = False
     # Overlapped scheduling: build and queue step N+1 while the device runs step N. None: on for CUDA.
     overlap: bool | None = None

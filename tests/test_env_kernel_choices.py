@@ -152,7 +152,7 @@ def test_fp8_gemm_switches(monkeypatch):
             ("LORAFLEET_FP8_SM90_FUSED_LORA", env.fp8_sm90_fused_lora, False, "1",
              "fp8_sm90_fused_lora=True"),  # off: measured slower
             ("LORAFLEET_FP8_SM90_SHRINK", env.fp8_sm90_shrink, False, "1",
-             "fp8_sm90_shrink=True"),  # off until measured
+             "fp8_sm90_shrink=True"),  # off: measured even
             ("LORAFLEET_FP8_SM90_SPLIT", env.fp8_sm90_split, False, "1", "fp8_sm90_split=True"),
             ("LORAFLEET_FP8_SM90_PERSISTENT", env.fp8_sm90_persistent, False, "1",
              "fp8_sm90_persistent=True"),  # off until measured

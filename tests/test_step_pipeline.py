@@ -290,16 +290,20 @@ def test_the_cpu_default_prefills_long_prompts_in_chunks_that_let_others_through
     assert not eng.has_work() and eng.blocks.free_pages + eng.blocks.cached_pages >= eng.blocks.num_pages
 
 
-def test_a_batch_invariant_engine_takes_the_decode_kernel_that_follows_a_requests_own_length(tiny_llama, caplog):
+def test_a_batch_invariant_engine_takes_the_decode_kernel_that_follows_a_requests_own_length(tiny_llama):
     """EngineConfig.batch_invariant: the decode rows' attention on the project's kernel (its chunks follow a request's
-    own length), unless the environment names flashinfer's, which is kept with a warning."""
+    own length), or where flashinfer's is named, its tensor-core decode with every request's K/V one chunk
+    (decode_no_split, which its other decode kernel cannot take)."""
     from lorafleet.runner.engine.engine import invariant_kernels
 
     assert invariant_kernels(KernelChoices()).decode_kernel == "lorafleet"
     assert invariant_kernels(KernelChoices(decode_kernel="lorafleet")).decode_kernel == "lorafleet"
-    with caplog.at_level("WARNING"):
-        assert invariant_kernels(KernelChoices(decode_kernel="flashinfer")).decode_kernel == "flashinfer"
-    assert "may still depend on the other requests" in caplog.text
+    assert not invariant_kernels(KernelChoices()).decode_no_split
+    fi = invariant_kernels(KernelChoices(decode_kernel="flashinfer", decode_tc="0"))
+    assert (fi.decode_kernel, fi.decode_tc, fi.decode_no_split) == ("flashinfer", "1", True)
+    for tc in ("auto", "0"):
+        with pytest.raises(ValueError, match="decode_no_split takes flashinfer's tensor-core decode"):
+            KernelChoices(decode_tc=tc, decode_no_split=True)
     eng = engine(tiny_llama, batch_invariant=True)
     assert eng.config.batch_invariant and eng.config.kernels.decode_kernel == "lorafleet"
     assert engine(tiny_llama).config.kernels.decode_kernel == "auto"
@@ -345,6 +349,7 @@ def test_a_batch_invariant_engine_says_where_the_invariance_does_not_hold(tiny_l
     cuda, cfg = torch.device("cuda"), EngineConfig()
     assert invariance_gaps(cfg, cuda, NS(bf16_sm90=True), NS(own=object())) == []
     assert invariance_gaps(cfg, cuda, NS(bf16_sm90=True), NS()) == []  # (torch attention: no split)
+    assert invariance_gaps(cfg, cuda, NS(bf16_sm90=True), NS(own=None, decode_no_split=True)) == []
     gaps = invariance_gaps(EngineConfig(max_batch_size=128), cuda, NS(bf16_sm90=False), NS(own=None))
     assert len(gaps) == 2 and "cuBLAS" in gaps[0] and "flashinfer" in gaps[1]
     assert "128" in invariance_gaps(EngineConfig(max_batch_size=128), cuda, NS(bf16_sm90=True), NS())[0]

@@ -61,12 +61,11 @@ class StepOutput:
 def invariant_kernels(kernels: KernelChoices) -> KernelChoices:
     """The kernel choices of a batch-invariant engine (EngineConfig.batch_invariant): the decode rows' attention on the
     project's kernel (its chunks follow a request's own length; flashinfer's decode splits a request's K/V by a plan
-    of the whole batch), unless the environment names flashinfer's (then a warning)."""
+    of the whole batch), or, where decode_kernel names flashinfer's (LORAFLEET_DECODE_KERNEL), flashinfer's
+    tensor-core decode with every request's K/V one chunk (decode_no_split)."""
     if kernels.decode_kernel == "flashinfer":
-        log.warning("batch-invariant decoding with flashinfer's decode attention (decode_kernel flashinfer, "
-                    "LORAFLEET_DECODE_KERNEL): a long context's attention may still depend on the other requests of "
-                    "its step")
-        return kernels
+        log.info("batch-invariant decoding on flashinfer's tensor-core decode, every request's K/V unsplit")
+        return dataclasses.replace(kernels, decode_tc="1", decode_no_split=True)
     return dataclasses.replace(kernels, decode_kernel="lorafleet")
 
 
@@ -83,7 +82,7 @@ def invariance_gaps(config: EngineConfig, device: torch.device, model, attention
     elif config.max_batch_size > SM90_MAX_ROWS:
         gaps.append(f"decode steps of more than {SM90_MAX_ROWS} rows (max batch size {config.max_batch_size}) take "
                     "cuBLAS's products")
-    if getattr(attention, "own", False) is None:
+    if getattr(attention, "own", False) is None and not getattr(attention, "decode_no_split", False):
         gaps.append("the decode attention stays on flashinfer's (the project's kernel does not take this model), "
                     "which plans its split of long contexts over the whole batch")
     return gaps

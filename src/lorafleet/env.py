@@ -333,8 +333,9 @@ def fp8_sm90_fused_lora() -> bool:
 def fp8_sm90_shrink() -> bool:
     """LORAFLEET_FP8_SM90_SHRINK: with FP8 weights on that wgmma kernel, the rows' LoRA shrink of qkv and gate_up (whose
     rows the norm quantizes) runs on the product's own warps before their main loop instead of a shrink launched
-    before each product; the FP8 epilogue's launch after the product adds the expand as before (default 0 until
-    measured in every mix; 1: the shrink first)."""
+    before each product; the FP8 epilogue's launch after the product adds the expand as before (default 0: measured
+    even, -0.2 / -0.6 % end to end with adapters on the H100, the products longer by what the launches took,
+    docs/benchmarks.md section 13.16; 1: the shrink first)."""
     return _flag("LORAFLEET_FP8_SM90_SHRINK", False)
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lorafleet.runner.config import EngineConfig
+from lorafleet.runner.config import EngineConfig, KernelChoices
 from lorafleet.runner.engine.engine import Engine
 from lorafleet.runner.engine.sequence import AdapterRef, SamplingParams, Sequence
 from engine_steps import next_plan_with_prompt_rows
@@ -154,15 +154,17 @@ def test_decode_rows_do_not_depend_on_prompt_rows_in_their_step(engine_in_decode
         pytest.xfail(f"known: decode rows beside a prompt differ ({found}); EngineConfig.batch_invariant avoids it")
 
 
-@pytest.mark.parametrize("invariant", [True, False], ids=["batch_invariant", "default"])
-def test_a_request_under_load_gives_its_bits_alone(invariant, tmp_path):
+@pytest.mark.parametrize("invariant,decode", [(True, "auto"), (True, "flashinfer"), (False, "auto")],
+                         ids=["batch_invariant", "batch_invariant_flashinfer", "default"])
+def test_a_request_under_load_gives_its_bits_alone(invariant, decode, tmp_path):
     """The engine as served (CUDA graphs, overlapped steps; the prefix cache off, so that both runs compute the
     request's prompt), a greedy request with an adapter and a 700-token prompt run twice: alone, then arriving beside
     seven decoding requests with a new long prompt every few steps while it decodes. Its prompt is prefilled in a step
     beside decode rows only, so with EngineConfig.batch_invariant (the prompt a pass of its own, the decode rows'
     attention on the project's kernel, whose chunks follow the request's own length) its tokens and their
-    log-probabilities must be the same bits in both runs; by default its decode rows share products with the prompt
-    chunks and flashinfer's decode splits its K/V by the batch, and the test reports whether its bits moved."""
+    log-probabilities must be the same bits in both runs (also with decode_kernel flashinfer: its tensor-core decode,
+    every request's K/V unsplit); by default its decode rows share products with the prompt chunks and flashinfer's
+    decode splits its K/V by the batch, and the test reports whether its bits moved."""
     model = write_random_llama(tmp_path / "model", hidden=576, layers=30, heads=9, kv_heads=3, inter=1536, vocab=4096,
                                tied=True, std=0.06, rope_theta=100000.0, max_positions=2048)
     targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -171,7 +173,8 @@ def test_a_request_under_load_gives_its_bits_alone(invariant, tmp_path):
                                       scale=0.08)}
     # (a step budget above the prompt: one chunk in both runs, whose bounds the mode does not make load-independent)
     eng = Engine(str(model), EngineConfig(max_lora_rank=16, max_batch_size=32, num_pages=4096, prefix_cache=False,
-                                          batch_invariant=invariant, max_step_tokens=2048))
+                                          batch_invariant=invariant, max_step_tokens=2048,
+                                          kernels=KernelChoices(decode_kernel=decode)))
     g = torch.Generator().manual_seed(7)
     prompt = torch.randint(3, 4096, (700,), generator=g).tolist()  # K/V of three of the decode kernel's chunks
 
@@ -228,10 +231,13 @@ def test_a_request_under_load_gives_its_bits_alone(invariant, tmp_path):
     first = next((j for j, (a, b) in enumerate(zip(alone[1], loaded[1])) if a != b), None)
     found = "the same bits" if same else (f"tokens equal: {alone[0] == loaded[0]}, first log-probability differs "
                                           f"at token {first}")
-    print(f"a request under load ({'batch-invariant' if invariant else 'default'} engine): {found} "
+    print(f"a request under load ({'batch-invariant' if invariant else 'default'} engine, decode {decode}): {found} "
           f"({len(mixed_steps)} mixed steps)")
     if invariant:
-        assert eng.attention.own is not None  # the decode rows' attention on the project's kernel
+        if decode == "flashinfer":  # flashinfer's tensor-core decode, no request's K/V split
+            assert eng.attention.own is None and eng.attention.decode_no_split and eng.attention.decode_tc
+        else:
+            assert eng.attention.own is not None  # the decode rows' attention on the project's kernel
         assert alone[0] == loaded[0], "the request's tokens depend on the other requests"
         assert alone[1] == loaded[1], f"its log-probabilities differ from token {first} on"
 

@@ -70,7 +70,8 @@ class FlashInferAttention:
     name = "flashinfer"
 
     def __init__(self, kv: KVCache, cfg, device: torch.device, prefill_choice: str = "auto",
-                 q_dtype: torch.dtype | None = None, decode_tc: str = "auto", decode_kernel_choice: str = "auto"):
+                 q_dtype: torch.dtype | None = None, decode_tc: str = "auto", decode_kernel_choice: str = "auto",
+                 decode_no_split: bool = False):
         self.kv, self.cfg, self.device = kv, cfg, device
         self.q_dtype = q_dtype or kv.k.dtype  # FP8 pages: queries stay in the model's dtype
         self.kv_dtype = kv.k.dtype
@@ -78,6 +79,11 @@ class FlashInferAttention:
         self.sm_scale, self.soft_cap = cfg.softmax_scale, cfg.attn_softcap or 0.0
         # decode on tensor cores (flashinfer's prefill kernel) where >= 4 query heads share a K/V head, or as told
         self.decode_tc = {"1": True, "0": False}.get(decode_tc, self.h // self.hkv >= 4)
+        # every request's K/V one chunk in the decode plans (KernelChoices.decode_no_split): its attention then does not
+        # depend on the other requests of the step (flashinfer takes this for its tensor-core decode only)
+        if decode_no_split and not self.decode_tc:
+            raise ValueError("decode_no_split takes flashinfer's tensor-core decode (decode_tc 1)")
+        self.decode_no_split = decode_no_split
         sm90 = torch.cuda.get_device_capability(device)[0] == 9
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         fp8_pages = self.kv_dtype != self.q_dtype
@@ -143,7 +149,8 @@ class FlashInferAttention:
         with self.planning(wrapper):
             wrapper.plan(indptr, indices, last, self.h, self.hkv, self.d, self.kv.page_size,
                          q_data_type=self.q_dtype, kv_data_type=self.kv_dtype, sm_scale=self.sm_scale,
-                         window_left=window_left, logits_soft_cap=self.soft_cap)
+                         window_left=window_left, logits_soft_cap=self.soft_cap,
+                         **({"disable_split_kv": True} if self.decode_no_split else {}))
 
     def warm_up(self) -> None:
         """Run every kernel variant the eager wrappers can pick once, at start: FA2's CTA tiles of 16, 64
