@@ -50,6 +50,38 @@ class TorchUnderCudaName:
         self.expand(ys, v, b, ranks, host, seg)
 
 
+def row_v(x_row: torch.Tensor, a_rows: torch.Tensor) -> torch.Tensor:
+    """One row's shrink in fp32: the formula of every emulation here (the kernels' sums differ in order; on the GPU
+    the engine is checked against HF + PEFT instead)."""
+    return a_rows.float() @ x_row.float()
+
+
+def emulated_lora(y: torch.Tensor, x: torch.Tensor, spans, lora) -> None:
+    """y += each row's LoRA expand v[t, g, :r] @ B_g[slot, :r] over the output spans, v first computed from x and the
+    A pools where `lora` = (v, B pools, ranks, row slots, A pools) has them (the shrink inside the product)."""
+    v, b, ranks, row_slot, a = lora
+    start = 0
+    for g, n in enumerate(spans):
+        for t in range(x.shape[0]):
+            s = int(row_slot[t])
+            if 0 <= s < b[g].shape[0]:
+                r = min(int(ranks[g, s]), b[g].shape[1])
+                if a is not None:
+                    v[t, g, :r] = row_v(x[t], a[g][s, :r])
+                y[t, start:start + n] += (v[t, g, :r] @ b[g][s, :r].float()).to(y.dtype)
+        start += n
+
+
+def mixed_requests(ads: dict, seed: int) -> list[Sequence]:
+    """Six greedy requests of 5-19 random tokens: the base model and each adapter of `ads` in turn."""
+    g = torch.Generator().manual_seed(seed)
+    names = [None] + sorted(ads)
+    return [Sequence(f"r{i}", torch.randint(3, 256, (int(torch.randint(5, 20, (1,), generator=g)),),
+                                            generator=g).tolist(), SamplingParams(max_tokens=NEW, ignore_eos=True),
+                     AdapterRef(names[i % len(names)], str(ads[names[i % len(names)]])) if names[i % len(names)]
+                     else None) for i in range(6)]
+
+
 def emulated_product(calls, syncs=None):
     """bf16_sm90_linear's contract in torch, recording (spans, whether LoRA operands came) per call. With A pools in
     the operands, the kernel's shrink first: v[t, g, :r] = A_g[slot, :r] @ x[t] (the counters `sync`, zero int32, of
@@ -67,27 +99,13 @@ def emulated_product(calls, syncs=None):
                 assert not sync.any()
                 syncs.add(sync.data_ptr())
                 assert len(a) == len(spans) and all(ag.shape[2] == x.shape[1] for ag in a)
-            start = 0
-            for g, n in enumerate(spans):
-                for t in range(x.shape[0]):
-                    s = int(row_slot[t])
-                    if 0 <= s < b[g].shape[0]:
-                        r = min(int(ranks[g, s]), b[g].shape[1])
-                        if a is not None:
-                            v[t, g, :r] = a[g][s, :r].float() @ x[t].float()
-                        y[t, start:start + n] += v[t, g, :r] @ b[g][s, :r]
-                start += n
+            emulated_lora(y, x, spans, lora)
         return y
     return run
 
 
 def run(model, ads, on: bool, monkeypatch, in_product: bool | str = False, syncs=None):
-    g = torch.Generator().manual_seed(11)
-    names = [None] + sorted(ads)
-    seqs = [Sequence(f"r{i}", torch.randint(3, 256, (int(torch.randint(5, 20, (1,), generator=g)),),
-                                            generator=g).tolist(), SamplingParams(max_tokens=NEW, ignore_eos=True),
-                     AdapterRef(names[i % len(names)], str(ads[names[i % len(names)]])) if names[i % len(names)]
-                     else None) for i in range(6)]
+    seqs = mixed_requests(ads, seed=11)
     eng = Engine(str(model), EngineConfig(device="cpu", max_batch_size=8, page_size=4, num_pages=200, max_lora_rank=16,
                                           max_step_tokens=64, kernels=KernelChoices(bf16_sm90=on)))
     calls: list = []

@@ -22,18 +22,9 @@ import lorafleet.runner.model.fp8 as fp8
 from family_models import family_targets, write_family_model
 from lorafleet.runner.config import EngineConfig, KernelChoices
 from lorafleet.runner.engine.engine import Engine
-from lorafleet.runner.engine.sequence import AdapterRef, SamplingParams, Sequence
 from lorafleet.runner.model.fp8 import Fp8Weight, fp8_linear, fp8_shrink_first_applies, quantize_tokens
 from model_helpers import write_random_adapter
-from test_bf16_sm90 import TorchUnderCudaName
-
-NEW = 5
-
-
-def row_v(x_row: torch.Tensor, a_rows: torch.Tensor) -> torch.Tensor:
-    """One row's shrink in fp32, the one formula both runs use (the kernels' sums differ in order: on the GPU the
-    engine is checked against the fp32 reference instead)."""
-    return a_rows.float() @ x_row.float()
+from test_bf16_sm90 import TorchUnderCudaName, emulated_lora, mixed_requests, row_v
 
 
 class Fp32Shrinks(TorchUnderCudaName):
@@ -57,7 +48,7 @@ def emulated_fp8(d, firsts: list, syncs: set):
     def run(x, w, b, epilogue=False, spans=None, lora=None, quantized=None, act=0, shrink_sync=None):
         y = F.linear(x, w.dequant(x.dtype), b)
         if lora is not None:
-            v, bp, ranks, row_slot, a = lora
+            a = lora[4]
             if a is not None:  # the shrink first, on the product's warps
                 assert shrink_sync is not None and shrink_sync.dtype == torch.int32 and not shrink_sync.any()
                 assert quantized is not None and quantized[0].shape == x.shape  # the norm's rows, not the shrink's
@@ -65,16 +56,7 @@ def emulated_fp8(d, firsts: list, syncs: set):
                 firsts.append(tuple(spans))
             else:
                 assert shrink_sync is None
-            start = 0
-            for g, n in enumerate(spans):
-                for t in range(x.shape[0]):
-                    s = int(row_slot[t])
-                    if 0 <= s < bp[g].shape[0]:
-                        r = min(int(ranks[g, s]), bp[g].shape[1])
-                        if a is not None:
-                            v[t, g, :r] = row_v(x[t], a[g][s, :r])
-                        y[t, start:start + n] += (v[t, g, :r] @ bp[g][s, :r].float()).to(y.dtype)
-                start += n
+            emulated_lora(y, x, spans, lora)
         if act:
             return d.ops.act_mul(y, spans[0])
         return y
@@ -83,12 +65,7 @@ def emulated_fp8(d, firsts: list, syncs: set):
 
 
 def run(model, ads, first: bool, monkeypatch):
-    g = torch.Generator().manual_seed(5)
-    names = [None] + sorted(ads)
-    seqs = [Sequence(f"r{i}", torch.randint(3, 256, (int(torch.randint(5, 20, (1,), generator=g)),),
-                                            generator=g).tolist(), SamplingParams(max_tokens=NEW, ignore_eos=True),
-                     AdapterRef(names[i % len(names)], str(ads[names[i % len(names)]])) if names[i % len(names)]
-                     else None) for i in range(6)]
+    seqs = mixed_requests(ads, seed=5)
     eng = Engine(str(model), EngineConfig(device="cpu", max_batch_size=8, page_size=4, num_pages=200, max_lora_rank=16,
                                           max_step_tokens=64, quantization="fp8", dtype="bfloat16",
                                           kernels=KernelChoices(fp8_sm90_shrink=first)))

@@ -596,6 +596,14 @@ def test_the_shrink_inside_the_product_in_a_graph(ext):
         ext.fp8_gemm_sm90_fused(o, x, w, e["x_scale"], e["w_scale"], e["bias"], e["cols"], v, e["b"], e["ranks"],
                                 e["row_slot"], True, torch.cuda.current_stream().cuda_stream, a=a, sync=sync)
 
+    _replays_are_eager(launch, out, e, sync, lambda seed: x.copy_(_bf16_operands(M, K, sum(spans), seed=seed)[0]),
+                       (31, 32, 33))
+
+
+def _replays_are_eager(launch, out, e, sync, refresh, seeds) -> None:
+    """`launch(out, v)` captured once in a CUDA graph (warmed up outside the capture), then for each seed new rows
+    (refresh(seed)) and the row slots rolled by it: the replay gives the eager launch's bits, and the shrink's
+    counters are zero after it."""
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
@@ -605,9 +613,8 @@ def test_the_shrink_inside_the_product_in_a_graph(ext):
         with torch.cuda.graph(graph, stream=side):
             launch(out, e["v"])
     torch.cuda.current_stream().wait_stream(side)
-    for seed in (31, 32, 33):
-        nx, _ = _bf16_operands(M, K, sum(spans), seed=seed)
-        x.copy_(nx)
+    for seed in seeds:
+        refresh(seed)
         e["row_slot"].copy_(e["row_slot"].roll(seed))
         out.fill_(float("nan"))
         graph.replay()
@@ -736,28 +743,12 @@ def test_the_shrink_first_back_to_back_and_in_a_graph(ext):
         ext.fp8_epilogue(o, y, e["x_scale"], e["w_scale"], e["bias"], e["cols"], v, e["b"], e["ranks"],
                          e["row_slot"], True, torch.cuda.current_stream().cuda_stream)
 
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        launch(out, e["v"])  # warm up outside the capture
-        with torch.cuda.graph(graph, stream=side):
-            launch(out, e["v"])
-    torch.cuda.current_stream().wait_stream(side)
-    for seed in (61, 62, 63):
+    def refresh(seed):
         nx, nxq, _ = _e4m3_rows(M, K, sum(spans), seed=seed)
         x.copy_(nx)
         xq.copy_(nxq)
-        e["row_slot"].copy_(e["row_slot"].roll(seed))
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert not sync.any(), seed
-        eager = torch.empty_like(out)
-        launch(eager, torch.empty_like(e["v"]))
-        torch.cuda.synchronize()
-        assert _same_bits(out, eager), seed
+
+    _replays_are_eager(launch, out, e, sync, refresh, (61, 62, 63))
 
 
 def test_the_shrink_first_refuses_what_it_cannot_do(ext):
