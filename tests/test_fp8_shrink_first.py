@@ -3,11 +3,11 @@ fp8_linear's `shrink_sync`) in the decoder, on the CPU. The FP8 tensor-core path
 quantized rows are made by torch (quantize_tokens), and the product with its epilogue is replaced by a torch
 emulation of their contract (x @ dequant(w).T + bias, plus each row's expand v[t, g, :r] @ B_g[slot, :r]; with A pools
 handed over, v computed first from x and those pools, as the kernel's warps do). The LoRA kernels are the torch ones
-under the CUDA kernels' name, counted, the shrink's rows summed as the emulation sums them. A CPU engine so configured gives the tokens of the same engine with every
-shrink launched; the shrinks the products take are exactly those of qkv and gate_up (the norm quantized their rows)
-but the step's first, each layer and group with counters of its own, and every launch they replace is gone. The
-kernel itself: tests/gpu/test_fp8_sm90_cuda.py; the engine with it against the fp32 FP8 reference:
-tests/gpu/test_fp8_cuda.py."""
+under the CUDA kernels' name, counted, the shrink's rows summed as the emulation sums them. A CPU engine so
+configured gives the tokens of the same engine with every shrink launched; the shrinks the products take are exactly
+those of qkv and gate_up (the norm quantized their rows) but the step's first, each layer and group with counters of
+its own, and every launch they replace is gone. The kernel itself: tests/gpu/test_fp8_sm90_cuda.py; the engine with
+it against the fp32 FP8 reference: tests/gpu/test_fp8_cuda.py."""
 
 from __future__ import annotations
 
