@@ -398,7 +398,8 @@ struct Sm90Gemm {
     return args;
   }
 
-  static const char* run(const Fp8Sm90Args& a, void* stream, int sm_count = 0, const Fp8EpilogueArgs* shrink = nullptr) {
+  static const char* run(const Fp8Sm90Args& a, void* stream, int sm_count = 0,
+                         const Fp8EpilogueArgs* shrink = nullptr) {
     return launch<Gemm>(arguments(a, sm_count, shrink), a.pdl, stream);
   }
 };
