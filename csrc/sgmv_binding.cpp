@@ -860,6 +860,10 @@ void fp8_gemm_sm90(Tensor out, Tensor x, Tensor w, int64_t stream, int64_t split
   lorafleet::Fp8EpilogueArgs shrink;
   SGMV_CHECK(lora_x.has_value() == sync.has_value(), "fp8_gemm_sm90: the shrink first needs both lora_x and sync "
              "(or neither)");
+  // (LoRA's operands without them would be ignored: v never written)
+  SGMV_CHECK(lora_x.has_value() || (cols.empty() && !v.has_value() && b.empty() && !ranks.has_value() &&
+                                    !row_slot.has_value() && a_pools.empty()),
+             "fp8_gemm_sm90: cols, v, b, ranks, row_slot and a are the shrink first's: they need lora_x and sync");
   if (lora_x.has_value()) {
     SGMV_CHECK(x.scalar_type() == torch::kFloat8_e4m3fn && !persistent,
                "fp8_gemm_sm90: the shrink first takes e4m3 operands, not persistent");

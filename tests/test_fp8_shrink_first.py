@@ -153,11 +153,12 @@ def test_fp8_linear_hands_the_wgmma_product_the_shrink_first(monkeypatch):
     assert calls[1][1] is lora[0]
     for bad in (dict(sm90=True), dict(sm90=True, shrink_sync=sync, sm90_persistent=True),
                 dict(sm90=True, shrink_sync=sync, sm90_fused=True, sm90_fused_lora=True),
-                dict(sm90=False, shrink_sync=sync)):
+                dict(sm90=False, shrink_sync=sync), dict(sm90=True, shrink_sync=sync, epilogue=False),
+                dict(sm90=True, shrink_sync=sync, unit_scale_elems=0)):
         calls.clear()
         with pytest.raises(ValueError, match="shrink first"):
-            fp8_linear(x, w, None, True, **common, **bad)
-        assert [c[0] for c in calls if c[0] == "epilogue"] == [] and all(c[0] != "gemm" or not c[3] for c in calls)
+            fp8_linear(x, w, None, True, **{**common, **bad})
+        assert calls == []
 
 
 def test_the_shrink_first_takes_only_the_products_it_can():

@@ -266,6 +266,9 @@ class Decoder:
                 self.own_norm = OwnNorm(load(), cfg.rms_norm_eps, cfg.norm_offset)
             except Exception as exc:  # no compiler: the ops' norms and the separate shrink launches
                 log.warning("norm kernel unavailable (%s); the norms take %s's kernels", exc, self.ops.name)
+        if self.sm90_sync is not None and not self.bf16_sm90 and (self.own_norm is None or not norm_quant):
+            log.info("fp8_sm90_shrink takes the products whose rows the norm quantizes (LORAFLEET_NORM_QUANT): "
+                     "none here")
 
     def _take_bf16_sm90(self, shrink: bool) -> None:
         """KernelChoices.bf16_sm90: the wgmma kernel for this model's decode-sized bf16 products, where the build has

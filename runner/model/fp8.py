@@ -288,6 +288,11 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
     if act and not (epilogue and tensor_cores and not _own_kernel(x, w, ext, own_rows)
                     and unit_scale_call(x.shape[0], w.q.shape[0], x.shape[-1], unit_scale_elems)):
         raise ValueError("fp8_linear: an activation rides only in the epilogue of the unit-scale product")
+    if lora is not None and lora[4] is not None and not (
+            epilogue and tensor_cores and not _own_kernel(x, w, ext, own_rows)
+            and unit_scale_call(x.shape[0], w.q.shape[0], x.shape[-1], unit_scale_elems)):
+        raise ValueError("fp8_linear: A pools (the shrink first) ride only in the unit-scale product before the "
+                         "epilogue's launch")
     if not tensor_cores:
         y = torch.nn.functional.linear(x, w.dequant(x.dtype))
         return y if bias is None else y + bias

@@ -707,6 +707,26 @@ def test_the_shrink_first_in_the_fp8_product(ext, M):
             assert torch.equal(vi[0].nan_to_num(), v[i].nan_to_num()), (spans, i)
 
 
+def test_the_shrink_first_with_k_in_parts(ext):
+    """The shrink first in a product whose K is cut into parts (a batch of CTAs per part, every one drawing from the
+    counter): v the rows' whole shrink, the parts the call without the shrink's, the counter zero after."""
+    spans, M, K = [1024, 256, 256], 32, 4096
+    x, xq, w = _e4m3_rows(M, K, sum(spans), seed=71)
+    _, _, e = _fused_args(spans, M, True, True, K, seed=72)
+    a = _shrink_pools(spans, K, seed=73)
+    sync = torch.zeros(1, dtype=torch.int32, device="cuda")
+    for parts in (2, 4):
+        v = torch.full_like(e["v"], float("nan"))
+        got = torch.full((parts, M, sum(spans)), float("nan"), device="cuda")
+        ext.fp8_gemm_sm90(got, xq, w.q, _stream(), parts, lora_x=x, cols=e["cols"], v=v, b=e["b"], ranks=e["ranks"],
+                          row_slot=e["row_slot"], a=a, sync=sync)
+        want = torch.empty_like(got)
+        ext.fp8_gemm_sm90(want, xq, w.q, _stream(), parts)
+        torch.cuda.synchronize()
+        assert not sync.any() and torch.equal(got, want), parts
+        _shrink_checked(v, x, a, e, parts)
+
+
 def test_the_shrink_first_back_to_back_and_in_a_graph(ext):
     """Two launches one after the other on one stream (programmatic dependent launch), 256 weight tiles each, sharing
     one v buffer with counters of their own, the second on other rows and slots: its v its own rows' shrink, both
@@ -762,6 +782,7 @@ def test_the_shrink_first_refuses_what_it_cannot_do(ext):
     cases = [
         (dict(sync=None), "needs both lora_x and sync"),
         (dict(lora_x=None), "needs both lora_x and sync"),
+        (dict(lora_x=None, sync=None), "are the shrink first's"),  # LoRA's operands would be ignored
         (dict(persistent=True), "e4m3 operands, not persistent"),
         (dict(x=xb, w=wb), "e4m3 operands, not persistent"),
         (dict(lora_x=x[:, :128].contiguous()), r"lora_x must be contiguous, 16-byte aligned \[4, 256\]"),
