@@ -254,9 +254,9 @@ class LoraStepImpl:
         fp8_linear's epilogue, bf16_sm90_linear); None, and nothing launched: no adapter in the step. `quant` (e4m3
         rows, scales): the shrink's launch also quantizes x into them. `in_product` (bf16_sm90_linear's kernel, or
         fp8_linear's wgmma product with the shrink first, can shrink): no launch, and the A pools for that kernel to
-        write v from (None where the norm's launch wrote v,
-        and where this call has just launched the ops that compute the row slots: the kernel reads them before its
-        programmatic-launch wait, so the step's first group keeps its shrink's launch between the two). The kernel's
+        write v from (None where the norm's launch wrote v, and where this call has just launched the ops that compute
+        the row slots: the kernel reads them before its programmatic-launch wait, so the step's first group keeps its
+        shrink's launch between the two). The kernel's
         v sums in its own order (a warp's lanes over K, then its xor tree): not the bits of `add`'s, a row's still its
         own."""
         if not self.active:
