@@ -43,9 +43,11 @@ def graph_time(fn) -> float:
     return timer().graph_us([fn]) * 1e-6
 
 
-def graph_decoder(indptr, indices, last, heads: int, kv_heads: int, D: int, page_size: int, kv_dtype, tc: bool):
+def graph_decoder(indptr, indices, last, heads: int, kv_heads: int, D: int, page_size: int, kv_dtype, tc: bool,
+                  no_split: bool = False):
     """flashinfer's decode wrapper with fixed buffers (as the engine's CUDA graphs hold it), planned for this CSR page
-    table (host indptr / last, device indices) with bf16 queries."""
+    table (host indptr / last, device indices) with bf16 queries; `no_split` (tensor cores only): every request's K/V
+    one chunk, as batch-invariant engines plan it (KernelChoices.decode_no_split)."""
     from flashinfer import BatchDecodeWithPagedKVCacheWrapper
 
     dev, batch = indices.device, last.numel()
@@ -54,7 +56,8 @@ def graph_decoder(indptr, indices, last, heads: int, kv_heads: int, D: int, page
         paged_kv_indptr_buffer=torch.zeros(batch + 1, dtype=torch.int32, device=dev),
         paged_kv_indices_buffer=torch.zeros(indices.numel(), dtype=torch.int32, device=dev),
         paged_kv_last_page_len_buffer=torch.zeros(batch, dtype=torch.int32, device=dev))
-    w.plan(indptr, indices, last, heads, kv_heads, D, page_size, q_data_type=torch.bfloat16, kv_data_type=kv_dtype)
+    w.plan(indptr, indices, last, heads, kv_heads, D, page_size, q_data_type=torch.bfloat16, kv_data_type=kv_dtype,
+           **({"disable_split_kv": True} if no_split else {}))
     return w
 
 

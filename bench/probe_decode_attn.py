@@ -1,5 +1,6 @@
 """Decode attention alone: the project's kernel (csrc/decode_attn.cu) against flashinfer's batch decode (CUDA cores and
-tensor cores), bf16 and e4m3 pages, next to the bytes of K/V each call must read.
+tensor cores, the latter also with no request's K/V split, as batch-invariant engines plan it), bf16 and e4m3 pages,
+next to the bytes of K/V each call must read.
 
 Per shape (Llama-2-7B: 32 heads of 128, no grouping; Llama-2-70B on one GPU: 64 query heads over 8 K/V heads), batch
 and context: every layer has its own pages (32 layers, so nothing stays in L2), the page tables are shuffled, and
@@ -62,10 +63,10 @@ def main() -> None:
                     kv_bytes = batch * ctx * Hkv * D * 2 * caches[0][0].element_size()
                     out = {}
                     times = {}
-                    for tc in (False, True):
-                        w = graph_decoder(indptr, perm.to(dev), last, H, Hkv, D, ps, kv_dtype, tc)
+                    for tc, no_split in ((False, False), (True, False), (True, True)):
+                        w = graph_decoder(indptr, perm.to(dev), last, H, Hkv, D, ps, kv_dtype, tc, no_split)
                         o = torch.empty_like(q)
-                        name = "flashinfer_tc" if tc else "flashinfer"
+                        name = ("flashinfer_tc_nosplit" if no_split else "flashinfer_tc") if tc else "flashinfer"
                         times[name] = timer.graph_us([lambda: [w.run(q, c, out=o) for c in caches]]) / LAYERS
                         out[name] = o.clone()
                         del w
