@@ -89,7 +89,7 @@ const char* fp8_gemm_sm90(const Fp8Sm90Args& a, void* stream) {
     if (a.shrink != nullptr) {
       DeviceInfo info;  // (sgmv.h: read once per device)
       if (const char* err = device_info(a.device, &info)) return err;
-      return plain_shrink(a, plan_shrink(a, *a.shrink, info.sms, tile_ctas(a)), stream);
+      return plain_shrink<>(a, plan_shrink(a, *a.shrink, info.sms, tile_ctas(a)), stream);
     }
     if (a.persistent) {
       DeviceInfo info;  // (sgmv.h: read once per device)

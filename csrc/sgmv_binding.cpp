@@ -59,7 +59,8 @@
 //       out [M, N / 2] = act(gate) * up as flashinfer's act_and_mul computes it from the epilogue's output.
 //       y [splits, M, N]: a split-K product's partial sums (fp8_gemm_sm90 with splits), added in part order first.
 //   fp8_gemm_sm90_fused(out, x, w, x_scale, w_scale, bias, cols, v, b, ranks, row_slot, pdl, stream, a=[], sync=None,
-//       persistent=False): the bits of fp8_gemm_sm90 then fp8_epilogue (act 0, one part) in one launch, the
+//       persistent=False, prefetch_b=False): the bits of fp8_gemm_sm90 then fp8_epilogue (act 0, one part) in one
+//       launch (prefetch_b: the epilogue's first B rows asked of L2 before the main loop, a hint), the
 //       epilogue inside the product's kernel; out in bf16. With bf16 operands, a (one A pool [S, R, K] per span) and
 //       sync (int32 [>= 3], zero, the call site's own): the rows' shrink too, into v, inside the same launch
 //       (quant.h Fp8EpilogueLora::sync) instead of a shrink launched before; persistent (e4m3 operands): in
@@ -914,7 +915,7 @@ void fp8_epilogue(Tensor out, Tensor y, Tensor x_scale, Tensor w_scale, std::opt
 void fp8_gemm_sm90_fused(Tensor out, Tensor x, Tensor w, Tensor x_scale, Tensor w_scale, std::optional<Tensor> bias,
                          std::vector<int64_t> cols, std::optional<Tensor> v, std::vector<Tensor> b,
                          std::optional<Tensor> ranks, std::optional<Tensor> row_slot, bool pdl, int64_t stream,
-                         std::vector<Tensor> a, std::optional<Tensor> sync, bool persistent) {
+                         std::vector<Tensor> a, std::optional<Tensor> sync, bool persistent, bool prefetch_b) {
   lorafleet::Fp8Sm90Args g = sm90_args(x, w, 1, pdl, "fp8_gemm_sm90_fused");
   g.persistent = persistent;
   SGMV_CHECK(out.scalar_type() == torch::kBFloat16, "fp8_gemm_sm90_fused: out must be bfloat16, got %s",
@@ -925,6 +926,7 @@ void fp8_gemm_sm90_fused(Tensor out, Tensor x, Tensor w, Tensor x_scale, Tensor 
   SGMV_CHECK(sync.has_value() == !a.empty(), "fp8_gemm_sm90_fused: the shrink inside the product needs both a and "
              "sync (or neither)");
   if (sync.has_value()) add_shrink(e, x, v, ranks, a, *sync, 3, "fp8_gemm_sm90_fused");
+  e.lora.prefetch_b = prefetch_b;  // (a hint; nothing to prefetch without LoRA)
   const char* err = lorafleet::fp8_gemm_sm90_fused(g, e, as_stream(stream));
   SGMV_CHECK(err == nullptr, "fp8_gemm_sm90_fused launch failed: %s", err ? err : "");
 }
@@ -1072,7 +1074,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("x"), py::arg("w"), py::arg("x_scale"), py::arg("w_scale"), py::arg("bias"),
         py::arg("cols"), py::arg("v"), py::arg("b"), py::arg("ranks"), py::arg("row_slot"), py::arg("pdl"),
         py::arg("stream"), py::arg("a") = std::vector<torch::Tensor>{}, py::arg("sync") = py::none(),
-        py::arg("persistent") = false);
+        py::arg("persistent") = false, py::arg("prefetch_b") = false);
   m.def("fp8_gemm_sm90_built", &lorafleet::fp8_gemm_sm90_built, "whether this build holds the sm90 FP8 GEMM");
   m.def("fp8_epilogue", &fp8_epilogue,
         "out = (y * x_scale) * w_scale [+ bias] [+ the rows' LoRA expand] for the fp32 unit-scale FP8 product y, "

@@ -87,9 +87,9 @@ def emulated_product(calls, syncs=None):
     the operands, the kernel's shrink first: v[t, g, :r] = A_g[slot, :r] @ x[t] (the counters `sync`, zero int32, of
     one layer and group: recorded by address in `syncs`)."""
 
-    def run(ext, x, w, bias, spans, lora, unit, sync=None):
+    def run(ext, x, w, bias, spans, lora, unit, sync=None, prefetch_b=False):
         assert ext == "ext" and unit.numel() >= max(x.shape[0], w.shape[0]) and bool((unit == 1).all())
-        calls.append((tuple(spans), lora is not None))
+        calls.append((tuple(spans), lora is not None) + (("prefetch_b",) if prefetch_b else ()))
         y = F.linear(x, w, bias)
         if lora is not None:
             v, b, ranks, row_slot, a = lora
@@ -107,7 +107,8 @@ def emulated_product(calls, syncs=None):
 def run(model, ads, on: bool, monkeypatch, in_product: bool | str = False, syncs=None):
     seqs = mixed_requests(ads, seed=11)
     eng = Engine(str(model), EngineConfig(device="cpu", max_batch_size=8, page_size=4, num_pages=200, max_lora_rank=16,
-                                          max_step_tokens=64, kernels=KernelChoices(bf16_sm90=on)))
+                                          max_step_tokens=64, kernels=KernelChoices(
+                                              bf16_sm90=on, sm90_prefetch_b=in_product == "prefetch")))
     calls: list = []
     shim = TorchUnderCudaName(eng.runner.sgmv)
     eng.runner.sgmv = shim
@@ -126,12 +127,13 @@ def run(model, ads, on: bool, monkeypatch, in_product: bool | str = False, syncs
     return [out[f"r{i}"].output_ids for i in range(len(seqs))], d, calls, shim
 
 
-@pytest.mark.parametrize("in_product", [False, True, "short_k"])
+@pytest.mark.parametrize("in_product", [False, True, "short_k", "prefetch"])
 @pytest.mark.parametrize("family", ["llama3", "qwen2", "phi3"])
 def test_bf16_products_with_the_expand_inside_give_the_default_tokens(tmp_path, family, in_product, monkeypatch):
     """(qwen2: q, k and v biases; phi3: fused qkv and gate_up in the checkpoint; in_product: the shrink inside the
     product too, each layer and group with counters of its own; "short_k": only where K is the hidden size, as
-    SM90_SHRINK_MAX_K below the intermediate size makes it: down keeps the shrink's own launch)"""
+    SM90_SHRINK_MAX_K below the intermediate size makes it: down keeps the shrink's own launch; "prefetch": the shrink
+    inside, and KernelChoices.sm90_prefetch_b asked of every product with LoRA operands, of no other)"""
     model = write_family_model(family, tmp_path / "m", seed=2)
     ads = {"all": write_random_adapter(model, tmp_path / "all", r=8, alpha=16, targets=family_targets(family), seed=3),
            "mlp": write_random_adapter(model, tmp_path / "mlp", r=4, alpha=8, targets=family_targets(family, "mlp"),
@@ -146,7 +148,11 @@ def test_bf16_products_with_the_expand_inside_give_the_default_tokens(tmp_path, 
     if in_product:
         # no LoRA launch of its own left but the step's first shrink (its launch stands between the ops that compute
         # the row slots and the first product, which reads them before its wait)
-        with_lora = sum(1 for _, lora in calls if lora)
+        with_lora = sum(1 for c in calls if c[1])
+        if in_product == "prefetch":
+            assert all((len(c) == 3) == c[1] for c in calls) and with_lora > 0
+        else:
+            assert all(len(c) == 2 for c in calls)
         launched = 1 + d.num_layers if in_product == "short_k" else 1  # the first shrink (and each layer's down's)
         assert shim.expands == 0 and shim.shrinks > 0 and with_lora * launched == 4 * d.num_layers * shim.shrinks
         assert len(syncs) == 4 * d.num_layers - launched  # one set of counters per layer and group that shrinks inside
@@ -155,7 +161,7 @@ def test_bf16_products_with_the_expand_inside_give_the_default_tokens(tmp_path, 
     c = d.cfg
     kinds = {(c.q_dim, c.kv_dim, c.kv_dim): 0, (c.hidden_size,): 0, (c.intermediate_size, c.intermediate_size): 0,
              (c.vocab_size,): 0}
-    for spans, _ in calls:
+    for spans, *_ in calls:
         kinds[spans] += 1  # a KeyError: spans of no group
     layers_steps = kinds[(c.q_dim, c.kv_dim, c.kv_dim)]
     assert layers_steps > 0 and layers_steps % c.num_layers == 0
@@ -163,7 +169,7 @@ def test_bf16_products_with_the_expand_inside_give_the_default_tokens(tmp_path, 
     assert kinds[(c.vocab_size,)] >= layers_steps // c.num_layers
     assert kinds[(c.intermediate_size, c.intermediate_size)] == layers_steps  # gate_up
     assert kinds[(c.hidden_size,)] == 2 * layers_steps  # o and down
-    with_lora = sum(1 for _, lora in calls if lora)
+    with_lora = sum(1 for c in calls if c[1])
     assert with_lora > 0
     assert shim.expands == 0 and shim.shrinks == with_lora  # the expand only inside the product
 
@@ -204,6 +210,12 @@ def test_the_products_launch_hands_the_kernel_its_operands(monkeypatch):
     bf16_sm90_linear(Ext(), x, w, bias, (16, 32), lora[:4] + (pools,), unit, sync)
     assert seen["kwargs"]["a"] == list(pools) and seen["kwargs"]["sync"] is sync and seen["args"][7] is lora[0]
     assert "persistent" not in seen["kwargs"]  # the one-CTA-a-tile kernel, the only one for bf16 operands
+    assert "prefetch_b" not in seen["kwargs"]  # (KernelChoices.sm90_prefetch_b: asked for only)
+    bf16_sm90_linear(Ext(), x, w, bias, (16, 32), lora, unit, prefetch_b=True)
+    assert seen["kwargs"] == {"prefetch_b": True}
+    seen.pop("kwargs")
+    bf16_sm90_linear(Ext(), x, w, None, [48], None, unit, prefetch_b=True)  # no LoRA: nothing to prefetch
+    assert "kwargs" not in seen
 
 
 def test_the_wgmma_kernel_takes_only_the_products_it_can():

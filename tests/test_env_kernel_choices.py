@@ -158,6 +158,8 @@ def test_fp8_gemm_switches(monkeypatch):
              "fp8_sm90_persistent=True"),  # off until measured
             ("LORAFLEET_BF16_SM90", env.bf16_sm90, True, "0", "bf16_sm90=False"),  # on: measured faster
             ("LORAFLEET_SM90_SHRINK", env.sm90_shrink, True, "0", "sm90_shrink=False"),  # on: measured faster
+            ("LORAFLEET_SM90_PREFETCH_B", env.sm90_prefetch_b, False, "1",
+             "sm90_prefetch_b=True"),  # off until measured
             ("LORAFLEET_NORM_EARLY", env.norm_early, True, "0", "norm_early=False")):  # on: measured faster
         monkeypatch.delenv(var, raising=False)
         assert read() == default, var

@@ -196,6 +196,7 @@ class Decoder:
         # layer and projection group; else None
         self.sm90_sync = None
         self.norm_early = False  # the project's norm before them, letting them start at once (KernelChoices.norm_early)
+        self.sm90_prefetch_b = kernels.sm90_prefetch_b  # ... their B rows asked of L2 first (a hint)
         # runner/model/norm.py OwnNorm: the norms before qkv and gate_up (KernelChoices.norm_shrink, norm_quant,
         # norm_lora)
         self.own_norm = None
@@ -503,7 +504,8 @@ class Decoder:
             inside = self.sm90_sync is not None and x.shape[1] <= SM90_SHRINK_MAX_K
             sync = self.sm90_sync[i * GROUPS + group] if inside else None
             operands = None if lora is None else lora.epilogue_operands(i, group, x, in_product=inside)
-            return bf16_sm90_linear(self.sm90_ext, x, w, b, spans, operands, self.unit_scales, sync)
+            return bf16_sm90_linear(self.sm90_ext, x, w, b, spans, operands, self.unit_scales, sync,
+                                    **({"prefetch_b": True} if self.sm90_prefetch_b else {}))
         operands, quant, sync = None, quantized, None
         if lora is not None:
             # (the shrink first, on the product's warps: where the norm quantized x, K is at most SM90_SHRINK_MAX_K

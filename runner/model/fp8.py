@@ -153,17 +153,21 @@ def bf16_sm90_applies(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | Non
 
 
 def bf16_sm90_linear(ext, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, spans: list[int],
-                     lora: tuple | None, unit: torch.Tensor, sync: torch.Tensor | None = None) -> torch.Tensor:
+                     lora: tuple | None, unit: torch.Tensor, sync: torch.Tensor | None = None,
+                     prefetch_b: bool = False) -> torch.Tensor:
     """x @ w.T + bias plus, given `lora` = (v, B pools, ranks, row slots, A pools) from
     LoraStepImpl.epilogue_operands, the rows' LoRA expand over the output `spans`, in one launch of the wgmma kernel on
     bf16 operands (where bf16_sm90_applies): the product in fp32 rounded to bf16, the bias added and rounded, the
     expand's sum added before the last rounding (the FP8 epilogue's arithmetic with unit scales: `unit`, ones, fp32,
     at least max(M, N)). With A pools in `lora` the same launch also writes v (the rows' shrink, before its
-    epilogues read it), using `sync` (int32 [3], zero, this call site's own) between its warps."""
+    epilogues read it), using `sync` (int32 [3], zero, this call site's own) between its warps. `prefetch_b` (with
+    `lora`): the kernel asks L2 for the expand's B rows before its main loop (a hint: the same bits)."""
     M, N = x.shape[0], w.shape[0]
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     v, b, ranks, row_slot, a = epilogue_lora(lora)
     extra = {} if a is None else {"a": list(a), "sync": sync}  # (the kernel's defaults otherwise)
+    if prefetch_b and v is not None:
+        extra["prefetch_b"] = True
     ext.fp8_gemm_sm90_fused(out, x, w, unit[:M], unit[:N], bias, list(spans), v, list(b), ranks, row_slot, True,
                             torch.cuda.current_stream(x.device).cuda_stream, **extra)
     return out

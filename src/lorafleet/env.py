@@ -306,6 +306,13 @@ def sm90_shrink() -> bool:
     return _flag("LORAFLEET_SM90_SHRINK", True)
 
 
+def sm90_prefetch_b() -> bool:
+    """LORAFLEET_SM90_PREFETCH_B: with LORAFLEET_BF16_SM90, the wgmma product's consumer threads ask L2 for the B rows
+    their epilogue's LoRA expand will read before the main loop, so that with many adapters (B read from memory after
+    every tile) those reads find L2 (default 0 until measured; 1: the hint; never changes a bit)."""
+    return _flag("LORAFLEET_SM90_PREFETCH_B", False)
+
+
 def norm_early() -> bool:
     """LORAFLEET_NORM_EARLY: with the bf16 products on the wgmma kernel (LORAFLEET_BF16_SM90), the norms before qkv and
     gate_up run on the project's kernel, which lets the product after it start at once (the product streams its

@@ -524,10 +524,10 @@ def test_the_shrink_inside_the_product(ext, M):
         a = _shrink_pools(spans, K, seed=rows + K)
         sync = torch.zeros(4, dtype=torch.int32, device="cuda")
 
-        def launch(x, e, v):
+        def launch(x, e, v, prefetch_b=False):
             out = torch.full((x.shape[0], sum(spans)), float("nan"), device="cuda", dtype=torch.bfloat16)
             ext.fp8_gemm_sm90_fused(out, x, w, e["x_scale"], e["w_scale"], e["bias"], e["cols"], v, e["b"],
-                                    e["ranks"], e["row_slot"], True, _stream(), a=a, sync=sync)
+                                    e["ranks"], e["row_slot"], True, _stream(), a=a, sync=sync, prefetch_b=prefetch_b)
             torch.cuda.synchronize()
             assert not sync.any(), (spans, rows)  # left zero for the next launch
             return out
@@ -535,6 +535,8 @@ def test_the_shrink_inside_the_product(ext, M):
         v = torch.full_like(e["v"], float("nan"))
         got = launch(x, e, v)
         _shrink_checked(v, x, a, e, (spans, rows))
+        vp = torch.full_like(v, float("nan"))  # B's rows asked of L2 first (KernelChoices.sm90_prefetch_b): a hint
+        assert _same_bits(launch(x, e, vp, prefetch_b=True), got) and torch.equal(vp.nan_to_num(), v.nan_to_num())
         handed = torch.full_like(got, float("nan"))
         ext.fp8_gemm_sm90_fused(handed, x, w, e["x_scale"], e["w_scale"], e["bias"], e["cols"], v.nan_to_num(),
                                 e["b"], e["ranks"], e["row_slot"], True, _stream())
