@@ -60,7 +60,8 @@
 //       y [splits, M, N]: a split-K product's partial sums (fp8_gemm_sm90 with splits), added in part order first.
 //   fp8_gemm_sm90_fused(out, x, w, x_scale, w_scale, bias, cols, v, b, ranks, row_slot, pdl, stream, a=[], sync=None,
 //       persistent=False, prefetch_b=False): the bits of fp8_gemm_sm90 then fp8_epilogue (act 0, one part) in one
-//       launch (prefetch_b: the epilogue's first B rows asked of L2 before the main loop, a hint), the
+//       launch (prefetch_b: the epilogue's first B rows asked of L2 before the main loop, a hint; not with
+//       persistent), the
 //       epilogue inside the product's kernel; out in bf16. With bf16 operands, a (one A pool [S, R, K] per span) and
 //       sync (int32 [>= 3], zero, the call site's own): the rows' shrink too, into v, inside the same launch
 //       (quant.h Fp8EpilogueLora::sync) instead of a shrink launched before; persistent (e4m3 operands): in

@@ -487,8 +487,9 @@ class FusedEpilogue {
   }
 
   // Fp8EpilogueLora::prefetch_b: the first rank rows of B that this thread's chunks will read after the main loop,
-  // asked of L2 now (the row slots' loads, issued just before, are waited for here); the chunks as operator() takes
-  // them, the tile's weight rows from blockIdx.x as its tokens from blockIdx.y.
+  // asked of L2 now (the row slots' loads, issued just before, are waited for here), to be evicted last: the weight's
+  // stream through L2 during the main loop is larger than L2; the chunks as operator() takes them, the tile's weight
+  // rows from blockIdx.x as its tokens from blockIdx.y.
   __device__ void prefetch_b(const Params& a, int tok0, int t) const {
     const Fp8EpilogueLora& l = a.lora;
     const int row0 = static_cast<int>(blockIdx.x) * kRows;
@@ -503,7 +504,7 @@ class FusedEpilogue {
       const T* b = fp8_epi::b_row0<T>(l, s, g, c, start, width);
       const int rows = min(fp8_epi::b_rank_dim(l, g), fp8_epi::kChunk);
       for (int j = 0; j < rows; ++j)
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(b + static_cast<int64_t>(j) * width));
+        asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(b + static_cast<int64_t>(j) * width));
     }
   }
 

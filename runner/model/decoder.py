@@ -505,7 +505,7 @@ class Decoder:
             sync = self.sm90_sync[i * GROUPS + group] if inside else None
             operands = None if lora is None else lora.epilogue_operands(i, group, x, in_product=inside)
             return bf16_sm90_linear(self.sm90_ext, x, w, b, spans, operands, self.unit_scales, sync,
-                                    **({"prefetch_b": True} if self.sm90_prefetch_b else {}))
+                                    **({"prefetch_b": True} if self.sm90_prefetch_b and operands is not None else {}))
         operands, quant, sync = None, quantized, None
         if lora is not None:
             # (the shrink first, on the product's warps: where the norm quantized x, K is at most SM90_SHRINK_MAX_K
