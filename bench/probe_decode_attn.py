@@ -6,7 +6,9 @@ Per shape (Llama-2-7B: 32 heads of 128, no grouping; Llama-2-70B on one GPU: 64 
 and context: every layer has its own pages (32 layers, so nothing stays in L2), the page tables are shuffled, and
 the 32 layer calls run in one CUDA graph; µs per layer call, the K/V bytes it read per second, and its time against
 the floor (those bytes at the card's measured copy rate, src/lorafleet/bench/rates.py). Each variant's output is
-checked against flashinfer's CUDA-core kernel on the same pages.
+checked against flashinfer's CUDA-core kernel on the same pages; the project's kernel with its K/V rows copied ahead
+through shared memory (`_s3`, `_s5`: stages, where each K/V head has one query head) and as a programmatic dependent
+launch (`_pdl`) also against its register version's bits.
 
     python bench/probe_decode_attn.py --out probe_decode_attn.json
 """
@@ -74,15 +76,22 @@ def main() -> None:
                     t_indptr, t_indices, t_last = indptr.to(dev), perm.to(dev), last.to(dev)
                     o = torch.empty_like(q)
                     chosen = dk.workers(sms, batch, Hkv)  # as in a CUDA graph (lengths unknown)
-                    for workers in sorted({1, 2, 4, chosen}):
-                        def own(workers=workers):
+                    # (stages: the K/V rows copied ahead through shared memory, where each K/V head has one query head;
+                    # pdl: each layer's call a programmatic dependent launch of the call before, as the engine launches
+                    # it after rope_kv with stages)
+                    variants = [(w, 0, False) for w in sorted({1, 2, 4, chosen})] + [(chosen, 0, True)]
+                    if H == Hkv:
+                        variants += [(w, st, True) for st in (3, 5) for w in sorted({1, chosen})] + [(chosen, 5, False)]
+                    for workers, stages, pdl in variants:
+                        def own(workers=workers, stages=stages, pdl=pdl):
                             for k, v in caches:
                                 ext.decode_attention(o, q, k, v, t_indptr, t_indices, t_last, wsp.partial_o,
                                                      wsp.partial_ml, wsp.counters, 1 / math.sqrt(D), 0.0, -1,
                                                      dk.CHUNK, dk.MAX_CHUNKS, workers,
-                                                     torch.cuda.current_stream().cuda_stream)
+                                                     torch.cuda.current_stream().cuda_stream, stages, pdl)
 
-                        name = "lorafleet" if workers == chosen else f"lorafleet_w{workers}"
+                        name = ("lorafleet" if workers == chosen else f"lorafleet_w{workers}") + (
+                            f"_s{stages}" if stages else "") + ("_pdl" if pdl else "")
                         times[name] = timer.graph_us([own]) / LAYERS
                         out[name] = o.clone()
                     ref = out["flashinfer"].float()
@@ -93,6 +102,9 @@ def main() -> None:
                              "of_floor": round(floor_us / us, 3), "ms_per_step": round(us * LAYERS / 1e3, 3),
                              "max_diff_vs_flashinfer": float((out[name].float() - ref).abs().max()),
                              "agrees": bool((out[name].float() - ref).abs().max() <= 2e-2 * ref.abs().max())}
+                        base = name.split("_s")[0].removesuffix("_pdl")
+                        if base != name:  # staged copies and the launch's kind change no bit of the register version's
+                            r["same_bits_as_registers"] = bool(torch.equal(out[name], out[base]))
                         print(json.dumps(r), flush=True)
                         rows.append(r)
                     del caches
@@ -102,7 +114,8 @@ def main() -> None:
     print("µs per layer call (lorafleet: the workers the engine's graphs take; _wN: N workers)")
     key = lambda r: (r["shape"], r["batch"], r["ctx"], r["pages"])  # noqa: E731
     for k in dict.fromkeys(map(key, rows)):
-        cells = [f"{r['kernel']} {r['us_per_layer']}{'' if r['agrees'] else ' WRONG'}" for r in rows if key(r) == k]
+        cells = [f"{r['kernel']} {r['us_per_layer']}{'' if r['agrees'] else ' WRONG'}"
+                 f"{' BITS' if r.get('same_bits_as_registers') is False else ''}" for r in rows if key(r) == k]
         print(f"{k[0]:4} B={k[1]:<3} ctx={k[2]:<5} {k[3]:5} " + " | ".join(cells))
 
 

@@ -4,6 +4,17 @@
 // (the next pass's, during this pass's math; their page ids were loaded a pass earlier still; the stream of passes
 // runs on across the CTA's chunks). The lane keeps the G query heads' DPL dims of q and of the output in fp32
 // registers; DPL is chosen so that G * DPL <= 32 where the head allows (the wider 16-byte loads where G is small).
+//
+// kStages (DecodeAttnArgs::stages; one query head per K/V head): the lane's K/V rows of the next kStages - 1 passes
+// are in flight at once, copied by cp.async into the lane's own slots of a ring in shared memory (kStages passes of
+// 2 kUnroll loads per thread) instead of into registers one pass ahead, so that the bytes in flight per SM are not
+// bounded by registers. Each lane copies exactly the bytes it later reads, so no barrier orders the ring; the math,
+// and so every bit, is the register version's.
+//
+// DecodeAttnArgs::pdl (a programmatic dependent launch): a CTA reads its request's page table (written before the
+// step's first kernel) and the page ids of its first passes before it waits for the kernel before it (rope_kv, which
+// writes q and the newest K/V row and lets this kernel start early), q and every K/V row only after; it lets the next
+// kernel start once its chunks are done (that kernel waits for this one's end before it reads the output).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -14,6 +25,7 @@
 
 #include "decode_attn.h"
 #include "half_pair.cuh"
+#include "pdl.h"
 
 namespace lorafleet {
 namespace {
@@ -52,6 +64,24 @@ template <>
 struct Raw<4> {
   using V = uint32_t;
 };
+
+// cp.async of N bytes (4, 8 or 16) into shared memory, zeros where !ok (nothing is read then); the groups of them.
+template <int N>
+__device__ __forceinline__ void cp_async(void* smem, const void* gmem, bool ok) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const int src_bytes = ok ? N : 0;
+  if constexpr (N == 16)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(src_bytes) : "memory");
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(gmem), "n"(N), "r"(src_bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// until at most N of this thread's groups are pending
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
 
 // DPL values of one load in fp32: e4m3 pairs through the exact fp16 conversion, or T pairs.
 template <typename T, bool KV8, int DPL, typename L>
@@ -96,16 +126,19 @@ __device__ __forceinline__ float tanh_fast(float x) {
   return copysignf(__fdividef(e, e + 2.f), x);
 }
 
-template <typename T, bool KV8, int D, int G>
-__global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(const DecodeAttnArgs p) {
+template <typename T, bool KV8, int D, int G, int kStages>
+__global__ void __launch_bounds__(kThreads, kStages > 0 ? 4 : 2) decode_attention_kernel(const DecodeAttnArgs p) {
   using S = Shape<D, G, KV8 ? 1 : 2>;
   constexpr int DPL = S::DPL, LPT = S::LPT, TPW = S::TPW;
+  constexpr bool kStaged = kStages > 0;
   using KvT = std::conditional_t<KV8, uint8_t, T>;
   using Ld = typename Raw<S::BYTES>::V;
   using V2 = typename Pair<T>::V;
   __shared__ float sm_acc[kWarps][G][D];
   __shared__ float sm_m[kWarps][G], sm_l[kWarps][G];
   __shared__ int sm_last;
+  // the cp.async ring (kStaged): stage, K or V, load u, thread (consecutive threads' slots side by side)
+  __shared__ __align__(16) unsigned char sm_ring[kStaged ? kStages * 2 * kUnroll * kThreads * S::BYTES : 16];
 
   const int worker = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
   const int g = p.num_heads / p.num_kv_heads;
@@ -120,6 +153,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(const Dec
   const int n = kv_len - start;
   T* out = static_cast<T*>(p.out) + (static_cast<int64_t>(b) * p.num_heads + head0) * D;
   if (n <= 0) {  // no keys: zeros, from the first worker
+    pdl_wait();
     if (worker == 0)
       for (int e = tid; e < g * D; e += kThreads) out[e] = Pair<T>::round(0.f);
     return;
@@ -131,19 +165,6 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(const Dec
   }
   if (worker >= nchunks) return;
 
-  // this lane's dims of the group's queries
-  float q[G][DPL];
-  const T* qrow = static_cast<const T*>(p.q) + (static_cast<int64_t>(b) * p.num_heads + head0) * D + part * DPL;
-#pragma unroll
-  for (int j = 0; j < G; ++j) {
-#pragma unroll
-    for (int e = 0; e < DPL / 2; ++e) {
-      float2 t = make_float2(0.f, 0.f);
-      if (j < g) t = Pair<T>::get(reinterpret_cast<const V2*>(qrow + j * D)[e]);
-      q[j][2 * e] = t.x;
-      q[j][2 * e + 1] = t.y;
-    }
-  }
   const bool capped = p.soft_cap > 0.f;
   const float scale_log2 = p.sm_scale * kLog2e;
   const float cap_in = capped ? p.sm_scale / p.soft_cap : 0.f, cap_out = p.soft_cap * kLog2e;
@@ -201,20 +222,82 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(const Dec
       }
     }
   };
+  // kStaged: this thread's slot of load u of K (kv 0) or V (kv 1) in stage s of the ring, and the copies of the
+  // pass (c, base) into stage s (zeros past the chunk's end)
+  auto ring = [&](int s, int kv, int u) {
+    return sm_ring + ((((s * 2 + kv) * kUnroll + u) * kThreads) + tid) * S::BYTES;
+  };
+  auto fetch_async = [&](int s, int c, int base, const int32_t (&ids)[kUnroll]) {
+    const int end = chunk_end(c);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int t = base + u * kWarps * TPW + slot;
+      const bool ok = t < end;
+      int64_t off = 0;
+      if (ok) {
+        const int64_t pg = ids[u] < 0 ? 0 : (ids[u] > last_page ? last_page : ids[u]);
+        off = (pg * ps + (ps_pow2 ? t & (ps - 1) : t % ps)) * tok_stride;
+      }
+      cp_async<S::BYTES>(ring(s, 0, u), kbase + off, ok);
+      cp_async<S::BYTES>(ring(s, 1, u), vbase + off, ok);
+    }
+  };
   Ld kr[kUnroll], vr[kUnroll], kn[kUnroll], vn[kUnroll];
   bool valid[kUnroll], vnext[kUnroll];
-  int32_t ids[kUnroll];  // the page ids of the pass after the one whose K/V loads are in flight
-  // the stream's first pass (its loads into kr / vr) and the one after it (its ids), before any chunk
+  int32_t ids[kUnroll];  // the page ids of the pass after the last one whose K/V loads are in flight
+  // the stream's first pass (its loads into kr / vr; kStaged: the first kStages - 1 passes' copies into the ring, their
+  // ids first, all at once) and the one after them (its ids), before any chunk
   int nc = worker, nb = start + worker * chunk + warp * TPW;
   if (nb >= chunk_end(nc)) {
     nb -= kPass;
     advance(nc, nb);
   }
-  if (nc < nchunks) {
-    locate(nc, nb, ids);
-    fetch(nc, nb, ids, kr, vr, valid);
-    advance(nc, nb);
-    locate(nc, nb, ids);
+  int wstage = 0, rstage = 0;  // kStaged: the ring's stage copied into next, and the one read next
+  // (the page ids before the wait for the kernel before: the tables are not its output; q and K/V after it)
+  float q[G][DPL];
+  auto load_q = [&] {  // this lane's dims of the group's queries
+    pdl_wait();
+    const T* qrow = static_cast<const T*>(p.q) + (static_cast<int64_t>(b) * p.num_heads + head0) * D + part * DPL;
+#pragma unroll
+    for (int j = 0; j < G; ++j) {
+#pragma unroll
+      for (int e = 0; e < DPL / 2; ++e) {
+        float2 t = make_float2(0.f, 0.f);
+        if (j < g) t = Pair<T>::get(reinterpret_cast<const V2*>(qrow + j * D)[e]);
+        q[j][2 * e] = t.x;
+        q[j][2 * e + 1] = t.y;
+      }
+    }
+  };
+  if constexpr (kStaged) {
+    int32_t first[kStages > 1 ? kStages - 1 : 1][kUnroll];
+    int lc = nc, lb = nb;
+#pragma unroll
+    for (int j = 0; j < kStages - 1; ++j) {
+      if (lc < nchunks) {
+        locate(lc, lb, first[j]);
+        advance(lc, lb);
+      }
+    }
+    load_q();
+#pragma unroll
+    for (int j = 0; j < kStages - 1; ++j) {
+      if (nc < nchunks) {
+        fetch_async(j, nc, nb, first[j]);
+        advance(nc, nb);
+      }
+      cp_async_commit();  // (one group per pass, empty past the stream's end)
+    }
+    wstage = kStages - 1;
+    if (nc < nchunks) locate(nc, nb, ids);
+  } else {
+    if (nc < nchunks) locate(nc, nb, ids);
+    load_q();
+    if (nc < nchunks) {
+      fetch(nc, nb, ids, kr, vr, valid);
+      advance(nc, nb);
+      locate(nc, nb, ids);
+    }
   }
 
   int done = 0;
@@ -229,7 +312,25 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(const Dec
       for (int i = 0; i < DPL; ++i) acc[j][i] = 0.f;
     }
     for (int base = t0 + warp * TPW; base < t1; base += kPass) {
-      if (nc < nchunks) {  // the next pass's loads fly during this one's math, the ids of the one after them
+      if constexpr (kStaged) {
+        // the pass kStages - 1 on into the stage this thread read last (its values are in registers by now), then
+        // this pass's group landed (at most kStages - 1 pending), read from the thread's own slots
+        if (nc < nchunks) {
+          fetch_async(wstage, nc, nb, ids);
+          advance(nc, nb);
+          locate(nc, nb, ids);
+        }
+        cp_async_commit();
+        wstage = wstage + 1 == kStages ? 0 : wstage + 1;
+        cp_async_wait<kStages - 1>();
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          kr[u] = *reinterpret_cast<const Ld*>(ring(rstage, 0, u));
+          vr[u] = *reinterpret_cast<const Ld*>(ring(rstage, 1, u));
+          valid[u] = base + u * kWarps * TPW + slot < t1;
+        }
+        rstage = rstage + 1 == kStages ? 0 : rstage + 1;
+      } else if (nc < nchunks) {  // the next pass's loads fly during this one's math, the ids of the one after them
         fetch(nc, nb, ids, kn, vn, vnext);
         advance(nc, nb);
         locate(nc, nb, ids);
@@ -277,11 +378,13 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(const Dec
         }
         m[j] = mx;
       }
+      if constexpr (!kStaged) {
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        kr[u] = kn[u];
-        vr[u] = vn[u];
-        valid[u] = vnext[u];
+        for (int u = 0; u < kUnroll; ++u) {
+          kr[u] = kn[u];
+          vr[u] = vn[u];
+          valid[u] = vnext[u];
+        }
       }
     }
     // the warp's token slots, then the warps in order
@@ -335,6 +438,9 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(const Dec
     }
     __syncthreads();  // the shared state is the next chunk's
   }
+  // (the next kernel waits for this one's end, merges included, before its reads; only where this launch is a
+  // programmatic one itself, so that the default launch leaves the kernels after it as they were)
+  if (p.pdl) pdl_launch_dependents();
   if (nchunks == 1) return;
 
   // the CTA that completes the request's last chunk merges the partials in chunk order
@@ -361,28 +467,38 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(const Dec
   if (tid == 0) *counter = 0;
 }
 
+// (stages: one query head per K/V head only; grouped heads take the register version, whose bits are the same)
 template <typename T, bool KV8, int D>
-const char* launch_group(const DecodeAttnArgs& a, int group, dim3 grid, cudaStream_t stream) {
-  if (group <= 1) decode_attention_kernel<T, KV8, D, 1><<<grid, kThreads, 0, stream>>>(a);
-  else if (group <= 2) decode_attention_kernel<T, KV8, D, 2><<<grid, kThreads, 0, stream>>>(a);
-  else if (group <= 4) decode_attention_kernel<T, KV8, D, 4><<<grid, kThreads, 0, stream>>>(a);
-  else decode_attention_kernel<T, KV8, D, 8><<<grid, kThreads, 0, stream>>>(a);
-  const cudaError_t err = cudaGetLastError();
+const char* launch_group(const DecodeAttnArgs& a, int group, dim3 grid, cudaStream_t stream, int major) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(kThreads);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  set_pdl(cfg, attr, a.pdl, major);
+  cudaError_t err;
+  if (group <= 1 && a.stages == 3) err = cudaLaunchKernelEx(&cfg, decode_attention_kernel<T, KV8, D, 1, 3>, a);
+  else if (group <= 1 && a.stages == 5) err = cudaLaunchKernelEx(&cfg, decode_attention_kernel<T, KV8, D, 1, 5>, a);
+  else if (group <= 1) err = cudaLaunchKernelEx(&cfg, decode_attention_kernel<T, KV8, D, 1, 0>, a);
+  else if (group <= 2) err = cudaLaunchKernelEx(&cfg, decode_attention_kernel<T, KV8, D, 2, 0>, a);
+  else if (group <= 4) err = cudaLaunchKernelEx(&cfg, decode_attention_kernel<T, KV8, D, 4, 0>, a);
+  else err = cudaLaunchKernelEx(&cfg, decode_attention_kernel<T, KV8, D, 8, 0>, a);
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
 }
 
 template <typename T, bool KV8>
-const char* launch_dim(const DecodeAttnArgs& a, int group, dim3 grid, cudaStream_t stream) {
+const char* launch_dim(const DecodeAttnArgs& a, int group, dim3 grid, cudaStream_t stream, int major) {
   switch (a.head_dim) {
-    case 64: return launch_group<T, KV8, 64>(a, group, grid, stream);
-    case 128: return launch_group<T, KV8, 128>(a, group, grid, stream);
-    default: return launch_group<T, KV8, 256>(a, group, grid, stream);
+    case 64: return launch_group<T, KV8, 64>(a, group, grid, stream, major);
+    case 128: return launch_group<T, KV8, 128>(a, group, grid, stream, major);
+    default: return launch_group<T, KV8, 256>(a, group, grid, stream, major);
   }
 }
 
 template <typename T>
-const char* launch_typed(const DecodeAttnArgs& a, int group, dim3 grid, cudaStream_t stream) {
-  return a.kv_e4m3 ? launch_dim<T, true>(a, group, grid, stream) : launch_dim<T, false>(a, group, grid, stream);
+const char* launch_typed(const DecodeAttnArgs& a, int group, dim3 grid, cudaStream_t stream, int major) {
+  return a.kv_e4m3 ? launch_dim<T, true>(a, group, grid, stream, major)
+                   : launch_dim<T, false>(a, group, grid, stream, major);
 }
 
 }  // namespace
@@ -391,23 +507,28 @@ bool decode_attention_supports(int head_dim, int group) {
   return (head_dim == 64 || head_dim == 128 || head_dim == 256) && group >= 1 && group <= 8;
 }
 
+bool decode_attention_stages_ok(int stages) { return stages == 0 || stages == 3 || stages == 5; }
+
 const char* decode_attention(DType dtype, const DecodeAttnArgs& a, int device, void* stream) {
   if (a.batch <= 0) return nullptr;
   if (a.num_kv_heads <= 0 || a.num_heads % a.num_kv_heads != 0)
     return "decode_attention: the query heads must be a positive multiple of the K/V heads";
   if (!decode_attention_supports(a.head_dim, a.num_heads / a.num_kv_heads))
     return "decode_attention: head_dim must be 64, 128 or 256 and at most 8 query heads share a K/V head";
+  if (!decode_attention_stages_ok(a.stages)) return "decode_attention: stages must be 0, 3 or 5";
   if (a.page_size <= 0 || a.num_pages <= 0 || a.chunk <= 0 || a.chunk % 16 != 0 || a.max_chunks <= 0 ||
       a.workers <= 0)
     return "decode_attention: page_size, num_pages, max_chunks and workers must be positive, chunk a multiple of 16";
   if (a.batch > 65535 || a.num_kv_heads > 65535) return "decode_attention: too many requests or K/V heads";
   cudaError_t err = cudaSetDevice(device);
+  int major = 0;
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
   if (err != cudaSuccess) return cudaGetErrorString(err);
   const dim3 grid(a.workers, a.num_kv_heads, a.batch);
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   const int group = a.num_heads / a.num_kv_heads;
-  return dtype == DType::kFloat16 ? launch_typed<__half>(a, group, grid, s)
-                                  : launch_typed<__nv_bfloat16>(a, group, grid, s);
+  return dtype == DType::kFloat16 ? launch_typed<__half>(a, group, grid, s, major)
+                                  : launch_typed<__nv_bfloat16>(a, group, grid, s, major);
 }
 
 }  // namespace lorafleet

@@ -54,7 +54,14 @@ struct DecodeAttnArgs {
   float soft_cap = 0.f;                    // <= 0: none
   int window_left = -1;                    // a query sees its last window_left + 1 keys; < 0: all
   bool kv_e4m3 = false;                    // the pages hold float8_e4m3fn, not the storage type
+  int stages = 0;                          // 0, or 3 / 5: each lane's next K/V rows copied that many passes minus one
+                                           // ahead through shared memory (one query head per K/V head; the same bits)
+  bool pdl = false;                        // a programmatic dependent launch (sm_90+): the page tables read before
+                                           // the wait for the kernel before, q and K/V after (the same bits)
 };
+
+// Whether `stages` is one the kernel is built for (0, 3 or 5).
+bool decode_attention_stages_ok(int stages);
 
 // Whether a launch can take this head size and number of query heads per K/V head (group): D in {64, 128, 256} and
 // group in [1, 8].

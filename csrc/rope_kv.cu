@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include "rope_kv.h"
+#include "pdl.h"
 
 #include "half_pair.cuh"
 #include "quant_row.cuh"  // quant_detail::e4m3x2
@@ -52,6 +53,9 @@ __device__ __forceinline__ float2 load_pair(const T* src, int i, const float* lv
 template <typename T>
 __global__ void __launch_bounds__(kWarps * 32) rope_kv_kernel(const RopeKvArgs p) {
   using V = typename Pair<T>::V;
+  // the decode attention after it may start now (DecodeAttnArgs::pdl): it reads only the page tables before it waits
+  // for this kernel's end
+  pdl_launch_dependents();
   const int lane = threadIdx.x & 31;
   const int heads = p.num_heads + 2 * p.num_kv_heads;
   const int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);

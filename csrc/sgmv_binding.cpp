@@ -67,10 +67,12 @@
 //       (quant.h Fp8EpilogueLora::sync) instead of a shrink launched before; persistent (e4m3 operands): in
 //       CUTLASS's persistent ping-pong kernel (the same bits).
 //   decode_attention(out, q, k_cache, v_cache, indptr, indices, last_page_len, partial_o, partial_ml, counters,
-//       sm_scale, soft_cap, window_left, chunk, max_chunks, workers, stream): attention of one query row per request
-//       over its K/V pages (decode_attn.h), one launch; pages of q's dtype or float8_e4m3fn (unit scale). The
-//       page table is flashinfer's CSR (indptr, indices, last_page_len) on the device; a request's bits depend on
-//       nothing else in the launch (workers only spreads its chunks over CTAs).
+//       sm_scale, soft_cap, window_left, chunk, max_chunks, workers, stream, stages=0, pdl=False): attention of one
+//       query row per request over its K/V pages (decode_attn.h), one launch; pages of q's dtype or float8_e4m3fn
+//       (unit scale). The page table is flashinfer's CSR (indptr, indices, last_page_len) on the device; a request's bits
+//       depend on nothing else in the launch (workers only spreads its chunks over CTAs; stages 3 or 5 only how
+//       far ahead the K/V rows are copied, through shared memory). pdl=True: a programmatic dependent launch (the
+//       page tables read before the wait for the kernel before, which rope_kv lets start early).
 //       decode_attention_supports(head_dim, group): whether the kernel takes these shapes.
 //
 // with r = ranks[g, s]. The values inside ranks / indptr / slots live on the device and are not
@@ -935,7 +937,7 @@ void fp8_gemm_sm90_fused(Tensor out, Tensor x, Tensor w, Tensor x_scale, Tensor 
 void decode_attention(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor indptr, Tensor indices,
                       Tensor last_page_len, Tensor partial_o, Tensor partial_ml, Tensor counters, double sm_scale,
                       double soft_cap, int64_t window_left, int64_t chunk, int64_t max_chunks, int64_t workers,
-                      int64_t stream) {
+                      int64_t stream, int64_t stages, bool pdl) {
   const auto dtype = kernel_dtype(q, "q");
   SGMV_CHECK(q.is_cuda() && q.dim() == 3 && q.is_contiguous() && reinterpret_cast<uintptr_t>(q.data_ptr()) % 4 == 0,
              "decode_attention: q must be a contiguous, 4-byte aligned [B, Hq, D] CUDA tensor");
@@ -962,6 +964,8 @@ void decode_attention(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache, Tens
   SGMV_CHECK(chunk > 0 && chunk % 16 == 0 && chunk <= kInt32Max && max_chunks > 0 && max_chunks <= kInt32Max &&
                  workers > 0 && workers <= 65535,
              "decode_attention: chunk must be a positive multiple of 16, max_chunks and workers positive");
+  SGMV_CHECK(stages >= 0 && stages <= 8 && lorafleet::decode_attention_stages_ok(static_cast<int>(stages)),
+             "decode_attention: stages must be 0, 3 or 5, got %lld", ll(stages));
   const struct { const Tensor* t; const char* name; int64_t min; } ints[] = {
       {&indptr, "indptr", B + 1}, {&indices, "indices", 0}, {&last_page_len, "last_page_len", B},
       {&counters, "counters", B * Hkv}};
@@ -1004,6 +1008,8 @@ void decode_attention(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache, Tens
   a.soft_cap = static_cast<float>(soft_cap);
   a.window_left = static_cast<int>(std::max<int64_t>(-1, std::min<int64_t>(window_left, kInt32Max)));
   a.kv_e4m3 = k_cache.scalar_type() == torch::kFloat8_e4m3fn;
+  a.stages = static_cast<int>(stages);
+  a.pdl = pdl;
   const char* err = lorafleet::decode_attention(dtype, a, q.get_device(), as_stream(stream));
   SGMV_CHECK(err == nullptr, "decode_attention launch failed: %s", err ? err : "");
 }
@@ -1088,7 +1094,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("indptr"), py::arg("indices"),
         py::arg("last_page_len"), py::arg("partial_o"), py::arg("partial_ml"), py::arg("counters"),
         py::arg("sm_scale"), py::arg("soft_cap"), py::arg("window_left"), py::arg("chunk"), py::arg("max_chunks"),
-        py::arg("workers"), py::arg("stream"));
+        py::arg("workers"), py::arg("stream"), py::arg("stages") = 0, py::arg("pdl") = false);
   m.def("decode_attention_supports", &decode_attention_supports,
         "whether decode_attention takes this head size and number of query heads per K/V head",
         py::arg("head_dim"), py::arg("group"));

@@ -22,6 +22,9 @@ class KernelChoices:
         lorafleet: the K/V pages read once at their byte cost, bf16 / fp16 or e4m3; head sizes 64, 128 and 256 with at
         most 8 query heads per K/V head, flashinfer's elsewhere); auto: the project's own for e4m3 pages where each
         K/V head serves one query head (decode_kernel.preferred), flashinfer's elsewhere.
+    decode_stages: the project's decode kernel copies each lane's next K/V rows this many passes minus one ahead
+        through shared memory (3 or 5; one query head per K/V head) instead of one pass ahead into registers (0); the
+        same bits.
     decode_no_split: flashinfer's decode attention (on tensor cores: decode_tc 1) plans every request's K/V as one
         chunk instead of splitting long ones by a plan of the whole batch, so a request's attention does not depend on
         the others in its step (set by batch-invariant engines that keep flashinfer's decode; not read from the
@@ -111,6 +114,7 @@ class KernelChoices:
     prefill: str = "auto"
     decode_tc: str = "auto"
     decode_kernel: str = "auto"
+    decode_stages: int = 0
     decode_no_split: bool = False
     sgmv: str = "auto"
     sgmv_fused: str = "auto"
@@ -160,6 +164,8 @@ class KernelChoices:
                      "dense_lora_min_work"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.decode_stages not in (0, 3, 5):
+            raise ValueError(f"decode_stages must be 0, 3 or 5, got {self.decode_stages!r}")
         if self.dense_lora_kext % 8:
             raise ValueError(f"dense_lora_kext must be a multiple of 8 (16-byte rows), got {self.dense_lora_kext}")
         if self.decode_no_split and self.decode_tc != "1":
@@ -184,7 +190,8 @@ class KernelChoices:
         from lorafleet import env
 
         return cls(attention=env.attention_backend(), prefill=env.prefill_backend(),
-                   decode_tc=env.decode_tensor_cores(), decode_kernel=env.decode_kernel(), sgmv=env.sgmv_backend(),
+                   decode_tc=env.decode_tensor_cores(), decode_kernel=env.decode_kernel(),
+                   decode_stages=env.decode_stages(), sgmv=env.sgmv_backend(),
                    sgmv_fused=env.sgmv_fused(), fused_ops=env.fused_ops(), rope_kv=env.rope_kv_kernel(),
                    rope_kv_lora=env.rope_kv_lora(), rope_kv_fp8=env.rope_kv_fp8(),
                    norm_shrink=env.norm_shrink(), norm_quant=env.norm_quant(), norm_lora=env.norm_lora(),

@@ -24,6 +24,9 @@ from lorafleet import env
     ("LORAFLEET_DECODE_KERNEL", env.decode_kernel, None, "auto"),
     ("LORAFLEET_DECODE_KERNEL", env.decode_kernel, "flashinfer", "flashinfer"),
     ("LORAFLEET_DECODE_KERNEL", env.decode_kernel, " LoraFleet", "lorafleet"),
+    ("LORAFLEET_DECODE_STAGES", env.decode_stages, None, 0),
+    ("LORAFLEET_DECODE_STAGES", env.decode_stages, "3", 3),
+    ("LORAFLEET_DECODE_STAGES", env.decode_stages, "5", 5),
     ("LORAFLEET_DENSE_LORA_ROWS", env.dense_lora_rows, None, 256),
     ("LORAFLEET_DENSE_LORA_ROWS", env.dense_lora_rows, "0", 0),
     ("LORAFLEET_DENSE_LORA_ROWS", env.dense_lora_rows, "1024", 1024),
@@ -54,6 +57,16 @@ def test_bad_value_is_refused(monkeypatch):
         env.decode_kernel()
     with pytest.raises(ValueError, match="kernel choice decode_kernel must be one of auto, flashinfer, lorafleet"):
         KernelChoices(decode_kernel="own")
+    for bad in ("4", "1", "-3", "deep"):
+        monkeypatch.setenv("LORAFLEET_DECODE_STAGES", bad)
+        with pytest.raises(ValueError, match="LORAFLEET_DECODE_STAGES must be"):
+            env.decode_stages()
+    with pytest.raises(ValueError, match="decode_stages must be 0, 3 or 5, got 4"):
+        KernelChoices(decode_stages=4)
+    monkeypatch.setenv("LORAFLEET_DECODE_STAGES", "5")
+    for var in ("LORAFLEET_PREFILL_BACKEND", "LORAFLEET_DECODE_TC", "LORAFLEET_DECODE_KERNEL"):
+        monkeypatch.delenv(var)
+    assert KernelChoices.from_env().decode_stages == 5
 
 
 # --- which kernel a step's prompt rows take under `auto` on sm90 (runner/attention/meta.py) ---

@@ -93,6 +93,19 @@ def decode_kernel() -> str:
     return _choice("LORAFLEET_DECODE_KERNEL", DECODE_KERNEL_CHOICES)
 
 
+DECODE_STAGES = (0, 3, 5)
+
+
+def decode_stages() -> int:
+    """LORAFLEET_DECODE_STAGES: the project's decode attention kernel copies each lane's next K/V rows this many passes
+    minus one ahead through shared memory (cp.async), where each K/V head serves one query head: 3 or 5; 0 (default):
+    one pass ahead into registers. The same bits either way (a speed choice; not yet measured on a GPU)."""
+    stages = _int("LORAFLEET_DECODE_STAGES", 0)
+    if stages not in DECODE_STAGES:
+        raise EnvError(f"LORAFLEET_DECODE_STAGES must be one of {', '.join(map(str, DECODE_STAGES))}, got {stages}")
+    return stages
+
+
 PREFILL_BACKENDS = ("auto", "fa2", "fa3")
 
 

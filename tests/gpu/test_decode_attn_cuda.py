@@ -2,7 +2,8 @@
 
 Pages are random bf16 / fp16 or e4m3 rows behind shuffled page tables; the reference gathers each request's keys in
 fp64 and applies the same window and soft-cap. Bits must not depend on the launch's shape (workers per request, the
-other requests of the launch) and a CUDA graph's replay gives the eager launch's bits.
+other requests of the launch, how far ahead the K/V rows are copied: stages) and a CUDA graph's replay gives the eager
+launch's bits.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class Case:
         return [a.to(DEV) for a in arrays]
 
     def run(self, q=None, tables=None, lens=None, workers=1, sm_scale=None, cap=0.0, window_left=-1, ws_rows=None,
-            chunk=CHUNK, max_chunks=MAX_CHUNKS):
+            chunk=CHUNK, max_chunks=MAX_CHUNKS, stages=0):
         q = self.q if q is None else q
         B = q.shape[0]
         indptr, indices, last = self.arrays(tables, lens)
@@ -68,7 +69,7 @@ class Case:
         out = torch.full_like(q, float("nan"))
         scale = 1 / math.sqrt(self.D) if sm_scale is None else sm_scale
         ext().decode_attention(out, q, self.k, self.v, indptr, indices, last, self.partial_o, self.partial_ml,
-                               self.counters, scale, cap, window_left, chunk, max_chunks, workers, stream())
+                               self.counters, scale, cap, window_left, chunk, max_chunks, workers, stream(), stages)
         torch.cuda.synchronize()
         return out
 
@@ -152,9 +153,38 @@ def test_bits_depend_on_nothing_but_the_request():
     assert torch.equal(perm, base[order])
 
 
-def test_graph_replay_gives_the_eager_bits():
+@pytest.mark.parametrize("stages", [3, 5])
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("kv", ["same", "e4m3"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_staged_copies_give_the_register_versions_bits(stages, D, kv, dtype):
+    """K/V rows copied `stages` - 1 passes ahead through shared memory: the bits of the rows loaded one pass ahead into
+    registers, with 1 to 16 workers, and within the fp64 bound; with grouped heads (the register version runs) too."""
+    for group in (1, 2):
+        c = Case(LENS, 3, group, D, dtype, E4M3 if kv == "e4m3" else dtype, seed=D + 7 * group)
+        want = c.run(workers=1)
+        assert_close(want, c.reference(), c.v.float().abs().max().item(), f"D={D} group={group} kv={kv}")
+        for w in (1, 2, 16):
+            assert torch.equal(c.run(workers=w, stages=stages), want), f"group={group} workers={w}"
+            assert int(c.counters.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("page_size", [1, 5, 16])
+def test_staged_copies_with_windows_caps_and_page_sizes(page_size):
+    c = Case([1, 7, 64, 300, 1025, 4100], 2, 1, 128, torch.bfloat16, E4M3, page_size=page_size, seed=40 + page_size)
+    for window_left, cap in ((-1, 0.0), (40, 5.0), (3000, 0.0)):
+        want = c.run(workers=2, sm_scale=0.3, cap=cap, window_left=window_left)
+        for stages in (3, 5):
+            got = c.run(workers=2, sm_scale=0.3, cap=cap, window_left=window_left, stages=stages)
+            assert torch.equal(got, want), f"page_size={page_size} window_left={window_left} stages={stages}"
+        ref = c.reference(sm_scale=0.3, cap=cap, window_left=window_left)
+        assert_close(want, ref, c.v.float().abs().max().item(), f"page_size={page_size} window_left={window_left}")
+
+
+@pytest.mark.parametrize("stages", [0, 5])
+def test_graph_replay_gives_the_eager_bits(stages):
     """A captured launch over fixed table buffers, refilled with another step's tables before each replay."""
-    c = Case(LENS, 2, 8, 128, torch.bfloat16, E4M3, seed=5)
+    c = Case(LENS, 2, 8 if stages == 0 else 1, 128, torch.bfloat16, E4M3, seed=5)
     B, max_pages = len(LENS), c.num_pages
     indptr = torch.zeros(B + 1, dtype=torch.int32, device=DEV)
     indices = torch.zeros(max_pages, dtype=torch.int32, device=DEV)
@@ -167,7 +197,7 @@ def test_graph_replay_gives_the_eager_bits():
 
     def launch():
         ext().decode_attention(out, q, c.k, c.v, indptr, indices, last, po, pml, counters, 0.1, 0.0, -1, CHUNK,
-                               MAX_CHUNKS, 16, torch.cuda.current_stream().cuda_stream)
+                               MAX_CHUNKS, 16, torch.cuda.current_stream().cuda_stream, stages)
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -185,7 +215,7 @@ def test_graph_replay_gives_the_eager_bits():
         last.copy_(la)
         graph.replay()
         torch.cuda.synchronize()
-        want = c.run(lens=lens, sm_scale=0.1, workers=1)
+        want = c.run(lens=lens, sm_scale=0.1, workers=1)  # (the register version, eager)
         assert torch.equal(out, want), f"replay {step}"
         assert int(counters.abs().sum()) == 0
 
@@ -214,11 +244,11 @@ def test_refusals():
     cnt = torch.zeros(8, dtype=torch.int32, device=DEV)
     x = ext()
 
-    def call(out=None, q=None, k=None, v=None, chunk=CHUNK, counters=cnt):
+    def call(out=None, q=None, k=None, v=None, chunk=CHUNK, counters=cnt, stages=0):
         q = c.q if q is None else q
         x.decode_attention(torch.empty_like(q) if out is None else out, q, c.k if k is None else k,
                            c.v if v is None else v, ip, ix, la, po, pml, counters, 1.0, 0.0, -1, chunk, MAX_CHUNKS, 1,
-                           stream())
+                           stream(), stages)
 
     q96 = torch.zeros(1, 4, 96, dtype=torch.bfloat16, device=DEV)
     k96 = torch.zeros(2, 16, 2, 96, dtype=torch.bfloat16, device=DEV)
@@ -237,5 +267,8 @@ def test_refusals():
         call(chunk=24)
     with pytest.raises(RuntimeError, match="counters must be contiguous int32 with at least 2"):
         call(counters=cnt[:1])
+    for stages in (-1, 1, 4, 9):
+        with pytest.raises(RuntimeError, match="stages must be 0, 3 or 5"):
+            call(stages=stages)
     assert x.decode_attention_supports(128, 8) and not x.decode_attention_supports(128, 9)
     assert not x.decode_attention_supports(96, 1)

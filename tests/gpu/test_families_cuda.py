@@ -180,3 +180,25 @@ def test_default_decode_kernel_for_e4m3_pages_without_grouped_heads(ungrouped):
                                         kernels=KernelChoices())
     bf16, _ = teacher.decode_step(model, reqs)
     assert bf16.attention.own is None
+
+
+def test_staged_decode_kernel_gives_the_register_versions_logits(ungrouped):
+    """KernelChoices.decode_stages 5 (the K/V rows copied ahead through shared memory): a decode step's eager logits
+    are bit for bit those of the kernel that loads one pass ahead into registers, and its graph replay (captured
+    with 5 stages) agrees with them as the register version's replay does with its eager step."""
+    model, reqs = ungrouped
+    eng, batch = teacher.decode_step(model, reqs, kv_cache_dtype="fp8", kernels=KernelChoices(decode_stages=5))
+    own = eng.attention.own
+    assert own is not None and own.stages == 5
+    d = batch.to_device(eng.device)
+    staged = eng.runner.forward(batch, d).clone()
+    own.stages = 0
+    try:
+        registers = eng.runner.forward(batch, d).clone()
+    finally:
+        own.stages = 5
+    assert torch.equal(staged, registers)
+    replay = eng.runner.graphs.run(batch, d).clone()
+    span = (staged.max(-1).values - staged.min(-1).values)[:, None]
+    assert ((replay - staged).abs() / span).max().item() < teacher.TOL
+    assert (replay.argmax(-1) == staged.argmax(-1)).float().mean().item() >= 0.9

@@ -5,7 +5,9 @@ It reads a request's K/V pages once, in bf16 / fp16 or e4m3 (FP8 pages, unit sca
 score soft-cap and per-layer window, from the page table in flashinfer's CSR form. Nothing is planned on the host:
 a step copies its page table to the device and every layer launches once. A request's keys are cut into chunks of
 CHUNK tokens (more when it would need more than MAX_CHUNKS), so its bits depend only on its own length; `workers`
-CTAs per (request, K/V head) share its chunks and change no bit.
+CTAs per (request, K/V head) share its chunks and change no bit, nor do `stages` (how many passes ahead each lane's
+next K/V rows are copied, through shared memory: 3 or 5; 0 is one pass ahead into registers). With stages the kernel
+is also a programmatic dependent launch: it reads the page table while rope_kv, the kernel before it, still runs.
 """
 
 from __future__ import annotations
@@ -65,11 +67,11 @@ class Tables:
 class LorafleetDecode:
     """The kernel with one model's shapes; the eager steps' workspace grows with their decode rows."""
 
-    def __init__(self, kv, cfg, device: torch.device):
+    def __init__(self, kv, cfg, device: torch.device, stages: int = 0):
         from lorafleet.runner import kernels
 
         self.ext = kernels.load()
-        self.kv, self.device = kv, device
+        self.kv, self.device, self.stages = kv, device, stages
         self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.sm_scale, self.soft_cap = cfg.softmax_scale, cfg.attn_softcap or 0.0
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -99,7 +101,8 @@ class LorafleetDecode:
         k, v = self.kv.layer(layer)
         self.ext.decode_attention(out, q.contiguous(), k, v, tables.indptr, tables.indices, tables.last, ws.partial_o,
                                   ws.partial_ml, ws.counters, self.sm_scale, self.soft_cap, window_left, CHUNK,
-                                  MAX_CHUNKS, workers, torch.cuda.current_stream(q.device).cuda_stream)
+                                  MAX_CHUNKS, workers, torch.cuda.current_stream(q.device).cuda_stream, self.stages,
+                                  self.stages > 0)
 
 
 class GraphDecodeTables:

@@ -71,7 +71,7 @@ class FlashInferAttention:
 
     def __init__(self, kv: KVCache, cfg, device: torch.device, prefill_choice: str = "auto",
                  q_dtype: torch.dtype | None = None, decode_tc: str = "auto", decode_kernel_choice: str = "auto",
-                 decode_no_split: bool = False):
+                 decode_no_split: bool = False, decode_stages: int = 0):
         self.kv, self.cfg, self.device = kv, cfg, device
         self.q_dtype = q_dtype or kv.k.dtype  # FP8 pages: queries stay in the model's dtype
         self.kv_dtype = kv.k.dtype
@@ -109,8 +109,9 @@ class FlashInferAttention:
             decode_kernel_choice = "lorafleet"
         if decode_kernel_choice == "lorafleet":
             if decode_kernel.supported(cfg):
-                self.own = decode_kernel.LorafleetDecode(kv, cfg, device)
-                log.info("decode rows on the lorafleet decode attention kernel (%s pages)", str(self.kv_dtype)[6:])
+                self.own = decode_kernel.LorafleetDecode(kv, cfg, device, decode_stages)
+                log.info("decode rows on the lorafleet decode attention kernel (%s pages%s)", str(self.kv_dtype)[6:],
+                         f", {decode_stages} stages" if decode_stages and self.h == self.hkv else "")
                 if self.h // self.hkv >= 8:
                     log.warning("the lorafleet decode kernel was measured 3-9x slower than flashinfer's tensor-core "
                                 "decode with 8 query heads per K/V head (docs/benchmarks.md 10.18); this model has %d",
