@@ -35,7 +35,8 @@ class ClientGone(Exception):
 async def read_body(request: web.Request, timeout: float | None = None) -> bytes:
     """The request's body. A client that drops while sending it raises ClientGone (a 499, not an unhandled
     error); one whose body has not arrived `timeout` seconds after its headers gets a 408, so a stalled upload
-    does not hold a handler forever. A body over the size limit still raises aiohttp's 413."""
+    does not hold a handler forever; one that cannot be decoded (a Content-Encoding its bytes are not in) gets a 400.
+    A body over the size limit still raises aiohttp's 413."""
     timeout = BODY_TIMEOUT_S if timeout is None else timeout
     try:
         return await asyncio.wait_for(request.read(), timeout)
@@ -44,6 +45,14 @@ async def read_body(request: web.Request, timeout: float | None = None) -> bytes
                        headers={"Connection": "close"}) from None
     except ConnectionError:
         raise ClientGone() from None
+    except web.RequestPayloadError as exc:
+        cause = exc.__cause__ or exc.__context__
+        detail = str(getattr(cause, "message", "") or cause or exc)
+        # (the rest of the body cannot be read either: marked at its end, so that aiohttp does not read on for
+        # keep-alive and fail again, and the connection closes once the answer is sent)
+        request.content.feed_eof()
+        raise ApiError(400, f"the request body could not be read: {detail}", code="bad_request_body",
+                       headers={"Connection": "close"}) from None
 
 
 class ClientProtocolErrors(logging.Filter):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -84,6 +85,18 @@ def make_bad(good, tiny_llama, tmp_path):
         # a module the config targets without weights (PEFT: missing keys, lora_B = 0): nowhere, or in one layer
         "noq": (variant(good, tmp_path, "noq", tensors=lambda w: {k: v for k, v in w.items() if "q_proj" not in k}),
                 "adapter_config.json targets q_proj but adapter_model.safetensors holds no LoRA weights for it"),
+        # a scale that is not a number, or one whose add-on would swamp or overflow the layer's output
+        "alphanan": (variant(good, tmp_path, "alphanan", config={"lora_alpha": float("nan")}),
+                     "lora_alpha must be a finite number, got nan"),
+        "alphainf": (variant(good, tmp_path, "alphainf", config={"alpha_pattern": {"v_proj": float("inf")}}),
+                     "lora_alpha must be a finite number, got inf (for model.layers.0.self_attn.v_proj)"),
+        "alphahuge": (variant(good, tmp_path, "alphahuge", config={"lora_alpha": -1e30}),
+                      "scales model.layers.0.self_attn.q_proj's add-on by -1.25e+29, beyond the 10000 served"),
+        # the weights' name taken by something that is not a file (never opened: a pipe would block its reader)
+        "fifo": (variant(good, tmp_path, "fifo", drop=["adapter_model.safetensors"]),
+                 "adapter_model.safetensors is not a regular file"),
+        "weightsdir": (variant(good, tmp_path, "weightsdir", drop=["adapter_model.safetensors"]),
+                       "adapter_model.safetensors is not a regular file"),
         "gap": (variant(good, tmp_path, "gap", tensors=lambda w: {k: v for k, v in w.items()
                                                                if ".layers.1.self_attn.v_proj." not in k}),
                 "layer 1 v_proj: adapter_model.safetensors has no "
@@ -91,6 +104,8 @@ def make_bad(good, tiny_llama, tmp_path):
     }
     (bads["badjson"][0] / "adapter_config.json").write_text("{not json")
     (bads["pickle"][0] / "adapter_model.bin").write_bytes(b"\x80\x04pickle-payload-never-loaded")
+    os.mkfifo(bads["fifo"][0] / "adapter_model.safetensors")
+    (bads["weightsdir"][0] / "adapter_model.safetensors").mkdir()
     return bads
 
 

@@ -270,6 +270,81 @@ async def test_engine_sigkill_makes_runner_unhealthy_and_aborts_requests(tiny_ll
         assert not pid_alive(pid)
 
 
+async def test_a_stopped_engine_core_is_killed_and_its_requests_aborted(tiny_llama, monkeypatch):
+    """SIGSTOP freezes the core (its heartbeat too): after LORAFLEET_ENGINE_STALL_S of silence the front kills it, the
+    in-flight request ends "aborted" with the reason (its scheduler re-places it), and the runner reports unhealthy,
+    instead of a request that hangs on a runner that says it is ready."""
+    monkeypatch.setenv("LORAFLEET_ENGINE_STALL_S", "2")
+    async with runner_front(tiny_llama) as c:
+        pid = c.service.engine.pid
+        s = await Stream(c).open()
+        await s.submit({"request_id": "z", "prompt_token_ids": [3, 4], "sampling": {"max_tokens": 400, "ignore_eos": True}})
+        await s.first_tokens("z")
+        os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        got = await s.until_finished({"z"}, timeout=20.0)
+        assert got["z"]["finish"] == "aborted" and "sent nothing" in got["z"]["error"], got["z"]
+        assert 2.0 <= time.monotonic() - t0 < 10.0
+        h = await c.get("/healthz")
+        assert h.status == 500 and "LORAFLEET_ENGINE_STALL_S=2" in (await h.json())["error"]
+        assert (await c.get("/readyz")).status == 503
+        for _ in range(100):
+            if not pid_alive(pid):
+                break
+            await asyncio.sleep(0.05)
+        assert not pid_alive(pid)  # killed (a stopped process takes SIGKILL) and reaped
+
+
+def test_the_core_heartbeat_beats_while_the_main_thread_is_busy():
+    """The core's heartbeat thread sends ["beat"] on its own while the main thread is held (as by a long step), and
+    stops when told; whole messages only, beside the main thread's own sends."""
+    from lorafleet.common.channel import BlockingChannel
+    from lorafleet.runner.service.engine_core import start_heartbeat
+
+    import threading
+
+    a, b = socket.socketpair()
+    core, front = BlockingChannel(a), BlockingChannel(b)
+    got: list[list] = []
+    done = threading.Event()
+
+    def read():  # the front's side, reading as the front's loop does
+        while not done.is_set():
+            got.extend(front.recv_all(0.05))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    stop = start_heartbeat(core, period=0.05)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 0.6:  # the "step": the main thread busy, sending large messages of its own
+        core.send(["step", [["r", list(range(20000)), None, None]], None])
+    time.sleep(0.2)
+    done.set()
+    reader.join(5)
+    kinds = [m[0] for m in got]
+    assert kinds.count("beat") >= 5 and set(kinds) == {"beat", "step"}
+    assert all(len(m[1][0][1]) == 20000 for m in got if m[0] == "step")  # no message torn by the other thread
+    stop.set()
+    time.sleep(0.15)
+    front.recv_all(0.05)
+    assert front.recv_all(0.3) == []  # stopped
+    a.close()
+    b.close()
+
+
+def test_a_bad_stall_limit_is_refused(monkeypatch):
+    from lorafleet import env
+
+    for bad in ("abc", "1", "-5", "nan", "1e9"):
+        monkeypatch.setenv("LORAFLEET_ENGINE_STALL_S", bad)
+        with pytest.raises(ValueError, match="LORAFLEET_ENGINE_STALL_S must be"):
+            env.engine_stall_seconds()
+    monkeypatch.setenv("LORAFLEET_ENGINE_STALL_S", "0")
+    assert env.engine_stall_seconds() == 0
+    monkeypatch.delenv("LORAFLEET_ENGINE_STALL_S")
+    assert env.engine_stall_seconds() == 30
+
+
 async def test_stopping_the_front_stops_its_engine_core(tiny_llama):
     async with runner_front(tiny_llama) as c:
         pid = c.service.engine.pid

@@ -161,6 +161,29 @@ async def test_models_by_id_unknown_routes_and_methods(api):
     assert r.status == 413 and (await r.json())["error"]["code"] == "body_too_large"
 
 
+async def test_a_body_that_cannot_be_decoded_is_a_400_not_an_error(api):
+    """A body whose bytes are not in the Content-Encoding it names: a JSON 400 saying so, nothing unhandled; the same
+    request properly compressed is served."""
+    import gzip
+    import zlib
+
+    client, _, fr = api
+    body = raw({"model": "base", "prompt": "hi", "max_tokens": 2})
+    for enc in ("gzip", "deflate"):
+        r = await client.post("/v1/completions", data=b"garbage",
+                              headers={"Content-Type": "application/json", "Content-Encoding": enc})
+        got = await r.json()
+        assert r.status == 400 and got["error"]["code"] == "bad_request_body", got
+        assert "could not be read" in got["error"]["message"] and "content-encoding" in got["error"]["message"]
+    assert not fr.seen
+    for enc, data in (("gzip", gzip.compress(body)), ("deflate", zlib.compress(body))):
+        r = await client.post("/v1/completions", data=data,
+                              headers={"Content-Type": "application/json", "Content-Encoding": enc})
+        assert r.status == 200, (enc, await r.text())
+    text = await (await client.get("/metrics")).text()
+    assert "lorafleet_unhandled_errors_total 0.0" in text
+
+
 async def test_metrics_split_http_codes_from_finish_reasons_and_count_crashes(api):
     client, service, _ = api
     assert (await client.post("/v1/completions", json={"model": "base", "prompt": "hi", "max_tokens": 2})).status == 200

@@ -13,7 +13,9 @@ error]` entries, grouped by owner (one owner per scheduler stream) and handed ov
 `owner.deliver(entries)` call per owner per step. When the core dies — a fatal step error, a
 failed load, SIGKILL, any exit — every in-flight request gets a final entry with
 finish_reason "aborted" and the reason, so its scheduler re-places it elsewhere, and the front
-reports the runner unhealthy with that reason.
+reports the runner unhealthy with that reason. A core that sends nothing, not even its heartbeat
+(every second, from a thread of its own), for LORAFLEET_ENGINE_STALL_S seconds — a stopped or
+frozen process — is killed, and then handled the same way.
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ import logging
 import signal
 import socket
 import sys
+import time
 from typing import Callable, Protocol
 
+from lorafleet import env
 from lorafleet.common.procs import die_with_parent
 from lorafleet.common.channel import AsyncChannel, ChannelClosed
 
@@ -68,6 +72,8 @@ class EngineClient:
         self._exited = asyncio.Event()
         self._fatal = asyncio.Event()  # the core sent its fatal reason
         self._stopping = False
+        self.stall_s = env.engine_stall_seconds()  # 0: never judged stalled
+        self.last_heard = time.monotonic()  # the core's last message of any kind
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> bool:
@@ -101,7 +107,28 @@ class EngineClient:
                             FATAL_EXIT_S)
                 self.proc.kill()
                 await self._exited.wait()
+        if self._ready.is_set() and self.stall_s > 0:
+            asyncio.create_task(self._stall_watch())
         return self._ready.is_set()
+
+    async def _stall_watch(self) -> None:
+        """Kill the core once it has sent nothing for `stall_s` seconds (its heartbeat thread beats every second, also
+        during a long step); `_watch` then ends its requests and reports the runner unhealthy. A round in which this
+        loop itself was held up (a blocked event loop delays the reader too) judges nothing."""
+        period = min(1.0, self.stall_s / 4)
+        last = time.monotonic()
+        while not self._exited.is_set() and not self._stopping:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            late, last = now - last > period + 1.0, now
+            quiet = now - self.last_heard
+            if late or quiet <= self.stall_s or not self.alive or self._stopping:
+                continue
+            self.error = (f"engine core sent nothing for {quiet:.0f}s, not even its heartbeat (stopped or frozen; "
+                          f"LORAFLEET_ENGINE_STALL_S={self.stall_s:g}): killed")
+            log.error("%s", self.error)
+            self.proc.kill()
+            return
 
     async def stop(self, timeout: float = 10.0) -> None:
         """Ask the core to exit; kill it if it does not within `timeout`. Always reaps it."""
@@ -153,7 +180,10 @@ class EngineClient:
         try:
             while True:
                 msg = await self.chan.recv()
+                self.last_heard = time.monotonic()
                 kind = msg[0]
+                if kind == "beat":
+                    continue
                 if kind == "step":
                     if msg[2] is not None:
                         self.snapshot = msg[2]

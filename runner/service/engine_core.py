@@ -2,12 +2,15 @@
 
 Started by the runner's front (`engine_client.py`) as `python -m lorafleet.runner.service.engine_core
 --fd N`, where N is its end of a socketpair (`channel.py` lists the messages). No HTTP, no
-asyncio, no threads of its own: between two steps it reads whatever the front sent (submit,
+asyncio, no thread but the heartbeat's: between two steps it reads whatever the front sent (submit,
 cancel, state, shutdown) without waiting, and after each step it sends one message with the
 outputs of the whole batch (plus a state snapshot at most every 0.1 s, and whenever a
 request joined or left the batch, so the front's view of batch and free KV pages is current
 when a request's first token or its end is reported).
 Idle, it blocks on the channel.
+
+A thread of its own sends ["beat"] every BEAT_S once the model is loaded, during long steps too: the front takes a
+core it has heard nothing from for LORAFLEET_ENGINE_STALL_S (a stopped or frozen process) as dead.
 
 Failure: an exception in a step sends ["fatal", reason] and exits with status 3; a failed
 model load sends ["fatal", ...] and exits with status 2. After a step failure the front reports
@@ -26,6 +29,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 
 from lorafleet import env
@@ -36,6 +40,7 @@ from lorafleet.models.contract import ModelError
 log = logging.getLogger("lorafleet.runner.service.engine_core")
 
 SNAPSHOT_EVERY_S = 0.1  # how stale the front's state may be while the engine is busy
+BEAT_S = 1.0  # the heartbeat's period
 IDLE_WAIT_S = 0.5  # idle: wake this often to refresh idle_seconds in the snapshot
 
 
@@ -154,6 +159,23 @@ def serve(ch: BlockingChannel, engine) -> int:
             ch.send(["step", wire, state])
 
 
+def start_heartbeat(ch: BlockingChannel, period: float = BEAT_S) -> threading.Event:
+    """A daemon thread that sends ["beat"] every `period` seconds until the returned event is set or the channel
+    fails: it runs while a step holds the main thread (torch releases the GIL), so only a stopped or frozen process
+    goes quiet."""
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(period):
+            try:
+                ch.send(["beat"])
+            except OSError:
+                return
+
+    threading.Thread(target=beat, name="engine-core-heartbeat", daemon=True).start()
+    return stop
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m lorafleet.runner.service.engine_core")
     p.add_argument("--fd", type=int, required=True, help="this process's end of the socketpair")
@@ -193,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         ch.send(["fatal", f"model load failed: {type(exc).__name__}: {exc}"])
         return 2
     ch.send(["ready", ready_info(engine)])
+    beats = start_heartbeat(ch)
     for later in first[1:]:  # anything the front sent before ready (it should not)
         log.warning("dropped channel message %r sent before ready", later[0])
     try:
@@ -200,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     except (BrokenPipeError, ConnectionResetError):
         return 0
     finally:
+        beats.set()
         engine.close()  # the other tensor-parallel ranks, if any
 
 

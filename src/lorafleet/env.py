@@ -503,6 +503,21 @@ def engine_fault() -> str | None:
     return os.environ.get("LORAFLEET_ENGINE_FAULT") or None
 
 
+def engine_stall_seconds() -> float:
+    """LORAFLEET_ENGINE_STALL_S: a runner's front kills its engine core when it has heard nothing from it (not even
+    the core's heartbeat, sent every second by a thread of its own, also during a long step) for this many seconds:
+    a stopped or frozen process, which the front then reports and replaces as it does a dead one. Default 30; 0:
+    never."""
+    raw = _str("LORAFLEET_ENGINE_STALL_S", "30").strip() or "30"
+    try:
+        value = float(raw)
+    except ValueError:
+        raise EnvError(f"LORAFLEET_ENGINE_STALL_S must be a number of seconds, got {raw!r}") from None
+    if not (value == 0 or 2 <= value <= 86400):  # (nan fails both)
+        raise EnvError(f"LORAFLEET_ENGINE_STALL_S must be 0 (never) or 2 to 86400 seconds, got {raw!r}")
+    return value
+
+
 def pin_host_adapters() -> bool:
     """LORAFLEET_PIN_HOST_ADAPTERS: keep adapters read from disk in pinned host memory (default 0).
     0: pageable memory, the driver staging each slot copy, so that no page-locking allocation (a

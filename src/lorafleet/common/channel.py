@@ -22,6 +22,7 @@ core → front:
     ["ready", {"page_size", "max_model_len", "model", "base_shape": {...}, "max_lora_rank", "state": {...}}]
     ["step", [[id, [new token ids], finish_reason|null, error|null], ...], state|null]
     ["state", {...}]
+    ["beat"]                                                            every second, from a thread of its own
     ["fatal", "reason"]                                                 then the core exits
 """
 
@@ -31,6 +32,7 @@ import asyncio
 import json
 import socket
 import struct
+import threading
 
 HEADER = struct.Struct(">I")
 MAX_MESSAGE = 256 << 20  # a corrupt length must not make either side allocate without bound
@@ -56,14 +58,17 @@ def decode(body: bytes) -> list:
 
 
 class BlockingChannel:
-    """The core's end: blocking send, and receive with a timeout (select-based, no thread)."""
+    """The core's end: blocking send (whole messages, from any thread), and receive with a timeout (select-based)."""
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
         self.buf = bytearray()
+        self._send_lock = threading.Lock()
 
     def send(self, msg: list) -> None:
-        self.sock.sendall(encode(msg))
+        data = encode(msg)
+        with self._send_lock:
+            self.sock.sendall(data)
 
     def _take(self) -> list | None:
         if len(self.buf) < HEADER.size:

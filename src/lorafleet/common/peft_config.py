@@ -24,6 +24,9 @@ __all__ = ["AdapterError", "AdapterSpec", "BaseShape", "ModuleLora", "inspect_ad
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
+# The largest |lora_alpha / r| (or / sqrt(r) with rsLoRA) served: published adapters use 0.5-64; a scale past this
+# makes the add-on swamp the layer's output, or overflow it to Inf in the serving dtype.
+MAX_SCALING = 1e4
 
 
 
@@ -234,6 +237,8 @@ def read_config(name: str, path: Path) -> dict:
 def weights_file(name: str, path: Path) -> Path:
     """The adapter's weights file, not opened: refuses a missing one, and pickle weights (never unpickled)."""
     weights = path / WEIGHTS_FILE
+    if weights.exists() and not weights.is_file():  # a folder, a pipe, a device (or a link to one)
+        raise AdapterError(name, f"{WEIGHTS_FILE} is not a regular file")
     if not weights.is_file():
         pickled = [p for p in PICKLE_FILES if (path / p).exists()]
         if pickled:
@@ -338,9 +343,15 @@ def inspect_adapter(
         alpha = _pattern_value(cfg.get("alpha_pattern"), module_name, default_alpha)
         try:
             alpha = float(alpha)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise AdapterError(name, f"lora_alpha must be a number, got {alpha!r}") from None
+        if not math.isfinite(alpha):
+            raise AdapterError(name, f"lora_alpha must be a finite number, got {alpha!r} (for {module_name})")
         scaling = alpha / math.sqrt(rank) if rslora else alpha / rank
+        if abs(scaling) > MAX_SCALING:
+            raise AdapterError(name, f"lora_alpha {alpha:g} over {'sqrt(r)' if rslora else 'r'} with r = {rank} "
+                               f"scales {module_name}'s add-on by {scaling:g}, beyond the {MAX_SCALING:g} served "
+                               f"(it would swamp or overflow the layer's output)")
         for proj, r in zip(projs, rows):
             modules.append(ModuleLora(layer, proj, rank, scaling, a_key, b_key, r))
     _refuse_missing_targets(name, cfg, ck, base, pairs, pattern)

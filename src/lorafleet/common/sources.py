@@ -385,11 +385,9 @@ def _cache_folder(cache_dir: Path | str | None, kind: str, src: Source) -> Path:
 
 def verify_sha256(name: str, folder: Path | str, sha256: str) -> None:
     """Check the sha256 of `folder`/adapter_model.safetensors; AdapterError naming `name` if not."""
-    from lorafleet.common.peft_config import AdapterError
+    from lorafleet.common.peft_config import AdapterError, weights_file
 
-    weights = Path(folder) / WEIGHTS_FILE
-    if not weights.is_file():
-        raise AdapterError(name, f"{WEIGHTS_FILE} not found")
+    weights = weights_file(name, Path(folder))
     digest = _sha256_file(weights)
     if digest != sha256.lower():
         raise AdapterError(name, f"{WEIGHTS_FILE} has sha256 {digest}, expected {sha256.lower()}")
