@@ -59,7 +59,9 @@ def parse_body(raw: bytes) -> dict:
         body = json.loads(raw)
     except RecursionError:
         raise _bad_json(f"JSON nested deeper than {MAX_DEPTH} levels") from None
-    except (ValueError, UnicodeDecodeError):
+    except UnicodeDecodeError as exc:
+        raise _bad_json(f"request body is not valid UTF-8 (byte {exc.start}: {exc.reason})") from None
+    except ValueError:
         raise _bad_json("request body is not valid JSON") from None
     if not isinstance(body, dict):
         raise _bad_json("request body must be a JSON object")

@@ -162,8 +162,8 @@ async def test_models_by_id_unknown_routes_and_methods(api):
 
 
 async def test_a_body_that_cannot_be_decoded_is_a_400_not_an_error(api):
-    """A body whose bytes are not in the Content-Encoding it names: a JSON 400 saying so, nothing unhandled; the same
-    request properly compressed is served."""
+    """A body whose bytes are not in the Content-Encoding it names, or not UTF-8: a JSON 400 saying so, nothing
+    unhandled; the same request properly compressed is served."""
     import gzip
     import zlib
 
@@ -176,6 +176,8 @@ async def test_a_body_that_cannot_be_decoded_is_a_400_not_an_error(api):
         assert r.status == 400 and got["error"]["code"] == "bad_request_body", got
         assert "could not be read" in got["error"]["message"] and "content-encoding" in got["error"]["message"]
     assert not fr.seen
+    status, got = await post(client, "/v1/completions", b'{"model": "base", "prompt": "caf\xe9"}')  # Latin-1 bytes
+    assert status == 400 and "request body is not valid UTF-8 (byte 32" in got["error"]["message"], got
     for enc, data in (("gzip", gzip.compress(body)), ("deflate", zlib.compress(body))):
         r = await client.post("/v1/completions", data=data,
                               headers={"Content-Type": "application/json", "Content-Encoding": enc})
