@@ -18,6 +18,7 @@ from lorafleet.scheduler.tokenizer import RESERVED_TEMPLATE_VARS
 MAX_N = 128  # OpenAI's bound; the scheduler's sequence budget (limits.py) is usually lower
 MAX_PROMPTS = 2048
 MAX_STOP = 4
+MAX_STOP_CHARS = 4096  # per stop string: a stream holds back up to that much text until it cannot be a stop's start
 MAX_CACHE_SALT = 256  # characters; the runners take the same bound
 MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs bound); the runners take the same bound
 MIN_LOGPROB = -9999.0  # a log-probability of -inf (a token the model rules out) as JSON can carry it
@@ -187,6 +188,9 @@ def parse_common(body: dict, chat: bool, max_tokens_cap: int, vocab_size: int | 
         stop = tuple(stop)
     else:
         raise bad("stop", f"stop must be a non-empty string or a list of up to {MAX_STOP} non-empty strings")
+    if any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise bad("stop", f"a stop string may be at most {MAX_STOP_CHARS} characters long, got "
+                          f"{max(len(s) for s in stop)}")
     stop_ids = _integral_ids(body.get("stop_token_ids") or [])
     if not isinstance(stop_ids, list) or not all(_is_int(t) and t >= 0 for t in stop_ids):
         raise bad("stop_token_ids", "stop_token_ids must be a list of token ids")

@@ -68,6 +68,7 @@ BAD = [
     ({"model": "base", "prompt": "x", "seed": 2**70}, 400, "seed"),
     ({"model": "base", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ({"model": "base", "prompt": "x", "stop": ""}, 400, "stop"),  # as [""]: not a silent "no stop"
+    ({"model": "base", "prompt": "x", "stop": ["ok", "y" * 4097]}, 400, "stop"),  # a stream would hold back all text
     ({"model": "base", "prompt": "x", "stop_token_ids": [10**9]}, 400, "stop_token_ids"),  # past the vocabulary:
     ({"model": "base", "prompt": "x", "stop_token_ids": [3, -1]}, 400, "stop_token_ids"),  # not the runner's 500
     ({"model": "base", "prompt": "x", "stream": "yes"}, 400, "stream"),
