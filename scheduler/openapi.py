@@ -12,7 +12,8 @@ from __future__ import annotations
 from lorafleet import __version__
 from lorafleet.scheduler.limits import RequestLimits
 from lorafleet.scheduler.openai_api import (IGNORED, MAX_CACHE_SALT, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N,
-                                            MAX_PROMPTS, MAX_REPETITION_PENALTY, MAX_STOP, NEUTRAL, OFF_ONLY, ROLES)
+                                            MAX_PROMPTS, MAX_REPETITION_PENALTY, MAX_STOP, MAX_STOP_CHARS, NEUTRAL, OFF_ONLY,
+                                            ROLES)
 
 JSON = "application/json"
 
@@ -52,8 +53,9 @@ def _schemas(limits: RequestLimits, names: list[str], vocab_size: int) -> dict:
         "n": {"type": ["integer", "null"], "minimum": 1, "maximum": min(MAX_N, limits.max_sequences),
               "description": f"prompts x n may not exceed {limits.max_sequences} per request"},
         "seed": {"type": ["integer", "null"], "minimum": -(2**63), "maximum": 2**63 - 1},
-        "stop": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string", "minLength": 1},
-                                                 "maxItems": MAX_STOP}, {"type": "null"}]},
+        "stop": {"anyOf": [{"type": "string", "maxLength": MAX_STOP_CHARS},
+                           {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS},
+                            "maxItems": MAX_STOP}, {"type": "null"}]},
         "stop_token_ids": {"type": ["array", "null"], "items": {"type": "integer", "minimum": 0}},
         "ignore_eos": {"type": ["boolean", "null"]},
         "skip_special_tokens": {"type": ["boolean", "null"],
