@@ -12,8 +12,8 @@ from __future__ import annotations
 from lorafleet import __version__
 from lorafleet.scheduler.limits import RequestLimits
 from lorafleet.scheduler.openai_api import (IGNORED, MAX_CACHE_SALT, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N,
-                                            MAX_PROMPTS, MAX_REPETITION_PENALTY, MAX_STOP, MAX_STOP_CHARS, NEUTRAL, OFF_ONLY,
-                                            ROLES)
+                                            MAX_PROMPTS, MAX_REPETITION_PENALTY, MAX_STOP, MAX_STOP_CHARS, NEUTRAL,
+                                            OFF_ONLY, ROLES)
 
 JSON = "application/json"
 
