@@ -483,6 +483,7 @@ const char* launch_group(const DecodeAttnArgs& a, int group, dim3 grid, cudaStre
   else if (group <= 2) err = cudaLaunchKernelEx(&cfg, decode_attention_kernel<T, KV8, D, 2, 0>, a);
   else if (group <= 4) err = cudaLaunchKernelEx(&cfg, decode_attention_kernel<T, KV8, D, 4, 0>, a);
   else err = cudaLaunchKernelEx(&cfg, decode_attention_kernel<T, KV8, D, 8, 0>, a);
+  if (err != cudaSuccess) cudaGetLastError();  // (cleared, as a <<<>>> launch's check would: reported here once)
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
 }
 

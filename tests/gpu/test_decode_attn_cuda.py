@@ -58,7 +58,7 @@ class Case:
         return [a.to(DEV) for a in arrays]
 
     def run(self, q=None, tables=None, lens=None, workers=1, sm_scale=None, cap=0.0, window_left=-1, ws_rows=None,
-            chunk=CHUNK, max_chunks=MAX_CHUNKS, stages=0):
+            chunk=CHUNK, max_chunks=MAX_CHUNKS, stages=0, pdl=False):
         q = self.q if q is None else q
         B = q.shape[0]
         indptr, indices, last = self.arrays(tables, lens)
@@ -69,7 +69,8 @@ class Case:
         out = torch.full_like(q, float("nan"))
         scale = 1 / math.sqrt(self.D) if sm_scale is None else sm_scale
         ext().decode_attention(out, q, self.k, self.v, indptr, indices, last, self.partial_o, self.partial_ml,
-                               self.counters, scale, cap, window_left, chunk, max_chunks, workers, stream(), stages)
+                               self.counters, scale, cap, window_left, chunk, max_chunks, workers, stream(), stages,
+                               pdl)
         torch.cuda.synchronize()
         return out
 
@@ -182,8 +183,32 @@ def test_staged_copies_with_windows_caps_and_page_sizes(page_size):
 
 
 @pytest.mark.parametrize("stages", [0, 5])
+def test_programmatic_launches_back_to_back_give_the_plain_launchs_bits(stages):
+    """Launches with pdl=True one right after another on one workspace (each may start while the one before still
+    merges its chunks, and must wait before it touches q, the pages, the partials or the counters): every output is
+    the plain launch's, the counters end zero; a request without keys among them gets zeros."""
+    c = Case([0, 1, 700, 4097, 5000, 256, 17], 2, 1, 128, torch.bfloat16, E4M3, seed=23)
+    want = c.run(workers=3)
+    B = len(c.lens)
+    indptr, indices, last = c.arrays()
+    po = torch.empty(B * c.h * MAX_CHUNKS * c.D, device=DEV)
+    pml = torch.empty(B * c.h * MAX_CHUNKS * 2, device=DEV)
+    counters = torch.zeros(B * c.hkv, dtype=torch.int32, device=DEV)
+    outs = [torch.full_like(c.q, float("nan")) for _ in range(6)]
+    for i, out in enumerate(outs):
+        ext().decode_attention(out, c.q, c.k, c.v, indptr, indices, last, po, pml, counters, 1 / math.sqrt(c.D), 0.0,
+                               -1, CHUNK, MAX_CHUNKS, 1 + i % 3, stream(), stages, True)
+    torch.cuda.synchronize()
+    for i, out in enumerate(outs):
+        assert torch.equal(out, want), f"launch {i}"
+    assert torch.equal(want[0], torch.zeros_like(want[0]))
+    assert int(counters.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("stages", [0, 5])
 def test_graph_replay_gives_the_eager_bits(stages):
-    """A captured launch over fixed table buffers, refilled with another step's tables before each replay."""
+    """A captured launch over fixed table buffers, refilled with another step's tables before each replay (with
+    stages, a programmatic launch, as the engine makes it)."""
     c = Case(LENS, 2, 8 if stages == 0 else 1, 128, torch.bfloat16, E4M3, seed=5)
     B, max_pages = len(LENS), c.num_pages
     indptr = torch.zeros(B + 1, dtype=torch.int32, device=DEV)
@@ -197,7 +222,7 @@ def test_graph_replay_gives_the_eager_bits(stages):
 
     def launch():
         ext().decode_attention(out, q, c.k, c.v, indptr, indices, last, po, pml, counters, 0.1, 0.0, -1, CHUNK,
-                               MAX_CHUNKS, 16, torch.cuda.current_stream().cuda_stream, stages)
+                               MAX_CHUNKS, 16, torch.cuda.current_stream().cuda_stream, stages, stages > 0)
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())

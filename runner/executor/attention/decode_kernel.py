@@ -6,8 +6,9 @@ score soft-cap and per-layer window, from the page table in flashinfer's CSR for
 a step copies its page table to the device and every layer launches once. A request's keys are cut into chunks of
 CHUNK tokens (more when it would need more than MAX_CHUNKS), so its bits depend only on its own length; `workers`
 CTAs per (request, K/V head) share its chunks and change no bit, nor do `stages` (how many passes ahead each lane's
-next K/V rows are copied, through shared memory: 3 or 5; 0 is one pass ahead into registers). With stages the kernel
-is also a programmatic dependent launch: it reads the page table while rope_kv, the kernel before it, still runs.
+next K/V rows are copied, through shared memory: 3 or 5; 0 is one pass ahead into registers; one query head per K/V
+head only). With stages the kernel is also a programmatic dependent launch: it reads the page table while rope_kv, the
+kernel before it, still runs.
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ class LorafleetDecode:
         self.ext.decode_attention(out, q.contiguous(), k, v, tables.indptr, tables.indices, tables.last, ws.partial_o,
                                   ws.partial_ml, ws.counters, self.sm_scale, self.soft_cap, window_left, CHUNK,
                                   MAX_CHUNKS, workers, torch.cuda.current_stream(q.device).cuda_stream, self.stages,
-                                  self.stages > 0)
+                                  self.stages > 0 and self.h == self.hkv)
 
 
 class GraphDecodeTables:
