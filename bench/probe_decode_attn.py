@@ -81,7 +81,8 @@ def main() -> None:
                     # it after rope_kv with stages)
                     variants = [(w, 0, False) for w in sorted({1, 2, 4, chosen})] + [(chosen, 0, True)]
                     if H == Hkv:
-                        variants += [(w, st, True) for st in (3, 5) for w in sorted({1, chosen})] + [(chosen, 5, False)]
+                        variants += [(w, st, True) for st in (3, 5) for w in sorted({1, 2, chosen})]
+                        variants += [(chosen, 5, False)]
                     for workers, stages, pdl in variants:
                         def own(workers=workers, stages=stages, pdl=pdl):
                             for k, v in caches:
