@@ -265,7 +265,8 @@ async def test_a_dead_or_frozen_engine_core_makes_the_runner_unhealthy_and_abort
     async with runner_front(tiny_llama) as c:
         pid = c.service.engine.pid
         s = await Stream(c).open()
-        await s.submit({"request_id": "k", "prompt_token_ids": [3, 4], "sampling": {"max_tokens": 400, "ignore_eos": True}})
+        await s.submit({"request_id": "k", "prompt_token_ids": [3, 4],
+                        "sampling": {"max_tokens": 400, "ignore_eos": True}})
         await s.first_tokens("k")
         os.kill(pid, sig)
         t0 = time.monotonic()
