@@ -36,7 +36,7 @@ def test_generate_demo_with_bad_lines(demo_model, demo_adapters, tmp_path):
     r = subprocess.run([sys.executable, "-m", "lorafleet", "generate", "--model", str(demo_model), "--adapters",
                         str(demo_adapters), "--input", str(inp), "--output", str(out), "--device", "cpu"],
                        capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 1, r.stderr  # (some requests failed)
     res = read_jsonl(out)
     assert [x["id"] for x in res] == ["base", "pirate", "shouty", "ids", "sampled", "line-6", "ghost", "badtemp",
                                       "extra", "empty", "oov", "both"]
@@ -46,9 +46,11 @@ def test_generate_demo_with_bad_lines(demo_model, demo_adapters, tmp_path):
     assert by["shouty"]["text"] == by["shouty"]["text"].upper() and "PARIS" in by["shouty"]["text"]
     assert by["ids"]["prompt_token_ids"] == [504, 3575, 282, 4649, 314] and len(by["ids"]["token_ids"]) == 4
     assert by["sampled"]["finish_reason"] in ("stop", "length") and by["sampled"]["token_ids"]
-    for rid, word in [("line-6", "JSON"), ("ghost", "ghost"), ("badtemp", "temperature"), ("extra", "colour"),
-                      ("empty", "prompt"), ("oov", "vocabulary"), ("both", "one of")]:
+    for rid, lineno, word in [("line-6", 6, "JSON"), ("ghost", 7, "ghost"), ("badtemp", 8, "temperature"),
+                              ("extra", 9, "colour"), ("empty", 10, "prompt"), ("oov", 11, "vocabulary"),
+                              ("both", 12, "one of")]:
         assert by[rid]["finish_reason"] == "error" and word in by[rid]["error"], by[rid]
+        assert by[rid]["error"].startswith(f"line {lineno}: "), by[rid]
     assert "7 failed" in r.stderr and "tok/s" in r.stderr
 
 
@@ -69,7 +71,8 @@ def test_a_model_of_an_unsupported_architecture_is_refused_in_one_line(tmp_path)
 
 
 def _generate(model, lines, tmp_path, capsys):
-    """`lorafleet generate` in this process on `lines` -> (output records, stderr)."""
+    """`lorafleet generate` in this process on `lines` -> (output records, stderr); exit status 1 where a line
+    failed, else 0."""
     from lorafleet import cli
 
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
@@ -77,8 +80,9 @@ def _generate(model, lines, tmp_path, capsys):
     rc = cli.main(["generate", "--model", str(model), "--input", str(inp), "--output", str(out), "--device", "cpu",
                    "--no-progress"])
     err = capsys.readouterr().err
-    assert rc == 0, err
-    return read_jsonl(out), err
+    res = read_jsonl(out)
+    assert rc == (1 if any(r["finish_reason"] == "error" for r in res) else 0), err
+    return res, err
 
 
 def test_max_tokens_and_temperature_take_serves_ranges(tiny_llama, tmp_path, capsys):
@@ -109,7 +113,7 @@ def test_max_tokens_and_temperature_take_serves_ranges(tiny_llama, tmp_path, cap
     for rid, body in [("huge", {"max_tokens": 100_000_000}), ("over", {"max_tokens": ctx + 1}),
                       ("zero", {"max_tokens": 0}), ("hot", {"temperature": 2.5}), ("cold", {"temperature": -0.5})]:
         assert by[rid]["finish_reason"] == "error" and by[rid]["token_ids"] == [], by[rid]
-        assert by[rid]["error"] == f"request {rid}: {serve_says(body)}"
+        assert by[rid]["error"] == f"line {[x['id'] for x in lines].index(rid) + 1}: request {rid}: {serve_says(body)}"
     assert by["warm"]["finish_reason"] in ("stop", "length") and by["warm"]["token_ids"]
     assert by["fine"]["finish_reason"] == "length" and len(by["fine"]["token_ids"]) == 2
     assert "7 requests (5 failed)" in err
@@ -235,3 +239,54 @@ def test_sigterm_writes_the_finished_results(tiny_llama, tmp_path):
     assert [r["id"] for r in recs] == [f"r{i}" for i in range(60)], err
     assert recs[0]["finish_reason"] == "length", recs[0]  # finished before the signal
     assert any(r["finish_reason"] == "error" and "interrupted" in r["error"] for r in recs), recs
+
+
+def test_outputs_that_are_not_plain_files_and_stdio(tiny_llama, tmp_path, capsys, monkeypatch):
+    """--output /dev/null once replaced the device with a file (the results were renamed into place): a device or a
+    pipe is written to as it is; a link keeps pointing to its file, which gets the results; `-` is stdout, and
+    `--input -` reads stdin; a place that cannot be written is refused before anything runs."""
+    import io
+    import os
+    import stat
+
+    from lorafleet import cli
+
+    line = json.dumps({"id": "a", "prompt_token_ids": [1, 2], "max_tokens": 2, "ignore_eos": True}) + "\n"
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(line)
+    common = ["--model", str(tiny_llama), "--device", "cpu", "--no-progress"]
+    assert cli.main(["generate", "--input", str(inp), "--output", os.devnull, *common]) == 0
+    assert stat.S_ISCHR(os.stat(os.devnull).st_mode)  # still the device
+    target = tmp_path / "real.jsonl"
+    target.write_text("old\n")
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(target)
+    assert cli.main(["generate", "--input", str(inp), "--output", str(link), *common]) == 0
+    assert link.is_symlink() and [r["id"] for r in read_jsonl(target)] == ["a"]
+    capsys.readouterr()
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(line.encode())))
+    assert cli.main(["generate", "--input", "-", "--output", "-", *common]) == 0
+    cap = capsys.readouterr()
+    assert [json.loads(x)["id"] for x in cap.out.splitlines()] == ["a"] and not (tmp_path / "-").exists()
+    rc = cli.main(["generate", "--input", str(inp), "--output", "/proc/lorafleet-results.jsonl", *common])
+    assert rc == 2 and "error: --output cannot write /proc/lorafleet-results.jsonl" in capsys.readouterr().err
+
+
+def test_ids_must_be_strings_errors_name_their_line_and_an_empty_file_runs_nothing(tiny_llama, tmp_path, capsys):
+    lines = [{"id": 5, "prompt_token_ids": [1, 2], "max_tokens": 2},
+             {"id": None, "prompt_token_ids": [1, 2], "max_tokens": 2},
+             {"prompt_token_ids": [1, 2], "max_tokens": 2, "ignore_eos": True},
+             {"id": "t", "prompt_token_ids": [1, 2], "temprature": 0.5}]
+    res, err = _generate(tiny_llama, lines, tmp_path, capsys)
+    assert [r["id"] for r in res] == ["line-1", "line-2", "line-3", "t"]
+    assert res[0]["error"] == "line 1: id must be a non-empty string, got 5"
+    assert res[1]["error"] == "line 2: id must be a non-empty string, got null"
+    assert res[2]["finish_reason"] == "length"
+    assert res[3]["error"] == "line 4: request t: unknown field(s) ['temprature']"
+    from lorafleet import cli
+
+    (tmp_path / "empty.jsonl").write_text("\n  \n")
+    rc = cli.main(["generate", "--model", str(tiny_llama), "--input", str(tmp_path / "empty.jsonl"), "--output",
+                   str(tmp_path / "none.jsonl"), "--no-progress"])
+    assert rc == 0 and "holds no requests; nothing to run" in capsys.readouterr().err
+    assert (tmp_path / "none.jsonl").read_text() == ""

@@ -14,7 +14,11 @@ scored, nothing generated; max_tokens 0 only with prompt_logprobs). A bad line o
 that request only; all the others run as one continuous batch. The sampling fields take
 `serve`'s ranges (max_tokens between 1 and the model's context length, temperature in
 [0, 2], ...: scheduler/openai_api.py checks both); defaults: max_tokens 64, greedy. Ids are
-unique: a line repeating an earlier line's id fails as a duplicate.
+unique strings: a line repeating an earlier line's id fails as a duplicate; a failed line's error names its line.
+`--input -` reads the requests from stdin, `--output -` writes the results to stdout; a results file is written whole
+and renamed into place (through a link, to the file it points to), a pipe or a device (`/dev/stdout`) is written
+to as it is. Exit status: 0 when every request finished, 1 when any failed (its line carries the error), 2 for bad
+arguments (nothing runs), 130 when interrupted (the finished results are written).
 """
 
 from __future__ import annotations
@@ -108,23 +112,60 @@ def model_path_problem(model: Path) -> str | None:
     return None
 
 
+def output_target(output: Path) -> Path:
+    """Where the results go: the file a link points to (the link stays), else `output` itself."""
+    return output.resolve() if output.is_symlink() else output
+
+
 def output_problem(output: Path) -> str | None:
-    """Why results cannot be written to `output` (a directory, or under a path that is not one), or None; its
-    folder is made here, before any request runs, so that a long run does not end unable to write them."""
-    if output.is_dir():
+    """Why results cannot be written to `output` (a directory, a folder that cannot be made or written, a file or
+    device that cannot be written), or None. Checked by making the folder and the temporary file the results are
+    written to, here, before any request runs, so that a long run does not end unable to write them."""
+    if output == STDIO:
+        return None
+    target = output_target(output)
+    if target.is_dir():
         return f"{output} is a directory (give the path of the results file)"
+    if target.exists() and not target.is_file():  # a pipe or a device: written to as it is
+        return None if os.access(target, os.W_OK) else f"{output} cannot be written"
+    if target.exists() and not os.access(target, os.W_OK):
+        return f"{output} is read-only"
     try:
-        output.parent.mkdir(parents=True, exist_ok=True)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial(target).touch()
+        partial(target).unlink()
     except OSError as exc:
-        return f"cannot make the folder {output.parent} for {output.name} ({exc.strerror or exc})"
+        return f"cannot write {output} ({exc.strerror or exc})"
+    return None
+
+
+def partial(target: Path) -> Path:
+    return target.with_name(target.name + ".partial")
+
+
+STDIO = Path("-")  # --input / --output: stdin / stdout
+
+
+def input_problem(path: Path) -> str | None:
+    """Why the requests cannot be read from `path` (missing, a directory), or None: a file, a pipe, a device or
+    stdin (`-`)."""
+    if path == STDIO:
+        return None
+    if not path.exists():
+        return "does not exist"
+    if path.is_dir():
+        return "is a directory"
+    if not os.access(path, os.R_OK):
+        return "is not readable"
     return None
 
 
 def input_lines(path: Path) -> list[tuple[int, str | None]]:
-    """(line number, text) of every non-blank line of a JSONL file, split at newlines only (JSON strings may hold
-    U+2028 and other characters str.splitlines breaks at); text None for a line that is not UTF-8."""
+    """(line number, text) of every non-blank line of a JSONL file (or of stdin: `-`), split at newlines only (JSON
+    strings may hold U+2028 and other characters str.splitlines breaks at); text None for a line that is not UTF-8."""
     out = []
-    for lineno, raw in enumerate(path.read_bytes().split(b"\n"), 1):
+    data = sys.stdin.buffer.read() if path == STDIO else path.read_bytes()
+    for lineno, raw in enumerate(data.split(b"\n"), 1):
         try:
             line = raw.decode("utf-8").removesuffix("\r")
         except UnicodeDecodeError:
@@ -176,12 +217,14 @@ def sampling_params(obj: dict, rid: str, max_model_len: int) -> SamplingParams:
 
 
 def line_id(line: str, lineno: int) -> str:
-    """The id a line gives (`line-N` when it gives none or is not a JSON object)."""
+    """The id a line gives (`line-N` when it gives none, gives one that is not a non-empty string, or is not a JSON
+    object)."""
     try:
         obj = json.loads(line)
     except json.JSONDecodeError:
         return f"line-{lineno}"
-    return str(obj.get("id", f"line-{lineno}")) if isinstance(obj, dict) else f"line-{lineno}"
+    rid = obj.get("id") if isinstance(obj, dict) else None
+    return rid if isinstance(rid, str) and rid else f"line-{lineno}"
 
 
 def failed(rid: str, error: str, adapter=None, prompt_ids=None) -> dict:
@@ -213,7 +256,9 @@ def parse_request(line: str, lineno: int, tokenizer, adapters_dir: Path | None, 
         raise RequestError(f"line {lineno}: not valid JSON ({exc.msg})") from None
     if not isinstance(obj, dict):
         raise RequestError(f"line {lineno}: a request must be a JSON object")
-    rid = str(obj.get("id", f"line-{lineno}"))
+    if "id" in obj and not (isinstance(obj["id"], str) and obj["id"]):
+        raise RequestError(f"line {lineno}: id must be a non-empty string, got {json.dumps(obj['id'])}")
+    rid = obj.get("id", f"line-{lineno}")
     unknown = set(obj) - FIELDS
     if unknown:
         raise RequestError(f"request {rid}: unknown field(s) {sorted(unknown)}")
@@ -261,13 +306,23 @@ def logprob_entry(token: int, entry: list) -> dict:
 
 
 def write_results(output: Path, lines: list[dict]) -> None:
-    """The results file, one JSON line per input line, written whole to a temporary file and then renamed into
-    place (an interrupt while writing leaves the previous file or the new one, never half of it)."""
-    tmp = output.with_name(output.name + ".partial")
+    """The results, one JSON line per input line: a file is written whole to a temporary file and then renamed into
+    place (an interrupt while writing leaves the previous file or the new one, never half of it; through a link,
+    the file it points to); stdout (`-`), a pipe or a device is written to directly."""
+    text = "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines)
+    if output == STDIO:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return
+    target = output_target(output)
+    if target.exists() and not target.is_file():
+        with target.open("w") as f:
+            f.write(text)
+        return
+    tmp = partial(target)
     with tmp.open("w") as f:
-        for line in lines:
-            f.write(json.dumps(line, ensure_ascii=False) + "\n")
-    tmp.replace(output)
+        f.write(text)
+    tmp.replace(target)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -278,8 +333,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adapters", type=Path, default=None,
                    help="directory with one PEFT adapter per subfolder, named by each request's \"adapter\" "
                         "(default: the demo adapters pirate, shouty and terse with the demo model; none with --model)")
-    p.add_argument("--input", type=Path, required=True, help="requests, one JSON object per line")
-    p.add_argument("--output", type=Path, required=True, help="where to write results (JSONL, input order)")
+    p.add_argument("--input", type=Path, required=True, help="requests, one JSON object per line (- : stdin)")
+    p.add_argument("--output", type=Path, required=True,
+                   help="where to write results (JSONL, input order; - : stdout)")
     p.add_argument("--max-batch-size", type=cli_args.positive_int, default=32, help="requests batched together")
     p.add_argument("--kv-pages", type=cli_args.positive_int, default=None, help="KV cache pages (default: from memory)")
     p.add_argument("--page-size", type=cli_args.positive_int, default=16, help="tokens per KV page")
@@ -312,12 +368,13 @@ def run(args: argparse.Namespace) -> int:
 
         demo = prepare()
         model, adapters_dir = demo / "model", adapters_dir or demo / "adapters"
-    if not args.input.is_file():
-        what = "is not a file" if args.input.exists() else "does not exist"
-        print(f"error: input file {args.input} {what}", file=sys.stderr)
+    problem = input_problem(args.input)
+    if problem:
+        print(f"error: input file {args.input} {problem}", file=sys.stderr)
         return 2
     problem = output_problem(args.output)
-    if problem is None and args.output.exists() and os.path.samefile(args.output, args.input):
+    if (problem is None and STDIO not in (args.input, args.output) and args.output.exists()
+            and os.path.samefile(args.output, args.input)):
         problem = f"is the input file {args.input}: the results would replace the requests (give another file)"
     if problem:
         print(f"error: --output {problem}", file=sys.stderr)
@@ -327,8 +384,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: --model {problem}", file=sys.stderr)
         return 2
     if adapters_dir is not None and not adapters_dir.is_dir():
-        print(f"error: adapters directory {adapters_dir} does not exist", file=sys.stderr)
+        what = "is not a directory" if adapters_dir.exists() else "does not exist"
+        print(f"error: adapters directory {adapters_dir} {what}", file=sys.stderr)
         return 2
+    lines = input_lines(args.input)
+    if not lines:
+        print(f"warning: {args.input} holds no requests; nothing to run", file=sys.stderr)
+        write_results(args.output, [])
+        return 0
     tok_dir = tokenizer_dir(model)
     tokenizer = Tokenizer(tok_dir) if tok_dir else None
 
@@ -347,16 +410,17 @@ def run(args: argparse.Namespace) -> int:
     score_only: set[str] = set()  # lines with prompt_logprobs and max_tokens 0: no output tokens
     line_of: dict[str, int] = {}  # id of a request that runs -> its line
     seen: set[str] = set()
-    for lineno, line in input_lines(args.input):
+    for lineno, line in lines:
         error = None
         try:
             if line is None:
                 raise RequestError(f"line {lineno}: not valid UTF-8")
             rid, req = parse_request(line, lineno, tokenizer, adapters_dir, engine.max_model_len)
         except RequestError as exc:
-            rid, error = (line_id(line, lineno) if line is not None else f"line-{lineno}"), str(exc)
+            rid = line_id(line, lineno) if line is not None else f"line-{lineno}"
+            error = str(exc) if str(exc).startswith("line ") else f"line {lineno}: {exc}"
         if rid in seen:
-            error = f"request {rid}: duplicate id {rid!r} (line {lineno} repeats an earlier line's id)" + (
+            error = f"line {lineno}: request {rid}: duplicate id {rid!r} (it repeats an earlier line's id)" + (
                 f"; also {error}" if error else "")
         seen.add(rid)
         order.append(lineno)
@@ -371,7 +435,6 @@ def run(args: argparse.Namespace) -> int:
     by_id = {s.id: s for s in seqs}
     t0 = time.perf_counter()
     n_tokens = 0
-    bar = tqdm(total=len(seqs), unit="req", disable=args.no_progress, file=sys.stderr)
     finals: dict = {}
 
     def done(out):
@@ -379,7 +442,7 @@ def run(args: argparse.Namespace) -> int:
         finals[out.seq_id] = out
         n_tokens += len(out.output_ids or [])
         bar.update(1)
-        bar.set_postfix(tok_s=f"{n_tokens / max(time.perf_counter() - t0, 1e-9):.1f}")
+        bar.set_postfix(tok_s=f"{n_tokens / max(time.perf_counter() - t0, 1e-9):.1f}", refresh=False)
 
     interrupted = False
 
@@ -390,6 +453,9 @@ def run(args: argparse.Namespace) -> int:
     if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) != signal.SIG_IGN:
         previous, installed = signal.signal(signal.SIGTERM, terminated), True
     log.info("running %d requests; SIGTERM or Ctrl-C writes the results so far", len(seqs))
+    # (after that line; redrawn at most once a second where stderr is not a terminal: a log, not a screen)
+    bar = tqdm(total=len(seqs), unit="req", disable=args.no_progress, file=sys.stderr,
+               mininterval=0.1 if sys.stderr.isatty() else 1.0)
     try:
         finals.update(engine.run_to_completion(seqs, progress=done))
     except KeyboardInterrupt:  # keep what finished: the file gets every line, the unfinished ones as errors
@@ -401,8 +467,8 @@ def run(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - t0
     for rid in set(line_of) - set(finals):
         s = by_id[rid]
-        results[line_of[rid]] = failed(rid, f"request {rid}: interrupted before it finished", s.adapter_name,
-                                       s.prompt_ids)
+        results[line_of[rid]] = failed(rid, f"line {line_of[rid]}: request {rid}: interrupted before it finished",
+                                       s.adapter_name, s.prompt_ids)
     for rid, out in finals.items():
         s = by_id[rid]
         ids = out.output_ids or []
@@ -422,7 +488,7 @@ def run(args: argparse.Namespace) -> int:
             results[line_of[rid]]["prompt_logprobs"] = [None] + [
                 logprob_entry(t, e) for t, e in zip(s.prompt_ids[1:], out.prompt_logprobs)]
         if out.error:
-            results[line_of[rid]]["error"] = out.error
+            results[line_of[rid]]["error"] = f"line {line_of[rid]}: request {rid}: {out.error}"
     write_results(args.output, [results[key] for key in order])
     if interrupted:
         done_n = sum(1 for rid in line_of if rid in finals)
@@ -435,4 +501,4 @@ def run(args: argparse.Namespace) -> int:
     for key in order:
         if results[key]["finish_reason"] == "error":
             print(f"  {results[key]['id']}: {results[key]['error']}", file=sys.stderr)
-    return 0
+    return 1 if errors else 0

@@ -219,7 +219,8 @@ def _refuse_unsupported(name: str, cfg: dict) -> None:
 def read_config(name: str, path: Path) -> dict:
     cfg_path = path / CONFIG_FILE
     if not path.is_dir():
-        raise AdapterError(name, "adapter directory does not exist")
+        raise AdapterError(name, "the adapter is a file, not a directory" if path.exists()
+                           else "adapter directory does not exist")
     if not cfg_path.is_file():
         raise AdapterError(name, f"{CONFIG_FILE} not found")
     try:
