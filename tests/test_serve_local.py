@@ -91,7 +91,11 @@ def test_serve_refuses_bad_inputs_in_one_line_before_starting_runners(tmp_path, 
     shutil.copytree(demo_model, zero)
     hf = {k: v for k, v in json.loads((demo_model / "config.json").read_text()).items() if k != "head_dim"}
     (zero / "config.json").write_text(json.dumps({**hf, "num_attention_heads": 0}))
+    bare = tmp_path / "bare"  # a folder that is not a model (no config.json): said so, not "no tokenizer"
+    bare.mkdir()
+    (bare / "README.md").write_text("not a model\n")
     cases = [
+        (["--model", str(bare)], "has no config.json"),
         (["--model", str(gpt2)], "is not supported; supported: LlamaForCausalLM"),
         (["--model", str(zero)], "'num_attention_heads' must be at least 1, got 0"),
         (["--model", str(demo_model), "--adapters", str(tmp_path / "none")], "adapter directory"),

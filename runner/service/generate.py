@@ -94,6 +94,8 @@ def model_path_problem(model: Path) -> str | None:
     if model.is_file() and model.suffix != ".gguf":
         return f"{model} is a file but not a .gguf file (give a Hugging Face model directory or a .gguf file)"
     cfg = model / "config.json"
+    if model.is_dir() and not cfg.is_file():
+        return f"{model} has no config.json (give a Hugging Face model directory or a .gguf file)"
     if model.is_dir() and cfg.is_file():
         from lorafleet.models.contract import ModelConfigError
         from lorafleet.models.registry import config_from_hf

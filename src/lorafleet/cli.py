@@ -20,6 +20,17 @@ EXTRAS = {"torch": "runner", "safetensors": "runner", "gguf": "runner", "tqdm": 
           "flashinfer": "gpu", "transformers": "convert", "sentencepiece": "convert"}
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def log_level(value: str) -> str:
+    """--log-level: one of LOG_LEVELS, any case."""
+    level = str(value).strip().upper()
+    if level not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(LOG_LEVELS[:4])}, got {value!r}")
+    return level
+
+
 class HelpFormatter(argparse.HelpFormatter):
     """Every option's help ends with its default, unless the help already says it in words; a list
     default prints as its items joined by spaces, as they are given on the command line."""
@@ -76,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"lorafleet {__version__}")
-    parser.add_argument("--log-level", default=env.log_level(), help="DEBUG, INFO, WARNING or ERROR (default: INFO, or env LORAFLEET_LOG_LEVEL)")
+    parser.add_argument("--log-level", default=env.log_level(), type=log_level,
+                        help="DEBUG, INFO, WARNING or ERROR (default: INFO, or env LORAFLEET_LOG_LEVEL)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter)

@@ -279,7 +279,10 @@ def run(args: argparse.Namespace) -> int:
     if model is None:
         from lorafleet.runner.demo import prepare
 
-        log.info("preparing the demo model and adapters (first run only)...")
+        from lorafleet.runner.demo import default_dir
+
+        if not (default_dir() / "model" / "model.safetensors").is_file():
+            log.info("preparing the demo model and adapters (first run only)...")
         demo = prepare()
         model, adapters_dir = str(demo / "model"), adapters_dir or demo / "adapters"
     from lorafleet.runner.service.generate import model_path_problem, tokenizer_dir
@@ -339,7 +342,7 @@ def run(args: argparse.Namespace) -> int:
         )
         app = create_app(service)
         watch_adapters(app, registry, adapters_dir, args.adapter_rescan, service.model_name)
-        url = f"http://{args.host}:{args.port}"
+        url = f"http://{args.host}:{sock.getsockname()[1]}"  # (the port bound: --port 0 takes a free one)
 
         async def announce(app):
             broken = frozenset(n for n in registry.names() if registry.get(n).problem)
