@@ -202,3 +202,13 @@ def test_every_option_of_every_command_has_help_that_states_its_default():
         if "['" in p.format_help():
             problems.append(f"{prog}: a Python list in --help")
     assert not problems, "\n".join(problems)
+
+
+def test_an_unknown_flag_is_named_by_its_commands_parser(capsys):
+    """`lorafleet serve --bogus` once answered with the top level's usage; now the command's own."""
+    for argv, prog in ((["serve", "--bogus-flag"], "lorafleet serve"), (["--bogus"], "lorafleet")):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(argv)
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and f"{prog}: error: unrecognized arguments: {argv[-1]}" in err, err
+        assert err.startswith(f"usage: {prog} ")

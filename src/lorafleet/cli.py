@@ -112,7 +112,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         sub = parser._subparsers._group_actions[0].choices[command]  # type: ignore[union-attr]
         module.add_arguments(sub)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # said by the command's own parser: its usage, not the top level's
+        (sub if command is not None else parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command is None:
         parser.print_help()
         return 2
