@@ -45,12 +45,12 @@ def test_an_output_path_that_is_a_directory_is_refused_before_the_model_loads(sm
     assert f"error: --output {tmp_path / 'out'} is a directory" in capsys.readouterr().err
     (tmp_path / "file").write_text("")
     assert generate(small, tmp_path / "in.jsonl", tmp_path / "file" / "r.jsonl") == 2
-    assert "cannot make the folder" in capsys.readouterr().err
+    assert f"error: --output cannot write {tmp_path / 'file' / 'r.jsonl'}" in capsys.readouterr().err
 
 
 def test_an_input_path_that_is_a_directory_is_named_as_such(small, tmp_path, capsys):
     assert generate(small, tmp_path, tmp_path / "r.jsonl") == 2
-    assert f"input file {tmp_path} is not a file" in capsys.readouterr().err
+    assert f"input file {tmp_path} is a directory" in capsys.readouterr().err
 
 
 def test_a_line_whose_string_holds_a_unicode_line_separator_is_one_request(small, tmp_path):
@@ -66,7 +66,7 @@ def test_a_line_whose_string_holds_a_unicode_line_separator_is_one_request(small
 def test_a_line_that_is_not_utf8_fails_alone(small, tmp_path):
     good = json.dumps({"id": "ok", **PROMPT}).encode()
     (tmp_path / "in.jsonl").write_bytes(b'{"id": "\xff\xfe"}\n' + good + b"\r\n")
-    assert generate(small, tmp_path / "in.jsonl", tmp_path / "r.jsonl") == 0
+    assert generate(small, tmp_path / "in.jsonl", tmp_path / "r.jsonl") == 1  # (a request failed)
     bad, ok = read_jsonl(tmp_path / "r.jsonl")
     assert bad == {**bad, "id": "line-1", "finish_reason": "error", "error": "line 1: not valid UTF-8"}
     assert ok["id"] == "ok" and ok["finish_reason"] == "length"
@@ -79,7 +79,7 @@ def test_an_adapter_name_holding_a_path_fails_its_request(small, tmp_path, name)
     (tmp_path / "adapters").mkdir()
     name = name.replace("/abs", str(tmp_path / "elsewhere"))
     write_lines(tmp_path / "in.jsonl", [{"id": "a", "adapter": name, **PROMPT}, {"id": "b", **PROMPT}])
-    assert generate(small, tmp_path / "in.jsonl", tmp_path / "r.jsonl", "--adapters", tmp_path / "adapters") == 0
+    assert generate(small, tmp_path / "in.jsonl", tmp_path / "r.jsonl", "--adapters", tmp_path / "adapters") == 1
     a, b = read_jsonl(tmp_path / "r.jsonl")
     assert a["finish_reason"] == "error" and f"adapter {name!r} is not a name" in a["error"]
     assert b["finish_reason"] == "length"
@@ -102,6 +102,6 @@ def test_ctrl_c_mid_run_leaves_every_line_with_the_finished_results(small, tmp_p
     a, bad, c = read_jsonl(tmp_path / "r.jsonl")
     assert a["finish_reason"] == "length" and len(a["token_ids"]) == 3
     assert bad["finish_reason"] == "error" and "prompt" in bad["error"]
-    assert c == {**c, "finish_reason": "error", "error": "request c: interrupted before it finished"}
+    assert c == {**c, "finish_reason": "error", "error": "line 3: request c: interrupted before it finished"}
     assert "interrupted: 1 of 2 requests finished" in capsys.readouterr().err
     assert not (tmp_path / "r.jsonl.partial").exists()
