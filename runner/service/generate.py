@@ -46,6 +46,7 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_
                    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "logprobs")
 FIELDS = {"id", "adapter", "prompt", "prompt_token_ids", "messages", "prompt_logprobs", *SAMPLING_FIELDS}
 DEFAULT_MAX_TOKENS = 64
+STDIO = Path("-")  # --input / --output: stdin / stdout
 
 
 class RequestError(ValueError):
@@ -142,10 +143,8 @@ def output_problem(output: Path) -> str | None:
 
 
 def partial(target: Path) -> Path:
+    """The temporary file the results are written to before they are renamed into place."""
     return target.with_name(target.name + ".partial")
-
-
-STDIO = Path("-")  # --input / --output: stdin / stdout
 
 
 def input_problem(path: Path) -> str | None:
