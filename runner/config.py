@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from lorafleet.env import LORA_BRANCH_CHOICES
+from lorafleet.env import DECODE_STAGES, LORA_BRANCH_CHOICES
 from lorafleet.models.contract import ModelConfig, ModelConfigError  # noqa: F401 (re-exported)
 
 
@@ -164,8 +164,9 @@ class KernelChoices:
                      "dense_lora_min_work"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.decode_stages not in (0, 3, 5):
-            raise ValueError(f"decode_stages must be 0, 3 or 5, got {self.decode_stages!r}")
+        if self.decode_stages not in DECODE_STAGES:
+            raise ValueError(f"decode_stages must be {', '.join(map(str, DECODE_STAGES[:-1]))} or "
+                             f"{DECODE_STAGES[-1]}, got {self.decode_stages!r}")
         if self.dense_lora_kext % 8:
             raise ValueError(f"dense_lora_kext must be a multiple of 8 (16-byte rows), got {self.dense_lora_kext}")
         if self.decode_no_split and self.decode_tc != "1":

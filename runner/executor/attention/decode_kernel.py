@@ -72,8 +72,9 @@ class LorafleetDecode:
         from lorafleet.runner import kernels
 
         self.ext = kernels.load()
-        self.kv, self.device, self.stages = kv, device, stages
+        self.kv, self.device = kv, device
         self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.stages = stages if self.h == self.hkv else 0  # (grouped heads: the register version, the same bits)
         self.sm_scale, self.soft_cap = cfg.softmax_scale, cfg.attn_softcap or 0.0
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         self._eager: Workspace | None = None
@@ -103,7 +104,7 @@ class LorafleetDecode:
         self.ext.decode_attention(out, q.contiguous(), k, v, tables.indptr, tables.indices, tables.last, ws.partial_o,
                                   ws.partial_ml, ws.counters, self.sm_scale, self.soft_cap, window_left, CHUNK,
                                   MAX_CHUNKS, workers, torch.cuda.current_stream(q.device).cuda_stream, self.stages,
-                                  self.stages > 0 and self.h == self.hkv)
+                                  self.stages > 0)
 
 
 class GraphDecodeTables:

@@ -111,7 +111,7 @@ class FlashInferAttention:
             if decode_kernel.supported(cfg):
                 self.own = decode_kernel.LorafleetDecode(kv, cfg, device, decode_stages)
                 log.info("decode rows on the lorafleet decode attention kernel (%s pages%s)", str(self.kv_dtype)[6:],
-                         f", {decode_stages} stages" if decode_stages and self.h == self.hkv else "")
+                         f", {self.own.stages} stages" if self.own.stages else "")
                 if self.h // self.hkv >= 8:
                     log.warning("the lorafleet decode kernel was measured 3-9x slower than flashinfer's tensor-core "
                                 "decode with 8 query heads per K/V head (docs/benchmarks.md 10.18); this model has %d",
