@@ -79,7 +79,7 @@ def main() -> None:
                     # (stages: the K/V rows copied ahead through shared memory, where each K/V head has one query head;
                     # pdl: each layer's call a programmatic dependent launch of the call before, as the engine launches
                     # it after rope_kv with stages)
-                    variants = [(w, 0, False) for w in sorted({1, 2, 4, chosen})] + [(chosen, 0, True)]
+                    variants = [(w, 0, False) for w in sorted({1, 2, 4, chosen})]
                     if H == Hkv:
                         variants += [(w, st, True) for st in (3, 5) for w in sorted({1, 2, chosen})]
                         variants += [(chosen, 5, False)]

@@ -11,10 +11,12 @@
 // bounded by registers. Each lane copies exactly the bytes it later reads, so no barrier orders the ring; the math,
 // and so every bit, is the register version's.
 //
-// DecodeAttnArgs::pdl (a programmatic dependent launch): a CTA reads its request's page table (written before the
-// step's first kernel) and the page ids of its first passes before it waits for the kernel before it (rope_kv, which
-// writes q and the newest K/V row and lets this kernel start early), q and every K/V row only after; it lets the next
-// kernel start once its chunks are done (that kernel waits for this one's end before it reads the output).
+// DecodeAttnArgs::pdl (a programmatic dependent launch; with stages only, so that the register version keeps the
+// instruction stream and the plain launch it was measured with: q read first, no grid-dependency instruction): a CTA
+// reads its request's page table (written before the step's first kernel) and the page ids of its first passes
+// before it waits for the kernel before it (rope_kv, which writes q and the newest K/V row and lets this kernel start
+// early), q and every K/V row only after; it lets the next kernel start once its chunks are done (that kernel waits
+// for this one's end before it reads the output).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -153,7 +155,7 @@ __global__ void __launch_bounds__(kThreads, kStages > 0 ? 4 : 2) decode_attentio
   const int n = kv_len - start;
   T* out = static_cast<T*>(p.out) + (static_cast<int64_t>(b) * p.num_heads + head0) * D;
   if (n <= 0) {  // no keys: zeros, from the first worker
-    pdl_wait();
+    if constexpr (kStaged) pdl_wait();
     if (worker == 0)
       for (int e = tid; e < g * D; e += kThreads) out[e] = Pair<T>::round(0.f);
     return;
@@ -165,6 +167,24 @@ __global__ void __launch_bounds__(kThreads, kStages > 0 ? 4 : 2) decode_attentio
   }
   if (worker >= nchunks) return;
 
+  // this lane's dims of the group's queries: first thing for the register version (never a programmatic launch);
+  // with stages after the page ids of the first passes, behind the wait for the kernel before (rope_kv writes q)
+  float q[G][DPL];
+  auto load_q = [&] {
+    if constexpr (kStaged) pdl_wait();
+    const T* qrow = static_cast<const T*>(p.q) + (static_cast<int64_t>(b) * p.num_heads + head0) * D + part * DPL;
+#pragma unroll
+    for (int j = 0; j < G; ++j) {
+#pragma unroll
+      for (int e = 0; e < DPL / 2; ++e) {
+        float2 t = make_float2(0.f, 0.f);
+        if (j < g) t = Pair<T>::get(reinterpret_cast<const V2*>(qrow + j * D)[e]);
+        q[j][2 * e] = t.x;
+        q[j][2 * e + 1] = t.y;
+      }
+    }
+  };
+  if constexpr (!kStaged) load_q();
   const bool capped = p.soft_cap > 0.f;
   const float scale_log2 = p.sm_scale * kLog2e;
   const float cap_in = capped ? p.sm_scale / p.soft_cap : 0.f, cap_out = p.soft_cap * kLog2e;
@@ -253,22 +273,6 @@ __global__ void __launch_bounds__(kThreads, kStages > 0 ? 4 : 2) decode_attentio
     advance(nc, nb);
   }
   int wstage = 0, rstage = 0;  // kStaged: the ring's stage copied into next, and the one read next
-  // (the page ids before the wait for the kernel before: the tables are not its output; q and K/V after it)
-  float q[G][DPL];
-  auto load_q = [&] {  // this lane's dims of the group's queries
-    pdl_wait();
-    const T* qrow = static_cast<const T*>(p.q) + (static_cast<int64_t>(b) * p.num_heads + head0) * D + part * DPL;
-#pragma unroll
-    for (int j = 0; j < G; ++j) {
-#pragma unroll
-      for (int e = 0; e < DPL / 2; ++e) {
-        float2 t = make_float2(0.f, 0.f);
-        if (j < g) t = Pair<T>::get(reinterpret_cast<const V2*>(qrow + j * D)[e]);
-        q[j][2 * e] = t.x;
-        q[j][2 * e + 1] = t.y;
-      }
-    }
-  };
   if constexpr (kStaged) {
     int32_t first[kStages > 1 ? kStages - 1 : 1][kUnroll];
     int lc = nc, lb = nb;
@@ -291,9 +295,8 @@ __global__ void __launch_bounds__(kThreads, kStages > 0 ? 4 : 2) decode_attentio
     wstage = kStages - 1;
     if (nc < nchunks) locate(nc, nb, ids);
   } else {
-    if (nc < nchunks) locate(nc, nb, ids);
-    load_q();
     if (nc < nchunks) {
+      locate(nc, nb, ids);
       fetch(nc, nb, ids, kr, vr, valid);
       advance(nc, nb);
       locate(nc, nb, ids);
@@ -440,7 +443,9 @@ __global__ void __launch_bounds__(kThreads, kStages > 0 ? 4 : 2) decode_attentio
   }
   // (the next kernel waits for this one's end, merges included, before its reads; only where this launch is a
   // programmatic one itself, so that the default launch leaves the kernels after it as they were)
-  if (p.pdl) pdl_launch_dependents();
+  if constexpr (kStaged) {
+    if (p.pdl) pdl_launch_dependents();
+  }
   if (nchunks == 1) return;
 
   // the CTA that completes the request's last chunk merges the partials in chunk order
@@ -467,23 +472,36 @@ __global__ void __launch_bounds__(kThreads, kStages > 0 ? 4 : 2) decode_attentio
   if (tid == 0) *counter = 0;
 }
 
-// (stages: one query head per K/V head only; grouped heads take the register version, whose bits are the same)
-template <typename T, bool KV8, int D>
-const char* launch_group(const DecodeAttnArgs& a, int group, dim3 grid, cudaStream_t stream, int major) {
+// One kernel's launch: a plain <<<>>> launch (the register version's, as measured), or with stages and pdl through
+// cudaLaunchKernelEx with the programmatic-serialization attribute.
+template <typename K>
+cudaError_t launch_one(K kernel, const DecodeAttnArgs& a, dim3 grid, cudaStream_t stream, int major) {
+  if (!a.pdl) {
+    kernel<<<grid, kThreads, 0, stream>>>(a);
+    return cudaGetLastError();
+  }
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = dim3(kThreads);
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
-  set_pdl(cfg, attr, a.pdl, major);
-  cudaError_t err;
-  if (group <= 1 && a.stages == 3) err = cudaLaunchKernelEx(&cfg, decode_attention_kernel<T, KV8, D, 1, 3>, a);
-  else if (group <= 1 && a.stages == 5) err = cudaLaunchKernelEx(&cfg, decode_attention_kernel<T, KV8, D, 1, 5>, a);
-  else if (group <= 1) err = cudaLaunchKernelEx(&cfg, decode_attention_kernel<T, KV8, D, 1, 0>, a);
-  else if (group <= 2) err = cudaLaunchKernelEx(&cfg, decode_attention_kernel<T, KV8, D, 2, 0>, a);
-  else if (group <= 4) err = cudaLaunchKernelEx(&cfg, decode_attention_kernel<T, KV8, D, 4, 0>, a);
-  else err = cudaLaunchKernelEx(&cfg, decode_attention_kernel<T, KV8, D, 8, 0>, a);
+  set_pdl(cfg, attr, true, major);
+  const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, a);
   if (err != cudaSuccess) cudaGetLastError();  // (cleared, as a <<<>>> launch's check would: reported here once)
+  return err;
+}
+
+// (stages: one query head per K/V head only; grouped heads take the register version, whose bits are the same)
+template <typename T, bool KV8, int D>
+const char* launch_group(const DecodeAttnArgs& a, int group, dim3 grid, cudaStream_t stream, int major) {
+  cudaError_t err;
+  auto go = [&](auto kernel) { return launch_one(kernel, a, grid, stream, major); };
+  if (group <= 1 && a.stages == 3) err = go(decode_attention_kernel<T, KV8, D, 1, 3>);
+  else if (group <= 1 && a.stages == 5) err = go(decode_attention_kernel<T, KV8, D, 1, 5>);
+  else if (group <= 1) err = go(decode_attention_kernel<T, KV8, D, 1, 0>);
+  else if (group <= 2) err = go(decode_attention_kernel<T, KV8, D, 2, 0>);
+  else if (group <= 4) err = go(decode_attention_kernel<T, KV8, D, 4, 0>);
+  else err = go(decode_attention_kernel<T, KV8, D, 8, 0>);
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
 }
 
@@ -517,6 +535,8 @@ const char* decode_attention(DType dtype, const DecodeAttnArgs& a, int device, v
   if (!decode_attention_supports(a.head_dim, a.num_heads / a.num_kv_heads))
     return "decode_attention: head_dim must be 64, 128 or 256 and at most 8 query heads share a K/V head";
   if (!decode_attention_stages_ok(a.stages)) return "decode_attention: stages must be 0, 3 or 5";
+  if (a.pdl && (a.stages == 0 || a.num_heads != a.num_kv_heads))
+    return "decode_attention: a programmatic launch needs stages 3 or 5 and one query head per K/V head";
   if (a.page_size <= 0 || a.num_pages <= 0 || a.chunk <= 0 || a.chunk % 16 != 0 || a.max_chunks <= 0 ||
       a.workers <= 0)
     return "decode_attention: page_size, num_pages, max_chunks and workers must be positive, chunk a multiple of 16";

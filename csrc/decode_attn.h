@@ -56,8 +56,8 @@ struct DecodeAttnArgs {
   bool kv_e4m3 = false;                    // the pages hold float8_e4m3fn, not the storage type
   int stages = 0;                          // 0, or 3 / 5: each lane's next K/V rows copied that many passes minus one
                                            // ahead through shared memory (one query head per K/V head; the same bits)
-  bool pdl = false;                        // a programmatic dependent launch (sm_90+): the page tables read before
-                                           // the wait for the kernel before, q and K/V after (the same bits)
+  bool pdl = false;                        // a programmatic dependent launch (sm_90+; stages 3 / 5 only): the page
+                                           // tables read before the wait for the kernel before, q and K/V after
 };
 
 // Whether `stages` is one the kernel is built for (0, 3 or 5).

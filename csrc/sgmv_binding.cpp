@@ -71,9 +71,9 @@
 //       query row per request over its K/V pages (decode_attn.h), one launch; pages of q's dtype or float8_e4m3fn
 //       (unit scale). The page table is flashinfer's CSR (indptr, indices, last_page_len) on the device; a
 //       request's bits depend on nothing else in the launch (workers only spreads its chunks over CTAs; stages 3
-//       or 5 only how far ahead the K/V rows are copied, through shared memory). pdl=True: a programmatic
-//       dependent launch (the page tables read before the wait for the kernel before, which rope_kv lets start
-//       early).
+//       or 5 only how far ahead the K/V rows are copied, through shared memory). pdl=True (stages 3 or 5 with one
+//       query head per K/V head only): a programmatic dependent launch (the page tables read before the wait for
+//       the kernel before, which rope_kv lets start early).
 //       decode_attention_supports(head_dim, group): whether the kernel takes these shapes.
 //
 // with r = ranks[g, s]. The values inside ranks / indptr / slots live on the device and are not

@@ -23,8 +23,8 @@ class KernelChoices:
         most 8 query heads per K/V head, flashinfer's elsewhere); auto: the project's own for e4m3 pages where each
         K/V head serves one query head (decode_kernel.preferred), flashinfer's elsewhere.
     decode_stages: the project's decode kernel copies each lane's next K/V rows this many passes minus one ahead
-        through shared memory (3 or 5; one query head per K/V head) instead of one pass ahead into registers (0); the
-        same bits.
+        through shared memory (3, the default, or 5; one query head per K/V head) instead of one pass ahead into
+        registers (0); the same bits.
     decode_no_split: flashinfer's decode attention (on tensor cores: decode_tc 1) plans every request's K/V as one
         chunk instead of splitting long ones by a plan of the whole batch, so a request's attention does not depend on
         the others in its step (set by batch-invariant engines that keep flashinfer's decode; not read from the
@@ -114,7 +114,7 @@ class KernelChoices:
     prefill: str = "auto"
     decode_tc: str = "auto"
     decode_kernel: str = "auto"
-    decode_stages: int = 0
+    decode_stages: int = 3
     decode_no_split: bool = False
     sgmv: str = "auto"
     sgmv_fused: str = "auto"

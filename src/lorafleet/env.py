@@ -98,9 +98,10 @@ DECODE_STAGES = (0, 3, 5)
 
 def decode_stages() -> int:
     """LORAFLEET_DECODE_STAGES: the project's decode attention kernel copies each lane's next K/V rows this many passes
-    minus one ahead through shared memory (cp.async), where each K/V head serves one query head: 3 or 5; 0 (default):
-    one pass ahead into registers. The same bits either way (a speed choice; not yet measured on a GPU)."""
-    stages = _int("LORAFLEET_DECODE_STAGES", 0)
+    minus one ahead through shared memory (cp.async), where each K/V head serves one query head: 3 (default) or 5; 0:
+    one pass ahead into registers. The same bits either way (a speed choice: 3 measured fastest on an H200,
+    docs/benchmarks.md 10.25)."""
+    stages = _int("LORAFLEET_DECODE_STAGES", 3)
     if stages not in DECODE_STAGES:
         raise EnvError(f"LORAFLEET_DECODE_STAGES must be one of {', '.join(map(str, DECODE_STAGES))}, got {stages}")
     return stages

@@ -182,7 +182,7 @@ def test_staged_copies_with_windows_caps_and_page_sizes(page_size):
         assert_close(want, ref, c.v.float().abs().max().item(), f"page_size={page_size} window_left={window_left}")
 
 
-@pytest.mark.parametrize("stages", [0, 5])
+@pytest.mark.parametrize("stages", [3, 5])
 def test_programmatic_launches_back_to_back_give_the_plain_launchs_bits(stages):
     """Launches with pdl=True one right after another on one workspace (each may start while the one before still
     merges its chunks, and must wait before it touches q, the pages, the partials or the counters): every output is
@@ -269,11 +269,11 @@ def test_refusals():
     cnt = torch.zeros(8, dtype=torch.int32, device=DEV)
     x = ext()
 
-    def call(out=None, q=None, k=None, v=None, chunk=CHUNK, counters=cnt, stages=0):
+    def call(out=None, q=None, k=None, v=None, chunk=CHUNK, counters=cnt, stages=0, pdl=False):
         q = c.q if q is None else q
         x.decode_attention(torch.empty_like(q) if out is None else out, q, c.k if k is None else k,
                            c.v if v is None else v, ip, ix, la, po, pml, counters, 1.0, 0.0, -1, chunk, MAX_CHUNKS, 1,
-                           stream(), stages)
+                           stream(), stages, pdl)
 
     q96 = torch.zeros(1, 4, 96, dtype=torch.bfloat16, device=DEV)
     k96 = torch.zeros(2, 16, 2, 96, dtype=torch.bfloat16, device=DEV)
@@ -295,5 +295,10 @@ def test_refusals():
     for stages in (-1, 1, 4, 9):
         with pytest.raises(RuntimeError, match="stages must be 0, 3 or 5"):
             call(stages=stages)
+    # a programmatic launch: only the staged copies, one query head per K/V head (the register version has no wait)
+    with pytest.raises(RuntimeError, match="programmatic launch needs stages 3 or 5 and one query head"):
+        call(pdl=True)
+    with pytest.raises(RuntimeError, match="programmatic launch needs stages 3 or 5 and one query head"):
+        call(q=torch.zeros(1, 4, 64, dtype=torch.bfloat16, device=DEV), stages=3, pdl=True)
     assert x.decode_attention_supports(128, 8) and not x.decode_attention_supports(128, 9)
     assert not x.decode_attention_supports(96, 1)

@@ -182,22 +182,23 @@ def test_default_decode_kernel_for_e4m3_pages_without_grouped_heads(ungrouped):
     assert bf16.attention.own is None
 
 
-def test_staged_decode_kernel_gives_the_register_versions_logits(ungrouped):
-    """KernelChoices.decode_stages 5 (the K/V rows copied ahead through shared memory, a programmatic launch after
-    rope_kv): a decode step's eager logits are bit for bit those of the kernel that loads one pass ahead into
-    registers, and its graph replay (captured with 5 stages) agrees with them within the tolerance that the register
-    version's replay is held to against its eager step."""
+@pytest.mark.parametrize("stages", [3, 5])
+def test_staged_decode_kernel_gives_the_register_versions_logits(ungrouped, stages):
+    """KernelChoices.decode_stages 3 (the default) and 5 (the K/V rows copied ahead through shared memory, a
+    programmatic launch after rope_kv): a decode step's eager logits are bit for bit those of the kernel that loads one
+    pass ahead into registers, and its graph replay (captured with the stages) agrees with them within the tolerance
+    that the register version's replay is held to against its eager step."""
     model, reqs = ungrouped
-    eng, batch = teacher.decode_step(model, reqs, kv_cache_dtype="fp8", kernels=KernelChoices(decode_stages=5))
+    eng, batch = teacher.decode_step(model, reqs, kv_cache_dtype="fp8", kernels=KernelChoices(decode_stages=stages))
     own = eng.attention.own
-    assert own is not None and own.stages == 5
+    assert own is not None and own.stages == stages
     d = batch.to_device(eng.device)
     staged = eng.runner.forward(batch, d).clone()
     own.stages = 0
     try:
         registers = eng.runner.forward(batch, d).clone()
     finally:
-        own.stages = 5
+        own.stages = stages
     assert torch.equal(staged, registers)
     replay = eng.runner.graphs.run(batch, d).clone()
     span = (staged.max(-1).values - staged.min(-1).values)[:, None]

@@ -71,7 +71,7 @@ class FlashInferAttention:
 
     def __init__(self, kv: KVCache, cfg, device: torch.device, prefill_choice: str = "auto",
                  q_dtype: torch.dtype | None = None, decode_tc: str = "auto", decode_kernel_choice: str = "auto",
-                 decode_no_split: bool = False, decode_stages: int = 0):
+                 decode_no_split: bool = False, decode_stages: int = 3):
         self.kv, self.cfg, self.device = kv, cfg, device
         self.q_dtype = q_dtype or kv.k.dtype  # FP8 pages: queries stay in the model's dtype
         self.kv_dtype = kv.k.dtype
