@@ -297,8 +297,8 @@ def test_refusals():
             call(stages=stages)
     # a programmatic launch: only the staged copies, one query head per K/V head (the register version has no wait)
     with pytest.raises(RuntimeError, match="programmatic launch needs stages 3 or 5 and one query head"):
-        call(pdl=True)
+        call(q=torch.zeros(1, 2, 64, dtype=torch.bfloat16, device=DEV), pdl=True)  # one query head per K/V head
     with pytest.raises(RuntimeError, match="programmatic launch needs stages 3 or 5 and one query head"):
-        call(q=torch.zeros(1, 4, 64, dtype=torch.bfloat16, device=DEV), stages=3, pdl=True)
+        call(stages=3, pdl=True)  # (c: two query heads per K/V head)
     assert x.decode_attention_supports(128, 8) and not x.decode_attention_supports(128, 9)
     assert not x.decode_attention_supports(96, 1)

@@ -68,7 +68,7 @@ class Tables:
 class LorafleetDecode:
     """The kernel with one model's shapes; the eager steps' workspace grows with their decode rows."""
 
-    def __init__(self, kv, cfg, device: torch.device, stages: int = 0):
+    def __init__(self, kv, cfg, device: torch.device, stages: int = 3):
         from lorafleet.runner import kernels
 
         self.ext = kernels.load()
