@@ -499,3 +499,45 @@ def test_kernel_gaps_attributes_idle_time_to_the_kernel_pair_around_it():
     ex = g["exclusive_ms_per_step"]
     assert ex == {"dense_gemm": 0.013, "other_gpu": 0.012}
     assert round(sum(ex.values()) + (2 + 1) / 1000, 3) == 0.028
+
+
+def test_result_files_that_are_missing_broken_or_of_another_bench_are_refused_in_one_line(tmp_path, capsys):
+    """`bench e2e --merge / --plot-from` and `bench serve --merge` name the file and what is wrong with it (they
+    ended in a traceback: FileNotFoundError, JSONDecodeError, KeyError), and write nothing."""
+    import json
+
+    import pytest
+
+    from lorafleet import cli
+
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(_result({"distinct": 100.0, "lora off": 130.0})))
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"runs": [')
+    latin = tmp_path / "latin.json"
+    latin.write_bytes(b'{"card": "\xe9"}')
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"cases": []}))
+    serve_file = tmp_path / "serve.json"  # a bench serve result: runs without a label
+    serve_file.write_text(json.dumps({"date": "2026-11-30", "runs": [
+        {"mix": "distinct", "rate": "inf", "output_tok_s": 1.0, "tpot_p50_ms": 2.0}]}))
+    out = tmp_path / "m.json"
+    cases = [
+        (["bench", "e2e", "--merge", str(good), str(tmp_path / "nope.json"), "--out", str(out)],
+         "nope.json does not exist"),
+        (["bench", "e2e", "--merge", str(broken), "--out", str(out)], "broken.json is not JSON (Expecting value"),
+        (["bench", "e2e", "--plot-from", str(latin), "--plot", str(tmp_path / "p.png")], "latin.json cannot be read"),
+        (["bench", "e2e", "--merge", str(other), "--out", str(out)],
+         "other.json is not a benchmark result file (no list of runs)"),
+        (["bench", "e2e", "--merge", str(good), str(serve_file), "--out", str(out)],
+         "serve.json is not a result file of bench e2e (no card, requests, max_batch)"),
+        (["bench", "serve", "--merge", str(good), "--out", str(out)],
+         "good.json is not a result file of bench serve"),
+    ]
+    for argv, want in cases:
+        with pytest.raises(SystemExit) as exc:
+            cli.main(argv)
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and "Traceback" not in err, (argv, err)
+        assert want in err, (argv, err)
+        assert not out.exists()

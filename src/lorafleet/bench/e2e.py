@@ -876,9 +876,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the weights, adapters and requests")
     p.add_argument("--out", type=Path, default=Path("bench_e2e.json"), help="results as JSON")
     p.add_argument("--plot", type=Path, default=None, help="also draw the mixes' throughput as a PNG (default: none)")
-    p.add_argument("--plot-from", type=Path, nargs="+", default=None, metavar="JSON",
+    p.add_argument("--plot-from", type=cli_args.results_file, nargs="+", default=None, metavar="JSON",
                    help="only draw --plot from result files of earlier runs (no GPU needed)")
-    p.add_argument("--merge", type=Path, nargs="+", default=None, metavar="JSON",
+    p.add_argument("--merge", type=cli_args.results_file, nargs="+", default=None, metavar="JSON",
                    help="only merge result files of runs on one card into --out, with their e2e summary")
     return p
 
@@ -890,6 +890,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--interference-caps-only needs --interference and --decode-prefill-tokens N...")
     if args.merge:
         parts = [json.loads(f.read_text()) for f in args.merge]
+        for f, part in zip(args.merge, parts):
+            missing = [k for k in ("card", "date", "requests", "max_batch") if k not in part]
+            if missing or not all(isinstance(r, dict) and "label" in r for r in part["runs"]):
+                p.error(f"{f} is not a result file of bench e2e (no {', '.join(missing) or 'labelled runs'})")
         for key in ("card", "requests", "max_batch"):
             seen = {r[key] for r in parts}
             if len(seen) != 1:

@@ -363,7 +363,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--work-dir", type=Path, default=None, help="model, adapters and logs (default: a temp dir)")
     o.add_argument("--out", type=Path, default=Path("bench_serve.json"), help="results as JSON")
     o.add_argument("--plot", type=Path, default=None, help="latency-versus-rate PNG (default: none)")
-    o.add_argument("--merge", type=Path, nargs="+", default=None, metavar="JSON",
+    o.add_argument("--merge", type=cli_args.results_file, nargs="+", default=None, metavar="JSON",
                    help="only merge result files of earlier runs (e.g. one per mix group or placement) into --out, "
                         "with their table, `serve` summary and --plot")
 
@@ -398,10 +398,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     # SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C, so the `lorafleet serve` it started is stopped too
     signal.signal(signal.SIGTERM, _interrupt)
     if args.merge:
+        for f in args.merge:
+            part = json.loads(f.read_text())
+            if "date" not in part or not all(isinstance(r, dict) and {"mix", "rate", "output_tok_s", "tpot_p50_ms"}
+                                             <= r.keys() for r in part["runs"]):
+                parser.error(f"{f} is not a result file of bench serve (its runs have no mix, rate and latencies)")
         merged = merge(args.merge)
         args.out.write_text(json.dumps(merged, indent=1))
         print_table(merged["runs"], merged["offline"])

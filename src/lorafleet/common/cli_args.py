@@ -4,6 +4,7 @@ value is refused by argparse in one line, before anything loads."""
 from __future__ import annotations
 
 import argparse
+import json
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -96,6 +97,22 @@ def existing_file(value: str) -> Path:
     path = Path(value)
     if not path.exists() or path.is_dir():
         raise argparse.ArgumentTypeError(f"{value} {'is a directory' if path.exists() else 'does not exist'}")
+    return path
+
+
+def results_file(value: str) -> Path:
+    """A result file of an earlier benchmark run (`--merge`, `--plot-from`): an existing file holding a JSON object
+    with a list of `runs`."""
+    path = existing_file(value)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise argparse.ArgumentTypeError(f"{value} cannot be read: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"{value} is not JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})") \
+            from None
+    if not isinstance(data, dict) or not isinstance(data.get("runs"), list):
+        raise argparse.ArgumentTypeError(f"{value} is not a benchmark result file (no list of runs)")
     return path
 
 
