@@ -541,3 +541,25 @@ def test_result_files_that_are_missing_broken_or_of_another_bench_are_refused_in
         assert exc.value.code == 2 and "Traceback" not in err, (argv, err)
         assert want in err, (argv, err)
         assert not out.exists()
+
+
+def test_bench_serve_refuses_bad_rates_and_counts_in_one_line(capsys):
+    """`bench serve --rates abc` / `-1` ended in a traceback after the server had started (float('abc'), numpy's
+    exponential with a negative scale); they and zero counts are now refused before anything starts."""
+    import pytest
+
+    from lorafleet import cli
+
+    cases = [(["--rates", "abc"], "'abc' is not a rate"), (["--rates", "4", "-1"], "'-1' is not a rate"),
+             (["--rates", "nan"], "'nan' is not a rate"), (["--rates", "1e999"], "is not a rate"),
+             (["--requests", "0"], "--requests: must be at least 1"), (["--population", "-3"], "--population"),
+             (["--rank", "0"], "--rank"), (["--slo-tpot", "0"], "--slo-tpot"), (["--max-output", "0"], "--max-output")]
+    for argv, want in cases:
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["bench", "serve", *argv])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and "Traceback" not in err and want in err, (argv, err)
+    from lorafleet.bench.serve import build_parser, parse_rate
+
+    args = build_parser().parse_args(["--rates", "inf", "0.5", " 4 "])
+    assert [parse_rate(r) for r in args.rates] == [None, 0.5, 4.0]

@@ -46,6 +46,20 @@ def parse_rate(s: str) -> float | None:
     return None if s in ("inf", "0", "all") else float(s)
 
 
+def rate_arg(value: str) -> str:
+    """--rates: inf (or all, or 0: every request at t=0) or a positive, finite number of requests per second."""
+    s = value.strip().lower()
+    if s in ("inf", "0", "all"):
+        return s
+    try:
+        rate = float(s)
+    except ValueError:
+        rate = float("nan")
+    if not (0 < rate < float("inf")):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a rate: a positive number of requests per second, or inf")
+    return s
+
+
 def rate_label(r: float | None) -> str:
     return "inf" if r is None else f"{r:g}"
 
@@ -301,28 +315,39 @@ def print_table(runs: list[dict], offline: dict) -> None:
 # -- main -------------------------------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
     w = p.add_argument_group("workload")
-    w.add_argument("--requests", type=int, default=1000, help="requests of every run (each mix at each rate)")
+    w.add_argument("--requests", type=cli_args.positive_int, default=1000,
+                   help="requests of every run (each mix at each rate; default: 1000)")
     w.add_argument("--mixes", nargs="+", default=["distinct", "uniform", "skewed", "identical", "base"], choices=MIXES,
                    help="adapter mixes: distinct (an adapter per request), Punica's uniform, skewed and identical "
                         "over --population names, base (no adapter)")
-    w.add_argument("--rates", nargs="+", default=["inf"], help="request rates per second; inf: all at t=0 (default: inf)")
-    w.add_argument("--population", type=int, default=256, help="adapter names the mixes draw from")
-    w.add_argument("--weight-sets", type=int, default=None, help="distinct adapter weight sets (default: 32 synthetic, "
+    w.add_argument("--rates", nargs="+", type=rate_arg, default=["inf"],
+                   help="request rates per second; inf: all at t=0 (default: inf)")
+    w.add_argument("--population", type=cli_args.positive_int, default=256,
+                   help="adapter names the mixes draw from (default: 256)")
+    w.add_argument("--weight-sets", type=cli_args.positive_int, default=None,
+                   help="distinct adapter weight sets (default: 32 synthetic, "
                    "or every adapter in --adapters)")
-    w.add_argument("--rank", type=int, default=16, help="rank of synthetic adapters (all seven projections)")
-    w.add_argument("--max-prompt", type=int, default=1536, help="cap on prompt tokens")
-    w.add_argument("--max-output", type=int, default=1024, help="cap on output tokens")
+    w.add_argument("--rank", type=cli_args.lora_rank, default=16,
+                   help="rank of synthetic adapters (all seven projections; default: 16)")
+    w.add_argument("--max-prompt", type=cli_args.positive_int, default=1536,
+                   help="cap on prompt tokens (default: 1536)")
+    w.add_argument("--max-output", type=cli_args.positive_int, default=1024,
+                   help="cap on output tokens (default: 1024)")
     w.add_argument("--seed", type=int, default=0, help="seed of the requests, adapter mixes, arrivals and "
-                   "synthetic weights")
-    w.add_argument("--slo-ttft", type=float, default=None, help="goodput SLO: TTFT in seconds (default: none)")
-    w.add_argument("--slo-tpot", type=float, default=None, help="goodput SLO: TPOT in milliseconds (default: none)")
+                   "synthetic weights (default: 0)")
+    w.add_argument("--slo-ttft", type=cli_args.positive_float, default=None,
+                   help="goodput SLO: TTFT in seconds (default: none)")
+    w.add_argument("--slo-tpot", type=cli_args.positive_float, default=None,
+                   help="goodput SLO: TPOT in milliseconds (default: none)")
     w.add_argument("--prefix-workloads", nargs="*", default=[], choices=PREFIX_WORKLOADS, metavar="WL",
                    help="instead of the mixes: the prefix cache's workloads (system-prompt: each of "
                         "--prefix-adapters adapters has its own system prompt before every request's user turn; "
                         "sharegpt: one adapter per request, nothing shared), each with the runners' prefix cache "
                         "off and on (one server each), per --placement; default: none")
-    w.add_argument("--system-tokens", type=int, default=1024, help="system-prompt: tokens per adapter")
-    w.add_argument("--prefix-adapters", type=int, default=32, help="system-prompt: adapters")
+    w.add_argument("--system-tokens", type=cli_args.positive_int, default=1024,
+                   help="system-prompt: tokens per adapter (default: 1024)")
+    w.add_argument("--prefix-adapters", type=cli_args.positive_int, default=32,
+                   help="system-prompt: adapters (default: 32)")
     s = p.add_argument_group("server")
     s.add_argument("--url", default=None, help="target a running scheduler instead of starting `lorafleet serve` "
                    "(env LORAFLEET_ADMIN_TOKEN, if set, is used to read GPUs busy)")
@@ -355,8 +380,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(default: `lorafleet serve`'s)")
     s.add_argument("--serve-arg", action="append", default=[],
                    help="extra argument for `lorafleet serve` (repeat; default: none)")
-    s.add_argument("--ready-timeout", type=float, default=900.0,
-                   help="seconds to wait for a started `lorafleet serve` to be ready")
+    s.add_argument("--ready-timeout", type=cli_args.positive_float, default=900.0,
+                   help="seconds to wait for a started `lorafleet serve` to be ready (default: 900)")
     o = p.add_argument_group("output")
     o.add_argument("--offline", action=argparse.BooleanOptionalAction, default=None,
                    help="also run the offline engine on the same requests (default: on unless --url)")
