@@ -13,6 +13,7 @@ import importlib.util
 import json
 import logging
 import shutil
+import sys
 from pathlib import Path
 
 from lorafleet import env
@@ -125,7 +126,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    out = prepare(args.out, args.force)
+    try:
+        out = prepare(args.out, args.force)
+    except OSError as exc:  # an output folder that cannot be made or written (permissions, a read-only or full disk)
+        where = exc.filename or args.out or default_dir()
+        print(f"lorafleet prepare-demo: cannot write {where}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
     print(f"demo model:    {out / 'model'}")
     print(f"demo adapters: {out / 'adapters'} ({', '.join(sorted(p.name for p in (out / 'adapters').iterdir()))})")
     print(f"demo requests: {out / 'requests.jsonl'}")

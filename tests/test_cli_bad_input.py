@@ -5,6 +5,7 @@ traceback, a division by zero or a table of zeros."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -135,6 +136,16 @@ def test_prepare_demo_refuses_an_output_that_is_a_file_and_keeps_it(under, tmp_p
     line = refused(["prepare-demo", "--out", str(out)], capsys)
     assert line == f"lorafleet prepare-demo: error: argument --out: the output must be a directory, and {f} is a file"
     assert f.read_text() == "keep me" and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc, where nothing can be made")
+def test_prepare_demo_into_a_folder_that_cannot_be_made_says_so(capsys):
+    """An output folder that cannot be made (here under /proc, which refuses new entries even to root) is one line
+    naming it and exit status 1; it was a FileNotFoundError traceback."""
+    code = cli.main(["prepare-demo", "--out", "/proc/lorafleet-demo-test"])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err, err
+    assert "lorafleet prepare-demo: cannot write /proc/lorafleet-demo-test" in err, err
 
 
 def test_model_dir_returns_a_directory_holding_every_file_as_given(tmp_path):
