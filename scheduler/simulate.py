@@ -38,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
+from lorafleet.common import cli_args
 from lorafleet.common.cli_args import non_negative_float, non_negative_int, positive_float, positive_int
 from lorafleet.scheduler.placement import POLICIES, RunnerView, busiest_fit, kv_need
 from lorafleet.scheduler.prefix_index import MAX_PAGES, PrefixIndex
@@ -518,8 +519,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="chat: a conversation ends before it would overflow this")
     p.add_argument("--no-prefix-cache", action="store_true", help="runners keep no prefix cache")
     p.add_argument("--seed", type=int, default=0, help="seed of the trace: arrivals, lengths and adapters")
-    p.add_argument("--out", type=Path, default=None, help="write full results as JSON (default: not written)")
-    p.add_argument("--plot", type=Path, default=None, help="write a PNG like Punica's Fig. 13 (default: none)")
+    p.add_argument("--out", type=cli_args.output_file, default=None, help="write full results as JSON (default: not written)")
+    p.add_argument("--plot", type=cli_args.output_file, default=None, help="write a PNG like Punica's Fig. 13 (default: none)")
 
 
 def make_trace(args: argparse.Namespace) -> list[Req]:

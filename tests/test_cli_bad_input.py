@@ -148,6 +148,21 @@ def test_prepare_demo_into_a_folder_that_cannot_be_made_says_so(capsys):
     assert "lorafleet prepare-demo: cannot write /proc/lorafleet-demo-test" in err, err
 
 
+@pytest.mark.parametrize("argv", [["bench", "quality"], ["bench", "e2e"], ["bench", "serve"], ["bench", "kernels"],
+                                  ["bench", "cpu"], ["bench", "relay"], ["simulate"], ["bench", "e2e", "--plot"],
+                                  ["bench", "serve", "--plot"], ["simulate", "--plot"]])
+def test_a_results_path_that_cannot_be_written_is_refused_before_the_run(argv, tmp_path, capsys):
+    """Every bench's --out (and --plot) is tried before the run: a folder in its place, or a folder that cannot be
+    made, is one line naming it (they failed with a traceback at the end of the run, its results lost)."""
+    flag = argv.pop() if argv[-1] == "--plot" else "--out"
+    line = refused([*argv, flag, str(tmp_path)], capsys)
+    assert line.endswith(f"argument {flag}: {tmp_path} is a directory (give the path of the results file)"), line
+    if Path("/proc/self").is_dir():  # nothing can be made under /proc, even by root
+        line = refused([*argv, flag, "/proc/lorafleet-test/out.json"], capsys)
+        assert f"argument {flag}: cannot write /proc/lorafleet-test/out.json" in line, line
+    assert list(tmp_path.iterdir()) == []  # the try leaves nothing behind
+
+
 def test_model_dir_returns_a_directory_holding_every_file_as_given(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "tokenizer.json").write_text("{}")

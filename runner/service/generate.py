@@ -36,6 +36,7 @@ import threading
 import time
 from pathlib import Path
 
+from lorafleet.common import outputs
 from lorafleet.runner.config import EngineConfig
 from lorafleet.runner.engine.sequence import AdapterRef, SamplingError, SamplingParams, Sequence, parse_token_ids
 from lorafleet.scheduler import openai_api as oa
@@ -115,36 +116,10 @@ def model_path_problem(model: Path) -> str | None:
     return None
 
 
-def output_target(output: Path) -> Path:
-    """Where the results go: the file a link points to (the link stays), else `output` itself."""
-    return output.resolve() if output.is_symlink() else output
-
-
 def output_problem(output: Path) -> str | None:
-    """Why results cannot be written to `output` (a directory, a folder that cannot be made or written, a file or
-    device that cannot be written), or None. Checked by making the folder and the temporary file the results are
-    written to, here, before any request runs, so that a long run does not end unable to write them."""
-    if output == STDIO:
-        return None
-    target = output_target(output)
-    if target.is_dir():
-        return f"{output} is a directory (give the path of the results file)"
-    if target.exists() and not target.is_file():  # a pipe or a device: written to as it is
-        return None if os.access(target, os.W_OK) else f"{output} cannot be written"
-    if target.exists() and not os.access(target, os.W_OK):
-        return f"{output} is read-only"
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        partial(target).touch()
-        partial(target).unlink()
-    except OSError as exc:
-        return f"cannot write {output} ({exc.strerror or exc})"
-    return None
-
-
-def partial(target: Path) -> Path:
-    """The temporary file the results are written to before they are renamed into place."""
-    return target.with_name(target.name + ".partial")
+    """Why results cannot be written to `output` (outputs.problem; stdout always can), or None: asked before any
+    request runs, so that a long run does not end unable to write them."""
+    return None if output == STDIO else outputs.problem(output)
 
 
 def input_problem(path: Path) -> str | None:
@@ -315,12 +290,12 @@ def write_results(output: Path, lines: list[dict]) -> None:
         sys.stdout.write(text)
         sys.stdout.flush()
         return
-    target = output_target(output)
+    target = outputs.target(output)
     if target.exists() and not target.is_file():
         with target.open("w") as f:
             f.write(text)
         return
-    tmp = partial(target)
+    tmp = outputs.partial(target)
     with tmp.open("w") as f:
         f.write(text)
     tmp.replace(target)

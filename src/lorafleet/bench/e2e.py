@@ -874,8 +874,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "other than llama2-7b, runs the synthetic-model path: every rank draws its own weights; "
                         "default: 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights, adapters and requests")
-    p.add_argument("--out", type=Path, default=Path("bench_e2e.json"), help="results as JSON")
-    p.add_argument("--plot", type=Path, default=None, help="also draw the mixes' throughput as a PNG (default: none)")
+    p.add_argument("--out", type=cli_args.output_file, default=Path("bench_e2e.json"),
+                   help="results as JSON (default: bench_e2e.json)")
+    p.add_argument("--plot", type=cli_args.output_file, default=None, help="also draw the mixes' throughput as a PNG (default: none)")
     p.add_argument("--plot-from", type=cli_args.results_file, nargs="+", default=None, metavar="JSON",
                    help="only draw --plot from result files of earlier runs (no GPU needed)")
     p.add_argument("--merge", type=cli_args.results_file, nargs="+", default=None, metavar="JSON",

@@ -41,6 +41,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable
 
+from lorafleet.common import cli_args
+
 WORKLOADS = ("distinct", "uniform", "skewed", "identical")
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 HEADLINE = "h4096_r16"
@@ -552,7 +554,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default="bench_kernels.json", help="full results as JSON")
+    p.add_argument("--out", type=cli_args.output_file, default=Path("bench_kernels.json"),
+                   help="full results as JSON (default: bench_kernels.json)")
     p.add_argument("--plot", default="bench_kernels.png", help="latency-vs-batch PNG, needs matplotlib ('': none)")
     p.add_argument("--quick", action="store_true", help="headline shape only, fewer batch sizes")
     p.add_argument("--shapes", default="", help=f"comma-separated subset of {','.join(s.name for s in SHAPES)} "

@@ -149,7 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=cli_args.positive_int, default=1024, help="tokens scored per prefill")
     p.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=list(PRECISIONS),
                    help="precisions to score; the first is the reference")
-    p.add_argument("--out", type=Path, default=Path("quality.json"), help="results as JSON")
+    p.add_argument("--out", type=cli_args.output_file, default=Path("quality.json"),
+                   help="results as JSON (default: quality.json)")
     return p
 
 

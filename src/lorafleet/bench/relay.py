@@ -101,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=cli_args.positive_int, default=64, help="max batch of each fake runner")
     p.add_argument("--step-ms", type=cli_args.non_negative_float, nargs="+", default=[0.0, 20.0],
                    help="fake runner step times to measure (0: unpaced, the scheduler saturated)")
-    p.add_argument("--out", type=Path, default=Path("bench_relay.json"), help="results as JSON")
+    p.add_argument("--out", type=cli_args.output_file, default=Path("bench_relay.json"),
+                   help="results as JSON (default: bench_relay.json)")
     p.add_argument("--profile", type=Path, default=None, help="run the scheduler under cProfile; write PATH.stepN (default: no profile)")
     return p
 

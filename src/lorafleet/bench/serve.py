@@ -386,8 +386,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--offline", action=argparse.BooleanOptionalAction, default=None,
                    help="also run the offline engine on the same requests (default: on unless --url)")
     o.add_argument("--work-dir", type=Path, default=None, help="model, adapters and logs (default: a temp dir)")
-    o.add_argument("--out", type=Path, default=Path("bench_serve.json"), help="results as JSON")
-    o.add_argument("--plot", type=Path, default=None, help="latency-versus-rate PNG (default: none)")
+    o.add_argument("--out", type=cli_args.output_file, default=Path("bench_serve.json"),
+                   help="results as JSON (default: bench_serve.json)")
+    o.add_argument("--plot", type=cli_args.output_file, default=None, help="latency-versus-rate PNG (default: none)")
     o.add_argument("--merge", type=cli_args.results_file, nargs="+", default=None, metavar="JSON",
                    help="only merge result files of earlier runs (e.g. one per mix group or placement) into --out, "
                         "with their table, `serve` summary and --plot")

@@ -9,6 +9,8 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+from lorafleet.common import outputs
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 MAX_LORA_RANK = 128  # the CUDA kernels' largest rank (csrc/sgmv.h kMaxRank); the CPU path keeps the same bound
 
@@ -113,6 +115,16 @@ def results_file(value: str) -> Path:
             from None
     if not isinstance(data, dict) or not isinstance(data.get("runs"), list):
         raise argparse.ArgumentTypeError(f"{value} is not a benchmark result file (no list of runs)")
+    return path
+
+
+def output_file(value: str) -> Path:
+    """A results file a run writes at its end (`--out`, `--plot`): its folder is made and the file tried now
+    (lorafleet.common.outputs), so that a path that cannot take it is refused before the work, not after."""
+    path = Path(value)
+    why = outputs.problem(path)
+    if why:
+        raise argparse.ArgumentTypeError(why)
     return path
 
 
