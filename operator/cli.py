@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import importlib
 
+from lorafleet.common import cli_args
 from lorafleet.operator.config import OperatorConfig
 
 DEFAULTS = OperatorConfig()
@@ -24,12 +25,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="image of pools' runners when a pool names none")
     parser.add_argument("--scheduler-url", default=DEFAULTS.scheduler_url,
                         help="URL of a pool's scheduler; {name} and {namespace} are the pool's")
-    parser.add_argument("--sync-interval", type=float, default=DEFAULTS.sync_interval_s,
-                        help="seconds between two looks at a pool (status and autoscaler)")
-    parser.add_argument("--resync-interval", type=float, default=DEFAULTS.resync_interval_s,
-                        help="seconds between two re-applies of a pool's objects (heals drift)")
-    parser.add_argument("--adapter-retry", type=float, default=DEFAULTS.adapter_retry_s,
-                        help="seconds between re-checks of Pending, retryably Failed and Ready adapters")
+    parser.add_argument("--sync-interval", type=cli_args.positive_float, default=DEFAULTS.sync_interval_s,
+                        help="seconds between two looks at a pool (status and autoscaler; default: %(default)s)")
+    parser.add_argument("--resync-interval", type=cli_args.positive_float, default=DEFAULTS.resync_interval_s,
+                        help="seconds between two re-applies of a pool's objects (heals drift; default: %(default)s)")
+    parser.add_argument("--adapter-retry", type=cli_args.positive_float, default=DEFAULTS.adapter_retry_s,
+                        help="seconds between re-checks of Pending, retryably Failed and Ready adapters "
+                             "(default: %(default)s)")
     parser.add_argument("--no-scanning", action="store_true",
                         help="do not watch CRDs and namespaces (when RBAC does not allow listing them)")
     parser.add_argument("--credentials-key-file", default=None, metavar="FILE",
@@ -60,6 +62,14 @@ def run(args: argparse.Namespace) -> int:
             Credentials.from_file(args.credentials_key_file)
         except KeyError_ as exc:
             raise SystemExit(f"lorafleet operator: {exc}") from None
+    try:  # an API to talk to: a pod's service account or a kubeconfig (else kopf retries a traceback every minute)
+        from lorafleet.common.kubeclient import KubeClient
+
+        asyncio.run(KubeClient.from_environment())
+    except Exception as exc:  # noqa: BLE001 (the kubernetes package's ConfigException, a missing or broken file)
+        why = " ".join(str(exc).split())
+        raise SystemExit("lorafleet operator: no Kubernetes API to talk to: not in a pod with a service account, and "
+                         f"no usable kubeconfig ($KUBECONFIG or ~/.kube/config): {why}") from None
     importlib.import_module("lorafleet.operator.main")  # registers the handlers
     namespaces = list(args.namespace or [])
     asyncio.run(kopf.operator(

@@ -163,6 +163,24 @@ def test_a_results_path_that_cannot_be_written_is_refused_before_the_run(argv, t
     assert list(tmp_path.iterdir()) == []  # the try leaves nothing behind
 
 
+@pytest.mark.parametrize("kubeconfig", [None, "garbage: ["])
+def test_operator_without_a_kubernetes_api_says_so_and_exits(kubeconfig, tmp_path, monkeypatch, capsys):
+    """Outside a pod, with no kubeconfig or a broken one, the operator stops with one line saying why; it logged a
+    traceback and retried it every minute, forever."""
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    if kubeconfig is None:
+        monkeypatch.delenv("KUBECONFIG", raising=False)
+    else:
+        (tmp_path / "kc").write_text(kubeconfig)
+        monkeypatch.setenv("KUBECONFIG", str(tmp_path / "kc"))
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["operator", "--liveness", ""])
+    msg = str(exc.value.code)
+    assert msg.startswith("lorafleet operator: no Kubernetes API to talk to") and "\n" not in msg, msg
+    assert "Traceback" not in capsys.readouterr().err
+
+
 def test_model_dir_returns_a_directory_holding_every_file_as_given(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "tokenizer.json").write_text("{}")
