@@ -60,7 +60,15 @@ class StepModel:
     def from_json(cls, path: Path) -> "StepModel":
         data = json.loads(Path(path).read_text())
         data = data.get("step_model", data)
-        return cls(**{k: float(v) for k, v in data.items() if k in cls.__dataclass_fields__})
+        if not isinstance(data, dict):
+            raise ValueError("its step_model is not an object")
+        model = {}
+        for k, v in data.items():
+            if k in cls.__dataclass_fields__:
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+                    raise ValueError(f"{k} must be a finite number of at least 0, got {v!r}")
+                model[k] = float(v)
+        return cls(**model)
 
 
 def fit_step_model(steps) -> dict:
@@ -499,11 +507,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=positive_int, default=32, help="max batch size of each simulated runner")
     p.add_argument("--kv-tokens", type=positive_int, default=48000, help="KV capacity of one GPU in tokens")
     p.add_argument("--idle-window", type=non_negative_float, default=60.0, help="seconds idle before a GPU is released")
-    p.add_argument("--step-model", type=Path, default=None,
+    p.add_argument("--step-model", type=cli_args.json_file, default=None,
                    help="JSON with decode_base_ms, decode_per_req_ms, prefill_per_token_ms (from bench e2e; "
                         f"default: {StepModel.decode_base_ms}, {StepModel.decode_per_req_ms}, "
                         f"{StepModel.prefill_per_token_ms})")
-    p.add_argument("--fit-from", type=Path, nargs="+", default=None, metavar="JSON",
+    p.add_argument("--fit-from", type=cli_args.json_file, nargs="+", default=None, metavar="JSON",
                    help="refit the step model from `bench serve` / `bench e2e` result files (overrides --step-model)")
     p.add_argument("--policies", nargs="+", default=["busiest", "least-loaded", "round-robin"], metavar="POLICY",
                    help=f"placement policies: {', '.join(POLICIES)}, or busiest@TOKENS (prefix tokens worth one "
@@ -534,10 +542,17 @@ def run(args: argparse.Namespace) -> int:
     for pol in args.policies:
         make_policy(pol.removesuffix(NO_CACHE))
     if args.fit_from:
-        model = refit(args.fit_from)
+        try:
+            model = refit(args.fit_from)
+        except (ValueError, TypeError, KeyError, IndexError) as exc:  # steps or fits of another shape
+            raise SystemExit(f"lorafleet simulate: error: --fit-from: the files' steps or step_model cannot be read "
+                             f"({type(exc).__name__}: {exc})") from None
         print(f"step model refitted from {len(args.fit_from)} file(s): {vars(model)}", file=sys.stderr)
     else:
-        model = StepModel.from_json(args.step_model) if args.step_model else StepModel()
+        try:
+            model = StepModel.from_json(args.step_model) if args.step_model else StepModel()
+        except ValueError as exc:
+            raise SystemExit(f"lorafleet simulate: error: --step-model {args.step_model}: {exc}") from None
     results = []
     for pol in args.policies:
         trace = make_trace(args)  # fresh requests per policy (the same draws)

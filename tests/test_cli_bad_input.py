@@ -181,6 +181,26 @@ def test_operator_without_a_kubernetes_api_says_so_and_exits(kubeconfig, tmp_pat
     assert "Traceback" not in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag, content, want", [
+    ("--step-model", None, "does not exist"),
+    ("--step-model", "", "is not JSON (Expecting value at line 1, column 1)"),
+    ("--step-model", "[1, 2]", "does not hold a JSON object"),
+    ("--step-model", '{"decode_base_ms": "x"}', "decode_base_ms must be a finite number of at least 0, got 'x'"),
+    ("--step-model", '{"step_model": {"decode_per_req_ms": -1}}', "decode_per_req_ms must be a finite number"),
+    ("--fit-from", None, "does not exist"),
+    ("--fit-from", '{"offline_steps": [[1], [2], [3]]}', "the files' steps or step_model cannot be read"),
+])
+def test_simulate_refuses_step_models_it_cannot_read(flag, content, want, tmp_path, capsys):
+    """A missing, broken or ill-typed --step-model / --fit-from file is one line (they were tracebacks)."""
+    f = tmp_path / "model.json"
+    if content is not None:
+        f.write_text(content)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["simulate", flag, str(f), "--duration", "60", "--gpus", "2"])
+    err = capsys.readouterr().err + str(exc.value.code)
+    assert "Traceback" not in err and want in err, err
+
+
 def test_model_dir_returns_a_directory_holding_every_file_as_given(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "tokenizer.json").write_text("{}")

@@ -102,9 +102,7 @@ def existing_file(value: str) -> Path:
     return path
 
 
-def results_file(value: str) -> Path:
-    """A result file of an earlier benchmark run (`--merge`, `--plot-from`): an existing file holding a JSON object
-    with a list of `runs`."""
+def _json_object(value: str) -> tuple[Path, dict]:
     path = existing_file(value)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -113,7 +111,21 @@ def results_file(value: str) -> Path:
     except json.JSONDecodeError as exc:
         raise argparse.ArgumentTypeError(f"{value} is not JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})") \
             from None
-    if not isinstance(data, dict) or not isinstance(data.get("runs"), list):
+    if not isinstance(data, dict):
+        raise argparse.ArgumentTypeError(f"{value} does not hold a JSON object")
+    return path, data
+
+
+def json_file(value: str) -> Path:
+    """An existing file holding a JSON object (read here, so that a missing or broken one is refused in one line)."""
+    return _json_object(value)[0]
+
+
+def results_file(value: str) -> Path:
+    """A result file of an earlier benchmark run (`--merge`, `--plot-from`): an existing file holding a JSON object
+    with a list of `runs`."""
+    path, data = _json_object(value)
+    if not isinstance(data.get("runs"), list):
         raise argparse.ArgumentTypeError(f"{value} is not a benchmark result file (no list of runs)")
     return path
 
