@@ -527,8 +527,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="chat: a conversation ends before it would overflow this")
     p.add_argument("--no-prefix-cache", action="store_true", help="runners keep no prefix cache")
     p.add_argument("--seed", type=int, default=0, help="seed of the trace: arrivals, lengths and adapters")
-    p.add_argument("--out", type=cli_args.output_file, default=None, help="write full results as JSON (default: not written)")
-    p.add_argument("--plot", type=cli_args.output_file, default=None, help="write a PNG like Punica's Fig. 13 (default: none)")
+    p.add_argument("--out", type=cli_args.output_file, default=None,
+                   help="write full results as JSON (default: not written)")
+    p.add_argument("--plot", type=cli_args.output_file, default=None,
+                   help="write a PNG like Punica's Fig. 13 (default: none)")
 
 
 def make_trace(args: argparse.Namespace) -> list[Req]:
