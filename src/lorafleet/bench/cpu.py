@@ -33,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=cli_args.positive_int, default=64,
                    help="new tokens of every request (EOS ignored)")
     p.add_argument("--threads", type=cli_args.positive_int, default=None, help="torch CPU threads (default: torch's)")
-    p.add_argument("--out", type=cli_args.output_file, default=None, help="write the results as JSON (default: not written)")
+    p.add_argument("--out", type=cli_args.output_file, default=None,
+                   help="write the results as JSON (default: not written)")
     return p
 
 

@@ -876,7 +876,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the weights, adapters and requests")
     p.add_argument("--out", type=cli_args.output_file, default=Path("bench_e2e.json"),
                    help="results as JSON (default: bench_e2e.json)")
-    p.add_argument("--plot", type=cli_args.output_file, default=None, help="also draw the mixes' throughput as a PNG (default: none)")
+    p.add_argument("--plot", type=cli_args.output_file, default=None,
+                   help="also draw the mixes' throughput as a PNG (default: none)")
     p.add_argument("--plot-from", type=cli_args.results_file, nargs="+", default=None, metavar="JSON",
                    help="only draw --plot from result files of earlier runs (no GPU needed)")
     p.add_argument("--merge", type=cli_args.results_file, nargs="+", default=None, metavar="JSON",
