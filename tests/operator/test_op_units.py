@@ -191,7 +191,11 @@ def test_cli_run_starts_kopf_over_the_handlers(monkeypatch):
     async def fake_operator(**kwargs):
         seen.update(kwargs)
 
+    async def an_api(cls, **kwargs):  # (the check that there is a Kubernetes API to talk to: there is)
+        return object()
+
     monkeypatch.setattr(kopf, "operator", fake_operator)
+    monkeypatch.setattr(KubeClient, "from_environment", classmethod(an_api))
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
     assert cli.run(parser.parse_args(["--sync-interval", "5"])) == 0
