@@ -395,7 +395,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def merge(paths: list[Path]) -> dict:
+    """The runs of several result files in one; ValueError names a file that is not a result of this bench."""
     parts = [json.loads(Path(f).read_text()) for f in paths]
+    for f, part in zip(paths, parts):
+        if "date" not in part or not all(isinstance(r, dict) and {"mix", "rate", "output_tok_s", "tpot_p50_ms"}
+                                         <= r.keys() for r in part["runs"]):
+            raise ValueError(f"{f} is not a result file of bench serve (its runs have no mix, rate and latencies)")
     runs = [r for part in parts for r in part["runs"]]
     offline = {m: o for part in parts for m, o in (part.get("offline") or {}).items()}
     steps = [s for part in parts for s in part.get("offline_steps") or []]
@@ -429,12 +434,10 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C, so the `lorafleet serve` it started is stopped too
     signal.signal(signal.SIGTERM, _interrupt)
     if args.merge:
-        for f in args.merge:
-            part = json.loads(f.read_text())
-            if "date" not in part or not all(isinstance(r, dict) and {"mix", "rate", "output_tok_s", "tpot_p50_ms"}
-                                             <= r.keys() for r in part["runs"]):
-                parser.error(f"{f} is not a result file of bench serve (its runs have no mix, rate and latencies)")
-        merged = merge(args.merge)
+        try:
+            merged = merge(args.merge)
+        except ValueError as exc:
+            parser.error(str(exc))
         args.out.write_text(json.dumps(merged, indent=1))
         print_table(merged["runs"], merged["offline"])
         if args.plot:
