@@ -15,6 +15,7 @@
 #   btests   LoRA beside the base GEMM in decode graphs (tests/gpu/test_lora_branch_cuda.py)
 #   dtests   the project's decode attention kernel (csrc/decode_attn.cu) against fp64, its bits and graphs, then in the
 #            families' engines and with FP8 pages against flashinfer's decode (DTESTS_K: -k)
+#   sanitizer compute-sanitizer memcheck on tests/gpu/sanitizer_case.py alone (SAN_S: its time limit, default 180 s)
 #   dprobe   bench/probe_decode_attn.py: that kernel against flashinfer's decode, bf16 and e4m3 pages, 7B and 70B
 #            shapes, beside the K/V bytes -> probe_decode_attn.json (DPROBE_ARGS)
 #   dncu     Nsight Compute on that kernel (bench/ncu_decode_attn.py; DNCU_ARGS: --cases ...): throughput, stall
@@ -266,6 +267,9 @@ stage() {
         | cut -c1-300 | tail -${TEST_LINES:-30}
       echo "dtests as they ended: $(grep -cE '(^| )PASSED( +\[ *[0-9]+%\])?$' "$LOGS/gpu_dtests.log") passed," \
         "$(grep -cE '(^| )(FAILED|ERROR)( +\[ *[0-9]+%\])?$' "$LOGS/gpu_dtests.log") failed" ;;
+    sanitizer)  # compute-sanitizer memcheck on tests/gpu/sanitizer_case.py alone, at the current defaults
+      PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SAN_S:-180} compute-sanitizer --tool memcheck python3 \
+        tests/gpu/sanitizer_case.py > "$LOGS/sanitizer.log" 2>&1; tail -2 "$LOGS/sanitizer.log" ;;
     dprobe)
       timeout ${PROBE_S:-240} python3 bench/probe_decode_attn.py ${DPROBE_ARGS:-} \
         --out "$OUT/probe_decode_attn${TAG:+_$TAG}.json" 2>&1 | tee "$LOGS/probe_decode_attn.log" | tail -18 ;;
