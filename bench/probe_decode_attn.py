@@ -8,7 +8,9 @@ the 32 layer calls run in one CUDA graph; µs per layer call, the K/V bytes it r
 the floor (those bytes at the card's measured copy rate, src/lorafleet/bench/rates.py). Each variant's output is
 checked against flashinfer's CUDA-core kernel on the same pages; the project's kernel with its K/V rows copied ahead
 through shared memory (`_s3`, `_s5`: stages, where each K/V head has one query head) and as a programmatic dependent
-launch (`_pdl`) also against its register version's bits.
+launch (`_pdl`) also against its register version's bits. `--chunks`: the staged programmatic launch also with other
+chunk sizes (`_cN`; a request's bits follow its chunks, so these are checked against flashinfer only) and 1 / 2 / 4 / 8
+workers; `--spread`: request lengths drawn around each context instead of all equal (the same mean).
 
     python bench/probe_decode_attn.py --out probe_decode_attn.json
 """
@@ -33,7 +35,13 @@ def main() -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[32, 8], help="requests per call (default: 32 8)")
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES), help="default: 7b 70b")
     p.add_argument("--page-size", type=int, default=16, help="tokens per page (default: 16)")
+    p.add_argument("--chunks", type=int, nargs="*", default=[],
+                   help="other chunk sizes (multiples of 16) for the staged launch, with 1/2/4/8 workers (default: none)")
+    p.add_argument("--spread", type=float, default=0.0,
+                   help="request lengths uniform in ctx x [1 - s, 1 + s] (0 <= s < 1; default 0: all ctx)")
     args = p.parse_args()
+    if any(c <= 0 or c % 16 for c in args.chunks) or not 0 <= args.spread < 1:
+        p.error("--chunks must be positive multiples of 16, --spread in [0, 1)")
 
     from probe_decode import graph_decoder
 
@@ -50,19 +58,24 @@ def main() -> None:
         H, Hkv, D = SHAPES[shape]
         for batch in args.batch:
             for ctx in args.ctx:
-                pps = math.ceil(ctx / ps)
-                P = batch * pps
                 gen = torch.Generator().manual_seed(ctx + batch)
+                if args.spread:
+                    lens = (ctx * (1 + args.spread * (2 * torch.rand(batch, generator=gen) - 1))).round().int()
+                    lens = lens.clamp(min=1).tolist()
+                else:
+                    lens = [ctx] * batch
+                pages = [math.ceil(n / ps) for n in lens]
+                P = sum(pages)
                 perm = torch.randperm(P, generator=gen).to(torch.int32)
-                indptr = torch.arange(0, P + 1, pps, dtype=torch.int32)
-                last = torch.full((batch,), ctx - (pps - 1) * ps, dtype=torch.int32)
+                indptr = torch.tensor([0] + pages, dtype=torch.int32).cumsum(0).to(torch.int32)
+                last = torch.tensor([n - (k - 1) * ps for n, k in zip(lens, pages)], dtype=torch.int32)
                 q = torch.randn(batch, H, D, dtype=torch.bfloat16, device=dev)
                 for kv_name, kv_dtype in (("bf16", torch.bfloat16), ("e4m3", torch.float8_e4m3fn)):
                     caches = []
                     for _ in range(LAYERS):
                         c = torch.randn(2, P, ps, Hkv, D, device=dev).to(kv_dtype)
                         caches.append((c[0], c[1]))  # contiguous K and V pages, as the engine's
-                    kv_bytes = batch * ctx * Hkv * D * 2 * caches[0][0].element_size()
+                    kv_bytes = sum(lens) * Hkv * D * 2 * caches[0][0].element_size()
                     out = {}
                     times = {}
                     for tc, no_split in ((False, False), (True, False), (True, True)):
@@ -83,28 +96,33 @@ def main() -> None:
                     if H == Hkv:
                         variants += [(w, st, True) for st in (3, 5) for w in sorted({1, 2, chosen})]
                         variants += [(chosen, 5, False)]
-                    for workers, stages, pdl in variants:
-                        def own(workers=workers, stages=stages, pdl=pdl):
+                    variants = [(w, st, pdl, dk.CHUNK) for w, st, pdl in variants]
+                    if H == Hkv:
+                        variants += [(w, 3, True, c) for c in args.chunks for w in (1, 2, 4, 8)]
+                    for workers, stages, pdl, chunk in variants:
+                        def own(workers=workers, stages=stages, pdl=pdl, chunk=chunk):
                             for k, v in caches:
                                 ext.decode_attention(o, q, k, v, t_indptr, t_indices, t_last, wsp.partial_o,
                                                      wsp.partial_ml, wsp.counters, 1 / math.sqrt(D), 0.0, -1,
-                                                     dk.CHUNK, dk.MAX_CHUNKS, workers,
+                                                     chunk, dk.MAX_CHUNKS, workers,
                                                      torch.cuda.current_stream().cuda_stream, stages, pdl)
 
-                        name = ("lorafleet" if workers == chosen else f"lorafleet_w{workers}") + (
+                        name = "lorafleet" + (f"_c{chunk}" if chunk != dk.CHUNK else "") + (
+                            f"_w{workers}" if workers != chosen or chunk != dk.CHUNK else "") + (
                             f"_s{stages}" if stages else "") + ("_pdl" if pdl else "")
                         times[name] = timer.graph_us([own]) / LAYERS
                         out[name] = o.clone()
                     ref = out["flashinfer"].float()
                     floor_us = kv_bytes / (floor_tb_s * 1e12) * 1e6
                     for name, us in times.items():
-                        r = {"shape": shape, "batch": batch, "ctx": ctx, "pages": kv_name, "kernel": name,
+                        r = {"shape": shape, "batch": batch, "ctx": ctx, "spread": args.spread, "pages": kv_name,
+                             "kernel": name,
                              "us_per_layer": round(us, 2), "kv_tb_s": round(kv_bytes / (us * 1e-6) / 1e12, 2),
                              "of_floor": round(floor_us / us, 3), "ms_per_step": round(us * LAYERS / 1e3, 3),
                              "max_diff_vs_flashinfer": float((out[name].float() - ref).abs().max()),
                              "agrees": bool((out[name].float() - ref).abs().max() <= 2e-2 * ref.abs().max())}
                         base = name.split("_s")[0].removesuffix("_pdl")
-                        if base != name:  # staged copies and the launch's kind change no bit of the register version's
+                        if base != name and base in out:  # staged copies and the launch's kind change no bit of the register version's
                             r["same_bits_as_registers"] = bool(torch.equal(out[name], out[base]))
                         print(json.dumps(r), flush=True)
                         rows.append(r)
