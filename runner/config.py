@@ -25,6 +25,8 @@ class KernelChoices:
     decode_stages: the project's decode kernel copies each lane's next K/V rows this many passes minus one ahead
         through shared memory (3, the default, or 5; one query head per K/V head) instead of one pass ahead into
         registers (0); the same bits.
+    decode_chunk: that kernel's chunk of a request's keys, in tokens (a multiple of 16; a request's bits follow it).
+    decode_ctas_per_sm: that kernel's CTAs per SM its workers per (request, K/V head) aim at (the same bits).
     decode_no_split: flashinfer's decode attention (on tensor cores: decode_tc 1) plans every request's K/V as one
         chunk instead of splitting long ones by a plan of the whole batch, so a request's attention does not depend on
         the others in its step (set by batch-invariant engines that keep flashinfer's decode; not read from the
@@ -115,6 +117,8 @@ class KernelChoices:
     decode_tc: str = "auto"
     decode_kernel: str = "auto"
     decode_stages: int = 3
+    decode_chunk: int = 256
+    decode_ctas_per_sm: int = 4
     decode_no_split: bool = False
     sgmv: str = "auto"
     sgmv_fused: str = "auto"
@@ -167,6 +171,10 @@ class KernelChoices:
         if self.decode_stages not in DECODE_STAGES:
             raise ValueError(f"decode_stages must be {', '.join(map(str, DECODE_STAGES[:-1]))} or "
                              f"{DECODE_STAGES[-1]}, got {self.decode_stages!r}")
+        if not 16 <= self.decode_chunk <= 4096 or self.decode_chunk % 16:
+            raise ValueError(f"decode_chunk must be a multiple of 16 from 16 to 4096, got {self.decode_chunk!r}")
+        if not 1 <= self.decode_ctas_per_sm <= 64:
+            raise ValueError(f"decode_ctas_per_sm must be from 1 to 64, got {self.decode_ctas_per_sm!r}")
         if self.dense_lora_kext % 8:
             raise ValueError(f"dense_lora_kext must be a multiple of 8 (16-byte rows), got {self.dense_lora_kext}")
         if self.decode_no_split and self.decode_tc != "1":
@@ -192,7 +200,8 @@ class KernelChoices:
 
         return cls(attention=env.attention_backend(), prefill=env.prefill_backend(),
                    decode_tc=env.decode_tensor_cores(), decode_kernel=env.decode_kernel(),
-                   decode_stages=env.decode_stages(), sgmv=env.sgmv_backend(),
+                   decode_stages=env.decode_stages(), decode_chunk=env.decode_chunk(),
+                   decode_ctas_per_sm=env.decode_ctas_per_sm(), sgmv=env.sgmv_backend(),
                    sgmv_fused=env.sgmv_fused(), fused_ops=env.fused_ops(), rope_kv=env.rope_kv_kernel(),
                    rope_kv_lora=env.rope_kv_lora(), rope_kv_fp8=env.rope_kv_fp8(),
                    norm_shrink=env.norm_shrink(), norm_quant=env.norm_quant(), norm_lora=env.norm_lora(),

@@ -53,6 +53,11 @@ def test_workers_fill_the_gpu_within_the_chunks():
     assert dk.workers(132, 2, 8) == dk.MAX_CHUNKS  # a CUDA graph: the lengths are not known
     assert dk.workers(132, 16, 8) == 4  # 528 / 128, rounded
     assert dk.CHUNK % 16 == 0
+    # shorter chunks and more CTAs per SM (LORAFLEET_DECODE_CHUNK / _CTAS_PER_SM): more workers where chunks allow
+    assert dk.workers(132, 32, 32, [370] * 32, chunk=64, ctas_per_sm=16) == 2  # 2,112 / 1,024, rounded
+    assert dk.workers(132, 32, 32, [370] * 32, chunk=64, ctas_per_sm=32) == 4
+    assert dk.workers(132, 32, 32, [370] * 32, chunk=128, ctas_per_sm=32) == 3  # 370 tokens: three chunks of 128
+    assert dk.workers(132, 32, 32, None, chunk=64, ctas_per_sm=64) == 8  # a graph: as many as asked, up to 16
 
 
 def test_workspace_holds_every_chunk_of_every_row():

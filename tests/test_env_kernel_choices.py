@@ -28,6 +28,11 @@ from lorafleet import env
     ("LORAFLEET_DECODE_STAGES", env.decode_stages, "0", 0),
     ("LORAFLEET_DECODE_STAGES", env.decode_stages, "3", 3),
     ("LORAFLEET_DECODE_STAGES", env.decode_stages, "5", 5),
+    ("LORAFLEET_DECODE_CHUNK", env.decode_chunk, None, 256),
+    ("LORAFLEET_DECODE_CHUNK", env.decode_chunk, "64", 64),
+    ("LORAFLEET_DECODE_CHUNK", env.decode_chunk, "4096", 4096),
+    ("LORAFLEET_DECODE_CTAS_PER_SM", env.decode_ctas_per_sm, None, 4),
+    ("LORAFLEET_DECODE_CTAS_PER_SM", env.decode_ctas_per_sm, "16", 16),
     ("LORAFLEET_DENSE_LORA_ROWS", env.dense_lora_rows, None, 256),
     ("LORAFLEET_DENSE_LORA_ROWS", env.dense_lora_rows, "0", 0),
     ("LORAFLEET_DENSE_LORA_ROWS", env.dense_lora_rows, "1024", 1024),
@@ -64,10 +69,25 @@ def test_bad_value_is_refused(monkeypatch):
             env.decode_stages()
     with pytest.raises(ValueError, match="decode_stages must be 0, 3 or 5, got 4"):
         KernelChoices(decode_stages=4)
+    for bad in ("0", "8", "100", "4112", "-16", "many"):
+        monkeypatch.setenv("LORAFLEET_DECODE_CHUNK", bad)
+        with pytest.raises(ValueError, match="LORAFLEET_DECODE_CHUNK must be"):
+            env.decode_chunk()
+    for bad in ("0", "65", "-1", "x"):
+        monkeypatch.setenv("LORAFLEET_DECODE_CTAS_PER_SM", bad)
+        with pytest.raises(ValueError, match="LORAFLEET_DECODE_CTAS_PER_SM must be"):
+            env.decode_ctas_per_sm()
+    with pytest.raises(ValueError, match="decode_chunk must be a multiple of 16 from 16 to 4096, got 100"):
+        KernelChoices(decode_chunk=100)
+    with pytest.raises(ValueError, match="decode_ctas_per_sm must be from 1 to 64, got 0"):
+        KernelChoices(decode_ctas_per_sm=0)
+    monkeypatch.setenv("LORAFLEET_DECODE_CHUNK", "64")
+    monkeypatch.setenv("LORAFLEET_DECODE_CTAS_PER_SM", "16")
     monkeypatch.setenv("LORAFLEET_DECODE_STAGES", "5")
     for var in ("LORAFLEET_PREFILL_BACKEND", "LORAFLEET_DECODE_TC", "LORAFLEET_DECODE_KERNEL"):
         monkeypatch.delenv(var)
-    assert KernelChoices.from_env().decode_stages == 5
+    choices = KernelChoices.from_env()
+    assert (choices.decode_stages, choices.decode_chunk, choices.decode_ctas_per_sm) == (5, 64, 16)
 
 
 # --- which kernel a step's prompt rows take under `auto` on sm90 (runner/attention/meta.py) ---

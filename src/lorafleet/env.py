@@ -107,6 +107,28 @@ def decode_stages() -> int:
     return stages
 
 
+def decode_chunk() -> int:
+    """LORAFLEET_DECODE_CHUNK: the project's decode attention kernel cuts a request's keys into chunks of this many
+    tokens (a multiple of 16 from 16 to 4,096; default 256; a request with more than 16 chunks takes longer ones). A
+    request's bits follow its own length and this number alone, so any value keeps a request's tokens independent of
+    its step; shorter chunks let more CTAs share a request (LORAFLEET_DECODE_CTAS_PER_SM)."""
+    chunk = _int("LORAFLEET_DECODE_CHUNK", 256)
+    if not 16 <= chunk <= 4096 or chunk % 16:
+        raise EnvError(f"LORAFLEET_DECODE_CHUNK must be a multiple of 16 from 16 to 4096, got {chunk}")
+    return chunk
+
+
+def decode_ctas_per_sm() -> int:
+    """LORAFLEET_DECODE_CTAS_PER_SM: the project's decode attention kernel gives each (request, K/V head) as many
+    CTAs (workers, each taking every n-th chunk) as bring a launch nearest to this many CTAs per SM, at most one per
+    chunk (1 to 64; default 4: measured fastest with 256-token chunks on an H100, docs/benchmarks.md 10.18). A launch
+    shape only: it changes no bit."""
+    n = _int("LORAFLEET_DECODE_CTAS_PER_SM", 4)
+    if not 1 <= n <= 64:
+        raise EnvError(f"LORAFLEET_DECODE_CTAS_PER_SM must be from 1 to 64, got {n}")
+    return n
+
+
 PREFILL_BACKENDS = ("auto", "fa2", "fa3")
 
 

@@ -22,13 +22,14 @@ MAX_CHUNKS = 16  # chunks per request at most: longer contexts take longer chunk
 CTAS_PER_SM = 4
 
 
-def workers(num_sms: int, rows: int, kv_heads: int, kv_lens: list[int] | None = None) -> int:
-    """CTAs per (request, K/V head) of a launch over `rows` requests: the nearest to CTAS_PER_SM per SM, at most the
-    chunks the longest request has (all MAX_CHUNKS where the lengths are not known, as in a CUDA graph). A launch shape
-    only: it changes no bit."""
+def workers(num_sms: int, rows: int, kv_heads: int, kv_lens: list[int] | None = None, chunk: int = CHUNK,
+            ctas_per_sm: int = CTAS_PER_SM) -> int:
+    """CTAs per (request, K/V head) of a launch over `rows` requests: the nearest to `ctas_per_sm` per SM, at most the
+    chunks of `chunk` tokens the longest request has (all MAX_CHUNKS where the lengths are not known, as in a CUDA
+    graph). A launch shape only: it changes no bit."""
     pairs = max(1, rows * kv_heads)
-    want = (num_sms * CTAS_PER_SM + pairs // 2) // pairs
-    most = MAX_CHUNKS if kv_lens is None else min(MAX_CHUNKS, -(-max(kv_lens, default=1) // CHUNK))
+    want = (num_sms * ctas_per_sm + pairs // 2) // pairs
+    most = MAX_CHUNKS if kv_lens is None else min(MAX_CHUNKS, -(-max(kv_lens, default=1) // chunk))
     return max(1, min(want, most))
 
 
@@ -68,13 +69,15 @@ class Tables:
 class LorafleetDecode:
     """The kernel with one model's shapes; the eager steps' workspace grows with their decode rows."""
 
-    def __init__(self, kv, cfg, device: torch.device, stages: int = 3):
+    def __init__(self, kv, cfg, device: torch.device, stages: int = 3, chunk: int = CHUNK,
+                 ctas_per_sm: int = CTAS_PER_SM):
         from lorafleet.runner import kernels
 
         self.ext = kernels.load()
         self.kv, self.device = kv, device
         self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.stages = stages if self.h == self.hkv else 0  # (grouped heads: the register version, the same bits)
+        self.chunk, self.ctas_per_sm = chunk, ctas_per_sm
         self.sm_scale, self.soft_cap = cfg.softmax_scale, cfg.attn_softcap or 0.0
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         self._eager: Workspace | None = None
@@ -88,7 +91,7 @@ class LorafleetDecode:
         return self._eager
 
     def workers(self, rows: int, kv_lens: list[int] | None = None) -> int:
-        return workers(self.num_sms, rows, self.hkv, kv_lens)
+        return workers(self.num_sms, rows, self.hkv, kv_lens, self.chunk, self.ctas_per_sm)
 
     def tables(self, page_tables, kv_lens) -> Tables:
         """A step's page table, copied to the device on the current stream."""
@@ -102,7 +105,7 @@ class LorafleetDecode:
         """out [B, Hq, D] = attention of q [B, Hq, D] over layer `layer`'s pages."""
         k, v = self.kv.layer(layer)
         self.ext.decode_attention(out, q.contiguous(), k, v, tables.indptr, tables.indices, tables.last, ws.partial_o,
-                                  ws.partial_ml, ws.counters, self.sm_scale, self.soft_cap, window_left, CHUNK,
+                                  ws.partial_ml, ws.counters, self.sm_scale, self.soft_cap, window_left, self.chunk,
                                   MAX_CHUNKS, workers, torch.cuda.current_stream(q.device).cuda_stream, self.stages,
                                   self.stages > 0)
 
