@@ -302,9 +302,11 @@ PY
     dncu)
       timeout ${PROBE_S:-300} ncu --clock-control none --kernel-name regex:decode_attention --section SpeedOfLight \
         --section WarpStateStats --section Occupancy --section MemoryWorkloadAnalysis --section LaunchStats \
-        --section SchedulerStats python3 bench/ncu_decode_attn.py ${DNCU_ARGS:-} > "$OUT/ncu_decode_attn.txt" 2>&1
+        --section SchedulerStats --section ComputeWorkloadAnalysis --section InstructionStats \
+        python3 bench/ncu_decode_attn.py ${DNCU_ARGS:-} > "$OUT/ncu_decode_attn.txt" 2>&1
       grep -E "^ +(Memory Throughput|DRAM Throughput|Duration|Achieved Occupancy|Registers Per Thread|Warp Cycles Per \
-Issued Instruction|One or More Eligible)|batch .* context" "$OUT/ncu_decode_attn.txt" | tail -40 ;;
+Issued Instruction|One or More Eligible|Issue Slots Busy|SM Busy|Executed Ipc Active)|batch .* context" \
+        "$OUT/ncu_decode_attn.txt" | tail -${NCU_LINES:-40} ;;
     loraprobe)
       timeout ${PROBE_S:-240} python3 bench/probe_lora.py --out "$OUT/probe_lora.json" 2>&1 \
         | tee "$LOGS/probe_lora.log" | tail -8 ;;
