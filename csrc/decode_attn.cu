@@ -85,10 +85,34 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
-// DPL values of one load in fp32: e4m3 pairs through the exact fp16 conversion, or T pairs.
-template <typename T, bool KV8, int DPL, typename L>
+// fp32 of e4m3 byte 3 - I of w, exactly: its sign, exponent and mantissa bits placed as an fp32's (sign, the low 4
+// exponent bits, the top 3 mantissa bits; a code with exponent 0 becomes an fp32 subnormal of the same fraction), then
+// times 2^120 (the two formats' exponent biases apart; a product of a power of two, exact, subnormals kept: no ftz).
+// The two NaN codes read as -+480.
+template <int I>
+__device__ __forceinline__ float e4m3_byte_to_float(uint32_t w) {
+  const uint32_t x = w << (8 * I);  // the byte at bits 24-31
+  const uint32_t bits = (x & 0x80000000u) | ((x >> 4) & 0x07f00000u);
+  float f;
+  asm("mul.rn.f32 %0, %1, 0f7B800000;" : "=f"(f) : "f"(__uint_as_float(bits)));  // 0f7B800000 = 2^120
+  return f;
+}
+
+// DPL values of one load in fp32: e4m3 pairs through the exact fp16 conversion (kIntCvt: by integer ops,
+// e4m3_byte_to_float, the same values), or T pairs.
+template <typename T, bool KV8, int DPL, bool kIntCvt = false, typename L>
 __device__ __forceinline__ void unpack(const L& raw, float f[DPL]) {
-  if constexpr (KV8) {
+  if constexpr (KV8 && kIntCvt) {
+    static_assert(DPL % 4 == 0, "decode_attention: the integer conversion takes whole 32-bit words");
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(&raw);
+#pragma unroll
+    for (int e = 0; e < DPL / 4; ++e) {  // little-endian: byte 0 of w[e] is element 4e
+      f[4 * e] = e4m3_byte_to_float<3>(w[e]);
+      f[4 * e + 1] = e4m3_byte_to_float<2>(w[e]);
+      f[4 * e + 2] = e4m3_byte_to_float<1>(w[e]);
+      f[4 * e + 3] = e4m3_byte_to_float<0>(w[e]);
+    }
+  } else if constexpr (KV8) {
     const __nv_fp8x2_storage_t* p = reinterpret_cast<const __nv_fp8x2_storage_t*>(&raw);
 #pragma unroll
     for (int e = 0; e < DPL / 2; ++e) {
@@ -128,7 +152,7 @@ __device__ __forceinline__ float tanh_fast(float x) {
   return copysignf(__fdividef(e, e + 2.f), x);
 }
 
-template <typename T, bool KV8, int D, int G, int kStages>
+template <typename T, bool KV8, int D, int G, int kStages, bool kIntCvt = false>
 __global__ void __launch_bounds__(kThreads, kStages > 0 ? 4 : 2) decode_attention_kernel(const DecodeAttnArgs p) {
   using S = Shape<D, G, KV8 ? 1 : 2>;
   constexpr int DPL = S::DPL, LPT = S::LPT, TPW = S::TPW;
@@ -342,7 +366,7 @@ __global__ void __launch_bounds__(kThreads, kStages > 0 ? 4 : 2) decode_attentio
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         float kf[DPL];
-        unpack<T, KV8, DPL>(kr[u], kf);
+        unpack<T, KV8, DPL, kIntCvt>(kr[u], kf);
 #pragma unroll
         for (int j = 0; j < G; ++j) {
           float d = 0.f;
@@ -355,7 +379,7 @@ __global__ void __launch_bounds__(kThreads, kStages > 0 ? 4 : 2) decode_attentio
       }
       float vf[kUnroll][DPL];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) unpack<T, KV8, DPL>(vr[u], vf[u]);
+      for (int u = 0; u < kUnroll; ++u) unpack<T, KV8, DPL, kIntCvt>(vr[u], vf[u]);
 #pragma unroll
       for (int j = 0; j < G; ++j) {
         if (j >= g) continue;
@@ -496,6 +520,12 @@ template <typename T, bool KV8, int D>
 const char* launch_group(const DecodeAttnArgs& a, int group, dim3 grid, cudaStream_t stream, int major) {
   cudaError_t err;
   auto go = [&](auto kernel) { return launch_one(kernel, a, grid, stream, major); };
+  if constexpr (KV8) {
+    if (group <= 1 && a.stages == 3 && a.int_convert) {
+      err = go(decode_attention_kernel<T, true, D, 1, 3, true>);
+      return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
+    }
+  }
   if (group <= 1 && a.stages == 3) err = go(decode_attention_kernel<T, KV8, D, 1, 3>);
   else if (group <= 1 && a.stages == 5) err = go(decode_attention_kernel<T, KV8, D, 1, 5>);
   else if (group <= 1) err = go(decode_attention_kernel<T, KV8, D, 1, 0>);
@@ -537,6 +567,8 @@ const char* decode_attention(DType dtype, const DecodeAttnArgs& a, int device, v
   if (!decode_attention_stages_ok(a.stages)) return "decode_attention: stages must be 0, 3 or 5";
   if (a.pdl && (a.stages == 0 || a.num_heads != a.num_kv_heads))
     return "decode_attention: a programmatic launch needs stages 3 or 5 and one query head per K/V head";
+  if (a.int_convert && (!a.kv_e4m3 || a.stages != 3 || a.num_heads != a.num_kv_heads))
+    return "decode_attention: the integer conversion takes e4m3 pages, stages 3 and one query head per K/V head";
   if (a.page_size <= 0 || a.num_pages <= 0 || a.chunk <= 0 || a.chunk % 16 != 0 || a.max_chunks <= 0 ||
       a.workers <= 0)
     return "decode_attention: page_size, num_pages, max_chunks and workers must be positive, chunk a multiple of 16";

@@ -58,6 +58,10 @@ struct DecodeAttnArgs {
                                            // ahead through shared memory (one query head per K/V head; the same bits)
   bool pdl = false;                        // a programmatic dependent launch (sm_90+; stages 3 / 5 only): the page
                                            // tables read before the wait for the kernel before, q and K/V after
+  bool int_convert = false;                // e4m3 pages with stages 3 and one query head per K/V head: each byte to
+                                           // fp32 by integer ops and one exact multiply instead of the cvt
+                                           // instructions (the same values for every code but the two NaNs, read as
+                                           // -+480; so the same bits)
 };
 
 // Whether `stages` is one the kernel is built for (0, 3 or 5).

@@ -58,7 +58,7 @@ class Case:
         return [a.to(DEV) for a in arrays]
 
     def run(self, q=None, tables=None, lens=None, workers=1, sm_scale=None, cap=0.0, window_left=-1, ws_rows=None,
-            chunk=CHUNK, max_chunks=MAX_CHUNKS, stages=0, pdl=False):
+            chunk=CHUNK, max_chunks=MAX_CHUNKS, stages=0, pdl=False, int_convert=False):
         q = self.q if q is None else q
         B = q.shape[0]
         indptr, indices, last = self.arrays(tables, lens)
@@ -70,7 +70,7 @@ class Case:
         scale = 1 / math.sqrt(self.D) if sm_scale is None else sm_scale
         ext().decode_attention(out, q, self.k, self.v, indptr, indices, last, self.partial_o, self.partial_ml,
                                self.counters, scale, cap, window_left, chunk, max_chunks, workers, stream(), stages,
-                               pdl)
+                               pdl, int_convert)
         torch.cuda.synchronize()
         return out
 
@@ -168,6 +168,29 @@ def test_staged_copies_give_the_register_versions_bits(stages, D, kv, dtype):
         for w in (1, 2, 16):
             assert torch.equal(c.run(workers=w, stages=stages), want), f"group={group} workers={w}"
             assert int(c.counters.abs().sum()) == 0
+            if kv == "e4m3" and stages == 3 and group == 1:  # the bytes to fp32 by integer ops: the same values
+                assert torch.equal(c.run(workers=w, stages=3, pdl=w == 2, int_convert=True), want), f"ic workers={w}"
+
+
+def test_integer_conversion_reads_every_e4m3_code_as_the_cvt_does():
+    """Pages holding each of the 254 non-NaN e4m3 codes (subnormals, +-0, +-448) in K and V: the staged launch that
+    converts bytes by integer ops gives the register version's bits; refused where it does not apply."""
+    c = Case([300, 17, 64], 2, 1, 128, torch.bfloat16, E4M3, seed=11)
+    codes = torch.tensor([b for b in range(256) if b not in (0x7F, 0xFF)], dtype=torch.uint8, device=DEV)
+    g = torch.Generator(device=DEV).manual_seed(3)
+    for pages in (c.k, c.v):
+        flat = pages.view(torch.uint8).view(-1)
+        flat.copy_(codes[torch.randint(0, codes.numel(), (flat.numel(),), generator=g, device=DEV)])
+    c.k.view(torch.uint8).view(-1)[: codes.numel()] = codes  # every code at least once
+    c.v.view(torch.uint8).view(-1)[: codes.numel()] = codes
+    want = c.run(workers=1)
+    assert_close(want, c.reference(), c.v.float().abs().max().item(), "all codes")
+    assert torch.equal(c.run(workers=2, stages=3, pdl=True, int_convert=True), want)
+    with pytest.raises(RuntimeError, match="integer conversion takes e4m3 pages, stages 3"):
+        c.run(stages=5, int_convert=True)
+    b = Case([40], 2, 1, 64, torch.bfloat16, torch.bfloat16, seed=1)
+    with pytest.raises(RuntimeError, match="integer conversion takes e4m3 pages, stages 3"):
+        b.run(stages=3, int_convert=True)
 
 
 @pytest.mark.parametrize("page_size", [1, 5, 16])
