@@ -27,6 +27,7 @@ class KernelChoices:
         registers (0); the same bits.
     decode_chunk: that kernel's chunk of a request's keys, in tokens (a multiple of 16; a request's bits follow it).
     decode_ctas_per_sm: that kernel's CTAs per SM its workers per (request, K/V head) aim at (the same bits).
+    decode_int_convert: that kernel, with e4m3 pages and 3 stages, turns bytes into fp32 by integer ops (the same bits).
     decode_no_split: flashinfer's decode attention (on tensor cores: decode_tc 1) plans every request's K/V as one
         chunk instead of splitting long ones by a plan of the whole batch, so a request's attention does not depend on
         the others in its step (set by batch-invariant engines that keep flashinfer's decode; not read from the
@@ -119,6 +120,7 @@ class KernelChoices:
     decode_stages: int = 3
     decode_chunk: int = 256
     decode_ctas_per_sm: int = 4
+    decode_int_convert: bool = False
     decode_no_split: bool = False
     sgmv: str = "auto"
     sgmv_fused: str = "auto"
@@ -201,7 +203,8 @@ class KernelChoices:
         return cls(attention=env.attention_backend(), prefill=env.prefill_backend(),
                    decode_tc=env.decode_tensor_cores(), decode_kernel=env.decode_kernel(),
                    decode_stages=env.decode_stages(), decode_chunk=env.decode_chunk(),
-                   decode_ctas_per_sm=env.decode_ctas_per_sm(), sgmv=env.sgmv_backend(),
+                   decode_ctas_per_sm=env.decode_ctas_per_sm(), decode_int_convert=env.decode_int_convert(),
+                   sgmv=env.sgmv_backend(),
                    sgmv_fused=env.sgmv_fused(), fused_ops=env.fused_ops(), rope_kv=env.rope_kv_kernel(),
                    rope_kv_lora=env.rope_kv_lora(), rope_kv_fp8=env.rope_kv_fp8(),
                    norm_shrink=env.norm_shrink(), norm_quant=env.norm_quant(), norm_lora=env.norm_lora(),

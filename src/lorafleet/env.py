@@ -118,6 +118,13 @@ def decode_chunk() -> int:
     return chunk
 
 
+def decode_int_convert() -> bool:
+    """LORAFLEET_DECODE_INT_CVT: with e4m3 pages, 3 stages and one query head per K/V head, the project's decode
+    kernel turns each K/V byte into fp32 by integer ops and one exact multiply instead of the cvt instructions (the same
+    values, so the same bits; default 0 until measured)."""
+    return _flag("LORAFLEET_DECODE_INT_CVT", False)
+
+
 def decode_ctas_per_sm() -> int:
     """LORAFLEET_DECODE_CTAS_PER_SM: the project's decode attention kernel gives each (request, K/V head) as many
     CTAs (workers, each taking every n-th chunk) as bring a launch nearest to this many CTAs per SM, at most one per

@@ -204,3 +204,31 @@ def test_staged_decode_kernel_gives_the_register_versions_logits(ungrouped, stag
     span = (staged.max(-1).values - staged.min(-1).values)[:, None]
     assert ((replay - staged).abs() / span).max().item() < teacher.TOL
     assert (replay.argmax(-1) == staged.argmax(-1)).float().mean().item() >= 0.9
+
+
+def test_integer_conversion_and_short_chunks_in_the_engine(ungrouped):
+    """KernelChoices.decode_int_convert (e4m3 bytes to fp32 by integer ops): a decode step's eager logits bit for bit
+    those of the cvt instructions; decode_chunk 64 with 16 CTAs per SM (more workers per request): logits within the
+    replay tolerance of the default chunk's (the chunks' merge order differs), and its graph replay agrees with them."""
+    model, reqs = ungrouped
+    eng, batch = teacher.decode_step(model, reqs, kv_cache_dtype="fp8",
+                                     kernels=KernelChoices(decode_int_convert=True))
+    own = eng.attention.own
+    assert own is not None and own.int_convert and own.stages == 3
+    d = batch.to_device(eng.device)
+    ic = eng.runner.forward(batch, d).clone()
+    own.int_convert = False
+    try:
+        cvt = eng.runner.forward(batch, d).clone()
+    finally:
+        own.int_convert = True
+    assert torch.equal(ic, cvt)
+    eng2, batch2 = teacher.decode_step(model, reqs, kv_cache_dtype="fp8",
+                                       kernels=KernelChoices(decode_chunk=64, decode_ctas_per_sm=16))
+    assert eng2.attention.own.chunk == 64 and eng2.attention.own.ctas_per_sm == 16
+    d2 = batch2.to_device(eng2.device)
+    short = eng2.runner.forward(batch2, d2).clone()
+    span = (cvt.max(-1).values - cvt.min(-1).values)[:, None]
+    assert ((short - cvt).abs() / span).max().item() < teacher.TOL
+    replay = eng2.runner.graphs.run(batch2, d2).clone()
+    assert ((replay - short).abs() / span).max().item() < teacher.TOL

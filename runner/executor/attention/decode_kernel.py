@@ -70,7 +70,7 @@ class LorafleetDecode:
     """The kernel with one model's shapes; the eager steps' workspace grows with their decode rows."""
 
     def __init__(self, kv, cfg, device: torch.device, stages: int = 3, chunk: int = CHUNK,
-                 ctas_per_sm: int = CTAS_PER_SM):
+                 ctas_per_sm: int = CTAS_PER_SM, int_convert: bool = False):
         from lorafleet.runner import kernels
 
         self.ext = kernels.load()
@@ -78,6 +78,8 @@ class LorafleetDecode:
         self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.stages = stages if self.h == self.hkv else 0  # (grouped heads: the register version, the same bits)
         self.chunk, self.ctas_per_sm = chunk, ctas_per_sm
+        # (e4m3 pages with 3 stages only: the bytes to fp32 by integer ops, the same bits)
+        self.int_convert = int_convert and self.stages == 3 and kv.k.dtype == torch.float8_e4m3fn
         self.sm_scale, self.soft_cap = cfg.softmax_scale, cfg.attn_softcap or 0.0
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         self._eager: Workspace | None = None
@@ -107,7 +109,7 @@ class LorafleetDecode:
         self.ext.decode_attention(out, q.contiguous(), k, v, tables.indptr, tables.indices, tables.last, ws.partial_o,
                                   ws.partial_ml, ws.counters, self.sm_scale, self.soft_cap, window_left, self.chunk,
                                   MAX_CHUNKS, workers, torch.cuda.current_stream(q.device).cuda_stream, self.stages,
-                                  self.stages > 0)
+                                  self.stages > 0, self.int_convert)
 
 
 class GraphDecodeTables:

@@ -72,7 +72,7 @@ class FlashInferAttention:
     def __init__(self, kv: KVCache, cfg, device: torch.device, prefill_choice: str = "auto",
                  q_dtype: torch.dtype | None = None, decode_tc: str = "auto", decode_kernel_choice: str = "auto",
                  decode_no_split: bool = False, decode_stages: int = 3, decode_chunk: int = 256,
-                 decode_ctas_per_sm: int = 4):
+                 decode_ctas_per_sm: int = 4, decode_int_convert: bool = False):
         self.kv, self.cfg, self.device = kv, cfg, device
         self.q_dtype = q_dtype or kv.k.dtype  # FP8 pages: queries stay in the model's dtype
         self.kv_dtype = kv.k.dtype
@@ -111,7 +111,7 @@ class FlashInferAttention:
         if decode_kernel_choice == "lorafleet":
             if decode_kernel.supported(cfg):
                 self.own = decode_kernel.LorafleetDecode(kv, cfg, device, decode_stages, decode_chunk,
-                                                         decode_ctas_per_sm)
+                                                         decode_ctas_per_sm, decode_int_convert)
                 log.info("decode rows on the lorafleet decode attention kernel (%s pages%s)", str(self.kv_dtype)[6:],
                          f", {self.own.stages} stages" if self.own.stages else "")
                 if self.h // self.hkv >= 8:
