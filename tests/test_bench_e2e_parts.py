@@ -166,6 +166,18 @@ def test_breakdown_profiles_steps_with_prompt_rows_while_the_batch_fills(tiny_ll
     assert not any("carried no prompt rows" in ln for ln in lines)
     assert not eng.has_work() and eng.blocks.free_pages == eng.blocks.num_pages
 
+    # at a longer context: each profiled prompt is the request's tokens repeated to 50
+    seen = []
+    submit = eng.submit
+    eng.submit = lambda seq: (seen.append(list(seq.prompt_ids)), submit(seq))[1]
+    try:
+        profile_breakdown(eng, reqs, lines.append, lambda i: str(sets[i % 2]), mixed_steps=0, context=50)
+    finally:
+        eng.submit = submit
+    assert [len(p) for p in seen] == [50] * 6
+    assert all(p == (ids * 3)[:50] for p, (ids, _) in zip(seen, reqs))
+    assert not eng.has_work() and eng.blocks.free_pages == eng.blocks.num_pages
+
     # asked for more steps than prompts wait for: it stops when none waits, so no decode-only step is
     # averaged in
     reqs = [(rng.integers(3, 500, 20).tolist(), 8) for _ in range(6)]

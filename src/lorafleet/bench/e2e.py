@@ -213,20 +213,23 @@ def run_mix(engine, reqs, names, weights_of, label: str, log, fm: dict | None = 
 
 
 def profile_breakdown(engine, reqs, log, source_of=str, mixed_steps: int = 4, fm: dict | None = None,
-                      identical: bool = False, lora: bool = True) -> dict:
+                      identical: bool = False, lora: bool = True, context: int | None = None) -> dict:
     """GPU time per category over decode steps at full batch, vs wall time (the rest is host). With
     `mixed_steps`, first up to that many steps while the batch fills (from half of it decoding on, while
     prompts wait, so that each carries prompt rows beside decodes) -> `mixed`, with each profiled step's
     rows; a profiled step that carried no prompt rows is logged as such. Every request its own adapter, or
     (`identical`) all the same one; with the floor model `fm`, `lora_bytes_ms`: the time its adapters' bytes
-    take at the floor's bandwidth, beside `lora_sgmv`. `lora=False`: no adapters (an engine without LoRA)."""
+    take at the floor's bandwidth, beside `lora_sgmv`. `lora=False`: no adapters (an engine without LoRA).
+    `context`: each profiled request's prompt, in tokens (its own, repeated where shorter), so that the decode steps
+    are profiled a few tokens past this context; None: its first 128 tokens."""
     from lorafleet.runner.engine.sequence import AdapterRef, SamplingParams, Sequence
 
     full = min(engine.config.max_batch_size, len(reqs))
     tag = "prof-same" if identical else "prof"
     for i, (ids, _) in enumerate(reqs[:full]):
         k = 0 if identical else i
-        engine.submit(Sequence(f"{tag}{i}", ids[:128], SamplingParams(max_tokens=200, ignore_eos=True),
+        prompt = ids[:128] if context is None else (list(ids) * -(-context // max(1, len(ids))))[:context]
+        engine.submit(Sequence(f"{tag}{i}", prompt, SamplingParams(max_tokens=200, ignore_eos=True),
                                AdapterRef(f"{tag}-{k}", source_of(k)) if lora else None))
     mixed = None
     for _ in range(2000):  # until every request is admitted (adapter loads) and decoding
@@ -838,6 +841,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: --requests)")
     p.add_argument("--profile", action="store_true", help="per-step GPU time breakdown: decode steps at full batch and steps with "
                    "prompt rows while the batch fills (each max batch of --sweep too)")
+    p.add_argument("--profile-context", type=cli_args.positive_int, default=None, metavar="TOKENS",
+                   help="--profile: each profiled request's prompt in tokens (its own, repeated), so the decode steps "
+                        "are profiled at about this context (default: each request's first 128 tokens; the "
+                        "ShareGPT-like mixes average ~370 tokens over their decode steps)")
     p.add_argument("--interference", action="store_true",
                    help="8k-token prompts into a full decode batch, chunked (the engine's step budget) and unchunked")
     p.add_argument("--interference-adapters", choices=["distinct", "none"], default="distinct",
@@ -1013,9 +1020,10 @@ def main(argv: list[str] | None = None) -> int:
                                      "prefill, 64 distinct adapters", log, profile=args.profile)}
         save_partial()
     if args.profile:
-        results["breakdown_lora_distinct"] = profile_breakdown(eng, reqs, log, fm=fm)
+        results["breakdown_lora_distinct"] = profile_breakdown(eng, reqs, log, fm=fm, context=args.profile_context)
         save_partial()
-        results["breakdown_lora_identical"] = profile_breakdown(eng, reqs, log, fm=fm, identical=True, mixed_steps=0)
+        results["breakdown_lora_identical"] = profile_breakdown(eng, reqs, log, fm=fm, identical=True, mixed_steps=0,
+                                                                context=args.profile_context)
         save_partial()
     if args.interference:
         eng = eng or make_engine(args.max_batch, True)
@@ -1071,7 +1079,7 @@ def main(argv: list[str] | None = None) -> int:
             results["runs"].append(run_mix(eng, reqs, [None] * n, lambda i: 0, "lora off", log, fm))
             if args.profile:
                 off = results["breakdown_lora_off"] = profile_breakdown(eng, reqs, log, fm=fm, lora=False,
-                                                                        mixed_steps=0)
+                                                                        mixed_steps=0, context=args.profile_context)
                 results["lora_exposed_ms"] = exposed = lora_exposed(results, off)
                 log("LoRA per decode step, exposed (the full-batch step's wall, unprofiled, against LoRA off's "
                     f"{off.get('wall_ms_unprofiled')} ms): " + ", ".join(f"{k} {v} ms" for k, v in exposed.items()))
@@ -1091,7 +1099,7 @@ def main(argv: list[str] | None = None) -> int:
                       fm)
         res["max_batch"] = mb
         if args.profile:
-            res["breakdown"] = profile_breakdown(eng, reqs, log, fm=fm)
+            res["breakdown"] = profile_breakdown(eng, reqs, log, fm=fm, context=args.profile_context)
         results["runs"].append(res)
         save_partial()
         del eng
@@ -1186,12 +1194,15 @@ def _tp_session(job: dict, conn) -> None:
                 out["runs"].append(res)
             if job["profile"]:  # full-batch decode steps: every mix of the run, and LoRA off's (exposed time)
                 if not lora:
-                    out["breakdown_off"] = profile_breakdown(eng, reqs, log, fm=fm, lora=False, mixed_steps=0)
+                    out["breakdown_off"] = profile_breakdown(eng, reqs, log, fm=fm, lora=False, mixed_steps=0,
+                                                             context=job.get("profile_context"))
                 else:
-                    out["breakdown"] = profile_breakdown(eng, reqs, log, source, fm=fm)
+                    out["breakdown"] = profile_breakdown(eng, reqs, log, source, fm=fm,
+                                                         context=job.get("profile_context"))
                     if "identical" in job["mixes"]:
                         out["breakdown_identical"] = profile_breakdown(eng, reqs, log, source, fm=fm, identical=True,
-                                                                       mixed_steps=0)
+                                                                       mixed_steps=0,
+                                                                       context=job.get("profile_context"))
         finally:
             eng.close()
         conn.send(("ok", out))
@@ -1234,7 +1245,8 @@ def run_tp(args) -> int:
                    "requests": args.requests, "seed": args.seed, "max_batch": args.max_batch,
                    "step_tokens": args.step_tokens, "path": str(path), "mixes": list(args.mixes),
                    "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
-                   "batch_invariant": args.batch_invariant, "profile": args.profile}
+                   "batch_invariant": args.batch_invariant, "profile": args.profile,
+                   "profile_context": args.profile_context}
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_tp_session, args=(job, child), daemon=False)
             proc.start()
