@@ -299,8 +299,8 @@ PY
       for v in "256 4 0" "$1 $2 $3"; do
         set -- $v
         LORAFLEET_DECODE_CHUNK=$1 LORAFLEET_DECODE_CTAS_PER_SM=$2 LORAFLEET_DECODE_INT_CVT=$3 timeout ${LORA_S:-300} \
-          $E2E --requests ${AB_REQS:-200} --mixes distinct identical --sweep --hf-requests 0 --profile --profile-context 370 \
-          --quantization fp8 --kv-cache-dtype fp8 --out "$OUT/e2e_dchunk_$1_$2_$3.json" 2>&1 \
+          $E2E --requests ${AB_REQS:-200} --mixes distinct identical --sweep --hf-requests 0 --profile \
+          --profile-context 370 --quantization fp8 --kv-cache-dtype fp8 --out "$OUT/e2e_dchunk_$1_$2_$3.json" 2>&1 \
           | tee "$LOGS/e2e_dchunk_$1_$2_$3.log" | grep -E "tok/s|LoRA per decode|Error|Traceback" | cut -c1-300 | tail -10
       done ;;
     dncu)
