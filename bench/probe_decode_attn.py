@@ -37,7 +37,7 @@ def main() -> None:
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES), help="default: 7b 70b")
     p.add_argument("--page-size", type=int, default=16, help="tokens per page (default: 16)")
     p.add_argument("--chunks", type=int, nargs="*", default=[],
-                   help="other chunk sizes (multiples of 16) for the staged launch, with 1/2/4/8 workers (default: none)")
+                   help="other chunk sizes (multiples of 16) for the staged launch, 1/2/4/8 workers (default: none)")
     p.add_argument("--spread", type=float, default=0.0,
                    help="request lengths uniform in ctx x [1 - s, 1 + s] (0 <= s < 1; default 0: all ctx)")
     args = p.parse_args()
@@ -126,7 +126,8 @@ def main() -> None:
                              "max_diff_vs_flashinfer": float((out[name].float() - ref).abs().max()),
                              "agrees": bool((out[name].float() - ref).abs().max() <= 2e-2 * ref.abs().max())}
                         base = name.split("_s")[0].removesuffix("_pdl")  # (_ic: also the conversion's values)
-                        if base != name and base in out:  # staged copies and the launch's kind change no bit of the register version's
+                        # staged copies and the launch's kind change no bit of the register version's
+                        if base != name and base in out:
                             r["same_bits_as_registers"] = bool(torch.equal(out[name], out[base]))
                         print(json.dumps(r), flush=True)
                         rows.append(r)
