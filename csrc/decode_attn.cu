@@ -520,13 +520,9 @@ template <typename T, bool KV8, int D>
 const char* launch_group(const DecodeAttnArgs& a, int group, dim3 grid, cudaStream_t stream, int major) {
   cudaError_t err;
   auto go = [&](auto kernel) { return launch_one(kernel, a, grid, stream, major); };
-  if constexpr (KV8) {
-    if (group <= 1 && a.stages == 3 && a.int_convert) {
-      err = go(decode_attention_kernel<T, true, D, 1, 3, true>);
-      return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
-    }
-  }
-  if (group <= 1 && a.stages == 3) err = go(decode_attention_kernel<T, KV8, D, 1, 3>);
+  // (int_convert: e4m3 pages only, checked before; with KV8 false the branch's kernel is the plain one, never taken)
+  if (KV8 && group <= 1 && a.stages == 3 && a.int_convert) err = go(decode_attention_kernel<T, KV8, D, 1, 3, KV8>);
+  else if (group <= 1 && a.stages == 3) err = go(decode_attention_kernel<T, KV8, D, 1, 3>);
   else if (group <= 1 && a.stages == 5) err = go(decode_attention_kernel<T, KV8, D, 1, 5>);
   else if (group <= 1) err = go(decode_attention_kernel<T, KV8, D, 1, 0>);
   else if (group <= 2) err = go(decode_attention_kernel<T, KV8, D, 2, 0>);

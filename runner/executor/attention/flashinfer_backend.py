@@ -71,8 +71,8 @@ class FlashInferAttention:
 
     def __init__(self, kv: KVCache, cfg, device: torch.device, prefill_choice: str = "auto",
                  q_dtype: torch.dtype | None = None, decode_tc: str = "auto", decode_kernel_choice: str = "auto",
-                 decode_no_split: bool = False, decode_stages: int = 3, decode_chunk: int = 256,
-                 decode_ctas_per_sm: int = 4, decode_int_convert: bool = False):
+                 decode_no_split: bool = False, decode_stages: int = 3, decode_chunk: int = decode_kernel.CHUNK,
+                 decode_ctas_per_sm: int = decode_kernel.CTAS_PER_SM, decode_int_convert: bool = False):
         self.kv, self.cfg, self.device = kv, cfg, device
         self.q_dtype = q_dtype or kv.k.dtype  # FP8 pages: queries stay in the model's dtype
         self.kv_dtype = kv.k.dtype
