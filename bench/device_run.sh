@@ -18,9 +18,9 @@
 #   sanitizer compute-sanitizer memcheck on tests/gpu/sanitizer_case.py alone (SAN_S: its time limit, default 180 s)
 #   dprobe   bench/probe_decode_attn.py: that kernel against flashinfer's decode, bf16 and e4m3 pages, 7B and 70B
 #            shapes, beside the K/V bytes -> probe_decode_attn.json (DPROBE_ARGS)
-#   dchunkab the fastest staged launch of an earlier dprobe (e4m3 pages, batch 32: chunk, workers, integer conversion;
-#            this call's or, on a warm machine, the last call's) against the defaults: bench e2e, FP8 weights + FP8 K/V,
-#            distinct / identical / LoRA off (AB_REQS, default 200) -> e2e_dchunk_CHUNK_CTAS_IC.json
+#   dchunkab the fastest staged launch of an earlier dprobe (e4m3 pages, batch 32: chunk, workers, integer conversion,
+#            tensor cores; this call's or, on a warm machine, the last call's) against the defaults: bench e2e, FP8
+#            weights + FP8 K/V, distinct / identical / LoRA off (AB_REQS, default 200) -> e2e_dchunk_C_CTAS_IC_MMA.json
 #   dncu     Nsight Compute on that kernel (bench/ncu_decode_attn.py; DNCU_ARGS: --cases ...): throughput, stall
 #            reasons, occupancy per case -> ncu_decode_attn.txt
 #   samptests log-probabilities, prompt log-probabilities, penalties, logit_bias, min_tokens on the CUDA engine
@@ -277,31 +277,32 @@ stage() {
       timeout ${PROBE_S:-240} python3 bench/probe_decode_attn.py ${DPROBE_ARGS:-} \
         --out "$OUT/probe_decode_attn${TAG:+_$TAG}.json" 2>&1 | tee "$LOGS/probe_decode_attn.log" | tail -18
       mkdir -p /tmp/keep && cp "$OUT/probe_decode_attn${TAG:+_$TAG}.json" /tmp/keep/ 2>/dev/null ;;
-    dchunkab)  # the dprobe rows' fastest staged launch on e4m3 pages (batch 32: chunk, workers, integer conversion)
-      local pick  # against the defaults, end to end (the probe's JSON from this call's $OUT or else /tmp/keep)
+    dchunkab)  # the dprobe rows' fastest staged launch on e4m3 pages (batch 32: chunk, workers, integer conversion,
+      local pick  # tensor cores) against the defaults, end to end (the probe's JSON from this call's $OUT or /tmp/keep)
       [ -f "$OUT/probe_decode_attn.json" ] || cp /tmp/keep/probe_decode_attn.json "$OUT/" || return 0
       pick=$(python3 - "$OUT/probe_decode_attn.json" <<'PY'
 import json, re, sys
-rows = [r for r in json.load(open(sys.argv[1]))["rows"] if r["pages"] == "e4m3" and r["batch"] == 32]
+rows = [r for r in json.load(open(sys.argv[1]))["rows"] if r["pages"] == "e4m3" and r["batch"] == 32 and r["agrees"]]
 t = {}
 for r in rows:
-    m = re.fullmatch(r"lorafleet(?:_c(\d+))?(?:_w(\d+))?_s3_pdl(_ic)?", r["kernel"])
+    m = re.fullmatch(r"lorafleet(?:_c(\d+))?(?:_w(\d+))?_s3_pdl(_ic)?(_mma)?", r["kernel"])
     if m:
-        t.setdefault((int(m[1] or 256), int(m[2] or 0), int(bool(m[3]))), []).append(r["us_per_layer"])
-(c, w, ic), us = min(t.items(), key=lambda kv: sum(kv[1]) / len(kv[1]))
+        t.setdefault((int(m[1] or 256), int(m[2] or 0), int(bool(m[3])), int(bool(m[4]))), []).append(r["us_per_layer"])
+(c, w, ic, mma), us = min(t.items(), key=lambda kv: sum(kv[1]) / len(kv[1]))
 ctas = max(1, round(w * 32 * 32 / 132)) if w else 4  # workers(132 SMs, 32 rows, 32 K/V heads) == w
-print(f"{c} {ctas} {ic}")
+print(f"{c} {ctas} {ic} {mma}")
 PY
 )
       set -- $pick
-      echo "dchunkab: chunk $1, $2 CTAs per SM, integer conversion $3 against 256, 4, 0"
-      [ "$1 $2 $3" = "256 4 0" ] && return 0
-      for v in "256 4 0" "$1 $2 $3"; do
+      echo "dchunkab: chunk $1, $2 CTAs per SM, integer conversion $3, tensor cores $4 against 256, 4, 0, 0"
+      [ "$1 $2 $3 $4" = "256 4 0 0" ] && return 0
+      for v in "256 4 0 0" "$1 $2 $3 $4"; do
         set -- $v
-        LORAFLEET_DECODE_CHUNK=$1 LORAFLEET_DECODE_CTAS_PER_SM=$2 LORAFLEET_DECODE_INT_CVT=$3 timeout ${LORA_S:-300} \
-          $E2E --requests ${AB_REQS:-200} --mixes distinct identical --sweep --hf-requests 0 --profile \
-          --profile-context 370 --quantization fp8 --kv-cache-dtype fp8 --out "$OUT/e2e_dchunk_$1_$2_$3.json" 2>&1 \
-          | tee "$LOGS/e2e_dchunk_$1_$2_$3.log" | grep -E "tok/s|LoRA per decode|Error|Traceback" | cut -c1-300 | tail -10
+        LORAFLEET_DECODE_CHUNK=$1 LORAFLEET_DECODE_CTAS_PER_SM=$2 LORAFLEET_DECODE_INT_CVT=$3 LORAFLEET_DECODE_MMA=$4 \
+          timeout ${LORA_S:-300} $E2E --requests ${AB_REQS:-200} --mixes distinct identical --sweep --hf-requests 0 \
+          --profile --profile-context 370 --quantization fp8 --kv-cache-dtype fp8 \
+          --out "$OUT/e2e_dchunk_$1_$2_$3_$4.json" 2>&1 \
+          | tee "$LOGS/e2e_dchunk_$1_$2_$3_$4.log" | grep -E "tok/s|LoRA per decode|Error|Traceback" | cut -c1-300 | tail -10
       done ;;
     dncu)
       timeout ${PROBE_S:-300} ncu --clock-control none --kernel-name regex:decode_attention --section SpeedOfLight \

@@ -9,7 +9,8 @@ the floor (those bytes at the card's measured copy rate, src/lorafleet/bench/rat
 checked against flashinfer's CUDA-core kernel on the same pages; the project's kernel with its K/V rows copied ahead
 through shared memory (`_s3`, `_s5`: stages, where each K/V head has one query head) and as a programmatic dependent
 launch (`_pdl`) also against its register version's bits, as is the staged launch that converts e4m3 bytes by integer
-ops (`_ic`). `--chunks`: the staged programmatic launch also with other
+ops (`_ic`); the tensor-core kernel on e4m3 pages (`_mma`, any group; its own bits, so checked against flashinfer
+only). `--chunks`: the staged programmatic launch also with other
 chunk sizes (`_cN`; a request's bits follow its chunks, so these are checked against flashinfer only) and 1 / 2 / 4 / 8
 workers; `--spread`: request lengths drawn around each context instead of all equal (the same mean).
 
@@ -97,23 +98,27 @@ def main() -> None:
                     if H == Hkv:
                         variants += [(w, st, True) for st in (3, 5) for w in sorted({1, 2, chosen})]
                         variants += [(chosen, 5, False)]
-                    variants = [(w, st, pdl, dk.CHUNK, False) for w, st, pdl in variants]
+                    variants = [(w, st, pdl, dk.CHUNK, False, False) for w, st, pdl in variants]
                     if H == Hkv:
-                        variants += [(w, 3, True, c, False) for c in args.chunks for w in (1, 2, 4, 8)]
+                        variants += [(w, 3, True, c, False, False) for c in args.chunks for w in (1, 2, 4, 8)]
                     if H == Hkv and kv_name == "e4m3":  # the bytes to fp32 by integer ops (the same values)
-                        variants += [(chosen, 3, True, dk.CHUNK, True)]
-                        variants += [(w, 3, True, c, True) for c in args.chunks for w in (2, 4)]
-                    for workers, stages, pdl, chunk, ic in variants:
-                        def own(workers=workers, stages=stages, pdl=pdl, chunk=chunk, ic=ic):
+                        variants += [(chosen, 3, True, dk.CHUNK, True, False)]
+                        variants += [(w, 3, True, c, True, False) for c in args.chunks for w in (2, 4)]
+                    if kv_name == "e4m3":  # the tensor-core kernel (any group; its own bits)
+                        variants += [(w, 3, True, dk.CHUNK, False, True) for w in sorted({1, 2, chosen})]
+                        variants += [(w, 3, True, c, False, True) for c in args.chunks for w in (2, 4)]
+                    for workers, stages, pdl, chunk, ic, mma in variants:
+                        def own(workers=workers, stages=stages, pdl=pdl, chunk=chunk, ic=ic, mma=mma):
                             for k, v in caches:
                                 ext.decode_attention(o, q, k, v, t_indptr, t_indices, t_last, wsp.partial_o,
                                                      wsp.partial_ml, wsp.counters, 1 / math.sqrt(D), 0.0, -1,
                                                      chunk, dk.MAX_CHUNKS, workers,
-                                                     torch.cuda.current_stream().cuda_stream, stages, pdl, ic)
+                                                     torch.cuda.current_stream().cuda_stream, stages, pdl, ic, mma)
 
                         name = "lorafleet" + (f"_c{chunk}" if chunk != dk.CHUNK else "") + (
                             f"_w{workers}" if workers != chosen or chunk != dk.CHUNK else "") + (
-                            f"_s{stages}" if stages else "") + ("_pdl" if pdl else "") + ("_ic" if ic else "")
+                            f"_s{stages}" if stages else "") + ("_pdl" if pdl else "") + ("_ic" if ic else "") + (
+                            "_mma" if mma else "")
                         times[name] = timer.graph_us([own]) / LAYERS
                         out[name] = o.clone()
                     ref = out["flashinfer"].float()
@@ -127,7 +132,7 @@ def main() -> None:
                              "agrees": bool((out[name].float() - ref).abs().max() <= 2e-2 * ref.abs().max())}
                         base = name.split("_s")[0].removesuffix("_pdl")  # (_ic: also the conversion's values)
                         # staged copies and the launch's kind change no bit of the register version's
-                        if base != name and base in out:
+                        if base != name and base in out and not name.endswith("_mma"):
                             r["same_bits_as_registers"] = bool(torch.equal(out[name], out[base]))
                         print(json.dumps(r), flush=True)
                         rows.append(r)

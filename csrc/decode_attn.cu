@@ -152,6 +152,120 @@ __device__ __forceinline__ float tanh_fast(float x) {
   return copysignf(__fdividef(e, e + 2.f), x);
 }
 
+// The keys of request b (see decode_attn.h): [start, kv_len), cut into nchunks chunks of `chunk` tokens (more when
+// n_b would need more than max_chunks). p0 / np: its entries of `indices`.
+struct KeyCut {
+  int p0, np, kv_len, start, n, chunk, nchunks;
+};
+__device__ __forceinline__ KeyCut cut_keys(const DecodeAttnArgs& p, int b) {
+  KeyCut k;
+  k.p0 = p.indptr[b];
+  k.np = p.indptr[b + 1] - k.p0;
+  const int last_len = min(max(p.last_page_len[b], 1), p.page_size);
+  k.kv_len = k.np > 0 ? (k.np - 1) * p.page_size + last_len : 0;
+  k.start = p.window_left >= 0 && k.kv_len - 1 - p.window_left > 0 ? k.kv_len - 1 - p.window_left : 0;
+  k.n = k.kv_len - k.start;
+  k.chunk = p.chunk;
+  k.nchunks = (k.n + k.chunk - 1) / k.chunk;
+  if (k.nchunks > p.max_chunks) {
+    k.chunk = ((k.n + p.max_chunks - 1) / p.max_chunks + 15) & ~15;
+    k.nchunks = (k.n + k.chunk - 1) / k.chunk;
+  }
+  return k;
+}
+
+// A warp's passes over its chunks c = worker, worker + workers, ... as one stream: a pass is (chunk, first token),
+// the next is `pass` tokens on in the same chunk, else the warp's first token (`lead` into a chunk) in its next
+// chunk that has any. Loads run ahead along the stream across chunk ends, so a chunk's first pass is in flight
+// during the previous chunk's last one (and its merge).
+struct PassStream {
+  KeyCut k;
+  int workers, lead, pass;
+  __device__ __forceinline__ int end(int c) const { return min(k.start + (c + 1) * k.chunk, k.kv_len); }
+  // (c, base) <- the pass after it; c = nchunks where the stream ends
+  __device__ __forceinline__ void advance(int& c, int& base) const {
+    base += pass;
+    if (base < end(c)) return;
+    for (c += workers; c < k.nchunks; c += workers) {
+      base = k.start + c * k.chunk + lead;
+      if (base < end(c)) return;
+    }
+    c = k.nchunks;
+  }
+  // (c, base) <- the stream's first pass from chunk `worker` on
+  __device__ __forceinline__ void first(int worker, int& c, int& base) const {
+    c = worker;
+    base = k.start + worker * k.chunk + lead;
+    if (base >= end(c)) {
+      base -= pass;
+      advance(c, base);
+    }
+  }
+};
+
+// A chunk's end, every warp's (m, l, acc) of the group's g heads in shared memory: the warps merged in order, then
+// the output written (a request of one chunk) or the chunk's partial; the shared state is free again after it.
+template <typename T, int G, int D>
+__device__ __forceinline__ void finish_chunk(const DecodeAttnArgs& p, const float (&sm_acc)[kWarps][G][D],
+                                             const float (&sm_m)[kWarps][G], const float (&sm_l)[kWarps][G], int g,
+                                             int b, int head0, int c, int nchunks, T* out) {
+  __syncthreads();
+  for (int e = threadIdx.x; e < g * D; e += kThreads) {
+    const int j = e / D, d = e - j * D;
+    float mx = sm_m[0][j];
+#pragma unroll
+    for (int w = 1; w < kWarps; ++w) mx = fmaxf(mx, sm_m[w][j]);
+    float sum = 0.f, a = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      if (sm_m[w][j] == -INFINITY) continue;
+      const float cw = exp2f(sm_m[w][j] - mx);
+      sum = fmaf(sm_l[w][j], cw, sum);
+      a = fmaf(sm_acc[w][j][d], cw, a);
+    }
+    if (nchunks == 1) {
+      out[e] = Pair<T>::round(__fdividef(a, sum));  // sum is in [1, n]: the fast division is exact to 2 ulp
+    } else {
+      const int64_t pi = (static_cast<int64_t>(b) * p.num_heads + head0 + j) * p.max_chunks + c;
+      p.partial_o[pi * D + d] = a;
+      if (d == 0) {
+        p.partial_ml[2 * pi] = mx;
+        p.partial_ml[2 * pi + 1] = sum;
+      }
+    }
+  }
+  __syncthreads();  // the shared state is the next chunk's
+}
+
+// After a CTA's last chunk of a request with nchunks > 1 (`done` of them by this CTA): the CTA that completes the
+// request's last chunk merges the partials in chunk order.
+template <typename T, int D>
+__device__ __forceinline__ void merge_partials(const DecodeAttnArgs& p, int b, int kvh, int head0, int g,
+                                               int nchunks, int done, T* out, int& sm_last) {
+  const int tid = threadIdx.x;
+  __threadfence();
+  __syncthreads();
+  int32_t* counter = p.counters + static_cast<int64_t>(b) * p.num_kv_heads + kvh;
+  if (tid == 0) sm_last = atomicAdd(counter, done) + done == nchunks;
+  __syncthreads();
+  if (!sm_last) return;
+  __threadfence();
+  for (int e = tid; e < g * D; e += kThreads) {
+    const int j = e / D, d = e - j * D;
+    const int64_t pi0 = (static_cast<int64_t>(b) * p.num_heads + head0 + j) * p.max_chunks;
+    float mx = -INFINITY;
+    for (int c = 0; c < nchunks; ++c) mx = fmaxf(mx, __ldcg(p.partial_ml + 2 * (pi0 + c)));
+    float sum = 0.f, a = 0.f;
+    for (int c = 0; c < nchunks; ++c) {
+      const float cw = exp2f(__ldcg(p.partial_ml + 2 * (pi0 + c)) - mx);
+      sum = fmaf(__ldcg(p.partial_ml + 2 * (pi0 + c) + 1), cw, sum);
+      a = fmaf(__ldcg(p.partial_o + (pi0 + c) * D + d), cw, a);
+    }
+    out[e] = Pair<T>::round(__fdividef(a, sum));  // sum is in [1, n]: the fast division is exact to 2 ulp
+  }
+  if (tid == 0) *counter = 0;
+}
+
 template <typename T, bool KV8, int D, int G, int kStages, bool kIntCvt = false>
 __global__ void __launch_bounds__(kThreads, kStages > 0 ? 4 : 2) decode_attention_kernel(const DecodeAttnArgs p) {
   using S = Shape<D, G, KV8 ? 1 : 2>;
@@ -172,22 +286,14 @@ __global__ void __launch_bounds__(kThreads, kStages > 0 ? 4 : 2) decode_attentio
   const int part = lane % LPT, slot = lane / LPT;
   const int head0 = kvh * g;
 
-  const int p0 = p.indptr[b], np = p.indptr[b + 1] - p0;
-  const int last_len = min(max(p.last_page_len[b], 1), p.page_size);
-  const int kv_len = np > 0 ? (np - 1) * p.page_size + last_len : 0;
-  const int start = p.window_left >= 0 && kv_len - 1 - p.window_left > 0 ? kv_len - 1 - p.window_left : 0;
-  const int n = kv_len - start;
+  const KeyCut cut = cut_keys(p, b);
+  const int p0 = cut.p0, start = cut.start, chunk = cut.chunk, nchunks = cut.nchunks;
   T* out = static_cast<T*>(p.out) + (static_cast<int64_t>(b) * p.num_heads + head0) * D;
-  if (n <= 0) {  // no keys: zeros, from the first worker
+  if (cut.n <= 0) {  // no keys: zeros, from the first worker
     if constexpr (kStaged) pdl_wait();
     if (worker == 0)
       for (int e = tid; e < g * D; e += kThreads) out[e] = Pair<T>::round(0.f);
     return;
-  }
-  int chunk = p.chunk, nchunks = (n + chunk - 1) / chunk;
-  if (nchunks > p.max_chunks) {
-    chunk = ((n + p.max_chunks - 1) / p.max_chunks + 15) & ~15;
-    nchunks = (n + chunk - 1) / chunk;
   }
   if (worker >= nchunks) return;
 
@@ -219,22 +325,10 @@ __global__ void __launch_bounds__(kThreads, kStages > 0 ? 4 : 2) decode_attentio
   const bool ps_pow2 = (ps & (ps - 1)) == 0;
   const int64_t last_page = p.num_pages - 1;
 
-  // This warp's passes over its chunks c = worker, worker + workers, ... form one stream: a pass is (chunk, first
-  // token), the next is kPass tokens on in the same chunk, else the first of the warp's tokens in its next chunk
-  // that has any. Loads run ahead along the stream across chunk ends, so a chunk's first pass is in flight during
-  // the previous chunk's last one (and its merge).
   constexpr int kPass = kWarps * TPW * kUnroll;  // tokens of one pass of the CTA
-  auto chunk_end = [&](int c) { return min(start + (c + 1) * chunk, kv_len); };
-  // (c, base) <- the pass after it; c = nchunks where the stream ends
-  auto advance = [&](int& c, int& base) {
-    base += kPass;
-    if (base < chunk_end(c)) return;
-    for (c += p.workers; c < nchunks; c += p.workers) {
-      base = start + c * chunk + warp * TPW;
-      if (base < chunk_end(c)) return;
-    }
-    c = nchunks;
-  };
+  const PassStream st{cut, p.workers, warp * TPW, kPass};
+  auto chunk_end = [&](int c) { return st.end(c); };
+  auto advance = [&](int& c, int& base) { st.advance(c, base); };
   // The page ids of this lane's kUnroll tokens of the pass (c, base), as stored (0 past the chunk's end or outside
   // `indices`): loaded one pass before the K/V loads that need them, so that a pass waits for one load, not for an
   // id and then the row it names.
@@ -291,11 +385,8 @@ __global__ void __launch_bounds__(kThreads, kStages > 0 ? 4 : 2) decode_attentio
   int32_t ids[kUnroll];  // the page ids of the pass after the last one whose K/V loads are in flight
   // the stream's first pass (its loads into kr / vr; kStaged: the first kStages - 1 passes' copies into the ring, their
   // ids first, all at once) and the one after them (its ids), before any chunk
-  int nc = worker, nb = start + worker * chunk + warp * TPW;
-  if (nb >= chunk_end(nc)) {
-    nb -= kPass;
-    advance(nc, nb);
-  }
+  int nc, nb;
+  st.first(worker, nc, nb);
   int wstage = 0, rstage = 0;  // kStaged: the ring's stage copied into next, and the one read next
   if constexpr (kStaged) {
     int32_t first[kStages > 1 ? kStages - 1 : 1][kUnroll];
@@ -438,32 +529,7 @@ __global__ void __launch_bounds__(kThreads, kStages > 0 ? 4 : 2) decode_attentio
         for (int i = 0; i < DPL; ++i) sm_acc[warp][j][part * DPL + i] = acc[j][i];
       }
     }
-    __syncthreads();
-    for (int e = tid; e < g * D; e += kThreads) {
-      const int j = e / D, d = e - j * D;
-      float mx = sm_m[0][j];
-#pragma unroll
-      for (int w = 1; w < kWarps; ++w) mx = fmaxf(mx, sm_m[w][j]);
-      float sum = 0.f, a = 0.f;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) {
-        if (sm_m[w][j] == -INFINITY) continue;
-        const float cw = exp2f(sm_m[w][j] - mx);
-        sum = fmaf(sm_l[w][j], cw, sum);
-        a = fmaf(sm_acc[w][j][d], cw, a);
-      }
-      if (nchunks == 1) {
-        out[e] = Pair<T>::round(__fdividef(a, sum));  // sum is in [1, n]: the fast division is exact to 2 ulp
-      } else {
-        const int64_t pi = (static_cast<int64_t>(b) * p.num_heads + head0 + j) * p.max_chunks + c;
-        p.partial_o[pi * D + d] = a;
-        if (d == 0) {
-          p.partial_ml[2 * pi] = mx;
-          p.partial_ml[2 * pi + 1] = sum;
-        }
-      }
-    }
-    __syncthreads();  // the shared state is the next chunk's
+    finish_chunk<T, G, D>(p, sm_acc, sm_m, sm_l, g, b, head0, c, nchunks, out);
   }
   // (the next kernel waits for this one's end, merges included, before its reads; only where this launch is a
   // programmatic one itself, so that the default launch leaves the kernels after it as they were)
@@ -472,41 +538,329 @@ __global__ void __launch_bounds__(kThreads, kStages > 0 ? 4 : 2) decode_attentio
   }
   if (nchunks == 1) return;
 
-  // the CTA that completes the request's last chunk merges the partials in chunk order
-  __threadfence();
-  __syncthreads();
-  int32_t* counter = p.counters + static_cast<int64_t>(b) * p.num_kv_heads + kvh;
-  if (tid == 0) sm_last = atomicAdd(counter, done) + done == nchunks;
-  __syncthreads();
-  if (!sm_last) return;
-  __threadfence();
-  for (int e = tid; e < g * D; e += kThreads) {
-    const int j = e / D, d = e - j * D;
-    const int64_t pi0 = (static_cast<int64_t>(b) * p.num_heads + head0 + j) * p.max_chunks;
-    float mx = -INFINITY;
-    for (int c = 0; c < nchunks; ++c) mx = fmaxf(mx, __ldcg(p.partial_ml + 2 * (pi0 + c)));
-    float sum = 0.f, a = 0.f;
-    for (int c = 0; c < nchunks; ++c) {
-      const float cw = exp2f(__ldcg(p.partial_ml + 2 * (pi0 + c)) - mx);
-      sum = fmaf(__ldcg(p.partial_ml + 2 * (pi0 + c) + 1), cw, sum);
-      a = fmaf(__ldcg(p.partial_o + (pi0 + c) * D + d), cw, a);
-    }
-    out[e] = Pair<T>::round(__fdividef(a, sum));  // sum is in [1, n]: the fast division is exact to 2 ulp
+  merge_partials<T, D>(p, b, kvh, head0, g, nchunks, done, out, sm_last);
+}
+
+// --- the tensor-core kernel for e4m3 pages (DecodeAttnArgs::tensor_cores) ---
+//
+// One CTA of 4 warps per (request, K/V head, worker), as above; a warp takes tiles of 16 tokens and computes, with
+// mma.sync m16n8k16 on f16 operands into fp32 accumulators,
+//   S = Q K^T     (m: the group's query heads, rows G..15 zero; n: the tile's tokens, two n-tiles; k: dims)
+//   O^T += V^T P^T (m: dims, 16 per m-tile; n: the query heads; k: the tile's 16 tokens)
+// with the online softmax between them in fp32. The second product's B operand (P) is the first one's accumulator,
+// so P never leaves the lane: lane (gq = lane / 4, tq = lane % 4) holds S[head gq][tokens 2tq, 2tq + 1, 2tq + 8,
+// 2tq + 9], exactly P^T's B fragment. A dot product does not depend on the order of its dims, so each operand's dims
+// are permuted to suit the loads: for q . k, lane (gq, tq) takes the tq-th quarter of a K row (tokens gq and gq + 8
+// of the tile), k-step s its dims D/4 tq + 4s .. + 3 (one 32-bit word of e4m3, two f16x2 operands); for p v the
+// gq-th eighth of a V row (tokens 2tq, 2tq + 1, 2tq + 8, 2tq + 9), m-tile mt rows gq / gq + 8 the dims D/8 gq + 2mt /
+// + 1, whose pairs of tokens one byte permute puts side by side. Each lane copies (cp.async, kStages - 1 tiles ahead,
+// into its own slots of a ring in dynamic shared memory) exactly the bytes it reads, as the staged kernel above.
+//
+// Numerics: e4m3 -> f16 is exact; q is rounded to f16 (bf16 q exactly, within f16's range: a group whose largest |q|
+// reaches 2^15 is scaled by a power of two first, folded into the score scale); products exact, sums in fp32; the
+// probabilities rounded to f16 for p v (relative 2^-11), their sum l kept in fp32. Not the staged kernel's bits:
+// checked against fp64 (tests/gpu/test_decode_attn_cuda.py). The cut into chunks, the workers, the merges of warps
+// and chunks are the kernel's above, so a request's bits still depend on nothing else in its launch.
+
+// d += a b, m16n8k16, f16 operands, fp32 accumulators (the PTX fragment layouts)
+__device__ __forceinline__ void mma_f16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                        uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// The e4m3 pair in the low (H = 0) or high 16 bits of w as f16x2 (the lower byte in the lower half), exactly.
+template <int H>
+__device__ __forceinline__ uint32_t e4m3x2_f16x2(uint32_t w) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w >> (16 * H)), __NV_E4M3);
+  return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
+}
+
+__device__ __forceinline__ uint32_t f16x2_rn(float lo, float hi) {
+  const __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+template <typename T, int D, int kG, int kStages>
+__global__ void __launch_bounds__(kThreads, D <= 128 ? 4 : 2) decode_attention_mma_kernel(const DecodeAttnArgs p) {
+  constexpr int kTile = 16, kPass = kWarps * kTile;
+  constexpr int KB = D / 4, VB = D / 8;                 // bytes of a K / V row a lane takes
+  constexpr int kKC = KB / 16;                          // its 16-byte copies of a K row (two rows a tile)
+  constexpr int VC = VB < 16 ? VB : 16, kVC = VB / VC;  // V: bytes per copy, copies of a row (four rows a tile)
+  constexpr int kSteps = D / 16;                        // k-steps of q . k, m-tiles of p v
+  constexpr int kKRing = 2 * kKC * kThreads * 16;       // a stage's K slots, then its V slots
+  constexpr int kStageBytes = kThreads * D;
+  static_assert(kG <= 8 && KB % 16 == 0 && VB % VC == 0 && (VC == 8 || VC == 16), "decode_attention_mma: shape");
+  extern __shared__ __align__(16) unsigned char sm_ring[];
+  __shared__ float sm_acc[kWarps][kG][D];
+  __shared__ float sm_m[kWarps][kG], sm_l[kWarps][kG];
+  __shared__ int sm_last;
+
+  const int worker = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
+  const int g = p.num_heads / p.num_kv_heads;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int gq = lane >> 2, tq = lane & 3;
+  const int head0 = kvh * g;
+  const KeyCut cut = cut_keys(p, b);
+  T* out = static_cast<T*>(p.out) + (static_cast<int64_t>(b) * p.num_heads + head0) * D;
+  if (cut.n <= 0) {  // no keys: zeros, from the first worker
+    pdl_wait();
+    if (worker == 0)
+      for (int e = tid; e < g * D; e += kThreads) out[e] = Pair<T>::round(0.f);
+    return;
   }
-  if (tid == 0) *counter = 0;
+  if (worker >= cut.nchunks) return;
+  const int nchunks = cut.nchunks;
+  const PassStream st{cut, p.workers, warp * kTile, kPass};
+
+  const bool capped = p.soft_cap > 0.f;
+  const int64_t tok_stride = static_cast<int64_t>(p.num_kv_heads) * D;  // bytes from one slot to the next
+  const uint8_t* kbase = static_cast<const uint8_t*>(p.k_cache) + static_cast<int64_t>(kvh) * D + KB * tq;
+  const uint8_t* vbase = static_cast<const uint8_t*>(p.v_cache) + static_cast<int64_t>(kvh) * D + VB * gq;
+  const int ps = p.page_size, ps_shift = __ffs(ps) - 1;
+  const bool ps_pow2 = (ps & (ps - 1)) == 0;
+  const int64_t last_page = p.num_pages - 1;
+  // the lane's tokens of a tile: 0, 1 its K rows (gq, gq + 8), 2..5 its V rows (2tq, 2tq + 1, 2tq + 8, 2tq + 9)
+  auto tok = [&](int i) { return i < 2 ? gq + 8 * i : 2 * tq + (i & 1) + 8 * ((i - 2) >> 1); };
+  constexpr int kToks = 6;
+  // the page ids of the lane's tokens of the tile (c, base) (0 past the chunk's end or outside `indices`), one tile
+  // before the copies that need them
+  auto locate = [&](int c, int base, int32_t (&ids)[kToks]) {
+    const int end = c < nchunks ? st.end(c) : 0;
+#pragma unroll
+    for (int i = 0; i < kToks; ++i) {
+      const int t = base + tok(i);
+      const int pi = ps_pow2 ? t >> ps_shift : t / ps;
+      const int64_t at = static_cast<int64_t>(cut.p0) + pi;
+      ids[i] = t < end && at >= 0 && at < p.num_indices ? p.indices[at] : 0;
+    }
+  };
+  auto kslot = [&](int s, int i) { return sm_ring + s * kStageBytes + (i * kThreads + tid) * 16; };
+  auto vslot = [&](int s, int i) { return sm_ring + s * kStageBytes + kKRing + (i * kThreads + tid) * VC; };
+  // the copies of the tile (c, base) into stage s (zeros past the chunk's end)
+  auto fetch_async = [&](int s, int c, int base, const int32_t (&ids)[kToks]) {
+    const int end = st.end(c);
+#pragma unroll
+    for (int i = 0; i < kToks; ++i) {
+      const int t = base + tok(i);
+      const bool ok = t < end;
+      int64_t off = 0;
+      if (ok) {
+        const int64_t pg = ids[i] < 0 ? 0 : (ids[i] > last_page ? last_page : ids[i]);
+        off = (pg * ps + (ps_pow2 ? t & (ps - 1) : t % ps)) * tok_stride;
+      }
+      if (i < 2) {
+#pragma unroll
+        for (int cc = 0; cc < kKC; ++cc) cp_async<16>(kslot(s, i * kKC + cc), kbase + off + 16 * cc, ok);
+      } else {
+#pragma unroll
+        for (int cc = 0; cc < kVC; ++cc) cp_async<VC>(vslot(s, (i - 2) * kVC + cc), vbase + off + VC * cc, ok);
+      }
+    }
+  };
+
+  // the stream's first kStages - 1 tiles: their page ids, then (behind the wait for the kernel before, which
+  // writes q and the newest K/V row) q and their copies, then the next tile's ids
+  int nc, nb;
+  st.first(worker, nc, nb);
+  int32_t ids[kToks];
+  {
+    int32_t first[kStages - 1][kToks];
+    int lc = nc, lb = nb;
+#pragma unroll
+    for (int j = 0; j < kStages - 1; ++j) {
+      if (lc < nchunks) {
+        locate(lc, lb, first[j]);
+        st.advance(lc, lb);
+      }
+    }
+    pdl_wait();
+#pragma unroll
+    for (int j = 0; j < kStages - 1; ++j) {
+      if (nc < nchunks) {
+        fetch_async(j, nc, nb, first[j]);
+        st.advance(nc, nb);
+      }
+      cp_async_commit();  // (one group per tile, empty past the stream's end)
+    }
+    if (nc < nchunks) locate(nc, nb, ids);
+  }
+
+  // q of head gq (zero past the group), the lane's quarter of its dims, as the A fragments of q . k: k-step s holds
+  // dims KB tq + 4s, + 1 (qa[s][0]) and + 2, + 3 (qa[s][1]); rows gq + 8 are zero. A group whose largest |q| reaches
+  // 2^15 is scaled by 2^-qx first (an exact power of two), 2^qx folded into the score scale.
+  uint32_t qa[kSteps][2];
+  float qscale_back;
+  {
+    float qf[KB];
+    float amax = 0.f;
+    const T* qrow = static_cast<const T*>(p.q) + (static_cast<int64_t>(b) * p.num_heads + head0 + gq) * D + KB * tq;
+#pragma unroll
+    for (int e = 0; e < KB / 2; ++e) {
+      float2 t = make_float2(0.f, 0.f);
+      if (gq < g) t = Pair<T>::get(reinterpret_cast<const typename Pair<T>::V*>(qrow)[e]);
+      qf[2 * e] = t.x;
+      qf[2 * e + 1] = t.y;
+      amax = fmaxf(amax, fmaxf(fabsf(t.x), fabsf(t.y)));
+    }
+#pragma unroll
+    for (int off = 16; off >= 1; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, off));
+    const int ex = ((__float_as_int(amax) >> 23) & 0xff) - 127;  // floor(log2 amax) for a normal amax
+    const int qx = ex >= 15 ? min(ex - 14, 126) : 0;
+    const float qscale = __int_as_float((127 - qx) << 23);
+    qscale_back = __int_as_float((127 + min(qx, 127)) << 23);
+#pragma unroll
+    for (int s = 0; s < kSteps; ++s) {
+      qa[s][0] = f16x2_rn(qf[4 * s] * qscale, qf[4 * s + 1] * qscale);
+      qa[s][1] = f16x2_rn(qf[4 * s + 2] * qscale, qf[4 * s + 3] * qscale);
+    }
+  }
+  const float scale_log2 = p.sm_scale * kLog2e * qscale_back;
+  const float cap_in = capped ? p.sm_scale / p.soft_cap * qscale_back : 0.f, cap_out = p.soft_cap * kLog2e;
+
+  int wstage = kStages - 1, rstage = 0, done = 0;
+  for (int c = worker; c < nchunks; c += p.workers, ++done) {
+    const int t1 = st.end(c);
+    float m = -INFINITY, l = 0.f;  // head gq's running max (log2 scale) and the lane's part of its sum
+    float o[kSteps][4];            // O^T's accumulators: m-tile mt, heads 2tq (0, 2) / 2tq + 1 (1, 3)
+#pragma unroll
+    for (int mt = 0; mt < kSteps; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.f;
+    for (int base = cut.start + c * cut.chunk + warp * kTile; base < t1; base += kPass) {
+      // the tile kStages - 1 on into the stage read last, then this tile's group landed
+      if (nc < nchunks) {
+        fetch_async(wstage, nc, nb, ids);
+        st.advance(nc, nb);
+        locate(nc, nb, ids);
+      }
+      cp_async_commit();
+      wstage = wstage + 1 == kStages ? 0 : wstage + 1;
+      cp_async_wait<kStages - 1>();
+      uint4 kw[2][kKC];
+      uint32_t vw[4][VB / 4];
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int cc = 0; cc < kKC; ++cc) kw[j][cc] = *reinterpret_cast<const uint4*>(kslot(rstage, j * kKC + cc));
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+#pragma unroll
+        for (int cc = 0; cc < kVC; ++cc) {
+          const unsigned char* src = vslot(rstage, u * kVC + cc);
+          if constexpr (VC == 16) {
+            const uint4 w = *reinterpret_cast<const uint4*>(src);
+            vw[u][4 * cc] = w.x;
+            vw[u][4 * cc + 1] = w.y;
+            vw[u][4 * cc + 2] = w.z;
+            vw[u][4 * cc + 3] = w.w;
+          } else {
+            const uint2 w = *reinterpret_cast<const uint2*>(src);
+            vw[u][2 * cc] = w.x;
+            vw[u][2 * cc + 1] = w.y;
+          }
+        }
+      rstage = rstage + 1 == kStages ? 0 : rstage + 1;
+
+      // S = Q K^T for the tile's tokens 0-7 (j = 0) and 8-15 (j = 1)
+      float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int cc = 0; cc < kKC; ++cc) {
+          const uint32_t w[4] = {kw[j][cc].x, kw[j][cc].y, kw[j][cc].z, kw[j][cc].w};
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int s = 4 * cc + e;
+            mma_f16(sc[j], qa[s][0], 0u, qa[s][1], 0u, e4m3x2_f16x2<0>(w[e]), e4m3x2_f16x2<1>(w[e]));
+          }
+        }
+      // the online softmax of head gq over the lane's tokens 2tq, 2tq + 1, 2tq + 8, 2tq + 9 (the tile's first token
+      // is inside the chunk, so every head's maximum is finite)
+      float x[4] = {sc[0][0], sc[0][1], sc[1][0], sc[1][1]};
+      float mx = m;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int t = base + 2 * tq + (i & 1) + 8 * (i >> 1);
+        x[i] = t >= t1 ? -INFINITY : capped ? tanh_fast(x[i] * cap_in) * cap_out : x[i] * scale_log2;
+        mx = fmaxf(mx, x[i]);
+      }
+      mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 2));
+      const float corr = exp2f(m - mx);
+      float pr[4];
+      float sum = 0.f;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        pr[i] = exp2f(x[i] - mx);
+        sum += pr[i];
+      }
+      l = l * corr + sum;
+      m = mx;
+      // the accumulators' heads 2tq and 2tq + 1 take their heads' factors (held by lanes 8tq and 8tq + 4)
+      const float ca = __shfl_sync(kFull, corr, 8 * tq), cb = __shfl_sync(kFull, corr, 8 * tq + 4);
+      const uint32_t pb0 = f16x2_rn(pr[0], pr[1]), pb1 = f16x2_rn(pr[2], pr[3]);
+      // O^T += V^T P^T: word wi of the lane's V eighth holds m-tiles 2wi (bytes 0, 1) and 2wi + 1 (bytes 2, 3)
+#pragma unroll
+      for (int wi = 0; wi < VB / 4; ++wi) {
+        // bytes 0 / 1 (lo) or 2 / 3 (hi) of two tokens' words side by side: A0 B0 A1 B1, A2 B2 A3 B3
+        const uint32_t lo01 = __byte_perm(vw[0][wi], vw[1][wi], 0x5140);
+        const uint32_t hi01 = __byte_perm(vw[0][wi], vw[1][wi], 0x7362);
+        const uint32_t lo89 = __byte_perm(vw[2][wi], vw[3][wi], 0x5140);
+        const uint32_t hi89 = __byte_perm(vw[2][wi], vw[3][wi], 0x7362);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float(&acc)[4] = o[2 * wi + h];
+          acc[0] *= ca;
+          acc[1] *= cb;
+          acc[2] *= ca;
+          acc[3] *= cb;
+          const uint32_t w01 = h ? hi01 : lo01, w89 = h ? hi89 : lo89;
+          mma_f16(acc, e4m3x2_f16x2<0>(w01), e4m3x2_f16x2<1>(w01), e4m3x2_f16x2<0>(w89), e4m3x2_f16x2<1>(w89), pb0,
+                  pb1);
+        }
+      }
+    }
+    // the warp's state: l summed over the lanes of a head, then (m, l) of head gq, O of heads 2tq, 2tq + 1
+    l += __shfl_xor_sync(kFull, l, 1);
+    l += __shfl_xor_sync(kFull, l, 2);
+    if (tq == 0 && gq < g) {
+      sm_m[warp][gq] = m;
+      sm_l[warp][gq] = l;
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int head = 2 * tq + h;
+      if (head >= g) continue;
+#pragma unroll
+      for (int mt = 0; mt < kSteps; ++mt) {
+        sm_acc[warp][head][VB * gq + 2 * mt] = o[mt][h];
+        sm_acc[warp][head][VB * gq + 2 * mt + 1] = o[mt][2 + h];
+      }
+    }
+    finish_chunk<T, kG, D>(p, sm_acc, sm_m, sm_l, g, b, head0, c, nchunks, out);
+  }
+  if (p.pdl) pdl_launch_dependents();
+  if (nchunks == 1) return;
+  merge_partials<T, D>(p, b, kvh, head0, g, nchunks, done, out, sm_last);
 }
 
 // One kernel's launch: a plain <<<>>> launch (the register version's, as measured), or with stages and pdl through
 // cudaLaunchKernelEx with the programmatic-serialization attribute.
 template <typename K>
-cudaError_t launch_one(K kernel, const DecodeAttnArgs& a, dim3 grid, cudaStream_t stream, int major) {
+cudaError_t launch_one(K kernel, const DecodeAttnArgs& a, dim3 grid, cudaStream_t stream, int major, int smem = 0) {
+  if (smem > 0) {
+    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess) return err;
+  }
   if (!a.pdl) {
-    kernel<<<grid, kThreads, 0, stream>>>(a);
+    kernel<<<grid, kThreads, smem, stream>>>(a);
     return cudaGetLastError();
   }
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   set_pdl(cfg, attr, true, major);
@@ -515,11 +869,20 @@ cudaError_t launch_one(K kernel, const DecodeAttnArgs& a, dim3 grid, cudaStream_
   return err;
 }
 
-// (stages: one query head per K/V head only; grouped heads take the register version, whose bits are the same)
+// (stages: one query head per K/V head only; grouped heads take the register version, whose bits are the same;
+// the tensor-core kernel takes any group)
 template <typename T, bool KV8, int D>
 const char* launch_group(const DecodeAttnArgs& a, int group, dim3 grid, cudaStream_t stream, int major) {
   cudaError_t err;
   auto go = [&](auto kernel) { return launch_one(kernel, a, grid, stream, major); };
+  if constexpr (KV8) {  // (the tensor-core kernel: e4m3 pages only; its ring in dynamic shared memory)
+    constexpr int kMmaStages = 3, kMmaSmem = kMmaStages * kThreads * D;
+    if (a.tensor_cores) {
+      err = group <= 1 ? launch_one(decode_attention_mma_kernel<T, D, 1, kMmaStages>, a, grid, stream, major, kMmaSmem)
+                       : launch_one(decode_attention_mma_kernel<T, D, 8, kMmaStages>, a, grid, stream, major, kMmaSmem);
+      return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
+    }
+  }
   // (int_convert: e4m3 pages only, checked before; with KV8 false the branch's kernel is the plain one, never taken)
   if (KV8 && group <= 1 && a.stages == 3 && a.int_convert) err = go(decode_attention_kernel<T, KV8, D, 1, 3, KV8>);
   else if (group <= 1 && a.stages == 3) err = go(decode_attention_kernel<T, KV8, D, 1, 3>);
@@ -561,8 +924,11 @@ const char* decode_attention(DType dtype, const DecodeAttnArgs& a, int device, v
   if (!decode_attention_supports(a.head_dim, a.num_heads / a.num_kv_heads))
     return "decode_attention: head_dim must be 64, 128 or 256 and at most 8 query heads share a K/V head";
   if (!decode_attention_stages_ok(a.stages)) return "decode_attention: stages must be 0, 3 or 5";
-  if (a.pdl && (a.stages == 0 || a.num_heads != a.num_kv_heads))
-    return "decode_attention: a programmatic launch needs stages 3 or 5 and one query head per K/V head";
+  if (a.tensor_cores && (!a.kv_e4m3 || a.stages != 3 || a.int_convert))
+    return "decode_attention: the tensor-core kernel takes e4m3 pages and stages 3 (not the integer conversion)";
+  if (a.pdl && (a.stages == 0 || (a.num_heads != a.num_kv_heads && !a.tensor_cores)))
+    return "decode_attention: a programmatic launch needs stages 3 or 5 and one query head per K/V head (any group "
+           "with tensor_cores)";
   if (a.int_convert && (!a.kv_e4m3 || a.stages != 3 || a.num_heads != a.num_kv_heads))
     return "decode_attention: the integer conversion takes e4m3 pages, stages 3 and one query head per K/V head";
   if (a.page_size <= 0 || a.num_pages <= 0 || a.chunk <= 0 || a.chunk % 16 != 0 || a.max_chunks <= 0 ||

@@ -62,6 +62,9 @@ struct DecodeAttnArgs {
                                            // fp32 by integer ops and one exact multiply instead of the cvt
                                            // instructions (the same values for every code but the two NaNs, read as
                                            // -+480; so the same bits)
+  bool tensor_cores = false;               // e4m3 pages, stages 3, any group: q . k and p v on the tensor cores
+                                           // (mma.sync, f16 operands, fp32 sums; q and p rounded to f16): not the
+                                           // CUDA-core kernel's bits, within the fp64 reference's tolerance
 };
 
 // Whether `stages` is one the kernel is built for (0, 3 or 5).

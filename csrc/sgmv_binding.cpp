@@ -68,7 +68,7 @@
 //       CUTLASS's persistent ping-pong kernel (the same bits).
 //   decode_attention(out, q, k_cache, v_cache, indptr, indices, last_page_len, partial_o, partial_ml, counters,
 //       sm_scale, soft_cap, window_left, chunk, max_chunks, workers, stream, stages=0, pdl=False,
-//       int_convert=False): attention of one
+//       int_convert=False, tensor_cores=False): attention of one
 //       query row per request over its K/V pages (decode_attn.h), one launch; pages of q's dtype or float8_e4m3fn
 //       (unit scale). The page table is flashinfer's CSR (indptr, indices, last_page_len) on the device; a
 //       request's bits depend on nothing else in the launch (workers only spreads its chunks over CTAs; stages 3
@@ -76,6 +76,8 @@
 //       query head per K/V head only): a programmatic dependent launch (the page tables read before the wait for
 //       the kernel before, which rope_kv lets start early). int_convert=True (e4m3 pages, stages 3, one query head
 //       per K/V head): the bytes to fp32 by integer ops instead of the cvt instructions (the same values).
+//       tensor_cores=True (e4m3 pages, stages 3, any group): q . k and p v on the tensor cores (f16 operands, fp32
+//       sums; not the CUDA-core kernel's bits).
 //       decode_attention_supports(head_dim, group): whether the kernel takes these shapes.
 //
 // with r = ranks[g, s]. The values inside ranks / indptr / slots live on the device and are not
@@ -940,7 +942,7 @@ void fp8_gemm_sm90_fused(Tensor out, Tensor x, Tensor w, Tensor x_scale, Tensor 
 void decode_attention(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor indptr, Tensor indices,
                       Tensor last_page_len, Tensor partial_o, Tensor partial_ml, Tensor counters, double sm_scale,
                       double soft_cap, int64_t window_left, int64_t chunk, int64_t max_chunks, int64_t workers,
-                      int64_t stream, int64_t stages, bool pdl, bool int_convert) {
+                      int64_t stream, int64_t stages, bool pdl, bool int_convert, bool tensor_cores) {
   const auto dtype = kernel_dtype(q, "q");
   SGMV_CHECK(q.is_cuda() && q.dim() == 3 && q.is_contiguous() && reinterpret_cast<uintptr_t>(q.data_ptr()) % 4 == 0,
              "decode_attention: q must be a contiguous, 4-byte aligned [B, Hq, D] CUDA tensor");
@@ -1014,6 +1016,7 @@ void decode_attention(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache, Tens
   a.stages = static_cast<int>(stages);
   a.pdl = pdl;
   a.int_convert = int_convert;
+  a.tensor_cores = tensor_cores;
   const char* err = lorafleet::decode_attention(dtype, a, q.get_device(), as_stream(stream));
   SGMV_CHECK(err == nullptr, "decode_attention launch failed: %s", err ? err : "");
 }
@@ -1099,7 +1102,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("last_page_len"), py::arg("partial_o"), py::arg("partial_ml"), py::arg("counters"),
         py::arg("sm_scale"), py::arg("soft_cap"), py::arg("window_left"), py::arg("chunk"), py::arg("max_chunks"),
         py::arg("workers"), py::arg("stream"), py::arg("stages") = 0, py::arg("pdl") = false,
-        py::arg("int_convert") = false);
+        py::arg("int_convert") = false, py::arg("tensor_cores") = false);
   m.def("decode_attention_supports", &decode_attention_supports,
         "whether decode_attention takes this head size and number of query heads per K/V head",
         py::arg("head_dim"), py::arg("group"));

@@ -28,6 +28,7 @@ class KernelChoices:
     decode_chunk: that kernel's chunk of a request's keys, in tokens (a multiple of 16; a request's bits follow it).
     decode_ctas_per_sm: that kernel's CTAs per SM its workers per (request, K/V head) aim at (the same bits).
     decode_int_convert: that kernel, with e4m3 pages and 3 stages, turns bytes into fp32 by integer ops (the same bits).
+    decode_mma: that kernel, with e4m3 pages, on the tensor cores (f16 operands, fp32 sums; any group, 3 stages).
     decode_no_split: flashinfer's decode attention (on tensor cores: decode_tc 1) plans every request's K/V as one
         chunk instead of splitting long ones by a plan of the whole batch, so a request's attention does not depend on
         the others in its step (set by batch-invariant engines that keep flashinfer's decode; not read from the
@@ -121,6 +122,7 @@ class KernelChoices:
     decode_chunk: int = 256
     decode_ctas_per_sm: int = 4
     decode_int_convert: bool = False
+    decode_mma: bool = False
     decode_no_split: bool = False
     sgmv: str = "auto"
     sgmv_fused: str = "auto"
@@ -204,6 +206,7 @@ class KernelChoices:
                    decode_tc=env.decode_tensor_cores(), decode_kernel=env.decode_kernel(),
                    decode_stages=env.decode_stages(), decode_chunk=env.decode_chunk(),
                    decode_ctas_per_sm=env.decode_ctas_per_sm(), decode_int_convert=env.decode_int_convert(),
+                   decode_mma=env.decode_mma(),
                    sgmv=env.sgmv_backend(),
                    sgmv_fused=env.sgmv_fused(), fused_ops=env.fused_ops(), rope_kv=env.rope_kv_kernel(),
                    rope_kv_lora=env.rope_kv_lora(), rope_kv_fp8=env.rope_kv_fp8(),

@@ -33,6 +33,8 @@ from lorafleet import env
     ("LORAFLEET_DECODE_CHUNK", env.decode_chunk, "4096", 4096),
     ("LORAFLEET_DECODE_INT_CVT", env.decode_int_convert, None, False),
     ("LORAFLEET_DECODE_INT_CVT", env.decode_int_convert, "1", True),
+    ("LORAFLEET_DECODE_MMA", env.decode_mma, None, False),
+    ("LORAFLEET_DECODE_MMA", env.decode_mma, "1", True),
     ("LORAFLEET_DECODE_CTAS_PER_SM", env.decode_ctas_per_sm, None, 4),
     ("LORAFLEET_DECODE_CTAS_PER_SM", env.decode_ctas_per_sm, "16", 16),
     ("LORAFLEET_DENSE_LORA_ROWS", env.dense_lora_rows, None, 256),

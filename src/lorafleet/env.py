@@ -125,6 +125,13 @@ def decode_int_convert() -> bool:
     return _flag("LORAFLEET_DECODE_INT_CVT", False)
 
 
+def decode_mma() -> bool:
+    """LORAFLEET_DECODE_MMA: with e4m3 pages, the project's decode kernel computes q . k and p v on the tensor cores
+    (mma.sync, f16 operands, fp32 sums, q and the probabilities rounded to f16), for any group of query heads per K/V
+    head, 3 stages; otherwise the CUDA-core kernel (fp32 throughout). Default 0 until measured."""
+    return _flag("LORAFLEET_DECODE_MMA", False)
+
+
 def decode_ctas_per_sm() -> int:
     """LORAFLEET_DECODE_CTAS_PER_SM: the project's decode attention kernel gives each (request, K/V head) as many
     CTAs (workers, each taking every n-th chunk) as bring a launch nearest to this many CTAs per SM, at most one per

@@ -58,7 +58,7 @@ class Case:
         return [a.to(DEV) for a in arrays]
 
     def run(self, q=None, tables=None, lens=None, workers=1, sm_scale=None, cap=0.0, window_left=-1, ws_rows=None,
-            chunk=CHUNK, max_chunks=MAX_CHUNKS, stages=0, pdl=False, int_convert=False):
+            chunk=CHUNK, max_chunks=MAX_CHUNKS, stages=0, pdl=False, int_convert=False, mma=False):
         q = self.q if q is None else q
         B = q.shape[0]
         indptr, indices, last = self.arrays(tables, lens)
@@ -70,7 +70,7 @@ class Case:
         scale = 1 / math.sqrt(self.D) if sm_scale is None else sm_scale
         ext().decode_attention(out, q, self.k, self.v, indptr, indices, last, self.partial_o, self.partial_ml,
                                self.counters, scale, cap, window_left, chunk, max_chunks, workers, stream(), stages,
-                               pdl, int_convert)
+                               pdl, int_convert, mma)
         torch.cuda.synchronize()
         return out
 
@@ -101,12 +101,12 @@ class Case:
         return out
 
 
-def assert_close(got: torch.Tensor, want: torch.Tensor, vmax: float, label: str):
+def assert_close(got: torch.Tensor, want: torch.Tensor, vmax: float, label: str, atol: float = 1e-4):
     """Within one rounding step of the output type (twice its round-to-nearest error) of the fp64 value, plus fp32
-    accumulation noise."""
+    accumulation noise (`atol` of the largest |v|)."""
     rtol = 2.0 ** -8 if got.dtype == torch.bfloat16 else 2.0 ** -10
     err = (got.double() - want).abs()
-    bound = rtol * want.abs() + 1e-4 * vmax
+    bound = rtol * want.abs() + atol * vmax
     worst = (err - bound).max().item()
     assert torch.isfinite(got).all(), label
     assert worst <= 0, f"{label}: max |err| {err.max().item():.3g} exceeds the bound by {worst:.3g}"
@@ -266,6 +266,121 @@ def test_graph_replay_gives_the_eager_bits(stages):
         want = c.run(lens=lens, sm_scale=0.1, workers=1)  # (the register version, eager)
         assert torch.equal(out, want), f"replay {step}"
         assert int(counters.abs().sum()) == 0
+
+
+# The tensor-core kernel (tensor_cores=True: e4m3 pages, stages 3) rounds the probabilities to f16 before p v: each
+# weight within 2^-11 of its own, so the output moves by at most 2^-11 of the largest |v - out| <= 2 |v|max: its
+# bound's absolute part. Its mean error is held tighter (the roundings are not all one way).
+MMA_ATOL = 2.0 ** -10 + 1e-4
+
+
+def assert_mma_close(got, want, vmax, label):
+    assert_close(got, want, vmax, label, atol=MMA_ATOL)
+    mean = (got.double() - want).abs().mean().item()
+    assert mean <= 2.0 ** -12 * vmax + 2.0 ** -9 * want.abs().mean().item(), f"{label}: mean |err| {mean:.3g}"
+
+
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("group", [1, 2, 4, 7, 8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_tensor_core_kernel_matches_fp64(D, group, dtype):
+    """q . k and p v on the tensor cores over e4m3 pages, 1 to 8 query heads per K/V head, the chunk edges, several
+    chunks and longer ones, 3 workers: within the bound above of the fp64 reference, counters left zero."""
+    c = Case(LENS, 2, group, D, dtype, E4M3, seed=D + group)
+    got = c.run(workers=3, stages=3, mma=True)
+    assert_mma_close(got, c.reference(), c.v.float().abs().max().item(), f"D={D} group={group} {dtype}")
+    assert int(c.counters.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("page_size", [1, 5, 16])
+def test_tensor_core_kernel_with_windows_caps_and_page_sizes(page_size):
+    c = Case([1, 7, 64, 300, 1025, 4100], 2, 4, 128, torch.bfloat16, E4M3, page_size=page_size, seed=60 + page_size)
+    for window_left, cap in ((-1, 0.0), (40, 5.0), (3000, 0.0), (0, 0.0)):
+        got = c.run(workers=2, sm_scale=0.3, cap=cap, window_left=window_left, stages=3, mma=True, pdl=True)
+        want = c.reference(sm_scale=0.3, cap=cap, window_left=window_left)
+        assert_mma_close(got, want, c.v.float().abs().max().item(), f"page_size={page_size} window={window_left}")
+
+
+def test_tensor_core_kernel_bits_depend_on_nothing_but_the_request():
+    """1 to 40 workers, a request alone or among others, the launch's rows permuted: the same bits."""
+    c = Case(LENS, 2, 4, 128, torch.bfloat16, E4M3, seed=12)
+    base = c.run(workers=1, stages=3, mma=True)
+    for w in (2, 5, 16, 40):
+        assert torch.equal(c.run(workers=w, stages=3, mma=True, pdl=w == 5), base), f"workers={w}"
+    for b in (0, 4, 7, 9):
+        alone = c.run(q=c.q[b: b + 1].contiguous(), tables=[c.tables[b]], lens=[c.lens[b]], workers=3, ws_rows=7,
+                      stages=3, mma=True)
+        assert torch.equal(alone[0], base[b]), f"request {b}"
+    order = [9, 3, 0, 8, 5, 1, 7, 2, 6, 4]
+    perm = c.run(q=c.q[order].contiguous(), tables=[c.tables[i] for i in order], lens=[c.lens[i] for i in order],
+                 workers=2, stages=3, mma=True)
+    assert torch.equal(perm, base[order])
+
+
+def test_tensor_core_kernel_reads_every_e4m3_code_and_large_queries():
+    """Pages of every non-NaN e4m3 code (subnormals, +-0, +-448) in K and V; then queries whose entries reach 2^20
+    (beyond f16's range: scaled by a power of two before the f16 operands) with the softmax scale brought down to
+    match: both within the bound of the fp64 reference."""
+    c = Case([300, 17, 64, 1000], 2, 2, 128, torch.bfloat16, E4M3, seed=13)
+    codes = torch.tensor([b for b in range(256) if b not in (0x7F, 0xFF)], dtype=torch.uint8, device=DEV)
+    g = torch.Generator(device=DEV).manual_seed(4)
+    for pages in (c.k, c.v):
+        flat = pages.view(torch.uint8).view(-1)
+        flat.copy_(codes[torch.randint(0, codes.numel(), (flat.numel(),), generator=g, device=DEV)])
+        flat[: codes.numel()] = codes
+    vmax = 448.0
+    got = c.run(workers=2, sm_scale=1e-4, stages=3, mma=True)
+    assert_mma_close(got, c.reference(sm_scale=1e-4), vmax, "every code")
+    big = Case([1, 33, 700], 2, 4, 128, torch.bfloat16, E4M3, seed=14)
+    big.q = (big.q.float() * 2.0 ** 20).to(torch.bfloat16)
+    scale = 2.0 ** -20 / math.sqrt(big.D)
+    got = big.run(workers=1, sm_scale=scale, stages=3, mma=True)
+    assert_mma_close(got, big.reference(sm_scale=scale), big.v.float().abs().max().item(), "queries at 2^20")
+
+
+def test_tensor_core_kernel_graph_replay_and_refusals():
+    """A captured programmatic launch with grouped heads, its tables refilled before each replay: the eager launch's
+    bits; refused for bf16 pages, for other stages and with the integer conversion."""
+    c = Case(LENS, 2, 8, 128, torch.bfloat16, E4M3, seed=15)
+    B = len(LENS)
+    indptr = torch.zeros(B + 1, dtype=torch.int32, device=DEV)
+    indices = torch.zeros(c.num_pages, dtype=torch.int32, device=DEV)
+    last = torch.ones(B, dtype=torch.int32, device=DEV)
+    po = torch.empty(B * c.h * MAX_CHUNKS * c.D, device=DEV)
+    pml = torch.empty(B * c.h * MAX_CHUNKS * 2, device=DEV)
+    counters = torch.zeros(B * c.hkv, dtype=torch.int32, device=DEV)
+    out = torch.empty_like(c.q)
+
+    def launch():
+        ext().decode_attention(out, c.q, c.k, c.v, indptr, indices, last, po, pml, counters, 0.1, 0.0, -1, CHUNK,
+                               MAX_CHUNKS, 16, torch.cuda.current_stream().cuda_stream, 3, True, False, True)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        launch()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch()
+    for step, lens in enumerate(([1] * B, LENS, [300, 17, 1, 4097, 16, 256, 5000, 2, 700, 255])):
+        lens = [min(n, len(t) * c.ps) for n, t in zip(lens, c.tables)]
+        ip, ix, la = c.arrays(lens=lens)
+        indptr.copy_(ip)
+        indices[: ix.numel()].copy_(ix)
+        last.copy_(la)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = c.run(lens=lens, sm_scale=0.1, workers=1, stages=3, mma=True)
+        assert torch.equal(out, want), f"replay {step}"
+        assert int(counters.abs().sum()) == 0
+    with pytest.raises(RuntimeError, match="tensor-core kernel takes e4m3 pages and stages 3"):
+        c.run(stages=5, mma=True)
+    with pytest.raises(RuntimeError, match="tensor-core kernel takes e4m3 pages and stages 3"):
+        c.run(stages=3, mma=True, int_convert=True)
+    b = Case([40], 2, 1, 64, torch.bfloat16, torch.bfloat16, seed=1)
+    with pytest.raises(RuntimeError, match="tensor-core kernel takes e4m3 pages and stages 3"):
+        b.run(stages=3, mma=True)
 
 
 def test_requests_without_keys_and_bad_page_ids():

@@ -76,6 +76,15 @@ def test_family_decode_on_the_lorafleet_kernel(family):
     teacher.decode_kernel_vs_flashinfer(model, reqs, name, kernels=KernelChoices(decode_kernel="lorafleet"))
 
 
+def test_family_decode_on_the_tensor_core_kernel_with_fp8_pages(family):
+    """The project's decode kernel on the tensor cores (KernelChoices.decode_mma) over e4m3 pages, with the family's
+    windows, grouping and softmax scale: against flashinfer's decode on the same step's FP8 pages, and its graph
+    replay against its eager step."""
+    name, model, _, reqs = family
+    eng = teacher.decode_kernel_vs_flashinfer(model, reqs, f"{name} tensor cores", kv_cache_dtype="fp8",
+                                              kernels=KernelChoices(decode_kernel="lorafleet", decode_mma=True))
+    assert eng.attention.own.mma and eng.attention.own.stages == 3
+
 def test_family_bf16_products_on_the_wgmma_kernel(family, monkeypatch):
     """KernelChoices.bf16_sm90: the products of steps of at most 64 rows on the wgmma kernel with bf16 operands, the
     bias and the rows' LoRA expand inside its epilogue after the group's shrink. Teacher-forced against HF + PEFT in

@@ -8,7 +8,9 @@ CHUNK tokens (more when it would need more than MAX_CHUNKS), so its bits depend 
 CTAs per (request, K/V head) share its chunks and change no bit, nor do `stages` (how many passes ahead each lane's
 next K/V rows are copied, through shared memory: 3 or 5; 0 is one pass ahead into registers; one query head per K/V
 head only). With stages the kernel is also a programmatic dependent launch: it reads the page table while rope_kv, the
-kernel before it, still runs.
+kernel before it, still runs. With `mma` and e4m3 pages it computes q . k and p v on the tensor cores (f16 operands,
+fp32 sums; any group of query heads per K/V head, 3 stages): other bits than the CUDA-core kernel's, each request's
+still its own.
 """
 
 from __future__ import annotations
@@ -70,16 +72,19 @@ class LorafleetDecode:
     """The kernel with one model's shapes; the eager steps' workspace grows with their decode rows."""
 
     def __init__(self, kv, cfg, device: torch.device, stages: int = 3, chunk: int = CHUNK,
-                 ctas_per_sm: int = CTAS_PER_SM, int_convert: bool = False):
+                 ctas_per_sm: int = CTAS_PER_SM, int_convert: bool = False, mma: bool = False):
         from lorafleet.runner import kernels
 
         self.ext = kernels.load()
         self.kv, self.device = kv, device
         self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.stages = stages if self.h == self.hkv else 0  # (grouped heads: the register version, the same bits)
+        # the tensor-core kernel: e4m3 pages, any group, 3 stages (its own bits)
+        self.mma = mma and kv.k.dtype == torch.float8_e4m3fn
+        # (else grouped heads take the register version, the same bits)
+        self.stages = 3 if self.mma else stages if self.h == self.hkv else 0
         self.chunk, self.ctas_per_sm = chunk, ctas_per_sm
         # (e4m3 pages with 3 stages only: the bytes to fp32 by integer ops, the same bits)
-        self.int_convert = int_convert and self.stages == 3 and kv.k.dtype == torch.float8_e4m3fn
+        self.int_convert = int_convert and not self.mma and self.stages == 3 and kv.k.dtype == torch.float8_e4m3fn
         self.sm_scale, self.soft_cap = cfg.softmax_scale, cfg.attn_softcap or 0.0
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         self._eager: Workspace | None = None
@@ -109,7 +114,7 @@ class LorafleetDecode:
         self.ext.decode_attention(out, q.contiguous(), k, v, tables.indptr, tables.indices, tables.last, ws.partial_o,
                                   ws.partial_ml, ws.counters, self.sm_scale, self.soft_cap, window_left, self.chunk,
                                   MAX_CHUNKS, workers, torch.cuda.current_stream(q.device).cuda_stream, self.stages,
-                                  self.stages > 0, self.int_convert)
+                                  self.stages > 0, self.int_convert, self.mma)
 
 
 class GraphDecodeTables:

@@ -72,7 +72,8 @@ class FlashInferAttention:
     def __init__(self, kv: KVCache, cfg, device: torch.device, prefill_choice: str = "auto",
                  q_dtype: torch.dtype | None = None, decode_tc: str = "auto", decode_kernel_choice: str = "auto",
                  decode_no_split: bool = False, decode_stages: int = 3, decode_chunk: int = decode_kernel.CHUNK,
-                 decode_ctas_per_sm: int = decode_kernel.CTAS_PER_SM, decode_int_convert: bool = False):
+                 decode_ctas_per_sm: int = decode_kernel.CTAS_PER_SM, decode_int_convert: bool = False,
+                 decode_mma: bool = False):
         self.kv, self.cfg, self.device = kv, cfg, device
         self.q_dtype = q_dtype or kv.k.dtype  # FP8 pages: queries stay in the model's dtype
         self.kv_dtype = kv.k.dtype
@@ -111,10 +112,11 @@ class FlashInferAttention:
         if decode_kernel_choice == "lorafleet":
             if decode_kernel.supported(cfg):
                 self.own = decode_kernel.LorafleetDecode(kv, cfg, device, decode_stages, decode_chunk,
-                                                         decode_ctas_per_sm, decode_int_convert)
-                log.info("decode rows on the lorafleet decode attention kernel (%s pages%s)", str(self.kv_dtype)[6:],
-                         f", {self.own.stages} stages" if self.own.stages else "")
-                if self.h // self.hkv >= 8:
+                                                         decode_ctas_per_sm, decode_int_convert, decode_mma)
+                log.info("decode rows on the lorafleet decode attention kernel (%s pages%s%s)",
+                         str(self.kv_dtype)[6:], f", {self.own.stages} stages" if self.own.stages else "",
+                         ", tensor cores" if self.own.mma else "")
+                if self.h // self.hkv >= 8 and not self.own.mma:
                     log.warning("the lorafleet decode kernel was measured 3-9x slower than flashinfer's tensor-core "
                                 "decode with 8 query heads per K/V head (docs/benchmarks.md 10.18); this model has %d",
                                 self.h // self.hkv)
