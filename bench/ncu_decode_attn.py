@@ -29,6 +29,8 @@ def main() -> int:
                    help="default: 7b_b32_c1024_e4m3 7b_b32_c1024_bf16 7b_b32_c128_e4m3 70b_b32_c1024_e4m3")
     p.add_argument("--stages", type=int, default=3, choices=(0, 3, 5),
                    help="the K/V copies' stages where each K/V head has one query head (default: 3, the engine's)")
+    p.add_argument("--mma", action="store_true",
+                   help="e4m3 cases also on the tensor-core kernel (3 stages), after the CUDA-core kernel's launches")
     args = p.parse_args()
     cases = []
     for case in args.cases:
@@ -57,15 +59,18 @@ def main() -> int:
         out = torch.empty_like(q)
         ws = dk.Workspace(batch, H, Hkv, D, dev)
         workers = dk.workers(sms, batch, Hkv)
-        for _ in range(2):
-            ext.decode_attention(out, q, kv[0], kv[1], indptr, indices, last, ws.partial_o, ws.partial_ml,
-                                 ws.counters, 1 / math.sqrt(D), 0.0, -1, dk.CHUNK, dk.MAX_CHUNKS, workers,
-                                 torch.cuda.current_stream().cuda_stream, args.stages if H == Hkv else 0, False)
-        torch.cuda.synchronize()
         kv_mb = batch * ctx * Hkv * D * 2 * kv.element_size() / 1e6
-        print(f"{shape} batch {batch} context {ctx} {str(kv_dtype)[6:]} pages: {workers} worker(s), "
-              f"{args.stages if H == Hkv else 0} stages, "
-              f"{kv_mb:.1f} MB of K/V per call", flush=True)
+        runs = [(args.stages if H == Hkv else 0, False)]
+        if args.mma and kv_dtype == torch.float8_e4m3fn:
+            runs.append((3, True))
+        for stages, mma in runs:
+            for _ in range(2):
+                ext.decode_attention(out, q, kv[0], kv[1], indptr, indices, last, ws.partial_o, ws.partial_ml,
+                                     ws.counters, 1 / math.sqrt(D), 0.0, -1, dk.CHUNK, dk.MAX_CHUNKS, workers,
+                                     torch.cuda.current_stream().cuda_stream, stages, False, False, mma)
+            torch.cuda.synchronize()
+            print(f"{shape} batch {batch} context {ctx} {str(kv_dtype)[6:]} pages: {workers} worker(s), "
+                  f"{stages} stages{', tensor cores' if mma else ''}, {kv_mb:.1f} MB of K/V per call", flush=True)
         del kv, ws
         torch.cuda.empty_cache()
     return 0
