@@ -1,4 +1,6 @@
-// decode_attention (see decode_attn.h): one CTA of 4 warps per (request, K/V head, worker). A lane holds DPL
+// decode_attention (see decode_attn.h). The CUDA-core kernel (decode_attention_kernel; the tensor-core kernel for e4m3
+// pages, decode_attention_mma_kernel, is described where it begins): one CTA of 4 warps per (request, K/V head,
+// worker). A lane holds DPL
 // dimensions of a token's K/V row (one 4- to 16-byte load each), LPT = D / DPL lanes make a token, a warp takes
 // TPW = 32 / LPT tokens per load and kUnroll such loads at once, so every lane has 2 kUnroll loads in flight
 // (the next pass's, during this pass's math; their page ids were loaded a pass earlier still; the stream of passes
@@ -23,7 +25,10 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <mutex>
+#include <set>
 #include <type_traits>
+#include <utility>
 
 #include "decode_attn.h"
 #include "half_pair.cuh"
@@ -205,8 +210,9 @@ struct PassStream {
 
 // A chunk's end, every warp's (m, l, acc) of the group's g heads in shared memory: the warps merged in order, then
 // the output written (a request of one chunk) or the chunk's partial; the shared state is free again after it.
-template <typename T, int G, int D>
-__device__ __forceinline__ void finish_chunk(const DecodeAttnArgs& p, const float (&sm_acc)[kWarps][G][D],
+// (DS > D: a row of sm_acc padded by one float per 16, dim d at d + d / 16, against bank conflicts in its writes)
+template <typename T, int G, int D, int DS = D>
+__device__ __forceinline__ void finish_chunk(const DecodeAttnArgs& p, const float (&sm_acc)[kWarps][G][DS],
                                              const float (&sm_m)[kWarps][G], const float (&sm_l)[kWarps][G], int g,
                                              int b, int head0, int c, int nchunks, T* out) {
   __syncthreads();
@@ -221,7 +227,7 @@ __device__ __forceinline__ void finish_chunk(const DecodeAttnArgs& p, const floa
       if (sm_m[w][j] == -INFINITY) continue;
       const float cw = exp2f(sm_m[w][j] - mx);
       sum = fmaf(sm_l[w][j], cw, sum);
-      a = fmaf(sm_acc[w][j][d], cw, a);
+      a = fmaf(sm_acc[w][j][DS == D ? d : d + (d >> 4)], cw, a);
     }
     if (nchunks == 1) {
       out[e] = Pair<T>::round(__fdividef(a, sum));  // sum is in [1, n]: the fast division is exact to 2 ulp
@@ -550,17 +556,21 @@ __global__ void __launch_bounds__(kThreads, kStages > 0 ? 4 : 2) decode_attentio
 // with the online softmax between them in fp32. The second product's B operand (P) is the first one's accumulator,
 // so P never leaves the lane: lane (gq = lane / 4, tq = lane % 4) holds S[head gq][tokens 2tq, 2tq + 1, 2tq + 8,
 // 2tq + 9], exactly P^T's B fragment. A dot product does not depend on the order of its dims, so each operand's dims
-// are permuted to suit the loads: for q . k, lane (gq, tq) takes the tq-th quarter of a K row (tokens gq and gq + 8
-// of the tile), k-step s its dims D/4 tq + 4s .. + 3 (one 32-bit word of e4m3, two f16x2 operands); for p v the
-// gq-th eighth of a V row (tokens 2tq, 2tq + 1, 2tq + 8, 2tq + 9), m-tile mt rows gq / gq + 8 the dims D/8 gq + 2mt /
-// + 1, whose pairs of tokens one byte permute puts side by side. Each lane copies (cp.async, kStages - 1 tiles ahead,
-// into its own slots of a ring in dynamic shared memory) exactly the bytes it reads, as the staged kernel above.
+// are permuted to suit the loads: for q . k, lane (gq, tq) takes a quarter of each K row (tokens gq and gq + 8 of the
+// tile: 16 bytes at 16 tq + 64 cc for each of its D / 64 copies cc, so that the 4 lanes of a row read 64 whole bytes
+// a copy), k-step s = 4 cc + e the dims 64 cc + 16 tq + 4e .. + 3 (one 32-bit word of e4m3, two f16x2 operands), q's
+// the same; for p v an eighth of each V row (tokens 2tq, 2tq + 1, 2tq + 8, 2tq + 9: VC bytes at VC gq + 8 VC cc),
+// m-tile mt's rows gq / gq + 8 two neighbouring dims of word mt / 2, whose pairs of tokens one byte permute puts side
+// by side. Each lane copies (cp.async, kStages - 1 tiles ahead, into its own slots of a ring in dynamic shared
+// memory) exactly the bytes it reads, as the staged kernel above.
 //
-// Numerics: e4m3 -> f16 is exact; q is rounded to f16 (bf16 q exactly, within f16's range: a group whose largest |q|
-// reaches 2^15 is scaled by a power of two first, folded into the score scale); products exact, sums in fp32; the
-// probabilities rounded to f16 for p v (relative 2^-11), their sum l kept in fp32. Not the staged kernel's bits:
-// checked against fp64 (tests/gpu/test_decode_attn_cuda.py). The cut into chunks, the workers, the merges of warps
-// and chunks are the kernel's above, so a request's bits still depend on nothing else in its launch.
+// Numerics: e4m3 -> f16 is exact; q is rounded to f16 after each head is scaled by a power of two that puts its
+// largest |q| in [2^14, 2^15) (folded back into its score scale: bf16 q exactly, but for values 2^-24 below the
+// head's largest); products exact, sums in fp32; the probabilities rounded to f16 for p v (each within 2^-11 of
+// itself), their sum l taken from the same rounded values, so the output is a convex combination of the V rows. Not
+// the staged kernel's bits: checked against fp64 (tests/gpu/test_decode_attn_cuda.py). The cut into chunks, the
+// workers, the merges of warps and chunks are the kernel's above, so a request's bits still depend on nothing else
+// in its launch.
 
 // d += a b, m16n8k16, f16 operands, fp32 accumulators (the PTX fragment layouts)
 __device__ __forceinline__ void mma_f16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
@@ -583,18 +593,28 @@ __device__ __forceinline__ uint32_t f16x2_rn(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&h);
 }
 
-template <typename T, int D, int kG, int kStages>
-__global__ void __launch_bounds__(kThreads, D <= 128 ? 4 : 2) decode_attention_mma_kernel(const DecodeAttnArgs p) {
+// The tensor-core kernel's ring: stages (2 at D = 256, so that it fits 99 KB GPUs with 8 heads a group) and bytes.
+__host__ __device__ constexpr int mma_stages(int D) { return D > 128 ? 2 : 3; }
+__host__ __device__ constexpr int mma_ring_bytes(int D) { return mma_stages(D) * kThreads * D; }
+
+template <typename T, int D, int kG>
+__global__ void __launch_bounds__(kThreads, D > 128 ? 2 : kG > 4 ? 3 : 4)
+    decode_attention_mma_kernel(const DecodeAttnArgs p) {
+  constexpr int kStages = mma_stages(D);
   constexpr int kTile = 16, kPass = kWarps * kTile;
-  constexpr int KB = D / 4, VB = D / 8;                 // bytes of a K / V row a lane takes
-  constexpr int kKC = KB / 16;                          // its 16-byte copies of a K row (two rows a tile)
+  // A lane's bytes of a K row: 16 at 16 tq + 64 cc for copy cc (the 4 lanes of a row read 64 whole bytes each
+  // copy); of a V row: VC at VC gq + 8 VC cc (the 8 lanes of a row likewise).
+  constexpr int KB = D / 4, VB = D / 8;
+  constexpr int kKC = KB / 16;                          // 16-byte copies of a K row (two rows a tile)
   constexpr int VC = VB < 16 ? VB : 16, kVC = VB / VC;  // V: bytes per copy, copies of a row (four rows a tile)
   constexpr int kSteps = D / 16;                        // k-steps of q . k, m-tiles of p v
   constexpr int kKRing = 2 * kKC * kThreads * 16;       // a stage's K slots, then its V slots
   constexpr int kStageBytes = kThreads * D;
+  constexpr int kDS = D + D / 16;                       // sm_acc's padded row (finish_chunk)
   static_assert(kG <= 8 && KB % 16 == 0 && VB % VC == 0 && (VC == 8 || VC == 16), "decode_attention_mma: shape");
+  static_assert(kStages * kStageBytes == mma_ring_bytes(D), "decode_attention_mma: ring");
   extern __shared__ __align__(16) unsigned char sm_ring[];
-  __shared__ float sm_acc[kWarps][kG][D];
+  __shared__ float sm_acc[kWarps][kG][kDS];
   __shared__ float sm_m[kWarps][kG], sm_l[kWarps][kG];
   __shared__ int sm_last;
 
@@ -617,8 +637,8 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 4 : 2) decode_attention_m
 
   const bool capped = p.soft_cap > 0.f;
   const int64_t tok_stride = static_cast<int64_t>(p.num_kv_heads) * D;  // bytes from one slot to the next
-  const uint8_t* kbase = static_cast<const uint8_t*>(p.k_cache) + static_cast<int64_t>(kvh) * D + KB * tq;
-  const uint8_t* vbase = static_cast<const uint8_t*>(p.v_cache) + static_cast<int64_t>(kvh) * D + VB * gq;
+  const uint8_t* kbase = static_cast<const uint8_t*>(p.k_cache) + static_cast<int64_t>(kvh) * D + 16 * tq;
+  const uint8_t* vbase = static_cast<const uint8_t*>(p.v_cache) + static_cast<int64_t>(kvh) * D + VC * gq;
   const int ps = p.page_size, ps_shift = __ffs(ps) - 1;
   const bool ps_pow2 = (ps & (ps - 1)) == 0;
   const int64_t last_page = p.num_pages - 1;
@@ -653,10 +673,10 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 4 : 2) decode_attention_m
       }
       if (i < 2) {
 #pragma unroll
-        for (int cc = 0; cc < kKC; ++cc) cp_async<16>(kslot(s, i * kKC + cc), kbase + off + 16 * cc, ok);
+        for (int cc = 0; cc < kKC; ++cc) cp_async<16>(kslot(s, i * kKC + cc), kbase + off + 64 * cc, ok);
       } else {
 #pragma unroll
-        for (int cc = 0; cc < kVC; ++cc) cp_async<VC>(vslot(s, (i - 2) * kVC + cc), vbase + off + VC * cc, ok);
+        for (int cc = 0; cc < kVC; ++cc) cp_async<VC>(vslot(s, (i - 2) * kVC + cc), vbase + off + 8 * VC * cc, ok);
       }
     }
   };
@@ -688,29 +708,32 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 4 : 2) decode_attention_m
     if (nc < nchunks) locate(nc, nb, ids);
   }
 
-  // q of head gq (zero past the group), the lane's quarter of its dims, as the A fragments of q . k: k-step s holds
-  // dims KB tq + 4s, + 1 (qa[s][0]) and + 2, + 3 (qa[s][1]); rows gq + 8 are zero. A group whose largest |q| reaches
-  // 2^15 is scaled by 2^-qx first (an exact power of two), 2^qx folded into the score scale.
+  // q of head gq (zero past the group), the lane's K dims (16 at 16 tq + 64 cc for each copy cc), as the A
+  // fragments of q . k: k-step s = 4 cc + e holds dims 64 cc + 16 tq + 4e, + 1 (qa[s][0]) and + 2, + 3 (qa[s][1]);
+  // rows gq + 8 are zero. Each head is scaled by 2^-qx (an exact power of two) so that its largest |q| is in
+  // [2^14, 2^15), inside f16's normal range whatever the model's magnitudes; 2^qx is folded into its score scale.
   uint32_t qa[kSteps][2];
   float qscale_back;
   {
     float qf[KB];
     float amax = 0.f;
-    const T* qrow = static_cast<const T*>(p.q) + (static_cast<int64_t>(b) * p.num_heads + head0 + gq) * D + KB * tq;
+    const T* qrow = static_cast<const T*>(p.q) + (static_cast<int64_t>(b) * p.num_heads + head0 + gq) * D + 16 * tq;
 #pragma unroll
-    for (int e = 0; e < KB / 2; ++e) {
-      float2 t = make_float2(0.f, 0.f);
-      if (gq < g) t = Pair<T>::get(reinterpret_cast<const typename Pair<T>::V*>(qrow)[e]);
-      qf[2 * e] = t.x;
-      qf[2 * e + 1] = t.y;
-      amax = fmaxf(amax, fmaxf(fabsf(t.x), fabsf(t.y)));
-    }
+    for (int cc = 0; cc < kKC; ++cc)
 #pragma unroll
-    for (int off = 16; off >= 1; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, off));
+      for (int e = 0; e < 8; ++e) {
+        float2 t = make_float2(0.f, 0.f);
+        if (gq < g) t = Pair<T>::get(reinterpret_cast<const typename Pair<T>::V*>(qrow + 64 * cc)[e]);
+        qf[16 * cc + 2 * e] = t.x;
+        qf[16 * cc + 2 * e + 1] = t.y;
+        amax = fmaxf(amax, fmaxf(fabsf(t.x), fabsf(t.y)));
+      }
+    amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, 1));  // over the head's 4 lanes
+    amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, 2));
     const int ex = ((__float_as_int(amax) >> 23) & 0xff) - 127;  // floor(log2 amax) for a normal amax
-    const int qx = ex >= 15 ? min(ex - 14, 126) : 0;
+    const int qx = amax > 0.f ? max(-100, min(ex - 14, 126)) : 0;
     const float qscale = __int_as_float((127 - qx) << 23);
-    qscale_back = __int_as_float((127 + min(qx, 127)) << 23);
+    qscale_back = __int_as_float((127 + qx) << 23);
 #pragma unroll
     for (int s = 0; s < kSteps; ++s) {
       qa[s][0] = f16x2_rn(qf[4 * s] * qscale, qf[4 * s + 1] * qscale);
@@ -788,19 +811,16 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 4 : 2) decode_attention_m
       mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 2));
       const float corr = exp2f(m - mx);
-      float pr[4];
-      float sum = 0.f;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        pr[i] = exp2f(x[i] - mx);
-        sum += pr[i];
-      }
-      l = l * corr + sum;
+      // the probabilities as p v takes them (f16), and their sum from those same values
+      const uint32_t pb0 = f16x2_rn(exp2f(x[0] - mx), exp2f(x[1] - mx));
+      const uint32_t pb1 = f16x2_rn(exp2f(x[2] - mx), exp2f(x[3] - mx));
+      const float2 r0 = __half22float2(*reinterpret_cast<const __half2*>(&pb0));
+      const float2 r1 = __half22float2(*reinterpret_cast<const __half2*>(&pb1));
+      l = l * corr + ((r0.x + r0.y) + (r1.x + r1.y));
       m = mx;
       // the accumulators' heads 2tq and 2tq + 1 take their heads' factors (held by lanes 8tq and 8tq + 4)
       const float ca = __shfl_sync(kFull, corr, 8 * tq), cb = __shfl_sync(kFull, corr, 8 * tq + 4);
-      const uint32_t pb0 = f16x2_rn(pr[0], pr[1]), pb1 = f16x2_rn(pr[2], pr[3]);
-      // O^T += V^T P^T: word wi of the lane's V eighth holds m-tiles 2wi (bytes 0, 1) and 2wi + 1 (bytes 2, 3)
+      // O^T += V^T P^T: word wi of the lane's V bytes holds m-tiles 2wi (bytes 0, 1) and 2wi + 1 (bytes 2, 3)
 #pragma unroll
       for (int wi = 0; wi < VB / 4; ++wi) {
         // bytes 0 / 1 (lo) or 2 / 3 (hi) of two tokens' words side by side: A0 B0 A1 B1, A2 B2 A3 B3
@@ -834,11 +854,14 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 4 : 2) decode_attention_m
       if (head >= g) continue;
 #pragma unroll
       for (int mt = 0; mt < kSteps; ++mt) {
-        sm_acc[warp][head][VB * gq + 2 * mt] = o[mt][h];
-        sm_acc[warp][head][VB * gq + 2 * mt + 1] = o[mt][2 + h];
+        // m-tile mt's rows gq / gq + 8: dims d, d + 1 of word mt / 2 (copy cc, word e of it), bytes 2 (mt % 2)
+        const int wi = mt / 2, cc = wi / (VC / 4), e = wi % (VC / 4);
+        const int d = 8 * VC * cc + VC * gq + 4 * e + 2 * (mt % 2);
+        sm_acc[warp][head][d + (d >> 4)] = o[mt][h];
+        sm_acc[warp][head][d + 1 + ((d + 1) >> 4)] = o[mt][2 + h];
       }
     }
-    finish_chunk<T, kG, D>(p, sm_acc, sm_m, sm_l, g, b, head0, c, nchunks, out);
+    finish_chunk<T, kG, D, kDS>(p, sm_acc, sm_m, sm_l, g, b, head0, c, nchunks, out);
   }
   if (p.pdl) pdl_launch_dependents();
   if (nchunks == 1) return;
@@ -847,12 +870,29 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 4 : 2) decode_attention_m
 
 // One kernel's launch: a plain <<<>>> launch (the register version's, as measured), or with stages and pdl through
 // cudaLaunchKernelEx with the programmatic-serialization attribute.
+// `smem` bytes of dynamic shared memory allowed to `kernel` on `device`, once per kernel and device.
+const char* allow_smem(const void* kernel, int smem, int device) {
+  static std::mutex mu;
+  static std::set<std::pair<const void*, int>> done;
+  std::lock_guard<std::mutex> lock(mu);
+  if (done.count({kernel, device})) return nullptr;
+  int optin = 0;
+  cudaFuncAttributes attr = {};
+  cudaError_t err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (err == cudaSuccess) err = cudaFuncGetAttributes(&attr, kernel);
+  if (err == cudaSuccess && static_cast<size_t>(smem) + attr.sharedSizeBytes > static_cast<size_t>(optin))
+    return "decode_attention: the tensor-core kernel needs more shared memory per CTA than this GPU allows";
+  if (err == cudaSuccess) err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) {
+    cudaGetLastError();  // (reported here, not left for a later launch's check)
+    return cudaGetErrorString(err);
+  }
+  done.insert({kernel, device});
+  return nullptr;
+}
+
 template <typename K>
 cudaError_t launch_one(K kernel, const DecodeAttnArgs& a, dim3 grid, cudaStream_t stream, int major, int smem = 0) {
-  if (smem > 0) {
-    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (err != cudaSuccess) return err;
-  }
   if (!a.pdl) {
     kernel<<<grid, kThreads, smem, stream>>>(a);
     return cudaGetLastError();
@@ -872,14 +912,17 @@ cudaError_t launch_one(K kernel, const DecodeAttnArgs& a, dim3 grid, cudaStream_
 // (stages: one query head per K/V head only; grouped heads take the register version, whose bits are the same;
 // the tensor-core kernel takes any group)
 template <typename T, bool KV8, int D>
-const char* launch_group(const DecodeAttnArgs& a, int group, dim3 grid, cudaStream_t stream, int major) {
+const char* launch_group(const DecodeAttnArgs& a, int group, dim3 grid, cudaStream_t stream, int major,
+                         int device) {
   cudaError_t err;
   auto go = [&](auto kernel) { return launch_one(kernel, a, grid, stream, major); };
   if constexpr (KV8) {  // (the tensor-core kernel: e4m3 pages only; its ring in dynamic shared memory)
-    constexpr int kMmaStages = 3, kMmaSmem = kMmaStages * kThreads * D;
     if (a.tensor_cores) {
-      err = group <= 1 ? launch_one(decode_attention_mma_kernel<T, D, 1, kMmaStages>, a, grid, stream, major, kMmaSmem)
-                       : launch_one(decode_attention_mma_kernel<T, D, 8, kMmaStages>, a, grid, stream, major, kMmaSmem);
+      auto kernel = group <= 1 ? decode_attention_mma_kernel<T, D, 1>
+                    : group <= 4 ? decode_attention_mma_kernel<T, D, 4> : decode_attention_mma_kernel<T, D, 8>;
+      const char* refused = allow_smem(reinterpret_cast<const void*>(kernel), mma_ring_bytes(D), device);
+      if (refused != nullptr) return refused;
+      err = launch_one(kernel, a, grid, stream, major, mma_ring_bytes(D));
       return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
     }
   }
@@ -895,18 +938,19 @@ const char* launch_group(const DecodeAttnArgs& a, int group, dim3 grid, cudaStre
 }
 
 template <typename T, bool KV8>
-const char* launch_dim(const DecodeAttnArgs& a, int group, dim3 grid, cudaStream_t stream, int major) {
+const char* launch_dim(const DecodeAttnArgs& a, int group, dim3 grid, cudaStream_t stream, int major, int device) {
   switch (a.head_dim) {
-    case 64: return launch_group<T, KV8, 64>(a, group, grid, stream, major);
-    case 128: return launch_group<T, KV8, 128>(a, group, grid, stream, major);
-    default: return launch_group<T, KV8, 256>(a, group, grid, stream, major);
+    case 64: return launch_group<T, KV8, 64>(a, group, grid, stream, major, device);
+    case 128: return launch_group<T, KV8, 128>(a, group, grid, stream, major, device);
+    default: return launch_group<T, KV8, 256>(a, group, grid, stream, major, device);
   }
 }
 
 template <typename T>
-const char* launch_typed(const DecodeAttnArgs& a, int group, dim3 grid, cudaStream_t stream, int major) {
-  return a.kv_e4m3 ? launch_dim<T, true>(a, group, grid, stream, major)
-                   : launch_dim<T, false>(a, group, grid, stream, major);
+const char* launch_typed(const DecodeAttnArgs& a, int group, dim3 grid, cudaStream_t stream, int major,
+                         int device) {
+  return a.kv_e4m3 ? launch_dim<T, true>(a, group, grid, stream, major, device)
+                   : launch_dim<T, false>(a, group, grid, stream, major, device);
 }
 
 }  // namespace
@@ -942,8 +986,8 @@ const char* decode_attention(DType dtype, const DecodeAttnArgs& a, int device, v
   const dim3 grid(a.workers, a.num_kv_heads, a.batch);
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   const int group = a.num_heads / a.num_kv_heads;
-  return dtype == DType::kFloat16 ? launch_typed<__half>(a, group, grid, s, major)
-                                  : launch_typed<__nv_bfloat16>(a, group, grid, s, major);
+  return dtype == DType::kFloat16 ? launch_typed<__half>(a, group, grid, s, major, device)
+                                  : launch_typed<__nv_bfloat16>(a, group, grid, s, major, device);
 }
 
 }  // namespace lorafleet

@@ -17,10 +17,11 @@
 // `chunk` tokens from `start` (more when n_b would need more than max_chunks chunks: then ceil(n_b / max_chunks)
 // rounded up to 16), so the cut depends only on n_b and the two constants. Each chunk is one CTA's pass: its 4 warps
 // take interleaved tokens, each lane a fixed part of a token's row, with an online softmax per lane, merged over the
-// warp's token slots and then over the warps in a fixed order. A request of one chunk writes out directly; with more,
-// every chunk writes its unnormalized partial (the max and sum of its exponentials with it) and the CTA that
-// completes the request's last chunk merges them in chunk order. `workers` CTAs per (request, K/V head) take chunks
-// c, c + workers, ...: the grid's shape never changes a bit.
+// warp's token slots and then over the warps in a fixed order (the tensor-core kernel, `tensor_cores`: each warp
+// 16-token tiles, an online softmax per tile, then the warps merged in the same order). A request of one chunk writes
+// out directly; with more, every chunk writes its unnormalized partial (the max and sum of its exponentials with it)
+// and the CTA that completes the request's last chunk merges them in chunk order. `workers` CTAs per (request, K/V
+// head) take chunks c, c + workers, ...: the grid's shape never changes a bit.
 #pragma once
 
 #include <cstdint>
@@ -62,9 +63,10 @@ struct DecodeAttnArgs {
                                            // fp32 by integer ops and one exact multiply instead of the cvt
                                            // instructions (the same values for every code but the two NaNs, read as
                                            // -+480; so the same bits)
-  bool tensor_cores = false;               // e4m3 pages, stages 3, any group: q . k and p v on the tensor cores
-                                           // (mma.sync, f16 operands, fp32 sums; q and p rounded to f16): not the
-                                           // CUDA-core kernel's bits, within the fp64 reference's tolerance
+  bool tensor_cores = false;               // e4m3 pages, stages 3 (its own ring: 2 at D = 256), any group: q . k
+                                           // and p v on the tensor cores (mma.sync, f16 operands, fp32 sums; q and
+                                           // p rounded to f16): not the CUDA-core kernel's bits, within the fp64
+                                           // reference's tolerance
 };
 
 // Whether `stages` is one the kernel is built for (0, 3 or 5).
