@@ -597,8 +597,16 @@ __device__ __forceinline__ uint32_t f16x2_rn(float lo, float hi) {
 __host__ __device__ constexpr int mma_stages(int D) { return D > 128 ? 2 : 3; }
 __host__ __device__ constexpr int mma_ring_bytes(int D) { return mma_stages(D) * kThreads * D; }
 
+// CTAs per SM the registers are sized for at D <= 128 with groups up to 4 (4 on sm_90, 128 registers; sm_80 / sm_89
+// builds take 3, where the e4m3 conversions take more registers)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+constexpr int kMmaBlocks = 3;
+#else
+constexpr int kMmaBlocks = 4;
+#endif
+
 template <typename T, int D, int kG>
-__global__ void __launch_bounds__(kThreads, D > 128 ? 2 : kG > 4 ? 3 : 4)
+__global__ void __launch_bounds__(kThreads, D > 128 ? 2 : kG > 4 ? 3 : kMmaBlocks)
     decode_attention_mma_kernel(const DecodeAttnArgs p) {
   constexpr int kStages = mma_stages(D);
   constexpr int kTile = 16, kPass = kWarps * kTile;
