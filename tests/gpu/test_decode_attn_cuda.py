@@ -228,12 +228,11 @@ def test_programmatic_launches_back_to_back_give_the_plain_launchs_bits(stages):
     assert int(counters.abs().sum()) == 0
 
 
-@pytest.mark.parametrize("stages", [0, 5])
-def test_graph_replay_gives_the_eager_bits(stages):
+def assert_graph_replay_gives_the_eager_bits(c: Case, stages: int, mma: bool = False):
     """A captured launch over fixed table buffers, refilled with another step's tables before each replay (with
-    stages, a programmatic launch, as the engine makes it)."""
-    c = Case(LENS, 2, 8 if stages == 0 else 1, 128, torch.bfloat16, E4M3, seed=5)
-    B, max_pages = len(LENS), c.num_pages
+    stages, a programmatic launch, as the engine makes it), against the eager launch of the CUDA-core register version
+    (or, with `mma`, of the tensor-core kernel)."""
+    B, max_pages = len(c.lens), c.num_pages
     indptr = torch.zeros(B + 1, dtype=torch.int32, device=DEV)
     indices = torch.zeros(max_pages, dtype=torch.int32, device=DEV)
     last = torch.ones(B, dtype=torch.int32, device=DEV)
@@ -245,7 +244,7 @@ def test_graph_replay_gives_the_eager_bits(stages):
 
     def launch():
         ext().decode_attention(out, q, c.k, c.v, indptr, indices, last, po, pml, counters, 0.1, 0.0, -1, CHUNK,
-                               MAX_CHUNKS, 16, torch.cuda.current_stream().cuda_stream, stages, stages > 0)
+                               MAX_CHUNKS, 16, torch.cuda.current_stream().cuda_stream, stages, stages > 0, False, mma)
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -263,9 +262,16 @@ def test_graph_replay_gives_the_eager_bits(stages):
         last.copy_(la)
         graph.replay()
         torch.cuda.synchronize()
-        want = c.run(lens=lens, sm_scale=0.1, workers=1)  # (the register version, eager)
+        want = c.run(lens=lens, sm_scale=0.1, workers=1, **({"stages": 3, "mma": True} if mma else {}))
         assert torch.equal(out, want), f"replay {step}"
         assert int(counters.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("stages", [0, 5])
+def test_graph_replay_gives_the_eager_bits(stages):
+    """The CUDA-core kernel's replay (grouped heads without stages; one query head per K/V head with 5)."""
+    assert_graph_replay_gives_the_eager_bits(Case(LENS, 2, 8 if stages == 0 else 1, 128, torch.bfloat16, E4M3,
+                                                  seed=5), stages)
 
 
 # The tensor-core kernel (tensor_cores=True: e4m3 pages, stages 3) rounds the probabilities to f16 before p v and sums
@@ -377,38 +383,7 @@ def test_tensor_core_kernel_graph_replay_and_refusals():
     """A captured programmatic launch with grouped heads, its tables refilled before each replay: the eager launch's
     bits; refused for bf16 pages, for other stages and with the integer conversion."""
     c = Case(LENS, 2, 8, 128, torch.bfloat16, E4M3, seed=15)
-    B = len(LENS)
-    indptr = torch.zeros(B + 1, dtype=torch.int32, device=DEV)
-    indices = torch.zeros(c.num_pages, dtype=torch.int32, device=DEV)
-    last = torch.ones(B, dtype=torch.int32, device=DEV)
-    po = torch.empty(B * c.h * MAX_CHUNKS * c.D, device=DEV)
-    pml = torch.empty(B * c.h * MAX_CHUNKS * 2, device=DEV)
-    counters = torch.zeros(B * c.hkv, dtype=torch.int32, device=DEV)
-    out = torch.empty_like(c.q)
-
-    def launch():
-        ext().decode_attention(out, c.q, c.k, c.v, indptr, indices, last, po, pml, counters, 0.1, 0.0, -1, CHUNK,
-                               MAX_CHUNKS, 16, torch.cuda.current_stream().cuda_stream, 3, True, False, True)
-
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        launch()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        launch()
-    for step, lens in enumerate(([1] * B, LENS, [300, 17, 1, 4097, 16, 256, 5000, 2, 700, 255])):
-        lens = [min(n, len(t) * c.ps) for n, t in zip(lens, c.tables)]
-        ip, ix, la = c.arrays(lens=lens)
-        indptr.copy_(ip)
-        indices[: ix.numel()].copy_(ix)
-        last.copy_(la)
-        graph.replay()
-        torch.cuda.synchronize()
-        want = c.run(lens=lens, sm_scale=0.1, workers=1, stages=3, mma=True)
-        assert torch.equal(out, want), f"replay {step}"
-        assert int(counters.abs().sum()) == 0
+    assert_graph_replay_gives_the_eager_bits(c, 3, mma=True)
     with pytest.raises(RuntimeError, match="tensor-core kernel takes e4m3 pages and stages 3"):
         c.run(stages=5, mma=True)
     with pytest.raises(RuntimeError, match="tensor-core kernel takes e4m3 pages and stages 3"):
