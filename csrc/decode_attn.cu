@@ -828,6 +828,16 @@ __global__ void __launch_bounds__(kThreads, D > 128 ? 2 : kG > 4 ? 3 : kMmaBlock
       m = mx;
       // the accumulators' heads 2tq and 2tq + 1 take their heads' factors (held by lanes 8tq and 8tq + 4)
       const float ca = __shfl_sync(kFull, corr, 8 * tq), cb = __shfl_sync(kFull, corr, 8 * tq + 4);
+      // (no head's maximum moved in the warp: every factor is exactly 1, the rescale skipped changes no bit)
+      if (__any_sync(kFull, corr != 1.f)) {
+#pragma unroll
+        for (int mt = 0; mt < kSteps; ++mt) {
+          o[mt][0] *= ca;
+          o[mt][1] *= cb;
+          o[mt][2] *= ca;
+          o[mt][3] *= cb;
+        }
+      }
       // O^T += V^T P^T: word wi of the lane's V bytes holds m-tiles 2wi (bytes 0, 1) and 2wi + 1 (bytes 2, 3)
 #pragma unroll
       for (int wi = 0; wi < VB / 4; ++wi) {
@@ -838,14 +848,9 @@ __global__ void __launch_bounds__(kThreads, D > 128 ? 2 : kG > 4 ? 3 : kMmaBlock
         const uint32_t hi89 = __byte_perm(vw[2][wi], vw[3][wi], 0x7362);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          float(&acc)[4] = o[2 * wi + h];
-          acc[0] *= ca;
-          acc[1] *= cb;
-          acc[2] *= ca;
-          acc[3] *= cb;
           const uint32_t w01 = h ? hi01 : lo01, w89 = h ? hi89 : lo89;
-          mma_f16(acc, e4m3x2_f16x2<0>(w01), e4m3x2_f16x2<1>(w01), e4m3x2_f16x2<0>(w89), e4m3x2_f16x2<1>(w89), pb0,
-                  pb1);
+          mma_f16(o[2 * wi + h], e4m3x2_f16x2<0>(w01), e4m3x2_f16x2<1>(w01), e4m3x2_f16x2<0>(w89),
+                  e4m3x2_f16x2<1>(w89), pb0, pb1);
         }
       }
     }
