@@ -597,16 +597,9 @@ __device__ __forceinline__ uint32_t f16x2_rn(float lo, float hi) {
 __host__ __device__ constexpr int mma_stages(int D) { return D > 128 ? 2 : 3; }
 __host__ __device__ constexpr int mma_ring_bytes(int D) { return mma_stages(D) * kThreads * D; }
 
-// CTAs per SM the registers are sized for at D <= 128 with groups up to 4 (4 on sm_90, 128 registers; sm_80 / sm_89
-// builds take 3, where the e4m3 conversions take more registers)
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-constexpr int kMmaBlocks = 3;
-#else
-constexpr int kMmaBlocks = 4;
-#endif
-
+// (registers for 3 CTAs per SM at D <= 128, 2 at D = 256)
 template <typename T, int D, int kG>
-__global__ void __launch_bounds__(kThreads, D > 128 ? 2 : kG > 4 ? 3 : kMmaBlocks)
+__global__ void __launch_bounds__(kThreads, D > 128 ? 2 : 3)
     decode_attention_mma_kernel(const DecodeAttnArgs p) {
   constexpr int kStages = mma_stages(D);
   constexpr int kTile = 16, kPass = kWarps * kTile;
@@ -644,47 +637,45 @@ __global__ void __launch_bounds__(kThreads, D > 128 ? 2 : kG > 4 ? 3 : kMmaBlock
   const PassStream st{cut, p.workers, warp * kTile, kPass};
 
   const bool capped = p.soft_cap > 0.f;
-  const int64_t tok_stride = static_cast<int64_t>(p.num_kv_heads) * D;  // bytes from one slot to the next
-  const uint8_t* kbase = static_cast<const uint8_t*>(p.k_cache) + static_cast<int64_t>(kvh) * D + 16 * tq;
-  const uint8_t* vbase = static_cast<const uint8_t*>(p.v_cache) + static_cast<int64_t>(kvh) * D + VC * gq;
+  const uint32_t tok_stride = static_cast<uint32_t>(p.num_kv_heads) * D;  // bytes from one slot to the next
+  const uint32_t koff = kvh * D + 16 * tq, voff = kvh * D + VC * gq;  // the lane's bytes in a slot's row
   const int ps = p.page_size, ps_shift = __ffs(ps) - 1;
   const bool ps_pow2 = (ps & (ps - 1)) == 0;
-  const int64_t last_page = p.num_pages - 1;
+  const int last_page = static_cast<int>(p.num_pages - 1);  // (pages x page_size < 2^31: checked at launch)
   // the lane's tokens of a tile: 0, 1 its K rows (gq, gq + 8), 2..5 its V rows (2tq, 2tq + 1, 2tq + 8, 2tq + 9)
   auto tok = [&](int i) { return i < 2 ? gq + 8 * i : 2 * tq + (i & 1) + 8 * ((i - 2) >> 1); };
   constexpr int kToks = 6;
-  // the page ids of the lane's tokens of the tile (c, base) (0 past the chunk's end or outside `indices`), one tile
-  // before the copies that need them
-  auto locate = [&](int c, int base, int32_t (&ids)[kToks]) {
+  // The slot row (page * page_size + slot) of token base + lane % 16 of the tile (c, base): -1 past the chunk's end,
+  // page 0 for positions outside `indices`, page ids clamped to the pool. One lookup per lane, a tile before the
+  // copies that take each token's row from its lane.
+  auto locate = [&](int c, int base) {
     const int end = c < nchunks ? st.end(c) : 0;
-#pragma unroll
-    for (int i = 0; i < kToks; ++i) {
-      const int t = base + tok(i);
-      const int pi = ps_pow2 ? t >> ps_shift : t / ps;
-      const int64_t at = static_cast<int64_t>(cut.p0) + pi;
-      ids[i] = t < end && at >= 0 && at < p.num_indices ? p.indices[at] : 0;
-    }
+    const int t = base + (lane & 15);
+    if (t >= end) return -1;
+    const int pi = ps_pow2 ? t >> ps_shift : t / ps;
+    const int64_t at = static_cast<int64_t>(cut.p0) + pi;
+    const int id = at >= 0 && at < p.num_indices ? p.indices[at] : 0;
+    return min(max(id, 0), last_page) * ps + (ps_pow2 ? t & (ps - 1) : t - pi * ps);
   };
   auto kslot = [&](int s, int i) { return sm_ring + s * kStageBytes + (i * kThreads + tid) * 16; };
   auto vslot = [&](int s, int i) { return sm_ring + s * kStageBytes + kKRing + (i * kThreads + tid) * VC; };
-  // the copies of the tile (c, base) into stage s (zeros past the chunk's end)
-  auto fetch_async = [&](int s, int c, int base, const int32_t (&ids)[kToks]) {
-    const int end = st.end(c);
+  // the copies into stage s of the tile whose rows `row` holds (locate's, the warp's lanes'; zeros past the chunk's
+  // end)
+  auto fetch_async = [&](int s, int row) {
 #pragma unroll
     for (int i = 0; i < kToks; ++i) {
-      const int t = base + tok(i);
-      const bool ok = t < end;
-      int64_t off = 0;
-      if (ok) {
-        const int64_t pg = ids[i] < 0 ? 0 : (ids[i] > last_page ? last_page : ids[i]);
-        off = (pg * ps + (ps_pow2 ? t & (ps - 1) : t % ps)) * tok_stride;
-      }
+      const int r = __shfl_sync(kFull, row, tok(i));
+      const bool ok = r >= 0;
+      const uint64_t off = static_cast<uint64_t>(static_cast<uint32_t>(ok ? r : 0)) * tok_stride;
       if (i < 2) {
 #pragma unroll
-        for (int cc = 0; cc < kKC; ++cc) cp_async<16>(kslot(s, i * kKC + cc), kbase + off + 64 * cc, ok);
+        for (int cc = 0; cc < kKC; ++cc)
+          cp_async<16>(kslot(s, i * kKC + cc), static_cast<const uint8_t*>(p.k_cache) + (off + koff + 64 * cc), ok);
       } else {
 #pragma unroll
-        for (int cc = 0; cc < kVC; ++cc) cp_async<VC>(vslot(s, (i - 2) * kVC + cc), vbase + off + 8 * VC * cc, ok);
+        for (int cc = 0; cc < kVC; ++cc)
+          cp_async<VC>(vslot(s, (i - 2) * kVC + cc),
+                       static_cast<const uint8_t*>(p.v_cache) + (off + voff + 8 * VC * cc), ok);
       }
     }
   };
@@ -693,14 +684,15 @@ __global__ void __launch_bounds__(kThreads, D > 128 ? 2 : kG > 4 ? 3 : kMmaBlock
   // writes q and the newest K/V row) q and their copies, then the next tile's ids
   int nc, nb;
   st.first(worker, nc, nb);
-  int32_t ids[kToks];
+  int row = -1;  // the lane's row of the tile after the last one whose copies are in flight
   {
-    int32_t first[kStages - 1][kToks];
+    int first[kStages - 1];
     int lc = nc, lb = nb;
 #pragma unroll
     for (int j = 0; j < kStages - 1; ++j) {
+      first[j] = -1;
       if (lc < nchunks) {
-        locate(lc, lb, first[j]);
+        first[j] = locate(lc, lb);
         st.advance(lc, lb);
       }
     }
@@ -708,12 +700,12 @@ __global__ void __launch_bounds__(kThreads, D > 128 ? 2 : kG > 4 ? 3 : kMmaBlock
 #pragma unroll
     for (int j = 0; j < kStages - 1; ++j) {
       if (nc < nchunks) {
-        fetch_async(j, nc, nb, first[j]);
+        fetch_async(j, first[j]);
         st.advance(nc, nb);
       }
       cp_async_commit();  // (one group per tile, empty past the stream's end)
     }
-    if (nc < nchunks) locate(nc, nb, ids);
+    if (nc < nchunks) row = locate(nc, nb);
   }
 
   // q of head gq (zero past the group), the lane's K dims (16 at 16 tq + 64 cc for each copy cc), as the A
@@ -761,24 +753,22 @@ __global__ void __launch_bounds__(kThreads, D > 128 ? 2 : kG > 4 ? 3 : kMmaBlock
     for (int base = cut.start + c * cut.chunk + warp * kTile; base < t1; base += kPass) {
       // the tile kStages - 1 on into the stage read last, then this tile's group landed
       if (nc < nchunks) {
-        fetch_async(wstage, nc, nb, ids);
+        fetch_async(wstage, row);
         st.advance(nc, nb);
-        locate(nc, nb, ids);
+        row = locate(nc, nb);
       }
       cp_async_commit();
       wstage = wstage + 1 == kStages ? 0 : wstage + 1;
       cp_async_wait<kStages - 1>();
-      uint4 kw[2][kKC];
-      uint32_t vw[4][VB / 4];
-#pragma unroll
-      for (int j = 0; j < 2; ++j)
-#pragma unroll
-        for (int cc = 0; cc < kKC; ++cc) kw[j][cc] = *reinterpret_cast<const uint4*>(kslot(rstage, j * kKC + cc));
+      const int rs = rstage;
+      rstage = rstage + 1 == kStages ? 0 : rstage + 1;
+
+      uint32_t vw[4][VB / 4];  // the lane's V words of its 4 tokens
 #pragma unroll
       for (int u = 0; u < 4; ++u)
 #pragma unroll
         for (int cc = 0; cc < kVC; ++cc) {
-          const unsigned char* src = vslot(rstage, u * kVC + cc);
+          const unsigned char* src = vslot(rs, u * kVC + cc);
           if constexpr (VC == 16) {
             const uint4 w = *reinterpret_cast<const uint4*>(src);
             vw[u][4 * cc] = w.x;
@@ -791,21 +781,23 @@ __global__ void __launch_bounds__(kThreads, D > 128 ? 2 : kG > 4 ? 3 : kMmaBlock
             vw[u][2 * cc + 1] = w.y;
           }
         }
-      rstage = rstage + 1 == kStages ? 0 : rstage + 1;
-
-      // S = Q K^T for the tile's tokens 0-7 (j = 0) and 8-15 (j = 1)
+      // S = Q K^T for the tile's tokens 0-7 (j = 0) and 8-15 (j = 1), the two chains interleaved
       float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
-      for (int j = 0; j < 2; ++j)
+      for (int cc = 0; cc < kKC; ++cc) {
+        uint4 kw[2];
 #pragma unroll
-        for (int cc = 0; cc < kKC; ++cc) {
-          const uint32_t w[4] = {kw[j][cc].x, kw[j][cc].y, kw[j][cc].z, kw[j][cc].w};
+        for (int j = 0; j < 2; ++j) kw[j] = *reinterpret_cast<const uint4*>(kslot(rs, j * kKC + cc));
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int s = 4 * cc + e;
-            mma_f16(sc[j], qa[s][0], 0u, qa[s][1], 0u, e4m3x2_f16x2<0>(w[e]), e4m3x2_f16x2<1>(w[e]));
+        for (int e = 0; e < 4; ++e) {
+          const int s = 4 * cc + e;
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const uint32_t w = e == 0 ? kw[j].x : e == 1 ? kw[j].y : e == 2 ? kw[j].z : kw[j].w;
+            mma_f16(sc[j], qa[s][0], 0u, qa[s][1], 0u, e4m3x2_f16x2<0>(w), e4m3x2_f16x2<1>(w));
           }
         }
+      }
       // the online softmax of head gq over the lane's tokens 2tq, 2tq + 1, 2tq + 8, 2tq + 9 (the tile's first token
       // is inside the chunk, so every head's maximum is finite)
       float x[4] = {sc[0][0], sc[0][1], sc[1][0], sc[1][1]};
@@ -983,6 +975,8 @@ const char* decode_attention(DType dtype, const DecodeAttnArgs& a, int device, v
   if (!decode_attention_stages_ok(a.stages)) return "decode_attention: stages must be 0, 3 or 5";
   if (a.tensor_cores && (!a.kv_e4m3 || a.stages != 3 || a.int_convert))
     return "decode_attention: the tensor-core kernel takes e4m3 pages and stages 3 (not the integer conversion)";
+  if (a.tensor_cores && a.num_pages * static_cast<int64_t>(a.page_size) > INT32_MAX)
+    return "decode_attention: the tensor-core kernel takes fewer than 2^31 K/V slots (pages x page_size)";
   if (a.pdl && (a.stages == 0 || (a.num_heads != a.num_kv_heads && !a.tensor_cores)))
     return "decode_attention: a programmatic launch needs stages 3 or 5 and one query head per K/V head (any group "
            "with tensor_cores)";
