@@ -128,7 +128,9 @@ def decode_int_convert() -> bool:
 def decode_mma() -> bool:
     """LORAFLEET_DECODE_MMA: with e4m3 pages, the project's decode kernel computes q . k and p v on the tensor cores
     (mma.sync, f16 operands, fp32 sums, q and the probabilities rounded to f16), for any group of query heads per K/V
-    head, 3 stages; otherwise the CUDA-core kernel (fp32 throughout). Default 0 until measured."""
+    head, 3 stages; otherwise the CUDA-core kernel (fp32 throughout). Default 0: measured slower than the CUDA-core
+    kernel with one query head per K/V head and than flashinfer's tensor-core decode with grouped heads
+    (docs/benchmarks.md 10.26)."""
     return _flag("LORAFLEET_DECODE_MMA", False)
 
 

@@ -100,7 +100,8 @@ def main() -> int:
 
 def decode_attention_case() -> str | None:
     """csrc/decode_attn.cu over e4m3 and bf16 pages of 5 tokens, 2 K/V heads of 64 with 3 query heads each (and with
-    one each, the K/V rows copied ahead through shared memory, 5 and 3 stages): a request
+    one each, the K/V rows copied ahead through shared memory, 5 and 3 stages; and the tensor-core kernel over e4m3
+    pages with 3 and 1 query heads per K/V head): a request
     of one chunk, one of several (chunks of 16, at most 4: so longer ones), one without pages, and one whose table
     names page ids outside the pool and whose indptr runs past the indices (clamped: no access outside the tensors);
     each launch on exactly-sized tensors. None on a wrong result."""
@@ -117,8 +118,9 @@ def decode_attention_case() -> str | None:
     last = torch.tensor([3, 5, 1, 4], dtype=torch.int32, device=dev)
     worst = 0.0
     # (3 query heads per K/V head on the register version; one, with the rows copied ahead through shared memory)
-    for kv_dtype, H, stages in ((torch.float8_e4m3fn, 6, 0), (torch.bfloat16, 6, 0), (torch.float8_e4m3fn, 2, 5),
-                                (torch.bfloat16, 2, 3)):
+    for kv_dtype, H, stages, mma in ((torch.float8_e4m3fn, 6, 0, False), (torch.bfloat16, 6, 0, False),
+                                     (torch.float8_e4m3fn, 2, 5, False), (torch.bfloat16, 2, 3, False),
+                                     (torch.float8_e4m3fn, 6, 3, True), (torch.float8_e4m3fn, 2, 3, True)):
         k = torch.randn(pages, ps, Hkv, D, device=dev).to(kv_dtype)
         v = torch.randn(pages, ps, Hkv, D, device=dev).to(kv_dtype)
         q = torch.randn(len(lens), H, D, device=dev).bfloat16()
@@ -128,7 +130,7 @@ def decode_attention_case() -> str | None:
         pml = torch.empty(len(lens) * H * chunks * 2, device=dev)
         counters = torch.zeros(len(lens) * Hkv, dtype=torch.int32, device=dev)
         ext.decode_attention(out, q, k, v, indptr, indices, last, po, pml, counters, 1 / math.sqrt(D), 0.0, -1, 16,
-                             chunks, 3, torch.cuda.current_stream().cuda_stream, stages)
+                             chunks, 3, torch.cuda.current_stream().cuda_stream, stages, mma, False, mma)
         torch.cuda.synchronize()
         for b in (0, 1):  # the well-formed requests against fp64
             t = torch.arange(lens[b], device=dev)
