@@ -71,10 +71,15 @@ class Tables:
 class LorafleetDecode:
     """The kernel with one model's shapes; the eager steps' workspace grows with their decode rows."""
 
-    def __init__(self, kv, cfg, device: torch.device, stages: int = 3, chunk: int = CHUNK,
-                 ctas_per_sm: int = CTAS_PER_SM, int_convert: bool = False, mma: bool = False):
+    def __init__(self, kv, cfg, device: torch.device, choices=None):
+        """`choices`: the KernelChoices whose decode_stages, decode_chunk, decode_ctas_per_sm, decode_int_convert and
+        decode_mma shape the launches (None: the defaults)."""
         from lorafleet.runner import kernels
+        from lorafleet.runner.config import KernelChoices
 
+        c = KernelChoices() if choices is None else choices
+        stages, chunk, ctas_per_sm = c.decode_stages, c.decode_chunk, c.decode_ctas_per_sm
+        int_convert, mma = c.decode_int_convert, c.decode_mma
         self.ext = kernels.load()
         self.kv, self.device = kv, device
         self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim

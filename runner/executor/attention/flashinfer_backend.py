@@ -65,15 +65,14 @@ class _Wrappers:
 
 class FlashInferAttention:
     """flashinfer's paged attention for a model: per distinct attention window of its layers one set of
-    wrappers; the model's softmax scale and score soft-cap in every plan."""
+    wrappers; the model's softmax scale and score soft-cap in every plan. `kernels` (KernelChoices): the project's
+    decode kernel's launch choices where it takes the decode rows (decode_kernel.LorafleetDecode)."""
 
     name = "flashinfer"
 
     def __init__(self, kv: KVCache, cfg, device: torch.device, prefill_choice: str = "auto",
                  q_dtype: torch.dtype | None = None, decode_tc: str = "auto", decode_kernel_choice: str = "auto",
-                 decode_no_split: bool = False, decode_stages: int = 3, decode_chunk: int = decode_kernel.CHUNK,
-                 decode_ctas_per_sm: int = decode_kernel.CTAS_PER_SM, decode_int_convert: bool = False,
-                 decode_mma: bool = False):
+                 decode_no_split: bool = False, kernels=None):
         self.kv, self.cfg, self.device = kv, cfg, device
         self.q_dtype = q_dtype or kv.k.dtype  # FP8 pages: queries stay in the model's dtype
         self.kv_dtype = kv.k.dtype
@@ -111,8 +110,7 @@ class FlashInferAttention:
             decode_kernel_choice = "lorafleet"
         if decode_kernel_choice == "lorafleet":
             if decode_kernel.supported(cfg):
-                self.own = decode_kernel.LorafleetDecode(kv, cfg, device, decode_stages, decode_chunk,
-                                                         decode_ctas_per_sm, decode_int_convert, decode_mma)
+                self.own = decode_kernel.LorafleetDecode(kv, cfg, device, kernels)
                 log.info("decode rows on the lorafleet decode attention kernel (%s pages%s%s)",
                          str(self.kv_dtype)[6:], f", {self.own.stages} stages" if self.own.stages else "",
                          ", tensor cores" if self.own.mma else "")

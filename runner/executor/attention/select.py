@@ -25,9 +25,7 @@ def attention_backend(kv, cfg, device: torch.device, kernels: KernelChoices, q_d
             log.warning("flashinfer not available (%s); using the torch attention path", exc)
         else:
             return FlashInferAttention(kv, cfg, device, kernels.prefill, q_dtype, kernels.decode_tc,
-                                       kernels.decode_kernel, kernels.decode_no_split, kernels.decode_stages,
-                                       kernels.decode_chunk, kernels.decode_ctas_per_sm, kernels.decode_int_convert,
-                                       kernels.decode_mma)
+                                       kernels.decode_kernel, kernels.decode_no_split, kernels)
     elif choice == "flashinfer":
         raise RuntimeError("LORAFLEET_ATTENTION=flashinfer needs a CUDA device")
     return TorchAttention(kv, cfg)
