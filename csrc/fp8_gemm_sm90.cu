@@ -49,12 +49,12 @@ const char* shrink_error(const Fp8EpilogueArgs& e, const char* who) {
   return nullptr;
 }
 
-// The shrink's tickets for a launch of `ctas` CTAs on `sms` SMs: at most as many as the consumer warps (4 a CTA)
-// of one CTA per SM, at most of every CTA, each the fewest rank rows of one row that allows it; where the rows alone
-// outnumber those warps, a row each. lora.x: x's bf16 rows where the caller gave none (bf16 operands: x itself).
+// The shrink's tickets for a launch of `ctas` CTAs on `sms` SMs: at most as many as the warps that take them (4 a CTA,
+// the consumers; 3 with shrink_producer) of one CTA per SM, at most of every CTA, each the fewest rank rows of one
+// row that allows it; where the rows alone outnumber those warps, a row each. lora.x: x's bf16 rows where the caller gave none (bf16 operands: x itself).
 Fp8EpilogueArgs plan_shrink(const Fp8Sm90Args& a, const Fp8EpilogueArgs& e, int sms, long long ctas) {
   const Fp8EpilogueLora& l = e.lora;
-  const long long warps = 4 * (ctas < sms ? ctas : sms);
+  const long long warps = (l.shrink_producer ? 3 : 4) * (ctas < sms ? ctas : sms);
   const int per_row = e.num_groups * l.a_rank_max;
   int per = static_cast<int>(std::max(1LL, (static_cast<long long>(per_row) * a.m + warps - 1) / warps));
   while (per < per_row && static_cast<long long>(a.m) * ((per_row + per - 1) / per) > warps) ++per;

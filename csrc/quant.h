@@ -55,7 +55,7 @@ struct Fp8EpilogueLora {
   // e4m3 operands; sync nullptr: v comes from a shrink launched before): v[i, g, k] = sum_j x[i, j] * a[g][s, k, j]
   // for k < r (s and r as above, r also below a_rank_dim[g]), in fp32, written into v by the product's own warps
   // before any of its epilogues (or the kernel after it) reads v. sync: uint32 of this call site (three for
-  // fp8_gemm_sm90_fused, one for the shrink first), zero before the launch (the launch leaves them zero); no two
+  // fp8_gemm_sm90_fused, four with shrink_producer; one for the shrink first), zero before the launch (the launch leaves them zero); no two
   // launches in flight may share them (tickets are drawn before the wait for the kernel before).
   const void* a[kMaxGroup] = {};       // [S, a_rank_dim[g], K] contiguous, dtype T
   int a_rank_dim[kMaxGroup] = {};
@@ -68,6 +68,11 @@ struct Fp8EpilogueLora {
   // fp8_gemm_sm90_fused only: each consumer thread asks L2 for its chunks' first B rows before the main loop, so that
   // the epilogue's B loads after it find them there (a hint: the same bits either way)
   bool prefetch_b = false;
+  // The shrink's tickets on the producer warp group's three warps that issue no copies (warps 1-3 of each CTA), beside
+  // the main loop, instead of on the consumer warps before it (the same bits: a ticket's sums do not depend on the
+  // warp that takes it). fp8_gemm_sm90_fused then counts those warps' exits in a fourth counter (sync[3]), so that
+  // the launch's last epilogue zeroes the counters only after the last of them has drawn past the tickets.
+  bool shrink_producer = false;
 };
 
 struct Fp8EpilogueArgs {

@@ -50,7 +50,8 @@
 //       With lora_x (x's bf16 rows [M, K]), cols, v, b, ranks, row_slot, a (one A pool [S, R, K] per span) and sync
 //       (int32 [>= 1], zero, the call site's own; e4m3 operands, not persistent): the rows' LoRA shrink too, into v,
 //       on the product's warps before their main loop, for the FP8 epilogue launched after it (fp8_gemm_sm90.h
-//       Fp8Sm90Args::shrink).
+//       Fp8Sm90Args::shrink); shrink_producer=True: on the producer warp group's warps 1-3 beside the main loop
+//       (quant.h Fp8EpilogueLora::shrink_producer; the same bits).
 //       fp8_gemm_sm90_built(): whether this build holds that kernel.
 //   fp8_epilogue(out, y, x_scale, w_scale, bias, cols, v, b, ranks, row_slot, pdl, stream, act=0): out = the fp32
 //       unit-scale FP8 product y times the token and row scales, plus the bias and the rows' LoRA expand
@@ -59,12 +60,13 @@
 //       out [M, N / 2] = act(gate) * up as flashinfer's act_and_mul computes it from the epilogue's output.
 //       y [splits, M, N]: a split-K product's partial sums (fp8_gemm_sm90 with splits), added in part order first.
 //   fp8_gemm_sm90_fused(out, x, w, x_scale, w_scale, bias, cols, v, b, ranks, row_slot, pdl, stream, a=[], sync=None,
-//       persistent=False, prefetch_b=False): the bits of fp8_gemm_sm90 then fp8_epilogue (act 0, one part) in one
+//       persistent=False, prefetch_b=False, shrink_producer=False): the bits of fp8_gemm_sm90 then fp8_epilogue (act 0, one part) in one
 //       launch (prefetch_b: the epilogue's first B rows asked of L2 before the main loop, a hint; not with
 //       persistent), the
 //       epilogue inside the product's kernel; out in bf16. With bf16 operands, a (one A pool [S, R, K] per span) and
 //       sync (int32 [>= 3], zero, the call site's own): the rows' shrink too, into v, inside the same launch
-//       (quant.h Fp8EpilogueLora::sync) instead of a shrink launched before; persistent (e4m3 operands): in
+//       (quant.h Fp8EpilogueLora::sync) instead of a shrink launched before (shrink_producer=True: on the producer
+//       warp group's warps 1-3 beside the main loop, sync [>= 4]; the same bits); persistent (e4m3 operands): in
 //       CUTLASS's persistent ping-pong kernel (the same bits).
 //   decode_attention(out, q, k_cache, v_cache, indptr, indices, last_page_len, partial_o, partial_ml, counters,
 //       sm_scale, soft_cap, window_left, chunk, max_chunks, workers, stream, stages=0, pdl=False,
@@ -862,7 +864,7 @@ void add_shrink(lorafleet::Fp8EpilogueArgs& e, const Tensor& x_bf16, const std::
 void fp8_gemm_sm90(Tensor out, Tensor x, Tensor w, int64_t stream, int64_t splits, bool pdl, bool persistent,
                    std::optional<Tensor> lora_x, std::vector<int64_t> cols, std::optional<Tensor> v,
                    std::vector<Tensor> b, std::optional<Tensor> ranks, std::optional<Tensor> row_slot,
-                   std::vector<Tensor> a_pools, std::optional<Tensor> sync) {
+                   std::vector<Tensor> a_pools, std::optional<Tensor> sync, bool shrink_producer) {
   lorafleet::Fp8Sm90Args a = sm90_args(x, w, splits, pdl, "fp8_gemm_sm90");
   a.persistent = persistent;
   // the shrink first: x's bf16 rows, the spans, LoRA and one A pool per span, and the call site's counter
@@ -884,6 +886,7 @@ void fp8_gemm_sm90(Tensor out, Tensor x, Tensor w, int64_t stream, int64_t split
     lora_args(shrink, x, *lora_x, a.m, a.n, cols, v, b, ranks, row_slot, "fp8_gemm_sm90");
     add_shrink(shrink, *lora_x, v, ranks, a_pools, *sync, 1, "fp8_gemm_sm90");
     shrink.lora.x = lora_x->data_ptr();
+    shrink.lora.shrink_producer = shrink_producer;
     shrink.m = a.m;
     shrink.n = a.n;
     a.shrink = &shrink;
@@ -923,17 +926,22 @@ void fp8_epilogue(Tensor out, Tensor y, Tensor x_scale, Tensor w_scale, std::opt
 void fp8_gemm_sm90_fused(Tensor out, Tensor x, Tensor w, Tensor x_scale, Tensor w_scale, std::optional<Tensor> bias,
                          std::vector<int64_t> cols, std::optional<Tensor> v, std::vector<Tensor> b,
                          std::optional<Tensor> ranks, std::optional<Tensor> row_slot, bool pdl, int64_t stream,
-                         std::vector<Tensor> a, std::optional<Tensor> sync, bool persistent, bool prefetch_b) {
+                         std::vector<Tensor> a, std::optional<Tensor> sync, bool persistent, bool prefetch_b,
+                         bool shrink_producer) {
   lorafleet::Fp8Sm90Args g = sm90_args(x, w, 1, pdl, "fp8_gemm_sm90_fused");
   g.persistent = persistent;
   SGMV_CHECK(out.scalar_type() == torch::kBFloat16, "fp8_gemm_sm90_fused: out must be bfloat16, got %s",
              dtype_name(out));
   lorafleet::Fp8EpilogueArgs e = epilogue_args(x, g.m, g.n, out, x_scale, w_scale, bias, std::move(cols), v,
                                                std::move(b), ranks, row_slot, 0);
-  // the rows' shrink inside the product: one A pool per span over x's K, and the call site's three counters
+  // the rows' shrink inside the product: one A pool per span over x's K, and the call site's three counters (four
+  // with the shrink on the producer's warps)
   SGMV_CHECK(sync.has_value() == !a.empty(), "fp8_gemm_sm90_fused: the shrink inside the product needs both a and "
              "sync (or neither)");
-  if (sync.has_value()) add_shrink(e, x, v, ranks, a, *sync, 3, "fp8_gemm_sm90_fused");
+  if (sync.has_value()) {
+    add_shrink(e, x, v, ranks, a, *sync, shrink_producer ? 4 : 3, "fp8_gemm_sm90_fused");
+    e.lora.shrink_producer = shrink_producer;
+  }
   e.lora.prefetch_b = prefetch_b;  // (a hint; nothing to prefetch without LoRA)
   const char* err = lorafleet::fp8_gemm_sm90_fused(g, e, as_stream(stream));
   SGMV_CHECK(err == nullptr, "fp8_gemm_sm90_fused launch failed: %s", err ? err : "");
@@ -1082,13 +1090,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("x"), py::arg("w"), py::arg("stream"), py::arg("splits") = 1, py::arg("pdl") = true,
         py::arg("persistent") = false, py::arg("lora_x") = py::none(), py::arg("cols") = std::vector<int64_t>{},
         py::arg("v") = py::none(), py::arg("b") = std::vector<torch::Tensor>{}, py::arg("ranks") = py::none(),
-        py::arg("row_slot") = py::none(), py::arg("a") = std::vector<torch::Tensor>{}, py::arg("sync") = py::none());
+        py::arg("row_slot") = py::none(), py::arg("a") = std::vector<torch::Tensor>{}, py::arg("sync") = py::none(),
+        py::arg("shrink_producer") = false);
   m.def("fp8_gemm_sm90_fused", &fp8_gemm_sm90_fused,
         "bf16 out = the FP8 epilogue (scales, bias, rows' LoRA expand) of x @ w.T on Hopper's wgmma, one launch",
         py::arg("out"), py::arg("x"), py::arg("w"), py::arg("x_scale"), py::arg("w_scale"), py::arg("bias"),
         py::arg("cols"), py::arg("v"), py::arg("b"), py::arg("ranks"), py::arg("row_slot"), py::arg("pdl"),
         py::arg("stream"), py::arg("a") = std::vector<torch::Tensor>{}, py::arg("sync") = py::none(),
-        py::arg("persistent") = false, py::arg("prefetch_b") = false);
+        py::arg("persistent") = false, py::arg("prefetch_b") = false, py::arg("shrink_producer") = false);
   m.def("fp8_gemm_sm90_built", &lorafleet::fp8_gemm_sm90_built, "whether this build holds the sm90 FP8 GEMM");
   m.def("fp8_epilogue", &fp8_epilogue,
         "out = (y * x_scale) * w_scale [+ bias] [+ the rows' LoRA expand] for the fp32 unit-scale FP8 product y, "

@@ -111,6 +111,15 @@ struct RowShrink {
     return static_cast<const T*>(ag) + (static_cast<int64_t>(s) * rank_dim + k) * l.k;
   }
 
+  // The warps of a CTA that take tickets: the producer warp group's three that issue no copies (warps 1-3: the
+  // mainloop's copies are warp 0's, CUTLASS's one-CTA-a-tile kernel gives the others no role), which then run beside
+  // the main loop (Fp8EpilogueLora::shrink_producer), else the consumer warp group's four, before their main loop.
+  static constexpr int kProducerWarps = 3;
+  __device__ static bool takes_tickets(const Fp8EpilogueLora& l) {
+    return l.shrink_producer ? threadIdx.x >= 32 && threadIdx.x < cutlass::NumThreadsPerWarpGroup
+                             : threadIdx.x >= cutlass::NumThreadsPerWarpGroup;
+  }
+
   // The warp's next ticket (the first counter; every lane gets it).
   __device__ static unsigned take_ticket(const Fp8EpilogueLora& l) {
     unsigned ticket = 0;
@@ -207,11 +216,18 @@ struct RowShrink {
   // Before the main loop: tickets while they last (one each where the launcher could make them no more than the
   // warps; where the rows alone outnumber the warps, a small grid's, the warps take the rest too, rather than leave
   // them to the epilogues' one-vector-at-a-time drain).
+  // With shrink_producer, the warp's exit (its last draw behind it) is then counted in the fourth counter, which the
+  // launch's last epilogue waits for before it zeroes the counters (FusedEpilogue::count_out): a producer warp's draws
+  // are not ordered before any epilogue otherwise.
   __device__ static void shrink_rows(const Fp8EpilogueArgs& a) {
     const unsigned all = static_cast<unsigned>(a.lora.shrink_tickets);
     bool waited = false;
     for (unsigned t = take_ticket(a.lora); t < all; t = take_ticket(a.lora), waited = true)
       shrink_ticket<3, 8>(a, static_cast<int>(t), waited);
+    if (a.lora.shrink_producer && (threadIdx.x & 31) == 0) {
+      __threadfence();  // (the draw past the tickets before the exit's count)
+      atomicAdd(a.lora.sync + 3, 1u);
+    }
   }
 
   // The whole shrink on the product's consumer warps, for a launch whose v only the next kernel reads
@@ -286,8 +302,10 @@ struct WeightFirstMainloop : Base {
 // WeightFirstMainloop whose consumer warps first compute the rows' LoRA shrink into v (RowShrink::alone), then run the
 // main loop: the FP8 product of a decode step whose epilogue is the FP8 epilogue's launch after it, which reads v
 // once its wait for this kernel's end returns. The producer has then already filled every stage with the weight's
-// first k-tiles. Arguments and Params carry the shrink's (Fp8EpilogueArgs: num_groups and lora, whose sync is
-// nullptr for a launch without it).
+// first k-tiles. With Fp8EpilogueLora::shrink_producer the producer warp group's warps 1-3 take the tickets instead,
+// in load_init (which every thread of the CTA runs before the roles part), beside the consumers' main loop. Arguments
+// and Params carry the shrink's (Fp8EpilogueArgs: num_groups and lora, whose sync is nullptr for a launch without
+// it).
 template <class Base, typename T>
 struct ShrinkFirstMainloop : WeightFirstMainloop<Base> {
   using typename Base::MainloopPipeline;
@@ -308,10 +326,18 @@ struct ShrinkFirstMainloop : WeightFirstMainloop<Base> {
     return p;
   }
 
+  template <class ProblemShape>
+  CUTLASS_DEVICE auto load_init(ProblemShape const& problem, Params const& params) const {
+    const Fp8EpilogueLora& l = params.shrink.lora;
+    if (l.sync != nullptr && l.shrink_producer && RowShrink<T>::takes_tickets(l))  // (each such warp draws once past)
+      RowShrink<T>::alone(params.shrink, RowShrink<T>::kProducerWarps * gridDim.x * gridDim.y * gridDim.z);
+    return Base::load_init(problem, params);
+  }
+
   template <class FrgTensorC>
   CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState read, FrgTensorC& accum, int k_tiles,
                           int thread_idx, TensorStorage& storage, Params const& params) {
-    if (params.shrink.lora.sync != nullptr) {
+    if (params.shrink.lora.sync != nullptr && !params.shrink.lora.shrink_producer) {
       // (every consumer warp of the grid draws once past the tickets)
       const unsigned warps = (blockDim.x - cutlass::NumThreadsPerWarpGroup) / 32 * gridDim.x * gridDim.y * gridDim.z;
       RowShrink<T>::alone(params.shrink, warps);
@@ -477,8 +503,8 @@ class FusedEpilogue {
       if (t >= 0 && params.lora.v != nullptr && row < params.m)
         asm volatile("ld.global.nc.s32 %0, [%1];" : "=r"(slot_[i]) : "l"(params.lora.row_slot + row));
     }
-    if constexpr (kShrink) {
-      if (params.lora.sync != nullptr && threadIdx.x >= kThreads) RowShrink<T>::shrink_rows(params);
+    if constexpr (kShrink) {  // (the consumer warps before their main loop, or the producer's warps 1-3 beside it)
+      if (params.lora.sync != nullptr && RowShrink<T>::takes_tickets(params.lora)) RowShrink<T>::shrink_rows(params);
     }
     if constexpr (!kPersistent) {  // (one tile a CTA: blockIdx names it)
       if (t >= 0 && params.lora.v != nullptr && params.lora.prefetch_b) prefetch_b(*grid_, tok0, t);
@@ -515,10 +541,7 @@ class FusedEpilogue {
     const Fp8EpilogueLora& l = a.lora;
     const unsigned all = static_cast<unsigned>(l.shrink_tickets);
     auto done = [&] {
-      unsigned d = 0;
-      if ((threadIdx.x & 31) == 0)
-        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(d) : "l"(l.sync + 1) : "memory");
-      return __shfl_sync(0xffffffffu, d, 0) >= all;
+      return __shfl_sync(0xffffffffu, (threadIdx.x & 31) == 0 ? ld_acquire(l.sync + 1) : 0u, 0) >= all;
     };
     if (done()) return;
     for (unsigned t = RowShrink<T>::take_ticket(l); t < all; t = RowShrink<T>::take_ticket(l))
@@ -534,15 +557,31 @@ class FusedEpilogue {
   __device__ static unsigned counts_due() { return gridDim.x * gridDim.y * gridDim.z; }
 
   // One count in the third counter; the last of a launch (every ticket taken, every count in, no warp left to take
-  // another) zeroes all three for the next launch.
+  // another) zeroes all three for the next launch. With shrink_producer the producer warps' draws are not behind any
+  // epilogue: the last count first waits until every one of them has counted its exit in the fourth (every CTA has
+  // started by then, and those warps wait for nothing but the kernel before), and zeroes it too.
   __device__ static void count_out(const Fp8EpilogueLora& l, unsigned due) {
     __threadfence();  // this thread's (and, through the barrier before, its group's) tickets before the count
     if (atomicAdd(l.sync + 2, 1u) == due - 1) {
+      if (l.shrink_producer) {
+        const unsigned exits = RowShrink<T>::kProducerWarps * due;
+        for (long long spins = 0; ld_acquire(l.sync + 3) < exits; ++spins) {
+          if (spins > (1ll << 26)) __trap();
+          __nanosleep(64);
+        }
+      }
       __threadfence();  // (every other count, hence every ticket and its count, before the zeroing)
       atomicExch(l.sync, 0u);
       atomicExch(l.sync + 1, 0u);
       atomicExch(l.sync + 2, 0u);
+      if (l.shrink_producer) atomicExch(l.sync + 3, 0u);
     }
+  }
+
+  __device__ static unsigned ld_acquire(const unsigned* p) {
+    unsigned d;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(d) : "l"(p) : "memory");
+    return d;
   }
 
   CUTLASS_DEVICE bool is_source_needed() { return false; }

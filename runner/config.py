@@ -95,6 +95,9 @@ class KernelChoices:
     sm90_shrink: with bf16_sm90, the rows' LoRA shrink inside that same launch too (the kernel's own warps write v
         before its epilogues read it) instead of a launch before it, where K is at most SM90_SHRINK_MAX_K (on:
         +5.8 / +6.0 % with adapters on the H100, docs/benchmarks.md section 13.12).
+    sm90_shrink_producer: where the shrink runs inside the wgmma product (sm90_shrink, fp8_sm90_shrink), the producer
+        warp group's three warps that issue no copies take it, beside the main loop, instead of the consumer warps
+        before it; bf16 products of any K then take it (the same bits; off until measured).
     sm90_prefetch_b: with bf16_sm90 and adapters in the step, the product's consumer threads ask L2 for the B rows of
         their epilogue's expand before the main loop (a hint: the same bits; off until measured).
     norm_early: with bf16_sm90, the norms before qkv and gate_up on the project's kernel, which lets the product after
@@ -154,6 +157,7 @@ class KernelChoices:
     fp8_quant_in_shrink: bool = True
     bf16_sm90: bool = True
     sm90_shrink: bool = True
+    sm90_shrink_producer: bool = False
     sm90_prefetch_b: bool = False
     norm_early: bool = True
     pin_host_adapters: bool = False
@@ -222,7 +226,8 @@ class KernelChoices:
                    fp8_sm90_shrink=env.fp8_sm90_shrink(),
                    fp8_sm90_split=env.fp8_sm90_split(), fp8_sm90_persistent=env.fp8_sm90_persistent(),
                    fp8_quant_in_shrink=env.fp8_quant_in_shrink(), bf16_sm90=env.bf16_sm90(),
-                   sm90_shrink=env.sm90_shrink(), sm90_prefetch_b=env.sm90_prefetch_b(), norm_early=env.norm_early(),
+                   sm90_shrink=env.sm90_shrink(), sm90_shrink_producer=env.sm90_shrink_producer(),
+                   sm90_prefetch_b=env.sm90_prefetch_b(), norm_early=env.norm_early(),
                    pin_host_adapters=env.pin_host_adapters(), dense_lora_rows=env.dense_lora_rows(),
                    dense_lora_kext=env.dense_lora_kext())
 

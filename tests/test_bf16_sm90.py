@@ -87,9 +87,11 @@ def emulated_product(calls, syncs=None):
     the operands, the kernel's shrink first: v[t, g, :r] = A_g[slot, :r] @ x[t] (the counters `sync`, zero int32, of
     one layer and group: recorded by address in `syncs`)."""
 
-    def run(ext, x, w, bias, spans, lora, unit, sync=None, prefetch_b=False):
+    def run(ext, x, w, bias, spans, lora, unit, sync=None, prefetch_b=False, shrink_producer=False):
         assert ext == "ext" and unit.numel() >= max(x.shape[0], w.shape[0]) and bool((unit == 1).all())
-        calls.append((tuple(spans), lora is not None) + (("prefetch_b",) if prefetch_b else ()))
+        assert not shrink_producer or (sync is not None and sync.numel() >= 4)  # (four counters on those warps)
+        calls.append((tuple(spans), lora is not None) + (("prefetch_b",) if prefetch_b else ())
+                     + (("producer",) if shrink_producer and lora is not None and lora[4] is not None else ()))
         y = F.linear(x, w, bias)
         if lora is not None:
             v, b, ranks, row_slot, a = lora
@@ -108,7 +110,8 @@ def run(model, ads, on: bool, monkeypatch, in_product: bool | str = False, syncs
     seqs = mixed_requests(ads, seed=11)
     eng = Engine(str(model), EngineConfig(device="cpu", max_batch_size=8, page_size=4, num_pages=200, max_lora_rank=16,
                                           max_step_tokens=64, kernels=KernelChoices(
-                                              bf16_sm90=on, sm90_prefetch_b=in_product == "prefetch")))
+                                              bf16_sm90=on, sm90_prefetch_b=in_product == "prefetch",
+                                              sm90_shrink_producer=in_product == "producer")))
     calls: list = []
     shim = TorchUnderCudaName(eng.runner.sgmv)
     eng.runner.sgmv = shim
@@ -127,19 +130,21 @@ def run(model, ads, on: bool, monkeypatch, in_product: bool | str = False, syncs
     return [out[f"r{i}"].output_ids for i in range(len(seqs))], d, calls, shim
 
 
-@pytest.mark.parametrize("in_product", [False, True, "short_k", "prefetch"])
+@pytest.mark.parametrize("in_product", [False, True, "short_k", "prefetch", "producer"])
 @pytest.mark.parametrize("family", ["llama3", "qwen2", "phi3"])
 def test_bf16_products_with_the_expand_inside_give_the_default_tokens(tmp_path, family, in_product, monkeypatch):
     """(qwen2: q, k and v biases; phi3: fused qkv and gate_up in the checkpoint; in_product: the shrink inside the
     product too, each layer and group with counters of its own; "short_k": only where K is the hidden size, as
     SM90_SHRINK_MAX_K below the intermediate size makes it: down keeps the shrink's own launch; "prefetch": the shrink
-    inside, and KernelChoices.sm90_prefetch_b asked of every product with LoRA operands, of no other)"""
+    inside, and KernelChoices.sm90_prefetch_b asked of every product with LoRA operands, of no other; "producer":
+    KernelChoices.sm90_shrink_producer with SM90_SHRINK_MAX_K as "short_k" sets it: down takes the shrink inside too,
+    and every product with A pools asks for the producer's warps)"""
     model = write_family_model(family, tmp_path / "m", seed=2)
     ads = {"all": write_random_adapter(model, tmp_path / "all", r=8, alpha=16, targets=family_targets(family), seed=3),
            "mlp": write_random_adapter(model, tmp_path / "mlp", r=4, alpha=8, targets=family_targets(family, "mlp"),
                                        seed=4)}
     want, d0, none, plain = run(model, ads, False, monkeypatch)
-    if in_product == "short_k":
+    if in_product in ("short_k", "producer"):
         assert d0.cfg.intermediate_size > d0.cfg.hidden_size
         monkeypatch.setattr(dec, "SM90_SHRINK_MAX_K", d0.cfg.hidden_size)
     syncs: set[int] = set()
@@ -151,6 +156,9 @@ def test_bf16_products_with_the_expand_inside_give_the_default_tokens(tmp_path, 
         with_lora = sum(1 for c in calls if c[1])
         if in_product == "prefetch":
             assert all((len(c) == 3) == c[1] for c in calls) and with_lora > 0
+        elif in_product == "producer":  # (every call with LoRA but the step's first, whose shrink was launched)
+            assert all(len(c) == 2 + (c[1] and len(c) == 3) for c in calls)
+            assert sum(1 for c in calls if len(c) == 3) == (4 * d.num_layers - 1) * shim.shrinks
         else:
             assert all(len(c) == 2 for c in calls)
         launched = 1 + d.num_layers if in_product == "short_k" else 1  # the first shrink (and each layer's down's)

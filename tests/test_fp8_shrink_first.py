@@ -45,7 +45,9 @@ def emulated_fp8(d, firsts: list, syncs: set):
     """Decoder._fp8_linear's contract in torch (weight-only products: the tokens compare two runs of the same
     emulation), recording each call that took the shrink first."""
 
-    def run(x, w, b, epilogue=False, spans=None, lora=None, quantized=None, act=0, shrink_sync=None):
+    def run(x, w, b, epilogue=False, spans=None, lora=None, quantized=None, act=0, shrink_sync=None,
+            shrink_producer=False):
+        assert not shrink_producer or shrink_sync is not None  # (where the shrink's warps are chosen, it is inside)
         y = F.linear(x, w.dequant(x.dtype), b)
         if lora is not None:
             a = lora[4]

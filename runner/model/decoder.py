@@ -197,6 +197,8 @@ class Decoder:
         self.sm90_sync = None
         self.norm_early = False  # the project's norm before them, letting them start at once (KernelChoices.norm_early)
         self.sm90_prefetch_b = kernels.sm90_prefetch_b  # ... their B rows asked of L2 first (a hint)
+        # ... the shrink inside them on the producer warp group's idle warps, beside the main loop (both precisions)
+        self.sm90_shrink_producer = kernels.sm90_shrink_producer
         # runner/model/norm.py OwnNorm: the norms before qkv and gate_up (KernelChoices.norm_shrink, norm_quant,
         # norm_lora)
         self.own_norm = None
@@ -499,13 +501,15 @@ class Decoder:
         if lora is not None and not getattr(lora, "epilogue_ready", False):
             return None
         if not fp8:
-            # (the shrink inside the product up to SM90_SHRINK_MAX_K, where it runs before the main loop; a longer K
-            # keeps the shrink's launch)
-            inside = self.sm90_sync is not None and x.shape[1] <= SM90_SHRINK_MAX_K
+            # (the shrink inside the product up to SM90_SHRINK_MAX_K where the consumer warps run it before their main
+            # loop, a longer K keeps the shrink's launch; any K on the producer's warps beside the main loop)
+            inside = self.sm90_sync is not None and (self.sm90_shrink_producer or x.shape[1] <= SM90_SHRINK_MAX_K)
             sync = self.sm90_sync[i * GROUPS + group] if inside else None
             operands = None if lora is None else lora.epilogue_operands(i, group, x, in_product=inside)
-            return bf16_sm90_linear(self.sm90_ext, x, w, b, spans, operands, self.unit_scales, sync,
-                                    **({"prefetch_b": True} if self.sm90_prefetch_b and operands is not None else {}))
+            extra = {"prefetch_b": True} if self.sm90_prefetch_b and operands is not None else {}
+            if inside and self.sm90_shrink_producer:
+                extra["shrink_producer"] = True
+            return bf16_sm90_linear(self.sm90_ext, x, w, b, spans, operands, self.unit_scales, sync, **extra)
         operands, quant, sync = None, quantized, None
         if lora is not None:
             # (the shrink first, on the product's warps: where the norm quantized x, K is at most SM90_SHRINK_MAX_K
@@ -523,7 +527,7 @@ class Decoder:
             if operands is not None and operands[4] is not None:
                 sync = self.sm90_sync[i * GROUPS + group]
         return self._fp8_linear(x, w, b, epilogue=True, spans=spans, lora=operands, quantized=quant, act=act,
-                                shrink_sync=sync)
+                                shrink_sync=sync, shrink_producer=sync is not None and self.sm90_shrink_producer)
 
     def _fp8_linear(self, x: torch.Tensor, w: Fp8Weight, b: torch.Tensor | None, **finish) -> torch.Tensor:
         """fp8_linear with this model's FP8 kernel choices; `finish`: its epilogue arguments."""

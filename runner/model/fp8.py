@@ -126,7 +126,8 @@ SM90_TILE_ROWS = 64  # weight rows per tile of csrc/fp8_gemm_sm90.cu
 SM90_MAX_ROWS = 64  # token rows of one call of that kernel (fp8_gemm_sm90.h kFp8Sm90MaxRows)
 # The longest K whose LoRA shrink goes inside that kernel's bf16 product (KernelChoices.sm90_shrink): its warps' dot
 # products run before their main loop, a round trip to memory per 8 vectors of each lane, so a long K pays more there
-# than in the shrink's own launch (7B's down, K = 11,008: 4.4 us more per product on an H100, docs/benchmarks.md 13.12)
+# than in the shrink's own launch (7B's down, K = 11,008: 4.4 us more per product on an H100, docs/benchmarks.md 13.12).
+# Not with KernelChoices.sm90_shrink_producer, whose warps run beside the main loop.
 SM90_SHRINK_MAX_K = 8192
 
 
@@ -154,18 +155,22 @@ def bf16_sm90_applies(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | Non
 
 def bf16_sm90_linear(ext, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, spans: list[int],
                      lora: tuple | None, unit: torch.Tensor, sync: torch.Tensor | None = None,
-                     prefetch_b: bool = False) -> torch.Tensor:
+                     prefetch_b: bool = False, shrink_producer: bool = False) -> torch.Tensor:
     """x @ w.T + bias plus, given `lora` = (v, B pools, ranks, row slots, A pools) from
     LoraStepImpl.epilogue_operands, the rows' LoRA expand over the output `spans`, in one launch of the wgmma kernel on
     bf16 operands (where bf16_sm90_applies): the product in fp32 rounded to bf16, the bias added and rounded, the
     expand's sum added before the last rounding (the FP8 epilogue's arithmetic with unit scales: `unit`, ones, fp32,
     at least max(M, N)). With A pools in `lora` the same launch also writes v (the rows' shrink, before its
-    epilogues read it), using `sync` (int32 [3], zero, this call site's own) between its warps. `prefetch_b` (with
-    `lora`): the kernel asks L2 for the expand's B rows before its main loop (a hint: the same bits)."""
+    epilogues read it), using `sync` (int32 [3], zero, this call site's own; [4] with `shrink_producer`) between its
+    warps: the consumer warps before their main loop, or with `shrink_producer` the producer warp group's three
+    warps that issue no copies, beside it (the same bits). `prefetch_b` (with `lora`): the kernel asks L2 for the
+    expand's B rows before its main loop (a hint: the same bits)."""
     M, N = x.shape[0], w.shape[0]
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     v, b, ranks, row_slot, a = epilogue_lora(lora)
     extra = {} if a is None else {"a": list(a), "sync": sync}  # (the kernel's defaults otherwise)
+    if a is not None and shrink_producer:
+        extra["shrink_producer"] = True
     if prefetch_b and v is not None:
         extra["prefetch_b"] = True
     ext.fp8_gemm_sm90_fused(out, x, w, unit[:M], unit[:N], bias, list(spans), v, list(b), ranks, row_slot, True,
@@ -266,7 +271,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
                lora: tuple | None = None, quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
                act: int = 0, sm90: bool = False, sm90_split: bool = False, sm90_fused: bool = False,
                sm90_fused_lora: bool = False, sm90_persistent: bool = False,
-               shrink_sync: torch.Tensor | None = None) -> torch.Tensor:
+               shrink_sync: torch.Tensor | None = None, shrink_producer: bool = False) -> torch.Tensor:
     """x [M, K] (bf16/fp16 on the GPU, any float on the CPU) @ w.T + bias -> [M, N] in x's dtype. With the
     CUDA extension `ext`: the activations quantized by its one-launch kernel (see quantize_tokens), and for
     M <= `own_rows` (bf16, K a multiple of 64, N of 16) the product on its FP8 kernel (csrc/fp8_gemm.cu), with
@@ -286,7 +291,8 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
     schedule (the same bits; the epilogue inside then runs beside the next tile's main loop). With A pools in `lora`
     (LoraStepImpl.epilogue_operands' in_product) and `shrink_sync` (int32, zero, the call site's own), the product on
     the wgmma kernel (one CTA a tile; fp8_shrink_first_applies) computes the rows' shrink of x into v first, on its
-    own warps, and the epilogue's launch after it adds the expand.
+    own warps, and the epilogue's launch after it adds the expand (`shrink_producer`: on the producer warp group's
+    three warps that issue no copies, beside the main loop, instead of the consumers before it; the same bits).
     Then, M <= `swap_rows` (and a multiple of 16): cuBLASLt computes (w @ x.T).T, the weight as the long operand.
     Otherwise torch._scaled_mm with per-token and per-row scales."""
     if act and not (epilogue and tensor_cores and not _own_kernel(x, w, ext, own_rows)
@@ -324,7 +330,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
                     raise ValueError("fp8_linear: A pools take the shrink first: shrink_sync, one CTA a tile, the "
                                      "epilogue's own launch")
                 shrink = dict(lora_x=x, cols=list(spans or [N]), v=v, b=list(b), ranks=ranks, row_slot=row_slot,
-                              a=list(a), sync=shrink_sync)
+                              a=list(a), sync=shrink_sync, **({"shrink_producer": True} if shrink_producer else {}))
             elif (sm90 and sm90_fused and (lora is None or sm90_fused_lora)
                     and _sm90_fused(xq, w, x.dtype, act, sm90_split)):
                 ext.fp8_gemm_sm90_fused(out, xq, w.q, sx.view(-1), w.scale, bias, list(spans or [N]), v, list(b),

@@ -358,6 +358,14 @@ def sm90_shrink() -> bool:
     return _flag("LORAFLEET_SM90_SHRINK", True)
 
 
+def sm90_shrink_producer() -> bool:
+    """LORAFLEET_SM90_SHRINK_PRODUCER: where the rows' LoRA shrink runs inside the wgmma product (LORAFLEET_SM90_SHRINK
+    with bf16 weights, LORAFLEET_FP8_SM90_SHRINK with FP8 weights), the producer warp group's three warps that issue no
+    copies take its tickets, beside the main loop, instead of the consumer warps before it, and bf16 products of any K
+    take it (7B's down too) (default 0 until measured; 1: those warps; the same bits either way)."""
+    return _flag("LORAFLEET_SM90_SHRINK_PRODUCER", False)
+
+
 def sm90_prefetch_b() -> bool:
     """LORAFLEET_SM90_PREFETCH_B: with LORAFLEET_BF16_SM90, the wgmma product's consumer threads ask L2 for the B rows
     their epilogue's LoRA expand will read before the main loop, so that with many adapters (B read from memory after

@@ -121,12 +121,14 @@ def test_family_bf16_products_on_the_wgmma_kernel(family, monkeypatch):
                                   kernels=KernelChoices(bf16_sm90=True, norm_shrink=True))
 
 
-def test_family_shrink_inside_the_wgmma_product(family, monkeypatch):
+@pytest.mark.parametrize("producer", [False, True], ids=["consumers", "producer"])
+def test_family_shrink_inside_the_wgmma_product(family, monkeypatch, producer):
     """KernelChoices.sm90_shrink: the rows' LoRA shrink inside the same wgmma launch as the product and the expand, no
     LoRA launch of its own left but each step's first shrink (between the row slots' ops and the first product).
     Teacher-forced against HF + PEFT in fp32 (every step at most 64 rows; the calls with A pools and the shrinks
     launched counted), the counters zero after the run, then a decode step replayed from its CUDA graph against the
-    same step run eagerly."""
+    same step run eagerly. `producer` (KernelChoices.sm90_shrink_producer): the producer warp group's warps take the
+    shrink's tickets beside the main loop; a decode step then gives the consumers' bits, on one engine."""
     import lorafleet.runner.model.decoder as dec
     from lorafleet.runner.lora.sgmv_cuda import CudaSGMV
 
@@ -136,20 +138,32 @@ def test_family_shrink_inside_the_wgmma_product(family, monkeypatch):
     inside, shrinks = [], []
     real = dec.bf16_sm90_linear
 
-    def counted(ext, x, w, bias, spans, lora, unit, sync=None):
+    def counted(ext, x, w, bias, spans, lora, unit, sync=None, **kw):
         inside.append(lora is not None and lora[4] is not None and sync is not None)
-        return real(ext, x, w, bias, spans, lora, unit, sync)
+        assert kw.get("shrink_producer", False) == (producer and inside[-1])
+        return real(ext, x, w, bias, spans, lora, unit, sync, **kw)
     monkeypatch.setattr(dec, "bf16_sm90_linear", counted)
     real_shrink = CudaSGMV.shrink
     monkeypatch.setattr(CudaSGMV, "shrink", lambda self, *a, **k: shrinks.append(1) or real_shrink(self, *a, **k))
     cpu, _ = generate(model, reqs, NEW, device="cpu", kv_cache_gb=0.05)  # the fp32 continuation
-    kernels = KernelChoices(bf16_sm90=True, sm90_shrink=True)
-    label = f"{name} shrink in wgmma"
+    kernels = KernelChoices(bf16_sm90=True, sm90_shrink=True, sm90_shrink_producer=producer)
+    label = f"{name} shrink in wgmma" + (" (producer warps)" if producer else "")
     eng = teacher.teacher_forced_check(model, ads, reqs, cpu, "bfloat16", label, kernels=kernels, max_step_tokens=64)
     assert eng.model.sm90_sync is not None and not eng.model.sm90_sync.any()
     layers = eng.model.num_layers
     assert shrinks and sum(inside) >= (4 * layers - 1) * len(shrinks), (sum(inside), len(shrinks))
     teacher.decode_graph_vs_eager(model, reqs, label, kernels=kernels)
+    if producer:  # the same step on one engine, the tickets on the consumer warps, then on the producer's
+        monkeypatch.setattr(dec, "bf16_sm90_linear", real)
+        eng, batch = teacher.decode_step(model, reqs, kernels=KernelChoices(bf16_sm90=True, sm90_shrink=True))
+        dev = batch.to_device(eng.device)
+        try:
+            consumers = eng.runner.forward(batch, dev).clone()
+            eng.model.sm90_shrink_producer = True
+            assert torch.equal(eng.runner.forward(batch, dev), consumers), name
+            assert not eng.model.sm90_sync.any()
+        finally:
+            eng.close()
 
 
 def test_family_early_norm_before_the_wgmma_products(family):

@@ -313,6 +313,7 @@ class _CountingExt:
         self.ext, self.epilogues, self.with_act, self.sm90, self.fused, self.persistent = ext, 0, 0, 0, 0, 0
         self.quantized = 0  # the activation kernel's launches (quantize_e4m3)
         self.shrink_first = 0
+        self.producer = 0  # ... of which on the producer warp group's warps (shrink_producer)
 
     def __getattr__(self, name):
         return getattr(self.ext, name)
@@ -321,6 +322,7 @@ class _CountingExt:
         self.sm90 += 1
         self.persistent += len(args) > 6 and bool(args[6])
         self.shrink_first += kwargs.get("sync") is not None
+        self.producer += bool(kwargs.get("shrink_producer"))
         return self.ext.fp8_gemm_sm90(*args, **kwargs)
 
     def fp8_gemm_sm90_fused(self, *args, **kwargs):
@@ -617,7 +619,8 @@ def test_fp8_shrink_first_takes_the_shrink_launches_of_qkv_and_gate_up(fam, kv):
     norm quantizes, compute the rows' shrink on their own warps (counted: two a layer but the step's first, whose row
     slots are made right before it), with the expand in the FP8 epilogue's launch as before; the logits within the
     shrink's fp32 reordering of the default step's (the shrink's launch sums K in another order), and a second step
-    the same bits as the first (the counters left zero)."""
+    the same bits as the first (the counters left zero); with KernelChoices.sm90_shrink_producer (the producer warp
+    group's warps take the tickets, beside the main loop) the same bits again."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the wgmma kernel is built for compute capability 9.0 only")
     if {"LORAFLEET_FP8_SM90", "LORAFLEET_FP8_SM90_SHRINK", "LORAFLEET_FP8_SM90_FUSED_LORA",
@@ -635,9 +638,13 @@ def test_fp8_shrink_first_takes_the_shrink_launches_of_qkv_and_gate_up(fam, kv):
         assert m.fp8_ext.shrink_first == 2 * m.num_layers - 1, (name, m.fp8_ext.shrink_first)
         assert not sync.any()
         assert torch.equal(eng.runner.forward(batch, dev), first), name
+        m.sm90_shrink_producer = True
+        assert torch.equal(eng.runner.forward(batch, dev), first), name
+        assert m.fp8_ext.producer == 2 * m.num_layers - 1 and not sync.any(), (name, m.fp8_ext.producer)
+        m.sm90_shrink_producer = False
         m.sm90_sync = None  # every shrink a launch of its own (the default), the same engine and step
         launched = eng.runner.forward(batch, dev).clone()
-        assert m.fp8_ext.shrink_first == 2 * (2 * m.num_layers - 1), name
+        assert m.fp8_ext.shrink_first == 3 * (2 * m.num_layers - 1), name
     finally:
         m.fp8_ext, m.sm90_sync = ext, sync
         eng.close()

@@ -506,14 +506,17 @@ def _shrink_checked(v, x, a, e, why):
     assert ((v[:rows].double() - want).abs() <= 1e-5 * mag + 1e-6)[mask].all(), why
 
 
+@pytest.mark.parametrize("producer", [False, True], ids=["consumers", "producer"])
 @pytest.mark.parametrize("M", [1, 17, 32, 64])
-def test_the_shrink_inside_the_product(ext, M):
+def test_the_shrink_inside_the_product(ext, M, producer):
     """bf16 operands with the A pools and counters (Fp8EpilogueLora::sync): the kernel's own warps write v, then its
     epilogues add the expand. v holds the fp64 sums of x's rows and A's rank rows within fp32 accumulation's rounding
     wherever a row has an adapter (every kind of slot and rank of _fused_args, ranks up to the pools' 128), and
     nothing else of v is written; the output is bit for bit the fused call handed that v; the counters are zero
     again after the launch; a second launch gives the same bits, and every row the bits of the row alone. At 64 rows
-    also 256 weight tiles (more CTAs than the GPU has SMs: later waves, tickets past the first wave's)."""
+    also 256 weight tiles (more CTAs than the GPU has SMs: later waves, tickets past the first wave's). `producer`
+    (shrink_producer): the producer warp group's warps 1-3 take the tickets beside the main loop, and the four
+    counters are zero after; v and the output are then also the consumers' bits."""
     cases = [c for c in FUSED_CASES if c[3] and {37: 32, 5: 1}.get(c[1], c[1]) == M]
     if M == 64:
         cases.append(([8192, 4096, 4096], 64, True, True, 4096))
@@ -524,10 +527,11 @@ def test_the_shrink_inside_the_product(ext, M):
         a = _shrink_pools(spans, K, seed=rows + K)
         sync = torch.zeros(4, dtype=torch.int32, device="cuda")
 
-        def launch(x, e, v, prefetch_b=False):
+        def launch(x, e, v, prefetch_b=False, producer=producer):
             out = torch.full((x.shape[0], sum(spans)), float("nan"), device="cuda", dtype=torch.bfloat16)
             ext.fp8_gemm_sm90_fused(out, x, w, e["x_scale"], e["w_scale"], e["bias"], e["cols"], v, e["b"],
-                                    e["ranks"], e["row_slot"], True, _stream(), a=a, sync=sync, prefetch_b=prefetch_b)
+                                    e["ranks"], e["row_slot"], True, _stream(), a=a, sync=sync, prefetch_b=prefetch_b,
+                                    shrink_producer=producer)
             torch.cuda.synchronize()
             assert not sync.any(), (spans, rows)  # left zero for the next launch
             return out
@@ -535,6 +539,9 @@ def test_the_shrink_inside_the_product(ext, M):
         v = torch.full_like(e["v"], float("nan"))
         got = launch(x, e, v)
         _shrink_checked(v, x, a, e, (spans, rows))
+        if producer:  # the consumers' bits
+            vc = torch.full_like(v, float("nan"))
+            assert _same_bits(launch(x, e, vc, producer=False), got) and torch.equal(vc.nan_to_num(), v.nan_to_num())
         vp = torch.full_like(v, float("nan"))  # B's rows asked of L2 first (KernelChoices.sm90_prefetch_b): a hint
         assert _same_bits(launch(x, e, vp, prefetch_b=True), got) and torch.equal(vp.nan_to_num(), v.nan_to_num())
         handed = torch.full_like(got, float("nan"))
@@ -550,10 +557,12 @@ def test_the_shrink_inside_the_product(ext, M):
             assert _same_bits(alone[0], got[i]) and torch.equal(vi[0].nan_to_num(), v[i].nan_to_num()), (spans, i)
 
 
-def test_the_shrink_inside_back_to_back_products(ext):
+@pytest.mark.parametrize("producer", [False, True], ids=["consumers", "producer"])
+def test_the_shrink_inside_back_to_back_products(ext, producer):
     """Two launches one after the other on one stream (programmatic dependent launch), 256 weight tiles each, sharing
     one v buffer with counters of their own, the second on other rows and slots: each the bits of its launch alone,
-    the second's v its own rows' shrink, every counter zero after."""
+    the second's v its own rows' shrink, every counter zero after (`producer`: the tickets on the producer warp
+    group's warps, four counters)."""
     spans, M, K = [8192, 4096, 4096], 64, 4096
     x1, w = _bf16_operands(M, K, sum(spans), seed=41)
     x2, _ = _bf16_operands(M, K, sum(spans), seed=42)
@@ -561,12 +570,12 @@ def test_the_shrink_inside_back_to_back_products(ext):
     e = {**e, "x_scale": torch.ones(M, device="cuda"), "w_scale": torch.ones(sum(spans), device="cuda")}
     e2 = {**e, "row_slot": e["row_slot"].roll(5).contiguous()}
     a = _shrink_pools(spans, K, seed=44)
-    syncs = [torch.zeros(3, dtype=torch.int32, device="cuda") for _ in range(2)]
+    syncs = [torch.zeros(4 if producer else 3, dtype=torch.int32, device="cuda") for _ in range(2)]
 
     def launch(x, e, v, sync, out=None):
         out = torch.full((M, sum(spans)), float("nan"), device="cuda", dtype=torch.bfloat16) if out is None else out
         ext.fp8_gemm_sm90_fused(out, x, w, e["x_scale"], e["w_scale"], e["bias"], e["cols"], v, e["b"], e["ranks"],
-                                e["row_slot"], True, _stream(), a=a, sync=sync)
+                                e["row_slot"], True, _stream(), a=a, sync=sync, shrink_producer=producer)
         return out
 
     v = torch.full_like(e["v"], float("nan"))
@@ -583,20 +592,22 @@ def test_the_shrink_inside_back_to_back_products(ext):
     _shrink_checked(v_alone, x2, a, e2, "second")
 
 
-def test_the_shrink_inside_the_product_in_a_graph(ext):
+@pytest.mark.parametrize("producer", [False, True], ids=["consumers", "producer"])
+def test_the_shrink_inside_the_product_in_a_graph(ext, producer):
     """Captured once, replayed on new rows and new row slots: the eager launch's bits, and the counters zero after
-    every replay."""
+    every replay (`producer`: the tickets on the producer warp group's warps)."""
     spans, M, K = [4096, 1024, 1024], 32, 4096
     x, w = _bf16_operands(M, K, sum(spans), seed=8)
     _, _, e = _fused_args(spans, M, True, True, K, seed=9)
     e = {**e, "x_scale": torch.ones(M, device="cuda"), "w_scale": torch.ones(sum(spans), device="cuda")}
     a = _shrink_pools(spans, K, seed=10)
-    sync = torch.zeros(3, dtype=torch.int32, device="cuda")
+    sync = torch.zeros(4 if producer else 3, dtype=torch.int32, device="cuda")
     out = torch.empty(M, sum(spans), device="cuda", dtype=torch.bfloat16)
 
     def launch(o, v):
         ext.fp8_gemm_sm90_fused(o, x, w, e["x_scale"], e["w_scale"], e["bias"], e["cols"], v, e["b"], e["ranks"],
-                                e["row_slot"], True, torch.cuda.current_stream().cuda_stream, a=a, sync=sync)
+                                e["row_slot"], True, torch.cuda.current_stream().cuda_stream, a=a, sync=sync,
+                                shrink_producer=producer)
 
     _replays_are_eager(launch, out, e, sync, lambda seed: x.copy_(_bf16_operands(M, K, sum(spans), seed=seed)[0]),
                        (31, 32, 33))
@@ -644,6 +655,7 @@ def test_the_shrink_inside_the_product_refuses_what_it_cannot_do(ext):
         (dict(v=None, b=[], ranks=None, row_slot=None), "takes bf16 x, LoRA"),
         (dict(x=xq, w=wq.q), "takes bf16 x"),
         (dict(sync=torch.zeros(2, dtype=torch.int32, device="cuda")), "at least 3 entries"),
+        (dict(shrink_producer=True), "at least 4 entries"),  # (the producer warps' exits counted in a fourth)
         (dict(sync=torch.zeros(3, device="cuda")), "sync must be contiguous int32"),
         (dict(a=[t[:, :, :128].contiguous() for t in a]), "features"),
         (dict(a=[t[:, :64].contiguous() for t in a]), r"rank dimension 64, below b\[0\]'s 128"),
@@ -663,24 +675,27 @@ def _e4m3_rows(M: int, K: int, N: int, seed: int):
     return x, quantize_tokens(x)[0], w
 
 
-def _shrink_first(ext, x, xq, w, e, a, v, sync, out=None) -> torch.Tensor:
+def _shrink_first(ext, x, xq, w, e, a, v, sync, out=None, producer=False) -> torch.Tensor:
     """fp8_gemm_sm90 with the rows' shrink first (lora_x ... sync) into fp32 `out` (NaN: every element must be
-    written)."""
+    written); `producer`: its tickets on the producer warp group's warps (shrink_producer)."""
     if out is None:
         out = torch.full((xq.shape[0], w.q.shape[0]), float("nan"), device="cuda")
     ext.fp8_gemm_sm90(out, xq, w.q, torch.cuda.current_stream().cuda_stream, lora_x=x, cols=e["cols"], v=v, b=e["b"],
-                      ranks=e["ranks"], row_slot=e["row_slot"], a=a, sync=sync)
+                      ranks=e["ranks"], row_slot=e["row_slot"], a=a, sync=sync, shrink_producer=producer)
     return out
 
 
+@pytest.mark.parametrize("producer", [False, True], ids=["consumers", "producer"])
 @pytest.mark.parametrize("M", [1, 17, 32, 64])
-def test_the_shrink_first_in_the_fp8_product(ext, M):
+def test_the_shrink_first_in_the_fp8_product(ext, M, producer):
     """e4m3 operands with x's bf16 rows, the A pools and a counter (fp8_gemm_sm90's lora_x ... sync): the product's own
     warps write v before their main loop, for the FP8 epilogue's launch after it. v holds the fp64 sums of x's rows and
     A's rank rows within fp32 accumulation's rounding wherever a row has an adapter (every kind of slot and rank of
     _fused_args), and nothing else of v is written; the product is bit for bit the call without the shrink; the
     counter is zero again after the launch; a second launch gives the same bits, and each row's v is the row alone's.
-    At 64 rows also 256 weight tiles (more CTAs than the GPU has SMs: warps of later waves find no ticket left)."""
+    At 64 rows also 256 weight tiles (more CTAs than the GPU has SMs: warps of later waves find no ticket left).
+    `producer`: the producer warp group's warps 1-3 take the tickets (in load_init, beside the main loop); v then
+    also the consumers' bits."""
     cases = [c for c in FUSED_CASES if c[3] and {37: 32, 5: 1}.get(c[1], c[1]) == M]
     if M == 64:
         cases.append(([8192, 4096, 4096], 64, True, True, 4096))
@@ -691,25 +706,32 @@ def test_the_shrink_first_in_the_fp8_product(ext, M):
         a = _shrink_pools(spans, K, seed=rows + K)
         sync = torch.zeros(2, dtype=torch.int32, device="cuda")
         v = torch.full_like(e["v"], float("nan"))
-        got = _shrink_first(ext, x, xq, w, e, a, v, sync)
+        got = _shrink_first(ext, x, xq, w, e, a, v, sync, producer=producer)
         torch.cuda.synchronize()
         assert not sync.any(), (spans, rows)  # left zero for the next launch
         _shrink_checked(v, x, a, e, (spans, rows))
         assert torch.equal(got, _sm90(ext, xq, w)), (spans, rows)
+        if producer:  # the consumers' bits
+            vc = torch.full_like(v, float("nan"))
+            _shrink_first(ext, x, xq, w, e, a, vc, sync)
+            torch.cuda.synchronize()
+            assert torch.equal(vc.nan_to_num(), v.nan_to_num()) and not sync.any(), (spans, rows)
         v2 = torch.full_like(v, float("nan"))
-        again = _shrink_first(ext, x, xq, w, e, a, v2, sync)
+        again = _shrink_first(ext, x, xq, w, e, a, v2, sync, producer=producer)
         torch.cuda.synchronize()
         assert torch.equal(again, got) and torch.equal(v2.nan_to_num(), v.nan_to_num()), (spans, rows)
         assert not sync.any(), (spans, rows)
         for i in sorted({0, rows // 2, rows - 1}):
             one = {**e, "row_slot": e["row_slot"][i:i + 1].contiguous()}
             vi = torch.full_like(v, float("nan"))
-            _shrink_first(ext, x[i:i + 1].contiguous(), xq[i:i + 1].contiguous(), w, one, a, vi, sync)
+            _shrink_first(ext, x[i:i + 1].contiguous(), xq[i:i + 1].contiguous(), w, one, a, vi, sync,
+                          producer=producer)
             torch.cuda.synchronize()
             assert torch.equal(vi[0].nan_to_num(), v[i].nan_to_num()), (spans, i)
 
 
-def test_the_shrink_first_with_k_in_parts(ext):
+@pytest.mark.parametrize("producer", [False, True], ids=["consumers", "producer"])
+def test_the_shrink_first_with_k_in_parts(ext, producer):
     """The shrink first in a product whose K is cut into parts (a batch of CTAs per part, every one drawing from the
     counter): v the rows' whole shrink, the parts the call without the shrink's, the counter zero after."""
     spans, M, K = [1024, 256, 256], 32, 4096
@@ -721,7 +743,7 @@ def test_the_shrink_first_with_k_in_parts(ext):
         v = torch.full_like(e["v"], float("nan"))
         got = torch.full((parts, M, sum(spans)), float("nan"), device="cuda")
         ext.fp8_gemm_sm90(got, xq, w.q, _stream(), parts, lora_x=x, cols=e["cols"], v=v, b=e["b"], ranks=e["ranks"],
-                          row_slot=e["row_slot"], a=a, sync=sync)
+                          row_slot=e["row_slot"], a=a, sync=sync, shrink_producer=producer)
         want = torch.empty_like(got)
         ext.fp8_gemm_sm90(want, xq, w.q, _stream(), parts)
         torch.cuda.synchronize()
@@ -729,7 +751,8 @@ def test_the_shrink_first_with_k_in_parts(ext):
         _shrink_checked(v, x, a, e, parts)
 
 
-def test_the_shrink_first_back_to_back_and_in_a_graph(ext):
+@pytest.mark.parametrize("producer", [False, True], ids=["consumers", "producer"])
+def test_the_shrink_first_back_to_back_and_in_a_graph(ext, producer):
     """Two launches one after the other on one stream (programmatic dependent launch), 256 weight tiles each, sharing
     one v buffer with counters of their own, the second on other rows and slots: its v its own rows' shrink, both
     counters zero after. Then the shrink first and the FP8 epilogue's launch captured in a CUDA graph, replayed on
@@ -742,13 +765,13 @@ def test_the_shrink_first_back_to_back_and_in_a_graph(ext):
     a = _shrink_pools(spans, K, seed=54)
     syncs = [torch.zeros(1, dtype=torch.int32, device="cuda") for _ in range(2)]
     v = torch.full_like(e["v"], float("nan"))
-    _shrink_first(ext, x1, xq1, w, e, a, v, syncs[0])
-    _shrink_first(ext, x2, xq2, w, e2, a, v, syncs[1])
+    _shrink_first(ext, x1, xq1, w, e, a, v, syncs[0], producer=producer)
+    _shrink_first(ext, x2, xq2, w, e2, a, v, syncs[1], producer=producer)
     torch.cuda.synchronize()
     assert not syncs[0].any() and not syncs[1].any()
     mine, _, _ = _shrink_fp64(x2, a, e2)  # (the first launch's entries stay where the second writes none)
     v_alone = torch.full_like(v, float("nan"))
-    _shrink_first(ext, x2, xq2, w, e2, a, v_alone, syncs[1])
+    _shrink_first(ext, x2, xq2, w, e2, a, v_alone, syncs[1], producer=producer)
     torch.cuda.synchronize()
     assert torch.equal(v[mine], v_alone[mine])
     _shrink_checked(v_alone, x2, a, e2, "second")
@@ -761,7 +784,8 @@ def test_the_shrink_first_back_to_back_and_in_a_graph(ext):
     out = torch.empty(M, sum(spans), device="cuda", dtype=torch.bfloat16)
 
     def launch(o, v):  # the product with the shrink first, then the FP8 epilogue's launch with the expand
-        y = _shrink_first(ext, x, xq, w, e, a, v, sync, out=torch.empty(M, sum(spans), device="cuda"))
+        y = _shrink_first(ext, x, xq, w, e, a, v, sync, out=torch.empty(M, sum(spans), device="cuda"),
+                          producer=producer)
         ext.fp8_epilogue(o, y, e["x_scale"], e["w_scale"], e["bias"], e["cols"], v, e["b"], e["ranks"],
                          e["row_slot"], True, torch.cuda.current_stream().cuda_stream)
 
