@@ -97,7 +97,8 @@ class KernelChoices:
         +5.8 / +6.0 % with adapters on the H100, docs/benchmarks.md section 13.12).
     sm90_shrink_producer: where the shrink runs inside the wgmma product (sm90_shrink, fp8_sm90_shrink), the producer
         warp group's three warps that issue no copies take it, beside the main loop, instead of the consumer warps
-        before it; bf16 products of any K then take it (the same bits; off until measured).
+        before it; bf16 products of any K then take it, and FP8 o and down too (their rows quantized by the activation
+        kernel's launch) (the same bits; off until measured).
     sm90_prefetch_b: with bf16_sm90 and adapters in the step, the product's consumer threads ask L2 for the B rows of
         their epilogue's expand before the main loop (a hint: the same bits; off until measured).
     norm_early: with bf16_sm90, the norms before qkv and gate_up on the project's kernel, which lets the product after

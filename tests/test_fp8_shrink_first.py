@@ -47,7 +47,7 @@ def emulated_fp8(d, firsts: list, syncs: set):
 
     def run(x, w, b, epilogue=False, spans=None, lora=None, quantized=None, act=0, shrink_sync=None,
             shrink_producer=False):
-        assert not shrink_producer or shrink_sync is not None  # (where the shrink's warps are chosen, it is inside)
+        assert shrink_producer == (shrink_sync is not None and d.sm90_shrink_producer)
         y = F.linear(x, w.dequant(x.dtype), b)
         if lora is not None:
             a = lora[4]
@@ -66,11 +66,11 @@ def emulated_fp8(d, firsts: list, syncs: set):
     return run
 
 
-def run(model, ads, first: bool, monkeypatch):
+def run(model, ads, first: bool, monkeypatch, producer: bool = False):
     seqs = mixed_requests(ads, seed=5)
     eng = Engine(str(model), EngineConfig(device="cpu", max_batch_size=8, page_size=4, num_pages=200, max_lora_rank=16,
                                           max_step_tokens=64, quantization="fp8", dtype="bfloat16",
-                                          kernels=KernelChoices(fp8_sm90_shrink=first)))
+                                          kernels=KernelChoices(fp8_sm90_shrink=first, sm90_shrink_producer=producer)))
     d = eng.model
     assert d.sm90_sync is None  # a CPU device: the choice is not taken by itself
     shim = Fp32Shrinks(eng.runner.sgmv)
@@ -114,6 +114,29 @@ def test_the_shrink_first_gives_the_launched_shrinks_tokens(tmp_path, family, mo
     assert steps > 0 and firsts.count(gate_up) == steps * d.num_layers
     assert firsts.count(qkv) == steps * (d.num_layers - 1)
     assert len(syncs) == 2 * d.num_layers - 1  # counters of its own per layer and group
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen2"])
+def test_the_shrink_on_the_producers_warps_takes_every_projections_launch(tmp_path, family, monkeypatch):
+    """KernelChoices.sm90_shrink_producer with the shrink first: o and down too (their rows quantized by the
+    activation kernel's own launch, not the shrink's), so every group's shrink but the step's first is inside its
+    product, on the producer's warps; the tokens those of the launched shrinks."""
+    model = write_family_model(family, tmp_path / "m", seed=2)
+    ads = {"all": write_random_adapter(model, tmp_path / "all", r=8, alpha=16, targets=family_targets(family), seed=3),
+           "mlp": write_random_adapter(model, tmp_path / "mlp", r=4, alpha=8, targets=family_targets(family, "mlp"),
+                                       seed=4)}
+    want, _, launched, _, _ = run(model, ads, False, monkeypatch)
+    got, d, shim, firsts, syncs = run(model, ads, True, monkeypatch, producer=True)
+    assert got == want
+    c = d.cfg
+    qkv, gate_up = (c.q_dim, c.kv_dim, c.kv_dim), (c.intermediate_size, c.intermediate_size)
+    steps = firsts.count(gate_up) // d.num_layers
+    assert steps > 0 and firsts.count(gate_up) == steps * d.num_layers
+    assert firsts.count(qkv) == steps * (d.num_layers - 1)
+    # o and down (one span each, the hidden size), every layer of every step with adapters
+    assert firsts.count((c.hidden_size,)) == 2 * steps * d.num_layers
+    assert shim.shrinks + len(firsts) == launched.shrinks and shim.shrinks == steps
+    assert len(syncs) == 4 * d.num_layers - 1
 
 
 def _operands(M: int, K: int, N: int, seed: int):

@@ -27,7 +27,7 @@ from lorafleet.models.contract import ModelConfig
 from lorafleet.runner.config import KernelChoices
 from lorafleet.runner.model.fp8 import (E4M3, SM90_MAX_ROWS, SM90_SHRINK_MAX_K, Fp8Weight, bf16_sm90_applies,
                                        bf16_sm90_linear, epilogue_applies, fp8_linear, fp8_shrink_first_applies,
-                                       fp8_tensor_cores, sm90_gemm_available, unit_scale)
+                                       fp8_tensor_cores, quantize_tokens, sm90_gemm_available, unit_scale)
 from lorafleet.runner.model.norm import OwnNorm
 from lorafleet.runner.model.ops import make_ops, prefer_cublaslt
 from lorafleet.runner.model.rope import Rope
@@ -513,10 +513,16 @@ class Decoder:
         operands, quant, sync = None, quantized, None
         if lora is not None:
             # (the shrink first, on the product's warps: where the norm quantized x, K is at most SM90_SHRINK_MAX_K
-            # and the product is the wgmma kernel's unit-scale one, with the FP8 epilogue's launch after it)
-            first = (self.sm90_sync is not None and quant is not None and x.shape[1] <= SM90_SHRINK_MAX_K
-                     and not self.fp8_sm90_fused_lora and not self.fp8_sm90_persistent
-                     and fp8_shrink_first_applies(x, quant[0], w))
+            # and the product is the wgmma kernel's unit-scale one, with the FP8 epilogue's launch after it; on the
+            # producer's warps, beside the main loop, at any K and also where the norm did not quantize x (o, down):
+            # their rows then quantized by the activation kernel's own launch, as in steps without adapters, instead
+            # of by the shrink's)
+            producer = self.sm90_shrink_producer
+            can = (self.sm90_sync is not None and (producer or x.shape[1] <= SM90_SHRINK_MAX_K)
+                   and not self.fp8_sm90_fused_lora and not self.fp8_sm90_persistent)
+            if can and producer and quant is None and x.dtype == torch.bfloat16 and x.is_contiguous():
+                quant = quantize_tokens(x, self.fp8_ext)
+            first = can and quant is not None and fp8_shrink_first_applies(x, quant[0], w)
             mine = None
             if quant is None and self.fp8_quant_in_shrink and x.is_contiguous():  # the shrink's launch quantizes x too
                 quant = mine = quant_buffers(x)

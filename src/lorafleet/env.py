@@ -361,8 +361,9 @@ def sm90_shrink() -> bool:
 def sm90_shrink_producer() -> bool:
     """LORAFLEET_SM90_SHRINK_PRODUCER: where the rows' LoRA shrink runs inside the wgmma product (LORAFLEET_SM90_SHRINK
     with bf16 weights, LORAFLEET_FP8_SM90_SHRINK with FP8 weights), the producer warp group's three warps that issue no
-    copies take its tickets, beside the main loop, instead of the consumer warps before it, and bf16 products of any K
-    take it (7B's down too) (default 0 until measured; 1: those warps; the same bits either way)."""
+    copies take its tickets, beside the main loop, instead of the consumer warps before it; bf16 products of any K take
+    it (7B's down too), and with FP8 weights o and down too (their rows quantized by the activation kernel's launch)
+    (default 0 until measured; 1: those warps; the same bits either way)."""
     return _flag("LORAFLEET_SM90_SHRINK_PRODUCER", False)
 
 

@@ -619,8 +619,10 @@ def test_fp8_shrink_first_takes_the_shrink_launches_of_qkv_and_gate_up(fam, kv):
     norm quantizes, compute the rows' shrink on their own warps (counted: two a layer but the step's first, whose row
     slots are made right before it), with the expand in the FP8 epilogue's launch as before; the logits within the
     shrink's fp32 reordering of the default step's (the shrink's launch sums K in another order), and a second step
-    the same bits as the first (the counters left zero); with KernelChoices.sm90_shrink_producer (the producer warp
-    group's warps take the tickets, beside the main loop) the same bits again."""
+    the same bits as the first (the counters left zero). With KernelChoices.sm90_shrink_producer (the producer warp
+    group's warps take the tickets, beside the main loop) o and down take it too (their rows quantized by the
+    activation kernel's launch): every group's product but the step's first, the logits within the same reordering of
+    the launched shrinks' (qkv and gate_up's shrinks the same bits either way)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the wgmma kernel is built for compute capability 9.0 only")
     if {"LORAFLEET_FP8_SM90", "LORAFLEET_FP8_SM90_SHRINK", "LORAFLEET_FP8_SM90_FUSED_LORA",
@@ -639,17 +641,20 @@ def test_fp8_shrink_first_takes_the_shrink_launches_of_qkv_and_gate_up(fam, kv):
         assert not sync.any()
         assert torch.equal(eng.runner.forward(batch, dev), first), name
         m.sm90_shrink_producer = True
-        assert torch.equal(eng.runner.forward(batch, dev), first), name
-        assert m.fp8_ext.producer == 2 * m.num_layers - 1 and not sync.any(), (name, m.fp8_ext.producer)
+        producer = eng.runner.forward(batch, dev).clone()
+        assert m.fp8_ext.shrink_first == 2 * (2 * m.num_layers - 1) + 4 * m.num_layers - 1, name
+        assert m.fp8_ext.producer == 4 * m.num_layers - 1 and not sync.any(), (name, m.fp8_ext.producer)
+        assert torch.equal(eng.runner.forward(batch, dev), producer), name
         m.sm90_shrink_producer = False
         m.sm90_sync = None  # every shrink a launch of its own (the default), the same engine and step
         launched = eng.runner.forward(batch, dev).clone()
-        assert m.fp8_ext.shrink_first == 3 * (2 * m.num_layers - 1), name
+        assert m.fp8_ext.shrink_first == 2 * (2 * m.num_layers - 1) + 2 * (4 * m.num_layers - 1), name
     finally:
-        m.fp8_ext, m.sm90_sync = ext, sync
+        m.fp8_ext, m.sm90_sync, m.sm90_shrink_producer = ext, sync, False
         eng.close()
-    diff = (first.float() - launched.float()).abs().max().item()
-    assert diff <= 0.05 * launched.float().abs().max().item(), (name, diff)
+    for got in (first, producer):
+        diff = (got.float() - launched.float()).abs().max().item()
+        assert diff <= 0.05 * launched.float().abs().max().item(), (name, diff)
 
 
 def test_fp8_persistent_wgmma_schedule_gives_the_same_step(fam):
