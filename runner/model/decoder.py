@@ -532,8 +532,9 @@ class Decoder:
                 quant = None
             if operands is not None and operands[4] is not None:
                 sync = self.sm90_sync[i * GROUPS + group]
+        on_producer = {"shrink_producer": True} if sync is not None and self.sm90_shrink_producer else {}
         return self._fp8_linear(x, w, b, epilogue=True, spans=spans, lora=operands, quantized=quant, act=act,
-                                shrink_sync=sync, shrink_producer=sync is not None and self.sm90_shrink_producer)
+                                shrink_sync=sync, **on_producer)
 
     def _fp8_linear(self, x: torch.Tensor, w: Fp8Weight, b: torch.Tensor | None, **finish) -> torch.Tensor:
         """fp8_linear with this model's FP8 kernel choices; `finish`: its epilogue arguments."""
