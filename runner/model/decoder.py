@@ -507,8 +507,8 @@ class Decoder:
             sync = self.sm90_sync[i * GROUPS + group] if inside else None
             operands = None if lora is None else lora.epilogue_operands(i, group, x, in_product=inside)
             extra = {"prefetch_b": True} if self.sm90_prefetch_b and operands is not None else {}
-            if inside and self.sm90_shrink_producer:
-                extra["shrink_producer"] = True
+            if inside and self.sm90_shrink_producer and operands is not None and operands[4] is not None:
+                extra["shrink_producer"] = True  # (where the product gets A pools: the step's first group does not)
             return bf16_sm90_linear(self.sm90_ext, x, w, b, spans, operands, self.unit_scales, sync, **extra)
         operands, quant, sync = None, quantized, None
         if lora is not None:
