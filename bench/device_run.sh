@@ -494,7 +494,9 @@ fi
 for d in /tmp/bs_*; do [ -d "$d" ] && for f in "$d"/*.log; do [ -f "$f" ] && cp "$f" "$LOGS/$(basename "$d")_$(basename "$f")"; done; done
 if [ -z "${SKIP_CACHES:-}" ]; then  # flashinfer's compiled ops (over 16 MB: in 12 MB parts) and the SGMV build
   ( cd /tmp && find fiws -name '*.so' | tar czf - -T - | split -b 12m - "$OUT/ficache.tgz.part-" ) 2>/dev/null
-  ( cd /tmp && tar czf "$OUT/lfkernels.tgz" lfkernels ) 2>/dev/null
+  # (the library and its stamp only: runner/kernels.py imports a prebuilt library by them; the objects would double
+  # the file and, with flashinfer's parts and the wheels, put the carried tree past its limit)
+  ( cd /tmp && tar czf "$OUT/lfkernels.tgz" lfkernels/*.so lfkernels/*.stamp.json ) 2>/dev/null
 fi
 ( cd /tmp && tar czf "$OUT/logs.tgz" logs ) 2>/dev/null
 ls -la "$OUT" | tail -n +2
