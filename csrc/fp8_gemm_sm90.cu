@@ -51,7 +51,8 @@ const char* shrink_error(const Fp8EpilogueArgs& e, const char* who) {
 
 // The shrink's tickets for a launch of `ctas` CTAs on `sms` SMs: at most as many as the warps that take them (4 a CTA,
 // the consumers; 3 with shrink_producer) of one CTA per SM, at most of every CTA, each the fewest rank rows of one
-// row that allows it; where the rows alone outnumber those warps, a row each. lora.x: x's bf16 rows where the caller gave none (bf16 operands: x itself).
+// row that allows it; where the rows alone outnumber those warps, a row each. lora.x: x's bf16 rows where the
+// caller gave none (bf16 operands: x itself).
 Fp8EpilogueArgs plan_shrink(const Fp8Sm90Args& a, const Fp8EpilogueArgs& e, int sms, long long ctas) {
   const Fp8EpilogueLora& l = e.lora;
   const long long warps = (l.shrink_producer ? 3 : 4) * (ctas < sms ? ctas : sms);

@@ -55,8 +55,9 @@ struct Fp8EpilogueLora {
   // e4m3 operands; sync nullptr: v comes from a shrink launched before): v[i, g, k] = sum_j x[i, j] * a[g][s, k, j]
   // for k < r (s and r as above, r also below a_rank_dim[g]), in fp32, written into v by the product's own warps
   // before any of its epilogues (or the kernel after it) reads v. sync: uint32 of this call site (three for
-  // fp8_gemm_sm90_fused, four with shrink_producer; one for the shrink first), zero before the launch (the launch leaves them zero); no two
-  // launches in flight may share them (tickets are drawn before the wait for the kernel before).
+  // fp8_gemm_sm90_fused, four with shrink_producer; one for the shrink first), zero before the launch (the launch
+  // leaves them zero); no two launches in flight may share them (tickets are drawn before the wait for the kernel
+  // before).
   const void* a[kMaxGroup] = {};       // [S, a_rank_dim[g], K] contiguous, dtype T
   int a_rank_dim[kMaxGroup] = {};
   int a_rank_max = 0;                  // max over g of a_rank_dim[g]
