@@ -63,11 +63,11 @@ def teacher_forced_check(model, ads, reqs, ref_toks, dtype: str, label: str = ""
     return eng
 
 
-def free_run_check(model, ads, reqs, toks, dtype: str, label: str = ""):
+def free_run_check(model, ads, reqs, toks, dtype: str, label: str = "", emulate=None):
     """A free run's tokens `toks` (per request, what the engine generated greedily) against HF + PEFT in fp32 along
     those same tokens: at every position the engine's token is HF's argmax after the same prefix, or within what HF's
-    own `dtype` run shows (judge)."""
-    judge(model, ads, reqs, toks, toks, dtype, label, free=True)
+    own `dtype` run shows (judge; both HF runs under `emulate`, see hf_logits)."""
+    judge(model, ads, reqs, toks, toks, dtype, label, emulate=emulate, free=True)
 
 
 def judge(model, ads, reqs, along, chosen, dtype: str, label: str, ref_model=None, emulate=None, free=False):
@@ -145,10 +145,12 @@ def decode_graph_vs_eager(model, reqs, label: str = "", **cfg):
     return eng
 
 
-def decode_kernel_vs_flashinfer(model, reqs, label: str = "", **cfg):
+def decode_kernel_vs_flashinfer(model, reqs, label: str = "", min_agree: float | None = 0.9, **cfg):
     """A decode step of 24 requests on the project's decode attention kernel (KernelChoices.decode_kernel, eager)
     against the same step on flashinfer's decode kernel, and its graph replay against its eager step: the same
-    logits up to bf16 kernel-choice noise (TOL of the logit range) and the same argmax at 90 % of rows or more.
+    logits up to bf16 kernel-choice noise (TOL of the logit range) and the same argmax at 90 % of rows or more
+    (against flashinfer: at `min_agree` of them; None: not asked, for a kernel whose rounding differs from
+    flashinfer's by design, whose tokens the caller judges against an fp32 reference instead).
     `cfg["kernels"]` must choose the project's kernel. Returns the engine."""
     eng, batch = decode_step(model, reqs, **cfg)
     own = eng.attention.own
@@ -167,7 +169,8 @@ def decode_kernel_vs_flashinfer(model, reqs, label: str = "", **cfg):
         rel = ((got - ref).abs() / span).max().item()
         same = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
         print(f"{label} lorafleet decode {name}: max |diff| {rel:.4f} of the logit range, argmax agreement {same:.3f}")
-        assert rel < TOL and same >= 0.9, name
+        floor = 0.9 if name != "against flashinfer" else min_agree
+        assert rel < TOL and (floor is None or same >= floor), name
     return eng
 
 

@@ -7,11 +7,14 @@ the released checkpoints use), windows of 8 tokens under prompts of 20 to 60."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 import teacher
 from family_models import FAMILIES, family_targets, write_gpu_family_model
+from fp8_reference import emulate_fp8
 from lorafleet.runner.config import EngineConfig, KernelChoices
 from lorafleet.runner.engine.engine import Engine
 from lorafleet.runner.engine.sequence import AdapterRef, SamplingParams, Sequence
@@ -78,12 +81,23 @@ def test_family_decode_on_the_lorafleet_kernel(family):
 
 def test_family_decode_on_the_tensor_core_kernel_with_fp8_pages(family):
     """The project's decode kernel on the tensor cores (KernelChoices.decode_mma) over e4m3 pages, with the family's
-    windows, grouping and softmax scale: against flashinfer's decode on the same step's FP8 pages, and its graph
-    replay against its eager step."""
-    name, model, _, reqs = family
-    eng = teacher.decode_kernel_vs_flashinfer(model, reqs, f"{name} tensor cores", kv_cache_dtype="fp8",
-                                              kernels=KernelChoices(decode_kernel="lorafleet", decode_mma=True))
+    windows, grouping and softmax scale. Against flashinfer's decode on the same step's FP8 pages: the logits within
+    TOL of the range. Their argmax is not compared there: the tensor cores take p · v with the probabilities rounded
+    to f16, where flashinfer's CUDA-core decode keeps them in fp32, and these random models' near-ties flip under that
+    (H100, 2026-12-07: 3 to 6 of 24 rows for phi3, qwen2 and qwen3 at 1 % of the range). Instead a free run's every
+    token is judged against HF + PEFT in fp32 with K and V rounded through e4m3, HF's own bf16 run under the same
+    rounding as the tolerance. And the kernel's graph replay against its eager step."""
+    name, model, ads, reqs = family
+    kernels = KernelChoices(decode_kernel="lorafleet", decode_mma=True)
+    eng = teacher.decode_kernel_vs_flashinfer(model, reqs, f"{name} tensor cores", min_agree=None,
+                                              kv_cache_dtype="fp8", kernels=kernels)
     assert eng.attention.own.mma and eng.attention.own.stages == 3
+    del eng
+    toks, run = generate(model, reqs, NEW, kv_cache_dtype="fp8", kernels=kernels)
+    assert run.attention.own is not None and run.attention.own.mma and run.kv.k.dtype == torch.float8_e4m3fn
+    teacher.free_run_check(model, ads, reqs, toks, "bfloat16", f"{name} tensor cores, FP8 pages, free run",
+                           emulate=functools.partial(emulate_fp8, activations=False, kv=True))
+
 
 def test_family_bf16_products_on_the_wgmma_kernel(family, monkeypatch):
     """KernelChoices.bf16_sm90: the products of steps of at most 64 rows on the wgmma kernel with bf16 operands, the
