@@ -80,9 +80,11 @@ class KernelChoices:
         LoRA expand (qkv, o, down of steps without adapters; bf16), the epilogue runs inside the product's kernel (the
         same bits, one launch less).
     fp8_sm90_fused_lora: the same also for epilogues with the rows' LoRA expand (measured slower: off).
-    fp8_sm90_shrink: with that kernel and adapters in the step, the rows' LoRA shrink of the products whose rows the
-        norm quantizes (qkv, gate_up; K at most SM90_SHRINK_MAX_K) runs on the product's own warps before their main
-        loop instead of a launch before it; the epilogue's launch adds the expand (measured even: off).
+    fp8_sm90_shrink: with that kernel and adapters in the step, the rows' LoRA shrink runs on the product's own warps
+        instead of a launch before it (each step's first group keeps its launch); the epilogue's launch adds the
+        expand. With fp8_sm90_shrink_producer (below, on) every projection takes it; on the consumer warps before
+        their main loop only the products whose rows the norm quantizes (qkv, gate_up; K at most SM90_SHRINK_MAX_K),
+        which measured even (on, with the producer's warps).
     fp8_sm90_split: that kernel cuts K into parts for weights with too few rows to fill the GPU (fp8.py sm90_splits).
     fp8_sm90_persistent: that kernel (its epilogue a launch of its own or inside it) on CUTLASS's persistent
         ping-pong schedule instead of one CTA per tile (the same bits).
@@ -95,10 +97,12 @@ class KernelChoices:
     sm90_shrink: with bf16_sm90, the rows' LoRA shrink inside that same launch too (the kernel's own warps write v
         before its epilogues read it) instead of a launch before it, where K is at most SM90_SHRINK_MAX_K (on:
         +5.8 / +6.0 % with adapters on the H100, docs/benchmarks.md section 13.12).
-    sm90_shrink_producer: where the shrink runs inside the wgmma product (sm90_shrink, fp8_sm90_shrink), the producer
-        warp group's three warps that issue no copies take it, beside the main loop, instead of the consumer warps
-        before it; bf16 products of any K then take it, and FP8 o and down too (their rows quantized by the activation
-        kernel's launch) (the same bits; off until measured).
+    sm90_shrink_producer: where the shrink runs inside the bf16 wgmma product (sm90_shrink), the producer warp group's
+        three warps that issue no copies take it, beside the main loop, instead of the consumer warps before it, in
+        products of any K (the same bits; off: -2.0 / -0.2 % with adapters on the H100, docs/benchmarks.md 13.17).
+    fp8_sm90_shrink_producer: the same for FP8 products with fp8_sm90_shrink, where o and down then take the shrink
+        too (their rows quantized by the activation kernel's launch) (the same bits; on: +1.2 / +1.1 % with adapters
+        on the H100 in two calls, docs/benchmarks.md 13.18).
     sm90_prefetch_b: with bf16_sm90 and adapters in the step, the product's consumer threads ask L2 for the B rows of
         their epilogue's expand before the main loop (a hint: the same bits; off until measured).
     norm_early: with bf16_sm90, the norms before qkv and gate_up on the project's kernel, which lets the product after
@@ -152,13 +156,14 @@ class KernelChoices:
     fp8_sm90: bool = True
     fp8_sm90_fused: bool = True
     fp8_sm90_fused_lora: bool = False
-    fp8_sm90_shrink: bool = False
+    fp8_sm90_shrink: bool = True
     fp8_sm90_split: bool = False
     fp8_sm90_persistent: bool = False
     fp8_quant_in_shrink: bool = True
     bf16_sm90: bool = True
     sm90_shrink: bool = True
     sm90_shrink_producer: bool = False
+    fp8_sm90_shrink_producer: bool = True
     sm90_prefetch_b: bool = False
     norm_early: bool = True
     pin_host_adapters: bool = False
@@ -228,6 +233,7 @@ class KernelChoices:
                    fp8_sm90_split=env.fp8_sm90_split(), fp8_sm90_persistent=env.fp8_sm90_persistent(),
                    fp8_quant_in_shrink=env.fp8_quant_in_shrink(), bf16_sm90=env.bf16_sm90(),
                    sm90_shrink=env.sm90_shrink(), sm90_shrink_producer=env.sm90_shrink_producer(),
+                   fp8_sm90_shrink_producer=env.fp8_sm90_shrink_producer(),
                    sm90_prefetch_b=env.sm90_prefetch_b(), norm_early=env.norm_early(),
                    pin_host_adapters=env.pin_host_adapters(), dense_lora_rows=env.dense_lora_rows(),
                    dense_lora_kext=env.dense_lora_kext())

@@ -189,13 +189,17 @@ def test_fp8_gemm_switches(monkeypatch):
             ("LORAFLEET_FP8_SM90_FUSED", env.fp8_sm90_fused, True, "0", "fp8_sm90_fused=False"),  # on: measured faster
             ("LORAFLEET_FP8_SM90_FUSED_LORA", env.fp8_sm90_fused_lora, False, "1",
              "fp8_sm90_fused_lora=True"),  # off: measured slower
-            ("LORAFLEET_FP8_SM90_SHRINK", env.fp8_sm90_shrink, False, "1",
-             "fp8_sm90_shrink=True"),  # off: measured even
+            ("LORAFLEET_FP8_SM90_SHRINK", env.fp8_sm90_shrink, True, "0",
+             "fp8_sm90_shrink=False"),  # on (with the producer's warps): measured faster
+            ("LORAFLEET_FP8_SM90_SHRINK_PRODUCER", env.fp8_sm90_shrink_producer, True, "0",
+             "fp8_sm90_shrink_producer=False"),  # on: measured faster
             ("LORAFLEET_FP8_SM90_SPLIT", env.fp8_sm90_split, False, "1", "fp8_sm90_split=True"),
             ("LORAFLEET_FP8_SM90_PERSISTENT", env.fp8_sm90_persistent, False, "1",
              "fp8_sm90_persistent=True"),  # off until measured
             ("LORAFLEET_BF16_SM90", env.bf16_sm90, True, "0", "bf16_sm90=False"),  # on: measured faster
             ("LORAFLEET_SM90_SHRINK", env.sm90_shrink, True, "0", "sm90_shrink=False"),  # on: measured faster
+            ("LORAFLEET_SM90_SHRINK_PRODUCER", env.sm90_shrink_producer, False, "1",
+             "sm90_shrink_producer=True"),  # off: measured slower in bf16
             ("LORAFLEET_SM90_PREFETCH_B", env.sm90_prefetch_b, False, "1",
              "sm90_prefetch_b=True"),  # off until measured
             ("LORAFLEET_NORM_EARLY", env.norm_early, True, "0", "norm_early=False")):  # on: measured faster

@@ -47,7 +47,7 @@ def emulated_fp8(d, firsts: list, syncs: set):
 
     def run(x, w, b, epilogue=False, spans=None, lora=None, quantized=None, act=0, shrink_sync=None,
             shrink_producer=False):
-        assert shrink_producer == (shrink_sync is not None and d.sm90_shrink_producer)
+        assert shrink_producer == (shrink_sync is not None and d.fp8_sm90_shrink_producer)
         y = F.linear(x, w.dequant(x.dtype), b)
         if lora is not None:
             a = lora[4]
@@ -66,17 +66,19 @@ def emulated_fp8(d, firsts: list, syncs: set):
     return run
 
 
-def run(model, ads, first: bool, monkeypatch, producer: bool = False):
+def run(model, ads, first: bool, monkeypatch, producer: bool = False, tweak=None):
     seqs = mixed_requests(ads, seed=5)
     eng = Engine(str(model), EngineConfig(device="cpu", max_batch_size=8, page_size=4, num_pages=200, max_lora_rank=16,
                                           max_step_tokens=64, quantization="fp8", dtype="bfloat16",
-                                          kernels=KernelChoices(fp8_sm90_shrink=first, sm90_shrink_producer=producer)))
+                                          kernels=KernelChoices(fp8_sm90_shrink=first, fp8_sm90_shrink_producer=producer)))
     d = eng.model
     assert d.sm90_sync is None  # a CPU device: the choice is not taken by itself
     shim = Fp32Shrinks(eng.runner.sgmv)
     eng.runner.sgmv = shim
     if first:  # as Decoder.__init__ on a compute capability 9.0 GPU whose build has the kernel
-        d.sm90_sync = torch.zeros(d.num_layers * 4, 4, dtype=torch.int32)
+        d.sm90_sync, d.fp8_sm90 = torch.zeros(d.num_layers * 4, 4, dtype=torch.int32), True
+    if tweak is not None:
+        tweak(d)
     firsts: list = []
     syncs: set[int] = set()
     norm = d._norm
@@ -118,7 +120,7 @@ def test_the_shrink_first_gives_the_launched_shrinks_tokens(tmp_path, family, mo
 
 @pytest.mark.parametrize("family", ["llama3", "qwen2"])
 def test_the_shrink_on_the_producers_warps_takes_every_projections_launch(tmp_path, family, monkeypatch):
-    """KernelChoices.sm90_shrink_producer with the shrink first: o and down too (their rows quantized by the
+    """KernelChoices.fp8_sm90_shrink_producer with the shrink first: o and down too (their rows quantized by the
     activation kernel's own launch, not the shrink's), so every group's shrink but the step's first is inside its
     product, on the producer's warps; the tokens those of the launched shrinks."""
     model = write_family_model(family, tmp_path / "m", seed=2)
@@ -137,6 +139,27 @@ def test_the_shrink_on_the_producers_warps_takes_every_projections_launch(tmp_pa
     assert firsts.count((c.hidden_size,)) == 2 * steps * d.num_layers
     assert shim.shrinks + len(firsts) == launched.shrinks and shim.shrinks == steps
     assert len(syncs) == 4 * d.num_layers - 1
+
+
+@pytest.mark.parametrize("choice", ["fp8_sm90_split", "no_wgmma", "fp8_sm90_persistent"])
+def test_the_shrink_first_keeps_its_launches_where_the_product_cannot_take_it(tmp_path, choice, monkeypatch):
+    """With the counters made (fp8_sm90_shrink on, as by default) but the FP8 products in K parts, off the wgmma kernel
+    or on its persistent schedule, no product is asked for the shrink first (fp8_linear would refuse it): every
+    shrink is launched, the tokens those of the launches."""
+    model = write_family_model("llama3", tmp_path / "m", seed=2)
+    ads = {"all": write_random_adapter(model, tmp_path / "all", r=8, alpha=16, targets=family_targets("llama3"),
+                                       seed=3)}
+    want, _, launched, _, _ = run(model, ads, False, monkeypatch)
+
+    def tweak(d):
+        if choice == "no_wgmma":
+            d.fp8_sm90 = False
+        else:
+            setattr(d, choice, True)
+
+    got, d, shim, firsts, syncs = run(model, ads, True, monkeypatch, producer=True, tweak=tweak)
+    assert got == want and firsts == [] and not syncs
+    assert shim.shrinks == launched.shrinks > 0
 
 
 def _operands(M: int, K: int, N: int, seed: int):

@@ -197,8 +197,10 @@ class Decoder:
         self.sm90_sync = None
         self.norm_early = False  # the project's norm before them, letting them start at once (KernelChoices.norm_early)
         self.sm90_prefetch_b = kernels.sm90_prefetch_b  # ... their B rows asked of L2 first (a hint)
-        # ... the shrink inside them on the producer warp group's idle warps, beside the main loop (both precisions)
+        # ... the shrink inside them on the producer warp group's idle warps, beside the main loop (bf16 products;
+        # FP8 products with fp8_sm90_shrink: fp8_sm90_shrink_producer)
         self.sm90_shrink_producer = kernels.sm90_shrink_producer
+        self.fp8_sm90_shrink_producer = kernels.fp8_sm90_shrink_producer
         # runner/model/norm.py OwnNorm: the norms before qkv and gate_up (KernelChoices.norm_shrink, norm_quant,
         # norm_lora)
         self.own_norm = None
@@ -241,8 +243,8 @@ class Decoder:
             if kernels.fp8_sm90_shrink and self.fp8_sm90 and dtype == torch.bfloat16:
                 # (the shrink first: one counter row per layer and projection group, as sm90_shrink's)
                 self.sm90_sync = torch.zeros(len(self.layers) * GROUPS, 4, dtype=torch.int32, device=self.device)
-            elif kernels.fp8_sm90_shrink:
-                log.info("fp8_sm90_shrink ignored: it needs the FP8 products on the wgmma kernel and bfloat16 rows")
+            elif kernels.fp8_sm90_shrink:  # (on by default: said at debug level)
+                log.debug("fp8_sm90_shrink ignored: it needs the FP8 products on the wgmma kernel and bfloat16 rows")
         if kernels.bf16_sm90:
             weights = "FP8" if isinstance(self.layers[0].qkv, Fp8Weight) else str(dtype).replace("torch.", "")
             if self.device.type == "cuda" and weights == "bfloat16":
@@ -269,7 +271,8 @@ class Decoder:
                 self.own_norm = OwnNorm(load(), cfg.rms_norm_eps, cfg.norm_offset)
             except Exception as exc:  # no compiler: the ops' norms and the separate shrink launches
                 log.warning("norm kernel unavailable (%s); the norms take %s's kernels", exc, self.ops.name)
-        if self.sm90_sync is not None and not self.bf16_sm90 and (self.own_norm is None or not norm_quant):
+        if (self.sm90_sync is not None and not self.bf16_sm90 and not self.fp8_sm90_shrink_producer
+                and (self.own_norm is None or not norm_quant)):
             log.info("fp8_sm90_shrink takes the products whose rows the norm quantizes (LORAFLEET_NORM_QUANT): "
                      "none here")
 
@@ -517,8 +520,9 @@ class Decoder:
             # producer's warps, beside the main loop, at any K and also where the norm did not quantize x (o, down):
             # their rows then quantized by the activation kernel's own launch, as in steps without adapters, instead
             # of by the shrink's)
-            producer = self.sm90_shrink_producer
-            can = (self.sm90_sync is not None and (producer or x.shape[1] <= SM90_SHRINK_MAX_K)
+            producer = self.fp8_sm90_shrink_producer
+            can = (self.sm90_sync is not None and self.fp8_sm90 and not self.fp8_sm90_split
+                   and (producer or x.shape[1] <= SM90_SHRINK_MAX_K)
                    and not self.fp8_sm90_fused_lora and not self.fp8_sm90_persistent)
             if can and producer and quant is None and x.dtype == torch.bfloat16 and x.is_contiguous():
                 quant = quantize_tokens(x, self.fp8_ext)
@@ -532,7 +536,7 @@ class Decoder:
                 quant = None
             if operands is not None and operands[4] is not None:
                 sync = self.sm90_sync[i * GROUPS + group]
-        on_producer = {"shrink_producer": True} if sync is not None and self.sm90_shrink_producer else {}
+        on_producer = {"shrink_producer": True} if sync is not None and self.fp8_sm90_shrink_producer else {}
         return self._fp8_linear(x, w, b, epilogue=True, spans=spans, lora=operands, quantized=quant, act=act,
                                 shrink_sync=sync, **on_producer)
 

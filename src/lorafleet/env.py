@@ -359,12 +359,21 @@ def sm90_shrink() -> bool:
 
 
 def sm90_shrink_producer() -> bool:
-    """LORAFLEET_SM90_SHRINK_PRODUCER: where the rows' LoRA shrink runs inside the wgmma product (LORAFLEET_SM90_SHRINK
-    with bf16 weights, LORAFLEET_FP8_SM90_SHRINK with FP8 weights), the producer warp group's three warps that issue no
-    copies take its tickets, beside the main loop, instead of the consumer warps before it; bf16 products of any K take
-    it (7B's down too), and with FP8 weights o and down too (their rows quantized by the activation kernel's launch)
-    (default 0 until measured; 1: those warps; the same bits either way)."""
+    """LORAFLEET_SM90_SHRINK_PRODUCER: where the rows' LoRA shrink runs inside the bf16 wgmma product
+    (LORAFLEET_SM90_SHRINK), the producer warp group's three warps that issue no copies take its tickets, beside the
+    main loop, instead of the consumer warps before it, in products of any K (7B's down too) (default 0: measured
+    -2.0 / -0.2 % end to end with adapters on the H100, docs/benchmarks.md section 13.17; 1: those warps; the same
+    bits either way). FP8 products: LORAFLEET_FP8_SM90_SHRINK_PRODUCER."""
     return _flag("LORAFLEET_SM90_SHRINK_PRODUCER", False)
+
+
+def fp8_sm90_shrink_producer() -> bool:
+    """LORAFLEET_FP8_SM90_SHRINK_PRODUCER: with LORAFLEET_FP8_SM90_SHRINK, the shrink first runs on the producer warp
+    group's three warps that issue no copies, beside the main loop, instead of the consumer warps before it, and o and
+    down take it too (their rows then quantized by the activation kernel's launch) (default 1: +1.2 / +1.1 % end to
+    end with 32 distinct adapters / one against the shrink's launches, in each of two calls on H100s,
+    docs/benchmarks.md sections 13.17 and 13.18; 0: the consumer warps, qkv and gate_up only; the same bits)."""
+    return _flag("LORAFLEET_FP8_SM90_SHRINK_PRODUCER", True)
 
 
 def sm90_prefetch_b() -> bool:
@@ -399,12 +408,13 @@ def fp8_sm90_fused_lora() -> bool:
 
 
 def fp8_sm90_shrink() -> bool:
-    """LORAFLEET_FP8_SM90_SHRINK: with FP8 weights on that wgmma kernel, the rows' LoRA shrink of qkv and gate_up (whose
-    rows the norm quantizes) runs on the product's own warps before their main loop instead of a shrink launched
-    before each product; the FP8 epilogue's launch after the product adds the expand as before (default 0: measured
-    even, -0.2 / -0.6 % end to end with adapters on the H100, the products longer by what the launches took,
-    docs/benchmarks.md section 13.16; 1: the shrink first)."""
-    return _flag("LORAFLEET_FP8_SM90_SHRINK", False)
+    """LORAFLEET_FP8_SM90_SHRINK: with FP8 weights on that wgmma kernel, the rows' LoRA shrink runs on the product's
+    own warps instead of a shrink launched before each product (each step's first group keeps its launch); the FP8
+    epilogue's launch after the product adds the expand as before. Which warps: LORAFLEET_FP8_SM90_SHRINK_PRODUCER
+    (default 1, with the producer's warps beside the main loop: +1.2 / +1.1 % end to end with adapters on the H100,
+    docs/benchmarks.md section 13.18; on the consumer warps alone it measured even, section 13.16; 0: the shrink's
+    launches)."""
+    return _flag("LORAFLEET_FP8_SM90_SHRINK", True)
 
 
 def fp8_sm90_split() -> bool:

@@ -373,7 +373,9 @@ GEMM_CHOICES = {  # gemm -> the engine's kernel choices and step size for that F
     # graphs with adapters does the LoRA shrink too)
     "unit_norm": {"kernels": KernelChoices(norm_shrink=True)},
     # the defaults: the wgmma product (below), the norms before qkv and gate_up on the project's kernel, which
-    # quantizes the rows (KernelChoices.norm_quant: no shrink inside the norm's launch)
+    # quantizes the rows (KernelChoices.norm_quant: no shrink inside the norm's launch), and the rows' LoRA shrink
+    # inside every product but the step's first, on its producer warp group's idle warps (fp8_sm90_shrink,
+    # fp8_sm90_shrink_producer)
     "default": {"kernels": KernelChoices()},
     # every step on csrc/fp8_gemm.cu with the bf16 activations unquantized (weight-only FP8)
     "own_bf16": {"kernels": KernelChoices(fp8_gemm_rows=64, fp8_gemm_bf16=True, **_FI), "max_step_tokens": 64},
@@ -382,9 +384,9 @@ GEMM_CHOICES = {  # gemm -> the engine's kernel choices and step size for that F
     "sm90": {"kernels": KernelChoices(fp8_sm90=True, **_FI), "max_step_tokens": 64},
     # ... with K in parts for weights of few rows (the test models' small weights: up to 16 parts)
     "sm90_split": {"kernels": KernelChoices(fp8_sm90=True, fp8_sm90_split=True, **_FI), "max_step_tokens": 64},
-    # the defaults with the rows' LoRA shrink of qkv and gate_up on the wgmma product's own warps
-    # (KernelChoices.fp8_sm90_shrink)
-    "sm90_shrink": {"kernels": KernelChoices(fp8_sm90_shrink=True)},
+    # the defaults with the rows' LoRA shrink of qkv and gate_up on the wgmma product's consumer warps, before their
+    # main loop (KernelChoices.fp8_sm90_shrink without fp8_sm90_shrink_producer)
+    "sm90_shrink": {"kernels": KernelChoices(fp8_sm90_shrink=True, fp8_sm90_shrink_producer=False)},
 }
 WEIGHT_ONLY = {"own_bf16"}  # choices whose activations are not rounded through e4m3
 
@@ -485,9 +487,11 @@ def test_fp8_weights_take_half_the_bytes(fam):
 def test_fp8_epilogue_step_gives_the_bits_of_the_separate_launches(fam, kv):
     """A decode step of 24 rows (no adapter, a rank-16 adapter on every projection, a rank-4 one on the MLP only)
     with the epilogue kernel finishing every projection (counted) and with the separate launches: the same logits,
-    bit for bit."""
+    bit for bit. (Every shrink a launch of its own, as the separate launches have it: the shrink first sums K in
+    another order, test_fp8_shrink_first_takes_the_shrink_launches_of_qkv_and_gate_up.)"""
     name, model, _, _, reqs = fam
-    eng, batch = teacher.decode_step(model, reqs[:4] * 2, quantization="fp8", kv_cache_dtype=kv)
+    eng, batch = teacher.decode_step(model, reqs[:4] * 2, quantization="fp8", kv_cache_dtype=kv,
+                                     kernels=KernelChoices(fp8_sm90_shrink=False))
     dev = batch.to_device(eng.device)
     m = eng.model
     assert m.fp8_epilogue and m.fp8_ext is not None
@@ -570,13 +574,15 @@ def test_fp8_epilogue_inside_the_wgmma_product_gives_the_same_step(fam, kv):
     """The decode step (with adapters) with the qkv, o and down epilogues inside the wgmma product
     (KernelChoices.fp8_sm90_fused_lora: counted, 3 per layer; gate_up keeps its own epilogue for the activation), with
     the defaults (fp8_sm90_fused: inside the product only without a LoRA expand, so none here) and with the two
-    launches everywhere: the same logits, bit for bit."""
+    launches everywhere: the same logits, bit for bit (every shrink a launch of its own, which the expand inside the
+    product needs: fp8_sm90_shrink off)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the wgmma kernel is built for compute capability 9.0 only")
     if {"LORAFLEET_FP8_SM90", "LORAFLEET_FP8_SM90_FUSED", "LORAFLEET_FP8_SM90_FUSED_LORA"} & set(os.environ):
         pytest.skip("this test starts from the default kernel choices")
     name, model, _, _, reqs = fam
-    eng, batch = teacher.decode_step(model, reqs[:4] * 2, quantization="fp8", kv_cache_dtype=kv)
+    eng, batch = teacher.decode_step(model, reqs[:4] * 2, quantization="fp8", kv_cache_dtype=kv,
+                                     kernels=KernelChoices(fp8_sm90_shrink=False))
     dev = batch.to_device(eng.device)
     m = eng.model
     assert m.fp8_sm90 and m.fp8_sm90_fused and not m.fp8_sm90_fused_lora  # the defaults
@@ -619,18 +625,18 @@ def test_fp8_shrink_first_takes_the_shrink_launches_of_qkv_and_gate_up(fam, kv):
     norm quantizes, compute the rows' shrink on their own warps (counted: two a layer but the step's first, whose row
     slots are made right before it), with the expand in the FP8 epilogue's launch as before; the logits within the
     shrink's fp32 reordering of the default step's (the shrink's launch sums K in another order), and a second step
-    the same bits as the first (the counters left zero). With KernelChoices.sm90_shrink_producer (the producer warp
+    the same bits as the first (the counters left zero). With KernelChoices.fp8_sm90_shrink_producer (the producer warp
     group's warps take the tickets, beside the main loop) o and down take it too (their rows quantized by the
     activation kernel's launch): every group's product but the step's first, the logits within the same reordering of
     the launched shrinks' (qkv and gate_up's shrinks the same bits either way)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the wgmma kernel is built for compute capability 9.0 only")
-    if {"LORAFLEET_FP8_SM90", "LORAFLEET_FP8_SM90_SHRINK", "LORAFLEET_FP8_SM90_FUSED_LORA",
-            "LORAFLEET_FP8_SM90_PERSISTENT", "LORAFLEET_NORM_QUANT"} & set(os.environ):
+    if {"LORAFLEET_FP8_SM90", "LORAFLEET_FP8_SM90_SHRINK", "LORAFLEET_FP8_SM90_SHRINK_PRODUCER",
+            "LORAFLEET_FP8_SM90_FUSED_LORA", "LORAFLEET_FP8_SM90_PERSISTENT", "LORAFLEET_NORM_QUANT"} & set(os.environ):
         pytest.skip("this test starts from the default kernel choices")
     name, model, _, _, reqs = fam
     eng, batch = teacher.decode_step(model, reqs[:4] * 2, quantization="fp8", kv_cache_dtype=kv,
-                                     kernels=KernelChoices(fp8_sm90_shrink=True))
+                                     kernels=KernelChoices(fp8_sm90_shrink=True, fp8_sm90_shrink_producer=False))
     dev = batch.to_device(eng.device)
     m = eng.model
     assert m.sm90_sync is not None and m.own_norm is not None
@@ -640,17 +646,17 @@ def test_fp8_shrink_first_takes_the_shrink_launches_of_qkv_and_gate_up(fam, kv):
         assert m.fp8_ext.shrink_first == 2 * m.num_layers - 1, (name, m.fp8_ext.shrink_first)
         assert not sync.any()
         assert torch.equal(eng.runner.forward(batch, dev), first), name
-        m.sm90_shrink_producer = True
+        m.fp8_sm90_shrink_producer = True
         producer = eng.runner.forward(batch, dev).clone()
         assert m.fp8_ext.shrink_first == 2 * (2 * m.num_layers - 1) + 4 * m.num_layers - 1, name
         assert m.fp8_ext.producer == 4 * m.num_layers - 1 and not sync.any(), (name, m.fp8_ext.producer)
         assert torch.equal(eng.runner.forward(batch, dev), producer), name
-        m.sm90_shrink_producer = False
+        m.fp8_sm90_shrink_producer = False
         m.sm90_sync = None  # every shrink a launch of its own (the default), the same engine and step
         launched = eng.runner.forward(batch, dev).clone()
         assert m.fp8_ext.shrink_first == 2 * (2 * m.num_layers - 1) + 2 * (4 * m.num_layers - 1), name
     finally:
-        m.fp8_ext, m.sm90_sync, m.sm90_shrink_producer = ext, sync, False
+        m.fp8_ext, m.sm90_sync, m.fp8_sm90_shrink_producer = ext, sync, False
         eng.close()
     for got in (first, producer):
         diff = (got.float() - launched.float()).abs().max().item()
@@ -660,7 +666,8 @@ def test_fp8_shrink_first_takes_the_shrink_launches_of_qkv_and_gate_up(fam, kv):
 def test_fp8_persistent_wgmma_schedule_gives_the_same_step(fam):
     """The decode step with adapters (every projection's product on the wgmma kernel, its epilogue a launch of its
     own) and without them (gate_up's product; qkv, o and down with the epilogue inside, which keeps one CTA per
-    tile) with KernelChoices.fp8_sm90_persistent on and off: the same logits, bit for bit."""
+    tile) with KernelChoices.fp8_sm90_persistent on and off: the same logits, bit for bit (every shrink a launch of
+    its own: the shrink first takes one CTA a tile, so the persistent schedule launches it)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the wgmma kernel is built for compute capability 9.0 only")
     if {"LORAFLEET_FP8_SM90", "LORAFLEET_FP8_SM90_PERSISTENT", "LORAFLEET_FP8_SM90_FUSED",
@@ -669,7 +676,7 @@ def test_fp8_persistent_wgmma_schedule_gives_the_same_step(fam):
         pytest.skip("this test starts from the default kernel choices")
     name, model, _, _, reqs = fam
     for rows in (reqs[:4] * 2, [(ids, None, None) for ids, _, _ in reqs[:4]] * 2):
-        eng, batch = teacher.decode_step(model, rows, quantization="fp8")
+        eng, batch = teacher.decode_step(model, rows, quantization="fp8", kernels=KernelChoices(fp8_sm90_shrink=False))
         dev = batch.to_device(eng.device)
         m = eng.model
         # the defaults the counts below rest on: qkv, o and down with the epilogue inside when no LoRA expand rides,
@@ -699,7 +706,8 @@ def test_fp8_norm_that_quantizes_takes_the_activation_launches_of_qkv_and_gate_u
     shrinks quantize o's and down's inputs only (2 per layer against 4). The choice
     is taken only with FP8 weights. (Against the default flashinfer norm the logits differ by more than bf16 noise:
     its roundings are not Hugging Face's, and e4m3 steps magnify a rounding; the teacher-forced test above checks the
-    path against the fp32 reference instead.)"""
+    path against the fp32 reference instead.) Every shrink a launch of its own (fp8_sm90_shrink off), whose
+    quantization is counted."""
     from lorafleet.runner.lora.sgmv_cuda import CudaSGMV
 
     shrink_quant = []  # per shrink launch: whether it quantized its input too
@@ -712,7 +720,7 @@ def test_fp8_norm_that_quantizes_takes_the_activation_launches_of_qkv_and_gate_u
     monkeypatch.setattr(CudaSGMV, "shrink", shrink)
     name, model, _, _, reqs = fam
     for rows in (reqs[:4] * 2, [(ids, None, None) for ids, _, _ in reqs[:4]] * 2):
-        eng, batch = teacher.decode_step(model, rows, quantization="fp8")
+        eng, batch = teacher.decode_step(model, rows, quantization="fp8", kernels=KernelChoices(fp8_sm90_shrink=False))
         dev = batch.to_device(eng.device)
         m = eng.model
         assert m.own_norm is not None and m.fp8_epilogue and m.own_norm_quant  # the defaults
