@@ -103,6 +103,9 @@ class KernelChoices:
     fp8_sm90_shrink_producer: the same for FP8 products with fp8_sm90_shrink, where o and down then take the shrink
         too (their rows quantized by the activation kernel's launch) (the same bits; on: +1.2 / +1.1 % with adapters
         on the H100 in two calls, docs/benchmarks.md 13.18).
+    fp8_sm90_fused_shrink: with the shrink first (fp8_sm90_shrink), the FP8 epilogue (scales, bias, the expand) inside
+        the same wgmma launch where it can be (not gate_up's, which applies the activation): one launch a projection
+        instead of the product and the epilogue's (the same bits; off until measured).
     sm90_prefetch_b: with bf16_sm90 and adapters in the step, the product's consumer threads ask L2 for the B rows of
         their epilogue's expand before the main loop (a hint: the same bits; off until measured).
     norm_early: with bf16_sm90, the norms before qkv and gate_up on the project's kernel, which lets the product after
@@ -164,6 +167,7 @@ class KernelChoices:
     sm90_shrink: bool = True
     sm90_shrink_producer: bool = False
     fp8_sm90_shrink_producer: bool = True
+    fp8_sm90_fused_shrink: bool = False
     sm90_prefetch_b: bool = False
     norm_early: bool = True
     pin_host_adapters: bool = False
@@ -234,6 +238,7 @@ class KernelChoices:
                    fp8_quant_in_shrink=env.fp8_quant_in_shrink(), bf16_sm90=env.bf16_sm90(),
                    sm90_shrink=env.sm90_shrink(), sm90_shrink_producer=env.sm90_shrink_producer(),
                    fp8_sm90_shrink_producer=env.fp8_sm90_shrink_producer(),
+                   fp8_sm90_fused_shrink=env.fp8_sm90_fused_shrink(),
                    sm90_prefetch_b=env.sm90_prefetch_b(), norm_early=env.norm_early(),
                    pin_host_adapters=env.pin_host_adapters(), dense_lora_rows=env.dense_lora_rows(),
                    dense_lora_kext=env.dense_lora_kext())

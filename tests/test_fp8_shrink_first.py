@@ -209,6 +209,49 @@ def test_fp8_linear_hands_the_wgmma_product_the_shrink_first(monkeypatch):
         assert calls == []
 
 
+def test_fp8_linear_puts_the_epilogue_inside_the_shrink_firsts_launch(monkeypatch):
+    """With `sm90_fused_shrink` too, fp8_linear asks fp8_gemm_sm90_fused once (the shrink, the product and the
+    epilogue with the expand in one launch) with the A pools, the counters and x's bf16 rows as lora_x; where the
+    epilogue cannot run inside (gate_up's activation) the product with the shrink first and the epilogue's launch as
+    before."""
+    M, K, N = 4, 64, 32
+    w, x, (xq, sx) = _operands(M, K, N, seed=3)
+    lora = (torch.zeros(M, 2, 8), [torch.zeros(3, 8, 16), torch.zeros(3, 8, 16)], torch.zeros(2, 3, dtype=torch.int32),
+            torch.zeros(M, dtype=torch.int32), [torch.zeros(3, 8, K), torch.zeros(3, 8, K)])
+    sync = torch.zeros(4, dtype=torch.int32)
+    calls = []
+
+    def fused(out, xq_, wq, sx_, ws, bias, spans, v, b, ranks, row_slot, pdl, stream, **kwargs):
+        calls.append(("fused", spans, v, kwargs))
+        out.copy_((xq_.float() @ wq.float().T * sx_.view(-1, 1) * ws.view(1, -1)).to(out.dtype))
+
+    def gemm(y, xq_, wq, stream, parts, *rest, **kwargs):
+        calls.append(("gemm", kwargs))
+        y.copy_(xq_.float() @ wq.float().T)
+
+    def epilogue_launch(out, y, sx_, ws, bias, spans, v, b, ranks, row_slot, pdl, stream, act):
+        calls.append(("epilogue", act))
+        out.copy_((y * sx_.view(-1, 1) * ws.view(1, -1))[:, :out.shape[1]].to(out.dtype))
+
+    ext = types.SimpleNamespace(fp8_gemm_sm90_fused=fused, fp8_gemm_sm90=gemm, fp8_epilogue=epilogue_launch)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: types.SimpleNamespace(cuda_stream=0))
+    monkeypatch.setattr(fp8, "_sm_count", lambda index: 1)  # (one part: the epilogue may run inside)
+    common = dict(ext=ext, quantized=(xq, sx), unit_scale_elems=1, epilogue=True, spans=[16, 16], lora=lora, sm90=True,
+                  shrink_sync=sync, sm90_fused_shrink=True)
+    out = fp8_linear(x, w, None, True, shrink_producer=True, **common)
+    assert [c[0] for c in calls] == ["fused"] and calls[0][1] == [16, 16] and calls[0][2] is lora[0]
+    kw = calls[0][3]
+    assert kw["a"] == lora[4] and kw["sync"] is sync and kw["lora_x"] is x and kw["shrink_producer"] is True
+    want = (xq.float() @ w.q.float().T * sx.view(-1, 1) * w.scale.view(1, -1)).to(x.dtype)
+    assert torch.equal(out, want)
+    calls.clear()
+    fp8_linear(x, w, None, True, act=1, **common)  # the activation: the epilogue's own launch
+    assert [c[0] for c in calls] == ["gemm", "epilogue"] and calls[0][1]["lora_x"] is x and calls[1][1] == 1
+    calls.clear()
+    fp8_linear(x, w, None, True, **{**common, "sm90_fused_shrink": False})  # the choice off: two launches
+    assert [c[0] for c in calls] == ["gemm", "epilogue"] and "shrink_producer" not in calls[0][1]
+
+
 def test_the_shrink_first_takes_only_the_products_it_can():
     w, x, (xq, _) = _operands(8, 64, 32, seed=2)
     assert fp8_shrink_first_applies(x, xq, w)
@@ -222,3 +265,20 @@ def test_the_shrink_first_takes_only_the_products_it_can():
     }
     for why, args in refused.items():
         assert not fp8_shrink_first_applies(*args), why
+
+
+@pytest.mark.parametrize("on", [False, True])
+def test_the_decoder_hands_fp8_linear_its_fused_shrink_choice(tmp_path, monkeypatch, on):
+    """KernelChoices.fp8_sm90_fused_shrink reaches every FP8 product's fp8_linear call (Decoder._fp8_linear)."""
+    model = write_family_model("llama3", tmp_path / "m", seed=2)
+    eng = Engine(str(model), EngineConfig(device="cpu", max_batch_size=4, page_size=4, num_pages=64, quantization="fp8",
+                                          dtype="bfloat16", kernels=KernelChoices(fp8_sm90_fused_shrink=on)))
+    try:
+        d = eng.model
+        seen = []
+        monkeypatch.setattr(dec, "fp8_linear", lambda *a, **k: seen.append(k["sm90_fused_shrink"]))
+        w = d.layers[0].o
+        d._fp8_linear(torch.zeros(2, w.q.shape[1], dtype=torch.bfloat16), w, None, epilogue=True)
+        assert seen == [on]
+    finally:
+        eng.close()

@@ -417,6 +417,14 @@ def fp8_sm90_shrink() -> bool:
     return _flag("LORAFLEET_FP8_SM90_SHRINK", True)
 
 
+def fp8_sm90_fused_shrink() -> bool:
+    """LORAFLEET_FP8_SM90_FUSED_SHRINK: with the shrink first (LORAFLEET_FP8_SM90_SHRINK), the FP8 epilogue (scales,
+    bias, the rows' LoRA expand) runs inside the same wgmma launch where it can (qkv, o, down: not gate_up's, which
+    applies the activation), so a projection is one launch as with bf16 weights instead of the product's and the
+    epilogue's (default 0 until measured; 1: one launch; the same bits either way)."""
+    return _flag("LORAFLEET_FP8_SM90_FUSED_SHRINK", False)
+
+
 def fp8_sm90_split() -> bool:
     """LORAFLEET_FP8_SM90_SPLIT: that wgmma kernel cuts K into parts where the weight's 64-row tiles alone fill less
     than half the GPU's SMs (7B o and down on an H200: two parts; runner/model/fp8.py sm90_splits), the FP8
