@@ -169,16 +169,22 @@ def _operands(M: int, K: int, N: int, seed: int):
     return w, x, quantize_tokens(x)
 
 
+def _shrink_first_case(seed: int):
+    """4 rows, K 64, N 32 in two spans of 16: the weight, x, its e4m3 rows and scales, LoRA operands with A pools
+    (v, B pools, ranks, row slots, A pools; zeros) and zero counters."""
+    M, K, N = 4, 64, 32
+    w, x, (xq, sx) = _operands(M, K, N, seed=seed)
+    lora = (torch.zeros(M, 2, 8), [torch.zeros(3, 8, 16), torch.zeros(3, 8, 16)], torch.zeros(2, 3, dtype=torch.int32),
+            torch.zeros(M, dtype=torch.int32), [torch.zeros(3, 8, K), torch.zeros(3, 8, K)])
+    return w, x, xq, sx, lora, torch.zeros(4, dtype=torch.int32)
+
+
 def test_fp8_linear_hands_the_wgmma_product_the_shrink_first(monkeypatch):
     """fp8_linear with A pools in its LoRA operands and `shrink_sync`: the wgmma product is asked once, with x's bf16
     rows, the spans, v, the B pools, ranks, row slots, A pools and the counters; the epilogue's launch then gets the
     same v. Without the counters, on the persistent schedule, with the expand inside the product, or without the wgmma
     product, it refuses before anything runs."""
-    M, K, N = 4, 64, 32
-    w, x, (xq, sx) = _operands(M, K, N, seed=1)
-    lora = (torch.zeros(M, 2, 8), [torch.zeros(3, 8, 16), torch.zeros(3, 8, 16)], torch.zeros(2, 3, dtype=torch.int32),
-            torch.zeros(M, dtype=torch.int32), [torch.zeros(3, 8, K), torch.zeros(3, 8, K)])
-    sync = torch.zeros(4, dtype=torch.int32)
+    w, x, xq, sx, lora, sync = _shrink_first_case(seed=1)
     calls = []
 
     def gemm(y, xq_, wq, stream, parts, *rest, **kwargs):
@@ -214,11 +220,7 @@ def test_fp8_linear_puts_the_epilogue_inside_the_shrink_firsts_launch(monkeypatc
     epilogue with the expand in one launch) with the A pools, the counters and x's bf16 rows as lora_x; where the
     epilogue cannot run inside (gate_up's activation) the product with the shrink first and the epilogue's launch as
     before."""
-    M, K, N = 4, 64, 32
-    w, x, (xq, sx) = _operands(M, K, N, seed=3)
-    lora = (torch.zeros(M, 2, 8), [torch.zeros(3, 8, 16), torch.zeros(3, 8, 16)], torch.zeros(2, 3, dtype=torch.int32),
-            torch.zeros(M, dtype=torch.int32), [torch.zeros(3, 8, K), torch.zeros(3, 8, K)])
-    sync = torch.zeros(4, dtype=torch.int32)
+    w, x, xq, sx, lora, sync = _shrink_first_case(seed=3)
     calls = []
 
     def fused(out, xq_, wq, sx_, ws, bias, spans, v, b, ranks, row_slot, pdl, stream, **kwargs):

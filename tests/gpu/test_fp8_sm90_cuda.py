@@ -776,33 +776,45 @@ def test_the_shrink_first_back_to_back_and_in_a_graph(ext, producer):
     assert torch.equal(v[mine], v_alone[mine])
     _shrink_checked(v_alone, x2, a, e2, "second")
 
-    spans, M = [4096, 1024, 1024], 32
-    x, xq, w = _e4m3_rows(M, K, sum(spans), seed=8)
-    _, _, e = _fused_args(spans, M, True, True, K, seed=9)
-    a = _shrink_pools(spans, K, seed=10)
+    x, xq, w, e, a, out, refresh = _e4m3_graph_case(8)
     sync = syncs[0]
-    out = torch.empty(M, sum(spans), device="cuda", dtype=torch.bfloat16)
 
     def launch(o, v):  # the product with the shrink first, then the FP8 epilogue's launch with the expand
-        y = _shrink_first(ext, x, xq, w, e, a, v, sync, out=torch.empty(M, sum(spans), device="cuda"),
-                          producer=producer)
+        y = _shrink_first(ext, x, xq, w, e, a, v, sync, out=torch.empty(out.shape, device="cuda"), producer=producer)
         ext.fp8_epilogue(o, y, e["x_scale"], e["w_scale"], e["bias"], e["cols"], v, e["b"], e["ranks"],
                          e["row_slot"], True, torch.cuda.current_stream().cuda_stream)
-
-    def refresh(seed):
-        nx, nxq, _ = _e4m3_rows(M, K, sum(spans), seed=seed)
-        x.copy_(nx)
-        xq.copy_(nxq)
 
     _replays_are_eager(launch, out, e, sync, refresh, (61, 62, 63))
 
 
-def test_the_shrink_first_refuses_what_it_cannot_do(ext):
+def _e4m3_graph_case(seed: int):
+    """32 e4m3 rows (K 4,096) over qkv-like spans with LoRA and A pools for the graph tests: x, xq, w, the epilogue's
+    operands, the A pools, a bf16 output and `refresh(seed)`, which writes new rows into x and xq in place."""
+    spans, M, K = [4096, 1024, 1024], 32, 4096
+    x, xq, w = _e4m3_rows(M, K, sum(spans), seed=seed)
+    _, _, e = _fused_args(spans, M, True, True, K, seed=seed + 1)
+    a = _shrink_pools(spans, K, seed=seed + 2)
+
+    def refresh(s):
+        nx, nxq, _ = _e4m3_rows(M, K, sum(spans), seed=s)
+        x.copy_(nx)
+        xq.copy_(nxq)
+
+    return x, xq, w, e, a, torch.empty(M, sum(spans), device="cuda", dtype=torch.bfloat16), refresh
+
+
+def _refusal_case(counters: int):
+    """4 rows, K 256, three spans: x, its e4m3 rows, the weight, the epilogue's operands, A pools, `counters` zero
+    counters, and bf16 operands of the same sizes."""
     x, xq, w = _e4m3_rows(4, 256, 128, seed=3)
     _, _, e = _fused_args([64, 32, 32], 4, False, True, 256, seed=1)
     a = _shrink_pools([64, 32, 32], 256, seed=2)
-    sync = torch.zeros(1, dtype=torch.int32, device="cuda")
     xb, wb = _bf16_operands(4, 256, 128, seed=3)
+    return x, xq, w, e, a, torch.zeros(counters, dtype=torch.int32, device="cuda"), xb, wb
+
+
+def test_the_shrink_first_refuses_what_it_cannot_do(ext):
+    x, xq, w, e, a, sync, xb, wb = _refusal_case(1)
     base = dict(out=torch.empty(4, 128, device="cuda"), x=xq, w=w.q, stream=_stream(), lora_x=x, cols=e["cols"],
                 v=e["v"], b=e["b"], ranks=e["ranks"], row_slot=e["row_slot"], a=a, sync=sync)
     cases = [
@@ -873,30 +885,17 @@ def test_the_shrink_and_the_epilogue_inside_the_fp8_product(ext, M, producer):
 def test_the_shrink_and_the_epilogue_inside_the_fp8_product_in_a_graph(ext):
     """That launch (the producer's warps) captured in a CUDA graph and replayed on new rows and new row slots: the
     eager launch's bits, the counters zero after every replay."""
-    spans, M, K = [4096, 1024, 1024], 32, 4096
-    x, xq, w = _e4m3_rows(M, K, sum(spans), seed=18)
-    _, _, e = _fused_args(spans, M, True, True, K, seed=19)
-    a = _shrink_pools(spans, K, seed=20)
+    x, xq, w, e, a, out, refresh = _e4m3_graph_case(18)
     sync = torch.zeros(4, dtype=torch.int32, device="cuda")
-    out = torch.empty(M, sum(spans), device="cuda", dtype=torch.bfloat16)
 
     def launch(o, v):
         _fused_shrink(ext, x, xq, w, e, a, v, sync, True, out=o)
-
-    def refresh(seed):
-        nx, nxq, _ = _e4m3_rows(M, K, sum(spans), seed=seed)
-        x.copy_(nx)
-        xq.copy_(nxq)
 
     _replays_are_eager(launch, out, e, sync, refresh, (64, 65, 66))
 
 
 def test_the_shrink_inside_the_fp8_product_refuses_what_it_cannot_do(ext):
-    x, xq, w = _e4m3_rows(4, 256, 128, seed=3)
-    _, _, e = _fused_args([64, 32, 32], 4, False, True, 256, seed=1)
-    a = _shrink_pools([64, 32, 32], 256, seed=2)
-    sync = torch.zeros(4, dtype=torch.int32, device="cuda")
-    xb, wb = _bf16_operands(4, 256, 128, seed=3)
+    x, xq, w, e, a, sync, xb, wb = _refusal_case(4)
     base = dict(out=torch.empty(4, 128, device="cuda", dtype=torch.bfloat16), x=xq, w=w.q, x_scale=e["x_scale"],
                 w_scale=e["w_scale"], bias=None, cols=e["cols"], v=e["v"], b=e["b"], ranks=e["ranks"],
                 row_slot=e["row_slot"], pdl=True, stream=_stream(), a=a, sync=sync, lora_x=x)
