@@ -52,18 +52,19 @@ struct Fp8EpilogueLora {
   const int32_t* row_slot = nullptr;   // [>= m], -1 (or out of range): no adapter
   int num_slots = 0;                   // S
   // The rows' shrink inside the product (fp8_gemm_sm90_fused, of x with bf16 operands or of `x` below with e4m3
-  // ones, or fp8_gemm_sm90's shrink first with e4m3 operands; sync nullptr: v comes from a shrink launched before): v[i, g, k] = sum_j x[i, j] * a[g][s, k, j]
-  // for k < r (s and r as above, r also below a_rank_dim[g]), in fp32, written into v by the product's own warps
-  // before any of its epilogues (or the kernel after it) reads v. sync: uint32 of this call site (three for
-  // fp8_gemm_sm90_fused, four with shrink_producer; one for the shrink first), zero before the launch (the launch
-  // leaves them zero); no two launches in flight may share them (tickets are drawn before the wait for the kernel
-  // before).
+  // ones, or fp8_gemm_sm90's shrink first with e4m3 operands; sync nullptr: v comes from a shrink launched before):
+  // v[i, g, k] = sum_j x[i, j] * a[g][s, k, j] for k < r (s and r as above, r also below a_rank_dim[g]), in fp32,
+  // written into v by the product's own warps before any of its epilogues (or the kernel after it) reads v. sync:
+  // uint32 of this call site (three for fp8_gemm_sm90_fused, four with shrink_producer; one for the shrink first),
+  // zero before the launch (the launch leaves them zero); no two launches in flight may share them (tickets are
+  // drawn before the wait for the kernel before).
   const void* a[kMaxGroup] = {};       // [S, a_rank_dim[g], K] contiguous, dtype T
   int a_rank_dim[kMaxGroup] = {};
   int a_rank_max = 0;                  // max over g of a_rank_dim[g]
   unsigned* sync = nullptr;
-  const void* x = nullptr;             // bf16 [m, K]: the product's x (bf16 operands: set by the launcher), or the
-                                       // bf16 rows the e4m3 operands were quantized from (given by the caller)
+  // bf16 [m, K]: the product's x (bf16 operands: set by the launcher), or the bf16 rows the e4m3 operands were
+  // quantized from (given by the caller)
+  const void* x = nullptr;
   int k = 0;                           // K (set by the launcher)
   int shrink_tickets = 0;              // the shrink's tickets and the rank rows (of one row's G spans) each
   int shrink_per = 0;                  // takes (set by the launcher: see RowShrink::shrink_ticket, sm90_gemm.cuh)

@@ -836,7 +836,7 @@ lorafleet::Fp8EpilogueArgs epilogue_args(const Tensor& ref, int64_t M, int64_t N
   return a;
 }
 
-// The rows' shrink inside a product (fp8_gemm_sm90_fused with bf16 operands, fp8_gemm_sm90's shrink first): one A
+// The rows' shrink inside a product (fp8_gemm_sm90_fused, of x or lora_x; fp8_gemm_sm90's shrink first): one A
 // pool [S, R, K] per span of `x_bf16`'s dtype and K, and the call site's counters (int32, zero), into `e` (its LoRA
 // given).
 void add_shrink(lorafleet::Fp8EpilogueArgs& e, const Tensor& x_bf16, const std::optional<Tensor>& v,
@@ -880,9 +880,9 @@ void fp8_gemm_sm90(Tensor out, Tensor x, Tensor w, int64_t stream, int64_t split
     SGMV_CHECK(x.scalar_type() == torch::kFloat8_e4m3fn && !persistent,
                "fp8_gemm_sm90: the shrink first takes e4m3 operands, not persistent");
     check_device(*lora_x, Name("lora_x"), x);
-    SGMV_CHECK(lora_x->dim() == 2 && lora_x->is_contiguous() && lora_x->size(0) == a.m && lora_x->size(1) == a.k &&
-                   aligned16(*lora_x),
-               "fp8_gemm_sm90: lora_x must be contiguous, 16-byte aligned [%d, %d] (x's bf16 rows)", a.m, a.k);
+    SGMV_CHECK(lora_x->scalar_type() == torch::kBFloat16 && lora_x->dim() == 2 && lora_x->is_contiguous() &&
+                   lora_x->size(0) == a.m && lora_x->size(1) == a.k && aligned16(*lora_x),
+               "fp8_gemm_sm90: lora_x must be contiguous, 16-byte aligned bfloat16 [%d, %d] (x's bf16 rows)", a.m, a.k);
     SGMV_CHECK(v.has_value(), "fp8_gemm_sm90: the shrink first needs LoRA (v, b, ranks, row_slot)");
     lora_args(shrink, x, *lora_x, a.m, a.n, cols, v, b, ranks, row_slot, "fp8_gemm_sm90");
     add_shrink(shrink, *lora_x, v, ranks, a_pools, *sync, 1, "fp8_gemm_sm90");
@@ -948,10 +948,10 @@ void fp8_gemm_sm90_fused(Tensor out, Tensor x, Tensor w, Tensor x_scale, Tensor 
       SGMV_CHECK(!persistent, "fp8_gemm_sm90_fused: the shrink inside an e4m3 product takes one CTA a tile, not "
                  "the persistent schedule");
       check_device(*lora_x, Name("lora_x"), x);
-      SGMV_CHECK(lora_x->dim() == 2 && lora_x->is_contiguous() && lora_x->size(0) == g.m && lora_x->size(1) == g.k &&
-                     aligned16(*lora_x),
-                 "fp8_gemm_sm90_fused: lora_x must be contiguous, 16-byte aligned [%d, %d] (x's bf16 rows)", g.m,
-                 g.k);
+      SGMV_CHECK(lora_x->scalar_type() == torch::kBFloat16 && lora_x->dim() == 2 && lora_x->is_contiguous() &&
+                     lora_x->size(0) == g.m && lora_x->size(1) == g.k && aligned16(*lora_x),
+                 "fp8_gemm_sm90_fused: lora_x must be contiguous, 16-byte aligned bfloat16 [%d, %d] (x's bf16 rows)",
+                 g.m, g.k);
     }
     add_shrink(e, rows, v, ranks, a, *sync, shrink_producer ? 4 : 3, "fp8_gemm_sm90_fused");
     e.lora.shrink_producer = shrink_producer;

@@ -103,9 +103,10 @@ class KernelChoices:
     fp8_sm90_shrink_producer: the same for FP8 products with fp8_sm90_shrink, where o and down then take the shrink
         too (their rows quantized by the activation kernel's launch) (the same bits; on: +1.2 / +1.1 % with adapters
         on the H100 in two calls, docs/benchmarks.md 13.18).
-    fp8_sm90_fused_shrink: with the shrink first (fp8_sm90_shrink), the FP8 epilogue (scales, bias, the expand) inside
-        the same wgmma launch where it can be (not gate_up's, which applies the activation): one launch a projection
-        instead of the product and the epilogue's (the same bits; off until measured).
+    fp8_sm90_fused_shrink: with the shrink first (fp8_sm90_shrink) and fp8_sm90_fused, the FP8 epilogue (scales, bias,
+        the expand) inside the same wgmma launch where it can be (not an epilogue that applies the activation:
+        gate_up's with fp8_epilogue_act): one launch a projection instead of the product's and the epilogue's (the
+        same bits; off until measured).
     sm90_prefetch_b: with bf16_sm90 and adapters in the step, the product's consumer threads ask L2 for the B rows of
         their epilogue's expand before the main loop (a hint: the same bits; off until measured).
     norm_early: with bf16_sm90, the norms before qkv and gate_up on the project's kernel, which lets the product after

@@ -68,9 +68,9 @@ def emulated_fp8(d, firsts: list, syncs: set):
 
 def run(model, ads, first: bool, monkeypatch, producer: bool = False, tweak=None):
     seqs = mixed_requests(ads, seed=5)
+    kernels = KernelChoices(fp8_sm90_shrink=first, fp8_sm90_shrink_producer=producer)
     eng = Engine(str(model), EngineConfig(device="cpu", max_batch_size=8, page_size=4, num_pages=200, max_lora_rank=16,
-                                          max_step_tokens=64, quantization="fp8", dtype="bfloat16",
-                                          kernels=KernelChoices(fp8_sm90_shrink=first, fp8_sm90_shrink_producer=producer)))
+                                          max_step_tokens=64, quantization="fp8", dtype="bfloat16", kernels=kernels))
     d = eng.model
     assert d.sm90_sync is None  # a CPU device: the choice is not taken by itself
     shim = Fp32Shrinks(eng.runner.sgmv)
@@ -141,11 +141,12 @@ def test_the_shrink_on_the_producers_warps_takes_every_projections_launch(tmp_pa
     assert len(syncs) == 4 * d.num_layers - 1
 
 
-@pytest.mark.parametrize("choice", ["fp8_sm90_split", "no_wgmma", "fp8_sm90_persistent"])
+@pytest.mark.parametrize("choice", ["fp8_sm90_split", "no_wgmma", "fp8_sm90_persistent", "fp8_sm90_fused_lora"])
 def test_the_shrink_first_keeps_its_launches_where_the_product_cannot_take_it(tmp_path, choice, monkeypatch):
-    """With the counters made (fp8_sm90_shrink on, as by default) but the FP8 products in K parts, off the wgmma kernel
-    or on its persistent schedule, no product is asked for the shrink first (fp8_linear would refuse it): every
-    shrink is launched, the tokens those of the launches."""
+    """With the counters made (fp8_sm90_shrink on, as by default) but the FP8 products off the wgmma kernel, on its
+    persistent schedule or with the expand inside after a launched shrink (fp8_linear refuses the shrink first
+    there), or in K parts (which the kernel serves, but no engine test has checked), no product is asked for the
+    shrink first: every shrink is launched, the tokens those of the launches."""
     model = write_family_model("llama3", tmp_path / "m", seed=2)
     ads = {"all": write_random_adapter(model, tmp_path / "all", r=8, alpha=16, targets=family_targets("llama3"),
                                        seed=3)}
@@ -239,7 +240,7 @@ def test_fp8_linear_puts_the_epilogue_inside_the_shrink_firsts_launch(monkeypatc
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: types.SimpleNamespace(cuda_stream=0))
     monkeypatch.setattr(fp8, "_sm_count", lambda index: 1)  # (one part: the epilogue may run inside)
     common = dict(ext=ext, quantized=(xq, sx), unit_scale_elems=1, epilogue=True, spans=[16, 16], lora=lora, sm90=True,
-                  shrink_sync=sync, sm90_fused_shrink=True)
+                  shrink_sync=sync, sm90_fused=True, sm90_fused_shrink=True)
     out = fp8_linear(x, w, None, True, shrink_producer=True, **common)
     assert [c[0] for c in calls] == ["fused"] and calls[0][1] == [16, 16] and calls[0][2] is lora[0]
     kw = calls[0][3]
@@ -250,8 +251,10 @@ def test_fp8_linear_puts_the_epilogue_inside_the_shrink_firsts_launch(monkeypatc
     fp8_linear(x, w, None, True, act=1, **common)  # the activation: the epilogue's own launch
     assert [c[0] for c in calls] == ["gemm", "epilogue"] and calls[0][1]["lora_x"] is x and calls[1][1] == 1
     calls.clear()
-    fp8_linear(x, w, None, True, **{**common, "sm90_fused_shrink": False})  # the choice off: two launches
-    assert [c[0] for c in calls] == ["gemm", "epilogue"] and "shrink_producer" not in calls[0][1]
+    for off in ("sm90_fused_shrink", "sm90_fused"):  # the choice, or the epilogue inside products at all, off
+        calls.clear()
+        fp8_linear(x, w, None, True, **{**common, off: False})
+        assert [c[0] for c in calls] == ["gemm", "epilogue"] and "shrink_producer" not in calls[0][1], off
 
 
 def test_the_shrink_first_takes_only_the_products_it_can():

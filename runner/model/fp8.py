@@ -294,8 +294,8 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
     the wgmma kernel (one CTA a tile; fp8_shrink_first_applies) computes the rows' shrink of x into v first, on its
     own warps, and the epilogue's launch after it adds the expand (`shrink_producer`: on the producer warp group's
     three warps that issue no copies, beside the main loop, instead of the consumers before it; the same bits).
-    With `sm90_fused_shrink` too, where the epilogue can run inside the product (_sm90_fused: no activation, one
-    part), the expand rides there as well: one launch computes v, the product and the epilogue
+    With `sm90_fused` and `sm90_fused_shrink` too, where the epilogue can run inside the product (_sm90_fused: no
+    activation, one part), the expand rides there as well: one launch computes v, the product and the epilogue
     (fp8_gemm_sm90_fused with x's bf16 rows as lora_x; the same bits as the product then the epilogue's launch).
     Then, M <= `swap_rows` (and a multiple of 16): cuBLASLt computes (w @ x.T).T, the weight as the long operand.
     Otherwise torch._scaled_mm with per-token and per-row scales."""
@@ -334,7 +334,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
                     raise ValueError("fp8_linear: A pools take the shrink first: shrink_sync, one CTA a tile, the "
                                      "epilogue's own launch")
                 on_producer = {"shrink_producer": True} if shrink_producer else {}
-                if sm90 and sm90_fused_shrink and _sm90_fused(xq, w, x.dtype, act, sm90_split):
+                if sm90 and sm90_fused and sm90_fused_shrink and _sm90_fused(xq, w, x.dtype, act, sm90_split):
                     ext.fp8_gemm_sm90_fused(out, xq, w.q, sx.view(-1), w.scale, bias, list(spans or [N]), v, list(b),
                                             ranks, row_slot, True, stream, a=list(a), sync=shrink_sync, lora_x=x,
                                             **on_producer)

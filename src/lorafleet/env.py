@@ -418,10 +418,11 @@ def fp8_sm90_shrink() -> bool:
 
 
 def fp8_sm90_fused_shrink() -> bool:
-    """LORAFLEET_FP8_SM90_FUSED_SHRINK: with the shrink first (LORAFLEET_FP8_SM90_SHRINK), the FP8 epilogue (scales,
-    bias, the rows' LoRA expand) runs inside the same wgmma launch where it can (qkv, o, down: not gate_up's, which
-    applies the activation), so a projection is one launch as with bf16 weights instead of the product's and the
-    epilogue's (default 0 until measured; 1: one launch; the same bits either way)."""
+    """LORAFLEET_FP8_SM90_FUSED_SHRINK: with the shrink first (LORAFLEET_FP8_SM90_SHRINK) and LORAFLEET_FP8_SM90_FUSED,
+    the FP8 epilogue (scales, bias, the rows' LoRA expand) runs inside the same wgmma launch where it can (qkv, o,
+    down; not an epilogue that applies the activation, gate_up's with LORAFLEET_FP8_EPILOGUE_ACT), so a projection is
+    one launch as with bf16 weights instead of the product's and the epilogue's (default 0 until measured; 1: one
+    launch; the same bits either way)."""
     return _flag("LORAFLEET_FP8_SM90_FUSED_SHRINK", False)
 
 

@@ -688,6 +688,7 @@ def test_fp8_epilogue_inside_the_shrink_firsts_launch_gives_the_same_step(fam, k
     dev = batch.to_device(eng.device)
     m = eng.model
     assert m.sm90_sync is not None and m.fp8_sm90_shrink_producer and not m.fp8_sm90_fused_shrink  # the defaults
+    assert m.fp8_epilogue_act and m.ops.name == "flashinfer"  # (gate_up's epilogue applies the activation)
     sync, ext, m.fp8_ext = m.sm90_sync, m.fp8_ext, _CountingExt(m.fp8_ext)
     L = m.num_layers
     try:

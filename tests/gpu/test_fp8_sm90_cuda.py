@@ -653,7 +653,7 @@ def test_the_shrink_inside_the_product_refuses_what_it_cannot_do(ext):
         (dict(a=[]), "needs both a and sync"),
         (dict(a=a[:2]), "one A pool per span"),
         (dict(v=None, b=[], ranks=None, row_slot=None), "takes bf16 x, LoRA"),
-        (dict(x=xq, w=wq.q), "takes bf16 x"),
+        (dict(x=xq, w=wq.q), "lora_x .x's bf16 rows. comes with the shrink"),  # e4m3 operands need x's bf16 rows
         (dict(sync=torch.zeros(2, dtype=torch.int32, device="cuda")), "at least 3 entries"),
         (dict(shrink_producer=True), "at least 4 entries"),  # (the producer warps' exits counted in a fourth)
         (dict(sync=torch.zeros(3, device="cuda")), "sync must be contiguous int32"),
@@ -823,7 +823,8 @@ def test_the_shrink_first_refuses_what_it_cannot_do(ext):
         (dict(lora_x=None, sync=None), "are the shrink first's"),  # LoRA's operands would be ignored
         (dict(persistent=True), "e4m3 operands, not persistent"),
         (dict(x=xb, w=wb), "e4m3 operands, not persistent"),
-        (dict(lora_x=x[:, :128].contiguous()), r"lora_x must be contiguous, 16-byte aligned \[4, 256\]"),
+        (dict(lora_x=x[:, :128].contiguous()), r"lora_x must be contiguous, 16-byte aligned bfloat16 \[4, 256\]"),
+        (dict(lora_x=x.half()), r"lora_x must be contiguous, 16-byte aligned bfloat16 \[4, 256\]"),
         (dict(v=None, b=[], ranks=None, row_slot=None), "needs LoRA"),
         (dict(a=a[:2]), "one A pool per span"),
         (dict(cols=[64, 64]), "one B pool per span"),  # two spans against three B pools
@@ -904,7 +905,8 @@ def test_the_shrink_inside_the_fp8_product_refuses_what_it_cannot_do(ext):
         (dict(a=[], sync=None), "lora_x .x's bf16 rows. comes with the shrink inside a product of e4m3 operands"),
         (dict(x=xb, w=wb), "lora_x .x's bf16 rows. comes with the shrink inside a product of e4m3 operands"),
         (dict(persistent=True), "one CTA a tile, not the persistent schedule"),
-        (dict(lora_x=x[:, :128].contiguous()), r"lora_x must be contiguous, 16-byte aligned \[4, 256\]"),
+        (dict(lora_x=x[:, :128].contiguous()), r"lora_x must be contiguous, 16-byte aligned bfloat16 \[4, 256\]"),
+        (dict(lora_x=x.half()), r"lora_x must be contiguous, 16-byte aligned bfloat16 \[4, 256\]"),
         (dict(sync=torch.zeros(2, dtype=torch.int32, device="cuda")), "at least 3 entries"),
         (dict(shrink_producer=True, sync=torch.zeros(3, dtype=torch.int32, device="cuda")), "at least 4 entries"),
         (dict(a=a[:2]), "one A pool per span"),
