@@ -207,7 +207,7 @@ def test_breakdown_profiles_steps_with_prompt_rows_while_the_batch_fills(tiny_ll
         assert not eng.has_work() and eng.blocks.free_pages == eng.blocks.num_pages
 
     # an engine without LoRA: no adapters submitted, no byte figures; the exposed LoRA time is the walls' difference
-    from lorafleet.bench.e2e import lora_exposed
+    from lorafleet.bench.e2e import exposed_report, lora_exposed
 
     off_eng = Engine(str(tiny_llama), EngineConfig(device="cpu", max_batch_size=6, page_size=4, num_pages=600,
                                                    enable_lora=False))
@@ -225,6 +225,11 @@ def test_breakdown_profiles_steps_with_prompt_rows_while_the_batch_fills(tiny_ll
                         {"wall_ms": 6.0, "wall_ms_unprofiled": 5.75}) == {"distinct": 0.75}
     assert lora_exposed({"breakdown_lora_distinct": {"wall_ms": 7.0, "wall_ms_unprofiled": 6.5}},
                         {"wall_ms": 6.0}) == {"distinct": 1.0}
+    # the exposed time over the adapters' bytes' time, where the breakdown has one
+    res = {"breakdown_lora_distinct": {"lora_bytes_ms": 0.5}, "breakdown_lora_identical": {}}
+    ratios, said = exposed_report(res, {"distinct": 1.25, "identical": 0.5})
+    assert ratios == {"distinct": 2.5}
+    assert said == "distinct 1.25 ms (2.5x its adapters' bytes, 0.5 ms), identical 0.5 ms"
 
     # every prompt admitted in the first step: nothing to profile, and the log says so
     big = Engine(str(tiny_llama), EngineConfig(device="cpu", max_batch_size=4, page_size=4, num_pages=600,
