@@ -836,12 +836,21 @@ lorafleet::Fp8EpilogueArgs epilogue_args(const Tensor& ref, int64_t M, int64_t N
   return a;
 }
 
+// lora_x, the bf16 rows an e4m3 product's x was quantized from, for the shrink inside the product: on x's device,
+// contiguous, 16-byte aligned bfloat16 [m, k].
+void check_lora_x(const Tensor& lora_x, const Tensor& x, int m, int k, const char* who) {
+  check_device(lora_x, Name("lora_x"), x);
+  SGMV_CHECK(lora_x.scalar_type() == torch::kBFloat16 && lora_x.dim() == 2 && lora_x.is_contiguous() &&
+                 lora_x.size(0) == m && lora_x.size(1) == k && aligned16(lora_x),
+             "%s: lora_x must be contiguous, 16-byte aligned bfloat16 [%d, %d] (x's bf16 rows)", who, m, k);
+}
+
 // The rows' shrink inside a product (fp8_gemm_sm90_fused, of x or lora_x; fp8_gemm_sm90's shrink first): one A
 // pool [S, R, K] per span of `x_bf16`'s dtype and K, and the call site's counters (int32, zero), into `e` (its LoRA
-// given).
+// given), with x_bf16 as the rows the shrink reads and the warps that take it (`producer`: the producer's).
 void add_shrink(lorafleet::Fp8EpilogueArgs& e, const Tensor& x_bf16, const std::optional<Tensor>& v,
                 const std::optional<Tensor>& ranks, const std::vector<Tensor>& a, const Tensor& sync, int64_t min_sync,
-                const char* who) {
+                bool producer, const char* who) {
   const int64_t G = e.num_groups;
   SGMV_CHECK(x_bf16.scalar_type() == torch::kBFloat16 && v.has_value() && static_cast<int64_t>(a.size()) == G,
              "%s: the shrink inside the product takes bf16 x, LoRA (v, B pools, ranks, row_slot) and one A pool per "
@@ -860,6 +869,8 @@ void add_shrink(lorafleet::Fp8EpilogueArgs& e, const Tensor& x_bf16, const std::
     e.lora.a_rank_max = std::max(e.lora.a_rank_max, e.lora.a_rank_dim[i]);
   }
   e.lora.sync = reinterpret_cast<unsigned*>(sync.data_ptr());
+  e.lora.x = x_bf16.data_ptr();
+  e.lora.shrink_producer = producer;
 }
 
 void fp8_gemm_sm90(Tensor out, Tensor x, Tensor w, int64_t stream, int64_t splits, bool pdl, bool persistent,
@@ -879,15 +890,10 @@ void fp8_gemm_sm90(Tensor out, Tensor x, Tensor w, int64_t stream, int64_t split
   if (lora_x.has_value()) {
     SGMV_CHECK(x.scalar_type() == torch::kFloat8_e4m3fn && !persistent,
                "fp8_gemm_sm90: the shrink first takes e4m3 operands, not persistent");
-    check_device(*lora_x, Name("lora_x"), x);
-    SGMV_CHECK(lora_x->scalar_type() == torch::kBFloat16 && lora_x->dim() == 2 && lora_x->is_contiguous() &&
-                   lora_x->size(0) == a.m && lora_x->size(1) == a.k && aligned16(*lora_x),
-               "fp8_gemm_sm90: lora_x must be contiguous, 16-byte aligned bfloat16 [%d, %d] (x's bf16 rows)", a.m, a.k);
+    check_lora_x(*lora_x, x, a.m, a.k, "fp8_gemm_sm90");
     SGMV_CHECK(v.has_value(), "fp8_gemm_sm90: the shrink first needs LoRA (v, b, ranks, row_slot)");
     lora_args(shrink, x, *lora_x, a.m, a.n, cols, v, b, ranks, row_slot, "fp8_gemm_sm90");
-    add_shrink(shrink, *lora_x, v, ranks, a_pools, *sync, 1, "fp8_gemm_sm90");
-    shrink.lora.x = lora_x->data_ptr();
-    shrink.lora.shrink_producer = shrink_producer;
+    add_shrink(shrink, *lora_x, v, ranks, a_pools, *sync, 1, shrink_producer, "fp8_gemm_sm90");
     shrink.m = a.m;
     shrink.n = a.n;
     a.shrink = &shrink;
@@ -947,15 +953,9 @@ void fp8_gemm_sm90_fused(Tensor out, Tensor x, Tensor w, Tensor x_scale, Tensor 
     if (e4m3) {
       SGMV_CHECK(!persistent, "fp8_gemm_sm90_fused: the shrink inside an e4m3 product takes one CTA a tile, not "
                  "the persistent schedule");
-      check_device(*lora_x, Name("lora_x"), x);
-      SGMV_CHECK(lora_x->scalar_type() == torch::kBFloat16 && lora_x->dim() == 2 && lora_x->is_contiguous() &&
-                     lora_x->size(0) == g.m && lora_x->size(1) == g.k && aligned16(*lora_x),
-                 "fp8_gemm_sm90_fused: lora_x must be contiguous, 16-byte aligned bfloat16 [%d, %d] (x's bf16 rows)",
-                 g.m, g.k);
+      check_lora_x(*lora_x, x, g.m, g.k, "fp8_gemm_sm90_fused");
     }
-    add_shrink(e, rows, v, ranks, a, *sync, shrink_producer ? 4 : 3, "fp8_gemm_sm90_fused");
-    e.lora.shrink_producer = shrink_producer;
-    if (e4m3) e.lora.x = lora_x->data_ptr();
+    add_shrink(e, rows, v, ranks, a, *sync, shrink_producer ? 4 : 3, shrink_producer, "fp8_gemm_sm90_fused");
   }
   e.lora.prefetch_b = prefetch_b;  // (a hint; nothing to prefetch without LoRA)
   const char* err = lorafleet::fp8_gemm_sm90_fused(g, e, as_stream(stream));

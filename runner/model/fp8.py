@@ -328,24 +328,23 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
             out = torch.empty(M, N // 2 if act else N, dtype=x.dtype, device=x.device)
             v, b, ranks, row_slot, a = epilogue_lora(lora)
             stream = torch.cuda.current_stream(x.device).cuda_stream
-            shrink = None
+            shrink, inside = None, None  # (the shrink first's arguments; the product's with the epilogue inside)
+            fusable = sm90 and sm90_fused and _sm90_fused(xq, w, x.dtype, act, sm90_split)
             if a is not None:  # the shrink first, inside the product (else a launch before this call did it)
                 if shrink_sync is None or sm90_persistent or (sm90_fused and sm90_fused_lora):
                     raise ValueError("fp8_linear: A pools take the shrink first: shrink_sync, one CTA a tile, the "
                                      "epilogue's own launch")
                 on_producer = {"shrink_producer": True} if shrink_producer else {}
-                if sm90 and sm90_fused and sm90_fused_shrink and _sm90_fused(xq, w, x.dtype, act, sm90_split):
-                    ext.fp8_gemm_sm90_fused(out, xq, w.q, sx.view(-1), w.scale, bias, list(spans or [N]), v, list(b),
-                                            ranks, row_slot, True, stream, a=list(a), sync=shrink_sync, lora_x=x,
-                                            **on_producer)
-                    return out
-                shrink = dict(lora_x=x, cols=list(spans or [N]), v=v, b=list(b), ranks=ranks, row_slot=row_slot,
-                              a=list(a), sync=shrink_sync, **on_producer)
-            elif (sm90 and sm90_fused and (lora is None or sm90_fused_lora)
-                    and _sm90_fused(xq, w, x.dtype, act, sm90_split)):
+                if fusable and sm90_fused_shrink:
+                    inside = dict(a=list(a), sync=shrink_sync, lora_x=x, **on_producer)
+                else:
+                    shrink = dict(lora_x=x, cols=list(spans or [N]), v=v, b=list(b), ranks=ranks, row_slot=row_slot,
+                                  a=list(a), sync=shrink_sync, **on_producer)
+            elif fusable and (lora is None or sm90_fused_lora):
+                inside = {"persistent": True} if sm90_persistent else {}
+            if inside is not None:
                 ext.fp8_gemm_sm90_fused(out, xq, w.q, sx.view(-1), w.scale, bias, list(spans or [N]), v, list(b),
-                                        ranks, row_slot, True, stream, **({"persistent": True} if sm90_persistent
-                                                                          else {}))
+                                        ranks, row_slot, True, stream, **inside)
                 return out
             y = _unit_product(xq, w, ext, sm90, sm90_split, sm90_persistent, shrink)
             ext.fp8_epilogue(out, y, sx.view(-1), w.scale, bias, list(spans or [N]), v, list(b), ranks, row_slot,
