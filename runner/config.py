@@ -100,6 +100,9 @@ class KernelChoices:
     sm90_shrink_producer: where the shrink runs inside the bf16 wgmma product (sm90_shrink), the producer warp group's
         three warps that issue no copies take it, beside the main loop, instead of the consumer warps before it, in
         products of any K (the same bits; off: -2.0 / -0.2 % with adapters on the H100, docs/benchmarks.md 13.17).
+    sm90_shrink_producer_long_k: the same only for the bf16 products whose K exceeds SM90_SHRINK_MAX_K (7B's down),
+        which otherwise keep the shrink's own launch; the others keep the consumer warps (the same bits; off until
+        measured).
     fp8_sm90_shrink_producer: the same for FP8 products with fp8_sm90_shrink, where o and down then take the shrink
         too (their rows quantized by the activation kernel's launch) (the same bits; on: +1.2 / +1.1 % with adapters
         on the H100 in two calls, docs/benchmarks.md 13.18).
@@ -167,6 +170,7 @@ class KernelChoices:
     bf16_sm90: bool = True
     sm90_shrink: bool = True
     sm90_shrink_producer: bool = False
+    sm90_shrink_producer_long_k: bool = False
     fp8_sm90_shrink_producer: bool = True
     fp8_sm90_fused_shrink: bool = False
     sm90_prefetch_b: bool = False
@@ -238,6 +242,7 @@ class KernelChoices:
                    fp8_sm90_split=env.fp8_sm90_split(), fp8_sm90_persistent=env.fp8_sm90_persistent(),
                    fp8_quant_in_shrink=env.fp8_quant_in_shrink(), bf16_sm90=env.bf16_sm90(),
                    sm90_shrink=env.sm90_shrink(), sm90_shrink_producer=env.sm90_shrink_producer(),
+                   sm90_shrink_producer_long_k=env.sm90_shrink_producer_long_k(),
                    fp8_sm90_shrink_producer=env.fp8_sm90_shrink_producer(),
                    fp8_sm90_fused_shrink=env.fp8_sm90_fused_shrink(),
                    sm90_prefetch_b=env.sm90_prefetch_b(), norm_early=env.norm_early(),

@@ -111,7 +111,8 @@ def run(model, ads, on: bool, monkeypatch, in_product: bool | str = False, syncs
     eng = Engine(str(model), EngineConfig(device="cpu", max_batch_size=8, page_size=4, num_pages=200, max_lora_rank=16,
                                           max_step_tokens=64, kernels=KernelChoices(
                                               bf16_sm90=on, sm90_prefetch_b=in_product == "prefetch",
-                                              sm90_shrink_producer=in_product == "producer")))
+                                              sm90_shrink_producer=in_product == "producer",
+                                              sm90_shrink_producer_long_k=in_product == "producer_long_k")))
     calls: list = []
     shim = TorchUnderCudaName(eng.runner.sgmv)
     eng.runner.sgmv = shim
@@ -130,7 +131,7 @@ def run(model, ads, on: bool, monkeypatch, in_product: bool | str = False, syncs
     return [out[f"r{i}"].output_ids for i in range(len(seqs))], d, calls, shim
 
 
-@pytest.mark.parametrize("in_product", [False, True, "short_k", "prefetch", "producer"])
+@pytest.mark.parametrize("in_product", [False, True, "short_k", "prefetch", "producer", "producer_long_k"])
 @pytest.mark.parametrize("family", ["llama3", "qwen2", "phi3"])
 def test_bf16_products_with_the_expand_inside_give_the_default_tokens(tmp_path, family, in_product, monkeypatch):
     """(qwen2: q, k and v biases; phi3: fused qkv and gate_up in the checkpoint; in_product: the shrink inside the
@@ -138,13 +139,15 @@ def test_bf16_products_with_the_expand_inside_give_the_default_tokens(tmp_path, 
     SM90_SHRINK_MAX_K below the intermediate size makes it: down keeps the shrink's own launch; "prefetch": the shrink
     inside, and KernelChoices.sm90_prefetch_b asked of every product with LoRA operands, of no other; "producer":
     KernelChoices.sm90_shrink_producer with SM90_SHRINK_MAX_K as "short_k" sets it: down takes the shrink inside too,
-    and every product with A pools asks for the producer's warps)"""
+    and every product with A pools asks for the producer's warps; "producer_long_k":
+    KernelChoices.sm90_shrink_producer_long_k with "short_k"'s SM90_SHRINK_MAX_K: down takes the shrink inside, on the
+    producer's warps, and no other product asks for them)"""
     model = write_family_model(family, tmp_path / "m", seed=2)
     ads = {"all": write_random_adapter(model, tmp_path / "all", r=8, alpha=16, targets=family_targets(family), seed=3),
            "mlp": write_random_adapter(model, tmp_path / "mlp", r=4, alpha=8, targets=family_targets(family, "mlp"),
                                        seed=4)}
     want, d0, none, plain = run(model, ads, False, monkeypatch)
-    if in_product in ("short_k", "producer"):
+    if in_product in ("short_k", "producer", "producer_long_k"):
         assert d0.cfg.intermediate_size > d0.cfg.hidden_size
         monkeypatch.setattr(dec, "SM90_SHRINK_MAX_K", d0.cfg.hidden_size)
     syncs: set[int] = set()
@@ -159,6 +162,10 @@ def test_bf16_products_with_the_expand_inside_give_the_default_tokens(tmp_path, 
         elif in_product == "producer":  # (every call with LoRA but the step's first, whose shrink was launched)
             assert all(len(c) == 2 + (c[1] and len(c) == 3) for c in calls)
             assert sum(1 for c in calls if len(c) == 3) == (4 * d.num_layers - 1) * shim.shrinks
+        elif in_product == "producer_long_k":  # (down alone: its spans the hidden size, its K the intermediate size)
+            producers = [c for c in calls if len(c) == 3]
+            assert all(c[1] and c[0] == (d.cfg.hidden_size,) for c in producers)
+            assert len(producers) == d.num_layers * shim.shrinks
         else:
             assert all(len(c) == 2 for c in calls)
         launched = 1 + d.num_layers if in_product == "short_k" else 1  # the first shrink (and each layer's down's)

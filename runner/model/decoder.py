@@ -200,6 +200,7 @@ class Decoder:
         # ... the shrink inside them on the producer warp group's idle warps, beside the main loop (bf16 products;
         # FP8 products with fp8_sm90_shrink: fp8_sm90_shrink_producer)
         self.sm90_shrink_producer = kernels.sm90_shrink_producer
+        self.sm90_shrink_producer_long_k = kernels.sm90_shrink_producer_long_k
         self.fp8_sm90_shrink_producer = kernels.fp8_sm90_shrink_producer
         # ... and with it the FP8 epilogue (the expand) inside the same launch where it can be (fp8_sm90_fused_shrink)
         self.fp8_sm90_fused_shrink = kernels.fp8_sm90_fused_shrink
@@ -507,12 +508,15 @@ class Decoder:
             return None
         if not fp8:
             # (the shrink inside the product up to SM90_SHRINK_MAX_K where the consumer warps run it before their main
-            # loop, a longer K keeps the shrink's launch; any K on the producer's warps beside the main loop)
-            inside = self.sm90_sync is not None and (self.sm90_shrink_producer or x.shape[1] <= SM90_SHRINK_MAX_K)
+            # loop, a longer K keeps the shrink's launch; any K on the producer's warps beside the main loop, or only
+            # the longer K there with sm90_shrink_producer_long_k)
+            long_k = x.shape[1] > SM90_SHRINK_MAX_K
+            producer = self.sm90_shrink_producer or (self.sm90_shrink_producer_long_k and long_k)
+            inside = self.sm90_sync is not None and (producer or not long_k)
             sync = self.sm90_sync[i * GROUPS + group] if inside else None
             operands = None if lora is None else lora.epilogue_operands(i, group, x, in_product=inside)
             extra = {"prefetch_b": True} if self.sm90_prefetch_b and operands is not None else {}
-            if inside and self.sm90_shrink_producer and operands is not None and operands[4] is not None:
+            if inside and producer and operands is not None and operands[4] is not None:
                 extra["shrink_producer"] = True  # (where the product gets A pools: the step's first group does not)
             return bf16_sm90_linear(self.sm90_ext, x, w, b, spans, operands, self.unit_scales, sync, **extra)
         operands, quant, sync = None, quantized, None

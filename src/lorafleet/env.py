@@ -367,6 +367,13 @@ def sm90_shrink_producer() -> bool:
     return _flag("LORAFLEET_SM90_SHRINK_PRODUCER", False)
 
 
+def sm90_shrink_producer_long_k() -> bool:
+    """LORAFLEET_SM90_SHRINK_PRODUCER_LONG_K: the same as LORAFLEET_SM90_SHRINK_PRODUCER, only for the bf16 products
+    whose K is above 8,192 (7B's down), which otherwise keep the shrink's own launch; the other products keep the
+    consumer warps (default 0 until measured; 1: those products' shrink on the producer's warps; the same bits)."""
+    return _flag("LORAFLEET_SM90_SHRINK_PRODUCER_LONG_K", False)
+
+
 def fp8_sm90_shrink_producer() -> bool:
     """LORAFLEET_FP8_SM90_SHRINK_PRODUCER: with LORAFLEET_FP8_SM90_SHRINK, the shrink first runs on the producer warp
     group's three warps that issue no copies, beside the main loop, instead of the consumer warps before it, and o and
