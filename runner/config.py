@@ -109,9 +109,10 @@ class KernelChoices:
     fp8_sm90_fused_shrink: with the shrink first (fp8_sm90_shrink) and fp8_sm90_fused, the FP8 epilogue (scales, bias,
         the expand) inside the same wgmma launch where it can be (not an epilogue that applies the activation:
         gate_up's with fp8_epilogue_act): one launch a projection instead of the product's and the epilogue's (the
-        same bits; off until measured).
+        same bits; off: -4.6 / -5.4 % with adapters on the H100, docs/benchmarks.md section 13.19).
     sm90_prefetch_b: with bf16_sm90 and adapters in the step, the product's consumer threads ask L2 for the B rows of
-        their epilogue's expand before the main loop (a hint: the same bits; off until measured).
+        their epilogue's expand before the main loop (a hint: the same bits; off: -1.2 / 0.0 % with adapters on the
+        H100, docs/benchmarks.md section 13.19).
     norm_early: with bf16_sm90, the norms before qkv and gate_up on the project's kernel, which lets the product after
         it start at once and stream its weight beside the norm (on: +1.5 / +1.6 % with adapters on the H100,
         docs/benchmarks.md sections 13.13, 13.14).

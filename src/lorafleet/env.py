@@ -386,7 +386,8 @@ def fp8_sm90_shrink_producer() -> bool:
 def sm90_prefetch_b() -> bool:
     """LORAFLEET_SM90_PREFETCH_B: with LORAFLEET_BF16_SM90, the wgmma product's consumer threads ask L2 for the B rows
     their epilogue's LoRA expand will read before the main loop, so that with many adapters (B read from memory after
-    every tile) those reads find L2 (default 0 until measured; 1: the hint; never changes a bit)."""
+    every tile) those reads find L2 (default 0: measured -1.2 / 0.0 % end to end with adapters on the H100,
+    docs/benchmarks.md section 13.19; 1: the hint; never changes a bit)."""
     return _flag("LORAFLEET_SM90_PREFETCH_B", False)
 
 
@@ -428,8 +429,9 @@ def fp8_sm90_fused_shrink() -> bool:
     """LORAFLEET_FP8_SM90_FUSED_SHRINK: with the shrink first (LORAFLEET_FP8_SM90_SHRINK) and LORAFLEET_FP8_SM90_FUSED,
     the FP8 epilogue (scales, bias, the rows' LoRA expand) runs inside the same wgmma launch where it can (qkv, o,
     down; not an epilogue that applies the activation, gate_up's with LORAFLEET_FP8_EPILOGUE_ACT), so a projection is
-    one launch as with bf16 weights instead of the product's and the epilogue's (default 0 until measured; 1: one
-    launch; the same bits either way)."""
+    one launch as with bf16 weights instead of the product's and the epilogue's (default 0: measured -4.6 / -5.4 %
+    end to end with adapters on the H100, the products longer by more than the launches saved, docs/benchmarks.md
+    section 13.19; 1: one launch; the same bits either way)."""
     return _flag("LORAFLEET_FP8_SM90_FUSED_SHRINK", False)
 
 
