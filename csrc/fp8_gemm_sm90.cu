@@ -79,9 +79,8 @@ const char* fp8_gemm_sm90(const Fp8Sm90Args& a, void* stream) {
   if (const char* err = sizes_error(a)) return err;
   if (a.bf16 && a.persistent) return "fp8_gemm_sm90: the persistent schedule is built for e4m3 operands only";
   if (a.shrink != nullptr) {
-    if (a.bf16 || a.persistent)
-      return "fp8_gemm_sm90: the shrink first takes e4m3 operands, one CTA a tile (bf16: fp8_gemm_sm90_fused)";
-    if (a.shrink->lora.x == nullptr) return "fp8_gemm_sm90: the shrink first needs x's bf16 rows";
+    if (a.persistent) return "fp8_gemm_sm90: the shrink first takes one CTA a tile";
+    if (!a.bf16 && a.shrink->lora.x == nullptr) return "fp8_gemm_sm90: the shrink first needs x's bf16 rows";
     if (const char* err = shrink_error(*a.shrink, "fp8_gemm_sm90: the shrink first needs LoRA (v, ranks, row "
                                                   "slots), one A pool per span and the call site's counters"))
       return err;
@@ -90,7 +89,10 @@ const char* fp8_gemm_sm90(const Fp8Sm90Args& a, void* stream) {
     if (a.shrink != nullptr) {
       DeviceInfo info;  // (sgmv.h: read once per device)
       if (const char* err = device_info(a.device, &info)) return err;
-      return plain_shrink<>(a, plan_shrink(a, *a.shrink, info.sms, tile_ctas(a)), stream);
+      if (!a.bf16) return plain_shrink<>(a, plan_shrink(a, *a.shrink, info.sms, tile_ctas(a)), stream);
+      Fp8EpilogueArgs own = *a.shrink;  // (bf16 operands: x is the product's own)
+      own.lora.x = nullptr;
+      return sm90_bf16_plain_shrink(a, plan_shrink(a, own, info.sms, tile_ctas(a)), stream);
     }
     if (a.persistent) {
       DeviceInfo info;  // (sgmv.h: read once per device)

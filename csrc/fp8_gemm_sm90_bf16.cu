@@ -7,6 +7,10 @@ namespace lorafleet {
 #ifdef LORAFLEET_SM90_GEMM
 const char* sm90_bf16_plain(const Fp8Sm90Args& a, void* stream) { return plain<cutlass::bfloat16_t, false>(a, stream, 0); }
 
+const char* sm90_bf16_plain_shrink(const Fp8Sm90Args& a, const Fp8EpilogueArgs& shrink, void* stream) {
+  return plain_shrink<cutlass::bfloat16_t>(a, shrink, stream);
+}
+
 const char* sm90_bf16_fused(const Fp8Sm90Args& a, const Fp8EpilogueArgs& e, void* stream) {
   return fused<cutlass::bfloat16_t>(a, e, stream);
 }

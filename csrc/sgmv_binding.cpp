@@ -48,8 +48,9 @@
 //       x and w may both be bf16 instead (bf16 wgmma; not persistent), here and in fp8_gemm_sm90_fused; w's rows
 //       may lie further apart than K (a weight with spare columns: 16-byte aligned rows).
 //       With lora_x (x's bf16 rows [M, K]), cols, v, b, ranks, row_slot, a (one A pool [S, R, K] per span) and sync
-//       (int32 [>= 1], zero, the call site's own; e4m3 operands, not persistent): the rows' LoRA shrink too, into v,
-//       on the product's warps before their main loop, for the FP8 epilogue launched after it (fp8_gemm_sm90.h
+//       (int32 [>= 1], zero, the call site's own; not persistent; with bf16 operands lora_x is x itself): the rows'
+//       LoRA shrink too, into v, on the product's warps before their main loop, for the FP8 epilogue launched after
+//       it (with unit scales after bf16 operands) (fp8_gemm_sm90.h
 //       Fp8Sm90Args::shrink); shrink_producer=True: on the producer warp group's warps 1-3 beside the main loop
 //       (quant.h Fp8EpilogueLora::shrink_producer; the same bits).
 //       fp8_gemm_sm90_built(): whether this build holds that kernel.
@@ -888,8 +889,10 @@ void fp8_gemm_sm90(Tensor out, Tensor x, Tensor w, int64_t stream, int64_t split
                                     !row_slot.has_value() && a_pools.empty()),
              "fp8_gemm_sm90: cols, v, b, ranks, row_slot and a are the shrink first's: they need lora_x and sync");
   if (lora_x.has_value()) {
-    SGMV_CHECK(x.scalar_type() == torch::kFloat8_e4m3fn && !persistent,
-               "fp8_gemm_sm90: the shrink first takes e4m3 operands, not persistent");
+    SGMV_CHECK(!persistent, "fp8_gemm_sm90: the shrink first takes one CTA a tile, not persistent");
+    // (bf16 operands: lora_x is x itself)
+    SGMV_CHECK(x.scalar_type() != torch::kBFloat16 || lora_x->is_same(x),
+               "fp8_gemm_sm90: with bf16 operands the shrink first's lora_x is x itself");
     check_lora_x(*lora_x, x, a.m, a.k, "fp8_gemm_sm90");
     SGMV_CHECK(v.has_value(), "fp8_gemm_sm90: the shrink first needs LoRA (v, b, ranks, row_slot)");
     lora_args(shrink, x, *lora_x, a.m, a.n, cols, v, b, ranks, row_slot, "fp8_gemm_sm90");

@@ -351,11 +351,12 @@ struct ShrinkFirstMainloop : WeightFirstMainloop<Base> {
 // CTA per tile. The same mainloop collective: each tile's k-tiles in the same order, the same promotions.
 // E: the operands' element, e4m3 (CUTLASS's FP8 collective, with its promotions) or bf16 (its plain collective: the
 // tensor cores accumulate in fp32 throughout); a k-tile is 256 bytes of a row either way.
-// kShrink (e4m3 operands, one CTA a tile): the rows' LoRA shrink on the consumer warps before their main loop
-// (ShrinkFirstMainloop), given by run's `shrink`.
+// kShrink (one CTA a tile): the rows' LoRA shrink on the consumer warps before their main loop, or on the producer's
+// warps beside it (ShrinkFirstMainloop), given by run's `shrink`; x's bf16 rows are the operand itself with bf16
+// operands, the shrink's lora.x with e4m3 ones.
 template <int kTokens, bool kPersistent = false, class E = cutlass::float_e4m3_t, bool kShrink = false>
 struct Sm90Gemm {
-  static_assert(!kShrink || (sizeof(E) == 1 && !kPersistent), "the shrink first: e4m3 operands, one CTA a tile");
+  static_assert(!kShrink || !kPersistent, "the shrink first: one CTA a tile");
   using ElementA = E;  // W [N, K], K-major
   using LayoutA = cutlass::layout::RowMajor;
   using ElementB = E;  // X [M, K], K-major
@@ -732,8 +733,8 @@ const char* plain(const Fp8Sm90Args& a, void* stream, int sms) {
   }
 }
 
-// The e4m3 product into fp32 with the rows' LoRA shrink first (Sm90Gemm's kShrink; `shrink` planned by the launcher).
-// (A template: instantiated only where called, fp8_gemm_sm90.cu.)
+// The product into fp32 with the rows' LoRA shrink first (Sm90Gemm's kShrink; `shrink` planned by the launcher).
+// (A template: instantiated only where called, fp8_gemm_sm90.cu for e4m3 operands, fp8_gemm_sm90_bf16.cu for bf16.)
 template <class E = cutlass::float_e4m3_t>
 const char* plain_shrink(const Fp8Sm90Args& a, const Fp8EpilogueArgs& shrink, void* stream) {
   switch (token_tile(a.m)) {
@@ -765,9 +766,11 @@ const char* fused_shrink(const Fp8Sm90Args& a, const Fp8EpilogueArgs& e, void* s
 
 }  // namespace
 
-// The bf16 operands' instantiations (fp8_gemm_sm90_bf16.cu): plain<bfloat16_t, false> and fused<bfloat16_t>, one CTA
-// a tile (fp8_gemm_sm90.cu holds the e4m3 operands' plain and fused, both also persistent).
+// The bf16 operands' instantiations (fp8_gemm_sm90_bf16.cu): plain<bfloat16_t, false>, plain_shrink<bfloat16_t>
+// and fused<bfloat16_t>, one CTA a tile (fp8_gemm_sm90.cu holds the e4m3 operands' plain and fused, both also
+// persistent, and plain_shrink).
 const char* sm90_bf16_plain(const Fp8Sm90Args& a, void* stream);
+const char* sm90_bf16_plain_shrink(const Fp8Sm90Args& a, const Fp8EpilogueArgs& shrink, void* stream);
 const char* sm90_bf16_fused(const Fp8Sm90Args& a, const Fp8EpilogueArgs& e, void* stream);
 #endif
 

@@ -103,6 +103,10 @@ class KernelChoices:
     sm90_shrink_producer_long_k: the same only for the bf16 products whose K exceeds SM90_SHRINK_MAX_K (7B's down),
         which otherwise keep the shrink's own launch; the others keep the consumer warps (the same bits; off until
         measured).
+    sm90_shrink_first: with sm90_shrink, a bf16 product with adapters in two launches as an FP8 one takes them: the
+        wgmma product into fp32 with the shrink on the producer's warps beside its main loop (any K), then the FP8
+        epilogue's launch with unit scales adding the bias and the expand, instead of one launch whose epilogues wait
+        for every CTA's share of v (the same bits; off until measured).
     fp8_sm90_shrink_producer: the same for FP8 products with fp8_sm90_shrink, where o and down then take the shrink
         too (their rows quantized by the activation kernel's launch) (the same bits; on: +1.2 / +1.1 % with adapters
         on the H100 in two calls, docs/benchmarks.md 13.18).
@@ -172,6 +176,7 @@ class KernelChoices:
     sm90_shrink: bool = True
     sm90_shrink_producer: bool = False
     sm90_shrink_producer_long_k: bool = False
+    sm90_shrink_first: bool = False
     fp8_sm90_shrink_producer: bool = True
     fp8_sm90_fused_shrink: bool = False
     sm90_prefetch_b: bool = False
@@ -244,6 +249,7 @@ class KernelChoices:
                    fp8_quant_in_shrink=env.fp8_quant_in_shrink(), bf16_sm90=env.bf16_sm90(),
                    sm90_shrink=env.sm90_shrink(), sm90_shrink_producer=env.sm90_shrink_producer(),
                    sm90_shrink_producer_long_k=env.sm90_shrink_producer_long_k(),
+                   sm90_shrink_first=env.sm90_shrink_first(),
                    fp8_sm90_shrink_producer=env.fp8_sm90_shrink_producer(),
                    fp8_sm90_fused_shrink=env.fp8_sm90_fused_shrink(),
                    sm90_prefetch_b=env.sm90_prefetch_b(), norm_early=env.norm_early(),

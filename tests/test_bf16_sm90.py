@@ -106,13 +106,27 @@ def emulated_product(calls, syncs=None):
     return run
 
 
+def emulated_shrink_first(calls, syncs):
+    """bf16_sm90_shrink_first's contract in torch (emulated_product's arithmetic: the same bits as the one launch),
+    recording (spans, True, "first") per call."""
+    product = emulated_product(calls, syncs)
+
+    def run(ext, x, w, bias, spans, lora, unit, sync):
+        assert lora is not None and lora[4] is not None and sync is not None
+        y = product(ext, x, w, bias, spans, lora, unit, sync)
+        calls[-1] = calls[-1] + ("first",)
+        return y
+    return run
+
+
 def run(model, ads, on: bool, monkeypatch, in_product: bool | str = False, syncs=None):
     seqs = mixed_requests(ads, seed=11)
     eng = Engine(str(model), EngineConfig(device="cpu", max_batch_size=8, page_size=4, num_pages=200, max_lora_rank=16,
                                           max_step_tokens=64, kernels=KernelChoices(
                                               bf16_sm90=on, sm90_prefetch_b=in_product == "prefetch",
                                               sm90_shrink_producer=in_product == "producer",
-                                              sm90_shrink_producer_long_k=in_product == "producer_long_k")))
+                                              sm90_shrink_producer_long_k=in_product == "producer_long_k",
+                                              sm90_shrink_first=in_product == "shrink_first")))
     calls: list = []
     shim = TorchUnderCudaName(eng.runner.sgmv)
     eng.runner.sgmv = shim
@@ -124,6 +138,7 @@ def run(model, ads, on: bool, monkeypatch, in_product: bool | str = False, syncs
             d.sm90_sync = torch.zeros(d.num_layers * 4, 4, dtype=torch.int32)
         monkeypatch.setattr(dec, "bf16_sm90_applies", lambda x, w, b, spans: x.shape[0] <= 64)
         monkeypatch.setattr(dec, "bf16_sm90_linear", emulated_product(calls, syncs))
+        monkeypatch.setattr(dec, "bf16_sm90_shrink_first", emulated_shrink_first(calls, syncs))
     try:
         out = eng.run_to_completion(seqs)
     finally:
@@ -131,7 +146,8 @@ def run(model, ads, on: bool, monkeypatch, in_product: bool | str = False, syncs
     return [out[f"r{i}"].output_ids for i in range(len(seqs))], d, calls, shim
 
 
-@pytest.mark.parametrize("in_product", [False, True, "short_k", "prefetch", "producer", "producer_long_k"])
+@pytest.mark.parametrize("in_product", [False, True, "short_k", "prefetch", "producer", "producer_long_k",
+                                        "shrink_first"])
 @pytest.mark.parametrize("family", ["llama3", "qwen2", "phi3"])
 def test_bf16_products_with_the_expand_inside_give_the_default_tokens(tmp_path, family, in_product, monkeypatch):
     """(qwen2: q, k and v biases; phi3: fused qkv and gate_up in the checkpoint; in_product: the shrink inside the
@@ -141,13 +157,15 @@ def test_bf16_products_with_the_expand_inside_give_the_default_tokens(tmp_path, 
     KernelChoices.sm90_shrink_producer with SM90_SHRINK_MAX_K as "short_k" sets it: down takes the shrink inside too,
     and every product with A pools asks for the producer's warps; "producer_long_k":
     KernelChoices.sm90_shrink_producer_long_k with "short_k"'s SM90_SHRINK_MAX_K: down takes the shrink inside, on the
-    producer's warps, and no other product asks for them)"""
+    producer's warps, and no other product asks for them; "shrink_first": KernelChoices.sm90_shrink_first with
+    "short_k"'s SM90_SHRINK_MAX_K: every product with A pools, down's too, takes bf16_sm90_shrink_first's two
+    launches, no other asks for the producer's warps)"""
     model = write_family_model(family, tmp_path / "m", seed=2)
     ads = {"all": write_random_adapter(model, tmp_path / "all", r=8, alpha=16, targets=family_targets(family), seed=3),
            "mlp": write_random_adapter(model, tmp_path / "mlp", r=4, alpha=8, targets=family_targets(family, "mlp"),
                                        seed=4)}
     want, d0, none, plain = run(model, ads, False, monkeypatch)
-    if in_product in ("short_k", "producer", "producer_long_k"):
+    if in_product in ("short_k", "producer", "producer_long_k", "shrink_first"):
         assert d0.cfg.intermediate_size > d0.cfg.hidden_size
         monkeypatch.setattr(dec, "SM90_SHRINK_MAX_K", d0.cfg.hidden_size)
     syncs: set[int] = set()
@@ -161,6 +179,9 @@ def test_bf16_products_with_the_expand_inside_give_the_default_tokens(tmp_path, 
             assert all((len(c) == 3) == c[1] for c in calls) and with_lora > 0
         elif in_product == "producer":  # (every call with LoRA but the step's first, whose shrink was launched)
             assert all(len(c) == 2 + (c[1] and len(c) == 3) for c in calls)
+            assert sum(1 for c in calls if len(c) == 3) == (4 * d.num_layers - 1) * shim.shrinks
+        elif in_product == "shrink_first":  # (every call with LoRA but the step's first, whose shrink was launched)
+            assert all(len(c) == 2 + (c[1] and c[-1] == "first") for c in calls)
             assert sum(1 for c in calls if len(c) == 3) == (4 * d.num_layers - 1) * shim.shrinks
         elif in_product == "producer_long_k":  # (down alone: its spans the hidden size, its K the intermediate size)
             producers = [c for c in calls if len(c) == 3]

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from lorafleet.models.contract import ModelConfig
 from lorafleet.runner.config import KernelChoices
 from lorafleet.runner.model.fp8 import (E4M3, SM90_MAX_ROWS, SM90_SHRINK_MAX_K, Fp8Weight, bf16_sm90_applies,
-                                       bf16_sm90_linear, epilogue_applies, fp8_linear, fp8_shrink_first_applies,
+                                       bf16_sm90_linear, bf16_sm90_shrink_first, epilogue_applies, fp8_linear,
+                                       fp8_shrink_first_applies,
                                        fp8_tensor_cores, quantize_tokens, sm90_gemm_available, unit_scale)
 from lorafleet.runner.model.norm import OwnNorm
 from lorafleet.runner.model.ops import make_ops, prefer_cublaslt
@@ -201,6 +202,7 @@ class Decoder:
         # FP8 products with fp8_sm90_shrink: fp8_sm90_shrink_producer)
         self.sm90_shrink_producer = kernels.sm90_shrink_producer
         self.sm90_shrink_producer_long_k = kernels.sm90_shrink_producer_long_k
+        self.sm90_shrink_first = kernels.sm90_shrink_first
         self.fp8_sm90_shrink_producer = kernels.fp8_sm90_shrink_producer
         # ... and with it the FP8 epilogue (the expand) inside the same launch where it can be (fp8_sm90_fused_shrink)
         self.fp8_sm90_fused_shrink = kernels.fp8_sm90_fused_shrink
@@ -510,11 +512,16 @@ class Decoder:
             # (the shrink inside the product up to SM90_SHRINK_MAX_K where the consumer warps run it before their main
             # loop, a longer K keeps the shrink's launch; any K on the producer's warps beside the main loop, or only
             # the longer K there with sm90_shrink_producer_long_k)
+            # (with sm90_shrink_first: on the producer's warps at any K, the expand in the FP8 epilogue's launch after
+            # the product)
             long_k = x.shape[1] > SM90_SHRINK_MAX_K
-            producer = self.sm90_shrink_producer or (self.sm90_shrink_producer_long_k and long_k)
+            first = self.sm90_shrink_first
+            producer = first or self.sm90_shrink_producer or (self.sm90_shrink_producer_long_k and long_k)
             inside = self.sm90_sync is not None and (producer or not long_k)
             sync = self.sm90_sync[i * GROUPS + group] if inside else None
             operands = None if lora is None else lora.epilogue_operands(i, group, x, in_product=inside)
+            if first and inside and operands is not None and operands[4] is not None:
+                return bf16_sm90_shrink_first(self.sm90_ext, x, w, b, spans, operands, self.unit_scales, sync)
             extra = {"prefetch_b": True} if self.sm90_prefetch_b and operands is not None else {}
             if inside and producer and operands is not None and operands[4] is not None:
                 extra["shrink_producer"] = True  # (where the product gets A pools: the step's first group does not)

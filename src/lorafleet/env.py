@@ -374,6 +374,15 @@ def sm90_shrink_producer_long_k() -> bool:
     return _flag("LORAFLEET_SM90_SHRINK_PRODUCER_LONG_K", False)
 
 
+def sm90_shrink_first() -> bool:
+    """LORAFLEET_SM90_SHRINK_FIRST: with LORAFLEET_SM90_SHRINK, a bf16 wgmma product with adapters runs as two launches,
+    the way an FP8 one does: the product into fp32 with the rows' LoRA shrink on the producer warp group's idle warps
+    beside its main loop (any K: 7B's down too), then the FP8 epilogue's launch with unit scales, which adds the bias
+    and the expand, instead of one launch whose epilogues first wait for every CTA's share of v (default 0 until
+    measured; 1: two launches; the same bits)."""
+    return _flag("LORAFLEET_SM90_SHRINK_FIRST", False)
+
+
 def fp8_sm90_shrink_producer() -> bool:
     """LORAFLEET_FP8_SM90_SHRINK_PRODUCER: with LORAFLEET_FP8_SM90_SHRINK, the shrink first runs on the producer warp
     group's three warps that issue no copies, beside the main loop, instead of the consumer warps before it, and o and

@@ -136,7 +136,8 @@ def test_family_bf16_products_on_the_wgmma_kernel(family, monkeypatch):
                                   kernels=KernelChoices(bf16_sm90=True, norm_shrink=True))
 
 
-@pytest.mark.parametrize("producer", [False, True, "long_k"], ids=["consumers", "producer", "producer_long_k"])
+@pytest.mark.parametrize("producer", [False, True, "long_k", "first"],
+                         ids=["consumers", "producer", "producer_long_k", "shrink_first"])
 def test_family_shrink_inside_the_wgmma_product(family, monkeypatch, producer):
     """KernelChoices.sm90_shrink: the rows' LoRA shrink inside the same wgmma launch as the product and the expand, no
     LoRA launch of its own left but each step's first shrink (between the row slots' ops and the first product).
@@ -145,7 +146,9 @@ def test_family_shrink_inside_the_wgmma_product(family, monkeypatch, producer):
     same step run eagerly. `producer` (KernelChoices.sm90_shrink_producer): the producer warp group's warps take the
     shrink's tickets beside the main loop; a decode step then gives the consumers' bits, on one engine. "long_k"
     (KernelChoices.sm90_shrink_producer_long_k, SM90_SHRINK_MAX_K set to the hidden size): only down, whose K is then
-    the longer, takes the producer's warps; a decode step then gives the bits of every product on them."""
+    the longer, takes the producer's warps; a decode step then gives the bits of every product on them. "first"
+    (KernelChoices.sm90_shrink_first): every product with A pools in two launches (the shrink first on the producer's
+    warps, then the FP8 epilogue's launch with the expand); a decode step then gives the one launch's bits."""
     import lorafleet.runner.model.decoder as dec
     from lorafleet.runner.lora.sgmv_cuda import CudaSGMV
 
@@ -162,15 +165,23 @@ def test_family_shrink_inside_the_wgmma_product(family, monkeypatch, producer):
         inside.append(lora is not None and lora[4] is not None and sync is not None)
         mine = producer is True or (producer == "long_k" and x.shape[1] > hidden)
         assert kw.get("shrink_producer", False) == (mine and inside[-1])
+        assert not (producer == "first" and inside[-1])  # (those take the two launches)
         return real(ext, x, w, bias, spans, lora, unit, sync, **kw)
     monkeypatch.setattr(dec, "bf16_sm90_linear", counted)
+    real_first = dec.bf16_sm90_shrink_first
+
+    def counted_first(ext, x, w, bias, spans, lora, unit, sync):
+        assert producer == "first" and lora[4] is not None and sync is not None
+        inside.append(True)
+        return real_first(ext, x, w, bias, spans, lora, unit, sync)
+    monkeypatch.setattr(dec, "bf16_sm90_shrink_first", counted_first)
     real_shrink = CudaSGMV.shrink
     monkeypatch.setattr(CudaSGMV, "shrink", lambda self, *a, **k: shrinks.append(1) or real_shrink(self, *a, **k))
     cpu, _ = generate(model, reqs, NEW, device="cpu", kv_cache_gb=0.05)  # the fp32 continuation
     kernels = KernelChoices(bf16_sm90=True, sm90_shrink=True, sm90_shrink_producer=producer is True,
-                            sm90_shrink_producer_long_k=producer == "long_k")
-    label = f"{name} shrink in wgmma" + {False: "", True: " (producer warps)", "long_k": " (down's on the producer)"}[
-        producer]
+                            sm90_shrink_producer_long_k=producer == "long_k", sm90_shrink_first=producer == "first")
+    label = f"{name} shrink in wgmma" + {False: "", True: " (producer warps)", "long_k": " (down's on the producer)",
+                                         "first": " (shrink first, the epilogue's launch)"}[producer]
     eng = teacher.teacher_forced_check(model, ads, reqs, cpu, "bfloat16", label, kernels=kernels, max_step_tokens=64)
     assert eng.model.sm90_sync is not None and not eng.model.sm90_sync.any()
     layers = eng.model.num_layers
@@ -179,6 +190,7 @@ def test_family_shrink_inside_the_wgmma_product(family, monkeypatch, producer):
     if producer:  # the same step on one engine, the tickets on the consumer warps, then on the producer's
         # ("long_k": every product's on the producer's, then down's alone)
         monkeypatch.setattr(dec, "bf16_sm90_linear", real)
+        monkeypatch.setattr(dec, "bf16_sm90_shrink_first", real_first)
         first = KernelChoices(bf16_sm90=True, sm90_shrink=True, sm90_shrink_producer=producer == "long_k")
         eng, batch = teacher.decode_step(model, reqs, kernels=first)
         dev = batch.to_device(eng.device)
@@ -186,6 +198,7 @@ def test_family_shrink_inside_the_wgmma_product(family, monkeypatch, producer):
             consumers = eng.runner.forward(batch, dev).clone()
             eng.model.sm90_shrink_producer = producer is True
             eng.model.sm90_shrink_producer_long_k = producer == "long_k"
+            eng.model.sm90_shrink_first = producer == "first"
             assert torch.equal(eng.runner.forward(batch, dev), consumers), name
             assert not eng.model.sm90_sync.any()
         finally:

@@ -558,6 +558,40 @@ def test_the_shrink_inside_the_product(ext, M, producer):
 
 
 @pytest.mark.parametrize("producer", [False, True], ids=["consumers", "producer"])
+@pytest.mark.parametrize("M", [1, 17, 32, 64])
+def test_the_bf16_shrink_first_then_the_epilogues_launch(ext, M, producer):
+    """bf16_sm90_shrink_first (KernelChoices.sm90_shrink_first): the bf16 product into fp32 with the rows' shrink
+    first (fp8_gemm_sm90 with lora_x = x), then the FP8 epilogue's launch with unit scales, is bit for bit the one
+    launch with the shrink and the expand inside (fp8_gemm_sm90_fused with A pools), v too; the counters are zero after
+    each pair and a second pair on them gives the same bits. At 64 rows also 256 weight tiles (later waves)."""
+    from lorafleet.runner.model.fp8 import bf16_sm90_shrink_first
+
+    cases = [c for c in FUSED_CASES if c[3] and {37: 32, 5: 1}.get(c[1], c[1]) == M]
+    if M == 64:
+        cases.append(([8192, 4096, 4096], 64, True, True, 4096))
+    for spans, rows, bias, lora, K in cases:
+        x, w = _bf16_operands(rows, K, sum(spans), seed=rows + K)
+        _, _, e = _fused_args(spans, rows, bias, lora, K, seed=rows + K + len(spans))
+        unit = torch.ones(max(rows, sum(spans)), device="cuda")
+        a = _shrink_pools(spans, K, seed=rows + K)
+        sync = torch.zeros(4, dtype=torch.int32, device="cuda")
+        one = torch.full((rows, sum(spans)), float("nan"), device="cuda", dtype=torch.bfloat16)
+        v1 = torch.full_like(e["v"], float("nan"))
+        ext.fp8_gemm_sm90_fused(one, x, w, unit[:rows], unit[:sum(spans)], e["bias"], e["cols"], v1, e["b"],
+                                e["ranks"], e["row_slot"], True, _stream(), a=a, sync=sync, shrink_producer=producer)
+        torch.cuda.synchronize()
+        assert not sync.any()
+        for again in range(2):
+            v2 = torch.full_like(e["v"], float("nan"))
+            two = bf16_sm90_shrink_first(ext, x, w, e["bias"], e["cols"], (v2, e["b"], e["ranks"], e["row_slot"], a),
+                                         unit, sync, shrink_producer=producer)
+            torch.cuda.synchronize()
+            assert not sync.any(), (spans, rows, again)  # left zero for the next launch
+            assert _same_bits(two, one), (spans, rows, again)
+            assert torch.equal(v2.nan_to_num(), v1.nan_to_num()), (spans, rows, again)
+
+
+@pytest.mark.parametrize("producer", [False, True], ids=["consumers", "producer"])
 def test_the_shrink_inside_back_to_back_products(ext, producer):
     """Two launches one after the other on one stream (programmatic dependent launch), 256 weight tiles each, sharing
     one v buffer with counters of their own, the second on other rows and slots: each the bits of its launch alone,
@@ -821,8 +855,9 @@ def test_the_shrink_first_refuses_what_it_cannot_do(ext):
         (dict(sync=None), "needs both lora_x and sync"),
         (dict(lora_x=None), "needs both lora_x and sync"),
         (dict(lora_x=None, sync=None), "are the shrink first's"),  # LoRA's operands would be ignored
-        (dict(persistent=True), "e4m3 operands, not persistent"),
-        (dict(x=xb, w=wb), "e4m3 operands, not persistent"),
+        (dict(persistent=True), "one CTA a tile, not persistent"),
+        (dict(x=xb, w=wb), "with bf16 operands the shrink first's lora_x is x itself"),
+        (dict(x=xb, w=wb, lora_x=xb.clone()), "with bf16 operands the shrink first's lora_x is x itself"),
         (dict(lora_x=x[:, :128].contiguous()), r"lora_x must be contiguous, 16-byte aligned bfloat16 \[4, 256\]"),
         (dict(lora_x=x.half()), r"lora_x must be contiguous, 16-byte aligned bfloat16 \[4, 256\]"),
         (dict(v=None, b=[], ranks=None, row_slot=None), "needs LoRA"),
