@@ -506,6 +506,20 @@ def _shrink_checked(v, x, a, e, why):
     assert ((v[:rows].double() - want).abs() <= 1e-5 * mag + 1e-6)[mask].all(), why
 
 
+def _bf16_shrink_cases(M: int):
+    """The bf16 shrink-inside cases of M rows (FUSED_CASES with LoRA; at 64 rows also 256 weight tiles): spans, rows,
+    x, w, the epilogue's operands with unit scales, A pools and four zero counters."""
+    cases = [c for c in FUSED_CASES if c[3] and {37: 32, 5: 1}.get(c[1], c[1]) == M]
+    if M == 64:
+        cases.append(([8192, 4096, 4096], 64, True, True, 4096))
+    for spans, rows, bias, lora, K in cases:
+        x, w = _bf16_operands(rows, K, sum(spans), seed=rows + K)
+        _, _, e = _fused_args(spans, rows, bias, lora, K, seed=rows + K + len(spans))
+        e = {**e, "x_scale": torch.ones(rows, device="cuda"), "w_scale": torch.ones(sum(spans), device="cuda")}
+        yield (spans, rows, x, w, e, _shrink_pools(spans, K, seed=rows + K),
+               torch.zeros(4, dtype=torch.int32, device="cuda"))
+
+
 @pytest.mark.parametrize("producer", [False, True], ids=["consumers", "producer"])
 @pytest.mark.parametrize("M", [1, 17, 32, 64])
 def test_the_shrink_inside_the_product(ext, M, producer):
@@ -517,15 +531,7 @@ def test_the_shrink_inside_the_product(ext, M, producer):
     also 256 weight tiles (more CTAs than the GPU has SMs: later waves, tickets past the first wave's). `producer`
     (shrink_producer): the producer warp group's warps 1-3 take the tickets beside the main loop, and the four
     counters are zero after; v and the output are then also the consumers' bits."""
-    cases = [c for c in FUSED_CASES if c[3] and {37: 32, 5: 1}.get(c[1], c[1]) == M]
-    if M == 64:
-        cases.append(([8192, 4096, 4096], 64, True, True, 4096))
-    for spans, rows, bias, lora, K in cases:
-        x, w = _bf16_operands(rows, K, sum(spans), seed=rows + K)
-        _, _, e = _fused_args(spans, rows, bias, lora, K, seed=rows + K + len(spans))
-        e = {**e, "x_scale": torch.ones(rows, device="cuda"), "w_scale": torch.ones(sum(spans), device="cuda")}
-        a = _shrink_pools(spans, K, seed=rows + K)
-        sync = torch.zeros(4, dtype=torch.int32, device="cuda")
+    for spans, rows, x, w, e, a, sync in _bf16_shrink_cases(M):
 
         def launch(x, e, v, prefetch_b=False, producer=producer):
             out = torch.full((x.shape[0], sum(spans)), float("nan"), device="cuda", dtype=torch.bfloat16)
@@ -566,15 +572,8 @@ def test_the_bf16_shrink_first_then_the_epilogues_launch(ext, M, producer):
     each pair and a second pair on them gives the same bits. At 64 rows also 256 weight tiles (later waves)."""
     from lorafleet.runner.model.fp8 import bf16_sm90_shrink_first
 
-    cases = [c for c in FUSED_CASES if c[3] and {37: 32, 5: 1}.get(c[1], c[1]) == M]
-    if M == 64:
-        cases.append(([8192, 4096, 4096], 64, True, True, 4096))
-    for spans, rows, bias, lora, K in cases:
-        x, w = _bf16_operands(rows, K, sum(spans), seed=rows + K)
-        _, _, e = _fused_args(spans, rows, bias, lora, K, seed=rows + K + len(spans))
+    for spans, rows, x, w, e, a, sync in _bf16_shrink_cases(M):
         unit = torch.ones(max(rows, sum(spans)), device="cuda")
-        a = _shrink_pools(spans, K, seed=rows + K)
-        sync = torch.zeros(4, dtype=torch.int32, device="cuda")
         one = torch.full((rows, sum(spans)), float("nan"), device="cuda", dtype=torch.bfloat16)
         v1 = torch.full_like(e["v"], float("nan"))
         ext.fp8_gemm_sm90_fused(one, x, w, unit[:rows], unit[:sum(spans)], e["bias"], e["cols"], v1, e["b"],
