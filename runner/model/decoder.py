@@ -27,8 +27,8 @@ from lorafleet.models.contract import ModelConfig
 from lorafleet.runner.config import KernelChoices
 from lorafleet.runner.model.fp8 import (E4M3, SM90_MAX_ROWS, SM90_SHRINK_MAX_K, Fp8Weight, bf16_sm90_applies,
                                        bf16_sm90_linear, bf16_sm90_shrink_first, epilogue_applies, fp8_linear,
-                                       fp8_shrink_first_applies,
-                                       fp8_tensor_cores, quantize_tokens, sm90_gemm_available, unit_scale)
+                                       fp8_shrink_first_applies, fp8_tensor_cores, quantize_tokens,
+                                       sm90_gemm_available, unit_scale)
 from lorafleet.runner.model.norm import OwnNorm
 from lorafleet.runner.model.ops import make_ops, prefer_cublaslt
 from lorafleet.runner.model.rope import Rope
@@ -201,6 +201,8 @@ class Decoder:
         # ... the shrink inside them on the producer warp group's idle warps, beside the main loop (bf16 products;
         # FP8 products with fp8_sm90_shrink: fp8_sm90_shrink_producer)
         self.sm90_shrink_producer = kernels.sm90_shrink_producer
+        # (only where K exceeds SM90_SHRINK_MAX_K; or, sm90_shrink_first, every bf16 product with A pools in two
+        # launches: the product into fp32 with the shrink on those warps, then the FP8 epilogue's launch)
         self.sm90_shrink_producer_long_k = kernels.sm90_shrink_producer_long_k
         self.sm90_shrink_first = kernels.sm90_shrink_first
         self.fp8_sm90_shrink_producer = kernels.fp8_sm90_shrink_producer
