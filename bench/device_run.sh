@@ -29,7 +29,8 @@
 #            (BRANCH_VALUES, default "off addon"; BRANCH_REQS default 200, BRANCH_ARGS extra arguments) -> e2e_branch_V.json
 #   normlora bench e2e bf16 distinct + identical (+ LoRA off, profiled) with LORAFLEET_NORM_LORA in NL_VALUES (default
 #            "0 1"; NL_REQS default 200, NL_ARGS extra arguments) -> e2e_normlora_V.json
-#   ab       the same for any variable: AB_VAR, AB_VALUES, AB_REQS, AB_ARGS, AB_NAME -> e2e_AB_NAME_V.json
+#   ab       the same for any variable: AB_VAR, AB_VALUES, AB_REQS, AB_ARGS, AB_NAME (AB_PROFILE=0: no step profile)
+#            -> e2e_AB_NAME_V.json
 #   flagab   the same without, then with a flag of bench e2e: AB_FLAG, AB_REQS, AB_ARGS, AB_NAME
 #            -> e2e_AB_NAME_{0,1}.json
 #   nlprobe  bench/probe_norm_lora.py: the launches around a decode norm (flashinfer's, the project's, the LoRA shrink and
@@ -228,7 +229,8 @@ stage() {
       local v
       for v in $AB_VALUES; do
         env "$AB_VAR=$v" timeout ${LORA_S:-300} $E2E --requests ${AB_REQS:-200} --mixes distinct identical \
-          --sweep --hf-requests 0 --profile ${AB_ARGS:-} --out "$OUT/e2e_${AB_NAME}_${v//,/-}.json" 2>&1 \
+          --sweep --hf-requests 0 $([ "${AB_PROFILE:-1}" = 1 ] && echo --profile) ${AB_ARGS:-} \
+          --out "$OUT/e2e_${AB_NAME}_${v//,/-}.json" 2>&1 \
           | tee "$LOGS/e2e_${AB_NAME}_${v//,/-}.log" | grep -E "tok/s|LoRA per decode|Error|Traceback" | cut -c1-300 | tail -10
       done ;;
     flagab)  # bench e2e without, then with the flag AB_FLAG (e.g. --batch-invariant); AB_REQS, AB_ARGS, AB_NAME
