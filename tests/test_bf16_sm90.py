@@ -106,15 +106,18 @@ def emulated_product(calls, syncs=None):
     return run
 
 
-def emulated_shrink_first(calls, syncs):
-    """bf16_sm90_shrink_first's contract in torch (emulated_product's arithmetic: the same bits as the one launch),
-    recording (spans, True, "first") per call."""
+def emulated_shrink_first(calls, syncs, ops):
+    """bf16_sm90_shrink_first's contract in torch (emulated_product's arithmetic: the same bits as the one launch;
+    with `act`, the ops' act_mul on it), recording (spans, whether LoRA operands came, "first"[, "act"]) per call."""
     product = emulated_product(calls, syncs)
 
-    def run(ext, x, w, bias, spans, lora, unit, sync):
-        assert lora is not None and lora[4] is not None and sync is not None
-        y = product(ext, x, w, bias, spans, lora, unit, sync)
-        calls[-1] = calls[-1] + ("first",)
+    def run(ext, x, w, bias, spans, lora, unit, sync, act=0):
+        assert sync is not None and (act or (lora is not None and lora[4] is not None))
+        y = product(ext, x, w, bias, spans, lora, unit, sync if lora is not None and lora[4] is not None else None)
+        calls[-1] = calls[-1] + ("first",) + (("act",) if act else ())
+        if act:
+            assert len(spans) == 2 and spans[0] == spans[1]
+            y = ops.act_mul(y, spans[0])
         return y
     return run
 
@@ -138,7 +141,9 @@ def run(model, ads, on: bool, monkeypatch, in_product: bool | str = False, syncs
             d.sm90_sync = torch.zeros(d.num_layers * 4, 4, dtype=torch.int32)
         monkeypatch.setattr(dec, "bf16_sm90_applies", lambda x, w, b, spans: x.shape[0] <= 64)
         monkeypatch.setattr(dec, "bf16_sm90_linear", emulated_product(calls, syncs))
-        monkeypatch.setattr(dec, "bf16_sm90_shrink_first", emulated_shrink_first(calls, syncs))
+        monkeypatch.setattr(dec, "bf16_sm90_shrink_first", emulated_shrink_first(calls, syncs, d.ops))
+        if in_product == "shrink_first":  # (gate_up's activation in the epilogue: asked with flashinfer's ops)
+            monkeypatch.setattr(d.ops, "name", "flashinfer")
     try:
         out = eng.run_to_completion(seqs)
     finally:
@@ -180,9 +185,14 @@ def test_bf16_products_with_the_expand_inside_give_the_default_tokens(tmp_path, 
         elif in_product == "producer":  # (every call with LoRA but the step's first, whose shrink was launched)
             assert all(len(c) == 2 + (c[1] and len(c) == 3) for c in calls)
             assert sum(1 for c in calls if len(c) == 3) == (4 * d.num_layers - 1) * shim.shrinks
-        elif in_product == "shrink_first":  # (every call with LoRA but the step's first, whose shrink was launched)
-            assert all(len(c) == 2 + (c[1] and c[-1] == "first") for c in calls)
-            assert sum(1 for c in calls if len(c) == 3) == (4 * d.num_layers - 1) * shim.shrinks
+        elif in_product == "shrink_first":  # (every call with LoRA but the step's first, whose shrink was launched;
+            # gate_up's also applies the activation)
+            firsts = [c for c in calls if "first" in c]
+            assert all(c[1] and c[2] == "first" for c in firsts) and len(calls) - len(firsts) == sum(
+                1 for c in calls if len(c) == 2)
+            assert len(firsts) == (4 * d.num_layers - 1) * shim.shrinks
+            gate_up = (d.cfg.intermediate_size, d.cfg.intermediate_size)
+            assert [c[0] for c in firsts if "act" in c] == [gate_up] * (d.num_layers * shim.shrinks)
         elif in_product == "producer_long_k":  # (down alone: its spans the hidden size, its K the intermediate size)
             producers = [c for c in calls if len(c) == 3]
             assert all(c[1] and c[0] == (d.cfg.hidden_size,) for c in producers)

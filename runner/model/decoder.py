@@ -499,15 +499,17 @@ class Decoder:
         """x @ w.T + b with layer i's LoRA of `group` in a product whose epilogue applies the bias and the expand in
         the same launch as the scales, after the group's shrink (runner/model/fp8.py): an FP8 weight whose unit-scale
         product the epilogue kernel finishes, or with bf16_sm90 a bf16 weight on the wgmma kernel; else None (the
-        caller takes the separate launches; nothing was launched). `act` (gate_up, FP8 only): the epilogue also
-        applies the activation (fp8_linear) and returns act(gate) * up."""
+        caller takes the separate launches; nothing was launched). `act` (gate_up; FP8, or bf16 with
+        sm90_shrink_first in steps with adapters): the epilogue also applies the activation (fp8_linear,
+        bf16_sm90_shrink_first) and returns act(gate) * up."""
         fp8 = isinstance(w, Fp8Weight)
         if fp8:
             if not (self.fp8_epilogue and epilogue_applies(x, w, b, self.fp8_tensor_cores, self.fp8_ext,
                                                            self.fp8_gemm_rows, self.fp8_unit_scale_elems, spans)):
                 return None
-        elif act or not (self.bf16_sm90 and bf16_sm90_applies(x, w, b, spans)):
-            return None
+        elif not (self.bf16_sm90 and bf16_sm90_applies(x, w, b, spans)) or (act and not (
+                self.sm90_shrink_first and self.sm90_sync is not None and getattr(lora, "active", False))):
+            return None  # (an activation: only in the two launches' epilogue, and only in steps with adapters)
         if lora is not None and not getattr(lora, "epilogue_ready", False):
             return None
         if not fp8:
@@ -522,8 +524,8 @@ class Decoder:
             inside = self.sm90_sync is not None and (producer or not long_k)
             sync = self.sm90_sync[i * GROUPS + group] if inside else None
             operands = None if lora is None else lora.epilogue_operands(i, group, x, in_product=inside)
-            if first and inside and operands is not None and operands[4] is not None:
-                return bf16_sm90_shrink_first(self.sm90_ext, x, w, b, spans, operands, self.unit_scales, sync)
+            if first and (act or (inside and operands is not None and operands[4] is not None)):
+                return bf16_sm90_shrink_first(self.sm90_ext, x, w, b, spans, operands, self.unit_scales, sync, act=act)
             extra = {"prefetch_b": True} if self.sm90_prefetch_b and operands is not None else {}
             if inside and producer and operands is not None and operands[4] is not None:
                 extra["shrink_producer"] = True  # (where the product gets A pools: the step's first group does not)

@@ -179,25 +179,30 @@ def bf16_sm90_linear(ext, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor |
 
 
 def bf16_sm90_shrink_first(ext, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, spans: list[int],
-                           lora: tuple, unit: torch.Tensor, sync: torch.Tensor,
-                           shrink_producer: bool = True) -> torch.Tensor:
-    """bf16_sm90_linear's result with A pools in `lora`, in two launches as an FP8 projection with adapters takes
-    them: the wgmma product of the bf16 operands into fp32 with the rows' shrink first into v, on its own warps (the
-    producer warp group's three that issue no copies, beside the main loop, with `shrink_producer`, else the consumer
-    warps before it; `sync`, int32 [>= 1], zero, this call site's own), then the FP8 epilogue's launch with unit scales
-    (`unit`: fp32 ones, at least max(M, N)), which adds the bias and the expand. The same bits as the one launch
-    (whose epilogue is that arithmetic on the same fp32 sums), with no wait inside the product for every CTA's share
-    of v: the epilogue's launch reads v after the product has ended."""
+                           lora: tuple | None, unit: torch.Tensor, sync: torch.Tensor | None,
+                           shrink_producer: bool = True, act: int = 0) -> torch.Tensor:
+    """bf16_sm90_linear's result in two launches, as an FP8 projection with adapters takes them: the wgmma product of
+    the bf16 operands into fp32, with A pools in `lora` the rows' shrink first into v on its own warps (the producer
+    warp group's three that issue no copies, beside the main loop, with `shrink_producer`, else the consumer warps
+    before it; `sync`, int32 [>= 1], zero, this call site's own), then the FP8 epilogue's launch with unit scales
+    (`unit`: fp32 ones, at least max(M, N)), which adds the bias and the expand (`lora` without A pools: v already
+    written; None: no expand). The same bits as the one launch (whose epilogue is that arithmetic on the same fp32
+    sums), with no wait inside the product for every CTA's share of v: the epilogue's launch reads v after the
+    product has ended. `act` (two equal spans gate | up): 1 (SiLU) or 2 (GELU-tanh): the epilogue returns act(gate) *
+    up [M, N / 2], flashinfer's act_and_mul bits from the one launch's output, in place of that launch."""
     M, N = x.shape[0], w.shape[0]
-    v, b, ranks, row_slot, a = lora
-    if a is None or sync is None:
-        raise ValueError("bf16_sm90_shrink_first: the shrink first needs A pools and the call site's counters")
+    v, b, ranks, row_slot, a = epilogue_lora(lora)
     stream = torch.cuda.current_stream(x.device).cuda_stream
     y = torch.empty(M, N, dtype=torch.float32, device=x.device)
-    ext.fp8_gemm_sm90(y, x, w, stream, 1, lora_x=x, cols=list(spans), v=v, b=list(b), ranks=ranks,
-                      row_slot=row_slot, a=list(a), sync=sync, shrink_producer=shrink_producer)
-    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    ext.fp8_epilogue(out, y, unit[:M], unit[:N], bias, list(spans), v, list(b), ranks, row_slot, True, stream, 0)
+    if a is not None:
+        if sync is None:
+            raise ValueError("bf16_sm90_shrink_first: the shrink first needs the call site's counters")
+        ext.fp8_gemm_sm90(y, x, w, stream, 1, lora_x=x, cols=list(spans), v=v, b=list(b), ranks=ranks,
+                          row_slot=row_slot, a=list(a), sync=sync, shrink_producer=shrink_producer)
+    else:
+        ext.fp8_gemm_sm90(y, x, w, stream, 1)
+    out = torch.empty(M, N // 2 if act else N, dtype=x.dtype, device=x.device)
+    ext.fp8_epilogue(out, y, unit[:M], unit[:N], bias, list(spans), v, list(b), ranks, row_slot, True, stream, act)
     return out
 
 

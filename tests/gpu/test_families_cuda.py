@@ -148,7 +148,8 @@ def test_family_shrink_inside_the_wgmma_product(family, monkeypatch, producer):
     (KernelChoices.sm90_shrink_producer_long_k, SM90_SHRINK_MAX_K set to the hidden size): only down, whose K is then
     the longer, takes the producer's warps; a decode step then gives the bits of every product on them. "first"
     (KernelChoices.sm90_shrink_first): every product with A pools in two launches (the shrink first on the producer's
-    warps, then the FP8 epilogue's launch with the expand); a decode step then gives the one launch's bits."""
+    warps, then the FP8 epilogue's launch with the expand, gate_up's also applying the activation); a decode step then
+    gives the bits of the one launch and flashinfer's act_and_mul."""
     import lorafleet.runner.model.decoder as dec
     from lorafleet.runner.lora.sgmv_cuda import CudaSGMV
 
@@ -170,10 +171,10 @@ def test_family_shrink_inside_the_wgmma_product(family, monkeypatch, producer):
     monkeypatch.setattr(dec, "bf16_sm90_linear", counted)
     real_first = dec.bf16_sm90_shrink_first
 
-    def counted_first(ext, x, w, bias, spans, lora, unit, sync):
-        assert producer == "first" and lora[4] is not None and sync is not None
-        inside.append(True)
-        return real_first(ext, x, w, bias, spans, lora, unit, sync)
+    def counted_first(ext, x, w, bias, spans, lora, unit, sync, act=0):
+        assert producer == "first" and sync is not None and (act or lora[4] is not None)
+        inside.append(lora is not None and lora[4] is not None)
+        return real_first(ext, x, w, bias, spans, lora, unit, sync, act=act)
     monkeypatch.setattr(dec, "bf16_sm90_shrink_first", counted_first)
     real_shrink = CudaSGMV.shrink
     monkeypatch.setattr(CudaSGMV, "shrink", lambda self, *a, **k: shrinks.append(1) or real_shrink(self, *a, **k))

@@ -590,6 +590,38 @@ def test_the_bf16_shrink_first_then_the_epilogues_launch(ext, M, producer):
             assert torch.equal(v2.nan_to_num(), v1.nan_to_num()), (spans, rows, again)
 
 
+@pytest.mark.parametrize("act", [1, 2], ids=["silu", "gelu_tanh"])
+@pytest.mark.parametrize("M", [1, 32])
+def test_the_bf16_two_launches_apply_the_activation(ext, M, act):
+    """bf16_sm90_shrink_first with `act` (gate_up's two equal spans): the FP8 epilogue's launch returns act(gate) * up,
+    bit for bit flashinfer's act_and_mul of the one launch's output (the launch it replaces), with the shrink first
+    and with v already written (no A pools: a plain product into fp32)."""
+    import flashinfer
+
+    from lorafleet.runner.model.fp8 import bf16_sm90_shrink_first
+
+    spans, K = [2048, 2048], 4096
+    x, w = _bf16_operands(M, K, sum(spans), seed=M + act)
+    _, _, e = _fused_args(spans, M, True, True, K, seed=M + act + 1)
+    unit = torch.ones(sum(spans), device="cuda")
+    a = _shrink_pools(spans, K, seed=M + act + 2)
+    sync = torch.zeros(4, dtype=torch.int32, device="cuda")
+    one = torch.full((M, sum(spans)), float("nan"), device="cuda", dtype=torch.bfloat16)
+    v = torch.full_like(e["v"], float("nan"))
+    ext.fp8_gemm_sm90_fused(one, x, w, unit[:M], unit, e["bias"], spans, v, e["b"], e["ranks"], e["row_slot"], True,
+                            _stream(), a=a, sync=sync)
+    want = (flashinfer.silu_and_mul if act == 1 else flashinfer.gelu_tanh_and_mul)(one)
+    v2 = torch.full_like(v, float("nan"))
+    got = bf16_sm90_shrink_first(ext, x, w, e["bias"], spans, (v2, e["b"], e["ranks"], e["row_slot"], a), unit, sync,
+                                 act=act)
+    handed = bf16_sm90_shrink_first(ext, x, w, e["bias"], spans, (v, e["b"], e["ranks"], e["row_slot"], None), unit,
+                                    None, act=act)
+    torch.cuda.synchronize()
+    assert got.shape == (M, spans[0]) and not sync.any()
+    assert _same_bits(got, want) and _same_bits(handed, want)
+    assert torch.equal(v2.nan_to_num(), v.nan_to_num())
+
+
 @pytest.mark.parametrize("producer", [False, True], ids=["consumers", "producer"])
 def test_the_shrink_inside_back_to_back_products(ext, producer):
     """Two launches one after the other on one stream (programmatic dependent launch), 256 weight tiles each, sharing
