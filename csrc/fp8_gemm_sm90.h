@@ -39,8 +39,8 @@ struct Fp8Sm90Args {
   // fp8_gemm_sm90 only (one CTA a tile, not persistent): the rows' LoRA shrink on the product's own consumer warps
   // before their main loop (or its producer's warps beside it: lora.shrink_producer), into shrink->lora.v
   // (num_groups, the spans and lora as for fp8_gemm_sm90_fused's shrink: v, ranks, row_slot, the B pools' rank
-  // dimensions, A pools, sync; lora.x the bf16 rows of x with e4m3 operands, not read with bf16 ones, whose x it
-  // is). v is complete when the launch has ended: the kernel after it reads v after its wait for this one
+  // dimensions, A pools, sync; lora.x the bf16 rows of x with e4m3 operands, x itself with bf16 ones: the launcher
+  // sets it). v is complete when the launch has ended: the kernel after it reads v after its wait for this one
   // (the FP8 epilogue's launch). sync: at least one uint32 of this call site, zero before the launch, zero after; no
   // two launches in flight may share it (its tickets are drawn before the wait for the kernel before).
   const Fp8EpilogueArgs* shrink = nullptr;

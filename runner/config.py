@@ -106,7 +106,8 @@ class KernelChoices:
     sm90_shrink_first: with sm90_shrink, a bf16 product with adapters in two launches as an FP8 one takes them: the
         wgmma product into fp32 with the shrink on the producer's warps beside its main loop (any K), then the FP8
         epilogue's launch with unit scales adding the bias and the expand, instead of one launch whose epilogues wait
-        for every CTA's share of v (the same bits; off until measured).
+        for every CTA's share of v; with fp8_epilogue_act and flashinfer's ops, gate_up's epilogue also applies the
+        activation in place of act_and_mul (the same bits; off until measured).
     fp8_sm90_shrink_producer: the same for FP8 products with fp8_sm90_shrink, where o and down then take the shrink
         too (their rows quantized by the activation kernel's launch) (the same bits; on: +1.2 / +1.1 % with adapters
         on the H100 in two calls, docs/benchmarks.md 13.18).

@@ -89,6 +89,7 @@ def emulated_product(calls, syncs=None):
 
     def run(ext, x, w, bias, spans, lora, unit, sync=None, prefetch_b=False, shrink_producer=False):
         assert ext == "ext" and unit.numel() >= max(x.shape[0], w.shape[0]) and bool((unit == 1).all())
+        run.ks.append(x.shape[1])  # (K of each call, in calls' order)
         assert not shrink_producer or (sync is not None and sync.numel() >= 4)  # (four counters on those warps)
         calls.append((tuple(spans), lora is not None) + (("prefetch_b",) if prefetch_b else ())
                      + (("producer",) if shrink_producer and lora is not None and lora[4] is not None else ()))
@@ -103,6 +104,7 @@ def emulated_product(calls, syncs=None):
                 assert len(a) == len(spans) and all(ag.shape[2] == x.shape[1] for ag in a)
             emulated_lora(y, x, spans, lora)
         return y
+    run.ks = []
     return run
 
 
@@ -140,7 +142,9 @@ def run(model, ads, on: bool, monkeypatch, in_product: bool | str = False, syncs
         if in_product:  # as Decoder._take_bf16_sm90 with KernelChoices.sm90_shrink
             d.sm90_sync = torch.zeros(d.num_layers * 4, 4, dtype=torch.int32)
         monkeypatch.setattr(dec, "bf16_sm90_applies", lambda x, w, b, spans: x.shape[0] <= 64)
-        monkeypatch.setattr(dec, "bf16_sm90_linear", emulated_product(calls, syncs))
+        product = emulated_product(calls, syncs)
+        monkeypatch.setattr(dec, "bf16_sm90_linear", product)
+        d.product_ks = product.ks  # (for the test's checks)
         monkeypatch.setattr(dec, "bf16_sm90_shrink_first", emulated_shrink_first(calls, syncs, d.ops))
         if in_product == "shrink_first":  # (gate_up's activation in the epilogue: asked with flashinfer's ops)
             monkeypatch.setattr(d.ops, "name", "flashinfer")
@@ -194,8 +198,8 @@ def test_bf16_products_with_the_expand_inside_give_the_default_tokens(tmp_path, 
             gate_up = (d.cfg.intermediate_size, d.cfg.intermediate_size)
             assert [c[0] for c in firsts if "act" in c] == [gate_up] * (d.num_layers * shim.shrinks)
         elif in_product == "producer_long_k":  # (down alone: its spans the hidden size, its K the intermediate size)
-            producers = [c for c in calls if len(c) == 3]
-            assert all(c[1] and c[0] == (d.cfg.hidden_size,) for c in producers)
+            producers = [k for c, k in zip(calls, d.product_ks, strict=True) if len(c) == 3]
+            assert producers and all(k == d.cfg.intermediate_size for k in producers)  # down's: not o's, whose K is H
             assert len(producers) == d.num_layers * shim.shrinks
         else:
             assert all(len(c) == 2 for c in calls)
@@ -262,6 +266,50 @@ def test_the_products_launch_hands_the_kernel_its_operands(monkeypatch):
     seen.pop("kwargs")
     bf16_sm90_linear(Ext(), x, w, None, [48], None, unit, prefetch_b=True)  # no LoRA: nothing to prefetch
     assert "kwargs" not in seen
+
+
+def test_the_two_launches_hand_the_kernels_their_operands(monkeypatch):
+    """bf16_sm90_shrink_first against a stand-in for the extension: fp8_gemm_sm90 into a fresh fp32 [M, N] with x and
+    w as given, one part, and with A pools the shrink's operands (lora_x x itself, the spans, LoRA in order, the
+    counters, the producer's warps by default); without A pools no shrink operands; then fp8_epilogue from that fp32
+    output with unit scales of M and N ones, the bias, the spans, LoRA (or none), programmatic dependent launch on, the
+    current stream, `act`; its output [M, N] in x's dtype, [M, N / 2] with `act`."""
+    from lorafleet.runner.model.fp8 import bf16_sm90_shrink_first
+
+    seen = {}
+
+    class Ext:
+        def fp8_gemm_sm90(self, *args, **kwargs):
+            seen["gemm"], seen["gemm_kw"] = args, kwargs
+
+        def fp8_epilogue(self, *args):
+            seen["epi"] = args
+            args[0].fill_(7)
+
+    bf = torch.bfloat16
+    x, w = torch.zeros(3, 64, dtype=bf), torch.zeros(48, 128, dtype=bf)[:, :64]
+    bias, unit, sync = torch.zeros(48, dtype=bf), torch.ones(100), torch.zeros(4, dtype=torch.int32)
+    pools = (torch.zeros(4, 8, 64), torch.zeros(4, 8, 64))
+    lora = (torch.zeros(3, 2, 8), (torch.zeros(4, 8, 24), torch.zeros(4, 8, 24)), torch.zeros(2, 4, dtype=torch.int32),
+            torch.zeros(3, dtype=torch.int32), pools)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=1234))
+    out = bf16_sm90_shrink_first(Ext(), x, w, bias, (24, 24), lora, unit, sync)
+    g, kw, e = seen["gemm"], seen["gemm_kw"], seen["epi"]
+    y = g[0]
+    assert y.shape == (3, 48) and y.dtype == torch.float32 and g[1] is x and g[2] is w and g[3:] == (1234, 1)
+    assert kw["lora_x"] is x and kw["cols"] == [24, 24] and kw["v"] is lora[0] and kw["b"] == list(lora[1])
+    assert kw["ranks"] is lora[2] and kw["row_slot"] is lora[3] and kw["a"] == list(pools) and kw["sync"] is sync
+    assert kw["shrink_producer"] is True
+    assert out.shape == (3, 48) and out.dtype == bf and bool((out == 7).all()) and e[0] is out and e[1] is y
+    assert e[2].shape == (3,) and e[3].shape == (48,) and bool((e[2] == 1).all() and (e[3] == 1).all())
+    assert e[4] is bias and e[5] == [24, 24] and e[6] is lora[0] and e[7] == list(lora[1]) and e[8] is lora[2]
+    assert e[9] is lora[3] and e[10:] == (True, 1234, 0)
+    out = bf16_sm90_shrink_first(Ext(), x, w, None, [24, 24], lora[:4] + (None,), unit, None, act=1)  # v written
+    assert seen["gemm_kw"] == {} and out.shape == (3, 24) and seen["epi"][6] is lora[0] and seen["epi"][-1] == 1
+    bf16_sm90_shrink_first(Ext(), x, w, None, [48], None, unit, None)  # no LoRA: no expand
+    assert seen["gemm_kw"] == {} and seen["epi"][6:10] == (None, [], None, None)
+    with pytest.raises(ValueError, match="needs the call site's counters"):
+        bf16_sm90_shrink_first(Ext(), x, w, bias, (24, 24), lora, unit, None)
 
 
 def test_the_wgmma_kernel_takes_only_the_products_it_can():

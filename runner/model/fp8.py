@@ -127,7 +127,8 @@ SM90_MAX_ROWS = 64  # token rows of one call of that kernel (fp8_gemm_sm90.h kFp
 # The longest K whose LoRA shrink goes inside that kernel's bf16 product (KernelChoices.sm90_shrink): its warps' dot
 # products run before their main loop, a round trip to memory per 8 vectors of each lane, so a long K pays more there
 # than in the shrink's own launch (7B's down, K = 11,008: 4.4 us more per product on an H100, docs/benchmarks.md 13.12).
-# Not with KernelChoices.sm90_shrink_producer (fp8_sm90_shrink_producer), whose warps run beside the main loop.
+# Not with KernelChoices.sm90_shrink_producer (fp8_sm90_shrink_producer), whose warps run beside the main loop, nor
+# for the products above it with sm90_shrink_producer_long_k, nor with sm90_shrink_first (the producer's warps too).
 SM90_SHRINK_MAX_K = 8192
 
 

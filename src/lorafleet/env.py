@@ -378,8 +378,9 @@ def sm90_shrink_first() -> bool:
     """LORAFLEET_SM90_SHRINK_FIRST: with LORAFLEET_SM90_SHRINK, a bf16 wgmma product with adapters runs as two launches,
     the way an FP8 one does: the product into fp32 with the rows' LoRA shrink on the producer warp group's idle warps
     beside its main loop (any K: 7B's down too), then the FP8 epilogue's launch with unit scales, which adds the bias
-    and the expand, instead of one launch whose epilogues first wait for every CTA's share of v (default 0 until
-    measured; 1: two launches; the same bits)."""
+    and the expand, instead of one launch whose epilogues first wait for every CTA's share of v; with
+    LORAFLEET_FP8_EPILOGUE_ACT (on) gate_up's epilogue also applies the activation in place of flashinfer's
+    act_and_mul (default 0 until measured; 1: two launches; the same bits)."""
     return _flag("LORAFLEET_SM90_SHRINK_FIRST", False)
 
 

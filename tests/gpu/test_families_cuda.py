@@ -156,15 +156,17 @@ def test_family_shrink_inside_the_wgmma_product(family, monkeypatch, producer):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the wgmma kernel is built for compute capability 9.0 only")
     name, model, ads, reqs = family
-    inside, shrinks = [], []
+    inside, shrinks, long_k = [], [], []
     real = dec.bf16_sm90_linear
+    hidden = None
     if producer == "long_k":
         hidden = AutoConfig.from_pretrained(model).hidden_size
         monkeypatch.setattr(dec, "SM90_SHRINK_MAX_K", hidden)
 
     def counted(ext, x, w, bias, spans, lora, unit, sync=None, **kw):
         inside.append(lora is not None and lora[4] is not None and sync is not None)
-        mine = producer is True or (producer == "long_k" and x.shape[1] > hidden)
+        mine = producer is True or (hidden is not None and x.shape[1] > hidden)
+        long_k.append(mine and inside[-1] and producer == "long_k")
         assert kw.get("shrink_producer", False) == (mine and inside[-1])
         assert not (producer == "first" and inside[-1])  # (those take the two launches)
         return real(ext, x, w, bias, spans, lora, unit, sync, **kw)
@@ -187,6 +189,7 @@ def test_family_shrink_inside_the_wgmma_product(family, monkeypatch, producer):
     assert eng.model.sm90_sync is not None and not eng.model.sm90_sync.any()
     layers = eng.model.num_layers
     assert shrinks and sum(inside) >= (4 * layers - 1) * len(shrinks), (sum(inside), len(shrinks))
+    assert (sum(long_k) >= layers * len(shrinks)) == (producer == "long_k")  # (down's products, K the longer)
     teacher.decode_graph_vs_eager(model, reqs, label, kernels=kernels)
     if producer:  # the same step on one engine, the tickets on the consumer warps, then on the producer's
         # ("long_k": every product's on the producer's, then down's alone)
