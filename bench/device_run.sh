@@ -45,6 +45,9 @@
 #   fp8fused the FP8 shrink, product and epilogue in one launch (LORAFLEET_FP8_SM90_FUSED_SHRINK): its kernel and engine
 #            GPU tests, then, if none failed, bench e2e with FP8 weights for the flag 0 and 1 (AB_REQS, default 200)
 #            -> e2e_fp8fusedshrink_{0,1}.json
+#   sfirst   bf16 products in FP8's two launches (LORAFLEET_SM90_SHRINK_FIRST): its kernel and family GPU tests
+#            (SFIRST_FTESTS_K: the families' -k), then, if none failed, bench e2e for the flag 0 and 1 (AB_REQS, default
+#            200) -> e2e_bf16shrinkfirst_{0,1}.json
 #   nltests  the norm with the LoRA expand before and the shrink after it (tests/gpu/test_norm_lora_cuda.py; NLTESTS_K: -k)
 #   stests   the LoRA shrink that does not wait for its base GEMM (tests/gpu/test_shrink_early_cuda.py)
 #   ntests   the project's RMSNorm kernel and the norm + LoRA shrink launch (tests/gpu/test_norm_cuda.py; NTESTS_K: -k)
@@ -250,6 +253,15 @@ stage() {
       if [ "$failed" != 0 ]; then echo "fp8fused: $failed tests failed; no A/B"; return 1; fi
       AB_VAR=LORAFLEET_FP8_SM90_FUSED_SHRINK AB_VALUES="0 1" AB_REQS=${AB_REQS:-200} AB_ARGS="--quantization fp8" \
         AB_NAME=fp8fusedshrink stage ab ;;
+    sfirst)  # bf16 products in two launches (LORAFLEET_SM90_SHRINK_FIRST): its GPU tests, then (only if none failed) its A/B
+      local failed
+      FP8_K="bf16_shrink_first or bf16_two_launches or shrink_first_refuses" TEST_S=${TEST_S:-150} stage sm90tests
+      FTESTS_K="${SFIRST_FTESTS_K:-(shrink_first and (llama3 or phi3)) or (producer_long_k and llama3)}" \
+        TEST_S=${TEST_S:-150} stage ftests
+      failed=$(cat "$LOGS/gpu_sm90tests.log" "$LOGS/gpu_ftests.log" \
+        | grep -cE '^(FAILED|ERROR) |(^| )(FAILED|ERROR)( +\[ *[0-9]+%\])?$')
+      if [ "$failed" != 0 ]; then echo "sfirst: $failed tests failed; no A/B"; return 1; fi
+      AB_VAR=LORAFLEET_SM90_SHRINK_FIRST AB_VALUES="0 1" AB_REQS=${AB_REQS:-200} AB_NAME=bf16shrinkfirst stage ab ;;
     nlprobe)
       timeout ${PROBE_S:-120} python3 bench/probe_norm_lora.py ${NLPROBE_ARGS:-} --out "$OUT/probe_norm_lora${TAG:+_$TAG}.json" 2>&1 \
         | tee "$LOGS/probe_norm_lora.log" | tail -12 ;;
