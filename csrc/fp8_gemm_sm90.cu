@@ -51,8 +51,8 @@ const char* shrink_error(const Fp8EpilogueArgs& e, const char* who) {
 
 // The shrink's tickets for a launch of `ctas` CTAs on `sms` SMs: at most as many as the warps that take them (4 a CTA,
 // the consumers; 3 with shrink_producer) of one CTA per SM, at most of every CTA, each the fewest rank rows of one
-// row that allows it; where the rows alone outnumber those warps, a row each. lora.x: x's bf16 rows where the
-// caller gave none (bf16 operands: x itself).
+// row that allows it; where the rows alone outnumber those warps, a row each. lora.x: with bf16 operands x itself,
+// else the caller's (x's bf16 rows).
 Fp8EpilogueArgs plan_shrink(const Fp8Sm90Args& a, const Fp8EpilogueArgs& e, int sms, long long ctas) {
   const Fp8EpilogueLora& l = e.lora;
   const long long warps = (l.shrink_producer ? 3 : 4) * (ctas < sms ? ctas : sms);
@@ -60,7 +60,7 @@ Fp8EpilogueArgs plan_shrink(const Fp8Sm90Args& a, const Fp8EpilogueArgs& e, int 
   int per = static_cast<int>(std::max(1LL, (static_cast<long long>(per_row) * a.m + warps - 1) / warps));
   while (per < per_row && static_cast<long long>(a.m) * ((per_row + per - 1) / per) > warps) ++per;
   Fp8EpilogueArgs shrunk = e;
-  if (shrunk.lora.x == nullptr) shrunk.lora.x = a.x;
+  if (a.bf16) shrunk.lora.x = a.x;
   shrunk.lora.k = a.k;
   shrunk.lora.shrink_per = per;
   shrunk.lora.shrink_tickets = a.m * ((per_row + per - 1) / per);
@@ -89,10 +89,8 @@ const char* fp8_gemm_sm90(const Fp8Sm90Args& a, void* stream) {
     if (a.shrink != nullptr) {
       DeviceInfo info;  // (sgmv.h: read once per device)
       if (const char* err = device_info(a.device, &info)) return err;
-      if (!a.bf16) return plain_shrink<>(a, plan_shrink(a, *a.shrink, info.sms, tile_ctas(a)), stream);
-      Fp8EpilogueArgs own = *a.shrink;  // (bf16 operands: x is the product's own)
-      own.lora.x = nullptr;
-      return sm90_bf16_plain_shrink(a, plan_shrink(a, own, info.sms, tile_ctas(a)), stream);
+      const Fp8EpilogueArgs planned = plan_shrink(a, *a.shrink, info.sms, tile_ctas(a));
+      return a.bf16 ? sm90_bf16_plain_shrink(a, planned, stream) : plain_shrink<>(a, planned, stream);
     }
     if (a.persistent) {
       DeviceInfo info;  // (sgmv.h: read once per device)
@@ -127,10 +125,8 @@ const char* fp8_gemm_sm90_fused(const Fp8Sm90Args& a, const Fp8EpilogueArgs& e, 
       return a.persistent ? fused<cutlass::float_e4m3_t, true>(a, e, stream, info.sms)
                           : fused<cutlass::float_e4m3_t>(a, e, stream);
     if (l.sync == nullptr) return sm90_bf16_fused(a, e, stream);
-    // (a grid with fewer SMs takes the tickets its first warps leave in its epilogues; x is the product's own)
-    Fp8EpilogueArgs own = e;
-    own.lora.x = nullptr;
-    return sm90_bf16_fused(a, plan_shrink(a, own, info.sms, tile_ctas(a)), stream);
+    // (a grid with fewer SMs takes the tickets its first warps leave in its epilogues)
+    return sm90_bf16_fused(a, plan_shrink(a, e, info.sms, tile_ctas(a)), stream);
   });
 }
 

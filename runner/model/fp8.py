@@ -179,6 +179,15 @@ def bf16_sm90_linear(ext, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor |
     return out
 
 
+def shrink_first_args(x: torch.Tensor, spans: list[int], lora: tuple, sync: torch.Tensor,
+                      producer: bool) -> dict:
+    """fp8_gemm_sm90's arguments for the rows' LoRA shrink first (x's bf16 rows, the spans, `lora` = (v, B pools,
+    ranks, row slots, A pools), the call site's counters; `producer`: on the producer warp group's idle warps)."""
+    v, b, ranks, row_slot, a = lora
+    return dict(lora_x=x, cols=list(spans), v=v, b=list(b), ranks=ranks, row_slot=row_slot, a=list(a), sync=sync,
+                **({"shrink_producer": True} if producer else {}))
+
+
 def bf16_sm90_shrink_first(ext, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, spans: list[int],
                            lora: tuple | None, unit: torch.Tensor, sync: torch.Tensor | None,
                            shrink_producer: bool = True, act: int = 0) -> torch.Tensor:
@@ -195,13 +204,10 @@ def bf16_sm90_shrink_first(ext, x: torch.Tensor, w: torch.Tensor, bias: torch.Te
     v, b, ranks, row_slot, a = epilogue_lora(lora)
     stream = torch.cuda.current_stream(x.device).cuda_stream
     y = torch.empty(M, N, dtype=torch.float32, device=x.device)
-    if a is not None:
-        if sync is None:
-            raise ValueError("bf16_sm90_shrink_first: the shrink first needs the call site's counters")
-        ext.fp8_gemm_sm90(y, x, w, stream, 1, lora_x=x, cols=list(spans), v=v, b=list(b), ranks=ranks,
-                          row_slot=row_slot, a=list(a), sync=sync, shrink_producer=shrink_producer)
-    else:
-        ext.fp8_gemm_sm90(y, x, w, stream, 1)
+    if a is not None and sync is None:
+        raise ValueError("bf16_sm90_shrink_first: the shrink first needs the call site's counters")
+    shrink = {} if a is None else shrink_first_args(x, spans, lora, sync, shrink_producer)
+    ext.fp8_gemm_sm90(y, x, w, stream, 1, **shrink)
     out = torch.empty(M, N // 2 if act else N, dtype=x.dtype, device=x.device)
     ext.fp8_epilogue(out, y, unit[:M], unit[:N], bias, list(spans), v, list(b), ranks, row_slot, True, stream, act)
     return out
@@ -363,12 +369,11 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
                 if shrink_sync is None or sm90_persistent or (sm90_fused and sm90_fused_lora):
                     raise ValueError("fp8_linear: A pools take the shrink first: shrink_sync, one CTA a tile, the "
                                      "epilogue's own launch")
-                on_producer = {"shrink_producer": True} if shrink_producer else {}
                 if fusable and sm90_fused_shrink:
-                    inside = dict(a=list(a), sync=shrink_sync, lora_x=x, **on_producer)
+                    inside = dict(a=list(a), sync=shrink_sync, lora_x=x,
+                                  **({"shrink_producer": True} if shrink_producer else {}))
                 else:
-                    shrink = dict(lora_x=x, cols=list(spans or [N]), v=v, b=list(b), ranks=ranks, row_slot=row_slot,
-                                  a=list(a), sync=shrink_sync, **on_producer)
+                    shrink = shrink_first_args(x, spans or [N], lora, shrink_sync, shrink_producer)
             elif fusable and (lora is None or sm90_fused_lora):
                 inside = {"persistent": True} if sm90_persistent else {}
             if inside is not None:
