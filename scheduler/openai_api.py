@@ -518,13 +518,15 @@ class LogprobsWriter:
 
 
 _json_text = json.JSONEncoder(ensure_ascii=False).encode
+_json_compact = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode  # (a stream's chunks all alike)
 
 
 class ChunkEncoder:
     """SSE `data:` lines of one streamed API call, as bytes, without building a dict per token.
 
     The fixed parts of a text chunk (id, object, created, model, index) are encoded once; each
-    token's text is one JSON string encode. Same JSON as `chunk()` (separators aside)."""
+    token's text is one JSON string encode. Every chunk compact (no spaces after separators), the same bytes
+    as `chunk()` gives for a text chunk."""
 
     def __init__(self, rid: str, model: str, chat: bool, created: int | None = None):
         self.rid, self.model, self.chat = rid, model, chat
@@ -542,7 +544,7 @@ class ChunkEncoder:
         return b"".join((self._head, str(index).encode(), self._mid, _json_text(text).encode(), self._tail))
 
     def event(self, obj: dict) -> bytes:
-        return b"data: " + _json_text(obj).encode() + b"\n\n"
+        return b"data: " + _json_compact(obj).encode() + b"\n\n"
 
     def chunk(self, index: int, text: str | None, finish_reason: str | None, role: bool = False,
               logprobs: dict | None = None) -> bytes:

@@ -208,6 +208,13 @@ def test_chunk_encoder_bytes_are_the_chunk_json(chat):
         want = oa.chunk("cmpl-1", 'mo"del', chat, 3, text, None)
         want["created"] = 7
         assert json.loads(line[6:]) == want
+        compact = json.dumps(json.loads(line[6:]), ensure_ascii=False, separators=(",", ":")).encode()
+        assert line[6:-2] == compact  # (the text chunks' bytes)
+    # the role, finish and logprob chunks are as compact as the text chunks: one stream, one spelling
+    for line in (enc.chunk(0, None, None, role=True), enc.chunk(0, None, "stop"),
+                 enc.text(0, "x", logprobs={"content": [{"token": "x", "logprob": -0.5}]})):
+        body = json.loads(line[6:])
+        assert line == b"data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
 async def test_a_runners_refusal_is_the_clients_400(tok):
