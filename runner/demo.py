@@ -14,6 +14,7 @@ import json
 import logging
 import shutil
 import sys
+import time
 from pathlib import Path
 
 from lorafleet import env
@@ -75,7 +76,11 @@ def write_model(gguf: Path, out: Path) -> None:
     from lorafleet.runner.model.weights import load_gguf
 
     out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
     _, cfg, tensors = load_gguf(gguf)
+    size = sum(v.numel() * v.element_size() for v in tensors.values())
+    log.info("dequantized %d tensors (%.0f MB in fp32) in %.1fs; saving them", len(tensors), size / 1e6,
+             time.monotonic() - t0)
     cfg.update(_name_or_path="SmolLM2-135M-Instruct", torch_dtype="float32", pad_token_id=2)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     (out / "generation_config.json").write_text(
@@ -84,6 +89,7 @@ def write_model(gguf: Path, out: Path) -> None:
     tmp = out / "model.safetensors.tmp"
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
     tmp.rename(out / "model.safetensors")
+    log.info("saved model.safetensors; converting the GGUF's tokenizer")
     write_tokenizer(gguf, out)
 
 
@@ -100,13 +106,20 @@ def prepare(out: Path | None = None, force: bool = False) -> Path:
     model_dir, adapters_dir = out / "model", out / "adapters"
     if force or not (model_dir / "model.safetensors").is_file():
         gguf = find_gguf()
-        log.info("writing the demo model from %s to %s", gguf.name, model_dir)
+        log.info("writing the demo model from %s to %s (first run only; ~10-30 s)", gguf.name, model_dir)
+        t0 = time.monotonic()
         write_model(gguf, model_dir)
+        size = sum(f.stat().st_size for f in model_dir.iterdir() if f.is_file())
+        log.info("wrote the demo model (%.0f MB) in %.1fs", size / 1e6, time.monotonic() - t0)
     adapters_dir.mkdir(parents=True, exist_ok=True)
+    copied = []
     for src in sorted(p for p in DEMO_ADAPTERS.iterdir() if p.is_dir()):
         dst = adapters_dir / src.name
         if force or not (dst / "adapter_model.safetensors").is_file():
             shutil.copytree(src, dst, dirs_exist_ok=True)
+            copied.append(src.name)
+    if copied:
+        log.info("wrote the demo adapters %s to %s", ", ".join(copied), adapters_dir)
     write_requests(out / "requests.jsonl")
     return out
 
