@@ -12,6 +12,9 @@ from setuptools import setup
 
 # The demo adapters are data files of lorafleet.runner (package_data), not packages.
 warnings.filterwarnings("ignore", message=r"Package 'lorafleet\.runner\.demo_adapters")
+# setuptools warns on every editable install that a folder named like the package could shadow it; this tree has
+# no folder named `lorafleet` at its root (the package lives in src/), so the boxed warning only alarms newcomers.
+warnings.filterwarnings("ignore", message=r"Editable installation")
 
 HERE = Path(__file__).parent
 ROOTS = {
