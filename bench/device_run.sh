@@ -15,7 +15,8 @@
 #   btests   LoRA beside the base GEMM in decode graphs (tests/gpu/test_lora_branch_cuda.py)
 #   dtests   the project's decode attention kernel (csrc/decode_attn.cu) against fp64, its bits and graphs, then in the
 #            families' engines and with FP8 pages against flashinfer's decode (DTESTS_K: -k)
-#   sanitizer compute-sanitizer memcheck on tests/gpu/sanitizer_case.py alone (SAN_S: its time limit, default 180 s)
+#   sanitizer compute-sanitizer memcheck on tests/gpu/sanitizer_case.py, then on the wgmma products' kernel tests
+#            chosen by SAN_SM90_K ("" skips them) (SAN_S: each one's time limit, default 180 s)
 #   dprobe   bench/probe_decode_attn.py: that kernel against flashinfer's decode, bf16 and e4m3 pages, 7B and 70B
 #            shapes, beside the K/V bytes -> probe_decode_attn.json (DPROBE_ARGS)
 #   dchunkab the fastest staged launch of an earlier dprobe (e4m3 pages, batch 32: chunk, workers, integer conversion,
@@ -296,9 +297,16 @@ stage() {
         | cut -c1-300 | tail -${TEST_LINES:-30}
       echo "dtests as they ended: $(grep -cE '(^| )PASSED( +\[ *[0-9]+%\])?$' "$LOGS/gpu_dtests.log") passed," \
         "$(grep -cE '(^| )(FAILED|ERROR)( +\[ *[0-9]+%\])?$' "$LOGS/gpu_dtests.log") failed" ;;
-    sanitizer)  # compute-sanitizer memcheck on tests/gpu/sanitizer_case.py alone, at the current defaults
+    sanitizer)  # compute-sanitizer memcheck on tests/gpu/sanitizer_case.py at the current defaults, then on the wgmma
+      # products' kernel tests chosen by SAN_SM90_K ("" skips them; the case script has no sm90 product)
       PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SAN_S:-180} compute-sanitizer --tool memcheck python3 \
-        tests/gpu/sanitizer_case.py > "$LOGS/sanitizer.log" 2>&1; tail -2 "$LOGS/sanitizer.log" ;;
+        tests/gpu/sanitizer_case.py > "$LOGS/sanitizer.log" 2>&1; tail -2 "$LOGS/sanitizer.log"
+      local k="${SAN_SM90_K-(bf16_shrink_first_then and 17-producer) or (two_launches_apply and 1-silu)}"
+      if [ -n "$k" ]; then
+        PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SAN_S:-180} compute-sanitizer --tool memcheck python3 -m pytest -q \
+          -p no:cacheprovider tests/gpu/test_fp8_sm90_cuda.py -k "$k" > "$LOGS/sanitizer_sm90.log" 2>&1
+        grep -E "passed|failed|ERROR SUMMARY" "$LOGS/sanitizer_sm90.log" | tail -3
+      fi ;;
     dprobe)
       timeout ${PROBE_S:-240} python3 bench/probe_decode_attn.py ${DPROBE_ARGS:-} \
         --out "$OUT/probe_decode_attn${TAG:+_$TAG}.json" 2>&1 | tee "$LOGS/probe_decode_attn.log" | tail -18

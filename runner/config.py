@@ -101,13 +101,14 @@ class KernelChoices:
         three warps that issue no copies take it, beside the main loop, instead of the consumer warps before it, in
         products of any K (the same bits; off: -2.0 / -0.2 % with adapters on the H100, docs/benchmarks.md 13.17).
     sm90_shrink_producer_long_k: the same only for the bf16 products whose K exceeds SM90_SHRINK_MAX_K (7B's down),
-        which otherwise keep the shrink's own launch; the others keep the consumer warps (the same bits; off until
-        measured).
+        which otherwise keep the shrink's own launch; the others keep the consumer warps (the same bits; off, not
+        measured: with sm90_shrink_first on, every product with adapters takes the producer's warps already).
     sm90_shrink_first: with sm90_shrink, a bf16 product with adapters in two launches as an FP8 one takes them: the
         wgmma product into fp32 with the shrink on the producer's warps beside its main loop (any K), then the FP8
         epilogue's launch with unit scales adding the bias and the expand, instead of one launch whose epilogues wait
         for every CTA's share of v; with fp8_epilogue_act and flashinfer's ops, gate_up's epilogue also applies the
-        activation in place of act_and_mul (the same bits; off until measured).
+        activation in place of act_and_mul (the same bits; on: +1.3 / +3.3 % with 32 distinct adapters / one on the
+        H100, LoRA off unchanged, docs/benchmarks.md 13.20).
     fp8_sm90_shrink_producer: the same for FP8 products with fp8_sm90_shrink, where o and down then take the shrink
         too (their rows quantized by the activation kernel's launch) (the same bits; on: +1.2 / +1.1 % with adapters
         on the H100 in two calls, docs/benchmarks.md 13.18).
@@ -177,7 +178,7 @@ class KernelChoices:
     sm90_shrink: bool = True
     sm90_shrink_producer: bool = False
     sm90_shrink_producer_long_k: bool = False
-    sm90_shrink_first: bool = False
+    sm90_shrink_first: bool = True
     fp8_sm90_shrink_producer: bool = True
     fp8_sm90_fused_shrink: bool = False
     sm90_prefetch_b: bool = False

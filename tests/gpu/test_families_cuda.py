@@ -195,7 +195,8 @@ def test_family_shrink_inside_the_wgmma_product(family, monkeypatch, producer):
         # ("long_k": every product's on the producer's, then down's alone)
         monkeypatch.setattr(dec, "bf16_sm90_linear", real)
         monkeypatch.setattr(dec, "bf16_sm90_shrink_first", real_first)
-        first = KernelChoices(bf16_sm90=True, sm90_shrink=True, sm90_shrink_producer=producer == "long_k")
+        first = KernelChoices(bf16_sm90=True, sm90_shrink=True, sm90_shrink_producer=producer == "long_k",
+                              sm90_shrink_first=False)  # (the one launch, the default before sm90_shrink_first)
         eng, batch = teacher.decode_step(model, reqs, kernels=first)
         dev = batch.to_device(eng.device)
         try:
