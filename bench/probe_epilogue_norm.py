@@ -94,15 +94,15 @@ def main() -> None:
             def product_alone():
                 product()
 
-            rows[f"{prec} {shape} {name} {mix}"] = {
-                "product": round(timed(product_alone, args.reps), 2),
-                "epilogue_then_norm": round(timed(separate, args.reps), 2),
-                "epilogue_norm": round(timed(together, args.reps), 2)}
-    print(f"{'weights shape projection adapters (us a chain, CUDA graph)':58s} {'product':>8s} {'+epi+norm':>10s} "
-          f"{'+both':>8s} {'saved':>7s}")
-    for k, r in rows.items():
-        print(f"{k:58s} {r['product']:8.2f} {r['epilogue_then_norm']:10.2f} {r['epilogue_norm']:8.2f} "
-              f"{r['epilogue_then_norm'] - r['epilogue_norm']:7.2f}")
+            k = f"{prec} {shape} {name} {mix}"
+            r = rows[k] = {"product": round(timed(product_alone, args.reps), 2),
+                           "epilogue_then_norm": round(timed(separate, args.reps), 2),
+                           "epilogue_norm": round(timed(together, args.reps), 2)}
+            if len(rows) == 1:
+                print(f"{'weights shape projection adapters (us a chain, CUDA graph)':48s} {'product':>8s} "
+                      f"{'+epi+norm':>10s} {'+both':>8s} {'saved':>7s}")
+            print(f"{k:48s} {r['product']:8.2f} {r['epilogue_then_norm']:10.2f} {r['epilogue_norm']:8.2f} "
+                  f"{r['epilogue_then_norm'] - r['epilogue_norm']:7.2f}", flush=True)
     write_json(args.out, rows=T, rank=R, us_per_chain=rows)
 
 
