@@ -11,6 +11,7 @@ weight-only: x times the dequantized weight, so the CPU runs the FP8 path's weig
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -132,6 +133,25 @@ SM90_MAX_ROWS = 64  # token rows of one call of that kernel (fp8_gemm_sm90.h kFp
 SM90_SHRINK_MAX_K = 8192
 
 
+@dataclass
+class PendingEpilogue:
+    """A one-span product's FP8 epilogue (scales, bias, the rows' LoRA expand) not yet launched, for the add + RMSNorm
+    that reads its output (OwnNorm.run_epilogue: both in one launch, KernelChoices.epilogue_norm), or finish()ed into
+    the epilogue's own launch where that norm cannot take it. The product y has been launched."""
+
+    y: torch.Tensor               # [M, N] fp32, the product
+    x_scale: torch.Tensor         # [M] fp32
+    w_scale: torch.Tensor         # [N] fp32
+    bias: torch.Tensor | None     # [N] of dtype, or None
+    lora: tuple                   # (v, B pools, ranks, row slots), or (None, [], None, None)
+    dtype: torch.dtype            # the output's
+    finish: Callable[[], torch.Tensor]  # the epilogue's own launch -> the output [M, N]
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.y.shape
+
+
 def epilogue_lora(lora: tuple | None) -> tuple:
     """The epilogue kernels' LoRA arguments (v, B pools, ranks, row slots, A pools or None) from
     LoraStepImpl.epilogue_operands' tuple, or none: no v, no B pools, no ranks, no row slots, no A pools."""
@@ -190,7 +210,8 @@ def shrink_first_args(x: torch.Tensor, spans: list[int], lora: tuple, sync: torc
 
 def bf16_sm90_shrink_first(ext, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, spans: list[int],
                            lora: tuple | None, unit: torch.Tensor, sync: torch.Tensor | None,
-                           shrink_producer: bool = True, act: int = 0) -> torch.Tensor:
+                           shrink_producer: bool = True, act: int = 0,
+                           to_norm: bool = False) -> torch.Tensor | PendingEpilogue:
     """bf16_sm90_linear's result in two launches, as an FP8 projection with adapters takes them: the wgmma product of
     the bf16 operands into fp32, with A pools in `lora` the rows' shrink first into v on its own warps (the producer
     warp group's three that issue no copies, beside the main loop, with `shrink_producer`, else the consumer warps
@@ -199,18 +220,27 @@ def bf16_sm90_shrink_first(ext, x: torch.Tensor, w: torch.Tensor, bias: torch.Te
     written; None: no expand). The same bits as the one launch (whose epilogue is that arithmetic on the same fp32
     sums), with no wait inside the product for every CTA's share of v: the epilogue's launch reads v after the
     product has ended. `act` (two equal spans gate | up): 1 (SiLU) or 2 (GELU-tanh): the epilogue returns act(gate) *
-    up [M, N / 2], flashinfer's act_and_mul bits from the one launch's output, in place of that launch."""
+    up [M, N / 2], flashinfer's act_and_mul bits from the one launch's output, in place of that launch. `to_norm` (one
+    span, no act): only the product is launched; the epilogue is returned as a PendingEpilogue for the norm after it."""
     M, N = x.shape[0], w.shape[0]
     v, b, ranks, row_slot, a = epilogue_lora(lora)
     stream = torch.cuda.current_stream(x.device).cuda_stream
     y = torch.empty(M, N, dtype=torch.float32, device=x.device)
     if a is not None and sync is None:
         raise ValueError("bf16_sm90_shrink_first: the shrink first needs the call site's counters")
+    if to_norm and (act or len(spans) != 1):
+        raise ValueError("bf16_sm90_shrink_first: only a one-span product without an activation goes to the norm")
     shrink = {} if a is None else shrink_first_args(x, spans, lora, sync, shrink_producer)
     ext.fp8_gemm_sm90(y, x, w, stream, 1, **shrink)
-    out = torch.empty(M, N // 2 if act else N, dtype=x.dtype, device=x.device)
-    ext.fp8_epilogue(out, y, unit[:M], unit[:N], bias, list(spans), v, list(b), ranks, row_slot, True, stream, act)
-    return out
+
+    def finish() -> torch.Tensor:
+        out = torch.empty(M, N // 2 if act else N, dtype=x.dtype, device=x.device)
+        ext.fp8_epilogue(out, y, unit[:M], unit[:N], bias, list(spans), v, list(b), ranks, row_slot, True,
+                         torch.cuda.current_stream(x.device).cuda_stream, act)
+        return out
+    if to_norm:
+        return PendingEpilogue(y, unit[:M], unit[:N], bias, (v, list(b), ranks, row_slot), x.dtype, finish)
+    return finish()
 
 
 @functools.cache
