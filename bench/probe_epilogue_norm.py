@@ -2,7 +2,8 @@
 from a CUDA graph: the product into fp32 (bf16 weights: the rows' LoRA shrink first on the producer warp group's
 warps, as the default two launches run it; e4m3 weights: the unit-scale product, v given), then either the FP8
 epilogue's launch (scales, bias, the rows' LoRA expand) and the norm's launch, as a step runs them today, or both in
-one launch (csrc/sgmv.cu epilogue_norm). Llama-2-7B and -70B shapes, 32 distinct adapters and one; each product reads
+one launch (csrc/sgmv.cu epilogue_norm; b0 / b1 / b2: B's rows of none, one or two of a lane's vectors read before
+its wait). Llama-2-7B and -70B shapes, 32 distinct adapters and one; each product reads
 its weight from DRAM (copies cycled past the L2), as a step's layers do. The design's measurement before the decoder
 takes it.
 
@@ -84,12 +85,12 @@ def main() -> None:
             def separate():
                 sx, sw = product()
                 ext.fp8_epilogue(out, y, sx, sw, None, [N], *lora, True, cur())
-                ext.rms_norm(x_out, out, res, res_out, w_norm, 1e-5, 0.0, None, None, True, cur())
+                ext.rms_norm(x_out, out, res, res_out, w_norm, 1e-5, 0.0, None, None, True, cur(), early=True)
 
-            def together():
+            def together(early_b=-1):
                 sx, sw = product()
                 ext.epilogue_norm(x_out, res, res_out, w_norm, 1e-5, 0.0, None, None, y, sx, sw, None, *lora, True,
-                                  cur())
+                                  cur(), early=True, early_b=early_b)
 
             def product_alone():
                 product()
@@ -97,12 +98,13 @@ def main() -> None:
             k = f"{prec} {shape} {name} {mix}"
             r = rows[k] = {"product": round(timed(product_alone, args.reps), 2),
                            "epilogue_then_norm": round(timed(separate, args.reps), 2),
-                           "epilogue_norm": round(timed(together, args.reps), 2)}
+                           **{f"epilogue_norm_b{b}": round(timed(lambda b=b: together(b), args.reps), 2)
+                              for b in (0, 1, 2)}}
             if len(rows) == 1:
-                print(f"{'weights shape projection adapters (us a chain, CUDA graph)':48s} {'product':>8s} "
-                      f"{'+epi+norm':>10s} {'+both':>8s} {'saved':>7s}")
-            print(f"{k:48s} {r['product']:8.2f} {r['epilogue_then_norm']:10.2f} {r['epilogue_norm']:8.2f} "
-                  f"{r['epilogue_then_norm'] - r['epilogue_norm']:7.2f}", flush=True)
+                print(f"{'weights shape projection adapters (us a chain)':44s} {'product':>8s} {'+epi+norm':>10s} "
+                      f"{'+both b0':>9s} {'b1':>7s} {'b2':>7s}")
+            print(f"{k:44s} {r['product']:8.2f} {r['epilogue_then_norm']:10.2f} {r['epilogue_norm_b0']:9.2f} "
+                  f"{r['epilogue_norm_b1']:7.2f} {r['epilogue_norm_b2']:7.2f}", flush=True)
     write_json(args.out, rows=T, rank=R, us_per_chain=rows)
 
 

@@ -529,20 +529,23 @@ __global__ void __launch_bounds__(kThreads, kNormRegBlocksPerSm)
 // layout (norm_row_regs). Each lane computes the epilogue's values at its own vectors' columns (fp8_epi::finish, the
 // epilogue's device code), rounds them to T as the epilogue's store would, adds the residual as norm_load8 does, then
 // runs the norm's rest: the bits of fp8_epilogue followed by rms_norm_rows, without the product's output written or
-// read back. B's first rank rows are loaded before the programmatic-launch wait, as the epilogue's own launch does,
-// where a lane has at most two vectors (rows of at most 4,096 columns); wider rows, up to 8,192, load them after it.
+// read back. B's first rank rows of a lane's first kPre vectors are loaded before the programmatic-launch wait, as the
+// epilogue's own launch does (by default all of them where a lane has at most two vectors, rows of at most 4,096
+// columns; none for wider rows, up to 8,192), the others' after it: a launch shape for the probe to time (the bits do
+// not depend on kPre). One block per SM's worth of registers in every case (154-210; bounds for two blocks spill).
 
-template <typename T, int kVecs>
+template <typename T, int kVecs, int kPre>
 __global__ void __launch_bounds__(kThreads, 1)
     epilogue_norm_kernel(const __grid_constant__ Fp8EpilogueArgs e, const __grid_constant__ NormArgs n) {
-  constexpr bool kEarlyB = kVecs <= 2;  // (registers: kVecs * 16 uint4 of B)
-  constexpr int kBVecs = kEarlyB ? kVecs : 1;
+  // kPre: the lane's first vectors whose B rows are loaded before the wait (registers: kPre * 16 uint4); the others'
+  // after it, one vector at a time
+  constexpr int kHeld = kPre > 0 ? kPre : 1;
   const int row = blockIdx.x;
   const int KV = n.cols >> 3;
   const int64_t base = static_cast<int64_t>(row) * n.cols;
   const int2 sl = slice_of(KV, threadIdx.x >> 5);
   const int kv0 = sl.x + (threadIdx.x & 31);
-  uint4 bk[kBVecs][fp8_epi::kChunk];
+  uint4 bk[kHeld][fp8_epi::kChunk];
   const T* b[kVecs];
   int rk[kVecs];
 #pragma unroll
@@ -551,7 +554,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     b[j] = nullptr;
     if (kv0 + 32 * j < sl.y) {
       rk[j] = fp8_epi::lora_rank<T>(e.lora, row, 0, (kv0 + 32 * j) * 8, 0, e.n, b[j]);
-      if (kEarlyB) fp8_epi::load_b<T>(bk[kEarlyB ? j : 0], b[j], e.n, rk[j]);
+      if (j < kPre) fp8_epi::load_b<T>(bk[j < kPre ? j : 0], b[j], e.n, rk[j]);
     }
   }
   if (n.quant_out != nullptr || n.early) pdl_launch_dependents();  // (as rms_norm_rows_regs_kernel)
@@ -572,11 +575,15 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int q = 0; q < 8; ++q) y[q] = __fadd_rn(y[q], p[q]);
     }
-    uint4(&bj)[fp8_epi::kChunk] = bk[kEarlyB ? j : 0];
-    if (!kEarlyB) fp8_epi::load_b<T>(bj, b[j], e.n, rk[j]);
     const float* v = rk[j] > 0 ? fp8_epi::lora_v(e.lora, row, 0) : nullptr;
     float o[8];
-    fp8_epi::finish<T>(e, row, c, e.n, y, bj, b[j], rk[j], v, v, o);
+    if (j < kPre) {
+      fp8_epi::finish<T>(e, row, c, e.n, y, bk[j < kPre ? j : 0], b[j], rk[j], v, v, o);
+    } else {
+      uint4 late[fp8_epi::kChunk];
+      fp8_epi::load_b<T>(late, b[j], e.n, rk[j]);
+      fp8_epi::finish<T>(e, row, c, e.n, y, late, b[j], rk[j], v, v, o);
+    }
     float q[8];
     to_float8<T>(ldg16(static_cast<const T*>(n.res) + at), q);
 #pragma unroll
@@ -1888,14 +1895,24 @@ const char* epilogue_norm_check(const Fp8EpilogueArgs& e, const NormArgs& n) {
   return nullptr;
 }
 
-const char* epilogue_norm(DType dtype, const Fp8EpilogueArgs& e, const NormArgs& n, int device, void* stream) {
+template <typename T, int kVecs>
+cudaError_t launch_epilogue_norm(cudaLaunchConfig_t& cfg, const Fp8EpilogueArgs& e, const NormArgs& n, int pre) {
+  return pre <= 0 ? cudaLaunchKernelEx(&cfg, epilogue_norm_kernel<T, kVecs, 0>, e, n)
+         : pre == 1 ? cudaLaunchKernelEx(&cfg, epilogue_norm_kernel<T, kVecs, 1>, e, n)
+                    : cudaLaunchKernelEx(&cfg, epilogue_norm_kernel<T, kVecs, 2>, e, n);
+}
+
+const char* epilogue_norm(DType dtype, const Fp8EpilogueArgs& e, const NormArgs& n, int device, void* stream,
+                          int early_b) {
   if (const char* err = epilogue_norm_check(e, n)) return err;
+  if (early_b < -1 || early_b > 2) return "epilogue_norm: early_b must be -1 (by the width), 0, 1 or 2";
   if (n.rows == 0) return nullptr;
   DeviceScope scope(device);
   if (!scope.ok()) return "epilogue_norm: cannot select the tensors' CUDA device";
   DeviceInfo info;
   if (const char* err = device_info(device, &info)) return err;
   const bool two = ceil_div(ceil_div(n.cols / 8, kSlices), 32) <= 2;
+  const int pre = early_b >= 0 ? early_b : two ? 2 : 0;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(n.rows);
   cfg.blockDim = dim3(kThreads);
@@ -1904,11 +1921,11 @@ const char* epilogue_norm(DType dtype, const Fp8EpilogueArgs& e, const NormArgs&
   set_pdl(cfg, attr, e.pdl, info.major);
   cudaError_t err;
   if (dtype == DType::kBFloat16)
-    err = two ? cudaLaunchKernelEx(&cfg, epilogue_norm_kernel<__nv_bfloat16, 2>, e, n)
-              : cudaLaunchKernelEx(&cfg, epilogue_norm_kernel<__nv_bfloat16, kNormRegMaxVecs>, e, n);
+    err = two ? launch_epilogue_norm<__nv_bfloat16, 2>(cfg, e, n, pre)
+              : launch_epilogue_norm<__nv_bfloat16, kNormRegMaxVecs>(cfg, e, n, pre);
   else
-    err = two ? cudaLaunchKernelEx(&cfg, epilogue_norm_kernel<__half, 2>, e, n)
-              : cudaLaunchKernelEx(&cfg, epilogue_norm_kernel<__half, kNormRegMaxVecs>, e, n);
+    err = two ? launch_epilogue_norm<__half, 2>(cfg, e, n, pre)
+              : launch_epilogue_norm<__half, kNormRegMaxVecs>(cfg, e, n, pre);
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
 }
 

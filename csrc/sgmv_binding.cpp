@@ -61,9 +61,10 @@
 //       out [M, N / 2] = act(gate) * up as flashinfer's act_and_mul computes it from the epilogue's output.
 //       y [splits, M, N]: a split-K product's partial sums (fp8_gemm_sm90 with splits), added in part order first.
 //   epilogue_norm(x_out, res, res_out, w, eps, offset, quant_out, quant_scale, y, x_scale, w_scale, bias, v, b, ranks,
-//       row_slot, pdl, stream, early=False): fp8_epilogue of y (one span, no activation) and rms_norm of its output
-//       with res in one launch (quant.h epilogue_norm): res_out = T(out + res), x_out (and its e4m3 rows) as rms_norm
-//       gives them from that out, which is not written. Rows of at most 8,192 columns.
+//       row_slot, pdl, stream, early=False, early_b=-1): fp8_epilogue of y (one span, no activation) and rms_norm of
+//       its output with res in one launch (quant.h epilogue_norm): res_out = T(out + res), x_out (and its e4m3 rows)
+//       as rms_norm gives them from that out, which is not written. Rows of at most 8,192 columns. early_b: a lane's
+//       vectors (0-2) whose B rows are read before the wait (-1: by the width); the same bits.
 //   fp8_gemm_sm90_fused(out, x, w, x_scale, w_scale, bias, cols, v, b, ranks, row_slot, pdl, stream, a=[], sync=None,
 //       persistent=False, prefetch_b=False, shrink_producer=False, lora_x=None): the bits of fp8_gemm_sm90 then
 //       fp8_epilogue (act 0, one part) in one launch (prefetch_b: the epilogue's first B rows asked of L2 before the
@@ -940,12 +941,12 @@ void fp8_epilogue(Tensor out, Tensor y, Tensor x_scale, Tensor w_scale, std::opt
 void epilogue_norm(Tensor x_out, Tensor res, Tensor res_out, Tensor w, double eps, double offset,
                    std::optional<Tensor> quant_out, std::optional<Tensor> quant_scale, Tensor y, Tensor x_scale,
                    Tensor w_scale, std::optional<Tensor> bias, std::optional<Tensor> v, std::vector<Tensor> b,
-                   std::optional<Tensor> ranks, std::optional<Tensor> row_slot, bool pdl, int64_t stream, bool early) {
+                   std::optional<Tensor> ranks, std::optional<Tensor> row_slot, bool pdl, int64_t stream, bool early,
+                   int64_t early_b) {
   const auto dtype = kernel_dtype(res, "res");
-  // (res stands for the norm's h in its checks: the epilogue's output, which has res's shape and dtype, is never
-  // materialized)
+  // (res stands for the norm's h in its checks, and stays in n.h, which the kernel does not read: the epilogue's
+  // output, of res's shape and dtype, is never materialized)
   lorafleet::NormArgs n = norm_args(x_out, res, res, res_out, w, eps, offset, quant_out, quant_scale);
-  n.h = nullptr;
   n.early = early;
   SGMV_CHECK(y.is_cuda() && y.scalar_type() == torch::kFloat && (y.dim() == 2 || y.dim() == 3) && y.is_contiguous() &&
                  aligned16(y),
@@ -962,7 +963,9 @@ void epilogue_norm(Tensor x_out, Tensor res, Tensor res_out, Tensor w, double ep
   a.splits = static_cast<int>(splits);
   a.y = y.data_ptr<float>();
   a.pdl = pdl;
-  const char* err = lorafleet::epilogue_norm(dtype, a, n, y.get_device(), as_stream(stream));
+  SGMV_CHECK(early_b >= -1 && early_b <= 2, "epilogue_norm: early_b must be -1 (by the width), 0, 1 or 2, got %lld",
+             ll(early_b));
+  const char* err = lorafleet::epilogue_norm(dtype, a, n, y.get_device(), as_stream(stream), static_cast<int>(early_b));
   SGMV_CHECK(err == nullptr, "epilogue_norm launch failed: %s", err ? err : "");
 }
 
@@ -1162,7 +1165,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x_out"), py::arg("res"), py::arg("res_out"), py::arg("w"), py::arg("eps"), py::arg("offset"),
         py::arg("quant_out"), py::arg("quant_scale"), py::arg("y"), py::arg("x_scale"), py::arg("w_scale"),
         py::arg("bias"), py::arg("v"), py::arg("b"), py::arg("ranks"), py::arg("row_slot"), py::arg("pdl"),
-        py::arg("stream"), py::arg("early") = false);
+        py::arg("stream"), py::arg("early") = false, py::arg("early_b") = -1);
   m.def("decode_attention", &decode_attention,
         "attention of one query row per request over its paged K/V (bf16 / fp16 or e4m3 pages), one launch",
         py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("indptr"), py::arg("indices"),

@@ -235,7 +235,9 @@ def test_family_epilogue_in_the_norm_after_o_and_down(family, monkeypatch):
     eng, batch = teacher.decode_step(model, reqs, kernels=kernels)
     dev = batch.to_device(eng.device)
     try:
+        before = len(taken)
         together = eng.runner.forward(batch, dev).clone()
+        assert len(taken) - before == (0 if sandwich else 2 * eng.model.num_layers - 1)  # (none fell back)
         eng.model.epilogue_norm = False
         assert torch.equal(eng.runner.forward(batch, dev), together), name
     finally:

@@ -304,15 +304,18 @@ def test_fp8_epilogue_refuses_bad_operands():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("N,M,bias,lora,splits,quant,offset", [
-    (4096, 32, False, True, 1, False, 0.0), (4096, 1, True, True, 2, True, 0.0), (576, 17, True, True, 1, False, 1.0),
-    (8192, 32, False, True, 1, True, 0.0), (4096, 64, False, False, 1, True, 0.0), (2056, 5, True, True, 3, False, 0.0)])
-def test_the_epilogue_and_the_norm_in_one_launch(dtype, N, M, bias, lora, splits, quant, offset):
+@pytest.mark.parametrize("N,M,bias,lora,splits,quant,offset,early", [
+    (4096, 32, False, True, 1, False, 0.0, True), (4096, 3, True, True, 2, True, 0.0, False),
+    (576, 17, True, True, 1, False, 1.0, True), (8192, 32, False, True, 1, True, 0.0, True),
+    (4096, 64, False, False, 1, True, 0.0, False), (2056, 5, True, True, 3, False, 0.0, True)])
+def test_the_epilogue_and_the_norm_in_one_launch(dtype, N, M, bias, lora, splits, quant, offset, early):
     """epilogue_norm (the FP8 epilogue of a one-span product and the add + RMSNorm of its output, one launch) against
     fp8_epilogue into out followed by rms_norm(out, res), bit for bit: res_out, x_out and, with quant, x's e4m3 rows
     and scales. Every kind of row slot (ranks past the 16 rank rows loaded before the wait, up to 128), split-K parts,
     Gemma's offset, rows of 576 to 8,192 columns (two vectors a lane at 4,096, where B is loaded before the wait; four
-    at 8,192, after it). Each of its checked-against launches has its own test against an independent reference."""
+    at 8,192, after it; and each count of vectors so loaded, early_b); `early` (the next kernel let start at once, as
+    the decoder asks with norm_early) on and off.
+    Each of its checked-against launches has its own test against an independent reference."""
     from lorafleet.runner.kernels import load
 
     ext = load()
@@ -325,22 +328,24 @@ def test_the_epilogue_and_the_norm_in_one_launch(dtype, N, M, bias, lora, splits
     lora_args = (c.get("v"), c.get("b", []), c.get("ranks"), c.get("row_slot"))
 
     def outputs():
-        q = (torch.full((M, N), 7, dtype=torch.uint8, device="cuda"), torch.full((M,), float("nan"), device="cuda"))
+        q = (torch.full((M, N), 7, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn),
+             torch.full((M,), float("nan"), device="cuda"))
         return (torch.full((M, N), float("nan"), dtype=dtype, device="cuda"),
                 torch.full((M, N), float("nan"), dtype=dtype, device="cuda")) + (q if quant else (None, None))
     out = torch.empty(M, N, dtype=dtype, device="cuda")
     ext.fp8_epilogue(out, y, c["x_scale"], c["w_scale"], c["bias"], [N], *lora_args, True, st)
     want = outputs()
     ext.rms_norm(want[0], out, res, want[1], w, 1e-5, offset, want[2], want[3], True, st)
-    for pdl in (True, False):
+    for pdl, early_b in ((True, -1), (False, -1), (True, 0), (True, 1), (True, 2)):  # (early_b: a launch shape)
         got = outputs()
         ext.epilogue_norm(got[0], res, got[1], w, 1e-5, offset, got[2], got[3], y, c["x_scale"], c["w_scale"],
-                          c["bias"], *lora_args, pdl, st)
+                          c["bias"], *lora_args, pdl, st, early=early, early_b=early_b)
         torch.cuda.synchronize()
-        assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16)), (pdl, "x_out")
-        assert torch.equal(got[1].view(torch.int16), want[1].view(torch.int16)), (pdl, "res_out")
+        assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16)), (pdl, early_b, "x_out")
+        assert torch.equal(got[1].view(torch.int16), want[1].view(torch.int16)), (pdl, early_b, "res_out")
         if quant:
-            assert torch.equal(got[2], want[2]) and torch.equal(got[3], want[3]), (pdl, "e4m3 rows")
+            assert torch.equal(got[2].view(torch.uint8), want[2].view(torch.uint8)), (pdl, early_b, "e4m3 rows")
+            assert torch.equal(got[3], want[3]), (pdl, early_b, "e4m3 scales")
     assert torch.isfinite(want[0].float()).all() and not torch.equal(want[1], res)
 
 
