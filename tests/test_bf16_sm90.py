@@ -223,9 +223,11 @@ def test_bf16_products_with_the_expand_inside_give_the_default_tokens(tmp_path, 
             to_norm = [c for c in firsts if "to_norm" in c]
             if in_product == "shrink_first":
                 assert to_norm == [] and d.own_norm is None
-            else:  # o's in every layer, down's in all but the last: (2 layers - 1) a step with adapters
+            else:  # o's in every layer, down's in all but the last: (2 layers - 1) a step with adapters; none where a
+                # sandwich norm comes between (gemma3)
+                sandwich = d.layers[0].post_attn_norm is not None
                 assert all(c[0] == (d.cfg.hidden_size,) for c in to_norm)
-                assert len(to_norm) == (2 * d.num_layers - 1) * shim.shrinks == d.own_norm.epilogues
+                assert len(to_norm) == (0 if sandwich else 2 * d.num_layers - 1) * shim.shrinks == d.own_norm.epilogues
             firsts = [tuple(x for x in c if x != "to_norm") for c in firsts]
             assert all(c[1] and c[2] == "first" for c in firsts) and len(calls) - len(firsts) == sum(
                 1 for c in calls if len(c) == 2)
@@ -257,6 +259,12 @@ def test_bf16_products_with_the_expand_inside_give_the_default_tokens(tmp_path, 
     with_lora = sum(1 for c in calls if c[1])
     assert with_lora > 0
     assert shim.expands == 0 and shim.shrinks == with_lora  # the expand only inside the product
+
+
+@pytest.mark.parametrize("in_product", ["shrink_first", "epilogue_norm"])
+def test_gemma3_in_the_two_launches_gives_the_default_tokens(tmp_path, in_product, monkeypatch):
+    """The same for gemma3 (GELU-tanh in gate_up's epilogue, sandwich norms: no epilogue goes to the norm)."""
+    test_bf16_products_with_the_expand_inside_give_the_default_tokens(tmp_path, "gemma3", in_product, monkeypatch)
 
 
 def test_the_products_launch_hands_the_kernel_its_operands(monkeypatch):
