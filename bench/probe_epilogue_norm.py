@@ -12,26 +12,18 @@ takes it.
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
-from probe_norm_lora import timed, write_json
+from probe_norm_lora import L2_DEFEAT, cur, projection_probe_args, timed, write_json
 
 # shape -> projection -> (N, K)
 SHAPES = {"7b": {"o": (4096, 4096), "down": (4096, 11008)}, "70b": {"o": (8192, 8192), "down": (8192, 28672)}}
-L2_DEFEAT = 160 << 20  # bytes of weight copies cycled through: over 3x the H200's 50 MB L2, as a step's layers
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rows", type=int, default=32, help="token rows (default 32)")
-    ap.add_argument("--rank", type=int, default=16, help="every adapter's rank (default 16)")
-    ap.add_argument("--slots", type=int, default=64, help="adapter slots in the pools (default 64)")
-    ap.add_argument("--reps", type=int, default=64, help="chains per graph replay (default 64)")
-    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    ap.add_argument("--weights", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
-    ap.add_argument("--out", default="", help="write the figures as JSON here")
+    ap = projection_probe_args(__doc__, SHAPES)
+    ap.add_argument("--weights", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"],
+                    help="weight formats (default both)")
     args = ap.parse_args()
 
     from lorafleet.runner.kernels import load
@@ -39,9 +31,6 @@ def main() -> None:
 
     ext = load()
     T, R, S = args.rows, args.rank, args.slots
-
-    def cur() -> int:  # read at each call: a CUDA graph captures on a side stream of its own
-        return torch.cuda.current_stream().cuda_stream
 
     rows: dict[str, dict[str, float]] = {}
     for prec, shape, name in [(p, sh, n) for p in args.weights for sh in args.shapes for n in SHAPES[sh]]:

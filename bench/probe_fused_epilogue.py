@@ -8,38 +8,25 @@ adapters, one, and none; each launch reads its weight from DRAM (copies cycled p
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
-from probe_norm_lora import timed, write_json
+from probe_norm_lora import L2_DEFEAT, cur, projection_probe_args, timed, write_json
 
 # shape -> projection -> (output spans, K)
 SHAPES = {
     "7b": {"qkv": ([4096, 4096, 4096], 4096), "o": ([4096], 4096), "down": ([4096], 11008)},
     "70b": {"qkv": ([8192, 1024, 1024], 8192), "o": ([8192], 8192), "down": ([8192], 28672)},
 }
-L2_DEFEAT = 160 << 20  # bytes of weight copies cycled through: over 3x the H200's 50 MB L2, as a step's layers
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rows", type=int, default=32)
-    ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--slots", type=int, default=64)
-    ap.add_argument("--reps", type=int, default=64)
-    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    ap.add_argument("--out", default="")
-    args = ap.parse_args()
+    args = projection_probe_args(__doc__, SHAPES).parse_args()
 
     from lorafleet.runner.kernels import load
     from lorafleet.runner.model.fp8 import quantize_rows, quantize_tokens
 
     ext = load()
     T, R, S = args.rows, args.rank, args.slots
-
-    def cur() -> int:  # read at each call: a CUDA graph captures on a side stream of its own
-        return torch.cuda.current_stream().cuda_stream
 
     rows: dict[str, dict[str, float]] = {}
     for shape, name, (spans, K) in [(sh, n, v) for sh in args.shapes for n, v in SHAPES[sh].items()]:

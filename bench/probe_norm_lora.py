@@ -32,6 +32,26 @@ def timed(fn, reps: int, rounds: int = 5) -> float:
     return best
 
 
+L2_DEFEAT = 160 << 20  # bytes of weight copies cycled through: over 3x the H200's 50 MB L2, as a step's layers
+
+
+def cur() -> int:
+    """The current stream, read at each call: a CUDA graph captures on a side stream of its own."""
+    return torch.cuda.current_stream().cuda_stream
+
+
+def projection_probe_args(doc: str, shapes: dict) -> argparse.ArgumentParser:
+    """The options of a probe of decode-sized projections with adapters (rows, rank, slots, reps, shapes, out)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, default=32, help="token rows (default 32)")
+    ap.add_argument("--rank", type=int, default=16, help="every adapter's rank (default 16)")
+    ap.add_argument("--slots", type=int, default=64, help="adapter slots in the pools (default 64)")
+    ap.add_argument("--reps", type=int, default=64, help="chains per graph replay (default 64)")
+    ap.add_argument("--shapes", nargs="+", default=list(shapes), choices=list(shapes))
+    ap.add_argument("--out", default="", help="write the figures as JSON here")
+    return ap
+
+
 def write_json(path: str, **fields) -> None:
     """A probe's results as JSON at `path`, after the card and the torch version (nothing without a path)."""
     if path:
