@@ -267,7 +267,7 @@ stage() {
       AB_VAR=LORAFLEET_SM90_SHRINK_FIRST AB_VALUES="0 1" AB_REQS=${AB_REQS:-200} AB_NAME=bf16shrinkfirst stage ab ;;
     enorm)  # the FP8 epilogue and the add + RMSNorm in one launch: its kernel and family GPU tests, then (only if none
       local failed  # failed) its probe
-      FP8_K="epilogue_and_the_norm" TEST_S=${TEST_S:-240} stage fp8tests
+      FP8_K="epilogue_and_the_norm or epilogue_in_the_norm" TEST_S=${TEST_S:-240} stage fp8tests
       FTESTS_K="${ENORM_FTESTS_K:-epilogue_in_the_norm and (llama3 or phi3 or gemma3)}" TEST_S=${TEST_S:-240} stage ftests
       failed=$(cat "$LOGS/gpu_fp8tests.log" "$LOGS/gpu_ftests.log" \
         | grep -cE '^(FAILED|ERROR) |(^| )(FAILED|ERROR)( +\[ *[0-9]+%\])?$')

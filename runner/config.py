@@ -119,8 +119,9 @@ class KernelChoices:
     sm90_prefetch_b: with bf16_sm90 and adapters in the step, the product's consumer threads ask L2 for the B rows of
         their epilogue's expand before the main loop (a hint: the same bits; off: -1.2 / 0.0 % with adapters on the
         H100, docs/benchmarks.md section 13.19).
-    epilogue_norm: with sm90_shrink_first, the o and down projections' epilogue (bias, the rows' LoRA expand) inside
-        the launch of the add + RMSNorm after them (the same bits; off until measured).
+    epilogue_norm: after the bf16 products' two launches (sm90_shrink_first) or FP8 products in steps with adapters,
+        the o and down projections' epilogue (scales, bias, the rows' LoRA expand) inside the launch of the add +
+        RMSNorm after them (the same bits; off until measured).
     norm_early: with bf16_sm90, the norms before qkv and gate_up on the project's kernel, which lets the product after
         it start at once and stream its weight beside the norm (on: +1.5 / +1.6 % with adapters on the H100,
         docs/benchmarks.md sections 13.13, 13.14).

@@ -274,14 +274,16 @@ class Decoder:
         norm_quant = kernels.norm_quant and self.fp8_tensor_cores and isinstance(self.layers[0].qkv, Fp8Weight)
         # (norm_early only before the wgmma products, which wait for the norm before they read its rows)
         self.norm_early = kernels.norm_early and self.bf16_sm90
-        # (epilogue_norm only after the two launches of the bf16 products with adapters, one rank: the norm reads the
-        # whole row)
-        self.epilogue_norm = (kernels.epilogue_norm and self.bf16_sm90 and kernels.sm90_shrink
-                              and kernels.sm90_shrink_first and all_reduce is None and not cluster_norm
+        # (epilogue_norm only after a product whose epilogue is a launch of its own: the bf16 products' two launches
+        # with adapters, or FP8 weights' on the tensor cores; one rank: the norm reads the whole row)
+        two_launches = ((self.bf16_sm90 and kernels.sm90_shrink and kernels.sm90_shrink_first)
+                        or (isinstance(self.layers[0].o, Fp8Weight) and self.fp8_tensor_cores and self.fp8_epilogue))
+        self.epilogue_norm = (kernels.epilogue_norm and two_launches and all_reduce is None and not cluster_norm
                               and not kernels.norm_shrink)
         if kernels.epilogue_norm and not self.epilogue_norm:
             log.info("epilogue_norm ignored: it takes the bf16 products' two launches (bf16_sm90, sm90_shrink, "
-                     "sm90_shrink_first) on one GPU, without norm_lora or norm_shrink")
+                     "sm90_shrink_first) or FP8 weights on the FP8 tensor cores with fp8_epilogue, on one GPU, "
+                     "without norm_lora or norm_shrink")
         if ((kernels.norm_shrink or norm_quant or cluster_norm or self.norm_early or self.epilogue_norm)
                 and self.device.type == "cuda"
                 and dtype in (torch.bfloat16, torch.float16)):
@@ -561,8 +563,9 @@ class Decoder:
             sync = self.sm90_sync[i * GROUPS + group] if inside else None
             operands = None if lora is None else lora.epilogue_operands(i, group, x, in_product=inside)
             if first and (act or (inside and operands is not None and operands[4] is not None)):
+                pending = {"to_norm": True} if to_norm and not act and len(spans) == 1 else {}
                 return bf16_sm90_shrink_first(self.sm90_ext, x, w, b, spans, operands, self.unit_scales, sync, act=act,
-                                              to_norm=to_norm and not act and len(spans) == 1)
+                                              **pending)
             extra = {"prefetch_b": True} if self.sm90_prefetch_b and operands is not None else {}
             if inside and producer and operands is not None and operands[4] is not None:
                 extra["shrink_producer"] = True  # (where the product gets A pools: the step's first group does not)
@@ -591,8 +594,9 @@ class Decoder:
             if operands is not None and operands[4] is not None:
                 sync = self.sm90_sync[i * GROUPS + group]
         on_producer = {"shrink_producer": True} if sync is not None and self.fp8_sm90_shrink_producer else {}
+        pending = {"to_norm": True} if to_norm and not act and len(spans) == 1 else {}
         return self._fp8_linear(x, w, b, epilogue=True, spans=spans, lora=operands, quantized=quant, act=act,
-                                shrink_sync=sync, **on_producer)
+                                shrink_sync=sync, **on_producer, **pending)
 
     def _fp8_linear(self, x: torch.Tensor, w: Fp8Weight, b: torch.Tensor | None, **finish) -> torch.Tensor:
         """fp8_linear with this model's FP8 kernel choices; `finish`: its epilogue arguments."""

@@ -148,8 +148,8 @@ class PendingEpilogue:
     finish: Callable[[], torch.Tensor]  # the epilogue's own launch -> the output [M, N]
 
     @property
-    def shape(self) -> torch.Size:
-        return self.y.shape
+    def shape(self) -> torch.Size:  # (y may be [parts, M, N]: a split-K product's partial sums)
+        return self.y.shape[-2:]
 
 
 def epilogue_lora(lora: tuple | None) -> tuple:
@@ -337,7 +337,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
                act: int = 0, sm90: bool = False, sm90_split: bool = False, sm90_fused: bool = False,
                sm90_fused_lora: bool = False, sm90_persistent: bool = False,
                shrink_sync: torch.Tensor | None = None, shrink_producer: bool = False,
-               sm90_fused_shrink: bool = False) -> torch.Tensor:
+               sm90_fused_shrink: bool = False, to_norm: bool = False) -> torch.Tensor | PendingEpilogue:
     """x [M, K] (bf16/fp16 on the GPU, any float on the CPU) @ w.T + bias -> [M, N] in x's dtype. With the
     CUDA extension `ext`: the activations quantized by its one-launch kernel (see quantize_tokens), and for
     M <= `own_rows` (bf16, K a multiple of 64, N of 16) the product on its FP8 kernel (csrc/fp8_gemm.cu), with
@@ -362,6 +362,8 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
     With `sm90_fused` and `sm90_fused_shrink` too, where the epilogue can run inside the product (_sm90_fused: no
     activation, one part), the expand rides there as well: one launch computes v, the product and the epilogue
     (fp8_gemm_sm90_fused with x's bf16 rows as lora_x; the same bits as the product then the epilogue's launch).
+    `to_norm` (one span, no activation): where the epilogue would be a launch of its own after the product, it is
+    returned pending (PendingEpilogue) for the norm after it instead (KernelChoices.epilogue_norm).
     Then, M <= `swap_rows` (and a multiple of 16): cuBLASLt computes (w @ x.T).T, the weight as the long operand.
     Otherwise torch._scaled_mm with per-token and per-row scales."""
     if act and not (epilogue and tensor_cores and not _own_kernel(x, w, ext, own_rows)
@@ -411,9 +413,14 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
                                         ranks, row_slot, True, stream, **inside)
                 return out
             y = _unit_product(xq, w, ext, sm90, sm90_split, sm90_persistent, shrink)
-            ext.fp8_epilogue(out, y, sx.view(-1), w.scale, bias, list(spans or [N]), v, list(b), ranks, row_slot,
-                             True, stream, act)
-            return out
+
+            def finish() -> torch.Tensor:
+                ext.fp8_epilogue(out, y, sx.view(-1), w.scale, bias, list(spans or [N]), v, list(b), ranks, row_slot,
+                                 True, torch.cuda.current_stream(x.device).cuda_stream, act)
+                return out
+            if to_norm and not act and len(spans or [N]) == 1:
+                return PendingEpilogue(y, sx.view(-1), w.scale, bias, (v, list(b), ranks, row_slot), x.dtype, finish)
+            return finish()
         y = _unit_product(xq, w, ext, sm90, sm90_split, sm90_persistent)
         y = split_sum(y).mul_(sx).mul_(w.scale_row).to(x.dtype)
     elif 0 < M <= swap_rows and M % 16 == 0:  # cuBLASLt wants the rows in multiples of 16 there

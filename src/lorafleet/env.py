@@ -405,11 +405,11 @@ def sm90_prefetch_b() -> bool:
 
 
 def epilogue_norm() -> bool:
-    """LORAFLEET_EPILOGUE_NORM: with the bf16 products' two launches (LORAFLEET_SM90_SHRINK_FIRST), the epilogue of
-    the o and down projections (the bias and the rows' LoRA expand on the fp32 product) runs inside the launch of the
-    add + RMSNorm after it (csrc/sgmv.cu epilogue_norm) instead of a launch of its own: one launch and one dependent
-    hop less per projection, the same bits (default 0 until measured; bench/probe_epilogue_norm.py times the two
-    chains; 1: one launch)."""
+    """LORAFLEET_EPILOGUE_NORM: after the bf16 products' two launches (LORAFLEET_SM90_SHRINK_FIRST) or FP8 products in
+    steps with adapters, the epilogue of the o and down projections (scales, bias and the rows' LoRA expand on the
+    fp32 product) runs inside the launch of the add + RMSNorm after it (csrc/sgmv.cu epilogue_norm) instead of a
+    launch of its own: one launch and one dependent hop less per projection, the same bits (default 0 until measured;
+    bench/probe_epilogue_norm.py times the two chains; 1: one launch)."""
     return _flag("LORAFLEET_EPILOGUE_NORM", False)
 
 

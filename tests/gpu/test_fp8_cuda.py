@@ -781,6 +781,38 @@ def test_fp8_epilogue_inside_the_shrink_firsts_launch_gives_the_same_step(fam, k
     assert torch.equal(one, default), (name, (one - default).abs().max().item())
 
 
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_fp8_epilogue_in_the_norm_gives_the_same_step(fam, kv, monkeypatch):
+    """KernelChoices.epilogue_norm with FP8 weights: in a decode step with adapters, o's and down's FP8 epilogue (in
+    every layer, down's but the last's) runs inside the launch of the add + RMSNorm after it, which also quantizes the
+    next product's rows (counted: 2 layers - 1): the defaults' logits bit for bit, on one engine."""
+    from lorafleet.runner.model.norm import OwnNorm
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma kernel is built for compute capability 9.0 only")
+    if {"LORAFLEET_EPILOGUE_NORM", "LORAFLEET_FP8_SM90_FUSED_SHRINK", "LORAFLEET_NORM_QUANT",
+            "LORAFLEET_FP8_EPILOGUE"} & set(os.environ):
+        pytest.skip("this test starts from the default kernel choices")
+    name, model, _, _, reqs = fam
+    taken = []
+    real = OwnNorm.run_epilogue
+    monkeypatch.setattr(OwnNorm, "run_epilogue", lambda self, *a, **k: taken.append(a[3] is not None) or real(
+        self, *a, **k))
+    eng, batch = teacher.decode_step(model, reqs[:4] * 2, quantization="fp8", kv_cache_dtype=kv)
+    dev = batch.to_device(eng.device)
+    m = eng.model
+    assert not m.epilogue_norm and m.own_norm is not None  # the defaults (the norm quantizes the next rows)
+    try:
+        default = eng.runner.forward(batch, dev).clone()
+        assert taken == []
+        m.epilogue_norm = True
+        together = eng.runner.forward(batch, dev).clone()
+        assert taken == [True] * (2 * m.num_layers - 1), (name, taken)  # (each with the next product's e4m3 rows)
+    finally:
+        eng.close()
+    assert torch.equal(together, default), (name, (together - default).abs().max().item())
+
+
 def test_fp8_persistent_wgmma_schedule_gives_the_same_step(fam):
     """The decode step with adapters (every projection's product on the wgmma kernel, its epilogue a launch of its
     own) and without them (gate_up's product; qkv, o and down with the epilogue inside, which keeps one CTA per
