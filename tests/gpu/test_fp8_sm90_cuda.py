@@ -678,6 +678,29 @@ def test_the_shrink_inside_the_product_in_a_graph(ext, producer):
                        (31, 32, 33))
 
 
+@pytest.mark.parametrize("act", [0, 1], ids=["qkv", "gate_up_silu"])
+def test_the_bf16_two_launches_in_a_graph(ext, act):
+    """bf16_sm90_shrink_first (the default for bf16 products with adapters) captured once, replayed on new rows and
+    new row slots: the eager launches' bits, and the counter zero after every replay (qkv's three spans; gate_up's two
+    with the activation in the epilogue's launch)."""
+    from lorafleet.runner.model.fp8 import bf16_sm90_shrink_first
+
+    spans, M, K = ([4096, 1024, 1024] if not act else [2048, 2048]), 32, 4096
+    x, w = _bf16_operands(M, K, sum(spans), seed=12 + act)
+    _, _, e = _fused_args(spans, M, True, True, K, seed=13 + act)
+    a = _shrink_pools(spans, K, seed=14 + act)
+    sync = torch.zeros(4, dtype=torch.int32, device="cuda")
+    unit = torch.ones(max(M, sum(spans)), device="cuda")
+    out = torch.empty(M, spans[0] if act else sum(spans), device="cuda", dtype=torch.bfloat16)
+
+    def launch(o, v):
+        o.copy_(bf16_sm90_shrink_first(ext, x, w, e["bias"], spans, (v, e["b"], e["ranks"], e["row_slot"], a), unit,
+                                       sync, act=act))
+
+    _replays_are_eager(launch, out, e, sync, lambda seed: x.copy_(_bf16_operands(M, K, sum(spans), seed=seed)[0]),
+                       (41, 42, 43))
+
+
 def _replays_are_eager(launch, out, e, sync, refresh, seeds) -> None:
     """`launch(out, v)` captured once in a CUDA graph (warmed up outside the capture), then for each seed new rows
     (refresh(seed)) and the row slots rolled by it: the replay gives the eager launch's bits, and the shrink's
