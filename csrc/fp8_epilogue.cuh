@@ -140,6 +140,20 @@ __device__ __forceinline__ void finish(const Fp8EpilogueArgs& a, int row, int c,
   }
 }
 
+// The product's fp32 values y[e] at element `at` (row * n + the chunk's first column) of a.y: with split parts, their
+// partial sums added in part order.
+__device__ __forceinline__ void load_y(const Fp8EpilogueArgs& a, int64_t at, float (&y)[kCols]) {
+  const float4 y0 = *reinterpret_cast<const float4*>(a.y + at), y1 = *reinterpret_cast<const float4*>(a.y + at + 4);
+  y[0] = y0.x, y[1] = y0.y, y[2] = y0.z, y[3] = y0.w, y[4] = y1.x, y[5] = y1.y, y[6] = y1.z, y[7] = y1.w;
+  for (int s = 1; s < a.splits; ++s) {
+    const float* ys = a.y + static_cast<int64_t>(s) * a.m * a.n + at;
+    const float4 p0 = *reinterpret_cast<const float4*>(ys), p1 = *reinterpret_cast<const float4*>(ys + 4);
+    const float p[kCols] = {p0.x, p0.y, p0.z, p0.w, p1.x, p1.y, p1.z, p1.w};
+#pragma unroll
+    for (int e = 0; e < kCols; ++e) y[e] = __fadd_rn(y[e], p[e]);
+  }
+}
+
 // T(o[e]) for the 8 columns, stored at `dst` (16-byte aligned).
 template <typename T>
 __device__ __forceinline__ void store8(T* dst, const float (&o)[kCols]) {

@@ -130,16 +130,8 @@ __global__ void __launch_bounds__(kEpiThreads, 4) fp8_epilogue_kernel(const Fp8E
   pdl_wait();
   float o[kCols] = {};
   if (active) {
-    const int64_t at = static_cast<int64_t>(row) * a.n + c;
-    const float4 y0 = *reinterpret_cast<const float4*>(a.y + at), y1 = *reinterpret_cast<const float4*>(a.y + at + 4);
-    float y[kCols] = {y0.x, y0.y, y0.z, y0.w, y1.x, y1.y, y1.z, y1.w};
-    for (int s = 1; s < a.splits; ++s) {  // the split-K product's partial sums, in part order
-      const float* ys = a.y + static_cast<int64_t>(s) * a.m * a.n + at;
-      const float4 p0 = *reinterpret_cast<const float4*>(ys), p1 = *reinterpret_cast<const float4*>(ys + 4);
-      const float p[kCols] = {p0.x, p0.y, p0.z, p0.w, p1.x, p1.y, p1.z, p1.w};
-#pragma unroll
-      for (int e = 0; e < kCols; ++e) y[e] = __fadd_rn(y[e], p[e]);
-    }
+    float y[kCols];
+    fp8_epi::load_y(a, static_cast<int64_t>(row) * a.n + c, y);  // (split parts added in part order)
     const float* v = r > 0 ? fp8_epi::lora_v(a.lora, row, g) : nullptr;
     fp8_epi::finish<T>(a, row, c, width, y, bk, b, r, v, v, o);
   }

@@ -566,15 +566,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (kv >= sl.y) continue;
     const int c = kv * 8;
     const int64_t at = base + c;
-    const float4 y0 = *reinterpret_cast<const float4*>(e.y + at), y1 = *reinterpret_cast<const float4*>(e.y + at + 4);
-    float y[8] = {y0.x, y0.y, y0.z, y0.w, y1.x, y1.y, y1.z, y1.w};
-    for (int s = 1; s < e.splits; ++s) {  // the split-K product's partial sums, in part order
-      const float* ys = e.y + static_cast<int64_t>(s) * e.m * e.n + at;
-      const float4 p0 = *reinterpret_cast<const float4*>(ys), p1 = *reinterpret_cast<const float4*>(ys + 4);
-      const float p[8] = {p0.x, p0.y, p0.z, p0.w, p1.x, p1.y, p1.z, p1.w};
-#pragma unroll
-      for (int q = 0; q < 8; ++q) y[q] = __fadd_rn(y[q], p[q]);
-    }
+    float y[8];
+    fp8_epi::load_y(e, at, y);  // (split parts added in part order)
     const float* v = rk[j] > 0 ? fp8_epi::lora_v(e.lora, row, 0) : nullptr;
     float o[8];
     if (j < kPre) {

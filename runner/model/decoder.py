@@ -198,7 +198,7 @@ class Decoder:
         # layer and projection group; else None
         self.sm90_sync = None
         self.norm_early = False  # the project's norm before them, letting them start at once (KernelChoices.norm_early)
-        # ... o's and down's epilogue launch (with sm90_shrink_first) inside the norm's after them
+        # ... o's and down's epilogue launch (bf16 two launches, FP8) inside the norm's after them
         # (KernelChoices.epilogue_norm)
         self.epilogue_norm = False
         self.sm90_prefetch_b = kernels.sm90_prefetch_b  # ... their B rows asked of L2 first (a hint)
@@ -460,7 +460,7 @@ class Decoder:
                 n = own.operands(h.y, residual, w, res_dst)  # (h.y for the outputs' overlap checks: never read)
                 x = torch.empty(h.shape, dtype=h.dtype, device=h.y.device)
                 quant = quant_buffers(x) if (isinstance(proj, Fp8Weight) and self.fp8_tensor_cores
-                                             and self.own_norm_quant) else None
+                                             and self.own_norm_quant) else None  # (as below)
                 own.run_epilogue(x, n, h, quant and (quant[0], quant[1].view(-1)), early=self.norm_early)
                 return x, n.res_out, quant
             h = h.finish()
@@ -517,8 +517,8 @@ class Decoder:
         LoraStepImpl.dense_linear), or the base product (`_linear_small` for `small`) then the add-on into its
         projections' columns (`split`). `quant`: x's e4m3 rows and scales, made by the norm's launch (FP8 weights).
         `defer`: the output goes straight into _norm, which may take the add-on's expand (LoraStep.add). `to_norm`
-        (_epilogue_to_norm): the same, and the epilogue of the bf16 products' two launches may be returned pending
-        for that norm's launch."""
+        (_epilogue_to_norm): the same, and the epilogue of a product in two launches (bf16 shrink first, FP8) may be
+        returned pending for that norm's launch."""
         if self._dense(lora, w):
             return lora.dense_linear(i, group, x, w, b, out_spare=out_spare)
         y = self._finished(i, group, x, w, b, lora, split or [w.shape[0]], quant, to_norm=to_norm)
@@ -538,9 +538,11 @@ class Decoder:
         product the epilogue kernel finishes, or with bf16_sm90 a bf16 weight on the wgmma kernel; else None (the
         caller takes the separate launches; nothing was launched). `act` (gate_up; FP8, or bf16 with
         sm90_shrink_first in steps with adapters): the epilogue also applies the activation (fp8_linear,
-        bf16_sm90_shrink_first) and returns act(gate) * up. `to_norm` (o, down: _epilogue_to_norm): where the bf16
-        products' two launches run, only the product is launched and its epilogue returned pending for the norm."""
+        bf16_sm90_shrink_first) and returns act(gate) * up. `to_norm` (o, down: _epilogue_to_norm): where the product
+        and its epilogue are two launches, only the product is launched and its epilogue returned pending for the
+        norm."""
         fp8 = isinstance(w, Fp8Weight)
+        pending = {"to_norm": True} if to_norm and not act and len(spans) == 1 else {}
         if fp8:
             if not (self.fp8_epilogue and epilogue_applies(x, w, b, self.fp8_tensor_cores, self.fp8_ext,
                                                            self.fp8_gemm_rows, self.fp8_unit_scale_elems, spans)):
@@ -563,7 +565,6 @@ class Decoder:
             sync = self.sm90_sync[i * GROUPS + group] if inside else None
             operands = None if lora is None else lora.epilogue_operands(i, group, x, in_product=inside)
             if first and (act or (inside and operands is not None and operands[4] is not None)):
-                pending = {"to_norm": True} if to_norm and not act and len(spans) == 1 else {}
                 return bf16_sm90_shrink_first(self.sm90_ext, x, w, b, spans, operands, self.unit_scales, sync, act=act,
                                               **pending)
             extra = {"prefetch_b": True} if self.sm90_prefetch_b and operands is not None else {}
@@ -594,7 +595,6 @@ class Decoder:
             if operands is not None and operands[4] is not None:
                 sync = self.sm90_sync[i * GROUPS + group]
         on_producer = {"shrink_producer": True} if sync is not None and self.fp8_sm90_shrink_producer else {}
-        pending = {"to_norm": True} if to_norm and not act and len(spans) == 1 else {}
         return self._fp8_linear(x, w, b, epilogue=True, spans=spans, lora=operands, quantized=quant, act=act,
                                 shrink_sync=sync, **on_producer, **pending)
 

@@ -392,7 +392,8 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
         ext.fp8_gemm(y, xq, sx.view(-1), w.q, w.scale_row.view(-1), torch.cuda.current_stream(x.device).cuda_stream)
     elif unit_scale_call(M, N, K, unit_scale_elems):
         if epilogue:
-            out = torch.empty(M, N // 2 if act else N, dtype=x.dtype, device=x.device)
+            def new_out() -> torch.Tensor:  # (not made for an epilogue left to the norm)
+                return torch.empty(M, N // 2 if act else N, dtype=x.dtype, device=x.device)
             v, b, ranks, row_slot, a = epilogue_lora(lora)
             stream = torch.cuda.current_stream(x.device).cuda_stream
             shrink, inside = None, None  # (the shrink first's arguments; the product's with the epilogue inside)
@@ -409,12 +410,14 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
             elif fusable and (lora is None or sm90_fused_lora):
                 inside = {"persistent": True} if sm90_persistent else {}
             if inside is not None:
+                out = new_out()
                 ext.fp8_gemm_sm90_fused(out, xq, w.q, sx.view(-1), w.scale, bias, list(spans or [N]), v, list(b),
                                         ranks, row_slot, True, stream, **inside)
                 return out
             y = _unit_product(xq, w, ext, sm90, sm90_split, sm90_persistent, shrink)
 
             def finish() -> torch.Tensor:
+                out = new_out()
                 ext.fp8_epilogue(out, y, sx.view(-1), w.scale, bias, list(spans or [N]), v, list(b), ranks, row_slot,
                                  True, torch.cuda.current_stream(x.device).cuda_stream, act)
                 return out
