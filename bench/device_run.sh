@@ -46,8 +46,6 @@
 #   fp8fused the FP8 shrink, product and epilogue in one launch (LORAFLEET_FP8_SM90_FUSED_SHRINK): its kernel and engine
 #            GPU tests, then, if none failed, bench e2e with FP8 weights for the flag 0 and 1 (AB_REQS, default 200)
 #            -> e2e_fp8fusedshrink_{0,1}.json
-#   enorm    the FP8 epilogue and the add + RMSNorm in one launch (csrc/sgmv.cu epilogue_norm): its kernel tests and
-#            the families' (ENORM_FTESTS_K), then bench/probe_epilogue_norm.py (ENORM_ARGS) -> probe_epilogue_norm.json
 #   sfirst   bf16 products in FP8's two launches (LORAFLEET_SM90_SHRINK_FIRST): its kernel and family GPU tests
 #            (SFIRST_FTESTS_K: the families' -k), then, if none failed, bench e2e for the flag 0 and 1 (AB_REQS, default
 #            200) -> e2e_bf16shrinkfirst_{0,1}.json
@@ -265,15 +263,6 @@ stage() {
         | grep -cE '^(FAILED|ERROR) |(^| )(FAILED|ERROR)( +\[ *[0-9]+%\])?$')
       if [ "$failed" != 0 ]; then echo "sfirst: $failed tests failed; no A/B"; return 1; fi
       AB_VAR=LORAFLEET_SM90_SHRINK_FIRST AB_VALUES="0 1" AB_REQS=${AB_REQS:-200} AB_NAME=bf16shrinkfirst stage ab ;;
-    enorm)  # the FP8 epilogue and the add + RMSNorm in one launch: its kernel and family GPU tests, then (only if none
-      local failed  # failed) its probe
-      FP8_K="epilogue_and_the_norm or epilogue_in_the_norm" TEST_S=${TEST_S:-240} stage fp8tests
-      FTESTS_K="${ENORM_FTESTS_K:-epilogue_in_the_norm and (llama3 or phi3 or gemma3)}" TEST_S=${TEST_S:-240} stage ftests
-      failed=$(cat "$LOGS/gpu_fp8tests.log" "$LOGS/gpu_ftests.log" \
-        | grep -cE '^(FAILED|ERROR) |(^| )(FAILED|ERROR)( +\[ *[0-9]+%\])?$')
-      if [ "$failed" != 0 ]; then echo "enorm: $failed tests failed; no probe"; return 1; fi
-      timeout ${PROBE_S:-240} python3 bench/probe_epilogue_norm.py ${ENORM_ARGS:-} \
-        --out "$OUT/probe_epilogue_norm${TAG:+_$TAG}.json" 2>&1 | tee "$LOGS/probe_epilogue_norm.log" | tail -14 ;;
     nlprobe)
       timeout ${PROBE_S:-120} python3 bench/probe_norm_lora.py ${NLPROBE_ARGS:-} --out "$OUT/probe_norm_lora${TAG:+_$TAG}.json" 2>&1 \
         | tee "$LOGS/probe_norm_lora.log" | tail -12 ;;

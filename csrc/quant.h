@@ -107,16 +107,4 @@ const char* fp8_epilogue_check(const Fp8EpilogueArgs& args);
 // Enqueue on `stream`; no synchronisation or allocation (capturable). nullptr on success.
 const char* fp8_epilogue(DType dtype, const Fp8EpilogueArgs& args, int device, void* stream);
 
-// fp8_epilogue of a one-span product (no activation; args.out not read or written) and the add + RMSNorm of its
-// output (sgmv.h rms_norm_rows with norm.res: norm.h, non-null for the checks, is not read: the epilogue's values
-// take its place) in ONE
-// launch, one block per row: the bits of fp8_epilogue into out followed by rms_norm_rows on it (its e4m3 rows too
-// with norm.quant_out). Rows of at most 8,192 columns. args.pdl as for fp8_epilogue (row_slot, ranks and B's first
-// rank rows read before the wait). In sgmv.cu, beside the norm's kernels.
-const char* epilogue_norm_check(const Fp8EpilogueArgs& args, const NormArgs& norm);
-// early_b: the vectors per lane (0-2) whose B rows are read before the wait (-1: 2 for rows of at most 4,096 columns,
-// else 0); a launch shape, the same bits.
-const char* epilogue_norm(DType dtype, const Fp8EpilogueArgs& args, const NormArgs& norm, int device, void* stream,
-                          int early_b = -1);
-
 }  // namespace lorafleet

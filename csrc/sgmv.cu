@@ -26,7 +26,6 @@
 
 #include "pdl.h"
 #include "quant_row.cuh"
-#include "fp8_epilogue.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -439,11 +438,6 @@ __device__ void norm_row(const NormArgs& n, int row) {
 // kSlices * 32 * kVecs * 8): each thread loads its vectors of h and res once, in the slice order, and keeps r, then x;
 // the block reduces twice (the sum of squares in the slice order: norm_rs's value; the absmax, exact in any order),
 // against norm_row's three passes over memory (rs, x, then the quantization reading x back). The same bits.
-// (the part after the loads: r holds the lane's vectors of r = T(h + res), or h, as norm_load8 gives them; kv0 and sl
-// as below. Shared with epilogue_norm_kernel, whose r comes from the FP8 epilogue's values instead of h.)
-template <typename T, int kVecs>
-__device__ void norm_row_regs_from(const NormArgs& n, int row, float (&r)[kVecs][8], int kv0, int2 sl);
-
 template <typename T, int kVecs>
 __device__ void norm_row_regs(const NormArgs& n, int row) {
   const int KV = n.cols >> 3;
@@ -454,12 +448,6 @@ __device__ void norm_row_regs(const NormArgs& n, int row) {
 #pragma unroll
   for (int j = 0; j < kVecs; ++j)
     if (kv0 + 32 * j < sl.y) norm_load8<T>(n, base + static_cast<int64_t>(kv0 + 32 * j) * 8, r[j]);
-  norm_row_regs_from<T, kVecs>(n, row, r, kv0, sl);
-}
-
-template <typename T, int kVecs>
-__device__ void norm_row_regs_from(const NormArgs& n, int row, float (&r)[kVecs][8], int kv0, int2 sl) {
-  const int64_t base = static_cast<int64_t>(row) * n.cols;
   float ss = 0.f;
 #pragma unroll
   for (int j = 0; j < kVecs; ++j)
@@ -521,68 +509,6 @@ __global__ void __launch_bounds__(kThreads, kNormRegBlocksPerSm)
   if (n.quant_out != nullptr || n.early) pdl_launch_dependents();
   pdl_wait();  // h and res come from the preceding kernel
   for (int row = blockIdx.x; row < n.rows; row += gridDim.x) norm_row_regs<T, kVecs>(n, row);
-}
-
-// ---------------------------------------------------------------------------------------------------
-// epilogue_norm: the FP8 epilogue of a one-span product (quant.h fp8_epilogue, no activation: scales, bias, the
-// rows' LoRA expand) and the add + RMSNorm of its output, one launch, one block per row, the norm's register-resident
-// layout (norm_row_regs). Each lane computes the epilogue's values at its own vectors' columns (fp8_epi::finish, the
-// epilogue's device code), rounds them to T as the epilogue's store would, adds the residual as norm_load8 does, then
-// runs the norm's rest: the bits of fp8_epilogue followed by rms_norm_rows, without the product's output written or
-// read back. B's first rank rows of a lane's first kPre vectors are loaded before the programmatic-launch wait, as the
-// epilogue's own launch does (by default all of them where a lane has at most two vectors, rows of at most 4,096
-// columns; none for wider rows, up to 8,192), the others' after it: a launch shape for the probe to time (the bits do
-// not depend on kPre). One block per SM's worth of registers in every case (154-210; bounds for two blocks spill).
-
-template <typename T, int kVecs, int kPre>
-__global__ void __launch_bounds__(kThreads, 1)
-    epilogue_norm_kernel(const __grid_constant__ Fp8EpilogueArgs e, const __grid_constant__ NormArgs n) {
-  // kPre: the lane's first vectors whose B rows are loaded before the wait (registers: kPre * 16 uint4); the others'
-  // after it, one vector at a time
-  constexpr int kHeld = kPre > 0 ? kPre : 1;
-  const int row = blockIdx.x;
-  const int KV = n.cols >> 3;
-  const int64_t base = static_cast<int64_t>(row) * n.cols;
-  const int2 sl = slice_of(KV, threadIdx.x >> 5);
-  const int kv0 = sl.x + (threadIdx.x & 31);
-  uint4 bk[kHeld][fp8_epi::kChunk];
-  const T* b[kVecs];
-  int rk[kVecs];
-#pragma unroll
-  for (int j = 0; j < kVecs; ++j) {
-    rk[j] = 0;
-    b[j] = nullptr;
-    if (kv0 + 32 * j < sl.y) {
-      rk[j] = fp8_epi::lora_rank<T>(e.lora, row, 0, (kv0 + 32 * j) * 8, 0, e.n, b[j]);
-      if (j < kPre) fp8_epi::load_b<T>(bk[j < kPre ? j : 0], b[j], e.n, rk[j]);
-    }
-  }
-  if (n.quant_out != nullptr || n.early) pdl_launch_dependents();  // (as rms_norm_rows_regs_kernel)
-  pdl_wait();  // y, v, the scales and res come from the kernels before
-  float r[kVecs][8];
-#pragma unroll
-  for (int j = 0; j < kVecs; ++j) {
-    const int kv = kv0 + 32 * j;
-    if (kv >= sl.y) continue;
-    const int c = kv * 8;
-    const int64_t at = base + c;
-    float y[8];
-    fp8_epi::load_y(e, at, y);  // (split parts added in part order)
-    const float* v = rk[j] > 0 ? fp8_epi::lora_v(e.lora, row, 0) : nullptr;
-    float o[8];
-    if (j < kPre) {
-      fp8_epi::finish<T>(e, row, c, e.n, y, bk[j < kPre ? j : 0], b[j], rk[j], v, v, o);
-    } else {
-      uint4 late[fp8_epi::kChunk];
-      fp8_epi::load_b<T>(late, b[j], e.n, rk[j]);
-      fp8_epi::finish<T>(e, row, c, e.n, y, late, b[j], rk[j], v, v, o);
-    }
-    float q[8];
-    to_float8<T>(ldg16(static_cast<const T*>(n.res) + at), q);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) r[j][i] = round_to<T>(fp8_epi::through<T>(o[i]) + q[i]);  // norm_load8's r
-  }
-  norm_row_regs_from<T, kVecs>(n, row, r, kv0, sl);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -1870,56 +1796,6 @@ const char* rms_norm_rows(DType dtype, const NormArgs& args, bool pdl, int max_b
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   return dtype == DType::kBFloat16 ? norm_typed<__nv_bfloat16>(args, pdl, max_blocks, device, s)
                                    : norm_typed<__half>(args, pdl, max_blocks, device, s);
-}
-
-const char* epilogue_norm_check(const Fp8EpilogueArgs& e, const NormArgs& n) {
-  if (const char* err = check_norm(n)) return err;
-  if (e.y == nullptr || e.x_scale == nullptr || e.w_scale == nullptr) return "epilogue_norm: null pointer";
-  if (n.res == nullptr) return "epilogue_norm: the norm needs its residual (res, res_out)";
-  if (e.act != 0 || e.num_groups != 1 || e.cols[0] != e.n) return "epilogue_norm: one span, no activation";
-  if (e.m != n.rows || e.n != n.cols) return "epilogue_norm: the product's shape is not the norm's";
-  if (e.splits < 1 || e.splits > 16) return "epilogue_norm: splits must be in [1, 16]";
-  if (ceil_div(ceil_div(n.cols / 8, kSlices), 32) > kNormRegMaxVecs) return "epilogue_norm: rows wider than 8,192";
-  if (reinterpret_cast<uintptr_t>(n.quant_out) % 8 != 0) return "epilogue_norm: quant_out must be 8-byte aligned";
-  const Fp8EpilogueLora& l = e.lora;
-  if (l.v != nullptr && (l.ranks == nullptr || l.row_slot == nullptr || l.num_slots < 1 || l.b[0] == nullptr ||
-                         l.b_rank_dim[0] < 1))
-    return "epilogue_norm: LoRA tables missing";
-  return nullptr;
-}
-
-template <typename T, int kVecs>
-cudaError_t launch_epilogue_norm(cudaLaunchConfig_t& cfg, const Fp8EpilogueArgs& e, const NormArgs& n, int pre) {
-  return pre <= 0 ? cudaLaunchKernelEx(&cfg, epilogue_norm_kernel<T, kVecs, 0>, e, n)
-         : pre == 1 ? cudaLaunchKernelEx(&cfg, epilogue_norm_kernel<T, kVecs, 1>, e, n)
-                    : cudaLaunchKernelEx(&cfg, epilogue_norm_kernel<T, kVecs, 2>, e, n);
-}
-
-const char* epilogue_norm(DType dtype, const Fp8EpilogueArgs& e, const NormArgs& n, int device, void* stream,
-                          int early_b) {
-  if (const char* err = epilogue_norm_check(e, n)) return err;
-  if (early_b < -1 || early_b > 2) return "epilogue_norm: early_b must be -1 (by the width), 0, 1 or 2";
-  if (n.rows == 0) return nullptr;
-  DeviceScope scope(device);
-  if (!scope.ok()) return "epilogue_norm: cannot select the tensors' CUDA device";
-  DeviceInfo info;
-  if (const char* err = device_info(device, &info)) return err;
-  const bool two = ceil_div(ceil_div(n.cols / 8, kSlices), 32) <= 2;
-  const int pre = early_b >= 0 ? early_b : two ? 2 : 0;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(n.rows);
-  cfg.blockDim = dim3(kThreads);
-  cfg.stream = static_cast<cudaStream_t>(stream);
-  cudaLaunchAttribute attr[1];
-  set_pdl(cfg, attr, e.pdl, info.major);
-  cudaError_t err;
-  if (dtype == DType::kBFloat16)
-    err = two ? launch_epilogue_norm<__nv_bfloat16, 2>(cfg, e, n, pre)
-              : launch_epilogue_norm<__nv_bfloat16, kNormRegMaxVecs>(cfg, e, n, pre);
-  else
-    err = two ? launch_epilogue_norm<__half, 2>(cfg, e, n, pre)
-              : launch_epilogue_norm<__half, kNormRegMaxVecs>(cfg, e, n, pre);
-  return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
 }
 
 const char* sgmv_norm_shrink(DType dtype, const NormArgs& norm, const ShrinkArgs& args, const LaunchOptions& options,

@@ -60,11 +60,6 @@
 //       (with b, ranks, row_slot) may be None. act=1 (SiLU) / 2 (GELU-tanh), with two equal spans (gate, up):
 //       out [M, N / 2] = act(gate) * up as flashinfer's act_and_mul computes it from the epilogue's output.
 //       y [splits, M, N]: a split-K product's partial sums (fp8_gemm_sm90 with splits), added in part order first.
-//   epilogue_norm(x_out, res, res_out, w, eps, offset, quant_out, quant_scale, y, x_scale, w_scale, bias, v, b, ranks,
-//       row_slot, pdl, stream, early=False, early_b=-1): fp8_epilogue of y (one span, no activation) and rms_norm of
-//       its output with res in one launch (quant.h epilogue_norm): res_out = T(out + res), x_out (and its e4m3 rows)
-//       as rms_norm gives them from that out, which is not written. Rows of at most 8,192 columns. early_b: a lane's
-//       vectors (0-2) whose B rows are read before the wait (-1: by the width); the same bits.
 //   fp8_gemm_sm90_fused(out, x, w, x_scale, w_scale, bias, cols, v, b, ranks, row_slot, pdl, stream, a=[], sync=None,
 //       persistent=False, prefetch_b=False, shrink_producer=False, lora_x=None): the bits of fp8_gemm_sm90 then
 //       fp8_epilogue (act 0, one part) in one launch (prefetch_b: the epilogue's first B rows asked of L2 before the
@@ -938,37 +933,6 @@ void fp8_epilogue(Tensor out, Tensor y, Tensor x_scale, Tensor w_scale, std::opt
   SGMV_CHECK(err == nullptr, "fp8_epilogue launch failed: %s", err ? err : "");
 }
 
-void epilogue_norm(Tensor x_out, Tensor res, Tensor res_out, Tensor w, double eps, double offset,
-                   std::optional<Tensor> quant_out, std::optional<Tensor> quant_scale, Tensor y, Tensor x_scale,
-                   Tensor w_scale, std::optional<Tensor> bias, std::optional<Tensor> v, std::vector<Tensor> b,
-                   std::optional<Tensor> ranks, std::optional<Tensor> row_slot, bool pdl, int64_t stream, bool early,
-                   int64_t early_b) {
-  const auto dtype = kernel_dtype(res, "res");
-  // (res stands for the norm's h in its checks, and stays in n.h, which the kernel does not read: the epilogue's
-  // output, of res's shape and dtype, is never materialized)
-  lorafleet::NormArgs n = norm_args(x_out, res, res, res_out, w, eps, offset, quant_out, quant_scale);
-  n.early = early;
-  SGMV_CHECK(y.is_cuda() && y.scalar_type() == torch::kFloat && (y.dim() == 2 || y.dim() == 3) && y.is_contiguous() &&
-                 aligned16(y),
-             "epilogue_norm: y must be a contiguous, 16-byte aligned float32 CUDA tensor [M, N] or [splits, M, N]");
-  const int64_t splits = y.dim() == 3 ? y.size(0) : 1;
-  const int64_t M = y.size(y.dim() - 2), N = y.size(y.dim() - 1);
-  SGMV_CHECK(M == res.size(0) && N == res.size(1), "epilogue_norm: y is [%lld, %lld], res [%lld, %lld]", ll(M), ll(N),
-             ll(res.size(0)), ll(res.size(1)));
-  SGMV_CHECK(splits >= 1 && splits <= 16, "epilogue_norm: 1 to 16 partial sums in y, got %lld", ll(splits));
-  // (x_out as epilogue_args' out: the shape and dtype the epilogue's output would have; nothing is written there)
-  lorafleet::Fp8EpilogueArgs a = epilogue_args(y, M, N, x_out, x_scale, w_scale, bias, {N}, v, std::move(b), ranks,
-                                               row_slot, 0);
-  a.out = nullptr;
-  a.splits = static_cast<int>(splits);
-  a.y = y.data_ptr<float>();
-  a.pdl = pdl;
-  SGMV_CHECK(early_b >= -1 && early_b <= 2, "epilogue_norm: early_b must be -1 (by the width), 0, 1 or 2, got %lld",
-             ll(early_b));
-  const char* err = lorafleet::epilogue_norm(dtype, a, n, y.get_device(), as_stream(stream), static_cast<int>(early_b));
-  SGMV_CHECK(err == nullptr, "epilogue_norm launch failed: %s", err ? err : "");
-}
-
 void fp8_gemm_sm90_fused(Tensor out, Tensor x, Tensor w, Tensor x_scale, Tensor w_scale, std::optional<Tensor> bias,
                          std::vector<int64_t> cols, std::optional<Tensor> v, std::vector<Tensor> b,
                          std::optional<Tensor> ranks, std::optional<Tensor> row_slot, bool pdl, int64_t stream,
@@ -1160,12 +1124,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("y"), py::arg("x_scale"), py::arg("w_scale"), py::arg("bias"), py::arg("cols"),
         py::arg("v"), py::arg("b"), py::arg("ranks"), py::arg("row_slot"), py::arg("pdl"), py::arg("stream"),
         py::arg("act") = 0);
-  m.def("epilogue_norm", &epilogue_norm,
-        "res_out = out + res, x_out = RMSNorm(res_out) for out the FP8 epilogue of y (one span), one launch",
-        py::arg("x_out"), py::arg("res"), py::arg("res_out"), py::arg("w"), py::arg("eps"), py::arg("offset"),
-        py::arg("quant_out"), py::arg("quant_scale"), py::arg("y"), py::arg("x_scale"), py::arg("w_scale"),
-        py::arg("bias"), py::arg("v"), py::arg("b"), py::arg("ranks"), py::arg("row_slot"), py::arg("pdl"),
-        py::arg("stream"), py::arg("early") = false, py::arg("early_b") = -1);
   m.def("decode_attention", &decode_attention,
         "attention of one query row per request over its paged K/V (bf16 / fp16 or e4m3 pages), one launch",
         py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("indptr"), py::arg("indices"),

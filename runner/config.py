@@ -119,9 +119,6 @@ class KernelChoices:
     sm90_prefetch_b: with bf16_sm90 and adapters in the step, the product's consumer threads ask L2 for the B rows of
         their epilogue's expand before the main loop (a hint: the same bits; off: -1.2 / 0.0 % with adapters on the
         H100, docs/benchmarks.md section 13.19).
-    epilogue_norm: after the bf16 products' two launches (sm90_shrink_first) or FP8 products in steps with adapters,
-        the o and down projections' epilogue (scales, bias, the rows' LoRA expand) inside the launch of the add +
-        RMSNorm after them (the same bits; off until measured).
     norm_early: with bf16_sm90, the norms before qkv and gate_up on the project's kernel, which lets the product after
         it start at once and stream its weight beside the norm (on: +1.5 / +1.6 % with adapters on the H100,
         docs/benchmarks.md sections 13.13, 13.14).
@@ -185,7 +182,6 @@ class KernelChoices:
     fp8_sm90_shrink_producer: bool = True
     fp8_sm90_fused_shrink: bool = False
     sm90_prefetch_b: bool = False
-    epilogue_norm: bool = False
     norm_early: bool = True
     pin_host_adapters: bool = False
     dense_lora_rows: int = 256
@@ -258,8 +254,7 @@ class KernelChoices:
                    sm90_shrink_first=env.sm90_shrink_first(),
                    fp8_sm90_shrink_producer=env.fp8_sm90_shrink_producer(),
                    fp8_sm90_fused_shrink=env.fp8_sm90_fused_shrink(),
-                   sm90_prefetch_b=env.sm90_prefetch_b(), epilogue_norm=env.epilogue_norm(),
-                   norm_early=env.norm_early(),
+                   sm90_prefetch_b=env.sm90_prefetch_b(), norm_early=env.norm_early(),
                    pin_host_adapters=env.pin_host_adapters(), dense_lora_rows=env.dense_lora_rows(),
                    dense_lora_kext=env.dense_lora_kext())
 

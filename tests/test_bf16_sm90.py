@@ -12,7 +12,6 @@ tests/gpu/test_fp8_sm90_cuda.py; the engine with it against HF + PEFT: tests/gpu
 
 from __future__ import annotations
 
-import dataclasses
 import types
 
 import pytest
@@ -24,9 +23,8 @@ from family_models import family_targets, write_family_model
 from lorafleet.runner.config import EngineConfig, KernelChoices
 from lorafleet.runner.engine.engine import Engine
 from lorafleet.runner.engine.sequence import AdapterRef, SamplingParams, Sequence
-from lorafleet.runner.model.fp8 import Fp8Weight, PendingEpilogue, bf16_sm90_applies
+from lorafleet.runner.model.fp8 import Fp8Weight, bf16_sm90_applies
 from model_helpers import write_random_adapter
-from test_norm_plumbing import TorchEmulatedNorm
 
 NEW = 6
 
@@ -115,36 +113,15 @@ def emulated_shrink_first(calls, syncs, ops):
     with `act`, the ops' act_mul on it), recording (spans, whether LoRA operands came, "first"[, "act"]) per call."""
     product = emulated_product(calls, syncs)
 
-    def run(ext, x, w, bias, spans, lora, unit, sync, act=0, to_norm=False):
+    def run(ext, x, w, bias, spans, lora, unit, sync, act=0):
         assert sync is not None and (act or (lora is not None and lora[4] is not None))
-        assert not (to_norm and (act or len(spans) != 1))
         y = product(ext, x, w, bias, spans, lora, unit, sync if lora is not None and lora[4] is not None else None)
-        calls[-1] = calls[-1] + ("first",) + (("act",) if act else ()) + (("to_norm",) if to_norm else ())
+        calls[-1] = calls[-1] + ("first",) + (("act",) if act else ())
         if act:
             assert len(spans) == 2 and spans[0] == spans[1]
             y = ops.act_mul(y, spans[0])
-        if to_norm:  # (the product's fp32 stand-in; the emulated epilogue hands the output over)
-            return PendingEpilogue(torch.full(y.shape, float("nan")), unit[:y.shape[0]], unit[:y.shape[1]], bias,
-                                   lora[:4], y.dtype, lambda: y)
         return y
     return run
-
-
-class EmulatedEpilogueNorm(TorchEmulatedNorm):
-    """TorchEmulatedNorm with the epilogue in the norm's launch (OwnNorm.run_epilogue): the pending epilogue's
-    output, then the norm; counted."""
-
-    def __init__(self, eps, offset):
-        super().__init__(eps, offset)
-        self.epilogues = 0
-
-    @staticmethod
-    def takes_epilogue(p, res, w):
-        return res is not None and tuple(res.shape) == tuple(p.shape)
-
-    def run_epilogue(self, x_out, n, p, quant=None, early=False):
-        self.epilogues += 1
-        self.run(x_out, dataclasses.replace(n, h=p.finish()), quant, early)
 
 
 def run(model, ads, on: bool, monkeypatch, in_product: bool | str = False, syncs=None):
@@ -154,8 +131,7 @@ def run(model, ads, on: bool, monkeypatch, in_product: bool | str = False, syncs
                                               bf16_sm90=on, sm90_prefetch_b=in_product == "prefetch",
                                               sm90_shrink_producer=in_product == "producer",
                                               sm90_shrink_producer_long_k=in_product == "producer_long_k",
-                                              sm90_shrink_first=in_product in ("shrink_first", "epilogue_norm"),
-                                              epilogue_norm=in_product == "epilogue_norm")))
+                                              sm90_shrink_first=in_product == "shrink_first")))
     calls: list = []
     shim = TorchUnderCudaName(eng.runner.sgmv)
     eng.runner.sgmv = shim
@@ -170,11 +146,8 @@ def run(model, ads, on: bool, monkeypatch, in_product: bool | str = False, syncs
         monkeypatch.setattr(dec, "bf16_sm90_linear", product)
         d.product_ks = product.ks  # (for the test's checks)
         monkeypatch.setattr(dec, "bf16_sm90_shrink_first", emulated_shrink_first(calls, syncs, d.ops))
-        if in_product in ("shrink_first", "epilogue_norm"):  # (gate_up's activation in the epilogue: asked with
-            monkeypatch.setattr(d.ops, "name", "flashinfer")  # flashinfer's ops)
-        if in_product == "epilogue_norm":  # as Decoder.__init__ sets them on such a GPU
-            c = d.cfg
-            d.own_norm, d.epilogue_norm = EmulatedEpilogueNorm(c.rms_norm_eps, c.norm_offset), True
+        if in_product == "shrink_first":  # (gate_up's activation in the epilogue: asked with flashinfer's ops)
+            monkeypatch.setattr(d.ops, "name", "flashinfer")
     try:
         out = eng.run_to_completion(seqs)
     finally:
@@ -183,7 +156,7 @@ def run(model, ads, on: bool, monkeypatch, in_product: bool | str = False, syncs
 
 
 @pytest.mark.parametrize("in_product", [False, True, "short_k", "prefetch", "producer", "producer_long_k",
-                                        "shrink_first", "epilogue_norm"])
+                                        "shrink_first"])
 @pytest.mark.parametrize("family", ["llama3", "qwen2", "phi3"])
 def test_bf16_products_with_the_expand_inside_give_the_default_tokens(tmp_path, family, in_product, monkeypatch):
     """(qwen2: q, k and v biases; phi3: fused qkv and gate_up in the checkpoint; in_product: the shrink inside the
@@ -195,14 +168,13 @@ def test_bf16_products_with_the_expand_inside_give_the_default_tokens(tmp_path, 
     KernelChoices.sm90_shrink_producer_long_k with "short_k"'s SM90_SHRINK_MAX_K: down takes the shrink inside, on the
     producer's warps, and no other product asks for them; "shrink_first": KernelChoices.sm90_shrink_first with
     "short_k"'s SM90_SHRINK_MAX_K: every product with A pools, down's too, takes bf16_sm90_shrink_first's two
-    launches, no other asks for the producer's warps; "epilogue_norm": "shrink_first" with KernelChoices.epilogue_norm:
-    o's and down's epilogue, but the last layer's down's, goes to the norm after it, no other's)"""
+    launches, no other asks for the producer's warps)"""
     model = write_family_model(family, tmp_path / "m", seed=2)
     ads = {"all": write_random_adapter(model, tmp_path / "all", r=8, alpha=16, targets=family_targets(family), seed=3),
            "mlp": write_random_adapter(model, tmp_path / "mlp", r=4, alpha=8, targets=family_targets(family, "mlp"),
                                        seed=4)}
     want, d0, none, plain = run(model, ads, False, monkeypatch)
-    if in_product in ("short_k", "producer", "producer_long_k", "shrink_first", "epilogue_norm"):
+    if in_product in ("short_k", "producer", "producer_long_k", "shrink_first"):
         assert d0.cfg.intermediate_size > d0.cfg.hidden_size
         monkeypatch.setattr(dec, "SM90_SHRINK_MAX_K", d0.cfg.hidden_size)
     syncs: set[int] = set()
@@ -217,18 +189,9 @@ def test_bf16_products_with_the_expand_inside_give_the_default_tokens(tmp_path, 
         elif in_product == "producer":  # (every call with LoRA but the step's first, whose shrink was launched)
             assert all(len(c) == 2 + (c[1] and len(c) == 3) for c in calls)
             assert sum(1 for c in calls if len(c) == 3) == (4 * d.num_layers - 1) * shim.shrinks
-        elif in_product in ("shrink_first", "epilogue_norm"):  # (every call with LoRA but the step's first, whose
-            # shrink was launched; gate_up's also applies the activation)
+        elif in_product == "shrink_first":  # (every call with LoRA but the step's first, whose shrink was launched;
+            # gate_up's also applies the activation)
             firsts = [c for c in calls if "first" in c]
-            to_norm = [c for c in firsts if "to_norm" in c]
-            if in_product == "shrink_first":
-                assert to_norm == [] and d.own_norm is None
-            else:  # o's in every layer, down's in all but the last: (2 layers - 1) a step with adapters; none where a
-                # sandwich norm comes between (gemma3)
-                sandwich = d.layers[0].post_attn_norm is not None
-                assert all(c[0] == (d.cfg.hidden_size,) for c in to_norm)
-                assert len(to_norm) == (0 if sandwich else 2 * d.num_layers - 1) * shim.shrinks == d.own_norm.epilogues
-            firsts = [tuple(x for x in c if x != "to_norm") for c in firsts]
             assert all(c[1] and c[2] == "first" for c in firsts) and len(calls) - len(firsts) == sum(
                 1 for c in calls if len(c) == 2)
             assert len(firsts) == (4 * d.num_layers - 1) * shim.shrinks
@@ -261,10 +224,9 @@ def test_bf16_products_with_the_expand_inside_give_the_default_tokens(tmp_path, 
     assert shim.expands == 0 and shim.shrinks == with_lora  # the expand only inside the product
 
 
-@pytest.mark.parametrize("in_product", ["shrink_first", "epilogue_norm"])
-def test_gemma3_in_the_two_launches_gives_the_default_tokens(tmp_path, in_product, monkeypatch):
-    """The same for gemma3 (GELU-tanh in gate_up's epilogue, sandwich norms: no epilogue goes to the norm)."""
-    test_bf16_products_with_the_expand_inside_give_the_default_tokens(tmp_path, "gemma3", in_product, monkeypatch)
+def test_gemma3_in_the_two_launches_gives_the_default_tokens(tmp_path, monkeypatch):
+    """The same for gemma3 in the two launches (GELU-tanh in gate_up's epilogue; sandwich norms)."""
+    test_bf16_products_with_the_expand_inside_give_the_default_tokens(tmp_path, "gemma3", "shrink_first", monkeypatch)
 
 
 def test_the_products_launch_hands_the_kernel_its_operands(monkeypatch):
@@ -379,24 +341,3 @@ def test_the_wgmma_kernel_takes_only_the_products_it_can():
     }
     for why, args in refused.items():
         assert not bf16_sm90_applies(*args), why
-
-
-@pytest.mark.parametrize("takes", [True, False])
-def test_a_pending_epilogue_is_taken_by_the_norm_or_launched_first(takes):
-    """Decoder._norm with the pending epilogue of o or down (KernelChoices.epilogue_norm): the norm's launch takes it
-    where OwnNorm.takes_epilogue says so (run_epilogue: the residual and x as the norm of the epilogue's output),
-    else the epilogue is launched on its own (finish) and the norm runs on its output; either way the same x and
-    residual, and the epilogue's output is made exactly once."""
-    T, H = 3, 16
-    y, res, w = torch.randn(T, H), torch.randn(T, H), torch.rand(H) + 0.5
-    made = []
-    pending = PendingEpilogue(torch.full((T, H), float("nan")), torch.ones(T), torch.ones(H), None, (None, [], None,
-                              None), torch.float32, lambda: made.append(1) or y.clone())
-    norm = EmulatedEpilogueNorm(1e-6, 0.0)
-    if not takes:
-        norm.takes_epilogue = lambda p, r, w: False
-    me = types.SimpleNamespace(own_norm=norm, own_norm_quant=True, norm_early=False, fp8_tensor_cores=False,
-                               ops=None)
-    x, new_res, quant = dec.Decoder._norm(me, 0, 2, pending, res, w, None, torch.zeros(H, H))
-    assert made == [1] and quant is None and norm.calls == 1 and norm.epilogues == (1 if takes else 0)
-    assert torch.allclose(new_res, y + res) and torch.allclose(x, F.rms_norm(y + res, (H,), w, 1e-6), atol=1e-6)

@@ -208,7 +208,6 @@ def test_fp8_gemm_switches(monkeypatch):
              "sm90_shrink_first=False"),  # on: measured faster
             ("LORAFLEET_SM90_PREFETCH_B", env.sm90_prefetch_b, False, "1",
              "sm90_prefetch_b=True"),  # off: measured slower
-            ("LORAFLEET_EPILOGUE_NORM", env.epilogue_norm, False, "1", "epilogue_norm=True"),  # off until measured
             ("LORAFLEET_NORM_EARLY", env.norm_early, True, "0", "norm_early=False")):  # on: measured faster
         monkeypatch.delenv(var, raising=False)
         assert read() == default, var

@@ -22,10 +22,9 @@ import lorafleet.runner.model.fp8 as fp8
 from family_models import family_targets, write_family_model
 from lorafleet.runner.config import EngineConfig, KernelChoices
 from lorafleet.runner.engine.engine import Engine
-from lorafleet.runner.model.fp8 import (Fp8Weight, PendingEpilogue, fp8_linear, fp8_shrink_first_applies,
-                                       quantize_tokens)
+from lorafleet.runner.model.fp8 import Fp8Weight, fp8_linear, fp8_shrink_first_applies, quantize_tokens
 from model_helpers import write_random_adapter
-from test_bf16_sm90 import EmulatedEpilogueNorm, TorchUnderCudaName, emulated_lora, mixed_requests, row_v
+from test_bf16_sm90 import TorchUnderCudaName, emulated_lora, mixed_requests, row_v
 
 
 class Fp32Shrinks(TorchUnderCudaName):
@@ -47,7 +46,7 @@ def emulated_fp8(d, firsts: list, syncs: set):
     emulation), recording each call that took the shrink first."""
 
     def run(x, w, b, epilogue=False, spans=None, lora=None, quantized=None, act=0, shrink_sync=None,
-            shrink_producer=False, to_norm=False):
+            shrink_producer=False):
         assert shrink_producer == (shrink_sync is not None and d.fp8_sm90_shrink_producer)
         y = F.linear(x, w.dequant(x.dtype), b)
         if lora is not None:
@@ -62,14 +61,8 @@ def emulated_fp8(d, firsts: list, syncs: set):
             emulated_lora(y, x, spans, lora)
         if act:
             return d.ops.act_mul(y, spans[0])
-        if to_norm:  # (KernelChoices.epilogue_norm: the emulated epilogue hands the output to the norm)
-            assert epilogue and len(spans) == 1 and lora is not None
-            handed.append(tuple(spans))
-            return PendingEpilogue(torch.full(y.shape, float("nan")), torch.ones(y.shape[0]), w.scale, b, lora[:4],
-                                   y.dtype, lambda: y)
         return y
 
-    handed = run.handed = []
     return run
 
 
@@ -96,8 +89,7 @@ def run(model, ads, first: bool, monkeypatch, producer: bool = False, tweak=None
 
     monkeypatch.setattr(d, "_norm", quantizing_norm)
     monkeypatch.setattr(dec, "epilogue_applies", lambda *a, **k: True)  # as on an H100 for at most 64 rows
-    d.emulated = emulated_fp8(d, firsts, syncs)
-    monkeypatch.setattr(d, "_fp8_linear", d.emulated)
+    monkeypatch.setattr(d, "_fp8_linear", emulated_fp8(d, firsts, syncs))
     try:
         out = eng.run_to_completion(seqs)
     finally:
@@ -147,28 +139,6 @@ def test_the_shrink_on_the_producers_warps_takes_every_projections_launch(tmp_pa
     assert firsts.count((c.hidden_size,)) == 2 * steps * d.num_layers
     assert shim.shrinks + len(firsts) == launched.shrinks and shim.shrinks == steps
     assert len(syncs) == 4 * d.num_layers - 1
-
-
-@pytest.mark.parametrize("family", ["llama3", "gemma3"])
-def test_the_epilogue_goes_to_the_norm_with_fp8_weights(tmp_path, family, monkeypatch):
-    """KernelChoices.epilogue_norm with FP8 weights (the shrink on the producer's warps, so that o and down take the
-    two launches): o's epilogue in every layer and down's in all but the last go pending to the norm after them
-    (OwnNorm.run_epilogue, emulated), none where a sandwich norm comes first (gemma3); the tokens those of the
-    launched shrinks and epilogues."""
-    model = write_family_model(family, tmp_path / "m", seed=2)
-    ads = {"all": write_random_adapter(model, tmp_path / "all", r=8, alpha=16, targets=family_targets(family), seed=3)}
-    want, _, _, _, _ = run(model, ads, False, monkeypatch)
-
-    def tweak(d):  # as Decoder.__init__ with KernelChoices.epilogue_norm on such a GPU
-        c = d.cfg
-        d.own_norm, d.epilogue_norm = EmulatedEpilogueNorm(c.rms_norm_eps, c.norm_offset), True
-
-    got, d, shim, firsts, _ = run(model, ads, True, monkeypatch, producer=True, tweak=tweak)
-    assert got == want
-    sandwich = d.layers[0].post_attn_norm is not None
-    steps = shim.shrinks  # (the step's first shrink is launched, one a step with adapters)
-    assert steps > 0 and d.emulated.handed == [(d.cfg.hidden_size,)] * len(d.emulated.handed)
-    assert len(d.emulated.handed) == (0 if sandwich else 2 * d.num_layers - 1) * steps == d.own_norm.epilogues
 
 
 @pytest.mark.parametrize("choice", ["fp8_sm90_split", "no_wgmma", "fp8_sm90_persistent", "fp8_sm90_fused_lora"])

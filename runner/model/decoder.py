@@ -25,8 +25,7 @@ import torch.nn.functional as F
 
 from lorafleet.models.contract import ModelConfig
 from lorafleet.runner.config import KernelChoices
-from lorafleet.runner.model.fp8 import (E4M3, SM90_MAX_ROWS, SM90_SHRINK_MAX_K, Fp8Weight, PendingEpilogue,
-                                       bf16_sm90_applies,
+from lorafleet.runner.model.fp8 import (E4M3, SM90_MAX_ROWS, SM90_SHRINK_MAX_K, Fp8Weight, bf16_sm90_applies,
                                        bf16_sm90_linear, bf16_sm90_shrink_first, epilogue_applies, fp8_linear,
                                        fp8_shrink_first_applies, fp8_tensor_cores, quantize_tokens,
                                        sm90_gemm_available, unit_scale)
@@ -198,9 +197,6 @@ class Decoder:
         # layer and projection group; else None
         self.sm90_sync = None
         self.norm_early = False  # the project's norm before them, letting them start at once (KernelChoices.norm_early)
-        # ... o's and down's epilogue launch (bf16 two launches, FP8) inside the norm's after them
-        # (KernelChoices.epilogue_norm)
-        self.epilogue_norm = False
         self.sm90_prefetch_b = kernels.sm90_prefetch_b  # ... their B rows asked of L2 first (a hint)
         # ... the shrink inside them on the producer warp group's idle warps, beside the main loop (bf16 products;
         # FP8 products with fp8_sm90_shrink: fp8_sm90_shrink_producer)
@@ -274,18 +270,7 @@ class Decoder:
         norm_quant = kernels.norm_quant and self.fp8_tensor_cores and isinstance(self.layers[0].qkv, Fp8Weight)
         # (norm_early only before the wgmma products, which wait for the norm before they read its rows)
         self.norm_early = kernels.norm_early and self.bf16_sm90
-        # (epilogue_norm only after a product whose epilogue is a launch of its own: the bf16 products' two launches
-        # with adapters, or FP8 weights' on the tensor cores; one rank: the norm reads the whole row)
-        two_launches = ((self.bf16_sm90 and kernels.sm90_shrink and kernels.sm90_shrink_first)
-                        or (isinstance(self.layers[0].o, Fp8Weight) and self.fp8_tensor_cores and self.fp8_epilogue))
-        self.epilogue_norm = (kernels.epilogue_norm and two_launches and all_reduce is None and not cluster_norm
-                              and not kernels.norm_shrink)
-        if kernels.epilogue_norm and not self.epilogue_norm:
-            log.info("epilogue_norm ignored: it takes the bf16 products' two launches (bf16_sm90, sm90_shrink, "
-                     "sm90_shrink_first) or FP8 weights on the FP8 tensor cores with fp8_epilogue, on one GPU, "
-                     "without norm_lora or norm_shrink")
-        if ((kernels.norm_shrink or norm_quant or cluster_norm or self.norm_early or self.epilogue_norm)
-                and self.device.type == "cuda"
+        if ((kernels.norm_shrink or norm_quant or cluster_norm or self.norm_early) and self.device.type == "cuda"
                 and dtype in (torch.bfloat16, torch.float16)):
             try:
                 from lorafleet.runner.kernels import load
@@ -419,8 +404,7 @@ class Decoder:
         # on LoRA's dense path, o's output in a buffer with room for gate_up's K-extended operand (see _spare_for)
         out = self._project(i, O, o, lw.o, lw.o_bias, lora, small=True,
                             out_spare=self._spare_for(lora, i, GATE_UP, lw.post_attn_norm),
-                            defer=self._norm_follows(lora, lw.post_attn_norm),
-                            to_norm=self._epilogue_to_norm(lora, lw.post_attn_norm))  # [T, H] (or its epilogue)
+                            defer=self._norm_follows(lora, lw.post_attn_norm))  # [T, H]
         if self.all_reduce is not None:
             self.all_reduce(out)
         if lw.post_attn_norm is not None:
@@ -437,8 +421,7 @@ class Decoder:
             a = ops.act_mul(gu, c.intermediate_size)  # [T, I]
         h = self._project(i, DOWN, a, lw.down, lw.down_bias, lora, small=True,
                           out_spare=self._spare_for(lora, i + 1, QKV, lw.post_mlp_norm),
-                          defer=i + 1 < self.num_layers and self._norm_follows(lora, lw.post_mlp_norm),
-                          to_norm=i + 1 < self.num_layers and self._epilogue_to_norm(lora, lw.post_mlp_norm))
+                          defer=i + 1 < self.num_layers and self._norm_follows(lora, lw.post_mlp_norm))
         # [T, H] (partial sum with TP)
         if self.all_reduce is not None:
             self.all_reduce(h)
@@ -452,18 +435,8 @@ class Decoder:
         On the project's kernel where it applies (self.own_norm): the new residual into `res_dst` (else a new
         tensor), with an FP8 projection `proj` x's e4m3 rows and scales [T, 1] as quant (else None), and in decode
         graphs with adapters the group's shrink in the same launch (LoraStepImpl.norm_shrink). Otherwise the ops'
-        norm (flashinfer's, in place). h may be the pending epilogue of the projection before (_epilogue_to_norm):
-        the norm's launch takes it where it can (OwnNorm.run_epilogue), else it is launched on its own first."""
+        norm (flashinfer's, in place)."""
         own = self.own_norm
-        if isinstance(h, PendingEpilogue):
-            if own is not None and residual is not None and own.takes_epilogue(h, residual, w):
-                n = own.operands(h.y, residual, w, res_dst)  # (h.y for the outputs' overlap checks: never read)
-                x = torch.empty(h.shape, dtype=h.dtype, device=h.y.device)
-                quant = quant_buffers(x) if (isinstance(proj, Fp8Weight) and self.fp8_tensor_cores
-                                             and self.own_norm_quant) else None  # (as below)
-                own.run_epilogue(x, n, h, quant and (quant[0], quant[1].view(-1)), early=self.norm_early)
-                return x, n.res_out, quant
-            h = h.finish()
         if own is None or not own.applies(h, w) or (residual is not None and (residual.shape != h.shape
                                                                              or not own.applies(residual, w))):
             settle = getattr(lora, "settle", None)
@@ -493,13 +466,6 @@ class Decoder:
         return (lora is not None and getattr(lora, "cluster_norm", False) and self.own_norm is not None
                 and self.all_reduce is None and post_norm is None)
 
-    def _epilogue_to_norm(self, lora: LoraStep | None, post_norm) -> bool:
-        """Whether an o or down projection's epilogue may be left to the add + RMSNorm after it (KernelChoices.
-        epilogue_norm): its output goes straight into _norm (no sandwich norm first; one rank: no reduction) on the
-        project's norm kernel, in a step with adapters (the two launches run only there)."""
-        return (self.epilogue_norm and lora is not None and getattr(lora, "active", False) and post_norm is None
-                and self.own_norm is not None)
-
     def _spare_for(self, lora: LoraStep | None, layer: int, group: int, post_norm) -> int:
         """Spare columns for an output on LoRA's dense path that becomes, normalized in place (the ops' add + norm
         writes into it), the input of layer's `group`: that weight's spare columns (Decoder.widen_for_lora), which
@@ -512,16 +478,14 @@ class Decoder:
 
     def _project(self, i: int, group: int, x: torch.Tensor, w, b: torch.Tensor | None, lora: LoraStep | None,
                  small: bool = False, split: list[int] | None = None, quant=None, out_spare: int = 0,
-                 defer: bool = False, to_norm: bool = False) -> torch.Tensor | PendingEpilogue:
+                 defer: bool = False) -> torch.Tensor:
         """x @ w.T + b with layer i's LoRA of `group` (o, gate_up or down): on the dense path (`out_spare`: see
         LoraStepImpl.dense_linear), or the base product (`_linear_small` for `small`) then the add-on into its
         projections' columns (`split`). `quant`: x's e4m3 rows and scales, made by the norm's launch (FP8 weights).
-        `defer`: the output goes straight into _norm, which may take the add-on's expand (LoraStep.add). `to_norm`
-        (_epilogue_to_norm): the same, and the epilogue of a product in two launches (bf16 shrink first, FP8) may be
-        returned pending for that norm's launch."""
+        `defer`: the output goes straight into _norm, which may take the add-on's expand (LoraStep.add)."""
         if self._dense(lora, w):
             return lora.dense_linear(i, group, x, w, b, out_spare=out_spare)
-        y = self._finished(i, group, x, w, b, lora, split or [w.shape[0]], quant, to_norm=to_norm)
+        y = self._finished(i, group, x, w, b, lora, split or [w.shape[0]], quant)
         if y is not None:
             return y
         self._begin(lora, i, group, x)
@@ -531,18 +495,14 @@ class Decoder:
         return y
 
     def _finished(self, i: int, group: int, x: torch.Tensor, w, b: torch.Tensor | None, lora: LoraStep | None,
-                  spans: list[int], quantized=None, act: int = 0,
-                  to_norm: bool = False) -> torch.Tensor | PendingEpilogue | None:
+                  spans: list[int], quantized=None, act: int = 0) -> torch.Tensor | None:
         """x @ w.T + b with layer i's LoRA of `group` in a product whose epilogue applies the bias and the expand in
         the same launch as the scales, after the group's shrink (runner/model/fp8.py): an FP8 weight whose unit-scale
         product the epilogue kernel finishes, or with bf16_sm90 a bf16 weight on the wgmma kernel; else None (the
         caller takes the separate launches; nothing was launched). `act` (gate_up; FP8, or bf16 with
         sm90_shrink_first in steps with adapters): the epilogue also applies the activation (fp8_linear,
-        bf16_sm90_shrink_first) and returns act(gate) * up. `to_norm` (o, down: _epilogue_to_norm): where the product
-        and its epilogue are two launches, only the product is launched and its epilogue returned pending for the
-        norm."""
+        bf16_sm90_shrink_first) and returns act(gate) * up."""
         fp8 = isinstance(w, Fp8Weight)
-        pending = {"to_norm": True} if to_norm and not act and len(spans) == 1 else {}
         if fp8:
             if not (self.fp8_epilogue and epilogue_applies(x, w, b, self.fp8_tensor_cores, self.fp8_ext,
                                                            self.fp8_gemm_rows, self.fp8_unit_scale_elems, spans)):
@@ -565,8 +525,7 @@ class Decoder:
             sync = self.sm90_sync[i * GROUPS + group] if inside else None
             operands = None if lora is None else lora.epilogue_operands(i, group, x, in_product=inside)
             if first and (act or (inside and operands is not None and operands[4] is not None)):
-                return bf16_sm90_shrink_first(self.sm90_ext, x, w, b, spans, operands, self.unit_scales, sync, act=act,
-                                              **pending)
+                return bf16_sm90_shrink_first(self.sm90_ext, x, w, b, spans, operands, self.unit_scales, sync, act=act)
             extra = {"prefetch_b": True} if self.sm90_prefetch_b and operands is not None else {}
             if inside and producer and operands is not None and operands[4] is not None:
                 extra["shrink_producer"] = True  # (where the product gets A pools: the step's first group does not)
@@ -596,7 +555,7 @@ class Decoder:
                 sync = self.sm90_sync[i * GROUPS + group]
         on_producer = {"shrink_producer": True} if sync is not None and self.fp8_sm90_shrink_producer else {}
         return self._fp8_linear(x, w, b, epilogue=True, spans=spans, lora=operands, quantized=quant, act=act,
-                                shrink_sync=sync, **on_producer, **pending)
+                                shrink_sync=sync, **on_producer)
 
     def _fp8_linear(self, x: torch.Tensor, w: Fp8Weight, b: torch.Tensor | None, **finish) -> torch.Tensor:
         """fp8_linear with this model's FP8 kernel choices; `finish`: its epilogue arguments."""

@@ -11,7 +11,6 @@ weight-only: x times the dequantized weight, so the CPU runs the FP8 path's weig
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -133,25 +132,6 @@ SM90_MAX_ROWS = 64  # token rows of one call of that kernel (fp8_gemm_sm90.h kFp
 SM90_SHRINK_MAX_K = 8192
 
 
-@dataclass
-class PendingEpilogue:
-    """A one-span product's FP8 epilogue (scales, bias, the rows' LoRA expand) not yet launched, for the add + RMSNorm
-    that reads its output (OwnNorm.run_epilogue: both in one launch, KernelChoices.epilogue_norm), or finish()ed into
-    the epilogue's own launch where that norm cannot take it. The product y has been launched."""
-
-    y: torch.Tensor               # [M, N] fp32, the product
-    x_scale: torch.Tensor         # [M] fp32
-    w_scale: torch.Tensor         # [N] fp32
-    bias: torch.Tensor | None     # [N] of dtype, or None
-    lora: tuple                   # (v, B pools, ranks, row slots), or (None, [], None, None)
-    dtype: torch.dtype            # the output's
-    finish: Callable[[], torch.Tensor]  # the epilogue's own launch -> the output [M, N]
-
-    @property
-    def shape(self) -> torch.Size:  # (y may be [parts, M, N]: a split-K product's partial sums)
-        return self.y.shape[-2:]
-
-
 def epilogue_lora(lora: tuple | None) -> tuple:
     """The epilogue kernels' LoRA arguments (v, B pools, ranks, row slots, A pools or None) from
     LoraStepImpl.epilogue_operands' tuple, or none: no v, no B pools, no ranks, no row slots, no A pools."""
@@ -210,8 +190,7 @@ def shrink_first_args(x: torch.Tensor, spans: list[int], lora: tuple, sync: torc
 
 def bf16_sm90_shrink_first(ext, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, spans: list[int],
                            lora: tuple | None, unit: torch.Tensor, sync: torch.Tensor | None,
-                           shrink_producer: bool = True, act: int = 0,
-                           to_norm: bool = False) -> torch.Tensor | PendingEpilogue:
+                           shrink_producer: bool = True, act: int = 0) -> torch.Tensor:
     """bf16_sm90_linear's result in two launches, as an FP8 projection with adapters takes them: the wgmma product of
     the bf16 operands into fp32, with A pools in `lora` the rows' shrink first into v on its own warps (the producer
     warp group's three that issue no copies, beside the main loop, with `shrink_producer`, else the consumer warps
@@ -220,27 +199,18 @@ def bf16_sm90_shrink_first(ext, x: torch.Tensor, w: torch.Tensor, bias: torch.Te
     written; None: no expand). The same bits as the one launch (whose epilogue is that arithmetic on the same fp32
     sums), with no wait inside the product for every CTA's share of v: the epilogue's launch reads v after the
     product has ended. `act` (two equal spans gate | up): 1 (SiLU) or 2 (GELU-tanh): the epilogue returns act(gate) *
-    up [M, N / 2], flashinfer's act_and_mul bits from the one launch's output, in place of that launch. `to_norm` (one
-    span, no act): only the product is launched; the epilogue is returned as a PendingEpilogue for the norm after it."""
+    up [M, N / 2], flashinfer's act_and_mul bits from the one launch's output, in place of that launch."""
     M, N = x.shape[0], w.shape[0]
     v, b, ranks, row_slot, a = epilogue_lora(lora)
     stream = torch.cuda.current_stream(x.device).cuda_stream
     y = torch.empty(M, N, dtype=torch.float32, device=x.device)
     if a is not None and sync is None:
         raise ValueError("bf16_sm90_shrink_first: the shrink first needs the call site's counters")
-    if to_norm and (act or len(spans) != 1):
-        raise ValueError("bf16_sm90_shrink_first: only a one-span product without an activation goes to the norm")
     shrink = {} if a is None else shrink_first_args(x, spans, lora, sync, shrink_producer)
     ext.fp8_gemm_sm90(y, x, w, stream, 1, **shrink)
-
-    def finish() -> torch.Tensor:
-        out = torch.empty(M, N // 2 if act else N, dtype=x.dtype, device=x.device)
-        ext.fp8_epilogue(out, y, unit[:M], unit[:N], bias, list(spans), v, list(b), ranks, row_slot, True,
-                         torch.cuda.current_stream(x.device).cuda_stream, act)
-        return out
-    if to_norm:
-        return PendingEpilogue(y, unit[:M], unit[:N], bias, (v, list(b), ranks, row_slot), x.dtype, finish)
-    return finish()
+    out = torch.empty(M, N // 2 if act else N, dtype=x.dtype, device=x.device)
+    ext.fp8_epilogue(out, y, unit[:M], unit[:N], bias, list(spans), v, list(b), ranks, row_slot, True, stream, act)
+    return out
 
 
 @functools.cache
@@ -337,7 +307,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
                act: int = 0, sm90: bool = False, sm90_split: bool = False, sm90_fused: bool = False,
                sm90_fused_lora: bool = False, sm90_persistent: bool = False,
                shrink_sync: torch.Tensor | None = None, shrink_producer: bool = False,
-               sm90_fused_shrink: bool = False, to_norm: bool = False) -> torch.Tensor | PendingEpilogue:
+               sm90_fused_shrink: bool = False) -> torch.Tensor:
     """x [M, K] (bf16/fp16 on the GPU, any float on the CPU) @ w.T + bias -> [M, N] in x's dtype. With the
     CUDA extension `ext`: the activations quantized by its one-launch kernel (see quantize_tokens), and for
     M <= `own_rows` (bf16, K a multiple of 64, N of 16) the product on its FP8 kernel (csrc/fp8_gemm.cu), with
@@ -362,8 +332,6 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
     With `sm90_fused` and `sm90_fused_shrink` too, where the epilogue can run inside the product (_sm90_fused: no
     activation, one part), the expand rides there as well: one launch computes v, the product and the epilogue
     (fp8_gemm_sm90_fused with x's bf16 rows as lora_x; the same bits as the product then the epilogue's launch).
-    `to_norm` (one span, no activation): where the epilogue would be a launch of its own after the product, it is
-    returned pending (PendingEpilogue) for the norm after it instead (KernelChoices.epilogue_norm).
     Then, M <= `swap_rows` (and a multiple of 16): cuBLASLt computes (w @ x.T).T, the weight as the long operand.
     Otherwise torch._scaled_mm with per-token and per-row scales."""
     if act and not (epilogue and tensor_cores and not _own_kernel(x, w, ext, own_rows)
@@ -392,8 +360,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
         ext.fp8_gemm(y, xq, sx.view(-1), w.q, w.scale_row.view(-1), torch.cuda.current_stream(x.device).cuda_stream)
     elif unit_scale_call(M, N, K, unit_scale_elems):
         if epilogue:
-            def new_out() -> torch.Tensor:  # (not made for an epilogue left to the norm)
-                return torch.empty(M, N // 2 if act else N, dtype=x.dtype, device=x.device)
+            out = torch.empty(M, N // 2 if act else N, dtype=x.dtype, device=x.device)
             v, b, ranks, row_slot, a = epilogue_lora(lora)
             stream = torch.cuda.current_stream(x.device).cuda_stream
             shrink, inside = None, None  # (the shrink first's arguments; the product's with the epilogue inside)
@@ -410,20 +377,13 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
             elif fusable and (lora is None or sm90_fused_lora):
                 inside = {"persistent": True} if sm90_persistent else {}
             if inside is not None:
-                out = new_out()
                 ext.fp8_gemm_sm90_fused(out, xq, w.q, sx.view(-1), w.scale, bias, list(spans or [N]), v, list(b),
                                         ranks, row_slot, True, stream, **inside)
                 return out
             y = _unit_product(xq, w, ext, sm90, sm90_split, sm90_persistent, shrink)
-
-            def finish() -> torch.Tensor:
-                out = new_out()
-                ext.fp8_epilogue(out, y, sx.view(-1), w.scale, bias, list(spans or [N]), v, list(b), ranks, row_slot,
-                                 True, torch.cuda.current_stream(x.device).cuda_stream, act)
-                return out
-            if to_norm and not act and len(spans or [N]) == 1:
-                return PendingEpilogue(y, sx.view(-1), w.scale, bias, (v, list(b), ranks, row_slot), x.dtype, finish)
-            return finish()
+            ext.fp8_epilogue(out, y, sx.view(-1), w.scale, bias, list(spans or [N]), v, list(b), ranks, row_slot,
+                             True, stream, act)
+            return out
         y = _unit_product(xq, w, ext, sm90, sm90_split, sm90_persistent)
         y = split_sum(y).mul_(sx).mul_(w.scale_row).to(x.dtype)
     elif 0 < M <= swap_rows and M % 16 == 0:  # cuBLASLt wants the rows in multiples of 16 there

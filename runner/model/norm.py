@@ -62,21 +62,3 @@ class OwnNorm:
         q_out, q_scale = quant if quant is not None else (None, None)
         self.ext.rms_norm(x_out, n.h, n.res, n.res_out, n.w, n.eps, n.offset, q_out, q_scale, True,
                           torch.cuda.current_stream(x_out.device).cuda_stream, **({"early": True} if early else {}))
-
-    @staticmethod
-    def takes_epilogue(p, res: torch.Tensor | None, w: torch.Tensor) -> bool:
-        """Whether run_epilogue takes the pending epilogue `p` (runner/model/fp8.py PendingEpilogue) before this norm:
-        a residual of p's shape and dtype, rows of at most 8,192 columns (the launch's register layout)."""
-        M, N = p.shape
-        return (res is not None and res.shape == (M, N) and res.dtype == p.dtype and N <= 8192 and N % 8 == 0
-                and OwnNorm.applies(res, w) and p.y.is_contiguous() and p.y.data_ptr() % 16 == 0)
-
-    def run_epilogue(self, x_out: torch.Tensor, n: NormOperands, p, quant: tuple[torch.Tensor, torch.Tensor] | None =
-                     None, early: bool = False) -> None:
-        """run() on the output of the pending epilogue `p` (where takes_epilogue), the epilogue in the same launch
-        (csrc/sgmv.cu epilogue_norm: the bits of p.finish() then run(); that output is never written). n.h is not
-        read."""
-        q_out, q_scale = quant if quant is not None else (None, None)
-        self.ext.epilogue_norm(x_out, n.res, n.res_out, n.w, n.eps, n.offset, q_out, q_scale, p.y, p.x_scale,
-                               p.w_scale, p.bias, *p.lora, True, torch.cuda.current_stream(x_out.device).cuda_stream,
-                               **({"early": True} if early else {}))

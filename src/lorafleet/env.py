@@ -404,15 +404,6 @@ def sm90_prefetch_b() -> bool:
     return _flag("LORAFLEET_SM90_PREFETCH_B", False)
 
 
-def epilogue_norm() -> bool:
-    """LORAFLEET_EPILOGUE_NORM: after the bf16 products' two launches (LORAFLEET_SM90_SHRINK_FIRST) or FP8 products in
-    steps with adapters, the epilogue of the o and down projections (scales, bias and the rows' LoRA expand on the
-    fp32 product) runs inside the launch of the add + RMSNorm after it (csrc/sgmv.cu epilogue_norm) instead of a
-    launch of its own: one launch and one dependent hop less per projection, the same bits (default 0 until measured;
-    bench/probe_epilogue_norm.py times the two chains; 1: one launch)."""
-    return _flag("LORAFLEET_EPILOGUE_NORM", False)
-
-
 def norm_early() -> bool:
     """LORAFLEET_NORM_EARLY: with the bf16 products on the wgmma kernel (LORAFLEET_BF16_SM90), the norms before qkv and
     gate_up run on the project's kernel, which lets the product after it start at once (the product streams its

@@ -210,40 +210,6 @@ def test_family_shrink_inside_the_wgmma_product(family, monkeypatch, producer):
             eng.close()
 
 
-def test_family_epilogue_in_the_norm_after_o_and_down(family, monkeypatch):
-    """KernelChoices.epilogue_norm: with the bf16 products' two launches, o's and down's epilogue (bias, the rows' LoRA
-    expand) inside the launch of the add + RMSNorm after it (csrc/sgmv.cu epilogue_norm). Teacher-forced against
-    HF + PEFT in fp32 (every step at most 64 rows; its launches counted: (2 layers - 1) a step with adapters, none in
-    a family whose sandwich norms come first), a decode step replayed from its CUDA graph against the same step run
-    eagerly, and that step bit for bit the step with the epilogue's own launches, on one engine."""
-    from lorafleet.runner.model.norm import OwnNorm
-
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the wgmma kernel is built for compute capability 9.0 only")
-    name, model, ads, reqs = family
-    taken = []
-    real = OwnNorm.run_epilogue
-    monkeypatch.setattr(OwnNorm, "run_epilogue", lambda self, *a, **k: taken.append(1) or real(self, *a, **k))
-    cpu, _ = generate(model, reqs, NEW, device="cpu", kv_cache_gb=0.05)  # the fp32 continuation
-    kernels = KernelChoices(bf16_sm90=True, sm90_shrink=True, sm90_shrink_first=True, epilogue_norm=True)
-    label = f"{name} epilogue in the norm"
-    eng = teacher.teacher_forced_check(model, ads, reqs, cpu, "bfloat16", label, kernels=kernels, max_step_tokens=64)
-    sandwich = eng.model.layers[0].post_attn_norm is not None
-    assert eng.model.epilogue_norm and bool(taken) != sandwich, (len(taken), sandwich)
-    assert len(taken) % (2 * eng.model.num_layers - 1) == 0
-    teacher.decode_graph_vs_eager(model, reqs, label, kernels=kernels)
-    eng, batch = teacher.decode_step(model, reqs, kernels=kernels)
-    dev = batch.to_device(eng.device)
-    try:
-        before = len(taken)
-        together = eng.runner.forward(batch, dev).clone()
-        assert len(taken) - before == (0 if sandwich else 2 * eng.model.num_layers - 1)  # (none fell back)
-        eng.model.epilogue_norm = False
-        assert torch.equal(eng.runner.forward(batch, dev), together), name
-    finally:
-        eng.close()
-
-
 def test_family_early_norm_before_the_wgmma_products(family):
     """KernelChoices.norm_early: the norms before qkv and gate_up on the project's kernel, letting the wgmma product
     after each start at once. Teacher-forced against HF + PEFT in fp32 (every step at most 64 rows), then a decode step

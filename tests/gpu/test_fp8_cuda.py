@@ -303,81 +303,6 @@ def test_fp8_epilogue_refuses_bad_operands():
             ext.fp8_epilogue(**{**args, **change})
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("N,M,bias,lora,splits,quant,offset,early", [
-    (4096, 32, False, True, 1, False, 0.0, True), (4096, 3, True, True, 2, True, 0.0, False),
-    (576, 17, True, True, 1, False, 1.0, True), (8192, 32, False, True, 1, True, 0.0, True),
-    (4096, 64, False, False, 1, True, 0.0, False), (2056, 5, True, True, 3, False, 0.0, True)])
-def test_the_epilogue_and_the_norm_in_one_launch(dtype, N, M, bias, lora, splits, quant, offset, early):
-    """epilogue_norm (the FP8 epilogue of a one-span product and the add + RMSNorm of its output, one launch) against
-    fp8_epilogue into out followed by rms_norm(out, res), bit for bit: res_out, x_out and, with quant, x's e4m3 rows
-    and scales. Every kind of row slot (ranks past the 16 rank rows loaded before the wait, up to 128), split-K parts,
-    Gemma's offset, rows of 576 to 8,192 columns (two vectors a lane at 4,096, where B is loaded before the wait; four
-    at 8,192, after it; and each count of vectors so loaded, early_b); `early` (the next kernel let start at once, as
-    the decoder asks with norm_early) on and off.
-    Each of its checked-against launches has its own test against an independent reference."""
-    from lorafleet.runner.kernels import load
-
-    ext = load()
-    st = torch.cuda.current_stream().cuda_stream
-    c = _epilogue_case(dtype, [N], M, bias, lora, seed=N + M + splits)
-    g = torch.Generator(device="cuda").manual_seed(N + M)
-    y = c["y"] if splits == 1 else torch.randn(splits, M, N, device="cuda", generator=g) * 40
-    res = torch.randn(M, N, device="cuda", generator=g).to(dtype)
-    w = (torch.rand(N, device="cuda", generator=g) + 0.5).to(dtype)
-    lora_args = (c.get("v"), c.get("b", []), c.get("ranks"), c.get("row_slot"))
-
-    def outputs():
-        q = (torch.full((M, N), 7, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn),
-             torch.full((M,), float("nan"), device="cuda"))
-        return (torch.full((M, N), float("nan"), dtype=dtype, device="cuda"),
-                torch.full((M, N), float("nan"), dtype=dtype, device="cuda")) + (q if quant else (None, None))
-    out = torch.empty(M, N, dtype=dtype, device="cuda")
-    ext.fp8_epilogue(out, y, c["x_scale"], c["w_scale"], c["bias"], [N], *lora_args, True, st)
-    want = outputs()
-    ext.rms_norm(want[0], out, res, want[1], w, 1e-5, offset, want[2], want[3], True, st)
-    for pdl, early_b in ((True, -1), (False, -1), (True, 0), (True, 1), (True, 2)):  # (early_b: a launch shape)
-        got = outputs()
-        ext.epilogue_norm(got[0], res, got[1], w, 1e-5, offset, got[2], got[3], y, c["x_scale"], c["w_scale"],
-                          c["bias"], *lora_args, pdl, st, early=early, early_b=early_b)
-        torch.cuda.synchronize()
-        assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16)), (pdl, early_b, "x_out")
-        assert torch.equal(got[1].view(torch.int16), want[1].view(torch.int16)), (pdl, early_b, "res_out")
-        if quant:
-            assert torch.equal(got[2].view(torch.uint8), want[2].view(torch.uint8)), (pdl, early_b, "e4m3 rows")
-            assert torch.equal(got[3], want[3]), (pdl, early_b, "e4m3 scales")
-    assert torch.isfinite(want[0].float()).all() and not torch.equal(want[1], res)
-
-
-def test_the_epilogue_and_the_norm_in_one_launch_refuse_what_they_cannot_do():
-    """epilogue_norm's refusals: rows wider than 8,192 columns (the register-resident layout), y of another shape than
-    the residual, no residual's shape in y, the LoRA tables incomplete; nothing written."""
-    from lorafleet.runner.kernels import load
-
-    ext = load()
-    st = torch.cuda.current_stream().cuda_stream
-    for N, match in ((12288, "wider than 8,192"),):
-        c = _epilogue_case(torch.bfloat16, [N], 4, False, False, seed=3)
-        res = torch.randn(4, N, device="cuda").to(torch.bfloat16)
-        x, ro = torch.zeros_like(res), torch.zeros_like(res)
-        w = torch.ones(N, device="cuda", dtype=torch.bfloat16)
-        with pytest.raises(RuntimeError, match=match):
-            ext.epilogue_norm(x, res, ro, w, 1e-5, 0.0, None, None, c["y"], c["x_scale"], c["w_scale"], None, None, [],
-                              None, None, True, st)
-        assert not x.any() and not ro.any()
-    c = _epilogue_case(torch.bfloat16, [64], 4, False, True, seed=4)
-    res = torch.randn(4, 64, device="cuda").to(torch.bfloat16)
-    x, ro, w = torch.zeros_like(res), torch.zeros_like(res), torch.ones(64, device="cuda", dtype=torch.bfloat16)
-    args = dict(x_out=x, res=res, res_out=ro, w=w, eps=1e-5, offset=0.0, quant_out=None, quant_scale=None, y=c["y"],
-                x_scale=c["x_scale"], w_scale=c["w_scale"], bias=None, v=c["v"], b=c["b"], ranks=c["ranks"],
-                row_slot=c["row_slot"], pdl=True, stream=st)
-    for change, match in ((dict(y=c["y"][:3].contiguous()), "y is"), (dict(row_slot=None), "row_slot"),
-                          (dict(res_out=res), "overlap")):
-        with pytest.raises(RuntimeError, match=match):
-            ext.epilogue_norm(**{**args, **change})
-    assert not x.any() and not ro.any()
-
-
 class _CountingExt:
     """The CUDA extension with its fp8_epilogue, fp8_gemm_sm90 and quantize_e4m3 calls counted; a call of
     fp8_gemm_sm90_fused (the product with the epilogue inside it) counts as one of each, and in `fused`; fp8_gemm_sm90
@@ -779,38 +704,6 @@ def test_fp8_epilogue_inside_the_shrink_firsts_launch_gives_the_same_step(fam, k
         m.fp8_ext, m.fp8_sm90_fused_shrink = ext, False
         eng.close()
     assert torch.equal(one, default), (name, (one - default).abs().max().item())
-
-
-@pytest.mark.parametrize("kv", ["auto", "fp8"])
-def test_fp8_epilogue_in_the_norm_gives_the_same_step(fam, kv, monkeypatch):
-    """KernelChoices.epilogue_norm with FP8 weights: in a decode step with adapters, o's and down's FP8 epilogue (in
-    every layer, down's but the last's) runs inside the launch of the add + RMSNorm after it, which also quantizes the
-    next product's rows (counted: 2 layers - 1): the defaults' logits bit for bit, on one engine."""
-    from lorafleet.runner.model.norm import OwnNorm
-
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the wgmma kernel is built for compute capability 9.0 only")
-    if {"LORAFLEET_EPILOGUE_NORM", "LORAFLEET_FP8_SM90_FUSED_SHRINK", "LORAFLEET_NORM_QUANT",
-            "LORAFLEET_FP8_EPILOGUE"} & set(os.environ):
-        pytest.skip("this test starts from the default kernel choices")
-    name, model, _, _, reqs = fam
-    taken = []
-    real = OwnNorm.run_epilogue
-    monkeypatch.setattr(OwnNorm, "run_epilogue", lambda self, *a, **k: taken.append(a[3] is not None) or real(
-        self, *a, **k))
-    eng, batch = teacher.decode_step(model, reqs[:4] * 2, quantization="fp8", kv_cache_dtype=kv)
-    dev = batch.to_device(eng.device)
-    m = eng.model
-    assert not m.epilogue_norm and m.own_norm is not None  # the defaults (the norm quantizes the next rows)
-    try:
-        default = eng.runner.forward(batch, dev).clone()
-        assert taken == []
-        m.epilogue_norm = True
-        together = eng.runner.forward(batch, dev).clone()
-        assert taken == [True] * (2 * m.num_layers - 1), (name, taken)  # (each with the next product's e4m3 rows)
-    finally:
-        eng.close()
-    assert torch.equal(together, default), (name, (together - default).abs().max().item())
 
 
 def test_fp8_persistent_wgmma_schedule_gives_the_same_step(fam):

@@ -86,8 +86,7 @@ def _run(eng, work):
 
     def project(self, i, group, *a, **k):
         y = real_project(self, i, group, *a, **k)
-        if isinstance(y, torch.Tensor):  # (not an epilogue left to the norm, KernelChoices.epilogue_norm)
-            records.append((("proj", i, group), y.detach().clone()))
+        records.append((("proj", i, group), y.detach().clone()))
         return y
 
     batch = build_step_batch(work, eng.config.page_size, eng.config.max_batch_size, pin=True)
