@@ -1,6 +1,6 @@
 """The shape of the code: runner/ wings import only downward, nothing below the engine reads the
 environment, no module outside a model family spells a checkpoint tensor name, and the families are
-torch-free (the operator and the scheduler read them)."""
+torch-free (the operator and the scheduler read them), and the knobs table names what the code reads."""
 
 from __future__ import annotations
 
@@ -109,3 +109,21 @@ def test_the_fronts_of_runner_and_serve_import_without_torch():
             "import lorafleet.runner.service.server, lorafleet.runner.service.generate\n"
             "assert 'torch' not in sys.modules, 'torch imported'\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+def test_every_knob_the_code_reads_is_in_the_knobs_table_and_back():
+    """docs/security.md's "Every knob" tables name each LORAFLEET_ variable that src/lorafleet/env.py reads (the
+    one module that reads the environment) or that a kernel reads itself (csrc/), and name no variable that
+    nothing reads (a removed setting leaves the table with its code)."""
+    read = set(re.findall(r'"(LORAFLEET_[A-Z0-9_]+)"', (REPO / "src" / "lorafleet" / "env.py").read_text()))
+    kernels = {v for f in sorted((REPO / "csrc").iterdir()) if f.suffix in (".cu", ".cuh", ".cpp", ".h")
+               for v in re.findall(r'getenv\("(LORAFLEET_[A-Z0-9_]+)"\)', f.read_text())}
+    doc = (REPO / "docs" / "security.md").read_text()
+    table = doc[doc.index("## Every knob"):]
+    table = table[:table.index("\n## ", 1)] if "\n## " in table[1:] else table
+    # (a row's first cell: one or more variables, or a flag and its variable)
+    named = {v for row in re.findall(r"^\|([^|]*)\|", table, re.M)
+             for v in re.findall(r"`(LORAFLEET_[A-Z0-9_]+)`", row)}
+    assert read and kernels <= named | read
+    assert not read - named, f"read but not in docs/security.md: {sorted(read - named)}"
+    assert not named - read - kernels, f"in docs/security.md but read nowhere: {sorted(named - read - kernels)}"
