@@ -257,7 +257,7 @@ stage() {
     sfirst)  # bf16 products in two launches (LORAFLEET_SM90_SHRINK_FIRST): its GPU tests, then (only if none failed) its A/B
       local failed
       FP8_K="bf16_shrink_first or bf16_two_launches or shrink_first_refuses" TEST_S=${TEST_S:-150} stage sm90tests
-      FTESTS_K="${SFIRST_FTESTS_K:-(shrink_first and (llama3 or phi3)) or (producer_long_k and llama3)}" \
+      FTESTS_K="${SFIRST_FTESTS_K:-shrink_first and (llama3 or phi3)}" \
         TEST_S=${TEST_S:-150} stage ftests
       failed=$(cat "$LOGS/gpu_sm90tests.log" "$LOGS/gpu_ftests.log" \
         | grep -cE '^(FAILED|ERROR) |(^| )(FAILED|ERROR)( +\[ *[0-9]+%\])?$')

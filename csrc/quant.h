@@ -68,9 +68,6 @@ struct Fp8EpilogueLora {
   int k = 0;                           // K (set by the launcher)
   int shrink_tickets = 0;              // the shrink's tickets and the rank rows (of one row's G spans) each
   int shrink_per = 0;                  // takes (set by the launcher: see RowShrink::shrink_ticket, sm90_gemm.cuh)
-  // fp8_gemm_sm90_fused only: each consumer thread asks L2 for its chunks' first B rows before the main loop, so that
-  // the epilogue's B loads after it find them there (a hint: the same bits either way)
-  bool prefetch_b = false;
   // The shrink's tickets on the producer warp group's three warps that issue no copies (warps 1-3 of each CTA), beside
   // the main loop, instead of on the consumer warps before it (the same bits: a ticket's sums do not depend on the
   // warp that takes it). fp8_gemm_sm90_fused then counts those warps' exits in a fourth counter (sync[3]), so that

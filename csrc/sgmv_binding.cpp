@@ -61,9 +61,8 @@
 //       out [M, N / 2] = act(gate) * up as flashinfer's act_and_mul computes it from the epilogue's output.
 //       y [splits, M, N]: a split-K product's partial sums (fp8_gemm_sm90 with splits), added in part order first.
 //   fp8_gemm_sm90_fused(out, x, w, x_scale, w_scale, bias, cols, v, b, ranks, row_slot, pdl, stream, a=[], sync=None,
-//       persistent=False, prefetch_b=False, shrink_producer=False, lora_x=None): the bits of fp8_gemm_sm90 then
-//       fp8_epilogue (act 0, one part) in one launch (prefetch_b: the epilogue's first B rows asked of L2 before the
-//       main loop, a hint; not with persistent), the epilogue inside the product's kernel; out in bf16. With a (one A
+//       persistent=False, shrink_producer=False, lora_x=None): the bits of fp8_gemm_sm90 then
+//       fp8_epilogue (act 0, one part) in one launch, the epilogue inside the product's kernel; out in bf16. With a (one A
 //       pool [S, R, K] per span) and sync (int32 [>= 3], zero, the call site's own): the rows' shrink too, into v,
 //       inside the same launch (quant.h Fp8EpilogueLora::sync) instead of a shrink launched before
 //       (shrink_producer=True: on the producer warp group's warps 1-3 beside the main loop, sync [>= 4]; the same
@@ -936,7 +935,7 @@ void fp8_epilogue(Tensor out, Tensor y, Tensor x_scale, Tensor w_scale, std::opt
 void fp8_gemm_sm90_fused(Tensor out, Tensor x, Tensor w, Tensor x_scale, Tensor w_scale, std::optional<Tensor> bias,
                          std::vector<int64_t> cols, std::optional<Tensor> v, std::vector<Tensor> b,
                          std::optional<Tensor> ranks, std::optional<Tensor> row_slot, bool pdl, int64_t stream,
-                         std::vector<Tensor> a, std::optional<Tensor> sync, bool persistent, bool prefetch_b,
+                         std::vector<Tensor> a, std::optional<Tensor> sync, bool persistent,
                          bool shrink_producer, std::optional<Tensor> lora_x) {
   lorafleet::Fp8Sm90Args g = sm90_args(x, w, 1, pdl, "fp8_gemm_sm90_fused");
   g.persistent = persistent;
@@ -960,7 +959,6 @@ void fp8_gemm_sm90_fused(Tensor out, Tensor x, Tensor w, Tensor x_scale, Tensor 
     }
     add_shrink(e, rows, v, ranks, a, *sync, shrink_producer ? 4 : 3, shrink_producer, "fp8_gemm_sm90_fused");
   }
-  e.lora.prefetch_b = prefetch_b;  // (a hint; nothing to prefetch without LoRA)
   const char* err = lorafleet::fp8_gemm_sm90_fused(g, e, as_stream(stream));
   SGMV_CHECK(err == nullptr, "fp8_gemm_sm90_fused launch failed: %s", err ? err : "");
 }
@@ -1115,7 +1113,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("x"), py::arg("w"), py::arg("x_scale"), py::arg("w_scale"), py::arg("bias"),
         py::arg("cols"), py::arg("v"), py::arg("b"), py::arg("ranks"), py::arg("row_slot"), py::arg("pdl"),
         py::arg("stream"), py::arg("a") = std::vector<torch::Tensor>{}, py::arg("sync") = py::none(),
-        py::arg("persistent") = false, py::arg("prefetch_b") = false, py::arg("shrink_producer") = false,
+        py::arg("persistent") = false, py::arg("shrink_producer") = false,
         py::arg("lora_x") = py::none());
   m.def("fp8_gemm_sm90_built", &lorafleet::fp8_gemm_sm90_built, "whether this build holds the sm90 FP8 GEMM");
   m.def("fp8_epilogue", &fp8_epilogue,

@@ -508,32 +508,7 @@ class FusedEpilogue {
     if constexpr (kShrink) {  // (the consumer warps before their main loop, or the producer's warps 1-3 beside it)
       if (params.lora.sync != nullptr && RowShrink<T>::takes_tickets(params.lora)) RowShrink<T>::shrink_rows(params);
     }
-    if constexpr (!kPersistent) {  // (one tile a CTA: blockIdx names it)
-      if (t >= 0 && params.lora.v != nullptr && params.lora.prefetch_b) prefetch_b(*grid_, tok0, t);
-    }
 #endif
-  }
-
-  // Fp8EpilogueLora::prefetch_b: the first rank rows of B that this thread's chunks will read after the main loop,
-  // asked of L2 now (the row slots' loads, issued just before, are waited for here), to be evicted last: the weight's
-  // stream through L2 during the main loop is larger than L2; the chunks as operator() takes them, the tile's weight
-  // rows from blockIdx.x as its tokens from blockIdx.y.
-  __device__ void prefetch_b(const Params& a, int tok0, int t) const {
-    const Fp8EpilogueLora& l = a.lora;
-    const int row0 = static_cast<int>(blockIdx.x) * kRows;
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < kPer; ++i) {
-      const int q = i * kThreads + t;
-      const int row = tok0 + q / kPerRow, c = row0 + (q % kPerRow) * fp8_epi::kCols;
-      const int s = slot_[i];
-      if (row >= a.m || c >= a.n || s < 0 || s >= l.num_slots) continue;
-      int g, start, width;
-      fp8_epi::span_of(a, min(c, a.n - fp8_epi::kCols), g, start, width);
-      const T* b = fp8_epi::b_row0<T>(l, s, g, c, start, width);
-      const int rows = min(fp8_epi::b_rank_dim(l, g), fp8_epi::kChunk);
-      for (int j = 0; j < rows; ++j)
-        asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(b + static_cast<int64_t>(j) * width));
-    }
   }
 
   // In the epilogue, every consumer warp (after the wait for the kernel before): if v is not complete, the tickets

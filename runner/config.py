@@ -100,9 +100,6 @@ class KernelChoices:
     sm90_shrink_producer: where the shrink runs inside the bf16 wgmma product (sm90_shrink), the producer warp group's
         three warps that issue no copies take it, beside the main loop, instead of the consumer warps before it, in
         products of any K (the same bits; off: -2.0 / -0.2 % with adapters on the H100, docs/benchmarks.md 13.17).
-    sm90_shrink_producer_long_k: the same only for the bf16 products whose K exceeds SM90_SHRINK_MAX_K (7B's down),
-        which otherwise keep the shrink's own launch; the others keep the consumer warps (the same bits; off, not
-        measured: with sm90_shrink_first on, every product with adapters takes the producer's warps already).
     sm90_shrink_first: with sm90_shrink, a bf16 product with adapters in two launches as an FP8 one takes them: the
         wgmma product into fp32 with the shrink on the producer's warps beside its main loop (any K), then the FP8
         epilogue's launch with unit scales adding the bias and the expand, instead of one launch whose epilogues wait
@@ -116,9 +113,6 @@ class KernelChoices:
         the expand) inside the same wgmma launch where it can be (not an epilogue that applies the activation:
         gate_up's with fp8_epilogue_act): one launch a projection instead of the product's and the epilogue's (the
         same bits; off: -4.6 / -5.4 % with adapters on the H100, docs/benchmarks.md section 13.19).
-    sm90_prefetch_b: with bf16_sm90 and adapters in the step, the product's consumer threads ask L2 for the B rows of
-        their epilogue's expand before the main loop (a hint: the same bits; off: -1.2 / 0.0 % with adapters on the
-        H100, docs/benchmarks.md section 13.19).
     norm_early: with bf16_sm90, the norms before qkv and gate_up on the project's kernel, which lets the product after
         it start at once and stream its weight beside the norm (on: +1.5 / +1.6 % with adapters on the H100,
         docs/benchmarks.md sections 13.13, 13.14).
@@ -177,11 +171,9 @@ class KernelChoices:
     bf16_sm90: bool = True
     sm90_shrink: bool = True
     sm90_shrink_producer: bool = False
-    sm90_shrink_producer_long_k: bool = False
     sm90_shrink_first: bool = True
     fp8_sm90_shrink_producer: bool = True
     fp8_sm90_fused_shrink: bool = False
-    sm90_prefetch_b: bool = False
     norm_early: bool = True
     pin_host_adapters: bool = False
     dense_lora_rows: int = 256
@@ -250,11 +242,10 @@ class KernelChoices:
                    fp8_sm90_split=env.fp8_sm90_split(), fp8_sm90_persistent=env.fp8_sm90_persistent(),
                    fp8_quant_in_shrink=env.fp8_quant_in_shrink(), bf16_sm90=env.bf16_sm90(),
                    sm90_shrink=env.sm90_shrink(), sm90_shrink_producer=env.sm90_shrink_producer(),
-                   sm90_shrink_producer_long_k=env.sm90_shrink_producer_long_k(),
                    sm90_shrink_first=env.sm90_shrink_first(),
                    fp8_sm90_shrink_producer=env.fp8_sm90_shrink_producer(),
                    fp8_sm90_fused_shrink=env.fp8_sm90_fused_shrink(),
-                   sm90_prefetch_b=env.sm90_prefetch_b(), norm_early=env.norm_early(),
+                   norm_early=env.norm_early(),
                    pin_host_adapters=env.pin_host_adapters(), dense_lora_rows=env.dense_lora_rows(),
                    dense_lora_kext=env.dense_lora_kext())
 

@@ -87,11 +87,10 @@ def emulated_product(calls, syncs=None):
     the operands, the kernel's shrink first: v[t, g, :r] = A_g[slot, :r] @ x[t] (the counters `sync`, zero int32, of
     one layer and group: recorded by address in `syncs`)."""
 
-    def run(ext, x, w, bias, spans, lora, unit, sync=None, prefetch_b=False, shrink_producer=False):
+    def run(ext, x, w, bias, spans, lora, unit, sync=None, shrink_producer=False):
         assert ext == "ext" and unit.numel() >= max(x.shape[0], w.shape[0]) and bool((unit == 1).all())
-        run.ks.append(x.shape[1])  # (K of each call, in calls' order)
         assert not shrink_producer or (sync is not None and sync.numel() >= 4)  # (four counters on those warps)
-        calls.append((tuple(spans), lora is not None) + (("prefetch_b",) if prefetch_b else ())
+        calls.append((tuple(spans), lora is not None)
                      + (("producer",) if shrink_producer and lora is not None and lora[4] is not None else ()))
         y = F.linear(x, w, bias)
         if lora is not None:
@@ -104,7 +103,6 @@ def emulated_product(calls, syncs=None):
                 assert len(a) == len(spans) and all(ag.shape[2] == x.shape[1] for ag in a)
             emulated_lora(y, x, spans, lora)
         return y
-    run.ks = []
     return run
 
 
@@ -128,9 +126,7 @@ def run(model, ads, on: bool, monkeypatch, in_product: bool | str = False, syncs
     seqs = mixed_requests(ads, seed=11)
     eng = Engine(str(model), EngineConfig(device="cpu", max_batch_size=8, page_size=4, num_pages=200, max_lora_rank=16,
                                           max_step_tokens=64, kernels=KernelChoices(
-                                              bf16_sm90=on, sm90_prefetch_b=in_product == "prefetch",
-                                              sm90_shrink_producer=in_product == "producer",
-                                              sm90_shrink_producer_long_k=in_product == "producer_long_k",
+                                              bf16_sm90=on, sm90_shrink_producer=in_product == "producer",
                                               sm90_shrink_first=in_product == "shrink_first")))
     calls: list = []
     shim = TorchUnderCudaName(eng.runner.sgmv)
@@ -144,7 +140,6 @@ def run(model, ads, on: bool, monkeypatch, in_product: bool | str = False, syncs
         monkeypatch.setattr(dec, "bf16_sm90_applies", lambda x, w, b, spans: x.shape[0] <= 64)
         product = emulated_product(calls, syncs)
         monkeypatch.setattr(dec, "bf16_sm90_linear", product)
-        d.product_ks = product.ks  # (for the test's checks)
         monkeypatch.setattr(dec, "bf16_sm90_shrink_first", emulated_shrink_first(calls, syncs, d.ops))
         if in_product == "shrink_first":  # (gate_up's activation in the epilogue: asked with flashinfer's ops)
             monkeypatch.setattr(d.ops, "name", "flashinfer")
@@ -155,18 +150,14 @@ def run(model, ads, on: bool, monkeypatch, in_product: bool | str = False, syncs
     return [out[f"r{i}"].output_ids for i in range(len(seqs))], d, calls, shim
 
 
-@pytest.mark.parametrize("in_product", [False, True, "short_k", "prefetch", "producer", "producer_long_k",
-                                        "shrink_first"])
+@pytest.mark.parametrize("in_product", [False, True, "short_k", "producer", "shrink_first"])
 @pytest.mark.parametrize("family", ["llama3", "qwen2", "phi3"])
 def test_bf16_products_with_the_expand_inside_give_the_default_tokens(tmp_path, family, in_product, monkeypatch):
     """(qwen2: q, k and v biases; phi3: fused qkv and gate_up in the checkpoint; in_product: the shrink inside the
     product too, each layer and group with counters of its own; "short_k": only where K is the hidden size, as
-    SM90_SHRINK_MAX_K below the intermediate size makes it: down keeps the shrink's own launch; "prefetch": the shrink
-    inside, and KernelChoices.sm90_prefetch_b asked of every product with LoRA operands, of no other; "producer":
+    SM90_SHRINK_MAX_K below the intermediate size makes it: down keeps the shrink's own launch; "producer":
     KernelChoices.sm90_shrink_producer with SM90_SHRINK_MAX_K as "short_k" sets it: down takes the shrink inside too,
-    and every product with A pools asks for the producer's warps; "producer_long_k":
-    KernelChoices.sm90_shrink_producer_long_k with "short_k"'s SM90_SHRINK_MAX_K: down takes the shrink inside, on the
-    producer's warps, and no other product asks for them; "shrink_first": KernelChoices.sm90_shrink_first with
+    and every product with A pools asks for the producer's warps; "shrink_first": KernelChoices.sm90_shrink_first with
     "short_k"'s SM90_SHRINK_MAX_K: every product with A pools, down's too, takes bf16_sm90_shrink_first's two
     launches, no other asks for the producer's warps)"""
     model = write_family_model(family, tmp_path / "m", seed=2)
@@ -174,7 +165,7 @@ def test_bf16_products_with_the_expand_inside_give_the_default_tokens(tmp_path, 
            "mlp": write_random_adapter(model, tmp_path / "mlp", r=4, alpha=8, targets=family_targets(family, "mlp"),
                                        seed=4)}
     want, d0, none, plain = run(model, ads, False, monkeypatch)
-    if in_product in ("short_k", "producer", "producer_long_k", "shrink_first"):
+    if in_product in ("short_k", "producer", "shrink_first"):
         assert d0.cfg.intermediate_size > d0.cfg.hidden_size
         monkeypatch.setattr(dec, "SM90_SHRINK_MAX_K", d0.cfg.hidden_size)
     syncs: set[int] = set()
@@ -184,9 +175,7 @@ def test_bf16_products_with_the_expand_inside_give_the_default_tokens(tmp_path, 
         # no LoRA launch of its own left but the step's first shrink (its launch stands between the ops that compute
         # the row slots and the first product, which reads them before its wait)
         with_lora = sum(1 for c in calls if c[1])
-        if in_product == "prefetch":
-            assert all((len(c) == 3) == c[1] for c in calls) and with_lora > 0
-        elif in_product == "producer":  # (every call with LoRA but the step's first, whose shrink was launched)
+        if in_product == "producer":  # (every call with LoRA but the step's first, whose shrink was launched)
             assert all(len(c) == 2 + (c[1] and len(c) == 3) for c in calls)
             assert sum(1 for c in calls if len(c) == 3) == (4 * d.num_layers - 1) * shim.shrinks
         elif in_product == "shrink_first":  # (every call with LoRA but the step's first, whose shrink was launched;
@@ -197,10 +186,6 @@ def test_bf16_products_with_the_expand_inside_give_the_default_tokens(tmp_path, 
             assert len(firsts) == (4 * d.num_layers - 1) * shim.shrinks
             gate_up = (d.cfg.intermediate_size, d.cfg.intermediate_size)
             assert [c[0] for c in firsts if "act" in c] == [gate_up] * (d.num_layers * shim.shrinks)
-        elif in_product == "producer_long_k":  # (down alone: its spans the hidden size, its K the intermediate size)
-            producers = [k for c, k in zip(calls, d.product_ks, strict=True) if len(c) == 3]
-            assert producers and all(k == d.cfg.intermediate_size for k in producers)  # down's: not o's, whose K is H
-            assert len(producers) == d.num_layers * shim.shrinks
         else:
             assert all(len(c) == 2 for c in calls)
         launched = 1 + d.num_layers if in_product == "short_k" else 1  # the first shrink (and each layer's down's)
@@ -265,12 +250,6 @@ def test_the_products_launch_hands_the_kernel_its_operands(monkeypatch):
     bf16_sm90_linear(Ext(), x, w, bias, (16, 32), lora[:4] + (pools,), unit, sync)
     assert seen["kwargs"]["a"] == list(pools) and seen["kwargs"]["sync"] is sync and seen["args"][7] is lora[0]
     assert "persistent" not in seen["kwargs"]  # the one-CTA-a-tile kernel, the only one for bf16 operands
-    assert "prefetch_b" not in seen["kwargs"]  # (KernelChoices.sm90_prefetch_b: asked for only)
-    bf16_sm90_linear(Ext(), x, w, bias, (16, 32), lora, unit, prefetch_b=True)
-    assert seen["kwargs"] == {"prefetch_b": True}
-    seen.pop("kwargs")
-    bf16_sm90_linear(Ext(), x, w, None, [48], None, unit, prefetch_b=True)  # no LoRA: nothing to prefetch
-    assert "kwargs" not in seen
 
 
 def test_the_two_launches_hand_the_kernels_their_operands(monkeypatch):

@@ -202,12 +202,8 @@ def test_fp8_gemm_switches(monkeypatch):
             ("LORAFLEET_SM90_SHRINK", env.sm90_shrink, True, "0", "sm90_shrink=False"),  # on: measured faster
             ("LORAFLEET_SM90_SHRINK_PRODUCER", env.sm90_shrink_producer, False, "1",
              "sm90_shrink_producer=True"),  # off: measured slower in bf16
-            ("LORAFLEET_SM90_SHRINK_PRODUCER_LONG_K", env.sm90_shrink_producer_long_k, False, "1",
-             "sm90_shrink_producer_long_k=True"),  # off: moot beside sm90_shrink_first
             ("LORAFLEET_SM90_SHRINK_FIRST", env.sm90_shrink_first, True, "0",
              "sm90_shrink_first=False"),  # on: measured faster
-            ("LORAFLEET_SM90_PREFETCH_B", env.sm90_prefetch_b, False, "1",
-             "sm90_prefetch_b=True"),  # off: measured slower
             ("LORAFLEET_NORM_EARLY", env.norm_early, True, "0", "norm_early=False")):  # on: measured faster
         monkeypatch.delenv(var, raising=False)
         assert read() == default, var

@@ -197,13 +197,11 @@ class Decoder:
         # layer and projection group; else None
         self.sm90_sync = None
         self.norm_early = False  # the project's norm before them, letting them start at once (KernelChoices.norm_early)
-        self.sm90_prefetch_b = kernels.sm90_prefetch_b  # ... their B rows asked of L2 first (a hint)
         # ... the shrink inside them on the producer warp group's idle warps, beside the main loop (bf16 products;
         # FP8 products with fp8_sm90_shrink: fp8_sm90_shrink_producer)
         self.sm90_shrink_producer = kernels.sm90_shrink_producer
-        # (only where K exceeds SM90_SHRINK_MAX_K; or, sm90_shrink_first, every bf16 product with A pools in two
-        # launches: the product into fp32 with the shrink on those warps, then the FP8 epilogue's launch)
-        self.sm90_shrink_producer_long_k = kernels.sm90_shrink_producer_long_k
+        # (or, sm90_shrink_first, every bf16 product with A pools in two launches: the product into fp32 with the
+        # shrink on those warps, then the FP8 epilogue's launch)
         self.sm90_shrink_first = kernels.sm90_shrink_first
         self.fp8_sm90_shrink_producer = kernels.fp8_sm90_shrink_producer
         # ... and with it the FP8 epilogue (the expand) inside the same launch where it can be (fp8_sm90_fused_shrink)
@@ -514,22 +512,21 @@ class Decoder:
             return None
         if not fp8:
             # (the shrink inside the product up to SM90_SHRINK_MAX_K where the consumer warps run it before their main
-            # loop, a longer K keeps the shrink's launch; any K on the producer's warps beside the main loop, or only
-            # the longer K there with sm90_shrink_producer_long_k)
+            # loop, a longer K keeps the shrink's launch; any K on the producer's warps beside the main loop)
             # (with sm90_shrink_first: on the producer's warps at any K, the expand in the FP8 epilogue's launch after
             # the product)
             long_k = x.shape[1] > SM90_SHRINK_MAX_K
             first = self.sm90_shrink_first
-            producer = first or self.sm90_shrink_producer or (self.sm90_shrink_producer_long_k and long_k)
+            producer = first or self.sm90_shrink_producer
             inside = self.sm90_sync is not None and (producer or not long_k)
             sync = self.sm90_sync[i * GROUPS + group] if inside else None
             operands = None if lora is None else lora.epilogue_operands(i, group, x, in_product=inside)
             if first and (act or (inside and operands is not None and operands[4] is not None)):
                 return bf16_sm90_shrink_first(self.sm90_ext, x, w, b, spans, operands, self.unit_scales, sync, act=act)
-            extra = {"prefetch_b": True} if self.sm90_prefetch_b and operands is not None else {}
-            if inside and producer and operands is not None and operands[4] is not None:
-                extra["shrink_producer"] = True  # (where the product gets A pools: the step's first group does not)
-            return bf16_sm90_linear(self.sm90_ext, x, w, b, spans, operands, self.unit_scales, sync, **extra)
+            # (the producer's warps where the product gets A pools: the step's first group does not)
+            on_producer = inside and producer and operands is not None and operands[4] is not None
+            return bf16_sm90_linear(self.sm90_ext, x, w, b, spans, operands, self.unit_scales, sync,
+                                    **({"shrink_producer": True} if on_producer else {}))
         operands, quant, sync = None, quantized, None
         if lora is not None:
             # (the shrink first, on the product's warps: where the norm quantized x, K is at most SM90_SHRINK_MAX_K

@@ -128,7 +128,7 @@ SM90_MAX_ROWS = 64  # token rows of one call of that kernel (fp8_gemm_sm90.h kFp
 # products run before their main loop, a round trip to memory per 8 vectors of each lane, so a long K pays more there
 # than in the shrink's own launch (7B's down, K = 11,008: 4.4 us more per product on an H100, docs/benchmarks.md 13.12).
 # Not with KernelChoices.sm90_shrink_producer (fp8_sm90_shrink_producer), whose warps run beside the main loop, nor
-# for the products above it with sm90_shrink_producer_long_k, nor with sm90_shrink_first (the producer's warps too).
+# with sm90_shrink_first (the producer's warps too).
 SM90_SHRINK_MAX_K = 8192
 
 
@@ -156,7 +156,7 @@ def bf16_sm90_applies(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | Non
 
 def bf16_sm90_linear(ext, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, spans: list[int],
                      lora: tuple | None, unit: torch.Tensor, sync: torch.Tensor | None = None,
-                     prefetch_b: bool = False, shrink_producer: bool = False) -> torch.Tensor:
+                     shrink_producer: bool = False) -> torch.Tensor:
     """x @ w.T + bias plus, given `lora` = (v, B pools, ranks, row slots, A pools) from
     LoraStepImpl.epilogue_operands, the rows' LoRA expand over the output `spans`, in one launch of the wgmma kernel on
     bf16 operands (where bf16_sm90_applies): the product in fp32 rounded to bf16, the bias added and rounded, the
@@ -164,16 +164,13 @@ def bf16_sm90_linear(ext, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor |
     at least max(M, N)). With A pools in `lora` the same launch also writes v (the rows' shrink, before its
     epilogues read it), using `sync` (int32 [3], zero, this call site's own; [4] with `shrink_producer`) between its
     warps: the consumer warps before their main loop, or with `shrink_producer` the producer warp group's three
-    warps that issue no copies, beside it (the same bits). `prefetch_b` (with `lora`): the kernel asks L2 for the
-    expand's B rows before its main loop (a hint: the same bits)."""
+    warps that issue no copies, beside it (the same bits)."""
     M, N = x.shape[0], w.shape[0]
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     v, b, ranks, row_slot, a = epilogue_lora(lora)
     extra = {} if a is None else {"a": list(a), "sync": sync}  # (the kernel's defaults otherwise)
     if a is not None and shrink_producer:
         extra["shrink_producer"] = True
-    if prefetch_b and v is not None:
-        extra["prefetch_b"] = True
     ext.fp8_gemm_sm90_fused(out, x, w, unit[:M], unit[:N], bias, list(spans), v, list(b), ranks, row_slot, True,
                             torch.cuda.current_stream(x.device).cuda_stream, **extra)
     return out

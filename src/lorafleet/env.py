@@ -367,15 +367,6 @@ def sm90_shrink_producer() -> bool:
     return _flag("LORAFLEET_SM90_SHRINK_PRODUCER", False)
 
 
-def sm90_shrink_producer_long_k() -> bool:
-    """LORAFLEET_SM90_SHRINK_PRODUCER_LONG_K: the same as LORAFLEET_SM90_SHRINK_PRODUCER, only for the bf16 products
-    whose K is above 8,192 (7B's down), which otherwise keep the shrink's own launch; the other products keep the
-    consumer warps (default 0, not measured: with LORAFLEET_SM90_SHRINK_FIRST on, the default, every product with
-    adapters, down's too, takes the shrink on the producer's warps already; 1: those products' shrink on the
-    producer's warps; the same bits)."""
-    return _flag("LORAFLEET_SM90_SHRINK_PRODUCER_LONG_K", False)
-
-
 def sm90_shrink_first() -> bool:
     """LORAFLEET_SM90_SHRINK_FIRST: with LORAFLEET_SM90_SHRINK, a bf16 wgmma product with adapters runs as two launches,
     the way an FP8 one does: the product into fp32 with the rows' LoRA shrink on the producer warp group's idle warps
@@ -394,14 +385,6 @@ def fp8_sm90_shrink_producer() -> bool:
     end with 32 distinct adapters / one against the shrink's launches, in each of two calls on H100s,
     docs/benchmarks.md sections 13.17 and 13.18; 0: the consumer warps, qkv and gate_up only; the same bits)."""
     return _flag("LORAFLEET_FP8_SM90_SHRINK_PRODUCER", True)
-
-
-def sm90_prefetch_b() -> bool:
-    """LORAFLEET_SM90_PREFETCH_B: with LORAFLEET_BF16_SM90, the wgmma product's consumer threads ask L2 for the B rows
-    their epilogue's LoRA expand will read before the main loop, so that with many adapters (B read from memory after
-    every tile) those reads find L2 (default 0: measured -1.2 / 0.0 % end to end with adapters on the H100,
-    docs/benchmarks.md section 13.19; 1: the hint; never changes a bit)."""
-    return _flag("LORAFLEET_SM90_PREFETCH_B", False)
 
 
 def norm_early() -> bool:

@@ -11,7 +11,6 @@ import functools
 
 import pytest
 import torch
-from transformers import AutoConfig
 
 import teacher
 from family_models import FAMILIES, family_targets, write_gpu_family_model
@@ -136,17 +135,14 @@ def test_family_bf16_products_on_the_wgmma_kernel(family, monkeypatch):
                                   kernels=KernelChoices(bf16_sm90=True, norm_shrink=True))
 
 
-@pytest.mark.parametrize("producer", [False, True, "long_k", "first"],
-                         ids=["consumers", "producer", "producer_long_k", "shrink_first"])
+@pytest.mark.parametrize("producer", [False, True, "first"], ids=["consumers", "producer", "shrink_first"])
 def test_family_shrink_inside_the_wgmma_product(family, monkeypatch, producer):
     """KernelChoices.sm90_shrink: the rows' LoRA shrink inside the same wgmma launch as the product and the expand, no
     LoRA launch of its own left but each step's first shrink (between the row slots' ops and the first product).
     Teacher-forced against HF + PEFT in fp32 (every step at most 64 rows; the calls with A pools and the shrinks
     launched counted), the counters zero after the run, then a decode step replayed from its CUDA graph against the
     same step run eagerly. `producer` (KernelChoices.sm90_shrink_producer): the producer warp group's warps take the
-    shrink's tickets beside the main loop; a decode step then gives the consumers' bits, on one engine. "long_k"
-    (KernelChoices.sm90_shrink_producer_long_k, SM90_SHRINK_MAX_K set to the hidden size): only down, whose K is then
-    the longer, takes the producer's warps; a decode step then gives the bits of every product on them. "first"
+    shrink's tickets beside the main loop; a decode step then gives the consumers' bits, on one engine. "first"
     (KernelChoices.sm90_shrink_first): every product with A pools in two launches (the shrink first on the producer's
     warps, then the FP8 epilogue's launch with the expand, gate_up's also applying the activation); a decode step then
     gives the bits of the one launch and flashinfer's act_and_mul."""
@@ -156,18 +152,12 @@ def test_family_shrink_inside_the_wgmma_product(family, monkeypatch, producer):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the wgmma kernel is built for compute capability 9.0 only")
     name, model, ads, reqs = family
-    inside, shrinks, long_k = [], [], []
+    inside, shrinks = [], []
     real = dec.bf16_sm90_linear
-    hidden = None
-    if producer == "long_k":
-        hidden = AutoConfig.from_pretrained(model).hidden_size
-        monkeypatch.setattr(dec, "SM90_SHRINK_MAX_K", hidden)
 
     def counted(ext, x, w, bias, spans, lora, unit, sync=None, **kw):
         inside.append(lora is not None and lora[4] is not None and sync is not None)
-        mine = producer is True or (hidden is not None and x.shape[1] > hidden)
-        long_k.append(mine and inside[-1] and producer == "long_k")
-        assert kw.get("shrink_producer", False) == (mine and inside[-1])
+        assert kw.get("shrink_producer", False) == (producer is True and inside[-1])
         assert not (producer == "first" and inside[-1])  # (those take the two launches)
         return real(ext, x, w, bias, spans, lora, unit, sync, **kw)
     monkeypatch.setattr(dec, "bf16_sm90_linear", counted)
@@ -182,27 +172,23 @@ def test_family_shrink_inside_the_wgmma_product(family, monkeypatch, producer):
     monkeypatch.setattr(CudaSGMV, "shrink", lambda self, *a, **k: shrinks.append(1) or real_shrink(self, *a, **k))
     cpu, _ = generate(model, reqs, NEW, device="cpu", kv_cache_gb=0.05)  # the fp32 continuation
     kernels = KernelChoices(bf16_sm90=True, sm90_shrink=True, sm90_shrink_producer=producer is True,
-                            sm90_shrink_producer_long_k=producer == "long_k", sm90_shrink_first=producer == "first")
-    label = f"{name} shrink in wgmma" + {False: "", True: " (producer warps)", "long_k": " (down's on the producer)",
+                            sm90_shrink_first=producer == "first")
+    label = f"{name} shrink in wgmma" + {False: "", True: " (producer warps)",
                                          "first": " (shrink first, the epilogue's launch)"}[producer]
     eng = teacher.teacher_forced_check(model, ads, reqs, cpu, "bfloat16", label, kernels=kernels, max_step_tokens=64)
     assert eng.model.sm90_sync is not None and not eng.model.sm90_sync.any()
     layers = eng.model.num_layers
     assert shrinks and sum(inside) >= (4 * layers - 1) * len(shrinks), (sum(inside), len(shrinks))
-    assert (sum(long_k) >= layers * len(shrinks)) == (producer == "long_k")  # (down's products, K the longer)
     teacher.decode_graph_vs_eager(model, reqs, label, kernels=kernels)
     if producer:  # the same step on one engine, the tickets on the consumer warps, then on the producer's
-        # ("long_k": every product's on the producer's, then down's alone)
         monkeypatch.setattr(dec, "bf16_sm90_linear", real)
         monkeypatch.setattr(dec, "bf16_sm90_shrink_first", real_first)
-        first = KernelChoices(bf16_sm90=True, sm90_shrink=True, sm90_shrink_producer=producer == "long_k",
-                              sm90_shrink_first=False)  # (the one launch, the default before sm90_shrink_first)
+        first = KernelChoices(bf16_sm90=True, sm90_shrink=True, sm90_shrink_first=False)  # (the one launch, the default before sm90_shrink_first)
         eng, batch = teacher.decode_step(model, reqs, kernels=first)
         dev = batch.to_device(eng.device)
         try:
             consumers = eng.runner.forward(batch, dev).clone()
             eng.model.sm90_shrink_producer = producer is True
-            eng.model.sm90_shrink_producer_long_k = producer == "long_k"
             eng.model.sm90_shrink_first = producer == "first"
             assert torch.equal(eng.runner.forward(batch, dev), consumers), name
             assert not eng.model.sm90_sync.any()

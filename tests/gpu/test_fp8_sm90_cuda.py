@@ -533,10 +533,10 @@ def test_the_shrink_inside_the_product(ext, M, producer):
     counters are zero after; v and the output are then also the consumers' bits."""
     for spans, rows, x, w, e, a, sync in _bf16_shrink_cases(M):
 
-        def launch(x, e, v, prefetch_b=False, producer=producer):
+        def launch(x, e, v, producer=producer):
             out = torch.full((x.shape[0], sum(spans)), float("nan"), device="cuda", dtype=torch.bfloat16)
             ext.fp8_gemm_sm90_fused(out, x, w, e["x_scale"], e["w_scale"], e["bias"], e["cols"], v, e["b"],
-                                    e["ranks"], e["row_slot"], True, _stream(), a=a, sync=sync, prefetch_b=prefetch_b,
+                                    e["ranks"], e["row_slot"], True, _stream(), a=a, sync=sync,
                                     shrink_producer=producer)
             torch.cuda.synchronize()
             assert not sync.any(), (spans, rows)  # left zero for the next launch
@@ -548,8 +548,6 @@ def test_the_shrink_inside_the_product(ext, M, producer):
         if producer:  # the consumers' bits
             vc = torch.full_like(v, float("nan"))
             assert _same_bits(launch(x, e, vc, producer=False), got) and torch.equal(vc.nan_to_num(), v.nan_to_num())
-        vp = torch.full_like(v, float("nan"))  # B's rows asked of L2 first (KernelChoices.sm90_prefetch_b): a hint
-        assert _same_bits(launch(x, e, vp, prefetch_b=True), got) and torch.equal(vp.nan_to_num(), v.nan_to_num())
         handed = torch.full_like(got, float("nan"))
         ext.fp8_gemm_sm90_fused(handed, x, w, e["x_scale"], e["w_scale"], e["bias"], e["cols"], v.nan_to_num(),
                                 e["b"], e["ranks"], e["row_slot"], True, _stream())
