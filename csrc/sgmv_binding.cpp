@@ -61,8 +61,8 @@
 //       out [M, N / 2] = act(gate) * up as flashinfer's act_and_mul computes it from the epilogue's output.
 //       y [splits, M, N]: a split-K product's partial sums (fp8_gemm_sm90 with splits), added in part order first.
 //   fp8_gemm_sm90_fused(out, x, w, x_scale, w_scale, bias, cols, v, b, ranks, row_slot, pdl, stream, a=[], sync=None,
-//       persistent=False, shrink_producer=False, lora_x=None): the bits of fp8_gemm_sm90 then
-//       fp8_epilogue (act 0, one part) in one launch, the epilogue inside the product's kernel; out in bf16. With a (one A
+//       persistent=False, shrink_producer=False, lora_x=None): the bits of fp8_gemm_sm90 then fp8_epilogue (act 0,
+//       one part) in one launch, the epilogue inside the product's kernel; out in bf16. With a (one A
 //       pool [S, R, K] per span) and sync (int32 [>= 3], zero, the call site's own): the rows' shrink too, into v,
 //       inside the same launch (quant.h Fp8EpilogueLora::sync) instead of a shrink launched before
 //       (shrink_producer=True: on the producer warp group's warps 1-3 beside the main loop, sync [>= 4]; the same

@@ -112,8 +112,8 @@ def test_the_fronts_of_runner_and_serve_import_without_torch():
 
 
 def test_every_knob_the_code_reads_is_in_the_knobs_table_and_back():
-    """docs/security.md's "Every knob" tables name each LORAFLEET_ variable that src/lorafleet/env.py reads (the
-    one module that reads the environment) or that a kernel reads itself (csrc/), and name no variable that
+    """docs/security.md's "Every knob" tables name each LORAFLEET_ variable that src/lorafleet/env.py reads (where
+    the settings are read) or that a kernel reads itself (csrc/), and name no variable that
     nothing reads (a removed setting leaves the table with its code)."""
     read = set(re.findall(r'"(LORAFLEET_[A-Z0-9_]+)"', (REPO / "src" / "lorafleet" / "env.py").read_text()))
     kernels = {v for f in sorted((REPO / "csrc").iterdir()) if f.suffix in (".cu", ".cuh", ".cpp", ".h")

@@ -183,7 +183,8 @@ def test_family_shrink_inside_the_wgmma_product(family, monkeypatch, producer):
     if producer:  # the same step on one engine, the tickets on the consumer warps, then on the producer's
         monkeypatch.setattr(dec, "bf16_sm90_linear", real)
         monkeypatch.setattr(dec, "bf16_sm90_shrink_first", real_first)
-        first = KernelChoices(bf16_sm90=True, sm90_shrink=True, sm90_shrink_first=False)  # (the one launch, the default before sm90_shrink_first)
+        # (the one launch, the default before sm90_shrink_first)
+        first = KernelChoices(bf16_sm90=True, sm90_shrink=True, sm90_shrink_first=False)
         eng, batch = teacher.decode_step(model, reqs, kernels=first)
         dev = batch.to_device(eng.device)
         try:
