@@ -43,9 +43,6 @@
 #            inside it too, the expand alone, no LoRA (BF16PROBE_ARGS, e.g. "--shapes 7b 70b") -> probe_bf16_sm90.json
 #   shrinkprobe the LoRA shrink alone per 7B and 70B projection group, 32 distinct adapters and one, with and without
 #            the e4m3 rows, for each decode_ranks, beside its bytes, in CUDA graphs -> probe_shrink.json
-#   fp8fused the FP8 shrink, product and epilogue in one launch (LORAFLEET_FP8_SM90_FUSED_SHRINK): its kernel and engine
-#            GPU tests, then, if none failed, bench e2e with FP8 weights for the flag 0 and 1 (AB_REQS, default 200)
-#            -> e2e_fp8fusedshrink_{0,1}.json
 #   sfirst   bf16 products in FP8's two launches (LORAFLEET_SM90_SHRINK_FIRST): its kernel and family GPU tests
 #            (SFIRST_FTESTS_K: the families' -k), then, if none failed, bench e2e for the flag 0 and 1 (AB_REQS, default
 #            200) -> e2e_bf16shrinkfirst_{0,1}.json
@@ -245,15 +242,6 @@ stage() {
           --profile ${AB_ARGS:-} $([ $v = 1 ] && echo "$AB_FLAG") --out "$OUT/e2e_${AB_NAME}_$v.json" 2>&1 \
           | tee "$LOGS/e2e_${AB_NAME}_$v.log" | grep -E "tok/s|LoRA per decode|Error|Traceback" | cut -c1-300 | tail -10
       done ;;
-    fp8fused)  # the FP8 shrink + product + epilogue in one launch: its GPU tests, then (only if none failed) its A/B
-      local failed
-      FP8_K="shrink_and_the_epilogue or shrink_inside_the or shrink_first or fused_shrink" TEST_S=${TEST_S:-300} \
-        stage sm90tests
-      FP8_K="shrink_first or fused_shrink" TEST_S=${TEST_S:-300} stage fp8tests
-      failed=$(cat "$LOGS/gpu_sm90tests.log" "$LOGS/gpu_fp8tests.log" | grep -cE '(^| )(FAILED|ERROR)( +\[ *[0-9]+%\])?$')
-      if [ "$failed" != 0 ]; then echo "fp8fused: $failed tests failed; no A/B"; return 1; fi
-      AB_VAR=LORAFLEET_FP8_SM90_FUSED_SHRINK AB_VALUES="0 1" AB_REQS=${AB_REQS:-200} AB_ARGS="--quantization fp8" \
-        AB_NAME=fp8fusedshrink stage ab ;;
     sfirst)  # bf16 products in two launches (LORAFLEET_SM90_SHRINK_FIRST): its GPU tests, then (only if none failed) its A/B
       local failed
       FP8_K="bf16_shrink_first or bf16_two_launches or shrink_first_refuses" TEST_S=${TEST_S:-150} stage sm90tests

@@ -110,8 +110,7 @@ const char* fp8_gemm_sm90_fused(const Fp8Sm90Args& a, const Fp8EpilogueArgs& e, 
   if (const char* err = fp8_epilogue_check(e)) return err;
   const Fp8EpilogueLora& l = e.lora;
   if (l.sync != nullptr) {
-    if (!a.bf16 && (a.persistent || l.x == nullptr))
-      return "fp8_gemm_sm90_fused: the shrink inside an e4m3 product takes one CTA a tile and x's bf16 rows";
+    if (!a.bf16) return "fp8_gemm_sm90_fused: the shrink inside takes bf16 operands (e4m3: the shrink first)";
     if (const char* err = shrink_error(e, "fp8_gemm_sm90_fused: the shrink inside the product needs LoRA and one A "
                                           "pool per span"))
       return err;
@@ -119,8 +118,6 @@ const char* fp8_gemm_sm90_fused(const Fp8Sm90Args& a, const Fp8EpilogueArgs& e, 
   return on_sm90(a.device, [&]() -> const char* {
     DeviceInfo info;  // (sgmv.h: read once per device)
     if (const char* err = device_info(a.device, &info)) return err;
-    if (!a.bf16 && l.sync != nullptr)  // (x's bf16 rows given: plan_shrink keeps them)
-      return fused_shrink<cutlass::float_e4m3_t>(a, plan_shrink(a, e, info.sms, tile_ctas(a)), stream);
     if (!a.bf16)
       return a.persistent ? fused<cutlass::float_e4m3_t, true>(a, e, stream, info.sms)
                           : fused<cutlass::float_e4m3_t>(a, e, stream);

@@ -51,8 +51,8 @@ struct Fp8EpilogueLora {
   const int32_t* ranks = nullptr;      // [G, S]
   const int32_t* row_slot = nullptr;   // [>= m], -1 (or out of range): no adapter
   int num_slots = 0;                   // S
-  // The rows' shrink inside the product (fp8_gemm_sm90_fused, of x with bf16 operands or of `x` below with e4m3
-  // ones, or fp8_gemm_sm90's shrink first with e4m3 operands; sync nullptr: v comes from a shrink launched before):
+  // The rows' shrink inside the product (fp8_gemm_sm90_fused, of x with bf16 operands, or fp8_gemm_sm90's shrink
+  // first, of `x` below with e4m3 operands; sync nullptr: v comes from a shrink launched before):
   // v[i, g, k] = sum_j x[i, j] * a[g][s, k, j] for k < r (s and r as above, r also below a_rank_dim[g]), in fp32,
   // written into v by the product's own warps before any of its epilogues (or the kernel after it) reads v. sync:
   // uint32 of this call site (three for fp8_gemm_sm90_fused, four with shrink_producer; one for the shrink first),

@@ -61,14 +61,13 @@
 //       out [M, N / 2] = act(gate) * up as flashinfer's act_and_mul computes it from the epilogue's output.
 //       y [splits, M, N]: a split-K product's partial sums (fp8_gemm_sm90 with splits), added in part order first.
 //   fp8_gemm_sm90_fused(out, x, w, x_scale, w_scale, bias, cols, v, b, ranks, row_slot, pdl, stream, a=[], sync=None,
-//       persistent=False, shrink_producer=False, lora_x=None): the bits of fp8_gemm_sm90 then fp8_epilogue (act 0,
-//       one part) in one launch, the epilogue inside the product's kernel; out in bf16. With a (one A
-//       pool [S, R, K] per span) and sync (int32 [>= 3], zero, the call site's own): the rows' shrink too, into v,
+//       persistent=False, shrink_producer=False): the bits of fp8_gemm_sm90 then fp8_epilogue (act 0, one part) in
+//       one launch, the epilogue inside the product's kernel; out in bf16. With bf16 operands, a (one A pool
+//       [S, R, K] per span) and sync (int32 [>= 3], zero, the call site's own): the rows' shrink of x too, into v,
 //       inside the same launch (quant.h Fp8EpilogueLora::sync) instead of a shrink launched before
 //       (shrink_producer=True: on the producer warp group's warps 1-3 beside the main loop, sync [>= 4]; the same
-//       bits), of x itself with bf16 operands, of lora_x (x's bf16 rows [M, K]) with e4m3 operands (one CTA a tile:
-//       the bits of fp8_gemm_sm90's shrink first then fp8_epilogue); persistent (e4m3 operands): in CUTLASS's
-//       persistent ping-pong kernel (the same bits).
+//       bits); e4m3 operands take the shrink first in fp8_gemm_sm90 instead. persistent (e4m3 operands): in
+//       CUTLASS's persistent ping-pong kernel (the same bits).
 //   decode_attention(out, q, k_cache, v_cache, indptr, indices, last_page_len, partial_o, partial_ml, counters,
 //       sm_scale, soft_cap, window_left, chunk, max_chunks, workers, stream, stages=0, pdl=False,
 //       int_convert=False, tensor_cores=False): attention of one
@@ -836,7 +835,7 @@ lorafleet::Fp8EpilogueArgs epilogue_args(const Tensor& ref, int64_t M, int64_t N
   return a;
 }
 
-// lora_x, the bf16 rows an e4m3 product's x was quantized from, for the shrink inside the product: on x's device,
+// lora_x, the bf16 rows an e4m3 product's x was quantized from, for its shrink first: on x's device,
 // contiguous, 16-byte aligned bfloat16 [m, k].
 void check_lora_x(const Tensor& lora_x, const Tensor& x, int m, int k, const char* who) {
   check_device(lora_x, Name("lora_x"), x);
@@ -845,7 +844,7 @@ void check_lora_x(const Tensor& lora_x, const Tensor& x, int m, int k, const cha
              "%s: lora_x must be contiguous, 16-byte aligned bfloat16 [%d, %d] (x's bf16 rows)", who, m, k);
 }
 
-// The rows' shrink inside a product (fp8_gemm_sm90_fused, of x or lora_x; fp8_gemm_sm90's shrink first): one A
+// The rows' shrink inside a product (fp8_gemm_sm90_fused's of x; fp8_gemm_sm90's shrink first, of lora_x): one A
 // pool [S, R, K] per span of `x_bf16`'s dtype and K, and the call site's counters (int32, zero), into `e` (its LoRA
 // given), with x_bf16 as the rows the shrink reads and the warps that take it (`producer`: the producer's).
 void add_shrink(lorafleet::Fp8EpilogueArgs& e, const Tensor& x_bf16, const std::optional<Tensor>& v,
@@ -936,28 +935,21 @@ void fp8_gemm_sm90_fused(Tensor out, Tensor x, Tensor w, Tensor x_scale, Tensor 
                          std::vector<int64_t> cols, std::optional<Tensor> v, std::vector<Tensor> b,
                          std::optional<Tensor> ranks, std::optional<Tensor> row_slot, bool pdl, int64_t stream,
                          std::vector<Tensor> a, std::optional<Tensor> sync, bool persistent,
-                         bool shrink_producer, std::optional<Tensor> lora_x) {
+                         bool shrink_producer) {
   lorafleet::Fp8Sm90Args g = sm90_args(x, w, 1, pdl, "fp8_gemm_sm90_fused");
   g.persistent = persistent;
   SGMV_CHECK(out.scalar_type() == torch::kBFloat16, "fp8_gemm_sm90_fused: out must be bfloat16, got %s",
              dtype_name(out));
   lorafleet::Fp8EpilogueArgs e = epilogue_args(x, g.m, g.n, out, x_scale, w_scale, bias, std::move(cols), v,
                                                std::move(b), ranks, row_slot, 0);
-  // the rows' shrink inside the product: one A pool per span over x's K, and the call site's three counters (four
-  // with the shrink on the producer's warps); e4m3 operands: of x's bf16 rows, lora_x (bf16 operands: x itself)
+  // the rows' shrink inside the product (bf16 operands): one A pool per span over x's K, and the call site's three
+  // counters (four with the shrink on the producer's warps)
   SGMV_CHECK(sync.has_value() == !a.empty(), "fp8_gemm_sm90_fused: the shrink inside the product needs both a and "
              "sync (or neither)");
-  const bool e4m3 = x.scalar_type() == torch::kFloat8_e4m3fn;
-  SGMV_CHECK(lora_x.has_value() == (sync.has_value() && e4m3), "fp8_gemm_sm90_fused: lora_x (x's bf16 rows) comes "
-             "with the shrink inside a product of e4m3 operands, and only then");
   if (sync.has_value()) {
-    const Tensor& rows = e4m3 ? *lora_x : x;
-    if (e4m3) {
-      SGMV_CHECK(!persistent, "fp8_gemm_sm90_fused: the shrink inside an e4m3 product takes one CTA a tile, not "
-                 "the persistent schedule");
-      check_lora_x(*lora_x, x, g.m, g.k, "fp8_gemm_sm90_fused");
-    }
-    add_shrink(e, rows, v, ranks, a, *sync, shrink_producer ? 4 : 3, shrink_producer, "fp8_gemm_sm90_fused");
+    SGMV_CHECK(x.scalar_type() == torch::kBFloat16, "fp8_gemm_sm90_fused: the shrink inside takes bf16 operands "
+               "(e4m3 products take the shrink first: fp8_gemm_sm90)");
+    add_shrink(e, x, v, ranks, a, *sync, shrink_producer ? 4 : 3, shrink_producer, "fp8_gemm_sm90_fused");
   }
   const char* err = lorafleet::fp8_gemm_sm90_fused(g, e, as_stream(stream));
   SGMV_CHECK(err == nullptr, "fp8_gemm_sm90_fused launch failed: %s", err ? err : "");
@@ -1113,8 +1105,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("x"), py::arg("w"), py::arg("x_scale"), py::arg("w_scale"), py::arg("bias"),
         py::arg("cols"), py::arg("v"), py::arg("b"), py::arg("ranks"), py::arg("row_slot"), py::arg("pdl"),
         py::arg("stream"), py::arg("a") = std::vector<torch::Tensor>{}, py::arg("sync") = py::none(),
-        py::arg("persistent") = false, py::arg("shrink_producer") = false,
-        py::arg("lora_x") = py::none());
+        py::arg("persistent") = false, py::arg("shrink_producer") = false);
   m.def("fp8_gemm_sm90_built", &lorafleet::fp8_gemm_sm90_built, "whether this build holds the sm90 FP8 GEMM");
   m.def("fp8_epilogue", &fp8_epilogue,
         "out = (y * x_scale) * w_scale [+ bias] [+ the rows' LoRA expand] for the fp32 unit-scale FP8 product y, "

@@ -440,7 +440,7 @@ struct Sm90Gemm {
 // the kernel before).
 // kPairs: the thread's chunks in groups of two where it has two (at 32 tokens). With bf16 operands ptxas holds the
 // consumers to 232 registers and puts two chunks' loads on the stack (208 bytes): one at a time there.
-// kShrink (bf16 operands; e4m3 ones with x's bf16 rows in lora.x, Sm90GemmFused's kShrinkE4m3): with
+// kShrink (bf16 operands, Sm90GemmFused's): with
 // Fp8EpilogueLora::sync the rows' LoRA shrink runs inside the kernel too (shrink_rows): the consumer warps compute v
 // before their main loop (or the producer's warps 1-3 beside it), and every epilogue waits until all of v is written.
 // kPersistent (e4m3 operands): in CUTLASS's persistent ping-pong kernel (one CTA per SM over the tiles, two consumer
@@ -661,19 +661,17 @@ class FusedEpilogue {
 
 // The product with the fused epilogue: Sm90Gemm's mainloop (the same stages, so the same sums), FusedEpilogue; with
 // kPersistent (e4m3 operands) in CUTLASS's persistent ping-pong kernel (the grid one CTA per SM at most: `sms`).
-// The rows' LoRA shrink inside (FusedEpilogue's kShrink) is built for bf16 operands always and for e4m3 operands with
-// kShrinkE4m3 (one CTA a tile; x's bf16 rows in lora.x), a kernel of its own so that the product without it (LoRA
-// off's qkv, o and down) keeps its registers.
-template <typename T, int kTokens, class E = cutlass::float_e4m3_t, bool kPersistent = false, bool kShrinkE4m3 = false>
+// The rows' LoRA shrink inside (FusedEpilogue's kShrink) is built for bf16 operands (e4m3 products take the shrink
+// first, Sm90Gemm's kShrink, and the FP8 epilogue's launch).
+template <typename T, int kTokens, class E = cutlass::float_e4m3_t, bool kPersistent = false>
 struct Sm90GemmFused {
   using G = Sm90Gemm<kTokens, kPersistent, E>;
-  static constexpr bool kShrink = sizeof(E) == 2 || kShrinkE4m3;
+  static constexpr bool kShrink = sizeof(E) == 2;
   // (kPairs with e4m3 operands only where the one-CTA-a-tile kernel's consumers have their 255 registers: the
   // persistent kernel's two consumer groups get fewer, and two chunks at once there spill; so does the shrink's code)
   using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
       FusedEpilogue<T, kTokens, sizeof(E) == 1 && !kPersistent && !kShrink, kShrink, kPersistent>>;
   static_assert(sizeof(E) == 1 || !kPersistent, "bf16 operands in the one-CTA-a-tile kernel only");
-  static_assert(!kShrinkE4m3 || (sizeof(E) == 1 && !kPersistent), "the e4m3 shrink inside: one CTA a tile");
   using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, typename G::Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   static_assert(sizeof(typename Kernel::SharedStorage) <= 227 * 1024, "the kernel's shared memory fits an SM");
@@ -725,17 +723,6 @@ const char* fused(const Fp8Sm90Args& a, const Fp8EpilogueArgs& e, void* stream, 
     case 16: return Sm90GemmFused<__nv_bfloat16, 16, E, kPersistent>::run(a, e, stream, sms);
     case 32: return Sm90GemmFused<__nv_bfloat16, 32, E, kPersistent>::run(a, e, stream, sms);
     default: return Sm90GemmFused<__nv_bfloat16, 64, E, kPersistent>::run(a, e, stream, sms);
-  }
-}
-
-// The e4m3 product with the rows' LoRA shrink and the FP8 epilogue (its expand) inside, one CTA a tile (`e` planned by
-// plan_shrink, lora.x x's bf16 rows). (A template: instantiated only where called, fp8_gemm_sm90.cu.)
-template <class E = cutlass::float_e4m3_t>
-const char* fused_shrink(const Fp8Sm90Args& a, const Fp8EpilogueArgs& e, void* stream) {
-  switch (token_tile(a.m)) {
-    case 16: return Sm90GemmFused<__nv_bfloat16, 16, E, false, true>::run(a, e, stream);
-    case 32: return Sm90GemmFused<__nv_bfloat16, 32, E, false, true>::run(a, e, stream);
-    default: return Sm90GemmFused<__nv_bfloat16, 64, E, false, true>::run(a, e, stream);
   }
 }
 

@@ -109,10 +109,6 @@ class KernelChoices:
     fp8_sm90_shrink_producer: the same for FP8 products with fp8_sm90_shrink, where o and down then take the shrink
         too (their rows quantized by the activation kernel's launch) (the same bits; on: +1.2 / +1.1 % with adapters
         on the H100 in two calls, docs/benchmarks.md 13.18).
-    fp8_sm90_fused_shrink: with the shrink first (fp8_sm90_shrink) and fp8_sm90_fused, the FP8 epilogue (scales, bias,
-        the expand) inside the same wgmma launch where it can be (not an epilogue that applies the activation:
-        gate_up's with fp8_epilogue_act): one launch a projection instead of the product's and the epilogue's (the
-        same bits; off: -4.6 / -5.4 % with adapters on the H100, docs/benchmarks.md section 13.19).
     norm_early: with bf16_sm90, the norms before qkv and gate_up on the project's kernel, which lets the product after
         it start at once and stream its weight beside the norm (on: +1.5 / +1.6 % with adapters on the H100,
         docs/benchmarks.md sections 13.13, 13.14).
@@ -173,7 +169,6 @@ class KernelChoices:
     sm90_shrink_producer: bool = False
     sm90_shrink_first: bool = True
     fp8_sm90_shrink_producer: bool = True
-    fp8_sm90_fused_shrink: bool = False
     norm_early: bool = True
     pin_host_adapters: bool = False
     dense_lora_rows: int = 256
@@ -244,7 +239,6 @@ class KernelChoices:
                    sm90_shrink=env.sm90_shrink(), sm90_shrink_producer=env.sm90_shrink_producer(),
                    sm90_shrink_first=env.sm90_shrink_first(),
                    fp8_sm90_shrink_producer=env.fp8_sm90_shrink_producer(),
-                   fp8_sm90_fused_shrink=env.fp8_sm90_fused_shrink(),
                    norm_early=env.norm_early(),
                    pin_host_adapters=env.pin_host_adapters(), dense_lora_rows=env.dense_lora_rows(),
                    dense_lora_kext=env.dense_lora_kext())

@@ -193,8 +193,6 @@ def test_fp8_gemm_switches(monkeypatch):
              "fp8_sm90_shrink=False"),  # on (with the producer's warps): measured faster
             ("LORAFLEET_FP8_SM90_SHRINK_PRODUCER", env.fp8_sm90_shrink_producer, True, "0",
              "fp8_sm90_shrink_producer=False"),  # on: measured faster
-            ("LORAFLEET_FP8_SM90_FUSED_SHRINK", env.fp8_sm90_fused_shrink, False, "1",
-             "fp8_sm90_fused_shrink=True"),  # off: measured slower
             ("LORAFLEET_FP8_SM90_SPLIT", env.fp8_sm90_split, False, "1", "fp8_sm90_split=True"),
             ("LORAFLEET_FP8_SM90_PERSISTENT", env.fp8_sm90_persistent, False, "1",
              "fp8_sm90_persistent=True"),  # off until measured

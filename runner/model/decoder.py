@@ -204,8 +204,6 @@ class Decoder:
         # shrink on those warps, then the FP8 epilogue's launch)
         self.sm90_shrink_first = kernels.sm90_shrink_first
         self.fp8_sm90_shrink_producer = kernels.fp8_sm90_shrink_producer
-        # ... and with it the FP8 epilogue (the expand) inside the same launch where it can be (fp8_sm90_fused_shrink)
-        self.fp8_sm90_fused_shrink = kernels.fp8_sm90_fused_shrink
         # runner/model/norm.py OwnNorm: the norms before qkv and gate_up (KernelChoices.norm_shrink, norm_quant,
         # norm_lora)
         self.own_norm = None
@@ -559,8 +557,7 @@ class Decoder:
         return fp8_linear(x, w, b, self.fp8_tensor_cores, self.fp8_ext, self.fp8_swap_rows, self.fp8_gemm_rows,
                           self.fp8_unit_scale_elems, self.fp8_gemm_bf16, sm90=self.fp8_sm90,
                           sm90_split=self.fp8_sm90_split, sm90_fused=self.fp8_sm90_fused,
-                          sm90_fused_lora=self.fp8_sm90_fused_lora, sm90_persistent=self.fp8_sm90_persistent,
-                          sm90_fused_shrink=self.fp8_sm90_fused_shrink, **finish)
+                          sm90_fused_lora=self.fp8_sm90_fused_lora, sm90_persistent=self.fp8_sm90_persistent, **finish)
 
     @staticmethod
     def _begin(lora: LoraStep | None, layer: int, group: int, x: torch.Tensor) -> None:

@@ -303,8 +303,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
                lora: tuple | None = None, quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
                act: int = 0, sm90: bool = False, sm90_split: bool = False, sm90_fused: bool = False,
                sm90_fused_lora: bool = False, sm90_persistent: bool = False,
-               shrink_sync: torch.Tensor | None = None, shrink_producer: bool = False,
-               sm90_fused_shrink: bool = False) -> torch.Tensor:
+               shrink_sync: torch.Tensor | None = None, shrink_producer: bool = False) -> torch.Tensor:
     """x [M, K] (bf16/fp16 on the GPU, any float on the CPU) @ w.T + bias -> [M, N] in x's dtype. With the
     CUDA extension `ext`: the activations quantized by its one-launch kernel (see quantize_tokens), and for
     M <= `own_rows` (bf16, K a multiple of 64, N of 16) the product on its FP8 kernel (csrc/fp8_gemm.cu), with
@@ -326,9 +325,6 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
     the wgmma kernel (one CTA a tile; fp8_shrink_first_applies) computes the rows' shrink of x into v first, on its
     own warps, and the epilogue's launch after it adds the expand (`shrink_producer`: on the producer warp group's
     three warps that issue no copies, beside the main loop, instead of the consumers before it; the same bits).
-    With `sm90_fused` and `sm90_fused_shrink` too, where the epilogue can run inside the product (_sm90_fused: no
-    activation, one part), the expand rides there as well: one launch computes v, the product and the epilogue
-    (fp8_gemm_sm90_fused with x's bf16 rows as lora_x; the same bits as the product then the epilogue's launch).
     Then, M <= `swap_rows` (and a multiple of 16): cuBLASLt computes (w @ x.T).T, the weight as the long operand.
     Otherwise torch._scaled_mm with per-token and per-row scales."""
     if act and not (epilogue and tensor_cores and not _own_kernel(x, w, ext, own_rows)
@@ -366,11 +362,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
                 if shrink_sync is None or sm90_persistent or (sm90_fused and sm90_fused_lora):
                     raise ValueError("fp8_linear: A pools take the shrink first: shrink_sync, one CTA a tile, the "
                                      "epilogue's own launch")
-                if fusable and sm90_fused_shrink:
-                    inside = dict(a=list(a), sync=shrink_sync, lora_x=x,
-                                  **({"shrink_producer": True} if shrink_producer else {}))
-                else:
-                    shrink = shrink_first_args(x, spans or [N], lora, shrink_sync, shrink_producer)
+                shrink = shrink_first_args(x, spans or [N], lora, shrink_sync, shrink_producer)
             elif fusable and (lora is None or sm90_fused_lora):
                 inside = {"persistent": True} if sm90_persistent else {}
             if inside is not None:

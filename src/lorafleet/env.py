@@ -421,16 +421,6 @@ def fp8_sm90_shrink() -> bool:
     return _flag("LORAFLEET_FP8_SM90_SHRINK", True)
 
 
-def fp8_sm90_fused_shrink() -> bool:
-    """LORAFLEET_FP8_SM90_FUSED_SHRINK: with the shrink first (LORAFLEET_FP8_SM90_SHRINK) and LORAFLEET_FP8_SM90_FUSED,
-    the FP8 epilogue (scales, bias, the rows' LoRA expand) runs inside the same wgmma launch where it can (qkv, o,
-    down; not an epilogue that applies the activation, gate_up's with LORAFLEET_FP8_EPILOGUE_ACT), so a projection is
-    one launch as with bf16 weights instead of the product's and the epilogue's (default 0: measured -4.6 / -5.4 %
-    end to end with adapters on the H100, the products longer by more than the launches saved, docs/benchmarks.md
-    section 13.19; 1: one launch; the same bits either way)."""
-    return _flag("LORAFLEET_FP8_SM90_FUSED_SHRINK", False)
-
-
 def fp8_sm90_split() -> bool:
     """LORAFLEET_FP8_SM90_SPLIT: that wgmma kernel cuts K into parts where the weight's 64-row tiles alone fill less
     than half the GPU's SMs (7B o and down on an H200: two parts; runner/model/fp8.py sm90_splits), the FP8

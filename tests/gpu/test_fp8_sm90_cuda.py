@@ -924,81 +924,16 @@ def test_the_shrink_first_refuses_what_it_cannot_do(ext):
     assert not sync.any()
 
 
-def _fused_shrink(ext, x, xq, w, e, a, v, sync, producer, out=None) -> torch.Tensor:
-    """fp8_gemm_sm90_fused with e4m3 operands and the rows' shrink inside (x's bf16 rows as lora_x, the A pools, the
-    counters): v, the product and the FP8 epilogue with the expand in one launch, into bf16 `out` (NaN: every element
-    must be written)."""
-    if out is None:
-        out = torch.full((xq.shape[0], w.q.shape[0]), float("nan"), device="cuda", dtype=torch.bfloat16)
-    ext.fp8_gemm_sm90_fused(out, xq, w.q, e["x_scale"], e["w_scale"], e["bias"], e["cols"], v, e["b"], e["ranks"],
-                            e["row_slot"], True, _stream(), a=a, sync=sync, shrink_producer=producer, lora_x=x)
-    return out
-
-
-@pytest.mark.parametrize("producer", [False, True], ids=["consumers", "producer"])
-@pytest.mark.parametrize("M", [1, 17, 32, 64])
-def test_the_shrink_and_the_epilogue_inside_the_fp8_product(ext, M, producer):
-    """fp8_gemm_sm90_fused on e4m3 operands with x's bf16 rows (lora_x), the A pools and the counters: one launch
-    gives the bits of the shrink first (fp8_gemm_sm90) followed by the FP8 epilogue's launch, v and out alike (v also
-    against the fp64 sums), and leaves the counters zero; a second launch gives the same bits. At 64 rows also 256
-    weight tiles (more CTAs than SMs). `producer`: the tickets on the producer warp group's warps 1-3."""
-    cases = [c for c in FUSED_CASES if c[3] and {37: 32, 5: 1}.get(c[1], c[1]) == M]
-    if M == 64:
-        cases.append(([8192, 4096, 4096], 64, True, True, 4096))
-    assert cases
-    for spans, rows, bias, lora, K in cases:
-        x, xq, w = _e4m3_rows(rows, K, sum(spans), seed=rows + K + 1)
-        _, _, e = _fused_args(spans, rows, bias, lora, K, seed=rows + K + len(spans) + 1)
-        a = _shrink_pools(spans, K, seed=rows + K + 1)
-        sync = torch.zeros(4, dtype=torch.int32, device="cuda")
-        v = torch.full_like(e["v"], float("nan"))
-        got = _fused_shrink(ext, x, xq, w, e, a, v, sync, producer)
-        torch.cuda.synchronize()
-        assert not sync.any(), (spans, rows)
-        _shrink_checked(v, x, a, e, (spans, rows))
-        v2 = torch.full_like(v, float("nan"))
-        y = _shrink_first(ext, x, xq, w, e, a, v2, sync[:1], producer=producer)
-        want = torch.empty_like(got)
-        ext.fp8_epilogue(want, y, e["x_scale"], e["w_scale"], e["bias"], e["cols"], v2, e["b"], e["ranks"],
-                         e["row_slot"], True, _stream())
-        torch.cuda.synchronize()
-        assert torch.equal(v.nan_to_num(), v2.nan_to_num()), (spans, rows)
-        assert _same_bits(got, want), (spans, rows, (got.float() - want.float()).abs().max().item())
-        v3 = torch.full_like(v, float("nan"))
-        again = _fused_shrink(ext, x, xq, w, e, a, v3, sync, producer)
-        torch.cuda.synchronize()
-        assert _same_bits(again, got) and torch.equal(v3.nan_to_num(), v.nan_to_num()) and not sync.any()
-
-
-def test_the_shrink_and_the_epilogue_inside_the_fp8_product_in_a_graph(ext):
-    """That launch (the producer's warps) captured in a CUDA graph and replayed on new rows and new row slots: the
-    eager launch's bits, the counters zero after every replay."""
-    x, xq, w, e, a, out, refresh = _e4m3_graph_case(18)
-    sync = torch.zeros(4, dtype=torch.int32, device="cuda")
-
-    def launch(o, v):
-        _fused_shrink(ext, x, xq, w, e, a, v, sync, True, out=o)
-
-    _replays_are_eager(launch, out, e, sync, refresh, (64, 65, 66))
-
-
-def test_the_shrink_inside_the_fp8_product_refuses_what_it_cannot_do(ext):
+def test_the_fp8_product_refuses_the_shrink_inside(ext):
+    """fp8_gemm_sm90_fused takes the rows' shrink inside only on bf16 operands: e4m3 operands with A pools and counters
+    are refused (they take the shrink first, fp8_gemm_sm90, and the FP8 epilogue's launch), counters untouched."""
     x, xq, w, e, a, sync, xb, wb = _refusal_case(4)
     base = dict(out=torch.empty(4, 128, device="cuda", dtype=torch.bfloat16), x=xq, w=w.q, x_scale=e["x_scale"],
                 w_scale=e["w_scale"], bias=None, cols=e["cols"], v=e["v"], b=e["b"], ranks=e["ranks"],
-                row_slot=e["row_slot"], pdl=True, stream=_stream(), a=a, sync=sync, lora_x=x)
-    cases = [
-        (dict(lora_x=None), "lora_x .x's bf16 rows. comes with the shrink inside a product of e4m3 operands"),
-        (dict(a=[], sync=None), "lora_x .x's bf16 rows. comes with the shrink inside a product of e4m3 operands"),
-        (dict(x=xb, w=wb), "lora_x .x's bf16 rows. comes with the shrink inside a product of e4m3 operands"),
-        (dict(persistent=True), "one CTA a tile, not the persistent schedule"),
-        (dict(lora_x=x[:, :128].contiguous()), r"lora_x must be contiguous, 16-byte aligned bfloat16 \[4, 256\]"),
-        (dict(lora_x=x.half()), r"lora_x must be contiguous, 16-byte aligned bfloat16 \[4, 256\]"),
-        (dict(sync=torch.zeros(2, dtype=torch.int32, device="cuda")), "at least 3 entries"),
-        (dict(shrink_producer=True, sync=torch.zeros(3, dtype=torch.int32, device="cuda")), "at least 4 entries"),
-        (dict(a=a[:2]), "one A pool per span"),
-    ]
-    for change, match in cases:
-        with pytest.raises(RuntimeError, match=match):
+                row_slot=e["row_slot"], pdl=True, stream=_stream(), a=a, sync=sync)
+    for change in ({}, {"shrink_producer": True}, {"persistent": True}):
+        with pytest.raises(RuntimeError, match="the shrink inside takes bf16 operands"):
             ext.fp8_gemm_sm90_fused(**{**base, **change})
+    with pytest.raises(TypeError):  # (x's bf16 rows for it are no argument of the fused launch)
+        ext.fp8_gemm_sm90_fused(**base, lora_x=x)
     assert not sync.any()
