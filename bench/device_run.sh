@@ -28,14 +28,10 @@
 #            (tests/gpu/test_sampling_cuda.py)
 #   branch   bench e2e bf16 distinct + identical (+ LoRA off, profiled) for each LORAFLEET_LORA_BRANCH value
 #            (BRANCH_VALUES, default "off addon"; BRANCH_REQS default 200, BRANCH_ARGS extra arguments) -> e2e_branch_V.json
-#   normlora bench e2e bf16 distinct + identical (+ LoRA off, profiled) with LORAFLEET_NORM_LORA in NL_VALUES (default
-#            "0 1"; NL_REQS default 200, NL_ARGS extra arguments) -> e2e_normlora_V.json
 #   ab       the same for any variable: AB_VAR, AB_VALUES, AB_REQS, AB_ARGS, AB_NAME (AB_PROFILE=0: no step profile)
 #            -> e2e_AB_NAME_V.json
 #   flagab   the same without, then with a flag of bench e2e: AB_FLAG, AB_REQS, AB_ARGS, AB_NAME
 #            -> e2e_AB_NAME_{0,1}.json
-#   nlprobe  bench/probe_norm_lora.py: the launches around a decode norm (flashinfer's, the project's, the LoRA shrink and
-#            expand, norm_lora) alone and as chains, each in a CUDA graph -> probe_norm_lora.json (NLPROBE_ARGS)
 #   fusedprobe the FP8 product then its epilogue's launch against the product with the epilogue inside, per 7B and
 #            70B projection, 32 / 1 / no adapters, weights from DRAM, in CUDA graphs -> probe_fused_epilogue.json
 #   bf16probe the bf16 decode product on wgmma against cuBLAS's per 7B projection (1-64 rows), and the LoRA chains:
@@ -46,7 +42,6 @@
 #   sfirst   bf16 products in FP8's two launches (LORAFLEET_SM90_SHRINK_FIRST): its kernel and family GPU tests
 #            (SFIRST_FTESTS_K: the families' -k), then, if none failed, bench e2e for the flag 0 and 1 (AB_REQS, default
 #            200) -> e2e_bf16shrinkfirst_{0,1}.json
-#   nltests  the norm with the LoRA expand before and the shrink after it (tests/gpu/test_norm_lora_cuda.py; NLTESTS_K: -k)
 #   stests   the LoRA shrink that does not wait for its base GEMM (tests/gpu/test_shrink_early_cuda.py)
 #   ntests   the project's RMSNorm kernel and the norm + LoRA shrink launch (tests/gpu/test_norm_cuda.py; NTESTS_K: -k)
 #   ptests   the prefix cache against HF + PEFT fp32 (llama3, gemma3), hits counted
@@ -223,9 +218,6 @@ stage() {
     branch)  # decode graphs' LoRA after each base GEMM, then beside it on a second stream
       AB_VAR=LORAFLEET_LORA_BRANCH AB_VALUES=${BRANCH_VALUES:-off addon} AB_REQS=${BRANCH_REQS:-200} \
         AB_ARGS=${BRANCH_ARGS:-} AB_NAME=branch stage ab ;;
-    normlora)  # the norms with the LoRA expand before and the shrink after them, off then on
-      AB_VAR=LORAFLEET_NORM_LORA AB_VALUES=${NL_VALUES:-0 1} AB_REQS=${NL_REQS:-200} AB_ARGS=${NL_ARGS:-} AB_NAME=normlora \
-        stage ab ;;
     ab)
       local v
       for v in $AB_VALUES; do
@@ -251,9 +243,6 @@ stage() {
         | grep -cE '^(FAILED|ERROR) |(^| )(FAILED|ERROR)( +\[ *[0-9]+%\])?$')
       if [ "$failed" != 0 ]; then echo "sfirst: $failed tests failed; no A/B"; return 1; fi
       AB_VAR=LORAFLEET_SM90_SHRINK_FIRST AB_VALUES="0 1" AB_REQS=${AB_REQS:-200} AB_NAME=bf16shrinkfirst stage ab ;;
-    nlprobe)
-      timeout ${PROBE_S:-120} python3 bench/probe_norm_lora.py ${NLPROBE_ARGS:-} --out "$OUT/probe_norm_lora${TAG:+_$TAG}.json" 2>&1 \
-        | tee "$LOGS/probe_norm_lora.log" | tail -12 ;;
     fusedprobe)
       timeout ${PROBE_S:-120} python3 bench/probe_fused_epilogue.py --out "$OUT/probe_fused_epilogue${TAG:+_$TAG}.json" \
         2>&1 | tee "$LOGS/probe_fused_epilogue.log" | tail -20 ;;
@@ -263,10 +252,6 @@ stage() {
     shrinkprobe)
       timeout ${PROBE_S:-180} python3 bench/probe_shrink.py --out "$OUT/probe_shrink${TAG:+_$TAG}.json" \
         2>&1 | tee "$LOGS/probe_shrink.log" | tail -34 ;;
-    nltests)
-      timeout ${TEST_S:-400} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_norm_lora_cuda.py -rA -s --durations=4 \
-        --tb=short -k "${NLTESTS_K:-}" -o faulthandler_timeout=${HANG_S:-200} 2>&1 | tee -a "$LOGS/gpu_nltests.log" \
-        | grep -E "passed|failed|FAILED|vs eager|Error|Timeout|File |^E  " | cut -c1-300 | tail -${TEST_LINES:-20} ;;
     fp8tests|ptests|sm90tests)
       local f=tests/gpu/test_fp8_cuda.py; [ "$1" = ptests ] && f=tests/gpu/test_prefix_cuda.py
       [ "$1" = sm90tests ] && f=tests/gpu/test_fp8_sm90_cuda.py

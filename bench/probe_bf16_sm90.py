@@ -13,7 +13,7 @@ import argparse
 
 import torch
 
-from probe_norm_lora import timed, write_json
+from probe_common import timed, write_json
 
 # shape -> projection -> (output spans, K)
 SHAPES = {

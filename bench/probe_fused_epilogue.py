@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from probe_norm_lora import L2_DEFEAT, cur, projection_probe_args, timed, write_json
+from probe_common import L2_DEFEAT, cur, projection_probe_args, timed, write_json
 
 # shape -> projection -> (output spans, K)
 SHAPES = {

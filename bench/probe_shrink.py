@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-from probe_norm_lora import timed, write_json
+from probe_common import timed, write_json
 
 L2_DEFEAT = 160 << 20  # bytes of A pools cycled through: over 3x the H200's 50 MB L2
 

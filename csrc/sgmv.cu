@@ -170,7 +170,7 @@ __device__ __forceinline__ int rank_of(int packed, int g) { return (packed >> (8
 // the KV 16-byte vectors of a row fall into kSlices slices of ceil(KV / kSlices) vectors, slice c = [x, y); lane l
 // of the slice's warp accumulates its vectors x + l, x + l + 32, ... in order with fmaf, the warp's xor tree sums
 // the lanes, and the slices' sums are added in slice order from 0. One block of kWarps warps reduces a whole row
-// (warp c: slice c); so does a cluster of kSlices blocks with one slice each (norm_lora_kernel), with the same bits.
+// (warp c: slice c).
 constexpr int kSlices = 8;
 static_assert(kWarps == kSlices, "a block of the CUDA-core kernels reduces a row's slices with one warp each");
 __device__ __forceinline__ int2 slice_of(int KV, int c) {
@@ -509,185 +509,6 @@ __global__ void __launch_bounds__(kThreads, kNormRegBlocksPerSm)
   if (n.quant_out != nullptr || n.early) pdl_launch_dependents();
   pdl_wait();  // h and res come from the preceding kernel
   for (int row = blockIdx.x; row < n.rows; row += gridDim.x) norm_row_regs<T, kVecs>(n, row);
-}
-
-// ---------------------------------------------------------------------------------------------------
-// norm_lora (sm_90): a row's RMSNorm with the LoRA expand of the projection before it and the shrink of the group
-// after it, one thread-block cluster of kSlices blocks per row, block c holding slice c of the row (slice_of).
-// Each block: stages its slice of the row's B rows (expand) and A rows (shrink) in shared memory before waiting for
-// the preceding kernel; h' = T(h + v_in B) per element in sgmv_expand's CUDA-core order (four fmaf chains over the
-// rank rows k = j mod 4, then (a0 + a2) + (a1 + a3), then the add to h and one rounding); r = T(h' + res); the
-// slice's sum of squares (lane chains, xor tree) -> shared memory; the cluster's slices summed in order (distributed
-// shared memory) = norm_rs's value; x = the norm's scaling of r; per A rank row the slice's dot product (lane chains,
-// xor tree) -> shared memory; block c adds the slices of rank rows c, c + kSlices, ... in order = shrink_cc's value.
-
-#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
-// The cluster barrier in two halves (sm_90): arrive early, wait where the other blocks must be running.
-__device__ __forceinline__ void cluster_arrive_relaxed() {
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory"); }
-#endif
-
-constexpr int kNlThreads = 128;
-constexpr int kNlMaxSliceVecs = 512;       // vectors per slice: rows up to kSlices * 512 * 8 = 32,768 wide
-constexpr int kNlStageBytes = 96 * 1024;   // shared memory for the staged B and A rows (and the row's slice)
-
-struct NormLoraParams {
-  NormLoraArgs a;
-  int per;          // vectors per slice (the slices' shared-memory stride)
-  int pre_b;        // B rank rows staged before the wait
-  int pre_a;        // A rank rows staged before the wait
-};
-
-template <typename T>
-__global__ void __launch_bounds__(kNlThreads) norm_lora_kernel(const __grid_constant__ NormLoraParams P) {
-#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
-  namespace cg = cooperative_groups;
-  constexpr int kNlWarps = kNlThreads / 32;
-  cg::cluster_group cluster = cg::this_cluster();
-  const NormLoraArgs& p = P.a;
-  const NormArgs& n = p.norm;
-  const int c = static_cast<int>(cluster.block_rank());
-  const int row = blockIdx.x / kSlices;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int2 sl = slice_of(n.cols >> 3, c);
-  const int nv = sl.y - sl.x, per = P.per;
-  extern __shared__ uint4 nl_smem[];
-  uint4* rv = nl_smem;                 // [per] r, then x (as T)
-  uint4* bs = rv + per;                // [pre_b][per]
-  uint4* as = bs + P.pre_b * per;      // [pre_a][per]
-  __shared__ float ss_of[kSlices];                 // the slices' sums of squares, written by their blocks
-  __shared__ float part_v[kMaxGroup * kMaxRank];   // [f / kSlices][slice] for this block's rank rows f = c mod kSlices
-  __shared__ float v_in_s[kMaxRank];
-  cluster_arrive_relaxed();  // (waited for before the first write into another block's shared memory)
-
-  if (p.late_tables) pdl_wait();  // row_slot was written by the kernel right before this one
-  int slot = p.row_slot[row];
-  if (slot < 0 || slot >= p.num_slots) slot = -1;
-  int rin = 0;
-  if (p.b_in != nullptr && slot >= 0) rin = min(max(p.ranks_in[slot], 0), min(p.b_in_rank_dim, kMaxRank));
-  int rg[kMaxGroup] = {0, 0, 0};
-  int F = 0;
-#pragma unroll
-  for (int g = 0; g < kMaxGroup; ++g) {
-    if (g < p.groups && slot >= 0)
-      rg[g] = min(max(p.ranks_out[g * p.num_slots + slot], 0), min(p.a_out_rank_dim[g], kMaxRank));
-    F += rg[g];
-  }
-  const T* b_in = slot >= 0 && rin > 0
-                      ? static_cast<const T*>(p.b_in) + static_cast<int64_t>(slot) * p.b_in_rank_dim * n.cols : nullptr;
-  auto a_row = [&](int f) {  // rank row f of the flattened (projection, rank) list -> its A row
-    int g = 0;
-    while (g < kMaxGroup - 1 && f >= rg[g]) f -= rg[g++];
-    return static_cast<const T*>(p.a_out[g]) + (static_cast<int64_t>(slot) * p.a_out_rank_dim[g] + f) * n.cols;
-  };
-  const int fb = min(rin, P.pre_b), fa = min(F, P.pre_a);
-  for (int i = tid; i < fb * nv; i += kNlThreads) {
-    const int k = i / nv, j = i - k * nv;
-    cp_async16(bs + k * per + j, b_in + static_cast<int64_t>(k) * n.cols + (sl.x + j) * 8, true);
-  }
-  for (int i = tid; i < fa * nv; i += kNlThreads) {
-    const int f = i / nv, j = i - f * nv;
-    cp_async16(as + f * per + j, a_row(f) + (sl.x + j) * 8, true);
-  }
-  cp_async_commit();
-  if (!p.late_tables) pdl_wait();  // h, res and v_in come from the preceding kernels
-  for (int k = tid; k < rin; k += kNlThreads) v_in_s[k] = p.v_in[static_cast<int64_t>(row) * p.v_in_row_stride + k];
-  cp_async_wait<0>();
-  __syncthreads();
-
-  // r = T(T(h + the expand) + res) of the slice's vectors; the new residual written
-  const int64_t base = static_cast<int64_t>(row) * n.cols;
-  for (int i = tid; i < nv; i += kNlThreads) {
-    const int64_t off = base + static_cast<int64_t>(sl.x + i) * 8;
-    float r[8];
-    to_float8<T>(ldg16(static_cast<const T*>(n.h) + off), r);
-    if (rin > 0) {
-      float acc[8][4];
-#pragma unroll
-      for (int e = 0; e < 8; ++e)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) acc[e][j] = 0.f;
-      for (int k0 = 0; k0 < rin; k0 += 4) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int k = k0 + j;
-          if (k < rin) {
-            const uint4 bq = k < fb ? bs[k * per + i] : ldg16(b_in + static_cast<int64_t>(k) * n.cols + (sl.x + i) * 8);
-            float bf[8];
-            to_float8<T>(bq, bf);
-            const float vk = v_in_s[k];
-#pragma unroll
-            for (int e = 0; e < 8; ++e) acc[e][j] = fmaf(vk, bf[e], acc[e][j]);
-          }
-        }
-      }
-#pragma unroll
-      for (int e = 0; e < 8; ++e) r[e] = round_to<T>(r[e] + ((acc[e][0] + acc[e][2]) + (acc[e][1] + acc[e][3])));
-    }
-    if (n.res != nullptr) {
-      float q[8];
-      to_float8<T>(ldg16(static_cast<const T*>(n.res) + off), q);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) r[e] = round_to<T>(r[e] + q[e]);
-      *reinterpret_cast<uint4*>(static_cast<T*>(n.res_out) + off) = from_float8<T>(r);
-    }
-    rv[i] = from_float8<T>(r);  // exact: r holds values of T
-  }
-  __syncthreads();
-  cluster_wait();  // every block of the cluster runs: its shared memory may be written
-  if (warp == 0) {
-    float ss = 0.f;
-    for (int i = lane; i < nv; i += 32) {
-      float r[8];
-      to_float8<T>(rv[i], r);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) ss = fmaf(r[e], r[e], ss);
-    }
-    ss = warp_sum(ss);
-    if (lane < kSlices) *cluster.map_shared_rank(&ss_of[c], lane) = ss;  // into every block
-  }
-  cluster.sync();
-  float t = 0.f;
-#pragma unroll
-  for (int q = 0; q < kSlices; ++q) t += ss_of[q];
-  const float rs = rsqrtf(__fdiv_rn(t, static_cast<float>(n.cols)) + n.eps);
-
-  for (int i = tid; i < nv; i += kNlThreads) {
-    float r[8];
-    to_float8<T>(rv[i], r);
-    norm_apply8<T>(n, sl.x + i, rs, r);
-    const uint4 xq = from_float8<T>(r);
-    *reinterpret_cast<uint4*>(static_cast<T*>(n.x_out) + base + static_cast<int64_t>(sl.x + i) * 8) = xq;
-    rv[i] = xq;  // each thread rewrites only its own vectors
-  }
-  __syncthreads();
-  for (int f = warp; f < F; f += kNlWarps) {  // F is the same in every block of the cluster
-    const T* ar = f < fa ? nullptr : a_row(f);
-    float acc = 0.f;
-    for (int i = lane; i < nv; i += 32) {
-      const uint4 aq = f < fa ? as[f * per + i] : ldg16(ar + static_cast<int64_t>(sl.x + i) * 8);
-      float af[8], xf[8];
-      to_float8<T>(aq, af);
-      to_float8<T>(rv[i], xf);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) acc = fmaf(xf[e], af[e], acc);
-    }
-    acc = warp_sum(acc);
-    // into the block that finishes rank row f (f mod kSlices), beside the other slices' sums of f
-    if (lane == 0) *cluster.map_shared_rank(&part_v[f / kSlices * kSlices + c], f % kSlices) = acc;
-  }
-  cluster.sync();  // the last access to another block's shared memory is before this
-  for (int f = c + kSlices * tid; f < F; f += kSlices * kNlThreads) {
-    float sum = 0.f;
-#pragma unroll
-    for (int q = 0; q < kSlices; ++q) sum += part_v[f / kSlices * kSlices + q];
-    int g = 0, k = f;
-    while (g < kMaxGroup - 1 && k >= rg[g]) k -= rg[g++];
-    p.v_out[static_cast<int64_t>(row) * p.groups * p.v_out_rank_dim + g * p.v_out_rank_dim + k] = sum;
-  }
-#endif
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -1626,51 +1447,6 @@ const char* check_norm(const NormArgs& n) {
 }
 
 template <typename T>
-const char* norm_lora_typed(const NormLoraArgs& a, bool pdl, int device, cudaStream_t stream) {
-  DeviceInfo info;
-  if (const char* err = device_info(device, &info)) return err;
-  if (info.major < 9) return "norm_lora: needs compute capability 9.0 or newer (thread-block clusters)";
-  NormLoraParams P = {};
-  P.a = a;
-  P.per = ceil_div(a.norm.cols / 8, kSlices);
-  if (P.per > kNlMaxSliceVecs) return "norm_lora: rows wider than 32,768 columns";
-  int a_rows = 0;
-  for (int g = 0; g < a.groups; ++g) a_rows += std::min(a.a_out_rank_dim[g], kMaxRank);
-  const int b_rows = a.b_in != nullptr ? std::min(a.b_in_rank_dim, kMaxRank) : 0;
-  const int budget = a.stage_bytes >= 0 ? std::min(a.stage_bytes, kNlStageBytes) : kNlStageBytes;
-  const int fit = std::max(0, budget / 16 / P.per - 1);  // rank rows that fit beside the row's slice
-  P.pre_b = std::min(b_rows, fit);
-  P.pre_a = std::min(a_rows, fit - P.pre_b);
-  const int smem = (1 + P.pre_b + P.pre_a) * P.per * 16;
-  {
-    static std::mutex mu;
-    static std::map<std::pair<const void*, int>, int> limit;
-    std::lock_guard<std::mutex> lock(mu);
-    // (raised for any size above the last: the kernel's static shared memory counts against the 48 KB default too)
-    int& lim = limit[std::make_pair(reinterpret_cast<const void*>(norm_lora_kernel<T>), device)];
-    if (smem > lim) {
-      const cudaError_t e = cudaFuncSetAttribute(norm_lora_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-      if (e != cudaSuccess) return cudaGetErrorString(e);
-      lim = smem;
-    }
-  }
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(kSlices * a.norm.rows);
-  cfg.blockDim = dim3(kNlThreads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[2];
-  set_pdl(cfg, attr, pdl, info.major);
-  attr[cfg.numAttrs].id = cudaLaunchAttributeClusterDimension;
-  attr[cfg.numAttrs].val.clusterDim.x = kSlices;
-  attr[cfg.numAttrs].val.clusterDim.y = 1;
-  attr[cfg.numAttrs].val.clusterDim.z = 1;
-  cfg.numAttrs += 1;
-  const cudaError_t e = cudaLaunchKernelEx(&cfg, norm_lora_kernel<T>, P);
-  return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
-}
-
-template <typename T>
 const char* expand_typed(const ExpandArgs& args, const LaunchOptions& opt, int device, cudaStream_t stream) {
   ExpandParams p = {};
   p.seg = args.seg;
@@ -1812,26 +1588,6 @@ const char* sgmv_norm_shrink(DType dtype, const NormArgs& norm, const ShrinkArgs
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   return dtype == DType::kBFloat16 ? shrink_typed<__nv_bfloat16>(args, options, device, s, &norm)
                                    : shrink_typed<__half>(args, options, device, s, &norm);
-}
-
-const char* norm_lora(DType dtype, const NormLoraArgs& args, bool pdl, int device, void* stream) {
-  if (const char* err = check_norm(args.norm)) return err;
-  if (args.norm.quant_out != nullptr) return "norm_lora: no e4m3 output (the FP8 path quantizes with rms_norm)";
-  if (args.row_slot == nullptr || args.num_slots < 1) return "norm_lora: null row_slot or an empty pool";
-  if (args.b_in != nullptr && (args.v_in == nullptr || args.ranks_in == nullptr || args.b_in_rank_dim < 1))
-    return "norm_lora: the expand needs v_in, ranks_in and a B pool with a rank dimension >= 1";
-  if (args.groups < 0 || args.groups > kMaxGroup) return "norm_lora: number of shrink projections must be 0 to 3";
-  if (args.groups > 0 && (args.v_out == nullptr || args.ranks_out == nullptr)) return "norm_lora: null v_out or ranks_out";
-  for (int g = 0; g < args.groups; ++g)
-    if (args.a_out[g] == nullptr || args.a_out_rank_dim[g] < 1 || args.a_out_rank_dim[g] > args.v_out_rank_dim)
-      return "norm_lora: every A pool needs a rank dimension in [1, v_out.size(2)]";
-  if (args.norm.rows == 0) return nullptr;
-  if (args.norm.rows > (1 << 30) / kSlices) return "norm_lora: too many rows";
-  DeviceScope scope(device);
-  if (!scope.ok()) return "norm_lora: cannot select the tensors' CUDA device";
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
-  return dtype == DType::kBFloat16 ? norm_lora_typed<__nv_bfloat16>(args, pdl, device, s)
-                                   : norm_lora_typed<__half>(args, pdl, device, s);
 }
 
 const char* sgmv_expand(DType dtype, const ExpandArgs& args, const LaunchOptions& options, int device, void* stream) {

@@ -70,35 +70,6 @@ struct NormArgs {
   bool early = false;
 };
 
-// A decode step's RMSNorm of rows with the LoRA work on either side of it (norm_lora, sm_90: one thread-block
-// cluster per row). For row t with slot s = row_slot[t] (-1 or out of range: no adapter), ranks clamped to
-// [0, min(rank dimension, kMaxRank)]:
-//   expand-in (b_in set): h' = the row of h after sgmv_expand's CUDA-core launch added v_in[t, :r] @ b_in[s, :r, :]
-//     (the projection whose output h is: o or down), bit for bit; h itself is not written;
-//   the norm of `norm` (NormArgs; no quant_out) on h';
-//   shrink-out (groups > 0): v_out[t, g, :r_g] = x_out[t] @ a_out[g][s, :r_g, :]^T, bit for bit sgmv_shrink's
-//     CUDA-core result on the x_out the launch writes.
-// Needs every kernel of this file to reduce a row in the slice order (sgmv.cu slice_of), which they do. Tables and
-// pools are read before waiting for the preceding kernel unless `late_tables` (row_slot written right before).
-struct NormLoraArgs {
-  NormArgs norm;
-  const int32_t* row_slot = nullptr;    // [rows]
-  int num_slots = 0;
-  bool late_tables = false;
-  const float* v_in = nullptr;          // fp32, row t at v_in + t * v_in_row_stride
-  int64_t v_in_row_stride = 0;
-  const void* b_in = nullptr;           // [S, b_in_rank_dim, cols] contiguous
-  int b_in_rank_dim = 0;
-  const int32_t* ranks_in = nullptr;    // [S]
-  float* v_out = nullptr;               // [rows, groups, v_out_rank_dim] contiguous fp32
-  int v_out_rank_dim = 0;
-  const void* a_out[kMaxGroup] = {};    // [S, a_out_rank_dim[g], cols] contiguous
-  int a_out_rank_dim[kMaxGroup] = {};
-  const int32_t* ranks_out = nullptr;   // [groups, S]
-  int groups = 0;                       // 0: no shrink
-  int stage_bytes = -1;                 // shared memory for B and A rows staged before the wait (-1: the default)
-};
-
 struct ExpandArgs {
   SegmentArgs seg;
   const float* v = nullptr;              // [T, G, v_rank_dim] contiguous fp32
@@ -172,9 +143,6 @@ const char* rms_norm_rows(DType dtype, const NormArgs& args, bool pdl, int max_b
 // (sargs.quant_out is ignored: norm.quant_out quantizes). The grid is at least min(rows, what fits).
 const char* sgmv_norm_shrink(DType dtype, const NormArgs& norm, const ShrinkArgs& sargs, const LaunchOptions& options,
                              int device, void* stream);
-
-// NormLoraArgs in one launch of kSlices-block clusters (compute capability 9.0 or newer; an error otherwise).
-const char* norm_lora(DType dtype, const NormLoraArgs& args, bool pdl, int device, void* stream);
 
 // A device's properties the launchers size their grids by, read once per device (cached; thread-safe; host-only, so
 // safe during graph capture). nullptr on success.

@@ -31,12 +31,6 @@
 //   norm_shrink(v, x_out, h, res, res_out, w, eps, offset, a, ranks, indptr, slots, pdl, stream, max_blocks=0,
 //       decode_ranks=0, quant_out=None, quant_scale=None): rms_norm and the shrink of x_out (CUDA-core items),
 //       one launch; v bit for bit shrink's on the x_out it writes.
-//   norm_lora(x_out, h, res, res_out, w, eps, offset, row_slot, v_in, b_in, ranks_in, v_out, a_out, ranks_out, pdl,
-//       stream, late_tables=False, stage_bytes=-1): rms_norm of h after the expand of the projection h comes from
-//       (v_in, b_in, ranks_in; h is not written) and the shrink of x_out for the group after it (v_out, a_out,
-//       ranks_out), one launch, one thread-block cluster per row (sm_90); each half bit for bit the separate launches'
-//       (sgmv.h NormLoraArgs). late_tables: row_slot was written by the kernel right before; stage_bytes: shared
-//       memory for the weight rows staged before the wait (a launch shape: never changes a bit; -1: the default).
 //   quantize_e4m3(out, scale, x, stream): dynamic per-row FP8 quantization of activations (quant.h),
 //       one launch: scale[i] = max(absmax(x[i]) / 448, 1e-12), out[i] = e4m3(x[i] * (1 / scale[i])).
 //   fp8_gemm(out, x, x_scale, w, w_scale, stream): out = (x @ w.T) * x_scale[:, None] * w_scale[None, :] in
@@ -567,80 +561,6 @@ void norm_shrink(Tensor v, Tensor x_out, Tensor h, std::optional<Tensor> res, st
   SGMV_CHECK(err == nullptr, "norm_shrink launch failed: %s", err ? err : "");
 }
 
-void norm_lora(Tensor x_out, Tensor h, std::optional<Tensor> res, std::optional<Tensor> res_out, Tensor w, double eps,
-               double offset, Tensor row_slot, std::optional<Tensor> v_in, std::optional<Tensor> b_in,
-               std::optional<Tensor> ranks_in, std::optional<Tensor> v_out, std::vector<Tensor> a_out,
-               std::optional<Tensor> ranks_out, bool pdl, int64_t stream, bool late_tables, int64_t stage_bytes) {
-  lorafleet::NormLoraArgs a;
-  a.norm = norm_args(x_out, h, res, res_out, w, eps, offset, std::nullopt, std::nullopt);
-  const int64_t T = h.size(0);
-  check_device(row_slot, Name("row_slot"), h);
-  SGMV_CHECK(row_slot.scalar_type() == torch::kInt && row_slot.dim() == 1 && row_slot.is_contiguous() &&
-                 row_slot.numel() >= T,
-             "norm_lora: row_slot must be contiguous int32 with at least T=%lld entries", ll(T));
-  a.row_slot = row_slot.data_ptr<int32_t>();
-  a.late_tables = late_tables;
-  a.stage_bytes = static_cast<int>(std::max<int64_t>(-1, std::min<int64_t>(stage_bytes, kInt32Max)));
-  int64_t slots = -1;
-  SGMV_CHECK(v_in.has_value() == b_in.has_value() && b_in.has_value() == ranks_in.has_value(),
-             "norm_lora: v_in, b_in and ranks_in go together (the expand)");
-  if (b_in.has_value()) {
-    check_device(*ranks_in, Name("ranks_in"), h);
-    SGMV_CHECK(ranks_in->scalar_type() == torch::kInt && ranks_in->dim() == 1 && ranks_in->is_contiguous() &&
-                   ranks_in->numel() >= 1 && ranks_in->numel() <= kInt32Max,
-               "norm_lora: ranks_in must be contiguous int32 [S]");
-    slots = ranks_in->numel();
-    check_device(*v_in, Name("v_in"), h);
-    SGMV_CHECK(v_in->scalar_type() == torch::kFloat && v_in->dim() == 3 && v_in->size(0) == T && v_in->size(1) == 1 &&
-                   v_in->size(2) >= 1 && v_in->stride(2) == 1 && v_in->stride(0) >= v_in->size(2) &&
-                   v_in->is_non_overlapping_and_dense(),
-               "norm_lora: v_in must be a dense float32 [T=%lld, 1, R] with unit rank stride and rows apart", ll(T));
-    check_weight_pool(*b_in, Name("b_in"), h, slots, h.size(1), v_in->size(2));
-    SGMV_CHECK(!overlap(*v_in, x_out) && !overlap(*v_in, h) && (!res_out.has_value() || !overlap(*v_in, *res_out)),
-               "norm_lora: v_in must not overlap the norm's outputs");
-    a.v_in = v_in->data_ptr<float>();
-    a.v_in_row_stride = v_in->stride(0);
-    a.b_in = b_in->data_ptr();
-    a.b_in_rank_dim = static_cast<int>(b_in->size(1));
-    a.ranks_in = ranks_in->data_ptr<int32_t>();
-  }
-  const int64_t groups = static_cast<int64_t>(a_out.size());
-  SGMV_CHECK(groups <= lorafleet::kMaxGroup, "norm_lora: at most %d shrink projections, got %lld",
-             lorafleet::kMaxGroup, ll(groups));
-  SGMV_CHECK((groups > 0) == v_out.has_value() && v_out.has_value() == ranks_out.has_value(),
-             "norm_lora: v_out, a_out and ranks_out go together (the shrink)");
-  if (groups > 0) {
-    check_device(*ranks_out, Name("ranks_out"), h);
-    SGMV_CHECK(ranks_out->scalar_type() == torch::kInt && ranks_out->dim() == 2 && ranks_out->size(0) == groups &&
-                   ranks_out->is_contiguous() && ranks_out->size(1) >= 1 && ranks_out->size(1) <= kInt32Max,
-               "norm_lora: ranks_out must be contiguous int32 [G=%lld, S]", ll(groups));
-    SGMV_CHECK(slots < 0 || ranks_out->size(1) == slots,
-               "norm_lora: the expand's and the shrink's pools differ in slots");
-    slots = ranks_out->size(1);
-    check_device(*v_out, Name("v_out"), h);
-    SGMV_CHECK(v_out->scalar_type() == torch::kFloat && v_out->dim() == 3 && v_out->size(0) == T &&
-                   v_out->size(1) == groups && v_out->size(2) >= 1 && v_out->is_contiguous() &&
-                   v_out->numel() <= kInt32Max,
-               "norm_lora: v_out must be contiguous float32 [T=%lld, G=%lld, R]", ll(T), ll(groups));
-    SGMV_CHECK(!v_in.has_value() || !overlap(*v_in, *v_out), "norm_lora: v_out must not overlap v_in");
-    SGMV_CHECK(!overlap(*v_out, x_out) && !overlap(*v_out, h) && (!res.has_value() || (!overlap(*v_out, *res) &&
-               !overlap(*v_out, *res_out))), "norm_lora: v_out must not overlap the norm's rows");
-    for (int64_t g = 0; g < groups; ++g) {
-      check_weight_pool(a_out[g], Name("a_out", g), h, slots, h.size(1), v_out->size(2));
-      a.a_out[g] = a_out[g].data_ptr();
-      a.a_out_rank_dim[g] = static_cast<int>(a_out[g].size(1));
-    }
-    a.v_out = v_out->data_ptr<float>();
-    a.v_out_rank_dim = static_cast<int>(v_out->size(2));
-    a.ranks_out = ranks_out->data_ptr<int32_t>();
-    a.groups = static_cast<int>(groups);
-  }
-  SGMV_CHECK(slots >= 1, "norm_lora: neither an expand nor a shrink (use rms_norm)");
-  a.num_slots = static_cast<int>(slots);
-  const char* err = lorafleet::norm_lora(kernel_dtype(h, "h"), a, pdl, h.get_device(), as_stream(stream));
-  SGMV_CHECK(err == nullptr, "norm_lora launch failed: %s", err ? err : "");
-}
-
 void quantize_e4m3(Tensor out, Tensor scale, Tensor x, int64_t stream) {
   const auto dtype = kernel_dtype(x, "x");
   SGMV_CHECK(x.is_cuda() && x.dim() == 2 && x.stride(1) == 1, "quantize_e4m3: x must be a 2-D CUDA tensor with unit "
@@ -1080,13 +1000,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("offset"), py::arg("a"), py::arg("ranks"), py::arg("indptr"), py::arg("slots"), py::arg("pdl"),
         py::arg("stream"), py::arg("max_blocks") = 0, py::arg("decode_ranks") = 0, py::arg("quant_out") = py::none(),
         py::arg("quant_scale") = py::none());
-  m.def("norm_lora", &norm_lora,
-        "rms_norm of h after the rows' LoRA expand (v_in @ b_in[row_slot]) and the shrink of its output "
-        "(v_out[t, g, :r] = x_out[t] @ a_out[g][row_slot[t], :r].T), one launch of thread-block clusters (sm_90)",
-        py::arg("x_out"), py::arg("h"), py::arg("res"), py::arg("res_out"), py::arg("w"), py::arg("eps"),
-        py::arg("offset"), py::arg("row_slot"), py::arg("v_in"), py::arg("b_in"), py::arg("ranks_in"), py::arg("v_out"),
-        py::arg("a_out"), py::arg("ranks_out"), py::arg("pdl"), py::arg("stream"), py::arg("late_tables") = false,
-        py::arg("stage_bytes") = -1);
   m.def("quantize_e4m3", &quantize_e4m3, "dynamic per-row FP8 (e4m3) quantization of activations, one launch",
         py::arg("out"), py::arg("scale"), py::arg("x"), py::arg("stream"));
   m.def("fp8_gemm", &fp8_gemm, "bf16 (x @ w.T) * x_scale * w_scale for at most 64 e4m3 rows, the weight streamed once",

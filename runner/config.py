@@ -47,9 +47,6 @@ class KernelChoices:
     norm_quant: with FP8 weights on the FP8 tensor cores (CUDA), the RMSNorms before qkv and gate_up on the
         project's kernel, which also writes the rows' e4m3 copy and scales for the product: one launch for the
         norm and the activations' quantization (with adapters the shrink then does not quantize them).
-    norm_lora: in decode graphs with adapters (CUDA, compute capability 9.0, bf16/fp16 weights) the norms before
-        gate_up and qkv also add the LoRA expand of the projection before them (o, down) and compute their group's
-        LoRA shrink, one launch of thread-block clusters; the norms of every step then take the project's kernel.
     decode_ranks: per projection group (qkv, o, gate_up, down) the rank rows per work item of the LoRA shrink's
         one-row segments (1, 2 or 4; 0: the kernel's choice), in the shrinks of decode steps (CUDA; a launch shape,
         the same bits); one number stands for all four groups.
@@ -145,7 +142,6 @@ class KernelChoices:
     rope_kv_fp8: bool = True
     norm_shrink: bool = False
     norm_quant: bool = True
-    norm_lora: bool = False
     shrink_early: bool = False
     decode_ranks: tuple[int, int, int, int] = (0, 0, 0, 0)
     shrink_row_items: bool = False
@@ -224,7 +220,7 @@ class KernelChoices:
                    sgmv=env.sgmv_backend(),
                    sgmv_fused=env.sgmv_fused(), fused_ops=env.fused_ops(), rope_kv=env.rope_kv_kernel(),
                    rope_kv_lora=env.rope_kv_lora(), rope_kv_fp8=env.rope_kv_fp8(),
-                   norm_shrink=env.norm_shrink(), norm_quant=env.norm_quant(), norm_lora=env.norm_lora(),
+                   norm_shrink=env.norm_shrink(), norm_quant=env.norm_quant(),
                    shrink_early=env.shrink_early(),
                    decode_ranks=env.decode_ranks(), shrink_row_items=env.shrink_row_items(),
                    lora_branch=env.lora_branch(), blas_lt_rows=env.blas_lt_rows(),

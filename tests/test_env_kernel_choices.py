@@ -177,7 +177,6 @@ def test_fp8_gemm_switches(monkeypatch):
             ("LORAFLEET_ROPE_KV_FP8", env.rope_kv_fp8, True, "0", "rope_kv_fp8=False"),  # on: +9 % with FP8 pages
             ("LORAFLEET_NORM_SHRINK", env.norm_shrink, False, "1", "norm_shrink=True"),  # off: measured slower
             ("LORAFLEET_NORM_QUANT", env.norm_quant, True, "0", "norm_quant=False"),  # on: measured faster
-            ("LORAFLEET_NORM_LORA", env.norm_lora, False, "1", "norm_lora=True"),  # off: measured slower
             ("LORAFLEET_SHRINK_EARLY", env.shrink_early, False, "1", "shrink_early=True"),  # off: no gain end to end
             ("LORAFLEET_DECODE_RANKS", env.decode_ranks, (0, 0, 0, 0), "4",
              "decode_ranks=(4, 4, 4, 4)"),  # 0: the kernel's own choice

@@ -103,7 +103,7 @@ def test_a_group_shrunk_in_the_norms_launch_is_not_shrunk_again(monkeypatch, wei
 
     lora = LoraStepImpl.__new__(LoraStepImpl)
     lora.active, lora.mma, lora.dense, lora.sgmv, lora.seg, lora._shrunk = True, False, None, FakeSGMV(), None, None
-    lora.norm_shrink_on, lora.cluster_norm, lora._deferred = True, False, None  # KernelChoices(norm_shrink=True)
+    lora.norm_shrink_on = True  # KernelChoices(norm_shrink=True)
     lora.views = {1: None, 2: None, 3: None}
     lora.pool = types.SimpleNamespace(group_args=[[(None, None, None, None)] * 4])
     lora._row_slots = lambda *a: None

@@ -106,26 +106,6 @@ class CudaSGMV:
         self._ext().norm_shrink(v, x_out, norm.h, norm.res, norm.res_out, norm.w, norm.eps, norm.offset, list(a), ranks,
                                 seg.indptr, seg.slots, self.pdl, stream, 0, 0, q_out, q_scale)
 
-    def norm_lora(self, x_out: torch.Tensor, norm: "NormOperands", row_slot: torch.Tensor,
-                  expand_in: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                  shrink_out: tuple[torch.Tensor, Sequence[torch.Tensor], torch.Tensor] | None = None,
-                  late_tables: bool = False, stage_bytes: int = -1) -> None:
-        """The RMSNorm of `norm` into x_out (and its residual) in ONE launch of thread-block clusters (compute
-        capability 9.0), with, per row t of slot s = row_slot[t] (-1: none):
-        `expand_in` = (v [T, 1, R] fp32, b [S, R_b, H], ranks int32 [S]): first norm.h[t] + v[t, 0, :r] @ b[s, :r], as
-        `expand((norm.h,), v, (b,), ranks[None], None, seg, mma_min_rows=1 << 30)` would write it (norm.h is not
-        written);
-        `shrink_out` = (v [T, G, R] fp32, a (G pools [S, R_g, H]), ranks int32 [G, S]): then the shrink of x_out, bit
-        for bit `shrink(v, x_out, a, ranks, None, seg, mma_min_rows=1 << 30)`.
-        `late_tables`: row_slot was written by the kernel enqueued right before (read after waiting for it).
-        `stage_bytes` (>= 0): shared memory for the weight rows staged before that wait (a launch shape, the same
-        bits; -1: the kernel's default)."""
-        stream = torch.cuda.current_stream(x_out.device).cuda_stream
-        v_in, b_in, r_in = expand_in if expand_in is not None else (None, None, None)
-        v_out, a_out, r_out = shrink_out if shrink_out is not None else (None, [], None)
-        self._ext().norm_lora(x_out, norm.h, norm.res, norm.res_out, norm.w, norm.eps, norm.offset, row_slot, v_in,
-                              b_in, r_in, v_out, list(a_out), r_out, self.pdl, stream, late_tables, stage_bytes)
-
     def expand(self, ys: Sequence[torch.Tensor], v: torch.Tensor, b: Sequence[torch.Tensor], ranks: torch.Tensor,
                host_ranks: Sequence[Sequence[int]], seg: SegmentTable, mma_min_rows: int | None = None,
                blocks_per_sm: int = 0, write: bool = False) -> None:

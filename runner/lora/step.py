@@ -110,14 +110,7 @@ class LoraStepImpl:
               and getattr(sgmv, "name", "") == "cuda" and pool.device.type == "cuda")
         self.branch = kernels.lora_branch if on else ""
         self._pending = None  # (layer, group, x, the add-on buffer or None) of the branch in flight
-        # Decode graphs with KernelChoices.norm_lora (CUDA kernels, compute capability 9.0): the o and down expands
-        # the decoder defers (add(..., defer=True)) ride in the launch of the norm after them, which also computes
-        # the next group's shrink (norm_shrink); eager steps launch them separately, with the same bits.
-        self.cluster_norm = (kernels.norm_lora and not mma and not self.branch and getattr(sgmv, "name", "") == "cuda"
-                             and hasattr(sgmv, "norm_lora") and pool.device.type == "cuda"
-                             and torch.cuda.get_device_capability(pool.device)[0] >= 9)
-        self.norm_shrink_on = kernels.norm_shrink  # the older one-launch norm + shrink (no expand)
-        self._deferred = None  # (layer, group, y) of an expand left to the next norm
+        self.norm_shrink_on = kernels.norm_shrink  # the one-launch norm + shrink (KernelChoices.norm_shrink)
         self._slots_fresh = False  # the last _row_slots call launched the ops that compute them
         if self.branch:
             self._side = torch.cuda.Stream(pool.device)
@@ -131,8 +124,6 @@ class LoraStepImpl:
         self.active = seg.any_adapter
         n, R = seg.num_rows, pool.max_rank
         self.views = {g: workspace[: n * g * R].view(n, g, R) for g in {g for _, g in GROUP_SPANS}}
-        if self.cluster_norm:  # the norm launch reads o's / down's v while it writes the next group's: apart
-            self.views[1] = torch.empty(n, 1, R, dtype=torch.float32, device=pool.device)
 
     def add_qkv(self, layer: int, x: torch.Tensor, ys: tuple[torch.Tensor, ...]):
         """The qkv group of a layer. With `qkv_expand_in_rope`: only the shrink, and the expand's operands
@@ -157,60 +148,23 @@ class LoraStepImpl:
     def norm_shrink(self, layer: int, group: int, x_out: torch.Tensor, norm,
                     quant: tuple[torch.Tensor, torch.Tensor] | None = None) -> bool:
         """The RMSNorm `norm` (runner/model/norm.py NormOperands) before layer's `group` (qkv or gate_up) into x_out,
-        with LoRA work in the same launch where it applies; the group's next call (add, add_qkv, epilogue_operands)
-        then skips its shrink. An expand the decoder deferred to this norm (add(..., defer=True): of the projection
-        whose output norm.h is) is done here in every case.
-        - cluster_norm (no `quant`): one launch of thread-block clusters: the deferred expand, the norm, the group's
-          shrink (CudaSGMV.norm_lora); each bit for bit the separate launches'.
-        - norm_shrink_on (decode graphs with adapters, CUDA kernels): the deferred expand's own launch, then the norm
-          and the group's shrink in one launch (`quant`: x_out's e4m3 rows and scales too), v bit for bit the separate
-          shrink's.
-        False where neither applies: only the deferred expand was launched, the caller runs the norm."""
-        deferred, self._deferred = self._deferred, None
-        if deferred is not None and deferred[2].data_ptr() != norm.h.data_ptr():
-            raise RuntimeError(f"LoRA expand of layer {deferred[0]} group {deferred[1]} was deferred to a norm of "
-                               "another tensor")
-        if self.cluster_norm and self.active and quant is None and self.dense is None:
-            a, _, ranks, _ = self.pool.group_args[layer][group]
-            expand_in = None
-            if deferred is not None and norm.res is None:  # the launch does not write h, which is then the residual
-                self.settle(deferred)
-                deferred = None
-            if deferred is not None:
-                _, b_in, r_in, _ = self.pool.group_args[deferred[0]][deferred[1]]
-                expand_in = (self.views[1], b_in[0], r_in[0])
-            # (groups -1 and -3 for the qkv and gate_up norms: at layer 0 the qkv norm's launch opens the step, before
-            # the groups' own calls, and every later call reuses its row slots)
-            row_slot = self._row_slots(layer, -1 - group, x_out.shape[0])
-            self.sgmv.norm_lora(x_out, norm, row_slot, expand_in, (self.views[GROUP_SPANS[group][1]], a, ranks),
-                                late_tables=self._slots_fresh)
-            self._shrunk = (layer, group)
-            return True
-        if deferred is not None:
-            self.settle(deferred)
+        with the group's shrink in the same launch where it applies (norm_shrink_on: decode graphs with adapters, CUDA
+        kernels; `quant`: x_out's e4m3 rows and scales too), v bit for bit the separate shrink's; the group's next call
+        (add, add_qkv, epilogue_operands) then skips its shrink. False where it does not apply: the caller runs the
+        norm."""
         if not (self.norm_shrink_on and self.active and not self.mma and self.dense is None
                 and getattr(self.sgmv, "name", "") == "cuda" and hasattr(self.sgmv, "norm_shrink")):
             return False
         v = self.views[GROUP_SPANS[group][1]]
         a, _, ranks, _ = self.pool.group_args[layer][group]
-        # the row slots before the norm's launch, as for cluster_norm: the product that finishes the group with the
-        # expand in its epilogue (epilogue_operands) reads them before its programmatic-launch wait, so they must not
-        # be written by the kernel right before it
+        # the row slots before the norm's launch (groups -1 and -3 for the qkv and gate_up norms: at layer 0 the qkv
+        # norm's launch opens the step, before the groups' own calls, and every later call reuses them): the product
+        # that finishes the group with the expand in its epilogue (epilogue_operands) reads them before its
+        # programmatic-launch wait, so they must not be written by the kernel right before it
         self._row_slots(layer, -1 - group, x_out.shape[0])
         self.sgmv.norm_shrink(v, x_out, norm, a, ranks, self.seg, quant)
         self._shrunk = (layer, group)
         return True
-
-    def settle(self, deferred=None) -> None:
-        """The expand deferred to a norm (add(..., defer=True)), launched on its own now (the decoder calls this where
-        the norm after it is not the project's); nothing if none is pending."""
-        if deferred is None:
-            deferred, self._deferred = self._deferred, None
-        if deferred is None:
-            return
-        layer, group, y = deferred
-        _, b, ranks, host = self.pool.group_args[layer][group]
-        self.sgmv.expand((y,), self.views[GROUP_SPANS[group][1]], b, ranks, host, self.seg, mma_min_rows=1 << 30)
 
     def _take_shrunk(self, layer: int, group: int) -> bool:
         """Whether the norm's launch did this group's shrink (then forgotten: one use)."""
@@ -323,20 +277,12 @@ class LoraStepImpl:
         y.as_strided(addon.shape, y.stride()).add_(addon)
         return True
 
-    def add(self, layer: int, group: int, x: torch.Tensor, ys: tuple[torch.Tensor, ...], defer: bool = False) -> None:
-        """ys[g] += the group's LoRA add-on of x. `defer` (o, down; the decoder's next call is the norm of ys[0]): with
-        cluster_norm only the shrink now, the expand left to that norm's launch (norm_shrink, or settle)."""
-        if self._deferred is not None:
-            raise RuntimeError(f"LoRA expand of layer {self._deferred[0]} group {self._deferred[1]} was never done")
+    def add(self, layer: int, group: int, x: torch.Tensor, ys: tuple[torch.Tensor, ...]) -> None:
+        """ys[g] += the group's LoRA add-on of x."""
         if not self.active or self._finish_branch(layer, group, ys):
             return
         v = self.views[GROUP_SPANS[group][1]]
         a, b, ranks, host = self.pool.group_args[layer][group]  # ranks [G, S]
-        if defer and self.cluster_norm and len(ys) == 1:
-            self.sgmv.shrink(v, x, a, ranks, host, self.seg, mma_min_rows=1 << 30, x_ready=self.x_ready,
-                             decode_ranks=self.decode_ranks[group], row_items=self.row_items)
-            self._deferred = (layer, group, ys[0])
-            return
         if self._take_shrunk(layer, group):  # decode graphs: the expand's CUDA-core launch, as add's two launches
             self.sgmv.expand(ys, v, b, ranks, host, self.seg, mma_min_rows=1 << 30)
             return

@@ -76,10 +76,8 @@ class AttentionStep(Protocol):
 
 
 class LoraStep(Protocol):
-    def add(self, layer: int, group: int, x: torch.Tensor, ys: tuple[torch.Tensor, ...], defer: bool = False) -> None:
-        """ys[g] += LoRA add-on of x for projection g of the group, per segment. `defer` (o, down): the decoder's next
-        LoRA call is the norm of ys[0] (`norm_shrink`, or `settle` where the norm is not the project's), which may take
-        the expand into its own launch."""
+    def add(self, layer: int, group: int, x: torch.Tensor, ys: tuple[torch.Tensor, ...]) -> None:
+        """ys[g] += LoRA add-on of x for projection g of the group, per segment."""
 
     def add_qkv(self, layer: int, x: torch.Tensor, ys: tuple[torch.Tensor, ...]):
         """The qkv group: adds it (returns None), or leaves the expand to the K/V writer (returns its operands)."""
@@ -205,7 +203,7 @@ class Decoder:
         self.sm90_shrink_first = kernels.sm90_shrink_first
         self.fp8_sm90_shrink_producer = kernels.fp8_sm90_shrink_producer
         # runner/model/norm.py OwnNorm: the norms before qkv and gate_up (KernelChoices.norm_shrink, norm_quant,
-        # norm_lora)
+        # norm_early)
         self.own_norm = None
         self.own_norm_quant = True  # ... which writes the rows' e4m3 copy for an FP8 product (False: the product's
         # own quantization does, from the same rows: the same bits, a launch more; tests compare the two)
@@ -259,14 +257,11 @@ class Decoder:
             if getattr(kernels, choice) and not self.bf16_sm90:
                 log.debug("%s ignored: it applies to the bf16 products on the wgmma kernel, which this model does not "
                           "take (bf16_sm90 off, or not bfloat16 weights on a compute capability 9.0 GPU)", choice)
-        # (norm_lora only where its launch can run: thread-block clusters, one rank)
-        cluster_norm = (kernels.norm_lora and self.device.type == "cuda" and all_reduce is None
-                        and torch.cuda.get_device_capability(self.device)[0] >= 9)
         # (norm_quant only where the norm's launch quantizes the rows: FP8 products on the FP8 tensor cores)
         norm_quant = kernels.norm_quant and self.fp8_tensor_cores and isinstance(self.layers[0].qkv, Fp8Weight)
         # (norm_early only before the wgmma products, which wait for the norm before they read its rows)
         self.norm_early = kernels.norm_early and self.bf16_sm90
-        if ((kernels.norm_shrink or norm_quant or cluster_norm or self.norm_early) and self.device.type == "cuda"
+        if ((kernels.norm_shrink or norm_quant or self.norm_early) and self.device.type == "cuda"
                 and dtype in (torch.bfloat16, torch.float16)):
             try:
                 from lorafleet.runner.kernels import load
@@ -399,8 +394,7 @@ class Decoder:
         c, ops, lw = self.cfg, self.ops, self.layers[i]
         # on LoRA's dense path, o's output in a buffer with room for gate_up's K-extended operand (see _spare_for)
         out = self._project(i, O, o, lw.o, lw.o_bias, lora, small=True,
-                            out_spare=self._spare_for(lora, i, GATE_UP, lw.post_attn_norm),
-                            defer=self._norm_follows(lora, lw.post_attn_norm))  # [T, H]
+                            out_spare=self._spare_for(lora, i, GATE_UP, lw.post_attn_norm))  # [T, H]
         if self.all_reduce is not None:
             self.all_reduce(out)
         if lw.post_attn_norm is not None:
@@ -416,8 +410,7 @@ class Decoder:
                                split=[c.intermediate_size, c.intermediate_size], quant=quant)  # [T, 2 I]
             a = ops.act_mul(gu, c.intermediate_size)  # [T, I]
         h = self._project(i, DOWN, a, lw.down, lw.down_bias, lora, small=True,
-                          out_spare=self._spare_for(lora, i + 1, QKV, lw.post_mlp_norm),
-                          defer=i + 1 < self.num_layers and self._norm_follows(lora, lw.post_mlp_norm))
+                          out_spare=self._spare_for(lora, i + 1, QKV, lw.post_mlp_norm))
         # [T, H] (partial sum with TP)
         if self.all_reduce is not None:
             self.all_reduce(h)
@@ -435,9 +428,6 @@ class Decoder:
         own = self.own_norm
         if own is None or not own.applies(h, w) or (residual is not None and (residual.shape != h.shape
                                                                              or not own.applies(residual, w))):
-            settle = getattr(lora, "settle", None)
-            if settle is not None:  # an expand deferred to this norm (_norm_follows), on its own launch
-                settle()
             if residual is None:
                 return self.ops.rms_norm(h, w), h, None
             x, residual = self.ops.add_rms_norm(h, residual, w)
@@ -455,13 +445,6 @@ class Decoder:
             own.run(x, n, q, early=self.norm_early)
         return x, (h if residual is None else n.res_out), quant
 
-    def _norm_follows(self, lora: LoraStep | None, post_norm) -> bool:
-        """Whether the output of an o or down projection goes straight into _norm (no reduction across ranks, no
-        sandwich norm first), where the project's norm kernel may take that projection's LoRA expand into its launch
-        (LoraStep.add with defer: cluster_norm steps)."""
-        return (lora is not None and getattr(lora, "cluster_norm", False) and self.own_norm is not None
-                and self.all_reduce is None and post_norm is None)
-
     def _spare_for(self, lora: LoraStep | None, layer: int, group: int, post_norm) -> int:
         """Spare columns for an output on LoRA's dense path that becomes, normalized in place (the ops' add + norm
         writes into it), the input of layer's `group`: that weight's spare columns (Decoder.widen_for_lora), which
@@ -473,12 +456,11 @@ class Decoder:
         return self.spare_columns(layer, group)
 
     def _project(self, i: int, group: int, x: torch.Tensor, w, b: torch.Tensor | None, lora: LoraStep | None,
-                 small: bool = False, split: list[int] | None = None, quant=None, out_spare: int = 0,
-                 defer: bool = False) -> torch.Tensor:
+                 small: bool = False, split: list[int] | None = None, quant=None,
+                 out_spare: int = 0) -> torch.Tensor:
         """x @ w.T + b with layer i's LoRA of `group` (o, gate_up or down): on the dense path (`out_spare`: see
         LoraStepImpl.dense_linear), or the base product (`_linear_small` for `small`) then the add-on into its
-        projections' columns (`split`). `quant`: x's e4m3 rows and scales, made by the norm's launch (FP8 weights).
-        `defer`: the output goes straight into _norm, which may take the add-on's expand (LoraStep.add)."""
+        projections' columns (`split`). `quant`: x's e4m3 rows and scales, made by the norm's launch (FP8 weights)."""
         if self._dense(lora, w):
             return lora.dense_linear(i, group, x, w, b, out_spare=out_spare)
         y = self._finished(i, group, x, w, b, lora, split or [w.shape[0]], quant)
@@ -487,7 +469,7 @@ class Decoder:
         self._begin(lora, i, group, x)
         y = self._linear(x, w, b, quant) if not small else self._linear_small(x, w, b)
         if lora is not None:
-            lora.add(i, group, x, tuple(y.split(split, dim=-1)) if split else (y,), defer=defer)
+            lora.add(i, group, x, tuple(y.split(split, dim=-1)) if split else (y,))
         return y
 
     def _finished(self, i: int, group: int, x: torch.Tensor, w, b: torch.Tensor | None, lora: LoraStep | None,

@@ -225,16 +225,6 @@ def norm_quant() -> bool:
     return _flag("LORAFLEET_NORM_QUANT", True)
 
 
-def norm_lora() -> bool:
-    """LORAFLEET_NORM_LORA: in decode graphs with adapters on compute capability 9.0 (bf16/fp16 weights), the add +
-    RMSNorm after the o and down projections runs as one launch of thread-block clusters that also adds that
-    projection's LoRA expand before it and computes the next group's (gate_up, qkv) LoRA shrink after it: two launches
-    fewer per group pair. Eager steps take the project's norm kernel and the separate LoRA launches, with the same
-    bits (default 0: measured slower on the H200, the shrink before the base GEMM exposes its reads of A;
-    docs/benchmarks.md section 13.8)."""
-    return _flag("LORAFLEET_NORM_LORA", False)
-
-
 def shrink_early() -> bool:
     """LORAFLEET_SHRINK_EARLY: the LoRA shrink launched right after its projection's base product (bf16/fp16
     weights, or FP8 ones without the epilogue; two launches per group) reads x without waiting for that product to
