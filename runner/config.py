@@ -76,7 +76,6 @@ class KernelChoices:
     fp8_sm90_fused: where that kernel's product (in one part) is finished by the epilogue without an activation or a
         LoRA expand (qkv, o, down of steps without adapters; bf16), the epilogue runs inside the product's kernel (the
         same bits, one launch less).
-    fp8_sm90_fused_lora: the same also for epilogues with the rows' LoRA expand (measured slower: off).
     fp8_sm90_shrink: with that kernel and adapters in the step, the rows' LoRA shrink runs on the product's own warps
         instead of a launch before it (each step's first group keeps its launch); the epilogue's launch adds the
         expand. With fp8_sm90_shrink_producer (below, on) every projection takes it; on the consumer warps before
@@ -155,7 +154,6 @@ class KernelChoices:
     fp8_epilogue_act: bool = True
     fp8_sm90: bool = True
     fp8_sm90_fused: bool = True
-    fp8_sm90_fused_lora: bool = False
     fp8_sm90_shrink: bool = True
     fp8_sm90_split: bool = False
     fp8_sm90_persistent: bool = False
@@ -228,7 +226,7 @@ class KernelChoices:
                    fp8_gemm_bf16=env.fp8_gemm_bf16(),
                    fp8_unit_scale_elems=env.fp8_unit_scale_elems(), fp8_epilogue=env.fp8_epilogue(),
                    fp8_epilogue_act=env.fp8_epilogue_act(), fp8_sm90=env.fp8_sm90(),
-                   fp8_sm90_fused=env.fp8_sm90_fused(), fp8_sm90_fused_lora=env.fp8_sm90_fused_lora(),
+                   fp8_sm90_fused=env.fp8_sm90_fused(),
                    fp8_sm90_shrink=env.fp8_sm90_shrink(),
                    fp8_sm90_split=env.fp8_sm90_split(), fp8_sm90_persistent=env.fp8_sm90_persistent(),
                    fp8_quant_in_shrink=env.fp8_quant_in_shrink(), bf16_sm90=env.bf16_sm90(),

@@ -186,8 +186,6 @@ def test_fp8_gemm_switches(monkeypatch):
             ("LORAFLEET_FP8_EPILOGUE_ACT", env.fp8_epilogue_act, True, "0", "fp8_epilogue_act=False"),  # on: measured faster
             ("LORAFLEET_FP8_SM90", env.fp8_sm90, True, "0", "fp8_sm90=False"),  # on: measured faster
             ("LORAFLEET_FP8_SM90_FUSED", env.fp8_sm90_fused, True, "0", "fp8_sm90_fused=False"),  # on: measured faster
-            ("LORAFLEET_FP8_SM90_FUSED_LORA", env.fp8_sm90_fused_lora, False, "1",
-             "fp8_sm90_fused_lora=True"),  # off: measured slower
             ("LORAFLEET_FP8_SM90_SHRINK", env.fp8_sm90_shrink, True, "0",
              "fp8_sm90_shrink=False"),  # on (with the producer's warps): measured faster
             ("LORAFLEET_FP8_SM90_SHRINK_PRODUCER", env.fp8_sm90_shrink_producer, True, "0",

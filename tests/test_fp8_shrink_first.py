@@ -141,11 +141,10 @@ def test_the_shrink_on_the_producers_warps_takes_every_projections_launch(tmp_pa
     assert len(syncs) == 4 * d.num_layers - 1
 
 
-@pytest.mark.parametrize("choice", ["fp8_sm90_split", "no_wgmma", "fp8_sm90_persistent", "fp8_sm90_fused_lora"])
+@pytest.mark.parametrize("choice", ["fp8_sm90_split", "no_wgmma", "fp8_sm90_persistent"])
 def test_the_shrink_first_keeps_its_launches_where_the_product_cannot_take_it(tmp_path, choice, monkeypatch):
     """With the counters made (fp8_sm90_shrink on, as by default) but the FP8 products off the wgmma kernel, on its
-    persistent schedule or with the expand inside after a launched shrink (fp8_linear refuses the shrink first
-    there), or in K parts (which the kernel serves, but no engine test has checked), no product is asked for the
+    persistent schedule (fp8_linear refuses the shrink first there), or in K parts (which the kernel serves, but no engine test has checked), no product is asked for the
     shrink first: every shrink is launched, the tokens those of the launches."""
     model = write_family_model("llama3", tmp_path / "m", seed=2)
     ads = {"all": write_random_adapter(model, tmp_path / "all", r=8, alpha=16, targets=family_targets("llama3"),
@@ -207,7 +206,6 @@ def test_fp8_linear_hands_the_wgmma_product_the_shrink_first(monkeypatch):
     assert kw["ranks"] is lora[2] and kw["row_slot"] is lora[3] and kw["a"] == lora[4] and kw["sync"] is sync
     assert calls[1][1] is lora[0]
     for bad in (dict(sm90=True), dict(sm90=True, shrink_sync=sync, sm90_persistent=True),
-                dict(sm90=True, shrink_sync=sync, sm90_fused=True, sm90_fused_lora=True),
                 dict(sm90=False, shrink_sync=sync), dict(sm90=True, shrink_sync=sync, epilogue=False),
                 dict(sm90=True, shrink_sync=sync, unit_scale_elems=0)):
         calls.clear()

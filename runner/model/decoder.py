@@ -183,7 +183,6 @@ class Decoder:
         self.fp8_quant_in_shrink = kernels.fp8_quant_in_shrink  # with LoRA, the shrink's launch quantizes them too
         self.fp8_sm90 = False  # the unit-scale product on the project's wgmma kernel (set below, where built)
         self.fp8_sm90_fused = kernels.fp8_sm90_fused  # ... with the epilogue inside it (one part, no activation)
-        self.fp8_sm90_fused_lora = kernels.fp8_sm90_fused_lora  # ... also where the epilogue adds LoRA
         self.fp8_sm90_split = kernels.fp8_sm90_split  # ... with K in parts for weights of few rows
         self.fp8_sm90_persistent = kernels.fp8_sm90_persistent  # ... on the persistent ping-pong schedule
         # bf16 weights: decode-sized products on that wgmma kernel, bias and LoRA expand inside (set below, where built)
@@ -517,7 +516,7 @@ class Decoder:
             producer = self.fp8_sm90_shrink_producer
             can = (self.sm90_sync is not None and self.fp8_sm90 and not self.fp8_sm90_split
                    and (producer or x.shape[1] <= SM90_SHRINK_MAX_K)
-                   and not self.fp8_sm90_fused_lora and not self.fp8_sm90_persistent)
+                   and not self.fp8_sm90_persistent)
             if can and producer and quant is None and x.dtype == torch.bfloat16 and x.is_contiguous():
                 quant = quantize_tokens(x, self.fp8_ext)
             first = can and quant is not None and fp8_shrink_first_applies(x, quant[0], w)
@@ -539,7 +538,7 @@ class Decoder:
         return fp8_linear(x, w, b, self.fp8_tensor_cores, self.fp8_ext, self.fp8_swap_rows, self.fp8_gemm_rows,
                           self.fp8_unit_scale_elems, self.fp8_gemm_bf16, sm90=self.fp8_sm90,
                           sm90_split=self.fp8_sm90_split, sm90_fused=self.fp8_sm90_fused,
-                          sm90_fused_lora=self.fp8_sm90_fused_lora, sm90_persistent=self.fp8_sm90_persistent, **finish)
+                          sm90_persistent=self.fp8_sm90_persistent, **finish)
 
     @staticmethod
     def _begin(lora: LoraStep | None, layer: int, group: int, x: torch.Tensor) -> None:

@@ -302,7 +302,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
                own_bf16: bool = False, epilogue: bool = False, spans: list[int] | None = None,
                lora: tuple | None = None, quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
                act: int = 0, sm90: bool = False, sm90_split: bool = False, sm90_fused: bool = False,
-               sm90_fused_lora: bool = False, sm90_persistent: bool = False,
+               sm90_persistent: bool = False,
                shrink_sync: torch.Tensor | None = None, shrink_producer: bool = False) -> torch.Tensor:
     """x [M, K] (bf16/fp16 on the GPU, any float on the CPU) @ w.T + bias -> [M, N] in x's dtype. With the
     CUDA extension `ext`: the activations quantized by its one-launch kernel (see quantize_tokens), and for
@@ -318,8 +318,8 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
     launch), the same bits as quantize_tokens(x, ext). `act` (with `epilogue`, two equal spans gate | up): 1 (SiLU) or
     2 (GELU-tanh): the epilogue returns act(gate) * up [M, N / 2] as flashinfer's act_and_mul makes it from its output.
     With `sm90` and `sm90_fused`, an epilogue without an activation or `lora` on a product in one part (bf16) runs
-    inside the wgmma kernel (the same bits, one launch); with `sm90_fused_lora` too, also one with `lora`;
-    `sm90_persistent`: every wgmma product, with the epilogue inside or not, on the kernel's persistent ping-pong
+    inside the wgmma kernel (the same bits, one launch; with `lora` it stays two launches: inside, the B and v loads
+    wait behind each tile's main loop, measured slower); `sm90_persistent`: every wgmma product, with the epilogue inside or not, on the kernel's persistent ping-pong
     schedule (the same bits; the epilogue inside then runs beside the next tile's main loop). With A pools in `lora`
     (LoraStepImpl.epilogue_operands' in_product) and `shrink_sync` (int32, zero, the call site's own), the product on
     the wgmma kernel (one CTA a tile; fp8_shrink_first_applies) computes the rows' shrink of x into v first, on its
@@ -359,11 +359,11 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
             shrink, inside = None, None  # (the shrink first's arguments; the product's with the epilogue inside)
             fusable = sm90 and sm90_fused and _sm90_fused(xq, w, x.dtype, act, sm90_split)
             if a is not None:  # the shrink first, inside the product (else a launch before this call did it)
-                if shrink_sync is None or sm90_persistent or (sm90_fused and sm90_fused_lora):
+                if shrink_sync is None or sm90_persistent:
                     raise ValueError("fp8_linear: A pools take the shrink first: shrink_sync, one CTA a tile, the "
                                      "epilogue's own launch")
                 shrink = shrink_first_args(x, spans or [N], lora, shrink_sync, shrink_producer)
-            elif fusable and (lora is None or sm90_fused_lora):
+            elif fusable and lora is None:
                 inside = {"persistent": True} if sm90_persistent else {}
             if inside is not None:
                 ext.fp8_gemm_sm90_fused(out, xq, w.q, sx.view(-1), w.scale, bias, list(spans or [N]), v, list(b),

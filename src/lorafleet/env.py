@@ -395,12 +395,6 @@ def fp8_sm90_fused() -> bool:
     return _flag("LORAFLEET_FP8_SM90_FUSED", True)
 
 
-def fp8_sm90_fused_lora() -> bool:
-    """LORAFLEET_FP8_SM90_FUSED_LORA: the same also for products whose epilogue adds the rows' LoRA expand (default 0:
-    measured slower, the B and v loads wait behind each tile's main loop; docs/benchmarks.md section 10.15)."""
-    return _flag("LORAFLEET_FP8_SM90_FUSED_LORA", False)
-
-
 def fp8_sm90_shrink() -> bool:
     """LORAFLEET_FP8_SM90_SHRINK: with FP8 weights on that wgmma kernel, the rows' LoRA shrink runs on the product's
     own warps instead of a shrink launched before each product (each step's first group keeps its launch); the FP8
@@ -420,7 +414,7 @@ def fp8_sm90_split() -> bool:
 
 def fp8_sm90_persistent() -> bool:
     """LORAFLEET_FP8_SM90_PERSISTENT: that wgmma kernel, with its epilogue a launch of its own or inside it
-    (LORAFLEET_FP8_SM90_FUSED, _FUSED_LORA), runs CUTLASS's persistent ping-pong schedule: one CTA per SM walks the
+    (LORAFLEET_FP8_SM90_FUSED), runs CUTLASS's persistent ping-pong schedule: one CTA per SM walks the
     tiles, a tile's epilogue beside the next tile's loads (the same bits; default 0: one CTA per tile)."""
     return _flag("LORAFLEET_FP8_SM90_PERSISTENT", False)
 

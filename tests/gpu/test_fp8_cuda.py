@@ -572,35 +572,31 @@ def test_fp8_gate_up_epilogue_with_the_activation_gives_the_same_step(fam, kv):
 
 @pytest.mark.parametrize("kv", ["auto", "fp8"])
 def test_fp8_epilogue_inside_the_wgmma_product_gives_the_same_step(fam, kv):
-    """The decode step (with adapters) with the qkv, o and down epilogues inside the wgmma product
-    (KernelChoices.fp8_sm90_fused_lora: counted, 3 per layer; gate_up keeps its own epilogue for the activation), with
-    the defaults (fp8_sm90_fused: inside the product only without a LoRA expand, so none here) and with the two
-    launches everywhere: the same logits, bit for bit (every shrink a launch of its own, which the expand inside the
-    product needs: fp8_sm90_shrink off)."""
+    """The decode step (with adapters) at the defaults (fp8_sm90_fused: the epilogue inside the wgmma product only
+    without a LoRA expand, so none here) and with the two launches everywhere (fp8_sm90_fused off): the same logits,
+    bit for bit (every shrink a launch of its own: fp8_sm90_shrink off); then a step without adapters, whose qkv, o
+    and down take the product with the epilogue inside by default (counted, 3 per layer; gate_up keeps its own
+    epilogue for the activation), against the two launches."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the wgmma kernel is built for compute capability 9.0 only")
-    if {"LORAFLEET_FP8_SM90", "LORAFLEET_FP8_SM90_FUSED", "LORAFLEET_FP8_SM90_FUSED_LORA"} & set(os.environ):
+    if {"LORAFLEET_FP8_SM90", "LORAFLEET_FP8_SM90_FUSED"} & set(os.environ):
         pytest.skip("this test starts from the default kernel choices")
     name, model, _, _, reqs = fam
     eng, batch = teacher.decode_step(model, reqs[:4] * 2, quantization="fp8", kv_cache_dtype=kv,
                                      kernels=KernelChoices(fp8_sm90_shrink=False))
     dev = batch.to_device(eng.device)
     m = eng.model
-    assert m.fp8_sm90 and m.fp8_sm90_fused and not m.fp8_sm90_fused_lora  # the defaults
+    assert m.fp8_sm90 and m.fp8_sm90_fused  # the defaults
     ext, m.fp8_ext = m.fp8_ext, _CountingExt(m.fp8_ext)
     try:
         default = eng.runner.forward(batch, dev).clone()
         assert m.fp8_ext.fused == 0 and m.fp8_ext.epilogues == 4 * m.num_layers, name
-        m.fp8_sm90_fused_lora = True
-        fused = eng.runner.forward(batch, dev).clone()
-        assert m.fp8_ext.fused == 3 * m.num_layers, (name, m.fp8_ext.fused)
-        m.fp8_sm90_fused = m.fp8_sm90_fused_lora = False
+        m.fp8_sm90_fused = False
         plain = eng.runner.forward(batch, dev).clone()
-        assert m.fp8_ext.fused == 3 * m.num_layers and m.fp8_ext.epilogues == 12 * m.num_layers
+        assert m.fp8_ext.fused == 0 and m.fp8_ext.epilogues == 8 * m.num_layers
     finally:
-        m.fp8_ext, m.fp8_sm90_fused, m.fp8_sm90_fused_lora = ext, True, False
+        m.fp8_ext, m.fp8_sm90_fused = ext, True
         eng.close()
-    assert torch.equal(fused, plain), (fused - plain).abs().max().item()
     assert torch.equal(default, plain), (default - plain).abs().max().item()
     # a step without adapters: the default takes the product with the epilogue inside on qkv, o and down
     eng, batch = teacher.decode_step(model, [(ids, None, None) for ids, _, _ in reqs[:4]] * 2, quantization="fp8",
@@ -633,7 +629,7 @@ def test_fp8_shrink_first_takes_the_shrink_launches_of_qkv_and_gate_up(fam, kv):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the wgmma kernel is built for compute capability 9.0 only")
     if {"LORAFLEET_FP8_SM90", "LORAFLEET_FP8_SM90_SHRINK", "LORAFLEET_FP8_SM90_SHRINK_PRODUCER",
-            "LORAFLEET_FP8_SM90_FUSED_LORA", "LORAFLEET_FP8_SM90_PERSISTENT", "LORAFLEET_NORM_QUANT"} & set(os.environ):
+            "LORAFLEET_FP8_SM90_PERSISTENT", "LORAFLEET_NORM_QUANT"} & set(os.environ):
         pytest.skip("this test starts from the default kernel choices")
     name, model, _, _, reqs = fam
     eng, batch = teacher.decode_step(model, reqs[:4] * 2, quantization="fp8", kv_cache_dtype=kv,
@@ -672,7 +668,7 @@ def test_fp8_persistent_wgmma_schedule_gives_the_same_step(fam):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the wgmma kernel is built for compute capability 9.0 only")
     if {"LORAFLEET_FP8_SM90", "LORAFLEET_FP8_SM90_PERSISTENT", "LORAFLEET_FP8_SM90_FUSED",
-            "LORAFLEET_FP8_SM90_FUSED_LORA", "LORAFLEET_FP8_SM90_SPLIT", "LORAFLEET_FP8_EPILOGUE",
+            "LORAFLEET_FP8_SM90_SPLIT", "LORAFLEET_FP8_EPILOGUE",
             "LORAFLEET_FP8_EPILOGUE_ACT"} & set(os.environ):
         pytest.skip("this test starts from the default kernel choices")
     name, model, _, _, reqs = fam
@@ -682,7 +678,7 @@ def test_fp8_persistent_wgmma_schedule_gives_the_same_step(fam):
         m = eng.model
         # the defaults the counts below rest on: qkv, o and down with the epilogue inside when no LoRA expand rides,
         # gate_up's epilogue a launch of its own (the activation, flashinfer's ops)
-        assert m.fp8_sm90 and not m.fp8_sm90_persistent and m.fp8_sm90_fused and not m.fp8_sm90_fused_lora
+        assert m.fp8_sm90 and not m.fp8_sm90_persistent and m.fp8_sm90_fused
         assert not m.fp8_sm90_split and m.fp8_epilogue and m.fp8_epilogue_act and m.ops.name == "flashinfer"
         adapted = any(r[1] is not None for r in rows)
         ext, m.fp8_ext = m.fp8_ext, _CountingExt(m.fp8_ext)
