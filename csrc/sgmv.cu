@@ -31,7 +31,6 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <mma.h>
-#include <cooperative_groups.h>
 
 #include <algorithm>
 #include <cstring>
@@ -397,7 +396,7 @@ __device__ __forceinline__ float norm_rs_of(const NormArgs& n, float ss) {
 
 // rs of a row, by the whole block (every thread calls it, every thread gets it), in the slice order (see
 // slice_of): warp w sums slice w, each lane the squares of its vectors with fmaf, then the warp's xor tree, then
-// the slices in order — the same value in every launch, block and cluster that computes it.
+// the slices in order — the same value in every launch and block that computes it.
 template <typename T>
 __device__ float norm_rs(const NormArgs& n, int row) {
   const int KV = n.cols >> 3;

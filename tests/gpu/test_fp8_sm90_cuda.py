@@ -739,7 +739,7 @@ def test_the_shrink_inside_the_product_refuses_what_it_cannot_do(ext):
         (dict(a=[]), "needs both a and sync"),
         (dict(a=a[:2]), "one A pool per span"),
         (dict(v=None, b=[], ranks=None, row_slot=None), "takes bf16 x, LoRA"),
-        (dict(x=xq, w=wq.q), "lora_x .x's bf16 rows. comes with the shrink"),  # e4m3 operands need x's bf16 rows
+        (dict(x=xq, w=wq.q), "the shrink inside takes bf16 operands"),  # e4m3 operands take the shrink first
         (dict(sync=torch.zeros(2, dtype=torch.int32, device="cuda")), "at least 3 entries"),
         (dict(shrink_producer=True), "at least 4 entries"),  # (the producer warps' exits counted in a fourth)
         (dict(sync=torch.zeros(3, device="cuda")), "sync must be contiguous int32"),
@@ -927,7 +927,7 @@ def test_the_shrink_first_refuses_what_it_cannot_do(ext):
 def test_the_fp8_product_refuses_the_shrink_inside(ext):
     """fp8_gemm_sm90_fused takes the rows' shrink inside only on bf16 operands: e4m3 operands with A pools and counters
     are refused (they take the shrink first, fp8_gemm_sm90, and the FP8 epilogue's launch), counters untouched."""
-    x, xq, w, e, a, sync, xb, wb = _refusal_case(4)
+    x, xq, w, e, a, sync, _, _ = _refusal_case(4)
     base = dict(out=torch.empty(4, 128, device="cuda", dtype=torch.bfloat16), x=xq, w=w.q, x_scale=e["x_scale"],
                 w_scale=e["w_scale"], bias=None, cols=e["cols"], v=e["v"], b=e["b"], ranks=e["ranks"],
                 row_slot=e["row_slot"], pdl=True, stream=_stream(), a=a, sync=sync)
