@@ -96,6 +96,12 @@ struct Fp8EpilogueArgs {
   // and reads row_slot, ranks and the first rank rows of B, then waits for it before reading y, the scales,
   // the bias or v. So nothing may write row_slot, ranks or the B pools in the kernel launched right before.
   bool pdl = true;
+  // fp8_epilogue's launch: let the next kernel start at once (griddepcontrol.launch_dependents first), so that its
+  // blocks are resident, and a wgmma product streams its weight, while this one runs. Only where every kernel that
+  // may follow waits for this one before it reads out or writes anything this one reads (the project's kernels,
+  // flashinfer's with programmatic dependent launch), or is launched without programmatic dependent launch.
+  // (fp8_gemm_sm90_fused ignores it: its trigger follows the last MMA.)
+  bool early = false;
 };
 
 // The arguments' host-side checks other than y's (pointers, spans, act, splits, the LoRA tables' presence): nullptr when they pass.

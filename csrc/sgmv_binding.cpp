@@ -48,12 +48,13 @@
 //       Fp8Sm90Args::shrink); shrink_producer=True: on the producer warp group's warps 1-3 beside the main loop
 //       (quant.h Fp8EpilogueLora::shrink_producer; the same bits).
 //       fp8_gemm_sm90_built(): whether this build holds that kernel.
-//   fp8_epilogue(out, y, x_scale, w_scale, bias, cols, v, b, ranks, row_slot, pdl, stream, act=0): out = the fp32
-//       unit-scale FP8 product y times the token and row scales, plus the bias and the rows' LoRA expand
-//       (v @ b[g][row_slot]) over the projections' column spans `cols`, one launch (quant.h); bias and v
+//   fp8_epilogue(out, y, x_scale, w_scale, bias, cols, v, b, ranks, row_slot, pdl, stream, act=0, early=False):
+//       out = the fp32 unit-scale FP8 product y times the token and row scales, plus the bias and the rows' LoRA
+//       expand (v @ b[g][row_slot]) over the projections' column spans `cols`, one launch (quant.h); bias and v
 //       (with b, ranks, row_slot) may be None. act=1 (SiLU) / 2 (GELU-tanh), with two equal spans (gate, up):
 //       out [M, N / 2] = act(gate) * up as flashinfer's act_and_mul computes it from the epilogue's output.
 //       y [splits, M, N]: a split-K product's partial sums (fp8_gemm_sm90 with splits), added in part order first.
+//       early=True: the next kernel may start at once (quant.h Fp8EpilogueArgs::early; it must wait for this one).
 //   fp8_gemm_sm90_fused(out, x, w, x_scale, w_scale, bias, cols, v, b, ranks, row_slot, pdl, stream, a=[], sync=None,
 //       persistent=False, shrink_producer=False): the bits of fp8_gemm_sm90 then fp8_epilogue (act 0, one part) in
 //       one launch, the epilogue inside the product's kernel; out in bf16. With bf16 operands, a (one A pool
@@ -834,7 +835,8 @@ void fp8_gemm_sm90(Tensor out, Tensor x, Tensor w, int64_t stream, int64_t split
 
 void fp8_epilogue(Tensor out, Tensor y, Tensor x_scale, Tensor w_scale, std::optional<Tensor> bias,
                   std::vector<int64_t> cols, std::optional<Tensor> v, std::vector<Tensor> b,
-                  std::optional<Tensor> ranks, std::optional<Tensor> row_slot, bool pdl, int64_t stream, int64_t act) {
+                  std::optional<Tensor> ranks, std::optional<Tensor> row_slot, bool pdl, int64_t stream, int64_t act,
+                  bool early) {
   const auto dtype = kernel_dtype(out, "out");
   SGMV_CHECK(y.is_cuda() && y.scalar_type() == torch::kFloat && (y.dim() == 2 || y.dim() == 3) && y.is_contiguous(),
              "fp8_epilogue: y must be a contiguous float32 CUDA tensor [M, N] or [splits, M, N]");
@@ -847,6 +849,7 @@ void fp8_epilogue(Tensor out, Tensor y, Tensor x_scale, Tensor w_scale, std::opt
   a.splits = static_cast<int>(splits);
   a.y = y.data_ptr<float>();
   a.pdl = pdl;
+  a.early = early;
   const char* err = lorafleet::fp8_epilogue(dtype, a, y.get_device(), as_stream(stream));
   SGMV_CHECK(err == nullptr, "fp8_epilogue launch failed: %s", err ? err : "");
 }
@@ -1025,7 +1028,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "one launch",
         py::arg("out"), py::arg("y"), py::arg("x_scale"), py::arg("w_scale"), py::arg("bias"), py::arg("cols"),
         py::arg("v"), py::arg("b"), py::arg("ranks"), py::arg("row_slot"), py::arg("pdl"), py::arg("stream"),
-        py::arg("act") = 0);
+        py::arg("act") = 0, py::arg("early") = false);
   m.def("decode_attention", &decode_attention,
         "attention of one query row per request over its paged K/V (bf16 / fp16 or e4m3 pages), one launch",
         py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("indptr"), py::arg("indices"),

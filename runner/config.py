@@ -108,6 +108,8 @@ class KernelChoices:
     norm_early: with bf16_sm90, the norms before qkv and gate_up on the project's kernel, which lets the product after
         it start at once and stream its weight beside the norm (on: +1.5 / +1.6 % with adapters on the H100,
         docs/benchmarks.md sections 13.13, 13.14).
+    epilogue_early: the FP8 epilogue's launch (fp8_epilogue; bf16_sm90 products with adapters take it too) lets the
+        next kernel start at once, so that a wgmma product after it streams its weight meanwhile (the same bits).
     pin_host_adapters: adapters read from disk are kept in pinned host memory.
     dense_lora_rows: a step with prompt rows whose adapted rows form at most DENSE_LORA_MAX_SEGMENTS segments
         (runner/lora/step.py), each of at least this many rows, and whose work reaches dense_lora_min_work,
@@ -164,6 +166,7 @@ class KernelChoices:
     sm90_shrink_first: bool = True
     fp8_sm90_shrink_producer: bool = True
     norm_early: bool = True
+    epilogue_early: bool = False
     pin_host_adapters: bool = False
     dense_lora_rows: int = 256
     dense_lora_kext: int = 64
@@ -233,7 +236,7 @@ class KernelChoices:
                    sm90_shrink=env.sm90_shrink(), sm90_shrink_producer=env.sm90_shrink_producer(),
                    sm90_shrink_first=env.sm90_shrink_first(),
                    fp8_sm90_shrink_producer=env.fp8_sm90_shrink_producer(),
-                   norm_early=env.norm_early(),
+                   norm_early=env.norm_early(), epilogue_early=env.epilogue_early(),
                    pin_host_adapters=env.pin_host_adapters(), dense_lora_rows=env.dense_lora_rows(),
                    dense_lora_kext=env.dense_lora_kext())
 

@@ -108,13 +108,14 @@ def emulated_product(calls, syncs=None):
 
 def emulated_shrink_first(calls, syncs, ops):
     """bf16_sm90_shrink_first's contract in torch (emulated_product's arithmetic: the same bits as the one launch;
-    with `act`, the ops' act_mul on it), recording (spans, whether LoRA operands came, "first"[, "act"]) per call."""
+    with `act`, the ops' act_mul on it), recording (spans, whether LoRA operands came, "first"[, "act"][, "early"])
+    per call (`early`: the epilogue's launch lets the next kernel start at once, the same bits)."""
     product = emulated_product(calls, syncs)
 
-    def run(ext, x, w, bias, spans, lora, unit, sync, act=0):
+    def run(ext, x, w, bias, spans, lora, unit, sync, act=0, early=False):
         assert sync is not None and (act or (lora is not None and lora[4] is not None))
         y = product(ext, x, w, bias, spans, lora, unit, sync if lora is not None and lora[4] is not None else None)
-        calls[-1] = calls[-1] + ("first",) + (("act",) if act else ())
+        calls[-1] = calls[-1] + ("first",) + (("act",) if act else ()) + (("early",) if early else ())
         if act:
             assert len(spans) == 2 and spans[0] == spans[1]
             y = ops.act_mul(y, spans[0])
@@ -266,8 +267,8 @@ def test_the_two_launches_hand_the_kernels_their_operands(monkeypatch):
         def fp8_gemm_sm90(self, *args, **kwargs):
             seen["gemm"], seen["gemm_kw"] = args, kwargs
 
-        def fp8_epilogue(self, *args):
-            seen["epi"] = args
+        def fp8_epilogue(self, *args, **kwargs):
+            seen["epi"], seen["epi_kw"] = args, kwargs
             args[0].fill_(7)
 
     bf = torch.bfloat16
@@ -287,7 +288,9 @@ def test_the_two_launches_hand_the_kernels_their_operands(monkeypatch):
     assert out.shape == (3, 48) and out.dtype == bf and bool((out == 7).all()) and e[0] is out and e[1] is y
     assert e[2].shape == (3,) and e[3].shape == (48,) and bool((e[2] == 1).all() and (e[3] == 1).all())
     assert e[4] is bias and e[5] == [24, 24] and e[6] is lora[0] and e[7] == list(lora[1]) and e[8] is lora[2]
-    assert e[9] is lora[3] and e[10:] == (True, 1234, 0)
+    assert e[9] is lora[3] and e[10:] == (True, 1234, 0) and seen["epi_kw"] == {}
+    bf16_sm90_shrink_first(Ext(), x, w, bias, (24, 24), lora, unit, sync, early=True)  # the next kernel at once
+    assert seen["epi_kw"] == {"early": True} and seen["epi"][10:] == (True, 1234, 0)
     out = bf16_sm90_shrink_first(Ext(), x, w, None, [24, 24], lora[:4] + (None,), unit, None, act=1)  # v written
     assert seen["gemm_kw"] == {} and out.shape == (3, 24) and seen["epi"][6] is lora[0] and seen["epi"][-1] == 1
     bf16_sm90_shrink_first(Ext(), x, w, None, [48], None, unit, None)  # no LoRA: no expand

@@ -114,10 +114,14 @@ def test_fp8_linear_keeps_its_products_and_takes_the_activation_only_in_the_epil
             fp8_linear(x, w, None, True, quantized=(xq, sx), act=1, **kw)
         assert not products
     seen = {}
-    ext2 = types.SimpleNamespace(fp8_epilogue=lambda out, *args: seen.update(shape=tuple(out.shape), act=args[-1]))
+    ext2 = types.SimpleNamespace(fp8_epilogue=lambda out, *args, **kw: seen.update(shape=tuple(out.shape),
+                                                                                   act=args[-1], kw=kw))
     fp8_linear(x, w, None, True, ext=ext2, quantized=(xq, sx), unit_scale_elems=1, epilogue=True, spans=[16, 16],
                act=2)
-    assert seen == {"shape": (M, N // 2), "act": 2} and products == [torch.float32]
+    assert seen == {"shape": (M, N // 2), "act": 2, "kw": {}} and products == [torch.float32]
+    # (early: the epilogue's launch lets the next kernel start at once, asked of the extension only when set)
+    fp8_linear(x, w, None, True, ext=ext2, quantized=(xq, sx), unit_scale_elems=1, epilogue=True, early=True)
+    assert seen == {"shape": (M, N), "act": 0, "kw": {"early": True}}
 
 
 @pytest.mark.parametrize("persistent", [False, True])

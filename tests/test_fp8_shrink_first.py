@@ -46,8 +46,9 @@ def emulated_fp8(d, firsts: list, syncs: set):
     emulation), recording each call that took the shrink first."""
 
     def run(x, w, b, epilogue=False, spans=None, lora=None, quantized=None, act=0, shrink_sync=None,
-            shrink_producer=False):
+            shrink_producer=False, early=False):
         assert shrink_producer == (shrink_sync is not None and d.fp8_sm90_shrink_producer)
+        assert early == d.epilogue_early  # (KernelChoices.epilogue_early; the same bits)
         y = F.linear(x, w.dequant(x.dtype), b)
         if lora is not None:
             a = lora[4]
@@ -104,7 +105,8 @@ def test_the_shrink_first_gives_the_launched_shrinks_tokens(tmp_path, family, mo
            "mlp": write_random_adapter(model, tmp_path / "mlp", r=4, alpha=8, targets=family_targets(family, "mlp"),
                                        seed=4)}
     want, _, launched, none, _ = run(model, ads, False, monkeypatch)
-    got, d, shim, firsts, syncs = run(model, ads, True, monkeypatch)
+    # (with the epilogue's launch letting the next kernel start at once: every epilogue asked for it, emulated_fp8)
+    got, d, shim, firsts, syncs = run(model, ads, True, monkeypatch, tweak=lambda d: setattr(d, "epilogue_early", True))
     assert got == want and none == []
     c = d.cfg
     qkv, gate_up = (c.q_dim, c.kv_dim, c.kv_dim), (c.intermediate_size, c.intermediate_size)

@@ -113,7 +113,7 @@ def test_a_group_shrunk_in_the_norms_launch_is_not_shrunk_again(monkeypatch, wei
         fp8_gemm_bf16=True, fp8_epilogue=True, fp8_ext=None, fp8_gemm_rows=0, fp8_unit_scale_elems=1,
         fp8_quant_in_shrink=True, sm90_sync=None, fp8_sm90_persistent=False,
         sm90_shrink_producer=False, sm90_shrink_first=False,
-        fp8_sm90_shrink_producer=False,
+        fp8_sm90_shrink_producer=False, _early=dict,
         _fp8_linear=lambda x, w, b, **k: finished.update(k) or x)
     h, res = torch.randn(4, 16, dtype=torch.bfloat16), torch.randn(4, 16, dtype=torch.bfloat16)
     if weights == "bf16_sm90":

@@ -180,6 +180,7 @@ class Decoder:
         self.fp8_unit_scale_elems = kernels.fp8_unit_scale_elems
         self.fp8_epilogue = kernels.fp8_epilogue
         self.fp8_epilogue_act = kernels.fp8_epilogue_act  # ... and for gate_up the activation too (flashinfer ops)
+        self.epilogue_early = kernels.epilogue_early  # ... letting the next kernel start at once
         self.fp8_quant_in_shrink = kernels.fp8_quant_in_shrink  # with LoRA, the shrink's launch quantizes them too
         self.fp8_sm90 = False  # the unit-scale product on the project's wgmma kernel (set below, where built)
         self.fp8_sm90_fused = kernels.fp8_sm90_fused  # ... with the epilogue inside it (one part, no activation)
@@ -501,7 +502,8 @@ class Decoder:
             sync = self.sm90_sync[i * GROUPS + group] if inside else None
             operands = None if lora is None else lora.epilogue_operands(i, group, x, in_product=inside)
             if first and (act or (inside and operands is not None and operands[4] is not None)):
-                return bf16_sm90_shrink_first(self.sm90_ext, x, w, b, spans, operands, self.unit_scales, sync, act=act)
+                return bf16_sm90_shrink_first(self.sm90_ext, x, w, b, spans, operands, self.unit_scales, sync, act=act,
+                                              **self._early())
             # (the producer's warps where the product gets A pools: the step's first group does not)
             on_producer = inside and producer and operands is not None and operands[4] is not None
             return bf16_sm90_linear(self.sm90_ext, x, w, b, spans, operands, self.unit_scales, sync,
@@ -531,7 +533,11 @@ class Decoder:
                 sync = self.sm90_sync[i * GROUPS + group]
         on_producer = {"shrink_producer": True} if sync is not None and self.fp8_sm90_shrink_producer else {}
         return self._fp8_linear(x, w, b, epilogue=True, spans=spans, lora=operands, quantized=quant, act=act,
-                                shrink_sync=sync, **on_producer)
+                                shrink_sync=sync, **on_producer, **self._early())
+
+    def _early(self) -> dict:
+        """The epilogue's launch lets the next kernel start at once (KernelChoices.epilogue_early): its argument."""
+        return {"early": True} if self.epilogue_early else {}
 
     def _fp8_linear(self, x: torch.Tensor, w: Fp8Weight, b: torch.Tensor | None, **finish) -> torch.Tensor:
         """fp8_linear with this model's FP8 kernel choices; `finish`: its epilogue arguments."""

@@ -187,7 +187,7 @@ def shrink_first_args(x: torch.Tensor, spans: list[int], lora: tuple, sync: torc
 
 def bf16_sm90_shrink_first(ext, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, spans: list[int],
                            lora: tuple | None, unit: torch.Tensor, sync: torch.Tensor | None,
-                           shrink_producer: bool = True, act: int = 0) -> torch.Tensor:
+                           shrink_producer: bool = True, act: int = 0, early: bool = False) -> torch.Tensor:
     """bf16_sm90_linear's result in two launches, as an FP8 projection with adapters takes them: the wgmma product of
     the bf16 operands into fp32, with A pools in `lora` the rows' shrink first into v on its own warps (the producer
     warp group's three that issue no copies, beside the main loop, with `shrink_producer`, else the consumer warps
@@ -196,7 +196,8 @@ def bf16_sm90_shrink_first(ext, x: torch.Tensor, w: torch.Tensor, bias: torch.Te
     written; None: no expand). The same bits as the one launch (whose epilogue is that arithmetic on the same fp32
     sums), with no wait inside the product for every CTA's share of v: the epilogue's launch reads v after the
     product has ended. `act` (two equal spans gate | up): 1 (SiLU) or 2 (GELU-tanh): the epilogue returns act(gate) *
-    up [M, N / 2], flashinfer's act_and_mul bits from the one launch's output, in place of that launch."""
+    up [M, N / 2], flashinfer's act_and_mul bits from the one launch's output, in place of that launch. `early`: the
+    epilogue's launch lets the next kernel start at once (csrc/quant.h Fp8EpilogueArgs::early; the same bits)."""
     M, N = x.shape[0], w.shape[0]
     v, b, ranks, row_slot, a = epilogue_lora(lora)
     stream = torch.cuda.current_stream(x.device).cuda_stream
@@ -206,7 +207,8 @@ def bf16_sm90_shrink_first(ext, x: torch.Tensor, w: torch.Tensor, bias: torch.Te
     shrink = {} if a is None else shrink_first_args(x, spans, lora, sync, shrink_producer)
     ext.fp8_gemm_sm90(y, x, w, stream, 1, **shrink)
     out = torch.empty(M, N // 2 if act else N, dtype=x.dtype, device=x.device)
-    ext.fp8_epilogue(out, y, unit[:M], unit[:N], bias, list(spans), v, list(b), ranks, row_slot, True, stream, act)
+    ext.fp8_epilogue(out, y, unit[:M], unit[:N], bias, list(spans), v, list(b), ranks, row_slot, True, stream, act,
+                     **({"early": True} if early else {}))
     return out
 
 
@@ -303,7 +305,8 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
                lora: tuple | None = None, quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
                act: int = 0, sm90: bool = False, sm90_split: bool = False, sm90_fused: bool = False,
                sm90_persistent: bool = False,
-               shrink_sync: torch.Tensor | None = None, shrink_producer: bool = False) -> torch.Tensor:
+               shrink_sync: torch.Tensor | None = None, shrink_producer: bool = False,
+               early: bool = False) -> torch.Tensor:
     """x [M, K] (bf16/fp16 on the GPU, any float on the CPU) @ w.T + bias -> [M, N] in x's dtype. With the
     CUDA extension `ext`: the activations quantized by its one-launch kernel (see quantize_tokens), and for
     M <= `own_rows` (bf16, K a multiple of 64, N of 16) the product on its FP8 kernel (csrc/fp8_gemm.cu), with
@@ -325,6 +328,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
     the wgmma kernel (one CTA a tile; fp8_shrink_first_applies) computes the rows' shrink of x into v first, on its
     own warps, and the epilogue's launch after it adds the expand (`shrink_producer`: on the producer warp group's
     three warps that issue no copies, beside the main loop, instead of the consumers before it; the same bits).
+    `early`: the epilogue's own launch lets the next kernel start at once (Fp8EpilogueArgs::early; the same bits).
     Then, M <= `swap_rows` (and a multiple of 16): cuBLASLt computes (w @ x.T).T, the weight as the long operand.
     Otherwise torch._scaled_mm with per-token and per-row scales."""
     if act and not (epilogue and tensor_cores and not _own_kernel(x, w, ext, own_rows)
@@ -371,7 +375,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, tensor_
                 return out
             y = _unit_product(xq, w, ext, sm90, sm90_split, sm90_persistent, shrink)
             ext.fp8_epilogue(out, y, sx.view(-1), w.scale, bias, list(spans or [N]), v, list(b), ranks, row_slot,
-                             True, stream, act)
+                             True, stream, act, **({"early": True} if early else {}))
             return out
         y = _unit_product(xq, w, ext, sm90, sm90_split, sm90_persistent)
         y = split_sum(y).mul_(sx).mul_(w.scale_row).to(x.dtype)

@@ -314,6 +314,14 @@ def fp8_epilogue() -> bool:
     return _flag("LORAFLEET_FP8_EPILOGUE", True)
 
 
+def epilogue_early() -> bool:
+    """LORAFLEET_EPILOGUE_EARLY: the FP8 epilogue's launch (after an FP8 product, or a bf16 one in the two launches
+    with adapters) lets the next kernel start at once (griddepcontrol.launch_dependents first; csrc/quant.h
+    Fp8EpilogueArgs::early): its blocks are resident, and a wgmma product streams its weight, while the epilogue
+    runs; every kernel that follows it waits for it before reading its output (the same bits; default 0)."""
+    return _flag("LORAFLEET_EPILOGUE_EARLY", False)
+
+
 def fp8_epilogue_act() -> bool:
     """LORAFLEET_FP8_EPILOGUE_ACT: with FP8 weights, that epilogue and flashinfer's ops, the gate_up projection's
     epilogue also applies the activation (SiLU or GELU-tanh) and writes act(gate) * up, bit for bit flashinfer's

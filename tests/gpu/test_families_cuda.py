@@ -212,6 +212,51 @@ def test_family_early_norm_before_the_wgmma_products(family):
     teacher.decode_graph_vs_eager(model, reqs, f"{name} early norm", kernels=kernels)
 
 
+class CountingEpilogues:
+    """The CUDA extension, counting the FP8 epilogue's launches that let the next kernel start at once (early)."""
+
+    def __init__(self, ext):
+        self.ext, self.early = ext, 0
+
+    def __getattr__(self, name):
+        return getattr(self.ext, name)
+
+    def fp8_epilogue(self, *args, **kwargs):
+        self.early += bool(kwargs.get("early"))
+        return self.ext.fp8_epilogue(*args, **kwargs)
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_family_early_epilogue(family, quantization):
+    """KernelChoices.epilogue_early: the FP8 epilogue's launch (after FP8 products, and after the bf16 wgmma products
+    with adapters) lets the next kernel start at once, which must wait for it before it reads its output. A decode
+    step with adapters, eager, bit for bit the same step without it on the same engine; then a decode step replayed
+    from its CUDA graph against the same step run eagerly."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma kernels are built for compute capability 9.0 only")
+    name, model, ads, reqs = family
+    cfg = {"quantization": quantization} if quantization else {}
+    kernels = KernelChoices(epilogue_early=True)
+    eng, batch = teacher.decode_step(model, reqs, kernels=kernels, **cfg)
+    d = eng.model
+    try:
+        assert d.epilogue_early
+        counted = CountingEpilogues(d.fp8_ext if quantization else d.sm90_ext)
+        if quantization:
+            d.fp8_ext = counted
+        else:
+            d.sm90_ext = counted
+        dev = batch.to_device(eng.device)
+        early = eng.runner.forward(batch, dev).clone()
+        assert counted.early >= 2 * d.num_layers, counted.early  # (at least qkv's and gate_up's in every layer)
+        d.epilogue_early = False
+        assert torch.equal(eng.runner.forward(batch, dev), early), name
+    finally:
+        eng.close()
+    teacher.decode_graph_vs_eager(model, reqs, f"{name} early epilogue {quantization or 'bf16'}", kernels=kernels,
+                                  **cfg)
+
+
 @pytest.fixture(scope="module")
 def ungrouped(tmp_path_factory):
     """Llama with one query head per K/V head (the Llama-2 shape, where `auto` takes the project's decode kernel for
