@@ -43,6 +43,7 @@ COMPLETION_FIELDS = frozenset({"prompt", "echo", "best_of", "suffix"})
 CHAT_FIELDS = frozenset({"messages", "max_completion_tokens", "chat_template_kwargs", "top_logprobs"})
 IGNORED = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"})
 INT64 = 2**63
+COMPLETION_DEFAULT_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI's
 
 
 class ApiError(Exception):
@@ -96,6 +97,9 @@ class GenParams:
     min_tokens: int = 0
     skip_special_tokens: bool = True  # False: special tokens (e.g. <|im_end|>) spelt out in the text
     include_stop_str_in_output: bool = False  # the stop string (or stopping token's text) kept at the text's end
+    # max_tokens omitted on /v1/completions: OpenAI's default of 16 (at most the cap), which the server also bounds
+    # by the room the context leaves the prompt (chat's omitted max_tokens is that room)
+    default_max_tokens: int | None = None
 
     def extras(self) -> dict:
         """The sampling fields past the basic ones (EXTRA_SAMPLING) that this request sets to something other than
@@ -150,6 +154,20 @@ def _refuse_unknown(body: dict, chat: bool) -> None:
                               f"takes {', '.join(sorted(COMMON_FIELDS | (CHAT_FIELDS if chat else COMPLETION_FIELDS)))})")
 
 
+def _check_ignored(body: dict) -> None:
+    """The OpenAI fields this server accepts and ignores (IGNORED) must still have their types, so that a
+    malformed request is not taken silently: user, service_tier, safety_identifier and prompt_cache_key strings,
+    store a boolean, metadata an object of strings."""
+    for key in ("user", "service_tier", "safety_identifier", "prompt_cache_key"):
+        if body.get(key) is not None and not isinstance(body[key], str):
+            raise bad(key, f"{key} must be a string")
+    if body.get("store") is not None and not isinstance(body["store"], bool):
+        raise bad("store", "store must be true or false")
+    meta = body.get("metadata")
+    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        raise bad("metadata", "metadata must be an object of string values")
+
+
 def _refuse_unsupported(body: dict, chat: bool) -> None:
     if body.get("best_of") not in (None, 1):
         raise bad("best_of", "best_of is not supported")
@@ -174,11 +192,13 @@ def parse_common(body: dict, chat: bool, max_tokens_cap: int, vocab_size: int | 
     if not isinstance(model, str) or not model:
         raise bad("model", "model must be a non-empty string naming the base model or an adapter")
     _refuse_unknown(body, chat)
+    _check_ignored(body)
     _refuse_unsupported(body, chat)
     echo = False if chat else _boolean(body, "echo", False)
     key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     # max_tokens 0 with echo: the prompt scored, nothing generated
-    max_tokens = _integer(body, key, None if chat else min(16, max_tokens_cap), 0 if echo else 1, max_tokens_cap)
+    max_tokens = _integer(body, key, None, 0 if echo else 1, max_tokens_cap)
+    default_max = None if chat or max_tokens is not None else min(COMPLETION_DEFAULT_TOKENS, max_tokens_cap)
     stop = body.get("stop")
     if stop is None:
         stop = ()
@@ -198,8 +218,13 @@ def parse_common(body: dict, chat: bool, max_tokens_cap: int, vocab_size: int | 
         raise bad("stop_token_ids", f"stop_token_ids must be in [0, {vocab_size}), got {max(stop_ids)}")
     stream = _boolean(body, "stream", False)
     opts = body.get("stream_options")
-    if opts is not None and (not isinstance(opts, dict) or not isinstance(opts.get("include_usage", False), bool)):
+    if opts is not None and not isinstance(opts, dict):
         raise bad("stream_options", "stream_options must be an object like {\"include_usage\": true}")
+    if opts is not None and any(k != "include_usage" for k in opts):
+        raise bad("stream_options", f"unrecognized stream option(s): "
+                                    f"{', '.join(repr(k) for k in opts if k != 'include_usage')} (takes include_usage)")
+    if opts is not None and not isinstance(opts.get("include_usage", False), (bool, type(None))):
+        raise bad("stream_options.include_usage", "stream_options.include_usage must be true or false")
     if opts is not None and not stream:
         raise bad("stream_options", "stream_options is only allowed when stream is true")
     top_k = _integer(body, "top_k", -1, -1, 1 << 30)
@@ -207,6 +232,8 @@ def parse_common(body: dict, chat: bool, max_tokens_cap: int, vocab_size: int | 
     min_tokens = _integer(body, "min_tokens", 0, 0, max_tokens_cap)
     if max_tokens is not None and min_tokens > max_tokens:
         raise bad("min_tokens", f"min_tokens ({min_tokens}) must not exceed {key} ({max_tokens})")
+    if default_max is not None and min_tokens > default_max:
+        raise bad("min_tokens", f"min_tokens ({min_tokens}) must not exceed max_tokens (omitted: {default_max})")
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt or len(salt) > MAX_CACHE_SALT):
         raise bad("cache_salt", f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT} characters")
@@ -214,6 +241,7 @@ def parse_common(body: dict, chat: bool, max_tokens_cap: int, vocab_size: int | 
         model=model,
         n=_integer(body, "n", 1, 1, MAX_N),
         max_tokens=max_tokens,
+        default_max_tokens=default_max,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
         top_k=0 if top_k in (-1, 0) else top_k,
@@ -326,6 +354,9 @@ def parse_prompts(body: dict, vocab_size: int, max_model_len: int) -> list[str |
 
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
+# a message's fields: `name` and `tool_call_id` strings (the chat template may read them), `tool_calls` only unset
+# (tools are not supported), `refusal` only on an assistant message
+MESSAGE_FIELDS = ("role", "content", "name", "tool_call_id", "tool_calls", "refusal")
 
 
 class ChatMessages(list):
@@ -382,6 +413,16 @@ def parse_messages(body: dict) -> ChatMessages:
         role = m.get("role")
         if role not in ROLES:
             raise bad(f"messages[{i}].role", f"role must be one of {', '.join(ROLES)}")
+        unknown = [k for k in m if k not in MESSAGE_FIELDS]
+        if unknown:
+            raise bad(f"messages[{i}].{unknown[0]}", f"unrecognized message field(s): "
+                                                      f"{', '.join(map(repr, unknown))} (a message takes "
+                                                      f"{', '.join(MESSAGE_FIELDS)})")
+        for key in ("name", "tool_call_id", "refusal"):
+            if m.get(key) is not None and not isinstance(m[key], str):
+                raise bad(f"messages[{i}].{key}", f"{key} must be a string")
+        if m.get("tool_calls") not in (None, []):
+            raise bad(f"messages[{i}].tool_calls", "tool calls are not supported")
         content = m.get("content")
         if isinstance(content, list):
             parts = []

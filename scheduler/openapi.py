@@ -65,7 +65,8 @@ def _schemas(limits: RequestLimits, names: list[str], vocab_size: int) -> dict:
                                        "description": "true: the stop string that ended the text (or the text of "
                                                       "the stop token) stays at its end (default false)"},
         "stream": {"type": ["boolean", "null"]},
-        "stream_options": {"type": ["object", "null"], "properties": {"include_usage": {"type": "boolean"}},
+        "stream_options": {"type": ["object", "null"], "additionalProperties": False,
+                           "properties": {"include_usage": {"type": ["boolean", "null"]}},
                            "description": "only with stream: true"},
         "presence_penalty": {"type": ["number", "null"], "minimum": -2, "maximum": 2,
                              "description": "subtracted once from the logit of each token the output holds"},
@@ -82,7 +83,10 @@ def _schemas(limits: RequestLimits, names: list[str], vocab_size: int) -> dict:
             "type": "object", "maxProperties": MAX_LOGIT_BIAS, "propertyNames": {"pattern": "^[0-9]+$"},
             "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}}],
             "description": "token id -> a number added to its logit"},
-        **{k: {"description": "accepted and ignored"} for k in sorted(IGNORED)},
+        **{k: {"type": ["string", "null"], "description": "accepted and ignored"} for k in sorted(IGNORED)},
+        "store": {"type": ["boolean", "null"], "description": "accepted and ignored"},
+        "metadata": {"type": ["object", "null"], "additionalProperties": {"type": "string"},
+                     "description": "accepted and ignored"},
         **{k: {"enum": [None, False, "none"], "description": "not supported: only unset"} for k in OFF_ONLY},
         **{k: {"enum": [None, v], "description": f"not supported: only {v}"} for k, v in NEUTRAL.items()},
         "response_format": {"anyOf": [{"type": "null"}, {"type": "object", "required": ["type"],
@@ -172,11 +176,14 @@ def _schemas(limits: RequestLimits, names: list[str], vocab_size: int) -> dict:
                                "add_generation_prompt, tools, documents or special tokens"},
                            "messages": {
                 "type": "array", "minItems": 1, "items": {
-                    "type": "object", "required": ["role", "content"],
+                    "type": "object", "required": ["role", "content"], "additionalProperties": False,
                     "properties": {"role": {"enum": list(ROLES)}, "content": {"anyOf": [
                         {"type": "string"},
                         {"type": "array", "items": {"type": "object", "required": ["type", "text"], "properties": {
-                            "type": {"const": "text"}, "text": {"type": "string"}}}}]}}}}}},
+                            "type": {"const": "text"}, "text": {"type": "string"}}}}]},
+                        **{k: {"type": ["string", "null"]} for k in ("name", "tool_call_id", "refusal")},
+                        "tool_calls": {"type": ["array", "null"], "maxItems": 0,
+                                       "description": "not supported: only unset"}}}}}},
         "Completion": {
             "type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
             "properties": {"id": {"type": "string"}, "object": {"const": "text_completion"},

@@ -247,6 +247,8 @@ class SchedulerService:
             max_tokens = params.max_tokens if params.max_tokens is not None else min(lim.completion_cap, ctx - n)
             if max_kv and params.max_tokens is None:  # the default completion: what the largest KV cache can hold
                 max_tokens = min(max_tokens, max_kv - n)
+            if params.max_tokens is None and params.default_max_tokens is not None:  # completions' default of 16
+                max_tokens = min(max_tokens, params.default_max_tokens)
             if n + max_tokens > ctx:
                 raise oa.context_exceeded("max_tokens", f"This model's maximum context length is {ctx} tokens, "
                                           f"however you requested {n + max_tokens} tokens ({n} in the prompt, "
@@ -379,9 +381,9 @@ class SchedulerService:
         if sink.first_failure is not None:
             raise self._failure(*sink.first_failure)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
-        chunked = resp.headers.get("Transfer-Encoding") == "chunked"  # aiohttp frames HTTP/1.1 bodies
         try:
+            await resp.prepare(request)  # (the client may have gone as the headers go out: a reset here too)
+            chunked = resp.headers.get("Transfer-Encoding") == "chunked"  # aiohttp frames HTTP/1.1 bodies
             head = b"".join(enc.chunk(i, "", None, role=True) for i in range(len(reqs))) if chat else b""
             await resp.write(head + sink.take())
             while not sink.finished or sink.buf:

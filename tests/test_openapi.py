@@ -59,7 +59,7 @@ def test_request_schemas_name_exactly_the_fields_the_parser_takes():
     """additionalProperties is false: the schema's fields are the parser's known fields, no more, no fewer; a body
     the parser answers is valid against the schema, including the neutral values of the unsupported fields."""
     from lorafleet.scheduler.limits import RequestLimits
-    from lorafleet.scheduler.openai_api import known_fields, parse_common
+    from lorafleet.scheduler.openai_api import MESSAGE_FIELDS, known_fields, parse_common
     from lorafleet.scheduler.openapi import document
 
     doc = document("base", RequestLimits(max_model_len=512))
@@ -67,6 +67,10 @@ def test_request_schemas_name_exactly_the_fields_the_parser_takes():
         schema = doc["components"]["schemas"][name]
         assert schema["additionalProperties"] is False
         assert set(schema["properties"]) == set(known_fields(chat)), name
+    message = doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]["messages"]["items"]
+    assert message["additionalProperties"] is False and set(message["properties"]) == set(MESSAGE_FIELDS)
+    options = doc["components"]["schemas"]["CompletionRequest"]["properties"]["stream_options"]
+    assert options["additionalProperties"] is False and set(options["properties"]) == {"include_usage"}
     body = {"model": "base", "prompt": "x", "repetition_penalty": 1.0, "logprobs": None, "parallel_tool_calls": False,
             "user": None, "safety_identifier": "s", "response_format": {"type": "text"}, "stream": True,
             "stream_options": {"include_usage": True}, "min_p": 0, "skip_special_tokens": True}

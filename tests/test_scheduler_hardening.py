@@ -161,6 +161,93 @@ async def test_models_by_id_unknown_routes_and_methods(api):
     assert r.status == 413 and (await r.json())["error"]["code"] == "body_too_large"
 
 
+CHAT = {"model": "base", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"messages": [{"role": "user", "content": "hi", "bogus": 1}]}, "messages[0].bogus"),
+    ({"messages": [{"role": "user", "content": "hi", "name": 5}]}, "messages[0].name"),
+    ({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "t"}]}, {"role": "user", "content": "x"}]},
+     "messages[0].tool_calls"),
+    ({"messages": [{"role": "tool", "content": "4", "tool_call_id": ["t"]}]}, "messages[0].tool_call_id"),
+    ({"stream": True, "stream_options": {"include_usage": True, "bogus": True}}, "stream_options"),
+    ({"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+    ({"user": {"a": 1}}, "user"),
+    ({"metadata": "x"}, "metadata"),
+    ({"metadata": {"k": 1}}, "metadata"),
+    ({"store": "yes"}, "store"),
+])
+async def test_unknown_or_mistyped_fields_below_the_top_level_are_a_400(api, extra, param):
+    """A misspelt or mistyped field inside a message or stream_options, or an ignored field of the wrong type, is a
+    400 naming it, as an unknown top-level field is: never taken silently."""
+    client, _, fr = api
+    status, got = await post(client, "/v1/chat/completions", raw({**CHAT, **extra}))
+    assert status == 400 and got["error"]["param"] == param, got
+    assert not fr.seen
+
+
+async def test_the_optional_fields_below_the_top_level_are_served(api):
+    """What those checks let through: a message's name, an empty tool_calls, stream_options.include_usage null (not
+    set: no usage chunk), the ignored fields at their types."""
+    client, _, fr = api
+    body = {**CHAT, "messages": [{"role": "system", "content": "be brief", "name": "rules"},
+                                 {"role": "assistant", "content": "ok", "tool_calls": [], "refusal": None},
+                                 {"role": "user", "content": "hi", "name": "ann"}],
+            "user": "u-1", "metadata": {"team": "a"}, "store": False}
+    status, got = await post(client, "/v1/chat/completions", raw(body))
+    assert status == 200 and got["choices"][0]["finish_reason"] == "length", got
+    r = await client.post("/v1/chat/completions", json={**CHAT, "stream": True,
+                                                       "stream_options": {"include_usage": None}})
+    text = await r.text()
+    assert r.status == 200 and text.endswith("data: [DONE]\n\n") and '"usage"' not in text, text
+    assert len(fr.seen) == 2
+
+
+async def test_completions_without_max_tokens_take_16_or_what_the_context_leaves(api):
+    """/v1/completions without max_tokens: OpenAI's 16 tokens, or fewer where the context (256 here) leaves less
+    room after the prompt, rather than a 400 about a max_tokens the client never sent."""
+    client, _, fr = api
+    status, got = await post(client, "/v1/completions", raw({"model": "base", "prompt": "hi"}))
+    assert status == 200 and got["usage"]["completion_tokens"] == 16, got
+    status, got = await post(client, "/v1/completions", raw({"model": "base", "prompt": list(range(5, 255))}))
+    assert status == 200 and got["usage"]["prompt_tokens"] == 250 and got["usage"]["completion_tokens"] == 6, got
+    status, got = await post(client, "/v1/completions", raw({"model": "base", "prompt": "hi", "min_tokens": 17}))
+    assert status == 400 and got["error"]["param"] == "min_tokens" and "omitted: 16" in got["error"]["message"], got
+
+
+async def test_a_stream_whose_client_drops_as_it_starts_is_a_499_not_an_error(api, monkeypatch):
+    """A streaming client that hangs up just as the answer's headers go out (aiohttp's prepare raises a connection
+    reset): counted 499 with nothing unhandled, its sequence cancelled; the server serves on."""
+    from aiohttp import web
+
+    client, service, fr = api
+    real = web.StreamResponse.prepare
+
+    async def dropped(self, request):
+        if self.headers.get("Content-Type") == "text/event-stream":
+            raise ConnectionResetError("Cannot write to closing transport")
+        return await real(self, request)
+
+    monkeypatch.setattr(web.StreamResponse, "prepare", dropped)
+    try:
+        r = await client.post("/v1/completions", json={"model": "base", "prompt": "x", "max_tokens": 50,
+                                                       "stream": True})
+        await r.read()
+    except Exception:  # (the connection closes without an answer)
+        pass
+    monkeypatch.setattr(web.StreamResponse, "prepare", real)
+    for _ in range(100):
+        text = await (await client.get("/metrics")).text()
+        if 'code="499"' in text and not service.in_flight:
+            break
+        await asyncio.sleep(0.02)
+    assert 'lorafleet_http_requests_total{code="499",route="/v1/completions"} 1.0' in text, text[-2000:]
+    assert service.metrics.unhandled_errors._value.get() == 0 and 'code="500"' not in text
+    assert not service.in_flight
+    r = await client.post("/v1/completions", json={"model": "base", "prompt": "x", "max_tokens": 2})
+    assert r.status == 200
+
+
 async def test_a_body_that_cannot_be_decoded_is_a_400_not_an_error(api):
     """A body whose bytes are not in the Content-Encoding it names, or not UTF-8: a JSON 400 saying so, nothing
     unhandled; the same request properly compressed is served."""
