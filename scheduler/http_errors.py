@@ -24,6 +24,11 @@ CLIENT_CLOSED = 499
 BODY_TIMEOUT_S = 60.0  # a request's body must arrive within this long once its headers have
 
 
+# the request Content-Encodings aiohttp decodes (br and zstd only where their libraries are installed: otherwise its
+# parser answers 400 before any handler runs); any other value would reach the handler still encoded
+DECODED_ENCODINGS = ("", "identity", "gzip", "deflate", "br", "zstd")
+
+
 class ClientGone(Exception):
     """The client disconnected; `response` is the stream already started, if any."""
 
@@ -35,9 +40,15 @@ class ClientGone(Exception):
 async def read_body(request: web.Request, timeout: float | None = None) -> bytes:
     """The request's body. A client that drops while sending it raises ClientGone (a 499, not an unhandled
     error); one whose body has not arrived `timeout` seconds after its headers gets a 408, so a stalled upload
-    does not hold a handler forever; one that cannot be decoded (a Content-Encoding its bytes are not in) gets a 400.
+    does not hold a handler forever; one that cannot be decoded (a Content-Encoding its bytes are not in) gets a 400,
+    and one in a Content-Encoding aiohttp does not decode (it would hand over the encoded bytes) a 415.
     A body over the size limit still raises aiohttp's 413."""
     timeout = BODY_TIMEOUT_S if timeout is None else timeout
+    enc = request.headers.get("Content-Encoding", "").strip().lower()
+    if enc not in DECODED_ENCODINGS:
+        raise ApiError(415, f"Content-Encoding {enc[:40]!r} is not supported: send the body as is, or in gzip or "
+                            f"deflate", param=None, code="unsupported_content_encoding",
+                       headers={"Connection": "close"})
     try:
         return await asyncio.wait_for(request.read(), timeout)
     except asyncio.TimeoutError:

@@ -30,6 +30,7 @@ def _errors(*codes: int) -> dict:
     words = {400: "invalid request (the message names the field)", 401: "missing or wrong API key",
              403: "admin API disabled", 404: "unknown model or route",
              408: "the request body did not arrive within 60 s of its headers", 413: "request body too large",
+             415: "a Content-Encoding other than gzip or deflate",
              429: "queue full (see Retry-After)", 500: "generation failed on a runner",
              503: "no runner available or shutting down (see Retry-After)"}
     return {str(c): _json(_ref("Error"), words[c]) for c in codes}
@@ -269,13 +270,13 @@ def _generate_op(summary: str, request: str, response: str) -> dict:
         "responses": {"200": {"description": "the completion (JSON), or server-sent events with stream: true",
                               "content": {JSON: {"schema": _ref(response)},
                                           "text/event-stream": {"schema": _ref("StreamEvent")}}},
-                      **_errors(400, 401, 404, 408, 413, 429, 500, 503)},
+                      **_errors(400, 401, 404, 408, 413, 415, 429, 500, 503)},
     }
 
 
 def _tokens_op(summary: str, request: str, response: str) -> dict:
     return {"summary": summary, "requestBody": {"required": True, "content": {JSON: {"schema": _ref(request)}}},
-            "responses": {"200": _json(_ref(response), summary), **_errors(400, 401, 404, 408, 413)}}
+            "responses": {"200": _json(_ref(response), summary), **_errors(400, 401, 404, 408, 413, 415)}}
 
 
 def document(model_name: str, limits: RequestLimits, adapters: list[str] = (), auth: bool = False,

@@ -273,6 +273,25 @@ async def test_a_body_that_cannot_be_decoded_is_a_400_not_an_error(api):
     assert "lorafleet_unhandled_errors_total 0.0" in text
 
 
+async def test_a_content_encoding_left_undecoded_is_a_415(api):
+    """A Content-Encoding aiohttp does not decode (the handler would get the encoded bytes, or, for an unknown name,
+    bytes that only look plain): a JSON 415 naming it, nothing unhandled; identity is the plain body."""
+    client, _, fr = api
+    body = raw({"model": "base", "prompt": "hi", "max_tokens": 2})
+    for enc in ("xyz", "x-gzip", "gzip, br", "compress"):
+        r = await client.post("/v1/completions", data=body,
+                              headers={"Content-Type": "application/json", "Content-Encoding": enc})
+        got = await r.json()
+        assert r.status == 415 and got["error"]["code"] == "unsupported_content_encoding", (enc, got)
+        assert repr(enc) in got["error"]["message"]
+    assert not fr.seen
+    r = await client.post("/v1/completions", data=body,
+                          headers={"Content-Type": "application/json", "Content-Encoding": "Identity"})
+    assert r.status == 200, await r.text()
+    text = await (await client.get("/metrics")).text()
+    assert "lorafleet_unhandled_errors_total 0.0" in text and 'code="415"' in text
+
+
 async def test_metrics_split_http_codes_from_finish_reasons_and_count_crashes(api):
     client, service, _ = api
     assert (await client.post("/v1/completions", json={"model": "base", "prompt": "hi", "max_tokens": 2})).status == 200
