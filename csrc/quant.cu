@@ -109,7 +109,7 @@ __device__ __forceinline__ float act_gelu_tanh(float x) {
 // its values to the gate lane, which stores T(act(gate) * up) at columns 8p .. of out [m, I].
 template <typename T>
 __global__ void __launch_bounds__(kEpiThreads, 4) fp8_epilogue_kernel(const Fp8EpilogueArgs a) {
-  if (a.early) pdl_launch_dependents();  // (Fp8EpilogueArgs::early: the next kernel waits for this one's end)
+  if (a.early) pdl_launch_dependents();  // (Fp8EpilogueArgs::early: what follows waits before it touches our memory)
   const int row = blockIdx.y;
   const int t = blockIdx.x * kEpiThreads + threadIdx.x;
   int c, g = 0, start = 0, width = a.cols[0];
