@@ -354,9 +354,9 @@ def parse_prompts(body: dict, vocab_size: int, max_model_len: int) -> list[str |
 
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
-# a message's fields: `name` and `tool_call_id` strings (the chat template may read them), `tool_calls` only unset
-# (tools are not supported), `refusal` only on an assistant message
-MESSAGE_FIELDS = ("role", "content", "name", "tool_call_id", "tool_calls", "refusal")
+# a message's fields: `name`, `tool_call_id` and `refusal` strings (the chat template may read them); `tool_calls`,
+# `function_call` and `audio` only unset (null; tool_calls also []), as clients replaying a history send them
+MESSAGE_FIELDS = ("role", "content", "name", "tool_call_id", "refusal", "tool_calls", "function_call", "audio")
 
 
 class ChatMessages(list):
@@ -423,6 +423,9 @@ def parse_messages(body: dict) -> ChatMessages:
                 raise bad(f"messages[{i}].{key}", f"{key} must be a string")
         if m.get("tool_calls") not in (None, []):
             raise bad(f"messages[{i}].tool_calls", "tool calls are not supported")
+        for key in ("function_call", "audio"):
+            if m.get(key) is not None:
+                raise bad(f"messages[{i}].{key}", f"{key} in a message is not supported")
         content = m.get("content")
         if isinstance(content, list):
             parts = []

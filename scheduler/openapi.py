@@ -184,7 +184,9 @@ def _schemas(limits: RequestLimits, names: list[str], vocab_size: int) -> dict:
                             "type": {"const": "text"}, "text": {"type": "string"}}}}]},
                         **{k: {"type": ["string", "null"]} for k in ("name", "tool_call_id", "refusal")},
                         "tool_calls": {"type": ["array", "null"], "maxItems": 0,
-                                       "description": "not supported: only unset"}}}}}},
+                                       "description": "not supported: only unset"},
+                        **{k: {"type": "null", "description": "not supported: only unset"}
+                           for k in ("function_call", "audio")}}}}}},
         "Completion": {
             "type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
             "properties": {"id": {"type": "string"}, "object": {"const": "text_completion"},

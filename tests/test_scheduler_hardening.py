@@ -170,6 +170,8 @@ CHAT = {"model": "base", "messages": [{"role": "user", "content": "hi"}], "max_t
     ({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "t"}]}, {"role": "user", "content": "x"}]},
      "messages[0].tool_calls"),
     ({"messages": [{"role": "tool", "content": "4", "tool_call_id": ["t"]}]}, "messages[0].tool_call_id"),
+    ({"messages": [{"role": "assistant", "content": "", "function_call": {"name": "f"}},
+                   {"role": "user", "content": "x"}]}, "messages[0].function_call"),
     ({"stream": True, "stream_options": {"include_usage": True, "bogus": True}}, "stream_options"),
     ({"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
     ({"user": {"a": 1}}, "user"),
@@ -191,7 +193,8 @@ async def test_the_optional_fields_below_the_top_level_are_served(api):
     set: no usage chunk), the ignored fields at their types."""
     client, _, fr = api
     body = {**CHAT, "messages": [{"role": "system", "content": "be brief", "name": "rules"},
-                                 {"role": "assistant", "content": "ok", "tool_calls": [], "refusal": None},
+                                 {"role": "assistant", "content": "ok", "tool_calls": [], "refusal": None,
+                                  "function_call": None, "audio": None},
                                  {"role": "user", "content": "hi", "name": "ann"}],
             "user": "u-1", "metadata": {"team": "a"}, "store": False}
     status, got = await post(client, "/v1/chat/completions", raw(body))
