@@ -154,6 +154,12 @@ def _refuse_unknown(body: dict, chat: bool) -> None:
                               f"takes {', '.join(sorted(COMMON_FIELDS | (CHAT_FIELDS if chat else COMPLETION_FIELDS)))})")
 
 
+def _names(keys: list[str]) -> str:
+    """Unknown field names for an error message: the first three, each cut to 40 characters."""
+    shown = ", ".join(repr(k[:40]) for k in keys[:3])
+    return shown + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+
+
 def _check_ignored(body: dict) -> None:
     """The OpenAI fields this server accepts and ignores (IGNORED) must still have their types, so that a
     malformed request is not taken silently: user, service_tier, safety_identifier and prompt_cache_key strings,
@@ -222,7 +228,7 @@ def parse_common(body: dict, chat: bool, max_tokens_cap: int, vocab_size: int | 
         raise bad("stream_options", "stream_options must be an object like {\"include_usage\": true}")
     if opts is not None and any(k != "include_usage" for k in opts):
         raise bad("stream_options", f"unrecognized stream option(s): "
-                                    f"{', '.join(repr(k) for k in opts if k != 'include_usage')} (takes include_usage)")
+                                    f"{_names([k for k in opts if k != 'include_usage'])} (takes include_usage)")
     if opts is not None and not isinstance(opts.get("include_usage", False), (bool, type(None))):
         raise bad("stream_options.include_usage", "stream_options.include_usage must be true or false")
     if opts is not None and not stream:
@@ -354,8 +360,9 @@ def parse_prompts(body: dict, vocab_size: int, max_model_len: int) -> list[str |
 
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
-# a message's fields: `name`, `tool_call_id` and `refusal` strings (the chat template may read them); `tool_calls`,
-# `function_call` and `audio` only unset (null; tool_calls also []), as clients replaying a history send them
+# a message's fields: `name`, `tool_call_id` and `refusal` strings (accepted; the chat template gets role and content
+# only); `tool_calls`, `function_call` and `audio` only unset (null; tool_calls also []), as clients replaying a
+# history send them
 MESSAGE_FIELDS = ("role", "content", "name", "tool_call_id", "refusal", "tool_calls", "function_call", "audio")
 
 
@@ -415,9 +422,8 @@ def parse_messages(body: dict) -> ChatMessages:
             raise bad(f"messages[{i}].role", f"role must be one of {', '.join(ROLES)}")
         unknown = [k for k in m if k not in MESSAGE_FIELDS]
         if unknown:
-            raise bad(f"messages[{i}].{unknown[0]}", f"unrecognized message field(s): "
-                                                      f"{', '.join(map(repr, unknown))} (a message takes "
-                                                      f"{', '.join(MESSAGE_FIELDS)})")
+            raise bad(f"messages[{i}].{unknown[0][:40]}", f"unrecognized message field(s): {_names(unknown)} (a "
+                                                           f"message takes {', '.join(MESSAGE_FIELDS)})")
         for key in ("name", "tool_call_id", "refusal"):
             if m.get(key) is not None and not isinstance(m[key], str):
                 raise bad(f"messages[{i}].{key}", f"{key} must be a string")

@@ -188,6 +188,17 @@ async def test_unknown_or_mistyped_fields_below_the_top_level_are_a_400(api, ext
     assert not fr.seen
 
 
+async def test_unknown_message_fields_are_named_briefly(api):
+    """Many long unknown keys in a message: the error names the first three, each cut to 40 characters."""
+    client, _, fr = api
+    keys = [c * 100 for c in "abcde"]
+    status, got = await post(client, "/v1/chat/completions",
+                             raw({**CHAT, "messages": [{"role": "user", "content": "hi", **dict.fromkeys(keys, 1)}]}))
+    assert status == 400 and got["error"]["param"] == "messages[0]." + "a" * 40, got
+    assert "and 2 more" in got["error"]["message"] and "d" * 40 not in got["error"]["message"]
+    assert len(got["error"]["message"]) < 400 and not fr.seen
+
+
 async def test_the_optional_fields_below_the_top_level_are_served(api):
     """What those checks let through: a message's name, an empty tool_calls, stream_options.include_usage null (not
     set: no usage chunk), the ignored fields at their types."""
