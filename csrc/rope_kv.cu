@@ -56,6 +56,9 @@ __global__ void __launch_bounds__(kWarps * 32) rope_kv_kernel(const RopeKvArgs p
   // the decode attention after it may start now (DecodeAttnArgs::pdl): it reads only the page tables before it waits
   // for this kernel's end
   pdl_launch_dependents();
+  // qkv (and the LoRA rows) come from the kernel before, which may have let this grid start early
+  // (RopeKvArgs::pdl); every block waits for it before reading or writing anything (a no-op without PDL)
+  pdl_wait();
   const int lane = threadIdx.x & 31;
   const int heads = p.num_heads + 2 * p.num_kv_heads;
   const int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
@@ -148,12 +151,19 @@ const char* rope_kv(DType dtype, const RopeKvArgs& args, int device, void* strea
   cudaError_t e = cudaGetDevice(&prev);
   if (e == cudaSuccess && prev != device) e = cudaSetDevice(device);
   if (e != cudaSuccess) return cudaGetErrorString(e);
-  const int64_t items = static_cast<int64_t>(args.num_tokens) * (args.num_heads + 2 * args.num_kv_heads);
-  const dim3 grid(static_cast<unsigned>((items + kWarps - 1) / kWarps));
-  auto s = static_cast<cudaStream_t>(stream);
-  if (dtype == DType::kBFloat16) rope_kv_kernel<__nv_bfloat16><<<grid, kWarps * 32, 0, s>>>(args);
-  else rope_kv_kernel<__half><<<grid, kWarps * 32, 0, s>>>(args);
-  e = cudaGetLastError();
+  int major = 0;
+  if (args.pdl) e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  if (e == cudaSuccess) {
+    const int64_t items = static_cast<int64_t>(args.num_tokens) * (args.num_heads + 2 * args.num_kv_heads);
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(static_cast<unsigned>((items + kWarps - 1) / kWarps));
+    cfg.blockDim = dim3(kWarps * 32);
+    cfg.stream = static_cast<cudaStream_t>(stream);
+    cudaLaunchAttribute attr[1];
+    set_pdl(cfg, attr, args.pdl, major);
+    e = dtype == DType::kBFloat16 ? cudaLaunchKernelEx(&cfg, rope_kv_kernel<__nv_bfloat16>, args)
+                                  : cudaLaunchKernelEx(&cfg, rope_kv_kernel<__half>, args);
+  }
   if (prev != device) cudaSetDevice(prev);
   return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
 }

@@ -56,6 +56,9 @@ struct RopeKvArgs {
   int num_kv_heads = 0;                // Hkv
   int head_dim = 0;                    // D, a multiple of 4, at most 512
   bool cache_e4m3 = false;             // the K/V caches are float8_e4m3fn (unit scale), not the storage type
+  // launched with programmatic stream serialization (sm_90+): the grid may start while the kernel before it (qkv's
+  // product or epilogue) still runs, if that kernel lets it; every block waits for it first (the same bits)
+  bool pdl = false;
   RopeKvLora lora;                     // optional (lora.v == nullptr: none)
 };
 

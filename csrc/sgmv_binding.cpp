@@ -19,10 +19,11 @@
 //   add(ys, v, x, a, b, ranks, indptr, slots, counters, shrink_mma_min_rows, expand_mma_min_rows, pdl, stream):
 //       shrink then expand; one fused launch when T is below both thresholds (every segment on the
 //       CUDA-core path), else the two launches above. counters: int32 [>= 2 * capacity], zero.
-//   rope_kv(q_out, k_cache, v_cache, qkv, positions, slots, cos_sin, num_heads, num_kv_heads, stream):
+//   rope_kv(q_out, k_cache, v_cache, qkv, positions, slots, cos_sin, num_heads, num_kv_heads, stream, pdl=False):
 //       rotary embedding of q into q_out and of k into k_cache[slots], v copied to v_cache[slots], one
-//       launch (rope_kv.h); caches of qkv's dtype, or float8_e4m3fn (FP8 pages, unit scale).
-//   rope_kv_lora(..., stream, v, b, ranks, row_slot): the same with the qkv rows' LoRA expand added first
+//       launch (rope_kv.h); caches of qkv's dtype, or float8_e4m3fn (FP8 pages, unit scale). pdl: launched with
+//       programmatic dependent launch, its blocks waiting for the kernel before (RopeKvArgs::pdl).
+//   rope_kv_lora(..., stream, v, b, ranks, row_slot, pdl=False): the same with the qkv rows' LoRA expand added first
 //       (rope_kv.h RopeKvLora), so a decode step needs no separate expand launch for q, k and v.
 //   rms_norm(x_out, h, res, res_out, w, eps, offset, quant_out, quant_scale, pdl, stream, max_blocks=0, early=False):
 //       the RMSNorm of runner/model/ops.py (res: res_out = h + res, normalized; offset: Gemma's 1 + w), optionally
@@ -439,16 +440,19 @@ void launch_rope_kv(const lorafleet::RopeKvArgs& a, const Tensor& qkv, int64_t s
 }
 
 void rope_kv(Tensor q_out, Tensor k_cache, Tensor v_cache, Tensor qkv, Tensor positions, Tensor slots, Tensor cos_sin,
-             int64_t num_heads, int64_t num_kv_heads, int64_t stream) {
-  launch_rope_kv(rope_kv_args(q_out, k_cache, v_cache, qkv, positions, slots, cos_sin, num_heads, num_kv_heads), qkv,
-                 stream);
+             int64_t num_heads, int64_t num_kv_heads, int64_t stream, bool pdl) {
+  lorafleet::RopeKvArgs a =
+      rope_kv_args(q_out, k_cache, v_cache, qkv, positions, slots, cos_sin, num_heads, num_kv_heads);
+  a.pdl = pdl;
+  launch_rope_kv(a, qkv, stream);
 }
 
 void rope_kv_lora(Tensor q_out, Tensor k_cache, Tensor v_cache, Tensor qkv, Tensor positions, Tensor slots,
                   Tensor cos_sin, int64_t num_heads, int64_t num_kv_heads, int64_t stream, Tensor v,
-                  std::vector<Tensor> b, Tensor ranks, Tensor row_slot) {
+                  std::vector<Tensor> b, Tensor ranks, Tensor row_slot, bool pdl) {
   lorafleet::RopeKvArgs a =
       rope_kv_args(q_out, k_cache, v_cache, qkv, positions, slots, cos_sin, num_heads, num_kv_heads);
+  a.pdl = pdl;
   const int64_t T = qkv.size(0), D = a.head_dim;
   SGMV_CHECK(v.scalar_type() == torch::kFloat && v.dim() == 3 && v.is_contiguous() && v.size(0) >= T && v.size(1) == 3,
              "rope_kv_lora: v must be contiguous float32 [>= T=%lld, 3, R]", ll(T));
@@ -985,12 +989,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("pdl"), py::arg("stream"));
   m.def("rope_kv", &rope_kv, "rotary embedding of q (into q_out) and k, and the K/V cache write, in one launch",
         py::arg("q_out"), py::arg("k_cache"), py::arg("v_cache"), py::arg("qkv"), py::arg("positions"),
-        py::arg("slots"), py::arg("cos_sin"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("stream"));
+        py::arg("slots"), py::arg("cos_sin"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("stream"),
+        py::arg("pdl") = false);
   m.def("rope_kv_lora", &rope_kv_lora,
         "rope_kv with the qkv rows' LoRA expand (v @ b[g][row_slot]) added first, in the SGMV expand's order",
         py::arg("q_out"), py::arg("k_cache"), py::arg("v_cache"), py::arg("qkv"), py::arg("positions"),
         py::arg("slots"), py::arg("cos_sin"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("stream"),
-        py::arg("v"), py::arg("b"), py::arg("ranks"), py::arg("row_slot"));
+        py::arg("v"), py::arg("b"), py::arg("ranks"), py::arg("row_slot"), py::arg("pdl") = false);
   m.def("rms_norm", &rms_norm,
         "x_out = RMSNorm(h [+ res]) as ops.py computes it (res_out = h + res), optionally x_out's e4m3 rows, "
         "one launch",

@@ -42,6 +42,8 @@ class KernelChoices:
     rope_kv: RoPE and the K/V cache write in one launch of the project's kernel (CUDA, full rotary).
     rope_kv_lora: decode graphs add the qkv rows' LoRA expand inside that kernel.
     rope_kv_fp8: that kernel also writes FP8 (e4m3) K/V pages (otherwise those take the torch writer).
+    rope_kv_pdl: that kernel is launched with programmatic dependent launch, waiting for qkv's kernel first, so that
+        it starts as soon as that kernel lets it (the same bits).
     norm_shrink: the RMSNorms before qkv and gate_up on the project's kernel (CUDA; with FP8 weights it quantizes
         the rows too), which in decode steps with adapters also computes the group's LoRA shrink.
     norm_quant: with FP8 weights on the FP8 tensor cores (CUDA), the RMSNorms before qkv and gate_up on the
@@ -141,6 +143,7 @@ class KernelChoices:
     rope_kv: bool = True
     rope_kv_lora: bool = False
     rope_kv_fp8: bool = True
+    rope_kv_pdl: bool = False
     norm_shrink: bool = False
     norm_quant: bool = True
     shrink_early: bool = False
@@ -221,6 +224,7 @@ class KernelChoices:
                    sgmv=env.sgmv_backend(),
                    sgmv_fused=env.sgmv_fused(), fused_ops=env.fused_ops(), rope_kv=env.rope_kv_kernel(),
                    rope_kv_lora=env.rope_kv_lora(), rope_kv_fp8=env.rope_kv_fp8(),
+                   rope_kv_pdl=env.rope_kv_pdl(),
                    norm_shrink=env.norm_shrink(), norm_quant=env.norm_quant(),
                    shrink_early=env.shrink_early(),
                    decode_ranks=env.decode_ranks(), shrink_row_items=env.shrink_row_items(),

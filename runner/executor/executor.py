@@ -126,7 +126,7 @@ def build_executor(model: "str | Decoder", config: EngineConfig, shard=None, gro
         num_pages = group.min_int(num_pages)  # every rank must hold the same pages
     # one extra page: the scratch page padded rows of captured CUDA graphs write to
     kv = KVCache(rank_cfg, num_pages + 1, config.page_size, kv_dtype, device)
-    net.attach_kv(make_kv_writer(net, kv.flat, kernels.rope_kv, kernels.rope_kv_fp8))
+    net.attach_kv(make_kv_writer(net, kv.flat, kernels.rope_kv, kernels.rope_kv_fp8, kernels.rope_kv_pdl))
     from lorafleet.runner.executor.attention.select import attention_backend
 
     attention = attention_backend(kv, rank_cfg, device, kernels, dtype)

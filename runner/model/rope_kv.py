@@ -54,11 +54,14 @@ class FusedKvWriter:
     """`rope_kv(q_out, k_flat, v_flat, qkv, positions, slots, cos_sin, heads, kv_heads, stream)`: q_out
     [T, Hq, D] = rope(q), cache[slots] = (rope(k), v), from the qkv rows [T, (Hq + 2 Hkv) * D]; angles from
     the layer's fp32 cos/sin cache (the one flashinfer's RoPE reads), computed in fp32 and rounded once (for
-    e4m3 pages then cast as TorchKvWriter's to_e4m3 does). Rows whose slot is negative write nothing."""
+    e4m3 pages then cast as TorchKvWriter's to_e4m3 does). Rows whose slot is negative write nothing.
+    `pdl` (KernelChoices.rope_kv_pdl): launched with programmatic dependent launch, its blocks waiting for the
+    kernel before (qkv's) first, so that they are resident when that kernel lets them start early."""
 
-    def __init__(self, ext, model, flat):
+    def __init__(self, ext, model, flat, pdl: bool = False):
         self.ext, self.model, self.flat = ext, model, flat
         self.caches = model.ops.caches  # per RoPE: fp32 [P, D]
+        self.launch = {"pdl": True} if pdl else {}  # (the kernel's argument only where taken)
 
     def __call__(self, layer: int, qkv: torch.Tensor, io, expand=None) -> torch.Tensor:
         """`expand` = (v [T, 3, R] fp32, [b_q, b_k, b_v] pools, ranks [3, S] int32, row_slot [T] int32): the
@@ -73,19 +76,19 @@ class FusedKvWriter:
         stream = torch.cuda.current_stream(qkv.device).cuda_stream
         if expand is None:
             self.ext.rope_kv(q_out, k_flat, v_flat, qkv, io.positions, io.slots, cos_sin, c.num_heads,
-                             c.num_kv_heads, stream)
+                             c.num_kv_heads, stream, **self.launch)
         else:
             v, b, ranks, row_slot = expand
             self.ext.rope_kv_lora(q_out, k_flat, v_flat, qkv, io.positions, io.slots, cos_sin, c.num_heads,
-                                  c.num_kv_heads, stream, v, list(b), ranks, row_slot)
+                                  c.num_kv_heads, stream, v, list(b), ranks, row_slot, **self.launch)
         return io.q if io.static else q_out.view(T, c.q_dim)
 
 
-def make_kv_writer(model, flat, fused: bool = True, fp8_pages: bool = False):
+def make_kv_writer(model, flat, fused: bool = True, fp8_pages: bool = False, pdl: bool = False):
     """The fused writer where it can run (CUDA, flashinfer's ops whose cos/sin caches it shares, fp16/bf16,
     full rotary embeddings, head_dim a multiple of 4, pages in the model's dtype or, with `fp8_pages`
-    (KernelChoices.rope_kv_fp8), e4m3 pages, `fused` i.e. KernelChoices.rope_kv, the extension builds), else the
-    torch writer."""
+    (KernelChoices.rope_kv_fp8), e4m3 pages, `fused` i.e. KernelChoices.rope_kv, the extension builds), launched
+    with programmatic dependent launch where `pdl` (KernelChoices.rope_kv_pdl), else the torch writer."""
     c = model.cfg
     page_dtype = flat(0)[0].dtype
     ok = (fused and model.device.type == "cuda" and hasattr(model.ops, "caches")
@@ -96,7 +99,7 @@ def make_kv_writer(model, flat, fused: bool = True, fp8_pages: bool = False):
         try:
             from lorafleet.runner.kernels import load
 
-            return FusedKvWriter(load(), model, flat)
+            return FusedKvWriter(load(), model, flat, pdl)
         except Exception as exc:  # no compiler on this machine: the five-launch path stays
             log.warning("rope_kv kernel unavailable (%s); RoPE and the K/V write take flashinfer's RoPE and index copies", exc)
     return TorchKvWriter(model, flat)

@@ -280,6 +280,14 @@ def rope_kv_lora() -> bool:
     return _flag("LORAFLEET_ROPE_KV_LORA", False)
 
 
+def rope_kv_pdl() -> bool:
+    """LORAFLEET_ROPE_KV_PDL: the rope_kv kernel (RoPE and the K/V write after qkv) is launched with programmatic
+    dependent launch, its blocks waiting for qkv's product or epilogue first (csrc/rope_kv.h RopeKvArgs::pdl), so
+    that it is resident while the kernel before it ends where that kernel lets it start early (the wgmma products
+    after their last MMA, the epilogue with LORAFLEET_EPILOGUE_EARLY). The same bits (default 0 until measured)."""
+    return _flag("LORAFLEET_ROPE_KV_PDL", False)
+
+
 def fp8_swap_rows() -> int:
     """LORAFLEET_FP8_SWAP_ROWS: with FP8 weights on CUDA, steps of at most this many rows compute W @ x.T on
     the FP8 tensor cores (the operands swapped, the same products) instead of x @ W.T (default 0: never)."""

@@ -18,6 +18,7 @@ from fp8_reference import emulate_fp8
 from lorafleet.runner.config import EngineConfig, KernelChoices
 from lorafleet.runner.engine.engine import Engine
 from lorafleet.runner.engine.sequence import AdapterRef, SamplingParams, Sequence
+from lorafleet.runner.model.rope_kv import FusedKvWriter
 from model_helpers import write_random_adapter
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
@@ -229,18 +230,22 @@ class CountingEpilogues:
 @pytest.mark.parametrize("quantization", [None, "fp8"])
 def test_family_early_epilogue(family, quantization):
     """KernelChoices.epilogue_early: the FP8 epilogue's launch (after FP8 products, and after the bf16 wgmma products
-    with adapters) lets the next kernel start at once, which must wait for it before it reads its output. A decode
-    step with adapters, eager, bit for bit the same step without it on the same engine; then a decode step replayed
-    from its CUDA graph against the same step run eagerly."""
+    with adapters) lets the next kernel start at once, which must wait for it before it reads its output; with
+    KernelChoices.rope_kv_pdl the K/V writer after qkv's epilogue is that kernel too (launched with programmatic
+    dependent launch, its blocks waiting first). A decode step with adapters, eager, bit for bit the same step without
+    either on the same engine; then a decode step replayed from its CUDA graph against the same step run eagerly."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the wgmma kernels are built for compute capability 9.0 only")
     name, model, ads, reqs = family
     cfg = {"quantization": quantization} if quantization else {}
-    kernels = KernelChoices(epilogue_early=True)
+    kernels = KernelChoices(epilogue_early=True, rope_kv_pdl=True)
     eng, batch = teacher.decode_step(model, reqs, kernels=kernels, **cfg)
     d = eng.model
     try:
         assert d.epilogue_early
+        fused = isinstance(d.kv_write, FusedKvWriter)  # (families with partial rotary take the torch writer)
+        assert fused or name not in ("llama3", "gemma3"), name
+        assert not fused or d.kv_write.launch == {"pdl": True}
         counted = CountingEpilogues(d.fp8_ext if quantization else d.sm90_ext)
         if quantization:
             d.fp8_ext = counted
@@ -250,6 +255,8 @@ def test_family_early_epilogue(family, quantization):
         early = eng.runner.forward(batch, dev).clone()
         assert counted.early >= 2 * d.num_layers, counted.early  # (at least qkv's and gate_up's in every layer)
         d.epilogue_early = False
+        if fused:
+            d.kv_write.launch = {}
         assert torch.equal(eng.runner.forward(batch, dev), early), name
     finally:
         eng.close()
