@@ -23,6 +23,9 @@ MAX_CACHE_SALT = 256  # characters; the runners take the same bound
 MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs bound); the runners take the same bound
 MIN_LOGPROB = -9999.0  # a log-probability of -inf (a token the model rules out) as JSON can carry it
 MAX_LOGIT_BIAS = 300  # token ids one request may bias (OpenAI's bound); the runners take the same bound
+# stop_token_ids per request: each travels with every sequence to its runner, which checks every generated token
+# against them; the runners take the same bound
+MAX_STOP_TOKEN_IDS = 1024
 MAX_REPETITION_PENALTY = 10.0  # the runners take the same bound
 
 # The body fields each endpoint reads, refuses as unsupported (_refuse_unsupported) or ignores (IGNORED: OpenAI
@@ -220,6 +223,8 @@ def parse_common(body: dict, chat: bool, max_tokens_cap: int, vocab_size: int | 
     stop_ids = _integral_ids(body.get("stop_token_ids") or [])
     if not isinstance(stop_ids, list) or not all(_is_int(t) and t >= 0 for t in stop_ids):
         raise bad("stop_token_ids", "stop_token_ids must be a list of token ids")
+    if len(stop_ids) > MAX_STOP_TOKEN_IDS:
+        raise bad("stop_token_ids", f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(stop_ids)}")
     if vocab_size is not None and any(t >= vocab_size for t in stop_ids):
         raise bad("stop_token_ids", f"stop_token_ids must be in [0, {vocab_size}), got {max(stop_ids)}")
     stream = _boolean(body, "stream", False)

@@ -12,8 +12,8 @@ from __future__ import annotations
 from lorafleet import __version__
 from lorafleet.scheduler.limits import RequestLimits
 from lorafleet.scheduler.openai_api import (IGNORED, MAX_CACHE_SALT, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N,
-                                            MAX_PROMPTS, MAX_REPETITION_PENALTY, MAX_STOP, MAX_STOP_CHARS, NEUTRAL,
-                                            OFF_ONLY, ROLES)
+                                            MAX_PROMPTS, MAX_REPETITION_PENALTY, MAX_STOP, MAX_STOP_CHARS,
+                                            MAX_STOP_TOKEN_IDS, NEUTRAL, OFF_ONLY, ROLES)
 
 JSON = "application/json"
 
@@ -57,7 +57,8 @@ def _schemas(limits: RequestLimits, names: list[str], vocab_size: int) -> dict:
         "stop": {"anyOf": [{"type": "string", "maxLength": MAX_STOP_CHARS},
                            {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS},
                             "maxItems": MAX_STOP}, {"type": "null"}]},
-        "stop_token_ids": {"type": ["array", "null"], "items": {"type": "integer", "minimum": 0}},
+        "stop_token_ids": {"type": ["array", "null"], "maxItems": MAX_STOP_TOKEN_IDS,
+                           "items": {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}},
         "ignore_eos": {"type": ["boolean", "null"]},
         "skip_special_tokens": {"type": ["boolean", "null"],
                                 "description": "false: special tokens (e.g. an end-of-turn token) spelt out in the "

@@ -109,6 +109,7 @@ def test_min_p_keeps_only_tokens_within_its_share_of_the_most_likely():
     ("logit_bias", {str(i): 1 for i in range(301)}), ("prior_output_tokens", 9),
     ("logit_bias", [[1.9, 5]]), ("logit_bias", [[True, 5]]), ("logit_bias", {"1": "2"}),
     ("logit_bias", [[5, 1], [5, 2]]), ("logit_bias", [{"1": 2, "3": 4}]), ("logit_bias", {"9" * 5000: 1}),
+    ("stop_token_ids", [2] * 1025),
 ])
 def test_out_of_range_changes_are_refused(field, value):
     with pytest.raises(SamplingError):

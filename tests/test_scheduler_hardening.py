@@ -217,6 +217,21 @@ async def test_the_optional_fields_below_the_top_level_are_served(api):
     assert len(fr.seen) == 2
 
 
+async def test_stop_token_ids_are_bounded(api):
+    """stop_token_ids go to the runner with every sequence, which checks each new token against them: more than
+    MAX_STOP_TOKEN_IDS (a 5 MB body holds millions, times n) is a 400 naming the field, before any runner sees it;
+    that many are served."""
+    from lorafleet.scheduler.openai_api import MAX_STOP_TOKEN_IDS
+
+    client, _, fr = api
+    body = {"model": "base", "prompt": "hi", "max_tokens": 2, "n": 8}
+    status, got = await post(client, "/v1/completions", raw({**body, "stop_token_ids": [7] * (MAX_STOP_TOKEN_IDS + 1)}))
+    assert status == 400 and got["error"]["param"] == "stop_token_ids", got
+    assert f"at most {MAX_STOP_TOKEN_IDS}" in got["error"]["message"] and not fr.seen
+    status, got = await post(client, "/v1/completions", raw({**body, "stop_token_ids": [7] * MAX_STOP_TOKEN_IDS}))
+    assert status == 200 and len(fr.seen) == 8 and len(fr.seen[0]["sampling"]["stop_token_ids"]) == MAX_STOP_TOKEN_IDS
+
+
 async def test_completions_without_max_tokens_take_16_or_what_the_context_leaves(api):
     """/v1/completions without max_tokens: OpenAI's 16 tokens, or fewer where the context (256 here) leaves less
     room after the prompt, rather than a 400 about a max_tokens the client never sent."""

@@ -13,6 +13,7 @@ from lorafleet.runner.lora.ref import AdapterRef  # noqa: F401 (a request names 
 
 MAX_LOGPROBS = 20  # alternatives per token a request may ask for with its log-probability (OpenAI's bound)
 MAX_LOGIT_BIAS = 300  # token ids one request may bias (OpenAI's bound)
+MAX_STOP_TOKEN_IDS = 1024  # stop_token_ids of one request (every generated token is checked against them)
 MAX_REPETITION_PENALTY = 10.0
 
 _counter = itertools.count()
@@ -66,6 +67,9 @@ class SamplingParams:
             raise SamplingError(f"top_k must be a non-negative integer, got {self.top_k!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise SamplingError(f"seed must be an integer, got {self.seed!r}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise SamplingError(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, got "
+                                f"{len(self.stop_token_ids)}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise SamplingError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or null, got {self.logprobs!r}")
