@@ -451,7 +451,8 @@ class Cluster:
                     state = await resp.json()
                 ok = resp.status == 200
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, OSError) as exc:
-                ok, state = False, {"error": str(exc)}
+                # (a timeout's text is empty: its name then, so that the log and a request that gives up say why)
+                ok, state = False, {"error": f"health check failed: {str(exc) or type(exc).__name__}"}
             if ok and state.get("engine", {}).get("alive") is False:
                 ok = False
                 runner.failures = self.fail_after  # its engine is gone: no point in waiting

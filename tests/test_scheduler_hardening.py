@@ -444,3 +444,38 @@ async def test_a_requeued_request_that_only_an_empty_runner_can_take_does_not_bl
     c.queue.append(grown)
     c.dispatch()
     assert grown.done and grown.finish_reason == "length" and not c.queue
+
+
+async def test_a_runner_whose_health_checks_time_out_is_reported_with_the_reason(caplog):
+    """A runner too busy to answer /state in time: the log line that marks it unhealthy, and the error of a request
+    that gives up after as many runner failures, say that its health checks timed out (a timeout's own text is
+    empty: "runner r1 is unhealthy: " and "generation failed: , 6 times; giving up" before)."""
+    import logging
+    import types
+
+    from lorafleet.scheduler.cluster import MAX_FAILURES, Cluster, RunnerHandle
+    from lorafleet.scheduler.discovery import RunnerDirectory, RunnerEndpoint
+    from lorafleet.scheduler.request import Request
+
+    c = Cluster(RunnerDirectory(), poll_interval=0.01)
+
+    def hangs(url, timeout):
+        raise asyncio.TimeoutError()
+
+    c.session = types.SimpleNamespace(get=hangs)
+    r = RunnerHandle(RunnerEndpoint("r1", "http://127.0.0.1:9"))
+    r.healthy = True
+    c.runners["r1"] = r
+    req = Request(id="q", model="m", adapter=None, prompt_ids=[5] * 5, max_tokens=4, sampling={})
+    req.failures = MAX_FAILURES  # its last chance
+    r.assigned[req.id] = req
+    with caplog.at_level(logging.WARNING, logger="lorafleet.scheduler.cluster"):
+        poll = asyncio.create_task(c._poll(r))
+        for _ in range(200):
+            if req.done:
+                break
+            await asyncio.sleep(0.01)
+        poll.cancel()
+    assert req.done and req.finish_reason == "error", req
+    assert req.error == f"health check failed: TimeoutError, {MAX_FAILURES + 1} times; giving up", req.error
+    assert "runner r1 is unhealthy: health check failed: TimeoutError" in caplog.text, caplog.text
