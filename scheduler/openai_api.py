@@ -207,6 +207,8 @@ def parse_common(body: dict, chat: bool, max_tokens_cap: int, vocab_size: int | 
     key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     # max_tokens 0 with echo: the prompt scored, nothing generated
     max_tokens = _integer(body, key, None, 0 if echo else 1, max_tokens_cap)
+    if key != "max_tokens":  # chat: the max_tokens that max_completion_tokens overrides is still checked
+        _integer(body, "max_tokens", None, 1, max_tokens_cap)
     default_max = None if chat or max_tokens is not None else min(COMPLETION_DEFAULT_TOKENS, max_tokens_cap)
     stop = body.get("stop")
     if stop is None:

@@ -232,6 +232,20 @@ async def test_stop_token_ids_are_bounded(api):
     assert status == 200 and len(fr.seen) == 8 and len(fr.seen[0]["sampling"]["stop_token_ids"]) == MAX_STOP_TOKEN_IDS
 
 
+async def test_chat_max_tokens_beside_max_completion_tokens_is_still_checked(api):
+    """Chat's max_completion_tokens is used instead of max_tokens, but a max_tokens sent beside it that is not a
+    valid one is a 400 naming it, not dropped unseen."""
+    client, _, fr = api
+    for bad in ("abc", 2**70, 0, 1.5):
+        status, got = await post(client, "/v1/chat/completions",
+                                 raw({**CHAT, "max_completion_tokens": 2, "max_tokens": bad}))
+        assert status == 400 and got["error"]["param"] == "max_tokens", (bad, got)
+    assert not fr.seen
+    status, got = await post(client, "/v1/chat/completions", raw({**CHAT, "max_completion_tokens": 3,
+                                                                  "max_tokens": 5}))
+    assert status == 200 and fr.seen[-1]["sampling"]["max_tokens"] == 3, got
+
+
 async def test_completions_without_max_tokens_take_16_or_what_the_context_leaves(api):
     """/v1/completions without max_tokens: OpenAI's 16 tokens, or fewer where the context (256 here) leaves less
     room after the prompt, rather than a 400 about a max_tokens the client never sent."""
