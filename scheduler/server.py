@@ -253,6 +253,9 @@ class SchedulerService:
                 raise oa.context_exceeded("max_tokens", f"This model's maximum context length is {ctx} tokens, "
                                           f"however you requested {n + max_tokens} tokens ({n} in the prompt, "
                                           f"{max_tokens} for the completion).")
+            if params.max_tokens is None and params.min_tokens > max_tokens:  # (a given max_tokens: parse_common)
+                raise oa.bad("min_tokens", f"min_tokens ({params.min_tokens}) must not exceed max_tokens (omitted: "
+                                           f"{max_tokens}, the room left after the prompt's {n} tokens)")
             for k in range(params.n):
                 seed = params.seed + k if params.seed is not None else None
                 if seed is None and params.temperature > 0:

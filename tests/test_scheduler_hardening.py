@@ -258,6 +258,23 @@ async def test_completions_without_max_tokens_take_16_or_what_the_context_leaves
     assert status == 400 and got["error"]["param"] == "min_tokens" and "omitted: 16" in got["error"]["message"], got
 
 
+async def test_min_tokens_above_the_default_max_tokens_is_a_400(api):
+    """Without max_tokens, the completion's length is the room the context (256 here) leaves the prompt (chat), or
+    16 or less (completions): a min_tokens above it could never be honoured and is a 400 naming it, as it is
+    beside a max_tokens sent, rather than a shorter answer than asked for."""
+    client, _, fr = api
+    status, got = await post(client, "/v1/chat/completions", raw({**CHAT, "max_tokens": None, "min_tokens": 250}))
+    assert status == 400 and got["error"]["param"] == "min_tokens" and "omitted: " in got["error"]["message"], got
+    status, got = await post(client, "/v1/completions", raw({"model": "base", "prompt": list(range(5, 255)),
+                                                             "min_tokens": 10}))
+    assert status == 400 and got["error"]["param"] == "min_tokens", got
+    assert "omitted: 6, the room left after the prompt's 250 tokens" in got["error"]["message"], got
+    assert not fr.seen
+    status, got = await post(client, "/v1/completions", raw({"model": "base", "prompt": list(range(5, 255)),
+                                                             "min_tokens": 6}))
+    assert status == 200 and fr.seen[-1]["sampling"]["min_tokens"] == 6 and got["usage"]["completion_tokens"] == 6
+
+
 async def test_a_stream_whose_client_drops_as_it_starts_is_a_499_not_an_error(api, monkeypatch):
     """A streaming client that hangs up just as the answer's headers go out (aiohttp's prepare raises a connection
     reset): counted 499 with nothing unhandled, its sequence cancelled; the server serves on."""
