@@ -178,12 +178,15 @@ def _check_ignored(body: dict) -> None:
 
 
 def _refuse_unsupported(body: dict, chat: bool) -> None:
-    if body.get("best_of") not in (None, 1):
+    # (each only at the neutral value itself: not `true` for best_of 1, nor 0, [] or false for an unset field)
+    best_of = body.get("best_of")
+    if best_of not in (None, 1) or isinstance(best_of, bool):
         raise bad("best_of", "best_of is not supported")
-    if body.get("suffix"):
+    if body.get("suffix") not in (None, ""):
         raise bad("suffix", "suffix is not supported")
     for key in OFF_ONLY:
-        if body.get(key) not in (None, False, "none"):
+        v = body.get(key)
+        if not (v is None or v is False or v == "none"):
             raise bad(key, f"{key} is not supported")
     for key, neutral in NEUTRAL.items():
         v = body.get(key)
@@ -222,7 +225,7 @@ def parse_common(body: dict, chat: bool, max_tokens_cap: int, vocab_size: int | 
     if any(len(s) > MAX_STOP_CHARS for s in stop):
         raise bad("stop", f"a stop string may be at most {MAX_STOP_CHARS} characters long, got "
                           f"{max(len(s) for s in stop)}")
-    stop_ids = _integral_ids(body.get("stop_token_ids") or [])
+    stop_ids = _integral_ids([] if body.get("stop_token_ids") is None else body["stop_token_ids"])
     if not isinstance(stop_ids, list) or not all(_is_int(t) and t >= 0 for t in stop_ids):
         raise bad("stop_token_ids", "stop_token_ids must be a list of token ids")
     if len(stop_ids) > MAX_STOP_TOKEN_IDS:

@@ -88,6 +88,14 @@ BAD = [
     ({"model": "base", "prompt": "x", "logit_bias": {"7": 1, "07": 2}}, 400, "logit_bias"),  # one token twice: not the runner's 500
     ({"model": "base", "prompt": "x", "skip_special_tokens": 1}, 400, "skip_special_tokens"),
     ({"model": "base", "prompt": "x", "parallel_tool_calls": True}, 400, "parallel_tool_calls"),
+    # the unset or neutral value itself only, not a falsy or equal-comparing one of another type (taken as unset)
+    ({"model": "base", "prompt": "x", "stop_token_ids": 0}, 400, "stop_token_ids"),
+    ({"model": "base", "prompt": "x", "stop_token_ids": {}}, 400, "stop_token_ids"),
+    ({"model": "base", "prompt": "x", "best_of": True}, 400, "best_of"),
+    ({"model": "base", "prompt": "x", "suffix": 0}, 400, "suffix"),
+    ({"model": "base", "prompt": "x", "suffix": []}, 400, "suffix"),
+    ({"model": "base", "prompt": "x", "tools": 0}, 400, "tools"),
+    ({"model": "base", "prompt": "x", "tool_choice": 0.0}, 400, "tool_choice"),
     ({"model": "base", "prompt": "x", "messages": []}, 400, "messages"),  # a chat field on the completions route
 ]
 
