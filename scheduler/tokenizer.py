@@ -96,8 +96,9 @@ def _environment() -> ImmutableSandboxedEnvironment:
 
 _ENV = _environment()
 
-#: Names a request's extra template variables may not take: what the renderer sets itself.
-RESERVED_TEMPLATE_VARS = frozenset({"messages", "add_generation_prompt", "tools", "documents",
+#: Names a request's extra template variables may not take: what the renderer sets itself (and `self`, the name of
+#: jinja's Template.render's own first parameter: as a keyword it cannot reach the template at all).
+RESERVED_TEMPLATE_VARS = frozenset({"messages", "add_generation_prompt", "tools", "documents", "self",
                                     *SPECIAL_TOKEN_NAMES, *_ENV.globals})
 
 

@@ -86,6 +86,7 @@ BAD_KWARGS = [
     [], "enable_thinking=false", 5, True,
     {"messages": []}, {"add_generation_prompt": False}, {"bos_token": "<s>"}, {"eos_token": ""},
     {"tools": []}, {"documents": []}, {"raise_exception": 1}, {"strftime_now": "2020"},
+    {"self": 1},  # (render's own parameter: a TypeError inside the renderer, reported against messages)
 ]
 
 
