@@ -54,7 +54,7 @@ def _schemas(limits: RequestLimits, names: list[str], vocab_size: int) -> dict:
         "n": {"type": ["integer", "null"], "minimum": 1, "maximum": min(MAX_N, limits.max_sequences),
               "description": f"prompts x n may not exceed {limits.max_sequences} per request"},
         "seed": {"type": ["integer", "null"], "minimum": -(2**63), "maximum": 2**63 - 1},
-        "stop": {"anyOf": [{"type": "string", "maxLength": MAX_STOP_CHARS},
+        "stop": {"anyOf": [{"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS},
                            {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS},
                             "maxItems": MAX_STOP}, {"type": "null"}]},
         "stop_token_ids": {"type": ["array", "null"], "maxItems": MAX_STOP_TOKEN_IDS,
@@ -82,9 +82,10 @@ def _schemas(limits: RequestLimits, names: list[str], vocab_size: int) -> dict:
         "min_tokens": {"type": ["integer", "null"], "minimum": 0, "maximum": cap,
                        "description": "no EOS or stop_token_ids before this many tokens (at most max_tokens)"},
         "logit_bias": {"anyOf": [{"type": "null"}, {
-            "type": "object", "maxProperties": MAX_LOGIT_BIAS, "propertyNames": {"pattern": "^[0-9]+$"},
+            "type": "object", "maxProperties": MAX_LOGIT_BIAS,
+            "propertyNames": {"pattern": "^[0-9]+$", "maxLength": 12},
             "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}}],
-            "description": "token id -> a number added to its logit"},
+            "description": f"token id (below {vocab_size}) -> a number added to its logit"},
         **{k: {"type": ["string", "null"], "description": "accepted and ignored"} for k in sorted(IGNORED)},
         "store": {"type": ["boolean", "null"], "description": "accepted and ignored"},
         "metadata": {"type": ["object", "null"], "additionalProperties": {"type": "string"},
@@ -236,6 +237,7 @@ def _schemas(limits: RequestLimits, names: list[str], vocab_size: int) -> dict:
                     "anyOf": [_ref("CompletionChunk"), _ref("ChatCompletionChunk"), _ref("Error")]}}]}}},
         "TokenizeRequest": {
             "type": "object", "required": ["model"], "additionalProperties": False,
+            "oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}],
             "description": "either prompt (a text) or messages (a chat, rendered by the model's template)",
             "properties": {"model": model, "prompt": {"type": "string"},
                            "messages": {"type": "array", "minItems": 1, "items": {

@@ -76,3 +76,21 @@ def test_request_schemas_name_exactly_the_fields_the_parser_takes():
             "stream_options": {"include_usage": True}, "min_p": 0, "skip_special_tokens": True}
     parse_common(body, chat=False, max_tokens_cap=16)
     assert not list(validator(doc, "CompletionRequest").iter_errors(body))
+
+
+@pytest.mark.parametrize("name, body", [
+    ("CompletionRequest", {"model": "base", "prompt": "x", "stop": ""}),
+    ("CompletionRequest", {"model": "base", "prompt": "x", "logit_bias": {"0" * 13: 1}}),
+    ("CompletionRequest", {"model": "base", "prompt": "x", "stop_token_ids": [1000]}),
+    ("TokenizeRequest", {"model": "base", "prompt": "x", "messages": [{"role": "user", "content": "x"}]}),
+    ("TokenizeRequest", {"model": "base"}),
+])
+def test_what_the_server_refuses_the_document_does_not_call_valid(name, body):
+    """Bodies the server answers 400 are invalid against the request schemas too (a client or a schema-driven fuzzer
+    reading the document would otherwise expect them served): an empty stop string, a logit_bias key longer than
+    12 digits, a stop token id past the vocabulary, a tokenize call with both or neither of prompt and messages."""
+    from lorafleet.scheduler.limits import RequestLimits
+    from lorafleet.scheduler.openapi import document
+
+    doc = document("base", RequestLimits(max_model_len=512), vocab_size=1000)
+    assert list(validator(doc, name).iter_errors(body)), body
