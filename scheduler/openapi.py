@@ -116,6 +116,17 @@ def _schemas(limits: RequestLimits, names: list[str], vocab_size: int) -> dict:
                                     "type": "integer", "minimum": 0,
                                     "description": "prompt tokens found in a runner's prefix cache (not computed "
                                                    "again); each prompt counts once, like prompt_tokens"}}}}}
+    messages = {  # a chat's messages (chat completions and tokenize read them alike)
+        "type": "array", "minItems": 1, "items": {
+            "type": "object", "required": ["role", "content"], "additionalProperties": False,
+            "properties": {"role": {"enum": list(ROLES)}, "content": {"anyOf": [
+                {"type": "string"},
+                {"type": "array", "items": {"type": "object", "required": ["type", "text"], "properties": {
+                    "type": {"const": "text"}, "text": {"type": "string"}}}}]},
+                **{k: {"type": ["string", "null"]} for k in ("name", "tool_call_id", "refusal")},
+                "tool_calls": {"type": ["array", "null"], "maxItems": 0, "description": "not supported: only unset"},
+                **{k: {"type": "null", "description": "not supported: only unset"}
+                   for k in ("function_call", "audio")}}}}
     finish = {"enum": ["stop", "length"]}
     # log-probabilities of the generated tokens under the model's distribution (the logits' log-softmax, before
     # temperature, top-k and top-p); -inf is written as -9999.0
@@ -177,18 +188,7 @@ def _schemas(limits: RequestLimits, names: list[str], vocab_size: int) -> dict:
                                "type": ["object", "null"], "description": "extra variables of the model's chat "
                                "template, e.g. {\"enable_thinking\": false}; may not set messages, "
                                "add_generation_prompt, tools, documents or special tokens"},
-                           "messages": {
-                "type": "array", "minItems": 1, "items": {
-                    "type": "object", "required": ["role", "content"], "additionalProperties": False,
-                    "properties": {"role": {"enum": list(ROLES)}, "content": {"anyOf": [
-                        {"type": "string"},
-                        {"type": "array", "items": {"type": "object", "required": ["type", "text"], "properties": {
-                            "type": {"const": "text"}, "text": {"type": "string"}}}}]},
-                        **{k: {"type": ["string", "null"]} for k in ("name", "tool_call_id", "refusal")},
-                        "tool_calls": {"type": ["array", "null"], "maxItems": 0,
-                                       "description": "not supported: only unset"},
-                        **{k: {"type": "null", "description": "not supported: only unset"}
-                           for k in ("function_call", "audio")}}}}}},
+                           "messages": messages}},
         "Completion": {
             "type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
             "properties": {"id": {"type": "string"}, "object": {"const": "text_completion"},
@@ -240,9 +240,7 @@ def _schemas(limits: RequestLimits, names: list[str], vocab_size: int) -> dict:
             "oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}],
             "description": "either prompt (a text) or messages (a chat, rendered by the model's template)",
             "properties": {"model": model, "prompt": {"type": "string"},
-                           "messages": {"type": "array", "minItems": 1, "items": {
-                               "type": "object", "required": ["role", "content"],
-                               "properties": {"role": {"enum": list(ROLES)}, "content": {"type": "string"}}}},
+                           "messages": messages,
                            "add_generation_prompt": {"type": "boolean", "description": "messages: default true"},
                            "add_special_tokens": {"type": "boolean", "description": "prompt: default true"},
                            "chat_template_kwargs": {"type": ["object", "null"]}}},

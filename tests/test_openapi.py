@@ -84,11 +84,13 @@ def test_request_schemas_name_exactly_the_fields_the_parser_takes():
     ("CompletionRequest", {"model": "base", "prompt": "x", "stop_token_ids": [1000]}),
     ("TokenizeRequest", {"model": "base", "prompt": "x", "messages": [{"role": "user", "content": "x"}]}),
     ("TokenizeRequest", {"model": "base"}),
+    ("TokenizeRequest", {"model": "base", "messages": [{"role": "user", "content": "x", "bogus": 1}]}),
 ])
 def test_what_the_server_refuses_the_document_does_not_call_valid(name, body):
     """Bodies the server answers 400 are invalid against the request schemas too (a client or a schema-driven fuzzer
     reading the document would otherwise expect them served): an empty stop string, a logit_bias key longer than
-    12 digits, a stop token id past the vocabulary, a tokenize call with both or neither of prompt and messages."""
+    12 digits, a stop token id past the vocabulary, a tokenize call with both or neither of prompt and messages or
+    with a message field that chat completions would refuse (tokenize reads messages as they do)."""
     from lorafleet.scheduler.limits import RequestLimits
     from lorafleet.scheduler.openapi import document
 
