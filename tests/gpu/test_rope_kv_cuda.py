@@ -265,3 +265,38 @@ def test_rope_kv_lora_refuses_bad_operands():
         call(ranks=ranks[:2])
     with pytest.raises(RuntimeError, match="row_slot"):
         call(row_slot=rs.long())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_pdl_launch_after_an_early_epilogue_reads_its_rows(dtype):
+    """rope_kv(pdl=True) launched right after an FP8 epilogue that lets it start at once (early=True), which writes
+    the qkv rows: every block waits for the epilogue before it reads them or writes a page, so q and the pages are
+    those of rope_kv launched after the stream has finished, bit for bit, in every round (a block reading before its
+    wait would see the previous round's rows, left in the buffer)."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90")
+    e = ext()
+    T, H, Hkv, D = 64, 32, 8, 128
+    width = (H + 2 * Hkv) * D
+    g = torch.Generator(device=DEV).manual_seed(11)
+    cs = cos_sin_cache(4096, D)
+    pos = torch.randint(0, 4096, (T,), generator=g, device=DEV)
+    slots = torch.randperm(2 * T, generator=g, device=DEV)[:T]
+    ones_t, ones_n = torch.ones(T, device=DEV), torch.ones(width, device=DEV)
+    qkv = torch.zeros(T, width, dtype=dtype, device=DEV)
+    stream = torch.cuda.current_stream().cuda_stream
+    for rnd in range(12):
+        y = torch.randn(T, width, generator=g, device=DEV) * (rnd + 1)
+        k_cache = torch.full((2 * T, Hkv, D), float("nan"), dtype=dtype, device=DEV)
+        v_cache, q_out = torch.full_like(k_cache, float("nan")), torch.empty(T, H, D, dtype=dtype, device=DEV)
+        e.fp8_epilogue(qkv, y, ones_t, ones_n, None, [width], None, [], None, None, True, stream, 0, True)
+        e.rope_kv(q_out, k_cache, v_cache, qkv, pos, slots, cs, H, Hkv, stream, pdl=True)
+        torch.cuda.synchronize()
+        assert torch.equal(qkv, y.to(dtype))  # (unit scales: the epilogue stores y rounded)
+        want_k, want_v, want_q = torch.full_like(k_cache, float("nan")), torch.full_like(v_cache, float("nan")), \
+            torch.empty_like(q_out)
+        e.rope_kv(want_q, want_k, want_v, qkv, pos, slots, cs, H, Hkv, stream)
+        torch.cuda.synchronize()
+        assert torch.equal(q_out.view(torch.int16), want_q.view(torch.int16)), rnd
+        assert torch.equal(k_cache[slots].view(torch.int16), want_k[slots].view(torch.int16)), rnd
+        assert torch.equal(v_cache[slots].view(torch.int16), want_v[slots].view(torch.int16)), rnd
