@@ -427,10 +427,11 @@ class SchedulerService:
         return card
 
     async def _token_body(self, request: web.Request, fields: set[str]) -> dict:
-        """The body of a tokenize / detokenize call: its key checked, `model` one the key may use, no field but
-        `model` and `fields`."""
+        """The body of a tokenize / detokenize call (parsed in the tokenizer pool, as a completion's is: an 8 MB body
+        is seconds of work): its key checked, `model` one the key may use, no field but `model` and `fields`."""
         grant = self._authenticate(request)
-        body = parse_body(await read_body(request))
+        raw = await read_body(request)
+        body = await asyncio.get_running_loop().run_in_executor(self.prompts.pool, parse_body, raw)
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise oa.bad("model", "model must be a non-empty string naming the base model or an adapter")
@@ -453,7 +454,7 @@ class SchedulerService:
             if not isinstance(body.get(key, True), bool):
                 raise oa.bad(key, f"{key} must be a boolean")
         if "messages" in body:
-            msgs = oa.parse_messages(body)
+            msgs = await asyncio.get_running_loop().run_in_executor(self.prompts.pool, oa.parse_messages, body)
             ids = await self.prompts.chat_ids(msgs, bool(body.get("add_generation_prompt", True)))
         else:
             prompt = body["prompt"]
@@ -466,12 +467,13 @@ class SchedulerService:
         """`POST /v1/detokenize` (also `/detokenize`): token ids back to text (special tokens dropped, as in
         completions' text)."""
         body = await self._token_body(request, {"tokens"})
-        ids = oa._integral_ids(body.get("tokens"))
+        ids = body.get("tokens")
+        if isinstance(ids, list) and len(ids) > self.max_model_len * 4:  # (before a walk over millions of items)
+            raise oa.bad("tokens", f"at most {self.max_model_len * 4} tokens at once")
+        ids = oa._integral_ids(ids)
         vocab = self.tok.vocab_size
         if not isinstance(ids, list) or not all(oa._is_int(t) and 0 <= t < vocab for t in ids):
             raise oa.bad("tokens", f"tokens must be a list of token ids in [0, {vocab})")
-        if len(ids) > self.max_model_len * 4:
-            raise oa.bad("tokens", f"at most {self.max_model_len * 4} tokens at once")
         text = await asyncio.get_running_loop().run_in_executor(self.prompts.pool, self.tok.decode, ids)
         return web.json_response({"prompt": text})
 

@@ -54,3 +54,33 @@ async def test_bad_tokenize_requests_name_the_field(api, path, body, status, par
     r = await client.post(path, json=body)
     err = (await r.json())["error"]
     assert r.status == status and err["param"] == param, err
+
+
+async def test_tokenize_bodies_are_parsed_off_the_event_loop(api, monkeypatch):
+    """An 8 MB body is seconds of parsing (a 4-million-id detokenize call held the event loop, and every other
+    client's stream, for about 3 s): tokenize and detokenize parse theirs, and tokenize its messages, in the
+    tokenizer pool as completions do, and a token list over the bound is refused before its items are walked."""
+    import threading
+
+    from lorafleet.scheduler import openai_api, server
+
+    client, service, _, _ = api
+    threads = []
+
+    def recorded(fn):
+        def call(*args):
+            threads.append(threading.current_thread().name)
+            return fn(*args)
+        return call
+
+    monkeypatch.setattr(server, "parse_body", recorded(server.parse_body))
+    monkeypatch.setattr(openai_api, "parse_messages", recorded(openai_api.parse_messages))
+    for path, body in (("/v1/tokenize", {"model": "base", "prompt": "Hi"}),
+                       ("/v1/tokenize", {"model": "base", "messages": [{"role": "user", "content": "Hi"}]}),
+                       ("/detokenize", {"model": "base", "tokens": [5, 6]})):
+        assert (await client.post(path, json=body)).status == 200, path
+    assert len(threads) == 4 and all(name.startswith("tokenize") for name in threads), threads
+    most = service.max_model_len * 4
+    r = await client.post("/v1/detokenize", json={"model": "base", "tokens": [0.5] * (most + 1)})
+    err = (await r.json())["error"]
+    assert r.status == 400 and err["param"] == "tokens" and f"at most {most} tokens" in err["message"], err
