@@ -27,27 +27,65 @@ def _path(parent: str, key) -> str:
     return f"{parent}.{key}" if parent else str(key)
 
 
-def _check_text(s: str, where: str) -> None:
-    if not s.isascii() and _SURROGATE.search(s):
-        raise ApiError(400, f"{where or 'body'} contains invalid Unicode (a lone surrogate such as \\ud800)",
-                       param=where or None, code="invalid_unicode")
+def _bad_text(where: str) -> ApiError:
+    return ApiError(400, f"{where or 'body'} contains invalid Unicode (a lone surrogate such as \\ud800)",
+                    param=where or None, code="invalid_unicode")
+
+
+def _lone_surrogate(s: str) -> bool:
+    return not s.isascii() and _SURROGATE.search(s) is not None
+
+
+class _Refused(Exception):
+    """A node `check_tree` refuses; `keys` is its path from the node up, filled in as the walk unwinds."""
+
+    def __init__(self, deep: bool, keys: list):
+        self.deep, self.keys = deep, keys
+
+
+def _walk(v, depth: int, max_depth: int) -> None:
+    if depth >= max_depth:
+        raise _Refused(True, [])
+    if type(v) is dict:
+        for k in v:
+            if _lone_surrogate(k):
+                raise _Refused(False, [])  # (named by the object that holds the key)
+        items = v.items()
+    else:
+        items = enumerate(v)
+    for k, child in items:
+        t = type(child)
+        if t is str:
+            if _lone_surrogate(child):
+                raise _Refused(False, [k])
+        elif t is list or t is dict:
+            try:
+                _walk(child, depth + 1, max_depth)
+            except _Refused as exc:
+                exc.keys.append(k)
+                raise
 
 
 def check_tree(value, max_depth: int = MAX_DEPTH) -> None:
-    """Refuse nesting deeper than `max_depth` and lone surrogates in any string or key."""
-    stack = [(value, "", 0)]
-    while stack:
-        v, where, depth = stack.pop()
-        if isinstance(v, str):
-            _check_text(v, where)
-        elif isinstance(v, (dict, list)):
-            if depth >= max_depth:
-                raise _bad_json(f"JSON nested deeper than {max_depth} levels", where or None)
-            items = v.items() if isinstance(v, dict) else enumerate(v)
-            for k, child in items:
-                if isinstance(k, str):
-                    _check_text(k, where)
-                stack.append((child, _path(where, k), depth + 1))
+    """Refuse nesting deeper than `max_depth` and lone surrogates in any string or key of `value`, a
+    `json.loads` result. One recursive pass (as deep as `max_depth` at most) that keeps no list of
+    nodes to visit: the path that names the field (`prompt[1]`, `messages[0].content`) is built only
+    for the node refused, as the walk unwinds from it."""
+    if type(value) is str:
+        if _lone_surrogate(value):
+            raise _bad_text("")
+        return
+    if type(value) is not list and type(value) is not dict:
+        return
+    try:
+        _walk(value, 0, max_depth)
+    except _Refused as exc:
+        where = ""
+        for k in reversed(exc.keys):
+            where = _path(where, k)
+        if exc.deep:
+            raise _bad_json(f"JSON nested deeper than {max_depth} levels", where or None) from None
+        raise _bad_text(where) from None
 
 
 def parse_body(raw: bytes) -> dict:

@@ -77,6 +77,28 @@ async def test_deeply_nested_and_odd_json_are_400(api):
     assert service.metrics.unhandled_errors._value.get() == 0
 
 
+def test_the_body_walk_names_only_the_node_it_refuses(monkeypatch):
+    """check_tree visits every node of a body (an 8 MB one holds millions: `"prompt": [[0]] * 2_000_000`) but
+    builds the path that names a field only for the node it refuses: building one for every node took seconds."""
+    from lorafleet.scheduler import bodies
+    from lorafleet.scheduler.openai_api import ApiError
+
+    built = []
+    real = bodies._path
+    monkeypatch.setattr(bodies, "_path", lambda parent, key: built.append(key) or real(parent, key))
+    bodies.check_tree({"model": "base", "prompt": [[0]] * 100_000, "stop": ["a", "b"], "x": {"y": "é"}})
+    assert built == []
+    with pytest.raises(ApiError) as refused:
+        bodies.check_tree({"model": "base", "prompt": [[0]] * 100_000 + [["ok", {"t": "a\ud800"}]]})
+    assert refused.value.param == "prompt[100000][1].t" and refused.value.code == "invalid_unicode"
+    assert built == ["prompt", 100_000, 1, "t"]
+    built.clear()
+    with pytest.raises(ApiError) as refused:
+        bodies.check_tree({"a": [[0]] * 1000 + [[[[]]]]}, max_depth=3)
+    assert refused.value.param == "a[1000][0]" and "nested deeper than 3" in refused.value.message
+    assert len(built) == 3
+
+
 async def test_huge_prompt_is_refused_at_once_and_heavy_tokenizing_does_not_block(tok):
     fr = FakeRunner()
     client, service, servers = await start(tok, [fr], max_model_len=8192)
