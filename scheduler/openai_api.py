@@ -330,43 +330,67 @@ def _parse_logprobs(body: dict, chat: bool) -> int | None:
     return (top or 0) if lp else None
 
 
-def _integral_ids(p):
+def _integral(xs: list) -> list:
     """Token ids written as integral floats (`5.0`, which JSON Schema counts as integers) become ints."""
-    def fix(xs):
-        return [int(t) if isinstance(t, float) and t.is_integer() and abs(t) < 2**63 else t for t in xs]
+    return [int(t) if isinstance(t, float) and t.is_integer() and abs(t) < 2**63 else t for t in xs]
 
+
+def _integral_ids(p):
+    """`_integral` for a list of ids or a list of id lists (anything else as it is)."""
     if isinstance(p, list) and p and all(isinstance(x, list) for x in p):
-        return [fix(x) for x in p]
+        return [_integral(x) for x in p]
     if isinstance(p, list) and not any(isinstance(x, str) for x in p):
-        return fix(p)
+        return _integral(p)
     return p
 
 
-def parse_prompts(body: dict, vocab_size: int, max_model_len: int) -> list[str | list[int]]:
-    """A completions `prompt`: a string, a list of strings, a list of ids, or a list of id lists."""
-    p = _integral_ids(body.get("prompt"))
-    if isinstance(p, str):
-        prompts = [p]
-    elif isinstance(p, list) and p and all(isinstance(x, str) for x in p):
-        prompts = list(p)
-    elif isinstance(p, list) and p and all(_is_int(x) for x in p):
-        prompts = [p]
-    elif isinstance(p, list) and p and all(isinstance(x, list) and x and all(_is_int(t) for t in x) for x in p):
-        prompts = list(p)
-    else:
-        raise bad("prompt", "prompt must be a non-empty string, list of strings, list of token ids, or list of those")
+def _several(p) -> bool:
+    """Whether a completions `prompt` is a list of prompts (strings or id lists), by its first item."""
+    return isinstance(p, list) and bool(p) and isinstance(p[0], (str, list))
+
+
+def prompt_sizes(body: dict, max_model_len: int) -> tuple[int, int]:
+    """How many prompts a completions `prompt` holds and how many token ids its id lists hold together, found
+    without looking into them (so that budgets are checked before a walk over millions of ids): more than
+    MAX_PROMPTS prompts is a 400, and so is an id list as long as the context (context_length_exceeded)."""
+    p = body.get("prompt")
+    prompts = p if _several(p) else [p]
     if len(prompts) > MAX_PROMPTS:
-        raise bad("prompt", f"at most {MAX_PROMPTS} prompts per request")
+        raise bad("prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}")
+    ids = 0
     for x in prompts:
-        if isinstance(x, str) and not x:
-            raise bad("prompt", "prompt must not be empty")
         if isinstance(x, list):
             if len(x) >= max_model_len:
                 raise context_exceeded("prompt", f"prompt has {len(x)} tokens; this model's maximum context "
                                                  f"length is {max_model_len} tokens")
-            if any(t < 0 or t >= vocab_size for t in x):
-                raise bad("prompt", f"token ids must be in [0, {vocab_size})")
-    return prompts
+            ids += len(x)
+    return len(prompts), ids
+
+
+def parse_prompts(body: dict, vocab_size: int, max_model_len: int) -> list[str | list[int]]:
+    """A completions `prompt`: a string, a list of strings, a list of ids, or a list of id lists; its sizes
+    (`prompt_sizes`) are checked before any prompt is looked into."""
+    prompt_sizes(body, max_model_len)
+    shape = "prompt must be a non-empty string, list of strings, list of token ids, or list of those"
+    p = body.get("prompt")
+    prompts = p if _several(p) else [p]
+    texts = isinstance(prompts[0], str)
+    out = []
+    for x in prompts:
+        if texts and isinstance(x, str):
+            if not x:
+                raise bad("prompt", "prompt must not be empty")
+            out.append(x)
+            continue
+        if texts or not isinstance(x, list) or not x:
+            raise bad("prompt", shape)
+        ids = _integral(x)
+        if not all(_is_int(t) for t in ids):
+            raise bad("prompt", shape)
+        if any(t < 0 or t >= vocab_size for t in ids):
+            raise bad("prompt", f"token ids must be in [0, {vocab_size})")
+        out.append(ids)
+    return out
 
 
 ROLES = ("system", "user", "assistant", "tool", "developer")

@@ -214,14 +214,23 @@ class SchedulerService:
         """Blocking (runs in the tokenizer pool): body -> (params, messages or raw prompts)."""
         body = parse_body(raw)
         params = oa.parse_common(body, chat, self.limits.completion_cap, self.tok.vocab_size)
-        items = [oa.parse_messages(body)] if chat else oa.parse_prompts(body, self.tok.vocab_size,
-                                                                       self.max_model_len)
-        seqs = len(items) * params.n
+        # the budgets first, from the prompts' sizes: before a walk over (up to millions of) token ids
+        count, ids = (1, 0) if chat else oa.prompt_sizes(body, self.max_model_len)
+        seqs = count * params.n
         if seqs > self.limits.max_sequences:
-            raise ApiError(400, f"this request asks for {seqs} sequences ({len(items)} prompt(s) x n={params.n}); "
+            raise ApiError(400, f"this request asks for {seqs} sequences ({count} prompt(s) x n={params.n}); "
                                 f"at most {self.limits.max_sequences} are allowed per request",
                            param="n" if params.n > 1 else "prompt", code="too_many_sequences")
+        self._check_prompt_tokens(ids * params.n, "prompt")
+        items = [oa.parse_messages(body)] if chat else oa.parse_prompts(body, self.tok.vocab_size,
+                                                                       self.max_model_len)
         return params, items
+
+    def _check_prompt_tokens(self, total: int, where: str) -> None:
+        if total > self.limits.max_prompt_tokens:
+            raise ApiError(400, f"this request holds {total} prompt tokens (prompts x n); at most "
+                                f"{self.limits.max_prompt_tokens} are allowed per request", param=where,
+                           code="too_many_prompt_tokens")
 
     def _make_requests(self, params: oa.GenParams, adapter, prompts: list[list[int]], chat: bool,
                        grant: Grant = ANYONE) -> list[Request]:
@@ -231,11 +240,7 @@ class SchedulerService:
             if len(p_ids) >= ctx:
                 raise oa.context_exceeded(where, f"This model's maximum context length is {ctx} tokens, "
                                                  f"however the prompt has {len(p_ids)} tokens.")
-        total = sum(len(p) for p in prompts) * params.n
-        if total > lim.max_prompt_tokens:
-            raise ApiError(400, f"this request holds {total} prompt tokens (prompts x n); at most "
-                                f"{lim.max_prompt_tokens} are allowed per request", param=where,
-                           code="too_many_prompt_tokens")
+        self._check_prompt_tokens(sum(len(p) for p in prompts) * params.n, where)
         reqs = []
         salt = cache_salt(grant.cache_salt, params.cache_salt)
         max_kv = self.cluster.max_total_kv()

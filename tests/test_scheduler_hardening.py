@@ -154,6 +154,39 @@ async def test_budgets(tok):
         await stop(client, servers)
 
 
+async def test_prompt_counts_and_sizes_are_refused_before_any_token_id_is_looked_at(tok, monkeypatch):
+    """An 8 MB body holds two million one-id prompts (`[[0]] * 2_000_000`): too many prompts, an id list as long as
+    the context, too many sequences or prompt tokens are each a 400 naming prompt, found from the lists' lengths
+    before any id is looked at (that walk took seconds of the tokenizer pool, which all requests share)."""
+    from lorafleet.scheduler import openai_api
+
+    looked = []
+    real = openai_api._is_int
+    monkeypatch.setattr(openai_api, "_is_int", lambda v: looked.append(v) or real(v))
+    fr = FakeRunner()
+    limits = RequestLimits(max_model_len=256, max_sequences=8, max_prompt_tokens=300)
+    client, _, servers = await start(tok, [fr], limits=limits)
+    try:
+        for extra, code, words in [
+            ({"prompt": [[0]] * 3000}, "invalid_value", "at most 2048 prompts per request, got 3000"),
+            ({"prompt": [0] * 100_000}, "context_length_exceeded", "prompt has 100000 tokens"),
+            ({"prompt": [[0]] * 2 + [[0] * 256]}, "context_length_exceeded", "prompt has 256 tokens"),
+            ({"prompt": [[0] * 50] * 9}, "too_many_sequences", "9 sequences"),
+            ({"prompt": [[0] * 200] * 2}, "too_many_prompt_tokens", "holds 400 prompt tokens"),
+            ({"prompt": [[0] * 100], "n": 4}, "too_many_prompt_tokens", "holds 400 prompt tokens"),
+        ]:
+            looked.clear()
+            status, got = await post(client, "/v1/completions", raw({"model": "base", "max_tokens": 2, **extra}))
+            assert status == 400 and got["error"]["code"] == code and got["error"]["param"] == "prompt", got
+            assert words in got["error"]["message"] and len(looked) < 20, (got, len(looked))
+        assert not fr.seen
+        status, got = await post(client, "/v1/completions", raw({"model": "base", "max_tokens": 2,
+                                                                 "prompt": [[5, 6.0], [7]], "n": 2}))
+        assert status == 200 and sorted(s["prompt_token_ids"] for s in fr.seen) == [[5, 6], [5, 6], [7], [7]], got
+    finally:
+        await stop(client, servers)
+
+
 async def test_context_length_exceeded_is_openai_400(api):
     client, _, fr = api
     status, got = await post(client, "/v1/completions", raw({"model": "base", "prompt": list(range(5, 300))}))
