@@ -99,6 +99,46 @@ def test_the_body_walk_names_only_the_node_it_refuses(monkeypatch):
     assert len(built) == 3
 
 
+def test_a_body_is_parsed_with_the_garbage_collector_paused(monkeypatch):
+    """json.loads holds the GIL until it returns: with the cyclic collector on, a body of millions of small lists
+    set off collection after collection over the growing tree inside it, over a second in which the event loop
+    could not run. No collection runs inside the parse; the collector is on again after it (also after a parse
+    that fails, and only once no other parse is under way), and stays off if it was off."""
+    import gc
+    import types
+
+    from lorafleet.scheduler import bodies
+    from lorafleet.scheduler.openai_api import ApiError
+
+    collections = []
+
+    def loads(data):
+        before = sum(s["collections"] for s in gc.get_stats())
+        try:
+            return json.loads(data)
+        finally:
+            collections.append(sum(s["collections"] for s in gc.get_stats()) - before)
+
+    monkeypatch.setattr(bodies, "json", types.SimpleNamespace(loads=loads))
+    assert gc.isenabled()
+    try:
+        assert len(bodies.parse_body(raw({"model": "base", "prompt": [[0]] * 200_000}))["prompt"]) == 200_000
+        assert collections == [0] and gc.isenabled()
+        with pytest.raises(ApiError):
+            bodies.parse_body(b'{"model": ')
+        assert gc.isenabled()
+        with bodies._collector_paused():
+            with bodies._collector_paused():
+                assert not gc.isenabled()
+            assert not gc.isenabled()
+        assert gc.isenabled()
+        gc.disable()
+        bodies.parse_body(raw({"model": "base"}))
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
 async def test_huge_prompt_is_refused_at_once_and_heavy_tokenizing_does_not_block(tok):
     fr = FakeRunner()
     client, service, servers = await start(tok, [fr], max_model_len=8192)
