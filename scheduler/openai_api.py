@@ -225,11 +225,12 @@ def parse_common(body: dict, chat: bool, max_tokens_cap: int, vocab_size: int | 
     if any(len(s) > MAX_STOP_CHARS for s in stop):
         raise bad("stop", f"a stop string may be at most {MAX_STOP_CHARS} characters long, got "
                           f"{max(len(s) for s in stop)}")
-    stop_ids = _integral_ids([] if body.get("stop_token_ids") is None else body["stop_token_ids"])
+    stop_ids = [] if body.get("stop_token_ids") is None else body["stop_token_ids"]
+    if isinstance(stop_ids, list) and len(stop_ids) > MAX_STOP_TOKEN_IDS:  # (before a walk over millions of items)
+        raise bad("stop_token_ids", f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(stop_ids)}")
+    stop_ids = _integral_ids(stop_ids)
     if not isinstance(stop_ids, list) or not all(_is_int(t) and t >= 0 for t in stop_ids):
         raise bad("stop_token_ids", "stop_token_ids must be a list of token ids")
-    if len(stop_ids) > MAX_STOP_TOKEN_IDS:
-        raise bad("stop_token_ids", f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(stop_ids)}")
     if vocab_size is not None and any(t >= vocab_size for t in stop_ids):
         raise bad("stop_token_ids", f"stop_token_ids must be in [0, {vocab_size}), got {max(stop_ids)}")
     stream = _boolean(body, "stream", False)

@@ -327,6 +327,27 @@ async def test_stop_token_ids_are_bounded(api):
     assert status == 200 and len(fr.seen) == 8 and len(fr.seen[0]["sampling"]["stop_token_ids"]) == MAX_STOP_TOKEN_IDS
 
 
+async def test_too_many_stop_token_ids_are_refused_before_they_are_looked_at(api, monkeypatch):
+    """The bound on stop_token_ids is checked on the list's length first: an 8 MB body holds 4 million ids, whose
+    conversion and checks took about 3 s of the tokenizer pool before the 400 came; a list of other things that is
+    too long is refused the same way."""
+    from lorafleet.scheduler import openai_api
+    from lorafleet.scheduler.openai_api import MAX_STOP_TOKEN_IDS
+
+    client, _, fr = api
+    looked = []
+    real = openai_api._is_int
+    monkeypatch.setattr(openai_api, "_is_int", lambda v: looked.append(v) or real(v))
+    for ids in ([7] * 100_000, [7.0] * (MAX_STOP_TOKEN_IDS + 1), ["x"] * 100_000):
+        looked.clear()
+        status, got = await post(client, "/v1/completions", raw({"model": "base", "prompt": "hi", "max_tokens": 2,
+                                                                 "stop_token_ids": ids}))
+        assert status == 400 and got["error"]["param"] == "stop_token_ids", got
+        assert f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}" in got["error"]["message"]
+        assert len(looked) < 20, len(looked)
+    assert not fr.seen
+
+
 async def test_chat_max_tokens_beside_max_completion_tokens_is_still_checked(api):
     """Chat's max_completion_tokens is used instead of max_tokens, but a max_tokens sent beside it that is not a
     valid one is a 400 naming it, not dropped unseen."""
