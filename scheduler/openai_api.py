@@ -157,9 +157,15 @@ def _refuse_unknown(body: dict, chat: bool) -> None:
                               f"takes {', '.join(sorted(COMMON_FIELDS | (CHAT_FIELDS if chat else COMPLETION_FIELDS)))})")
 
 
+def shown_name(name: str) -> str:
+    """A name the client sent (a field's, a model's) as an error message repeats it: cut to 40 characters, so
+    that a name of megabytes does not come back whole."""
+    return name[:40]
+
+
 def _names(keys: list[str]) -> str:
-    """Unknown field names for an error message: the first three, each cut to 40 characters."""
-    shown = ", ".join(repr(k[:40]) for k in keys[:3])
+    """Unknown field names for an error message: the first three, each cut (shown_name)."""
+    shown = ", ".join(repr(shown_name(k)) for k in keys[:3])
     return shown + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
 
 
@@ -457,7 +463,7 @@ def parse_messages(body: dict) -> ChatMessages:
             raise bad(f"messages[{i}].role", f"role must be one of {', '.join(ROLES)}")
         unknown = [k for k in m if k not in MESSAGE_FIELDS]
         if unknown:
-            raise bad(f"messages[{i}].{unknown[0][:40]}", f"unrecognized message field(s): {_names(unknown)} (a "
+            raise bad(f"messages[{i}].{shown_name(unknown[0])}", f"unrecognized message field(s): {_names(unknown)} (a "
                                                            f"message takes {', '.join(MESSAGE_FIELDS)})")
         for key in ("name", "tool_call_id", "refusal"):
             if m.get(key) is not None and not isinstance(m[key], str):

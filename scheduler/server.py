@@ -172,7 +172,7 @@ class SchedulerService:
                            code="too_many_concurrent_requests", headers={"Retry-After": "1"})
 
     def _not_found(self, name: str) -> ApiError:
-        return ApiError(404, f"The model `{name}` does not exist or you do not have access to it.",
+        return ApiError(404, f"The model `{oa.shown_name(name)}` does not exist or you do not have access to it.",
                         param="model", code="model_not_found")
 
     def _resolve_model(self, name: str, grant: Grant):

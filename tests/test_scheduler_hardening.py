@@ -259,6 +259,24 @@ async def test_models_by_id_unknown_routes_and_methods(api):
 CHAT = {"model": "base", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 
+async def test_an_unknown_model_is_named_briefly_in_its_404(api):
+    """A model name the server does not know comes back in the 404's message cut to 40 characters, as unknown field
+    names are: a name of megabytes (a body may be 8 MB) is not sent back whole."""
+    client, _, fr = api
+    name = "m" * 40 + "x" * 1_000_000
+    answers = [await client.post(path, json={"model": name, **extra}) for path, extra in (
+        ("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", {"messages": CHAT["messages"]}),
+        ("/v1/tokenize", {"prompt": "hi"}), ("/v1/detokenize", {"tokens": [1]}))]
+    answers.append(await client.get("/v1/models/" + name[:8000]))  # (a URL is bounded by aiohttp's line limit)
+    for r in answers:
+        got = (await r.json())["error"]
+        assert r.status == 404 and got["code"] == "model_not_found" and got["param"] == "model", got
+        assert got["message"] == f"The model `{'m' * 40}` does not exist or you do not have access to it.", got
+    got = (await (await client.get("/v1/models/nope")).json())["error"]
+    assert got["message"] == "The model `nope` does not exist or you do not have access to it."
+    assert not fr.seen
+
+
 @pytest.mark.parametrize("extra, param", [
     ({"messages": [{"role": "user", "content": "hi", "bogus": 1}]}, "messages[0].bogus"),
     ({"messages": [{"role": "user", "content": "hi", "name": 5}]}, "messages[0].name"),
