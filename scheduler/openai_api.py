@@ -153,8 +153,9 @@ def known_fields(chat: bool) -> frozenset:
 def _refuse_unknown(body: dict, chat: bool) -> None:
     unknown = sorted(k for k in body if k not in known_fields(chat))
     if unknown:
-        raise bad(unknown[0], f"unrecognized request argument(s): {', '.join(map(repr, unknown))} (this endpoint "
-                              f"takes {', '.join(sorted(COMMON_FIELDS | (CHAT_FIELDS if chat else COMPLETION_FIELDS)))})")
+        takes = ", ".join(sorted(COMMON_FIELDS | (CHAT_FIELDS if chat else COMPLETION_FIELDS)))
+        raise bad(shown_name(unknown[0]), f"unrecognized request argument(s): {_names(unknown)} (this endpoint takes "
+                                          f"{takes})")
 
 
 def shown_name(name: str) -> str:

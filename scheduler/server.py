@@ -443,7 +443,7 @@ class SchedulerService:
         self._resolve_model(model, grant)
         unknown = sorted(set(body) - fields - {"model"})
         if unknown:
-            raise oa.bad(unknown[0], f"unrecognized argument(s): {', '.join(map(repr, unknown))}")
+            raise oa.bad(oa.shown_name(unknown[0]), f"unrecognized argument(s): {oa._names(unknown)}")
         return body
 
     async def tokenize(self, request: web.Request) -> web.Response:

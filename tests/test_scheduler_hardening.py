@@ -312,6 +312,21 @@ async def test_unknown_message_fields_are_named_briefly(api):
     assert len(got["error"]["message"]) < 400 and not fr.seen
 
 
+async def test_unknown_top_level_fields_are_named_briefly(api):
+    """Many long unknown fields at the top of a body, on every endpoint that takes one: the error names the first
+    three, each cut to 40 characters (param: the first, cut), as inside a message; they came back whole."""
+    client, _, fr = api
+    keys = dict.fromkeys((c * 100_000 for c in "abcde"), 1)
+    for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", {"model": "base", "prompt": "hi"}),
+                       ("/v1/tokenize", {"model": "base", "prompt": "hi"}),
+                       ("/v1/detokenize", {"model": "base", "tokens": [1]})):
+        status, got = await post(client, path, raw({**body, **keys}))
+        assert status == 400 and got["error"]["param"] == "a" * 40, (path, str(got)[:300])
+        message = got["error"]["message"]
+        assert f"{'c' * 40}' and 2 more" in message and "d" * 40 not in message and len(message) < 1000, message
+    assert not fr.seen
+
+
 async def test_the_optional_fields_below_the_top_level_are_served(api):
     """What those checks let through: a message's name, an empty tool_calls, stream_options.include_usage null (not
     set: no usage chunk), the ignored fields at their types."""
