@@ -15,7 +15,7 @@ import re
 import threading
 from contextlib import contextmanager
 
-from lorafleet.scheduler.openai_api import ApiError
+from lorafleet.scheduler.openai_api import ApiError, shown_name
 
 MAX_DEPTH = 32
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -55,9 +55,10 @@ def _bad_json(message: str, param: str | None = None) -> ApiError:
 
 
 def _path(parent: str, key) -> str:
+    """`parent`'s item `key` (`prompt[1]`, `messages[0].content`); a key the client sent is cut (shown_name)."""
     if isinstance(key, int):
         return f"{parent}[{key}]"
-    return f"{parent}.{key}" if parent else str(key)
+    return f"{parent}.{shown_name(key)}" if parent else shown_name(key)
 
 
 def _bad_text(where: str) -> ApiError:

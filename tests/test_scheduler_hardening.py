@@ -77,6 +77,20 @@ async def test_deeply_nested_and_odd_json_are_400(api):
     assert service.metrics.unhandled_errors._value.get() == 0
 
 
+async def test_the_path_of_a_refused_node_cuts_the_keys_it_repeats(api):
+    """The field a body error names is a path of the client's own keys: each is cut to 40 characters, as an unknown
+    field's name is, so that a key of megabytes does not come back (twice: in param and message)."""
+    client, _, fr = api
+    long = "k" * 40 + "x" * 500_000
+    deep = [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]
+    for extra, param, code in (({long: ["ok", "\ud800"]}, "k" * 40 + "[1]", "invalid_unicode"),
+                               ({"a": {long: {"b": deep}}}, "a." + "k" * 40 + ".b" + "[0]" * 29, "invalid_json")):
+        status, got = await post(client, "/v1/completions", raw({"model": "base", "prompt": "x", **extra}))
+        assert status == 400 and got["error"]["code"] == code and got["error"]["param"] == param, str(got)[:300]
+        assert len(got["error"]["message"]) < 300
+    assert not fr.seen
+
+
 def test_the_body_walk_names_only_the_node_it_refuses(monkeypatch):
     """check_tree visits every node of a body (an 8 MB one holds millions: `"prompt": [[0]] * 2_000_000`) but
     builds the path that names a field only for the node it refuses: building one for every node took seconds."""
