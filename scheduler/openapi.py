@@ -322,7 +322,8 @@ def document(model_name: str, limits: RequestLimits, adapters: list[str] = (), a
         "openapi": "3.1.0",
         "info": {"title": "lorafleet scheduler", "version": __version__,
                  "description": "OpenAI-compatible API over a pool of LoRA runners. Errors have OpenAI's shape "
-                                "{\"error\": {\"message\", \"type\", \"param\", \"code\"}}."},
+                                "{\"error\": {\"message\", \"type\", \"param\", \"code\"}}. A request body "
+                                "that gives a key twice in one JSON object is a 400 (invalid_json) naming it."},
         "paths": {**ops, **plain},
         "components": {
             "schemas": _schemas(limits, names, vocab_size),

@@ -91,6 +91,35 @@ async def test_the_path_of_a_refused_node_cuts_the_keys_it_repeats(api):
     assert not fr.seen
 
 
+@pytest.mark.parametrize("path, data, param", [
+    ("/v1/completions", b'{"model": "base", "prompt": "x", "max_tokens": 2, "max_tokens": 200}', "max_tokens"),
+    ("/v1/completions", b'{"model": "nope", "prompt": "x", "model": "base"}', "model"),
+    ("/v1/chat/completions", b'{"model": "base", "messages": [{"role": "user", "content": "a"}, '
+                             b'{"role": "user", "content": "b", "role": "system"}]}', "messages[1].role"),
+    ("/v1/chat/completions", b'{"model": "base", "messages": [{"role": "user", "content": "a"}], '
+                             b'"chat_template_kwargs": {"x": {"y": 1, "z": 2, "y": 1}}}', "chat_template_kwargs.x.y"),
+    ("/v1/tokenize", b'{"model": "base", "prompt": "a", "prompt": "b"}', "prompt"),
+    ("/v1/detokenize", b'{"model": "base", "tokens": [1], "tokens": [2]}', "tokens"),
+    ("/v1/completions", b'{"model": "base", "prompt": "x", "' + b"k" * 100_000 + b'": 1, "' + b"k" * 100_000 + b'": 2}',
+     "k" * 40),
+])
+async def test_a_key_given_twice_in_one_object_is_a_400_naming_it(api, path, data, param):
+    """A JSON object that gives a key twice (at the top of a body or inside it): a 400 naming the key by its path,
+    not the last value taken silently (which a proxy in front might read differently: the first)."""
+    client, _, fr = api
+    status, got = await post(client, path, data)
+    assert status == 400 and got["error"]["code"] == "invalid_json" and got["error"]["param"] == param, got
+    assert got["error"]["message"] == f"{param} is given more than once (a key may appear once in a JSON object)"
+    assert not fr.seen
+
+
+async def test_the_same_key_in_different_objects_is_served(api):
+    client, _, fr = api
+    status, got = await post(client, "/v1/chat/completions", raw({**CHAT, "messages": [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]}))
+    assert status == 200 and len(fr.seen) == 1, got
+
+
 def test_the_body_walk_names_only_the_node_it_refuses(monkeypatch):
     """check_tree visits every node of a body (an 8 MB one holds millions: `"prompt": [[0]] * 2_000_000`) but
     builds the path that names a field only for the node it refuses: building one for every node took seconds."""
@@ -126,10 +155,10 @@ def test_a_body_is_parsed_with_the_garbage_collector_paused(monkeypatch):
 
     collections = []
 
-    def loads(data):
+    def loads(data, **kw):
         before = sum(s["collections"] for s in gc.get_stats())
         try:
-            return json.loads(data)
+            return json.loads(data, **kw)
         finally:
             collections.append(sum(s["collections"] for s in gc.get_stats()) - before)
 
