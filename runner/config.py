@@ -43,7 +43,8 @@ class KernelChoices:
     rope_kv_lora: decode graphs add the qkv rows' LoRA expand inside that kernel.
     rope_kv_fp8: that kernel also writes FP8 (e4m3) K/V pages (otherwise those take the torch writer).
     rope_kv_pdl: that kernel is launched with programmatic dependent launch, waiting for qkv's kernel first, so that
-        it starts as soon as that kernel lets it (the same bits).
+        it starts as soon as that kernel lets it (the same bits; on: with epilogue_early +1.7 % with 32 distinct
+        adapters in bf16 and FP8, +1.0 % LoRA off, on the H100, docs/benchmarks.md 13.22).
     norm_shrink: the RMSNorms before qkv and gate_up on the project's kernel (CUDA; with FP8 weights it quantizes
         the rows too), which in decode steps with adapters also computes the group's LoRA shrink.
     norm_quant: with FP8 weights on the FP8 tensor cores (CUDA), the RMSNorms before qkv and gate_up on the
@@ -111,7 +112,8 @@ class KernelChoices:
         it start at once and stream its weight beside the norm (on: +1.5 / +1.6 % with adapters on the H100,
         docs/benchmarks.md sections 13.13, 13.14).
     epilogue_early: the FP8 epilogue's launch (fp8_epilogue; bf16_sm90 products with adapters take it too) lets the
-        next kernel start at once, so that a wgmma product after it streams its weight meanwhile (the same bits).
+        next kernel start at once, so that a wgmma product after it streams its weight meanwhile (the same bits; on:
+        +1.1 / +1.0 % with 32 distinct adapters in bf16 / FP8 on the H100, docs/benchmarks.md 13.22).
     pin_host_adapters: adapters read from disk are kept in pinned host memory.
     dense_lora_rows: a step with prompt rows whose adapted rows form at most DENSE_LORA_MAX_SEGMENTS segments
         (runner/lora/step.py), each of at least this many rows, and whose work reaches dense_lora_min_work,
@@ -143,7 +145,7 @@ class KernelChoices:
     rope_kv: bool = True
     rope_kv_lora: bool = False
     rope_kv_fp8: bool = True
-    rope_kv_pdl: bool = False
+    rope_kv_pdl: bool = True
     norm_shrink: bool = False
     norm_quant: bool = True
     shrink_early: bool = False
@@ -169,7 +171,7 @@ class KernelChoices:
     sm90_shrink_first: bool = True
     fp8_sm90_shrink_producer: bool = True
     norm_early: bool = True
-    epilogue_early: bool = False
+    epilogue_early: bool = True
     pin_host_adapters: bool = False
     dense_lora_rows: int = 256
     dense_lora_kext: int = 64

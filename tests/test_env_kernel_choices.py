@@ -200,8 +200,8 @@ def test_fp8_gemm_switches(monkeypatch):
             ("LORAFLEET_SM90_SHRINK_FIRST", env.sm90_shrink_first, True, "0",
              "sm90_shrink_first=False"),  # on: measured faster
             ("LORAFLEET_NORM_EARLY", env.norm_early, True, "0", "norm_early=False"),  # on: measured faster
-            ("LORAFLEET_EPILOGUE_EARLY", env.epilogue_early, False, "1", "epilogue_early=True"),  # off until measured
-            ("LORAFLEET_ROPE_KV_PDL", env.rope_kv_pdl, False, "1", "rope_kv_pdl=True")):  # off until measured
+            ("LORAFLEET_EPILOGUE_EARLY", env.epilogue_early, True, "0", "epilogue_early=False"),  # on: measured faster
+            ("LORAFLEET_ROPE_KV_PDL", env.rope_kv_pdl, True, "0", "rope_kv_pdl=False")):  # on: measured faster
         monkeypatch.delenv(var, raising=False)
         assert read() == default, var
         monkeypatch.setenv(var, raw)

@@ -27,7 +27,9 @@ def run(model, reqs, act: bool, monkeypatch):
     assert d.fp8_epilogue_act == act
     calls = []
 
-    def emulated(x, w, b, epilogue=False, spans=None, lora=None, quantized=None, act=0, shrink_sync=None):
+    def emulated(x, w, b, epilogue=False, spans=None, lora=None, quantized=None, act=0, shrink_sync=None,
+                 early=False):
+        assert early == d.epilogue_early  # (KernelChoices.epilogue_early, on by default: the same bits)
         y = F.linear(x, w.dequant(x.dtype), b)
         calls.append((act, tuple(spans or ())))
         if act:

@@ -104,9 +104,12 @@ def test_the_shrink_first_gives_the_launched_shrinks_tokens(tmp_path, family, mo
     ads = {"all": write_random_adapter(model, tmp_path / "all", r=8, alpha=16, targets=family_targets(family), seed=3),
            "mlp": write_random_adapter(model, tmp_path / "mlp", r=4, alpha=8, targets=family_targets(family, "mlp"),
                                        seed=4)}
-    want, _, launched, none, _ = run(model, ads, False, monkeypatch)
-    # (with the epilogue's launch letting the next kernel start at once: every epilogue asked for it, emulated_fp8)
-    got, d, shim, firsts, syncs = run(model, ads, True, monkeypatch, tweak=lambda d: setattr(d, "epilogue_early", True))
+    # (without, then with (the default) the epilogue's launch letting the next kernel start at once: every epilogue
+    # asked for it exactly when chosen, emulated_fp8)
+    late = lambda d: setattr(d, "epilogue_early", False)  # noqa: E731
+    want, _, launched, none, _ = run(model, ads, False, monkeypatch, tweak=late)
+    got, d, shim, firsts, syncs = run(model, ads, True, monkeypatch)
+    assert d.epilogue_early
     assert got == want and none == []
     c = d.cfg
     qkv, gate_up = (c.q_dim, c.kv_dim, c.kv_dim), (c.intermediate_size, c.intermediate_size)
