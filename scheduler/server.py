@@ -373,9 +373,20 @@ class SchedulerService:
         for req, (reason, error) in zip(reqs, sink.ends):
             if reason not in ("stop", "length"):
                 raise self._failure(req, reason, error)
-        choices = [oa.choice(i, "".join(sink.parts[i]), sink.ends[i][0], chat,
-                             sink.logprobs[i].take() if sink.logprobs else None) for i in range(len(reqs))]
-        return web.json_response(oa.completion_body(rid, params.model, chat, choices, self._usage(params, reqs)))
+        use = self._usage(params, reqs)
+
+        def body() -> str:
+            choices = [oa.choice(i, "".join(sink.parts[i]), sink.ends[i][0], chat,
+                                 sink.logprobs[i].take() if sink.logprobs else None) for i in range(len(reqs))]
+            return json.dumps(oa.completion_body(rid, params.model, chat, choices, use))
+
+        if not sink.logprobs:
+            return web.Response(text=body(), content_type="application/json")
+        # With log-probabilities (up to 20 alternatives a token, the prompt's too with echo: tens of MB for a long
+        # prompt), the entries' texts and the JSON are made in the tokenizer's worker threads, not on the event
+        # loop that every other stream shares (the sink is finished: nothing writes it any more).
+        text = await asyncio.get_running_loop().run_in_executor(self.prompts.pool, body)
+        return web.Response(text=text, content_type="application/json")
 
     async def _stream(self, request: web.Request, rid: str, params: oa.GenParams, reqs: list[Request], chat: bool,
                       sink: StreamSink, enc: oa.ChunkEncoder, gone: list[bool]) -> web.StreamResponse:

@@ -353,3 +353,34 @@ def test_a_request_evicted_mid_prompt_reports_its_prompt_entries_once(tiny_llama
     roomy, none = run(64)
     assert requeued >= 1 and none == 0, (requeued, none)
     assert len(tight) == len(b) - 1 and [e[0] for e in tight] == pytest.approx([e[0] for e in roomy], abs=1e-5)
+
+
+async def test_a_logprobs_body_is_made_off_the_event_loop(api, monkeypatch):
+    """A non-streamed answer with log-probabilities (tens of MB with echo over a long prompt) gets its entries and
+    its JSON made in the tokenizer's worker threads, not on the event loop every stream shares; one without stays
+    on the loop (no hop for the common case). The body is the same either way."""
+    import threading
+
+    import lorafleet.scheduler.openai_api as oa_mod
+
+    client, fr, tok = api
+    made_in = []
+    real = oa_mod.choice
+
+    def recording(*args, **kwargs):
+        made_in.append(threading.get_ident())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(oa_mod, "choice", recording)
+    loop_thread = threading.get_ident()
+    r = await client.post("/v1/completions", json={"model": "base", "prompt": "Hello", "max_tokens": 4, "logprobs": 2,
+                                                   "echo": True, "n": 2})
+    body = await r.json()
+    assert r.status == 200, body
+    assert len(made_in) == 2 and loop_thread not in made_in
+    assert [c["index"] for c in body["choices"]] == [0, 1] and all(c["logprobs"]["tokens"] for c in body["choices"])
+    assert body["choices"][0]["text"].startswith("Hello")  # (echo)
+    made_in.clear()
+    r = await client.post("/v1/completions", json={"model": "base", "prompt": "Hello", "max_tokens": 4})
+    assert r.status == 200 and made_in == [loop_thread]
+    assert r.content_type == "application/json" and (await r.json())["choices"][0]["logprobs"] is None
