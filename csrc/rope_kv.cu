@@ -164,6 +164,7 @@ const char* rope_kv(DType dtype, const RopeKvArgs& args, int device, void* strea
     e = dtype == DType::kBFloat16 ? cudaLaunchKernelEx(&cfg, rope_kv_kernel<__nv_bfloat16>, args)
                                   : cudaLaunchKernelEx(&cfg, rope_kv_kernel<__half>, args);
   }
+  if (e != cudaSuccess) cudaGetLastError();  // reported here, not left for the next unrelated check
   if (prev != device) cudaSetDevice(prev);
   return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
 }

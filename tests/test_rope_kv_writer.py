@@ -27,6 +27,10 @@ class RopeKvContract:
 
     def rope_kv(self, q_out, k_flat, v_flat, qkv, positions, slots, cos_sin, heads, kv_heads, stream, **kwargs):
         assert positions is self.io.positions and slots is self.io.slots
+        c = self.inner.model.cfg
+        k_pages, v_pages = self.inner.flat(self.layer)
+        assert k_flat is k_pages and v_flat is v_pages  # (the layer's own pages, K then V)
+        assert cos_sin is self.caches[c.layer_rope[self.layer]] and (heads, kv_heads) == (c.num_heads, c.num_kv_heads)
         self.launches.append(dict(kwargs))
         q_out.copy_(self.inner(self.layer, qkv, self.io).view_as(q_out))
 
@@ -59,7 +63,8 @@ def test_every_rope_kv_launch_asks_for_pdl_exactly_when_chosen(engine, pdl, lora
     io = StepIO(torch.zeros(T, dtype=torch.int64), positions, slots, torch.arange(T))
     io.cos_sin = model.ops.rope_cos_sin(positions, model.dtype)
     ext = RopeKvContract(TorchKvWriter(model, engine.kv.flat), layer, io)
-    shim = types.SimpleNamespace(cfg=c, ops=types.SimpleNamespace(caches={r: None for r in c.layer_rope}))
+    ext.caches = {r: torch.zeros(1, c.head_dim) for r in set(c.layer_rope)}  # (one cos/sin cache per RoPE)
+    shim = types.SimpleNamespace(cfg=c, ops=types.SimpleNamespace(caches=ext.caches))
     writer = FusedKvWriter(ext, shim, engine.kv.flat, pdl)
     expand = None
     if lora:

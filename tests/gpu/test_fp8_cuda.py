@@ -800,7 +800,7 @@ def test_fp8_pages_written_by_rope_kv_give_the_torch_writers_step(fam):
         default = m.kv_write  # the fused writer where it applies (KernelChoices.rope_kv_fp8 on by default)
         m.attach_kv(TorchKvWriter(m, eng.kv.flat))
         plain = eng.runner.forward(batch, dev).clone()
-        fused = make_kv_writer(m, eng.kv.flat, True, True)
+        fused = make_kv_writer(m, eng.kv.flat, True, True, eng.config.kernels.rope_kv_pdl)  # (as the engine's)
         assert type(default) is type(fused), name
         if not isinstance(fused, FusedKvWriter):
             pytest.skip(f"{name}: the fused K/V writer does not apply to this model")
