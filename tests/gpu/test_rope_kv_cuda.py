@@ -276,7 +276,7 @@ def test_pdl_launch_after_an_early_epilogue_reads_its_rows(dtype):
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs sm_90")
     e = ext()
-    T, H, Hkv, D = 64, 32, 8, 128
+    T, H, Hkv, D = 256, 64, 8, 128  # (an epilogue of 2,560 blocks: long enough for an early reader to run ahead)
     width = (H + 2 * Hkv) * D
     g = torch.Generator(device=DEV).manual_seed(11)
     cs = cos_sin_cache(4096, D)
