@@ -40,7 +40,9 @@ CSRC = Path(__file__).resolve().parents[1] / "csrc"
 BINDING = "sgmv_binding.cpp"
 # sm_90a (H100/H200: the architecture-specific target, for wgmma and TMA) and sm_80 (A100) machine code; no
 # --use_fast_math (keeps IEEE fp32 accumulation). sm_89 (Ada: FP8 tensor cores) has its own image: an 8.9 device
-# would otherwise run the sm_80 one.
+# would otherwise run the sm_80 one. No PTX on purpose: kernels launched with programmatic dependent launch on a 9.x
+# or newer device (csrc/pdl.h set_pdl) must run code built for sm_90+, whose griddepcontrol.wait orders them after the
+# kernel before; a newer GPU JIT-compiling compute_80 PTX would run them without that wait.
 CUDA_FLAGS = ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-gencode=arch=compute_89,code=sm_89",
               "-gencode=arch=compute_80,code=sm_80"]
 CXX_FLAGS = ["-O3"]
