@@ -154,8 +154,8 @@ def _refuse_unknown(body: dict, chat: bool) -> None:
     unknown = sorted(k for k in body if k not in known_fields(chat))
     if unknown:
         takes = ", ".join(sorted(COMMON_FIELDS | (CHAT_FIELDS if chat else COMPLETION_FIELDS)))
-        raise bad(shown_name(unknown[0]), f"unrecognized request argument(s): {_names(unknown)} (this endpoint takes "
-                                          f"{takes})")
+        raise bad(shown_name(unknown[0]),
+                  f"unrecognized request argument(s): {shown_names(unknown)} (this endpoint takes {takes})")
 
 
 def shown_name(name: str) -> str:
@@ -164,7 +164,7 @@ def shown_name(name: str) -> str:
     return name[:40]
 
 
-def _names(keys: list[str]) -> str:
+def shown_names(keys: list[str]) -> str:
     """Unknown field names for an error message: the first three, each cut (shown_name)."""
     shown = ", ".join(repr(shown_name(k)) for k in keys[:3])
     return shown + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
@@ -246,7 +246,7 @@ def parse_common(body: dict, chat: bool, max_tokens_cap: int, vocab_size: int | 
         raise bad("stream_options", "stream_options must be an object like {\"include_usage\": true}")
     if opts is not None and any(k != "include_usage" for k in opts):
         raise bad("stream_options", f"unrecognized stream option(s): "
-                                    f"{_names([k for k in opts if k != 'include_usage'])} (takes include_usage)")
+                                    f"{shown_names([k for k in opts if k != 'include_usage'])} (takes include_usage)")
     if opts is not None and not isinstance(opts.get("include_usage", False), (bool, type(None))):
         raise bad("stream_options.include_usage", "stream_options.include_usage must be true or false")
     if opts is not None and not stream:
@@ -352,17 +352,18 @@ def _integral_ids(p):
     return p
 
 
-def _several(p) -> bool:
-    """Whether a completions `prompt` is a list of prompts (strings or id lists), by its first item."""
-    return isinstance(p, list) and bool(p) and isinstance(p[0], (str, list))
+def _prompt_list(body: dict) -> list:
+    """A completions `prompt` as its list of prompts: itself where it is a list of strings or id lists (told by its
+    first item), else a list of the one prompt."""
+    p = body.get("prompt")
+    return p if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
 
 
 def prompt_sizes(body: dict, max_model_len: int) -> tuple[int, int]:
     """How many prompts a completions `prompt` holds and how many token ids its id lists hold together, found
     without looking into them (so that budgets are checked before a walk over millions of ids): more than
     MAX_PROMPTS prompts is a 400, and so is an id list as long as the context (context_length_exceeded)."""
-    p = body.get("prompt")
-    prompts = p if _several(p) else [p]
+    prompts = _prompt_list(body)
     if len(prompts) > MAX_PROMPTS:
         raise bad("prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}")
     ids = 0
@@ -375,13 +376,11 @@ def prompt_sizes(body: dict, max_model_len: int) -> tuple[int, int]:
     return len(prompts), ids
 
 
-def parse_prompts(body: dict, vocab_size: int, max_model_len: int) -> list[str | list[int]]:
-    """A completions `prompt`: a string, a list of strings, a list of ids, or a list of id lists; its sizes
-    (`prompt_sizes`) are checked before any prompt is looked into."""
-    prompt_sizes(body, max_model_len)
+def parse_prompts(body: dict, vocab_size: int) -> list[str | list[int]]:
+    """A completions `prompt`: a string, a list of strings, a list of ids, or a list of id lists. Its sizes are the
+    caller's to check first (`prompt_sizes`, before any prompt is looked into)."""
     shape = "prompt must be a non-empty string, list of strings, list of token ids, or list of those"
-    p = body.get("prompt")
-    prompts = p if _several(p) else [p]
+    prompts = _prompt_list(body)
     texts = isinstance(prompts[0], str)
     out = []
     for x in prompts:
@@ -464,8 +463,8 @@ def parse_messages(body: dict) -> ChatMessages:
             raise bad(f"messages[{i}].role", f"role must be one of {', '.join(ROLES)}")
         unknown = [k for k in m if k not in MESSAGE_FIELDS]
         if unknown:
-            raise bad(f"messages[{i}].{shown_name(unknown[0])}", f"unrecognized message field(s): {_names(unknown)} (a "
-                                                           f"message takes {', '.join(MESSAGE_FIELDS)})")
+            raise bad(f"messages[{i}].{shown_name(unknown[0])}", f"unrecognized message field(s): "
+                      f"{shown_names(unknown)} (a message takes {', '.join(MESSAGE_FIELDS)})")
         for key in ("name", "tool_call_id", "refusal"):
             if m.get(key) is not None and not isinstance(m[key], str):
                 raise bad(f"messages[{i}].{key}", f"{key} must be a string")

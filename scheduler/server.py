@@ -222,8 +222,7 @@ class SchedulerService:
                                 f"at most {self.limits.max_sequences} are allowed per request",
                            param="n" if params.n > 1 else "prompt", code="too_many_sequences")
         self._check_prompt_tokens(ids * params.n, "prompt")
-        items = [oa.parse_messages(body)] if chat else oa.parse_prompts(body, self.tok.vocab_size,
-                                                                       self.max_model_len)
+        items = [oa.parse_messages(body)] if chat else oa.parse_prompts(body, self.tok.vocab_size)
         return params, items
 
     def _check_prompt_tokens(self, total: int, where: str) -> None:
@@ -454,7 +453,7 @@ class SchedulerService:
         self._resolve_model(model, grant)
         unknown = sorted(set(body) - fields - {"model"})
         if unknown:
-            raise oa.bad(oa.shown_name(unknown[0]), f"unrecognized argument(s): {oa._names(unknown)}")
+            raise oa.bad(oa.shown_name(unknown[0]), f"unrecognized argument(s): {oa.shown_names(unknown)}")
         return body
 
     async def tokenize(self, request: web.Request) -> web.Response:
