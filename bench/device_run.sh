@@ -32,6 +32,9 @@
 #            -> e2e_AB_NAME_V.json
 #   flagab   the same without, then with a flag of bench e2e: AB_FLAG, AB_REQS, AB_ARGS, AB_NAME
 #            -> e2e_AB_NAME_{0,1}.json
+#   sfprobe  the wgmma product alone, with the rows' shrink first (32 / 1 adapters), each then with the epilogue's
+#            launch, against the one-launch product without adapters, per 7B projection, e4m3 and bf16 operands,
+#            weights and pools from DRAM, in CUDA graphs -> probe_shrink_first.json
 #   fusedprobe the FP8 product then its epilogue's launch against the product with the epilogue inside, per 7B and
 #            70B projection, 32 / 1 / no adapters, weights from DRAM, in CUDA graphs -> probe_fused_epilogue.json
 #   bf16probe the bf16 decode product on wgmma against cuBLAS's per 7B projection (1-64 rows), and the LoRA chains:
@@ -243,6 +246,9 @@ stage() {
         | grep -cE '^(FAILED|ERROR) |(^| )(FAILED|ERROR)( +\[ *[0-9]+%\])?$')
       if [ "$failed" != 0 ]; then echo "sfirst: $failed tests failed; no A/B"; return 1; fi
       AB_VAR=LORAFLEET_SM90_SHRINK_FIRST AB_VALUES="0 1" AB_REQS=${AB_REQS:-200} AB_NAME=bf16shrinkfirst stage ab ;;
+    sfprobe)
+      timeout ${PROBE_S:-150} python3 bench/probe_shrink_first.py --out "$OUT/probe_shrink_first${TAG:+_$TAG}.json" \
+        2>&1 | tee "$LOGS/probe_shrink_first.log" | tail -12 ;;
     fusedprobe)
       timeout ${PROBE_S:-120} python3 bench/probe_fused_epilogue.py --out "$OUT/probe_fused_epilogue${TAG:+_$TAG}.json" \
         2>&1 | tee "$LOGS/probe_fused_epilogue.log" | tail -20 ;;
