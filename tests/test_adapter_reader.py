@@ -223,6 +223,25 @@ def test_half_precision_files_are_scaled_in_float32(mixed, base, tmp_path, file_
     check_against_reference(load_adapter("half", half, base, max_rank=16, dtype=dtype), want, base.num_layers)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_float64_files_load_rounded_once(mixed, base, tmp_path, dtype):
+    """F64 weights (an adapter saved from a float64 model; once refused as "not floating point") load, each value
+    rounded once into the serving dtype: B^T * scaling computed in float64, as the fp64 reference does it. The
+    values carry bits float32 cannot hold, so a float32 step anywhere on the way would show."""
+    wide = tmp_path / "wide"
+    shutil.copytree(mixed, wide)
+    g = torch.Generator().manual_seed(7)
+    w = {k: v.double() * (1 + 1e-9 * torch.randn(v.shape, generator=g, dtype=torch.float64))
+         for k, v in load_file(str(wide / "adapter_model.safetensors")).items()}
+    save_file(w, str(wide / "adapter_model.safetensors"))
+    assert inspect_adapter("wide", wide, base=base).dtype == "F64"
+    ad = load_adapter("wide", wide, base, max_rank=16, dtype=dtype)
+    want = reference(wide, base, dtype)
+    assert set(ad.weights) == set(want)
+    for key, (a, bt) in want.items():
+        assert torch.equal(ad.weights[key][0], a) and torch.equal(ad.weights[key][1], bt), key
+
+
 def test_a_finished_load_whose_request_left_is_settled_not_leaked(base):
     """Only acquire() settles a load; a request cancelled while its adapter loaded never calls it again."""
     from concurrent.futures import Future

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 
 import pytest
 import torch
@@ -41,8 +42,15 @@ def variant(good, tmp_path, name, *, config=None, tensors=None, drop=(), raw_wei
     return d
 
 
+def raw_safetensors(header: dict, data_len: int) -> bytes:
+    """A safetensors file with this header as it is (JSON-encoded, unchecked) and `data_len` zero bytes of data."""
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + bytes(data_len)
+
+
 def make_bad(good, tiny_llama, tmp_path):
     first_a = lambda w: next(k for k in w if "lora_A" in k)  # noqa: E731
+    q_a = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
     other = write_random_llama(tmp_path / "other-base", hidden=96, heads=4, kv_heads=4, inter=256)
     bads = {
         "dora": (variant(good, tmp_path, "dora", config={"use_dora": True}), "DoRA"),
@@ -101,7 +109,39 @@ def make_bad(good, tiny_llama, tmp_path):
                                                                if ".layers.1.self_attn.v_proj." not in k}),
                 "layer 1 v_proj: adapter_model.safetensors has no "
                 "base_model.model.model.layers.1.self_attn.v_proj.lora_A.weight"),
+        # safetensors headers of the wrong JSON types (once a TypeError past the checks), of a negative shape that
+        # matches the byte count, nested past the JSON parser's stack (once a RecursionError)
+        "hdrtypes": (variant(good, tmp_path, "hdrtypes", raw_weights=raw_safetensors(
+            {q_a: {"dtype": "F32", "shape": [8, 128], "data_offsets": ["0", "4096"]}}, 4096)), "malformed entry"),
+        "hdrdtype": (variant(good, tmp_path, "hdrdtype", raw_weights=raw_safetensors(
+            {q_a: {"dtype": ["F32"], "shape": [8, 128], "data_offsets": [0, 4096]}}, 4096)), "malformed entry"),
+        "hdrneg": (variant(good, tmp_path, "hdrneg", raw_weights=raw_safetensors(
+            {q_a: {"dtype": "F32", "shape": [-8, -128], "data_offsets": [0, 4096]}}, 4096)), "malformed entry"),
+        "hdrdeep": (variant(good, tmp_path, "hdrdeep", raw_weights=struct.pack("<Q", 200_000) + b"[" * 100_000
+                            + b"]" * 100_000), "corrupt header"),
+        # the config's own file: not a file (a pipe would block its reader), or too large to read whole
+        "cfgdir": (variant(good, tmp_path, "cfgdir", drop=["adapter_config.json"]),
+                   "adapter_config.json is not a regular file"),
+        "cfghuge": (variant(good, tmp_path, "cfghuge"), "adapter_config.json is larger than the 16777216 bytes"),
+        "alphastr": (variant(good, tmp_path, "alphastr", config={"lora_alpha": "16"}),
+                     "lora_alpha must be a number, got '16'"),
+        "layersstr": (variant(good, tmp_path, "layersstr", config={"layers_to_transform": "0"}),
+                      "layers_to_transform must be a layer number or a list of them, got '0'"),
+        # PEFT numbers layers after layers_pattern: [0] leaves out the file's layer 1 (once served all the same)
+        "layerspattern": (variant(good, tmp_path, "layerspattern", config={"layers_to_transform": [0],
+                                                                           "layers_pattern": "layers"}),
+                          "holds LoRA weights for model.layers.1.self_attn.q_proj, which the config's"),
+        # trained against base weights PEFT rewrites when it loads them: other outputs on the shared base
+        "pissa": (variant(good, tmp_path, "pissa", config={"init_lora_weights": "pissa_niter_4"}),
+                  "init_lora_weights='pissa_niter_4' is not supported: PEFT rewrites the base model's weights"),
+        "olora": (variant(good, tmp_path, "olora", config={"init_lora_weights": "olora"}), "PEFT rewrites"),
+        # LoRA variants PEFT turns on by the sub-config's presence, an empty one too
+        "kasa": (variant(good, tmp_path, "kasa", config={"kasa_config": {}}), "kasa_config is not supported"),
+        "arrow": (variant(good, tmp_path, "arrow", config={"arrow_config": {"top_k": 2}}),
+                  "arrow_config is not supported"),
     }
+    (bads["cfgdir"][0] / "adapter_config.json").mkdir()
+    os.truncate(bads["cfghuge"][0] / "adapter_config.json", 1 << 40)  # sparse: a terabyte that takes no disk
     (bads["badjson"][0] / "adapter_config.json").write_text("{not json")
     (bads["pickle"][0] / "adapter_model.bin").write_bytes(b"\x80\x04pickle-payload-never-loaded")
     os.mkfifo(bads["fifo"][0] / "adapter_model.safetensors")
@@ -151,9 +191,15 @@ def test_modules_some_layers_leave_out_by_config_still_load(tiny_llama, tmp_path
         "layers": dict(targets=("q_proj", "v_proj"), layers_to_transform=[1]),
         "exclude": dict(targets=("q_proj", "v_proj"), exclude_modules=["model.layers.0.self_attn.q_proj"]),
         "regex": dict(targets=r"model\.layers\.1\.self_attn\.q_proj|.*\.v_proj"),
+        # PEFT's layers_to_transform as PEFT reads it: numbered after layers_pattern; not applied to a module
+        # target_modules names in full; an empty list is every layer (the last two were once refused)
+        "pattern": dict(targets=("q_proj", "v_proj"), layers_to_transform=[1], layers_pattern=["h", "layers"]),
+        "fullname": dict(targets=("model.layers.1.self_attn.q_proj", "v_proj"), layers_to_transform=[0]),
+        "nolayers": dict(targets=("q_proj",), layers_to_transform=[]),
     }
     want = {"layers": {(1, "q"), (1, "v")}, "exclude": {(0, "v"), (1, "q"), (1, "v")},
-            "regex": {(0, "v"), (1, "q"), (1, "v")}}
+            "regex": {(0, "v"), (1, "q"), (1, "v")}, "pattern": {(1, "q"), (1, "v")},
+            "fullname": {(1, "q"), (0, "v")}, "nolayers": {(0, "q"), (1, "q")}}
     for name, kw in cases.items():
         targets = kw.pop("targets")
         path = write_random_adapter(tiny_llama, tmp_path / name, r=4, targets=targets, **kw)

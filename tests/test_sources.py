@@ -134,6 +134,9 @@ def test_parse_source(uri, scheme, location, path, revision):
     ("https://example.com:99999/x", "Port out of range"),
     ("https://exa mple.com/x", "'exa mple.com' is not a valid host name"),  # never retried as unreachable
     ("https://-bad-.invalid/x", "'-bad-.invalid' is not a valid host name"),
+    ("/adapters/a\0b", "cannot hold a NUL character"),  # once a bare ValueError from the first stat()
+    ("file:///adapters/a%00b", "cannot hold a NUL character"),
+    ("pvc://claim/a\0b", "cannot hold a NUL character"),
 ])
 def test_parse_source_refuses(uri, words):
     with pytest.raises(sources.SourceError, match=words.replace("(", r"\(").replace("?", r"\?")):

@@ -159,9 +159,10 @@ def pack_peft(name: str, raw: dict[tuple[int, str], tuple[torch.Tensor, torch.Te
             k = a.shape[0]
             A[layer, :k].copy_(a)
             # As b.float().t() * s rounded into `dtype`: a product in b's own half dtype would be rounded
-            # (or overflow) before the cast, so widen b unless it is float32 or already `dtype` (whose
-            # product is computed in float32 and rounded once).
-            if b.dtype not in (torch.float32, dtype):
+            # (or overflow) before the cast, so widen a half b unless it is already `dtype` (whose product is
+            # computed in float32 and rounded once); a float32 or float64 b is multiplied in its own precision
+            # and rounded once into `dtype`.
+            if b.dtype not in (torch.float32, torch.float64, dtype):
                 b = b.float()
             torch.mul(b.t(), s, out=Bt[layer, :k])
             host_ranks[layer][p] = k

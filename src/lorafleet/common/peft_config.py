@@ -27,6 +27,10 @@ PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
 # The largest |lora_alpha / r| (or / sqrt(r) with rsLoRA) served: published adapters use 0.5-64; a scale past this
 # makes the add-on swamp the layer's output, or overflow it to Inf in the serving dtype.
 MAX_SCALING = 1e4
+# init_lora_weights values (prefixes, as PEFT reads them) whose initialization rewrites the base model's weights
+BASE_REWRITING_INITS = ("pissa", "corda", "astra", "olora", "loftq", "lora_ga")
+# adapter_config.json is a few kilobytes (rank_pattern over every module of a large model: some hundreds); read whole
+MAX_CONFIG_BYTES = 16 * 1024 * 1024
 
 
 
@@ -139,28 +143,50 @@ def _pattern_value(patterns: dict, module_name: str, default):
     return default
 
 
-def _targeted(cfg: dict, module_name: str, layer: int) -> bool:
+def _is_int(v) -> bool:
+    """A JSON integer (not true / false, which Python counts as ints)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _targeted(cfg: dict, module_name: str) -> bool:
     """Whether PEFT would put a LoRA layer on `module_name` under this config (target_modules as a list: the
     name or a dotted suffix of it; as a string: "all-linear" or a full regex match; exclude_modules and
-    layers_to_transform as PEFT reads them). Without target_modules (PEFT's per-model defaults) or with a
-    setting this does not read, True: nothing to contradict."""
+    layers_to_transform / layers_pattern as PEFT reads them). Without target_modules (PEFT's per-model defaults)
+    or with a setting this does not read, True: nothing to contradict."""
     targets = cfg.get("target_modules")
     if not targets:
         return True
     if isinstance(targets, str):
         ok = targets == "all-linear" or re.fullmatch(targets, module_name) is not None
+    elif module_name in targets:  # named in full: PEFT applies no layers_to_transform to it
+        ok = True
     else:
-        ok = any(module_name == t or module_name.endswith("." + str(t)) for t in targets)
+        ok = any(module_name.endswith("." + str(t)) for t in targets)
+        layers = cfg.get("layers_to_transform")
+        if ok and layers is not None and layers != []:  # (PEFT: an empty list transforms every layer)
+            ok = _layer_index(module_name, cfg.get("layers_pattern")) in ([layers] if isinstance(layers, int)
+                                                                          else layers)
     exclude = cfg.get("exclude_modules")
     if ok and exclude:
         if isinstance(exclude, str):
             ok = re.fullmatch(exclude, module_name) is None
         else:
             ok = not any(module_name == t or module_name.endswith("." + str(t)) for t in exclude)
-    layers = cfg.get("layers_to_transform")
-    if ok and layers is not None and not cfg.get("layers_pattern"):
-        ok = layer in ([layers] if isinstance(layers, int) else list(layers))
     return ok
+
+
+def _layer_index(module_name: str, layers_pattern) -> int | None:
+    """The layer number PEFT reads from a module name for layers_to_transform: that of its first numbered segment,
+    or with layers_pattern, the number after the first pattern that matches (None: none does, PEFT then adapts
+    nothing there)."""
+    if not layers_pattern:
+        m = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", module_name)
+    else:
+        for pattern in [layers_pattern] if isinstance(layers_pattern, str) else layers_pattern:
+            m = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", module_name)
+            if m is not None:
+                break
+    return int(m.group("idx")) if m else None
 
 
 def _refuse_unsupported(name: str, cfg: dict) -> None:
@@ -194,6 +220,20 @@ def _refuse_unsupported(name: str, cfg: dict) -> None:
     for key in ("layer_replication", "trainable_token_indices", "target_parameters", "megatron_config"):
         if cfg.get(key):
             raise AdapterError(name, f"{key} is not supported")
+    # LoRA variants PEFT turns on by the sub-config's presence, even an empty one: Arrow routes each token among LoRA
+    # experts, KaSA truncates the base weights, BD-LoRA has block-diagonal factors; none is the plain add-on served here
+    for key in ("arrow_config", "kasa_config", "use_bdlora"):
+        if cfg.get(key) is not None and cfg.get(key) is not False:
+            raise AdapterError(name, f"{key} is not supported (a LoRA variant other than plain LoRA)")
+    init = cfg.get("init_lora_weights")
+    # These initializations rewrite the base model's weights (to the residual of an SVD, a QR, a quantization), and
+    # PEFT rewrites them again at every load: A and B were trained against that residual, so on the unmodified base,
+    # which every adapter here shares, they would give other outputs. PEFT converts PiSSA, CorDA, OLoRA and Astra
+    # adapters into plain LoRA ones (saved with init_lora_weights=true).
+    if isinstance(init, str) and init.lower().startswith(BASE_REWRITING_INITS):
+        raise AdapterError(name, f"init_lora_weights={init!r} is not supported: PEFT rewrites the base model's weights "
+                           "when it loads such an adapter, and the base model here is shared (save the adapter as "
+                           "plain LoRA with PEFT's save_pretrained(..., path_initial_model_for_weight_conversion=...))")
     if cfg.get("alora_invocation_tokens"):  # served as plain LoRA it would change every token, not only after them
         raise AdapterError(name, "activated LoRA (alora_invocation_tokens) is not supported")
     if cfg.get("use_qalora"):
@@ -211,8 +251,22 @@ def _refuse_unsupported(name: str, cfg: dict) -> None:
                 raise AdapterError(name, f"{key} key {k!r} is not a valid regular expression ({exc})") from None
             if not isinstance(x, (int, float)) or isinstance(x, bool) or x <= 0:
                 raise AdapterError(name, f"{key}[{k!r}] must be a positive number, got {x!r}")
+    layers, patterns = cfg.get("layers_to_transform"), cfg.get("layers_pattern")
+    if layers is not None and not (_is_int(layers) or (isinstance(layers, list) and all(map(_is_int, layers)))):
+        raise AdapterError(name, f"layers_to_transform must be a layer number or a list of them, got {layers!r}")
+    if patterns is not None and not (isinstance(patterns, str) or (isinstance(patterns, list)
+                                                                   and all(isinstance(p, str) for p in patterns))):
+        raise AdapterError(name, f"layers_pattern must be a string or a list of them, got {patterns!r}")
+    for p in [patterns] if isinstance(patterns, str) else patterns or []:
+        try:
+            re.compile(rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.")  # as _layer_index matches it
+        except re.error as exc:
+            raise AdapterError(name, f"layers_pattern {p!r} is not a valid regular expression ({exc})") from None
+    if isinstance(cfg.get("target_modules"), str) and (layers is not None or patterns is not None):
+        raise AdapterError(name, "layers_to_transform and layers_pattern cannot be used with target_modules as a "
+                                 "string (a regex or all-linear); PEFT refuses this config")
     r = cfg.get("r", 8)
-    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+    if not _is_int(r) or r < 1:
         raise AdapterError(name, f"r must be a positive integer, got {r!r}")
 
 
@@ -221,14 +275,22 @@ def read_config(name: str, path: Path) -> dict:
     if not path.is_dir():
         raise AdapterError(name, "the adapter is a file, not a directory" if path.exists()
                            else "adapter directory does not exist")
+    if cfg_path.exists() and not cfg_path.is_file():  # a folder, a pipe, a device (or a link to one): never opened
+        raise AdapterError(name, f"{CONFIG_FILE} is not a regular file")
     if not cfg_path.is_file():
         raise AdapterError(name, f"{CONFIG_FILE} not found")
     try:
-        cfg = json.loads(cfg_path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise AdapterError(name, f"{CONFIG_FILE} is not valid JSON: {exc}") from None
+        with cfg_path.open("rb") as f:  # at most one byte past the limit: a sparse file of terabytes takes no disk
+            raw = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as exc:
         raise AdapterError(name, f"cannot read {CONFIG_FILE} ({exc.strerror or type(exc).__name__})") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise AdapterError(name, f"{CONFIG_FILE} is larger than the {MAX_CONFIG_BYTES} bytes accepted")
+    try:
+        cfg = json.loads(raw)
+    # ValueError: JSONDecodeError, and an integer past Python's digit limit
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise AdapterError(name, f"{CONFIG_FILE} is not valid JSON: {exc}") from None
     if not isinstance(cfg, dict):
         raise AdapterError(name, f"{CONFIG_FILE} must hold a JSON object")
     _refuse_unsupported(name, cfg)
@@ -295,8 +357,9 @@ def inspect_adapter(
         dtypes.add(dtype)
     if not pairs:
         raise AdapterError(name, f"{WEIGHTS_FILE} holds no LoRA weights")
-    if not dtypes <= {"F32", "F16", "BF16"}:
-        raise AdapterError(name, f"LoRA weights must be floating point, got {sorted(dtypes)}")
+    if not dtypes <= {"F64", "F32", "F16", "BF16"}:  # (F64: rounded once into the serving dtype at the load)
+        raise AdapterError(name, f"LoRA weights must be floating point (F64, F32, F16 or BF16), got "
+                                 f"{sorted(dtypes - {'F64', 'F32', 'F16', 'BF16'})}")
 
     rslora = bool(cfg.get("use_rslora"))
     default_alpha = cfg.get("lora_alpha", 8)
@@ -334,7 +397,7 @@ def inspect_adapter(
         module_name = ck.layer.format(i=layer) + module
         # Tensors PEFT would not load, or load into a layer of another rank, are refused: served, they would
         # give other outputs than the adapter gives under PEFT.
-        if not _targeted(cfg, module_name, layer):
+        if not _targeted(cfg, module_name):
             raise AdapterError(name, f"{where}: {WEIGHTS_FILE} holds LoRA weights for {module_name}, which the "
                                f"config's target_modules / exclude_modules / layers_to_transform leave out")
         want_rank = _pattern_value(cfg.get("rank_pattern"), module_name, cfg.get("r", 8))
@@ -342,10 +405,14 @@ def inspect_adapter(
             raise AdapterError(name, f"{where}: the weights have rank {rank} but {CONFIG_FILE} gives "
                                f"{'rank_pattern' if want_rank != cfg.get('r', 8) else 'r'} = {want_rank}")
         alpha = _pattern_value(cfg.get("alpha_pattern"), module_name, default_alpha)
+        # a JSON number only: PEFT cannot load a string (its scaling alpha / r raises), nor is true a scale
+        if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+            raise AdapterError(name, f"lora_alpha must be a number, got {alpha!r}")
         try:
             alpha = float(alpha)
-        except (TypeError, ValueError, OverflowError):
-            raise AdapterError(name, f"lora_alpha must be a number, got {alpha!r}") from None
+        except OverflowError:
+            raise AdapterError(name, "lora_alpha must be a finite number, got an integer beyond a float's range "
+                               f"(for {module_name})") from None
         if not math.isfinite(alpha):
             raise AdapterError(name, f"lora_alpha must be a finite number, got {alpha!r} (for {module_name})")
         scaling = alpha / math.sqrt(rank) if rslora else alpha / rank
@@ -395,7 +462,7 @@ def _refuse_missing_targets(name: str, cfg: dict, ck: Checkpoint, base: BaseShap
     missing: dict[str, list[int]] = {}
     for module in _checked_modules(base, present):
         for layer in layers:
-            if (layer, module) not in pairs and _targeted(cfg, ck.layer.format(i=layer) + module, layer):
+            if (layer, module) not in pairs and _targeted(cfg, ck.layer.format(i=layer) + module):
                 missing.setdefault(module, []).append(layer)
     nowhere = [m for m in missing if m not in present]
     if nowhere:

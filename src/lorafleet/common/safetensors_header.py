@@ -28,7 +28,9 @@ def read_header(path: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
         raw = f.read(n)
     try:
         header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    # ValueError: JSONDecodeError, and an integer past Python's digit limit; RecursionError: arrays nested deeper
+    # than the parser's stack
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise HeaderError(f"{path.name} has a corrupt header: {exc}") from None
     if not isinstance(header, dict):
         raise HeaderError(f"{path.name} has a corrupt header (not an object)")
@@ -38,9 +40,15 @@ def read_header(path: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
         if name == "__metadata__":
             continue
         try:
-            dtype, shape, (start, end) = entry["dtype"], tuple(int(s) for s in entry["shape"]), entry["data_offsets"]
+            dtype, shape, (start, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
         except (KeyError, TypeError, ValueError):
             raise HeaderError(f"{path.name}: malformed entry for tensor {name!r}") from None
+        # Exact JSON types, as the safetensors library itself requires: a string or float offset would fail the
+        # comparisons below with a TypeError, and a negative dimension (or a pair of them) could match the byte
+        # count while naming no tensor that library can read.
+        if not isinstance(dtype, str) or not all(_count(v) for v in (*shape, start, end)):
+            raise HeaderError(f"{path.name}: malformed entry for tensor {name!r} (its dtype must be a string, its "
+                              "shape and data_offsets non-negative integers)")
         if dtype not in DTYPE_BYTES:
             raise HeaderError(f"{path.name}: tensor {name!r} has unsupported dtype {dtype}")
         numel = 1
@@ -50,3 +58,8 @@ def read_header(path: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
             raise HeaderError(f"{path.name}: tensor {name!r} points outside the file (truncated or corrupt)")
         out[name] = (dtype, shape)
     return out
+
+
+def _count(v) -> bool:
+    """A JSON non-negative integer (not a bool, float or string)."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0

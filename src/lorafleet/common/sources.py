@@ -160,6 +160,10 @@ def parse_source(uri: str) -> Source:
     if not isinstance(uri, str) or not uri.strip():
         raise SourceError("empty source")
     uri = uri.strip()
+    # No file name holds a NUL: the OS calls would raise a bare ValueError ("embedded null byte") past every
+    # caller's handling of a source that cannot be read
+    if "\0" in uri or (uri.lower().startswith("file:") and "\0" in urllib.parse.unquote(uri)):
+        raise SourceError(f"{uri!r}: a source cannot hold a NUL character")
     if "://" not in uri:
         return Source(uri, "file", uri)
     scheme, rest = uri.split("://", 1)
