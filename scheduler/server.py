@@ -342,7 +342,10 @@ class SchedulerService:
                     r.finish("cancelled")
                 self.in_flight.discard(r)
                 self.metrics.observe_finished(r, r.finish_reason or "cancelled")
-            if adapter is not None and all(r.finish_reason in ("stop", "length") for r in reqs):
+            # a success clears a refusal mark, unless the adapter's files changed since (a new entry, e.g. files found
+            # broken by a rescan while this request ran on the old ones: the mark is the new files')
+            if (adapter is not None and all(r.finish_reason in ("stop", "length") for r in reqs)
+                    and self.registry.get(adapter.name) == adapter):
                 self.availability.clear(adapter.name)
 
     def _stop_string(self, req: Request) -> None:

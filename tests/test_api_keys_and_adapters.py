@@ -229,6 +229,39 @@ async def test_adapters_failing_the_scan_are_unavailable_from_the_start(tok, tmp
         await stop(client, servers)
 
 
+async def test_a_request_on_an_adapters_old_files_leaves_the_mark_of_its_new_broken_ones(tok, tmp_path):
+    """A rescan finds an adapter's files broken while a request runs on the old ones: that request's success
+    does not clear the new files' mark (listed unavailable, refused without asking a runner)."""
+    import asyncio
+    import dataclasses
+
+    from lorafleet.scheduler.registry import AdapterRegistry
+
+    root = _adapter_dir(tmp_path)
+    fr = FakeRunner(step_s=0.05)  # 20 tokens: about a second in flight
+    registry = AdapterRegistry.from_directory(root)
+    client, service, servers = await start(tok, [fr], registry=registry)
+    try:
+        for stream in (False, True):
+            old = registry.get("good")
+            running = asyncio.create_task(client.post("/v1/completions", json={
+                "model": "good", "prompt": "hi", "max_tokens": 20, "stream": stream}))
+            await asyncio.sleep(0.3)  # placed and generating on the old files
+            registry.put(dataclasses.replace(old, problem="corrupt weights: cut short", version=f"v{stream}"))
+            r = await running
+            assert r.status == 200 and "finish_reason" in await r.text()
+            card = await (await client.get("/v1/models/good")).json()
+            assert card["status"] == "unavailable" and "cut short" in card["reason"], card
+            seen = len(fr.seen)
+            r = await client.post("/v1/completions", json={"model": "good", "prompt": "hi", "max_tokens": 2})
+            assert r.status == 400 and (await r.json())["error"]["code"] == "adapter_unavailable"
+            assert len(fr.seen) == seen  # refused at once
+            registry.put(old)  # fixed: served again
+            assert (await client.post("/v1/completions", json={"model": "good", "prompt": "hi"})).status == 200
+    finally:
+        await stop(client, servers)
+
+
 async def test_a_keys_max_concurrent_caps_its_sequences_in_flight_and_no_one_elses(tok, tmp_path):
     import asyncio
 
