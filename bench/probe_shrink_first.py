@@ -67,13 +67,16 @@ def main() -> None:
             out = torch.empty(T, N, device="cuda", dtype=torch.bfloat16)
             v = torch.zeros(T, G, R, device="cuda")
             ranks = torch.full((G, S), R, dtype=torch.int32, device="cuda")
-            sync = torch.zeros(4, dtype=torch.int32, device="cuda")
+            # a call site's counters each (the engine's rule: no two launches in flight share them; a product
+            # draws its tickets before it waits for the kernel before, so the next call's could meet this one's)
+            syncs = torch.zeros(8, 4, dtype=torch.int32, device="cuda")
             slots = {"32": torch.arange(T, dtype=torch.int32, device="cuda") % S,
                      "1": torch.zeros(T, dtype=torch.int32, device="cuda")}
 
             def product(st, s, mix=None):
                 shrink = {} if mix is None else dict(lora_x=x, cols=spans, v=v, b=s["b"], ranks=ranks,
-                                                     row_slot=slots[mix], a=s["a"], sync=sync, shrink_producer=True)
+                                                     row_slot=slots[mix], a=s["a"], sync=syncs[turn[0] % 8],
+                                                     shrink_producer=True)
                 ext.fp8_gemm_sm90(y, xq, s["w"], st, 1, True, **shrink)
 
             def epilogue(st, s, mix=None):
@@ -99,7 +102,7 @@ def main() -> None:
             key = f"{operands} {shape} {name}"
             rows[key] = {c: round(timed(fns[c], args.reps), 2) for c in cols}
             torch.cuda.synchronize()
-            assert not sync.any(), f"{key}: the shrink's counters were left non-zero"
+            assert not syncs.any(), f"{key}: the shrink's counters were left non-zero"
             sets.clear()
             torch.cuda.empty_cache()
     print(f"{'operands, projection (us per call, CUDA graph)':36s}" + "".join(f"{c:>10s}" for c in cols)
