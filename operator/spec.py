@@ -18,6 +18,7 @@ MAX_GPUS_PER_RUNNER = 8  # one tensor-parallel group lives on one node
 KV_FRACTION_RANGE = (0.05, 0.99)  # runner.kvFraction, as the CRD bounds it
 # A pool's name prefixes its Services' names, which must be DNS-1035 labels (the CRD checks it too).
 _POOL_NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+MAX_POOL_NAME = 40  # as the CRD bounds it: suffixed Service and Deployment names stay within 63 characters
 QUANTIZATIONS = ("auto", "fp8")  # runner.quantization: auto = as the checkpoint stores its weights
 KV_CACHE_DTYPES = ("auto", "fp8")  # runner.kvCacheDtype: auto = the model's dtype
 
@@ -127,12 +128,71 @@ class SpecError(ValueError):
     """A spec the operator cannot act on (the CRD's validation would have refused it)."""
 
 
-def _tuple(value: Any) -> tuple:
-    return tuple(value or ())
+def _section(spec: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    """spec[key] as a mapping ({} when absent). Another type is a SpecError here: met later as an AttributeError in
+    a handler, it would be a traceback retried forever instead of a status that says what is wrong."""
+    value = spec.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise SpecError(f"{key} must be an object, got {type(value).__name__} {_short(value)}")
+    return value
+
+
+def _tuple(value: Any, field: str) -> tuple:
+    """A list field as a tuple (() when absent). A string or an object is refused: tuple() would turn it into its
+    characters or keys (extraArgs "--x" into "-", "-", "x"), a silently wrong spec."""
+    if value is None:
+        return ()
+    if not isinstance(value, (list, tuple)):
+        raise SpecError(f"{field} must be a list, got {type(value).__name__} {_short(value)}")
+    return tuple(value)
+
+
+def _int(field: str, value: Any, low: int | None = None, high: int | None = None) -> int:
+    """An integer field within the CRD's bounds (the API server checks them; the operator must not rely on it).
+    A bool, a fraction or a non-number is refused rather than truncated or met as a TypeError."""
+    n = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        n = value
+    elif isinstance(value, float) and value.is_integer():
+        n = int(value)
+    elif isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        n = int(value)
+    if n is None:
+        raise SpecError(f"{field} must be an integer, got {_short(value)}")
+    if (low is not None and n < low) or (high is not None and n > high):
+        bounds = (f"{low} to {high}" if low is not None and high is not None
+                  else f"at least {low}" if low is not None else f"at most {high}")
+        raise SpecError(f"{field} is {n}: it must be {bounds}")
+    return n
+
+
+def _short(value: Any) -> str:
+    """A value for a message, cut short (a spec field may be megabytes long)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _bool(field: str, value: Any) -> bool:
+    """A boolean field: bool("false") is True, so a string (or anything else) is refused, not read as on."""
+    if not isinstance(value, bool):
+        raise SpecError(f"{field} must be true or false, got {_short(value)}")
+    return value
+
+
+def _fraction(value: Any) -> float:
+    """runner.kvFraction as a float (its range is checked with the rest of the runner's fields)."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise SpecError(f"runner.kvFraction must be a number, got {_short(value)}") from None
 
 
 def _check_env(field: str, env: tuple[Mapping[str, Any], ...], reserved: tuple[str, ...]) -> None:
     """One entry per name, none of them one the operator sets itself."""
+    if not all(isinstance(e, Mapping) for e in env):
+        raise SpecError(f"{field} must be a list of objects with a name (Kubernetes EnvVar)")
     names = [str(e.get("name") or "") for e in env]
     taken = sorted({n for n in names if n in reserved})
     if taken:
@@ -148,34 +208,36 @@ def parse_pool(name: str, namespace: str, spec: Mapping[str, Any]) -> PoolSpec:
     source = model.get("source") if isinstance(model, Mapping) else None
     if not source:
         raise SpecError("spec.model.source is required")
-    if not _POOL_NAME.match(name):
-        raise SpecError(f"the ServingPool name {name!r} must be a DNS-1035 label (lowercase letters, digits and '-', "
-                        "starting with a letter): it names the pool's Services")
+    if not _POOL_NAME.match(name) or len(name) > MAX_POOL_NAME:
+        raise SpecError(f"the ServingPool name {_short(name)} must be a DNS-1035 label of at most {MAX_POOL_NAME} "
+                        "characters (lowercase letters, digits and '-', starting with a letter): it names the pool's "
+                        "Services")
     try:
         sources.parse_source(str(source))
     except sources.SourceError as exc:
         raise SpecError(f"spec.model.source: {exc}") from None
-    r = spec.get("runner") or {}
-    s = spec.get("scheduler") or {}
-    a = spec.get("autoscaling") or {}
-    i = spec.get("ingress") or {}
+    r = _section(spec, "runner")
+    s = _section(spec, "scheduler")
+    a = _section(spec, "autoscaling")
+    i = _section(spec, "ingress")
     runner = RunnerSpec(
         image=r.get("image"),
         image_pull_policy=r.get("imagePullPolicy"),
-        gpus=int(r.get("gpusPerRunner", 1)),
-        max_batch_size=int(r.get("maxBatchSize", 32)),
-        kv_fraction=float(r.get("kvFraction", 0.9)),
-        max_lora_rank=int(r.get("maxLoraRank", 64)),
+        gpus=_int("runner.gpusPerRunner", r.get("gpusPerRunner", 1)),  # (its range is checked below)
+        max_batch_size=_int("runner.maxBatchSize", r.get("maxBatchSize", 32), 1, 1024),
+        kv_fraction=_fraction(r.get("kvFraction", 0.9)),
+        max_lora_rank=_int("runner.maxLoraRank", r.get("maxLoraRank", 64), 1, 128),
         quantization=str(r.get("quantization", "auto")),
         kv_cache_dtype=str(r.get("kvCacheDtype", "auto")),
         resources=dict(r.get("resources") or {}),
         node_selector=dict(r.get("nodeSelector") or {}),
-        tolerations=_tuple(r.get("tolerations")),
+        tolerations=_tuple(r.get("tolerations"), "runner.tolerations"),
         affinity=r.get("affinity") or None,
         priority_class=r.get("priorityClassName") or None,
-        grace_seconds=int(r.get("terminationGracePeriodSeconds", 120)),
-        env=_tuple(r.get("env")),
-        extra_args=tuple(str(x) for x in r.get("extraArgs") or ()),
+        grace_seconds=_int("runner.terminationGracePeriodSeconds", r.get("terminationGracePeriodSeconds", 120),
+                           10, 3600),
+        env=_tuple(r.get("env"), "runner.env"),
+        extra_args=tuple(str(x) for x in _tuple(r.get("extraArgs"), "runner.extraArgs")),
     )
     if not 1 <= runner.gpus <= MAX_GPUS_PER_RUNNER:
         raise SpecError(f"runner.gpusPerRunner is {runner.gpus}: it must be 1 to {MAX_GPUS_PER_RUNNER} "
@@ -196,19 +258,19 @@ def parse_pool(name: str, namespace: str, spec: Mapping[str, Any]) -> PoolSpec:
         image_pull_policy=s.get("imagePullPolicy"),
         resources=dict(s.get("resources") or {}),
         node_selector=dict(s.get("nodeSelector") or {}),
-        tolerations=_tuple(s.get("tolerations")),
-        env=_tuple(s.get("env")),
-        extra_args=tuple(str(x) for x in s.get("extraArgs") or ()),
+        tolerations=_tuple(s.get("tolerations"), "scheduler.tolerations"),
+        env=_tuple(s.get("env"), "scheduler.env"),
+        extra_args=tuple(str(x) for x in _tuple(s.get("extraArgs"), "scheduler.extraArgs")),
     )
     _check_env("scheduler.env", scheduler.env, c.SCHEDULER_ENV)
     autoscaling = AutoscalingSpec(
-        enabled=bool(a.get("enabled", True)),
-        scale_up_delay_s=int(a.get("scaleUpDelaySeconds", 10)),
-        scale_up_cooldown_s=int(a.get("scaleUpCooldownSeconds", 60)),
-        max_step=int(a.get("maxScaleUpStep", 2)),
+        enabled=_bool("autoscaling.enabled", a.get("enabled", True)),
+        scale_up_delay_s=_int("autoscaling.scaleUpDelaySeconds", a.get("scaleUpDelaySeconds", 10), 0, 3600),
+        scale_up_cooldown_s=_int("autoscaling.scaleUpCooldownSeconds", a.get("scaleUpCooldownSeconds", 60), 0, 3600),
+        max_step=_int("autoscaling.maxScaleUpStep", a.get("maxScaleUpStep", 2), 1, 64),
     )
     ingress = IngressSpec(
-        enabled=bool(i.get("enabled", False)),
+        enabled=_bool("ingress.enabled", i.get("enabled", False)),
         class_name=i.get("className") or None,
         host=i.get("host") or None,
         path=i.get("path") or "/v1",
@@ -220,17 +282,18 @@ def parse_pool(name: str, namespace: str, spec: Mapping[str, Any]) -> PoolSpec:
                         "(never /, /metrics or /admin), so the path must be /v1")
     keys = spec.get("apiKeys") or {}
     api_keys_secret = keys.get("secretName") if isinstance(keys, Mapping) else None
-    np = spec.get("networkPolicy") or {}
-    network_policy = NetworkPolicySpec(enabled=bool(np.get("enabled", True)),
-                                       additional_peers=_tuple(np.get("additionalPeers")))
-    pc = spec.get("prefixCache") or {}
-    prefix_cache = PrefixCacheSpec(enabled=bool(pc.get("enabled", True)),
-                                   salt_per_api_key=bool(pc.get("saltPerApiKey", False)))
+    np = _section(spec, "networkPolicy")
+    network_policy = NetworkPolicySpec(enabled=_bool("networkPolicy.enabled", np.get("enabled", True)),
+                                       additional_peers=_tuple(np.get("additionalPeers"),
+                                                               "networkPolicy.additionalPeers"))
+    pc = _section(spec, "prefixCache")
+    prefix_cache = PrefixCacheSpec(enabled=_bool("prefixCache.enabled", pc.get("enabled", True)),
+                                   salt_per_api_key=_bool("prefixCache.saltPerApiKey", pc.get("saltPerApiKey", False)))
     if prefix_cache.salt_per_api_key and not api_keys_secret:
         raise SpecError("prefixCache.saltPerApiKey needs apiKeys.secretName: without API keys there is no key to "
                         "salt the cache by")
     node_group = None
-    ng = spec.get("nodeGroup")
+    ng = _section(spec, "nodeGroup")
     if ng:
         missing = [k for k in ("apiVersion", "kind", "name", "gpusPerNode") if not ng.get(k)]
         if missing:
@@ -239,10 +302,11 @@ def parse_pool(name: str, namespace: str, spec: Mapping[str, Any]) -> PoolSpec:
             api_version=ng["apiVersion"],
             kind=ng["kind"],
             name=ng["name"],
-            gpus_per_node=int(ng["gpusPerNode"]),
+            gpus_per_node=_int("nodeGroup.gpusPerNode", ng["gpusPerNode"], high=64),
             namespace=ng.get("namespace") or None,
-            min_replicas=int(ng.get("minReplicas", 0)),
-            max_replicas=int(ng["maxReplicas"]) if ng.get("maxReplicas") is not None else None,
+            min_replicas=_int("nodeGroup.minReplicas", ng.get("minReplicas", 0), 0),
+            max_replicas=(_int("nodeGroup.maxReplicas", ng["maxReplicas"], 1)
+                          if ng.get("maxReplicas") is not None else None),
         )
         if node_group.gpus_per_node < runner.gpus:
             raise SpecError("nodeGroup.gpusPerNode must be at least runner.gpusPerRunner")
@@ -255,12 +319,12 @@ def parse_pool(name: str, namespace: str, spec: Mapping[str, Any]) -> PoolSpec:
         model_source=str(source),
         runner=runner,
         scheduler=scheduler,
-        image_pull_secrets=tuple(str(x) for x in spec.get("imagePullSecrets") or ()),
+        image_pull_secrets=tuple(str(x) for x in _tuple(spec.get("imagePullSecrets"), "imagePullSecrets")),
         credentials_secret=spec.get("credentialsSecret") or None,
-        adapter_volumes=tuple(str(x) for x in spec.get("adapterVolumes") or ()),
-        min_runners=int(spec.get("minRunners", 1)),
-        max_runners=int(spec.get("maxRunners", 4)),
-        idle_seconds=int(spec.get("idleSecondsBeforeDrain", 600)),
+        adapter_volumes=tuple(str(x) for x in _tuple(spec.get("adapterVolumes"), "adapterVolumes")),
+        min_runners=_int("minRunners", spec.get("minRunners", 1), 0, 1024),
+        max_runners=_int("maxRunners", spec.get("maxRunners", 4), 1, 1024),
+        idle_seconds=_int("idleSecondsBeforeDrain", spec.get("idleSecondsBeforeDrain", 600), 1, 86400),
         autoscaling=autoscaling,
         ingress=ingress,
         node_group=node_group,

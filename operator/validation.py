@@ -75,6 +75,9 @@ def precheck(name: str, spec: Mapping[str, Any], pool_body: Mapping[str, Any] | 
     pool_name = spec.get("pool")
     if not pool_name:
         return failed("InvalidSpec", "spec.pool is required")
+    if not isinstance(pool_name, str) or not isinstance(spec.get("source", ""), str):
+        # (the CRD types both as strings; str() of a list would look a pool or a local path up by its repr)
+        return failed("InvalidSpec", "spec.pool and spec.source must be strings")
     if pool_body is None:
         return failed("PoolNotFound", f"ServingPool {pool_name!r} not found in namespace {namespace!r}", True)
     try:

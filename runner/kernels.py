@@ -31,6 +31,7 @@ from pathlib import Path
 from types import ModuleType
 
 from lorafleet import env
+from lorafleet.common.cli_args import positive_int
 
 log = logging.getLogger(__name__)
 
@@ -242,7 +243,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also compile flashinfer's modules for the shapes below into its ahead-of-time folder "
                              "(default: the SGMV extension only)")
     parser.add_argument("--no-sgmv", action="store_true", help="skip the SGMV extension (default: build it)")
-    parser.add_argument("--head-dims", type=int, nargs="+", default=[128], metavar="D",
+    parser.add_argument("--head-dims", type=positive_int, nargs="+", default=[128], metavar="D",
                         help="attention head sizes served (default: 128)")
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16"], choices=DTYPES[:2],
                         help="activation dtypes served (default: bfloat16)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from lorafleet.common.cli_args import non_negative_int, positive_int
 from lorafleet.scheduler.placement import PREFILL_BACKLOG, PREFIX_TOKENS_PER_SLOT
 
 DEFAULT_MAX_SEQUENCES = 32
@@ -36,25 +37,27 @@ class RequestLimits:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The budget flags (shared by `lorafleet scheduler` and `lorafleet serve`)."""
-    p.add_argument("--max-sequences-per-request", type=int, default=DEFAULT_MAX_SEQUENCES, metavar="N",
+    p.add_argument("--max-sequences-per-request", type=positive_int, default=DEFAULT_MAX_SEQUENCES, metavar="N",
                    help=f"prompts x n of one request (default: {DEFAULT_MAX_SEQUENCES})")
-    p.add_argument("--max-prompt-tokens-per-request", type=int, default=DEFAULT_MAX_PROMPT_TOKENS, metavar="N",
+    p.add_argument("--max-prompt-tokens-per-request", type=positive_int, default=DEFAULT_MAX_PROMPT_TOKENS, metavar="N",
                    help="prompt tokens of all sequences of one request together, prompts x n "
                         f"(default: {DEFAULT_MAX_PROMPT_TOKENS}, at least the context length)")
-    p.add_argument("--max-completion-tokens", type=int, default=None, metavar="N",
+    p.add_argument("--max-completion-tokens", type=positive_int, default=None, metavar="N",
                    help="largest max_tokens a request may ask for (default: the context length)")
-    p.add_argument("--max-prefill-backlog", type=int, default=PREFILL_BACKLOG, metavar="TOKENS",
+    p.add_argument("--max-prefill-backlog", type=positive_int, default=PREFILL_BACKLOG, metavar="TOKENS",
                    help="placement passes over a runner whose queued prompt tokens would exceed this "
                         f"(default: {PREFILL_BACKLOG})")
-    p.add_argument("--runner-queue", type=int, default=None, metavar="N",
+    p.add_argument("--runner-queue", type=non_negative_int, default=None, metavar="N",
                    help="requests placed on a runner beyond its max batch size, so it loads their adapters "
                         "while its batch is full (default: a quarter of its max batch; 0: none)")
-    p.add_argument("--prefix-affinity-tokens", type=int, default=PREFIX_TOKENS_PER_SLOT, metavar="TOKENS",
+    p.add_argument("--prefix-affinity-tokens", type=non_negative_int, default=PREFIX_TOKENS_PER_SLOT, metavar="TOKENS",
                    help="placement: a runner likely to hold this many tokens of a request's prefix in its cache counts "
                         f"as one more request in its batch (default: {PREFIX_TOKENS_PER_SLOT}; 0: ignore prefixes)")
 
 
 def from_args(args: argparse.Namespace, max_model_len: int) -> RequestLimits:
+    """The limits the flags set. argparse refuses values out of range before anything loads; these checks remain
+    for namespaces built by hand (tests, embedding code)."""
     for flag in ("max_sequences_per_request", "max_prompt_tokens_per_request", "max_prefill_backlog"):
         if getattr(args, flag) < 1:
             raise SystemExit(f"--{flag.replace('_', '-')} must be at least 1")

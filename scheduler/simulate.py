@@ -45,6 +45,10 @@ from lorafleet.scheduler.prefix_index import MAX_PAGES, PrefixIndex
 
 PAGE = 16  # tokens per KV page
 NO_CACHE = ":no-cache"  # policy suffix: runners without a prefix cache
+# Arrivals the trace draws at the peak rate (--duration x --peak-rps) and adapters it draws from: beyond these the
+# trace alone takes hours or all the memory (--peak-rps 1e308 never ended), so they are refused at once.
+MAX_ARRIVALS = 10_000_000
+MAX_ADAPTERS = 10_000_000
 
 
 @dataclass
@@ -541,6 +545,11 @@ def make_trace(args: argparse.Namespace) -> list[Req]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.duration * args.peak_rps > MAX_ARRIVALS:
+        raise SystemExit(f"lorafleet simulate: error: --duration {args.duration:g} x --peak-rps {args.peak_rps:g} is "
+                         f"more than {MAX_ARRIVALS:,} arrivals to draw; shorten --duration or lower --peak-rps")
+    if args.adapters > MAX_ADAPTERS:
+        raise SystemExit(f"lorafleet simulate: error: --adapters {args.adapters} is more than {MAX_ADAPTERS:,}")
     for pol in args.policies:
         make_policy(pol.removesuffix(NO_CACHE))
     if args.fit_from:

@@ -36,6 +36,17 @@ def test_ranges(fn, value, ok):
     (["serve", "--runners", "0"], "--runners"), (["serve", "--max-batch-size", "0"], "--max-batch-size"),
     (["runner", "--model", "m", "--tp", "0"], "--tp"), (["runner", "--model", "m", "--kv-fraction", "2"], "--kv-fraction"),
     (["scheduler", "--model", "m", "--port", "99999"], "--port"),
+    # these reached the engine core (a traceback from torch.set_num_threads or the engine's ValueError), ran with a
+    # negative grace, or were refused only after serve's runners had loaded the model
+    (["serve", "--threads", "-1"], "--threads"), (["runner", "--model", "m", "--threads", "0"], "--threads"),
+    (["serve", "--grace-seconds", "-5"], "--grace-seconds"), (["serve", "--ready-timeout", "0"], "--ready-timeout"),
+    (["runner", "--model", "m", "--grace-seconds", "nan"], "--grace-seconds"),
+    (["runner", "--model", "m", "--admit-wait-steps", "-1"], "--admit-wait-steps"),
+    (["runner", "--model", "m", "--decode-prefill-tokens", "0"], "--decode-prefill-tokens"),
+    (["serve", "--max-sequences-per-request", "0"], "--max-sequences-per-request"),
+    (["serve", "--max-completion-tokens", "0"], "--max-completion-tokens"),
+    (["scheduler", "--model", "m", "--runner-queue", "-1"], "--runner-queue"),
+    (["serve", "--prefix-affinity-tokens", "-1"], "--prefix-affinity-tokens"),
 ])
 def test_commands_refuse_them_in_one_line(argv, flag, capsys):
     from lorafleet import cli

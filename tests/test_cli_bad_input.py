@@ -104,6 +104,20 @@ def test_simulate_says_when_the_trace_has_no_requests(argv, hint, capsys):
     assert "| busiest |" not in capsys.readouterr().out
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("argv, says", [
+    (["--peak-rps", "1e308", "--duration", "1"], "--duration 1 x --peak-rps 1e+308 is more than 10,000,000 arrivals"),
+    (["--duration", "1e7", "--peak-rps", "2"], "shorten --duration or lower --peak-rps"),
+    (["--adapters", "1000000000", "--duration", "1"], "--adapters 1000000000 is more than 10,000,000"),
+])
+def test_simulate_refuses_a_trace_it_could_not_finish(argv, says, capsys):
+    """A huge rate or duration drew arrivals forever, a huge adapter population took all the memory: both hung."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["simulate", *argv, "--policies", "busiest"])
+    msg = str(exc.value.code)
+    assert msg.startswith("lorafleet simulate: error: ") and says in msg and "\n" not in msg, msg
+
+
 def test_simulate_says_when_no_prompt_fits_one_gpus_kv(capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["simulate", "--kv-tokens", "2", "--duration", "60", "--policies", "busiest"])
@@ -224,6 +238,23 @@ def test_quality_refuses_text_it_cannot_score_before_any_engine(content, says, d
     err = capsys.readouterr().err
     assert "lorafleet bench quality: error: " in err and says in err and "Traceback" not in err, err
     assert not out.exists()
+
+
+def test_a_kv_cache_too_large_to_allocate_is_one_line(demo_model, tmp_path, capsys):
+    """--kv-pages beyond memory was a RuntimeError traceback from torch's allocator (in a runner, one per start)."""
+    (tmp_path / "in.jsonl").write_text('{"prompt": "hi", "max_tokens": 1}\n')
+    out = tmp_path / "out.jsonl"
+    code = cli.main(["generate", "--model", str(demo_model), "--adapters", str(tmp_path), "--device", "cpu",
+                     "--input", str(tmp_path / "in.jsonl"), "--output", str(out), "--kv-pages", "99999999999"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    assert "lorafleet generate: error: the KV cache of 99,999,999,999 pages x 16 tokens cannot be allocated" in err
+    assert "lower --kv-pages" in err and not out.exists()
+
+
+def test_build_kernels_refuses_a_head_dim_below_one(capsys):
+    assert refused(["build-kernels", "--head-dims", "0", "--list"], capsys).endswith(
+        "argument --head-dims: must be at least 1 (got 0)")
 
 
 @pytest.mark.parametrize("flag", ["--streams", "--requests", "--tokens", "--prompt-tokens", "--runners", "--max-batch"])

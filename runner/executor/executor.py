@@ -125,7 +125,12 @@ def build_executor(model: "str | Decoder", config: EngineConfig, shard=None, gro
     if group is not None:
         num_pages = group.min_int(num_pages)  # every rank must hold the same pages
     # one extra page: the scratch page padded rows of captured CUDA graphs write to
-    kv = KVCache(rank_cfg, num_pages + 1, config.page_size, kv_dtype, device)
+    try:
+        kv = KVCache(rank_cfg, num_pages + 1, config.page_size, kv_dtype, device)
+    except RuntimeError as exc:  # (torch.OutOfMemoryError too) a size too large to allocate, or to even compute
+        raise ModelConfigError(f"the KV cache of {num_pages:,} pages x {config.page_size} tokens cannot be allocated "
+                               f"on {device}: {str(exc).splitlines()[0][:200]}; lower --kv-pages, --kv-cache-gb or "
+                               "--kv-fraction") from None
     net.attach_kv(make_kv_writer(net, kv.flat, kernels.rope_kv, kernels.rope_kv_fp8, kernels.rope_kv_pdl))
     from lorafleet.runner.executor.attention.select import attention_backend
 

@@ -456,11 +456,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="while requests run, admit new ones once this many batch places are free (or after "
                         "--admit-wait-steps steps) so prompts share prefill steps (default: max batch / 8 on "
                         "CUDA, 1 on CPU)")
-    p.add_argument("--admit-wait-steps", type=int, default=8, help="longest wait of admission batching, in steps")
+    p.add_argument("--admit-wait-steps", type=cli_args.non_negative_int, default=8,
+                   help="longest wait of admission batching, in steps")
     p.add_argument("--max-step-tokens", type=cli_args.positive_int, default=None,
                    help="chunked prefill: token rows per step, decodes included (default: 2048 on CUDA, 512 on the "
                         "CPU)")
-    p.add_argument("--decode-prefill-tokens", type=int, default=None,
+    p.add_argument("--decode-prefill-tokens", type=cli_args.positive_int, default=None,
                    help="chunked prefill: prompt rows a step that carries decodes may add (smaller: decoding "
                         "requests are delayed less by long prompts, whose first token comes later; default: "
                         "the step budget alone)")
@@ -509,11 +510,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="HF model directory, .gguf file or model source URI")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=cli_args.port, default=8001, help="port to listen on")
-    p.add_argument("--threads", type=int, default=None, metavar="N",
+    p.add_argument("--threads", type=cli_args.positive_int, default=None, metavar="N",
                    help="torch threads of the engine (CPU work) (default: the CPUs this process may use, within its "
                         "cgroup's CPU limit)")
     p.add_argument("--id", default=None, help="stable runner id (default: env LORAFLEET_RUNNER_ID or host:port)")
-    p.add_argument("--grace-seconds", type=float, default=30.0, help="on SIGTERM, time to finish in-flight requests")
+    p.add_argument("--grace-seconds", type=cli_args.non_negative_float, default=30.0,
+                   help="on SIGTERM, time to finish in-flight requests")
     add_engine_arguments(p)
 
 

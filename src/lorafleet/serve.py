@@ -197,7 +197,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=cli_args.port, default=8000, help="port the OpenAI API listens on")
     p.add_argument("--runners", type=cli_args.positive_int, default=1,
                    help="runner processes to start; on the CPU they share the cores (see --threads)")
-    p.add_argument("--threads", type=int, default=None, metavar="N",
+    p.add_argument("--threads", type=cli_args.positive_int, default=None, metavar="N",
                    help="CPU runners: torch threads of each runner (default: the cores this process may use, "
                         "divided among the runners, at least 1)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
@@ -212,8 +212,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=cli_args.DTYPES,
                    help="weights and activations: auto (float32 on the CPU, bfloat16 on CUDA), float32, bfloat16 or "
                         "float16")
-    p.add_argument("--grace-seconds", type=float, default=20.0, help="time to finish in-flight requests on stop")
-    p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for runners to load")
+    p.add_argument("--grace-seconds", type=cli_args.non_negative_float, default=20.0,
+                   help="time to finish in-flight requests on stop")
+    p.add_argument("--ready-timeout", type=cli_args.positive_float, default=600.0,
+                   help="seconds to wait for runners to load")
     p.add_argument("--kv-fraction", type=cli_args.fraction, default=None,
                    help="GPU: share of free memory for each runner's KV cache (default: 0.85)")
     p.add_argument("--lora-slots", type=cli_args.positive_int, default=None,

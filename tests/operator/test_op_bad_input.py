@@ -42,7 +42,49 @@ def test_pool_specs_the_runners_cannot_use_are_refused_by_name(spec, words):
         parse_pool("p", "ns", {**GOOD, **spec})
 
 
-@pytest.mark.parametrize("name", ["a.b", "1pool", "Pool", "pool-"])
+@pytest.mark.parametrize("spec, words", [
+    # wrong types: these were a ValueError, TypeError or AttributeError in the handler (a traceback retried forever)
+    ({"runner": {"gpusPerRunner": "two"}}, "runner.gpusPerRunner must be an integer, got 'two'"),
+    ({"runner": {"maxBatchSize": None}}, "runner.maxBatchSize must be an integer, got None"),
+    ({"runner": {"kvFraction": "most"}}, "runner.kvFraction must be a number, got 'most'"),
+    ({"runner": ["gpusPerRunner"]}, "runner must be an object, got list"),
+    ({"autoscaling": "on"}, "autoscaling must be an object, got str 'on'"),
+    ({"nodeGroup": "karpenter"}, "nodeGroup must be an object"),
+    ({"runner": {"env": ["HF_TOKEN=x"]}}, "runner.env must be a list of objects with a name"),
+    # silently wrong: a string read as its characters, "false" read as on, bounds the CRD sets not kept
+    ({"runner": {"extraArgs": "--max-step-tokens 256"}}, "runner.extraArgs must be a list, got str"),
+    ({"adapterVolumes": "loras"}, "adapterVolumes must be a list, got str 'loras'"),
+    ({"autoscaling": {"enabled": "false"}}, "autoscaling.enabled must be true or false, got 'false'"),
+    ({"minRunners": -1}, "minRunners is -1: it must be 0 to 1024"),
+    ({"minRunners": 0, "maxRunners": 0}, "maxRunners is 0: it must be 1 to 1024"),
+    ({"runner": {"maxBatchSize": 0}}, "runner.maxBatchSize is 0: it must be 1 to 1024"),
+    ({"runner": {"maxLoraRank": 1000}}, "runner.maxLoraRank is 1000: it must be 1 to 128"),
+    ({"runner": {"gpusPerRunner": 1.5}}, "runner.gpusPerRunner must be an integer, got 1.5"),
+    ({"autoscaling": {"maxScaleUpStep": 0}}, "autoscaling.maxScaleUpStep is 0: it must be 1 to 64"),
+    ({"idleSecondsBeforeDrain": -5}, "idleSecondsBeforeDrain is -5: it must be 1 to 86400"),
+])
+def test_pool_fields_of_the_wrong_type_or_out_of_the_crds_bounds_are_a_spec_error(spec, words):
+    """Only a SpecError reaches the status and one event; any other exception was a handler traceback."""
+    with pytest.raises(SpecError) as exc:
+        parse_pool("p", "ns", {**GOOD, **spec})
+    assert words in str(exc.value) and len(str(exc.value)) < 300, str(exc.value)
+
+
+def test_a_huge_field_is_cut_short_in_the_message():
+    with pytest.raises(SpecError) as exc:
+        parse_pool("p", "ns", {**GOOD, "runner": {"extraArgs": "x" * 1_000_000}})
+    assert len(str(exc.value)) < 200
+
+
+@pytest.mark.parametrize("spec", [{"pool": ["p"], "source": "hf://org/a"}, {"pool": "p", "source": 5}])
+def test_an_adapter_whose_pool_or_source_is_not_a_string_fails_as_an_invalid_spec(spec):
+    """A list as the pool was a TypeError in precheck; a number as the source was looked up as a local path '5'."""
+    got = validation.precheck("a", spec, {"spec": GOOD}, "ns")
+    assert (got.phase, got.reason, got.retryable) == ("Failed", "InvalidSpec", False)
+    assert got.message == "spec.pool and spec.source must be strings"
+
+
+@pytest.mark.parametrize("name", ["a.b", "1pool", "Pool", "pool-", "p" * 41])
 def test_a_pool_name_that_cannot_name_a_service_is_refused(name):
     with pytest.raises(SpecError, match="must be a DNS-1035 label"):
         parse_pool(name, "ns", GOOD)
