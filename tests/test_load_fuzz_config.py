@@ -34,6 +34,12 @@ def small(tmp_path_factory):
     ({"rope_parameters": [1, 2]}, "'rope_parameters' must be an object"),
     ({"architectures": 5}, "'architectures' must be a list of class names, got 5"),
     ({"architectures": [{"a": 1}]}, "'architectures' must be a list of class names"),
+    # was: the per-layer tables built first (10**9 layers: minutes and gigabytes), then the weights lacked layer 2
+    ({"num_hidden_layers": 100_000}, "'num_hidden_layers' must be at most 4,096, got 100,000"),
+    # was: loaded as Llama, while transformers builds the model_type's class (Qwen3: q/k norms; Mistral: a window)
+    ({"model_type": "qwen3"}, "contradicts itself: architectures ['LlamaForCausalLM'] name a llama model but "
+                              "model_type is 'qwen3'"),
+    ({"model_type": "mistral"}, "name a llama model but model_type is 'mistral'"),
 ])
 def test_a_setting_of_the_wrong_kind_or_out_of_range_is_refused_naming_it(small, tmp_path, change, words):
     d = tmp_path / "m"

@@ -4,6 +4,7 @@ work, or the bad line failing alone, and a results file that keeps what finished
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import pytest
@@ -51,6 +52,15 @@ def test_an_output_path_that_is_a_directory_is_refused_before_the_model_loads(sm
 def test_an_input_path_that_is_a_directory_is_named_as_such(small, tmp_path, capsys):
     assert generate(small, tmp_path, tmp_path / "r.jsonl") == 2
     assert f"input file {tmp_path} is a directory" in capsys.readouterr().err
+
+
+def test_a_model_path_that_is_a_named_pipe_is_refused(tmp_path, capsys):
+    """A FIFO named like a .gguf file (was: an OSError traceback from the tokenizer's conversion; reading it would
+    block until a writer came)."""
+    os.mkfifo(tmp_path / "m.gguf")
+    write_lines(tmp_path / "in.jsonl", [{"id": "a", **PROMPT}])
+    assert generate(tmp_path / "m.gguf", tmp_path / "in.jsonl", tmp_path / "r.jsonl") == 2
+    assert f"--model {tmp_path / 'm.gguf'} is neither a directory nor a regular file" in capsys.readouterr().err
 
 
 def test_a_line_whose_string_holds_a_unicode_line_separator_is_one_request(small, tmp_path):

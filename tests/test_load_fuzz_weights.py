@@ -5,7 +5,10 @@ never a silently broadcast or reinterpreted weight)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -127,3 +130,28 @@ def test_a_config_json_that_is_not_utf8_is_refused(small, tmp_path):
     (d / "config.json").write_bytes(b"\xff\xfe{")
     with pytest.raises(WeightsError, match="config.json is not valid JSON"):
         load_model(d)
+
+
+def test_weights_that_are_a_named_pipe_are_refused_without_opening_them(small, tmp_path):
+    """Opening a FIFO blocks until a writer comes, inside safetensors where no signal reaches (was: the load hung for
+    good). A helper process (safetensors holds the GIL while it waits: a thread would never run) opens the pipe's
+    write end whenever a reader waits, so that the unfixed load ends, reading nothing, instead of hanging the test."""
+    d = tmp_path / "m"
+    d.mkdir()
+    shutil.copy(small / "config.json", d / "config.json")
+    os.mkfifo(d / "model.safetensors")
+    release = subprocess.Popen([sys.executable, "-c", f"""
+import os, time
+while True:
+    try:
+        os.close(os.open({str(d / "model.safetensors")!r}, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:  # ENXIO: no reader waits
+        pass
+    time.sleep(0.05)
+"""])
+    try:
+        with pytest.raises(WeightsError, match="model.safetensors is not a regular file"):
+            engine(d)
+    finally:
+        release.kill()
+        release.wait()

@@ -160,6 +160,16 @@ def _shard_name(f) -> bool:
     return isinstance(f, str) and f.endswith(".safetensors") and Path(f).name == f and f not in (".", "..")
 
 
+def _regular(files: list[Path]) -> list[Path]:
+    """`files`, each a regular file (or a link to one); WeightsError naming one that is not: opening a named pipe
+    blocks until a writer comes (the load hung, out of reach of signals, inside safetensors), a directory or a
+    device reads as no weights."""
+    for f in files:
+        if not f.is_file():
+            raise WeightsError(f"{f} is not a regular file (weights must be .safetensors files)")
+    return files
+
+
 def _safetensors_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
@@ -171,11 +181,11 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
             raise WeightsError(f"{index.name} is not a valid safetensors index: its weight_map must map tensor names to "
                                "the names of .safetensors files in the model directory")
         files = sorted({model_dir / f for f in weight_map.values()})
-        missing = [f.name for f in files if not f.is_file()]
+        missing = [f.name for f in files if not f.exists()]
         if missing:
             raise WeightsError(f"{model_dir}: shards listed in the index are missing: {', '.join(missing)}")
-        return files
-    files = sorted(model_dir.glob("*.safetensors"))
+        return _regular(files)
+    files = _regular(sorted(model_dir.glob("*.safetensors")))
     if not files:
         pickled = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(p.name for p in model_dir.glob("*.pt"))
         if pickled:

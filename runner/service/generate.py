@@ -93,6 +93,9 @@ def model_path_problem(model: Path) -> str | None:
     names an architecture or setting the engine does not support), or None."""
     if not model.exists():
         return f"{model} does not exist (give a Hugging Face model directory or a .gguf file)"
+    if not model.is_dir() and not model.is_file():  # a named pipe would block the tokenizer's read, a device too
+        return (f"{model} is neither a directory nor a regular file (give a Hugging Face model directory or a "
+                ".gguf file)")
     if model.is_file() and model.suffix != ".gguf":
         return f"{model} is a file but not a .gguf file (give a Hugging Face model directory or a .gguf file)"
     cfg = model / "config.json"

@@ -361,10 +361,10 @@ def _proj_of(ck: Checkpoint, tensor: str) -> str:
 # --- helpers for family modules ---------------------------------------------------------------------------
 
 
-def hf_int(cfg: dict, key: str, default=None, minimum: int | None = None) -> int:
+def hf_int(cfg: dict, key: str, default=None, minimum: int | None = None, maximum: int | None = None) -> int:
     """An integer setting of config.json (`default` when absent or null): an int, an integral float (64.0) or a
     string of one; ModelConfigError for anything else (64.7 would be silently cut to 64, true read as 1) and
-    for a value below `minimum`."""
+    for a value below `minimum` or above `maximum`."""
     v = cfg.get(key)
     v = default if v is None else v
     if v is None:
@@ -377,6 +377,8 @@ def hf_int(cfg: dict, key: str, default=None, minimum: int | None = None) -> int
         raise ModelConfigError(f"the model's config: {key!r} must be an integer, got {v!r}") from None
     if minimum is not None and n < minimum:
         raise ModelConfigError(f"the model's config: {key!r} must be at least {minimum}, got {n}")
+    if maximum is not None and n > maximum:
+        raise ModelConfigError(f"the model's config: {key!r} must be at most {maximum:,}, got {n:,}")
     return n
 
 
@@ -490,6 +492,11 @@ def layer_types(cfg: dict, num_layers: int) -> list[str] | None:
     return lt
 
 
+# The per-layer tables of a config are built before any weight is read: a layer count of 10**9 took minutes and
+# gigabytes to be refused (the weights lack its layers). Released models have up to ~130 layers.
+MAX_LAYERS = 4096
+
+
 def common_fields(cfg: dict, family: str, name: str, head_dim: int | None = None) -> dict:
     """The fields every HF decoder config spells alike (`head_dim`: the family's default when the config has
     none; else hidden / heads)."""
@@ -505,7 +512,7 @@ def common_fields(cfg: dict, family: str, name: str, head_dim: int | None = None
         vocab_size=hf_int(cfg, "vocab_size", minimum=1),
         hidden_size=hidden,
         intermediate_size=hf_int(cfg, "intermediate_size", minimum=1),
-        num_layers=hf_int(cfg, "num_hidden_layers", minimum=1),
+        num_layers=hf_int(cfg, "num_hidden_layers", minimum=1, maximum=MAX_LAYERS),
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,

@@ -38,11 +38,18 @@ def family_for(cfg: dict) -> Family:
     for a in archs:
         if a in _REFUSED:
             raise ModelConfigError(f"{a}: {_REFUSED[a]}")
+    mt = cfg.get("model_type")
     for n in FAMILIES:
         fam = family(n)
         if any(a in fam.architectures for a in archs):
+            # transformers' Auto classes build the model of `model_type`, not of `architectures`: where the two
+            # disagree, its reference and this engine would run different models (a Llama read as Mistral gets a
+            # window, as Qwen3 q/k norms), so neither is picked silently
+            if mt is not None and mt not in fam.model_types:
+                raise ModelConfigError(f"the model's config contradicts itself: architectures {archs} name a "
+                                       f"{fam.name} model but model_type is {mt!r} (a {fam.name} config has "
+                                       f"model_type {' or '.join(map(repr, fam.model_types))})")
             return fam
-    mt = cfg.get("model_type")
     for n in FAMILIES:
         fam = family(n)
         if not archs and mt in fam.model_types:  # an architecture we lack (a classifier head, say) is refused
