@@ -150,7 +150,14 @@ def test_tp2_on_the_dense_lora_path_gives_the_tokens_of_one_rank(tmp_path, monke
     assert set(calls) == {0, 1, 2, 3} and not kcalls
 
 
-def test_a_model_that_does_not_split_is_refused(gqa, tmp_path):
+def test_a_model_that_does_not_split_is_refused(gqa, tmp_path, monkeypatch):
+    """Refused from its config.json before any other rank's process starts (--tp 64 started 64 processes first)."""
+    from lorafleet.runner.engine import tp_workers
+
+    def no_ranks(*args, **kwargs):
+        raise AssertionError("the ranks were started before the split was checked")
+
+    monkeypatch.setattr(tp_workers.TPWorkers, "__init__", no_ranks)
     model = write_random_llama(tmp_path / "m", hidden=96, layers=1, heads=6, kv_heads=3, inter=128, vocab=64)
     with pytest.raises(ModelConfigError, match="KV heads"):
         Engine(str(model), EngineConfig(device="cpu", tp=2, num_pages=50))

@@ -88,6 +88,21 @@ def invariance_gaps(config: EngineConfig, device: torch.device, model, attention
     return gaps
 
 
+def _check_split(model: str, shard) -> None:
+    """A model directory's split over the ranks, checked from its config.json before any rank starts: a model the
+    ranks cannot share is refused at once, not after G - 1 processes have started and each failed on it (a GGUF
+    file or a source is checked by each rank as it loads)."""
+    from pathlib import Path
+
+    from lorafleet.models.registry import family_for
+    from lorafleet.runner.model.weights import read_hf_config, typed_config
+
+    path = Path(model)
+    if (path / "config.json").is_file():
+        hf = read_hf_config(path)
+        shard.check(typed_config(family_for(hf), hf, path.name))
+
+
 class Engine:
     """`model` is a model path (HF directory, .gguf or synthetic directory) or an already built Decoder
     (shared weights, e.g. for benchmarks). `adapter_loader(ref) -> LoadedAdapter` replaces reading
@@ -112,6 +127,7 @@ class Engine:
             from lorafleet.runner.parallel.shard import Shard
             from lorafleet.runner.engine.tp_workers import TPWorkers, rank_device
 
+            _check_split(str(model), Shard(0, config.tp))
             device = rank_device(config, 0)
             if device.type == "cuda":
                 torch.cuda.set_device(device)
