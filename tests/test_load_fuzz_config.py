@@ -40,6 +40,12 @@ def small(tmp_path_factory):
     ({"model_type": "qwen3"}, "contradicts itself: architectures ['LlamaForCausalLM'] name a llama model but "
                               "model_type is 'qwen3'"),
     ({"model_type": "mistral"}, "name a llama model but model_type is 'mistral'"),
+    # was: loaded, then every request's output was not finite
+    ({"rope_parameters": None, "rope_theta": 0}, "RoPE setting 'rope_theta' must be a finite positive number, got 0"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": 0.0, "rope_theta": 10000.0}},
+     "RoPE setting 'factor' must be a finite positive number, got 0.0"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": float("nan"), "rope_theta": 10000.0}},
+     "RoPE setting 'factor' must be a finite positive number, got nan"),
 ])
 def test_a_setting_of_the_wrong_kind_or_out_of_range_is_refused_naming_it(small, tmp_path, change, words):
     d = tmp_path / "m"

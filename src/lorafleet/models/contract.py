@@ -438,20 +438,30 @@ def rope_from_hf(params: dict, head_dim: int, max_position_embeddings: int, defa
         raise ModelConfigError(f"RoPE scaling {kind!r}: bad or missing parameter ({exc!r})") from None
 
 
+def _rope_positive(key: str, value) -> float:
+    """A RoPE setting that divides or is raised to a power (theta, the scaling factors): a finite positive number.
+    Zero or NaN loaded fine and then made every request's output non-finite."""
+    x = float(value)
+    if not math.isfinite(x) or x <= 0:
+        raise ModelConfigError(f"RoPE setting {key!r} must be a finite positive number, got {value!r}")
+    return x
+
+
 def _rope(params: dict, kind: str, head_dim: int, max_position_embeddings: int, default_theta: float,
           partial_rotary_factor: float, original_max) -> RopeSpec:
-    theta = float(params.get("rope_theta", default_theta))
+    theta = _rope_positive("rope_theta", params.get("rope_theta", default_theta))
     prf = float(params.get("partial_rotary_factor", partial_rotary_factor))
     rotary_dim = int(head_dim * prf)
     if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
         raise ModelConfigError(f"partial_rotary_factor {prf} gives a rotary dimension of {rotary_dim} for heads of {head_dim}")
     spec = RopeSpec(theta=theta, rotary_dim=rotary_dim, kind=kind)
     if kind == "linear":
-        return dataclasses.replace(spec, factor=float(params["factor"]))
+        return dataclasses.replace(spec, factor=_rope_positive("factor", params["factor"]))
     if kind == "llama3":
         return dataclasses.replace(
-            spec, factor=float(params["factor"]), low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+            spec, factor=_rope_positive("factor", params["factor"]),
+            low_freq_factor=_rope_positive("low_freq_factor", params.get("low_freq_factor", 1.0)),
+            high_freq_factor=_rope_positive("high_freq_factor", params.get("high_freq_factor", 4.0)),
             original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)))
     if kind == "freq_factors":
         ext = tuple(float(f) for f in params["ext_factors"])
@@ -468,7 +478,7 @@ def _rope(params: dict, kind: str, head_dim: int, max_position_embeddings: int, 
             raise ModelConfigError(f"longrope short_factor has {len(short)} entries; the rotary dimension "
                                    f"{rotary_dim} needs {rotary_dim // 2}")
         factor = params.get("factor")
-        factor = float(factor) if factor is not None else max_position_embeddings / omax
+        factor = _rope_positive("factor", factor) if factor is not None else max_position_embeddings / omax
         att = params.get("attention_factor")
         if att is None:
             import math
