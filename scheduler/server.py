@@ -680,7 +680,7 @@ def _grace_seconds(text: str) -> float:
 
 
 def add_adapter_rescan_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--adapter-rescan", type=float, default=5.0, metavar="SECONDS",
+    p.add_argument("--adapter-rescan", type=cli_args.non_negative_float, default=5.0, metavar="SECONDS",
                    help="with --adapters: look at the directory again every SECONDS, so adapters added, changed or "
                         "removed there are served, read again or dropped without a restart (0: never; default: 5)")
 

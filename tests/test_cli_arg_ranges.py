@@ -47,6 +47,9 @@ def test_ranges(fn, value, ok):
     (["serve", "--max-completion-tokens", "0"], "--max-completion-tokens"),
     (["scheduler", "--model", "m", "--runner-queue", "-1"], "--runner-queue"),
     (["serve", "--prefix-affinity-tokens", "-1"], "--prefix-affinity-tokens"),
+    # was read as "never" (0 is the documented never), and nan as a rescan that never came
+    (["serve", "--adapter-rescan", "-1"], "--adapter-rescan"),
+    (["serve", "--adapter-rescan", "nan"], "--adapter-rescan"),
 ])
 def test_commands_refuse_them_in_one_line(argv, flag, capsys):
     from lorafleet import cli
